@@ -1,0 +1,78 @@
+# vitscale — every target wraps one `python -m <package>.<verb>` entry point.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.vitscale-installed
+
+CLUSTER ?= local
+RECIPE ?= local_demo
+SET ?=
+DRY_RUN ?=
+EXPERIMENT ?=
+RUNS ?=
+PYTEST_ARGS ?=
+
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: help setup test test-fast lint launch status logs stop ui compare shards bench bench-train bench-data clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+setup: $(STAMP)  ## create .venv: torch first (CPU wheel), then DeepSpeed from source, then vitscale[dev]
+
+# Re-runs only when pyproject.toml changes; each step also skips itself when its package is already present.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
+		|| $(PY) -m pip install "torch==$(TORCH_VERSION)"
+	@$(PY) -c "import deepspeed" 2>/dev/null \
+		|| DS_BUILD_OPS=0 $(PY) -m pip install "deepspeed>=0.16,<0.20" --no-build-isolation
+	$(PY) -m pip install -e ".[dev]"
+	@touch $@
+
+# pytest exits 5 when it collected no tests: that is a failure, said in words.
+test: setup  ## run the whole pytest suite (CPU; real DeepSpeed, Ray, MLflow)
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+		if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-fast: setup  ## the suite without the slow end-to-end tests
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup  ## ruff
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+launch: setup  ## plan and run RECIPE on CLUSTER (default: the embedded local demo); DRY_RUN=1 prints the plan only
+	$(PY) -m cluster.launch --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
+
+status: setup  ## Ray jobs of the local/profile cluster
+	$(PY) -m cluster.jobs status --cluster $(CLUSTER)
+
+logs: setup  ## logs of the newest job
+	$(PY) -m cluster.jobs logs --cluster $(CLUSTER)
+
+stop: setup  ## stop the newest job, and the local Ray head if this project started it
+	$(PY) -m cluster.jobs stop --cluster $(CLUSTER)
+
+ui: setup  ## MLflow UI on 127.0.0.1 over the embedded store
+	$(PY) -m evals.ui
+
+compare: setup  ## side-by-side report of MLflow runs: reports/<name>/index.html
+	$(PY) -m evals.compare $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(RUNS),--runs $(RUNS))
+
+shards: setup  ## write the built-in datasets as shards under data/
+	$(PY) -m data_pipeline.builtin all --out data
+
+bench: bench-data bench-train  ## all benchmarks, results in bench-results/
+
+bench-data: setup  ## decode+augment images/s vs bare PIL, shard read MB/s
+	$(PY) -m bench.data
+
+bench-train: setup  ## ViT-S/16 training step vs Hugging Face transformers, and vs this machine's GEMM FLOP/s
+	$(PY) -m bench.train
+
+clean:  ## remove generated data, runs and reports (keeps .venv)
+	rm -rf data runs reports bench-results mlflow.db
