@@ -1,0 +1,406 @@
+"""Inspecting a Vision Transformer (paper §4.5, Fig. 6, 7, 10, 11; definitions in REFERENCE.md §4).
+
+Four analyses, each a pure function on arrays (tested against hand-computed values) plus a figure:
+
+- mean attention distance per layer and head — how far, in pixels, each head integrates information
+  (Fig. 7 right / Fig. 11: one dot per head against network depth);
+- position-embedding similarity — cosine similarity of every patch's position embedding with all others,
+  drawn as a grid of grids (Fig. 7 centre / Fig. 10);
+- principal components of the patch-embedding filters, drawn as RGB tiles (Fig. 7 left);
+- attention rollout (Abnar & Zuidema 2020) — what the class token attends to through all layers (Fig. 6).
+
+Conventions, applied everywhere in this module:
+
+- Attention tensors are softmax weights `(B, heads, T, T)` with the class token at index 0 and the patch grid
+  flattened row-major after it (`VisionTransformer.forward_attention`). ``num_prefix_tokens`` says how many
+  leading tokens are not patches.
+- Attention distance excludes the class token: its query row is dropped, its key column is dropped, and each
+  patch query's remaining weights are renormalised to sum to 1. The class token has no position in the image,
+  so any distance given to it would be invented; renormalising keeps a head that also looks at the class token
+  comparable with one that does not.
+- Distances are between patch centres, in input pixels: grid distance × pixel size of one grid cell
+  (`image_size / grid`, which equals the patch size for plain ViTs and the stem stride for hybrids).
+- Rollout keeps every token (class token included), since the class token is what it reads out.
+
+The suite entry (``run_inspection``) writes the PNGs into a folder and returns scalar metrics; ``evals.run``
+logs both to MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import torch
+
+# Figures are built with the object API (Figure + Agg canvas), never pyplot: no global backend state, no display
+# needed in Ray workers, and nothing leaks between figures.
+from matplotlib.figure import Figure
+
+__all__ = [
+    "InspectConfig",
+    "attention_rollout",
+    "embedding_filter_components",
+    "mean_attention_distance",
+    "patch_distances",
+    "plot_attention_distance",
+    "plot_embedding_filters",
+    "plot_position_similarity",
+    "plot_rollout",
+    "position_similarity",
+    "rollout_maps",
+    "run_inspection",
+]
+
+
+# --------------------------------------------------------------------------------------------- pure functions
+
+
+def patch_distances(grid: tuple[int, int], cell_pixels: float) -> np.ndarray:
+    """Euclidean distance in pixels between the centres of every pair of grid cells → ``(N, N)``, N = gh·gw.
+
+    Cells are flattened row-major, as the patch sequence is.
+    """
+    gh, gw = grid
+    if gh < 1 or gw < 1 or cell_pixels <= 0:
+        raise ValueError(f"grid must be positive and cell_pixels > 0, got grid={grid}, cell_pixels={cell_pixels}")
+    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    centres = np.stack([rows.ravel(), cols.ravel()], axis=1).astype(np.float64)  # (N, 2)
+    diff = centres[:, None, :] - centres[None, :, :]  # (N, N, 2)
+    return np.sqrt((diff**2).sum(-1)) * float(cell_pixels)
+
+
+def _as_numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def mean_attention_distance(
+    attentions: Sequence, grid: tuple[int, int], cell_pixels: float, num_prefix_tokens: int = 1
+) -> np.ndarray:
+    """Mean attention distance in pixels, ``(layers, heads)``.
+
+    For each layer and head: Σ_j Ã_ij · d_ij over patch keys j, averaged over patch queries i and images, where
+    Ã is the attention restricted to patch tokens and renormalised per row (see the module docstring) and d the
+    centre distance of ``patch_distances``. ``attentions`` holds one ``(B, heads, T, T)`` array per layer with
+    T = num_prefix_tokens + gh·gw.
+    """
+    n = grid[0] * grid[1]
+    dist = patch_distances(grid, cell_pixels)  # (N, N)
+    out = []
+    for layer, attn in enumerate(attentions):
+        a = _as_numpy(attn).astype(np.float64)
+        if a.ndim != 4 or a.shape[-1] != a.shape[-2] or a.shape[-1] != n + num_prefix_tokens:
+            raise ValueError(
+                f"layer {layer}: attention must be (B, heads, T, T) with T = {num_prefix_tokens} + {grid[0]}x"
+                f"{grid[1]} = {n + num_prefix_tokens}, got {a.shape}; pass the grid the model was run at"
+            )
+        patch = a[:, :, num_prefix_tokens:, num_prefix_tokens:]  # (B, H, N, N)
+        mass = patch.sum(-1, keepdims=True)
+        # A query that put all its weight on the class token has no spatial extent; count it as distance 0.
+        patch = np.divide(patch, mass, out=np.zeros_like(patch), where=mass > 0)
+        per_query = (patch * dist).sum(-1)  # (B, H, N)
+        out.append(per_query.mean(axis=(0, 2)))
+    return np.stack(out)  # (L, H)
+
+
+def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema 2020) → ``(B, T, T)``; row t is how token t's output mixes the inputs.
+
+    Per layer: mean over heads, add the identity for the residual connection, renormalise rows; the joint
+    attention is the product from the first layer up: R = Ā_L · … · Ā_1. Rows of R sum to 1.
+    """
+    if len(attentions) == 0:
+        raise ValueError("attention_rollout needs at least one layer of attention weights")
+    rollout = None
+    for attn in attentions:
+        a = torch.as_tensor(attn).detach().to(torch.float64).mean(dim=1)  # (B, T, T)
+        if residual:
+            a = a + torch.eye(a.shape[-1], dtype=a.dtype)
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a if rollout is None else a @ rollout
+    return rollout
+
+
+def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
+    """Class-token rollout over the patch grid → ``(B, gh, gw)``, each map scaled to sum to 1 over patches."""
+    r = attention_rollout(attentions)[:, 0, num_prefix_tokens:]  # (B, N)
+    if r.shape[-1] != grid[0] * grid[1]:
+        raise ValueError(f"rollout has {r.shape[-1]} patch tokens, grid {grid} needs {grid[0] * grid[1]}")
+    r = r / r.sum(-1, keepdim=True).clamp_min(1e-12)
+    return r.reshape(-1, *grid).numpy()
+
+
+def position_similarity(pos_embed, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
+    """Cosine similarity between the position embeddings of every pair of patches → ``(gh, gw, gh, gw)``.
+
+    ``pos_embed`` is ``(1, P+N, D)`` or ``(P+N, D)``; the P prefix (class) slots are dropped. Entry [r, c] is the
+    similarity map of patch (r, c) with every patch, so ``sim[r, c, r, c] == 1``.
+    """
+    p = _as_numpy(pos_embed).astype(np.float64)
+    p = p.reshape(-1, p.shape[-1])[num_prefix_tokens:]  # (N, D)
+    if p.shape[0] != grid[0] * grid[1]:
+        raise ValueError(f"position embedding has {p.shape[0]} patch slots, grid {grid} needs {grid[0] * grid[1]}")
+    unit = p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-12)
+    return (unit @ unit.T).reshape(grid[0], grid[1], grid[0], grid[1])
+
+
+def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.ndarray, np.ndarray]:
+    """Top principal components of the patch-embedding filters.
+
+    ``kernel`` is the conv weight ``(D, C, p, p)``: D filters, each a point in C·p·p pixel space. Returns
+    ``(components (k, C, p, p), explained_variance_ratio (k,))`` with k = min(num_components, D, C·p·p), components
+    ordered by variance, each of unit norm (the sign of a component is arbitrary, as in any PCA).
+    """
+    w = _as_numpy(kernel).astype(np.float64)
+    if w.ndim != 4:
+        raise ValueError(f"patch-embedding kernel must be (D, C, p, p), got shape {w.shape}")
+    d, c, ph, pw = w.shape
+    x = w.reshape(d, -1)
+    x = x - x.mean(axis=0, keepdims=True)
+    _, s, vt = np.linalg.svd(x, full_matrices=False)
+    k = min(num_components, vt.shape[0])
+    var = s**2
+    ratio = var[:k] / max(var.sum(), 1e-30)
+    return vt[:k].reshape(k, c, ph, pw), ratio
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+
+def plot_attention_distance(distances: np.ndarray, image_size: int, path: Path, title: str = "") -> Path:
+    """Fig. 7 right / Fig. 11: mean attention distance per head (dots) against network depth (layer)."""
+    layers, heads = distances.shape
+    fig = Figure(figsize=(4.8, 4.0), dpi=120)
+    ax = fig.subplots()
+    colors = matplotlib.colormaps.get_cmap("tab20" if heads > 10 else "tab10")
+    for h in range(heads):
+        ax.scatter(np.arange(1, layers + 1), distances[:, h], s=14, color=colors(h % colors.N), label=f"Head {h + 1}")
+    ax.set_xlabel("Network depth (layer)")
+    ax.set_ylabel("Mean attention distance (pixels)")
+    ax.set_xlim(0, layers + 1)
+    # Random attention over the whole image sits near half the side; the axis goes a bit beyond it.
+    ax.set_ylim(0, max(image_size * 0.6, float(distances.max()) * 1.1))
+    ax.set_xticks(np.arange(0, layers + 1, max(1, layers // 6 or 1)))
+    if heads <= 16:
+        ax.legend(fontsize=6, markerscale=0.8, ncol=2 if heads > 8 else 1, loc="lower right", frameon=False)
+    ax.set_title(title or f"Mean attention distance ({image_size}px input)", fontsize=10)
+    ax.grid(alpha=0.25)
+    return _save(fig, path)
+
+
+def plot_position_similarity(similarity: np.ndarray, path: Path, title: str = "") -> Path:
+    """Fig. 7 centre / Fig. 10: tile (r, c) shows the cosine similarity of patch (r, c)'s position embedding with
+    every patch. Drawn as one mosaic image with thin gaps (one imshow is fast even for a 24x24 grid)."""
+    gh, gw = similarity.shape[:2]
+    gap = 1
+    mosaic = np.full((gh * (gh + gap) - gap, gw * (gw + gap) - gap), np.nan)
+    for r in range(gh):
+        for c in range(gw):
+            y, x = r * (gh + gap), c * (gw + gap)
+            mosaic[y : y + gh, x : x + gw] = similarity[r, c]
+    side = min(7.0, 2.0 + 0.35 * max(gh, gw))
+    fig = Figure(figsize=(side + 1.0, side), dpi=120)
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # the gaps between tiles are NaN
+    im = ax.imshow(mosaic, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
+    ticks_x = np.arange(gw) * (gw + gap) + (gw - 1) / 2
+    ticks_y = np.arange(gh) * (gh + gap) + (gh - 1) / 2
+    ax.set_xticks(ticks_x, [str(i + 1) for i in range(gw)], fontsize=7)
+    ax.set_yticks(ticks_y, [str(i + 1) for i in range(gh)], fontsize=7)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_xlabel("Input patch column")
+    ax.set_ylabel("Input patch row")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="Cosine similarity")
+    ax.set_title(title or "Position embedding similarity", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") -> Path:
+    """Fig. 7 left: principal components of the RGB patch-embedding filters, each tile min-max scaled."""
+    k = components.shape[0]
+    cols = min(7, k)
+    rows = math.ceil(k / cols)
+    fig = Figure(figsize=(1.0 * cols, 1.0 * rows + 0.4), dpi=120)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for i, ax in enumerate(axes.ravel()):
+        ax.axis("off")
+        if i >= k:
+            continue
+        tile = components[i]
+        tile = np.moveaxis(tile, 0, -1) if tile.shape[0] in (1, 3) else tile.mean(0, keepdims=True).transpose(1, 2, 0)
+        lo, hi = tile.min(), tile.max()
+        tile = (tile - lo) / (hi - lo) if hi > lo else np.zeros_like(tile)
+        ax.imshow(tile.squeeze(-1) if tile.shape[-1] == 1 else tile, cmap="gray", interpolation="nearest")
+    fig.suptitle(title or f"RGB embedding filters (first {k} principal components)", fontsize=9)
+    fig.tight_layout(pad=0.3)
+    return _save(fig, path)
+
+
+def plot_rollout(images: np.ndarray, maps: np.ndarray, path: Path, title: str = "") -> Path:
+    """Fig. 6: input, rollout heat-map over it, and the input weighted by the map, one row per sample.
+
+    ``images`` are ``(B, 3, H, W)`` in [-1, 1]; ``maps`` are ``(B, gh, gw)`` class-token rollouts.
+    """
+    b = images.shape[0]
+    fig = Figure(figsize=(6.0, 2.0 * b + 0.3), dpi=120)
+    axes = fig.subplots(b, 3, squeeze=False)
+    for i in range(b):
+        img = np.clip((np.moveaxis(images[i], 0, -1) + 1.0) / 2.0, 0.0, 1.0)  # (H, W, 3) in [0, 1]
+        mask = _upsample(maps[i], img.shape[:2])
+        mask = mask / max(mask.max(), 1e-12)
+        axes[i, 0].imshow(img, interpolation="nearest")
+        axes[i, 1].imshow(img, interpolation="nearest")
+        axes[i, 1].imshow(mask, cmap="jet", alpha=0.5, interpolation="bilinear")
+        axes[i, 2].imshow(img * mask[..., None], interpolation="nearest")
+        for ax in axes[i]:
+            ax.axis("off")
+    for ax, label in zip(axes[0], ("Input", "Rollout", "Attention")):
+        ax.set_title(label, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(pad=0.3)
+    return _save(fig, path)
+
+
+def _upsample(grid_map: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    t = torch.as_tensor(grid_map, dtype=torch.float32)[None, None]
+    return torch.nn.functional.interpolate(t, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    return path
+
+
+# ----------------------------------------------------------------------------------------- model → figures
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    """One ``type: inspect`` entry of an eval suite.
+
+    dataset / split: the built-in (or any) shard folder ``<data_root>/<dataset>/<split>`` whose first
+        ``num_images`` images (in the stream's fixed order) are the fixed image set; the paper used 128.
+    num_rollout_images: how many of them get a rollout row in the Fig. 6 panel.
+    num_components: principal components of the patch-embedding filters to draw (fewer if the model is tiny).
+    batch_size: images per forward pass when collecting attention.
+    """
+
+    dataset: str = "digits"
+    split: str = "test"
+    num_images: int = 32
+    num_rollout_images: int = 4
+    num_components: int = 28
+    batch_size: int = 16
+
+    def __post_init__(self):
+        for name in ("num_images", "num_rollout_images", "num_components", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"inspect.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.num_rollout_images > self.num_images:
+            raise ValueError(
+                f"inspect.num_rollout_images ({self.num_rollout_images}) must be ≤ num_images ({self.num_images})"
+            )
+
+
+def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
+    """Patch grid (gh, gw) for ``num_patches`` tokens on an H×W input (cells are square)."""
+    gh = round(math.sqrt(num_patches * height / width))
+    if gh < 1 or num_patches % gh:
+        raise ValueError(f"{num_patches} patch tokens do not tile a {height}x{width} image with square cells")
+    return gh, num_patches // gh
+
+
+@torch.no_grad()
+def run_inspection(model, images: torch.Tensor, out_dir: Path, config: InspectConfig = InspectConfig()) -> tuple:
+    """Compute every analysis for ``model`` on ``images`` (B, 3, H, W) in [-1, 1] and write the PNGs.
+
+    Returns ``(metrics, figures)``: metrics are floats keyed ``inspect/...`` (per-layer mean attention distance
+    averaged over heads, its min/max head, the mean cosine similarity of neighbouring position embeddings and the
+    variance the drawn filter components explain); figures the list of PNG paths written into ``out_dir``. The
+    model is put in eval mode for the duration and restored afterwards.
+    """
+    out_dir = Path(out_dir)
+    was_training = model.training
+    model.eval()
+    try:
+        layers: list[list[torch.Tensor]] = []
+        for start in range(0, images.shape[0], config.batch_size):
+            batch = images[start : start + config.batch_size]
+            attn = model.forward_attention(batch)  # list over layers of (b, heads, T, T)
+            layers.append([a.float().cpu() for a in attn])
+        attentions = [torch.cat([chunk[i] for chunk in layers]) for i in range(len(layers[0]))]
+    finally:
+        model.train(was_training)
+
+    height, width = images.shape[-2:]
+    num_prefix = 1  # the class token; forward_attention always includes it
+    grid = _grid_of(attentions[0].shape[-1] - num_prefix, height, width)
+    cell = height / grid[0]
+    name = getattr(model.config, "name", None) or type(model).__name__
+    metrics: dict[str, float] = {}
+    figures: list[Path] = []
+
+    distances = mean_attention_distance(attentions, grid, cell, num_prefix)  # (L, H)
+    for i, row in enumerate(distances):
+        metrics[f"inspect/mean_attention_distance/layer_{i + 1}"] = float(row.mean())
+    metrics["inspect/mean_attention_distance/min_head"] = float(distances.min())
+    metrics["inspect/mean_attention_distance/max_head"] = float(distances.max())
+    figures.append(
+        plot_attention_distance(
+            distances, height, out_dir / "attention_distance.png", f"{name}: mean attention distance"
+        )
+    )
+    np.save(out_dir / "attention_distance.npy", distances)
+
+    pos = position_embedding_of(model)
+    pos_grid = _grid_of(pos.reshape(-1, pos.shape[-1]).shape[0] - num_prefix, height, width)
+    sim = position_similarity(pos, pos_grid, num_prefix)
+    metrics["inspect/pos_embed_similarity/neighbour"] = _neighbour_similarity(sim)
+    figures.append(
+        plot_position_similarity(sim, out_dir / "position_embedding_similarity.png", f"{name}: position embedding")
+    )
+
+    kernel = patch_kernel_of(model)
+    if kernel is not None:
+        components, ratio = embedding_filter_components(kernel, config.num_components)
+        metrics["inspect/embedding_filters/explained_variance"] = float(ratio.sum())
+        figures.append(plot_embedding_filters(components, out_dir / "embedding_filters.png"))
+
+    n = min(config.num_rollout_images, images.shape[0])
+    maps = rollout_maps([a[:n] for a in attentions], grid, num_prefix)
+    figures.append(
+        plot_rollout(images[:n].float().cpu().numpy(), maps, out_dir / "attention_rollout.png", f"{name}: rollout")
+    )
+    return metrics, figures
+
+
+def _neighbour_similarity(sim: np.ndarray) -> float:
+    """Mean cosine similarity of horizontally and vertically adjacent patches (learned 2-D structure → high)."""
+    gh, gw = sim.shape[:2]
+    values = [sim[r, c, r, c + 1] for r in range(gh) for c in range(gw - 1)]
+    values += [sim[r, c, r + 1, c] for r in range(gh - 1) for c in range(gw)]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def position_embedding_of(model) -> torch.Tensor:
+    """The learned position embedding ``(1, 1+N, D)`` of a ``VisionTransformer``."""
+    return model.pos_embed.detach().float().cpu()
+
+
+def patch_kernel_of(model) -> torch.Tensor | None:
+    """The RGB patch-embedding conv kernel ``(D, 3, p, p)``; None for hybrids, whose 1x1 "patches" see ResNet
+    features rather than pixels, so their filters have no picture to show."""
+    if getattr(model.config, "hybrid_stages", None):
+        return None
+    return model.patch_embed.weight.detach().float().cpu()
