@@ -1,0 +1,328 @@
+"""Few-shot linear regression on frozen features (ViT paper §4.1; big_vision `evaluators/fewshot_lsr.py`).
+
+The closed form, step by step (REFERENCE.md §4):
+
+1. standardise the few-shot subset by its own mean and population std, the std plus 1e-5;
+2. append a constant feature 100 *after* standardising, so the bias weight is almost unregularised;
+3. targets are ``2 * onehot(y, K) - 1`` in {-1, 1}^K;
+4. ridge regression with ``l2_reg`` (default 1024) solved through the eigendecomposition of ``XᵀX`` (N ≥ D) or
+   ``XXᵀ`` (D > N), whichever is smaller, so one decomposition serves every l2 of a sweep;
+5. predict the argmax over the K outputs on the test features, standardised with the subset's statistics.
+
+The functions here are pure numpy; the evaluator that extracts features and sweeps shots/seeds is at the bottom
+and imports torch only when it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BIAS_CONSTANT = 100.0  # big_vision's constant feature: large, so its weight is barely shrunk by the l2 penalty
+STD_EPS = 1e-5  # added to the std (not the variance), as big_vision does
+L2_SWEEP = tuple(2.0**e for e in range(-10, 20))  # 2^-10 .. 2^19, the paper's sweep variant
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks: every caller goes through these so the error names the argument and the fix.
+
+
+def _as_features(x, name: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array (num_examples, feature_dim); got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+        raise ValueError(f"{name} must hold real numbers; got dtype {x.dtype}")
+    x = x.astype(np.float64)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name} contains NaN or inf; check the model's features (a diverged checkpoint?)")
+    return x
+
+
+def _as_labels(y, name: str, num_examples: int) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of integer class ids; got shape {y.shape}")
+    if len(y) != num_examples:
+        raise ValueError(f"{name} has {len(y)} labels but its features have {num_examples} rows; they must match")
+    if y.size and not np.issubdtype(y.dtype, np.integer):
+        if not np.issubdtype(y.dtype, np.floating) or not np.all(np.equal(np.mod(y, 1), 0)):
+            raise ValueError(f"{name} must hold integer class ids; got dtype {y.dtype} with non-integer values")
+    y = y.astype(np.int64)
+    if y.size and y.min() < 0:
+        raise ValueError(f"{name} contains the negative label {int(y.min())}; class ids must be 0..K-1")
+    return y
+
+
+def resolve_num_classes(train_y: np.ndarray, test_y: np.ndarray, num_classes: int | None) -> int:
+    """The K of the one-hot targets: as given, else ``max label + 1`` over both splits.
+
+    A given K smaller than a label is a dataset error (labels exceeding the declared classes), never truncated.
+    """
+    largest = max(int(train_y.max(initial=-1)), int(test_y.max(initial=-1)))
+    if num_classes is None:
+        return largest + 1
+    if int(num_classes) < 1:
+        raise ValueError(f"num_classes must be >= 1; got {num_classes}")
+    if largest >= num_classes:
+        raise ValueError(
+            f"label {largest} exceeds the declared num_classes={num_classes} (valid ids are 0..{num_classes - 1}); "
+            "fix the dataset's labels or its declared class count"
+        )
+    return int(num_classes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The closed form.
+
+
+@dataclass(frozen=True)
+class RidgeSolver:
+    """One few-shot subset, decomposed once; ``predict``/``accuracy`` then cost one matmul per l2 value.
+
+    With X the standardised, bias-padded (N, D) design and Y the (N, K) ±1 targets, ridge weights are
+    ``W = lhs · diag(1 / (eigs + l2)) · rhs`` where, for N ≥ D, ``XᵀX = Q Λ Qᵀ``, lhs = Q, rhs = Qᵀ Xᵀ Y, and for
+    D > N, ``XXᵀ = Q Λ Qᵀ``, lhs = Xᵀ Q, rhs = Qᵀ Y (the push-through identity).
+    """
+
+    mean: np.ndarray  # (1, D-1) mean of the subset's raw features
+    std: np.ndarray  # (1, D-1) population std + STD_EPS
+    eigs: np.ndarray  # (M,)  M = min(N, D)
+    lhs: np.ndarray  # (D, M)
+    rhs: np.ndarray  # (M, K)
+
+    @classmethod
+    def fit(cls, x: np.ndarray, y: np.ndarray, num_classes: int) -> RidgeSolver:
+        mean = x.mean(axis=0, keepdims=True)
+        std = x.std(axis=0, keepdims=True) + STD_EPS
+        design = _pad_bias((x - mean) / std)  # (N, D)
+        targets = 2.0 * np.eye(num_classes, dtype=np.float64)[y] - 1.0  # (N, K)
+        num_points, dim = design.shape
+        if num_points >= dim:
+            eigs, q = np.linalg.eigh(design.T @ design)
+            lhs, rhs = q, q.T @ (design.T @ targets)
+        else:
+            eigs, q = np.linalg.eigh(design @ design.T)
+            lhs, rhs = design.T @ q, q.T @ targets
+        return cls(mean=mean, std=std, eigs=eigs, lhs=lhs, rhs=rhs)
+
+    def weights(self, l2_reg: float) -> np.ndarray:
+        """(D, K) ridge weights for one l2 strength."""
+        return (self.lhs / (self.eigs + l2_reg)[None, :]) @ self.rhs
+
+    def predict(self, test_x: np.ndarray, l2_reg: float) -> np.ndarray:
+        """(N_test,) predicted class ids."""
+        design = _pad_bias((test_x - self.mean) / self.std)  # (N_test, D)
+        return np.argmax(design @ self.weights(l2_reg), axis=1)
+
+    def accuracy(self, test_x: np.ndarray, test_y: np.ndarray, l2_reg: float) -> float:
+        return float(np.mean(self.predict(test_x, l2_reg) == test_y))
+
+
+def _pad_bias(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([x, np.full((x.shape[0], 1), BIAS_CONSTANT, dtype=x.dtype)], axis=1)
+
+
+def _check_l2(l2_reg: float) -> float:
+    l2 = float(l2_reg)
+    if not np.isfinite(l2) or l2 <= 0:
+        raise ValueError(f"l2_reg must be a positive finite number (the paper uses 1024); got {l2_reg}")
+    return l2
+
+
+def fit_ridge(train_x, train_y, *, test_y=None, num_classes: int | None = None) -> tuple[RidgeSolver, int]:
+    """Validate a few-shot subset and decompose it; returns the solver and the number of classes K."""
+    x = _as_features(train_x, "train_x")
+    y = _as_labels(train_y, "train_y", len(x))
+    if len(x) == 0:
+        raise ValueError("train_x is empty: few-shot regression needs at least one training example")
+    k = resolve_num_classes(y, np.zeros(0, np.int64) if test_y is None else test_y, num_classes)
+    return RidgeSolver.fit(x, y, k), k
+
+
+def fewshot_accuracy(train_x, train_y, test_x, test_y, l2_reg: float = 1024.0, *, num_classes: int | None = None):
+    """Top-1 accuracy (fraction in [0, 1]) of the paper's few-shot ridge regression.
+
+    ``train_x`` (N, D) and ``test_x`` (M, D) are frozen features; ``train_y``/``test_y`` integer class ids.
+    ``num_classes`` (K of the ±1 one-hot targets) defaults to ``max label + 1`` over both splits; when given, a
+    label ≥ K raises ``ValueError``. Classes absent from ``train_y`` get all −1 targets, as in big_vision.
+    """
+    l2 = _check_l2(l2_reg)
+    test_features = _as_features(test_x, "test_x")
+    labels = _as_labels(test_y, "test_y", len(test_features))
+    if len(test_features) == 0:
+        raise ValueError("test_x is empty: there is nothing to measure accuracy on")
+    solver, _ = fit_ridge(train_x, train_y, test_y=labels, num_classes=num_classes)
+    if test_features.shape[1] != solver.mean.shape[1]:
+        raise ValueError(
+            f"test_x has {test_features.shape[1]} features but train_x has {solver.mean.shape[1]}; "
+            "both must come from the same representation"
+        )
+    return solver.accuracy(test_features, labels, l2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling and the l2 choice.
+
+
+def sample_fewshot_indices(labels, shots: list[int] | tuple[int, ...], seed: int, num_classes: int):
+    """Class-balanced few-shot subsets, ``{shots: indices}``, nested across shot counts like big_vision.
+
+    One ``np.random.default_rng(seed)`` permutation of each class's indices; a k-shot subset takes the first k.
+    Raises ``ValueError`` for shots < 1 or a class with fewer than ``max(shots)`` examples.
+    """
+    labels = np.asarray(labels)
+    for k in shots:
+        if int(k) != k or k < 1:
+            raise ValueError(f"shots must be positive integers (e.g. 1, 5, 10, 25); got {k}")
+    if labels.size and int(labels.max()) >= num_classes:
+        raise ValueError(
+            f"label {int(labels.max())} exceeds the declared num_classes={num_classes}; fix the dataset's labels "
+            "or its declared class count"
+        )
+    rng = np.random.default_rng(seed)
+    per_class = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
+    most = max(shots)
+    short = [(c, len(idx)) for c, idx in enumerate(per_class) if len(idx) < most]
+    if short:
+        listed = ", ".join(f"class {c}: {n}" for c, n in short[:8])
+        raise ValueError(
+            f"{most}-shot needs {most} training examples per class but {len(short)} class(es) have fewer "
+            f"({listed}{', ...' if len(short) > 8 else ''}); lower the shots or use a larger train split"
+        )
+    return {int(k): np.concatenate([idx[:k] for idx in per_class]) for k in shots}
+
+
+def choose_l2_by_mean_rank(accuracy: dict[str, dict[float, float]]) -> tuple[float, dict[float, float]]:
+    """Pick one l2 for a shot count from ``{dataset: {l2: accuracy}}`` by mean rank across datasets.
+
+    Rank 1 is the best accuracy on a dataset (ties share the average rank); the lowest mean rank wins and a tie
+    between l2 values goes to the smaller one. Returns the chosen l2 and the mean rank of every l2.
+    """
+    from scipy.stats import rankdata
+
+    if not accuracy:
+        raise ValueError("choosing l2 by mean rank needs at least one dataset")
+    grids = {tuple(sorted(per_l2)) for per_l2 in accuracy.values()}
+    if len(grids) != 1:
+        raise ValueError("every dataset must be evaluated on the same l2 grid to rank l2 values across datasets")
+    grid = list(grids.pop())
+    ranks = np.stack([rankdata([-per_l2[l2] for l2 in grid]) for per_l2 in accuracy.values()])  # (datasets, L)
+    mean_rank = ranks.mean(axis=0)
+    best = grid[int(np.argmin(mean_rank))]  # argmin returns the first (smallest l2) among ties
+    return best, dict(zip(grid, mean_rank.tolist()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The suite evaluator: features of whole splits, shots x seeds, mean ± std per dataset and shot count.
+
+
+@dataclass(frozen=True)
+class FewshotOptions:
+    """Options of a ``type: fewshot`` suite entry (defaults follow the paper / big_vision)."""
+
+    datasets: tuple[str, ...] = ("digits",)  # folders under the data root, each with train/ and test/ splits
+    shots: tuple[int, ...] = (1, 5, 10, 25)  # images per class; 10-shot is the headline number
+    seeds: tuple[int, ...] = (0, 1, 2)  # one class-balanced subset per seed, reported as mean ± std
+    l2_reg: float = 1024.0
+    l2_sweep: bool = False  # sweep 2^-10..2^19, pick one l2 per shot count by mean rank across datasets
+    train_split: str = "train"
+    test_split: str = "test"
+    image_size: int | None = None  # None: the model's own resolution
+    resize_size: int | None = None  # square resize before the centre crop; None: no crop
+    batch_size: int = 256
+
+    def __post_init__(self):
+        if not self.datasets:
+            raise ValueError("fewshot: 'datasets' is empty; name at least one dataset folder (e.g. [digits])")
+        if not self.shots or any(int(k) != k or k < 1 for k in self.shots):
+            raise ValueError(f"fewshot: shots must be a non-empty list of positive integers; got {list(self.shots)}")
+        if not self.seeds:
+            raise ValueError("fewshot: 'seeds' is empty; use e.g. [0, 1, 2]")
+        if not self.l2_sweep:
+            _check_l2(self.l2_reg)
+
+
+def fewshot_table(features: dict, shots, seeds, l2_grid) -> dict:
+    """``{dataset: {shots: {l2: [accuracy per seed]}}}`` from ``{dataset: (train_x, train_y, test_x, test_y, K)}``."""
+    table = {}
+    for name, (train_x, train_y, test_x, test_y, k) in features.items():
+        train_x, test_x = train_x.astype(np.float64), test_x.astype(np.float64)
+        per_shot = {int(s): {float(l2): [] for l2 in l2_grid} for s in shots}
+        for seed in seeds:
+            for s, idx in sample_fewshot_indices(train_y, shots, seed, k).items():
+                solver = RidgeSolver.fit(train_x[idx], train_y[idx], k)
+                for l2 in l2_grid:
+                    per_shot[s][float(l2)].append(solver.accuracy(test_x, test_y, l2))
+        table[name] = per_shot
+    return table
+
+
+def evaluate(ctx, options: dict):
+    """Suite entry: few-shot accuracy (fraction) per dataset and shot, and the mean over datasets."""
+    from evals.features import extract_features, resolve_split
+    from evals.suites import EvalOutput, ResultRow, parse_options
+
+    opts = parse_options(FewshotOptions, options, "fewshot")
+    features = {}
+    for name in opts.datasets:
+        kw = dict(
+            image_size=opts.image_size,
+            resize_size=opts.resize_size,
+            batch_size=opts.batch_size,
+            device=ctx.device,
+            cache=ctx.feature_cache,
+        )
+        train_x, train_y, info = extract_features(ctx.model, resolve_split(ctx.data_root, name, opts.train_split), **kw)
+        test_x, test_y, test_info = extract_features(
+            ctx.model, resolve_split(ctx.data_root, name, opts.test_split), **kw
+        )
+        if test_info.num_classes != info.num_classes:
+            raise ValueError(
+                f"{name}: train declares {info.num_classes} classes but test declares "
+                f"{test_info.num_classes}; both splits must share one label space"
+            )
+        features[name] = (train_x, train_y, test_x, test_y, info.num_classes)
+        ctx.log(f"fewshot: {name} features train {train_x.shape} test {test_x.shape}, {info.num_classes} classes")
+
+    l2_grid = L2_SWEEP if opts.l2_sweep else (float(opts.l2_reg),)
+    table = fewshot_table(features, opts.shots, opts.seeds, l2_grid)
+    out = EvalOutput()
+    for shots in opts.shots:
+        l2 = float(opts.l2_reg)
+        if opts.l2_sweep:
+            seed_means = {name: {g: float(np.mean(v)) for g, v in table[name][shots].items()} for name in table}
+            l2, _ = choose_l2_by_mean_rank(seed_means)
+            out.metrics[f"fewshot/l2/{shots}shot"] = l2
+            out.rows.append(
+                ResultRow(
+                    "fewshot",
+                    "*",
+                    f"fewshot/l2/{shots}shot",
+                    l2,
+                    count=len(table),
+                    detail=f"l2 chosen by mean rank over {len(table)} dataset(s), on test accuracy",
+                )
+            )
+        means = []
+        for name in table:
+            accs = np.asarray(table[name][shots][l2])
+            mean, std = float(accs.mean()), float(accs.std(ddof=1)) if len(accs) > 1 else float("nan")
+            means.append(mean)
+            key = f"fewshot/{name}/{shots}shot"
+            out.metrics[key] = mean
+            out.rows.append(ResultRow("fewshot", name, key, mean, std, len(accs), detail=f"l2={l2:g}"))
+        key = f"fewshot/mean/{shots}shot"
+        out.metrics[key] = float(np.mean(means))
+        out.rows.append(
+            ResultRow(
+                "fewshot",
+                "mean",
+                key,
+                float(np.mean(means)),
+                count=len(means),
+                detail=f"mean over {len(means)} dataset(s): {', '.join(table)}",
+            )
+        )
+    return out
