@@ -1,0 +1,450 @@
+"""The Vision Transformer of Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021).
+
+Read top to bottom in paper order: attention → MLP → block → model. The model's `forward` is equations 1-4:
+
+    z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos          (1)  embed_patches + encode
+    z'_l = MSA(LN(z_{l-1})) + z_{l-1}                        (2)  Block.forward, line 1
+    z_l = MLP(LN(z'_l)) + z'_l                               (3)  Block.forward, line 2
+    y = LN(z_L^0)                                            (4)  encode (final LN) + pool
+
+It matches the official JAX implementation (google-research/vision_transformer, `models_vit.py`) so that its
+checkpoints reproduce their logits (see `pretrain.weights.load_npz`): pre-LN blocks with LayerNorm eps 1e-6,
+biases on q/k/v/out, GELU with the tanh approximation (Flax's default), a learned class token and learned 1-D
+position embeddings that include the class slot, optional pre-logits Dense+tanh, and a zero-initialized head.
+Images are float (B, 3, H, W) scaled to [-1, 1].
+
+No training code lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.resnet import ResNetStem, stem_stride
+
+LN_EPS = 1e-6  # Flax nn.LayerNorm default; torch's 1e-5 changes the logits of official checkpoints
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Everything that defines the architecture; `model.json` next to saved weights is this dataclass."""
+
+    image_size: int = 224  # square input side the position embeddings are made for
+    patch_size: int = 16  # 1 for the hybrid (the ResNet stem already downsamples by 16 or 32)
+    width: int = 768  # D, "hidden size"
+    depth: int = 12  # number of encoder blocks
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    num_classes: int = 1000  # 0 → no head (forward returns the pre-logits features)
+    pool: str = "token"  # "token" (class token) | "gap" (mean over all tokens after the final LN)
+    representation_size: int | None = None  # pre-logits Dense+tanh (i21k pre-training); None → identity
+    head_bias_init: float = 0.0  # −10 for sigmoid i21k pre-training
+    dropout: float = 0.0  # after the position embedding, the attention output and both MLP layers
+    attention_dropout: float = 0.0  # on the attention weights
+    gelu_approximate: str = "tanh"  # "tanh" (JAX checkpoints) | "none" (exact erf, as timm / Hugging Face)
+    hybrid_stages: tuple[int, ...] | None = None  # BiT ResNet stages for R50/R26 hybrids
+    hybrid_width: int = 1  # ResNet width factor
+    grad_checkpointing: bool = False  # recompute each block in backward (activation checkpointing)
+    in_chans: int = 3
+
+    def __post_init__(self) -> None:
+        if self.hybrid_stages is not None and not isinstance(self.hybrid_stages, tuple):
+            # YAML/JSON give lists; keep the dataclass hashable and comparable.
+            object.__setattr__(self, "hybrid_stages", tuple(int(s) for s in self.hybrid_stages))
+        for name in ("image_size", "patch_size", "width", "depth", "num_heads", "mlp_dim", "hybrid_width", "in_chans"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise ValueError(f"ViTConfig.num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
+        if self.width % self.num_heads:
+            raise ValueError(
+                f"ViTConfig.width={self.width} is not divisible by num_heads={self.num_heads}; "
+                "choose a width that is a multiple of the number of heads"
+            )
+        if self.pool not in ("token", "gap"):
+            raise ValueError(f"ViTConfig.pool must be 'token' or 'gap', got {self.pool!r}")
+        if self.gelu_approximate not in ("tanh", "none"):
+            raise ValueError(f"ViTConfig.gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
+        if self.representation_size is not None and self.representation_size < 1:
+            raise ValueError(f"ViTConfig.representation_size must be None or >= 1, got {self.representation_size}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.hybrid_stages is not None and (not self.hybrid_stages or min(self.hybrid_stages) < 1):
+            raise ValueError(
+                f"ViTConfig.hybrid_stages must be a non-empty tuple of positive ints, got {self.hybrid_stages}"
+            )
+        if self.image_size % self.stride:
+            suggestion = max(1, round(self.image_size / self.stride)) * self.stride
+            raise ValueError(
+                f"ViTConfig.image_size={self.image_size} is not a multiple of the patch stride {self.stride} "
+                f"({self._stride_description()}); use e.g. image_size={suggestion}"
+            )
+
+    @property
+    def stride(self) -> int:
+        """Input pixels per token side: patch size times the hybrid stem's downsampling."""
+        return self.patch_size * (stem_stride(self.hybrid_stages) if self.hybrid_stages else 1)
+
+    @property
+    def grid_size(self) -> int:
+        return self.image_size // self.stride
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_size**2
+
+    @property
+    def num_features(self) -> int:
+        """Width of `forward_features`: the pre-logits size if there is one, else D."""
+        return self.representation_size or self.width
+
+    def _stride_description(self) -> str:
+        if self.hybrid_stages:
+            return f"ResNet stem stride {stem_stride(self.hybrid_stages)} x patch {self.patch_size}"
+        return f"patch size {self.patch_size}"
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d["hybrid_stages"] is not None:
+            d["hybrid_stages"] = list(d["hybrid_stages"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ViTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ViTConfig fields {unknown}; valid fields are {sorted(known)}")
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------------------------- the encoder
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention (MSA, paper App. A) with the output dropout of eq. 2 folded in.
+
+    q, k and v share one (D, 3D) projection — the official checkpoints' separate kernels are concatenated at load
+    time — and attention runs through SDPA (flash / memory-efficient kernels where available).
+    """
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.width // config.num_heads
+        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.proj = nn.Linear(config.width, config.width)
+        self.attention_dropout = config.attention_dropout
+        self.dropout = nn.Dropout(config.dropout)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, N, D = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)  # (B, N, 3, h, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, N, hd)
+        return q, k, v
+
+    def _merge(self, y: torch.Tensor) -> torch.Tensor:
+        B, h, N, hd = y.shape
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(B, N, h * hd)))  # (B, N, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) → (B, N, D)
+        q, k, v = self._heads(x)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # softmax(q kᵀ / sqrt(hd)) v
+        return self._merge(y)
+
+    def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same as `forward` (eval mode), also returning the softmax weights (B, h, N, N) for inspection."""
+        q, k, v = self._heads(x)
+        weights = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim), dim=-1)  # (B, h, N, N)
+        return self._merge(weights @ v), weights
+
+
+class MLP(nn.Module):
+    """Dense(D → mlp) · GELU · Dropout · Dense(mlp → D) · Dropout (paper eq. 3, VT `MlpBlock`)."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.width, config.mlp_dim)
+        self.act = nn.GELU(approximate=config.gelu_approximate)
+        self.fc2 = nn.Linear(config.mlp_dim, config.width)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) → (B, N, D)
+        return self.dropout(self.fc2(self.dropout(self.act(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """Pre-LN Transformer encoder block."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.width, eps=LN_EPS)
+        self.attn = Attention(config)
+        self.norm2 = nn.LayerNorm(config.width, eps=LN_EPS)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D)
+        x = x + self.attn(self.norm1(x))  # eq. 2
+        x = x + self.mlp(self.norm2(x))  # eq. 3
+        return x
+
+    def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, weights = self.attn.forward_with_weights(self.norm1(x))
+        x = x + y
+        x = x + self.mlp(self.norm2(x))
+        return x, weights
+
+
+class PatchEmbed(nn.Module):
+    """x_p E of eq. 1: a conv with kernel = stride = patch size, on the pixels or on the hybrid's ResNet features."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.backbone = None
+        in_channels = config.in_chans
+        if config.hybrid_stages:
+            self.backbone = ResNetStem(config.hybrid_stages, config.hybrid_width, config.in_chans)
+            in_channels = self.backbone.out_channels
+        self.proj = nn.Conv2d(in_channels, config.width, config.patch_size, stride=config.patch_size)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) → (B, N, D), N row-major
+        x = images if self.backbone is None else self.backbone(images)
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+class VisionTransformer(nn.Module):
+    """ViT (and R+ViT hybrid) with the timm-like API: `forward_features`, `reset_classifier`, `no_weight_decay`,
+    `set_grad_checkpointing`; plus `embed_patches` / `encode` for masked patch prediction and `forward_attention`
+    for inspection. The input side must equal `config.image_size` (resize position embeddings at load time with
+    `pretrain.weights.load_pretrained(..., image_size=N)` to run at another resolution).
+    """
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.config = config
+        D = config.width
+        self.patch_embed = PatchEmbed(config)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if config.pool == "token" else None
+        num_prefix = 1 if config.pool == "token" else 0
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_prefix + config.num_patches, D))
+        self.pos_drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(D, eps=LN_EPS)
+        self.grad_checkpointing = config.grad_checkpointing
+        self._build_head(config.num_classes, config.representation_size, config.head_bias_init)
+        self._init_weights()
+
+    # -------------------------------------------------------------- construction
+
+    def _build_head(self, num_classes: int, representation_size: int | None, head_bias_init: float) -> None:
+        D = self.config.width
+        if representation_size:
+            self.pre_logits = nn.Sequential(nn.Linear(D, representation_size), nn.Tanh())
+            _lecun_normal_(self.pre_logits[0].weight)
+            nn.init.zeros_(self.pre_logits[0].bias)
+        else:
+            self.pre_logits = nn.Identity()
+        num_features = representation_size or D
+        self.head = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            # Zero kernel: fine-tuning starts from the pre-trained features' predictions, not from noise.
+            nn.init.zeros_(self.head.weight)
+            nn.init.constant_(self.head.bias, head_bias_init)
+
+    def _init_weights(self) -> None:
+        """The official initialization (REFERENCE §1): xavier-uniform kernels, q/k/v each on its own (D, D) fan."""
+        nn.init.normal_(self.pos_embed, std=0.02)
+        _lecun_normal_(self.patch_embed.proj.weight)
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        for block in self.blocks:
+            for w in block.attn.qkv.weight.chunk(3, dim=0):
+                nn.init.xavier_uniform_(w)
+            nn.init.zeros_(block.attn.qkv.bias)
+            nn.init.xavier_uniform_(block.attn.proj.weight)
+            nn.init.zeros_(block.attn.proj.bias)
+            for fc in (block.mlp.fc1, block.mlp.fc2):
+                nn.init.xavier_uniform_(fc.weight)
+                nn.init.normal_(fc.bias, std=1e-6)
+        if self.patch_embed.backbone is not None:
+            for m in self.patch_embed.backbone.modules():
+                if isinstance(m, nn.Conv2d):
+                    _lecun_normal_(m.weight)
+
+    # -------------------------------------------------------------- eq. 1-4
+
+    def embed_patches(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch projection only (eq. 1 without class token and position embedding). (B, C, H, W) → (B, N, D)."""
+        self._check_images(images)
+        return self.patch_embed(images)
+
+    def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:
+        """Prepend the class token, add position embeddings, run the blocks and the final LN.
+
+        (B, N, D) → (B, N+1, D) for `pool="token"` ((B, N, D) for "gap", which has no class token).
+        """
+        x = self._embed_tokens(patch_tokens)
+        for block in self.blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.norm(x)  # eq. 4 LN, applied to every token
+
+    def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """Final-LN output for all tokens, class token first. (B, C, H, W) → (B, N+1, D)."""
+        return self.encode(self.embed_patches(images))
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, N+1, D) → (B, D)
+        return tokens[:, 0] if self.config.pool == "token" else tokens.mean(dim=1)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The pre-logits representation (B, D'): pooled final-LN output, through Dense+tanh if configured."""
+        return self.pre_logits(self.pool(self.forward_tokens(images)))
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:  # (B, D') → (B, num_classes)
+        return self.head(features)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits (B, num_classes); (B, D') features when the model has no head (num_classes=0)."""
+        return self.forward_head(self.forward_features(images))
+
+    @torch.no_grad()
+    def forward_attention(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer, the softmax attention weights (B, heads, T, T), T = N+1 with the class token at index 0."""
+        x = self._embed_tokens(self.embed_patches(images))
+        weights = []
+        for block in self.blocks:
+            x, w = block.forward_with_weights(x)
+            weights.append(w)
+        return weights
+
+    def _embed_tokens(self, patch_tokens: torch.Tensor) -> torch.Tensor:
+        B, N, D = patch_tokens.shape
+        expected = self.pos_embed.shape[1] - self.num_prefix_tokens
+        if N != expected or D != self.config.width:
+            raise ValueError(
+                f"encode expects patch tokens (B, {expected}, {self.config.width}), got {tuple(patch_tokens.shape)}"
+            )
+        x = patch_tokens
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)  # (B, N+1, D)
+        return self.pos_drop(x + self.pos_embed)
+
+    def _check_images(self, images: torch.Tensor) -> None:
+        if images.ndim != 4 or images.shape[1] != self.config.in_chans:
+            raise ValueError(f"expected images (B, {self.config.in_chans}, H, W), got shape {tuple(images.shape)}")
+        H, W = images.shape[-2:]
+        stride = self.config.stride
+        if H % stride or W % stride:
+            raise ValueError(
+                f"image size {H}x{W} is not a multiple of the patch stride {stride} "
+                f"({self.config._stride_description()}); resize or crop the images to a multiple of {stride}"
+            )
+        size = self.config.image_size
+        if (H, W) != (size, size):
+            raise ValueError(
+                f"image size {H}x{W} differs from the model's image_size {size}; resize the images to {size}x{size}, "
+                "or load the weights for the new size with pretrain.weights.load_pretrained(..., image_size=N) "
+                "(which interpolates the position embeddings)"
+            )
+
+    # -------------------------------------------------------------- timm-like API
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return 0 if self.cls_token is None else 1
+
+    @property
+    def num_features(self) -> int:
+        return self.config.num_features
+
+    def reset_classifier(
+        self, num_classes: int, representation_size: int | None = None, head_bias_init: float = 0.0
+    ) -> None:
+        """Replace pre-logits and head (fine-tuning, paper App. B.1.1: the whole head is dropped, the new one is
+        zero-initialized). `config` is updated so that saved weights describe the new head."""
+        device = self.pos_embed.device
+        self.config = dataclasses.replace(
+            self.config, num_classes=num_classes, representation_size=representation_size, head_bias_init=head_bias_init
+        )
+        self._build_head(num_classes, representation_size, head_bias_init)
+        self.pre_logits.to(device)
+        self.head.to(device)
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters excluded from weight decay: everything but kernels (biases, norms, cls, pos)."""
+        return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in ("cls_token", "pos_embed")}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+        self.config = dataclasses.replace(self.config, grad_checkpointing=enable)
+
+
+def _lecun_normal_(w: torch.Tensor) -> None:
+    """Flax's default kernel init: truncated normal (±2σ) with variance 1/fan_in."""
+    fan_in = w[0].numel()
+    # 0.8796 is the std of a unit normal truncated to ±2; divide so the truncated draw has variance 1/fan_in.
+    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+    nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
+
+
+# --------------------------------------------------------------------------------------------- variants
+
+# Paper Table 1 (+ VT configs): width D, depth (layers), MLP size, heads.
+SIZES: dict[str, dict[str, int]] = {
+    "debug": dict(width=64, depth=4, mlp_dim=256, num_heads=4),
+    "Ti": dict(width=192, depth=12, mlp_dim=768, num_heads=3),
+    "S": dict(width=384, depth=12, mlp_dim=1536, num_heads=6),
+    "B": dict(width=768, depth=12, mlp_dim=3072, num_heads=12),
+    "L": dict(width=1024, depth=24, mlp_dim=4096, num_heads=16),
+    "H": dict(width=1280, depth=32, mlp_dim=5120, num_heads=16),
+}
+
+# name → (size, patch size, hybrid ResNet stages, default image size)
+VARIANTS: dict[str, tuple[str, int, tuple[int, ...] | None, int]] = {
+    "vit_tiny_debug": ("debug", 4, None, 32),
+    "vit_ti16": ("Ti", 16, None, 224),
+    "vit_s16": ("S", 16, None, 224),
+    "vit_s32": ("S", 32, None, 224),
+    "vit_b32": ("B", 32, None, 224),
+    "vit_b16": ("B", 16, None, 224),
+    "vit_b8": ("B", 8, None, 224),
+    "vit_l32": ("L", 32, None, 224),
+    "vit_l16": ("L", 16, None, 224),
+    "vit_h14": ("H", 14, None, 224),
+    "r50_vit_b16": ("B", 1, (3, 4, 9), 224),  # ResNet-50 stages 1-3: stride 16
+    "r50_vit_l32": ("L", 1, (3, 4, 6, 3), 224),  # full ResNet-50: stride 32
+    "r26_vit_s32": ("S", 1, (2, 2, 2, 2), 224),
+}
+MODEL_NAMES: tuple[str, ...] = tuple(VARIANTS)
+
+
+def model_config(name: str, **overrides) -> ViTConfig:
+    """The ViTConfig of a registered variant, with any field overridden (e.g. image_size=384, num_classes=10)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+    size, patch, stages, image_size = VARIANTS[name]
+    fields = dict(SIZES[size], patch_size=patch, hybrid_stages=stages, image_size=image_size)
+    valid = {f.name for f in dataclasses.fields(ViTConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown ViTConfig overrides {unknown} for {name!r}; valid fields: {sorted(valid)}")
+    return ViTConfig(**{**fields, **overrides})
+
+
+def build_model(name: str, **overrides) -> VisionTransformer:
+    """A freshly initialized registered variant; unknown names raise ValueError listing MODEL_NAMES."""
+    return VisionTransformer(model_config(name, **overrides))

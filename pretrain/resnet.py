@@ -1,0 +1,143 @@
+"""The BiT ResNet stem of the ViT hybrids (paper §3.1 "Hybrid Architecture"; VT `vit_jax/models_resnet.py`).
+
+A ResNet *without* pre-activation whose convolutions are weight-standardized (Qiao et al. 2019) and whose norms
+are GroupNorm(32 groups, eps 1e-6), as in BiT. Its feature map is the input of the ViT's 1x1 patch embedding.
+
+Official weights only reproduce official outputs with TensorFlow "SAME" padding: for a stride-2 layer the padding
+is asymmetric (the extra row/column goes at the bottom/right), and the max-pool pads with −inf, not 0. Symmetric
+PyTorch padding shifts every stride-2 feature map by half a pixel.
+
+Parameter names follow the official keys (`conv_root`, `gn_root`, `block{s}.unit{u}.conv{1,2,3}`, `gn{1,2,3}`,
+`conv_proj`, `gn_proj`) so that checkpoint conversion is a rename plus a layout transpose.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GN_GROUPS = 32
+GN_EPS = 1e-6  # Flax nn.GroupNorm default
+WS_EPS = 1e-5  # VT weight_standardize(eps=1e-5): (w - mean) / (std + eps)
+
+
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """TF "SAME" padding for one spatial dim: (before, after), the odd pixel after."""
+    total = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> torch.Tensor:
+    """Pad an NCHW tensor so that a VALID conv/pool afterwards equals TensorFlow's SAME."""
+    top, bottom = same_padding(x.shape[-2], kernel, stride)
+    left, right = same_padding(x.shape[-1], kernel, stride)
+    if top == bottom == left == right == 0:
+        return x
+    return F.pad(x, (left, right, top, bottom), value=value)
+
+
+class StdConv2d(nn.Conv2d):
+    """Weight-standardized conv without bias, TF-SAME padded.
+
+    The kernel is standardized over (Cin, kH, kW) per output channel with the population std, as the JAX
+    implementation does over (H, W, Cin) of its HWIO kernel.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        mean = w.mean(dim=(1, 2, 3), keepdim=True)
+        std = w.std(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        w = (w - mean) / (std + WS_EPS)
+        x = pad_same(x, self.kernel_size[0], self.stride[0])
+        return F.conv2d(x, w, None, self.stride)
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(GN_GROUPS, channels, eps=GN_EPS)
+
+
+class ResidualUnit(nn.Module):
+    """Bottleneck unit: 1x1 → 3x3 (stride here) → 1x1 (4x), each StdConv + GN; ReLU after the residual add."""
+
+    def __init__(self, in_channels: int, features: int, stride: int):
+        super().__init__()
+        out_channels = 4 * features
+        self.needs_projection = in_channels != out_channels or stride != 1
+        if self.needs_projection:
+            self.conv_proj = StdConv2d(in_channels, out_channels, 1, stride)
+            self.gn_proj = group_norm(out_channels)
+        self.conv1 = StdConv2d(in_channels, features, 1)
+        self.gn1 = group_norm(features)
+        self.conv2 = StdConv2d(features, features, 3, stride)
+        self.gn2 = group_norm(features)
+        self.conv3 = StdConv2d(features, out_channels, 1)
+        self.gn3 = group_norm(out_channels)
+        # Zero-init the last GN scale so that every unit starts as the identity on its residual (BiT / VT init).
+        nn.init.zeros_(self.gn3.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = self.gn_proj(self.conv_proj(x)) if self.needs_projection else x
+        y = F.relu(self.gn1(self.conv1(x)))
+        y = F.relu(self.gn2(self.conv2(y)))
+        y = self.gn3(self.conv3(y))
+        return F.relu(residual + y)
+
+
+class ResNetStage(nn.Module):
+    def __init__(self, in_channels: int, features: int, num_units: int, first_stride: int):
+        super().__init__()
+        # Named unit1..unitN like the official keys (a ModuleDict keeps those names in the state dict).
+        self.units = nn.ModuleDict()
+        for u in range(num_units):
+            stride = first_stride if u == 0 else 1
+            self.units[f"unit{u + 1}"] = ResidualUnit(in_channels, features, stride)
+            in_channels = 4 * features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units.values():
+            x = unit(x)
+        return x
+
+
+class ResNetStem(nn.Module):
+    """Root (StdConv 7x7/2 → GN → ReLU → max-pool 3x3/2 SAME) followed by the bottleneck stages.
+
+    Stage 1 keeps the resolution, every later stage halves it, so the total stride is 4 · 2^(len(stages) − 1):
+    16 for R50 (3, 4, 9), 32 for (3, 4, 6, 3) and R26 (2, 2, 2, 2).
+    """
+
+    def __init__(self, stages: tuple[int, ...], width_factor: int = 1, in_chans: int = 3):
+        super().__init__()
+        width = 64 * width_factor
+        self.conv_root = StdConv2d(in_chans, width, 7, stride=2)
+        self.gn_root = group_norm(width)
+        self.stages = nn.ModuleDict()
+        in_channels = width
+        for s, num_units in enumerate(stages):
+            features = width * 2**s
+            self.stages[f"block{s + 1}"] = ResNetStage(in_channels, features, num_units, 1 if s == 0 else 2)
+            in_channels = 4 * features
+        self.out_channels = in_channels
+        self.stride = stem_stride(stages)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) → (B, out_channels, H/stride, W/stride)
+        x = F.relu(self.gn_root(self.conv_root(x)))
+        x = F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2)
+        for stage in self.stages.values():
+            x = stage(x)
+        return x
+
+
+def stem_stride(stages: tuple[int, ...]) -> int:
+    """Total downsampling of a ResNetStem with these stage sizes."""
+    return 4 * 2 ** (len(stages) - 1)
+
+
+def stem_out_channels(stages: tuple[int, ...], width_factor: int = 1) -> int:
+    return 4 * 64 * width_factor * 2 ** (len(stages) - 1)
