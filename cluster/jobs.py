@@ -1,0 +1,178 @@
+"""Ray Job Submission API: connect to a profile's cluster, submit, follow, and the `status/logs/stop` verbs.
+
+`python -m cluster.jobs {status,logs,stop} --cluster P` backs `make status`, `make logs` and `make stop`.
+Only jobs this project submitted (metadata `vitscale=1`) are listed; "the newest job" is the newest of those.
+`stop` stops the newest running job and, for the `local` profile, the embedded Ray head if this project started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from cluster import local_head
+from cluster.profiles import ClusterProfile, load_profile
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobDetails, JobSubmissionClient
+
+JOB_METADATA = {"vitscale": "1"}
+
+
+class RayUnreachableError(RuntimeError):
+    """The profile's Ray cluster does not answer; the message says how to start it."""
+
+
+def _how_to_start(profile: ClusterProfile, address: str) -> str:
+    if profile.is_local:
+        return "start it with `make launch` (CLUSTER=local starts the embedded head itself)"
+    return (
+        f"start the cluster first: `python -m cluster.render --cluster {profile.name}` then "
+        f"`ray up rendered/{profile.name}/cluster.yaml` (or apply the KubeRay manifest), and make sure {address} "
+        "is reachable from here (e.g. `ray dashboard rendered/.../cluster.yaml` forwards it to 127.0.0.1:8265, "
+        "then set RAY_ADDRESS=http://127.0.0.1:8265)"
+    )
+
+
+def cluster_address(profile: ClusterProfile) -> str:
+    """RAY_ADDRESS (or RAY_API_SERVER_ADDRESS) overrides a remote profile's address; `local` ignores both."""
+    if profile.is_local:
+        state = local_head.read_state(profile)
+        return state.dashboard_url if state else ""
+    return os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or profile.ray.address
+
+
+def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmissionClient:
+    """A JobSubmissionClient for the profile's cluster, authenticated with Ray's token when auth is on.
+
+    `local` with `start_local=True` starts (or reuses) the embedded head. Raises RayUnreachableError naming the
+    address and how to start the cluster.
+    """
+    from ray.job_submission import JobSubmissionClient
+
+    if profile.is_local:
+        # JobSubmissionClient lets these env vars override the address it is given; the local head is ours.
+        for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+            if os.environ.pop(var, None):
+                print(f"note: {var} is ignored for the local profile", file=sys.stderr)
+        if start_local:
+            local_head.ensure_head(profile)
+    address = cluster_address(profile)
+    if not address:
+        raise RayUnreachableError(
+            f"no Ray head of this project is running for profile {profile.name}; " + _how_to_start(profile, address)
+        )
+    try:
+        return JobSubmissionClient(address, headers=local_head.auth_headers())
+    except (ConnectionError, RuntimeError, OSError) as exc:
+        raise RayUnreachableError(
+            f"cannot reach the Ray Jobs API of profile {profile.name} at {address}: {exc}\n"
+            + _how_to_start(profile, address)
+        ) from exc
+
+
+def submit(client: JobSubmissionClient, entrypoint: str, runtime_env: dict, submission_id: str) -> str:
+    return client.submit_job(
+        entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=dict(JOB_METADATA)
+    )
+
+
+def follow(client: JobSubmissionClient, job_id: str, out=sys.stdout) -> str:
+    """Stream a job's logs until it ends; return its final status name (SUCCEEDED, FAILED, STOPPED)."""
+
+    async def _tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+    try:
+        asyncio.run(_tail())
+    except Exception as exc:  # log streaming is a convenience: fall back to polling, never lose the status
+        print(f"(log streaming stopped: {exc}; polling the job status)", file=sys.stderr)
+    while True:
+        status = client.get_job_status(job_id)
+        if status.is_terminal():
+            return str(status.value)
+        time.sleep(2.0)
+
+
+def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:
+    jobs = [j for j in client.list_jobs() if (j.metadata or {}).get("vitscale") == "1"]
+    return sorted(jobs, key=lambda j: j.start_time or 0)
+
+
+def _newest(client: JobSubmissionClient, profile: ClusterProfile) -> JobDetails:
+    jobs = project_jobs(client)
+    if not jobs:
+        raise RayUnreachableError(f"no vitscale job on profile {profile.name}'s cluster yet; `make launch` submits one")
+    return jobs[-1]
+
+
+def _status(profile: ClusterProfile) -> int:
+    client = connect(profile)
+    jobs = project_jobs(client)
+    print(f"profile {profile.name}: Ray Jobs API {cluster_address(profile)}")
+    if not jobs:
+        print("no vitscale jobs")
+    for j in jobs:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((j.start_time or 0) / 1000))
+        print(f"{j.submission_id:40s} {str(j.status.value):10s} started {started}  {j.entrypoint}")
+    return 0
+
+
+def _logs(profile: ClusterProfile, follow_logs: bool) -> int:
+    client = connect(profile)
+    job = _newest(client, profile)
+    if follow_logs:
+        status = follow(client, job.submission_id)
+        print(f"job {job.submission_id}: {status}")
+    else:
+        sys.stdout.write(client.get_job_logs(job.submission_id))
+    return 0
+
+
+def _stop(profile: ClusterProfile) -> int:
+    try:
+        client = connect(profile)
+    except RayUnreachableError as exc:
+        client = None
+        print(f"no job to stop: {exc}")
+    if client is not None:
+        running = [j for j in project_jobs(client) if not j.status.is_terminal()]
+        for job in running:
+            client.stop_job(job.submission_id)
+            print(f"stopped job {job.submission_id}")
+        if not running:
+            print("no running vitscale job")
+    if profile.is_local:
+        state = local_head.read_state(profile)
+        if state is not None and state.started_by_us:
+            pids = local_head.stop_head(profile)
+            print(f"stopped the local Ray head ({len(pids)} processes under {profile.ray.temp_dir})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.jobs", description=__doc__.splitlines()[0])
+    parser.add_argument("verb", choices=("status", "logs", "stop"))
+    parser.add_argument("--cluster", default="local", help="profile name (cluster/profiles/<name>.yaml)")
+    parser.add_argument("--follow", action="store_true", help="logs: stream until the job ends")
+    args = parser.parse_args(argv)
+    try:
+        profile = load_profile(args.cluster)
+        if args.verb == "status":
+            return _status(profile)
+        if args.verb == "logs":
+            return _logs(profile, args.follow)
+        return _stop(profile)
+    except (ValueError, RayUnreachableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The embedded Ray head of the `local` profile: start or reuse it, and stop it only if we started it.
+
+Contract:
+- The head runs from this venv's `ray` executable, so the job's `python` is the venv's (Ray runs a job's
+  entrypoint with the head's PATH).
+- The dashboard / Jobs API listens on 127.0.0.1 only (`--dashboard-host=127.0.0.1`); it runs arbitrary code
+  for whoever reaches it.
+- Token authentication stays on: a token is generated into `~/.ray/auth_token` if none exists (Ray's own
+  `ray get-auth-token --generate`), the head starts with `RAY_AUTH_MODE=token`, and the launcher sends the token
+  as a Bearer header. Only an explicit `RAY_AUTH_MODE=disabled` in the environment (tests) turns it off.
+- Ray's temp dir is ours (`profile.ray.temp_dir`), and `head.json` in it records what we started. Stopping kills
+  exactly the processes whose command line names that temp dir (and their children) by PID — never `ray stop`,
+  which would take down every Ray instance on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cluster.profiles import ClusterProfile
+
+STATE_FILE = "head.json"
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    gcs_address: str  # host:port for ray.init(address=...)
+    dashboard_url: str  # http://127.0.0.1:port, the Job Submission API
+    temp_dir: str
+    auth_mode: str  # "token" | "disabled"
+    started_by_us: bool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def auth_mode_from_env() -> str:
+    """'disabled' only when RAY_AUTH_MODE says so explicitly; token authentication otherwise."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token").strip().lower()
+    if mode not in ("token", "disabled"):
+        raise ValueError(f"RAY_AUTH_MODE={mode!r}; use 'token' (default) or 'disabled' (tests only)")
+    return mode
+
+
+def read_auth_token() -> str | None:
+    """The token Ray itself would use: RAY_AUTH_TOKEN, else the file at RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if token:
+        return token
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "") or Path.home() / ".ray" / "auth_token")
+    if path.is_file():
+        return path.read_text().strip() or None
+    return None
+
+
+def auth_headers() -> dict[str, str]:
+    """Authorization header for the Jobs API, empty when token auth is disabled or no token exists."""
+    if auth_mode_from_env() == "disabled":
+        return {}
+    token = read_auth_token()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _ray_executable() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    if not exe.exists():
+        raise RuntimeError(f"{exe} not found: install Ray into this venv (`make setup`)")
+    return str(exe)
+
+
+def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
+    """The Jobs API answers /api/version (no auth needed for that path in Ray 2.60)."""
+    req = urllib.request.Request(f"{url}/api/version", headers=auth_headers())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return False
+
+
+def _state_path(profile: ClusterProfile) -> Path:
+    return Path(profile.ray.temp_dir) / STATE_FILE
+
+
+def read_state(profile: ClusterProfile) -> HeadInfo | None:
+    path = _state_path(profile)
+    if not path.is_file():
+        return None
+    try:
+        return HeadInfo(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None
+
+
+def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
+    """Reuse our running head (same temp dir, dashboard answering) or start a new one; return how to reach it."""
+    if not profile.is_local:
+        raise ValueError(f"profile {profile.name} has ray.address={profile.ray.address!r}: only 'local' starts a head")
+    existing = read_state(profile)
+    if existing and _dashboard_alive(existing.dashboard_url):
+        return existing
+    if existing:  # a stale record (machine rebooted, head killed): clear whatever is left of it
+        stop_head(profile)
+
+    temp_dir = Path(profile.ray.temp_dir)
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    mode = auth_mode_from_env()
+    env = dict(os.environ, RAY_AUTH_MODE=mode, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)  # `ray start --head` must not try to join another cluster
+    # A job's `python` is resolved on the head's PATH: put this venv first so jobs run with our packages.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if mode == "token" and read_auth_token() is None:
+        subprocess.run(
+            [_ray_executable(), "get-auth-token", "--generate"], env=env, check=True, stdout=subprocess.DEVNULL
+        )
+    gcs_port = _free_port()
+    dash_port = profile.ray.dashboard_port if _port_free(profile.ray.dashboard_port) else _free_port()
+    cmd = [
+        _ray_executable(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash_port}",
+        "--include-dashboard=true",
+        # Fixed default ports would collide with any other Ray on the machine: ask for free ones.
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--num-cpus={profile.ray.head_num_cpus}",
+        "--num-gpus=0",
+        f"--object-store-memory={profile.ray.head_object_store_mb * 1024 * 1024}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    info = HeadInfo(
+        gcs_address=f"127.0.0.1:{gcs_port}",
+        dashboard_url=f"http://127.0.0.1:{dash_port}",
+        temp_dir=str(temp_dir),
+        auth_mode=mode,
+        started_by_us=True,
+    )
+    _state_path(profile).write_text(json.dumps(asdict(info), indent=2))
+    deadline = time.monotonic() + timeout_s
+    while not _dashboard_alive(info.dashboard_url):
+        if time.monotonic() > deadline:
+            stop_head(profile)
+            raise RuntimeError(f"Ray head started but its dashboard {info.dashboard_url} never answered")
+        time.sleep(1.0)
+    return info
+
+
+def _processes_of(temp_dir: str) -> list[int]:
+    """PIDs whose command line names our temp dir, plus all their descendants (workers rename themselves)."""
+    parents: dict[int, int] = {}
+    roots: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if temp_dir in cmdline and pid != os.getpid():
+            roots.add(pid)
+    found = set(roots)
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parents.items():
+            if ppid in found and pid not in found and pid != os.getpid():
+                found.add(pid)
+                changed = True
+    return sorted(found)
+
+
+def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
+    """Stop the head we started (by PID, see module docstring); a head we merely reused is left alone."""
+    state = read_state(profile)
+    if state is not None and not state.started_by_us:
+        return []
+    temp_dir = str(Path(profile.ray.temp_dir).resolve())
+    pids = _processes_of(temp_dir)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.25)
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _state_path(profile).unlink(missing_ok=True)
+    return pids
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -1,0 +1,203 @@
+"""Cluster profiles: the hardware, storage, Ray address and defaults a recipe runs on.
+
+A profile (`cluster/profiles/<name>.yaml`) names *where* a run happens; a recipe (`configs/<name>.yaml`) names
+*what* is trained. `cluster.plan` joins the two. Every field is declared (with its default, if any) once, here;
+`{project}` in a path or URL expands to the project root so the embedded profile works from any clone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    nodes: int  # machines in the cluster
+    gpus_per_node: int  # 0 → CPU workers
+    gpu_type: str  # e.g. "A100-SXM4-80GB"; "none" on CPU
+    gpu_memory_gb: float  # per GPU, decimal GB (1e9 bytes); 0 on CPU
+    peak_tflops: float  # dense bf16 peak per GPU (per worker on CPU), the MFU denominator
+    cpus_per_node: int
+    memory_gb_per_node: float
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    address: str  # Job Submission API URL (http://head:8265), or "local" for the embedded head
+    head_num_cpus: int = 0  # embedded head only: logical CPUs it advertises (workers + eval slot)
+    head_object_store_mb: int = 256
+    dashboard_port: int = 8265  # embedded head only: preferred port, a free one is used when taken
+    temp_dir: str = ""  # embedded head only: Ray's session/log folder, ours alone
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    shards: str  # root under which recipes' shard folders live (local path or fsspec URL)
+    checkpoints: str  # run folders; a filesystem every node mounts (checkpoints are resumed from it)
+    mlflow_tracking_uri: str
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    num_workers: int  # data-parallel ranks = world size
+    cpus_per_worker: int
+    gpus_per_worker: int
+    loader_workers: int  # DataLoader processes per rank
+
+
+@dataclass(frozen=True)
+class TrainDefaults:
+    """Hardware-dependent training settings, applied before the user's `--set` overrides."""
+
+    zero_stage: int
+    micro_batch_size: int
+    precision: str  # "bf16" | "fp32"
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class EvalResources:
+    """Ray resources of one eval task; they must not come out of the training workers' share."""
+
+    num_cpus: float = 1
+    num_gpus: float = 0
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    name: str
+    description: str
+    hardware: HardwareSpec
+    ray: RaySpec
+    storage: StorageSpec
+    comm_backend: str  # "nccl" | "gloo"
+    workers: WorkerSpec
+    defaults: TrainDefaults
+    evals: EvalResources = EvalResources()
+    max_failures: int = 1  # worker-group restarts Ray Train allows before the job fails
+    assumed_mfu: float = 0.4  # model FLOPs utilisation assumed by the plan's time estimate
+
+    @property
+    def is_local(self) -> bool:
+        return self.ray.address == "local"
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.workers.gpus_per_worker > 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and the fix when the profile contradicts itself."""
+        hw, wk = self.hardware, self.workers
+        if self.comm_backend not in ("nccl", "gloo"):
+            raise ValueError(
+                f"profile {self.name}: comm_backend={self.comm_backend!r}; use 'nccl' (GPU) or 'gloo' (CPU)"
+            )
+        if wk.num_workers < 1:
+            raise ValueError(f"profile {self.name}: workers.num_workers must be >= 1")
+        if wk.gpus_per_worker > 0:
+            if self.comm_backend != "nccl":
+                raise ValueError(f"profile {self.name}: GPU workers need comm_backend: nccl")
+            capacity = hw.nodes * hw.gpus_per_node // wk.gpus_per_worker
+            if wk.num_workers > capacity:
+                raise ValueError(
+                    f"profile {self.name}: workers.num_workers={wk.num_workers} exceeds nodes x gpus_per_node / "
+                    f"gpus_per_worker = {capacity}; lower num_workers or add nodes"
+                )
+            if hw.gpu_memory_gb <= 0:
+                raise ValueError(f"profile {self.name}: hardware.gpu_memory_gb must be > 0 for GPU workers")
+        elif self.comm_backend == "nccl":
+            raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
+        if self.defaults.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"profile {self.name}: defaults.zero_stage={self.defaults.zero_stage}; use 0, 1, 2 or 3")
+        if self.defaults.precision not in ("bf16", "fp32"):
+            raise ValueError(f"profile {self.name}: defaults.precision must be 'bf16' or 'fp32'")
+        if not 0 < self.assumed_mfu <= 1:
+            raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
+        if self.max_failures < 0:
+            raise ValueError(f"profile {self.name}: max_failures must be >= 0 (-1 is not supported: be explicit)")
+        if self.is_local and self.ray.head_num_cpus < wk.num_workers * wk.cpus_per_worker:
+            raise ValueError(
+                f"profile {self.name}: ray.head_num_cpus={self.ray.head_num_cpus} cannot hold "
+                f"{wk.num_workers} workers x {wk.cpus_per_worker} CPUs; raise head_num_cpus"
+            )
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def _expand(value: Any, project: Path) -> Any:
+    if isinstance(value, str):
+        return value.replace("{project}", str(project))
+    if isinstance(value, dict):
+        return {k: _expand(v, project) for k, v in value.items()}
+    return value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Construct a (nested) frozen dataclass from a mapping, rejecting unknown and missing keys by name."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{where}: missing required key {name!r}")
+            continue
+        sub = _NESTED.get((cls, name))
+        kwargs[name] = _build(sub, data[name], f"{where}.{name}") if sub else data[name]
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - dataclass signature mismatch is a programming error
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+_NESTED = {
+    (ClusterProfile, "hardware"): HardwareSpec,
+    (ClusterProfile, "ray"): RaySpec,
+    (ClusterProfile, "storage"): StorageSpec,
+    (ClusterProfile, "workers"): WorkerSpec,
+    (ClusterProfile, "defaults"): TrainDefaults,
+    (ClusterProfile, "evals"): EvalResources,
+}
+
+
+def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> ClusterProfile:
+    """Load and validate a profile by name (`cluster/profiles/<name>.yaml`) or by path.
+
+    An unknown name raises ValueError listing the valid profiles.
+    """
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = PROFILES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ValueError(
+            f"unknown cluster profile {str(name_or_path)!r}; valid profiles: {', '.join(profile_names())} "
+            f"(files in {PROFILES_DIR})"
+        )
+    with open(path) as fh:
+        data = yaml.safe_load(fh)
+    profile = _build(ClusterProfile, _expand(data, project), f"profile {path.stem}")
+    profile.validate()
+    return profile
+
+
+def profile_to_dict(profile: ClusterProfile) -> dict:
+    return dataclasses.asdict(profile)
+
+
+def profile_from_dict(data: dict) -> ClusterProfile:
+    """Inverse of `profile_to_dict` (the plan file carries the resolved profile to the driver)."""
+    return _build(ClusterProfile, data, f"profile {data.get('name', '?')}")
