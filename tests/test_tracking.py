@@ -1,0 +1,170 @@
+"""pretrain.tracking against a real MLflow SQLite store: run creation, rank-0 logging, and real outages."""
+
+import logging
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.tracking import (
+    MAX_PARAM_VALUE_LENGTH,
+    PROJECT_ROOT,
+    Tracker,
+    create_run,
+    default_tracking_uri,
+    flatten_config,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> tuple[str, Path]:
+    """One SQLite store for the module: creating its tables costs seconds on a busy machine."""
+    root = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{root / 'mlflow.db'}", root
+
+
+def _client(uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_default_tracking_uri_env_and_embedded(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_tracking_uri() == f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
+    assert default_tracking_uri(tmp_path) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert default_tracking_uri(tmp_path) == "http://127.0.0.1:5000"
+
+
+def test_flatten_config_nested_lists_and_limits():
+    flat = flatten_config(
+        {"model": {"name": "vit_b16", "patch_size": 16, "stages": (3, 4)}, "optim": {"lr": 1e-3}, "empty": {}}
+    )
+    assert flat == {
+        "model.name": "vit_b16",
+        "model.patch_size": "16",
+        "model.stages": "[3, 4]",
+        "optim.lr": "0.001",
+        "empty": "{}",
+    }
+    long = flatten_config({"note": "x" * 10_000})["note"]
+    assert len(long) == MAX_PARAM_VALUE_LENGTH and long.endswith("[truncated, 10000 chars]")
+    with pytest.raises(ValueError, match="250-character"):
+        flatten_config({"k" * 251: 1})
+
+
+def test_import_does_not_import_mlflow():
+    code = "import sys, pretrain.tracking; assert 'mlflow' not in sys.modules, 'mlflow imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, timeout=60)
+
+
+def test_create_run_and_rank0_tracker_round_trip(store, tmp_path):
+    uri, root = store
+    config = {"model": {"name": "vit_tiny_debug"}, "optim": {"lr": 0.001, "weight_decay": 0.1}}
+    tags = {"vitscale.recipe": "local_demo", "vitscale.world_size": 2}
+    run_id = create_run(uri, "roundtrip", "demo", config, tags)
+    artifact = tmp_path / "plan.json"
+    artifact.write_text('{"world_size": 2}')
+    with Tracker(uri, run_id, rank=0) as tracker:
+        for step in range(1, 4):
+            tracker.log_metrics({"train/loss": 3.0 - step, "train/images_seen": 64 * step}, step=step)
+        tracker.set_tags({"vitscale.status": "FINISHED"})
+        tracker.log_artifact(artifact, "plan")
+        assert tracker.flush()
+    run = _client(uri).get_run(run_id)
+    assert run.data.params == {"model.name": "vit_tiny_debug", "optim.lr": "0.001", "optim.weight_decay": "0.1"}
+    assert run.data.tags["vitscale.recipe"] == "local_demo" and run.data.tags["vitscale.world_size"] == "2"
+    assert run.data.tags["vitscale.status"] == "FINISHED"
+    history = _client(uri).get_metric_history(run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(1, 2.0), (2, 1.0), (3, 0.0)]
+    assert [a.path for a in _client(uri).list_artifacts(run_id, "plan")] == ["plan/plan.json"]
+    # Artifacts of the embedded store live next to the database, not under the current directory.
+    assert (root / "mlartifacts" / "roundtrip" / run_id / "artifacts" / "plan" / "plan.json").is_file()
+
+
+def test_tracker_is_a_noop_off_rank0_or_without_run(store, monkeypatch):
+    uri, _ = store
+    run_id = create_run(uri, "ranks", "r", {}, {})
+    monkeypatch.setenv("RANK", "1")
+    tracker = Tracker(uri, run_id)
+    assert not tracker.enabled
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    tracker.close()
+    assert _client(uri).get_metric_history(run_id, "train/loss") == []
+    assert not Tracker(uri, None, rank=0).enabled and not Tracker(uri, run_id, enabled=False, rank=0).enabled
+
+
+def test_rejected_param_is_dropped_and_the_rest_still_arrives(store, caplog):
+    uri, _ = store
+    run_id = create_run(uri, "conflict", "r", {"optim": {"lr": 0.1}}, {})
+    tracker = Tracker(uri, run_id, rank=0)
+    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        tracker.log_params({"optim": {"lr": 0.2}})  # MLflow params are immutable: a permanent rejection
+        tracker.log_metrics({"train/loss": 1.5}, step=7)
+        assert tracker.flush()
+    tracker.close()
+    assert "INVALID_PARAMETER_VALUE" in caplog.text and "dropped" in caplog.text
+    assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(7, 1.5)]
+
+
+def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
+    """A writer holding an exclusive lock on the SQLite file is a real outage (MLflow waits 20 s, then fails)."""
+    uri, root = store
+    run_id = create_run(uri, "outage", "r", {}, {})
+    tracker = Tracker(uri, run_id, rank=0)
+    tracker.log_metrics({"train/loss": 9.0}, step=0)
+    assert tracker.flush()
+    lock = sqlite3.connect(root / "mlflow.db", isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+            started = time.monotonic()
+            for step in range(1, 21):
+                tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+            assert time.monotonic() - started < 1.0, "logging must not wait for the locked store"
+            assert _wait_for(lambda: "database is locked" in caplog.text), caplog.text
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    assert "Training continues" in caplog.text and tracker.pending == 20
+    assert tracker.flush()
+    tracker.close()
+    history = _client(uri).get_metric_history(run_id, "train/loss")
+    assert [m.step for m in history] == list(range(21))
+    assert history[-1].value == pytest.approx(1.0 / 20)
+
+
+def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
+    """A tracking URI at a closed localhost port (a server that is down): warnings, no exception, bounded close."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again when the block ends: nothing listens there
+    tracker = Tracker(f"http://127.0.0.1:{port}", "0123456789abcdef", rank=0, max_buffered=5)
+    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        for step in range(10):
+            tracker.log_metrics({"train/loss": float(step)}, step=step)
+        assert not tracker.flush()
+        assert tracker.pending == 5  # bounded buffer: the newest values are kept
+        started = time.monotonic()
+        tracker.close(timeout=30)
+        assert time.monotonic() - started < 30
+    assert "failed" in caplog.text and "Training continues" in caplog.text
+    assert "not sent" in caplog.text
