@@ -1,0 +1,66 @@
+"""VTAB registry and aggregation: coverage is always stated, missing tasks never enter a mean."""
+
+import math
+
+import numpy as np
+import pytest
+
+from evals.vtab import CI_TASKS, GROUPS, VTAB1K_TASKS, VtabOptions, aggregate, vtab_indices
+
+
+def test_registry_matches_the_paper():
+    assert len(VTAB1K_TASKS) == 19
+    counts = {g: sum(t.group == g for t in VTAB1K_TASKS.values()) for g in GROUPS}
+    assert counts == {"natural": 7, "specialized": 4, "structured": 8}
+    classes = {n: t.num_classes for n, t in VTAB1K_TASKS.items()}
+    assert classes["caltech101"] == 102 and classes["sun397"] == 397 and classes["clevr_count"] == 8
+    assert classes["dsprites_loc"] == classes["dsprites_ori"] == 16 and classes["smallnorb_azim"] == 18
+    assert set(CI_TASKS) == {"digits", "dsprites_loc", "dsprites_ori", "shapes_count"}
+
+
+def test_aggregate_mixed_present_and_missing():
+    scores = {"cifar100": 0.8, "svhn": 0.6, "eurosat": 0.9, "dsprites_loc": 0.5, "clevr_count": None}
+    rows = {r["metric"]: r for r in aggregate(scores, VTAB1K_TASKS)}
+    mean = rows["vtab/mean"]
+    assert mean["value"] == pytest.approx((0.8 + 0.6 + 0.9 + 0.5) / 4)
+    assert (mean["count"], mean["expected"], mean["count_metric"]) == (4, 19, "vtab/num_tasks")
+    assert mean["detail"].startswith("VTAB mean over 4/19 tasks (missing: caltech101")
+    assert "clevr_count" in mean["detail"]  # explicitly None counts as missing
+    assert rows["vtab/natural"]["value"] == pytest.approx(0.7) and rows["vtab/natural"]["count"] == 2
+    assert rows["vtab/natural"]["detail"].startswith("Natural mean over 2/7 tasks")
+    assert rows["vtab/specialized"]["value"] == pytest.approx(0.9) and rows["vtab/specialized"]["expected"] == 4
+    assert rows["vtab/structured"]["value"] == pytest.approx(0.5) and rows["vtab/structured"]["count"] == 1
+    assert rows["vtab/structured"]["count_metric"] == "vtab/structured_num_tasks"
+
+
+def test_aggregate_nothing_present_is_nan_not_zero():
+    rows = {r["metric"]: r for r in aggregate({}, VTAB1K_TASKS)}
+    assert math.isnan(rows["vtab/mean"]["value"]) and rows["vtab/mean"]["count"] == 0
+    assert rows["vtab/mean"]["detail"].startswith("VTAB mean over 0/19 tasks")
+
+
+def test_aggregate_full_coverage_and_unknown_task():
+    scores = {n: 0.5 for n in VTAB1K_TASKS}
+    rows = {r["metric"]: r for r in aggregate(scores, VTAB1K_TASKS)}
+    assert rows["vtab/mean"]["detail"] == "VTAB mean over 19/19 tasks" and rows["vtab/mean"]["value"] == 0.5
+    with pytest.raises(ValueError, match="outside the benchmark.*imagenet"):
+        aggregate({"imagenet": 0.8}, VTAB1K_TASKS)
+
+
+def test_train800_val200_draw():
+    tr, va = vtab_indices(1297, 800, 200, seed=0)
+    assert len(tr) == 800 and len(va) == 200 and not set(tr) & set(va)
+    again, _ = vtab_indices(1297, 800, 200, seed=0)
+    assert np.array_equal(tr, again)
+    assert not np.array_equal(tr, vtab_indices(1297, 800, 200, seed=1)[0])
+    with pytest.raises(ValueError, match="has 900 images but VTAB needs 1000"):
+        vtab_indices(900, 800, 200, seed=0)
+
+
+def test_options_reject_bad_values():
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        VtabOptions(benchmark="vtab2")
+    with pytest.raises(ValueError, match="protocol must be"):
+        VtabOptions(protocol="knn")
+    with pytest.raises(ValueError, match=r"tasks \['imagenet'\] are not in benchmark"):
+        VtabOptions(tasks=("imagenet",))
