@@ -128,8 +128,13 @@ def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tens
 
 
 def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
-    """Class-token rollout over the patch grid → ``(B, gh, gw)``, each map scaled to sum to 1 over patches."""
-    r = attention_rollout(attentions)[:, 0, num_prefix_tokens:]  # (B, N)
+    """Class-token rollout over the patch grid → ``(B, gh, gw)``, each map scaled to sum to 1 over patches.
+
+    Without a class token (``pool="gap"``, num_prefix_tokens=0) the representation is the mean of all output
+    tokens, so the map is the mean of the rollout rows.
+    """
+    rollout = attention_rollout(attentions)  # (B, T, T)
+    r = rollout[:, 0, num_prefix_tokens:] if num_prefix_tokens else rollout.mean(dim=1)  # (B, N)
     if r.shape[-1] != grid[0] * grid[1]:
         raise ValueError(f"rollout has {r.shape[-1]} patch tokens, grid {grid} needs {grid[0] * grid[1]}")
     r = r / r.sum(-1, keepdim=True).clamp_min(1e-12)
@@ -322,13 +327,15 @@ def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def run_inspection(model, images: torch.Tensor, out_dir: Path, config: InspectConfig = InspectConfig()) -> tuple:
+def run_inspection(
+    model, images: torch.Tensor, out_dir: Path, config: InspectConfig = InspectConfig(), label: str = ""
+) -> tuple[dict[str, float], list[Path]]:
     """Compute every analysis for ``model`` on ``images`` (B, 3, H, W) in [-1, 1] and write the PNGs.
 
     Returns ``(metrics, figures)``: metrics are floats keyed ``inspect/...`` (per-layer mean attention distance
     averaged over heads, its min/max head, the mean cosine similarity of neighbouring position embeddings and the
     variance the drawn filter components explain); figures the list of PNG paths written into ``out_dir``. The
-    model is put in eval mode for the duration and restored afterwards.
+    model is put in eval mode for the duration and restored afterwards. ``label`` names the model in titles.
     """
     out_dir = Path(out_dir)
     was_training = model.training
@@ -344,10 +351,10 @@ def run_inspection(model, images: torch.Tensor, out_dir: Path, config: InspectCo
         model.train(was_training)
 
     height, width = images.shape[-2:]
-    num_prefix = 1  # the class token; forward_attention always includes it
+    num_prefix = model.num_prefix_tokens  # 1 with a class token, 0 for pool="gap"
     grid = _grid_of(attentions[0].shape[-1] - num_prefix, height, width)
     cell = height / grid[0]
-    name = getattr(model.config, "name", None) or type(model).__name__
+    name = label or f"ViT {model.config.width}d x {model.config.depth}L"
     metrics: dict[str, float] = {}
     figures: list[Path] = []
 
@@ -403,4 +410,4 @@ def patch_kernel_of(model) -> torch.Tensor | None:
     features rather than pixels, so their filters have no picture to show."""
     if getattr(model.config, "hybrid_stages", None):
         return None
-    return model.patch_embed.weight.detach().float().cpu()
+    return model.patch_embed.proj.weight.detach().float().cpu()

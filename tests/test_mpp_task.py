@@ -1,0 +1,110 @@
+"""Masked patch prediction (paper §4.6): corruption proportions, 3-bit colour targets, determinism, learning."""
+
+import pytest
+import torch
+
+from pretrain.model import build_model
+from pretrain.mpp import MaskedPatchPrediction, MPPConfig, corruption_plan, mean_color_targets
+
+
+def test_corruption_proportions_are_exact_per_image():
+    cfg = MPPConfig()
+    plan = corruption_plan(8, 64, cfg, torch.Generator().manual_seed(0))
+    assert plan.corrupted.sum(1).tolist() == [32] * 8  # 50% of 64
+    assert plan.masked.sum(1).tolist() == [round(0.8 * 32)] * 8  # 26 → [mask]
+    assert plan.randomised.sum(1).tolist() == [round(0.1 * 32)] * 8  # 3 → another patch
+    kept = plan.corrupted & ~plan.masked & ~plan.randomised
+    assert kept.sum(1).tolist() == [32 - 26 - 3] * 8  # 3 unchanged but still predicted
+    assert not (plan.masked & plan.randomised).any()
+    assert (plan.masked | plan.randomised).logical_and(~plan.corrupted).sum() == 0
+    flat = torch.arange(8 * 64).view(8, 64)
+    src = plan.source[plan.randomised]
+    assert ((src >= 0) & (src < 8 * 64)).all() and (src != flat[plan.randomised]).all()  # never itself
+    assert (plan.source[~plan.randomised] == -1).all()
+
+
+def test_corruption_fractions_over_many_draws_match_the_paper():
+    plan = corruption_plan(400, 196, MPPConfig(), torch.Generator().manual_seed(1))
+    c = plan.corrupted.float().mean().item()
+    m = plan.masked.sum().item() / plan.corrupted.sum().item()
+    r = plan.randomised.sum().item() / plan.corrupted.sum().item()
+    assert c == pytest.approx(0.5) and m == pytest.approx(0.8, abs=0.01) and r == pytest.approx(0.1, abs=0.01)
+    # Every position is corrupted about equally often (no positional bias in the draw).
+    per_position = plan.corrupted.float().mean(0)
+    assert per_position.min() > 0.38 and per_position.max() < 0.62
+
+
+def test_corruption_is_deterministic_given_the_generator():
+    a = corruption_plan(4, 16, MPPConfig(), torch.Generator().manual_seed(7))
+    b = corruption_plan(4, 16, MPPConfig(), torch.Generator().manual_seed(7))
+    c = corruption_plan(4, 16, MPPConfig(), torch.Generator().manual_seed(8))
+    assert torch.equal(a.corrupted, b.corrupted) and torch.equal(a.source, b.source)
+    assert not torch.equal(a.corrupted, c.corrupted)
+
+
+def test_mean_color_targets_quantise_each_channel_to_eight_levels():
+    images = torch.empty(1, 3, 8, 8)
+    # Patch (0,0): r=-1, g=0, b=+1 → levels 0, 4, 7 → 0*64 + 4*8 + 7 = 39.
+    images[:, 0, :4, :4], images[:, 1, :4, :4], images[:, 2, :4, :4] = -1.0, 0.0, 1.0
+    # Patch (0,1): half -1 / half +1 in red → mean 0 → level 4; g=b=-0.8 → floor(0.1*8)=0 → 4*64 = 256.
+    images[:, 0, :4, 4:8] = torch.tensor([-1.0, 1.0]).repeat_interleave(2).view(1, 4).expand(4, 4)
+    images[:, 1:, :4, 4:8] = -0.8
+    # Patch (1,0): all channels 0.99 → level 7 each → 511.  Patch (1,1): all -0.3 → floor(0.35*8)=2 → 2*73 = 146.
+    images[:, :, 4:, :4] = 0.99
+    images[:, :, 4:, 4:] = -0.3
+    t = mean_color_targets(images, patch_pixels=4)
+    assert t.tolist() == [[39, 256, 511, 146]]
+    assert t.dtype == torch.int64
+
+
+def test_corrupt_applies_mask_token_and_copies_random_sources():
+    torch.manual_seed(0)
+    task = MaskedPatchPrediction(build_model("vit_tiny_debug", num_classes=0))
+    tokens = torch.randn(2, 64, 64)
+    plan = corruption_plan(2, 64, task.config, torch.Generator().manual_seed(3))
+    out = task.corrupt(tokens, plan)
+    assert torch.equal(out[plan.masked], task.mask_token[0, 0].expand(int(plan.masked.sum()), -1))
+    flat = tokens.reshape(-1, 64)
+    assert torch.equal(out[plan.randomised], flat[plan.source[plan.randomised]])
+    untouched = ~(plan.masked | plan.randomised)
+    assert torch.equal(out[untouched], tokens[untouched])
+
+
+def test_mpp_config_rejects_bad_options():
+    with pytest.raises(ValueError, match="corrupt_fraction"):
+        MPPConfig(corrupt_fraction=0.0)
+    with pytest.raises(ValueError, match="sum to"):
+        MPPConfig(mask_fraction=0.9, random_fraction=0.2)
+    with pytest.raises(ValueError, match="unknown keys"):
+        MPPConfig.from_options({"mask_ratio": 0.5})
+
+
+def _palette_blocks(n: int, palette: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """2x2 blocks of 16 px, each one of 8 palette colours, plus noise: the colour of a corrupted 4-px patch can be
+    learned first from the palette statistics, then from the visible patches of its block."""
+    idx = torch.randint(0, len(palette), (n, 2, 2), generator=generator)
+    images = palette[idx].permute(0, 3, 1, 2).repeat_interleave(16, dim=2).repeat_interleave(16, dim=3)
+    return (images + 0.05 * torch.randn(images.shape, generator=generator)).clamp(-1, 1)  # (n, 3, 32, 32)
+
+
+@pytest.mark.timeout(90)
+def test_mpp_loss_decreases_on_a_tiny_model():
+    torch.manual_seed(0)
+    task = MaskedPatchPrediction(build_model("vit_tiny_debug", num_classes=0), seed=0)
+    opt = torch.optim.AdamW(task.parameters(), lr=2e-3, weight_decay=0.0)
+    data = torch.Generator().manual_seed(0)
+    palette = torch.rand(8, 3, generator=data) * 2 - 1
+    losses = []
+    for _ in range(40):
+        loss, metrics = task(_palette_blocks(32, palette, data), None)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        assert 0.0 <= metrics["accuracy"].item() <= 1.0
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(512.0)).item(), rel=1e-3)  # zero-init head
+    assert int(task.draws) == 40
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    # log(512) = 6.24 at the start; 40 steps should at least learn the 8-colour marginal (log 8 = 2.08).
+    assert last < first - 2.0, f"MPP loss did not fall: {first:.3f} → {last:.3f}"
+    assert metrics["accuracy"].item() > 2 / 512
