@@ -98,6 +98,7 @@ EVALUATORS: dict[str, Evaluator | str] = {
     "fewshot": "evals.fewshot:evaluate",
     "finetune": "evals.finetune:evaluate",
     "vtab": "evals.vtab:evaluate",
+    "inspect": "evals.inspect:evaluate",
 }
 
 
