@@ -1,0 +1,96 @@
+"""The DeepSpeed config, generated from the typed config (never a hand-written JSON repeating the batch size).
+
+The batch arithmetic lives here and only here: global batch = micro-batch × accumulation steps × world size.
+Precision and the process-group backend are resolved from the device: bf16 + nccl on CUDA, fp32 + gloo on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pretrain.config import DataConfig, DeepSpeedConfig, OptimConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int  # images per optimizer step, all ranks
+    micro_batch_size: int  # images per rank per forward/backward
+    grad_accum_steps: int  # micro-batches per rank per optimizer step
+    world_size: int
+
+    @property
+    def images_per_rank_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+def batch_plan(data: DataConfig, world_size: int) -> BatchPlan:
+    """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise."""
+    per_step = world_size * data.micro_batch_size
+    if data.global_batch_size % per_step:
+        per_rank = data.global_batch_size // world_size
+        valid = [m for m in range(1, per_rank + 1) if data.global_batch_size % (m * world_size) == 0]
+        hint = (
+            f"valid data.micro_batch_size values at world size {world_size}: {valid[-6:]}"
+            if valid
+            else f"data.global_batch_size must be a multiple of the world size {world_size}"
+        )
+        raise ValueError(
+            f"data.global_batch_size={data.global_batch_size} is not divisible by world size {world_size} × "
+            f"data.micro_batch_size={data.micro_batch_size} (= {per_step}); {hint}"
+        )
+    return BatchPlan(data.global_batch_size, data.micro_batch_size, data.global_batch_size // per_step, world_size)
+
+
+def resolve_precision(ds: DeepSpeedConfig, device_type: str) -> str:
+    """ "auto" → bf16 on CUDA, fp32 elsewhere (DeepSpeed on CPU has no fp16 and its bf16 is slow)."""
+    if ds.precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return ds.precision
+
+
+def resolve_backend(ds: DeepSpeedConfig, device_type: str) -> str:
+    if ds.dist_backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    return ds.dist_backend
+
+
+def deepspeed_config(
+    ds: DeepSpeedConfig, optim: OptimConfig, plan: BatchPlan, device_type: str, steps_per_print: int = 10**9
+) -> dict[str, Any]:
+    """The dict for `deepspeed.initialize(config=...)`. The optimizer and lr schedule are ours (not listed here)."""
+    precision = resolve_precision(ds, device_type)
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": ds.overlap_comm,
+        "contiguous_gradients": True,
+        # Explicit sizes: the defaults moved between releases and 5e8 allocates two ~1 GB buffers.
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "allgather_bucket_size": ds.allgather_bucket_size,
+    }
+    if ds.zero_stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=ds.allgather_bucket_size,
+            stage3_param_persistence_threshold=10_000,
+            # Lets the checkpoint code gather a consolidated state dict without a second code path.
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    return {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": False},
+        # Accumulate in fp32 even when the weights are bf16: the sum of many micro-batches loses bits otherwise.
+        "data_types": {"grad_accum_dtype": "fp32"},
+        # Our optimizer is a torch AdamW; no DeepSpeed ops to JIT-compile for it.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": steps_per_print,
+        "wall_clock_breakdown": False,
+    }
+
+
+def engine_config(config: TrainConfig, world_size: int, device_type: str) -> dict[str, Any]:
+    return deepspeed_config(config.deepspeed, config.optim, batch_plan(config.data, world_size), device_type)

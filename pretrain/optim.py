@@ -1,0 +1,129 @@
+"""AdamW on weight matrices only, the learning-rate schedules, and the one function that turns durations into steps.
+
+Paper §4.1 / REFERENCE §3: Adam β = (0.9, 0.999), decoupled weight decay on kernels only (not biases, norms, the
+class token or the position embedding), linear warmup then linear (i21k) or cosine (AugReg) decay to `end_lr`.
+The learning rate is computed here for each optimizer step and written into the optimizer's param groups by the
+training loop, so DeepSpeed never owns a scheduler and resume needs only the step number.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pretrain.config import Duration, OptimConfig, ScheduleConfig
+
+DECAYS = ("linear", "cosine", "constant")
+_DURATION = re.compile(r"^\s*([0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$")
+
+
+def duration_to_steps(
+    duration: Duration,
+    global_batch_size: int,
+    epoch_images: int | None,
+    *,
+    field: str = "duration",
+    zero_ok: bool = False,
+) -> int:
+    """Optimizer steps in a duration: an int (steps), or a string "500st", "90ep", "1.2e6img" (rounded up).
+
+    Epochs need ``epoch_images`` (images per epoch); every duration in a config goes through this function.
+    """
+    if isinstance(duration, bool):
+        raise ValueError(f"{field}={duration!r} is not a duration; write steps (10000) or '90ep' / '1e6img'")
+    if isinstance(duration, int):
+        steps = duration
+    else:
+        match = _DURATION.match(str(duration))
+        if match is None:
+            raise ValueError(
+                f"{field}={duration!r} is not a duration; write steps (10000 or '10000st'), epochs ('90ep') "
+                "or images ('1.2e6img')"
+            )
+        amount, unit = float(match.group(1).replace("_", "")), (match.group(2) or "st")
+        if unit.startswith("ep"):
+            if not epoch_images:
+                raise ValueError(
+                    f"{field}={duration!r} counts epochs but the epoch size is unknown; set data.epoch_images "
+                    "(images per epoch) or point data.train at a shard folder with dataset.json"
+                )
+            steps = math.ceil(amount * epoch_images / global_batch_size)
+        elif unit.startswith("img") or unit.startswith("image"):
+            steps = math.ceil(amount / global_batch_size)
+        else:
+            steps = math.ceil(amount)
+    if steps < 0 or (steps == 0 and not zero_ok):
+        raise ValueError(f"{field}={duration!r} gives {steps} steps; it must be {'>= 0' if zero_ok else '> 0'}")
+    return int(steps)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Learning rate for each optimizer step (0-based): warmup from 0 to `peak_lr`, then decay to `end_lr`."""
+
+    peak_lr: float
+    warmup_steps: int
+    total_steps: int
+    decay: str = "linear"
+    end_lr: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            # (step + 1): the first update already moves the weights, as in the upstream schedules' step 1.
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return self.peak_lr
+        # progress reaches 1 at the last step, so the final update uses exactly end_lr.
+        span = max(1, self.total_steps - self.warmup_steps - 1)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.decay == "linear":
+            return self.peak_lr + (self.end_lr - self.peak_lr) * progress
+        if self.decay == "cosine":
+            return self.end_lr + 0.5 * (self.peak_lr - self.end_lr) * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"schedule.decay={self.decay!r} is unknown; use one of {DECAYS}")
+
+
+def build_schedule(
+    optim: OptimConfig, schedule: ScheduleConfig, global_batch_size: int, epoch_images: int | None
+) -> LRSchedule:
+    total = duration_to_steps(schedule.total, global_batch_size, epoch_images, field="schedule.total")
+    warmup = duration_to_steps(schedule.warmup, global_batch_size, epoch_images, field="schedule.warmup", zero_ok=True)
+    return LRSchedule(optim.lr, warmup, total, schedule.decay, schedule.end_lr)
+
+
+def no_decay_names(module: nn.Module) -> set[str]:
+    """Full parameter names that skip weight decay: every submodule's `no_weight_decay()`, plus all 0-/1-D params."""
+    names = {name for name, p in module.named_parameters() if p.ndim < 2}
+    for prefix, sub in module.named_modules():
+        if hasattr(sub, "no_weight_decay"):
+            names |= {f"{prefix}.{n}" if prefix else n for n in sub.no_weight_decay()}
+    return names
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: weight matrices (decayed) and everything else (not decayed). Frozen params are left out."""
+    skip = no_decay_names(module)
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (no_decay if name in skip else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """torch AdamW (decoupled decay × lr). Passed to deepspeed.initialize so no DeepSpeed optimizer op is compiled."""
+    return torch.optim.AdamW(
+        param_groups(module, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
