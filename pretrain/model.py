@@ -257,7 +257,9 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.pre_logits[0].bias)
         else:
             self.pre_logits = nn.Identity()
-        num_features = representation_size or D
+        self._build_classifier(num_classes, representation_size or D, head_bias_init)
+
+    def _build_classifier(self, num_classes: int, num_features: int, head_bias_init: float) -> None:
         self.head = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
         if num_classes > 0:
             # Zero kernel: fine-tuning starts from the pre-trained features' predictions, not from noise.
@@ -374,13 +376,21 @@ class VisionTransformer(nn.Module):
     def reset_classifier(
         self, num_classes: int, representation_size: int | None = None, head_bias_init: float = 0.0
     ) -> None:
-        """Replace pre-logits and head (fine-tuning, paper App. B.1.1: the whole head is dropped, the new one is
-        zero-initialized). `config` is updated so that saved weights describe the new head."""
+        """Replace the head with a zero-initialized one (fine-tuning, paper App. B.1.1).
+
+        `representation_size=None` drops the pre-logits layer too (the paper's protocol); passing the current
+        pre-logits size keeps its trained weights (VT's "keep pre-logits, reset the last layer" variant); another
+        size builds a fresh one. `config` is updated so that saved weights describe the new head.
+        """
         device = self.pos_embed.device
+        keep_pre_logits = bool(representation_size) and representation_size == self.config.representation_size
         self.config = dataclasses.replace(
             self.config, num_classes=num_classes, representation_size=representation_size, head_bias_init=head_bias_init
         )
-        self._build_head(num_classes, representation_size, head_bias_init)
+        if keep_pre_logits:
+            self._build_classifier(num_classes, representation_size, head_bias_init)
+        else:
+            self._build_head(num_classes, representation_size, head_bias_init)
         self.pre_logits.to(device)
         self.head.to(device)
 

@@ -1,0 +1,101 @@
+"""Analytic compute and size of a ViT from its config alone (no model is built).
+
+FLOPs count a multiply-add as 2 FLOPs. Per encoder layer with N tokens (class token included), width D and MLP
+size M, the multiply-adds are (REFERENCE §5)
+
+    N·D·3D  (q, k, v)  +  2·N²·D  (q kᵀ and A v)  +  N·D²  (out)  +  2·N·D·M  (MLP)
+
+plus the patch embedding, the hybrid stem's convolutions, pre-logits and head. Norms, softmax, GELU and biases
+are ignored (< 1% at the sizes of interest), as in the paper's and timm's figures. Training ≈ 3 × forward
+(backward is twice the forward: gradients with respect to activations and to weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pretrain.model import ViTConfig
+
+
+def _conv_out(size: int, stride: int) -> int:
+    return math.ceil(size / stride)  # TF "SAME"
+
+
+def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int, int]:
+    """(MACs, parameters, output channels) of the hybrid's ResNet stem; zeros for a plain ViT."""
+    if not config.hybrid_stages:
+        return 0, 0, config.in_chans
+    width = 64 * config.hybrid_width
+    size = _conv_out(image_size, 2)
+    macs = size * size * width * 7 * 7 * config.in_chans
+    params = 7 * 7 * config.in_chans * width + 2 * width  # conv_root + gn_root
+    size = _conv_out(size, 2)  # max-pool
+    cin = width
+    for s, num_units in enumerate(config.hybrid_stages):
+        features = width * 2**s
+        cout = 4 * features
+        for u in range(num_units):
+            stride = 2 if (s > 0 and u == 0) else 1
+            out = _conv_out(size, stride)
+            macs += size * size * cin * features  # conv1 1x1 at the input resolution
+            macs += out * out * 9 * features * features  # conv2 3x3, strided
+            macs += out * out * features * cout  # conv3 1x1
+            params += cin * features + 9 * features * features + features * cout + 2 * (2 * features + cout)
+            if cin != cout or stride != 1:
+                macs += out * out * cin * cout  # conv_proj
+                params += cin * cout + 2 * cout
+            cin, size = cout, out
+    return macs, params, cin
+
+
+def forward_macs(config: ViTConfig, image_size: int | None = None) -> int:
+    """Multiply-adds of one forward pass of one image at `image_size` (default: the config's)."""
+    image_size = image_size or config.image_size
+    if image_size % config.stride:
+        raise ValueError(f"image_size={image_size} is not a multiple of the model's patch stride {config.stride}")
+    D, M = config.width, config.mlp_dim
+    stem_macs, _, stem_channels = _stem_macs_and_params(config, image_size)
+    grid = image_size // config.stride
+    num_patches = grid * grid
+    N = num_patches + (config.pool == "token")
+    patch_embed = num_patches * config.patch_size**2 * stem_channels * D
+    layer = N * D * 3 * D + 2 * N * N * D + N * D * D + 2 * N * D * M
+    head_in = config.representation_size or D
+    head = (D * config.representation_size if config.representation_size else 0) + head_in * config.num_classes
+    return stem_macs + patch_embed + config.depth * layer + head
+
+
+def forward_flops(config: ViTConfig, image_size: int | None = None) -> int:
+    """FLOPs of one forward pass of one image (2 per multiply-add)."""
+    return 2 * forward_macs(config, image_size)
+
+
+def train_flops(config: ViTConfig, image_size: int | None = None) -> int:
+    """FLOPs of one training step per image: forward + backward ≈ 3 × forward (no activation recomputation)."""
+    return 3 * forward_flops(config, image_size)
+
+
+def param_count(config: ViTConfig) -> int:
+    """Number of parameters of `VisionTransformer(config)`, computed from the config."""
+    D, M = config.width, config.mlp_dim
+    _, stem_params, stem_channels = _stem_macs_and_params(config, config.image_size)
+    patch_embed = config.patch_size**2 * stem_channels * D + D
+    tokens = config.num_patches + (config.pool == "token")
+    embeddings = tokens * D + (D if config.pool == "token" else 0)  # position embeddings + class token
+    layer = 2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D) + (D * M + M) + (M * D + D)
+    pre_logits = D * config.representation_size + config.representation_size if config.representation_size else 0
+    head_in = config.representation_size or D
+    head = head_in * config.num_classes + config.num_classes
+    return stem_params + patch_embed + embeddings + config.depth * layer + 2 * D + pre_logits + head
+
+
+def describe(config: ViTConfig, image_size: int | None = None) -> dict[str, float]:
+    """Headline numbers for logs and plans: params (M), forward GMACs and GFLOPs, training GFLOPs per image."""
+    image_size = image_size or config.image_size
+    return {
+        "params_m": param_count(dataclasses.replace(config, image_size=image_size)) / 1e6,
+        "forward_gmacs": forward_macs(config, image_size) / 1e9,
+        "forward_gflops": forward_flops(config, image_size) / 1e9,
+        "train_gflops": train_flops(config, image_size) / 1e9,
+    }

@@ -1,0 +1,181 @@
+"""Conversion to and from Hugging Face `transformers` ViTForImageClassification state dicts.
+
+HF's ViT is the paper's model with a class-token head and no pre-logits layer, so only `pool="token"`,
+`representation_size=None`, non-hybrid models convert. HF computes exact GELU for `hidden_act="gelu"` (our
+`gelu_approximate="none"`) and tanh GELU for `"gelu_pytorch_tanh"` (our default, official JAX checkpoints).
+
+Two key layouts exist: the Hub layout of every published checkpoint and transformers < 5
+(`vit.encoder.layer.N.attention.attention.query.weight`), and the one transformers ≥ 5 models hold
+(`vit.layers.N.attention.q_proj.weight`; `from_pretrained` renames Hub files on load). `to_hf_state_dict`
+writes the layout of the installed transformers by default; `from_hf_state_dict` reads both.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+
+from pretrain.model import LN_EPS, VisionTransformer, ViTConfig
+
+_GELU_TO_HF = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
+_GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
+
+# Per-block names: ours → (Hub / transformers < 5, transformers ≥ 5); q, k, v are split from our fused qkv.
+_BLOCK_KEYS = {
+    "norm1": ("layernorm_before", "layernorm_before"),
+    "q": ("attention.attention.query", "attention.q_proj"),
+    "k": ("attention.attention.key", "attention.k_proj"),
+    "v": ("attention.attention.value", "attention.v_proj"),
+    "attn.proj": ("attention.output.dense", "attention.o_proj"),
+    "norm2": ("layernorm_after", "layernorm_after"),
+    "mlp.fc1": ("intermediate.dense", "mlp.fc1"),
+    "mlp.fc2": ("output.dense", "mlp.fc2"),
+}
+_LAYER_PREFIX = {"hub": "vit.encoder.layer.", "v5": "vit.layers."}
+
+
+def _check_convertible(config: ViTConfig) -> None:
+    problems = []
+    if config.pool != "token":
+        problems.append("pool='gap' (HF ViT classifies from the class token)")
+    if config.representation_size:
+        problems.append("a pre-logits layer (reset_classifier(num_classes) drops it, as fine-tuning does)")
+    if config.hybrid_stages:
+        problems.append("a ResNet hybrid stem")
+    if problems:
+        raise ValueError("cannot express in HF ViTForImageClassification: " + "; ".join(problems))
+
+
+def hf_config(config: ViTConfig):
+    """The `transformers.ViTConfig` of the same architecture (LayerNorm eps 1e-6 as the JAX model)."""
+    from transformers import ViTConfig as HFViTConfig  # optional dependency: only this module needs it
+
+    _check_convertible(config)
+    return HFViTConfig(
+        hidden_size=config.width,
+        num_hidden_layers=config.depth,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.mlp_dim,
+        hidden_act=_GELU_TO_HF[config.gelu_approximate],
+        hidden_dropout_prob=config.dropout,
+        attention_probs_dropout_prob=config.attention_dropout,
+        layer_norm_eps=LN_EPS,
+        image_size=config.image_size,
+        patch_size=config.patch_size,
+        num_channels=config.in_chans,
+        qkv_bias=True,
+        num_labels=max(config.num_classes, 1),
+    )
+
+
+def config_from_hf(hf) -> ViTConfig:
+    """Our ViTConfig for a `transformers.ViTConfig` (gelu variants mapped; other activations refused)."""
+    if hf.hidden_act not in _GELU_FROM_HF:
+        raise ValueError(
+            f"HF hidden_act={hf.hidden_act!r} has no ViT equivalent; expected one of {list(_GELU_FROM_HF)}"
+        )
+    image_size, patch_size = hf.image_size, hf.patch_size
+    image_size = image_size if isinstance(image_size, int) else image_size[0]
+    patch_size = patch_size if isinstance(patch_size, int) else patch_size[0]
+    return ViTConfig(
+        image_size=image_size,
+        patch_size=patch_size,
+        width=hf.hidden_size,
+        depth=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        mlp_dim=hf.intermediate_size,
+        num_classes=hf.num_labels,
+        gelu_approximate=_GELU_FROM_HF[hf.hidden_act],
+        in_chans=hf.num_channels,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def installed_layout() -> str:
+    """ "v5" when the installed transformers' ViT holds `vit.layers.*`, else "hub" (also without transformers)."""
+    try:
+        from transformers import ViTConfig as HFViTConfig
+        from transformers import ViTForImageClassification
+    except ImportError:
+        return "hub"
+    tiny = HFViTConfig(hidden_size=4, num_hidden_layers=1, num_attention_heads=1, intermediate_size=4, image_size=2,
+                       patch_size=2, num_labels=1)  # fmt: skip
+    keys = ViTForImageClassification(tiny).state_dict().keys()
+    return "v5" if any(k.startswith("vit.layers.") for k in keys) else "hub"
+
+
+def to_hf_state_dict(model: VisionTransformer, layout: str = "auto") -> dict[str, torch.Tensor]:
+    """Our weights in HF ViTForImageClassification keys; `layout` "auto" | "hub" | "v5" (see module doc)."""
+    config = model.config
+    _check_convertible(config)
+    layout = installed_layout() if layout == "auto" else layout
+    if layout not in _LAYER_PREFIX:
+        raise ValueError(f"layout must be 'auto', 'hub' or 'v5', got {layout!r}")
+    column = 0 if layout == "hub" else 1
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {
+        "vit.embeddings.cls_token": sd["cls_token"],
+        "vit.embeddings.position_embeddings": sd["pos_embed"],
+        "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
+        "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
+        "vit.layernorm.weight": sd["norm.weight"],
+        "vit.layernorm.bias": sd["norm.bias"],
+    }
+    if config.num_classes:
+        out["classifier.weight"], out["classifier.bias"] = sd["head.weight"], sd["head.bias"]
+    for i in range(config.depth):
+        ours = f"blocks.{i}."
+        sd[ours + "q.weight"], sd[ours + "k.weight"], sd[ours + "v.weight"] = sd[ours + "attn.qkv.weight"].chunk(3)
+        sd[ours + "q.bias"], sd[ours + "k.bias"], sd[ours + "v.bias"] = sd[ours + "attn.qkv.bias"].chunk(3)
+        for name, theirs in _BLOCK_KEYS.items():
+            for param in ("weight", "bias"):
+                out[f"{_LAYER_PREFIX[layout]}{i}.{theirs[column]}.{param}"] = sd[f"{ours}{name}.{param}"].contiguous()
+    return out
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTransformer:
+    """A VisionTransformer from HF ViT(ForImageClassification) weights in either layout.
+
+    `config` is our ViTConfig or a `transformers.ViTConfig`. Keys without the `vit.` prefix (a bare ViTModel) are
+    accepted; a pooler, if present, is ignored (ViTForImageClassification does not use it).
+    """
+    if not isinstance(config, ViTConfig):
+        config = config_from_hf(config)
+    _check_convertible(config)
+    hf = {re.sub(r"^(?!vit\.|classifier\.)", "vit.", k): v for k, v in state_dict.items()}
+    layout = "v5" if any(k.startswith("vit.layers.") for k in hf) else "hub"
+    column = 0 if layout == "hub" else 1
+    layers = {int(m.group(1)) for k in hf if (m := re.match(re.escape(_LAYER_PREFIX[layout]) + r"(\d+)\.", k))}
+    if layers != set(range(config.depth)):
+        raise ValueError(f"HF state dict has {len(layers)} encoder layers, config.depth={config.depth}")
+
+    def take(key: str) -> torch.Tensor:
+        if key not in hf:
+            raise ValueError(f"HF state dict has no {key!r} (layout {layout!r}); is it a ViT of this config?")
+        return hf[key]
+
+    sd = {
+        "cls_token": take("vit.embeddings.cls_token"),
+        "pos_embed": take("vit.embeddings.position_embeddings"),
+        "patch_embed.proj.weight": take("vit.embeddings.patch_embeddings.projection.weight"),
+        "patch_embed.proj.bias": take("vit.embeddings.patch_embeddings.projection.bias"),
+        "norm.weight": take("vit.layernorm.weight"),
+        "norm.bias": take("vit.layernorm.bias"),
+    }
+    if config.num_classes:
+        sd["head.weight"], sd["head.bias"] = take("classifier.weight"), take("classifier.bias")
+    for i in range(config.depth):
+        theirs = {name: f"{_LAYER_PREFIX[layout]}{i}.{keys[column]}" for name, keys in _BLOCK_KEYS.items()}
+        ours = f"blocks.{i}."
+        for param in ("weight", "bias"):
+            sd[f"{ours}attn.qkv.{param}"] = torch.cat([take(f"{theirs[n]}.{param}") for n in ("q", "k", "v")])
+            for name in ("norm1", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
+                sd[f"{ours}{name}.{param}"] = take(f"{theirs[name]}.{param}")
+    model = VisionTransformer(config)
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"HF weights do not fit {config}: {e}") from None
+    return model

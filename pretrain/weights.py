@@ -1,0 +1,421 @@
+"""Weights in and out: official JAX `.npz` checkpoints, safetensors + `model.json`, training checkpoints.
+
+`load_npz` reads checkpoints released by google-research/vision_transformer (VT) and big_vision (BV), infers the
+architecture from the arrays alone and returns a `VisionTransformer` whose logits equal the official ones
+(REFERENCE §2). Hugging Face export lives in `pretrain.hf_convert` and is re-exported here.
+
+    python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from pretrain.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
+from pretrain.model import VisionTransformer, ViTConfig
+from pretrain.resnet import stem_out_channels
+
+__all__ = [
+    "IncompleteCheckpointError",
+    "from_hf_state_dict",
+    "hf_config",
+    "latest_complete_checkpoint",
+    "load_checkpoint_model",
+    "load_model",
+    "load_npz",
+    "load_pretrained",
+    "resize_model",
+    "resize_pos_embed",
+    "save_pretrained",
+    "to_hf_state_dict",
+]
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "model.json"
+COMPLETE_MARKER = "COMPLETE"
+
+# Fields the weights determine; an override that contradicts the file is a user error, not a resize.
+_ARCHITECTURE_FIELDS = (
+    "patch_size",
+    "width",
+    "depth",
+    "num_heads",
+    "mlp_dim",
+    "pool",
+    "hybrid_stages",
+    "hybrid_width",
+    "in_chans",
+)
+_HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint directory without its COMPLETE marker (a save that was interrupted or is still running)."""
+
+
+# --------------------------------------------------------------------------------------------- position embeddings
+
+
+def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Resize (1, P+N, D) position embeddings to a new grid with the official semantics (VT `checkpoint.py`).
+
+    The P prefix rows (class token) are kept; the square grid is interpolated bilinearly with align_corners=True,
+    which is exactly `scipy.ndimage.zoom(grid, (gh/g, gw/g, 1), order=1)`.
+    """
+    if posemb.ndim != 3 or posemb.shape[0] != 1:
+        raise ValueError(f"position embeddings must be (1, P+N, D), got {tuple(posemb.shape)}")
+    prefix, grid = posemb[:, :num_prefix_tokens], posemb[0, num_prefix_tokens:]
+    g = math.isqrt(grid.shape[0])
+    if g * g != grid.shape[0]:
+        raise ValueError(
+            f"{grid.shape[0]} position embeddings (after {num_prefix_tokens} prefix rows) are not a square grid"
+        )
+    gh, gw = new_grid
+    if (gh, gw) == (g, g):
+        return posemb.clone()
+    x = grid.reshape(1, g, g, -1).permute(0, 3, 1, 2).double()  # (1, D, g, g)
+    x = F.interpolate(x, size=(gh, gw), mode="bilinear", align_corners=True)
+    x = x.permute(0, 2, 3, 1).reshape(1, gh * gw, -1).to(posemb.dtype)  # (1, gh·gw, D)
+    return torch.cat([prefix, x], dim=1)
+
+
+# --------------------------------------------------------------------------------------------- official .npz
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """All arrays of an npz, read eagerly so that truncation and pickles fail here with a clear message."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {path}")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {key: npz[key] for key in npz.files}
+    except AttributeError:  # np.load returned a bare array: a .npy, not an .npz
+        raise ValueError(f"{path} is a single .npy array, not an .npz checkpoint of named arrays") from None
+    except ValueError as e:
+        if "pickle" in str(e).lower():
+            raise ValueError(
+                f"{path} contains pickled data, which is never loaded (it can run arbitrary code); "
+                "official ViT checkpoints are plain .npz archives of numeric arrays"
+            ) from None
+        raise ValueError(f"{path} is not a readable .npz archive: {e}") from None
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        raise ValueError(
+            f"{path} is truncated or not an .npz archive ({type(e).__name__}: {e}); download it again"
+        ) from None
+
+
+def _strip_prefix(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """Drop `params/`, `opt/target/` (or any other) prefix: the prefix is whatever precedes `embedding/kernel`."""
+    roots = [
+        k[: -len("embedding/kernel")] for k in arrays if k == "embedding/kernel" or k.endswith("/embedding/kernel")
+    ]
+    roots = [r for r in roots if not r.endswith("pos_")]
+    if not roots:
+        sample = ", ".join(sorted(arrays)[:8])
+        raise ValueError(
+            f"{path} is not a ViT checkpoint: no 'embedding/kernel' (patch embedding) array; keys start with: {sample}"
+        )
+    root = min(roots, key=len)
+    return {k[len(root) :]: v for k, v in arrays.items() if k.startswith(root)}
+
+
+def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Per block, its arrays keyed `ln1/…, attn/…, ln2/…, mlp/…` whatever the layout.
+
+    Both VT (`LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3`, pre-Linen numbering) and BV
+    / Linen (`LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0`) number submodules in call
+    order, so the first LayerNorm is the pre-attention one in either. BV's `scan` layout (one `encoderblock/` with
+    a leading depth axis) is unstacked.
+    """
+    per_block: dict[int, dict[str, np.ndarray]] = {}
+    stacked = {
+        k[len("Transformer/encoderblock/") :]: v for k, v in p.items() if k.startswith("Transformer/encoderblock/")
+    }
+    if stacked:
+        depth = next(iter(stacked.values())).shape[0]
+        for i in range(depth):
+            per_block[i] = {k: v[i] for k, v in stacked.items()}
+    for k, v in p.items():
+        m = re.match(r"Transformer/encoderblock_(\d+)/(.+)$", k)
+        if m:
+            per_block.setdefault(int(m.group(1)), {})[m.group(2)] = v
+    if not per_block:
+        raise ValueError("not a ViT checkpoint: no 'Transformer/encoderblock_*' arrays")
+    if sorted(per_block) != list(range(len(per_block))):
+        raise ValueError(f"encoder blocks are not numbered 0..{len(per_block) - 1}: found {sorted(per_block)}")
+    blocks = []
+    for i in range(len(per_block)):
+        by_module: dict[str, list[tuple[int, str]]] = {}
+        for name in {k.split("/")[0] for k in per_block[i]}:
+            kind, _, index = name.rpartition("_")
+            by_module.setdefault(kind, []).append((int(index), name))
+        try:
+            (ln1, ln2), (attn,), (mlp,) = (
+                [n for _, n in sorted(by_module[kind])]
+                for kind in ("LayerNorm", "MultiHeadDotProductAttention", "MlpBlock")
+            )
+        except (KeyError, ValueError):
+            raise ValueError(f"encoder block {i} has unexpected submodules {sorted(by_module)}") from None
+        rename = {ln1: "ln1", attn: "attn", ln2: "ln2", mlp: "mlp"}
+        blocks.append({rename[k.split("/")[0]] + "/" + k.split("/", 1)[1]: v for k, v in per_block[i].items()})
+    return blocks
+
+
+def _hybrid_stages(p: dict[str, np.ndarray]) -> tuple[int, ...] | None:
+    units: dict[int, int] = {}
+    for k in p:
+        m = re.match(r"block(\d+)/unit(\d+)/", k)
+        if m:
+            units[int(m.group(1))] = max(units.get(int(m.group(1)), 0), int(m.group(2)))
+    if not units:
+        return None
+    if sorted(units) != list(range(1, len(units) + 1)):
+        raise ValueError(f"hybrid ResNet stages are not numbered block1..block{len(units)}: found {sorted(units)}")
+    return tuple(units[s] for s in range(1, len(units) + 1))
+
+
+def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -> tuple[ViTConfig, np.ndarray]:
+    """The architecture the arrays describe, and the position embeddings with the class slot (1, P+N, D)."""
+    patch, _, in_chans, width = p["embedding/kernel"].shape
+    pool = "token" if "cls" in p else "gap"
+    if "MAPHead_0/probe" in p or any(k.startswith("MAPHead_0/") for k in p):
+        raise ValueError("big_vision 'map' (attention-pooling) heads are not supported; pool must be 'token' or 'gap'")
+    if "Transformer/posembed_input/pos_embedding" in p:  # VT: class slot included for token models
+        posemb = p["Transformer/posembed_input/pos_embedding"]
+    elif "pos_embedding" in p:  # BV: added before the class token is prepended, so that token gets no position
+        posemb = p["pos_embedding"]
+        if pool == "token":
+            posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
+    else:
+        raise ValueError(
+            "no learned position embeddings ('Transformer/posembed_input/pos_embedding' or 'pos_embedding')"
+        )
+    num_patches = posemb.shape[1] - (pool == "token")
+    grid = math.isqrt(num_patches)
+    if grid * grid != num_patches:
+        raise ValueError(f"position embeddings {posemb.shape} do not describe a square grid of patches")
+    stages = _hybrid_stages(p)
+    hybrid_width = 1
+    if stages:  # the patch embedding reads the stem's features; the image channels are the root conv's input
+        stem_channels, in_chans = in_chans, p["conv_root/kernel"].shape[2]
+        hybrid_width = p["conv_root/kernel"].shape[-1] // 64
+        if stem_channels != stem_out_channels(stages, hybrid_width):
+            raise ValueError(
+                f"embedding/kernel reads {stem_channels} channels but ResNet stages {stages} (width factor "
+                f"{hybrid_width}) produce {stem_out_channels(stages, hybrid_width)}; the checkpoint is inconsistent"
+            )
+    query = blocks[0]["attn/query/kernel"]  # (D, heads, head_dim)
+    config = ViTConfig(
+        image_size=grid * patch * (4 * 2 ** (len(stages) - 1) if stages else 1),
+        patch_size=patch,
+        width=width,
+        depth=len(blocks),
+        num_heads=query.shape[1],
+        mlp_dim=blocks[0]["mlp/Dense_0/kernel"].shape[1],
+        num_classes=p["head/kernel"].shape[1] if "head/kernel" in p else 0,
+        pool=pool,
+        representation_size=p["pre_logits/kernel"].shape[1] if "pre_logits/kernel" in p else None,
+        gelu_approximate="tanh",  # Flax nn.gelu default
+        hybrid_stages=stages,
+        hybrid_width=hybrid_width,
+        in_chans=in_chans,
+    )
+    return config, posemb
+
+
+def _conv(kernel: np.ndarray) -> np.ndarray:
+    return kernel.transpose(3, 2, 0, 1)  # HWIO → OIHW
+
+
+def _npz_state_dict(p: dict[str, np.ndarray], blocks, posemb: np.ndarray, config: ViTConfig) -> dict[str, np.ndarray]:
+    D = config.width
+    sd = {
+        "patch_embed.proj.weight": _conv(p["embedding/kernel"]),
+        "patch_embed.proj.bias": p["embedding/bias"],
+        "pos_embed": posemb,
+        "norm.weight": p["Transformer/encoder_norm/scale"],
+        "norm.bias": p["Transformer/encoder_norm/bias"],
+    }
+    if config.pool == "token":
+        sd["cls_token"] = p["cls"]
+    for i, b in enumerate(blocks):
+        pre = f"blocks.{i}."
+        qkv = [b[f"attn/{n}/kernel"].reshape(D, D).T for n in ("query", "key", "value")]
+        sd[pre + "attn.qkv.weight"] = np.concatenate(qkv, axis=0)
+        sd[pre + "attn.qkv.bias"] = np.concatenate([b[f"attn/{n}/bias"].reshape(D) for n in ("query", "key", "value")])
+        sd[pre + "attn.proj.weight"] = b["attn/out/kernel"].reshape(D, D).T  # (heads, hd, D) → (D_out, heads·hd)
+        sd[pre + "attn.proj.bias"] = b["attn/out/bias"]
+        for ours, theirs in (("norm1", "ln1"), ("norm2", "ln2")):
+            sd[pre + ours + ".weight"], sd[pre + ours + ".bias"] = b[theirs + "/scale"], b[theirs + "/bias"]
+        for ours, theirs in (("fc1", "Dense_0"), ("fc2", "Dense_1")):
+            sd[pre + f"mlp.{ours}.weight"] = b[f"mlp/{theirs}/kernel"].T
+            sd[pre + f"mlp.{ours}.bias"] = b[f"mlp/{theirs}/bias"]
+    if config.representation_size:
+        sd["pre_logits.0.weight"], sd["pre_logits.0.bias"] = p["pre_logits/kernel"].T, p["pre_logits/bias"]
+    if config.num_classes:
+        sd["head.weight"], sd["head.bias"] = p["head/kernel"].T, p["head/bias"]
+    for key, value in p.items():  # hybrid stem: names match the official ones below `patch_embed.backbone`
+        m = re.match(r"(conv_root|gn_root|block\d+/unit\d+/(?:conv|gn)(?:\d|_proj))/(kernel|scale|bias)$", key)
+        if not m:
+            continue
+        module = re.sub(r"(block\d+)/(unit\d+)/", r"stages.\1.units.\2.", m.group(1))
+        if m.group(2) == "kernel":
+            sd[f"patch_embed.backbone.{module}.weight"] = _conv(value)
+        else:  # GroupNorm scale/bias, stored (1, 1, 1, C) by older Flax (flax#1721)
+            sd[f"patch_embed.backbone.{module}.{'weight' if m.group(2) == 'scale' else 'bias'}"] = value.reshape(-1)
+    return sd
+
+
+def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
+    """Build the model an official JAX checkpoint describes and load its weights.
+
+    `image_size` other than the checkpoint's resizes the position embeddings (official semantics). Overrides may
+    change dropout, GELU, checkpointing, and the head: a different `num_classes`, `representation_size` or
+    `head_bias_init` replaces the head with a zero-initialized one (`representation_size=None` drops pre-logits,
+    the fine-tuning protocol). Architecture fields must agree with the file.
+    """
+    path = Path(path)
+    p = _strip_prefix(_read_npz(path), path)
+    try:
+        blocks = _encoder_blocks(p)
+        config, posemb = _npz_config(p, blocks)
+        state = _npz_state_dict(p, blocks, posemb, config)
+    except KeyError as e:
+        raise ValueError(f"{path} is not a complete ViT checkpoint: missing array {e}") from None
+    return _finish(
+        config, {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()}, path, image_size, overrides
+    )
+
+
+def _finish(config: ViTConfig, state: dict, source, image_size: int | None, overrides: dict) -> VisionTransformer:
+    """Build `config`, load `state` strictly, then resize and apply overrides."""
+    valid = {f.name for f in dataclasses.fields(ViTConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown ViTConfig overrides {unknown}; valid fields: {sorted(valid)}")
+    for name in _ARCHITECTURE_FIELDS:
+        if name in overrides and overrides[name] != getattr(config, name):
+            raise ValueError(
+                f"{name}={overrides[name]!r} contradicts the weights in {source} ({name}={getattr(config, name)!r}); "
+                "architecture fields are read from the weights — drop this override"
+            )
+    head = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
+    free = {k: v for k, v in overrides.items() if k not in _ARCHITECTURE_FIELDS}
+    model = VisionTransformer(dataclasses.replace(config, **free))
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"weights in {source} do not fit the inferred model: {e}") from None
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {source} do not fit the inferred model: missing {missing}, unexpected {unexpected}"
+        )
+    if image_size is not None and image_size != config.image_size:
+        resize_model(model, image_size)
+    if any(head.get(k, getattr(config, k)) != getattr(config, k) for k in head):
+        model.reset_classifier(
+            head.get("num_classes", config.num_classes),
+            head.get("representation_size", config.representation_size),
+            head_bias_init=head.get("head_bias_init", 0.0),
+        )
+    return model
+
+
+@torch.no_grad()
+def resize_model(model: VisionTransformer, image_size: int) -> None:
+    """Make `model` run at `image_size` by interpolating its position embeddings (in place)."""
+    config = dataclasses.replace(model.config, image_size=image_size)  # validates divisibility
+    new = resize_pos_embed(model.pos_embed.data, (config.grid_size, config.grid_size), model.num_prefix_tokens)
+    model.pos_embed = torch.nn.Parameter(new, requires_grad=model.pos_embed.requires_grad)
+    model.config = config
+
+
+# --------------------------------------------------------------------------------------------- safetensors
+
+
+def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
+    """Write `model.safetensors` (fp32-exact copy of the state dict) and `model.json` (the ViTConfig fields)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "producer": "vitscale"})
+    (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+
+
+def load_pretrained(directory: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
+    """Load what `save_pretrained` wrote; `image_size` and overrides as in `load_npz`."""
+    directory = Path(directory)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory} has no {name}; expected a folder written by save_pretrained")
+    try:
+        config = ViTConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{directory / CONFIG_FILE} is not a valid model config: {e}") from None
+    return _finish(config, load_file(str(directory / WEIGHTS_FILE)), directory, image_size, overrides)
+
+
+def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
+    """The consolidated model of a training checkpoint `.../checkpoints/step_XXXXXXXX/`.
+
+    Refuses a folder without `COMPLETE` (written last by the trainer): its files may be half written.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {checkpoint_dir}")
+    if not (checkpoint_dir / COMPLETE_MARKER).is_file():
+        raise IncompleteCheckpointError(
+            f"{checkpoint_dir} has no {COMPLETE_MARKER} marker: the save was interrupted or is still running; "
+            "use an earlier complete checkpoint (see latest_complete_checkpoint)"
+        )
+    return load_pretrained(checkpoint_dir, image_size=image_size, **overrides)
+
+
+def latest_complete_checkpoint(run_dir: str | Path) -> Path | None:
+    """Newest `step_*` folder with COMPLETE under `run_dir/checkpoints` (or `run_dir` itself), or None."""
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    steps = [d for d in root.glob("step_*") if d.is_dir() and (d / COMPLETE_MARKER).is_file()]
+    return max(steps, key=lambda d: int(d.name.split("_")[1]), default=None)
+
+
+def load_model(source: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
+    """Any weights vitscale reads: an official `.npz`, a training checkpoint folder, or a `save_pretrained` folder."""
+    source = Path(source)
+    if source.suffix == ".npz":
+        return load_npz(source, image_size=image_size, **overrides)
+    if (source / COMPLETE_MARKER).exists() or (source / "trainer_state.json").exists():
+        return load_checkpoint_model(source, image_size=image_size, **overrides)
+    return load_pretrained(source, image_size=image_size, **overrides)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.weights", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    convert = sub.add_parser("convert", help="official .npz → model.safetensors + model.json")
+    convert.add_argument("npz", type=Path)
+    convert.add_argument("out_dir", type=Path)
+    convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
+    args = parser.parse_args(argv)
+    model = load_npz(args.npz, image_size=args.image_size)
+    save_pretrained(model, args.out_dir)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out_dir} ({n / 1e6:.2f}M params): {json.dumps(model.config.to_dict())}")
+
+
+if __name__ == "__main__":
+    main()
