@@ -1,0 +1,183 @@
+"""Decode + augmentation of one image in PIL/numpy, and batch-level mixup.
+
+Training: Inception crop (random area fraction and aspect ratio, as in torchvision's RandomResizedCrop and
+big_vision's ``inception_crop``), horizontal flip, optional RandAugment(n, m). Evaluation: square resize then
+centre crop (big_vision's ``resize(256)|central_crop(224)``). Both are fused into one ``Image.resize(box=...)``
+after a JPEG ``draft`` that lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is much larger than the
+output, which is where most of the decode time goes.
+
+All randomness comes from the ``numpy.random.Generator`` passed in, so the caller decides what it is seeded by
+(the stream seeds it per sample from (seed, epoch, shard, member, repeat) to make resume exact).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageEnhance, ImageOps
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    inception_crop: bool = True  # False: resize the whole image to the output size
+    area_min: float = 0.05  # crop area as a fraction of the image, lower bound (ViT/BiT use 5%)
+    area_max: float = 1.0
+    aspect_min: float = 0.75  # crop aspect ratio w/h, sampled log-uniformly
+    aspect_max: float = 4 / 3
+    flip: bool = True  # horizontal flip with probability 1/2
+    randaugment_n: int = 0  # number of RandAugment ops per image; 0 disables it
+    randaugment_m: int = 0  # RandAugment magnitude, 0-30 (10 is the usual "full" strength)
+
+    def validate(self) -> None:
+        if not 0 < self.area_min <= self.area_max <= 1:
+            raise ValueError(
+                f"augment.area_min/area_max must satisfy 0 < min <= max <= 1, got {self.area_min}/{self.area_max}"
+            )
+        if not 0 < self.aspect_min <= self.aspect_max:
+            raise ValueError(
+                f"augment.aspect_min/aspect_max must satisfy 0 < min <= max, got {self.aspect_min}/{self.aspect_max}"
+            )
+        if self.randaugment_n < 0 or not 0 <= self.randaugment_m <= 30:
+            raise ValueError(
+                f"augment.randaugment_n must be >= 0 and randaugment_m in [0, 30], got "
+                f"{self.randaugment_n}/{self.randaugment_m}"
+            )
+
+
+def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: AugmentConfig) -> tuple:
+    """(left, top, right, bottom) of a random crop; after 10 failed draws, the largest centred crop in range."""
+    area = width * height
+    log_lo, log_hi = math.log(cfg.aspect_min), math.log(cfg.aspect_max)
+    for _ in range(10):
+        target = area * rng.uniform(cfg.area_min, cfg.area_max)
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = math.sqrt(target * aspect)
+        h = math.sqrt(target / aspect)
+        if w <= width and h <= height:
+            left = rng.uniform(0, width - w)
+            top = rng.uniform(0, height - h)
+            return (left, top, left + w, top + h)
+    ratio = width / height
+    if ratio < cfg.aspect_min:
+        w, h = width, width / cfg.aspect_min
+    elif ratio > cfg.aspect_max:
+        w, h = height * cfg.aspect_max, height
+    else:
+        w, h = width, height
+    return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
+
+
+def _open_drafted(data: bytes, box: tuple, size: int) -> tuple[Image.Image, tuple]:
+    """Open a JPEG at the smallest DCT scale that still gives the crop >= ``size`` pixels; rescale the box."""
+    img = Image.open(io.BytesIO(data))
+    width, height = img.size
+    crop_short = min(box[2] - box[0], box[3] - box[1])
+    if img.format == "JPEG" and crop_short >= 2 * size:
+        factor = crop_short / size  # draft never reduces below the requested size
+        img.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
+        sx, sy = img.size[0] / width, img.size[1] / height
+        box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    return img, box
+
+
+def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
+    """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
+    with Image.open(io.BytesIO(data)) as probe:
+        width, height = probe.size
+    if cfg is not None and cfg.inception_crop:
+        box = inception_crop_box(width, height, rng, cfg)
+    else:
+        box = (0, 0, width, height)
+    img, box = _open_drafted(data, box, size)
+    if img.mode not in ("RGB", "L"):
+        img = img.convert("RGB")
+    img = img.resize((size, size), Image.BILINEAR, box=box)  # fused crop + resize
+    if cfg is not None and cfg.flip and rng.random() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    if cfg is not None and cfg.randaugment_n > 0:
+        img = randaugment(img.convert("RGB"), cfg.randaugment_n, cfg.randaugment_m, rng)
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    return np.asarray(img)
+
+
+def decode_eval(data: bytes, size: int, resize_size: int | None = None) -> np.ndarray:
+    """Square resize to ``resize_size`` then centre crop ``size`` (fused); ``None`` resizes straight to ``size``."""
+    resize_size = resize_size or size
+    if resize_size < size:
+        raise ValueError(f"resize_size {resize_size} must be >= image_size {size}")
+    with Image.open(io.BytesIO(data)) as probe:
+        width, height = probe.size
+    keep = size / resize_size  # the centre fraction kept on each axis
+    w, h = width * keep, height * keep
+    box = ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
+    img, box = _open_drafted(data, box, size)
+    if img.mode not in ("RGB", "L"):
+        img = img.convert("RGB")
+    img = img.resize((size, size), Image.BILINEAR, box=box)
+    return np.asarray(img.convert("RGB") if img.mode != "RGB" else img)
+
+
+# -------------------------------------------------------------------------------------------------- RandAugment
+
+
+def _level(m: int, high: float) -> float:
+    return m / 10.0 * high
+
+
+def _signed(value: float, rng: np.random.Generator) -> float:
+    return value if rng.random() < 0.5 else -value
+
+
+def _affine(img: Image.Image, matrix: tuple) -> Image.Image:
+    return img.transform(img.size, Image.AFFINE, matrix, resample=Image.BILINEAR, fillcolor=(128, 128, 128))
+
+
+_OPS = {
+    "identity": lambda img, m, rng: img,
+    "autocontrast": lambda img, m, rng: ImageOps.autocontrast(img),
+    "equalize": lambda img, m, rng: ImageOps.equalize(img),
+    "rotate": lambda img, m, rng: img.rotate(_signed(_level(m, 30), rng), Image.BILINEAR, fillcolor=(128,) * 3),
+    "solarize": lambda img, m, rng: ImageOps.solarize(img, max(0, 256 - int(_level(m, 256)))),
+    "posterize": lambda img, m, rng: ImageOps.posterize(img, max(1, 8 - int(_level(m, 4)))),
+    "color": lambda img, m, rng: ImageEnhance.Color(img).enhance(1 + _signed(_level(m, 0.9), rng)),
+    "contrast": lambda img, m, rng: ImageEnhance.Contrast(img).enhance(1 + _signed(_level(m, 0.9), rng)),
+    "brightness": lambda img, m, rng: ImageEnhance.Brightness(img).enhance(1 + _signed(_level(m, 0.9), rng)),
+    "sharpness": lambda img, m, rng: ImageEnhance.Sharpness(img).enhance(1 + _signed(_level(m, 0.9), rng)),
+    "shear_x": lambda img, m, rng: _affine(img, (1, _signed(_level(m, 0.3), rng), 0, 0, 1, 0)),
+    "shear_y": lambda img, m, rng: _affine(img, (1, 0, 0, _signed(_level(m, 0.3), rng), 1, 0)),
+    "translate_x": lambda img, m, rng: _affine(img, (1, 0, _signed(_level(m, 0.45) * img.size[0], rng), 0, 1, 0)),
+    "translate_y": lambda img, m, rng: _affine(img, (1, 0, 0, 0, 1, _signed(_level(m, 0.45) * img.size[1], rng))),
+}
+RANDAUGMENT_OPS = tuple(_OPS)
+
+
+def randaugment(img: Image.Image, n: int, m: int, rng: np.random.Generator) -> Image.Image:
+    """RandAugment (Cubuk et al. 2020): ``n`` ops drawn uniformly with replacement, each at magnitude ``m``."""
+    for k in rng.integers(len(RANDAUGMENT_OPS), size=n):
+        img = _OPS[RANDAUGMENT_OPS[int(k)]](img, m, rng)
+    return img
+
+
+# -------------------------------------------------------------------------------------------------------- batch
+
+
+def to_float_images(batch: np.ndarray) -> torch.Tensor:
+    """uint8 (B, S, S, 3) -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect."""
+    images = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2).float()  # (B, 3, S, S)
+    return images.mul_(1 / 127.5).sub_(1.0).contiguous()
+
+
+def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
+    """Batch-level mixup: one lambda ~ Beta(alpha, alpha) per batch, lambda = max(lambda, 1 - lambda), each image
+    mixed with its neighbour (the batch rolled by one). ``targets`` are float (B, K); returns (images, targets, lam).
+    """
+    lam = float(rng.beta(alpha, alpha))
+    lam = max(lam, 1.0 - lam)  # the original image always dominates, so its label stays the argmax
+    images = lam * images + (1.0 - lam) * images.roll(1, dims=0)  # (B, 3, S, S)
+    targets = lam * targets + (1.0 - lam) * targets.roll(1, dims=0)  # (B, K)
+    return images, targets, lam

@@ -1,0 +1,163 @@
+"""The shard-folder format: what a dataset split on disk (or behind any fsspec URL) looks like.
+
+A split folder holds
+  shard-000000.tar ...   WebDataset shards; members ``<key>.jpg``, ``<key>.cls``, ``<key>.json``
+  manifest.parquet       one row per shard: url (relative to the folder), samples, bytes, sha256
+  samples.parquet        one row per sample: key, shard, label, width, height, sha256, phash, source, dedup flags
+  classes.parquet        label index -> name
+  dataset.json           name, split, num_classes, num_samples, num_shards, write settings
+
+Everything here is read through fsspec, so the folder may be a local path, ``file://``, ``s3://`` or ``gs://``.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MANIFEST_FILE = "manifest.parquet"
+SAMPLES_FILE = "samples.parquet"
+CLASSES_FILE = "classes.parquet"
+DATASET_FILE = "dataset.json"
+SHARD_PATTERN = "shard-{index:06d}.tar"
+
+MANIFEST_SCHEMA = pa.schema(
+    [("url", pa.string()), ("samples", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string())]
+)
+CLASSES_SCHEMA = pa.schema([("label", pa.int64()), ("name", pa.string())])
+
+
+class ShardFormatError(ValueError):
+    """A shard folder is missing a file or contradicts itself; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    url: str  # absolute URL (or local path) of the tar file
+    samples: int  # samples the writer put in it; the stream checks what it reads against this
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A split folder's metadata, read once; what the streams and evaluators size themselves from."""
+
+    root: str
+    name: str
+    split: str
+    num_classes: int
+    num_samples: int
+    shards: tuple[ShardInfo, ...]
+    class_names: tuple[str, ...]
+
+    @property
+    def shard_urls(self) -> list[str]:
+        return [s.url for s in self.shards]
+
+    @property
+    def shard_counts(self) -> list[int]:
+        return [s.samples for s in self.shards]
+
+
+def _fs_and_path(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(str(url))
+    return fs, path.rstrip("/")
+
+
+def join_url(root: str | Path, name: str) -> str:
+    """Join a member name onto a folder URL, keeping the URL's scheme (``file://``, ``s3://``)."""
+    root = str(root)
+    if "://" in root:
+        return root.rstrip("/") + "/" + name
+    return str(Path(root) / name)
+
+
+def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
+    """Read ``dataset.json``, ``manifest.parquet`` and ``classes.parquet`` of a split folder.
+
+    Raises ShardFormatError (a ValueError) naming the missing or inconsistent file.
+    """
+    root = str(shard_dir)
+    fs, path = _fs_and_path(root)
+    if not fs.isdir(path):
+        raise ShardFormatError(
+            f"{root} is not a shard folder (it does not exist); write one with "
+            "`python -m data_pipeline.write --source ... --out DIR` or `python -m data_pipeline.builtin NAME --out DIR`"
+        )
+    for required in (DATASET_FILE, MANIFEST_FILE):
+        if not fs.exists(posixpath.join(path, required)):
+            raise ShardFormatError(
+                f"{root} has no {required}: it is not a complete shard folder (an interrupted write?). "
+                "Re-run `python -m data_pipeline.write` with the same arguments to finish it"
+            )
+    with fs.open(posixpath.join(path, DATASET_FILE), "r") as f:
+        meta = json.load(f)
+    with fs.open(posixpath.join(path, MANIFEST_FILE), "rb") as f:
+        manifest = pq.read_table(f).to_pylist()
+    class_names: tuple[str, ...] = ()
+    if fs.exists(posixpath.join(path, CLASSES_FILE)):
+        with fs.open(posixpath.join(path, CLASSES_FILE), "rb") as f:
+            rows = sorted(pq.read_table(f).to_pylist(), key=lambda r: r["label"])
+        class_names = tuple(r["name"] for r in rows)
+    shards = tuple(
+        ShardInfo(url=join_url(root, r["url"]), samples=int(r["samples"]), bytes=int(r["bytes"]), sha256=r["sha256"])
+        for r in manifest
+    )
+    num_samples = sum(s.samples for s in shards)
+    if int(meta.get("num_samples", num_samples)) != num_samples:
+        raise ShardFormatError(
+            f"{root}: dataset.json says {meta['num_samples']} samples but manifest.parquet counts {num_samples}; "
+            "the folder is damaged — rewrite it or run `python -m data_pipeline.validate` for details"
+        )
+    if not shards:
+        raise ShardFormatError(f"{root}: manifest.parquet lists no shards; the dataset is empty")
+    return DatasetInfo(
+        root=root,
+        name=str(meta.get("name", Path(path).name)),
+        split=str(meta.get("split", "")),
+        num_classes=int(meta["num_classes"]),
+        num_samples=num_samples,
+        shards=shards,
+        class_names=class_names,
+    )
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    """Write a Parquet file under a temporary name and rename it, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def write_json_atomic(obj: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def write_metadata(
+    out_dir: Path,
+    *,
+    shards: list[dict],
+    samples: pa.Table,
+    class_names: list[str],
+    dataset: dict,
+) -> None:
+    """Write the four metadata files of a split folder; ``dataset.json`` goes last, as the completion marker."""
+    out_dir = Path(out_dir)
+    write_table_atomic(pa.Table.from_pylist(shards, schema=MANIFEST_SCHEMA), out_dir / MANIFEST_FILE)
+    write_table_atomic(samples, out_dir / SAMPLES_FILE)
+    classes = pa.Table.from_pylist([{"label": i, "name": n} for i, n in enumerate(class_names)], schema=CLASSES_SCHEMA)
+    write_table_atomic(classes, out_dir / CLASSES_FILE)
+    info = dict(dataset)
+    info["num_classes"] = len(class_names)
+    info["num_samples"] = sum(int(s["samples"]) for s in shards)
+    info["num_shards"] = len(shards)
+    write_json_atomic(info, out_dir / DATASET_FILE)

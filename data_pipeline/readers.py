@@ -1,0 +1,201 @@
+"""Readers of raw image collections: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet bytes+label.
+
+A source is split into *units* (a class folder, a class tar, a Parquet file) that the writer scans in parallel.
+Each image is addressed by an :class:`ItemRef` so the writer can fetch it again, in globally shuffled order,
+without holding the collection in memory: tar members are read by byte offset from the tar (never extracted to
+disk), Parquet rows by index.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from data_pipeline.dedup import IMAGE_SUFFIXES
+
+
+@dataclass(frozen=True)
+class ItemRef:
+    """Where one raw image lives. ``source`` is a readable id (folder/file, tar:member, file#row)."""
+
+    kind: str  # "file" | "tar" | "parquet"
+    path: str
+    source: str
+    offset: int = 0  # tar: byte offset of the member's data
+    size: int = 0  # tar: member size
+    row: int = -1  # parquet: row index
+
+
+@dataclass(frozen=True)
+class SourceUnit:
+    kind: str  # "folder" | "tar" | "parquet"
+    path: str
+    label: int  # folder/tar units: the class of every image; parquet units: -1 (labels come from a column)
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str
+    units: tuple[SourceUnit, ...]
+    class_names: tuple[str, ...]
+    image_column: str = "image"
+    label_column: str = "label"
+
+
+def is_safe_member(name: str) -> bool:
+    """A tar member name we accept: relative, no parent references, no drive letters."""
+    parts = name.replace("\\", "/").split("/")
+    return bool(name) and not name.startswith(("/", "\\")) and ".." not in parts and ":" not in parts[0]
+
+
+def _read_class_names(path: Path | None, ids: list[str]) -> list[str]:
+    """Map class ids (folder names, wnids) to human names with an optional file of ``id<whitespace>name`` lines.
+
+    A file whose lines hold a single token gives the names in label order instead.
+    """
+    if path is None:
+        return list(ids)
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    pairs = [line.split(None, 1) for line in lines]
+    if all(len(p) == 2 for p in pairs):
+        table = {p[0]: p[1] for p in pairs}
+        if ids and ids != [str(i) for i in range(len(ids))]:
+            return [table.get(i, i) for i in ids]
+        return [table.get(str(i), str(i)) for i in range(len(ids))]
+    if ids and len(lines) < len(ids):
+        raise ValueError(f"class-name file {path} has {len(lines)} names but the source has {len(ids)} classes")
+    return lines
+
+
+def open_source(
+    path: str | Path,
+    *,
+    kind: str = "auto",
+    class_names_file: str | Path | None = None,
+    image_column: str = "image",
+    label_column: str = "label",
+) -> Source:
+    """Describe a raw collection; ``kind`` is "folder", "imagenet21k", "parquet" or "auto" (detected).
+
+    Raises ValueError for a missing or empty source, naming what was expected.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"--source {root} does not exist")
+    if kind == "auto":
+        if root.is_file() and root.suffix == ".parquet" or root.is_dir() and any(root.glob("*.parquet")):
+            kind = "parquet"
+        elif root.is_dir() and any(root.glob("*.tar")):
+            kind = "imagenet21k"
+        elif root.is_dir() and any(p.is_dir() for p in root.iterdir()):
+            kind = "folder"
+        else:
+            raise ValueError(
+                f"--source {root} is empty: expected class sub-folders of images, per-class .tar files "
+                "(ImageNet-21k layout) or .parquet files with image bytes and a label column"
+            )
+    if kind == "folder":
+        dirs = sorted(p for p in root.iterdir() if p.is_dir())
+        if not dirs:
+            raise ValueError(f"--source {root} has no class sub-folders")
+        names = _read_class_names(class_names_file, [d.name for d in dirs])
+        units = tuple(SourceUnit("folder", str(d), i) for i, d in enumerate(dirs))
+        return Source("folder", units, tuple(names))
+    if kind == "imagenet21k":
+        tars = sorted(root.glob("*.tar"))
+        if not tars:
+            raise ValueError(f"--source {root} has no per-class .tar files")
+        names = _read_class_names(class_names_file, [t.stem for t in tars])
+        units = tuple(SourceUnit("tar", str(t), i) for i, t in enumerate(tars))
+        return Source("imagenet21k", units, tuple(names))
+    if kind == "parquet":
+        files = [root] if root.is_file() else sorted(root.glob("*.parquet"))
+        if not files:
+            raise ValueError(f"--source {root} has no .parquet files")
+        max_label = -1
+        for f in files:
+            schema = pq.read_schema(f)
+            for col in (image_column, label_column):
+                if col not in schema.names:
+                    raise ValueError(
+                        f"{f} has no column '{col}' (columns: {schema.names}); pass --image-column/--label-column"
+                    )
+            labels = pq.read_table(f, columns=[label_column]).column(label_column).to_pylist()
+            if any(label is None or int(label) < 0 for label in labels):
+                raise ValueError(f"{f}: column '{label_column}' holds a negative or missing label")
+            max_label = max([max_label, *map(int, labels)])
+        ids = [str(i) for i in range(max_label + 1)]
+        names = _read_class_names(class_names_file, ids)
+        if len(names) <= max_label:
+            raise ValueError(
+                f"label {max_label} in {root} is out of range for the {len(names)} names in {class_names_file}; "
+                "fix the labels or the class-name file"
+            )
+        units = tuple(SourceUnit("parquet", str(f), -1) for f in files)
+        return Source("parquet", units, tuple(names), image_column, label_column)
+    raise ValueError(f"unknown source kind {kind!r}; use auto, folder, imagenet21k or parquet")
+
+
+def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[ItemRef, bytes, int]]:
+    """Yield (ref, raw bytes, label) for every candidate image of one unit, in a deterministic order.
+
+    Tar members with unsafe names (``../x``, absolute paths) are skipped and counted in ``stats['unsafe_member']``;
+    they are never written anywhere.
+    """
+    if unit.kind == "folder":
+        for file in sorted(Path(unit.path).rglob("*")):
+            if file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
+                ref = ItemRef("file", str(file), source=f"{Path(unit.path).name}/{file.relative_to(unit.path)}")
+                yield ref, file.read_bytes(), unit.label
+            elif file.is_file():
+                stats["not_image"] = stats.get("not_image", 0) + 1
+    elif unit.kind == "tar":
+        with open(unit.path, "rb") as fileobj, tarfile.open(fileobj=fileobj, mode="r|*") as tar:
+            for member in tar:
+                if not member.isreg():
+                    continue
+                if not is_safe_member(member.name):
+                    stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
+                    continue
+                data = tar.extractfile(member).read()  # into memory only
+                ref = ItemRef(
+                    "tar",
+                    unit.path,
+                    source=f"{Path(unit.path).stem}:{member.name}",
+                    offset=member.offset_data,
+                    size=member.size,
+                )
+                yield ref, data, unit.label
+    elif unit.kind == "parquet":
+        table = pq.read_table(unit.path, columns=[source.image_column, source.label_column])
+        images = table.column(source.image_column).to_pylist()
+        labels = table.column(source.label_column).to_pylist()
+        for row, (image, label) in enumerate(zip(images, labels)):
+            data = image["bytes"] if isinstance(image, dict) else image  # HF datasets store {bytes, path}
+            yield ItemRef("parquet", unit.path, source=f"{Path(unit.path).name}#{row}", row=row), data, int(label)
+    else:
+        raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+@lru_cache(maxsize=2)
+def _parquet_images(path: str, column: str) -> list:
+    return pq.read_table(path, columns=[column]).column(column).to_pylist()
+
+
+def read_ref(ref: ItemRef, image_column: str = "image") -> bytes:
+    """Fetch the raw bytes an ItemRef points at (a tar member by offset, without extracting the tar)."""
+    if ref.kind == "file":
+        return Path(ref.path).read_bytes()
+    if ref.kind == "tar":
+        with open(ref.path, "rb") as f:
+            f.seek(ref.offset)
+            return f.read(ref.size)
+    if ref.kind == "parquet":
+        image = _parquet_images(ref.path, image_column)[ref.row]
+        return image["bytes"] if isinstance(image, dict) else image
+    raise ValueError(f"unknown ItemRef kind {ref.kind!r}")

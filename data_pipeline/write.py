@@ -1,0 +1,405 @@
+"""Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest.
+
+    python -m data_pipeline.write --source /data/imagenet21k --out /shards/i21k/train [--samples-per-shard 3000]
+
+Two passes, both parallel over cores:
+1. scan: every image is read and decoded once to validate it (corrupt, too small or non-image files are skipped
+   and counted) and hashed (sha256 of the bytes, a perceptual hash of the pixels);
+2. write: exact duplicates dropped, near duplicates flagged, ``--exclude-like`` matches dropped, the survivors put in
+   one seeded global permutation (class-sorted sources such as ImageNet-21k's per-class tars would otherwise give
+   class-sorted shards no shuffle buffer can repair) and written ``--samples-per-shard`` at a time.
+
+Stored bytes: a JPEG whose short side is <= ``--max-short-side`` is stored as is (its original bytes); a larger
+JPEG is downscaled and re-encoded at quality 90; any other format (PNG, BMP, ...) is converted to RGB JPEG at
+quality 95, so every sample is ``<key>.jpg`` + ``<key>.cls`` + ``<key>.json``.
+
+Each shard is written to ``shard-NNNNNN.tar.tmp`` and renamed when complete; tar headers carry a fixed mtime,
+owner and mode. Re-running the same command after an interruption keeps the finished shards, writes the missing
+ones and produces output byte-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing
+import os
+import sys
+import tarfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+
+from data_pipeline import manifest
+from data_pipeline.dedup import ExclusionSet, NearDuplicateIndex, load_exclusion, perceptual_hash, sha256_hex
+from data_pipeline.readers import ItemRef, Source, iter_unit, open_source, read_ref
+
+TAR_MTIME = 0.0  # fixed header fields make re-runs byte-identical
+TAR_OWNER = "vitscale"
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    name: str = "dataset"  # dataset name recorded in dataset.json
+    split: str = "train"
+    samples_per_shard: int = 3000  # timm's i21k release uses ~3.3k; keep >= 8 shards per (rank x worker)
+    max_short_side: int = 512  # larger JPEGs are downscaled and re-encoded at quality 90
+    min_size: int = 8  # images whose short side is smaller are skipped as "too_small"
+    seed: int = 0  # seeds the global pre-shuffle
+    processes: int = field(default_factory=lambda: os.cpu_count() or 1)
+    keep_exact_duplicates: bool = False  # exact (sha256) duplicates are dropped unless set
+    near_duplicate_distance: int = 3  # perceptual-hash bits; near duplicates are flagged in samples.parquet
+
+    def validate(self) -> None:
+        if self.samples_per_shard < 1:
+            raise ValueError(f"--samples-per-shard must be >= 1, got {self.samples_per_shard}")
+        if self.max_short_side < self.min_size:
+            raise ValueError(f"--max-short-side {self.max_short_side} is below --min-size {self.min_size}")
+        if self.processes < 1:
+            raise ValueError(f"--processes must be >= 1, got {self.processes}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One validated image: where it is, its label and its hashes (the bytes stay at the source)."""
+
+    ref: ItemRef | None
+    data: bytes | None  # in-memory sources (built-in datasets) carry their bytes
+    label: int
+    source: str
+    sha256: str
+    phash: int
+    width: int
+    height: int
+    needs_reencode: bool
+
+
+def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str, dict]:
+    """Decode once; return ("ok", facts) or (reason, {}) with reason in corrupt / not_image / too_small."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            fmt, mode = img.format, img.mode
+            img.load()  # the full decode: a truncated JPEG raises here
+            width, height = img.size
+            if min(width, height) < min_size:
+                return "too_small", {}
+            phash = perceptual_hash(img)
+    except Image.UnidentifiedImageError:
+        return "not_image", {}
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return "corrupt", {}
+    reencode = fmt != "JPEG" or mode not in ("RGB", "L") or min(width, height) > max_short_side
+    return "ok", dict(width=width, height=height, phash=phash, needs_reencode=reencode)
+
+
+def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> tuple[bytes, int, int]:
+    """The bytes to store: the original JPEG, or a deterministic RGB JPEG re-encode (q90 if resized, else q95)."""
+    with Image.open(io.BytesIO(data)) as img:
+        if not needs_reencode:
+            return data, img.size[0], img.size[1]
+        img = img.convert("RGB")
+        width, height = img.size
+        quality = 95
+        if min(width, height) > max_short_side:
+            scale = max_short_side / min(width, height)
+            width, height = max(1, round(width * scale)), max(1, round(height * scale))
+            img = img.resize((width, height), Image.BICUBIC)
+            quality = 90
+        out = io.BytesIO()
+        img.save(out, format="JPEG", quality=quality)
+        return out.getvalue(), width, height
+
+
+def _scan_unit(job: tuple) -> tuple[list[Candidate], Counter]:
+    """Scan one unit (a class folder, a tar, a Parquet file, or a chunk of in-memory images)."""
+    unit, source, items, config = job
+    stats: Counter = Counter()
+    kept: list[Candidate] = []
+    triples = iter_unit(unit, source, stats) if unit is not None else items
+    for ref, data, label in triples:
+        stats["scanned"] += 1
+        if ref is None:
+            label, src = label
+        else:
+            src = ref.source
+        status, facts = inspect_image(data, config.min_size, config.max_short_side)
+        if status != "ok":
+            stats[status] += 1
+            continue
+        kept.append(Candidate(ref, data if ref is None else None, label, src, sha256_hex(data), **facts))
+    return kept, stats
+
+
+def _imap(fn, jobs: list, processes: int, desc: str):
+    """Ordered parallel map with a progress bar; in-process when one process is asked for (tests, tiny data)."""
+    bar = tqdm(total=len(jobs), desc=desc, unit="job", disable=None, file=sys.stderr)
+    if processes == 1 or len(jobs) <= 1:
+        for job in jobs:
+            yield fn(job)
+            bar.update()
+    else:
+        with multiprocessing.get_context().Pool(min(processes, len(jobs))) as pool:
+            for result in pool.imap(fn, jobs, chunksize=1):
+                yield result
+                bar.update()
+    bar.close()
+
+
+def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
+    """Write one shard atomically (or read back the finished one) and return its manifest and sample rows."""
+    out_dir, index, entries, class_names, image_column, max_short_side = job
+    name = manifest.SHARD_PATTERN.format(index=index)
+    final = Path(out_dir) / name
+    rows: list[dict] = []
+    if not final.exists():
+        tmp = final.with_name(name + ".tmp")
+        writer = dict(encoder=False, user=TAR_OWNER, group=TAR_OWNER, mtime=TAR_MTIME)
+        with open(tmp, "wb") as f, wds.TarWriter(f, **writer) as w:
+            for key, cand in entries:
+                raw = cand.data if cand.ref is None else read_ref(cand.ref, image_column)
+                data, width, height = encode_for_shard(raw, cand.needs_reencode, max_short_side)
+                meta = dict(
+                    label=cand.label,
+                    label_name=class_names[cand.label],
+                    source=cand.source,
+                    width=width,
+                    height=height,
+                    sha256=sha256_hex(data),
+                )
+                w.write(
+                    {
+                        "__key__": key,
+                        "jpg": data,
+                        "cls": str(cand.label).encode(),
+                        "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode(),
+                    }
+                )
+        os.replace(tmp, final)
+    # Sample facts are read back from the tar, so a shard kept from an interrupted run reports the same rows.
+    metas = {}
+    with tarfile.open(final, "r:") as tar:
+        for member in tar:
+            if member.name.endswith(".json"):
+                metas[member.name[: -len(".json")]] = json.loads(tar.extractfile(member).read())
+    for key, cand in entries:
+        meta = metas[key]
+        rows.append(
+            dict(
+                key=key,
+                shard=name,
+                label=cand.label,
+                width=meta["width"],
+                height=meta["height"],
+                sha256=meta["sha256"],
+                source_sha256=cand.sha256,
+                phash=cand.phash,
+                source=cand.source,
+            )
+        )
+    data = final.read_bytes()
+    return dict(url=name, samples=len(entries), bytes=len(data), sha256=sha256_hex(data)), rows
+
+
+@dataclass
+class WriteReport:
+    scanned: int = 0
+    written: int = 0
+    shards: int = 0
+    bytes: int = 0
+    skipped: dict = field(default_factory=dict)  # corrupt / not_image / too_small / unsafe_member
+    exact_duplicates: int = 0
+    near_duplicates: int = 0
+    excluded: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.scanned / self.seconds if self.seconds else 0.0
+        return (
+            f"scanned {self.scanned} images, wrote {self.written} in {self.shards} shards "
+            f"({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f}s ({rate:.0f} images/s); skipped "
+            f"{dict(sorted(self.skipped.items())) or 'none'}; exact duplicates {self.exact_duplicates} "
+            f"(dropped), near duplicates {self.near_duplicates} (flagged), excluded {self.excluded}"
+        )
+
+
+def write_dataset(
+    out_dir: str | Path,
+    config: WriteConfig,
+    *,
+    source: Source | None = None,
+    items: list[tuple[bytes, int, str]] | None = None,
+    class_names: list[str] | None = None,
+    exclude: ExclusionSet | None = None,
+    extra_meta: dict | None = None,
+) -> WriteReport:
+    """Write a split folder from a raw ``source`` or from in-memory ``items`` of (bytes, label, source id).
+
+    Returns the report; raises ValueError when nothing valid remains or the folder holds a different dataset.
+    """
+    config.validate()
+    if (source is None) == (items is None):
+        raise ValueError("write_dataset needs exactly one of source= or items=")
+    start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(source.class_names if source is not None else class_names or [])
+    settings = dict(asdict(config), processes=None, source=None if source is None else [u.path for u in source.units])
+    settings_file = out / "_write_settings.json"
+    if settings_file.exists() and json.loads(settings_file.read_text()) != json.loads(json.dumps(settings)):
+        raise ValueError(f"{out} holds shards written with different settings; choose a new --out or delete it")
+    manifest.write_json_atomic(settings, settings_file)
+
+    if source is not None:
+        jobs = [(u, source, None, config) for u in source.units]
+        image_column = source.image_column
+    else:
+        for _data, label, src in items:
+            if not 0 <= label < len(names):
+                raise ValueError(f"item {src}: label {label} out of range for {len(names)} class names")
+        chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
+        jobs = [(None, None, [(None, d, (lab, s)) for d, lab, s in chunk], config) for chunk in chunks]
+        image_column = "image"
+    report = WriteReport()
+    candidates: list[Candidate] = []
+    skipped: Counter = Counter()
+    for kept, stats in _imap(_scan_unit, jobs, config.processes, "scan"):
+        candidates.extend(kept)
+        skipped.update(stats)
+    report.scanned = skipped.pop("scanned", 0)
+    report.skipped = dict(skipped)
+
+    # Dedup in the sources' canonical order, so which copy survives never depends on scheduling.
+    seen: set[str] = set()
+    near = NearDuplicateIndex(config.near_duplicate_distance)
+    survivors: list[Candidate] = []
+    for cand in candidates:
+        if exclude is not None and exclude.matches(cand.sha256, cand.phash):
+            report.excluded += 1
+            continue
+        if cand.sha256 in seen:
+            report.exact_duplicates += 1
+            if not config.keep_exact_duplicates:
+                continue
+        seen.add(cand.sha256)
+        if near.find(cand.phash) is not None:
+            report.near_duplicates += 1
+        near.add(cand.phash, cand.source)
+        survivors.append(cand)
+    if not survivors:
+        raise ValueError(f"no valid images to write (report: {report.summary()})")
+
+    order = np.random.default_rng(config.seed).permutation(len(survivors))
+    keyed = [(f"{i:09d}", survivors[j]) for i, j in enumerate(order)]  # keys: digits only, never a dot
+    per = config.samples_per_shard
+    shard_jobs = [
+        (str(out), s, keyed[s * per : (s + 1) * per], names, image_column, config.max_short_side)
+        for s in range((len(keyed) + per - 1) // per)
+    ]
+    shard_rows, sample_rows = [], []
+    for shard_row, rows in _imap(_write_shard, shard_jobs, config.processes, "write"):
+        shard_rows.append(shard_row)
+        sample_rows.extend(rows)
+    near_flags = _near_duplicate_flags(survivors, config.near_duplicate_distance)
+    for row in sample_rows:
+        row["near_duplicate"] = near_flags[row["source"]]
+    manifest.write_metadata(
+        out,
+        shards=shard_rows,
+        samples=pa.Table.from_pylist(sample_rows),
+        class_names=names,
+        dataset=dict(
+            name=config.name,
+            split=config.split,
+            max_short_side=config.max_short_side,
+            seed=config.seed,
+            samples_per_shard=per,
+            **(extra_meta or {}),
+        ),
+    )
+    for stale in out.glob("*.tar.tmp"):
+        stale.unlink()
+    report.written, report.shards = len(sample_rows), len(shard_rows)
+    report.bytes = sum(r["bytes"] for r in shard_rows)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _near_duplicate_flags(cands: list[Candidate], distance: int) -> dict[str, bool]:
+    index = NearDuplicateIndex(distance)
+    flags = {}
+    for cand in cands:
+        flags[cand.source] = index.find(cand.phash) is not None
+        index.add(cand.phash, cand.source)
+    return flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--source", required=True, help="class-per-folder tree, folder of per-class .tar, or .parquet")
+    p.add_argument("--out", required=True, help="split folder to write (shards + manifest)")
+    p.add_argument("--kind", default="auto", choices=["auto", "folder", "imagenet21k", "parquet"])
+    p.add_argument("--class-names", default=None, help="file of 'id name' lines (or one name per line)")
+    p.add_argument("--image-column", default="image")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--name", default=None, help="dataset name (default: the source folder's name)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--samples-per-shard", type=int, default=WriteConfig.samples_per_shard)
+    p.add_argument("--max-short-side", type=int, default=WriteConfig.max_short_side)
+    p.add_argument("--min-size", type=int, default=WriteConfig.min_size)
+    p.add_argument("--seed", type=int, default=WriteConfig.seed)
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--keep-exact-duplicates", action="store_true")
+    p.add_argument("--near-duplicate-distance", type=int, default=WriteConfig.near_duplicate_distance)
+    p.add_argument(
+        "--exclude-like",
+        action="append",
+        default=[],
+        help="evaluation shard folder, samples.parquet or image folder whose images must not be written",
+    )
+    args = p.parse_args(argv)
+    try:
+        source = open_source(
+            args.source,
+            kind=args.kind,
+            class_names_file=args.class_names,
+            image_column=args.image_column,
+            label_column=args.label_column,
+        )
+        config = WriteConfig(
+            name=args.name or Path(args.source).name,
+            split=args.split,
+            samples_per_shard=args.samples_per_shard,
+            max_short_side=args.max_short_side,
+            min_size=args.min_size,
+            seed=args.seed,
+            processes=args.processes,
+            keep_exact_duplicates=args.keep_exact_duplicates,
+            near_duplicate_distance=args.near_duplicate_distance,
+        )
+        exclude = None
+        for path in args.exclude_like:
+            more = load_exclusion(path, args.near_duplicate_distance)
+            if exclude is None:
+                exclude = more
+            else:
+                exclude.sha256s |= more.sha256s
+                for h in more.index._hashes:
+                    exclude.index.add(h, h)
+        report = write_dataset(args.out, config, source=source, exclude=exclude)
+    except ValueError as err:
+        print(f"data_pipeline.write: error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
