@@ -1,0 +1,268 @@
+"""Rendering of a run comparison (see `evals.compare`): runs.csv, two matplotlib figures and a static index.html.
+
+The HTML is self-contained apart from the two PNGs next to it (relative links), so the folder can be copied,
+served, or downloaded from MLflow's artifact view as is. Every gap in the data is said in words: per run in the
+Notes column, per figure under it, and a placeholder image rather than a broken one when a figure has no data.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import html
+from pathlib import Path
+
+from evals.compare import Comparison, RunSummary
+
+LOSS_PNG = "loss_vs_images.png"
+FEWSHOT_PNG = "fewshot_vs_exaflops.png"
+CSV_NAME = "runs.csv"
+
+CSV_COLUMNS = (
+    "run_id run_name experiment status model patch recipe steps images_seen exaflops final_loss "
+    "fewshot_10shot_mean finetune_accuracy_mean finetune_datasets vtab_mean vtab_num_tasks vtab_num_tasks_expected "
+    "notes"
+).split()
+
+
+# ---- number formatting (the table shows rounded numbers; runs.csv keeps full precision) ----------------------
+
+
+def _count(value: float | None) -> str:
+    return "—" if value is None else f"{int(round(value)):,}"
+
+
+def _sig(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}g}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _vtab(run: RunSummary) -> str:
+    if run.vtab_mean is None:
+        return "—"
+    if run.vtab_num_tasks is None:
+        return _pct(run.vtab_mean)
+    of = f"/{run.vtab_num_tasks_expected}" if run.vtab_num_tasks_expected else ""
+    return f"{_pct(run.vtab_mean)} ({run.vtab_num_tasks}{of} tasks)"
+
+
+def _finetune(run: RunSummary) -> str:
+    if run.finetune_accuracy is None:
+        return "—"
+    if len(run.finetune_datasets) == 1:
+        return f"{_pct(run.finetune_accuracy)} ({run.finetune_datasets[0]})"
+    return f"{_pct(run.finetune_accuracy)} (mean of {len(run.finetune_datasets)})"
+
+
+TABLE_COLUMNS = (
+    ("Run", lambda r: r.run_name),
+    ("Status", lambda r: r.status),
+    ("Model", lambda r: r.model or "—"),
+    ("Patch", lambda r: "—" if r.patch is None else str(r.patch)),
+    ("Recipe", lambda r: r.recipe or "—"),
+    ("Steps", lambda r: _count(r.steps)),
+    ("Images seen", lambda r: _count(r.images_seen)),
+    ("ExaFLOPs", lambda r: _sig(r.exaflops)),
+    ("Final loss", lambda r: _sig(r.final_loss, 4)),
+    ("10-shot mean", lambda r: _pct(r.fewshot_10shot)),
+    ("Fine-tune acc.", _finetune),
+    ("VTAB mean", _vtab),
+)
+
+
+def format_table(comparison: Comparison) -> str:
+    """Plain-text table for the terminal (what `make compare` prints)."""
+    if not comparison.runs:
+        return "\n".join(comparison.notes) or "no runs"
+    rows = [[name for name, _ in TABLE_COLUMNS]] + [[cell(r) for _, cell in TABLE_COLUMNS] for r in comparison.runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in rows]
+    for run in comparison.runs:
+        lines += [f"note [{run.run_name}]: {note}" for note in run.notes]
+    return "\n".join(lines + list(comparison.notes))
+
+
+def write_csv(comparison: Comparison, path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for r in comparison.runs:
+            writer.writerow(
+                [
+                    r.run_id, r.run_name, r.experiment, r.status, r.model or "", r.patch or "", r.recipe or "",
+                    r.steps if r.steps is not None else "", *(_raw(v) for v in (
+                        r.images_seen, r.exaflops, r.final_loss, r.fewshot_10shot, r.finetune_accuracy)),
+                    ";".join(r.finetune_datasets), _raw(r.vtab_mean), _raw(r.vtab_num_tasks),
+                    _raw(r.vtab_num_tasks_expected), " | ".join(r.notes),
+                ]
+            )  # fmt: skip
+
+
+def _raw(value) -> str:
+    return "" if value is None else repr(value)
+
+
+# ---- figures ---------------------------------------------------------------------------------------------------
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110)
+    ax.grid(True, which="both", alpha=0.3)
+    return plt, fig, ax
+
+
+def _placeholder(ax, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, fontsize=11, color="#666", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
+    """Training loss vs images seen, one line per run. Returns the notes to print under the figure."""
+    plt, fig, ax = _figure()
+    drawn = [r for r in runs if r.loss_curve]
+    notes = [f"{r.run_name}: no train/loss with train/images_seen logged" for r in runs if not r.loss_curve]
+    for run in drawn:
+        x, y = zip(*run.loss_curve)
+        crashed = run.status != "FINISHED"
+        (line,) = ax.plot(x, y, linestyle="--" if crashed else "-", linewidth=1.6, label=run.label)
+        if crashed:  # mark where an unfinished run stopped
+            ax.plot(x[-1], y[-1], marker="x", markersize=9, color=line.get_color())
+    if drawn:
+        ax.set_xlabel("images seen")
+        ax.set_ylabel("training loss (train/loss)")
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3))
+        ax.legend(fontsize=8, loc="best")
+    else:
+        _placeholder(ax, "No run has logged train/loss together with train/images_seen yet.")
+    ax.set_title("Training loss vs images seen")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return notes
+
+
+def plot_fewshot(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
+    """10-shot accuracy vs pre-training exaFLOPs (the paper's Figure 5, log x), one marker line per run."""
+    plt, fig, ax = _figure()
+    drawn = [r for r in runs if r.fewshot_curve]
+    notes = [
+        f"{r.run_name}: "
+        + ("no few-shot eval logged" if r.fewshot_10shot is None else "few-shot logged but no train/exaflops")
+        for r in runs
+        if not r.fewshot_curve
+    ]
+    for run in drawn:
+        x, y, _ = zip(*run.fewshot_curve)
+        y = [100 * v for v in y]
+        (line,) = ax.plot(x, y, marker="o", markersize=4, linewidth=1.2, alpha=0.8, label=run.label)
+        ax.plot(x[-1], y[-1], marker="o", markersize=9, color=line.get_color())  # the latest checkpoint
+    if drawn:
+        ax.set_xscale("log")
+        ax.set_xlabel("pre-training compute (exaFLOPs, log scale)")
+        ax.set_ylabel("few-shot 10-shot accuracy, mean (%)")
+        ax.legend(fontsize=8, loc="best")
+    else:
+        _placeholder(ax, "No run has few-shot 10-shot results (fewshot/mean/10shot)\nwith train/exaflops yet.")
+    ax.set_title("Few-shot transfer vs pre-training compute (cf. paper Fig. 5)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return notes
+
+
+# ---- HTML ------------------------------------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 28px auto; max-width: 1200px;
+       color: #1d2330; padding: 0 16px; }
+h1 { font-size: 26px; margin-bottom: 4px; } h2 { font-size: 19px; margin-top: 30px; border-bottom: 1px solid #dde;
+     padding-bottom: 4px; }
+.meta { color: #5a6275; font-size: 13px; }
+table { border-collapse: collapse; font-size: 13px; width: 100%; }
+th, td { border: 1px solid #d5d9e2; padding: 6px 8px; text-align: right; white-space: nowrap; }
+th { background: #eef1f7; } td.text, th.text { text-align: left; }
+tr:nth-child(even) td { background: #f8f9fc; }
+.status-FINISHED { color: #17803d; } .status-FAILED, .status-KILLED { color: #b42318; font-weight: 600; }
+.status-RUNNING, .status-SCHEDULED { color: #b26a00; font-weight: 600; }
+.notes { background: #fff8e6; border-left: 4px solid #f0b429; padding: 8px 14px; font-size: 13px; }
+.notes li { margin: 3px 0; } figure { margin: 10px 0 24px; } figure img { max-width: 100%; border: 1px solid #e2e5ec; }
+figcaption { font-size: 13px; color: #4a5266; margin-top: 6px; }
+code { font-size: 12px; color: #5a6275; }
+"""
+
+
+def _notes_html(notes: list[str]) -> str:
+    if not notes:
+        return ""
+    return '<ul class="notes">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
+
+
+def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: list[str]) -> str:
+    esc = html.escape
+    runs = comparison.runs
+    text_columns = {"Run", "Status", "Model", "Recipe"}
+    head = "".join(f'<th class="{"text" if n in text_columns else ""}">{esc(n)}</th>' for n, _ in TABLE_COLUMNS)
+    body = []
+    for run in runs:
+        cells = []
+        for name, cell in TABLE_COLUMNS:
+            value = esc(cell(run))
+            if name == "Status":
+                cells.append(f'<td class="text status-{esc(run.status)}">{value}</td>')
+            elif name == "Run":
+                cells.append(f'<td class="text" title="{esc(run.run_id)}">{value}</td>')
+            else:
+                cells.append(f'<td class="{"text" if name in text_columns else ""}">{value}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>" if runs else ""
+    run_notes = [f"{r.run_name}: {n}" for r in runs for n in r.notes] + list(comparison.notes)
+    generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    experiments = ", ".join(comparison.experiments) or "—"
+    ids = "".join(f"<li><code>{esc(r.run_id)}</code> {esc(r.run_name)} ({esc(r.experiment)})</li>" for r in runs)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>vitscale comparison — {esc(comparison.title)}</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>vitscale — run comparison: {esc(comparison.title)}</h1>
+<p class="meta">{len(runs)} run(s) · experiment(s): {esc(experiments)}
+ · read from <code>{esc(comparison.tracking_uri)}</code> · generated {generated}</p>
+<h2>Runs</h2>
+{table}
+<p class="meta">Latest value of each metric. Accuracies are on the evaluation suite's test splits; the fine-tune
+column is the mean over the fine-tuned datasets, VTAB the mean over the tasks that ran (count shown).
+Full precision in <a href="{CSV_NAME}">{CSV_NAME}</a>.</p>
+{_notes_html(run_notes) if run_notes else '<p class="meta">No notes: every run finished and has eval metrics.</p>'}
+<h2>Training loss vs images seen</h2>
+<figure><img src="{LOSS_PNG}" alt="training loss vs images seen">
+<figcaption>train/loss against train/images_seen, one line per run; a dashed line ending in × is a run that
+did not finish (crashed or still running).</figcaption></figure>
+{_notes_html(loss_notes)}
+<h2>Few-shot accuracy vs pre-training compute</h2>
+<figure><img src="{FEWSHOT_PNG}" alt="few-shot 10-shot accuracy vs exaFLOPs">
+<figcaption>fewshot/mean/10shot at each evaluated checkpoint (the large point is the latest) against the
+cumulative train/exaflops at that step (log x), as in Figure 5 of Dosovitskiy et al. (2021).</figcaption></figure>
+{_notes_html(fewshot_notes)}
+<h2>Run ids</h2><ul class="meta">{ids or "<li>none</li>"}</ul>
+</body></html>
+"""
+
+
+def write_report(comparison: Comparison, out_dir: Path) -> Path:
+    """Write index.html, the two PNGs and runs.csv into ``out_dir`` (created); returns the index path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(comparison, out_dir / CSV_NAME)
+    loss_notes = plot_loss(comparison.runs, out_dir / LOSS_PNG)
+    fewshot_notes = plot_fewshot(comparison.runs, out_dir / FEWSHOT_PNG)
+    index = out_dir / "index.html"
+    index.write_text(render_html(comparison, loss_notes, fewshot_notes), encoding="utf-8")
+    return index

@@ -1,0 +1,220 @@
+"""evals.compare on a real MLflow SQLite store: runs logged the way training and evals log them (via Tracker)."""
+
+import csv
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from evals.compare import COMPARISON_KIND_TAG, collect, main
+from evals.compare_report import CSV_NAME, FEWSHOT_PNG, LOSS_PNG
+from pretrain.tracking import Tracker, create_run
+
+pytestmark = pytest.mark.timeout(180)
+
+BATCH = 64
+
+
+def _client(uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _log_run(uri, experiment, name, *, model, recipe, steps, gflops, evals_at=(), status="FINISHED", seed=0):
+    """Log a pre-training run like the driver + rank 0 + eval tasks do; returns (run_id, what was logged)."""
+    rng = np.random.default_rng(seed)
+    tags = {"vitscale.model": model, "vitscale.recipe": recipe, "vitscale.profile": "local", "vitscale.world_size": 2}
+    config = {"model": {"name": model}, "optim": {"lr": 1e-3}, "data": {"global_batch_size": BATCH}}
+    run_id = create_run(uri, experiment, name, config, tags)
+    logged = {"loss": {}, "fewshot": {}}
+    with Tracker(uri, run_id, rank=0) as tracker:
+        for step in range(1, steps + 1):
+            loss = float(4.0 * math.exp(-step / 40) + 0.5 + 0.05 * rng.random())
+            images = step * BATCH
+            tracker.log_metrics(
+                {
+                    "train/loss": loss,
+                    "train/lr": 1e-3,
+                    "train/images_seen": images,
+                    "train/exaflops": images * 3 * gflops * 1e9 / 1e18,
+                },
+                step=step,
+            )
+            logged["loss"][step] = loss
+        for i, step in enumerate(evals_at):
+            acc = 0.2 + 0.1 * i + 0.01 * seed
+            tracker.log_metrics(
+                {
+                    "fewshot/digits/10shot": acc,
+                    "fewshot/shapes_count/10shot": acc - 0.04,
+                    "fewshot/mean/10shot": acc - 0.02,
+                    "fewshot/l2/10shot": 1024.0,
+                    "finetune/digits/accuracy": acc + 0.3,
+                    "finetune/digits/lr": 0.01,
+                    "finetune/dsprites_loc/accuracy": acc + 0.1,
+                    "vtab/digits": acc + 0.05,
+                    "vtab/dsprites_loc": acc,
+                    "vtab/mean": acc + 0.025,
+                    "vtab/natural": acc + 0.05,
+                    "vtab/num_tasks": 2,
+                    "vtab/num_tasks_expected": 19,
+                },
+                step=step,
+            )
+            logged["fewshot"][step] = acc - 0.02
+        tracker.set_tags({"vitscale.status": status.lower()})
+    _client(uri).set_terminated(run_id, status=status)
+    return run_id, logged
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    runs = {
+        "b16": _log_run(uri, "scaling", "b16-run", model="vit_b16", recipe="vit_b16_i21k", steps=60, gflops=17.6,
+                        evals_at=(20, 40, 60), seed=1),
+        "ti": _log_run(uri, "scaling", "tiny-run", model="vit_tiny_debug", recipe="local_demo", steps=80,
+                       gflops=0.05, evals_at=(40, 80), seed=2),
+    }  # fmt: skip
+    return uri, root, runs
+
+
+@pytest.fixture(scope="module")
+def two_run_report(store):
+    uri, root, runs = store
+    out = root / "reports"
+    assert main(["--experiment", "scaling", "--tracking-uri", uri, "--out", str(out), "--name", "two"]) == 0
+    return out / "two"
+
+
+def test_table_numbers_equal_what_was_logged(store):
+    uri, _, runs = store
+    comparison = collect(_client(uri), uri, experiment="scaling")
+    by_name = {r.run_name: r for r in comparison.runs}
+    assert set(by_name) == {"b16-run", "tiny-run"}
+    b16 = by_name["b16-run"]
+    logged = runs["b16"][1]
+    assert (b16.model, b16.patch, b16.recipe, b16.status) == ("vit_b16", 16, "vit_b16_i21k", "FINISHED")
+    assert b16.steps == 60 and b16.images_seen == 60 * BATCH
+    assert b16.final_loss == pytest.approx(logged["loss"][60], rel=1e-12)
+    assert b16.exaflops == pytest.approx(60 * BATCH * 3 * 17.6e9 / 1e18, rel=1e-12)
+    assert b16.fewshot_10shot == pytest.approx(0.2 + 0.2 + 0.01 - 0.02)  # latest checkpoint (step 60)
+    assert b16.finetune_accuracy == pytest.approx(((0.41 + 0.3) + (0.41 + 0.1)) / 2)
+    assert b16.finetune_datasets == ("digits", "dsprites_loc")
+    assert (b16.vtab_mean, b16.vtab_num_tasks, b16.vtab_num_tasks_expected) == (pytest.approx(0.435), 2, 19)
+    assert [step for _, _, step in b16.fewshot_curve] == [20, 40, 60]
+    assert [acc for _, acc, _ in b16.fewshot_curve] == pytest.approx(list(logged["fewshot"].values()))
+    assert len(b16.loss_curve) == 60 and b16.loss_curve[-1] == (60 * BATCH, pytest.approx(logged["loss"][60]))
+    assert "VTAB mean covers 2 of 19 tasks" in b16.notes
+    tiny = by_name["tiny-run"]
+    assert (tiny.patch, tiny.steps, tiny.images_seen) == (4, 80, 80 * BATCH)
+
+
+def test_report_files_csv_and_mlflow_artifacts(store, two_run_report):
+    uri, _, runs = store
+    for name in ("index.html", LOSS_PNG, FEWSHOT_PNG, CSV_NAME):
+        assert (two_run_report / name).stat().st_size > 0, name
+    rows = {r["run_name"]: r for r in csv.DictReader((two_run_report / CSV_NAME).open())}
+    assert float(rows["b16-run"]["final_loss"]) == runs["b16"][1]["loss"][60]  # full precision, exactly
+    assert int(rows["tiny-run"]["steps"]) == 80 and float(rows["tiny-run"]["images_seen"]) == 80 * BATCH
+    page = (two_run_report / "index.html").read_text()
+    assert "b16-run" in page and "tiny-run" in page and "3,840" in page and "5,120" in page
+    assert "43.5% (2/19 tasks)" in page and "61.0% (mean of 2)" in page and "39.0%" in page
+    # The report went to MLflow as a comparison run, which later comparisons leave out.
+    client = _client(uri)
+    experiment = client.get_experiment_by_name("scaling")
+    comparisons = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get(COMPARISON_KIND_TAG)]
+    assert len(comparisons) == 1
+    artifacts = {a.path for a in client.list_artifacts(comparisons[0].info.run_id, "report")}
+    assert {"report/index.html", f"report/{LOSS_PNG}", f"report/{FEWSHOT_PNG}", f"report/{CSV_NAME}"} <= artifacts
+    assert len(collect(client, uri, experiment="scaling").runs) == 2
+
+
+def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
+    uri, _, _ = store
+    crashed, _ = _log_run(uri, "mixed", "crashed", model="vit_s16", recipe="r", steps=5, gflops=4.6, status="FAILED")
+    running, _ = _log_run(uri, "mixed", "no-evals", model="vit_s16", recipe="r", steps=8, gflops=4.6, status="RUNNING")
+    bare = create_run(uri, "mixed", "no-metrics", {}, {})  # the driver created it, then nothing arrived
+    out = tmp_path / "reports"
+    assert main(["--runs", f"{crashed},{running},{bare}", "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0
+    page = (out / "m" / "index.html").read_text()
+    assert "crashed: run FAILED (crashed) at step 5" in page
+    assert "no-evals: run still RUNNING" in page
+    assert "no-metrics: no training metrics (train/loss) logged" in page
+    assert page.count("no eval metrics logged") == 3
+    assert "No run has few-shot 10-shot results" not in page  # the placeholder text lives in the PNG
+    assert "no-evals: no few-shot eval logged" in page
+    assert Image.open(out / "m" / FEWSHOT_PNG).size[0] > 100
+
+
+def test_empty_experiment_and_unknown_experiment(store, tmp_path, capsys):
+    uri, _, _ = store
+    _client(uri).create_experiment("empty")
+    out = tmp_path / "reports"
+    assert main(["--experiment", "empty", "--tracking-uri", uri, "--out", str(out), "--name", "e"]) == 0
+    page = (out / "e" / "index.html").read_text()
+    assert "no pre-training runs to compare" in page
+    assert (out / "e" / LOSS_PNG).stat().st_size > 0 and (out / "e" / FEWSHOT_PNG).stat().st_size > 0
+    assert main(["--experiment", "nope", "--tracking-uri", uri, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "experiment 'nope' not found" in err and "scaling" in err and "empty" in err
+    with pytest.raises(ValueError, match="existing experiments"):
+        collect(_client(uri), uri, experiment="nope")
+
+
+CHECK_SCRIPT = """<script>
+window.addEventListener("load", () => {
+  const imgs = Array.from(document.images);
+  const out = document.createElement("pre");
+  out.id = "image-check";
+  out.textContent = "IMAGES " + imgs.length + " LOADED " + imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail("Chromium is not installed: `apt-get install chromium` (Debian), as .ci/run and the README do")
+
+
+def _chromium_run(args, user_data_dir: Path) -> subprocess.CompletedProcess:
+    flags = [
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--mute-audio",
+        f"--user-data-dir={user_data_dir}", "--virtual-time-budget=5000",
+    ]  # fmt: skip
+    return subprocess.run([_chromium(), *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_report_renders_in_headless_chromium(two_run_report, tmp_path):
+    # A copy of the page with a checker script, next to the original so the relative image links resolve.
+    page = (two_run_report / "index.html").read_text()
+    check = two_run_report / "_image_check.html"
+    check.write_text(page.replace("</body>", CHECK_SCRIPT + "</body>"))
+    dom = _chromium_run(["--dump-dom", check.as_uri()], tmp_path / "profile-dom")
+    check.unlink()
+    assert "IMAGES 2 LOADED 2" in dom.stdout, dom.stderr[-2000:]
+
+    shot = tmp_path / "report.png"
+    result = _chromium_run(
+        [f"--screenshot={shot}", "--window-size=1280,2000", (two_run_report / "index.html").as_uri()],
+        tmp_path / "profile-shot",
+    )
+    assert shot.is_file(), result.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("RGB"), dtype=np.float32)
+    assert pixels.shape[:2] == (2000, 1280)
+    # Not blank: plenty of non-white pixels, several colours (lines of both runs, table stripes, text).
+    non_white = (pixels.min(axis=2) < 200).mean()
+    assert 0.01 < non_white < 0.6, non_white
+    assert len(np.unique(pixels.reshape(-1, 3)[::7], axis=0)) > 50
+    # The figures are below the table: the lower half of the page must carry drawn content too.
+    assert (pixels[1000:].min(axis=2) < 200).mean() > 0.005
