@@ -1,0 +1,139 @@
+"""Check a shard folder: checksums, counts, labels and a spot decode; a readable report and an exit code.
+
+    python -m data_pipeline.validate data/fractal/train [--spot 16] [--full]
+
+Exit status: 0 the folder is intact; 1 damage found (the report lists every problem); 2 not a shard folder
+(missing manifest.parquet or dataset.json) or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import posixpath
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import fsspec
+import numpy as np
+import pyarrow.parquet as pq
+from PIL import Image
+
+from data_pipeline.dedup import sha256_hex
+from data_pipeline.manifest import SAMPLES_FILE, DatasetInfo, ShardFormatError, read_dataset_info
+from data_pipeline.shards import read_shard
+
+
+@dataclass
+class ValidationReport:
+    root: str
+    shards: int = 0
+    samples_expected: int = 0
+    samples_read: int = 0
+    decoded: int = 0
+    problems: list[str] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        lines = [
+            f"shard folder {self.root}",
+            f"  shards: {self.shards}   samples: {self.samples_read} read / {self.samples_expected} in manifest   "
+            f"spot-decoded: {self.decoded}",
+        ]
+        if self.counters:
+            lines.append(f"  reader counters: {dict(sorted(self.counters.items()))}")
+        if self.ok:
+            lines.append("  OK: checksums, counts, labels and decoded samples all match")
+        else:
+            lines.append(f"  DAMAGED: {len(self.problems)} problem(s)")
+            lines += [f"   - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _check_shard(info: DatasetInfo, index: int, spot: int, full: bool, report: ValidationReport) -> None:
+    shard = info.shards[index]
+    fs, path = fsspec.core.url_to_fs(shard.url)
+    if not fs.exists(path):
+        report.problems.append(f"{shard.url}: missing (manifest lists {shard.samples} samples)")
+        return
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    if len(data) != shard.bytes:
+        report.problems.append(f"{shard.url}: {len(data)} bytes, manifest says {shard.bytes}")
+    if sha256_hex(data) != shard.sha256:
+        report.problems.append(f"{shard.url}: sha256 differs from the manifest (damaged or replaced)")
+    stats: Counter = Counter()
+    samples = list(read_shard(shard.url, shard.samples, stats))
+    report.samples_read += len(samples)
+    if len(samples) != shard.samples:
+        report.problems.append(f"{shard.url}: {len(samples)} samples readable, manifest says {shard.samples}")
+    for key in ("unsafe_members", "read_errors"):
+        if stats[key]:
+            report.problems.append(f"{shard.url}: {stats[key]} {key.replace('_', ' ')}")
+    for name, value in stats.items():
+        report.counters[name] = report.counters.get(name, 0) + value
+    rng = np.random.default_rng(index)
+    picks = range(len(samples)) if full else rng.permutation(len(samples))[:spot]
+    for i in sorted(int(k) for k in picks):
+        sample = samples[i]
+        where = f"{shard.url}:{sample.get('__key__')}"
+        if "jpg" not in sample or "cls" not in sample:
+            report.problems.append(f"{where}: missing .jpg or .cls member")
+            continue
+        try:
+            label = int(sample["cls"])
+        except ValueError:
+            report.problems.append(f"{where}: label {sample['cls'][:20]!r} is not an integer")
+            continue
+        if not 0 <= label < info.num_classes:
+            report.problems.append(f"{where}: label {label} out of range [0, {info.num_classes})")
+        try:
+            with Image.open(io.BytesIO(sample["jpg"])) as img:
+                img.load()
+            report.decoded += 1
+        except (OSError, ValueError, SyntaxError) as err:
+            report.problems.append(f"{where}: image does not decode ({err})")
+
+
+def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationReport:
+    """Validate a split folder; raises ShardFormatError when it is not one (no manifest / dataset.json)."""
+    info = read_dataset_info(shard_dir)
+    report = ValidationReport(root=str(shard_dir), shards=len(info.shards), samples_expected=info.num_samples)
+    for index in range(len(info.shards)):
+        _check_shard(info, index, spot, full, report)
+    fs, path = fsspec.core.url_to_fs(str(shard_dir))
+    samples_path = posixpath.join(path.rstrip("/"), SAMPLES_FILE)
+    if fs.exists(samples_path):
+        with fs.open(samples_path, "rb") as f:
+            rows = pq.read_metadata(f).num_rows
+        if rows != info.num_samples:
+            report.problems.append(f"{SAMPLES_FILE}: {rows} rows, manifest counts {info.num_samples} samples")
+    else:
+        report.problems.append(f"{SAMPLES_FILE} is missing")
+    if info.class_names and len(info.class_names) != info.num_classes:
+        report.problems.append(f"classes.parquet has {len(info.class_names)} names, dataset.json {info.num_classes}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Validate a vitscale shard folder (checksums, counts, spot decode).")
+    p.add_argument("shard_dir")
+    p.add_argument("--spot", type=int, default=16, help="samples decoded per shard (default 16)")
+    p.add_argument("--full", action="store_true", help="decode every sample")
+    args = p.parse_args(argv)
+    try:
+        report = validate(args.shard_dir, spot=args.spot, full=args.full)
+    except ShardFormatError as err:
+        print(f"data_pipeline.validate: {err}", file=sys.stderr)
+        return 2
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
