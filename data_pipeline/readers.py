@@ -54,19 +54,25 @@ def is_safe_member(name: str) -> bool:
 
 
 def _read_class_names(path: Path | None, ids: list[str]) -> list[str]:
-    """Map class ids (folder names, wnids) to human names with an optional file of ``id<whitespace>name`` lines.
+    """Map class ids (folder names, wnids, label indices) to human names with an optional class-name file.
 
-    A file whose lines hold a single token gives the names in label order instead.
+    The file holds ``id<TAB>name`` lines (ImageNet's words.txt), ``id name`` lines whose ids are the source's, or
+    one name per line in label order.
     """
     if path is None:
         return list(ids)
     lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    pairs = [line.split(None, 1) for line in lines]
-    if all(len(p) == 2 for p in pairs):
-        table = {p[0]: p[1] for p in pairs}
-        if ids and ids != [str(i) for i in range(len(ids))]:
-            return [table.get(i, i) for i in ids]
-        return [table.get(str(i), str(i)) for i in range(len(ids))]
+    if all("\t" in line for line in lines):
+        pairs = [line.split("\t", 1) for line in lines]
+    elif ids and all(line.split(None, 1)[0] in set(ids) for line in lines):
+        pairs = [line.split(None, 1) + [""] for line in lines]
+    else:
+        pairs = None
+    if pairs is not None:
+        table = {p[0].strip(): (p[1].strip() or p[0].strip()) for p in pairs}
+        if not ids:
+            ids = [str(i) for i in range(len(table))]
+        return [table.get(i, i) for i in ids]
     if ids and len(lines) < len(ids):
         raise ValueError(f"class-name file {path} has {len(lines)} names but the source has {len(ids)} classes")
     return lines
@@ -130,7 +136,8 @@ def open_source(
                 raise ValueError(f"{f}: column '{label_column}' holds a negative or missing label")
             max_label = max([max_label, *map(int, labels)])
         ids = [str(i) for i in range(max_label + 1)]
-        names = _read_class_names(class_names_file, ids)
+        # With a name file the file decides the number of classes; a label beyond it is reported below.
+        names = _read_class_names(class_names_file, [] if class_names_file else ids)
         if len(names) <= max_label:
             raise ValueError(
                 f"label {max_label} in {root} is out of range for the {len(names)} names in {class_names_file}; "

@@ -25,7 +25,6 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -385,7 +384,7 @@ class _EvalShards(IterableDataset):
                     stats["corrupt_samples"] += 1
                     continue
                 labels.append(label)
-                keys.append(f"{Path(shard.url).name}/{sample['__key__']}")
+                keys.append(sample["__key__"])
                 if len(images) == self.batch_size:
                     yield self._batch(images, labels, keys, stats)
                     images, labels, keys = [], [], []

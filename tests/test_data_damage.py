@@ -1,0 +1,145 @@
+"""Damaged input: exact skip counts or clear errors, and nothing valid lost."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+from test_data_stream import UNEVEN, jpeg_bytes, make_shards
+
+from data_pipeline import validate as validate_cli
+from data_pipeline import write as write_cli
+from data_pipeline.manifest import MANIFEST_FILE, ShardFormatError, read_dataset_info
+from data_pipeline.readers import open_source
+from data_pipeline.stream import EvalStream, TrainStream
+
+CORRUPT_KEY = "000010"
+
+
+def corrupt_one(key, index, sample):
+    if key == CORRUPT_KEY:
+        sample["jpg"] = sample["jpg"][: len(sample["jpg"]) // 3]  # a truncated JPEG: header fine, data cut
+    return sample
+
+
+def eval_keys(root, **kw):
+    stream = EvalStream(root, batch_size=16, image_size=16, return_keys=True, **kw)
+    return [k for _, _, keys in stream for k in keys], stream
+
+
+def test_corrupt_jpeg_is_skipped_and_counted_exactly(tmp_path):
+    root = make_shards(tmp_path / "c", member=corrupt_one)
+    keys, stream = eval_keys(root, num_workers=2)
+    assert stream.stats["corrupt_samples"] == 1
+    assert sorted(keys) == [f"{k:06d}" for k in range(sum(UNEVEN)) if f"{k:06d}" != CORRUPT_KEY]
+    train = TrainStream(root, batch_size=8, image_size=16, num_workers=0, shuffle_buffer=0)
+    it = iter(train)
+    for _ in range(train.batches_per_epoch):
+        next(it)
+    assert train.stats["corrupt_samples"] == 1  # every sample was drawn once this epoch; the bad one once
+    assert validate_cli.main([str(root), "--full"]) == 1
+
+
+def test_truncated_shard_is_counted_not_silently_shortened(tmp_path, capsys):
+    root = make_shards(tmp_path / "t")
+    big = root / "shard-000003.tar"  # 40 samples
+    data = big.read_bytes()
+    big.write_bytes(data[: len(data) // 2])
+    keys, stream = eval_keys(root)
+    lost = sum(UNEVEN) - len(keys)
+    assert 0 < lost < 40
+    assert stream.stats["truncated_shards"] == 1 and stream.stats["missing_samples"] == lost
+    others = {f"{k:06d}" for k in range(sum(UNEVEN))} - {f"{k:06d}" for k in range(3 + 17 + 5, 3 + 17 + 5 + 40)}
+    assert others <= set(keys)  # every sample of the intact shards is still there
+    train = TrainStream(root, batch_size=8, image_size=16, world_size=1, num_workers=2, shuffle_buffer=4)
+    batches = [b for _, b in zip(range(train.batches_per_epoch), train)]
+    assert len(batches) == train.batches_per_epoch  # the epoch keeps its length (wrapping), and says why
+    assert train.stats["truncated_shards"] >= 1
+    assert validate_cli.main([str(root)]) == 1
+    assert "shard-000003.tar" in capsys.readouterr().out
+
+
+def unsafe_member_shard(root):
+    """A shard with a member named ../x.jpg besides two good samples, and its manifest."""
+    root = make_shards(root, sizes=[2])
+    shard = root / "shard-000000.tar"
+    with tarfile.open(shard, "a") as tar:
+        payload = jpeg_bytes(99)
+        info = tarfile.TarInfo("../x.jpg")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    return root
+
+
+def test_tar_member_with_parent_path_is_never_extracted(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    root = unsafe_member_shard(tmp_path / "u" / "train")
+    keys, stream = eval_keys(root)
+    assert keys == ["000000", "000001"] and stream.stats["unsafe_members"] == 1
+    assert not list(tmp_path.rglob("x.jpg"))  # nothing written next to or above the shard or the cwd
+
+
+def test_writer_skips_unsafe_members_of_a_source_tar(tmp_path):
+    src = tmp_path / "i21k"
+    src.mkdir()
+    with tarfile.open(src / "n0001.tar", "w") as tar:
+        for name, data in (("n0001_1.JPEG", jpeg_bytes(1)), ("../evil.JPEG", jpeg_bytes(2))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    report = write_cli.write_dataset(tmp_path / "out", write_cli.WriteConfig(processes=1), source=open_source(src))
+    assert report.written == 1 and report.skipped == {"unsafe_member": 1}
+    assert not (tmp_path / "evil.JPEG").exists()
+
+
+def test_empty_source_folder_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is empty"):
+        open_source(tmp_path / "empty")
+    assert write_cli.main(["--source", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_label_out_of_range_is_skipped_and_counted(tmp_path):
+    def bad_label(key, index, sample):
+        if index in (4, 50):
+            sample["cls"] = b"99"
+        return sample
+
+    root = make_shards(tmp_path / "l", member=bad_label)
+    keys, stream = eval_keys(root)
+    assert stream.stats["label_out_of_range"] == 2 and len(keys) == sum(UNEVEN) - 2
+    assert validate_cli.main([str(root), "--full"]) == 1
+
+
+def test_parquet_label_beyond_class_names_is_a_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"image": [jpeg_bytes(0), jpeg_bytes(1)], "label": [0, 5]}), tmp_path / "d.parquet")
+    names = tmp_path / "names.txt"
+    names.write_text("cat\ndog\n")
+    with pytest.raises(ValueError, match="out of range"):
+        open_source(tmp_path / "d.parquet", class_names_file=names)
+
+
+def test_missing_manifest_is_a_clear_error(tmp_path, capsys):
+    root = make_shards(tmp_path / "m")
+    (root / MANIFEST_FILE).unlink()
+    with pytest.raises(ShardFormatError, match="has no manifest.parquet"):
+        read_dataset_info(root)
+    with pytest.raises(ValueError, match="has no manifest.parquet"):
+        TrainStream(root, batch_size=2, image_size=16)
+    assert validate_cli.main([str(root)]) == 2
+    assert "manifest.parquet" in capsys.readouterr().err
+    with pytest.raises(ShardFormatError, match="does not exist"):
+        read_dataset_info(tmp_path / "nowhere")
+
+
+def test_validate_passes_an_intact_folder(tmp_path, capsys):
+    root = make_shards(tmp_path / "ok")
+    assert validate_cli.main([str(root), "--full"]) == 0
+    assert "OK" in capsys.readouterr().out
