@@ -1,0 +1,206 @@
+"""The shard writer: readers, validation, dedup, exclusion, global shuffle, atomic and byte-identical re-runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from data_pipeline import write as write_cli
+from data_pipeline.dedup import sha256_hex
+from data_pipeline.manifest import read_dataset_info
+from data_pipeline.readers import open_source
+from data_pipeline.stream import EvalStream
+from data_pipeline.validate import validate
+
+
+def smooth_image(seed: int, size=(40, 30)) -> Image.Image:
+    """A smooth random image: distinct per seed, and its perceptual hash survives re-encoding."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize(size, Image.BICUBIC)
+
+
+def encoded(img: Image.Image, fmt="JPEG", **kw) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format=fmt, **kw)
+    return out.getvalue()
+
+
+@pytest.fixture()
+def folder_source(tmp_path):
+    """3 classes x 6 good JPEGs, plus one of each kind of trouble, with known counts."""
+    root = tmp_path / "src"
+    for c in range(3):
+        d = root / f"class{c}"
+        d.mkdir(parents=True)
+        for i in range(6):
+            (d / f"img{i}.jpg").write_bytes(encoded(smooth_image(10 * c + i), quality=92))
+    extra = root / "class0"
+    (extra / "png.png").write_bytes(encoded(smooth_image(100), fmt="PNG"))
+    (extra / "big.jpg").write_bytes(encoded(smooth_image(101, size=(80, 64)), quality=92))
+    (extra / "corrupt.jpg").write_bytes(encoded(smooth_image(102))[:200])
+    (extra / "fake.jpg").write_bytes(b"not an image at all")
+    (extra / "tiny.jpg").write_bytes(encoded(smooth_image(103, size=(4, 4))))
+    (extra / "notes.txt").write_text("ignored")
+    (root / "class1" / "dup.jpg").write_bytes((root / "class0" / "img0.jpg").read_bytes())  # exact duplicate
+    (root / "class2" / "near.jpg").write_bytes(encoded(smooth_image(11), quality=60))  # near duplicate of class1/img1
+    return root
+
+
+def read_members(shard):
+    with tarfile.open(shard) as tar:
+        return [(m.name, m.mtime, m.uid, m.uname) for m in tar.getmembers()]
+
+
+def test_write_folder_source_counts_dedup_and_format(folder_source, tmp_path):
+    config = write_cli.WriteConfig(name="toy", samples_per_shard=5, max_short_side=32, processes=1, seed=1)
+    report = write_cli.write_dataset(tmp_path / "out", config, source=open_source(folder_source))
+    assert report.scanned == 18 + 7
+    assert report.skipped == {"corrupt": 1, "not_image": 2, "too_small": 1}
+    assert report.exact_duplicates == 1 and report.near_duplicates == 1
+    assert report.written == 18 + 2 + 1  # 18 good + png + big + the near duplicate (flagged, kept)
+    info = read_dataset_info(tmp_path / "out")
+    assert info.num_samples == report.written and info.num_classes == 3 and len(info.shards) == 5
+    assert info.class_names == ("class0", "class1", "class2")
+    samples = pq.read_table(tmp_path / "out" / "samples.parquet").to_pylist()
+    assert sum(r["near_duplicate"] for r in samples) == 1
+    by_source = {r["source"]: r for r in samples}
+    original = (folder_source / "class0" / "img3.jpg").read_bytes()
+    assert by_source["class0/img3.jpg"]["sha256"] == sha256_hex(original)  # small JPEG: original bytes kept
+    assert min(by_source["class0/big.jpg"]["width"], by_source["class0/big.jpg"]["height"]) == 32
+    members = [n for s in info.shards for n, *_ in read_members(s.url)]
+    assert {n.split(".", 1)[1] for n in members} == {"jpg", "cls", "json"}
+    assert all(n.count(".") == 1 for n in members)  # keys have no dots
+    with tarfile.open(info.shards[0].url) as tar:
+        png_like = [json.loads(tar.extractfile(m).read()) for m in tar.getmembers() if m.name.endswith(".json")]
+    assert all({"label", "label_name", "source", "width", "height", "sha256"} <= set(m) for m in png_like)
+    labels = [r["label"] for r in samples]
+    assert labels != sorted(labels)  # globally shuffled, not class-sorted
+    assert validate(str(tmp_path / "out"), full=True).ok
+    decoded = [
+        k for _, _, keys in EvalStream(tmp_path / "out", batch_size=7, image_size=16, return_keys=True) for k in keys
+    ]
+    assert sorted(decoded) == sorted(r["key"] for r in samples)
+
+
+@pytest.mark.timeout(120)
+def test_rerun_after_interruption_is_byte_identical(folder_source, tmp_path, monkeypatch):
+    config = write_cli.WriteConfig(samples_per_shard=4, max_short_side=32, seed=3, processes=2)
+    write_cli.write_dataset(tmp_path / "clean", config, source=open_source(folder_source))
+
+    original = write_cli._write_shard
+    calls = []
+
+    def crash_on_third(job):
+        calls.append(job[1])
+        if len(calls) == 3:
+            (tmp_path / "resumed" / "shard-000002.tar.tmp").write_bytes(b"half a shard")
+            raise KeyboardInterrupt("simulated kill")
+        return original(job)
+
+    single = write_cli.WriteConfig(samples_per_shard=4, max_short_side=32, seed=3, processes=1)
+    monkeypatch.setattr(write_cli, "_write_shard", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        write_cli.write_dataset(tmp_path / "resumed", single, source=open_source(folder_source))
+    assert not (tmp_path / "resumed" / "manifest.parquet").exists()
+    assert (tmp_path / "resumed" / "shard-000001.tar").exists()
+    monkeypatch.setattr(write_cli, "_write_shard", original)
+    write_cli.write_dataset(tmp_path / "resumed", single, source=open_source(folder_source))
+
+    clean = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    resumed = sorted(p.name for p in (tmp_path / "resumed").iterdir())
+    assert clean == resumed and not any(n.endswith(".tmp") for n in resumed)
+    for name in clean:
+        assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+    assert {(m[1], m[2], m[3]) for m in read_members(tmp_path / "clean" / "shard-000000.tar")} == {(0, 0, "vitscale")}
+
+
+def test_exclude_like_drops_images_of_an_eval_set(folder_source, tmp_path):
+    eval_dir = tmp_path / "eval_images"
+    eval_dir.mkdir()
+    (eval_dir / "a.jpg").write_bytes((folder_source / "class1" / "img4.jpg").read_bytes())  # exact copy
+    (eval_dir / "b.jpg").write_bytes(encoded(smooth_image(22), quality=50))  # re-encoded copy of class2/img2
+    exclude = write_cli.load_exclusion(eval_dir)
+    config = write_cli.WriteConfig(samples_per_shard=50, max_short_side=32, processes=1)
+    report = write_cli.write_dataset(tmp_path / "out", config, source=open_source(folder_source), exclude=exclude)
+    assert report.excluded == 2
+    sources = set(pq.read_table(tmp_path / "out" / "samples.parquet").column("source").to_pylist())
+    assert "class1/img4.jpg" not in sources and "class2/img2.jpg" not in sources and "class2/img3.jpg" in sources
+    # an eval shard folder works as the exclusion source too
+    report2 = write_cli.write_dataset(
+        tmp_path / "out2", config, source=open_source(folder_source), exclude=write_cli.load_exclusion(tmp_path / "out")
+    )
+    # everything written before is excluded (its duplicate too); only the two images excluded before remain
+    assert report2.excluded == report.written + report.exact_duplicates and report2.written == 2
+
+
+def test_imagenet21k_tars_and_parquet_sources_through_the_cli(tmp_path, capsys):
+    i21k = tmp_path / "i21k"
+    i21k.mkdir()
+    for c, wnid in enumerate(["n01440764", "n01443537"]):
+        with tarfile.open(i21k / f"{wnid}.tar", "w") as tar:
+            for i in range(5):
+                data = encoded(smooth_image(50 + 10 * c + i))
+                info = tarfile.TarInfo(f"{wnid}_{i}.JPEG")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    words = tmp_path / "words.txt"
+    words.write_text("n01440764\ttench, Tinca tinca\nn01443537\tgoldfish\n")
+    out = tmp_path / "i21k_shards"
+    rc = write_cli.main(
+        [
+            "--source",
+            str(i21k),
+            "--out",
+            str(out),
+            "--class-names",
+            str(words),
+            "--samples-per-shard",
+            "3",
+            "--processes",
+            "1",
+        ]
+    )
+    assert rc == 0 and "wrote 10 in 4 shards" in capsys.readouterr().out
+    info = read_dataset_info(out)
+    assert info.class_names == ("tench, Tinca tinca", "goldfish") and info.num_samples == 10
+    assert list(tmp_path.glob("*.JPEG")) == []  # read as streams, nothing extracted
+
+    table = pa.table(
+        {"img": [{"bytes": encoded(smooth_image(200 + i)), "path": None} for i in range(6)], "y": [0, 1, 2, 0, 1, 2]}
+    )
+    pq.write_table(table, tmp_path / "hf.parquet")
+    rc = write_cli.main(
+        [
+            "--source",
+            str(tmp_path / "hf.parquet"),
+            "--out",
+            str(tmp_path / "pq_shards"),
+            "--image-column",
+            "img",
+            "--label-column",
+            "y",
+            "--processes",
+            "1",
+        ]
+    )
+    assert rc == 0
+    assert read_dataset_info(tmp_path / "pq_shards").num_classes == 3
+
+
+def test_write_config_rejects_bad_values(tmp_path):
+    with pytest.raises(ValueError, match="samples-per-shard"):
+        write_cli.WriteConfig(samples_per_shard=0).validate()
+    with pytest.raises(ValueError, match="different settings"):
+        items = [(encoded(smooth_image(i)), 0, f"m{i}") for i in range(3)]
+        write_cli.write_dataset(tmp_path / "x", write_cli.WriteConfig(processes=1), items=items, class_names=["a"])
+        write_cli.write_dataset(
+            tmp_path / "x", write_cli.WriteConfig(processes=1, seed=9), items=items, class_names=["a"]
+        )
