@@ -27,6 +27,7 @@ class HardwareSpec:
     peak_tflops: float  # dense bf16 peak per GPU (per worker on CPU), the MFU denominator
     cpus_per_node: int
     memory_gb_per_node: float
+    instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,11 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class TrainDefaults:
-    """Hardware-dependent training settings, applied before the user's `--set` overrides."""
+    """Hardware-dependent training settings for what a recipe leaves unset (the recipe and `--set` win)."""
 
     zero_stage: int
-    micro_batch_size: int
+    micro_batch_size: int  # also lowered to the largest divisor of global / world when it does not divide it
     precision: str  # "bf16" | "fp32"
-    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class EvalResources:
 
     num_cpus: float = 1
     num_gpus: float = 0
+    instance_type: str = ""  # a separate eval node group in cluster.render when evals need a GPU of their own
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,249 @@
+"""The Ray job entrypoint: one MLflow run, Ray Train workers running `train_worker`, evals after each checkpoint.
+
+    python -m cluster.driver --plan plan.json      # or the plan in $VITSCALE_PLAN (what cluster.launch submits)
+
+Order of work (all on the Ray head, inside the job):
+1. Read the plan (resolved profile + resolved TrainConfig + the printed numbers).
+2. Create the ONE MLflow run of this job — params = flattened resolved config, tags = profile / recipe / model /
+   world size / git commit, plan as artifact — or continue the run recorded in `<run_dir>/mlflow_run.json` when
+   the same run is launched again (training then resumes from its newest COMPLETE checkpoint as well).
+3. Start the eval scheduler actor (`cluster.eval_scheduler`), then `TorchTrainer(train_loop, ScalingConfig from
+   the profile, FailureConfig(max_failures), RunConfig(storage_path = profile checkpoints))`. Each worker runs
+   `pretrain.train.train_worker(config, on_checkpoint)`; rank 0's `on_checkpoint` hands every COMPLETE checkpoint
+   to the scheduler without waiting. When a worker dies, Ray Train restarts the whole worker group and
+   `train_worker` resumes from the newest COMPLETE checkpoint in the run folder: same run folder, same MLflow run.
+4. Wait for pending evals, print the summary table (step, loss, eval metrics), close the MLflow run, exit 0 only
+   if training succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.profiles import ClusterProfile, profile_from_dict
+
+PLAN_ENV = "VITSCALE_PLAN"
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Chaos hook for tests and drills: rank `rank` exits abruptly `delay_s` after checkpoint step >= `after_step`,
+    once per run folder (a marker file there makes the restarted worker group run through)."""
+
+    rank: int
+    after_step: int
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    profile: ClusterProfile
+    config: dict[str, Any]  # TrainConfig.to_dict() of the resolved config
+    plan: dict[str, Any]  # cluster.plan.Plan.to_dict()
+    fault: FaultInjection | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        from cluster.profiles import profile_to_dict
+
+        return json.dumps(
+            {
+                "profile": profile_to_dict(self.profile),
+                "config": self.config,
+                "plan": self.plan,
+                "fault": vars(self.fault) if self.fault else None,
+                "tags": self.tags,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        d = json.loads(text)
+        fault = FaultInjection(**d["fault"]) if d.get("fault") else None
+        return cls(profile_from_dict(d["profile"]), d["config"], d["plan"], fault, d.get("tags", {}))
+
+
+def worker_env(profile: ClusterProfile) -> dict[str, str]:
+    """Environment every training worker sets before importing torch/DeepSpeed."""
+    env = {"OMP_NUM_THREADS": str(profile.workers.cpus_per_worker), "PYTHONUNBUFFERED": "1"}
+    if not profile.uses_gpus:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """Runs in each Ray Train worker (Ray created the process group and set RANK / WORLD_SIZE / LOCAL_RANK)."""
+    os.environ.update(loop_config["env"])
+    import ray.train
+    import torch
+
+    from pretrain.config import TrainConfig
+    from pretrain.train import train_worker
+
+    torch.set_num_threads(int(loop_config["env"]["OMP_NUM_THREADS"]))
+    config = TrainConfig.from_dict(loop_config["config"])
+    rank = ray.train.get_context().get_world_rank()
+    scheduler = loop_config["scheduler"]
+    fault = loop_config.get("fault")
+    marker = Path(config.checkpoint.dir) / ".fault_injected"
+
+    def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
+        if rank == 0:
+            scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics))
+        if fault and rank == fault["rank"] and step >= fault["after_step"] and not marker.exists():
+            marker.write_text(f"rank {rank} killed {fault['delay_s']} s after checkpoint step {step}\n")
+            # Die like a lost node would: no exception, no cleanup, in the middle of later training steps.
+            threading.Timer(fault["delay_s"], lambda: os._exit(1)).start()
+
+    summary = train_worker(config, on_checkpoint=on_checkpoint)
+    ray.train.report({k: v for k, v in _floats(summary).items()})
+
+
+def _floats(d: dict) -> dict[str, float]:
+    return {str(k): float(v) for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _mlflow_run(spec: JobSpec, config: Any, run_dir: Path) -> str:
+    """Create the job's run, or continue the one recorded in the run folder (a relaunch of the same run)."""
+    from pretrain.tracking import Tracker, create_run
+
+    uri = config.logging.mlflow_tracking_uri
+    record = run_dir / "mlflow_run.json"
+    if record.exists():
+        saved = json.loads(record.read_text())
+        if saved.get("tracking_uri") == uri:
+            print(f"continuing MLflow run {saved['run_id']} recorded in {record}")
+            return saved["run_id"]
+    # The run id is part of the config the workers log as params: log it once it exists, with the same value.
+    logging_section = {k: v for k, v in spec.config["logging"].items() if k != "mlflow_run_id"}
+    run_id = create_run(
+        uri,
+        experiment=config.recipe or "vitscale",
+        run_name=run_dir.name,
+        params={**spec.config, "logging": logging_section},
+        tags=spec.tags,
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    (run_dir / "plan.json").write_text(json.dumps(spec.plan, indent=2))
+    tracker = Tracker(uri, run_id, rank=0)
+    tracker.log_params({"logging.mlflow_run_id": run_id})
+    tracker.log_artifact(str(run_dir / "plan.json"))
+    tracker.close()
+    return run_id
+
+
+def _set_status(uri: str, run_id: str, status: str) -> None:
+    from mlflow import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client.set_tag(run_id, "vitscale.status", status.lower())
+        client.set_terminated(run_id, status=status)
+    except Exception as exc:  # tracking never decides the job's fate
+        print(f"warning: could not mark MLflow run {run_id} {status}: {exc}", file=sys.stderr)
+
+
+def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None) -> int:
+    """Steps 2-4 of the module docstring; returns the process exit code (0 = training succeeded)."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from cluster.eval_scheduler import EvalScheduler
+    from cluster.summary import format_summary
+    from pretrain.config import TrainConfig
+
+    profile = spec.profile
+    config = TrainConfig.from_dict(spec.config)
+    run_dir = Path(config.checkpoint.dir)
+    if not ray.is_initialized():
+        ray.init(address=address or "auto")
+    run_id = _mlflow_run(spec, config, run_dir)
+    config = TrainConfig.from_dict({**spec.config, "logging": {**spec.config["logging"], "mlflow_run_id": run_id}})
+    uri = config.logging.mlflow_tracking_uri
+    print(f"MLflow run {run_id} ({uri}); run folder {run_dir}", flush=True)
+
+    scheduler = EvalScheduler.remote(
+        config.evals.suite,
+        config.evals.data_root,
+        run_id,
+        uri,
+        num_cpus=profile.evals.num_cpus,
+        num_gpus=profile.evals.num_gpus,
+    )
+    w = profile.workers
+    resources = {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.gpus_per_worker else {})}
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={
+            "config": config.to_dict(),
+            "scheduler": scheduler,
+            "env": worker_env(profile),
+            "fault": vars(spec.fault) if spec.fault else None,
+        },
+        torch_config=TorchConfig(backend=profile.comm_backend, timeout_s=config.deepspeed.timeout_minutes * 60),
+        scaling_config=ScalingConfig(
+            num_workers=w.num_workers, use_gpu=profile.uses_gpus, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name=run_dir.name,
+            storage_path=str(run_dir.parent),
+            failure_config=FailureConfig(max_failures=profile.max_failures),
+        ),
+    )
+    started = time.monotonic()
+    status, error = "FINISHED", None
+    try:
+        result = trainer.fit()
+        error = getattr(result, "error", None)
+    except Exception as exc:  # TrainingFailedError after max_failures restarts, or a setup error
+        error = exc
+    if error is not None:
+        status = "FAILED"
+        print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    train_s = time.monotonic() - started
+    print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
+    evals = ray.get(scheduler.drain.remote(eval_timeout_s))
+    table = format_summary(evals)
+    print(table, flush=True)
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {"status": status, "train_seconds": train_s, "checkpoints": {str(k): v for k, v in evals.items()}},
+            indent=2,
+            default=str,
+        )
+    )
+    from pretrain.tracking import Tracker
+
+    tracker = Tracker(uri, run_id, rank=0)
+    tracker.log_artifact(str(run_dir / "summary.json"))
+    tracker.close()
+    _set_status(uri, run_id, status)
+    return 0 if status == "FINISHED" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.driver", description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
+    parser.add_argument("--address", default=None, help="Ray address (default: the job's cluster)")
+    args = parser.parse_args(argv)
+    if args.plan:
+        text = Path(args.plan).read_text()
+    elif os.environ.get(PLAN_ENV):
+        text = os.environ[PLAN_ENV]
+    else:
+        parser.error(f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does)")
+    return run_job(JobSpec.from_json(text), address=args.address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

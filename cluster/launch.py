@@ -1,0 +1,161 @@
+"""Plan a recipe on a cluster profile, print the plan, submit it as a Ray job, follow it to the end.
+
+    python -m cluster.launch --cluster local --recipe local_demo            # = `make launch`
+    python -m cluster.launch --cluster a100x64 --recipe vit_h14_i21k --dry-run
+    python -m cluster.launch --cluster local --recipe local_demo --set schedule.total=100 --run-name demo
+
+Everything that can be wrong is checked before anything is submitted: the profile and recipe exist, the config
+validates at the profile's world size, the plan fits in device memory, the cluster answers. Then the job
+(`python -m cluster.driver`, the plan in its runtime env) goes through the Ray Job Submission API, its logs are
+streamed here, and this command exits with the job's status: 0 SUCCEEDED, 1 otherwise, 2 for bad input.
+The `local` profile first generates the built-in datasets the recipe and its eval suite need (if absent) and
+starts (or reuses) its own Ray head on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from cluster import jobs
+from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
+from cluster.plan import PlanError, build_plan, format_plan, resolve_config
+from cluster.profiles import PROJECT_ROOT, ClusterProfile, load_profile
+
+# Never shipped to the cluster with the working dir (Ray also honours .gitignore): data, runs, stores, caches.
+WORKING_DIR_EXCLUDES = [
+    ".venv/",
+    "data/",
+    "runs/",
+    "reports/",
+    "bench-results/",
+    ".ray-local/",
+    ".git/",
+    "mlflow.db",
+    "*.egg-info/",
+    "__pycache__/",
+]
+
+
+def builtin_datasets(config) -> list[str]:
+    """Built-in dataset names the training data and the eval suite need (generated on `local` if absent)."""
+    from data_pipeline.builtin import BUILTIN_NAMES
+
+    names = [config.data.builtin] if config.data.builtin else []
+    if config.evals.suite:
+        from evals.suites import load_suite
+
+        for spec in load_suite(config.evals.suite).evaluators:
+            for key in ("datasets", "tasks"):
+                for name in spec.options.get(key) or []:
+                    if isinstance(name, str) and name in BUILTIN_NAMES:
+                        names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def prepare_local_data(config) -> None:
+    from data_pipeline.builtin import ensure
+    from pretrain.config import resolve_path
+
+    roots = {config.data.builtin: resolve_path(config.data.train).parent.parent} if config.data.builtin else {}
+    for name in builtin_datasets(config):
+        root = roots.get(name, resolve_path(config.evals.data_root))
+        t0 = time.monotonic()
+        options = config.data.builtin_options if name == config.data.builtin else {}
+        folder = ensure(name, root, **options)
+        print(f"data: {name} ready in {folder} ({time.monotonic() - t0:.1f} s)", flush=True)
+
+
+def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
+    env = {PLAN_ENV: spec.to_json(), **worker_env(profile)}
+    env.pop("OMP_NUM_THREADS")  # the driver itself is light; workers set their own thread count
+    return {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES, "env_vars": env}
+
+
+def job_tags(profile: ClusterProfile, config, world_size: int) -> dict[str, str]:
+    from pretrain.tracking import git_commit
+
+    return {
+        "vitscale.profile": profile.name,
+        "vitscale.recipe": config.recipe,
+        "vitscale.model": config.model.name,
+        "vitscale.world_size": str(world_size),
+        "vitscale.git_commit": git_commit(PROJECT_ROOT),
+        "vitscale.run_dir": config.checkpoint.dir,
+        "vitscale.status": "running",
+    }
+
+
+def _parse_fault(text: str | None) -> FaultInjection | None:
+    if not text:
+        return None
+    try:
+        rank, step, *delay = text.split(":")
+        return FaultInjection(rank=int(rank), after_step=int(step), delay_s=float(delay[0]) if delay else 0.0)
+    except ValueError:
+        raise ValueError(f"--inject-worker-failure={text!r}; write RANK:STEP[:DELAY_S], e.g. 1:50:2") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", default="local", help="profile: cluster/profiles/<name>.yaml")
+    parser.add_argument("--recipe", default="local_demo", help="recipe: configs/<name>.yaml (or a YAML path)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    parser.add_argument(
+        "--run-name",
+        default=None,
+        help="run folder name under the profile's checkpoints (default <recipe>-<time>); "
+        "reusing a name resumes that run and its MLflow run",
+    )
+    parser.add_argument("--no-follow", action="store_true", help="submit and return without streaming the logs")
+    parser.add_argument(
+        "--inject-worker-failure",
+        default=None,
+        metavar="RANK:STEP[:DELAY_S]",
+        help="fault drill: that rank exits abruptly DELAY_S after checkpoint STEP, once",
+    )
+    args = parser.parse_args(argv)
+    try:
+        profile = load_profile(args.cluster)
+        fault = _parse_fault(args.inject_worker_failure)
+        run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config = resolve_config(profile, args.recipe, args.set, run_name)
+        if profile.is_local and not args.dry_run:
+            prepare_local_data(config)
+        plan = build_plan(profile, config)
+        print(format_plan(plan), flush=True)
+        if args.dry_run:
+            print("dry run: nothing submitted")
+            return 0
+        client = jobs.connect(profile, start_local=True)
+        spec = JobSpec(profile, config.to_dict(), plan.to_dict(), fault, job_tags(profile, config, plan.world_size))
+        job_id = jobs.submit(
+            client,
+            "python -m cluster.driver",
+            runtime_env(profile, spec),
+            submission_id=f"vitscale-{run_name}-{int(time.time())}",
+        )
+    except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"submitted Ray job {job_id} to {jobs.cluster_address(profile)}; "
+        f"`make logs CLUSTER={profile.name}` to follow, `make stop CLUSTER={profile.name}` to stop",
+        flush=True,
+    )
+    if args.no_follow:
+        return 0
+    try:
+        status = jobs.follow(client, job_id)
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)")
+        return 130
+    print(f"job {job_id}: {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

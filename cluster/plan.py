@@ -1,0 +1,334 @@
+"""The plan: a recipe joined with a profile — topology, batch split, memory per GPU, time, compute and data rate.
+
+`resolve_config` applies the profile's hardware defaults (ZeRO stage, micro-batch, precision, loader workers,
+storage locations) to the recipe, then the user's `--set` overrides, so what the plan shows is exactly what the
+workers will run. `build_plan` does the arithmetic and raises `PlanError` (a ValueError) when the run cannot fit
+in memory, with the settings that would make it fit. Every number is derived here from one source:
+FLOPs and parameter counts from `pretrain.flops`, the batch split from `pretrain.ds_config.batch_plan`, steps from
+`pretrain.optim.duration_to_steps`, memory from `cluster.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster import memory
+from cluster.profiles import ClusterProfile
+from pretrain.config import TrainConfig, is_remote, load_config, model_overrides, parse_override, resolve_path
+
+# Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
+RECIPE_DATA_ROOT = "data"
+# Memory no formula above accounts for: CUDA context, NCCL buffers, DeepSpeed buckets, allocator fragmentation
+# (GPU); Python + torch + DeepSpeed resident size (CPU).
+GPU_OVERHEAD_GB = 3.0
+CPU_OVERHEAD_GB = 1.5
+# Assumptions used only when the training manifest cannot be read from here (e.g. s3:// on a laptop).
+ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (REFERENCE §6)
+ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
+MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (REFERENCE §6)
+
+
+class PlanError(ValueError):
+    """The plan cannot run as configured; the message names the problem and settings that would fix it."""
+
+
+def _relocate(path: str, root: str) -> str:
+    """`data/x/y` → `<root>/x/y`; absolute paths and URLs are the recipe's own choice and stay."""
+    if is_remote(path) or Path(path).is_absolute():
+        return path
+    parts = Path(path).parts
+    if parts and parts[0] == RECIPE_DATA_ROOT:
+        return "/".join([root.rstrip("/"), *parts[1:]])
+    return path
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _recipe_sets(recipe: str, sets: list[str]) -> set[str]:
+    """Dotted keys the recipe (with its `base:` chain) or the user's `--set` gives a value."""
+    from pretrain.config import _load_yaml, recipe_path
+
+    def walk(d: dict, prefix: str) -> set[str]:
+        keys = set()
+        for k, v in d.items():
+            keys |= walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+        return keys
+
+    return walk(_load_yaml(recipe_path(recipe)), "") | {".".join(parse_override(s)[0]) for s in sets}
+
+
+def profile_overrides(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> list[str]:
+    """`key=value` overrides that put a recipe on this profile's hardware and storage.
+
+    Storage, tracking, communication backend and hardware peak always come from the profile. The profile's
+    `defaults` (ZeRO stage, micro-batch, precision, loader workers) fill only what the recipe leaves unset. The
+    micro-batch is then lowered, if needed, to the largest value that splits the global batch over the world.
+    """
+    base = load_config(recipe, sets)
+    given = _recipe_sets(recipe, sets)
+    d, world = profile.defaults, profile.workers.num_workers
+    shards = profile.storage.shards
+    out = [
+        f"deepspeed.dist_backend={profile.comm_backend}",
+        f"data.train={_relocate(base.data.train, shards)}",
+        f"logging.mlflow_tracking_uri={profile.storage.mlflow_tracking_uri}",
+        f"logging.peak_tflops={profile.hardware.peak_tflops}",
+        f"checkpoint.dir={profile.storage.checkpoints.rstrip('/')}/{run_name}",
+        f"evals.data_root={_relocate(base.evals.data_root, shards)}",
+    ]
+    defaults = {
+        "deepspeed.zero_stage": d.zero_stage,
+        "deepspeed.precision": d.precision,
+        "data.micro_batch_size": d.micro_batch_size,
+        "data.num_workers": profile.workers.loader_workers,
+    }
+    out += [f"{k}={v}" for k, v in defaults.items() if k not in given]
+    micro = base.data.micro_batch_size if "data.micro_batch_size" in given else d.micro_batch_size
+    per_rank = base.data.global_batch_size // world
+    user_micro = any(parse_override(s)[0] == ["data", "micro_batch_size"] for s in sets)
+    if not user_micro and per_rank and base.data.global_batch_size % world == 0 and per_rank % micro:
+        out.append(f"data.micro_batch_size={_largest_divisor_at_most(per_rank, micro)}")
+    return out
+
+
+def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
+    """Recipe → profile defaults → the user's `--set` overrides (last wins), validated at the profile's world size.
+
+    Paths are checked only where they are local: a cluster's shards or checkpoints are not visible from a laptop.
+    """
+    config = load_config(recipe, [*profile_overrides(profile, recipe, sets, run_name), *sets])
+    config.validate(profile.workers.num_workers, check_paths=profile.is_local)
+    return config
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile: str
+    recipe: str
+    model: str
+    run_name: str
+    nodes: int
+    world_size: int
+    device: str  # "8 x A100-SXM4-80GB per node" or "CPU"
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    zero_stage: int
+    precision: str
+    activation_checkpointing: bool
+    image_size: int
+    num_params: int
+    num_params_1k_head: int  # the paper's convention (Table 1 counts a 1000-class head)
+    forward_gflops_per_image: float
+    train_gflops_per_image: float
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activation_mb_per_image: float
+    activations_gb: float
+    overhead_gb: float
+    total_gb: float
+    capacity_gb: float
+    total_steps: int
+    step_time_s: float
+    days: float
+    total_exaflops: float
+    images_per_s: float
+    assumed_mfu: float
+    num_shards: int
+    shards_per_loader: float
+    bytes_per_image: float
+    read_mb_per_s: float
+    data_note: str
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _data_stats(config: TrainConfig) -> tuple[int | None, int | None, float | None, str]:
+    """(num_shards, num_samples, bytes per image, note) from the manifest when it is readable here."""
+    from data_pipeline.manifest import read_dataset_info
+
+    try:
+        info = read_dataset_info(config.data.train if is_remote(config.data.train) else resolve_path(config.data.train))
+    except Exception as exc:  # any unreadable manifest (absent, remote, offline) → documented assumptions
+        return None, None, None, f"manifest not readable here: {type(exc).__name__}: {str(exc)[:80]}"
+    total_bytes = sum(s.bytes for s in info.shards)
+    return len(info.shards), info.num_samples, total_bytes / max(info.num_samples, 1), "from manifest.parquet"
+
+
+def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
+    """All the numbers `cluster.launch` prints; PlanError when the memory per device exceeds its capacity."""
+    from pretrain import flops, optim
+    from pretrain.ds_config import batch_plan
+    from pretrain.model import model_config
+
+    world = profile.workers.num_workers
+    batch = batch_plan(config.data, world)
+    shards, samples, bytes_per_image, data_note = _data_stats(config)
+    num_classes = config.model.num_classes or _dataset_classes(config)
+    if num_classes is None:
+        num_classes = 1000
+        data_note += "; head size unknown here, 1000 classes assumed"
+    vit = model_config(config.model.name, **model_overrides(config, num_classes=num_classes))
+    vit_1k = model_config(config.model.name, image_size=vit.image_size, num_classes=1000)
+    num_params = flops.param_count(vit)
+    fwd = flops.forward_flops(vit)
+    train = flops.train_flops(vit)
+
+    epoch_images = config.data.epoch_images or samples
+    total_steps = optim.duration_to_steps(
+        config.schedule.total, batch.global_batch_size, epoch_images, field="schedule.total"
+    )
+    if config.schedule.stop_at_step:
+        total_steps = min(total_steps, config.schedule.stop_at_step)
+
+    precision = config.deepspeed.precision
+    if precision == "auto":
+        precision = "bf16" if profile.uses_gpus else "fp32"
+    states = memory.model_state_bytes(num_params, config.deepspeed.zero_stage, world, precision)
+    hybrid_stride = (16 if len(vit.hybrid_stages) == 3 else 32) if vit.hybrid_stages else None
+    act_per_image = memory.activation_bytes_per_image(
+        tokens=memory.tokens_per_image(vit.image_size, vit.patch_size, hybrid_stride),
+        width=vit.width,
+        mlp_dim=vit.mlp_dim,
+        depth=vit.depth,
+        num_heads=vit.num_heads,
+        precision=precision,
+        dropout=vit.dropout,
+        activation_checkpointing=vit.grad_checkpointing,
+    )
+    activations = act_per_image * batch.micro_batch_size
+    if profile.uses_gpus:
+        capacity, overhead = profile.hardware.gpu_memory_gb * memory.GB, GPU_OVERHEAD_GB * memory.GB
+    else:
+        per_node = math.ceil(world / profile.hardware.nodes)
+        capacity, overhead = profile.hardware.memory_gb_per_node * memory.GB / per_node, CPU_OVERHEAD_GB * memory.GB
+    total = states.total + activations + overhead
+
+    peak = profile.hardware.peak_tflops * 1e12
+    # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
+    recompute = (train + fwd) / train if vit.grad_checkpointing else 1.0
+    step_time = recompute * train * batch.global_batch_size / (world * peak * profile.assumed_mfu)
+    images_per_s = batch.global_batch_size / step_time
+    if shards is None:
+        shards = math.ceil((epoch_images or 0) / ASSUMED_SAMPLES_PER_SHARD) or 0
+        data_note += f"; assumed ~{ASSUMED_SAMPLES_PER_SHARD} samples/shard, {ASSUMED_BYTES_PER_IMAGE // 1000} KB/image"
+        bytes_per_image = float(ASSUMED_BYTES_PER_IMAGE)
+    loaders = world * max(1, config.data.num_workers)
+    shards_per_loader = shards / loaders if shards else 0.0
+
+    warnings = []
+    if shards and shards_per_loader < MIN_SHARDS_PER_LOADER:
+        warnings.append(
+            f"only {shards_per_loader:.1f} shards per (rank x loader worker) ({shards} shards / {loaders}); "
+            f"use >= {MIN_SHARDS_PER_LOADER}: re-shard into more, smaller tar files or lower data.num_workers"
+        )
+    plan = Plan(
+        profile=profile.name,
+        recipe=config.recipe,
+        model=config.model.name,
+        run_name=Path(config.checkpoint.dir).name,
+        nodes=profile.hardware.nodes,
+        world_size=world,
+        device=(
+            f"{profile.hardware.gpus_per_node} x {profile.hardware.gpu_type} per node"
+            if profile.uses_gpus
+            else f"CPU ({profile.workers.cpus_per_worker} core per worker)"
+        ),
+        global_batch_size=batch.global_batch_size,
+        micro_batch_size=batch.micro_batch_size,
+        grad_accum_steps=batch.grad_accum_steps,
+        zero_stage=config.deepspeed.zero_stage,
+        precision=precision,
+        activation_checkpointing=vit.grad_checkpointing,
+        image_size=vit.image_size,
+        num_params=num_params,
+        num_params_1k_head=flops.param_count(vit_1k),
+        forward_gflops_per_image=fwd / 1e9,
+        train_gflops_per_image=train / 1e9,
+        params_gb=states.params / memory.GB,
+        grads_gb=states.grads / memory.GB,
+        optimizer_gb=states.optimizer / memory.GB,
+        activation_mb_per_image=act_per_image / 1e6,
+        activations_gb=activations / memory.GB,
+        overhead_gb=overhead / memory.GB,
+        total_gb=total / memory.GB,
+        capacity_gb=capacity / memory.GB,
+        total_steps=total_steps,
+        step_time_s=step_time,
+        days=total_steps * step_time / 86400,
+        total_exaflops=train * batch.global_batch_size * total_steps / 1e18,
+        images_per_s=images_per_s,
+        assumed_mfu=profile.assumed_mfu,
+        num_shards=shards,
+        shards_per_loader=shards_per_loader,
+        bytes_per_image=bytes_per_image or 0.0,
+        read_mb_per_s=images_per_s * (bytes_per_image or 0.0) / 1e6,
+        data_note=data_note,
+        warnings=tuple(warnings),
+    )
+    if not memory.fits(total, capacity):
+        raise PlanError(_does_not_fit(plan, act_per_image, states.total + overhead, capacity))
+    return plan
+
+
+def _dataset_classes(config: TrainConfig) -> int | None:
+    path = resolve_path(config.data.train) / "dataset.json"
+    if is_remote(config.data.train) or not path.exists():
+        return None
+    return int(json.loads(path.read_text())["num_classes"])
+
+
+def _does_not_fit(plan: Plan, act_per_image: float, fixed: float, capacity: float) -> str:
+    room = capacity - fixed
+    max_micro = int(room // act_per_image) if room > 0 else 0
+    fixes = []
+    if max_micro >= 1:
+        fixes.append(
+            f"lower the micro-batch: --set data.micro_batch_size={max_micro} or less (a divisor of "
+            f"{plan.global_batch_size // plan.world_size})"
+        )
+    if not plan.activation_checkpointing:
+        fixes.append("recompute activations: --set model.grad_checkpointing=true (~33% more compute)")
+    if plan.zero_stage < 3:
+        fixes.append(f"partition more model state: --set deepspeed.zero_stage={plan.zero_stage + 1}")
+    return (
+        f"plan does not fit: {plan.total_gb:.1f} GB per device needed, {plan.capacity_gb:.1f} GB available "
+        f"(model states {plan.params_gb + plan.grads_gb + plan.optimizer_gb:.2f} GB, activations "
+        f"{plan.activations_gb:.1f} GB = {plan.micro_batch_size} x {plan.activation_mb_per_image:.0f} MB/image, "
+        f"overhead {plan.overhead_gb:.1f} GB). Fix: " + "; or ".join(fixes)
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    p = plan
+    lines = [
+        f"plan: recipe {p.recipe} on profile {p.profile} (run {p.run_name})",
+        f"  topology      {p.nodes} node(s), {p.device}; world size {p.world_size}",
+        f"  batch         global {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
+        f"{p.grad_accum_steps} x world {p.world_size}",
+        f"  model         {p.model} @ {p.image_size}px: {p.num_params / 1e6:.2f}M params "
+        f"({p.num_params_1k_head / 1e6:.2f}M with a 1000-class head); forward {p.forward_gflops_per_image:.4g} "
+        f"GFLOPs/image, training {p.train_gflops_per_image:.4g}",
+        f"  precision     {p.precision}, ZeRO-{p.zero_stage}, activation checkpointing "
+        f"{'on' if p.activation_checkpointing else 'off'}",
+        f"  memory/device params {p.params_gb:.2f} GB + grads {p.grads_gb:.2f} GB + optimizer "
+        f"{p.optimizer_gb:.2f} GB + activations {p.activations_gb:.2f} GB ({p.activation_mb_per_image:.0f} MB/image "
+        f"x {p.micro_batch_size}) + overhead {p.overhead_gb:.1f} GB = {p.total_gb:.2f} GB of {p.capacity_gb:.0f} GB",
+        f"  compute       {p.total_steps} steps x {p.step_time_s:.3g} s/step (assumed MFU {p.assumed_mfu:.0%}"
+        f"{', + recompute' if p.activation_checkpointing else ''}) = "
+        f"{p.days:.3g} days; {p.images_per_s:,.0f} images/s; {p.total_exaflops:.4g} exaFLOPs total",
+        f"  data          {p.num_shards or 'unknown number of'} shards, {p.shards_per_loader:.1f} per (rank x loader "
+        "worker); "
+        f"{p.bytes_per_image / 1e3:.0f} KB/image -> read {p.read_mb_per_s:,.1f} MB/s ({p.data_note})",
+    ]
+    lines += [f"  WARNING       {w}" for w in p.warnings]
+    return "\n".join(lines)
