@@ -1,0 +1,101 @@
+"""The MLflow UI over the project's tracking store, on 127.0.0.1: ``python -m evals.ui [--port 5000]``.
+
+Runs ``mlflow server`` on the embedded SQLite store (``sqlite:///<project>/mlflow.db``, or MLFLOW_TRACKING_URI).
+It binds to the loopback interface only: the UI has no authentication and can delete runs, so exposing it needs
+an explicit ``--host 0.0.0.0`` (warned about). When the tracking URI is already an MLflow server (a cluster
+profile's), there is nothing to start: the command says where to look instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+import warnings
+
+from pretrain.tracking import default_tracking_uri, sqlite_path
+
+LOOPBACK = "127.0.0.1"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ValueError naming the fix when ``host:port`` cannot be bound (another UI or service is there)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({error.strerror}); another server uses it — "
+                f"pass a free port, e.g. `python -m evals.ui --port {port + 1}`"
+            ) from error
+
+
+def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, workers: int = 1) -> list[str]:
+    """The ``mlflow server`` command line for a SQLite store; ValueError for a store that is not a local file."""
+    db = sqlite_path(tracking_uri)
+    if db is None:
+        raise ValueError(
+            f"tracking URI {tracking_uri!r} is not an embedded SQLite store; if it is an MLflow server, open it "
+            "in a browser (through an SSH tunnel for a remote head) instead of starting another UI"
+        )
+    if not db.parent.is_dir():
+        raise ValueError(f"folder of the tracking store {db} does not exist; run training first or fix the URI")
+    if port <= 0 or port > 65535:
+        raise ValueError(f"--port {port} is not a TCP port (1-65535)")
+    return [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", tracking_uri,
+        # UI-created experiments keep artifacts next to the database, like those made by pretrain.tracking.
+        "--artifacts-destination", str(db.parent / "mlartifacts"),
+        "--host", host,
+        "--port", str(port),
+        "--workers", str(workers),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.ui", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=5000, help="TCP port (default 5000)")
+    parser.add_argument("--host", default=LOOPBACK, help="interface to bind (default 127.0.0.1, loopback only)")
+    parser.add_argument("--tracking-uri", help="store to show (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    parser.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
+    parser.add_argument("--dry-run", action="store_true", help="print the server command and exit")
+    args = parser.parse_args(argv)
+
+    uri = args.tracking_uri or default_tracking_uri()
+    if not _is_loopback(args.host):
+        warnings.warn(
+            f"--host {args.host} exposes the MLflow UI (no authentication; it can delete runs) beyond this "
+            "machine; prefer the default 127.0.0.1 and an SSH tunnel",
+            stacklevel=1,
+        )
+    try:
+        if sqlite_path(uri) is not None and not sqlite_path(uri).exists():
+            print(f"evals.ui: {sqlite_path(uri)} does not exist yet; the UI starts on an empty store")
+        command = build_command(uri, args.host, args.port, args.workers)
+        check_port_free(args.host, args.port)
+    except ValueError as error:
+        print(f"evals.ui: {error}", file=sys.stderr)
+        return 2
+    print(f"MLflow UI over {uri}: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    if args.dry_run:
+        print(" ".join(command))
+        return 0
+    # exec: the server becomes this process, so Ctrl-C and `kill <pid>` reach it directly.
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

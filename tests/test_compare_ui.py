@@ -1,0 +1,91 @@
+"""evals.ui: the MLflow UI command, its loopback-only default, and a real server started on the embedded store."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from evals.ui import build_command, check_port_free, main
+from pretrain.tracking import PROJECT_ROOT, create_run
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_command_binds_loopback_and_keeps_artifacts_next_to_the_store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = build_command(uri, port=5123)
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--port") + 1] == "5123"
+    assert command[command.index("--backend-store-uri") + 1] == uri
+    assert command[command.index("--artifacts-destination") + 1] == str(tmp_path / "mlartifacts")
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="not an embedded SQLite store"):
+        build_command("http://10.0.0.5:5000")
+    with pytest.raises(ValueError, match="does not exist"):
+        build_command(f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {port + 1}"):
+            check_port_free("127.0.0.1", port)
+        assert main(["--port", str(port), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]) == 2
+    assert "another server uses it" in capsys.readouterr().err
+
+
+def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.warns(UserWarning, match="exposes the MLflow UI"):
+        assert main(["--host", "0.0.0.0", "--port", str(_free_port()), "--tracking-uri", uri, "--dry-run"]) == 0
+    assert "--host 0.0.0.0" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_real_ui_serves_the_store_on_loopback_only(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    create_run(uri, "ui-check", "visible-run", {"model": {"name": "vit_tiny_debug"}}, {})
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evals.ui", "--port", str(port), "--tracking-uri", uri],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, so the test can stop the server and its workers
+    )
+    try:
+        body = None
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name?experiment_name=ui-check"
+                )
+                body = urllib.request.urlopen(request, timeout=5).read().decode()
+                break
+            except OSError:
+                time.sleep(1)
+        assert body is not None, f"UI did not answer; exit code {proc.poll()}"
+        assert '"name": "ui-check"' in body or '"name":"ui-check"' in body
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        listening = [c.laddr for p in tree for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
