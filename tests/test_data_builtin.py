@@ -1,0 +1,107 @@
+"""Built-in datasets: offline, deterministic, the promised splits and sizes, readable by the streams."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from data_pipeline import builtin
+from data_pipeline.manifest import read_dataset_info
+from data_pipeline.stream import EvalStream, TrainStream
+from data_pipeline.validate import validate
+
+SMALL = dict(num_classes=4, images_per_class=12, val_per_class=3, resolution=32, samples_per_shard=16)
+
+
+@pytest.mark.timeout(60)
+def test_fractal_is_deterministic_by_seed_and_sized_by_config(tmp_path):
+    a = builtin.ensure("fractal", tmp_path / "a", **SMALL)
+    b = builtin.ensure("fractal", tmp_path / "b", **SMALL)
+    c = builtin.ensure("fractal", tmp_path / "c", **{**SMALL, "seed": 1})
+    assert a == tmp_path / "a" / "fractal"
+    info = read_dataset_info(a / "train")
+    assert (info.num_classes, info.num_samples) == (4, 48) and read_dataset_info(a / "val").num_samples == 12
+    for shard in ("shard-000000.tar", "shard-000002.tar"):
+        assert (a / "train" / shard).read_bytes() == (b / "train" / shard).read_bytes()
+    assert (a / "train" / "shard-000000.tar").read_bytes() != (c / "train" / "shard-000000.tar").read_bytes()
+    x, y = next(iter(EvalStream(a / "train", batch_size=48, image_size=32)))
+    assert x.shape == (48, 3, 32, 32) and sorted(set(y.tolist())) == [0, 1, 2, 3]
+    # per-image variation: two images of one class differ, and classes differ on average
+    per_class = [x[y == k].mean(0) for k in range(4)]
+    assert not np.allclose(x[y == 0][0], x[y == 0][1])
+    assert min(float((per_class[i] - per_class[j]).abs().mean()) for i in range(4) for j in range(i)) > 0.0
+    assert validate(str(a / "train"), full=True).ok
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "name, classes", [("digits", 10), ("dsprites_loc", 16), ("dsprites_ori", 16), ("shapes_count", 8)]
+)
+def test_eval_datasets_have_vtab_sized_splits(tmp_path, name, classes):
+    overrides = {} if name == "digits" else dict(num_train=1000, num_test=60)
+    folder = builtin.ensure(name, tmp_path, resolution=32, samples_per_shard=256, **overrides)
+    train, test = read_dataset_info(folder / "train"), read_dataset_info(folder / "test")
+    assert train.num_samples >= 1000 and train.num_classes == classes == len(train.class_names)
+    if name == "digits":
+        assert (train.num_samples, test.num_samples) == (1297, 500)
+    labels = [int(y) for _, ys in EvalStream(folder / "test", batch_size=128, image_size=32) for y in ys]
+    assert len(labels) == test.num_samples and len(set(labels)) > classes // 2
+
+
+def test_dsprites_loc_and_ori_share_images_with_different_labels(tmp_path):
+    sizes = dict(num_train=40, num_test=20, resolution=32, samples_per_shard=64)
+    loc = builtin.ensure("dsprites-loc", tmp_path, **sizes)
+    ori = builtin.ensure("dsprites_ori", tmp_path, **sizes)
+    xl, yl = next(iter(EvalStream(loc / "test", batch_size=20, image_size=32)))
+    xo, yo = next(iter(EvalStream(ori / "test", batch_size=20, image_size=32)))
+    # both folders are pre-shuffled with the same seed, so they hold the same images in the same order
+    assert np.array_equal(xl.numpy(), xo.numpy()) and not np.array_equal(yl.numpy(), yo.numpy())
+
+
+def test_ensure_reuses_and_refuses_mismatched_sizes(tmp_path):
+    sizes = dict(num_train=20, num_test=10, resolution=16, samples_per_shard=8)
+    folder = builtin.ensure("shapes_count", tmp_path, **sizes)
+    stamp = (folder / "train" / "manifest.parquet").stat().st_mtime_ns
+    assert builtin.ensure("shapes_count", tmp_path, **sizes) == folder
+    assert (folder / "train" / "manifest.parquet").stat().st_mtime_ns == stamp  # not regenerated
+    with pytest.raises(ValueError, match="generated with"):
+        builtin.ensure("shapes_count", tmp_path, **{**sizes, "num_train": 30})
+    with pytest.raises(ValueError, match="unknown built-in dataset"):
+        builtin.ensure("imagenet", tmp_path)
+    with pytest.raises(ValueError, match="unknown built-in size"):
+        builtin.ensure("digits", tmp_path, colour=3)
+
+
+def test_concurrent_ensure_generates_once(tmp_path):
+    sizes = dict(num_train=30, num_test=10, resolution=16, samples_per_shard=8)
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(builtin.ensure("dsprites_loc", tmp_path, **sizes))
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2
+    assert read_dataset_info(results[0] / "train").num_samples == 30
+
+
+def test_cli_writes_the_documented_layout(tmp_path, capsys):
+    rc = builtin.main(["digits", "--out", str(tmp_path), "--set", "resolution=16"])
+    assert rc == 0 and "digits" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "digits" / "train" / "dataset.json").read_text())
+    assert {"name", "split", "num_classes", "num_samples"} <= set(meta) and meta["split"] == "train"
+    assert builtin.main(["nope", "--out", str(tmp_path)]) == 2
+    stream = TrainStream(
+        tmp_path / "digits" / "train", batch_size=8, image_size=16, world_size=2, rank=1, num_workers=2
+    )
+    x, y = next(iter(stream))
+    assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False
