@@ -1,0 +1,255 @@
+"""The model contract over every registered variant, and the paper-specific details of pretrain.model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.model import MODEL_NAMES, SIZES, VisionTransformer, ViTConfig, build_model, model_config
+from pretrain.resnet import pad_same, same_padding
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    # On 2 shared cores intra-op threads fight the other test processes (measured 5-7x slower); restore after.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _small_overrides(name: str) -> dict:
+    """Shrink depth and resolution (two patches per side) but keep the variant's width, heads, MLP and patch."""
+    if name == "vit_tiny_debug":
+        return {"num_classes": 7}
+    stride = model_config(name).stride
+    return {"depth": 1, "image_size": 2 * stride, "num_classes": 7}
+
+
+def _make_all_parameters_reachable(model: VisionTransformer) -> None:
+    # The zero-init head and the zero-init last GroupNorm of each ResNet unit (both on purpose) would zero the
+    # gradient of everything behind them; give them non-zero values so every parameter's gradient is informative.
+    with torch.no_grad():
+        if isinstance(model.head, nn.Linear):
+            model.head.weight.normal_(std=0.1)
+        for m in model.modules():
+            if isinstance(m, nn.GroupNorm):
+                m.weight.fill_(1.0)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_variant_forward_backward(name):
+    torch.manual_seed(0)
+    model = build_model(name, **_small_overrides(name))
+    reference = model_config(name)
+    assert (model.config.width, model.config.num_heads, model.config.mlp_dim, model.config.patch_size) == (
+        reference.width,
+        reference.num_heads,
+        reference.mlp_dim,
+        reference.patch_size,
+    )
+    _make_all_parameters_reachable(model)
+    size = model.config.image_size
+    images = torch.rand(2, 3, size, size) * 2 - 1
+    logits = model(images)
+    assert logits.shape == (2, 7)
+    assert torch.isfinite(logits).all()
+    F.cross_entropy(logits, torch.tensor([1, 3])).backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient for {pname}"
+        assert torch.isfinite(p.grad).all(), f"{name}: non-finite gradient for {pname}"
+        assert p.grad.abs().sum() > 0, f"{name}: zero gradient for {pname}"
+
+
+def test_size_table_matches_paper_table_1():
+    # (layers, width, MLP size, heads) of paper Table 1
+    expected = {"B": (12, 768, 3072, 12), "L": (24, 1024, 4096, 16), "H": (32, 1280, 5120, 16)}
+    for size, (depth, width, mlp, heads) in expected.items():
+        assert SIZES[size] == dict(width=width, depth=depth, mlp_dim=mlp, num_heads=heads)
+    assert model_config("r50_vit_b16").hybrid_stages == (3, 4, 9)
+    assert model_config("r50_vit_l32").hybrid_stages == (3, 4, 6, 3)
+    assert model_config("r26_vit_s32").hybrid_stages == (2, 2, 2, 2)
+    assert model_config("r50_vit_b16").grid_size == 14 and model_config("r50_vit_l32").grid_size == 7
+    assert model_config("vit_h14").grid_size == 16
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: vit_tiny_debug, vit_ti16"):
+        build_model("vit_giant")
+    with pytest.raises(ValueError, match="unknown ViTConfig overrides"):
+        build_model("vit_b16", hidden_size=3)
+
+
+def test_image_not_multiple_of_patch_is_a_clear_error():
+    model = build_model("vit_tiny_debug")
+    with pytest.raises(ValueError, match=r"30x30 is not a multiple of the patch stride 4"):
+        model(torch.zeros(1, 3, 30, 30))
+    hybrid = build_model("r26_vit_s32", depth=1, image_size=64)
+    with pytest.raises(ValueError, match=r"48x48 is not a multiple of the patch stride 32 \(ResNet stem stride 32"):
+        hybrid(torch.zeros(1, 3, 48, 48))
+    with pytest.raises(ValueError, match="image_size=30 is not a multiple of the patch stride 4"):
+        ViTConfig(image_size=30, patch_size=4, width=64, depth=1, num_heads=4, mlp_dim=64)
+
+
+def test_other_resolution_at_forward_points_to_resizing():
+    model = build_model("vit_tiny_debug")
+    with pytest.raises(ValueError, match="differs from the model's image_size 32.*load_pretrained"):
+        model(torch.zeros(1, 3, 64, 64))
+    with pytest.raises(ValueError, match=r"expected images \(B, 3, H, W\)"):
+        model(torch.zeros(3, 32, 32))
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="width=100 is not divisible by num_heads=3"):
+        ViTConfig(width=100, num_heads=3)
+    with pytest.raises(ValueError, match="pool must be 'token' or 'gap'"):
+        ViTConfig(pool="map")
+    with pytest.raises(ValueError, match="gelu_approximate"):
+        ViTConfig(gelu_approximate="erf")
+    config = ViTConfig.from_dict({**ViTConfig(hybrid_stages=[3, 4, 9], patch_size=1).to_dict()})
+    assert config.hybrid_stages == (3, 4, 9)
+    with pytest.raises(ValueError, match="unknown ViTConfig fields"):
+        ViTConfig.from_dict({"widht": 3})
+
+
+def test_equations_1_to_4_compose():
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", representation_size=48).eval()
+    images = torch.rand(3, 3, 32, 32) * 2 - 1
+    patches = model.embed_patches(images)
+    assert patches.shape == (3, 64, 64)  # (B, N, D): 8x8 patches of 4x4
+    tokens = model.encode(patches)
+    assert tokens.shape == (3, 65, 64)
+    torch.testing.assert_close(tokens, model.forward_tokens(images))
+    features = model.forward_features(images)
+    torch.testing.assert_close(features, torch.tanh(model.pre_logits[0](tokens[:, 0])))
+    torch.testing.assert_close(model(images), model.head(features))
+    # eq. 1 by hand: patch i is the conv of pixels of row i // 8, column i % 8 (row-major flattening)
+    patch_5 = images[:, :, 0:4, 20:24]
+    expected = torch.einsum("bchw,dchw->bd", patch_5, model.patch_embed.proj.weight) + model.patch_embed.proj.bias
+    torch.testing.assert_close(patches[:, 5], expected)
+
+
+def test_gap_model_has_no_class_token_and_averages():
+    model = build_model("vit_tiny_debug", pool="gap", num_classes=0).eval()
+    assert model.cls_token is None and model.num_prefix_tokens == 0
+    assert model.pos_embed.shape == (1, 64, 64)
+    images = torch.rand(2, 3, 32, 32)
+    tokens = model.forward_tokens(images)
+    assert tokens.shape == (2, 64, 64)
+    torch.testing.assert_close(model(images), tokens.mean(1))  # no head: forward returns the features
+
+
+def test_attention_weights_path_matches_sdpa():
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug").eval()
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    weights = model.forward_attention(images)
+    assert len(weights) == 4 and weights[0].shape == (2, 4, 65, 65)
+    torch.testing.assert_close(weights[2].sum(-1), torch.ones(2, 4, 65))
+    x = model._embed_tokens(model.embed_patches(images))
+    for block in model.blocks:
+        explicit, _ = block.forward_with_weights(x)
+        torch.testing.assert_close(explicit, block(x), atol=1e-5, rtol=1e-5)
+        x = explicit
+
+
+def test_gelu_default_is_tanh_and_switchable():
+    assert build_model("vit_tiny_debug").blocks[0].mlp.act.approximate == "tanh"
+    assert build_model("vit_tiny_debug", gelu_approximate="none").blocks[0].mlp.act.approximate == "none"
+
+
+def test_initialization_follows_the_official_code():
+    torch.manual_seed(0)
+    model = build_model("vit_b16", depth=2, image_size=64, head_bias_init=-10.0)
+    assert torch.count_nonzero(model.head.weight) == 0
+    assert torch.all(model.head.bias == -10.0)
+    assert torch.count_nonzero(model.cls_token) == 0
+    assert abs(model.pos_embed.std().item() - 0.02) < 0.002
+    q = model.blocks[0].attn.qkv.weight[:768]  # xavier-uniform on a (768, 768) fan: bound sqrt(6 / 1536)
+    assert q.abs().max() <= (6 / 1536) ** 0.5 and q.abs().max() > 0.9 * (6 / 1536) ** 0.5
+    assert model.blocks[0].mlp.fc1.bias.abs().max() < 1e-5  # normal(1e-6)
+    assert model.blocks[0].norm1.eps == 1e-6 and model.norm.eps == 1e-6
+    hybrid = build_model("r26_vit_s32", depth=1, image_size=64)
+    unit = hybrid.patch_embed.backbone.stages["block1"].units["unit1"]
+    assert torch.count_nonzero(unit.gn3.weight) == 0 and unit.gn1.eps == 1e-6 and unit.gn1.num_groups == 32
+
+
+def test_zero_head_predicts_its_bias():
+    model = build_model("vit_tiny_debug", num_classes=5, head_bias_init=-10.0).eval()
+    torch.testing.assert_close(model(torch.rand(2, 3, 32, 32)), torch.full((2, 5), -10.0))
+
+
+def test_reset_classifier_drops_or_keeps_pre_logits():
+    model = build_model("vit_tiny_debug", representation_size=32, num_classes=100)
+    trained = model.pre_logits[0].weight.detach().clone()
+    model.reset_classifier(10, representation_size=32)
+    assert torch.equal(model.pre_logits[0].weight, trained)
+    assert model.head.weight.shape == (10, 32) and torch.count_nonzero(model.head.weight) == 0
+    model.reset_classifier(3)  # the fine-tuning protocol: the whole head goes
+    assert isinstance(model.pre_logits, nn.Identity) and model.head.weight.shape == (3, 64)
+    assert model.config.num_classes == 3 and model.config.representation_size is None
+    model.reset_classifier(0)
+    assert model(torch.rand(1, 3, 32, 32)).shape == (1, 64)
+
+
+def test_no_weight_decay_is_everything_but_kernels():
+    model = build_model("r26_vit_s32", depth=1, image_size=64, representation_size=16)
+    names = model.no_weight_decay()
+    assert {"cls_token", "pos_embed", "norm.weight", "blocks.0.attn.qkv.bias", "head.bias"} <= names
+    assert "patch_embed.backbone.gn_root.weight" in names
+    for kernel in ("blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "head.weight", "pre_logits.0.weight"):
+        assert kernel not in names
+    assert "patch_embed.backbone.conv_root.weight" not in names
+
+
+def test_grad_checkpointing_gives_identical_gradients():
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug")
+    _make_all_parameters_reachable(model)
+    images = torch.rand(2, 3, 32, 32)
+
+    def grads():
+        model.zero_grad()
+        model(images).square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    model.set_grad_checkpointing(True)
+    assert model.config.grad_checkpointing
+    checkpointed = grads()
+    for n in plain:
+        torch.testing.assert_close(checkpointed[n], plain[n], rtol=1e-5, atol=1e-7)
+
+
+def test_dropout_only_in_training():
+    model = build_model("vit_tiny_debug", dropout=0.3, attention_dropout=0.3, num_classes=0)
+    images = torch.rand(2, 3, 32, 32)
+    model.train()
+    assert not torch.allclose(model(images), model(images))
+    model.eval()
+    torch.testing.assert_close(model(images), model(images))
+
+
+def test_tf_same_padding_is_asymmetric_and_max_pool_pads_minus_inf():
+    assert same_padding(224, 7, 2) == (2, 3)  # total 5: the extra pixel at the bottom/right
+    assert same_padding(112, 3, 2) == (0, 1)
+    assert same_padding(56, 3, 1) == (1, 1)
+    assert same_padding(56, 1, 2) == (0, 0)
+    x = torch.full((1, 1, 4, 4), -5.0)
+    pooled = F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2)
+    assert torch.all(pooled == -5.0)  # zero padding would leak 0 into the border windows
+
+
+def test_config_is_frozen_and_replace_validates():
+    config = model_config("vit_b16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.width = 3
+    with pytest.raises(ValueError, match="not a multiple"):
+        dataclasses.replace(config, image_size=225)
