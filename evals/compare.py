@@ -119,6 +119,17 @@ def _patch_size(model: str | None, params: dict) -> int | None:
         return int(match.group(1)) if match else None
 
 
+def _effective_status(mlflow_status: str, vitscale_status: str) -> str:
+    """The run's status, trusting the trainer's ``vitscale.status`` tag over an MLflow run left RUNNING.
+
+    A standalone ``python -m pretrain.train`` run tags its outcome but nobody calls ``set_terminated``; only a
+    run RUNNING in both places is really running (or died without a word).
+    """
+    if mlflow_status != "RUNNING":
+        return mlflow_status
+    return {"finished": "FINISHED", "failed": "FAILED", "stopped": "STOPPED"}.get(vitscale_status.lower(), "RUNNING")
+
+
 def summarize_run(client, run, experiment_name: str) -> RunSummary:
     """Read one MLflow run (metrics, histories, params, tags) into a :class:`RunSummary` with notes."""
     data, info = run.data, run.info
@@ -142,11 +153,14 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
     vtab_expected = _latest(metrics, VTAB_EXPECTED_KEY)
 
     notes: list[str] = []
-    status = info.status
+    status = _effective_status(info.status, tags.get("vitscale.status", ""))
     if status == "FAILED":
         notes.append(f"run FAILED (crashed) at step {steps if steps is not None else '?'}; numbers are from then")
     elif status == "RUNNING":
-        notes.append(f"run still RUNNING (or crashed without reporting); last logged step {steps}")
+        where = "no step logged yet" if steps is None else f"last logged step {steps}"
+        notes.append(f"run still RUNNING (or crashed without reporting); {where}")
+    elif status == "STOPPED":
+        notes.append(f"run stopped before the end of its schedule, at step {steps}")
     elif status != "FINISHED":
         notes.append(f"run status {status}; last logged step {steps}")
     if not loss:

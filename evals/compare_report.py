@@ -119,6 +119,11 @@ def _figure():
     return plt, fig, ax
 
 
+def _color(runs: tuple[RunSummary, ...], run: RunSummary) -> str:
+    """One colour per run, the same in both figures (matplotlib's default cycle by table row)."""
+    return f"C{runs.index(run) % 10}"
+
+
 def _placeholder(ax, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, fontsize=11, color="#666", transform=ax.transAxes)
     ax.set_xticks([])
@@ -133,9 +138,10 @@ def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
     for run in drawn:
         x, y = zip(*run.loss_curve)
         crashed = run.status != "FINISHED"
-        (line,) = ax.plot(x, y, linestyle="--" if crashed else "-", linewidth=1.6, label=run.label)
+        color = _color(runs, run)
+        ax.plot(x, y, linestyle="--" if crashed else "-", linewidth=1.6, label=run.label, color=color)
         if crashed:  # mark where an unfinished run stopped
-            ax.plot(x[-1], y[-1], marker="x", markersize=9, color=line.get_color())
+            ax.plot(x[-1], y[-1], marker="x", markersize=9, color=color)
     if drawn:
         ax.set_xlabel("images seen")
         ax.set_ylabel("training loss (train/loss)")
@@ -163,8 +169,9 @@ def plot_fewshot(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
     for run in drawn:
         x, y, _ = zip(*run.fewshot_curve)
         y = [100 * v for v in y]
-        (line,) = ax.plot(x, y, marker="o", markersize=4, linewidth=1.2, alpha=0.8, label=run.label)
-        ax.plot(x[-1], y[-1], marker="o", markersize=9, color=line.get_color())  # the latest checkpoint
+        color = _color(runs, run)
+        ax.plot(x, y, marker="o", markersize=4, linewidth=1.2, alpha=0.8, label=run.label, color=color)
+        ax.plot(x[-1], y[-1], marker="o", markersize=9, color=color)  # the latest checkpoint
     if drawn:
         ax.set_xscale("log")
         ax.set_xlabel("pre-training compute (exaFLOPs, log scale)")
@@ -192,7 +199,7 @@ th, td { border: 1px solid #d5d9e2; padding: 6px 8px; text-align: right; white-s
 th { background: #eef1f7; } td.text, th.text { text-align: left; }
 tr:nth-child(even) td { background: #f8f9fc; }
 .status-FINISHED { color: #17803d; } .status-FAILED, .status-KILLED { color: #b42318; font-weight: 600; }
-.status-RUNNING, .status-SCHEDULED { color: #b26a00; font-weight: 600; }
+.status-RUNNING, .status-SCHEDULED, .status-STOPPED { color: #b26a00; font-weight: 600; }
 .notes { background: #fff8e6; border-left: 4px solid #f0b429; padding: 8px 14px; font-size: 13px; }
 .notes li { margin: 3px 0; } figure { margin: 10px 0 24px; } figure img { max-width: 100%; border: 1px solid #e2e5ec; }
 figcaption { font-size: 13px; color: #4a5266; margin-top: 6px; }
@@ -224,7 +231,8 @@ def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: li
                 cells.append(f'<td class="{"text" if name in text_columns else ""}">{value}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>" if runs else ""
-    run_notes = [f"{r.run_name}: {n}" for r in runs for n in r.notes] + list(comparison.notes)
+    # One line per run (its notes joined), then notes about the selection itself.
+    run_notes = [f"{r.run_name}: {'; '.join(r.notes)}" for r in runs if r.notes] + list(comparison.notes)
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     experiments = ", ".join(comparison.experiments) or "—"
     ids = "".join(f"<li><code>{esc(r.run_id)}</code> {esc(r.run_name)} ({esc(r.experiment)})</li>" for r in runs)

@@ -141,13 +141,18 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     crashed, _ = _log_run(uri, "mixed", "crashed", model="vit_s16", recipe="r", steps=5, gflops=4.6, status="FAILED")
     running, _ = _log_run(uri, "mixed", "no-evals", model="vit_s16", recipe="r", steps=8, gflops=4.6, status="RUNNING")
     bare = create_run(uri, "mixed", "no-metrics", {}, {})  # the driver created it, then nothing arrived
+    # A standalone trainer tags its outcome but leaves the MLflow run RUNNING: the tag decides.
+    died, _ = _log_run(uri, "mixed", "tagged-failed", model="vit_s16", recipe="r", steps=3, gflops=1, status="RUNNING")
+    _client(uri).set_tag(died, "vitscale.status", "failed")
     out = tmp_path / "reports"
-    assert main(["--runs", f"{crashed},{running},{bare}", "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0
+    ids = ",".join([crashed, running, bare, died])
+    assert main(["--runs", ids, "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0
     page = (out / "m" / "index.html").read_text()
+    assert "tagged-failed: run FAILED (crashed) at step 3" in page
     assert "crashed: run FAILED (crashed) at step 5" in page
     assert "no-evals: run still RUNNING" in page
-    assert "no-metrics: no training metrics (train/loss) logged" in page
-    assert page.count("no eval metrics logged") == 3
+    assert "no-metrics: run still RUNNING (or crashed without reporting); no step logged yet; no training" in page
+    assert page.count("no eval metrics logged") == 4
     assert "No run has few-shot 10-shot results" not in page  # the placeholder text lives in the PNG
     assert "no-evals: no few-shot eval logged" in page
     assert Image.open(out / "m" / FEWSHOT_PNG).size[0] > 100
