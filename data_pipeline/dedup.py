@@ -102,6 +102,11 @@ class ExclusionSet:
     def __len__(self) -> int:
         return len(self.index)
 
+    def merge(self, other: ExclusionSet) -> None:
+        self.sha256s |= other.sha256s
+        for h in other.index._hashes:
+            self.index.add(h, h)
+
     def matches(self, sha256: str, phash: int) -> bool:
         return sha256 in self.sha256s or self.index.find(phash) is not None
 

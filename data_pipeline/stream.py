@@ -157,11 +157,16 @@ class _TrainEpoch(IterableDataset):
             stats["dropped_samples"] += max(0, capacity - needed)
         else:
             stats.clear()  # counts from the replayed part were reported before the interruption
+        failures_in_row = 0
         for j in batches:
             images, labels = [], []
             while len(images) < plan.batch_size:
+                if failures_in_row > 2 * capacity + 10:  # a whole pass and more without one usable sample
+                    urls = [plan.info.shards[s].url for s in shards]
+                    raise ShardFormatError(f"no usable sample in {urls}: {dict(stats)}; run data_pipeline.validate")
                 s, member, repeat, sample = next(draws_iter)
                 draws += 1
+                failures_in_row += 1
                 label = _label(sample, plan.info.num_classes, stats)
                 if label is None:
                     continue
@@ -172,6 +177,7 @@ class _TrainEpoch(IterableDataset):
                     stats["corrupt_samples"] += 1
                     continue
                 labels.append(label)
+                failures_in_row = 0
             x, y = _collate(images, labels, plan, np.random.default_rng([plan.seed, epoch, plan.rank, j, 2]))
             meta = dict(epoch=epoch, batch=j, logical=logical, draws=draws, stats=dict(stats))
             stats.clear()

@@ -9,6 +9,7 @@ Exit status: 0 the folder is intact; 1 damage found (the report lists every prob
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import posixpath
 import sys
@@ -20,7 +21,6 @@ import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image
 
-from data_pipeline.dedup import sha256_hex
 from data_pipeline.manifest import SAMPLES_FILE, DatasetInfo, ShardFormatError, read_dataset_info
 from data_pipeline.shards import read_shard
 
@@ -61,11 +61,14 @@ def _check_shard(info: DatasetInfo, index: int, spot: int, full: bool, report: V
     if not fs.exists(path):
         report.problems.append(f"{shard.url}: missing (manifest lists {shard.samples} samples)")
         return
+    digest, size = hashlib.sha256(), 0
     with fs.open(path, "rb") as f:
-        data = f.read()
-    if len(data) != shard.bytes:
-        report.problems.append(f"{shard.url}: {len(data)} bytes, manifest says {shard.bytes}")
-    if sha256_hex(data) != shard.sha256:
+        while chunk := f.read(1 << 22):  # streamed: i21k shards are hundreds of MB
+            digest.update(chunk)
+            size += len(chunk)
+    if size != shard.bytes:
+        report.problems.append(f"{shard.url}: {size} bytes, manifest says {shard.bytes}")
+    if digest.hexdigest() != shard.sha256:
         report.problems.append(f"{shard.url}: sha256 differs from the manifest (damaged or replaced)")
     stats: Counter = Counter()
     samples = list(read_shard(shard.url, shard.samples, stats))

@@ -390,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             if exclude is None:
                 exclude = more
             else:
-                exclude.sha256s |= more.sha256s
-                for h in more.index._hashes:
-                    exclude.index.add(h, h)
+                exclude.merge(more)
         report = write_dataset(args.out, config, source=source, exclude=exclude)
     except ValueError as err:
         print(f"data_pipeline.write: error: {err}", file=sys.stderr)

@@ -143,3 +143,9 @@ def test_validate_passes_an_intact_folder(tmp_path, capsys):
     root = make_shards(tmp_path / "ok")
     assert validate_cli.main([str(root), "--full"]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+def test_shards_without_one_decodable_image_fail_loudly_instead_of_spinning(tmp_path):
+    root = make_shards(tmp_path / "bad", sizes=[4], member=lambda key, i, s: {**s, "jpg": b"garbage"})
+    with pytest.raises(ShardFormatError, match="no usable sample"):
+        next(iter(TrainStream(root, batch_size=2, image_size=16)))

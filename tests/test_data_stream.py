@@ -202,3 +202,14 @@ def test_too_few_shards_for_the_readers_is_a_clear_error(tmp_path):
     root = make_shards(tmp_path / "small", sizes=[5, 5, 5])
     with pytest.raises(ValueError, match="smaller --samples-per-shard"):
         TrainStream(root, batch_size=2, image_size=16, world_size=2, num_workers=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_forkserver_workers_give_the_same_batches_as_fork(uneven):
+    """The context recommended inside Ray actors: the epoch dataset pickles and yields identical batches."""
+    kwargs = dict(batch_size=4, image_size=16, num_workers=2, seed=4, augment=AugmentConfig(), mixup_alpha=0.2)
+    forked = take(TrainStream(uneven, **kwargs), 5)
+    served = take(TrainStream(uneven, multiprocessing_context="forkserver", **kwargs), 5)
+    for (x1, y1), (x2, y2) in zip(forked, served):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
