@@ -58,6 +58,7 @@ class DataConfig:
     micro_batch_size: int = 32  # images per rank per forward/backward
     epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json num_samples
     num_workers: int = 0  # DataLoader worker processes per rank decoding images
+    loader_start_method: str = "fork"  # how those workers start: fork | forkserver | spawn (forkserver in Ray actors)
     shuffle_buffer: int = 1000  # sample shuffle buffer per rank (shards are also shuffled per epoch)
     seed: int = 0  # stream seed: shard order per epoch, shuffle, augmentation
     mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables (AugReg B/16: 0.2)
@@ -379,6 +380,8 @@ def validate_config(config: TrainConfig, world_size: int, *, check_paths: bool =
     if d.epoch_images is not None:
         _positive(d.epoch_images, "data.epoch_images")
     _at_least(d.num_workers, 0, "data.num_workers")
+    if d.loader_start_method not in ("fork", "forkserver", "spawn"):
+        raise ValueError(f"data.loader_start_method={d.loader_start_method!r}; use fork, forkserver or spawn")
     _at_least(d.shuffle_buffer, 0, "data.shuffle_buffer")
     _at_least(d.mixup_alpha, 0.0, "data.mixup_alpha")
     if d.augment is not None:

@@ -1,0 +1,146 @@
+"""The one metrics interface of the training loop: rank-aware, console progress bar + MLflow.
+
+Every rank calls `TrainMetrics.step(...)` each optimizer step; only rank 0 prints and logs. Every `log_every`
+steps it reports (keys as in docs/interfaces.md):
+  train/loss, train/lr, train/grad_norm     the step's values (loss = mean over ranks)
+  train/images_per_s                        all ranks, over the window since the last report
+  train/tflops, train/mfu                   achieved model FLOP/s per device, and ÷ the device's peak
+  train/data_wait                           fraction of the window spent waiting for the next batch
+  train/memory_gb                           max allocated on CUDA, resident set size on CPU
+  train/images_seen, train/exaflops         cumulative (exaFLOPs = images seen × training FLOPs per image)
+A non-finite loss raises `NonFiniteLossError` on every rank (the loss is already all-reduced, so all agree).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Dense peak TFLOP/s per device by name fragment (bf16 tensor cores; fp32 uses TF32 on Ampere+).
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or inf; the message names the step and what to try."""
+
+
+def measure_cpu_gemm_tflops(size: int = 1024, seconds: float = 0.5) -> float:
+    """fp32 GEMM TFLOP/s of this process's threads (a square matmul timed for about ``seconds``)."""
+    g = torch.Generator().manual_seed(0)  # a private generator: measuring must not shift the training RNG
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+    torch.mm(a, b)  # warm-up: thread pool and caches
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+        torch.mm(a, b)
+        count += 1
+    return 2 * size**3 * count / elapsed / 1e12
+
+
+def device_peak_tflops(declared: float | None, device: torch.device) -> float:
+    """The declared peak, else a known GPU's dense bf16 peak, else this CPU's measured fp32 GEMM rate."""
+    if declared:
+        return declared
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, peak in GPU_PEAK_TFLOPS.items():
+            if fragment in name:
+                return peak
+    return measure_cpu_gemm_tflops()
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/statm") as f:  # resident pages of this process
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+@dataclass
+class TrainMetrics:
+    rank: int
+    world_size: int
+    total_steps: int
+    flops_per_image: int  # training FLOPs per image (forward + backward)
+    peak_tflops: float  # per device
+    device: torch.device
+    log_every: int = 10
+    tracker: Any = None  # pretrain.tracking.Tracker (no-op off rank 0)
+    progress_bar: bool = True
+    start_step: int = 0
+    images_seen: int = 0
+    _window: dict[str, float] = field(default_factory=dict)
+    _bar: Any = None
+
+    def __post_init__(self) -> None:
+        self._reset_window()
+        if self.rank == 0 and self.progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.total_steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True
+            )
+
+    def _reset_window(self) -> None:
+        self._window = {"start": time.perf_counter(), "images": 0, "data_s": 0.0}
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, images: int, data_s: float) -> dict:
+        """Record optimizer step ``step`` (1-based count of steps done); returns the metrics logged, if any.
+
+        ``images`` is the number of images all ranks consumed in this step, ``data_s`` this rank's time spent
+        waiting for batches.
+        """
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {step} (lr {lr:.3g}); training stopped. Try a lower optim.lr, a longer "
+                "schedule.warmup, optim.grad_clip=1.0, or deepspeed.precision=fp32; the newest checkpoint is intact."
+            )
+        self.images_seen += images
+        self._window["images"] += images
+        self._window["data_s"] += data_s
+        if self._bar is not None:
+            self._bar.update(1)
+        if step % self.log_every and step != self.total_steps:
+            return {}
+        elapsed = max(time.perf_counter() - self._window["start"], 1e-9)
+        images_per_s = self._window["images"] / elapsed
+        tflops = images_per_s * self.flops_per_image / self.world_size / 1e12  # per device
+        metrics = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/images_per_s": images_per_s,
+            "train/tflops": tflops,
+            "train/mfu": tflops / self.peak_tflops,
+            "train/data_wait": min(1.0, self._window["data_s"] / elapsed),
+            "train/memory_gb": memory_gb(self.device),
+            "train/images_seen": float(self.images_seen),
+            "train/exaflops": self.images_seen * self.flops_per_image / 1e18,
+        }
+        if grad_norm is not None and math.isfinite(grad_norm):
+            metrics["train/grad_norm"] = grad_norm
+        self._reset_window()
+        if self.rank == 0:
+            if self.tracker is not None:
+                self.tracker.log_metrics(metrics, step=step)
+            self._show(step, metrics)
+        return metrics
+
+    def _show(self, step: int, m: dict[str, float]) -> None:
+        text = (
+            f"loss {m['train/loss']:.4f} lr {m['train/lr']:.2e} {m['train/images_per_s']:.1f} img/s "
+            f"mfu {m['train/mfu']:.1%} wait {m['train/data_wait']:.0%}"
+        )
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+        else:
+            print(f"step {step}/{self.total_steps} {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self.tracker is not None and self.rank == 0:
+            self.tracker.flush()

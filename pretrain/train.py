@@ -1,0 +1,319 @@
+"""The per-worker training loop: DeepSpeed ZeRO over a ViT classification (or other) task.
+
+`train_worker(config)` runs the same under `torchrun`, the DeepSpeed launcher and Ray Train: it reads RANK /
+WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Standalone:
+
+    python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run]
+
+The loop reads like the algorithm: resume → (lr, micro-batches, step, log, checkpoint) → final checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pretrain import checkpoint as ckpt
+from pretrain.config import TrainConfig, load_config, model_overrides, resolve_path
+from pretrain.ds_config import batch_plan, engine_config, resolve_backend, resolve_precision
+from pretrain.metrics import TrainMetrics, device_peak_tflops
+from pretrain.optim import build_optimizer, build_schedule, set_lr
+
+CheckpointCallback = Callable[[Path, int, dict], None]
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init_distributed(config: TrainConfig) -> Placement:
+    """Join (or create) the process group from RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on CUDA."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+    import deepspeed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = resolve_backend(config.deepspeed, device_type)
+        deepspeed.init_distributed(
+            dist_backend=backend, timeout=timedelta(minutes=config.deepspeed.timeout_minutes), auto_mpi_discovery=False
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    return Placement(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
+    """Generate a built-in training set if the recipe asks for it (rank 0; others wait); (num_classes, epoch size)."""
+    from data_pipeline.manifest import read_dataset_info
+
+    d = config.data
+    if d.builtin is not None and place.rank == 0 and not (resolve_path(d.train) / "manifest.parquet").exists():
+        from data_pipeline.builtin import ensure
+
+        ensure(d.builtin, resolve_path(d.train).parent.parent, **d.builtin_options)
+    dist.barrier()
+    info = read_dataset_info(d.train if "://" in d.train else resolve_path(d.train))
+    return config.model.num_classes or info.num_classes, d.epoch_images or info.num_samples
+
+
+def build_stream(config: TrainConfig, place: Placement, num_classes: int):
+    from data_pipeline.stream import TrainStream
+
+    d = config.data
+    # Mixup needs soft targets; otherwise int labels are cheapest (the loss one-hots them itself).
+    label_format = "multihot" if d.mixup_alpha > 0 else "int"
+    return TrainStream(
+        d.train if "://" in d.train else str(resolve_path(d.train)),
+        batch_size=d.micro_batch_size,
+        image_size=d.image_size,
+        rank=place.rank,
+        world_size=place.world_size,
+        num_workers=d.num_workers,
+        seed=d.seed,
+        shuffle_buffer=d.shuffle_buffer,
+        augment=d.augment,
+        mixup_alpha=d.mixup_alpha,
+        label_format=label_format,
+        num_classes=num_classes,
+        multiprocessing_context=d.loader_start_method,
+    )
+
+
+def build_engine(config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint):
+    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model)."""
+    import deepspeed
+
+    from pretrain.model import build_model
+    from pretrain.tasks import build_task
+
+    seed_everything(config.seed)  # identical initialisation on every rank
+    model = build_model(config.model.name, **model_overrides(config, num_classes))
+    if start.kind == "init_from":
+        ckpt.init_weights(model, start.path, config.data.image_size)
+    task = build_task(config, model)
+    ds_config = engine_config(config, place.world_size, place.device.type)
+    engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
+    return engine, model
+
+
+def _tracker(config: TrainConfig, place: Placement):
+    """The MLflow tracker of this run (rank 0 logs; a standalone run may create its own run by experiment name)."""
+    from pretrain import tracking
+
+    lg = config.logging
+    run_id = lg.mlflow_run_id
+    if run_id is None and lg.mlflow_experiment and place.rank == 0:
+        try:
+            run_id = tracking.create_run(
+                lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {}
+            )
+        except Exception as error:  # tracking must never stop training
+            print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
+    tracker = tracking.Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
+    tracker.log_params(config.to_dict())
+    tags = {
+        "vitscale.recipe": config.recipe,
+        "vitscale.model": config.model.name,
+        "vitscale.world_size": place.world_size,
+        "vitscale.status": "running",
+    }
+    tracker.set_tags(tags)
+    return tracker
+
+
+# Settings a resumed run may change without changing what it computes up to the old schedule's end.
+_RESUME_MAY_CHANGE = ("checkpoint.", "logging.", "evals.", "schedule.stop_at_step", "data.num_workers",
+                      "data.loader_start_method", "deepspeed.timeout_minutes")  # fmt: skip
+
+
+def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
+    """Say which settings differ from the checkpoint's config.yaml: resuming with them is allowed but not exact."""
+    import yaml
+
+    from pretrain.tracking import flatten_config
+
+    saved = flatten_config(yaml.safe_load((checkpoint_dir / "config.yaml").read_text()))
+    now = flatten_config(config.to_dict())
+    changed = sorted(
+        k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and not k.startswith(_RESUME_MAY_CHANGE)
+    )
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in changed)
+        print(f"warning: resuming {checkpoint_dir} with changed settings ({diffs}); the run is no longer an exact "
+              "continuation", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _next_batch(it: Iterator, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    start = time.perf_counter()
+    images, labels = next(it)
+    images = images.to(device, dtype=dtype, non_blocking=True)  # (B, 3, S, S)
+    return images, labels.to(device, non_blocking=True), time.perf_counter() - start
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> dict[str, Any]:
+    """Train per ``config`` on this rank; returns a summary (steps, final_loss, images_seen, checkpoints, losses).
+
+    ``on_checkpoint(checkpoint_dir, step, metrics)`` runs on every rank after each COMPLETE checkpoint.
+    """
+    place = init_distributed(config)
+    config.validate(place.world_size)
+    if place.rank == 0:
+        print(config.format(), flush=True)
+    num_classes, epoch_images = prepare_data(config, place)
+    plan = batch_plan(config.data, place.world_size)
+    schedule = build_schedule(config.optim, config.schedule, plan.global_batch_size, epoch_images)
+    last_step = min(schedule.total_steps, config.schedule.stop_at_step or schedule.total_steps)
+
+    start = ckpt.find_start(config)
+    engine, model = build_engine(config, place, num_classes, start)
+    stream = build_stream(config, place, num_classes)
+    step, images_seen = 0, 0
+    if start.kind in ("run", "resume_from"):
+        state = ckpt.load_checkpoint(engine, start.path, place.world_size)
+        stream.load_state_dict(state["stream_states"][place.rank])
+        step, images_seen = state["step"], state["images_seen"]
+        if place.rank == 0:
+            print(f"resumed from {start.path} at step {step} ({start.kind})", flush=True)
+            _warn_config_changes(start.path, config)
+
+    from pretrain.flops import train_flops
+
+    tracker = _tracker(config, place)
+    peak = device_peak_tflops(config.logging.peak_tflops, place.device)
+    metrics = TrainMetrics(
+        rank=place.rank, world_size=place.world_size, total_steps=last_step, flops_per_image=train_flops(model.config),
+        peak_tflops=peak, device=place.device, log_every=config.logging.log_every, tracker=tracker,
+        progress_bar=config.logging.progress_bar, start_step=step, images_seen=images_seen,
+    )  # fmt: skip
+    dtype = torch.bfloat16 if resolve_precision(config.deepspeed, place.device.type) == "bf16" else torch.float32
+    summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": []}
+    # RNG last, right before the loop: nothing between here and the first step may draw from it, so a resumed
+    # run continues the uninterrupted run's random sequence (dropout) exactly.
+    if start.kind in ("run", "resume_from"):
+        ckpt.set_rng_state(state["rng_states"][place.rank])
+    else:
+        seed_everything(config.seed * 1000 + place.rank + 1)  # dropout differs across ranks, reproducibly
+    it, saved_step, last = iter(stream), step, {}
+    try:
+        while step < last_step:
+            lr = schedule(step)
+            set_lr(engine.optimizer, lr)
+            loss_sum, data_s, digest = torch.zeros((), device=place.device), 0.0, hashlib.sha256()
+            for _ in range(plan.grad_accum_steps):
+                images, labels, wait = _next_batch(it, place.device, dtype)
+                data_s += wait
+                if config.logging.record_batch_digests:
+                    digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
+                loss, _ = engine(images, labels)
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().float()
+            step += 1
+            loss_value = _mean_over_ranks(loss_sum / plan.grad_accum_steps)
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            last = metrics.step(step, loss_value, lr, grad_norm, plan.global_batch_size, data_s) or last
+            summary["losses"].append([step, loss_value])
+            if config.logging.record_batch_digests:
+                summary["digests"].append([step, digest.hexdigest()])
+            if step % config.checkpoint.every_steps == 0 or step == last_step:
+                saved = ckpt.save_checkpoint(
+                    engine, model, config, step=step, images_seen=metrics.images_seen,
+                    stream_state=stream.state_dict(), metrics={"train/loss": loss_value, **last},
+                )  # fmt: skip
+                saved_step = step
+                summary["checkpoints"].append(str(saved))
+                if on_checkpoint is not None:
+                    on_checkpoint(saved, step, {"train/loss": loss_value, **last})
+        tracker.set_tags({"vitscale.status": "finished" if step >= schedule.total_steps else "stopped"})
+    except BaseException:
+        tracker.set_tags({"vitscale.status": "failed"})
+        raise
+    finally:
+        metrics.close()
+        tracker.close()
+    assert saved_step == step, "the loop always checkpoints its last step"
+    final_loss = summary["losses"][-1][1] if summary["losses"] else None
+    return {**summary, "steps": step, "final_loss": final_loss, "images_seen": metrics.images_seen,
+            "rank": place.rank, "world_size": place.world_size}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a recipe YAML path or a name under configs/")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
+    parser.add_argument("--summary", metavar="PATH", help="write each rank's summary as JSON ('{rank}' is filled in)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+        if args.dry_run:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            config.validate(world_size)
+            print(config.format())
+            plan = batch_plan(config.data, world_size)
+            print(f"world size {world_size}: micro-batch {plan.micro_batch_size} x accumulation "
+                  f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}")  # fmt: skip
+            return 0
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summary = train_worker(config)
+    if args.summary:
+        Path(args.summary.format(rank=summary["rank"])).write_text(json.dumps(summary))
+    if summary["rank"] == 0:
+        print(
+            f"done: {summary['steps']} steps, final loss {summary['final_loss']}, images seen {summary['images_seen']}"
+        )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Fast tests of the training pieces that need no process group: schedules, durations, AdamW groups, losses,
+checkpoint discovery, RNG state, and the metrics interface."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain import checkpoint as ckpt
+from pretrain.config import CheckpointConfig, TaskConfig, load_config
+from pretrain.metrics import NonFiniteLossError, TrainMetrics
+from pretrain.model import build_model
+from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
+from pretrain.tasks import TASKS, ClassificationTask, build_task, register_task, sigmoid_xent, softmax_xent
+
+
+def test_durations_convert_to_steps_in_one_place():
+    assert duration_to_steps(10_000, 4096, None) == 10_000
+    assert duration_to_steps("500st", 4096, None) == 500
+    # 90 epochs of 12.4M images at batch 4096, rounded up
+    assert duration_to_steps("90ep", 4096, 12_400_000) == math.ceil(90 * 12_400_000 / 4096) == 272_461
+    assert duration_to_steps("1.2e6img", 4096, None) == math.ceil(1.2e6 / 4096)
+    assert duration_to_steps(0, 64, None, zero_ok=True) == 0
+    with pytest.raises(ValueError, match=r"schedule\.total='3ep' counts epochs.*data\.epoch_images"):
+        duration_to_steps("3ep", 64, None, field="schedule.total")
+    with pytest.raises(ValueError, match="not a duration"):
+        duration_to_steps("ten minutes", 64, None)
+    with pytest.raises(ValueError, match="gives 0 steps"):
+        duration_to_steps(0, 64, None)
+
+
+def test_linear_schedule_warms_up_then_decays_to_end_lr():
+    s = LRSchedule(peak_lr=1e-3, warmup_steps=10, total_steps=110, decay="linear", end_lr=1e-5)
+    assert s(0) == pytest.approx(1e-4) and s(9) == pytest.approx(1e-3)
+    assert s(10) == pytest.approx(1e-3)
+    assert s(109) == pytest.approx(1e-5)  # the last update uses exactly end_lr
+    lrs = [s(i) for i in range(10, 110)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert s(59) == pytest.approx(1e-3 + (1e-5 - 1e-3) * 49 / 99)
+
+
+def test_cosine_and_constant_schedules():
+    c = LRSchedule(1.0, 0, 101, "cosine", 0.0)
+    assert c(0) == pytest.approx(1.0) and c(50) == pytest.approx(0.5) and c(100) == pytest.approx(0.0)
+    k = LRSchedule(0.1, 5, 50, "constant")
+    assert k(2) == pytest.approx(0.06) and k(40) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_weight_matrices():
+    task = ClassificationTask(build_model("vit_tiny_debug", num_classes=10, representation_size=64))
+    skip = no_decay_names(task)
+    names = dict(task.named_parameters())
+    assert "model.cls_token" in skip and "model.pos_embed" in skip
+    assert all(names[n].ndim < 2 for n in skip if n not in ("model.cls_token", "model.pos_embed"))
+    decayed = set(names) - skip
+    assert decayed and all(names[n].ndim >= 2 for n in decayed)
+    assert any("patch" in n for n in decayed)  # the patch-embedding kernel is a weight matrix (4-D conv)
+    opt = build_optimizer(task, load_config("vit_b16_i21k").optim)
+    decay_group, plain_group = opt.param_groups
+    assert decay_group["weight_decay"] == 0.03 and plain_group["weight_decay"] == 0.0
+    assert opt.defaults["betas"] == (0.9, 0.999)
+    assert len(decay_group["params"]) + len(plain_group["params"]) == len(names)
+
+
+def test_softmax_xent_matches_torch_with_label_smoothing():
+    logits, labels = torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 4, 0])
+    for eps in (0.0, 0.1):
+        expected = F.cross_entropy(logits, labels, label_smoothing=eps)
+        assert softmax_xent(logits, labels, eps).item() == pytest.approx(expected.item(), abs=1e-6)
+    # soft targets (mixup): the same formula on the mixed one-hots
+    soft = 0.7 * F.one_hot(labels, 5).float() + 0.3 * F.one_hot(labels.roll(1), 5).float()
+    manual = -(soft * F.log_softmax(logits, -1)).sum(-1).mean()
+    assert softmax_xent(logits, soft).item() == pytest.approx(manual.item(), abs=1e-6)
+
+
+def test_sigmoid_xent_sums_over_classes_and_averages_over_batch():
+    logits = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 3, 6, 2])
+    onehot = F.one_hot(labels, 7).float()
+    expected = F.binary_cross_entropy_with_logits(logits, onehot, reduction="sum") / 4
+    assert sigmoid_xent(logits, labels).item() == pytest.approx(expected.item(), abs=1e-5)
+    assert sigmoid_xent(logits, onehot).item() == pytest.approx(expected.item(), abs=1e-5)
+    # head bias -10 makes the initial i21k loss small: K * softplus(-10) + softplus(10) - 10 ≈ K * 4.5e-5
+    initial = sigmoid_xent(torch.full((2, 1000), -10.0), torch.tensor([1, 2])).item()
+    assert initial == pytest.approx(999 * math.log1p(math.exp(-10)) + math.log1p(math.exp(10)), rel=1e-4)
+
+
+def test_task_registry_builds_and_extends():
+    config = load_config("local_demo")
+    task = build_task(config, build_model("vit_tiny_debug", num_classes=4))
+    loss, metrics = task(torch.rand(2, 3, 32, 32) * 2 - 1, torch.tensor([0, 3]))
+    assert loss.ndim == 0 and torch.isfinite(loss) and 0.0 <= metrics["accuracy"].item() <= 1.0
+
+    @register_task("test_constant_loss")
+    def _build(config, model):
+        return ClassificationTask(model, "sigmoid_xent")
+
+    try:
+        built = build_task(config.replace(task=TaskConfig(name="test_constant_loss")), task.model)
+        assert built.loss_name == "sigmoid_xent"
+    finally:
+        TASKS.pop("test_constant_loss")
+
+
+def test_latest_checkpoint_ignores_partial_and_unmarked_folders(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step, complete in [(10, True), (20, True), (30, False)]:
+        (root / ckpt.step_name(step)).mkdir(parents=True)
+        if complete:
+            (root / ckpt.step_name(step) / ckpt.COMPLETE).write_text(f"{step}\n")
+    (root / "step_00000040.tmp").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_00000020"
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000010", "step_00000020"]
+    with pytest.raises(ValueError, match="no COMPLETE marker"):
+        ckpt.read_trainer_state(root / "step_00000030")
+
+
+def test_start_point_follows_the_resume_order(tmp_path):
+    base = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}"])
+    assert ckpt.find_start(base).kind == "scratch"
+    weights = tmp_path / "w.npz"
+    weights.write_bytes(b"")
+    with_init = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}", f"checkpoint.init_from={weights}"])
+    assert ckpt.find_start(with_init) == ckpt.StartPoint("init_from", weights)
+    other = tmp_path / "other" / "checkpoints" / "step_00000005"
+    other.mkdir(parents=True)
+    (other / ckpt.COMPLETE).write_text("5\n")
+    both = with_init.replace(
+        checkpoint=CheckpointConfig(dir=str(tmp_path / "run"), resume_from=str(other), init_from=str(weights))
+    )
+    assert ckpt.find_start(both) == ckpt.StartPoint("resume_from", other)
+    own = tmp_path / "run" / "checkpoints" / "step_00000007"
+    own.mkdir(parents=True)
+    (own / ckpt.COMPLETE).write_text("7\n")
+    assert ckpt.find_start(both) == ckpt.StartPoint("run", own)
+
+
+def test_rng_state_round_trips_through_json():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = json.loads(json.dumps(ckpt.rng_state()))
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    ckpt.set_rng_state(state)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_metrics_report_the_documented_keys_and_stop_on_non_finite_loss():
+    m = TrainMetrics(rank=0, world_size=2, total_steps=4, flops_per_image=10**9, peak_tflops=1.0,
+                     device=torch.device("cpu"), log_every=2, progress_bar=False)  # fmt: skip
+    assert m.step(1, 2.0, 1e-3, 0.5, images=64, data_s=0.01) == {}
+    logged = m.step(2, 1.9, 1e-3, 0.4, images=64, data_s=0.01)
+    keys = {"train/loss", "train/lr", "train/grad_norm", "train/images_per_s", "train/tflops", "train/mfu",
+            "train/data_wait", "train/memory_gb", "train/images_seen", "train/exaflops"}  # fmt: skip
+    assert set(logged) == keys
+    assert logged["train/images_seen"] == 128 and logged["train/exaflops"] == pytest.approx(128 * 1e9 / 1e18)
+    assert logged["train/mfu"] == pytest.approx(logged["train/tflops"] / 1.0)
+    assert 0 < logged["train/memory_gb"] < 64 and 0 <= logged["train/data_wait"] <= 1
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 3 .*optim\.lr"):
+        m.step(3, float("nan"), 1e-3, None, images=64, data_s=0.0)
