@@ -97,17 +97,28 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
     """All arrays of an npz, read eagerly so that truncation and pickles fail here with a clear message."""
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {path}")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if not magic.startswith((b"PK", b"\x93NUMPY")):
+        what = "a pickle" if magic.startswith(b"\x80") else "neither a zip archive nor a NumPy file"
+        raise ValueError(
+            f"{path} is {what}, not an .npz archive; pickled data is never loaded (it can run arbitrary code) — "
+            "official ViT checkpoints are plain .npz archives of numeric arrays"
+        )
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        npz = np.load(path, allow_pickle=False)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path} is a single .npy array, not an .npz checkpoint of named arrays")
+        with npz:
             return {key: npz[key] for key in npz.files}
-    except AttributeError:  # np.load returned a bare array: a .npy, not an .npz
-        raise ValueError(f"{path} is a single .npy array, not an .npz checkpoint of named arrays") from None
     except ValueError as e:
         if "pickle" in str(e).lower():
             raise ValueError(
                 f"{path} contains pickled data, which is never loaded (it can run arbitrary code); "
                 "official ViT checkpoints are plain .npz archives of numeric arrays"
             ) from None
+        if "single .npy" in str(e):
+            raise
         raise ValueError(f"{path} is not a readable .npz archive: {e}") from None
     except (zipfile.BadZipFile, EOFError, OSError) as e:
         raise ValueError(
