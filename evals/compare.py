@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.tracking import default_tracking_uri
+from pretrain.tracking import default_tracking_uri, sqlite_path
 
 COMPARISON_KIND_TAG = "vitscale.kind"
 COMPARISON_KIND = "comparison"
@@ -286,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     uri = args.tracking_uri or default_tracking_uri()
     run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
     name = _slug(args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all"))
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        print(f"evals.compare: no tracking store at {db}; run `make launch` or pass --tracking-uri", file=sys.stderr)
+        return 2
     client = MlflowClient(tracking_uri=uri)
     try:
         comparison = collect(client, uri, args.experiment, run_ids)

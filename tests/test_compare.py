@@ -171,6 +171,9 @@ def test_empty_experiment_and_unknown_experiment(store, tmp_path, capsys):
     assert "experiment 'nope' not found" in err and "scaling" in err and "empty" in err
     with pytest.raises(ValueError, match="existing experiments"):
         collect(_client(uri), uri, experiment="nope")
+    missing = tmp_path / "absent" / "mlflow.db"
+    assert main(["--tracking-uri", f"sqlite:///{missing}", "--out", str(out)]) == 2
+    assert "no tracking store" in capsys.readouterr().err and not missing.exists()
 
 
 CHECK_SCRIPT = """<script>
