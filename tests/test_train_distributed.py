@@ -182,11 +182,17 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.timeout(600)
 def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_path):
+    from mlflow import MlflowClient
+
     from pretrain import checkpoint as ckpt
+    from pretrain.tracking import create_run
     from pretrain.weights import load_checkpoint_model
 
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the run is created up front and passed in, as the driver does
+    run_id = create_run(uri, "test_train", "crash-and-resume", params={}, tags={})
     config = tiny_config(shards, tmp_path / "run", "checkpoint.every_steps=2", "schedule.total=6",
-                         "deepspeed.zero_stage=1", "data.global_batch_size=8")  # fmt: skip
+                         "deepspeed.zero_stage=1", "data.global_batch_size=8", "logging.log_every=2",
+                         f"logging.mlflow_tracking_uri={uri}", f"logging.mlflow_run_id={run_id}")  # fmt: skip
     path = tmp_path / "config.yaml"
     config.save(path)
     crashed = _run([sys.executable, "-c", CRASH_DURING_SAVE, "--config", str(path)], timeout=240)
@@ -205,3 +211,12 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     assert summary["start"] == "run" and summary["start_step"] == 2 and summary["steps"] == 6
     assert not partial.exists()
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "run")] == ["step_00000004", "step_00000006"]
+    # rank 0 logged the documented metrics to the MLflow run it was given
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert {4, 6} <= {m.step for m in client.get_metric_history(run_id, "train/loss")}
+    for key in ("train/lr", "train/grad_norm", "train/images_per_s", "train/mfu", "train/data_wait",
+                "train/memory_gb", "train/images_seen", "train/exaflops", "train/tflops"):  # fmt: skip
+        assert key in run.data.metrics, key
+    assert run.data.metrics["train/images_seen"] == 6 * 8
+    assert run.data.tags["vitscale.status"] == "finished" and run.data.params["model.name"] == "vit_tiny_debug"
