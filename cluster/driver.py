@@ -91,6 +91,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     torch.set_num_threads(int(loop_config["env"]["OMP_NUM_THREADS"]))
     config = TrainConfig.from_dict(loop_config["config"])
     rank = ray.train.get_context().get_world_rank()
+    _record_placement(Path(config.checkpoint.dir), rank)
     scheduler = loop_config["scheduler"]
     fault = loop_config.get("fault")
     marker = Path(config.checkpoint.dir) / ".fault_injected"
@@ -104,7 +105,30 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
             threading.Timer(fault["delay_s"], lambda: os._exit(1)).start()
 
     summary = train_worker(config, on_checkpoint=on_checkpoint)
-    ray.train.report({k: v for k, v in _floats(summary).items()})
+    if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints: hand the summary over in the run folder
+        keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
+        tmp = Path(config.checkpoint.dir) / f"train_result.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({k: summary.get(k) for k in keep}, default=str))
+        os.replace(tmp, Path(config.checkpoint.dir) / "train_result.json")
+
+
+def _record_placement(run_dir: Path, rank: int) -> None:
+    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time)."""
+    import socket
+
+    import ray
+
+    folder = run_dir / "workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = ray.get_runtime_context()
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "hostname": socket.gethostname(),
+        "started": time.time(),
+    }
+    (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
 
 
 def _floats(d: dict) -> dict[str, float]:
@@ -192,7 +216,10 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         },
         torch_config=TorchConfig(backend=profile.comm_backend, timeout_s=config.deepspeed.timeout_minutes * 60),
         scaling_config=ScalingConfig(
-            num_workers=w.num_workers, use_gpu=profile.uses_gpus, resources_per_worker=resources
+            num_workers=w.num_workers,
+            use_gpu=profile.uses_gpus,
+            resources_per_worker=resources,
+            placement_strategy=w.placement_strategy,
         ),
         run_config=RunConfig(
             name=run_dir.name,
@@ -201,7 +228,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         ),
     )
     started = time.monotonic()
-    status, error = "FINISHED", None
+    status, error, train_result = "FINISHED", None, {}
     try:
         result = trainer.fit()
         error = getattr(result, "error", None)
@@ -211,13 +238,21 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         status = "FAILED"
         print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     train_s = time.monotonic() - started
+    if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary (steps, loss, where it resumed)
+        train_result = json.loads((run_dir / "train_result.json").read_text())
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     evals = ray.get(scheduler.drain.remote(eval_timeout_s))
     table = format_summary(evals)
     print(table, flush=True)
     (run_dir / "summary.json").write_text(
         json.dumps(
-            {"status": status, "train_seconds": train_s, "checkpoints": {str(k): v for k, v in evals.items()}},
+            {
+                "status": status,
+                "train_seconds": train_s,
+                "train_result": train_result,
+                "workers": [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))],
+                "checkpoints": {str(k): v for k, v in evals.items()},
+            },
             indent=2,
             default=str,
         )

@@ -81,8 +81,9 @@ def submit(client: JobSubmissionClient, entrypoint: str, runtime_env: dict, subm
     )
 
 
-def follow(client: JobSubmissionClient, job_id: str, out=sys.stdout) -> str:
-    """Stream a job's logs until it ends; return its final status name (SUCCEEDED, FAILED, STOPPED)."""
+def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:
+    """Stream a job's logs (to `out`, default stdout) until it ends; return its final status name."""
+    out = out or sys.stdout
 
     async def _tail() -> None:
         async for chunk in client.tail_job_logs(job_id):

@@ -81,6 +81,8 @@ def profile_overrides(profile: ClusterProfile, recipe: str, sets: list[str], run
         f"logging.peak_tflops={profile.hardware.peak_tflops}",
         f"checkpoint.dir={profile.storage.checkpoints.rstrip('/')}/{run_name}",
         f"evals.data_root={_relocate(base.evals.data_root, shards)}",
+        # Ray Train workers are actors with threads: forking them for DataLoader workers is unsafe (REFERENCE §6).
+        "data.loader_start_method=forkserver",
     ]
     defaults = {
         "deepspeed.zero_stage": d.zero_stage,

@@ -52,6 +52,7 @@ class WorkerSpec:
     cpus_per_worker: int
     gpus_per_worker: int
     loader_workers: int  # DataLoader processes per rank
+    placement_strategy: str = "PACK"  # Ray placement of the worker group: PACK fills nodes, SPREAD one per node
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,11 @@ class ClusterProfile:
                 raise ValueError(f"profile {self.name}: hardware.gpu_memory_gb must be > 0 for GPU workers")
         elif self.comm_backend == "nccl":
             raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
+        if wk.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(
+                f"profile {self.name}: workers.placement_strategy={wk.placement_strategy!r}; "
+                "use PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
+            )
         if self.defaults.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"profile {self.name}: defaults.zero_stage={self.defaults.zero_stage}; use 0, 1, 2 or 3")
         if self.defaults.precision not in ("bf16", "fp32"):

@@ -19,6 +19,7 @@ MAX_EVAL_COLUMNS = 8
 def _eval_columns(rows: dict[int, dict[str, Any]]) -> list[str]:
     keys = sorted({k for r in rows.values() for k in r.get("metrics", {})})
     cols = [k for k in PREFERRED if k in keys]
+    cols += [k for k in keys if k.endswith("/10shot") and k not in cols]  # the paper's headline shot count
     cols += [k for k in keys if k not in cols]
     return cols[:MAX_EVAL_COLUMNS]
 
