@@ -29,7 +29,7 @@ import sys
 import tarfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +80,8 @@ class Candidate:
     width: int
     height: int
     needs_reencode: bool
+    near_duplicate: bool = False  # within near_duplicate_distance bits of an earlier kept image
+    exact_duplicate: bool = False  # same bytes as an earlier image (kept only with keep_exact_duplicates)
 
 
 def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str, dict]:
@@ -202,6 +204,8 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
                 source_sha256=cand.sha256,
                 phash=cand.phash,
                 source=cand.source,
+                near_duplicate=cand.near_duplicate,
+                exact_duplicate=cand.exact_duplicate,
             )
         )
     data = final.read_bytes()
@@ -288,9 +292,11 @@ def write_dataset(
             report.exact_duplicates += 1
             if not config.keep_exact_duplicates:
                 continue
+            cand = replace(cand, exact_duplicate=True)
         seen.add(cand.sha256)
         if near.find(cand.phash) is not None:
             report.near_duplicates += 1
+            cand = replace(cand, near_duplicate=True)
         near.add(cand.phash, cand.source)
         survivors.append(cand)
     if not survivors:
@@ -307,9 +313,6 @@ def write_dataset(
     for shard_row, rows in _imap(_write_shard, shard_jobs, config.processes, "write"):
         shard_rows.append(shard_row)
         sample_rows.extend(rows)
-    near_flags = _near_duplicate_flags(survivors, config.near_duplicate_distance)
-    for row in sample_rows:
-        row["near_duplicate"] = near_flags[row["source"]]
     manifest.write_metadata(
         out,
         shards=shard_rows,
@@ -330,15 +333,6 @@ def write_dataset(
     report.bytes = sum(r["bytes"] for r in shard_rows)
     report.seconds = time.perf_counter() - start
     return report
-
-
-def _near_duplicate_flags(cands: list[Candidate], distance: int) -> dict[str, bool]:
-    index = NearDuplicateIndex(distance)
-    flags = {}
-    for cand in cands:
-        flags[cand.source] = index.find(cand.phash) is not None
-        index.add(cand.phash, cand.source)
-    return flags
 
 
 def main(argv: list[str] | None = None) -> int:
