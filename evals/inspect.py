@@ -411,3 +411,24 @@ def patch_kernel_of(model) -> torch.Tensor | None:
     if getattr(model.config, "hybrid_stages", None):
         return None
     return model.patch_embed.proj.weight.detach().float().cpu()
+
+
+def evaluate(ctx, options: dict):
+    """Suite entry (``type: inspect``): the four figures for the checkpoint's model on a fixed image set.
+
+    PNGs (and the raw ``attention_distance.npy``) go to ``<ctx.out_dir>/inspect/``, the checkpoint's ``evals/``
+    folder; the runner logs them to MLflow as artifacts and the ``inspect/...`` scalars as metrics at the step.
+    """
+    from evals.features import load_images, resolve_split
+    from evals.suites import EvalOutput, ResultRow, parse_options
+
+    config = parse_options(InspectConfig, options, "inspect")
+    split = resolve_split(ctx.data_root, config.dataset, config.split)
+    # No centre crop: the fixed set is the split's first images, resized whole to the model's resolution.
+    images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)
+    images = images.to(ctx.device)
+    label = f"step {ctx.step}" if ctx.step is not None else ""
+    metrics, figures = run_inspection(ctx.model, images, Path(ctx.out_dir) / "inspect", config, label=label)
+    ctx.log(f"inspect: {len(figures)} figures from {images.shape[0]} {config.dataset}/{config.split} images")
+    rows = [ResultRow("inspect", config.dataset, key, value, count=images.shape[0]) for key, value in metrics.items()]
+    return EvalOutput(rows=rows, metrics=dict(metrics), artifacts=[*figures])

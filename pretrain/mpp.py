@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pretrain.tasks import register_task
+
 __all__ = ["MPPConfig", "CorruptionPlan", "MaskedPatchPrediction", "corruption_plan", "mean_color_targets"]
 
 
@@ -186,7 +188,14 @@ class MaskedPatchPrediction(nn.Module):
         return loss, {"accuracy": accuracy}
 
 
+@register_task("mpp")
 def build_mpp_task(config, model: nn.Module) -> MaskedPatchPrediction:
-    """Task-registry builder: ``config`` is the ``TrainConfig``; options come from ``config.task.options``."""
+    """Task-registry builder: ``config`` is the ``TrainConfig``; options come from ``config.task.options``.
+
+    MPP has no use for a classification head; one the trainer built for the dataset's classes is dropped, since
+    parameters that never get a gradient would only be dead weight in the optimizer and the checkpoint.
+    """
+    if getattr(model.config, "num_classes", 0):
+        model.reset_classifier(0)
     rank = int(os.environ.get("RANK", "0"))
     return MaskedPatchPrediction(model, MPPConfig.from_options(dict(config.task.options)), seed=config.seed, rank=rank)

@@ -87,24 +87,24 @@ def _palette_blocks(n: int, palette: torch.Tensor, generator: torch.Generator) -
     return (images + 0.05 * torch.randn(images.shape, generator=generator)).clamp(-1, 1)  # (n, 3, 32, 32)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_mpp_loss_decreases_on_a_tiny_model():
     torch.manual_seed(0)
     task = MaskedPatchPrediction(build_model("vit_tiny_debug", num_classes=0), seed=0)
-    opt = torch.optim.AdamW(task.parameters(), lr=2e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(task.parameters(), lr=5e-3, weight_decay=0.0)
     data = torch.Generator().manual_seed(0)
     palette = torch.rand(8, 3, generator=data) * 2 - 1
     losses = []
-    for _ in range(40):
-        loss, metrics = task(_palette_blocks(32, palette, data), None)
+    for _ in range(25):
+        loss, metrics = task(_palette_blocks(16, palette, data), None)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
         assert 0.0 <= metrics["accuracy"].item() <= 1.0
     assert losses[0] == pytest.approx(torch.log(torch.tensor(512.0)).item(), rel=1e-3)  # zero-init head
-    assert int(task.draws) == 40
+    assert int(task.draws) == 25
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    # log(512) = 6.24 at the start; 40 steps should at least learn the 8-colour marginal (log 8 = 2.08).
+    # log(512) = 6.24 at the start; 25 steps should at least learn the 8-colour marginal (log 8 = 2.08).
     assert last < first - 2.0, f"MPP loss did not fall: {first:.3f} → {last:.3f}"
     assert metrics["accuracy"].item() > 2 / 512

@@ -1,0 +1,218 @@
+"""Progressive resolution: pre-train on small images first, then on the full size (a curriculum over image size).
+
+A recipe sets ``data.resolution_schedule: [[0, 16], [100, 32]]`` — pairs (first step, image size), steps strictly
+increasing from 0, sizes multiples of the patch stride, the last size equal to ``data.image_size`` (the final
+resolution, which the model's config, FLOP counts and evals refer to). Step s trains at the size of the last pair
+whose step is ≤ s. An empty schedule trains at ``data.image_size`` throughout.
+
+At each change the trainer calls :func:`switch_resolution`: the model is rebuilt at the new size with its position
+embeddings interpolated (``pretrain.weights.resize_pos_embed``, the official 2-D bilinear resize that fine-tuning
+at a higher resolution uses), and a new DeepSpeed engine takes over the old one's fp32 weights *and* Adam state —
+the moments of the position embeddings resized like the embeddings themselves — so a change costs one engine
+rebuild, not the optimizer's memory of the run. The stream is rebuilt at the new size from the old one's position.
+
+Checkpoints hold the parameters at the resolution current at their step (``config.yaml`` and ``model.json`` record
+it); a resumed run builds its engine at :func:`resolution_at` of the checkpoint's step before loading, so it
+continues exactly where the uninterrupted run would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from pretrain.weights import resize_pos_embed
+
+__all__ = ["check_schedule", "config_at", "resolution_at", "switch_resolution"]
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+# (working-copy groups, fp32 partitions) attribute names of DeepSpeed's ZeRO-1/2 optimizer and its bf16 optimizer.
+_FRAGMENT_GROUPS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
+
+
+def check_schedule(schedule: Sequence, image_size: int, stride: int) -> tuple[tuple[int, int], ...]:
+    """Validate ``data.resolution_schedule`` and return it as ((step, size), ...); ValueError names the fix."""
+    pairs = []
+    for i, entry in enumerate(schedule):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not all(isinstance(v, int) for v in entry):
+            raise ValueError(
+                f"data.resolution_schedule[{i}]={entry!r} must be a pair [step, image_size] of integers, "
+                "e.g. [[0, 16], [100, 32]]"
+            )
+        pairs.append((int(entry[0]), int(entry[1])))
+    if not pairs:
+        return ()
+    if pairs[0][0] != 0:
+        raise ValueError(f"data.resolution_schedule must start at step 0, got {pairs[0][0]}; add [0, <size>] first")
+    for (s0, _), (s1, _) in zip(pairs, pairs[1:]):
+        if s1 <= s0:
+            raise ValueError(f"data.resolution_schedule steps must increase strictly, got {s0} then {s1}")
+    for step, size in pairs:
+        if size <= 0 or size % stride:
+            raise ValueError(
+                f"data.resolution_schedule: size {size} at step {step} is not a positive multiple of the patch stride "
+                f"{stride}; use e.g. {max(1, round(size / stride)) * stride}"
+            )
+    if pairs[-1][1] != image_size:
+        raise ValueError(
+            f"data.resolution_schedule ends at {pairs[-1][1]} px but data.image_size={image_size}; the schedule's "
+            f"last size is the final resolution, so set data.image_size={pairs[-1][1]} or end the schedule at "
+            f"{image_size}"
+        )
+    return tuple(pairs)
+
+
+def resolution_at(schedule: Sequence, step: int, image_size: int) -> int:
+    """Image size for optimizer step ``step`` (0-based: the step about to be taken)."""
+    size = image_size
+    for start, s in schedule:
+        if start <= step:
+            size = int(s)
+    return size
+
+
+def config_at(config, step: int):
+    """``config`` with ``data.image_size`` set to the resolution of ``step``: the config the model, the stream and
+    the checkpoint's ``config.yaml`` of that step are built from."""
+    d = config.data
+    size = resolution_at(d.resolution_schedule, step, d.image_size)
+    return config if size == d.image_size else config.replace(data=dataclasses.replace(d, image_size=size))
+
+
+# ------------------------------------------------------------------------------------------- engine switch
+
+
+def _full_fp32(param: nn.Parameter) -> torch.Tensor:
+    """The fp32 master copy of ``param`` assembled from the ZeRO partitions (the parameter itself without ZeRO)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    value = safe_get_full_fp32_param(param)
+    return (param.detach() if value is None else value).float().clone()
+
+
+def _inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer that holds the Adam state (ZeRO wraps it; without ZeRO the engine uses it directly)."""
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)
+
+
+def _adam_state(engine, param: nn.Parameter) -> dict[str, torch.Tensor] | None:
+    """Full (unpartitioned) Adam moments of ``param``; None before the first optimizer step."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):  # ZeRO 1-3 / bf16 optimizer: collective
+        out = {k: safe_get_full_optimizer_state(param, k) for k in ADAM_STATES}
+        return None if any(v is None for v in out.values()) else {k: v.float().clone() for k, v in out.items()}
+    state = _inner_optimizer(engine).state.get(param)
+    return {k: state[k].float().clone() for k in ADAM_STATES} if state else None
+
+
+def _adam_step(engine) -> torch.Tensor | None:
+    for state in _inner_optimizer(engine).state.values():
+        if "step" in state:
+            return state["step"].clone() if torch.is_tensor(state["step"]) else torch.tensor(float(state["step"]))
+    return None
+
+
+def _seed_adam_state(engine, step: torch.Tensor) -> None:
+    """Create the torch Adam state eagerly (it is lazy) so the moments can be written before the first step."""
+    inner = _inner_optimizer(engine)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if not inner.state.get(p):
+                inner.state[p] = {
+                    "step": step.clone(),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+    _link_states(engine)
+
+
+def _link_states(engine) -> None:
+    """Point every parameter's ZeRO / bf16 fragment at its flat partition's Adam state.
+
+    DeepSpeed 0.19 links them once, right after the *first parameter group's* first step, when the other groups'
+    lazily created state does not exist yet; parameters of later groups (here: the no-weight-decay group) are then
+    never linked and ``safe_get_full_optimizer_state`` fails for them. Re-linking every group whose state exists
+    is idempotent.
+    """
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    opt = engine.optimizer
+    state = _inner_optimizer(engine).state
+    for lp_attr, hp_attr in _FRAGMENT_GROUPS:
+        if hasattr(opt, lp_attr) and hasattr(opt, hp_attr):
+            for lp_group, hp in zip(getattr(opt, lp_attr), getattr(opt, hp_attr)):
+                if state.get(hp):
+                    lazy_init_hp_params_optimizer_state(lp_group, hp, state)
+
+
+def _set_adam_state(engine, param: nn.Parameter, values: dict[str, torch.Tensor]) -> None:
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+        for key, value in values.items():
+            safe_set_full_optimizer_state(param, value, key)
+        return
+    state = _inner_optimizer(engine).state[param]
+    for key, value in values.items():
+        state[key].copy_(value.to(state[key].dtype))
+
+
+def _resize(name: str, value: torch.Tensor, target: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    if value.shape == target.shape:
+        return value
+    if not name.endswith("pos_embed"):
+        raise ValueError(f"parameter {name} changed shape {tuple(value.shape)} → {tuple(target.shape)} with the "
+                         "resolution; only the position embeddings may")  # fmt: skip
+    g = int(round((target.shape[1] - num_prefix_tokens) ** 0.5))
+    return resize_pos_embed(value, (g, g), num_prefix_tokens)
+
+
+def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> tuple:
+    """Move training from ``engine`` (wrapping ``model``) to a fresh engine from ``build() -> (engine, model)``.
+
+    Collective: every rank calls it at the same step. The new engine gets the old fp32 weights, buffers and Adam
+    moments and step count; tensors whose shape changed (the position embeddings) are resized to the new grid.
+    RNG states are preserved across the rebuild (``build`` may re-seed). Returns ``(engine, model)``; the old engine
+    is destroyed. Supports ZeRO stages 0-2 (checked by the config).
+    """
+    old_task = engine.module
+    named = dict(old_task.named_parameters())
+    weights = {name: _full_fp32(p) for name, p in named.items()}
+    adam_step = _adam_step(engine)  # None before the first optimizer step: there are no moments to carry
+    _link_states(engine)
+    moments = {name: _adam_state(engine, p) if adam_step is not None else None for name, p in named.items()}
+    buffers = {name: b.detach().clone() for name, b in old_task.named_buffers()}
+    prefix = getattr(model, "num_prefix_tokens", 1)
+    engine.destroy()
+    del engine, old_task
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    new_engine, new_model = build()
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    new_named = dict(new_engine.module.named_parameters())
+    if set(new_named) != set(named):
+        raise ValueError(f"the rebuilt task has different parameters: {sorted(set(new_named) ^ set(named))}")
+    if adam_step is not None:
+        _seed_adam_state(new_engine, adam_step)
+    with torch.no_grad():
+        for name, p in new_named.items():
+            value = _resize(name, weights[name], p, prefix)
+            p.data.copy_(value.to(p.dtype))  # the module's (possibly bf16) working copy
+            safe_set_full_fp32_param(p, value)  # and the fp32 master the optimizer updates (ZeRO / bf16)
+            if moments[name] is not None and adam_step is not None:
+                _set_adam_state(new_engine, p, {k: _resize(name, v, p, prefix) for k, v in moments[name].items()})
+        for name, b in new_engine.module.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+    return new_engine, new_model
