@@ -263,7 +263,7 @@ class Tracker:
         self._last_warning = -math.inf
         self._suppressed_warnings = 0
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         if self.enabled:  # addFilter is idempotent; done here, not at import, to keep import side-effect free
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
@@ -329,15 +329,20 @@ class Tracker:
             self._send_lock.release()
         return self.pending == 0
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the sender thread and flush; what still cannot be sent is reported in a warning."""
+    def close(self, timeout: float | None = 120.0) -> None:
+        """Make one last attempt to send everything, stop the sender, and warn about what could not be sent.
+
+        The last attempt runs on the sender thread and ``timeout`` bounds the wait for it, so the end of training
+        never hangs on a server that accepts connections but never answers (MLflow's HTTP client waits and
+        retries for minutes); None waits as long as it takes.
+        """
         if not self.enabled:
             return
-        self._stop.set()
+        self._closing.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-        if not self.flush(timeout=timeout):
+        if self.pending:
             self._warn(f"closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
         self.enabled = False
         _OPEN_TRACKERS.discard(self)
@@ -357,20 +362,22 @@ class Tracker:
     # ---- delivery (sender thread, or flush) -------------------------------------------------------------------
 
     def _kick(self) -> None:
-        if self._thread is None and not self._stop.is_set():
+        if self._thread is None and not self._closing.is_set():
             self._thread = threading.Thread(target=self._run_sender, name="vitscale-mlflow", daemon=True)
             self._thread.start()
         self._wake.set()
 
     def _run_sender(self) -> None:
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             wait = max(0.0, self._next_attempt - time.monotonic())
             self._wake.wait(timeout=wait if self._failures else None)
             self._wake.clear()
-            if self._stop.is_set() or time.monotonic() < self._next_attempt or self.pending == 0:
+            if self._closing.is_set() or time.monotonic() < self._next_attempt or self.pending == 0:
                 continue
             with self._send_lock:
                 self._attempt()
+        with self._send_lock:  # close(): one last attempt regardless of the backoff
+            self._attempt()
 
     def _attempt(self) -> None:
         """One delivery attempt of everything buffered; the caller holds _send_lock. Never raises."""

@@ -168,3 +168,22 @@ def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
         assert time.monotonic() - started < 30
     assert "failed" in caplog.text and "Training continues" in caplog.text
     assert "not sent" in caplog.text
+
+
+def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
+    """A server that accepts connections but never answers: logging stays instant, close() gives up in time."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    with socket.socket() as hanging:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen(8)  # the kernel completes connections; nobody ever reads or replies
+        tracker = Tracker(f"http://127.0.0.1:{hanging.getsockname()[1]}", "0123456789abcdef", rank=0)
+        started = time.monotonic()
+        for step in range(100):
+            tracker.log_metrics({"train/loss": 1.0, "train/lr": 0.1}, step=step)
+        assert time.monotonic() - started < 1.0
+        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+            started = time.monotonic()
+            tracker.close(timeout=2)
+            assert time.monotonic() - started < 10
+        assert "200 items not sent" in caplog.text
