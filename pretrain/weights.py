@@ -196,22 +196,28 @@ def _hybrid_stages(p: dict[str, np.ndarray]) -> tuple[int, ...] | None:
     return tuple(units[s] for s in range(1, len(units) + 1))
 
 
+# VT (class slot included), big_vision before 2022 (inside the encoder, class slot included), big_vision now
+# (top level, patches only). Which semantics applies is read off the row count, as big_vision's own loader does.
+_POSEMB_KEYS = ("Transformer/posembed_input/pos_embedding", "Transformer/pos_embedding", "pos_embedding")
+
+
 def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -> tuple[ViTConfig, np.ndarray]:
     """The architecture the arrays describe, and the position embeddings with the class slot (1, P+N, D)."""
     patch, _, in_chans, width = p["embedding/kernel"].shape
     pool = "token" if "cls" in p else "gap"
     if "MAPHead_0/probe" in p or any(k.startswith("MAPHead_0/") for k in p):
         raise ValueError("big_vision 'map' (attention-pooling) heads are not supported; pool must be 'token' or 'gap'")
-    if "Transformer/posembed_input/pos_embedding" in p:  # VT: class slot included for token models
-        posemb = p["Transformer/posembed_input/pos_embedding"]
-    elif "pos_embedding" in p:  # BV: added before the class token is prepended, so that token gets no position
-        posemb = p["pos_embedding"]
-        if pool == "token":
-            posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
-    else:
+    posemb = next((p[k] for k in _POSEMB_KEYS if k in p), None)
+    if posemb is None:
         raise ValueError(
-            "no learned position embeddings ('Transformer/posembed_input/pos_embedding' or 'pos_embedding')"
+            f"no learned position embeddings (looked for {', '.join(_POSEMB_KEYS)}); fixed sincos2d embeddings "
+            "(big_vision posemb='sincos2d') are not supported"
         )
+    rows = posemb.shape[1]
+    if pool == "token" and math.isqrt(rows) ** 2 == rows:
+        # Added before the class token was prepended (big_vision since 2022): that token has no position
+        # embedding, which equals a zero row in our layout.
+        posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
     num_patches = posemb.shape[1] - (pool == "token")
     grid = math.isqrt(num_patches)
     if grid * grid != num_patches:

@@ -97,6 +97,15 @@ def test_big_vision_scan_layout_is_unstacked(tmp_path):
     assert _relative_error(_logits(model, images), reference_logits(arrays, images, layout="bv")) <= 1e-5
 
 
+def test_big_vision_pre_2022_posemb_inside_the_encoder(tmp_path):
+    arrays = official_arrays(layout="vt")
+    moved = dict(arrays)
+    moved["Transformer/pos_embedding"] = moved.pop("Transformer/posembed_input/pos_embedding")
+    model = load_npz(_write(tmp_path / "old_bv.npz", moved))
+    images = np.random.default_rng(3).uniform(-1, 1, (1, 16, 16, 3)).astype(np.float32)
+    assert _relative_error(_logits(model, images), reference_logits(arrays, images, layout="vt")) <= 1e-5
+
+
 @pytest.mark.parametrize(("old", "new"), [(7, 12), (14, 24), (24, 14), (4, 5)])
 def test_resize_pos_embed_equals_scipy_zoom_order_1(old, new):
     posemb = torch.randn(1, 1 + old * old, 8)
