@@ -154,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nstopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)")
         return 130
     print(f"job {job_id}: {status}")
+    if profile.is_local:
+        print(
+            f"the local Ray head keeps running for the next launch; `make stop` stops it "
+            f"(MLflow: `make ui`, store {config.logging.mlflow_tracking_uri})"
+        )
     return 0 if status == "SUCCEEDED" else 1
 
 

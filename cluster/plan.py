@@ -83,6 +83,8 @@ def profile_overrides(profile: ClusterProfile, recipe: str, sets: list[str], run
         f"evals.data_root={_relocate(base.evals.data_root, shards)}",
         # Ray Train workers are actors with threads: forking them for DataLoader workers is unsafe (REFERENCE §6).
         "data.loader_start_method=forkserver",
+        # Job logs are not a terminal: one line per log_every steps instead of a redrawn progress bar.
+        "logging.progress_bar=false",
     ]
     defaults = {
         "deepspeed.zero_stage": d.zero_stage,
