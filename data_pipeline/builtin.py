@@ -25,7 +25,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +266,20 @@ def _canonical(name: str) -> str:
     return name
 
 
+# The BuiltinConfig fields each generator reads; only these must match for an existing folder to be reused.
+_FIELDS = {
+    "fractal": ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard"),
+    "digits": ("resolution", "seed", "num_test", "samples_per_shard"),
+} | {
+    n: ("resolution", "seed", "num_train", "num_test", "samples_per_shard")
+    for n in ("dsprites_loc", "dsprites_ori", "shapes_count")
+}
+
+
+def _settings(name: str, cfg: BuiltinConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k in _FIELDS[name]}
+
+
 def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
     """True when every split exists and was generated with the same settings; raises if settings differ."""
     complete = True
@@ -275,8 +289,9 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
             complete = False
             continue
         stored = json.loads(meta_file.read_text()).get("builtin")
-        if stored is not None and stored != asdict(replace(cfg, processes=1)):
-            raise ValueError(f"{folder} was generated with {stored}, not {asdict(cfg)}; delete it or pass another root")
+        wanted = _settings(name, cfg)
+        if stored is not None and stored != wanted:
+            raise ValueError(f"{folder} was generated with {stored}, not {wanted}; delete it or pass another root")
     return complete
 
 
@@ -316,7 +331,7 @@ def ensure(name: str, root: str | Path, **size_overrides) -> Path:
                 wcfg,
                 items=items,
                 class_names=names,
-                extra_meta={"builtin": asdict(replace(cfg, processes=1))},
+                extra_meta={"builtin": _settings(name, cfg)},
             )
     return folder
 

@@ -67,6 +67,7 @@ def test_ensure_reuses_and_refuses_mismatched_sizes(tmp_path):
     stamp = (folder / "train" / "manifest.parquet").stat().st_mtime_ns
     assert builtin.ensure("shapes_count", tmp_path, **sizes) == folder
     assert (folder / "train" / "manifest.parquet").stat().st_mtime_ns == stamp  # not regenerated
+    assert builtin.ensure("shapes_count", tmp_path, **sizes, num_classes=99) == folder  # a fractal-only field
     with pytest.raises(ValueError, match="generated with"):
         builtin.ensure("shapes_count", tmp_path, **{**sizes, "num_train": 30})
     with pytest.raises(ValueError, match="unknown built-in dataset"):
