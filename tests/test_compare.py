@@ -226,3 +226,12 @@ def test_report_renders_in_headless_chromium(two_run_report, tmp_path):
     assert len(np.unique(pixels.reshape(-1, 3)[::7], axis=0)) > 50
     # The figures are below the table: the lower half of the page must carry drawn content too.
     assert (pixels[1000:].min(axis=2) < 200).mean() > 0.005
+
+
+def test_default_compares_every_experiment_but_never_comparison_runs(store, two_run_report):
+    uri, _, _ = store
+    comparison = collect(_client(uri), uri)
+    names = {r.run_name for r in comparison.runs}
+    assert {"b16-run", "tiny-run"} <= names
+    assert not any(name.startswith("compare-") for name in names)  # the report run logged by two_run_report
+    assert comparison.title == "all experiments"
