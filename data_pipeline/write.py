@@ -262,7 +262,8 @@ def write_dataset(
     manifest.write_json_atomic(settings, settings_file)
 
     if source is not None:
-        jobs = [(u, source, None, config) for u in source.units]
+        light = replace(source, units=())  # each job pickles its own unit only, not the whole source list
+        jobs = [(u, light, None, config) for u in source.units]
         image_column = source.image_column
     else:
         for _data, label, src in items:
