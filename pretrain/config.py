@@ -54,6 +54,8 @@ class DataConfig:
     builtin: str | None = None  # a data_pipeline.builtin name; when set and `train` is absent it is generated
     builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes (resolution, num_classes…)
     image_size: int = 224  # training resolution; also the model's position-embedding grid
+    # Progressive resolution: [[step, size], ...] from step 0, ending at image_size (pretrain.progressive); () = off
+    resolution_schedule: tuple[tuple[int, int], ...] = ()
     global_batch_size: int = 4096  # images per optimizer step, summed over ranks and accumulation steps
     micro_batch_size: int = 32  # images per rank per forward/backward
     epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json num_samples
@@ -302,6 +304,13 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ValueError(f"{path} must be a mapping, got {value!r}")
         return dict(value)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        variadic = args[-1] is Ellipsis
+        if not isinstance(value, (list, tuple)) or (not variadic and len(value) != len(args)):
+            raise ValueError(f"{path} must be a list of {'' if variadic else len(args)} items, got {value!r}")
+        items = args[:1] * len(value) if variadic else args
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, items)))
     if hint is Any:
         return value
     if hint is bool:
@@ -371,9 +380,18 @@ def validate_config(config: TrainConfig, world_size: int, *, check_paths: bool =
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")
     _positive(d.image_size, "data.image_size")
     try:
-        model_config(m.name, **model_overrides(config, num_classes=m.num_classes or 1))
+        vit = model_config(m.name, **model_overrides(config, num_classes=m.num_classes or 1))
     except ValueError as error:
         raise ValueError(f"model/data settings do not make a valid {m.name}: {error}") from None
+    if d.resolution_schedule:
+        from pretrain.progressive import check_schedule
+
+        check_schedule(d.resolution_schedule, d.image_size, vit.stride)
+        if config.deepspeed.zero_stage > 2:
+            raise ValueError(
+                "data.resolution_schedule needs deepspeed.zero_stage ≤ 2 (the engine switch moves Adam state "
+                "through ZeRO-1/2 fragments); set deepspeed.zero_stage=2 or drop the schedule"
+            )
     _positive(d.global_batch_size, "data.global_batch_size")
     _positive(d.micro_batch_size, "data.micro_batch_size")
     batch_plan(d, world_size)  # raises when global batch is not divisible by world × micro
