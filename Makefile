@@ -75,4 +75,4 @@ bench-train: setup  ## ViT-S/16 training step vs Hugging Face transformers, and 
 	$(PY) -m bench.train
 
 clean:  ## remove generated data, runs and reports (keeps .venv)
-	rm -rf data runs reports bench-results mlflow.db
+	rm -rf data runs reports bench-results mlflow.db mlartifacts .ray-local
