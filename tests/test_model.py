@@ -253,3 +253,23 @@ def test_config_is_frozen_and_replace_validates():
         config.width = 3
     with pytest.raises(ValueError, match="not a multiple"):
         dataclasses.replace(config, image_size=225)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_matches_fp32_and_trains_with_checkpointing():
+    # Not run on the CPU box (conftest skips it with the reason); exercises SDPA's fused CUDA kernels under bf16.
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", num_classes=10)
+    _make_all_parameters_reachable(model)
+    images = torch.rand(4, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        expected = model.eval()(images)
+    model = model.cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got = model(images.cuda()).float().cpu()
+    torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+    model.train().set_grad_checkpointing(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(images.cuda()).float(), torch.arange(4, device="cuda"))
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
