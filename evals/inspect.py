@@ -181,7 +181,7 @@ def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.nd
 def plot_attention_distance(distances: np.ndarray, image_size: int, path: Path, title: str = "") -> Path:
     """Fig. 7 right / Fig. 11: mean attention distance per head (dots) against network depth (layer)."""
     layers, heads = distances.shape
-    fig = Figure(figsize=(4.8, 4.0), dpi=120)
+    fig = Figure(figsize=(4.8, 4.0), dpi=120, layout="constrained")
     ax = fig.subplots()
     colors = matplotlib.colormaps.get_cmap("tab20" if heads > 10 else "tab10")
     for h in range(heads):
@@ -210,7 +210,7 @@ def plot_position_similarity(similarity: np.ndarray, path: Path, title: str = ""
             y, x = r * (gh + gap), c * (gw + gap)
             mosaic[y : y + gh, x : x + gw] = similarity[r, c]
     side = min(7.0, 2.0 + 0.35 * max(gh, gw))
-    fig = Figure(figsize=(side + 1.0, side), dpi=120)
+    fig = Figure(figsize=(side + 1.0, side), dpi=120, layout="constrained")
     ax = fig.subplots()
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # the gaps between tiles are NaN
     im = ax.imshow(mosaic, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
@@ -233,7 +233,7 @@ def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") 
     k = components.shape[0]
     cols = min(7, k)
     rows = math.ceil(k / cols)
-    fig = Figure(figsize=(1.0 * cols, 1.0 * rows + 0.4), dpi=120)
+    fig = Figure(figsize=(1.0 * cols, 1.0 * rows + 0.4), dpi=120, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     for i, ax in enumerate(axes.ravel()):
         ax.axis("off")
@@ -245,7 +245,6 @@ def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") 
         tile = (tile - lo) / (hi - lo) if hi > lo else np.zeros_like(tile)
         ax.imshow(tile.squeeze(-1) if tile.shape[-1] == 1 else tile, cmap="gray", interpolation="nearest")
     fig.suptitle(title or f"RGB embedding filters (first {k} principal components)", fontsize=9)
-    fig.tight_layout(pad=0.3)
     return _save(fig, path)
 
 
@@ -255,7 +254,7 @@ def plot_rollout(images: np.ndarray, maps: np.ndarray, path: Path, title: str = 
     ``images`` are ``(B, 3, H, W)`` in [-1, 1]; ``maps`` are ``(B, gh, gw)`` class-token rollouts.
     """
     b = images.shape[0]
-    fig = Figure(figsize=(6.0, 2.0 * b + 0.3), dpi=120)
+    fig = Figure(figsize=(6.0, 2.0 * b + 0.5), dpi=120, layout="constrained")
     axes = fig.subplots(b, 3, squeeze=False)
     for i in range(b):
         img = np.clip((np.moveaxis(images[i], 0, -1) + 1.0) / 2.0, 0.0, 1.0)  # (H, W, 3) in [0, 1]
@@ -271,7 +270,6 @@ def plot_rollout(images: np.ndarray, maps: np.ndarray, path: Path, title: str = 
         ax.set_title(label, fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(pad=0.3)
     return _save(fig, path)
 
 

@@ -216,3 +216,32 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
             if name in buffers:
                 b.copy_(buffers[name])
     return new_engine, new_model
+
+
+# ------------------------------------------------------------------------------------------ trainer hooks
+
+
+def start_step(start) -> int:
+    """The step a run starts from (a ``pretrain.checkpoint.StartPoint``): the checkpoint's, else 0."""
+    if start.kind in ("run", "resume_from"):
+        from pretrain.checkpoint import read_trainer_state
+
+        return int(read_trainer_state(start.path)["step"])
+    return 0
+
+
+def advance(config, current, step: int, engine, model, stream, build_engine: Callable, build_stream: Callable):
+    """Called by the trainer before each step: switch resolution when the schedule says so.
+
+    ``config`` is the run's config, ``current`` the one in force (``config_at`` of an earlier step);
+    ``build_engine(cfg) -> (engine, model)`` builds a fresh engine for ``cfg`` and ``build_stream(cfg)`` a stream.
+    Returns ``(current, engine, model, stream, changed)``; when ``changed`` the caller re-creates its iterator.
+    The new stream continues from the old one's position (its state does not depend on the image size).
+    """
+    target = config_at(config, step)
+    if target.data.image_size == current.data.image_size:
+        return current, engine, model, stream, False
+    engine, model = switch_resolution(engine, model, lambda: build_engine(target))
+    new_stream = build_stream(target)
+    new_stream.load_state_dict(stream.state_dict())
+    return target, engine, model, new_stream, True

@@ -42,6 +42,23 @@ def test_check_schedule_accepts_a_good_one():
     assert progressive.check_schedule([[0, 16], [100, 32]], 32, 4) == ((0, 16), (100, 32))
 
 
+def test_recipe_option_is_parsed_validated_and_applied_per_step():
+    from pretrain.config import TrainConfig, load_config
+
+    config = load_config("local_demo", ["data.resolution_schedule=[[0, 16], [100, 32]]"])
+    assert config.data.resolution_schedule == ((0, 16), (100, 32))
+    config.validate(2, check_paths=False)
+    assert TrainConfig.from_dict(__import__("yaml").safe_load(config.to_yaml())) == config  # config.yaml round trip
+    assert progressive.config_at(config, 99).data.image_size == 16
+    assert progressive.config_at(config, 100) is config  # the final resolution is the recipe's own image_size
+    with pytest.raises(ValueError, match="data.image_size=24"):
+        load_config("local_demo", ["data.resolution_schedule=[[0, 16], [100, 24]]"]).validate(2, check_paths=False)
+    with pytest.raises(ValueError, match="zero_stage"):
+        load_config("local_demo", ["data.resolution_schedule=[[0, 16], [100, 32]]", "deepspeed.zero_stage=3"]).validate(
+            2, check_paths=False
+        )
+
+
 @pytest.fixture(scope="module")
 def process_group():
     """One gloo rank for DeepSpeed; torn down so no group leaks into other test modules."""
