@@ -5,6 +5,7 @@ architecture from the arrays alone and returns a `VisionTransformer` whose logit
 (REFERENCE §2). Hugging Face export lives in `pretrain.hf_convert` and is re-exported here.
 
     python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
+    python -m pretrain.weights info PATH [--image-size N]                 # inferred config, params, GMACs
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from pretrain.flops import describe
 from pretrain.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.model import VisionTransformer, ViTConfig
 from pretrain.resnet import stem_out_channels
@@ -427,11 +429,18 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("npz", type=Path)
     convert.add_argument("out_dir", type=Path)
     convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
+    info = sub.add_parser("info", help="print the architecture, size and compute of any weights vitscale reads")
+    info.add_argument("source", type=Path, help=".npz, checkpoint folder or save_pretrained folder")
+    info.add_argument("--image-size", type=int, default=None)
     args = parser.parse_args(argv)
-    model = load_npz(args.npz, image_size=args.image_size)
-    save_pretrained(model, args.out_dir)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out_dir} ({n / 1e6:.2f}M params): {json.dumps(model.config.to_dict())}")
+    if args.command == "convert":
+        model = load_npz(args.npz, image_size=args.image_size)
+        save_pretrained(model, args.out_dir)
+        print(f"wrote {args.out_dir}")
+    else:
+        model = load_model(args.source, image_size=args.image_size)
+    summary = {"config": model.config.to_dict(), **describe(model.config)}
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import zipfile
 
@@ -219,6 +220,9 @@ def test_convert_cli_writes_loadable_weights(tmp_path, capsys):
     arrays = official_arrays()
     main(["convert", str(_write(tmp_path / "ckpt.npz", arrays)), str(tmp_path / "out"), "--image-size", "24"])
     assert "wrote" in capsys.readouterr().out
+    main(["info", str(tmp_path / "out")])
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"]["image_size"] == 24 and info["params_m"] > 0 and info["forward_gmacs"] > 0
     converted = load_pretrained(tmp_path / "out")
     direct = load_npz(tmp_path / "ckpt.npz", image_size=24)
     assert converted.config == direct.config
