@@ -1,0 +1,155 @@
+"""Reading an eval split once: whole-split images or frozen pre-logits features, batched through ``EvalStream``.
+
+Preprocessing is the few-shot/fine-tune protocol's: square resize to ``resize_size`` then centre crop to
+``image_size``, pixels scaled to [-1, 1] (``data_pipeline.stream.EvalStream``). ``resize_size=None`` means no crop
+(resize straight to ``image_size``), the default for the small built-in sets whose content touches the border.
+
+Labels are checked against the split's declared ``num_classes`` (``dataset.json``): a label outside
+``0..num_classes-1`` is a broken dataset and raises ``ValueError`` rather than silently widening the targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    path: Path
+    num_classes: int
+    num_samples: int
+
+
+def split_info(split_dir: str | Path) -> SplitInfo:
+    """The split's declared class and sample counts, with a clear error when the folder is not a shard folder."""
+    from data_pipeline.manifest import read_dataset_info
+
+    path = Path(split_dir)
+    if not (path / "manifest.parquet").is_file():
+        raise ValueError(
+            f"{path} is not a shard folder (no manifest.parquet); write it with data_pipeline "
+            "(e.g. `python -m data_pipeline.builtin NAME --out ROOT`) or point --data-root at the right folder"
+        )
+    info = read_dataset_info(path)
+    return SplitInfo(path=path, num_classes=int(info.num_classes), num_samples=int(info.num_samples))
+
+
+def _check_labels(labels: np.ndarray, info: SplitInfo) -> None:
+    if labels.size == 0:
+        raise ValueError(f"{info.path} yielded no samples; the split is empty")
+    if labels.min() < 0 or labels.max() >= info.num_classes:
+        bad = int(labels.max()) if labels.max() >= info.num_classes else int(labels.min())
+        raise ValueError(
+            f"{info.path}: label {bad} is outside the declared classes 0..{info.num_classes - 1} "
+            f"(dataset.json num_classes={info.num_classes}); fix the labels or the declared class count"
+        )
+
+
+def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_size: int):
+    """Yield (images, labels) of the whole split; afterwards refuse a split the stream had to drop labels from.
+
+    ``EvalStream`` skips (and counts) samples whose label is outside the declared classes; for evaluation a
+    skipped sample would silently change the test set, so that count is an error here, named with the fix.
+    """
+    from data_pipeline.stream import EvalStream
+
+    stream = EvalStream(str(info.path), batch_size=batch_size, image_size=image_size, resize_size=resize_size,
+                        rank=0, world_size=1, num_workers=0)  # fmt: skip
+    yield from stream
+    bad = stream.stats.get("label_out_of_range", 0) + stream.stats.get("bad_labels", 0)
+    if bad:
+        raise ValueError(
+            f"{info.path}: {bad} sample(s) have labels outside the declared classes 0..{info.num_classes - 1} "
+            f"(dataset.json num_classes={info.num_classes}); fix the labels or the declared class count"
+        )
+    lost = {k: v for k, v in stream.stats.items() if v and k not in ("label_out_of_range", "bad_labels")}
+    if lost:
+        import warnings
+
+        warnings.warn(
+            f"{info.path}: the stream could not read every sample ({lost}); scores cover the rest", stacklevel=2
+        )
+
+
+def load_images(
+    split_dir: str | Path, *, image_size: int, resize_size: int | None = None, batch_size: int = 256, limit=None
+) -> tuple[torch.Tensor, np.ndarray, SplitInfo]:
+    """Whole split (or its first ``limit`` samples) in memory: images (N, 3, S, S) float32 in [-1, 1], labels (N,).
+
+    Meant for the small splits fine-tuning and VTAB-1k adapt on; a large split should stream instead.
+    """
+    info = split_info(split_dir)
+    images, labels, seen = [], [], 0
+    for batch_images, batch_labels in _batches(info, image_size, resize_size, batch_size):
+        images.append(torch.as_tensor(batch_images, dtype=torch.float32))
+        labels.append(np.asarray(batch_labels, dtype=np.int64))
+        seen += len(labels[-1])
+        if limit is not None and seen >= limit:
+            break  # the label check below still covers what was read
+    all_labels = np.concatenate(labels) if labels else np.zeros(0, np.int64)
+    _check_labels(all_labels, info)
+    all_images = torch.cat(images)
+    if limit is not None:
+        all_images, all_labels = all_images[:limit], all_labels[:limit]
+    return all_images, all_labels, info
+
+
+@torch.inference_mode()
+def extract_features(
+    model,
+    split_dir: str | Path,
+    *,
+    image_size: int | None = None,
+    resize_size: int | None = None,
+    batch_size: int = 256,
+    device: str = "cpu",
+    cache: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
+    """Frozen pre-logits features (N, D') float32 and labels (N,) of a whole split, in stream order.
+
+    ``image_size`` defaults to the model's own resolution. ``cache`` (a dict owned by the caller, e.g. the
+    per-``run_suite`` context) reuses features of the same split and preprocessing within one evaluation.
+    """
+    size = int(image_size or model.config.image_size)
+    key = (str(Path(split_dir).resolve()), size, resize_size, id(model))
+    if cache is not None and key in cache:
+        return cache[key]
+    info = split_info(split_dir)
+    was_training = model.training
+    model.eval()
+    features, labels = [], []
+    try:
+        for batch_images, batch_labels in _batches(info, size, resize_size, batch_size):
+            images = torch.as_tensor(batch_images, dtype=torch.float32).to(device)
+            features.append(model.forward_features(images).float().cpu().numpy())  # (B, D')
+            labels.append(np.asarray(batch_labels, dtype=np.int64))
+    finally:
+        model.train(was_training)
+    all_labels = np.concatenate(labels) if labels else np.zeros(0, np.int64)
+    _check_labels(all_labels, info)
+    result = (np.concatenate(features), all_labels, info)
+    if cache is not None:
+        cache[key] = result
+    return result
+
+
+def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_builtin: bool = True) -> Path:
+    """``<data_root>/<dataset>/<split>``; a missing built-in dataset is generated first when allowed."""
+    path = Path(data_root) / dataset / split
+    if (path / "manifest.parquet").is_file():
+        return path
+    if generate_builtin:
+        from data_pipeline import builtin
+
+        if dataset in getattr(builtin, "BUILTIN_NAMES", getattr(builtin, "DATASETS", ())):
+            builtin.ensure(dataset, data_root)
+            if (path / "manifest.parquet").is_file():
+                return path
+    raise ValueError(
+        f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {data_root}`) "
+        "or pass --data-root pointing at the folder that holds it"
+    )

@@ -1,0 +1,150 @@
+"""The suite runner on real built-in shards and a real checkpoint folder: table, parquet, MLflow, errors, CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from evals.run import CheckpointError, main, run_suite
+from pretrain.model import build_model
+from pretrain.weights import save_pretrained
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    from data_pipeline.builtin import ensure
+
+    root = tmp_path_factory.mktemp("data")
+    for name in ("digits", "dsprites_loc"):
+        ensure(name, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("run") / "checkpoints" / "step_00000120"
+    save_pretrained(build_model("vit_tiny_debug", num_classes=32), folder)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 120, "images_seen": 7680}))
+    (folder / "COMPLETE").write_text("")
+    return folder
+
+
+def write_suite(tmp_path, name, body):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"name: {name}\nevaluators:\n{body}")
+    return path
+
+
+FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n    shots: [1, 5]\n    seeds: [0, 1]\n"
+
+
+@pytest.mark.timeout(300)
+def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path):
+    from mlflow import MlflowClient
+
+    from pretrain.tracking import create_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = create_run(uri, "evals-test", "tiny", params={"model": {"name": "vit_tiny_debug"}})
+    suite = write_suite(tmp_path, "tiny_fewshot", FEWSHOT)
+    table = run_suite(checkpoint, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri, num_threads=2)
+
+    rows = {r["metric"]: r for r in table.to_pylist()}
+    assert set(rows) == {"fewshot/digits/1shot", "fewshot/digits/5shot", "fewshot/mean/1shot", "fewshot/mean/5shot"}
+    five = rows["fewshot/digits/5shot"]
+    assert 0.1 < five["value"] <= 1.0 and five["count"] == 2 and five["step"] == 120 and not math.isnan(five["std"])
+    assert rows["fewshot/mean/5shot"]["value"] == pytest.approx(five["value"])
+    written = pq.read_table(checkpoint / "evals" / "tiny_fewshot.parquet")
+    assert json.dumps(written.to_pylist()) == json.dumps(table.to_pylist())  # NaN std: compare as text
+
+    client = MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(run_id, "fewshot/digits/5shot")
+    assert [(m.step, m.value) for m in history] == [(120, pytest.approx(five["value"]))]
+    artifacts = [a.path for a in client.list_artifacts(run_id, "evals/step_00000120")]
+    assert artifacts == ["evals/step_00000120/tiny_fewshot.parquet"]
+
+
+@pytest.mark.timeout(300)
+def test_vtab_over_present_and_missing_tasks(data_root, checkpoint, tmp_path):
+    # A VTAB root holding two of the 19 tasks: the built-in digits stands in for SVHN (10 classes) and the
+    # built-in dsprites_loc has VTAB's 16 x-position bins. Everything else must be reported missing.
+    vtab_root = tmp_path / "vtab"
+    vtab_root.mkdir()
+    (vtab_root / "svhn").symlink_to(data_root / "digits")
+    (vtab_root / "dsprites_loc").symlink_to(data_root / "dsprites_loc")
+    suite = write_suite(
+        tmp_path, "vtab_partial", f"  - type: vtab\n    benchmark: vtab1k\n    data_root: {vtab_root}\n"
+    )
+    table = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path / "out")
+    rows = {r["metric"]: r for r in table.to_pylist()}
+    assert rows["vtab/svhn"]["status"] == "ok" and 0.0 < rows["vtab/svhn"]["value"] <= 1.0
+    assert rows["vtab/caltech101"]["status"] == "missing" and math.isnan(rows["vtab/caltech101"]["value"])
+    assert "no shard folder" in rows["vtab/caltech101"]["detail"]
+    mean = rows["vtab/mean"]
+    assert mean["count"] == 2 and mean["detail"].startswith("VTAB mean over 2/19 tasks")
+    assert mean["value"] == pytest.approx((rows["vtab/svhn"]["value"] + rows["vtab/dsprites_loc"]["value"]) / 2)
+    assert rows["vtab/specialized"]["status"] == "missing" and rows["vtab/specialized"]["count"] == 0
+    assert (tmp_path / "out" / "vtab_partial.parquet").is_file()
+
+
+def test_checkpoint_without_complete_is_refused(checkpoint, tmp_path):
+    unfinished = tmp_path / "step_00000200"
+    save_pretrained(build_model("vit_tiny_debug"), unfinished)
+    (unfinished / "trainer_state.json").write_text(json.dumps({"step": 200}))
+    with pytest.raises(CheckpointError, match="has no COMPLETE marker"):
+        run_suite(unfinished, "local_fewshot")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        run_suite(tmp_path / "nowhere", "local_fewshot")
+    assert not (unfinished / "evals").exists()
+
+
+@pytest.mark.timeout(300)
+def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
+    # Labels exceeding the declared classes: a copy of digits whose dataset.json claims 5 classes.
+    import shutil
+
+    broken = tmp_path / "root" / "digits"
+    shutil.copytree(data_root / "digits", broken)
+    for split in ("train", "test"):
+        meta = json.loads((broken / split / "dataset.json").read_text())
+        (broken / split / "dataset.json").write_text(json.dumps({**meta, "num_classes": 5}))
+    suite = write_suite(tmp_path, "s", FEWSHOT)
+    with pytest.raises(ValueError, match=r"\d+ sample\(s\) have labels outside the declared classes 0..4"):
+        run_suite(checkpoint, suite, data_root=tmp_path / "root", out=tmp_path / "o")
+
+    zero = write_suite(tmp_path, "zero", "  - type: fewshot\n    datasets: [digits]\n    shots: [0, 5]\n")
+    with pytest.raises(ValueError, match="shots must be a non-empty list of positive integers"):
+        run_suite(checkpoint, zero, data_root=data_root, out=tmp_path / "o")
+    many = write_suite(tmp_path, "many", "  - type: fewshot\n    datasets: [digits]\n    shots: [500]\n")
+    with pytest.raises(ValueError, match="500-shot needs 500 training examples per class"):
+        run_suite(checkpoint, many, data_root=data_root, out=tmp_path / "o")
+
+
+def test_cli_reports_errors_in_one_line(checkpoint, tmp_path, capsys):
+    unfinished = tmp_path / "step_00000300"
+    unfinished.mkdir()
+    assert main(["--checkpoint", str(unfinished), "--suite", "local_fewshot"]) == 2
+    assert "has no COMPLETE marker" in capsys.readouterr().err
+    assert main(["--checkpoint", str(checkpoint), "--suite", "no_such_suite"]) == 2
+    assert "unknown eval suite 'no_such_suite'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_module_entry_point(data_root, checkpoint, tmp_path):
+    suite = write_suite(tmp_path, "cli_fewshot", "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "evals.run", "--checkpoint", str(checkpoint), "--suite", str(suite),
+         "--data-root", str(data_root), "--out", str(tmp_path / "cli"), "--num-threads", "1"],
+        cwd=PROJECT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "fewshot/digits/1shot" in done.stdout and (tmp_path / "cli" / "cli_fewshot.parquet").is_file()
