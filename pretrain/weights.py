@@ -331,9 +331,11 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
             )
     head = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
     free = {k: v for k, v in overrides.items() if k not in _ARCHITECTURE_FIELDS}
-    model = VisionTransformer(dataclasses.replace(config, **free))
+    with torch.device("meta"):  # every parameter comes from `state`: skip allocating and initializing them twice
+        model = VisionTransformer(dataclasses.replace(config, **free))
+    state = {k: v.contiguous() for k, v in state.items()}
     try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches
         raise ValueError(f"weights in {source} do not fit the inferred model: {e}") from None
     if missing or unexpected:
