@@ -333,7 +333,8 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
     free = {k: v for k, v in overrides.items() if k not in _ARCHITECTURE_FIELDS}
     with torch.device("meta"):  # every parameter comes from `state`: skip allocating and initializing them twice
         model = VisionTransformer(dataclasses.replace(config, **free))
-    state = {k: v.contiguous() for k, v in state.items()}
+    # Loaded models are fp32 whatever precision the weights were saved in (bf16 → fp32 is exact); callers cast.
+    state = {k: v.float().contiguous() for k, v in state.items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches
@@ -366,7 +367,7 @@ def resize_model(model: VisionTransformer, image_size: int) -> None:
 
 
 def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
-    """Write `model.safetensors` (fp32-exact copy of the state dict) and `model.json` (the ViTConfig fields)."""
+    """Write `model.safetensors` (the state dict, in the model's dtype) and `model.json` (the ViTConfig fields)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}

@@ -192,6 +192,14 @@ def test_safetensors_round_trip_is_exact(tmp_path):
             assert torch.equal(original[key], restored[key]), key
 
 
+def test_bf16_weights_load_as_fp32(tmp_path):
+    model = build_model("vit_tiny_debug").to(torch.bfloat16)
+    save_pretrained(model, tmp_path / "bf16")
+    loaded = load_pretrained(tmp_path / "bf16")
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    assert torch.equal(loaded.pos_embed, model.pos_embed.float())
+
+
 def test_load_pretrained_resizes_for_another_resolution(tmp_path):
     model = build_model("vit_tiny_debug")
     save_pretrained(model, tmp_path / "m")
