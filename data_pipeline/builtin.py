@@ -290,7 +290,7 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
             continue
         stored = json.loads(meta_file.read_text()).get("builtin")
         wanted = _settings(name, cfg)
-        if stored is not None and stored != wanted:
+        if stored is not None and {k: stored.get(k) for k in wanted} != wanted:
             raise ValueError(f"{folder} was generated with {stored}, not {wanted}; delete it or pass another root")
     return complete
 
