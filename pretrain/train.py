@@ -195,6 +195,21 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def train_step(engine, it: Iterator, accum_steps: int, place: Placement, dtype: torch.dtype, digest=None):
+    """One optimizer step over ``accum_steps`` micro-batches; (loss averaged over ranks, seconds waiting for data)."""
+    loss_sum, data_s = torch.zeros((), device=place.device), 0.0
+    for _ in range(accum_steps):
+        images, labels, wait = _next_batch(it, place.device, dtype)
+        data_s += wait
+        if digest is not None:
+            digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
+        loss, _ = engine(images, labels)
+        engine.backward(loss)  # DeepSpeed scales by 1/accum_steps and reduces across ranks at the boundary
+        engine.step()  # steps the optimizer (with clipping) only at the accumulation boundary
+        loss_sum += loss.detach().float()
+    return _mean_over_ranks(loss_sum / accum_steps), data_s
+
+
 def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> dict[str, Any]:
     """Train per ``config`` on this rank; returns a summary (steps, final_loss, images_seen, checkpoints, losses).
 
@@ -212,64 +227,39 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     start = ckpt.find_start(config)
     engine, model = build_engine(config, place, num_classes, start)
     stream = build_stream(config, place, num_classes)
-    step, images_seen = 0, 0
-    if start.kind in ("run", "resume_from"):
-        state = ckpt.load_checkpoint(engine, start.path, place.world_size)
-        stream.load_state_dict(state["stream_states"][place.rank])
-        step, images_seen = state["step"], state["images_seen"]
-        if place.rank == 0:
-            print(f"resumed from {start.path} at step {step} ({start.kind})", flush=True)
-            _warn_config_changes(start.path, config)
-
-    from pretrain.flops import train_flops
-
+    state = resume(engine, stream, start, place, config)
+    step = state["step"]
     tracker = _tracker(config, place)
-    peak = device_peak_tflops(config.logging.peak_tflops, place.device)
-    metrics = TrainMetrics(
-        rank=place.rank, world_size=place.world_size, total_steps=last_step, flops_per_image=train_flops(model.config),
-        peak_tflops=peak, device=place.device, log_every=config.logging.log_every, tracker=tracker,
-        progress_bar=config.logging.progress_bar, start_step=step, images_seen=images_seen,
-    )  # fmt: skip
+    metrics = build_metrics(config, place, model, tracker, last_step, step, state["images_seen"])
     dtype = torch.bfloat16 if resolve_precision(config.deepspeed, place.device.type) == "bf16" else torch.float32
     summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": []}
     # RNG last, right before the loop: nothing between here and the first step may draw from it, so a resumed
     # run continues the uninterrupted run's random sequence (dropout) exactly.
-    if start.kind in ("run", "resume_from"):
+    if "rng_states" in state:
         ckpt.set_rng_state(state["rng_states"][place.rank])
     else:
         seed_everything(config.seed * 1000 + place.rank + 1)  # dropout differs across ranks, reproducibly
-    it, saved_step, last = iter(stream), step, {}
+    it, last = iter(stream), {}
     try:
         while step < last_step:
             lr = schedule(step)
             set_lr(engine.optimizer, lr)
-            loss_sum, data_s, digest = torch.zeros((), device=place.device), 0.0, hashlib.sha256()
-            for _ in range(plan.grad_accum_steps):
-                images, labels, wait = _next_batch(it, place.device, dtype)
-                data_s += wait
-                if config.logging.record_batch_digests:
-                    digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
-                loss, _ = engine(images, labels)
-                engine.backward(loss)
-                engine.step()
-                loss_sum += loss.detach().float()
+            digest = hashlib.sha256() if config.logging.record_batch_digests else None
+            loss, data_s = train_step(engine, it, plan.grad_accum_steps, place, dtype, digest)
             step += 1
-            loss_value = _mean_over_ranks(loss_sum / plan.grad_accum_steps)
             grad_norm = engine.get_global_grad_norm()
-            grad_norm = float(grad_norm) if grad_norm is not None else None
-            last = metrics.step(step, loss_value, lr, grad_norm, plan.global_batch_size, data_s) or last
-            summary["losses"].append([step, loss_value])
-            if config.logging.record_batch_digests:
+            grad_norm = None if grad_norm is None else float(grad_norm)
+            last = metrics.step(step, loss, lr, grad_norm, plan.global_batch_size, data_s) or last
+            summary["losses"].append([step, loss])
+            if digest is not None:
                 summary["digests"].append([step, digest.hexdigest()])
             if step % config.checkpoint.every_steps == 0 or step == last_step:
-                saved = ckpt.save_checkpoint(
-                    engine, model, config, step=step, images_seen=metrics.images_seen,
-                    stream_state=stream.state_dict(), metrics={"train/loss": loss_value, **last},
-                )  # fmt: skip
-                saved_step = step
+                step_metrics = {**last, "train/loss": loss}
+                saved = ckpt.save_checkpoint(engine, model, config, step=step, images_seen=metrics.images_seen,
+                                             stream_state=stream.state_dict(), metrics=step_metrics)  # fmt: skip
                 summary["checkpoints"].append(str(saved))
                 if on_checkpoint is not None:
-                    on_checkpoint(saved, step, {"train/loss": loss_value, **last})
+                    on_checkpoint(saved, step, step_metrics)
         tracker.set_tags({"vitscale.status": "finished" if step >= schedule.total_steps else "stopped"})
     except BaseException:
         tracker.set_tags({"vitscale.status": "failed"})
@@ -277,10 +267,32 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     finally:
         metrics.close()
         tracker.close()
-    assert saved_step == step, "the loop always checkpoints its last step"
     final_loss = summary["losses"][-1][1] if summary["losses"] else None
     return {**summary, "steps": step, "final_loss": final_loss, "images_seen": metrics.images_seen,
             "rank": place.rank, "world_size": place.world_size}  # fmt: skip
+
+
+def resume(engine, stream, start: ckpt.StartPoint, place: Placement, config: TrainConfig) -> dict[str, Any]:
+    """Restore engine + stream position from a full checkpoint; the trainer state (step 0 when starting fresh)."""
+    if start.kind not in ("run", "resume_from"):
+        return {"step": 0, "images_seen": 0}
+    state = ckpt.load_checkpoint(engine, start.path, place.world_size)
+    stream.load_state_dict(state["stream_states"][place.rank])
+    if place.rank == 0:
+        print(f"resumed from {start.path} at step {state['step']} ({start.kind})", flush=True)
+        _warn_config_changes(start.path, config)
+    return state
+
+
+def build_metrics(config, place, model, tracker, last_step: int, step: int, images_seen: int) -> TrainMetrics:
+    from pretrain.flops import train_flops
+
+    return TrainMetrics(
+        rank=place.rank, world_size=place.world_size, total_steps=last_step, flops_per_image=train_flops(model.config),
+        peak_tflops=device_peak_tflops(config.logging.peak_tflops, place.device), device=place.device,
+        log_every=config.logging.log_every, tracker=tracker, progress_bar=config.logging.progress_bar,
+        start_step=step, images_seen=images_seen,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
     parser.add_argument("--summary", metavar="PATH", help="write each rank's summary as JSON ('{rank}' is filled in)")
+    # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment (which it also sets) is what counts.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set)

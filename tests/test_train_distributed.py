@@ -60,17 +60,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def _env(accelerator: str = "cpu") -> dict[str, str]:
+    env = {**os.environ, "DS_ACCELERATOR": accelerator, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int, accelerator: str = "cpu") -> subprocess.CompletedProcess:
     """Run in its own session so a timeout kills the whole tree (torchrun and its workers), never leaking them."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -80,14 +80,16 @@ def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-def torchrun(config: TrainConfig, workdir: Path, nproc: int = 2, timeout: int = 240) -> list[dict]:
+def torchrun(
+    config: TrainConfig, workdir: Path, nproc: int = 2, timeout: int = 240, accelerator: str = "cpu"
+) -> list[dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
     config.save(path)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={_free_port()}", "-m", "pretrain.train", "--config", str(path),
            "--summary", str(workdir / "summary_{rank}.json")]  # fmt: skip
-    result = _run(cmd, timeout)
+    result = _run(cmd, timeout, accelerator)
     assert result.returncode == 0, result.stdout[-6000:]
     return [json.loads((workdir / f"summary_{r}.json").read_text()) for r in range(nproc)]
 
@@ -220,3 +222,18 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
         assert key in run.data.metrics, key
     assert run.data.metrics["train/images_seen"] == 6 * 8
     assert run.data.tags["vitscale.status"] == "finished" and run.data.params["model.name"] == "vit_tiny_debug"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_bf16_nccl_on_one_gpu_matches_fp32_loosely(shards, tmp_path):
+    """On a CUDA machine: precision auto → bf16 weights with fp32 accumulation, nccl; the loss tracks fp32."""
+    summaries = {}
+    for precision in ("auto", "fp32"):
+        config = tiny_config(
+            shards, tmp_path / precision, f"deepspeed.precision={precision}", "schedule.stop_at_step=5"
+        )
+        summaries[precision] = torchrun(config, tmp_path / f"w_{precision}", nproc=1, accelerator="cuda")[0]
+    bf16 = [loss for _, loss in summaries["auto"]["losses"]]
+    fp32 = [loss for _, loss in summaries["fp32"]["losses"]]
+    assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(bf16, fp32)), (bf16, fp32)
