@@ -221,13 +221,23 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
 # ------------------------------------------------------------------------------------------ trainer hooks
 
 
-def start_step(start) -> int:
-    """The step a run starts from (a ``pretrain.checkpoint.StartPoint``): the checkpoint's, else 0."""
-    if start.kind in ("run", "resume_from"):
-        from pretrain.checkpoint import read_trainer_state
+def start_config(config, start):
+    """The config in force when a run starts from ``start`` (a ``pretrain.checkpoint.StartPoint``).
 
-        return int(read_trainer_state(start.path)["step"])
-    return 0
+    A fresh run (or ``init_from`` weights) starts at the schedule's first size. A checkpoint of step k holds the
+    parameters at the size its last step (k − 1) trained at, which its ``model.json`` records; the engine is built
+    at that size so the DeepSpeed state loads, and ``advance`` at step k switches exactly where the uninterrupted
+    run did.
+    """
+    if start.kind in ("run", "resume_from"):
+        import json
+        from pathlib import Path
+
+        size = int(json.loads((Path(start.path) / "model.json").read_text())["image_size"])
+        if size != config.data.image_size:
+            return config.replace(data=dataclasses.replace(config.data, image_size=size))
+        return config
+    return config_at(config, 0)
 
 
 def advance(config, current, step: int, engine, model, stream, build_engine: Callable, build_stream: Callable):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain import checkpoint as ckpt
+from pretrain import progressive
 from pretrain.config import TrainConfig, load_config, model_overrides, resolve_path
 from pretrain.ds_config import batch_plan, engine_config, resolve_backend, resolve_precision
 from pretrain.metrics import TrainMetrics, device_peak_tflops
@@ -225,9 +226,10 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     last_step = min(schedule.total_steps, config.schedule.stop_at_step or schedule.total_steps)
 
     start = ckpt.find_start(config)
-    engine, model = build_engine(config, place, num_classes, start)
-    stream = build_stream(config, place, num_classes)
-    state = resume(engine, stream, start, place, config)
+    current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
+    engine, model = build_engine(current, place, num_classes, start)
+    stream = build_stream(current, place, num_classes)
+    state = resume(engine, stream, start, place, current)
     step = state["step"]
     tracker = _tracker(config, place)
     metrics = build_metrics(config, place, model, tracker, last_step, step, state["images_seen"])
@@ -242,6 +244,13 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     it, last = iter(stream), {}
     try:
         while step < last_step:
+            current, engine, model, stream, resized = progressive.advance(
+                config, current, step, engine, model, stream,
+                lambda cfg: build_engine(cfg, place, num_classes, ckpt.StartPoint("scratch", None)),
+                lambda cfg: build_stream(cfg, place, num_classes),
+            )  # fmt: skip
+            if resized:
+                it = iter(stream)
             lr = schedule(step)
             set_lr(engine.optimizer, lr)
             digest = hashlib.sha256() if config.logging.record_batch_digests else None
@@ -255,7 +264,7 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
                 summary["digests"].append([step, digest.hexdigest()])
             if step % config.checkpoint.every_steps == 0 or step == last_step:
                 step_metrics = {**last, "train/loss": loss}
-                saved = ckpt.save_checkpoint(engine, model, config, step=step, images_seen=metrics.images_seen,
+                saved = ckpt.save_checkpoint(engine, model, current, step=step, images_seen=metrics.images_seen,
                                              stream_state=stream.state_dict(), metrics=step_metrics)  # fmt: skip
                 summary["checkpoints"].append(str(saved))
                 if on_checkpoint is not None:
