@@ -72,7 +72,7 @@ def deepspeed_config(
         zero.update(
             stage3_prefetch_bucket_size=ds.allgather_bucket_size,
             stage3_param_persistence_threshold=10_000,
-            # Lets the checkpoint code gather a consolidated state dict without a second code path.
+            # model.safetensors is gathered by pretrain.checkpoint (GatheredParameters), not by engine.save_16bit_model.
             stage3_gather_16bit_weights_on_model_save=False,
         )
     return {
