@@ -178,21 +178,29 @@ def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.nd
 # ---------------------------------------------------------------------------------------------------- figures
 
 
-def plot_attention_distance(distances: np.ndarray, image_size: int, path: Path, title: str = "") -> Path:
-    """Fig. 7 right / Fig. 11: mean attention distance per head (dots) against network depth (layer)."""
+def plot_attention_distance(
+    distances: np.ndarray, image_size: int, path: Path, title: str = "", uniform: float | None = None
+) -> Path:
+    """Fig. 7 right / Fig. 11: mean attention distance per head (dots) against network depth (layer).
+
+    ``uniform``, when given, is drawn as a dashed reference line: the distance a head attending uniformly over all
+    patches would have (the paper's "global" heads sit near it, "local" heads far below).
+    """
     layers, heads = distances.shape
     fig = Figure(figsize=(4.8, 4.0), dpi=120, layout="constrained")
     ax = fig.subplots()
     colors = matplotlib.colormaps.get_cmap("tab20" if heads > 10 else "tab10")
     for h in range(heads):
         ax.scatter(np.arange(1, layers + 1), distances[:, h], s=14, color=colors(h % colors.N), label=f"Head {h + 1}")
+    if uniform is not None:
+        ax.axhline(uniform, color="0.5", linestyle="--", linewidth=0.8, label="uniform attention")
     ax.set_xlabel("Network depth (layer)")
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_xlim(0, layers + 1)
     # Random attention over the whole image sits near half the side; the axis goes a bit beyond it.
     ax.set_ylim(0, max(image_size * 0.6, float(distances.max()) * 1.1))
     ax.set_xticks(np.arange(0, layers + 1, max(1, layers // 6 or 1)))
-    if heads <= 16:
+    if heads <= 16 or uniform is not None:
         ax.legend(fontsize=6, markerscale=0.8, ncol=2 if heads > 8 else 1, loc="lower right", frameon=False)
     ax.set_title(title or f"Mean attention distance ({image_size}px input)", fontsize=10)
     ax.grid(alpha=0.25)
@@ -363,7 +371,11 @@ def run_inspection(
     metrics["inspect/mean_attention_distance/max_head"] = float(distances.max())
     figures.append(
         plot_attention_distance(
-            distances, height, out_dir / "attention_distance.png", f"{name}: mean attention distance"
+            distances,
+            height,
+            out_dir / "attention_distance.png",
+            f"{name}: mean attention distance",
+            uniform=float(patch_distances(grid, cell).mean()),
         )
     )
     np.save(out_dir / "attention_distance.npy", distances)
