@@ -148,3 +148,25 @@ def test_cli_module_entry_point(data_root, checkpoint, tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "fewshot/digits/1shot" in done.stdout and (tmp_path / "cli" / "cli_fewshot.parquet").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_vtab_finetune_protocol_at_a_new_resolution(data_root, checkpoint, tmp_path):
+    # The paper's VTAB adaptation path, shrunk: fine-tune at 48 px (position embeddings interpolated from the
+    # checkpoint's 8x8 grid to 12x12), lr chosen on val, refit on train+val, test top-1. Few steps: this checks
+    # the wiring and the coverage report, not the score.
+    suite = write_suite(
+        tmp_path,
+        "vtab_ft",
+        "  - type: vtab\n    benchmark: ci\n    tasks: [digits]\n    protocol: finetune\n    image_size: 48\n"
+        "    train_examples: 80\n    val_examples: 20\n"
+        "    finetune: {steps: 4, batch_size: 16, lr_grid: [0.01, 0.03], warmup_steps: 1}\n",
+    )
+    table = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path / "out", num_threads=1)
+    rows = {r["metric"]: r for r in table.to_pylist()}
+    assert rows["vtab/digits"]["status"] == "ok" and 0.0 <= rows["vtab/digits"]["value"] <= 1.0
+    assert "finetune lr=" in rows["vtab/digits"]["detail"] and "at 48px" in rows["vtab/digits"]["detail"]
+    assert (
+        rows["vtab/dsprites_loc"]["status"] == "missing" and "not in this suite" in rows["vtab/dsprites_loc"]["detail"]
+    )
+    assert rows["vtab/mean"]["detail"] == "VTAB mean over 1/4 tasks (missing: dsprites_loc, dsprites_ori, shapes_count)"
