@@ -140,7 +140,6 @@ class TrainMetrics:
             print(f"step {step}/{self.total_steps} {text}", flush=True)
 
     def close(self) -> None:
+        """Close the progress bar. The tracker belongs to the caller, whose ``close`` bounds the final send."""
         if self._bar is not None:
             self._bar.close()
-        if self.tracker is not None and self.rank == 0:
-            self.tracker.flush()

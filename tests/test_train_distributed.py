@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -60,17 +61,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(accelerator: str = "cpu") -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": accelerator, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def _env(accelerator: str = "cpu", **extra: str) -> dict[str, str]:
+    env = {**os.environ, "DS_ACCELERATOR": accelerator, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def _run(cmd: list[str], timeout: int, accelerator: str = "cpu") -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int, accelerator: str = "cpu", **env: str) -> subprocess.CompletedProcess:
     """Run in its own session so a timeout kills the whole tree (torchrun and its workers), never leaking them."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator, **env), start_new_session=True, **pipes)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -197,8 +198,14 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
                          f"logging.mlflow_tracking_uri={uri}", f"logging.mlflow_run_id={run_id}")  # fmt: skip
     path = tmp_path / "config.yaml"
     config.save(path)
-    crashed = _run([sys.executable, "-c", CRASH_DURING_SAVE, "--config", str(path)], timeout=240)
+    # The first attempt also meets a tracking outage (nothing listens at the MLflow URI): it warns and trains on.
+    dead_uri = f"http://127.0.0.1:{_free_port()}"
+    outage = tmp_path / "outage.yaml"
+    config.replace(logging=dataclasses.replace(config.logging, mlflow_tracking_uri=dead_uri)).save(outage)
+    crashed = _run([sys.executable, "-c", CRASH_DURING_SAVE, "--config", str(outage)], timeout=240,
+                   MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")  # fmt: skip
     assert crashed.returncode == 17, crashed.stdout[-4000:]
+    assert "Training continues" in crashed.stdout and "step 4/6" in crashed.stdout
     root = tmp_path / "run" / "checkpoints"
     partial = root / "step_00000004.tmp"
     assert partial.is_dir() and (partial / "deepspeed").is_dir() and not (partial / "COMPLETE").exists()
