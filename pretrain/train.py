@@ -313,11 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment (which it also sets) is what counts.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / the DeepSpeed launcher
     try:
         config = load_config(args.config, args.set)
+        config.validate(world_size)  # before any process group, data or model: bad input costs nothing
         if args.dry_run:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-            config.validate(world_size)
             print(config.format())
             plan = batch_plan(config.data, world_size)
             print(f"world size {world_size}: micro-batch {plan.micro_batch_size} x accumulation "

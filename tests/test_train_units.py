@@ -166,3 +166,15 @@ def test_metrics_report_the_documented_keys_and_stop_on_non_finite_loss():
     assert 0 < logged["train/memory_gb"] < 64 and 0 <= logged["train/data_wait"] <= 1
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 3 .*optim\.lr"):
         m.step(3, float("nan"), 1e-3, None, images=64, data_s=0.0)
+
+
+def test_cli_rejects_bad_configs_before_any_work(tmp_path, capsys, monkeypatch):
+    from pretrain.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run_dir = tmp_path / "run"
+    code = main(["--config", "local_demo", "--set", "deepspeed.zero_stage=4", "--set", f"checkpoint.dir={run_dir}"])
+    assert code == 2 and "deepspeed.zero_stage=4 is not a ZeRO stage" in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing was started or written
+    code = main(["--config", "local_demo", "--dry-run", "--set", f"data.train={tmp_path}/fractal/train"])
+    assert code == 0 and "micro-batch 32 x accumulation 1 x world 2 = global batch 64" in capsys.readouterr().out
