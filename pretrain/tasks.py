@@ -61,7 +61,7 @@ class ClassificationTask(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = self.model(images)  # (B, K)
+        logits = self.model(images).float()  # (B, K); the loss in fp32 even when the weights are bf16
         loss = LOSSES[self.loss_name](logits, labels, self.label_smoothing)
         with torch.no_grad():
             target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
