@@ -178,3 +178,19 @@ def test_cli_rejects_bad_configs_before_any_work(tmp_path, capsys, monkeypatch):
     assert not run_dir.exists()  # nothing was started or written
     code = main(["--config", "local_demo", "--dry-run", "--set", f"data.train={tmp_path}/fractal/train"])
     assert code == 0 and "micro-batch 32 x accumulation 1 x world 2 = global batch 64" in capsys.readouterr().out
+
+
+def test_init_from_copies_matching_weights_and_reports_the_rest(tmp_path):
+    from pretrain.weights import save_pretrained
+
+    torch.manual_seed(0)
+    source = build_model("vit_tiny_debug", num_classes=10)
+    save_pretrained(source, tmp_path / "src")
+    target = build_model("vit_tiny_debug", image_size=64, num_classes=4)  # other resolution and class count
+    with pytest.warns(UserWarning, match="kept the fresh initialisation"):
+        skipped = ckpt.init_weights(target, tmp_path / "src", image_size=64)
+    assert skipped == ["head.bias", "head.weight"]
+    src, dst = source.state_dict(), target.state_dict()
+    assert torch.equal(dst["blocks.0.attn.qkv.weight"], src["blocks.0.attn.qkv.weight"])
+    assert dst["pos_embed"].shape == (1, 1 + 16 * 16, 64)  # resized from the 8x8 grid by the loader
+    assert torch.equal(dst["pos_embed"][:, 0], src["pos_embed"][:, 0])  # the class-token slot is kept as is
