@@ -1,6 +1,7 @@
 """evals.inspect on a real (tiny) VisionTransformer: every figure is written, non-blank, with finite metrics."""
 
 import math
+from pathlib import Path
 
 import matplotlib.image
 import numpy as np
@@ -46,3 +47,41 @@ def test_run_inspection_writes_every_figure(tmp_path, pool):
     assert 0 < metrics["inspect/mean_attention_distance/max_head"] < 32 * math.sqrt(2)
     distances = np.load(tmp_path / "attention_distance.npy")
     assert distances.shape == (depth, model.config.num_heads)
+
+
+@pytest.mark.timeout(300)
+def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(tmp_path):
+    """configs/evals/inspect.yaml through evals.run on real digits shards, a checkpoint folder and a SQLite MLflow."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from data_pipeline.builtin import ensure
+    from evals.run import run_suite
+    from pretrain.tracking import create_run
+    from pretrain.weights import save_pretrained
+
+    data_root = tmp_path / "data"
+    ensure("digits", data_root, num_test=40, samples_per_shard=20)
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000050"
+    save_pretrained(build_model("vit_tiny_debug", num_classes=10), checkpoint)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 50, "images_seen": 3200}))
+    (checkpoint / "COMPLETE").write_text("")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = create_run(uri, "inspect-test", "tiny", params={"model": {"name": "vit_tiny_debug"}})
+
+    table = run_suite(checkpoint, "inspect", data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri)
+
+    metrics = {r["metric"]: r["value"] for r in table.to_pylist()}
+    assert "inspect/mean_attention_distance/layer_4" in metrics
+    pngs = sorted(p.name for p in (checkpoint / "evals" / "inspect").glob("*.png"))
+    expected = ["attention_distance", "attention_rollout", "embedding_filters", "position_embedding_similarity"]
+    assert pngs == [f"{n}.png" for n in expected]
+    for name in pngs:
+        _assert_nonblank_png(checkpoint / "evals" / "inspect" / name)
+    client = MlflowClient(tracking_uri=uri)
+    logged = {Path(a.path).name for a in client.list_artifacts(run_id, "evals/step_00000050")}
+    assert set(pngs) <= logged
+    history = client.get_metric_history(run_id, "inspect/mean_attention_distance/layer_1")
+    assert [m.step for m in history] == [50]
