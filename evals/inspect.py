@@ -190,8 +190,11 @@ def plot_attention_distance(
     fig = Figure(figsize=(4.8, 4.0), dpi=120, layout="constrained")
     ax = fig.subplots()
     colors = matplotlib.colormaps.get_cmap("tab20" if heads > 10 else "tab10")
+    # A small per-head x offset keeps heads with equal distances visible side by side instead of hidden.
+    jitter = np.linspace(-0.15, 0.15, heads) if heads > 1 else np.zeros(1)
     for h in range(heads):
-        ax.scatter(np.arange(1, layers + 1), distances[:, h], s=14, color=colors(h % colors.N), label=f"Head {h + 1}")
+        x = np.arange(1, layers + 1) + jitter[h]
+        ax.scatter(x, distances[:, h], s=14, color=colors(h % colors.N), label=f"Head {h + 1}")
     if uniform is not None:
         ax.axhline(uniform, color="0.5", linestyle="--", linewidth=0.8, label="uniform attention")
     ax.set_xlabel("Network depth (layer)")
