@@ -34,8 +34,8 @@ def _train(shards: Path, run_dir: Path, *overrides: str) -> dict:
         "local_mpp",
         [
             f"data.train={shards}", "data.builtin=null", "data.global_batch_size=16", "data.micro_batch_size=16",
-            "data.shuffle_buffer=8", "schedule.total=12", "schedule.warmup=2", "optim.lr=3e-3",
-            f"checkpoint.dir={run_dir}", "checkpoint.every_steps=6", "logging.progress_bar=false",
+            "data.shuffle_buffer=8", "schedule.total=8", "schedule.warmup=2", "optim.lr=3e-3",
+            f"checkpoint.dir={run_dir}", "checkpoint.every_steps=4", "logging.progress_bar=false",
             "logging.log_every=1", "logging.peak_tflops=1.0", *overrides,
         ],
     )  # fmt: skip
@@ -62,14 +62,14 @@ def _train(shards: Path, run_dir: Path, *overrides: str) -> dict:
 def test_mpp_recipe_trains_checkpoints_and_resumes_exactly(shards, tmp_path):
     full = _train(shards, tmp_path / "full")
     losses = {int(s): v for s, v in full["losses"]}
-    assert sorted(losses) == list(range(1, 13)) and all(math.isfinite(v) for v in losses.values())
+    assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
     assert losses[1] == pytest.approx(math.log(512), abs=0.05)  # zero-initialised 512-way head
-    assert losses[12] < losses[1] - 1.0, losses
-    model_json = json.loads((tmp_path / "full" / "checkpoints" / "step_00000012" / "model.json").read_text())
+    assert losses[8] < losses[1] - 1.0, losses
+    model_json = json.loads((tmp_path / "full" / "checkpoints" / "step_00000008" / "model.json").read_text())
     assert model_json["num_classes"] == 0 and model_json["pool"] == "gap"
 
-    _train(shards, tmp_path / "split", "schedule.stop_at_step=6")
+    _train(shards, tmp_path / "split", "schedule.stop_at_step=4")
     resumed = _train(shards, tmp_path / "split")
-    assert resumed["start_step"] == 6
+    assert resumed["start_step"] == 4
     for step, loss in resumed["losses"]:
         assert loss == pytest.approx(losses[int(step)], abs=1e-6), f"step {step}: {loss} vs {losses[int(step)]}"
