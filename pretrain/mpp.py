@@ -145,10 +145,8 @@ class MaskedPatchPrediction(nn.Module):
         self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def no_weight_decay(self) -> set[str]:
-        inner = (
-            {f"model.{n}" for n in self.model.no_weight_decay()} if hasattr(self.model, "no_weight_decay") else set()
-        )
-        return inner | {"mask_token"}
+        """The [mask] embedding is an embedding, not a weight matrix (the model's own names come from the model)."""
+        return {"mask_token"}
 
     def _generator(self) -> torch.Generator:
         g = torch.Generator()
