@@ -5,7 +5,8 @@
 Both models have the same configuration (ViT-S/16 at 224 px, 1000 classes, tanh GELU, LayerNorm eps 1e-6, fp32 on
 CPU, SDPA attention in both) and run the same step: forward, softmax cross-entropy, backward, AdamW. The rounds are
 interleaved (vitscale, HF, GEMM, vitscale, ...) so a machine whose load changes during the run (other jobs) hurts
-both sides alike; each number is the median over rounds.
+both sides alike; each number is the median over rounds. `speedup_vs_hf` is against HF with SDPA attention (its
+fastest CPU path, the fair baseline); HF with eager attention is timed too and reported beside it.
 
 Achieved FLOP/s = images/s x training FLOPs per image (`pretrain.flops.train_flops`, 3 x forward, multiply-add = 2).
 `gemm_fraction` divides it by the fp32 GEMM rate of a large square matmul measured in the same rounds: how close the
@@ -86,28 +87,34 @@ def gemm_tflops(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / best / 1e12
 
 
-def run(batch_size: int, rounds: int, repeats: int, attn: str) -> dict:
+def run(batch_size: int, rounds: int, repeats: int, attn: str, with_eager: bool) -> dict:
     torch.manual_seed(0)
     ours, flops_per_image = vitscale_step(batch_size)
-    theirs = hf_step(batch_size, attn)
-    for step in (ours, theirs):  # warm-up: allocator, thread pool, optimizer state
+    steps = {"vitscale": ours, "hf": hf_step(batch_size, attn)}
+    if with_eager and attn != "eager":
+        steps["hf_eager"] = hf_step(batch_size, "eager")  # context: the HF default before SDPA
+    for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
         step()
-    ours_s, theirs_s, gemm = [], [], []
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    gemm = []
     for i in range(rounds):
-        ours_s.append(time_steps(ours, repeats))
-        theirs_s.append(time_steps(theirs, repeats))
+        for name, step in steps.items():
+            seconds[name].append(time_steps(step, repeats))
         gemm.append(gemm_tflops())
-        ours_img_s, theirs_img_s = batch_size / ours_s[-1], batch_size / theirs_s[-1]
-        print(f"round {i + 1}/{rounds}: vitscale {ours_img_s:.2f} img/s, HF {theirs_img_s:.2f} img/s, "
-              f"GEMM {gemm[-1]:.3f} TFLOP/s", flush=True)  # fmt: skip
-    vitscale_img_s = batch_size / statistics.median(ours_s)
-    hf_img_s = batch_size / statistics.median(theirs_s)
+        rates = ", ".join(f"{name} {batch_size / s[-1]:.2f} img/s" for name, s in seconds.items())
+        print(f"round {i + 1}/{rounds}: {rates}, GEMM {gemm[-1]:.3f} TFLOP/s", flush=True)
+    img_s = {name: batch_size / statistics.median(s) for name, s in seconds.items()}
+    vitscale_img_s, hf_img_s = img_s["vitscale"], img_s["hf"]
     gemm_tf = statistics.median(gemm)
     achieved_tf = vitscale_img_s * flops_per_image / 1e12
+    extra = {}
+    if "hf_eager" in img_s:
+        extra = {"hf_eager_img_s": img_s["hf_eager"], "speedup_vs_hf_eager": vitscale_img_s / img_s["hf_eager"]}
     return {
         "vitscale_img_s": vitscale_img_s,
         "hf_img_s": hf_img_s,
         "speedup_vs_hf": vitscale_img_s / hf_img_s,
+        **extra,
         "gemm_fraction": achieved_tf / gemm_tf,
         "achieved_tflops": achieved_tf,
         "gemm_tflops": gemm_tf,
@@ -134,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="steps per model per round (the best one counts)")
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
+    parser.add_argument("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
     parser.add_argument("--out", default="bench-results/train.json")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error("--batch-size, --rounds and --repeats must be >= 1")
-    result = run(args.batch_size, args.rounds, args.repeats, args.hf_attn)
+    result = run(args.batch_size, args.rounds, args.repeats, args.hf_attn, with_eager=not args.no_eager)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
