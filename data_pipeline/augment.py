@@ -71,9 +71,8 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
     return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
 
 
-def _open_drafted(data: bytes, box: tuple, size: int) -> tuple[Image.Image, tuple]:
-    """Open a JPEG at the smallest DCT scale that still gives the crop >= ``size`` pixels; rescale the box."""
-    img = Image.open(io.BytesIO(data))
+def _drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
+    """Let a JPEG decode at the smallest DCT scale that still gives the crop >= ``size`` pixels; rescale the box."""
     width, height = img.size
     crop_short = min(box[2] - box[0], box[3] - box[1])
     if img.format == "JPEG" and crop_short >= 2 * size:
@@ -86,13 +85,13 @@ def _open_drafted(data: bytes, box: tuple, size: int) -> tuple[Image.Image, tupl
 
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
     """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
-    with Image.open(io.BytesIO(data)) as probe:
-        width, height = probe.size
+    img = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
+    width, height = img.size
     if cfg is not None and cfg.inception_crop:
         box = inception_crop_box(width, height, rng, cfg)
     else:
         box = (0, 0, width, height)
-    img, box = _open_drafted(data, box, size)
+    img, box = _drafted(img, box, size)
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)  # fused crop + resize
@@ -110,12 +109,12 @@ def decode_eval(data: bytes, size: int, resize_size: int | None = None) -> np.nd
     resize_size = resize_size or size
     if resize_size < size:
         raise ValueError(f"resize_size {resize_size} must be >= image_size {size}")
-    with Image.open(io.BytesIO(data)) as probe:
-        width, height = probe.size
+    img = Image.open(io.BytesIO(data))
+    width, height = img.size
     keep = size / resize_size  # the centre fraction kept on each axis
     w, h = width * keep, height * keep
     box = ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
-    img, box = _open_drafted(data, box, size)
+    img, box = _drafted(img, box, size)
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)

@@ -1,0 +1,96 @@
+"""Augmentation: crop geometry, decode paths (with JPEG draft), RandAugment ops, batch mixup."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data_pipeline.augment import (
+    RANDAUGMENT_OPS,
+    AugmentConfig,
+    decode_eval,
+    decode_train,
+    inception_crop_box,
+    mixup,
+    randaugment,
+    to_float_images,
+)
+
+
+def jpeg(width, height, colour=(200, 30, 30), border=None) -> bytes:
+    img = Image.new("RGB", (width, height), colour)
+    if border is not None:  # a frame of another colour, 1/8 of each side
+        inner = Image.new("RGB", (width * 6 // 8, height * 6 // 8), colour)
+        img = Image.new("RGB", (width, height), border)
+        img.paste(inner, (width // 8, height // 8))
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def test_inception_crop_respects_area_and_aspect_ranges():
+    cfg = AugmentConfig(area_min=0.2, area_max=0.6)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        left, top, right, bottom = inception_crop_box(400, 300, rng, cfg)
+        w, h = right - left, bottom - top
+        assert 0 <= left and 0 <= top and right <= 400 + 1e-9 and bottom <= 300 + 1e-9
+        assert 0.2 - 1e-9 <= w * h / (400 * 300) <= 0.6 + 1e-9
+        assert cfg.aspect_min - 1e-9 <= w / h <= cfg.aspect_max + 1e-9
+
+
+def test_decode_train_is_a_pure_function_of_the_rng_and_uses_draft_on_large_jpegs():
+    data = jpeg(1600, 1200)
+    cfg = AugmentConfig(randaugment_n=2, randaugment_m=10)
+    a = decode_train(data, 32, cfg, np.random.default_rng([1, 2, 3]))
+    b = decode_train(data, 32, cfg, np.random.default_rng([1, 2, 3]))
+    assert a.shape == (32, 32, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
+    plain = decode_train(data, 32, None, np.random.default_rng(0))  # no crop: draft decodes at 1/8 scale
+    assert np.abs(plain.astype(int) - [200, 30, 30]).max() <= 6
+
+
+def test_decode_eval_resizes_then_centre_crops():
+    data = jpeg(64, 64, colour=(0, 0, 255), border=(255, 255, 0))
+    whole = decode_eval(data, 32)  # straight resize keeps the yellow frame
+    cropped = decode_eval(data, 32, resize_size=48)  # keeps the central 2/3: no frame left
+    assert whole[0, 16, 0] > 200 and cropped[0, 16, 0] < 40 and cropped[16, 16, 2] > 200
+    with pytest.raises(ValueError, match="resize_size"):
+        decode_eval(data, 32, resize_size=16)
+
+
+def test_every_randaugment_op_runs_and_keeps_size():
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 24, 3), dtype=np.uint8))
+    for m in (0, 10, 30):
+        out = randaugment(img, len(RANDAUGMENT_OPS) * 3, m, np.random.default_rng(m))
+        assert out.size == (24, 24) and out.mode == "RGB"
+
+
+def test_to_float_images_scales_to_minus_one_one():
+    batch = np.array([[[[0, 255, 127]]]], dtype=np.uint8)  # (1, 1, 1, 3)
+    x = to_float_images(batch)
+    assert x.shape == (1, 3, 1, 1) and x.is_contiguous()
+    assert torch.allclose(x.flatten(), torch.tensor([-1.0, 1.0, 127 / 127.5 - 1]), atol=1e-6)
+
+
+def test_mixup_keeps_the_original_dominant_and_targets_normalised():
+    images = torch.randn(4, 3, 8, 8)
+    targets = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 3]), 5).float()
+    mixed, soft, lam = mixup(images, targets, 0.4, np.random.default_rng(0))
+    assert 0.5 <= lam <= 1.0
+    assert torch.allclose(mixed[1], lam * images[1] + (1 - lam) * images[0])
+    assert torch.allclose(soft.sum(1), torch.ones(4)) and soft.argmax(1).tolist() == [0, 1, 2, 3]
+
+
+def test_augment_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="area_min"):
+        AugmentConfig(area_min=0).validate()
+    with pytest.raises(ValueError, match="aspect"):
+        AugmentConfig(aspect_min=2, aspect_max=1).validate()
+    with pytest.raises(ValueError, match="randaugment"):
+        AugmentConfig(randaugment_m=31).validate()
+    assert math.isclose(AugmentConfig().aspect_max, 4 / 3)
