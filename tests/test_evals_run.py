@@ -170,3 +170,25 @@ def test_vtab_finetune_protocol_at_a_new_resolution(data_root, checkpoint, tmp_p
         rows["vtab/dsprites_loc"]["status"] == "missing" and "not in this suite" in rows["vtab/dsprites_loc"]["detail"]
     )
     assert rows["vtab/mean"]["detail"] == "VTAB mean over 1/4 tasks (missing: dsprites_loc, dsprites_ori, shapes_count)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("suite", ["local_fewshot", "ci_vtab"])
+def test_shipped_suites_run_end_to_end(data_root, checkpoint, tmp_path, suite):
+    # The suites the local demo schedules after every checkpoint; missing built-ins are generated on first use.
+    table = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path, num_threads=2)
+    rows = {r["metric"]: r for r in table.to_pylist()}
+    if suite == "local_fewshot":
+        for dataset in ("digits", "dsprites_loc", "dsprites_ori"):
+            for shots in (1, 5, 10, 25):
+                assert rows[f"fewshot/{dataset}/{shots}shot"]["count"] == 3  # seeds 0-2
+        assert rows["fewshot/mean/10shot"]["count"] == 3
+    else:
+        assert all(
+            rows[f"vtab/{t}"]["status"] == "ok" for t in ("digits", "dsprites_loc", "dsprites_ori", "shapes_count")
+        )
+        assert rows["vtab/mean"]["detail"] == "VTAB mean over 4/4 tasks"
+        specialized = rows["vtab/specialized"]  # the offline benchmark has no Specialized stand-in: says so
+        assert specialized["status"] == "missing" and specialized["detail"] == "Specialized mean over 0/0 tasks"
+    assert all(0.0 <= r["value"] <= 1.0 for r in rows.values() if r["status"] == "ok" and "/l2/" not in r["metric"])
