@@ -218,14 +218,44 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# The only non-tensor objects DeepSpeed pickles into its model/optimizer state files (ZeRO 0-3, fp32 and bf16 as
+# checked here); allow-listing them lets every engine file load with torch.load(weights_only=True).
+DEEPSPEED_SAFE_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _load_weights_only(checkpoint_engine) -> None:
+    """Make the engine's checkpoint reader refuse arbitrary pickles (DeepSpeed itself loads weights_only=False)."""
+    import importlib
+
+    allowed = []
+    for name in DEEPSPEED_SAFE_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+
+    def load(path: str, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    checkpoint_engine.load = load  # this engine only; DeepSpeed's class is left alone
+
+
 def load_checkpoint(engine, checkpoint_dir: Path, world_size: int) -> dict[str, Any]:
-    """Collective: restore the engine (model + optimizer) and return the trainer state; RNG is restored by caller."""
+    """Collective: restore the engine (model + optimizer) and return the trainer state; RNG is restored by caller.
+
+    Engine files are read with ``torch.load(weights_only=True)`` plus the allow-list above, so a tampered
+    checkpoint cannot run code.
+    """
     state = read_trainer_state(checkpoint_dir)
     if state["world_size"] != world_size:
         raise ValueError(
             f"checkpoint {checkpoint_dir} was written by {state['world_size']} ranks but this run has {world_size}; "
             "resume with the same world size (or convert it with DeepSpeed's ds_to_universal first)"
         )
+    _load_weights_only(engine.checkpoint_engine)
     load_path, _ = engine.load_checkpoint(
         str(Path(checkpoint_dir) / DEEPSPEED_DIR), tag=state["deepspeed_tag"], load_lr_scheduler_states=False
     )

@@ -194,3 +194,24 @@ def test_init_from_copies_matching_weights_and_reports_the_rest(tmp_path):
     assert torch.equal(dst["blocks.0.attn.qkv.weight"], src["blocks.0.attn.qkv.weight"])
     assert dst["pos_embed"].shape == (1, 1 + 16 * 16, 64)  # resized from the 8x8 grid by the loader
     assert torch.equal(dst["pos_embed"][:, 0], src["pos_embed"][:, 0])  # the class-token slot is kept as is
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_engine_files_are_read_weights_only(tmp_path, capsys):
+    import pickle
+    import types
+
+    engine = types.SimpleNamespace()
+    ckpt._load_weights_only(engine)
+    good = tmp_path / "good.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "zero_stage": 2}, good)
+    assert torch.equal(engine.load(str(good))["module"]["w"], torch.ones(2))
+    bad = tmp_path / "bad.pt"
+    torch.save({"payload": _Exploit()}, bad)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        engine.load(str(bad))
+    assert "this must never run" not in capsys.readouterr().out
