@@ -192,3 +192,18 @@ def test_shipped_suites_run_end_to_end(data_root, checkpoint, tmp_path, suite):
         specialized = rows["vtab/specialized"]  # the offline benchmark has no Specialized stand-in: says so
         assert specialized["status"] == "missing" and specialized["detail"] == "Specialized mean over 0/0 tasks"
     assert all(0.0 <= r["value"] <= 1.0 for r in rows.values() if r["status"] == "ok" and "/l2/" not in r["metric"])
+
+
+@pytest.mark.timeout(300)
+def test_official_npz_checkpoint(data_root, tmp_path):
+    # An official-layout JAX .npz (the test helper of pretrain.weights writes one): step 0, results beside it.
+    import numpy as np
+    from weights_npz_reference import official_arrays
+
+    npz = tmp_path / "ViT-tiny.npz"
+    np.savez(npz, **official_arrays(width=32, depth=2, heads=4, mlp=64, patch=4, grid=8, num_classes=5))
+    suite = write_suite(tmp_path, "npz_fewshot", "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n")
+    table = run_suite(npz, suite, data_root=data_root, num_threads=1)
+    row = table.to_pylist()[0]
+    assert row["metric"] == "fewshot/digits/1shot" and row["step"] == 0 and 0.0 <= row["value"] <= 1.0
+    assert (tmp_path / "ViT-tiny_evals" / "npz_fewshot.parquet").is_file()
