@@ -73,6 +73,23 @@ def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path)
 
 
 @pytest.mark.timeout(300)
+def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, checkpoint, tmp_path):
+    from evals.fewshot import L2_SWEEP
+
+    body = "  - type: fewshot\n    datasets: [digits, dsprites_loc]\n    shots: [2, 5]\n    seeds: [0, 1]\n"
+    suite = write_suite(tmp_path, "sweep", body + "    l2_sweep: true\n")
+    rows = {r["metric"]: r for r in run_suite(checkpoint, suite, data_root=data_root, out=tmp_path).to_pylist()}
+    for shots in (2, 5):
+        chosen = rows[f"fewshot/l2/{shots}shot"]["value"]
+        assert chosen in L2_SWEEP and "mean rank over 2 dataset(s)" in rows[f"fewshot/l2/{shots}shot"]["detail"]
+        assert rows[f"fewshot/digits/{shots}shot"]["detail"] == f"l2={chosen:g}"
+    fixed = write_suite(tmp_path, "fixed", body)
+    fixed_rows = {r["metric"]: r for r in run_suite(checkpoint, fixed, data_root=data_root, out=tmp_path).to_pylist()}
+    # Without the sweep: the paper's fixed l2, and no l2 metric.
+    assert "fewshot/l2/5shot" not in fixed_rows and fixed_rows["fewshot/digits/5shot"]["detail"] == "l2=1024"
+
+
+@pytest.mark.timeout(300)
 def test_vtab_over_present_and_missing_tasks(data_root, checkpoint, tmp_path):
     # A VTAB root holding two of the 19 tasks: the built-in digits stands in for SVHN (10 classes) and the
     # built-in dsprites_loc has VTAB's 16 x-position bins. Everything else must be reported missing.
