@@ -145,7 +145,7 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
     if generate_builtin:
         from data_pipeline import builtin
 
-        if dataset in getattr(builtin, "BUILTIN_NAMES", getattr(builtin, "DATASETS", ())):
+        if dataset in builtin.BUILTIN_NAMES:
             builtin.ensure(dataset, data_root)
             if (path / "manifest.parquet").is_file():
                 return path

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from evals.suites import RESULT_COLUMNS, EvalContext, EvalOutput, get_evaluator, load_suite
@@ -106,8 +106,12 @@ def run_suite(
             t0 = time.perf_counter()
             produced = get_evaluator(spec.type)(ctx, dict(spec.options))
             for row in produced.rows:
-                results.rows.append(
-                    row if spec.name == spec.type else type(row)(**{**asdict(row), "evaluator": spec.name})
+                results.rows.append(row if spec.name == spec.type else replace(row, evaluator=spec.name))
+            clash = sorted(set(produced.metrics) & set(results.metrics))
+            if clash:  # both stay in the table; MLflow keeps one value per key and step, the later one
+                log(
+                    f"evals: warning: {spec.name!r} repeats metric keys {clash[:4]} of an earlier entry of suite "
+                    f"{config.name}; MLflow gets the later values (merge the entries to avoid this)"
                 )
             results.metrics.update(produced.metrics)
             results.artifacts.extend(produced.artifacts)
