@@ -1,6 +1,7 @@
 """Suite-wide settings: CPU DeepSpeed, GPU tests skipped with a reason when no CUDA device is present."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +18,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread: on 2 shared cores, torch's own threads only contend with the other test processes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_fractal_shards(tmp_path_factory) -> Path:
+    """A tiny fractal set at 32 px: 4 classes x 16 images in 4 shards (2 ranks need >= 2 shards)."""
+    from data_pipeline.builtin import ensure
+
+    root = tmp_path_factory.mktemp("data")
+    ensure("fractal", root, resolution=32, num_classes=4, images_per_class=16, val_per_class=1, samples_per_shard=16)
+    return root / "fractal" / "train"

@@ -9,15 +9,7 @@ from torch import nn
 from pretrain.flops import describe, forward_flops, forward_macs, param_count, train_flops
 from pretrain.model import MODEL_NAMES, build_model, model_config
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only contend with the other test processes
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
 # REFERENCE §1 / timm: parameters with a 1000-class head, in millions

@@ -12,16 +12,7 @@ from torch import nn
 from pretrain.model import MODEL_NAMES, SIZES, VisionTransformer, ViTConfig, build_model, model_config
 from pretrain.resnet import pad_same, same_padding
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    # On 2 shared cores intra-op threads fight the other test processes (measured 5-7x slower); restore after.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _small_overrides(name: str) -> dict:

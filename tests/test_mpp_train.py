@@ -20,13 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    from data_pipeline.builtin import ensure
-
-    root = tmp_path_factory.mktemp("data")
-    ensure("fractal", root, resolution=32, num_classes=4, images_per_class=16, val_per_class=1, samples_per_shard=16)
-    return root / "fractal" / "train"
+@pytest.fixture
+def shards(tiny_fractal_shards) -> Path:
+    return tiny_fractal_shards
 
 
 def _train(shards: Path, run_dir: Path, *overrides: str) -> dict:

@@ -33,14 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """A tiny fractal set at 32 px: 4 classes x 16 images in 4 shards (2 ranks need >= 2 shards)."""
-    from data_pipeline.builtin import ensure
-
-    root = tmp_path_factory.mktemp("data")
-    ensure("fractal", root, resolution=32, num_classes=4, images_per_class=16, val_per_class=1, samples_per_shard=16)
-    return root / "fractal" / "train"
+@pytest.fixture
+def shards(tiny_fractal_shards) -> Path:
+    return tiny_fractal_shards
 
 
 def tiny_config(shards: Path, run_dir: Path, *overrides: str) -> TrainConfig:

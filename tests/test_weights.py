@@ -28,15 +28,7 @@ from pretrain.weights import (
     to_hf_state_dict,
 )
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only contend with the other test processes
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _write(path, arrays, prefix=""):
