@@ -208,24 +208,26 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
     if state is not None and not state.started_by_us:
         return []
     temp_dir = str(Path(profile.ray.temp_dir).resolve())
-    pids = _processes_of(temp_dir)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    stopped: list[int] = []
     deadline = time.monotonic() + grace_s
-    alive = pids
-    while alive and time.monotonic() < deadline:
+    # Re-scan until nothing of ours is left: a raylet that is shutting down can still spawn a worker after the
+    # first scan, and such a late process would otherwise outlive `make stop`.
+    while True:
+        alive = [p for p in _processes_of(temp_dir) if not _is_zombie(p)]
+        if not alive:
+            break
+        hard = time.monotonic() >= deadline
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL if hard else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        stopped.extend(p for p in alive if p not in stopped)
+        if hard and time.monotonic() >= deadline + grace_s:
+            break  # unkillable (e.g. stuck in the kernel): give up rather than hang `make stop`
         time.sleep(0.25)
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     _state_path(profile).unlink(missing_ok=True)
-    return pids
+    return stopped
 
 
 def _is_zombie(pid: int) -> bool:

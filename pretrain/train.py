@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             f"done: {summary['steps']} steps, final loss {summary['final_loss']}, images seen {summary['images_seen']}"
         )
     if dist.is_initialized():
+        # Every rank reaches this point before any tears gloo down: a rank that exits while its peer is still in a
+        # collective makes the peer's gloo threads abort the process ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
