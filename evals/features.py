@@ -137,6 +137,20 @@ def extract_features(
     return result
 
 
+def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
+    """`extract_features` for a suite entry: the context's model, device and feature cache, and the entry's
+    ``image_size``, ``resize_size`` and ``batch_size`` options."""
+    return extract_features(
+        ctx.model,
+        split_dir,
+        image_size=opts.image_size,
+        resize_size=opts.resize_size,
+        batch_size=opts.batch_size,
+        device=ctx.device,
+        cache=ctx.feature_cache,
+    )
+
+
 def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_builtin: bool = True) -> Path:
     """``<data_root>/<dataset>/<split>``; a missing built-in dataset is generated first when allowed."""
     path = Path(data_root) / dataset / split

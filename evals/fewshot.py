@@ -261,23 +261,14 @@ def fewshot_table(features: dict, shots, seeds, l2_grid) -> dict:
 
 def evaluate(ctx, options: dict):
     """Suite entry: few-shot accuracy (fraction) per dataset and shot, and the mean over datasets."""
-    from evals.features import extract_features, resolve_split
+    from evals.features import resolve_split, suite_features
     from evals.suites import EvalOutput, ResultRow, parse_options
 
     opts = parse_options(FewshotOptions, options, "fewshot")
     features = {}
     for name in opts.datasets:
-        kw = dict(
-            image_size=opts.image_size,
-            resize_size=opts.resize_size,
-            batch_size=opts.batch_size,
-            device=ctx.device,
-            cache=ctx.feature_cache,
-        )
-        train_x, train_y, info = extract_features(ctx.model, resolve_split(ctx.data_root, name, opts.train_split), **kw)
-        test_x, test_y, test_info = extract_features(
-            ctx.model, resolve_split(ctx.data_root, name, opts.test_split), **kw
-        )
+        train_x, train_y, info = suite_features(ctx, resolve_split(ctx.data_root, name, opts.train_split), opts)
+        test_x, test_y, test_info = suite_features(ctx, resolve_split(ctx.data_root, name, opts.test_split), opts)
         if test_info.num_classes != info.num_classes:
             raise ValueError(
                 f"{name}: train declares {info.num_classes} classes but test declares "

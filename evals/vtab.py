@@ -165,18 +165,11 @@ def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed
 
 
 def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
-    from evals.features import extract_features
+    from evals.features import suite_features
     from evals.fewshot import RidgeSolver
 
-    kw = dict(
-        image_size=opts.image_size,
-        resize_size=opts.resize_size,
-        batch_size=opts.batch_size,
-        device=ctx.device,
-        cache=ctx.feature_cache,
-    )
-    x, y, _ = extract_features(ctx.model, train_dir, **kw)
-    test_x, test_y, _ = extract_features(ctx.model, test_dir, **kw)
+    x, y, _ = suite_features(ctx, train_dir, opts)
+    test_x, test_y, _ = suite_features(ctx, test_dir, opts)
     tr, va = vtab_indices(len(y), opts.train_examples, opts.val_examples, opts.seed)
     x, test_x = x.astype(np.float64), test_x.astype(np.float64)
     solver = RidgeSolver.fit(x[tr], y[tr], num_classes)
