@@ -1,9 +1,15 @@
 """Suite-wide settings: CPU DeepSpeed, GPU tests skipped with a reason when no CUDA device is present."""
 
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # DeepSpeed picks its accelerator at import time; the suite runs on CPU unless a GPU test asks otherwise.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -39,3 +45,30 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
     ensure("fractal", root, resolution=32, num_classes=4, images_per_class=16, val_per_class=1, samples_per_shard=16)
     return root / "fractal" / "train"
+
+
+@pytest.fixture
+def train_cli():
+    """Run `python -m pretrain.train` on a TrainConfig in a process session of its own (a timeout kills the whole
+    tree, nothing leaks) and return its summary; the config is saved as `<run_dir>/recipe.yaml` first."""
+
+    def run(config, run_dir: Path, timeout: float = 400) -> dict:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config.save(run_dir / "recipe.yaml")
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            env.pop(key, None)
+        cmd = [sys.executable, "-m", "pretrain.train", "--config", str(run_dir / "recipe.yaml"),
+               "--summary", str(run_dir / "summary.json")]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"training timed out:\n{out[-4000:]}")
+        assert proc.returncode == 0, out[-6000:]
+        return json.loads((run_dir / "summary.json").read_text())
+
+    return run
