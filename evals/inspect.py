@@ -421,7 +421,7 @@ def position_embedding_of(model) -> torch.Tensor:
 def patch_kernel_of(model) -> torch.Tensor | None:
     """The RGB patch-embedding conv kernel ``(D, 3, p, p)``; None for hybrids, whose 1x1 "patches" see ResNet
     features rather than pixels, so their filters have no picture to show."""
-    if getattr(model.config, "hybrid_stages", None):
+    if getattr(model.config, "hybrid_stages", None) is not None:  # () = root conv only: still not pixels
         return None
     return model.patch_embed.proj.weight.detach().float().cpu()
 

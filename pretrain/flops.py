@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from pretrain.model import ViTConfig
+from pretrain.resnet import root_width
 
 
 def _conv_out(size: int, stride: int) -> int:
@@ -24,9 +25,9 @@ def _conv_out(size: int, stride: int) -> int:
 
 def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int, int]:
     """(MACs, parameters, output channels) of the hybrid's ResNet stem; zeros for a plain ViT."""
-    if not config.hybrid_stages:
+    if config.hybrid_stages is None:
         return 0, 0, config.in_chans
-    width = 64 * config.hybrid_width
+    width = root_width(config.hybrid_width)  # int(64 * factor), as the model builds it (0.5 → 32)
     size = _conv_out(image_size, 2)
     macs = size * size * width * 7 * 7 * config.in_chans
     params = 7 * 7 * config.in_chans * width + 2 * width  # conv_root + gn_root

@@ -42,7 +42,7 @@ def _check_convertible(config: ViTConfig) -> None:
         problems.append("pool='gap' (HF ViT classifies from the class token)")
     if config.representation_size:
         problems.append("a pre-logits layer (reset_classifier(num_classes) drops it, as fine-tuning does)")
-    if config.hybrid_stages:
+    if config.hybrid_stages is not None:
         problems.append("a ResNet hybrid stem")
     if problems:
         raise ValueError("cannot express in HF ViTForImageClassification: " + "; ".join(problems))

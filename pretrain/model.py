@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.resnet import ResNetStem, stem_stride
+from pretrain.resnet import ResNetStem, check_width_factor, stem_stride
 
 LN_EPS = 1e-6  # Flax nn.LayerNorm default; torch's 1e-5 changes the logits of official checkpoints
 
@@ -49,8 +49,8 @@ class ViTConfig:
     dropout: float = 0.0  # after the position embedding, the attention output and both MLP layers
     attention_dropout: float = 0.0  # on the attention weights
     gelu_approximate: str = "tanh"  # "tanh" (JAX checkpoints) | "none" (exact erf, as timm / Hugging Face)
-    hybrid_stages: tuple[int, ...] | None = None  # BiT ResNet stages for R50/R26 hybrids
-    hybrid_width: int = 1  # ResNet width factor
+    hybrid_stages: tuple[int, ...] | None = None  # BiT ResNet stages for R50/R26 hybrids; () = root conv only
+    hybrid_width: int | float = 1  # ResNet width factor: the root has int(64 * hybrid_width) channels (0.5 → 32)
     grad_checkpointing: bool = False  # recompute each block in backward (activation checkpointing)
     in_chans: int = 3
 
@@ -58,7 +58,12 @@ class ViTConfig:
         if self.hybrid_stages is not None and not isinstance(self.hybrid_stages, tuple):
             # YAML/JSON give lists; keep the dataclass hashable and comparable.
             object.__setattr__(self, "hybrid_stages", tuple(int(s) for s in self.hybrid_stages))
-        for name in ("image_size", "patch_size", "width", "depth", "num_heads", "mlp_dim", "hybrid_width", "in_chans"):
+        # The official width factor is any number whose root width int(64 * factor) GroupNorm can split (0.5, 1.5);
+        # a whole factor is kept an int so that model.json and comparisons read as before.
+        check_width_factor(self.hybrid_width, "ViTConfig.hybrid_width")
+        factor = float(self.hybrid_width)
+        object.__setattr__(self, "hybrid_width", int(factor) if factor.is_integer() else factor)
+        for name in ("image_size", "patch_size", "width", "depth", "num_heads", "mlp_dim", "in_chans"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
@@ -78,9 +83,10 @@ class ViTConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.hybrid_stages is not None and (not self.hybrid_stages or min(self.hybrid_stages) < 1):
+        if self.hybrid_stages is not None and any(s < 1 for s in self.hybrid_stages):
             raise ValueError(
-                f"ViTConfig.hybrid_stages must be a non-empty tuple of positive ints, got {self.hybrid_stages}"
+                f"ViTConfig.hybrid_stages must be a tuple of positive unit counts (() = the root conv alone), "
+                f"got {self.hybrid_stages}"
             )
         if self.image_size % self.stride:
             suggestion = max(1, round(self.image_size / self.stride)) * self.stride
@@ -92,7 +98,7 @@ class ViTConfig:
     @property
     def stride(self) -> int:
         """Input pixels per token side: patch size times the hybrid stem's downsampling."""
-        return self.patch_size * (stem_stride(self.hybrid_stages) if self.hybrid_stages else 1)
+        return self.patch_size * (stem_stride(self.hybrid_stages) if self.hybrid_stages is not None else 1)
 
     @property
     def grid_size(self) -> int:
@@ -108,7 +114,7 @@ class ViTConfig:
         return self.representation_size or self.width
 
     def _stride_description(self) -> str:
-        if self.hybrid_stages:
+        if self.hybrid_stages is not None:
             return f"ResNet stem stride {stem_stride(self.hybrid_stages)} x patch {self.patch_size}"
         return f"patch size {self.patch_size}"
 
@@ -212,7 +218,7 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.backbone = None
         in_channels = config.in_chans
-        if config.hybrid_stages:
+        if config.hybrid_stages is not None:
             self.backbone = ResNetStem(config.hybrid_stages, config.hybrid_width, config.in_chans)
             in_channels = self.backbone.out_channels
         self.proj = nn.Conv2d(in_channels, config.width, config.patch_size, stride=config.patch_size)

@@ -14,6 +14,7 @@ Parameter names follow the official keys (`conv_root`, `gn_root`, `block{s}.unit
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +110,13 @@ class ResNetStem(nn.Module):
     """Root (StdConv 7x7/2 → GN → ReLU → max-pool 3x3/2 SAME) followed by the bottleneck stages.
 
     Stage 1 keeps the resolution, every later stage halves it, so the total stride is 4 · 2^(len(stages) − 1):
-    16 for R50 (3, 4, 9), 32 for (3, 4, 6, 3) and R26 (2, 2, 2, 2).
+    16 for R50 (3, 4, 9), 32 for (3, 4, 6, 3) and R26 (2, 2, 2, 2); `stages=()` is the root alone (stride 4), which
+    the official code also builds. Stage s has `root_width(width_factor) · 2^s` bottleneck features.
     """
 
-    def __init__(self, stages: tuple[int, ...], width_factor: int = 1, in_chans: int = 3):
+    def __init__(self, stages: tuple[int, ...], width_factor: float = 1, in_chans: int = 3):
         super().__init__()
-        width = 64 * width_factor
+        width = root_width(width_factor)
         self.conv_root = StdConv2d(in_chans, width, 7, stride=2)
         self.gn_root = group_norm(width)
         self.stages = nn.ModuleDict()
@@ -134,10 +136,41 @@ class ResNetStem(nn.Module):
         return x
 
 
+def root_width(width_factor: float) -> int:
+    """Output channels of `conv_root`: `int(64 * width_factor)`, as VT `models_vit.py` computes it.
+
+    The official width factor may be fractional (0.5 → 32 channels); every stage width derives from this integer,
+    never from the factor itself, so two factors with the same root width build the same network.
+    """
+    return int(64 * width_factor)
+
+
+def check_width_factor(width_factor: float, field: str = "width_factor") -> None:
+    """ValueError naming `field` unless the official code builds a stem of this width factor.
+
+    Every GroupNorm has 32 groups, and Flax (like torch) refuses a channel count that 32 does not divide; the
+    stage widths are the root width times powers of two, so the root width decides: 0.5, 1, 1.5, 2, 3 build,
+    0.25 and 0.75 (16 and 48 channels) do not.
+    """
+    real = isinstance(width_factor, numbers.Real) and not isinstance(width_factor, bool)
+    if not real or not (0 < width_factor < math.inf):
+        raise ValueError(f"{field} must be a positive number (the ResNet width factor, e.g. 0.5, 1 or 2), got "
+                         f"{width_factor!r}")  # fmt: skip
+    width = root_width(width_factor)
+    if width < GN_GROUPS or width % GN_GROUPS:
+        raise ValueError(
+            f"{field}={width_factor!r} gives a ResNet root of int(64 * {width_factor!r}) = {width} channels, which "
+            f"the {GN_GROUPS} groups of its GroupNorms cannot divide (the official code refuses it too); use a "
+            f"multiple of {GN_GROUPS / 64:g} such as 0.5, 1, 1.5 or 2"
+        )
+
+
 def stem_stride(stages: tuple[int, ...]) -> int:
-    """Total downsampling of a ResNetStem with these stage sizes."""
-    return 4 * 2 ** (len(stages) - 1)
+    """Total downsampling of a ResNetStem with these stage sizes (the root conv and max-pool give 4)."""
+    return 4 * 2 ** max(len(stages) - 1, 0)
 
 
-def stem_out_channels(stages: tuple[int, ...], width_factor: int = 1) -> int:
-    return 4 * 64 * width_factor * 2 ** (len(stages) - 1)
+def stem_out_channels(stages: tuple[int, ...], width_factor: float = 1) -> int:
+    """Channels of the stem's feature map: the last stage's 4x expansion, or the root's own width without stages."""
+    width = root_width(width_factor)
+    return 4 * width * 2 ** (len(stages) - 1) if stages else width

@@ -6,6 +6,9 @@ architecture from the arrays alone and returns a `VisionTransformer` whose logit
 
     python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
     python -m pretrain.weights info PATH [--image-size N]                 # inferred config, params, GMACs
+
+On bad input (a missing, damaged or foreign file, a folder without weights) both exit with status 2 and one line
+naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -15,18 +18,20 @@ import dataclasses
 import json
 import math
 import re
+import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pretrain.flops import describe
 from pretrain.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.model import VisionTransformer, ViTConfig
-from pretrain.resnet import stem_out_channels
+from pretrain.resnet import GN_GROUPS, stem_out_channels, stem_stride
 
 __all__ = [
     "IncompleteCheckpointError",
@@ -97,22 +102,30 @@ def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
     """All arrays of an npz, read eagerly so that truncation and pickles fail here with a clear message."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not an .npz file; pass the path of an official .npz checkpoint")
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint file at {path}")
+        raise FileNotFoundError(f"no checkpoint file at {path}; check the path")
     with open(path, "rb") as f:
         magic = f.read(6)
-    if not magic.startswith((b"PK", b"\x93NUMPY")):
-        what = "a pickle" if magic.startswith(b"\x80") else "neither a zip archive nor a NumPy file"
+    if not magic:
+        raise ValueError(f"{path} is empty (0 bytes): the download or copy did not finish; fetch the file again")
+    if magic.startswith(b"\x80"):
         raise ValueError(
-            f"{path} is {what}, not an .npz archive; pickled data is never loaded (it can run arbitrary code) — "
+            f"{path} is a pickle, not an .npz archive; pickled data is never loaded (it can run arbitrary code) — "
             "official ViT checkpoints are plain .npz archives of numeric arrays"
+        )
+    if not magic.startswith((b"PK", b"\x93NUMPY")):
+        raise ValueError(
+            f"{path} is neither a zip archive nor a NumPy file (it starts with {magic!r}), so not an .npz "
+            "checkpoint; official ViT checkpoints are .npz archives of numeric arrays"
         )
     try:
         npz = np.load(path, allow_pickle=False)
         if not isinstance(npz, np.lib.npyio.NpzFile):
             raise ValueError(f"{path} is a single .npy array, not an .npz checkpoint of named arrays")
         with npz:
-            return {key: npz[key] for key in npz.files}
+            arrays = {key: npz[key] for key in npz.files}
     except ValueError as e:
         if "pickle" in str(e).lower():
             raise ValueError(
@@ -126,6 +139,26 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
         raise ValueError(
             f"{path} is truncated or not an .npz archive ({type(e).__name__}: {e}); download it again"
         ) from None
+    if not arrays:
+        raise ValueError(f"{path} is an .npz archive without any array, not a ViT checkpoint")
+    for key, value in arrays.items():
+        # NpzFile hands back raw bytes for a zip member that is not a .npy file: a zip, but not an npz.
+        if not isinstance(value, np.ndarray):
+            raise ValueError(f"{path} is a zip archive but not an .npz checkpoint: member {key!r} is not a NumPy array")
+        if value.dtype.kind not in "biuf":
+            raise ValueError(
+                f"{path}: array {key!r} has dtype {value.dtype}, not numbers; official checkpoints store float "
+                "arrays (re-save bfloat16 weights as float32)"
+            )
+    return arrays
+
+
+def _array(p: dict[str, np.ndarray], key: str, ndim: int) -> np.ndarray:
+    """`p[key]` with the number of dimensions the official models give it (a KeyError names a missing array)."""
+    value = p[key]
+    if value.ndim != ndim:
+        raise ValueError(f"array {key!r} has shape {value.shape}, but official checkpoints give it {ndim} dimensions")
+    return value
 
 
 def _strip_prefix(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
@@ -156,6 +189,8 @@ def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         k[len("Transformer/encoderblock/") :]: v for k, v in p.items() if k.startswith("Transformer/encoderblock/")
     }
     if stacked:
+        if any(v.ndim == 0 for v in stacked.values()):
+            raise ValueError("'Transformer/encoderblock/' (scan layout) holds a scalar; its arrays need a depth axis")
         depth = next(iter(stacked.values())).shape[0]
         for i in range(depth):
             per_block[i] = {k: v[i] for k, v in stacked.items()}
@@ -171,8 +206,10 @@ def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     for i in range(len(per_block)):
         by_module: dict[str, list[tuple[int, str]]] = {}
         for name in {k.split("/")[0] for k in per_block[i]}:
-            kind, _, index = name.rpartition("_")
-            by_module.setdefault(kind, []).append((int(index), name))
+            m = re.fullmatch(r"(\w+)_(\d+)", name)
+            if not m:
+                raise ValueError(f"encoder block {i} has an unexpected submodule {name!r}")
+            by_module.setdefault(m.group(1), []).append((int(m.group(2)), name))
         try:
             (ln1, ln2), (attn,), (mlp,) = (
                 [n for _, n in sorted(by_module[kind])]
@@ -186,13 +223,14 @@ def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
 
 
 def _hybrid_stages(p: dict[str, np.ndarray]) -> tuple[int, ...] | None:
+    """Units per ResNet stage, read off the `block{s}/unit{u}` names; None for a ViT without a ResNet stem."""
     units: dict[int, int] = {}
     for k in p:
         m = re.match(r"block(\d+)/unit(\d+)/", k)
         if m:
             units[int(m.group(1))] = max(units.get(int(m.group(1)), 0), int(m.group(2)))
-    if not units:
-        return None
+    if not units:  # the official root-only stem (`num_layers=()`): conv_root without any stage
+        return () if "conv_root/kernel" in p else None
     if sorted(units) != list(range(1, len(units) + 1)):
         raise ValueError(f"hybrid ResNet stages are not numbered block1..block{len(units)}: found {sorted(units)}")
     return tuple(units[s] for s in range(1, len(units) + 1))
@@ -205,16 +243,17 @@ _POSEMB_KEYS = ("Transformer/posembed_input/pos_embedding", "Transformer/pos_emb
 
 def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -> tuple[ViTConfig, np.ndarray]:
     """The architecture the arrays describe, and the position embeddings with the class slot (1, P+N, D)."""
-    patch, _, in_chans, width = p["embedding/kernel"].shape
+    patch, _, in_chans, width = _array(p, "embedding/kernel", 4).shape
     pool = "token" if "cls" in p else "gap"
     if "MAPHead_0/probe" in p or any(k.startswith("MAPHead_0/") for k in p):
         raise ValueError("big_vision 'map' (attention-pooling) heads are not supported; pool must be 'token' or 'gap'")
-    posemb = next((p[k] for k in _POSEMB_KEYS if k in p), None)
-    if posemb is None:
+    posemb_key = next((k for k in _POSEMB_KEYS if k in p), None)
+    if posemb_key is None:
         raise ValueError(
             f"no learned position embeddings (looked for {', '.join(_POSEMB_KEYS)}); fixed sincos2d embeddings "
             "(big_vision posemb='sincos2d') are not supported"
         )
+    posemb = _array(p, posemb_key, 3)
     rows = posemb.shape[1]
     if pool == "token" and math.isqrt(rows) ** 2 == rows:
         # Added before the class token was prepended (big_vision since 2022): that token has no position
@@ -226,25 +265,35 @@ def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -
         raise ValueError(f"position embeddings {posemb.shape} do not describe a square grid of patches")
     stages = _hybrid_stages(p)
     hybrid_width = 1
-    if stages:  # the patch embedding reads the stem's features; the image channels are the root conv's input
-        stem_channels, in_chans = in_chans, p["conv_root/kernel"].shape[2]
-        hybrid_width = p["conv_root/kernel"].shape[-1] // 64
+    if stages is not None:  # the patch embedding reads the stem's features; the image channels are the root's input
+        stem_channels = in_chans
+        _, _, in_chans, root_channels = _array(p, "conv_root/kernel", 4).shape
+        if root_channels % GN_GROUPS:
+            raise ValueError(
+                f"conv_root/kernel has {root_channels} output channels (width factor {root_channels / 64:g}), which "
+                f"the {GN_GROUPS}-group GroupNorms of the official ResNet stem cannot divide, so no official model "
+                "has this root; the checkpoint is inconsistent"
+            )
+        # The official root has int(64 * width_factor) channels and every stage width derives from that integer,
+        # so the factor is root/64 exactly (an integer over a power of two), fractional or not (32 → 0.5).
+        hybrid_width = root_channels / 64
         if stem_channels != stem_out_channels(stages, hybrid_width):
             raise ValueError(
-                f"embedding/kernel reads {stem_channels} channels but ResNet stages {stages} (width factor "
-                f"{hybrid_width}) produce {stem_out_channels(stages, hybrid_width)}; the checkpoint is inconsistent"
+                f"embedding/kernel reads {stem_channels} channels but a ResNet stem with stages {stages} and a "
+                f"{root_channels}-channel root (width factor {hybrid_width:g}) produces "
+                f"{stem_out_channels(stages, hybrid_width)}; the checkpoint is inconsistent"
             )
-    query = blocks[0]["attn/query/kernel"]  # (D, heads, head_dim)
+    query = _array(blocks[0], "attn/query/kernel", 3)  # (D, heads, head_dim)
     config = ViTConfig(
-        image_size=grid * patch * (4 * 2 ** (len(stages) - 1) if stages else 1),
+        image_size=grid * patch * (stem_stride(stages) if stages is not None else 1),
         patch_size=patch,
         width=width,
         depth=len(blocks),
         num_heads=query.shape[1],
-        mlp_dim=blocks[0]["mlp/Dense_0/kernel"].shape[1],
-        num_classes=p["head/kernel"].shape[1] if "head/kernel" in p else 0,
+        mlp_dim=_array(blocks[0], "mlp/Dense_0/kernel", 2).shape[1],
+        num_classes=_array(p, "head/kernel", 2).shape[1] if "head/kernel" in p else 0,
         pool=pool,
-        representation_size=p["pre_logits/kernel"].shape[1] if "pre_logits/kernel" in p else None,
+        representation_size=_array(p, "pre_logits/kernel", 2).shape[1] if "pre_logits/kernel" in p else None,
         gelu_approximate="tanh",  # Flax nn.gelu default
         hybrid_stages=stages,
         hybrid_width=hybrid_width,
@@ -290,7 +339,7 @@ def _npz_state_dict(p: dict[str, np.ndarray], blocks, posemb: np.ndarray, config
             continue
         module = re.sub(r"(block\d+)/(unit\d+)/", r"stages.\1.units.\2.", m.group(1))
         if m.group(2) == "kernel":
-            sd[f"patch_embed.backbone.{module}.weight"] = _conv(value)
+            sd[f"patch_embed.backbone.{module}.weight"] = _conv(_array(p, key, 4))
         else:  # GroupNorm scale/bias, stored (1, 1, 1, C) by older Flax (flax#1721)
             sd[f"patch_embed.backbone.{module}.{'weight' if m.group(2) == 'scale' else 'bias'}"] = value.reshape(-1)
     return sd
@@ -312,6 +361,8 @@ def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> Vi
         state = _npz_state_dict(p, blocks, posemb, config)
     except KeyError as e:
         raise ValueError(f"{path} is not a complete ViT checkpoint: missing array {e}") from None
+    except ValueError as e:  # what the arrays say is wrong with them; name the file it is about
+        raise ValueError(f"{path} is not a valid ViT checkpoint: {e}") from None
     return _finish(
         config, {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()}, path, image_size, overrides
     )
@@ -340,11 +391,15 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
     except RuntimeError as e:  # shape mismatches
         raise ValueError(f"weights in {source} do not fit the inferred model: {e}") from None
     if missing or unexpected:
-        raise ValueError(
-            f"weights in {source} do not fit the inferred model: missing {missing}, unexpected {unexpected}"
-        )
+        found = [
+            f"{what} {_some(names)}" for what, names in (("missing", missing), ("unexpected", unexpected)) if names
+        ]
+        raise ValueError(f"weights in {source} do not fit the model their config describes: {', '.join(found)}")
     if image_size is not None and image_size != config.image_size:
-        resize_model(model, image_size)
+        try:
+            resize_model(model, image_size)
+        except ValueError as e:
+            raise ValueError(f"cannot run the weights in {source} at image_size={image_size}: {e}") from None
     if any(head.get(k, getattr(config, k)) != getattr(config, k) for k in head):
         model.reset_classifier(
             head.get("num_classes", config.num_classes),
@@ -352,6 +407,12 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
             head_bias_init=head.get("head_bias_init", 0.0),
         )
     return model
+
+
+def _some(names: list[str], shown: int = 6) -> str:
+    """A readable excerpt of a long list of parameter names (a wrong file can miss hundreds)."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
 
 
 @torch.no_grad()
@@ -378,14 +439,36 @@ def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
 def load_pretrained(directory: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
     """Load what `save_pretrained` wrote; `image_size` and overrides as in `load_npz`."""
     directory = Path(directory)
+    if not directory.is_dir():
+        if directory.exists():
+            raise ValueError(f"{directory} is a file, not a folder; pass the folder that holds {WEIGHTS_FILE}")
+        raise FileNotFoundError(f"no weights folder at {directory}; check the path")
     for name in (WEIGHTS_FILE, CONFIG_FILE):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory} has no {name}; expected a folder written by save_pretrained")
+            raise FileNotFoundError(
+                f"{directory} has no {name}; expected a folder written by save_pretrained or "
+                f"`python -m pretrain.weights convert` ({WEIGHTS_FILE} + {CONFIG_FILE})"
+            )
+    config_path = directory / CONFIG_FILE
     try:
-        config = ViTConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{directory / CONFIG_FILE} is not a valid model config: {e}") from None
-    return _finish(config, load_file(str(directory / WEIGHTS_FILE)), directory, image_size, overrides)
+        fields = json.loads(config_path.read_text())
+        if not isinstance(fields, dict):
+            raise ValueError(f"it holds a JSON {type(fields).__name__}, not an object of ViTConfig fields")
+        config = ViTConfig.from_dict(fields)
+    except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError and ViTConfig's checks included
+        raise ValueError(
+            f"{config_path} is not a valid model config: {e}; it should be the {CONFIG_FILE} save_pretrained writes"
+        ) from None
+    return _finish(config, _read_safetensors(directory / WEIGHTS_FILE), directory, image_size, overrides)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:  # a bad header or a truncated file: the file's fault, not our code's
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}); it is damaged or was not fully copied — write it again"
+        ) from None
 
 
 def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
@@ -397,9 +480,11 @@ def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = N
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {checkpoint_dir}")
     if not (checkpoint_dir / COMPLETE_MARKER).is_file():
+        latest = latest_complete_checkpoint(checkpoint_dir.parent)
         raise IncompleteCheckpointError(
             f"{checkpoint_dir} has no {COMPLETE_MARKER} marker: the save was interrupted or is still running; "
-            "use an earlier complete checkpoint (see latest_complete_checkpoint)"
+            "use an earlier complete checkpoint "
+            + (f"(the newest is {latest})" if latest else "(latest_complete_checkpoint finds the newest)")
         )
     return load_pretrained(checkpoint_dir, image_size=image_size, **overrides)
 
@@ -408,24 +493,51 @@ def latest_complete_checkpoint(run_dir: str | Path) -> Path | None:
     """Newest `step_*` folder with COMPLETE under `run_dir/checkpoints` (or `run_dir` itself), or None."""
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
-    steps = [d for d in root.glob("step_*") if d.is_dir() and (d / COMPLETE_MARKER).is_file()]
+    steps = [
+        d
+        for d in root.glob("step_*")
+        if re.fullmatch(r"step_\d+", d.name) and d.is_dir() and (d / COMPLETE_MARKER).is_file()
+    ]
     return max(steps, key=lambda d: int(d.name.split("_")[1]), default=None)
 
 
 def load_model(source: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """Any weights vitscale reads: an official `.npz`, a training checkpoint folder, or a `save_pretrained` folder."""
+    """Any weights vitscale reads: an official `.npz`, a training checkpoint folder, or a `save_pretrained` folder
+    (or its `model.safetensors` / `model.json` file)."""
     source = Path(source)
-    if source.suffix == ".npz":
-        return load_npz(source, image_size=image_size, **overrides)
+    if source.is_file():
+        if source.name in (WEIGHTS_FILE, CONFIG_FILE):  # one file of a weights folder: the folder
+            return load_model(source.parent, image_size=image_size, **overrides)
+        if source.suffix == ".safetensors":
+            _read_safetensors(source)  # a damaged file is the first thing to say
+            raise ValueError(
+                f"{source} is a bare safetensors file: the architecture lives in the {CONFIG_FILE} beside it; pass "
+                f"a folder holding {WEIGHTS_FILE} + {CONFIG_FILE} (save_pretrained and `python -m pretrain.weights "
+                "convert` write both)"
+            )
+        return load_npz(source, image_size=image_size, **overrides)  # reads the format off the bytes, not the name
+    if not source.is_dir():
+        raise FileNotFoundError(
+            f"no file or folder at {source}; pass an official .npz, a training checkpoint folder or a folder "
+            "written by save_pretrained / `python -m pretrain.weights convert`"
+        )
     if (source / COMPLETE_MARKER).exists() or (source / "trainer_state.json").exists():
         return load_checkpoint_model(source, image_size=image_size, **overrides)
+    if not (source / WEIGHTS_FILE).exists() and not (source / CONFIG_FILE).exists():
+        latest = latest_complete_checkpoint(source)
+        hint = f"; it looks like a run folder: pass its checkpoint {latest}" if latest else ""
+        raise FileNotFoundError(
+            f"{source} holds no weights (no {WEIGHTS_FILE} + {CONFIG_FILE}, no {COMPLETE_MARKER} checkpoint); pass "
+            "an official .npz, a training checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a folder written by "
+            f"save_pretrained / `python -m pretrain.weights convert`{hint}"
+        )
     return load_pretrained(source, image_size=image_size, **overrides)
 
 
 # --------------------------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.weights", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="official .npz → model.safetensors + model.json")
@@ -436,15 +548,26 @@ def main(argv: list[str] | None = None) -> None:
     info.add_argument("source", type=Path, help=".npz, checkpoint folder or save_pretrained folder")
     info.add_argument("--image-size", type=int, default=None)
     args = parser.parse_args(argv)
-    if args.command == "convert":
-        model = load_npz(args.npz, image_size=args.image_size)
-        save_pretrained(model, args.out_dir)
-        print(f"wrote {args.out_dir}")
-    else:
-        model = load_model(args.source, image_size=args.image_size)
+    if args.image_size is not None and args.image_size < 1:
+        parser.error(f"--image-size must be a positive number of pixels, got {args.image_size}")
+    if args.command == "convert" and args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"OUT_DIR {args.out_dir} is a file; pass a folder to write model.safetensors and model.json into")
+    try:
+        if args.command == "convert":
+            model = load_npz(args.npz, image_size=args.image_size)
+            save_pretrained(model, args.out_dir)
+            print(f"wrote {args.out_dir}")
+        else:
+            model = load_model(args.source, image_size=args.image_size)
+    # Bad input (a wrong, damaged or missing file; a folder without weights; an unwritable output): the loaders
+    # raise these with a message naming the file and the fix. Anything else is a bug and keeps its traceback.
+    except (ValueError, OSError) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
     summary = {"config": model.config.to_dict(), **describe(model.config)}
     print(json.dumps(summary, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

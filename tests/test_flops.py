@@ -40,6 +40,16 @@ def test_param_count_equals_the_built_model(name, head):
     assert param_count(model_config(name, **overrides)) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize(("width_factor", "stages"), [(0.5, (1, 2)), (1.5, (1,)), (2, ()), (0.5, (1, 1, 1, 1))])
+def test_fractional_width_hybrids_are_counted_as_built(width_factor, stages):
+    # The stem is int(64 * width_factor) wide, as the model builds it (0.5 → 32 channels, not 0 or 64).
+    size = 2 * 4 * 2 ** max(len(stages) - 1, 0)
+    overrides = dict(image_size=size, patch_size=1, depth=1, hybrid_stages=stages, hybrid_width=width_factor)
+    model = build_model("vit_tiny_debug", **overrides).eval()
+    assert param_count(model.config) == sum(p.numel() for p in model.parameters())
+    assert forward_macs(model.config) == _measured_macs(model, torch.zeros(1, 3, size, size))
+
+
 def _measured_macs(model, images) -> int:
     """Multiply-adds of every conv and dense layer actually run, plus the two attention matmuls per layer."""
     total = 0

@@ -109,6 +109,59 @@ def test_config_validation_names_the_field():
         ViTConfig.from_dict({"widht": 3})
 
 
+@pytest.mark.parametrize(("width_factor", "stages"), [(0.5, (1, 1)), (1.5, (2,)), (0.5, ())])
+def test_fractional_width_hybrid_builds_the_official_widths_and_trains(width_factor, stages):
+    # VT models_vit.py: root int(64 * wf) channels, stage s has root * 2**s bottleneck features (4x out).
+    size = 2 * 4 * 2 ** max(len(stages) - 1, 0)
+    dims = dict(image_size=size, patch_size=1, width=32, depth=1, num_heads=4, mlp_dim=64, num_classes=3)
+    config = ViTConfig(**dims, hybrid_stages=stages, hybrid_width=width_factor, dropout=0.1)
+    model = VisionTransformer(config)
+    root = int(64 * width_factor)
+    stem = model.patch_embed.backbone
+    assert stem.conv_root.weight.shape == (root, 3, 7, 7) and stem.gn_root.num_groups == 32
+    for s in range(len(stages)):
+        unit = stem.stages[f"block{s + 1}"].units["unit1"]
+        assert unit.conv2.weight.shape[:2] == (root * 2**s, root * 2**s)
+        assert unit.conv3.weight.shape[0] == 4 * root * 2**s
+    assert stem.out_channels == (4 * root * 2 ** (len(stages) - 1) if stages else root)
+    assert model.patch_embed.proj.weight.shape[1] == stem.out_channels
+    assert stem.stride == config.stride == (4 if not stages else 4 * 2 ** (len(stages) - 1))
+    torch.manual_seed(0)
+    _make_all_parameters_reachable(model)
+    logits = model.train()(torch.rand(2, 3, size, size) * 2 - 1)
+    F.cross_entropy(logits, torch.tensor([0, 2])).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_hybrid_width_accepts_what_the_official_code_accepts():
+    def hybrid(width_factor):
+        return ViTConfig(image_size=32, patch_size=1, hybrid_stages=(1, 1), hybrid_width=width_factor)
+
+    assert hybrid(0.5).hybrid_width == 0.5
+    assert hybrid(2.0).hybrid_width == 2 and isinstance(hybrid(2.0).hybrid_width, int)  # model.json keeps "2"
+    assert hybrid(3).hybrid_width == 3
+    # int(64 * 0.51) = 32 channels: the official code builds it, and so do we (the root width decides).
+    assert (
+        VisionTransformer(dataclasses.replace(hybrid(0.51), depth=1)).patch_embed.backbone.conv_root.out_channels == 32
+    )
+    assert ViTConfig.from_dict(hybrid(1.5).to_dict()) == hybrid(1.5)
+    for bad, message in [
+        (0.25, r"hybrid_width=0.25 gives a ResNet root of int\(64 \* 0.25\) = 16 channels.*0.5, 1, 1.5 or 2"),
+        (0.75, r"= 48 channels, which the 32 groups of its GroupNorms cannot divide"),
+        (0, "hybrid_width must be a positive number"),
+        (-1, "hybrid_width must be a positive number"),
+        (True, "hybrid_width must be a positive number"),
+        ("1", "hybrid_width must be a positive number"),
+        (float("nan"), "hybrid_width must be a positive number"),
+        (float("inf"), "hybrid_width must be a positive number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            hybrid(bad)
+    with pytest.raises(ValueError, match=r"hybrid_stages must be a tuple of positive unit counts"):
+        ViTConfig(image_size=32, patch_size=1, hybrid_stages=(1, 0))
+
+
 def test_equations_1_to_4_compose():
     torch.manual_seed(0)
     model = build_model("vit_tiny_debug", representation_size=48).eval()

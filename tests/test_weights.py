@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.ndimage
 import torch
-from weights_npz_reference import official_arrays, reference_logits
+from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
-from pretrain.model import build_model
+from pretrain.model import VisionTransformer, ViTConfig, build_model
 from pretrain.weights import (
     IncompleteCheckpointError,
     from_hf_state_dict,
@@ -76,6 +80,94 @@ def test_official_layouts_reproduce_reference_logits(tmp_path, case):
     images = np.random.default_rng(1).uniform(-1, 1, (2, size, size, 3)).astype(np.float32)
     reference = reference_logits(arrays, images, layout=kwargs.get("layout", "vt"), stages=kwargs.get("stages"))
     assert _relative_error(_logits(model, images), reference) <= 1e-5
+
+
+# Hybrids as the official code builds them: root int(64 * width_factor) channels (fractional factors included), 1-4
+# stages, and the root alone (`num_layers=()`); stage widths follow the root (VT models_vit.py).
+HYBRID_WIDTHS = [0.5, 1, 2]
+HYBRID_STAGES = [(1,), (2, 1), (1, 1, 1), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("stages", HYBRID_STAGES, ids=lambda s: f"{len(s)}stages")
+@pytest.mark.parametrize("width_factor", HYBRID_WIDTHS, ids=lambda w: f"wf{w}")
+def test_hybrid_width_factors_and_stage_counts_reproduce_reference_logits(tmp_path, width_factor, stages):
+    arrays = official_arrays(
+        stages=stages, width_factor=width_factor, patch=1, grid=2, pool="gap" if len(stages) % 2 else "token"
+    )
+    model = load_npz(_write(tmp_path / "hybrid.npz", arrays, "params/"))
+    assert model.config.hybrid_stages == stages and model.config.hybrid_width == width_factor
+    assert model.patch_embed.backbone.conv_root.weight.shape[0] == int(64 * width_factor)
+    size = model.config.image_size
+    assert size == 2 * 4 * 2 ** (len(stages) - 1)  # a 2x2 grid of 1x1 patches behind the stem's stride
+    images = np.random.default_rng(4).uniform(-1, 1, (2, size, size, 3)).astype(np.float32)
+    assert _relative_error(_logits(model, images), reference_logits(arrays, images, stages=stages)) <= 1e-5
+
+
+@pytest.mark.parametrize("width_factor", [1.5, 3])
+def test_other_official_widths_and_the_root_only_stem_load(tmp_path, width_factor):
+    for stages in ((), (1, 1)):  # () is the official `num_layers=()`: conv_root + max-pool, no stage (stride 4)
+        arrays = official_arrays(stages=stages, width_factor=width_factor, patch=2, grid=2, seed=len(stages))
+        model = load_npz(_write(tmp_path / "hybrid.npz", arrays))
+        assert model.config.hybrid_stages == stages and model.config.hybrid_width == width_factor
+        size = model.config.image_size
+        images = np.random.default_rng(5).uniform(-1, 1, (1, size, size, 3)).astype(np.float32)
+        assert _relative_error(_logits(model, images), reference_logits(arrays, images, stages=stages)) <= 1e-5
+
+
+def _random_hybrid(width_factor, stages, **fields) -> VisionTransformer:
+    torch.manual_seed(0)
+    size = 2 * 4 * 2 ** max(len(stages) - 1, 0)  # a 2x2 grid of 1x1 patches behind the stem
+    dims = dict(image_size=size, patch_size=1, width=32, depth=1, num_heads=4, mlp_dim=64, num_classes=3)
+    config = ViTConfig(**dims, hybrid_stages=stages, hybrid_width=width_factor, **fields)
+    return _randomize(VisionTransformer(config)).eval()  # no zero-init GN scale or head hides a misplaced array
+
+
+@pytest.mark.parametrize(
+    ("width_factor", "stages"),
+    [(0.5, (1,)), (0.5, (1, 1, 1, 1)), (1, (2, 1)), (1.5, (1, 1, 1)), (2, (1, 1)), (2, ()), (0.5, ())],
+)
+def test_our_hybrid_saved_in_the_official_layout_loads_back_identically(tmp_path, width_factor, stages):
+    model = _random_hybrid(width_factor, stages, representation_size=16)
+    loaded = load_npz(_write(tmp_path / "ours.npz", arrays_from_model(model)))
+    assert loaded.config == model.config  # hybrid_width 0.5 comes back 0.5, not 0 or 1
+    images = torch.rand(2, 3, model.config.image_size, model.config.image_size) * 2 - 1
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+    save_pretrained(loaded, tmp_path / "folder")  # and through model.json, where the factor is a JSON number
+    assert json.loads((tmp_path / "folder" / "model.json").read_text())["hybrid_width"] == width_factor
+    again = load_pretrained(tmp_path / "folder")
+    assert again.config == model.config
+    with torch.no_grad():
+        assert torch.equal(again(images), model(images))
+
+
+@pytest.mark.parametrize("width_factor", [0.25, 0.75, 1.25])
+def test_widths_the_official_code_refuses_are_clear_errors(tmp_path, width_factor):
+    # int(64 * f) = 16, 48, 80 channels: no 32-group GroupNorm divides them, in Flax as in torch.
+    channels = int(64 * width_factor)
+    path = _write(tmp_path / "odd.npz", official_arrays(stages=(1, 1), width_factor=width_factor, patch=1, grid=2))
+    in_file = (
+        rf"odd.npz is not a valid ViT checkpoint: conv_root/kernel has {channels} output channels .* cannot divide"
+    )
+    with pytest.raises(ValueError, match=in_file):
+        load_npz(path)
+    in_config = rf"hybrid_width={width_factor} gives a ResNet root of int\(64 \* {width_factor}\) = {channels} channels"
+    with pytest.raises(ValueError, match=in_config):
+        ViTConfig(image_size=32, patch_size=1, hybrid_stages=(1, 1), hybrid_width=width_factor)
+
+
+def test_inconsistent_hybrid_arrays_are_clear_errors(tmp_path):
+    arrays = official_arrays(stages=(1, 1), width_factor=0.5, patch=1, grid=2)
+    wider = official_arrays(stages=(1, 1), width_factor=1, patch=1, grid=2)
+    mixed = {**arrays, "conv_root/kernel": wider["conv_root/kernel"], "gn_root/scale": wider["gn_root/scale"]}
+    expected = r"reads 256 channels but a ResNet stem with stages \(1, 1\) and a 64-channel root .* produces 512"
+    with pytest.raises(ValueError, match=expected):
+        load_npz(_write(tmp_path / "mixed.npz", mixed))
+    del arrays["block2/unit1/conv2/kernel"]
+    with pytest.raises(
+        ValueError, match=r"do not fit .*: missing \['patch_embed.backbone.stages.block2.units.unit1.conv2"
+    ):
+        load_npz(_write(tmp_path / "incomplete.npz", arrays))
 
 
 def test_big_vision_scan_layout_is_unstacked(tmp_path):
@@ -278,3 +370,108 @@ def test_hf_export_refuses_what_hf_cannot_express():
         to_hf_state_dict(build_model("vit_tiny_debug", pool="gap"))
     with pytest.raises(ValueError, match="pre-logits layer"):
         to_hf_state_dict(build_model("vit_tiny_debug", representation_size=8))
+
+
+# --------------------------------------------------------------------------------------------- CLI on bad input
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name → (argv of `python -m pretrain.weights`, what its one error line must say)."""
+    good = _write(tmp / "good.npz", official_arrays())
+    (tmp / "pickle.npz").write_bytes(pickle.dumps({"embedding/kernel": np.zeros((4, 4, 3, 8))}))
+    (tmp / "truncated.npz").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    (tmp / "empty.npz").write_bytes(b"")
+    (tmp / "text.npz").write_text("hello")
+    (tmp / "no_weights").mkdir()
+    _write(tmp / "resnet.npz", {"conv1/kernel": np.zeros((3, 3, 3, 8), np.float32)})
+    with zipfile.ZipFile(tmp / "plain.zip", "w") as z:
+        z.writestr("notes.txt", "not an array")
+    np.savez(tmp / "object.npz", cls=np.array([{"a": 1}], dtype=object))
+    np.savez(tmp / "strings.npz", **{**official_arrays(), "cls": np.array(["a", "b"])})
+    np.save(tmp / "single.npy", np.zeros(3))
+    (tmp / "single.npz").write_bytes((tmp / "single.npy").read_bytes())
+    _write(tmp / "wf075.npz", official_arrays(stages=(1,), width_factor=0.75, patch=1, grid=2))
+    incomplete = official_arrays()
+    del incomplete["Transformer/encoder_norm/scale"]
+    _write(tmp / "incomplete.npz", incomplete)
+    tiny = build_model("vit_tiny_debug")
+    save_pretrained(tiny, tmp / "saved")
+    for name in ("bad_header", "bad_json", "json_list", "bad_width", "no_config", "wrong_model"):
+        save_pretrained(tiny, tmp / name)
+    (tmp / "bad_header" / "model.safetensors").write_bytes(b"\xff" * 8 + b"{not a header")
+    (tmp / "bare.safetensors").write_bytes((tmp / "saved" / "model.safetensors").read_bytes())
+    (tmp / "bad_json" / "model.json").write_text("{'width': 64,")
+    (tmp / "json_list" / "model.json").write_text("[1, 2]")
+    hybrid = {**tiny.config.to_dict(), "hybrid_stages": [1], "hybrid_width": 0.75, "patch_size": 1}
+    (tmp / "bad_width" / "model.json").write_text(json.dumps(hybrid))
+    (tmp / "no_config" / "model.json").unlink()
+    (tmp / "wrong_model" / "model.json").write_text(json.dumps({**tiny.config.to_dict(), "depth": 5}))
+    (tmp / "unfinished").mkdir()
+    (tmp / "unfinished" / "trainer_state.json").write_text("{}")
+    save_pretrained(tiny, tmp / "run" / "checkpoints" / "step_00000002")
+    (tmp / "run" / "checkpoints" / "step_00000002" / "COMPLETE").write_text("")
+    (tmp / "a_file").write_text("x")
+    info = lambda name: ["info", str(tmp / name)]  # noqa: E731
+    return {
+        "pickle": (info("pickle.npz"), r"pickle.npz is a pickle, not an .npz archive; pickled data is never loaded"),
+        "truncated": (info("truncated.npz"), r"truncated.npz is truncated or not an .npz archive.*download it again"),
+        "missing": (info("absent.npz"), r"no file or folder at \S*absent.npz"),
+        "missing_convert": (["convert", str(tmp / "absent.npz"), str(tmp / "o")], r"no checkpoint file at \S*absent"),
+        "empty": (info("empty.npz"), r"empty.npz is empty \(0 bytes\)"),
+        "text": (info("text.npz"), r"text.npz is neither a zip archive nor a NumPy file"),
+        "folder_without_weights": (info("no_weights"), r"no_weights holds no weights .* pass an official .npz"),
+        "convert_a_folder": (["convert", str(tmp / "saved"), str(tmp / "o")], r"saved is a folder, not an .npz file"),
+        "npz_not_a_vit": (info("resnet.npz"), r"resnet.npz is not a ViT checkpoint: no 'embedding/kernel'.*conv1"),
+        "zip_not_npz": (info("plain.zip"), r"plain.zip is a zip archive but not an .npz checkpoint.*'notes.txt'"),
+        "object_array": (info("object.npz"), r"object.npz contains pickled data"),
+        "string_array": (info("strings.npz"), r"strings.npz: array 'cls' has dtype <U1, not numbers"),
+        "single_npy": (info("single.npz"), r"single.npz is a single .npy array"),
+        "fractional_width_refused": (info("wf075.npz"), r"wf075.npz .*conv_root/kernel has 48 output channels"),
+        "incomplete": (info("incomplete.npz"), r"incomplete.npz is not a complete ViT .*'Transformer/encoder_norm/s"),
+        "safetensors_bad_header": (info("bad_header"), r"model.safetensors is not a readable safetensors file"),
+        "safetensors_file_bad_header": (info("bad_header/model.safetensors"), r"not a readable safetensors file"),
+        "bare_safetensors": (info("bare.safetensors"), r"bare.safetensors is a bare safetensors file.*model.json"),
+        "config_not_json": (info("bad_json"), r"bad_json/model.json is not a valid model config"),
+        "config_a_list": (info("json_list"), r"json_list/model.json .* it holds a JSON list"),
+        "config_bad_width": (info("bad_width"), r"bad_width/model.json .*hybrid_width=0.75 gives .* 48 channels"),
+        "no_config": (info("no_config"), r"no_config has no model.json"),
+        "weights_of_another_model": (
+            info("wrong_model"),
+            r"wrong_model do not fit the model their config describes: missing \['blocks.4.*and \d+ more",
+        ),
+        "checkpoint_without_complete": (info("unfinished"), r"unfinished has no COMPLETE marker"),
+        "run_folder": (info("run"), r"run holds no weights.*run folder: pass its checkpoint \S*step_00000002"),
+        "image_size_off_stride": (info("good.npz") + ["--image-size", "30"], r"image_size=30: .*patch stride 4"),
+        "image_size_zero": (info("good.npz") + ["--image-size", "0"], r"--image-size must be a positive"),
+        "image_size_not_a_number": (info("good.npz") + ["--image-size", "big"], r"invalid int value: 'big'"),
+        "out_dir_is_a_file": (["convert", str(good), str(tmp / "a_file")], r"a_file is a file; pass a folder"),
+        "unknown_command": (["show", str(good)], r"invalid choice: 'show'"),
+    }
+
+
+def test_cli_bad_input_exits_2_with_one_message_and_no_traceback(tmp_path, capsys):
+    cases = _bad_inputs(tmp_path)
+    assert len(cases) >= 30
+    for name, (argv, expected) in cases.items():
+        try:
+            status = main(argv)
+        except SystemExit as e:  # argparse's own errors (flags, values)
+            status = e.code
+        out, err = capsys.readouterr()
+        assert status == 2, f"{name}: exit status {status}\n{err}"
+        assert "Traceback" not in err and not out, f"{name}: {out}{err}"
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith("python -m pretrain.weights"), f"{name}: {err}"
+        assert re.search(expected, errors[0]), f"{name}: {errors[0]!r} does not match {expected!r}"
+    assert main(["info", str(tmp_path / "saved" / "model.safetensors")]) == 0  # a weights folder's file: its folder
+    assert json.loads(capsys.readouterr().out)["config"]["width"] == 64
+
+
+def test_python_m_entry_point_exits_2_without_traceback(tmp_path):
+    (tmp_path / "weights.npz").write_bytes(pickle.dumps([1, 2, 3]))
+    root = Path(__file__).resolve().parent.parent
+    target = tmp_path / "weights.npz"
+    cmd = [sys.executable, "-m", "pretrain.weights", "info", str(target)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not proc.stdout, proc.stderr
+    assert proc.stderr.count("\n") == 1 and f"{target} is a pickle" in proc.stderr, proc.stderr

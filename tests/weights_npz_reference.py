@@ -9,6 +9,7 @@ to the right place.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -28,11 +29,16 @@ def official_arrays(
     pool="token",
     representation_size=None,
     stages=None,
+    width_factor=1,
     layout="vt",
     old_groupnorm=False,
     seed=0,
 ) -> dict[str, np.ndarray]:
-    """Random float32 arrays named as a VT (`layout="vt"`) or big_vision (`"bv"`) checkpoint would name them."""
+    """Random float32 arrays named as a VT (`layout="vt"`) or big_vision (`"bv"`) checkpoint would name them.
+
+    `stages` (units per ResNet stage; `()` = the root alone) adds the hybrid's ResNet stem, whose root has
+    `int(64 * width_factor)` channels and stage s `root · 2^s` bottleneck features, as VT `models_vit.py` builds it.
+    """
     rng = np.random.default_rng(seed)
 
     def rand(*shape, scale=None):
@@ -41,8 +47,8 @@ def official_arrays(
 
     p: dict[str, np.ndarray] = {}
     in_chans = 3
-    if stages:
-        root = 64
+    if stages is not None:
+        root = int(64 * width_factor)
         p["conv_root/kernel"] = rand(7, 7, 3, root, scale=0.1)
         gn_shape = (lambda c: (1, 1, 1, c)) if old_groupnorm else (lambda c: (c,))
         p["gn_root/scale"], p["gn_root/bias"] = 1 + rand(*gn_shape(root), scale=0.1), rand(*gn_shape(root), scale=0.1)
@@ -161,7 +167,7 @@ def reference_logits(p: dict[str, np.ndarray], images_nhwc: np.ndarray, *, layou
     """The Flax model's output for arrays `p` (no prefix) on float images (B, H, W, 3) in [-1, 1]; float64."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     x = images_nhwc.astype(np.float64)
-    if stages:
+    if stages is not None:
         x = _resnet(p, x, stages)
     kernel = p["embedding/kernel"]
     x = _conv_same(x, kernel, kernel.shape[0], padding="VALID") + p["embedding/bias"]
@@ -199,3 +205,55 @@ def reference_logits(p: dict[str, np.ndarray], images_nhwc: np.ndarray, *, layou
     if "head/kernel" in p:
         x = x @ p["head/kernel"] + p["head/bias"]
     return x
+
+
+# --------------------------------------------------------------------------------------------- our model → official
+
+
+def arrays_from_model(model) -> dict[str, np.ndarray]:
+    """A `pretrain.model.VisionTransformer`'s weights under the VT checkpoint names (the inverse of `load_npz`).
+
+    Written from the official layout (HWIO kernels, (D, heads, head_dim) attention kernels, VT block names), so
+    a save → `load_npz` round trip checks both directions of the mapping.
+    """
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    config = model.config
+    D, heads = config.width, config.num_heads
+    hd = D // heads
+    hwio = lambda w: w.transpose(2, 3, 1, 0)  # noqa: E731  OIHW → HWIO
+    p = {
+        "embedding/kernel": hwio(sd["patch_embed.proj.weight"]),
+        "embedding/bias": sd["patch_embed.proj.bias"],
+        "Transformer/posembed_input/pos_embedding": sd["pos_embed"],
+        "Transformer/encoder_norm/scale": sd["norm.weight"],
+        "Transformer/encoder_norm/bias": sd["norm.bias"],
+    }
+    if "cls_token" in sd:
+        p["cls"] = sd["cls_token"]
+    for i in range(config.depth):
+        ours, (ln1, attn, ln2, mlp) = f"blocks.{i}.", (f"Transformer/encoderblock_{i}/{n}" for n in VT_BLOCK_NAMES)
+        for ln, norm in ((ln1, "norm1"), (ln2, "norm2")):
+            p[ln + "/scale"], p[ln + "/bias"] = sd[ours + norm + ".weight"], sd[ours + norm + ".bias"]
+        weights = np.split(sd[ours + "attn.qkv.weight"], 3)  # each (D_out, D_in)
+        biases = np.split(sd[ours + "attn.qkv.bias"], 3)
+        for name, w, b in zip(("query", "key", "value"), weights, biases):
+            p[f"{attn}/{name}/kernel"], p[f"{attn}/{name}/bias"] = w.T.reshape(D, heads, hd), b.reshape(heads, hd)
+        p[f"{attn}/out/kernel"] = sd[ours + "attn.proj.weight"].T.reshape(heads, hd, D)
+        p[f"{attn}/out/bias"] = sd[ours + "attn.proj.bias"]
+        for dense, fc in (("Dense_0", "fc1"), ("Dense_1", "fc2")):
+            p[f"{mlp}/{dense}/kernel"] = sd[f"{ours}mlp.{fc}.weight"].T
+            p[f"{mlp}/{dense}/bias"] = sd[f"{ours}mlp.{fc}.bias"]
+    if config.representation_size:
+        p["pre_logits/kernel"], p["pre_logits/bias"] = sd["pre_logits.0.weight"].T, sd["pre_logits.0.bias"]
+    if config.num_classes:
+        p["head/kernel"], p["head/bias"] = sd["head.weight"].T, sd["head.bias"]
+    for key, value in sd.items():  # patch_embed.backbone.stages.block1.units.unit1.conv1.weight → block1/unit1/conv1
+        if not key.startswith("patch_embed.backbone."):
+            continue
+        name = key[len("patch_embed.backbone.") :]
+        module, param = re.sub(r"^stages\.(block\d+)\.units\.(unit\d+)\.", r"\1/\2/", name).rsplit(".", 1)
+        if module.rsplit("/", 1)[-1].startswith("conv"):
+            p[module + "/kernel"] = hwio(value)
+        else:
+            p[module + "/" + ("scale" if param == "weight" else "bias")] = value
+    return {k: np.ascontiguousarray(v) for k, v in p.items()}
