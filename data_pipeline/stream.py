@@ -16,7 +16,9 @@ Exact resume: every random choice is a pure function of the position — the shu
 seeded by (seed, e, r, l), the augmentation of a sample by (seed, e, shard, member, repeat), mixup by
 (seed, e, r, j). Each batch carries how many buffer draws its worker has made; ``state_dict()`` records
 (epoch, batches done, draws per worker) and a resumed worker replays its draws without decoding them.
-Resume needs the same seed, world size, rank, num_workers and batch size (checked).
+Resume needs the same seed, world size, rank, num_workers and batch size (checked). Creating a stream's
+DataLoader never draws from the global RNGs (its workers' base seed comes from a generator of its own), so
+iterating, resuming or rolling over an epoch leaves the training process's random state as it was.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list
         bins[k].append(item)
         totals[k] += counts[item]
     return bins
+
+
+def _loader_generator(*key: int) -> torch.Generator:
+    """A private generator for a DataLoader, seeded by ``key``: each (re)created multi-process iterator draws its
+    workers' base seed from it.
+
+    Without one, that draw comes from the *global* torch generator, the one dropout uses, so creating the loader at
+    a resume, an epoch rollover or a resolution switch would shift the model's random stream. The workers seed every
+    choice they make by position (module docstring), so the base seed only has to be reproducible, never random.
+    """
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]))
 
 
 def _as_info(source) -> DatasetInfo:
@@ -348,6 +361,7 @@ class TrainStream:
                         num_workers=self.num_workers,
                         multiprocessing_context=self.multiprocessing_context,
                         prefetch_factor=self.prefetch_factor,
+                        generator=_loader_generator(self.plan.seed, self._epoch, self.plan.rank, self._batch),
                     )
                 )
             for x, y, meta in batches:
@@ -453,6 +467,7 @@ class EvalStream:
                     batch_size=None,
                     num_workers=self.num_workers,
                     multiprocessing_context=self.multiprocessing_context,
+                    generator=_loader_generator(0),  # evaluation draws nothing: any fixed seed will do
                 )
             )
         for x, y, keys, stats in batches:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 
 import numpy as np
 import pyarrow as pa
@@ -67,8 +68,16 @@ def take(stream, n):
     return [next(it) for _ in range(n)]
 
 
+def global_rng_states() -> tuple:
+    """The training process's global generators: the model's dropout and other libraries draw from them, so
+    creating DataLoaders (at a resume, an epoch rollover) must leave them alone."""
+    np_state = np.random.get_state()
+    return torch.get_rng_state().tolist(), random.getstate(), (np_state[0], np_state[1].tolist(), *np_state[2:])
+
+
 @pytest.mark.timeout(60)
 def test_eval_every_sample_exactly_once_across_ranks_and_workers(uneven):
+    before = global_rng_states()
     seen = []
     for rank in range(2):
         stream = EvalStream(
@@ -80,6 +89,7 @@ def test_eval_every_sample_exactly_once_across_ranks_and_workers(uneven):
         assert any(len(b[1]) < 8 for b in batches)  # partial last batches are kept, not dropped
         seen += [k for b in batches for k in b[2]]
     assert len(seen) == sum(UNEVEN) and len(set(seen)) == sum(UNEVEN)
+    assert global_rng_states() == before  # the worker processes' seeds came from a private generator
 
 
 @pytest.mark.timeout(90)
@@ -154,6 +164,7 @@ def test_resume_after_k_batches_is_bit_identical(uneven, num_workers):
         mixup_alpha=0.4,
         augment=AugmentConfig(randaugment_n=2, randaugment_m=9),
     )
+    before = global_rng_states()
     reference = TrainStream(uneven, **kwargs)
     bpe = reference.batches_per_epoch
     total = 2 * bpe + 3
@@ -169,6 +180,8 @@ def test_resume_after_k_batches_is_bit_identical(uneven, num_workers):
         for i, (x, y) in enumerate(take(resumed, total - k), start=k):
             assert torch.equal(x, expected[i][0]), (k, i)
             assert torch.equal(y, expected[i][1]), (k, i)
+    # the DataLoaders above (3 epochs, 3 resumes) drew their workers' seeds from private generators, not the global ones
+    assert global_rng_states() == before
 
 
 def take_iter(stream, n):

@@ -3,7 +3,9 @@
 - 2 processes with ZeRO-1, -2 and -3 each match a single-process plain-PyTorch run of the same model and data
   (5 steps, gradient accumulation 2, loss <= 1e-5 apart; the ZeRO-3 consolidated weights match too);
 - a 2-process run stopped at step 5 and resumed equals the uninterrupted run at every later step (loss <= 1e-6,
-  with dropout on, so the RNG state is restored too) and consumes the same batches (hashes per rank);
+  with dropout on, so the dropout masks are reproduced too) and consumes the same batches (hashes per rank);
+- the same with the paper's recipe settings (2 loader workers per rank, dropout, RandAugment, mixup, ZeRO-3,
+  accumulation 2) and two epoch boundaries in the resumed part, where the loader workers are created anew;
 - a hard crash in the middle of a checkpoint write leaves the previous checkpoint loadable, the partial one ignored,
   and the run resumes from the previous one.
 """
@@ -144,7 +146,7 @@ def test_zero_stage_matches_plain_pytorch(stage, shards, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
-    # dropout on: a resumed run must also continue each rank's RNG stream exactly
+    # dropout on: a resumed run must also reproduce each rank's dropout masks exactly
     extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3")
     whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "a")
     stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, "schedule.stop_at_step=5"), tmp_path / "b")
@@ -239,3 +241,23 @@ def test_bf16_nccl_on_one_gpu_matches_fp32_loosely(shards, tmp_path):
     bf16 = [loss for _, loss in summaries["auto"]["losses"]]
     fp32 = [loss for _, loss in summaries["fp32"]["losses"]]
     assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(bf16, fp32)), (bf16, fp32)
+
+
+@pytest.mark.timeout(900)
+def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards, tmp_path):
+    # The paper's recipe case: loader workers, dropout, RandAugment, mixup, ZeRO-3, accumulation 2. 64 images over
+    # 2 ranks x micro-batch 4 is 8 micro-batches = 4 steps per epoch: the stop at step 3 lands mid-epoch and the
+    # resumed part (4..10) crosses two epoch boundaries, each of which re-creates the workers.
+    extra = ("deepspeed.zero_stage=3", "model.dropout=0.1", "data.num_workers=2", "data.mixup_alpha=0.2",
+             "data.augment.randaugment_n=2", "data.augment.randaugment_m=10", "checkpoint.every_steps=3",
+             "schedule.total=10")  # fmt: skip
+    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "a")
+    stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, "schedule.stop_at_step=3"), tmp_path / "b")
+    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "c")
+    for rank in range(2):
+        w, s, r = whole[rank], stopped[rank], resumed[rank]
+        assert r["start"] == "run" and r["start_step"] == 3 and [step for step, _ in r["losses"]] == list(range(4, 11))
+        later = dict(w["losses"])
+        diffs = [abs(loss - later[step]) for step, loss in r["losses"]]
+        assert max(diffs) <= 1e-6, (diffs, r["losses"], w["losses"])
+        assert s["digests"] + r["digests"] == w["digests"]
