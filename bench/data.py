@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ import torch
 from PIL import Image
 
 from data_pipeline.augment import AugmentConfig, decode_train, to_float_images
+from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import read_shard
 from data_pipeline.stream import TrainStream
@@ -89,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-results/data.json")
     args = p.parse_args(argv)
+    # The stream stage reads batches of 32 from 40-image shards: fewer images than one batch measure nothing.
+    for flag, value, low in (("--images", args.images, 32), ("--size", args.size, 1), ("--rounds", args.rounds, 1)):
+        if value < low:
+            p.error(f"{flag} {value}: must be >= {low}")
+    try:
+        out = output_file(args.out, "--out")  # before minutes of timing
+    except ValueError as error:
+        print(f"bench.data: error: {error}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)  # per core: the float conversion must not borrow the other cores
     images = imagenet_like_jpegs(args.images)
     mean_kb = sum(map(len, images)) / len(images) / 1024
@@ -127,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode+augment (ours)  : {pipe_rate:7.1f} images/s per core   ratio {result['ratio']:.2f} (goal >= 0.85)")
     print(f"TrainStream end to end: {stream_rate:7.1f} images/s (num_workers=0)")
     print(f"shard reading          : {read_mb_s:7.1f} MB/s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -21,13 +21,14 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from data_pipeline.cli import output_file
 from pretrain.flops import train_flops
 from pretrain.model import build_model
 
@@ -146,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error("--batch-size, --rounds and --repeats must be >= 1")
+    try:
+        out = output_file(args.out, "--out")  # before minutes of timing
+    except ValueError as error:
+        print(f"bench.train: error: {error}", file=sys.stderr)
+        return 2
     result = run(args.batch_size, args.rounds, args.repeats, args.hf_attn, with_eager=not args.no_eager)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"vitscale {result['vitscale_img_s']:.2f} img/s, HF ({args.hf_attn}) {result['hf_img_s']:.2f} img/s: "
           f"{result['speedup_vs_hf']:.2f}x (goal >= 1.5x); {result['achieved_tflops']:.3f} of "

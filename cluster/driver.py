@@ -11,9 +11,11 @@ Order of work (all on the Ray head, inside the job):
    the profile, FailureConfig(max_failures), RunConfig(storage_path = profile checkpoints))`. Each worker runs
    `pretrain.train.train_worker(config, on_checkpoint)`; rank 0's `on_checkpoint` hands every COMPLETE checkpoint
    to the scheduler without waiting. When a worker dies, Ray Train restarts the whole worker group and
-   `train_worker` resumes from the newest COMPLETE checkpoint in the run folder: same run folder, same MLflow run.
-4. Wait for pending evals, print the summary table (step, loss, eval metrics), close the MLflow run, exit 0 only
-   if training succeeded.
+   `train_worker` resumes from the newest COMPLETE checkpoint in the run folder: same run folder, same MLflow run
+   (the steps it redoes are not logged to MLflow again; the run's tag `vitscale.restarts` counts the restarts).
+   Rank 0 pins each checkpoint until its evals end, so `checkpoint.keep_last` never deletes one they still need.
+4. Wait for pending evals, prune the checkpoints their pins kept, print the summary table (step, loss, eval
+   metrics), close the MLflow run, exit 0 only if training succeeded.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +76,15 @@ class JobSpec:
 
 def worker_env(profile: ClusterProfile) -> dict[str, str]:
     """Environment every training worker sets before importing torch/DeepSpeed."""
-    env = {"OMP_NUM_THREADS": str(profile.workers.cpus_per_worker), "PYTHONUNBUFFERED": "1"}
+    env = {
+        "OMP_NUM_THREADS": str(profile.workers.cpus_per_worker),
+        "PYTHONUNBUFFERED": "1",
+        # Ray Train V2 routes a worker's print() to the root logger, whose console handler writes it out, and also
+        # prints it itself whenever sys.stdout is not sys.__stdout__ — always so in a Ray worker, which replaces
+        # sys.stdout. Every line of a training worker came out twice; off, print() writes once, to the worker's
+        # stdout, which Ray streams to the job log.
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    }
     if not profile.uses_gpus:
         env["DS_ACCELERATOR"] = "cpu"
     return env
@@ -85,6 +96,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
+    from pretrain.checkpoint import pin_checkpoint
     from pretrain.config import TrainConfig
     from pretrain.train import train_worker
 
@@ -98,6 +110,10 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         if rank == 0:
+            if config.evals.suite:
+                # Pinned here, synchronously, before the next save's prune can run; the scheduler only gets the
+                # folder later (an async call), and releases the pin when the eval ends.
+                pin_checkpoint(checkpoint_dir, f"evals {config.evals.suite} pending on step {step}")
             scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics))
         if fault and rank == fault["rank"] and step >= fault["after_step"] and not marker.exists():
             marker.write_text(f"rank {rank} killed {fault['delay_s']} s after checkpoint step {step}\n")
@@ -113,7 +129,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
 
 def _record_placement(run_dir: Path, rank: int) -> None:
-    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time)."""
+    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job)."""
     import socket
 
     import ray
@@ -127,8 +143,16 @@ def _record_placement(run_dir: Path, rank: int) -> None:
         "node_id": ctx.get_node_id(),
         "hostname": socket.gethostname(),
         "started": time.time(),
+        "job_id": ctx.get_job_id(),
     }
     (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
+
+
+def count_restarts(placements: list[dict[str, Any]]) -> int:
+    """Worker-group restarts of a run from its placement records: every attempt's rank 0 writes one, so the
+    attempts of a Ray job beyond its first are restarts (summed over the jobs that continued the run)."""
+    attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
+    return sum(n - 1 for n in attempts.values())
 
 
 def _floats(d: dict) -> dict[str, float]:
@@ -184,6 +208,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
 
     from cluster.eval_scheduler import EvalScheduler
     from cluster.summary import format_summary
+    from pretrain.checkpoint import prune_checkpoints, release_pins
     from pretrain.config import TrainConfig
 
     profile = spec.profile
@@ -195,6 +220,9 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     config = TrainConfig.from_dict({**spec.config, "logging": {**spec.config["logging"], "mlflow_run_id": run_id}})
     uri = config.logging.mlflow_tracking_uri
     print(f"MLflow run {run_id} ({uri}); run folder {run_dir}", flush=True)
+    stale = release_pins(run_dir)  # one job per run folder: pins found now belong to a job that died
+    if stale:
+        print(f"released {len(stale)} checkpoint pins left by an earlier job of this run", flush=True)
 
     scheduler = EvalScheduler.remote(
         config.evals.suite,
@@ -225,6 +253,8 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
             name=run_dir.name,
             storage_path=str(run_dir.parent),
             failure_config=FailureConfig(max_failures=profile.max_failures),
+            # Before the worker process imports anything: thread counts, and print() said once (worker_env).
+            worker_runtime_env={"env_vars": worker_env(profile)},
         ),
     )
     started = time.monotonic()
@@ -242,16 +272,26 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         train_result = json.loads((run_dir / "train_result.json").read_text())
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     evals = ray.get(scheduler.drain.remote(eval_timeout_s))
+    # The job ends here: an eval still running past the timeout dies with it, so no pin needs to outlive it, and
+    # the checkpoints pins kept beyond checkpoint.keep_last go now.
+    release_pins(run_dir)
+    pruned = prune_checkpoints(run_dir, config.checkpoint.keep_last)
     table = format_summary(evals)
     print(table, flush=True)
+    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
+    restarts = count_restarts(workers)
+    if restarts:
+        print(f"the worker group was restarted {restarts} time(s) after a worker failed", flush=True)
     (run_dir / "summary.json").write_text(
         json.dumps(
             {
                 "status": status,
                 "train_seconds": train_s,
                 "train_result": train_result,
-                "workers": [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))],
+                "restarts": restarts,
+                "workers": workers,
                 "checkpoints": {str(k): v for k, v in evals.items()},
+                "pruned_after_evals": [p.name for p in pruned],
             },
             indent=2,
             default=str,
@@ -260,6 +300,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     from pretrain.tracking import Tracker
 
     tracker = Tracker(uri, run_id, rank=0)
+    tracker.set_tags({"vitscale.restarts": restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     tracker.close()
     _set_status(uri, run_id, status)
@@ -271,13 +312,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
     parser.add_argument("--address", default=None, help="Ray address (default: the job's cluster)")
     args = parser.parse_args(argv)
-    if args.plan:
-        text = Path(args.plan).read_text()
-    elif os.environ.get(PLAN_ENV):
-        text = os.environ[PLAN_ENV]
-    else:
+    if not args.plan and not os.environ.get(PLAN_ENV):
         parser.error(f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does)")
-    return run_job(JobSpec.from_json(text), address=args.address)
+    source = f"--plan {args.plan}" if args.plan else f"${PLAN_ENV}"
+    try:  # only parsing here: unreadable, not JSON, JSON of another shape, an invalid profile or config
+        text = Path(args.plan).read_text() if args.plan else os.environ[PLAN_ENV]
+        spec = JobSpec.from_json(text)
+        from pretrain.config import TrainConfig  # imports torch: only once the spec parses
+
+        TrainConfig.from_dict(spec.config)  # run_job reads it only after starting Ray and MLflow
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        print(
+            f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
+            f"is the JSON that `python -m cluster.launch` writes into ${PLAN_ENV} of the Ray job it submits",
+            file=sys.stderr,
+        )
+        return 2
+    import ray
+
+    try:  # here rather than in run_job: no cluster is the user's to fix, and must not look like a crash
+        ray.init(address=args.address or "auto")
+    except ConnectionError as error:
+        print(
+            f"python -m cluster.driver: error: no Ray cluster at {args.address or 'auto'} ({error}); the driver runs "
+            "as a Ray job: start it with `python -m cluster.launch` (make launch), or pass --address of a running head",
+            file=sys.stderr,
+        )
+        return 2
+    return run_job(spec, address=args.address)
 
 
 if __name__ == "__main__":

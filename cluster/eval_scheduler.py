@@ -12,10 +12,19 @@ workers take; a GPU of the eval node group on `a100x64`). Each task logs its met
 with `step` = the checkpoint step. The driver calls `drain()` after training to wait for what is pending.
 
 A restarted worker group may report the same checkpoint again: each step is evaluated once.
+
+Pins: `checkpoint.keep_last` must not delete a checkpoint whose eval has not run yet. Rank 0 pins each checkpoint
+(`pretrain.checkpoint.pin_checkpoint`, a file in its folder) right after saving it, before any later save can
+prune; the pin is released when its eval ends — by the eval task (in a `finally`), or by this actor when it sees
+the task finished or died — and the next prune (or the driver's, after `drain`) deletes it. Pins stay bounded:
+at most `max_pinned` checkpoints wait for evals at once — when evals fall that far behind training, the eval of
+a new checkpoint is skipped (said in the summary) rather than letting pinned checkpoints fill the disk — and the
+driver clears what a job leaves behind (at its end, and a dead job's at the next start).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -35,18 +44,27 @@ def _table_to_metrics(table: Any) -> dict[str, float]:
     return metrics
 
 
+# Checkpoints kept (pinned) for evals that have not ended, at most: beyond this, evals are skipped.
+MAX_PINNED = 8
+
+
 def run_suite_task(
     checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """Body of one eval task: run the suite on one checkpoint; return its metrics, or the error as text."""
+    """Body of one eval task: run the suite on one checkpoint; return its metrics, or the error as text.
+
+    Releases the checkpoint's pin however it ends.
+    """
+    from pretrain.checkpoint import unpin_checkpoint
+
     started = time.monotonic()
-    if not (Path(checkpoint_dir) / "COMPLETE").exists():
-        return {
-            "error": f"{checkpoint_dir} is gone or incomplete (pruned by checkpoint.keep_last before its eval "
-            "ran? raise keep_last)",
-            "seconds": 0.0,
-        }
     try:
+        if not (Path(checkpoint_dir) / "COMPLETE").exists():
+            return {
+                "error": f"{checkpoint_dir} is gone or incomplete although pinned for this eval: deleted by hand, "
+                "or by another job writing the same run folder",
+                "seconds": 0.0,
+            }
         import torch
 
         from evals.run import run_suite
@@ -61,6 +79,8 @@ def run_suite_task(
             "traceback": traceback.format_exc(),
             "seconds": time.monotonic() - started,
         }
+    finally:  # done, failed or interrupted: this eval no longer needs the folder
+        unpin_checkpoint(checkpoint_dir)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -75,44 +95,89 @@ class EvalScheduler:
         tracking_uri: str | None,
         num_cpus: float = 1,
         num_gpus: float = 0,
+        max_pinned: int = MAX_PINNED,
     ):
         self.suite, self.data_root, self.run_id, self.tracking_uri = suite, data_root, run_id, tracking_uri
+        self.max_pinned = max_pinned
         self._task = ray.remote(run_suite_task).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)
-        self._pending: dict[int, ray.ObjectRef] = {}
+        self._lock = threading.Lock()  # submit / drain / pending may run concurrently (threaded actor)
+        self._pending: dict[int, ray.ObjectRef] = {}  # steps whose eval has not ended: their checkpoints are pinned
         self._results: dict[int, dict[str, Any]] = {}
         self._train: dict[int, dict[str, float]] = {}
         self._paths: dict[int, str] = {}
 
     def submit(self, checkpoint_dir: str, step: int, train_metrics: dict[str, float] | None = None) -> bool:
-        """Record the checkpoint and start its eval; False if this step was already submitted."""
-        self._train[step] = dict(train_metrics or {})
-        if step in self._paths:
-            return False
-        self._paths[step] = checkpoint_dir
-        if self.suite:
+        """Record the checkpoint and start its eval; False if this step was already submitted.
+
+        Training rank 0 pinned the checkpoint before calling; the pin stays while its eval is pending, and is
+        released at once otherwise (step seen before, no suite, or its eval skipped: `max_pinned` already waiting).
+        """
+        from pretrain.checkpoint import unpin_checkpoint
+
+        with self._lock:
+            self._collect(timeout_s=0)
+            self._train[step] = dict(train_metrics or {})
+            if step in self._paths:
+                if step not in self._pending:  # its eval already ended: nothing needs this folder any more
+                    unpin_checkpoint(checkpoint_dir)
+                return False
+            self._paths[step] = checkpoint_dir
+            if not self.suite:
+                unpin_checkpoint(checkpoint_dir)
+                return True
+            if len(self._pending) >= self.max_pinned:
+                unpin_checkpoint(checkpoint_dir)
+                self._results[step] = {
+                    "error": f"eval skipped: the evals of {len(self._pending)} checkpoints were still waiting or "
+                    f"running (their checkpoints pinned; at most {self.max_pinned}). Evals are slower than "
+                    "checkpointing: give them more resources (the profile's evals section) or raise "
+                    "checkpoint.every_steps"
+                }
+                return True
             self._pending[step] = self._task.remote(
                 checkpoint_dir, self.suite, self.data_root, self.run_id, self.tracking_uri
             )
-        return True
+            return True
 
     def pending(self) -> list[int]:
-        return sorted(self._pending)
+        """Steps whose eval has not ended (their checkpoints are pinned)."""
+        with self._lock:
+            self._collect(timeout_s=0)
+            return sorted(self._pending)
+
+    def _collect(self, timeout_s: float | None) -> None:
+        """Move finished evals (up to timeout_s waiting) to the results and release their pins; caller holds _lock.
+
+        The task unpins its checkpoint itself; this covers a task that died (e.g. OOM-killed twice) and so never
+        reached its `finally`.
+        """
+        from pretrain.checkpoint import unpin_checkpoint
+
+        refs = list(self._pending.values())
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(done)
+        for step, ref in list(self._pending.items()):
+            if ref not in done:
+                continue
+            try:
+                self._results[step] = ray.get(ref)
+            except Exception as exc:  # the task itself died (e.g. OOM-killed twice)
+                self._results[step] = {"error": f"eval task failed: {exc}"}
+            del self._pending[step]
+            unpin_checkpoint(self._paths[step])
 
     def drain(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
         """Wait for every pending eval (up to timeout_s); return {step: {checkpoint, train, evals | error}}."""
-        refs = list(self._pending.values())
-        if refs:
+        with self._lock:
+            refs = list(self._pending.values())
+        if refs:  # wait outside the lock: a late submit from training must not block behind the wait
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for step, ref in list(self._pending.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                try:
-                    self._results[step] = ray.get(ref)
-                except Exception as exc:  # the task itself died (e.g. OOM-killed twice)
-                    self._results[step] = {"error": f"eval task failed: {exc}"}
-                del self._pending[step]
-        summary = {}
-        for step in sorted(self._paths):
-            result = self._results.get(step, {"error": "still running"} if step in self._pending else {})
-            summary[step] = {"checkpoint": self._paths[step], "train": self._train.get(step, {}), **result}
-        return summary
+        with self._lock:
+            self._collect(timeout_s=0)
+            summary = {}
+            for step in sorted(self._paths):
+                result = self._results.get(step, {"error": "still running"} if step in self._pending else {})
+                summary[step] = {"checkpoint": self._paths[step], "train": self._train.get(step, {}), **result}
+            return summary

@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             return _status(profile)
         if args.verb == "logs":
             return _logs(profile, args.follow)
+        if not profile.is_local:
+            # A remote cluster that does not answer has stopped nothing: say how to reach it (exit 2). With no local
+            # head of ours there is nothing to stop, and `_stop` says so (exit 0: stopping twice is no error).
+            connect(profile)
         return _stop(profile)
     except (ValueError, RayUnreachableError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,14 +15,16 @@ starts (or reuses) its own Ray head on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
 from cluster import jobs
 from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
-from cluster.plan import PlanError, build_plan, format_plan, resolve_config
+from cluster.plan import PlanError, build_plan, format_plan, resolve_config, storage_pip
 from cluster.profiles import PROJECT_ROOT, ClusterProfile, load_profile
+from evals.suites import load_suite
 
 # Never shipped to the cluster with the working dir (Ray also honours .gitignore): data, runs, stores, caches.
 WORKING_DIR_EXCLUDES = [
@@ -71,7 +73,11 @@ def prepare_local_data(config) -> None:
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
     env = {PLAN_ENV: spec.to_json(), **worker_env(profile)}
     env.pop("OMP_NUM_THREADS")  # the driver itself is light; workers set their own thread count
-    return {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES, "env_vars": env}
+    runtime = {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES, "env_vars": env}
+    pip = storage_pip(spec.plan)
+    if pip:  # s3fs / gcsfs for the run's storage on any cluster: Ray layers them over the image's packages
+        runtime["pip"] = pip
+    return runtime
 
 
 def job_tags(profile: ClusterProfile, config, world_size: int) -> dict[str, str]:
@@ -118,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         help="fault drill: that rank exits abruptly DELAY_S after checkpoint STEP, once",
     )
     args = parser.parse_args(argv)
+    if args.run_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.run_name):
+        # It names a folder under the profile's checkpoints and the Ray submission id: no path, no spaces.
+        parser.error(f"--run-name {args.run_name!r}: use letters, digits, '.', '_' and '-' only, e.g. vit-b16-try2")
     try:
         profile = load_profile(args.cluster)
         fault = _parse_fault(args.inject_worker_failure)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         config = resolve_config(profile, args.recipe, args.set, run_name)
+        if config.evals.suite:  # checked now, not by the first eval task after the first checkpoint
+            load_suite(config.evals.suite)
         if profile.is_local and not args.dry_run:
             prepare_local_data(config)
         plan = build_plan(profile, config)

@@ -6,11 +6,15 @@ workers will run. `build_plan` does the arithmetic and raises `PlanError` (a Val
 in memory, with the settings that would make it fit. Every number is derived here from one source:
 FLOPs and parameter counts from `pretrain.flops`, the batch split from `pretrain.ds_config.batch_plan`, steps from
 `pretrain.optim.duration_to_steps`, memory from `cluster.memory`.
+
+The plan also says what the run needs that this machine may lack (the fsspec filesystem of remote storage, an
+optional extra of vitscale: `STORAGE_EXTRAS`) and whether activation checkpointing is worth its recompute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -30,10 +34,73 @@ CPU_OVERHEAD_GB = 1.5
 ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (REFERENCE §6)
 ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
 MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (REFERENCE §6)
+# Share of device memory a plan may fill before the plan calls it tight: the estimate leaves out allocator peaks
+# in backward (e.g. a block's recomputation beside its gradients), so a setting "fits" only below this.
+COMFORTABLE_FRACTION = 0.85
+# Smallest micro-batch the checkpointing advice trades recomputation for: below it the GEMMs of a ViT shrink
+# enough (≈ 16 x 197 tokens at 224 px) that the GPU loses more than recomputing costs.
+MIN_EFFICIENT_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True)
+class StorageExtra:
+    """An optional dependency group of vitscale that gives fsspec one more storage scheme."""
+
+    name: str  # `pip install 'vitscale[<name>]'`
+    requirement: str  # what it installs = pyproject.toml [project.optional-dependencies] (a test keeps them equal)
+    module: str  # the module fsspec imports for the scheme
+
+
+STORAGE_EXTRAS = {
+    "s3": StorageExtra("s3", "s3fs>=2024.2", "s3fs"),
+    "gcs": StorageExtra("gcs", "gcsfs>=2024.2", "gcsfs"),
+}
+SCHEME_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # URL scheme → extra
 
 
 class PlanError(ValueError):
     """The plan cannot run as configured; the message names the problem and settings that would fix it."""
+
+
+def _scheme(url: str) -> str | None:
+    return url.split("://", 1)[0].lower() if is_remote(url) else None
+
+
+def storage_urls(config: TrainConfig) -> list[str]:
+    """Where the run reads data from (training shards, eval shard folders): what its filesystems must reach."""
+    return [config.data.train, config.evals.data_root]
+
+
+def storage_extras(urls: list[str]) -> list[StorageExtra]:
+    """The vitscale extras the remote schemes among `urls` need (`s3://` → vitscale[s3], `gs://` → vitscale[gcs])."""
+    names = [SCHEME_EXTRAS[s] for s in map(_scheme, urls) if s in SCHEME_EXTRAS]
+    return [STORAGE_EXTRAS[n] for n in dict.fromkeys(names)]
+
+
+def storage_pip(plan: dict) -> list[str]:
+    """pip requirements of the extras a plan's storage needs (`Plan.to_dict()`): a Ray runtime env's `pip`."""
+    return [STORAGE_EXTRAS[name].requirement for name in plan.get("storage_extras", ())]
+
+
+def missing_storage(urls: list[str]) -> list[str]:
+    """One sentence per remote scheme among `urls` whose fsspec filesystem cannot be imported on this machine."""
+    import fsspec
+
+    missing = []
+    for scheme in dict.fromkeys(filter(None, map(_scheme, urls))):
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except ImportError as exc:
+            extra = STORAGE_EXTRAS.get(SCHEME_EXTRAS.get(scheme, ""))
+            if extra:
+                missing.append(
+                    f"{scheme}:// needs {extra.module}, not installed here: pip install 'vitscale[{extra.name}]'"
+                )
+            else:  # a scheme vitscale has no extra for: fsspec's own message names the package
+                missing.append(f"{scheme}:// is not readable here: {exc}")
+        except ValueError:
+            missing.append(f"{scheme}:// is not a storage scheme fsspec knows; use s3://, gs:// or a shared path")
+    return missing
 
 
 def _relocate(path: str, root: str) -> str:
@@ -139,6 +206,12 @@ class Plan:
     overhead_gb: float
     total_gb: float
     capacity_gb: float
+    # Both settings of activation checkpointing at this micro-batch, whichever the run uses (the fields above).
+    activations_gb_checkpointed: float
+    activations_gb_not_checkpointed: float
+    total_gb_not_checkpointed: float
+    recompute_factor: float  # step time with checkpointing / without: one more forward per step, (3 + 1) / 3
+    checkpointing_advice: str
     total_steps: int
     step_time_s: float
     days: float
@@ -150,6 +223,9 @@ class Plan:
     bytes_per_image: float
     read_mb_per_s: float
     data_note: str
+    storage: str  # the training shards' location
+    storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
+    storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
@@ -160,6 +236,8 @@ def _data_stats(config: TrainConfig) -> tuple[int | None, int | None, float | No
     """(num_shards, num_samples, bytes per image, note) from the manifest when it is readable here."""
     from data_pipeline.manifest import read_dataset_info
 
+    if missing_storage([config.data.train]):  # the storage line says what to install; no raw fsspec message here
+        return None, None, None, f"manifest not readable here: no {_scheme(config.data.train)}:// filesystem"
     try:
         info = read_dataset_info(config.data.train if is_remote(config.data.train) else resolve_path(config.data.train))
     except Exception as exc:  # any unreadable manifest (absent, remote, offline) → documented assumptions
@@ -178,12 +256,12 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     batch = batch_plan(config.data, world)
     shards, samples, bytes_per_image, data_note = _data_stats(config)
     num_classes = config.model.num_classes or _dataset_classes(config)
-    if num_classes is None:
-        num_classes = 1000
-        data_note += "; head size unknown here, 1000 classes assumed"
-    vit = model_config(config.model.name, **model_overrides(config, num_classes=num_classes))
+    vit = model_config(config.model.name, **model_overrides(config, num_classes=num_classes or 1000))
+    vit, task_params = _task_model(config, vit)
+    if num_classes is None and vit.num_classes:  # the task keeps a classifier whose size only the data knows
+        data_note += "; head size unknown here, 1000 classes assumed (set model.num_classes)"
     vit_1k = model_config(config.model.name, image_size=vit.image_size, num_classes=1000)
-    num_params = flops.param_count(vit)
+    num_params = flops.param_count(vit) + task_params
     fwd = flops.forward_flops(vit)
     train = flops.train_flops(vit)
 
@@ -198,17 +276,19 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     if precision == "auto":
         precision = "bf16" if profile.uses_gpus else "fp32"
     states = memory.model_state_bytes(num_params, config.deepspeed.zero_stage, world, precision)
-    hybrid_stride = (16 if len(vit.hybrid_stages) == 3 else 32) if vit.hybrid_stages else None
-    act_per_image = memory.activation_bytes_per_image(
-        tokens=memory.tokens_per_image(vit.image_size, vit.patch_size, hybrid_stride),
+    per_image = functools.partial(
+        memory.activation_bytes_per_image,
+        tokens=vit.num_patches + (vit.pool == "token"),
         width=vit.width,
         mlp_dim=vit.mlp_dim,
         depth=vit.depth,
         num_heads=vit.num_heads,
         precision=precision,
         dropout=vit.dropout,
-        activation_checkpointing=vit.grad_checkpointing,
     )
+    # Both settings, for the checkpointing advice; the plan's own numbers follow the configured one.
+    act_on, act_off = per_image(activation_checkpointing=True), per_image(activation_checkpointing=False)
+    act_per_image = act_on if vit.grad_checkpointing else act_off
     activations = act_per_image * batch.micro_batch_size
     if profile.uses_gpus:
         capacity, overhead = profile.hardware.gpu_memory_gb * memory.GB, GPU_OVERHEAD_GB * memory.GB
@@ -219,8 +299,9 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
 
     peak = profile.hardware.peak_tflops * 1e12
     # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
-    recompute = (train + fwd) / train if vit.grad_checkpointing else 1.0
-    step_time = recompute * train * batch.global_batch_size / (world * peak * profile.assumed_mfu)
+    recompute_factor = (train + fwd) / train
+    plain_step_time = train * batch.global_batch_size / (world * peak * profile.assumed_mfu)
+    step_time = plain_step_time * (recompute_factor if vit.grad_checkpointing else 1.0)
     images_per_s = batch.global_batch_size / step_time
     if shards is None:
         shards = math.ceil((epoch_images or 0) / ASSUMED_SAMPLES_PER_SHARD) or 0
@@ -266,6 +347,11 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         overhead_gb=overhead / memory.GB,
         total_gb=total / memory.GB,
         capacity_gb=capacity / memory.GB,
+        activations_gb_checkpointed=act_on * batch.micro_batch_size / memory.GB,
+        activations_gb_not_checkpointed=act_off * batch.micro_batch_size / memory.GB,
+        total_gb_not_checkpointed=(states.total + overhead + act_off * batch.micro_batch_size) / memory.GB,
+        recompute_factor=recompute_factor,
+        checkpointing_advice="",
         total_steps=total_steps,
         step_time_s=step_time,
         days=total_steps * step_time / 86400,
@@ -277,11 +363,74 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         bytes_per_image=bytes_per_image or 0.0,
         read_mb_per_s=images_per_s * (bytes_per_image or 0.0) / 1e6,
         data_note=data_note,
+        storage=config.data.train,
+        storage_extras=tuple(e.name for e in storage_extras(storage_urls(config))),
+        storage_missing_here=tuple(missing_storage(storage_urls(config))),
         warnings=tuple(warnings),
     )
+    fixed = states.total + overhead
     if not memory.fits(total, capacity):
-        raise PlanError(_does_not_fit(plan, act_per_image, states.total + overhead, capacity))
-    return plan
+        raise PlanError(_does_not_fit(plan, act_per_image, fixed, capacity))
+    return dataclasses.replace(plan, checkpointing_advice=_checkpointing_advice(plan, act_off, fixed, capacity))
+
+
+def _task_model(config: TrainConfig, vit):
+    """(the ViTConfig the task trains, parameters the task adds): what `pretrain.tasks.build_task` will build.
+
+    Classification trains the model as configured. Masked patch prediction drops the classifier and its
+    pre-logits (`pretrain.mpp.build_mpp_task`) and adds a [mask] embedding (D) and a linear colour head
+    (D x colours + colours), so `model.num_classes` sizes nothing there.
+    """
+    if config.task.name != "mpp":
+        return vit, 0
+    from pretrain.mpp import MPPConfig
+
+    colours = MPPConfig.from_options(dict(config.task.options)).num_colors
+    encoder = dataclasses.replace(vit, num_classes=0, representation_size=None)
+    return encoder, vit.width + vit.width * colours + colours
+
+
+def _checkpointing_advice(plan: Plan, act_off: float, fixed: float, capacity: float) -> str:
+    """Whether activation checkpointing pays for its recompute here, and the faster setting that fits."""
+    p, comfortable = plan, COMFORTABLE_FRACTION * capacity
+    slower = f"one more forward per step: step time x {p.recompute_factor:.2f}"
+    if not p.activation_checkpointing:
+        if p.total_gb * memory.GB <= comfortable:
+            return (
+                f"not needed: {p.total_gb:.1f} GB of {p.capacity_gb:.0f} GB per device without it; keep "
+                f"model.grad_checkpointing=false (it would cut activations to {p.activations_gb_checkpointed:.2f} GB "
+                f"at {slower})"
+            )
+        return (
+            f"tight: {p.total_gb:.1f} GB is over {COMFORTABLE_FRACTION:.0%} of {p.capacity_gb:.0f} GB; if it runs out "
+            f"of memory, --set model.grad_checkpointing=true cuts activations to {p.activations_gb_checkpointed:.2f} "
+            f"GB at {slower}"
+        )
+    per_rank = p.global_batch_size // p.world_size
+    without = p.step_time_s / p.recompute_factor
+    faster = (
+        f"{without:.3g} s/step instead of {p.step_time_s:.3g}, {p.days / p.recompute_factor:.3g} days instead of "
+        f"{p.days:.3g}"
+    )
+    if fixed + act_off * p.micro_batch_size <= comfortable:
+        return (
+            f"not needed: without it activations take {p.activations_gb_not_checkpointed:.1f} GB and the device "
+            f"{p.total_gb_not_checkpointed:.1f} GB of {p.capacity_gb:.0f} GB; recomputing costs {slower}. Faster: "
+            f"--set model.grad_checkpointing=false: {faster}"
+        )
+    fitting = [m for m in range(1, p.micro_batch_size) if per_rank % m == 0 and fixed + act_off * m <= comfortable]
+    if fitting and max(fitting) >= MIN_EFFICIENT_MICRO_BATCH:
+        m = max(fitting)
+        return (
+            f"needed at micro-batch {p.micro_batch_size} (without it {p.total_gb_not_checkpointed:.1f} GB of "
+            f"{p.capacity_gb:.0f} GB), but micro-batch {m} x accumulation {per_rank // m} fits without it "
+            f"({(fixed + act_off * m) / memory.GB:.1f} GB) and skips the recompute ({slower}). Faster: "
+            f"--set model.grad_checkpointing=false --set data.micro_batch_size={m}: {faster}"
+        )
+    return (
+        f"needed: without it {p.total_gb_not_checkpointed:.1f} GB of {p.capacity_gb:.0f} GB per device at "
+        f"micro-batch {p.micro_batch_size}; it costs {slower}"
+    )
 
 
 def _dataset_classes(config: TrainConfig) -> int | None:
@@ -301,7 +450,10 @@ def _does_not_fit(plan: Plan, act_per_image: float, fixed: float, capacity: floa
             f"{plan.global_batch_size // plan.world_size})"
         )
     if not plan.activation_checkpointing:
-        fixes.append("recompute activations: --set model.grad_checkpointing=true (~33% more compute)")
+        fixes.append(
+            f"recompute activations: --set model.grad_checkpointing=true (activations "
+            f"{plan.activations_gb_checkpointed:.1f} GB; step time x {plan.recompute_factor:.2f})"
+        )
     if plan.zero_stage < 3:
         fixes.append(f"partition more model state: --set deepspeed.zero_stage={plan.zero_stage + 1}")
     return (
@@ -327,12 +479,26 @@ def format_plan(plan: Plan) -> str:
         f"  memory/device params {p.params_gb:.2f} GB + grads {p.grads_gb:.2f} GB + optimizer "
         f"{p.optimizer_gb:.2f} GB + activations {p.activations_gb:.2f} GB ({p.activation_mb_per_image:.0f} MB/image "
         f"x {p.micro_batch_size}) + overhead {p.overhead_gb:.1f} GB = {p.total_gb:.2f} GB of {p.capacity_gb:.0f} GB",
+        f"  checkpointing activations {p.activations_gb_checkpointed:.2f} GB with it, "
+        f"{p.activations_gb_not_checkpointed:.2f} GB without (micro-batch {p.micro_batch_size}); "
+        f"{p.checkpointing_advice}",
         f"  compute       {p.total_steps} steps x {p.step_time_s:.3g} s/step (assumed MFU {p.assumed_mfu:.0%}"
-        f"{', + recompute' if p.activation_checkpointing else ''}) = "
+        f"{f', + recompute x {p.recompute_factor:.2f}' if p.activation_checkpointing else ''}) = "
         f"{p.days:.3g} days; {p.images_per_s:,.0f} images/s; {p.total_exaflops:.4g} exaFLOPs total",
         f"  data          {p.num_shards or 'unknown number of'} shards, {p.shards_per_loader:.1f} per (rank x loader "
         "worker); "
         f"{p.bytes_per_image / 1e3:.0f} KB/image -> read {p.read_mb_per_s:,.1f} MB/s ({p.data_note})",
+        f"  storage       {p.storage}" + _storage_needs(p),
     ]
     lines += [f"  WARNING       {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _storage_needs(p: Plan) -> str:
+    needs = ""
+    if p.storage_extras:
+        extras = ", ".join(f"vitscale[{n}] ({STORAGE_EXTRAS[n].module})" for n in p.storage_extras)
+        needs = f"; needs {extras}, which the job's runtime env installs on the cluster"
+    if p.storage_missing_here:
+        needs += "; " + "; ".join(p.storage_missing_here) + " (only to read the manifest from this machine)"
+    return needs

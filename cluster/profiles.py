@@ -8,11 +8,13 @@ A profile (`cluster/profiles/<name>.yaml`) names *where* a run happens; a recipe
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from data_pipeline.cli import read_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -98,6 +100,27 @@ class ClusterProfile:
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix when the profile contradicts itself."""
         hw, wk = self.hardware, self.workers
+        counts = (
+            ("hardware.nodes", hw.nodes, 1),
+            ("hardware.gpus_per_node", hw.gpus_per_node, 0),
+            ("hardware.cpus_per_node", hw.cpus_per_node, 1),
+            ("hardware.gpu_memory_gb", hw.gpu_memory_gb, 0),
+            ("workers.cpus_per_worker", wk.cpus_per_worker, 1),
+            ("workers.gpus_per_worker", wk.gpus_per_worker, 0),
+            ("workers.loader_workers", wk.loader_workers, 0),
+            ("defaults.micro_batch_size", self.defaults.micro_batch_size, 1),
+            ("evals.num_cpus", self.evals.num_cpus, 0),
+            ("evals.num_gpus", self.evals.num_gpus, 0),
+        )
+        for key, value, low in counts:
+            if value < low:
+                raise ValueError(f"profile {self.name}: {key}={value} must be >= {low}")
+        for key, value in (
+            ("hardware.peak_tflops", hw.peak_tflops),
+            ("hardware.memory_gb_per_node", hw.memory_gb_per_node),
+        ):
+            if not value > 0:  # the plan divides by both
+                raise ValueError(f"profile {self.name}: {key}={value} must be > 0")
         if self.comm_backend not in ("nccl", "gloo"):
             raise ValueError(
                 f"profile {self.name}: comm_backend={self.comm_backend!r}; use 'nccl' (GPU) or 'gloo' (CPU)"
@@ -149,26 +172,54 @@ def _expand(value: Any, project: Path) -> Any:
     return value
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Construct a (nested) frozen dataclass from a mapping, rejecting unknown and missing keys by name."""
+def _build(cls: type, data: Any, where: str, prefix: str = "") -> Any:
+    """Construct a (nested) frozen dataclass from a mapping, rejecting unknown, missing and mistyped keys by name.
+
+    ``where`` names the source in errors ("profile local"); ``prefix`` is the dotted path of ``data`` in it.
+    """
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+        what = f"{prefix.rstrip('.')} must be" if prefix else "a profile is"
+        raise ValueError(f"{where}: {what} a mapping of keys, got {type(data).__name__} {data!r:.60}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(prefix + str(key) for key in set(data) - set(fields))  # YAML keys may be numbers
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(prefix + k for k in fields)}")
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{where}: missing required key {name!r}")
+                raise ValueError(f"{where}: missing required key {prefix + name!r}")
             continue
         sub = _NESTED.get((cls, name))
-        kwargs[name] = _build(sub, data[name], f"{where}.{name}") if sub else data[name]
+        if sub:
+            kwargs[name] = _build(sub, data[name], where, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _scalar(data[name], hints[name], where, prefix + name)
     try:
         return cls(**kwargs)
     except TypeError as exc:  # pragma: no cover - dataclass signature mismatch is a programming error
         raise ValueError(f"{where}: {exc}") from exc
+
+
+def _scalar(value: Any, hint: type, where: str, key: str) -> Any:
+    """Check a profile value against its field's type (int, float or str); ValueError naming the key."""
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e12 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where}: {key} must be a string, got {value!r}; quote it in the YAML")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is float and number:
+        return float(value)
+    if hint is int and number and int(value) == value:
+        return int(value)
+    kind = "an integer" if hint is int else "a number"
+    raise ValueError(f"{where}: {key} must be {kind}, got {value!r}")
 
 
 _NESTED = {
@@ -187,6 +238,11 @@ def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> Clus
     An unknown name raises ValueError listing the valid profiles.
     """
     path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and not path.is_file():
+        raise ValueError(
+            f"cluster profile file {path} does not exist or is not a file; give a YAML path or a profile name: "
+            f"{', '.join(profile_names())}"
+        )
     if path.suffix not in (".yaml", ".yml"):
         path = PROFILES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
@@ -194,10 +250,17 @@ def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> Clus
             f"unknown cluster profile {str(name_or_path)!r}; valid profiles: {', '.join(profile_names())} "
             f"(files in {PROFILES_DIR})"
         )
-    with open(path) as fh:
-        data = yaml.safe_load(fh)
-    profile = _build(ClusterProfile, _expand(data, project), f"profile {path.stem}")
-    profile.validate()
+    data = read_yaml(path, "cluster profile")
+    where = f"profile {path.stem}" if path.parent == PROFILES_DIR else f"cluster profile {path}"
+    if data is None:
+        raise ValueError(f"{where} is empty; start from a copy of {PROFILES_DIR / 'local.yaml'}")
+    profile = _build(ClusterProfile, _expand(data, project), where)
+    try:
+        profile.validate()
+    except ValueError as error:
+        if path.parent == PROFILES_DIR:
+            raise
+        raise ValueError(f"cluster profile {path}: {error}") from None  # the file, not only its `name:`
     return profile
 
 

@@ -13,12 +13,14 @@ inside the namespace with token authentication (KubeRay).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import yaml
 
 from cluster.profiles import ClusterProfile, load_profile
+from data_pipeline.cli import output_folder
 
 RAY_VERSION = "2.60.0"
 IMAGE = f"rayproject/ray-ml:{RAY_VERSION}-py311-gpu"
@@ -27,6 +29,14 @@ SHARED_FS = "/fsx"  # where the profile's checkpoint root lives on every node (F
 
 def _gpus(profile: ClusterProfile) -> int:
     return profile.hardware.gpus_per_node
+
+
+def _install_spec(profile: ClusterProfile, project: str) -> str:
+    """`<project>[s3]`-style pip target: the project plus the extras its storage scheme needs (s3fs, gcsfs)."""
+    from cluster.plan import storage_extras
+
+    extras = ",".join(e.name for e in storage_extras([profile.storage.shards]))
+    return f"'{project}[{extras}]'" if extras else project
 
 
 def _check_renderable(profile: ClusterProfile) -> None:
@@ -52,7 +62,8 @@ def launcher_config(profile: ClusterProfile) -> dict:
         # Shared filesystem for checkpoints (FSx for Lustre); the DNS name comes from the environment.
         f"sudo mkdir -p {SHARED_FS} && (mountpoint -q {SHARED_FS} || sudo mount -t lustre -o relatime,flock "
         f"$FSX_DNS@tcp:/$FSX_MOUNT {SHARED_FS})",
-        f"pip install -e {SHARED_FS}/vitscale",
+        # The extras give fsspec the profile's shard storage (s3:// → s3fs, gs:// → gcsfs).
+        f"pip install -e {_install_spec(profile, f'{SHARED_FS}/vitscale')}",
     ]
     node_types = {
         "head": {
@@ -132,7 +143,9 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
             "containers": [
                 {
                     "name": "ray",
-                    "image": f"vitscale:{RAY_VERSION}",  # ray-ml base + this repo installed (pip install -e .)
+                    # ray-ml base + this repo: `pip install -e <repo>[extras]` as the launcher's setup_commands;
+                    # the RayJob's runtime env installs the storage extras too, should the image lack them.
+                    "image": f"vitscale:{RAY_VERSION}",
                     "env": [
                         {"name": "RAY_AUTH_MODE", "value": "token"},
                         {
@@ -153,6 +166,17 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
             ],
         }
     }
+
+
+def _runtime_env(job_spec_json: str) -> dict:
+    """The plan for the driver, and pip installs of the storage extras the plan needs (as `cluster.launch`)."""
+    from cluster.plan import storage_pip
+
+    env: dict = {"env_vars": {"VITSCALE_PLAN": job_spec_json}}
+    pip = storage_pip(json.loads(job_spec_json)["plan"])
+    if pip:
+        env["pip"] = pip
+    return env
 
 
 def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) -> list[dict]:
@@ -187,7 +211,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
         "metadata": {"name": job_name, "labels": {"app": "vitscale"}},
         "spec": {
             "entrypoint": "python -m cluster.driver",
-            "runtimeEnvYAML": yaml.safe_dump({"env_vars": {"VITSCALE_PLAN": job_spec_json}}, width=10**9),
+            "runtimeEnvYAML": yaml.safe_dump(_runtime_env(job_spec_json), width=10**9),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,
             "rayClusterSpec": {
@@ -250,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="rendered", help="output folder (default ./rendered)")
     args = parser.parse_args(argv)
     try:
-        for path in render(args.cluster, args.recipe, Path(args.out)):
+        _check_renderable(load_profile(args.cluster))  # before the recipe is planned: its errors would mislead
+        for path in render(args.cluster, args.recipe, output_folder(args.out, "--out")):
             print(f"wrote {path}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

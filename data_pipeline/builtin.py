@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from data_pipeline.cli import output_folder
 from data_pipeline.manifest import DATASET_FILE
 from data_pipeline.write import WriteConfig, write_dataset
 
@@ -353,9 +354,16 @@ def main(argv: list[str] | None = None) -> int:
         for item in args.set:
             key, sep, value = item.partition("=")
             if not sep:
-                raise ValueError(f"--set {item!r} must look like FIELD=INT")
+                raise ValueError(f"--set {item!r} must look like FIELD=INT, e.g. --set resolution=32")
+            known = [f.name for f in fields(BuiltinConfig)]
+            if key not in known:
+                raise ValueError(f"--set {item!r}: no field {key!r}; fields: {', '.join(known)}")
+            low = 0 if key == "seed" else 1  # a size of 0 or less makes no image, shard or class
+            if not value.strip().isdigit() or int(value) < low:
+                raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
             overrides[key] = int(value)
         names = BUILTIN_NAMES if args.name == "all" else (_canonical(args.name),)
+        output_folder(args.out, "--out")
         for name in names:
             start = time.perf_counter()
             folder = ensure(name, args.out, **overrides)

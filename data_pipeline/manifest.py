@@ -97,19 +97,40 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
                 f"{root} has no {required}: it is not a complete shard folder (an interrupted write?). "
                 "Re-run `python -m data_pipeline.write` with the same arguments to finish it"
             )
-    with fs.open(posixpath.join(path, DATASET_FILE), "r") as f:
-        meta = json.load(f)
-    with fs.open(posixpath.join(path, MANIFEST_FILE), "rb") as f:
-        manifest = pq.read_table(f).to_pylist()
+
+    def damaged(name: str, error: Exception) -> ShardFormatError:
+        return ShardFormatError(
+            f"{join_url(root, name)} is damaged ({type(error).__name__}: {error}); rewrite the folder with "
+            "`python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)"
+        )
+
+    # Each file is the user's data: any way it fails to parse (not JSON/Parquet, a missing key or column, a wrong
+    # type) is the same finding, "this file is damaged", never a traceback.
+    try:
+        with fs.open(posixpath.join(path, DATASET_FILE), "r") as f:
+            meta = json.load(f)
+        num_classes = int(meta["num_classes"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise damaged(DATASET_FILE, error) from None
+    try:
+        with fs.open(posixpath.join(path, MANIFEST_FILE), "rb") as f:
+            manifest = pq.read_table(f).to_pylist()
+        shards = tuple(
+            ShardInfo(
+                url=join_url(root, r["url"]), samples=int(r["samples"]), bytes=int(r["bytes"]), sha256=r["sha256"]
+            )
+            for r in manifest
+        )
+    except (OSError, ValueError, KeyError, TypeError) as error:  # pyarrow.ArrowInvalid is a ValueError
+        raise damaged(MANIFEST_FILE, error) from None
     class_names: tuple[str, ...] = ()
     if fs.exists(posixpath.join(path, CLASSES_FILE)):
-        with fs.open(posixpath.join(path, CLASSES_FILE), "rb") as f:
-            rows = sorted(pq.read_table(f).to_pylist(), key=lambda r: r["label"])
-        class_names = tuple(r["name"] for r in rows)
-    shards = tuple(
-        ShardInfo(url=join_url(root, r["url"]), samples=int(r["samples"]), bytes=int(r["bytes"]), sha256=r["sha256"])
-        for r in manifest
-    )
+        try:
+            with fs.open(posixpath.join(path, CLASSES_FILE), "rb") as f:
+                rows = sorted(pq.read_table(f).to_pylist(), key=lambda r: r["label"])
+            class_names = tuple(str(r["name"]) for r in rows)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise damaged(CLASSES_FILE, error) from None
     num_samples = sum(s.samples for s in shards)
     if int(meta.get("num_samples", num_samples)) != num_samples:
         raise ShardFormatError(
@@ -122,7 +143,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
         root=root,
         name=str(meta.get("name", Path(path).name)),
         split=str(meta.get("split", "")),
-        num_classes=int(meta["num_classes"]),
+        num_classes=num_classes,
         num_samples=num_samples,
         shards=shards,
         class_names=class_names,

@@ -129,10 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spot", type=int, default=16, help="samples decoded per shard (default 16)")
     p.add_argument("--full", action="store_true", help="decode every sample")
     args = p.parse_args(argv)
+    if args.spot < 0:
+        p.error(f"--spot {args.spot}: give the number of samples to decode per shard (>= 0)")
     try:
         report = validate(args.shard_dir, spot=args.spot, full=args.full)
     except ShardFormatError as err:
-        print(f"data_pipeline.validate: {err}", file=sys.stderr)
+        print(f"data_pipeline.validate: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # dataset.json or a .parquet file that does not parse (JSON, Arrow errors)
+        print(
+            f"data_pipeline.validate: error: {args.shard_dir}: a metadata file is damaged ({err}); rewrite the "
+            "folder with `python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",
+            file=sys.stderr,
+        )
         return 2
     print(report.render())
     return 0 if report.ok else 1

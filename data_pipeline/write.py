@@ -40,6 +40,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from data_pipeline import manifest
+from data_pipeline.cli import output_folder
 from data_pipeline.dedup import ExclusionSet, NearDuplicateIndex, load_exclusion, perceptual_hash, sha256_hex
 from data_pipeline.readers import ItemRef, Source, iter_unit, open_source, read_ref
 
@@ -365,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
+        if args.class_names is not None and not Path(args.class_names).is_file():
+            raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
         source = open_source(
             args.source,
             kind=args.kind,
@@ -390,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 exclude = more
             else:
                 exclude.merge(more)
+        output_folder(args.out, "--out")  # once the inputs are known to be good: no empty folder left otherwise
         report = write_dataset(args.out, config, source=source, exclude=exclude)
     except ValueError as err:
         print(f"data_pipeline.write: error: {err}", file=sys.stderr)

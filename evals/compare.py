@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_pipeline.cli import output_folder
 from pretrain.tracking import default_tracking_uri, sqlite_path
 
 COMPARISON_KIND_TAG = "vitscale.kind"
@@ -278,23 +279,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="report folder name (default: the experiment name, or 'all')")
     parser.add_argument("--no-mlflow", action="store_true", help="write the report only; do not log it to MLflow")
     args = parser.parse_args(argv)
-
-    from mlflow import MlflowClient
-
-    from evals.compare_report import format_table, write_report
-
     uri = args.tracking_uri or default_tracking_uri()
     run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
     name = _slug(args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all"))
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
-        print(f"evals.compare: no tracking store at {db}; run `make launch` or pass --tracking-uri", file=sys.stderr)
+        print(
+            f"evals.compare: error: no tracking store at {db}; run `make launch` or pass --tracking-uri",
+            file=sys.stderr,
+        )
         return 2
-    client = MlflowClient(tracking_uri=uri)
+    from mlflow import MlflowClient  # after the checks above: importing MLflow takes seconds
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from evals.compare_report import format_table, write_report
+
     try:
+        client = MlflowClient(tracking_uri=uri)
         comparison = collect(client, uri, args.experiment, run_ids)
+        output_folder(args.out, "--out")
+    except (MlflowException, SQLAlchemyError) as error:  # the store itself: an unsupported URI, not a database
+        reason = (str(error).strip() or "no details").splitlines()[0].split(". ")[0][:200]  # MLflow writes paragraphs
+        print(
+            f"evals.compare: error: cannot read the tracking store {uri} ({type(error).__name__}: {reason}); pass "
+            "--tracking-uri sqlite:///<path>/mlflow.db (the project's store) or the URL of an MLflow server",
+            file=sys.stderr,
+        )
+        return 2
     except ValueError as error:
-        print(f"evals.compare: {error}", file=sys.stderr)
+        print(f"evals.compare: error: {error}", file=sys.stderr)
         return 2
     out_dir = Path(args.out) / name
     index = write_report(comparison, out_dir)

@@ -1,13 +1,18 @@
-"""Run an eval suite on one checkpoint: ``python -m evals.run --checkpoint DIR|FILE.npz --suite NAME``.
+"""Run an eval suite on any weights: ``python -m evals.run --checkpoint PATH --suite NAME [--step N]``.
 
 This is what the eval scheduler calls after every checkpoint, so it is cheap to import (torch and the
 evaluators load on use), keeps nothing between calls (a fresh feature cache per call; nothing can go stale
 across checkpoints), and can be held to a few threads (``num_threads``) to run beside training.
 
-Inputs: a checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``, refused without its ``COMPLETE`` marker;
-step from ``trainer_state.json``) or an official JAX ``.npz`` (step 0). Outputs: ``evals/<suite>.parquet`` in
-the checkpoint folder (for a ``.npz``: ``<stem>_evals/`` beside it, or ``--out``), the metrics logged to the
-MLflow run ``--mlflow-run-id`` at ``step`` = the checkpoint's step, and a printed table.
+Inputs: whatever ``pretrain.weights.load_model`` reads —
+- a training checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``), refused without its ``COMPLETE`` marker;
+  its step comes from ``trainer_state.json``;
+- a folder written by ``save_pretrained`` or ``python -m pretrain.weights convert`` (``model.safetensors`` +
+  ``model.json``), and an official JAX ``.npz``: these carry no step; their results are logged at ``--step``
+  (default 0).
+Outputs: ``<suite>.parquet`` in ``evals/`` inside the folder (checkpoint or exported), ``<stem>_evals/`` beside an
+``.npz`` (a file has no inside), or ``--out``; the metrics logged to the MLflow run ``--mlflow-run-id`` at that
+step; and a printed table.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, replace
@@ -23,46 +29,84 @@ from pathlib import Path
 
 from evals.suites import RESULT_COLUMNS, EvalContext, EvalOutput, get_evaluator, load_suite
 
+ACCEPTED = (
+    "pass a training checkpoint folder (with COMPLETE), a folder written by save_pretrained / "
+    "`python -m pretrain.weights convert` (model.safetensors + model.json) or an official .npz"
+)
+
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be evaluated (missing, unfinished, unknown format)."""
+    """Weights that cannot be evaluated (missing, unfinished, unknown format, a step that contradicts them)."""
 
 
 def checkpoint_step(checkpoint_dir: Path) -> int:
-    state = checkpoint_dir / "trainer_state.json"
+    from pretrain.checkpoint import TRAINER_STATE
+
+    state = checkpoint_dir / TRAINER_STATE
     if not state.is_file():
-        raise CheckpointError(f"{checkpoint_dir} has no trainer_state.json, so its step is unknown")
-    return int(json.loads(state.read_text())["step"])
+        raise CheckpointError(
+            f"{checkpoint_dir} has no {TRAINER_STATE}, so its step is unknown; pass --step N for the MLflow step"
+        )
+    try:
+        return int(json.loads(state.read_text())["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{state} does not record the checkpoint's step ({error}); pass --step N") from None
 
 
-def open_checkpoint(checkpoint: str | Path):
-    """``(load_model(image_size=None), step, default_out_dir)`` for a checkpoint folder or an official .npz."""
+def open_checkpoint(checkpoint: str | Path, step: int | None = None):
+    """``(load_model(image_size=None), step, default_out_dir)`` for any weights ``pretrain.weights.load_model`` reads.
+
+    ``step`` is the MLflow step for weights that carry none (default 0). A training checkpoint logs at its own
+    step: a different ``step`` for it is an error (its results would be filed under another step). Whether the
+    weights load is found out by loading them (`run_suite`), with `load_model`'s own messages.
+    """
+    from pretrain.checkpoint import TRAINER_STATE
+    from pretrain.weights import COMPLETE_MARKER, CONFIG_FILE, WEIGHTS_FILE
+    from pretrain.weights import load_model as load
+
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
     path = Path(checkpoint)
-    if path.is_dir():
-        if not (path / "COMPLETE").is_file():
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; {ACCEPTED}")
+    if path.is_file() and path.name in (WEIGHTS_FILE, CONFIG_FILE):
+        path = path.parent  # one file of a weights folder stands for the folder (as load_model reads it)
+    # A training checkpoint holds what only the trainer writes (COMPLETE, its state); a `step_<n>` folder without
+    # weights is one whose save has not got far. An exported folder (model.safetensors + model.json) is neither.
+    training = any((path / name).exists() for name in (COMPLETE_MARKER, TRAINER_STATE)) or (
+        re.fullmatch(r"step_\d+", path.name) and not (path / WEIGHTS_FILE).exists()
+    )
+    if path.is_dir() and training:
+        if not (path / COMPLETE_MARKER).is_file():
             raise CheckpointError(
                 f"checkpoint folder {path} has no COMPLETE marker: it is still being written or its save failed; "
                 "evaluate a finished checkpoint (one whose folder holds COMPLETE)"
             )
-        step = checkpoint_step(path)
+        if (path / TRAINER_STATE).is_file() or step is None:  # else the user's --step names the step
+            own = checkpoint_step(path)
+            if step is not None and step != own:
+                raise CheckpointError(
+                    f"--step {step} contradicts checkpoint {path}, which is step {own} ({TRAINER_STATE}); "
+                    "drop --step (a training checkpoint logs at its own step)"
+                )
+            step = own
+    # Results go inside a folder of weights (as a checkpoint's evals/), beside a file (it has no inside).
+    default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
 
-        def load_model(image_size: int | None = None):
-            from pretrain.weights import load_checkpoint_model
+    def load_model(image_size: int | None = None):
+        return load(path, image_size=image_size)
 
-            return load_checkpoint_model(path, image_size=image_size)
+    return load_model, 0 if step is None else step, default_out
 
-        return load_model, step, path / "evals"
-    if path.suffix == ".npz" and path.is_file():
 
-        def load_model(image_size: int | None = None):
-            from pretrain.weights import load_npz
+def _load(load_model, checkpoint):
+    """The first load of the weights: a file that is unreadable or does not describe a ViT is the user's error."""
+    from safetensors import SafetensorError
 
-            return load_npz(path, image_size=image_size)
-
-        return load_model, 0, path.parent / f"{path.stem}_evals"
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    raise CheckpointError(f"{path} is neither a checkpoint folder (with COMPLETE) nor an official .npz file")
+    try:
+        return load_model()
+    except (ValueError, OSError, SafetensorError) as error:
+        raise CheckpointError(f"cannot evaluate {checkpoint}: {error}") from None
 
 
 def run_suite(
@@ -75,22 +119,31 @@ def run_suite(
     out=None,
     num_threads: int | None = None,
     device: str | None = None,
+    step: int | None = None,
     log=print,
 ):
-    """Evaluate one checkpoint on one suite; returns the result table (``pyarrow.Table``, columns RESULT_COLUMNS
-    plus ``checkpoint``) after writing it to ``<out>/<suite>.parquet`` and logging metrics to MLflow."""
+    """Evaluate one set of weights on one suite; returns the result table (``pyarrow.Table``, columns RESULT_COLUMNS
+    plus ``checkpoint``) after writing it to ``<out>/<suite>.parquet`` and logging metrics to MLflow.
+
+    ``step``: the MLflow step for weights that carry none (an exported folder, an .npz; default 0)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
     config = load_suite(suite)  # fail on a bad suite before loading any weights
-    load_model, step, default_out = open_checkpoint(checkpoint)
+    load_model, step, default_out = open_checkpoint(checkpoint, step)
     out_dir = Path(out) if out is not None else default_out
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output folder {out_dir} is a file; pass --out a folder (it is created if absent)")
+    if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
+        raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
+    if device not in (None, "cpu") and not (str(device).startswith("cuda") and torch.cuda.is_available()):
+        raise ValueError(f"device={device!r} is not available here; use cpu (or cuda on a machine with a GPU)")
     previous_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(int(num_threads))
     try:
-        model = load_model().eval()
+        model = _load(load_model, checkpoint).eval()
         ctx = EvalContext(
             model=model,
             load_model=load_model,
@@ -175,18 +228,78 @@ def format_table(table) -> str:
     return "\n".join(lines)
 
 
+def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
+    """Refuse, before any work, an MLflow run that an embedded (SQLite) store does not hold: metrics sent to it
+    would be lost. A tracking server is not asked here (when it is down, MLflow retries for minutes; the
+    `Tracker` retries in the background instead and says what it could not send)."""
+    from pretrain.tracking import default_tracking_uri, sqlite_path
+
+    uri = tracking_uri or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    if not db.is_file():
+        raise ValueError(f"no MLflow store at {db} (tracking URI {uri}); check --tracking-uri")
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise ValueError(f"MLflow run {run_id!r} does not exist in {uri}; check --mlflow-run-id") from None
+        raise
+
+
+def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
+    """An integer flag checked here, so that a bad value is one line (argparse's `type=` adds its usage block)."""
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise ValueError(f"{flag} {text!r} is not an integer >= {low} ({what})")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.run", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="checkpoint folder (with COMPLETE) or official .npz")
+    parser.add_argument(
+        "--checkpoint",
+        "--weights",
+        dest="checkpoint",
+        required=True,
+        metavar="PATH",
+        help="training checkpoint folder (with COMPLETE), save_pretrained / `pretrain.weights convert` folder "
+        "(model.safetensors + model.json), or official .npz",
+    )
     parser.add_argument("--suite", required=True, help="configs/evals/<suite>.yaml name, or a path to a suite YAML")
     parser.add_argument("--data-root", default="data", help="folder holding <dataset>/<split>/ shard folders")
-    parser.add_argument("--mlflow-run-id", default=None, help="log metrics to this MLflow run (step = ckpt step)")
+    parser.add_argument("--mlflow-run-id", default=None, help="log metrics to this MLflow run (at the step below)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite project db)")
-    parser.add_argument("--out", default=None, help="folder for <suite>.parquet (default: <checkpoint>/evals)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (keep low beside training)")
+    parser.add_argument(
+        "--step",
+        default=None,
+        metavar="N",
+        help="MLflow step for weights that carry none (.npz, exported folder; default 0); a training checkpoint "
+        "logs at its trainer_state.json step and refuses a different one",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for <suite>.parquet (default: evals/ inside a checkpoint or exported folder, <stem>_evals/ "
+        "beside an .npz)",
+    )
+    parser.add_argument("--num-threads", default=None, help="torch threads (keep low beside training)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
     args = parser.parse_args(argv)
     try:
+        step = _count(args.step, "--step", 0, "the MLflow step to log the metrics at")
+        num_threads = _count(args.num_threads, "--num-threads", 1, "torch threads")
+        if args.mlflow_run_id:
+            check_mlflow_run(args.mlflow_run_id, args.tracking_uri)
         run_suite(
             args.checkpoint,
             args.suite,
@@ -194,10 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             args.mlflow_run_id,
             args.tracking_uri,
             out=args.out,
-            num_threads=args.num_threads,
+            num_threads=num_threads,
             device=args.device,
+            step=step,
         )
-    except ValueError as error:  # user errors: one clear line, no traceback
+    except (ValueError, OSError) as error:  # user errors (bad weights, suite, data root, out folder): one line
         print(f"evals.run: error: {error}", file=sys.stderr)
         return 2
     return 0

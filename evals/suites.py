@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from data_pipeline.cli import read_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SUITES_DIR = PROJECT_ROOT / "configs" / "evals"
@@ -142,7 +143,10 @@ def suite_path(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise ValueError(f"eval suite file {path} does not exist")
+            known = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+            raise ValueError(
+                f"eval suite file {path} does not exist or is not a file; give a YAML path or one of {known}"
+            )
         return path
     candidate = SUITES_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
@@ -154,35 +158,46 @@ def suite_path(name_or_path: str | Path) -> Path:
 def load_suite(name_or_path: str | Path) -> SuiteConfig:
     """Read and check a suite: a name, and a non-empty list of evaluators of registered types."""
     path = suite_path(name_or_path)
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    raw = read_yaml(path, "eval suite") or {}
     if not isinstance(raw, dict) or not isinstance(raw.get("evaluators"), list) or not raw["evaluators"]:
-        raise ValueError(f"{path}: a suite needs a non-empty 'evaluators' list")
+        raise ValueError(
+            f"{path}: a suite needs a non-empty 'evaluators' list (a mapping with evaluators: [- type: fewshot ...]); "
+            f"see {SUITES_DIR / 'local_fewshot.yaml'}"
+        )
     unknown = set(raw) - {"name", "description", "evaluators"}
     if unknown:
-        raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: name, description, evaluators")
+        raise ValueError(
+            f"{path}: unknown top-level keys {sorted(map(str, unknown))}; allowed: name, description, evaluators"
+        )
+    for key in ("name", "description"):
+        if key in raw and not isinstance(raw[key], str):
+            raise ValueError(f"{path}: {key} must be a string, got {raw[key]!r}")
     specs = []
     for i, entry in enumerate(raw["evaluators"]):
         if not isinstance(entry, dict) or "type" not in entry:
             raise ValueError(f"{path}: evaluator #{i} needs a 'type' (one of {sorted(EVALUATORS)})")
         options = {k: v for k, v in entry.items() if k not in ("type", "name")}
-        if entry["type"] not in EVALUATORS:
+        if not isinstance(entry["type"], str) or entry["type"] not in EVALUATORS:
             raise ValueError(f"{path}: evaluator #{i} has unknown type {entry['type']!r}; known: {sorted(EVALUATORS)}")
+        bad_keys = [k for k in options if not isinstance(k, str)]
+        if bad_keys:
+            raise ValueError(f"{path}: evaluator #{i} ({entry['type']}) has non-text option names {bad_keys}")
         specs.append(EvaluatorSpec(type=entry["type"], name=str(entry.get("name", entry["type"])), options=options))
-    return SuiteConfig(
-        name=str(raw.get("name", path.stem)), evaluators=tuple(specs), description=raw.get("description", "")
-    )
+    return SuiteConfig(name=raw.get("name", path.stem), evaluators=tuple(specs), description=raw.get("description", ""))
 
 
 def parse_options(cls, options: dict, where: str):
     """Build the frozen options dataclass ``cls`` from a suite entry; unknown keys are an error, not ignored."""
+    from pretrain.config import coerce_value  # lazily: evaluators import torch anyway, evals.run itself need not
+
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(options) - names
     if unknown:
-        raise ValueError(f"{where}: unknown option(s) {sorted(unknown)}; allowed: {sorted(names)}")
-    converted = {}
-    for f in dataclasses.fields(cls):
-        if f.name in options:
-            value = options[f.name]
-            converted[f.name] = tuple(value) if isinstance(value, list) else value
+        raise ValueError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; allowed: {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    converted = {
+        f.name: coerce_value(options[f.name], hints[f.name], f"{where}: {f.name}")
+        for f in dataclasses.fields(cls)
+        if f.name in options
+    }
     return cls(**converted)

@@ -72,22 +72,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the server command and exit")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give the number of server processes (>= 1)")
 
     uri = args.tracking_uri or default_tracking_uri()
+    try:
+        command = build_command(uri, args.host, args.port, args.workers)
+        try:
+            socket.getaddrinfo(args.host, args.port)
+        except (socket.gaierror, UnicodeError) as error:  # a name nothing resolves: say so, not "port taken"
+            raise ValueError(
+                f"--host {args.host!r} is not an address of this machine ({error}); omit it for 127.0.0.1"
+            ) from None
+        check_port_free(args.host, args.port)
+    except ValueError as error:
+        print(f"evals.ui: error: {error}", file=sys.stderr)
+        return 2
     if not _is_loopback(args.host):
         warnings.warn(
             f"--host {args.host} exposes the MLflow UI (no authentication; it can delete runs) beyond this "
             "machine; prefer the default 127.0.0.1 and an SSH tunnel",
             stacklevel=1,
         )
-    try:
-        if sqlite_path(uri) is not None and not sqlite_path(uri).exists():
-            print(f"evals.ui: {sqlite_path(uri)} does not exist yet; the UI starts on an empty store")
-        command = build_command(uri, args.host, args.port, args.workers)
-        check_port_free(args.host, args.port)
-    except ValueError as error:
-        print(f"evals.ui: {error}", file=sys.stderr)
-        return 2
+    if sqlite_path(uri) is not None and not sqlite_path(uri).exists():
+        print(f"evals.ui: {sqlite_path(uri)} does not exist yet; the UI starts on an empty store")
     print(f"MLflow UI over {uri}: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
     if args.dry_run:
         print(" ".join(command))

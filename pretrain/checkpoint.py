@@ -101,7 +101,12 @@ def find_start(config: TrainConfig) -> StartPoint:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states (python, numpy, torch CPU, CUDA) as JSON-safe values."""
+    """This process's global RNG states (python, numpy, torch CPU, every visible CUDA device) as JSON-safe values.
+
+    The model's dropout does not depend on them (``pretrain.train.model_randomness`` seeds it by position) and the
+    data streams seed every choice by position too; these are restored so any other code drawing from the global
+    generators continues exactly as well.
+    """
     np_state = np.random.get_state()
     state = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
@@ -120,7 +125,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_bytes_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in state["cuda"]])
+        # Device i's state goes back to device i; a process that now sees fewer devices restores the ones it has.
+        for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_bytes_tensor(saved), index)
 
 
 def _bytes_tensor(text: str) -> torch.Tensor:
@@ -213,9 +220,55 @@ def _save_consolidated(engine, model: torch.nn.Module, directory: Path, rank: in
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    complete = complete_checkpoints(root.parent)
-    for old in complete[:-keep_last]:
+    prune_checkpoints(root.parent, keep_last)
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete the COMPLETE checkpoints older than the newest ``keep_last``, except pinned ones; returns those deleted.
+
+    A pinned checkpoint (evals scheduled on it, see `pin_checkpoint`) stays until it is unpinned and goes at a later
+    prune: the next save's, or the driver's after its evals finished.
+    """
+    deleted = []
+    for old in complete_checkpoints(run_dir)[:-keep_last]:
+        if is_pinned(old):
+            continue
+        # Unmark first: a prune interrupted half-way leaves a folder nothing reads, never a "complete" fragment.
+        (old / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(old, ignore_errors=True)
+        deleted.append(old)
+    return deleted
+
+
+# A pin is a plain file in the checkpoint folder: training rank 0 sets it, the eval scheduler or the eval task
+# (other processes, maybe other nodes on shared storage) clears it; nothing but the filesystem is involved.
+PINNED = "PINNED"
+
+
+def pin_checkpoint(checkpoint_dir: str | Path, reason: str) -> bool:
+    """Keep ``checkpoint_dir`` through `checkpoint.keep_last` pruning until `unpin_checkpoint`; False if it is gone."""
+    try:
+        (Path(checkpoint_dir) / PINNED).write_text(f"{reason}\n")
+    except FileNotFoundError:  # already pruned (or never written): nothing to keep
+        return False
+    return True
+
+
+def unpin_checkpoint(checkpoint_dir: str | Path) -> None:
+    (Path(checkpoint_dir) / PINNED).unlink(missing_ok=True)
+
+
+def is_pinned(checkpoint_dir: str | Path) -> bool:
+    return (Path(checkpoint_dir) / PINNED).is_file()
+
+
+def release_pins(run_dir: str | Path) -> list[Path]:
+    """Clear every pin of a run (left by a job that died before its evals finished); returns the unpinned folders."""
+    root = checkpoint_root(run_dir)
+    pinned = sorted(p.parent for p in root.glob(f"step_*/{PINNED}")) if root.is_dir() else []
+    for folder in pinned:
+        unpin_checkpoint(folder)
+    return pinned
 
 
 # The only non-tensor objects DeepSpeed pickles into its model/optimizer state files (ZeRO 0-3, fp32 and bf16 as

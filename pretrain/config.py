@@ -12,9 +12,13 @@ are computed in one place each: :mod:`pretrain.ds_config` and :mod:`pretrain.opt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import math
 import types
 import typing
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -22,6 +26,7 @@ from typing import Any, Union
 import yaml
 
 from data_pipeline.augment import AugmentConfig
+from data_pipeline.cli import parse_yaml, read_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPE_DIR = PROJECT_ROOT / "configs"
@@ -200,24 +205,33 @@ class TrainConfig:
 def recipe_path(name_or_path: str | Path) -> Path:
     """A YAML file path, or the recipe name `configs/<name>.yaml`; ValueError listing the recipes if neither."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.exists():
+    if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
     candidate = RECIPE_DIR / f"{name_or_path}.yaml"
     if candidate.exists():
         return candidate
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    if path.suffix in (".yaml", ".yml"):
+        raise ValueError(f"recipe file {path} does not exist or is not a file; give a YAML path or a recipe: {known}")
     raise ValueError(f"no recipe {str(name_or_path)!r}: not a YAML file and not one of configs/*.yaml: {known}")
 
 
 def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path in seen:
         raise ValueError(f"recipe {path} inherits from itself via 'base:' ({' -> '.join(map(str, seen))})")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path, "recipe")
+    if data is None:  # an empty file: every default
+        data = {}
     if not isinstance(data, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping of sections, got {type(data).__name__}")
+        raise ValueError(
+            f"recipe {path} must be a YAML mapping of sections (model:, data:, optim: ...), "
+            f"got a {type(data).__name__}; see configs/local_demo.yaml"
+        )
     base = data.pop("base", None)
     if base is None:
         return data
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"recipe {path}: base={base!r} must be a recipe name or YAML path, e.g. base: vit_b16_i21k")
     return _deep_merge(_load_yaml(recipe_path(base), seen + (path,)), data)
 
 
@@ -234,14 +248,15 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"optim.lr=3e-4"`` → (["optim", "lr"], 0.0003); the value is a YAML scalar (null, true, 1e-3, [1, 2])."""
     key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
+    keys = key.strip().split(".")
+    if not sep or not all(k.strip() for k in keys):
         raise ValueError(f"override {text!r} is not key=value; write e.g. optim.lr=3e-4 or model.name=vit_s16")
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    return key.strip().split("."), value
+    value = parse_yaml(raw, f"override {text!r}: the value") if raw.strip() else ""
+    return [k.strip() for k in keys], value
 
 
 def apply_overrides(d: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
-    out = _deep_merge(d, {})
+    out = copy.deepcopy(d)  # ``d`` stays as the recipe wrote it (load_config checks it on its own)
     for text in overrides:
         keys, value = parse_override(text)
         node = out
@@ -263,8 +278,16 @@ def load_config(path_or_recipe_name: str | Path, overrides: typing.Iterable[str]
     path = recipe_path(path_or_recipe_name)
     data = _load_yaml(path)
     data.setdefault("recipe", path.stem)
-    data = apply_overrides(data, list(overrides))
-    return TrainConfig.from_dict(data)
+    merged = apply_overrides(data, list(overrides))  # a malformed override raises here, naming itself
+    try:
+        return TrainConfig.from_dict(merged)
+    except ValueError as error:
+        # Say where the bad key or value came from: the file (or its base chain), or an override.
+        try:
+            TrainConfig.from_dict(data)
+        except ValueError:
+            raise ValueError(f"recipe {path}: {error}") from None
+        raise ValueError(f"--set override: {error}") from None
 
 
 # --------------------------------------------------------------------------------------------- typing
@@ -275,12 +298,20 @@ def _build(cls: type, d: Any, prefix: str) -> Any:
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {d!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(d) - set(names))
+    unknown = sorted(str(key) for key in set(d) - set(names))  # YAML keys may be numbers or null
     if unknown:
         where = prefix.rstrip(".") or "the top level"
         raise ValueError(f"unknown config key(s) {[prefix + u for u in unknown]} in {where}; valid keys: {names}")
     kwargs = {name: _coerce(d[name], hints[name], prefix + name) for name in names if name in d}
     return cls(**kwargs)
+
+
+def coerce_value(value: Any, hint: Any, path: str) -> Any:
+    """``value`` checked (and converted: list → tuple, "1e-3" → 0.001) against a dataclass field's type ``hint``.
+
+    ValueError naming ``path`` and the expected type; the same rules as recipe fields (eval-suite options use it).
+    """
+    return _coerce(value, hint, path)
 
 
 def _coerce(value: Any, hint: Any, path: str) -> Any:
@@ -300,7 +331,7 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             except ValueError as error:
                 errors.append(str(error))
         raise ValueError(f"{path}={value!r} has the wrong type; expected {_type_name(hint)}")
-    if origin is dict:
+    if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{path} must be a mapping, got {value!r}")
         return dict(value)
@@ -308,7 +339,7 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         args = typing.get_args(hint)
         variadic = args[-1] is Ellipsis
         if not isinstance(value, (list, tuple)) or (not variadic and len(value) != len(args)):
-            raise ValueError(f"{path} must be a list of {'' if variadic else len(args)} items, got {value!r}")
+            raise ValueError(f"{path} must be a list{'' if variadic else f' of {len(args)} items'}, got {value!r}")
         items = args[:1] * len(value) if variadic else args
         return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, items)))
     if hint is Any:
@@ -321,12 +352,13 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         # YAML 1.1 reads "1e-3" (no dot) as a string
         value = _number(value, path, "an integer" if hint is int else "a number")
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or int(value) != value:
             raise ValueError(f"{path} must be an integer, got {value!r}")
         return int(value)
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{path} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{path} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -401,6 +433,8 @@ def validate_config(config: TrainConfig, world_size: int, *, check_paths: bool =
     if d.loader_start_method not in ("fork", "forkserver", "spawn"):
         raise ValueError(f"data.loader_start_method={d.loader_start_method!r}; use fork, forkserver or spawn")
     _at_least(d.shuffle_buffer, 0, "data.shuffle_buffer")
+    if d.builtin is not None:
+        _check_builtin(d.builtin, d.builtin_options)
     _at_least(d.mixup_alpha, 0.0, "data.mixup_alpha")
     if d.augment is not None:
         try:
@@ -465,6 +499,21 @@ def validate_config(config: TrainConfig, world_size: int, *, check_paths: bool =
         _check_paths(config)
 
 
+def _check_builtin(name: str, options: dict[str, Any]) -> None:
+    """data.builtin and its size options, checked here rather than when rank 0 generates the set mid-start."""
+    from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig
+
+    if ALIASES.get(name, name) not in BUILTIN_NAMES:
+        raise ValueError(f"data.builtin={name!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it")
+    known = [f.name for f in dataclasses.fields(BuiltinConfig)]
+    for key, value in options.items():
+        if key not in known:
+            raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {', '.join(known)}")
+        low = 0 if key == "seed" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
+
+
 def model_overrides(config: TrainConfig, num_classes: int) -> dict[str, Any]:
     """The ViTConfig overrides the training config implies (None fields keep the variant's default)."""
     m = config.model
@@ -504,12 +553,25 @@ def _check_paths(config: TrainConfig) -> None:
                 f"checkpoint.init_from={c.init_from!r} is neither an .npz file nor a folder with model.safetensors; "
                 "point it at an official ViT .npz or a checkpoint folder"
             )
+        # An .npz is a zip whose directory is at its end: a truncated download or a pickle fails here, in seconds,
+        # rather than after the workers have started.
+        if src.suffix == ".npz" and src.is_file() and not zipfile.is_zipfile(src):
+            raise ValueError(
+                f"checkpoint.init_from={c.init_from!r} is not an .npz archive (truncated, damaged or another format); "
+                "download the official checkpoint again or point at a model.safetensors folder"
+            )
 
 
 def _dataset_num_samples(train: str) -> int:
-    import json
-
-    return int(json.loads((resolve_path(train) / "dataset.json").read_text())["num_samples"])
+    path = resolve_path(train) / "dataset.json"
+    try:
+        info = json.loads(path.read_text())
+        return int(info["num_samples"])
+    except (OSError, ValueError, KeyError, TypeError) as error:  # reading one small user file: all mean "damaged"
+        raise ValueError(
+            f"data.train={train!r}: {path} is unreadable or damaged ({type(error).__name__}: {error}); rewrite the "
+            "shard folder, or check it with `python -m data_pipeline.validate`"
+        ) from None
 
 
 def _positive(value: float, name: str) -> None:

@@ -9,6 +9,7 @@ steps it reports (keys as in docs/interfaces.md):
   train/memory_gb                           max allocated on CUDA, resident set size on CPU
   train/images_seen, train/exaflops         cumulative (exaFLOPs = images seen × training FLOPs per image)
 A non-finite loss raises `NonFiniteLossError` on every rank (the loss is already all-reduced, so all agree).
+Each step's values reach the MLflow run once: steps redone after a restart from a checkpoint are not logged again.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class TrainMetrics:
 
     def __post_init__(self) -> None:
         self._reset_window()
+        if self.tracker is not None:
+            # A restarted worker group redoes the steps after its checkpoint: keep the first value of each step.
+            self.tracker.log_once_per_step("train/")
         if self.rank == 0 and self.progress_bar:
             from tqdm import tqdm
 

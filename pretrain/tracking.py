@@ -226,6 +226,9 @@ class Tracker:
     keeps the buffer (beyond ``max_buffered`` metric values the oldest are dropped and counted in a warning) and
     retries after an exponential backoff (1 s doubling up to ``max_backoff_s``), or at once on :meth:`flush`.
     A batch MLflow rejects as invalid (e.g. a param re-logged with another value) is dropped with a warning.
+
+    Keys under a prefix given to :meth:`log_once_per_step` keep one value per step in the run: values at steps the
+    run already holds (a restarted worker group redoing the steps after its checkpoint) are not sent again.
     """
 
     def __init__(
@@ -253,6 +256,10 @@ class Tracker:
         self._artifacts: list[_Artifact] = []
         self._next_seq = 0
         self._dropped = 0
+        # log_once_per_step: key prefixes, and the highest step of each key the run held when we connected.
+        self._once_prefixes: tuple[str, ...] = ()
+        self._run_steps: dict[str, int] = {}
+        self._said_skipping = False
         self._buffer_lock = threading.Lock()
         # Delivery state, guarded by _send_lock (one sender at a time: the thread or a flush()).
         self._send_lock = threading.Lock()
@@ -289,6 +296,17 @@ class Tracker:
                 self._metrics.append(_PendingMetric(self._next_seq, str(key), number, now_ms, int(step)))
                 self._next_seq += 1
         self._kick()
+
+    def log_once_per_step(self, *prefixes: str) -> None:
+        """Send at most one value per step of each key starting with one of ``prefixes`` to this run.
+
+        MLflow's metric history is append-only, so when a worker group restarts from its newest checkpoint the
+        redone steps would be logged a second time (a zig-zag in every plot). On connecting, the tracker reads
+        the highest step the run holds for each key (its latest metric, which MLflow keeps at the highest step);
+        values at or below it are skipped: the first value logged for a step is the one kept.
+        """
+        with self._buffer_lock:
+            self._once_prefixes = tuple(dict.fromkeys((*self._once_prefixes, *prefixes)))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log params; nested dicts are flattened like :func:`flatten_config`."""
@@ -425,8 +443,9 @@ class Tracker:
                 batch = list(itertools.islice(self._metrics, _MAX_METRICS_PER_BATCH))
             if not batch:
                 break
-            entities = [Metric(m.key, m.value, m.timestamp_ms, m.step) for m in batch]
-            self._send_batch("metrics", lambda e=entities: client.log_batch(self.run_id, metrics=e))
+            entities = [Metric(m.key, m.value, m.timestamp_ms, m.step) for m in batch if not self._already_logged(m)]
+            if entities:
+                self._send_batch("metrics", lambda e=entities: client.log_batch(self.run_id, metrics=e))
             with self._buffer_lock:
                 # Sequence numbers, not counts: log_metrics may have dropped the oldest values meanwhile.
                 while self._metrics and self._metrics[0].seq <= batch[-1].seq:
@@ -472,10 +491,24 @@ class Tracker:
             from mlflow import MlflowClient
 
             client = MlflowClient(tracking_uri=self.tracking_uri)
-            # Touch the store now so an unreachable one fails here, inside the retry logic.
-            client.get_run(self.run_id)
+            # Touch the store now so an unreachable one fails here, inside the retry logic. This happens before
+            # anything of ours is sent, so the steps read are those of earlier processes (log_once_per_step).
+            run = client.get_run(self.run_id)
+            self._run_steps = {m.key: m.step for m in run.data.to_proto().metrics}
             self._client = client
         return self._client
+
+    def _already_logged(self, metric: _PendingMetric) -> bool:
+        """True for a value of a log_once_per_step key at a step the run held before this tracker connected."""
+        if not metric.key.startswith(self._once_prefixes) or metric.step > self._run_steps.get(metric.key, -1):
+            return False
+        if not self._said_skipping:
+            self._said_skipping = True
+            logger.info(
+                f"MLflow run {self.run_id} already holds {metric.key} up to step {self._run_steps[metric.key]}: "
+                "the redone steps are not logged again (training resumed from an earlier checkpoint)"
+            )
+        return True
 
     def _warn(self, message: str, force: bool = False) -> None:
         """Log a warning; unforced ones (the outage notice) at most once per warn_interval_s."""

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_pipeline.cli import output_file
 from pretrain import checkpoint as ckpt
 from pretrain import progressive
 from pretrain.config import TrainConfig, load_config, model_overrides, resolve_path
@@ -80,6 +82,27 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def model_randomness(seed: int, rank: int, step: int, micro: int, device: torch.device):
+    """Run the enclosed forward/backward with torch's generators (CPU, and this rank's GPU) seeded by the position
+    (seed, rank, optimizer step, micro-batch); the global states before it are put back afterwards.
+
+    Why by position, and not one long per-rank stream that checkpoints save and restore: the model's randomness
+    (dropout, attention dropout, anything stochastic in the task) then depends on nothing outside the model. A
+    DataLoader created at a resume or an epoch rollover, a checkpoint write, an engine rebuild or any library that
+    draws from the global generator cannot shift it, and a resumed or restarted run continues it exactly without any
+    saved state: the same contract as the data stream's. Activation checkpointing replays the state it stashed in
+    the forward, so a recompute in the backward sees the same masks.
+    """
+    key = int(np.random.SeedSequence([seed, rank, step, micro]).generate_state(1, np.uint64)[0])
+    gpus = [device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        torch.default_generator.manual_seed(key)
+        for index in gpus:
+            torch.cuda.default_generators[index].manual_seed(key)
+        yield
 
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
@@ -196,16 +219,20 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train_step(engine, it: Iterator, accum_steps: int, place: Placement, dtype: torch.dtype, digest=None):
-    """One optimizer step over ``accum_steps`` micro-batches; (loss averaged over ranks, seconds waiting for data)."""
+def train_step(
+    engine, it: Iterator, accum_steps: int, place: Placement, dtype: torch.dtype, step: int, seed: int, digest=None
+):
+    """Optimizer step ``step`` (0-based) over ``accum_steps`` micro-batches; (loss averaged over ranks, seconds
+    waiting for data). The model's randomness is seeded by (``seed``, rank, step, micro-batch)."""
     loss_sum, data_s = torch.zeros((), device=place.device), 0.0
-    for _ in range(accum_steps):
+    for micro in range(accum_steps):
         images, labels, wait = _next_batch(it, place.device, dtype)
         data_s += wait
         if digest is not None:
             digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
-        loss, _ = engine(images, labels)
-        engine.backward(loss)  # DeepSpeed scales by 1/accum_steps and reduces across ranks at the boundary
+        with model_randomness(seed, place.rank, step, micro, place.device):
+            loss, _ = engine(images, labels)
+            engine.backward(loss)  # DeepSpeed scales by 1/accum_steps and reduces across ranks at the boundary
         engine.step()  # steps the optimizer (with clipping) only at the accumulation boundary
         loss_sum += loss.detach().float()
     return _mean_over_ranks(loss_sum / accum_steps), data_s
@@ -235,12 +262,12 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     metrics = build_metrics(config, place, model, tracker, last_step, step, state["images_seen"])
     dtype = torch.bfloat16 if resolve_precision(config.deepspeed, place.device.type) == "bf16" else torch.float32
     summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": []}
-    # RNG last, right before the loop: nothing between here and the first step may draw from it, so a resumed
-    # run continues the uninterrupted run's random sequence (dropout) exactly.
+    # The model's own randomness is seeded by position in train_step (model_randomness), whatever happens here.
+    # The global generators are restored last, right before the loop, for any other code that draws from them.
     if "rng_states" in state:
         ckpt.set_rng_state(state["rng_states"][place.rank])
     else:
-        seed_everything(config.seed * 1000 + place.rank + 1)  # dropout differs across ranks, reproducibly
+        seed_everything(config.seed * 1000 + place.rank + 1)  # different on every rank, reproducibly
     it, last = iter(stream), {}
     try:
         while step < last_step:
@@ -254,7 +281,7 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
             lr = schedule(step)
             set_lr(engine.optimizer, lr)
             digest = hashlib.sha256() if config.logging.record_batch_digests else None
-            loss, data_s = train_step(engine, it, plan.grad_accum_steps, place, dtype, digest)
+            loss, data_s = train_step(engine, it, plan.grad_accum_steps, place, dtype, step, config.seed, digest)
             step += 1
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -304,6 +331,22 @@ def build_metrics(config, place, model, tracker, last_step: int, step: int, imag
     )  # fmt: skip
 
 
+def _env_world_size() -> int:
+    text = os.environ.get("WORLD_SIZE", "1")  # set by torchrun / the DeepSpeed launcher
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"WORLD_SIZE={text!r} in the environment is not a positive integer; unset it or use torchrun")
+    return int(text)
+
+
+def _summary_path(template: str, rank: int) -> str:
+    try:
+        return template.format(rank=rank)
+    except (KeyError, IndexError, ValueError):  # str.format on the user's text: any other {field} or a lone brace
+        raise ValueError(
+            f"--summary {template!r}: only {{rank}} may appear in braces, e.g. runs/summary_{{rank}}.json"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a recipe YAML path or a name under configs/")
@@ -313,22 +356,26 @@ def main(argv: list[str] | None = None) -> int:
     # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment (which it also sets) is what counts.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / the DeepSpeed launcher
     try:
+        world_size = _env_world_size()
         config = load_config(args.config, args.set)
         config.validate(world_size)  # before any process group, data or model: bad input costs nothing
+        if args.summary:  # a bad --summary path must not surface only after the whole run
+            output_file(_summary_path(args.summary, 0), "--summary")
         if args.dry_run:
             print(config.format())
             plan = batch_plan(config.data, world_size)
             print(f"world size {world_size}: micro-batch {plan.micro_batch_size} x accumulation "
                   f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}")  # fmt: skip
             return 0
+        # ValueError is how the project reports bad input (pretrain.config, data_pipeline.manifest, pretrain.weights):
+        # the files the config points at (shards, init_from, a resumed checkpoint) are read only from here on.
+        summary = train_worker(config)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    summary = train_worker(config)
     if args.summary:
-        Path(args.summary.format(rank=summary["rank"])).write_text(json.dumps(summary))
+        Path(_summary_path(args.summary, summary["rank"])).write_text(json.dumps(summary))
     if summary["rank"] == 0:
         print(
             f"done: {summary['steps']} steps, final loss {summary['final_loss']}, images seen {summary['images_seen']}"

@@ -179,3 +179,142 @@ def test_local_plan_uses_cpu_memory_and_profile_storage(tmp_path):
     plan = build_plan(profile, config)
     assert plan.capacity_gb == pytest.approx(12.0)  # 24 GB / 2 workers on the node
     assert plan.precision == "fp32" and plan.zero_stage == 2 and plan.world_size == 2
+
+
+I21K_RECIPES = ("vit_b16_i21k", "vit_b16_i21k_augreg", "vit_l16_i21k", "vit_h14_i21k", "r50_vit_b16_i21k")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("profile_name", ["a100x64", "h100x8"])
+def test_i21k_plans_count_the_21843_class_head_without_the_data(profile_name):
+    from pretrain import flops
+    from pretrain.config import model_overrides
+    from pretrain.model import model_config
+
+    profile = load_profile(profile_name)
+    for recipe in I21K_RECIPES:
+        config = resolve_config(profile, recipe, [], "r")
+        assert config.model.num_classes == 21843, recipe
+        plan = build_plan(profile, config)
+        assert "head size unknown" not in plan.data_note and "classes assumed" not in plan.data_note
+        vit = model_config(config.model.name, **model_overrides(config, num_classes=21843))
+        assert plan.num_params == flops.param_count(vit), recipe
+        head_in = config.model.representation_size or vit.width
+        assert plan.num_params - flops.param_count(dataclasses.replace(vit, num_classes=0)) == head_in * 21843 + 21843
+
+
+@pytest.mark.timeout(120)
+def test_mpp_plans_count_the_colour_head_not_a_classifier():
+    from pretrain import flops
+    from pretrain.config import model_overrides
+    from pretrain.model import build_model, model_config
+    from pretrain.tasks import build_task
+
+    # vit_b16_mpp leaves num_classes unset: MPP drops the classifier, so nothing needs the dataset's classes.
+    profile = load_profile("a100x64")
+    plan = build_plan(profile, resolve_config(profile, "vit_b16_mpp", [], "mpp"))
+    encoder = flops.param_count(model_config("vit_b16", num_classes=0))
+    assert plan.num_params == encoder + 768 + 768 * 512 + 512  # [mask] embedding + 512-way colour head
+    assert "head size unknown" not in plan.data_note
+    # The same count as the module DeepSpeed trains, built for real (tiny model of local_mpp).
+    local = load_profile("local")
+    config = resolve_config(local, "local_mpp", [], "mpp")
+    task = build_task(config, build_model(config.model.name, **model_overrides(config, num_classes=10)))
+    assert build_plan(local, config).num_params == sum(p.numel() for p in task.parameters())
+
+
+@pytest.mark.timeout(120)
+def test_checkpointing_advice_and_numbers_follow_the_setting():
+    profile = load_profile("a100x64")
+    on = build_plan(profile, resolve_config(profile, "vit_h14_i21k", ["model.grad_checkpointing=true"], "h"))
+    off = build_plan(profile, resolve_config(profile, "vit_h14_i21k", ["model.grad_checkpointing=false"], "h"))
+    D, M, N, L = 1280, 5120, 257, 32
+    plain = (16 * D + 4 * M + 2 * D) * N * L  # bytes/image kept for backward (bf16, dropout masks)
+    kept = 2 * D * N * L + (16 * D + 4 * M + 2 * D) * N  # block inputs + one block being recomputed
+    for plan in (on, off):  # both settings are reported, whichever is used
+        assert plan.activations_gb_not_checkpointed == pytest.approx(plain * 64 / 1e9)
+        assert plan.activations_gb_checkpointed == pytest.approx(kept * 64 / 1e9)
+        assert plan.recompute_factor == pytest.approx(4 / 3)  # one more forward on top of 3 x forward
+    # The plan's own numbers are those of the setting the user picked.
+    assert (on.activations_gb, off.activations_gb) == (on.activations_gb_checkpointed, off.activations_gb)
+    assert off.activations_gb == pytest.approx(off.activations_gb_not_checkpointed)
+    assert on.total_gb == pytest.approx(on.total_gb_not_checkpointed - (plain - kept) * 64 / 1e9)
+    assert on.step_time_s == pytest.approx(off.step_time_s * 4 / 3) and on.days == pytest.approx(off.days * 4 / 3)
+    assert on.total_gb < 7 and 20 < off.total_gb < 0.85 * 80  # the 6.5 GB of 80, and ~27 GB without
+    text = format_plan(on)
+    assert "not needed" in text and "--set model.grad_checkpointing=false" in text
+    assert f"{off.step_time_s:.3g} s/step instead of {on.step_time_s:.3g}" in text
+    assert "+ recompute x 1.33" in text
+    assert "not needed" in format_plan(off) and "+ recompute" not in format_plan(off)
+    # The recipe itself now runs the faster setting.
+    assert build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "h")).activation_checkpointing is False
+
+
+@pytest.mark.timeout(120)
+def test_checkpointing_advice_trades_micro_batch_or_says_needed():
+    # 8 GPUs, micro-batch 256: without checkpointing 256 x 358 MB does not fit, 128 x 4 accumulation does.
+    a100x8 = load_profile("a100x8")
+    sets = ["model.grad_checkpointing=true", "data.micro_batch_size=256"]
+    plan = build_plan(a100x8, resolve_config(a100x8, "vit_h14_i21k", sets, "h"))
+    assert plan.total_gb_not_checkpointed > 80
+    assert "micro-batch 128 x accumulation 4 fits without it" in plan.checkpointing_advice
+    assert "--set model.grad_checkpointing=false --set data.micro_batch_size=128" in plan.checkpointing_advice
+    # 896 px (4097 tokens): even micro-batch 8 without recomputation is too large for an efficient split.
+    a100x64 = load_profile("a100x64")
+    sets = ["model.grad_checkpointing=true", "data.image_size=896", "data.global_batch_size=1024"]
+    plan = build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", [*sets, "data.micro_batch_size=16"], "h"))
+    assert plan.checkpointing_advice.startswith("needed: without it") and plan.total_gb < 80
+    # ... and switching it off there is refused with the numbers and the fix.
+    with pytest.raises(PlanError, match=r"model.grad_checkpointing=true \(activations \d+\.\d GB; step time x 1.33\)"):
+        build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", [*sets, "model.grad_checkpointing=false"], "h"))
+
+
+def _profile_with_shards(tmp_path, base: str, shards: str):
+    data = yaml.safe_load(open(load_profile.__globals__["PROFILES_DIR"] / f"{base}.yaml"))
+    data["storage"]["shards"] = shards
+    path = tmp_path / f"{base}_{shards.split(':')[0]}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("scheme", "extra", "module"), [("s3", "s3", "s3fs"), ("gs", "gcs", "gcsfs")])
+def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys, scheme, extra, module):
+    import importlib.util
+
+    from cluster.driver import JobSpec
+    from cluster.plan import STORAGE_EXTRAS
+
+    path = _profile_with_shards(tmp_path, "h100x8", f"{scheme}://bucket/shards")
+    assert launch.main(["--cluster", str(path), "--recipe", "vit_l16_i21k", "--dry-run"]) == 0  # never fails for it
+    out = capsys.readouterr().out
+    storage = next(line for line in out.splitlines() if line.startswith("  storage"))
+    assert f"{scheme}://bucket/shards/imagenet21k/train" in storage and f"vitscale[{extra}] ({module})" in storage
+    if importlib.util.find_spec(module) is None:  # this machine lacks it: the plan says what to install
+        assert f"pip install 'vitscale[{extra}]'" in storage and "manifest not readable here" in out
+        assert "Install s3fs" not in out and "Please install gcsfs" not in out  # fsspec's raw message
+    else:
+        assert "pip install" not in storage
+    # The job's runtime env installs the extra on the cluster; a local run needs none.
+    profile = load_profile(path)
+    config = resolve_config(profile, "vit_l16_i21k", [], "r")
+    spec = JobSpec(profile, config.to_dict(), build_plan(profile, config).to_dict())
+    assert launch.runtime_env(profile, spec)["pip"] == [STORAGE_EXTRAS[extra].requirement]
+    local = load_profile("local")
+    local_config = resolve_config(local, "local_demo", [], "r")
+    local_spec = JobSpec(local, local_config.to_dict(), build_plan(local, local_config).to_dict())
+    assert "pip" not in launch.runtime_env(local, local_spec)
+
+
+@pytest.mark.timeout(60)
+def test_storage_extras_are_the_pyproject_extras():
+    import tomllib
+
+    from cluster.plan import SCHEME_EXTRAS, STORAGE_EXTRAS
+    from cluster.profiles import PROJECT_ROOT
+
+    extras = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, extra in STORAGE_EXTRAS.items():
+        assert extras[name] == [extra.requirement], name
+        assert extra.requirement.startswith(extra.module)
+    assert set(SCHEME_EXTRAS.values()) == set(STORAGE_EXTRAS)

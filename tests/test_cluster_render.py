@@ -34,8 +34,12 @@ def test_a100x64_launcher_yaml_validates_with_rays_schema(tmp_path):
     assert groups["gpu"]["replicas"] == 7
     head_limits = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
     assert head_limits["limits"]["nvidia.com/gpu"] == "8"
-    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    env = runtime_env["env_vars"]
     spec = json.loads(env["VITSCALE_PLAN"])
+    # Shards on s3://: the nodes install the s3 extra, and so does the job (for an image without it).
+    assert "pip install -e '/fsx/vitscale[s3]'" in config["setup_commands"]
+    assert runtime_env["pip"] == ["s3fs>=2024.2"] and spec["plan"]["storage_extras"] == ["s3"]
     assert spec["plan"]["world_size"] == 64 and spec["config"]["model"]["name"] == "vit_h14"
     assert spec["config"]["checkpoint"]["dir"].startswith("/fsx/")
     assert policy["kind"] == "NetworkPolicy"
@@ -48,3 +52,21 @@ def test_render_refuses_the_local_profile(capsys):
     assert render.main(["--cluster", "local"]) == 2
     assert render.main(["--cluster", "nope"]) == 2
     assert "valid profiles" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_gcs_shards_install_the_gcs_extra(tmp_path):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    data = yaml.safe_load((render.load_profile.__globals__["PROFILES_DIR"] / "a100x8.yaml").read_text())
+    data["storage"]["shards"] = "gs://vitscale-datasets"
+    profile = tmp_path / "a100x8_gcs.yaml"
+    profile.write_text(yaml.safe_dump(data))
+    launcher, rayjob = render.render(str(profile), "vit_b16_i21k", tmp_path / "out")
+    config = yaml.safe_load(launcher.read_text())
+    validate_config(prepare_config(config))
+    assert "pip install -e '/fsx/vitscale[gcs]'" in config["setup_commands"]
+    job = next(yaml.safe_load_all(rayjob.read_text()))
+    runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    assert runtime_env["pip"] == ["gcsfs>=2024.2"]
+    assert json.loads(runtime_env["env_vars"]["VITSCALE_PLAN"])["config"]["data"]["train"].startswith("gs://")

@@ -145,13 +145,91 @@ def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
         run_suite(checkpoint, many, data_root=data_root, out=tmp_path / "o")
 
 
-def test_cli_reports_errors_in_one_line(checkpoint, tmp_path, capsys):
+def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys):
+    from pretrain.tracking import create_run
+
     unfinished = tmp_path / "step_00000300"
     unfinished.mkdir()
-    assert main(["--checkpoint", str(unfinished), "--suite", "local_fewshot"]) == 2
-    assert "has no COMPLETE marker" in capsys.readouterr().err
-    assert main(["--checkpoint", str(checkpoint), "--suite", "no_such_suite"]) == 2
-    assert "unknown eval suite 'no_such_suite'" in capsys.readouterr().err
+    half = tmp_path / "half"  # the trainer's state is there, COMPLETE is not: still being written
+    save_pretrained(build_model("vit_tiny_debug"), half)
+    (half / "trainer_state.json").write_text(json.dumps({"step": 300}))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "notes.txt").write_text("not weights")
+    truncated = tmp_path / "truncated"
+    save_pretrained(build_model("vit_tiny_debug"), truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    pickled = tmp_path / "pickled.npz"
+    pickled.write_bytes(b"\x80\x04K\x01.")  # pickle.dumps(1): never loaded
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    create_run(uri, "evals-errors", "run", params={})
+    capsys.readouterr()  # MLflow's own log lines from creating the store
+    ckpt, suite = ["--checkpoint", str(checkpoint)], ["--suite", "local_fewshot", "--data-root", str(data_root)]
+    cases = [
+        (["--checkpoint", str(tmp_path / "nowhere"), *suite], "nowhere does not exist"),
+        (["--checkpoint", str(unfinished), *suite], "has no COMPLETE marker"),
+        (["--checkpoint", str(half), *suite], "has no COMPLETE marker"),
+        (["--checkpoint", str(no_weights), *suite], "cannot evaluate"),
+        (["--checkpoint", str(truncated), *suite], "model.safetensors"),
+        (["--checkpoint", str(pickled), *suite], "pickle"),
+        ([*ckpt, "--suite", "no_such_suite"], "unknown eval suite 'no_such_suite'"),
+        ([*ckpt, *suite, "--step", "x"], "--step 'x' is not an integer >= 0"),
+        ([*ckpt, *suite, "--step", "-3"], "--step '-3' is not an integer >= 0"),
+        ([*ckpt, *suite, "--step", "7"], "--step 7 contradicts checkpoint"),  # it is step 120
+        ([*ckpt, *suite, "--num-threads", "0"], "--num-threads '0'"),
+        ([*ckpt, *suite, "--out", str(a_file)], "is a file"),
+        ([*ckpt, *suite, "--device", "cuda:7" if torch.cuda.is_available() else "cuda"], "not available here"),
+        ([*ckpt, *suite, "--mlflow-run-id", "0123abcd", "--tracking-uri", uri], "run '0123abcd' does not exist"),
+        ([*ckpt, *suite, "--mlflow-run-id", "0123abcd", "--tracking-uri", f"sqlite:///{tmp_path}/no.db"], "no.db"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("evals.run: error: ") and err.count("\n") == 1 and needle in err, (argv, err)
+    assert not (checkpoint / "evals" / "local_fewshot.parquet").exists()  # nothing was evaluated
+    # The entry point itself: exit 2, the message, no traceback.
+    done = subprocess.run(
+        [sys.executable, "-m", "evals.run", "--checkpoint", str(no_weights), "--suite", "local_fewshot"],
+        cwd=PROJECT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "cannot evaluate" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_path):
+    """An exported folder (`pretrain.weights convert`, save_pretrained), an official .npz and a checkpoint folder;
+    --step names the MLflow step of weights that carry none (default 0), a checkpoint keeps its own."""
+    import numpy as np
+    from mlflow import MlflowClient
+    from weights_npz_reference import official_arrays
+
+    from pretrain.tracking import create_run
+    from pretrain.weights import main as weights_main
+
+    npz = tmp_path / "ViT-tiny.npz"
+    np.savez(npz, **official_arrays(width=32, depth=2, heads=4, mlp=64, patch=4, grid=8, num_classes=5))
+    converted = tmp_path / "converted"
+    weights_main(["convert", str(npz), str(converted)])  # model.safetensors + model.json, no step, no COMPLETE
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = create_run(uri, "evals-any-weights", "run", params={})
+    suite = write_suite(tmp_path, "any", "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n    seeds: [0]\n")
+    common = ["--suite", str(suite), "--data-root", str(data_root), "--num-threads", "1"]
+    mlflow, out = ["--mlflow-run-id", run_id, "--tracking-uri", uri], tmp_path / "out"
+    runs = [  # (argv, the step logged, where the table goes)
+        (["--weights", str(converted), "--step", "7", *mlflow], 7, converted / "evals"),
+        (["--checkpoint", str(converted)], 0, converted / "evals"),
+        (["--checkpoint", str(npz), "--step", "3", *mlflow], 3, tmp_path / "ViT-tiny_evals"),
+        (["--checkpoint", str(checkpoint), "--step", "120", "--out", str(out), *mlflow], 120, out),  # its own step
+    ]
+    for argv, step, folder in runs:
+        assert main([*argv, *common]) == 0, argv
+        rows = pq.read_table(folder / "any.parquet").to_pylist()
+        assert {r["step"] for r in rows} == {step} and rows[0]["metric"] == "fewshot/digits/1shot", argv
+    history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "fewshot/digits/1shot")
+    assert sorted(m.step for m in history) == [3, 7, 120]
 
 
 @pytest.mark.slow

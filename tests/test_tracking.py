@@ -98,6 +98,43 @@ def test_create_run_and_rank0_tracker_round_trip(store, tmp_path):
     assert (root / "mlartifacts" / "roundtrip" / run_id / "artifacts" / "plan" / "plan.json").is_file()
 
 
+def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
+    """A worker group restarted from checkpoint step 10 redoes steps 11-14 that the lost group already logged:
+    the run keeps one value per step (the first), other keys are unaffected, and the skip is said once."""
+    import torch
+
+    from pretrain.metrics import TrainMetrics
+
+    uri, _ = store
+    run_id = create_run(uri, "restart", "r", {}, {})
+
+    def attempt(start_step: int, last_step: int, loss: float) -> Tracker:
+        tracker = Tracker(uri, run_id, rank=0)
+        metrics = TrainMetrics(rank=0, world_size=2, total_steps=20, flops_per_image=10**9, peak_tflops=1.0,
+                               device=torch.device("cpu"), log_every=2, tracker=tracker, progress_bar=False,
+                               start_step=start_step)  # fmt: skip
+        for step in range(start_step + 1, last_step + 1):
+            metrics.step(step, loss, 1e-3, 0.5, images=64, data_s=0.0)
+        return tracker
+
+    first = attempt(0, 14, loss=3.0)  # lost a worker after logging step 14; its checkpoint is step 10
+    assert first.flush()
+    first.close()
+    with caplog.at_level(logging.INFO, logger="pretrain.tracking"):
+        second = attempt(10, 20, loss=2.0)
+        second.log_metrics({"fewshot/mean/10shot": 0.5}, step=12)  # not a training key: logged as usual
+        assert second.flush()
+        second.close()
+    history = _client(uri).get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, 3.0) for s in (2, 4, 6, 8, 10, 12, 14)] + [
+        (s, 2.0) for s in (16, 18, 20)
+    ]
+    assert sorted(m.step for m in _client(uri).get_metric_history(run_id, "train/images_seen")) == list(range(2, 21, 2))
+    assert [m.step for m in _client(uri).get_metric_history(run_id, "fewshot/mean/10shot")] == [12]
+    assert caplog.text.count("the redone steps are not logged again") == 1
+    assert "up to step 14" in caplog.text
+
+
 def test_tracker_is_a_noop_off_rank0_or_without_run(store, monkeypatch):
     uri, _ = store
     run_id = create_run(uri, "ranks", "r", {}, {})

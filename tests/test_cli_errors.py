@@ -1,0 +1,173 @@
+"""Every `python -m` entry point on bad input: exit status 2, one message that names the problem, no traceback.
+
+One table, run as real subprocesses (the way a user meets these errors): broken and mis-shaped YAML (recipes,
+cluster profiles, eval suites), bad `--set` overrides, missing or damaged files and folders, unknown names, bad
+flags, and Ray clusters that are not there. Each row lists regular expressions its stderr must match: the file (and
+line) or the field at fault. The rows run two at a time; most of the cost is importing torch in each process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def _bad_inputs(tmp: Path) -> dict[str, str]:
+    """Write every bad input the table refers to; returns the placeholders its arguments use."""
+    files = {
+        "recipe_syntax.yaml": "model: [unclosed\n",
+        "recipe_list.yaml": "- model\n- data\n",
+        "recipe_keys.yaml": "model:\n  name: vit_s16\n  1: x\n  bogus: 2\n",
+        "profile_syntax.yaml": "name: x\nhardware: [unclosed\n",
+        "suite_syntax.yaml": "name: x\nevaluators:\n  - type: fewshot\n    shots: [1, 5\n",
+        "suite_shape.yaml": "evaluators:\n  - type: [fewshot]\n",
+        "plan_notjson.json": "{not json",
+        "afile": "a file where a folder is expected\n",
+    }
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    local = (ROOT / "cluster/profiles/local.yaml").read_text()
+    (tmp / "profile_types.yaml").write_text(local.replace("num_workers: 2", "num_workers: two"))
+    # A local profile whose Ray temp dir holds no head: `cluster.jobs` must say how to start one, not start it.
+    (tmp / "profile_nohead.yaml").write_text(re.sub(r"temp_dir: .*", f"temp_dir: {tmp / 'ray-none'}", local))
+    remote = (ROOT / "cluster/profiles/a100x8.yaml").read_text()
+    address = f"http://127.0.0.1:{_closed_port()}"
+    (tmp / "profile_remote.yaml").write_text(re.sub(r"address: .*", f'address: "{address}"', remote, count=1))
+    (tmp / "garbage.npz").write_bytes(b"garbage, not a zip archive")
+    buffer = io.BytesIO()
+    np.savez(buffer, **{"embedding/kernel": np.zeros((16, 16, 3, 8), np.float32)})
+    (tmp / "truncated.npz").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    (tmp / "weights.pkl").write_bytes(pickle.dumps({"state_dict": [1, 2, 3]}))
+    (tmp / "notshards").mkdir()
+    damaged = tmp / "shards_badjson"
+    damaged.mkdir()
+    (damaged / "dataset.json").write_text("{truncated")
+    (damaged / "manifest.parquet").write_bytes(b"PAR1 not parquet")
+    incomplete = tmp / "step_00000010"  # a checkpoint whose save never finished: no COMPLETE marker
+    incomplete.mkdir()
+    (incomplete / "trainer_state.json").write_text('{"step": 10}')
+    (tmp / "src" / "cat").mkdir(parents=True)
+    return {"tmp": str(tmp), "missing": str(tmp / "nothere"), "incomplete": str(incomplete)} | {
+        Path(name).stem: str(tmp / name)
+        for name in [*files, "profile_types.yaml", "profile_nohead.yaml", "profile_remote.yaml", "garbage.npz"]
+        + ["truncated.npz", "weights.pkl", "notshards", "shards_badjson"]
+    }
+
+
+# (module, arguments with {placeholders}, regular expressions stderr must match)
+TABLE: list[tuple[str, list[str], list[str]]] = [
+    # pretrain.train: the recipe file, its shape and keys, --set overrides, the files the config points at
+    ("pretrain.train", ["--config", "{recipe_syntax}", "--dry-run"], [r"recipe_syntax\.yaml, line \d", r"line 1\b"]),
+    ("pretrain.train", ["--config", "{recipe_keys}", "--dry-run"], [r"recipe_keys\.yaml", r"model\.bogus"]),
+    ("pretrain.train", ["--config", "local_demo", "--set", "optim.lr", "--dry-run"], [r"optim\.lr", r"key=value"]),
+    ("pretrain.train", ["--config", "local_demo", "--set", "optim.lr=[1,", "--dry-run"], [r"optim\.lr", r"YAML"]),
+    ("pretrain.train", ["--config", "local_demo", "--set", "optim.lr=fast", "--dry-run"], [r"optim\.lr.*number"]),
+    (
+        "pretrain.train",
+        ["--config", "local_demo", "--set", "checkpoint.init_from={garbage}", "--dry-run"],
+        [r"checkpoint\.init_from", r"garbage\.npz"],
+    ),
+    (
+        "pretrain.train",
+        ["--config", "local_demo", "--set", "data.builtin=null", "--set", "data.train={notshards}", "--dry-run"],
+        [r"data\.train", r"manifest\.parquet"],
+    ),
+    # pretrain.weights: not weights at all, cut short, absent, a checkpoint whose save did not finish
+    ("pretrain.weights", ["info", "{weights}"], [r"weights\.pkl"]),
+    ("pretrain.weights", ["info", "{truncated}"], [r"truncated\.npz"]),
+    ("pretrain.weights", ["info", "{missing}"], [r"nothere"]),
+    ("pretrain.weights", ["info", "{incomplete}"], [r"COMPLETE"]),
+    # data_pipeline
+    ("data_pipeline.builtin", ["digits", "--out", "{afile}"], [r"--out", r"afile"]),
+    ("data_pipeline.builtin", ["digits", "--out", "{tmp}/data", "--set", "resolution=abc"], [r"resolution"]),
+    ("data_pipeline.validate", ["{notshards}"], [r"notshards", r"dataset\.json"]),
+    ("data_pipeline.validate", ["{shards_badjson}"], [r"shards_badjson", r"dataset\.json"]),
+    ("data_pipeline.write", ["--source", "{missing}", "--out", "{tmp}/w"], [r"--source", r"nothere"]),
+    (
+        "data_pipeline.write",
+        ["--source", "{tmp}/src", "--out", "{tmp}/w", "--class-names", "{missing}"],
+        [r"--class-names", r"nothere"],
+    ),
+    # evals: suites (a suite is read before any weights), weights, tracking stores, the UI's flags
+    ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_syntax}"], [r"suite_syntax\.yaml, line \d"]),
+    ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_shape}"], [r"suite_shape\.yaml", r"type"]),
+    ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "local_fewshot"], [r"COMPLETE"]),
+    ("evals.compare", ["--tracking-uri", "sqlite:///{tmp}/none.db", "--no-mlflow"], [r"none\.db"]),
+    ("evals.compare", ["--tracking-uri", "foo://bar", "--no-mlflow", "--out", "{tmp}/rep"], [r"foo://bar"]),
+    ("evals.ui", ["--port", "70000", "--dry-run"], [r"--port 70000"]),
+    ("evals.ui", ["--workers", "0", "--dry-run"], [r"--workers"]),
+    # cluster: profiles (syntax, types, unknown), the recipe's eval suite, flags, absent clusters, job specs
+    ("cluster.launch", ["--cluster", "{profile_syntax}", "--dry-run"], [r"profile_syntax\.yaml, line \d"]),
+    ("cluster.launch", ["--cluster", "{profile_types}", "--dry-run"], [r"profile_types\.yaml", r"num_workers"]),
+    (
+        "cluster.launch",
+        ["--recipe", "local_demo", "--set", "evals.suite={suite_syntax}", "--dry-run"],
+        [r"suite_syntax\.yaml, line \d"],
+    ),
+    ("cluster.launch", ["--run-name", "../elsewhere", "--dry-run"], [r"--run-name"]),
+    ("cluster.render", ["--cluster", "local", "--out", "{tmp}/rendered"], [r"profile local", r"GPU profile"]),
+    ("cluster.render", ["--cluster", "a100x8", "--out", "{afile}/sub"], [r"--out", r"afile"]),
+    ("cluster.jobs", ["status", "--cluster", "{profile_nohead}"], [r"no Ray head", r"make launch"]),
+    ("cluster.jobs", ["logs", "--cluster", "{profile_remote}"], [r"cannot reach", r"ray up"]),
+    ("cluster.jobs", ["status", "--cluster", "no_such_profile"], [r"no_such_profile", r"a100x8"]),
+    ("cluster.jobs", ["status", "--cluster", "{recipe_list}"], [r"recipe_list\.yaml", r"mapping"]),
+    ("cluster.driver", ["--plan", "{missing}"], [r"nothere"]),
+    ("cluster.driver", ["--plan", "{plan_notjson}"], [r"plan_notjson\.json", r"line 1"]),
+    ("cluster.driver", ["--plan", "{recipe_list}"], [r"recipe_list\.yaml", r"job spec"]),
+    # bench: numbers that measure nothing, an output path that cannot be written (found before the timing)
+    ("bench.data", ["--images", "0"], [r"--images 0"]),
+    ("bench.train", ["--out", "{tmp}"], [r"--out", r"folder"]),
+]
+
+
+def _run(module: str, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
+    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 14  # every `python -m` entry point of the project
+    values = _bad_inputs(tmp_path)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"  # never the project's own store
+    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    work = tmp_path / "cwd"  # relative default outputs (rendered/, reports/) land here, not in the project
+    work.mkdir()
+    rows = [(module, [a.format(**values) for a in args], patterns) for module, args, patterns in TABLE]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda row: _run(row[0], row[1], env, work), rows))
+    failures = []
+    for (module, args, patterns), done in zip(rows, results, strict=True):
+        problems = []
+        if done.returncode != 2:
+            problems.append(f"exit status {done.returncode}, not 2")
+        if "Traceback" in done.stdout + done.stderr:
+            problems.append("a traceback")
+        if "error" not in done.stderr:
+            problems.append("no 'error' message on stderr")
+        problems += [f"stderr does not match {p!r}" for p in patterns if not re.search(p, done.stderr)]
+        if problems:
+            output = (done.stderr.strip() or done.stdout.strip())[-1500:]
+            failures.append(f"python -m {module} {' '.join(args)}: {'; '.join(problems)}\n    {output}")
+    assert not failures, f"{len(failures)} of {len(rows)} bad inputs mishandled:\n" + "\n".join(failures)
