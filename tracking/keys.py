@@ -1,0 +1,37 @@
+"""The names under which a run is recorded in MLflow: every metric and tag key is spelled here once.
+
+Training metrics are logged per optimizer step; eval metrics at the checkpoint's step (step 0 = the weights before
+the first update). Tags describe the run as a whole.
+"""
+
+# Training metrics (pretrain.metrics): logged by rank 0 every `logging.log_every` steps.
+TRAIN_PREFIX = "train/"
+LOSS = "train/loss"  # mean over ranks
+LR = "train/lr"
+GRAD_NORM = "train/grad_norm"
+IMAGES_PER_S = "train/images_per_s"  # all ranks, over the window since the last report
+TFLOPS = "train/tflops"  # achieved model FLOP/s per device
+MFU = "train/mfu"  # tflops ÷ the device's peak
+DATA_WAIT = "train/data_wait"  # fraction of the window spent waiting for the next batch
+MEMORY_GB = "train/memory_gb"
+IMAGES_SEEN = "train/images_seen"  # cumulative
+EXAFLOPS = "train/exaflops"  # cumulative: images seen × training FLOPs per image
+
+# Eval metrics (evals): `<family>/<dataset>/<measure>`, at the checkpoint's step.
+EVAL_PREFIXES = ("fewshot/", "finetune/", "vtab/")
+FEWSHOT_MEAN_10SHOT = "fewshot/mean/10shot"
+VTAB_MEAN = "vtab/mean"
+VTAB_NUM_TASKS = "vtab/num_tasks"
+VTAB_NUM_TASKS_EXPECTED = "vtab/num_tasks_expected"
+
+# Tags.
+RECIPE = "vitscale.recipe"
+MODEL = "vitscale.model"
+PROFILE = "vitscale.profile"
+WORLD_SIZE = "vitscale.world_size"
+STATUS = "vitscale.status"  # running | finished | stopped | failed
+GIT_COMMIT = "vitscale.git_commit"
+RUN_DIR = "vitscale.run_dir"
+RESTARTS = "vitscale.restarts"  # how many times Ray Train restarted the worker group
+KIND = "vitscale.kind"  # "comparison" for the runs `make compare` logs its report to
+COMPARED_RUNS = "vitscale.compared_runs"
