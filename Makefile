@@ -58,10 +58,10 @@ stop: setup  ## stop the newest job, and the local Ray head if this project star
 	$(PY) -m cluster.jobs stop --cluster $(CLUSTER)
 
 ui: setup  ## MLflow UI on 127.0.0.1 over the embedded store
-	$(PY) -m evals.ui
+	$(PY) -m tracking.ui
 
 compare: setup  ## side-by-side report of MLflow runs: reports/<name>/index.html
-	$(PY) -m evals.compare $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(RUNS),--runs $(RUNS))
+	$(PY) -m tracking.compare $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(RUNS),--runs $(RUNS))
 
 shards: setup  ## write the built-in datasets as shards under data/
 	$(PY) -m data_pipeline.builtin all --out data

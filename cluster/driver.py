@@ -4,9 +4,10 @@
 
 Order of work (all on the Ray head, inside the job):
 1. Read the plan (resolved profile + resolved TrainConfig + the printed numbers).
-2. Create the ONE MLflow run of this job — params = flattened resolved config, tags = profile / recipe / model /
-   world size / git commit, plan as artifact — or continue the run recorded in `<run_dir>/mlflow_run.json` when
-   the same run is launched again (training then resumes from its newest COMPLETE checkpoint as well).
+2. Create the ONE MLflow run of this job (`tracking.runs.open_job_run`) — params = flattened resolved config, tags
+   = profile / recipe / model / world size / git commit, plan as artifact — or continue the run recorded in
+   `<run_dir>/mlflow_run.json` when the same run is launched again (training then resumes from its newest
+   COMPLETE checkpoint as well). The run id goes into the config the workers get (which they do not rebuild).
 3. Start the eval scheduler actor (`cluster.eval_scheduler`), then `TorchTrainer(train_loop, ScalingConfig from
    the profile, FailureConfig(max_failures), RunConfig(storage_path = profile checkpoints))`. Each worker runs
    `pretrain.train.train_worker(config, on_checkpoint)`; rank 0's `on_checkpoint` hands every COMPLETE checkpoint
@@ -27,11 +28,20 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.profiles import ClusterProfile, profile_from_dict
+from cluster.eval_scheduler import EvalScheduler
+from cluster.plan import Plan
+from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
+from cluster.summary import format_summary
+from pretrain.config import TrainConfig
+from pretrain.run_folder import pin_checkpoint, prune_checkpoints, release_pins
+from pretrain.train import train_worker
+from tracking import keys
+from tracking.runs import finish_run, open_job_run, run_tags
+from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
 
@@ -48,19 +58,30 @@ class FaultInjection:
 
 @dataclass(frozen=True)
 class JobSpec:
+    """What `cluster.launch` submits: it travels as JSON (the config as one dict), and the job builds the config
+    once, in `from_json`."""
+
     profile: ClusterProfile
-    config: dict[str, Any]  # TrainConfig.to_dict() of the resolved config
+    config: TrainConfig  # the resolved config
     plan: dict[str, Any]  # cluster.plan.Plan.to_dict()
     fault: FaultInjection | None = None
     tags: dict[str, str] = field(default_factory=dict)
 
-    def to_json(self) -> str:
-        from cluster.profiles import profile_to_dict
+    @classmethod
+    def create(
+        cls, profile: ClusterProfile, config: TrainConfig, plan: Plan, fault: FaultInjection | None = None
+    ) -> JobSpec:
+        """The job of `plan`, tagged on this (the launching) machine: the job's copy of the code has no git."""
+        tags = run_tags(
+            config.recipe, config.model.name, plan.world_size, profile=profile.name, run_dir=config.checkpoint.dir
+        )
+        return cls(profile, config, plan.to_dict(), fault, tags)
 
+    def to_json(self) -> str:
         return json.dumps(
             {
                 "profile": profile_to_dict(self.profile),
-                "config": self.config,
+                "config": self.config.to_dict(),
                 "plan": self.plan,
                 "fault": vars(self.fault) if self.fault else None,
                 "tags": self.tags,
@@ -71,7 +92,8 @@ class JobSpec:
     def from_json(cls, text: str) -> JobSpec:
         d = json.loads(text)
         fault = FaultInjection(**d["fault"]) if d.get("fault") else None
-        return cls(profile_from_dict(d["profile"]), d["config"], d["plan"], fault, d.get("tags", {}))
+        config = TrainConfig.from_dict(d["config"])
+        return cls(profile_from_dict(d["profile"]), config, d["plan"], fault, d.get("tags", {}))
 
 
 def worker_env(profile: ClusterProfile) -> dict[str, str]:
@@ -93,15 +115,11 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
 def _train_loop(loop_config: dict[str, Any]) -> None:
     """Runs in each Ray Train worker (Ray created the process group and set RANK / WORLD_SIZE / LOCAL_RANK)."""
     os.environ.update(loop_config["env"])
-    import ray.train
+    import ray.train  # heavy: only the driver and cluster commands need Ray
     import torch
 
-    from pretrain.checkpoint import pin_checkpoint
-    from pretrain.config import TrainConfig
-    from pretrain.train import train_worker
-
     torch.set_num_threads(int(loop_config["env"]["OMP_NUM_THREADS"]))
-    config = TrainConfig.from_dict(loop_config["config"])
+    config = loop_config["config"]  # the driver's TrainConfig, as Ray pickled it: not rebuilt here
     rank = ray.train.get_context().get_world_rank()
     _record_placement(Path(config.checkpoint.dir), rank)
     scheduler = loop_config["scheduler"]
@@ -132,7 +150,7 @@ def _record_placement(run_dir: Path, rank: int) -> None:
     """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job)."""
     import socket
 
-    import ray
+    import ray  # heavy: only the driver and cluster commands need Ray
 
     folder = run_dir / "workers"
     folder.mkdir(parents=True, exist_ok=True)
@@ -159,66 +177,19 @@ def _floats(d: dict) -> dict[str, float]:
     return {str(k): float(v) for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _mlflow_run(spec: JobSpec, config: Any, run_dir: Path) -> str:
-    """Create the job's run, or continue the one recorded in the run folder (a relaunch of the same run)."""
-    from pretrain.tracking import Tracker, create_run
-
-    uri = config.logging.mlflow_tracking_uri
-    record = run_dir / "mlflow_run.json"
-    if record.exists():
-        saved = json.loads(record.read_text())
-        if saved.get("tracking_uri") == uri:
-            print(f"continuing MLflow run {saved['run_id']} recorded in {record}")
-            return saved["run_id"]
-    # The run id is part of the config the workers log as params: log it once it exists, with the same value.
-    logging_section = {k: v for k, v in spec.config["logging"].items() if k != "mlflow_run_id"}
-    run_id = create_run(
-        uri,
-        experiment=config.recipe or "vitscale",
-        run_name=run_dir.name,
-        params={**spec.config, "logging": logging_section},
-        tags=spec.tags,
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
-    (run_dir / "plan.json").write_text(json.dumps(spec.plan, indent=2))
-    tracker = Tracker(uri, run_id, rank=0)
-    tracker.log_params({"logging.mlflow_run_id": run_id})
-    tracker.log_artifact(str(run_dir / "plan.json"))
-    tracker.close()
-    return run_id
-
-
-def _set_status(uri: str, run_id: str, status: str) -> None:
-    from mlflow import MlflowClient
-
-    try:
-        client = MlflowClient(tracking_uri=uri)
-        client.set_tag(run_id, "vitscale.status", status.lower())
-        client.set_terminated(run_id, status=status)
-    except Exception as exc:  # tracking never decides the job's fate
-        print(f"warning: could not mark MLflow run {run_id} {status}: {exc}", file=sys.stderr)
-
-
 def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None) -> int:
     """Steps 2-4 of the module docstring; returns the process exit code (0 = training succeeded)."""
-    import ray
+    import ray  # heavy: only the driver and cluster commands need Ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from cluster.eval_scheduler import EvalScheduler
-    from cluster.summary import format_summary
-    from pretrain.checkpoint import prune_checkpoints, release_pins
-    from pretrain.config import TrainConfig
-
-    profile = spec.profile
-    config = TrainConfig.from_dict(spec.config)
+    profile, config = spec.profile, spec.config
     run_dir = Path(config.checkpoint.dir)
+    uri = config.logging.mlflow_tracking_uri
     if not ray.is_initialized():
         ray.init(address=address or "auto")
-    run_id = _mlflow_run(spec, config, run_dir)
-    config = TrainConfig.from_dict({**spec.config, "logging": {**spec.config["logging"], "mlflow_run_id": run_id}})
-    uri = config.logging.mlflow_tracking_uri
+    run_id = open_job_run(run_dir, uri, config.recipe or "vitscale", config.to_dict(), spec.tags, spec.plan)
+    config = config.replace(logging=replace(config.logging, mlflow_run_id=run_id))
     print(f"MLflow run {run_id} ({uri}); run folder {run_dir}", flush=True)
     stale = release_pins(run_dir)  # one job per run folder: pins found now belong to a job that died
     if stale:
@@ -237,7 +208,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config={
-            "config": config.to_dict(),
+            "config": config,
             "scheduler": scheduler,
             "env": worker_env(profile),
             "fault": vars(spec.fault) if spec.fault else None,
@@ -297,13 +268,11 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
             default=str,
         )
     )
-    from pretrain.tracking import Tracker
-
     tracker = Tracker(uri, run_id, rank=0)
-    tracker.set_tags({"vitscale.restarts": restarts})
+    tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     tracker.close()
-    _set_status(uri, run_id, status)
+    finish_run(uri, run_id, status)
     return 0 if status == "FINISHED" else 1
 
 
@@ -317,10 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     source = f"--plan {args.plan}" if args.plan else f"${PLAN_ENV}"
     try:  # only parsing here: unreadable, not JSON, JSON of another shape, an invalid profile or config
         text = Path(args.plan).read_text() if args.plan else os.environ[PLAN_ENV]
-        spec = JobSpec.from_json(text)
-        from pretrain.config import TrainConfig  # imports torch: only once the spec parses
-
-        TrainConfig.from_dict(spec.config)  # run_job reads it only after starting Ray and MLflow
+        spec = JobSpec.from_json(text)  # the job's one build of the config, before Ray and MLflow start
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         print(
             f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
@@ -328,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    import ray
+    import ray  # heavy: only the driver and cluster commands need Ray
 
     try:  # here rather than in run_job: no cluster is the user's to fix, and must not look like a crash
         ray.init(address=args.address or "auto")

@@ -4,7 +4,7 @@ Why an actor rather than Ray Train V2's `ValidationConfig`: our checkpoints are 
 into the run folder on shared storage (so a restarted worker group resumes from them with its own resume order),
 while `ValidationConfig` only sees checkpoints handed to `ray.train.report(checkpoint=...)` — which would copy
 every checkpoint a second time into Ray's storage. With all CPUs taken by workers, validations also queue until
-training ends unless they ask for zero CPUs (REFERENCE §7), which on a CPU box means evals fighting training
+training ends unless they ask for zero CPUs (docs/reference.md §7), which on a CPU box means evals fighting training
 for cores without Ray knowing. Here, rank 0's `on_checkpoint` hands the folder to this actor (a fire-and-forget
 `.remote()` call: training goes on at once); the actor starts `evals.run.run_suite` as a Ray task with the
 profile's eval resources (`EvalResources`: e.g. 1 CPU on `local`, whose head advertises one CPU more than the
@@ -14,7 +14,7 @@ with `step` = the checkpoint step. The driver calls `drain()` after training to 
 A restarted worker group may report the same checkpoint again: each step is evaluated once.
 
 Pins: `checkpoint.keep_last` must not delete a checkpoint whose eval has not run yet. Rank 0 pins each checkpoint
-(`pretrain.checkpoint.pin_checkpoint`, a file in its folder) right after saving it, before any later save can
+(`pretrain.run_folder.pin_checkpoint`, a file in its folder) right after saving it, before any later save can
 prune; the pin is released when its eval ends — by the eval task (in a `finally`), or by this actor when it sees
 the task finished or died — and the next prune (or the driver's, after `drain`) deletes it. Pins stay bounded:
 at most `max_pinned` checkpoints wait for evals at once — when evals fall that far behind training, the eval of
@@ -27,22 +27,14 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
-
-def _table_to_metrics(table: Any) -> dict[str, float]:
-    """The suite runner's pyarrow table → {metric key: value} (rows with a `metric` and a `value` column)."""
-    rows = table.to_pylist() if hasattr(table, "to_pylist") else list(table)
-    metrics: dict[str, float] = {}
-    for row in rows:
-        key, value = row.get("metric"), row.get("value")
-        if key is not None and isinstance(value, (int, float)):
-            metrics[str(key)] = float(value)
-    return metrics
-
+from evals.evaluator import mlflow_metrics
+from evals.run import run_suite
+from pretrain.run_folder import is_complete, unpin_checkpoint
 
 # Checkpoints kept (pinned) for evals that have not ended, at most: beyond this, evals are skipped.
 MAX_PINNED = 8
@@ -55,24 +47,19 @@ def run_suite_task(
 
     Releases the checkpoint's pin however it ends.
     """
-    from pretrain.checkpoint import unpin_checkpoint
-
     started = time.monotonic()
     try:
-        if not (Path(checkpoint_dir) / "COMPLETE").exists():
+        if not is_complete(checkpoint_dir):
             return {
                 "error": f"{checkpoint_dir} is gone or incomplete although pinned for this eval: deleted by hand, "
                 "or by another job writing the same run folder",
                 "seconds": 0.0,
             }
-        import torch
-
-        from evals.run import run_suite
-
         # Eval tasks share the machine with training: stay within the CPUs Ray gave this task.
         torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
         table = run_suite(checkpoint_dir, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=tracking_uri)
-        return {"metrics": _table_to_metrics(table), "seconds": time.monotonic() - started}
+        # The metrics MLflow got (ok rows, finite values): a missing dataset shows as "-" in the summary, not NaN.
+        return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started}
     except Exception as exc:  # an eval failure is reported in the summary; it never fails the training job
         return {
             "error": f"{type(exc).__name__}: {exc}",
@@ -112,8 +99,6 @@ class EvalScheduler:
         Training rank 0 pinned the checkpoint before calling; the pin stays while its eval is pending, and is
         released at once otherwise (step seen before, no suite, or its eval skipped: `max_pinned` already waiting).
         """
-        from pretrain.checkpoint import unpin_checkpoint
-
         with self._lock:
             self._collect(timeout_s=0)
             self._train[step] = dict(train_metrics or {})
@@ -151,8 +136,6 @@ class EvalScheduler:
         The task unpins its checkpoint itself; this covers a task that died (e.g. OOM-killed twice) and so never
         reached its `finally`.
         """
-        from pretrain.checkpoint import unpin_checkpoint
-
         refs = list(self._pending.values())
         if not refs:
             return

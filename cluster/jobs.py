@@ -52,7 +52,7 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
     `local` with `start_local=True` starts (or reuses) the embedded head. Raises RayUnreachableError naming the
     address and how to start the cluster.
     """
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # heavy: only the driver and cluster commands need Ray
 
     if profile.is_local:
         # JobSubmissionClient lets these env vars override the address it is given; the local head is ours.

@@ -23,7 +23,9 @@ from pathlib import Path
 from cluster import jobs
 from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
 from cluster.plan import PlanError, build_plan, format_plan, resolve_config, storage_pip
-from cluster.profiles import PROJECT_ROOT, ClusterProfile, load_profile
+from cluster.profiles import ClusterProfile, load_profile
+from data_pipeline.builtin import BUILTIN_NAMES, ensure
+from data_pipeline.paths import PROJECT_ROOT, resolve_path
 from evals.suites import load_suite
 
 # Never shipped to the cluster with the working dir (Ray also honours .gitignore): data, runs, stores, caches.
@@ -43,24 +45,17 @@ WORKING_DIR_EXCLUDES = [
 
 def builtin_datasets(config) -> list[str]:
     """Built-in dataset names the training data and the eval suite need (generated on `local` if absent)."""
-    from data_pipeline.builtin import BUILTIN_NAMES
-
     names = [config.data.builtin] if config.data.builtin else []
     if config.evals.suite:
-        from evals.suites import load_suite
-
         for spec in load_suite(config.evals.suite).evaluators:
             for key in ("datasets", "tasks"):
-                for name in spec.options.get(key) or []:
+                for name in getattr(spec.options, key, None) or ():
                     if isinstance(name, str) and name in BUILTIN_NAMES:
                         names.append(name)
     return list(dict.fromkeys(names))
 
 
 def prepare_local_data(config) -> None:
-    from data_pipeline.builtin import ensure
-    from pretrain.config import resolve_path
-
     roots = {config.data.builtin: resolve_path(config.data.train).parent.parent} if config.data.builtin else {}
     for name in builtin_datasets(config):
         root = roots.get(name, resolve_path(config.evals.data_root))
@@ -78,20 +73,6 @@ def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
     if pip:  # s3fs / gcsfs for the run's storage on any cluster: Ray layers them over the image's packages
         runtime["pip"] = pip
     return runtime
-
-
-def job_tags(profile: ClusterProfile, config, world_size: int) -> dict[str, str]:
-    from pretrain.tracking import git_commit
-
-    return {
-        "vitscale.profile": profile.name,
-        "vitscale.recipe": config.recipe,
-        "vitscale.model": config.model.name,
-        "vitscale.world_size": str(world_size),
-        "vitscale.git_commit": git_commit(PROJECT_ROOT),
-        "vitscale.run_dir": config.checkpoint.dir,
-        "vitscale.status": "running",
-    }
 
 
 def _parse_fault(text: str | None) -> FaultInjection | None:
@@ -142,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             print("dry run: nothing submitted")
             return 0
         client = jobs.connect(profile, start_local=True)
-        spec = JobSpec(profile, config.to_dict(), plan.to_dict(), fault, job_tags(profile, config, plan.world_size))
+        spec = JobSpec.create(profile, config, plan, fault)
         job_id = jobs.submit(
             client,
             "python -m cluster.driver",

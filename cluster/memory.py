@@ -10,7 +10,7 @@ Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020) for m
 | optimizer: fp32 master + m, v | 12            | stage 1          | fp32 training: m, v only = 8                  |
 
 For ViT-H/14 (632.05M parameters) on 64 GPUs this gives 10.1 GB without ZeRO, 2.65 GB (ZeRO-1), 1.44 GB
-(ZeRO-2) and 0.20 GB (ZeRO-3): REFERENCE §7's figures, which the tests check.
+(ZeRO-2) and 0.20 GB (ZeRO-3): docs/reference.md §7's figures, which the tests check.
 
 Activations are counted per token per layer (Korthikanti et al., 2022, "Reducing Activation Recomputation",
 §4.1, re-derived for this model: SDPA, no dropout masks unless dropout > 0). Saved for backward, in elements
@@ -18,7 +18,7 @@ per token per layer: LN1 input D, qkv input D, q k v 3D, SDPA output / proj inpu
 (8·D), then the GELU input and fc2 input (2·m, m the MLP width) —
 i.e. (8·D + 2·m) elements per token per layer with SDPA, where m is the MLP width; eager attention adds the
 softmax output (heads · N elements). At 2 bytes that is 16·D + 4·m bytes: for ViT-H/14 at 224 (N = 257 tokens,
-32 layers) 40,960 B × 257 × 32 = 337 MB per image, the measured figure in REFERENCE §7. Dropout adds one-byte
+32 layers) 40,960 B × 257 × 32 = 337 MB per image, the measured figure in docs/reference.md §7. Dropout adds one-byte
 masks (2·D per token per layer). With per-block activation checkpointing only each block's input (D elements)
 is kept, plus one block's full activations while it is recomputed.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GB = 1e9  # decimal gigabytes, as GPU data sheets and REFERENCE §7 count them
+GB = 1e9  # decimal gigabytes, as GPU data sheets and docs/reference.md §7 count them
 
 
 @dataclass(frozen=True)

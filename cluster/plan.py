@@ -22,7 +22,20 @@ from pathlib import Path
 
 from cluster import memory
 from cluster.profiles import ClusterProfile
-from pretrain.config import TrainConfig, is_remote, load_config, model_overrides, parse_override, resolve_path
+from data_pipeline.manifest import read_dataset_info
+from data_pipeline.paths import is_remote, resolve_location, resolve_path
+from pretrain import flops, optim
+from pretrain.config import (
+    TrainConfig,
+    config_from_recipe,
+    model_overrides,
+    read_recipe,
+    recipe_path,
+)
+from pretrain.ds_config import batch_plan
+from pretrain.model import model_config
+from pretrain.mpp import MPPConfig
+from pretrain.typed_yaml import parse_override
 
 # Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
 RECIPE_DATA_ROOT = "data"
@@ -31,9 +44,9 @@ RECIPE_DATA_ROOT = "data"
 GPU_OVERHEAD_GB = 3.0
 CPU_OVERHEAD_GB = 1.5
 # Assumptions used only when the training manifest cannot be read from here (e.g. s3:// on a laptop).
-ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (REFERENCE §6)
+ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (docs/reference.md §6)
 ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
-MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (REFERENCE §6)
+MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
 # Share of device memory a plan may fill before the plan calls it tight: the estimate leaves out allocator peaks
 # in backward (e.g. a block's recomputation beside its gradients), so a setting "fits" only below this.
 COMFORTABLE_FRACTION = 0.85
@@ -117,9 +130,8 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-def _recipe_sets(recipe: str, sets: list[str]) -> set[str]:
-    """Dotted keys the recipe (with its `base:` chain) or the user's `--set` gives a value."""
-    from pretrain.config import _load_yaml, recipe_path
+def _given(written: dict, sets: list[str]) -> set[str]:
+    """Dotted keys the recipe as written (with its `base:` chain) or the user's `--set` gives a value."""
 
     def walk(d: dict, prefix: str) -> set[str]:
         keys = set()
@@ -127,18 +139,18 @@ def _recipe_sets(recipe: str, sets: list[str]) -> set[str]:
             keys |= walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
         return keys
 
-    return walk(_load_yaml(recipe_path(recipe)), "") | {".".join(parse_override(s)[0]) for s in sets}
+    return walk(written, "") | {".".join(parse_override(s)[0]) for s in sets}
 
 
-def profile_overrides(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> list[str]:
-    """`key=value` overrides that put a recipe on this profile's hardware and storage.
+def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
+    """`key=value` overrides that put a recipe (``written``, as read from ``path``) on this profile's hardware.
 
     Storage, tracking, communication backend and hardware peak always come from the profile. The profile's
     `defaults` (ZeRO stage, micro-batch, precision, loader workers) fill only what the recipe leaves unset. The
     micro-batch is then lowered, if needed, to the largest value that splits the global batch over the world.
     """
-    base = load_config(recipe, sets)
-    given = _recipe_sets(recipe, sets)
+    base = config_from_recipe(path, written, sets)
+    given = _given(written, sets)
     d, world = profile.defaults, profile.workers.num_workers
     shards = profile.storage.shards
     out = [
@@ -148,7 +160,7 @@ def profile_overrides(profile: ClusterProfile, recipe: str, sets: list[str], run
         f"logging.peak_tflops={profile.hardware.peak_tflops}",
         f"checkpoint.dir={profile.storage.checkpoints.rstrip('/')}/{run_name}",
         f"evals.data_root={_relocate(base.evals.data_root, shards)}",
-        # Ray Train workers are actors with threads: forking them for DataLoader workers is unsafe (REFERENCE §6).
+        # Ray Train workers are actors with threads: forking them for loader workers is unsafe (docs/reference.md §6).
         "data.loader_start_method=forkserver",
         # Job logs are not a terminal: one line per log_every steps instead of a redrawn progress bar.
         "logging.progress_bar=false",
@@ -171,9 +183,12 @@ def profile_overrides(profile: ClusterProfile, recipe: str, sets: list[str], run
 def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
     """Recipe → profile defaults → the user's `--set` overrides (last wins), validated at the profile's world size.
 
-    Paths are checked only where they are local: a cluster's shards or checkpoints are not visible from a laptop.
+    The recipe file (and its `base:` chain) is read here, once, for the whole launch. Paths are checked only where
+    they are local: a cluster's shards or checkpoints are not visible from a laptop.
     """
-    config = load_config(recipe, [*profile_overrides(profile, recipe, sets, run_name), *sets])
+    path = recipe_path(recipe)
+    written = read_recipe(path)
+    config = config_from_recipe(path, written, [*profile_overrides(profile, path, written, sets, run_name), *sets])
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
     return config
 
@@ -234,12 +249,10 @@ class Plan:
 
 def _data_stats(config: TrainConfig) -> tuple[int | None, int | None, float | None, str]:
     """(num_shards, num_samples, bytes per image, note) from the manifest when it is readable here."""
-    from data_pipeline.manifest import read_dataset_info
-
     if missing_storage([config.data.train]):  # the storage line says what to install; no raw fsspec message here
         return None, None, None, f"manifest not readable here: no {_scheme(config.data.train)}:// filesystem"
     try:
-        info = read_dataset_info(config.data.train if is_remote(config.data.train) else resolve_path(config.data.train))
+        info = read_dataset_info(resolve_location(config.data.train))
     except Exception as exc:  # any unreadable manifest (absent, remote, offline) → documented assumptions
         return None, None, None, f"manifest not readable here: {type(exc).__name__}: {str(exc)[:80]}"
     total_bytes = sum(s.bytes for s in info.shards)
@@ -248,10 +261,6 @@ def _data_stats(config: TrainConfig) -> tuple[int | None, int | None, float | No
 
 def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     """All the numbers `cluster.launch` prints; PlanError when the memory per device exceeds its capacity."""
-    from pretrain import flops, optim
-    from pretrain.ds_config import batch_plan
-    from pretrain.model import model_config
-
     world = profile.workers.num_workers
     batch = batch_plan(config.data, world)
     shards, samples, bytes_per_image, data_note = _data_stats(config)
@@ -383,8 +392,6 @@ def _task_model(config: TrainConfig, vit):
     """
     if config.task.name != "mpp":
         return vit, 0
-    from pretrain.mpp import MPPConfig
-
     colours = MPPConfig.from_options(dict(config.task.options)).num_colors
     encoder = dataclasses.replace(vit, num_classes=0, representation_size=None)
     return encoder, vit.width + vit.width * colours + colours

@@ -8,15 +8,13 @@ A profile (`cluster/profiles/<name>.yaml`) names *where* a run happens; a recipe
 from __future__ import annotations
 
 import dataclasses
-import math
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from data_pipeline.cli import read_yaml
+from data_pipeline.paths import PROJECT_ROOT
+from pretrain import typed_yaml
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
@@ -54,16 +52,17 @@ class WorkerSpec:
     cpus_per_worker: int
     gpus_per_worker: int
     loader_workers: int  # DataLoader processes per rank
-    placement_strategy: str = "PACK"  # Ray placement of the worker group: PACK fills nodes, SPREAD one per node
+    # Ray placement of the worker group: PACK fills nodes, SPREAD one per node
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
 @dataclass(frozen=True)
 class TrainDefaults:
     """Hardware-dependent training settings for what a recipe leaves unset (the recipe and `--set` win)."""
 
-    zero_stage: int
+    zero_stage: Literal[0, 1, 2, 3]
     micro_batch_size: int  # also lowered to the largest divisor of global / world when it does not divide it
-    precision: str  # "bf16" | "fp32"
+    precision: Literal["bf16", "fp32"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class ClusterProfile:
     hardware: HardwareSpec
     ray: RaySpec
     storage: StorageSpec
-    comm_backend: str  # "nccl" | "gloo"
+    comm_backend: Literal["nccl", "gloo"]  # nccl on GPUs, gloo on CPUs
     workers: WorkerSpec
     defaults: TrainDefaults
     evals: EvalResources = EvalResources()
@@ -121,10 +120,6 @@ class ClusterProfile:
         ):
             if not value > 0:  # the plan divides by both
                 raise ValueError(f"profile {self.name}: {key}={value} must be > 0")
-        if self.comm_backend not in ("nccl", "gloo"):
-            raise ValueError(
-                f"profile {self.name}: comm_backend={self.comm_backend!r}; use 'nccl' (GPU) or 'gloo' (CPU)"
-            )
         if wk.num_workers < 1:
             raise ValueError(f"profile {self.name}: workers.num_workers must be >= 1")
         if wk.gpus_per_worker > 0:
@@ -140,15 +135,6 @@ class ClusterProfile:
                 raise ValueError(f"profile {self.name}: hardware.gpu_memory_gb must be > 0 for GPU workers")
         elif self.comm_backend == "nccl":
             raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
-        if wk.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(
-                f"profile {self.name}: workers.placement_strategy={wk.placement_strategy!r}; "
-                "use PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
-            )
-        if self.defaults.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"profile {self.name}: defaults.zero_stage={self.defaults.zero_stage}; use 0, 1, 2 or 3")
-        if self.defaults.precision not in ("bf16", "fp32"):
-            raise ValueError(f"profile {self.name}: defaults.precision must be 'bf16' or 'fp32'")
         if not 0 < self.assumed_mfu <= 1:
             raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
         if self.max_failures < 0:
@@ -172,66 +158,6 @@ def _expand(value: Any, project: Path) -> Any:
     return value
 
 
-def _build(cls: type, data: Any, where: str, prefix: str = "") -> Any:
-    """Construct a (nested) frozen dataclass from a mapping, rejecting unknown, missing and mistyped keys by name.
-
-    ``where`` names the source in errors ("profile local"); ``prefix`` is the dotted path of ``data`` in it.
-    """
-    if not isinstance(data, dict):
-        what = f"{prefix.rstrip('.')} must be" if prefix else "a profile is"
-        raise ValueError(f"{where}: {what} a mapping of keys, got {type(data).__name__} {data!r:.60}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(prefix + str(key) for key in set(data) - set(fields))  # YAML keys may be numbers
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(prefix + k for k in fields)}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{where}: missing required key {prefix + name!r}")
-            continue
-        sub = _NESTED.get((cls, name))
-        if sub:
-            kwargs[name] = _build(sub, data[name], where, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _scalar(data[name], hints[name], where, prefix + name)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # pragma: no cover - dataclass signature mismatch is a programming error
-        raise ValueError(f"{where}: {exc}") from exc
-
-
-def _scalar(value: Any, hint: type, where: str, key: str) -> Any:
-    """Check a profile value against its field's type (int, float or str); ValueError naming the key."""
-    if hint is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 1e12 (no dot) as a string
-            value = float(value)
-        except ValueError:
-            pass
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"{where}: {key} must be a string, got {value!r}; quote it in the YAML")
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if hint is float and number:
-        return float(value)
-    if hint is int and number and int(value) == value:
-        return int(value)
-    kind = "an integer" if hint is int else "a number"
-    raise ValueError(f"{where}: {key} must be {kind}, got {value!r}")
-
-
-_NESTED = {
-    (ClusterProfile, "hardware"): HardwareSpec,
-    (ClusterProfile, "ray"): RaySpec,
-    (ClusterProfile, "storage"): StorageSpec,
-    (ClusterProfile, "workers"): WorkerSpec,
-    (ClusterProfile, "defaults"): TrainDefaults,
-    (ClusterProfile, "evals"): EvalResources,
-}
-
-
 def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> ClusterProfile:
     """Load and validate a profile by name (`cluster/profiles/<name>.yaml`) or by path.
 
@@ -250,11 +176,11 @@ def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> Clus
             f"unknown cluster profile {str(name_or_path)!r}; valid profiles: {', '.join(profile_names())} "
             f"(files in {PROFILES_DIR})"
         )
-    data = read_yaml(path, "cluster profile")
+    data = typed_yaml.read_mapping(path, "cluster profile", f"start from a copy of {PROFILES_DIR / 'local.yaml'}")
     where = f"profile {path.stem}" if path.parent == PROFILES_DIR else f"cluster profile {path}"
-    if data is None:
+    if not data:
         raise ValueError(f"{where} is empty; start from a copy of {PROFILES_DIR / 'local.yaml'}")
-    profile = _build(ClusterProfile, _expand(data, project), where)
+    profile = typed_yaml.build(ClusterProfile, _expand(data, project), where)
     try:
         profile.validate()
     except ValueError as error:
@@ -270,4 +196,4 @@ def profile_to_dict(profile: ClusterProfile) -> dict:
 
 def profile_from_dict(data: dict) -> ClusterProfile:
     """Inverse of `profile_to_dict` (the plan file carries the resolved profile to the driver)."""
-    return _build(ClusterProfile, data, f"profile {data.get('name', '?')}")
+    return typed_yaml.build(ClusterProfile, data, f"profile {data.get('name', '?')}")

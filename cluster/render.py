@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster.driver import PLAN_ENV, JobSpec
+from cluster.plan import build_plan, resolve_config, storage_extras, storage_pip
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.cli import output_folder
 
@@ -33,8 +35,6 @@ def _gpus(profile: ClusterProfile) -> int:
 
 def _install_spec(profile: ClusterProfile, project: str) -> str:
     """`<project>[s3]`-style pip target: the project plus the extras its storage scheme needs (s3fs, gcsfs)."""
-    from cluster.plan import storage_extras
-
     extras = ",".join(e.name for e in storage_extras([profile.storage.shards]))
     return f"'{project}[{extras}]'" if extras else project
 
@@ -170,9 +170,7 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
 
 def _runtime_env(job_spec_json: str) -> dict:
     """The plan for the driver, and pip installs of the storage extras the plan needs (as `cluster.launch`)."""
-    from cluster.plan import storage_pip
-
-    env: dict = {"env_vars": {"VITSCALE_PLAN": job_spec_json}}
+    env: dict = {"env_vars": {PLAN_ENV: job_spec_json}}
     pip = storage_pip(json.loads(job_spec_json)["plan"])
     if pip:
         env["pip"] = pip
@@ -240,15 +238,11 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
 
 
 def render(profile_name: str, recipe: str, out: Path) -> list[Path]:
-    from cluster.driver import JobSpec
-    from cluster.launch import job_tags
-    from cluster.plan import build_plan, resolve_config
-
     profile = load_profile(profile_name)
     run_name = f"{Path(recipe).stem}-{profile.name}"
     config = resolve_config(profile, recipe, [], run_name)
     plan = build_plan(profile, config)
-    spec = JobSpec(profile, config.to_dict(), plan.to_dict(), None, job_tags(profile, config, plan.world_size))
+    spec = JobSpec.create(profile, config, plan)
     folder = out / profile.name
     folder.mkdir(parents=True, exist_ok=True)
     launcher = folder / "cluster.yaml"

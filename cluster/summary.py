@@ -4,23 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from tracking import keys
+
 # Columns shown when present, in this order; other eval metrics follow alphabetically up to MAX_EVAL_COLUMNS.
-PREFERRED = (
-    "fewshot/mean/1shot",
-    "fewshot/mean/5shot",
-    "fewshot/mean/10shot",
-    "fewshot/mean/25shot",
-    "vtab/mean",
-    "finetune/digits/accuracy",
-)
+PREFERRED = (*map(keys.fewshot_mean, (1, 5, 10, 25)), keys.VTAB_MEAN, keys.finetune_accuracy("digits"))
 MAX_EVAL_COLUMNS = 8
 
 
 def _eval_columns(rows: dict[int, dict[str, Any]]) -> list[str]:
-    keys = sorted({k for r in rows.values() for k in r.get("metrics", {})})
-    cols = [k for k in PREFERRED if k in keys]
-    cols += [k for k in keys if k.endswith("/10shot") and k not in cols]  # the paper's headline shot count
-    cols += [k for k in keys if k not in cols]
+    names = sorted({k for r in rows.values() for k in r.get("metrics", {})})
+    cols = [k for k in PREFERRED if k in names]
+    cols += [k for k in names if k.endswith("/10shot") and k not in cols]  # the paper's headline shot count
+    cols += [k for k in names if k not in cols]
     return cols[:MAX_EVAL_COLUMNS]
 
 
@@ -29,12 +24,12 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
     if not rows:
         return "summary: no checkpoint was completed"
     cols = _eval_columns(rows)
-    header = ["step", "train/loss", *cols]
+    header = ["step", keys.LOSS, *cols]
     table = []
     notes = []
     for step in sorted(rows):
         r = rows[step]
-        loss = r.get("train", {}).get("train/loss", r.get("train", {}).get("loss"))
+        loss = r.get("train", {}).get(keys.LOSS, r.get("train", {}).get("loss"))
         cells = [str(step), f"{loss:.4f}" if isinstance(loss, float) else "-"]
         cells += [f"{r['metrics'][c]:.4f}" if c in r.get("metrics", {}) else "-" for c in cols]
         table.append(cells)

@@ -10,11 +10,16 @@ Labels are checked against the split's declared ``num_classes`` (``dataset.json`
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from data_pipeline import builtin
+from data_pipeline.manifest import read_dataset_info
+from data_pipeline.stream import EvalStream
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,6 @@ class SplitInfo:
 
 def split_info(split_dir: str | Path) -> SplitInfo:
     """The split's declared class and sample counts, with a clear error when the folder is not a shard folder."""
-    from data_pipeline.manifest import read_dataset_info
-
     path = Path(split_dir)
     if not (path / "manifest.parquet").is_file():
         raise ValueError(
@@ -55,8 +58,6 @@ def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_si
     ``EvalStream`` skips (and counts) samples whose label is outside the declared classes; for evaluation a
     skipped sample would silently change the test set, so that count is an error here, named with the fix.
     """
-    from data_pipeline.stream import EvalStream
-
     stream = EvalStream(str(info.path), batch_size=batch_size, image_size=image_size, resize_size=resize_size,
                         rank=0, world_size=1, num_workers=0)  # fmt: skip
     yield from stream
@@ -68,8 +69,6 @@ def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_si
         )
     lost = {k: v for k, v in stream.stats.items() if v and k not in ("label_out_of_range", "bad_labels")}
     if lost:
-        import warnings
-
         warnings.warn(
             f"{info.path}: the stream could not read every sample ({lost}); scores cover the rest", stacklevel=2
         )
@@ -137,6 +136,14 @@ def extract_features(
     return result
 
 
+def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None:
+    """A suite entry's size options (the preprocessing of `suite_features` by default), checked when it loads."""
+    for name in names:
+        value = getattr(opts, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 (or null for the default); got {value}")
+
+
 def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
     """`extract_features` for a suite entry: the context's model, device and feature cache, and the entry's
     ``image_size``, ``resize_size`` and ``batch_size`` options."""
@@ -156,13 +163,10 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
     path = Path(data_root) / dataset / split
     if (path / "manifest.parquet").is_file():
         return path
-    if generate_builtin:
-        from data_pipeline import builtin
-
-        if dataset in builtin.BUILTIN_NAMES:
-            builtin.ensure(dataset, data_root)
-            if (path / "manifest.parquet").is_file():
-                return path
+    if generate_builtin and dataset in builtin.BUILTIN_NAMES:
+        builtin.ensure(dataset, data_root)
+        if (path / "manifest.parquet").is_file():
+            return path
     raise ValueError(
         f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {data_root}`) "
         "or pass --data-root pointing at the folder that holds it"

@@ -1,6 +1,6 @@
 """Few-shot linear regression on frozen features (ViT paper §4.1; big_vision `evaluators/fewshot_lsr.py`).
 
-The closed form, step by step (REFERENCE.md §4):
+The closed form, step by step (docs/reference.md §4):
 
 1. standardise the few-shot subset by its own mean and population std, the std plus 1e-5;
 2. append a constant feature 100 *after* standardising, so the bias weight is almost unregularised;
@@ -9,8 +9,7 @@ The closed form, step by step (REFERENCE.md §4):
    ``XXᵀ`` (D > N), whichever is smaller, so one decomposition serves every l2 of a sweep;
 5. predict the argmax over the K outputs on the test features, standardised with the subset's statistics.
 
-The functions here are pure numpy; the evaluator that extracts features and sweeps shots/seeds is at the bottom
-and imports torch only when it runs.
+The functions here are pure numpy; the evaluator that extracts features and sweeps shots/seeds is at the bottom.
 """
 
 from __future__ import annotations
@@ -18,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from evals.evaluator import EvalOutput, ResultRow
+from evals.features import check_sizes, resolve_split, suite_features
 
 BIAS_CONSTANT = 100.0  # big_vision's constant feature: large, so its weight is barely shrunk by the l2 penalty
 STD_EPS = 1e-5  # added to the std (not the variance), as big_vision does
@@ -200,7 +202,7 @@ def choose_l2_by_mean_rank(accuracy: dict[str, dict[float, float]]) -> tuple[flo
     Rank 1 is the best accuracy on a dataset (ties share the average rank); the lowest mean rank wins and a tie
     between l2 values goes to the smaller one. Returns the chosen l2 and the mean rank of every l2.
     """
-    from scipy.stats import rankdata
+    from scipy.stats import rankdata  # heavy (~1 s): only the l2 sweep needs it, not every suite load
 
     if not accuracy:
         raise ValueError("choosing l2 by mean rank needs at least one dataset")
@@ -235,11 +237,12 @@ class FewshotOptions:
 
     def __post_init__(self):
         if not self.datasets:
-            raise ValueError("fewshot: 'datasets' is empty; name at least one dataset folder (e.g. [digits])")
+            raise ValueError("'datasets' is empty; name at least one dataset folder (e.g. [digits])")
         if not self.shots or any(int(k) != k or k < 1 for k in self.shots):
-            raise ValueError(f"fewshot: shots must be a non-empty list of positive integers; got {list(self.shots)}")
+            raise ValueError(f"shots must be a non-empty list of positive integers; got {list(self.shots)}")
         if not self.seeds:
-            raise ValueError("fewshot: 'seeds' is empty; use e.g. [0, 1, 2]")
+            raise ValueError("'seeds' is empty; use e.g. [0, 1, 2]")
+        check_sizes(self)
         if not self.l2_sweep:
             _check_l2(self.l2_reg)
 
@@ -259,12 +262,8 @@ def fewshot_table(features: dict, shots, seeds, l2_grid) -> dict:
     return table
 
 
-def evaluate(ctx, options: dict):
+def evaluate(ctx, opts: FewshotOptions) -> EvalOutput:
     """Suite entry: few-shot accuracy (fraction) per dataset and shot, and the mean over datasets."""
-    from evals.features import resolve_split, suite_features
-    from evals.suites import EvalOutput, ResultRow, parse_options
-
-    opts = parse_options(FewshotOptions, options, "fewshot")
     features = {}
     for name in opts.datasets:
         train_x, train_y, info = suite_features(ctx, resolve_split(ctx.data_root, name, opts.train_split), opts)
@@ -285,35 +284,18 @@ def evaluate(ctx, options: dict):
         if opts.l2_sweep:
             seed_means = {name: {g: float(np.mean(v)) for g, v in table[name][shots].items()} for name in table}
             l2, _ = choose_l2_by_mean_rank(seed_means)
-            out.metrics[f"fewshot/l2/{shots}shot"] = l2
-            out.rows.append(
-                ResultRow(
-                    "fewshot",
-                    "*",
-                    f"fewshot/l2/{shots}shot",
-                    l2,
-                    count=len(table),
-                    detail=f"l2 chosen by mean rank over {len(table)} dataset(s), on test accuracy",
-                )
-            )
+            detail = f"l2 chosen by mean rank over {len(table)} dataset(s), on test accuracy"
+            out.rows.append(ResultRow("fewshot", "*", f"fewshot/l2/{shots}shot", l2, count=len(table), detail=detail))
         means = []
         for name in table:
             accs = np.asarray(table[name][shots][l2])
             mean, std = float(accs.mean()), float(accs.std(ddof=1)) if len(accs) > 1 else float("nan")
             means.append(mean)
-            key = f"fewshot/{name}/{shots}shot"
-            out.metrics[key] = mean
-            out.rows.append(ResultRow("fewshot", name, key, mean, std, len(accs), detail=f"l2={l2:g}"))
-        key = f"fewshot/mean/{shots}shot"
-        out.metrics[key] = float(np.mean(means))
-        out.rows.append(
-            ResultRow(
-                "fewshot",
-                "mean",
-                key,
-                float(np.mean(means)),
-                count=len(means),
-                detail=f"mean over {len(means)} dataset(s): {', '.join(table)}",
+            out.rows.append(
+                ResultRow("fewshot", name, f"fewshot/{name}/{shots}shot", mean, std, len(accs), detail=f"l2={l2:g}")
             )
+        detail, mean = f"mean over {len(means)} dataset(s): {', '.join(table)}", float(np.mean(means))
+        out.rows.append(
+            ResultRow("fewshot", "mean", f"fewshot/mean/{shots}shot", mean, count=len(means), detail=detail)
         )
     return out

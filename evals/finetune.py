@@ -21,6 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from evals.evaluator import EvalOutput, ResultRow
+from evals.features import check_sizes, load_images, resolve_split
+
 
 @dataclass(frozen=True)
 class FinetuneOptions:
@@ -46,14 +49,17 @@ class FinetuneOptions:
     eval_batch_size: int = 256
 
     def __post_init__(self):
+        if not self.datasets:
+            raise ValueError("'datasets' is empty; name at least one dataset folder (e.g. [digits])")
         if self.steps < 1 or (self.selection_steps is not None and self.selection_steps < 1):
-            raise ValueError(f"finetune: steps must be >= 1; got steps={self.steps}, selection={self.selection_steps}")
+            raise ValueError(f"steps must be >= 1; got steps={self.steps}, selection_steps={self.selection_steps}")
         if not self.lr_grid or any(lr <= 0 for lr in self.lr_grid):
-            raise ValueError(f"finetune: lr_grid must be non-empty positive learning rates; got {self.lr_grid}")
+            raise ValueError(f"lr_grid must be non-empty positive learning rates; got {list(self.lr_grid)}")
         if not 0.0 < self.holdout_fraction < 1.0:
-            raise ValueError(f"finetune: holdout_fraction must be in (0, 1); got {self.holdout_fraction}")
-        if self.warmup_steps < 0 or self.batch_size < 1:
-            raise ValueError("finetune: warmup_steps must be >= 0 and batch_size >= 1")
+            raise ValueError(f"holdout_fraction must be in (0, 1); got {self.holdout_fraction}")
+        if self.warmup_steps < 0 or self.crop_padding < 0:
+            raise ValueError("warmup_steps and crop_padding must be >= 0")
+        check_sizes(self, ("image_size", "resize_size", "batch_size", "max_train_examples", "eval_batch_size"))
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -195,12 +201,9 @@ def holdout_split(num_examples: int, fraction: float, seed: int) -> tuple[np.nda
     return perm[held:], perm[:held]
 
 
-def evaluate(ctx, options: dict):
-    """Suite entry: ``finetune/<dataset>/accuracy`` (test top-1) per dataset, with the chosen lr."""
-    from evals.features import load_images, resolve_split
-    from evals.suites import EvalOutput, ResultRow, parse_options
-
-    opts = parse_options(FinetuneOptions, options, "finetune")
+def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
+    """Suite entry: ``finetune/<dataset>/accuracy`` (test top-1) per dataset, the chosen ``finetune/<dataset>/lr``,
+    and the held-out accuracy of every lr of the grid (``sweep`` rows: the table only)."""
     size = int(opts.image_size or ctx.model.config.image_size)
     out = EvalOutput()
     for name in opts.datasets:
@@ -224,21 +227,14 @@ def evaluate(ctx, options: dict):
             log=ctx.log,
         )
         seconds = time.perf_counter() - start
-        key = f"finetune/{name}/accuracy"
-        out.metrics[key] = acc
-        out.metrics[f"finetune/{name}/lr"] = lr
-        detail = f"lr={lr:g} from {list(opts.lr_grid)} on {len(held)} held-out; {opts.steps} steps at {size}px"
-        out.rows.append(ResultRow("finetune", name, key, acc, count=len(test_labels), detail=detail))
-        for grid_lr, score in val_scores.items():
-            out.rows.append(
-                ResultRow(
-                    "finetune",
-                    name,
-                    f"finetune/{name}/holdout_accuracy",
-                    score,
-                    count=len(held),
-                    detail=f"lr={grid_lr:g}",
-                )
-            )
+        key, grid = f"finetune/{name}", list(opts.lr_grid)
+        detail = f"lr={lr:g} from {grid} on {len(held)} held-out; {opts.steps} steps at {size}px"
+        out.rows.append(ResultRow("finetune", name, f"{key}/accuracy", acc, count=len(test_labels), detail=detail))
+        out.rows.append(ResultRow("finetune", name, f"{key}/lr", lr, count=len(held), detail=f"chosen from {grid}"))
+        out.rows += [
+            ResultRow("finetune", name, f"{key}/holdout_accuracy", score, count=len(held), status="sweep",
+                      detail=f"lr={grid_lr:g}")
+            for grid_lr, score in val_scores.items()
+        ]  # fmt: skip
         ctx.log(f"finetune: {name} test accuracy {acc:.4f} (lr {lr:g}, {seconds:.0f}s)")
     return out

@@ -1,4 +1,4 @@
-"""Inspecting a Vision Transformer (paper §4.5, Fig. 6, 7, 10, 11; definitions in REFERENCE.md §4).
+"""Inspecting a Vision Transformer (paper §4.5, Fig. 6, 7, 10, 11; definitions in docs/reference.md §4).
 
 Four analyses, each a pure function on arrays (tested against hand-computed values) plus a figure:
 
@@ -22,8 +22,8 @@ Conventions, applied everywhere in this module:
   (`image_size / grid`, which equals the patch size for plain ViTs and the stem stride for hybrids).
 - Rollout keeps every token (class token included), since the class token is what it reads out.
 
-The suite entry (``run_inspection``) writes the PNGs into a folder and returns scalar metrics; ``evals.run``
-logs both to MLflow.
+The suite entry (``evaluate`` → ``run_inspection``) writes the PNGs into a folder and returns the scalars as rows;
+``evals.run`` logs both to MLflow.
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 
-# Figures are built with the object API (Figure + Agg canvas), never pyplot: no global backend state, no display
-# needed in Ray workers, and nothing leaks between figures.
-from matplotlib.figure import Figure
+from evals.evaluator import EvalOutput, ResultRow
+from evals.features import load_images, resolve_split
 
 __all__ = [
     "InspectConfig",
@@ -178,6 +176,15 @@ def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.nd
 # ---------------------------------------------------------------------------------------------------- figures
 
 
+def _figure(width: float, height: float):
+    """A figure of the object API (Figure + Agg canvas), never pyplot: no global backend state, no display needed in
+    Ray workers, nothing leaks between figures. matplotlib is heavy: imported on the first figure, not when a suite
+    (and so this module) is loaded."""
+    from matplotlib.figure import Figure  # heavy: only when a figure is drawn
+
+    return Figure(figsize=(width, height), dpi=120, layout="constrained")
+
+
 def plot_attention_distance(
     distances: np.ndarray, image_size: int, path: Path, title: str = "", uniform: float | None = None
 ) -> Path:
@@ -187,9 +194,11 @@ def plot_attention_distance(
     patches would have (the paper's "global" heads sit near it, "local" heads far below).
     """
     layers, heads = distances.shape
-    fig = Figure(figsize=(4.8, 4.0), dpi=120, layout="constrained")
+    from matplotlib import colormaps  # heavy: see _figure
+
+    fig = _figure(4.8, 4.0)
     ax = fig.subplots()
-    colors = matplotlib.colormaps.get_cmap("tab20" if heads > 10 else "tab10")
+    colors = colormaps.get_cmap("tab20" if heads > 10 else "tab10")
     # A small per-head x offset keeps heads with equal distances visible side by side instead of hidden.
     jitter = np.linspace(-0.15, 0.15, heads) if heads > 1 else np.zeros(1)
     for h in range(heads):
@@ -221,9 +230,11 @@ def plot_position_similarity(similarity: np.ndarray, path: Path, title: str = ""
             y, x = r * (gh + gap), c * (gw + gap)
             mosaic[y : y + gh, x : x + gw] = similarity[r, c]
     side = min(7.0, 2.0 + 0.35 * max(gh, gw))
-    fig = Figure(figsize=(side + 1.0, side), dpi=120, layout="constrained")
+    from matplotlib import colormaps  # heavy: see _figure
+
+    fig = _figure(side + 1.0, side)
     ax = fig.subplots()
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # the gaps between tiles are NaN
+    cmap = colormaps["viridis"].with_extremes(bad="white")  # the gaps between tiles are NaN
     im = ax.imshow(mosaic, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
     ticks_x = np.arange(gw) * (gw + gap) + (gw - 1) / 2
     ticks_y = np.arange(gh) * (gh + gap) + (gh - 1) / 2
@@ -244,7 +255,7 @@ def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") 
     k = components.shape[0]
     cols = min(7, k)
     rows = math.ceil(k / cols)
-    fig = Figure(figsize=(1.0 * cols, 1.0 * rows + 0.4), dpi=120, layout="constrained")
+    fig = _figure(1.0 * cols, 1.0 * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)
     for i, ax in enumerate(axes.ravel()):
         ax.axis("off")
@@ -265,7 +276,7 @@ def plot_rollout(images: np.ndarray, maps: np.ndarray, path: Path, title: str = 
     ``images`` are ``(B, 3, H, W)`` in [-1, 1]; ``maps`` are ``(B, gh, gw)`` class-token rollouts.
     """
     b = images.shape[0]
-    fig = Figure(figsize=(6.0, 2.0 * b + 0.5), dpi=120, layout="constrained")
+    fig = _figure(6.0, 2.0 * b + 0.5)
     axes = fig.subplots(b, 3, squeeze=False)
     for i in range(b):
         img = np.clip((np.moveaxis(images[i], 0, -1) + 1.0) / 2.0, 0.0, 1.0)  # (H, W, 3) in [0, 1]
@@ -320,11 +331,9 @@ class InspectConfig:
     def __post_init__(self):
         for name in ("num_images", "num_rollout_images", "num_components", "batch_size"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"inspect.{name} must be ≥ 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.num_rollout_images > self.num_images:
-            raise ValueError(
-                f"inspect.num_rollout_images ({self.num_rollout_images}) must be ≤ num_images ({self.num_images})"
-            )
+            raise ValueError(f"num_rollout_images ({self.num_rollout_images}) must be ≤ num_images ({self.num_images})")
 
 
 def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
@@ -426,16 +435,12 @@ def patch_kernel_of(model) -> torch.Tensor | None:
     return model.patch_embed.proj.weight.detach().float().cpu()
 
 
-def evaluate(ctx, options: dict):
+def evaluate(ctx, config: InspectConfig) -> EvalOutput:
     """Suite entry (``type: inspect``): the four figures for the checkpoint's model on a fixed image set.
 
     PNGs (and the raw ``attention_distance.npy``) go to ``<ctx.out_dir>/inspect/``, the checkpoint's ``evals/``
     folder; the runner logs them to MLflow as artifacts and the ``inspect/...`` scalars as metrics at the step.
     """
-    from evals.features import load_images, resolve_split
-    from evals.suites import EvalOutput, ResultRow, parse_options
-
-    config = parse_options(InspectConfig, options, "inspect")
     split = resolve_split(ctx.data_root, config.dataset, config.split)
     # No centre crop: the fixed set is the split's first images, resized whole to the model's resolution.
     images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)
@@ -444,4 +449,4 @@ def evaluate(ctx, options: dict):
     metrics, figures = run_inspection(ctx.model, images, Path(ctx.out_dir) / "inspect", config, label=label)
     ctx.log(f"inspect: {len(figures)} figures from {images.shape[0]} {config.dataset}/{config.split} images")
     rows = [ResultRow("inspect", config.dataset, key, value, count=images.shape[0]) for key, value in metrics.items()]
-    return EvalOutput(rows=rows, metrics=dict(metrics), artifacts=[*figures])
+    return EvalOutput(rows=rows, artifacts=figures)

@@ -1,33 +1,40 @@
 """Run an eval suite on any weights: ``python -m evals.run --checkpoint PATH --suite NAME [--step N]``.
 
-This is what the eval scheduler calls after every checkpoint, so it is cheap to import (torch and the
-evaluators load on use), keeps nothing between calls (a fresh feature cache per call; nothing can go stale
-across checkpoints), and can be held to a few threads (``num_threads``) to run beside training.
+This is what the eval scheduler calls after every checkpoint: it reads the suite (and so checks its options) before
+any weights, keeps nothing between calls (a fresh feature cache per call; nothing can go stale across
+checkpoints), and can be held to a few threads (``num_threads``) to run beside training.
 
 Inputs: whatever ``pretrain.weights.load_model`` reads —
 - a training checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``), refused without its ``COMPLETE`` marker;
-  its step comes from ``trainer_state.json``;
+  its step comes from ``trainer_state.json`` (``pretrain.run_folder.open_checkpoint``);
 - a folder written by ``save_pretrained`` or ``python -m pretrain.weights convert`` (``model.safetensors`` +
   ``model.json``), and an official JAX ``.npz``: these carry no step; their results are logged at ``--step``
   (default 0).
 Outputs: ``<suite>.parquet`` in ``evals/`` inside the folder (checkpoint or exported), ``<stem>_evals/`` beside an
-``.npz`` (a file has no inside), or ``--out``; the metrics logged to the MLflow run ``--mlflow-run-id`` at that
-step; and a printed table.
+``.npz`` (a file has no inside), or ``--out``; the metrics of its rows (``evals.evaluator.mlflow_metrics``) logged
+to the MLflow run ``--mlflow-run-id`` at that step; and a printed table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from evals.suites import RESULT_COLUMNS, EvalContext, EvalOutput, get_evaluator, load_suite
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors import SafetensorError
+
+from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
+from evals.suites import EVALUATORS, load_suite
+from pretrain import run_folder
+from pretrain.weights import load_model as load
+from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
 
 ACCEPTED = (
     "pass a training checkpoint folder (with COMPLETE), a folder written by save_pretrained / "
@@ -35,22 +42,16 @@ ACCEPTED = (
 )
 
 
+# The parquet's schema: RESULT_COLUMNS and the weights evaluated.
+SCHEMA = pa.schema([
+    ("suite", pa.string()), ("evaluator", pa.string()), ("dataset", pa.string()), ("metric", pa.string()),
+    ("value", pa.float64()), ("std", pa.float64()), ("count", pa.int64()), ("status", pa.string()),
+    ("detail", pa.string()), ("step", pa.int64()), ("checkpoint", pa.string()),
+])  # fmt: skip
+
+
 class CheckpointError(ValueError):
     """Weights that cannot be evaluated (missing, unfinished, unknown format, a step that contradicts them)."""
-
-
-def checkpoint_step(checkpoint_dir: Path) -> int:
-    from pretrain.checkpoint import TRAINER_STATE
-
-    state = checkpoint_dir / TRAINER_STATE
-    if not state.is_file():
-        raise CheckpointError(
-            f"{checkpoint_dir} has no {TRAINER_STATE}, so its step is unknown; pass --step N for the MLflow step"
-        )
-    try:
-        return int(json.loads(state.read_text())["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{state} does not record the checkpoint's step ({error}); pass --step N") from None
 
 
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
@@ -60,36 +61,28 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     step: a different ``step`` for it is an error (its results would be filed under another step). Whether the
     weights load is found out by loading them (`run_suite`), with `load_model`'s own messages.
     """
-    from pretrain.checkpoint import TRAINER_STATE
-    from pretrain.weights import COMPLETE_MARKER, CONFIG_FILE, WEIGHTS_FILE
-    from pretrain.weights import load_model as load
-
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; {ACCEPTED}")
-    if path.is_file() and path.name in (WEIGHTS_FILE, CONFIG_FILE):
+    if path.is_file() and path.name in (run_folder.WEIGHTS_FILE, run_folder.CONFIG_FILE):
         path = path.parent  # one file of a weights folder stands for the folder (as load_model reads it)
-    # A training checkpoint holds what only the trainer writes (COMPLETE, its state); a `step_<n>` folder without
-    # weights is one whose save has not got far. An exported folder (model.safetensors + model.json) is neither.
-    training = any((path / name).exists() for name in (COMPLETE_MARKER, TRAINER_STATE)) or (
-        re.fullmatch(r"step_\d+", path.name) and not (path / WEIGHTS_FILE).exists()
-    )
-    if path.is_dir() and training:
-        if not (path / COMPLETE_MARKER).is_file():
+    if run_folder.looks_like_checkpoint(path):  # else exported weights: no COMPLETE, no step of their own
+        try:
+            own = run_folder.open_checkpoint(path).step
+        except ValueError as error:  # no COMPLETE marker, or a trainer state without a step
+            raise CheckpointError(str(error)) from None
+        if own is None and step is None:
             raise CheckpointError(
-                f"checkpoint folder {path} has no COMPLETE marker: it is still being written or its save failed; "
-                "evaluate a finished checkpoint (one whose folder holds COMPLETE)"
+                f"{path} has no {run_folder.TRAINER_STATE}, so its step is unknown; pass --step N for the MLflow step"
             )
-        if (path / TRAINER_STATE).is_file() or step is None:  # else the user's --step names the step
-            own = checkpoint_step(path)
-            if step is not None and step != own:
-                raise CheckpointError(
-                    f"--step {step} contradicts checkpoint {path}, which is step {own} ({TRAINER_STATE}); "
-                    "drop --step (a training checkpoint logs at its own step)"
-                )
-            step = own
+        if own is not None and step is not None and step != own:
+            raise CheckpointError(
+                f"--step {step} contradicts checkpoint {path}, which is step {own} ({run_folder.TRAINER_STATE}); "
+                "drop --step (a training checkpoint logs at its own step)"
+            )
+        step = own if own is not None else step
     # Results go inside a folder of weights (as a checkpoint's evals/), beside a file (it has no inside).
     default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
 
@@ -101,8 +94,6 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
 
 def _load(load_model, checkpoint):
     """The first load of the weights: a file that is unreadable or does not describe a ViT is the user's error."""
-    from safetensors import SafetensorError
-
     try:
         return load_model()
     except (ValueError, OSError, SafetensorError) as error:
@@ -123,14 +114,10 @@ def run_suite(
     log=print,
 ):
     """Evaluate one set of weights on one suite; returns the result table (``pyarrow.Table``, columns RESULT_COLUMNS
-    plus ``checkpoint``) after writing it to ``<out>/<suite>.parquet`` and logging metrics to MLflow.
+    plus ``checkpoint``) after writing it to ``<out>/<suite>.parquet`` and logging its metrics to MLflow.
 
     ``step``: the MLflow step for weights that carry none (an exported folder, an .npz; default 0)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    config = load_suite(suite)  # fail on a bad suite before loading any weights
+    config = load_suite(suite)  # fail on a bad suite (or a bad option in it) before loading any weights
     load_model, step, default_out = open_checkpoint(checkpoint, step)
     out_dir = Path(out) if out is not None else default_out
     if out_dir.exists() and not out_dir.is_dir():
@@ -154,28 +141,29 @@ def run_suite(
             device=device or "cpu",
             log=log,
         )
-        results, start = EvalOutput(), time.perf_counter()
+        rows, artifacts, logged, start = [], [], set(), time.perf_counter()
         for spec in config.evaluators:
             t0 = time.perf_counter()
-            produced = get_evaluator(spec.type)(ctx, dict(spec.options))
-            for row in produced.rows:
-                results.rows.append(row if spec.name == spec.type else replace(row, evaluator=spec.name))
-            clash = sorted(set(produced.metrics) & set(results.metrics))
+            produced = EVALUATORS[spec.type].evaluate(ctx, spec.options)
+            entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
+            keys = set(mlflow_metrics(entry_rows))
+            clash = sorted(keys & logged)
             if clash:  # both stay in the table; MLflow keeps one value per key and step, the later one
                 log(
                     f"evals: warning: {spec.name!r} repeats metric keys {clash[:4]} of an earlier entry of suite "
                     f"{config.name}; MLflow gets the later values (merge the entries to avoid this)"
                 )
-            results.metrics.update(produced.metrics)
-            results.artifacts.extend(produced.artifacts)
+            logged |= keys
+            rows += entry_rows
+            artifacts += produced.artifacts
             log(f"evals: {spec.name} done in {time.perf_counter() - t0:.1f}s")
     finally:
         torch.set_num_threads(previous_threads)
 
-    records = [{**asdict(r), "suite": config.name, "step": step} for r in results.rows]
+    records = [{**asdict(r), "suite": config.name, "step": step} for r in rows]
     columns = {c: [rec[c] for rec in records] for c in RESULT_COLUMNS}
     columns["checkpoint"] = [str(Path(checkpoint))] * len(records)
-    table = pa.table(columns, schema=_schema(pa))
+    table = pa.table(columns, schema=SCHEMA)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{config.name}.parquet"
     tmp = target.with_suffix(f".parquet.tmp{os.getpid()}")
@@ -184,28 +172,17 @@ def run_suite(
     log(format_table(table))
     log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
     if mlflow_run_id:
-        _log_to_mlflow(results, step, target, mlflow_run_id, tracking_uri, log)
+        _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log)
     return table
 
 
-def _schema(pa):
-    return pa.schema([
-        ("suite", pa.string()), ("evaluator", pa.string()), ("dataset", pa.string()), ("metric", pa.string()),
-        ("value", pa.float64()), ("std", pa.float64()), ("count", pa.int64()), ("status", pa.string()),
-        ("detail", pa.string()), ("step", pa.int64()), ("checkpoint", pa.string()),
-    ])  # fmt: skip
-
-
-def _log_to_mlflow(results: EvalOutput, step: int, table_path: Path, run_id: str, tracking_uri, log) -> None:
-    from pretrain.tracking import Tracker, default_tracking_uri
-
-    metrics = {k: float(v) for k, v in results.metrics.items() if v is not None and math.isfinite(float(v))}
+def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log):
     # rank=0: one eval task per checkpoint logs, even when launched from a process that has RANK set.
     tracker = Tracker(tracking_uri or default_tracking_uri(), run_id, rank=0)
     try:
         tracker.log_metrics(metrics, step=step)
         tracker.log_artifact(table_path, f"evals/step_{step:08d}")
-        for artifact in results.artifacts:
+        for artifact in artifacts:
             tracker.log_artifact(artifact, f"evals/step_{step:08d}")
         if not tracker.flush():
             log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
@@ -232,15 +209,13 @@ def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
     """Refuse, before any work, an MLflow run that an embedded (SQLite) store does not hold: metrics sent to it
     would be lost. A tracking server is not asked here (when it is down, MLflow retries for minutes; the
     `Tracker` retries in the background instead and says what it could not send)."""
-    from pretrain.tracking import default_tracking_uri, sqlite_path
-
     uri = tracking_uri or default_tracking_uri()
     db = sqlite_path(uri)
     if db is None:
         return
     if not db.is_file():
         raise ValueError(f"no MLflow store at {db} (tracking URI {uri}); check --tracking-uri")
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # heavy (seconds to import): only when a run is touched
     from mlflow.exceptions import MlflowException
 
     try:

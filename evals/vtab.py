@@ -21,9 +21,15 @@ over 4 of the 19 tasks says "over 4/19 tasks"; it is never presented as a 19-tas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+from evals.evaluator import EvalOutput, ResultRow
+from evals.features import check_sizes, load_images, resolve_split, split_info, suite_features
+from evals.fewshot import RidgeSolver
+from evals.finetune import FinetuneOptions, select_lr_and_evaluate
 
 GROUPS = ("natural", "specialized", "structured")
 
@@ -40,7 +46,7 @@ def _tasks(*tasks: VtabTask) -> dict[str, VtabTask]:
     return {t.name: t for t in tasks}
 
 
-# REFERENCE.md §4: the 19 tasks, their groups and class counts.
+# docs/reference.md §4: the 19 tasks, their groups and class counts.
 VTAB1K_TASKS = _tasks(
     VtabTask("caltech101", "natural", 102, "tfds caltech101"),
     VtabTask("cifar100", "natural", 100, "tfds cifar100"),
@@ -126,7 +132,7 @@ class VtabOptions:
     benchmark: str = "vtab1k"  # vtab1k (the 19 real tasks) | ci (offline built-ins)
     tasks: tuple[str, ...] | None = None  # a subset to run; the others are reported missing ("not in suite")
     data_root: str | None = None  # VTAB root; None → the runner's --data-root
-    protocol: str = "linear_probe"  # linear_probe | finetune
+    protocol: Literal["linear_probe", "finetune"] = "linear_probe"
     seed: int = 0  # the permutation of train that draws train800 / val200
     train_examples: int = 800
     val_examples: int = 200
@@ -134,22 +140,23 @@ class VtabOptions:
     resize_size: int | None = None
     batch_size: int = 256
     l2_grid: tuple[float, ...] = tuple(2.0**e for e in range(-10, 20))  # linear_probe's choice
-    finetune: dict = field(default_factory=dict)  # evals.finetune.FinetuneOptions fields for protocol finetune
+    finetune: FinetuneOptions = FinetuneOptions()  # the schedule of protocol finetune (its datasets are unused)
 
     def __post_init__(self):
         if self.benchmark not in BENCHMARKS:
-            raise ValueError(f"vtab: unknown benchmark {self.benchmark!r}; choose one of {sorted(BENCHMARKS)}")
-        if self.protocol not in ("linear_probe", "finetune"):
-            raise ValueError(f"vtab: protocol must be 'linear_probe' or 'finetune'; got {self.protocol!r}")
+            raise ValueError(f"unknown benchmark {self.benchmark!r}; choose one of {sorted(BENCHMARKS)}")
         if self.tasks is not None:
             unknown = set(self.tasks) - set(BENCHMARKS[self.benchmark])
             if unknown:
                 raise ValueError(
-                    f"vtab: tasks {sorted(unknown)} are not in benchmark {self.benchmark!r}; "
+                    f"tasks {sorted(unknown)} are not in benchmark {self.benchmark!r}; "
                     f"known: {sorted(BENCHMARKS[self.benchmark])}"
                 )
         if self.train_examples < 1 or self.val_examples < 1:
-            raise ValueError("vtab: train_examples and val_examples must be >= 1 (VTAB-1k: 800 and 200)")
+            raise ValueError("train_examples and val_examples must be >= 1 (VTAB-1k: 800 and 200)")
+        if not self.l2_grid or any(l2 <= 0 for l2 in self.l2_grid):
+            raise ValueError(f"l2_grid must be non-empty positive l2 strengths; got {list(self.l2_grid)}")
+        check_sizes(self)
 
 
 def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed: int):
@@ -165,9 +172,6 @@ def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed
 
 
 def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
-    from evals.features import suite_features
-    from evals.fewshot import RidgeSolver
-
     x, y, _ = suite_features(ctx, train_dir, opts)
     test_x, test_y, _ = suite_features(ctx, test_dir, opts)
     tr, va = vtab_indices(len(y), opts.train_examples, opts.val_examples, opts.seed)
@@ -181,11 +185,7 @@ def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int)
 
 
 def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
-    from evals.features import load_images
-    from evals.finetune import FinetuneOptions, select_lr_and_evaluate
-    from evals.suites import parse_options
-
-    ft = parse_options(FinetuneOptions, dict(opts.finetune), "vtab.finetune")
+    ft = opts.finetune
     size = int(opts.image_size or ctx.model.config.image_size)
     kw = dict(image_size=size, resize_size=opts.resize_size, batch_size=opts.batch_size)
     need = opts.train_examples + opts.val_examples
@@ -205,41 +205,29 @@ def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> 
     return acc, f"finetune lr={lr:g} (val200 {val[lr]:.3f}), {ft.steps} steps at {size}px on {need}"
 
 
-def evaluate(ctx, options: dict):
-    """Suite entry: ``vtab/<task>`` per task that has data, ``vtab/mean`` + group means with their coverage."""
-    from evals.features import resolve_split, split_info
-    from evals.suites import EvalOutput, ResultRow, parse_options
-
-    opts = parse_options(VtabOptions, options, "vtab")
+def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
+    """Suite entry: ``vtab/<task>`` per task that has data, ``vtab/mean`` + group means with their coverage (the
+    number of tasks each covers: ``vtab/num_tasks``, ``vtab/<group>_num_tasks``; ``vtab/num_tasks_expected``)."""
     tasks = BENCHMARKS[opts.benchmark]
     root = opts.data_root or ctx.data_root
     wanted = list(opts.tasks) if opts.tasks is not None else list(tasks)
     out, scores = EvalOutput(), {}
+
+    def missing(name: str, why: str) -> None:
+        scores[name] = None
+        out.rows.append(ResultRow("vtab", name, f"vtab/{name}", math.nan, count=0, status="missing", detail=why))
+
     for name, task in tasks.items():
         if name not in wanted:
-            scores[name] = None
-            out.rows.append(
-                ResultRow(
-                    "vtab",
-                    name,
-                    f"vtab/{name}",
-                    math.nan,
-                    count=0,
-                    status="missing",
-                    detail="not in this suite's task list",
-                )
-            )
+            missing(name, "not in this suite's task list")
             continue
         try:
             generate = opts.benchmark == "ci"  # built-ins can be generated offline; real VTAB data cannot
             train_dir = resolve_split(root, name, "train", generate_builtin=generate)
             test_dir = resolve_split(root, name, "test", generate_builtin=generate)
-        except ValueError as missing:
-            scores[name] = None
-            out.rows.append(
-                ResultRow("vtab", name, f"vtab/{name}", math.nan, count=0, status="missing", detail=str(missing))
-            )
-            ctx.log(f"vtab: {name} missing: {missing}")
+        except ValueError as error:
+            missing(name, str(error))
+            ctx.log(f"vtab: {name} missing: {error}")
             continue
         declared = split_info(train_dir).num_classes
         if task.num_classes is not None and declared != task.num_classes:
@@ -250,24 +238,16 @@ def evaluate(ctx, options: dict):
         run = _finetune if opts.protocol == "finetune" else _linear_probe
         acc, detail = run(ctx, opts, train_dir, test_dir, declared)
         scores[name] = acc
-        out.metrics[f"vtab/{name}"] = acc
         out.rows.append(ResultRow("vtab", name, f"vtab/{name}", acc, detail=f"{task.group}; {detail}"))
         ctx.log(f"vtab: {name} top-1 {acc:.4f} ({detail})")
+    bench = opts.benchmark
     for agg in aggregate(scores, tasks):
-        status = "ok" if agg["count"] else "missing"
+        metric, covered, status = agg["metric"], agg["count"], "ok" if agg["count"] else "missing"
         out.rows.append(
-            ResultRow(
-                "vtab",
-                opts.benchmark,
-                agg["metric"],
-                agg["value"],
-                count=agg["count"],
-                status=status,
-                detail=agg["detail"],
-            )
+            ResultRow("vtab", bench, metric, agg["value"], count=covered, status=status, detail=agg["detail"])
         )
-        if agg["count"]:
-            out.metrics[agg["metric"]] = agg["value"]
-        out.metrics[agg["count_metric"]] = agg["count"]
-    out.metrics["vtab/num_tasks_expected"] = len(tasks)
+        # The coverage is a row of its own, logged even when it is 0: a mean is never read without its task count.
+        coverage = f"tasks covered by {metric} (of {agg['expected']})"
+        out.rows.append(ResultRow("vtab", bench, agg["count_metric"], float(covered), detail=coverage))
+    out.rows.append(ResultRow("vtab", bench, "vtab/num_tasks_expected", float(len(tasks)), detail=f"tasks in {bench}"))
     return out

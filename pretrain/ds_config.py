@@ -7,9 +7,15 @@ Precision and the process-group backend are resolved from the device: bf16 + ncc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from pretrain.config import DataConfig, DeepSpeedConfig, OptimConfig, TrainConfig
+from pretrain.typed_yaml import positive
+
+if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
+    from pretrain.config import DataConfig, DeepSpeedConfig, OptimConfig, TrainConfig
+
+Precision = Literal["auto", "fp32", "bf16"]  # deepspeed.precision; "auto" is resolved by `resolve_precision`
+DistBackend = Literal["auto", "nccl", "gloo"]  # deepspeed.dist_backend; "auto" is resolved by `resolve_backend`
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,15 @@ def batch_plan(data: DataConfig, world_size: int) -> BatchPlan:
             f"data.micro_batch_size={data.micro_batch_size} (= {per_step}); {hint}"
         )
     return BatchPlan(data.global_batch_size, data.micro_batch_size, data.global_batch_size // per_step, world_size)
+
+
+def check_config(ds: DeepSpeedConfig) -> None:
+    """The deepspeed section (`TrainConfig.validate`); precision and backend are closed sets checked as typed."""
+    if isinstance(ds.zero_stage, bool) or ds.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"deepspeed.zero_stage={ds.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3 (2 is usual)")
+    positive(ds.reduce_bucket_size, "deepspeed.reduce_bucket_size")
+    positive(ds.allgather_bucket_size, "deepspeed.allgather_bucket_size")
+    positive(ds.timeout_minutes, "deepspeed.timeout_minutes")
 
 
 def resolve_precision(ds: DeepSpeedConfig, device_type: str) -> str:

@@ -1,7 +1,7 @@
 """Analytic compute and size of a ViT from its config alone (no model is built).
 
 FLOPs count a multiply-add as 2 FLOPs. Per encoder layer with N tokens (class token included), width D and MLP
-size M, the multiply-adds are (REFERENCE §5)
+size M, the multiply-adds are (docs/reference.md §5)
 
     N·D·3D  (q, k, v)  +  2·N²·D  (q kᵀ and A v)  +  N·D²  (out)  +  2·N·D·M  (MLP)
 

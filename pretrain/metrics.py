@@ -1,13 +1,8 @@
 """The one metrics interface of the training loop: rank-aware, console progress bar + MLflow.
 
 Every rank calls `TrainMetrics.step(...)` each optimizer step; only rank 0 prints and logs. Every `log_every`
-steps it reports (keys as in docs/interfaces.md):
-  train/loss, train/lr, train/grad_norm     the step's values (loss = mean over ranks)
-  train/images_per_s                        all ranks, over the window since the last report
-  train/tflops, train/mfu                   achieved model FLOP/s per device, and ÷ the device's peak
-  train/data_wait                           fraction of the window spent waiting for the next batch
-  train/memory_gb                           max allocated on CUDA, resident set size on CPU
-  train/images_seen, train/exaflops         cumulative (exaFLOPs = images seen × training FLOPs per image)
+steps it reports the `train/` metrics named and explained in `tracking.keys` (loss = mean over ranks, lr, grad
+norm, throughput, TFLOP/s and MFU, data wait, memory, cumulative images and exaFLOPs).
 A non-finite loss raises `NonFiniteLossError` on every rank (the loss is already all-reduced, so all agree).
 Each step's values reach the MLflow run once: steps redone after a restart from a checkpoint are not logged again.
 """
@@ -21,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from tracking import keys
+from tracking.tracker import Tracker
 
 # Dense peak TFLOP/s per device by name fragment (bf16 tensor cores; fp32 uses TF32 on Ampere+).
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
@@ -70,7 +68,7 @@ class TrainMetrics:
     peak_tflops: float  # per device
     device: torch.device
     log_every: int = 10
-    tracker: Any = None  # pretrain.tracking.Tracker (no-op off rank 0)
+    tracker: Tracker | None = None  # no-op off rank 0
     progress_bar: bool = True
     start_step: int = 0
     images_seen: int = 0
@@ -81,7 +79,7 @@ class TrainMetrics:
         self._reset_window()
         if self.tracker is not None:
             # A restarted worker group redoes the steps after its checkpoint: keep the first value of each step.
-            self.tracker.log_once_per_step("train/")
+            self.tracker.log_once_per_step(keys.TRAIN_PREFIX)
         if self.rank == 0 and self.progress_bar:
             from tqdm import tqdm
 
@@ -114,18 +112,18 @@ class TrainMetrics:
         images_per_s = self._window["images"] / elapsed
         tflops = images_per_s * self.flops_per_image / self.world_size / 1e12  # per device
         metrics = {
-            "train/loss": loss,
-            "train/lr": lr,
-            "train/images_per_s": images_per_s,
-            "train/tflops": tflops,
-            "train/mfu": tflops / self.peak_tflops,
-            "train/data_wait": min(1.0, self._window["data_s"] / elapsed),
-            "train/memory_gb": memory_gb(self.device),
-            "train/images_seen": float(self.images_seen),
-            "train/exaflops": self.images_seen * self.flops_per_image / 1e18,
+            keys.LOSS: loss,
+            keys.LR: lr,
+            keys.IMAGES_PER_S: images_per_s,
+            keys.TFLOPS: tflops,
+            keys.MFU: tflops / self.peak_tflops,
+            keys.DATA_WAIT: min(1.0, self._window["data_s"] / elapsed),
+            keys.MEMORY_GB: memory_gb(self.device),
+            keys.IMAGES_SEEN: float(self.images_seen),
+            keys.EXAFLOPS: self.images_seen * self.flops_per_image / 1e18,
         }
         if grad_norm is not None and math.isfinite(grad_norm):
-            metrics["train/grad_norm"] = grad_norm
+            metrics[keys.GRAD_NORM] = grad_norm
         self._reset_window()
         if self.rank == 0:
             if self.tracker is not None:
@@ -135,8 +133,8 @@ class TrainMetrics:
 
     def _show(self, step: int, m: dict[str, float]) -> None:
         text = (
-            f"loss {m['train/loss']:.4f} lr {m['train/lr']:.2e} {m['train/images_per_s']:.1f} img/s "
-            f"mfu {m['train/mfu']:.1%} wait {m['train/data_wait']:.0%}"
+            f"loss {m[keys.LOSS]:.4f} lr {m[keys.LR]:.2e} {m[keys.IMAGES_PER_S]:.1f} img/s "
+            f"mfu {m[keys.MFU]:.1%} wait {m[keys.DATA_WAIT]:.0%}"
         )
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)

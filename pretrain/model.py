@@ -273,7 +273,7 @@ class VisionTransformer(nn.Module):
             nn.init.constant_(self.head.bias, head_bias_init)
 
     def _init_weights(self) -> None:
-        """The official initialization (REFERENCE §1): xavier-uniform kernels, q/k/v each on its own (D, D) fan."""
+        """The official initialization (docs/reference.md §1): xavier-uniform kernels; q, k, v each on a (D, D) fan."""
         nn.init.normal_(self.pos_embed, std=0.02)
         _lecun_normal_(self.patch_embed.proj.weight)
         nn.init.zeros_(self.patch_embed.proj.bias)

@@ -186,7 +186,7 @@ class MaskedPatchPrediction(nn.Module):
         return loss, {"accuracy": accuracy}
 
 
-@register_task("mpp")
+@register_task("mpp", options=MPPConfig.from_options)
 def build_mpp_task(config, model: nn.Module) -> MaskedPatchPrediction:
     """Task-registry builder: ``config`` is the ``TrainConfig``; options come from ``config.task.options``.
 

@@ -1,6 +1,6 @@
 """AdamW on weight matrices only, the learning-rate schedules, and the one function that turns durations into steps.
 
-Paper §4.1 / REFERENCE §3: Adam β = (0.9, 0.999), decoupled weight decay on kernels only (not biases, norms, the
+Paper §4.1 / docs/reference.md §3: Adam β = (0.9, 0.999), decoupled weight decay on kernels only (not biases, norms, the
 class token or the position embedding), linear warmup then linear (i21k) or cosine (AugReg) decay to `end_lr`.
 The learning rate is computed here for each optimizer step and written into the optimizer's param groups by the
 training loop, so DeepSpeed never owns a scheduler and resume needs only the step number.
@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import math
 import re
+import typing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
-from pretrain.config import Duration, OptimConfig, ScheduleConfig
+from pretrain.typed_yaml import at_least, positive
 
-DECAYS = ("linear", "cosine", "constant")
+if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
+    from pretrain.config import Duration, OptimConfig, ScheduleConfig
+
+Decay = Literal["linear", "cosine", "constant"]  # the schedules LRSchedule implements (schedule.decay)
+DECAYS: tuple[str, ...] = typing.get_args(Decay)
 _DURATION = re.compile(r"^\s*([0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$")
 
 
@@ -68,7 +74,7 @@ class LRSchedule:
     peak_lr: float
     warmup_steps: int
     total_steps: int
-    decay: str = "linear"
+    decay: Decay = "linear"
     end_lr: float = 0.0
 
     def __call__(self, step: int) -> float:
@@ -93,6 +99,29 @@ def build_schedule(
     total = duration_to_steps(schedule.total, global_batch_size, epoch_images, field="schedule.total")
     warmup = duration_to_steps(schedule.warmup, global_batch_size, epoch_images, field="schedule.warmup", zero_ok=True)
     return LRSchedule(optim.lr, warmup, total, schedule.decay, schedule.end_lr)
+
+
+def check_config(
+    optim: OptimConfig, schedule: ScheduleConfig, global_batch_size: int, epoch_images: int | None
+) -> None:
+    """The optim and schedule sections (`TrainConfig.validate`); ValueError naming the field and the fix."""
+    if not optim.lr > 0:
+        raise ValueError(f"optim.lr={optim.lr} must be > 0; the paper's i21k runs use optim.lr=1e-3")
+    at_least(optim.weight_decay, 0.0, "optim.weight_decay")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(optim, name) < 1.0:
+            raise ValueError(f"optim.{name}={getattr(optim, name)} must be in [0, 1); the paper uses 0.9 / 0.999")
+    positive(optim.eps, "optim.eps")
+    at_least(optim.grad_clip, 0.0, "optim.grad_clip")
+    if not 0.0 <= schedule.end_lr <= optim.lr:
+        raise ValueError(f"schedule.end_lr={schedule.end_lr} must be in [0, optim.lr={optim.lr}]")
+    lr = build_schedule(optim, schedule, global_batch_size, epoch_images)  # each duration is checked as it converts
+    if lr.warmup_steps >= lr.total_steps:
+        raise ValueError(
+            f"schedule.warmup ({lr.warmup_steps} steps) must be shorter than schedule.total ({lr.total_steps} steps)"
+        )
+    if schedule.stop_at_step is not None:
+        positive(schedule.stop_at_step, "schedule.stop_at_step")
 
 
 def no_decay_names(module: nn.Module) -> set[str]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from pretrain.weights import resize_pos_embed
 
-__all__ = ["check_schedule", "config_at", "resolution_at", "switch_resolution"]
+__all__ = ["check_config", "check_schedule", "config_at", "resolution_at", "switch_resolution"]
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 # (working-copy groups, fp32 partitions) attribute names of DeepSpeed's ZeRO-1/2 optimizer and its bf16 optimizer.
@@ -65,6 +65,17 @@ def check_schedule(schedule: Sequence, image_size: int, stride: int) -> tuple[tu
     return tuple(pairs)
 
 
+def check_config(schedule: Sequence, image_size: int, stride: int, zero_stage: int) -> None:
+    """``data.resolution_schedule`` and the ZeRO stage it needs (`TrainConfig.validate`); ValueError names the fix."""
+    if schedule:
+        check_schedule(schedule, image_size, stride)
+        if zero_stage > 2:
+            raise ValueError(
+                "data.resolution_schedule needs deepspeed.zero_stage ≤ 2 (the engine switch moves Adam state "
+                "through ZeRO-1/2 fragments); set deepspeed.zero_stage=2 or drop the schedule"
+            )
+
+
 def resolution_at(schedule: Sequence, step: int, image_size: int) -> int:
     """Image size for optimizer step ``step`` (0-based: the step about to be taken)."""
     size = image_size
@@ -87,7 +98,7 @@ def config_at(config, step: int):
 
 def _full_fp32(param: nn.Parameter) -> torch.Tensor:
     """The fp32 master copy of ``param`` assembled from the ZeRO partitions (the parameter itself without ZeRO)."""
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param  # heavy external
 
     value = safe_get_full_fp32_param(param)
     return (param.detach() if value is None else value).float().clone()
@@ -101,7 +112,7 @@ def _inner_optimizer(engine) -> torch.optim.Optimizer:
 
 def _adam_state(engine, param: nn.Parameter) -> dict[str, torch.Tensor] | None:
     """Full (unpartitioned) Adam moments of ``param``; None before the first optimizer step."""
-    from deepspeed.utils import safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_optimizer_state  # heavy external
 
     if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):  # ZeRO 1-3 / bf16 optimizer: collective
         out = {k: safe_get_full_optimizer_state(param, k) for k in ADAM_STATES}
@@ -139,7 +150,7 @@ def _link_states(engine) -> None:
     never linked and ``safe_get_full_optimizer_state`` fails for them. Re-linking every group whose state exists
     is idempotent.
     """
-    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state  # heavy external
 
     opt = engine.optimizer
     state = _inner_optimizer(engine).state
@@ -151,7 +162,7 @@ def _link_states(engine) -> None:
 
 
 def _set_adam_state(engine, param: nn.Parameter, values: dict[str, torch.Tensor]) -> None:
-    from deepspeed.utils import safe_set_full_optimizer_state
+    from deepspeed.utils import safe_set_full_optimizer_state  # heavy external
 
     if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
         for key, value in values.items():
@@ -198,7 +209,7 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
 
-    from deepspeed.utils import safe_set_full_fp32_param
+    from deepspeed.utils import safe_set_full_fp32_param  # heavy external
 
     new_named = dict(new_engine.module.named_parameters())
     if set(new_named) != set(named):

@@ -2,22 +2,23 @@
 
 A task owns the model and its loss, so the engine sees a single module and checkpoints hold everything that
 trains. Tasks are registered by name in `TASKS` (``register_task``); `build_task(config, model)` picks one by
-`config.task.name`. Other modules add tasks (e.g. masked patch prediction) with ``@register_task("mpp")``.
+`config.task.name`. Other modules add tasks (e.g. masked patch prediction) with ``@register_task("mpp")``;
+`pretrain.config` imports each of them, so wherever a TrainConfig exists every task is registered.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from pretrain.config import TrainConfig
+if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
+    from pretrain.config import LossConfig, TaskConfig, TrainConfig
+
+LossType = Literal["softmax_xent", "sigmoid_xent"]  # loss.type: the keys of LOSSES
 
 
 def _as_targets(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,7 +47,7 @@ def sigmoid_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: fl
     return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(dim=-1).mean()
 
 
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {"softmax_xent": softmax_xent, "sigmoid_xent": sigmoid_xent}
+LOSSES: dict[LossType, Callable[..., torch.Tensor]] = {"softmax_xent": softmax_xent, "sigmoid_xent": sigmoid_xent}
 
 
 class ClassificationTask(nn.Module):
@@ -71,42 +72,53 @@ class ClassificationTask(nn.Module):
 
 TaskBuilder = Callable[["TrainConfig", nn.Module], nn.Module]
 TASKS: dict[str, TaskBuilder] = {}
+# name → a function that parses `task.options` and raises ValueError naming the bad one (`check_config` runs it)
+TASK_OPTIONS: dict[str, Callable[[dict], Any]] = {}
 
 
-def register_task(name: str) -> Callable[[TaskBuilder], TaskBuilder]:
-    """Decorator adding ``builder(config, model) -> nn.Module`` to `TASKS` under ``name``."""
+def register_task(name: str, options: Callable[[dict], Any] | None = None) -> Callable[[TaskBuilder], TaskBuilder]:
+    """Decorator adding ``builder(config, model) -> nn.Module`` to `TASKS` under ``name``.
+
+    ``options(task_options_dict)`` parses and checks the task's options, so that `TrainConfig.validate` rejects a
+    bad one before any worker starts; the builder gets them unchecked otherwise.
+    """
 
     def add(builder: TaskBuilder) -> TaskBuilder:
         if name in TASKS and TASKS[name] is not builder:
             raise ValueError(f"task {name!r} is registered twice")
         TASKS[name] = builder
+        if options is not None:
+            TASK_OPTIONS[name] = options
         return builder
 
     return add
 
 
-@register_task("classification")
+def _no_options(options: dict) -> None:
+    if options:
+        raise ValueError(f"task.options={options} given, but the classification task takes none")
+
+
+@register_task("classification", options=_no_options)
 def _build_classification(config: TrainConfig, model: nn.Module) -> nn.Module:
-    if config.task.options:
-        raise ValueError(f"task.options={config.task.options} given, but the classification task takes none")
+    _no_options(config.task.options)
     return ClassificationTask(model, config.loss.type, config.loss.label_smoothing)
 
 
-# Modules that register tasks on import; imported lazily so this file never depends on them.
-TASK_MODULES = ("pretrain.mpp",)
-
-
-def registered_tasks() -> dict[str, TaskBuilder]:
-    """`TASKS` after importing every task module that exists in this checkout."""
-    for module in TASK_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
-    return TASKS
+def check_config(loss: LossConfig, task: TaskConfig) -> None:
+    """The loss and task sections (`TrainConfig.validate`); ValueError naming the field and the fix."""
+    if not 0.0 <= loss.label_smoothing < 1.0:
+        raise ValueError(f"loss.label_smoothing={loss.label_smoothing} must be in [0, 1)")
+    if loss.label_smoothing and loss.type != "softmax_xent":
+        raise ValueError("loss.label_smoothing applies to softmax_xent only; set it to 0 or loss.type=softmax_xent")
+    if task.name not in TASKS:
+        raise ValueError(f"task.name={task.name!r} is not registered; use one of {sorted(TASKS)}")
+    if task.name in TASK_OPTIONS:
+        TASK_OPTIONS[task.name](dict(task.options))
 
 
 def build_task(config: TrainConfig, model: nn.Module) -> nn.Module:
     """The module DeepSpeed wraps: ``forward(images, labels) -> (loss, metrics dict of scalar tensors)``."""
-    tasks = registered_tasks()
-    if config.task.name not in tasks:
-        raise ValueError(f"task.name={config.task.name!r} is not registered; use one of {sorted(tasks)}")
-    return tasks[config.task.name](config, model)
+    if config.task.name not in TASKS:
+        raise ValueError(f"task.name={config.task.name!r} is not registered; use one of {sorted(TASKS)}")
+    return TASKS[config.task.name](config, model)

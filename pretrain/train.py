@@ -29,13 +29,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_pipeline.builtin import ensure
 from data_pipeline.cli import output_file
+from data_pipeline.manifest import read_dataset_info
+from data_pipeline.paths import resolve_location, resolve_path
+from data_pipeline.stream import TrainStream
 from pretrain import checkpoint as ckpt
 from pretrain import progressive
-from pretrain.config import TrainConfig, load_config, model_overrides, resolve_path
+from pretrain.config import TrainConfig, load_config, model_overrides
 from pretrain.ds_config import batch_plan, engine_config, resolve_backend, resolve_precision
+from pretrain.flops import train_flops
 from pretrain.metrics import TrainMetrics, device_peak_tflops
+from pretrain.model import build_model
 from pretrain.optim import build_optimizer, build_schedule, set_lr
+from pretrain.run_folder import CONFIG_YAML, TrainerState
+from pretrain.tasks import build_task
+from tracking import keys
+from tracking.runs import create_run, run_tags
+from tracking.tracker import Tracker, flatten_config
 
 CheckpointCallback = Callable[[Path, int, dict], None]
 
@@ -53,7 +64,7 @@ def init_distributed(config: TrainConfig) -> Placement:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
-    import deepspeed
+    import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
 
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
@@ -107,26 +118,25 @@ def model_randomness(seed: int, rank: int, step: int, micro: int, device: torch.
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
     """Generate a built-in training set if the recipe asks for it (rank 0; others wait); (num_classes, epoch size)."""
-    from data_pipeline.manifest import read_dataset_info
-
     d = config.data
     if d.builtin is not None and place.rank == 0 and not (resolve_path(d.train) / "manifest.parquet").exists():
-        from data_pipeline.builtin import ensure
-
         ensure(d.builtin, resolve_path(d.train).parent.parent, **d.builtin_options)
     dist.barrier()
-    info = read_dataset_info(d.train if "://" in d.train else resolve_path(d.train))
+    info = read_dataset_info(resolve_location(d.train))
+    if config.model.num_classes is not None and info.num_classes > config.model.num_classes:
+        raise ValueError(
+            f"model.num_classes={config.model.num_classes} but {d.train} has {info.num_classes} classes; set "
+            f"model.num_classes={info.num_classes} (or null to take it from the dataset)"
+        )
     return config.model.num_classes or info.num_classes, d.epoch_images or info.num_samples
 
 
 def build_stream(config: TrainConfig, place: Placement, num_classes: int):
-    from data_pipeline.stream import TrainStream
-
     d = config.data
     # Mixup needs soft targets; otherwise int labels are cheapest (the loss one-hots them itself).
     label_format = "multihot" if d.mixup_alpha > 0 else "int"
     return TrainStream(
-        d.train if "://" in d.train else str(resolve_path(d.train)),
+        resolve_location(d.train),
         batch_size=d.micro_batch_size,
         image_size=d.image_size,
         rank=place.rank,
@@ -144,10 +154,7 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int):
 
 def build_engine(config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint):
     """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model)."""
-    import deepspeed
-
-    from pretrain.model import build_model
-    from pretrain.tasks import build_task
+    import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
 
     seed_everything(config.seed)  # identical initialisation on every rank
     model = build_model(config.model.name, **model_overrides(config, num_classes))
@@ -159,28 +166,19 @@ def build_engine(config: TrainConfig, place: Placement, num_classes: int, start:
     return engine, model
 
 
-def _tracker(config: TrainConfig, place: Placement):
+def _tracker(config: TrainConfig, place: Placement, model) -> Tracker:
     """The MLflow tracker of this run (rank 0 logs; a standalone run may create its own run by experiment name)."""
-    from pretrain import tracking
-
     lg = config.logging
     run_id = lg.mlflow_run_id
     if run_id is None and lg.mlflow_experiment and place.rank == 0:
         try:
-            run_id = tracking.create_run(
-                lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {}
-            )
+            run_id = create_run(lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {})
         except Exception as error:  # tracking must never stop training
             print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
-    tracker = tracking.Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
-    tracker.log_params(config.to_dict())
-    tags = {
-        "vitscale.recipe": config.recipe,
-        "vitscale.model": config.model.name,
-        "vitscale.world_size": place.world_size,
-        "vitscale.status": "running",
-    }
-    tracker.set_tags(tags)
+    tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
+    # The patch size is not a recipe field (the model name implies it); the comparison report reads it from here.
+    tracker.log_params({**config.to_dict(), "model.patch_size": model.config.patch_size})
+    tracker.set_tags(run_tags(config.recipe, config.model.name, place.world_size))
     return tracker
 
 
@@ -193,9 +191,7 @@ def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
     """Say which settings differ from the checkpoint's config.yaml: resuming with them is allowed but not exact."""
     import yaml
 
-    from pretrain.tracking import flatten_config
-
-    saved = flatten_config(yaml.safe_load((checkpoint_dir / "config.yaml").read_text()))
+    saved = flatten_config(yaml.safe_load((checkpoint_dir / CONFIG_YAML).read_text()))
     now = flatten_config(config.to_dict())
     changed = sorted(
         k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and not k.startswith(_RESUME_MAY_CHANGE)
@@ -256,16 +252,16 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
     engine, model = build_engine(current, place, num_classes, start)
     stream = build_stream(current, place, num_classes)
-    state = resume(engine, stream, start, place, current)
-    step = state["step"]
-    tracker = _tracker(config, place)
-    metrics = build_metrics(config, place, model, tracker, last_step, step, state["images_seen"])
+    state = resume(engine, stream, start, place, current)  # None when starting fresh
+    step, images_seen = (state.step, state.images_seen) if state is not None else (0, 0)
+    tracker = _tracker(config, place, model)
+    metrics = build_metrics(config, place, model, tracker, last_step, step, images_seen)
     dtype = torch.bfloat16 if resolve_precision(config.deepspeed, place.device.type) == "bf16" else torch.float32
     summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": []}
     # The model's own randomness is seeded by position in train_step (model_randomness), whatever happens here.
     # The global generators are restored last, right before the loop, for any other code that draws from them.
-    if "rng_states" in state:
-        ckpt.set_rng_state(state["rng_states"][place.rank])
+    if state is not None:
+        ckpt.set_rng_state(state.rng_states[place.rank])
     else:
         seed_everything(config.seed * 1000 + place.rank + 1)  # different on every rank, reproducibly
     it, last = iter(stream), {}
@@ -290,15 +286,15 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
             if digest is not None:
                 summary["digests"].append([step, digest.hexdigest()])
             if step % config.checkpoint.every_steps == 0 or step == last_step:
-                step_metrics = {**last, "train/loss": loss}
+                step_metrics = {**last, keys.LOSS: loss}
                 saved = ckpt.save_checkpoint(engine, model, current, step=step, images_seen=metrics.images_seen,
                                              stream_state=stream.state_dict(), metrics=step_metrics)  # fmt: skip
                 summary["checkpoints"].append(str(saved))
                 if on_checkpoint is not None:
                     on_checkpoint(saved, step, step_metrics)
-        tracker.set_tags({"vitscale.status": "finished" if step >= schedule.total_steps else "stopped"})
+        tracker.set_tags({keys.STATUS: "finished" if step >= schedule.total_steps else "stopped"})
     except BaseException:
-        tracker.set_tags({"vitscale.status": "failed"})
+        tracker.set_tags({keys.STATUS: "failed"})
         raise
     finally:
         metrics.close()
@@ -308,21 +304,19 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
             "rank": place.rank, "world_size": place.world_size}  # fmt: skip
 
 
-def resume(engine, stream, start: ckpt.StartPoint, place: Placement, config: TrainConfig) -> dict[str, Any]:
-    """Restore engine + stream position from a full checkpoint; the trainer state (step 0 when starting fresh)."""
+def resume(engine, stream, start: ckpt.StartPoint, place: Placement, config: TrainConfig) -> TrainerState | None:
+    """Restore engine + stream position from a full checkpoint; its trainer state (None when starting fresh)."""
     if start.kind not in ("run", "resume_from"):
-        return {"step": 0, "images_seen": 0}
+        return None
     state = ckpt.load_checkpoint(engine, start.path, place.world_size)
-    stream.load_state_dict(state["stream_states"][place.rank])
+    stream.load_state_dict(state.stream_states[place.rank])
     if place.rank == 0:
-        print(f"resumed from {start.path} at step {state['step']} ({start.kind})", flush=True)
+        print(f"resumed from {start.path} at step {state.step} ({start.kind})", flush=True)
         _warn_config_changes(start.path, config)
     return state
 
 
 def build_metrics(config, place, model, tracker, last_step: int, step: int, images_seen: int) -> TrainMetrics:
-    from pretrain.flops import train_flops
-
     return TrainMetrics(
         rank=place.rank, world_size=place.world_size, total_steps=last_step, flops_per_image=train_flops(model.config),
         peak_tflops=device_peak_tflops(config.logging.peak_tflops, place.device), device=place.device,

@@ -2,7 +2,7 @@
 
 `load_npz` reads checkpoints released by google-research/vision_transformer (VT) and big_vision (BV), infers the
 architecture from the arrays alone and returns a `VisionTransformer` whose logits equal the official ones
-(REFERENCE §2). Hugging Face export lives in `pretrain.hf_convert` and is re-exported here.
+(docs/reference.md §2). Hugging Face export lives in `pretrain.hf_convert` and is re-exported here.
 
     python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
     python -m pretrain.weights info PATH [--image-size N]                 # inferred config, params, GMACs
@@ -28,16 +28,16 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from pretrain import run_folder
 from pretrain.flops import describe
 from pretrain.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.model import VisionTransformer, ViTConfig
 from pretrain.resnet import GN_GROUPS, stem_out_channels, stem_stride
+from pretrain.run_folder import CONFIG_FILE, WEIGHTS_FILE
 
 __all__ = [
-    "IncompleteCheckpointError",
     "from_hf_state_dict",
     "hf_config",
-    "latest_complete_checkpoint",
     "load_checkpoint_model",
     "load_model",
     "load_npz",
@@ -48,9 +48,6 @@ __all__ = [
     "to_hf_state_dict",
 ]
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "model.json"
-COMPLETE_MARKER = "COMPLETE"
 
 # Fields the weights determine; an override that contradicts the file is a user error, not a resize.
 _ARCHITECTURE_FIELDS = (
@@ -65,10 +62,6 @@ _ARCHITECTURE_FIELDS = (
     "in_chans",
 )
 _HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
-
-
-class IncompleteCheckpointError(ValueError):
-    """A checkpoint directory without its COMPLETE marker (a save that was interrupted or is still running)."""
 
 
 # --------------------------------------------------------------------------------------------- position embeddings
@@ -474,31 +467,13 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
     """The consolidated model of a training checkpoint `.../checkpoints/step_XXXXXXXX/`.
 
-    Refuses a folder without `COMPLETE` (written last by the trainer): its files may be half written.
+    Refuses a folder without `COMPLETE` (written last by the trainer): its files may be half written
+    (`pretrain.run_folder.IncompleteCheckpointError`).
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {checkpoint_dir}")
-    if not (checkpoint_dir / COMPLETE_MARKER).is_file():
-        latest = latest_complete_checkpoint(checkpoint_dir.parent)
-        raise IncompleteCheckpointError(
-            f"{checkpoint_dir} has no {COMPLETE_MARKER} marker: the save was interrupted or is still running; "
-            "use an earlier complete checkpoint "
-            + (f"(the newest is {latest})" if latest else "(latest_complete_checkpoint finds the newest)")
-        )
-    return load_pretrained(checkpoint_dir, image_size=image_size, **overrides)
-
-
-def latest_complete_checkpoint(run_dir: str | Path) -> Path | None:
-    """Newest `step_*` folder with COMPLETE under `run_dir/checkpoints` (or `run_dir` itself), or None."""
-    run_dir = Path(run_dir)
-    root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
-    steps = [
-        d
-        for d in root.glob("step_*")
-        if re.fullmatch(r"step_\d+", d.name) and d.is_dir() and (d / COMPLETE_MARKER).is_file()
-    ]
-    return max(steps, key=lambda d: int(d.name.split("_")[1]), default=None)
+    return load_pretrained(run_folder.require_complete(checkpoint_dir), image_size=image_size, **overrides)
 
 
 def load_model(source: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
@@ -521,13 +496,14 @@ def load_model(source: str | Path, image_size: int | None = None, **overrides) -
             f"no file or folder at {source}; pass an official .npz, a training checkpoint folder or a folder "
             "written by save_pretrained / `python -m pretrain.weights convert`"
         )
-    if (source / COMPLETE_MARKER).exists() or (source / "trainer_state.json").exists():
+    if run_folder.looks_like_checkpoint(source):
         return load_checkpoint_model(source, image_size=image_size, **overrides)
     if not (source / WEIGHTS_FILE).exists() and not (source / CONFIG_FILE).exists():
-        latest = latest_complete_checkpoint(source)
+        run = source.parent if source.name == run_folder.CHECKPOINTS else source  # a run folder or its checkpoints/
+        latest = run_folder.latest_checkpoint(run)
         hint = f"; it looks like a run folder: pass its checkpoint {latest}" if latest else ""
         raise FileNotFoundError(
-            f"{source} holds no weights (no {WEIGHTS_FILE} + {CONFIG_FILE}, no {COMPLETE_MARKER} checkpoint); pass "
+            f"{source} holds no weights (no {WEIGHTS_FILE} + {CONFIG_FILE}, no COMPLETE checkpoint); pass "
             "an official .npz, a training checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a folder written by "
             f"save_pretrained / `python -m pretrain.weights convert`{hint}"
         )

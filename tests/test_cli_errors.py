@@ -39,6 +39,8 @@ def _bad_inputs(tmp: Path) -> dict[str, str]:
         "profile_syntax.yaml": "name: x\nhardware: [unclosed\n",
         "suite_syntax.yaml": "name: x\nevaluators:\n  - type: fewshot\n    shots: [1, 5\n",
         "suite_shape.yaml": "evaluators:\n  - type: [fewshot]\n",
+        "suite_option.yaml": "name: x\nevaluators:\n  - type: fewshot\n    shot: [1, 5]\n",  # a typo of shots
+        "suite_value.yaml": "name: x\nevaluators:\n  - type: fewshot\n    shots: [0, 5]\n",
         "plan_notjson.json": "{not json",
         "afile": "a file where a folder is expected\n",
     }
@@ -109,11 +111,12 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     # evals: suites (a suite is read before any weights), weights, tracking stores, the UI's flags
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_syntax}"], [r"suite_syntax\.yaml, line \d"]),
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_shape}"], [r"suite_shape\.yaml", r"type"]),
+    ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_value}"], [r"suite_value\.yaml", r"shots must"]),
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "local_fewshot"], [r"COMPLETE"]),
-    ("evals.compare", ["--tracking-uri", "sqlite:///{tmp}/none.db", "--no-mlflow"], [r"none\.db"]),
-    ("evals.compare", ["--tracking-uri", "foo://bar", "--no-mlflow", "--out", "{tmp}/rep"], [r"foo://bar"]),
-    ("evals.ui", ["--port", "70000", "--dry-run"], [r"--port 70000"]),
-    ("evals.ui", ["--workers", "0", "--dry-run"], [r"--workers"]),
+    ("tracking.compare", ["--tracking-uri", "sqlite:///{tmp}/none.db", "--no-mlflow"], [r"none\.db"]),
+    ("tracking.compare", ["--tracking-uri", "foo://bar", "--no-mlflow", "--out", "{tmp}/rep"], [r"foo://bar"]),
+    ("tracking.ui", ["--port", "70000", "--dry-run"], [r"--port 70000"]),
+    ("tracking.ui", ["--workers", "0", "--dry-run"], [r"--workers"]),
     # cluster: profiles (syntax, types, unknown), the recipe's eval suite, flags, absent clusters, job specs
     ("cluster.launch", ["--cluster", "{profile_syntax}", "--dry-run"], [r"profile_syntax\.yaml, line \d"]),
     ("cluster.launch", ["--cluster", "{profile_types}", "--dry-run"], [r"profile_types\.yaml", r"num_workers"]),
@@ -121,6 +124,11 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
         "cluster.launch",
         ["--recipe", "local_demo", "--set", "evals.suite={suite_syntax}", "--dry-run"],
         [r"suite_syntax\.yaml, line \d"],
+    ),
+    (  # a suite's options are checked before anything is submitted, not after the first checkpoint
+        "cluster.launch",
+        ["--recipe", "local_demo", "--set", "evals.suite={suite_option}", "--dry-run"],
+        [r"suite_option\.yaml", r"unknown key.*shot"],
     ),
     ("cluster.launch", ["--run-name", "../elsewhere", "--dry-run"], [r"--run-name"]),
     ("cluster.render", ["--cluster", "local", "--out", "{tmp}/rendered"], [r"profile local", r"GPU profile"]),

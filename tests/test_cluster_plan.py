@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,7 +16,7 @@ from cluster.memory import activation_bytes_per_image, model_state_bytes, tokens
 from cluster.plan import PlanError, build_plan, format_plan, resolve_config
 from cluster.profiles import load_profile, profile_names
 
-H14_PARAMS_1K = 632_050_000  # paper Table 1 / REFERENCE §1, with a 1000-class head
+H14_PARAMS_1K = 632_050_000  # paper Table 1 / docs/reference.md §1, with a 1000-class head
 
 
 @pytest.mark.timeout(60)
@@ -35,7 +38,7 @@ def test_every_shipped_profile_loads_and_validates():
 
 @pytest.mark.timeout(60)
 def test_zero_memory_matches_reference_h14_at_64_gpus():
-    """REFERENCE §7: ViT-H/14 at 64 GPUs, bf16 + fp32 master + Adam: 10.1 / 2.65 / 1.44 / ~0.2 GB."""
+    """docs/reference.md §7: ViT-H/14 at 64 GPUs, bf16 + fp32 master + Adam: 10.1 / 2.65 / 1.44 / ~0.2 GB."""
     expected = {0: 10.1, 1: 2.65, 2: 1.44, 3: 0.20}
     for stage, gb in expected.items():
         got = model_state_bytes(H14_PARAMS_1K, stage, 64, "bf16").total / 1e9
@@ -52,7 +55,7 @@ def test_zero_memory_matches_reference_h14_at_64_gpus():
 
 @pytest.mark.timeout(60)
 def test_activation_formula_matches_measured_h14():
-    """REFERENCE §7: ~337 MB per image at 224 with SDPA, 405 MB with eager attention (no recomputation)."""
+    """docs/reference.md §7: ~337 MB per image at 224 with SDPA, 405 MB with eager attention (no recomputation)."""
     N = tokens_per_image(224, 14)
     assert N == 257
     kw = dict(tokens=N, width=1280, mlp_dim=5120, depth=32, num_heads=16, precision="bf16")
@@ -70,7 +73,7 @@ def test_h14_plan_on_a100x64_matches_hand_arithmetic():
     assert plan.world_size == 64 and plan.nodes == 8
     assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum_steps * plan.world_size == 4096
     assert plan.num_params_1k_head / 1e6 == pytest.approx(632.05, abs=0.01)
-    # Forward FLOPs per image at 224 (REFERENCE §5: 167.4 GMACs; the per-layer formula gives 334.6 GFLOPs).
+    # Forward FLOPs per image at 224 (docs/reference.md §5: 167.4 GMACs; the per-layer formula gives 334.6 GFLOPs).
     D, L, M, Ntok = 1280, 32, 5120, 257
     macs = L * (Ntok * D * 3 * D + 2 * Ntok**2 * D + Ntok * D * D + 2 * Ntok * D * M) + 256 * 14 * 14 * 3 * D
     assert plan.forward_gflops_per_image == pytest.approx(2 * macs / 1e9, rel=2e-3)
@@ -164,6 +167,28 @@ def test_dry_run_prints_plan_and_submits_nothing(capsys):
     assert out.startswith("plan: recipe vit_h14_i21k on profile a100x64")
     assert "dry run: nothing submitted" in out
     assert "per (rank x loader worker)" in out and "WARNING" in out  # 512 loaders over ~3.8k assumed shards
+
+
+@pytest.mark.timeout(60)
+def test_launch_reads_the_recipe_file_once(capsys):
+    """Every open of the recipe and of its `base:` by `make launch`'s path (as a dry run) is counted: one each."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    opened: list[str] = []
+    counting = [True]  # an audit hook cannot be removed: this one stops counting when the test ends
+
+    def count_opens(event: str, args: tuple) -> None:
+        if counting[0] and event == "open" and isinstance(args[0], str | os.PathLike):
+            opened.append(os.fspath(args[0]))
+
+    sys.addaudithook(count_opens)
+    try:
+        sets = ["--set", "schedule.total=50", "--set", "data.micro_batch_size=4"]
+        assert launch.main(["--cluster", "local", "--recipe", "local_mpp", *sets, "--dry-run"]) == 0
+    finally:
+        counting[0] = False
+    assert "plan: recipe local_mpp on profile local" in capsys.readouterr().out
+    reads = [Path(p).resolve() for p in opened if p.endswith(".yaml")]
+    assert reads.count(configs / "local_mpp.yaml") == 1 and reads.count(configs / "local_demo.yaml") == 1, reads
 
 
 @pytest.mark.timeout(60)
@@ -298,11 +323,12 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
     # The job's runtime env installs the extra on the cluster; a local run needs none.
     profile = load_profile(path)
     config = resolve_config(profile, "vit_l16_i21k", [], "r")
-    spec = JobSpec(profile, config.to_dict(), build_plan(profile, config).to_dict())
+    spec = JobSpec.create(profile, config, build_plan(profile, config))
+    assert JobSpec.from_json(spec.to_json()).config == config  # the config travels as one dict, rebuilt as it was
     assert launch.runtime_env(profile, spec)["pip"] == [STORAGE_EXTRAS[extra].requirement]
     local = load_profile("local")
     local_config = resolve_config(local, "local_demo", [], "r")
-    local_spec = JobSpec(local, local_config.to_dict(), build_plan(local, local_config).to_dict())
+    local_spec = JobSpec.create(local, local_config, build_plan(local, local_config))
     assert "pip" not in launch.runtime_env(local, local_spec)
 
 

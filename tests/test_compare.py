@@ -1,4 +1,4 @@
-"""evals.compare on a real MLflow SQLite store: runs logged the way training and evals log them (via Tracker)."""
+"""tracking.compare on a real MLflow SQLite store: runs logged the way training and evals log them (via Tracker)."""
 
 import csv
 import math
@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from evals.compare import COMPARISON_KIND_TAG, collect, main
-from evals.compare_report import CSV_NAME, FEWSHOT_PNG, LOSS_PNG
-from pretrain.tracking import Tracker, create_run
+from tracking import keys
+from tracking.compare import main
+from tracking.report_collect import collect
+from tracking.report_render import CSV_NAME, FEWSHOT_PNG, LOSS_PNG
+from tracking.runs import create_run, run_tags
+from tracking.tracker import Tracker
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,9 +31,8 @@ def _client(uri):
 def _log_run(uri, experiment, name, *, model, recipe, steps, gflops, evals_at=(), status="FINISHED", seed=0):
     """Log a pre-training run like the driver + rank 0 + eval tasks do; returns (run_id, what was logged)."""
     rng = np.random.default_rng(seed)
-    tags = {"vitscale.model": model, "vitscale.recipe": recipe, "vitscale.profile": "local", "vitscale.world_size": 2}
     config = {"model": {"name": model}, "optim": {"lr": 1e-3}, "data": {"global_batch_size": BATCH}}
-    run_id = create_run(uri, experiment, name, config, tags)
+    run_id = create_run(uri, experiment, name, config, run_tags(recipe, model, 2, profile="local"))
     logged = {"loss": {}, "fewshot": {}}
     with Tracker(uri, run_id, rank=0) as tracker:
         for step in range(1, steps + 1):
@@ -67,7 +69,7 @@ def _log_run(uri, experiment, name, *, model, recipe, steps, gflops, evals_at=()
                 step=step,
             )
             logged["fewshot"][step] = acc - 0.02
-        tracker.set_tags({"vitscale.status": status.lower()})
+        tracker.set_tags({keys.STATUS: status.lower()})
     _client(uri).set_terminated(run_id, status=status)
     return run_id, logged
 
@@ -82,6 +84,7 @@ def store(tmp_path_factory):
         "ti": _log_run(uri, "scaling", "tiny-run", model="vit_tiny_debug", recipe="local_demo", steps=80,
                        gflops=0.05, evals_at=(40, 80), seed=2),
     }  # fmt: skip
+    _client(uri).log_param(runs["ti"][0], "model.patch_size", 4)  # the model's patch size, if the run logged it
     return uri, root, runs
 
 
@@ -100,6 +103,7 @@ def test_table_numbers_equal_what_was_logged(store):
     assert set(by_name) == {"b16-run", "tiny-run"}
     b16 = by_name["b16-run"]
     logged = runs["b16"][1]
+    # b16-run logged no patch size: the report reads it from the model name (it does not import the model registry).
     assert (b16.model, b16.patch, b16.recipe, b16.status) == ("vit_b16", 16, "vit_b16_i21k", "FINISHED")
     assert b16.steps == 60 and b16.images_seen == 60 * BATCH
     assert b16.final_loss == pytest.approx(logged["loss"][60], rel=1e-12)
@@ -113,7 +117,7 @@ def test_table_numbers_equal_what_was_logged(store):
     assert len(b16.loss_curve) == 60 and b16.loss_curve[-1] == (60 * BATCH, pytest.approx(logged["loss"][60]))
     assert "VTAB mean covers 2 of 19 tasks" in b16.notes
     tiny = by_name["tiny-run"]
-    assert (tiny.patch, tiny.steps, tiny.images_seen) == (4, 80, 80 * BATCH)
+    assert (tiny.patch, tiny.steps, tiny.images_seen) == (4, 80, 80 * BATCH)  # the logged patch size
 
 
 def test_report_files_csv_and_mlflow_artifacts(store, two_run_report):
@@ -129,7 +133,7 @@ def test_report_files_csv_and_mlflow_artifacts(store, two_run_report):
     # The report went to MLflow as a comparison run, which later comparisons leave out.
     client = _client(uri)
     experiment = client.get_experiment_by_name("scaling")
-    comparisons = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get(COMPARISON_KIND_TAG)]
+    comparisons = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get(keys.KIND)]
     assert len(comparisons) == 1
     artifacts = {a.path for a in client.list_artifacts(comparisons[0].info.run_id, "report")}
     assert {"report/index.html", f"report/{LOSS_PNG}", f"report/{FEWSHOT_PNG}", f"report/{CSV_NAME}"} <= artifacts
@@ -143,7 +147,7 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     bare = create_run(uri, "mixed", "no-metrics", {}, {})  # the driver created it, then nothing arrived
     # A standalone trainer tags its outcome but leaves the MLflow run RUNNING: the tag decides.
     died, _ = _log_run(uri, "mixed", "tagged-failed", model="vit_s16", recipe="r", steps=3, gflops=1, status="RUNNING")
-    _client(uri).set_tag(died, "vitscale.status", "failed")
+    _client(uri).set_tag(died, keys.STATUS, "failed")
     out = tmp_path / "reports"
     ids = ",".join([crashed, running, bare, died])
     assert main(["--runs", ids, "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0

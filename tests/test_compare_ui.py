@@ -1,4 +1,4 @@
-"""evals.ui: the MLflow UI command, its loopback-only default, and a real server started on the embedded store."""
+"""tracking.ui: the MLflow UI command, its loopback-only default, and a real server started on the embedded store."""
 
 import os
 import signal
@@ -11,8 +11,9 @@ import urllib.request
 import psutil
 import pytest
 
-from evals.ui import build_command, check_port_free, main
-from pretrain.tracking import PROJECT_ROOT, create_run
+from tracking.runs import create_run
+from tracking.tracker import PROJECT_ROOT
+from tracking.ui import build_command, check_port_free, main
 
 
 def _free_port() -> int:
@@ -59,7 +60,7 @@ def test_real_ui_serves_the_store_on_loopback_only(tmp_path):
     create_run(uri, "ui-check", "visible-run", {"model": {"name": "vit_tiny_debug"}}, {})
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "evals.ui", "--port", str(port), "--tracking-uri", uri],
+        [sys.executable, "-m", "tracking.ui", "--port", str(port), "--tracking-uri", uri],
         cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

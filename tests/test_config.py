@@ -1,12 +1,18 @@
 """pretrain.config: recipes load and validate; bad configs fail before any work, naming the field and the fix."""
 
+import dataclasses
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
-from pretrain.config import RECIPE_DIR, TrainConfig, load_config, parse_override
+from pretrain.config import RECIPE_DIR, TrainConfig, load_config
 from pretrain.ds_config import batch_plan, deepspeed_config
 from pretrain.optim import build_schedule
+from pretrain.tasks import LOSSES, LossType
+from pretrain.typed_yaml import build, parse_override, read_mapping
 
 RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
@@ -87,6 +93,7 @@ BAD = [
     (["schedule.total=3ep", "data.epoch_images=null", "data.train=s3://bucket/x"], r"set data\.epoch_images"),
     (["data.image_size=30"], r"not a multiple of the patch stride"),
     (["task.name=jigsaw"], r"task\.name='jigsaw' is not registered"),
+    (["task.name=mpp", "task.options.corrupt_fraction=2"], r"task\.options\.corrupt_fraction must be in \(0, 1\]"),
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
 ]
 
@@ -138,3 +145,69 @@ def test_recipe_lookup_errors_list_the_recipes(tmp_path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ValueError, match="must be a YAML mapping"):
         load_config(Path(bad))
+
+
+def test_closed_sets_are_literals_whose_errors_list_the_choices():
+    with pytest.raises(ValueError, match=r"--set override: model\.pool='avg' is unknown; use one of token, gap"):
+        load_config("local_demo", ["model.pool=avg"])
+    with pytest.raises(ValueError, match=r"data\.loader_start_method='thread' is unknown; use one of fork, forkserver"):
+        load_config("local_demo", ["data.loader_start_method=thread"])
+    assert typing.get_args(LossType) == tuple(LOSSES)  # the Literal is the registry's keys
+    # A config made in code, not from a recipe, passes the same checks.
+    config = load_config("local_demo")
+    bad = config.replace(deepspeed=dataclasses.replace(config.deepspeed, precision="fp16"))
+    with pytest.raises(ValueError, match=r"deepspeed\.precision='fp16'.*use bf16"):
+        bad.validate(2, check_paths=False)
+
+
+def test_recipes_inherit_through_base_and_refuse_circles(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text("base: local_mpp\ntask:\n  options:\n    color_bits: 2\n")
+    config = load_config(child)
+    assert config.recipe == "child" and config.task.name == "mpp"
+    assert config.task.options == {"color_bits": 2}  # free-form options are replaced whole, not merged
+    assert config.optim == load_config("local_demo").optim  # two levels up the chain
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"base: {loop}\n")
+    with pytest.raises(ValueError, match=r"loop\.yaml inherits from itself via 'base:'"):
+        load_config(loop)
+
+
+@dataclass(frozen=True)
+class _Inner:
+    size: int
+    mode: Literal["a", "b"] = "a"
+
+
+@dataclass(frozen=True)
+class _Outer:
+    name: str
+    inner: _Inner = field(default_factory=lambda: _Inner(1))
+    shape: tuple[int, ...] = ()
+    rate: float | None = None
+
+
+def test_typed_yaml_builds_any_dataclass_naming_the_source_and_key(tmp_path):
+    """What recipes, cluster profiles and eval suites share: read a mapping, build a typed dataclass from it."""
+    path = tmp_path / "s.yaml"
+    path.write_text("name: x\ninner:\n  size: 3\n  mode: b\nshape: [1, 2]\nrate: 1e-3\n")
+    built = build(_Outer, read_mapping(path, "suite", "see the docs"), "suite s")
+    assert built == _Outer("x", _Inner(3, "b"), (1, 2), 1e-3)
+    bad = [
+        ({"inner": {"size": 1}}, r"^suite s: missing required key 'name'$"),
+        ({"name": "x", "inner": {"size": 1, "mode": "c"}}, r"^suite s: inner\.mode='c' is unknown; use one of a, b$"),
+        ({"name": "x", "inner": {"sise": 1}}, r"key\(s\) \['inner\.sise'\] in inner; valid keys: \['size', 'mode'\]"),
+        ({"name": 3}, r"^suite s: name must be a string, got 3; quote it$"),
+        ({"name": "x", "shape": [1, "two"]}, r"shape\[1\] must be an integer, got 'two'"),
+        ({"name": "x", "rate": "fast"}, r"rate must be a number, got 'fast'"),
+        ({"name": "x", "inner": [1]}, r"inner must be a mapping of keys, got \[1\]"),
+    ]
+    for data, message in bad:
+        with pytest.raises(ValueError, match=message):
+            build(_Outer, data, "suite s")
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match=r"suite .*s\.yaml must be a YAML mapping, got a list; see the docs"):
+        read_mapping(path, "suite", "see the docs")
+    path.write_text("name: x\nshape: [1, 2\n")
+    with pytest.raises(ValueError, match=r"suite .*s\.yaml, line \d+, column \d+: invalid YAML"):
+        read_mapping(path, "suite", "see the docs")

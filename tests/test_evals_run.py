@@ -46,30 +46,50 @@ def write_suite(tmp_path, name, body):
 FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n    shots: [1, 5]\n    seeds: [0, 1]\n"
 
 
+# One entry of each training-free type plus a few fine-tuning steps: the rows are the record, MLflow gets the `ok`
+# rows with a finite value (not a missing task's NaN, not a held-out accuracy of each lr, which are `sweep` rows).
+MIXED = FEWSHOT + (
+    "  - type: finetune\n    datasets: [digits]\n    steps: 2\n    batch_size: 16\n    lr_grid: [0.01, 0.03]\n"
+    "    warmup_steps: 1\n    max_train_examples: 40\n"
+    "  - type: vtab\n    benchmark: ci\n    tasks: [digits]\n    train_examples: 80\n    val_examples: 20\n"
+)
+MIXED_METRICS = {
+    "fewshot/digits/1shot", "fewshot/digits/5shot", "fewshot/mean/1shot", "fewshot/mean/5shot",
+    "finetune/digits/accuracy", "finetune/digits/lr",
+    "vtab/digits", "vtab/mean", "vtab/natural", "vtab/num_tasks", "vtab/natural_num_tasks",
+    "vtab/specialized_num_tasks", "vtab/structured_num_tasks", "vtab/num_tasks_expected",
+}  # fmt: skip
+
+
 @pytest.mark.timeout(300)
 def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path):
     from mlflow import MlflowClient
 
-    from pretrain.tracking import create_run
+    from tracking.runs import create_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = create_run(uri, "evals-test", "tiny", params={"model": {"name": "vit_tiny_debug"}})
-    suite = write_suite(tmp_path, "tiny_fewshot", FEWSHOT)
+    suite = write_suite(tmp_path, "tiny_mixed", MIXED)
     table = run_suite(checkpoint, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri, num_threads=2)
 
     rows = {r["metric"]: r for r in table.to_pylist()}
-    assert set(rows) == {"fewshot/digits/1shot", "fewshot/digits/5shot", "fewshot/mean/1shot", "fewshot/mean/5shot"}
     five = rows["fewshot/digits/5shot"]
     assert 0.1 < five["value"] <= 1.0 and five["count"] == 2 and five["step"] == 120 and not math.isnan(five["std"])
     assert rows["fewshot/mean/5shot"]["value"] == pytest.approx(five["value"])
-    written = pq.read_table(checkpoint / "evals" / "tiny_fewshot.parquet")
+    assert rows["finetune/digits/lr"]["value"] in (0.01, 0.03) and rows["finetune/digits/holdout_accuracy"]
+    assert (rows["vtab/num_tasks"]["value"], rows["vtab/num_tasks_expected"]["value"]) == (1, 4)
+    assert rows["vtab/structured"]["status"] == "missing" and rows["vtab/structured_num_tasks"]["value"] == 0
+    written = pq.read_table(checkpoint / "evals" / "tiny_mixed.parquet")
     assert json.dumps(written.to_pylist()) == json.dumps(table.to_pylist())  # NaN std: compare as text
 
     client = MlflowClient(tracking_uri=uri)
+    logged = client.get_run(run_id).data.metrics
+    assert set(logged) == MIXED_METRICS
+    assert all(logged[key] == pytest.approx(rows[key]["value"]) for key in MIXED_METRICS)
     history = client.get_metric_history(run_id, "fewshot/digits/5shot")
     assert [(m.step, m.value) for m in history] == [(120, pytest.approx(five["value"]))]
     artifacts = [a.path for a in client.list_artifacts(run_id, "evals/step_00000120")]
-    assert artifacts == ["evals/step_00000120/tiny_fewshot.parquet"]
+    assert artifacts == ["evals/step_00000120/tiny_mixed.parquet"]
 
 
 @pytest.mark.timeout(300)
@@ -137,16 +157,13 @@ def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"\d+ sample\(s\) have labels outside the declared classes 0..4"):
         run_suite(checkpoint, suite, data_root=tmp_path / "root", out=tmp_path / "o")
 
-    zero = write_suite(tmp_path, "zero", "  - type: fewshot\n    datasets: [digits]\n    shots: [0, 5]\n")
-    with pytest.raises(ValueError, match="shots must be a non-empty list of positive integers"):
-        run_suite(checkpoint, zero, data_root=data_root, out=tmp_path / "o")
     many = write_suite(tmp_path, "many", "  - type: fewshot\n    datasets: [digits]\n    shots: [500]\n")
     with pytest.raises(ValueError, match="500-shot needs 500 training examples per class"):
         run_suite(checkpoint, many, data_root=data_root, out=tmp_path / "o")
 
 
 def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys):
-    from pretrain.tracking import create_run
+    from tracking.runs import create_run
 
     unfinished = tmp_path / "step_00000300"
     unfinished.mkdir()
@@ -206,8 +223,8 @@ def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_p
     from mlflow import MlflowClient
     from weights_npz_reference import official_arrays
 
-    from pretrain.tracking import create_run
     from pretrain.weights import main as weights_main
+    from tracking.runs import create_run
 
     npz = tmp_path / "ViT-tiny.npz"
     np.savez(npz, **official_arrays(width=32, depth=2, heads=4, mlp=64, patch=4, grid=8, num_classes=5))
@@ -286,7 +303,9 @@ def test_shipped_suites_run_end_to_end(data_root, checkpoint, tmp_path, suite):
         assert rows["vtab/mean"]["detail"] == "VTAB mean over 4/4 tasks"
         specialized = rows["vtab/specialized"]  # the offline benchmark has no Specialized stand-in: says so
         assert specialized["status"] == "missing" and specialized["detail"] == "Specialized mean over 0/0 tasks"
-    assert all(0.0 <= r["value"] <= 1.0 for r in rows.values() if r["status"] == "ok" and "/l2/" not in r["metric"])
+        assert (rows["vtab/num_tasks"]["value"], rows["vtab/specialized_num_tasks"]["value"]) == (4, 0)
+    scores = [r for r in rows.values() if r["status"] == "ok" and not r["metric"].endswith(("num_tasks", "expected"))]
+    assert all(0.0 <= r["value"] <= 1.0 for r in scores)
 
 
 @pytest.mark.timeout(300)

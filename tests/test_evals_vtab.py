@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from evals.vtab import CI_TASKS, GROUPS, VTAB1K_TASKS, VtabOptions, aggregate, vtab_indices
+from evals.vtab import CI_TASKS, GROUPS, VTAB1K_TASKS, aggregate, vtab_indices
 
 
 def test_registry_matches_the_paper():
@@ -55,12 +55,3 @@ def test_train800_val200_draw():
     assert not np.array_equal(tr, vtab_indices(1297, 800, 200, seed=1)[0])
     with pytest.raises(ValueError, match="has 900 images but VTAB needs 1000"):
         vtab_indices(900, 800, 200, seed=0)
-
-
-def test_options_reject_bad_values():
-    with pytest.raises(ValueError, match="unknown benchmark"):
-        VtabOptions(benchmark="vtab2")
-    with pytest.raises(ValueError, match="protocol must be"):
-        VtabOptions(protocol="knn")
-    with pytest.raises(ValueError, match=r"tasks \['imagenet'\] are not in benchmark"):
-        VtabOptions(tasks=("imagenet",))

@@ -12,9 +12,9 @@ from pretrain.model import MODEL_NAMES, build_model, model_config
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
-# REFERENCE §1 / timm: parameters with a 1000-class head, in millions
+# docs/reference.md §1 / timm: parameters with a 1000-class head, in millions
 PAPER_PARAMS_M = {"vit_ti16": 5.72, "vit_s16": 22.05, "vit_b16": 86.57, "vit_l16": 304.33, "vit_h14": 632.05}
-# REFERENCE §5: forward GMACs per image at 224
+# docs/reference.md §5: forward GMACs per image at 224
 PAPER_GMACS = {"vit_ti16": 1.26, "vit_s16": 4.61, "vit_b32": 4.41, "vit_b16": 17.58, "vit_l16": 61.6, "vit_h14": 167.4}
 
 

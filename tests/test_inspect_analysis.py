@@ -1,4 +1,4 @@
-"""evals.inspect pure functions against hand-computed values (paper §4.5 definitions, REFERENCE.md §4)."""
+"""evals.inspect pure functions against hand-computed values (paper §4.5 definitions, docs/reference.md §4)."""
 
 import math
 

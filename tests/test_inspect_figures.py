@@ -58,8 +58,8 @@ def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(t
 
     from data_pipeline.builtin import ensure
     from evals.run import run_suite
-    from pretrain.tracking import create_run
     from pretrain.weights import save_pretrained
+    from tracking.runs import create_run
 
     data_root = tmp_path / "data"
     ensure("digits", data_root, num_test=40, samples_per_shard=20)

@@ -1,4 +1,4 @@
-"""pretrain.tracking against a real MLflow SQLite store: run creation, rank-0 logging, and real outages."""
+"""The tracking package against a real MLflow SQLite store: run creation, rank-0 logging, and real outages."""
 
 import logging
 import socket
@@ -10,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.tracking import (
-    MAX_PARAM_VALUE_LENGTH,
-    PROJECT_ROOT,
-    Tracker,
-    create_run,
-    default_tracking_uri,
-    flatten_config,
-)
+from tracking import keys
+from tracking.runs import create_run, finish_run, open_job_run, run_tags
+from tracking.tracker import MAX_PARAM_VALUE_LENGTH, PROJECT_ROOT, Tracker, default_tracking_uri, flatten_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,7 +65,7 @@ def test_flatten_config_nested_lists_and_limits():
 
 
 def test_import_does_not_import_mlflow():
-    code = "import sys, pretrain.tracking; assert 'mlflow' not in sys.modules, 'mlflow imported eagerly'"
+    code = "import sys, tracking.runs; assert 'mlflow' not in sys.modules, 'mlflow imported eagerly'"
     subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, timeout=60)
 
 
@@ -98,6 +93,27 @@ def test_create_run_and_rank0_tracker_round_trip(store, tmp_path):
     assert (root / "mlartifacts" / "roundtrip" / run_id / "artifacts" / "plan" / "plan.json").is_file()
 
 
+def test_job_run_is_created_once_continued_on_relaunch_and_finished(store, tmp_path, capsys):
+    """The driver's run: config as params (its own id logged once it exists), the run's tags, the plan as
+    artifact; a relaunch of the same run folder continues it; the end sets MLflow's status and the tag."""
+    uri, _ = store
+    run_dir = tmp_path / "runs" / "demo-1"
+    config = {"model": {"name": "vit_tiny_debug"}, "logging": {"mlflow_run_id": None, "log_every": 1}}
+    tags = run_tags("local_demo", "vit_tiny_debug", 2, profile="local", run_dir=str(run_dir))
+    assert tags[keys.STATUS] == "running" and tags[keys.WORLD_SIZE] == "2" and tags[keys.GIT_COMMIT]
+    run_id = open_job_run(run_dir, uri, "jobs", config, tags, {"world_size": 2})
+    assert open_job_run(run_dir, uri, "jobs", config, tags, {"world_size": 2}) == run_id
+    assert f"continuing MLflow run {run_id}" in capsys.readouterr().out
+    finish_run(uri, run_id, "FINISHED")
+    run = _client(uri).get_run(run_id)
+    assert run.info.run_name == "demo-1" and run.info.status == "FINISHED"
+    assert run.data.params == {"model.name": "vit_tiny_debug", "logging.log_every": "1", keys.RUN_ID_PARAM: run_id}
+    assert run.data.tags[keys.STATUS] == "finished" and run.data.tags[keys.RUN_DIR] == str(run_dir)
+    assert run.data.tags[keys.PROFILE] == "local" and run.data.tags[keys.RECIPE] == "local_demo"
+    assert [a.path for a in _client(uri).list_artifacts(run_id)] == ["plan.json"]
+    assert len(_client(uri).search_runs([run.info.experiment_id])) == 1
+
+
 def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
     """A worker group restarted from checkpoint step 10 redoes steps 11-14 that the lost group already logged:
     the run keeps one value per step (the first), other keys are unaffected, and the skip is said once."""
@@ -120,7 +136,7 @@ def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
     first = attempt(0, 14, loss=3.0)  # lost a worker after logging step 14; its checkpoint is step 10
     assert first.flush()
     first.close()
-    with caplog.at_level(logging.INFO, logger="pretrain.tracking"):
+    with caplog.at_level(logging.INFO, logger="tracking.tracker"):
         second = attempt(10, 20, loss=2.0)
         second.log_metrics({"fewshot/mean/10shot": 0.5}, step=12)  # not a training key: logged as usual
         assert second.flush()
@@ -151,7 +167,7 @@ def test_rejected_param_is_dropped_and_the_rest_still_arrives(store, caplog):
     uri, _ = store
     run_id = create_run(uri, "conflict", "r", {"optim": {"lr": 0.1}}, {})
     tracker = Tracker(uri, run_id, rank=0)
-    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
         tracker.log_params({"optim": {"lr": 0.2}})  # MLflow params are immutable: a permanent rejection
         tracker.log_metrics({"train/loss": 1.5}, step=7)
         assert tracker.flush()
@@ -170,7 +186,7 @@ def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
     lock = sqlite3.connect(root / "mlflow.db", isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")
     try:
-        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
             started = time.monotonic()
             for step in range(1, 21):
                 tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
@@ -195,7 +211,7 @@ def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again when the block ends: nothing listens there
     tracker = Tracker(f"http://127.0.0.1:{port}", "0123456789abcdef", rank=0, max_buffered=5)
-    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
         for step in range(10):
             tracker.log_metrics({"train/loss": float(step)}, step=step)
         assert not tracker.flush()
@@ -219,7 +235,7 @@ def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
         for step in range(100):
             tracker.log_metrics({"train/loss": 1.0, "train/lr": 0.1}, step=step)
         assert time.monotonic() - started < 1.0
-        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
             started = time.monotonic()
             tracker.close(timeout=2)
             assert time.monotonic() - started < 10

@@ -19,5 +19,5 @@ def test_bench_train_writes_the_documented_keys(tmp_path):
         assert result[key] > 0, key
     assert result["speedup_vs_hf"] == pytest.approx(result["vitscale_img_s"] / result["hf_img_s"])
     assert result["gemm_fraction"] == pytest.approx(result["achieved_tflops"] / result["gemm_tflops"])
-    # ViT-S/16 at 224: 4.61 forward GMACs per image (REFERENCE §5) → ~27.7 training GFLOPs
+    # ViT-S/16 at 224: 4.61 forward GMACs per image (docs/reference.md §5) → ~27.7 training GFLOPs
     assert result["train_gflops_per_image"] == pytest.approx(3 * 2 * 4.61, rel=0.01)

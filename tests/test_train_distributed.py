@@ -184,9 +184,9 @@ sys.exit(main(sys.argv[1:]))
 def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_path):
     from mlflow import MlflowClient
 
-    from pretrain import checkpoint as ckpt
-    from pretrain.tracking import create_run
+    from pretrain import run_folder
     from pretrain.weights import load_checkpoint_model
+    from tracking.runs import create_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the run is created up front and passed in, as the driver does
     run_id = create_run(uri, "test_train", "crash-and-resume", params={}, tags={})
@@ -206,7 +206,7 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     root = tmp_path / "run" / "checkpoints"
     partial = root / "step_00000004.tmp"
     assert partial.is_dir() and (partial / "deepspeed").is_dir() and not (partial / "COMPLETE").exists()
-    assert ckpt.latest_checkpoint(tmp_path / "run") == root / "step_00000002"
+    assert run_folder.latest_checkpoint(tmp_path / "run") == root / "step_00000002"
     model = load_checkpoint_model(root / "step_00000002")  # the previous checkpoint loads
     assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 4)
     # Resuming picks the previous checkpoint, ignores the partial one, and removes it at the next save.
@@ -216,7 +216,7 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     summary = json.loads((tmp_path / "summary_0.json").read_text())
     assert summary["start"] == "run" and summary["start_step"] == 2 and summary["steps"] == 6
     assert not partial.exists()
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "run")] == ["step_00000004", "step_00000006"]
+    assert [p.name for p in run_folder.complete_checkpoints(tmp_path / "run")] == ["step_00000004", "step_00000006"]
     # rank 0 logged the documented metrics to the MLflow run it was given
     client = MlflowClient(uri)
     run = client.get_run(run_id)

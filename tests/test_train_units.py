@@ -1,5 +1,5 @@
 """Fast tests of the training pieces that need no process group: schedules, durations, AdamW groups, losses,
-checkpoint discovery, RNG state, and the metrics interface."""
+the resume order, RNG state, and the metrics interface."""
 
 import json
 import math
@@ -15,6 +15,7 @@ from pretrain.config import CheckpointConfig, TaskConfig, load_config
 from pretrain.metrics import NonFiniteLossError, TrainMetrics
 from pretrain.model import build_model
 from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
+from pretrain.run_folder import COMPLETE, IncompleteCheckpointError
 from pretrain.tasks import TASKS, ClassificationTask, build_task, register_task, sigmoid_xent, softmax_xent
 
 
@@ -106,19 +107,6 @@ def test_task_registry_builds_and_extends():
         TASKS.pop("test_constant_loss")
 
 
-def test_latest_checkpoint_ignores_partial_and_unmarked_folders(tmp_path):
-    root = tmp_path / "checkpoints"
-    for step, complete in [(10, True), (20, True), (30, False)]:
-        (root / ckpt.step_name(step)).mkdir(parents=True)
-        if complete:
-            (root / ckpt.step_name(step) / ckpt.COMPLETE).write_text(f"{step}\n")
-    (root / "step_00000040.tmp").mkdir()
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_00000020"
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000010", "step_00000020"]
-    with pytest.raises(ValueError, match="no COMPLETE marker"):
-        ckpt.read_trainer_state(root / "step_00000030")
-
-
 def test_start_point_follows_the_resume_order(tmp_path):
     base = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}"])
     assert ckpt.find_start(base).kind == "scratch"
@@ -128,14 +116,16 @@ def test_start_point_follows_the_resume_order(tmp_path):
     assert ckpt.find_start(with_init) == ckpt.StartPoint("init_from", weights)
     other = tmp_path / "other" / "checkpoints" / "step_00000005"
     other.mkdir(parents=True)
-    (other / ckpt.COMPLETE).write_text("5\n")
     both = with_init.replace(
         checkpoint=CheckpointConfig(dir=str(tmp_path / "run"), resume_from=str(other), init_from=str(weights))
     )
+    with pytest.raises(IncompleteCheckpointError, match=r"checkpoint\.resume_from=\S*step_00000005 has no COMPLETE"):
+        ckpt.find_start(both)  # an unfinished resume_from is refused, not skipped for init_from
+    (other / COMPLETE).write_text("5\n")
     assert ckpt.find_start(both) == ckpt.StartPoint("resume_from", other)
     own = tmp_path / "run" / "checkpoints" / "step_00000007"
     own.mkdir(parents=True)
-    (own / ckpt.COMPLETE).write_text("7\n")
+    (own / COMPLETE).write_text("7\n")
     assert ckpt.find_start(both) == ckpt.StartPoint("run", own)
 
 

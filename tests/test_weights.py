@@ -17,11 +17,10 @@ import torch
 from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
 from pretrain.model import VisionTransformer, ViTConfig, build_model
+from pretrain.run_folder import IncompleteCheckpointError, latest_checkpoint
 from pretrain.weights import (
-    IncompleteCheckpointError,
     from_hf_state_dict,
     hf_config,
-    latest_complete_checkpoint,
     load_checkpoint_model,
     load_model,
     load_npz,
@@ -299,13 +298,15 @@ def test_checkpoint_folder_needs_complete_marker(tmp_path):
         save_pretrained(model, run / "checkpoints" / f"step_{step:08d}")
     for step in (100, 200):
         (run / "checkpoints" / f"step_{step:08d}" / "COMPLETE").write_text("")
-    with pytest.raises(IncompleteCheckpointError, match="no COMPLETE marker"):
+    with pytest.raises(
+        IncompleteCheckpointError, match=r"step_00000300 has no COMPLETE marker.* newest .*step_00000200"
+    ):
         load_checkpoint_model(run / "checkpoints" / "step_00000300")
-    assert latest_complete_checkpoint(run) == run / "checkpoints" / "step_00000200"
+    assert latest_checkpoint(run) == run / "checkpoints" / "step_00000200"
     loaded = load_checkpoint_model(run / "checkpoints" / "step_00000200")
     assert torch.equal(loaded.pos_embed, model.pos_embed)
     assert isinstance(load_model(run / "checkpoints" / "step_00000100"), type(model))
-    assert latest_complete_checkpoint(tmp_path / "empty") is None
+    assert latest_checkpoint(tmp_path / "empty") is None
 
 
 def test_convert_cli_writes_loadable_weights(tmp_path, capsys):
@@ -441,6 +442,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "checkpoint_without_complete": (info("unfinished"), r"unfinished has no COMPLETE marker"),
         "run_folder": (info("run"), r"run holds no weights.*run folder: pass its checkpoint \S*step_00000002"),
+        "checkpoints_folder": (info("run/checkpoints"), r"checkpoints holds no weights.*pass its checkpoint \S*step_0"),
         "image_size_off_stride": (info("good.npz") + ["--image-size", "30"], r"image_size=30: .*patch stride 4"),
         "image_size_zero": (info("good.npz") + ["--image-size", "0"], r"--image-size must be a positive"),
         "image_size_not_a_number": (info("good.npz") + ["--image-size", "big"], r"invalid int value: 'big'"),

@@ -1,6 +1,6 @@
 """Test helper: official-layout ViT `.npz` files with random weights, and an independent NumPy forward pass.
 
-The arrays are built from shapes alone (never from `pretrain.model`), in the key layouts REFERENCE §2 lists,
+The arrays are built from shapes alone (never from `pretrain.model`), in the key layouts docs/reference.md §2 lists,
 and `reference_logits` evaluates them the way the Flax code does (NHWC, HWIO kernels, DenseGeneral einsums,
 TF-SAME padding, weight standardization), in float64. A loader that reproduces these logits maps every array
 to the right place.

@@ -13,16 +13,30 @@ IMAGES_PER_S = "train/images_per_s"  # all ranks, over the window since the last
 TFLOPS = "train/tflops"  # achieved model FLOP/s per device
 MFU = "train/mfu"  # tflops ÷ the device's peak
 DATA_WAIT = "train/data_wait"  # fraction of the window spent waiting for the next batch
-MEMORY_GB = "train/memory_gb"
+MEMORY_GB = "train/memory_gb"  # max allocated on CUDA, resident set size on CPU
 IMAGES_SEEN = "train/images_seen"  # cumulative
 EXAFLOPS = "train/exaflops"  # cumulative: images seen × training FLOPs per image
 
 # Eval metrics (evals): `<family>/<dataset>/<measure>`, at the checkpoint's step.
 EVAL_PREFIXES = ("fewshot/", "finetune/", "vtab/")
-FEWSHOT_MEAN_10SHOT = "fewshot/mean/10shot"
+
+
+def fewshot_mean(shots: int) -> str:  # few-shot accuracy at `shots` images per class, mean over the datasets
+    return f"fewshot/mean/{shots}shot"
+
+
+def finetune_accuracy(dataset: str) -> str:  # test top-1 after fine-tuning on `dataset`
+    return f"finetune/{dataset}/accuracy"
+
+
+FEWSHOT_MEAN_10SHOT = fewshot_mean(10)  # the paper's headline few-shot number
 VTAB_MEAN = "vtab/mean"
 VTAB_NUM_TASKS = "vtab/num_tasks"
 VTAB_NUM_TASKS_EXPECTED = "vtab/num_tasks_expected"
+
+# Params are the flattened resolved config (tracking.tracker.flatten_config); this one holds the run's own id, so
+# it is logged only once the run exists.
+RUN_ID_PARAM = "logging.mlflow_run_id"
 
 # Tags.
 RECIPE = "vitscale.recipe"

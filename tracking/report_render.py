@@ -1,4 +1,4 @@
-"""Rendering of a run comparison (see `evals.compare`): runs.csv, two matplotlib figures and a static index.html.
+"""Render step of the cross-run report (``python -m tracking.compare``): runs.csv, two figures and index.html.
 
 The HTML is self-contained apart from the two PNGs next to it (relative links), so the folder can be copied,
 served, or downloaded from MLflow's artifact view as is. Every gap in the data is said in words: per run in the
@@ -12,7 +12,7 @@ import datetime as dt
 import html
 from pathlib import Path
 
-from evals.compare import Comparison, RunSummary
+from tracking.report_collect import Comparison, RunSummary
 
 LOSS_PNG = "loss_vs_images.png"
 FEWSHOT_PNG = "fewshot_vs_exaflops.png"
@@ -109,7 +109,7 @@ def _raw(value) -> str:
 
 
 def _figure():
-    import matplotlib
+    import matplotlib  # heavy: imported only when a report is drawn
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt

@@ -1,4 +1,4 @@
-"""The MLflow UI over the project's tracking store, on 127.0.0.1: ``python -m evals.ui [--port 5000]``.
+"""The MLflow UI over the project's tracking store, on 127.0.0.1: ``python -m tracking.ui [--port 5000]``.
 
 Runs ``mlflow server`` on the embedded SQLite store (``sqlite:///<project>/mlflow.db``, or MLFLOW_TRACKING_URI).
 It binds to the loopback interface only: the UI has no authentication and can delete runs, so exposing it needs
@@ -15,7 +15,7 @@ import socket
 import sys
 import warnings
 
-from pretrain.tracking import default_tracking_uri, sqlite_path
+from tracking.tracker import default_tracking_uri, sqlite_path
 
 LOOPBACK = "127.0.0.1"
 
@@ -37,7 +37,7 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as error:
             raise ValueError(
                 f"cannot listen on {host}:{port} ({error.strerror}); another server uses it — "
-                f"pass a free port, e.g. `python -m evals.ui --port {port + 1}`"
+                f"pass a free port, e.g. `python -m tracking.ui --port {port + 1}`"
             ) from error
 
 
@@ -56,7 +56,7 @@ def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, wor
     return [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", tracking_uri,
-        # UI-created experiments keep artifacts next to the database, like those made by pretrain.tracking.
+        # UI-created experiments keep artifacts next to the database, like those the tracker creates.
         "--artifacts-destination", str(db.parent / "mlartifacts"),
         "--host", host,
         "--port", str(port),
@@ -65,7 +65,7 @@ def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, wor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.ui", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tracking.ui", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=5000, help="TCP port (default 5000)")
     parser.add_argument("--host", default=LOOPBACK, help="interface to bind (default 127.0.0.1, loopback only)")
     parser.add_argument("--tracking-uri", help="store to show (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             ) from None
         check_port_free(args.host, args.port)
     except ValueError as error:
-        print(f"evals.ui: error: {error}", file=sys.stderr)
+        print(f"tracking.ui: error: {error}", file=sys.stderr)
         return 2
     if not _is_loopback(args.host):
         warnings.warn(
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             stacklevel=1,
         )
     if sqlite_path(uri) is not None and not sqlite_path(uri).exists():
-        print(f"evals.ui: {sqlite_path(uri)} does not exist yet; the UI starts on an empty store")
+        print(f"tracking.ui: {sqlite_path(uri)} does not exist yet; the UI starts on an empty store")
     print(f"MLflow UI over {uri}: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
     if args.dry_run:
         print(" ".join(command))

@@ -1,13 +1,12 @@
-"""MLflow tracking for training, evals and the launcher: one run per pre-training job, logged from rank 0 only.
+"""The rank-0 MLflow tracker, and where the run's record is stored.
 
-The driver calls :func:`create_run` once (params = the flattened resolved config, tags = profile, recipe, model,
-world size, git commit) and passes the run id down; training workers and eval tasks log into that run through a
-:class:`Tracker`. The contract that matters most: **a tracking failure never stops training.** A locked SQLite
-file, an unreachable MLflow server or a full disk makes the tracker warn (rate-limited), keep what it could not
-send in a bounded in-memory buffer, and send it on a later call or on :meth:`Tracker.flush`.
+Training workers, eval tasks and the cluster driver log into one run through a :class:`Tracker` (the run itself
+is created by :mod:`tracking.runs`). The contract that matters most: **a tracking failure never stops training.**
+A locked SQLite file, an unreachable MLflow server or a full disk makes the tracker warn (rate-limited), keep what
+it could not send in a bounded in-memory buffer, and send it on a later call or on :meth:`Tracker.flush`.
 
-``mlflow`` is imported lazily inside functions so that ``import pretrain.tracking`` stays cheap (model code and
-CLI ``--help`` paths import this module).
+``mlflow`` is imported lazily inside functions so that ``import tracking.tracker`` stays cheap (the training loop
+and CLI ``--help`` paths import this module).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import logging
 import math
 import os
 import re
-import subprocess
 import threading
 import time
 import weakref
@@ -29,15 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.paths import PROJECT_ROOT
+
 logger = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 # MLflow's own limits (mlflow.utils.validation); a value over the limit makes the whole batch fail, so we
 # truncate rather than lose every other param of the run.
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_KEY_LENGTH = 250
-_MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_PARAMS_TAGS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 
 # MLflow error codes that no retry can fix (bad value, deleted run, conflicting param): such a batch is dropped
@@ -107,75 +106,6 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
             text = text[: MAX_PARAM_VALUE_LENGTH - len(marker)] + marker
         flat[name] = text
     return flat
-
-
-def git_commit(root: Path | str | None = None) -> str:
-    """The project's current commit (``<sha>`` or ``<sha>-dirty``), or ``"unknown"`` outside a git checkout."""
-    cwd = Path(root) if root is not None else PROJECT_ROOT
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{sha}-dirty" if dirty else sha
-
-
-def get_or_create_experiment(client, tracking_uri: str, experiment: str) -> str:
-    """Experiment id for ``experiment``, created (with artifacts next to an embedded store) when absent."""
-    from mlflow.exceptions import MlflowException
-
-    found = client.get_experiment_by_name(experiment)
-    if found is not None:
-        return found.experiment_id
-    try:
-        location = default_artifact_location(tracking_uri, experiment)
-        return client.create_experiment(experiment, artifact_location=location)
-    except MlflowException:
-        # Another process created it between our lookup and create (driver + eval tasks racing).
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            raise
-        return found.experiment_id
-
-
-def create_run(
-    tracking_uri: str | None,
-    experiment: str,
-    run_name: str,
-    params: Mapping[str, Any] | None = None,
-    tags: Mapping[str, Any] | None = None,
-) -> str:
-    """Create one MLflow run (the record of one pre-training job) and return its id.
-
-    ``params`` may be nested (the resolved config dict); it is flattened with :func:`flatten_config`. ``tags``
-    values are stringified. Unlike :class:`Tracker`, this raises: the caller (the driver) is not training yet and
-    decides whether to go on without tracking.
-    """
-    from mlflow import MlflowClient
-    from mlflow.entities import Param
-
-    if not experiment:
-        raise ValueError("create_run: experiment name is empty; pass e.g. the recipe name")
-    uri = tracking_uri or default_tracking_uri()
-    client = MlflowClient(tracking_uri=uri)
-    experiment_id = get_or_create_experiment(client, uri, experiment)
-    run_tags = {str(k): str(v) for k, v in (tags or {}).items()}
-    run = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
-    run_id = run.info.run_id
-    flat = flatten_config(params or {})
-    items = [Param(k, v) for k, v in flat.items()]
-    for start in range(0, len(items), _MAX_PARAMS_TAGS_PER_BATCH):
-        client.log_batch(run_id, params=items[start : start + _MAX_PARAMS_TAGS_PER_BATCH])
-    return run_id
 
 
 @dataclass(frozen=True)
@@ -422,14 +352,14 @@ class Tracker:
             _QUIET_FILTER.active.sending = False
 
     def _send_all(self) -> None:
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Metric, Param, RunTag  # heavy (seconds to import): only when a run is touched
 
         client = self._get_client()
         # Params and tags first: a run whose metrics arrived without its config is hard to interpret.
         for store, make, what in ((self._params, Param, "params"), (self._tags, RunTag, "tags")):
             while True:
                 with self._buffer_lock:
-                    batch = dict(list(store.items())[:_MAX_PARAMS_TAGS_PER_BATCH])
+                    batch = dict(list(store.items())[:MAX_PARAMS_TAGS_PER_BATCH])
                 if not batch:
                     break
                 entities = [make(k, v) for k, v in batch.items()]
@@ -468,7 +398,7 @@ class Tracker:
 
     def _send_batch(self, what: str, send) -> None:
         """Run ``send``; swallow permanent MLflow rejections (warn), re-raise everything else for a retry."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # heavy (seconds to import): only when a run is touched
 
         try:
             send()
@@ -488,7 +418,7 @@ class Tracker:
 
     def _get_client(self):
         if self._client is None:
-            from mlflow import MlflowClient
+            from mlflow import MlflowClient  # heavy (seconds to import): only when a run is touched
 
             client = MlflowClient(tracking_uri=self.tracking_uri)
             # Touch the store now so an unreachable one fails here, inside the retry logic. This happens before

@@ -1,0 +1,33 @@
+"""Where things are: the project root, how a path written in a recipe or profile is resolved, and the one rule for
+"is this a remote URL".
+
+Every package may import data_pipeline (docs/design.md), so this is the one copy the others use. Local paths in
+recipes, profiles and suites are relative to the project root, whatever the working directory, so that a Ray job
+(which runs in an uploaded copy of the project) and a shell in the checkout read the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RECIPE_DIR = PROJECT_ROOT / "configs"
+SUITES_DIR = RECIPE_DIR / "evals"
+
+
+def is_remote(url: str | Path) -> bool:
+    """``s3://``, ``gs://``, ``https://`` … are remote (read through fsspec); ``file://`` and plain paths are local."""
+    url = str(url)
+    return "://" in url and not url.startswith("file://")
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A local path (``file://`` stripped, ``~`` expanded), relative paths taken from the project root."""
+    text = str(path)
+    p = Path(text[len("file://") :] if text.startswith("file://") else text).expanduser()
+    return p if p.is_absolute() else PROJECT_ROOT / p
+
+
+def resolve_location(url: str | Path) -> str:
+    """What readers open: a remote URL as it is, a local path resolved (see `resolve_path`)."""
+    return str(url) if is_remote(url) else str(resolve_path(url))

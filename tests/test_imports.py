@@ -1,0 +1,165 @@
+"""The import rules of docs/design.md, read from the source: no circles, the package table, imports at the top.
+
+The graph is built from each module's AST (no import is executed): an edge for every ``import`` of one of our
+modules, except those under ``if TYPE_CHECKING:`` (annotations only, never run). Imports inside a function body
+are "deferred": they cannot make an import circle but still count for the package rules.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pretrain", "data_pipeline", "evals", "cluster", "tracking", "bench")
+# What each package may import of ours besides itself (docs/design.md); a prefix allows everything under it.
+ALLOWED = {
+    "data_pipeline": (),
+    "pretrain": ("data_pipeline", "tracking"),  # the training loop records its run through tracking
+    "tracking": ("pretrain.run_folder", "data_pipeline"),
+    "evals": ("pretrain", "data_pipeline", "tracking"),
+    "bench": ("pretrain", "data_pipeline"),
+    "cluster": PACKAGES,
+}
+# Within what ALLOWED permits: evals never import the trainer, nothing imports cluster (ALLOWED says so too).
+FORBIDDEN = {"evals": ("pretrain.train",)}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _ours(name: str) -> str | None:
+    """The most specific module of ours that importing ``name`` runs (``pretrain.config.X`` → ``pretrain.config``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(node: ast.AST, deferred: bool = False):
+    """(Import or ImportFrom node, inside a function?) for every import that runs, skipping TYPE_CHECKING blocks."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node, deferred
+        return
+    children = node.orelse if isinstance(node, ast.If) and _type_checking(node.test) else ast.iter_child_nodes(node)
+    deferred = deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+    for child in children:
+        yield from _import_nodes(child, deferred)
+
+
+@functools.cache
+def imports(module: str) -> list[tuple[str, int, bool]]:
+    """(module of ours imported, line, deferred) for each import in ``module`` that names one of ours."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node, deferred in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        for name in dict.fromkeys(names):
+            target = _ours(name) if name.split(".")[0] in PACKAGES else None
+            if target and target != module:
+                found.append((target, node.lineno, deferred))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the modules of ours it imports while it is being imported (the edges that can close a circle)."""
+    return {m: {t for t, _, deferred in imports(m) if not deferred} for m in MODULES}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _allowed(module: str, target: str) -> bool:
+    package, other = module.split(".")[0], target.split(".")[0]
+    if any(target == f or target.startswith(f + ".") for f in FORBIDDEN.get(package, ())):
+        return False
+    return other == package or any(target == a or target.startswith(a + ".") for a in ALLOWED[package])
+
+
+def test_the_graph_sees_our_imports():
+    # The checks below are only as good as the graph: known edges of each kind must be in it.
+    graph = import_graph()
+    assert "pretrain.typed_yaml" in graph["pretrain.config"] and "pretrain.model" in graph["pretrain.config"]
+    assert "pretrain.config" not in graph["pretrain.optim"]  # under `if TYPE_CHECKING:` only
+    assert "pretrain.typed_yaml" in graph["cluster.profiles"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    found = cycles(graph)
+    described = [" <-> ".join(c) + f" (edges: {sorted((a, b) for a in c for b in graph[a] if b in c)})" for c in found]
+    assert not found, "import circles between our modules:\n" + "\n".join(described)
+
+
+def test_packages_import_only_what_docs_design_allows():
+    broken = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {target}"
+        for m in MODULES
+        for target, line, _ in imports(m)
+        if not _allowed(m, target)
+    ]
+    assert not broken, "imports the package table of docs/design.md forbids:\n" + "\n".join(broken)
+
+
+def test_our_modules_import_each_other_at_the_top():
+    # Function-level imports are for heavy optional externals (deepspeed, ray, mlflow, matplotlib) only.
+    deferred = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {target} inside a function"
+        for m in MODULES
+        for target, line, is_deferred in imports(m)
+        if is_deferred
+    ]
+    assert not deferred, "move these imports to the top of their file:\n" + "\n".join(deferred)

@@ -1,0 +1,113 @@
+"""Side-by-side comparison of pre-training runs, read back from MLflow: ``python -m tracking.compare``.
+
+Answers "which model / recipe gives the best transfer per exaFLOP?" (the paper's Figure 5 and Table 6): a table of
+runs (model, patch, recipe, steps, images seen, exaFLOPs, final loss, few-shot 10-shot mean, fine-tune accuracy,
+VTAB mean with its task count) and two figures (training loss vs images seen; few-shot 10-shot accuracy vs
+pre-training exaFLOPs). Collect (`tracking.report_collect`) → render (`tracking.report_render`) → this CLI, which
+writes ``reports/<name>/`` (index.html, PNGs, runs.csv) and logs it to MLflow.
+
+Where the report is logged: a dedicated run tagged ``vitscale.kind=comparison`` in the compared experiment (or in
+the ``comparisons`` experiment when runs of several experiments are compared). The training runs stay the
+untouched record of their job, re-running a comparison does not pile reports into every run, and the comparison
+run's tags list exactly which runs it read. Comparison runs are never themselves compared.
+
+Usage::
+
+    python -m tracking.compare [--experiment NAME] [--runs ID,ID] [--tracking-uri URI] [--out reports] [--name N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from data_pipeline.cli import output_folder
+from tracking import keys
+from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
+from tracking.report_render import format_table, write_report
+from tracking.runs import get_or_create_experiment
+from tracking.tracker import default_tracking_uri, sqlite_path
+
+
+def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
+    """Log the report folder as artifacts of a new comparison run (see module docstring); returns its id."""
+    target = comparison.experiments[0] if len(comparison.experiments) == 1 else COMPARISONS_EXPERIMENT
+    experiment_id = get_or_create_experiment(client, tracking_uri, target)
+    tags = {
+        keys.KIND: COMPARISON_KIND,
+        keys.COMPARED_RUNS: ",".join(r.run_id for r in comparison.runs)[:5000],
+        "mlflow.note.content": f"Comparison report of {len(comparison.runs)} runs ({comparison.title}).",
+    }
+    run = client.create_run(experiment_id, run_name=f"compare-{name}", tags=tags)
+    try:
+        client.log_artifacts(run.info.run_id, str(out_dir), "report")
+    except Exception:
+        client.set_terminated(run.info.run_id, status="FAILED")
+        raise
+    client.set_terminated(run.info.run_id, status="FINISHED")
+    return run.info.run_id
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "comparison"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tracking.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", help="compare the runs of this MLflow experiment (default: all experiments)")
+    parser.add_argument("--runs", help="comma-separated run ids to compare (overrides --experiment)")
+    parser.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    parser.add_argument("--out", default="reports", help="parent folder of the report (default: reports)")
+    parser.add_argument("--name", help="report folder name (default: the experiment name, or 'all')")
+    parser.add_argument("--no-mlflow", action="store_true", help="write the report only; do not log it to MLflow")
+    args = parser.parse_args(argv)
+    uri = args.tracking_uri or default_tracking_uri()
+    run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
+    name = _slug(args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all"))
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        print(
+            f"tracking.compare: error: no tracking store at {db}; run `make launch` or pass --tracking-uri",
+            file=sys.stderr,
+        )
+        return 2
+    from mlflow import MlflowClient  # after the checks above: importing MLflow takes seconds
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        comparison = collect(client, uri, args.experiment, run_ids)
+        output_folder(args.out, "--out")
+    except (MlflowException, SQLAlchemyError) as error:  # the store itself: an unsupported URI, not a database
+        reason = (str(error).strip() or "no details").splitlines()[0].split(". ")[0][:200]  # MLflow writes paragraphs
+        print(
+            f"tracking.compare: error: cannot read the tracking store {uri} ({type(error).__name__}: {reason}); pass "
+            "--tracking-uri sqlite:///<path>/mlflow.db (the project's store) or the URL of an MLflow server",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as error:
+        print(f"tracking.compare: error: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out) / name
+    index = write_report(comparison, out_dir)
+    print(format_table(comparison))
+    print(f"report: {index.resolve()}")
+    if args.no_mlflow or not comparison.runs:
+        return 0
+    try:
+        run_id = log_to_mlflow(client, uri, comparison, out_dir, name)
+    except Exception as error:  # noqa: BLE001 — the report on disk is the product; logging it is a bonus
+        print(
+            f"tracking.compare: warning: report not logged to MLflow ({type(error).__name__}: {error})", file=sys.stderr
+        )
+        return 0
+    print(f"logged to MLflow run {run_id} (artifacts under report/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
