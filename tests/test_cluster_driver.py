@@ -91,37 +91,6 @@ def test_restarts_are_counted_per_job_from_rank0_placements():
     assert count_restarts(records[:2]) == 0 and count_restarts([]) == 0
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_eval_scheduler_releases_pins_when_evals_end(tmp_path):
-    """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
-    new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned."""
-    import ray
-
-    from cluster.eval_scheduler import EvalScheduler
-
-    folders = _fake_checkpoints(tmp_path, (10, 20, 30))
-    for folder in folders:
-        pin_checkpoint(folder, "evals pending")  # what training rank 0 does before submitting
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
-    try:
-        scheduler = EvalScheduler.remote("no_such_suite", str(tmp_path), None, None, num_cpus=1, max_pinned=1)
-        assert ray.get(scheduler.submit.remote(str(folders[0]), 10, {"train/loss": 3.0}))
-        assert ray.get(scheduler.submit.remote(str(folders[1]), 20, {}))
-        assert ray.get(scheduler.pending.remote()) == [10]  # max_pinned=1: step 20's eval is skipped
-        assert is_pinned(folders[0]) and not is_pinned(folders[1])
-        rows = ray.get(scheduler.drain.remote(120))
-        assert not is_pinned(folders[0]) and ray.get(scheduler.pending.remote()) == []
-        assert "no_such_suite" in rows[10]["error"] and rows[10]["train"] == {"train/loss": 3.0}
-        assert rows[20]["error"].startswith("eval skipped") and "checkpoint.every_steps" in rows[20]["error"]
-        pin_checkpoint(folders[0], "evals pending")  # a restarted worker group reports step 10 again
-        assert not ray.get(scheduler.submit.remote(str(folders[0]), 10, {}))
-        assert not is_pinned(folders[0])
-        assert ray.get(scheduler.submit.remote(str(folders[2]), 30, {})) and is_pinned(folders[2])
-    finally:
-        ray.shutdown()
-
-
 def _worker_output(cluster, pid: int) -> str:
     """Everything a Ray worker process wrote to stdout and stderr (what Ray streams to the job log)."""
     folders = {Path(node.get_logs_dir_path()).resolve() for node in cluster.list_all_nodes()}  # often one shared
@@ -250,3 +219,37 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     assert eval_steps == [10, 20, 30]  # an eval at every checkpoint step, step 10 only once despite the restart
     assert {"10", "20", "30"} <= set(summary["checkpoints"])
     assert all("metrics" in summary["checkpoints"][s] for s in ("10", "20", "30"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+# Last in this file on purpose: in two full-suite runs the two-node test above failed at start (its EvalScheduler actor
+# "never ran") whenever this test's in-process Ray session had run earlier in the same pytest process; alone, or
+# before it, the two-node test passes.
+def test_eval_scheduler_releases_pins_when_evals_end(tmp_path):
+    """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
+    new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned."""
+    import ray
+
+    from cluster.eval_scheduler import EvalScheduler
+
+    folders = _fake_checkpoints(tmp_path, (10, 20, 30))
+    for folder in folders:
+        pin_checkpoint(folder, "evals pending")  # what training rank 0 does before submitting
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+    try:
+        scheduler = EvalScheduler.remote("no_such_suite", str(tmp_path), None, None, num_cpus=1, max_pinned=1)
+        assert ray.get(scheduler.submit.remote(str(folders[0]), 10, {"train/loss": 3.0}))
+        assert ray.get(scheduler.submit.remote(str(folders[1]), 20, {}))
+        assert ray.get(scheduler.pending.remote()) == [10]  # max_pinned=1: step 20's eval is skipped
+        assert is_pinned(folders[0]) and not is_pinned(folders[1])
+        rows = ray.get(scheduler.drain.remote(120))
+        assert not is_pinned(folders[0]) and ray.get(scheduler.pending.remote()) == []
+        assert "no_such_suite" in rows[10]["error"] and rows[10]["train"] == {"train/loss": 3.0}
+        assert rows[20]["error"].startswith("eval skipped") and "checkpoint.every_steps" in rows[20]["error"]
+        pin_checkpoint(folders[0], "evals pending")  # a restarted worker group reports step 10 again
+        assert not ray.get(scheduler.submit.remote(str(folders[0]), 10, {}))
+        assert not is_pinned(folders[0])
+        assert ray.get(scheduler.submit.remote(str(folders[2]), 30, {})) and is_pinned(folders[2])
+    finally:
+        ray.shutdown()
