@@ -260,6 +260,14 @@ ALIASES = {"shapes-count": "shapes_count", "dsprites-loc": "dsprites_loc", "dspr
 BUILTIN_NAMES = tuple(GENERATORS)
 
 
+def option_minimum(name: str) -> int | None:
+    """The smallest value BuiltinConfig field ``name`` takes (a seed may be 0; a size of 0 makes no image, shard or
+    class); None when there is no such field. The one rule behind `--set` here and `data.builtin_options` in recipes."""
+    if name not in {f.name for f in fields(BuiltinConfig)}:
+        return None
+    return 0 if name == "seed" else 1
+
+
 def _canonical(name: str) -> str:
     name = ALIASES.get(name, name)
     if name not in GENERATORS:
@@ -355,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"--set {item!r} must look like FIELD=INT, e.g. --set resolution=32")
-            known = [f.name for f in fields(BuiltinConfig)]
-            if key not in known:
-                raise ValueError(f"--set {item!r}: no field {key!r}; fields: {', '.join(known)}")
-            low = 0 if key == "seed" else 1  # a size of 0 or less makes no image, shard or class
+            low = option_minimum(key)
+            if low is None:
+                known = ", ".join(f.name for f in fields(BuiltinConfig))
+                raise ValueError(f"--set {item!r}: no field {key!r}; fields: {known}")
             if not value.strip().isdigit() or int(value) < low:
                 raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
             overrides[key] = int(value)

@@ -27,7 +27,7 @@ import yaml
 
 import pretrain.mpp  # noqa: F401  (registers the "mpp" task in pretrain.tasks.TASKS)
 from data_pipeline.augment import AugmentConfig
-from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig
+from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig, option_minimum
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_path
 from pretrain import ds_config, optim, progressive, run_folder, tasks, typed_yaml
 from pretrain.ds_config import DistBackend, Precision
@@ -319,11 +319,11 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
             raise ValueError(
                 f"data.builtin={d.builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it"
             )
-        known = [f.name for f in dataclasses.fields(BuiltinConfig)]
         for key, value in d.builtin_options.items():
-            if key not in known:
-                raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {', '.join(known)}")
-            low = 0 if key == "seed" else 1
+            low = option_minimum(key)
+            if low is None:
+                known = ", ".join(f.name for f in dataclasses.fields(BuiltinConfig))
+                raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {known}")
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
     if d.augment is not None:
