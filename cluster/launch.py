@@ -26,7 +26,7 @@ from cluster.plan import PlanError, build_plan, format_plan, resolve_config, sto
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.builtin import BUILTIN_NAMES, ensure
 from data_pipeline.paths import PROJECT_ROOT, resolve_path
-from evals.suites import load_suite
+from evals.suites import SuiteConfig, load_suite
 
 # Never shipped to the cluster with the working dir (Ray also honours .gitignore): data, runs, stores, caches.
 WORKING_DIR_EXCLUDES = [
@@ -43,11 +43,11 @@ WORKING_DIR_EXCLUDES = [
 ]
 
 
-def builtin_datasets(config) -> list[str]:
+def builtin_datasets(config, suite: SuiteConfig | None) -> list[str]:
     """Built-in dataset names the training data and the eval suite need (generated on `local` if absent)."""
     names = [config.data.builtin] if config.data.builtin else []
-    if config.evals.suite:
-        for spec in load_suite(config.evals.suite).evaluators:
+    if suite is not None:
+        for spec in suite.evaluators:
             for key in ("datasets", "tasks"):
                 for name in getattr(spec.options, key, None) or ():
                     if isinstance(name, str) and name in BUILTIN_NAMES:
@@ -55,9 +55,10 @@ def builtin_datasets(config) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def prepare_local_data(config) -> None:
+def prepare_local_data(config, suite: SuiteConfig | None) -> None:
+    """Generate what `builtin_datasets` lists; ``suite`` is the recipe's eval suite, already loaded (None: none)."""
     roots = {config.data.builtin: resolve_path(config.data.train).parent.parent} if config.data.builtin else {}
-    for name in builtin_datasets(config):
+    for name in builtin_datasets(config, suite):
         root = roots.get(name, resolve_path(config.evals.data_root))
         t0 = time.monotonic()
         options = config.data.builtin_options if name == config.data.builtin else {}
@@ -113,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         fault = _parse_fault(args.inject_worker_failure)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         config = resolve_config(profile, args.recipe, args.set, run_name)
-        if config.evals.suite:  # checked now, not by the first eval task after the first checkpoint
-            load_suite(config.evals.suite)
+        # Checked now, not by the first eval task after the first checkpoint; read once, also for its datasets.
+        suite = load_suite(config.evals.suite) if config.evals.suite else None
         if profile.is_local and not args.dry_run:
-            prepare_local_data(config)
+            prepare_local_data(config, suite)
         plan = build_plan(profile, config)
         print(format_plan(plan), flush=True)
         if args.dry_run:

@@ -109,6 +109,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.launch import prepare_local_data
+    from evals.suites import load_suite
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # tests only: token auth is exercised in test_cluster_jobs
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -135,7 +136,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
         "logging.progress_bar=false", "logging.log_every=1",
     ]  # fmt: skip
     config = resolve_config(profile, "local_demo", sets, "two-node")
-    prepare_local_data(config)  # what cluster.launch does on `local`: fractal (small) + digits, under tmp_path
+    prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: fractal + digits, in tmp_path
     plan = build_plan(profile, config)
     spec = JobSpec(profile, config, plan.to_dict(), FaultInjection(rank=1, after_step=10, delay_s=1.0),
                    {"vitscale.profile": "test-2node", "vitscale.recipe": "local_demo"})  # fmt: skip
