@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast lint launch status logs stop ui compare shards bench bench-train bench-data clean
+.PHONY: help setup test test-fast lint launch status logs stop ui compare shards bench bench-train bench-data bench-scaling bench-scale clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -66,13 +66,19 @@ compare: setup  ## side-by-side report of MLflow runs: reports/<name>/index.html
 shards: setup  ## write the built-in datasets as shards under data/
 	$(PY) -m data_pipeline.builtin all --out data
 
-bench: bench-data bench-train  ## all benchmarks, results in bench-results/
+bench: bench-data bench-train bench-scaling bench-scale  ## all benchmarks, results in bench-results/
 
 bench-data: setup  ## decode+augment images/s vs bare PIL, shard read MB/s
 	$(PY) -m bench.data
 
-bench-train: setup  ## ViT-S/16 training step vs Hugging Face transformers, and vs this machine's GEMM FLOP/s
+bench-train: setup  ## ViT-S/16 and B/16 training steps (fp32, bf16) vs Hugging Face transformers and the GEMM rate
 	$(PY) -m bench.train
+
+bench-scaling: setup  ## images/s of the real training loop (DeepSpeed ZeRO-2, gloo) at world size 1 and 2
+	$(PY) -m bench.scaling
+
+bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer
+	$(PY) -m bench.scale
 
 clean:  ## remove generated data, runs and reports (keeps .venv)
 	rm -rf data runs reports bench-results mlflow.db mlartifacts .ray-local

@@ -23,6 +23,7 @@ iterating, resuming or rolling over an epoch leaves the training process's rando
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -44,13 +45,17 @@ STATE_VERSION = 1
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
-    """Deal items (in ``order``) to ``parts`` bins, each to the bin with the smallest total so far."""
+    """Deal items (in ``order``) to ``parts`` bins, each to the bin with the smallest total so far (ties: lowest bin).
+
+    A heap of (total, bin) gives the same choice as scanning every bin, in O(log parts) per item: 4,700 shards over
+    512 ranks is milliseconds, not seconds.
+    """
     bins: list[list[int]] = [[] for _ in range(parts)]
-    totals = [0] * parts
+    heap = [(0, b) for b in range(parts)]  # already a heap: sorted
     for item in order:
-        k = min(range(parts), key=lambda b: (totals[b], b))
+        total, k = heap[0]
         bins[k].append(item)
-        totals[k] += counts[item]
+        heapq.heapreplace(heap, (total + counts[item], k))
     return bins
 
 

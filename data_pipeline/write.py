@@ -34,14 +34,19 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
 from data_pipeline import manifest
 from data_pipeline.cli import output_folder
-from data_pipeline.dedup import ExclusionSet, NearDuplicateIndex, load_exclusion, perceptual_hash, sha256_hex
+from data_pipeline.dedup import (
+    ExclusionSet,
+    load_exclusion,
+    near_duplicates_of_earlier,
+    perceptual_hash,
+    sha256_hex,
+)
 from data_pipeline.readers import ItemRef, Source, iter_unit, open_source, read_ref
 
 TAR_MTIME = 0.0  # fixed header fields make re-runs byte-identical
@@ -239,6 +244,36 @@ class WriteReport:
         )
 
 
+def dedup_candidates(
+    candidates: list[Candidate], config: WriteConfig, exclude: ExclusionSet | None, report: WriteReport
+) -> list[Candidate]:
+    """Drop excluded images and exact duplicates, flag near duplicates; counts go to ``report``.
+
+    Runs in the sources' canonical order, so which copy survives never depends on scheduling. The near-duplicate
+    checks are batch lookups in a multi-index hash (data_pipeline/dedup.py), not one Python lookup per image.
+    """
+    if exclude is not None:
+        excluded = exclude.matches_many([c.sha256 for c in candidates], [c.phash for c in candidates])
+    else:
+        excluded = np.zeros(len(candidates), dtype=bool)
+    seen: set[str] = set()
+    survivors: list[Candidate] = []
+    for cand, is_excluded in zip(candidates, excluded):
+        if is_excluded:
+            report.excluded += 1
+            continue
+        if cand.sha256 in seen:
+            report.exact_duplicates += 1
+            if not config.keep_exact_duplicates:
+                continue
+            cand = replace(cand, exact_duplicate=True)
+        seen.add(cand.sha256)
+        survivors.append(cand)
+    near = near_duplicates_of_earlier([c.phash for c in survivors], config.near_duplicate_distance)
+    report.near_duplicates = int(near.sum())
+    return [replace(c, near_duplicate=True) if flag else c for c, flag in zip(survivors, near)]
+
+
 def write_dataset(
     out_dir: str | Path,
     config: WriteConfig,
@@ -286,25 +321,7 @@ def write_dataset(
     report.scanned = skipped.pop("scanned", 0)
     report.skipped = dict(skipped)
 
-    # Dedup in the sources' canonical order, so which copy survives never depends on scheduling.
-    seen: set[str] = set()
-    near = NearDuplicateIndex(config.near_duplicate_distance)
-    survivors: list[Candidate] = []
-    for cand in candidates:
-        if exclude is not None and exclude.matches(cand.sha256, cand.phash):
-            report.excluded += 1
-            continue
-        if cand.sha256 in seen:
-            report.exact_duplicates += 1
-            if not config.keep_exact_duplicates:
-                continue
-            cand = replace(cand, exact_duplicate=True)
-        seen.add(cand.sha256)
-        if near.find(cand.phash) is not None:
-            report.near_duplicates += 1
-            cand = replace(cand, near_duplicate=True)
-        near.add(cand.phash, cand.source)
-        survivors.append(cand)
+    survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
 
@@ -315,14 +332,15 @@ def write_dataset(
         (str(out), s, keyed[s * per : (s + 1) * per], names, image_column, config.max_short_side)
         for s in range((len(keyed) + per - 1) // per)
     ]
-    shard_rows, sample_rows = [], []
-    for shard_row, rows in _imap(_write_shard, shard_jobs, config.processes, "write"):
-        shard_rows.append(shard_row)
-        sample_rows.extend(rows)
+    shard_rows = []
+    with manifest.SamplesWriter(out / manifest.SAMPLES_FILE) as samples:  # streamed: 14M rows never in memory
+        for shard_row, rows in _imap(_write_shard, shard_jobs, config.processes, "write"):
+            shard_rows.append(shard_row)
+            samples.write_rows(rows)
     manifest.write_metadata(
         out,
         shards=shard_rows,
-        samples=pa.Table.from_pylist(sample_rows),
+        samples=None,
         class_names=names,
         dataset=dict(
             name=config.name,
@@ -335,7 +353,7 @@ def write_dataset(
     )
     for stale in out.glob("*.tar.tmp"):
         stale.unlink()
-    report.written, report.shards = len(sample_rows), len(shard_rows)
+    report.written, report.shards = samples.rows, len(shard_rows)
     report.bytes = sum(r["bytes"] for r in shard_rows)
     report.seconds = time.perf_counter() - start
     return report

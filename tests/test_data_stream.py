@@ -150,6 +150,26 @@ def test_balanced_split_is_greedy_and_deterministic():
     assert bins == [[0], [1, 2, 3]]
 
 
+def test_balanced_split_deals_exactly_as_the_bin_by_bin_scan():
+    """The heap must reproduce the original rule (fewest samples so far, ties to the lowest bin) item for item:
+    the shard order of every rank, hence every loss, depends on it."""
+
+    def scan(order, counts, parts):
+        bins, totals = [[] for _ in range(parts)], [0] * parts
+        for item in order:
+            k = min(range(parts), key=lambda b: (totals[b], b))
+            bins[k].append(item)
+            totals[k] += counts[item]
+        return bins
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, parts = int(rng.integers(0, 80)), int(rng.integers(1, 12))
+        counts = [int(c) for c in rng.choice([0, 1, 2, 3, 7, 3020, 3021], n)]  # many ties, zero-sample shards
+        order = [int(i) for i in rng.permutation(n)]
+        assert balanced_split(order, counts, parts) == scan(order, counts, parts)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [2, 0])
 def test_resume_after_k_batches_is_bit_identical(uneven, num_workers):

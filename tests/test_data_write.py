@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -12,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from data_pipeline import manifest
 from data_pipeline import write as write_cli
 from data_pipeline.dedup import sha256_hex
 from data_pipeline.manifest import read_dataset_info
@@ -204,3 +208,64 @@ def test_write_config_rejects_bad_values(tmp_path):
         write_cli.write_dataset(
             tmp_path / "x", write_cli.WriteConfig(processes=1, seed=9), items=items, class_names=["a"]
         )
+
+
+KILL_AFTER_SHARDS = """
+import os, signal, sys
+from data_pipeline import write
+original, done = write._write_shard, []
+def write_then_die(job):
+    result = original(job)
+    done.append(job[1])
+    if len(done) == int(sys.argv[1]):
+        tmp = os.path.join(job[0], "shard-%06d.tar.tmp" % (job[1] + 1))
+        open(tmp, "wb").write(b"half a shard")  # what a kill in the middle of the next shard leaves
+        os.kill(os.getpid(), signal.SIGKILL)  # no exception handler, no cleanup: like kill -9 or a lost node
+    return result
+write._write_shard = write_then_die
+sys.exit(write.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_killed_writer_process_resumes_without_rewriting_complete_shards(folder_source, tmp_path):
+    """A writer process killed with SIGKILL after 2 shards, re-run with the same arguments: the complete shards
+    are kept as they are (not rewritten) and the folder equals an uninterrupted run's, byte for byte."""
+    args = ["--source", str(folder_source), "--samples-per-shard", "4", "--max-short-side", "32", "--processes", "1"]
+    assert write_cli.main([*args, "--out", str(tmp_path / "clean")]) == 0
+    out = tmp_path / "killed"
+    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_SHARDS, "2", *args, "--out", str(out)], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.tar")}
+    assert sorted(kept) == ["shard-000000.tar", "shard-000001.tar"] and not (out / "dataset.json").exists()
+    assert write_cli.main([*args, "--out", str(out)]) == 0
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # complete shards were not written again
+    clean = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert clean == sorted(p.name for p in out.iterdir()) and not any(n.endswith(".tmp") for n in clean)
+    for name in clean:
+        assert (tmp_path / "clean" / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_samples_table_is_streamed_in_row_groups(tmp_path):
+    """samples.parquet is written a row group at a time and read back a batch at a time (bounded memory)."""
+    rows = [
+        dict(key=f"{i:09d}", shard="shard-000000.tar", label=i % 3, width=8, height=8, sha256="0" * 64,
+             source_sha256="1" * 64, phash=-i, source=f"s{i}", near_duplicate=False, exact_duplicate=i == 5)
+        for i in range(1000)
+    ]  # fmt: skip
+    with manifest.SamplesWriter(tmp_path / "samples.parquet", row_group=300) as writer:
+        for first in range(0, len(rows), 70):
+            writer.write_rows(rows[first : first + 70])
+        assert not (tmp_path / "samples.parquet").exists()  # only renamed into place when complete
+    assert pq.ParquetFile(tmp_path / "samples.parquet").metadata.num_row_groups == 4  # 300 + 300 + 300 + 100 rows
+    batches = list(manifest.iter_samples(tmp_path, columns=["key", "phash"], batch_rows=128))
+    assert max(b.num_rows for b in batches) <= 128 and batches[0].schema.names == ["key", "phash"]
+    assert [r for b in batches for r in b.to_pylist()] == [dict(key=r["key"], phash=r["phash"]) for r in rows]
+    with pytest.raises(manifest.ShardFormatError, match="no column"):
+        next(manifest.iter_samples(tmp_path, columns=["nope"]))
+    with pytest.raises(manifest.ShardFormatError, match="missing"):
+        next(manifest.iter_samples(tmp_path / "elsewhere"))
+    with pytest.raises(RuntimeError), manifest.SamplesWriter(tmp_path / "b.parquet") as writer:
+        writer.write_rows(rows[:3])
+        raise RuntimeError("interrupted")
+    assert list(tmp_path.glob("b.parquet*")) == []  # an interrupted table leaves nothing behind
