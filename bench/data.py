@@ -1,18 +1,25 @@
-"""Data benchmark: the training decode+augment path beside bare PIL decode+resize, and shard reading speed.
+"""Data benchmark: the training decode+augment path beside bare PIL decode+resize, loader worker scaling, and shard
+reading speed.
 
-    python -m bench.data [--images 160] [--size 224] [--out bench-results/data.json]     (make bench-data)
+    python -m bench.data [--images 320] [--size 224] [--out bench-results/data.json]     (make bench-data)
 
-Generates its own ImageNet-like JPEGs (~400x350, quality 90, textured so they compress like photos) in a temp
-folder, so it needs no data and no network. Both decoders run in this one process on the same images, rounds
-interleaved, best round kept. Rates are images per CPU second of this one process (``time.process_time``), i.e.
-per core, so other jobs sharing the machine do not distort them:
+Generates its own ImageNet-like JPEGs in a temp folder (quality 90, textured so they compress like photos; short
+side log-normal around 375 px with a long tail clipped at the writer's 512, aspect ratios 1:1 to 3:2 either way, as
+ImageNet's are after ``data_pipeline.write``), so it needs no data and no network. The decoders run in this one
+process on the same images, rounds interleaved, best round kept. Rates are images per CPU second of this process
+(``time.process_time``), i.e. per core, so other jobs sharing the machine distort them less:
 
 - ``pil``: ``Image.open -> convert("RGB") -> resize((S, S), BILINEAR) -> numpy`` — the floor any loader pays;
-- ``pipeline``: ``data_pipeline.augment.decode_train`` (Inception crop, flip) + the [-1, 1] float batch.
+- ``pipeline``: ``data_pipeline.augment.decode_train`` (Inception crop, flip; JPEG scaled decode where the crop
+  allows it) + the [-1, 1] float batch; ``ratio`` = pipeline / pil;
+- ``pipeline_full_decode``: the same with ``scaled_decode=False`` (what the DCT-domain downscaling buys);
+- ``pipeline_randaugment``: with RandAugment(2, 10) as well; ``ratio_randaugment`` = it / pil.
 
-``ratio`` = pipeline / pil images/s (goal >= 0.85). ``read_mb_s`` streams the shards written from the same images
-through the stream's tar reader (webdataset iteration, no decoding), per CPU second; the files are in the page
-cache, so it measures the reader, not the disk. ``stream_img_s`` is a whole TrainStream (num_workers=0) for reference.
+``scaled_decode_fraction`` is the share of crops for which libjpeg decodes at 1/2 scale or less (the crop's short side
+>= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards written from the same images with 2 loader
+worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it needs 2
+idle cores. ``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files
+are in the page cache, so it measures the reader, not the disk. ``stream_img_s`` is a TrainStream with no workers.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -30,7 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, decode_train, to_float_images
+from data_pipeline.augment import AugmentConfig, decode_train, inception_crop_box, to_float_images
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import read_shard
@@ -38,12 +46,15 @@ from data_pipeline.stream import TrainStream
 from data_pipeline.write import WriteConfig, write_dataset
 
 
-def imagenet_like_jpegs(count: int, seed: int = 0) -> list[bytes]:
-    """~400x350 JPEGs at quality 90: smooth colour fields plus grain, sizes varied like a photo collection."""
+def imagenet_like_jpegs(count: int, seed: int = 0, max_short: int = 512) -> list[bytes]:
+    """Photo-like JPEGs at quality 90: smooth colour fields plus grain; short side ~ log-normal(375 px) clipped to
+    [160, ``max_short``], aspect 1:1, 4:3 or 3:2, landscape or portrait."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
-        w, h = int(rng.integers(360, 440)), int(rng.integers(320, 380))
+        short = int(np.clip(rng.lognormal(np.log(375), 0.25), 160, max_short))
+        long = int(short * rng.choice([1.0, 4 / 3, 4 / 3, 3 / 2]))
+        w, h = (long, short) if rng.random() < 0.75 else (short, long)
         base = rng.integers(0, 256, size=(int(rng.integers(12, 30)), int(rng.integers(12, 30)), 3), dtype=np.uint8)
         img = np.asarray(Image.fromarray(base).resize((w, h), Image.BICUBIC), dtype=np.float32)
         img = np.clip(img + rng.normal(0, 10, size=img.shape), 0, 255).astype(np.uint8)
@@ -61,8 +72,7 @@ def bare_pil(images: list[bytes], size: int) -> float:
     return len(images) / (time.process_time() - start)
 
 
-def pipeline(images: list[bytes], size: int, batch: int = 32) -> float:
-    augment = AugmentConfig()
+def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32) -> float:
     start = time.process_time()
     for first in range(0, len(images), batch):
         arrays = [
@@ -71,6 +81,28 @@ def pipeline(images: list[bytes], size: int, batch: int = 32) -> float:
         ]
         to_float_images(np.stack(arrays))
     return len(images) / (time.process_time() - start)
+
+
+def scaled_decode_fraction(images: list[bytes], size: int, augment: AugmentConfig) -> float:
+    """Share of the pipeline's crops (same seeds) whose short side is >= 2 x ``size``: decoded at 1/2 scale or less."""
+    hits = 0
+    for i, data in enumerate(images):
+        with Image.open(io.BytesIO(data)) as img:
+            box = inception_crop_box(*img.size, np.random.default_rng([0, i]), augment)
+        hits += min(box[2] - box[0], box[3] - box[1]) >= 2 * size
+    return hits / len(images)
+
+
+def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> float:
+    """Images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch."""
+    stream = TrainStream(shards, batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig(),
+                         num_workers=workers)  # fmt: skip
+    it = iter(stream)
+    next(it)  # worker start-up and the first batch are not counted
+    start = time.perf_counter()
+    for _ in range(stream.batches_per_epoch - 1):
+        next(it)
+    return (stream.batches_per_epoch - 1) * batch / (time.perf_counter() - start)
 
 
 def read_speed(shard_dir: Path) -> float:
@@ -85,14 +117,14 @@ def read_speed(shard_dir: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="decode+augment vs bare PIL images/s per core; shard read MB/s")
-    p.add_argument("--images", type=int, default=160)
+    p = argparse.ArgumentParser(description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s")
+    p.add_argument("--images", type=int, default=320)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-results/data.json")
     args = p.parse_args(argv)
-    # The stream stage reads batches of 32 from 40-image shards: fewer images than one batch measure nothing.
-    for flag, value, low in (("--images", args.images, 32), ("--size", args.size, 1), ("--rounds", args.rounds, 1)):
+    # 40-image shards, batches of 32 and 2 loader workers: at least 2 shards and 2 batches per epoch.
+    for flag, value, low in (("--images", args.images, 80), ("--size", args.size, 1), ("--rounds", args.rounds, 1)):
         if value < low:
             p.error(f"{flag} {value}: must be >= {low}")
     try:
@@ -103,39 +135,72 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # per core: the float conversion must not borrow the other cores
     images = imagenet_like_jpegs(args.images)
     mean_kb = sum(map(len, images)) / len(images) / 1024
-    print(f"{len(images)} generated JPEGs, mean {mean_kb:.0f} KiB; output {args.size}px; one process (one core)")
-    pil_runs, pipe_runs = [], []
-    for _ in range(args.rounds):
-        pil_runs.append(bare_pil(images, args.size))
-        pipe_runs.append(pipeline(images, args.size))
-    pil_rate, pipe_rate = max(pil_runs), max(pipe_runs)
+    shorts = sorted(min(Image.open(io.BytesIO(d)).size) for d in images)
+    print(f"{len(images)} generated JPEGs, mean {mean_kb:.0f} KiB, short side median {shorts[len(shorts) // 2]} px "
+          f"(max {shorts[-1]}); output {args.size}px; one process (one core)")  # fmt: skip
+    variants = {
+        "pipeline": AugmentConfig(),
+        "pipeline_full_decode": AugmentConfig(scaled_decode=False),
+        "pipeline_randaugment": AugmentConfig(randaugment_n=2, randaugment_m=10),
+    }
+    runs: dict[str, list[float]] = {"pil": [], **{name: [] for name in variants}}
+    for i in range(args.rounds):
+        runs["pil"].append(bare_pil(images, args.size))
+        for name, augment in variants.items():
+            runs[name].append(pipeline(images, args.size, augment))
+        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
+              file=sys.stderr, flush=True)  # fmt: skip
+    rate = {name: max(r) for name, r in runs.items()}
     with tempfile.TemporaryDirectory() as tmp:
         items = [(data, i % 10, f"bench/{i}") for i, data in enumerate(images)]
         config = WriteConfig(name="bench", samples_per_shard=40, processes=1, keep_exact_duplicates=True)
-        write_dataset(Path(tmp) / "shards", config, items=items, class_names=[str(c) for c in range(10)])
-        read_mb_s = max(read_speed(Path(tmp) / "shards") for _ in range(args.rounds))
-        stream = TrainStream(
-            Path(tmp) / "shards", batch_size=32, image_size=args.size, shuffle_buffer=64, augment=AugmentConfig()
-        )
+        shards = Path(tmp) / "shards"
+        write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
+        read_mb_s = max(read_speed(shards) for _ in range(args.rounds))
+        stream = TrainStream(shards, batch_size=32, image_size=args.size, shuffle_buffer=64, augment=AugmentConfig())
         it = iter(stream)
         start = time.process_time()
         for _ in range(stream.batches_per_epoch):
             next(it)
         stream_rate = stream.batches_per_epoch * 32 / (time.process_time() - start)
+        workers = {n: [] for n in (1, 2)}
+        for _ in range(args.rounds):
+            for n in workers:
+                workers[n].append(loader_rate(shards, args.size, n))
+        worker_rate = {n: max(r) for n, r in workers.items()}
     result = {
-        "pipeline_img_s_per_core": round(pipe_rate, 1),
-        "pil_img_s_per_core": round(pil_rate, 1),
-        "ratio": round(pipe_rate / pil_rate, 3),
+        "ratio": round(rate["pipeline"] / rate["pil"], 3),
+        "ratio_randaugment": round(rate["pipeline_randaugment"] / rate["pil"], 3),
+        "ratio_full_decode": round(rate["pipeline_full_decode"] / rate["pil"], 3),
+        "workers_2_over_1": round(worker_rate[2] / worker_rate[1], 3),
+        "pipeline_img_s_per_core": round(rate["pipeline"], 1),
+        "pipeline_full_decode_img_s_per_core": round(rate["pipeline_full_decode"], 1),
+        "pipeline_randaugment_img_s_per_core": round(rate["pipeline_randaugment"], 1),
+        "pil_img_s_per_core": round(rate["pil"], 1),
+        "scaled_decode_fraction": round(scaled_decode_fraction(images, args.size, AugmentConfig()), 3),
+        "loader_img_s_workers1": round(worker_rate[1], 1),
+        "loader_img_s_workers2": round(worker_rate[2], 1),
         "read_mb_s": round(read_mb_s, 1),
         "stream_img_s": round(stream_rate, 1),
         "images": len(images),
         "image_size": args.size,
         "mean_jpeg_kib": round(mean_kb, 1),
-        "rounds_pil": [round(r, 1) for r in pil_runs],
-        "rounds_pipeline": [round(r, 1) for r in pipe_runs],
+        "short_side_median": shorts[len(shorts) // 2],
+        "short_side_max": shorts[-1],
+        "load_average_1min": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+        **{f"rounds_{name}": [round(r, 1) for r in values] for name, values in runs.items()},
+        "rounds_loader_workers1": [round(r, 1) for r in workers[1]],
+        "rounds_loader_workers2": [round(r, 1) for r in workers[2]],
     }
-    print(f"bare PIL decode+resize : {pil_rate:7.1f} images/s per core")
-    print(f"decode+augment (ours)  : {pipe_rate:7.1f} images/s per core   ratio {result['ratio']:.2f} (goal >= 0.85)")
+    print(f"bare PIL decode+resize : {rate['pil']:7.1f} images/s per core")
+    print(f"decode+crop+flip (ours): {rate['pipeline']:7.1f} images/s per core   ratio {result['ratio']:.2f} "
+          f"(goal >= 1.3); without scaled decode {result['ratio_full_decode']:.2f}; scaled decode on "
+          f"{result['scaled_decode_fraction']:.0%} of crops")  # fmt: skip
+    print(f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
+          f"{result['ratio_randaugment']:.2f}")  # fmt: skip
+    print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
+          f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x)")  # fmt: skip
     print(f"TrainStream end to end: {stream_rate:7.1f} images/s (num_workers=0)")
     print(f"shard reading          : {read_mb_s:7.1f} MB/s")
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,22 +1,30 @@
-"""Benchmark a training step of vitscale's ViT-S/16 against Hugging Face transformers and this machine's GEMM.
+"""Benchmark vitscale's training step (ViT-S/16 and ViT-B/16 at 224) against Hugging Face transformers and this
+machine's GEMM rate, at fp32 and at bf16.
 
-    python -m bench.train [--batch-size 16] [--rounds 5] [--out bench-results/train.json]
+    python -m bench.train [--models vit_s16,vit_b16] [--out bench-results/train.json]      (make bench-train)
 
-Both models have the same configuration (ViT-S/16 at 224 px, 1000 classes, tanh GELU, LayerNorm eps 1e-6, fp32 on
-CPU, SDPA attention in both) and run the same step: forward, softmax cross-entropy, backward, AdamW. The rounds are
-interleaved (vitscale, HF, GEMM, vitscale, ...) so a machine whose load changes during the run (other jobs) hurts
-both sides alike; each number is the median over rounds. `speedup_vs_hf` is against HF with SDPA attention (its
-fastest CPU path, the fair baseline); HF with eager attention is timed too and reported beside it.
+Both models have the same configuration (width, depth, heads, MLP, 1000 classes, tanh GELU, LayerNorm eps 1e-6,
+SDPA attention in both) and run the same step: forward, softmax cross-entropy, backward, AdamW. bf16 is
+``torch.autocast("cpu", torch.bfloat16)`` around forward and loss, the precision DeepSpeed's bf16 mode computes in.
+For each model and precision the rounds are interleaved (vitscale, HF, GEMM, vitscale, ...) so a machine whose load
+changes during the run hurts both sides alike; each number is the median over rounds of the best of ``repeats``.
 
-Achieved FLOP/s = images/s x training FLOPs per image (`pretrain.flops.train_flops`, 3 x forward, multiply-add = 2).
-`gemm_fraction` divides it by the fp32 GEMM rate of a large square matmul measured in the same rounds: how close the
-step comes to what the hardware's fastest kernel does here. Writes JSON with `vitscale_img_s`, `hf_img_s`,
-`speedup_vs_hf`, `gemm_fraction` and the details.
+Achieved FLOP/s = images/s x training FLOPs per image (``pretrain.flops.train_flops``: 3 x forward, multiply-add =
+2). ``gemm_fraction_<p>`` divides it by the rate of a square matmul at precision ``p`` measured in the same rounds:
+how close the step comes to the fastest kernel at that precision here. On a CPU without native bf16 arithmetic
+(no AMX / AVX512-BF16; ``cpu_bf16_native`` in the JSON) bf16 GEMMs are emulated and far slower than fp32, so bf16
+uses a smaller batch and fewer rounds (``--bf16-batch-size``, ``--bf16-rounds``) to keep the run to minutes; the
+numbers then say what bf16 costs here, not what it would on a CPU built for it.
+
+The JSON is flat: ``speedup_vs_hf_<p>`` and ``gemm_fraction_<p>`` for ViT-S/16, the same with a ``_b16`` suffix for
+ViT-B/16, the raw images/s of each model x precision x implementation, the GEMM rates, the CPU flags that decide the
+bf16 path, torch's version and threads, and the share of the profiled bf16 step by operator (``--profile``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,27 +38,45 @@ import torch.nn.functional as F
 
 from data_pipeline.cli import output_file
 from pretrain.flops import train_flops
-from pretrain.model import build_model
+from pretrain.model import ViTConfig, build_model
+
+# JSON key suffix per model: ViT-S/16 is the headline; ViT-Ti/16 is for quick checks (tests), not in the default run.
+SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
 
-def vitscale_step(batch_size: int) -> tuple[Callable[[], None], int]:
-    model = build_model("vit_s16", num_classes=1000)
-    return _make_step(model, lambda x: model(x), batch_size), train_flops(model.config)
+def cpu_flags() -> list[str]:
+    """The CPU flags (of those that decide the fp32/bf16 GEMM paths) this machine has; [] where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in _FLAGS_OF_INTEREST if flag in flags]
 
 
-def hf_step(batch_size: int, attn: str) -> Callable[[], None]:
-    from transformers import ViTConfig, ViTForImageClassification
+def _autocast(precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=DTYPES[precision])
 
-    config = ViTConfig(
-        hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, image_size=224,
-        patch_size=16, num_labels=1000, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, qkv_bias=True,
+
+def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
+    from transformers import ViTConfig as HFViTConfig
+    from transformers import ViTForImageClassification
+
+    hf_config = HFViTConfig(
+        hidden_size=config.width, num_hidden_layers=config.depth, num_attention_heads=config.num_heads,
+        intermediate_size=config.mlp_dim, image_size=config.image_size, patch_size=config.patch_size,
+        num_labels=config.num_classes, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, qkv_bias=True,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attn,
     )  # fmt: skip
-    model = ViTForImageClassification(config)
-    return _make_step(model, lambda x: model(pixel_values=x).logits, batch_size)
+    return ViTForImageClassification(hf_config)
 
 
-def _make_step(model: torch.nn.Module, logits_of: Callable, batch_size: int) -> Callable[[], None]:
+def make_step(model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str) -> Callable[[], None]:
+    """One training step at ``precision``: forward + loss under autocast, backward and AdamW outside it."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
@@ -59,11 +85,27 @@ def _make_step(model: torch.nn.Module, logits_of: Callable, batch_size: int) -> 
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(logits_of(images), labels)
+        with _autocast(precision):
+            loss = F.cross_entropy(logits_of(images), labels)
         loss.backward()
         optimizer.step()
 
     return step
+
+
+def build_steps(name: str, batch_size: int, precision: str, attn: str, with_eager: bool) -> tuple[dict, ViTConfig]:
+    """The training steps to time, by implementation, and vitscale's model config."""
+    torch.manual_seed(0)
+    ours = build_model(name, num_classes=1000)
+    hf = hf_model(ours.config, attn)
+    steps = {
+        "vitscale": make_step(ours, lambda x: ours(x), batch_size, precision),
+        "hf": make_step(hf, lambda x: hf(pixel_values=x).logits, batch_size, precision),
+    }
+    if with_eager and attn != "eager":  # context: the HF default before SDPA
+        eager = hf_model(ours.config, "eager")
+        steps["hf_eager"] = make_step(eager, lambda x: eager(pixel_values=x).logits, batch_size, precision)
+    return steps, ours.config
 
 
 def time_steps(step: Callable[[], None], repeats: int) -> float:
@@ -76,88 +118,197 @@ def time_steps(step: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
-def gemm_tflops(size: int = 2048, repeats: int = 5) -> float:
+def gemm_tflops(precision: str, size: int, repeats: int = 3) -> dict[str, float]:
+    """TFLOP/s of a square ``size`` matmul at ``precision``, best of ``repeats``, for both operand layouts a @ b
+    ("nn") and a @ bᵀ ("nt", how ``F.linear`` multiplies by its weight): without native bf16 the emulated kernel's
+    speed depends on the layout (measured on AVX2: nt ~5 GFLOP/s, nn ~0.5), so the GEMM rate is the faster one."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
+    a = torch.randn(size, size, generator=g).to(DTYPES[precision])
+    b = torch.randn(size, size, generator=g).to(DTYPES[precision])
+    rates = {}
+    for layout, right in (("nn", b), ("nt", b.t())):
+        torch.mm(a, right)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, right)
+            best = min(best, time.perf_counter() - start)
+        rates[layout] = 2 * size**3 / best / 1e12
+    return rates
 
 
-def run(batch_size: int, rounds: int, repeats: int, attn: str, with_eager: bool) -> dict:
-    torch.manual_seed(0)
-    ours, flops_per_image = vitscale_step(batch_size)
-    steps = {"vitscale": ours, "hf": hf_step(batch_size, attn)}
-    if with_eager and attn != "eager":
-        steps["hf_eager"] = hf_step(batch_size, "eager")  # context: the HF default before SDPA
-    for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
+_PROFILE_GROUPS = {  # operator families the issue names, by substring of the profiler's op name
+    "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "attention": ("flash_attention", "scaled_dot_product", "_efficient_attention"),
+    "gelu": ("gelu",),
+    "copy": ("aten::copy_", "aten::_to_copy"),
+}
+
+
+def profile_step(step: Callable[[], None], top: int = 10) -> dict:
+    """One step under torch.profiler: the largest operators by self CPU time as [[name, share], ...], and the shares
+    of the operator families in ``_PROFILE_GROUPS``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    gemm = []
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    groups = {
+        f"share_{group}": round(sum(e.self_cpu_time_total for e in events if any(n in e.key for n in names)) / total, 3)
+        for group, names in _PROFILE_GROUPS.items()
+    }
+    return {"top": [[e.key, round(e.self_cpu_time_total / total, 3)] for e in events[:top]], **groups}
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: int, args) -> dict:
+    """Interleaved rounds of one model at one precision; the flat keys for it."""
+    tag = f"{precision}{SUFFIX[name]}"
+    with_eager = not args.no_eager and tag == "fp32"
+    steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager)
+    flops_per_image = train_flops(config)
+    gemm_size = args.gemm_size if precision == "fp32" else args.bf16_gemm_size
+    out: dict = {}
+    if precision == "bf16" and args.profile and name == args.models[0]:
+        log(f"{name} {precision}: profiling one vitscale step (batch {batch_size}) ...")
+        out["bf16_profile_model"] = name
+        profiled = profile_step(steps["vitscale"])  # doubles as vitscale's warm-up
+        out["bf16_profile_vitscale"] = profiled.pop("top")
+        out.update({f"bf16_profile_{key}": value for key, value in profiled.items()})
+        for label, step in steps.items():
+            if label != "vitscale":
+                step()
+    elif precision == "fp32" or args.bf16_warmup:
+        for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
+            step()
+    seconds: dict[str, list[float]] = {label: [] for label in steps}
+    gemm: dict[str, list[float]] = {"nn": [], "nt": []}
     for i in range(rounds):
-        for name, step in steps.items():
-            seconds[name].append(time_steps(step, repeats))
-        gemm.append(gemm_tflops())
-        rates = ", ".join(f"{name} {batch_size / s[-1]:.2f} img/s" for name, s in seconds.items())
-        print(f"round {i + 1}/{rounds}: {rates}, GEMM {gemm[-1]:.3f} TFLOP/s", flush=True)
-    img_s = {name: batch_size / statistics.median(s) for name, s in seconds.items()}
-    vitscale_img_s, hf_img_s = img_s["vitscale"], img_s["hf"]
-    gemm_tf = statistics.median(gemm)
-    achieved_tf = vitscale_img_s * flops_per_image / 1e12
-    extra = {}
+        for label, step in steps.items():
+            seconds[label].append(time_steps(step, repeats))
+        for layout, rate in gemm_tflops(precision, gemm_size).items():
+            gemm[layout].append(rate)
+        rates = ", ".join(f"{label} {batch_size / s[-1]:.3g} img/s" for label, s in seconds.items())
+        log(f"{name} {precision} round {i + 1}/{rounds}: {rates}, GEMM nn {gemm['nn'][-1]:.4g} nt "
+            f"{gemm['nt'][-1]:.4g} TFLOP/s")  # fmt: skip
+    img_s = {label: batch_size / statistics.median(s) for label, s in seconds.items()}
+    gemm_layout = {layout: statistics.median(r) for layout, r in gemm.items()}
+    gemm_tf = max(gemm_layout.values())
+    achieved_tf = img_s["vitscale"] * flops_per_image / 1e12
+    out.update({
+        f"speedup_vs_hf_{tag}": img_s["vitscale"] / img_s["hf"],
+        f"gemm_fraction_{tag}": achieved_tf / gemm_tf,
+        f"vitscale_img_s_{tag}": img_s["vitscale"],
+        f"hf_img_s_{tag}": img_s["hf"],
+        f"achieved_tflops_{tag}": achieved_tf,
+        f"gemm_tflops_{tag}": gemm_tf,
+        f"gemm_tflops_nn_{tag}": gemm_layout["nn"],
+        f"gemm_tflops_nt_{tag}": gemm_layout["nt"],
+        f"gemm_size_{tag}": gemm_size,
+        f"batch_size_{tag}": batch_size,
+        f"rounds_{tag}": rounds,
+        f"repeats_{tag}": repeats,
+        f"train_gflops_per_image{SUFFIX[name]}": flops_per_image / 1e9,
+    })  # fmt: skip
     if "hf_eager" in img_s:
-        extra = {"hf_eager_img_s": img_s["hf_eager"], "speedup_vs_hf_eager": vitscale_img_s / img_s["hf_eager"]}
-    return {
-        "vitscale_img_s": vitscale_img_s,
-        "hf_img_s": hf_img_s,
-        "speedup_vs_hf": vitscale_img_s / hf_img_s,
-        **extra,
-        "gemm_fraction": achieved_tf / gemm_tf,
-        "achieved_tflops": achieved_tf,
-        "gemm_tflops": gemm_tf,
-        "train_gflops_per_image": flops_per_image / 1e9,
-        "model": "vit_s16",
-        "image_size": 224,
-        "batch_size": batch_size,
-        "precision": "fp32",
-        "device": "cpu",
-        "hf_attn_implementation": attn,
-        "threads": torch.get_num_threads(),
-        "rounds": rounds,
-        "repeats_per_round": repeats,
+        out[f"hf_eager_img_s_{tag}"] = img_s["hf_eager"]
+        out[f"speedup_vs_hf_eager_{tag}"] = img_s["vitscale"] / img_s["hf_eager"]
+    return out
+
+
+def run(args) -> dict:
+    flags = cpu_flags()
+    result: dict = {
+        "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
+        "cpu_flags": flags,
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "load_average_1min": os.getloadavg()[0],
+        "image_size": 224,
+        "hf_attn_implementation": args.hf_attn,
+        "load_average_1min_start": os.getloadavg()[0],
     }
+    for name in args.models:
+        for precision in args.precisions:
+            bf16 = precision == "bf16"
+            batch_size = args.bf16_batch_size if bf16 else args.batch_size
+            rounds = args.bf16_rounds if bf16 else args.rounds
+            repeats = 1 if bf16 else args.repeats  # a bf16 step here takes tens of seconds: one is enough
+            result.update(bench_one(name, precision, batch_size, rounds, repeats, args))
+    result["load_average_1min_end"] = os.getloadavg()[0]
+    return result
+
+
+def summary_lines(result: dict) -> list[str]:
+    lines = []
+    for name, suffix in SUFFIX.items():
+        for precision in DTYPES:
+            tag = f"{precision}{suffix}"
+            if f"speedup_vs_hf_{tag}" not in result:
+                continue
+            lines.append(
+                f"{name} {precision}: vitscale {result[f'vitscale_img_s_{tag}']:.3g} img/s, HF "
+                f"{result[f'hf_img_s_{tag}']:.3g} img/s: {result[f'speedup_vs_hf_{tag}']:.2f}x; "
+                f"{result[f'achieved_tflops_{tag}']:.4g} of {result[f'gemm_tflops_{tag}']:.4g} GEMM TFLOP/s = "
+                f"{result[f'gemm_fraction_{tag}']:.0%}"
+            )
+    return lines
+
+
+def _names(text: str, allowed: tuple, flag: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: use a comma-separated subset of {','.join(allowed)}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="steps per model per round (the best one counts)")
+    parser.add_argument("--models", default="vit_s16,vit_b16", type=lambda t: _names(t, tuple(SUFFIX), "--models"))
+    parser.add_argument("--precisions", default="fp32,bf16", type=lambda t: _names(t, tuple(DTYPES), "--precisions"))
+    parser.add_argument("--batch-size", type=int, default=16, help="fp32 batch")
+    parser.add_argument("--rounds", type=int, default=3, help="fp32 rounds")
+    parser.add_argument("--repeats", type=int, default=2, help="fp32 steps per model per round (the best one counts)")
+    parser.add_argument("--bf16-batch-size", type=int, default=1)
+    parser.add_argument("--bf16-rounds", type=int, default=1)
+    parser.add_argument("--bf16-warmup", action="store_true", help="an untimed bf16 step first (costs a step)")
+    parser.add_argument("--gemm-size", type=int, default=2048, help="fp32 GEMM side")
+    parser.add_argument("--bf16-gemm-size", type=int, default=512, help="bf16 GEMM side (small: slow without AMX)")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile one bf16 vitscale step of the first model (its warm-up)")  # fmt: skip
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
     parser.add_argument("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
     parser.add_argument("--out", default="bench-results/train.json")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.rounds < 1 or args.repeats < 1:
-        parser.error("--batch-size, --rounds and --repeats must be >= 1")
+    numbers = ("batch_size", "rounds", "repeats", "bf16_batch_size", "bf16_rounds", "gemm_size", "bf16_gemm_size")
+    for key in numbers:
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1")
     try:
         out = output_file(args.out, "--out")  # before minutes of timing
     except ValueError as error:
         print(f"bench.train: error: {error}", file=sys.stderr)
         return 2
-    result = run(args.batch_size, args.rounds, args.repeats, args.hf_attn, with_eager=not args.no_eager)
+    start = time.perf_counter()
+    result = run(args)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"vitscale {result['vitscale_img_s']:.2f} img/s, HF ({args.hf_attn}) {result['hf_img_s']:.2f} img/s: "
-          f"{result['speedup_vs_hf']:.2f}x (goal >= 1.5x); {result['achieved_tflops']:.3f} of "
-          f"{result['gemm_tflops']:.3f} GEMM TFLOP/s = {result['gemm_fraction']:.0%} (goal >= 70%); "
-          f"load average {result['load_average_1min']:.1f} -> {out}")  # fmt: skip
+    for line in summary_lines(result):
+        print(line)
+    if "bf16_profile_vitscale" in result:
+        top = ", ".join(f"{name} {share:.0%}" for name, share in result["bf16_profile_vitscale"][:5])
+        groups = ", ".join(f"{g} {result[f'bf16_profile_share_{g}']:.0%}" for g in _PROFILE_GROUPS)
+        print(f"bf16 {result['bf16_profile_model']} step, largest self CPU time: {top}; families: {groups}")
+    print(f"cpu_bf16_native {result['cpu_bf16_native']} ({' '.join(result['cpu_flags'])}); "
+          f"{result['threads']} threads; {result['wall_s']:.0f} s -> {out}")  # fmt: skip
     return 0
 
 

@@ -3,8 +3,10 @@
 Training: Inception crop (random area fraction and aspect ratio, as in torchvision's RandomResizedCrop and
 big_vision's ``inception_crop``), horizontal flip, optional RandAugment(n, m). Evaluation: square resize then
 centre crop (big_vision's ``resize(256)|central_crop(224)``). Both are fused into one ``Image.resize(box=...)``
-after a JPEG ``draft`` that lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is much larger than the
-output, which is where most of the decode time goes.
+after a JPEG ``draft`` that lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is at least twice the output
+(``AugmentConfig.scaled_decode``, on by default; in practice it never applies to local_demo's 64 px images at
+32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify; decoding only the crop's region
+would need libjpeg-turbo >= 3 (PyTurboJPEG 2), which this platform's packages do not provide.
 
 All randomness comes from the ``numpy.random.Generator`` passed in, so the caller decides what it is seeded by
 (the stream seeds it per sample from (seed, epoch, shard, member, repeat) to make resume exact).
@@ -31,6 +33,9 @@ class AugmentConfig:
     flip: bool = True  # horizontal flip with probability 1/2
     randaugment_n: int = 0  # number of RandAugment ops per image; 0 disables it
     randaugment_m: int = 0  # RandAugment magnitude, 0-30 (10 is the usual "full" strength)
+    # Decode a JPEG at 1/2, 1/4 or 1/8 scale (libjpeg's DCT-domain downscaling) when the crop stays >= the output
+    # size: less decode work, slightly different pixels than decoding at full size and resizing.
+    scaled_decode: bool = True
 
     def validate(self) -> None:
         if not 0 < self.area_min <= self.area_max <= 1:
@@ -71,8 +76,10 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
     return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
 
 
-def _drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
-    """Let a JPEG decode at the smallest DCT scale that still gives the crop >= ``size`` pixels; rescale the box."""
+def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
+    """Let a JPEG decode at the smallest DCT scale (1/2, 1/4, 1/8) that still gives the crop >= ``size`` pixels on
+    its short side; returns the image (not yet decoded) and the box rescaled to the decoded size. Other formats and
+    crops under 2 x ``size`` (where no scale qualifies) come back unchanged."""
     width, height = img.size
     crop_short = min(box[2] - box[0], box[3] - box[1])
     if img.format == "JPEG" and crop_short >= 2 * size:
@@ -91,7 +98,8 @@ def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.rand
         box = inception_crop_box(width, height, rng, cfg)
     else:
         box = (0, 0, width, height)
-    img, box = _drafted(img, box, size)
+    if cfg is None or cfg.scaled_decode:
+        img, box = drafted(img, box, size)
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)  # fused crop + resize
@@ -104,8 +112,9 @@ def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.rand
     return np.asarray(img)
 
 
-def decode_eval(data: bytes, size: int, resize_size: int | None = None) -> np.ndarray:
-    """Square resize to ``resize_size`` then centre crop ``size`` (fused); ``None`` resizes straight to ``size``."""
+def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True) -> np.ndarray:
+    """Square resize to ``resize_size`` then centre crop ``size`` (fused); ``None`` resizes straight to ``size``.
+    ``scaled_decode`` as in :class:`AugmentConfig` (on: the evals' features have always been computed this way)."""
     resize_size = resize_size or size
     if resize_size < size:
         raise ValueError(f"resize_size {resize_size} must be >= image_size {size}")
@@ -114,7 +123,8 @@ def decode_eval(data: bytes, size: int, resize_size: int | None = None) -> np.nd
     keep = size / resize_size  # the centre fraction kept on each axis
     w, h = width * keep, height * keep
     box = ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
-    img, box = _drafted(img, box, size)
+    if scaled_decode:
+        img, box = drafted(img, box, size)
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)

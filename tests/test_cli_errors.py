@@ -143,6 +143,8 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     # bench: numbers that measure nothing, an output path that cannot be written (found before the timing)
     ("bench.data", ["--images", "0"], [r"--images 0"]),
     ("bench.train", ["--out", "{tmp}"], [r"--out", r"folder"]),
+    ("bench.scale", ["--out", "{tmp}"], [r"--out", r"folder"]),
+    ("bench.scaling", ["--global-batch", "15"], [r"--global-batch 15"]),
 ]
 
 
@@ -154,7 +156,7 @@ def _run(module: str, args: list[str], env: dict[str, str], cwd: Path) -> subpro
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
-    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 14  # every `python -m` entry point of the project
+    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 16  # every `python -m` entry point of the project
     values = _bad_inputs(tmp_path)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"  # never the project's own store

@@ -15,6 +15,7 @@ from data_pipeline.augment import (
     AugmentConfig,
     decode_eval,
     decode_train,
+    drafted,
     inception_crop_box,
     mixup,
     randaugment,
@@ -52,6 +53,32 @@ def test_decode_train_is_a_pure_function_of_the_rng_and_uses_draft_on_large_jpeg
     assert a.shape == (32, 32, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
     plain = decode_train(data, 32, None, np.random.default_rng(0))  # no crop: draft decodes at 1/8 scale
     assert np.abs(plain.astype(int) - [200, 30, 30]).max() <= 6
+
+
+def test_drafted_decodes_at_the_largest_reduction_that_keeps_the_crop_and_rescales_the_box():
+    data = jpeg(800, 600)
+    box = (100.0, 60.0, 500.0, 460.0)  # 400 x 400 crop
+    img, scaled = drafted(Image.open(io.BytesIO(data)), box, 100)  # 4 x the output: 1/4 scale
+    assert img.size == (200, 150) and scaled == pytest.approx((25.0, 15.0, 125.0, 115.0))
+    img, scaled = drafted(Image.open(io.BytesIO(data)), box, 150)  # 400 / 150 = 2.7: only 1/2 keeps >= 150
+    assert img.size == (400, 300) and min(scaled[2] - scaled[0], scaled[3] - scaled[1]) >= 150
+    img, scaled = drafted(Image.open(io.BytesIO(data)), box, 201)  # under 2 x the output: full size, same box
+    assert img.size == (800, 600) and scaled == box
+    png = io.BytesIO()
+    Image.new("RGB", (800, 600)).save(png, format="PNG")
+    img, scaled = drafted(Image.open(png), box, 100)  # not a JPEG: nothing to draft
+    assert img.size == (800, 600) and scaled == box
+
+
+def test_scaled_decode_is_an_explicit_choice_with_the_same_output_shape():
+    data = jpeg(1600, 1200, border=(0, 0, 255))
+    rng = lambda: np.random.default_rng([4, 5])  # noqa: E731
+    scaled = decode_train(data, 32, AugmentConfig(), rng())
+    again = decode_train(data, 32, AugmentConfig(), rng())
+    full = decode_train(data, 32, AugmentConfig(scaled_decode=False), rng())
+    assert scaled.shape == full.shape == (32, 32, 3) and np.array_equal(scaled, again)
+    assert np.abs(scaled.astype(int) - full.astype(int)).mean() < 8  # same crop, slightly different pixels
+    assert decode_eval(data, 32, scaled_decode=False).shape == (32, 32, 3)
 
 
 def test_decode_eval_resizes_then_centre_crops():
@@ -94,3 +121,22 @@ def test_augment_config_validation_names_the_field():
     with pytest.raises(ValueError, match="randaugment"):
         AugmentConfig(randaugment_m=31).validate()
     assert math.isclose(AugmentConfig().aspect_max, 4 / 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_data_writes_the_documented_keys(tmp_path):
+    """bench.data end to end at a tiny size (80 JPEGs, 32 px output, one round, loader with 1 and 2 workers)."""
+    import json
+
+    from bench.data import main
+
+    out = tmp_path / "data.json"
+    assert main(["--images", "80", "--size", "32", "--rounds", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("ratio", "ratio_randaugment", "ratio_full_decode", "workers_2_over_1", "pil_img_s_per_core",
+                "pipeline_img_s_per_core", "loader_img_s_workers1", "loader_img_s_workers2", "read_mb_s"):  # fmt: skip
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["ratio"] == pytest.approx(result["pipeline_img_s_per_core"] / result["pil_img_s_per_core"], rel=0.01)
+    assert 0.5 < result["scaled_decode_fraction"] <= 1  # ~375 px JPEGs cropped to 32 px: most crops decode scaled
+    assert result["short_side_max"] <= 512
