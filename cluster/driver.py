@@ -15,8 +15,11 @@ Order of work (all on the Ray head, inside the job):
    `train_worker` resumes from the newest COMPLETE checkpoint in the run folder: same run folder, same MLflow run
    (the steps it redoes are not logged to MLflow again; the run's tag `vitscale.restarts` counts the restarts).
    Rank 0 pins each checkpoint until its evals end, so `checkpoint.keep_last` never deletes one they still need.
+   With a suite (and `evals.baseline`, on by default) a fresh run first saves and submits step 0, the weights
+   before the first update: every transfer curve starts at its random-initialisation baseline. A restart resumes
+   from a checkpoint, so it never evaluates step 0 again.
 4. Wait for pending evals, prune the checkpoints their pins kept, print the summary table (step, loss, eval
-   metrics), close the MLflow run, exit 0 only if training succeeded.
+   metrics, the headline metric's gain over step 0), close the MLflow run, exit 0 only if training succeeded.
 """
 
 from __future__ import annotations

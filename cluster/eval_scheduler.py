@@ -11,7 +11,8 @@ profile's eval resources (`EvalResources`: e.g. 1 CPU on `local`, whose head adv
 workers take; a GPU of the eval node group on `a100x64`). Each task logs its metrics to the job's MLflow run
 with `step` = the checkpoint step. The driver calls `drain()` after training to wait for what is pending.
 
-A restarted worker group may report the same checkpoint again: each step is evaluated once.
+A restarted worker group may report the same checkpoint again: each step is evaluated once. Step 0 (the weights
+before the first update, `evals.baseline`) comes like any other checkpoint and is logged at MLflow step 0.
 
 Pins: `checkpoint.keep_last` must not delete a checkpoint whose eval has not run yet. Rank 0 pins each checkpoint
 (`pretrain.run_folder.pin_checkpoint`, a file in its folder) right after saving it, before any later save can

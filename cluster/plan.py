@@ -35,6 +35,7 @@ from pretrain.config import (
 from pretrain.ds_config import batch_plan
 from pretrain.model import model_config
 from pretrain.mpp import MPPConfig
+from pretrain.precision import cpu_bf16_units, decide
 from pretrain.typed_yaml import parse_override
 
 # Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
@@ -207,6 +208,7 @@ class Plan:
     grad_accum_steps: int
     zero_stage: int
     precision: str
+    precision_reason: str  # why: what `deepspeed.precision: auto` picks on the profile's hardware
     activation_checkpointing: bool
     image_size: int
     num_params: int
@@ -241,6 +243,7 @@ class Plan:
     storage: str  # the training shards' location
     storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
     storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
+    baseline_eval: str = ""  # the step-0 baseline eval: what it costs, or why there is none
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
@@ -281,9 +284,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     if config.schedule.stop_at_step:
         total_steps = min(total_steps, config.schedule.stop_at_step)
 
-    precision = config.deepspeed.precision
-    if precision == "auto":
-        precision = "bf16" if profile.uses_gpus else "fp32"
+    precision, precision_reason = _precision(profile, config)
     states = memory.model_state_bytes(num_params, config.deepspeed.zero_stage, world, precision)
     per_image = functools.partial(
         memory.activation_bytes_per_image,
@@ -342,6 +343,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         grad_accum_steps=batch.grad_accum_steps,
         zero_stage=config.deepspeed.zero_stage,
         precision=precision,
+        precision_reason=precision_reason,
         activation_checkpointing=vit.grad_checkpointing,
         image_size=vit.image_size,
         num_params=num_params,
@@ -375,12 +377,45 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         storage=config.data.train,
         storage_extras=tuple(e.name for e in storage_extras(storage_urls(config))),
         storage_missing_here=tuple(missing_storage(storage_urls(config))),
+        baseline_eval=_baseline_eval(config, num_params),
         warnings=tuple(warnings),
     )
     fixed = states.total + overhead
     if not memory.fits(total, capacity):
         raise PlanError(_does_not_fit(plan, act_per_image, fixed, capacity))
     return dataclasses.replace(plan, checkpointing_advice=_checkpointing_advice(plan, act_off, fixed, capacity))
+
+
+def _precision(profile: ClusterProfile, config: TrainConfig) -> tuple[str, str]:
+    """(precision the plan's memory assumes, why): `pretrain.precision.decide` for the profile's hardware. This
+    machine's CPU flags answer for the local profile; a remote CPU cluster's workers decide at start."""
+    requested = config.deepspeed.precision
+    if requested != "auto" or profile.uses_gpus or profile.is_local:
+        choice = decide(requested, "cuda" if profile.uses_gpus else "cpu")
+        if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
+            return "bf16", f"{choice.reason}; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"
+        return choice.precision, choice.reason
+    return "fp32", (
+        "decided by the workers at start (bf16 only if their CPU has AMX/AVX512-BF16 and a probe step of this model "
+        "is faster in bf16); the memory below assumes fp32"
+    )
+
+
+# Bytes per parameter of one checkpoint: fp32 master weights + Adam's two moments in the engine state (12), the
+# engine's working copy (4 at most) and the consolidated model.safetensors (4).
+CHECKPOINT_BYTES_PER_PARAM = 20
+
+
+def _baseline_eval(config: TrainConfig, num_params: int) -> str:
+    if not config.evals.suite:
+        return "none (no evals.suite)"
+    if not config.evals.baseline:
+        return "off (evals.baseline=false): transfer curves have no step-0 point"
+    size = num_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
+    return (
+        f"the step-0 weights are saved before the first update (a checkpoint of ~{size:.2g} GB) and evaluated with "
+        f"{config.evals.suite} like every checkpoint; evals.baseline=false skips both"
+    )
 
 
 def _task_model(config: TrainConfig, vit):
@@ -481,7 +516,7 @@ def format_plan(plan: Plan) -> str:
         f"  model         {p.model} @ {p.image_size}px: {p.num_params / 1e6:.2f}M params "
         f"({p.num_params_1k_head / 1e6:.2f}M with a 1000-class head); forward {p.forward_gflops_per_image:.4g} "
         f"GFLOPs/image, training {p.train_gflops_per_image:.4g}",
-        f"  precision     {p.precision}, ZeRO-{p.zero_stage}, activation checkpointing "
+        f"  precision     {p.precision} ({p.precision_reason}), ZeRO-{p.zero_stage}, activation checkpointing "
         f"{'on' if p.activation_checkpointing else 'off'}",
         f"  memory/device params {p.params_gb:.2f} GB + grads {p.grads_gb:.2f} GB + optimizer "
         f"{p.optimizer_gb:.2f} GB + activations {p.activations_gb:.2f} GB ({p.activation_mb_per_image:.0f} MB/image "
@@ -496,6 +531,7 @@ def format_plan(plan: Plan) -> str:
         "worker); "
         f"{p.bytes_per_image / 1e3:.0f} KB/image -> read {p.read_mb_per_s:,.1f} MB/s ({p.data_note})",
         f"  storage       {p.storage}" + _storage_needs(p),
+        f"  baseline eval {p.baseline_eval}",
     ]
     lines += [f"  WARNING       {w}" for w in p.warnings]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""The end-of-job table: one row per checkpoint step with its training loss and eval metrics."""
+"""The end-of-job table: one row per checkpoint step with its training loss, eval metrics and the headline metric's
+gain over step 0 (the random-initialisation baseline, evaluated when `evals.baseline` is on)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from tracking import keys
 # Columns shown when present, in this order; other eval metrics follow alphabetically up to MAX_EVAL_COLUMNS.
 PREFERRED = (*map(keys.fewshot_mean, (1, 5, 10, 25)), keys.VTAB_MEAN, keys.finetune_accuracy("digits"))
 MAX_EVAL_COLUMNS = 8
+# The metric whose gain over step 0 is shown: the first of these the evals logged (else the first eval column).
+HEADLINE = (keys.FEWSHOT_MEAN_10SHOT, keys.VTAB_MEAN, keys.finetune_accuracy("digits"))
+BASELINE_STEP = 0
 
 
 def _eval_columns(rows: dict[int, dict[str, Any]]) -> list[str]:
@@ -19,12 +23,27 @@ def _eval_columns(rows: dict[int, dict[str, Any]]) -> list[str]:
     return cols[:MAX_EVAL_COLUMNS]
 
 
+def headline_metric(cols: list[str]) -> str | None:
+    return next((k for k in HEADLINE if k in cols), cols[0] if cols else None)
+
+
+def gains_over_baseline(rows: dict[int, dict[str, Any]], metric: str) -> dict[int, float]:
+    """{step: value - step-0 value} of ``metric`` for the evaluated steps; {} without a step-0 value."""
+    base = rows.get(BASELINE_STEP, {}).get("metrics", {}).get(metric)
+    if base is None:
+        return {}
+    return {s: r["metrics"][metric] - base for s, r in rows.items() if metric in r.get("metrics", {})}
+
+
 def format_summary(rows: dict[int, dict[str, Any]]) -> str:
     """`rows` is EvalScheduler.drain()'s result: {step: {train: {...}, metrics: {...} | error: str}}."""
     if not rows:
         return "summary: no checkpoint was completed"
     cols = _eval_columns(rows)
-    header = ["step", keys.LOSS, *cols]
+    headline = headline_metric(cols)
+    gains = gains_over_baseline(rows, headline) if headline else {}
+    gain_col = f"gain vs step 0 ({headline})"
+    header = ["step", keys.LOSS, *cols, *([gain_col] if gains else [])]
     table = []
     notes = []
     for step in sorted(rows):
@@ -32,6 +51,8 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
         loss = r.get("train", {}).get(keys.LOSS, r.get("train", {}).get("loss"))
         cells = [str(step), f"{loss:.4f}" if isinstance(loss, float) else "-"]
         cells += [f"{r['metrics'][c]:.4f}" if c in r.get("metrics", {}) else "-" for c in cols]
+        if gains:
+            cells.append(f"{gains[step]:+.4f}" if step in gains else "-")
         table.append(cells)
         if r.get("error"):
             notes.append(f"  step {step}: eval error: {r['error'].splitlines()[0]}")
@@ -43,4 +64,9 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
         fmt.format(*("-" * w for w in widths)),
     ]
     lines += [fmt.format(*row) for row in table]
+    if headline and not gains:
+        notes.append(
+            f"  no step-0 baseline of {headline} in this job (evals.baseline=false, a resumed run, or its eval "
+            "failed): gains over random initialisation are not shown"
+        )
     return "\n".join(lines + notes)

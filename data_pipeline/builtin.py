@@ -2,10 +2,12 @@
 
     python -m data_pipeline.builtin all --out data          # what `make shards` / `make launch` use
     python -m data_pipeline.builtin fractal --out data --set num_classes=64 --set images_per_class=500
+    python -m data_pipeline.builtin rcdb --out data --set num_classes=21843 --set resolution=224 --workers 16
 
 | name          | splits       | what                                                                         |
 |---------------|--------------|------------------------------------------------------------------------------|
 | fractal       | train, val   | FractalDB-style (Kataoka et al. 2020): one random IFS per class, chaos game  |
+| rcdb          | train, val   | RCDB-style radial contours (Kataoka et al. 2022): one contour formula/class  |
 | digits        | train, test  | scikit-learn's 1797 bundled 8x8 digits, upscaled to RGB, 1297/500 split      |
 | dsprites_loc  | train, test  | procedural dSprites, label = x position in 16 bins (VTAB dSpr-Loc)            |
 | dsprites_ori  | train, test  | the same images, label = orientation in 16 bins (VTAB dSpr-Ori)               |
@@ -13,14 +15,14 @@
 
 Every eval split has >= 1000 train images, so VTAB-1k's train800/val200/train1000 can be drawn from ``train``.
 ``ensure(name, root)`` generates a dataset when absent (under a file lock, so concurrent callers wait) and returns
-``root/<name>``.
+``root/<name>``. The two pre-training sets are formula-driven (data_pipeline.formula, docs/reference.md §9): any
+class count up to 21,843 at up to 224 px, generated in parallel (``--workers``) with identical bytes for any count.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
-import io
 import json
 import sys
 import time
@@ -31,11 +33,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from data_pipeline import formula
 from data_pipeline.cli import output_folder
+from data_pipeline.formula import encode_jpeg
 from data_pipeline.manifest import DATASET_FILE
 from data_pipeline.write import WriteConfig, write_dataset
-
-JPEG_QUALITY = 95
 
 
 @dataclass(frozen=True)
@@ -53,95 +55,26 @@ class BuiltinConfig:
     processes: int = 1
 
 
-def _encode(img: Image.Image) -> bytes:
-    out = io.BytesIO()
-    img.save(out, format="JPEG", quality=JPEG_QUALITY)
-    return out.getvalue()
+# --------------------------------------------------------------------------------- formula-driven (fractal, rcdb)
 
 
-# ----------------------------------------------------------------------------------------------- fractal (IFS)
-
-
-def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random contractive IFS of 2-4 affine maps; probabilities proportional to |det| as in FractalDB."""
-    n = int(rng.integers(2, 5))
-    mats = rng.uniform(-1.0, 1.0, size=(n, 2, 2))
-    for k in range(n):  # contract each map so the attractor is bounded
-        sigma = np.linalg.norm(mats[k], 2)
-        mats[k] *= rng.uniform(0.45, 0.9) / max(sigma, 1e-6)
-    shifts = rng.uniform(-1.0, 1.0, size=(n, 2))
-    det = np.abs(np.linalg.det(mats)) + 1e-3
-    return mats, shifts, det / det.sum()
-
-
-def _chaos_game(mats, shifts, probs, rng, chains: int = 256, steps: int = 40, burn_in: int = 6) -> np.ndarray:
-    """Points on the attractor, from many short chains run in parallel (vectorised over chains)."""
-    cumulative = np.cumsum(probs)
-    picks = np.minimum(np.searchsorted(cumulative, rng.random((steps, chains))), len(probs) - 1)  # (T, C)
-    x, y = rng.uniform(-1, 1, size=(2, chains))
-    pts = np.empty((steps - burn_in, 2, chains))
-    for step in range(steps):
-        m, t = mats[picks[step]], shifts[picks[step]]  # (C, 2, 2), (C, 2)
-        x, y = m[:, 0, 0] * x + m[:, 0, 1] * y + t[:, 0], m[:, 1, 0] * x + m[:, 1, 1] * y + t[:, 1]
-        if step >= burn_in:
-            pts[step - burn_in, 0], pts[step - burn_in, 1] = x, y
-    return pts.transpose(0, 2, 1).reshape(-1, 2)  # (C * (steps - burn_in), 2)
-
-
-def _render_points(pts: np.ndarray, res: int, rng: np.random.Generator) -> np.ndarray:
-    # Robust bounds from a sorted subsample: a few far-flung transient points must not shrink the figure.
-    sample = np.sort(pts[:: max(1, len(pts) // 512)], axis=0)
-    lo, hi = sample[len(sample) // 100], sample[-1 - len(sample) // 100]
-    margin = rng.uniform(0.05, 0.2)
-    span = np.maximum(hi - lo, 1e-6)
-    uv = (pts - lo) / span * (1 - 2 * margin) + margin  # (P, 2) in [0, 1] for most points
-    ij = np.clip((uv * res).astype(np.int64), 0, res - 1)
-    counts = np.bincount(ij[:, 1] * res + ij[:, 0], minlength=res * res).reshape(res, res).astype(np.float32)
-    return 1.0 - np.exp(-counts / max(counts.mean() * 4, 1e-6))  # (res, res) intensity in [0, 1)
-
-
-def _filling_rate(mats, shifts, probs, rng) -> float:
-    return float((_render_points(_chaos_game(mats, shifts, probs, rng), 32, rng) > 0.05).mean())
-
-
-def _fractal_categories(cfg: BuiltinConfig) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Sample IFS categories, rejecting degenerate ones (a dot or a line) by their filling rate, as FractalDB does."""
-    rng = np.random.default_rng([cfg.seed, 7001])
-    cats = []
-    while len(cats) < cfg.num_classes:
-        ifs = _random_ifs(rng)
-        if 0.08 <= _filling_rate(*ifs, rng) <= 0.7:
-            cats.append(ifs)
-    return cats
-
-
-def _fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
-    """One instance of a category: jittered map parameters, a random colour, flip and rotation by 90 degrees."""
-    mats, shifts, probs = ifs
-    mats = mats * rng.uniform(0.9, 1.1, size=mats.shape)
-    shifts = shifts + rng.normal(0.0, 0.05, size=shifts.shape)
-    intensity = _render_points(_chaos_game(mats, shifts, probs, rng), res, rng)
-    colour = rng.uniform(0.3, 1.0, size=3)
-    background = rng.uniform(0.0, 0.15, size=3)
-    rgb = background + intensity[..., None] * (colour - background)  # (res, res, 3)
-    img = np.rot90(rgb, k=int(rng.integers(4)))
-    if rng.random() < 0.5:
-        img = img[:, ::-1]
-    return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8))
+def _formula_set(kind: str, cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
+    """Train and val splits of a formula-driven set (data_pipeline.formula), generated by ``cfg.processes``."""
+    prefix = {"fractal": "ifs", "rcdb": "contour"}[kind]
+    names = [f"{prefix}_{c:05d}" if cfg.num_classes > 1000 else f"{prefix}_{c:03d}" for c in range(cfg.num_classes)]
+    splits = {}
+    for split, per_class in (("train", cfg.images_per_class), ("val", cfg.val_per_class)):
+        items = formula.generate(kind, cfg.seed, split, cfg.num_classes, per_class, cfg.resolution, cfg.processes)
+        splits[split] = (items, names)
+    return splits
 
 
 def gen_fractal(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
-    cats = _fractal_categories(cfg)
-    names = [f"ifs_{c:03d}" for c in range(cfg.num_classes)]
-    splits = {}
-    for split, per_class, salt in (("train", cfg.images_per_class, 1), ("val", cfg.val_per_class, 2)):
-        items = []
-        for c, ifs in enumerate(cats):
-            for i in range(per_class):
-                rng = np.random.default_rng([cfg.seed, salt, c, i])
-                items.append((_encode(_fractal_image(ifs, rng, cfg.resolution)), c, f"fractal/{split}/{c}/{i}"))
-        splits[split] = (items, names)
-    return splits
+    return _formula_set("fractal", cfg)
+
+
+def gen_rcdb(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
+    return _formula_set("rcdb", cfg)
 
 
 # ------------------------------------------------------------------------------------------------------- digits
@@ -162,7 +95,7 @@ def gen_digits(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
         for i in sorted(idx.tolist()):
             grey = Image.fromarray((images[i] * (255.0 / 16.0)).astype(np.uint8))
             img = grey.resize((cfg.resolution, cfg.resolution), Image.BICUBIC).convert("RGB")
-            items.append((_encode(img), int(labels[i]), f"digits/{i}"))
+            items.append((encode_jpeg(img), int(labels[i]), f"digits/{i}"))
         splits[split] = (items, names)
     return splits
 
@@ -198,7 +131,7 @@ def _dsprites(cfg: BuiltinConfig, target: str) -> dict[str, tuple[list, list[str
             img = Image.new("RGB", (res, res))
             ImageDraw.Draw(img).polygon([tuple(p) for p in pts + centre], fill=(255, 255, 255))
             value = x if target == "loc" else angle / (2 * np.pi)
-            items.append((_encode(img), min(int(value * bins), bins - 1), f"dsprites/{split}/{i}"))
+            items.append((encode_jpeg(img), min(int(value * bins), bins - 1), f"dsprites/{split}/{i}"))
         splits[split] = (items, names)
     return splits
 
@@ -243,19 +176,21 @@ def gen_shapes_count(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
                     draw.rectangle(box, fill=colour)
                 else:
                     draw.polygon([(c[0], c[1] - r), (c[0] - r, c[1] + r), (c[0] + r, c[1] + r)], fill=colour)
-            items.append((_encode(img), n - 3, f"shapes_count/{split}/{i}"))
+            items.append((encode_jpeg(img), n - 3, f"shapes_count/{split}/{i}"))
         splits[split] = (items, names)
     return splits
 
 
 GENERATORS: dict[str, Callable[[BuiltinConfig], dict]] = {
     "fractal": gen_fractal,
+    "rcdb": gen_rcdb,
     "digits": gen_digits,
     "dsprites_loc": gen_dsprites_loc,
     "dsprites_ori": gen_dsprites_ori,
     "shapes_count": gen_shapes_count,
 }
-SPLITS = {"fractal": ("train", "val")} | {n: ("train", "test") for n in GENERATORS if n != "fractal"}
+FORMULA_SETS = ("fractal", "rcdb")  # pre-training sets (train, val); the rest are eval sets (train, test)
+SPLITS = {n: ("train", "val") if n in FORMULA_SETS else ("train", "test") for n in GENERATORS}
 ALIASES = {"shapes-count": "shapes_count", "dsprites-loc": "dsprites_loc", "dsprites-ori": "dsprites_ori"}
 BUILTIN_NAMES = tuple(GENERATORS)
 
@@ -276,17 +211,29 @@ def _canonical(name: str) -> str:
 
 
 # The BuiltinConfig fields each generator reads; only these must match for an existing folder to be reused.
-_FIELDS = {
-    "fractal": ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard"),
-    "digits": ("resolution", "seed", "num_test", "samples_per_shard"),
-} | {
-    n: ("resolution", "seed", "num_train", "num_test", "samples_per_shard")
-    for n in ("dsprites_loc", "dsprites_ori", "shapes_count")
-}
+_FIELDS = (
+    {
+        n: ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")
+        for n in FORMULA_SETS
+    }
+    | {
+        "digits": ("resolution", "seed", "num_test", "samples_per_shard"),
+    }
+    | {
+        n: ("resolution", "seed", "num_train", "num_test", "samples_per_shard")
+        for n in ("dsprites_loc", "dsprites_ori", "shapes_count")
+    }
+)
 
 
 def _settings(name: str, cfg: BuiltinConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k in _FIELDS[name]}
+
+
+def check_sizes(name: str, cfg: BuiltinConfig) -> None:
+    """Reject sizes dataset ``name`` cannot have (ValueError), before any folder is made: nothing is left behind."""
+    if name in FORMULA_SETS:
+        formula.check_sizes(cfg.num_classes, cfg.images_per_class, cfg.val_per_class, cfg.resolution)
 
 
 def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
@@ -315,6 +262,7 @@ def ensure(name: str, root: str | Path, **size_overrides) -> Path:
     if unknown:
         raise ValueError(f"unknown built-in size option(s) {sorted(unknown)}; known: {sorted(known)}")
     cfg = BuiltinConfig(**size_overrides)
+    check_sizes(name, cfg)
     folder = Path(root) / name
     if _is_complete(folder, name, cfg):
         return folder
@@ -356,9 +304,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIELD=INT",
         help=f"size override, fields: {', '.join(f.name for f in fields(BuiltinConfig))}",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes generating and writing (same bytes for any count; default: the `processes` field, 1)",
+    )
     args = p.parse_args(argv)
     try:
         overrides = {}
+        if args.workers is not None:
+            if args.workers < 1:
+                raise ValueError(f"--workers {args.workers}: use >= 1 process")
+            overrides["processes"] = args.workers
         for item in args.set:
             key, sep, value = item.partition("=")
             if not sep:
@@ -371,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
             overrides[key] = int(value)
         names = BUILTIN_NAMES if args.name == "all" else (_canonical(args.name),)
+        for name in names:
+            check_sizes(name, BuiltinConfig(**overrides))
         output_folder(args.out, "--out")
         for name in names:
             start = time.perf_counter()

@@ -123,7 +123,7 @@ class DeepSpeedConfig:
     """The ZeRO engine; the DeepSpeed JSON is generated from this by `pretrain.ds_config`."""
 
     zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
-    # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA; on a CPU bf16 only with AMX/AVX512-BF16 and a probe step faster in bf16 (pretrain.precision)
     precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
     reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
     allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
@@ -162,6 +162,9 @@ class EvalsConfig:
 
     suite: str | None = None  # an eval suite name or YAML path; None → no evals
     data_root: str = "data"  # where the suite's datasets live (built-in ones are generated there)
+    # Evaluate the step-0 weights too (a checkpoint saved before the first update): the random-initialisation
+    # baseline every transfer curve starts at. Costs one checkpoint save and one eval; false skips both.
+    baseline: bool = True
 
 
 SECTIONS = ("model", "data", "optim", "schedule", "loss", "task", "deepspeed", "checkpoint", "logging", "evals")

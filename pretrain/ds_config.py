@@ -1,7 +1,8 @@
 """The DeepSpeed config, generated from the typed config (never a hand-written JSON repeating the batch size).
 
 The batch arithmetic lives here and only here: global batch = micro-batch × accumulation steps × world size.
-Precision and the process-group backend are resolved from the device: bf16 + nccl on CUDA, fp32 + gloo on CPU.
+The process-group backend is resolved from the device (nccl on CUDA, gloo on CPU); precision "auto" by
+`pretrain.precision` (bf16 on CUDA; on a CPU bf16 only with native bf16 units and a probe that finds it faster).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from pretrain import precision as precision_rule
 from pretrain.typed_yaml import positive
 
 if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
@@ -58,10 +60,9 @@ def check_config(ds: DeepSpeedConfig) -> None:
 
 
 def resolve_precision(ds: DeepSpeedConfig, device_type: str) -> str:
-    """ "auto" → bf16 on CUDA, fp32 elsewhere (DeepSpeed on CPU has no fp16 and its bf16 is slow)."""
-    if ds.precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
-    return ds.precision
+    """The precision without a probe (`pretrain.precision.decide`): "auto" → bf16 on CUDA, fp32 on a CPU. The
+    trainer decides a CPU with bf16 units by a probe step and passes its choice to `deepspeed_config`."""
+    return precision_rule.decide(ds.precision, device_type).precision
 
 
 def resolve_backend(ds: DeepSpeedConfig, device_type: str) -> str:
@@ -71,10 +72,18 @@ def resolve_backend(ds: DeepSpeedConfig, device_type: str) -> str:
 
 
 def deepspeed_config(
-    ds: DeepSpeedConfig, optim: OptimConfig, plan: BatchPlan, device_type: str, steps_per_print: int = 10**9
+    ds: DeepSpeedConfig,
+    optim: OptimConfig,
+    plan: BatchPlan,
+    device_type: str,
+    steps_per_print: int = 10**9,
+    precision: str | None = None,
 ) -> dict[str, Any]:
-    """The dict for `deepspeed.initialize(config=...)`. The optimizer and lr schedule are ours (not listed here)."""
-    precision = resolve_precision(ds, device_type)
+    """The dict for `deepspeed.initialize(config=...)`. The optimizer and lr schedule are ours (not listed here).
+
+    ``precision``: the run's decided precision ("fp32" | "bf16"); None resolves it here without a probe.
+    """
+    precision = precision or resolve_precision(ds, device_type)
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
         "overlap_comm": ds.overlap_comm,
@@ -107,5 +116,8 @@ def deepspeed_config(
     }
 
 
-def engine_config(config: TrainConfig, world_size: int, device_type: str) -> dict[str, Any]:
-    return deepspeed_config(config.deepspeed, config.optim, batch_plan(config.data, world_size), device_type)
+def engine_config(
+    config: TrainConfig, world_size: int, device_type: str, precision: str | None = None
+) -> dict[str, Any]:
+    plan = batch_plan(config.data, world_size)
+    return deepspeed_config(config.deepspeed, config.optim, plan, device_type, precision=precision)

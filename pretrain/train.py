@@ -5,7 +5,9 @@ WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Sta
 
     python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run]
 
-The loop reads like the algorithm: resume → (lr, micro-batches, step, log, checkpoint) → final checkpoint.
+The loop reads like the algorithm: resume → (lr, micro-batches, step, log, checkpoint) → final checkpoint. When the
+run's checkpoints are evaluated (the cluster driver's `on_checkpoint`, `evals.suite` set, `evals.baseline` on), a fresh
+run first saves the step-0 weights, before the first update, so every transfer curve starts at its baseline.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from data_pipeline.stream import TrainStream
 from pretrain import checkpoint as ckpt
 from pretrain import progressive
 from pretrain.config import TrainConfig, load_config, model_overrides
-from pretrain.ds_config import batch_plan, engine_config, resolve_backend, resolve_precision
+from pretrain.ds_config import batch_plan, engine_config, resolve_backend
 from pretrain.flops import train_flops
 from pretrain.metrics import TrainMetrics, device_peak_tflops
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, build_schedule, set_lr
+from pretrain.precision import PrecisionChoice, decide, decide_on_rank0, probe_bf16_speedup
 from pretrain.run_folder import CONFIG_YAML, TrainerState
 from pretrain.tasks import build_task
 from tracking import keys
@@ -152,7 +155,21 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int):
     )
 
 
-def build_engine(config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint):
+def decide_precision(config: TrainConfig, place: Placement, num_classes: int) -> PrecisionChoice:
+    """`deepspeed.precision` for this run, the same on every rank (`pretrain.precision`: rank 0 decides; on a CPU
+    with bf16 units by timing one fwd+bwd of this model on one micro-batch at the training resolution)."""
+    d = config.data
+
+    def probe() -> tuple[float, float]:
+        def build():
+            return build_task(config, build_model(config.model.name, **model_overrides(config, num_classes)))
+
+        return probe_bf16_speedup(build, d.micro_batch_size, d.image_size)
+
+    return decide_on_rank0(lambda: decide(config.deepspeed.precision, place.device.type, probe))
+
+
+def build_engine(config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint, precision: str):
     """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model)."""
     import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
 
@@ -161,7 +178,7 @@ def build_engine(config: TrainConfig, place: Placement, num_classes: int, start:
     if start.kind == "init_from":
         ckpt.init_weights(model, start.path, config.data.image_size)
     task = build_task(config, model)
-    ds_config = engine_config(config, place.world_size, place.device.type)
+    ds_config = engine_config(config, place.world_size, place.device.type, precision)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
     return engine, model
 
@@ -237,7 +254,8 @@ def train_step(
 def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> dict[str, Any]:
     """Train per ``config`` on this rank; returns a summary (steps, final_loss, images_seen, checkpoints, losses).
 
-    ``on_checkpoint(checkpoint_dir, step, metrics)`` runs on every rank after each COMPLETE checkpoint.
+    ``on_checkpoint(checkpoint_dir, step, metrics)`` runs on every rank after each COMPLETE checkpoint, the step-0
+    baseline included (`save_baseline`).
     """
     place = init_distributed(config)
     config.validate(place.world_size)
@@ -250,13 +268,19 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
 
     start = ckpt.find_start(config)
     current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
-    engine, model = build_engine(current, place, num_classes, start)
+    choice = decide_precision(current, place, num_classes)
+    if place.rank == 0 and config.deepspeed.precision == "auto":
+        print(choice.line("auto"), flush=True)
+    engine, model = build_engine(current, place, num_classes, start, choice.precision)
     stream = build_stream(current, place, num_classes)
     state = resume(engine, stream, start, place, current)  # None when starting fresh
     step, images_seen = (state.step, state.images_seen) if state is not None else (0, 0)
     tracker = _tracker(config, place, model)
+    tracker.set_tags({keys.PRECISION: choice.precision})
     metrics = build_metrics(config, place, model, tracker, last_step, step, images_seen)
-    dtype = torch.bfloat16 if resolve_precision(config.deepspeed, place.device.type) == "bf16" else torch.float32
+    # bf16: DeepSpeed keeps bf16 weights for compute and fp32 master weights + optimizer state in ZeRO; the task
+    # computes the loss in fp32, and LayerNorm kernels accumulate their statistics in fp32.
+    dtype = torch.bfloat16 if choice.precision == "bf16" else torch.float32
     summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": []}
     # The model's own randomness is seeded by position in train_step (model_randomness), whatever happens here.
     # The global generators are restored last, right before the loop, for any other code that draws from them.
@@ -264,12 +288,17 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
         ckpt.set_rng_state(state.rng_states[place.rank])
     else:
         seed_everything(config.seed * 1000 + place.rank + 1)  # different on every rank, reproducibly
-    it, last = iter(stream), {}
     try:
+        if state is None and save_baseline(config, on_checkpoint):
+            saved = ckpt.save_checkpoint(engine, model, current, step=0, images_seen=0,
+                                         stream_state=stream.state_dict(), metrics={})  # fmt: skip
+            summary["checkpoints"].append(str(saved))
+            on_checkpoint(saved, 0, {})
+        it, last = iter(stream), {}
         while step < last_step:
             current, engine, model, stream, resized = progressive.advance(
                 config, current, step, engine, model, stream,
-                lambda cfg: build_engine(cfg, place, num_classes, ckpt.StartPoint("scratch", None)),
+                lambda cfg: build_engine(cfg, place, num_classes, ckpt.StartPoint("scratch", None), choice.precision),
                 lambda cfg: build_stream(cfg, place, num_classes),
             )  # fmt: skip
             if resized:
@@ -302,6 +331,17 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     final_loss = summary["losses"][-1][1] if summary["losses"] else None
     return {**summary, "steps": step, "final_loss": final_loss, "images_seen": metrics.images_seen,
             "rank": place.rank, "world_size": place.world_size}  # fmt: skip
+
+
+def save_baseline(config: TrainConfig, on_checkpoint: CheckpointCallback | None) -> bool:
+    """Whether a fresh run saves (and hands to ``on_checkpoint``) its step-0 weights: only when someone evaluates
+    checkpoints, a suite is set and ``evals.baseline`` is on. A resumed run never does (its step 0 was handled by the
+    run's first attempt), so a restart does not evaluate step 0 again.
+
+    The save draws no random numbers (it reads the RNG states into the trainer state), so the training losses are
+    the same with and without it; resuming from this checkpoint continues the run exactly.
+    """
+    return on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
 
 
 def resume(engine, stream, start: ckpt.StartPoint, place: Placement, config: TrainConfig) -> TrainerState | None:

@@ -54,6 +54,18 @@ def test_format_summary_lists_steps_loss_and_eval_errors():
     assert lines[4].split()[:3] == ["100", "2.9000", "-"]
     assert "step 100: eval error: ValueError: no data" in text
     assert format_summary({}) == "summary: no checkpoint was completed"
+    assert "no step-0 baseline of fewshot/mean/10shot" in text  # a job without step 0 says so
+
+
+def test_format_summary_shows_each_checkpoints_gain_over_step0():
+    rows = {
+        0: {"train": {}, "metrics": {"fewshot/mean/10shot": 0.17, "fewshot/mean/5shot": 0.15}},
+        50: {"train": {"train/loss": 3.2}, "metrics": {"fewshot/mean/10shot": 0.25, "fewshot/mean/5shot": 0.2}},
+        100: {"train": {"train/loss": 2.9}, "metrics": {"fewshot/mean/10shot": 0.31, "fewshot/mean/5shot": 0.2}},
+    }
+    lines = format_summary(rows).splitlines()
+    assert lines[1].split()[-5:] == ["gain", "vs", "step", "0", "(fewshot/mean/10shot)"]  # the headline metric
+    assert [line.split()[-1] for line in lines[3:6]] == ["+0.0000", "+0.0800", "+0.1400"]
 
 
 def _fake_checkpoints(run_dir: Path, steps) -> list[Path]:
@@ -100,7 +112,7 @@ def _worker_output(cluster, pid: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch):
+def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys):
     """The restarted group redoes steps 11..~15 (already logged to MLflow), and keep_last=1 would delete the
     checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot."""
     import ray
@@ -216,10 +228,19 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     # deterministically by test_tracking.py::test_steps_redone_after_a_restart_are_logged_once.
     redone = [m.step for m in history if 10 < m.step and m.timestamp < restarted_ms]
     print(f"steps logged by the first attempt and redone after the restart: {redone}")
-    eval_steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "fewshot/digits/5shot")})
-    assert eval_steps == [10, 20, 30]  # an eval at every checkpoint step, step 10 only once despite the restart
-    assert {"10", "20", "30"} <= set(summary["checkpoints"])
-    assert all("metrics" in summary["checkpoints"][s] for s in ("10", "20", "30"))
+    eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "fewshot/digits/5shot")]
+    # An eval at every checkpoint step and at step 0 (the weights before the first update, evals.baseline on by
+    # default), each once: the restart resumed from step 10 and evaluated neither step 10 nor step 0 again.
+    assert sorted(eval_steps) == [0, 10, 20, 30]
+    assert {"0", "10", "20", "30"} <= set(summary["checkpoints"])
+    assert all("metrics" in summary["checkpoints"][s] for s in ("0", "10", "20", "30"))
+    # (step 0 was pinned for its eval and pruned like the others: the listing of checkpoints above is step 30 only)
+    # The printed summary shows each checkpoint's gain over step 0 in the headline metric.
+    table = capsys.readouterr().out
+    assert "gain vs step 0 (fewshot/mean/1shot)" in table, table[-3000:]
+    rows = summary["checkpoints"]
+    gain = rows["30"]["metrics"]["fewshot/mean/1shot"] - rows["0"]["metrics"]["fewshot/mean/1shot"]
+    assert f"{gain:+.4f}" in table.split("gain vs step 0")[1]
 
 
 @pytest.mark.slow

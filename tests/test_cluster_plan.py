@@ -15,6 +15,7 @@ from cluster import launch
 from cluster.memory import activation_bytes_per_image, model_state_bytes, tokens_per_image
 from cluster.plan import PlanError, build_plan, format_plan, resolve_config
 from cluster.profiles import load_profile, profile_names
+from pretrain.precision import cpu_bf16_units, decide
 
 H14_PARAMS_1K = 632_050_000  # paper Table 1 / docs/reference.md §1, with a 1000-class head
 
@@ -103,6 +104,9 @@ def test_h14_plan_on_a100x64_matches_hand_arithmetic():
         "exaFLOPs",
         "shards",
         "MB/s",
+        "precision     bf16 (CUDA: bf16 tensor cores)",
+        # H/14's step-0 baseline costs one more checkpoint: the plan says how large.
+        "baseline eval the step-0 weights are saved before the first update (a checkpoint of ~13 GB)",
     ):
         assert needle in text, needle
 
@@ -204,6 +208,15 @@ def test_local_plan_uses_cpu_memory_and_profile_storage(tmp_path):
     plan = build_plan(profile, config)
     assert plan.capacity_gb == pytest.approx(12.0)  # 24 GB / 2 workers on the node
     assert plan.precision == "fp32" and plan.zero_stage == 2 and plan.world_size == 2
+    # auto on this CPU: what the workers will pick, from this machine's flags (the local profile runs here).
+    assert plan.precision_reason == decide("auto", "cpu").reason
+    if not cpu_bf16_units():
+        assert "has no AMX/AVX512-BF16" in format_plan(plan)
+    assert "evaluated with local_fewshot" in plan.baseline_eval
+    off = build_plan(profile, resolve_config(profile, "local_demo", ["evals.baseline=false"], "demo"))
+    assert off.baseline_eval.startswith("off (evals.baseline=false)")
+    forced = build_plan(profile, resolve_config(profile, "local_demo", ["deepspeed.precision=bf16"], "demo"))
+    assert forced.precision == "bf16" and (cpu_bf16_units() or "bf16 is emulated" in forced.precision_reason)
 
 
 I21K_RECIPES = ("vit_b16_i21k", "vit_b16_i21k_augreg", "vit_l16_i21k", "vit_h14_i21k", "r50_vit_b16_i21k")

@@ -13,7 +13,7 @@ from PIL import Image
 from tracking import keys
 from tracking.compare import main
 from tracking.report_collect import collect
-from tracking.report_render import CSV_NAME, FEWSHOT_PNG, LOSS_PNG
+from tracking.report_render import CSV_NAME, FEWSHOT_PNG, LOSS_PNG, draw_fewshot, format_table
 from tracking.runs import create_run, run_tags
 from tracking.tracker import Tracker
 
@@ -80,7 +80,7 @@ def store(tmp_path_factory):
     uri = f"sqlite:///{root / 'mlflow.db'}"
     runs = {
         "b16": _log_run(uri, "scaling", "b16-run", model="vit_b16", recipe="vit_b16_i21k", steps=60, gflops=17.6,
-                        evals_at=(20, 40, 60), seed=1),
+                        evals_at=(0, 20, 40, 60), seed=1),
         "ti": _log_run(uri, "scaling", "tiny-run", model="vit_tiny_debug", recipe="local_demo", steps=80,
                        gflops=0.05, evals_at=(40, 80), seed=2),
     }  # fmt: skip
@@ -108,16 +108,42 @@ def test_table_numbers_equal_what_was_logged(store):
     assert b16.steps == 60 and b16.images_seen == 60 * BATCH
     assert b16.final_loss == pytest.approx(logged["loss"][60], rel=1e-12)
     assert b16.exaflops == pytest.approx(60 * BATCH * 3 * 17.6e9 / 1e18, rel=1e-12)
-    assert b16.fewshot_10shot == pytest.approx(0.2 + 0.2 + 0.01 - 0.02)  # latest checkpoint (step 60)
-    assert b16.finetune_accuracy == pytest.approx(((0.41 + 0.3) + (0.41 + 0.1)) / 2)
+    assert b16.fewshot_10shot == pytest.approx(0.2 + 0.3 + 0.01 - 0.02)  # latest checkpoint (step 60)
+    assert b16.finetune_accuracy == pytest.approx(((0.51 + 0.3) + (0.51 + 0.1)) / 2)
     assert b16.finetune_datasets == ("digits", "dsprites_loc")
-    assert (b16.vtab_mean, b16.vtab_num_tasks, b16.vtab_num_tasks_expected) == (pytest.approx(0.435), 2, 19)
+    assert (b16.vtab_mean, b16.vtab_num_tasks, b16.vtab_num_tasks_expected) == (pytest.approx(0.535), 2, 19)
+    # Step 0 (the weights before the first update) is the baseline, not a point of the log-compute curve.
     assert [step for _, _, step in b16.fewshot_curve] == [20, 40, 60]
-    assert [acc for _, acc, _ in b16.fewshot_curve] == pytest.approx(list(logged["fewshot"].values()))
+    assert [acc for _, acc, _ in b16.fewshot_curve] == pytest.approx([logged["fewshot"][s] for s in (20, 40, 60)])
+    assert b16.fewshot_baseline == pytest.approx(logged["fewshot"][0])
+    assert b16.fewshot_gain == pytest.approx(logged["fewshot"][60] - logged["fewshot"][0])
+    assert [s for s, _ in b16.fewshot_gains] == [20, 40, 60]
+    assert [g for _, g in b16.fewshot_gains] == pytest.approx([0.1, 0.2, 0.3])
     assert len(b16.loss_curve) == 60 and b16.loss_curve[-1] == (60 * BATCH, pytest.approx(logged["loss"][60]))
     assert "VTAB mean covers 2 of 19 tasks" in b16.notes
     tiny = by_name["tiny-run"]
     assert (tiny.patch, tiny.steps, tiny.images_seen) == (4, 80, 80 * BATCH)  # the logged patch size
+    assert tiny.fewshot_baseline is None and tiny.fewshot_gain is None and not tiny.fewshot_gains
+    assert any(n.startswith("no step-0 fewshot/mean/10shot") for n in tiny.notes)
+
+
+def test_fewshot_plot_draws_each_runs_step0_baseline(store):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    uri, _, runs = store
+    comparison = collect(_client(uri), uri, experiment="scaling")
+    ax = Figure().subplots()
+    notes = draw_fewshot(ax, comparison.runs)
+    base = 100 * runs["b16"][1]["fewshot"][0]
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert len(dashed) == 1  # b16-run's baseline; tiny-run has no step 0
+    assert list(dashed[0].get_ydata()) == pytest.approx([base, base])
+    assert dashed[0].get_label() == f"b16-run: step 0 {base:.1f}%"
+    assert any(t.get_text() == "step 0 (random init)" for t in ax.texts)
+    assert notes == ["tiny-run: no step-0 evaluation, so no baseline line"]
 
 
 def test_report_files_csv_and_mlflow_artifacts(store, two_run_report):
@@ -129,7 +155,14 @@ def test_report_files_csv_and_mlflow_artifacts(store, two_run_report):
     assert int(rows["tiny-run"]["steps"]) == 80 and float(rows["tiny-run"]["images_seen"]) == 80 * BATCH
     page = (two_run_report / "index.html").read_text()
     assert "b16-run" in page and "tiny-run" in page and "3,840" in page and "5,120" in page
-    assert "43.5% (2/19 tasks)" in page and "61.0% (mean of 2)" in page and "39.0%" in page
+    assert "53.5% (2/19 tasks)" in page and "71.0% (mean of 2)" in page and "49.0%" in page
+    # Each checkpoint's gain over step 0, in the table (latest), under the figure (every checkpoint) and the CSV.
+    gains = "10-shot mean over step 0 (19.0%): step 20 +10.0 pp, step 40 +20.0 pp, step 60 +30.0 pp"
+    assert "+30.0 pp" in page and gains in page
+    assert float(rows["b16-run"]["fewshot_10shot_gain"]) == pytest.approx(0.3)
+    assert rows["tiny-run"]["fewshot_10shot_step0"] == ""
+    table = format_table(collect(_client(uri), uri, experiment="scaling"))
+    assert "Gain vs step 0" in table and f"gain [b16-run]: {gains}" in table
     # The report went to MLflow as a comparison run, which later comparisons leave out.
     client = _client(uri)
     experiment = client.get_experiment_by_name("scaling")
@@ -148,8 +181,11 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     # A standalone trainer tags its outcome but leaves the MLflow run RUNNING: the tag decides.
     died, _ = _log_run(uri, "mixed", "tagged-failed", model="vit_s16", recipe="r", steps=3, gflops=1, status="RUNNING")
     _client(uri).set_tag(died, keys.STATUS, "failed")
+    # Died after its step-0 baseline eval, before any later checkpoint.
+    only0, _ = _log_run(uri, "mixed", "only-step0", model="vit_s16", recipe="r", steps=4, gflops=1, evals_at=(0,),
+                        status="FAILED")  # fmt: skip
     out = tmp_path / "reports"
-    ids = ",".join([crashed, running, bare, died])
+    ids = ",".join([crashed, running, bare, died, only0])
     assert main(["--runs", ids, "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0
     page = (out / "m" / "index.html").read_text()
     assert "tagged-failed: run FAILED (crashed) at step 3" in page
@@ -159,6 +195,7 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     assert page.count("no eval metrics logged") == 4
     assert "No run has few-shot 10-shot results" not in page  # the placeholder text lives in the PNG
     assert "no-evals: no few-shot eval logged" in page
+    assert "only-step0: only step 0 evaluated so far (no checkpoint after it)" in page
     assert Image.open(out / "m" / FEWSHOT_PNG).size[0] > 100
 
 

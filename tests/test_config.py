@@ -211,3 +211,10 @@ def test_typed_yaml_builds_any_dataclass_naming_the_source_and_key(tmp_path):
     path.write_text("name: x\nshape: [1, 2\n")
     with pytest.raises(ValueError, match=r"suite .*s\.yaml, line \d+, column \d+: invalid YAML"):
         read_mapping(path, "suite", "see the docs")
+
+
+def test_step0_baseline_eval_is_on_by_default_and_can_be_turned_off():
+    assert load_config("local_demo").evals.baseline is True
+    assert load_config("local_demo", ["evals.baseline=false"]).evals.baseline is False
+    with pytest.raises(ValueError, match="evals.baseline must be true or false"):
+        load_config("local_demo", ["evals.baseline=maybe"])

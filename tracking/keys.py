@@ -47,5 +47,6 @@ STATUS = "vitscale.status"  # running | finished | stopped | failed
 GIT_COMMIT = "vitscale.git_commit"
 RUN_DIR = "vitscale.run_dir"
 RESTARTS = "vitscale.restarts"  # how many times Ray Train restarted the worker group
+PRECISION = "vitscale.precision"  # fp32 | bf16: what deepspeed.precision (maybe "auto") resolved to on this hardware
 KIND = "vitscale.kind"  # "comparison" for the runs `make compare` logs its report to
 COMPARED_RUNS = "vitscale.compared_runs"

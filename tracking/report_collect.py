@@ -41,10 +41,27 @@ class RunSummary:
     vtab_num_tasks: int | None
     vtab_num_tasks_expected: int | None
     start_time_ms: int
-    # Curves for the figures: (images_seen, loss) per logged step; (exaFLOPs, accuracy, step) per checkpoint.
+    # Curves for the figures: (images_seen, loss) per logged step; (exaFLOPs, accuracy, step) per checkpoint after
+    # step 0 (no compute yet: it has no place on a log axis, so it is drawn as the baseline instead).
     loss_curve: tuple[tuple[float, float], ...] = ()
     fewshot_curve: tuple[tuple[float, float, int], ...] = ()
     notes: tuple[str, ...] = field(default=())
+    fewshot_baseline: float | None = None  # fewshot/mean/10shot at step 0: the weights before the first update
+    fewshot_last_step: int | None = None  # the newest step with a fewshot/mean/10shot value
+
+    @property
+    def fewshot_gain(self) -> float | None:
+        """The latest 10-shot mean minus its step-0 value (None without both)."""
+        if self.fewshot_baseline is None or self.fewshot_10shot is None:
+            return None
+        return self.fewshot_10shot - self.fewshot_baseline
+
+    @property
+    def fewshot_gains(self) -> tuple[tuple[int, float], ...]:
+        """(step, 10-shot mean - its step-0 value) for every evaluated checkpoint after step 0."""
+        if self.fewshot_baseline is None:
+            return ()
+        return tuple((step, value - self.fewshot_baseline) for _, value, step in self.fewshot_curve)
 
     @property
     def label(self) -> str:
@@ -120,9 +137,10 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
     loss_curve: tuple = ()
     if loss and seen:
         loss_curve = tuple((_interp(step, seen), value) for step, value in loss)
+    baseline = next((value for step, value in fewshot if step == 0), None)
     fewshot_curve: tuple = ()
     if fewshot and flops:
-        fewshot_curve = tuple((_interp(step, flops), value, step) for step, value in fewshot)
+        fewshot_curve = tuple((_interp(step, flops), value, step) for step, value in fewshot if step > 0)
 
     finetune = {m.group(1): v for k, v in metrics.items() if (m := _FINETUNE_KEY.match(k)) and math.isfinite(v)}
     vtab_count = _latest(metrics, keys.VTAB_NUM_TASKS)
@@ -148,6 +166,8 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
     else:
         if fewshot and not flops:
             notes.append(f"{keys.EXAFLOPS} not logged: left out of the few-shot vs compute plot")
+        if fewshot and baseline is None:
+            notes.append(f"no step-0 {keys.FEWSHOT_MEAN_10SHOT} (evals.baseline off, or a run from before it): no gain")
         if vtab_count is not None and vtab_expected is not None and vtab_count < vtab_expected:
             notes.append(f"VTAB mean covers {int(vtab_count)} of {int(vtab_expected)} tasks")
     return RunSummary(
@@ -172,6 +192,8 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         loss_curve=loss_curve,
         fewshot_curve=fewshot_curve,
         notes=tuple(notes),
+        fewshot_baseline=baseline,
+        fewshot_last_step=fewshot[-1][0] if fewshot else None,
     )
 
 

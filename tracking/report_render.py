@@ -20,7 +20,8 @@ CSV_NAME = "runs.csv"
 
 CSV_COLUMNS = (
     "run_id run_name experiment status model patch recipe steps images_seen exaflops final_loss "
-    "fewshot_10shot_mean finetune_accuracy_mean finetune_datasets vtab_mean vtab_num_tasks vtab_num_tasks_expected "
+    "fewshot_10shot_mean fewshot_10shot_step0 fewshot_10shot_gain finetune_accuracy_mean finetune_datasets "
+    "vtab_mean vtab_num_tasks vtab_num_tasks_expected "
     "notes"
 ).split()
 
@@ -38,6 +39,11 @@ def _sig(value: float | None, digits: int = 3) -> str:
 
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _points(value: float | None) -> str:
+    """A difference of two accuracies (fractions) in percentage points, signed."""
+    return "—" if value is None else f"{100 * value:+.1f} pp"
 
 
 def _vtab(run: RunSummary) -> str:
@@ -68,6 +74,8 @@ TABLE_COLUMNS = (
     ("ExaFLOPs", lambda r: _sig(r.exaflops)),
     ("Final loss", lambda r: _sig(r.final_loss, 4)),
     ("10-shot mean", lambda r: _pct(r.fewshot_10shot)),
+    ("Step 0", lambda r: _pct(r.fewshot_baseline)),
+    ("Gain vs step 0", lambda r: _points(r.fewshot_gain)),
     ("Fine-tune acc.", _finetune),
     ("VTAB mean", _vtab),
 )
@@ -80,9 +88,18 @@ def format_table(comparison: Comparison) -> str:
     rows = [[name for name, _ in TABLE_COLUMNS]] + [[cell(r) for _, cell in TABLE_COLUMNS] for r in comparison.runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"gain [{run.run_name}]: {line}" for run in comparison.runs if (line := gains_line(run))]
     for run in comparison.runs:
         lines += [f"note [{run.run_name}]: {note}" for note in run.notes]
     return "\n".join(lines + list(comparison.notes))
+
+
+def gains_line(run: RunSummary) -> str:
+    """Each checkpoint's 10-shot mean gain over step 0, e.g. "10-shot mean over step 0 (17.2%): step 50 +1.3 pp"."""
+    if not run.fewshot_gains:
+        return ""
+    steps = ", ".join(f"step {step} {_points(gain)}" for step, gain in run.fewshot_gains)
+    return f"10-shot mean over step 0 ({_pct(run.fewshot_baseline)}): {steps}"
 
 
 def write_csv(comparison: Comparison, path: Path) -> None:
@@ -94,7 +111,8 @@ def write_csv(comparison: Comparison, path: Path) -> None:
                 [
                     r.run_id, r.run_name, r.experiment, r.status, r.model or "", r.patch or "", r.recipe or "",
                     r.steps if r.steps is not None else "", *(_raw(v) for v in (
-                        r.images_seen, r.exaflops, r.final_loss, r.fewshot_10shot, r.finetune_accuracy)),
+                        r.images_seen, r.exaflops, r.final_loss, r.fewshot_10shot, r.fewshot_baseline,
+                        r.fewshot_gain, r.finetune_accuracy)),
                     ";".join(r.finetune_datasets), _raw(r.vtab_mean), _raw(r.vtab_num_tasks),
                     _raw(r.vtab_num_tasks_expected), " | ".join(r.notes),
                 ]
@@ -157,21 +175,40 @@ def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
 
 
 def plot_fewshot(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
-    """10-shot accuracy vs pre-training exaFLOPs (the paper's Figure 5, log x), one marker line per run."""
+    """10-shot accuracy vs pre-training exaFLOPs (the paper's Figure 5, log x), one marker line per run and a dashed
+    level line at each run's step-0 value (its random-initialisation baseline)."""
     plt, fig, ax = _figure()
+    notes = draw_fewshot(ax, runs)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return notes
+
+
+def _no_curve(run: RunSummary) -> str:
+    if run.fewshot_10shot is None:
+        return "no few-shot eval logged"
+    if run.fewshot_last_step == 0:
+        return "only step 0 evaluated so far (no checkpoint after it)"
+    return "few-shot logged but no train/exaflops"
+
+
+def draw_fewshot(ax, runs: tuple[RunSummary, ...]) -> list[str]:
+    """`plot_fewshot`'s drawing on ``ax``; returns the notes to print under the figure."""
     drawn = [r for r in runs if r.fewshot_curve]
-    notes = [
-        f"{r.run_name}: "
-        + ("no few-shot eval logged" if r.fewshot_10shot is None else "few-shot logged but no train/exaflops")
-        for r in runs
-        if not r.fewshot_curve
-    ]
+    notes = [f"{r.run_name}: {_no_curve(r)}" for r in runs if not r.fewshot_curve]
+    notes += [f"{r.run_name}: no step-0 evaluation, so no baseline line" for r in drawn if r.fewshot_baseline is None]
     for run in drawn:
         x, y, _ = zip(*run.fewshot_curve)
         y = [100 * v for v in y]
         color = _color(runs, run)
         ax.plot(x, y, marker="o", markersize=4, linewidth=1.2, alpha=0.8, label=run.label, color=color)
         ax.plot(x[-1], y[-1], marker="o", markersize=9, color=color)  # the latest checkpoint
+        if run.fewshot_baseline is not None:  # step 0 has no compute to place on the log axis: a level line
+            base = 100 * run.fewshot_baseline
+            ax.axhline(base, linestyle="--", linewidth=1.0, color=color, label=f"{run.run_name}: step 0 {base:.1f}%")
+            ax.annotate("step 0 (random init)", (x[0], base), textcoords="offset points", xytext=(0, 4),
+                        fontsize=7, color=color)  # fmt: skip
     if drawn:
         ax.set_xscale("log")
         ax.set_xlabel("pre-training compute (exaFLOPs, log scale)")
@@ -180,9 +217,6 @@ def plot_fewshot(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
     else:
         _placeholder(ax, "No run has few-shot 10-shot results (fewshot/mean/10shot)\nwith train/exaflops yet.")
     ax.set_title("Few-shot transfer vs pre-training compute (cf. paper Fig. 5)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
     return notes
 
 
@@ -211,6 +245,14 @@ def _notes_html(notes: list[str]) -> str:
     if not notes:
         return ""
     return '<ul class="notes">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
+
+
+def _gains_html(runs: tuple[RunSummary, ...]) -> str:
+    lines = [f"{r.run_name}: {line}" for r in runs if (line := gains_line(r))]
+    if not lines:
+        return ""
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+    return f'<p class="meta">Gain of each checkpoint over its run\'s step 0:</p><ul class="meta">{items}</ul>'
 
 
 def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: list[str]) -> str:
@@ -257,8 +299,11 @@ did not finish (crashed or still running).</figcaption></figure>
 <h2>Few-shot accuracy vs pre-training compute</h2>
 <figure><img src="{FEWSHOT_PNG}" alt="few-shot 10-shot accuracy vs exaFLOPs">
 <figcaption>fewshot/mean/10shot at each evaluated checkpoint (the large point is the latest) against the
-cumulative train/exaflops at that step (log x), as in Figure 5 of Dosovitskiy et al. (2021).</figcaption></figure>
+cumulative train/exaflops at that step (log x), as in Figure 5 of Dosovitskiy et al. (2021). The dashed line of
+each run is its step-0 value: the same model at random initialisation, evaluated with the same suite.</figcaption>
+</figure>
 {_notes_html(fewshot_notes)}
+{_gains_html(runs)}
 <h2>Run ids</h2><ul class="meta">{ids or "<li>none</li>"}</ul>
 </body></html>
 """

@@ -1,0 +1,223 @@
+"""Formula-driven supervised pre-training sets: radial contours (RCDB) and fractals (FractalDB), docs/reference.md §9.
+
+Every image is a pure function of (seed, kind, class, instance, resolution): a class is a set of formula parameters
+drawn from ``(seed, class)`` alone and an instance jitters the generator's secondary parameters from
+``(seed, split, class, instance)``, so any subset of classes or instances is generated independently, in any order
+and in any number of processes, with identical bytes. The sets hold no photograph, so they cannot contain an
+evaluation image.
+
+    python -m data_pipeline.builtin rcdb --out data --set num_classes=1000 --set resolution=224 --workers 16
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import time
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+JPEG_QUALITY = 95
+MAX_CLASSES = 21843  # ImageNet-21k's class count: the scale the FDSL papers match
+MIN_RESOLUTION = 16  # below this a contour or an attractor is a few pixels
+MAX_RESOLUTION = 224
+SPLIT_SALT = {"train": 1, "val": 2}
+
+
+def encode_jpeg(img: Image.Image) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
+
+
+def check_sizes(num_classes: int, images_per_class: int, val_per_class: int, resolution: int) -> None:
+    """Reject sizes no formula set can have, before anything is written."""
+    if not 1 <= num_classes <= MAX_CLASSES:
+        raise ValueError(f"num_classes={num_classes} is out of range; use 1..{MAX_CLASSES} (ImageNet-21k's count)")
+    if images_per_class < 1 or val_per_class < 1:
+        raise ValueError(
+            f"images_per_class={images_per_class}, val_per_class={val_per_class}: each split needs >= 1 image per class"
+        )
+    if not MIN_RESOLUTION <= resolution <= MAX_RESOLUTION:
+        raise ValueError(f"resolution={resolution} is out of range; use {MIN_RESOLUTION}..{MAX_RESOLUTION} pixels")
+
+
+# ----------------------------------------------------------------------------------------------- fractal (IFS)
+
+
+def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random contractive IFS of 2-4 affine maps; probabilities proportional to |det| as in FractalDB."""
+    n = int(rng.integers(2, 5))
+    mats = rng.uniform(-1.0, 1.0, size=(n, 2, 2))
+    for k in range(n):  # contract each map so the attractor is bounded
+        sigma = np.linalg.norm(mats[k], 2)
+        mats[k] *= rng.uniform(0.45, 0.9) / max(sigma, 1e-6)
+    shifts = rng.uniform(-1.0, 1.0, size=(n, 2))
+    det = np.abs(np.linalg.det(mats)) + 1e-3
+    return mats, shifts, det / det.sum()
+
+
+def _chaos_game(mats, shifts, probs, rng, chains: int = 256, steps: int = 40, burn_in: int = 6) -> np.ndarray:
+    """Points on the attractor, from many short chains run in parallel (vectorised over chains)."""
+    cumulative = np.cumsum(probs)
+    picks = np.minimum(np.searchsorted(cumulative, rng.random((steps, chains))), len(probs) - 1)  # (T, C)
+    x, y = rng.uniform(-1, 1, size=(2, chains))
+    pts = np.empty((steps - burn_in, 2, chains))
+    for step in range(steps):
+        m, t = mats[picks[step]], shifts[picks[step]]  # (C, 2, 2), (C, 2)
+        x, y = m[:, 0, 0] * x + m[:, 0, 1] * y + t[:, 0], m[:, 1, 0] * x + m[:, 1, 1] * y + t[:, 1]
+        if step >= burn_in:
+            pts[step - burn_in, 0], pts[step - burn_in, 1] = x, y
+    return pts.transpose(0, 2, 1).reshape(-1, 2)  # (C * (steps - burn_in), 2)
+
+
+def _render_points(pts: np.ndarray, res: int, rng: np.random.Generator) -> np.ndarray:
+    # Robust bounds from a sorted subsample: a few far-flung transient points must not shrink the figure.
+    sample = np.sort(pts[:: max(1, len(pts) // 512)], axis=0)
+    lo, hi = sample[len(sample) // 100], sample[-1 - len(sample) // 100]
+    margin = rng.uniform(0.05, 0.2)
+    span = np.maximum(hi - lo, 1e-6)
+    uv = (pts - lo) / span * (1 - 2 * margin) + margin  # (P, 2) in [0, 1] for most points
+    ij = np.clip((uv * res).astype(np.int64), 0, res - 1)
+    counts = np.bincount(ij[:, 1] * res + ij[:, 0], minlength=res * res).reshape(res, res).astype(np.float32)
+    return 1.0 - np.exp(-counts / max(counts.mean() * 4, 1e-6))  # (res, res) intensity in [0, 1)
+
+
+def _filling_rate(mats, shifts, probs, rng) -> float:
+    return float((_render_points(_chaos_game(mats, shifts, probs, rng), 32, rng) > 0.05).mean())
+
+
+def fractal_class(seed: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Class ``c``'s IFS: sampled from (seed, c) alone, rejecting degenerate ones (a dot, a line) by their filling
+    rate as FractalDB does."""
+    rng = np.random.default_rng([seed, 7001, c])
+    while True:
+        ifs = _random_ifs(rng)
+        if 0.08 <= _filling_rate(*ifs, rng) <= 0.7:
+            return ifs
+
+
+def fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
+    """One instance of a category: jittered map parameters, a random colour, flip and rotation by 90 degrees."""
+    mats, shifts, probs = ifs
+    mats = mats * rng.uniform(0.9, 1.1, size=mats.shape)
+    shifts = shifts + rng.normal(0.0, 0.05, size=shifts.shape)
+    chains = 256 * max(1, (res // 64) ** 2)  # keep the point density per pixel as the resolution grows
+    intensity = _render_points(_chaos_game(mats, shifts, probs, rng, chains=chains), res, rng)
+    colour = rng.uniform(0.3, 1.0, size=3)
+    background = rng.uniform(0.0, 0.15, size=3)
+    rgb = background + intensity[..., None] * (colour - background)  # (res, res, 3)
+    img = np.rot90(rgb, k=int(rng.integers(4)))
+    if rng.random() < 0.5:
+        img = img[:, ::-1]
+    return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8))
+
+
+# ------------------------------------------------------------------------------------ radial contours (RCDB)
+
+
+def rcdb_class(seed: int, c: int) -> dict:
+    """Class ``c``'s contour formula: polygon vertices, nested contours, a radial sine perturbation and a fixed
+    per-vertex radius profile, at a fixed orientation (orientation is part of the class, so features keep it)."""
+    rng = np.random.default_rng([seed, 7005, c])
+    vertices = int(rng.integers(3, 13)) if rng.random() < 0.7 else 48  # polygons, or smooth closed curves
+    return dict(
+        vertices=vertices,
+        contours=int(rng.integers(1, 5)),
+        radius=float(rng.uniform(0.45, 0.9)),  # of the half side
+        spacing=float(rng.uniform(0.12, 0.3)),  # radius step between nested contours, relative
+        freq=int(rng.integers(0, 7)),
+        amplitude=float(rng.uniform(0.0, 0.3)),
+        phase=float(rng.uniform(0, 2 * np.pi)),
+        profile=rng.uniform(-0.15, 0.15, size=vertices),
+        rotation=float(rng.uniform(0, 2 * np.pi)),
+        width=float(rng.uniform(0.5, 1.5)),  # line width in pixels per 32 px of resolution
+    )
+
+
+def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
+    """One instance: the class's contours with jittered line width, scale, centre, vertex radii, grey level and a
+    small rotation; supersampled twice then reduced, so thin lines keep their shape at 32 px."""
+    n, scale = spec["vertices"], 2 * res
+    angles = spec["rotation"] + rng.normal(0.0, 0.05) + 2 * np.pi * np.arange(n) / n
+    radial = 1 + spec["amplitude"] * np.sin(spec["freq"] * angles + spec["phase"]) + spec["profile"]
+    radial = radial * (1 + rng.normal(0.0, 0.03, size=n))
+    centre = scale / 2 * (1 + rng.uniform(-0.12, 0.12, size=2))
+    size = scale / 2 * spec["radius"] * rng.uniform(0.85, 1.1)
+    width = max(1, round(spec["width"] * scale / 32 * rng.uniform(0.7, 1.3)))
+    level = int(rng.integers(160, 256))
+    img = Image.new("L", (scale, scale), int(rng.integers(0, 40)))
+    draw = ImageDraw.Draw(img)
+    for k in range(spec["contours"]):
+        r = size * radial * (1 - k * spec["spacing"])  # (n,)
+        if r.min() <= 0:
+            break
+        pts = np.stack([centre[0] + r * np.cos(angles), centre[1] + r * np.sin(angles)], 1)
+        draw.line([tuple(p) for p in np.vstack([pts, pts[:1]])], fill=level, width=width, joint="curve")
+    return img.resize((res, res), Image.BOX).convert("RGB")
+
+
+# ------------------------------------------------------------------------------------------ parallel driver
+
+CLASS_FORMULA: dict[str, Callable[[int, int], object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
+RENDER: dict[str, Callable[[object, np.random.Generator, int], Image.Image]] = {
+    "fractal": fractal_image,
+    "rcdb": rcdb_image,
+}
+
+
+def _generate_classes(job: tuple) -> list[tuple[bytes, int, str]]:
+    """Worker: every image of a block of classes for one split, as (jpeg bytes, label, source id)."""
+    kind, seed, split, classes, per_class, res = job
+    items = []
+    for c in classes:
+        formula = CLASS_FORMULA[kind](seed, c)
+        for i in range(per_class):
+            rng = np.random.default_rng([seed, SPLIT_SALT[split], c, i])
+            items.append((encode_jpeg(RENDER[kind](formula, rng, res)), c, f"{kind}/{split}/{c}/{i}"))
+    return items
+
+
+def generate(
+    kind: str, seed: int, split: str, num_classes: int, per_class: int, res: int, workers: int = 1
+) -> list[tuple[bytes, int, str]]:
+    """All images of one split in class order; ``workers`` processes split the classes in blocks (output identical
+    for any ``workers``)."""
+    block = max(1, min(64, num_classes // (4 * workers) or 1))
+    jobs = [
+        (kind, seed, split, range(lo, min(lo + block, num_classes)), per_class, res)
+        for lo in range(0, num_classes, block)
+    ]
+    if workers <= 1:
+        parts = map(_generate_classes, jobs)
+    else:
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+        parts = pool.imap(_generate_classes, jobs)
+    try:
+        return [item for part in parts for item in part]
+    finally:
+        if workers > 1:
+            pool.close()
+            pool.join()
+
+
+def measure_generation(kind: str, resolution: int, num_images: int) -> float:
+    """Images/s generated in this process on one core, JPEG encode included (bench/scale.py reports it per core).
+
+    Cycles through 16 classes so the class formula's cost (the fractal's rejection sampling) is counted too."""
+    if kind not in CLASS_FORMULA:
+        raise ValueError(f"unknown formula kind {kind!r}; choose from {', '.join(CLASS_FORMULA)}")
+    check_sizes(1, 1, 1, resolution)
+    if num_images < 1:
+        raise ValueError(f"num_images must be >= 1, got {num_images}")
+    start = time.perf_counter()
+    classes = max(1, min(16, num_images))
+    per_class = -(-num_images // classes)
+    done = 0
+    for c in range(classes):
+        done += len(_generate_classes((kind, 0, "train", [c], min(per_class, num_images - done), resolution)))
+        if done >= num_images:
+            break
+    return done / (time.perf_counter() - start)
