@@ -83,8 +83,14 @@ def read_with_base(path: Path, what: str, fix: str, find: Callable[[str], Path],
     return deep_merge(read_with_base(find(base), what, fix, find, _seen + (path,)), data)
 
 
-def deep_merge(base: dict[str, Any], top: dict[str, Any], opaque: tuple[str, ...] = ("options",)) -> dict[str, Any]:
-    """``top`` over ``base``, mapping by mapping; a key in ``opaque`` (free-form options) is replaced whole."""
+def deep_merge(
+    base: dict[str, Any], top: dict[str, Any], opaque: tuple[str, ...] = ("options", "builtin_options")
+) -> dict[str, Any]:
+    """``top`` over ``base``, mapping by mapping; a key in ``opaque`` (free-form options) is replaced whole.
+
+    ``builtin_options`` belongs to one built-in dataset: a child recipe on another dataset (local_mpp on digits over
+    local_demo on rcdb) must not inherit the parent's sizes, so ``builtin_options: {}`` means the defaults.
+    """
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in opaque:

@@ -203,7 +203,7 @@ def test_local_plan_uses_cpu_memory_and_profile_storage(tmp_path):
         storage=dataclasses.replace(profile.storage, shards=str(tmp_path / "data"), checkpoints=str(tmp_path / "runs")),
     )
     config = resolve_config(profile, "local_demo", [], "demo")
-    assert config.data.train == f"{tmp_path}/data/fractal/train"
+    assert config.data.train == f"{tmp_path}/data/rcdb/train"
     assert config.checkpoint.dir == f"{tmp_path}/runs/demo"
     plan = build_plan(profile, config)
     assert plan.capacity_gb == pytest.approx(12.0)  # 24 GB / 2 workers on the node

@@ -89,7 +89,7 @@ BAD = [
     (["deepspeed.precision=fp16"], r"deepspeed\.precision='fp16'.*use bf16"),
     (["loss.type=hinge"], r"loss\.type='hinge' is unknown"),
     (["loss.type=sigmoid_xent", "loss.label_smoothing=0.1"], r"label_smoothing applies to softmax_xent only"),
-    (["schedule.warmup=500"], r"schedule\.warmup \(500 steps\) must be shorter than schedule\.total"),
+    (["schedule.warmup=5000"], r"schedule\.warmup \(5000 steps\) must be shorter than schedule\.total"),
     (["schedule.total=3ep", "data.epoch_images=null", "data.train=s3://bucket/x"], r"set data\.epoch_images"),
     (["data.image_size=30"], r"not a multiple of the patch stride"),
     (["task.name=jigsaw"], r"task\.name='jigsaw' is not registered"),
@@ -113,7 +113,7 @@ def test_missing_shards_fail_before_work(tmp_path):
     config = load_config("local_demo", [f"data.train={missing}", "data.builtin=fractal"])
     with pytest.raises(ValueError, match=r"cannot hold built-in dataset 'fractal'"):
         config.validate(2)
-    load_config("local_demo", [f"data.train={tmp_path}/fractal/train"]).validate(2)  # generated on demand: fine
+    load_config("local_demo", [f"data.train={tmp_path}/rcdb/train"]).validate(2)  # generated on demand: fine
 
 
 def test_resume_and_init_paths_are_checked(tmp_path):
@@ -166,7 +166,7 @@ def test_recipes_inherit_through_base_and_refuse_circles(tmp_path):
     config = load_config(child)
     assert config.recipe == "child" and config.task.name == "mpp"
     assert config.task.options == {"color_bits": 2}  # free-form options are replaced whole, not merged
-    assert config.optim == load_config("local_demo").optim  # two levels up the chain
+    assert config.deepspeed == load_config("local_demo").deepspeed  # two levels up the chain
     loop = tmp_path / "loop.yaml"
     loop.write_text(f"base: {loop}\n")
     with pytest.raises(ValueError, match=r"loop\.yaml inherits from itself via 'base:'"):

@@ -49,7 +49,7 @@ def tiny_config(shards: Path, run_dir: Path, *overrides: str) -> TrainConfig:
         [
             f"data.train={shards}", "data.builtin=null", "data.global_batch_size=16", "data.micro_batch_size=4",
             "data.shuffle_buffer=8", "schedule.total=8", "schedule.warmup=2", f"checkpoint.dir={run_dir}",
-            "checkpoint.every_steps=100", "logging.progress_bar=false", "logging.log_every=1",
+            "optim.lr=1e-3", "checkpoint.every_steps=100", "logging.progress_bar=false", "logging.log_every=1",
             "logging.peak_tflops=1.0", "logging.record_batch_digests=true", *overrides,
         ],
     )  # fmt: skip

@@ -166,7 +166,7 @@ def test_cli_rejects_bad_configs_before_any_work(tmp_path, capsys, monkeypatch):
     code = main(["--config", "local_demo", "--set", "deepspeed.zero_stage=4", "--set", f"checkpoint.dir={run_dir}"])
     assert code == 2 and "deepspeed.zero_stage=4 is not a ZeRO stage" in capsys.readouterr().err
     assert not run_dir.exists()  # nothing was started or written
-    code = main(["--config", "local_demo", "--dry-run", "--set", f"data.train={tmp_path}/fractal/train"])
+    code = main(["--config", "local_demo", "--dry-run", "--set", f"data.train={tmp_path}/rcdb/train"])
     assert code == 0 and "micro-batch 32 x accumulation 1 x world 2 = global batch 64" in capsys.readouterr().out
 
 
