@@ -72,7 +72,10 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank decoding images
     # How those workers start (forkserver in Ray actors, where forking a threaded process is unsafe)
     loader_start_method: Literal["fork", "forkserver", "spawn"] = "fork"
-    shuffle_buffer: int = 1000  # sample shuffle buffer per rank (shards are also shuffled per epoch)
+    # Canonical sequential streams the epoch's shards are dealt to; every global batch takes global/streams samples
+    # from each, in stream order, whatever the world size (docs/elastic.md). World sizes must divide it.
+    streams: int = 8
+    shuffle_buffer: int = 1000  # sample shuffle buffer per stream (shards are also shuffled per epoch)
     seed: int = 0  # stream seed: shard order per epoch, shuffle, augmentation
     mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables (AugReg B/16: 0.2)
     # Training augmentation (inception crop, flip, RandAugment; data_pipeline.augment). null → resize only.
@@ -154,6 +157,7 @@ class LoggingConfig:
     peak_tflops: float | None = None  # hardware peak per device for MFU; None → known GPU table / measured CPU GEMM
     progress_bar: bool = True  # tqdm on rank 0
     record_batch_digests: bool = False  # keep a hash of every batch in the summary (exact-resume checks)
+    record_sample_keys: bool = False  # keep every step's sample keys (this rank's, in order) in the summary
 
 
 @dataclass(frozen=True)

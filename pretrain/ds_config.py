@@ -32,8 +32,36 @@ class BatchPlan:
         return self.micro_batch_size * self.grad_accum_steps
 
 
+def valid_world_sizes(data: DataConfig, upto: int) -> list[int]:
+    """World sizes in [1, upto] that keep the global batch and the stream split: they divide `data.streams` and
+    `data.global_batch_size` / `data.micro_batch_size` (the accumulation steps are recomputed for each)."""
+    return [
+        w
+        for w in range(1, upto + 1)
+        if data.streams % w == 0 and data.global_batch_size % (w * data.micro_batch_size) == 0
+    ]
+
+
 def batch_plan(data: DataConfig, world_size: int) -> BatchPlan:
-    """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise."""
+    """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise.
+
+    Each global batch takes global/streams samples from each of `data.streams` canonical streams and each rank reads
+    a contiguous block of streams (data_pipeline.stream), so the streams divide the global batch and the world size
+    divides the streams.
+    """
+    positive(data.streams, "data.streams")
+    if data.global_batch_size % data.streams:
+        raise ValueError(
+            f"data.global_batch_size={data.global_batch_size} is not divisible by data.streams={data.streams}; "
+            "set data.streams to a divisor of the global batch that the world sizes you run at divide"
+        )
+    if data.streams % world_size:
+        valid = valid_world_sizes(data, max(world_size, data.streams))
+        raise ValueError(
+            f"world size {world_size} does not divide data.streams={data.streams}: each rank reads a contiguous "
+            f"block of streams; run at a world size in {valid}, or change data.streams (a new run: it changes "
+            "the data order)"
+        )
     per_step = world_size * data.micro_batch_size
     if data.global_batch_size % per_step:
         per_rank = data.global_batch_size // world_size

@@ -16,6 +16,7 @@ DATA_WAIT = "train/data_wait"  # fraction of the window spent waiting for the ne
 MEMORY_GB = "train/memory_gb"  # max allocated on CUDA, resident set size on CPU
 IMAGES_SEEN = "train/images_seen"  # cumulative
 EXAFLOPS = "train/exaflops"  # cumulative: images seen × training FLOPs per image
+WORLD_SIZE_METRIC = "train/world_size"  # data-parallel ranks at this step (an elastic job changes it)
 
 # Eval metrics (evals): `<family>/<dataset>/<measure>`, at the checkpoint's step.
 EVAL_PREFIXES = ("fewshot/", "finetune/", "vtab/")
@@ -47,6 +48,8 @@ STATUS = "vitscale.status"  # running | finished | stopped | failed
 GIT_COMMIT = "vitscale.git_commit"
 RUN_DIR = "vitscale.run_dir"
 RESTARTS = "vitscale.restarts"  # how many times Ray Train restarted the worker group
+RESIZES = "vitscale.resizes"  # how many times an elastic job continued at another world size
+WORLD_SIZES = "vitscale.world_sizes"  # the world sizes the run trained at, in order, e.g. "2,1,2"
 PRECISION = "vitscale.precision"  # fp32 | bf16: what deepspeed.precision (maybe "auto") resolved to on this hardware
 KIND = "vitscale.kind"  # "comparison" for the runs `make compare` logs its report to
 COMPARED_RUNS = "vitscale.compared_runs"
