@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast lint launch status logs stop ui compare shards bench bench-train bench-data bench-scaling bench-scale clean
+.PHONY: help setup test test-fast lint launch elastic-demo status logs stop ui compare shards bench bench-train bench-data bench-scaling bench-scale clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ lint: setup  ## ruff
 
 launch: setup  ## plan and run RECIPE on CLUSTER (default: the embedded local demo); DRY_RUN=1 prints the plan only
 	$(PY) -m cluster.launch --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
+
+elastic-demo: setup  ## elastic job on a simulated 2-node Ray cluster: a node is removed mid-run and added back
+	$(PY) -m cluster.elastic_demo
 
 status: setup  ## Ray jobs of the local/profile cluster
 	$(PY) -m cluster.jobs status --cluster $(CLUSTER)

@@ -56,6 +56,7 @@ I21K_SHARDS = 4_700
 I21K_MEAN_JPEG_KB = 92  # 1.31 TB / 14.2M images, docs/reference.md §6
 LOADER_WORKERS = 8
 GLOBAL_BATCH = 4096
+STREAMS = 512  # data.streams of the i21k recipes
 PROBE = "import sys, bench.scale as s; s._probe(sys.argv[1:])"  # a fresh interpreter: its peak RSS is one rank's
 
 # ------------------------------------------------------------------------------------------ synthetic tables
@@ -171,21 +172,30 @@ def _probe(args: list[str]) -> None:
             info,
             batch_size=max(1, GLOBAL_BATCH // world),
             image_size=224,
+            global_batch_size=GLOBAL_BATCH,
+            streams=STREAMS,
             rank=world - 1,
             world_size=world,
             num_workers=LOADER_WORKERS,
         )
-        dealt = [stream.plan.worker_shards(0, w) for w in range(LOADER_WORKERS)]
-        out["shards_this_rank"] = sum(map(len, dealt))
-        out["batches_per_epoch"] = stream.batches_per_epoch
+        dealt = stream.plan.stream_shards(0)  # all streams' shards: every rank deals the whole epoch
+        out["shards_this_rank"] = sum(len(dealt[s]) for s in stream.plan.rank_streams)
+        out["steps_per_epoch"] = stream.steps_per_epoch
     elif what == "first_batch":
         world = int(args[2])
         stream = TrainStream(
-            root, batch_size=64, image_size=224, rank=world - 1, world_size=world, num_workers=LOADER_WORKERS
+            root,
+            batch_size=64,
+            image_size=224,
+            global_batch_size=64 * world,  # one micro-batch of 64 per rank per step
+            streams=STREAMS,
+            rank=world - 1,
+            world_size=world,
+            num_workers=LOADER_WORKERS,
         )
         x, _ = next(iter(stream))
         out["batch_shape"] = list(x.shape)
-        out["batches_per_epoch"] = stream.batches_per_epoch
+        out["steps_per_epoch"] = stream.steps_per_epoch
     out["seconds"] = time.perf_counter() - start
     out["peak_mb"], out["baseline_mb"] = _peak_mb(), baseline
     print(json.dumps(out))
@@ -410,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 world_size=world,
                 per_rank_batch=max(1, GLOBAL_BATCH // world),
                 shards_this_rank=probe["shards_this_rank"],
-                shards_per_reader=round(shards / (world * LOADER_WORKERS), 2),
+                shards_per_stream=round(shards / STREAMS, 2),
+                streams=STREAMS,
                 baseline_mb_after_imports=round(probe["baseline_mb"], 1),
                 process_s_with_imports=round(probe["process_s"], 2),
             )
@@ -464,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             rank=worlds[1] - 1,
             loader_workers=LOADER_WORKERS,
             per_rank_batch=64,
+            global_batch=64 * worlds[1],
+            streams=STREAMS,
             batch_shape=probe["batch_shape"],
             image_size=224,
             real_shards=len(info.shards),

@@ -18,6 +18,13 @@ Order of work (all on the Ray head, inside the job):
    With a suite (and `evals.baseline`, on by default) a fresh run first saves and submits step 0, the weights
    before the first update: every transfer curve starts at its random-initialisation baseline. A restart resumes
    from a checkpoint, so it never evaluates step 0 again.
+   Elastic profiles (`workers: {min, max}`) give Ray Train `ScalingConfig(num_workers=(min, max))`: it starts with
+   as many workers as the cluster holds; a lost node fails the group (charged to `max_failures`, like any worker
+   failure; a node drained for preemption is charged to `max_preemption_failures` instead) and Ray restarts it with
+   the survivors if at least `min` are left; every `elastic_resize_monitor_interval_s` it looks for capacity and,
+   when more workers fit, stops the group and starts a larger one (not a failure). Each start resumes from the
+   newest COMPLETE checkpoint at its own world size (docs/elastic.md). The resizes are tagged on the run and listed
+   in the summary from `<run_dir>/world_sizes.jsonl`.
 4. Wait for pending evals, prune the checkpoints their pins kept, print the summary table (step, loss, eval
    metrics, the headline metric's gain over step 0), close the MLflow run, exit 0 only if training succeeded.
 """
@@ -38,7 +45,8 @@ from typing import Any
 from cluster.eval_scheduler import EvalScheduler
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
-from cluster.summary import format_summary
+from cluster.summary import format_resizes, format_summary, resize_events
+from pretrain import run_folder
 from pretrain.config import TrainConfig
 from pretrain.run_folder import pin_checkpoint, prune_checkpoints, release_pins
 from pretrain.train import train_worker
@@ -123,8 +131,9 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
     torch.set_num_threads(int(loop_config["env"]["OMP_NUM_THREADS"]))
     config = loop_config["config"]  # the driver's TrainConfig, as Ray pickled it: not rebuilt here
-    rank = ray.train.get_context().get_world_rank()
-    _record_placement(Path(config.checkpoint.dir), rank)
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    _record_placement(Path(config.checkpoint.dir), rank, world_size)
     scheduler = loop_config["scheduler"]
     fault = loop_config.get("fault")
     marker = Path(config.checkpoint.dir) / ".fault_injected"
@@ -149,8 +158,9 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         os.replace(tmp, Path(config.checkpoint.dir) / "train_result.json")
 
 
-def _record_placement(run_dir: Path, rank: int) -> None:
-    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job)."""
+def _record_placement(run_dir: Path, rank: int, world_size: int) -> None:
+    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job,
+    world size)."""
     import socket
 
     import ray  # heavy: only the driver and cluster commands need Ray
@@ -165,15 +175,27 @@ def _record_placement(run_dir: Path, rank: int) -> None:
         "hostname": socket.gethostname(),
         "started": time.time(),
         "job_id": ctx.get_job_id(),
+        "world_size": world_size,
     }
     (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
 
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:
-    """Worker-group restarts of a run from its placement records: every attempt's rank 0 writes one, so the
-    attempts of a Ray job beyond its first are restarts (summed over the jobs that continued the run)."""
+    """Worker-group restarts after a failure, from a run's placement records: every attempt's rank 0 writes one,
+    so the attempts of a Ray job beyond its first are restarts (summed over the jobs that continued the run) —
+    except those at a larger world size than the attempt before: an elastic group growing into returned capacity,
+    which Ray does without a failure."""
     attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
-    return sum(n - 1 for n in attempts.values())
+    grown = 0
+    for job in attempts:
+        sizes = [p.get("world_size") for p in _rank0_attempts(placements, job)]
+        grown += sum(1 for a, b in zip(sizes, sizes[1:]) if a is not None and b is not None and b > a)
+    return sum(n - 1 for n in attempts.values()) - grown
+
+
+def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None = None) -> list[dict[str, Any]]:
+    rank0 = [p for p in placements if p.get("rank") == 0 and (job_id is None or p.get("job_id") == job_id)]
+    return sorted(rank0, key=lambda p: p.get("started", 0))
 
 
 def _floats(d: dict) -> dict[str, float]:
@@ -185,6 +207,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     import ray  # heavy: only the driver and cluster commands need Ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     profile, config = spec.profile, spec.config
     run_dir = Path(config.checkpoint.dir)
@@ -198,7 +221,10 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     if stale:
         print(f"released {len(stale)} checkpoint pins left by an earlier job of this run", flush=True)
 
-    scheduler = EvalScheduler.remote(
+    # On the driver's own node (the head): an actor with no CPU could land on any node, and a lost node would take
+    # the job's eval bookkeeping with it (an elastic job outlives its nodes).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
         config.evals.suite,
         config.evals.data_root,
         run_id,
@@ -207,7 +233,10 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         num_gpus=profile.evals.num_gpus,
     )
     w = profile.workers
-    resources = {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.gpus_per_worker else {})}
+    resources = {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.gpus_per_worker else {}), **w.resources}
+    # Elastic: Ray Train may run at any count in min..max that the cluster holds (the plan checked each keeps the
+    # global batch); it looks for returned capacity every elastic_resize_monitor_interval_s.
+    elastic = {"elastic_resize_monitor_interval_s": w.elastic_resize_monitor_interval_s} if w.elastic else {}
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config={
@@ -218,7 +247,8 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         },
         torch_config=TorchConfig(backend=profile.comm_backend, timeout_s=config.deepspeed.timeout_minutes * 60),
         scaling_config=ScalingConfig(
-            num_workers=w.num_workers,
+            num_workers=(w.min_workers, w.max_workers) if w.elastic else w.num_workers,
+            **elastic,
             use_gpu=profile.uses_gpus,
             resources_per_worker=resources,
             placement_strategy=w.placement_strategy,
@@ -256,6 +286,10 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     restarts = count_restarts(workers)
     if restarts:
         print(f"the worker group was restarted {restarts} time(s) after a worker failed", flush=True)
+    history = run_folder.world_size_history(run_dir)
+    resizes = resize_events(history)
+    for line in format_resizes(resizes):
+        print(f"resize: {line}", flush=True)
     (run_dir / "summary.json").write_text(
         json.dumps(
             {
@@ -263,6 +297,9 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
                 "train_seconds": train_s,
                 "train_result": train_result,
                 "restarts": restarts,
+                "world_sizes": history,
+                "resizes": resizes,
+                "resize_lines": format_resizes(resizes),
                 "workers": workers,
                 "checkpoints": {str(k): v for k, v in evals.items()},
                 "pruned_after_evals": [p.name for p in pruned],
@@ -272,7 +309,12 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         )
     )
     tracker = Tracker(uri, run_id, rank=0)
-    tracker.set_tags({keys.RESTARTS: restarts})
+    sizes = [h["world_size"] for h in history]
+    trained_at = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]  # "2,1,2": each change once
+    tags = {keys.RESTARTS: restarts, keys.RESIZES: len(resizes)}
+    if trained_at and None not in trained_at:
+        tags[keys.WORLD_SIZES] = ",".join(map(str, trained_at))
+    tracker.set_tags(tags)
     tracker.log_artifact(str(run_dir / "summary.json"))
     tracker.close()
     finish_run(uri, run_id, status)

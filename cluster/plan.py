@@ -32,7 +32,7 @@ from pretrain.config import (
     read_recipe,
     recipe_path,
 )
-from pretrain.ds_config import batch_plan
+from pretrain.ds_config import batch_plan, valid_world_sizes
 from pretrain.model import model_config
 from pretrain.mpp import MPPConfig
 from pretrain.precision import cpu_bf16_units, decide
@@ -152,7 +152,7 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
     """
     base = config_from_recipe(path, written, sets)
     given = _given(written, sets)
-    d, world = profile.defaults, profile.workers.num_workers
+    d = profile.defaults
     shards = profile.storage.shards
     out = [
         f"deepspeed.dist_backend={profile.comm_backend}",
@@ -174,9 +174,11 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
     }
     out += [f"{k}={v}" for k, v in defaults.items() if k not in given]
     micro = base.data.micro_batch_size if "data.micro_batch_size" in given else d.micro_batch_size
-    per_rank = base.data.global_batch_size // world
+    # Elastic: one micro-batch for every world size Ray may pick, so the global batch never changes on a resize.
+    span = math.lcm(*range(profile.workers.min_workers, profile.workers.max_workers + 1))
+    per_rank = base.data.global_batch_size // span
     user_micro = any(parse_override(s)[0] == ["data", "micro_batch_size"] for s in sets)
-    if not user_micro and per_rank and base.data.global_batch_size % world == 0 and per_rank % micro:
+    if not user_micro and per_rank and base.data.global_batch_size % span == 0 and per_rank % micro:
         out.append(f"data.micro_batch_size={_largest_divisor_at_most(per_rank, micro)}")
     return out
 
@@ -190,8 +192,31 @@ def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_na
     path = recipe_path(recipe)
     written = read_recipe(path)
     config = config_from_recipe(path, written, [*profile_overrides(profile, path, written, sets, run_name), *sets])
+    if profile.workers.elastic:
+        elastic_world_sizes(profile, config)  # every size Ray may pick must keep the global batch
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
     return config
+
+
+def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[int]:
+    """The world sizes an elastic job may run at: Ray Train picks ANY worker count in workers.min..max that the
+    cluster holds, so each must keep the global batch (`pretrain.ds_config.valid_world_sizes`); PlanError naming
+    the sizes that work otherwise."""
+    w = profile.workers
+    sizes = list(range(w.min_workers, w.max_workers + 1))
+    valid = valid_world_sizes(config.data, max(w.max_workers, config.data.streams))
+    bad = [n for n in sizes if n not in valid]
+    if bad:
+        d = config.data
+        ranges = [f"{a}..{b}" for a in valid for b in valid if a <= b and all(n in valid for n in range(a, b + 1))]
+        raise PlanError(
+            f"profile {profile.name}: workers.min={w.min_workers}..max={w.max_workers} includes world size(s) "
+            f"{bad} that cannot keep the global batch {d.global_batch_size} (data.streams={d.streams}, "
+            f"data.micro_batch_size={d.micro_batch_size}); Ray may pick any count in the range. Valid world sizes: "
+            f"{valid}; set workers.min/max to a range of valid sizes ({', '.join(ranges[-4:])}) or change "
+            "data.streams / data.micro_batch_size"
+        )
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -244,6 +269,9 @@ class Plan:
     storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
     storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
     baseline_eval: str = ""  # the step-0 baseline eval: what it costs, or why there is none
+    # Elastic profiles: the same numbers at the smallest and the largest world size Ray may pick, each a dict of
+    # world_size, grad_accum_steps, step_time_s, images_per_s, days, total_gb, capacity_gb; () when fixed.
+    elastic_ends: tuple[dict, ...] = ()
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
@@ -382,8 +410,29 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     )
     fixed = states.total + overhead
     if not memory.fits(total, capacity):
-        raise PlanError(_does_not_fit(plan, act_per_image, fixed, capacity))
-    return dataclasses.replace(plan, checkpointing_advice=_checkpointing_advice(plan, act_off, fixed, capacity))
+        at = f" (at world size {world}, the elastic group's largest)" if profile.workers.elastic else ""
+        raise PlanError(_does_not_fit(plan, act_per_image, fixed, capacity) + at)
+    plan = dataclasses.replace(plan, checkpointing_advice=_checkpointing_advice(plan, act_off, fixed, capacity))
+    if profile.workers.elastic:
+        plan = dataclasses.replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
+    return plan
+
+
+def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[dict, ...]:
+    """The plan's throughput, time and memory per worker at workers.min and workers.max: the same estimators, run
+    at a fixed world size of each (fewer workers: more accumulation, more ZeRO state each, longer steps)."""
+    w = profile.workers
+    fixed = dataclasses.replace(w, num_workers=w.min_workers, min=None, max=None)
+    try:
+        at_min = (
+            at_max
+            if w.min_workers == w.max_workers
+            else build_plan(dataclasses.replace(profile, workers=fixed), config)
+        )
+    except PlanError as error:
+        raise PlanError(f"at workers.min={w.min_workers} (an elastic job may shrink to it): {error}") from None
+    keys = ("world_size", "grad_accum_steps", "step_time_s", "images_per_s", "days", "total_gb", "capacity_gb")
+    return tuple({k: getattr(p, k) for k in keys} for p in (at_min, at_max))
 
 
 def _precision(profile: ClusterProfile, config: TrainConfig) -> tuple[str, str]:
@@ -533,6 +582,20 @@ def format_plan(plan: Plan) -> str:
         f"  storage       {p.storage}" + _storage_needs(p),
         f"  baseline eval {p.baseline_eval}",
     ]
+    if p.elastic_ends:
+        lo, hi = p.elastic_ends
+        lines.append(
+            f"  elastic       workers {lo['world_size']}..{hi['world_size']} (Ray Train may run at any of "
+            f"{', '.join(map(str, range(lo['world_size'], hi['world_size'] + 1)))}; global batch "
+            f"{p.global_batch_size} kept, accumulation recomputed)"
+        )
+        for end, e in (("min", lo), ("max", hi)):
+            lines.append(
+                f"    at {end} {e['world_size']:>3}  accumulation {e['grad_accum_steps']}, "
+                f"{e['step_time_s']:.3g} s/step, "
+                f"{e['images_per_s']:,.0f} images/s, {e['days']:.3g} days if it stayed there, "
+                f"{e['total_gb']:.2f} GB of {e['capacity_gb']:.0f} GB per worker"
+            )
     lines += [f"  WARNING       {w}" for w in p.warnings]
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ A profile (`cluster/profiles/<name>.yaml`) names *where* a run happens; a recipe
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,12 +48,42 @@ class StorageSpec:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    num_workers: int  # data-parallel ranks = world size
+    """The training worker group: a fixed world size (`num_workers`) or an elastic one (`min` .. `max`).
+
+    Elastic: Ray Train starts with as many workers as the cluster holds (at most `max`), goes on with the survivors
+    when a node is lost (if at least `min` are left) and grows back when capacity returns, checking every
+    `elastic_resize_monitor_interval_s` (docs/elastic.md). `num_workers` is then `max`, the size the plan's
+    main numbers use.
+    """
+
     cpus_per_worker: int
     gpus_per_worker: int
     loader_workers: int  # DataLoader processes per rank
+    num_workers: int | None = None  # data-parallel ranks = world size (fixed); None with min/max
+    min: int | None = None  # elastic: fewest workers training continues with
+    max: int | None = None  # elastic: most workers; the job starts with as many as fit
+    elastic_resize_monitor_interval_s: float = 60.0  # elastic: how often Ray looks for new capacity (Ray's default)
     # Ray placement of the worker group: PACK fills nodes, SPREAD one per node
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Custom Ray resources each worker also needs, e.g. {trainer: 1} advertised only by training nodes, so an
+    # elastic group never grows onto the head's eval slot.
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_workers is None and self.max is not None:
+            object.__setattr__(self, "num_workers", self.max)  # frozen: set once, at construction
+
+    @property
+    def elastic(self) -> bool:
+        return self.min is not None or self.max is not None
+
+    @property
+    def min_workers(self) -> int:
+        return self.min if self.min is not None else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.max if self.max is not None else self.num_workers
 
 
 @dataclass(frozen=True)
@@ -120,16 +150,16 @@ class ClusterProfile:
         ):
             if not value > 0:  # the plan divides by both
                 raise ValueError(f"profile {self.name}: {key}={value} must be > 0")
-        if wk.num_workers < 1:
-            raise ValueError(f"profile {self.name}: workers.num_workers must be >= 1")
+        self._validate_worker_counts()
         if wk.gpus_per_worker > 0:
             if self.comm_backend != "nccl":
                 raise ValueError(f"profile {self.name}: GPU workers need comm_backend: nccl")
             capacity = hw.nodes * hw.gpus_per_node // wk.gpus_per_worker
-            if wk.num_workers > capacity:
+            if wk.max_workers > capacity:
+                key = "workers.max" if wk.elastic else "workers.num_workers"
                 raise ValueError(
-                    f"profile {self.name}: workers.num_workers={wk.num_workers} exceeds nodes x gpus_per_node / "
-                    f"gpus_per_worker = {capacity}; lower num_workers or add nodes"
+                    f"profile {self.name}: {key}={wk.max_workers} exceeds nodes x gpus_per_node / "
+                    f"gpus_per_worker = {capacity}; lower {key.split('.')[1]} or add nodes"
                 )
             if hw.gpu_memory_gb <= 0:
                 raise ValueError(f"profile {self.name}: hardware.gpu_memory_gb must be > 0 for GPU workers")
@@ -139,10 +169,46 @@ class ClusterProfile:
             raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
         if self.max_failures < 0:
             raise ValueError(f"profile {self.name}: max_failures must be >= 0 (-1 is not supported: be explicit)")
-        if self.is_local and self.ray.head_num_cpus < wk.num_workers * wk.cpus_per_worker:
+        if self.is_local and self.ray.head_num_cpus < wk.max_workers * wk.cpus_per_worker:
             raise ValueError(
                 f"profile {self.name}: ray.head_num_cpus={self.ray.head_num_cpus} cannot hold "
-                f"{wk.num_workers} workers x {wk.cpus_per_worker} CPUs; raise head_num_cpus"
+                f"{wk.max_workers} workers x {wk.cpus_per_worker} CPUs; raise head_num_cpus"
+            )
+
+    def _validate_worker_counts(self) -> None:
+        wk = self.workers
+        if not wk.elastic:
+            if wk.num_workers is None or wk.num_workers < 1:
+                raise ValueError(
+                    f"profile {self.name}: workers.num_workers must be >= 1 (a fixed world size), or give "
+                    "workers.min and workers.max (an elastic one)"
+                )
+        else:
+            if wk.min is None or wk.max is None:
+                missing = "workers.min" if wk.min is None else "workers.max"
+                raise ValueError(
+                    f"profile {self.name}: an elastic worker group needs both workers.min and "
+                    f"workers.max; add {missing}"
+                )
+            if wk.min < 1 or wk.max < wk.min:
+                raise ValueError(
+                    f"profile {self.name}: workers.min={wk.min}, workers.max={wk.max}: need 1 <= min <= max"
+                )
+            if wk.num_workers != wk.max:
+                raise ValueError(
+                    f"profile {self.name}: workers.num_workers={wk.num_workers} beside workers.min/max: give either "
+                    "num_workers (a fixed world size) or min and max (elastic), not both"
+                )
+        if not wk.elastic_resize_monitor_interval_s > 0:
+            raise ValueError(
+                f"profile {self.name}: workers.elastic_resize_monitor_interval_s="
+                f"{wk.elastic_resize_monitor_interval_s} must be > 0 (Ray's default is 60)"
+            )
+        bad = {k: v for k, v in wk.resources.items() if not (isinstance(v, (int, float)) and v > 0)}
+        if bad or {"CPU", "GPU"} & set(wk.resources):
+            raise ValueError(
+                f"profile {self.name}: workers.resources={wk.resources}: custom Ray resources with amounts > 0 only "
+                "(CPUs and GPUs are cpus_per_worker and gpus_per_worker)"
             )
 
 

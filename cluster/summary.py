@@ -3,6 +3,7 @@ gain over step 0 (the random-initialisation baseline, evaluated when `evals.base
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tracking import keys
@@ -70,3 +71,30 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
             "failed): gains over random initialisation are not shown"
         )
     return "\n".join(lines + notes)
+
+
+def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The world-size changes of a run, from its (re)start records in order (`world_sizes.jsonl`: time, step,
+    world_size, ...): one event per record whose world size differs from the one before it."""
+    events = []
+    for before, after in zip(history, history[1:]):
+        if after.get("world_size") != before.get("world_size"):
+            events.append(
+                {
+                    "step": after.get("step"),
+                    "from": before["world_size"],
+                    "to": after["world_size"],
+                    "time": after.get("time"),
+                }  # fmt: skip
+            )
+    return events
+
+
+def format_resizes(events: list[dict[str, Any]]) -> list[str]:
+    """One line per resize: "step 40: world size 2 -> 1 (at 2026-11-23 20:41:07 UTC)"."""
+    lines = []
+    for e in events:
+        when = f" (at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(e['time']))})" if e.get("time") else ""
+        step = f"step {e['step']}" if e.get("step") is not None else "a start of the worker group (step not recorded)"
+        lines.append(f"{step}: world size {e['from']} -> {e['to']}{when}")
+    return lines

@@ -1,29 +1,34 @@
 """Deterministic, resumable streams over shard folders, for training (TrainStream) and evaluation (EvalStream).
 
-Training epoch ``e`` on rank ``r`` of ``R``, with ``W`` DataLoader workers:
+Training order (docs/elastic.md, "Data order"). Notation: G global batch, m micro-batch, P canonical streams,
+R ranks, W DataLoader workers per rank, c = G / P, A = G / (R * m) accumulation steps.
 
-1. the non-empty shards are put in a permutation seeded by (seed, e) — identical on every rank;
-2. walking that order, each shard goes to the rank holding the fewest samples so far (ties: lowest rank), then
-   within a rank to the worker holding the fewest — disjoint slices, balanced to within one shard;
-3. every rank yields exactly ``batches_per_epoch = floor(N / (R * B))`` batches (``ceil`` with drop_last=False);
-   batch ``j`` is made by worker ``j mod W``, so a worker needs a number of samples fixed by the manifest counts.
-   A worker whose shards hold more stops early (the surplus is dropped for this epoch, a different surplus each
-   epoch); one whose shards hold fewer (or lost samples to corruption) wraps around its own shards. Both are
-   counted in ``stream.stats`` (``dropped_samples`` / ``wrapped_samples`` are the per-epoch plan);
-4. a worker reads its shards with webdataset's tar iteration, through a seeded shuffle buffer, then decodes.
+1. Epoch ``e``: the non-empty shards are permuted by (seed, e) and dealt to the P streams by ``balanced_split``.
+   Nothing here depends on R or W.
+2. A stream reads its shards one after the other (sequential tar reads, no random access) through a shuffle
+   buffer of its own seeded by (seed, e, stream). When its shards are exhausted the buffer drains before anything
+   is read again, so a stream never yields a sample twice in an epoch unless damage forced it to wrap (counted).
+3. Global batch ``b`` = c consecutive usable samples of every stream, concatenated in stream order. An epoch has
+   ``steps_in_epoch(e) = min over streams of floor(manifest samples / c)`` global batches; each stream's surplus
+   is dropped for that epoch (a different surplus each epoch; counted in ``stats["dropped_samples"]``).
+4. Rank r owns streams [r P/R, (r+1) P/R): samples [r G/R, (r+1) G/R) of every global batch, which it yields as A
+   micro-batches of m, i.e. global micro-batches [r A, (r+1) A). Its W workers split its streams into min(W, P/R)
+   contiguous groups; each worker yields one item per global batch (its streams' chunks), so the DataLoader's
+   round-robin returns them in stream order.
 
-Exact resume: every random choice is a pure function of the position — the shuffle buffer of worker ``l`` is
-seeded by (seed, e, r, l), the augmentation of a sample by (seed, e, shard, member, repeat), mixup by
-(seed, e, r, j). Each batch carries how many buffer draws its worker has made; ``state_dict()`` records
-(epoch, batches done, draws per worker) and a resumed worker replays its draws without decoding them.
-Resume needs the same seed, world size, rank, num_workers and batch size (checked). Creating a stream's
-DataLoader never draws from the global RNGs (its workers' base seed comes from a generator of its own), so
-iterating, resuming or rolling over an epoch leaves the training process's random state as it was.
+Exact resume at any R and W: every random choice is a pure function of the position. The augmentation of a sample
+is seeded by (seed, e, shard, member, repeat), mixup (applied within each stream's chunk of c) by
+(seed, e, stream, b). The position is (epoch, global batches done, buffer draws of each stream);
+``state_dict()`` holds this rank's streams, ``merge_stream_states`` joins the ranks' states into the global
+position, and a stream at another world size loads it and replays its streams' draws without decoding them.
+Creating a DataLoader never draws from the global RNGs (its workers' base seed comes from a generator of its own),
+so iterating, resuming or rolling over an epoch leaves the training process's random state as it was.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -41,14 +46,19 @@ from data_pipeline.shards import read_shard
 log = logging.getLogger(__name__)
 
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: per-rank streams (before issue #14); its positions mean nothing in the canonical streams
+# Seed keys of the buffers and of mixup: 6 words ending in a tag, so they differ from the 5-word augmentation keys
+# (seed, e, shard, member, repeat) and from each other. The tags are nonzero because numpy's SeedSequence reads a
+# trailing 0 as no word at all in short keys.
+_BUFFER_TAG, _MIXUP_TAG = 1, 2
+_clamp_warned: set = set()
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
     """Deal items (in ``order``) to ``parts`` bins, each to the bin with the smallest total so far (ties: lowest bin).
 
     A heap of (total, bin) gives the same choice as scanning every bin, in O(log parts) per item: 4,700 shards over
-    512 ranks is milliseconds, not seconds.
+    512 streams is milliseconds, not seconds.
     """
     bins: list[list[int]] = [[] for _ in range(parts)]
     heap = [(0, b) for b in range(parts)]  # already a heap: sorted
@@ -79,32 +89,57 @@ class _TrainPlan:
     """Everything a worker process needs (picklable, so forkserver/spawn contexts work)."""
 
     info: DatasetInfo
-    batch_size: int
+    micro_batch: int  # m
+    global_batch: int  # G
+    streams: int  # P
     image_size: int
     rank: int
     world_size: int
-    workers: int  # logical workers: max(1, num_workers)
+    workers: int  # logical workers of this rank: min(max(1, num_workers), P / R)
     seed: int
     shuffle_buffer: int
     augment: AugmentConfig | None
     mixup_alpha: float
     label_format: str
     num_classes: int
-    batches_per_epoch: int
+    record_keys: bool
 
-    def worker_shards(self, epoch: int, logical: int) -> list[int]:
+    @property
+    def chunk(self) -> int:
+        """c: samples each stream gives every global batch."""
+        return self.global_batch // self.streams
+
+    @property
+    def accumulation(self) -> int:
+        """A: micro-batches of this rank per global batch."""
+        return self.global_batch // (self.world_size * self.micro_batch)
+
+    @property
+    def rank_streams(self) -> range:
+        per_rank = self.streams // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def worker_streams(self, logical: int) -> list[int]:
+        """The contiguous group of this rank's streams that logical worker ``logical`` reads."""
+        mine = self.rank_streams
+        return list(mine[logical * len(mine) // self.workers : (logical + 1) * len(mine) // self.workers])
+
+    def stream_shards(self, epoch: int) -> list[list[int]]:
+        """Shard indices of every stream in ``epoch``, in reading order (the same at every R and W)."""
         live = [i for i, c in enumerate(self.info.shard_counts) if c > 0]
         order = [live[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(live))]
-        counts = self.info.shard_counts
-        mine = balanced_split(order, counts, self.world_size)[self.rank]
-        return balanced_split(mine, counts, self.workers)[logical]
+        return balanced_split(order, self.info.shard_counts, self.streams)
 
-    def worker_batches(self, logical: int) -> range:
-        return range(logical, self.batches_per_epoch, self.workers)
+    def capacities(self, epoch: int) -> list[int]:
+        counts = self.info.shard_counts
+        return [sum(counts[s] for s in shards) for shards in self.stream_shards(epoch)]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return min(self.capacities(epoch)) // self.chunk
 
 
 def _shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
-    """Seeded shuffle buffer over an endless iterator."""
+    """Seeded shuffle buffer over a finite iterator; at its end the buffer drains in a seeded random order."""
     if size <= 1:
         yield from items
         return
@@ -116,89 +151,130 @@ def _shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
         k = int(rng.integers(size))
         yield buffer[k]
         buffer[k] = item
+    for k in rng.permutation(len(buffer)):
+        yield buffer[k]
 
 
-def _cycle_shards(plan: _TrainPlan, shards: list[int], stats: Counter) -> Iterator[tuple]:
-    """Endless (shard, member, repeat, sample) over a worker's shards; repeat counts wrap-arounds."""
-    repeat = 0
-    while True:
-        seen = 0
+def _stream_draws(plan: _TrainPlan, shards: list[int], stats: Counter, rng: np.random.Generator) -> Iterator[tuple]:
+    """Endless buffer draws (shard, member, repeat, sample) of one stream; ``repeat`` counts passes over its shards.
+
+    Each pass goes through the buffer and drains it before the next starts, so pass 1 (reached only when damage
+    left fewer usable samples than the manifest promised) never mixes with pass 0.
+    """
+    size = min(plan.shuffle_buffer, sum(plan.info.shards[s].samples for s in shards))
+
+    def one_pass(repeat: int) -> Iterator[tuple]:
         for s in shards:
             shard = plan.info.shards[s]
             for member, sample in enumerate(read_shard(shard.url, shard.samples, stats)):
-                seen += 1
                 yield s, member, repeat, sample
+
+    for repeat in itertools.count():
+        seen = 0
+        for item in _shuffled(one_pass(repeat), size, rng):
+            seen += 1
+            yield item
         if seen == 0:
             raise ShardFormatError(f"shards {[plan.info.shards[s].url for s in shards]} hold no readable sample")
-        repeat += 1
+
+
+class _StreamReader:
+    """One canonical stream within an epoch: its draws so far, and chunks of c decoded samples."""
+
+    def __init__(self, plan: _TrainPlan, epoch: int, stream: int, shards: list[int], draws: int):
+        self.plan, self.epoch, self.stream, self.shards = plan, epoch, stream, shards
+        self.stats: Counter = Counter()
+        self.capacity = sum(plan.info.shards[s].samples for s in shards)
+        rng = np.random.default_rng([plan.seed, epoch, stream, 0, 0, _BUFFER_TAG])
+        self.draws_iter = _stream_draws(plan, shards, self.stats, rng)
+        for _ in range(draws):  # resume: replay the buffer without decoding
+            next(self.draws_iter)
+        self.draws = draws
+        if draws == 0:
+            self.stats["dropped_samples"] += self.capacity - plan.steps_in_epoch(epoch) * plan.chunk
+        else:
+            self.stats.clear()  # counts from the replayed part were reported before the interruption
+
+    def chunk(self) -> tuple[list[np.ndarray], list[int], list[str]]:
+        """The next c usable samples: decoded uint8 images (S, S, 3), labels, keys."""
+        plan, stats = self.plan, self.stats
+        images, labels, keys = [], [], []
+        failures_in_row = 0
+        while len(images) < plan.chunk:
+            if failures_in_row > 2 * self.capacity + 10:  # a whole pass and more without one usable sample
+                urls = [plan.info.shards[s].url for s in self.shards]
+                raise ShardFormatError(f"no usable sample in {urls}: {dict(stats)}; run data_pipeline.validate")
+            s, member, repeat, sample = next(self.draws_iter)
+            self.draws += 1
+            failures_in_row += 1
+            label = _label(sample, plan.info.num_classes, stats)
+            if label is None:
+                continue
+            rng = np.random.default_rng([plan.seed, self.epoch, s, member, repeat])
+            try:
+                images.append(decode_train(sample["jpg"], plan.image_size, plan.augment, rng))
+            except DECODE_ERRORS:
+                stats["corrupt_samples"] += 1
+                continue
+            labels.append(label)
+            keys.append(sample["__key__"])
+            if repeat:
+                stats["wrapped_samples"] += 1
+            failures_in_row = 0
+        return images, labels, keys
+
+
+def _collate(plan: _TrainPlan, epoch: int, step: int, streams: list[int], images: list, labels: list[int]):
+    """One worker's item: images (k c, 3, S, S) and labels of ``streams`` in order, mixup within each chunk of c."""
+    x = to_float_images(np.stack(images))  # (k c, 3, S, S)
+    y = torch.tensor(labels, dtype=torch.int64)  # (k c,)
+    if plan.label_format == "multihot" or plan.mixup_alpha > 0:
+        y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (k c, K)
+    if plan.mixup_alpha > 0:
+        c = plan.chunk
+        for i, stream in enumerate(streams):
+            rows = slice(i * c, (i + 1) * c)
+            rng = np.random.default_rng([plan.seed, epoch, stream, step, 0, _MIXUP_TAG])
+            x[rows], y[rows], _ = mixup(x[rows], y[rows], plan.mixup_alpha, rng)
+    return x, y
 
 
 class _TrainEpoch(IterableDataset):
-    """One epoch of one rank, started at batch ``start`` with ``draws[l]`` buffer draws already made by worker l."""
+    """One epoch of one rank from global batch ``start``, ``draws[stream]`` buffer draws already made per stream.
 
-    def __init__(self, plan: _TrainPlan, epoch: int, start: int, draws: tuple[int, ...]):
+    Every logical worker yields one item per global batch: (images, labels, meta) of its streams' chunks.
+    """
+
+    def __init__(self, plan: _TrainPlan, epoch: int, start: int, draws: dict[int, int]):
         self.plan, self.epoch, self.start, self.draws = plan, epoch, start, draws
 
     def __iter__(self):
         info = get_worker_info()
-        if info is None:  # in-process: interleave the logical workers exactly as the DataLoader would
-            gens = [self._logical(l) for l in self._rotation()]
-            while gens:
-                for g in list(gens):
-                    try:
-                        yield next(g)
-                    except StopIteration:
-                        gens.remove(g)
-        else:
-            yield from self._logical(self._rotation()[info.id])
-
-    def _rotation(self) -> list[int]:
-        # The DataLoader asks worker 0 first; rotating makes it play the worker that owns batch ``start``.
-        return [(p + self.start) % self.plan.workers for p in range(self.plan.workers)]
+        yield from self._logical(0 if info is None else info.id)
 
     def _logical(self, logical: int):
         plan, epoch = self.plan, self.epoch
-        batches = [j for j in plan.worker_batches(logical) if j >= self.start]
-        if not batches:
-            return
-        shards = plan.worker_shards(epoch, logical)
-        stats: Counter = Counter()
-        capacity = sum(plan.info.shards[s].samples for s in shards)
-        buffer_rng = np.random.default_rng([plan.seed, epoch, plan.rank, logical, 1])
-        draws_iter = _shuffled(_cycle_shards(plan, shards, stats), min(plan.shuffle_buffer, capacity), buffer_rng)
-        draws = self.draws[logical]
-        for _ in range(draws):  # resume: replay the buffer without decoding
-            next(draws_iter)
-        if self.start == 0:
-            needed = len(plan.worker_batches(logical)) * plan.batch_size
-            stats["wrapped_samples"] += max(0, needed - capacity)
-            stats["dropped_samples"] += max(0, capacity - needed)
-        else:
-            stats.clear()  # counts from the replayed part were reported before the interruption
-        failures_in_row = 0
-        for j in batches:
-            images, labels = [], []
-            while len(images) < plan.batch_size:
-                if failures_in_row > 2 * capacity + 10:  # a whole pass and more without one usable sample
-                    urls = [plan.info.shards[s].url for s in shards]
-                    raise ShardFormatError(f"no usable sample in {urls}: {dict(stats)}; run data_pipeline.validate")
-                s, member, repeat, sample = next(draws_iter)
-                draws += 1
-                failures_in_row += 1
-                label = _label(sample, plan.info.num_classes, stats)
-                if label is None:
-                    continue
-                rng = np.random.default_rng([plan.seed, epoch, s, member, repeat])
-                try:
-                    images.append(decode_train(sample["jpg"], plan.image_size, plan.augment, rng))
-                except DECODE_ERRORS:
-                    stats["corrupt_samples"] += 1
-                    continue
-                labels.append(label)
-                failures_in_row = 0
-            x, y = _collate(images, labels, plan, np.random.default_rng([plan.seed, epoch, plan.rank, j, 2]))
-            meta = dict(epoch=epoch, batch=j, logical=logical, draws=draws, stats=dict(stats))
-            stats.clear()
+        shards = plan.stream_shards(epoch)
+        group = plan.worker_streams(logical)
+        readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s]) for s in group]
+        for step in range(self.start, plan.steps_in_epoch(epoch)):
+            images, labels, keys = [], [], []
+            stats: Counter = Counter()
+            for reader in readers:
+                more = reader.chunk()
+                images += more[0]
+                labels += more[1]
+                keys += more[2]
+                stats.update(reader.stats)
+                reader.stats.clear()
+            x, y = _collate(plan, epoch, step, group, images, labels)
+            meta = dict(
+                epoch=epoch,
+                step=step,
+                draws={r.stream: r.draws for r in readers},
+                stats=dict(stats),
+                keys=keys if plan.record_keys else None,
+            )
             yield x, y, meta
 
 
@@ -217,22 +293,65 @@ def _label(sample: dict, num_classes: int, stats: Counter) -> int | None:
     return label
 
 
-def _collate(images: list, labels: list[int], plan: _TrainPlan, rng: np.random.Generator):
-    x = to_float_images(np.stack(images))  # (B, 3, S, S)
-    y = torch.tensor(labels, dtype=torch.int64)  # (B,)
-    if plan.label_format == "multihot" or plan.mixup_alpha > 0:
-        y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (B, K)
-    if plan.mixup_alpha > 0:
-        x, y, _ = mixup(x, y, plan.mixup_alpha, rng)
-    return x, y
+def merge_stream_states(states: list[dict]) -> dict:
+    """The global position: the ranks' ``state_dict()``s joined into one state holding the draws of all P streams
+    (stats summed). Raises ValueError when they disagree on epoch, step or fingerprint, or a stream is missing or
+    held twice — the states of one checkpoint always agree."""
+    if not states:
+        raise ValueError("merge_stream_states needs at least one stream state")
+    for state in states:
+        _check_version(state)
+    first = states[0]
+    for field in ("epoch", "step", "fingerprint"):
+        values = [s[field] for s in states]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"stream states disagree on {field}: {values}; merge the states of one checkpoint only")
+    draws: dict[str, int] = {}
+    stats: Counter = Counter()
+    for state in states:
+        twice = sorted(set(draws) & set(state["draws"]), key=int)
+        if twice:
+            raise ValueError(f"streams {twice} appear in more than one stream state; pass each rank's state once")
+        draws.update({str(k): int(v) for k, v in state["draws"].items()})
+        stats.update(state.get("stats", {}))
+    streams = int(first["fingerprint"]["streams"])
+    missing = [s for s in range(streams) if str(s) not in draws]
+    if missing:
+        more = "..." if len(missing) > 8 else ""
+        raise ValueError(f"no stream state holds streams {missing[:8]}{more}; pass the states of every rank")
+    return dict(
+        version=STATE_VERSION,
+        epoch=int(first["epoch"]),
+        step=int(first["step"]),
+        draws={str(s): draws[str(s)] for s in range(streams)},
+        stats=dict(stats),
+        fingerprint=dict(first["fingerprint"]),
+    )
+
+
+def _check_version(state: dict) -> None:
+    version = state.get("version")
+    if version == 1:
+        raise ValueError(
+            "this stream state (version 1) predates world-size-invariant streams (issue #14): its positions are per "
+            "rank and worker, not per canonical stream; resume that checkpoint with the version that wrote it"
+        )
+    if version != STATE_VERSION:
+        raise ValueError(
+            f"stream state version {version} is not {STATE_VERSION}; resume with the version that wrote it"
+        )
 
 
 class TrainStream:
-    """Endless iterable of (images float32 (B, 3, S, S) in [-1, 1], labels) over a shard folder.
+    """Endless iterable of micro-batches (images float32 (m, 3, S, S) in [-1, 1], labels) of one rank.
 
-    Labels are int64 (B,) with ``label_format="int"``, float32 (B, K) with ``"multihot"`` (for sigmoid losses);
-    with ``mixup_alpha > 0`` they are always float32 (B, K) soft targets. See the module docstring for the order,
-    the per-rank balance and the resume contract. ``stats`` counts skipped, truncated, dropped and wrapped samples.
+    ``batch_size`` is the micro-batch m; A = G / (R m) consecutive micro-batches make this rank's share of one global
+    batch (one optimizer step). ``global_batch_size`` G defaults to m x world_size (A = 1). ``streams`` P defaults,
+    for standalone use, to world_size x max(1, num_workers) when that divides G, else to world_size; training passes
+    ``data.streams`` so that the order does not depend on R or W. Labels are int64 (m,) with ``label_format="int"``,
+    float32 (m, K) with ``"multihot"``; with ``mixup_alpha > 0`` always float32 (m, K) soft targets. With
+    ``record_keys`` the sample keys of the last micro-batch are in ``last_keys``. The module docstring gives the
+    order and the resume contract; ``stats`` counts skipped, truncated, dropped and wrapped samples.
     """
 
     def __init__(
@@ -241,6 +360,8 @@ class TrainStream:
         *,
         batch_size: int,
         image_size: int,
+        global_batch_size: int | None = None,
+        streams: int | None = None,
         rank: int = 0,
         world_size: int = 1,
         num_workers: int = 0,
@@ -253,6 +374,7 @@ class TrainStream:
         drop_last: bool = True,
         multiprocessing_context: str | None = "fork",
         prefetch_factor: int = 2,
+        record_keys: bool = False,
     ):
         info = _as_info(source)
         if batch_size < 1 or image_size < 1:
@@ -263,6 +385,8 @@ class TrainStream:
             raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
         if mixup_alpha < 0:
             raise ValueError(f"mixup_alpha must be >= 0, got {mixup_alpha}")
+        if not drop_last:
+            raise ValueError("drop_last=False is not supported: every stream gives whole chunks (docs/elastic.md)")
         num_classes = info.num_classes if num_classes is None else num_classes
         if num_classes < info.num_classes:
             raise ValueError(
@@ -271,112 +395,212 @@ class TrainStream:
             )
         if augment is not None:
             augment.validate()
-        workers = max(1, num_workers)
-        live = sum(1 for c in info.shard_counts if c > 0)
-        if live < world_size * workers:
-            raise ValueError(
-                f"{info.root} has {live} shards but world_size x num_workers = {world_size * workers} readers need "
-                "one each; rewrite it with a smaller --samples-per-shard or use fewer DataLoader workers"
-            )
-        per_rank = info.num_samples / (world_size * batch_size)
-        batches = int(per_rank) if drop_last else int(np.ceil(per_rank))
-        if batches < 1:
-            raise ValueError(
-                f"{info.root} has {info.num_samples} samples, fewer than one batch of {batch_size} per "
-                f"rank for {world_size} ranks; lower batch_size"
+        G = batch_size * world_size if global_batch_size is None else global_batch_size
+        if streams is None:
+            streams = world_size * max(1, num_workers)
+            streams = streams if G % streams == 0 else world_size
+        P = streams
+        _check_sizes(info, G, batch_size, P, world_size, mixup_alpha)
+        workers = min(max(1, num_workers), P // world_size)
+        if num_workers > workers and (num_workers, P // world_size) not in _clamp_warned:
+            _clamp_warned.add((num_workers, P // world_size))
+            log.warning(
+                "num_workers=%d but each rank reads %d streams: %d loader workers run (a worker reads whole streams)",
+                num_workers,
+                P // world_size,
+                workers,
             )
         self.plan = _TrainPlan(
-            info,
-            batch_size,
-            image_size,
-            rank,
-            world_size,
-            workers,
-            seed,
-            shuffle_buffer,
-            augment,
-            float(mixup_alpha),
-            label_format,
-            num_classes,
-            batches,
+            info=info,
+            micro_batch=batch_size,
+            global_batch=G,
+            streams=P,
+            image_size=image_size,
+            rank=rank,
+            world_size=world_size,
+            workers=workers,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            augment=augment,
+            mixup_alpha=float(mixup_alpha),
+            label_format=label_format,
+            num_classes=num_classes,
+            record_keys=bool(record_keys),
         )
-        self.num_workers = num_workers
+        if self.plan.steps_in_epoch(0) < 1:
+            raise ValueError(
+                f"{info.root}: a stream of epoch 0 holds {min(self.plan.capacities(0))} samples, fewer than the "
+                f"{self.plan.chunk} (global_batch_size / streams) it gives each global batch; lower the global batch "
+                "or the streams"
+            )
+        self.num_workers = workers if num_workers > 0 else 0
         self.multiprocessing_context = multiprocessing_context if num_workers > 0 else None
         self.prefetch_factor = prefetch_factor
         self.stats: Counter = Counter()
-        self._epoch, self._batch, self._draws = 0, 0, [0] * workers
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.plan.batches_per_epoch
+        self.last_keys: list[str] | None = None
+        self._epoch, self._step, self._micro = 0, 0, 0
+        self._draws = {s: 0 for s in self.plan.rank_streams}
 
     @property
     def info(self) -> DatasetInfo:
         return self.plan.info
 
+    @property
+    def accumulation_steps(self) -> int:
+        """A: micro-batches per optimizer step on this rank."""
+        return self.plan.accumulation
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in the current epoch (it varies a little between epochs: see ``steps_in_epoch``)."""
+        return self.plan.steps_in_epoch(self._epoch)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Global batches in ``epoch``: the smallest stream's manifest count over c (shards are re-dealt per epoch)."""
+        return self.plan.steps_in_epoch(epoch)
+
     def _fingerprint(self) -> dict:
         p = self.plan
         return dict(
             seed=p.seed,
-            rank=p.rank,
-            world_size=p.world_size,
-            workers=p.workers,
-            batch_size=p.batch_size,
+            global_batch_size=p.global_batch,
+            streams=p.streams,
             shuffle_buffer=p.shuffle_buffer,
             num_samples=p.info.num_samples,
             num_shards=len(p.info.shards),
         )
 
     def state_dict(self) -> dict:
-        """Position after the batches yielded so far (plain ints: JSON-serialisable)."""
+        """This rank's position after the optimizer steps yielded so far (plain ints: JSON-serialisable).
+
+        Holds the draws of this rank's streams only; ``merge_stream_states`` joins the ranks' states."""
+        if self._micro:
+            raise ValueError(
+                f"state_dict() after {self._micro} of the {self.plan.accumulation} micro-batches of a step: a stream "
+                "position exists only between optimizer steps; checkpoint after the step's last micro-batch"
+            )
         return dict(
             version=STATE_VERSION,
             epoch=self._epoch,
-            batch=self._batch,
-            draws=list(self._draws),
+            step=self._step,
+            draws={str(s): n for s, n in self._draws.items()},
             stats=dict(self.stats),
             fingerprint=self._fingerprint(),
         )
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"stream state version {state.get('version')} is not {STATE_VERSION}")
+        """Continue from ``state``: a merged state (any world size) or any state holding this rank's streams."""
+        _check_version(state)
         saved, now = state["fingerprint"], self._fingerprint()
         diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if diff:
             raise ValueError(
-                f"stream state does not match this stream (saved, now): {diff}; resume with the same "
-                "data, seed, world size, rank, num_workers, batch size and shuffle buffer"
+                f"stream state does not match this stream (saved, now): {diff}; resume with the same data, seed, "
+                "global batch size, streams and shuffle buffer"
             )
-        self._epoch, self._batch, self._draws = int(state["epoch"]), int(state["batch"]), list(state["draws"])
-        self.stats = Counter(state.get("stats", {}))
+        draws = {int(k): int(v) for k, v in state["draws"].items()}
+        missing = [s for s in self.plan.rank_streams if s not in draws]
+        if missing:
+            raise ValueError(
+                f"stream state holds the draws of streams {sorted(draws)} but rank {self.plan.rank} of "
+                f"{self.plan.world_size} reads streams {list(self.plan.rank_streams)}; load the merged state "
+                "(merge_stream_states over every rank's state)"
+            )
+        self._epoch, self._step, self._micro = int(state["epoch"]), int(state["step"]), 0
+        self._draws = {s: draws[s] for s in self.plan.rank_streams}
+        # Counters are sums over ranks: the rank reading the state's first stream takes them, so merging the
+        # states again counts each event once.
+        self.stats = Counter(state.get("stats", {})) if min(draws) in self.plan.rank_streams else Counter()
 
     def __iter__(self):
+        plan = self.plan
+        m, A = plan.micro_batch, plan.accumulation
+        self._micro = 0  # a new iterator starts at the last whole step
         while True:
-            if self._batch >= self.batches_per_epoch:
-                self._epoch, self._batch, self._draws = self._epoch + 1, 0, [0] * self.plan.workers
-            epoch = _TrainEpoch(self.plan, self._epoch, self._batch, tuple(self._draws))
+            steps = plan.steps_in_epoch(self._epoch)
+            if self._step >= steps:
+                self._epoch, self._step = self._epoch + 1, 0
+                self._draws = {s: 0 for s in plan.rank_streams}
+                if plan.steps_in_epoch(self._epoch) < 1:
+                    raise ValueError(
+                        f"epoch {self._epoch} has a stream with fewer than {plan.chunk} samples; lower the global "
+                        "batch or the streams"
+                    )
+                continue
+            epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws))
             if self.num_workers == 0:
-                batches = iter(epoch)
+                items = iter(epoch)
             else:
-                batches = iter(
+                items = iter(
                     DataLoader(
                         epoch,
                         batch_size=None,
                         num_workers=self.num_workers,
                         multiprocessing_context=self.multiprocessing_context,
                         prefetch_factor=self.prefetch_factor,
-                        generator=_loader_generator(self.plan.seed, self._epoch, self.plan.rank, self._batch),
+                        generator=_loader_generator(plan.seed, self._epoch, plan.rank, self._step),
                     )
                 )
-            for x, y, meta in batches:
-                assert meta["batch"] == self._batch and meta["epoch"] == self._epoch, (meta, self._batch)
-                self._batch += 1
-                self._draws[meta["logical"]] = meta["draws"]
-                self.stats.update(meta["stats"])
-                yield x, y
-            if self._batch < self.batches_per_epoch:  # the workers ended early: never silently shorten an epoch
-                raise RuntimeError(f"epoch {self._epoch} ended after {self._batch} of {self.batches_per_epoch} batches")
+            for step in range(self._step, steps):
+                parts = list(itertools.islice(items, plan.workers))  # worker 0, 1, ...: stream order
+                if len(parts) < plan.workers:  # the workers ended early: never silently shorten an epoch
+                    raise RuntimeError(f"epoch {self._epoch} ended after {step} of {steps} global batches")
+                assert all(p[2]["step"] == step and p[2]["epoch"] == self._epoch for p in parts), (step, self._epoch)
+                keys = [k for p in parts for k in p[2]["keys"]] if plan.record_keys else None
+                for i in range(A):
+                    x, y = _rows(parts, i * m, (i + 1) * m)  # (m, 3, S, S), labels
+                    if i == A - 1:  # the step is done once its last micro-batch is handed out
+                        self._step = step + 1
+                        for p in parts:
+                            self._draws.update(p[2]["draws"])
+                            self.stats.update(p[2]["stats"])
+                    self._micro = (i + 1) % A
+                    if keys is not None:
+                        self.last_keys = keys[i * m : (i + 1) * m]
+                    yield x, y
+
+
+def _rows(parts: list, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [lo, hi) of the workers' items laid end to end: a view when they lie in one item (no copy), else the
+    pieces concatenated (a micro-batch made by several workers)."""
+    xs, ys, start = [], [], 0
+    for x, y, _ in parts:
+        end = start + len(x)
+        if start < hi and lo < end:
+            xs.append(x[max(lo, start) - start : min(hi, end) - start])
+            ys.append(y[max(lo, start) - start : min(hi, end) - start])
+        start = end
+    return (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))
+
+
+def _check_sizes(info: DatasetInfo, G: int, m: int, P: int, R: int, mixup_alpha: float) -> None:
+    """The divisibility the stream split needs (pretrain.ds_config.batch_plan checks the same for a config)."""
+    if G < 1 or P < 1:
+        raise ValueError(f"global_batch_size and streams must be >= 1, got {G} and {P}")
+    if G % P:
+        raise ValueError(f"global_batch_size={G} is not divisible by streams={P}; set streams to a divisor of it")
+    if P % R:
+        valid = [w for w in range(1, P + 1) if P % w == 0 and G % (w * m) == 0]
+        raise ValueError(
+            f"world_size {R} does not divide streams={P}: each rank reads a contiguous block of streams; run at a "
+            f"world size in {valid} or change streams"
+        )
+    if G % (R * m):
+        raise ValueError(
+            f"global_batch_size={G} is not divisible by world_size {R} x batch_size {m}; pick a micro-batch that "
+            f"divides {G // R}"
+        )
+    live = sum(1 for c in info.shard_counts if c > 0)
+    if live < P:
+        raise ValueError(
+            f"{info.root} has {live} non-empty shards but streams={P} need one each; rewrite it with a smaller "
+            "--samples-per-shard or use fewer streams"
+        )
+    if mixup_alpha > 0 and G // P < 2:
+        raise ValueError(
+            f"mixup mixes samples within each stream's chunk of global_batch_size / streams = {G // P}; it needs "
+            ">= 2: use fewer streams or a larger global batch"
+        )
 
 
 class _EvalShards(IterableDataset):

@@ -13,8 +13,12 @@ Resume order (`find_start`): the newest COMPLETE checkpoint in the run folder > 
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
+import io
+import pickle
 import random
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.paths import resolve_path
+from data_pipeline.stream import merge_stream_states
 from pretrain import run_folder
 from pretrain.config import TrainConfig
 from pretrain.run_folder import DEEPSPEED_DIR, TrainerState
@@ -128,7 +133,7 @@ def save_checkpoint(
         run_folder.start_staging(tmp)
     _barrier()
     engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=tag, client_state={"step": step})
-    stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(rng_state())
+    stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(rng_state())  # rank-local positions
     _save_consolidated(engine, model, tmp, rank)
     if rank == 0:
         TrainerState(
@@ -136,7 +141,7 @@ def save_checkpoint(
             images_seen=images_seen,
             world_size=len(stream_states),
             deepspeed_tag=tag,
-            stream_states=tuple(stream_states),
+            stream_state=merge_stream_states(stream_states),
             rng_states=tuple(rng_states),
             metrics=metrics or {},
             saved_at=time.time(),
@@ -169,12 +174,13 @@ DEEPSPEED_SAFE_GLOBALS = (
 )
 
 
+def _allowed_globals() -> list:
+    return [getattr(importlib.import_module(m), a) for m, _, a in (n.rpartition(".") for n in DEEPSPEED_SAFE_GLOBALS)]
+
+
 def _load_weights_only(checkpoint_engine) -> None:
     """Make the engine's checkpoint reader refuse arbitrary pickles (DeepSpeed itself loads weights_only=False)."""
-    allowed = []
-    for name in DEEPSPEED_SAFE_GLOBALS:
-        module, _, attr = name.rpartition(".")
-        allowed.append(getattr(importlib.import_module(module), attr))
+    allowed = _allowed_globals()
 
     def load(path: str, map_location=None):
         with torch.serialization.safe_globals(allowed):
@@ -183,25 +189,101 @@ def _load_weights_only(checkpoint_engine) -> None:
     checkpoint_engine.load = load  # this engine only; DeepSpeed's class is left alone
 
 
-def load_checkpoint(engine, checkpoint_dir: Path, world_size: int) -> TrainerState:
+UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: the engine state converted for any world size
+
+
+def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None:
+    """Collective. Before the engine is built: the universal checkpoint to load when ``start`` was written at
+    another world size and its optimizer state is partitioned by rank, else None.
+
+    The partitioned state (ZeRO 1-3, and bf16 at any stage: DeepSpeed's bf16 optimizer partitions fp32 master
+    weights and Adam moments by rank) is converted once, by rank 0, with DeepSpeed's ``ds_to_universal`` into
+    ``<checkpoint>/universal/`` (staged in ``universal.tmp`` and renamed, reused by later resizes); every rank then
+    loads its new partition from it. ZeRO-0 in fp32 keeps the whole optimizer in one file that loads at any world
+    size, so it needs no conversion. The global batch is kept: `pretrain.ds_config.batch_plan` recomputes the
+    accumulation, and a world size that cannot keep it was refused by ``TrainConfig.validate`` before this runs.
+    """
+    if start.kind not in ("run", "resume_from"):
+        return None
+    state = TrainerState.read(start.path)
+    if state.world_size == world_size:
+        return None
+    engine_dir = Path(start.path) / DEEPSPEED_DIR / state.deepspeed_tag
+    if not any(engine_dir.glob("*optim_states.pt")):
+        return None
+    target = Path(start.path) / UNIVERSAL_DIR
+    if rank == 0 and not target.is_dir():
+        _check_weights_only(engine_dir)  # the converter unpickles without the weights-only guard
+        started = time.perf_counter()
+        staging = target.with_name(UNIVERSAL_DIR + run_folder.STAGING_SUFFIX)
+        shutil.rmtree(staging, ignore_errors=True)
+        _to_universal(engine_dir, staging / state.deepspeed_tag)
+        staging.rename(target)
+        size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        print(f"converted {start.path.name} (world size {state.world_size}) to a universal checkpoint for world size "
+              f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB", flush=True)  # fmt: skip
+    _barrier()
+    return target
+
+
+def _to_universal(engine_dir: Path, output: Path) -> None:
+    """DeepSpeed's ds_to_universal on one engine folder, in this process (one extract and one merge worker: the
+    conversion runs while the training ranks wait). ``inject_missing_state``: the converter wants the
+    ``universal_checkpoint_info`` that Megatron-style clients save for tensor/pipeline parallelism; vitscale is data
+    parallel only, so it holds nothing but the format version, which the converter fills in."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal  # heavy optional external: only a resize needs it
+
+    args = Namespace(input_folder=str(engine_dir), output_folder=str(output), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # its step-by-step prints; errors still raise
+        ds_to_universal.main(args)
+
+
+def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None) -> TrainerState:
     """Collective: restore the engine (model + optimizer) and return the trainer state; RNG is restored by caller.
 
+    ``universal`` (from `prepare_resume`): load the engine from that universal checkpoint, at this world size.
     Engine files are read with ``torch.load(weights_only=True)`` plus the allow-list above, so a tampered
     checkpoint cannot run code.
     """
     state = TrainerState.read(checkpoint_dir)
-    if state.world_size != world_size:
-        raise ValueError(
-            f"checkpoint {checkpoint_dir} was written by {state.world_size} ranks but this run has {world_size}; "
-            "resume with the same world size (or convert it with DeepSpeed's ds_to_universal first)"
-        )
     _load_weights_only(engine.checkpoint_engine)
-    load_path, _ = engine.load_checkpoint(
-        str(Path(checkpoint_dir) / DEEPSPEED_DIR), tag=state.deepspeed_tag, load_lr_scheduler_states=False
-    )
+    folder = universal if universal is not None else Path(checkpoint_dir) / DEEPSPEED_DIR
+    if universal is not None:  # DeepSpeed reads these with weights_only=False: refuse a code-running pickle first
+        _check_weights_only(folder)
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW inside ZeRO
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    load_path, _ = engine.load_checkpoint(str(folder), tag=state.deepspeed_tag, load_lr_scheduler_states=False)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed found no engine state under {checkpoint_dir}/{DEEPSPEED_DIR}")
+        raise RuntimeError(f"DeepSpeed found no engine state under {folder}")
+    if universal is not None:
+        # Two things ZeRO-3's universal load gets wrong (DeepSpeed 0.19.8), put right here: (1) every param group
+        # gets the hyperparameters of group 0, so the parameters that are not decayed (biases, norms, embeddings:
+        # pretrain.optim) would be decayed; the groups' settings come from the config (the lr from the schedule
+        # at every step). (2) All groups' Adam ``step`` is one shared tensor, which torch's AdamW increments in
+        # place once per group and step, so the second group's bias correction runs ahead (losses drifted 6e-4
+        # from the uninterrupted run within three steps); each group gets its own copy.
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
+        for param_state in optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
     return state
+
+
+def _check_weights_only(folder: Path) -> None:
+    """Open every engine file under ``folder`` with ``torch.load(weights_only=True)`` and the allow-list: DeepSpeed's
+    universal checkpoint code (the converter, ZeRO-3's loader) unpickles them without that guard."""
+    allowed = _allowed_globals()
+    for path in sorted(folder.rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(f"{path} holds objects a weights-only load refuses ({error}); it was not written by "
+                             "vitscale's DeepSpeed: resume from another checkpoint") from None  # fmt: skip
 
 
 def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[str]:

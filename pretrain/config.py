@@ -157,7 +157,8 @@ class LoggingConfig:
     peak_tflops: float | None = None  # hardware peak per device for MFU; None → known GPU table / measured CPU GEMM
     progress_bar: bool = True  # tqdm on rank 0
     record_batch_digests: bool = False  # keep a hash of every batch in the summary (exact-resume checks)
-    record_sample_keys: bool = False  # keep every step's sample keys (this rank's, in order) in the summary
+    # Keep every step's sample keys (this rank's, in order) in the summary and <run>/sample_keys/rank<r>.jsonl
+    record_sample_keys: bool = False
 
 
 @dataclass(frozen=True)

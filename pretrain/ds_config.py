@@ -145,7 +145,12 @@ def deepspeed_config(
 
 
 def engine_config(
-    config: TrainConfig, world_size: int, device_type: str, precision: str | None = None
+    config: TrainConfig, world_size: int, device_type: str, precision: str | None = None, load_universal: bool = False
 ) -> dict[str, Any]:
+    """The engine's DeepSpeed JSON; ``load_universal`` when the engine will load a universal checkpoint (a resume at
+    another world size, `pretrain.checkpoint`)."""
     plan = batch_plan(config.data, world_size)
-    return deepspeed_config(config.deepspeed, config.optim, plan, device_type, precision=precision)
+    ds = deepspeed_config(config.deepspeed, config.optim, plan, device_type, precision=precision)
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
+    return ds

@@ -106,6 +106,8 @@ class TrainMetrics:
         self._window["data_s"] += data_s
         if self._bar is not None:
             self._bar.update(1)
+        if self.rank == 0 and self.tracker is not None:  # every step (buffered): an elastic job changes it
+            self.tracker.log_metrics({keys.WORLD_SIZE_METRIC: self.world_size}, step=step)
         if step % self.log_every and step != self.total_steps:
             return {}
         elapsed = max(time.perf_counter() - self._window["start"], 1e-9)

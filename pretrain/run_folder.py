@@ -23,6 +23,7 @@ API (paths are used as given: resolve a recipe's relative ``checkpoint.dir`` wit
              with .weights (its model.safetensors)
   pins       pin_checkpoint(folder, reason) -> bool; unpin_checkpoint; is_pinned; release_pins(run_dir) -> [Path]
   pruning    prune_checkpoints(run_dir, keep_last) -> [Path deleted] (pinned ones are skipped)
+  resizes    record_world_size(run_dir, step, world_size, accumulation); world_size_history(run_dir) -> [dict]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,16 +170,18 @@ def publish(staging: Path) -> Path:
 class TrainerState:
     """``trainer_state.json``: where training stood at a checkpoint. Field order is the file's key order.
 
-    ``stream_states[r]`` and ``rng_states[r]`` are rank r's data-stream position and RNG states (JSON values, as
-    ``TrainStream.state_dict`` and ``pretrain.checkpoint.rng_state`` return them); ``deepspeed_tag`` names the engine
-    state under ``deepspeed/``; ``metrics`` are the training metrics at the step; ``saved_at`` is a Unix time.
+    ``stream_state`` is the data stream's global position (every rank's ``TrainStream.state_dict`` joined by
+    ``merge_stream_states``: the same at any world size, docs/elastic.md); ``rng_states[r]`` are rank r's global RNG
+    states (``pretrain.checkpoint.rng_state``); ``world_size`` is the world size that wrote it; ``deepspeed_tag``
+    names the engine state under ``deepspeed/``; ``metrics`` are the training metrics at the step; ``saved_at`` is a
+    Unix time.
     """
 
     step: int
     images_seen: int
     world_size: int
     deepspeed_tag: str
-    stream_states: tuple[dict[str, Any], ...]
+    stream_state: dict[str, Any]
     rng_states: tuple[dict[str, Any], ...]
     metrics: dict[str, float] = field(default_factory=dict)
     saved_at: float | None = None
@@ -192,14 +196,19 @@ class TrainerState:
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
-            data["stream_states"] = tuple(data["stream_states"])
-            data["rng_states"] = tuple(data["rng_states"])
-            return cls(**data)
+            old = "stream_states" in data  # per-rank positions: before the streams were world-size-invariant
+            if not old:
+                data["rng_states"] = tuple(data["rng_states"])
+                return cls(**data)
         except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError included
             raise ValueError(
                 f"{source} is not a trainer state written by pretrain.checkpoint ({type(error).__name__}: {error}); "
                 "the checkpoint is damaged: resume from another one"
             ) from None
+        raise ValueError(
+            f"{source} holds per-rank stream positions: the checkpoint was written before the world-size-invariant "
+            "data order (docs/elastic.md); resume it with the vitscale version that wrote it, or start a new run"
+        )
 
     @classmethod
     def read(cls, folder: str | Path) -> TrainerState:
@@ -281,6 +290,33 @@ def release_pins(run_dir: str | Path) -> list[Path]:
     for folder in pinned:
         unpin_checkpoint(folder)
     return pinned
+
+
+WORLD_SIZES = "world_sizes.jsonl"  # one line per (re)start of training: the world size it ran at (elastic jobs)
+
+
+def record_world_size(run_dir: str | Path, step: int, world_size: int, accumulation: int) -> None:
+    """Append this (re)start of training to ``<run_dir>/world_sizes.jsonl``: time, the step it starts from, world
+    size and accumulation steps. Rank 0 calls it; the cluster driver turns changes into resize events."""
+    record = {"time": time.time(), "step": step, "world_size": world_size, "accumulation": accumulation}
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(run_dir) / WORLD_SIZES, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def world_size_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of `record_world_size`, oldest first ([] when training never started); a line cut short by a
+    crash mid-write is skipped."""
+    path = Path(run_dir) / WORLD_SIZES
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:

@@ -13,6 +13,7 @@ run first saves the step-0 weights, before the first update, so every transfer c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import resolve_location, resolve_path
 from data_pipeline.stream import TrainStream
 from pretrain import checkpoint as ckpt
-from pretrain import progressive
+from pretrain import progressive, run_folder
 from pretrain.config import TrainConfig, load_config, model_overrides
 from pretrain.ds_config import batch_plan, engine_config, resolve_backend
 from pretrain.flops import train_flops
@@ -99,9 +100,9 @@ def seed_everything(seed: int) -> None:
 
 
 @contextmanager
-def model_randomness(seed: int, rank: int, step: int, micro: int, device: torch.device):
+def model_randomness(seed: int, step: int, micro_batch: int, device: torch.device):
     """Run the enclosed forward/backward with torch's generators (CPU, and this rank's GPU) seeded by the position
-    (seed, rank, optimizer step, micro-batch); the global states before it are put back afterwards.
+    (seed, optimizer step, global micro-batch index); the global states before it are put back afterwards.
 
     Why by position, and not one long per-rank stream that checkpoints save and restore: the model's randomness
     (dropout, attention dropout, anything stochastic in the task) then depends on nothing outside the model. A
@@ -109,8 +110,12 @@ def model_randomness(seed: int, rank: int, step: int, micro: int, device: torch.
     draws from the global generator cannot shift it, and a resumed or restarted run continues it exactly without any
     saved state: the same contract as the data stream's. Activation checkpointing replays the state it stashed in
     the forward, so a recompute in the backward sees the same masks.
+
+    Why the global micro-batch index (rank × accumulation steps + micro) and not the rank: global micro-batch u holds
+    the same samples at every world size (docs/elastic.md), so seeded by u its dropout masks are the same too, and a
+    run resumed at another world size computes the same losses up to the order of the sums.
     """
-    key = int(np.random.SeedSequence([seed, rank, step, micro]).generate_state(1, np.uint64)[0])
+    key = int(np.random.SeedSequence([seed, step, micro_batch]).generate_state(1, np.uint64)[0])
     gpus = [device.index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=gpus):
         torch.default_generator.manual_seed(key)
@@ -142,6 +147,8 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int):
         resolve_location(d.train),
         batch_size=d.micro_batch_size,
         image_size=d.image_size,
+        global_batch_size=d.global_batch_size,
+        streams=d.streams,
         rank=place.rank,
         world_size=place.world_size,
         num_workers=d.num_workers,
@@ -152,6 +159,7 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int):
         label_format=label_format,
         num_classes=num_classes,
         multiprocessing_context=d.loader_start_method,
+        record_keys=config.logging.record_sample_keys,
     )
 
 
@@ -169,8 +177,12 @@ def decide_precision(config: TrainConfig, place: Placement, num_classes: int) ->
     return decide_on_rank0(lambda: decide(config.deepspeed.precision, place.device.type, probe))
 
 
-def build_engine(config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint, precision: str):
-    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model)."""
+def build_engine(
+    config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint, precision: str,
+    load_universal: bool = False,
+):  # fmt: skip
+    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model).
+    ``load_universal``: the engine will load a universal checkpoint (a resume at another world size)."""
     import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
 
     seed_everything(config.seed)  # identical initialisation on every rank
@@ -178,7 +190,7 @@ def build_engine(config: TrainConfig, place: Placement, num_classes: int, start:
     if start.kind == "init_from":
         ckpt.init_weights(model, start.path, config.data.image_size)
     task = build_task(config, model)
-    ds_config = engine_config(config, place.world_size, place.device.type, precision)
+    ds_config = engine_config(config, place.world_size, place.device.type, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
     return engine, model
 
@@ -233,17 +245,21 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
 
 
 def train_step(
-    engine, it: Iterator, accum_steps: int, place: Placement, dtype: torch.dtype, step: int, seed: int, digest=None
-):
+    engine, it: Iterator, accum_steps: int, place: Placement, dtype: torch.dtype, step: int, seed: int, digest=None,
+    sample_keys: tuple[TrainStream, list[str]] | None = None,
+):  # fmt: skip
     """Optimizer step ``step`` (0-based) over ``accum_steps`` micro-batches; (loss averaged over ranks, seconds
-    waiting for data). The model's randomness is seeded by (``seed``, rank, step, micro-batch)."""
+    waiting for data). The model's randomness is seeded by (``seed``, step, global micro-batch index). ``sample_keys``:
+    (the stream ``it`` iterates, a list that receives this rank's sample keys of the step in order)."""
     loss_sum, data_s = torch.zeros((), device=place.device), 0.0
     for micro in range(accum_steps):
         images, labels, wait = _next_batch(it, place.device, dtype)
         data_s += wait
         if digest is not None:
             digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
-        with model_randomness(seed, place.rank, step, micro, place.device):
+        if sample_keys is not None:
+            sample_keys[1].extend(sample_keys[0].last_keys)
+        with model_randomness(seed, step, place.rank * accum_steps + micro, place.device):
             loss, _ = engine(images, labels)
             engine.backward(loss)  # DeepSpeed scales by 1/accum_steps and reduces across ranks at the boundary
         engine.step()  # steps the optimizer (with clipping) only at the accumulation boundary
@@ -271,23 +287,28 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     choice = decide_precision(current, place, num_classes)
     if place.rank == 0 and config.deepspeed.precision == "auto":
         print(choice.line("auto"), flush=True)
-    engine, model = build_engine(current, place, num_classes, start, choice.precision)
+    universal = ckpt.prepare_resume(start, place.world_size, place.rank)  # converts for another world size
+    engine, model = build_engine(current, place, num_classes, start, choice.precision, universal is not None)
     stream = build_stream(current, place, num_classes)
-    state = resume(engine, stream, start, place, current)  # None when starting fresh
+    state = resume(engine, stream, start, place, current, universal)  # None when starting fresh
     step, images_seen = (state.step, state.images_seen) if state is not None else (0, 0)
     tracker = _tracker(config, place, model)
-    tracker.set_tags({keys.PRECISION: choice.precision})
+    tracker.set_tags({keys.PRECISION: choice.precision, **record_world_size(config, place, step, plan)})
     metrics = build_metrics(config, place, model, tracker, last_step, step, images_seen)
     # bf16: DeepSpeed keeps bf16 weights for compute and fp32 master weights + optimizer state in ZeRO; the task
     # computes the loss in fp32, and LayerNorm kernels accumulate their statistics in fp32.
     dtype = torch.bfloat16 if choice.precision == "bf16" else torch.float32
-    summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": []}
+    summary: dict[str, Any] = {"start": start.kind, "start_step": step, "losses": [], "checkpoints": [], "digests": [],
+                               "sample_keys": []}  # fmt: skip
     # The model's own randomness is seeded by position in train_step (model_randomness), whatever happens here.
     # The global generators are restored last, right before the loop, for any other code that draws from them.
-    if state is not None:
+    if state is not None and place.rank < len(state.rng_states):
         ckpt.set_rng_state(state.rng_states[place.rank])
+    elif state is not None:  # a rank the checkpoint's (smaller) world did not have: seeded by its position
+        seed_everything(config.seed * 1000 + place.rank + 1 + state.step * 100_003)
     else:
         seed_everything(config.seed * 1000 + place.rank + 1)  # different on every rank, reproducibly
+    stack = contextlib.ExitStack()  # files kept open for the loop (the sample-key log)
     try:
         if state is None and save_baseline(config, on_checkpoint):
             saved = ckpt.save_checkpoint(engine, model, current, step=0, images_seen=0,
@@ -295,6 +316,11 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
             summary["checkpoints"].append(str(saved))
             on_checkpoint(saved, 0, {})
         it, last = iter(stream), {}
+        if config.logging.record_sample_keys:  # per rank, every attempt: what the whole run trained on, in order
+            attempt = _broadcast(len(run_folder.world_size_history(resolve_path(config.checkpoint.dir))))
+            keys_path = resolve_path(config.checkpoint.dir) / SAMPLE_KEYS_DIR / f"rank{place.rank}.jsonl"
+            keys_path.parent.mkdir(parents=True, exist_ok=True)
+            keys_log = stack.enter_context(open(keys_path, "a"))
         while step < last_step:
             current, engine, model, stream, resized = progressive.advance(
                 config, current, step, engine, model, stream,
@@ -306,8 +332,16 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
             lr = schedule(step)
             set_lr(engine.optimizer, lr)
             digest = hashlib.sha256() if config.logging.record_batch_digests else None
-            loss, data_s = train_step(engine, it, plan.grad_accum_steps, place, dtype, step, config.seed, digest)
+            step_keys = (stream, []) if config.logging.record_sample_keys else None
+            loss, data_s = train_step(engine, it, plan.grad_accum_steps, place, dtype, step, config.seed, digest,
+                                      step_keys)  # fmt: skip
             step += 1
+            if step_keys is not None:  # the stream's epoch rolls over when the next step starts: the step's epoch
+                entry = {"step": step, "epoch": stream.state_dict()["epoch"], "keys": step_keys[1]}
+                summary["sample_keys"].append(entry)
+                where = {"attempt": attempt, "rank": place.rank, "world_size": place.world_size}
+                keys_log.write(json.dumps({**entry, **where}) + "\n")
+                keys_log.flush()  # an attempt killed mid-run (a lost node) keeps what it trained on
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
             last = metrics.step(step, loss, lr, grad_norm, plan.global_batch_size, data_s) or last
@@ -326,11 +360,22 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
         tracker.set_tags({keys.STATUS: "failed"})
         raise
     finally:
+        stack.close()
         metrics.close()
         tracker.close()
     final_loss = summary["losses"][-1][1] if summary["losses"] else None
     return {**summary, "steps": step, "final_loss": final_loss, "images_seen": metrics.images_seen,
             "rank": place.rank, "world_size": place.world_size}  # fmt: skip
+
+
+SAMPLE_KEYS_DIR = "sample_keys"  # <run>/sample_keys/rank<r>.jsonl with logging.record_sample_keys
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def save_baseline(config: TrainConfig, on_checkpoint: CheckpointCallback | None) -> bool:
@@ -344,16 +389,40 @@ def save_baseline(config: TrainConfig, on_checkpoint: CheckpointCallback | None)
     return on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
 
 
-def resume(engine, stream, start: ckpt.StartPoint, place: Placement, config: TrainConfig) -> TrainerState | None:
-    """Restore engine + stream position from a full checkpoint; its trainer state (None when starting fresh)."""
+def resume(
+    engine, stream, start: ckpt.StartPoint, place: Placement, config: TrainConfig, universal: Path | None = None
+) -> TrainerState | None:
+    """Restore engine + stream position from a full checkpoint; its trainer state (None when starting fresh).
+
+    At another world size the engine loads ``universal`` (`pretrain.checkpoint.prepare_resume`) and the stream takes
+    its streams' positions from the global one: the run continues the same sequence of global batches.
+    """
     if start.kind not in ("run", "resume_from"):
         return None
-    state = ckpt.load_checkpoint(engine, start.path, place.world_size)
-    stream.load_state_dict(state.stream_states[place.rank])
+    state = ckpt.load_checkpoint(engine, start.path, universal)
+    stream.load_state_dict(state.stream_state)
     if place.rank == 0:
         print(f"resumed from {start.path} at step {state.step} ({start.kind})", flush=True)
+        if state.world_size != place.world_size:
+            before = batch_plan(config.data, state.world_size).grad_accum_steps
+            after = batch_plan(config.data, place.world_size).grad_accum_steps
+            print(f"resuming step {state.step} at world size {place.world_size} (was {state.world_size}): accumulation "
+                  f"{before} -> {after}, global batch {config.data.global_batch_size}", flush=True)  # fmt: skip
         _warn_config_changes(start.path, config)
     return state
+
+
+def record_world_size(config: TrainConfig, place: Placement, step: int, plan) -> dict[str, str]:
+    """Rank 0 appends this start to the run folder's world-size history; the run's world-size tags from it (the
+    current size, how many times it changed, the sizes in order: "2,1,2")."""
+    if place.rank != 0:
+        return {}
+    run_dir = resolve_path(config.checkpoint.dir)
+    run_folder.record_world_size(run_dir, step, place.world_size, plan.grad_accum_steps)
+    sizes = [r["world_size"] for r in run_folder.world_size_history(run_dir)]
+    changes = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
+    return {keys.WORLD_SIZE: str(place.world_size), keys.RESIZES: str(len(changes) - 1),
+            keys.WORLD_SIZES: ",".join(map(str, changes))}  # fmt: skip
 
 
 def build_metrics(config, place, model, tracker, last_step: int, step: int, images_seen: int) -> TrainMetrics:

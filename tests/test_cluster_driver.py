@@ -25,7 +25,7 @@ import yaml
 from cluster.driver import FaultInjection, JobSpec, count_restarts, run_job
 from cluster.plan import build_plan, resolve_config
 from cluster.profiles import load_profile
-from cluster.summary import format_summary
+from cluster.summary import format_resizes, format_summary, resize_events
 from pretrain.run_folder import (
     complete_checkpoints,
     is_pinned,
@@ -101,6 +101,30 @@ def test_restarts_are_counted_per_job_from_rank0_placements():
     ]  # fmt: skip
     assert count_restarts(records) == 1
     assert count_restarts(records[:2]) == 0 and count_restarts([]) == 0
+
+
+def test_elastic_growth_is_a_resize_not_a_restart_and_resizes_are_listed():
+    """Node lost (2 -> 1: a failure Ray restarts from) then capacity back (1 -> 2: Ray resizes, no failure)."""
+    rank0 = [
+        {"rank": 0, "job_id": "01", "started": 100.0, "world_size": 2},
+        {"rank": 0, "job_id": "01", "started": 160.0, "world_size": 1},
+        {"rank": 0, "job_id": "01", "started": 220.0, "world_size": 2},
+    ]
+    assert count_restarts(rank0) == 1
+    history = [
+        {"time": 100.0, "step": 0, "world_size": 2, "accumulation": 1},
+        {"time": 160.0, "step": 40, "world_size": 1, "accumulation": 2},
+        {"time": 220.0, "step": 60, "world_size": 2, "accumulation": 1},
+        {"time": 300.0, "step": 80, "world_size": 2, "accumulation": 1},  # a plain restart: no resize
+    ]
+    events = resize_events(history)
+    assert [(e["step"], e["from"], e["to"]) for e in events] == [(40, 2, 1), (60, 1, 2)]
+    lines = format_resizes(events)
+    assert lines == [
+        "step 40: world size 2 -> 1 (at 1970-01-01 00:02:40 UTC)",
+        "step 60: world size 1 -> 2 (at 1970-01-01 00:03:40 UTC)",
+    ]
+    assert resize_events(history[:1]) == [] and resize_events([]) == []
 
 
 def _worker_output(cluster, pid: int) -> str:

@@ -131,7 +131,8 @@ def test_plan_that_does_not_fit_names_the_fixes():
 def test_profile_defaults_fill_only_what_the_recipe_leaves_unset(tmp_path):
     profile = load_profile("a100x8")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"base": "vit_b16_i21k", "data": {"global_batch_size": 96}}))
+    # 96 images in 8 streams (the i21k recipes' 512 streams do not divide 96)
+    recipe.write_text(yaml.safe_dump({"base": "vit_b16_i21k", "data": {"global_batch_size": 96, "streams": 8}}))
     config = resolve_config(profile, str(recipe), [], "r")
     # recipe's micro-batch 64 does not split 96 / 8 = 12 per rank → largest divisor <= 64 is 12
     assert config.data.micro_batch_size == 12
@@ -357,3 +358,58 @@ def test_storage_extras_are_the_pyproject_extras():
         assert extras[name] == [extra.requirement], name
         assert extra.requirement.startswith(extra.module)
     assert set(SCHEME_EXTRAS.values()) == set(STORAGE_EXTRAS)
+
+
+@pytest.mark.timeout(60)
+def test_elastic_workers_validate_round_trip_and_name_the_fix(tmp_path):
+    from cluster.profiles import profile_from_dict, profile_to_dict
+
+    elastic = load_profile("local_elastic")
+    w = elastic.workers
+    assert w.elastic and (w.min_workers, w.max_workers, w.num_workers) == (1, 2, 2)
+    assert profile_from_dict(profile_to_dict(elastic)) == elastic  # the plan file carries it to the driver
+    fixed = load_profile("local").workers
+    assert not fixed.elastic and (fixed.min_workers, fixed.max_workers) == (2, 2)
+    data = yaml.safe_load(open(load_profile.__globals__["PROFILES_DIR"] / "local_elastic.yaml"))
+    cases = {
+        "need 1 <= min <= max": {"min": 2, "max": 1},
+        "add workers.max": {"min": 1, "max": None},
+        "give either num_workers": {"num_workers": 1},
+        "must be > 0": {"elastic_resize_monitor_interval_s": 0},
+        "custom Ray resources": {"resources": {"CPU": 1}},
+        "cannot hold 4 workers": {"max": 4},  # the embedded head's CPUs
+    }
+    for message, change in cases.items():
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump(dict(data, workers=dict(data["workers"], **change))))
+        with pytest.raises(ValueError, match=message):
+            load_profile(tmp_path / "p.yaml")
+
+
+@pytest.mark.timeout(60)
+def test_elastic_plan_prints_both_ends_and_refuses_sizes_that_break_the_global_batch(capsys):
+    profile = load_profile("local_elastic")
+    config = resolve_config(profile, "local_demo", [], "r")
+    plan = build_plan(profile, config)
+    lo, hi = plan.elastic_ends
+    assert (lo["world_size"], hi["world_size"]) == (1, 2) and plan.world_size == 2
+    assert (lo["grad_accum_steps"], hi["grad_accum_steps"]) == (2, 1)  # global batch 64 kept at both ends
+    assert lo["images_per_s"] == pytest.approx(hi["images_per_s"] / 2) and lo["days"] == pytest.approx(2 * hi["days"])
+    assert lo["capacity_gb"] == pytest.approx(2 * hi["capacity_gb"])  # one worker has the node's memory
+    text = format_plan(plan)
+    assert "elastic       workers 1..2" in text and "at min   1" in text and "at max   2" in text
+    assert not build_plan(
+        load_profile("local"), resolve_config(load_profile("local"), "local_demo", [], "r")
+    ).elastic_ends
+    # Ray may pick any count in min..max: 3 workers cannot split 8 streams (nor 4 x micro 32 the batch of 64), so
+    # 1..3 and 2..4 are refused with the sizes that work.
+    for low, high, bad in ((1, 3, r"\[3\]"), (2, 4, r"\[3, 4\]")):
+        wide = dataclasses.replace(
+            profile,
+            workers=dataclasses.replace(profile.workers, min=low, max=high, num_workers=high),
+            ray=dataclasses.replace(profile.ray, head_num_cpus=high + 1),
+        )
+        with pytest.raises(PlanError, match=rf"includes world size\(s\) {bad}.*Valid world sizes: \[1, 2\]"):
+            resolve_config(wide, "local_demo", [], "r")
+    # The launcher's dry run of an elastic profile prints both ends.
+    assert launch.main(["--cluster", "local_elastic", "--recipe", "local_demo", "--dry-run"]) == 0
+    assert "at min   1" in capsys.readouterr().out

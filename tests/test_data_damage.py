@@ -35,7 +35,7 @@ def test_corrupt_jpeg_is_skipped_and_counted_exactly(tmp_path):
     assert sorted(keys) == [f"{k:06d}" for k in range(sum(UNEVEN)) if f"{k:06d}" != CORRUPT_KEY]
     train = TrainStream(root, batch_size=8, image_size=16, num_workers=0, shuffle_buffer=0)
     it = iter(train)
-    for _ in range(train.batches_per_epoch):
+    for _ in range(train.steps_per_epoch):
         next(it)
     assert train.stats["corrupt_samples"] == 1  # every sample was drawn once this epoch; the bad one once
     assert validate_cli.main([str(root), "--full"]) == 1
@@ -53,9 +53,10 @@ def test_truncated_shard_is_counted_not_silently_shortened(tmp_path, capsys):
     others = {f"{k:06d}" for k in range(sum(UNEVEN))} - {f"{k:06d}" for k in range(3 + 17 + 5, 3 + 17 + 5 + 40)}
     assert others <= set(keys)  # every sample of the intact shards is still there
     train = TrainStream(root, batch_size=8, image_size=16, world_size=1, num_workers=2, shuffle_buffer=4)
-    batches = [b for _, b in zip(range(train.batches_per_epoch), train)]
-    assert len(batches) == train.batches_per_epoch  # the epoch keeps its length (wrapping), and says why
+    batches = [b for _, b in zip(range(train.steps_per_epoch), train)]
+    assert len(batches) == train.steps_per_epoch  # the epoch keeps its length (wrapping), and says why
     assert train.stats["truncated_shards"] >= 1
+    assert train.stats["wrapped_samples"] > 0  # its stream re-read its shards to fill the epoch: counted
     assert validate_cli.main([str(root)]) == 1
     assert "shard-000003.tar" in capsys.readouterr().out
 

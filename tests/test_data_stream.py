@@ -1,4 +1,5 @@
-"""TrainStream / EvalStream over deliberately uneven shards, 2 ranks x 2 DataLoader workers."""
+"""TrainStream / EvalStream over deliberately uneven shards: the training order at every world size and worker
+count, resume across world sizes, and evaluation that reads every sample once."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from PIL import Image
 from data_pipeline.augment import AugmentConfig
 from data_pipeline.dedup import sha256_hex
 from data_pipeline.manifest import SHARD_PATTERN, write_metadata
-from data_pipeline.stream import EvalStream, TrainStream, balanced_split
+from data_pipeline.stream import EvalStream, TrainStream, balanced_split, merge_stream_states
 
 UNEVEN = [3, 17, 5, 40, 9, 1, 22, 11, 7, 13]  # 128 samples in 10 shards of very different sizes
 NUM_CLASSES = 4
@@ -92,59 +93,6 @@ def test_eval_every_sample_exactly_once_across_ranks_and_workers(uneven):
     assert global_rng_states() == before  # the worker processes' seeds came from a private generator
 
 
-@pytest.mark.timeout(90)
-def test_train_ranks_take_equal_batches_from_disjoint_shards(uneven):
-    streams = [
-        TrainStream(
-            uneven,
-            batch_size=4,
-            image_size=16,
-            rank=r,
-            world_size=2,
-            num_workers=2,
-            seed=3,
-            shuffle_buffer=16,
-            augment=AugmentConfig(),
-        )
-        for r in range(2)
-    ]
-    assert streams[0].batches_per_epoch == streams[1].batches_per_epoch == 128 // (2 * 4)
-    for stream in streams:
-        batches = take(stream, stream.batches_per_epoch)
-        assert all(x.shape == (4, 3, 16, 16) and y.shape == (4,) for x, y in batches)
-        assert all(x.min() >= -1 and x.max() <= 1 for x, _ in batches)
-        assert stream.state_dict()["epoch"] == 0 and stream.state_dict()["batch"] == stream.batches_per_epoch
-        assert stream.stats["wrapped_samples"] + stream.stats["dropped_samples"] > 0  # uneven: said, not hidden
-    for epoch in range(3):  # every (rank, worker) slice is disjoint and together they cover every shard
-        plan = streams[0].plan
-        slices = [
-            sorted(
-                TrainStream(
-                    uneven, batch_size=4, image_size=16, rank=r, world_size=2, num_workers=2, seed=3
-                ).plan.worker_shards(epoch, w)
-            )
-            for r in range(2)
-            for w in range(2)
-        ]
-        flat = [s for sl in slices for s in sl]
-        assert sorted(flat) == list(range(len(UNEVEN))) and all(slices)
-        assert sorted(plan.worker_shards(epoch, 0)) == slices[0]
-
-
-def test_shard_order_changes_every_epoch_and_is_shared_by_ranks(uneven):
-    plans = [
-        TrainStream(uneven, batch_size=4, image_size=16, rank=r, world_size=2, num_workers=2, seed=3).plan
-        for r in range(2)
-    ]
-    orders = [tuple(plans[0].worker_shards(e, 0)) for e in range(4)]
-    assert len(set(orders)) > 1
-    # both ranks compute the same global assignment, so rank 1's slice is the complement of rank 0's
-    for e in range(4):
-        r0 = set(plans[0].worker_shards(e, 0)) | set(plans[0].worker_shards(e, 1))
-        r1 = set(plans[1].worker_shards(e, 0)) | set(plans[1].worker_shards(e, 1))
-        assert not r0 & r1 and len(r0 | r1) == len(UNEVEN)
-
-
 def test_balanced_split_is_greedy_and_deterministic():
     bins = balanced_split([0, 1, 2, 3], [10, 1, 1, 1], 2)
     assert bins == [[0], [1, 2, 3]]
@@ -170,12 +118,112 @@ def test_balanced_split_deals_exactly_as_the_bin_by_bin_scan():
         assert balanced_split(order, counts, parts) == scan(order, counts, parts)
 
 
+# Training: P = 4 canonical streams, G = 8 (c = 2 per stream), m = 2, so R = 1, 2, 4 run A = 4, 2, 1 micro-batches.
+ORDER = dict(batch_size=2, global_batch_size=8, streams=4, image_size=16, seed=3, shuffle_buffer=8, record_keys=True)
+
+
+def rank_streams(root, world_size, num_workers, **kw):
+    return [
+        TrainStream(root, rank=r, world_size=world_size, num_workers=num_workers, **{**ORDER, **kw})
+        for r in range(world_size)
+    ]
+
+
+def global_batches(streams, n):
+    """``n`` global batches from one stream per rank: (keys, images, labels) with the ranks' slices in rank order."""
+    its = [iter(s) for s in streams]
+    out = []
+    for _ in range(n):
+        keys, xs, ys = [], [], []
+        for stream, it in zip(streams, its):
+            for _ in range(stream.accumulation_steps):
+                x, y = next(it)
+                keys += stream.last_keys
+                xs.append(x)
+                ys.append(y)
+        out.append((keys, torch.cat(xs), torch.cat(ys)))
+    return out
+
+
+def merged_state(streams):
+    return json.loads(json.dumps(merge_stream_states([s.state_dict() for s in streams])))  # as a checkpoint stores it
+
+
+def assert_same_batches(got, expected, what):
+    assert len(got) == len(expected), what
+    for i, ((k1, x1, y1), (k2, x2, y2)) in enumerate(zip(got, expected)):
+        assert k1 == k2, (what, i)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2), (what, i)
+
+
+@pytest.mark.timeout(180)
+def test_global_order_and_pixels_are_the_same_at_every_world_size_and_worker_count(uneven):
+    """1.5 epochs with augmentation and mixup on: the same keys, images and soft labels per global batch whether
+    one rank or four read it, in-process or with loader workers, whatever the micro-batch."""
+    aug = dict(augment=AugmentConfig(), mixup_alpha=0.4)
+    reference = rank_streams(uneven, 1, 0, **aug)
+    first, second = reference[0].steps_in_epoch(0), reference[0].steps_in_epoch(1)
+    n = first + second // 2
+    expected = global_batches(reference, n)
+    assert expected[0][2].shape == (8, NUM_CLASSES) and not torch.equal(expected[0][1], expected[1][1])
+    # the last one takes micro-batches of 4 that span both workers' parts (the others are views of one part)
+    for world_size, num_workers, micro in [(1, 2, 2), (2, 0, 2), (2, 1, 2), (4, 1, 2), (2, 2, 4)]:
+        streams = rank_streams(uneven, world_size, num_workers, batch_size=micro, **aug)
+        assert streams[0].accumulation_steps == 8 // (world_size * micro)
+        assert_same_batches(global_batches(streams, n), expected, (world_size, num_workers, micro))
+        state = merged_state(streams)
+        assert (state["epoch"], state["step"]) == (1, second // 2)
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_yields_each_sample_once_and_drops_what_the_manifest_predicts(uneven):
+    streams = rank_streams(uneven, 2, 0)
+    plan, unused = streams[0].plan, []
+    for epoch in range(2):
+        steps = streams[0].steps_in_epoch(epoch)
+        capacities = plan.capacities(epoch)
+        assert steps == min(capacities) // plan.chunk and sum(capacities) == sum(UNEVEN)
+        keys = [k for batch in global_batches(streams, steps) for k in batch[0]]
+        assert len(keys) == steps * 8 and len(set(keys)) == len(keys)
+        unused.append({f"{k:06d}" for k in range(sum(UNEVEN))} - set(keys))
+        state = merged_state(streams)
+        assert (state["epoch"], state["step"]) == (epoch, steps)
+        # counted when each stream starts its epoch: the surplus of every stream over steps x c
+        predicted = sum(sum(UNEVEN) - streams[0].steps_in_epoch(e) * 8 for e in range(epoch + 1))
+        assert state["stats"]["dropped_samples"] == predicted
+        assert "wrapped_samples" not in state["stats"]
+    assert unused[0] != unused[1]  # shards are re-dealt every epoch: a different surplus is left out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "before, after, at",
+    [((2, 2), (1, 2), "mid"), ((2, 2), (1, 2), "boundary"), ((1, 2), (4, 2), "mid-second")],
+)
+def test_resume_at_another_world_size_continues_the_global_order(uneven, before, after, at):
+    """Checkpointed at R ranks (W workers each), resumed at another R from the merged state: the global sequence
+    (keys and pixels, augmentation on) continues the uninterrupted one, across the next epoch boundary."""
+    reference = rank_streams(uneven, 1, 0, augment=AugmentConfig())
+    first = reference[0].steps_in_epoch(0)
+    k = {"mid": first // 2, "boundary": first, "mid-second": first + 1}[at]
+    total = first + reference[0].steps_in_epoch(1) + 1  # into the third epoch
+    expected = global_batches(reference, total)
+    streams = rank_streams(uneven, *before, augment=AugmentConfig())
+    assert_same_batches(global_batches(streams, k), expected[:k], "before")
+    state = merged_state(streams)
+    resumed = rank_streams(uneven, *after, augment=AugmentConfig())
+    for stream in resumed:
+        stream.load_state_dict(state)
+    assert_same_batches(global_batches(resumed, total - k), expected[k:], "after")
+    # the counters carry over once: the merged state of the resumed ranks sums to the uninterrupted run's
+    assert merged_state(resumed)["stats"] == merged_state(reference)["stats"]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_workers", [2, 0])
-def test_resume_after_k_batches_is_bit_identical(uneven, num_workers):
+def test_resume_at_the_same_world_size_is_bit_identical(uneven, num_workers):
     kwargs = dict(
-        batch_size=4,
-        image_size=16,
+        ORDER,
         rank=1,
         world_size=2,
         num_workers=num_workers,
@@ -186,18 +234,18 @@ def test_resume_after_k_batches_is_bit_identical(uneven, num_workers):
     )
     before = global_rng_states()
     reference = TrainStream(uneven, **kwargs)
-    bpe = reference.batches_per_epoch
-    total = 2 * bpe + 3
+    A, first = reference.accumulation_steps, reference.steps_in_epoch(0)
+    total = first + reference.steps_in_epoch(1) + 3
     states, expected = {}, []
-    for i, batch in enumerate(take_iter(reference, total)):
+    for i, batch in enumerate(take_iter(reference, total * A)):
         expected.append(batch)
-        states[i + 1] = json.loads(json.dumps(reference.state_dict()))  # as a checkpoint would store it
-    assert expected[0][1].shape == (4, NUM_CLASSES)  # mixup gives soft targets
-    assert not torch.equal(expected[0][0], expected[bpe][0])
-    for k in (5, bpe, bpe + 3):  # mid-epoch, exactly at the epoch boundary, and mid second epoch
+        if (i + 1) % A == 0:
+            states[(i + 1) // A] = json.loads(json.dumps(reference.state_dict()))  # as a checkpoint would store it
+    assert expected[0][1].shape == (2, NUM_CLASSES)  # mixup gives soft targets
+    for k in (2, first, first + 3):  # mid-epoch, exactly at the epoch boundary, and mid second epoch
         resumed = TrainStream(uneven, **kwargs)
         resumed.load_state_dict(states[k])
-        for i, (x, y) in enumerate(take(resumed, total - k), start=k):
+        for i, (x, y) in enumerate(take(resumed, (total - k) * A), start=k * A):
             assert torch.equal(x, expected[i][0]), (k, i)
             assert torch.equal(y, expected[i][1]), (k, i)
     # the DataLoaders above (3 epochs, 3 resumes) drew their workers' seeds from private generators, not the global ones
@@ -210,11 +258,54 @@ def take_iter(stream, n):
         yield next(it)
 
 
-def test_load_state_dict_refuses_another_configuration(uneven):
-    a = TrainStream(uneven, batch_size=4, image_size=16, rank=0, world_size=2, num_workers=2, seed=1)
-    b = TrainStream(uneven, batch_size=4, image_size=16, rank=0, world_size=2, num_workers=1, seed=1)
-    with pytest.raises(ValueError, match="workers"):
-        b.load_state_dict(a.state_dict())
+@pytest.mark.timeout(60)
+def test_a_stream_rebuilt_at_another_image_size_continues_the_order(uneven):
+    """Progressive resolution builds a new stream at the new size and loads the old one's state."""
+    expected = [batch[0] for batch in global_batches(rank_streams(uneven, 1, 0), 6)]
+    small = rank_streams(uneven, 1, 0)
+    assert [b[0] for b in global_batches(small, 3)] == expected[:3]
+    large = rank_streams(uneven, 1, 0, image_size=24)
+    large[0].load_state_dict(small[0].state_dict())
+    batches = global_batches(large, 3)
+    assert [b[0] for b in batches] == expected[3:] and batches[0][1].shape == (8, 3, 24, 24)
+
+
+def test_state_errors_name_the_problem(uneven):
+    two = rank_streams(uneven, 2, 0)
+    it = iter(two[0])
+    next(it)  # 1 of A = 2 micro-batches: no position between optimizer steps
+    with pytest.raises(ValueError, match="1 of the 2 micro-batches"):
+        two[0].state_dict()
+    next(it)
+    local = two[0].state_dict()
+    assert sorted(local["draws"]) == ["0", "1"] and not {"rank", "world_size", "workers"} & set(local["fingerprint"])
+    with pytest.raises(ValueError, match=r"reads streams \[2, 3\]"):  # rank 1 cannot resume from rank 0's streams
+        two[1].load_state_dict(local)
+    with pytest.raises(ValueError, match=r"no stream state holds streams \[2, 3\]"):
+        merge_stream_states([local])
+    with pytest.raises(ValueError, match="more than one"):
+        merge_stream_states([local, local])
+    with pytest.raises(ValueError, match="disagree on step"):
+        merge_stream_states([local, two[1].state_dict()])
+    with pytest.raises(ValueError, match="predates world-size-invariant streams"):
+        two[0].load_state_dict(dict(local, version=1))
+    other = TrainStream(uneven, **dict(ORDER, shuffle_buffer=4))
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        other.load_state_dict(local)
+
+
+def test_sizes_that_do_not_split_are_clear_errors(uneven, tmp_path):
+    with pytest.raises(ValueError, match=r"world_size 3 does not divide streams=4.*\[1, 2, 4\]"):
+        TrainStream(uneven, **dict(ORDER, global_batch_size=24), rank=0, world_size=3)
+    with pytest.raises(ValueError, match="not divisible by streams"):
+        TrainStream(uneven, **dict(ORDER, streams=3))
+    with pytest.raises(ValueError, match="not divisible by world_size 2 x batch_size 8"):
+        TrainStream(uneven, **dict(ORDER, batch_size=8), world_size=2)
+    with pytest.raises(ValueError, match="needs >= 2"):
+        TrainStream(uneven, **dict(ORDER, streams=8), mixup_alpha=0.2)
+    root = make_shards(tmp_path / "small", sizes=[5, 5, 5])
+    with pytest.raises(ValueError, match="smaller --samples-per-shard"):
+        TrainStream(root, **ORDER)
 
 
 @pytest.mark.timeout(60)
@@ -231,17 +322,11 @@ def test_file_url_gives_the_same_batches_as_a_local_path(uneven):
     assert len(keys) == sum(UNEVEN)
 
 
-def test_too_few_shards_for_the_readers_is_a_clear_error(tmp_path):
-    root = make_shards(tmp_path / "small", sizes=[5, 5, 5])
-    with pytest.raises(ValueError, match="smaller --samples-per-shard"):
-        TrainStream(root, batch_size=2, image_size=16, world_size=2, num_workers=2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_forkserver_workers_give_the_same_batches_as_fork(uneven):
     """The context recommended inside Ray actors: the epoch dataset pickles and yields identical batches."""
-    kwargs = dict(batch_size=4, image_size=16, num_workers=2, seed=4, augment=AugmentConfig(), mixup_alpha=0.2)
+    kwargs = dict(ORDER, num_workers=2, seed=4, augment=AugmentConfig(), mixup_alpha=0.2)
     forked = take(TrainStream(uneven, **kwargs), 5)
     served = take(TrainStream(uneven, multiprocessing_context="forkserver", **kwargs), 5)
     for (x1, y1), (x2, y2) in zip(forked, served):

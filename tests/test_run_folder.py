@@ -12,12 +12,17 @@ from pretrain import run_folder as rf
 
 PROJECT = Path(__file__).resolve().parent.parent
 
-# What pretrain.checkpoint.save_checkpoint wrote before TrainerState existed (json.dumps of a dict, 2 ranks).
-OLD_STATE = (
-    '{"step": 20, "images_seen": 1280, "world_size": 2, "deepspeed_tag": "step_00000020", "stream_states": '
-    '[{"epoch": 1, "position": [3, 7]}, {"epoch": 1, "position": [4, 2]}], "rng_states": [{"python": [3, [1, 2], '
+# A trainer state as pretrain.checkpoint.save_checkpoint writes it (2 ranks; one global stream position).
+STATE = (
+    '{"step": 20, "images_seen": 1280, "world_size": 2, "deepspeed_tag": "step_00000020", "stream_state": '
+    '{"version": 2, "epoch": 1, "step": 3, "draws": {"0": 7, "1": 2}}, "rng_states": [{"python": [3, [1, 2], '
     'null], "numpy": ["MT19937", [5, 6], 624, 0, 0.0], "torch": "AAE="}, {"python": [3, [3, 4], null], "numpy": '
     '["MT19937", [7, 8], 624, 0, 0.0], "torch": "AAI="}], "metrics": {"train/loss": 2.5}, "saved_at": 1763900000.25}'
+)
+# What it wrote before the data order became world-size-invariant: a position per rank.
+PER_RANK_STATE = STATE.replace(
+    '"stream_state": {"version": 2, "epoch": 1, "step": 3, "draws": {"0": 7, "1": 2}}',
+    '"stream_states": [{"epoch": 1, "position": [3, 7]}, {"epoch": 1, "position": [4, 2]}]',
 )
 
 
@@ -75,24 +80,39 @@ def test_the_incomplete_error_names_the_folder_and_the_fix(tmp_path):
     assert rf.require_complete(f[10]) == f[10]
 
 
-def test_trainer_state_reads_the_old_file_and_writes_it_byte_for_byte(tmp_path):
+def test_trainer_state_reads_the_file_and_writes_it_byte_for_byte(tmp_path):
     folder = _folders(tmp_path, complete=(20,))[20]
-    (folder / rf.TRAINER_STATE).write_text(OLD_STATE)
+    (folder / rf.TRAINER_STATE).write_text(STATE)
     state = rf.TrainerState.read(folder)
     assert (state.step, state.images_seen, state.world_size, state.deepspeed_tag) == (20, 1280, 2, "step_00000020")
-    assert state.stream_states[1] == {"epoch": 1, "position": [4, 2]} and state.rng_states[0]["torch"] == "AAE="
+    assert state.stream_state["draws"] == {"0": 7, "1": 2} and state.rng_states[0]["torch"] == "AAE="
     assert state.metrics == {"train/loss": 2.5} and state.saved_at == 1763900000.25
-    assert state.to_json() == OLD_STATE
+    assert state.to_json() == STATE
     copy = tmp_path / "copy"
     copy.mkdir()
     state.write(copy)
-    assert (copy / rf.TRAINER_STATE).read_text() == OLD_STATE
+    assert (copy / rf.TRAINER_STATE).read_text() == STATE
     assert rf.TrainerState.from_json(state.to_json()) == state
+
+
+def test_a_trainer_state_with_per_rank_stream_positions_is_refused_with_the_way_out(tmp_path):
+    with pytest.raises(ValueError, match=r"x\.json holds per-rank stream positions.*vitscale version that wrote it"):
+        rf.TrainerState.from_json(PER_RANK_STATE, tmp_path / "x.json")
+
+
+def test_world_size_history_keeps_every_start_in_order(tmp_path):
+    assert rf.world_size_history(tmp_path) == []
+    for step, size, accumulation in ((0, 2, 1), (40, 1, 2), (60, 2, 1)):
+        rf.record_world_size(tmp_path, step, size, accumulation)
+    with open(tmp_path / rf.WORLD_SIZES, "a") as f:
+        f.write('{"time": 1, "st')  # a line cut short by a crash
+    history = rf.world_size_history(tmp_path)
+    assert [(r["step"], r["world_size"], r["accumulation"]) for r in history] == [(0, 2, 1), (40, 1, 2), (60, 2, 1)]
 
 
 @pytest.mark.parametrize(
     "text, needle",
-    [("{not json", "JSONDecodeError"), ("[1]", "JSON list"), ('{"step": 3}', "KeyError: 'stream_states'")],
+    [("{not json", "JSONDecodeError"), ("[1]", "JSON list"), ('{"step": 3}', "KeyError: 'rng_states'")],
 )
 def test_a_damaged_trainer_state_is_a_clear_error(tmp_path, text, needle):
     with pytest.raises(ValueError, match=rf"x\.json is not a trainer state .*{needle}.*resume from another one"):

@@ -1,0 +1,338 @@
+"""An elastic job on a simulated 2-node Ray cluster: one node is removed mid-run and added back.
+
+    python -m cluster.elastic_demo                      # = `make elastic-demo`; output in runs/elastic-demo-<time>
+    python -m cluster.elastic_demo --out /tmp/ed --steps 200 --every 20
+
+What it does (docs/elastic.md): starts a Ray cluster in this process (`ray.cluster_utils.Cluster`, every node on
+this machine, Ray's temp folder a fresh one of ours): a head with one CPU for the evals, and two worker nodes with one
+CPU each and the custom resource `vitscale_trainer`, which only training workers ask for (so the group never grows
+onto the eval slot). It runs `local_demo` (tiny ViT, ZeRO-2, few-shot evals after each checkpoint) on the
+`local_elastic` profile (`workers: {min: 1, max: 2}`) through the real driver (`cluster.driver.run_job`: one MLflow
+run, Ray Train V2 elastic scaling). After the first checkpoint past step 0 it removes one worker node, waits until
+training goes on at world size 1 and writes a checkpoint there, adds a node back, waits until Ray Train has grown
+the group to world size 2 again, and lets the job finish. Then it prints what happened (world size per step range,
+the resizes, the evals per checkpoint step) and shuts down the cluster it started (nothing else).
+
+Token authentication is off for this cluster only (RAY_AUTH_MODE=disabled in this process): it lives inside the
+command and has no dashboard or Jobs API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.driver import JobSpec, run_job
+from cluster.launch import prepare_local_data
+from cluster.plan import build_plan, resolve_config
+from cluster.profiles import ClusterProfile, load_profile
+from data_pipeline.paths import PROJECT_ROOT
+from evals.suites import load_suite
+from pretrain import run_folder
+from tracking import keys
+
+PROFILE = "local_elastic"
+TRAINER_RESOURCE = "vitscale_trainer"  # advertised by the worker nodes only; each training worker needs 1
+# No node_ip_address: a worker node canonicalises a 127.0.0.1 bootstrap address to the machine's own IP and then
+# cannot reach a head bound to 127.0.0.1. The nodes listen on this machine's address, with no dashboard or Jobs API.
+NODE_ARGS = {"object_store_memory": 100 * 1024**2, "include_dashboard": False}
+# A killed node is declared dead after ~3 missed 1 s health checks (Ray's defaults take longer): until then Ray Train
+# still counts its CPU and tries to restart the group at the old size, which waits out the start timeout below.
+FAST_NODE_DEATH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                   "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}  # fmt: skip
+DEMO_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # start timeout: 60 s
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    steps: int = 200  # long enough that the group is still training at world size 1 when the node comes back
+    every: int = 20  # checkpoint (and eval) interval
+    interval_s: float = 3.0  # elastic_resize_monitor_interval_s: how soon Ray notices the returned node
+    timeout_s: float = 900.0  # each wait (node loss seen, world size 1 checkpoint, regrowth, job end)
+    record_sample_keys: bool = True
+
+
+@dataclass
+class DemoResult:
+    rc: int  # run_job's exit code (0 = training succeeded)
+    run_dir: Path
+    tracking_uri: str
+    events: list[str] = field(default_factory=list)  # what the demo did, with times
+    error: str | None = None  # a wait that timed out, or the job thread's exception
+
+
+def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> JobSpec:
+    """The job: `local_demo` on the local_elastic profile, storage under ``out``, a tiny few-shot suite."""
+    base = load_profile(PROFILE)
+    profile: ClusterProfile = dataclasses.replace(
+        base,
+        storage=dataclasses.replace(
+            base.storage,
+            shards=str(out / "data"),
+            checkpoints=str(out / "runs"),
+            mlflow_tracking_uri=f"sqlite:///{out}/mlflow.db",
+        ),
+        workers=dataclasses.replace(
+            base.workers,
+            elastic_resize_monitor_interval_s=settings.interval_s,
+            resources={TRAINER_RESOURCE: 1},
+        ),
+        # The node loss is one worker-group failure (Ray charges it to max_failures); one more is allowed.
+        max_failures=2,
+    )
+    suite = out / "tiny_fewshot.yaml"
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny_fewshot",
+                "description": "few-shot on digits, 2 shot counts, 1 seed (elastic demo)",
+                "evaluators": [{"type": "fewshot", "datasets": ["digits"], "shots": [1, 5], "seeds": [0]}],
+            }
+        )
+    )
+    sets = [
+        f"schedule.total={settings.steps}",
+        f"schedule.warmup={max(1, settings.steps // 10)}",
+        f"checkpoint.every_steps={settings.every}",
+        "checkpoint.keep_last=2",
+        f"evals.suite={suite}",
+        "logging.progress_bar=false",
+        "logging.log_every=1",
+        f"logging.record_sample_keys={str(settings.record_sample_keys).lower()}",
+    ]
+    config = resolve_config(profile, recipe, sets, "elastic-demo")
+    prepare_local_data(config, load_suite(suite))
+    plan = build_plan(profile, config)
+    spec = JobSpec(profile, config, plan.to_dict(), None, {"vitscale.profile": PROFILE, "vitscale.recipe": recipe})
+    return JobSpec.from_json(spec.to_json())  # exactly what travels to a Ray job
+
+
+def start_cluster(temp_dir: Path):
+    """Head (1 CPU: the eval slot) + 2 worker nodes (1 CPU + 1 trainer slot each), all on this machine."""
+    from ray.cluster_utils import Cluster  # heavy: only cluster commands need Ray
+
+    head = {**NODE_ARGS, "num_cpus": 1, "temp_dir": str(temp_dir), "_system_config": FAST_NODE_DEATH}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        nodes = [add_worker_node(cluster, temp_dir) for _ in range(2)]
+        cluster.wait_for_nodes()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster, nodes
+
+
+def add_worker_node(cluster, temp_dir: Path):
+    return cluster.add_node(**NODE_ARGS, num_cpus=1, resources={TRAINER_RESOURCE: 1}, temp_dir=str(temp_dir))
+
+
+def _attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """Rank 0's placement records (cluster.driver): one per start of the worker group, with its world size."""
+    records = []
+    for path in (run_dir / "workers").glob("rank0-*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # being written
+            continue
+    return sorted(records, key=lambda r: r["started"])
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    return [run_folder.parse_step(p.name) for p in run_folder.complete_checkpoints(run_dir)]
+
+
+def _wait(what: str, done: Callable[[], bool], timeout_s: float, job: threading.Thread) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if not job.is_alive():
+            raise RuntimeError(f"the job ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Callable[[str], None] = print):
+    """Run the job in a thread and drive the scenario; returns a DemoResult (the job always runs to its end)."""
+    import ray  # heavy: only cluster commands need Ray
+
+    run_dir = Path(spec.config.checkpoint.dir)
+    result = DemoResult(rc=1, run_dir=run_dir, tracking_uri=spec.config.logging.mlflow_tracking_uri)
+    t0 = time.monotonic()
+
+    def note(text: str) -> None:
+        line = f"[{time.monotonic() - t0:6.1f} s] {text}"
+        result.events.append(line)
+        log(line)
+
+    def job() -> None:
+        try:
+            result.rc = run_job(spec, address=cluster.address, eval_timeout_s=settings.timeout_s)
+        except BaseException as exc:  # reported, not raised in a thread
+            result.error = f"job: {type(exc).__name__}: {exc}"
+            log(f"the job raised {type(exc).__name__}: {exc}")
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.address)
+    thread = threading.Thread(target=job, name="elastic-demo-job", daemon=True)
+    thread.start()
+    try:
+        _wait("first checkpoint past step 0", lambda: any(s > 0 for s in _checkpoint_steps(run_dir)),
+              settings.timeout_s, thread)  # fmt: skip
+        at = max(_checkpoint_steps(run_dir))
+        # Never the node this driver process attached to (all nodes share one IP, so it may be a worker node).
+        driver_node = ray.get_runtime_context().get_node_id()
+        victim = next(n for n in reversed(nodes) if n.node_id != driver_node)
+        note(f"checkpoint step {at} is complete; removing worker node {victim.node_id[:8]}")
+        removed_at = time.time()
+        cluster.remove_node(victim, allow_graceful=False)  # like a lost machine: no goodbye to the GCS
+        _wait("restart at world size 1",
+              lambda: any(a["world_size"] == 1 and a["started"] > removed_at for a in _attempts(run_dir)),
+              settings.timeout_s, thread)  # fmt: skip
+        note("the worker group restarted at world size 1; waiting for a checkpoint written at world size 1")
+        _wait("checkpoint at world size 1", lambda: max(_checkpoint_steps(run_dir)) > at, settings.timeout_s, thread)
+        at = max(_checkpoint_steps(run_dir))
+        note(f"checkpoint step {at} written at world size 1; adding a worker node back")
+        added_at = time.time()
+        nodes[nodes.index(victim)] = add_worker_node(cluster, Path(cluster.head_node.get_temp_dir_path()))
+        _wait("regrowth to world size 2",
+              lambda: any(a["world_size"] == 2 and a["started"] > added_at for a in _attempts(run_dir)),
+              settings.timeout_s, thread)  # fmt: skip
+        note("Ray Train grew the worker group back to world size 2; letting the job finish")
+    except (TimeoutError, RuntimeError) as exc:
+        result.error = "; ".join(filter(None, (result.error, str(exc))))
+        note(f"scenario stopped: {exc}; waiting for the job to end")
+    thread.join(settings.timeout_s)
+    if thread.is_alive():
+        result.error = (result.error or "") + f"; the job did not end within {settings.timeout_s:.0f} s"
+    note(f"job ended with exit code {result.rc}")
+    return result
+
+
+def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
+    """(first step, last step, world size) runs of the `train/world_size` metric, in step order."""
+    from mlflow import MlflowClient  # heavy: only reports need MLflow
+
+    history = sorted(
+        (m.step, int(m.value)) for m in MlflowClient(uri).get_metric_history(run_id, keys.WORLD_SIZE_METRIC)
+    )
+    ranges: list[tuple[int, int, int]] = []
+    for step, size in history:
+        if ranges and ranges[-1][2] == size:
+            ranges[-1] = (ranges[-1][0], step, size)
+        else:
+            ranges.append((step, step, size))
+    return ranges
+
+
+def describe(result: DemoResult) -> dict[str, Any]:
+    """What happened, from the run folder and the MLflow run: world sizes per step range, resizes, evals."""
+    from mlflow import MlflowClient  # heavy: only reports need MLflow
+
+    summary_path = result.run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    run_id = json.loads((result.run_dir / "mlflow_run.json").read_text())["run_id"]
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(run_id)
+    evals = sorted({m.step for m in client.get_metric_history(run_id, "fewshot/digits/5shot")})
+    return {
+        "status": summary.get("status"),
+        "mlflow_run_id": run_id,
+        "world_size_ranges": world_size_ranges(run_id, result.tracking_uri),
+        "resizes": summary.get("resize_lines", []),
+        "restarts": summary.get("restarts"),
+        "tags": {k: run.data.tags.get(k) for k in (keys.RESIZES, keys.WORLD_SIZES, keys.RESTARTS)},
+        "eval_steps": evals,
+        "checkpoint_steps": sorted(int(s) for s in summary.get("checkpoints", {})),
+    }
+
+
+def format_report(result: DemoResult, report: dict[str, Any]) -> str:
+    lines = ["elastic demo:", *(f"  {e}" for e in result.events)]
+    ranges = ", ".join(f"steps {a}-{b}: {n}" for a, b, n in report["world_size_ranges"]) or "none logged"
+    lines += [
+        f"  status            {report['status']} (exit code {result.rc}); MLflow run {report['mlflow_run_id']}",
+        f"  world size        {ranges}",
+        f"  resizes           {'; '.join(report['resizes']) or 'none'}",
+        f"  tags              {report['tags']}; failure restarts {report['restarts']}",
+        f"  evals at steps    {report['eval_steps']} (checkpoints evaluated: {report['checkpoint_steps']})",
+    ]
+    if result.error:
+        lines.append(f"  PROBLEM           {result.error}")
+    return "\n".join(lines)
+
+
+def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = print) -> tuple[DemoResult, dict]:
+    """The whole demo in ``out``: job spec, cluster, scenario, report; the cluster and its temp folder are gone
+    when it returns."""
+    import ray  # heavy: only cluster commands need Ray
+
+    spec = demo_spec(out, settings)
+    temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths must stay under 107 bytes
+    # This in-process cluster only (module docstring); the Train controller, a process of the cluster started
+    # below, inherits the start timeout. Restored afterwards: the caller's environment is not ours to keep.
+    saved = {k: os.environ.get(k) for k in (*DEMO_ENV, "RAY_ADDRESS")}
+    os.environ.update(DEMO_ENV)
+    os.environ.pop("RAY_ADDRESS", None)
+    cluster = None
+    try:
+        cluster, nodes = start_cluster(temp_dir)
+        result = run_scenario(cluster, nodes, spec, settings, log)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return result, describe(result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.elastic_demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/elastic-demo-<time>)")
+    parser.add_argument("--steps", type=int, default=DemoSettings.steps, help="training steps")
+    parser.add_argument("--every", type=int, default=DemoSettings.every, help="checkpoint interval in steps")
+    parser.add_argument("--interval", type=float, default=DemoSettings.interval_s,
+                        help="elastic_resize_monitor_interval_s (seconds)")  # fmt: skip
+    args = parser.parse_args(argv)
+    out = args.out or PROJECT_ROOT / "runs" / f"elastic-demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    problem = None
+    if args.every < 1 or args.steps < 3 * args.every:
+        problem = (f"--steps {args.steps} --every {args.every}: need --every >= 1 and --steps >= 3 x --every "
+                   "(a checkpoint before the node loss, one at world size 1, and steps left to grow back)")  # fmt: skip
+    elif not args.interval > 0:
+        problem = f"--interval {args.interval}: give a positive number of seconds, e.g. 3"
+    elif out.exists() and any(out.iterdir()):
+        problem = f"--out {out} is not empty; give a new or empty folder"
+    if problem:
+        print(f"python -m cluster.elastic_demo: error: {problem}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    settings = DemoSettings(steps=args.steps, every=args.every, interval_s=args.interval)
+    try:
+        result, report = run_demo(out.resolve(), settings)
+    except ValueError as error:  # a recipe or plan the profile cannot run
+        print(f"python -m cluster.elastic_demo: error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(result, report), flush=True)
+    return 0 if result.rc == 0 and result.error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
