@@ -341,6 +341,11 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     plain_step_time = train * batch.global_batch_size / (world * peak * profile.assumed_mfu)
     step_time = plain_step_time * (recompute_factor if vit.grad_checkpointing else 1.0)
     images_per_s = batch.global_batch_size / step_time
+    if shards is not None and shards < config.data.streams:  # each stream reads shards of its own (docs/elastic.md)
+        raise PlanError(
+            f"{config.data.train} has {shards} shards but data.streams={config.data.streams} needs at least one per "
+            "stream; lower data.streams (a divisor of the global batch) or re-shard with a smaller --samples-per-shard"
+        )
     if shards is None:
         shards = math.ceil((epoch_images or 0) / ASSUMED_SAMPLES_PER_SHARD) or 0
         data_note += f"; assumed ~{ASSUMED_SAMPLES_PER_SHARD} samples/shard, {ASSUMED_BYTES_PER_IMAGE // 1000} KB/image"

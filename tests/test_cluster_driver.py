@@ -169,7 +169,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     sets = [
         "schedule.total=30", "schedule.warmup=3", "checkpoint.every_steps=10", "checkpoint.keep_last=1",
         "data.builtin_options={num_classes: 8, images_per_class: 40, val_per_class: 2}", f"evals.suite={suite}",
-        "logging.progress_bar=false", "logging.log_every=1",
+        "logging.progress_bar=false", "logging.log_every=1", "data.streams=2",  # the small set has 3 shards
     ]  # fmt: skip
     config = resolve_config(profile, "local_demo", sets, "two-node")
     prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: fractal + digits, in tmp_path

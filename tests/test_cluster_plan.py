@@ -220,6 +220,14 @@ def test_local_plan_uses_cpu_memory_and_profile_storage(tmp_path):
     assert forced.precision == "bf16" and (cpu_bf16_units() or "bf16 is emulated" in forced.precision_reason)
 
 
+def test_a_dataset_with_fewer_shards_than_streams_is_refused_at_plan_time(tiny_fractal_shards):
+    profile = load_profile("local")
+    sets = [f"data.train={tiny_fractal_shards}", "data.builtin=null"]
+    with pytest.raises(PlanError, match=r"has 4 shards but data.streams=8 needs at least one per stream"):
+        build_plan(profile, resolve_config(profile, "local_demo", sets, "x"))
+    assert build_plan(profile, resolve_config(profile, "local_demo", [*sets, "data.streams=4"], "x")).num_shards == 4
+
+
 I21K_RECIPES = ("vit_b16_i21k", "vit_b16_i21k_augreg", "vit_l16_i21k", "vit_h14_i21k", "r50_vit_b16_i21k")
 
 
