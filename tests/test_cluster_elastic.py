@@ -73,7 +73,9 @@ def run_keys(run_dir) -> dict[int, dict]:
 def run_demo_process(tmp_path: Path, settings: DemoSettings) -> tuple[DemoResult, dict]:
     out, saved = tmp_path / "demo", tmp_path / "demo-result.json"
     out.mkdir()
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    # Without the RAY_* and PYTEST_* variables earlier tests and ray.init left in this process's environment.
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTEST_"))}
+    env = {**clean, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-c", RUN_DEMO, str(out), json.dumps(dataclasses.asdict(settings)), str(saved)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
     assert saved.exists(), (proc.stdout + proc.stderr)[-6000:]
