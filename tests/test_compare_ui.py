@@ -81,7 +81,7 @@ def test_real_ui_serves_the_store_on_loopback_only(tmp_path):
         assert body is not None, f"UI did not answer; exit code {proc.poll()}"
         assert '"name": "ui-check"' in body or '"name":"ui-check"' in body
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        listening = [c.laddr for p in tree for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        listening = [c.laddr for p in tree for c in _connections(p) if c.status == psutil.CONN_LISTEN]
         assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -90,3 +90,11 @@ def test_real_ui_serves_the_store_on_loopback_only(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def _connections(process: psutil.Process) -> list:
+    """A process's inet sockets; none when it exited after the tree was listed (a short-lived child of the server)."""
+    try:
+        return process.net_connections(kind="inet")
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return []
