@@ -24,7 +24,7 @@ Order of work (all on the Ray head, inside the job):
    the survivors if at least `min` are left; every `elastic_resize_monitor_interval_s` it looks for capacity and,
    when more workers fit, stops the group and starts a larger one (not a failure). Each start resumes from the
    newest COMPLETE checkpoint at its own world size (docs/elastic.md). The resizes are tagged on the run and listed
-   in the summary from `<run_dir>/world_sizes.jsonl`.
+   in the summary from `<run_dir>/world_sizes.jsonl` (pretrain.train tags them at every start).
 4. Wait for pending evals, prune the checkpoints their pins kept, print the summary table (step, loss, eval
    metrics, the headline metric's gain over step 0), close the MLflow run, exit 0 only if training succeeded.
 """
@@ -309,12 +309,8 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         )
     )
     tracker = Tracker(uri, run_id, rank=0)
-    sizes = [h["world_size"] for h in history]
-    trained_at = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]  # "2,1,2": each change once
-    tags = {keys.RESTARTS: restarts, keys.RESIZES: len(resizes)}
-    if trained_at and None not in trained_at:
-        tags[keys.WORLD_SIZES] = ",".join(map(str, trained_at))
-    tracker.set_tags(tags)
+    # vitscale.resizes and vitscale.world_sizes are set by train_worker's rank 0 at every start, from the same history.
+    tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     tracker.close()
     finish_run(uri, run_id, status)
