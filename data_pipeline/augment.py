@@ -175,11 +175,19 @@ def randaugment(img: Image.Image, n: int, m: int, rng: np.random.Generator) -> I
 # -------------------------------------------------------------------------------------------------------- batch
 
 
-def to_float_images(batch: np.ndarray) -> torch.Tensor:
-    """uint8 (B, S, S, 3) -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect."""
-    pixels = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)  # (B, 3, S, S) view of uint8
-    images = torch.empty(pixels.shape, dtype=torch.float32)
-    images.copy_(pixels)  # one converting copy into the contiguous layout: ~1.6x faster than .float().contiguous()
+def to_float_images(batch: np.ndarray | list[torch.Tensor]) -> torch.Tensor:
+    """uint8 (B, S, S, 3) -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect.
+
+    ``batch`` is one array, or uint8 tensors (b_i, S, S, 3) laid end to end (B = sum b_i): each is converted straight
+    into its rows of the result, so pieces from several loader workers cost no concatenation.
+    """
+    pieces = [torch.from_numpy(np.ascontiguousarray(batch))] if isinstance(batch, np.ndarray) else list(batch)
+    first = pieces[0]
+    images = torch.empty((sum(len(p) for p in pieces), first.shape[3], *first.shape[1:3]), dtype=torch.float32)
+    start = 0
+    for piece in pieces:  # one converting copy into the contiguous layout: ~1.6x faster than .float().contiguous()
+        images[start : start + len(piece)].copy_(piece.permute(0, 3, 1, 2))
+        start += len(piece)
     return images.mul_(1 / 127.5).sub_(1.0)
 
 

@@ -224,15 +224,21 @@ class _StreamReader:
         return images, labels, keys
 
 
-def _collate(plan: _TrainPlan, epoch: int, step: int, streams: list[int], images: list, labels: list[int]):
-    """One worker's item: images (k c, 3, S, S) and labels of ``streams`` in order, mixup within each chunk of c."""
-    x = to_float_images(np.stack(images))  # (k c, 3, S, S)
-    y = torch.tensor(labels, dtype=torch.int64)  # (k c,)
+def _step_batch(plan: _TrainPlan, epoch: int, step: int, parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of global batch ``step`` from its workers' items, laid end to end in stream order: float
+    images (A m, 3, S, S) and labels (A m,), or (A m, K) one-hot / mixed targets.
+
+    The workers hand over uint8 pixels and int64 labels (a quarter of the bytes of float images, and no one-hot
+    rows), so the shared-memory transfer is small; the one conversion happens here, straight into one tensor, so a
+    micro-batch made by several workers needs no concatenation. Mixup mixes within each stream's chunk of c.
+    """
+    x = to_float_images([pixels for pixels, _, _ in parts])  # (A m, 3, S, S)
+    y = torch.cat([labels for _, labels, _ in parts])  # (A m,)
     if plan.label_format == "multihot" or plan.mixup_alpha > 0:
-        y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (k c, K)
+        y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (A m, K)
     if plan.mixup_alpha > 0:
         c = plan.chunk
-        for i, stream in enumerate(streams):
+        for i, stream in enumerate(plan.rank_streams):
             rows = slice(i * c, (i + 1) * c)
             rng = np.random.default_rng([plan.seed, epoch, stream, step, 0, _MIXUP_TAG])
             x[rows], y[rows], _ = mixup(x[rows], y[rows], plan.mixup_alpha, rng)
@@ -242,7 +248,8 @@ def _collate(plan: _TrainPlan, epoch: int, step: int, streams: list[int], images
 class _TrainEpoch(IterableDataset):
     """One epoch of one rank from global batch ``start``, ``draws[stream]`` buffer draws already made per stream.
 
-    Every logical worker yields one item per global batch: (images, labels, meta) of its streams' chunks.
+    Every logical worker yields one item per global batch: (pixels, labels, meta) of its streams' chunks, pixels
+    uint8 (k c, S, S, 3) and labels int64 (k c,); ``_step_batch`` turns the items into the rank's batch.
     """
 
     def __init__(self, plan: _TrainPlan, epoch: int, start: int, draws: dict[int, int]):
@@ -267,7 +274,7 @@ class _TrainEpoch(IterableDataset):
                 keys += more[2]
                 stats.update(reader.stats)
                 reader.stats.clear()
-            x, y = _collate(plan, epoch, step, group, images, labels)
+            pixels = torch.from_numpy(np.stack(images))  # (k c, S, S, 3) uint8
             meta = dict(
                 epoch=epoch,
                 step=step,
@@ -275,7 +282,7 @@ class _TrainEpoch(IterableDataset):
                 stats=dict(stats),
                 keys=keys if plan.record_keys else None,
             )
-            yield x, y, meta
+            yield pixels, torch.tensor(labels, dtype=torch.int64), meta
 
 
 def _label(sample: dict, num_classes: int, stats: Counter) -> int | None:
@@ -547,8 +554,9 @@ class TrainStream:
                     raise RuntimeError(f"epoch {self._epoch} ended after {step} of {steps} global batches")
                 assert all(p[2]["step"] == step and p[2]["epoch"] == self._epoch for p in parts), (step, self._epoch)
                 keys = [k for p in parts for k in p[2]["keys"]] if plan.record_keys else None
+                images, targets = _step_batch(plan, self._epoch, step, parts)
                 for i in range(A):
-                    x, y = _rows(parts, i * m, (i + 1) * m)  # (m, 3, S, S), labels
+                    x, y = images[i * m : (i + 1) * m], targets[i * m : (i + 1) * m]  # views: (m, 3, S, S), labels
                     if i == A - 1:  # the step is done once its last micro-batch is handed out
                         self._step = step + 1
                         for p in parts:
@@ -558,19 +566,6 @@ class TrainStream:
                     if keys is not None:
                         self.last_keys = keys[i * m : (i + 1) * m]
                     yield x, y
-
-
-def _rows(parts: list, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [lo, hi) of the workers' items laid end to end: a view when they lie in one item (no copy), else the
-    pieces concatenated (a micro-batch made by several workers)."""
-    xs, ys, start = [], [], 0
-    for x, y, _ in parts:
-        end = start + len(x)
-        if start < hi and lo < end:
-            xs.append(x[max(lo, start) - start : min(hi, end) - start])
-            ys.append(y[max(lo, start) - start : min(hi, end) - start])
-        start = end
-    return (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))
 
 
 def _check_sizes(info: DatasetInfo, G: int, m: int, P: int, R: int, mixup_alpha: float) -> None:

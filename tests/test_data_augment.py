@@ -104,6 +104,16 @@ def test_to_float_images_scales_to_minus_one_one():
     assert torch.allclose(x.flatten(), torch.tensor([-1.0, 1.0, 127 / 127.5 - 1]), atol=1e-6)
 
 
+def test_to_float_images_of_pieces_equals_the_whole_array_bit_for_bit():
+    batch = np.random.default_rng(0).integers(0, 256, (7, 5, 5, 3), dtype=np.uint8)
+    pieces = [torch.from_numpy(batch[:2]), torch.from_numpy(batch[2:3]), torch.from_numpy(batch[3:])]
+    whole = to_float_images(batch)
+    assert torch.equal(to_float_images(pieces), whole) and to_float_images(pieces).is_contiguous()
+    # the conversion the loader did in its workers before: a float copy, then the two in-place steps
+    before = torch.from_numpy(batch).permute(0, 3, 1, 2).float().mul_(1 / 127.5).sub_(1.0)
+    assert torch.equal(whole, before)
+
+
 def test_mixup_keeps_the_original_dominant_and_targets_normalised():
     images = torch.randn(4, 3, 8, 8)
     targets = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 3]), 5).float()
