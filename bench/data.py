@@ -18,7 +18,8 @@ process on the same images, rounds interleaved, best round kept. Rates are image
 ``scaled_decode_fraction`` is the share of crops for which libjpeg decodes at 1/2 scale or less (the crop's short side
 >= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards written from the same images with 2 loader
 worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it needs 2
-idle cores. ``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files
+idle cores. The training process's share of the loader (receiving each step and converting it to float) runs
+beside one worker on the second core, and beside two workers on the same two cores. ``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files
 are in the page cache, so it measures the reader, not the disk. ``stream_img_s`` is a TrainStream with no workers.
 """
 

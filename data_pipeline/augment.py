@@ -175,20 +175,26 @@ def randaugment(img: Image.Image, n: int, m: int, rng: np.random.Generator) -> I
 # -------------------------------------------------------------------------------------------------------- batch
 
 
-def to_float_images(batch: np.ndarray | list[torch.Tensor]) -> torch.Tensor:
-    """uint8 (B, S, S, 3) -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect.
+def to_float_images(batch: np.ndarray | list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 images -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect.
 
-    ``batch`` is one array, or uint8 tensors (b_i, S, S, 3) laid end to end (B = sum b_i): each is converted straight
-    into its rows of the result, so pieces from several loader workers cost no concatenation.
+    ``batch`` is one (B, S, S, 3) array, or channels-first uint8 tensors (b_i, 3, S, S) laid end to end
+    (B = sum b_i): each is converted straight into its rows of the result, so pieces from several loader workers
+    cost no concatenation (and contiguous pieces convert ~2.5x faster than a channels-last array). ``out``, when
+    given, is the float tensor (B, 3, S, S) to write; every element is overwritten.
     """
-    pieces = [torch.from_numpy(np.ascontiguousarray(batch))] if isinstance(batch, np.ndarray) else list(batch)
-    first = pieces[0]
-    images = torch.empty((sum(len(p) for p in pieces), first.shape[3], *first.shape[1:3]), dtype=torch.float32)
+    if isinstance(batch, np.ndarray):
+        batch = [torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)]  # (B, 3, S, S) view of uint8
+    rows = sum(len(piece) for piece in batch)
+    if out is None:
+        out = torch.empty((rows, *batch[0].shape[1:]), dtype=torch.float32)
+    elif out.shape != (rows, *batch[0].shape[1:]) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor {(rows, *batch[0].shape[1:])}; got {out.shape}")
     start = 0
-    for piece in pieces:  # one converting copy into the contiguous layout: ~1.6x faster than .float().contiguous()
-        images[start : start + len(piece)].copy_(piece.permute(0, 3, 1, 2))
+    for piece in batch:  # one converting copy into the contiguous layout: ~1.6x faster than .float().contiguous()
+        out[start : start + len(piece)].copy_(piece)
         start += len(piece)
-    return images.mul_(1 / 127.5).sub_(1.0)
+    return out.mul_(1 / 127.5).sub_(1.0)
 
 
 def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):

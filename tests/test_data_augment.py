@@ -106,12 +106,16 @@ def test_to_float_images_scales_to_minus_one_one():
 
 def test_to_float_images_of_pieces_equals_the_whole_array_bit_for_bit():
     batch = np.random.default_rng(0).integers(0, 256, (7, 5, 5, 3), dtype=np.uint8)
-    pieces = [torch.from_numpy(batch[:2]), torch.from_numpy(batch[2:3]), torch.from_numpy(batch[3:])]
+    chw = torch.from_numpy(batch).permute(0, 3, 1, 2)  # (7, 3, 5, 5)
+    pieces = [chw[:2].contiguous(), chw[2:3], chw[3:].contiguous()]  # channels-first, any layout
     whole = to_float_images(batch)
-    assert torch.equal(to_float_images(pieces), whole) and to_float_images(pieces).is_contiguous()
+    out = torch.full((7, 3, 5, 5), float("nan"))
+    assert to_float_images(pieces, out=out) is out and torch.equal(out, whole) and out.is_contiguous()
     # the conversion the loader did in its workers before: a float copy, then the two in-place steps
     before = torch.from_numpy(batch).permute(0, 3, 1, 2).float().mul_(1 / 127.5).sub_(1.0)
     assert torch.equal(whole, before)
+    with pytest.raises(ValueError, match=r"out must be a contiguous float32 tensor \(7, 3, 5, 5\)"):
+        to_float_images(pieces, out=torch.empty(6, 3, 5, 5))
 
 
 def test_mixup_keeps_the_original_dominant_and_targets_normalised():

@@ -17,7 +17,14 @@ from PIL import Image
 from data_pipeline.augment import AugmentConfig
 from data_pipeline.dedup import sha256_hex
 from data_pipeline.manifest import SHARD_PATTERN, write_metadata
-from data_pipeline.stream import EvalStream, TrainStream, balanced_split, merge_stream_states
+from data_pipeline.stream import (
+    EvalStream,
+    TrainStream,
+    _PixelRing,
+    _StepBuffers,
+    balanced_split,
+    merge_stream_states,
+)
 
 UNEVEN = [3, 17, 5, 40, 9, 1, 22, 11, 7, 13]  # 128 samples in 10 shards of very different sizes
 NUM_CLASSES = 4
@@ -331,3 +338,30 @@ def test_forkserver_workers_give_the_same_batches_as_fork(uneven):
     served = take(TrainStream(uneven, multiprocessing_context="forkserver", **kwargs), 5)
     for (x1, y1), (x2, y2) in zip(forked, served):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_step_buffers_are_reused_only_when_no_view_of_them_is_alive():
+    buffers = _StepBuffers(keep=2)
+    first = buffers.get((4, 3, 2, 2))
+    micro = first[:2]  # a yielded micro-batch still held by the consumer
+    second = buffers.get((4, 3, 2, 2))
+    assert second.data_ptr() != first.data_ptr()
+    kept = second.view(-1)  # views of views count too
+    third = buffers.get((4, 3, 2, 2))  # both pooled buffers in use: a tensor of its own, not pooled (keep=2)
+    assert third.data_ptr() not in (first.data_ptr(), second.data_ptr()) and len(buffers.buffers) == 2
+    del micro
+    assert buffers.get((4, 3, 2, 2)).data_ptr() == first.data_ptr()
+    assert buffers.get((8, 3, 2, 2)).shape == (8, 3, 2, 2)  # another shape never gets a buffer of the wrong size
+    del kept
+    assert buffers.get((4, 3, 2, 2)).data_ptr() == first.data_ptr()  # the first free one
+
+
+def test_pixel_ring_slots_hold_their_batch_and_an_overwrite_is_an_error():
+    ring = _PixelRing(slots=3, rows=2, image_size=4)
+    images = [np.full((4, 4, 3), v, np.uint8) for v in (7, 9)]
+    slot = ring.write(5, images)  # batch 5 -> slot 5 mod 3
+    assert slot == 2 and ring.read(5, slot)[:, :, 0, 0].tolist() == [[7, 7, 7], [9, 9, 9]]
+    assert ring.pixels.is_shared() and ring.read(5, slot).shape == (2, 3, 4, 4)
+    ring.write(8, images[::-1])  # three batches later, the same slot
+    with pytest.raises(RuntimeError, match="loader slot 2 holds batch 8, not 5"):
+        ring.read(5, slot)
