@@ -47,6 +47,9 @@ CPU_OVERHEAD_GB = 1.5
 # Assumptions used only when the training manifest cannot be read from here (e.g. s3:// on a laptop).
 ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (docs/reference.md §6)
 ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
+# The data streams may fill this share of a node's memory; the rest holds the processes and the page cache.
+LOADER_MEMORY_SHARE = 0.5
+LOADER_PREFETCH, LOADER_STEP_BUFFERS = 2, 3  # TrainStream's prefetch_factor and _StepBuffers(keep=3)
 MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
 # Share of device memory a plan may fill before the plan calls it tight: the estimate leaves out allocator peaks
 # in backward (e.g. a block's recomputation beside its gradients), so a setting "fits" only below this.
@@ -265,6 +268,8 @@ class Plan:
     bytes_per_image: float
     read_mb_per_s: float
     data_note: str
+    loader_gb_per_node: float  # host memory of the data streams on the fullest node (docs/elastic.md "Memory")
+    loader_detail: str  # what it is made of
     storage: str  # the training shards' location
     storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
     storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
@@ -352,6 +357,17 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         bytes_per_image = float(ASSUMED_BYTES_PER_IMAGE)
     loaders = world * max(1, config.data.num_workers)
     shards_per_loader = shards / loaders if shards else 0.0
+    ranks_per_node = math.ceil(world / profile.hardware.nodes)
+    loader_bytes, loader_detail = _loader_host_bytes(config, world, bytes_per_image, vit.image_size, samples)
+    loader_node = loader_bytes * ranks_per_node
+    node_memory = profile.hardware.memory_gb_per_node * memory.GB
+    if loader_node > LOADER_MEMORY_SHARE * node_memory:
+        raise PlanError(
+            f"the data streams would hold {loader_node / memory.GB:.3g} GB per node at world size {world} "
+            f"({ranks_per_node} rank(s) x ({loader_detail})), over {LOADER_MEMORY_SHARE:.0%} of the node's "
+            f"{profile.hardware.memory_gb_per_node} GB; lower data.shuffle_buffer (a new data order) or "
+            "data.streams, or run at a world size that spreads the streams over more nodes (docs/elastic.md)"
+        )
 
     warnings = []
     if shards and shards_per_loader < MIN_SHARDS_PER_LOADER:
@@ -407,6 +423,8 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         bytes_per_image=bytes_per_image or 0.0,
         read_mb_per_s=images_per_s * (bytes_per_image or 0.0) / 1e6,
         data_note=data_note,
+        loader_gb_per_node=loader_node / memory.GB,
+        loader_detail=f"{ranks_per_node} rank(s) x ({loader_detail})",
         storage=config.data.train,
         storage_extras=tuple(e.name for e in storage_extras(storage_urls(config))),
         storage_missing_here=tuple(missing_storage(storage_urls(config))),
@@ -421,6 +439,26 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     if profile.workers.elastic:
         plan = dataclasses.replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
     return plan
+
+
+def _loader_host_bytes(
+    config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
+) -> tuple[float, str]:
+    """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
+    (encoded samples; a buffer never holds more than its stream's samples), its workers' uint8 slots and up to 3
+    float step buffers (data_pipeline.stream)."""
+    d = config.data
+    streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
+    held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
+    buffers = streams * held * bytes_per_image
+    pixels = 3 * image_size**2
+    slots = (LOADER_PREFETCH + 2) * share * pixels if d.num_workers > 0 else 0
+    steps = LOADER_STEP_BUFFERS * share * pixels * 4
+    detail = (
+        f"{streams} streams x {held} buffered samples x {bytes_per_image / 1e3:.0f} KB = "
+        f"{buffers / memory.GB:.3g} GB + decoded steps {(slots + steps) / memory.GB:.3g} GB"
+    )
+    return buffers + slots + steps, detail
 
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[dict, ...]:
@@ -584,6 +622,7 @@ def format_plan(plan: Plan) -> str:
         f"  data          {p.num_shards or 'unknown number of'} shards, {p.shards_per_loader:.1f} per (rank x loader "
         "worker); "
         f"{p.bytes_per_image / 1e3:.0f} KB/image -> read {p.read_mb_per_s:,.1f} MB/s ({p.data_note})",
+        f"  loader memory {p.loader_gb_per_node:.3g} GB per node: {p.loader_detail}",
         f"  storage       {p.storage}" + _storage_needs(p),
         f"  baseline eval {p.baseline_eval}",
     ]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster import launch
-from cluster.memory import activation_bytes_per_image, model_state_bytes, tokens_per_image
+from cluster.memory import GB, activation_bytes_per_image, model_state_bytes, tokens_per_image
 from cluster.plan import PlanError, build_plan, format_plan, resolve_config
 from cluster.profiles import load_profile, profile_names
 from pretrain.precision import cpu_bf16_units, decide
@@ -421,3 +421,21 @@ def test_elastic_plan_prints_both_ends_and_refuses_sizes_that_break_the_global_b
     # The launcher's dry run of an elastic profile prints both ends.
     assert launch.main(["--cluster", "local_elastic", "--recipe", "local_demo", "--dry-run"]) == 0
     assert "at min   1" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_hold(capsys):
+    profile = load_profile("local")
+    config = resolve_config(profile, "local_demo", [], "r")
+    plan = build_plan(profile, config)
+    per_rank = 4 * 256 * plan.bytes_per_image + 3 * 32 * 3 * 32**2 * 4  # 4 streams x 256 samples + 3 float steps
+    assert plan.loader_gb_per_node * GB == pytest.approx(2 * per_rank, rel=1e-6)
+    assert "2 rank(s) x (4 streams x 256 buffered samples" in format_plan(plan)
+    # a buffer larger than its stream holds only the stream's samples (3840 / 8 streams)
+    big = build_plan(profile, resolve_config(profile, "local_demo", ["data.shuffle_buffer=100000"], "r"))
+    assert "4 streams x 480 buffered samples" in big.loader_detail
+    small = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, memory_gb_per_node=0.01))
+    with pytest.raises(PlanError, match=r"data streams would hold 0\.0\d+ GB per node at world size 2 .* over 50% of "):
+        build_plan(small, config)
+    i21k = build_plan(load_profile("a100x64"), resolve_config(load_profile("a100x64"), "vit_b16_i21k", [], "r"))
+    assert i21k.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (4 * 64 + 3 * 64 * 4) * 3 * 224**2) / GB)
