@@ -239,16 +239,19 @@ class _StepBuffers:
         self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count when unshared)
 
     @staticmethod
-    def _uses(t: torch.Tensor) -> int:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    def _uses(t: torch.Tensor) -> int | None:
+        """References to ``t``'s storage (torch's own count); None where this torch has no such count."""
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        return None if count is None else count(t.untyped_storage()._cdata)
 
     def get(self, shape: tuple[int, ...]) -> torch.Tensor:
         for buffer, unshared in self.buffers:
             if buffer.shape == shape and self._uses(buffer) == unshared:
                 return buffer
         buffer = torch.empty(shape, dtype=torch.float32)
-        if len(self.buffers) < self.keep:
-            self.buffers.append((buffer, self._uses(buffer)))
+        unshared = self._uses(buffer)
+        if unshared is not None and len(self.buffers) < self.keep:  # without a count, every step gets a new one
+            self.buffers.append((buffer, unshared))
         return buffer
 
 
@@ -426,6 +429,9 @@ class TrainStream:
     float32 (m, K) with ``"multihot"``; with ``mixup_alpha > 0`` always float32 (m, K) soft targets. With
     ``record_keys`` the sample keys of the last micro-batch are in ``last_keys``. The module docstring gives the
     order and the resume contract; ``stats`` counts skipped, truncated, dropped and wrapped samples.
+
+    A yielded micro-batch is a view of a step buffer that the stream writes again only once no view of it is alive,
+    so keeping micro-batches (in a list, in an autograd graph) is safe; modifying one in place changes only it.
     """
 
     def __init__(
