@@ -24,6 +24,7 @@ from cluster import memory
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import is_remote, resolve_location, resolve_path
+from data_pipeline.stream import decoded_bytes
 from pretrain import flops, optim
 from pretrain.config import (
     TrainConfig,
@@ -49,7 +50,6 @@ ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (docs/
 ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
 # The data streams may fill this share of a node's memory; the rest holds the processes and the page cache.
 LOADER_MEMORY_SHARE = 0.5
-LOADER_PREFETCH, LOADER_STEP_BUFFERS = 2, 3  # TrainStream's prefetch_factor and _StepBuffers(keep=3)
 MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
 # Share of device memory a plan may fill before the plan calls it tight: the estimate leaves out allocator peaks
 # in backward (e.g. a block's recomputation beside its gradients), so a setting "fits" only below this.
@@ -445,20 +445,18 @@ def _loader_host_bytes(
     config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
 ) -> tuple[float, str]:
     """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
-    (encoded samples; a buffer never holds more than its stream's samples), its workers' uint8 slots and up to 3
-    float step buffers (data_pipeline.stream)."""
+    (encoded samples; a buffer never holds more than its stream's samples) and its decoded images
+    (``data_pipeline.stream.decoded_bytes``: its workers' uint8 slots and its float step buffers)."""
     d = config.data
     streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
     held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
     buffers = streams * held * bytes_per_image
-    pixels = 3 * image_size**2
-    slots = (LOADER_PREFETCH + 2) * share * pixels if d.num_workers > 0 else 0
-    steps = LOADER_STEP_BUFFERS * share * pixels * 4
+    decoded = decoded_bytes(share, image_size, d.num_workers)
     detail = (
         f"{streams} streams x {held} buffered samples x {bytes_per_image / 1e3:.0f} KB = "
-        f"{buffers / memory.GB:.3g} GB + decoded steps {(slots + steps) / memory.GB:.3g} GB"
+        f"{buffers / memory.GB:.3g} GB + decoded steps {decoded / memory.GB:.3g} GB"
     )
-    return buffers + slots + steps, detail
+    return buffers + decoded, detail
 
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[dict, ...]:

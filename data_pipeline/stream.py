@@ -53,6 +53,21 @@ STATE_VERSION = 2  # 1: per-rank streams (before issue #14); its positions mean 
 # trailing 0 as no word at all in short keys.
 _BUFFER_TAG, _MIXUP_TAG = 1, 2
 _clamp_warned: set = set()
+PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
+STEP_BUFFERS = 3  # float step buffers a TrainStream keeps for reuse (_StepBuffers)
+
+
+def ring_slots(prefetch_factor: int | None) -> int:
+    """Slots of a loader worker's pixel ring: it may be ``prefetch_factor`` items ahead of the items received, so two
+    more slots never let it reach one that is still to be converted (``_PixelRing``)."""
+    return (prefetch_factor or PREFETCH_FACTOR) + 2
+
+
+def decoded_bytes(images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR):
+    """Host bytes of one rank's decoded images: its workers' uint8 ring slots (with loader workers) and the float
+    step buffers it keeps; ``images_per_step`` is the rank's share of a global batch, G / R."""
+    pixels = images_per_step * 3 * image_size**2
+    return (ring_slots(prefetch_factor) * pixels if num_workers > 0 else 0) + STEP_BUFFERS * pixels * 4
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
@@ -234,7 +249,7 @@ class _StepBuffers:
     ``keep`` buffers in use, a step gets a tensor of its own.
     """
 
-    def __init__(self, keep: int = 3):
+    def __init__(self, keep: int = STEP_BUFFERS):
         self.keep = keep
         self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count when unshared)
 
@@ -287,8 +302,7 @@ class _PixelRing:
     process converts the slot into its float batch before it takes anything of batch b + 1. So the worker never
     creates shared memory per item and the training process never maps fresh pages (together ~0.3 ms per 224 px
     image on this machine, about half of what the training process spent per image on a worker's item).
-    A worker may be ``prefetch_factor`` items ahead of the items received, so ``slots`` = prefetch_factor + 2 never
-    lets it reach a slot that is still to be converted. ``stamps[slot]`` holds the batch written there (-1 while
+    ``ring_slots`` gives the number of slots. ``stamps[slot]`` holds the batch written there (-1 while
     one is written) and is checked after every conversion: an overwrite would be an error, never silent.
     """
 
@@ -453,7 +467,7 @@ class TrainStream:
         num_classes: int | None = None,
         drop_last: bool = True,
         multiprocessing_context: str | None = "fork",
-        prefetch_factor: int = 2,
+        prefetch_factor: int = PREFETCH_FACTOR,
         record_keys: bool = False,
     ):
         info = _as_info(source)
@@ -610,7 +624,7 @@ class TrainStream:
                 continue
             rings = None
             if self.num_workers > 0:  # per epoch: the workers of an earlier epoch can never write into these
-                slots, c, S = (self.prefetch_factor or 2) + 2, plan.chunk, plan.image_size
+                slots, c, S = ring_slots(self.prefetch_factor), plan.chunk, plan.image_size
                 rings = [_PixelRing(slots, len(plan.worker_streams(w)) * c, S) for w in range(plan.workers)]
             epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), rings)
             if self.num_workers == 0:
