@@ -45,7 +45,7 @@ from typing import Any
 from cluster.eval_scheduler import EvalScheduler
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
-from cluster.summary import format_resizes, format_summary, resize_events
+from cluster.summary import format_resizes, format_summary
 from pretrain import run_folder
 from pretrain.config import TrainConfig
 from pretrain.run_folder import pin_checkpoint, prune_checkpoints, release_pins
@@ -193,8 +193,8 @@ def count_restarts(placements: list[dict[str, Any]]) -> int:
     return sum(n - 1 for n in attempts.values()) - grown
 
 
-def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None = None) -> list[dict[str, Any]]:
-    rank0 = [p for p in placements if p.get("rank") == 0 and (job_id is None or p.get("job_id") == job_id)]
+def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
+    rank0 = [p for p in placements if p.get("rank") == 0 and p.get("job_id") == job_id]
     return sorted(rank0, key=lambda p: p.get("started", 0))
 
 
@@ -287,8 +287,9 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     if restarts:
         print(f"the worker group was restarted {restarts} time(s) after a worker failed", flush=True)
     history = run_folder.world_size_history(run_dir)
-    resizes = resize_events(history)
-    for line in format_resizes(resizes):
+    resizes = run_folder.resize_events(history)
+    resize_lines = format_resizes(resizes)
+    for line in resize_lines:
         print(f"resize: {line}", flush=True)
     (run_dir / "summary.json").write_text(
         json.dumps(
@@ -299,7 +300,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
                 "restarts": restarts,
                 "world_sizes": history,
                 "resizes": resizes,
-                "resize_lines": format_resizes(resizes),
+                "resize_lines": resize_lines,
                 "workers": workers,
                 "checkpoints": {str(k): v for k, v in evals.items()},
                 "pruned_after_evals": [p.name for p in pruned],

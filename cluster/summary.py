@@ -73,23 +73,6 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines + notes)
 
 
-def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The world-size changes of a run, from its (re)start records in order (`world_sizes.jsonl`: time, step,
-    world_size, ...): one event per record whose world size differs from the one before it."""
-    events = []
-    for before, after in zip(history, history[1:]):
-        if after.get("world_size") != before.get("world_size"):
-            events.append(
-                {
-                    "step": after.get("step"),
-                    "from": before["world_size"],
-                    "to": after["world_size"],
-                    "time": after.get("time"),
-                }  # fmt: skip
-            )
-    return events
-
-
 def format_resizes(events: list[dict[str, Any]]) -> list[str]:
     """One line per resize: "step 40: world size 2 -> 1 (at 2026-11-23 20:41:07 UTC)"."""
     lines = []

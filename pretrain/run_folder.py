@@ -23,7 +23,8 @@ API (paths are used as given: resolve a recipe's relative ``checkpoint.dir`` wit
              with .weights (its model.safetensors)
   pins       pin_checkpoint(folder, reason) -> bool; unpin_checkpoint; is_pinned; release_pins(run_dir) -> [Path]
   pruning    prune_checkpoints(run_dir, keep_last) -> [Path deleted] (pinned ones are skipped)
-  resizes    record_world_size(run_dir, step, world_size, accumulation); world_size_history(run_dir) -> [dict]
+  resizes    record_world_size(run_dir, step, world_size, accumulation); world_size_history(run_dir) -> [dict];
+             resize_events(history) -> [dict]
 """
 
 from __future__ import annotations
@@ -317,6 +318,23 @@ def world_size_history(run_dir: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return records
+
+
+def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The world-size changes of a run, from its (re)start records in order (`world_sizes.jsonl`: time, step,
+    world_size, ...): one event per record whose world size differs from the one before it."""
+    events = []
+    for before, after in zip(history, history[1:]):
+        if after.get("world_size") != before.get("world_size"):
+            events.append(
+                {
+                    "step": after.get("step"),
+                    "from": before["world_size"],
+                    "to": after["world_size"],
+                    "time": after.get("time"),
+                }  # fmt: skip
+            )
+    return events
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:

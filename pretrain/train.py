@@ -419,10 +419,11 @@ def record_world_size(config: TrainConfig, place: Placement, step: int, plan) ->
         return {}
     run_dir = resolve_path(config.checkpoint.dir)
     run_folder.record_world_size(run_dir, step, place.world_size, plan.grad_accum_steps)
-    sizes = [r["world_size"] for r in run_folder.world_size_history(run_dir)]
-    changes = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
-    return {keys.WORLD_SIZE: str(place.world_size), keys.RESIZES: str(len(changes) - 1),
-            keys.WORLD_SIZES: ",".join(map(str, changes))}  # fmt: skip
+    history = run_folder.world_size_history(run_dir)
+    events = run_folder.resize_events(history)
+    sizes = [history[0]["world_size"], *(e["to"] for e in events)]
+    return {keys.WORLD_SIZE: str(place.world_size), keys.RESIZES: str(len(events)),
+            keys.WORLD_SIZES: ",".join(map(str, sizes))}  # fmt: skip
 
 
 def build_metrics(config, place, model, tracker, last_step: int, step: int, images_seen: int) -> TrainMetrics:

@@ -25,13 +25,14 @@ import yaml
 from cluster.driver import FaultInjection, JobSpec, count_restarts, run_job
 from cluster.plan import build_plan, resolve_config
 from cluster.profiles import load_profile
-from cluster.summary import format_resizes, format_summary, resize_events
+from cluster.summary import format_resizes, format_summary
 from pretrain.run_folder import (
     complete_checkpoints,
     is_pinned,
     pin_checkpoint,
     prune_checkpoints,
     release_pins,
+    resize_events,
     unpin_checkpoint,
 )
 
