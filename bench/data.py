@@ -19,8 +19,9 @@ process on the same images, rounds interleaved, best round kept. Rates are image
 >= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards written from the same images with 2 loader
 worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it needs 2
 idle cores. The training process's share of the loader (receiving each step and converting it to float) runs
-beside one worker on the second core, and beside two workers on the same two cores. ``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files
-are in the page cache, so it measures the reader, not the disk. ``stream_img_s`` is a TrainStream with no workers.
+beside one worker on the second core, and beside two workers on the same two cores. ``read_mb_s`` streams the
+shards through the stream's tar reader (no decoding) per CPU second; the files are in the page cache, so it measures
+the reader, not the disk. ``stream_img_s`` is a TrainStream with no workers.
 """
 
 from __future__ import annotations

@@ -52,6 +52,9 @@ class BuiltinConfig:
     num_train: int = 1200  # dsprites / shapes_count train images
     num_test: int = 500  # dsprites / shapes_count test images (digits: test split size)
     samples_per_shard: int = 128  # small shards so 2 ranks x 2 workers all get several
+    # rcdb: each class's centre sits at its own fixed place, up to this percent of the half side off centre on each
+    # axis (data_pipeline.formula.rcdb_class); 0 centres every class
+    class_offset: int = 0
     processes: int = 1
 
 
@@ -64,7 +67,10 @@ def _formula_set(kind: str, cfg: BuiltinConfig) -> dict[str, tuple[list, list[st
     names = [f"{prefix}_{c:05d}" if cfg.num_classes > 1000 else f"{prefix}_{c:03d}" for c in range(cfg.num_classes)]
     splits = {}
     for split, per_class in (("train", cfg.images_per_class), ("val", cfg.val_per_class)):
-        items = formula.generate(kind, cfg.seed, split, cfg.num_classes, per_class, cfg.resolution, cfg.processes)
+        offset = cfg.class_offset / 100 if kind == "rcdb" else 0.0
+        items = formula.generate(
+            kind, cfg.seed, split, cfg.num_classes, per_class, cfg.resolution, cfg.processes, class_offset=offset
+        )
         splits[split] = (items, names)
     return splits
 
@@ -189,6 +195,7 @@ GENERATORS: dict[str, Callable[[BuiltinConfig], dict]] = {
     "dsprites_ori": gen_dsprites_ori,
     "shapes_count": gen_shapes_count,
 }
+MAX_CLASS_OFFSET = 50
 FORMULA_SETS = ("fractal", "rcdb")  # pre-training sets (train, val); the rest are eval sets (train, test)
 SPLITS = {n: ("train", "val") if n in FORMULA_SETS else ("train", "test") for n in GENERATORS}
 ALIASES = {"shapes-count": "shapes_count", "dsprites-loc": "dsprites_loc", "dsprites-ori": "dsprites_ori"}
@@ -200,7 +207,7 @@ def option_minimum(name: str) -> int | None:
     class); None when there is no such field. The one rule behind `--set` here and `data.builtin_options` in recipes."""
     if name not in {f.name for f in fields(BuiltinConfig)}:
         return None
-    return 0 if name == "seed" else 1
+    return 0 if name in ("seed", "class_offset") else 1
 
 
 def _canonical(name: str) -> str:
@@ -212,9 +219,17 @@ def _canonical(name: str) -> str:
 
 # The BuiltinConfig fields each generator reads; only these must match for an existing folder to be reused.
 _FIELDS = (
-    {
-        n: ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")
-        for n in FORMULA_SETS
+    {"fractal": ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")}
+    | {
+        "rcdb": (
+            "resolution",
+            "seed",
+            "num_classes",
+            "images_per_class",
+            "val_per_class",
+            "samples_per_shard",
+            "class_offset",
+        )
     }
     | {
         "digits": ("resolution", "seed", "num_test", "samples_per_shard"),
@@ -234,6 +249,11 @@ def check_sizes(name: str, cfg: BuiltinConfig) -> None:
     """Reject sizes dataset ``name`` cannot have (ValueError), before any folder is made: nothing is left behind."""
     if name in FORMULA_SETS:
         formula.check_sizes(cfg.num_classes, cfg.images_per_class, cfg.val_per_class, cfg.resolution)
+    if name == "rcdb" and not 0 <= cfg.class_offset <= MAX_CLASS_OFFSET:
+        raise ValueError(
+            f"class_offset={cfg.class_offset} is out of range; use 0..{MAX_CLASS_OFFSET} (percent of the half side: "
+            "a contour further off centre leaves the frame)"
+        )
 
 
 def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
@@ -246,8 +266,19 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
             continue
         stored = json.loads(meta_file.read_text()).get("builtin")
         wanted = _settings(name, cfg)
-        if stored is not None and {k: stored.get(k) for k in wanted} != wanted:
-            raise ValueError(f"{folder} was generated with {stored}, not {wanted}; delete it or pass another root")
+        if stored is None:
+            continue
+        defaults = asdict(BuiltinConfig())  # a setting added later was at its default in a folder made before it
+        differ = [
+            f"{k}={stored.get(k, defaults[k])} (wanted {v})"
+            for k, v in wanted.items()
+            if stored.get(k, defaults[k]) != v
+        ]
+        if differ:
+            raise ValueError(
+                f"{folder / split} was generated with {', '.join(differ)}; delete it (rm -r {folder}) to generate it "
+                "again, or use another data root"
+            )
     return complete
 
 

@@ -118,9 +118,13 @@ def fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
 # ------------------------------------------------------------------------------------ radial contours (RCDB)
 
 
-def rcdb_class(seed: int, c: int) -> dict:
+def rcdb_class(seed: int, c: int, offset: float = 0.0) -> dict:
     """Class ``c``'s contour formula: polygon vertices, nested contours, a radial sine perturbation and a fixed
-    per-vertex radius profile, at a fixed orientation (orientation is part of the class, so features keep it)."""
+    per-vertex radius profile, at a fixed orientation (orientation is part of the class, so features keep it).
+
+    ``offset`` > 0 also fixes where the class sits: its centre is displaced by up to ``offset`` half-sides on each
+    axis, drawn once per class, so position is part of the class too and features keep where things are
+    (docs/reference.md §9). Drawn from its own stream: at 0 every class is centred and its bytes are unchanged."""
     rng = np.random.default_rng([seed, 7005, c])
     vertices = int(rng.integers(3, 13)) if rng.random() < 0.7 else 48  # polygons, or smooth closed curves
     return dict(
@@ -134,17 +138,18 @@ def rcdb_class(seed: int, c: int) -> dict:
         profile=rng.uniform(-0.15, 0.15, size=vertices),
         rotation=float(rng.uniform(0, 2 * np.pi)),
         width=float(rng.uniform(0.5, 1.5)),  # line width in pixels per 32 px of resolution
+        offset=np.random.default_rng([seed, 9001, c]).uniform(-offset, offset, size=2),  # (x, y), of the half side
     )
 
 
 def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
-    """One instance: the class's contours with jittered line width, scale, centre, vertex radii, grey level and a
-    small rotation; supersampled twice then reduced, so thin lines keep their shape at 32 px."""
+    """One instance: the class's contours with jittered line width, scale, centre (around the class's own), vertex
+    radii, grey level and a small rotation; supersampled twice then reduced, so thin lines keep their shape at 32 px."""
     n, scale = spec["vertices"], 2 * res
     angles = spec["rotation"] + rng.normal(0.0, 0.05) + 2 * np.pi * np.arange(n) / n
     radial = 1 + spec["amplitude"] * np.sin(spec["freq"] * angles + spec["phase"]) + spec["profile"]
     radial = radial * (1 + rng.normal(0.0, 0.03, size=n))
-    centre = scale / 2 * (1 + rng.uniform(-0.12, 0.12, size=2))
+    centre = scale / 2 * (1 + spec["offset"] + rng.uniform(-0.12, 0.12, size=2))
     size = scale / 2 * spec["radius"] * rng.uniform(0.85, 1.1)
     width = max(1, round(spec["width"] * scale / 32 * rng.uniform(0.7, 1.3)))
     level = int(rng.integers(160, 256))
@@ -161,7 +166,7 @@ def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
 
 # ------------------------------------------------------------------------------------------ parallel driver
 
-CLASS_FORMULA: dict[str, Callable[[int, int], object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
+CLASS_FORMULA: dict[str, Callable[..., object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
 RENDER: dict[str, Callable[[object, np.random.Generator, int], Image.Image]] = {
     "fractal": fractal_image,
     "rcdb": rcdb_image,
@@ -170,10 +175,10 @@ RENDER: dict[str, Callable[[object, np.random.Generator, int], Image.Image]] = {
 
 def _generate_classes(job: tuple) -> list[tuple[bytes, int, str]]:
     """Worker: every image of a block of classes for one split, as (jpeg bytes, label, source id)."""
-    kind, seed, split, classes, per_class, res = job
+    kind, seed, split, classes, per_class, res, class_options = job
     items = []
     for c in classes:
-        formula = CLASS_FORMULA[kind](seed, c)
+        formula = CLASS_FORMULA[kind](seed, c, **class_options)
         for i in range(per_class):
             rng = np.random.default_rng([seed, SPLIT_SALT[split], c, i])
             items.append((encode_jpeg(RENDER[kind](formula, rng, res)), c, f"{kind}/{split}/{c}/{i}"))
@@ -181,13 +186,23 @@ def _generate_classes(job: tuple) -> list[tuple[bytes, int, str]]:
 
 
 def generate(
-    kind: str, seed: int, split: str, num_classes: int, per_class: int, res: int, workers: int = 1
+    kind: str,
+    seed: int,
+    split: str,
+    num_classes: int,
+    per_class: int,
+    res: int,
+    workers: int = 1,
+    class_offset: float = 0.0,
 ) -> list[tuple[bytes, int, str]]:
     """All images of one split in class order; ``workers`` processes split the classes in blocks (output identical
-    for any ``workers``)."""
+    for any ``workers``). ``class_offset``: rcdb's per-class displacement (``rcdb_class``), in half sides."""
+    if class_offset and kind != "rcdb":
+        raise ValueError(f"class_offset={class_offset} applies to rcdb only; {kind} classes have no fixed position")
+    class_options = {"offset": class_offset} if kind == "rcdb" else {}
     block = max(1, min(64, num_classes // (4 * workers) or 1))
     jobs = [
-        (kind, seed, split, range(lo, min(lo + block, num_classes)), per_class, res)
+        (kind, seed, split, range(lo, min(lo + block, num_classes)), per_class, res, class_options)
         for lo in range(0, num_classes, block)
     ]
     if workers <= 1:
@@ -217,7 +232,7 @@ def measure_generation(kind: str, resolution: int, num_images: int) -> float:
     per_class = -(-num_images // classes)
     done = 0
     for c in range(classes):
-        done += len(_generate_classes((kind, 0, "train", [c], min(per_class, num_images - done), resolution)))
+        done += len(_generate_classes((kind, 0, "train", [c], min(per_class, num_images - done), resolution, {})))
         if done >= num_images:
             break
     return done / (time.perf_counter() - start)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import json
+
+import numpy as np
 import pytest
+from PIL import Image
 
 from data_pipeline import builtin, formula
 from data_pipeline.manifest import read_dataset_info
@@ -36,12 +41,52 @@ def test_classes_are_independent_and_workers_do_not_change_bytes():
     serial = formula.generate("rcdb", 0, "train", 10, 2, 32, workers=1)
     parallel = formula.generate("rcdb", 0, "train", 10, 2, 32, workers=2)
     assert serial == parallel
-    alone = formula._generate_classes(("rcdb", 0, "train", [7], 2, 32))  # class 7 without classes 0-6
+    alone = formula._generate_classes(("rcdb", 0, "train", [7], 2, 32, {}))  # class 7 without classes 0-6
     assert alone == [item for item in serial if item[1] == 7]
     assert (
-        formula._generate_classes(("fractal", 0, "val", [3], 1, 32))
+        formula._generate_classes(("fractal", 0, "val", [3], 1, 32, {}))
         == formula.generate("fractal", 0, "val", 4, 1, 32)[3:]
     )
+
+
+def _centroids(items, num_classes: int) -> np.ndarray:
+    """(num_classes, 2) mean intensity centroid (x, y) of each class's images, in pixels."""
+    sums = np.zeros((num_classes, 2))
+    for data, label, _ in items:
+        pixels = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64)
+        pixels -= np.median(pixels)  # the background level
+        pixels = np.clip(pixels, 0, None)
+        ys, xs = np.indices(pixels.shape)
+        sums[label] += (xs * pixels).sum() / pixels.sum(), (ys * pixels).sum() / pixels.sum()
+    return sums / (len(items) / num_classes)
+
+
+def test_rcdb_class_offset_gives_each_class_its_own_place():
+    centred = formula.generate("rcdb", 0, "train", 12, 4, 32)
+    placed = formula.generate("rcdb", 0, "train", 12, 4, 32, class_offset=0.3)
+    assert centred == formula.generate("rcdb", 0, "train", 12, 4, 32, class_offset=0.0)  # 0: the centred set's bytes
+    spread_centred = _centroids(centred, 12).std(axis=0)
+    spread_placed = _centroids(placed, 12).std(axis=0)
+    # centred classes differ by the instance jitter only; placed ones by up to 0.3 half sides (4.8 px at 32 px)
+    assert (spread_centred < 1.2).all() and (spread_placed > 1.8).all(), (spread_centred, spread_placed)
+    with pytest.raises(ValueError, match="class_offset=0.3 applies to rcdb only"):
+        formula.generate("fractal", 0, "train", 2, 1, 32, class_offset=0.3)
+
+
+def test_class_offset_is_a_setting_of_the_folder(tmp_path):
+    folder = builtin.ensure("rcdb", tmp_path, **TINY)  # class_offset 0, the default
+    meta = folder / "train" / "dataset.json"
+    stored = json.loads(meta.read_text())
+    stored["builtin"].pop("class_offset")  # as written before the setting existed
+    meta.write_text(json.dumps(stored))
+    assert builtin.ensure("rcdb", tmp_path, **TINY) == folder  # reused: it was made at the default
+    with pytest.raises(
+        ValueError, match=r"rcdb/train was generated with class_offset=0 \(wanted 30\); delete it \(rm -r "
+    ):
+        builtin.ensure("rcdb", tmp_path, **TINY, class_offset=30)
+    with pytest.raises(ValueError, match="class_offset=51 is out of range; use 0..50"):
+        builtin.ensure("rcdb", tmp_path / "new", **TINY, class_offset=51)
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize(
