@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,8 +314,10 @@ class _PixelRing:
     def write(self, step: int, images: list[np.ndarray]) -> int:
         slot = step % len(self.stamps)
         self.stamps[slot] = -1
-        for row, image in zip(self.pixels[slot], images):  # (S, S, 3) uint8 -> its (3, S, S) row
-            row.copy_(torch.from_numpy(image).permute(2, 0, 1))
+        with warnings.catch_warnings():  # PIL's arrays are read-only; torch warns, but they are only read here
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            for row, image in zip(self.pixels[slot], images):  # (S, S, 3) uint8 -> its (3, S, S) row
+                row.copy_(torch.from_numpy(image).permute(2, 0, 1))
         self.stamps[slot] = step
         return slot
 
