@@ -11,11 +11,10 @@ changes during the run hurts both sides alike; each number is the median over ro
 
 Achieved FLOP/s = images/s x training FLOPs per image (``pretrain.flops.train_flops``: 3 x forward, multiply-add =
 2). ``gemm_fraction_<p>`` divides it by the rate of a square matmul at precision ``p`` measured in the same rounds:
-how close the step comes to the fastest kernel at that precision here. On a CPU with native bf16 arithmetic (AMX or
-AVX512-BF16; ``cpu_bf16_native`` in the JSON) bf16 runs exactly as fp32 does (batch, rounds, repeats, warm-up, GEMM
-size). Without it bf16 GEMMs are emulated and far slower than fp32, so bf16 defaults to batch 1, one round, no
-warm-up and a 512 GEMM (``--bf16-batch-size``, ``--bf16-rounds``, ``--bf16-gemm-size``) to keep the run to minutes;
-the numbers then say what bf16 costs here, not what it would on a CPU built for it.
+how close the step comes to the fastest kernel at that precision here. On a CPU without native bf16 arithmetic
+(no AMX / AVX512-BF16; ``cpu_bf16_native`` in the JSON) bf16 GEMMs are emulated and far slower than fp32, so bf16
+uses a smaller batch and fewer rounds (``--bf16-batch-size``, ``--bf16-rounds``) to keep the run to minutes; the
+numbers then say what bf16 costs here, not what it would on a CPU built for it.
 
 The JSON is flat: ``speedup_vs_hf_<p>`` and ``gemm_fraction_<p>`` for ViT-S/16, the same with a ``_b16`` suffix for
 ViT-B/16, the raw images/s of each model x precision x implementation, the GEMM rates, the CPU flags that decide the
@@ -45,11 +44,6 @@ from pretrain.model import ViTConfig, build_model
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
-
-
-def cpu_bf16_native() -> bool:
-    """True where the CPU has bf16 arithmetic (AMX-BF16 or AVX512-BF16), so bf16 GEMMs are not emulated."""
-    return any(f in cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def cpu_flags() -> list[str]:
@@ -178,7 +172,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     with_eager = not args.no_eager and tag == "fp32"
     steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager)
     flops_per_image = train_flops(config)
-    gemm_size = args.gemm_size if precision == "fp32" else args.bf16_gemm_size or args.gemm_size
+    gemm_size = args.gemm_size if precision == "fp32" else args.bf16_gemm_size
     out: dict = {}
     if precision == "bf16" and args.profile and name == args.models[0]:
         log(f"{name} {precision}: profiling one vitscale step (batch {batch_size}) ...")
@@ -189,7 +183,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
         for label, step in steps.items():
             if label != "vitscale":
                 step()
-    elif precision == "fp32" or args.bf16_warmup or cpu_bf16_native():
+    elif precision == "fp32" or args.bf16_warmup:
         for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
             step()
     seconds: dict[str, list[float]] = {label: [] for label in steps}
@@ -230,7 +224,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
 def run(args) -> dict:
     flags = cpu_flags()
     result: dict = {
-        "cpu_bf16_native": cpu_bf16_native(),
+        "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
         "cpu_flags": flags,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -241,16 +235,12 @@ def run(args) -> dict:
         "hf_attn_implementation": args.hf_attn,
         "load_average_1min_start": os.getloadavg()[0],
     }
-    if not result["cpu_bf16_native"]:  # emulated bf16: a step takes tens of seconds, so a small run
-        defaults = {"bf16_batch_size": 1, "bf16_rounds": 1, "bf16_gemm_size": 512}
-        for key, value in defaults.items():
-            setattr(args, key, getattr(args, key) or value)
     for name in args.models:
         for precision in args.precisions:
-            emulated = precision == "bf16" and not result["cpu_bf16_native"]
-            batch_size = args.bf16_batch_size or args.batch_size if precision == "bf16" else args.batch_size
-            rounds = args.bf16_rounds or args.rounds if precision == "bf16" else args.rounds
-            repeats = 1 if emulated else args.repeats
+            bf16 = precision == "bf16"
+            batch_size = args.bf16_batch_size if bf16 else args.batch_size
+            rounds = args.bf16_rounds if bf16 else args.rounds
+            repeats = 1 if bf16 else args.repeats  # a bf16 step here takes tens of seconds: one is enough
             result.update(bench_one(name, precision, batch_size, rounds, repeats, args))
     result["load_average_1min_end"] = os.getloadavg()[0]
     return result
@@ -287,13 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="fp32 batch")
     parser.add_argument("--rounds", type=int, default=3, help="fp32 rounds")
     parser.add_argument("--repeats", type=int, default=2, help="fp32 steps per model per round (the best one counts)")
-    native = "default: as fp32 on a CPU with AMX/AVX512-BF16, else"
-    parser.add_argument("--bf16-batch-size", type=int, default=None, help=f"{native} 1")
-    parser.add_argument("--bf16-rounds", type=int, default=None, help=f"{native} 1")
-    parser.add_argument("--bf16-warmup", action="store_true",
-                        help="an untimed emulated-bf16 step first (always on with AMX/AVX512-BF16)")  # fmt: skip
+    parser.add_argument("--bf16-batch-size", type=int, default=1)
+    parser.add_argument("--bf16-rounds", type=int, default=1)
+    parser.add_argument("--bf16-warmup", action="store_true", help="an untimed bf16 step first (costs a step)")
     parser.add_argument("--gemm-size", type=int, default=2048, help="fp32 GEMM side")
-    parser.add_argument("--bf16-gemm-size", type=int, default=None, help=f"bf16 GEMM side ({native} 512)")
+    parser.add_argument("--bf16-gemm-size", type=int, default=512, help="bf16 GEMM side (small: slow without AMX)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile one bf16 vitscale step of the first model (its warm-up)")  # fmt: skip
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
@@ -302,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     numbers = ("batch_size", "rounds", "repeats", "bf16_batch_size", "bf16_rounds", "gemm_size", "bf16_gemm_size")
     for key in numbers:
-        if getattr(args, key) is not None and getattr(args, key) < 1:
+        if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
     try:
         out = output_file(args.out, "--out")  # before minutes of timing
