@@ -66,8 +66,8 @@ def _formula_set(kind: str, cfg: BuiltinConfig) -> dict[str, tuple[list, list[st
     prefix = {"fractal": "ifs", "rcdb": "contour"}[kind]
     names = [f"{prefix}_{c:05d}" if cfg.num_classes > 1000 else f"{prefix}_{c:03d}" for c in range(cfg.num_classes)]
     splits = {}
+    offset = cfg.class_offset / 100 if kind == "rcdb" else 0.0
     for split, per_class in (("train", cfg.images_per_class), ("val", cfg.val_per_class)):
-        offset = cfg.class_offset / 100 if kind == "rcdb" else 0.0
         items = formula.generate(
             kind, cfg.seed, split, cfg.num_classes, per_class, cfg.resolution, cfg.processes, class_offset=offset
         )
@@ -218,19 +218,9 @@ def _canonical(name: str) -> str:
 
 
 # The BuiltinConfig fields each generator reads; only these must match for an existing folder to be reused.
+_FORMULA_FIELDS = ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")
 _FIELDS = (
-    {"fractal": ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")}
-    | {
-        "rcdb": (
-            "resolution",
-            "seed",
-            "num_classes",
-            "images_per_class",
-            "val_per_class",
-            "samples_per_shard",
-            "class_offset",
-        )
-    }
+    {"fractal": _FORMULA_FIELDS, "rcdb": (*_FORMULA_FIELDS, "class_offset")}
     | {
         "digits": ("resolution", "seed", "num_test", "samples_per_shard"),
     }
