@@ -145,6 +145,7 @@ def save_checkpoint(
             rng_states=tuple(rng_states),
             metrics=metrics or {},
             saved_at=time.time(),
+            precision="bf16" if engine.bfloat16_enabled() else "fp32",
         ).write(tmp)
         run_folder.write_durably(tmp / run_folder.CONFIG_YAML, config.to_yaml())
         run_folder.publish(tmp)

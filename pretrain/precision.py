@@ -9,7 +9,10 @@ micro-batch at the training resolution, fp32 against bf16 weights as DeepSpeed's
 faster; fp32 otherwise, with one line saying why.
 
 The decision is made by rank 0 and broadcast (`decide_on_rank0`): the probe is a timing, and ranks that timed
-differently would build different engines.
+differently would build different engines. It is made once per run, not once per start: a checkpoint records the
+precision it was trained in (``trainer_state.json``), and a resumed auto run keeps it without probing. A probe near
+the threshold could otherwise resume a run in the other precision, and its losses would no longer continue the
+interrupted run's.
 """
 
 from __future__ import annotations
@@ -104,11 +107,18 @@ def decide(
     device_type: str,
     probe: Callable[[], tuple[float, float]] | None = None,
     flags: set[str] | None = None,
+    resumed: tuple[str, str] | None = None,
 ) -> PrecisionChoice:
     """The precision of a run. ``probe`` (→ fp32 s, bf16 s) runs only on a CPU with bf16 units; without it (the
-    plan, which has no model to time) such a CPU is reported as "bf16 if the probe at start says it is faster"."""
+    plan, which has no model to time) such a CPU is reported as "bf16 if the probe at start says it is faster".
+    ``resumed``: (precision, checkpoint name) of the checkpoint a run resumes from, when it recorded one; auto keeps
+    that precision."""
     if requested != "auto":
         return PrecisionChoice(requested, "set in the recipe")
+    if resumed is not None:
+        kept, checkpoint = resumed
+        return PrecisionChoice(kept, f"kept from {checkpoint}, which trained in {kept} (auto decides once per run, "
+                                     "when it begins)")  # fmt: skip
     if device_type == "cuda":
         return PrecisionChoice("bf16", "CUDA: bf16 tensor cores")
     units = cpu_bf16_units(flags)

@@ -175,7 +175,8 @@ class TrainerState:
     ``merge_stream_states``: the same at any world size, docs/elastic.md); ``rng_states[r]`` are rank r's global RNG
     states (``pretrain.checkpoint.rng_state``); ``world_size`` is the world size that wrote it; ``deepspeed_tag``
     names the engine state under ``deepspeed/``; ``metrics`` are the training metrics at the step; ``saved_at`` is a
-    Unix time.
+    Unix time; ``precision`` is the precision the engine trained in ("fp32" | "bf16"; None in checkpoints written
+    before it was recorded): a resumed ``precision: auto`` run keeps it (`pretrain.precision.decide`).
     """
 
     step: int
@@ -186,6 +187,7 @@ class TrainerState:
     rng_states: tuple[dict[str, Any], ...]
     metrics: dict[str, float] = field(default_factory=dict)
     saved_at: float | None = None
+    precision: str | None = None
 
     def to_json(self) -> str:
         # Not dataclasses.asdict: it deep-copies every rank's state only to serialise it.

@@ -163,10 +163,17 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int):
     )
 
 
-def decide_precision(config: TrainConfig, place: Placement, num_classes: int) -> PrecisionChoice:
+def decide_precision(
+    config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint
+) -> PrecisionChoice:
     """`deepspeed.precision` for this run, the same on every rank (`pretrain.precision`: rank 0 decides; on a CPU
-    with bf16 units by timing one fwd+bwd of this model on one micro-batch at the training resolution)."""
+    with bf16 units by timing one fwd+bwd of this model on one micro-batch at the training resolution). A resumed
+    run keeps the precision its checkpoint trained in."""
     d = config.data
+    resumed = None
+    if start.kind in ("run", "resume_from"):
+        kept = TrainerState.read(start.path).precision
+        resumed = None if kept is None else (kept, start.path.name)
 
     def probe() -> tuple[float, float]:
         def build():
@@ -174,7 +181,7 @@ def decide_precision(config: TrainConfig, place: Placement, num_classes: int) ->
 
         return probe_bf16_speedup(build, d.micro_batch_size, d.image_size)
 
-    return decide_on_rank0(lambda: decide(config.deepspeed.precision, place.device.type, probe))
+    return decide_on_rank0(lambda: decide(config.deepspeed.precision, place.device.type, probe, resumed=resumed))
 
 
 def build_engine(
@@ -284,7 +291,7 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
 
     start = ckpt.find_start(config)
     current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
-    choice = decide_precision(current, place, num_classes)
+    choice = decide_precision(current, place, num_classes, start)
     if place.rank == 0 and config.deepspeed.precision == "auto":
         print(choice.line("auto"), flush=True)
     universal = ckpt.prepare_resume(start, place.world_size, place.rank)  # converts for another world size

@@ -23,7 +23,9 @@ def _config(shards: Path, run_dir: Path, *overrides: str):
             "data.streams=4",  # the tiny set has 4 shards
             "data.shuffle_buffer=8", "schedule.total=8", "schedule.warmup=2", "optim.lr=3e-3",
             f"checkpoint.dir={run_dir}", "checkpoint.every_steps=4", "logging.progress_bar=false",
-            "logging.log_every=1", "logging.peak_tflops=1.0", *overrides,
+            "logging.log_every=1", "logging.peak_tflops=1.0",
+            "deepspeed.precision=fp32",  # exact resume: one precision in every run (not auto's probe)
+            *overrides,
         ],
     )  # fmt: skip
 

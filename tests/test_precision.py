@@ -44,6 +44,20 @@ def test_cpu_with_bf16_units_follows_the_probe():
     assert "probe step" in decide("auto", "cpu", None, flags=SAPPHIRE_RAPIDS).reason
 
 
+def test_a_resumed_auto_run_keeps_its_checkpoints_precision_without_probing():
+    def probe():
+        raise AssertionError("a resumed run does not probe again")
+
+    for kept in ("fp32", "bf16"):
+        choice = decide("auto", "cpu", probe, flags=SAPPHIRE_RAPIDS, resumed=(kept, "step_00000300"))
+        assert choice.precision == kept
+        assert choice.line("auto") == (f"precision auto -> {kept}: kept from step_00000300, which trained in {kept} "
+                                       "(auto decides once per run, when it begins)")  # fmt: skip
+    # An explicit setting is the recipe's (a change of it is warned about as a changed setting); CUDA auto keeps too.
+    assert decide("fp32", "cpu", resumed=("bf16", "step_00000300")).precision == "fp32"
+    assert decide("auto", "cuda", resumed=("fp32", "step_00000300")).precision == "fp32"
+
+
 def test_cuda_and_explicit_settings():
     assert decide("auto", "cuda").precision == "bf16"
     assert decide("fp32", "cuda").precision == "fp32" and decide("bf16", "cpu").precision == "bf16"

@@ -24,7 +24,9 @@ def _config(shards: Path, run_dir: Path, *overrides: str):
             "data.shuffle_buffer=8", "data.streams=4", "data.resolution_schedule=[[0, 16], [4, 32]]",
             "schedule.total=8",
             "schedule.warmup=2", f"checkpoint.dir={run_dir}", "checkpoint.every_steps=2", "checkpoint.keep_last=10",
-            "logging.progress_bar=false", "logging.log_every=1", "logging.peak_tflops=1.0", *overrides,
+            "logging.progress_bar=false", "logging.log_every=1", "logging.peak_tflops=1.0",
+            "deepspeed.precision=fp32",  # exact resume: one precision in every run (not auto's probe)
+            *overrides,
         ],
     )  # fmt: skip
 

@@ -17,7 +17,8 @@ STATE = (
     '{"step": 20, "images_seen": 1280, "world_size": 2, "deepspeed_tag": "step_00000020", "stream_state": '
     '{"version": 2, "epoch": 1, "step": 3, "draws": {"0": 7, "1": 2}}, "rng_states": [{"python": [3, [1, 2], '
     'null], "numpy": ["MT19937", [5, 6], 624, 0, 0.0], "torch": "AAE="}, {"python": [3, [3, 4], null], "numpy": '
-    '["MT19937", [7, 8], 624, 0, 0.0], "torch": "AAI="}], "metrics": {"train/loss": 2.5}, "saved_at": 1763900000.25}'
+    '["MT19937", [7, 8], 624, 0, 0.0], "torch": "AAI="}], "metrics": {"train/loss": 2.5}, "saved_at": 1763900000.25, '
+    '"precision": "bf16"}'
 )
 # What it wrote before the data order became world-size-invariant: a position per rank.
 PER_RANK_STATE = STATE.replace(
@@ -86,13 +87,16 @@ def test_trainer_state_reads_the_file_and_writes_it_byte_for_byte(tmp_path):
     state = rf.TrainerState.read(folder)
     assert (state.step, state.images_seen, state.world_size, state.deepspeed_tag) == (20, 1280, 2, "step_00000020")
     assert state.stream_state["draws"] == {"0": 7, "1": 2} and state.rng_states[0]["torch"] == "AAE="
-    assert state.metrics == {"train/loss": 2.5} and state.saved_at == 1763900000.25
+    assert state.metrics == {"train/loss": 2.5} and state.saved_at == 1763900000.25 and state.precision == "bf16"
     assert state.to_json() == STATE
     copy = tmp_path / "copy"
     copy.mkdir()
     state.write(copy)
     assert (copy / rf.TRAINER_STATE).read_text() == STATE
     assert rf.TrainerState.from_json(state.to_json()) == state
+    # Written before the precision was recorded: read as unknown (a resumed auto run then probes, as it did then).
+    older = STATE.replace(', "precision": "bf16"', "")
+    assert rf.TrainerState.from_json(older).precision is None
 
 
 def test_a_trainer_state_with_per_rank_stream_positions_is_refused_with_the_way_out(tmp_path):

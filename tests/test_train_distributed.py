@@ -50,7 +50,9 @@ def tiny_config(shards: Path, run_dir: Path, *overrides: str) -> TrainConfig:
             f"data.train={shards}", "data.builtin=null", "data.global_batch_size=16", "data.micro_batch_size=4",
             "data.shuffle_buffer=8", "data.streams=4", "schedule.total=8", "schedule.warmup=2",
             f"checkpoint.dir={run_dir}", "optim.lr=1e-3", "checkpoint.every_steps=100", "logging.progress_bar=false",
-            "logging.log_every=1", "logging.peak_tflops=1.0", "logging.record_batch_digests=true", *overrides,
+            "logging.log_every=1", "logging.peak_tflops=1.0", "logging.record_batch_digests=true",
+            # Tests compare the losses of separate runs: auto's start-up probe could pick bf16 in one and not the other
+            "deepspeed.precision=fp32", *overrides,
         ],
     )  # fmt: skip
 
@@ -91,6 +93,7 @@ def torchrun(
            f"--master-port={_free_port()}", "-m", "pretrain.train", "--config", str(path),
            "--summary", str(workdir / "summary_{rank}.json")]  # fmt: skip
     result = _run(cmd, timeout, accelerator)
+    (workdir / "output.log").write_text(result.stdout)  # what the ranks printed, for tests that read it
     assert result.returncode == 0, result.stdout[-6000:]
     return [json.loads((workdir / f"summary_{r}.json").read_text()) for r in range(nproc)]
 
@@ -334,18 +337,35 @@ def test_step0_baseline_checkpoint_changes_no_loss_and_resumes_exactly(shards, t
 @pytest.mark.timeout(600)
 def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path):
     """DeepSpeed ZeRO-2 bf16 on CPU over gloo, 2 processes: bf16 weights compute, the loss stays finite and follows
-    fp32's step by step, and the optimizer's master weights and Adam moments are fp32. Tiny on purpose: on a CPU
+    fp32's step by step, and the optimizer's master weights and Adam moments are fp32. Resumed with
+    ``precision: auto``, the run keeps the bf16 its checkpoint trained in, without probing. Tiny on purpose: on a CPU
     without AMX/AVX512-BF16 bf16 is emulated and many times slower than fp32."""
     from pretrain.checkpoint import _load_weights_only
 
     runs = {}
     for precision in ("fp32", "bf16"):
         # No augmentation and a constant lr: every step moves the weights by a comparable amount.
-        extra = ("deepspeed.zero_stage=2", f"deepspeed.precision={precision}", "schedule.total=12", "optim.lr=2e-3",
-                 "schedule.warmup=0", "schedule.decay=constant", "loss.label_smoothing=0",
+        extra = ("deepspeed.zero_stage=2", f"deepspeed.precision={precision}", "schedule.total=14", "optim.lr=2e-3",
+                 "schedule.stop_at_step=12", "schedule.warmup=0", "schedule.decay=constant", "loss.label_smoothing=0",
                  "data.augment.inception_crop=false", "data.augment.flip=false")  # fmt: skip
         config = tiny_config(shards, tmp_path / precision, *extra)
         runs[precision] = torchrun(config, tmp_path / f"w_{precision}")
+    resumed_extra = [e for e in extra if not e.startswith(("deepspeed.precision", "schedule.stop_at_step"))]
+    resumed = torchrun(tiny_config(shards, tmp_path / "bf16", *resumed_extra, "deepspeed.precision=auto"),
+                       tmp_path / "w_resumed")  # fmt: skip
+    assert resumed[0]["start"] == "run" and resumed[0]["steps"] == 14
+    printed = (tmp_path / "w_resumed" / "output.log").read_text()
+    assert "precision auto -> bf16: kept from step_00000012, which trained in bf16" in printed, printed[-3000:]
+    for step in (12, 14):
+        state = json.loads((tmp_path / "bf16" / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert state["precision"] == "bf16"
+    assert (tmp_path / "bf16" / "checkpoints" / "step_00000014" / "deepspeed" / "step_00000014").is_dir()
+    assert sorted(
+        p.name
+        for p in (tmp_path / "bf16" / "checkpoints" / "step_00000014" / "deepspeed" / "step_00000014").glob("bf16_*")
+    ), "the resumed engine saved no bf16 optimizer state"
+    assert json.loads((tmp_path / "fp32" / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())[
+        "precision"] == "fp32"  # fmt: skip
     summaries = runs["bf16"]
     losses = [loss for _, loss in summaries[0]["losses"]]
     fp32 = [loss for _, loss in runs["fp32"][0]["losses"]]
