@@ -136,11 +136,31 @@ class ViTConfig:
 # --------------------------------------------------------------------------------------------- the encoder
 
 
+# CPU bf16 attention: two batched GEMMs and a softmax run faster than torch's fused CPU kernel (flash attention) up to
+# this many tokens, measured forward + backward on 2 Zen 4 cores with AVX512-BF16 (docs/design.md, "Attention kernel
+# per device and precision"); longer sequences, fp32 and other devices keep SDPA.
+EXPLICIT_ATTENTION_MAX_TOKENS = 640
+
+
+def use_explicit_attention(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-2] <= EXPLICIT_ATTENTION_MAX_TOKENS
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(hd)) v as GEMMs; (B, h, N, hd) each. The softmax accumulates in fp32 and rounds its output
+    to q's dtype, as a flash kernel does before its second GEMM."""
+    weights = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, h, N, N)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ v
+
+
 class Attention(nn.Module):
     """Multi-head self-attention (MSA, paper App. A) with the output dropout of eq. 2 folded in.
 
     q, k and v share one (D, 3D) projection — the official checkpoints' separate kernels are concatenated at load
-    time — and attention runs through SDPA (flash / memory-efficient kernels where available).
+    time — and attention runs through SDPA (flash / memory-efficient kernels where available), except in bf16 on a
+    CPU, where `explicit_attention` is faster for ViT sequence lengths.
     """
 
     def __init__(self, config: ViTConfig):
@@ -165,7 +185,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) → (B, N, D)
         q, k, v = self._heads(x)
         dropout_p = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # softmax(q kᵀ / sqrt(hd)) v
+        if use_explicit_attention(q):
+            y = explicit_attention(q, k, v, dropout_p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # softmax(q kᵀ / sqrt(hd)) v
         return self._merge(y)
 
     def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.model import MODEL_NAMES, SIZES, VisionTransformer, ViTConfig, build_model, model_config
+from pretrain.model import (
+    EXPLICIT_ATTENTION_MAX_TOKENS,
+    MODEL_NAMES,
+    SIZES,
+    VisionTransformer,
+    ViTConfig,
+    build_model,
+    explicit_attention,
+    model_config,
+    use_explicit_attention,
+)
 from pretrain.resnet import pad_same, same_padding
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -202,6 +212,34 @@ def test_attention_weights_path_matches_sdpa():
         explicit, _ = block.forward_with_weights(x)
         torch.testing.assert_close(explicit, block(x), atol=1e-5, rtol=1e-5)
         x = explicit
+
+
+def test_cpu_bf16_attention_is_explicit_and_matches_sdpa():
+    # In bf16 on a CPU the model computes attention as GEMMs + softmax (faster than the fused kernel there); fp32,
+    # long sequences and other devices keep SDPA, so fp32 numerics are untouched.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 65, 16, requires_grad=True) for _ in range(3))
+    assert not use_explicit_attention(q)
+    assert use_explicit_attention(q.bfloat16())
+    assert not use_explicit_attention(torch.zeros(1, 1, EXPLICIT_ATTENTION_MAX_TOKENS + 1, 8, dtype=torch.bfloat16))
+    reference = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(explicit_attention(q, k, v, 0.0), reference, atol=1e-6, rtol=1e-5)
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    out = explicit_attention(qb, kb, vb, 0.0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+    out.backward(grad.bfloat16())
+    for low, high in ((qb, q), (kb, k), (vb, v)):
+        torch.testing.assert_close(low.grad.float(), high.grad, atol=5e-2, rtol=5e-2)
+    model = build_model("vit_tiny_debug", num_classes=5).eval()
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(images)
+    torch.testing.assert_close(logits.float(), model(images), atol=5e-2, rtol=5e-2)
+    dropped = explicit_attention(qb, kb, vb, 0.5)  # attention dropout on the weights, as SDPA's dropout_p
+    assert dropped.shape == out.shape and not torch.equal(dropped, out)
 
 
 def test_gelu_default_is_tanh_and_switchable():
