@@ -3,11 +3,12 @@ machine's GEMM rate, at fp32 and at bf16.
 
     python -m bench.train [--models vit_s16,vit_b16] [--out bench-results/train.json]      (make bench-train)
 
-Both models have the same configuration (width, depth, heads, MLP, 1000 classes, tanh GELU, LayerNorm eps 1e-6)
-and run the same step: forward, softmax cross-entropy, backward, AdamW. bf16 is
-``torch.autocast("cpu", torch.bfloat16)`` around forward and loss, the precision DeepSpeed's bf16 mode computes in.
-For each model and precision the rounds are interleaved (vitscale, HF, GEMM, vitscale, ...) so a machine whose load
-changes during the run hurts both sides alike; each number is the median over rounds of the best of ``repeats``.
+Both models have the same configuration (width, depth, heads, MLP, 1000 classes, tanh GELU, LayerNorm eps 1e-6) and
+run the same step: forward, softmax cross-entropy, backward, AdamW. bf16 is ``torch.autocast("cpu",
+torch.bfloat16)`` around forward and loss, the precision DeepSpeed's bf16 mode computes in. For each model and
+precision the rounds are interleaved (vitscale, HF, GEMM, HF, vitscale, GEMM, ...: the order alternates so that
+neither always runs first) so a machine whose load changes during the run hurts both sides alike; each number is the
+median over rounds of the best of ``repeats``.
 
 Achieved FLOP/s = images/s x training FLOPs per image (``pretrain.flops.train_flops``: 3 x forward, multiply-add =
 2). ``gemm_fraction_<p>`` divides it by the rate of a square matmul at precision ``p`` measured in the same rounds:
@@ -203,7 +204,8 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     seconds: dict[str, list[float]] = {label: [] for label in steps}
     gemm: dict[str, list[float]] = {"nn": [], "nt": []}
     for i in range(rounds):
-        for label, step in steps.items():
+        order = list(steps.items())
+        for label, step in order if i % 2 == 0 else order[::-1]:  # alternating: no implementation always goes first
             seconds[label].append(time_steps(step, repeats))
         for layout, rate in gemm_tflops(precision, gemm_size).items():
             gemm[layout].append(rate)
