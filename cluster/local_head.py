@@ -175,10 +175,14 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
     return info
 
 
-def _processes_of(temp_dir: str) -> list[int]:
-    """PIDs whose command line names our temp dir, plus all their descendants (workers rename themselves)."""
+def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
+    """PIDs whose command line names our temp dir, plus all their descendants (workers rename themselves), plus
+    the head's Ray Client proxy (``ray.util.client.server --address=<host>:<our GCS port>``). The proxy's command
+    line does not name the temp dir, and once the head that started it has exited it is nobody's descendant:
+    `make stop` used to leave it running."""
     parents: dict[int, int] = {}
     roots: set[int] = set()
+    gcs_port = None if gcs_address is None else gcs_address.rsplit(":", 1)[-1]
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -189,7 +193,10 @@ def _processes_of(temp_dir: str) -> list[int]:
         except OSError:
             continue
         parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-        if temp_dir in cmdline and pid != os.getpid():
+        ours = temp_dir in cmdline or (
+            gcs_port is not None and "ray.util.client.server" in cmdline and _address_port(cmdline) == gcs_port
+        )
+        if ours and pid != os.getpid():
             roots.add(pid)
     found = set(roots)
     changed = True
@@ -200,6 +207,15 @@ def _processes_of(temp_dir: str) -> list[int]:
                 found.add(pid)
                 changed = True
     return sorted(found)
+
+
+def _address_port(cmdline: str) -> str | None:
+    """The port of a command line's ``--address=host:port`` (Ray names the GCS by the node's IP there, not by the
+    127.0.0.1 we asked for, so only the port identifies our head)."""
+    for arg in cmdline.split():
+        if arg.startswith("--address="):
+            return arg.rsplit(":", 1)[-1]
+    return None
 
 
 def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
@@ -213,7 +229,7 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
     # Re-scan until nothing of ours is left: a raylet that is shutting down can still spawn a worker after the
     # first scan, and such a late process would otherwise outlive `make stop`.
     while True:
-        alive = [p for p in _processes_of(temp_dir) if not _is_zombie(p)]
+        alive = [p for p in _processes_of(temp_dir, state.gcs_address if state else None) if not _is_zombie(p)]
         if not alive:
             break
         hard = time.monotonic() >= deadline

@@ -88,10 +88,14 @@ def test_local_head_with_token_auth_submit_status_logs_stop(monkeypatch, tmp_pat
         assert "vitscale-test-job" in capsys.readouterr().out
         assert jobs._logs(profile, follow_logs=False) == 0
         assert "hello from" in capsys.readouterr().out
-        assert local_head._processes_of(str(Path(temp_dir).resolve()))
+        ours = local_head._processes_of(str(Path(temp_dir).resolve()), info.gcs_address)
+        assert ours
+        proxies = local_head._processes_of("no-such-dir", info.gcs_address)  # the Ray Client proxy, by address
+        assert proxies and set(proxies) <= set(ours)
     finally:
         assert jobs._stop(profile) == 0
-        leftover = [p for p in local_head._processes_of(str(Path(temp_dir).resolve())) if not local_head._is_zombie(p)]
+        leftover = [p for p in local_head._processes_of(str(Path(temp_dir).resolve()), info.gcs_address)
+                    if not local_head._is_zombie(p)]  # fmt: skip
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert "stopped the local Ray head" in capsys.readouterr().out
     assert leftover == []
