@@ -175,7 +175,9 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     config = resolve_config(profile, "local_demo", sets, "two-node")
     prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: fractal + digits, in tmp_path
     plan = build_plan(profile, config)
-    spec = JobSpec(profile, config, plan.to_dict(), FaultInjection(rank=1, after_step=10, delay_s=1.0),
+    # Rank 1 dies as soon as step 10's checkpoint is COMPLETE (on_checkpoint runs after it, on every rank), during
+    # step 11. A delay would race the steps: at bf16 speed, 1 s was enough to COMPLETE step 20 first.
+    spec = JobSpec(profile, config, plan.to_dict(), FaultInjection(rank=1, after_step=10, delay_s=0.0),
                    {"vitscale.profile": "test-2node", "vitscale.recipe": "local_demo"})  # fmt: skip
     spec = JobSpec.from_json(spec.to_json())  # exactly what travels to the job
 
