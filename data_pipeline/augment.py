@@ -5,8 +5,10 @@ big_vision's ``inception_crop``), horizontal flip, optional RandAugment(n, m). E
 centre crop (big_vision's ``resize(256)|central_crop(224)``). Both are fused into one ``Image.resize(box=...)``
 after a JPEG ``draft`` that lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is at least twice the output
 (``AugmentConfig.scaled_decode``, on by default; in practice it never applies to local_demo's 64 px images at
-32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify; decoding only the crop's region
-would need libjpeg-turbo >= 3 (PyTurboJPEG 2), which this platform's packages do not provide.
+32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify, so a second saving always
+applies: libjpeg stops after the last row the resize reads (`decoded_rows`). Rows above the crop must still be
+entropy-decoded (a sequential JPEG is one Huffman stream); the rows below it are not decoded at all. The pixels are
+bit-identical to decoding the whole image (tested), so this is not a setting. See docs/reference.md, "Decode cost".
 
 All randomness comes from the ``numpy.random.Generator`` passed in, so the caller decides what it is seeded by
 (the stream seeds it per sample from (seed, epoch, shard, member, repeat) to make resume exact).
@@ -90,6 +92,59 @@ def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple
     return img, box
 
 
+def jpeg_height_offset(data: bytes) -> int | None:
+    """Byte offset of the 2-byte big-endian frame height in a sequential Huffman JPEG (SOF0 baseline or SOF1
+    extended): the only kind whose scan data runs top to bottom once, so that a smaller height stops the decode after
+    that many rows. None for progressive, lossless or arithmetic-coded frames, a height left to a DNL marker (0), and
+    anything that does not parse as JPEG markers."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        if marker in (0xC0, 0xC1):
+            return i + 5 if i + 7 <= len(data) and data[i + 5 : i + 7] != b"\0\0" else None
+        if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xCC) or marker in (0xD9, 0xDA):
+            return None  # another frame type, or the scan / the end before any frame header
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return None
+
+
+def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int) -> Image.Image:
+    """``img`` (opened from ``data``, maybe drafted, not yet decoded) cut to the rows that resizing ``box`` (in its
+    pixels) to ``size`` x ``size`` reads: the JPEG's frame height is rewritten so that libjpeg stops there. Those rows
+    come out bit-identical to a full decode. Anything else (not a sequential JPEG, a crop that reaches the bottom)
+    comes back unchanged."""
+    if img.format != "JPEG" or (offset := jpeg_height_offset(data)) is None:
+        return img
+    full_width, full_height = (int.from_bytes(data[offset + k : offset + k + 2], "big") for k in (2, 0))
+    scale = next((s for s in (1, 2, 4, 8) if -(-full_width // s) == img.size[0]), None)  # the draft's DCT scale
+    if scale is None:
+        return img
+    # PIL's bilinear resize reads up to (bottom + support + 0.5) with support = max(box height / size, 1) decoded
+    # rows; the decoder's last rows differ from a full decode (its chroma upsampling has no row below them), so keep
+    # one 16-pixel iMCU row more than that.
+    last = box[3] + max((box[3] - box[1]) / size, 1.0) + 1
+    width, height = img.size
+    if height - size > 2 * (width - size) and height > size:
+        # Pillow 13 resizes such a tall image vertical pass first (Resample.c: "if height is being scaled down more
+        # than twice the amount the width is"), and the other order rounds differently: keep enough rows that the cut
+        # image is still resized in that order.
+        last = max(last, size + 2 * (width - size) + 1)
+    rows = math.ceil(last * scale) + 16
+    if rows >= full_height:
+        return img
+    cut = Image.open(io.BytesIO(data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]))
+    if scale > 1:
+        cut.draft("RGB", (full_width // scale, rows // scale))  # the same scale: full_width // (full_width // scale)
+    return cut if cut.size[0] == img.size[0] and cut.mode == img.mode else img
+
+
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
     """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
     img = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
@@ -100,6 +155,7 @@ def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.rand
         box = (0, 0, width, height)
     if cfg is None or cfg.scaled_decode:
         img, box = drafted(img, box, size)
+    img = decoded_rows(img, data, box, size)
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)  # fused crop + resize
@@ -125,6 +181,7 @@ def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_d
     box = ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
     if scaled_decode:
         img, box = drafted(img, box, size)
+    img = decoded_rows(img, data, box, size)
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)

@@ -154,3 +154,63 @@ def test_bench_data_writes_the_documented_keys(tmp_path):
     assert result["ratio"] == pytest.approx(result["pipeline_img_s_per_core"] / result["pil_img_s_per_core"], rel=0.01)
     assert 0.5 < result["scaled_decode_fraction"] <= 1  # ~375 px JPEGs cropped to 32 px: most crops decode scaled
     assert result["short_side_max"] <= 512 and result["loader_samples"] == 160
+
+
+def photo_jpeg(width, height, seed, **save) -> bytes:
+    """Smooth colour fields plus grain (what bench.data generates), so every row decodes to different pixels."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=(9, 11, 3), dtype=np.uint8)
+    img = np.asarray(Image.fromarray(base).resize((width, height), Image.BICUBIC), dtype=np.float32)
+    img = np.clip(img + rng.normal(0, 12, size=img.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(img).convert(save.pop("mode", "RGB")).save(out, format="JPEG", **save)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "save",
+    [
+        dict(quality=90),  # 4:2:0, 16-row iMCUs
+        dict(quality=95, subsampling=0),  # 4:4:4
+        dict(quality=85, subsampling=1),  # 4:2:2
+        dict(quality=90, mode="L"),  # grayscale, 8-row iMCUs
+        dict(quality=90, restart_marker_rows=1),  # restart markers inside the scan
+    ],
+)
+def test_decoding_only_the_rows_the_crop_reads_is_bit_identical(monkeypatch, save):
+    import data_pipeline.augment as augment
+
+    sizes = [(517, 389), (390, 700), (260, 900)]  # landscape, portrait, and tall enough for Pillow's vertical-first
+    cases = [(photo_jpeg(w, h, seed, **dict(save)), seed) for seed, (w, h) in enumerate(sizes)]
+    cfgs = [AugmentConfig(), AugmentConfig(area_min=0.05, area_max=0.3), AugmentConfig(scaled_decode=False)]
+    outputs = []
+    for cut in (True, False):
+        if not cut:
+            monkeypatch.setattr(augment, "decoded_rows", lambda img, data, box, size: img)
+        outputs.append([
+            [decode_train(data, size, cfg, np.random.default_rng([seed, i])) for i in range(12) for cfg in cfgs]
+            + [decode_eval(data, size, resize) for resize in (None, 256, 4 * size)]
+            for data, seed in cases for size in (32, 96, 224)
+        ])  # fmt: skip
+    assert all(np.array_equal(a, b) for a, b in zip(outputs[0], outputs[1], strict=True) for a, b in zip(a, b))
+
+
+def test_decoded_rows_stops_the_decoder_below_the_crop_and_leaves_other_images_alone():
+    from data_pipeline.augment import decoded_rows, jpeg_height_offset
+
+    data = photo_jpeg(400, 600, 0, quality=90)
+    assert int.from_bytes(data[jpeg_height_offset(data) :][:2], "big") == 600
+    img = decoded_rows(Image.open(io.BytesIO(data)), data, (10.0, 20.0, 210.0, 220.0), 100)
+    assert img.size == (400, 220 + 2 + 1 + 16)  # bottom + support (200 / 100 rows) + 1, then one iMCU row of margin
+    img.load()  # decodes without error: the rest of the scan is skipped as extraneous bytes
+    at_bottom = decoded_rows(Image.open(io.BytesIO(data)), data, (10.0, 390.0, 210.0, 590.0), 100)
+    assert at_bottom.size == (400, 600)  # the rows it reads (and the margin) reach the bottom: nothing to cut
+    tall = photo_jpeg(300, 900, 0, quality=90)  # Pillow resizes it vertical pass first; the cut must keep that
+    img = decoded_rows(Image.open(io.BytesIO(tall)), tall, (10.0, 20.0, 210.0, 220.0), 100)
+    assert img.size == (300, 100 + 2 * (300 - 100) + 1 + 16)
+    progressive = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(progressive, format="JPEG", progressive=True)
+    assert jpeg_height_offset(progressive.getvalue()) is None  # every scan covers the whole image: no cut
+    png = io.BytesIO()
+    Image.new("RGB", (400, 600)).save(png, format="PNG")
+    assert jpeg_height_offset(png.getvalue()) is None and jpeg_height_offset(b"\xff\xd8\x00") is None
