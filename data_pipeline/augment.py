@@ -5,10 +5,12 @@ big_vision's ``inception_crop``), horizontal flip, optional RandAugment(n, m). E
 centre crop (big_vision's ``resize(256)|central_crop(224)``). Both are fused into one ``Image.resize(box=...)``
 after a JPEG ``draft`` that lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is at least twice the output
 (``AugmentConfig.scaled_decode``, on by default; in practice it never applies to local_demo's 64 px images at
-32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify, so a second saving always
-applies: libjpeg stops after the last row the resize reads (`decoded_rows`). Rows above the crop must still be
-entropy-decoded (a sequential JPEG is one Huffman stream); the rows below it are not decoded at all. The pixels are
-bit-identical to decoding the whole image (tested), so this is not a setting. See docs/reference.md, "Decode cost".
+32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify, so two other savings do the
+work (`decoded_rows`): libjpeg stops after the last row the resize reads (the frame height in the JPEG header is
+rewritten; the rows above the crop must still be entropy-decoded, a sequential JPEG being one Huffman stream), and
+undrafted RGB/grayscale JPEGs decode through simplejpeg's libjpeg-turbo, faster than PIL's decoder here. The pixels
+are bit-identical to PIL decoding the whole image (tested), so neither is a setting. See docs/reference.md, "Decode
+cost".
 
 All randomness comes from the ``numpy.random.Generator`` passed in, so the caller decides what it is seeded by
 (the stream seeds it per sample from (seed, epoch, shard, member, repeat) to make resume exact).
@@ -21,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image, ImageEnhance, ImageOps
 
@@ -115,34 +118,46 @@ def jpeg_height_offset(data: bytes) -> int | None:
     return None
 
 
-def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int) -> Image.Image:
-    """``img`` (opened from ``data``, maybe drafted, not yet decoded) cut to the rows that resizing ``box`` (in its
-    pixels) to ``size`` x ``size`` reads: the JPEG's frame height is rewritten so that libjpeg stops there. Those rows
-    come out bit-identical to a full decode. Anything else (not a sequential JPEG, a crop that reaches the bottom)
-    comes back unchanged."""
-    if img.format != "JPEG" or (offset := jpeg_height_offset(data)) is None:
+def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]) -> Image.Image:
+    """``img`` (opened lazily from ``data``, whose frame is ``full_size``, maybe drafted) decoded down to the last
+    row that resizing ``box`` (in its pixels) to ``size`` x ``size`` reads, and no further: the JPEG's frame height
+    is rewritten so that libjpeg stops there. Those rows come out bit-identical to a full decode. Undrafted RGB and
+    grayscale JPEGs decode through simplejpeg (libjpeg-turbo with PIL's settings, ~1.2x faster than PIL's decoder
+    here, the same pixels: tested); the rest through PIL. Anything but a sequential JPEG is decoded whole, as is a
+    crop that reaches the bottom."""
+    if img.format != "JPEG":
+        img.load()
         return img
-    full_width, full_height = (int.from_bytes(data[offset + k : offset + k + 2], "big") for k in (2, 0))
-    scale = next((s for s in (1, 2, 4, 8) if -(-full_width // s) == img.size[0]), None)  # the draft's DCT scale
-    if scale is None:
-        return img
-    # PIL's bilinear resize reads up to (bottom + support + 0.5) with support = max(box height / size, 1) decoded
-    # rows; the decoder's last rows differ from a full decode (its chroma upsampling has no row below them), so keep
-    # one 16-pixel iMCU row more than that.
-    last = box[3] + max((box[3] - box[1]) / size, 1.0) + 1
     width, height = img.size
-    if height - size > 2 * (width - size) and height > size:
-        # Pillow 13 resizes such a tall image vertical pass first (Resample.c: "if height is being scaled down more
-        # than twice the amount the width is"), and the other order rounds differently: keep enough rows that the cut
-        # image is still resized in that order.
-        last = max(last, size + 2 * (width - size) + 1)
-    rows = math.ceil(last * scale) + 16
-    if rows >= full_height:
-        return img
-    cut = Image.open(io.BytesIO(data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]))
-    if scale > 1:
-        cut.draft("RGB", (full_width // scale, rows // scale))  # the same scale: full_width // (full_width // scale)
-    return cut if cut.size[0] == img.size[0] and cut.mode == img.mode else img
+    full_width, full_height = full_size
+    offset = jpeg_height_offset(data)
+    scale = next((s for s in (1, 2, 4, 8) if -(-full_width // s) == width), None)  # the draft's DCT scale
+    rows = full_height
+    if offset is not None and scale is not None:
+        # PIL's bilinear resize reads up to (bottom + support + 0.5) with support = max(box height / size, 1) decoded
+        # rows; the decoder's last rows differ from a full decode (its chroma upsampling has no row below them), so
+        # keep one 16-pixel iMCU row more than that.
+        last = box[3] + max((box[3] - box[1]) / size, 1.0) + 1
+        if height - size > 2 * (width - size) and height > size:
+            # Pillow 13 resizes such a tall image vertical pass first (Resample.c: "if height is being scaled down
+            # more than twice the amount the width is"), and the other order rounds differently: keep enough rows
+            # that the cut image is still resized in that order.
+            last = max(last, size + 2 * (width - size) + 1)
+        rows = min(math.ceil(last * scale) + 16, full_height)
+    if rows < full_height:
+        data = data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]
+    if scale == 1 and img.mode in ("RGB", "L"):
+        # strict=False: the scan data past the new height is skipped with libjpeg's "extraneous bytes" warning
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB" if img.mode == "RGB" else "GRAY", strict=False)
+        return Image.fromarray(pixels if img.mode == "RGB" else pixels[:, :, 0])
+    if rows < full_height:
+        cut = Image.open(io.BytesIO(data))
+        if scale is not None and scale > 1:
+            cut.draft("RGB", (full_width // scale, rows // scale))  # the same scale: W // (W // scale) == scale
+        if cut.size[0] == width and cut.mode == img.mode:
+            img = cut
+    img.load()
+    return img
 
 
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
@@ -155,7 +170,7 @@ def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.rand
         box = (0, 0, width, height)
     if cfg is None or cfg.scaled_decode:
         img, box = drafted(img, box, size)
-    img = decoded_rows(img, data, box, size)
+    img = decoded_rows(img, data, box, size, (width, height))
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)  # fused crop + resize
@@ -181,7 +196,7 @@ def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_d
     box = ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
     if scaled_decode:
         img, box = drafted(img, box, size)
-    img = decoded_rows(img, data, box, size)
+    img = decoded_rows(img, data, box, size, (width, height))
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)

@@ -175,9 +175,11 @@ def photo_jpeg(width, height, seed, **save) -> bytes:
         dict(quality=85, subsampling=1),  # 4:2:2
         dict(quality=90, mode="L"),  # grayscale, 8-row iMCUs
         dict(quality=90, restart_marker_rows=1),  # restart markers inside the scan
+        dict(quality=90, progressive=True),  # decoded whole (every scan covers the image), through simplejpeg
+        dict(quality=90, mode="CMYK"),  # PIL's decoder: simplejpeg takes RGB and grayscale only
     ],
 )
-def test_decoding_only_the_rows_the_crop_reads_is_bit_identical(monkeypatch, save):
+def test_decoding_only_the_rows_the_crop_reads_through_simplejpeg_is_bit_identical_to_pil(monkeypatch, save):
     import data_pipeline.augment as augment
 
     sizes = [(517, 389), (390, 700), (260, 900)]  # landscape, portrait, and tall enough for Pillow's vertical-first
@@ -186,7 +188,7 @@ def test_decoding_only_the_rows_the_crop_reads_is_bit_identical(monkeypatch, sav
     outputs = []
     for cut in (True, False):
         if not cut:
-            monkeypatch.setattr(augment, "decoded_rows", lambda img, data, box, size: img)
+            monkeypatch.setattr(augment, "decoded_rows", lambda img, data, box, size, full: img)  # PIL decodes it all
         outputs.append([
             [decode_train(data, size, cfg, np.random.default_rng([seed, i])) for i in range(12) for cfg in cfgs]
             + [decode_eval(data, size, resize) for resize in (None, 256, 4 * size)]
@@ -200,13 +202,13 @@ def test_decoded_rows_stops_the_decoder_below_the_crop_and_leaves_other_images_a
 
     data = photo_jpeg(400, 600, 0, quality=90)
     assert int.from_bytes(data[jpeg_height_offset(data) :][:2], "big") == 600
-    img = decoded_rows(Image.open(io.BytesIO(data)), data, (10.0, 20.0, 210.0, 220.0), 100)
+    img = decoded_rows(Image.open(io.BytesIO(data)), data, (10.0, 20.0, 210.0, 220.0), 100, (400, 600))
     assert img.size == (400, 220 + 2 + 1 + 16)  # bottom + support (200 / 100 rows) + 1, then one iMCU row of margin
     img.load()  # decodes without error: the rest of the scan is skipped as extraneous bytes
-    at_bottom = decoded_rows(Image.open(io.BytesIO(data)), data, (10.0, 390.0, 210.0, 590.0), 100)
+    at_bottom = decoded_rows(Image.open(io.BytesIO(data)), data, (10.0, 390.0, 210.0, 590.0), 100, (400, 600))
     assert at_bottom.size == (400, 600)  # the rows it reads (and the margin) reach the bottom: nothing to cut
     tall = photo_jpeg(300, 900, 0, quality=90)  # Pillow resizes it vertical pass first; the cut must keep that
-    img = decoded_rows(Image.open(io.BytesIO(tall)), tall, (10.0, 20.0, 210.0, 220.0), 100)
+    img = decoded_rows(Image.open(io.BytesIO(tall)), tall, (10.0, 20.0, 210.0, 220.0), 100, (300, 900))
     assert img.size == (300, 100 + 2 * (300 - 100) + 1 + 16)
     progressive = io.BytesIO()
     Image.open(io.BytesIO(data)).save(progressive, format="JPEG", progressive=True)
