@@ -148,10 +148,14 @@ def test_bench_data_writes_the_documented_keys(tmp_path):
     out = tmp_path / "data.json"
     assert main(["--images", "80", "--size", "32", "--rounds", "1", "--loader-copies", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    for key in ("ratio", "ratio_randaugment", "ratio_full_decode", "workers_2_over_1", "pil_img_s_per_core",
-                "pipeline_img_s_per_core", "loader_img_s_workers1", "loader_img_s_workers2", "read_mb_s"):  # fmt: skip
+    for key in ("ratio", "ratio_uint8", "ratio_randaugment", "ratio_full_decode", "workers_2_over_1",
+                "pil_img_s_per_core", "pipeline_img_s_per_core", "loader_img_s_workers1", "loader_img_s_workers2",
+                "read_mb_s"):  # fmt: skip
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["ratio"] == pytest.approx(result["pipeline_img_s_per_core"] / result["pil_img_s_per_core"], rel=0.01)
+    assert result["ratio_uint8"] == pytest.approx(
+        result["pipeline_uint8_img_s_per_core"] / result["pil_img_s_per_core"], rel=0.01
+    )
     assert 0.5 < result["scaled_decode_fraction"] <= 1  # ~375 px JPEGs cropped to 32 px: most crops decode scaled
     assert result["short_side_max"] <= 512 and result["loader_samples"] == 160
 
