@@ -19,6 +19,11 @@ process on the same images, rounds interleaved, best round kept. Rates are image
 - ``pipeline_full_decode``: the same with ``scaled_decode=False`` (what the DCT-domain downscaling buys);
 - ``pipeline_randaugment``: with RandAugment(2, 10) as well; ``ratio_randaugment`` = it / pil.
 
+- ``dali`` (``--dali``, where NVIDIA DALI is installed: ``pip install nvidia-dali-cuda120``, no GPU needed): DALI's
+  CPU random-crop decoder (``fn.decoders.image_random_crop``, libjpeg-turbo decoding only the crop's region) +
+  resize + flip, uint8 out, one thread: the anchor the issue names; ``ratio_dali`` = it / pil, to set beside
+  ``ratio_uint8``.
+
 ``scaled_decode_fraction`` is the share of crops for which libjpeg decodes at 1/2 scale or less (the crop's short
 side >= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards written from the same images with 2
 loader worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it
@@ -33,6 +38,7 @@ the disk. ``stream_img_s`` is a TrainStream with no workers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -108,6 +114,43 @@ def scaled_decode_fraction(images: list[bytes], size: int, augment: AugmentConfi
     return hits / len(images)
 
 
+def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32) -> float:
+    """Images/s per CPU second of DALI's CPU random-crop decoder with ``augment``'s area and aspect ranges, a bilinear
+    antialiased resize to ``size`` and a random horizontal flip, one worker thread, uint8 out."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    encoded = [np.frombuffer(data, dtype=np.uint8) for data in images]
+
+    def source(info):
+        if info.idx_in_epoch >= len(encoded):
+            raise StopIteration
+        return encoded[info.idx_in_epoch]
+
+    @pipeline_def(batch_size=batch, num_threads=1, device_id=None, prefetch_queue_depth=1, exec_dynamic=False)
+    def crop_resize_flip():
+        jpegs = fn.external_source(source=source, batch=False, dtype=types.UINT8)
+        img = fn.decoders.image_random_crop(
+            jpegs,
+            device="cpu",
+            output_type=types.RGB,
+            random_area=[augment.area_min, augment.area_max],
+            random_aspect_ratio=[augment.aspect_min, augment.aspect_max],
+            num_attempts=10,
+        )
+        img = fn.resize(img, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR, antialias=True)
+        return fn.flip(img, horizontal=fn.random.coin_flip())
+
+    pipe = crop_resize_flip()
+    pipe.build()
+    done = 0
+    start = time.process_time()
+    with contextlib.suppress(StopIteration):
+        while True:
+            (out,) = pipe.run()
+            done += len(out)
+    return done / (time.process_time() - start)
+
+
 def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> float:
     """Images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch."""
     # 2 streams at every worker count: the same samples in the same order, read by 1 or 2 processes
@@ -132,6 +175,14 @@ def read_speed(shard_dir: Path) -> float:
     return sum(s.bytes for s in info.shards) / 2**20 / seconds
 
 
+def _dali_importable() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s")
     p.add_argument("--images", type=int, default=320)
@@ -139,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loader-copies", type=int, default=4, help="each image this many times in the loader's shards")
     p.add_argument("--out", default="bench-results/data.json")
+    p.add_argument("--dali", action="store_true", help="also time NVIDIA DALI's CPU random-crop decoder (the anchor)")
     args = p.parse_args(argv)
     # 40-image shards, batches of 32 and 2 loader workers: at least 2 shards and 2 batches per epoch.
     checks = (("--images", args.images, 80), ("--size", args.size, 1), ("--rounds", args.rounds, 1),
@@ -150,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         out = output_file(args.out, "--out")  # before minutes of timing
     except ValueError as error:
         print(f"bench.data: error: {error}", file=sys.stderr)
+        return 2
+    if args.dali and not _dali_importable():
+        print("bench.data: error: --dali needs NVIDIA DALI, which is not a vitscale dependency: pip install "
+              "nvidia-dali-cuda120 (its CPU decoders need no GPU), or leave --dali out", file=sys.stderr)  # fmt: skip
         return 2
     torch.set_num_threads(1)  # per core: the float conversion must not borrow the other cores
     images = imagenet_like_jpegs(args.images)
@@ -168,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, augment in variants.items():
             runs[name].append(pipeline(images, args.size, augment))
         runs["pipeline_uint8"].append(pipeline(images, args.size, AugmentConfig(), convert=False))
+        if args.dali:
+            runs.setdefault("dali", []).append(dali_rate(images, args.size, AugmentConfig()))
         print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
               file=sys.stderr, flush=True)  # fmt: skip
     rate = {name: max(r) for name, r in runs.items()}
@@ -193,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": round(rate["pipeline"] / rate["pil"], 3),
         "ratio_uint8": round(rate["pipeline_uint8"] / rate["pil"], 3),
         "ratio_randaugment": round(rate["pipeline_randaugment"] / rate["pil"], 3),
+        **(
+            {"ratio_dali": round(rate["dali"] / rate["pil"], 3), "dali_img_s_per_core": round(rate["dali"], 1)}
+            if args.dali
+            else {}
+        ),
         "ratio_full_decode": round(rate["pipeline_full_decode"] / rate["pil"], 3),
         "workers_2_over_1": round(worker_rate[2] / worker_rate[1], 3),
         "pipeline_img_s_per_core": round(rate["pipeline"], 1),
@@ -223,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['scaled_decode_fraction']:.0%} of crops")  # fmt: skip
     print(f"  uint8 out, like PIL's: {rate['pipeline_uint8']:7.1f} images/s per core   ratio "
           f"{result['ratio_uint8']:.2f} (without the loader's copy and float conversion)")  # fmt: skip
+    if args.dali:
+        print(f"  DALI CPU random crop : {rate['dali']:7.1f} images/s per core   ratio {result['ratio_dali']:.2f} "
+              "(uint8 out: the anchor for ratio_uint8)")  # fmt: skip
     print(f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
           f"{result['ratio_randaugment']:.2f}")  # fmt: skip
     print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "

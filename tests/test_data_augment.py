@@ -160,6 +160,19 @@ def test_bench_data_writes_the_documented_keys(tmp_path):
     assert result["short_side_max"] <= 512 and result["loader_samples"] == 160
 
 
+def test_bench_data_dali_without_dali_is_one_clear_error_before_any_timing(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from bench.data import main
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as where DALI is not installed: import fails
+    out = tmp_path / "data.json"
+    assert main(["--images", "80", "--size", "32", "--rounds", "1", "--dali", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "pip install nvidia-dali-cuda120" in err and "--dali" in err
+    assert not out.exists()
+
+
 def photo_jpeg(width, height, seed, **save) -> bytes:
     """Smooth colour fields plus grain (what bench.data generates), so every row decodes to different pixels."""
     rng = np.random.default_rng(seed)
