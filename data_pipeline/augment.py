@@ -95,27 +95,44 @@ def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple
     return img, box
 
 
+def _segments(data: bytes):
+    """(marker, offset) of a JPEG's marker segments up to and including the first scan header (SOS) or the end
+    (EOI); stops early at anything that does not parse as markers."""
+    if data[:2] != b"\xff\xd8":
+        return
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+            continue
+        yield marker, i
+        if marker in (0xD9, 0xDA):
+            return
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+
+
 def jpeg_height_offset(data: bytes) -> int | None:
     """Byte offset of the 2-byte big-endian frame height in a sequential Huffman JPEG (SOF0 baseline or SOF1
     extended): the only kind whose scan data runs top to bottom once, so that a smaller height stops the decode after
     that many rows. None for progressive, lossless or arithmetic-coded frames, a height left to a DNL marker (0), and
     anything that does not parse as JPEG markers."""
-    if data[:2] != b"\xff\xd8":
-        return None
-    i = 2
-    while i + 4 <= len(data):
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            i += 1
-            continue
+    for marker, i in _segments(data):
         if marker in (0xC0, 0xC1):
             return i + 5 if i + 7 <= len(data) and data[i + 5 : i + 7] != b"\0\0" else None
         if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xCC) or marker in (0xD9, 0xDA):
             return None  # another frame type, or the scan / the end before any frame header
-        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
     return None
+
+
+def jpeg_truncated(data: bytes) -> bool:
+    """Whether a JPEG ends before its end-of-image marker (FF D9). Inside entropy-coded data an FF byte is always
+    followed by 00 or a restart marker, so an FF D9 after the first scan header can only be the end. PIL reports such
+    a file as truncated when it decodes all of it; a decoder told to stop early would not notice."""
+    scan = next((i for marker, i in _segments(data) if marker == 0xDA), None)
+    return scan is not None and data.find(b"\xff\xd9", scan) < 0
 
 
 def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]) -> Image.Image:
@@ -128,6 +145,8 @@ def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size
     if img.format != "JPEG":
         img.load()
         return img
+    if jpeg_truncated(data):  # PIL's own message, so callers catching OSError treat it as before
+        raise OSError("image file is truncated: no end-of-image marker after the scan data")
     width, height = img.size
     full_width, full_height = full_size
     offset = jpeg_height_offset(data)

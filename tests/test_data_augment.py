@@ -233,3 +233,26 @@ def test_decoded_rows_stops_the_decoder_below_the_crop_and_leaves_other_images_a
     png = io.BytesIO()
     Image.new("RGB", (400, 600)).save(png, format="PNG")
     assert jpeg_height_offset(png.getvalue()) is None and jpeg_height_offset(b"\xff\xd8\x00") is None
+
+
+def test_a_truncated_jpeg_is_an_error_even_where_the_decoder_stops_early_and_trailing_bytes_are_not():
+    from data_pipeline.augment import jpeg_truncated
+
+    data = photo_jpeg(400, 300, 0, quality=90)
+    progressive = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(progressive, format="JPEG", progressive=True, quality=90)
+    for whole in (data, progressive.getvalue()):
+        assert not jpeg_truncated(whole)
+        for fraction in (0.3, 0.7, 0.99):
+            cut = whole[: int(len(whole) * fraction)]
+            assert jpeg_truncated(cut)
+            for decode in (
+                lambda x: decode_train(x, 32, AugmentConfig(), np.random.default_rng(0)),  # mostly drafted: PIL
+                lambda x: decode_train(x, 224, AugmentConfig(scaled_decode=False), np.random.default_rng(0)),
+                lambda x: decode_eval(x, 224),  # undrafted: simplejpeg, cut to the crop's rows when sequential
+            ):
+                with pytest.raises(OSError, match="truncated"):
+                    decode(cut)
+    padded = data + b"\0" * 100  # bytes after the end-of-image marker: PIL decodes such files; so do we
+    assert not jpeg_truncated(padded)
+    assert np.array_equal(decode_eval(padded, 224), decode_eval(data, 224))
