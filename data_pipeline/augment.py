@@ -145,7 +145,7 @@ def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size
     if img.format != "JPEG":
         img.load()
         return img
-    if jpeg_truncated(data):  # PIL's own message, so callers catching OSError treat it as before
+    if jpeg_truncated(data):  # worded as PIL's own error; the stream counts it as a corrupt sample, as before
         raise OSError("image file is truncated: no end-of-image marker after the scan data")
     width, height = img.size
     full_width, full_height = full_size
