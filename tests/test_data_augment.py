@@ -174,13 +174,12 @@ def test_bench_data_dali_without_dali_is_one_clear_error_before_any_timing(tmp_p
 
 
 def photo_jpeg(width, height, seed, **save) -> bytes:
-    """Smooth colour fields plus grain (what bench.data generates), so every row decodes to different pixels."""
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 256, size=(9, 11, 3), dtype=np.uint8)
-    img = np.asarray(Image.fromarray(base).resize((width, height), Image.BICUBIC), dtype=np.float32)
-    img = np.clip(img + rng.normal(0, 12, size=img.shape), 0, 255).astype(np.uint8)
+    """bench.data's photo-like pixels, so every row decodes to different pixels, saved with ``save`` (+ ``mode``)."""
+    from bench.data import photo_like
+
+    pixels = photo_like(width, height, (9, 11), 12.0, np.random.default_rng(seed))
     out = io.BytesIO()
-    Image.fromarray(img).convert(save.pop("mode", "RGB")).save(out, format="JPEG", **save)
+    Image.fromarray(pixels).convert(save.pop("mode", "RGB")).save(out, format="JPEG", **save)
     return out.getvalue()
 
 
