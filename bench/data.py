@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, decode_train, inception_crop_box, to_float_images
+from data_pipeline.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, to_float_images
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import read_shard
@@ -97,10 +97,11 @@ def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int 
     `_PixelRing` and `_StepBuffers`). ``convert=False``: decode + augment only, uint8 arrays out."""
     if convert:  # shared memory and float buffers made before the clock starts, as the loader makes them once
         ring, buffers = _PixelRing(slots=2, rows=batch, image_size=size), _StepBuffers()
+    decode = decode_train_image if convert else decode_train  # the loader's workers keep PIL images for the ring
     start = time.process_time()
     for step, first in enumerate(range(0, len(images), batch)):
         arrays = [
-            decode_train(data, size, augment, np.random.default_rng([0, first + i]))
+            decode(data, size, augment, np.random.default_rng([0, first + i]))
             for i, data in enumerate(images[first : first + batch])
         ]
         if convert:

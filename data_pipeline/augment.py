@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import simplejpeg
 import torch
 from PIL import Image, ImageEnhance, ImageOps
@@ -167,8 +168,9 @@ def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size
         data = data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]
     if scale == 1 and img.mode in ("RGB", "L"):
         # strict=False: the scan data past the new height is skipped with libjpeg's "extraneous bytes" warning
-        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB" if img.mode == "RGB" else "GRAY", strict=False)
-        return Image.fromarray(pixels if img.mode == "RGB" else pixels[:, :, 0])
+        if img.mode == "L":
+            return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="GRAY", strict=False)[:, :, 0])
+        return rgbx_image(simplejpeg.decode_jpeg(data, colorspace="RGBX", strict=False))
     if rows < full_height:
         cut = Image.open(io.BytesIO(data))
         if scale is not None and scale > 1:
@@ -179,8 +181,22 @@ def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size
     return img
 
 
+def rgbx_image(pixels: np.ndarray) -> Image.Image:
+    """An RGB image over a C-contiguous uint8 array (H, W, 4) of RGB + padding, without a copy: PIL keeps an RGB
+    pixel in 4 bytes, and its Arrow import takes that layout as it is. ``Image.fromarray`` of an (H, W, 3) array
+    instead fills a new image and unpacks into it (~100 us per ImageNet-sized JPEG here, against ~35 us)."""
+    height, width, _ = pixels.shape
+    values = pa.Array.from_buffers(pa.uint8(), pixels.size, [None, pa.py_buffer(pixels)])
+    return Image.fromarrow(pa.FixedSizeListArray.from_arrays(values, 4), "RGB", (width, height))
+
+
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
     """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
+    return np.asarray(decode_train_image(data, size, cfg, rng))
+
+
+def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> Image.Image:
+    """`decode_train` as an RGB PIL image, for `channels_first`."""
     img = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
     width, height = img.size
     if cfg is not None and cfg.inception_crop:
@@ -197,14 +213,20 @@ def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.rand
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     if cfg is not None and cfg.randaugment_n > 0:
         img = randaugment(img.convert("RGB"), cfg.randaugment_n, cfg.randaugment_m, rng)
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    return np.asarray(img)
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True) -> np.ndarray:
     """Square resize to ``resize_size`` then centre crop ``size`` (fused); ``None`` resizes straight to ``size``.
-    ``scaled_decode`` as in :class:`AugmentConfig` (on: the evals' features have always been computed this way)."""
+    ``scaled_decode`` as in :class:`AugmentConfig` (on: the evals' features have always been computed this way).
+    Returns uint8 (size, size, 3)."""
+    return np.asarray(decode_eval_image(data, size, resize_size, scaled_decode))
+
+
+def decode_eval_image(
+    data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True
+) -> Image.Image:
+    """`decode_eval` as an RGB PIL image, for `channels_first`."""
     resize_size = resize_size or size
     if resize_size < size:
         raise ValueError(f"resize_size {resize_size} must be >= image_size {size}")
@@ -219,7 +241,20 @@ def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_d
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
     img = img.resize((size, size), Image.BILINEAR, box=box)
-    return np.asarray(img.convert("RGB") if img.mode != "RGB" else img)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def channels_first(images: list[Image.Image], out: np.ndarray) -> np.ndarray:
+    """RGB images of one size (S, S) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns those rows.
+
+    Each plane comes straight from PIL's raw packer (``tobytes("raw", band)``), one pass per band: ~34 us per 224 px
+    image here, against ~80 us for ``np.asarray`` (a packed copy) and then a transposing copy. The loader's workers
+    write their batches this way, into shared memory or a fresh array.
+    """
+    for row, img in zip(out, images):
+        for plane, band in zip(row, "RGB"):
+            plane[...] = np.frombuffer(img.tobytes("raw", band), np.uint8).reshape(plane.shape)
+    return out[: len(images)]
 
 
 # -------------------------------------------------------------------------------------------------- RandAugment

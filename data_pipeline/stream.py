@@ -31,7 +31,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +40,14 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipeline.augment import AugmentConfig, decode_eval, decode_train, mixup, to_float_images
+from data_pipeline.augment import (
+    AugmentConfig,
+    channels_first,
+    decode_eval_image,
+    decode_train_image,
+    mixup,
+    to_float_images,
+)
 from data_pipeline.manifest import DatasetInfo, ShardFormatError, read_dataset_info
 from data_pipeline.shards import read_shard
 
@@ -212,8 +218,8 @@ class _StreamReader:
         else:
             self.stats.clear()  # counts from the replayed part were reported before the interruption
 
-    def chunk(self) -> tuple[list[np.ndarray], list[int], list[str]]:
-        """The next c usable samples: decoded uint8 images (S, S, 3), labels, keys."""
+    def chunk(self) -> tuple[list[Image.Image], list[int], list[str]]:
+        """The next c usable samples: decoded RGB images (S, S), labels, keys."""
         plan, stats = self.plan, self.stats
         images, labels, keys = [], [], []
         failures_in_row = 0
@@ -229,7 +235,7 @@ class _StreamReader:
                 continue
             rng = np.random.default_rng([plan.seed, self.epoch, s, member, repeat])
             try:
-                images.append(decode_train(sample["jpg"], plan.image_size, plan.augment, rng))
+                images.append(decode_train_image(sample["jpg"], plan.image_size, plan.augment, rng))
             except DECODE_ERRORS:
                 stats["corrupt_samples"] += 1
                 continue
@@ -311,13 +317,10 @@ class _PixelRing:
         self.pixels = torch.empty((slots, rows, 3, image_size, image_size), dtype=torch.uint8).share_memory_()
         self.stamps = torch.full((slots,), -1, dtype=torch.int64).share_memory_()
 
-    def write(self, step: int, images: list[np.ndarray]) -> int:
+    def write(self, step: int, images: list[Image.Image]) -> int:
         slot = step % len(self.stamps)
         self.stamps[slot] = -1
-        with warnings.catch_warnings():  # PIL's arrays are read-only; torch warns, but they are only read here
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-            for row, image in zip(self.pixels[slot], images):  # (S, S, 3) uint8 -> its (3, S, S) row
-                row.copy_(torch.from_numpy(image).permute(2, 0, 1))
+        channels_first(images, out=self.pixels[slot].numpy())
         self.stamps[slot] = step
         return slot
 
@@ -359,7 +362,7 @@ class _TrainEpoch(IterableDataset):
                 stats.update(reader.stats)
                 reader.stats.clear()
             if self.rings is None:
-                pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()  # (k c, 3, S, S)
+                pixels = torch.from_numpy(channels_first(images, out=_planes(len(images), plan.image_size)))
             else:
                 pixels = self.rings[logical].write(step, images)  # its slot
             meta = dict(
@@ -370,6 +373,11 @@ class _TrainEpoch(IterableDataset):
                 keys=keys if plan.record_keys else None,
             )
             yield pixels, labels, meta
+
+
+def _planes(rows: int, size: int) -> np.ndarray:
+    """A fresh uint8 (rows, 3, size, size) for `channels_first`."""
+    return np.empty((rows, 3, size, size), np.uint8)
 
 
 def _label(sample: dict, num_classes: int, stats: Counter) -> int | None:
@@ -718,7 +726,7 @@ class _EvalShards(IterableDataset):
                 if label is None:
                     continue
                 try:
-                    images.append(decode_eval(sample["jpg"], self.image_size, self.resize_size))
+                    images.append(decode_eval_image(sample["jpg"], self.image_size, self.resize_size))
                 except DECODE_ERRORS:
                     stats["corrupt_samples"] += 1
                     continue
@@ -733,9 +741,8 @@ class _EvalShards(IterableDataset):
     def _batch(self, images, labels, keys, stats):
         """(uint8 pixels (B, 3, S, S), labels, keys, counters): the float conversion is the consumer's, so a loader
         worker hands over a quarter of the bytes (as in training)."""
-        shape = (0, self.image_size, self.image_size, 3)
-        pixels = torch.from_numpy(np.stack(images) if images else np.zeros(shape, np.uint8))
-        out = (pixels.permute(0, 3, 1, 2).contiguous(), list(labels), list(keys), dict(stats))
+        pixels = torch.from_numpy(channels_first(images, out=_planes(len(images), self.image_size)))
+        out = (pixels, list(labels), list(keys), dict(stats))
         stats.clear()
         return out
 

@@ -13,8 +13,11 @@ from PIL import Image
 from data_pipeline.augment import (
     RANDAUGMENT_OPS,
     AugmentConfig,
+    channels_first,
     decode_eval,
+    decode_eval_image,
     decode_train,
+    decode_train_image,
     drafted,
     inception_crop_box,
     mixup,
@@ -95,6 +98,27 @@ def test_every_randaugment_op_runs_and_keeps_size():
     for m in (0, 10, 30):
         out = randaugment(img, len(RANDAUGMENT_OPS) * 3, m, np.random.default_rng(m))
         assert out.size == (24, 24) and out.mode == "RGB"
+
+
+def test_channels_first_writes_each_image_transposed_into_its_row():
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (6, 6, 3), dtype=np.uint8) for _ in range(2)]
+    out = np.full((3, 3, 6, 6), 77, np.uint8)  # one row more than images: left as it was
+    rows = channels_first([Image.fromarray(a) for a in arrays], out=out)
+    assert rows.shape == (2, 3, 6, 6) and np.shares_memory(rows, out)
+    assert np.array_equal(rows, np.stack(arrays).transpose(0, 3, 1, 2)) and (out[2] == 77).all()
+    data = photo_jpeg(300, 200, seed=1)
+    assert np.array_equal(  # the images the loader writes are decode_train's / decode_eval's pixels
+        channels_first(
+            [decode_train_image(data, 32, AugmentConfig(), np.random.default_rng(3))],
+            np.empty((1, 3, 32, 32), np.uint8),
+        )[0],
+        decode_train(data, 32, AugmentConfig(), np.random.default_rng(3)).transpose(2, 0, 1),
+    )
+    assert np.array_equal(
+        channels_first([decode_eval_image(data, 32, 48)], np.empty((1, 3, 32, 32), np.uint8))[0],
+        decode_eval(data, 32, 48).transpose(2, 0, 1),
+    )
 
 
 def test_to_float_images_scales_to_minus_one_one():

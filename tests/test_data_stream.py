@@ -358,7 +358,7 @@ def test_step_buffers_are_reused_only_when_no_view_of_them_is_alive():
 
 def test_pixel_ring_slots_hold_their_batch_and_an_overwrite_is_an_error():
     ring = _PixelRing(slots=3, rows=2, image_size=4)
-    images = [np.full((4, 4, 3), v, np.uint8) for v in (7, 9)]
+    images = [Image.new("RGB", (4, 4), (v, v, v)) for v in (7, 9)]
     slot = ring.write(5, images)  # batch 5 -> slot 5 mod 3
     assert slot == 2 and ring.read(5, slot)[:, :, 0, 0].tolist() == [[7, 7, 7], [9, 9, 9]]
     assert ring.pixels.is_shared() and ring.read(5, slot).shape == (2, 3, 4, 4)
