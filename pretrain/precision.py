@@ -129,8 +129,9 @@ def decide(
             "emulated (many times slower than fp32)",
         )
     if probe is None:
-        return PrecisionChoice("fp32", f"this CPU has {'+'.join(units)}; the run picks bf16 if a probe step of the "
-                                       "model at start is faster in bf16 than in fp32")  # fmt: skip
+        reason = (f"memory planned for fp32, the larger; this CPU has {'+'.join(units)}, so the run picks bf16 if "
+                  "a probe step of the model at start is faster in bf16")  # fmt: skip
+        return PrecisionChoice("fp32", reason)
     fp32, bf16 = probe()
     speedup = fp32 / bf16
     verdict = "bf16" if speedup >= MIN_SPEEDUP else "fp32"
