@@ -70,8 +70,8 @@ class DataConfig:
     micro_batch_size: int = 32  # images per rank per forward/backward
     epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json num_samples
     num_workers: int = 0  # DataLoader worker processes per rank decoding images
-    # How those workers start (forkserver in Ray actors, where forking a threaded process is unsafe)
-    loader_start_method: Literal["fork", "forkserver", "spawn"] = "fork"
+    # How those workers start: forkserver, as forking a training process, which runs threads, can hang the child
+    loader_start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"
     # Canonical sequential streams the epoch's shards are dealt to; every global batch takes global/streams samples
     # from each, in stream order, whatever the world size (docs/elastic.md). World sizes must divide it.
     streams: int = 8

@@ -72,14 +72,20 @@ def _env(accelerator: str = "cpu", **extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], timeout: int, accelerator: str = "cpu", **env: str) -> subprocess.CompletedProcess:
-    """Run in its own session so a timeout kills the whole tree (torchrun and its workers), never leaking them."""
+    """Run in its own session; on a timeout, end the whole tree, never leaking it. torchrun starts each rank in a
+    session of its own, which a signal to torchrun's group does not reach: SIGTERM makes torchrun end its ranks
+    (their groups) first, and SIGKILL follows for whatever is left of its own group."""
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator, **env), start_new_session=True, **pipes)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         pytest.fail(f"{cmd[:6]} timed out after {timeout}s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
