@@ -25,6 +25,7 @@ from data_pipeline.stream import (
     balanced_split,
     merge_stream_states,
 )
+from pretrain.config import load_config
 
 UNEVEN = [3, 17, 5, 40, 9, 1, 22, 11, 7, 13]  # 128 samples in 10 shards of very different sizes
 NUM_CLASSES = 4
@@ -331,12 +332,15 @@ def test_file_url_gives_the_same_batches_as_a_local_path(uneven):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_forkserver_workers_give_the_same_batches_as_fork(uneven):
-    """The context recommended inside Ray actors: the epoch dataset pickles and yields identical batches."""
+def test_forkserver_workers_are_the_default_and_give_the_same_batches_as_fork(uneven):
+    """Loader workers start from a fork server unless told otherwise (forking the threaded training process can hang
+    the child: docs/reference.md §6); the epoch dataset pickles and yields the batches forked workers give."""
     kwargs = dict(ORDER, num_workers=2, seed=4, augment=AugmentConfig(), mixup_alpha=0.2)
-    forked = take(TrainStream(uneven, **kwargs), 5)
-    served = take(TrainStream(uneven, multiprocessing_context="forkserver", **kwargs), 5)
-    for (x1, y1), (x2, y2) in zip(forked, served):
+    served = TrainStream(uneven, **kwargs)
+    assert served.multiprocessing_context == "forkserver"
+    assert load_config("local_demo").data.loader_start_method == "forkserver"  # what pretrain.train passes it
+    forked = take(TrainStream(uneven, multiprocessing_context="fork", **kwargs), 5)
+    for (x1, y1), (x2, y2) in zip(forked, take(served, 5)):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
