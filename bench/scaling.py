@@ -72,6 +72,23 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
     return command
 
 
+def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
+    """``proc.communicate()`` of a torchrun within ``timeout`` s; past it, end torchrun and its ranks, then raise
+    ``subprocess.TimeoutExpired`` carrying what they printed. torchrun starts each rank in a session of its own, out
+    of reach of a kill to torchrun (what ``subprocess.run(timeout=...)`` sends): SIGTERM makes torchrun end its ranks
+    first; SIGKILL follows after 60 s."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+
+
 def run_world(world: int, args, tmp: Path) -> dict:
     threads = max(1, args.threads // world)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
@@ -79,12 +96,14 @@ def run_world(world: int, args, tmp: Path) -> dict:
     print(f"world {world}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...",
           file=sys.stderr, flush=True)  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.Popen(command, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    stdout, stderr = communicate_or_end(proc, args.timeout)
     wall = time.perf_counter() - start
-    if done.returncode != 0:
-        tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
-        raise RuntimeError(f"world {world} training exited {done.returncode}:\n" + "\n".join(tail))
-    windows = [(int(s), float(rate), int(wait) / 100) for s, rate, wait in LOG_LINE.findall(done.stdout)]
+    if proc.returncode != 0:
+        tail = (stdout + stderr).strip().splitlines()[-15:]
+        raise RuntimeError(f"world {world} training exited {proc.returncode}:\n" + "\n".join(tail))
+    windows = [(int(s), float(rate), int(wait) / 100) for s, rate, wait in LOG_LINE.findall(stdout)]
     if len(windows) < 2:
         raise RuntimeError(f"world {world}: fewer than 2 logged windows in the output; raise --steps")
     timed = windows[1:]  # the first window holds the warm-up steps

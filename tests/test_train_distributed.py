@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.scaling import communicate_or_end
 from pretrain.config import TrainConfig, load_config, model_overrides
 from pretrain.ds_config import batch_plan
 from pretrain.model import build_model
@@ -72,21 +72,13 @@ def _env(accelerator: str = "cpu", **extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], timeout: int, accelerator: str = "cpu", **env: str) -> subprocess.CompletedProcess:
-    """Run in its own session; on a timeout, end the whole tree, never leaking it. torchrun starts each rank in a
-    session of its own, which a signal to torchrun's group does not reach: SIGTERM makes torchrun end its ranks
-    (their groups) first, and SIGKILL follows for whatever is left of its own group."""
+    """Run in its own session; on a timeout, end torchrun and its ranks (`communicate_or_end`), never leaking them."""
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator, **env), start_new_session=True, **pipes)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        pytest.fail(f"{cmd[:6]} timed out after {timeout}s:\n{out[-4000:]}")
+        out, _ = communicate_or_end(proc, timeout)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{cmd[:6]} timed out after {timeout}s:\n{(expired.output or '')[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
