@@ -22,6 +22,11 @@ The JSON is flat: ``speedup_vs_hf_<p>`` and ``gemm_fraction_<p>`` for ViT-S/16, 
 ViT-B/16, the raw images/s of each model x precision x implementation, the GEMM rates, the CPU flags that decide the
 bf16 path, torch's version and threads, and the share of the profiled bf16 step by operator (``--profile``).
 
+``--device cuda`` runs the same comparison on GPU 0 (both models, the data and the GEMMs there; autocast on CUDA;
+each timer reads after a ``torch.cuda.synchronize``; fp32 GEMMs as torch's TF32 setting says, recorded as
+``tf32_matmul``). On a GPU the profile ranks operators by the time of the kernels each launched, after one warm-up
+step (a GPU's first step loads its kernels); bf16 counts as native from compute capability 8.0 (Ampere) on.
+
 Attention: ``speedup_vs_hf_<p>`` is against HF with SDPA (``--hf-attn``). vitscale runs SDPA too, except bf16 on a
 CPU, where it computes attention as two GEMMs and a softmax (docs/design.md, "Attention kernel per device and
 precision"), which is HF's eager kernel; so at bf16 HF eager is timed as well and ``speedup_vs_hf_best_<p>`` is
@@ -58,6 +63,14 @@ def cpu_bf16_native() -> bool:
     return any(f in cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
 
 
+def bf16_native(device: torch.device) -> bool:
+    """True where bf16 arithmetic is native: a GPU of compute capability 8.0 (Ampere) or later, which has bf16 tensor
+    cores, or a CPU with AMX-BF16 or AVX512-BF16."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return cpu_bf16_native()
+
+
 def cpu_flags() -> list[str]:
     """The CPU flags (of those that decide the fp32/bf16 GEMM paths) this machine has; [] where unreadable."""
     try:
@@ -68,10 +81,16 @@ def cpu_flags() -> list[str]:
     return [flag for flag in _FLAGS_OF_INTEREST if flag in flags]
 
 
-def _autocast(precision: str):
+def _autocast(precision: str, device: torch.device):
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=DTYPES[precision])
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA runs them asynchronously), so a timer reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
@@ -87,17 +106,20 @@ def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
     return ViTForImageClassification(hf_config)
 
 
-def make_step(model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str) -> Callable[[], None]:
-    """One training step at ``precision``: forward + loss under autocast, backward and AdamW outside it."""
-    model.train()
+def make_step(
+    model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str, device: torch.device
+) -> Callable[[], None]:
+    """One training step at ``precision`` on ``device``: forward + loss under autocast, backward and AdamW outside
+    it (torch's default AdamW implementation for both models)."""
+    model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
-    images = torch.rand(batch_size, 3, 224, 224, generator=g) * 2 - 1  # (B, 3, 224, 224) in [-1, 1]
-    labels = torch.randint(0, 1000, (batch_size,), generator=g)
+    images = (torch.rand(batch_size, 3, 224, 224, generator=g) * 2 - 1).to(device)  # (B, 3, 224, 224) in [-1, 1]
+    labels = torch.randint(0, 1000, (batch_size,), generator=g).to(device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(precision):
+        with _autocast(precision, device):
             loss = F.cross_entropy(logits_of(images), labels)
         loss.backward()
         optimizer.step()
@@ -105,45 +127,51 @@ def make_step(model: torch.nn.Module, logits_of: Callable, batch_size: int, prec
     return step
 
 
-def build_steps(name: str, batch_size: int, precision: str, attn: str, with_eager: bool) -> tuple[dict, ViTConfig]:
+def build_steps(
+    name: str, batch_size: int, precision: str, attn: str, with_eager: bool, device: torch.device
+) -> tuple[dict, ViTConfig]:
     """The training steps to time, by implementation, and vitscale's model config."""
     torch.manual_seed(0)
     ours = build_model(name, num_classes=1000)
     hf = hf_model(ours.config, attn)
     steps = {
-        "vitscale": make_step(ours, lambda x: ours(x), batch_size, precision),
-        "hf": make_step(hf, lambda x: hf(pixel_values=x).logits, batch_size, precision),
+        "vitscale": make_step(ours, lambda x: ours(x), batch_size, precision, device),
+        "hf": make_step(hf, lambda x: hf(pixel_values=x).logits, batch_size, precision, device),
     }
     if with_eager and attn != "eager":  # context: the HF default before SDPA
         eager = hf_model(ours.config, "eager")
-        steps["hf_eager"] = make_step(eager, lambda x: eager(pixel_values=x).logits, batch_size, precision)
+        steps["hf_eager"] = make_step(eager, lambda x: eager(pixel_values=x).logits, batch_size, precision, device)
     return steps, ours.config
 
 
-def time_steps(step: Callable[[], None], repeats: int) -> float:
+def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> float:
     """Seconds per step, the best of ``repeats`` consecutive steps (the least disturbed by other processes)."""
     times = []
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         step()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def gemm_tflops(precision: str, size: int, repeats: int = 3) -> dict[str, float]:
+def gemm_tflops(precision: str, size: int, device: torch.device, repeats: int = 3) -> dict[str, float]:
     """TFLOP/s of a square ``size`` matmul at ``precision``, best of ``repeats``, for both operand layouts a @ b
     ("nn") and a @ bᵀ ("nt", how ``F.linear`` multiplies by its weight): without native bf16 the emulated kernel's
     speed depends on the layout (measured on AVX2: nt ~5 GFLOP/s, nn ~0.5), so the GEMM rate is the faster one."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g).to(DTYPES[precision])
-    b = torch.randn(size, size, generator=g).to(DTYPES[precision])
+    a = torch.randn(size, size, generator=g).to(device, DTYPES[precision])
+    b = torch.randn(size, size, generator=g).to(device, DTYPES[precision])
     rates = {}
     for layout, right in (("nn", b), ("nt", b.t())):
         torch.mm(a, right)
         best = float("inf")
         for _ in range(repeats):
+            _sync(device)
             start = time.perf_counter()
             torch.mm(a, right)
+            _sync(device)
             best = min(best, time.perf_counter() - start)
         rates[layout] = 2 * size**3 / best / 1e12
     return rates
@@ -151,27 +179,37 @@ def gemm_tflops(precision: str, size: int, repeats: int = 3) -> dict[str, float]
 
 _PROFILE_GROUPS = {  # operator families the issue names, by substring of the profiler's op name
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
-    "attention": ("flash_attention", "scaled_dot_product", "_efficient_attention"),
+    "attention": ("flash_attention", "scaled_dot_product", "_efficient_attention", "_cudnn_attention"),
     "gelu": ("gelu",),
     "copy": ("aten::copy_", "aten::_to_copy"),
 }
 
 
-def profile_step(step: Callable[[], None], top: int = 10) -> dict:
-    """One step under torch.profiler: the largest operators by self CPU time as [[name, share], ...], and the shares
-    of the operator families in ``_PROFILE_GROUPS``."""
+def profile_step(step: Callable[[], None], device: torch.device, top: int = 10) -> dict:
+    """One step under torch.profiler: the largest operators by self time as [[name, share], ...], and the shares of
+    the operator families in ``_PROFILE_GROUPS``. On a GPU an operator's self time is that of the kernels it launched
+    itself; only operators count there, not the kernels' own rows nor range annotations, which would count each
+    kernel twice."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         step()
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    total = sum(e.self_cpu_time_total for e in events)
-    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        _sync(device)
+
+    def self_time(event) -> float:
+        return event.self_device_time_total if on_gpu else event.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if self_time(e) > 0 and e.device_type == DeviceType.CPU]
+    total = sum(map(self_time, events))
+    events.sort(key=self_time, reverse=True)
     groups = {
-        f"share_{group}": round(sum(e.self_cpu_time_total for e in events if any(n in e.key for n in names)) / total, 3)
+        f"share_{group}": round(sum(self_time(e) for e in events if any(n in e.key for n in names)) / total, 3)
         for group, names in _PROFILE_GROUPS.items()
     }
-    return {"top": [[e.key, round(e.self_cpu_time_total / total, 3)] for e in events[:top]], **groups}
+    return {"top": [[e.key, round(self_time(e) / total, 3)] for e in events[:top]], **groups}
 
 
 def log(text: str) -> None:
@@ -185,20 +223,23 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     # model because vitscale's CPU bf16 attention is that kernel too (docs/design.md), so bf16 is also compared
     # with HF's faster implementation (`speedup_vs_hf_best_<tag>`).
     with_eager = not args.no_eager and (tag == "fp32" or precision == "bf16")
-    steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager)
+    device = torch.device(args.device)
+    steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager, device)
     flops_per_image = train_flops(config)
     gemm_size = args.gemm_size if precision == "fp32" else args.bf16_gemm_size or args.gemm_size
     out: dict = {}
     if precision == "bf16" and args.profile and name == args.models[0]:
         log(f"{name} {precision}: profiling one vitscale step (batch {batch_size}) ...")
         out["bf16_profile_model"] = name
-        profiled = profile_step(steps["vitscale"])  # doubles as vitscale's warm-up
+        if device.type == "cuda":  # a GPU's first step loads its kernels (tens of ms), which would lead the profile
+            steps["vitscale"]()
+        profiled = profile_step(steps["vitscale"], device)  # on a CPU it doubles as vitscale's warm-up
         out["bf16_profile_vitscale"] = profiled.pop("top")
         out.update({f"bf16_profile_{key}": value for key, value in profiled.items()})
         for label, step in steps.items():
             if label != "vitscale":
                 step()
-    elif precision == "fp32" or args.bf16_warmup or cpu_bf16_native():
+    elif precision == "fp32" or args.bf16_warmup or bf16_native(device):
         for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
             step()
     seconds: dict[str, list[float]] = {label: [] for label in steps}
@@ -206,8 +247,8 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     for i in range(rounds):
         order = list(steps.items())
         for label, step in order if i % 2 == 0 else order[::-1]:  # alternating: no implementation always goes first
-            seconds[label].append(time_steps(step, repeats))
-        for layout, rate in gemm_tflops(precision, gemm_size).items():
+            seconds[label].append(time_steps(step, repeats, device))
+        for layout, rate in gemm_tflops(precision, gemm_size, device).items():
             gemm[layout].append(rate)
         rates = ", ".join(f"{label} {batch_size / s[-1]:.3g} img/s" for label, s in seconds.items())
         log(f"{name} {precision} round {i + 1}/{rounds}: {rates}, GEMM nn {gemm['nn'][-1]:.4g} nt "
@@ -251,14 +292,20 @@ def run(args) -> dict:
         "image_size": 224,
         "hf_attn_implementation": args.hf_attn,
         "load_average_1min_start": os.getloadavg()[0],
+        "device": args.device,
     }
-    if not result["cpu_bf16_native"]:  # emulated bf16: a step takes tens of seconds, so a small run
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(device)
+        result["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32  # fp32 GEMMs in TF32 when True
+    native = bf16_native(device)
+    if not native:  # emulated bf16: a step takes tens of seconds, so a small run
         defaults = {"bf16_batch_size": 1, "bf16_rounds": 1, "bf16_gemm_size": 512}
         for key, value in defaults.items():
             setattr(args, key, getattr(args, key) or value)
     for name in args.models:
         for precision in args.precisions:
-            emulated = precision == "bf16" and not result["cpu_bf16_native"]
+            emulated = precision == "bf16" and not native
             batch_size = args.bf16_batch_size or args.batch_size if precision == "bf16" else args.batch_size
             rounds = args.bf16_rounds or args.rounds if precision == "bf16" else args.rounds
             repeats = 1 if emulated else args.repeats
@@ -309,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one bf16 vitscale step of the first model (its warm-up)")  # fmt: skip
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
     parser.add_argument("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
+    on_gpu = "cuda: both models and the GEMMs on GPU 0, autocast on CUDA, timers after a synchronize"
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=on_gpu)
     parser.add_argument("--out", default="bench-results/train.json")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here (a CPU build, or no GPU); leave --device out")
     numbers = ("batch_size", "rounds", "repeats", "bf16_batch_size", "bf16_rounds", "gemm_size", "bf16_gemm_size")
     for key in numbers:
         if getattr(args, key) is not None and getattr(args, key) < 1:
@@ -329,9 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     if "bf16_profile_vitscale" in result:
         top = ", ".join(f"{name} {share:.0%}" for name, share in result["bf16_profile_vitscale"][:5])
         groups = ", ".join(f"{g} {result[f'bf16_profile_share_{g}']:.0%}" for g in _PROFILE_GROUPS)
-        print(f"bf16 {result['bf16_profile_model']} step, largest self CPU time: {top}; families: {groups}")
-    print(f"cpu_bf16_native {result['cpu_bf16_native']} ({' '.join(result['cpu_flags'])}); "
-          f"{result['threads']} threads; {result['wall_s']:.0f} s -> {out}")  # fmt: skip
+        what = "self CPU time" if result["device"] == "cpu" else "self kernel time"
+        print(f"bf16 {result['bf16_profile_model']} step, largest {what}: {top}; families: {groups}")
+    flags = " ".join(result["cpu_flags"])
+    where = result.get("device_name") or f"cpu_bf16_native {result['cpu_bf16_native']} ({flags})"
+    print(f"{where}; {result['threads']} threads; {result['wall_s']:.0f} s -> {out}")
     return 0
 
 

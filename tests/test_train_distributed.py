@@ -249,6 +249,33 @@ def test_bf16_nccl_on_one_gpu_matches_fp32_loosely(shards, tmp_path):
     assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(bf16, fp32)), (bf16, fp32)
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_resume_on_one_gpu_reads_the_same_batches_and_tracks_the_losses(shards, tmp_path):
+    """On a CUDA machine, the recipe's settings (dropout drawn from the CUDA generator, 2 loader workers, ZeRO-2,
+    an epoch boundary after the resume): the same batches in the same order, and the losses of the uninterrupted
+    run, up to CUDA's own run-to-run differences if there are any (a fused attention backward may sum with atomics):
+    the test measures two whole runs' difference and allows the resumed run twice it plus 1e-6. On an H200 both
+    differences were 0."""
+    extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "data.num_workers=2", "checkpoint.every_steps=3",
+             "schedule.total=10")  # fmt: skip
+    plan = {"whole": ("whole",), "again": ("again",), "stopped": ("split", "schedule.stop_at_step=3"),
+            "resumed": ("split",)}  # name: (run folder, overrides); the last two share a run folder  # fmt: skip
+    runs = {}
+    for name, (run_dir, *more) in plan.items():
+        config = tiny_config(shards, tmp_path / run_dir, *extra, *more)
+        runs[name] = torchrun(config, tmp_path / name, nproc=1, accelerator="cuda")[0]
+    whole, again, stopped, resumed = runs["whole"], runs["again"], runs["stopped"], runs["resumed"]
+    assert resumed["start"] == "run" and resumed["start_step"] == 3
+    assert [step for step, _ in resumed["losses"]] == list(range(4, 11))
+    assert stopped["digests"] + resumed["digests"] == whole["digests"] == again["digests"]
+    later = dict(whole["losses"])
+    noise = max(abs(loss - later[step]) for step, loss in again["losses"])
+    diffs = [abs(loss - later[step]) for step, loss in resumed["losses"]]
+    print(f"run-to-run difference {noise:.3g}; resumed vs whole {max(diffs):.3g}")
+    assert max(diffs) <= 2 * noise + 1e-6, (diffs, noise, resumed["losses"], whole["losses"])
+
+
 @pytest.mark.timeout(900)
 def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards, tmp_path):
     # The paper's recipe case: loader workers, dropout, RandAugment, mixup, ZeRO-3, accumulation 2. 64 images over
