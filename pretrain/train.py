@@ -68,6 +68,8 @@ def init_distributed(config: TrainConfig) -> Placement:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine, or two could remove a live lock
+            remove_stale_build_lock(SHM_COMM_OP)
     import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
 
     if not dist.is_initialized():
@@ -85,6 +87,52 @@ def init_distributed(config: TrainConfig) -> Placement:
     if device_type == "cuda":
         torch.cuda.set_device(device)
     return Placement(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+# DeepSpeed's CPU communication op, JIT-built by torch's extension builder on the first CPU start (docs/reference.md §7)
+SHM_COMM_OP = "deepspeed_shm_comm"
+STALE_LOCK_S = 900  # the op builds in about a minute here; no live build holds its lock this long
+ORPHAN_LOCK_S = 30  # a lock no process here holds open, this old, was left by a killed one
+
+
+def remove_stale_build_lock(op: str) -> Path | None:
+    """Remove the build lock of torch JIT extension ``op`` if it was left by a killed process; return its path then.
+
+    torch's builder holds ``<build dir>/lock`` open while it checks (about a second at every start) or builds the op,
+    and every other process waits, silently and forever, while that file exists. A process killed in that window
+    leaves the file behind, and from then on every DeepSpeed start on the machine hangs (docs/reference.md §8). Left
+    behind: no process on this machine has it open and it is older than ``ORPHAN_LOCK_S`` (the builder keeps its
+    descriptor open until it deletes the file), or, where that cannot be seen, older than any build takes."""
+    from torch.utils.cpp_extension import _get_build_directory  # where torch puts (and locks) the op's build
+
+    lock = Path(_get_build_directory(op, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    held = _held_open(lock)
+    if not (age > STALE_LOCK_S or (held is False and age > ORPHAN_LOCK_S)):
+        return None
+    lock.unlink(missing_ok=True)
+    print(f"vitscale: removed {lock}, a build lock left {age / 60:.0f} min ago by a process that was killed while "
+          f"building or loading {op}; DeepSpeed would have waited on it forever", file=sys.stderr)  # fmt: skip
+    return lock
+
+
+def _held_open(path: Path) -> bool | None:
+    """Whether a process on this machine has ``path`` open (Linux /proc; processes of other users are not visible);
+    None where /proc cannot tell."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target = str(path.resolve())
+    for fd_dir in proc.glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                return True
+        except OSError:  # the process ended, or is not ours
+            continue
+    return False
 
 
 def _free_port() -> int:

@@ -1,9 +1,14 @@
 """Fast tests of the training pieces that need no process group: schedules, durations, AdamW groups, losses,
-the resume order, RNG state, and the metrics interface."""
+the resume order, RNG state, and the metrics interface; and one start of `pretrain.train` past a stale build lock."""
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +22,8 @@ from pretrain.model import build_model
 from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
 from pretrain.run_folder import COMPLETE, IncompleteCheckpointError
 from pretrain.tasks import TASKS, ClassificationTask, build_task, register_task, sigmoid_xent, softmax_xent
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_durations_convert_to_steps_in_one_place():
@@ -205,3 +212,56 @@ def test_engine_files_are_read_weights_only(tmp_path, capsys):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         engine.load(str(bad))
     assert "this must never run" not in capsys.readouterr().out
+
+
+def test_only_a_build_lock_that_a_killed_process_left_is_removed(tmp_path, monkeypatch, capsys):
+    from pretrain.train import ORPHAN_LOCK_S, SHM_COMM_OP, remove_stale_build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch's builder puts the op's folder there
+    lock = tmp_path / SHM_COMM_OP / "lock"
+    lock.parent.mkdir()
+
+    def age(seconds: float) -> None:
+        then = time.time() - seconds
+        os.utime(lock, (then, then))
+
+    fd = os.open(lock, os.O_CREAT | os.O_EXCL)  # what torch's FileBaton does while it builds or checks the op
+    try:
+        age(ORPHAN_LOCK_S + 60)
+        assert remove_stale_build_lock(SHM_COMM_OP) is None and lock.exists()  # held open: a build under way
+    finally:
+        os.close(fd)  # the holder ends without deleting it, as a killed one does
+    age(ORPHAN_LOCK_S - 20)
+    assert remove_stale_build_lock(SHM_COMM_OP) is None and lock.exists()  # too young to judge
+    age(ORPHAN_LOCK_S + 20)
+    assert remove_stale_build_lock(SHM_COMM_OP) == lock and not lock.exists()
+    assert f"removed {lock}" in capsys.readouterr().err
+    assert remove_stale_build_lock(SHM_COMM_OP) is None  # nothing there: nothing to do
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shards, tmp_path):
+    # The lock of the op's real build folder, as a run killed while DeepSpeed loaded the op leaves it: without the
+    # check, this run would wait on it forever (seen in this project: every later test timed out).
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from pretrain.train import ORPHAN_LOCK_S, SHM_COMM_OP
+
+    lock = Path(_get_build_directory(SHM_COMM_OP, verbose=False)) / "lock"
+    lock.touch()
+    old = time.time() - ORPHAN_LOCK_S - 60
+    os.utime(lock, (old, old))
+    overrides = [f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8",
+                 "data.micro_batch_size=8", "data.streams=4", "schedule.total=2", "schedule.warmup=1",
+                 f"checkpoint.dir={tmp_path / 'run'}", "logging.progress_bar=false",
+                 "deepspeed.precision=fp32"]  # fmt: skip
+    config = load_config("local_demo", overrides)
+    config.save(tmp_path / "recipe.yaml")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", str(tmp_path / "recipe.yaml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"removed {lock}" in proc.stderr and not lock.exists()
