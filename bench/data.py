@@ -23,6 +23,8 @@ process on the same images, rounds interleaved, best round kept. Rates are image
   resize + flip, uint8 out, one thread: an outside reference for the same work; ``ratio_dali`` = it / pil, to set
   beside ``ratio_uint8``.
 
+``decode_us_scale_<n>_8`` is libjpeg-turbo's decode alone (simplejpeg, RGBX) at DCT scale n/8, n = 8..4, in
+microseconds per image: scales between 1/2 and 1 cost more than the full decode here, so the loader uses none.
 ``scaled_decode_fraction`` is the share of crops for which libjpeg decodes at 1/2 scale or less (the crop's short
 side >= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards written from the same images with 2
 loader worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it
@@ -122,6 +124,26 @@ def scaled_decode_fraction(images: list[bytes], size: int, augment: AugmentConfi
             box = inception_crop_box(*img.size, np.random.default_rng([0, i]), augment)
         hits += min(box[2] - box[0], box[3] - box[1]) >= 2 * size
     return hits / len(images)
+
+
+def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
+    """Microseconds per image of libjpeg-turbo's decode (simplejpeg, RGBX out) at DCT scale n/8 for n = 8..4, best of
+    ``rounds``: why the loader scales only by 1/2, 1/4, 1/8 (PIL's ``draft``). n/8 between them runs libjpeg-turbo's
+    plain-C scaled IDCTs, slower here than the SIMD full-size one; and 1/2 saves little, since entropy decoding,
+    which no scaling skips, is most of the time."""
+    import simplejpeg
+
+    sizes = [simplejpeg.decode_jpeg_header(data)[:2] for data in images]
+    best = {}
+    for n in (8, 7, 6, 5, 4):
+        times = []
+        for _ in range(rounds):
+            start = time.process_time()
+            for data, (h, w) in zip(images, sizes):
+                simplejpeg.decode_jpeg(data, colorspace="RGBX", min_height=-(-h * n // 8), min_width=-(-w * n // 8))
+            times.append(time.process_time() - start)
+        best[n] = min(times) / len(images) * 1e6
+    return best
 
 
 def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32) -> float:
@@ -239,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
               file=sys.stderr, flush=True)  # fmt: skip
     rate = {name: max(r) for name, r in runs.items()}
+    decode_us = decode_us_by_scale(images, args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         n = len(images)
         items = [(images[i % n], i % 10, f"bench/{i}") for i in range(n * args.loader_copies)]
@@ -274,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_randaugment_img_s_per_core": round(rate["pipeline_randaugment"], 1),
         "pil_img_s_per_core": round(rate["pil"], 1),
         "scaled_decode_fraction": round(scaled_decode_fraction(images, args.size, AugmentConfig()), 3),
+        **{f"decode_us_scale_{n}_8": round(us, 1) for n, us in decode_us.items()},
         "loader_img_s_workers1": round(worker_rate[1], 1),
         "loader_img_s_workers2": round(worker_rate[2], 1),
         "read_mb_s": round(read_mb_s, 1),
@@ -301,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
               "(uint8 out: the anchor for ratio_uint8)")  # fmt: skip
     print(f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
           f"{result['ratio_randaugment']:.2f}")  # fmt: skip
+    print("JPEG decode by DCT scale: " + ", ".join(f"{n}/8 {us:.0f} us" for n, us in decode_us.items()))
     print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
           f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x)")  # fmt: skip
     print(f"TrainStream end to end: {stream_rate:7.1f} images/s (num_workers=0)")

@@ -130,7 +130,7 @@ def run_suite(
     if num_threads:
         torch.set_num_threads(int(num_threads))
     try:
-        model = _load(load_model, checkpoint).eval()
+        model = _load(load_model, checkpoint).eval().to(device or "cpu")  # evaluators put their inputs there
         ctx = EvalContext(
             model=model,
             load_model=load_model,

@@ -135,6 +135,15 @@ def _worker_output(cluster, pid: int) -> str:
     return "".join(path.read_text(errors="replace") for path in paths)
 
 
+def test_eval_tasks_run_on_the_gpu_ray_gave_them():
+    from cluster.eval_scheduler import task_device
+
+    assert task_device({"CPU": 8.0}, cuda_available=True) == "cpu"  # evals.num_gpus: 0 (a100x8, h100x8, local)
+    assert task_device({"CPU": 8.0, "GPU": 1.0}, cuda_available=True) == "cuda"  # a100x64's eval node group
+    with pytest.raises(RuntimeError, match=r"torch sees no CUDA device.*evals\.num_gpus: 0"):
+        task_device({"CPU": 8.0, "GPU": 1.0}, cuda_available=False)  # else it holds the GPU idle for hours
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys):

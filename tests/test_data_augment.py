@@ -174,7 +174,7 @@ def test_bench_data_writes_the_documented_keys(tmp_path):
     result = json.loads(out.read_text())
     for key in ("ratio", "ratio_uint8", "ratio_randaugment", "ratio_full_decode", "workers_2_over_1",
                 "pil_img_s_per_core", "pipeline_img_s_per_core", "loader_img_s_workers1", "loader_img_s_workers2",
-                "read_mb_s"):  # fmt: skip
+                "read_mb_s", *(f"decode_us_scale_{n}_8" for n in range(4, 9))):  # fmt: skip
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["ratio"] == pytest.approx(result["pipeline_img_s_per_core"] / result["pil_img_s_per_core"], rel=0.01)
     assert result["ratio_uint8"] == pytest.approx(
