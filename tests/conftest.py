@@ -50,7 +50,8 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
 @pytest.fixture
 def train_cli():
     """Run `python -m pretrain.train` on a TrainConfig in a process session of its own (a timeout kills the whole
-    tree, nothing leaks) and return its summary; the config is saved as `<run_dir>/recipe.yaml` first."""
+    tree, nothing leaks) and return its summary; the config is saved as `<run_dir>/recipe.yaml` first, what it
+    printed as `<run_dir>/output.log` after."""
 
     def run(config, run_dir: Path, timeout: float = 400) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -68,6 +69,7 @@ def train_cli():
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
             pytest.fail(f"training timed out:\n{out[-4000:]}")
+        (run_dir / "output.log").write_text(out)  # what it printed (stdout and stderr), for tests that read it
         assert proc.returncode == 0, out[-6000:]
         return json.loads((run_dir / "summary.json").read_text())
 

@@ -5,8 +5,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,8 +20,6 @@ from pretrain.model import build_model
 from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
 from pretrain.run_folder import COMPLETE, IncompleteCheckpointError
 from pretrain.tasks import TASKS, ClassificationTask, build_task, register_task, sigmoid_xent, softmax_xent
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_durations_convert_to_steps_in_one_place():
@@ -241,7 +237,7 @@ def test_only_a_build_lock_that_a_killed_process_left_is_removed(tmp_path, monke
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shards, tmp_path):
+def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shards, train_cli, tmp_path):
     # The lock of the op's real build folder, as a run killed while DeepSpeed loaded the op leaves it: without the
     # check, this run would wait on it forever (seen in this project: every later test timed out).
     from torch.utils.cpp_extension import _get_build_directory
@@ -252,16 +248,9 @@ def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shar
     lock.touch()
     old = time.time() - ORPHAN_LOCK_S - 60
     os.utime(lock, (old, old))
+    run_dir = tmp_path / "run"
     overrides = [f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8",
                  "data.micro_batch_size=8", "data.streams=4", "schedule.total=2", "schedule.warmup=1",
-                 f"checkpoint.dir={tmp_path / 'run'}", "logging.progress_bar=false",
-                 "deepspeed.precision=fp32"]  # fmt: skip
-    config = load_config("local_demo", overrides)
-    config.save(tmp_path / "recipe.yaml")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", str(tmp_path / "recipe.yaml")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"removed {lock}" in proc.stderr and not lock.exists()
+                 f"checkpoint.dir={run_dir}", "logging.progress_bar=false", "deepspeed.precision=fp32"]  # fmt: skip
+    train_cli(load_config("local_demo", overrides), run_dir, timeout=300)
+    assert f"removed {lock}" in (run_dir / "output.log").read_text() and not lock.exists()
