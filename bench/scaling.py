@@ -5,10 +5,16 @@
 Each world size is one ``torchrun --standalone --nproc-per-node N -m pretrain.train`` of ``configs/local_demo.yaml``
 (DeepSpeed ZeRO-2 over gloo, the built-in ``fractal`` set, decoded in the training process) with the model, image
 size and step count set on the command line; the global batch is the same at both sizes (world 1: one micro-batch of
-the whole batch; world 2: half each). ``--rounds`` runs of each size alternate and the best of each counts. Threads:
-world 1 gets all ``--threads`` cores, world 2 one share each (``OMP_NUM_THREADS``), so both use the same cores. The
+the whole batch; world 2: half each). ``--rounds`` runs of each setting alternate and the best of each counts. The
 rate is the training loop's own images/s (its console log every ``--log-every`` steps), the median over the windows
 after the first (the first holds the warm-up).
+
+Cores: every rank gets the same share, ``--threads`` / 2 cores (``OMP_NUM_THREADS``), and the run is pinned to as
+many cores as its ranks need (CPU affinity, inherited by torchrun's ranks): world 1 on one share, world 2 on two.
+``scaling_2_over_1`` is then what data parallelism is for, the throughput a second worker adds, ideally 2.0. A third
+setting runs world 1 on all ``--threads`` cores in one process (``scaling_2_over_1_same_cores``): there the second
+process adds no compute, so that ratio measures what splitting one machine's cores into ranks costs or gains, ideally
+1.0 (more when one process uses its threads less well than two processes use one each).
 
 The default model is ViT-S/16 at 96 px (36 patches + class token): at local_demo's ViT at 32 px the step is so short
 that process start-up, Python overhead and the gradient exchange dominate and the ratio says nothing about training;
@@ -17,8 +23,8 @@ a step while a run still fits in about a minute.
 
 The gap to 2.0 is split from measured parts: the loop's data-wait fraction (``wait`` in its log), and the
 gradient exchange timed alone: the same number of fp32 values (the model's parameters) all-reduced, plus the
-parameter all-gather ZeRO-2 does after the step, over a 2-process gloo group with the world-2 thread setting.
-Compute is the rest of the world-2 step. ``notes`` in the JSON says it in words.
+parameter all-gather ZeRO-2 does after the step, over a 2-process gloo group pinned like world 2. Compute is the rest
+of the world-2 step. ``notes`` in the JSON says it in words.
 """
 
 from __future__ import annotations
@@ -89,35 +95,43 @@ def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
         raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
 
 
-def run_world(world: int, args, tmp: Path) -> dict:
-    threads = max(1, args.threads // world)
+def pinned(cores: list[int]):
+    """A ``preexec_fn`` that limits the child (and what it starts: torchrun's ranks inherit it) to ``cores``."""
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
+    threads = len(cores) // world
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
-    command = train_command(world, args, tmp / f"world{world}")
-    print(f"world {world}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...",
+    command = train_command(world, args, tmp)
+    label = f"world {world} on cores {','.join(map(str, cores))}"
+    print(f"{label}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...",
           file=sys.stderr, flush=True)  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=pinned(cores))  # fmt: skip
     stdout, stderr = communicate_or_end(proc, args.timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         tail = (stdout + stderr).strip().splitlines()[-15:]
-        raise RuntimeError(f"world {world} training exited {proc.returncode}:\n" + "\n".join(tail))
+        raise RuntimeError(f"{label}: training exited {proc.returncode}:\n" + "\n".join(tail))
     windows = [(int(s), float(rate), int(wait) / 100) for s, rate, wait in LOG_LINE.findall(stdout)]
     if len(windows) < 2:
-        raise RuntimeError(f"world {world}: fewer than 2 logged windows in the output; raise --steps")
+        raise RuntimeError(f"{label}: fewer than 2 logged windows in the output; raise --steps")
     timed = windows[1:]  # the first window holds the warm-up steps
     img_s = statistics.median(rate for _, rate, _ in timed)
     wait = statistics.median(w for _, _, w in timed)
     step_s = args.global_batch / img_s
-    print(f"world {world}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall",
+    print(f"{label}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall",
           file=sys.stderr, flush=True)  # fmt: skip
-    return {"img_s": img_s, "step_s": step_s, "data_wait": wait, "threads": threads, "wall_s": wall,
+    return {"img_s": img_s, "step_s": step_s, "data_wait": wait, "threads": threads, "cores": cores, "wall_s": wall,
             "windows": [[s, round(r, 2)] for s, r, _ in windows]}  # fmt: skip
 
 
-def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int, threads: int, out) -> None:
-    torch.set_num_threads(threads)
+def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int, cores: list[int], out) -> None:
+    share = cores[rank * len(cores) // world : (rank + 1) * len(cores) // world]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     grads = torch.ones(numel)
     shard = torch.ones(numel // world)
@@ -134,49 +148,58 @@ def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int,
     dist.destroy_process_group()
 
 
-def exchange_seconds(numel: int, threads: int, repeats: int = 3) -> float:
-    """Seconds for one step's gradient all-reduce + parameter all-gather of ``numel`` fp32 values, 2 gloo ranks."""
+def exchange_seconds(numel: int, cores: list[int], repeats: int = 3) -> float:
+    """Seconds for one step's gradient all-reduce + parameter all-gather of ``numel`` fp32 values, 2 gloo ranks, each
+    on its half of ``cores``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_exchange_worker, args=(2, port, numel, repeats, threads, queue), nprocs=2, start_method="spawn")
+    mp.start_processes(_exchange_worker, args=(2, port, numel, repeats, cores, queue), nprocs=2, start_method="spawn")
     return queue.get()
 
 
 def run(args) -> dict:
     params = sum(p.numel() for p in build_model(args.model, num_classes=32, image_size=args.image_size).parameters())
-    runs: dict[int, list[dict]] = {1: [], 2: []}
+    share = args.threads // 2  # cores per rank
+    cores = sorted(os.sched_getaffinity(0))[: args.threads]
+    settings = {"world1": (1, cores[:share]), "world2": (2, cores[: 2 * share]), "world1_all": (1, cores)}
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):  # alternated, so a change in the machine's load hits both sizes
-            for world in runs:
-                runs[world].append(run_world(world, args, Path(tmp) / f"round{i}"))
-    one, two = (max(r, key=lambda run: run["img_s"]) for r in runs.values())  # the least disturbed run of each
-    exchange = exchange_seconds(params, threads=max(1, args.threads // 2))
+        for i in range(args.rounds):  # alternated, so a change in the machine's load hits every setting
+            for name, (world, its_cores) in settings.items():
+                runs[name].append(run_world(world, its_cores, args, Path(tmp) / f"round{i}_{name}"))
+    one, two, whole = (max(runs[name], key=lambda run: run["img_s"]) for name in settings)  # least disturbed runs
+    exchange = exchange_seconds(params, cores[: 2 * share])
     ratio = two["img_s"] / one["img_s"]
     data_s = two["data_wait"] * two["step_s"]
     compute_s = max(0.0, two["step_s"] - exchange - data_s)
     ideal_s = one["step_s"] / 2
     notes = (
         f"{args.model} at {args.image_size} px, global batch {args.global_batch}, fp32, ZeRO-2 over gloo, "
-        f"{one['threads']} thread(s) at world 1 and {two['threads']} per rank at world 2. A world-2 step takes "
-        f"{two['step_s']:.3f} s against an ideal {ideal_s:.3f} s (half of world 1's {one['step_s']:.3f} s). Its "
-        f"parts: gradient all-reduce + parameter all-gather of {params / 1e6:.1f}M fp32 values, timed alone, "
-        f"{exchange:.3f} s ({exchange / two['step_s']:.0%} of the step; deepspeed.overlap_comm is off by default, so "
-        f"it follows the backward pass); data wait {two['data_wait']:.0%} of the step (world 1: "
-        f"{one['data_wait']:.0%}); compute and the rest {compute_s:.3f} s. One thread per rank runs the GEMMs at a "
-        f"different efficiency than two threads in one process, which moves the ratio either way; on a loaded "
-        f"machine two OpenMP threads in one process also wait on each other whenever one is descheduled, which "
-        f"slows world 1 and can push the ratio above 2. Load average {os.getloadavg()[0]:.1f} on "
-        f"{os.cpu_count()} cores at the end."
+        f"{share} core(s) and thread(s) per rank: world 1 on {len(one['cores'])} core(s), world 2 on "
+        f"{len(two['cores'])}. A world-2 step takes {two['step_s']:.3f} s against an ideal {ideal_s:.3f} s (half of "
+        f"world 1's {one['step_s']:.3f} s). Its parts: gradient all-reduce + parameter all-gather of "
+        f"{params / 1e6:.1f}M fp32 values, timed alone, {exchange:.3f} s ({exchange / two['step_s']:.0%} of the step; "
+        f"deepspeed.overlap_comm is off by default, so it follows the backward pass); data wait "
+        f"{two['data_wait']:.0%} of the step (world 1: {one['data_wait']:.0%}); compute and the rest "
+        f"{compute_s:.3f} s, {compute_s / ideal_s:.2f}x the ideal step (each rank runs half the micro-batch, and "
+        f"gloo's copies, torchrun and the OS share the same cores). World 1 on all {len(whole['cores'])} cores in one "
+        f"process: {whole['img_s']:.1f} img/s, so world 2 on the same cores gives "
+        f"{two['img_s'] / whole['img_s']:.2f}x (scaling_2_over_1_same_cores; ideally 1.0, more where one process "
+        f"uses its {len(whole['cores'])} threads less well than two processes use {share} each). Load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end."
     )
     return {
         "scaling_2_over_1": ratio,
         "img_s_world1": one["img_s"],
         "img_s_world2": two["img_s"],
+        "scaling_2_over_1_same_cores": two["img_s"] / whole["img_s"],
+        "img_s_world1_all_cores": whole["img_s"],
         "step_s_world1": one["step_s"],
         "step_s_world2": two["step_s"],
+        "step_s_world1_all_cores": whole["step_s"],
         "data_wait_world1": one["data_wait"],
         "data_wait_world2": two["data_wait"],
         "exchange_s_world2": exchange,
@@ -184,6 +207,9 @@ def run(args) -> dict:
         "compute_s_world2": compute_s,
         "threads_per_rank_world1": one["threads"],
         "threads_per_rank_world2": two["threads"],
+        "threads_world1_all_cores": whole["threads"],
+        "cores_world1": len(one["cores"]),
+        "cores_world2": len(two["cores"]),
         "wall_s_world1": one["wall_s"],
         "wall_s_world2": two["wall_s"],
         "model": args.model,
@@ -192,8 +218,9 @@ def run(args) -> dict:
         "global_batch_size": args.global_batch,
         "steps": args.steps,
         "rounds": args.rounds,
-        "img_s_world1_rounds": [r["img_s"] for r in runs[1]],
-        "img_s_world2_rounds": [r["img_s"] for r in runs[2]],
+        "img_s_world1_rounds": [r["img_s"] for r in runs["world1"]],
+        "img_s_world2_rounds": [r["img_s"] for r in runs["world2"]],
+        "img_s_world1_all_cores_rounds": [r["img_s"] for r in runs["world1_all"]],
         "log_every": args.log_every,
         "zero_stage": 2,
         "backend": "gloo",
@@ -203,29 +230,34 @@ def run(args) -> dict:
         "load_average_1min": os.getloadavg()[0],
         "windows_world1": one["windows"],
         "windows_world2": two["windows"],
+        "windows_world1_all_cores": whole["windows"],
         "notes": notes,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    usable = len(os.sched_getaffinity(0))
     parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="vit_s16", choices=MODEL_NAMES)
     parser.add_argument("--image-size", type=int, default=96)
     parser.add_argument("--global-batch", type=int, default=64, help="images per step at both world sizes (even)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--log-every", type=int, default=5, help="steps per timing window")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per world size, alternated; the best counts")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="cores to use in all")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per setting, alternated; the best counts")
+    parser.add_argument("--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per training run")
     parser.add_argument("--out", default="bench-results/scaling.json")
     args = parser.parse_args(argv)
     if args.global_batch < 2 or args.global_batch % 2:
         parser.error(f"--global-batch {args.global_batch}: must be even and >= 2 (split over 2 ranks)")
-    positives = (("--image-size", args.image_size), ("--threads", args.threads), ("--timeout", args.timeout),
-                 ("--rounds", args.rounds))  # fmt: skip
+    positives = (("--image-size", args.image_size), ("--timeout", args.timeout), ("--rounds", args.rounds))
     for flag, value in positives:
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
+    if usable < 2:
+        parser.error("this process may use only 1 core; two-process scaling needs 2 or more (half per rank)")
+    if not 2 <= args.threads <= usable:
+        parser.error(f"--threads {args.threads}: must be 2 to {usable}, the cores this process may use (half per rank)")
     if args.log_every < 1 or args.steps < 2 * args.log_every:
         parser.error(f"--steps {args.steps} / --log-every {args.log_every}: need >= 1 and steps >= 2 x log-every")
     try:
