@@ -11,6 +11,8 @@ after the first (the first holds the warm-up).
 
 Cores: every rank gets the same share, ``--threads`` / 2 cores (``OMP_NUM_THREADS``), and the run is pinned to as
 many cores as its ranks need (CPU affinity, inherited by torchrun's ranks): world 1 on one share, world 2 on two.
+Cores are taken one hardware thread per physical core first, so on a machine with SMT keep ``--threads`` at most its
+number of physical cores, or the second share is the first one's sibling threads.
 ``scaling_2_over_1`` is then what data parallelism is for, the throughput a second worker adds, ideally 2.0. A third
 setting runs world 1 on all ``--threads`` cores in one process (``scaling_2_over_1_same_cores``): there the second
 process adds no compute, so that ratio measures what splitting one machine's cores into ranks costs or gains, ideally
@@ -95,6 +97,29 @@ def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
         raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
 
 
+def cpu_list(text: str) -> list[int]:
+    """The CPUs in a Linux CPU list such as ``0-3,8``."""
+    cpus = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
+def physical_first(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> list[int]:
+    """``cpus`` ordered so that one hardware thread of every physical core comes before any core's second: a share of
+    the first N is N whole cores, not N hyper-threads of fewer cores (sysfs topology; CPU order where it is missing)."""
+
+    def key(cpu: int) -> tuple[int, int]:
+        path = sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list"
+        try:
+            return cpu_list(path.read_text()).index(cpu), cpu
+        except (OSError, ValueError):
+            return 0, cpu
+
+    return sorted(cpus, key=key)
+
+
 def pinned(cores: list[int]):
     """A ``preexec_fn`` that limits the child (and what it starts: torchrun's ranks inherit it) to ``cores``."""
     return lambda: os.sched_setaffinity(0, cores)
@@ -163,7 +188,7 @@ def exchange_seconds(numel: int, cores: list[int], repeats: int = 3) -> float:
 def run(args) -> dict:
     params = sum(p.numel() for p in build_model(args.model, num_classes=32, image_size=args.image_size).parameters())
     share = args.threads // 2  # cores per rank
-    cores = sorted(os.sched_getaffinity(0))[: args.threads]
+    cores = physical_first(os.sched_getaffinity(0))[: args.threads]
     settings = {"world1": (1, cores[:share]), "world2": (2, cores[: 2 * share]), "world1_all": (1, cores)}
     runs: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:

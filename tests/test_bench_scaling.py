@@ -3,6 +3,7 @@ rank plus world 1 on both cores, and writes the documented keys; the ratio itsel
 machine."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,18 @@ def test_bench_scaling_rejects_bad_sizes_before_training(args, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_cores_are_taken_one_per_physical_core_first(tmp_path):
+    from bench.scaling import physical_first
+
+    def topology(siblings: dict[int, str]) -> Path:
+        for cpu, text in siblings.items():
+            (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True, exist_ok=True)
+            (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
+        return tmp_path
+
+    # SMT siblings numbered apart (0 and 2 share a core) and side by side (0-1 share one)
+    assert physical_first({0, 1, 2, 3}, topology({0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"})) == [0, 1, 2, 3]
+    assert physical_first({0, 1, 2, 3}, topology({0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3"})) == [0, 2, 1, 3]
+    assert physical_first({3, 5}, tmp_path / "missing") == [3, 5]  # no topology: CPU order
