@@ -63,9 +63,17 @@ class Placement:
     device: torch.device
 
 
+def training_device_type() -> str:
+    """``cuda`` where torch sees a GPU, unless ``DS_ACCELERATOR=cpu`` asks DeepSpeed for the CPU: then the model, its
+    optimizer and the process group (gloo) stay on the CPU although a GPU is there."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def init_distributed(config: TrainConfig) -> Placement:
     """Join (or create) the process group from RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on CUDA."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = training_device_type()
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine, or two could remove a live lock

@@ -254,3 +254,21 @@ def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shar
                  f"checkpoint.dir={run_dir}", "logging.progress_bar=false", "deepspeed.precision=fp32"]  # fmt: skip
     train_cli(load_config("local_demo", overrides), run_dir, timeout=300)
     assert f"removed {lock}" in (run_dir / "output.log").read_text() and not lock.exists()
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "gpu", "expected"),
+    [(None, False, "cpu"), (None, True, "cuda"), ("cpu", True, "cpu"), ("cuda", True, "cuda"), ("cpu", False, "cpu")],
+)
+def test_ds_accelerator_cpu_keeps_training_on_the_cpu_beside_a_gpu(monkeypatch, accelerator, gpu, expected):
+    # On a GPU machine, DS_ACCELERATOR=cpu makes DeepSpeed place everything on the CPU; the process group and the
+    # model must follow, or the first broadcast fails ("No backend type associated with device type cpu", seen on
+    # an H200 with nccl). Whether torch sees a GPU is the one thing simulated here.
+    from pretrain.train import training_device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    if accelerator is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", accelerator)
+    assert training_device_type() == expected
