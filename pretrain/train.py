@@ -65,7 +65,7 @@ class Placement:
 
 def training_device_type() -> str:
     """``cuda`` where torch sees a GPU, unless ``DS_ACCELERATOR=cpu`` asks DeepSpeed for the CPU: then the model, its
-    optimizer and the process group (gloo) stay on the CPU although a GPU is there."""
+    optimizer and the process group (gloo) stay on the CPU although a GPU is there (docs/reference.md §7, §8)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
