@@ -187,9 +187,9 @@ def exchange_seconds(numel: int, cores: list[int], repeats: int = 3) -> float:
 
 def run(args) -> dict:
     params = sum(p.numel() for p in build_model(args.model, num_classes=32, image_size=args.image_size).parameters())
-    share = args.threads // 2  # cores per rank
-    cores = physical_first(os.sched_getaffinity(0))[: args.threads]
-    settings = {"world1": (1, cores[:share]), "world2": (2, cores[: 2 * share]), "world1_all": (1, cores)}
+    share = args.threads // 2  # cores per rank; an odd last core stays unused, so "all cores" are world 2's
+    cores = physical_first(os.sched_getaffinity(0))[: 2 * share]
+    settings = {"world1": (1, cores[:share]), "world2": (2, cores), "world1_all": (1, cores)}
     runs: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):  # alternated, so a change in the machine's load hits every setting
@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--log-every", type=int, default=5, help="steps per timing window")
     parser.add_argument("--rounds", type=int, default=2, help="runs per setting, alternated; the best counts")
-    parser.add_argument("--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank")
+    parser.add_argument(
+        "--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank (an odd one is unused)"
+    )
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per training run")
     parser.add_argument("--out", default="bench-results/scaling.json")
     args = parser.parse_args(argv)
