@@ -77,7 +77,7 @@ bench-data: setup  ## decode+augment images/s vs bare PIL, shard read MB/s
 bench-train: setup  ## ViT-S/16 and B/16 training steps (fp32, bf16) vs Hugging Face transformers and the GEMM rate
 	$(PY) -m bench.train
 
-bench-scaling: setup  ## images/s of the real training loop (DeepSpeed ZeRO-2, gloo) at world size 1 and 2
+bench-scaling: setup  ## images/s of the real training loop (DeepSpeed ZeRO-2, gloo) at world size 1 and 2, one core per rank
 	$(PY) -m bench.scaling
 
 bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer
