@@ -14,9 +14,9 @@ many cores as its ranks need (CPU affinity, inherited by torchrun's ranks): worl
 Cores are taken one hardware thread per physical core first, so on a machine with SMT keep ``--threads`` at most its
 number of physical cores, or the second share is the first one's sibling threads.
 ``scaling_2_over_1`` is then what data parallelism is for, the throughput a second worker adds, ideally 2.0. A third
-setting runs world 1 on all ``--threads`` cores in one process (``scaling_2_over_1_same_cores``): there the second
-process adds no compute, so that ratio measures what splitting one machine's cores into ranks costs or gains, ideally
-1.0 (more when one process uses its threads less well than two processes use one each).
+setting runs world 1 on all the cores world 2 uses, in one process (``scaling_2_over_1_same_cores``): there the
+second process adds no compute, so that ratio measures what splitting one machine's cores into ranks costs or gains,
+ideally 1.0 (more when one process uses all its threads less well than two processes use half as many each).
 
 The default model is ViT-S/16 at 96 px (36 patches + class token): at local_demo's ViT at 32 px the step is so short
 that process start-up, Python overhead and the gradient exchange dominate and the ratio says nothing about training;
