@@ -26,7 +26,8 @@ a step while a run still fits in about a minute.
 The gap to 2.0 is split from measured parts: the loop's data-wait fraction (``wait`` in its log), and the
 gradient exchange timed alone: the same number of fp32 values (the model's parameters) all-reduced, plus the
 parameter all-gather ZeRO-2 does after the step, over a 2-process gloo group on world 2's cores, each rank pinned to
-its own share (world 2's ranks share theirs as the OS places them). Compute is the rest of the world-2 step. ``notes`` in the JSON says it in words.
+its own share (world 2's ranks run on both shares, placed by the OS). Compute is the rest of the world-2 step.
+``notes`` in the JSON says it in words.
 """
 
 from __future__ import annotations
