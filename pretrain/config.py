@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ class ModelConfig:
     pool: Literal["token", "gap"] | None = None  # class token, or the mean of all tokens after the final LN
     gelu_approximate: Literal["tanh", "none"] | None = None  # tanh (JAX checkpoints) | none (exact erf)
     grad_checkpointing: bool = False  # activation checkpointing: recompute each block in backward
+    compile: bool = False  # torch.compile each encoder block (docs/design.md, "Compiled blocks"); CPU: needs g++
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ class TrainConfig:
         check_run_config(self.checkpoint, self.logging)
         if check_paths:
             check_paths_exist(self)
+            check_compiler(self.model)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
@@ -310,6 +314,17 @@ def check_model(config: TrainConfig) -> ViTConfig:
         return model_config(m.name, **model_overrides(config, num_classes=m.num_classes or 1))
     except ValueError as error:
         raise ValueError(f"model/data settings do not make a valid {m.name}: {error}") from None
+
+
+def check_compiler(m: ModelConfig) -> None:
+    """``model.compile`` needs a C++ compiler here: torch.compile builds its CPU kernels (and Triton its GPU
+    launchers) with one. Checked before any work starts, not at the first step."""
+    compiler = os.environ.get("CXX") or "g++"
+    if m.compile and shutil.which(compiler) is None:
+        raise ValueError(
+            f"model.compile=true needs a C++ compiler, and {compiler!r} is not on PATH; install g++ (or set CXX to "
+            "one), or set model.compile=false"
+        )
 
 
 def check_data_config(d: DataConfig, world_size: int) -> None:

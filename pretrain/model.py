@@ -198,6 +198,20 @@ class Attention(nn.Module):
         return self._merge(weights @ v), weights
 
 
+# tanh-GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), is x sigmoid(2u): 2u = x (A + B x^2).
+_GELU_A = 2 * math.sqrt(2 / math.pi)
+_GELU_B = _GELU_A * 0.044715
+
+
+def gelu_tanh_as_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU written as x · sigmoid(2u), computed in fp32 and rounded once to x's dtype: the function of
+    ``F.gelu(x, approximate="tanh")``, and more accurate below x = -3, where 1 + tanh(u) cancels. Compiled blocks
+    (`VisionTransformer.compile_blocks`) run it: a fused tanh is as slow as torch's own kernel on a CPU, a fused
+    sigmoid is not (docs/design.md, "Compiled blocks")."""
+    xf = x.float()
+    return (xf * torch.sigmoid(xf * (_GELU_A + _GELU_B * xf * xf))).to(x.dtype)
+
+
 class MLP(nn.Module):
     """Dense(D → mlp) · GELU · Dropout · Dense(mlp → D) · Dropout (paper eq. 3, VT `MlpBlock`)."""
 
@@ -209,7 +223,12 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) → (B, N, D)
-        return self.dropout(self.fc2(self.dropout(self.act(self.fc1(x)))))
+        h = self.fc1(x)
+        if self.act.approximate == "tanh" and torch.compiler.is_compiling():
+            h = gelu_tanh_as_sigmoid(h)  # eager runs keep torch's kernel, and its numerics
+        else:
+            h = self.act(h)
+        return self.dropout(self.fc2(self.dropout(h)))
 
 
 class Block(nn.Module):
@@ -426,6 +445,14 @@ class VisionTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Names of parameters excluded from weight decay: everything but kernels (biases, norms, cls, pos)."""
         return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in ("cls_token", "pos_embed")}
+
+    def compile_blocks(self) -> None:
+        """torch.compile each encoder block in place (one compiled graph serves all blocks, which share their code;
+        parameter names and checkpoints are unchanged). Inductor fuses each block's element-wise work (bias, GELU,
+        dropout, residual, LayerNorm, casts) around the GEMMs; on a CPU it needs a C++ compiler. Training option
+        ``model.compile`` (docs/design.md, "Compiled blocks")."""
+        for block in self.blocks:
+            block.compile()
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable

@@ -252,6 +252,8 @@ def build_engine(
     model = build_model(config.model.name, **model_overrides(config, num_classes))
     if start.kind == "init_from":
         ckpt.init_weights(model, start.path, config.data.image_size)
+    if config.model.compile:
+        model.compile_blocks()  # compiles at the first step; checkpoints and parameter names are unchanged
     task = build_task(config, model)
     ds_config = engine_config(config, place.world_size, place.device.type, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)

@@ -1,6 +1,7 @@
 """pretrain.config: recipes load and validate; bad configs fail before any work, naming the field and the fix."""
 
 import dataclasses
+import shutil
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,3 +219,14 @@ def test_step0_baseline_eval_is_on_by_default_and_can_be_turned_off():
     assert load_config("local_demo", ["evals.baseline=false"]).evals.baseline is False
     with pytest.raises(ValueError, match="evals.baseline must be true or false"):
         load_config("local_demo", ["evals.baseline=maybe"])
+
+
+def test_model_compile_without_a_compiler_is_refused_before_any_work(monkeypatch):
+    config = load_config("local_demo", ["model.compile=true"])
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(ValueError, match=r"model\.compile=true needs a C\+\+ compiler.*set model\.compile=false"):
+        config.validate(2)
+    config.validate(2, check_paths=False)  # a recipe checked for another machine: its compiler is not here
+    monkeypatch.delenv("CXX")
+    if shutil.which("g++"):
+        config.validate(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from pretrain.model import (
     ViTConfig,
     build_model,
     explicit_attention,
+    gelu_tanh_as_sigmoid,
     model_config,
     use_explicit_attention,
 )
@@ -245,6 +247,51 @@ def test_cpu_bf16_attention_is_explicit_and_matches_sdpa():
 def test_gelu_default_is_tanh_and_switchable():
     assert build_model("vit_tiny_debug").blocks[0].mlp.act.approximate == "tanh"
     assert build_model("vit_tiny_debug", gelu_approximate="none").blocks[0].mlp.act.approximate == "none"
+
+
+def test_gelu_as_sigmoid_is_the_tanh_gelu():
+    """x sigmoid(2u) is 0.5 x (1 + tanh(u)): equal to torch's tanh-GELU up to float rounding, in fp32 and bf16."""
+    x = torch.linspace(-12, 12, 100_001)
+    torch.testing.assert_close(gelu_tanh_as_sigmoid(x), F.gelu(x, approximate="tanh"), atol=1e-6, rtol=1e-6)
+    xb = x.bfloat16()
+    out, ref = gelu_tanh_as_sigmoid(xb), F.gelu(xb, approximate="tanh")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=2**-8)  # at most one bf16 step apart
+    # Both compute in fp32 and round once: for |x| <= 3 they rarely differ. Below -3 torch's 1 + tanh(u) cancels
+    # (relative error up to 100% in fp32 by x = -10), x sigmoid(2u) does not (1.2e-5 against fp64).
+    assert (out != ref)[x.abs() <= 3].float().mean() < 0.01
+    x64 = torch.linspace(-10, -3, 1001, dtype=torch.float64)
+    exact = x64 * torch.sigmoid(2 * (2 / math.pi) ** 0.5 * (x64 + 0.044715 * x64**3))
+    assert ((gelu_tanh_as_sigmoid(x64.float()) - exact) / exact).abs().max() < 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_compiled_blocks_match_eager_and_keep_parameter_names():
+    """`compile_blocks` (training's ``model.compile``) changes neither the parameter names nor, beyond float
+    rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU."""
+    torch.manual_seed(0)
+    eager = build_model("vit_tiny_debug", num_classes=5)
+    compiled = build_model("vit_tiny_debug", num_classes=5)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_blocks()
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    images = torch.rand(4, 3, 32, 32) * 2 - 1
+    for model in (eager, compiled):
+        model(images).square().sum().backward()
+    torch.testing.assert_close(compiled(images), eager(images), atol=1e-5, rtol=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    calls = []
+    torch.compiler.reset()  # compile again, so that the trace below calls the function
+    import pretrain.model as model_module
+
+    original = model_module.gelu_tanh_as_sigmoid
+    model_module.gelu_tanh_as_sigmoid = lambda h: calls.append(h.shape) or original(h)
+    try:
+        compiled(images)
+    finally:
+        model_module.gelu_tanh_as_sigmoid = original
+    assert calls, "the compiled blocks did not trace the sigmoid-form GELU"
 
 
 def test_initialization_follows_the_official_code():
