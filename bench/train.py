@@ -27,6 +27,12 @@ each timer reads after a ``torch.cuda.synchronize``; fp32 GEMMs as torch's TF32 
 ``tf32_matmul``). On a GPU the profile ranks operators by the time of the kernels each launched, after one warm-up
 step (a GPU's first step loads its kernels); bf16 counts as native from compute capability 8.0 (Ampere) on.
 
+Compiled blocks (``--compile``, on by default): both models are timed a second time with each encoder block
+torch.compile'd in place (vitscale's ``model.compile``; HF's layers the same way, SDPA and eager attention), compiled
+in their warm-up step. ``speedup_compiled_vs_hf_<p>`` is compiled vitscale against HF as it runs by default (the
+``speedup_vs_hf_<p>`` baseline), ``speedup_compiled_vs_hf_compiled_<p>`` against the faster compiled HF, and
+``gemm_fraction_compiled_<p>`` its share of the GEMM rate; ``<label>_compiled_img_s_<p>`` are the raw rates.
+
 Attention: ``speedup_vs_hf_<p>`` is against HF with SDPA (``--hf-attn``). vitscale runs SDPA too, except bf16 on a
 CPU, where it computes attention as two GEMMs and a softmax (docs/design.md, "Attention kernel per device and
 precision"), which is HF's eager kernel; so at bf16 HF eager is timed as well and ``speedup_vs_hf_best_<p>`` is
@@ -50,7 +56,7 @@ import torch.nn.functional as F
 
 from data_pipeline.cli import output_file
 from pretrain.flops import train_flops
-from pretrain.model import ViTConfig, build_model
+from pretrain.model import VisionTransformer, ViTConfig, build_model
 
 # JSON key suffix per model: ViT-S/16 is the headline; ViT-Ti/16 is for quick checks (tests), not in the default run.
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
@@ -127,21 +133,40 @@ def make_step(
     return step
 
 
+def compile_hf_layers(model: torch.nn.Module) -> None:
+    """torch.compile each of HF's encoder layers in place: the same per-block compile as vitscale's
+    ``compile_blocks``, so that compiled vitscale is also compared with HF compiled the same way."""
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))  # ViTModel's encoder layers
+    for layer in layers:
+        layer.compile()
+
+
 def build_steps(
-    name: str, batch_size: int, precision: str, attn: str, with_eager: bool, device: torch.device
-) -> tuple[dict, ViTConfig]:
-    """The training steps to time, by implementation, and vitscale's model config."""
+    name: str, batch_size: int, precision: str, attn: str, with_eager: bool, device: torch.device,
+    compiled: bool = False,
+) -> tuple[dict, ViTConfig]:  # fmt: skip
+    """The training steps to time, by implementation, and vitscale's model config. ``compiled`` adds each
+    implementation with its blocks compiled (``<label>_compiled``); they compile in their first (warm-up) step."""
     torch.manual_seed(0)
     ours = build_model(name, num_classes=1000)
-    hf = hf_model(ours.config, attn)
-    steps = {
-        "vitscale": make_step(ours, lambda x: ours(x), batch_size, precision, device),
-        "hf": make_step(hf, lambda x: hf(pixel_values=x).logits, batch_size, precision, device),
-    }
+    builders = {"vitscale": lambda: build_model(name, num_classes=1000), "hf": lambda: hf_model(ours.config, attn)}
     if with_eager and attn != "eager":  # context: the HF default before SDPA
-        eager = hf_model(ours.config, "eager")
-        steps["hf_eager"] = make_step(eager, lambda x: eager(pixel_values=x).logits, batch_size, precision, device)
+        builders["hf_eager"] = lambda: hf_model(ours.config, "eager")
+    models = {label: ours if label == "vitscale" else build() for label, build in builders.items()}
+    if compiled:
+        for label, build in builders.items():
+            twin = build()
+            twin.load_state_dict(models[label].state_dict())  # the eager one's weights
+            twin.compile_blocks() if isinstance(twin, VisionTransformer) else compile_hf_layers(twin)
+            models[f"{label}_compiled"] = twin
+    steps = {label: make_step(m, _logits_of(m), batch_size, precision, device) for label, m in models.items()}
     return steps, ours.config
+
+
+def _logits_of(model: torch.nn.Module) -> Callable:
+    if isinstance(model, VisionTransformer):
+        return model
+    return lambda x: model(pixel_values=x).logits
 
 
 def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -224,7 +249,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     # with HF's faster implementation (`speedup_vs_hf_best_<tag>`).
     with_eager = not args.no_eager and (tag == "fp32" or precision == "bf16")
     device = torch.device(args.device)
-    steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager, device)
+    steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager, device, args.compile)
     flops_per_image = train_flops(config)
     gemm_size = args.gemm_size if precision == "fp32" else args.bf16_gemm_size or args.gemm_size
     out: dict = {}
@@ -242,6 +267,10 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     elif precision == "fp32" or args.bf16_warmup or bf16_native(device):
         for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
             step()
+    else:  # emulated bf16, no warm-up, except that compiled blocks compile in their first step
+        for label, step in steps.items():
+            if label.endswith("_compiled"):
+                step()
     seconds: dict[str, list[float]] = {label: [] for label in steps}
     gemm: dict[str, list[float]] = {"nn": [], "nt": []}
     for i in range(rounds):
@@ -276,6 +305,13 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
         out[f"hf_eager_img_s_{tag}"] = img_s["hf_eager"]
         out[f"speedup_vs_hf_eager_{tag}"] = img_s["vitscale"] / img_s["hf_eager"]
         out[f"speedup_vs_hf_best_{tag}"] = img_s["vitscale"] / max(img_s["hf"], img_s["hf_eager"])
+    if "vitscale_compiled" in img_s:
+        compiled = img_s["vitscale_compiled"]
+        hf_compiled = max(img_s[label] for label in ("hf_compiled", "hf_eager_compiled") if label in img_s)
+        out.update({f"{label}_img_s_{tag}": rate for label, rate in img_s.items() if label.endswith("_compiled")})
+        out[f"speedup_compiled_vs_hf_{tag}"] = compiled / img_s["hf"]
+        out[f"speedup_compiled_vs_hf_compiled_{tag}"] = compiled / hf_compiled
+        out[f"gemm_fraction_compiled_{tag}"] = compiled * flops_per_image / 1e12 / gemm_tf
     return out
 
 
@@ -327,6 +363,13 @@ def summary_lines(result: dict) -> list[str]:
                 f"{result[f'achieved_tflops_{tag}']:.4g} of {result[f'gemm_tflops_{tag}']:.4g} GEMM TFLOP/s = "
                 f"{result[f'gemm_fraction_{tag}']:.0%}"
             )
+            if f"speedup_compiled_vs_hf_{tag}" in result:
+                lines.append(
+                    f"{name} {precision} compiled blocks: vitscale {result[f'vitscale_compiled_img_s_{tag}']:.3g} "
+                    f"img/s: {result[f'speedup_compiled_vs_hf_{tag}']:.2f}x HF, "
+                    f"{result[f'speedup_compiled_vs_hf_compiled_{tag}']:.2f}x HF compiled the same way; "
+                    f"{result[f'gemm_fraction_compiled_{tag}']:.0%} of the GEMM rate"
+                )
     return lines
 
 
@@ -354,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16-gemm-size", type=int, default=None, help=f"bf16 GEMM side ({native} 512)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile one bf16 vitscale step of the first model (its warm-up)")  # fmt: skip
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time both models with their blocks torch.compile'd (model.compile)")  # fmt: skip
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
     parser.add_argument("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
     on_gpu = "cuda: both models and the GEMMs on GPU 0, autocast on CUDA, timers after a synchronize"

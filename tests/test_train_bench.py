@@ -1,5 +1,5 @@
-"""bench.train runs end to end (tiny: ViT-Ti/16, batch 2 at fp32 and 1 at bf16, one round) and writes the documented
-keys; the numbers are the lead's to measure on an idle machine."""
+"""bench.train runs end to end (tiny: ViT-Ti/16, batch 2 at fp32 and 1 at bf16, one round, eager and with compiled
+blocks) and writes the documented keys; the numbers are the lead's to measure on an idle machine."""
 
 import json
 
@@ -27,6 +27,14 @@ def test_bench_train_writes_the_documented_keys_at_both_precisions(tmp_path):
         )
         # the GEMM rate is the faster of the two operand layouts
         assert result[f"gemm_tflops_{tag}"] == max(result[f"gemm_tflops_nn_{tag}"], result[f"gemm_tflops_nt_{tag}"])
+        # compiled blocks (model.compile), against HF as it runs and HF compiled the same way
+        compiled, hf_compiled = result[f"vitscale_compiled_img_s_{tag}"], result[f"hf_compiled_img_s_{tag}"]
+        assert compiled > 0 and hf_compiled > 0
+        assert result[f"speedup_compiled_vs_hf_{tag}"] == pytest.approx(compiled / result[f"hf_img_s_{tag}"])
+        assert result[f"speedup_compiled_vs_hf_compiled_{tag}"] == pytest.approx(compiled / hf_compiled)
+        assert result[f"gemm_fraction_compiled_{tag}"] == pytest.approx(
+            result[f"gemm_fraction_{tag}"] * compiled / result[f"vitscale_img_s_{tag}"]
+        )
     assert isinstance(result["cpu_bf16_native"], bool) and isinstance(result["cpu_flags"], list)
     assert result["threads"] >= 1 and result["batch_size_bf16_ti16"] == 1
     shares = [share for _, share in result["bf16_profile_vitscale"]]
