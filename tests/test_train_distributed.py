@@ -151,22 +151,34 @@ def test_zero_stage_matches_plain_pytorch(stage, shards, tmp_path):
     assert worst <= 5e-5, worst
 
 
+def stop_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tuple[list, list, list]:
+    """Summaries of an uninterrupted run, of the same run stopped after step ``stop``, and of its resumption."""
+    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "w")
+    stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, f"schedule.stop_at_step={stop}"), tmp_path / "s")
+    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "r")
+    return whole, stopped, resumed
+
+
+def assert_resumed_exactly(whole: list, stopped: list, resumed: list, stop: int, tolerance: float) -> None:
+    """On every rank the resumed run starts after step ``stop``, continues the uninterrupted run's losses (within
+    ``tolerance``; 0: bit-identical) to its last step, and reads the same batches in the same order."""
+    for rank, (w, s, r) in enumerate(zip(whole, stopped, resumed, strict=True)):
+        assert r["start"] == "run" and r["start_step"] == stop
+        later = dict(w["losses"])
+        assert [step for step, _ in r["losses"]] == list(range(stop + 1, max(later) + 1))
+        diffs = [abs(loss - later[step]) for step, loss in r["losses"]]
+        assert max(diffs) <= tolerance, (rank, diffs, r["losses"], w["losses"])
+        assert s["digests"] + r["digests"] == w["digests"]  # before the stop and after the resume
+
+
 @pytest.mark.timeout(900)
 def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
     # dropout on: a resumed run must also reproduce each rank's dropout masks exactly
     extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3")
-    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "a")
-    stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, "schedule.stop_at_step=5"), tmp_path / "b")
+    whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=5)
     assert stopped[0]["steps"] == 5 and stopped[0]["checkpoints"][-1].endswith("step_00000005")
-    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "c")
-    for rank in range(2):
-        w, s, r = whole[rank], stopped[rank], resumed[rank]
-        assert r["start"] == "run" and r["start_step"] == 5 and r["steps"] == 8
-        later = dict(w["losses"])
-        assert [step for step, _ in r["losses"]] == [6, 7, 8]
-        assert max(abs(loss - later[step]) for step, loss in r["losses"]) <= 1e-6
-        # the same samples, in the same order, on the same rank: before the stop and after the resume
-        assert s["digests"] + r["digests"] == w["digests"]
+    assert resumed[0]["steps"] == 8
+    assert_resumed_exactly(whole, stopped, resumed, stop=5, tolerance=1e-6)
     assert whole[0]["digests"] != whole[1]["digests"]  # ranks read disjoint data
     assert resumed[0]["images_seen"] == whole[0]["images_seen"] == 8 * 16
 
@@ -285,16 +297,9 @@ def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards
     extra = ("deepspeed.zero_stage=3", "model.dropout=0.1", "data.num_workers=2", "data.mixup_alpha=0.2",
              "data.augment.randaugment_n=2", "data.augment.randaugment_m=10", "checkpoint.every_steps=3",
              "schedule.total=10")  # fmt: skip
-    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "a")
-    stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, "schedule.stop_at_step=3"), tmp_path / "b")
-    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "c")
-    for rank in range(2):
-        w, s, r = whole[rank], stopped[rank], resumed[rank]
-        assert r["start"] == "run" and r["start_step"] == 3 and [step for step, _ in r["losses"]] == list(range(4, 11))
-        later = dict(w["losses"])
-        diffs = [abs(loss - later[step]) for step, loss in r["losses"]]
-        assert max(diffs) <= 1e-6, (diffs, r["losses"], w["losses"])
-        assert s["digests"] + r["digests"] == w["digests"]
+    whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=3)
+    assert max(step for step, _ in whole[0]["losses"]) == 10
+    assert_resumed_exactly(whole, stopped, resumed, stop=3, tolerance=1e-6)
 
 
 # train_worker with an on_checkpoint callback, as the cluster driver runs it (the CLI passes none): it records the
@@ -434,11 +439,5 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path):
     assert compiled[0]["digests"] == eager[0]["digests"]  # the same batches
     extra = ("deepspeed.zero_stage=3", "model.compile=true", "model.dropout=0.1", "data.num_workers=2",
              "checkpoint.every_steps=3")  # fmt: skip
-    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "c")
-    stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, "schedule.stop_at_step=3"), tmp_path / "d")
-    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "e")
-    for rank in range(2):
-        w, s, r = whole[rank], stopped[rank], resumed[rank]
-        assert r["start"] == "run" and r["start_step"] == 3 and [step for step, _ in r["losses"]] == list(range(4, 9))
-        assert r["losses"] == w["losses"][3:], (r["losses"], w["losses"])  # bit-identical
-        assert s["digests"] + r["digests"] == w["digests"]
+    whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=3)
+    assert_resumed_exactly(whole, stopped, resumed, stop=3, tolerance=0.0)  # bit-identical
