@@ -157,7 +157,10 @@ def build_steps(
         for label, build in builders.items():
             twin = build()
             twin.load_state_dict(models[label].state_dict())  # the eager one's weights
-            twin.compile_blocks() if isinstance(twin, VisionTransformer) else compile_hf_layers(twin)
+            if isinstance(twin, VisionTransformer):
+                twin.compile_blocks()
+            else:
+                compile_hf_layers(twin)
             models[f"{label}_compiled"] = twin
     steps = {label: make_step(m, _logits_of(m), batch_size, precision, device) for label, m in models.items()}
     return steps, ours.config
