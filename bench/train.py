@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from data_pipeline.cli import output_file
 from pretrain.flops import train_flops
-from pretrain.model import VisionTransformer, ViTConfig, build_model
+from pretrain.model import VisionTransformer, ViTConfig, build_model, model_config
 
 # JSON key suffix per model: ViT-S/16 is the headline; ViT-Ti/16 is for quick checks (tests), not in the default run.
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
@@ -147,12 +147,12 @@ def build_steps(
 ) -> tuple[dict, ViTConfig]:  # fmt: skip
     """The training steps to time, by implementation, and vitscale's model config. ``compiled`` adds each
     implementation with its blocks compiled (``<label>_compiled``); they compile in their first (warm-up) step."""
-    torch.manual_seed(0)
-    ours = build_model(name, num_classes=1000)
-    builders = {"vitscale": lambda: build_model(name, num_classes=1000), "hf": lambda: hf_model(ours.config, attn)}
+    config = model_config(name, num_classes=1000)
+    builders = {"vitscale": lambda: build_model(name, num_classes=1000), "hf": lambda: hf_model(config, attn)}
     if with_eager and attn != "eager":  # context: the HF default before SDPA
-        builders["hf_eager"] = lambda: hf_model(ours.config, "eager")
-    models = {label: ours if label == "vitscale" else build() for label, build in builders.items()}
+        builders["hf_eager"] = lambda: hf_model(config, "eager")
+    torch.manual_seed(0)
+    models = {label: build() for label, build in builders.items()}  # built in this order from one seed
     if compiled:
         for label, build in builders.items():
             twin = build()
@@ -163,7 +163,7 @@ def build_steps(
                 compile_hf_layers(twin)
             models[f"{label}_compiled"] = twin
     steps = {label: make_step(m, _logits_of(m), batch_size, precision, device) for label, m in models.items()}
-    return steps, ours.config
+    return steps, config
 
 
 def _logits_of(model: torch.nn.Module) -> Callable:

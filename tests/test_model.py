@@ -266,7 +266,7 @@ def test_gelu_as_sigmoid_is_the_tanh_gelu():
 
 
 @pytest.mark.timeout(300)
-def test_compiled_blocks_match_eager_and_keep_parameter_names():
+def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
     """`compile_blocks` (training's ``model.compile``) changes neither the parameter names nor, beyond float
     rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU."""
     torch.manual_seed(0)
@@ -283,14 +283,9 @@ def test_compiled_blocks_match_eager_and_keep_parameter_names():
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
     calls = []
     torch.compiler.reset()  # compile again, so that the trace below calls the function
-    import pretrain.model as model_module
-
-    original = model_module.gelu_tanh_as_sigmoid
-    model_module.gelu_tanh_as_sigmoid = lambda h: calls.append(h.shape) or original(h)
-    try:
-        compiled(images)
-    finally:
-        model_module.gelu_tanh_as_sigmoid = original
+    traced = lambda h: calls.append(h.shape) or gelu_tanh_as_sigmoid(h)  # noqa: E731
+    monkeypatch.setattr("pretrain.model.gelu_tanh_as_sigmoid", traced)
+    compiled(images)
     assert calls, "the compiled blocks did not trace the sigmoid-form GELU"
 
 
