@@ -13,6 +13,7 @@ run first saves the step-0 weights, before the first update, so every transfer c
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -428,6 +429,9 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
         stack.close()
         metrics.close()
         tracker.close()
+    # DeepSpeed's gradient hooks hold the engine in a reference cycle through autograd's C++ nodes, which Python's
+    # collector cannot see: without destroy() a process that trains more than once (a Ray worker) keeps every engine.
+    engine.destroy()
     final_loss = summary["losses"][-1][1] if summary["losses"] else None
     return {**summary, "steps": step, "final_loss": final_loss, "images_seen": metrics.images_seen,
             "rank": place.rank, "world_size": place.world_size}  # fmt: skip
@@ -549,13 +553,37 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"done: {summary['steps']} steps, final loss {summary['final_loss']}, images seen {summary['images_seen']}"
         )
-    if dist.is_initialized():
-        # Every rank reaches this point before any tears gloo down: a rank that exits while its peer is still in a
-        # collective makes the peer's gloo threads abort the process ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_distributed()
     return 0
 
 
+def finish_distributed() -> None:
+    """Tear the process groups down once every rank is done (a no-op when there are none).
+
+    The barrier comes first: a rank that exits while its peer is still in a collective makes the peer's gloo threads
+    abort the process. DeepSpeed's destroy also drops the groups DeepSpeed caches, which torch's alone leaves alive.
+    """
+    if not dist.is_initialized():
+        return
+    import deepspeed.comm
+
+    dist.barrier()
+    deepspeed.comm.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a training process with ``code`` once its results are written, without tearing the interpreter down.
+
+    After a DeepSpeed engine, one gloo group and its threads outlive `finish_distributed`, with no Python reference
+    left to free it, and a rank that had finished was seen to abort during Python's teardown ("terminate called
+    without an active exception", docs/reference.md §7). So this runs the exit handlers (logging, multiprocessing, ...)
+    and flushes the standard streams while everything is alive, then leaves with ``os._exit``: no teardown.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -80,7 +80,9 @@ def process_group():
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     yield
     if created:
-        dist.destroy_process_group()
+        from pretrain.train import finish_distributed
+
+        finish_distributed()  # DeepSpeed's destroy: its cached groups must not outlive the torch group either
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

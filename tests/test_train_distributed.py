@@ -306,17 +306,16 @@ def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards
 # steps it was handed, so the step-0 baseline checkpoint is saved and handed over.
 WITH_EVALS = """
 import json, sys
-import torch.distributed as dist
 from pretrain.config import load_config
-from pretrain.train import train_worker
+from pretrain.train import exit_rank, finish_distributed, train_worker
 
 config = load_config(sys.argv[1])
 handed = []
 summary = train_worker(config, on_checkpoint=lambda folder, step, metrics: handed.append(step))
 with open(sys.argv[2].format(rank=summary["rank"]), "w") as f:
     json.dump({**summary, "handed": handed}, f)
-dist.barrier()
-dist.destroy_process_group()
+finish_distributed()
+exit_rank(0)
 """
 
 

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -171,6 +173,26 @@ def test_cli_rejects_bad_configs_before_any_work(tmp_path, capsys, monkeypatch):
     assert not run_dir.exists()  # nothing was started or written
     code = main(["--config", "local_demo", "--dry-run", "--set", f"data.train={tmp_path}/rcdb/train"])
     assert code == 0 and "micro-batch 32 x accumulation 1 x world 2 = global batch 64" in capsys.readouterr().out
+
+
+def test_a_rank_ends_after_its_exit_handlers_and_keeps_its_code(tmp_path):
+    # exit_rank skips interpreter teardown (docs/reference.md §7), not what the process registered to run at exit
+    # or what it printed without a newline.
+    script = (
+        "import atexit, pathlib, sys\n"
+        "from pretrain.train import exit_rank\n"
+        f"atexit.register(pathlib.Path({str(tmp_path / 'handler_ran')!r}).touch)\n"
+        "print('unflushed', end='')\n"
+        "sys.stderr.write('err')\n"
+        "exit_rank(3)\n"
+        "print('never')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("PYTHONUNBUFFERED", None)  # buffered, as a rank's output into a pipe is by default
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 3
+    assert result.stdout == "unflushed" and result.stderr == "err"
+    assert (tmp_path / "handler_ran").exists()
 
 
 def test_init_from_copies_matching_weights_and_reports_the_rest(tmp_path):
