@@ -155,7 +155,7 @@ class LoggingConfig:
 
     mlflow_tracking_uri: str | None = None  # None → the project's default store (the tracking package)
     mlflow_run_id: str | None = None  # the run created by the driver; None → no MLflow unless experiment is set
-    mlflow_experiment: str | None = None  # standalone runs: create a run in this experiment when no run id
+    mlflow_experiment: str | None = None  # standalone runs: create (and end) a run in this experiment when no run id
     log_every: int = 10  # steps between metric logs (and console updates)
     peak_tflops: float | None = None  # hardware peak per device for MFU; None → known GPU table / measured CPU GEMM
     progress_bar: bool = True  # tqdm on rank 0

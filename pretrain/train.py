@@ -50,7 +50,7 @@ from pretrain.precision import PrecisionChoice, decide, decide_on_rank0, probe_b
 from pretrain.run_folder import CONFIG_YAML, TrainerState
 from pretrain.tasks import build_task
 from tracking import keys
-from tracking.runs import create_run, run_tags
+from tracking.runs import create_run, finish_run, run_tags
 from tracking.tracker import Tracker, flatten_config
 
 CheckpointCallback = Callable[[Path, int, dict], None]
@@ -261,20 +261,22 @@ def build_engine(
     return engine, model
 
 
-def _tracker(config: TrainConfig, place: Placement, model) -> Tracker:
-    """The MLflow tracker of this run (rank 0 logs; a standalone run may create its own run by experiment name)."""
+def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, bool]:
+    """The MLflow tracker of this run (rank 0 logs; a standalone run may create its own run by experiment name), and
+    whether this process created the MLflow run (then it also ends it: nobody else will)."""
     lg = config.logging
-    run_id = lg.mlflow_run_id
+    run_id, created = lg.mlflow_run_id, False
     if run_id is None and lg.mlflow_experiment and place.rank == 0:
         try:
             run_id = create_run(lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {})
+            created = True
         except Exception as error:  # tracking must never stop training
             print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
     tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
     # The patch size is not a recipe field (the model name implies it); the comparison report reads it from here.
     tracker.log_params({**config.to_dict(), "model.patch_size": model.config.patch_size})
     tracker.set_tags(run_tags(config.recipe, config.model.name, place.world_size))
-    return tracker
+    return tracker, created
 
 
 # Settings a resumed run may change without changing what it computes up to the old schedule's end.
@@ -358,7 +360,7 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     stream = build_stream(current, place, num_classes)
     state = resume(engine, stream, start, place, current, universal)  # None when starting fresh
     step, images_seen = (state.step, state.images_seen) if state is not None else (0, 0)
-    tracker = _tracker(config, place, model)
+    tracker, created_run = _tracker(config, place, model)
     tracker.set_tags({keys.PRECISION: choice.precision, **record_world_size(config, place, step, plan)})
     metrics = build_metrics(config, place, model, tracker, last_step, step, images_seen)
     # bf16: DeepSpeed keeps bf16 weights for compute and fp32 master weights + optimizer state in ZeRO; the task
@@ -421,14 +423,18 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
                 summary["checkpoints"].append(str(saved))
                 if on_checkpoint is not None:
                     on_checkpoint(saved, step, step_metrics)
-        tracker.set_tags({keys.STATUS: "finished" if step >= schedule.total_steps else "stopped"})
+        outcome = "finished" if step >= schedule.total_steps else "stopped"
+        tracker.set_tags({keys.STATUS: outcome})
     except BaseException:
-        tracker.set_tags({keys.STATUS: "failed"})
+        outcome = "failed"
+        tracker.set_tags({keys.STATUS: outcome})
         raise
     finally:
         stack.close()
         metrics.close()
         tracker.close()
+        if created_run:  # a stopped run ended well too: its MLflow run is FINISHED, vitscale.status says "stopped"
+            finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
     # DeepSpeed's gradient hooks hold the engine in a reference cycle through autograd's C++ nodes, which Python's
     # collector cannot see: without destroy() a process that trains more than once (a Ray worker) keeps every engine.
     engine.destroy()

@@ -22,6 +22,7 @@ from pretrain.model import build_model
 from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
 from pretrain.run_folder import COMPLETE, IncompleteCheckpointError
 from pretrain.tasks import TASKS, ClassificationTask, build_task, register_task, sigmoid_xent, softmax_xent
+from tracking import keys
 
 
 def test_durations_convert_to_steps_in_one_place():
@@ -276,6 +277,42 @@ def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shar
                  f"checkpoint.dir={run_dir}", "logging.progress_bar=false", "deepspeed.precision=fp32"]  # fmt: skip
     train_cli(load_config("local_demo", overrides), run_dir, timeout=300)
     assert f"removed {lock}" in (run_dir / "output.log").read_text() and not lock.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, train_cli, tmp_path):
+    # logging.mlflow_experiment without a run id: the trainer creates the MLflow run, so it must end it too (before,
+    # such runs stayed RUNNING for good); stopped at stop_at_step is FINISHED, a diverged run FAILED.
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8",
+              "data.micro_batch_size=8", "data.streams=4", "schedule.total=4", "schedule.warmup=1",
+              "logging.progress_bar=false", "deepspeed.precision=fp32", f"logging.mlflow_tracking_uri={uri}",
+              "logging.log_every=1"]  # fmt: skip
+    stopped = load_config("local_demo", [*common, "schedule.stop_at_step=2", "logging.mlflow_experiment=stopped",
+                                         f"checkpoint.dir={tmp_path / 'stopped'}"])  # fmt: skip
+    train_cli(stopped, tmp_path / "stopped")
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("stopped").experiment_id])
+    assert (run.info.status, run.data.tags[keys.STATUS]) == ("FINISHED", "stopped")
+    assert [m.step for m in client.get_metric_history(run.info.run_id, keys.LOSS)] == [1, 2]
+
+    diverged = load_config("local_demo", [*common, "optim.lr=1e30", "optim.grad_clip=0",
+                                          "logging.mlflow_experiment=diverged",
+                                          f"checkpoint.dir={tmp_path / 'diverged'}"])  # fmt: skip
+    (tmp_path / "diverged").mkdir()
+    diverged.save(tmp_path / "diverged" / "recipe.yaml")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(tmp_path / "diverged" / "recipe.yaml")]
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode != 0 and "NonFiniteLossError" in result.stderr, result.stderr[-3000:]
+    (run,) = client.search_runs([client.get_experiment_by_name("diverged").experiment_id])
+    assert (run.info.status, run.data.tags[keys.STATUS]) == ("FAILED", "failed")
 
 
 @pytest.mark.parametrize(

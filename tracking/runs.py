@@ -143,13 +143,14 @@ def open_job_run(
     return run_id
 
 
-def finish_run(tracking_uri: str | None, run_id: str, status: str) -> None:
-    """Mark the run ended: ``status`` is MLflow's (FINISHED, FAILED), also kept lower-case in ``vitscale.status``."""
+def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> None:
+    """Mark the run ended: ``status`` is MLflow's (FINISHED, FAILED). ``vitscale.status`` gets ``outcome``, the
+    trainer's finer word ("stopped": ended at ``schedule.stop_at_step``), or else ``status`` in lower case."""
     from mlflow import MlflowClient  # mlflow is heavy: imported only when a run is touched
 
     try:
         client = MlflowClient(tracking_uri=tracking_uri)
-        client.set_tag(run_id, keys.STATUS, status.lower())
+        client.set_tag(run_id, keys.STATUS, outcome or status.lower())
         client.set_terminated(run_id, status=status)
     except Exception as exc:  # tracking never decides the job's fate
         print(f"warning: could not mark MLflow run {run_id} {status}: {exc}", file=sys.stderr)
