@@ -115,9 +115,9 @@ def _patch_size(model: str | None, params: dict) -> int | None:
 def _effective_status(mlflow_status: str, vitscale_status: str) -> str:
     """The run's status, trusting the trainer's ``vitscale.status`` tag over an MLflow run left RUNNING.
 
-    A run whose process was killed, or a standalone ``python -m pretrain.train`` run from before it ended its own
-    MLflow runs, stays RUNNING although it tagged its outcome; only a run RUNNING in both places is really running
-    (or died without a word).
+    A standalone ``python -m pretrain.train`` run from an older vitscale tagged its outcome but left its MLflow run
+    RUNNING (now it ends the run it created); only a run RUNNING in both places is really running (or died without a
+    word).
     """
     if mlflow_status != "RUNNING":
         return mlflow_status
