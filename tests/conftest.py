@@ -51,9 +51,9 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
 def train_cli():
     """Run `python -m pretrain.train` on a TrainConfig in a process session of its own (a timeout kills the whole
     tree, nothing leaks) and return its summary; the config is saved as `<run_dir>/recipe.yaml` first, what it
-    printed as `<run_dir>/output.log` after."""
+    printed as `<run_dir>/output.log` after. ``fails=True``: the run must end with a non-zero status (returns None)."""
 
-    def run(config, run_dir: Path, timeout: float = 400) -> dict:
+    def run(config, run_dir: Path, timeout: float = 400, fails: bool = False) -> dict | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "recipe.yaml")
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -70,6 +70,9 @@ def train_cli():
             out, _ = proc.communicate()
             pytest.fail(f"training timed out:\n{out[-4000:]}")
         (run_dir / "output.log").write_text(out)  # what it printed (stdout and stderr), for tests that read it
+        if fails:
+            assert proc.returncode != 0, out[-6000:]
+            return None
         assert proc.returncode == 0, out[-6000:]
         return json.loads((run_dir / "summary.json").read_text())
 

@@ -302,15 +302,8 @@ def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, tr
     diverged = load_config("local_demo", [*common, "optim.lr=1e30", "optim.grad_clip=0",
                                           "logging.mlflow_experiment=diverged",
                                           f"checkpoint.dir={tmp_path / 'diverged'}"])  # fmt: skip
-    (tmp_path / "diverged").mkdir()
-    diverged.save(tmp_path / "diverged" / "recipe.yaml")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(tmp_path / "diverged" / "recipe.yaml")]
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode != 0 and "NonFiniteLossError" in result.stderr, result.stderr[-3000:]
+    train_cli(diverged, tmp_path / "diverged", fails=True)
+    assert "NonFiniteLossError" in (tmp_path / "diverged" / "output.log").read_text()
     (run,) = client.search_runs([client.get_experiment_by_name("diverged").experiment_id])
     assert (run.info.status, run.data.tags[keys.STATUS]) == ("FAILED", "failed")
 
