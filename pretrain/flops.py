@@ -8,6 +8,12 @@ size M, the multiply-adds are (docs/reference.md §5)
 plus the patch embedding, the hybrid stem's convolutions, pre-logits and head. Norms, softmax, GELU and biases
 are ignored (< 1% at the sizes of interest), as in the paper's and timm's figures. Training ≈ 3 × forward
 (backward is twice the forward: gradients with respect to activations and to weights).
+
+These are the published convention: every layer at every token. ``as_run=True`` counts what `VisionTransformer`
+runs instead: with a class token, its last layer computes the class token's output alone (q, k and v at every token,
+then one query's attention, output projection and MLP), about 80% of one layer less (docs/design.md, "The last
+block computes the class token alone"). Plans and the training MFU use the convention; benchmarks that compare the
+step with the GEMM rate use ``as_run``.
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int,
     return macs, params, cin
 
 
-def forward_macs(config: ViTConfig, image_size: int | None = None) -> int:
-    """Multiply-adds of one forward pass of one image at `image_size` (default: the config's)."""
+def forward_macs(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
+    """Multiply-adds of one forward pass of one image at `image_size` (default: the config's); ``as_run``: as the
+    model runs it, the last layer at the class token alone (module docstring)."""
     image_size = image_size or config.image_size
     if image_size % config.stride:
         raise ValueError(f"image_size={image_size} is not a multiple of the model's patch stride {config.stride}")
@@ -62,19 +69,22 @@ def forward_macs(config: ViTConfig, image_size: int | None = None) -> int:
     N = num_patches + (config.pool == "token")
     patch_embed = num_patches * config.patch_size**2 * stem_channels * D
     layer = N * D * 3 * D + 2 * N * N * D + N * D * D + 2 * N * D * M
+    layers = config.depth * layer
+    if as_run and config.pool == "token":  # the last layer's queries: the class token alone
+        layers += N * D * 3 * D + 2 * N * D + D * D + 2 * D * M - layer
     head_in = config.representation_size or D
     head = (D * config.representation_size if config.representation_size else 0) + head_in * config.num_classes
-    return stem_macs + patch_embed + config.depth * layer + head
+    return stem_macs + patch_embed + layers + head
 
 
-def forward_flops(config: ViTConfig, image_size: int | None = None) -> int:
+def forward_flops(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
     """FLOPs of one forward pass of one image (2 per multiply-add)."""
-    return 2 * forward_macs(config, image_size)
+    return 2 * forward_macs(config, image_size, as_run=as_run)
 
 
-def train_flops(config: ViTConfig, image_size: int | None = None) -> int:
+def train_flops(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
     """FLOPs of one training step per image: forward + backward ≈ 3 × forward (no activation recomputation)."""
-    return 3 * forward_flops(config, image_size)
+    return 3 * forward_flops(config, image_size, as_run=as_run)
 
 
 def param_count(config: ViTConfig) -> int:

@@ -182,8 +182,12 @@ class Attention(nn.Module):
         B, h, N, hd = y.shape
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, N, h * hd)))  # (B, N, D)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) → (B, N, D)
+    def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+        """(B, N, D) → (B, N, D); with ``queries``, (B, queries, D): the outputs of the first ``queries`` tokens
+        alone, which still attend to all N (the projection runs at every token: q, k and v share one Linear)."""
         q, k, v = self._heads(x)
+        if queries is not None:
+            q = q[:, :, :queries].contiguous()  # (B, h, queries, hd)
         dropout_p = self.attention_dropout if self.training else 0.0
         if use_explicit_attention(q):
             y = explicit_attention(q, k, v, dropout_p)
@@ -241,8 +245,12 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.width, eps=LN_EPS)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D)
-        x = x + self.attn(self.norm1(x))  # eq. 2
+    def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+        """(B, N, D) → (B, N, D); with ``queries``, (B, queries, D): the first ``queries`` tokens' outputs alone."""
+        if queries is None:
+            x = x + self.attn(self.norm1(x))  # eq. 2
+        else:
+            x = x[:, :queries].contiguous() + self.attn(self.norm1(x), queries)
         x = x + self.mlp(self.norm2(x))  # eq. 3
         return x
 
@@ -345,13 +353,19 @@ class VisionTransformer(nn.Module):
 
         (B, N, D) → (B, N+1, D) for `pool="token"` ((B, N, D) for "gap", which has no class token).
         """
-        x = self._embed_tokens(patch_tokens)
-        for block in self.blocks:
+        return self.norm(self._run_blocks(self._embed_tokens(patch_tokens)))  # eq. 4 LN, applied to every token
+
+    def _run_blocks(self, x: torch.Tensor, last_queries: int | None = None) -> torch.Tensor:
+        """The encoder blocks over (B, T, D); ``last_queries``: the last block computes only the outputs of the first
+        ``last_queries`` tokens, (B, last_queries, D)."""
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            queries = last_queries if i == last else None
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, queries, use_reentrant=False)
             else:
-                x = block(x)
-        return self.norm(x)  # eq. 4 LN, applied to every token
+                x = block(x, queries)
+        return x
 
     def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """Final-LN output for all tokens, class token first. (B, C, H, W) → (B, N+1, D)."""
@@ -361,8 +375,17 @@ class VisionTransformer(nn.Module):
         return tokens[:, 0] if self.config.pool == "token" else tokens.mean(dim=1)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The pre-logits representation (B, D'): pooled final-LN output, through Dense+tanh if configured."""
-        return self.pre_logits(self.pool(self.forward_tokens(images)))
+        """The pre-logits representation (B, D'): pooled final-LN output, through Dense+tanh if configured.
+
+        With a class token, only its final output is pooled, so the last block computes that token's output alone
+        (its keys and values still come from every token): the other tokens' attention outputs and MLPs there would
+        be thrown away. The same function as pooling `forward_tokens`, ~80% of one block less work (6.3% of a
+        ViT-S/16 training step's FLOPs); docs/design.md, "The last block computes the class token alone".
+        """
+        if self.cls_token is None:
+            return self.pre_logits(self.pool(self.forward_tokens(images)))
+        x = self._run_blocks(self._embed_tokens(self.embed_patches(images)), last_queries=1)  # (B, 1, D)
+        return self.pre_logits(self.norm(x)[:, 0])
 
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:  # (B, D') → (B, num_classes)
         return self.head(features)

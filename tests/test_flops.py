@@ -47,7 +47,7 @@ def test_fractional_width_hybrids_are_counted_as_built(width_factor, stages):
     overrides = dict(image_size=size, patch_size=1, depth=1, hybrid_stages=stages, hybrid_width=width_factor)
     model = build_model("vit_tiny_debug", **overrides).eval()
     assert param_count(model.config) == sum(p.numel() for p in model.parameters())
-    assert forward_macs(model.config) == _measured_macs(model, torch.zeros(1, 3, size, size))
+    assert forward_macs(model.config, as_run=True) == _measured_macs(model, torch.zeros(1, 3, size, size))
 
 
 def _measured_macs(model, images) -> int:
@@ -67,8 +67,11 @@ def _measured_macs(model, images) -> int:
         model(images)
     for h in hooks:
         h.remove()
-    tokens = model.pos_embed.shape[1]
-    return total + model.config.depth * 2 * tokens * tokens * model.config.width
+    tokens, D = model.pos_embed.shape[1:]
+    queries = [tokens] * model.config.depth
+    if model.cls_token is not None:
+        queries[-1] = 1  # the last block attends from the class token alone
+    return total + sum(2 * q * tokens * D for q in queries)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +86,18 @@ def _measured_macs(model, images) -> int:
 def test_forward_macs_equal_a_count_of_the_running_model(name, overrides):
     model = build_model(name, **overrides).eval()
     size = model.config.image_size
-    assert forward_macs(model.config) == _measured_macs(model, torch.zeros(1, 3, size, size))
+    assert forward_macs(model.config, as_run=True) == _measured_macs(model, torch.zeros(1, 3, size, size))
+
+
+def test_as_run_counts_the_last_layer_at_the_class_token_alone():
+    config = model_config("vit_s16")
+    N, D, M = 197, 384, 1536
+    skipped = (N - 1) * (2 * N * D + D * D + 2 * D * M)  # the other tokens' attention, output projection and MLP
+    assert forward_macs(config) - forward_macs(config, as_run=True) == skipped
+    assert 0.06 < 3 * 2 * skipped / train_flops(config) < 0.08  # 6.3% of a ViT-S/16 training step
+    assert train_flops(config, as_run=True) == 3 * forward_flops(config, as_run=True)
+    gap = model_config("vit_s16", pool="gap")
+    assert forward_macs(gap, as_run=True) == forward_macs(gap)  # no class token: every token is pooled
 
 
 def test_training_is_three_forwards_and_resolution_scales():

@@ -192,6 +192,34 @@ def test_equations_1_to_4_compose():
     torch.testing.assert_close(patches[:, 5], expected)
 
 
+@pytest.mark.parametrize("setting", ["fp32", "bf16", "checkpointing", "hybrid"])
+def test_the_last_block_computes_the_class_token_alone_and_trains_the_same(setting):
+    """`forward_features` runs the last block at the class token only: the features and every parameter's gradient
+    are those of pooling `forward_tokens` (the whole last block), up to rounding (the last block's weight gradients
+    sum fewer rows); bf16 runs the explicit attention kernel, the hybrid its ResNet stem."""
+    torch.manual_seed(0)
+    name, overrides = ("r26_vit_s32", {"image_size": 64, "depth": 2}) if setting == "hybrid" else ("vit_tiny_debug", {})
+    model = build_model(name, num_classes=10, representation_size=48, **overrides).train()
+    model.set_grad_checkpointing(setting == "checkpointing")
+    torch.nn.init.normal_(model.head.weight, std=0.1)  # the zero-initialised head would give zero gradients
+    images = torch.rand(3, 3, model.config.image_size, model.config.image_size) * 2 - 1
+    mlp_rows = []
+    model.blocks[-1].mlp.register_forward_hook(lambda module, inputs, output: mlp_rows.append(inputs[0].shape[1]))
+    dtype = torch.bfloat16 if setting == "bf16" else torch.float32
+    results = []
+    for features_of in (model.forward_features, lambda x: model.pre_logits(model.pool(model.forward_tokens(x)))):
+        with torch.autocast("cpu", dtype=dtype, enabled=setting == "bf16"):
+            features = features_of(images)
+            loss = model.head(features).float().square().mean()
+        results.append((features, torch.autograd.grad(loss, list(model.parameters()))))
+    assert mlp_rows == [1, model.pos_embed.shape[1]]  # the class token alone, then every token
+    (features, grads), (expected, expected_grads) = results
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if setting == "bf16" else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(features, expected, **tolerance)
+    for (param_name, _), grad, expected_grad in zip(model.named_parameters(), grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, **tolerance, msg=param_name)
+
+
 def test_gap_model_has_no_class_token_and_averages():
     model = build_model("vit_tiny_debug", pool="gap", num_classes=0).eval()
     assert model.cls_token is None and model.num_prefix_tokens == 0

@@ -42,6 +42,10 @@ def test_bench_train_writes_the_documented_keys_at_both_precisions(tmp_path):
     assert 0 < result["bf16_profile_share_gemm"] <= 1
     # ViT-Ti/16 at 224: 1.254 forward GMACs per image (README) → ~7.5 training GFLOPs
     assert result["train_gflops_per_image_ti16"] == pytest.approx(3 * 2 * 1.254, rel=0.01)
+    # the achieved rate counts what vitscale runs: its last block at the class token alone
+    as_run = result["train_gflops_per_image_as_run_ti16"]
+    assert 0.9 * result["train_gflops_per_image_ti16"] < as_run < result["train_gflops_per_image_ti16"]
+    assert result["achieved_tflops_bf16_ti16"] == pytest.approx(result["vitscale_img_s_bf16_ti16"] * as_run / 1e3)
 
 
 def test_bench_train_rejects_an_unknown_model():
