@@ -11,8 +11,8 @@ neither always runs first) so a machine whose load changes during the run hurts 
 median over rounds of the best of ``repeats``.
 
 Achieved FLOP/s = images/s x training FLOPs per image as vitscale runs them (``pretrain.flops.train_flops(...,
-as_run=True)``: 3 x forward, multiply-add = 2; its last block computes the class token alone, so the count is ~7%
-under the published one at S/16, ``train_gflops_per_image`` in the JSON, beside ``train_gflops_per_image_as_run``).
+as_run=True)``: 3 x forward, multiply-add = 2; its last block computes the class token alone, so the count is
+6.3% under the published one at S/16, ``train_gflops_per_image`` in the JSON, beside ``train_gflops_per_image_as_run``).
 ``gemm_fraction_<p>`` divides it by the rate of a square matmul at precision ``p`` measured in the same rounds:
 how close the step comes to the fastest kernel at that precision here. On a CPU with native bf16 arithmetic (AMX or
 AVX512-BF16; ``cpu_bf16_native`` in the JSON) bf16 runs exactly as fp32 does (batch, rounds, repeats, warm-up, GEMM

@@ -250,7 +250,7 @@ class Block(nn.Module):
         if queries is None:
             x = x + self.attn(self.norm1(x))  # eq. 2
         else:
-            x = x[:, :queries].contiguous() + self.attn(self.norm1(x), queries)
+            x = x[:, :queries] + self.attn(self.norm1(x), queries)
         x = x + self.mlp(self.norm2(x))  # eq. 3
         return x
 
