@@ -9,9 +9,10 @@ ImageNet's are after ``data_pipeline.write``), so it needs no data and no networ
 process on the same images, rounds interleaved, best round kept. Rates are images per CPU second of this process
 (``time.process_time``), i.e. per core, so other jobs sharing the machine distort them less:
 
-- ``pil``: ``Image.open -> convert("RGB") -> resize((S, S), BILINEAR) -> numpy`` — the floor any loader pays;
+- ``pil``: ``Image.open -> convert("RGB") -> resize((S, S), BILINEAR) -> numpy`` — the plain way;
 - ``pipeline``: ``data_pipeline.augment.decode_train`` (Inception crop, flip; JPEG scaled decode where the crop
-  allows it; only the rows the crop reads decoded) + what the loader does next (the worker's copy into its
+  allows it; only the rows the crop reads decoded; the crop resized by PyTorch's vectorised uint8 bilinear kernel,
+  one thread, as in a loader worker) + what the loader does next (the worker's copy into its
   channels-first ring slot, the training process's conversion into the [-1, 1] float batch); ``ratio`` =
   pipeline / pil: the headline, and the goal's figure;
 - ``pipeline_uint8``: ``decode_train`` alone, uint8 out, as ``pil`` outputs: ``ratio_uint8``, like for like with
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.data: error: --dali needs NVIDIA DALI, which is not a vitscale dependency: pip install "
               "nvidia-dali-cuda120 (its CPU decoders need no GPU), or leave --dali out", file=sys.stderr)  # fmt: skip
         return 2
-    torch.set_num_threads(1)  # per core: the float conversion must not borrow the other cores
+    torch.set_num_threads(1)  # per core, as in a loader worker: the resize and the float conversion use one thread
     images = imagenet_like_jpegs(args.images)
     mean_kb = sum(map(len, images)) / len(images) / 1024
     shorts = sorted(min(Image.open(io.BytesIO(d)).size) for d in images)

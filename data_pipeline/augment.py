@@ -2,15 +2,17 @@
 
 Training: Inception crop (random area fraction and aspect ratio, as in torchvision's RandomResizedCrop and
 big_vision's ``inception_crop``), horizontal flip, optional RandAugment(n, m). Evaluation: square resize then
-centre crop (big_vision's ``resize(256)|central_crop(224)``). Both are fused into one ``Image.resize(box=...)``
-after a JPEG ``draft`` that lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is at least twice the output
+centre crop (big_vision's ``resize(256)|central_crop(224)``), fused into one ``Image.resize(box=...)``. The training
+crop's whole pixels are resized by PyTorch's antialiased bilinear uint8 kernel (`crop_resize`): PIL's BILINEAR
+filter within one grey level, at 3-4x the speed of PIL's scalar resampler. Both decode after a JPEG ``draft`` that
+lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is at least twice the output
 (``AugmentConfig.scaled_decode``, on by default; in practice it never applies to local_demo's 64 px images at
 32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify, so two other savings do the
-work (`decoded_rows`): libjpeg stops after the last row the resize reads (the frame height in the JPEG header is
+work (`decoded_pixels`): libjpeg stops after the last row the resize reads (the frame height in the JPEG header is
 rewritten; the rows above the crop must still be entropy-decoded, a sequential JPEG being one Huffman stream), and
-undrafted RGB/grayscale JPEGs decode through simplejpeg's libjpeg-turbo, faster than PIL's decoder here. The pixels
-are bit-identical to PIL decoding the whole image (tested), so neither is a setting. See docs/reference.md, "Decode
-cost".
+undrafted RGB/grayscale JPEGs decode through simplejpeg's libjpeg-turbo, faster than PIL's decoder here. The
+decoded pixels are bit-identical to PIL decoding the whole image (tested), so neither is a setting. See
+docs/reference.md, "Decode cost".
 
 All randomness comes from the ``numpy.random.Generator`` passed in, so the caller decides what it is seeded by
 (the stream seeds it per sample from (seed, epoch, shard, member, repeat) to make resume exact).
@@ -137,12 +139,29 @@ def jpeg_truncated(data: bytes) -> bool:
 
 
 def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]) -> Image.Image:
+    """`decoded_pixels` as a PIL image (RGB, L or whatever PIL decoded), for PIL's resize."""
+    pixels = decoded_pixels(img, data, box, size, full_size)
+    return pixels if isinstance(pixels, Image.Image) else pixels_image(pixels)
+
+
+def pixels_image(pixels: np.ndarray) -> Image.Image:
+    """uint8 (H, W, C) -> a PIL image: RGBX (C = 4) as RGB without a copy (`rgbx_image`), RGB (3), grayscale (1)."""
+    if pixels.shape[2] == 4:
+        return rgbx_image(pixels)
+    return Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
+
+
+def decoded_pixels(
+    img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]
+) -> np.ndarray | Image.Image:
     """``img`` (opened lazily from ``data``, whose frame is ``full_size``, maybe drafted) decoded down to the last
     row that resizing ``box`` (in its pixels) to ``size`` x ``size`` reads, and no further: the JPEG's frame height
     is rewritten so that libjpeg stops there. Those rows come out bit-identical to a full decode. Undrafted RGB and
     grayscale JPEGs decode through simplejpeg (libjpeg-turbo with PIL's settings, ~1.2x faster than PIL's decoder
-    here, the same pixels: tested); the rest through PIL. Anything but a sequential JPEG is decoded whole, as is a
-    crop that reaches the bottom."""
+    here, the same pixels: tested) into a uint8 array, (H, W, 4) RGB + padding or (H, W, 1) grayscale; the rest
+    through PIL, a loaded image. Anything but a sequential JPEG is decoded whole, as is a crop that reaches the
+    bottom. The rows kept cover PIL's resize of the box (which reads beyond it by the filter's support), so they
+    also cover `crop_resize`, which reads the box's whole pixels only."""
     if img.format != "JPEG":
         img.load()
         return img
@@ -168,9 +187,7 @@ def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size
         data = data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]
     if scale == 1 and img.mode in ("RGB", "L"):
         # strict=False: the scan data past the new height is skipped with libjpeg's "extraneous bytes" warning
-        if img.mode == "L":
-            return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="GRAY", strict=False)[:, :, 0])
-        return rgbx_image(simplejpeg.decode_jpeg(data, colorspace="RGBX", strict=False))
+        return simplejpeg.decode_jpeg(data, colorspace="GRAY" if img.mode == "L" else "RGBX", strict=False)
     if rows < full_height:
         cut = Image.open(io.BytesIO(data))
         if scale is not None and scale > 1:
@@ -190,6 +207,38 @@ def rgbx_image(pixels: np.ndarray) -> Image.Image:
     return Image.fromarrow(pa.FixedSizeListArray.from_arrays(values, 4), "RGB", (width, height))
 
 
+def pixel_box(box: tuple, width: int, height: int) -> tuple[int, int, int, int]:
+    """``box`` (left, top, right, bottom), fractional, rounded to whole pixels inside a ``width`` x ``height`` image,
+    at least one pixel wide and high."""
+    left = min(max(round(box[0]), 0), width - 1)
+    top = min(max(round(box[1]), 0), height - 1)
+    right = min(max(round(box[2]), left + 1), width)
+    bottom = min(max(round(box[3]), top + 1), height)
+    return left, top, right, bottom
+
+
+def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.ndarray:
+    """The whole pixels of ``box`` (`pixel_box`) resized to ``size`` x ``size`` with PyTorch's antialiased bilinear
+    uint8 kernel: PIL's BILINEAR filter (the same triangle widened by the scale when shrinking; within 1 of PIL
+    resizing the same crop, tested) at 3-4x its speed here, since PIL's resampler is scalar code (docs/reference.md,
+    "Decode cost"). It reads the crop alone: no pixel outside it, as torchvision's and big_vision's crops do.
+
+    ``pixels`` is uint8 (H, W, C), C = 1, 3 or 4 (`decoded_pixels`), or a PIL image (RGB or L). Returns uint8
+    (size, size, C), C-contiguous. Runs on torch's intra-op threads (one in a loader worker).
+    """
+    if isinstance(pixels, Image.Image):
+        pixels = np.array(pixels.convert("RGB") if pixels.mode not in ("RGB", "L") else pixels)  # writable: a copy
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    left, top, right, bottom = pixel_box(box, pixels.shape[1], pixels.shape[0])
+    crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]  # (1, C, h, w), a view
+    # The kernel's fast path wants the crop contiguous (channels-last); given a strided view it is slower than the
+    # copy, and its output comes out channels-first, which the transposing copy back costs ~200 us more (measured).
+    crop = crop.contiguous(memory_format=torch.channels_last)
+    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)
+    return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())  # channels-last out: a view, no copy
+
+
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
     """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
     return np.asarray(decode_train_image(data, size, cfg, rng))
@@ -205,10 +254,7 @@ def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: n
         box = (0, 0, width, height)
     if cfg is None or cfg.scaled_decode:
         img, box = drafted(img, box, size)
-    img = decoded_rows(img, data, box, size, (width, height))
-    if img.mode not in ("RGB", "L"):
-        img = img.convert("RGB")
-    img = img.resize((size, size), Image.BILINEAR, box=box)  # fused crop + resize
+    img = pixels_image(crop_resize(decoded_pixels(img, data, box, size, (width, height)), box, size))
     if cfg is not None and cfg.flip and rng.random() < 0.5:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     if cfg is not None and cfg.randaugment_n > 0:
