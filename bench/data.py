@@ -12,8 +12,8 @@ process on the same images, rounds interleaved, best round kept. Rates are image
 - ``pil``: ``Image.open -> convert("RGB") -> resize((S, S), BILINEAR) -> numpy`` — the plain way;
 - ``pipeline``: ``data_pipeline.augment.decode_train`` (Inception crop, flip; JPEG scaled decode where the crop
   allows it; only the rows the crop reads decoded; the crop resized by PyTorch's vectorised uint8 bilinear kernel,
-  one thread, as in a loader worker) + what the loader does next (the worker's copy into its
-  channels-first ring slot, the training process's conversion into the [-1, 1] float batch); ``ratio`` =
+  one thread, as in a loader worker) + what the loader does next (the worker's copy into channels-first uint8
+  rows and its conversion into its rows of the step's [-1, 1] float buffer); ``ratio`` =
   pipeline / pil: the headline, and the goal's figure;
 - ``pipeline_uint8``: ``decode_train`` alone, uint8 out, as ``pil`` outputs: ``ratio_uint8``, like for like with
   the baseline, higher than ``ratio`` by the conversion's share;
@@ -31,10 +31,10 @@ side >= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards w
 loader worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it
 needs 2 idle cores. Those shards hold every image ``--loader-copies`` times (4: 1,280 samples, 39 timed batches of
 32), so the timed window is seconds long rather than 9 batches (with 9, four runs on one machine gave 1.60 to 1.86).
-The training process's share of the loader (receiving each step and converting it to float) runs beside one worker
-on the second core, and beside two workers on the same two cores. ``read_mb_s`` streams the shards through the
-stream's tar reader (no decoding) per CPU second; the files are in the page cache, so it measures the reader, not
-the disk. ``stream_img_s`` is a TrainStream with no workers.
+The training process's share of the loader (receiving each step's buffer number, labels and positions; the workers
+convert to float) runs beside one worker on the second core, and beside two workers on the same two cores.
+``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files are in the
+page cache, so it measures the reader, not the disk. ``stream_img_s`` is a TrainStream with no workers.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, to_float_images
+from data_pipeline.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import read_shard
-from data_pipeline.stream import TrainStream, _PixelRing, _StepBuffers
+from data_pipeline.stream import TrainStream, _StepPool
 from data_pipeline.write import WriteConfig, write_dataset
 
 
@@ -98,12 +98,15 @@ def bare_pil(images: list[bytes], size: int) -> float:
 
 
 def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32, convert: bool = True) -> float:
-    """Images/s of what the loader does per image, on one core: decode + augment, the worker's copy into its
-    channels-first ring slot, and the training process's conversion into its reused float batch (the stream's own
-    `_PixelRing` and `_StepBuffers`). ``convert=False``: decode + augment only, uint8 arrays out."""
-    if convert:  # shared memory and float buffers made before the clock starts, as the loader makes them once
-        ring, buffers = _PixelRing(slots=2, rows=batch, image_size=size), _StepBuffers()
-    decode = decode_train_image if convert else decode_train  # the loader's workers keep PIL images for the ring
+    """Images/s of what the loader does per image, on one core: decode + augment and a worker's conversion of its
+    rows into the step's float buffer (the stream's own `_StepPool`, through its channels-first uint8 scratch).
+    ``convert=False``: decode + augment only, uint8 arrays out."""
+    if convert:  # shared memory and scratch made before the clock starts, as the loader makes them once
+        pool, scratch = (
+            _StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
+            np.empty((batch, 3, size, size), np.uint8),
+        )
+    decode = decode_train_image if convert else decode_train  # the loader's workers keep PIL images for the scratch
     start = time.process_time()
     for step, first in enumerate(range(0, len(images), batch)):
         arrays = [
@@ -111,9 +114,10 @@ def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int 
             for i, data in enumerate(images[first : first + batch])
         ]
         if convert:
-            slot = ring.write(step, arrays)
-            pixels = ring.read(step, slot)[: len(arrays)]
-            to_float_images([pixels], out=buffers.get(tuple(pixels.shape)))
+            pool.grant(step)
+            slot = pool.slot(step)
+            pool.write(step, slot, 0, 0, arrays, scratch[: len(arrays)])
+            pool.take(step, slot)
     return len(images) / (time.process_time() - start)
 
 

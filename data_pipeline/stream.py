@@ -14,8 +14,8 @@ R ranks, W DataLoader workers per rank, c = G / P, A = G / (R * m) accumulation 
 4. Rank r owns streams [r P/R, (r+1) P/R): samples [r G/R, (r+1) G/R) of every global batch, which it yields as A
    micro-batches of m, i.e. global micro-batches [r A, (r+1) A). Its W workers split its streams into min(W, P/R)
    contiguous groups; each worker yields one item per global batch (its streams' chunks), so the DataLoader's
-   round-robin returns them in stream order. Workers hand over uint8 pixels in shared-memory rings
-   (``_PixelRing``); the training process converts a whole step to float once (``_step_batch``).
+   round-robin returns them in stream order. Each worker converts its rows to float straight into the step's
+   buffer in shared memory and hands over only the buffer's number (``_StepPool``, ``_step_batch``).
 
 Exact resume at any R and W: every random choice is a pure function of the position. The augmentation of a sample
 is seeded by (seed, e, shard, member, repeat), mixup (applied within each stream's chunk of c) by
@@ -62,20 +62,21 @@ STATE_VERSION = 2  # 1: per-rank streams (before issue #14); its positions mean 
 _BUFFER_TAG, _MIXUP_TAG = 1, 2
 _clamp_warned: set = set()
 PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
-STEP_BUFFERS = 3  # float step buffers a TrainStream keeps for reuse (_StepBuffers)
 
 
-def ring_slots(prefetch_factor: int | None) -> int:
-    """Slots of a loader worker's pixel ring: it may be ``prefetch_factor`` items ahead of the items received, so two
-    more slots never let it reach one that is still to be converted (``_PixelRing``)."""
-    return (prefetch_factor or PREFETCH_FACTOR) + 2
+def step_slots(num_workers: int, prefetch_factor: int | None = PREFETCH_FACTOR) -> int:
+    """Float step buffers in a rank's ``_StepPool``. With loader workers: the ``prefetch_factor`` steps the workers
+    may be writing ahead, the step being handed over, the step before it (the consumer's loop variable still holds
+    its last micro-batch while it asks for the next) and one spare for a consumer that keeps a step a little
+    longer. Without: the last three of those."""
+    return (prefetch_factor or PREFETCH_FACTOR) + 3 if num_workers > 0 else 3
 
 
 def decoded_bytes(images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR):
-    """Host bytes of one rank's decoded images: its workers' uint8 ring slots (with loader workers) and the float
-    step buffers it keeps; ``images_per_step`` is the rank's share of a global batch, G / R."""
+    """Host bytes of one rank's decoded images: its float step buffers (in shared memory with loader workers) and,
+    with workers, their uint8 scratch rows; ``images_per_step`` is the rank's share of a global batch, G / R."""
     pixels = images_per_step * 3 * image_size**2
-    return (ring_slots(prefetch_factor) * pixels if num_workers > 0 else 0) + STEP_BUFFERS * pixels * 4
+    return step_slots(num_workers, prefetch_factor) * pixels * 4 + (pixels if num_workers > 0 else 0)
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
@@ -248,49 +249,89 @@ class _StreamReader:
         return images, labels, keys
 
 
-class _StepBuffers:
-    """Float image tensors for whole steps, each reused once nothing outside holds a view of it.
+def _storage_uses(t: torch.Tensor) -> int | None:
+    """References to ``t``'s storage (torch's own count); None where this torch has no such count."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
 
-    A fresh 600 KB-per-image tensor every step costs page faults (~0.25 ms per 224 px image on this machine, as much
-    as the conversion itself). A buffer is free again when its storage's use count is back to what it was when it
-    was made: then no micro-batch yielded from it, no view of one and no autograd graph saving one is alive. Beyond
-    ``keep`` buffers in use, a step gets a tensor of its own.
+
+class _StepPool:
+    """A rank's float step buffers, which the loader's workers write straight into.
+
+    Each buffer holds one step's share of the global batch (A m, 3, S, S) in [-1, 1]; micro-batches are views of it.
+    Before the loader can ask for step s, the training process grants s a buffer (``grant``), one that no step in
+    flight owns and no view of which is alive: its storage's use count is back to what it was when it was made, so
+    no micro-batch from it, no view of one and no autograd graph saving one is held. Each worker (or the training
+    process itself, without workers) decodes its streams' chunks into uint8 scratch rows and converts them into its
+    rows of that buffer (``write``), then sends only the buffer number. So the training process does no per-image
+    work on a step: on a 2-core machine its conversion of every step had taken the CPU that a second loader worker
+    needs (docs/elastic.md, "Assembly"). When no buffer is free (a consumer keeping many steps), the grant is -1 and
+    the workers hand over uint8 pixels, which the training process converts into a tensor of the step's own.
+
+    ``grants[step mod len]`` is (step, buffer) and ``stamps[buffer, worker]`` the step that worker's rows hold (-1
+    while it writes), both in shared memory; ``take`` checks every stamp, so a mix-up would be an error, never
+    silent.
     """
 
-    def __init__(self, keep: int = STEP_BUFFERS):
-        self.keep = keep
-        self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count when unshared)
+    def __init__(self, slots: int, rows: int, image_size: int, workers: int, lookahead: int, shared: bool):
+        def made(t: torch.Tensor) -> torch.Tensor:
+            return t.share_memory_() if shared else t
 
-    @staticmethod
-    def _uses(t: torch.Tensor) -> int | None:
-        """References to ``t``'s storage (torch's own count); None where this torch has no such count."""
-        count = getattr(torch._C, "_storage_Use_Count", None)
-        return None if count is None else count(t.untyped_storage()._cdata)
+        self.buffers = [made(torch.empty((rows, 3, image_size, image_size))) for _ in range(slots)]
+        self.stamps = made(torch.full((slots, workers), -1, dtype=torch.int64))
+        self.grants = made(torch.full((lookahead + 2, 2), -1, dtype=torch.int64))
+        self.owner: list[int | None] = [None] * slots  # training process only: the step in flight in each buffer
+        self.unshared = [_storage_uses(b) for b in self.buffers]
 
-    def get(self, shape: tuple[int, ...]) -> torch.Tensor:
-        for buffer, unshared in self.buffers:
-            if buffer.shape == shape and self._uses(buffer) == unshared:
-                return buffer
-        buffer = torch.empty(shape, dtype=torch.float32)
-        unshared = self._uses(buffer)
-        if unshared is not None and len(self.buffers) < self.keep:  # without a count, every step gets a new one
-            self.buffers.append((buffer, unshared))
-        return buffer
+    def __getstate__(self) -> dict:  # what a worker needs; the bookkeeping stays in the training process
+        return dict(buffers=self.buffers, stamps=self.stamps, grants=self.grants)
+
+    def grant(self, step: int) -> None:
+        """Give ``step`` a free buffer, or -1 where none is free, before the loader can ask for its items."""
+        free = [j for j, b in enumerate(self.buffers) if self.owner[j] is None and _storage_uses(b) == self.unshared[j]]
+        slot = free[0] if free and self.unshared[0] is not None else -1  # without a use count: never reuse one
+        if slot >= 0:
+            self.owner[slot] = step
+        self.grants[step % len(self.grants)] = torch.tensor([step, slot])
+
+    def slot(self, step: int) -> int:
+        """In a worker: the buffer granted to ``step``, -1 for none."""
+        granted, slot = self.grants[step % len(self.grants)].tolist()
+        if granted != step:
+            raise RuntimeError(f"loader grant for step {step} missing (the table holds step {granted})")
+        return slot
+
+    def write(self, step: int, slot: int, worker: int, start: int, images: list[Image.Image], scratch: np.ndarray):
+        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, through uint8 ``scratch``."""
+        self.stamps[slot, worker] = -1
+        pixels = torch.from_numpy(channels_first(images, out=scratch))
+        to_float_images([pixels], out=self.buffers[slot][start : start + len(images)])
+        self.stamps[slot, worker] = step
+
+    def take(self, step: int, slot: int) -> torch.Tensor:
+        """Buffer ``slot`` once every worker's stamp says that its rows hold ``step``; it is no longer in flight."""
+        stamps = self.stamps[slot].tolist()
+        if any(s != step for s in stamps):
+            raise RuntimeError(f"loader buffer {slot} holds steps {stamps} of the workers' rows, not step {step}")
+        self.owner[slot] = None  # from here on, the views handed out keep it from being granted again
+        return self.buffers[slot]
 
 
-def _step_batch(plan: _TrainPlan, epoch: int, step: int, parts: list, buffers: _StepBuffers, rings=None):
+def _step_batch(plan: _TrainPlan, epoch: int, step: int, parts: list, pool: _StepPool):
     """This rank's share of global batch ``step`` from its workers' items, laid end to end in stream order: float
     images (A m, 3, S, S) and labels (A m,), or (A m, K) one-hot / mixed targets.
 
-    The workers hand over uint8 channels-first pixels (in their ``rings``) and int labels: a quarter of the bytes of
-    float images, and no one-hot rows. The one conversion happens here, straight into one (reused) tensor, so a
-    micro-batch made by several workers needs no concatenation. Mixup mixes within each stream's chunk of c.
+    The workers have written their rows of the step's pool buffer and send its number (or, when the step got none,
+    uint8 channels-first pixels, converted here into a tensor of the step's own) and int labels, no one-hot rows.
+    Mixup mixes within each stream's chunk of c.
     """
-    pixels = [p if rings is None else rings[i].read(step, p) for i, (p, _, _) in enumerate(parts)]
-    x = to_float_images(pixels, out=buffers.get((sum(map(len, pixels)), *pixels[0].shape[1:])))  # (A m, 3, S, S)
-    if rings is not None:  # converted: the slots may be written again; they must still hold this batch
-        for ring, (slot, _, _) in zip(rings, parts):
-            ring.read(step, slot)
+    slots = {p for p, _, _ in parts if isinstance(p, int)}
+    if slots:  # every worker read the same grant
+        if len(slots) > 1 or len(parts) != sum(isinstance(p, int) for p, _, _ in parts):
+            raise RuntimeError(f"step {step}: the workers' items disagree on its buffer: {[p for p, _, _ in parts]}")
+        x = pool.take(step, slots.pop())  # (A m, 3, S, S)
+    else:
+        x = to_float_images([p for p, _, _ in parts])
     y = torch.tensor([label for _, labels, _ in parts for label in labels], dtype=torch.int64)  # (A m,)
     if plan.label_format == "multihot" or plan.mixup_alpha > 0:
         y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (A m, K)
@@ -303,45 +344,16 @@ def _step_batch(plan: _TrainPlan, epoch: int, step: int, parts: list, buffers: _
     return x, y
 
 
-class _PixelRing:
-    """One loader worker's slots for its uint8 pixels, in shared memory made before the workers start.
-
-    A worker writes global batch b into slot b mod ``slots`` and hands over only the slot number; the training
-    process converts the slot into its float batch before it takes anything of batch b + 1. So the worker never
-    creates shared memory per item and the training process never maps fresh pages (together ~0.3 ms per 224 px
-    image on this machine, about half of what the training process spent per image on a worker's item).
-    ``ring_slots`` gives the number of slots. ``stamps[slot]`` holds the batch written there (-1 while
-    one is written) and is checked after every conversion: an overwrite would be an error, never silent.
-    """
-
-    def __init__(self, slots: int, rows: int, image_size: int):
-        self.pixels = torch.empty((slots, rows, 3, image_size, image_size), dtype=torch.uint8).share_memory_()
-        self.stamps = torch.full((slots,), -1, dtype=torch.int64).share_memory_()
-
-    def write(self, step: int, images: list[Image.Image]) -> int:
-        slot = step % len(self.stamps)
-        self.stamps[slot] = -1
-        channels_first(images, out=self.pixels[slot].numpy())
-        self.stamps[slot] = step
-        return slot
-
-    def read(self, step: int, slot: int) -> torch.Tensor:
-        if int(self.stamps[slot]) != step:
-            raise RuntimeError(f"loader slot {slot} holds batch {int(self.stamps[slot])}, not {step}")
-        return self.pixels[slot]
-
-
 class _TrainEpoch(IterableDataset):
     """One epoch of one rank from global batch ``start``, ``draws[stream]`` buffer draws already made per stream.
 
     Every logical worker yields one item per global batch: (pixels, labels, meta) of its streams' chunks, labels a
-    list of ints and pixels uint8 (k c, 3, S, S), or, with ``rings`` (loader workers), the slot of its ring that
-    holds them; ``_step_batch`` turns the items into the rank's batch.
+    list of ints and pixels the number of the ``pool`` buffer it wrote its rows of, or, for a step granted none,
+    uint8 (k c, 3, S, S); ``_step_batch`` turns the items into the rank's batch.
     """
 
-    def __init__(self, plan: _TrainPlan, epoch: int, start: int, draws: dict[int, int], rings=None):
-        self.plan, self.epoch, self.start, self.draws = plan, epoch, start, draws
-        self.rings: list[_PixelRing] | None = rings
+    def __init__(self, plan: _TrainPlan, epoch: int, start: int, draws: dict[int, int], pool: _StepPool):
+        self.plan, self.epoch, self.start, self.draws, self.pool = plan, epoch, start, draws, pool
 
     def __iter__(self):
         info = get_worker_info()
@@ -352,6 +364,8 @@ class _TrainEpoch(IterableDataset):
         shards = plan.stream_shards(epoch)
         group = plan.worker_streams(logical)
         readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s]) for s in group]
+        first_row = (group[0] - plan.rank_streams[0]) * plan.chunk  # of this worker's rows in the step's batch
+        scratch = _planes(len(group) * plan.chunk, plan.image_size)  # reused: uint8 rows before the conversion
         for step in range(self.start, plan.steps_in_epoch(epoch)):
             images, labels, keys = [], [], []
             stats: Counter = Counter()
@@ -362,10 +376,12 @@ class _TrainEpoch(IterableDataset):
                 keys += more[2]
                 stats.update(reader.stats)
                 reader.stats.clear()
-            if self.rings is None:
-                pixels = torch.from_numpy(channels_first(images, out=_planes(len(images), plan.image_size)))
+            slot = self.pool.slot(step)
+            if slot >= 0:
+                self.pool.write(step, slot, logical, first_row, images, scratch)
+                pixels = slot
             else:
-                pixels = self.rings[logical].write(step, images)  # its slot
+                pixels = torch.from_numpy(channels_first(images, out=_planes(len(images), plan.image_size)))
             meta = dict(
                 epoch=epoch,
                 step=step,
@@ -472,7 +488,8 @@ class TrainStream:
     order and the resume contract; ``stats`` counts skipped, truncated, dropped and wrapped samples.
 
     A yielded micro-batch is a view of a step buffer that the stream writes again only once no view of it is alive,
-    so keeping micro-batches (in a list, in an autograd graph) is safe; modifying one in place changes only it.
+    so keeping micro-batches (in a list, in an autograd graph) is safe; modifying one in place changes only it. A
+    consumer that keeps more than one step's micro-batches alive costs a copy per step (``unpooled_steps``).
     """
 
     def __init__(
@@ -559,6 +576,7 @@ class TrainStream:
         self.prefetch_factor = prefetch_factor
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None
+        self.unpooled_steps = 0  # steps that found no free step buffer (a consumer keeping many): copied, not pooled
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
 
@@ -637,7 +655,6 @@ class TrainStream:
         plan = self.plan
         m, A = plan.micro_batch, plan.accumulation
         self._micro = 0  # a new iterator starts at the last whole step
-        buffers = _StepBuffers()
         while True:
             steps = plan.steps_in_epoch(self._epoch)
             if self._step >= steps:
@@ -649,11 +666,14 @@ class TrainStream:
                         "batch or the streams"
                     )
                 continue
-            rings = None
-            if self.num_workers > 0:  # per epoch: the workers of an earlier epoch can never write into these
-                slots, c, S = ring_slots(self.prefetch_factor), plan.chunk, plan.image_size
-                rings = [_PixelRing(slots, len(plan.worker_streams(w)) * c, S) for w in range(plan.workers)]
-            epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), rings)
+            # Per epoch: the workers of an earlier epoch can never write into these. A step's buffer is granted
+            # before the DataLoader can ask for it: it asks for step s + prefetch_factor as it hands over step s.
+            lookahead = self.prefetch_factor if self.num_workers > 0 else 0
+            slots, rows = step_slots(self.num_workers, self.prefetch_factor), plan.global_batch // plan.world_size
+            pool = _StepPool(slots, rows, plan.image_size, plan.workers, lookahead, shared=self.num_workers > 0)
+            for step in range(self._step, min(self._step + lookahead, steps)):
+                pool.grant(step)
+            epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool)
             if self.num_workers == 0:
                 items = iter(epoch)
             else:
@@ -668,12 +688,15 @@ class TrainStream:
                     )
                 )
             for step in range(self._step, steps):
+                if step + lookahead < steps:
+                    pool.grant(step + lookahead)
                 parts = list(itertools.islice(items, plan.workers))  # worker 0, 1, ...: stream order
                 if len(parts) < plan.workers:  # the workers ended early: never silently shorten an epoch
                     raise RuntimeError(f"epoch {self._epoch} ended after {step} of {steps} global batches")
                 assert all(p[2]["step"] == step and p[2]["epoch"] == self._epoch for p in parts), (step, self._epoch)
                 keys = [k for p in parts for k in p[2]["keys"]] if plan.record_keys else None
-                images, targets = _step_batch(plan, self._epoch, step, parts, buffers, rings)
+                images, targets = _step_batch(plan, self._epoch, step, parts, pool)
+                self.unpooled_steps += not isinstance(parts[0][0], int)
                 for i in range(A):
                     x, y = images[i * m : (i + 1) * m], targets[i * m : (i + 1) * m]  # views: (m, 3, S, S), labels
                     if i == A - 1:  # the step is done once its last micro-batch is handed out

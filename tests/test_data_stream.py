@@ -20,8 +20,7 @@ from data_pipeline.manifest import SHARD_PATTERN, write_metadata
 from data_pipeline.stream import (
     EvalStream,
     TrainStream,
-    _PixelRing,
-    _StepBuffers,
+    _StepPool,
     balanced_split,
     merge_stream_states,
 )
@@ -344,28 +343,46 @@ def test_forkserver_workers_are_the_default_and_give_the_same_batches_as_fork(un
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
-def test_step_buffers_are_reused_only_when_no_view_of_them_is_alive():
-    buffers = _StepBuffers(keep=2)
-    first = buffers.get((4, 3, 2, 2))
-    micro = first[:2]  # a yielded micro-batch still held by the consumer
-    second = buffers.get((4, 3, 2, 2))
-    assert second.data_ptr() != first.data_ptr()
-    kept = second.view(-1)  # views of views count too
-    third = buffers.get((4, 3, 2, 2))  # both pooled buffers in use: a tensor of its own, not pooled (keep=2)
-    assert third.data_ptr() not in (first.data_ptr(), second.data_ptr()) and len(buffers.buffers) == 2
+def test_step_pool_grants_a_buffer_only_when_no_view_of_it_is_alive():
+    pool = _StepPool(slots=2, rows=2, image_size=4, workers=1, lookahead=0, shared=True)
+    images, scratch = [Image.new("RGB", (4, 4), (v, v, v)) for v in (0, 255)], np.empty((2, 3, 4, 4), np.uint8)
+    pool.grant(0)
+    slot = pool.slot(0)
+    pool.write(0, slot, 0, 0, images, scratch)  # what a worker does
+    step0 = pool.take(0, slot)
+    assert step0[:, 0, 0, 0].tolist() == [-1.0, 1.0] and step0.is_shared()
+    micro = step0[1:]  # a yielded micro-batch still held by the consumer
+    pool.grant(1)
+    assert pool.slot(1) == 1 - slot
+    pool.grant(2)  # one buffer in flight (granted, not taken), the other viewed: none
+    assert pool.slot(2) == -1
+    with pytest.raises(RuntimeError, match=r"holds steps \[-1\] of the workers' rows, not step 1"):
+        pool.take(1, 1 - slot)  # nobody wrote step 1: its stamp says so
+    pool.write(1, 1 - slot, 0, 0, images, scratch)
+    pool.take(1, 1 - slot)
+    kept = micro.view(-1)  # views of views count too
     del micro
-    assert buffers.get((4, 3, 2, 2)).data_ptr() == first.data_ptr()
-    assert buffers.get((8, 3, 2, 2)).shape == (8, 3, 2, 2)  # another shape never gets a buffer of the wrong size
+    pool.grant(3)
+    assert pool.slot(3) == 1 - slot  # taken and never viewed: free again
     del kept
-    assert buffers.get((4, 3, 2, 2)).data_ptr() == first.data_ptr()  # the first free one
+    pool.grant(4)
+    assert pool.slot(4) == slot
+    with pytest.raises(RuntimeError, match="loader grant for step 2 missing"):
+        pool.slot(2)  # the table has moved on: asking for an old step is a bug, never a wrong buffer
 
 
-def test_pixel_ring_slots_hold_their_batch_and_an_overwrite_is_an_error():
-    ring = _PixelRing(slots=3, rows=2, image_size=4)
-    images = [Image.new("RGB", (4, 4), (v, v, v)) for v in (7, 9)]
-    slot = ring.write(5, images)  # batch 5 -> slot 5 mod 3
-    assert slot == 2 and ring.read(5, slot)[:, :, 0, 0].tolist() == [[7, 7, 7], [9, 9, 9]]
-    assert ring.pixels.is_shared() and ring.read(5, slot).shape == (2, 3, 4, 4)
-    ring.write(8, images[::-1])  # three batches later, the same slot
-    with pytest.raises(RuntimeError, match="loader slot 2 holds batch 8, not 5"):
-        ring.read(5, slot)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_workers_write_into_pooled_buffers_unless_the_consumer_keeps_them(uneven, num_workers):
+    """A consumer that drops each micro-batch gets every step from the pool (what a training loop does); one that
+    keeps every micro-batch alive gets copies once the pool is used up, with the same pixels."""
+    kwargs = dict(ORDER, num_workers=num_workers, augment=AugmentConfig(), mixup_alpha=0.4)
+    dropping = TrainStream(uneven, **kwargs)
+    n = 3 * dropping.steps_in_epoch(0) // 2 * dropping.accumulation_steps  # into the second epoch
+    copies = [(x.clone(), y.clone()) for x, y in take_iter(dropping, n)]
+    assert dropping.unpooled_steps == 0
+    keeping = TrainStream(uneven, **kwargs)
+    kept = take(keeping, n)
+    assert keeping.unpooled_steps > 0
+    for (x1, y1), (x2, y2) in zip(copies, kept):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
