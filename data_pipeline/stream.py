@@ -302,10 +302,14 @@ class _StepPool:
         return slot
 
     def write(self, step: int, slot: int, worker: int, start: int, images: list[Image.Image], scratch: np.ndarray):
-        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, through uint8 ``scratch``."""
+        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, through uint8 ``scratch``.
+
+        One image at a time: its uint8 planes and float rows (0.75 MB at 224 px) stay in a core's L2 cache through
+        the conversion's three passes, so only the finished rows go out to memory."""
         self.stamps[slot, worker] = -1
-        pixels = torch.from_numpy(channels_first(images, out=scratch))
-        to_float_images([pixels], out=self.buffers[slot][start : start + len(images)])
+        rows = self.buffers[slot][start : start + len(images)]
+        for i, image in enumerate(images):
+            to_float_images([torch.from_numpy(channels_first([image], out=scratch))], out=rows[i : i + 1])
         self.stamps[slot, worker] = step
 
     def take(self, step: int, slot: int) -> torch.Tensor:
@@ -365,7 +369,7 @@ class _TrainEpoch(IterableDataset):
         group = plan.worker_streams(logical)
         readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s]) for s in group]
         first_row = (group[0] - plan.rank_streams[0]) * plan.chunk  # of this worker's rows in the step's batch
-        scratch = _planes(len(group) * plan.chunk, plan.image_size)  # reused: uint8 rows before the conversion
+        scratch = _planes(1, plan.image_size)  # reused: an image's uint8 planes before their conversion
         for step in range(self.start, plan.steps_in_epoch(epoch)):
             images, labels, keys = [], [], []
             stats: Counter = Counter()
