@@ -73,10 +73,10 @@ def step_slots(num_workers: int, prefetch_factor: int | None = PREFETCH_FACTOR) 
 
 
 def decoded_bytes(images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR):
-    """Host bytes of one rank's decoded images: its float step buffers (in shared memory with loader workers) and,
-    with workers, their uint8 scratch rows; ``images_per_step`` is the rank's share of a global batch, G / R."""
+    """Host bytes of one rank's decoded images: its float step buffers (in shared memory with loader workers) and
+    each worker's uint8 planes of one image; ``images_per_step`` is the rank's share of a global batch, G / R."""
     pixels = images_per_step * 3 * image_size**2
-    return step_slots(num_workers, prefetch_factor) * pixels * 4 + (pixels if num_workers > 0 else 0)
+    return step_slots(num_workers, prefetch_factor) * pixels * 4 + num_workers * 3 * image_size**2
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:

@@ -438,5 +438,5 @@ def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_h
     with pytest.raises(PlanError, match=r"data streams would hold 0\.0\d+ GB per node at world size 2 .* over 50% of "):
         build_plan(small, config)
     i21k = build_plan(load_profile("a100x64"), resolve_config(load_profile("a100x64"), "vit_b16_i21k", [], "r"))
-    # 8 workers per rank: 5 float step buffers (prefetch 2 + 3) in shared memory + the workers' uint8 scratch rows
-    assert i21k.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 64) * 3 * 224**2) / GB)
+    # 8 workers per rank: 5 float step buffers (prefetch 2 + 3) in shared memory + each worker's uint8 image planes
+    assert i21k.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 8) * 3 * 224**2) / GB)
