@@ -64,12 +64,12 @@ _clamp_warned: set = set()
 PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
 
 
-def step_slots(num_workers: int, prefetch_factor: int | None = PREFETCH_FACTOR) -> int:
+def step_slots(num_workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
     """Float step buffers in a rank's ``_StepPool``. With loader workers: the ``prefetch_factor`` steps the workers
     may be writing ahead, the step being handed over, the step before it (the consumer's loop variable still holds
     its last micro-batch while it asks for the next) and one spare for a consumer that keeps a step a little
     longer. Without: the last three of those."""
-    return (prefetch_factor or PREFETCH_FACTOR) + 3 if num_workers > 0 else 3
+    return prefetch_factor + 3 if num_workers > 0 else 3
 
 
 def decoded_bytes(images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR):
@@ -527,6 +527,10 @@ class TrainStream:
             raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
         if mixup_alpha < 0:
             raise ValueError(f"mixup_alpha must be >= 0, got {mixup_alpha}")
+        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ValueError(
+                f"prefetch_factor must be an int >= 1 (steps a loader worker may be ahead), got {prefetch_factor!r}"
+            )
         if not drop_last:
             raise ValueError("drop_last=False is not supported: every stream gives whole chunks (docs/elastic.md)")
         num_classes = info.num_classes if num_classes is None else num_classes

@@ -310,6 +310,9 @@ def test_sizes_that_do_not_split_are_clear_errors(uneven, tmp_path):
         TrainStream(uneven, **dict(ORDER, batch_size=8), world_size=2)
     with pytest.raises(ValueError, match="needs >= 2"):
         TrainStream(uneven, **dict(ORDER, streams=8), mixup_alpha=0.2)
+    for prefetch in (0, None):
+        with pytest.raises(ValueError, match=f"prefetch_factor must be an int >= 1 .*got {prefetch}"):
+            TrainStream(uneven, **ORDER, num_workers=2, prefetch_factor=prefetch)
     root = make_shards(tmp_path / "small", sizes=[5, 5, 5])
     with pytest.raises(ValueError, match="smaller --samples-per-shard"):
         TrainStream(root, **ORDER)
