@@ -32,6 +32,7 @@ import heapq
 import itertools
 import logging
 import multiprocessing
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,6 +78,25 @@ def decoded_bytes(images_per_step: int, image_size: int, num_workers: int, prefe
     each worker's uint8 planes of one image; ``images_per_step`` is the rank's share of a global batch, G / R."""
     pixels = images_per_step * 3 * image_size**2
     return step_slots(num_workers, prefetch_factor) * pixels * 4 + num_workers * 3 * image_size**2
+
+
+def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
+    """Refuse a step pool that ``where`` cannot hold (``free`` bytes; None: unknown), naming the fixes. Past a full
+    ``/dev/shm`` a loader worker dies of SIGBUS mid-write instead of raising, and Docker gives containers 64 MB."""
+    if free is not None and needed > free:
+        raise ValueError(
+            f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
+            f"{free / 2**20:.0f} MiB free: give it more (docker run --shm-size=..., a memory-backed emptyDir on "
+            "/dev/shm in Kubernetes), or lower the per-rank batch (global batch / world size) or the image size, or "
+            "set data.num_workers=0 (no shared memory)"
+        )
+
+
+def _shm_free(where: str = "/dev/shm") -> int | None:
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:  # no /dev/shm: not Linux, where torch shares memory another way
+        return None
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
@@ -678,6 +698,8 @@ class TrainStream:
             # before the DataLoader can ask for it: it asks for step s + prefetch_factor as it hands over step s.
             lookahead = self.prefetch_factor if self.num_workers > 0 else 0
             slots, rows = step_slots(self.num_workers, self.prefetch_factor), plan.global_batch // plan.world_size
+            if self.num_workers > 0:
+                check_shared_memory(slots * rows * 3 * plan.image_size**2 * 4, _shm_free())
             pool = _StepPool(slots, rows, plan.image_size, plan.workers, lookahead, shared=self.num_workers > 0)
             for step in range(self._step, min(self._step + lookahead, steps)):
                 pool.grant(step)

@@ -22,6 +22,7 @@ from data_pipeline.stream import (
     TrainStream,
     _StepPool,
     balanced_split,
+    check_shared_memory,
     merge_stream_states,
 )
 from pretrain.config import load_config
@@ -389,3 +390,10 @@ def test_workers_write_into_pooled_buffers_unless_the_consumer_keeps_them(uneven
     assert keeping.unpooled_steps > 0
     for (x1, y1), (x2, y2) in zip(copies, kept):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_a_pool_that_shared_memory_cannot_hold_is_refused_with_the_fixes():
+    check_shared_memory(96 * 2**20, 97 * 2**20)
+    check_shared_memory(96 * 2**20, None)  # unknown: torch shares memory another way
+    with pytest.raises(ValueError, match=r"need 96 MiB of shared memory but /dev/shm has 64 MiB free: .*--shm-size"):
+        check_shared_memory(96 * 2**20, 64 * 2**20)
