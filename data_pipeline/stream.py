@@ -282,11 +282,12 @@ class _StepPool:
     Before the loader can ask for step s, the training process grants s a buffer (``grant``), one that no step in
     flight owns and no view of which is alive: its storage's use count is back to what it was when it was made, so
     no micro-batch from it, no view of one and no autograd graph saving one is held. Each worker (or the training
-    process itself, without workers) decodes its streams' chunks into uint8 scratch rows and converts them into its
-    rows of that buffer (``write``), then sends only the buffer number. So the training process does no per-image
-    work on a step: on a 2-core machine its conversion of every step had taken the CPU that a second loader worker
-    needs (docs/elastic.md, "Assembly"). When no buffer is free (a consumer keeping many steps), the grant is -1 and
-    the workers hand over uint8 pixels, which the training process converts into a tensor of the step's own.
+    process itself, without workers) decodes its streams' chunks, packs each image into uint8 planes and converts
+    them into its row of that buffer (``write``), then sends only the buffer number. So the training process
+    converts nothing: on a 2-core machine its conversion of every step had taken the CPU that a second loader
+    worker needs (docs/elastic.md, "Assembly"). When no buffer is free (a consumer keeping many steps), the grant
+    is -1 and the workers hand over uint8 pixels, which the training process converts into a tensor of the step's
+    own.
 
     ``grants[step mod len]`` is (step, buffer) and ``stamps[buffer, worker]`` the step that worker's rows hold (-1
     while it writes), both in shared memory; ``take`` checks every stamp, so a mix-up would be an error, never
