@@ -230,7 +230,8 @@ def test_decoding_only_the_rows_the_crop_reads_through_simplejpeg_is_bit_identic
     outputs = []
     for cut in (True, False):
         if not cut:
-            monkeypatch.setattr(augment, "decoded_rows", lambda img, data, box, size, full: img)  # PIL decodes it all
+            # PIL decodes it all, for training (crop_resize reads the PIL image) and evaluation (decoded_rows) alike
+            monkeypatch.setattr(augment, "decoded_pixels", lambda img, data, box, size, full: img)
         outputs.append([
             [decode_train(data, size, cfg, np.random.default_rng([seed, i])) for i in range(12) for cfg in cfgs]
             + [decode_eval(data, size, resize) for resize in (None, 256, 4 * size)]
