@@ -106,7 +106,7 @@ def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int 
     if convert:  # shared memory and scratch made before the clock starts, as the loader makes them once
         pool, scratch = (
             _StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
-            np.empty((batch, 3, size, size), np.uint8),
+            np.empty((1, 3, size, size), np.uint8),  # one image's planes at a time, as in a worker
         )
     decode = decode_train_image if convert else decode_train  # the loader's workers keep PIL images for the scratch
     start = time.process_time()
@@ -118,7 +118,7 @@ def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int 
         if convert:
             pool.grant(step)
             slot = pool.slot(step)
-            pool.write(step, slot, 0, 0, arrays, scratch[: len(arrays)])
+            pool.write(step, slot, 0, 0, arrays, scratch)
             pool.take(step, slot)
     return len(images) / (time.process_time() - start)
 

@@ -446,7 +446,7 @@ def _loader_host_bytes(
 ) -> tuple[float, str]:
     """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
     (encoded samples; a buffer never holds more than its stream's samples) and its decoded images
-    (``data_pipeline.stream.decoded_bytes``: its pool of float step buffers and its workers' uint8 scratch rows)."""
+    (``data_pipeline.stream.decoded_bytes``: its pool of float step buffers, each worker's uint8 planes of an image)."""
     d = config.data
     streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
     held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer

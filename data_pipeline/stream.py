@@ -73,11 +73,15 @@ def step_slots(num_workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
     return prefetch_factor + 3 if num_workers > 0 else 3
 
 
+def step_pool_bytes(images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR):
+    """Bytes of a rank's ``_StepPool``, in shared memory with loader workers; ``images_per_step`` is the rank's share
+    of a global batch, G / R."""
+    return step_slots(num_workers, prefetch_factor) * images_per_step * 3 * image_size**2 * 4
+
+
 def decoded_bytes(images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR):
-    """Host bytes of one rank's decoded images: its float step buffers (in shared memory with loader workers) and
-    each worker's uint8 planes of one image; ``images_per_step`` is the rank's share of a global batch, G / R."""
-    pixels = images_per_step * 3 * image_size**2
-    return step_slots(num_workers, prefetch_factor) * pixels * 4 + num_workers * 3 * image_size**2
+    """Host bytes of one rank's decoded images: its step pool and each worker's uint8 planes of one image."""
+    return step_pool_bytes(images_per_step, image_size, num_workers, prefetch_factor) + num_workers * 3 * image_size**2
 
 
 def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
@@ -700,7 +704,9 @@ class TrainStream:
             lookahead = self.prefetch_factor if self.num_workers > 0 else 0
             slots, rows = step_slots(self.num_workers, self.prefetch_factor), plan.global_batch // plan.world_size
             if self.num_workers > 0:
-                check_shared_memory(slots * rows * 3 * plan.image_size**2 * 4, _shm_free())
+                check_shared_memory(
+                    step_pool_bytes(rows, plan.image_size, self.num_workers, self.prefetch_factor), _shm_free()
+                )
             pool = _StepPool(slots, rows, plan.image_size, plan.workers, lookahead, shared=self.num_workers > 0)
             for step in range(self._step, min(self._step + lookahead, steps)):
                 pool.grant(step)
