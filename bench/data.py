@@ -33,6 +33,8 @@ needs 2 idle cores. Those shards hold every image ``--loader-copies`` times (4: 
 32), so the timed window is seconds long rather than 9 batches (with 9, four runs on one machine gave 1.60 to 1.86).
 It is the best of ``--loader-rounds`` (5) rounds at 2 workers over the best at 1, the counts interleaved;
 ``workers_2_over_1_paired_median`` is the median of each round's own ratio, which a noisy machine pulls down more.
+``loader_main_cpu_us_per_image_workers2``: the training process's CPU time per image over the 2-worker window (median
+of the rounds), what it takes from the workers' two cores.
 The training process's share of the loader (receiving each step's buffer number, labels and positions; the workers
 convert to float) runs beside one worker on the second core, and beside two workers on the same two cores.
 ``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files are in the
@@ -190,17 +192,19 @@ def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int
     return done / (time.process_time() - start)
 
 
-def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> float:
-    """Images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch."""
+def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple[float, float]:
+    """(images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch;
+    microseconds of the training process's CPU per image over the same window)."""
     # 2 streams at every worker count: the same samples in the same order, read by 1 or 2 processes
     stream = TrainStream(shards, batch_size=batch, image_size=size, streams=2, shuffle_buffer=64,
                          augment=AugmentConfig(), num_workers=workers)  # fmt: skip
     it = iter(stream)
     next(it)  # worker start-up and the first batch are not counted
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(stream.steps_per_epoch - 1):
         next(it)
-    return (stream.steps_per_epoch - 1) * batch / (time.perf_counter() - start)
+    images = (stream.steps_per_epoch - 1) * batch
+    return images / (time.perf_counter() - start), (time.process_time() - cpu) / images * 1e6
 
 
 def read_speed(shard_dir: Path) -> float:
@@ -283,10 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(stream.steps_per_epoch):
             next(it)
         stream_rate = stream.steps_per_epoch * 32 / (time.process_time() - start)
-        workers = {n: [] for n in (1, 2)}
+        workers, main_cpu_us = {n: [] for n in (1, 2)}, []
         for _ in range(args.loader_rounds):
             for n in workers:
-                workers[n].append(loader_rate(shards, args.size, n))
+                img_s, cpu_us = loader_rate(shards, args.size, n)
+                workers[n].append(img_s)
+                if n == 2:
+                    main_cpu_us.append(cpu_us)
         worker_rate = {n: max(r) for n, r in workers.items()}
     result = {
         "ratio": round(rate["pipeline"] / rate["pil"], 3),
@@ -309,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         **{f"decode_us_scale_{n}_8": round(us, 1) for n, us in decode_us.items()},
         "loader_img_s_workers1": round(worker_rate[1], 1),
         "loader_img_s_workers2": round(worker_rate[2], 1),
+        "loader_main_cpu_us_per_image_workers2": round(float(np.median(main_cpu_us)), 1),
         "read_mb_s": round(read_mb_s, 1),
         "stream_img_s": round(stream_rate, 1),
         "images": len(images),
@@ -337,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     print("JPEG decode by DCT scale: " + ", ".join(f"{n}/8 {us:.0f} us" for n, us in decode_us.items()))
     print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
           f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x; paired median of the rounds "
-          f"{result['workers_2_over_1_paired_median']:.2f}x)")  # fmt: skip
+          f"{result['workers_2_over_1_paired_median']:.2f}x); training process "
+          f"{result['loader_main_cpu_us_per_image_workers2']:.0f} us CPU per image at 2 workers")  # fmt: skip
     print(f"TrainStream end to end: {stream_rate:7.1f} images/s (num_workers=0)")
     print(f"shard reading          : {read_mb_s:7.1f} MB/s")
     out.write_text(json.dumps(result, indent=2) + "\n")
