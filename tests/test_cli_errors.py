@@ -143,6 +143,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     # bench: numbers that measure nothing, an output path that cannot be written (found before the timing)
     ("bench.data", ["--images", "0"], [r"--images 0"]),
     ("bench.data", ["--loader-copies", "0"], [r"--loader-copies 0: must be >= 1"]),
+    ("bench.data", ["--loader-rounds", "0"], [r"--loader-rounds 0: must be >= 1"]),
     ("bench.train", ["--out", "{tmp}"], [r"--out", r"folder"]),
     ("bench.scale", ["--out", "{tmp}"], [r"--out", r"folder"]),
     ("bench.scaling", ["--global-batch", "15"], [r"--global-batch 15"]),
