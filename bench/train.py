@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from data_pipeline.cli import output_file
 from pretrain.flops import train_flops
 from pretrain.model import VisionTransformer, ViTConfig, build_model, model_config
+from pretrain.peak import gemm_tflops
 
 # JSON key suffix per model: ViT-S/16 is the headline; ViT-Ti/16 is for quick checks (tests), not in the default run.
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
@@ -184,27 +185,6 @@ def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> 
         _sync(device)
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def gemm_tflops(precision: str, size: int, device: torch.device, repeats: int = 3) -> dict[str, float]:
-    """TFLOP/s of a square ``size`` matmul at ``precision``, best of ``repeats``, for both operand layouts a @ b
-    ("nn") and a @ bᵀ ("nt", how ``F.linear`` multiplies by its weight): without native bf16 the emulated kernel's
-    speed depends on the layout (measured on AVX2: nt ~5 GFLOP/s, nn ~0.5), so the GEMM rate is the faster one."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g).to(device, DTYPES[precision])
-    b = torch.randn(size, size, generator=g).to(device, DTYPES[precision])
-    rates = {}
-    for layout, right in (("nn", b), ("nt", b.t())):
-        torch.mm(a, right)
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            torch.mm(a, right)
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        rates[layout] = 2 * size**3 / best / 1e12
-    return rates
 
 
 _PROFILE_GROUPS = {  # operator families the issue names, by substring of the profiler's op name

@@ -34,9 +34,10 @@ from pretrain.config import (
     recipe_path,
 )
 from pretrain.ds_config import batch_plan, valid_world_sizes
-from pretrain.model import model_config
+from pretrain.model import ViTConfig, model_config
 from pretrain.mpp import MPPConfig
-from pretrain.precision import cpu_bf16_units, decide
+from pretrain.peak import Peak, cpu_peak, gpu_peak
+from pretrain.precision import StepShape, cpu_bf16_units, decide
 from pretrain.typed_yaml import parse_override
 
 # Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
@@ -149,7 +150,8 @@ def _given(written: dict, sets: list[str]) -> set[str]:
 def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
     """`key=value` overrides that put a recipe (``written``, as read from ``path``) on this profile's hardware.
 
-    Storage, tracking, communication backend and hardware peak always come from the profile. The profile's
+    Storage, tracking, communication backend and the hardware peak (where the profile declares one) always come from
+    the profile. The profile's
     `defaults` (ZeRO stage, micro-batch, precision, loader workers) fill only what the recipe leaves unset. The
     micro-batch is then lowered, if needed, to the largest value that splits the global batch over the world.
     """
@@ -161,7 +163,6 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         f"deepspeed.dist_backend={profile.comm_backend}",
         f"data.train={_relocate(base.data.train, shards)}",
         f"logging.mlflow_tracking_uri={profile.storage.mlflow_tracking_uri}",
-        f"logging.peak_tflops={profile.hardware.peak_tflops}",
         f"checkpoint.dir={profile.storage.checkpoints.rstrip('/')}/{run_name}",
         f"evals.data_root={_relocate(base.evals.data_root, shards)}",
         # Ray Train workers are actors with threads: forking them for loader workers is unsafe (docs/reference.md §6).
@@ -176,6 +177,12 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         "data.num_workers": profile.workers.loader_workers,
     }
     out += [f"{k}={v}" for k, v in defaults.items() if k not in given]
+    # The MFU denominator at the run's precision (CUDA: auto and probe are bf16), where the profile knows it; a local
+    # CPU run measures it, as the plan does (pretrain.peak).
+    requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
+    peak = profile_peak(profile, "fp32" if requested == "fp32" or not profile.uses_gpus else "bf16")
+    if peak is not None:
+        out.append(f"logging.peak_tflops={peak.tflops}")
     micro = base.data.micro_batch_size if "data.micro_batch_size" in given else d.micro_batch_size
     # Elastic: one micro-batch for every world size Ray may pick, so the global batch never changes on a resize.
     span = math.lcm(*range(profile.workers.min_workers, profile.workers.max_workers + 1))
@@ -263,6 +270,8 @@ class Plan:
     total_exaflops: float
     images_per_s: float
     assumed_mfu: float
+    peak_tflops: float  # per device at the plan's precision: the MFU denominator of the run too
+    peak_source: str
     num_shards: int
     shards_per_loader: float
     bytes_per_image: float
@@ -317,7 +326,8 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     if config.schedule.stop_at_step:
         total_steps = min(total_steps, config.schedule.stop_at_step)
 
-    precision, precision_reason = _precision(profile, config)
+    precision, precision_reason = _precision(profile, config, vit)
+    peak = _peak(profile, precision)
     states = memory.model_state_bytes(num_params, config.deepspeed.zero_stage, world, precision)
     per_image = functools.partial(
         memory.activation_bytes_per_image,
@@ -340,10 +350,9 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         capacity, overhead = profile.hardware.memory_gb_per_node * memory.GB / per_node, CPU_OVERHEAD_GB * memory.GB
     total = states.total + activations + overhead
 
-    peak = profile.hardware.peak_tflops * 1e12
     # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
     recompute_factor = (train + fwd) / train
-    plain_step_time = train * batch.global_batch_size / (world * peak * profile.assumed_mfu)
+    plain_step_time = train * batch.global_batch_size / (world * peak.tflops * 1e12 * profile.assumed_mfu)
     step_time = plain_step_time * (recompute_factor if vit.grad_checkpointing else 1.0)
     images_per_s = batch.global_batch_size / step_time
     if shards is not None and shards < config.data.streams:  # each stream reads shards of its own (docs/elastic.md)
@@ -418,6 +427,8 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         total_exaflops=train * batch.global_batch_size * total_steps / 1e18,
         images_per_s=images_per_s,
         assumed_mfu=profile.assumed_mfu,
+        peak_tflops=peak.tflops,
+        peak_source=peak.source,
         num_shards=shards,
         shards_per_loader=shards_per_loader,
         bytes_per_image=bytes_per_image or 0.0,
@@ -476,19 +487,51 @@ def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) ->
     return tuple({k: getattr(p, k) for k in keys} for p in (at_min, at_max))
 
 
-def _precision(profile: ClusterProfile, config: TrainConfig) -> tuple[str, str]:
-    """(precision the plan's memory assumes, why): `pretrain.precision.decide` for the profile's hardware. This
-    machine's CPU flags answer for the local profile; a remote CPU cluster's workers decide at start."""
+def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
+    """(precision the plan's memory and step time assume, why): `pretrain.precision.decide` on the profile's
+    hardware, the same rule the workers apply. This machine's CPU answers for a local profile; the CPUs of a remote CPU
+    cluster are unknown here, so the plan assumes fp32 and the workers decide at start."""
     requested = config.deepspeed.precision
-    if requested != "auto" or profile.uses_gpus or profile.is_local:
-        choice = decide(requested, "cuda" if profile.uses_gpus else "cpu")
+    if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
+        device = "cuda" if profile.uses_gpus else "cpu"
+        choice = decide(requested, device, StepShape.of(vit, config.data.micro_batch_size))
+        reason = f"{choice.rule}: {choice.reason}"
         if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
-            return "bf16", f"{choice.reason}; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"
-        return choice.precision, choice.reason
-    return "fp32", (
-        "decided by the workers at start (bf16 only if their CPU has AMX/AVX512-BF16 and a probe step of this model "
-        "is faster in bf16); the memory below assumes fp32"
-    )
+            reason += "; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"
+        return choice.precision, reason
+    return "fp32", f"decided by the workers at start ({requested} on CPUs unknown here); the memory below assumes fp32"
+
+
+def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
+    """The per-device peak a run on ``profile`` in ``precision`` divides by, where the profile knows it: its GPUs'
+    datasheet (``hardware.peak_tflops`` is their dense bf16 peak; fp32 from `pretrain.peak.GPU_PEAK_TFLOPS`) or a
+    declared CPU peak. None: measured on the machine (`pretrain.peak.cpu_peak`)."""
+    hw = profile.hardware
+    if hw.peak_tflops is None:
+        return None
+    if not profile.uses_gpus:
+        return Peak(hw.peak_tflops, f"profile {profile.name}: hardware.peak_tflops")
+    if precision == "bf16":
+        return Peak(hw.peak_tflops, f"profile {profile.name}: {hw.gpu_type} dense bf16 peak")
+    known = gpu_peak(hw.gpu_type, "fp32")
+    if known is None:
+        raise PlanError(
+            f"profile {profile.name}: no fp32 peak is known for gpu_type {hw.gpu_type!r} (pretrain.peak); train in "
+            "bf16 (--set deepspeed.precision=auto) or name a GPU the table lists"
+        )
+    return known
+
+
+def _peak(profile: ClusterProfile, precision: str) -> Peak:
+    peak = profile_peak(profile, precision)
+    if peak is not None:
+        return peak
+    if not profile.is_local:
+        raise PlanError(
+            f"profile {profile.name}: CPU workers without hardware.peak_tflops; only this machine's CPU can be "
+            "measured here: declare the workers' peak TFLOP/s in the profile"
+        )
+    return cpu_peak(precision, threads=profile.workers.cpus_per_worker)
 
 
 # Bytes per parameter of one checkpoint: fp32 master weights + Adam's two moments in the engine state (12), the
@@ -614,7 +657,8 @@ def format_plan(plan: Plan) -> str:
         f"  checkpointing activations {p.activations_gb_checkpointed:.2f} GB with it, "
         f"{p.activations_gb_not_checkpointed:.2f} GB without (micro-batch {p.micro_batch_size}); "
         f"{p.checkpointing_advice}",
-        f"  compute       {p.total_steps} steps x {p.step_time_s:.3g} s/step (assumed MFU {p.assumed_mfu:.0%}"
+        f"  compute       {p.total_steps} steps x {p.step_time_s:.3g} s/step (assumed MFU {p.assumed_mfu:.0%} of "
+        f"{p.peak_tflops:.4g} TFLOP/s per device: {p.peak_source}"
         f"{f', + recompute x {p.recompute_factor:.2f}' if p.activation_checkpointing else ''}) = "
         f"{p.days:.3g} days; {p.images_per_s:,.0f} images/s; {p.total_exaflops:.4g} exaFLOPs total",
         f"  data          {p.num_shards or 'unknown number of'} shards, {p.shards_per_loader:.1f} per (rank x loader "

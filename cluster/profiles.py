@@ -24,9 +24,11 @@ class HardwareSpec:
     gpus_per_node: int  # 0 → CPU workers
     gpu_type: str  # e.g. "A100-SXM4-80GB"; "none" on CPU
     gpu_memory_gb: float  # per GPU, decimal GB (1e9 bytes); 0 on CPU
-    peak_tflops: float  # dense bf16 peak per GPU (per worker on CPU), the MFU denominator
     cpus_per_node: int
     memory_gb_per_node: float
+    # The MFU denominator per device: the GPUs' dense bf16 peak (their fp32 one is in pretrain.peak); on CPU None, the
+    # plan and the workers measure this machine's GEMM rate at the run's precision (pretrain.peak.cpu_peak).
+    peak_tflops: float | None = None
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
 
 
@@ -144,12 +146,14 @@ class ClusterProfile:
         for key, value, low in counts:
             if value < low:
                 raise ValueError(f"profile {self.name}: {key}={value} must be >= {low}")
-        for key, value in (
-            ("hardware.peak_tflops", hw.peak_tflops),
-            ("hardware.memory_gb_per_node", hw.memory_gb_per_node),
-        ):
-            if not value > 0:  # the plan divides by both
-                raise ValueError(f"profile {self.name}: {key}={value} must be > 0")
+        if not hw.memory_gb_per_node > 0:  # the plan divides by it
+            raise ValueError(f"profile {self.name}: hardware.memory_gb_per_node={hw.memory_gb_per_node} must be > 0")
+        if hw.peak_tflops is not None and not hw.peak_tflops > 0:
+            raise ValueError(
+                f"profile {self.name}: hardware.peak_tflops={hw.peak_tflops} must be > 0 (or absent on CPU)"
+            )
+        if wk.gpus_per_worker > 0 and hw.peak_tflops is None:
+            raise ValueError(f"profile {self.name}: GPU workers need hardware.peak_tflops (their dense bf16 peak)")
         self._validate_worker_counts()
         if wk.gpus_per_worker > 0:
             if self.comm_backend != "nccl":

@@ -129,7 +129,8 @@ class DeepSpeedConfig:
     """The ZeRO engine; the DeepSpeed JSON is generated from this by `pretrain.ds_config`."""
 
     zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
-    # auto: bf16 on CUDA; on a CPU bf16 only with AMX/AVX512-BF16 and a probe step faster in bf16 (pretrain.precision)
+    # auto: bf16 on CUDA; on a CPU by a fixed rule on its bf16 units and the model's GEMM shapes; probe: timed once per
+    # run and recorded in the run folder (pretrain.precision)
     precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
     reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
     allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size

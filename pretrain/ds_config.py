@@ -1,8 +1,8 @@
 """The DeepSpeed config, generated from the typed config (never a hand-written JSON repeating the batch size).
 
 The batch arithmetic lives here and only here: global batch = micro-batch × accumulation steps × world size.
-The process-group backend is resolved from the device (nccl on CUDA, gloo on CPU); precision "auto" by
-`pretrain.precision` (bf16 on CUDA; on a CPU bf16 only with native bf16 units and a probe that finds it faster).
+The process-group backend is resolved from the device (nccl on CUDA, gloo on CPU). The precision is decided by the
+trainer (`pretrain.precision`: "auto" and "probe" need the model and the hardware) and passed in.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pretrain import precision as precision_rule
 from pretrain.typed_yaml import positive
 
 if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
     from pretrain.config import DataConfig, DeepSpeedConfig, OptimConfig, TrainConfig
 
-Precision = Literal["auto", "fp32", "bf16"]  # deepspeed.precision; "auto" is resolved by `resolve_precision`
+Precision = Literal["auto", "probe", "fp32", "bf16"]  # deepspeed.precision; resolved by `pretrain.precision.decide`
 DistBackend = Literal["auto", "nccl", "gloo"]  # deepspeed.dist_backend; "auto" is resolved by `resolve_backend`
 
 
@@ -87,12 +86,6 @@ def check_config(ds: DeepSpeedConfig) -> None:
     positive(ds.timeout_minutes, "deepspeed.timeout_minutes")
 
 
-def resolve_precision(ds: DeepSpeedConfig, device_type: str) -> str:
-    """The precision without a probe (`pretrain.precision.decide`): "auto" → bf16 on CUDA, fp32 on a CPU. The
-    trainer decides a CPU with bf16 units by a probe step and passes its choice to `deepspeed_config`."""
-    return precision_rule.decide(ds.precision, device_type).precision
-
-
 def resolve_backend(ds: DeepSpeedConfig, device_type: str) -> str:
     if ds.dist_backend == "auto":
         return "nccl" if device_type == "cuda" else "gloo"
@@ -103,15 +96,15 @@ def deepspeed_config(
     ds: DeepSpeedConfig,
     optim: OptimConfig,
     plan: BatchPlan,
-    device_type: str,
+    precision: str,
     steps_per_print: int = 10**9,
-    precision: str | None = None,
 ) -> dict[str, Any]:
     """The dict for `deepspeed.initialize(config=...)`. The optimizer and lr schedule are ours (not listed here).
 
-    ``precision``: the run's decided precision ("fp32" | "bf16"); None resolves it here without a probe.
+    ``precision``: the run's decided precision ("fp32" | "bf16", `pretrain.precision.decide`).
     """
-    precision = precision or resolve_precision(ds, device_type)
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision={precision!r}: pass the decided precision (pretrain.precision.decide)")
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
         "overlap_comm": ds.overlap_comm,
@@ -144,13 +137,11 @@ def deepspeed_config(
     }
 
 
-def engine_config(
-    config: TrainConfig, world_size: int, device_type: str, precision: str | None = None, load_universal: bool = False
-) -> dict[str, Any]:
+def engine_config(config: TrainConfig, world_size: int, precision: str, load_universal: bool = False) -> dict[str, Any]:
     """The engine's DeepSpeed JSON; ``load_universal`` when the engine will load a universal checkpoint (a resume at
     another world size, `pretrain.checkpoint`)."""
     plan = batch_plan(config.data, world_size)
-    ds = deepspeed_config(config.deepspeed, config.optim, plan, device_type, precision=precision)
+    ds = deepspeed_config(config.deepspeed, config.optim, plan, precision)
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds

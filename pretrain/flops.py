@@ -56,6 +56,11 @@ def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int,
     return macs, params, cin
 
 
+def stem_channels(config: ViTConfig) -> int:
+    """Channels the patch embedding sees: the hybrid stem's output, else the image's."""
+    return _stem_macs_and_params(config, config.image_size)[2]
+
+
 def forward_macs(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
     """Multiply-adds of one forward pass of one image at `image_size` (default: the config's); ``as_run``: as the
     model runs it, the last layer at the class token alone (module docstring)."""

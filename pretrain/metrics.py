@@ -20,36 +20,9 @@ import torch
 from tracking import keys
 from tracking.tracker import Tracker
 
-# Dense peak TFLOP/s per device by name fragment (bf16 tensor cores; fp32 uses TF32 on Ampere+).
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
-
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or inf; the message names the step and what to try."""
-
-
-def measure_cpu_gemm_tflops(size: int = 1024, seconds: float = 0.5) -> float:
-    """fp32 GEMM TFLOP/s of this process's threads (a square matmul timed for about ``seconds``)."""
-    g = torch.Generator().manual_seed(0)  # a private generator: measuring must not shift the training RNG
-    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
-    torch.mm(a, b)  # warm-up: thread pool and caches
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
-        torch.mm(a, b)
-        count += 1
-    return 2 * size**3 * count / elapsed / 1e12
-
-
-def device_peak_tflops(declared: float | None, device: torch.device) -> float:
-    """The declared peak, else a known GPU's dense bf16 peak, else this CPU's measured fp32 GEMM rate."""
-    if declared:
-        return declared
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peak in GPU_PEAK_TFLOPS.items():
-            if fragment in name:
-                return peak
-    return measure_cpu_gemm_tflops()
 
 
 def memory_gb(device: torch.device) -> float:
@@ -65,7 +38,7 @@ class TrainMetrics:
     world_size: int
     total_steps: int
     flops_per_image: int  # training FLOPs per image (forward + backward)
-    peak_tflops: float  # per device
+    peak_tflops: float  # per device, at the run's precision (`pretrain.peak`)
     device: torch.device
     log_every: int = 10
     tracker: Tracker | None = None  # no-op off rank 0

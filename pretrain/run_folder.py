@@ -25,6 +25,8 @@ API (paths are used as given: resolve a recipe's relative ``checkpoint.dir`` wit
   pruning    prune_checkpoints(run_dir, keep_last) -> [Path deleted] (pinned ones are skipped)
   resizes    record_world_size(run_dir, step, world_size, accumulation); world_size_history(run_dir) -> [dict];
              resize_events(history) -> [dict]
+  precision  read_precision_record(run_dir) -> dict | None; write_precision_record(run_dir, precision, rule, reason)
+             (``<run>/precision.json``: a `precision: probe` run's decision, repeated by every later start)
 """
 
 from __future__ import annotations
@@ -354,3 +356,30 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
         shutil.rmtree(old, ignore_errors=True)
         deleted.append(old)
     return deleted
+
+
+# --------------------------------------------------------------------------------------------- precision record
+
+PRECISION_RECORD = "precision.json"  # a `precision: probe` run's timed decision, repeated by every later start
+
+
+def read_precision_record(run_dir: str | Path) -> dict[str, str] | None:
+    """``{"precision", "rule", "reason"}`` that the run's first start decided by timing; None when it has none."""
+    path = Path(run_dir) / PRECISION_RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        return {key: str(record[key]) for key in ("precision", "rule", "reason")}
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path} is damaged ({type(error).__name__}: {error}); delete it to time the precision probe again, or "
+            "set deepspeed.precision to fp32 or bf16"
+        ) from None
+
+
+def write_precision_record(run_dir: str | Path, precision: str, rule: str, reason: str) -> None:
+    """Rank 0, once, at the run's first start (before its first checkpoint)."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    record = {"precision": precision, "rule": rule, "reason": reason, "decided_at": time.time()}
+    write_durably(Path(run_dir) / PRECISION_RECORD, json.dumps(record) + "\n")

@@ -43,10 +43,11 @@ from pretrain import progressive, run_folder
 from pretrain.config import TrainConfig, load_config, model_overrides
 from pretrain.ds_config import batch_plan, engine_config, resolve_backend
 from pretrain.flops import train_flops
-from pretrain.metrics import TrainMetrics, device_peak_tflops
-from pretrain.model import build_model
+from pretrain.metrics import TrainMetrics
+from pretrain.model import build_model, model_config
 from pretrain.optim import build_optimizer, build_schedule, set_lr
-from pretrain.precision import PrecisionChoice, decide, decide_on_rank0, probe_bf16_speedup
+from pretrain.peak import Peak, device_peak
+from pretrain.precision import PrecisionChoice, StepShape, decide, decide_on_rank0, probe_bf16_speedup
 from pretrain.run_folder import CONFIG_YAML, TrainerState
 from pretrain.tasks import build_task
 from tracking import keys
@@ -223,14 +224,19 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int):
 def decide_precision(
     config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint
 ) -> PrecisionChoice:
-    """`deepspeed.precision` for this run, the same on every rank (`pretrain.precision`: rank 0 decides; on a CPU
-    with bf16 units by timing one fwd+bwd of this model on one micro-batch at the training resolution). A resumed
-    run keeps the precision its checkpoint trained in."""
-    d = config.data
+    """`deepspeed.precision` for this run, the same on every rank (`pretrain.precision`): `auto` by the rule on this
+    device and the model's shapes; `probe` by the run folder's record, else by timing on rank 0, which records it.
+    A resumed run keeps the precision its checkpoint trained in."""
+    d, run_dir = config.data, resolve_path(config.checkpoint.dir)
     resumed = None
     if start.kind in ("run", "resume_from"):
         kept = TrainerState.read(start.path).precision
         resumed = None if kept is None else (kept, start.path.name)
+    record = run_folder.read_precision_record(run_dir) if config.deepspeed.precision == "probe" else None
+    recorded = None if record is None else PrecisionChoice(
+        record["precision"], "run-record", f"{run_dir / run_folder.PRECISION_RECORD}: {record['reason']}"
+    )  # fmt: skip
+    shape = StepShape.of(model_config(config.model.name, **model_overrides(config, num_classes)), d.micro_batch_size)
 
     def probe() -> tuple[float, float]:
         def build():
@@ -238,7 +244,14 @@ def decide_precision(
 
         return probe_bf16_speedup(build, d.micro_batch_size, d.image_size)
 
-    return decide_on_rank0(lambda: decide(config.deepspeed.precision, place.device.type, probe, resumed=resumed))
+    def here() -> PrecisionChoice:
+        choice = decide(config.deepspeed.precision, place.device.type, shape, resumed=resumed, recorded=recorded,
+                        probe=probe)  # fmt: skip
+        if choice.rule == "probe":  # timed now: later starts of this run repeat it
+            run_folder.write_precision_record(run_dir, choice.precision, choice.rule, choice.reason)
+        return choice
+
+    return decide_on_rank0(here)
 
 
 def build_engine(
@@ -256,7 +269,7 @@ def build_engine(
     if config.model.compile:
         model.compile_blocks()  # compiles at the first step; checkpoints and parameter names are unchanged
     task = build_task(config, model)
-    ds_config = engine_config(config, place.world_size, place.device.type, precision, load_universal)
+    ds_config = engine_config(config, place.world_size, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
     return engine, model
 
@@ -353,16 +366,19 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
     start = ckpt.find_start(config)
     current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
     choice = decide_precision(current, place, num_classes, start)
-    if place.rank == 0 and config.deepspeed.precision == "auto":
-        print(choice.line("auto"), flush=True)
+    if place.rank == 0:
+        print(choice.line(config.deepspeed.precision), flush=True)
     universal = ckpt.prepare_resume(start, place.world_size, place.rank)  # converts for another world size
     engine, model = build_engine(current, place, num_classes, start, choice.precision, universal is not None)
     stream = build_stream(current, place, num_classes)
     state = resume(engine, stream, start, place, current, universal)  # None when starting fresh
     step, images_seen = (state.step, state.images_seen) if state is not None else (0, 0)
     tracker, created_run = _tracker(config, place, model)
-    tracker.set_tags({keys.PRECISION: choice.precision, **record_world_size(config, place, step, plan)})
-    metrics = build_metrics(config, place, model, tracker, last_step, step, images_seen)
+    peak = device_peak(config.logging.peak_tflops, place.device, choice.precision)
+    tracker.set_tags({keys.PRECISION: choice.precision, keys.PRECISION_RULE: choice.rule,
+                      keys.PRECISION_REASON: choice.reason, keys.PEAK_TFLOPS: f"{peak.tflops:.6g}",
+                      keys.PEAK_SOURCE: peak.source, **record_world_size(config, place, step, plan)})  # fmt: skip
+    metrics = build_metrics(config, place, model, tracker, last_step, step, images_seen, peak)
     # bf16: DeepSpeed keeps bf16 weights for compute and fp32 master weights + optimizer state in ZeRO; the task
     # computes the loss in fp32, and LayerNorm kernels accumulate their statistics in fp32.
     dtype = torch.bfloat16 if choice.precision == "bf16" else torch.float32
@@ -501,12 +517,13 @@ def record_world_size(config: TrainConfig, place: Placement, step: int, plan) ->
             keys.WORLD_SIZES: ",".join(map(str, sizes))}  # fmt: skip
 
 
-def build_metrics(config, place, model, tracker, last_step: int, step: int, images_seen: int) -> TrainMetrics:
+def build_metrics(
+    config, place, model, tracker, last_step: int, step: int, images_seen: int, peak: Peak
+) -> TrainMetrics:
     return TrainMetrics(
         rank=place.rank, world_size=place.world_size, total_steps=last_step, flops_per_image=train_flops(model.config),
-        peak_tflops=device_peak_tflops(config.logging.peak_tflops, place.device), device=place.device,
-        log_every=config.logging.log_every, tracker=tracker, progress_bar=config.logging.progress_bar,
-        start_step=step, images_seen=images_seen,
+        peak_tflops=peak.tflops, device=place.device, log_every=config.logging.log_every, tracker=tracker,
+        progress_bar=config.logging.progress_bar, start_step=step, images_seen=images_seen,
     )  # fmt: skip
 
 

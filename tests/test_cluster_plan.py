@@ -15,7 +15,9 @@ from cluster import launch
 from cluster.memory import GB, activation_bytes_per_image, model_state_bytes, tokens_per_image
 from cluster.plan import PlanError, build_plan, format_plan, resolve_config
 from cluster.profiles import load_profile, profile_names
-from pretrain.precision import cpu_bf16_units, decide
+from pretrain.model import model_config
+from pretrain.peak import cpu_peak
+from pretrain.precision import StepShape, cpu_bf16_units, decide
 
 H14_PARAMS_1K = 632_050_000  # paper Table 1 / docs/reference.md §1, with a 1000-class head
 
@@ -104,7 +106,9 @@ def test_h14_plan_on_a100x64_matches_hand_arithmetic():
         "exaFLOPs",
         "shards",
         "MB/s",
-        "precision     bf16 (CUDA: bf16 tensor cores)",
+        "precision     bf16 (cuda: CUDA: bf16 tensor cores)",
+        # the MFU denominator of a bf16 run on A100s: their dense bf16 peak
+        "assumed MFU 40% of 312 TFLOP/s per device: profile a100x64: A100-SXM4-80GB dense bf16 peak",
         # H/14's step-0 baseline costs one more checkpoint: the plan says how large.
         "baseline eval the step-0 weights are saved before the first update (a checkpoint of ~13 GB)",
     ):
@@ -209,15 +213,20 @@ def test_local_plan_uses_cpu_memory_and_profile_storage(tmp_path):
     plan = build_plan(profile, config)
     assert plan.capacity_gb == pytest.approx(12.0)  # 24 GB / 2 workers on the node
     assert plan.precision == "fp32" and plan.zero_stage == 2 and plan.world_size == 2
-    # auto on this CPU: what the workers will pick, from this machine's flags (the local profile runs here).
-    assert plan.precision_reason == decide("auto", "cpu").reason
+    # auto on this CPU: what the workers will pick, by the same rule on this machine's flags and the model's shapes.
+    choice = decide("auto", "cpu", StepShape.of(model_config("vit_tiny_debug"), 32))
+    assert plan.precision_reason == f"{choice.rule}: {choice.reason}"
     if not cpu_bf16_units():
         assert "has no AMX/AVX512-BF16" in format_plan(plan)
+    # MFU and the step time divide by this CPU's GEMM rate at the plan's precision, measured once and cached.
+    assert plan.peak_tflops == cpu_peak("fp32", threads=1).tflops
+    assert "fp32 2048x2048 GEMM on this CPU, 1 thread(s)" in plan.peak_source
     assert "evaluated with local_fewshot" in plan.baseline_eval
     off = build_plan(profile, resolve_config(profile, "local_demo", ["evals.baseline=false"], "demo"))
     assert off.baseline_eval.startswith("off (evals.baseline=false)")
     forced = build_plan(profile, resolve_config(profile, "local_demo", ["deepspeed.precision=bf16"], "demo"))
     assert forced.precision == "bf16" and (cpu_bf16_units() or "bf16 is emulated" in forced.precision_reason)
+    assert forced.peak_tflops == cpu_peak("bf16", threads=1).tflops and "bf16" in forced.peak_source
 
 
 def test_a_dataset_with_fewer_shards_than_streams_is_refused_at_plan_time(tiny_fractal_shards):

@@ -128,8 +128,8 @@ def test_deepspeed_config_is_generated_from_one_batch_plan():
     config = load_config("vit_b16_i21k", ["data.micro_batch_size=32", "deepspeed.zero_stage=3"])
     plan = batch_plan(config.data, 8)
     assert (plan.micro_batch_size, plan.grad_accum_steps) == (32, 16)
-    cpu = deepspeed_config(config.deepspeed, config.optim, plan, "cpu")
-    gpu = deepspeed_config(config.deepspeed, config.optim, plan, "cuda")
+    cpu = deepspeed_config(config.deepspeed, config.optim, plan, "fp32")
+    gpu = deepspeed_config(config.deepspeed, config.optim, plan, "bf16")
     assert cpu["train_batch_size"] == 4096 == 32 * 16 * 8
     assert cpu["gradient_accumulation_steps"] == 16 and cpu["train_micro_batch_size_per_gpu"] == 32
     assert cpu["bf16"]["enabled"] is False and gpu["bf16"]["enabled"] is True

@@ -113,7 +113,7 @@ def _engine(task_name: str, image_size: int, zero_stage: int):
     model = build_model("vit_tiny_debug", image_size=image_size, num_classes=10)
     task = build_task(config, model)
     engine, *_ = deepspeed.initialize(
-        model=task, optimizer=build_optimizer(task, config.optim), config=engine_config(config, 1, "cpu")
+        model=task, optimizer=build_optimizer(task, config.optim), config=engine_config(config, 1, "fp32")
     )
     return engine, model
 

@@ -53,7 +53,6 @@ def tiny_config(shards: Path, run_dir: Path, *overrides: str) -> TrainConfig:
             "data.shuffle_buffer=8", "data.streams=4", "schedule.total=8", "schedule.warmup=2",
             f"checkpoint.dir={run_dir}", "optim.lr=1e-3", "checkpoint.every_steps=100", "logging.progress_bar=false",
             "logging.log_every=1", "logging.peak_tflops=1.0", "logging.record_batch_digests=true",
-            # Tests compare the losses of separate runs: auto's start-up probe could pick bf16 in one and not the other
             "deepspeed.precision=fp32", *overrides,
         ],
     )  # fmt: skip
@@ -173,14 +172,26 @@ def assert_resumed_exactly(whole: list, stopped: list, resumed: list, stop: int,
 
 @pytest.mark.timeout(900)
 def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
+    """With ``precision: auto``, the default: two fresh runs of the recipe are bit-identical, and a run stopped and
+    resumed equals the uninterrupted one (the precision is a rule on the machine and the model, never a timing)."""
     # dropout on: a resumed run must also reproduce each rank's dropout masks exactly
-    extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3")
+    extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3", "deepspeed.precision=auto")
     whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=5)
+    again = torchrun(tiny_config(shards, tmp_path / "again", *extra), tmp_path / "a")
+    assert [r["losses"] for r in again] == [r["losses"] for r in whole]  # bit-identical, every rank, every step
+    assert [r["digests"] for r in again] == [r["digests"] for r in whole]
     assert stopped[0]["steps"] == 5 and stopped[0]["checkpoints"][-1].endswith("step_00000005")
     assert resumed[0]["steps"] == 8
-    assert_resumed_exactly(whole, stopped, resumed, stop=5, tolerance=1e-6)
+    assert_resumed_exactly(whole, stopped, resumed, stop=5, tolerance=0.0)
     assert whole[0]["digests"] != whole[1]["digests"]  # ranks read disjoint data
     assert resumed[0]["images_seen"] == whole[0]["images_seen"] == 8 * 16
+    lines = {
+        next(line for line in (tmp_path / w / "output.log").read_text().splitlines() if "precision auto ->" in line)
+        for w in ("w", "a", "s")
+    }
+    assert len(lines) == 1 and " (cpu:" in lines.pop()  # one rule, one answer, printed the same by every run
+    printed = (tmp_path / "r" / "output.log").read_text()
+    assert "(checkpoint): kept from step_00000005" in printed  # the resume keeps what its checkpoint trained in
 
 
 CRASH_DURING_SAVE = """
@@ -386,7 +397,9 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
                        tmp_path / "w_resumed")  # fmt: skip
     assert resumed[0]["start"] == "run" and resumed[0]["steps"] == 14
     printed = (tmp_path / "w_resumed" / "output.log").read_text()
-    assert "precision auto -> bf16: kept from step_00000012, which trained in bf16" in printed, printed[-3000:]
+    assert "precision auto -> bf16 (checkpoint): kept from step_00000012, which trained in bf16" in printed, printed[
+        -3000:
+    ]
     checkpoints = tmp_path / "bf16" / "checkpoints"
     assert [TrainerState.read(checkpoints / f"step_{step:08d}").precision for step in (12, 14)] == ["bf16", "bf16"]
     engine_files = sorted(p.name for p in (checkpoints / "step_00000014" / "deepspeed" / "step_00000014").glob("*"))
