@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast lint launch elastic-demo status logs stop ui compare shards bench bench-train bench-data bench-scaling bench-scale clean
+.PHONY: help setup test test-fast lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ logs: setup  ## logs of the newest job
 
 stop: setup  ## stop the newest job, and the local Ray head if this project started it
 	$(PY) -m cluster.jobs stop --cluster $(CLUSTER)
+
+env: setup  ## exports for Ray's own CLI (ray job list/logs) on CLUSTER: eval "$(make -s env)"
+	@$(PY) -m cluster.env --cluster $(CLUSTER)
 
 ui: setup  ## MLflow UI on 127.0.0.1 over the embedded store
 	$(PY) -m tracking.ui

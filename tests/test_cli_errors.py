@@ -50,6 +50,13 @@ def _bad_inputs(tmp: Path) -> dict[str, str]:
     (tmp / "profile_types.yaml").write_text(local.replace("num_workers: 2", "num_workers: two"))
     # A local profile whose Ray temp dir holds no head: `cluster.jobs` must say how to start one, not start it.
     (tmp / "profile_nohead.yaml").write_text(re.sub(r"temp_dir: .*", f"temp_dir: {tmp / 'ray-none'}", local))
+    # ... and one whose head.json outlived its head (killed, rebooted): `cluster.env` must not point the CLI at it.
+    (tmp / "ray-stale").mkdir()
+    (tmp / "ray-stale" / "head.json").write_text(
+        f'{{"gcs_address": "127.0.0.1:{_closed_port()}", "dashboard_url": "http://127.0.0.1:{_closed_port()}", '
+        f'"temp_dir": "{tmp / "ray-stale"}", "auth_mode": "token", "started_by_us": true}}'
+    )
+    (tmp / "profile_stalehead.yaml").write_text(re.sub(r"temp_dir: .*", f"temp_dir: {tmp / 'ray-stale'}", local))
     remote = (ROOT / "cluster/profiles/a100x8.yaml").read_text()
     address = f"http://127.0.0.1:{_closed_port()}"
     (tmp / "profile_remote.yaml").write_text(re.sub(r"address: .*", f'address: "{address}"', remote, count=1))
@@ -69,7 +76,8 @@ def _bad_inputs(tmp: Path) -> dict[str, str]:
     (tmp / "src" / "cat").mkdir(parents=True)
     return {"tmp": str(tmp), "missing": str(tmp / "nothere"), "incomplete": str(incomplete)} | {
         Path(name).stem: str(tmp / name)
-        for name in [*files, "profile_types.yaml", "profile_nohead.yaml", "profile_remote.yaml", "garbage.npz"]
+        for name in [*files, "profile_types.yaml", "profile_nohead.yaml", "profile_stalehead.yaml"]
+        + ["profile_remote.yaml", "garbage.npz"]
         + ["truncated.npz", "weights.pkl", "notshards", "shards_badjson"]
     }
 
@@ -137,6 +145,9 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("cluster.jobs", ["logs", "--cluster", "{profile_remote}"], [r"cannot reach", r"ray up"]),
     ("cluster.jobs", ["status", "--cluster", "no_such_profile"], [r"no_such_profile", r"a100x8"]),
     ("cluster.jobs", ["status", "--cluster", "{recipe_list}"], [r"recipe_list\.yaml", r"mapping"]),
+    # cluster.env (`make env`): exports for Ray's own CLI need a head that runs
+    ("cluster.env", ["--cluster", "{profile_nohead}"], [r"no Ray head", r"make launch"]),
+    ("cluster.env", ["--cluster", "{profile_stalehead}"], [r"does not answer at http://127\.0\.0\.1", r"make launch"]),
     ("cluster.driver", ["--plan", "{missing}"], [r"nothere"]),
     ("cluster.driver", ["--plan", "{plan_notjson}"], [r"plan_notjson\.json", r"line 1"]),
     ("cluster.driver", ["--plan", "{recipe_list}"], [r"recipe_list\.yaml", r"job spec"]),
@@ -158,7 +169,7 @@ def _run(module: str, args: list[str], env: dict[str, str], cwd: Path) -> subpro
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
-    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 16  # every `python -m` entry point of the project
+    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 17  # every `python -m` entry point of the project
     values = _bad_inputs(tmp_path)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"  # never the project's own store

@@ -1,0 +1,79 @@
+"""Shell exports that point Ray's own CLI (`ray job list|logs|submit|stop`) at a profile's cluster.
+
+`python -m cluster.env [--cluster P]` backs `make env`; use it as `eval "$(make -s env)"`, then `ray job list`.
+
+- `local`: RAY_ADDRESS is the running embedded head's Jobs API, read from its `head.json` (not always :8265: another
+  port is picked when 8265 is taken), and RAY_AUTH_MODE is the head's mode (`token`). Ray's CLI sends its token only
+  when RAY_AUTH_MODE=token is in its own environment; without it the head refuses the CLI ("Missing authentication
+  token"). RAY_AUTH_TOKEN_PATH is exported too when a non-default token file is in use; the token itself is never
+  printed (a RAY_AUTH_TOKEN already in the shell reaches the CLI as it is). No running head: exit 2, one message.
+- remote profiles: RAY_ADDRESS as `cluster.jobs` resolves it (RAY_API_SERVER_ADDRESS or RAY_ADDRESS from the
+  environment, else the profile's `ray.address`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from cluster import jobs, local_head
+from cluster.profiles import ClusterProfile, load_profile
+
+
+def _custom_token_path() -> str | None:
+    """RAY_AUTH_TOKEN_PATH when it names a file other than Ray's default ~/.ray/auth_token (else None)."""
+    value = os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip()
+    if not value:
+        return None
+    path = Path(value).expanduser().resolve()
+    return None if path == (Path.home() / ".ray" / "auth_token").resolve() else str(path)
+
+
+def exports(profile: ClusterProfile) -> dict[str, str]:
+    """The variables Ray's CLI needs for the profile's cluster; raises RayUnreachableError when no local head runs."""
+    if not profile.is_local:
+        return {"RAY_ADDRESS": jobs.cluster_address(profile)}
+    state = local_head.read_state(profile)
+    if state is None:
+        raise jobs.RayUnreachableError(
+            f"no Ray head of this project is running for profile {profile.name} (no {local_head.STATE_FILE} in "
+            f"{profile.ray.temp_dir}); " + jobs._how_to_start(profile, "")
+        )
+    # The state file outlives a killed head or a reboot: only a dashboard that answers is worth pointing the CLI at.
+    if not local_head._dashboard_alive(state.dashboard_url):
+        raise jobs.RayUnreachableError(
+            f"the Ray head of profile {profile.name} recorded in {profile.ray.temp_dir}/{local_head.STATE_FILE} does "
+            f"not answer at {state.dashboard_url}; " + jobs._how_to_start(profile, state.dashboard_url)
+        )
+    found = {"RAY_ADDRESS": state.dashboard_url, "RAY_AUTH_MODE": state.auth_mode}
+    token_path = _custom_token_path()
+    if state.auth_mode == "token" and token_path:
+        found["RAY_AUTH_TOKEN_PATH"] = token_path
+    if state.auth_mode == "token" and local_head.read_auth_token() is None:
+        print(
+            "warning: token authentication is on but no Ray token was found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
+            "~/.ray/auth_token): the head will refuse the CLI",
+            file=sys.stderr,
+        )
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.env", description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", default="local", help="profile name (cluster/profiles/<name>.yaml) or YAML path")
+    args = parser.parse_args(argv)
+    try:
+        found = exports(load_profile(args.cluster))
+    except (ValueError, jobs.RayUnreachableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, value in found.items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
