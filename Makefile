@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale clean
+.PHONY: help setup test test-fast lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -82,6 +82,9 @@ bench-train: setup  ## ViT-S/16 and B/16 training steps (fp32, bf16) vs Hugging 
 
 bench-scaling: setup  ## images/s of the real training loop (DeepSpeed ZeRO-2, gloo) at world size 1 and 2, one core per rank
 	$(PY) -m bench.scaling
+
+bench-precision: setup  ## bf16 vs fp32 step per model shape on this CPU, beside what precision auto's rule picks
+	$(PY) -m bench.precision
 
 bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer
 	$(PY) -m bench.scale

@@ -2,6 +2,8 @@
 the model's GEMM shapes (never a timing); probe is an opt-in timing recorded in the run folder and repeated by every
 later start; a resumed run keeps its checkpoint's precision. The same decision on every rank."""
 
+import json
+
 import pytest
 import torch
 
@@ -188,3 +190,14 @@ def test_probe_times_both_precisions_and_draws_no_random_numbers():
 def test_unknown_precision_is_rejected_at_load(value):
     with pytest.raises(ValueError, match="deepspeed.precision"):
         load_config("local_demo", [f"deepspeed.precision={value}"])
+
+
+def test_bench_precision_times_shapes_and_checks_the_rule(tmp_path):
+    from bench.precision import main
+
+    out = tmp_path / "precision.json"
+    assert main(["--shapes", "quick", "--trials", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rule_vit_tiny_debug_32px_b32"] == "fp32" and result["speedup_vit_tiny_debug_32px_b32"] > 0
+    assert result["bf16_units"] == ("+".join(cpu_bf16_units()) or "none")
+    assert main(["--trials", "0", "--out", str(out)]) == 2

@@ -1,0 +1,111 @@
+"""bf16 against fp32 per model shape on this CPU: the measurements `deepspeed.precision: auto`'s CPU rule is fitted to.
+
+    python -m bench.precision [--shapes default|quick] [--trials 3] [--out bench-results/precision.json]
+    (make bench-precision)
+
+For each (model, image size, micro-batch) it times one forward + backward of the training task in fp32 and in bf16
+weights (`pretrain.precision.probe_bf16_speedup`, the same step `precision: probe` times), ``--trials`` times on one
+thread (a rank's share of the local profile), the best of each counting, and sets the measured speedup beside what
+the rule (`pretrain.precision.cpu_rule`) picks for this CPU. The JSON is flat: ``speedup_<shape>`` and
+``rule_<shape>`` per shape, then the two numbers that check the rule's margin on this machine:
+``min_speedup_ruled_bf16`` (the slowest shape the rule sends to bf16; the rule promises >= its margin) and
+``max_speedup_ruled_fp32`` (the fastest shape it keeps in fp32). On a CPU without bf16 units bf16 is emulated: the
+benchmark says so and measures only the quick shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from data_pipeline.cli import output_file
+from pretrain.model import build_model, model_config
+from pretrain.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_rule, probe_bf16_speedup
+
+# (model, image size, micro-batch, overrides): local_demo's model around its micro-batch, then the paper's variants
+# at small micro-batches (the rule's boundary in tokens x width²), a /32 whose patch convolution weighs, a hybrid.
+SHAPES = {
+    "quick": [("vit_tiny_debug", 32, 8, {}), ("vit_tiny_debug", 32, 32, {}), ("vit_ti16", 224, 2, {})],
+    "default": [
+        ("vit_tiny_debug", 32, 8, {}), ("vit_tiny_debug", 32, 16, {}), ("vit_tiny_debug", 32, 32, {}),
+        ("vit_tiny_debug", 32, 64, {}), ("vit_tiny_debug", 64, 32, {}), ("vit_ti16", 224, 2, {}),
+        ("vit_ti16", 224, 3, {}), ("vit_ti16", 224, 8, {}), ("vit_s16", 224, 1, {}), ("vit_s16", 224, 8, {}),
+        ("vit_s32", 224, 8, {}), ("vit_s32", 224, 32, {"depth": 2}), ("vit_b32", 224, 8, {}), ("vit_b16", 224, 4, {}),
+        ("r26_vit_s32", 224, 4, {}),
+    ],
+}  # fmt: skip
+
+
+def _label(name: str, image_size: int, batch: int, overrides: dict) -> str:
+    extra = "".join(f"_{k}{v}" for k, v in overrides.items())
+    return f"{name}_{image_size}px_b{batch}{extra}"
+
+
+def measure(name: str, image_size: int, batch: int, overrides: dict, trials: int) -> tuple[float, float]:
+    """(fp32 s, bf16 s): the best of ``trials`` probes of a classification step (mean cross-entropy, 64 classes)."""
+
+    def build() -> torch.nn.Module:
+        model = build_model(name, image_size=image_size, num_classes=64, **overrides)
+
+        class Task(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, images, labels):
+                return torch.nn.functional.cross_entropy(self.model(images).float(), labels), {}
+
+        return Task()
+
+    runs = [probe_bf16_speedup(build, batch, image_size) for _ in range(trials)]
+    return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="default", help="which shape list to time")
+    parser.add_argument("--trials", type=int, default=3, help="probes per shape; the best counts (>= 1)")
+    parser.add_argument("--out", default="bench-results/precision.json", help="JSON file to write")
+    args = parser.parse_args(argv)
+    try:
+        if args.trials < 1:
+            raise ValueError(f"--trials {args.trials}: give at least 1")
+        out = output_file(args.out, "--out")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    units = cpu_bf16_units()
+    shapes = SHAPES[args.shapes if units else "quick"]
+    if not units:
+        print("this CPU has no AMX/AVX512-BF16: bf16 is emulated; timing the quick shapes only", flush=True)
+    result: dict = {"cpu": platform.processor() or platform.machine(), "bf16_units": "+".join(units) or "none",
+                    "torch": torch.__version__, "threads": 1, "trials": args.trials,
+                    "rule": CPU_RULES[units[0]].describe() if units else "fp32 (no bf16 units)"}  # fmt: skip
+    ruled: dict[str, list[float]] = {"bf16": [], "fp32": []}
+    start = time.time()
+    for name, image_size, batch, overrides in shapes:
+        label = _label(name, image_size, batch, overrides)
+        fp32, bf16 = measure(name, image_size, batch, overrides, args.trials)
+        pick = cpu_rule(StepShape.of(model_config(name, image_size=image_size, **overrides), batch)).precision
+        ruled[pick].append(fp32 / bf16)
+        result.update({f"fp32_ms_{label}": fp32 * 1e3, f"bf16_ms_{label}": bf16 * 1e3,
+                       f"speedup_{label}": fp32 / bf16, f"rule_{label}": pick})  # fmt: skip
+        print(f"{label}: fp32 {fp32 * 1e3:.1f} ms, bf16 {bf16 * 1e3:.1f} ms = {fp32 / bf16:.2f}x; rule: {pick}",
+              flush=True)  # fmt: skip
+    result["min_speedup_ruled_bf16"] = min(ruled["bf16"], default=None)
+    result["max_speedup_ruled_fp32"] = max(ruled["fp32"], default=None)
+    result["seconds"] = time.time() - start
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}: bf16 picks >= {result['min_speedup_ruled_bf16']}, fp32 picks <= "
+          f"{result['max_speedup_ruled_fp32']}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
