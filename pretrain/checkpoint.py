@@ -1,10 +1,11 @@
 """Checkpoints: save (atomically), resume, initialise from weights; the layout itself is `pretrain.run_folder`'s.
 
 Each ``<run_dir>/checkpoints/step_XXXXXXXX/`` holds the engine state (``deepspeed/``, every rank's ZeRO partitions),
-the consolidated weights (``model.safetensors`` + ``model.json``: what evals and users load), the `TrainerState`
-(step, images seen, every rank's stream position and RNG states) and the resolved ``config.yaml``. It is written into
-``step_XXXXXXXX.tmp``, renamed, and only then marked COMPLETE, so a crash mid-write leaves a folder without the marker
-that nothing reads, and the previous checkpoint stays the newest loadable one.
+the consolidated weights (``model.safetensors`` + ``model.json``: what evals and users load; fp32, in a bf16 run the
+optimizer's fp32 master weights), the `TrainerState` (step, images seen, every rank's stream position and RNG states)
+and the resolved ``config.yaml``. It is written into ``step_XXXXXXXX.tmp``, renamed, and only then marked COMPLETE, so
+a crash mid-write leaves a folder without the marker that nothing reads, and the previous checkpoint stays the newest
+loadable one.
 
 Resume order (`find_start`): the newest COMPLETE checkpoint in the run folder > ``checkpoint.resume_from`` >
 ``checkpoint.init_from`` (weights only) > scratch.
@@ -123,7 +124,7 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the COMPLETE checkpoint folder (same path on every rank).
 
-    ``model`` is the bare ViT inside the engine (consolidated into model.safetensors; gathered under ZeRO-3).
+    ``model`` is the bare ViT inside the engine (consolidated into model.safetensors by `_save_consolidated`).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     run_dir = resolve_path(config.checkpoint.dir)
@@ -155,15 +156,43 @@ def save_checkpoint(
 
 
 def _save_consolidated(engine, model: torch.nn.Module, directory: Path, rank: int) -> None:
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed  # heavy optional external: only ZeRO-3 saves need it
+    """Collective: every rank calls it. Rank 0 writes ``model`` into ``directory`` with `save_pretrained`.
 
-        # Every rank must enter: gathering the partitioned parameters is a collective.
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            if rank == 0:
-                save_pretrained(model, directory)
-    elif rank == 0:
-        save_pretrained(model, directory)
+    In a bf16 run the parameters written are the optimizer's fp32 master weights, not the engine's bf16 compute copy
+    (rounded to 8 bits of mantissa): evals, exports and ``init_from`` start from what training holds. Parameters
+    without optimizer state (frozen ones) and buffers are written as the module holds them. In an fp32 run the
+    module's parameters are the master weights (DeepSpeed copies them back after every step): written as they are.
+    """
+    import deepspeed  # the engine has imported it already
+
+    masters = _fp32_masters(model, rank) if engine.bfloat16_enabled() else {}
+    rest = [p for name, p in model.named_parameters() if name not in masters]
+    # ZeRO-3 partitions the parameters: gathering them is a collective every rank enters.
+    with deepspeed.zero.GatheredParameters(rest, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
+        if rank == 0:
+            save_pretrained(_holding(model, {**model.state_dict(), **masters}) if masters else model, directory)
+
+
+def _fp32_masters(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
+    """Collective: every rank calls it. ``{name: fp32 master weights}`` of each of ``model``'s parameters that the
+    optimizer trains, assembled from every rank's partition (ZeRO 1-3); on CPU on rank 0, None on the others."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}
+    for name, param in model.named_parameters():
+        full = safe_get_full_fp32_param(param)  # one collective per parameter: the same order on every rank
+        if full is not None:  # None: no optimizer state (frozen), the same on every rank
+            masters[name] = full.cpu() if rank == 0 else None
+    return masters
+
+
+def _holding(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A model of ``model``'s class and config whose tensors are ``state`` (built on the meta device: no memory or
+    initialisation is spent on the weights it replaces)."""
+    with torch.device("meta"):
+        copy = type(model)(model.config)
+    copy.load_state_dict(state, assign=True)
+    return copy
 
 
 # The only non-tensor objects DeepSpeed pickles into its model/optimizer state files (ZeRO 0-3, fp32 and bf16 as
