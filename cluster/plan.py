@@ -494,7 +494,8 @@ def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> 
     requested = config.deepspeed.precision
     if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
         device = "cuda" if profile.uses_gpus else "cpu"
-        choice = decide(requested, device, StepShape.of(vit, config.data.micro_batch_size))
+        shape = StepShape.of(vit, config.data.micro_batch_size)
+        choice = decide(requested, device, shape, zero_stage=config.deepspeed.zero_stage)
         reason = f"{choice.rule}: {choice.reason}"
         if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
             reason += "; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"

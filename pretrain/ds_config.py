@@ -81,6 +81,12 @@ def check_config(ds: DeepSpeedConfig) -> None:
     """The deepspeed section (`TrainConfig.validate`); precision and backend are closed sets checked as typed."""
     if isinstance(ds.zero_stage, bool) or ds.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"deepspeed.zero_stage={ds.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3 (2 is usual)")
+    if ds.precision == "bf16" and ds.zero_stage == 0:
+        raise ValueError(
+            "deepspeed.precision=bf16 needs deepspeed.zero_stage >= 1: without ZeRO, DeepSpeed trains bf16 without "
+            "fp32 master weights or fp32 gradient accumulation; use zero_stage=1 (its only cost over plain data "
+            "parallelism is the partitioned optimizer state) or precision=fp32"
+        )
     positive(ds.reduce_bucket_size, "deepspeed.reduce_bucket_size")
     positive(ds.allgather_bucket_size, "deepspeed.allgather_bucket_size")
     positive(ds.timeout_minutes, "deepspeed.timeout_minutes")

@@ -211,11 +211,21 @@ def decide(
     resumed: tuple[str, str] | None = None,
     recorded: PrecisionChoice | None = None,
     probe: Callable[[], tuple[float, float]] | None = None,
+    zero_stage: int | None = None,
 ) -> PrecisionChoice:
     """The precision of a run (module docstring). ``shape``: the micro-batch's GEMM shapes, which `auto` on a CPU
     needs; ``resumed``: (precision, checkpoint name) of the checkpoint the run resumes from, when it recorded one;
     ``recorded``: the `probe` decision in the run folder; ``probe`` (→ fp32 s, bf16 s): times the model, for
-    `probe` on a CPU with bf16 units when nothing is recorded (None: the plan, which times nothing)."""
+    `probe` on a CPU with bf16 units when nothing is recorded (None: the plan, which times nothing); ``zero_stage``:
+    at 0 DeepSpeed has no bf16 with fp32 master weights, so auto and probe pick fp32 there."""
+    choice = _decide(requested, device_type, shape, flags, resumed, recorded, probe)
+    if zero_stage == 0 and choice.precision == "bf16" and choice.rule not in ("recipe", "checkpoint"):
+        return PrecisionChoice("fp32", choice.rule, f"ZeRO-0: DeepSpeed's bf16 needs zero_stage >= 1 for fp32 master "
+                                                    f"weights (else: {choice.reason})")  # fmt: skip
+    return choice
+
+
+def _decide(requested, device_type, shape, flags, resumed, recorded, probe) -> PrecisionChoice:
     if requested in ("fp32", "bf16"):
         return PrecisionChoice(requested, "recipe", "set in the recipe")
     if resumed is not None:

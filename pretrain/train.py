@@ -246,7 +246,7 @@ def decide_precision(
 
     def here() -> PrecisionChoice:
         choice = decide(config.deepspeed.precision, place.device.type, shape, resumed=resumed, recorded=recorded,
-                        probe=probe)  # fmt: skip
+                        probe=probe, zero_stage=config.deepspeed.zero_stage)  # fmt: skip
         if choice.rule == "probe":  # timed now: later starts of this run repeat it
             run_folder.write_precision_record(run_dir, choice.precision, choice.rule, choice.reason)
         return choice

@@ -201,3 +201,13 @@ def test_bench_precision_times_shapes_and_checks_the_rule(tmp_path):
     assert result["rule_vit_tiny_debug_32px_b32"] == "fp32" and result["speedup_vit_tiny_debug_32px_b32"] > 0
     assert result["bf16_units"] == ("+".join(cpu_bf16_units()) or "none")
     assert main(["--trials", "0", "--out", str(out)]) == 2
+
+
+def test_zero_stage_0_has_no_bf16_with_master_weights():
+    """DeepSpeed 0.19 refuses bf16 with fp32 gradient accumulation without ZeRO: a recipe asking for it is refused at
+    load, and auto picks fp32 there, saying why."""
+    with pytest.raises(ValueError, match="bf16 needs deepspeed.zero_stage >= 1"):
+        load_config("local_demo", ["deepspeed.precision=bf16", "deepspeed.zero_stage=0"]).validate(2)
+    choice = decide("auto", "cuda", zero_stage=0)
+    assert choice.precision == "fp32" and "ZeRO-0" in choice.reason
+    assert decide("auto", "cuda", zero_stage=1).precision == "bf16"
