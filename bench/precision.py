@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 
@@ -25,6 +24,7 @@ import torch
 
 from data_pipeline.cli import output_file
 from pretrain.model import build_model, model_config
+from pretrain.peak import cpu_model
 from pretrain.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_rule, probe_bf16_speedup
 
 # (model, image size, micro-batch, overrides): local_demo's model around its micro-batch, then the paper's variants
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES[args.shapes if units else "quick"]
     if not units:
         print("this CPU has no AMX/AVX512-BF16: bf16 is emulated; timing the quick shapes only", flush=True)
-    result: dict = {"cpu": platform.processor() or platform.machine(), "bf16_units": "+".join(units) or "none",
+    result: dict = {"cpu": cpu_model(), "bf16_units": "+".join(units) or "none",
                     "torch": torch.__version__, "threads": 1, "trials": args.trials,
                     "rule": CPU_RULES[units[0]].describe() if units else "fp32 (no bf16 units)"}  # fmt: skip
     ruled: dict[str, list[float]] = {"bf16": [], "fp32": []}

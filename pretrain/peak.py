@@ -84,7 +84,7 @@ def gemm_tflops(precision: str, size: int, device: torch.device | str = "cpu", s
     return rates
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -100,7 +100,7 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
     threads = threads or torch.get_num_threads()
     units = cpu_bf16_units()
     size = GEMM_SIZE if precision == "fp32" or units else 512
-    key = f"{_cpu_model()} | {'+'.join(units) or 'no bf16 units'} | torch {torch.__version__} | {threads} threads"
+    key = f"{cpu_model()} | {'+'.join(units) or 'no bf16 units'} | torch {torch.__version__} | {threads} threads"
     key += f" | {precision} {size}x{size}"
     path = cache_path()
     try:
