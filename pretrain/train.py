@@ -83,6 +83,7 @@ def init_distributed(config: TrainConfig) -> Placement:
     import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
 
     if not dist.is_initialized():
+        _import_world_defaults()  # before the default group exists, or they keep it alive for good
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -97,6 +98,34 @@ def init_distributed(config: TrainConfig) -> Placement:
     if device_type == "cuda":
         torch.cuda.set_device(device)
     return Placement(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _import_world_defaults() -> None:
+    """Import `torch.distributed.nn.functional` while no default process group exists.
+
+    Its ten collectives take ``group=group.WORLD`` as a default argument (torch/distributed/nn/functional.py), which
+    Python evaluates once, at import. torch imports the module lazily, through `torch._dynamo`, at the first
+    optimizer's `add_param_group`, i.e. after the default group is created: the functions' ``__defaults__`` then hold
+    that group for the rest of the process, and destroying it (which for gloo only removes it from torch's maps) leaves
+    its C++ object, two ``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` thread running until the interpreter is torn
+    down (docs/reference.md §7). Imported first, the defaults are None: the default group at call time."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def _release_destroyed_groups() -> None:
+    """Drop the destroyed groups that `torch.distributed.nn.functional`'s default arguments still hold, so that the
+    last reference goes and the groups' gloo threads are joined now, not during interpreter teardown.
+
+    They hold the default group when the module was imported after it was created: by a caller that made the group
+    itself (`init_distributed` imports the module first, `_import_world_defaults`). Called once every group is
+    destroyed; None is what the defaults are when the module is imported with no group."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is None:
+        return
+    for function in vars(functional).values():
+        defaults = getattr(function, "__defaults__", None) or ()
+        if any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            function.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
 # DeepSpeed's CPU communication op, JIT-built by torch's extension builder on the first CPU start (docs/reference.md §7)
@@ -584,7 +613,9 @@ def finish_distributed() -> None:
     """Tear the process groups down once every rank is done (a no-op when there are none).
 
     The barrier comes first: a rank that exits while its peer is still in a collective makes the peer's gloo threads
-    abort the process. DeepSpeed's destroy also drops the groups DeepSpeed caches, which torch's alone leaves alive.
+    abort the process. DeepSpeed's destroy also drops the groups DeepSpeed caches, which torch's alone leaves alive,
+    and `_release_destroyed_groups` the references torch keeps in default arguments: when this returns, every group
+    is freed and its gloo threads are joined (docs/reference.md §7).
     """
     if not dist.is_initialized():
         return
@@ -592,20 +623,24 @@ def finish_distributed() -> None:
 
     dist.barrier()
     deepspeed.comm.destroy_process_group()
+    _release_destroyed_groups()
 
 
 def exit_rank(code: int) -> NoReturn:
-    """End a training process with ``code`` once its results are written, without tearing the interpreter down.
+    """End a training process with ``code`` once its results are written.
 
-    After a DeepSpeed engine, one gloo group and its threads outlive `finish_distributed`, with no Python reference
-    left to free it, and a rank that had finished was seen to abort during Python's teardown ("terminate called
-    without an active exception", docs/reference.md §7). So this runs the exit handlers (logging, multiprocessing, ...)
-    and flushes the standard streams while everything is alive, then leaves with ``os._exit``: no teardown.
+    After `finish_distributed` no process group is left and no gloo thread runs, and the rank exits normally. A rank
+    that leaves with a group still alive, on an error path that returns before the teardown (its peers may still be
+    in a collective, so no barrier), runs the exit handlers (logging, multiprocessing, ...) and flushes the standard
+    streams, then leaves with ``os._exit``: finalizing the interpreter would destroy that live gloo group during
+    Python's teardown, where its threads can abort the process (docs/reference.md §7).
     """
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if dist.is_available() and dist.is_initialized():
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

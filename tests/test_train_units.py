@@ -177,8 +177,8 @@ def test_cli_rejects_bad_configs_before_any_work(tmp_path, capsys, monkeypatch):
 
 
 def test_a_rank_ends_after_its_exit_handlers_and_keeps_its_code(tmp_path):
-    # exit_rank skips interpreter teardown (docs/reference.md §7), not what the process registered to run at exit
-    # or what it printed without a newline.
+    # exit_rank runs what the process registered to run at exit and keeps what it printed without a newline, both
+    # on a normal exit (no process group, as here) and on the os._exit path a live group takes (docs/reference.md §7).
     script = (
         "import atexit, pathlib, sys\n"
         "from pretrain.train import exit_rank\n"
