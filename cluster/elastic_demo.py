@@ -13,8 +13,9 @@ training goes on at world size 1 and writes a checkpoint there, adds a node back
 the group to world size 2 again, and lets the job finish. Then it prints what happened (world size per step range,
 the resizes, the evals per checkpoint step) and shuts down the cluster it started (nothing else).
 
-Token authentication is off for this cluster only (RAY_AUTH_MODE=disabled in this process): it lives inside the
-command and has no dashboard or Jobs API.
+Token authentication is off for this cluster only (RAY_AUTH_MODE=disabled in this process while the demo runs, in
+the environment and in Ray's process-wide state: `cluster.local_head.ray_auth_mode`): it lives inside the command and
+has no dashboard or Jobs API.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from cluster import local_head
 from cluster.driver import JobSpec, run_job
 from cluster.launch import prepare_local_data
 from cluster.plan import build_plan, resolve_config
@@ -53,7 +55,7 @@ NODE_ARGS = {"object_store_memory": 100 * 1024**2, "include_dashboard": False}
 # still counts its CPU and tries to restart the group at the old size, which waits out the start timeout below.
 FAST_NODE_DEATH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
                    "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}  # fmt: skip
-DEMO_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # start timeout: 60 s
+DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's default: 60 s
 
 
 @dataclass(frozen=True)
@@ -292,12 +294,17 @@ def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = pri
     os.environ.pop("RAY_ADDRESS", None)
     cluster = None
     try:
-        cluster, nodes = start_cluster(temp_dir)
-        result = run_scenario(cluster, nodes, spec, settings, log)
+        with local_head.ray_auth_mode(
+            "disabled"
+        ):  # whatever Ray sessions this process ran before, or the shell exported
+            try:
+                cluster, nodes = start_cluster(temp_dir)
+                result = run_scenario(cluster, nodes, spec, settings, log)
+            finally:
+                ray.shutdown()
+                if cluster is not None:
+                    cluster.shutdown()
     finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
         for key, value in saved.items():
             if value is None:

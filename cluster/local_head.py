@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -251,3 +253,42 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@contextlib.contextmanager
+def ray_auth_mode(mode: str) -> Iterator[None]:
+    """RAY_AUTH_MODE=``mode`` in this process while the block runs, in the environment and in Ray's own state: for
+    Ray clusters started inside this process (`ray.cluster_utils.Cluster`, `ray.init()`). No Ray session may be
+    connected on entry.
+
+    The variable alone does not do it. Ray reads the mode into process-wide state when it is imported; a `ray.init()`
+    that starts a local instance with the variable unset turns token authentication on for the whole process (it sets
+    RAY_AUTH_MODE=token and re-reads its config: ray/_private/worker.py and authentication_token_setup.py); and a
+    token, once loaded, stays cached. `ray.shutdown()` undoes none of it. A cluster started with auth off while that
+    state still says token then has its GCS's calls into this process refused ("Missing authorization header in
+    request!" in the core-driver log), and the GCS cancels every actor this process creates ("The actor never ran -
+    it was cancelled before it started running"). So Ray re-reads the variable on entry, and on exit, once the
+    variable is back to what it was.
+    """
+    import ray  # heavy: only cluster commands need Ray
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    def follow_environment() -> None:
+        # As Ray's own tests reset it (ray._private.authentication_test_utils.reset_auth_token_state): the config
+        # first, so that nothing reloads the old token in between.
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+    if ray.is_initialized():
+        raise RuntimeError("ray_auth_mode: a Ray session is connected in this process; call ray.shutdown() first")
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = mode
+    follow_environment()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+        follow_environment()

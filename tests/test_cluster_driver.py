@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from cluster.driver import FaultInjection, JobSpec, count_restarts, run_job
+from cluster.local_head import ray_auth_mode
 from cluster.plan import build_plan, resolve_config
 from cluster.profiles import load_profile
 from cluster.summary import format_resizes, format_summary
@@ -41,6 +42,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_auth_off():
+    """Token auth off for the Ray clusters a test starts in this process (token auth is exercised in
+    test_cluster_jobs), before and after it in Ray's process-wide state too (cluster.local_head.ray_auth_mode): an
+    in-process `ray.init()` with RAY_AUTH_MODE unset left token auth on for the rest of the pytest process, and every
+    actor of a later test's auth-off cluster was cancelled before it started."""
+    with ray_auth_mode("disabled"):
+        yield
 
 
 def test_format_summary_lists_steps_loss_and_eval_errors():
@@ -128,6 +139,37 @@ def test_elastic_growth_is_a_resize_not_a_restart_and_resizes_are_listed():
     assert resize_events(history[:1]) == [] and resize_events([]) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off):
+    """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
+    new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned."""
+    import ray
+
+    from cluster.eval_scheduler import EvalScheduler
+
+    folders = _fake_checkpoints(tmp_path, (10, 20, 30))
+    for folder in folders:
+        pin_checkpoint(folder, "evals pending")  # what training rank 0 does before submitting
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+    try:
+        scheduler = EvalScheduler.remote("no_such_suite", str(tmp_path), None, None, num_cpus=1, max_pinned=1)
+        assert ray.get(scheduler.submit.remote(str(folders[0]), 10, {"train/loss": 3.0}))
+        assert ray.get(scheduler.submit.remote(str(folders[1]), 20, {}))
+        assert ray.get(scheduler.pending.remote()) == [10]  # max_pinned=1: step 20's eval is skipped
+        assert is_pinned(folders[0]) and not is_pinned(folders[1])
+        rows = ray.get(scheduler.drain.remote(120))
+        assert not is_pinned(folders[0]) and ray.get(scheduler.pending.remote()) == []
+        assert "no_such_suite" in rows[10]["error"] and rows[10]["train"] == {"train/loss": 3.0}
+        assert rows[20]["error"].startswith("eval skipped") and "checkpoint.every_steps" in rows[20]["error"]
+        pin_checkpoint(folders[0], "evals pending")  # a restarted worker group reports step 10 again
+        assert not ray.get(scheduler.submit.remote(str(folders[0]), 10, {}))
+        assert not is_pinned(folders[0])
+        assert ray.get(scheduler.submit.remote(str(folders[2]), 30, {})) and is_pinned(folders[2])
+    finally:
+        ray.shutdown()
+
+
 def _worker_output(cluster, pid: int) -> str:
     """Everything a Ray worker process wrote to stdout and stderr (what Ray streams to the job log)."""
     folders = {Path(node.get_logs_dir_path()).resolve() for node in cluster.list_all_nodes()}  # often one shared
@@ -146,7 +188,7 @@ def test_eval_tasks_run_on_the_gpu_ray_gave_them():
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys):
+def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys, ray_auth_off):
     """The restarted group redoes steps 11..~15 (already logged to MLflow), and keep_last=1 would delete the
     checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot."""
     import ray
@@ -157,7 +199,6 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     from cluster.launch import prepare_local_data
     from evals.suites import load_suite
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # tests only: token auth is exercised in test_cluster_jobs
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     base = load_profile("local")
@@ -277,37 +318,3 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     rows = summary["checkpoints"]
     gain = rows["30"]["metrics"]["fewshot/mean/1shot"] - rows["0"]["metrics"]["fewshot/mean/1shot"]
     assert f"{gain:+.4f}" in table.split("gain vs step 0")[1]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-# Last in this file on purpose: in two full-suite runs the two-node test above failed at start (its EvalScheduler actor
-# "never ran") whenever this test's in-process Ray session had run earlier in the same pytest process; alone, or
-# before it, the two-node test passes.
-def test_eval_scheduler_releases_pins_when_evals_end(tmp_path):
-    """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
-    new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned."""
-    import ray
-
-    from cluster.eval_scheduler import EvalScheduler
-
-    folders = _fake_checkpoints(tmp_path, (10, 20, 30))
-    for folder in folders:
-        pin_checkpoint(folder, "evals pending")  # what training rank 0 does before submitting
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
-    try:
-        scheduler = EvalScheduler.remote("no_such_suite", str(tmp_path), None, None, num_cpus=1, max_pinned=1)
-        assert ray.get(scheduler.submit.remote(str(folders[0]), 10, {"train/loss": 3.0}))
-        assert ray.get(scheduler.submit.remote(str(folders[1]), 20, {}))
-        assert ray.get(scheduler.pending.remote()) == [10]  # max_pinned=1: step 20's eval is skipped
-        assert is_pinned(folders[0]) and not is_pinned(folders[1])
-        rows = ray.get(scheduler.drain.remote(120))
-        assert not is_pinned(folders[0]) and ray.get(scheduler.pending.remote()) == []
-        assert "no_such_suite" in rows[10]["error"] and rows[10]["train"] == {"train/loss": 3.0}
-        assert rows[20]["error"].startswith("eval skipped") and "checkpoint.every_steps" in rows[20]["error"]
-        pin_checkpoint(folders[0], "evals pending")  # a restarted worker group reports step 10 again
-        assert not ray.get(scheduler.submit.remote(str(folders[0]), 10, {}))
-        assert not is_pinned(folders[0])
-        assert ray.get(scheduler.submit.remote(str(folders[2]), 30, {})) and is_pinned(folders[2])
-    finally:
-        ray.shutdown()

@@ -7,30 +7,14 @@ shards from data_pipeline.builtin.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
 from cluster import elastic_demo
-from cluster.elastic_demo import DemoResult, DemoSettings, format_report
+from cluster.elastic_demo import DemoSettings, format_report, run_demo
 from pretrain.train import SAMPLE_KEYS_DIR
-
-ROOT = Path(__file__).resolve().parent.parent
-# The demo in a Python process of its own: after the Ray clusters and sessions earlier tests started in the pytest
-# process (tests/test_cluster_driver.py), the driver's eval-scheduler actor was cancelled before it ran here.
-RUN_DEMO = """
-import dataclasses, json, sys
-from pathlib import Path
-from cluster.elastic_demo import DemoSettings, run_demo
-result, report = run_demo(Path(sys.argv[1]), DemoSettings(**json.loads(sys.argv[2])))
-Path(sys.argv[3]).write_text(json.dumps({"result": dataclasses.asdict(result), "report": report}, default=str))
-"""
 
 STEPS, EVERY = 200, 20
 
@@ -70,26 +54,12 @@ def run_keys(run_dir) -> dict[int, dict]:
             for s, v in steps.items()}  # fmt: skip
 
 
-def run_demo_process(tmp_path: Path, settings: DemoSettings) -> tuple[DemoResult, dict]:
-    out, saved = tmp_path / "demo", tmp_path / "demo-result.json"
-    out.mkdir()
-    # Without the RAY_* and PYTEST_* variables earlier tests and ray.init left in this process's environment.
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTEST_"))}
-    env = {**clean, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-c", RUN_DEMO, str(out), json.dumps(dataclasses.asdict(settings)), str(saved)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
-    assert saved.exists(), (proc.stdout + proc.stderr)[-6000:]
-    data = json.loads(saved.read_text())
-    result = DemoResult(**{**data["result"], "run_dir": Path(data["result"]["run_dir"])})
-    return result, data["report"]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_node_lost_and_regained_job_goes_on_in_one_run(tmp_path):
     from mlflow import MlflowClient
 
-    result, report = run_demo_process(tmp_path, DemoSettings(steps=STEPS, every=EVERY, interval_s=3.0, timeout_s=400))
+    result, report = run_demo(tmp_path, DemoSettings(steps=STEPS, every=EVERY, interval_s=3.0, timeout_s=400))
     print(format_report(result, report))
     assert result.error is None, result.error
     assert result.rc == 0 and report["status"] == "FINISHED"
