@@ -74,6 +74,9 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
         "logging.log_every": args.log_every,
         "logging.peak_tflops": 1.0,  # MFU is not used here; skips the start-up GEMM measurement
     }
+    if args.data is not None:
+        # Two data streams, one per rank at world size 2: any folder of >= 2 shards will do.
+        sets.update({"data.train": args.data, "data.builtin": "null", "data.streams": 2})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     command += ["-m", "pretrain.train", "--config", str(PROJECT_ROOT / "configs" / "local_demo.yaml")]
     for key, value in sets.items():
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank (an odd one is unused)"
     )
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per training run")
+    parser.add_argument("--data", default=None, metavar="SHARDS",
+                        help="shard folder to train on (default: local_demo's rcdb set, made under data/)")  # fmt: skip
     parser.add_argument("--out", default="bench-results/scaling.json")
     args = parser.parse_args(argv)
     if args.global_batch < 2 or args.global_batch % 2:

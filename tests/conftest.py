@@ -1,7 +1,10 @@
-"""Suite-wide settings: CPU DeepSpeed, GPU tests skipped with a reason when no CUDA device is present."""
+"""Suite-wide settings: CPU DeepSpeed, GPU tests skipped with a reason when no CUDA device is present, and the
+order options: ``--shuffle SEED`` runs the tests in a random order drawn from SEED (`make test-shuffled`), ``--reverse``
+in reverse order. Every test must pass alone, in the suite, and in either order."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,15 +18,59 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("vitscale order")
+    group.addoption(
+        "--shuffle", metavar="SEED", type=int, default=None, help="run the tests in an order drawn from SEED"
+    )
+    group.addoption("--reverse", action="store_true", help="run the tests in reverse order")
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle")
+    return (
+        None if seed is None else f"test order shuffled with --shuffle {seed} (rerun with the same seed to repeat it)"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # Every worker of a distributed run collects the same items and must order them the same way: a seeded shuffle.
+    if config.getoption("--shuffle") is not None:
+        random.Random(config.getoption("--shuffle")).shuffle(items)
+    if config.getoption("--reverse"):
+        items.reverse()
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this machine); runs on the GPU box")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The measured GEMM peaks (pretrain.peak) go to a cache of this session's own: tests neither read nor write the
+    user's ~/.cache/vitscale, and concurrent test workers never race on one file."""
+    previous = os.environ.get("VITSCALE_CACHE")
+    os.environ["VITSCALE_CACHE"] = str(tmp_path_factory.mktemp("vitscale_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("VITSCALE_CACHE", None)
+    else:
+        os.environ["VITSCALE_CACHE"] = previous
+
+
+@pytest.fixture(autouse=True)
+def no_ray_auth_leak():
+    """A test that starts Ray in this process sets RAY_AUTH_MODE through `cluster.local_head.ray_auth_mode`: a
+    `ray.init()` of a local instance with it unset turns token auth on for the rest of the pytest process, and later
+    tests' auth-off clusters then had every actor cancelled (docs/elastic.md). Fails the leaking test, not a victim."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    yield
+    after = os.environ.get("RAY_AUTH_MODE")
+    assert after == before, f"this test left RAY_AUTH_MODE={after!r} (was {before!r}); start Ray inside ray_auth_mode()"
 
 
 @pytest.fixture
@@ -45,6 +92,19 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
     ensure("fractal", root, resolution=32, num_classes=4, images_per_class=16, val_per_class=1, samples_per_shard=16)
     return root / "fractal" / "train"
+
+
+@pytest.fixture(scope="session")
+def local_demo_data(tmp_path_factory) -> Path:
+    """A shard root holding local_demo's training set (rcdb, 64 classes x 60 images at 32 px, as the recipe builds
+    it), generated once per session: what `make launch` writes under the project's data/, never written there."""
+    from data_pipeline.builtin import ensure
+    from pretrain.config import load_config
+
+    root = tmp_path_factory.mktemp("local_demo_data")
+    config = load_config("local_demo")
+    ensure(config.data.builtin, root, **config.data.builtin_options)
+    return root
 
 
 @pytest.fixture

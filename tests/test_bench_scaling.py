@@ -10,12 +10,12 @@ import pytest
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_bench_scaling_writes_the_documented_keys(tmp_path):
+def test_bench_scaling_writes_the_documented_keys(tmp_path, tiny_fractal_shards):
     from bench.scaling import main
 
     out = tmp_path / "scaling.json"
     args = ["--model", "vit_ti16", "--image-size", "32", "--global-batch", "16", "--steps", "4", "--log-every", "2",
-            "--rounds", "1", "--threads", "2", "--out", str(out)]  # fmt: skip
+            "--rounds", "1", "--threads", "2", "--data", str(tiny_fractal_shards), "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     result = json.loads(out.read_text())
     for key in ("scaling_2_over_1", "img_s_world1", "img_s_world2", "step_s_world1", "step_s_world2",

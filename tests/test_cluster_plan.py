@@ -433,8 +433,9 @@ def test_elastic_plan_prints_both_ends_and_refuses_sizes_that_break_the_global_b
 
 
 @pytest.mark.timeout(120)
-def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_hold(capsys):
+def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_hold(local_demo_data):
     profile = load_profile("local")
+    profile = dataclasses.replace(profile, storage=dataclasses.replace(profile.storage, shards=str(local_demo_data)))
     config = resolve_config(profile, "local_demo", [], "r")
     plan = build_plan(profile, config)
     per_rank = 4 * 256 * plan.bytes_per_image + 3 * 32 * 3 * 32**2 * 4  # 4 streams x 256 samples + 3 float steps
