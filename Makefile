@@ -13,10 +13,12 @@ DRY_RUN ?=
 EXPERIMENT ?=
 RUNS ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 3
+SEED ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision clean
+.PHONY: help setup test test-fast test-shuffled lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -33,13 +35,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[dev]"
 	@touch $@
 
-# pytest exits 5 when it collected no tests: that is a failure, said in words.
-test: setup  ## run the whole pytest suite (CPU; real DeepSpeed, Ray, MLflow)
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
-		if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+# pytest exits 5 when it collected no tests: that is a failure, said in words. TEST_WORKERS pytest-xdist workers
+# share the tests: 3 on 2 cores, because the end-to-end tests wait on process start-up and Ray much of their time
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+define run_pytest
+	@$(PYTEST) $(1) $(PYTEST_ARGS); rc=$$?; \
+		if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+endef
 
-test-fast: setup  ## the suite without the slow end-to-end tests
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+test: setup  ## the whole suite on CPU (real DeepSpeed, Ray, MLflow): before a change lands
+	$(call run_pytest,)
+
+test-fast: setup  ## the inner loop: the suite without the slow end-to-end tests (under 3 min)
+	$(call run_pytest,-m "not slow")
+
+test-shuffled: setup  ## the whole suite in a random order (SEED=n repeats an order): before a change lands
+	$(call run_pytest,--shuffle $(or $(SEED),$(shell echo $$RANDOM)))
 
 lint: setup  ## ruff
 	$(PY) -m ruff check .
