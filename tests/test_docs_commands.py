@@ -73,6 +73,7 @@ MAKE_VARIABLES = ("CLUSTER", "RECIPE", "SET", "DRY_RUN", "EXPERIMENT", "RUNS", "
 NOT_RUN = {
     "make test": "runs the whole suite, this file included",
     "make test-fast": "runs the suite without the slow tests, this file included",
+    "make test-shuffled": "runs the whole suite in a random order, this file included",
     "make setup": "installs packages with pip",
     "python -m pytest": "runs tests (not this project's module; the suite is run by `make test`)",
     "python -m tracking.ui": "serves until stopped; its --dry-run also needs port 5000 free, which depends on the "
