@@ -30,6 +30,10 @@ import simplejpeg
 import torch
 from PIL import Image, ImageEnhance, ImageOps
 
+# What decoding a damaged or hostile image raises: the streams skip that sample and count it as corrupt.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+_BILINEAR = Image.Resampling.BILINEAR  # PIL's filter for the evaluation resize and RandAugment's geometric ops
+
 
 @dataclass(frozen=True)
 class AugmentConfig:
@@ -183,7 +187,7 @@ def decoded_pixels(
             # that the cut image is still resized in that order.
             last = max(last, size + 2 * (width - size) + 1)
         rows = min(math.ceil(last * scale) + 16, full_height)
-    if rows < full_height:
+    if offset is not None and rows < full_height:  # rows < full_height only where the header gave the offset
         data = data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]
     if scale == 1 and img.mode in ("RGB", "L"):
         # strict=False: the scan data past the new height is skipped with libjpeg's "extraneous bytes" warning
@@ -246,7 +250,7 @@ def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.rand
 
 def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> Image.Image:
     """`decode_train` as an RGB PIL image, for `channels_first`."""
-    img = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
+    img: Image.Image = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
     width, height = img.size
     if cfg is not None and cfg.inception_crop:
         box = inception_crop_box(width, height, rng, cfg)
@@ -276,7 +280,7 @@ def decode_eval_image(
     resize_size = resize_size or size
     if resize_size < size:
         raise ValueError(f"resize_size {resize_size} must be >= image_size {size}")
-    img = Image.open(io.BytesIO(data))
+    img: Image.Image = Image.open(io.BytesIO(data))
     width, height = img.size
     keep = size / resize_size  # the centre fraction kept on each axis
     w, h = width * keep, height * keep
@@ -286,8 +290,13 @@ def decode_eval_image(
     img = decoded_rows(img, data, box, size, (width, height))
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
-    img = img.resize((size, size), Image.BILINEAR, box=box)
+    img = img.resize((size, size), _BILINEAR, box=box)
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def planes(rows: int, size: int) -> np.ndarray:
+    """A fresh uint8 (rows, 3, size, size) for `channels_first`."""
+    return np.empty((rows, 3, size, size), np.uint8)
 
 
 def channels_first(images: list[Image.Image], out: np.ndarray) -> np.ndarray:
@@ -315,14 +324,14 @@ def _signed(value: float, rng: np.random.Generator) -> float:
 
 
 def _affine(img: Image.Image, matrix: tuple) -> Image.Image:
-    return img.transform(img.size, Image.AFFINE, matrix, resample=Image.BILINEAR, fillcolor=(128, 128, 128))
+    return img.transform(img.size, Image.Transform.AFFINE, matrix, resample=_BILINEAR, fillcolor=(128, 128, 128))
 
 
 _OPS = {
     "identity": lambda img, m, rng: img,
     "autocontrast": lambda img, m, rng: ImageOps.autocontrast(img),
     "equalize": lambda img, m, rng: ImageOps.equalize(img),
-    "rotate": lambda img, m, rng: img.rotate(_signed(_level(m, 30), rng), Image.BILINEAR, fillcolor=(128,) * 3),
+    "rotate": lambda img, m, rng: img.rotate(_signed(_level(m, 30), rng), _BILINEAR, fillcolor=(128,) * 3),
     "solarize": lambda img, m, rng: ImageOps.solarize(img, max(0, 256 - int(_level(m, 256)))),
     "posterize": lambda img, m, rng: ImageOps.posterize(img, max(1, 8 - int(_level(m, 4)))),
     "color": lambda img, m, rng: ImageEnhance.Color(img).enhance(1 + _signed(_level(m, 0.9), rng)),

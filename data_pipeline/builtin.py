@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from PIL import Image, ImageDraw
 from data_pipeline import formula
 from data_pipeline.cli import output_folder
 from data_pipeline.formula import encode_jpeg
-from data_pipeline.manifest import DATASET_FILE
+from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.write import WriteConfig, write_dataset
 
 
@@ -100,7 +99,7 @@ def gen_digits(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
         items = []
         for i in sorted(idx.tolist()):
             grey = Image.fromarray((images[i] * (255.0 / 16.0)).astype(np.uint8))
-            img = grey.resize((cfg.resolution, cfg.resolution), Image.BICUBIC).convert("RGB")
+            img = grey.resize((cfg.resolution, cfg.resolution), Image.Resampling.BICUBIC).convert("RGB")
             items.append((encode_jpeg(img), int(labels[i]), f"digits/{i}"))
         splits[split] = (items, names)
     return splits
@@ -250,11 +249,11 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
     """True when every split exists and was generated with the same settings; raises if settings differ."""
     complete = True
     for split in SPLITS[name]:
-        meta_file = folder / split / DATASET_FILE
-        if not meta_file.exists():
+        meta = read_dataset_json(folder / split)
+        if meta is None:
             complete = False
             continue
-        stored = json.loads(meta_file.read_text()).get("builtin")
+        stored = meta.get("builtin")
         wanted = _settings(name, cfg)
         if stored is None:
             continue
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             start = time.perf_counter()
             folder = ensure(name, args.out, **overrides)
-            counts = {s: json.loads((folder / s / DATASET_FILE).read_text())["num_samples"] for s in SPLITS[name]}
+            counts = {s: read_dataset_info(folder / s).num_samples for s in SPLITS[name]}
             print(f"{name}: {counts} in {folder} ({time.perf_counter() - start:.1f}s)")
     except ValueError as err:
         print(f"data_pipeline.builtin: error: {err}", file=sys.stderr)

@@ -18,8 +18,6 @@ from PIL import Image
 
 from data_pipeline.manifest import SAMPLES_FILE, iter_samples
 
-_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
-
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -31,7 +29,7 @@ def perceptual_hash(image: Image.Image) -> int:
     Robust to re-encoding, rescaling and small colour shifts; returned as a signed 64-bit int so it fits Parquet
     int64 columns (the bit pattern is what matters).
     """
-    grey = np.asarray(image.convert("L").resize((32, 32), Image.BILINEAR), dtype=np.float32)
+    grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
     coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()  # (64,)
     median = np.median(coeffs[1:])  # the DC term only measures brightness
     bits = coeffs > median
@@ -39,10 +37,6 @@ def perceptual_hash(image: Image.Image) -> int:
     for bit in bits:
         value = (value << 1) | int(bit)
     return int(np.array(value, dtype=np.uint64).view(np.int64))
-
-
-def hamming(a: int, b: int) -> int:
-    return bin((a ^ b) & 0xFFFFFFFFFFFFFFFF).count("1")
 
 
 class NearDuplicateIndex:
@@ -212,37 +206,47 @@ def load_exclusion(path: str | Path, max_distance: int = 3) -> ExclusionSet:
     path = Path(path)
     table_path = path / SAMPLES_FILE if path.is_dir() else path
     if table_path.suffix == ".parquet" and table_path.exists():
-        try:
-            cols = set(pq.read_schema(table_path).names)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"--exclude-like {table_path} is not a readable Parquet file ({error})") from None
-        if "phash" not in cols or "sha256" not in cols:
-            raise ValueError(
-                f"--exclude-like {table_path} has no 'phash'/'sha256' columns; point it at a vitscale shard folder"
-            )
-        wanted = ["sha256", "phash"] + (["source_sha256"] if "source_sha256" in cols else [])
-        sha: set[str] = set()
-        phash_parts = []
-        for batch in iter_samples(table_path, columns=wanted):  # streamed: only the hash columns, a group at a time
-            sha.update(batch.column("sha256").to_pylist())
-            if "source_sha256" in cols:
-                sha.update(batch.column("source_sha256").to_pylist())
-            phash_parts.append(batch.column("phash").to_numpy(zero_copy_only=False).astype(np.int64))
-        phashes = np.concatenate(phash_parts) if phash_parts else np.zeros(0, np.int64)
-        return ExclusionSet(sha, phashes, max_distance)
+        return _exclusion_from_table(table_path, max_distance)
     if path.is_dir():
-        sha: set[str] = set()
-        phashes: list[int] = []
-        for file in sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
-            data = file.read_bytes()
-            try:
-                with Image.open(file) as img:
-                    phashes.append(perceptual_hash(img))
-            except OSError:
-                continue  # an unreadable file cannot be near-duplicated; its bytes still count below
-            finally:
-                sha.add(sha256_hex(data))
-        if not sha:
-            raise ValueError(f"--exclude-like {path} holds no images and no samples.parquet")
-        return ExclusionSet(sha, phashes, max_distance)
-    raise ValueError(f"--exclude-like {path} is neither a shard folder, a samples.parquet, nor a folder of images")
+        return _exclusion_from_images(path, max_distance)
+    raise ValueError(f"--exclude-like {path} is neither a shard folder, a {SAMPLES_FILE}, nor a folder of images")
+
+
+def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
+    """The hashes a shard folder's samples table holds: stored and source sha256, pHash."""
+    try:
+        cols = set(pq.read_schema(table_path).names)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--exclude-like {table_path} is not a readable Parquet file ({error})") from None
+    if "phash" not in cols or "sha256" not in cols:
+        raise ValueError(
+            f"--exclude-like {table_path} has no 'phash'/'sha256' columns; point it at a vitscale shard folder"
+        )
+    wanted = ["sha256", "phash"] + (["source_sha256"] if "source_sha256" in cols else [])
+    sha: set[str] = set()
+    phash_parts = []
+    for batch in iter_samples(table_path, columns=wanted):  # streamed: only the hash columns, a group at a time
+        sha.update(batch.column("sha256").to_pylist())
+        if "source_sha256" in cols:
+            sha.update(batch.column("source_sha256").to_pylist())
+        phash_parts.append(batch.column("phash").to_numpy(zero_copy_only=False).astype(np.int64))
+    phashes = np.concatenate(phash_parts) if phash_parts else np.zeros(0, np.int64)
+    return ExclusionSet(sha, phashes, max_distance)
+
+
+def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
+    """The hashes of every image file under ``folder``."""
+    sha: set[str] = set()
+    phashes: list[int] = []
+    for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
+        data = file.read_bytes()
+        try:
+            with Image.open(file) as img:
+                phashes.append(perceptual_hash(img))
+        except OSError:
+            continue  # an unreadable file cannot be near-duplicated; its bytes still count below
+        finally:
+            sha.add(sha256_hex(data))
+    if not sha:
+        raise ValueError(f"--exclude-like {folder} holds no images and no {SAMPLES_FILE}")
+    return ExclusionSet(sha, phashes, max_distance)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import io
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -53,7 +54,7 @@ def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.nd
     mats = rng.uniform(-1.0, 1.0, size=(n, 2, 2))
     for k in range(n):  # contract each map so the attractor is bounded
         sigma = np.linalg.norm(mats[k], 2)
-        mats[k] *= rng.uniform(0.45, 0.9) / max(sigma, 1e-6)
+        mats[k] *= rng.uniform(0.45, 0.9) / max(float(sigma), 1e-6)
     shifts = rng.uniform(-1.0, 1.0, size=(n, 2))
     det = np.abs(np.linalg.det(mats)) + 1e-3
     return mats, shifts, det / det.sum()
@@ -161,13 +162,14 @@ def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
             break
         pts = np.stack([centre[0] + r * np.cos(angles), centre[1] + r * np.sin(angles)], 1)
         draw.line([tuple(p) for p in np.vstack([pts, pts[:1]])], fill=level, width=width, joint="curve")
-    return img.resize((res, res), Image.BOX).convert("RGB")
+    return img.resize((res, res), Image.Resampling.BOX).convert("RGB")
 
 
 # ------------------------------------------------------------------------------------------ parallel driver
 
 CLASS_FORMULA: dict[str, Callable[..., object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
-RENDER: dict[str, Callable[[object, np.random.Generator, int], Image.Image]] = {
+# (class formula of the kind, rng, resolution) -> image; each kind's formula is its own type (CLASS_FORMULA's result)
+RENDER: dict[str, Callable[[Any, np.random.Generator, int], Image.Image]] = {
     "fractal": fractal_image,
     "rcdb": rcdb_image,
 }
@@ -205,6 +207,7 @@ def generate(
         (kind, seed, split, range(lo, min(lo + block, num_classes)), per_class, res, class_options)
         for lo in range(0, num_classes, block)
     ]
+    parts: Iterator[list[tuple[bytes, int, str]]]
     if workers <= 1:
         parts = map(_generate_classes, jobs)
     else:

@@ -5,7 +5,8 @@ A split folder holds
   manifest.parquet       one row per shard: url (relative to the folder), samples, bytes, sha256
   samples.parquet        one row per sample: key, shard, label, width, height, sha256, phash, source, dedup flags
   classes.parquet        label index -> name
-  dataset.json           name, split, num_classes, num_samples, num_shards, write settings
+  dataset.json           name, split, num_classes, num_samples, num_shards, write settings; written last
+  _write_settings.json   the writer's own record of its settings, so that a re-run with other settings is refused
 
 Everything here is read through fsspec, so the folder may be a local path, ``file://``, ``s3://`` or ``gs://``.
 """
@@ -16,6 +17,7 @@ import json
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -25,7 +27,9 @@ MANIFEST_FILE = "manifest.parquet"
 SAMPLES_FILE = "samples.parquet"
 CLASSES_FILE = "classes.parquet"
 DATASET_FILE = "dataset.json"
+WRITE_SETTINGS_FILE = "_write_settings.json"  # the writer's settings: a re-run with others is refused
 SHARD_PATTERN = "shard-{index:06d}.tar"
+SHARD_GLOB = "shard-*.tar"  # every name SHARD_PATTERN makes
 
 MANIFEST_SCHEMA = pa.schema(
     [("url", pa.string()), ("samples", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string())]
@@ -95,6 +99,51 @@ def join_url(root: str | Path, name: str) -> str:
     return str(Path(root) / name)
 
 
+def is_shard_folder(shard_dir: str | Path) -> bool:
+    """Whether ``shard_dir`` (a local path or fsspec URL) holds a ``manifest.parquet``: a shard folder, written or
+    being finished (`read_dataset_info` also wants its ``dataset.json``, written last)."""
+    fs, path = _fs_and_path(shard_dir)
+    return bool(fs.isfile(posixpath.join(path, MANIFEST_FILE)))
+
+
+def _incomplete(root: str, missing: str) -> ShardFormatError:
+    return ShardFormatError(
+        f"{root} has no {missing}: it is not a complete shard folder (an interrupted write?). "
+        "Re-run `python -m data_pipeline.write` with the same arguments to finish it"
+    )
+
+
+def _damaged(root: str, name: str, error: Exception) -> ShardFormatError:
+    return ShardFormatError(
+        f"{join_url(root, name)} is damaged ({type(error).__name__}: {error}); rewrite the folder with "
+        "`python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)"
+    )
+
+
+def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
+    """The split's ``dataset.json`` (name, split, num_classes, num_samples, num_shards, write settings), None when
+    the folder has none. ``num_classes`` and, when present, ``num_samples`` come back as ints; a file that does not
+    parse or lacks them raises ShardFormatError (a ValueError) naming it."""
+    root = str(shard_dir)
+    fs, path = _fs_and_path(root)
+    file = posixpath.join(path, DATASET_FILE)
+    if not fs.exists(file):
+        return None
+    # The file is the user's data: any way it fails to parse (not JSON, a missing key, a wrong type) is the same
+    # finding, "this file is damaged", never a traceback.
+    try:
+        with fs.open(file, "r") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise TypeError(f"a JSON object was expected, not {type(meta).__name__}")
+        meta["num_classes"] = int(meta["num_classes"])
+        if "num_samples" in meta:
+            meta["num_samples"] = int(meta["num_samples"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise _damaged(root, DATASET_FILE, error) from None
+    return meta
+
+
 def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     """Read ``dataset.json``, ``manifest.parquet`` and ``classes.parquet`` of a split folder.
 
@@ -109,25 +158,12 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
         )
     for required in (DATASET_FILE, MANIFEST_FILE):
         if not fs.exists(posixpath.join(path, required)):
-            raise ShardFormatError(
-                f"{root} has no {required}: it is not a complete shard folder (an interrupted write?). "
-                "Re-run `python -m data_pipeline.write` with the same arguments to finish it"
-            )
-
-    def damaged(name: str, error: Exception) -> ShardFormatError:
-        return ShardFormatError(
-            f"{join_url(root, name)} is damaged ({type(error).__name__}: {error}); rewrite the folder with "
-            "`python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)"
-        )
-
-    # Each file is the user's data: any way it fails to parse (not JSON/Parquet, a missing key or column, a wrong
-    # type) is the same finding, "this file is damaged", never a traceback.
-    try:
-        with fs.open(posixpath.join(path, DATASET_FILE), "r") as f:
-            meta = json.load(f)
-        num_classes = int(meta["num_classes"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise damaged(DATASET_FILE, error) from None
+            raise _incomplete(root, required)
+    meta = read_dataset_json(root)
+    if meta is None:  # removed since the check above
+        raise _incomplete(root, DATASET_FILE)
+    # As with dataset.json, any way a table fails to parse (not Parquet, a missing column, a wrong type) is one
+    # finding, "this file is damaged", never a traceback.
     try:
         with fs.open(posixpath.join(path, MANIFEST_FILE), "rb") as f:
             manifest = pq.ParquetFile(f).read().to_pylist()  # ParquetFile: no pyarrow.dataset import, ~1 s per rank
@@ -138,7 +174,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
             for r in manifest
         )
     except (OSError, ValueError, KeyError, TypeError) as error:  # pyarrow.ArrowInvalid is a ValueError
-        raise damaged(MANIFEST_FILE, error) from None
+        raise _damaged(root, MANIFEST_FILE, error) from None
     class_names: tuple[str, ...] = ()
     if fs.exists(posixpath.join(path, CLASSES_FILE)):
         try:
@@ -146,24 +182,29 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
                 rows = sorted(pq.ParquetFile(f).read().to_pylist(), key=lambda r: r["label"])
             class_names = tuple(str(r["name"]) for r in rows)
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise damaged(CLASSES_FILE, error) from None
+            raise _damaged(root, CLASSES_FILE, error) from None
     num_samples = sum(s.samples for s in shards)
-    if int(meta.get("num_samples", num_samples)) != num_samples:
+    if meta.get("num_samples", num_samples) != num_samples:
         raise ShardFormatError(
-            f"{root}: dataset.json says {meta['num_samples']} samples but manifest.parquet counts {num_samples}; "
+            f"{root}: {DATASET_FILE} says {meta['num_samples']} samples but {MANIFEST_FILE} counts {num_samples}; "
             "the folder is damaged — rewrite it or run `python -m data_pipeline.validate` for details"
         )
     if not shards:
-        raise ShardFormatError(f"{root}: manifest.parquet lists no shards; the dataset is empty")
+        raise ShardFormatError(f"{root}: {MANIFEST_FILE} lists no shards; the dataset is empty")
     return DatasetInfo(
         root=root,
         name=str(meta.get("name", Path(path).name)),
         split=str(meta.get("split", "")),
-        num_classes=num_classes,
+        num_classes=meta["num_classes"],
         num_samples=num_samples,
         shards=shards,
         class_names=class_names,
     )
+
+
+def dataset_info(source: str | Path | DatasetInfo) -> DatasetInfo:
+    """``source`` when it was read already, else `read_dataset_info` of it."""
+    return source if isinstance(source, DatasetInfo) else read_dataset_info(source)
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-RECIPE_DIR = PROJECT_ROOT / "configs"
-SUITES_DIR = RECIPE_DIR / "evals"
+RECIPE_DIR = PROJECT_ROOT / "configs"  # experiment recipes (pretrain.config)
+SUITES_DIR = RECIPE_DIR / "evals"  # eval suites (evals.suites)
 
 
 def is_remote(url: str | Path) -> bool:

@@ -53,7 +53,7 @@ def is_safe_member(name: str) -> bool:
     return bool(name) and not name.startswith(("/", "\\")) and ".." not in parts and ":" not in parts[0]
 
 
-def _read_class_names(path: Path | None, ids: list[str]) -> list[str]:
+def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
     """Map class ids (folder names, wnids, label indices) to human names with an optional class-name file.
 
     The file holds ``id<TAB>name`` lines (ImageNet's words.txt), ``id name`` lines whose ids are the source's, or
@@ -169,7 +169,9 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
                 if not is_safe_member(member.name):
                     stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
                     continue
-                data = tar.extractfile(member).read()  # into memory only
+                member_file = tar.extractfile(member)
+                assert member_file is not None  # a regular member (checked above) always has one
+                data = member_file.read()  # into memory only
                 ref = ItemRef(
                     "tar",
                     unit.path,

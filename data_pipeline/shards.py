@@ -4,7 +4,8 @@ Stock webdataset either raises on the first damaged shard or, with ``warn_and_co
 and silently drops the rest of a truncated tar. Here the handler counts and continues without sleeping, member
 names are checked before anything is read (a ``../x`` member is skipped and counted; nothing is ever extracted to
 disk — members are read into memory), and the number of samples read is compared with the manifest so a
-truncated shard shows up in the counters instead of quietly shortening the epoch.
+truncated shard shows up in the counters instead of quietly shortening the epoch. ``sample_label`` is the streams'
+check of what a sample read here holds, its failures counted the same way.
 """
 
 from __future__ import annotations
@@ -69,3 +70,21 @@ def read_shard(url: str, expected: int | None, stats: Counter) -> Iterator[dict]
         stats["truncated_shards"] += 1
         stats["missing_samples"] += expected - count
         _warn(f"shard {url} yielded {count} of the {expected} samples its manifest lists (truncated or damaged)")
+
+
+def sample_label(sample: dict, num_classes: int, stats: Counter) -> int | None:
+    """The label of a sample from `read_shard`, or None when it cannot be used: no image or label member
+    (``incomplete_samples``), a label that is no integer (``bad_labels``) or outside [0, num_classes)
+    (``label_out_of_range``), each counted in ``stats``."""
+    if "jpg" not in sample or "cls" not in sample:
+        stats["incomplete_samples"] += 1
+        return None
+    try:
+        label = int(sample["cls"])
+    except ValueError:
+        stats["bad_labels"] += 1
+        return None
+    if not 0 <= label < num_classes:
+        stats["label_out_of_range"] += 1
+        return None
+    return label

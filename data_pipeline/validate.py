@@ -21,7 +21,14 @@ import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image
 
-from data_pipeline.manifest import SAMPLES_FILE, DatasetInfo, ShardFormatError, read_dataset_info
+from data_pipeline.manifest import (
+    CLASSES_FILE,
+    DATASET_FILE,
+    SAMPLES_FILE,
+    DatasetInfo,
+    ShardFormatError,
+    read_dataset_info,
+)
 from data_pipeline.shards import read_shard
 
 
@@ -119,7 +126,7 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
     else:
         report.problems.append(f"{SAMPLES_FILE} is missing")
     if info.class_names and len(info.class_names) != info.num_classes:
-        report.problems.append(f"classes.parquet has {len(info.class_names)} names, dataset.json {info.num_classes}")
+        report.problems.append(f"{CLASSES_FILE} has {len(info.class_names)} names, {DATASET_FILE} {info.num_classes}")
     return report
 
 

@@ -30,6 +30,7 @@ import sys
 import tarfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from data_pipeline.dedup import (
     perceptual_hash,
     sha256_hex,
 )
-from data_pipeline.readers import ItemRef, Source, iter_unit, open_source, read_ref
+from data_pipeline.readers import ItemRef, Source, SourceUnit, iter_unit, open_source, read_ref
 
 TAR_MTIME = 0.0  # fixed header fields make re-runs byte-identical
 TAR_OWNER = "vitscale"
@@ -111,39 +112,50 @@ def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str,
 
 def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> tuple[bytes, int, int]:
     """The bytes to store: the original JPEG, or a deterministic RGB JPEG re-encode (q90 if resized, else q95)."""
-    with Image.open(io.BytesIO(data)) as img:
+    with Image.open(io.BytesIO(data)) as opened:
         if not needs_reencode:
-            return data, img.size[0], img.size[1]
-        img = img.convert("RGB")
+            return data, opened.size[0], opened.size[1]
+        img = opened.convert("RGB")
         width, height = img.size
         quality = 95
         if min(width, height) > max_short_side:
             scale = max_short_side / min(width, height)
             width, height = max(1, round(width * scale)), max(1, round(height * scale))
-            img = img.resize((width, height), Image.BICUBIC)
+            img = img.resize((width, height), Image.Resampling.BICUBIC)
             quality = 90
         out = io.BytesIO()
         img.save(out, format="JPEG", quality=quality)
         return out.getvalue(), width, height
 
 
-def _scan_unit(job: tuple) -> tuple[list[Candidate], Counter]:
+@dataclass(frozen=True)
+class _ScanJob:
+    """One job of the scan pass: a unit of a raw source, or a chunk of in-memory items."""
+
+    config: WriteConfig
+    unit: SourceUnit | None = None
+    source: Source | None = None  # without its units: each job pickles its own unit only, not the whole list
+    items: tuple[tuple[bytes, int, str], ...] = ()  # (bytes, label, source id)
+
+
+def _scan_items(job: _ScanJob, stats: Counter) -> Iterator[tuple[ItemRef | None, bytes, int, str]]:
+    """(where it is, bytes, label, source id) of every image of the job, in a deterministic order."""
+    if job.unit is None or job.source is None:
+        return ((None, data, label, source) for data, label, source in job.items)
+    return ((ref, data, label, ref.source) for ref, data, label in iter_unit(job.unit, job.source, stats))
+
+
+def _scan_unit(job: _ScanJob) -> tuple[list[Candidate], Counter]:
     """Scan one unit (a class folder, a tar, a Parquet file, or a chunk of in-memory images)."""
-    unit, source, items, config = job
     stats: Counter = Counter()
     kept: list[Candidate] = []
-    triples = iter_unit(unit, source, stats) if unit is not None else items
-    for ref, data, label in triples:
+    for ref, data, label, source in _scan_items(job, stats):
         stats["scanned"] += 1
-        if ref is None:
-            label, src = label
-        else:
-            src = ref.source
-        status, facts = inspect_image(data, config.min_size, config.max_short_side)
+        status, facts = inspect_image(data, job.config.min_size, job.config.max_short_side)
         if status != "ok":
             stats[status] += 1
             continue
-        kept.append(Candidate(ref, data if ref is None else None, label, src, sha256_hex(data), **facts))
+        kept.append(Candidate(ref, data if ref is None else None, label, source, sha256_hex(data), **facts))
     return kept, stats
 
 
@@ -171,7 +183,7 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
     if not final.exists():
         tmp = final.with_name(name + ".tmp")
         writer = dict(encoder=False, user=TAR_OWNER, group=TAR_OWNER, mtime=TAR_MTIME)
-        with open(tmp, "wb") as f, wds.TarWriter(f, **writer) as w:
+        with open(tmp, "wb") as out, wds.TarWriter(out, **writer) as w:
             for key, cand in entries:
                 raw = cand.data if cand.ref is None else read_ref(cand.ref, image_column)
                 data, width, height = encode_for_shard(raw, cand.needs_reencode, max_short_side)
@@ -197,7 +209,9 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
     with tarfile.open(final, "r:") as tar:
         for member in tar:
             if member.name.endswith(".json"):
-                metas[member.name[: -len(".json")]] = json.loads(tar.extractfile(member).read())
+                member_file = tar.extractfile(member)
+                assert member_file is not None  # the members this writer wrote are regular files
+                metas[member.name[: -len(".json")]] = json.loads(member_file.read())
     for key, cand in entries:
         meta = metas[key]
         rows.append(
@@ -294,37 +308,77 @@ def write_dataset(
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _claim_folder(out, config, source)
     names = list(source.class_names if source is not None else class_names or [])
+    report = WriteReport()
+    candidates = _scan(_scan_jobs(config, source, items or [], names), config.processes, report)
+    survivors = dedup_candidates(candidates, config, exclude, report)
+    if not survivors:
+        raise ValueError(f"no valid images to write (report: {report.summary()})")
+    image_column = source.image_column if source is not None else "image"
+    shard_rows, report.written = _write_shards(out, survivors, names, image_column, config)
+    manifest.write_metadata(
+        out,
+        shards=shard_rows,
+        samples=None,
+        class_names=names,
+        dataset=dict(
+            name=config.name,
+            split=config.split,
+            max_short_side=config.max_short_side,
+            seed=config.seed,
+            samples_per_shard=config.samples_per_shard,
+            **(extra_meta or {}),
+        ),
+    )
+    for stale in out.glob(manifest.SHARD_GLOB + ".tmp"):  # shards an interrupted run left half written
+        stale.unlink()
+    report.shards, report.bytes = len(shard_rows), sum(r["bytes"] for r in shard_rows)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None:
+    """Record the write's settings in ``out``; refuse a folder that holds shards written with other settings (a
+    re-run with the same ones keeps the finished shards)."""
     settings = dict(asdict(config), processes=None, source=None if source is None else [u.path for u in source.units])
-    settings_file = out / "_write_settings.json"
+    settings_file = out / manifest.WRITE_SETTINGS_FILE
     if settings_file.exists() and json.loads(settings_file.read_text()) != json.loads(json.dumps(settings)):
         raise ValueError(f"{out} holds shards written with different settings; choose a new --out or delete it")
     manifest.write_json_atomic(settings, settings_file)
 
+
+def _scan_jobs(
+    config: WriteConfig, source: Source | None, items: list[tuple[bytes, int, str]], names: list[str]
+) -> list[_ScanJob]:
+    """The scan pass's jobs: one per unit of ``source``, else chunks of 256 ``items`` (their labels checked)."""
     if source is not None:
-        light = replace(source, units=())  # each job pickles its own unit only, not the whole source list
-        jobs = [(u, light, None, config) for u in source.units]
-        image_column = source.image_column
-    else:
-        for _data, label, src in items:
-            if not 0 <= label < len(names):
-                raise ValueError(f"item {src}: label {label} out of range for {len(names)} class names")
-        chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
-        jobs = [(None, None, [(None, d, (lab, s)) for d, lab, s in chunk], config) for chunk in chunks]
-        image_column = "image"
-    report = WriteReport()
+        light = replace(source, units=())
+        return [_ScanJob(config, unit=u, source=light) for u in source.units]
+    for _data, label, src in items:
+        if not 0 <= label < len(names):
+            raise ValueError(f"item {src}: label {label} out of range for {len(names)} class names")
+    return [_ScanJob(config, items=tuple(items[i : i + 256])) for i in range(0, len(items), 256)]
+
+
+def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Candidate]:
+    """Pass 1: every image of every job read, decoded and hashed, in the jobs' order; what was skipped and why goes
+    to ``report``."""
     candidates: list[Candidate] = []
     skipped: Counter = Counter()
-    for kept, stats in _imap(_scan_unit, jobs, config.processes, "scan"):
+    for kept, stats in _imap(_scan_unit, jobs, processes, "scan"):
         candidates.extend(kept)
         skipped.update(stats)
     report.scanned = skipped.pop("scanned", 0)
     report.skipped = dict(skipped)
+    return candidates
 
-    survivors = dedup_candidates(candidates, config, exclude, report)
-    if not survivors:
-        raise ValueError(f"no valid images to write (report: {report.summary()})")
 
+def _write_shards(
+    out: Path, survivors: list[Candidate], names: list[str], image_column: str, config: WriteConfig
+) -> tuple[list[dict], int]:
+    """Pass 2: ``survivors`` in one seeded permutation, ``samples_per_shard`` to a shard, and their samples table;
+    (the shards' manifest rows, the samples written)."""
     order = np.random.default_rng(config.seed).permutation(len(survivors))
     keyed = [(f"{i:09d}", survivors[j]) for i, j in enumerate(order)]  # keys: digits only, never a dot
     per = config.samples_per_shard
@@ -337,26 +391,7 @@ def write_dataset(
         for shard_row, rows in _imap(_write_shard, shard_jobs, config.processes, "write"):
             shard_rows.append(shard_row)
             samples.write_rows(rows)
-    manifest.write_metadata(
-        out,
-        shards=shard_rows,
-        samples=None,
-        class_names=names,
-        dataset=dict(
-            name=config.name,
-            split=config.split,
-            max_short_side=config.max_short_side,
-            seed=config.seed,
-            samples_per_shard=per,
-            **(extra_meta or {}),
-        ),
-    )
-    for stale in out.glob("*.tar.tmp"):
-        stale.unlink()
-    report.written, report.shards = samples.rows, len(shard_rows)
-    report.bytes = sum(r["bytes"] for r in shard_rows)
-    report.seconds = time.perf_counter() - start
-    return report
+    return shard_rows, samples.rows
 
 
 def main(argv: list[str] | None = None) -> int:

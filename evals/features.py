@@ -1,7 +1,7 @@
 """Reading an eval split once: whole-split images or frozen pre-logits features, batched through ``EvalStream``.
 
 Preprocessing is the few-shot/fine-tune protocol's: square resize to ``resize_size`` then centre crop to
-``image_size``, pixels scaled to [-1, 1] (``data_pipeline.stream.EvalStream``). ``resize_size=None`` means no crop
+``image_size``, pixels scaled to [-1, 1] (``data_pipeline.eval_stream.EvalStream``). ``resize_size=None`` means no crop
 (resize straight to ``image_size``), the default for the small built-in sets whose content touches the border.
 
 Labels are checked against the split's declared ``num_classes`` (``dataset.json``): a label outside
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from data_pipeline import builtin
-from data_pipeline.manifest import read_dataset_info
-from data_pipeline.stream import EvalStream
+from data_pipeline.eval_stream import EvalStream
+from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_info
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,9 @@ class SplitInfo:
 def split_info(split_dir: str | Path) -> SplitInfo:
     """The split's declared class and sample counts, with a clear error when the folder is not a shard folder."""
     path = Path(split_dir)
-    if not (path / "manifest.parquet").is_file():
+    if not is_shard_folder(path):
         raise ValueError(
-            f"{path} is not a shard folder (no manifest.parquet); write it with data_pipeline "
+            f"{path} is not a shard folder (no {MANIFEST_FILE}); write it with data_pipeline "
             "(e.g. `python -m data_pipeline.builtin NAME --out ROOT`) or point --data-root at the right folder"
         )
     info = read_dataset_info(path)
@@ -161,11 +161,11 @@ def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.nda
 def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_builtin: bool = True) -> Path:
     """``<data_root>/<dataset>/<split>``; a missing built-in dataset is generated first when allowed."""
     path = Path(data_root) / dataset / split
-    if (path / "manifest.parquet").is_file():
+    if is_shard_folder(path):
         return path
     if generate_builtin and dataset in builtin.BUILTIN_NAMES:
         builtin.ensure(dataset, data_root)
-        if (path / "manifest.parquet").is_file():
+        if is_shard_folder(path):
             return path
     raise ValueError(
         f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {data_root}`) "

@@ -25,13 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evals import fewshot, finetune, vtab
-from evals import inspect as inspection
+from data_pipeline.paths import SUITES_DIR
+from evals import fewshot, finetune, inspection, vtab
 from evals.evaluator import EvalContext, EvalOutput
 from pretrain import typed_yaml
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SUITES_DIR = PROJECT_ROOT / "configs" / "evals"
 
 
 @dataclass(frozen=True)

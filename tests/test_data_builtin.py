@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from data_pipeline import builtin
+from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import read_dataset_info
-from data_pipeline.stream import EvalStream, TrainStream
+from data_pipeline.stream import StreamSpec, TrainStream
 from data_pipeline.validate import validate
 
 SMALL = dict(num_classes=4, images_per_class=12, val_per_class=3, resolution=32, samples_per_shard=16)
@@ -101,8 +102,7 @@ def test_cli_writes_the_documented_layout(tmp_path, capsys):
     meta = json.loads((tmp_path / "digits" / "train" / "dataset.json").read_text())
     assert {"name", "split", "num_classes", "num_samples"} <= set(meta) and meta["split"] == "train"
     assert builtin.main(["nope", "--out", str(tmp_path)]) == 2
-    stream = TrainStream(
-        tmp_path / "digits" / "train", batch_size=8, image_size=16, world_size=2, rank=1, num_workers=2
-    )
+    spec = StreamSpec(tmp_path / "digits" / "train", micro_batch_size=8, image_size=16, num_workers=2)
+    stream = TrainStream(spec, world_size=2, rank=1)
     x, y = next(iter(stream))
     assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from data_pipeline import builtin, formula
+from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import read_dataset_info
-from data_pipeline.stream import EvalStream
 from data_pipeline.validate import validate
 
 TINY = dict(num_classes=6, images_per_class=4, val_per_class=2, resolution=32, samples_per_shard=8)

@@ -16,15 +16,11 @@ from PIL import Image
 
 from data_pipeline.augment import AugmentConfig
 from data_pipeline.dedup import sha256_hex
+from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import SHARD_PATTERN, write_metadata
-from data_pipeline.stream import (
-    EvalStream,
-    TrainStream,
-    _StepPool,
-    balanced_split,
-    check_shared_memory,
-    merge_stream_states,
-)
+from data_pipeline.order import balanced_split, merge_stream_states
+from data_pipeline.step_pool import StepPool, check_shared_memory
+from data_pipeline.stream import StreamSpec, TrainStream
 from pretrain.config import load_config
 
 UNEVEN = [3, 17, 5, 40, 9, 1, 22, 11, 7, 13]  # 128 samples in 10 shards of very different sizes
@@ -127,12 +123,18 @@ def test_balanced_split_deals_exactly_as_the_bin_by_bin_scan():
 
 
 # Training: P = 4 canonical streams, G = 8 (c = 2 per stream), m = 2, so R = 1, 2, 4 run A = 4, 2, 1 micro-batches.
-ORDER = dict(batch_size=2, global_batch_size=8, streams=4, image_size=16, seed=3, shuffle_buffer=8, record_keys=True)
+ORDER = dict(
+    micro_batch_size=2, global_batch_size=8, streams=4, image_size=16, seed=3, shuffle_buffer=8, record_keys=True
+)
+
+
+def train_stream(location, rank=0, world_size=1, **spec):
+    return TrainStream(StreamSpec(location, **spec), rank=rank, world_size=world_size)
 
 
 def rank_streams(root, world_size, num_workers, **kw):
     return [
-        TrainStream(root, rank=r, world_size=world_size, num_workers=num_workers, **{**ORDER, **kw})
+        train_stream(root, rank=r, world_size=world_size, num_workers=num_workers, **{**ORDER, **kw})
         for r in range(world_size)
     ]
 
@@ -176,7 +178,7 @@ def test_global_order_and_pixels_are_the_same_at_every_world_size_and_worker_cou
     assert expected[0][2].shape == (8, NUM_CLASSES) and not torch.equal(expected[0][1], expected[1][1])
     # the last one takes micro-batches of 4 that span both workers' parts (the others are views of one part)
     for world_size, num_workers, micro in [(1, 2, 2), (2, 0, 2), (2, 1, 2), (4, 1, 2), (2, 2, 4)]:
-        streams = rank_streams(uneven, world_size, num_workers, batch_size=micro, **aug)
+        streams = rank_streams(uneven, world_size, num_workers, micro_batch_size=micro, **aug)
         assert streams[0].accumulation_steps == 8 // (world_size * micro)
         assert_same_batches(global_batches(streams, n), expected, (world_size, num_workers, micro))
         state = merged_state(streams)
@@ -241,7 +243,7 @@ def test_resume_at_the_same_world_size_is_bit_identical(uneven, num_workers):
         augment=AugmentConfig(randaugment_n=2, randaugment_m=9),
     )
     before = global_rng_states()
-    reference = TrainStream(uneven, **kwargs)
+    reference = train_stream(uneven, **kwargs)
     A, first = reference.accumulation_steps, reference.steps_in_epoch(0)
     total = first + reference.steps_in_epoch(1) + 3
     states, expected = {}, []
@@ -251,7 +253,7 @@ def test_resume_at_the_same_world_size_is_bit_identical(uneven, num_workers):
             states[(i + 1) // A] = json.loads(json.dumps(reference.state_dict()))  # as a checkpoint would store it
     assert expected[0][1].shape == (2, NUM_CLASSES)  # mixup gives soft targets
     for k in (2, first, first + 3):  # mid-epoch, exactly at the epoch boundary, and mid second epoch
-        resumed = TrainStream(uneven, **kwargs)
+        resumed = train_stream(uneven, **kwargs)
         resumed.load_state_dict(states[k])
         for i, (x, y) in enumerate(take(resumed, (total - k) * A), start=k * A):
             assert torch.equal(x, expected[i][0]), (k, i)
@@ -297,33 +299,35 @@ def test_state_errors_name_the_problem(uneven):
         merge_stream_states([local, two[1].state_dict()])
     with pytest.raises(ValueError, match="predates world-size-invariant streams"):
         two[0].load_state_dict(dict(local, version=1))
-    other = TrainStream(uneven, **dict(ORDER, shuffle_buffer=4))
+    other = train_stream(uneven, **dict(ORDER, shuffle_buffer=4))
     with pytest.raises(ValueError, match="shuffle_buffer"):
         other.load_state_dict(local)
 
 
 def test_sizes_that_do_not_split_are_clear_errors(uneven, tmp_path):
     with pytest.raises(ValueError, match=r"world_size 3 does not divide streams=4.*\[1, 2, 4\]"):
-        TrainStream(uneven, **dict(ORDER, global_batch_size=24), rank=0, world_size=3)
+        train_stream(uneven, **dict(ORDER, global_batch_size=24), rank=0, world_size=3)
     with pytest.raises(ValueError, match="not divisible by streams"):
-        TrainStream(uneven, **dict(ORDER, streams=3))
-    with pytest.raises(ValueError, match="not divisible by world_size 2 x batch_size 8"):
-        TrainStream(uneven, **dict(ORDER, batch_size=8), world_size=2)
+        train_stream(uneven, **dict(ORDER, streams=3))
+    with pytest.raises(ValueError, match="not divisible by world_size 2 x micro_batch_size 8"):
+        train_stream(uneven, **dict(ORDER, micro_batch_size=8), world_size=2)
     with pytest.raises(ValueError, match="needs >= 2"):
-        TrainStream(uneven, **dict(ORDER, streams=8), mixup_alpha=0.2)
+        train_stream(uneven, **dict(ORDER, streams=8), mixup_alpha=0.2)
     for prefetch in (0, None):
         with pytest.raises(ValueError, match=f"prefetch_factor must be an int >= 1 .*got {prefetch}"):
-            TrainStream(uneven, **ORDER, num_workers=2, prefetch_factor=prefetch)
+            train_stream(uneven, **ORDER, num_workers=2, prefetch_factor=prefetch)
     root = make_shards(tmp_path / "small", sizes=[5, 5, 5])
     with pytest.raises(ValueError, match="smaller --samples-per-shard"):
-        TrainStream(root, **ORDER)
+        train_stream(root, **ORDER)
 
 
 @pytest.mark.timeout(60)
 def test_file_url_gives_the_same_batches_as_a_local_path(uneven):
-    kwargs = dict(batch_size=4, image_size=16, num_workers=0, seed=2, label_format="multihot", augment=AugmentConfig())
-    local = take(TrainStream(uneven, **kwargs), 3)
-    remote = take(TrainStream(f"file://{uneven}", **kwargs), 3)
+    kwargs = dict(
+        micro_batch_size=4, image_size=16, num_workers=0, seed=2, label_format="multihot", augment=AugmentConfig()
+    )
+    local = take(train_stream(uneven, **kwargs), 3)
+    remote = take(train_stream(f"file://{uneven}", **kwargs), 3)
     for (x1, y1), (x2, y2) in zip(local, remote):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert local[0][1].shape == (4, NUM_CLASSES) and set(local[0][1].sum(1).tolist()) == {1.0}
@@ -339,16 +343,16 @@ def test_forkserver_workers_are_the_default_and_give_the_same_batches_as_fork(un
     """Loader workers start from a fork server unless told otherwise (forking the threaded training process can hang
     the child: docs/reference.md §6); the epoch dataset pickles and yields the batches forked workers give."""
     kwargs = dict(ORDER, num_workers=2, seed=4, augment=AugmentConfig(), mixup_alpha=0.2)
-    served = TrainStream(uneven, **kwargs)
-    assert served.multiprocessing_context == "forkserver"
+    served = train_stream(uneven, **kwargs)
+    assert served.spec.start_method == "forkserver"
     assert load_config("local_demo").data.loader_start_method == "forkserver"  # what pretrain.train passes it
-    forked = take(TrainStream(uneven, multiprocessing_context="fork", **kwargs), 5)
+    forked = take(train_stream(uneven, start_method="fork", **kwargs), 5)
     for (x1, y1), (x2, y2) in zip(forked, take(served, 5)):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
 def test_step_pool_grants_a_buffer_only_when_no_view_of_it_is_alive():
-    pool = _StepPool(slots=2, rows=2, image_size=4, workers=1, lookahead=0, shared=True)
+    pool = StepPool(slots=2, rows=2, image_size=4, workers=1, lookahead=0, shared=True)
     images, scratch = [Image.new("RGB", (4, 4), (v, v, v)) for v in (0, 255)], np.empty((2, 3, 4, 4), np.uint8)
     pool.grant(0)
     slot = pool.slot(0)
@@ -381,11 +385,11 @@ def test_workers_write_into_pooled_buffers_unless_the_consumer_keeps_them(uneven
     """A consumer that drops each micro-batch gets every step from the pool (what a training loop does); one that
     keeps every micro-batch alive gets copies once the pool is used up, with the same pixels."""
     kwargs = dict(ORDER, num_workers=num_workers, augment=AugmentConfig(), mixup_alpha=0.4)
-    dropping = TrainStream(uneven, **kwargs)
+    dropping = train_stream(uneven, **kwargs)
     n = 3 * dropping.steps_in_epoch(0) // 2 * dropping.accumulation_steps  # into the second epoch
     copies = [(x.clone(), y.clone()) for x, y in take_iter(dropping, n)]
     assert dropping.unpooled_steps == 0
-    keeping = TrainStream(uneven, **kwargs)
+    keeping = train_stream(uneven, **kwargs)
     kept = take(keeping, n)
     assert keeping.unpooled_steps > 0
     for (x1, y1), (x2, y2) in zip(copies, kept):

@@ -18,9 +18,9 @@ from PIL import Image
 from data_pipeline import manifest
 from data_pipeline import write as write_cli
 from data_pipeline.dedup import sha256_hex
+from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.readers import open_source
-from data_pipeline.stream import EvalStream
 from data_pipeline.validate import validate
 
 

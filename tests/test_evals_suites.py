@@ -4,9 +4,10 @@ import math
 
 import pytest
 
+from data_pipeline.paths import SUITES_DIR
 from evals.evaluator import EvalOutput, ResultRow, mlflow_metrics
 from evals.finetune import FinetuneOptions
-from evals.suites import EVALUATORS, SUITES_DIR, load_suite, register_evaluator
+from evals.suites import EVALUATORS, load_suite, register_evaluator
 
 SHIPPED = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
 

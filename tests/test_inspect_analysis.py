@@ -1,4 +1,4 @@
-"""evals.inspect pure functions against hand-computed values (paper §4.5 definitions, docs/reference.md §4)."""
+"""evals.inspection pure functions against hand-computed values (paper §4.5 definitions, docs/reference.md §4)."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from evals import inspect as insp
+from evals import inspection as insp
 
 
 def _with_class_token(patch_attn: np.ndarray, class_key_weight: float = 0.0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""evals.inspect on a real (tiny) VisionTransformer: every figure is written, non-blank, with finite metrics."""
+"""evals.inspection on a real (tiny) VisionTransformer: every figure is written, non-blank, with finite metrics."""
 
 import math
 from pathlib import Path
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from evals import inspect as insp
+from evals import inspection as insp
 from pretrain.model import build_model
 
 

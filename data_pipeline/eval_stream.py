@@ -1,0 +1,123 @@
+"""The evaluation stream: every sample of a split exactly once across all ranks, in batches, no augmentation.
+
+Shards are dealt to ranks, then to loader workers, by the training order's ``balanced_split``, in manifest order;
+nothing is shuffled and nothing is seeded, so evaluation draws no random number.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import IterableDataset, get_worker_info
+
+from data_pipeline.augment import DECODE_ERRORS, channels_first, decode_eval_image, planes, to_float_images
+from data_pipeline.loader import worker_items
+from data_pipeline.manifest import DatasetInfo, dataset_info
+from data_pipeline.order import balanced_split
+from data_pipeline.shards import read_shard, sample_label
+
+# (uint8 pixels (B, 3, S, S), labels, keys, counters): one worker item
+_EvalItem = tuple[torch.Tensor, list[int], list[str], dict[str, int]]
+
+
+class _EvalShards(IterableDataset):
+    """The shards of one rank, ``slices[w]`` read by worker w, as batches of uint8 pixels (the last one partial)."""
+
+    def __init__(
+        self,
+        info: DatasetInfo,
+        slices: list[list[int]],
+        batch_size: int,
+        image_size: int,
+        resize_size: int | None,
+        return_keys: bool,
+    ):
+        self.info, self.slices, self.batch_size = info, slices, batch_size
+        self.image_size, self.resize_size, self.return_keys = image_size, resize_size, return_keys
+
+    def __iter__(self) -> Iterator[_EvalItem]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        stats: Counter = Counter()
+        images: list[Image.Image] = []
+        labels: list[int] = []
+        keys: list[str] = []
+        for s in self.slices[worker]:
+            shard = self.info.shards[s]
+            for sample in read_shard(shard.url, shard.samples, stats):
+                label = sample_label(sample, self.info.num_classes, stats)
+                if label is None:
+                    continue
+                try:
+                    images.append(decode_eval_image(sample["jpg"], self.image_size, self.resize_size))
+                except DECODE_ERRORS:
+                    stats["corrupt_samples"] += 1
+                    continue
+                labels.append(label)
+                keys.append(sample["__key__"])
+                if len(images) == self.batch_size:
+                    yield self._batch(images, labels, keys, stats)
+                    images, labels, keys = [], [], []
+        if images or stats:  # the last partial batch is kept; an empty one still carries the counters
+            yield self._batch(images, labels, keys, stats)
+
+    def _batch(self, images: list[Image.Image], labels: list[int], keys: list[str], stats: Counter) -> _EvalItem:
+        """(uint8 pixels (B, 3, S, S), labels, keys, counters): the float conversion is the consumer's, so a loader
+        worker hands over a quarter of the bytes (as in training)."""
+        pixels = torch.from_numpy(channels_first(images, out=planes(len(images), self.image_size)))
+        out = (pixels, list(labels), list(keys), dict(stats))
+        stats.clear()
+        return out
+
+
+class EvalStream:
+    """Every sample of a split exactly once across all ranks, in batches (the last one partial), no augmentation.
+
+    Shards are dealt to ranks and then workers by the same balanced split as training, in manifest order. Ranks may
+    get different batch counts (evaluation needs no lockstep). ``num_samples`` is this rank's share by the
+    manifest; ``stats`` counts what could not be read. With ``return_keys=True`` batches are (images, labels, keys).
+    """
+
+    def __init__(
+        self,
+        source: str | Path | DatasetInfo,
+        *,
+        batch_size: int,
+        image_size: int,
+        resize_size: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        return_keys: bool = False,
+        multiprocessing_context: str | None = "forkserver",
+    ):
+        info = dataset_info(source)
+        if batch_size < 1 or image_size < 1:
+            raise ValueError(f"batch_size and image_size must be >= 1, got {batch_size} and {image_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if resize_size is not None and resize_size < image_size:
+            raise ValueError(f"resize_size {resize_size} must be >= image_size {image_size}")
+        self.info = info
+        counts = info.shard_counts
+        mine = balanced_split(list(range(len(counts))), counts, world_size)[rank]
+        self._slices = balanced_split(mine, counts, max(1, num_workers))
+        self.num_samples = sum(counts[s] for s in mine)
+        self._dataset = _EvalShards(info, self._slices, batch_size, image_size, resize_size, return_keys)
+        self.num_workers, self.return_keys = num_workers, return_keys
+        self.multiprocessing_context = multiprocessing_context if num_workers > 0 else None
+        self.stats: Counter = Counter()
+
+    def __iter__(self) -> Iterator[tuple]:
+        # evaluation draws nothing: any fixed seed will do for the workers
+        batches = worker_items(self._dataset, self.num_workers, self.multiprocessing_context, seed_key=(0,))
+        for pixels, labels, keys, stats in batches:
+            self.stats.update(stats)
+            if not labels:
+                continue
+            x, y = to_float_images([pixels]), torch.tensor(labels, dtype=torch.int64)  # (B, 3, S, S), (B,)
+            yield (x, y, keys) if self.return_keys else (x, y)

@@ -1,0 +1,301 @@
+"""The training order: which sample every rank reads at every step, and the position that resumes it exactly.
+
+This module is the elastic contract (docs/elastic.md, "Data order"); `data_pipeline.stream.TrainStream` reads what
+it says. Notation: G global batch, m micro-batch, P canonical streams, R ranks, W DataLoader workers per rank,
+c = G / P, A = G / (R * m) accumulation steps.
+
+1. Epoch ``e``: the non-empty shards are permuted by (seed, e) and dealt to the P streams by ``balanced_split``.
+   Nothing here depends on R or W.
+2. A stream reads its shards one after the other (sequential tar reads, no random access) through a shuffle
+   buffer of its own seeded by (seed, e, stream). When its shards are exhausted the buffer drains before anything
+   is read again, so a stream never yields a sample twice in an epoch unless damage forced it to wrap (counted).
+3. Global batch ``b`` = c consecutive usable samples of every stream, concatenated in stream order. An epoch has
+   ``steps_in_epoch(e) = min over streams of floor(manifest samples / c)`` global batches; each stream's surplus
+   is dropped for that epoch (a different surplus each epoch; counted in ``stats["dropped_samples"]``).
+4. Rank r owns streams [r P/R, (r+1) P/R): samples [r G/R, (r+1) G/R) of every global batch, which it yields as A
+   micro-batches of m, i.e. global micro-batches [r A, (r+1) A). Its W workers split its streams into min(W, P/R)
+   contiguous groups; each worker yields one item per global batch (its streams' chunks), so the DataLoader's
+   round-robin returns them in stream order.
+
+Exact resume at any R and W: every random choice is a pure function of the position (``TrainPlan.augment_rng``,
+``buffer_rng``, ``mixup_rng``). The position is (epoch, global batches done, buffer draws of each stream):
+``stream_state`` holds a rank's streams, ``merge_stream_states`` joins the ranks' states into the global position,
+and ``rank_position`` takes a rank's streams back out of it, at another world size too, whose readers then replay
+their draws without decoding them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from data_pipeline.augment import AugmentConfig
+from data_pipeline.manifest import DatasetInfo, ShardFormatError
+from data_pipeline.shards import read_shard
+
+STATE_VERSION = 2  # 1: per-rank streams (before issue #14); its positions mean nothing in the canonical streams
+# Seed keys of the buffers and of mixup: 6 words ending in a tag, so they differ from the 5-word augmentation keys
+# (seed, e, shard, member, repeat) and from each other. The tags are nonzero because numpy's SeedSequence reads a
+# trailing 0 as no word at all in short keys.
+_BUFFER_TAG, _MIXUP_TAG = 1, 2
+
+Draw = tuple[int, int, int, dict]  # (shard, member, repeat, sample): one draw from a stream's shuffle buffer
+
+
+def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
+    """Deal items (in ``order``) to ``parts`` bins, each to the bin with the smallest total so far (ties: lowest bin).
+
+    A heap of (total, bin) gives the same choice as scanning every bin, in O(log parts) per item: 4,700 shards over
+    512 streams is milliseconds, not seconds.
+    """
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    heap = [(0, b) for b in range(parts)]  # already a heap: sorted
+    for item in order:
+        total, k = heap[0]
+        bins[k].append(item)
+        heapq.heapreplace(heap, (total + counts[item], k))
+    return bins
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One rank's resolved share of the order, and everything its loader workers need to read and decode it
+    (picklable, so forkserver/spawn workers get it whole). `data_pipeline.stream.StreamSpec` is what a user writes;
+    this is that spec with the defaults resolved against the dataset and the world size, and checked."""
+
+    info: DatasetInfo
+    micro_batch: int  # m
+    global_batch: int  # G
+    streams: int  # P
+    image_size: int
+    rank: int
+    world_size: int
+    workers: int  # logical workers of this rank: min(max(1, num_workers), P / R)
+    seed: int
+    shuffle_buffer: int
+    augment: AugmentConfig | None
+    mixup_alpha: float
+    label_format: str
+    num_classes: int
+    record_keys: bool
+
+    @property
+    def chunk(self) -> int:
+        """c: samples each stream gives every global batch."""
+        return self.global_batch // self.streams
+
+    @property
+    def accumulation(self) -> int:
+        """A: micro-batches of this rank per global batch."""
+        return self.global_batch // (self.world_size * self.micro_batch)
+
+    @property
+    def rank_streams(self) -> range:
+        per_rank = self.streams // self.world_size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def worker_streams(self, logical: int) -> list[int]:
+        """The contiguous group of this rank's streams that logical worker ``logical`` reads."""
+        mine = self.rank_streams
+        return list(mine[logical * len(mine) // self.workers : (logical + 1) * len(mine) // self.workers])
+
+    def stream_shards(self, epoch: int) -> list[list[int]]:
+        """Shard indices of every stream in ``epoch``, in reading order (the same at every R and W)."""
+        live = [i for i, c in enumerate(self.info.shard_counts) if c > 0]
+        order = [live[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(live))]
+        return balanced_split(order, self.info.shard_counts, self.streams)
+
+    def capacities(self, epoch: int) -> list[int]:
+        counts = self.info.shard_counts
+        return [sum(counts[s] for s in shards) for shards in self.stream_shards(epoch)]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return min(self.capacities(epoch)) // self.chunk
+
+    def buffer_rng(self, epoch: int, stream: int) -> np.random.Generator:
+        """The shuffle buffer of ``stream`` in ``epoch``."""
+        return np.random.default_rng([self.seed, epoch, stream, 0, 0, _BUFFER_TAG])
+
+    def augment_rng(self, epoch: int, shard: int, member: int, repeat: int) -> np.random.Generator:
+        """The augmentation of one sample: member ``member`` of shard ``shard``, read in pass ``repeat``."""
+        return np.random.default_rng([self.seed, epoch, shard, member, repeat])
+
+    def mixup_rng(self, epoch: int, stream: int, step: int) -> np.random.Generator:
+        """Mixup of ``stream``'s chunk of global batch ``step``."""
+        return np.random.default_rng([self.seed, epoch, stream, step, 0, _MIXUP_TAG])
+
+    def fingerprint(self) -> dict[str, int]:
+        """What a saved position is only valid for: the same data, seed, global batch, streams and buffer."""
+        return dict(
+            seed=self.seed,
+            global_batch_size=self.global_batch,
+            streams=self.streams,
+            shuffle_buffer=self.shuffle_buffer,
+            num_samples=self.info.num_samples,
+            num_shards=len(self.info.shards),
+        )
+
+
+def check_split(info: DatasetInfo, G: int, m: int, P: int, R: int, mixup_alpha: float) -> None:
+    """The divisibility the stream split needs (pretrain.ds_config.batch_plan checks the same for a config)."""
+    if G < 1 or P < 1:
+        raise ValueError(f"global_batch_size and streams must be >= 1, got {G} and {P}")
+    if G % P:
+        raise ValueError(f"global_batch_size={G} is not divisible by streams={P}; set streams to a divisor of it")
+    if P % R:
+        valid = [w for w in range(1, P + 1) if P % w == 0 and G % (w * m) == 0]
+        raise ValueError(
+            f"world_size {R} does not divide streams={P}: each rank reads a contiguous block of streams; run at a "
+            f"world size in {valid} or change streams"
+        )
+    if G % (R * m):
+        raise ValueError(
+            f"global_batch_size={G} is not divisible by world_size {R} x micro_batch_size {m}; pick a micro-batch "
+            f"that divides {G // R}"
+        )
+    live = sum(1 for c in info.shard_counts if c > 0)
+    if live < P:
+        raise ValueError(
+            f"{info.root} has {live} non-empty shards but streams={P} need one each; rewrite it with a smaller "
+            "--samples-per-shard or use fewer streams"
+        )
+    if mixup_alpha > 0 and G // P < 2:
+        raise ValueError(
+            f"mixup mixes samples within each stream's chunk of global_batch_size / streams = {G // P}; it needs "
+            ">= 2: use fewer streams or a larger global batch"
+        )
+
+
+def _shuffled(items: Iterator[Draw], size: int, rng: np.random.Generator) -> Iterator[Draw]:
+    """Seeded shuffle buffer over a finite iterator; at its end the buffer drains in a seeded random order."""
+    if size <= 1:
+        yield from items
+        return
+    buffer: list[Draw] = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        k = int(rng.integers(size))
+        yield buffer[k]
+        buffer[k] = item
+    for k in rng.permutation(len(buffer)):
+        yield buffer[k]
+
+
+def stream_draws(plan: TrainPlan, epoch: int, stream: int, shards: list[int], stats: Counter) -> Iterator[Draw]:
+    """Endless buffer draws (shard, member, repeat, sample) of ``stream`` in ``epoch``, which reads ``shards``;
+    ``repeat`` counts passes over its shards, read errors go to ``stats``.
+
+    Each pass goes through the buffer and drains it before the next starts, so pass 1 (reached only when damage
+    left fewer usable samples than the manifest promised) never mixes with pass 0.
+    """
+    size = min(plan.shuffle_buffer, sum(plan.info.shards[s].samples for s in shards))
+    rng = plan.buffer_rng(epoch, stream)
+
+    def one_pass(repeat: int) -> Iterator[Draw]:
+        for s in shards:
+            shard = plan.info.shards[s]
+            for member, sample in enumerate(read_shard(shard.url, shard.samples, stats)):
+                yield s, member, repeat, sample
+
+    for repeat in itertools.count():
+        seen = 0
+        for item in _shuffled(one_pass(repeat), size, rng):
+            seen += 1
+            yield item
+        if seen == 0:
+            raise ShardFormatError(f"shards {[plan.info.shards[s].url for s in shards]} hold no readable sample")
+
+
+def stream_state(plan: TrainPlan, epoch: int, step: int, draws: dict[int, int], stats: Counter) -> dict[str, Any]:
+    """A rank's position (plain ints: JSON-serialisable): ``step`` global batches of ``epoch`` done, ``draws`` of
+    each of its streams, and its counters."""
+    return dict(
+        version=STATE_VERSION,
+        epoch=epoch,
+        step=step,
+        draws={str(s): n for s, n in draws.items()},
+        stats=dict(stats),
+        fingerprint=plan.fingerprint(),
+    )
+
+
+def merge_stream_states(states: list[dict]) -> dict[str, Any]:
+    """The global position: the ranks' ``state_dict()``s joined into one state holding the draws of all P streams
+    (stats summed). Raises ValueError when they disagree on epoch, step or fingerprint, or a stream is missing or
+    held twice — the states of one checkpoint always agree."""
+    if not states:
+        raise ValueError("merge_stream_states needs at least one stream state")
+    for state in states:
+        _check_version(state)
+    first = states[0]
+    for field in ("epoch", "step", "fingerprint"):
+        values = [s[field] for s in states]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"stream states disagree on {field}: {values}; merge the states of one checkpoint only")
+    draws: dict[str, int] = {}
+    stats: Counter = Counter()
+    for state in states:
+        twice = sorted(set(draws) & set(state["draws"]), key=int)
+        if twice:
+            raise ValueError(f"streams {twice} appear in more than one stream state; pass each rank's state once")
+        draws.update({str(k): int(v) for k, v in state["draws"].items()})
+        stats.update(state.get("stats", {}))
+    streams = int(first["fingerprint"]["streams"])
+    missing = [s for s in range(streams) if str(s) not in draws]
+    if missing:
+        more = "..." if len(missing) > 8 else ""
+        raise ValueError(f"no stream state holds streams {missing[:8]}{more}; pass the states of every rank")
+    return dict(
+        version=STATE_VERSION,
+        epoch=int(first["epoch"]),
+        step=int(first["step"]),
+        draws={str(s): draws[str(s)] for s in range(streams)},
+        stats=dict(stats),
+        fingerprint=dict(first["fingerprint"]),
+    )
+
+
+def rank_position(plan: TrainPlan, state: dict) -> tuple[int, int, dict[int, int], Counter]:
+    """(epoch, step, draws of this rank's streams, counters) to continue from ``state``: a merged state (any world
+    size) or any state holding this rank's streams. Raises ValueError naming what does not match."""
+    _check_version(state)
+    saved, now = state["fingerprint"], plan.fingerprint()
+    diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if diff:
+        raise ValueError(
+            f"stream state does not match this stream (saved, now): {diff}; resume with the same data, seed, "
+            "global batch size, streams and shuffle buffer"
+        )
+    draws = {int(k): int(v) for k, v in state["draws"].items()}
+    missing = [s for s in plan.rank_streams if s not in draws]
+    if missing:
+        raise ValueError(
+            f"stream state holds the draws of streams {sorted(draws)} but rank {plan.rank} of "
+            f"{plan.world_size} reads streams {list(plan.rank_streams)}; load the merged state "
+            "(merge_stream_states over every rank's state)"
+        )
+    # Counters are sums over ranks: the rank reading the state's first stream takes them, so merging the states
+    # again counts each event once.
+    stats = Counter(state.get("stats", {})) if min(draws) in plan.rank_streams else Counter()
+    return int(state["epoch"]), int(state["step"]), {s: draws[s] for s in plan.rank_streams}, stats
+
+
+def _check_version(state: dict) -> None:
+    version = state.get("version")
+    if version == 1:
+        raise ValueError(
+            "this stream state (version 1) predates world-size-invariant streams (issue #14): its positions are per "
+            "rank and worker, not per canonical stream; resume that checkpoint with the version that wrote it"
+        )
+    if version != STATE_VERSION:
+        raise ValueError(
+            f"stream state version {version} is not {STATE_VERSION}; resume with the version that wrote it"
+        )

@@ -1,0 +1,136 @@
+"""The training stream's step buffers: float images that loader workers write straight into, in shared memory.
+
+A rank's `StepPool` holds ``step_slots`` buffers of one step's share of the global batch (G/R, 3, S, S) float32;
+``step_pool_bytes`` and ``decoded_bytes`` are what the planner (cluster.plan) budgets for them, and
+``check_shared_memory`` refuses a pool that ``/dev/shm`` cannot hold. docs/elastic.md, "Assembly", has the why.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import torch
+from PIL import Image
+
+from data_pipeline.augment import channels_first, to_float_images
+
+PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
+
+
+def step_slots(num_workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
+    """Float step buffers in a rank's ``StepPool``. With loader workers: the ``prefetch_factor`` steps the workers
+    may be writing ahead, the step being handed over, the step before it (the consumer's loop variable still holds
+    its last micro-batch while it asks for the next) and one spare for a consumer that keeps a step a little
+    longer. Without: the last three of those."""
+    return prefetch_factor + 3 if num_workers > 0 else 3
+
+
+def step_pool_bytes(
+    images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR
+) -> int:
+    """Bytes of a rank's ``StepPool``, in shared memory with loader workers; ``images_per_step`` is the rank's share
+    of a global batch, G / R."""
+    return step_slots(num_workers, prefetch_factor) * images_per_step * 3 * image_size**2 * 4
+
+
+def decoded_bytes(
+    images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR
+) -> int:
+    """Host bytes of one rank's decoded images: its step pool and each worker's uint8 planes of one image."""
+    return step_pool_bytes(images_per_step, image_size, num_workers, prefetch_factor) + num_workers * 3 * image_size**2
+
+
+def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
+    """Refuse a step pool that ``where`` cannot hold (``free`` bytes; None: unknown), naming the fixes. Past a full
+    ``/dev/shm`` a loader worker dies of SIGBUS mid-write instead of raising, and Docker gives containers 64 MB."""
+    if free is not None and needed > free:
+        raise ValueError(
+            f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
+            f"{free / 2**20:.0f} MiB free: give it more (docker run --shm-size=..., a memory-backed emptyDir on "
+            "/dev/shm in Kubernetes), or lower the per-rank batch (global batch / world size) or the image size, or "
+            "set data.num_workers=0 (no shared memory)"
+        )
+
+
+def shm_free(where: str = "/dev/shm") -> int | None:
+    """Free bytes of ``where``; None where there is no such folder (not Linux: torch shares memory another way)."""
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
+
+
+def _storage_uses(t: torch.Tensor) -> int | None:
+    """References to ``t``'s storage (torch's own count); None where this torch has no such count."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
+
+
+class StepPool:
+    """A rank's float step buffers, which the loader's workers write straight into.
+
+    Each buffer holds one step's share of the global batch (A m, 3, S, S) in [-1, 1]; micro-batches are views of it.
+    Before the loader can ask for step s, the training process grants s a buffer (``grant``), one that no step in
+    flight owns and no view of which is alive: its storage's use count is back to what it was when it was made, so
+    no micro-batch from it, no view of one and no autograd graph saving one is held. Each worker (or the training
+    process itself, without workers) decodes its streams' chunks, packs each image into uint8 planes and converts
+    them into its row of that buffer (``write``), then sends only the buffer number. So the training process
+    converts nothing: on a 2-core machine its conversion of every step had taken the CPU that a second loader
+    worker needs (docs/elastic.md, "Assembly"). When no buffer is free (a consumer keeping many steps), the grant
+    is -1 and the workers hand over uint8 pixels, which the training process converts into a tensor of the step's
+    own.
+
+    ``grants[step mod len]`` is (step, buffer) and ``stamps[buffer, worker]`` the step that worker's rows hold (-1
+    while it writes), both in shared memory; ``take`` checks every stamp, so a mix-up would be an error, never
+    silent.
+    """
+
+    def __init__(self, slots: int, rows: int, image_size: int, workers: int, lookahead: int, shared: bool):
+        def made(t: torch.Tensor) -> torch.Tensor:
+            return t.share_memory_() if shared else t
+
+        self.buffers = [made(torch.empty((rows, 3, image_size, image_size))) for _ in range(slots)]
+        self.stamps = made(torch.full((slots, workers), -1, dtype=torch.int64))
+        self.grants = made(torch.full((lookahead + 2, 2), -1, dtype=torch.int64))
+        self.owner: list[int | None] = [None] * slots  # training process only: the step in flight in each buffer
+        self.unshared = [_storage_uses(b) for b in self.buffers]
+
+    def __getstate__(self) -> dict:  # what a worker needs; the bookkeeping stays in the training process
+        return dict(buffers=self.buffers, stamps=self.stamps, grants=self.grants)
+
+    def grant(self, step: int) -> None:
+        """Give ``step`` a free buffer, or -1 where none is free, before the loader can ask for its items."""
+        free = [j for j, b in enumerate(self.buffers) if self.owner[j] is None and _storage_uses(b) == self.unshared[j]]
+        slot = free[0] if free and self.unshared[0] is not None else -1  # without a use count: never reuse one
+        if slot >= 0:
+            self.owner[slot] = step
+        self.grants[step % len(self.grants)] = torch.tensor([step, slot])
+
+    def slot(self, step: int) -> int:
+        """In a worker: the buffer granted to ``step``, -1 for none."""
+        granted, slot = self.grants[step % len(self.grants)].tolist()
+        if granted != step:
+            raise RuntimeError(f"loader grant for step {step} missing (the table holds step {granted})")
+        return slot
+
+    def write(
+        self, step: int, slot: int, worker: int, start: int, images: list[Image.Image], scratch: np.ndarray
+    ) -> None:
+        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, through uint8 ``scratch``.
+
+        One image at a time: its uint8 planes and float rows (0.75 MB at 224 px) stay in a core's L2 cache through
+        the conversion's three passes, so only the finished rows go out to memory."""
+        self.stamps[slot, worker] = -1
+        rows = self.buffers[slot][start : start + len(images)]
+        for i, image in enumerate(images):
+            to_float_images([torch.from_numpy(channels_first([image], out=scratch))], out=rows[i : i + 1])
+        self.stamps[slot, worker] = step
+
+    def take(self, step: int, slot: int) -> torch.Tensor:
+        """Buffer ``slot`` once every worker's stamp says that its rows hold ``step``; it is no longer in flight."""
+        stamps = self.stamps[slot].tolist()
+        if any(s != step for s in stamps):
+            raise RuntimeError(f"loader buffer {slot} holds steps {stamps} of the workers' rows, not step {step}")
+        self.owner[slot] = None  # from here on, the views handed out keep it from being granted again
+        return self.buffers[slot]
