@@ -20,22 +20,26 @@ import io
 import pickle
 import random
 import shutil
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.paths import resolve_path
-from data_pipeline.stream import merge_stream_states
+from data_pipeline.order import merge_stream_states
 from pretrain import run_folder
 from pretrain.config import TrainConfig
-from pretrain.run_folder import DEEPSPEED_DIR, TrainerState
+from pretrain.ds_config import batch_plan
+from pretrain.model import VisionTransformer
+from pretrain.run_folder import CONFIG_YAML, DEEPSPEED_DIR, TrainerState
 from pretrain.weights import load_npz, load_pretrained, save_pretrained
+from tracking.tracker import flatten_config
 
 
 @dataclass(frozen=True)
@@ -43,19 +47,24 @@ class StartPoint:
     kind: str  # "run" (newest checkpoint of this run) | "resume_from" | "init_from" | "scratch"
     path: Path | None
 
+    @property
+    def folder(self) -> Path:
+        """The checkpoint (or ``init_from`` weights) this start reads; a scratch start reads none."""
+        if self.path is None:
+            raise ValueError(f"a {self.kind} start reads no checkpoint")
+        return self.path
+
 
 def find_start(config: TrainConfig) -> StartPoint:
     """Where training starts, by the documented resume order."""
-    latest = run_folder.latest_checkpoint(resolve_path(config.checkpoint.dir))
+    latest = run_folder.latest_checkpoint(Path(config.checkpoint.dir))
     if latest is not None:
         return StartPoint("run", latest)
     c = config.checkpoint
     if c.resume_from is not None:
-        return StartPoint(
-            "resume_from", run_folder.require_complete(resolve_path(c.resume_from), "checkpoint.resume_from")
-        )
+        return StartPoint("resume_from", run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from"))
     if c.init_from is not None:
-        return StartPoint("init_from", resolve_path(c.init_from))
+        return StartPoint("init_from", Path(c.init_from))
     return StartPoint("scratch", None)
 
 
@@ -69,8 +78,8 @@ def rng_state() -> dict[str, Any]:
     data streams seed every choice by position too; these are restored so any other code drawing from the global
     generators continues exactly as well.
     """
-    np_state = np.random.get_state()
-    state = {
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple (the default)
+    state: dict[str, Any] = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
@@ -114,7 +123,7 @@ def _barrier() -> None:
 
 def save_checkpoint(
     engine,
-    model: torch.nn.Module,
+    model: VisionTransformer,
     config: TrainConfig,
     *,
     step: int,
@@ -127,7 +136,7 @@ def save_checkpoint(
     ``model`` is the bare ViT inside the engine (consolidated into model.safetensors by `_save_consolidated`).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    run_dir = resolve_path(config.checkpoint.dir)
+    run_dir = Path(config.checkpoint.dir)
     tag = run_folder.step_name(step)
     tmp = run_folder.staging_dir(run_dir, step)
     if rank == 0:
@@ -155,7 +164,7 @@ def save_checkpoint(
     return run_folder.checkpoint_dir(run_dir, step)
 
 
-def _save_consolidated(engine, model: torch.nn.Module, directory: Path, rank: int) -> None:
+def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: int) -> None:
     """Collective: every rank calls it. Rank 0 writes ``model`` into ``directory`` with `save_pretrained`.
 
     In a bf16 run the parameters written are the optimizer's fp32 master weights, not the engine's bf16 compute copy
@@ -170,7 +179,8 @@ def _save_consolidated(engine, model: torch.nn.Module, directory: Path, rank: in
     # ZeRO-3 partitions the parameters: gathering them is a collective every rank enters.
     with deepspeed.zero.GatheredParameters(rest, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
         if rank == 0:
-            save_pretrained(_holding(model, {**model.state_dict(), **masters}) if masters else model, directory)
+            held = {name: master for name, master in masters.items() if master is not None}  # all of them on rank 0
+            save_pretrained(_holding(model, {**model.state_dict(), **held}) if held else model, directory)
 
 
 def _fp32_masters(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
@@ -186,7 +196,7 @@ def _fp32_masters(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor |
     return masters
 
 
-def _holding(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _holding(model: VisionTransformer, state: dict[str, torch.Tensor]) -> VisionTransformer:
     """A model of ``model``'s class and config whose tensors are ``state`` (built on the meta device: no memory or
     initialisation is spent on the weights it replaces)."""
     with torch.device("meta"):
@@ -235,13 +245,13 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
     """
     if start.kind not in ("run", "resume_from"):
         return None
-    state = TrainerState.read(start.path)
+    state = TrainerState.read(start.folder)
     if state.world_size == world_size:
         return None
-    engine_dir = Path(start.path) / DEEPSPEED_DIR / state.deepspeed_tag
+    engine_dir = start.folder / DEEPSPEED_DIR / state.deepspeed_tag
     if not any(engine_dir.glob("*optim_states.pt")):
         return None
-    target = Path(start.path) / UNIVERSAL_DIR
+    target = start.folder / UNIVERSAL_DIR
     if rank == 0 and not target.is_dir():
         _check_weights_only(engine_dir)  # the converter unpickles without the weights-only guard
         started = time.perf_counter()
@@ -250,7 +260,7 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
         _to_universal(engine_dir, staging / state.deepspeed_tag)
         staging.rename(target)
         size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
-        print(f"converted {start.path.name} (world size {state.world_size}) to a universal checkpoint for world size "
+        print(f"converted {start.folder.name} (world size {state.world_size}) to a universal checkpoint for world size "
               f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB", flush=True)  # fmt: skip
     _barrier()
     return target
@@ -344,3 +354,87 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
+
+
+# --------------------------------------------------------------------------------------------- resume
+
+
+# Settings a resumed run may change without changing what it computes up to the old schedule's end.
+_RESUME_MAY_CHANGE = ("checkpoint.", "logging.", "evals.", "schedule.stop_at_step", "data.num_workers",
+                      "data.loader_start_method", "deepspeed.timeout_minutes")  # fmt: skip
+
+
+def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
+    """Say which settings differ from the checkpoint's config.yaml: resuming with them is allowed but not exact."""
+    import yaml  # only resumes read a saved config
+
+    saved = flatten_config(yaml.safe_load((checkpoint_dir / CONFIG_YAML).read_text()))
+    now = flatten_config(config.to_dict())
+    changed = sorted(
+        k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and not k.startswith(_RESUME_MAY_CHANGE)
+    )
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in changed)
+        print(f"warning: resuming {checkpoint_dir} with changed settings ({diffs}); the run is no longer an exact "
+              "continuation", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def resume(
+    engine, stream, start: StartPoint, rank: int, world_size: int, config: TrainConfig, universal: Path | None = None
+) -> TrainerState | None:
+    """Restore engine + stream position from a full checkpoint; its trainer state (None when starting fresh).
+
+    At another world size the engine loads ``universal`` (`pretrain.checkpoint.prepare_resume`) and the stream takes
+    its streams' positions from the global one: the run continues the same sequence of global batches.
+    """
+    if start.kind not in ("run", "resume_from"):
+        return None
+    state = load_checkpoint(engine, start.folder, universal)
+    stream.load_state_dict(state.stream_state)
+    if rank == 0:
+        print(f"resumed from {start.folder} at step {state.step} ({start.kind})", flush=True)
+        if state.world_size != world_size:
+            before = batch_plan(config.data, state.world_size).grad_accum_steps
+            after = batch_plan(config.data, world_size).grad_accum_steps
+            print(f"resuming step {state.step} at world size {world_size} (was {state.world_size}): accumulation "
+                  f"{before} -> {after}, global batch {config.data.global_batch_size}", flush=True)  # fmt: skip
+        _warn_config_changes(start.folder, config)
+    return state
+
+
+# --------------------------------------------------------------------------------------------- the checkpointer
+
+CheckpointCallback = Callable[[Path, int, dict], None]
+
+
+class Checkpointer:
+    """When the trainer saves, and who hears of it: every ``checkpoint.every_steps`` steps and at the run's last step,
+    plus the step-0 weights of a fresh run whose checkpoints are evaluated (`wants_baseline`); ``checkpoint.keep_last``
+    prunes older ones as each save publishes (`pretrain.run_folder.prune_checkpoints`, sparing pinned ones); and
+    ``on_checkpoint(folder, step, metrics)`` runs on every rank after each COMPLETE checkpoint (the cluster driver
+    hands it to the evals)."""
+
+    def __init__(self, config: TrainConfig, last_step: int, on_checkpoint: CheckpointCallback | None = None):
+        self.every, self.last_step, self.on_checkpoint = config.checkpoint.every_steps, last_step, on_checkpoint
+        self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
+        self.saved: list[str] = []  # this attempt's COMPLETE checkpoints, in order
+
+    def save_baseline(self, trainer) -> None:
+        """A fresh run's step-0 weights, before the first update, so every transfer curve starts at its baseline. A
+        resumed run never saves it (its first attempt did), so a restart does not evaluate step 0 again. The save
+        draws no random numbers, so the losses are the same with and without it."""
+        if self.baseline and trainer.start_step == 0 and trainer.state is None:
+            self._save(trainer, {})
+
+    def after_step(self, trainer, metrics: dict[str, float]) -> None:
+        """Save if ``trainer.step`` is on the cadence or the last step; ``metrics`` go into the trainer state."""
+        if trainer.step % self.every == 0 or trainer.step == self.last_step:
+            self._save(trainer, metrics)
+
+    def _save(self, trainer, metrics: dict[str, float]) -> None:
+        folder = save_checkpoint(trainer.engine, trainer.model, trainer.current, step=trainer.step,
+                                 images_seen=trainer.images_seen, stream_state=trainer.stream.state_dict(),
+                                 metrics=metrics)  # fmt: skip
+        self.saved.append(str(folder))
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(folder, trainer.step, metrics)

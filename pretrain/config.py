@@ -1,22 +1,34 @@
-"""The typed training configuration: one frozen dataclass per concern, loaded from a YAML recipe.
+"""The typed training configuration, loaded from a YAML recipe: `TrainConfig` composes one frozen dataclass per concern.
 
-A recipe (`configs/<name>.yaml`) is a nested mapping whose top-level keys are the sections below; a recipe may
-start from another one with ``base: <recipe name>``. Command-line overrides are ``key=value`` strings with dotted
-keys (``model.name=vit_s16``, ``optim.lr=3e-4``); values are parsed as YAML scalars. Every default lives in the
-dataclass field that declares it, and every field is documented next to it; a closed set of choices is a
-``Literal``. Reading, inheriting, overriding and typing are :mod:`pretrain.typed_yaml`'s.
+A recipe (`configs/<name>.yaml`) is a nested mapping whose top-level keys are the sections; a recipe may start from
+another one with ``base: <recipe name>``. Command-line overrides are ``key=value`` strings with dotted keys
+(``model.name=vit_s16``, ``optim.lr=3e-4``); values are parsed as YAML scalars. Reading, inheriting, overriding and
+typing are :mod:`pretrain.typed_yaml`'s.
+
+Each section lives with the module that owns its meaning, its fields documented and its defaults declared there,
+next to its check: ``optim`` and ``schedule`` in :mod:`pretrain.optim`, ``deepspeed`` in :mod:`pretrain.ds_config`,
+``loss`` and ``task`` in :mod:`pretrain.tasks`. The sections no other module owns are here: ``model``, ``data``,
+``checkpoint``, ``logging`` and ``evals``. A closed set of choices is a ``Literal``.
 
 ``TrainConfig.validate(world_size)`` checks everything that can be checked before work starts and raises
-``ValueError`` naming the field and the fix; each section is checked by the module that owns its meaning
-(:mod:`pretrain.optim`, :mod:`pretrain.ds_config`, :mod:`pretrain.tasks`, :mod:`pretrain.progressive`). Numbers
-derived from the config (accumulation steps, total steps) are computed in one place each: :mod:`pretrain.ds_config`
-and :mod:`pretrain.optim`.
+``ValueError`` naming the field and the fix; each section is checked by its owner (and the resolution schedule by
+:mod:`pretrain.progressive`). Numbers derived from the config (accumulation steps, total steps) are computed in one
+place each: :mod:`pretrain.ds_config` and :mod:`pretrain.optim`.
+
+Paths. A recipe's local paths (``data.train``, ``checkpoint.dir``, ``checkpoint.resume_from``,
+``checkpoint.init_from``, ``evals.data_root``) are relative to the project root of the process that trains;
+remote URLs (``s3://``, ``gs://``, any fsspec URL) are kept as written. `TrainConfig.resolved` is the one step that
+makes them absolute (``file://`` stripped, ``~`` expanded, `data_pipeline.paths`), and it runs once, where the
+config is loaded for use: `load_config` returns a resolved config (the standalone trainer, tests), and a config
+shipped as JSON to a Ray job is resolved when the job loads it (`cluster.driver.JobSpec.from_json`). Everything
+downstream (trainer, checkpoints, run folder, evals handed ``evals.data_root``) uses the paths as they are.
+`config_from_recipe` keeps a recipe's paths as written: `cluster.plan` relocates ``data/...`` under a profile's
+storage and ships the config to a machine whose project root is not this one's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import zipfile
@@ -27,20 +39,16 @@ from typing import Any, Literal
 
 import yaml
 
-import pretrain.mpp  # noqa: F401  (registers the "mpp" task in pretrain.tasks.TASKS)
 from data_pipeline.augment import AugmentConfig
 from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig, option_minimum
-from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_path
+from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
+from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
 from pretrain import ds_config, optim, progressive, run_folder, tasks, typed_yaml
-from pretrain.ds_config import DistBackend, Precision
+from pretrain.ds_config import DeepSpeedConfig
 from pretrain.model import MODEL_NAMES, ViTConfig, model_config
-from pretrain.optim import Decay
-from pretrain.tasks import LossType
+from pretrain.optim import OptimConfig, ScheduleConfig
+from pretrain.tasks import LossConfig, TaskConfig
 from pretrain.typed_yaml import at_least, positive
-
-# A duration: an int is a number of optimizer steps; a string carries a unit: "90ep" (epochs of
-# `data.epoch_images`), "1.2e6img" (images), "500st" (steps). Converted by `pretrain.optim.duration_to_steps`.
-Duration = int | str
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class ModelConfig:
     pool: Literal["token", "gap"] | None = None  # class token, or the mean of all tokens after the final LN
     gelu_approximate: Literal["tanh", "none"] | None = None  # tanh (JAX checkpoints) | none (exact erf)
     grad_checkpointing: bool = False  # activation checkpointing: recompute each block in backward
-    compile: bool = False  # torch.compile each encoder block (docs/design.md, "Compiled blocks"); CPU: needs g++
+    compile: bool = False  # torch.compile each encoder block (docs/performance.md, "Compiled blocks"); CPU: needs g++
 
 
 @dataclass(frozen=True)
@@ -83,60 +91,6 @@ class DataConfig:
     mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables (AugReg B/16: 0.2)
     # Training augmentation (inception crop, flip, RandAugment; data_pipeline.augment). null → resize only.
     augment: AugmentConfig | None = field(default_factory=AugmentConfig)
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW applied to weight matrices only (biases, norms, cls and position embeddings are not decayed)."""
-
-    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
-    beta1: float = 0.9  # Adam first-moment decay (the paper's 0.9)
-    beta2: float = 0.999  # Adam second-moment decay (the paper's 0.999)
-    eps: float = 1e-8  # Adam denominator epsilon
-    weight_decay: float = 0.1  # decoupled (torch AdamW: multiplied by the current lr)
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """Learning-rate schedule: linear warmup from 0 to `optim.lr`, then decay to `end_lr`."""
-
-    total: Duration = "90ep"  # training length
-    warmup: Duration = 10_000  # linear warmup length
-    decay: Decay = "linear"  # linear (i21k) | cosine (AugReg) | constant
-    end_lr: float = 1e-5  # lr at the last step (linear/cosine)
-    stop_at_step: int | None = None  # stop early (e.g. a time-boxed job); the schedule still spans `total`
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """The classification loss (pretrain.tasks.LOSSES)."""
-
-    type: LossType = "sigmoid_xent"  # softmax_xent (+ label smoothing) | sigmoid_xent (summed over classes)
-    label_smoothing: float = 0.0  # softmax_xent only
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """What the model is trained to do; a name in `pretrain.tasks.TASKS` with its own options."""
-
-    name: str = "classification"  # "classification" | "mpp" (masked patch prediction, §4.6)
-    options: dict[str, Any] = field(default_factory=dict)  # passed to the task builder, which validates them
-
-
-@dataclass(frozen=True)
-class DeepSpeedConfig:
-    """The ZeRO engine; the DeepSpeed JSON is generated from this by `pretrain.ds_config`."""
-
-    zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
-    # auto: bf16 on CUDA; on a CPU by a fixed rule on its bf16 units and the model's GEMM shapes; probe: timed once per
-    # run and recorded in the run folder (pretrain.precision)
-    precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
-    reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
-    allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
-    overlap_comm: bool = False  # overlap gradient reduction with backward (worth it on GPUs)
-    dist_backend: DistBackend = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_minutes: int = 30  # collective timeout when this worker creates the process group
 
 
 @dataclass(frozen=True)
@@ -181,7 +135,7 @@ SECTIONS = ("model", "data", "optim", "schedule", "loss", "task", "deepspeed", "
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A whole run: the sections above, plus the recipe's name and the model seed."""
+    """A whole run: its sections (the module docstring says where each lives), the recipe's name and the model seed."""
 
     recipe: str = ""  # the recipe's name (tags and run names); set by load_config
     seed: int = 0  # model initialisation and dropout
@@ -207,25 +161,43 @@ class TrainConfig:
     def replace(self, **sections: Any) -> TrainConfig:
         return dataclasses.replace(self, **sections)
 
+    def resolved(self) -> TrainConfig:
+        """This config with its local paths absolute, from this process's project root (the module docstring,
+        "Paths"); remote URLs, unset paths and an empty ``checkpoint.dir`` (which `validate` refuses) stay as they
+        are. Idempotent: resolving a resolved config changes nothing."""
+        d, c, e = self.data, self.checkpoint, self.evals
+        return dataclasses.replace(
+            self,
+            data=dataclasses.replace(d, train=_resolve(d.train)),
+            checkpoint=dataclasses.replace(
+                c,
+                dir=_resolve(c.dir),
+                resume_from=c.resume_from and _resolve(c.resume_from),
+                init_from=c.init_from and _resolve(c.init_from),
+            ),
+            evals=dataclasses.replace(e, data_root=_resolve(e.data_root)),
+        )
+
     def validate(self, world_size: int, *, check_paths: bool = True) -> None:
         """Raise ValueError (field + fix) for anything that would fail later; each section's owner checks it.
 
         ``check_paths=False`` skips what depends on files existing here (data, resume_from, init_from), e.g. to
-        check a cluster recipe on a laptop. Remote (``s3://``…) data is checked when the stream opens it.
+        check a cluster recipe on a laptop. Remote (``s3://``…) data is checked when the stream opens it. The files
+        checked are those this process would open (`resolved`): a config as written is checked from here.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         typed_yaml.build(TrainConfig, self.to_dict())  # a config made in code gets a recipe's type checks too
-        d = self.data
+        d, here = self.data, self.resolved()
         vit = check_model(self)
         check_data_config(d, world_size)
         progressive.check_config(d.resolution_schedule, d.image_size, vit.stride, self.deepspeed.zero_stage)
-        optim.check_config(self.optim, self.schedule, d.global_batch_size, _epoch_images(d, check_paths))
+        optim.check_config(self.optim, self.schedule, d.global_batch_size, _epoch_images(here.data, check_paths))
         tasks.check_config(self.loss, self.task)
         ds_config.check_config(self.deepspeed)
         check_run_config(self.checkpoint, self.logging)
         if check_paths:
-            check_paths_exist(self)
+            check_paths_exist(here)
             check_compiler(self.model)
 
     def to_yaml(self) -> str:
@@ -269,16 +241,18 @@ def read_recipe(path: Path) -> dict[str, Any]:
 
 
 def load_config(path_or_recipe_name: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
-    """Load a recipe (path or name under configs/), apply ``key=value`` overrides and type-check every field.
+    """Load a recipe (path or name under configs/), apply ``key=value`` overrides, type-check every field and resolve
+    its paths for this process (`TrainConfig.resolved`).
 
     Unknown keys raise ValueError listing the valid ones, prefixed by where the bad key came from.
     """
     path = recipe_path(path_or_recipe_name)
-    return config_from_recipe(path, read_recipe(path), overrides)
+    return config_from_recipe(path, read_recipe(path), overrides).resolved()
 
 
 def config_from_recipe(path: Path, written: dict[str, Any], overrides: Iterable[str] = ()) -> TrainConfig:
-    """`load_config` on a recipe already read from ``path`` (`read_recipe`), so a launch reads its file once."""
+    """`load_config` on a recipe already read from ``path`` (`read_recipe`), so a launch reads its file once, but with
+    the paths as written: relative ones mean the project root of the process that will train (`cluster.plan`)."""
     merged = typed_yaml.apply_overrides(written, list(overrides))  # a malformed override raises here, naming itself
     try:
         return TrainConfig.from_dict(merged)
@@ -369,16 +343,16 @@ def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:
 
 
 def check_paths_exist(config: TrainConfig) -> None:
-    """The files the config points at, when they are here: shards (or a built-in set to generate), the checkpoint
-    to resume and the weights to start from."""
+    """The files a resolved config (`TrainConfig.resolved`) points at, when they are here: shards (or a built-in set
+    to generate), the checkpoint to resume and the weights to start from."""
     d, c = config.data, config.checkpoint
     if not is_remote(d.train):
-        shard_dir = resolve_path(d.train)
-        if not (shard_dir / "manifest.parquet").exists():
+        shard_dir = Path(d.train)
+        if not is_shard_folder(shard_dir):
             if d.builtin is None:
                 raise ValueError(
-                    f"data.train={d.train!r}: no shard folder at {shard_dir} (manifest.parquet missing); write shards "
-                    "there (e.g. `python -m data_pipeline.builtin fractal --out data`) or set data.builtin=<name> to "
+                    f"data.train={d.train!r}: no shard folder there (no {MANIFEST_FILE}); write shards there "
+                    "(e.g. `python -m data_pipeline.builtin fractal --out data`) or set data.builtin=<name> to "
                     "generate a built-in dataset on demand"
                 )
             if shard_dir.parent.name != d.builtin:
@@ -387,9 +361,9 @@ def check_paths_exist(config: TrainConfig) -> None:
                     f"<root>/{d.builtin}/<split>; set data.train=data/{d.builtin}/train"
                 )
     if c.resume_from is not None:
-        run_folder.require_complete(resolve_path(c.resume_from), "checkpoint.resume_from")
+        run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
     if c.init_from is not None:
-        src = resolve_path(c.init_from)
+        src = Path(c.init_from)
         if not (src.suffix == ".npz" and src.is_file()) and not (src / "model.safetensors").exists():
             raise ValueError(
                 f"checkpoint.init_from={c.init_from!r} is neither an .npz file nor a folder with model.safetensors; "
@@ -405,15 +379,15 @@ def check_paths_exist(config: TrainConfig) -> None:
 
 
 def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:
-    """Images per epoch for "ep" durations: the recipe's, else the local training set's dataset.json."""
+    """Images per epoch for "ep" durations: the recipe's, else the local training set's dataset.json (``d`` is a
+    resolved data section)."""
     if d.epoch_images is None and check_paths and not is_remote(d.train):
-        path = resolve_path(d.train) / "dataset.json"
-        if path.exists():
-            try:
-                return int(json.loads(path.read_text())["num_samples"])
-            except (OSError, ValueError, KeyError, TypeError) as error:  # one small user file: all mean "damaged"
-                raise ValueError(
-                    f"data.train={d.train!r}: {path} is unreadable or damaged ({type(error).__name__}: {error}); "
-                    "rewrite the shard folder, or check it with `python -m data_pipeline.validate`"
-                ) from None
+        meta = read_dataset_json(d.train)  # a damaged file raises, naming it and the fix
+        if meta is not None and "num_samples" in meta:
+            return int(meta["num_samples"])
     return d.epoch_images
+
+
+def _resolve(path: str) -> str:
+    """A local path made absolute from this process's project root; a URL, or "" (refused by validate), as it is."""
+    return resolve_location(path) if path else path

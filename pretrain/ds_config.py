@@ -1,22 +1,65 @@
-"""The DeepSpeed config, generated from the typed config (never a hand-written JSON repeating the batch size).
+"""The recipe section ``deepspeed`` and the DeepSpeed config generated from it (never a hand-written JSON repeating
+the batch size).
 
 The batch arithmetic lives here and only here: global batch = micro-batch × accumulation steps × world size.
 The process-group backend is resolved from the device (nccl on CUDA, gloo on CPU). The precision is decided by the
 trainer (`pretrain.precision`: "auto" and "probe" need the model and the hardware) and passed in.
+
+The functions read only what they need of the training config, declared as protocols (`BatchSizes`,
+`EngineSettings`) that `pretrain.config`'s sections satisfy, so this module does not import `pretrain.config`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
+from pretrain.optim import OptimConfig
 from pretrain.typed_yaml import positive
-
-if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
-    from pretrain.config import DataConfig, DeepSpeedConfig, OptimConfig, TrainConfig
 
 Precision = Literal["auto", "probe", "fp32", "bf16"]  # deepspeed.precision; resolved by `pretrain.precision.decide`
 DistBackend = Literal["auto", "nccl", "gloo"]  # deepspeed.dist_backend; "auto" is resolved by `resolve_backend`
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """Recipe section ``deepspeed``: the ZeRO engine; the DeepSpeed JSON is generated from it (`deepspeed_config`)."""
+
+    zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
+    # auto: bf16 on CUDA; on a CPU by a fixed rule on its bf16 units and the model's GEMM shapes; probe: timed once per
+    # run and recorded in the run folder (pretrain.precision)
+    precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
+    reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
+    allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
+    overlap_comm: bool = False  # overlap gradient reduction with backward (worth it on GPUs)
+    dist_backend: DistBackend = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_minutes: int = 30  # collective timeout when this worker creates the process group
+
+
+class BatchSizes(Protocol):
+    """What the batch arithmetic reads of the ``data`` section (`pretrain.config.DataConfig`)."""
+
+    @property
+    def global_batch_size(self) -> int: ...
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def streams(self) -> int: ...
+
+
+class EngineSettings(Protocol):
+    """What `engine_config` reads of a training config (`pretrain.config.TrainConfig`)."""
+
+    @property
+    def data(self) -> BatchSizes: ...
+
+    @property
+    def optim(self) -> OptimConfig: ...
+
+    @property
+    def deepspeed(self) -> DeepSpeedConfig: ...
 
 
 @dataclass(frozen=True)
@@ -31,7 +74,7 @@ class BatchPlan:
         return self.micro_batch_size * self.grad_accum_steps
 
 
-def valid_world_sizes(data: DataConfig, upto: int) -> list[int]:
+def valid_world_sizes(data: BatchSizes, upto: int) -> list[int]:
     """World sizes in [1, upto] that keep the global batch and the stream split: they divide `data.streams` and
     `data.global_batch_size` / `data.micro_batch_size` (the accumulation steps are recomputed for each)."""
     return [
@@ -41,11 +84,11 @@ def valid_world_sizes(data: DataConfig, upto: int) -> list[int]:
     ]
 
 
-def batch_plan(data: DataConfig, world_size: int) -> BatchPlan:
+def batch_plan(data: BatchSizes, world_size: int) -> BatchPlan:
     """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise.
 
     Each global batch takes global/streams samples from each of `data.streams` canonical streams and each rank reads
-    a contiguous block of streams (data_pipeline.stream), so the streams divide the global batch and the world size
+    a contiguous block of streams (data_pipeline.order), so the streams divide the global batch and the world size
     divides the streams.
     """
     positive(data.streams, "data.streams")
@@ -143,7 +186,9 @@ def deepspeed_config(
     }
 
 
-def engine_config(config: TrainConfig, world_size: int, precision: str, load_universal: bool = False) -> dict[str, Any]:
+def engine_config(
+    config: EngineSettings, world_size: int, precision: str, load_universal: bool = False
+) -> dict[str, Any]:
     """The engine's DeepSpeed JSON; ``load_universal`` when the engine will load a universal checkpoint (a resume at
     another world size, `pretrain.checkpoint`)."""
     plan = batch_plan(config.data, world_size)

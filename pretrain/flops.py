@@ -11,8 +11,8 @@ are ignored (< 1% at the sizes of interest), as in the paper's and timm's figure
 
 These are the published convention: every layer at every token. ``as_run=True`` counts what `VisionTransformer`
 runs instead: with a class token, its last layer computes the class token's output alone (q, k and v at every token,
-then one query's attention, output projection and MLP), about 80% of one layer less (docs/design.md, "The last
-block computes the class token alone"). Plans and the training MFU use the convention; benchmarks that compare the
+then one query's attention, output projection and MLP), about 80% of one layer less (docs/performance.md, "The
+last block computes the class token alone"). Plans and the training MFU use the convention; benchmarks that compare the
 step with the GEMM rate use ``as_run``.
 """
 

@@ -53,7 +53,7 @@ def hf_config(config: ViTConfig):
     from transformers import ViTConfig as HFViTConfig  # optional dependency: only this module needs it
 
     _check_convertible(config)
-    return HFViTConfig(
+    hf = HFViTConfig(
         hidden_size=config.width,
         num_hidden_layers=config.depth,
         num_attention_heads=config.num_heads,
@@ -66,8 +66,9 @@ def hf_config(config: ViTConfig):
         patch_size=config.patch_size,
         num_channels=config.in_chans,
         qkv_bias=True,
-        num_labels=max(config.num_classes, 1),
     )
+    hf.num_labels = max(config.num_classes, 1)  # a property: transformers 5's typed __init__ does not list it
+    return hf
 
 
 def config_from_hf(hf) -> ViTConfig:
@@ -101,7 +102,8 @@ def installed_layout() -> str:
     except ImportError:
         return "hub"
     tiny = HFViTConfig(hidden_size=4, num_hidden_layers=1, num_attention_heads=1, intermediate_size=4, image_size=2,
-                       patch_size=2, num_labels=1)  # fmt: skip
+                       patch_size=2)  # fmt: skip
+    tiny.num_labels = 1
     keys = ViTForImageClassification(tiny).state_dict().keys()
     return "v5" if any(k.startswith("vit.layers.") for k in keys) else "hub"
 

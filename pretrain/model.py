@@ -137,8 +137,8 @@ class ViTConfig:
 
 
 # CPU bf16 attention: two batched GEMMs and a softmax run faster than torch's fused CPU kernel (flash attention) up to
-# this many tokens, measured forward + backward on 2 Zen 4 cores with AVX512-BF16 (docs/design.md, "Attention kernel
-# per device and precision"); longer sequences, fp32 and other devices keep SDPA.
+# this many tokens, measured forward + backward on 2 Zen 4 cores with AVX512-BF16 (docs/performance.md, "Attention
+# kernel per device and precision"); longer sequences, fp32 and other devices keep SDPA.
 EXPLICIT_ATTENTION_MAX_TOKENS = 640
 
 
@@ -211,7 +211,7 @@ def gelu_tanh_as_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """tanh-GELU written as x · sigmoid(2u), computed in fp32 and rounded once to x's dtype: the function of
     ``F.gelu(x, approximate="tanh")``, and more accurate below x = -3, where 1 + tanh(u) cancels. Compiled blocks
     (`VisionTransformer.compile_blocks`) run it: a fused tanh is as slow as torch's own kernel on a CPU, a fused
-    sigmoid is not (docs/design.md, "Compiled blocks")."""
+    sigmoid is not (docs/performance.md, "Compiled blocks")."""
     xf = x.float()
     return (xf * torch.sigmoid(xf * (_GELU_A + _GELU_B * xf * xf))).to(x.dtype)
 
@@ -308,16 +308,17 @@ class VisionTransformer(nn.Module):
     def _build_head(self, num_classes: int, representation_size: int | None, head_bias_init: float) -> None:
         D = self.config.width
         if representation_size:
-            self.pre_logits = nn.Sequential(nn.Linear(D, representation_size), nn.Tanh())
-            _lecun_normal_(self.pre_logits[0].weight)
-            nn.init.zeros_(self.pre_logits[0].bias)
+            dense = nn.Linear(D, representation_size)
+            self.pre_logits: nn.Module = nn.Sequential(dense, nn.Tanh())
+            _lecun_normal_(dense.weight)
+            nn.init.zeros_(dense.bias)
         else:
             self.pre_logits = nn.Identity()
         self._build_classifier(num_classes, representation_size or D, head_bias_init)
 
     def _build_classifier(self, num_classes: int, num_features: int, head_bias_init: float) -> None:
-        self.head = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
+        self.head: nn.Module = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
+        if isinstance(self.head, nn.Linear):
             # Zero kernel: fine-tuning starts from the pre-trained features' predictions, not from noise.
             nn.init.zeros_(self.head.weight)
             nn.init.constant_(self.head.bias, head_bias_init)
@@ -326,8 +327,10 @@ class VisionTransformer(nn.Module):
         """The official initialization (docs/reference.md §1): xavier-uniform kernels; q, k, v each on a (D, D) fan."""
         nn.init.normal_(self.pos_embed, std=0.02)
         _lecun_normal_(self.patch_embed.proj.weight)
+        assert self.patch_embed.proj.bias is not None  # the patch conv is made with a bias
         nn.init.zeros_(self.patch_embed.proj.bias)
         for block in self.blocks:
+            assert isinstance(block, Block)  # nn.ModuleList yields nn.Module to a type checker
             for w in block.attn.qkv.weight.chunk(3, dim=0):
                 nn.init.xavier_uniform_(w)
             nn.init.zeros_(block.attn.qkv.bias)
@@ -380,7 +383,7 @@ class VisionTransformer(nn.Module):
         With a class token, only its final output is pooled, so the last block computes that token's output alone
         (its keys and values still come from every token): the other tokens' attention outputs and MLPs there would
         be thrown away. The same function as pooling `forward_tokens`, ~80% of one block less work (6.3% of a
-        ViT-S/16 training step's FLOPs); docs/design.md, "The last block computes the class token alone".
+        ViT-S/16 training step's FLOPs); docs/performance.md, "The last block computes the class token alone".
         """
         if self.cls_token is None:
             return self.pre_logits(self.pool(self.forward_tokens(images)))
@@ -400,6 +403,7 @@ class VisionTransformer(nn.Module):
         x = self._embed_tokens(self.embed_patches(images))
         weights = []
         for block in self.blocks:
+            assert isinstance(block, Block)  # nn.ModuleList yields nn.Module to a type checker
             x, w = block.forward_with_weights(x)
             weights.append(w)
         return weights
@@ -459,7 +463,7 @@ class VisionTransformer(nn.Module):
             self.config, num_classes=num_classes, representation_size=representation_size, head_bias_init=head_bias_init
         )
         if keep_pre_logits:
-            self._build_classifier(num_classes, representation_size, head_bias_init)
+            self._build_classifier(num_classes, self.config.num_features, head_bias_init)  # the kept pre-logits width
         else:
             self._build_head(num_classes, representation_size, head_bias_init)
         self.pre_logits.to(device)
@@ -473,7 +477,7 @@ class VisionTransformer(nn.Module):
         """torch.compile each encoder block in place (one compiled graph serves all blocks, which share their code;
         parameter names and checkpoints are unchanged). Inductor fuses each block's element-wise work (bias, GELU,
         dropout, residual, LayerNorm, casts) around the GEMMs; on a CPU it needs a C++ compiler. Training option
-        ``model.compile`` (docs/design.md, "Compiled blocks")."""
+        ``model.compile`` (docs/performance.md, "Compiled blocks")."""
         for block in self.blocks:
             block.compile()
 

@@ -10,20 +10,32 @@ Counts are exact per image (round(50% of N) corrupted; round(80%) / round(10%) o
 makes the proportions testable and the batch loss equally weighted across images. The random choices come from a
 ``torch.Generator`` seeded by (seed, rank, step counter); the counter is a buffer of the task module, so it is part
 of every DeepSpeed checkpoint and a resumed run draws the same corruptions as an uninterrupted one.
+
+`pretrain.tasks` registers this task as ``mpp`` (recipe ``task.name: mpp``, its options ``task.options``): the builder
+is `build_mpp_task`, the options' check `MPPConfig.from_options`, and `planned_model` what the cluster planner counts.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.tasks import register_task
+from pretrain.model import VisionTransformer, ViTConfig
 
-__all__ = ["MPPConfig", "CorruptionPlan", "MaskedPatchPrediction", "corruption_plan", "mean_color_targets"]
+__all__ = [
+    "MPPConfig",
+    "CorruptionPlan",
+    "MaskedPatchPrediction",
+    "build_mpp_task",
+    "corruption_plan",
+    "mean_color_targets",
+    "planned_model",
+]
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,7 @@ class MPPConfig:
     random_fraction: float = 0.1
     color_bits: int = 3
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 0.0 < self.corrupt_fraction <= 1.0:
             raise ValueError(f"task.options.corrupt_fraction must be in (0, 1], got {self.corrupt_fraction}")
         if self.mask_fraction < 0 or self.random_fraction < 0 or self.mask_fraction + self.random_fraction > 1:
@@ -57,7 +69,8 @@ class MPPConfig:
         return 2 ** (3 * self.color_bits)
 
     @classmethod
-    def from_options(cls, options: dict) -> MPPConfig:
+    def from_options(cls, options: dict[str, Any]) -> MPPConfig:
+        """The options of a recipe's ``task.options``; ValueError naming an unknown or out-of-range one."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -127,9 +140,11 @@ class MaskedPatchPrediction(nn.Module):
     softmax cross-entropy over corrupted patches; metrics hold ``accuracy`` (top-1 over corrupted patches).
     """
 
-    def __init__(self, model: nn.Module, config: MPPConfig = MPPConfig(), seed: int = 0, rank: int = 0):
+    draws: torch.Tensor  # a buffer: forward calls so far (see __init__)
+
+    def __init__(self, model: VisionTransformer, config: MPPConfig = MPPConfig(), seed: int = 0, rank: int = 0):
         super().__init__()
-        if getattr(model.config, "in_chans", 3) != 3:
+        if model.config.in_chans != 3:
             raise ValueError("masked patch prediction predicts RGB colours; the model must take 3-channel images")
         self.model = model
         self.config = config
@@ -165,7 +180,9 @@ class MaskedPatchPrediction(nn.Module):
         x = torch.where(randomised.unsqueeze(-1), swapped, tokens)
         return torch.where(masked, self.mask_token.to(tokens.dtype).expand(b, n, d), x)
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(
+        self, images: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tokens = self.model.embed_patches(images)  # (B, N, D)
         b, n, _ = tokens.shape
         if self.training:
@@ -186,14 +203,23 @@ class MaskedPatchPrediction(nn.Module):
         return loss, {"accuracy": accuracy}
 
 
-@register_task("mpp", options=MPPConfig.from_options)
-def build_mpp_task(config, model: nn.Module) -> MaskedPatchPrediction:
-    """Task-registry builder: ``config`` is the ``TrainConfig``; options come from ``config.task.options``.
+def build_mpp_task(model: VisionTransformer, options: dict[str, Any], seed: int) -> MaskedPatchPrediction:
+    """The ``mpp`` task around ``model``: ``options`` are the recipe's ``task.options``, ``seed`` the run's seed, and
+    the rank (RANK in the environment) keeps each rank's corruptions apart.
 
     MPP has no use for a classification head; one the trainer built for the dataset's classes is dropped, since
     parameters that never get a gradient would only be dead weight in the optimizer and the checkpoint.
     """
-    if getattr(model.config, "num_classes", 0):
+    if model.config.num_classes:
         model.reset_classifier(0)
     rank = int(os.environ.get("RANK", "0"))
-    return MaskedPatchPrediction(model, MPPConfig.from_options(dict(config.task.options)), seed=config.seed, rank=rank)
+    return MaskedPatchPrediction(model, MPPConfig.from_options(dict(options)), seed=seed, rank=rank)
+
+
+def planned_model(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
+    """(the ViTConfig `build_mpp_task` trains from ``vit``, the parameters the task adds): the encoder without the
+    classifier and its pre-logits (``reset_classifier(0)``), plus the [mask] embedding (D) and the linear colour head
+    (D x colours + colours)."""
+    colours = MPPConfig.from_options(dict(options)).num_colors
+    encoder = replace(vit, num_classes=0, representation_size=None)
+    return encoder, vit.width + vit.width * colours + colours

@@ -4,6 +4,9 @@ Paper §4.1 / docs/reference.md §3: Adam β = (0.9, 0.999), decoupled weight de
 class token or the position embedding), linear warmup then linear (i21k) or cosine (AugReg) decay to `end_lr`.
 The learning rate is computed here for each optimizer step and written into the optimizer's param groups by the
 training loop, so DeepSpeed never owns a scheduler and resume needs only the step number.
+
+The recipe sections ``optim`` (`OptimConfig`) and ``schedule`` (`ScheduleConfig`) live here with their check
+(`check_config`); `pretrain.config.TrainConfig` composes them.
 """
 
 from __future__ import annotations
@@ -12,19 +15,43 @@ import math
 import re
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from pretrain.typed_yaml import at_least, positive
 
-if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
-    from pretrain.config import Duration, OptimConfig, ScheduleConfig
-
 Decay = Literal["linear", "cosine", "constant"]  # the schedules LRSchedule implements (schedule.decay)
 DECAYS: tuple[str, ...] = typing.get_args(Decay)
+# A duration: an int is a number of optimizer steps; a string carries a unit: "90ep" (epochs of
+# `data.epoch_images`), "1.2e6img" (images), "500st" (steps). Converted by `duration_to_steps`.
+Duration = int | str
 _DURATION = re.compile(r"^\s*([0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Recipe section ``optim``: AdamW applied to weight matrices only (biases, norms, cls and position embeddings
+    are not decayed)."""
+
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    beta1: float = 0.9  # Adam first-moment decay (the paper's 0.9)
+    beta2: float = 0.999  # Adam second-moment decay (the paper's 0.999)
+    eps: float = 1e-8  # Adam denominator epsilon
+    weight_decay: float = 0.1  # decoupled (torch AdamW: multiplied by the current lr)
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Recipe section ``schedule``: linear warmup from 0 to `optim.lr`, then decay to `end_lr`."""
+
+    total: Duration = "90ep"  # training length
+    warmup: Duration = 10_000  # linear warmup length
+    decay: Decay = "linear"  # linear (i21k) | cosine (AugReg) | constant
+    end_lr: float = 1e-5  # lr at the last step (linear/cosine)
+    stop_at_step: int | None = None  # stop early (e.g. a time-boxed job); the schedule still spans `total`
 
 
 def duration_to_steps(
@@ -133,10 +160,11 @@ def no_decay_names(module: nn.Module) -> set[str]:
     return names
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two AdamW groups: weight matrices (decayed) and everything else (not decayed). Frozen params are left out."""
     skip = no_decay_names(module)
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in module.named_parameters():
         if p.requires_grad:
             (no_decay if name in skip else decay).append(p)

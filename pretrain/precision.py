@@ -2,7 +2,7 @@
 
 - ``auto`` (the default): bf16 on CUDA (tensor cores). On a CPU, bf16 only where it clearly pays, by a fixed rule on
   the CPU's native bf16 units and the shapes of the model's GEMMs (`CPU_RULES`, fitted to probe steps measured on
-  each unit kind; docs/design.md, "Precision"). The same recipe on the same kind of CPU picks the same precision on
+  each unit kind; docs/performance.md, "Precision"). The same recipe on the same kind of CPU picks the same precision on
   every run, and the plan prints the same answer before anything starts.
 - ``probe``: an explicit opt-in to time one forward + backward of the model in fp32 and in bf16 and take bf16 if it is
   at least `PROBE_MIN_SPEEDUP` faster. A timing can flip between runs, so the first start of a run writes its decision
@@ -62,8 +62,8 @@ class StepShape:
 @dataclass(frozen=True)
 class CpuBf16Rule:
     """bf16 on a CPU with these units iff every condition holds; fp32 otherwise. The thresholds sit where bf16 was
-    measured at least `margin` times faster than fp32 above them (docs/design.md, "Precision"): a shape near the
-    crossover gets fp32, the exact one, on every run."""
+    measured at least `margin` times faster than fp32 above them (docs/performance.md, "Precision"): a shape near
+    the crossover gets fp32, the exact one, on every run."""
 
     units: str  # the /proc/cpuinfo flag that selects this rule
     min_width: int
@@ -94,10 +94,11 @@ class CpuBf16Rule:
                 f"of the FLOPs{stem} (>= {self.margin}x measured)")  # fmt: skip
 
 
-# Fitted to one fwd+bwd of ViT shapes at 1 thread (docs/design.md, "Precision", has the table). AMX (Sapphire Rapids):
-# every shape sent to bf16 measured 1.53-3.5x, every one sent to fp32 0.5-1.51x (vit_tiny_debug: 1.03x at micro-batch
-# 8, 1.35x at 32, 1.51x at 64). AVX512-BF16 without AMX (Zen 4): 1.7x at S/16 and B/16, ~1.0x at vit_tiny_debug;
-# nothing was measured between, nor a hybrid, so the rule keeps those in fp32.
+# Fitted to one fwd+bwd of ViT shapes at 1 thread (the table: docs/benchmarks/2026-11-26-precision.md; the rule:
+# docs/performance.md, "Precision"). AMX (Sapphire Rapids): every shape sent to bf16 measured 1.53-3.5x, every one
+# sent to fp32 0.5-1.51x (vit_tiny_debug: 1.03x at micro-batch 8, 1.35x at 32, 1.51x at 64). AVX512-BF16 without
+# AMX (Zen 4): 1.7x at S/16 and B/16, ~1.0x at vit_tiny_debug; nothing was measured between, nor a hybrid, so the
+# rule keeps those in fp32.
 CPU_RULES: dict[str, CpuBf16Rule] = {
     "amx_bf16": CpuBf16Rule("amx_bf16", min_width=128),
     "avx512_bf16": CpuBf16Rule("avx512_bf16", min_width=384, min_projection_macs=64_000_000, hybrids=False),
@@ -254,6 +255,8 @@ def decide_on_rank0(decide_here: Callable[[], PrecisionChoice]) -> PrecisionChoi
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return decide_here()
-    box = [decide_here() if dist.get_rank() == 0 else None]
+    box: list[PrecisionChoice | None] = [decide_here() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    choice = box[0]
+    assert choice is not None  # rank 0's, received
+    return choice

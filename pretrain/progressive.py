@@ -5,11 +5,12 @@ increasing from 0, sizes multiples of the patch stride, the last size equal to `
 resolution, which the model's config, FLOP counts and evals refer to). Step s trains at the size of the last pair
 whose step is ≤ s. An empty schedule trains at ``data.image_size`` throughout.
 
-At each change the trainer calls :func:`switch_resolution`: the model is rebuilt at the new size with its position
-embeddings interpolated (``pretrain.weights.resize_pos_embed``, the official 2-D bilinear resize that fine-tuning
-at a higher resolution uses), and a new DeepSpeed engine takes over the old one's fp32 weights *and* Adam state —
-the moments of the position embeddings resized like the embeddings themselves — so a change costs one engine
-rebuild, not the optimizer's memory of the run. The stream is rebuilt at the new size from the old one's position.
+At each change the trainer (`Trainer.maybe_switch_resolution`) calls :func:`switch_resolution`: the model is rebuilt
+at the new size with its position embeddings interpolated (``pretrain.weights.resize_pos_embed``, the official 2-D
+bilinear resize that fine-tuning at a higher resolution uses), and a new DeepSpeed engine takes over the old one's
+fp32 weights *and* Adam state — the moments of the position embeddings resized like the embeddings themselves — so
+a change costs one engine rebuild, not the optimizer's memory of the run. The stream is rebuilt at the new size
+from the old one's position.
 
 Checkpoints hold the parameters at the resolution current at their step (``config.yaml`` and ``model.json`` record
 it); a resumed run builds its engine at :func:`resolution_at` of the checkpoint's step before loading, so it
@@ -26,7 +27,7 @@ from torch import nn
 
 from pretrain.weights import resize_pos_embed
 
-__all__ = ["check_config", "check_schedule", "config_at", "resolution_at", "switch_resolution"]
+__all__ = ["check_config", "check_schedule", "config_at", "resolution_at", "start_config", "switch_resolution"]
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 # (working-copy groups, fp32 partitions) attribute names of DeepSpeed's ZeRO-1/2 optimizer and its bf16 optimizer.
@@ -221,8 +222,9 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
             value = _resize(name, weights[name], p, prefix)
             p.data.copy_(value.to(p.dtype))  # the module's (possibly bf16) working copy
             safe_set_full_fp32_param(p, value)  # and the fp32 master the optimizer updates (ZeRO / bf16)
-            if moments[name] is not None and adam_step is not None:
-                _set_adam_state(new_engine, p, {k: _resize(name, v, p, prefix) for k, v in moments[name].items()})
+            moment = moments[name]
+            if moment is not None and adam_step is not None:
+                _set_adam_state(new_engine, p, {k: _resize(name, v, p, prefix) for k, v in moment.items()})
         for name, b in new_engine.module.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
@@ -237,8 +239,8 @@ def start_config(config, start):
 
     A fresh run (or ``init_from`` weights) starts at the schedule's first size. A checkpoint of step k holds the
     parameters at the size its last step (k − 1) trained at, which its ``model.json`` records; the engine is built
-    at that size so the DeepSpeed state loads, and ``advance`` at step k switches exactly where the uninterrupted
-    run did.
+    at that size so the DeepSpeed state loads, and `pretrain.trainer.Trainer.maybe_switch_resolution` at step k
+    switches exactly where the uninterrupted run did.
     """
     if start.kind in ("run", "resume_from"):
         import json
@@ -249,20 +251,3 @@ def start_config(config, start):
             return config.replace(data=dataclasses.replace(config.data, image_size=size))
         return config
     return config_at(config, 0)
-
-
-def advance(config, current, step: int, engine, model, stream, build_engine: Callable, build_stream: Callable):
-    """Called by the trainer before each step: switch resolution when the schedule says so.
-
-    ``config`` is the run's config, ``current`` the one in force (``config_at`` of an earlier step);
-    ``build_engine(cfg) -> (engine, model)`` builds a fresh engine for ``cfg`` and ``build_stream(cfg)`` a stream.
-    Returns ``(current, engine, model, stream, changed)``; when ``changed`` the caller re-creates its iterator.
-    The new stream continues from the old one's position (its state does not depend on the image size).
-    """
-    target = config_at(config, step)
-    if target.data.image_size == current.data.image_size:
-        return current, engine, model, stream, False
-    engine, model = switch_resolution(engine, model, lambda: build_engine(target))
-    new_stream = build_stream(target)
-    new_stream.load_state_dict(stream.state_dict())
-    return target, engine, model, new_stream, True

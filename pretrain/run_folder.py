@@ -9,7 +9,7 @@ The layout (docs/design.md "The run folder"; docs/interfaces.md "Checkpoints"):
 A checkpoint is written into ``step_XXXXXXXX.tmp/``, renamed, and only then marked ``COMPLETE``; nothing reads a
 folder without the marker. ``PINNED`` keeps a checkpoint through ``checkpoint.keep_last`` pruning while evals need it.
 
-API (paths are used as given: resolve a recipe's relative ``checkpoint.dir`` with ``resolve_path`` first)
+API (paths are used as given: a loaded TrainConfig's ``checkpoint.dir`` is already absolute, `TrainConfig.resolved`)
   names      CHECKPOINTS, COMPLETE, PINNED, TRAINER_STATE, WEIGHTS_FILE, CONFIG_FILE, CONFIG_YAML, DEEPSPEED_DIR
              step_name(step) -> "step_00000120"; parse_step(name) -> int | None (None for ".tmp" and other names)
              checkpoints_dir(run_dir); checkpoint_dir(run_dir, step)
@@ -383,3 +383,6 @@ def write_precision_record(run_dir: str | Path, precision: str, rule: str, reaso
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     record = {"precision": precision, "rule": rule, "reason": reason, "decided_at": time.time()}
     write_durably(Path(run_dir) / PRECISION_RECORD, json.dumps(record) + "\n")
+
+
+SAMPLE_KEYS_DIR = "sample_keys"  # <run>/sample_keys/rank<r>.jsonl with logging.record_sample_keys (pretrain.recorder)

@@ -1,24 +1,58 @@
-"""Training tasks: the one module DeepSpeed wraps, `forward(images, labels) -> (loss, metrics)`.
+"""Training tasks: the one module DeepSpeed wraps, `forward(images, labels) -> (loss, metrics)`; and the recipe sections
+``loss`` (`LossConfig`) and ``task`` (`TaskConfig`) with their check.
 
 A task owns the model and its loss, so the engine sees a single module and checkpoints hold everything that
-trains. Tasks are registered by name in `TASKS` (``register_task``); `build_task(config, model)` picks one by
-`config.task.name`. Other modules add tasks (e.g. masked patch prediction) with ``@register_task("mpp")``;
-`pretrain.config` imports each of them, so wherever a TrainConfig exists every task is registered.
+trains. The registry `TASKS` maps ``task.name`` to a `Task`: its builder, the check of its ``task.options``, and the
+model it trains as the cluster planner counts it (`planned_model`). Both tasks of the project are registered here:
+``classification`` and ``mpp`` (masked patch prediction, `pretrain.mpp`); ``@register_task(name)`` adds another.
+
+Builders read the run's config through `TaskSettings` (the task and loss sections, the seed), a protocol that
+`pretrain.config.TrainConfig` satisfies, so this module does not import `pretrain.config`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # annotations only: pretrain.config imports this module
-    from pretrain.config import LossConfig, TaskConfig, TrainConfig
+from pretrain import mpp
+from pretrain.model import VisionTransformer, ViTConfig
 
 LossType = Literal["softmax_xent", "sigmoid_xent"]  # loss.type: the keys of LOSSES
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Recipe section ``loss``: the classification loss (`LOSSES`)."""
+
+    type: LossType = "sigmoid_xent"  # softmax_xent (+ label smoothing) | sigmoid_xent (summed over classes)
+    label_smoothing: float = 0.0  # softmax_xent only
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Recipe section ``task``: what the model is trained to do; a name in `TASKS` with its own options."""
+
+    name: str = "classification"  # "classification" | "mpp" (masked patch prediction, §4.6)
+    options: dict[str, Any] = field(default_factory=dict)  # passed to the task builder, which validates them
+
+
+class TaskSettings(Protocol):
+    """What a task reads of the training config (`pretrain.config.TrainConfig`)."""
+
+    @property
+    def task(self) -> TaskConfig: ...
+
+    @property
+    def loss(self) -> LossConfig: ...
+
+    @property
+    def seed(self) -> int: ...  # the run's seed (MPP's corruption stream)
 
 
 def _as_targets(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,39 +104,66 @@ class ClassificationTask(nn.Module):
         return loss, {"accuracy": accuracy}
 
 
-TaskBuilder = Callable[["TrainConfig", nn.Module], nn.Module]
-TASKS: dict[str, TaskBuilder] = {}
-# name → a function that parses `task.options` and raises ValueError naming the bad one (`check_config` runs it)
-TASK_OPTIONS: dict[str, Callable[[dict], Any]] = {}
+TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]  # (config, model) -> the module DeepSpeed wraps
+OptionsCheck = Callable[[dict[str, Any]], object]  # parses `task.options`; ValueError naming the bad one
+ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]  # (options, vit) -> see `planned_model`
 
 
-def register_task(name: str, options: Callable[[dict], Any] | None = None) -> Callable[[TaskBuilder], TaskBuilder]:
+def _as_configured(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
+    return vit, 0
+
+
+@dataclass(frozen=True)
+class Task:
+    """A registered task (`register_task`)."""
+
+    build: TaskBuilder
+    options: OptionsCheck | None  # run by `check_config` before any worker starts; None: the builder checks them
+    plan: ModelPlan  # (the ViTConfig it trains, the parameters it adds); `_as_configured` unless the task says
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register_task(
+    name: str, options: OptionsCheck | None = None, plan: ModelPlan | None = None
+) -> Callable[[TaskBuilder], TaskBuilder]:
     """Decorator adding ``builder(config, model) -> nn.Module`` to `TASKS` under ``name``.
 
     ``options(task_options_dict)`` parses and checks the task's options, so that `TrainConfig.validate` rejects a
-    bad one before any worker starts; the builder gets them unchecked otherwise.
+    bad one before any worker starts; the builder gets them unchecked otherwise. ``plan(options, vit)`` says what the
+    task trains when it changes the model or adds parameters (`planned_model`); without it, the model as configured.
     """
 
     def add(builder: TaskBuilder) -> TaskBuilder:
-        if name in TASKS and TASKS[name] is not builder:
+        if name in TASKS and TASKS[name].build is not builder:
             raise ValueError(f"task {name!r} is registered twice")
-        TASKS[name] = builder
-        if options is not None:
-            TASK_OPTIONS[name] = options
+        TASKS[name] = Task(builder, options, plan or _as_configured)
         return builder
 
     return add
 
 
-def _no_options(options: dict) -> None:
+def _no_options(options: dict[str, Any]) -> None:
     if options:
         raise ValueError(f"task.options={options} given, but the classification task takes none")
 
 
 @register_task("classification", options=_no_options)
-def _build_classification(config: TrainConfig, model: nn.Module) -> nn.Module:
+def _build_classification(config: TaskSettings, model: VisionTransformer) -> nn.Module:
     _no_options(config.task.options)
     return ClassificationTask(model, config.loss.type, config.loss.label_smoothing)
+
+
+@register_task("mpp", options=mpp.MPPConfig.from_options, plan=mpp.planned_model)
+def _build_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
+    return mpp.build_mpp_task(model, config.task.options, config.seed)
+
+
+def _registered(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"task.name={name!r} is not registered; use one of {sorted(TASKS)}")
+    return TASKS[name]
 
 
 def check_config(loss: LossConfig, task: TaskConfig) -> None:
@@ -111,14 +172,21 @@ def check_config(loss: LossConfig, task: TaskConfig) -> None:
         raise ValueError(f"loss.label_smoothing={loss.label_smoothing} must be in [0, 1)")
     if loss.label_smoothing and loss.type != "softmax_xent":
         raise ValueError("loss.label_smoothing applies to softmax_xent only; set it to 0 or loss.type=softmax_xent")
-    if task.name not in TASKS:
-        raise ValueError(f"task.name={task.name!r} is not registered; use one of {sorted(TASKS)}")
-    if task.name in TASK_OPTIONS:
-        TASK_OPTIONS[task.name](dict(task.options))
+    registered = _registered(task.name)
+    if registered.options is not None:
+        registered.options(dict(task.options))
 
 
-def build_task(config: TrainConfig, model: nn.Module) -> nn.Module:
+def build_task(config: TaskSettings, model: VisionTransformer) -> nn.Module:
     """The module DeepSpeed wraps: ``forward(images, labels) -> (loss, metrics dict of scalar tensors)``."""
-    if config.task.name not in TASKS:
-        raise ValueError(f"task.name={config.task.name!r} is not registered; use one of {sorted(TASKS)}")
-    return TASKS[config.task.name](config, model)
+    return _registered(config.task.name).build(config, model)
+
+
+def planned_model(config: TaskSettings, vit: ViTConfig) -> tuple[ViTConfig, int]:
+    """(the ViTConfig the task of ``config`` trains, the parameters the task adds beyond it): what `build_task` will
+    build from a model of config ``vit``, for the cluster planner's parameter, FLOP and memory counts.
+
+    Classification trains ``vit`` as it is: ``(vit, 0)``. Masked patch prediction trains the encoder without the
+    classifier and its pre-logits and adds a [mask] embedding and a colour head (`pretrain.mpp.planned_model`).
+    """
+    return _registered(config.task.name).plan(dict(config.task.options), vit)

@@ -150,7 +150,7 @@ def coerce(value: Any, hint: Any, path: str) -> Any:
 
     ValueError naming ``path`` (the dotted key) and the expected type or the allowed values.
     """
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path + ".")
     origin = typing.get_origin(hint)
     if origin is Literal:

@@ -108,7 +108,9 @@ def test_bad_configs_fail_naming_field_and_fix(overrides, message):
 def test_missing_shards_fail_before_work(tmp_path):
     missing = tmp_path / "nowhere" / "train"
     config = load_config("local_demo", [f"data.train={missing}", "data.builtin=null"])
-    with pytest.raises(ValueError, match=r"data\.train=.*manifest\.parquet missing.*data_pipeline\.builtin"):
+    with pytest.raises(
+        ValueError, match=r"data\.train=.*no shard folder there \(no manifest\.parquet\).*data_pipeline\.builtin"
+    ):
         config.validate(2)
     # A built-in name only helps when the path is where that dataset would be generated.
     config = load_config("local_demo", [f"data.train={missing}", "data.builtin=fractal"])

@@ -1,8 +1,9 @@
 """The import rules of docs/design.md, read from the source: no circles, the package table, imports at the top.
 
 The graph is built from each module's AST (no import is executed): an edge for every ``import`` of one of our
-modules, except those under ``if TYPE_CHECKING:`` (annotations only, never run). Imports inside a function body
-are "deferred": they cannot make an import circle but still count for the package rules.
+modules, those under ``if TYPE_CHECKING:`` included: an import for annotations only is still a dependency, so a
+circle through one is a circle. Imports inside a function body are "deferred": they cannot make an import circle but
+still count for the package rules.
 """
 
 from __future__ import annotations
@@ -45,20 +46,13 @@ def _ours(name: str) -> str | None:
     return name or None
 
 
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(node: ast.AST, deferred: bool = False):
-    """(Import or ImportFrom node, inside a function?) for every import that runs, skipping TYPE_CHECKING blocks."""
+    """(Import or ImportFrom node, inside a function?) for every import statement, ``if TYPE_CHECKING:`` included."""
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node, deferred
         return
-    children = node.orelse if isinstance(node, ast.If) and _type_checking(node.test) else ast.iter_child_nodes(node)
     deferred = deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-    for child in children:
+    for child in ast.iter_child_nodes(node):
         yield from _import_nodes(child, deferred)
 
 
@@ -66,9 +60,14 @@ def _import_nodes(node: ast.AST, deferred: bool = False):
 def imports(module: str) -> list[tuple[str, int, bool]]:
     """(module of ours imported, line, deferred) for each import in ``module`` that names one of ours."""
     path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return imports_in(path.read_text(encoding="utf-8"), module, is_package=path.name == "__init__.py")
+
+
+def imports_in(source: str, module: str, is_package: bool = False) -> list[tuple[str, int, bool]]:
+    """`imports` of ``source``, read as the text of ``module`` (an ``__init__.py`` when ``is_package``)."""
+    package = module if is_package else module.rpartition(".")[0]
     found = []
-    for node, deferred in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node, deferred in _import_nodes(ast.parse(source, module)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -132,8 +131,13 @@ def test_the_graph_sees_our_imports():
     # The checks below are only as good as the graph: known edges of each kind must be in it.
     graph = import_graph()
     assert "pretrain.typed_yaml" in graph["pretrain.config"] and "pretrain.model" in graph["pretrain.config"]
-    assert "pretrain.config" not in graph["pretrain.optim"]  # under `if TYPE_CHECKING:` only
     assert "pretrain.typed_yaml" in graph["cluster.profiles"]
+    # An import for annotations only is an edge (not deferred); one inside a function is a deferred edge.
+    annotations_only = "if TYPE_CHECKING:\n    from pretrain.config import TrainConfig\n"
+    assert imports_in(annotations_only, "pretrain.optim") == [("pretrain.config", 2, False)]
+    assert imports_in("def f():\n    from pretrain import model\n", "pretrain.tasks") == [("pretrain.model", 2, True)]
+    for owner in ("pretrain.optim", "pretrain.ds_config", "pretrain.tasks"):  # config sections' owners, which
+        assert "pretrain.config" not in graph[owner]  # pretrain.config imports to compose TrainConfig
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

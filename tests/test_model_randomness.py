@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pretrain.model import build_model
-from pretrain.train import model_randomness
+from pretrain.randomness import model_randomness
 
 CPU = torch.device("cpu")
 

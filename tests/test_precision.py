@@ -51,7 +51,7 @@ def test_cpu_without_bf16_units_falls_back_to_fp32():
 @pytest.mark.parametrize(
     "name, micro_batch, overrides, amx, avx512",
     [
-        # (the measured fwd+bwd speedups on AMX, docs/design.md "Precision": tiny 1.03-1.51x, the rest >= 1.53x)
+        # (the measured fwd+bwd speedups on AMX, docs/performance.md "Precision": tiny 1.03-1.51x, the rest >= 1.53x)
         ("vit_tiny_debug", 32, {}, "fp32", "fp32"),  # local_demo: width 64, 1.35x on AMX
         ("vit_tiny_debug", 64, {}, "fp32", "fp32"),  # 1.51x: still under the margin
         ("vit_ti16", 2, {}, "fp32", "fp32"),  # 394 tokens x 192² = 14.5M < 16M
@@ -150,13 +150,14 @@ def test_deepspeed_config_takes_the_decided_precision():
 def test_probe_in_a_run_is_timed_once_and_recorded_in_the_run_folder(tmp_path, monkeypatch):
     """`precision: probe` times on the first start, writes ``<run>/precision.json``, and every later start of the run
     (a resume, or a re-run with the same run folder) repeats it without timing."""
+    import pretrain.engine as train
     import pretrain.precision as precision_module
-    import pretrain.train as train
+    from pretrain.distributed import Placement
 
     monkeypatch.setattr(precision_module, "cpu_flags", lambda cpuinfo=None: SAPPHIRE_RAPIDS)  # so there is a probe
     config = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}", "deepspeed.precision=probe",
                                         "data.micro_batch_size=2"])  # fmt: skip
-    place = train.Placement(0, 1, 0, torch.device("cpu"))
+    place = Placement(0, 1, 0, torch.device("cpu"))
     first = train.decide_precision(config, place, 4, StartPoint("scratch", None))
     assert first.rule == "probe" and "probe step fp32" in first.reason
     record = read_precision_record(tmp_path / "run")

@@ -80,7 +80,7 @@ def process_group():
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     yield
     if created:
-        from pretrain.train import finish_distributed
+        from pretrain.distributed import finish_distributed
 
         finish_distributed()  # DeepSpeed's destroy: its cached groups must not outlive the torch group either
         for k, v in saved.items():

@@ -83,7 +83,7 @@ def test_finished_ranks_leave_no_gloo_thread_and_exit_normally(tiny_fractal_shar
 CAPTURED = """
 import gc, sys
 import deepspeed, torch, torch.distributed as dist
-from pretrain.train import finish_distributed
+from pretrain.distributed import finish_distributed
 from teardown_repro import gloo_threads  # tests/ is on PYTHONPATH
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -29,12 +29,14 @@ import torch
 
 from bench.scaling import communicate_or_end
 from pretrain.config import TrainConfig, load_config, model_overrides
+from pretrain.distributed import Placement
 from pretrain.ds_config import batch_plan
 from pretrain.model import build_model
 from pretrain.optim import build_optimizer, build_schedule, set_lr
+from pretrain.randomness import seed_everything
 from pretrain.run_folder import TrainerState
 from pretrain.tasks import build_task
-from pretrain.train import Placement, build_stream, seed_everything
+from pretrain.trainer import build_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
@@ -318,13 +320,14 @@ def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards
 WITH_EVALS = """
 import json, sys
 from pretrain.config import load_config
-from pretrain.train import exit_rank, finish_distributed, train_worker
+from pretrain.distributed import exit_rank, finish_distributed
+from pretrain.train import train_worker
 
 config = load_config(sys.argv[1])
 handed = []
 summary = train_worker(config, on_checkpoint=lambda folder, step, metrics: handed.append(step))
-with open(sys.argv[2].format(rank=summary["rank"]), "w") as f:
-    json.dump({**summary, "handed": handed}, f)
+with open(sys.argv[2].format(rank=summary.rank), "w") as f:
+    json.dump({**summary.to_dict(), "handed": handed}, f)
 finish_distributed()
 exit_rank(0)
 """

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -16,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from pretrain import checkpoint as ckpt
-from pretrain.config import CheckpointConfig, TaskConfig, load_config
+from pretrain.config import CheckpointConfig, load_config
 from pretrain.metrics import NonFiniteLossError, TrainMetrics
 from pretrain.model import build_model
 from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
 from pretrain.run_folder import COMPLETE, IncompleteCheckpointError
-from pretrain.tasks import TASKS, ClassificationTask, build_task, register_task, sigmoid_xent, softmax_xent
+from pretrain.tasks import TASKS, ClassificationTask, TaskConfig, build_task, register_task, sigmoid_xent, softmax_xent
 from tracking import keys
 
 
@@ -181,7 +182,7 @@ def test_a_rank_ends_after_its_exit_handlers_and_keeps_its_code(tmp_path):
     # on a normal exit (no process group, as here) and on the os._exit path a live group takes (docs/reference.md §7).
     script = (
         "import atexit, pathlib, sys\n"
-        "from pretrain.train import exit_rank\n"
+        "from pretrain.distributed import exit_rank\n"
         f"atexit.register(pathlib.Path({str(tmp_path / 'handler_ran')!r}).touch)\n"
         "print('unflushed', end='')\n"
         "sys.stderr.write('err')\n"
@@ -234,7 +235,7 @@ def test_engine_files_are_read_weights_only(tmp_path, capsys):
 
 
 def test_only_a_build_lock_that_a_killed_process_left_is_removed(tmp_path, monkeypatch, capsys):
-    from pretrain.train import ORPHAN_LOCK_S, SHM_COMM_OP, remove_stale_build_lock
+    from pretrain.distributed import ORPHAN_LOCK_S, SHM_COMM_OP, remove_stale_build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch's builder puts the op's folder there
     lock = tmp_path / SHM_COMM_OP / "lock"
@@ -260,14 +261,21 @@ def test_only_a_build_lock_that_a_killed_process_left_is_removed(tmp_path, monke
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shards, train_cli, tmp_path):
-    # The lock of the op's real build folder, as a run killed while DeepSpeed loaded the op leaves it: without the
-    # check, this run would wait on it forever (seen in this project: every later test timed out).
+def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shards, train_cli, tmp_path, monkeypatch):
+    # The lock of the op's build folder, as a run killed while DeepSpeed loaded the op leaves it: without the check,
+    # this run would wait on it forever (seen in this project: every later test timed out). In a private copy of the
+    # extensions folder: other DeepSpeed starts on the machine (test workers) hold the real lock for a second each.
     from torch.utils.cpp_extension import _get_build_directory
 
-    from pretrain.train import ORPHAN_LOCK_S, SHM_COMM_OP
+    from pretrain.distributed import ORPHAN_LOCK_S, SHM_COMM_OP
 
-    lock = Path(_get_build_directory(SHM_COMM_OP, verbose=False)) / "lock"
+    built = Path(_get_build_directory(SHM_COMM_OP, verbose=False))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    private = Path(_get_build_directory(SHM_COMM_OP, verbose=False))
+    if built.is_dir():  # reuse the op built on this machine (else this run builds it once, in its private folder)
+        shutil.copytree(built, private, ignore=shutil.ignore_patterns("lock"), dirs_exist_ok=True)
+    private.mkdir(parents=True, exist_ok=True)
+    lock = private / "lock"
     lock.touch()
     old = time.time() - ORPHAN_LOCK_S - 60
     os.utime(lock, (old, old))
@@ -316,7 +324,7 @@ def test_ds_accelerator_cpu_keeps_training_on_the_cpu_beside_a_gpu(monkeypatch, 
     # On a GPU machine, DS_ACCELERATOR=cpu makes DeepSpeed place everything on the CPU; the process group and the
     # model must follow, or the first broadcast fails ("No backend type associated with device type cpu", seen on
     # an H200 with nccl). Whether torch sees a GPU is the one thing simulated here.
-    from pretrain.train import training_device_type
+    from pretrain.distributed import training_device_type
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     if accelerator is None:

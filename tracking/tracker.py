@@ -370,15 +370,15 @@ class Tracker:
                             del store[key]
         while True:
             with self._buffer_lock:
-                batch = list(itertools.islice(self._metrics, _MAX_METRICS_PER_BATCH))
-            if not batch:
+                metrics = list(itertools.islice(self._metrics, _MAX_METRICS_PER_BATCH))
+            if not metrics:
                 break
-            entities = [Metric(m.key, m.value, m.timestamp_ms, m.step) for m in batch if not self._already_logged(m)]
-            if entities:
-                self._send_batch("metrics", lambda e=entities: client.log_batch(self.run_id, metrics=e))
+            sent = [Metric(m.key, m.value, m.timestamp_ms, m.step) for m in metrics if not self._already_logged(m)]
+            if sent:
+                self._send_batch("metrics", lambda e=sent: client.log_batch(self.run_id, metrics=e))
             with self._buffer_lock:
                 # Sequence numbers, not counts: log_metrics may have dropped the oldest values meanwhile.
-                while self._metrics and self._metrics[0].seq <= batch[-1].seq:
+                while self._metrics and self._metrics[0].seq <= metrics[-1].seq:
                     self._metrics.popleft()
         while True:
             with self._buffer_lock:
@@ -458,12 +458,14 @@ class Tracker:
 # Trackers still open at interpreter exit get one last flush (bounded), so a forgotten close() loses nothing
 # when the store is up. The exit hook is registered with the first enabled Tracker, not at import.
 _OPEN_TRACKERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
+_exit_hook_registered = False
 
 
 def _track_for_exit(tracker: Tracker) -> None:
-    if not _OPEN_TRACKERS and not getattr(_track_for_exit, "registered", False):
+    global _exit_hook_registered
+    if not _OPEN_TRACKERS and not _exit_hook_registered:
         atexit.register(_close_open_trackers)
-        _track_for_exit.registered = True
+        _exit_hook_registered = True
     _OPEN_TRACKERS.add(tracker)
 
 

@@ -1,0 +1,72 @@
+"""The DeepSpeed engine of a run: its precision (`pretrain.precision`'s rule, the same on every rank) and the engine
+itself (model, task, optimizer) as the config and the start point say.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pretrain import checkpoint as ckpt
+from pretrain import run_folder
+from pretrain.config import TrainConfig, model_overrides
+from pretrain.distributed import Placement
+from pretrain.ds_config import engine_config
+from pretrain.model import build_model, model_config
+from pretrain.optim import build_optimizer
+from pretrain.precision import PrecisionChoice, StepShape, decide, decide_on_rank0, probe_bf16_speedup
+from pretrain.randomness import seed_everything
+from pretrain.run_folder import TrainerState
+from pretrain.tasks import build_task
+
+
+def decide_precision(
+    config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint
+) -> PrecisionChoice:
+    """`deepspeed.precision` for this run, the same on every rank (`pretrain.precision`): `auto` by the rule on this
+    device and the model's shapes; `probe` by the run folder's record, else by timing on rank 0, which records it.
+    A resumed run keeps the precision its checkpoint trained in."""
+    d, run_dir = config.data, Path(config.checkpoint.dir)
+    resumed = None
+    if start.kind in ("run", "resume_from"):
+        kept = TrainerState.read(start.folder).precision
+        resumed = None if kept is None else (kept, start.folder.name)
+    record = run_folder.read_precision_record(run_dir) if config.deepspeed.precision == "probe" else None
+    recorded = None if record is None else PrecisionChoice(
+        record["precision"], "run-record", f"{run_dir / run_folder.PRECISION_RECORD}: {record['reason']}"
+    )  # fmt: skip
+    shape = StepShape.of(model_config(config.model.name, **model_overrides(config, num_classes)), d.micro_batch_size)
+
+    def probe() -> tuple[float, float]:
+        def build():
+            return build_task(config, build_model(config.model.name, **model_overrides(config, num_classes)))
+
+        return probe_bf16_speedup(build, d.micro_batch_size, d.image_size)
+
+    def here() -> PrecisionChoice:
+        choice = decide(config.deepspeed.precision, place.device.type, shape, resumed=resumed, recorded=recorded,
+                        probe=probe, zero_stage=config.deepspeed.zero_stage)  # fmt: skip
+        if choice.rule == "probe":  # timed now: later starts of this run repeat it
+            run_folder.write_precision_record(run_dir, choice.precision, choice.rule, choice.reason)
+        return choice
+
+    return decide_on_rank0(here)
+
+
+def build_engine(
+    config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint, precision: str,
+    load_universal: bool = False,
+):  # fmt: skip
+    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model).
+    ``load_universal``: the engine will load a universal checkpoint (a resume at another world size)."""
+    import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
+
+    seed_everything(config.seed)  # identical initialisation on every rank
+    model = build_model(config.model.name, **model_overrides(config, num_classes))
+    if start.kind == "init_from":
+        ckpt.init_weights(model, start.folder, config.data.image_size)
+    if config.model.compile:
+        model.compile_blocks()  # compiles at the first step; checkpoints and parameter names are unchanged
+    task = build_task(config, model)
+    ds_config = engine_config(config, place.world_size, precision, load_universal)
+    engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
+    return engine, model

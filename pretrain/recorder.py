@@ -1,0 +1,101 @@
+"""What a rank trained on and what it got: the per-step losses always, and on request the batch digests and sample keys.
+
+`Recorder` is opt-in beyond the losses: ``logging.record_batch_digests`` hashes every micro-batch's pixels and labels
+(a step's digest equals another run's only if they read the same bytes in the same order), and
+``logging.record_sample_keys`` lists each step's sample keys, also appended to ``<run>/sample_keys/rank<r>.jsonl``
+per attempt so that a run killed mid-way (a lost node) keeps what it trained on. The trainer hands it each
+micro-batch (`batch`) and each finished step (`end_step`); `summary` returns the typed `TrainSummary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from pretrain.run_folder import SAMPLE_KEYS_DIR
+
+
+@dataclass
+class TrainSummary:
+    """What `pretrain.train.train_worker` returns on every rank (and ``--summary`` writes as JSON)."""
+
+    rank: int
+    world_size: int
+    start: str  # where training started: "run" | "resume_from" | "init_from" | "scratch"
+    start_step: int
+    steps: int  # the step it ended at
+    images_seen: int
+    checkpoints: list[str] = field(default_factory=list)  # the COMPLETE checkpoints this attempt saved, in order
+    losses: list[list[float]] = field(default_factory=list)  # [step, loss averaged over ranks]
+    digests: list[list[Any]] = field(default_factory=list)  # [step, sha256 hex] with logging.record_batch_digests
+    sample_keys: list[dict[str, Any]] = field(default_factory=list)  # {step, epoch, keys}: record_sample_keys
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "final_loss": self.final_loss}
+
+
+class Recorder:
+    """Per-rank record of one attempt (module docstring)."""
+
+    def __init__(self, digests: bool, sample_keys: bool, keys_log: Path | None = None, where: dict | None = None):
+        self.want_digests, self.want_keys = digests, sample_keys
+        self.losses: list[list[float]] = []
+        self.digests: list[list[Any]] = []
+        self.sample_keys: list[dict[str, Any]] = []
+        self._digest = hashlib.sha256()
+        self._keys: list[str] = []
+        self._where = where or {}  # attempt, rank, world size: written beside each step's keys
+        self._log: TextIO | None = None
+        if sample_keys and keys_log is not None:
+            keys_log.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(keys_log, "a")  # noqa: SIM115 (kept open for the loop; `close` ends it)
+
+    @classmethod
+    def for_run(cls, run_dir: Path, logging, rank: int, world_size: int, attempt: int) -> Recorder:
+        """The recorder ``logging`` (a `LoggingConfig`) asks for; its keys log is ``<run_dir>/sample_keys/``."""
+        log = run_dir / SAMPLE_KEYS_DIR / f"rank{rank}.jsonl"
+        where = {"attempt": attempt, "rank": rank, "world_size": world_size}
+        return cls(logging.record_batch_digests, logging.record_sample_keys, log, where)
+
+    @property
+    def wants_batches(self) -> bool:
+        return self.want_digests or self.want_keys
+
+    def batch(self, images: torch.Tensor, labels: torch.Tensor, keys: list[str]) -> None:
+        """One micro-batch of the current step, as the model received it."""
+        if self.want_digests:
+            self._digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
+        if self.want_keys:
+            self._keys.extend(keys)
+
+    def end_step(self, step: int, loss: float, epoch: int) -> None:
+        """Step ``step`` (1-based count) is done; ``epoch`` is the stream's epoch of its batches."""
+        self.losses.append([step, loss])
+        if self.want_digests:
+            self.digests.append([step, self._digest.hexdigest()])
+            self._digest = hashlib.sha256()
+        if self.want_keys:
+            entry = {"step": step, "epoch": epoch, "keys": self._keys}
+            self.sample_keys.append(entry)
+            if self._log is not None:
+                self._log.write(json.dumps({**entry, **self._where}) + "\n")
+                self._log.flush()  # an attempt killed mid-run (a lost node) keeps what it trained on
+            self._keys = []
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def summary(self, **fields: Any) -> TrainSummary:
+        return TrainSummary(**fields, losses=self.losses, digests=self.digests, sample_keys=self.sample_keys)

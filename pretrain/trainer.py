@@ -1,0 +1,196 @@
+"""The trainer: one rank's engine, data stream and position (step, images seen), and the optimizer step.
+
+`Trainer.start(config, place)` does everything before the first step, in the documented resume order (the newest
+COMPLETE checkpoint of the run > ``checkpoint.resume_from`` > ``checkpoint.init_from`` > scratch): it readies the
+data, the lr schedule, the precision, the engine (converting a checkpoint written at another world size) and the
+stream, and restores their state. Then the loop calls `maybe_switch_resolution` and `train_step` once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from data_pipeline.builtin import ensure
+from data_pipeline.manifest import is_shard_folder, read_dataset_info
+from data_pipeline.stream import StreamSpec, TrainStream
+from pretrain import checkpoint as ckpt
+from pretrain import progressive
+from pretrain.config import TrainConfig
+from pretrain.distributed import Placement, mean_over_ranks
+from pretrain.ds_config import BatchPlan, batch_plan
+from pretrain.engine import build_engine, decide_precision
+from pretrain.optim import build_schedule, set_lr
+from pretrain.precision import PrecisionChoice
+from pretrain.randomness import model_randomness, seed_everything
+from pretrain.recorder import Recorder
+from pretrain.run_folder import TrainerState
+
+
+def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
+    """Generate a built-in training set if the recipe asks for it (rank 0; others wait); (num_classes, epoch size)."""
+    d = config.data
+    if d.builtin is not None and place.rank == 0 and not is_shard_folder(Path(d.train)):
+        ensure(d.builtin, Path(d.train).parent.parent, **d.builtin_options)  # a built-in set is local
+    dist.barrier()
+    info = read_dataset_info(d.train)
+    if config.model.num_classes is not None and info.num_classes > config.model.num_classes:
+        raise ValueError(
+            f"model.num_classes={config.model.num_classes} but {d.train} has {info.num_classes} classes; set "
+            f"model.num_classes={info.num_classes} (or null to take it from the dataset)"
+        )
+    return config.model.num_classes or info.num_classes, d.epoch_images or info.num_samples
+
+
+def build_stream(config: TrainConfig, place: Placement, num_classes: int) -> TrainStream:
+    d = config.data
+    spec = StreamSpec(
+        d.train,
+        micro_batch_size=d.micro_batch_size,
+        image_size=d.image_size,
+        global_batch_size=d.global_batch_size,
+        streams=d.streams,
+        seed=d.seed,
+        shuffle_buffer=d.shuffle_buffer,
+        augment=d.augment,
+        mixup_alpha=d.mixup_alpha,
+        # Mixup needs soft targets; otherwise int labels are cheapest (the loss one-hots them itself).
+        label_format="multihot" if d.mixup_alpha > 0 else "int",
+        num_classes=num_classes,
+        num_workers=d.num_workers,
+        start_method=d.loader_start_method,
+        record_keys=config.logging.record_sample_keys,
+    )
+    return TrainStream(spec, rank=place.rank, world_size=place.world_size)
+
+
+def _next_batch(it: Iterator, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    start = time.perf_counter()
+    images, labels = next(it)
+    images = images.to(device, dtype=dtype, non_blocking=True)  # (B, 3, S, S)
+    return images, labels.to(device, non_blocking=True), time.perf_counter() - start
+
+
+@dataclass
+class StepResult:
+    loss: float  # averaged over the step's micro-batches and the ranks
+    lr: float
+    data_s: float  # seconds this rank waited for batches
+    grad_norm: float | None
+
+
+class Trainer:
+    """One rank's training: the engine (and the bare model inside it), the stream and its iterator, the step and the
+    images seen. ``state`` is the `TrainerState` of the checkpoint it resumed from (None when it started fresh);
+    ``current`` is the config in force (``data.image_size`` follows a progressive-resolution schedule)."""
+
+    def __init__(self, config: TrainConfig, place: Placement, num_classes: int, plan: BatchPlan,
+                 schedule: Callable[[int], float], last_step: int, total_steps: int,
+                 start: ckpt.StartPoint, current: TrainConfig, precision: PrecisionChoice):  # fmt: skip
+        self.config, self.place, self.num_classes, self.plan = config, place, num_classes, plan
+        self.schedule, self.last_step, self.total_steps = schedule, last_step, total_steps
+        self.start_point, self.current, self.precision = start, current, precision
+        # bf16: DeepSpeed keeps bf16 weights for compute and fp32 master weights + optimizer state in ZeRO; the task
+        # computes the loss in fp32, and LayerNorm kernels accumulate their statistics in fp32.
+        self.dtype = torch.bfloat16 if precision.precision == "bf16" else torch.float32
+        universal = ckpt.prepare_resume(start, place.world_size, place.rank)  # converts for another world size
+        self.engine, self.model = build_engine(current, place, num_classes, start, precision.precision,
+                                               universal is not None)  # fmt: skip
+        self.stream = build_stream(current, place, num_classes)
+        self.state: TrainerState | None = ckpt.resume(
+            self.engine, self.stream, start, place.rank, place.world_size, current, universal
+        )
+        self.step = self.start_step = self.state.step if self.state else 0
+        self.images_seen = self.state.images_seen if self.state else 0
+        self._batches: Iterator | None = None
+
+    @classmethod
+    def start(cls, config: TrainConfig, place: Placement) -> Trainer:
+        """Everything before the first step (module docstring); prints the precision line on rank 0."""
+        num_classes, epoch_images = prepare_data(config, place)
+        plan = batch_plan(config.data, place.world_size)
+        schedule = build_schedule(config.optim, config.schedule, plan.global_batch_size, epoch_images)
+        last_step = min(schedule.total_steps, config.schedule.stop_at_step or schedule.total_steps)
+        start = ckpt.find_start(config)
+        current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
+        precision = decide_precision(current, place, num_classes, start)
+        if place.rank == 0:
+            print(precision.line(config.deepspeed.precision), flush=True)
+        return cls(config, place, num_classes, plan, schedule, last_step, schedule.total_steps, start, current,
+                   precision)  # fmt: skip
+
+    def restore_randomness(self) -> None:
+        """The global generators as the checkpoint left them, or seeded per rank. The model's own randomness does not
+        depend on them (`pretrain.randomness.model_randomness`); any other code that draws from them continues
+        exactly."""
+        state, rank, seed = self.state, self.place.rank, self.config.seed
+        if state is not None and rank < len(state.rng_states):
+            ckpt.set_rng_state(state.rng_states[rank])
+        elif state is not None:  # a rank the checkpoint's (smaller) world did not have: seeded by its position
+            seed_everything(seed * 1000 + rank + 1 + state.step * 100_003)
+        else:
+            seed_everything(seed * 1000 + rank + 1)  # different on every rank, reproducibly
+
+    @property
+    def epoch(self) -> int:
+        """The stream's epoch (it rolls over when the next step starts: right after a step, that step's epoch)."""
+        return int(self.stream.state_dict()["epoch"])
+
+    def maybe_switch_resolution(self) -> None:
+        """Before each step: move to the image size the progressive schedule gives this step, if it changed. The
+        model is rebuilt with its position embeddings interpolated, a new engine takes over the fp32 weights and Adam
+        state, and a new stream continues from the old one's position (`pretrain.progressive`)."""
+        target = progressive.config_at(self.config, self.step)
+        if target.data.image_size == self.current.data.image_size:
+            return
+        scratch = ckpt.StartPoint("scratch", None)
+        self.engine, self.model = progressive.switch_resolution(
+            self.engine, self.model,
+            lambda: build_engine(target, self.place, self.num_classes, scratch, self.precision.precision),
+        )  # fmt: skip
+        stream = build_stream(target, self.place, self.num_classes)
+        stream.load_state_dict(self.stream.state_dict())
+        self.current, self.stream, self._batches = target, stream, None
+
+    def train_step(self, recorder: Recorder | None = None) -> StepResult:
+        """One optimizer step over ``plan.grad_accum_steps`` micro-batches; the model's randomness is seeded by (seed,
+        step, global micro-batch index). ``recorder`` sees every micro-batch when it asks to."""
+        if self._batches is None:
+            self._batches = iter(self.stream)
+        lr = self.schedule(self.step)
+        set_lr(self.engine.optimizer, lr)
+        accum, place = self.plan.grad_accum_steps, self.place
+        loss_sum, data_s = torch.zeros((), device=place.device), 0.0
+        for micro in range(accum):
+            images, labels, wait = _next_batch(self._batches, place.device, self.dtype)
+            data_s += wait
+            if recorder is not None and recorder.wants_batches:
+                recorder.batch(images, labels, (self.stream.last_keys or []) if recorder.want_keys else [])
+            with model_randomness(self.config.seed, self.step, place.rank * accum + micro, place.device):
+                loss, _ = self.engine(images, labels)
+                self.engine.backward(loss)  # DeepSpeed scales by 1/accum_steps and reduces across ranks at the end
+            self.engine.step()  # steps the optimizer (with clipping) only at the accumulation boundary
+            loss_sum += loss.detach().float()
+        self.step += 1
+        self.images_seen += self.plan.global_batch_size
+        mean_loss = mean_over_ranks(loss_sum / accum)
+        grad_norm = self.engine.get_global_grad_norm()
+        return StepResult(mean_loss, lr, data_s, None if grad_norm is None else float(grad_norm))
+
+    def close(self) -> None:
+        """DeepSpeed's gradient hooks hold the engine in a reference cycle through autograd's C++ nodes, which
+        Python's collector cannot see: without destroy() a process that trains more than once (a Ray worker) keeps
+        every engine."""
+        self.engine.destroy()
+
+    def describe(self) -> dict[str, Any]:
+        """Where this attempt started and ended (`pretrain.recorder.TrainSummary`'s position fields)."""
+        place = self.place
+        return {"start": self.start_point.kind, "start_step": self.start_step, "steps": self.step,
+                "images_seen": self.images_seen, "rank": place.rank, "world_size": place.world_size}  # fmt: skip
