@@ -25,8 +25,9 @@ Order of work (all on the Ray head, inside the job):
    when more workers fit, stops the group and starts a larger one (not a failure). Each start resumes from the
    newest COMPLETE checkpoint at its own world size (docs/elastic.md). The resizes are tagged on the run and listed
    in the summary from `<run_dir>/world_sizes.jsonl` (pretrain.train tags them at every start).
-4. Wait for pending evals, prune the checkpoints their pins kept, print the summary table (step, loss, eval
-   metrics, the headline metric's gain over step 0), close the MLflow run, exit 0 only if training succeeded.
+4. Wait for pending evals, then `cluster.job_record.finish_job`: prune the checkpoints their pins kept, print the
+   summary table (step, loss, eval metrics, the headline metric's gain over step 0), close the MLflow run; exit 0
+   only if training succeeded.
 """
 
 from __future__ import annotations
@@ -37,22 +38,18 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from cluster.eval_scheduler import EvalScheduler
+from cluster.job_record import JobEnd, finish_job, record_placement
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
-from cluster.summary import format_resizes, format_summary
-from pretrain import run_folder
 from pretrain.config import TrainConfig
-from pretrain.run_folder import pin_checkpoint, prune_checkpoints, release_pins
+from pretrain.run_folder import pin_checkpoint, release_pins
 from pretrain.train import train_worker
-from tracking import keys
-from tracking.runs import finish_run, open_job_run, run_tags
-from tracking.tracker import Tracker
+from tracking.runs import open_job_run, run_tags
 
 PLAN_ENV = "VITSCALE_PLAN"
 
@@ -83,9 +80,8 @@ class JobSpec:
         cls, profile: ClusterProfile, config: TrainConfig, plan: Plan, fault: FaultInjection | None = None
     ) -> JobSpec:
         """The job of `plan`, tagged on this (the launching) machine: the job's copy of the code has no git."""
-        tags = run_tags(
-            config.recipe, config.model.name, plan.world_size, profile=profile.name, run_dir=config.checkpoint.dir
-        )
+        world = plan.topology.world_size
+        tags = run_tags(config.recipe, config.model.name, world, profile=profile.name, run_dir=config.checkpoint.dir)
         return cls(profile, config, plan.to_dict(), fault, tags)
 
     def to_json(self) -> str:
@@ -103,7 +99,7 @@ class JobSpec:
     def from_json(cls, text: str) -> JobSpec:
         d = json.loads(text)
         fault = FaultInjection(**d["fault"]) if d.get("fault") else None
-        config = TrainConfig.from_dict(d["config"])
+        config = TrainConfig.from_dict(d["config"]).resolved()
         return cls(profile_from_dict(d["profile"]), config, d["plan"], fault, d.get("tags", {}))
 
 
@@ -133,7 +129,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     config = loop_config["config"]  # the driver's TrainConfig, as Ray pickled it: not rebuilt here
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    _record_placement(Path(config.checkpoint.dir), rank, world_size)
+    record_placement(Path(config.checkpoint.dir), rank, world_size)
     scheduler = loop_config["scheduler"]
     fault = loop_config.get("fault")
     marker = Path(config.checkpoint.dir) / ".fault_injected"
@@ -154,48 +150,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints: hand the summary over in the run folder
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
         tmp = Path(config.checkpoint.dir) / f"train_result.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({k: summary.get(k) for k in keep}, default=str))
+        tmp.write_text(json.dumps({k: summary.to_dict()[k] for k in keep}, default=str))
         os.replace(tmp, Path(config.checkpoint.dir) / "train_result.json")
-
-
-def _record_placement(run_dir: Path, rank: int, world_size: int) -> None:
-    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job,
-    world size)."""
-    import socket
-
-    import ray  # heavy: only the driver and cluster commands need Ray
-
-    folder = run_dir / "workers"
-    folder.mkdir(parents=True, exist_ok=True)
-    ctx = ray.get_runtime_context()
-    record = {
-        "rank": rank,
-        "pid": os.getpid(),
-        "node_id": ctx.get_node_id(),
-        "hostname": socket.gethostname(),
-        "started": time.time(),
-        "job_id": ctx.get_job_id(),
-        "world_size": world_size,
-    }
-    (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
-
-
-def count_restarts(placements: list[dict[str, Any]]) -> int:
-    """Worker-group restarts after a failure, from a run's placement records: every attempt's rank 0 writes one,
-    so the attempts of a Ray job beyond its first are restarts (summed over the jobs that continued the run) —
-    except those at a larger world size than the attempt before: an elastic group growing into returned capacity,
-    which Ray does without a failure."""
-    attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
-    grown = 0
-    for job in attempts:
-        sizes = [p.get("world_size") for p in _rank0_attempts(placements, job)]
-        grown += sum(1 for a, b in zip(sizes, sizes[1:]) if a is not None and b is not None and b > a)
-    return sum(n - 1 for n in attempts.values()) - grown
-
-
-def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
-    rank0 = [p for p in placements if p.get("rank") == 0 and p.get("job_id") == job_id]
-    return sorted(rank0, key=lambda p: p.get("started", 0))
 
 
 def _floats(d: dict) -> dict[str, float]:
@@ -205,8 +161,6 @@ def _floats(d: dict) -> dict[str, float]:
 def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None) -> int:
     """Steps 2-4 of the module docstring; returns the process exit code (0 = training succeeded)."""
     import ray  # heavy: only the driver and cluster commands need Ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     profile, config = spec.profile, spec.config
@@ -232,12 +186,36 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         num_cpus=profile.evals.num_cpus,
         num_gpus=profile.evals.num_gpus,
     )
+    trainer = _torch_trainer(spec, config, scheduler)
+    started = time.monotonic()
+    status, error = "FINISHED", None
+    try:
+        result = trainer.fit()
+        error = getattr(result, "error", None)
+    except Exception as exc:  # TrainingFailedError after max_failures restarts, or a setup error
+        error = exc
+    if error is not None:
+        status = "FAILED"
+        print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    train_s = time.monotonic() - started
+    print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
+    evals = ray.get(scheduler.drain.remote(eval_timeout_s))
+    finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, JobEnd(status, train_s, evals))
+    return 0 if status == "FINISHED" else 1
+
+
+def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
+    """Ray Train's TorchTrainer for the job: the profile's workers and resources, each running `_train_loop`."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    profile, run_dir = spec.profile, Path(config.checkpoint.dir)
     w = profile.workers
     resources = {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.gpus_per_worker else {}), **w.resources}
     # Elastic: Ray Train may run at any count in min..max that the cluster holds (the plan checked each keeps the
     # global batch); it looks for returned capacity every elastic_resize_monitor_interval_s.
     elastic = {"elastic_resize_monitor_interval_s": w.elastic_resize_monitor_interval_s} if w.elastic else {}
-    trainer = TorchTrainer(
+    return TorchTrainer(
         _train_loop,
         train_loop_config={
             "config": config,
@@ -261,61 +239,6 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
             worker_runtime_env={"env_vars": worker_env(profile)},
         ),
     )
-    started = time.monotonic()
-    status, error, train_result = "FINISHED", None, {}
-    try:
-        result = trainer.fit()
-        error = getattr(result, "error", None)
-    except Exception as exc:  # TrainingFailedError after max_failures restarts, or a setup error
-        error = exc
-    if error is not None:
-        status = "FAILED"
-        print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-    train_s = time.monotonic() - started
-    if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary (steps, loss, where it resumed)
-        train_result = json.loads((run_dir / "train_result.json").read_text())
-    print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
-    evals = ray.get(scheduler.drain.remote(eval_timeout_s))
-    # The job ends here: an eval still running past the timeout dies with it, so no pin needs to outlive it, and
-    # the checkpoints pins kept beyond checkpoint.keep_last go now.
-    release_pins(run_dir)
-    pruned = prune_checkpoints(run_dir, config.checkpoint.keep_last)
-    table = format_summary(evals)
-    print(table, flush=True)
-    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
-    restarts = count_restarts(workers)
-    if restarts:
-        print(f"the worker group was restarted {restarts} time(s) after a worker failed", flush=True)
-    history = run_folder.world_size_history(run_dir)
-    resizes = run_folder.resize_events(history)
-    resize_lines = format_resizes(resizes)
-    for line in resize_lines:
-        print(f"resize: {line}", flush=True)
-    (run_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "status": status,
-                "train_seconds": train_s,
-                "train_result": train_result,
-                "restarts": restarts,
-                "world_sizes": history,
-                "resizes": resizes,
-                "resize_lines": resize_lines,
-                "workers": workers,
-                "checkpoints": {str(k): v for k, v in evals.items()},
-                "pruned_after_evals": [p.name for p in pruned],
-            },
-            indent=2,
-            default=str,
-        )
-    )
-    tracker = Tracker(uri, run_id, rank=0)
-    # vitscale.resizes and vitscale.world_sizes are set by train_worker's rank 0 at every start, from the same history.
-    tracker.set_tags({keys.RESTARTS: restarts})
-    tracker.log_artifact(str(run_dir / "summary.json"))
-    tracker.close()
-    finish_run(uri, run_id, status)
-    return 0 if status == "FINISHED" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

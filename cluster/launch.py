@@ -22,7 +22,8 @@ from pathlib import Path
 
 from cluster import jobs
 from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
-from cluster.plan import PlanError, build_plan, format_plan, resolve_config, storage_pip
+from cluster.plan import PlanError, build_plan, resolve_config, storage_pip
+from cluster.plan_text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.builtin import BUILTIN_NAMES, ensure
 from data_pipeline.paths import PROJECT_ROOT, resolve_path

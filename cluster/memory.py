@@ -1,4 +1,4 @@
-"""Per-GPU memory arithmetic for data-parallel ViT training under DeepSpeed ZeRO.
+"""Per-device memory of data-parallel ViT training under DeepSpeed ZeRO: the arithmetic, and the plan's memory part.
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020) for mixed precision with Adam:
 
@@ -21,13 +21,34 @@ softmax output (heads · N elements). At 2 bytes that is 16·D + 4·m bytes: for
 32 layers) 40,960 B × 257 × 32 = 337 MB per image, the measured figure in docs/reference.md §7. Dropout adds one-byte
 masks (2·D per token per layer). With per-block activation checkpointing only each block's input (D elements)
 is kept, plus one block's full activations while it is recomputed.
+
+`plan_memory` adds up one run's memory per device (model states, activations at its micro-batch, overhead) against
+the device's capacity, for both settings of activation checkpointing, and says whether checkpointing pays for its
+recompute; `cluster.plan` refuses a run that does not fit with the settings that would make it fit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from cluster.profiles import ClusterProfile
+from pretrain.ds_config import BatchPlan
+from pretrain.model import ViTConfig
 
 GB = 1e9  # decimal gigabytes, as GPU data sheets and docs/reference.md §7 count them
+# Memory no formula above accounts for: CUDA context, NCCL buffers, DeepSpeed buckets, allocator fragmentation
+# (GPU); Python + torch + DeepSpeed resident size (CPU).
+GPU_OVERHEAD_GB = 3.0
+CPU_OVERHEAD_GB = 1.5
+# Share of device memory a plan may fill before the plan calls it tight: the estimate leaves out allocator peaks
+# in backward (e.g. a block's recomputation beside its gradients), so a setting "fits" only below this.
+COMFORTABLE_FRACTION = 0.85
+# Smallest micro-batch the checkpointing advice trades recomputation for: below it the GEMMs of a ViT shrink
+# enough (≈ 16 x 197 tokens at 224 px) that the GPU loses more than recomputing costs.
+MIN_EFFICIENT_MICRO_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -68,12 +89,6 @@ def model_state_bytes(num_params: int, zero_stage: int, world_size: int, precisi
     return ModelStateMemory(params=params, grads=grads, optimizer=optimizer)
 
 
-def tokens_per_image(image_size: int, patch_size: int, hybrid_stride: int | None = None) -> int:
-    """Sequence length N including the class token; hybrids see (image / stride)² patches of size 1."""
-    stride = hybrid_stride if hybrid_stride else patch_size
-    return (image_size // stride) ** 2 + 1
-
-
 def activation_bytes_per_image(
     *,
     tokens: int,
@@ -102,3 +117,168 @@ def activation_bytes_per_image(
 
 def fits(total_bytes: float, capacity_bytes: float) -> bool:
     return total_bytes <= capacity_bytes
+
+
+class StepTime(Protocol):
+    """What the memory part reads of the plan's compute part (`cluster.plan.ComputePlan`)."""
+
+    @property
+    def precision(self) -> str: ...  # "bf16" | "fp32": the bytes of weights, gradients and activations
+
+    @property
+    def recompute_factor(self) -> float: ...  # step time with activation checkpointing / without
+
+    @property
+    def step_time_s(self) -> float: ...  # as configured: with the recompute when the run checkpoints activations
+
+    @property
+    def days(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory per device in decimal GB, and whether activation checkpointing pays for its recompute."""
+
+    zero_stage: int
+    activation_checkpointing: bool
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activation_mb_per_image: float
+    activations_gb: float
+    overhead_gb: float
+    total_gb: float
+    capacity_gb: float
+    # Both settings of activation checkpointing at this micro-batch, whichever the run uses (the fields above).
+    activations_gb_checkpointed: float
+    activations_gb_not_checkpointed: float
+    total_gb_not_checkpointed: float
+    checkpointing_advice: str  # "" when the run does not fit
+
+
+def plan_memory(
+    profile: ClusterProfile, batch: BatchPlan, vit: ViTConfig, compute: StepTime, zero_stage: int, num_params: int
+) -> tuple[MemoryPlan, str | None]:
+    """(the memory part, None) when the run fits its devices, with the checkpointing advice; else (the part without
+    advice, why it does not fit and the settings that would make it fit)."""
+    micro = batch.micro_batch_size
+    states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
+    per_image = functools.partial(
+        activation_bytes_per_image,
+        tokens=vit.num_patches + (vit.pool == "token"),
+        width=vit.width,
+        mlp_dim=vit.mlp_dim,
+        depth=vit.depth,
+        num_heads=vit.num_heads,
+        precision=compute.precision,
+        dropout=vit.dropout,
+    )
+    # Both settings, for the checkpointing advice; the plan's own numbers follow the configured one.
+    act_on, act_off = per_image(activation_checkpointing=True), per_image(activation_checkpointing=False)
+    act_per_image = act_on if vit.grad_checkpointing else act_off
+    activations = act_per_image * micro
+    capacity, overhead = _device_memory(profile, batch.world_size)
+    total = states.total + activations + overhead
+    part = MemoryPlan(
+        zero_stage=zero_stage,
+        activation_checkpointing=vit.grad_checkpointing,
+        params_gb=states.params / GB,
+        grads_gb=states.grads / GB,
+        optimizer_gb=states.optimizer / GB,
+        activation_mb_per_image=act_per_image / 1e6,
+        activations_gb=activations / GB,
+        overhead_gb=overhead / GB,
+        total_gb=total / GB,
+        capacity_gb=capacity / GB,
+        activations_gb_checkpointed=act_on * micro / GB,
+        activations_gb_not_checkpointed=act_off * micro / GB,
+        total_gb_not_checkpointed=(states.total + overhead + act_off * micro) / GB,
+        checkpointing_advice="",
+    )
+    fixed = states.total + overhead
+    if not fits(total, capacity):
+        at = f" (at world size {batch.world_size}, the elastic group's largest)" if profile.workers.elastic else ""
+        return part, _does_not_fit(part, batch, compute, act_per_image, fixed, capacity) + at
+    return replace(
+        part, checkpointing_advice=_checkpointing_advice(part, batch, compute, act_off, fixed, capacity)
+    ), None
+
+
+def _device_memory(profile: ClusterProfile, world: int) -> tuple[float, float]:
+    """(capacity, overhead) in bytes per device: a GPU's memory, or a CPU worker's share of its node's."""
+    if profile.uses_gpus:
+        return profile.hardware.gpu_memory_gb * GB, GPU_OVERHEAD_GB * GB
+    per_node = math.ceil(world / profile.hardware.nodes)
+    return profile.hardware.memory_gb_per_node * GB / per_node, CPU_OVERHEAD_GB * GB
+
+
+def _checkpointing_advice(
+    m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_off: float, fixed: float, capacity: float
+) -> str:
+    """Whether activation checkpointing pays for its recompute here, and the faster setting that fits."""
+    comfortable = COMFORTABLE_FRACTION * capacity
+    recompute = compute.recompute_factor
+    slower = f"one more forward per step: step time x {recompute:.2f}"
+    if not m.activation_checkpointing:
+        if m.total_gb * GB <= comfortable:
+            return (
+                f"not needed: {m.total_gb:.1f} GB of {m.capacity_gb:.0f} GB per device without it; keep "
+                f"model.grad_checkpointing=false (it would cut activations to {m.activations_gb_checkpointed:.2f} GB "
+                f"at {slower})"
+            )
+        return (
+            f"tight: {m.total_gb:.1f} GB is over {COMFORTABLE_FRACTION:.0%} of {m.capacity_gb:.0f} GB; if it runs out "
+            f"of memory, --set model.grad_checkpointing=true cuts activations to {m.activations_gb_checkpointed:.2f} "
+            f"GB at {slower}"
+        )
+    micro, per_rank = batch.micro_batch_size, batch.global_batch_size // batch.world_size
+    step_time, days = compute.step_time_s, compute.days
+    faster = (
+        f"{step_time / recompute:.3g} s/step instead of {step_time:.3g}, {days / recompute:.3g} days instead of "
+        f"{days:.3g}"
+    )
+    if fixed + act_off * micro <= comfortable:
+        return (
+            f"not needed: without it activations take {m.activations_gb_not_checkpointed:.1f} GB and the device "
+            f"{m.total_gb_not_checkpointed:.1f} GB of {m.capacity_gb:.0f} GB; recomputing costs {slower}. Faster: "
+            f"--set model.grad_checkpointing=false: {faster}"
+        )
+    fitting = [n for n in range(1, micro) if per_rank % n == 0 and fixed + act_off * n <= comfortable]
+    if fitting and max(fitting) >= MIN_EFFICIENT_MICRO_BATCH:
+        n = max(fitting)
+        return (
+            f"needed at micro-batch {micro} (without it {m.total_gb_not_checkpointed:.1f} GB of "
+            f"{m.capacity_gb:.0f} GB), but micro-batch {n} x accumulation {per_rank // n} fits without it "
+            f"({(fixed + act_off * n) / GB:.1f} GB) and skips the recompute ({slower}). Faster: "
+            f"--set model.grad_checkpointing=false --set data.micro_batch_size={n}: {faster}"
+        )
+    return (
+        f"needed: without it {m.total_gb_not_checkpointed:.1f} GB of {m.capacity_gb:.0f} GB per device at "
+        f"micro-batch {micro}; it costs {slower}"
+    )
+
+
+def _does_not_fit(
+    m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_per_image: float, fixed: float, capacity: float
+) -> str:
+    room = capacity - fixed
+    max_micro = int(room // act_per_image) if room > 0 else 0
+    fixes = []
+    if max_micro >= 1:
+        fixes.append(
+            f"lower the micro-batch: --set data.micro_batch_size={max_micro} or less (a divisor of "
+            f"{batch.global_batch_size // batch.world_size})"
+        )
+    if not m.activation_checkpointing:
+        fixes.append(
+            f"recompute activations: --set model.grad_checkpointing=true (activations "
+            f"{m.activations_gb_checkpointed:.1f} GB; step time x {compute.recompute_factor:.2f})"
+        )
+    if m.zero_stage < 3:
+        fixes.append(f"partition more model state: --set deepspeed.zero_stage={m.zero_stage + 1}")
+    return (
+        f"plan does not fit: {m.total_gb:.1f} GB per device needed, {m.capacity_gb:.1f} GB available "
+        f"(model states {m.params_gb + m.grads_gb + m.optimizer_gb:.2f} GB, activations "
+        f"{m.activations_gb:.1f} GB = {batch.micro_batch_size} x {m.activation_mb_per_image:.0f} MB/image, "
+        f"overhead {m.overhead_gb:.1f} GB). Fix: " + "; or ".join(fixes)
+    )

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.driver import FaultInjection, JobSpec, count_restarts, run_job
+from cluster.driver import FaultInjection, JobSpec, run_job
+from cluster.job_record import count_restarts
 from cluster.local_head import ray_auth_mode
 from cluster.plan import build_plan, resolve_config
 from cluster.profiles import load_profile

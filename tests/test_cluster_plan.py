@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from cluster import launch
-from cluster.memory import GB, activation_bytes_per_image, model_state_bytes, tokens_per_image
-from cluster.plan import PlanError, build_plan, format_plan, resolve_config
+from cluster.memory import GB, activation_bytes_per_image, model_state_bytes
+from cluster.plan import PlanError, build_plan, resolve_config
+from cluster.plan_text import format_plan
 from cluster.profiles import load_profile, profile_names
 from pretrain.model import model_config
 from pretrain.peak import cpu_peak
@@ -59,8 +60,7 @@ def test_zero_memory_matches_reference_h14_at_64_gpus():
 @pytest.mark.timeout(60)
 def test_activation_formula_matches_measured_h14():
     """docs/reference.md §7: ~337 MB per image at 224 with SDPA, 405 MB with eager attention (no recomputation)."""
-    N = tokens_per_image(224, 14)
-    assert N == 257
+    N = (224 // 14) ** 2 + 1  # patches + the class token
     kw = dict(tokens=N, width=1280, mlp_dim=5120, depth=32, num_heads=16, precision="bf16")
     assert activation_bytes_per_image(**kw) / 1e6 == pytest.approx(337, abs=1)
     assert activation_bytes_per_image(**kw, sdpa=False) / 1e6 == pytest.approx(405, abs=1)
@@ -73,29 +73,33 @@ def test_h14_plan_on_a100x64_matches_hand_arithmetic():
     profile = load_profile("a100x64")
     config = resolve_config(profile, "vit_h14_i21k", ["model.grad_checkpointing=false"], "h14-test")
     plan = build_plan(profile, config)
-    assert plan.world_size == 64 and plan.nodes == 8
-    assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum_steps * plan.world_size == 4096
-    assert plan.num_params_1k_head / 1e6 == pytest.approx(632.05, abs=0.01)
+    assert plan.topology.world_size == 64 and plan.topology.nodes == 8
+    assert (
+        plan.batch.global_batch_size
+        == plan.batch.micro_batch_size * plan.batch.grad_accum_steps * plan.topology.world_size
+        == 4096
+    )
+    assert plan.model.num_params_1k_head / 1e6 == pytest.approx(632.05, abs=0.01)
     # Forward FLOPs per image at 224 (docs/reference.md §5: 167.4 GMACs; the per-layer formula gives 334.6 GFLOPs).
     D, L, M, Ntok = 1280, 32, 5120, 257
     macs = L * (Ntok * D * 3 * D + 2 * Ntok**2 * D + Ntok * D * D + 2 * Ntok * D * M) + 256 * 14 * 14 * 3 * D
-    assert plan.forward_gflops_per_image == pytest.approx(2 * macs / 1e9, rel=2e-3)
-    assert plan.forward_gflops_per_image == pytest.approx(334.6, abs=0.5)
+    assert plan.compute.forward_gflops_per_image == pytest.approx(2 * macs / 1e9, rel=2e-3)
+    assert plan.compute.forward_gflops_per_image == pytest.approx(334.6, abs=0.5)
     # ZeRO-2 model states for this run's parameter count, by hand.
-    P = plan.num_params
-    assert plan.params_gb == pytest.approx(2 * P / 1e9)
-    assert plan.grads_gb + plan.optimizer_gb == pytest.approx((2 + 4 + 12) * P / 64 / 1e9)
+    P = plan.model.num_params
+    assert plan.memory.params_gb == pytest.approx(2 * P / 1e9)
+    assert plan.memory.grads_gb + plan.memory.optimizer_gb == pytest.approx((2 + 4 + 12) * P / 64 / 1e9)
     # Activations: (16 D + 4 M) bytes per token per layer at bf16, + one-byte dropout masks (2 D) since dropout 0.1.
     per_image = (16 * D + 4 * M + 2 * D) * Ntok * L
-    assert plan.activation_mb_per_image == pytest.approx(per_image / 1e6)
-    assert plan.activations_gb == pytest.approx(per_image * plan.micro_batch_size / 1e9)
+    assert plan.memory.activation_mb_per_image == pytest.approx(per_image / 1e6)
+    assert plan.memory.activations_gb == pytest.approx(per_image * plan.batch.micro_batch_size / 1e9)
     # Time: 3 x forward FLOPs per image x global batch / (world x 312 TFLOP/s x MFU).
-    step = plan.train_gflops_per_image * 1e9 * 4096 / (64 * 312e12 * profile.assumed_mfu)
-    assert plan.step_time_s == pytest.approx(step)
+    step = plan.compute.train_gflops_per_image * 1e9 * 4096 / (64 * 312e12 * profile.assumed_mfu)
+    assert plan.compute.step_time_s == pytest.approx(step)
     steps = math.ceil(90 * 12_400_000 / 4096)
-    assert plan.total_steps == steps
-    assert plan.days == pytest.approx(steps * step / 86400)
-    assert plan.total_exaflops == pytest.approx(plan.train_gflops_per_image * 1e9 * 4096 * steps / 1e18)
+    assert plan.compute.total_steps == steps
+    assert plan.compute.days == pytest.approx(steps * step / 86400)
+    assert plan.compute.total_exaflops == pytest.approx(plan.compute.train_gflops_per_image * 1e9 * 4096 * steps / 1e18)
     text = format_plan(plan)
     for needle in (
         "world size 64",
@@ -211,22 +215,24 @@ def test_local_plan_uses_cpu_memory_and_profile_storage(tmp_path):
     assert config.data.train == f"{tmp_path}/data/rcdb/train"
     assert config.checkpoint.dir == f"{tmp_path}/runs/demo"
     plan = build_plan(profile, config)
-    assert plan.capacity_gb == pytest.approx(12.0)  # 24 GB / 2 workers on the node
-    assert plan.precision == "fp32" and plan.zero_stage == 2 and plan.world_size == 2
+    assert plan.memory.capacity_gb == pytest.approx(12.0)  # 24 GB / 2 workers on the node
+    assert plan.compute.precision == "fp32" and plan.memory.zero_stage == 2 and plan.topology.world_size == 2
     # auto on this CPU: what the workers will pick, by the same rule on this machine's flags and the model's shapes.
     choice = decide("auto", "cpu", StepShape.of(model_config("vit_tiny_debug"), 32))
-    assert plan.precision_reason == f"{choice.rule}: {choice.reason}"
+    assert plan.compute.precision_reason == f"{choice.rule}: {choice.reason}"
     if not cpu_bf16_units():
         assert "has no AMX/AVX512-BF16" in format_plan(plan)
     # MFU and the step time divide by this CPU's GEMM rate at the plan's precision, measured once and cached.
-    assert plan.peak_tflops == cpu_peak("fp32", threads=1).tflops
-    assert "fp32 2048x2048 GEMM on this CPU, 1 thread(s)" in plan.peak_source
+    assert plan.compute.peak_tflops == cpu_peak("fp32", threads=1).tflops
+    assert "fp32 2048x2048 GEMM on this CPU, 1 thread(s)" in plan.compute.peak_source
     assert "evaluated with local_fewshot" in plan.baseline_eval
     off = build_plan(profile, resolve_config(profile, "local_demo", ["evals.baseline=false"], "demo"))
     assert off.baseline_eval.startswith("off (evals.baseline=false)")
     forced = build_plan(profile, resolve_config(profile, "local_demo", ["deepspeed.precision=bf16"], "demo"))
-    assert forced.precision == "bf16" and (cpu_bf16_units() or "bf16 is emulated" in forced.precision_reason)
-    assert forced.peak_tflops == cpu_peak("bf16", threads=1).tflops and "bf16" in forced.peak_source
+    assert forced.compute.precision == "bf16" and (
+        cpu_bf16_units() or "bf16 is emulated" in forced.compute.precision_reason
+    )
+    assert forced.compute.peak_tflops == cpu_peak("bf16", threads=1).tflops and "bf16" in forced.compute.peak_source
 
 
 def test_a_dataset_with_fewer_shards_than_streams_is_refused_at_plan_time(tiny_fractal_shards):
@@ -234,7 +240,9 @@ def test_a_dataset_with_fewer_shards_than_streams_is_refused_at_plan_time(tiny_f
     sets = [f"data.train={tiny_fractal_shards}", "data.builtin=null"]
     with pytest.raises(PlanError, match=r"has 4 shards but data.streams=8 needs at least one per stream"):
         build_plan(profile, resolve_config(profile, "local_demo", sets, "x"))
-    assert build_plan(profile, resolve_config(profile, "local_demo", [*sets, "data.streams=4"], "x")).num_shards == 4
+    assert (
+        build_plan(profile, resolve_config(profile, "local_demo", [*sets, "data.streams=4"], "x")).data.num_shards == 4
+    )
 
 
 I21K_RECIPES = ("vit_b16_i21k", "vit_b16_i21k_augreg", "vit_l16_i21k", "vit_h14_i21k", "r50_vit_b16_i21k")
@@ -252,11 +260,14 @@ def test_i21k_plans_count_the_21843_class_head_without_the_data(profile_name):
         config = resolve_config(profile, recipe, [], "r")
         assert config.model.num_classes == 21843, recipe
         plan = build_plan(profile, config)
-        assert "head size unknown" not in plan.data_note and "classes assumed" not in plan.data_note
+        assert not plan.model.head_classes_assumed
         vit = model_config(config.model.name, **model_overrides(config, num_classes=21843))
-        assert plan.num_params == flops.param_count(vit), recipe
+        assert plan.model.num_params == flops.param_count(vit), recipe
         head_in = config.model.representation_size or vit.width
-        assert plan.num_params - flops.param_count(dataclasses.replace(vit, num_classes=0)) == head_in * 21843 + 21843
+        assert (
+            plan.model.num_params - flops.param_count(dataclasses.replace(vit, num_classes=0))
+            == head_in * 21843 + 21843
+        )
 
 
 @pytest.mark.timeout(120)
@@ -270,13 +281,13 @@ def test_mpp_plans_count_the_colour_head_not_a_classifier():
     profile = load_profile("a100x64")
     plan = build_plan(profile, resolve_config(profile, "vit_b16_mpp", [], "mpp"))
     encoder = flops.param_count(model_config("vit_b16", num_classes=0))
-    assert plan.num_params == encoder + 768 + 768 * 512 + 512  # [mask] embedding + 512-way colour head
-    assert "head size unknown" not in plan.data_note
+    assert plan.model.num_params == encoder + 768 + 768 * 512 + 512  # [mask] embedding + 512-way colour head
+    assert not plan.model.head_classes_assumed
     # The same count as the module DeepSpeed trains, built for real (tiny model of local_mpp).
     local = load_profile("local")
     config = resolve_config(local, "local_mpp", [], "mpp")
     task = build_task(config, build_model(config.model.name, **model_overrides(config, num_classes=10)))
-    assert build_plan(local, config).num_params == sum(p.numel() for p in task.parameters())
+    assert build_plan(local, config).model.num_params == sum(p.numel() for p in task.parameters())
 
 
 @pytest.mark.timeout(120)
@@ -288,22 +299,31 @@ def test_checkpointing_advice_and_numbers_follow_the_setting():
     plain = (16 * D + 4 * M + 2 * D) * N * L  # bytes/image kept for backward (bf16, dropout masks)
     kept = 2 * D * N * L + (16 * D + 4 * M + 2 * D) * N  # block inputs + one block being recomputed
     for plan in (on, off):  # both settings are reported, whichever is used
-        assert plan.activations_gb_not_checkpointed == pytest.approx(plain * 64 / 1e9)
-        assert plan.activations_gb_checkpointed == pytest.approx(kept * 64 / 1e9)
-        assert plan.recompute_factor == pytest.approx(4 / 3)  # one more forward on top of 3 x forward
+        assert plan.memory.activations_gb_not_checkpointed == pytest.approx(plain * 64 / 1e9)
+        assert plan.memory.activations_gb_checkpointed == pytest.approx(kept * 64 / 1e9)
+        assert plan.compute.recompute_factor == pytest.approx(4 / 3)  # one more forward on top of 3 x forward
     # The plan's own numbers are those of the setting the user picked.
-    assert (on.activations_gb, off.activations_gb) == (on.activations_gb_checkpointed, off.activations_gb)
-    assert off.activations_gb == pytest.approx(off.activations_gb_not_checkpointed)
-    assert on.total_gb == pytest.approx(on.total_gb_not_checkpointed - (plain - kept) * 64 / 1e9)
-    assert on.step_time_s == pytest.approx(off.step_time_s * 4 / 3) and on.days == pytest.approx(off.days * 4 / 3)
-    assert on.total_gb < 7 and 20 < off.total_gb < 0.85 * 80  # the issue's 6.5 GB of 80, and ~27 GB without
+    assert (on.memory.activations_gb, off.memory.activations_gb) == (
+        on.memory.activations_gb_checkpointed,
+        off.memory.activations_gb,
+    )
+    assert off.memory.activations_gb == pytest.approx(off.memory.activations_gb_not_checkpointed)
+    assert on.memory.total_gb == pytest.approx(on.memory.total_gb_not_checkpointed - (plain - kept) * 64 / 1e9)
+    assert on.compute.step_time_s == pytest.approx(
+        off.compute.step_time_s * 4 / 3
+    ) and on.compute.days == pytest.approx(off.compute.days * 4 / 3)
+    assert (
+        on.memory.total_gb < 7 and 20 < off.memory.total_gb < 0.85 * 80
+    )  # the issue's 6.5 GB of 80, and ~27 GB without
     text = format_plan(on)
     assert "not needed" in text and "--set model.grad_checkpointing=false" in text
-    assert f"{off.step_time_s:.3g} s/step instead of {on.step_time_s:.3g}" in text
+    assert f"{off.compute.step_time_s:.3g} s/step instead of {on.compute.step_time_s:.3g}" in text
     assert "+ recompute x 1.33" in text
     assert "not needed" in format_plan(off) and "+ recompute" not in format_plan(off)
     # The recipe itself now runs the faster setting.
-    assert build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "h")).activation_checkpointing is False
+    assert (
+        build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "h")).memory.activation_checkpointing is False
+    )
 
 
 @pytest.mark.timeout(120)
@@ -312,14 +332,14 @@ def test_checkpointing_advice_trades_micro_batch_or_says_needed():
     a100x8 = load_profile("a100x8")
     sets = ["model.grad_checkpointing=true", "data.micro_batch_size=256"]
     plan = build_plan(a100x8, resolve_config(a100x8, "vit_h14_i21k", sets, "h"))
-    assert plan.total_gb_not_checkpointed > 80
-    assert "micro-batch 128 x accumulation 4 fits without it" in plan.checkpointing_advice
-    assert "--set model.grad_checkpointing=false --set data.micro_batch_size=128" in plan.checkpointing_advice
+    assert plan.memory.total_gb_not_checkpointed > 80
+    assert "micro-batch 128 x accumulation 4 fits without it" in plan.memory.checkpointing_advice
+    assert "--set model.grad_checkpointing=false --set data.micro_batch_size=128" in plan.memory.checkpointing_advice
     # 896 px (4097 tokens): even micro-batch 8 without recomputation is too large for an efficient split.
     a100x64 = load_profile("a100x64")
     sets = ["model.grad_checkpointing=true", "data.image_size=896", "data.global_batch_size=1024"]
     plan = build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", [*sets, "data.micro_batch_size=16"], "h"))
-    assert plan.checkpointing_advice.startswith("needed: without it") and plan.total_gb < 80
+    assert plan.memory.checkpointing_advice.startswith("needed: without it") and plan.memory.total_gb < 80
     # ... and switching it off there is refused with the numbers and the fix.
     with pytest.raises(PlanError, match=r"model.grad_checkpointing=true \(activations \d+\.\d GB; step time x 1.33\)"):
         build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", [*sets, "model.grad_checkpointing=false"], "h"))
@@ -339,7 +359,7 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
     import importlib.util
 
     from cluster.driver import JobSpec
-    from cluster.plan import STORAGE_EXTRAS
+    from cluster.storage import STORAGE_EXTRAS
 
     path = _profile_with_shards(tmp_path, "h100x8", f"{scheme}://bucket/shards")
     assert launch.main(["--cluster", str(path), "--recipe", "vit_l16_i21k", "--dry-run"]) == 0  # never fails for it
@@ -367,8 +387,8 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
 def test_storage_extras_are_the_pyproject_extras():
     import tomllib
 
-    from cluster.plan import SCHEME_EXTRAS, STORAGE_EXTRAS
     from cluster.profiles import PROJECT_ROOT
+    from cluster.storage import SCHEME_EXTRAS, STORAGE_EXTRAS
 
     extras = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name, extra in STORAGE_EXTRAS.items():
@@ -408,10 +428,10 @@ def test_elastic_plan_prints_both_ends_and_refuses_sizes_that_break_the_global_b
     config = resolve_config(profile, "local_demo", [], "r")
     plan = build_plan(profile, config)
     lo, hi = plan.elastic_ends
-    assert (lo["world_size"], hi["world_size"]) == (1, 2) and plan.world_size == 2
-    assert (lo["grad_accum_steps"], hi["grad_accum_steps"]) == (2, 1)  # global batch 64 kept at both ends
-    assert lo["images_per_s"] == pytest.approx(hi["images_per_s"] / 2) and lo["days"] == pytest.approx(2 * hi["days"])
-    assert lo["capacity_gb"] == pytest.approx(2 * hi["capacity_gb"])  # one worker has the node's memory
+    assert (lo.world_size, hi.world_size) == (1, 2) and plan.topology.world_size == 2
+    assert (lo.grad_accum_steps, hi.grad_accum_steps) == (2, 1)  # global batch 64 kept at both ends
+    assert lo.images_per_s == pytest.approx(hi.images_per_s / 2) and lo.days == pytest.approx(2 * hi.days)
+    assert lo.capacity_gb == pytest.approx(2 * hi.capacity_gb)  # one worker has the node's memory
     text = format_plan(plan)
     assert "elastic       workers 1..2" in text and "at min   1" in text and "at max   2" in text
     assert not build_plan(
@@ -438,15 +458,15 @@ def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_h
     profile = dataclasses.replace(profile, storage=dataclasses.replace(profile.storage, shards=str(local_demo_data)))
     config = resolve_config(profile, "local_demo", [], "r")
     plan = build_plan(profile, config)
-    per_rank = 4 * 256 * plan.bytes_per_image + 3 * 32 * 3 * 32**2 * 4  # 4 streams x 256 samples + 3 float steps
-    assert plan.loader_gb_per_node * GB == pytest.approx(2 * per_rank, rel=1e-6)
+    per_rank = 4 * 256 * plan.data.bytes_per_image + 3 * 32 * 3 * 32**2 * 4  # 4 streams x 256 samples + 3 float steps
+    assert plan.data.loader_gb_per_node * GB == pytest.approx(2 * per_rank, rel=1e-6)
     assert "2 rank(s) x (4 streams x 256 buffered samples" in format_plan(plan)
     # a buffer larger than its stream holds only the stream's samples (3840 / 8 streams)
     big = build_plan(profile, resolve_config(profile, "local_demo", ["data.shuffle_buffer=100000"], "r"))
-    assert "4 streams x 480 buffered samples" in big.loader_detail
+    assert "4 streams x 480 buffered samples" in big.data.loader_detail
     small = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, memory_gb_per_node=0.01))
     with pytest.raises(PlanError, match=r"data streams would hold 0\.0\d+ GB per node at world size 2 .* over 50% of "):
         build_plan(small, config)
     i21k = build_plan(load_profile("a100x64"), resolve_config(load_profile("a100x64"), "vit_b16_i21k", [], "r"))
     # 8 workers per rank: 5 float step buffers (prefetch 2 + 3) in shared memory + each worker's uint8 image planes
-    assert i21k.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 8) * 3 * 224**2) / GB)
+    assert i21k.data.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 8) * 3 * 224**2) / GB)

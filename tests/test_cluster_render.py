@@ -39,8 +39,8 @@ def test_a100x64_launcher_yaml_validates_with_rays_schema(tmp_path):
     spec = json.loads(env["VITSCALE_PLAN"])
     # Shards on s3://: the nodes install the s3 extra, and so does the job (for an image without it).
     assert "pip install -e '/fsx/vitscale[s3]'" in config["setup_commands"]
-    assert runtime_env["pip"] == ["s3fs>=2024.2"] and spec["plan"]["storage_extras"] == ["s3"]
-    assert spec["plan"]["world_size"] == 64 and spec["config"]["model"]["name"] == "vit_h14"
+    assert runtime_env["pip"] == ["s3fs>=2024.2"] and spec["plan"]["data"]["storage_extras"] == ["s3"]
+    assert spec["plan"]["topology"]["world_size"] == 64 and spec["config"]["model"]["name"] == "vit_h14"
     assert spec["config"]["checkpoint"]["dir"].startswith("/fsx/")
     assert policy["kind"] == "NetworkPolicy"
 

@@ -43,4 +43,4 @@ def test_a_gpu_plan_passes_the_peak_of_its_precision_to_the_run(precision, peak)
     config = resolve_config(profile, "vit_b16_i21k", [f"deepspeed.precision={precision}"], "run")
     assert config.logging.peak_tflops == peak
     plan = build_plan(profile, config)
-    assert plan.peak_tflops == peak and plan.precision == ("fp32" if precision == "fp32" else "bf16")
+    assert plan.compute.peak_tflops == peak and plan.compute.precision == ("fp32" if precision == "fp32" else "bf16")

@@ -1,0 +1,109 @@
+"""What a job leaves in its run folder beyond the checkpoints: where each worker ran (`workers/*.json`), and at the
+end, `summary.json` (status, restarts, resizes, every checkpoint's eval metrics) with the summary table printed and
+the MLflow run closed (`finish_job`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.summary import format_resizes, format_summary
+from pretrain import run_folder
+from pretrain.run_folder import prune_checkpoints, release_pins
+from tracking import keys
+from tracking.runs import finish_run
+from tracking.tracker import Tracker
+
+
+def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
+    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job,
+    world size)."""
+    import socket
+
+    import ray  # heavy: only the driver and cluster commands need Ray
+
+    folder = run_dir / "workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = ray.get_runtime_context()
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "hostname": socket.gethostname(),
+        "started": time.time(),
+        "job_id": ctx.get_job_id(),
+        "world_size": world_size,
+    }
+    (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
+
+
+def count_restarts(placements: list[dict[str, Any]]) -> int:
+    """Worker-group restarts after a failure, from a run's placement records: every attempt's rank 0 writes one,
+    so the attempts of a Ray job beyond its first are restarts (summed over the jobs that continued the run) —
+    except those at a larger world size than the attempt before: an elastic group growing into returned capacity,
+    which Ray does without a failure."""
+    attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
+    grown = 0
+    for job in attempts:
+        sizes = [p.get("world_size") for p in _rank0_attempts(placements, job)]
+        grown += sum(1 for a, b in zip(sizes, sizes[1:]) if a is not None and b is not None and b > a)
+    return sum(n - 1 for n in attempts.values()) - grown
+
+
+def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
+    rank0 = [p for p in placements if p.get("rank") == 0 and p.get("job_id") == job_id]
+    return sorted(rank0, key=lambda p: p.get("started", 0))
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How training ended, as the driver saw it."""
+
+    status: str  # MLflow's: FINISHED or FAILED
+    train_seconds: float
+    evals: dict[int, dict[str, Any]]  # the eval scheduler's results by checkpoint step
+
+
+def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd) -> None:
+    """Step 4 of the driver: prune what pins kept, print the summary, write `summary.json`, close the MLflow run."""
+    train_result = {}
+    if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary (steps, loss, where it resumed)
+        train_result = json.loads((run_dir / "train_result.json").read_text())
+    # The job ends here: an eval still running past the timeout dies with it, so no pin needs to outlive it, and
+    # the checkpoints pins kept beyond checkpoint.keep_last go now.
+    release_pins(run_dir)
+    pruned = prune_checkpoints(run_dir, keep_last)
+    print(format_summary(end.evals), flush=True)
+    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
+    restarts = count_restarts(workers)
+    if restarts:
+        print(f"the worker group was restarted {restarts} time(s) after a worker failed", flush=True)
+    history = run_folder.world_size_history(run_dir)
+    resizes = run_folder.resize_events(history)
+    resize_lines = format_resizes(resizes)
+    for line in resize_lines:
+        print(f"resize: {line}", flush=True)
+    summary = {
+        "status": end.status,
+        "train_seconds": end.train_seconds,
+        "train_result": train_result,
+        "restarts": restarts,
+        "world_sizes": history,
+        "resizes": resizes,
+        "resize_lines": resize_lines,
+        "workers": workers,
+        "checkpoints": {str(k): v for k, v in end.evals.items()},
+        "pruned_after_evals": [p.name for p in pruned],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    tracker = Tracker(uri, run_id, rank=0)
+    # vitscale.resizes and vitscale.world_sizes are set by train_worker's rank 0 at every start, from the same history.
+    tracker.set_tags({keys.RESTARTS: restarts})
+    tracker.log_artifact(str(run_dir / "summary.json"))
+    tracker.close()
+    finish_run(uri, run_id, end.status)

@@ -1,0 +1,70 @@
+"""The plan as `cluster.launch` prints it (and `--dry-run` stops after): a line per part of `cluster.plan.Plan`, the
+numbers at both ends of an elastic job's world sizes, then the warnings."""
+
+from __future__ import annotations
+
+from cluster.plan import DataPlan, Plan
+from cluster.storage import STORAGE_EXTRAS
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan's text, as `python -m cluster.launch` prints it."""
+    topo, batch, model, c, m, d = plan.topology, plan.batch, plan.model, plan.compute, plan.memory, plan.data
+    micro = batch.micro_batch_size
+    recompute = f", + recompute x {c.recompute_factor:.2f}" if m.activation_checkpointing else ""
+    lines = [
+        f"plan: recipe {plan.recipe} on profile {topo.profile} (run {plan.run_name})",
+        f"  topology      {topo.nodes} node(s), {topo.device}; world size {topo.world_size}",
+        f"  batch         global {batch.global_batch_size} = micro {micro} x accumulation "
+        f"{batch.grad_accum_steps} x world {batch.world_size}",
+        f"  model         {model.name} @ {model.image_size}px: {model.num_params / 1e6:.2f}M params "
+        f"({model.num_params_1k_head / 1e6:.2f}M with a 1000-class head); forward {c.forward_gflops_per_image:.4g} "
+        f"GFLOPs/image, training {c.train_gflops_per_image:.4g}",
+        f"  precision     {c.precision} ({c.precision_reason}), ZeRO-{m.zero_stage}, activation checkpointing "
+        f"{'on' if m.activation_checkpointing else 'off'}",
+        f"  memory/device params {m.params_gb:.2f} GB + grads {m.grads_gb:.2f} GB + optimizer "
+        f"{m.optimizer_gb:.2f} GB + activations {m.activations_gb:.2f} GB ({m.activation_mb_per_image:.0f} MB/image "
+        f"x {micro}) + overhead {m.overhead_gb:.1f} GB = {m.total_gb:.2f} GB of {m.capacity_gb:.0f} GB",
+        f"  checkpointing activations {m.activations_gb_checkpointed:.2f} GB with it, "
+        f"{m.activations_gb_not_checkpointed:.2f} GB without (micro-batch {micro}); "
+        f"{m.checkpointing_advice}",
+        f"  compute       {c.total_steps} steps x {c.step_time_s:.3g} s/step (assumed MFU {c.assumed_mfu:.0%} of "
+        f"{c.peak_tflops:.4g} TFLOP/s per device: {c.peak_source}{recompute}) = "
+        f"{c.days:.3g} days; {c.images_per_s:,.0f} images/s; {c.total_exaflops:.4g} exaFLOPs total",
+        f"  data          {d.num_shards or 'unknown number of'} shards, {d.shards_per_loader:.1f} per (rank x loader "
+        f"worker); {d.bytes_per_image / 1e3:.0f} KB/image -> read {d.read_mb_per_s:,.1f} MB/s ({d.note})",
+        f"  loader memory {d.loader_gb_per_node:.3g} GB per node: {d.loader_detail}",
+        f"  storage       {d.storage}" + _storage_needs(d),
+        f"  baseline eval {plan.baseline_eval}",
+        *_elastic_lines(plan),
+    ]
+    lines += [f"  WARNING       {w}" for w in d.warnings]
+    return "\n".join(lines)
+
+
+def _elastic_lines(plan: Plan) -> list[str]:
+    if not plan.elastic_ends:
+        return []
+    lo, hi = plan.elastic_ends
+    lines = [
+        f"  elastic       workers {lo.world_size}..{hi.world_size} (Ray Train may run at any of "
+        f"{', '.join(map(str, range(lo.world_size, hi.world_size + 1)))}; global batch "
+        f"{plan.batch.global_batch_size} kept, accumulation recomputed)"
+    ]
+    for name, end in (("min", lo), ("max", hi)):
+        lines.append(
+            f"    at {name} {end.world_size:>3}  accumulation {end.grad_accum_steps}, {end.step_time_s:.3g} s/step, "
+            f"{end.images_per_s:,.0f} images/s, {end.days:.3g} days if it stayed there, "
+            f"{end.total_gb:.2f} GB of {end.capacity_gb:.0f} GB per worker"
+        )
+    return lines
+
+
+def _storage_needs(d: DataPlan) -> str:
+    needs = ""
+    if d.storage_extras:
+        extras = ", ".join(f"vitscale[{n}] ({STORAGE_EXTRAS[n].module})" for n in d.storage_extras)
+        needs = f"; needs {extras}, which the job's runtime env installs on the cluster"
+    if d.storage_missing_here:
+        needs += "; " + "; ".join(d.storage_missing_here) + " (only to read the manifest from this machine)"
+    return needs
