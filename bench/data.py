@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,8 @@ from data_pipeline.augment import AugmentConfig, decode_train, decode_train_imag
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import read_shard
-from data_pipeline.stream import TrainStream, _StepPool
+from data_pipeline.step_pool import StepPool
+from data_pipeline.stream import StreamSpec, TrainStream
 from data_pipeline.write import WriteConfig, write_dataset
 
 
@@ -103,11 +105,11 @@ def bare_pil(images: list[bytes], size: int) -> float:
 
 def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32, convert: bool = True) -> float:
     """Images/s of what the loader does per image, on one core: decode + augment and a worker's conversion of its
-    rows into the step's float buffer (the stream's own `_StepPool`, through its channels-first uint8 scratch).
+    rows into the step's float buffer (the stream's own `StepPool`, through its channels-first uint8 scratch).
     ``convert=False``: decode + augment only, uint8 arrays out."""
     if convert:  # shared memory and scratch made before the clock starts, as the loader makes them once
         pool, scratch = (
-            _StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
+            StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
             np.empty((1, 3, size, size), np.uint8),  # one image's planes at a time, as in a worker
         )
     decode = decode_train_image if convert else decode_train  # the loader's workers keep PIL images for the scratch
@@ -196,8 +198,9 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple
     """(images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch;
     microseconds of the training process's CPU per image over the same window)."""
     # 2 streams at every worker count: the same samples in the same order, read by 1 or 2 processes
-    stream = TrainStream(shards, batch_size=batch, image_size=size, streams=2, shuffle_buffer=64,
-                         augment=AugmentConfig(), num_workers=workers)  # fmt: skip
+    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, streams=2, shuffle_buffer=64,
+                      augment=AugmentConfig(), num_workers=workers)  # fmt: skip
+    stream = TrainStream(spec)
     it = iter(stream)
     next(it)  # worker start-up and the first batch are not counted
     start, cpu = time.perf_counter(), time.process_time()
@@ -218,6 +221,17 @@ def read_speed(shard_dir: Path) -> float:
     return sum(s.bytes for s in info.shards) / 2**20 / seconds
 
 
+def stream_rate(shards: Path, size: int, batch: int = 32) -> float:
+    """Images per CPU second of a TrainStream with no loader workers (decoding in this process), one epoch."""
+    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig())
+    stream = TrainStream(spec)
+    it = iter(stream)
+    start = time.process_time()
+    for _ in range(stream.steps_per_epoch):
+        next(it)
+    return stream.steps_per_epoch * batch / (time.process_time() - start)
+
+
 def _dali_importable() -> bool:
     try:
         import nvidia.dali  # noqa: F401
@@ -226,7 +240,120 @@ def _dali_importable() -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(frozen=True)
+class LoaderRates:
+    """What ``measure_loader`` measured on shards written from the benchmark's JPEGs."""
+
+    read_mb_s: float  # the stream's tar reader, best of the rounds
+    stream_img_s: float  # TrainStream without workers
+    workers: dict[int, list[float]]  # loader worker count -> images per wall-clock second, one per round
+    main_cpu_us: list[float]  # at 2 workers: the training process's CPU microseconds per image, one per round
+
+    @property
+    def best(self) -> dict[int, float]:
+        """Images per second at each worker count, best round."""
+        return {n: max(r) for n, r in self.workers.items()}
+
+
+def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) -> dict[str, list[float]]:
+    """Images per CPU second of bare PIL and of each pipeline variant (and DALI), ``rounds`` interleaved rounds."""
+    variants = {
+        "pipeline": AugmentConfig(),
+        "pipeline_full_decode": AugmentConfig(scaled_decode=False),
+        "pipeline_randaugment": AugmentConfig(randaugment_n=2, randaugment_m=10),
+    }
+    runs: dict[str, list[float]] = {"pil": [], **{name: [] for name in variants}, "pipeline_uint8": []}
+    for i in range(rounds):
+        runs["pil"].append(bare_pil(images, size))
+        for name, augment in variants.items():
+            runs[name].append(pipeline(images, size, augment))
+        runs["pipeline_uint8"].append(pipeline(images, size, AugmentConfig(), convert=False))
+        if dali:
+            runs.setdefault("dali", []).append(dali_rate(images, size, AugmentConfig()))
+        print(f"round {i + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
+              file=sys.stderr, flush=True)  # fmt: skip
+    return runs
+
+
+def measure_loader(images: list[bytes], size: int, rounds: int, loader_rounds: int, copies: int) -> LoaderRates:
+    """Shard reading, TrainStream without workers, and the loader at 1 and 2 worker processes (rounds interleaved),
+    on 40-image shards that hold every image ``copies`` times, written to a temp folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        n = len(images)
+        items = [(images[i % n], i % 10, f"bench/{i}") for i in range(n * copies)]
+        config = WriteConfig(name="bench", samples_per_shard=40, processes=1, keep_exact_duplicates=True)
+        shards = Path(tmp) / "shards"
+        write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
+        read_mb_s = max(read_speed(shards) for _ in range(rounds))
+        stream_img_s = stream_rate(shards, size)
+        workers: dict[int, list[float]] = {count: [] for count in (1, 2)}
+        main_cpu_us: list[float] = []
+        for _ in range(loader_rounds):
+            for count in workers:
+                img_s, cpu_us = loader_rate(shards, size, count)
+                workers[count].append(img_s)
+                if count == 2:
+                    main_cpu_us.append(cpu_us)
+    return LoaderRates(read_mb_s, stream_img_s, workers, main_cpu_us)
+
+
+def _rate_keys(
+    rate: dict[str, float], decode_us: dict[int, float], loader: LoaderRates, images: list[bytes], size: int
+) -> dict:
+    """The result's ratios and rates; ``rate``: the best round of each decoder."""
+    worker_rate = loader.best
+    dali = (
+        {"ratio_dali": round(rate["dali"] / rate["pil"], 3), "dali_img_s_per_core": round(rate["dali"], 1)}
+        if "dali" in rate
+        else {}
+    )
+    return {
+        "ratio": round(rate["pipeline"] / rate["pil"], 3),
+        "ratio_uint8": round(rate["pipeline_uint8"] / rate["pil"], 3),
+        "ratio_randaugment": round(rate["pipeline_randaugment"] / rate["pil"], 3),
+        **dali,
+        "ratio_full_decode": round(rate["pipeline_full_decode"] / rate["pil"], 3),
+        "workers_2_over_1": round(worker_rate[2] / worker_rate[1], 3),
+        "workers_2_over_1_paired_median": round(float(np.median(np.divide(loader.workers[2], loader.workers[1]))), 3),
+        "pipeline_img_s_per_core": round(rate["pipeline"], 1),
+        "pipeline_uint8_img_s_per_core": round(rate["pipeline_uint8"], 1),
+        "pipeline_full_decode_img_s_per_core": round(rate["pipeline_full_decode"], 1),
+        "pipeline_randaugment_img_s_per_core": round(rate["pipeline_randaugment"], 1),
+        "pil_img_s_per_core": round(rate["pil"], 1),
+        "scaled_decode_fraction": round(scaled_decode_fraction(images, size, AugmentConfig()), 3),
+        **{f"decode_us_scale_{n}_8": round(us, 1) for n, us in decode_us.items()},
+        "loader_img_s_workers1": round(worker_rate[1], 1),
+        "loader_img_s_workers2": round(worker_rate[2], 1),
+        "loader_main_cpu_us_per_image_workers2": round(float(np.median(loader.main_cpu_us)), 1),
+        "read_mb_s": round(loader.read_mb_s, 1),
+        "stream_img_s": round(loader.stream_img_s, 1),
+    }
+
+
+def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, float], loader: LoaderRates) -> None:
+    """The headline numbers, one line each, from the unrounded rates and the result's ratios."""
+    worker_rate = loader.best
+    print(f"bare PIL decode+resize : {rate['pil']:7.1f} images/s per core")
+    print(f"decode+crop+flip (ours): {rate['pipeline']:7.1f} images/s per core   ratio {result['ratio']:.2f} "
+          f"(goal >= 1.3); without scaled decode {result['ratio_full_decode']:.2f}; scaled decode on "
+          f"{result['scaled_decode_fraction']:.0%} of crops")  # fmt: skip
+    print(f"  uint8 out, like PIL's: {rate['pipeline_uint8']:7.1f} images/s per core   ratio "
+          f"{result['ratio_uint8']:.2f} (without the loader's copy and float conversion)")  # fmt: skip
+    if "dali" in rate:
+        print(f"  DALI CPU random crop : {rate['dali']:7.1f} images/s per core   ratio {result['ratio_dali']:.2f} "
+              "(uint8 out: the anchor for ratio_uint8)")  # fmt: skip
+    print(f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
+          f"{result['ratio_randaugment']:.2f}")  # fmt: skip
+    print("JPEG decode by DCT scale: " + ", ".join(f"{n}/8 {us:.0f} us" for n, us in decode_us.items()))
+    print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
+          f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x; paired median of the rounds "
+          f"{result['workers_2_over_1_paired_median']:.2f}x); training process "
+          f"{result['loader_main_cpu_us_per_image_workers2']:.0f} us CPU per image at 2 workers")  # fmt: skip
+    print(f"TrainStream end to end: {loader.stream_img_s:7.1f} images/s (num_workers=0)")
+    print(f"shard reading          : {loader.read_mb_s:7.1f} MB/s")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s")
     p.add_argument("--images", type=int, default=320)
     p.add_argument("--size", type=int, default=224)
@@ -242,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value, low in checks:
         if value < low:
             p.error(f"{flag} {value}: must be >= {low}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     try:
         out = output_file(args.out, "--out")  # before minutes of timing
     except ValueError as error:
@@ -257,68 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     shorts = sorted(min(Image.open(io.BytesIO(d)).size) for d in images)
     print(f"{len(images)} generated JPEGs, mean {mean_kb:.0f} KiB, short side median {shorts[len(shorts) // 2]} px "
           f"(max {shorts[-1]}); output {args.size}px; one process (one core)")  # fmt: skip
-    variants = {
-        "pipeline": AugmentConfig(),
-        "pipeline_full_decode": AugmentConfig(scaled_decode=False),
-        "pipeline_randaugment": AugmentConfig(randaugment_n=2, randaugment_m=10),
-    }
-    runs: dict[str, list[float]] = {"pil": [], **{name: [] for name in variants}, "pipeline_uint8": []}
-    for i in range(args.rounds):
-        runs["pil"].append(bare_pil(images, args.size))
-        for name, augment in variants.items():
-            runs[name].append(pipeline(images, args.size, augment))
-        runs["pipeline_uint8"].append(pipeline(images, args.size, AugmentConfig(), convert=False))
-        if args.dali:
-            runs.setdefault("dali", []).append(dali_rate(images, args.size, AugmentConfig()))
-        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
-              file=sys.stderr, flush=True)  # fmt: skip
-    rate = {name: max(r) for name, r in runs.items()}
+    runs = measure_decoders(images, args.size, args.rounds, args.dali)
     decode_us = decode_us_by_scale(images, args.rounds)
-    with tempfile.TemporaryDirectory() as tmp:
-        n = len(images)
-        items = [(images[i % n], i % 10, f"bench/{i}") for i in range(n * args.loader_copies)]
-        config = WriteConfig(name="bench", samples_per_shard=40, processes=1, keep_exact_duplicates=True)
-        shards = Path(tmp) / "shards"
-        write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
-        read_mb_s = max(read_speed(shards) for _ in range(args.rounds))
-        stream = TrainStream(shards, batch_size=32, image_size=args.size, shuffle_buffer=64, augment=AugmentConfig())
-        it = iter(stream)
-        start = time.process_time()
-        for _ in range(stream.steps_per_epoch):
-            next(it)
-        stream_rate = stream.steps_per_epoch * 32 / (time.process_time() - start)
-        workers, main_cpu_us = {n: [] for n in (1, 2)}, []
-        for _ in range(args.loader_rounds):
-            for n in workers:
-                img_s, cpu_us = loader_rate(shards, args.size, n)
-                workers[n].append(img_s)
-                if n == 2:
-                    main_cpu_us.append(cpu_us)
-        worker_rate = {n: max(r) for n, r in workers.items()}
+    loader = measure_loader(images, args.size, args.rounds, args.loader_rounds, args.loader_copies)
+    rate = {name: max(r) for name, r in runs.items()}
     result = {
-        "ratio": round(rate["pipeline"] / rate["pil"], 3),
-        "ratio_uint8": round(rate["pipeline_uint8"] / rate["pil"], 3),
-        "ratio_randaugment": round(rate["pipeline_randaugment"] / rate["pil"], 3),
-        **(
-            {"ratio_dali": round(rate["dali"] / rate["pil"], 3), "dali_img_s_per_core": round(rate["dali"], 1)}
-            if args.dali
-            else {}
-        ),
-        "ratio_full_decode": round(rate["pipeline_full_decode"] / rate["pil"], 3),
-        "workers_2_over_1": round(worker_rate[2] / worker_rate[1], 3),
-        "workers_2_over_1_paired_median": round(float(np.median(np.divide(workers[2], workers[1]))), 3),
-        "pipeline_img_s_per_core": round(rate["pipeline"], 1),
-        "pipeline_uint8_img_s_per_core": round(rate["pipeline_uint8"], 1),
-        "pipeline_full_decode_img_s_per_core": round(rate["pipeline_full_decode"], 1),
-        "pipeline_randaugment_img_s_per_core": round(rate["pipeline_randaugment"], 1),
-        "pil_img_s_per_core": round(rate["pil"], 1),
-        "scaled_decode_fraction": round(scaled_decode_fraction(images, args.size, AugmentConfig()), 3),
-        **{f"decode_us_scale_{n}_8": round(us, 1) for n, us in decode_us.items()},
-        "loader_img_s_workers1": round(worker_rate[1], 1),
-        "loader_img_s_workers2": round(worker_rate[2], 1),
-        "loader_main_cpu_us_per_image_workers2": round(float(np.median(main_cpu_us)), 1),
-        "read_mb_s": round(read_mb_s, 1),
-        "stream_img_s": round(stream_rate, 1),
+        **_rate_keys(rate, decode_us, loader, images, args.size),
         "images": len(images),
         "loader_samples": len(images) * args.loader_copies,
         "image_size": args.size,
@@ -328,27 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": os.getloadavg()[0],
         "cpu_count": os.cpu_count(),
         **{f"rounds_{name}": [round(r, 1) for r in values] for name, values in runs.items()},
-        "rounds_loader_workers1": [round(r, 1) for r in workers[1]],
-        "rounds_loader_workers2": [round(r, 1) for r in workers[2]],
+        "rounds_loader_workers1": [round(r, 1) for r in loader.workers[1]],
+        "rounds_loader_workers2": [round(r, 1) for r in loader.workers[2]],
     }
-    print(f"bare PIL decode+resize : {rate['pil']:7.1f} images/s per core")
-    print(f"decode+crop+flip (ours): {rate['pipeline']:7.1f} images/s per core   ratio {result['ratio']:.2f} "
-          f"(goal >= 1.3); without scaled decode {result['ratio_full_decode']:.2f}; scaled decode on "
-          f"{result['scaled_decode_fraction']:.0%} of crops")  # fmt: skip
-    print(f"  uint8 out, like PIL's: {rate['pipeline_uint8']:7.1f} images/s per core   ratio "
-          f"{result['ratio_uint8']:.2f} (without the loader's copy and float conversion)")  # fmt: skip
-    if args.dali:
-        print(f"  DALI CPU random crop : {rate['dali']:7.1f} images/s per core   ratio {result['ratio_dali']:.2f} "
-              "(uint8 out: the anchor for ratio_uint8)")  # fmt: skip
-    print(f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
-          f"{result['ratio_randaugment']:.2f}")  # fmt: skip
-    print("JPEG decode by DCT scale: " + ", ".join(f"{n}/8 {us:.0f} us" for n, us in decode_us.items()))
-    print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
-          f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x; paired median of the rounds "
-          f"{result['workers_2_over_1_paired_median']:.2f}x); training process "
-          f"{result['loader_main_cpu_us_per_image_workers2']:.0f} us CPU per image at 2 workers")  # fmt: skip
-    print(f"TrainStream end to end: {stream_rate:7.1f} images/s (num_workers=0)")
-    print(f"shard reading          : {read_mb_s:7.1f} MB/s")
+    _print_summary(result, rate, decode_us, loader)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -36,8 +36,8 @@ in their warm-up step. ``speedup_compiled_vs_hf_<p>`` is compiled vitscale again
 ``gemm_fraction_compiled_<p>`` its share of the GEMM rate; ``<label>_compiled_img_s_<p>`` are the raw rates.
 
 Attention: ``speedup_vs_hf_<p>`` is against HF with SDPA (``--hf-attn``). vitscale runs SDPA too, except bf16 on a
-CPU, where it computes attention as two GEMMs and a softmax (docs/design.md, "Attention kernel per device and
-precision"), which is HF's eager kernel; so at bf16 HF eager is timed as well and ``speedup_vs_hf_best_<p>`` is
+CPU, where it computes attention as two GEMMs and a softmax (docs/performance.md, "Attention kernel per device
+and precision"), which is HF's eager kernel; so at bf16 HF eager is timed as well and ``speedup_vs_hf_best_<p>`` is
 against the faster of HF's two implementations.
 """
 
@@ -230,7 +230,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     """Interleaved rounds of one model at one precision; the flat keys for it."""
     tag = f"{precision}{SUFFIX[name]}"
     # HF's eager attention (two GEMMs + softmax) beside its SDPA: for fp32 ViT-S/16 as context, and at every bf16
-    # model because vitscale's CPU bf16 attention is that kernel too (docs/design.md), so bf16 is also compared
+    # model because vitscale's CPU bf16 attention is that kernel too (docs/performance.md), so bf16 is also compared
     # with HF's faster implementation (`speedup_vs_hf_best_<tag>`).
     with_eager = not args.no_eager and (tag == "fp32" or precision == "bf16")
     device = torch.device(args.device)

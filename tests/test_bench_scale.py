@@ -8,6 +8,8 @@ import tempfile
 import pytest
 
 from bench import scale
+from bench.scale_tables import build_tables
+from data_pipeline.manifest import iter_samples, read_dataset_info
 
 KEYS = [
     "plan_s_64_ranks",
@@ -56,10 +58,10 @@ def test_bad_output_path_is_one_error_line(tmp_path, capsys):
 
 
 def test_synthetic_tables_have_the_i21k_shape(tmp_path):
-    scale.build_tables(tmp_path / "t", samples=1001, shards=10, classes=7)
-    info = scale.read_dataset_info(tmp_path / "t")
+    build_tables(tmp_path / "t", samples=1001, shards=10, classes=7)
+    info = read_dataset_info(tmp_path / "t")
     assert info.num_samples == 1001 and len(info.shards) == 10 and len(info.class_names) == 7
     assert sorted({s.samples for s in info.shards}) == [100, 101]
-    rows = [r for b in scale.iter_samples(tmp_path / "t") for r in b.to_pylist()]
+    rows = [r for b in iter_samples(tmp_path / "t") for r in b.to_pylist()]
     assert len(rows) == 1001 and len(rows[5]["sha256"]) == 64 and rows[5]["key"] == "000000005"
     assert rows[5]["source"].startswith("n") and rows[5]["source"].endswith("_000000005.JPEG")
