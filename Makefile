@@ -52,9 +52,10 @@ test-fast: setup  ## the inner loop: the suite without the slow end-to-end tests
 test-shuffled: setup  ## the whole suite in a random order (SEED=n repeats an order): before a change lands
 	$(call run_pytest,--shuffle $(or $(SEED),$(shell echo $$RANDOM)))
 
-lint: setup  ## ruff
+lint: setup  ## ruff, and mypy over pretrain/ and data_pipeline/
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 launch: setup  ## plan and run RECIPE on CLUSTER (default: the embedded local demo); DRY_RUN=1 prints the plan only
 	$(PY) -m cluster.launch --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
