@@ -1,6 +1,6 @@
 """Every command the docs show runs, in a form that cannot train: a renamed field, flag, target or module fails here.
 
-Where commands are found (README.md and docs/*.md):
+Where commands are found (README.md and every docs/**/*.md, the dated benchmark files included):
 
 - every line of every fenced code block (any info string: the synopses in docs/interfaces.md sit in ```python
   blocks), with a line ending in ``\\`` or followed by an indented line that starts with ``[`` or ``-`` joined to it;
@@ -64,7 +64,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PROJECT_PACKAGES = {"pretrain", "data_pipeline", "evals", "cluster", "tracking", "bench"}
 MAKE_VARIABLES = ("CLUSTER", "RECIPE", "SET", "DRY_RUN", "EXPERIMENT", "RUNS", "PYTEST_ARGS", "MAKEFLAGS", "MAKELEVEL")
 
