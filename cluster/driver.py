@@ -25,9 +25,13 @@ Order of work (all on the Ray head, inside the job):
    when more workers fit, stops the group and starts a larger one (not a failure). Each start resumes from the
    newest COMPLETE checkpoint at its own world size (docs/elastic.md). The resizes are tagged on the run and listed
    in the summary from `<run_dir>/world_sizes.jsonl` (pretrain.train tags them at every start).
-4. Wait for pending evals, then `cluster.job_record.finish_job`: prune the checkpoints their pins kept, print the
-   summary table (step, loss, eval metrics, the headline metric's gain over step 0), close the MLflow run; exit 0
-   only if training succeeded.
+   A rank that hangs without dying (SIGSTOP, a stuck collective or read) would hold the group until the collective
+   timeout: each worker reports its progress (`pretrain.heartbeat`) and the driver's watchdog thread
+   (`cluster.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank has
+   progressed within the allowance, so that the same restart path takes over.
+4. Wait for pending evals (at most `evals.timeout_s`; an eval that failed is recorded as such), then
+   `cluster.job_record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
+   metrics, the headline metric's gain over step 0), close the MLflow run; exit 0 only if training succeeded.
 """
 
 from __future__ import annotations
@@ -35,33 +39,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cluster.eval_scheduler import EvalScheduler
 from cluster.job_record import JobEnd, finish_job, record_placement
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
+from cluster.watchdog import Watchdog, identity, install_stack_dump
 from pretrain.config import TrainConfig
+from pretrain.heartbeat import Heartbeat, heartbeat_path
 from pretrain.run_folder import pin_checkpoint, release_pins
 from pretrain.train import train_worker
 from tracking.runs import open_job_run, run_tags
+from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
 
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Chaos hook for tests and drills: rank `rank` exits abruptly `delay_s` after checkpoint step >= `after_step`,
-    once per run folder (a marker file there makes the restarted worker group run through)."""
+    """Chaos hook for tests and drills: `delay_s` after checkpoint step >= `after_step`, rank `rank` exits abruptly
+    (`kind` "exit": a lost worker) or stops itself with SIGSTOP ("stop": a hung rank, which only the watchdog
+    notices), once per run folder (a marker file there, saying when, makes the restarted worker group run through)."""
 
     rank: int
     after_step: int
     delay_s: float = 0.0
+    kind: Literal["exit", "stop"] = "exit"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exit", "stop"):
+            raise ValueError(f"fault kind {self.kind!r}: use 'exit' (a lost worker) or 'stop' (a hung rank)")
 
 
 @dataclass(frozen=True)
@@ -129,29 +143,52 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     config = loop_config["config"]  # the driver's TrainConfig, as Ray pickled it: not rebuilt here
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    record_placement(Path(config.checkpoint.dir), rank, world_size)
+    run_dir = Path(config.checkpoint.dir)
+    record_placement(run_dir, rank, world_size)
+    # The watchdog's view of this rank: a stack dump on SIGUSR1 (the file kept open while training; registered before
+    # the first report names this pid), and progress reports.
+    stacks = install_stack_dump(run_dir, rank)  # noqa: F841 (faulthandler writes to it until the process ends)
+    heartbeat = Heartbeat(heartbeat_path(run_dir, rank), identity(rank, world_size))
     scheduler = loop_config["scheduler"]
     fault = loop_config.get("fault")
-    marker = Path(config.checkpoint.dir) / ".fault_injected"
 
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
+        heartbeat.saved()
         if rank == 0:
             if config.evals.suite:
                 # Pinned here, synchronously, before the next save's prune can run; the scheduler only gets the
                 # folder later (an async call), and releases the pin when the eval ends.
                 pin_checkpoint(checkpoint_dir, f"evals {config.evals.suite} pending on step {step}")
             scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics))
-        if fault and rank == fault["rank"] and step >= fault["after_step"] and not marker.exists():
-            marker.write_text(f"rank {rank} killed {fault['delay_s']} s after checkpoint step {step}\n")
-            # Die like a lost node would: no exception, no cleanup, in the middle of later training steps.
-            threading.Timer(fault["delay_s"], lambda: os._exit(1)).start()
+        if fault and rank == fault["rank"] and step >= fault["after_step"]:
+            _inject(fault, run_dir / ".fault_injected", rank, step)
 
-    summary = train_worker(config, on_checkpoint=on_checkpoint)
+    summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=heartbeat)
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints: hand the summary over in the run folder
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
         tmp = Path(config.checkpoint.dir) / f"train_result.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps({k: summary.to_dict()[k] for k in keep}, default=str))
         os.replace(tmp, Path(config.checkpoint.dir) / "train_result.json")
+
+
+def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
+    """The fault, once per run folder: the marker says what happened and when (unix time), for drills and tests."""
+    if marker.exists():
+        return
+    kind = fault.get("kind", "exit")
+
+    def strike() -> None:
+        verb = "stopped (SIGSTOP)" if kind == "stop" else "killed"
+        marker.write_text(
+            f"rank {rank} {verb} {fault['delay_s']} s after checkpoint step {step} at {time.time():.3f}\n"
+        )
+        if kind == "stop":  # hang like a stuck rank: alive, silent, holding the others in their next collective
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:  # die like a lost node would: no exception, no cleanup, in the middle of later training steps
+            os._exit(1)
+
+    marker.write_text(f"rank {rank}: {kind} pending\n")  # at once: a restarted group must not strike again
+    threading.Timer(fault["delay_s"], strike).start()
 
 
 def _floats(d: dict) -> dict[str, float]:
@@ -187,6 +224,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         num_gpus=profile.evals.num_gpus,
     )
     trainer = _torch_trainer(spec, config, scheduler)
+    watchdog = Watchdog(run_dir, profile.hang, Tracker(uri, run_id, rank=0)).start()
     started = time.monotonic()
     status, error = "FINISHED", None
     try:
@@ -194,12 +232,15 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         error = getattr(result, "error", None)
     except Exception as exc:  # TrainingFailedError after max_failures restarts, or a setup error
         error = exc
+    finally:
+        watchdog.stop()
     if error is not None:
         status = "FAILED"
         print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     train_s = time.monotonic() - started
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
-    evals = ray.get(scheduler.drain.remote(eval_timeout_s))
+    # Evals never hold the job's end beyond evals.timeout_s: what is still running then is recorded as failed.
+    evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
     finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, JobEnd(status, train_s, evals))
     return 0 if status == "FINISHED" else 1
 

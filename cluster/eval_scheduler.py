@@ -21,6 +21,14 @@ the task finished or died — and the next prune (or the driver's, after `drain`
 at most `max_pinned` checkpoints wait for evals at once — when evals fall that far behind training, the eval of
 a new checkpoint is skipped (said in the summary) rather than letting pinned checkpoints fill the disk — and the
 driver clears what a job leaves behind (at its end, and a dead job's at the next start).
+
+Failures: an eval task killed (out of memory, a lost node) is run once more by Ray's task retry (`max_retries=1`);
+an eval that fails for good — an exception in the suite, a damaged checkpoint the evals refuse, a task killed twice,
+one skipped (too many waiting), or one still running when the job's end has waited `evals.timeout_s` (`drain`; it
+is cancelled then) — is recorded in the MLflow run as failed for that checkpoint: the metric `eval_failed/<suite>`
+= 1 at its step, the reason in the artifact `eval_failures/step_XXXXXXXX.txt` (also kept in the run folder), and
+the tag `vitscale.eval_failures` counting them. Training never waits for an eval: the scheduler only hears of
+checkpoints (fire-and-forget), and nothing an eval does reaches the training workers.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -36,6 +46,8 @@ import torch
 from evals.evaluator import mlflow_metrics
 from evals.run import run_suite
 from pretrain.run_folder import is_complete, unpin_checkpoint
+from tracking import keys
+from tracking.tracker import Tracker
 
 # Checkpoints kept (pinned) for evals that have not ended, at most: beyond this, evals are skipped.
 MAX_PINNED = 8
@@ -101,10 +113,14 @@ class EvalScheduler:
         num_cpus: float = 1,
         num_gpus: float = 0,
         max_pinned: int = MAX_PINNED,
+        task: Callable[..., dict[str, Any]] = run_suite_task,  # the body of an eval task (tests pass a stand-in)
     ):
         self.suite, self.data_root, self.run_id, self.tracking_uri = suite, data_root, run_id, tracking_uri
         self.max_pinned = max_pinned
-        self._task = ray.remote(run_suite_task).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)
+        # A task whose process dies (killed, out of memory) runs once more; an exception is returned, not retried.
+        self._task = ray.remote(task).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)
+        self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures only: each eval task logs its own metrics
+        self._failures = 0
         self._lock = threading.Lock()  # submit / drain / pending may run concurrently (threaded actor)
         self._pending: dict[int, ray.ObjectRef] = {}  # steps whose eval has not ended: their checkpoints are pinned
         self._results: dict[int, dict[str, Any]] = {}
@@ -130,12 +146,12 @@ class EvalScheduler:
                 return True
             if len(self._pending) >= self.max_pinned:
                 unpin_checkpoint(checkpoint_dir)
-                self._results[step] = {
+                self._fail(step, {
                     "error": f"eval skipped: the evals of {len(self._pending)} checkpoints were still waiting or "
                     f"running (their checkpoints pinned; at most {self.max_pinned}). Evals are slower than "
                     "checkpointing: give them more resources (the profile's evals section) or raise "
                     "checkpoint.every_steps"
-                }
+                })  # fmt: skip
                 return True
             self._pending[step] = self._task.remote(
                 checkpoint_dir, self.suite, self.data_root, self.run_id, self.tracking_uri
@@ -164,21 +180,49 @@ class EvalScheduler:
                 continue
             try:
                 self._results[step] = ray.get(ref)
-            except Exception as exc:  # the task itself died (e.g. OOM-killed twice)
-                self._results[step] = {"error": f"eval task failed: {exc}"}
+            except Exception as exc:  # the task itself died twice (e.g. OOM-killed), beyond Ray's one retry
+                self._results[step] = {"error": f"eval task failed: {type(exc).__name__}: {exc}"}
             del self._pending[step]
             unpin_checkpoint(self._paths[step])
+            if "error" in self._results[step]:
+                self._fail(step, self._results[step])
+
+    def _fail(self, step: int, result: dict[str, Any]) -> None:
+        """Record an eval that failed for good: its result here, and in MLflow (module docstring); caller holds
+        _lock."""
+        self._results[step] = result
+        self._failures += 1
+        suite = Path(self.suite).stem if self.suite else "evals"  # a suite given as a YAML path: its file name
+        reason = f"step {step}: {result['error']}\n\n{result.get('traceback', '')}".rstrip() + "\n"
+        self._tracker.log_metrics({keys.eval_failed(suite): 1.0}, step=step)
+        self._tracker.set_tags({keys.EVAL_FAILURES: self._failures})
+        folder = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR  # <run_dir>/eval_failures
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"step_{step:08d}.txt").write_text(reason)
+            self._tracker.log_artifact(str(folder / f"step_{step:08d}.txt"), keys.EVAL_FAILURES_DIR)
+        except OSError as error:  # a full disk: the metric and the summary still say it failed
+            print(f"eval scheduler: could not write the reason of step {step}'s failure: {error}", flush=True)
 
     def drain(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
-        """Wait for every pending eval (up to timeout_s); return {step: {checkpoint, train, evals | error}}."""
+        """Wait for every pending eval (up to timeout_s; the job's end passes `evals.timeout_s`); those still running
+        then are cancelled and recorded as failed. Returns {step: {checkpoint, train, metrics | error}}."""
         with self._lock:
             refs = list(self._pending.values())
         if refs:  # wait outside the lock: a late submit from training must not block behind the wait
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         with self._lock:
             self._collect(timeout_s=0)
+            for step, ref in list(self._pending.items()):
+                ray.cancel(ref, force=True)  # the job ends: its worker process goes now, not with the job
+                del self._pending[step]
+                unpin_checkpoint(self._paths[step])
+                self._fail(step, {"error": f"eval still running when the job's end had waited {timeout_s} s for "
+                                  "evals (evals.timeout_s); cancelled. Raise evals.timeout_s, or give evals more "
+                                  "resources (the profile's evals section)"})  # fmt: skip
+            self._tracker.flush(timeout=60)
             summary = {}
             for step in sorted(self._paths):
-                result = self._results.get(step, {"error": "still running"} if step in self._pending else {})
+                result = self._results.get(step, {})
                 summary[step] = {"checkpoint": self._paths[step], "train": self._train.get(step, {}), **result}
             return summary

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from cluster.storage import STORAGE_EXTRAS, missing_storage, storage_extras, sto
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.step_pool import decoded_bytes
-from pretrain import flops, optim, tasks
+from pretrain import flops, optim, run_folder, tasks
 from pretrain.config import (
     TrainConfig,
     config_from_recipe,
@@ -425,6 +426,7 @@ def _data_plan(
             f"only {shards_per_loader:.1f} shards per (rank x loader worker) ({shards} shards / {loaders}); "
             f"use >= {MIN_SHARDS_PER_LOADER}: re-shard into more, smaller tar files or lower data.num_workers"
         )
+    warnings += _checkpoint_space_warning(config, model.num_params)
     urls = storage_urls(config)
     return DataPlan(
         num_shards=shards,
@@ -526,6 +528,30 @@ def _peak(profile: ClusterProfile, precision: str) -> Peak:
 # Bytes per parameter of one checkpoint: fp32 master weights + Adam's two moments in the engine state (12), the
 # engine's working copy (4 at most) and the consolidated model.safetensors (4).
 CHECKPOINT_BYTES_PER_PARAM = 20
+
+
+def _checkpoint_space_warning(config: TrainConfig, num_params: int) -> list[str]:
+    """A warning when a local run folder's filesystem cannot take the checkpoints to come: a save holds
+    ``checkpoint.keep_last + 1`` (the new one is written before the prune), less those already there."""
+    c = config.checkpoint
+    if is_remote(c.dir):
+        return []
+    run_dir = Path(resolve_location(c.dir))
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())  # the filesystem it will be made on
+    size = num_params * CHECKPOINT_BYTES_PER_PARAM
+    held = len(run_folder.complete_checkpoints(run_dir))
+    need = max(1, c.keep_last + 1 - held) * size
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:  # not readable from here: the workers' filesystem may differ anyway
+        return []
+    if free >= need:
+        return []
+    return [
+        f"{run_dir} has {free / 1e9:.3g} GB free but needs ~{need / 1e9:.3g} GB more to hold checkpoint.keep_last + 1 "
+        f"= {c.keep_last + 1} checkpoints of ~{size / 1e9:.3g} GB ({held} there now): a save that fills the disk "
+        "stops the run (checkpoint.on_save_error); free space, lower checkpoint.keep_last or move checkpoint.dir"
+    ]
 
 
 def _baseline_eval(config: TrainConfig, num_params: int) -> str:

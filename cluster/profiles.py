@@ -107,6 +107,33 @@ class EvalResources:
 
 
 @dataclass(frozen=True)
+class HangSpec:
+    """When the driver's watchdog (`cluster.watchdog`) declares the worker group hung and restarts it from the newest
+    COMPLETE checkpoint: no rank has reported progress for longer than the allowance of what the ranks are doing.
+    Training: max(floor_s, factor x the median step time); the start of an attempt (Ray's worker start, the engine
+    build, a resume, the step-0 save, the first batch): startup_s; a checkpoint save or a resolution switch:
+    checkpoint_s. docs/elastic.md#faults."""
+
+    enabled: bool = True
+    floor_s: float = 30.0  # never sooner while training, however short the steps
+    factor: float = 10.0  # ... nor sooner than this many median steps
+    startup_s: float = 600.0  # from a worker's start to its first optimizer step
+    checkpoint_s: float = 300.0  # a save (every rank writes its shard) or a resolution switch in progress
+    poll_s: float = 2.0  # how often the watchdog reads the heartbeats
+    # A straggler: a rank whose data wait per step exceeds the median rank's by this fraction of the median step,
+    # in `straggler_polls` successive polls with new steps (reported in MLflow; nothing is restarted)
+    straggler_fraction: float = 0.2
+    straggler_polls: int = 3
+
+    def validate(self, where: str) -> None:
+        for key in ("floor_s", "factor", "startup_s", "checkpoint_s", "poll_s", "straggler_fraction"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{where}: hang.{key}={getattr(self, key)} must be > 0")
+        if self.straggler_polls < 1:
+            raise ValueError(f"{where}: hang.straggler_polls={self.straggler_polls} must be >= 1")
+
+
+@dataclass(frozen=True)
 class ClusterProfile:
     name: str
     description: str
@@ -119,6 +146,7 @@ class ClusterProfile:
     evals: EvalResources = EvalResources()
     max_failures: int = 1  # worker-group restarts Ray Train allows before the job fails
     assumed_mfu: float = 0.4  # model FLOPs utilisation assumed by the plan's time estimate
+    hang: HangSpec = HangSpec()  # the hung-rank watchdog's allowances
 
     @property
     def is_local(self) -> bool:
@@ -169,6 +197,7 @@ class ClusterProfile:
                 raise ValueError(f"profile {self.name}: hardware.gpu_memory_gb must be > 0 for GPU workers")
         elif self.comm_backend == "nccl":
             raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
+        self.hang.validate(f"profile {self.name}")
         if not 0 < self.assumed_mfu <= 1:
             raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
         if self.max_failures < 0:

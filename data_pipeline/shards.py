@@ -1,11 +1,14 @@
-"""Reading one shard: webdataset's tar iteration over an fsspec stream, with every failure counted.
+"""Reading one shard: webdataset's tar iteration over an fsspec stream, transient read errors retried, every failure
+counted.
 
 Stock webdataset either raises on the first damaged shard or, with ``warn_and_continue``, sleeps 0.5 s per error
 and silently drops the rest of a truncated tar. Here the handler counts and continues without sleeping, member
 names are checked before anything is read (a ``../x`` member is skipped and counted; nothing is ever extracted to
 disk — members are read into memory), and the number of samples read is compared with the manifest so a
 truncated shard shows up in the counters instead of quietly shortening the epoch. ``sample_label`` is the streams'
-check of what a sample read here holds, its failures counted the same way.
+check of what a sample read here holds, its failures counted the same way. A read that fails with an I/O error (a
+local EIO, a reset connection, a remote store's 5xx) is tried again with backoff before anything counts as damaged:
+at 64 GPUs over days, a flaky read is routine and must not end the run (docs/elastic.md#faults).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ log = logging.getLogger(__name__)
 
 WANTED_SUFFIXES = ("jpg", "cls")
 _last_warning = [0.0]
+# Transient read errors (`is_transient`): retried data.read_retries times, after RETRY_FIRST_S x RETRY_FACTOR^i.
+RETRY_FIRST_S, RETRY_FACTOR = 0.1, 4.0
+_retries = [3]  # this process's data.read_retries (`set_read_retries`)
+# Error classes of remote-store clients that mean "the connection broke mid-answer" (aiohttp, urllib3, requests,
+# botocore, http.client); a store's 5xx is recognised by its status instead.
+_TRANSIENT_NAMES = frozenset(("ClientPayloadError", "ServerDisconnectedError", "ProtocolError", "IncompleteRead",
+                              "ChunkedEncodingError", "ResponseStreamingError", "ReadTimeoutError"))  # fmt: skip
 
 
 def _warn(message: str) -> None:
@@ -34,42 +44,102 @@ def _warn(message: str) -> None:
         log.warning(message)
 
 
-def read_shard(url: str, expected: int | None, stats: Counter) -> Iterator[dict]:
+def set_read_retries(retries: int) -> None:
+    """Retries of a failed shard read in this process (``data.read_retries``): set by the stream that reads here, in
+    its own process or in each loader worker (which do not inherit the training process's module state)."""
+    if retries < 0:
+        raise ValueError(f"read retries must be >= 0, got {retries}")
+    _retries[0] = retries
+
+
+def retry_delay_s(attempt: int) -> float:
+    """Backoff before retry ``attempt`` (0-based): 0.1, 0.4, 1.6, 6.4 s, ..."""
+    return RETRY_FIRST_S * RETRY_FACTOR**attempt
+
+
+def is_transient(error: BaseException) -> bool:
+    """A read error worth trying again: an I/O error (EIO, a reset or refused connection, a timeout: OSError and its
+    subclasses) or a remote store's answer that says "later" (HTTP 5xx, 408, 429, in the status of the error classes
+    aiohttp, requests and botocore raise), but not a file that is not there, or not ours to read."""
+    if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        return False
+    if isinstance(error, OSError):
+        return True
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    status = status or getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(status, int) and (500 <= status < 600 or status in (408, 429)):
+        return True
+    return type(error).__name__ in _TRANSIENT_NAMES
+
+
+def read_shard(url: str, expected: int | None, stats: Counter, retries: int | None = None) -> Iterator[dict]:
     """Yield samples (``__key__``, ``jpg``, ``cls`` bytes) of one tar shard at ``url`` (a path or fsspec URL).
 
-    Counters in ``stats``: ``read_errors`` (tar-level errors), ``unsafe_members`` (members with unsafe names),
-    ``truncated_shards`` and ``missing_samples`` (fewer samples than ``expected`` when the shard was read to its
-    end). A consumer that stops early is not counted as a truncation.
+    A read that fails with a transient error (`is_transient`) is tried again, up to ``retries`` times (None: this
+    process's ``data.read_retries``, `set_read_retries`) after a growing pause (`retry_delay_s`), from the shard's
+    start, skipping the samples already yielded. Counters in ``stats``: ``read_retries`` (each retry),
+    ``read_failures`` (reads given up after the last retry: the shard then counts as damaged below), ``read_errors``
+    (tar-level errors), ``unsafe_members`` (members with unsafe names), ``missing_shards``, ``truncated_shards`` and
+    ``missing_samples`` (fewer samples than ``expected`` when the shard was read to its end). A consumer that stops
+    early is not counted as a truncation.
     """
-
-    def handler(exn: Exception) -> bool:
-        stats["read_errors"] += 1
-        _warn(f"error reading shard {url}: {exn!r}; continuing without it")
-        return True  # continue: the sample count check below reports what was lost
-
-    def select(name: str) -> bool:
-        if not is_safe_member(name):
-            stats["unsafe_members"] += 1
-            _warn(f"shard {url}: skipped tar member with unsafe name {name!r}")
-            return False
-        return name.rsplit(".", 1)[-1].lower() in WANTED_SUFFIXES
-
-    count = 0
-    try:
-        with fsspec.open(url, "rb") as stream:
-            files = tariterators.tar_file_expander(
-                [{"url": url, "stream": stream}], handler=handler, select_files=select, eof_value=None
-            )
-            for sample in tariterators.group_by_keys(files, handler=handler):
+    retries = _retries[0] if retries is None else retries
+    count, failures = 0, 0
+    while True:
+        try:
+            # A retry re-reads what was yielded: what it finds there again is counted in a scratch counter.
+            sink = [stats if count == 0 else Counter()]
+            for index, sample in enumerate(_tar_samples(url, sink)):
+                if index < count:
+                    continue
+                sink[0] = stats
                 count += 1
                 yield sample
-    except FileNotFoundError as err:
-        stats["missing_shards"] += 1
-        _warn(f"shard {url} is missing: {err}")
+            break
+        except FileNotFoundError as err:
+            stats["missing_shards"] += 1
+            _warn(f"shard {url} is missing: {err}")
+            break
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            if failures >= retries:
+                stats["read_failures"] += 1
+                _warn(f"shard {url}: read failed {failures + 1} times ({err!r}); counting the rest of it as damaged")
+                break
+            stats["read_retries"] += 1
+            _warn(f"shard {url}: read failed ({err!r}); trying again in {retry_delay_s(failures):g} s")
+            time.sleep(retry_delay_s(failures))
+            failures += 1
     if expected is not None and count < expected:
         stats["truncated_shards"] += 1
         stats["missing_samples"] += expected - count
         _warn(f"shard {url} yielded {count} of the {expected} samples its manifest lists (truncated or damaged)")
+
+
+def _tar_samples(url: str, sink: list[Counter]) -> Iterator[dict]:
+    """One pass over the shard's samples. Tar-level damage and unsafe members are counted in ``sink[0]`` and
+    skipped; a transient error propagates (`read_shard` retries it)."""
+
+    def handler(exn: Exception) -> bool:
+        if is_transient(exn):
+            raise exn
+        sink[0]["read_errors"] += 1
+        _warn(f"error reading shard {url}: {exn!r}; continuing without it")
+        return True  # continue: the sample count check in read_shard reports what was lost
+
+    def select(name: str) -> bool:
+        if not is_safe_member(name):
+            sink[0]["unsafe_members"] += 1
+            _warn(f"shard {url}: skipped tar member with unsafe name {name!r}")
+            return False
+        return name.rsplit(".", 1)[-1].lower() in WANTED_SUFFIXES
+
+    with fsspec.open(url, "rb") as stream:
+        files = tariterators.tar_file_expander(
+            [{"url": url, "stream": stream}], handler=handler, select_files=select, eof_value=None
+        )
+        yield from tariterators.group_by_keys(files, handler=handler)
 
 
 def sample_label(sample: dict, num_classes: int, stats: Counter) -> int | None:

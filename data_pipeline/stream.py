@@ -35,7 +35,7 @@ from data_pipeline.augment import (
 from data_pipeline.loader import worker_items
 from data_pipeline.manifest import DatasetInfo, ShardFormatError, dataset_info
 from data_pipeline.order import TrainPlan, check_split, rank_position, stream_draws, stream_state
-from data_pipeline.shards import sample_label
+from data_pipeline.shards import sample_label, set_read_retries
 from data_pipeline.step_pool import (
     PREFETCH_FACTOR,
     StepPool,
@@ -79,6 +79,7 @@ class StreamSpec:
     start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"  # never "fork" in a threaded process
     prefetch_factor: int = PREFETCH_FACTOR  # steps a loader worker may be ahead of the training process
     record_keys: bool = False  # keep the sample keys of the last micro-batch in `TrainStream.last_keys`
+    read_retries: int = 3  # a shard read failing with an I/O error is tried again this often (data_pipeline.shards)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.image_size < 1:
@@ -91,6 +92,8 @@ class StreamSpec:
             raise ValueError(f"mixup_alpha must be >= 0, got {self.mixup_alpha}")
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.read_retries < 0:
+            raise ValueError(f"read_retries must be >= 0, got {self.read_retries}")
         if self.start_method not in ("fork", "forkserver", "spawn"):
             raise ValueError(f"start_method must be 'fork', 'forkserver' or 'spawn', got {self.start_method!r}")
         if not isinstance(self.prefetch_factor, int) or self.prefetch_factor < 1:
@@ -210,10 +213,13 @@ class _TrainEpoch(IterableDataset):
     items into the rank's batch.
     """
 
-    def __init__(self, plan: TrainPlan, epoch: int, start: int, draws: dict[int, int], pool: StepPool):
+    def __init__(self, plan: TrainPlan, epoch: int, start: int, draws: dict[int, int], pool: StepPool,
+                 read_retries: int = 3):  # fmt: skip
         self.plan, self.epoch, self.start, self.draws, self.pool = plan, epoch, start, draws, pool
+        self.read_retries = read_retries
 
     def __iter__(self) -> Iterator[_Item]:
+        set_read_retries(self.read_retries)  # in the process that reads: a loader worker has its own module state
         info = get_worker_info()
         yield from self._logical(0 if info is None else info.id)
 
@@ -359,7 +365,7 @@ class TrainStream:
         # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
         lookahead = self.spec.prefetch_factor if self._processes > 0 else 0
         pool = self._step_pool(steps, lookahead)
-        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool)
+        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool, self.spec.read_retries)
         seed_key = (plan.seed, self._epoch, plan.rank, self._step)
         items = worker_items(epoch, self._processes, self.spec.start_method, seed_key, self.spec.prefetch_factor)
         for step in range(self._step, steps):

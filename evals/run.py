@@ -5,7 +5,8 @@ any weights, keeps nothing between calls (a fresh feature cache per call; nothin
 checkpoints), and can be held to a few threads (``num_threads``) to run beside training.
 
 Inputs: whatever ``pretrain.weights.load_model`` reads —
-- a training checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``), refused without its ``COMPLETE`` marker;
+- a training checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``), refused without its ``COMPLETE`` marker or
+  when the files an eval reads differ from the sizes and checksums its save recorded (``pretrain.checksums``);
   its step comes from ``trainer_state.json`` (``pretrain.run_folder.open_checkpoint``);
 - a folder written by ``save_pretrained`` or ``python -m pretrain.weights convert`` (``model.safetensors`` +
   ``model.json``), and an official JAX ``.npz``: these carry no step; their results are logged at ``--step``
@@ -32,7 +33,7 @@ from safetensors import SafetensorError
 
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.suites import EVALUATORS, load_suite
-from pretrain import run_folder
+from pretrain import checksums, run_folder
 from pretrain.weights import load_model as load
 from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
 
@@ -69,6 +70,13 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     if path.is_file() and path.name in (run_folder.WEIGHTS_FILE, run_folder.CONFIG_FILE):
         path = path.parent  # one file of a weights folder stands for the folder (as load_model reads it)
     if run_folder.looks_like_checkpoint(path):  # else exported weights: no COMPLETE, no step of their own
+        # The files an eval reads must be as saved, before any is read (trainer_state.json included).
+        verdict = checksums.verify(path, only=checksums.WEIGHT_FILES) if run_folder.is_complete(path) else None
+        if verdict is not None and not verdict.ok:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {verdict.problem}; evaluate an intact one (`python -m "
+                "pretrain.checkpoint verify <run folder>` lists them)"
+            )
         try:
             own = run_folder.open_checkpoint(path).step
         except ValueError as error:  # no COMPLETE marker, or a trainer state without a step

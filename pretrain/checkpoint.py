@@ -7,12 +7,23 @@ and the resolved ``config.yaml``. It is written into ``step_XXXXXXXX.tmp``, rena
 a crash mid-write leaves a folder without the marker that nothing reads, and the previous checkpoint stays the newest
 loadable one.
 
-Resume order (`find_start`): the newest COMPLETE checkpoint in the run folder > ``checkpoint.resume_from`` >
-``checkpoint.init_from`` (weights only) > scratch.
+Resume order (`find_start`): the newest COMPLETE checkpoint in the run folder that verifies > ``checkpoint.resume_from``
+> ``checkpoint.init_from`` (weights only) > scratch.
+
+Faults (docs/interfaces.md "Checkpoints"). Every save records each file's size and CRC-32 in ``checksums.json``
+(`pretrain.checksums`), and a resume checks them first: a damaged checkpoint (a file missing, cut short or changed) is
+skipped with one line naming the file, and the run resumes from the newest one that verifies. A save that fails on any
+rank (a full disk, any write error) removes its staging folder, leaves the earlier checkpoints as they were and
+raises `CheckpointSaveError` on every rank, with one message naming the path and the space needed
+(`pretrain.checkpoint_writes`); ``checkpoint.on_save_error: skip`` trains on instead and saves at the next cadence.
+
+    python -m pretrain.checkpoint verify DIR     # a run folder (each COMPLETE checkpoint) or one checkpoint; exit 2
+                                                 # on damage, or when DIR is neither
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import contextlib
 import importlib
@@ -33,11 +44,12 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.order import merge_stream_states
-from pretrain import run_folder
+from pretrain import checksums, run_folder
+from pretrain.checkpoint_writes import CheckpointSaveError, SaveAttempt, failure_message
 from pretrain.config import TrainConfig
 from pretrain.ds_config import batch_plan
 from pretrain.model import VisionTransformer
-from pretrain.run_folder import CONFIG_YAML, DEEPSPEED_DIR, TrainerState
+from pretrain.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.weights import load_npz, load_pretrained, save_pretrained
 from tracking.tracker import flatten_config
 
@@ -56,16 +68,64 @@ class StartPoint:
 
 
 def find_start(config: TrainConfig) -> StartPoint:
-    """Where training starts, by the documented resume order."""
-    latest = run_folder.latest_checkpoint(Path(config.checkpoint.dir))
+    """Where training starts, by the documented resume order. Collective where a process group exists: the ranks
+    share the checking of the run's checkpoints (`newest_verified`). A damaged ``resume_from`` or ``init_from``
+    checkpoint is refused (ValueError naming the file): the user named it, so it is not skipped."""
+    latest = newest_verified(Path(config.checkpoint.dir))
     if latest is not None:
         return StartPoint("run", latest)
     c = config.checkpoint
     if c.resume_from is not None:
-        return StartPoint("resume_from", run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from"))
+        folder = run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
+        return StartPoint("resume_from", _intact(folder, "checkpoint.resume_from"))
     if c.init_from is not None:
-        return StartPoint("init_from", Path(c.init_from))
+        source = Path(c.init_from)
+        if run_folder.is_complete(source):  # a training checkpoint: the weights it gives must be as written
+            _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
+        return StartPoint("init_from", source)
     return StartPoint("scratch", None)
+
+
+def newest_verified(run_dir: Path) -> Path | None:
+    """Collective. The newest COMPLETE checkpoint of the run whose files are as its save wrote them (or that records
+    no checksums: written before they were recorded), or None when the run has none. Rank 0's listing decides what
+    is checked; each rank reads its `pretrain.checksums.share` of every candidate's files. Each damaged newer one is
+    skipped with one line (rank 0) naming the file and what differs; ValueError when every checkpoint is damaged."""
+    rank, world = _rank_and_world()
+    candidates: list[Path] = _gather(run_folder.complete_checkpoints(run_dir))[0]
+    damaged = []
+    for folder in reversed(candidates):
+        verdict = checksums.combine(folder, _gather(checksums.verify(folder, part=(rank, world))))
+        if verdict.ok:
+            if rank == 0 and verdict.status == "unverified":
+                print(f"warning: resuming {folder} unverified: it records no checksums (written before checkpoints "
+                      "did)", file=sys.stderr, flush=True)  # fmt: skip
+            return folder
+        if rank == 0:
+            print(f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        damaged.append(verdict)
+    if damaged:
+        raise ValueError(
+            f"every checkpoint of {run_dir} is damaged ({'; '.join(v.line() for v in damaged)}); restore one from a "
+            f"copy, or move {run_folder.checkpoints_dir(run_dir)} away to start the run over"
+        )
+    return None
+
+
+def _intact(folder: Path, setting: str, only: tuple[str, ...] | None = None) -> Path:
+    """``folder`` if its files (``only`` these) are as written, else ValueError naming the setting and the file."""
+    verdict = checksums.verify(folder, only=only)
+    if not verdict.ok:
+        raise ValueError(f"{setting}={folder} is damaged: {verdict.problem}; point it at an intact checkpoint "
+                         "(`python -m pretrain.checkpoint verify <run folder>` lists them)")  # fmt: skip
+    return folder
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
 
 
 # --------------------------------------------------------------------------------------------- RNG state
@@ -133,20 +193,28 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the COMPLETE checkpoint folder (same path on every rank).
 
-    ``model`` is the bare ViT inside the engine (consolidated into model.safetensors by `_save_consolidated`).
+    ``model`` is the bare ViT inside the engine (consolidated into model.safetensors by `_save_consolidated`). Every
+    write goes through a `SaveAttempt`; the ranks agree on the outcome at three points (`_agree`: the staging folder
+    made, every file written, the checkpoint published), and a write that failed on any rank raises
+    `CheckpointSaveError` on every rank once its partial files are removed. The files' sizes and checksums go into
+    ``checksums.json``, the last file written before the rename and ``COMPLETE``.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     run_dir = Path(config.checkpoint.dir)
     tag = run_folder.step_name(step)
     tmp = run_folder.staging_dir(run_dir, step)
+    attempt = SaveAttempt(tmp, rank)
     if rank == 0:
-        run_folder.start_staging(tmp)
-    _barrier()
-    engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=tag, client_state={"step": step})
+        attempt.write(tmp, lambda: run_folder.start_staging(tmp), record=False)
+    _agree(attempt)
+    with attempt.routing(engine):
+        # DeepSpeed writes its "latest" file outside its checkpoint engine, where a failed write would raise on rank
+        # 0 alone (its peers then wait in the save's last barrier): rank 0 writes it below, through the attempt.
+        engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=tag, client_state={"step": step}, save_latest=False)
     stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(rng_state())  # rank-local positions
-    _save_consolidated(engine, model, tmp, rank)
+    _save_consolidated(engine, model, tmp, rank, attempt)
     if rank == 0:
-        TrainerState(
+        state = TrainerState(
             step=step,
             images_seen=images_seen,
             world_size=len(stream_states),
@@ -156,16 +224,46 @@ def save_checkpoint(
             metrics=metrics or {},
             saved_at=time.time(),
             precision="bf16" if engine.bfloat16_enabled() else "fp32",
-        ).write(tmp)
-        run_folder.write_durably(tmp / run_folder.CONFIG_YAML, config.to_yaml())
-        run_folder.publish(tmp)
-        run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last)
-    _barrier()
-    return run_folder.checkpoint_dir(run_dir, step)
+        )
+        attempt.write(tmp / run_folder.TRAINER_STATE, lambda: state.write(tmp))
+        attempt.write(tmp / CONFIG_YAML, lambda: run_folder.write_durably(tmp / CONFIG_YAML, config.to_yaml()))
+        latest = tmp / DEEPSPEED_DIR / "latest"  # what DeepSpeed's save_latest writes: the tag
+        attempt.write(latest, lambda: run_folder.write_durably(latest, tag))
+    for other in _agree(attempt):
+        attempt.written.update(other.written)
+    final = run_folder.checkpoint_dir(run_dir, step)
+    if rank == 0:
+        attempt.record_rest()
+        attempt.write(tmp / run_folder.CHECKSUMS, lambda: checksums.write(tmp, attempt.written), record=False)
+        attempt.write(final, lambda: run_folder.publish(tmp), record=False)
+        if attempt.failure is None:
+            run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last)
+    _agree(attempt)  # also what makes every rank wait until the checkpoint is COMPLETE
+    return final
 
 
-def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: int) -> None:
-    """Collective: every rank calls it. Rank 0 writes ``model`` into ``directory`` with `save_pretrained`.
+def _agree(attempt: SaveAttempt) -> list[SaveAttempt]:
+    """Collective: every rank's attempt so far. When a write failed on any rank, rank 0 removes the partial files
+    (the staging folder, or a published folder that did not get its marker) and every rank raises the same
+    `CheckpointSaveError`."""
+    attempts = _gather(attempt)
+    failure = next((a.failure for a in attempts if a.failure is not None), None)
+    if failure is None:
+        return attempts
+    message = None
+    if attempt.rank == 0:
+        staged = sum(p.stat().st_size for p in attempt.staging.rglob("*") if p.is_file())
+        final = attempt.staging.with_name(attempt.staging.name.removesuffix(run_folder.STAGING_SUFFIX))
+        shutil.rmtree(attempt.staging, ignore_errors=True)
+        if final.is_dir() and not run_folder.is_complete(final):
+            shutil.rmtree(final, ignore_errors=True)
+        message = failure_message(failure, attempt.staging, staged)
+    raise CheckpointSaveError(_gather(message)[0])
+
+
+def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: int, attempt: SaveAttempt) -> None:
+    """Collective: every rank calls it. Rank 0 writes ``model`` into ``directory`` with `save_pretrained`, through
+    ``attempt`` (a failed write is recorded, and the collectives here still complete on every rank).
 
     In a bf16 run the parameters written are the optimizer's fp32 master weights, not the engine's bf16 compute copy
     (rounded to 8 bits of mantissa): evals, exports and ``init_from`` start from what training holds. Parameters
@@ -180,7 +278,8 @@ def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: 
     with deepspeed.zero.GatheredParameters(rest, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
         if rank == 0:
             held = {name: master for name, master in masters.items() if master is not None}  # all of them on rank 0
-            save_pretrained(_holding(model, {**model.state_dict(), **held}) if held else model, directory)
+            weights = _holding(model, {**model.state_dict(), **held}) if held else model
+            attempt.write(directory / WEIGHTS_FILE, lambda: save_pretrained(weights, directory), record=False)
 
 
 def _fp32_masters(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
@@ -412,10 +511,12 @@ class Checkpointer:
     plus the step-0 weights of a fresh run whose checkpoints are evaluated (`wants_baseline`); ``checkpoint.keep_last``
     prunes older ones as each save publishes (`pretrain.run_folder.prune_checkpoints`, sparing pinned ones); and
     ``on_checkpoint(folder, step, metrics)`` runs on every rank after each COMPLETE checkpoint (the cluster driver
-    hands it to the evals)."""
+    hands it to the evals). A save that fails (`CheckpointSaveError`) stops the run, or with
+    ``checkpoint.on_save_error: skip`` is reported and retried at the next cadence step (never the last step's)."""
 
     def __init__(self, config: TrainConfig, last_step: int, on_checkpoint: CheckpointCallback | None = None):
         self.every, self.last_step, self.on_checkpoint = config.checkpoint.every_steps, last_step, on_checkpoint
+        self.on_save_error = config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
         self.saved: list[str] = []  # this attempt's COMPLETE checkpoints, in order
 
@@ -432,9 +533,40 @@ class Checkpointer:
             self._save(trainer, metrics)
 
     def _save(self, trainer, metrics: dict[str, float]) -> None:
-        folder = save_checkpoint(trainer.engine, trainer.model, trainer.current, step=trainer.step,
-                                 images_seen=trainer.images_seen, stream_state=trainer.stream.state_dict(),
-                                 metrics=metrics)  # fmt: skip
+        try:
+            folder = save_checkpoint(trainer.engine, trainer.model, trainer.current, step=trainer.step,
+                                     images_seen=trainer.images_seen, stream_state=trainer.stream.state_dict(),
+                                     metrics=metrics)  # fmt: skip
+        except CheckpointSaveError as error:
+            if self.on_save_error == "stop" or trainer.step >= self.last_step:
+                why = "stop" if self.on_save_error == "stop" else "skip, but the last checkpoint cannot be skipped"
+                raise CheckpointSaveError(f"{error}; then launch the run again: it resumes from its newest "
+                                          f"checkpoint (checkpoint.on_save_error: {why})") from None  # fmt: skip
+            if trainer.place.rank == 0:
+                later = min(trainer.step - trainer.step % self.every + self.every, self.last_step)
+                print(f"warning: {error}; training goes on (checkpoint.on_save_error: skip) and saves again at step "
+                      f"{later}", file=sys.stderr, flush=True)  # fmt: skip
+            return
         self.saved.append(str(folder))
         if self.on_checkpoint is not None:
             self.on_checkpoint(folder, trainer.step, metrics)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pretrain.checkpoint verify DIR`` (`pretrain.checksums.verify_command`)."""
+    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint", description="Check training checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    verify = sub.add_parser("verify", help="check each file of a checkpoint (or of every COMPLETE checkpoint of a run "
+                            "folder) against the size and CRC-32 its save recorded; one line per checkpoint, exit 2 "
+                            "on damage")  # fmt: skip
+    verify.add_argument("dir", type=Path, metavar="DIR", help="a run folder or one checkpoint folder")
+    args = parser.parse_args(argv)
+    try:
+        return checksums.verify_command(args.dir)
+    except ValueError as error:  # no run folder or checkpoint there, or one without COMPLETE
+        print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

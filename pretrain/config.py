@@ -91,6 +91,9 @@ class DataConfig:
     mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables (AugReg B/16: 0.2)
     # Training augmentation (inception crop, flip, RandAugment; data_pipeline.augment). null → resize only.
     augment: AugmentConfig | None = field(default_factory=AugmentConfig)
+    # A shard read that fails with an I/O error (EIO, a reset connection, a store's 5xx) is tried again this many times
+    # (after 0.1, 0.4, 1.6 s, ...) before the shard counts as damaged; data/read_retries counts them in MLflow
+    read_retries: int = 3
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,9 @@ class CheckpointConfig:
     keep_last: int = 3  # keep the newest k complete checkpoints
     resume_from: str | None = None  # a checkpoint folder to resume fully (used when <dir> has none)
     init_from: str | None = None  # weights only: a model.safetensors folder or an official .npz
+    # A save that fails (a full disk, any write error; its partial files are removed either way): stop the run, or
+    # skip this checkpoint, train on and save at the next one (the last step's save is never skipped)
+    on_save_error: Literal["stop", "skip"] = "stop"
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,9 @@ class EvalsConfig:
     # Evaluate the step-0 weights too (a checkpoint saved before the first update): the random-initialisation
     # baseline every transfer curve starts at. Costs one checkpoint save and one eval; false skips both.
     baseline: bool = True
+    # The job's end waits at most this long for evals still pending after training; what is still running then is
+    # recorded as failed (eval_failed/<suite>). Evals never hold training itself.
+    timeout_s: float = 3600.0
 
 
 SECTIONS = ("model", "data", "optim", "schedule", "loss", "task", "deepspeed", "checkpoint", "logging", "evals")
@@ -196,6 +205,7 @@ class TrainConfig:
         tasks.check_config(self.loss, self.task)
         ds_config.check_config(self.deepspeed)
         check_run_config(self.checkpoint, self.logging)
+        positive(self.evals.timeout_s, "evals.timeout_s")
         if check_paths:
             check_paths_exist(here)
             check_compiler(self.model)
@@ -310,6 +320,7 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
     if d.epoch_images is not None:
         positive(d.epoch_images, "data.epoch_images")
     at_least(d.num_workers, 0, "data.num_workers")
+    at_least(d.read_retries, 0, "data.read_retries")
     at_least(d.shuffle_buffer, 0, "data.shuffle_buffer")
     at_least(d.mixup_alpha, 0.0, "data.mixup_alpha")
     if d.builtin is not None:  # checked here rather than when rank 0 generates the set mid-start

@@ -4,13 +4,17 @@ Torch-free (no torch, deepspeed or numpy), so config checks, evals, the cluster 
 The layout (docs/design.md "The run folder"; docs/interfaces.md "Checkpoints"):
 
     <run>/checkpoints/step_XXXXXXXX/     the step, zero-padded to 8 digits
-      deepspeed/  model.safetensors  model.json  trainer_state.json  config.yaml  evals/  PINNED  COMPLETE
+      deepspeed/  model.safetensors  model.json  trainer_state.json  config.yaml  checksums.json  evals/  PINNED
+      COMPLETE
 
 A checkpoint is written into ``step_XXXXXXXX.tmp/``, renamed, and only then marked ``COMPLETE``; nothing reads a
-folder without the marker. ``PINNED`` keeps a checkpoint through ``checkpoint.keep_last`` pruning while evals need it.
+folder without the marker. ``checksums.json`` (written last before the rename) records each file's size and CRC-32
+(`pretrain.checksums`), checked before a resume or an eval reads the files. ``PINNED`` keeps a checkpoint through
+``checkpoint.keep_last`` pruning while evals need it.
 
 API (paths are used as given: a loaded TrainConfig's ``checkpoint.dir`` is already absolute, `TrainConfig.resolved`)
-  names      CHECKPOINTS, COMPLETE, PINNED, TRAINER_STATE, WEIGHTS_FILE, CONFIG_FILE, CONFIG_YAML, DEEPSPEED_DIR
+  names      CHECKPOINTS, COMPLETE, PINNED, TRAINER_STATE, WEIGHTS_FILE, CONFIG_FILE, CONFIG_YAML, DEEPSPEED_DIR,
+             CHECKSUMS
              step_name(step) -> "step_00000120"; parse_step(name) -> int | None (None for ".tmp" and other names)
              checkpoints_dir(run_dir); checkpoint_dir(run_dir, step)
   listing    complete_checkpoints(run_dir) -> [Path] oldest first; latest_checkpoint(run_dir) -> Path | None
@@ -51,6 +55,7 @@ WEIGHTS_FILE = "model.safetensors"  # also the file name of any save_pretrained 
 CONFIG_FILE = "model.json"  # the ViTConfig beside the weights
 CONFIG_YAML = "config.yaml"  # the resolved TrainConfig of the step
 DEEPSPEED_DIR = "deepspeed"
+CHECKSUMS = "checksums.json"  # each file's size and CRC-32 as its save wrote them (pretrain.checksums)
 STAGING_SUFFIX = ".tmp"
 _STEP_NAME = re.compile(r"step_(\d+)")
 

@@ -26,6 +26,7 @@ from pretrain.config import TrainConfig, load_config
 from pretrain.distributed import Placement, broadcast, exit_rank, finish_distributed, init_distributed
 from pretrain.ds_config import batch_plan
 from pretrain.flops import train_flops
+from pretrain.heartbeat import Heartbeat
 from pretrain.metrics import TrainMetrics
 from pretrain.peak import Peak, device_peak
 from pretrain.recorder import Recorder, TrainSummary
@@ -35,9 +36,12 @@ from tracking.runs import create_run, finish_run, run_tags
 from tracking.tracker import Tracker
 
 
-def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> TrainSummary:
+def train_worker(
+    config: TrainConfig, on_checkpoint: CheckpointCallback | None = None, heartbeat: Heartbeat | None = None
+) -> TrainSummary:
     """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
-    every rank after each COMPLETE checkpoint, the step-0 baseline included (`pretrain.checkpoint.Checkpointer`)."""
+    every rank after each COMPLETE checkpoint, the step-0 baseline included (`pretrain.checkpoint.Checkpointer`).
+    ``heartbeat`` (the cluster driver's) hears of every step, save and resolution switch (`pretrain.heartbeat`)."""
     config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
     place = init_distributed(config)
     config.validate(place.world_size)
@@ -53,20 +57,23 @@ def train_worker(config: TrainConfig, on_checkpoint: CheckpointCallback | None =
         progress_bar=config.logging.progress_bar, start_step=trainer.step, images_seen=trainer.images_seen,
     )  # fmt: skip
     checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint)
+    beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after this draws from the global generators
     recorder, outcome = open_recorder(config, place), "failed"
     try:
         checkpointer.save_baseline(trainer)
         logged: dict[str, float] = {}
         while trainer.step < trainer.last_step:
-            trainer.maybe_switch_resolution()
+            trainer.maybe_switch_resolution(on_switch=beat.busy)
             result = trainer.train_step(recorder)
+            beat.step(trainer.step, result.data_s, trainer.stream.stats)
             recorder.end_step(trainer.step, result.loss, trainer.epoch)
             logged = metrics.step(trainer.step, result.loss, result.lr, result.grad_norm,
                                   trainer.plan.global_batch_size, result.data_s) or logged  # fmt: skip
             checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})
         outcome = "finished" if trainer.step >= trainer.total_steps else "stopped"
     finally:
+        beat.end()
         tracker.set_tags({keys.STATUS: outcome})
         recorder.close()
         metrics.close()

@@ -66,6 +66,7 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int) -> Tra
         num_workers=d.num_workers,
         start_method=d.loader_start_method,
         record_keys=config.logging.record_sample_keys,
+        read_retries=d.read_retries,
     )
     return TrainStream(spec, rank=place.rank, world_size=place.world_size)
 
@@ -142,13 +143,16 @@ class Trainer:
         """The stream's epoch (it rolls over when the next step starts: right after a step, that step's epoch)."""
         return int(self.stream.state_dict()["epoch"])
 
-    def maybe_switch_resolution(self) -> None:
+    def maybe_switch_resolution(self, on_switch: Callable[[str], None] | None = None) -> None:
         """Before each step: move to the image size the progressive schedule gives this step, if it changed. The
         model is rebuilt with its position embeddings interpolated, a new engine takes over the fp32 weights and Adam
-        state, and a new stream continues from the old one's position (`pretrain.progressive`)."""
+        state, and a new stream continues from the old one's position (`pretrain.progressive`). ``on_switch("switch")``
+        runs first when it does (the heartbeat: a rebuild is legitimately long)."""
         target = progressive.config_at(self.config, self.step)
         if target.data.image_size == self.current.data.image_size:
             return
+        if on_switch is not None:
+            on_switch("switch")
         scratch = ckpt.StartPoint("scratch", None)
         self.engine, self.model = progressive.switch_resolution(
             self.engine, self.model,

@@ -57,3 +57,36 @@ PEAK_TFLOPS = "vitscale.peak_tflops"  # the per-device peak train/mfu divides by
 PEAK_SOURCE = "vitscale.peak_source"  # where that peak comes from (datasheet, declared, measured GEMM)
 KIND = "vitscale.kind"  # "comparison" for the runs `make compare` logs its report to
 COMPARED_RUNS = "vitscale.compared_runs"
+
+# Faults (docs/elastic.md#faults). The driver's watchdog (cluster.watchdog): hung worker groups it restarted, and
+# stragglers (ranks waiting persistently longer for data than the median rank).
+HANGS = "vitscale.hangs"  # tag: how many times the watchdog found the group hung and killed the culprit
+LAST_HANG = "vitscale.last_hang"  # tag: the watchdog's line about the last one (rank, pid, step, state, why)
+HANGS_METRIC = "cluster/hangs"  # the same count, at the step the group was at
+STRAGGLERS = "vitscale.stragglers"  # tag: the persistent stragglers with their numbers, or "none"
+STRAGGLERS_METRIC = "cluster/stragglers"  # how many ranks are persistent stragglers, logged when it changes
+# The training stream's counters summed over ranks, logged by the watchdog when they change: read_retries (a shard
+# read that failed and was tried again), read_failures (reads given up after data.read_retries retries: the shard
+# counts as damaged), and the damage counters of data_pipeline.shards (missing_shards, truncated_shards, ...).
+DATA_PREFIX = "data/"
+
+
+def data_count(counter: str) -> str:  # e.g. data/read_retries
+    return f"{DATA_PREFIX}{counter}"
+
+
+# An eval that failed for good (an exception, a task killed beyond its retries, a damaged checkpoint, the job's end
+# reached with it still running past evals.timeout_s): 1 at the checkpoint's step; the reason is the artifact
+# eval_failures/step_XXXXXXXX.txt, the count the tag below.
+def eval_failed(suite: str) -> str:  # e.g. eval_failed/local_fewshot
+    return f"eval_failed/{suite}"
+
+
+EVAL_FAILURES = "vitscale.eval_failures"  # tag: checkpoints whose eval failed for good
+EVAL_FAILURES_DIR = "eval_failures"  # artifact folder: one text file per failed checkpoint, the reason in it
+MODEL_URI = "vitscale.model_uri"  # the run's model in MLflow (models:/m-…, tracking.models), shown by make compare
+MODEL_STEP = "vitscale.model_step"  # the checkpoint step that model holds
+# Tags of the logged model itself (MLflow LoggedModel tags, tracking.models).
+MODEL_TAG_STEP = "vitscale.step"
+MODEL_TAG_SOURCE = "vitscale.source"  # the checkpoint folder it was exported from
+MODEL_TAG_EVAL_PREFIX = "vitscale.eval."  # + an eval mean's metric key, e.g. vitscale.eval.fewshot/mean/10shot

@@ -1,0 +1,373 @@
+"""The driver's watchdog: a worker group that stopped making progress without dying is restarted in minutes, not at
+the collective timeout (`deepspeed.timeout_minutes`, 30 by default).
+
+Each training rank rewrites `<run_dir>/heartbeats/rank<r>.json` as it goes (`pretrain.heartbeat`: step, phase, pid,
+node, median step time, data wait, the stream's counters). A thread of the driver (`Watchdog`, started around
+`TorchTrainer.fit()`) reads them every `hang.poll_s` and:
+
+- **Hangs.** Ranks of a data-parallel group wait for each other in every collective, so one rank that stops (a
+  SIGSTOP, a stuck read, a deadlock) stops them all within a step: the group is hung when *no* rank has reported for
+  longer than the allowance of what the ranks are doing (`assess`: the profile's `hang` section,
+  `cluster.profiles.HangSpec`; the longest allowance among the ranks applies, since a rank in a long checkpoint save
+  legitimately holds the others in their next collective). Then the watchdog writes every rank's Python stack to
+  `<run_dir>/stacks/rank<r>.txt` (SIGUSR1 to the `faulthandler` each worker registered; a stopped process — state
+  T in /proc — is continued just long enough to write it, and the log says it was stopped), picks the culprit (a
+  stopped or uninterruptible process first, else the rank whose report is oldest) and kills it with SIGKILL on its
+  node. Ray Train sees a worker failure and restarts the group (charged to `max_failures`, like any failure), which
+  resumes from the newest COMPLETE checkpoint: the same path as a lost worker. The event goes to the driver's log,
+  `<run_dir>/watchdog.jsonl` and the MLflow run (tags `vitscale.hangs`, `vitscale.last_hang`).
+- **Stragglers.** A rank whose data wait per step stays above the median rank's (`stragglers`) is named in the tag
+  `vitscale.stragglers` and counted in the metric `cluster/stragglers`; nothing is restarted.
+- **Data counters.** The ranks' stream counters (read retries, reads given up, damaged shards and samples) summed
+  over ranks go to MLflow as `data/<counter>` at the group's step whenever they change.
+
+A report whose process is gone (a worker Ray already lost or restarted) is no hang: Ray's failure path has it.
+Reports of processes the watchdog acted on, or found at its start (an earlier job of the run), are ignored.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from cluster.profiles import HangSpec
+from pretrain.heartbeat import read_heartbeats
+from tracking import keys
+from tracking.tracker import Tracker
+
+STACKS_DIR = "stacks"  # under the run folder: one file per rank, appended at each dump
+EVENTS_FILE = "watchdog.jsonl"
+# The stream counters logged as data/<name> (data_pipeline.shards, data_pipeline.stream): what went wrong reading.
+DATA_COUNTERS = (
+    "read_retries", "read_failures", "read_errors", "missing_shards", "truncated_shards", "missing_samples",
+    "corrupt_samples", "incomplete_samples", "bad_labels", "label_out_of_range", "unsafe_members",
+)  # fmt: skip
+_STOPPED_STATES = ("T", "t")  # stopped (SIGSTOP, job control) or traced
+_STUCK_STATES = ("D",)  # uninterruptible sleep: a read the kernel cannot give up on (a hung network filesystem)
+
+
+def install_stack_dump(run_dir: Path, rank: int) -> IO[str]:
+    """In a training worker: SIGUSR1 appends every thread's Python stack to `<run_dir>/stacks/rank<r>.txt`.
+
+    faulthandler writes from its C signal handler, so a process stuck in C code (a collective, a read) dumps too.
+    Returns the open file, which must stay open (and referenced) as long as the handler is registered."""
+    folder = Path(run_dir) / STACKS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    out = open(folder / f"rank{rank}.txt", "a")  # noqa: SIM115 (kept open: faulthandler writes to its descriptor)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True, chain=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ pure decisions
+
+
+def step_bound(spec: HangSpec, step_s: float | None) -> float:
+    """The allowance while training: max(floor, factor x the median step time)."""
+    return max(spec.floor_s, spec.factor * step_s) if step_s else spec.floor_s
+
+
+def allowance(spec: HangSpec, phase: str, step_s: float | None) -> float:
+    """How long a rank in ``phase`` may go without a report."""
+    if phase == "start":
+        return spec.startup_s
+    if phase in ("checkpoint", "switch"):
+        return max(spec.checkpoint_s, step_bound(spec, step_s))
+    return step_bound(spec, step_s)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The group's state at one poll: hung or not, for how long nothing was reported, and the allowance."""
+
+    hung: bool
+    idle_s: float
+    bound_s: float
+    ranks: list[dict[str, Any]]  # the reports judged (this attempt's ranks, not done)
+    why: str = ""
+
+
+def active_reports(beats: list[dict[str, Any]], retired: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The current attempt's reports: not of a retired process, within the newest report's world size."""
+    live = [b for b in beats if (b.get("host", ""), b.get("pid", -1)) not in retired]
+    if not live:
+        return []
+    world = max(live, key=lambda b: b.get("started", 0)).get("world_size", len(live))
+    return [b for b in live if b.get("rank", 0) < world]
+
+
+def median_step_s(reports: list[dict[str, Any]]) -> float | None:
+    times = [b["step_s"] for b in reports if b.get("step_s")]
+    return statistics.median(times) if times else None
+
+
+def assess(reports: list[dict[str, Any]], now: float, spec: HangSpec) -> Verdict:
+    """Hung when no rank still training has reported for longer than the longest allowance among them."""
+    ranks = [b for b in reports if b.get("phase") != "done"]
+    if not ranks:
+        return Verdict(False, 0.0, 0.0, [])
+    step_s = median_step_s(ranks)
+    phases = {b.get("phase", "step") for b in ranks}
+    bound = max(allowance(spec, phase, step_s) for phase in phases)
+    idle = now - max(b.get("time", now) for b in ranks)
+    longest = max(phases, key=lambda p: allowance(spec, p, step_s))
+    why = f"phase {longest}: " + (
+        f"max(floor {spec.floor_s:g} s, {spec.factor:g} x median step {step_s or 0:.2f} s)"
+        if longest == "step"
+        else f"hang.{'startup_s' if longest == 'start' else 'checkpoint_s'}"
+    )
+    return Verdict(idle > bound, idle, bound, ranks, why)
+
+
+def pick_culprit(ranks: list[dict[str, Any]], states: dict[int, str]) -> dict[str, Any]:
+    """The rank to kill: a stopped process, else one stuck in the kernel, else the one whose report is oldest (the
+    others wait for it in a collective; its stack dump says where it is)."""
+
+    def order(b: dict[str, Any]) -> tuple:
+        state = states.get(b["rank"], "")
+        return (state not in _STOPPED_STATES, state not in _STUCK_STATES, b.get("step", 0), b.get("time", 0))
+
+    return min(ranks, key=order)
+
+
+def stragglers(reports: list[dict[str, Any]], fraction: float) -> dict[int, str]:
+    """Ranks whose data wait per step exceeds the median rank's by ``fraction`` of the median step time, each with
+    the numbers that say so."""
+    timed = [b for b in reports if b.get("phase") == "step" and b.get("step_s") and "data_s" in b]
+    if len(timed) < 2:
+        return {}
+    wait = statistics.median(b["data_s"] for b in timed)
+    step = statistics.median(b["step_s"] for b in timed)
+    return {
+        b["rank"]: f"rank {b['rank']}: waits {b['data_s']:.3f} s per step for data (median rank {wait:.3f} s, "
+        f"step {step:.3f} s)"
+        for b in timed
+        if b["data_s"] - wait > fraction * step
+    }
+
+
+def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
+    """The stream counters of ``reports`` summed over ranks (the ones in `DATA_COUNTERS`)."""
+    totals = dict.fromkeys(DATA_COUNTERS, 0)
+    for b in reports:
+        for name, value in (b.get("data") or {}).items():
+            if name in totals:
+                totals[name] += int(value)
+    return totals
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (R, S, D, T, Z, ...), or "gone"."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    state = text.rsplit(")", 1)[-1].split()[0]  # after "(comm)", which may hold spaces
+    return "gone" if state in ("Z", "X") else state
+
+
+def dump_and_state(pid: int, stack_file: str, header: str, wait_s: float = 3.0) -> str:
+    """Ask ``pid`` for its Python stacks (appended to ``stack_file`` after ``header``) and return its state as it
+    was. A stopped process is continued so that its handler runs (the dump is where it stopped); the caller kills
+    it next."""
+    state = process_state(pid)
+    if state == "gone":
+        return state
+    path = Path(stack_file)
+    try:  # a full disk must not keep the watchdog from killing the culprit: the dump is a bonus
+        with open(path, "a") as out:
+            out.write(f"\n{header} (process state {state})\n")
+        size = path.stat().st_size
+    except OSError:
+        size = -1
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        if state in _STOPPED_STATES:
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return "gone"
+    deadline = time.monotonic() + wait_s
+    while size >= 0 and time.monotonic() < deadline and _size(path) == size:
+        time.sleep(0.05)
+    return state
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def on_node(report: dict[str, Any], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` where the process of ``report`` runs: directly when that is this machine (its /proc and
+    signals are ours, whichever Ray node it belongs to), else as a Ray task pinned to its node; None when that node
+    cannot be reached (lost: Ray's node-loss path restarts the group)."""
+    if report.get("host") in (None, socket.gethostname()) or report.get("node_id") is None:
+        return fn(*args)
+    import ray  # heavy: only the driver and cluster commands need Ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    where = NodeAffinitySchedulingStrategy(report["node_id"], soft=False)
+    try:
+        return ray.get(task.options(scheduling_strategy=where).remote(*args), timeout=30)
+    except Exception as error:  # the node is gone or does not answer
+        print(f"watchdog: cannot reach rank {report.get('rank')}'s node {report['node_id']}: {error}", flush=True)
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ the thread
+
+
+@dataclass
+class _Seen:
+    """What the watchdog remembers between polls."""
+
+    retired: set[tuple[str, int]] = field(default_factory=set)  # processes whose reports no longer count
+    hangs: int = 0
+    hang_at: float | None = None  # when the last hang was acted on, until training resumed
+    slow: dict[int, int] = field(default_factory=dict)  # rank: successive polls it was slow in
+    reported_slow: frozenset[int] = frozenset()
+    last_step: int = -1
+    data: dict[str, int] = field(default_factory=dict)
+
+
+class Watchdog:
+    """The driver's thread (module docstring). ``start()`` before `TorchTrainer.fit()`, ``stop()`` after."""
+
+    def __init__(self, run_dir: Path, spec: HangSpec, tracker: Tracker):
+        self.run_dir, self.spec, self.tracker = Path(run_dir), spec, tracker
+        self.events: list[dict[str, Any]] = []
+        self._seen = _Seen(retired={(b.get("host", ""), b.get("pid", -1)) for b in read_heartbeats(self.run_dir)})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vitscale-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.tracker.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.spec.poll_s):
+            try:
+                self.poll(time.time())
+            except Exception as error:  # the watchdog must never take the job down
+                print(f"watchdog: error while checking progress: {type(error).__name__}: {error}", flush=True)
+
+    def poll(self, now: float) -> Verdict:
+        """One look at the heartbeats: act on a hang, note a resume, report stragglers and data counters."""
+        reports = active_reports(read_heartbeats(self.run_dir), self._seen.retired)
+        verdict = assess(reports, now, self.spec)
+        self._note_resume(verdict.ranks, now)
+        if verdict.hung and self.spec.enabled:
+            self._act(verdict, now)
+        elif verdict.ranks:
+            self._report_progress(reports)
+        return verdict
+
+    def _note_resume(self, ranks: list[dict[str, Any]], now: float) -> None:
+        training = [b for b in ranks if b.get("phase") != "start"]
+        if self._seen.hang_at is None or not training:
+            return
+        step = min(b.get("step", 0) for b in training)
+        self._event("resumed", f"training resumed at step {step}, {now - self._seen.hang_at:.0f} s after the hang "
+                    "was acted on", step=step)  # fmt: skip
+        self._seen.hang_at = None
+
+    def _act(self, verdict: Verdict, now: float) -> None:
+        """Dump every rank's stacks, kill the culprit (or, when a process is already gone, leave it to Ray)."""
+        ranks = verdict.ranks
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now))
+        states: dict[int, str] = {}
+        for b in ranks:
+            header = (
+                f"=== {stamp} UTC watchdog: no progress for {verdict.idle_s:.0f} s; rank {b['rank']} pid {b['pid']}"
+            )
+            stack_file = str(self.run_dir / STACKS_DIR / f"rank{b['rank']}.txt")
+            states[b["rank"]] = on_node(b, dump_and_state, b["pid"], stack_file, header) or "gone"
+        self._seen.retired |= {(b.get("host", ""), b.get("pid", -1)) for b in ranks}
+        gone = sorted(r for r, s in states.items() if s == "gone")
+        if gone:  # a worker already died: Ray Train's failure path restarts the group
+            self._event("gone", f"ranks {gone} are gone (a worker failure Ray Train handles); not a hang")
+            return
+        culprit = pick_culprit(ranks, states)
+        state = states[culprit["rank"]]
+        what = "stopped (SIGSTOP or a debugger)" if state in _STOPPED_STATES else f"state {state}"
+        line = (
+            f"rank {culprit['rank']} (pid {culprit['pid']} on {culprit.get('host', '?')}) hung at step "
+            f"{culprit.get('step', 0)}: no progress from any rank for {verdict.idle_s:.0f} s > {verdict.bound_s:.0f} s "
+            f"({verdict.why}); process {what}; stacks in {self.run_dir / STACKS_DIR}; killing it so that Ray Train "
+            "restarts the group from the newest complete checkpoint"
+        )
+        killed = on_node(culprit, kill, culprit["pid"])
+        self._seen.hangs += 1
+        self._seen.hang_at = now
+        self._event("hung", line if killed else line + " (it was gone already)", rank=culprit["rank"],
+                    pid=culprit["pid"], step=culprit.get("step", 0), state=state, idle_s=verdict.idle_s)  # fmt: skip
+        self.tracker.set_tags({keys.HANGS: self._seen.hangs, keys.LAST_HANG: line[:4000]})
+        self.tracker.log_metrics({keys.HANGS_METRIC: self._seen.hangs}, step=int(culprit.get("step", 0)))
+
+    def _report_progress(self, reports: list[dict[str, Any]]) -> None:
+        """Stragglers and data counters, at the group's step, when they change."""
+        seen = self._seen
+        step = min(b.get("step", 0) for b in reports)
+        if step != seen.last_step:  # a poll with new steps (or a restart, which goes back)
+            slow = stragglers(reports, self.spec.straggler_fraction)
+            seen.slow = {r: seen.slow.get(r, 0) + 1 for r in slow}
+            persistent = frozenset(r for r, n in seen.slow.items() if n >= self.spec.straggler_polls)
+            if persistent != seen.reported_slow:
+                seen.reported_slow = persistent
+                text = "; ".join(slow[r] for r in sorted(persistent)) or "none"
+                self.tracker.set_tags({keys.STRAGGLERS: text[:4000]})
+                self.tracker.log_metrics({keys.STRAGGLERS_METRIC: len(persistent)}, step=step)
+                if persistent:
+                    print(f"watchdog: straggler {text}", flush=True)
+            seen.last_step = step
+        totals = data_totals(reports)
+        if totals != seen.data and any(totals.values()):
+            changed = {keys.data_count(k): v for k, v in totals.items() if v != seen.data.get(k, 0)}
+            self.tracker.log_metrics(changed, step=step)
+        seen.data = totals
+
+    def _event(self, kind: str, text: str, **fields: Any) -> None:
+        event = {"event": kind, "time": time.time(), "text": text, **fields}
+        self.events.append(event)
+        print(f"watchdog: {text}", flush=True)
+        try:
+            with open(self.run_dir / EVENTS_FILE, "a") as out:
+                out.write(json.dumps(event) + "\n")
+        except OSError:
+            pass
+
+
+def identity(rank: int, world_size: int) -> dict[str, Any]:
+    """What a worker's heartbeat says about where it runs (the watchdog signals it there)."""
+    import ray  # heavy: only the driver and cluster commands need Ray
+
+    return {"rank": rank, "world_size": world_size, "host": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip

@@ -1,0 +1,169 @@
+"""Transient storage errors: a shard read that fails (EIO on open, EIO mid-read) is retried with backoff and counted;
+only a read that keeps failing counts the shard as damaged. The storage is a real filesystem behind fsspec (the
+project's own shards on local disk) reached through a test protocol, ``flaky://``, whose files fail their first N
+opens: the data pipeline takes fsspec URLs, so this is the path an s3:// or gs:// read takes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from test_data_stream import UNEVEN, make_shards
+
+from data_pipeline.eval_stream import EvalStream
+from data_pipeline.manifest import read_dataset_info
+from data_pipeline.shards import is_transient, read_shard, retry_delay_s
+from data_pipeline.stream import StreamSpec, TrainStream
+from pretrain.config import load_config
+
+
+class _FailingReader:
+    """A file that raises EIO once ``limit`` bytes have been read from it (a connection reset mid-read)."""
+
+    def __init__(self, f: Any, limit: int):
+        self.f, self.limit, self.done = f, limit, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self.done >= self.limit:
+            raise OSError(errno.EIO, "Input/output error (flaky:// test storage, mid-read)")
+        data = self.f.read(n if n is not None and n >= 0 and n < self.limit - self.done else self.limit - self.done)
+        self.done += len(data)
+        return data
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """Local files whose ``.tar`` files fail their first ``fail_opens`` opens: with EIO at open, or (with
+    ``fail_after_bytes``) after that many bytes. The open counts live in files under ``state_dir``, so loader
+    workers (forked processes) share them."""
+
+    protocol = ("flaky",)
+    cachable = False
+    state_dir = ""
+    fail_opens = 0
+    fail_after_bytes: int | None = None
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        f = super()._open(path, mode, **kwargs)
+        if not str(path).endswith(".tar"):
+            return f
+        if opens(path) > self.fail_opens:
+            return f
+        if self.fail_after_bytes is None:
+            f.close()
+            raise OSError(errno.EIO, "Input/output error (flaky:// test storage)", str(path))
+        return _FailingReader(f, self.fail_after_bytes)
+
+
+def opens(path: str) -> int:
+    """Count one more open of ``path`` and return the count (an O_APPEND byte per open: safe across processes)."""
+    counter = Path(FlakyFileSystem.state_dir) / (str(path).strip("/").replace("/", "_") + ".opens")
+    fd = os.open(counter, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, b".")
+    finally:
+        os.close(fd)
+    return counter.stat().st_size
+
+
+@pytest.fixture
+def flaky(tmp_path, monkeypatch):
+    """The ``flaky://`` protocol, registered for this test (and the loader workers it forks)."""
+    state = tmp_path / "opens"
+    state.mkdir()
+    monkeypatch.setattr(FlakyFileSystem, "state_dir", str(state))
+    fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+    yield FlakyFileSystem
+    sys.modules["fsspec.registry"]._registry.pop("flaky", None)  # fsspec.registry is a read-only view of it
+
+
+def test_transient_errors_are_told_from_damage():
+    assert is_transient(OSError(errno.EIO, "Input/output error"))
+    assert is_transient(ConnectionResetError()) and is_transient(TimeoutError())
+    http_503 = type("ClientResponseError", (Exception,), {"status": 503})()  # aiohttp's, as an HTTP store raises it
+    http_404 = type("ClientResponseError", (Exception,), {"status": 404})()
+    assert is_transient(http_503) and not is_transient(http_404)
+    assert not is_transient(FileNotFoundError()) and not is_transient(PermissionError())
+    assert not is_transient(tarfile.ReadError("unexpected end of data"))  # damage: counted, not retried
+    assert [retry_delay_s(i) for i in range(3)] == pytest.approx([0.1, 0.4, 1.6])
+
+
+def test_a_failed_open_is_retried_and_counted(tmp_path, flaky, monkeypatch):
+    root = make_shards(tmp_path / "s")
+    url = read_dataset_info(f"flaky://{root}").shards[3].url  # 40 samples
+    clean = [s["__key__"] for s in read_shard(str(root / "shard-000003.tar"), 40, Counter())]
+    monkeypatch.setattr(flaky, "fail_opens", 2)
+    stats: Counter = Counter()
+    assert [s["__key__"] for s in read_shard(url, 40, stats)] == clean
+    assert stats["read_retries"] == 2 and not stats["read_failures"] and not stats["truncated_shards"]
+
+
+def test_a_read_failing_mid_shard_resumes_without_losing_or_repeating_samples(tmp_path, flaky, monkeypatch):
+    root = make_shards(tmp_path / "s")
+    url = read_dataset_info(f"flaky://{root}").shards[3].url
+    clean = [(s["__key__"], s["jpg"]) for s in read_shard(str(root / "shard-000003.tar"), 40, Counter())]
+    size = (root / "shard-000003.tar").stat().st_size
+    monkeypatch.setattr(flaky, "fail_opens", 1)
+    monkeypatch.setattr(flaky, "fail_after_bytes", size // 2)  # the connection breaks half-way, once
+    stats: Counter = Counter()
+    assert [(s["__key__"], s["jpg"]) for s in read_shard(url, 40, stats)] == clean  # same samples, same order
+    assert stats["read_retries"] == 1 and not stats["read_errors"] and not stats["truncated_shards"]
+
+
+def test_only_a_persistent_failure_counts_the_shard_as_damaged(tmp_path, flaky, monkeypatch):
+    root = make_shards(tmp_path / "s")
+    url = read_dataset_info(f"flaky://{root}").shards[1].url  # 17 samples
+    monkeypatch.setattr(flaky, "fail_opens", 10)
+    stats: Counter = Counter()
+    assert list(read_shard(url, 17, stats, retries=2)) == []
+    assert stats == Counter(read_retries=2, read_failures=1, truncated_shards=1, missing_samples=17)
+
+
+def test_eval_stream_retries_every_shard_and_reads_every_sample(tmp_path, flaky, monkeypatch):
+    root = make_shards(tmp_path / "s")
+    monkeypatch.setattr(flaky, "fail_opens", 1)
+    stream = EvalStream(f"flaky://{root}", batch_size=16, image_size=16, return_keys=True)
+    keys = [k for _, _, batch in stream for k in batch]
+    assert sorted(keys) == [f"{k:06d}" for k in range(sum(UNEVEN))]
+    assert stream.stats["read_retries"] == len(UNEVEN) and not stream.stats["truncated_shards"]
+
+
+def test_train_stream_with_loader_workers_retries_and_yields_the_clean_batches(tmp_path, flaky, monkeypatch):
+    """Two forked loader workers read every shard through storage whose first two opens of each shard fail: the
+    epoch's batches are exactly those of a clean read, and every retry is counted in the stream's stats."""
+    root = make_shards(tmp_path / "s")
+    kw: dict[str, Any] = dict(micro_batch_size=8, image_size=16, num_workers=2, start_method="fork", shuffle_buffer=8)
+    clean = TrainStream(StreamSpec(root, **kw))
+    expected = [b for _, b in zip(range(clean.steps_per_epoch), clean)]
+    monkeypatch.setattr(flaky, "fail_opens", 2)
+    flaky_stream = TrainStream(StreamSpec(f"flaky://{root}", **kw))
+    got = [b for _, b in zip(range(flaky_stream.steps_per_epoch), flaky_stream)]
+    assert len(got) == len(expected) == clean.steps_per_epoch
+    for (x, y), (cx, cy) in zip(got, expected):
+        assert torch.equal(x, cx) and torch.equal(y, cy)
+    opened = {p.name for p in Path(flaky.state_dir).iterdir()}
+    assert flaky_stream.stats["read_retries"] == 2 * len(opened) > 0  # two per shard the epoch read
+    assert not flaky_stream.stats["read_failures"] and not flaky_stream.stats["truncated_shards"]
+
+
+def test_read_retries_is_a_checked_setting(tmp_path):
+    with pytest.raises(ValueError, match="read_retries"):
+        StreamSpec(tmp_path, micro_batch_size=8, image_size=16, read_retries=-1)
+    config = load_config("local_demo", ["data.read_retries=-1"])
+    with pytest.raises(ValueError, match=r"data\.read_retries=-1 must be >= 0"):
+        config.validate(2, check_paths=False)
+    assert load_config("local_demo").data.read_retries == 3

@@ -1,0 +1,161 @@
+"""Evals never take training down: a killed eval task is run again by Ray's task retry; an eval that fails for good
+(an exception in the suite, a task killed twice, one still running when the job's end has waited `evals.timeout_s`)
+is recorded in the MLflow run as failed for that checkpoint, with the reason, and never holds the job's end longer.
+
+Real Ray (a local head in this process), the real eval scheduler actor, real MLflow on SQLite. The eval task's body
+is the real `run_suite_task` where its outcome is the point (a suite that fails), and a stand-in that sleeps where a
+task must run long enough to be killed or outlast the timeout (a real suite on CPU is either too quick or too slow
+for that).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.local_head import ray_auth_mode
+from pretrain.run_folder import is_pinned, pin_checkpoint
+from tracking import keys
+
+
+@pytest.fixture
+def ray_local():
+    import ray
+
+    with ray_auth_mode("disabled"):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture
+def mlflow_run(tmp_path):
+    from tracking.runs import create_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    return uri, create_run(uri, "evals", "test", {}, {})
+
+
+def _checkpoints(run_dir: Path, steps) -> list[Path]:
+    """COMPLETE step folders, pinned for their evals as training rank 0 leaves them."""
+    folders = []
+    for step in steps:
+        folder = run_dir / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "COMPLETE").write_text(f"{step}\n")
+        pin_checkpoint(folder, "evals pending")
+        folders.append(folder)
+    return folders
+
+
+def _sleeper(marks: str):
+    """An eval task body that records its pid and sleeps: the first attempt (or every one, with ``forever``) is
+    there to be killed."""
+
+    def body(checkpoint_dir: str, suite: str, data_root: str, run_id, tracking_uri) -> dict:
+        import os
+        import time
+        from pathlib import Path
+
+        attempts = sorted(Path(marks).glob("attempt-*"))
+        (Path(marks) / f"attempt-{len(attempts)}-{os.getpid()}").touch()
+        if suite == "forever" or not attempts:
+            time.sleep(600)
+        return {"metrics": {"fewshot/mean/10shot": 0.5}, "seconds": 0.0}
+
+    return body
+
+
+def _attempt_pids(marks: Path, count: int, timeout_s: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(found := sorted(marks.glob("attempt-*"))) < count:
+        assert time.monotonic() < deadline, f"{count} eval attempts did not start within {timeout_s} s"
+        time.sleep(0.2)
+    return [int(p.name.rsplit("-", 1)[1]) for p in found]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_eval_task_runs_again_and_one_killed_twice_is_recorded_failed(tmp_path, ray_local, mlflow_run):
+    from mlflow import MlflowClient
+
+    from cluster.eval_scheduler import EvalScheduler
+
+    uri, run_id = mlflow_run
+    s10, s20 = _checkpoints(tmp_path / "run", (10, 20))
+    retried, doomed = tmp_path / "retried", tmp_path / "doomed"
+    retried.mkdir(), doomed.mkdir()
+
+    once = EvalScheduler.remote("local_fewshot", str(tmp_path), run_id, uri, num_cpus=1, task=_sleeper(str(retried)))
+    assert ray_local.get(once.submit.remote(str(s10), 10, {}))
+    os.kill(_attempt_pids(retried, 1)[0], signal.SIGKILL)  # OOM-killed, say: Ray runs the task again
+    rows = ray_local.get(once.drain.remote(120))
+    assert rows[10]["metrics"] == {"fewshot/mean/10shot": 0.5} and "error" not in rows[10], rows
+    assert len(_attempt_pids(retried, 2)) == 2 and not is_pinned(s10)
+
+    twice = EvalScheduler.remote("forever", str(tmp_path), run_id, uri, num_cpus=1, task=_sleeper(str(doomed)))
+    assert ray_local.get(twice.submit.remote(str(s20), 20, {}))
+    os.kill(_attempt_pids(doomed, 1)[0], signal.SIGKILL)
+    os.kill(_attempt_pids(doomed, 2)[1], signal.SIGKILL)  # killed again: beyond Ray's one retry
+    rows = ray_local.get(twice.drain.remote(120))
+    assert rows[20]["error"].startswith("eval task failed:") and not is_pinned(s20), rows
+
+    client = MlflowClient(tracking_uri=uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_failed("forever"))] == [(20, 1.0)]
+    assert client.get_metric_history(run_id, keys.eval_failed("local_fewshot")) == []  # the retried one succeeded
+    reason = (tmp_path / "run" / keys.EVAL_FAILURES_DIR / "step_00000020.txt").read_text()
+    assert reason.startswith("step 20: eval task failed:")
+    artifacts = [a.path for a in client.list_artifacts(run_id, keys.EVAL_FAILURES_DIR)]
+    assert artifacts == [f"{keys.EVAL_FAILURES_DIR}/step_00000020.txt"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(tmp_path, ray_local, mlflow_run):
+    """A suite that raises (the real eval task), and an eval still running at the job's end: both recorded as failed
+    for their checkpoints with the reason; the drain returns after evals.timeout_s, not when the eval ends."""
+    from mlflow import MlflowClient
+
+    from cluster.eval_scheduler import EvalScheduler
+
+    uri, run_id = mlflow_run
+    s10, s20 = _checkpoints(tmp_path / "run", (10, 20))
+    broken = EvalScheduler.remote("no_such_suite", str(tmp_path), run_id, uri, num_cpus=1)  # real run_suite_task
+    assert ray_local.get(broken.submit.remote(str(s10), 10, {"train/loss": 3.0}))
+    rows = ray_local.get(broken.drain.remote(120))
+    assert "no_such_suite" in rows[10]["error"] and not is_pinned(s10)
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    slow = EvalScheduler.remote("forever", str(tmp_path), run_id, uri, num_cpus=1, task=_sleeper(str(marks)))
+    assert ray_local.get(slow.submit.remote(str(s20), 20, {}))
+    _attempt_pids(marks, 1)
+    started = time.monotonic()
+    rows = ray_local.get(slow.drain.remote(3.0))  # what the driver passes: evals.timeout_s
+    waited = time.monotonic() - started
+    assert waited < 30, waited
+    assert "evals.timeout_s" in rows[20]["error"] and not is_pinned(s20)
+
+    client = MlflowClient(tracking_uri=uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_failed("no_such_suite"))] == [
+        (10, 1.0)
+    ]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_failed("forever"))] == [(20, 1.0)]
+    reasons = {p.name: p.read_text() for p in (tmp_path / "run" / keys.EVAL_FAILURES_DIR).iterdir()}
+    assert "no_such_suite" in reasons["step_00000010.txt"] and "Traceback" in reasons["step_00000010.txt"]
+    assert "evals.timeout_s" in reasons["step_00000020.txt"]
+    assert client.get_run(run_id).data.tags[keys.EVAL_FAILURES] == "1"  # counted per scheduler: one per job
+
+
+def test_evals_timeout_is_a_checked_setting():
+    from pretrain.config import load_config
+
+    assert load_config("local_demo").evals.timeout_s == 3600
+    with pytest.raises(ValueError, match=r"evals\.timeout_s=0.0 must be > 0"):
+        load_config("local_demo", ["evals.timeout_s=0"]).validate(2, check_paths=False)
