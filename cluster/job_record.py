@@ -1,11 +1,13 @@
 """What a job leaves in its run folder beyond the checkpoints: where each worker ran (`workers/*.json`), and at the
-end, `summary.json` (status, restarts, resizes, every checkpoint's eval metrics) with the summary table printed and
-the MLflow run closed (`finish_job`)."""
+end, `summary.json` (status, restarts, resizes, every checkpoint's eval metrics) with the summary table printed, the
+final model logged to the MLflow run and the run closed (`finish_job`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -14,8 +16,11 @@ from typing import Any
 
 from cluster.summary import format_resizes, format_summary
 from pretrain import run_folder
+from pretrain.export import checkpoint_step, class_names, save_hf
 from pretrain.run_folder import prune_checkpoints, release_pins
+from pretrain.weights import load_checkpoint_model
 from tracking import keys
+from tracking.models import log_hf_model
 from tracking.runs import finish_run
 from tracking.tracker import Tracker
 
@@ -106,4 +111,28 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd
     tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     tracker.close()
+    if end.status == "FINISHED":
+        log_final_model(run_dir, uri, run_id)
     finish_run(uri, run_id, end.status)
+
+
+def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
+    """The run's newest checkpoint, exported to an HF folder and logged as the run's MLflow model
+    (`tracking.models.log_hf_model`); its URI, or None. Never raises: a model HF cannot hold (pre-logits, gap,
+    hybrid), a missing transformers or a store that fails is one warning line, and the job's outcome stays
+    training's. Costs one load and one write of the weights, plus MLflow's check that the logged model loads."""
+    checkpoint = run_folder.latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return None
+    try:
+        model = load_checkpoint_model(checkpoint).eval()
+        with tempfile.TemporaryDirectory(prefix="vitscale-model-") as tmp:
+            folder = save_hf(model, Path(tmp) / "hf", class_names(checkpoint, model.config.num_classes))
+            model_uri = log_hf_model(folder, run_id, uri, step=checkpoint_step(checkpoint), source=checkpoint)
+    except Exception as error:  # noqa: BLE001 — the model in MLflow is a convenience; it never fails the job
+        reason = " ".join(str(error).split())[:400]
+        print(f"warning: final model not logged to MLflow ({checkpoint.name}): {type(error).__name__}: {reason}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    print(f"final model: {model_uri} ({checkpoint.name}, in MLflow run {run_id})", flush=True)
+    return model_uri

@@ -7,7 +7,9 @@ HF's ViT is the paper's model with a class-token head and no pre-logits layer, s
 Two key layouts exist: the Hub layout of every published checkpoint and transformers < 5
 (`vit.encoder.layer.N.attention.attention.query.weight`), and the one transformers ≥ 5 models hold
 (`vit.layers.N.attention.q_proj.weight`; `from_pretrained` renames Hub files on load). `to_hf_state_dict`
-writes the layout of the installed transformers by default; `from_hf_state_dict` reads both.
+writes the layout of the installed transformers by default; `from_hf_state_dict` reads both. A folder on disk
+(`pretrain.export.save_hf`) holds the Hub layout, which every transformers release loads, and a `config.json` written
+from `hf_config_dict` without importing transformers.
 """
 
 from __future__ import annotations
@@ -37,15 +39,57 @@ _LAYER_PREFIX = {"hub": "vit.encoder.layer.", "v5": "vit.layers."}
 
 
 def _check_convertible(config: ViTConfig) -> None:
+    """ValueError naming each part of ``config`` that HF's ViT has no place for (and what holds it instead)."""
     problems = []
     if config.pool != "token":
         problems.append("pool='gap' (HF ViT classifies from the class token)")
     if config.representation_size:
-        problems.append("a pre-logits layer (reset_classifier(num_classes) drops it, as fine-tuning does)")
+        problems.append(
+            f"a pre-logits layer (representation_size={config.representation_size}; HF's classifier reads the class "
+            "token directly — reset_classifier(num_classes) drops the layer, as fine-tuning does)"
+        )
     if config.hybrid_stages is not None:
-        problems.append("a ResNet hybrid stem")
+        problems.append(f"a ResNet hybrid stem (hybrid_stages={config.hybrid_stages}; HF's ViT has a patch embedding)")
     if problems:
-        raise ValueError("cannot express in HF ViTForImageClassification: " + "; ".join(problems))
+        raise ValueError(
+            "cannot express in HF ViTForImageClassification: " + "; ".join(problems) + " — the official .npz layout "
+            "holds every vitscale ViT (`python -m pretrain.weights export SOURCE OUT.npz --format npz`)"
+        )
+
+
+def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None = None) -> dict:
+    """The `config.json` of an HF export of ``config``, written without transformers (a plain dict).
+
+    The keys are those `transformers.ViTConfig` has read since 4.x. A model with a head is a
+    ViTForImageClassification (``labels``: its class names, default ``LABEL_<i>``); one without (``num_classes=0``)
+    a ViTModel whose ``last_hidden_state[:, 0]`` is our ``forward`` (load it with ``add_pooling_layer=False``).
+    LayerNorm eps is 1e-6 as in the JAX model (HF's default is 1e-12).
+    """
+    _check_convertible(config)
+    if labels is not None and len(labels) != config.num_classes:
+        raise ValueError(f"{len(labels)} class names for a head of {config.num_classes} classes")
+    names = list(labels) if labels is not None else [f"LABEL_{i}" for i in range(config.num_classes)]
+    head = {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
+    return {
+        "architectures": ["ViTForImageClassification" if config.num_classes else "ViTModel"],
+        "model_type": "vit",
+        "hidden_size": config.width,
+        "num_hidden_layers": config.depth,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.mlp_dim,
+        "hidden_act": _GELU_TO_HF[config.gelu_approximate],
+        "hidden_dropout_prob": config.dropout,
+        "attention_probs_dropout_prob": config.attention_dropout,
+        "initializer_range": 0.02,
+        "layer_norm_eps": LN_EPS,
+        "image_size": config.image_size,
+        "patch_size": config.patch_size,
+        "num_channels": config.in_chans,
+        "qkv_bias": True,
+        "encoder_stride": config.patch_size,
+        "torch_dtype": "float32",
+        **(head if config.num_classes else {}),
+    }
 
 
 def hf_config(config: ViTConfig):
@@ -73,23 +117,35 @@ def hf_config(config: ViTConfig):
 
 def config_from_hf(hf) -> ViTConfig:
     """Our ViTConfig for a `transformers.ViTConfig` (gelu variants mapped; other activations refused)."""
-    if hf.hidden_act not in _GELU_FROM_HF:
-        raise ValueError(
-            f"HF hidden_act={hf.hidden_act!r} has no ViT equivalent; expected one of {list(_GELU_FROM_HF)}"
-        )
-    image_size, patch_size = hf.image_size, hf.patch_size
+    return config_from_hf_dict({**hf.to_dict(), "num_labels": hf.num_labels})
+
+
+def config_from_hf_dict(hf: dict) -> ViTConfig:
+    """Our ViTConfig for the fields of an HF ViT `config.json` (HF's defaults where a field is absent). A ViTModel
+    (``architectures`` without a classifier) has no head: ``num_classes=0``."""
+    act = hf.get("hidden_act", "gelu")
+    if act not in _GELU_FROM_HF:
+        raise ValueError(f"HF hidden_act={act!r} has no ViT equivalent; expected one of {list(_GELU_FROM_HF)}")
+    if not hf.get("qkv_bias", True):
+        raise ValueError("HF qkv_bias=false has no ViT equivalent: the ViT's q, k, v projections have biases")
+    image_size, patch_size = hf.get("image_size", 224), hf.get("patch_size", 16)
     image_size = image_size if isinstance(image_size, int) else image_size[0]
     patch_size = patch_size if isinstance(patch_size, int) else patch_size[0]
+    architectures = hf.get("architectures") or ["ViTForImageClassification"]
+    classifier = any(a.endswith("ForImageClassification") for a in architectures)
+    num_labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)  # HF's own default: 2 labels
     return ViTConfig(
         image_size=image_size,
         patch_size=patch_size,
-        width=hf.hidden_size,
-        depth=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        mlp_dim=hf.intermediate_size,
-        num_classes=hf.num_labels,
-        gelu_approximate=_GELU_FROM_HF[hf.hidden_act],
-        in_chans=hf.num_channels,
+        width=hf.get("hidden_size", 768),
+        depth=hf.get("num_hidden_layers", 12),
+        num_heads=hf.get("num_attention_heads", 12),
+        mlp_dim=hf.get("intermediate_size", 3072),
+        num_classes=num_labels if classifier else 0,
+        gelu_approximate=_GELU_FROM_HF[act],
+        dropout=hf.get("hidden_dropout_prob", 0.0),
+        attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
+        in_chans=hf.get("num_channels", 3),
     )
 
 
@@ -145,6 +201,16 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTra
     """
     if not isinstance(config, ViTConfig):
         config = config_from_hf(config)
+    model = VisionTransformer(config)
+    try:
+        model.load_state_dict(state_dict_from_hf(state_dict, config), strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"HF weights do not fit {config}: {e}") from None
+    return model
+
+
+def state_dict_from_hf(state_dict: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
+    """`from_hf_state_dict`'s renaming alone: HF ViT weights (either layout) under our parameter names."""
     _check_convertible(config)
     hf = {re.sub(r"^(?!vit\.|classifier\.)", "vit.", k): v for k, v in state_dict.items()}
     layout = "v5" if any(k.startswith("vit.layers.") for k in hf) else "hub"
@@ -175,9 +241,4 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTra
             sd[f"{ours}attn.qkv.{param}"] = torch.cat([take(f"{theirs[n]}.{param}") for n in ("q", "k", "v")])
             for name in ("norm1", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
                 sd[f"{ours}{name}.{param}"] = take(f"{theirs[name]}.{param}")
-    model = VisionTransformer(config)
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"HF weights do not fit {config}: {e}") from None
-    return model
+    return sd

@@ -48,6 +48,8 @@ class RunSummary:
     notes: tuple[str, ...] = field(default=())
     fewshot_baseline: float | None = None  # fewshot/mean/10shot at step 0: the weights before the first update
     fewshot_last_step: int | None = None  # the newest step with a fewshot/mean/10shot value
+    model_uri: str | None = None  # the run's model in MLflow (tag vitscale.model_uri, tracking.models)
+    model_step: int | None = None  # the checkpoint step that model holds
 
     @property
     def fewshot_gain(self) -> float | None:
@@ -195,7 +197,13 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         notes=tuple(notes),
         fewshot_baseline=baseline,
         fewshot_last_step=fewshot[-1][0] if fewshot else None,
+        model_uri=tags.get(keys.MODEL_URI),
+        model_step=_int_tag(tags.get(keys.MODEL_STEP)),
     )
+
+
+def _int_tag(value: str | None) -> int | None:
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
 
 def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: tuple[str, ...] = ()) -> Comparison:

@@ -22,7 +22,7 @@ CSV_COLUMNS = (
     "run_id run_name experiment status model patch recipe steps images_seen exaflops final_loss "
     "fewshot_10shot_mean fewshot_10shot_step0 fewshot_10shot_gain finetune_accuracy_mean finetune_datasets "
     "vtab_mean vtab_num_tasks vtab_num_tasks_expected "
-    "notes"
+    "notes model_uri model_step"
 ).split()
 
 
@@ -89,6 +89,7 @@ def format_table(comparison: Comparison) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"gain [{run.run_name}]: {line}" for run in comparison.runs if (line := gains_line(run))]
+    lines += [f"model [{run.run_name}]: {line}" for run in comparison.runs if (line := model_line(run))]
     for run in comparison.runs:
         lines += [f"note [{run.run_name}]: {note}" for note in run.notes]
     return "\n".join(lines + list(comparison.notes))
@@ -100,6 +101,14 @@ def gains_line(run: RunSummary) -> str:
         return ""
     steps = ", ".join(f"step {step} {_points(gain)}" for step, gain in run.fewshot_gains)
     return f"10-shot mean over step 0 ({_pct(run.fewshot_baseline)}): {steps}"
+
+
+def model_line(run: RunSummary) -> str:
+    """The run's MLflow model, e.g. "models:/m-1a2b… (step 200; load with mlflow.pyfunc.load_model)"; "" if none."""
+    if not run.model_uri:
+        return ""
+    step = f"step {run.model_step}; " if run.model_step is not None else ""
+    return f"{run.model_uri} ({step}load with mlflow.pyfunc.load_model)"
 
 
 def write_csv(comparison: Comparison, path: Path) -> None:
@@ -114,7 +123,7 @@ def write_csv(comparison: Comparison, path: Path) -> None:
                         r.images_seen, r.exaflops, r.final_loss, r.fewshot_10shot, r.fewshot_baseline,
                         r.fewshot_gain, r.finetune_accuracy)),
                     ";".join(r.finetune_datasets), _raw(r.vtab_mean), _raw(r.vtab_num_tasks),
-                    _raw(r.vtab_num_tasks_expected), " | ".join(r.notes),
+                    _raw(r.vtab_num_tasks_expected), " | ".join(r.notes), r.model_uri or "", _raw(r.model_step),
                 ]
             )  # fmt: skip
 
@@ -255,6 +264,13 @@ def _gains_html(runs: tuple[RunSummary, ...]) -> str:
     return f'<p class="meta">Gain of each checkpoint over its run\'s step 0:</p><ul class="meta">{items}</ul>'
 
 
+def _model_html(run: RunSummary) -> str:
+    if not run.model_uri:
+        return ""
+    step = f" (step {run.model_step})" if run.model_step is not None else ""
+    return f" · model <code>{html.escape(run.model_uri)}</code>{step}"
+
+
 def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: list[str]) -> str:
     esc = html.escape
     runs = comparison.runs
@@ -277,7 +293,8 @@ def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: li
     run_notes = [f"{r.run_name}: {'; '.join(r.notes)}" for r in runs if r.notes] + list(comparison.notes)
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     experiments = ", ".join(comparison.experiments) or "—"
-    ids = "".join(f"<li><code>{esc(r.run_id)}</code> {esc(r.run_name)} ({esc(r.experiment)})</li>" for r in runs)
+    ids = "".join(f"<li><code>{esc(r.run_id)}</code> {esc(r.run_name)} ({esc(r.experiment)}){_model_html(r)}</li>"
+                  for r in runs)  # fmt: skip
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>vitscale comparison — {esc(comparison.title)}</title>
 <style>{_CSS}</style></head>
@@ -304,7 +321,10 @@ each run is its step-0 value: the same model at random initialisation, evaluated
 </figure>
 {_notes_html(fewshot_notes)}
 {_gains_html(runs)}
-<h2>Run ids</h2><ul class="meta">{ids or "<li>none</li>"}</ul>
+<h2>Run ids and models</h2>
+<p class="meta">A run's model is the HF ViT folder its job (or <code>python -m pretrain.weights export ...
+--mlflow-run ID</code>) logged to it: <code>mlflow.pyfunc.load_model(uri).predict(pixels)</code> gives its logits.</p>
+<ul class="meta">{ids or "<li>none</li>"}</ul>
 </body></html>
 """
 

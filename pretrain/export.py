@@ -1,0 +1,243 @@
+"""Weights out to the tools labs already run: a Hugging Face `transformers` folder and the official JAX `.npz`.
+
+    python -m pretrain.weights export SOURCE OUT --format hf|npz [--image-size N] [--mlflow-run ID]
+
+(the CLI is `pretrain.weights`'s). SOURCE is a training checkpoint, a run folder (its newest COMPLETE checkpoint), a
+folder written by `save_pretrained`, `convert` or an earlier HF export, or an official `.npz`.
+
+- ``hf``: ``config.json`` + ``model.safetensors`` (the Hub key layout, which transformers 4 and 5 both load) +
+  ``preprocessor_config.json`` (resize to the model's side, pixels to [-1, 1]: what vitscale feeds the model).
+  `transformers.ViTForImageClassification.from_pretrained(OUT)` gives our logits; a model without a head is a
+  ViTModel (``last_hidden_state[:, 0]`` = our features). HF's ViT has no pre-logits layer, no average pooling and no
+  ResNet stem: those models are refused with the reason (`pretrain.hf_convert`).
+- ``npz``: the google-research/vision_transformer layout (HWIO kernels, (D, heads, head_dim) attention kernels,
+  ``Transformer/encoderblock_{i}/LayerNorm_0 … MlpBlock_3``, the class slot inside the position embeddings), which
+  the official code, big_vision's loader and `pretrain.weights.load_npz` read. It holds every vitscale ViT (pre-logits,
+  ``gap``, hybrids) except exact-erf GELU: Flax's ``nn.gelu`` is the tanh form and the file cannot say otherwise.
+
+Nothing here downloads; transformers is not needed to export (only to load the result).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from data_pipeline.manifest import read_dataset_info
+from pretrain import checksums, run_folder
+from pretrain.hf_convert import config_from_hf_dict, hf_config_dict, state_dict_from_hf, to_hf_state_dict
+from pretrain.model import VisionTransformer, ViTConfig
+from pretrain.run_folder import CONFIG_YAML, WEIGHTS_FILE
+
+FORMATS = ("hf", "npz")
+HF_CONFIG = "config.json"
+HF_PREPROCESSOR = "preprocessor_config.json"
+NPZ_NAME = "model.npz"  # the file written when OUT is a folder
+# VT's pre-Linen block names (call order): what the official repo writes and every official loader reads.
+_BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
+
+
+# --------------------------------------------------------------------------------------------- the source
+
+
+def resolve_source(source: Path) -> Path:
+    """The weights ``source`` names: a run folder (or its ``checkpoints/``) → its newest COMPLETE checkpoint; a
+    checkpoint whose weights' checksums do not match → ValueError naming the file; anything else as it is."""
+    run = source.parent if source.name == run_folder.CHECKPOINTS else source
+    if source.is_dir() and not run_folder.looks_like_checkpoint(source) and (run / run_folder.CHECKPOINTS).is_dir():
+        latest = run_folder.latest_checkpoint(run)
+        if latest is None:
+            raise FileNotFoundError(f"{source} is a run folder without a COMPLETE checkpoint; nothing to export yet")
+        source = latest
+    if run_folder.is_complete(source):
+        verdict = checksums.verify(source, only=checksums.WEIGHT_FILES)
+        if not verdict.ok:
+            raise ValueError(f"{source} is damaged: {verdict.problem}; export another checkpoint of the run")
+    return source
+
+
+def checkpoint_step(source: Path) -> int | None:
+    """The training step of a checkpoint folder (its trainer state), else None."""
+    if not (source / run_folder.TRAINER_STATE).is_file():
+        return None
+    return run_folder.TrainerState.read(source).step
+
+
+def class_names(source: Path, num_classes: int) -> list[str] | None:
+    """The class names of the data a checkpoint was trained on (``classes.parquet`` of its ``data.train``), when
+    that folder is local and has one name per logit; else None (HF then names them ``LABEL_<i>``). Never raises:
+    names are a convenience, and the data may live elsewhere by now."""
+    try:
+        config = yaml.safe_load((source / CONFIG_YAML).read_text())
+        train = (config.get("data") or {}).get("train")
+        if not train or "://" in str(train) or not Path(train).is_dir():
+            return None
+        names = read_dataset_info(train).class_names
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    return list(names) if len(names) == num_classes and len(set(names)) == num_classes else None
+
+
+# --------------------------------------------------------------------------------------------- Hugging Face
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A folder holding an HF ViT export: ``config.json`` (model_type "vit") beside ``model.safetensors``."""
+    if not (path / HF_CONFIG).is_file() or not (path / WEIGHTS_FILE).is_file():
+        return False
+    try:
+        return json.loads((path / HF_CONFIG).read_text()).get("model_type") == "vit"
+    except (ValueError, AttributeError):
+        return False
+
+
+def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
+    """Our config and our-keyed weights of an HF ViT folder (an export of ours, or any ViT in either key layout)."""
+    try:
+        fields = json.loads((path / HF_CONFIG).read_text())
+        config = config_from_hf_dict(fields)
+        weights = load_file(str(path / WEIGHTS_FILE))
+    except SafetensorError as e:
+        raise ValueError(f"{path / WEIGHTS_FILE} is not a readable safetensors file ({e}); write it again") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path / HF_CONFIG} is not a ViT config this reads: {e}") from None
+    return config, state_dict_from_hf(weights, config)
+
+
+def preprocessor_config(config: ViTConfig) -> dict:
+    """HF's ViTImageProcessor settings that turn an image into what the model was trained on: bilinear resize to
+    the model's side, pixels x / 127.5 - 1 (= (x / 255 - 0.5) / 0.5, `data_pipeline.augment`)."""
+    return {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": config.image_size, "width": config.image_size},
+        "resample": 2,  # PIL bilinear
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5] * config.in_chans,
+        "image_std": [0.5] * config.in_chans,
+    }
+
+
+def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None) -> Path:
+    """Write ``out/config.json``, ``model.safetensors`` and ``preprocessor_config.json``; returns ``out``.
+
+    ValueError (before anything is written) for a model HF's ViT cannot hold. A headless model is written as a
+    ViTModel: its keys lose the ``vit.`` prefix, as the Hub's ViTModel checkpoints have it.
+    """
+    config = model.config
+    fields = hf_config_dict(config, labels)  # refuses first
+    state = to_hf_state_dict(model, layout="hub")
+    if not config.num_classes:
+        state = {k.removeprefix("vit."): v for k, v in state.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "producer": "vitscale"})
+    (out / HF_CONFIG).write_text(json.dumps(fields, indent=2) + "\n")
+    (out / HF_PREPROCESSOR).write_text(json.dumps(preprocessor_config(config), indent=2) + "\n")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- official .npz
+
+
+def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
+    """``model``'s weights under the official VT names (the inverse of `pretrain.weights.load_npz`), float32."""
+    config = model.config
+    if config.gelu_approximate != "tanh":
+        raise ValueError(
+            "gelu_approximate='none' (exact erf GELU) cannot be expressed in the official .npz layout: the official "
+            "code computes Flax's nn.gelu, the tanh form, and the file has no field to say otherwise; export it with "
+            "--format hf (HF's hidden_act='gelu' is the exact form)"
+        )
+    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    D, heads = config.width, config.num_heads
+    p = {
+        "embedding/kernel": _hwio(sd["patch_embed.proj.weight"]),
+        "embedding/bias": sd["patch_embed.proj.bias"],
+        "Transformer/posembed_input/pos_embedding": sd["pos_embed"],  # (1, [1 +] N, D): the class slot first
+        "Transformer/encoder_norm/scale": sd["norm.weight"],
+        "Transformer/encoder_norm/bias": sd["norm.bias"],
+    }
+    if "cls_token" in sd:
+        p["cls"] = sd["cls_token"]
+    for i in range(config.depth):
+        p.update(_block_arrays(sd, i, D, heads))
+    if config.representation_size:
+        p["pre_logits/kernel"], p["pre_logits/bias"] = sd["pre_logits.0.weight"].T, sd["pre_logits.0.bias"]
+    if config.num_classes:
+        p["head/kernel"], p["head/bias"] = sd["head.weight"].T, sd["head.bias"]
+    p.update(_stem_arrays(sd))
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in p.items()}
+
+
+def _hwio(weight: np.ndarray) -> np.ndarray:
+    return weight.transpose(2, 3, 1, 0)  # OIHW → HWIO
+
+
+def _block_arrays(sd: dict[str, np.ndarray], i: int, D: int, heads: int) -> dict[str, np.ndarray]:
+    """Encoder block ``i``: our fused qkv (3D, D) split into DenseGeneral kernels (D, heads, head_dim)."""
+    ours = f"blocks.{i}."
+    ln1, attn, ln2, mlp = (f"Transformer/encoderblock_{i}/{name}" for name in _BLOCK_NAMES)
+    hd = D // heads
+    p = {}
+    for ln, norm in ((ln1, "norm1"), (ln2, "norm2")):
+        p[ln + "/scale"], p[ln + "/bias"] = sd[ours + norm + ".weight"], sd[ours + norm + ".bias"]
+    weights, biases = np.split(sd[ours + "attn.qkv.weight"], 3), np.split(sd[ours + "attn.qkv.bias"], 3)
+    for name, w, b in zip(("query", "key", "value"), weights, biases):
+        p[f"{attn}/{name}/kernel"], p[f"{attn}/{name}/bias"] = w.T.reshape(D, heads, hd), b.reshape(heads, hd)
+    p[f"{attn}/out/kernel"] = sd[ours + "attn.proj.weight"].T.reshape(heads, hd, D)
+    p[f"{attn}/out/bias"] = sd[ours + "attn.proj.bias"]
+    for dense, fc in (("Dense_0", "fc1"), ("Dense_1", "fc2")):
+        p[f"{mlp}/{dense}/kernel"] = sd[f"{ours}mlp.{fc}.weight"].T
+        p[f"{mlp}/{dense}/bias"] = sd[f"{ours}mlp.{fc}.bias"]
+    return p
+
+
+def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A hybrid's ResNet stem: ``patch_embed.backbone.stages.block1.units.unit1.conv1.weight`` → ``block1/unit1/
+    conv1/kernel`` (HWIO); GroupNorm weight/bias → scale/bias (the official names, `pretrain.resnet`)."""
+    p = {}
+    for key, value in sd.items():
+        if not key.startswith("patch_embed.backbone."):
+            continue
+        name = re.sub(r"^stages\.(block\d+)\.units\.(unit\d+)\.", r"\1/\2/", key.removeprefix("patch_embed.backbone."))
+        module, param = name.rsplit(".", 1)
+        if module.rsplit("/", 1)[-1].startswith("conv"):
+            p[module + "/kernel"] = _hwio(value)
+        else:
+            p[module + "/" + ("scale" if param == "weight" else "bias")] = value
+    return p
+
+
+def save_npz(model: VisionTransformer, out: Path) -> Path:
+    """Write the official-layout arrays to ``out`` (a folder → ``out/model.npz``); returns the file's path. The
+    archive is what np.savez writes (one stored ``<key>.npy`` member per array), with the name exactly ``out`` (np.savez
+    appends ``.npz``) and pickling refused outright."""
+    arrays = npz_arrays(model)  # refuses first
+    path = out / NPZ_NAME if out.is_dir() else out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, value in arrays.items():
+            with archive.open(key + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, value, allow_pickle=False)
+    return path
+
+
+def export(model: VisionTransformer, out: Path, fmt: str, labels: list[str] | None = None) -> Path:
+    """``model`` written in format ``fmt`` ("hf" | "npz") at ``out``; returns what was written."""
+    model = model.eval()
+    if fmt == "hf":
+        return save_hf(model, out, labels)
+    if fmt == "npz":
+        return save_npz(model, out)
+    raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")

@@ -1,0 +1,103 @@
+"""DeepSpeed's own tools read vitscale checkpoints: real 2-process runs at ZeRO 1, 2 and 3, in fp32 and bf16.
+
+`deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(<checkpoint>/deepspeed)` — the plain call,
+the tag read from the ``latest`` file vitscale writes — and the ``zero_to_fp32.py`` script DeepSpeed copies into
+``deepspeed/`` give exactly the tensors of the checkpoint's ``model.safetensors`` (under the names of the task module
+the engine wraps: ``model.`` + the ViT's). The one exception is DeepSpeed's: at ZeRO-1 in bf16, vitscale's fp32
+gradient accumulation makes DeepSpeed train with its BF16_Optimizer, whose state zero_to_fp32 does not read ("not a
+zero checkpoint"); DeepSpeed's universal-checkpoint converter does, and gives the same tensors (docs/interfaces.md,
+"Checkpoints"). The same runs' folders export to transformers with vitscale's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data_pipeline.manifest import read_dataset_info
+from pretrain.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.weights import load_checkpoint_model, main
+from tests.test_train_distributed import tiny_config, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TASK_PREFIX = "model."  # the engine wraps the ViT in a task module (pretrain.tasks): DeepSpeed's names carry this
+
+
+def _bare(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    assert all(k.startswith(TASK_PREFIX) for k in weights), sorted(weights)[:5]  # nothing but the ViT is trained
+    return {k.removeprefix(TASK_PREFIX): v for k, v in weights.items()}
+
+
+def _assert_same(theirs: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    assert theirs.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert theirs[name].dtype == torch.float32 == tensor.dtype, name
+        assert torch.equal(theirs[name], tensor), (name, (theirs[name] - tensor).abs().max())
+
+
+def _run(*cmd: str, cwd: Path, home: Path) -> None:
+    """A command of DeepSpeed's in its own process, as a user runs it (nothing of vitscale on the path)."""
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(home)}
+    proc = subprocess.run([sys.executable, *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _universal_fp32(engine_dir: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's universal-checkpoint converter, as its command line runs it: ``zero/<name>/fp32.pt`` per param."""
+    _run("-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(engine_dir / tag), "--output_folder",
+         str(out), "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state", cwd=out.parent,
+         home=out.parent)  # fmt: skip
+    files = sorted((out / "zero").glob("*/fp32.pt"))
+    return {f.parent.name: torch.load(f, map_location="cpu", weights_only=True)["param"] for f in files}
+
+
+def _hf_logits_match(run_dir: Path, checkpoint: Path, out: Path, shards: Path) -> None:
+    """The run folder exports (its newest checkpoint) to a folder transformers loads with our logits, its classes
+    named as the training data names them."""
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    labels = json.loads((out / "config.json").read_text())["id2label"]
+    assert [labels[str(i)] for i in range(len(labels))] == list(read_dataset_info(shards).class_names)
+    hf = transformers.ViTForImageClassification.from_pretrained(out).eval()
+    ours = load_checkpoint_model(checkpoint).eval()
+    side = ours.config.image_size
+    images = torch.rand(3, 3, side, side, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        expected, got = ours(images), hf(pixel_values=images).logits
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(stage, precision, tiny_fractal_shards, tmp_path,
+                                                                one_torch_thread):  # fmt: skip
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config = tiny_config(tiny_fractal_shards, tmp_path / "run", f"deepspeed.zero_stage={stage}",
+                         f"deepspeed.precision={precision}", "data.global_batch_size=8",
+                         "schedule.stop_at_step=2")  # fmt: skip
+    checkpoint = Path(torchrun(config, tmp_path)[0]["checkpoints"][-1])
+    state = TrainerState.read(checkpoint)
+    assert checkpoint.name == "step_00000002" and state.precision == precision
+    engine_dir = checkpoint / DEEPSPEED_DIR
+    # What DeepSpeed's tools look for: the tag in `latest`, its folder beside it, and the recovery script.
+    assert (engine_dir / "latest").read_text().strip() == state.deepspeed_tag
+    assert (engine_dir / state.deepspeed_tag).is_dir() and (engine_dir / "zero_to_fp32.py").is_file()
+    saved = load_file(str(checkpoint / WEIGHTS_FILE))
+    if stage == 1 and precision == "bf16":
+        with pytest.raises(ValueError, match="is not a zero checkpoint"):  # DeepSpeed's BF16_Optimizer state
+            get_fp32_state_dict_from_zero_checkpoint(str(engine_dir))
+        _assert_same(_bare(_universal_fp32(engine_dir, state.deepspeed_tag, tmp_path / "universal")), saved)
+    else:
+        _assert_same(_bare(get_fp32_state_dict_from_zero_checkpoint(str(engine_dir))), saved)
+        # The script DeepSpeed wrote into the checkpoint, run as its header says, from inside the folder.
+        _run("zero_to_fp32.py", ".", str(tmp_path / "fp32"), "--safe_serialization", cwd=engine_dir, home=tmp_path)
+        _assert_same(_bare(load_file(str(tmp_path / "fp32" / WEIGHTS_FILE))), saved)
+    _hf_logits_match(tmp_path / "run", checkpoint, tmp_path / "hf", tiny_fractal_shards)

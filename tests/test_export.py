@@ -1,0 +1,257 @@
+"""`python -m pretrain.weights export`: weights out to transformers (`--format hf`) and the official `.npz` layout.
+
+HF: every registered ViT size and patch (Ti/S/B/L/H, /32 /16 /14 /8; two blocks each, so that the layer numbering
+is exercised without H's 632M parameters) loads with `transformers.ViTForImageClassification.from_pretrained` and
+gives our logits; a headless model loads as a ViTModel; what HF's ViT cannot hold is refused with the reason and
+nothing written. npz: the arrays are exactly the official names and layouts (`weights_npz_reference`, written from
+the official code, not from ours), an independent NumPy forward of them gives our logits, and `load_npz` reads them
+back to the same tensors, for every kind of model (pre-logits, gap, hybrids, no head). Sources: a checkpoint, a run
+folder (its newest COMPLETE checkpoint), a damaged checkpoint (refused), an exported folder and an official .npz.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
+
+from pretrain import checksums
+from pretrain.model import MODEL_NAMES, VARIANTS, VisionTransformer, model_config
+from pretrain.run_folder import COMPLETE, TrainerState
+from pretrain.weights import load_model, load_npz, main, save_pretrained
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+transformers = pytest.importorskip("transformers")
+
+PLAIN_VITS = [name for name in MODEL_NAMES if VARIANTS[name][2] is None and name != "vit_tiny_debug"]
+
+
+def _random(config) -> VisionTransformer:
+    """A model whose every weight is drawn (no zero head or unit LayerNorm hides a misplaced tensor)."""
+    torch.manual_seed(0)
+    model = VisionTransformer(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.05 if p.ndim > 1 else 0.2)
+    return model.eval()
+
+
+def _images(model: VisionTransformer, n: int = 2) -> torch.Tensor:
+    side = model.config.image_size
+    return torch.rand(n, model.config.in_chans, side, side, generator=torch.Generator().manual_seed(1)) * 2 - 1
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def _export(source: Path, out: Path, *flags: str, capsys=None) -> int:
+    """The exit status of `python -m pretrain.weights export SOURCE OUT FLAGS` (argparse's own errors included)."""
+    try:
+        status = main(["export", str(source), str(out), *flags])
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 2
+    if capsys is not None:
+        capsys.readouterr()
+    return status
+
+
+# --------------------------------------------------------------------------------------------- Hugging Face
+
+
+@pytest.mark.parametrize("name", PLAIN_VITS)
+def test_every_vit_size_and_patch_loads_in_transformers_with_our_logits(name, tmp_path, capsys):
+    patch = VARIANTS[name][1]
+    model = _random(model_config(name, depth=2, image_size=2 * patch, num_classes=5))
+    save_pretrained(model, tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "hf", "--format", "hf", capsys=capsys) == 0
+    hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    images = _images(model)
+    with torch.no_grad():
+        assert _relative(hf(pixel_values=images).logits, model(images)) <= 1e-4
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json", "model.safetensors", "preprocessor_config.json"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("gelu", ["tanh", "none"])
+def test_gelu_form_dropout_and_labels_survive_the_round_trip(gelu, tmp_path, capsys):
+    config = model_config("vit_tiny_debug", num_classes=3, gelu_approximate=gelu, dropout=0.1, attention_dropout=0.05)
+    model = _random(config)
+    save_pretrained(model, tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys) == 0  # --format hf is the default
+    hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.hidden_act == {"tanh": "gelu_pytorch_tanh", "none": "gelu"}[gelu]
+    assert hf.config.layer_norm_eps == 1e-6 and hf.config.num_labels == 3
+    images = _images(model)
+    with torch.no_grad():
+        assert _relative(hf(pixel_values=images).logits, model(images)) <= 1e-4
+    again = load_model(tmp_path / "hf")  # an HF folder is a source vitscale reads too
+    assert again.config == config
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_preprocessor_maps_pixels_to_what_the_model_was_trained_on(tmp_path, capsys):
+    model = _random(model_config("vit_tiny_debug", num_classes=4))
+    save_pretrained(model, tmp_path / "ours")
+    _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys)
+    settings = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
+    assert settings["size"] == {"height": 32, "width": 32} and settings["image_processor_type"] == "ViTImageProcessor"
+    pixels = np.arange(256, dtype=np.float64)  # x / 255 → normalize(0.5, 0.5) must be vitscale's x / 127.5 - 1
+    scaled = (pixels * settings["rescale_factor"] - settings["image_mean"][0]) / settings["image_std"][0]
+    assert np.allclose(scaled, pixels / 127.5 - 1, atol=1e-12)
+
+
+def test_headless_model_is_a_vitmodel_whose_class_token_is_our_features(tmp_path, capsys):
+    model = _random(model_config("vit_s32", depth=2, image_size=64, num_classes=0))
+    save_pretrained(model, tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["ViTModel"]
+    hf = transformers.ViTModel.from_pretrained(tmp_path / "hf", add_pooling_layer=False).eval()
+    images = _images(model)
+    with torch.no_grad():
+        assert _relative(hf(pixel_values=images).last_hidden_state[:, 0], model(images)) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(pool="gap"), r"pool='gap' \(HF ViT classifies from the class token\)"),
+        (dict(representation_size=16), r"a pre-logits layer \(representation_size=16"),
+        (dict(hybrid_stages=(1,), patch_size=1, image_size=32), r"a ResNet hybrid stem \(hybrid_stages=\(1,\)"),
+    ],
+)
+def test_what_hf_cannot_hold_is_refused_with_the_reason(overrides, reason, tmp_path, capsys):
+    save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4, **overrides)), tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "hf", "--format", "hf") == 2
+    out, err = capsys.readouterr()
+    assert not out and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("python -m pretrain.weights: error: cannot express in HF ViTForImageClassification")
+    assert re.search(reason, err) and "--format npz" in err
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
+
+
+# --------------------------------------------------------------------------------------------- official .npz
+
+
+NPZ_MODELS = {
+    "token_head": dict(name="vit_tiny_debug", num_classes=5),
+    "pre_logits_i21k": dict(name="vit_tiny_debug", num_classes=7, representation_size=24, head_bias_init=-10.0),
+    "gap": dict(name="vit_tiny_debug", num_classes=3, pool="gap"),
+    "no_head": dict(name="vit_s32", depth=2, image_size=64, num_classes=0),
+    "hybrid": dict(name="vit_tiny_debug", hybrid_stages=(1, 1), hybrid_width=0.5, patch_size=1, num_classes=4),
+}
+
+
+@pytest.mark.parametrize("case", list(NPZ_MODELS))
+def test_npz_export_is_the_official_layout_and_loads_back_identically(case, tmp_path, capsys):
+    fields = dict(NPZ_MODELS[case])
+    model = _random(model_config(fields.pop("name"), **fields))
+    save_pretrained(model, tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "ours.npz", "--format", "npz", capsys=capsys) == 0
+    with np.load(tmp_path / "ours.npz", allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    official = arrays_from_model(model)  # the test helper's own mapping, written from the official code
+    assert arrays.keys() == official.keys()
+    for key, value in official.items():
+        assert arrays[key].dtype == np.float32 and np.array_equal(arrays[key], value), key
+    images = _images(model)
+    stages = model.config.hybrid_stages
+    with torch.no_grad():
+        ours = model(images).double().numpy()
+        reference = reference_logits(arrays, images.permute(0, 2, 3, 1).numpy(), layout="vt", stages=stages)
+        assert np.abs(reference - ours).max() <= 1e-4 * np.abs(reference).max()
+        back = load_npz(tmp_path / "ours.npz")
+        assert torch.equal(back(images), model(images))
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_official_npz_exports_to_hf_and_back_to_npz_unchanged(tmp_path, capsys):
+    arrays = official_arrays(num_classes=6)
+    np.savez(tmp_path / "official.npz", **arrays)
+    assert _export(tmp_path / "official.npz", tmp_path / "hf", capsys=capsys) == 0
+    assert _export(tmp_path / "hf", tmp_path / "again", "--format", "npz", capsys=capsys) == 0
+    assert (tmp_path / "again").is_file()  # OUT names the file exactly: no ".npz" is added
+    with np.load(tmp_path / "again", allow_pickle=False) as npz:
+        again = {k: npz[k] for k in npz.files}
+    assert again.keys() == arrays.keys()
+    assert all(np.array_equal(again[k], v) for k, v in arrays.items())
+    (tmp_path / "folder").mkdir()
+    _export(tmp_path / "hf", tmp_path / "folder", "--format", "npz", capsys=capsys)  # a folder gets model.npz
+    assert (tmp_path / "folder" / "model.npz").is_file()
+
+
+def test_exact_gelu_is_refused_by_npz(tmp_path, capsys):
+    save_pretrained(_random(model_config("vit_tiny_debug", gelu_approximate="none")), tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "x.npz", "--format", "npz") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "gelu_approximate='none'" in err and "--format hf" in err
+    assert not (tmp_path / "x.npz").exists()
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+
+def _checkpoint(run: Path, step: int, model: VisionTransformer, complete: bool = True) -> Path:
+    """A checkpoint folder as the trainer leaves it, as far as an export reads it (weights, state, checksums)."""
+    folder = run / "checkpoints" / f"step_{step:08d}"
+    save_pretrained(model, folder)
+    TrainerState(step=step, images_seen=step * 8, world_size=1, deepspeed_tag=folder.name, stream_state={},
+                 rng_states=()).write(folder)  # fmt: skip
+    files = ("model.safetensors", "model.json", "trainer_state.json")
+    checksums.write(folder, {name: checksums.entry(folder / name) for name in files})
+    if complete:
+        (folder / COMPLETE).write_text("")
+    return folder
+
+
+def test_a_run_folder_exports_its_newest_complete_checkpoint(tmp_path, capsys):
+    models = {step: _random(model_config("vit_tiny_debug", num_classes=4, depth=1 + step)) for step in (1, 2, 3)}
+    for step, model in models.items():
+        _checkpoint(tmp_path / "run", step, model, complete=step < 3)
+    for source in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        assert _export(source, tmp_path / "hf", capsys=capsys) == 0
+        assert transformers.ViTConfig.from_pretrained(tmp_path / "hf").num_hidden_layers == 3  # step 2's model
+    assert _export(tmp_path / "run" / "checkpoints" / "step_00000003", tmp_path / "x") == 2
+    assert "has no COMPLETE marker" in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
+    folder = _checkpoint(tmp_path / "run", 5, _random(model_config("vit_tiny_debug", num_classes=4)))
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    assert _export(folder, tmp_path / "hf") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is damaged" in err and "model.safetensors" in err
+
+
+def test_empty_run_folder_file_out_and_npz_with_mlflow_are_clear_errors(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    save_pretrained(_random(model_config("vit_tiny_debug")), tmp_path / "ours")
+    (tmp_path / "a_file").write_text("x")
+    cases = {
+        ("run", "hf"): r"run folder without a COMPLETE checkpoint",
+        ("ours", "a_file"): r"OUT \S*a_file is a file; --format hf writes a folder",
+    }
+    for (source, out), expected in cases.items():
+        assert _export(tmp_path / source, tmp_path / out) == 2
+        assert re.search(expected, capsys.readouterr().err)
+    assert _export(tmp_path / "ours", tmp_path / "o.npz", "--format", "npz", "--mlflow-run", "abc") == 2
+    assert "use it with --format hf" in capsys.readouterr().err
+
+
+def test_python_m_export_refusal_is_one_line_without_traceback(tmp_path):
+    save_pretrained(_random(model_config("vit_tiny_debug", pool="gap")), tmp_path / "ours")
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "pretrain.weights", "export", str(tmp_path / "ours"), str(tmp_path / "hf")]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not proc.stdout, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "pool='gap'" in proc.stderr and "Traceback" not in proc.stderr
