@@ -5,8 +5,14 @@ A split folder holds
   manifest.parquet       one row per shard: url (relative to the folder), samples, bytes, sha256
   samples.parquet        one row per sample: key, shard, label, width, height, sha256, phash, source, dedup flags
   classes.parquet        label index -> name
+  shardindex.json        the same shards for webdataset's random-access reader: ``wids.ShardListDataset(path)``
+  _info.json             the same shards for timm's webdataset reader (``ReaderWds(root=<folder>, split=<split>)``)
   dataset.json           name, split, num_classes, num_samples, num_shards, write settings; written last
   _write_settings.json   the writer's own record of its settings, so that a re-run with other settings is refused
+
+The two reader indexes are written from the manifest's numbers, with shard URLs relative to the folder so that it can
+move (wids resolves them against the index's own location); folders written before them have neither, which
+`check_reader_indexes` reports as a note and ``python -m data_pipeline.validate DIR --write-index`` repairs.
 
 Everything here is read through fsspec, so the folder may be a local path, ``file://``, ``s3://`` or ``gs://``.
 """
@@ -28,6 +34,9 @@ SAMPLES_FILE = "samples.parquet"
 CLASSES_FILE = "classes.parquet"
 DATASET_FILE = "dataset.json"
 WRITE_SETTINGS_FILE = "_write_settings.json"  # the writer's settings: a re-run with others is refused
+WIDS_INDEX_FILE = "shardindex.json"  # the name wids' own `widsindex create` gives an index
+TIMM_INFO_FILE = "_info.json"  # the first name timm's webdataset reader looks for
+WIDS_KIND = "wids-shard-index-v1"
 SHARD_PATTERN = "shard-{index:06d}.tar"
 SHARD_GLOB = "shard-*.tar"  # every name SHARD_PATTERN makes
 
@@ -316,8 +325,117 @@ def write_metadata(
         schema=CLASSES_SCHEMA,
     )
     write_table_atomic(classes, out_dir / CLASSES_FILE)
+    write_reader_indexes(out_dir, shards, dataset, len(class_names))
     info = dict(dataset)
     info["num_classes"] = len(class_names)
     info["num_samples"] = sum(int(s["samples"]) for s in shards)
     info["num_shards"] = len(shards)
     write_json_atomic(info, out_dir / DATASET_FILE)
+
+
+def _index_names(out_dir: Path, dataset: dict) -> tuple[str, str]:
+    """(dataset name, split name) the reader indexes carry: dataset.json's, else the folder's names."""
+    out_dir = Path(out_dir)
+    return str(dataset.get("name") or out_dir.parent.name), str(dataset.get("split") or out_dir.name)
+
+
+def wids_index(shards: list[dict], name: str) -> dict:
+    """The wids shard index (``__kind__`` wids-shard-index-v1): each shard's URL, relative, and sample count."""
+    shardlist = [dict(url=s["url"], nsamples=int(s["samples"]), filesize=int(s["bytes"])) for s in shards]
+    return {"__kind__": WIDS_KIND, "wids_version": 1, "name": name, "shardlist": shardlist}
+
+
+def timm_info(shards: list[dict], name: str, split: str, num_classes: int) -> dict:
+    """timm's ``_info.json``: per split its sample count, shard file names (relative) and per-shard lengths."""
+    split_info = dict(
+        name=split,
+        num_samples=sum(int(s["samples"]) for s in shards),
+        filenames=[s["url"] for s in shards],
+        shard_lengths=[int(s["samples"]) for s in shards],
+    )
+    return dict(name=name, num_classes=num_classes, splits={split: split_info})
+
+
+def write_reader_indexes(out_dir: Path, shards: list[dict], dataset: dict, num_classes: int) -> None:
+    """Write ``shardindex.json`` (wids) and ``_info.json`` (timm) from the manifest rows ``shards``."""
+    name, split = _index_names(out_dir, dataset)
+    write_json_atomic(wids_index(shards, f"{name}-{split}"), Path(out_dir) / WIDS_INDEX_FILE)
+    write_json_atomic(timm_info(shards, name, split, num_classes), Path(out_dir) / TIMM_INFO_FILE)
+
+
+def rewrite_reader_indexes(shard_dir: str | Path) -> None:
+    """Add (or redo) the reader indexes of a local split folder from its manifest, e.g. one written before them."""
+    info = read_dataset_info(shard_dir)
+    root = Path(shard_dir)
+    with open(root / MANIFEST_FILE, "rb") as f:
+        rows = pq.ParquetFile(f).read().to_pylist()
+    write_reader_indexes(root, rows, dict(name=info.name, split=info.split), info.num_classes)
+
+
+def _read_index(root: str, name: str) -> tuple[dict | None, str | None]:
+    """(the index, None), (None, None) when absent, or (None, what is wrong with it)."""
+    fs, path = _fs_and_path(root)
+    file = posixpath.join(path, name)
+    if not fs.exists(file):
+        return None, None
+    try:
+        with fs.open(file, "r") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as error:
+        return None, f"{name} does not parse ({type(error).__name__}: {error})"
+    return (data, None) if isinstance(data, dict) else (None, f"{name} holds a JSON {type(data).__name__}")
+
+
+def _index_mismatch(name: str, root: str, info: DatasetInfo, urls: list, counts: list) -> str | None:
+    """What differs between an index's shard URLs and counts and the manifest's, or None."""
+    if any(not isinstance(u, str) or "://" in u or u.startswith("/") for u in urls):
+        return f"{name} holds absolute shard URLs; they must be relative to the folder so that it can move"
+    if [join_url(root, u) for u in urls] != info.shard_urls:
+        listed = [posixpath.basename(u) for u in info.shard_urls]
+        return f"{name} lists the shards {urls[:3]}... ({len(urls)}), the manifest {listed[:3]}... ({len(listed)})"
+    try:
+        numbers = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        return f"{name}: a shard's sample count is not an integer"
+    for url, got, want in zip(urls, numbers, info.shard_counts):
+        if got != want:
+            return f"{name}: shard {url} has {got} samples there, {want} in the manifest"
+    return None
+
+
+def _check_wids(root: str, info: DatasetInfo, index: dict) -> str | None:
+    if index.get("__kind__") != WIDS_KIND or index.get("wids_version") != 1:
+        return f"{WIDS_INDEX_FILE} is not a wids index (__kind__ {WIDS_KIND!r}, wids_version 1 expected)"
+    shards = index.get("shardlist")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and "url" in s and "nsamples" in s for s in shards):
+        return f"{WIDS_INDEX_FILE}: shardlist is not a list of {{url, nsamples}}"
+    return _index_mismatch(WIDS_INDEX_FILE, root, info, [s["url"] for s in shards], [s["nsamples"] for s in shards])
+
+
+def _check_timm(root: str, info: DatasetInfo, index: dict) -> str | None:
+    split = (index.get("splits") or {}).get(info.split)
+    if not isinstance(split, dict) or not {"num_samples", "filenames", "shard_lengths", "name"} <= set(split):
+        return f"{TIMM_INFO_FILE} has no split {info.split!r} with name, num_samples, filenames and shard_lengths"
+    found = _index_mismatch(TIMM_INFO_FILE, root, info, list(split["filenames"]), list(split["shard_lengths"]))
+    if found is None and int(split["num_samples"]) != info.num_samples:
+        return f"{TIMM_INFO_FILE}: num_samples {split['num_samples']}, the manifest counts {info.num_samples}"
+    return found
+
+
+def check_reader_indexes(shard_dir: str | Path, info: DatasetInfo) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the folder's wids and timm indexes against its manifest: a damaged or contradicting
+    index is a problem; an absent one (a folder written before them) a note naming the fix."""
+    root = str(shard_dir)
+    problems, notes = [], []
+    for name, check in ((WIDS_INDEX_FILE, _check_wids), (TIMM_INFO_FILE, _check_timm)):
+        index, damage = _read_index(root, name)
+        if damage is not None:
+            problems.append(damage)
+        elif index is None:
+            notes.append(
+                f"no {name}: a folder written before the reader indexes (wids / timm cannot open it by index); "
+                f"add it with `python -m data_pipeline.validate {root} --write-index`"
+            )
+        elif (found := check(root, info, index)) is not None:
+            problems.append(found)
+    return problems, notes

@@ -1,6 +1,10 @@
-"""Check a shard folder: checksums, counts, labels and a spot decode; a readable report and an exit code.
+"""Check a shard folder: checksums, counts, labels, a spot decode and the reader indexes; a report and an exit code.
 
-    python -m data_pipeline.validate data/fractal/train [--spot 16] [--full]
+    python -m data_pipeline.validate data/fractal/train [--spot 16] [--full] [--write-index]
+
+The reader indexes (``shardindex.json`` for wids, ``_info.json`` for timm; data_pipeline/manifest.py) must agree with
+the manifest; a folder written before they existed has none, which is a note, not damage: its shards are intact and
+vitscale reads it as before. ``--write-index`` adds them (from the manifest) before checking.
 
 Exit status: 0 the folder is intact; 1 damage found (the report lists every problem); 2 not a shard folder
 (missing manifest.parquet or dataset.json) or bad arguments.
@@ -27,7 +31,9 @@ from data_pipeline.manifest import (
     SAMPLES_FILE,
     DatasetInfo,
     ShardFormatError,
+    check_reader_indexes,
     read_dataset_info,
+    rewrite_reader_indexes,
 )
 from data_pipeline.shards import read_shard
 
@@ -40,6 +46,7 @@ class ValidationReport:
     samples_read: int = 0
     decoded: int = 0
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # worth knowing, not damage (e.g. no reader index)
     counters: dict = field(default_factory=dict)
 
     @property
@@ -54,6 +61,7 @@ class ValidationReport:
         ]
         if self.counters:
             lines.append(f"  reader counters: {dict(sorted(self.counters.items()))}")
+        lines += [f"  note: {n}" for n in self.notes]
         if self.ok:
             lines.append("  OK: checksums, counts, labels and decoded samples all match")
         else:
@@ -127,7 +135,20 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
         report.problems.append(f"{SAMPLES_FILE} is missing")
     if info.class_names and len(info.class_names) != info.num_classes:
         report.problems.append(f"{CLASSES_FILE} has {len(info.class_names)} names, {DATASET_FILE} {info.num_classes}")
+    problems, notes = check_reader_indexes(shard_dir, info)
+    report.problems += problems
+    report.notes += notes
     return report
+
+
+def _write_index(shard_dir: str) -> None:
+    """``--write-index``: the reader indexes of a local folder, from its manifest (ShardFormatError otherwise)."""
+    if "://" in shard_dir:
+        raise ShardFormatError(f"--write-index writes local folders only; {shard_dir} is a URL")
+    try:
+        rewrite_reader_indexes(shard_dir)
+    except OSError as error:
+        raise ShardFormatError(f"--write-index: cannot write into {shard_dir} ({error})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,10 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("shard_dir")
     p.add_argument("--spot", type=int, default=16, help="samples decoded per shard (default 16)")
     p.add_argument("--full", action="store_true", help="decode every sample")
+    p.add_argument(
+        "--write-index", action="store_true", help="first (re)write shardindex.json and _info.json from the manifest"
+    )
     args = p.parse_args(argv)
     if args.spot < 0:
         p.error(f"--spot {args.spot}: give the number of samples to decode per shard (>= 0)")
     try:
+        if args.write_index:
+            _write_index(args.shard_dir)
         report = validate(args.shard_dir, spot=args.spot, full=args.full)
     except ShardFormatError as err:
         print(f"data_pipeline.validate: error: {err}", file=sys.stderr)

@@ -1,6 +1,11 @@
 """Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest.
 
     python -m data_pipeline.write --source /data/imagenet21k --out /shards/i21k/train [--samples-per-shard 3000]
+    python -m data_pipeline.write --source tfds:DIR --vtab cifar100 --split train --out /shards/vtab/cifar100/train
+
+Sources: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet files of bytes + label
+(data_pipeline/readers.py), or a TensorFlow Datasets folder read without TensorFlow, with VTAB-1k's split and label
+definitions on request (data_pipeline/tfds.py, docs/vtab.md).
 
 Two passes, both parallel over cores:
 1. scan: every image is read and decoded once to validate it (corrupt, too small or non-image files are skipped
@@ -49,6 +54,17 @@ from data_pipeline.dedup import (
     sha256_hex,
 )
 from data_pipeline.readers import ItemRef, Source, SourceUnit, iter_unit, open_source, read_ref
+from data_pipeline.tfds import (
+    REF_KIND,
+    TfdsSource,
+    describe,
+    is_tfds_folder,
+    iter_tfds_unit,
+    open_tfds_source,
+    read_tfds_ref,
+    tfds_path,
+    unit_ids,
+)
 
 TAR_MTIME = 0.0  # fixed header fields make re-runs byte-identical
 TAR_OWNER = "vitscale"
@@ -142,7 +158,15 @@ def _scan_items(job: _ScanJob, stats: Counter) -> Iterator[tuple[ItemRef | None,
     """(where it is, bytes, label, source id) of every image of the job, in a deterministic order."""
     if job.unit is None or job.source is None:
         return ((None, data, label, source) for data, label, source in job.items)
-    return ((ref, data, label, ref.source) for ref, data, label in iter_unit(job.unit, job.source, stats))
+    read = iter_tfds_unit if isinstance(job.source, TfdsSource) else iter_unit
+    return ((ref, data, label, ref.source) for ref, data, label in read(job.unit, job.source, stats))
+
+
+def _read_raw(ref: ItemRef, source: Source | None) -> bytes:
+    """The raw bytes ``ref`` points at, fetched again for the write pass (a TFDS record: its image feature)."""
+    if ref.kind == REF_KIND and source is not None:
+        return read_tfds_ref(ref, source)
+    return read_ref(ref, source.image_column if source is not None else "image")
 
 
 def _scan_unit(job: _ScanJob) -> tuple[list[Candidate], Counter]:
@@ -176,7 +200,7 @@ def _imap(fn, jobs: list, processes: int, desc: str):
 
 def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
     """Write one shard atomically (or read back the finished one) and return its manifest and sample rows."""
-    out_dir, index, entries, class_names, image_column, max_short_side = job
+    out_dir, index, entries, class_names, source, max_short_side = job
     name = manifest.SHARD_PATTERN.format(index=index)
     final = Path(out_dir) / name
     rows: list[dict] = []
@@ -185,7 +209,7 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
         writer = dict(encoder=False, user=TAR_OWNER, group=TAR_OWNER, mtime=TAR_MTIME)
         with open(tmp, "wb") as out, wds.TarWriter(out, **writer) as w:
             for key, cand in entries:
-                raw = cand.data if cand.ref is None else read_ref(cand.ref, image_column)
+                raw = cand.data if cand.ref is None else _read_raw(cand.ref, source)
                 data, width, height = encode_for_shard(raw, cand.needs_reencode, max_short_side)
                 meta = dict(
                     label=cand.label,
@@ -315,8 +339,8 @@ def write_dataset(
     survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
-    image_column = source.image_column if source is not None else "image"
-    shard_rows, report.written = _write_shards(out, survivors, names, image_column, config)
+    light = replace(source, units=()) if source is not None else None  # what the write pass needs to re-read
+    shard_rows, report.written = _write_shards(out, survivors, names, light, config)
     manifest.write_metadata(
         out,
         shards=shard_rows,
@@ -341,7 +365,12 @@ def write_dataset(
 def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None:
     """Record the write's settings in ``out``; refuse a folder that holds shards written with other settings (a
     re-run with the same ones keeps the finished shards)."""
-    settings = dict(asdict(config), processes=None, source=None if source is None else [u.path for u in source.units])
+    units: list[str] | None = None
+    if isinstance(source, TfdsSource):  # records of files: the same files with other records are another dataset
+        units = [*unit_ids(source), source.task, source.label_column]
+    elif source is not None:
+        units = [u.path for u in source.units]
+    settings = dict(asdict(config), processes=None, source=units)
     settings_file = out / manifest.WRITE_SETTINGS_FILE
     if settings_file.exists() and json.loads(settings_file.read_text()) != json.loads(json.dumps(settings)):
         raise ValueError(f"{out} holds shards written with different settings; choose a new --out or delete it")
@@ -375,7 +404,7 @@ def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Can
 
 
 def _write_shards(
-    out: Path, survivors: list[Candidate], names: list[str], image_column: str, config: WriteConfig
+    out: Path, survivors: list[Candidate], names: list[str], source: Source | None, config: WriteConfig
 ) -> tuple[list[dict], int]:
     """Pass 2: ``survivors`` in one seeded permutation, ``samples_per_shard`` to a shard, and their samples table;
     (the shards' manifest rows, the samples written)."""
@@ -383,7 +412,7 @@ def _write_shards(
     keyed = [(f"{i:09d}", survivors[j]) for i, j in enumerate(order)]  # keys: digits only, never a dot
     per = config.samples_per_shard
     shard_jobs = [
-        (str(out), s, keyed[s * per : (s + 1) * per], names, image_column, config.max_short_side)
+        (str(out), s, keyed[s * per : (s + 1) * per], names, source, config.max_short_side)
         for s in range((len(keyed) + per - 1) // per)
     ]
     shard_rows = []
@@ -394,22 +423,37 @@ def _write_shards(
     return shard_rows, samples.rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--source", required=True, help="class-per-folder tree, folder of per-class .tar, or .parquet")
+    p.add_argument(
+        "--source",
+        required=True,
+        help="class-per-folder tree, folder of per-class .tar, .parquet, or tfds:DIR (a TensorFlow Datasets folder)",
+    )
     p.add_argument("--out", required=True, help="split folder to write (shards + manifest)")
-    p.add_argument("--kind", default="auto", choices=["auto", "folder", "imagenet21k", "parquet"])
+    p.add_argument("--kind", default="auto", choices=["auto", "folder", "imagenet21k", "parquet", "tfds"])
     p.add_argument("--class-names", default=None, help="file of 'id name' lines (or one name per line)")
-    p.add_argument("--image-column", default="image")
-    p.add_argument("--label-column", default="label")
-    p.add_argument("--name", default=None, help="dataset name (default: the source folder's name)")
-    p.add_argument("--split", default="train")
+    p.add_argument("--image-column", default=None, help="image column (parquet) or feature (tfds); default image")
+    p.add_argument("--label-column", default=None, help="label column (parquet) or ClassLabel feature (tfds)")
+    p.add_argument("--name", default=None, help="dataset name (default: the source folder's, or the TFDS/VTAB name)")
+    p.add_argument(
+        "--split",
+        default="train",
+        help="split name recorded in dataset.json; for tfds: the TFDS split to read, or with --vtab the VTAB split\n"
+        "(train = VTAB-1k's 1000 images train800+val200, test, train800, val200, train800val200, val, trainval)",
+    )
+    p.add_argument("--tfds-split", default=None, help="tfds: records to read, in TFDS syntax (train[:800]+test[:50%%])")
+    p.add_argument("--vtab", default=None, metavar="TASK", help="tfds: a VTAB-1k task's splits, labels (docs/vtab.md)")
     p.add_argument("--samples-per-shard", type=int, default=WriteConfig.samples_per_shard)
     p.add_argument("--max-short-side", type=int, default=WriteConfig.max_short_side)
     p.add_argument("--min-size", type=int, default=WriteConfig.min_size)
     p.add_argument("--seed", type=int, default=WriteConfig.seed)
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--keep-exact-duplicates", action="store_true")
+    p.add_argument(
+        "--keep-exact-duplicates",
+        action="store_true",
+        help="keep byte-identical images (always on for tfds: a TFDS split is its records, duplicates included)",
+    )
     p.add_argument("--near-duplicate-distance", type=int, default=WriteConfig.near_duplicate_distance)
     p.add_argument(
         "--exclude-like",
@@ -417,26 +461,52 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="evaluation shard folder, samples.parquet or image folder whose images must not be written",
     )
-    args = p.parse_args(argv)
-    try:
-        if args.class_names is not None and not Path(args.class_names).is_file():
-            raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
-        source = open_source(
-            args.source,
-            kind=args.kind,
+    return p
+
+
+def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
+    """(the source, its default dataset name, what dataset.json records about it) from the command line."""
+    if args.class_names is not None and not Path(args.class_names).is_file():
+        raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
+    folder = tfds_path(args.source)
+    if folder is None and (args.kind == "tfds" or args.kind == "auto" and is_tfds_folder(args.source)):
+        folder = args.source
+    if folder is not None:
+        tfds = open_tfds_source(
+            folder,
+            split=args.split,
+            tfds_split=args.tfds_split,
+            vtab=args.vtab,
+            image_feature=args.image_column,
+            label_feature=args.label_column,
             class_names_file=args.class_names,
-            image_column=args.image_column,
-            label_column=args.label_column,
         )
+        return tfds, args.vtab or tfds.tfds_name.replace("/", "_"), {"tfds": describe(tfds)}
+    if args.vtab is not None or args.tfds_split is not None:
+        raise ValueError("--vtab and --tfds-split select records of a TFDS folder; give --source tfds:DIR")
+    source = open_source(
+        args.source,
+        kind=args.kind,
+        class_names_file=args.class_names,
+        image_column=args.image_column or "image",
+        label_column=args.label_column or "label",
+    )
+    return source, Path(args.source).name, {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        source, name, extra_meta = _open_source(args)
         config = WriteConfig(
-            name=args.name or Path(args.source).name,
+            name=args.name or name,
             split=args.split,
             samples_per_shard=args.samples_per_shard,
             max_short_side=args.max_short_side,
             min_size=args.min_size,
             seed=args.seed,
             processes=args.processes,
-            keep_exact_duplicates=args.keep_exact_duplicates,
+            keep_exact_duplicates=args.keep_exact_duplicates or isinstance(source, TfdsSource),
             near_duplicate_distance=args.near_duplicate_distance,
         )
         exclude = None
@@ -447,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 exclude.merge(more)
         output_folder(args.out, "--out")  # once the inputs are known to be good: no empty folder left otherwise
-        report = write_dataset(args.out, config, source=source, exclude=exclude)
+        report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
     except ValueError as err:
         print(f"data_pipeline.write: error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,226 @@
+"""VTAB-1k's 19 tasks as TensorFlow Datasets folders: which TFDS dataset, which records form each split, which label.
+
+The definitions follow VTAB's own data classes (docs/vtab.md, docs/reference.md §4): every task has a ``train``,
+``val`` and ``test`` split carved from the TFDS splits in one of four ways (``SCHEMES``), and VTAB-1k's
+``train800`` = the first 800 of ``train``, ``val200`` = the first 200 of ``val``, ``train800val200`` their union.
+The split names vitscale writes are these, plus ``train`` meaning ``train800val200``: the 1000 images the VTAB
+evaluator (evals/vtab.py) reads from ``<root>/<task>/train``.
+
+Seven structured tasks predict a label derived from other features (a count, a binned distance, a binned
+position or angle); each has its label function below, written from the same definitions.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from data_pipeline.tfrecord import FeatureValues
+
+# How a task's train / val / test come out of the TFDS splits (sizes n = records of the TFDS split named):
+#   holdout:   train = train[:p% of n], val = train[p% of n:], test = <test_split>
+#   tfds_val:  train = train, val = validation, test = test
+#   three_way: train = train[:p%], val = train[p%:(p+q)%], test = train[(p+q)%:] (TFDS has one split)
+#   half_test: train = train, val = test[:50%], test = test[50%:]
+SCHEMES = ("holdout", "tfds_val", "three_way", "half_test")
+SPLITS = ("train", "test", "train800", "val200", "train800val200", "val", "trainval")
+
+
+class LabelError(ValueError):
+    """A record lacks what its task's label is computed from."""
+
+
+@dataclass(frozen=True)
+class VtabTfdsTask:
+    name: str  # vitscale's task name (evals.vtab.VTAB1K_TASKS), the folder under the VTAB root
+    tfds_name: str  # TFDS dataset[/config] whose folder holds the records
+    num_classes: int
+    scheme: str  # one of SCHEMES
+    train_percent: int = 0  # holdout, three_way: the share of TFDS train that is VTAB's train
+    val_percent: int = 0  # three_way: the share after it that is val
+    test_split: str = "test"  # holdout: the TFDS split that is VTAB's test (clevr's test split has no labels)
+    label: str = "label"  # "label": the TFDS ClassLabel as is; otherwise a key of LABEL_FUNCTIONS
+    binary_image: bool = False  # dsprites: pixels are 0/1 and VTAB scales them to 0/255
+
+    @property
+    def base_name(self) -> str:
+        return self.tfds_name.split("/")[0]
+
+    @property
+    def config(self) -> str:
+        return self.tfds_name.split("/")[1] if "/" in self.tfds_name else ""
+
+
+def _task(name: str, tfds_name: str, num_classes: int, scheme: str, **kw) -> tuple[str, VtabTfdsTask]:
+    return name, VtabTfdsTask(name, tfds_name, num_classes, scheme, **kw)
+
+
+TASKS: dict[str, VtabTfdsTask] = dict(
+    [
+        _task("caltech101", "caltech101", 102, "holdout", train_percent=90),
+        _task("cifar100", "cifar100", 100, "holdout", train_percent=90),
+        _task("dtd", "dtd", 47, "tfds_val"),
+        _task("flowers102", "oxford_flowers102", 102, "tfds_val"),
+        _task("pets", "oxford_iiit_pet", 37, "holdout", train_percent=80),
+        _task("sun397", "sun397/tfds", 397, "tfds_val"),
+        _task("svhn", "svhn_cropped", 10, "holdout", train_percent=90),
+        _task("camelyon", "patch_camelyon", 2, "tfds_val"),
+        _task("eurosat", "eurosat/rgb", 10, "three_way", train_percent=60, val_percent=20),
+        _task("resisc45", "resisc45", 45, "three_way", train_percent=60, val_percent=20),
+        _task("retinopathy", "diabetic_retinopathy_detection/btgraham-300", 5, "tfds_val"),
+        _task("clevr_count", "clevr", 8, "holdout", train_percent=90, test_split="validation", label="clevr_count"),
+        _task("clevr_dist", "clevr", 6, "holdout", train_percent=90, test_split="validation", label="clevr_dist"),
+        _task("dmlab", "dmlab", 6, "tfds_val"),
+        _task("kitti_dist", "kitti", 4, "tfds_val", label="kitti_dist"),
+        _task(
+            "dsprites_loc",
+            "dsprites",
+            16,
+            "three_way",
+            train_percent=80,
+            val_percent=10,
+            label="dsprites_loc",
+            binary_image=True,
+        ),  # fmt: skip
+        _task(
+            "dsprites_ori",
+            "dsprites",
+            16,
+            "three_way",
+            train_percent=80,
+            val_percent=10,
+            label="dsprites_ori",
+            binary_image=True,
+        ),  # fmt: skip
+        _task("smallnorb_azim", "smallnorb", 18, "half_test", label="label_azimuth"),
+        _task("smallnorb_elev", "smallnorb", 9, "half_test", label="label_elevation"),
+    ]
+)
+
+
+def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> str:
+    """The TFDS split expression (``train[:800]+validation[:200]``) of VTAB split ``split`` (one of SPLITS;
+    ``train`` = ``train800val200``) for ``task``, given the record count of each TFDS split in ``sizes``."""
+    if split not in SPLITS:
+        raise ValueError(f"--split {split!r} is not a VTAB split; use one of {', '.join(SPLITS)}")
+
+    def size(name: str) -> int:
+        if name not in sizes:
+            raise ValueError(f"VTAB task {task.name} needs the TFDS split {name!r}; the folder has {sorted(sizes)}")
+        return sizes[name]
+
+    if task.scheme == "holdout":
+        cut = task.train_percent * size("train") // 100
+        parts = dict(train=f"train[:{cut}]", val=f"train[{cut}:]", trainval="train", test=task.test_split,
+                     val200=f"train[{cut}:{cut + 200}]")  # fmt: skip
+    elif task.scheme == "tfds_val":
+        size("validation")
+        parts = dict(train="train", val="validation", trainval="train+validation", test="test",
+                     val200="validation[:200]")  # fmt: skip
+    elif task.scheme == "three_way":
+        n = size("train")
+        cut, val_end = task.train_percent * n // 100, task.train_percent * n // 100 + task.val_percent * n // 100
+        parts = dict(train=f"train[:{cut}]", val=f"train[{cut}:{val_end}]", trainval=f"train[:{val_end}]",
+                     test=f"train[{val_end}:]", val200=f"train[{cut}:{cut + 200}]")  # fmt: skip
+    else:  # half_test
+        size("test")
+        parts = dict(train="train", val="test[:50%]", trainval="train+test[:50%]", test="test[50%:]",
+                     val200="test[:200]")  # fmt: skip
+    size(parts["test"].split("[")[0])
+    parts["train800"] = "train[:800]"
+    parts["train800val200"] = f"train[:800]+{parts['val200']}"
+    return parts["train800val200" if split == "train" else split]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Derived labels
+
+
+def _values(example: dict[str, FeatureValues], key: str) -> list:
+    if key not in example:
+        raise LabelError(f"no feature {key!r}")
+    return list(example[key])
+
+
+def _bin(value: float, thresholds: tuple[float, ...]) -> int:
+    """The last threshold below ``value`` (VTAB's ``reduce_max(where(thresholds - value < 0))``)."""
+    below = [i for i, t in enumerate(thresholds) if t < value]
+    if not below:
+        raise LabelError(f"value {value} is below every bin")
+    return below[-1]
+
+
+def _clevr_count(example: dict[str, FeatureValues]) -> int:
+    return len(_values(example, "objects/size")) - 3  # 3..10 objects → 0..7
+
+
+def _clevr_dist(example: dict[str, FeatureValues]) -> int:
+    depth = _values(example, "objects/pixel_coords")[2::3]  # (x, y, depth) per object
+    if not depth:
+        raise LabelError("no objects")
+    return _bin(min(depth), (0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0))
+
+
+def _kitti_dist(example: dict[str, FeatureValues]) -> int:
+    types = _values(example, "objects/type")
+    z = _values(example, "objects/location")[2::3]  # (x, y, z) in metres per object
+    vehicles = [depth for depth, kind in zip(z, types) if kind < 3]  # Car, Van, Truck
+    return _bin(min([*vehicles, 1000.0]), (-100.0, 8.0, 20.0, 999.0))  # 3 distances + "no vehicle"
+
+
+def _binned(key: str, original_classes: int, classes: int) -> Callable[[dict[str, FeatureValues]], int]:
+    factor = original_classes / classes
+
+    def label(example: dict[str, FeatureValues]) -> int:
+        return int(float(_values(example, key)[0]) // factor)
+
+    return label
+
+
+def _feature(key: str) -> Callable[[dict[str, FeatureValues]], int]:
+    return lambda example: int(_values(example, key)[0])
+
+
+LABEL_FUNCTIONS: dict[str, Callable[[dict[str, FeatureValues]], int]] = {
+    "clevr_count": _clevr_count,
+    "clevr_dist": _clevr_dist,
+    "kitti_dist": _kitti_dist,
+    "dsprites_loc": _binned("label_x_position", 32, 16),
+    "dsprites_ori": _binned("label_orientation", 40, 16),
+    "label_azimuth": _feature("label_azimuth"),
+    "label_elevation": _feature("label_elevation"),
+}
+# The features each derived label reads, checked against features.json before any record is read.
+LABEL_FEATURES = {
+    "clevr_count": ("objects/size",),
+    "clevr_dist": ("objects/pixel_coords",),
+    "kitti_dist": ("objects/type", "objects/location"),
+    "dsprites_loc": ("label_x_position",),
+    "dsprites_ori": ("label_orientation",),
+    "label_azimuth": ("label_azimuth",),
+    "label_elevation": ("label_elevation",),
+}
+
+
+def class_names(task: VtabTfdsTask) -> list[str]:
+    """Readable names of a derived label's classes (a ClassLabel task takes the TFDS names instead)."""
+    if task.label == "clevr_count":
+        return [f"{k} objects" for k in range(3, 3 + task.num_classes)]
+    if task.label == "clevr_dist":
+        return ["depth<8", "8-8.5", "8.5-9", "9-9.5", "9.5-10", "depth>10"]
+    if task.label == "kitti_dist":
+        return ["vehicle<8m", "vehicle 8-20m", "vehicle>20m", "no vehicle"]
+    return [f"{task.label}_bin{k}" for k in range(task.num_classes)]
+
+
+def scale_binary_image(data: bytes) -> bytes:
+    """dSprites stores 0/1 pixels; VTAB multiplies them by 255. Returned as PNG (lossless; the writer stores JPEG)."""
+    with Image.open(io.BytesIO(data)) as img:
+        pixels = np.asarray(img.convert("L"), dtype=np.uint16) * 255
+    out = io.BytesIO()
+    Image.fromarray(np.minimum(pixels, 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
