@@ -88,13 +88,19 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
     return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
 
 
+def drafts(image_format: str | None, box: tuple, size: int) -> bool:
+    """Whether `drafted` decodes an image of ``image_format`` (PIL's name) at a reduced DCT scale for ``box``: a JPEG
+    whose crop is at least twice ``size`` on its short side."""
+    return image_format == "JPEG" and min(box[2] - box[0], box[3] - box[1]) >= 2 * size
+
+
 def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
     """Let a JPEG decode at the smallest DCT scale (1/2, 1/4, 1/8) that still gives the crop >= ``size`` pixels on
     its short side; returns the image (not yet decoded) and the box rescaled to the decoded size. Other formats and
     crops under 2 x ``size`` (where no scale qualifies) come back unchanged."""
     width, height = img.size
     crop_short = min(box[2] - box[0], box[3] - box[1])
-    if img.format == "JPEG" and crop_short >= 2 * size:
+    if drafts(img.format, box, size):
         factor = crop_short / size  # draft never reduces below the requested size
         img.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
         sx, sy = img.size[0] / width, img.size[1] / height
@@ -221,6 +227,14 @@ def pixel_box(box: tuple, width: int, height: int) -> tuple[int, int, int, int]:
     return left, top, right, bottom
 
 
+def pixel_array(pixels: np.ndarray | Image.Image) -> np.ndarray:
+    """`decoded_pixels`' output as the uint8 (H, W, C) array `crop_resize` reads: an array as it is (C = 1 added to a
+    2-D one), a PIL image as RGB or L pixels (a writable copy)."""
+    if isinstance(pixels, Image.Image):
+        pixels = np.array(pixels.convert("RGB") if pixels.mode not in ("RGB", "L") else pixels)
+    return pixels[:, :, None] if pixels.ndim == 2 else pixels
+
+
 def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.ndarray:
     """The whole pixels of ``box`` (`pixel_box`) resized to ``size`` x ``size`` with PyTorch's antialiased bilinear
     uint8 kernel: PIL's BILINEAR filter (the same triangle widened by the scale when shrinking; within 1 of PIL
@@ -230,10 +244,7 @@ def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.n
     ``pixels`` is uint8 (H, W, C), C = 1, 3 or 4 (`decoded_pixels`), or a PIL image (RGB or L). Returns uint8
     (size, size, C), C-contiguous. Runs on torch's intra-op threads (one in a loader worker).
     """
-    if isinstance(pixels, Image.Image):
-        pixels = np.array(pixels.convert("RGB") if pixels.mode not in ("RGB", "L") else pixels)  # writable: a copy
-    if pixels.ndim == 2:
-        pixels = pixels[:, :, None]
+    pixels = pixel_array(pixels)
     left, top, right, bottom = pixel_box(box, pixels.shape[1], pixels.shape[0])
     crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]  # (1, C, h, w), a view
     # The kernel's fast path wants the crop contiguous (channels-last); given a strided view it is slower than the
@@ -252,18 +263,61 @@ def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: n
     """`decode_train` as an RGB PIL image, for `channels_first`."""
     img: Image.Image = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
     width, height = img.size
-    if cfg is not None and cfg.inception_crop:
-        box = inception_crop_box(width, height, rng, cfg)
-    else:
-        box = (0, 0, width, height)
+    box = train_box(width, height, cfg, rng)
     if cfg is None or cfg.scaled_decode:
         img, box = drafted(img, box, size)
-    img = pixels_image(crop_resize(decoded_pixels(img, data, box, size, (width, height)), box, size))
+    return augmented(decoded_pixels(img, data, box, size, (width, height)), box, size, cfg, rng)
+
+
+def train_box(width: int, height: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> tuple:
+    """The training crop of a ``width`` x ``height`` image: an Inception crop, or the whole image."""
+    if cfg is not None and cfg.inception_crop:
+        return inception_crop_box(width, height, rng, cfg)
+    return (0, 0, width, height)
+
+
+def augmented(
+    pixels: np.ndarray | Image.Image, box: tuple, size: int, cfg: AugmentConfig | None, rng: np.random.Generator
+) -> Image.Image:
+    """Decoded pixels (`decoded_pixels`) -> the training image: ``box`` resized to ``size`` (`crop_resize`), then the
+    flip and RandAugment ``cfg`` asks for, drawn from ``rng`` after the crop's draws. RGB out."""
+    img = pixels_image(crop_resize(pixels, box, size))
     if cfg is not None and cfg.flip and rng.random() < 0.5:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     if cfg is not None and cfg.randaugment_n > 0:
         img = randaugment(img.convert("RGB"), cfg.randaugment_n, cfg.randaugment_m, rng)
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
+    """Encoded image -> (all its pixels as `crop_resize` reads them, uint8 (H, W, C); PIL's name of its format):
+    `decoded_pixels` over the whole frame, at full scale. A crop of them resized is bit-identical to what
+    `decode_train_image` makes of the same crop, unless `drafts` says that one decodes at a reduced scale. Raises
+    one of ``DECODE_ERRORS`` where `decode_train_image` would on any crop."""
+    img: Image.Image = Image.open(io.BytesIO(data))
+    width, height = img.size
+    image_format = img.format
+    return pixel_array(decoded_pixels(img, data, (0, 0, width, height), 1, (width, height))), image_format
+
+
+def decoded_train_image(
+    pixels: np.ndarray, image_format: str | None, data: bytes | None, size: int, cfg: AugmentConfig | None,
+    rng: np.random.Generator,
+) -> Image.Image:  # fmt: skip
+    """`decode_train_image` of an image already decoded whole (`decode_whole`): the same crop, flip and RandAugment
+    from the same ``rng``, and bit-identical pixels. A crop that `decode_train_image` decodes at a reduced DCT scale
+    (`drafts`) is decoded from ``data``, its encoded bytes, as there (they must then be given)."""
+    height, width = pixels.shape[:2]
+    may_draft = (cfg is None or cfg.scaled_decode) and drafts(image_format, (0, 0, width, height), size)
+    state = rng.bit_generator.state if may_draft else None  # the crop's draws, replayed by the decode from bytes
+    box = train_box(width, height, cfg, rng)
+    if may_draft and drafts(image_format, box, size):
+        if data is None:
+            raise ValueError(f"a {width}x{height} crop to {size} px decodes at a reduced scale: pass its bytes")
+        assert state is not None  # may_draft held, so the draws were saved
+        rng.bit_generator.state = state
+        return decode_train_image(data, size, cfg, rng)
+    return augmented(pixels, box, size, cfg, rng)
 
 
 def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True) -> np.ndarray:

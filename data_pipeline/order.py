@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,9 +189,12 @@ def _shuffled(items: Iterator[Draw], size: int, rng: np.random.Generator) -> Ite
         yield buffer[k]
 
 
-def stream_draws(plan: TrainPlan, epoch: int, stream: int, shards: list[int], stats: Counter) -> Iterator[Draw]:
-    """Endless buffer draws (shard, member, repeat, sample) of ``stream`` in ``epoch``, which reads ``shards``;
-    ``repeat`` counts passes over its shards, read errors go to ``stats``.
+def stream_draws(
+    plan: TrainPlan, epoch: int, stream: int, shards: list[int], stats: Counter, read: Callable = read_shard
+) -> Iterator[Draw]:
+    """Endless buffer draws (shard, member, repeat, sample) of ``stream`` in ``epoch``, which reads ``shards``
+    through ``read`` (`read_shard`, or a decoded cache's `read` of the same samples); ``repeat`` counts passes over
+    its shards, read errors go to ``stats``.
 
     Each pass goes through the buffer and drains it before the next starts, so pass 1 (reached only when damage
     left fewer usable samples than the manifest promised) never mixes with pass 0.
@@ -202,7 +205,7 @@ def stream_draws(plan: TrainPlan, epoch: int, stream: int, shards: list[int], st
     def one_pass(repeat: int) -> Iterator[Draw]:
         for s in shards:
             shard = plan.info.shards[s]
-            for member, sample in enumerate(read_shard(shard.url, shard.samples, stats)):
+            for member, sample in enumerate(read(shard.url, shard.samples, stats)):
                 yield s, member, repeat, sample
 
     for repeat in itertools.count():

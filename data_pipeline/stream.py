@@ -6,7 +6,9 @@ rank's streams (`_StreamReader`: buffer draws, labels, decode and augmentation),
 into the step's buffer in shared memory and hands over only the buffer's number (`data_pipeline.step_pool`). The
 training process checks the workers' items, applies mixup within each stream's chunk (`_step_batch`) and yields the
 step as A micro-batches. Creating a DataLoader never draws from the global RNGs (`data_pipeline.loader`), so
-iterating, resuming or rolling over an epoch leaves the training process's random state as it was.
+iterating, resuming or rolling over an epoch leaves the training process's random state as it was. With
+``cache_mb``, a set that fits is read and decoded once, when the stream is made, and its readers take the samples
+from that `data_pipeline.decoded_cache.DecodedCache` instead of the tars: the same batches, bit for bit.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ from data_pipeline.augment import (
     AugmentConfig,
     channels_first,
     decode_train_image,
+    decoded_train_image,
     mixup,
     planes,
     to_float_images,
 )
+from data_pipeline.decoded_cache import DECODED_KEY, DecodedCache
 from data_pipeline.loader import worker_items
 from data_pipeline.manifest import DatasetInfo, ShardFormatError, dataset_info
 from data_pipeline.order import TrainPlan, check_split, rank_position, stream_draws, stream_state
-from data_pipeline.shards import sample_label, set_read_retries
+from data_pipeline.shards import read_shard, sample_label, set_read_retries
 from data_pipeline.step_pool import (
     PREFETCH_FACTOR,
     StepPool,
@@ -80,6 +84,9 @@ class StreamSpec:
     prefetch_factor: int = PREFETCH_FACTOR  # steps a loader worker may be ahead of the training process
     record_keys: bool = False  # keep the sample keys of the last micro-batch in `TrainStream.last_keys`
     read_retries: int = 3  # a shard read failing with an I/O error is tried again this often (data_pipeline.shards)
+    # Hold the whole set decoded in memory when it fits in this many MiB (data_pipeline.decoded_cache); 0: never.
+    # Training passes data.cache_mb; the batches are bit-identical either way.
+    cache_mb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.image_size < 1:
@@ -94,6 +101,8 @@ class StreamSpec:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.read_retries < 0:
             raise ValueError(f"read_retries must be >= 0, got {self.read_retries}")
+        if not self.cache_mb >= 0:
+            raise ValueError(f"cache_mb must be >= 0 (0: no decoded cache), got {self.cache_mb}")
         if self.start_method not in ("fork", "forkserver", "spawn"):
             raise ValueError(f"start_method must be 'fork', 'forkserver' or 'spawn', got {self.start_method!r}")
         if not isinstance(self.prefetch_factor, int) or self.prefetch_factor < 1:
@@ -162,11 +171,13 @@ def _plan(spec: StreamSpec, rank: int, world_size: int) -> TrainPlan:
 class _StreamReader:
     """One canonical stream within an epoch: its draws so far, and chunks of c decoded samples."""
 
-    def __init__(self, plan: TrainPlan, epoch: int, stream: int, shards: list[int], draws: int):
+    def __init__(self, plan: TrainPlan, epoch: int, stream: int, shards: list[int], draws: int,
+                 cache: DecodedCache | None = None):  # fmt: skip
         self.plan, self.epoch, self.stream, self.shards = plan, epoch, stream, shards
         self.stats: Counter = Counter()
         self.capacity = sum(plan.info.shards[s].samples for s in shards)
-        self.draws_iter = stream_draws(plan, epoch, stream, shards, self.stats)
+        read = read_shard if cache is None else cache.read
+        self.draws_iter = stream_draws(plan, epoch, stream, shards, self.stats, read)
         for _ in range(draws):  # resume: replay the buffer without decoding
             next(self.draws_iter)
         self.draws = draws
@@ -193,8 +204,13 @@ class _StreamReader:
             if label is None:
                 continue
             rng = plan.augment_rng(self.epoch, s, member, repeat)
+            decoded = sample.get(DECODED_KEY)  # from a decoded cache: the same image, its decode done once
             try:
-                images.append(decode_train_image(sample["jpg"], plan.image_size, plan.augment, rng))
+                if decoded is None:
+                    images.append(decode_train_image(sample["jpg"], plan.image_size, plan.augment, rng))
+                else:
+                    images.append(decoded_train_image(decoded.pixels, decoded.image_format, sample["jpg"],
+                                                      plan.image_size, plan.augment, rng))  # fmt: skip
             except DECODE_ERRORS:
                 stats["corrupt_samples"] += 1
                 continue
@@ -214,9 +230,9 @@ class _TrainEpoch(IterableDataset):
     """
 
     def __init__(self, plan: TrainPlan, epoch: int, start: int, draws: dict[int, int], pool: StepPool,
-                 read_retries: int = 3):  # fmt: skip
+                 read_retries: int = 3, cache: DecodedCache | None = None):  # fmt: skip
         self.plan, self.epoch, self.start, self.draws, self.pool = plan, epoch, start, draws, pool
-        self.read_retries = read_retries
+        self.read_retries, self.cache = read_retries, cache
 
     def __iter__(self) -> Iterator[_Item]:
         set_read_retries(self.read_retries)  # in the process that reads: a loader worker has its own module state
@@ -227,7 +243,7 @@ class _TrainEpoch(IterableDataset):
         plan, epoch = self.plan, self.epoch
         shards = plan.stream_shards(epoch)
         group = plan.worker_streams(logical)
-        readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s]) for s in group]
+        readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s], self.cache) for s in group]
         first_row = (group[0] - plan.rank_streams[0]) * plan.chunk  # of this worker's rows in the step's batch
         scratch = planes(1, plan.image_size)  # reused: an image's uint8 planes before their conversion
         for step in range(self.start, plan.steps_in_epoch(epoch)):
@@ -308,6 +324,15 @@ class TrainStream:
         self._processes = self.plan.workers if spec.num_workers > 0 else 0  # loader worker processes
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
+        # Built before the first batch, so that its one read of the set is not counted as waiting for data.
+        pool = step_pool_bytes(
+            self.plan.global_batch // world_size, spec.image_size, self._processes, spec.prefetch_factor
+        )
+        self.cache, self.cache_line = DecodedCache.build(
+            self.plan.info, self.plan.image_size, spec.cache_mb, shared=self._processes > 0, reserve_bytes=pool
+        )
+        if rank == 0 and spec.cache_mb > 0:
+            log.warning(self.cache_line)
 
     @property
     def info(self) -> DatasetInfo:
@@ -365,7 +390,8 @@ class TrainStream:
         # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
         lookahead = self.spec.prefetch_factor if self._processes > 0 else 0
         pool = self._step_pool(steps, lookahead)
-        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool, self.spec.read_retries)
+        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool, self.spec.read_retries,
+                            self.cache)  # fmt: skip
         seed_key = (plan.seed, self._epoch, plan.rank, self._step)
         items = worker_items(epoch, self._processes, self.spec.start_method, seed_key, self.spec.prefetch_factor)
         for step in range(self._step, steps):

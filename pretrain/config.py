@@ -94,6 +94,9 @@ class DataConfig:
     # A shard read that fails with an I/O error (EIO, a reset connection, a store's 5xx) is tried again this many times
     # (after 0.1, 0.4, 1.6 s, ...) before the shard counts as damaged; data/read_retries counts them in MLflow
     read_retries: int = 3
+    # MiB per rank to hold the whole training set decoded in memory (data_pipeline.decoded_cache): all or nothing,
+    # only when it fits; later reads skip the tar and the JPEG decode, the batches stay bit-identical. 0: never.
+    cache_mb: float = 256.0
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,7 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
         positive(d.epoch_images, "data.epoch_images")
     at_least(d.num_workers, 0, "data.num_workers")
     at_least(d.read_retries, 0, "data.read_retries")
+    at_least(d.cache_mb, 0, "data.cache_mb")
     at_least(d.shuffle_buffer, 0, "data.shuffle_buffer")
     at_least(d.mixup_alpha, 0.0, "data.mixup_alpha")
     if d.builtin is not None:  # checked here rather than when rank 0 generates the set mid-start

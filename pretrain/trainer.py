@@ -67,6 +67,7 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int) -> Tra
         start_method=d.loader_start_method,
         record_keys=config.logging.record_sample_keys,
         read_retries=d.read_retries,
+        cache_mb=d.cache_mb,
     )
     return TrainStream(spec, rank=place.rank, world_size=place.world_size)
 
