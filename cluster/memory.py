@@ -154,13 +154,23 @@ class MemoryPlan:
     activations_gb_not_checkpointed: float
     total_gb_not_checkpointed: float
     checkpointing_advice: str  # "" when the run does not fit
+    # "" for the model above as it is; else the measured correction applied to its activations (`cluster.calibrate`)
+    memory_source: str = ""
 
 
 def plan_memory(
-    profile: ClusterProfile, batch: BatchPlan, vit: ViTConfig, compute: StepTime, zero_stage: int, num_params: int
+    profile: ClusterProfile,
+    batch: BatchPlan,
+    vit: ViTConfig,
+    compute: StepTime,
+    zero_stage: int,
+    num_params: int,
+    correction: tuple[float, str] | None = None,
 ) -> tuple[MemoryPlan, str | None]:
     """(the memory part, None) when the run fits its devices, with the checkpointing advice; else (the part without
-    advice, why it does not fit and the settings that would make it fit)."""
+    advice, why it does not fit and the settings that would make it fit). ``correction``: (a factor on the activation
+    bytes, where it comes from), when a measurement found the model off by more than 15% (`cluster.calibrate`): the
+    model-state accounting is exact, the activations are the estimated part."""
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
     per_image = functools.partial(
@@ -174,7 +184,9 @@ def plan_memory(
         dropout=vit.dropout,
     )
     # Both settings, for the checkpointing advice; the plan's own numbers follow the configured one.
-    act_on, act_off = per_image(activation_checkpointing=True), per_image(activation_checkpointing=False)
+    scale, source = correction or (1.0, "")
+    act_on = scale * per_image(activation_checkpointing=True)
+    act_off = scale * per_image(activation_checkpointing=False)
     act_per_image = act_on if vit.grad_checkpointing else act_off
     activations = act_per_image * micro
     capacity, overhead = _device_memory(profile, batch.world_size)
@@ -194,6 +206,7 @@ def plan_memory(
         activations_gb_not_checkpointed=act_off * micro / GB,
         total_gb_not_checkpointed=(states.total + overhead + act_off * micro) / GB,
         checkpointing_advice="",
+        memory_source=source,
     )
     fixed = states.total + overhead
     if not fits(total, capacity):

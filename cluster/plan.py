@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster import memory
+from cluster import calibrate, memory
+from cluster.calibrate import Measured
+from cluster.data_plan import data_wait, loader_host_bytes
 from cluster.memory import MemoryPlan
 from cluster.profiles import ClusterProfile
 from cluster.storage import STORAGE_EXTRAS, missing_storage, storage_extras, storage_urls, url_scheme
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
-from data_pipeline.step_pool import decoded_bytes
 from pretrain import flops, optim, run_folder, tasks
 from pretrain.config import (
     TrainConfig,
@@ -206,9 +207,10 @@ class ComputePlan:
     days: float
     total_exaflops: float
     images_per_s: float
-    assumed_mfu: float
+    assumed_mfu: float  # the profile's assumed_mfu, or the MFU measured for this model on this GPU kind
     peak_tflops: float  # per device at the plan's precision: the MFU denominator of the run too
     peak_source: str
+    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)": cluster/mfu.yaml (`cluster.calibrate`)
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,19 @@ class DataPlan:
     storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
     storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
     warnings: tuple[str, ...]
+    # The data-wait prediction (`cluster.data_plan.DataWait`, its fields by name): the loader's images/s per core and
+    # where it comes from, the workers and cores, and predicted_data_wait (0..1), which the run's end compares with
+    # the data wait it measured.
+    loader_img_s_per_core: float
+    loader_rate_source: str
+    loader_workers: int
+    loader_cores_per_rank: float
+    load_s_per_step: float
+    predicted_step_time_s: float
+    predicted_data_wait: float
+    input_bound: bool
+    loader_workers_needed: int | None
+    loader_cores_needed: float
 
 
 @dataclass(frozen=True)
@@ -276,9 +291,14 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     batch = batch_plan(config.data, profile.workers.num_workers)
     stats = _data_stats(config)
     vit, model = _model_size(config)
-    compute = _compute_plan(profile, config, vit, batch, stats.num_samples)
+    # What the campaign measured for this model on this GPU kind (cluster/mfu.yaml), if anything.
+    measured = calibrate.measured(config.model.name, profile.hardware.gpu_type) if profile.uses_gpus else None
+    compute = _compute_plan(profile, config, vit, batch, stats.num_samples, measured)
     data = _data_plan(profile, config, batch, stats, model, compute.images_per_s)
-    mem, does_not_fit = memory.plan_memory(profile, batch, vit, compute, config.deepspeed.zero_stage, model.num_params)
+    correction = (measured.activation_scale, measured.memory_source) if measured and measured.memory_corrected else None
+    mem, does_not_fit = memory.plan_memory(
+        profile, batch, vit, compute, config.deepspeed.zero_stage, model.num_params, correction
+    )
     if does_not_fit:
         raise PlanError(does_not_fit)
     plan = Plan(
@@ -324,10 +344,16 @@ def _model_size(config: TrainConfig) -> tuple[ViTConfig, ModelSize]:
 
 
 def _compute_plan(
-    profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, batch: BatchPlan, samples: int | None
+    profile: ClusterProfile,
+    config: TrainConfig,
+    vit: ViTConfig,
+    batch: BatchPlan,
+    samples: int | None,
+    measured: Measured | None = None,
 ) -> ComputePlan:
-    """Steps, step time, days and exaFLOPs at the profile's peak x assumed MFU; ``samples``: the manifest's count,
-    which `"90ep"` durations need when `data.epoch_images` is unset."""
+    """Steps, step time, days and exaFLOPs at the profile's peak x MFU: the one ``measured`` for this model on this
+    GPU kind (`cluster.calibrate`), else the profile's assumed one; ``samples``: the manifest's count, which `"90ep"`
+    durations need when `data.epoch_images` is unset."""
     fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
     total_steps = optim.duration_to_steps(
         config.schedule.total, batch.global_batch_size, config.data.epoch_images or samples, field="schedule.total"
@@ -338,7 +364,8 @@ def _compute_plan(
     peak = _peak(profile, precision)
     # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
     recompute_factor = (train + fwd) / train
-    step_time = train * batch.global_batch_size / (batch.world_size * peak.tflops * 1e12 * profile.assumed_mfu)
+    mfu = measured.mfu if measured else profile.assumed_mfu
+    step_time = train * batch.global_batch_size / (batch.world_size * peak.tflops * 1e12 * mfu)
     if vit.grad_checkpointing:
         step_time *= recompute_factor
     return ComputePlan(
@@ -352,9 +379,10 @@ def _compute_plan(
         days=total_steps * step_time / 86400,
         total_exaflops=train * batch.global_batch_size * total_steps / 1e18,
         images_per_s=batch.global_batch_size / step_time,
-        assumed_mfu=profile.assumed_mfu,
+        assumed_mfu=mfu,
         peak_tflops=peak.tflops,
         peak_source=peak.source,
+        mfu_source=measured.mfu_source if measured else "assumed",
     )
 
 
@@ -408,9 +436,7 @@ def _data_plan(
     loaders = world * max(1, d.num_workers)
     shards_per_loader = shards / loaders if shards else 0.0
     ranks_per_node = math.ceil(world / profile.hardware.nodes)
-    loader_bytes, loader_detail = _loader_host_bytes(
-        config, world, bytes_per_image, model.image_size, stats.num_samples
-    )
+    loader_bytes, loader_detail = loader_host_bytes(config, world, bytes_per_image, model.image_size, stats.num_samples)
     loader_node = loader_bytes * ranks_per_node
     node_memory = profile.hardware.memory_gb_per_node * memory.GB
     if loader_node > LOADER_MEMORY_SHARE * node_memory:
@@ -440,26 +466,8 @@ def _data_plan(
         storage_extras=tuple(e.name for e in storage_extras(urls)),
         storage_missing_here=tuple(missing_storage(urls)),
         warnings=tuple(warnings),
+        **dataclasses.asdict(data_wait(profile, config, batch, images_per_s)),
     )
-
-
-def _loader_host_bytes(
-    config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
-) -> tuple[float, str]:
-    """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
-    (encoded samples; a buffer never holds more than its stream's samples) and its decoded images
-    (``data_pipeline.step_pool.decoded_bytes``: its pool of float step buffers, each worker's uint8 planes of an
-    image)."""
-    d = config.data
-    streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
-    held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
-    buffers = streams * held * bytes_per_image
-    decoded = decoded_bytes(share, image_size, d.num_workers)
-    detail = (
-        f"{streams} streams x {held} buffered samples x {bytes_per_image / 1e3:.0f} KB = "
-        f"{buffers / memory.GB:.3g} GB + decoded steps {decoded / memory.GB:.3g} GB"
-    )
-    return buffers + decoded, detail
 
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[ElasticEnd, ElasticEnd]:

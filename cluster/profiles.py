@@ -30,6 +30,11 @@ class HardwareSpec:
     # plan and the workers measure this machine's GEMM rate at the run's precision (pretrain.peak.cpu_peak).
     peak_tflops: float | None = None
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
+    # Images/s one CPU core of a node decodes and augments for the loader, declared for the plan's data-wait prediction
+    # (cluster.data_plan) on remote hardware; a local profile measures this machine instead (data_pipeline.loader_rate).
+    # Default: ImageNet-sized JPEGs at 224 px, Inception crop + flip, as `make bench-data` measures the loader's path
+    # (pipeline_img_s_per_core ~760 on a 2026 x86 core: docs/benchmarks/2026-11-26-data-loader.md), rounded down.
+    loader_img_s_per_core: float = 700.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,11 @@ class ClusterProfile:
         for key, value, low in counts:
             if value < low:
                 raise ValueError(f"profile {self.name}: {key}={value} must be >= {low}")
+        if not hw.loader_img_s_per_core > 0:  # the data-wait prediction divides by it
+            raise ValueError(
+                f"profile {self.name}: hardware.loader_img_s_per_core={hw.loader_img_s_per_core} must be > 0 "
+                "(images/s one core decodes; `make bench-data` measures it)"
+            )
         if not hw.memory_gb_per_node > 0:  # the plan divides by it
             raise ValueError(f"profile {self.name}: hardware.memory_gb_per_node={hw.memory_gb_per_node} must be > 0")
         if hw.peak_tflops is not None and not hw.peak_tflops > 0:

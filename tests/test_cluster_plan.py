@@ -459,6 +459,7 @@ def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_h
     config = resolve_config(profile, "local_demo", [], "r")
     plan = build_plan(profile, config)
     per_rank = 4 * 256 * plan.data.bytes_per_image + 3 * 32 * 3 * 32**2 * 4  # 4 streams x 256 samples + 3 float steps
+    per_rank += 3840 * 32 * 32 * 4  # + the set decoded (data.cache_mb): 3,840 RGBX images of 32 px
     assert plan.data.loader_gb_per_node * GB == pytest.approx(2 * per_rank, rel=1e-6)
     assert "2 rank(s) x (4 streams x 256 buffered samples" in format_plan(plan)
     # a buffer larger than its stream holds only the stream's samples (3840 / 8 streams)
@@ -470,3 +471,67 @@ def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_h
     i21k = build_plan(load_profile("a100x64"), resolve_config(load_profile("a100x64"), "vit_b16_i21k", [], "r"))
     # 8 workers per rank: 5 float step buffers (prefetch 2 + 3) in shared memory + each worker's uint8 image planes
     assert i21k.data.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 8) * 3 * 224**2) / GB)
+
+
+# ------------------------------------------------------------------------------------- data wait (cluster.data_plan)
+
+
+def test_the_data_wait_model_by_hand():
+    from cluster.data_plan import step_with_data
+
+    # no loader workers: the rank loads, then computes
+    assert step_with_data(0.1, 0.02, 0, cores=1, threads=1) == pytest.approx((0.12, 0.02))
+    # a core for every process: the slower of compute and the workers' share of the loading
+    assert step_with_data(0.1, 0.3, 2, cores=12, threads=1) == pytest.approx((0.15, 0.05))
+    assert step_with_data(0.1, 0.1, 2, cores=12, threads=1) == pytest.approx((0.1, 0.0))
+    # 1 core shared with 2 workers: computing takes 3 x 0.1 s, meanwhile the workers load 0.2 core-s: no wait, and no
+    # step shorter than all the work on the one core
+    assert step_with_data(0.1, 0.05, 2, cores=1, threads=1) == pytest.approx((0.15, 0.0))
+    # 1 worker on the shared core: 0.1 core-s loaded while the rank computes (0.2 s), the other 0.2 core-s waited
+    assert step_with_data(0.1, 0.3, 1, cores=1, threads=1) == pytest.approx((0.4, 0.2))
+
+
+def test_the_prediction_says_input_bound_and_the_workers_needed():
+    from cluster.data_plan import INPUT_BOUND_WAIT, data_wait_line, predict
+    from data_pipeline.loader_rate import LoaderRate
+
+    rate = LoaderRate(1000.0, "declared: a test")
+    fast = predict(0.1, 32, rate, workers=0, max_workers=8, cores=12, threads=1)  # 0.032 s of loading a step
+    assert fast.predicted_data_wait == pytest.approx(0.032 / 0.132) and fast.input_bound
+    assert fast.loader_workers_needed == 1 and fast.loader_cores_needed == pytest.approx(0.32)
+    line = data_wait_line(fast, 32)
+    assert line.startswith("predicted 24% of each step (input-bound): 32 images/rank take 0.032 core-s at 1,000")
+    assert "needs data.num_workers=1 (has 0)" in line and "(declared: a test)" in line
+    heavy = predict(0.1, 320, rate, workers=2, max_workers=8, cores=12, threads=1)  # 0.32 core-s a step
+    assert heavy.predicted_data_wait == pytest.approx(0.06 / 0.16) and heavy.loader_workers_needed == 4
+    shared = predict(0.1, 320, rate, workers=1, max_workers=8, cores=1, threads=1)  # the cores are the limit
+    assert shared.loader_workers_needed == 3 and shared.predicted_step_time_s == pytest.approx(0.1 + 0.32)
+    none = predict(0.1, 32, rate, workers=0, max_workers=0, cores=1, threads=1)
+    assert none.loader_workers_needed is None and "no worker count gets it under 5%" in data_wait_line(none, 32)
+    idle = predict(10.0, 32, rate, workers=0, max_workers=4, cores=1, threads=1)
+    assert idle.predicted_data_wait < INPUT_BOUND_WAIT and not idle.input_bound and idle.loader_workers_needed == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_local_plan_predicts_the_data_wait_from_this_cpu_and_a_remote_one_from_its_profile(local_demo_data):
+    from cluster.data_plan import step_with_data
+
+    profile = load_profile("local")
+    profile = dataclasses.replace(profile, storage=dataclasses.replace(profile.storage, shards=str(local_demo_data)))
+    plan = build_plan(profile, resolve_config(profile, "local_demo", [], "r"))
+    data = plan.to_dict()["data"]  # what plan.json holds: the run's end compares predicted_data_wait with its own
+    assert 0 <= data["predicted_data_wait"] <= 1 and data["loader_img_s_per_core"] > 0
+    assert data["loader_rate_source"].startswith("this CPU, one core, 32px from its decoded cache (measured")
+    assert (data["loader_workers"], data["loader_cores_per_rank"]) == (0, 1.0)  # 2 ranks on 2 cores, no workers
+    d = 32 / data["loader_img_s_per_core"]
+    step, wait = step_with_data(plan.compute.step_time_s, d, 0, cores=1, threads=1)
+    assert data["predicted_data_wait"] == pytest.approx(wait / step) and data["load_s_per_step"] == pytest.approx(d)
+    text = format_plan(plan)
+    assert "\n  data wait     predicted " in text and " of each step (" in text
+    off = build_plan(profile, resolve_config(profile, "local_demo", ["data.cache_mb=0"], "r"))
+    assert "32px from its shards" in off.data.loader_rate_source
+    big = load_profile("a100x64")
+    remote = build_plan(big, resolve_config(big, "vit_b16_i21k", [], "r"))
+    assert remote.data.loader_rate_source == "declared: profile a100x64 hardware.loader_img_s_per_core"
+    assert remote.data.loader_img_s_per_core == big.hardware.loader_img_s_per_core == 700.0
+    assert remote.data.loader_workers == 8 and remote.data.loader_cores_per_rank == 12.0  # 96 cores / 8 ranks

@@ -1,0 +1,175 @@
+"""The plan's data-wait prediction: will the run wait for its batches, and how many loader workers does it need?
+
+A step of the compute plan takes ``c`` seconds (`cluster.plan.ComputePlan.step_time_s`, from the peak and the
+assumed MFU) and each rank consumes ``n = G / R`` images per step. The loader makes ``r`` images/s per core
+(`data_pipeline.loader_rate`: measured on this machine for the local profile, declared by a remote profile's
+``hardware.loader_img_s_per_core``), so loading a step's images costs ``d = n / r`` core-seconds per rank. A rank
+has ``k`` cores (the node's, shared by its ranks) and computes with ``t`` of them (a CPU rank's torch threads,
+``workers.cpus_per_worker``; a GPU rank's host work is taken as one core). With ``W`` loader workers:
+
+- ``W = 0``: the rank loads, then computes: a step takes ``c + d`` and waits ``d`` of it.
+- ``t + W <= k``: every process has a core of its own: a step takes ``max(c, d / W)`` and waits the excess over c.
+- ``t + W > k`` (the 2-core local profile: 2 ranks on 2 cores): the rank and its workers share the cores, each
+  process an equal share per thread. While the rank computes (slowed to ``c (t + W) / k``), its workers load at
+  ``W k / (t + W)`` cores; what is left of ``d`` after that, they load at ``min(W, k)`` cores while the rank waits.
+  Workers there hide the wait but cannot make a step shorter than ``(c t + d) / k``: the cores are the limit.
+
+The predicted data wait is the waited share of a step: what a run logs as ``train/data_wait`` (`pretrain.metrics`)
+and compares at its end (``plan["data"]["predicted_data_wait"]``). A run is input-bound when it is over
+``INPUT_BOUND_WAIT``; the workers it needs are the fewest that bring it under that (at most the rank's streams, as
+a loader worker reads whole streams).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.memory import GB
+from cluster.profiles import ClusterProfile
+from data_pipeline.loader_rate import LoaderRate, cache_bytes, loader_rate
+from data_pipeline.manifest import dataset_info
+from data_pipeline.paths import resolve_location
+from data_pipeline.step_pool import decoded_bytes
+from pretrain.config import TrainConfig
+from pretrain.ds_config import BatchPlan
+
+INPUT_BOUND_WAIT = 0.05  # a predicted data wait above this share of a step is input-bound
+
+
+@dataclass(frozen=True)
+class DataWait:
+    """The data-wait prediction's numbers (flat: `cluster.plan.DataPlan` carries them into plan.json)."""
+
+    loader_img_s_per_core: float  # r
+    loader_rate_source: str  # "declared: ..." or where on this machine it was measured
+    loader_workers: int  # W: loader processes per rank that will run
+    loader_cores_per_rank: float  # k: the node's cores over its ranks
+    load_s_per_step: float  # d: core-seconds of loading per rank per step
+    predicted_step_time_s: float  # compute and data together
+    predicted_data_wait: float  # 0..1: the share of a step spent waiting for data
+    input_bound: bool
+    loader_workers_needed: int | None  # fewest W under INPUT_BOUND_WAIT; None: no W gets there (the cores limit)
+    loader_cores_needed: float  # d / c: cores loading must have to keep up with the compute
+
+
+def step_with_data(c: float, d: float, workers: int, cores: float, threads: float) -> tuple[float, float]:
+    """(seconds per step, seconds of it waiting for data) for compute ``c``, loading ``d`` core-seconds, ``workers``
+    loader processes, ``cores`` per rank and ``threads`` computing (module docstring)."""
+    if workers == 0 or d == 0:
+        return c + d, d
+    if threads + workers <= cores:
+        step = max(c, d / workers)
+        return step, step - c
+    c_wall = max(c, c * (threads + workers) / cores)
+    loaded = c_wall * workers * cores / (threads + workers)
+    if loaded >= d:
+        return max(c, (c * threads + d) / cores), 0.0
+    wait = (d - loaded) / min(workers, cores)
+    return c_wall + wait, wait
+
+
+def predict(
+    c: float, images_per_rank: int, rate: LoaderRate, workers: int, max_workers: int, cores: float, threads: float
+) -> DataWait:
+    """The data wait of a step of ``c`` seconds over ``images_per_rank`` images per rank, at ``workers`` and at every
+    count up to ``max_workers`` (for the workers needed)."""
+    d = images_per_rank / rate.img_s_per_core
+    step, wait = step_with_data(c, d, workers, cores, threads)
+    needed = next(
+        (w for w in range(max_workers + 1) if _share(*step_with_data(c, d, w, cores, threads)) <= INPUT_BOUND_WAIT),
+        None,
+    )
+    return DataWait(
+        loader_img_s_per_core=rate.img_s_per_core,
+        loader_rate_source=rate.source,
+        loader_workers=workers,
+        loader_cores_per_rank=cores,
+        load_s_per_step=d,
+        predicted_step_time_s=step,
+        predicted_data_wait=_share(step, wait),
+        input_bound=_share(step, wait) > INPUT_BOUND_WAIT,
+        loader_workers_needed=needed,
+        loader_cores_needed=d / c if c > 0 else math.inf,
+    )
+
+
+def _share(step: float, wait: float) -> float:
+    return min(1.0, max(0.0, wait / step)) if step > 0 else 0.0
+
+
+def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderRate:
+    """The loader's images/s per core for ``config`` on ``profile``: measured here for a local profile (on the
+    training set when readable, from its decoded cache when the run will hold one), declared by a remote one."""
+    d = config.data
+    if not profile.is_local:
+        rate = profile.hardware.loader_img_s_per_core
+        return LoaderRate(rate, f"declared: profile {profile.name} hardware.loader_img_s_per_core")
+    side = d.builtin_options.get("resolution") if d.builtin else None
+    return loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, synthetic_side=side)
+
+
+def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, images_per_s: float) -> DataWait:
+    """The prediction for ``config`` on ``profile``: the compute plan's ``images_per_s`` over the global batch gives
+    the step; the node's cores are shared by its ranks."""
+    d, hw, w = config.data, profile.hardware, profile.workers
+    ranks_per_node = math.ceil(batch.world_size / hw.nodes)
+    streams_per_rank = max(1, d.streams // batch.world_size)
+    workers = min(d.num_workers, streams_per_rank)  # a worker reads whole streams: the stream runs no more
+    threads = w.cpus_per_worker if not profile.uses_gpus else 1
+    return predict(
+        c=batch.global_batch_size / images_per_s,
+        images_per_rank=batch.global_batch_size // batch.world_size,
+        rate=profile_loader_rate(profile, config),
+        workers=workers,
+        max_workers=streams_per_rank,
+        cores=hw.cpus_per_node / ranks_per_node,
+        threads=threads,
+    )
+
+
+def data_wait_line(wait: DataWait, images_per_rank: int) -> str:
+    """One line for the printed plan: input-bound or not, and the loader workers the run needs."""
+    w = wait
+    verdict = "input-bound" if w.input_bound else "not input-bound"
+    if w.loader_workers_needed is None:
+        need = f"no worker count gets it under {INPUT_BOUND_WAIT:.0%}: {w.loader_cores_per_rank:g} core(s) per rank"
+    elif w.loader_workers_needed <= w.loader_workers:
+        fewer = w.loader_workers_needed < w.loader_workers
+        need = f"data.num_workers={w.loader_workers} is enough" + (f" ({w.loader_workers_needed} would do)" * fewer)
+    else:
+        need = f"needs data.num_workers={w.loader_workers_needed} (has {w.loader_workers})"
+    return (
+        f"predicted {w.predicted_data_wait:.0%} of each step ({verdict}): {images_per_rank} images/rank take "
+        f"{w.load_s_per_step:.3g} core-s at {w.loader_img_s_per_core:,.0f} images/s per core ({w.loader_rate_source});"
+        f" loading needs {w.loader_cores_needed:.2g} core(s) per rank; {need}"
+    )
+
+
+def loader_host_bytes(
+    config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
+) -> tuple[float, str]:
+    """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
+    (encoded samples; a buffer never holds more than its stream's samples), its decoded images
+    (``data_pipeline.step_pool.decoded_bytes``: its pool of float step buffers, each worker's uint8 planes of an
+    image) and its decoded cache of the whole set, where the set fits in ``data.cache_mb``."""
+    d = config.data
+    streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
+    held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
+    buffers = streams * held * bytes_per_image
+    decoded = decoded_bytes(share, image_size, d.num_workers)
+    cache = _cache_bytes(config, image_size)
+    detail = (
+        f"{streams} streams x {held} buffered samples x {bytes_per_image / 1e3:.0f} KB = "
+        f"{buffers / GB:.3g} GB + decoded steps {decoded / GB:.3g} GB"
+    ) + (f" + decoded cache of the set {cache / GB:.3g} GB" if cache else "")
+    return buffers + decoded + cache, detail
+
+
+def _cache_bytes(config: TrainConfig, image_size: int) -> int:
+    """A rank's decoded cache (`data_pipeline.loader_rate.cache_bytes`); 0 where the set is not readable here."""
+    try:
+        info = dataset_info(resolve_location(config.data.train))
+    except Exception:  # absent, remote, damaged: the manifest line of the plan says why
+        return 0
+    return cache_bytes(info, image_size, config.data.cache_mb)

@@ -1,0 +1,192 @@
+"""The loader's images/s on one core: what the planner divides a step's images by to predict its data wait.
+
+`loader_rate` times the training stream itself (`data_pipeline.stream.TrainStream`, no loader workers, one torch
+thread) on the run's own shards: tar reading, labels, per-sample seeding, decode, augmentation and the conversion
+into the step's float buffer, i.e. everything a loader worker does per image, or the training process with
+``data.num_workers=0``. It reads from a decoded cache (`data_pipeline.decoded_cache`) when the run will have one.
+The clock is this process's CPU time (``time.process_time``), so the rate is per core and other jobs on the machine
+distort it less; the first step (the shuffle buffer's fill) is not timed, and the whole measurement is bounded
+(`MEASURE_SECONDS` of timed CPU, on a few shards). Where the training set is not readable here (a dry run before
+the local data is generated, remote storage), it times synthetic photo-like JPEGs written as shards by
+`data_pipeline.write`, and says so.
+
+Measured once per CPU model, library versions, data, resolution, augmentation and cache use, and cached in
+``~/.cache/vitscale/loader_rate.json`` (or ``$VITSCALE_CACHE``): the cache folder of the GEMM peak
+(`pretrain.peak`), in the same style, so every plan on the machine predicts with the same number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import PIL
+import simplejpeg
+import torch
+from PIL import Image
+
+from data_pipeline.augment import AugmentConfig
+from data_pipeline.decoded_cache import planned_bytes
+from data_pipeline.manifest import DatasetInfo, dataset_info
+from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.write import WriteConfig, write_dataset
+
+MEASURE_SECONDS = 0.5  # timed CPU seconds, after the first step
+MEASURE_SAMPLES = 320  # at least this many samples' shards are read (10 batches of 32)
+BATCH = 32
+SYNTHETIC_IMAGES = 128  # JPEGs written when the training set is not readable here
+VERSION = 1  # of the measurement: a change to what is timed makes the cached rates stale
+
+
+@dataclass(frozen=True)
+class LoaderRate:
+    img_s_per_core: float
+    source: str  # one line: where the number comes from
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale") / "loader_rate.json"
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (/proc/cpuinfo), or torch's name for its vector units where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cache_fits(info: DatasetInfo, image_size: int, cache_mb: float) -> bool:
+    """Whether a run with ``data.cache_mb`` = ``cache_mb`` holds ``info`` decoded (the stream's own all-or-nothing
+    rule, `data_pipeline.decoded_cache.DecodedCache.build`)."""
+    return cache_bytes(info, image_size, cache_mb) > 0
+
+
+def cache_bytes(info: DatasetInfo, image_size: int, cache_mb: float) -> int:
+    """Host bytes of the decoded cache a rank of such a run holds: `planned_bytes`, or 0 where the set does not fit
+    in ``cache_mb`` MiB (or its size is unknown)."""
+    limit = cache_mb * 2**20
+    need = planned_bytes(info, image_size, stop_above=limit) if cache_mb > 0 else None
+    return need if need is not None and need <= limit else 0
+
+
+def loader_rate(
+    location: str | Path | None,
+    image_size: int,
+    augment: AugmentConfig | None,
+    cache_mb: float = 0.0,
+    synthetic_side: int | None = None,
+) -> LoaderRate:
+    """Images/s one core decodes and augments for a run at ``image_size`` with ``augment`` that reads
+    ``location`` (a shard folder; None or unreadable: ``SYNTHETIC_IMAGES`` synthetic JPEGs of short side
+    ``synthetic_side``, default 1.15 x ``image_size``), from a decoded cache when ``cache_mb`` holds the set; measured
+    on first use and cached (module docstring)."""
+    try:
+        info = dataset_info(location) if location is not None else None
+    except Exception:  # absent, remote without its filesystem, damaged: timed on synthetic shards instead
+        info = None
+    cached = info is not None and cache_fits(info, image_size, cache_mb)
+    side = synthetic_side or round(image_size * 1.15)
+    if info is not None:
+        per_sample = sum(s.bytes for s in info.shards) / max(1, info.num_samples)
+        data = f"{info.name or Path(info.root).name} {info.num_samples} samples ~{per_sample / 1e3:.2g} KB"
+    else:
+        data = f"synthetic {side}px JPEGs"
+    key = (
+        f"{cpu_model()} | v{VERSION} torch {torch.__version__} pillow {PIL.__version__} simplejpeg "
+        f"{simplejpeg.__version__} | {data} | {image_size}px | {augment} | {'decoded cache' if cached else 'shards'}"
+    )
+    path = cache_path()
+    try:
+        store = json.loads(path.read_text())
+    except (OSError, ValueError):
+        store = {}
+    how = "measured earlier"
+    if not isinstance(store.get(key), float):
+        store[key] = _measure(info, image_size, augment, cached, side)
+        _write_atomically(path, json.dumps(store, indent=1, sort_keys=True))
+        how = "measured now"
+    where = "from its decoded cache" if cached else ("from its shards" if info is not None else data)
+    return LoaderRate(store[key], f"this CPU, one core, {image_size}px {where} ({how}; {path})")
+
+
+def _measure(info: DatasetInfo | None, image_size: int, augment: AugmentConfig | None, cached: bool,
+             side: int) -> float:  # fmt: skip
+    if info is not None:
+        return _time_stream(_first_shards(info), image_size, augment, cached)
+    with tempfile.TemporaryDirectory() as tmp:
+        return _time_stream(dataset_info(_synthetic_shards(Path(tmp), side)), image_size, augment, cached)
+
+
+def _first_shards(info: DatasetInfo) -> DatasetInfo:
+    """``info`` cut to its first shards holding >= ``MEASURE_SAMPLES`` samples: the timed reads, and nothing more."""
+    count, shards = 0, []
+    for shard in info.shards:
+        shards.append(shard)
+        count += shard.samples
+        if count >= MEASURE_SAMPLES:
+            break
+    return dataclasses.replace(info, shards=tuple(shards), num_samples=count)
+
+
+def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | None, cached: bool) -> float:
+    """Images per CPU second of a one-stream, no-worker `TrainStream` over ``info`` with one torch thread, after its
+    first step, for at least ``MEASURE_SECONDS`` (epochs repeat as needed)."""
+    batch = min(BATCH, max(1, info.num_samples // 2))
+    spec = StreamSpec(info, micro_batch_size=batch, image_size=image_size, streams=1, shuffle_buffer=batch,
+                      augment=augment, cache_mb=float(2**20) if cached else 0.0)  # fmt: skip
+    threads, stream_log = torch.get_num_threads(), logging.getLogger("data_pipeline.stream")
+    torch.set_num_threads(1)  # per core, as in a loader worker
+    stream_log.disabled = True  # its line about the decoded cache is about a run's stream, not this measurement's
+    try:
+        batches = iter(TrainStream(spec))
+        next(batches)
+        images, start = 0, time.process_time()
+        while images < 2 * batch or time.process_time() - start < MEASURE_SECONDS:
+            next(batches)
+            images += batch
+        return images / max(time.process_time() - start, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+        stream_log.disabled = False
+
+
+def _synthetic_shards(root: Path, side: int) -> Path:
+    """Shards of ``SYNTHETIC_IMAGES`` photo-like JPEGs (quality 90, smooth colour fields plus grain, short side
+    ``side``, 4:3) written by the project's shard writer."""
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(SYNTHETIC_IMAGES):
+        cells = rng.integers(0, 256, size=(12, 16, 3), dtype=np.uint8)
+        img = np.asarray(
+            Image.fromarray(cells).resize((side * 4 // 3, side), Image.Resampling.BICUBIC), dtype=np.float32
+        )
+        img = np.clip(img + rng.normal(0, 10.0, size=img.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=90)
+        items.append((buf.getvalue(), i % 4, f"synthetic/{i}"))
+    config = WriteConfig(name="synthetic", samples_per_shard=64, processes=1, keep_exact_duplicates=True)
+    write_dataset(root / "shards", config, items=items, class_names=[str(c) for c in range(4)])
+    return root / "shards"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Processes that measure at once each replace the whole file; a reader never sees half of one."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: the number is still used, only measured again next time
+        pass

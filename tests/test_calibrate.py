@@ -1,0 +1,120 @@
+"""cluster.calibrate: a GPU campaign's JSON (the shape `bench.gpu` writes) becomes cluster/mfu.yaml entries, and the
+plan then uses them: the measured MFU for that model on that GPU kind (and says so), the measured activation scale
+where the memory model was off by more than 15%; everything else stays assumed. Tests write a copy of the table
+(``--mfu-file``, ``$VITSCALE_MFU_FILE``), never the repository's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import calibrate
+from cluster.calibrate import MFU_FILE, gpu_kind, main
+from cluster.plan import build_plan, resolve_config
+from cluster.plan_text import format_plan
+from cluster.profiles import load_profile
+
+
+def campaign(**changes) -> dict:
+    """What `python -m bench.gpu` writes on an H100 (the keys calibrate reads, and a few it does not)."""
+    result = {
+        "device": "NVIDIA H100 80GB HBM3", "device_kind": "H100", "date": "2026-11-28T10:00:00+00:00",
+        "torch": "2.11.0+cu130", "cuda": "13.0", "deepspeed": "0.19.8", "driver": "580.65", "smoke": False,
+        "train_path_mfu_vit_h14": 0.42, "train_path_micro_batch": 64, "mfu_eager_vit_h14": 0.47,
+        "mfu_eager_vit_b16": 0.33, "eager_batch_vit_b16": 1024, "mfu_vit_l16": 0.44,
+        "plan_memory_gb_vit_h14": 39.0, "plan_activations_gb_vit_h14": 23.0, "measured_memory_gb_vit_h14": 30.0,
+        "plan_memory_error_vit_h14": (39.0 - 30.0) / 30.0, "loader_cores_needed_vit_b16": 7.5,
+    }  # fmt: skip
+    return {**result, **changes}
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch) -> Path:
+    """A copy of the shipped (empty) table, which the plan reads through $VITSCALE_MFU_FILE."""
+    path = tmp_path / "mfu.yaml"
+    shutil.copy(MFU_FILE, path)
+    monkeypatch.setenv(calibrate.MFU_FILE_ENV, str(path))
+    return path
+
+
+def write(tmp_path: Path, result) -> Path:
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def h14_plan(profile_name: str = "h100x8"):
+    profile = load_profile(profile_name)
+    return build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "calibrate-test"))
+
+
+def test_the_shipped_table_is_empty_and_the_kinds_are_the_datasheet_names():
+    assert calibrate.read_table(MFU_FILE) == {}
+    assert [gpu_kind(n) for n in ("NVIDIA H200", "H100-SXM5-80GB", "A100-SXM4-80GB")] == ["H200", "H100", "A100"]
+    assert gpu_kind(" Some New GPU ") == "Some New GPU"
+
+
+@pytest.mark.timeout(120)
+def test_calibrated_plan_uses_the_measured_mfu_and_memory(tmp_path, table, capsys):
+    before = h14_plan()
+    assert before.compute.mfu_source == "assumed" and "assumed MFU 35%" in format_plan(before)
+    assert main([str(write(tmp_path, campaign())), "--mfu-file", str(table)]) == 0
+    assert "vit_h14 on H100: MFU 42.0% (pretrain.train), memory off by +30%" in capsys.readouterr().out
+    entry = yaml.safe_load(table.read_text())["vit_h14"]["H100"]
+    # The real path's MFU wins over the step benchmark's; memory off by 30% > 15%: the activations take the blame.
+    assert (entry["mfu"], entry["mfu_from"], entry["date"]) == (0.42, "pretrain.train", "2026-11-28")
+    assert entry["activation_scale"] == pytest.approx((30.0 - (39.0 - 23.0)) / 23.0, abs=1e-4)
+    after = h14_plan()
+    assert after.compute.assumed_mfu == 0.42
+    assert after.compute.mfu_source == "measured on H100 2026-11-28 (pretrain.train)"
+    assert after.compute.step_time_s == pytest.approx(before.compute.step_time_s * 0.35 / 0.42)
+    assert after.memory.activations_gb == pytest.approx(before.memory.activations_gb * entry["activation_scale"])
+    text = format_plan(after)
+    assert "MFU 42% measured on H100 2026-11-28 (pretrain.train) of 989 TFLOP/s" in text
+    assert "activations x 0.61: the model was +30% off what H100 measured on 2026-11-28" in text
+    # B/16 has no real-path number: the step benchmark's eager MFU; another GPU kind stays assumed.
+    b16 = yaml.safe_load(table.read_text())["vit_b16"]["H100"]
+    assert (b16["mfu"], b16["mfu_from"], b16["micro_batch_size"]) == (0.33, "step benchmark (eager)", 1024)
+    assert h14_plan("a100x64").compute.mfu_source == "assumed"
+
+
+@pytest.mark.timeout(120)
+def test_memory_within_15_percent_is_not_corrected_and_a_rerun_replaces_the_entry(tmp_path, table):
+    close = campaign(measured_memory_gb_vit_h14=36.0, plan_memory_error_vit_h14=(39.0 - 36.0) / 36.0)
+    assert main([str(write(tmp_path, close))]) == 0  # the table from $VITSCALE_MFU_FILE
+    assert main([str(write(tmp_path, close | {"train_path_mfu_vit_h14": 0.45}))]) == 0
+    entry = calibrate.measured("vit_h14", "H100-SXM5-80GB")
+    assert entry is not None and entry.mfu == 0.45 and entry.activation_scale == 1.0 and not entry.memory_corrected
+    plan = h14_plan()
+    assert plan.memory.memory_source == "" and plan.compute.assumed_mfu == 0.45
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (None, "cannot read it"),
+        ("{not json", "not JSON"),
+        (json.dumps(campaign(smoke=True)), "--smoke run"),
+        (json.dumps({k: v for k, v in campaign().items() if k != "device"}), "no 'device'"),
+        (json.dumps(campaign(train_path_mfu_vit_h14=None, mfu_eager_vit_h14=2.0, mfu_eager_vit_b16=None)), "no MFU"),
+        (json.dumps([1, 2]), "must be an object"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(tmp_path, table, capsys, content, says):
+    path = tmp_path / "gpu.json"
+    if content is not None:
+        path.write_text(content)
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cluster.calibrate: error: ") and says in err and len(err.strip().splitlines()) == 1
+    assert calibrate.read_table(table) == {}  # nothing written
+
+
+def test_a_damaged_table_is_a_clear_error(tmp_path, table, capsys):
+    table.write_text("- a list\n")
+    assert main([str(write(tmp_path, campaign()))]) == 2
+    assert "must map model -> GPU kind" in capsys.readouterr().err
