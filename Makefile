@@ -15,10 +15,11 @@ RUNS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 SEED ?=
+SMOKE ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast test-shuffled lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision clean
+.PHONY: help setup test test-fast test-shuffled lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision bench-gpu clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -97,6 +98,9 @@ bench-scaling: setup  ## images/s of the real training loop (DeepSpeed ZeRO-2, g
 
 bench-precision: setup  ## bf16 vs fp32 step per model shape on this CPU, beside what precision auto's rule picks
 	$(PY) -m bench.precision
+
+bench-gpu: setup  ## the GPU campaign on one GPU (docs/benchmarks/gpu.md) -> bench-results/gpu.json; SMOKE=1: tiny, on the CPU
+	$(PY) -m bench.gpu $(if $(SMOKE),--smoke)
 
 bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer
 	$(PY) -m bench.scale

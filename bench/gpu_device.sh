@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU campaign's one prepared script (docs/benchmarks/gpu.md).
+#
+#   bash bench/gpu_device.sh wheels   HERE, once: build and download into .whl/ (git-ignored) the packages the device
+#                                     image lacks: DeepSpeed (built from source, pure Python with its ops unbuilt),
+#                                     its hjson and pydantic, webdataset, simplejpeg and Pillow 13, for Python 3.12.
+#   bash bench/gpu_device.sh          ON THE DEVICE (its tool's `run`, carry [".whl"], timeout_s 600): installs
+#                                     .whl/ into the image's python3, runs the gpu-marked tests, then the campaign
+#                                     (python -m bench.gpu) with what is left of LIMIT_S; everything lands in $OUT.
+#
+# Knobs (environment): LIMIT_S (570: the tool's 600 s per command less a margin), CAMPAIGN_MAX_S (480), GPU_TESTS
+# (1; 0 skips the tests and gives the campaign the time), TESTS_MAX_S (240).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = wheels ]; then
+    set -e
+    mkdir -p .whl
+    PY=${PY:-.venv/bin/python}  # the project's venv: building DeepSpeed imports torch
+    # DeepSpeed has no wheel on PyPI: build one here. DS_BUILD_OPS=0 leaves its C++/CUDA ops unbuilt (the runs use
+    # torch's AdamW), so the wheel is pure Python and installs on the device's Python 3.12.
+    DS_BUILD_OPS=0 "$PY" -m pip wheel "deepspeed==0.19.8" --no-deps --no-build-isolation -w .whl
+    platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+               --platform manylinux2014_x86_64)
+    # The versions the project's venv holds (pydantic pins its pydantic-core exactly).
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" -d .whl hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+        typing-inspection==0.4.5 webdataset==1.0.2 braceexpand==0.1.7 simplejpeg==1.9.0 pillow==13.0.0
+    du -sh .whl && ls .whl
+    exit 0
+fi
+
+OUT=${OUT:-bench-results/device}
+mkdir -p "$OUT"
+LIMIT_S=${LIMIT_S:-570}
+CAMPAIGN_MAX_S=${CAMPAIGN_MAX_S:-480}
+GPU_TESTS=${GPU_TESTS:-1}
+TESTS_MAX_S=${TESTS_MAX_S:-240}
+start=$(date +%s)
+export PYTHONUNBUFFERED=1
+unset DS_ACCELERATOR  # the GPU: DeepSpeed picks CUDA
+
+# Into the image's own python3: the tests' training subprocesses set PYTHONPATH to the project alone.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl \
+        || { echo "gpu_device.sh: installing .whl/*.whl failed" | tee "$OUT/campaign.log"; exit 1; }
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, deepspeed, transformers, webdataset; print('torch', torch.__version__, 'cuda',
+torch.version.cuda, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
+} >"$OUT/versions.txt" 2>&1
+cat "$OUT/versions.txt"
+
+if [ "$GPU_TESTS" = 1 ]; then
+    # Only the files that hold gpu-marked tests are collected: the others may import Ray or MLflow, not installed there.
+    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+    timeout "$TESTS_MAX_S" python3 -m pytest -m gpu -q -p no:cacheprovider -ra --continue-on-collection-errors \
+        "${files[@]}" >"$OUT/gpu-tests.log" 2>&1
+    echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))"
+fi
+
+elapsed=$(($(date +%s) - start))
+budget=$((LIMIT_S - elapsed - 20))
+[ "$budget" -gt "$CAMPAIGN_MAX_S" ] && budget=$CAMPAIGN_MAX_S
+if [ "$budget" -lt 120 ]; then
+    echo "gpu_device.sh: only ${budget} s left for the campaign; rerun with GPU_TESTS=0" | tee -a "$OUT/campaign.log"
+    exit 1
+fi
+echo "campaign: ${budget} s"
+timeout --kill-after=10 $((budget + 15)) python3 -m bench.gpu --budget-s "$budget" --out "$OUT/gpu.json" \
+    --work-dir /tmp >"$OUT/campaign.log" 2>&1
+code=$?
+tail -12 "$OUT/campaign.log"
+echo "campaign: exit $code after $(($(date +%s) - start)) s in all; results in $OUT (gpu.json, campaign.log, gpu-tests.log)"
+exit $code

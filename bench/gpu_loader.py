@@ -1,0 +1,95 @@
+"""The campaign's loader part (`bench.gpu`): the training stream alone on this machine's CPU cores, at 224 px.
+
+Images per CPU second of one process (``time.process_time``, one torch thread: per core, as a loader worker runs) of a
+`TrainStream` without workers (decode, Inception crop, flip, the float conversion), one epoch, on two sets:
+
+- ``loader_img_s_per_core``: ImageNet-like JPEGs (``bench.data.imagenet_like_jpegs``: ~110 KiB, short side ~375 px,
+  as ImageNet-21k's are after ``data_pipeline.write``), the rate a real run's loader works at;
+- ``loader_formula_img_s_per_core``: the formula-driven set the real-path part trains on (224 px JPEGs of ~11 KB,
+  several times cheaper to decode), which says how much of the real path's data wait that set hides.
+
+``loader_img_s_workers<n>``: the same ImageNet-like shards through ``n`` loader worker processes, images per
+wall-clock second after the first batch, one stream per worker: that the per-core rate scales. `bench.gpu` then
+divides each measured training rate by the per-core rate: ``loader_cores_needed_<model>``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.data import imagenet_like_jpegs
+from data_pipeline.augment import AugmentConfig
+from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.write import WriteConfig, write_dataset
+
+
+def per_core_rate(shards: Path, size: int, batch: int) -> float:
+    """Images per CPU second of a TrainStream with no workers over one epoch of ``shards``."""
+    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig())
+    stream = TrainStream(spec)
+    it = iter(stream)
+    start = time.process_time()
+    for _ in range(stream.steps_per_epoch):
+        next(it)
+    return stream.steps_per_epoch * batch / (time.process_time() - start)
+
+
+def wall_rate(shards: Path, size: int, workers: int, batch: int) -> float:
+    """Images per wall-clock second of a TrainStream with ``workers`` loader processes (one stream each), after its
+    first batch (start-up excluded)."""
+    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, streams=workers, shuffle_buffer=64,
+                      augment=AugmentConfig(), num_workers=workers)  # fmt: skip
+    stream = TrainStream(spec)
+    it = iter(stream)
+    next(it)
+    start = time.perf_counter()
+    for _ in range(stream.steps_per_epoch - 1):
+        next(it)
+    return (stream.steps_per_epoch - 1) * batch / (time.perf_counter() - start)
+
+
+def run(formula_shards: Path | None, smoke: bool, workers: int) -> dict:
+    """The keys of the module docstring (``workers`` loader processes for the wall-clock check; 0 skips it)."""
+    count, size, batch = (16, 32, 8) if smoke else (512, 224, 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict = {"loader_image_size": size, "loader_images": count}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            images = imagenet_like_jpegs(count, max_short=128 if smoke else 512)
+            items = [(data, i % 10, f"bench/{i}") for i, data in enumerate(images)]
+            shards = Path(tmp) / "shards"
+            config = WriteConfig(name="bench", samples_per_shard=max(8, count // 16), processes=1,
+                                 keep_exact_duplicates=True)  # fmt: skip
+            write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
+            out["loader_jpeg_kib"] = sum(map(len, images)) / len(images) / 1024
+            out["loader_img_s_per_core"] = per_core_rate(shards, size, batch)
+            if formula_shards is not None:
+                out["loader_formula_img_s_per_core"] = per_core_rate(formula_shards, size, batch)
+            if workers:
+                out[f"loader_img_s_workers{workers}"] = wall_rate(shards, size, workers, batch)
+                out["loader_workers_checked"] = workers
+    finally:
+        torch.set_num_threads(threads)
+    out["loader_cpu_count"] = os.cpu_count()
+    return out
+
+
+def cores_needed(result: dict, models: tuple[str, ...]) -> dict:
+    """``loader_cores_needed_<model>``: the fastest measured training rate of each model (the step part's vitscale
+    configurations without checkpointing, and the real path's) over the per-core loader rate."""
+    per_core = result.get("loader_img_s_per_core")
+    out: dict = {}
+    for name in models:
+        rates = [result.get(f"{v}_img_s_{name}") for v in ("eager", "compiled")]
+        if result.get("train_path_model_recipe") == name:
+            rates.append(result.get("train_path_img_s"))
+        rates = [r for r in rates if isinstance(r, (int, float))]
+        if per_core and rates:
+            out[f"loader_cores_needed_{name}"] = max(rates) / per_core
+    return out

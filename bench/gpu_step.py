@@ -1,0 +1,301 @@
+"""The campaign's step part (`bench.gpu`): vitscale's training step against Hugging Face's ViT on one device, per model.
+
+Per model (ViT-B/16, L/16, H/14 at 224, 1000 classes, bf16 autocast around forward and loss, backward and torch's
+AdamW outside it, as ``bench.train`` runs its step), in priority order, each task building its own model on the
+device so that only one model's memory is held at a time:
+
+1. ``eager``: vitscale, the largest micro-batch that fits (doubling from a start until an out-of-memory error or the
+   model's cap; two steps per probe, so Adam's state is allocated too), then timed;
+2. ``hf``: Hugging Face's ``ViTForImageClassification`` as it runs by default (SDPA) at the same micro-batch (halved
+   until it fits, if it does not);
+3. ``ckpt``: vitscale with activation checkpointing (``set_grad_checkpointing``), its own largest micro-batch from
+   the eager one up to the model's cap (where eager reached the cap: the same micro-batch, so the ratio is its cost);
+4. ``compiled`` and ``hf_compiled``: each encoder block torch.compile'd in place (vitscale's ``compile_blocks``, HF's
+   layers the same way: ``bench.train.compile_hf_layers``) at the eager micro-batch; they compile in their first step.
+
+A timed configuration runs ``warmup`` steps, then ``repeats`` steps each between two synchronizes; its rate is the
+median. MFU = images/s x 6 x forward MACs per image (``pretrain.flops.train_flops``: the published count, which the
+plan and the training loop use too) / the device's dense peak (``pretrain.peak``). Recomputed activations are not
+model FLOPs, so checkpointing lowers MFU by what it costs. The attention kernel each side runs is read from a
+profiled step (``attention_kernel``). A task that would end past the part's deadline is skipped and says so; one
+that fails records its error; neither stops the others.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from bench.train import _logits_of, compile_hf_layers, hf_model
+from pretrain.flops import train_flops
+from pretrain.model import VisionTransformer, ViTConfig, model_config
+
+# name → (first micro-batch tried, cap): H200-sized caps; a cap says "at least this many fit" in the JSON.
+MODELS = {"vit_h14": (32, 256), "vit_l16": (64, 512), "vit_b16": (128, 1024)}
+SMOKE_SIZE = dict(width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=10)  # a tiny ViT of each name's patch
+COMPILE_ESTIMATE_S = 60.0  # what a compile of one model's block (forward + backward) is allowed before it starts
+VARIANTS = ("eager", "hf", "ckpt", "compiled", "hf_compiled")
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    device: str
+    smoke: bool
+    warmup: int = 2
+    repeats: int = 5
+    compile: bool = True
+    peak_tflops: float = 989.0  # dense bf16 peak of the device (pretrain.peak)
+
+
+def config_of(name: str, smoke: bool) -> ViTConfig:
+    if not smoke:
+        return model_config(name, num_classes=1000)
+    patch = model_config(name).patch_size
+    return model_config(name, image_size=2 * patch, **SMOKE_SIZE)  # a 2 x 2 grid of the model's own patch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+class Stepper:
+    """One implementation's model and AdamW on the device, and its training step at any micro-batch."""
+
+    def __init__(self, config: ViTConfig, impl: str, device: torch.device):
+        self.config, self.device = config, device
+        with device:  # initialised on the device: an H/14 built on the CPU takes longer than its timing
+            self.model = VisionTransformer(config) if impl == "vitscale" else hf_model(config, "sdpa")
+        self.model.train()
+        self.logits_of = _logits_of(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        self._inputs: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inputs is None or self._inputs[0] != batch:
+            self._inputs = None  # the old batch's memory first
+            g = torch.Generator(self.device).manual_seed(0)
+            size = self.config.image_size
+            images = torch.rand(batch, 3, size, size, generator=g, device=self.device) * 2 - 1  # (B, 3, S, S)
+            labels = torch.randint(0, self.config.num_classes, (batch,), generator=g, device=self.device)
+            self._inputs = (batch, images, labels)
+        return self._inputs[1], self._inputs[2]
+
+    def step(self, batch: int) -> None:
+        images, labels = self.inputs(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(self.logits_of(images), labels)
+        loss.backward()
+        self.optimizer.step()
+
+    def release(self) -> None:
+        """Drop the model, its optimizer state and the inputs, so that the device memory can be freed."""
+        self.model = self.optimizer = self.logits_of = self._inputs = None  # type: ignore[assignment]
+
+    def fits(self, batch: int) -> bool:
+        """Two steps at ``batch`` run without an out-of-memory error (other errors raise)."""
+        try:
+            self.step(batch)
+            self.step(batch)
+            _sync(self.device)
+            return True
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_oom(error):
+                raise
+        self._inputs = None
+        self.optimizer.zero_grad(set_to_none=True)
+        _free(self.device)
+        return False
+
+    def seconds_per_step(self, batch: int, warmup: int, repeats: int) -> float:
+        for _ in range(warmup):
+            self.step(batch)
+        times = []
+        for _ in range(repeats):
+            _sync(self.device)
+            start = time.perf_counter()
+            self.step(batch)
+            _sync(self.device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def largest_batch(stepper: Stepper, start: int, cap: int) -> int | None:
+    """The largest micro-batch in start·2^k ≤ cap that fits (halving below ``start`` if it does not); None if 1
+    does not fit."""
+    batch = start
+    while not stepper.fits(batch):
+        if batch == 1:
+            return None
+        batch //= 2
+    if batch < start:
+        return batch
+    while batch * 2 <= cap and stepper.fits(batch * 2):
+        batch *= 2
+    return batch
+
+
+_KERNELS = (  # profiler op name fragment → the attention kernel it is, most specific first
+    ("_cudnn_attention", "cudnn"),
+    ("_flash_attention_for_cpu", "flash (CPU)"),
+    ("_flash_attention", "flash"),
+    ("_efficient_attention", "memory-efficient"),
+    ("_scaled_dot_product_attention_math", "math (SDPA fallback)"),
+)
+
+
+def attention_kernel(step: Callable[[], None], device: torch.device) -> str:
+    """The attention kernel a step runs, from the operators of one profiled step: SDPA's backend, or "explicit
+    (bmm + softmax)" where attention is two batched GEMMs and a softmax (vitscale's CPU bf16 path, HF's eager)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    names = {event.key for event in prof.key_averages()}
+    for fragment, kernel in _KERNELS:
+        if any(fragment in name for name in names):
+            return kernel
+    if any("softmax" in name for name in names) and any(n in names for n in ("aten::bmm", "aten::matmul")):
+        return "explicit (bmm + softmax)"
+    return "unknown"
+
+
+def _timed(stepper: Stepper, batch: int, s: StepSettings, flops: int, label: str) -> dict:
+    device = stepper.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    # Compiled: one more warm-up step, so that a recompilation on the second call (a guard that failed) is not timed.
+    warmup = s.warmup + label.endswith("compiled")
+    step_s = stepper.seconds_per_step(batch, warmup, s.repeats)
+    img_s = batch / step_s
+    out = {f"{label}_img_s": img_s, f"{label}_batch": batch, f"mfu_{label}": img_s * flops / (s.peak_tflops * 1e12)}
+    if device.type == "cuda":
+        out[f"{label}_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return out
+
+
+def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
+    """One variant of one model (module docstring); ``found`` holds what earlier tasks of the model measured."""
+    device = torch.device(s.device)
+    config = config_of(name, s.smoke)
+    start, cap = (2, 4) if s.smoke else MODELS[name]
+    flops = train_flops(config)
+    impl = "hf" if variant.startswith("hf") else "vitscale"
+    stepper = Stepper(config, impl, device)
+    try:
+        if variant == "eager":
+            out = {"attention_kernel_vitscale": attention_kernel(lambda: stepper.step(2), device)}
+            batch = largest_batch(stepper, start, cap)
+            if batch is None:
+                raise RuntimeError("not even a micro-batch of 1 fits")
+            return {**out, **_timed(stepper, batch, s, flops, "eager"), "eager_batch_capped": batch * 2 > cap}
+        eager_batch = found.get("eager_batch")
+        if eager_batch is None:
+            raise RuntimeError("no eager micro-batch was measured for this model")
+        if variant == "ckpt":
+            stepper.model.set_grad_checkpointing(True)
+            # Up to the model's cap: where eager reached it, checkpointing is timed at the same micro-batch (its cost);
+            # where eager ran out of memory below it, at the larger micro-batch checkpointing makes room for.
+            batch = largest_batch(stepper, eager_batch, max(cap, eager_batch))
+        elif variant.endswith("compiled"):
+            if impl == "vitscale":
+                stepper.model.compile_blocks()
+            else:
+                compile_hf_layers(stepper.model)
+            batch = eager_batch
+        else:  # HF as it runs by default, at vitscale's micro-batch or the largest below it that fits
+            batch = largest_batch(stepper, eager_batch, eager_batch)
+            kernel = attention_kernel(lambda: stepper.step(2), device)
+            if batch is None:
+                raise RuntimeError("not even a micro-batch of 1 fits")
+            return {**_timed(stepper, batch, s, flops, variant), "attention_kernel_hf": kernel}
+        if batch is None:
+            raise RuntimeError("not even a micro-batch of 1 fits")
+        return _timed(stepper, batch, s, flops, variant)
+    finally:
+        stepper.release()
+        if variant.endswith("compiled"):
+            torch._dynamo.reset()  # its caches hold the compiled blocks' graphs (and so their memory) otherwise
+        _free(device)
+
+
+def _tasks(s: StepSettings) -> list[tuple[str, str]]:
+    """(model, variant) in priority order: every model's eager pair first, then checkpointing, then compiled (H/14 and
+    B/16 first: the goals name them; each compile costs tens of seconds)."""
+    groups = [(("eager", "hf"), MODELS), (("ckpt",), MODELS)]
+    if s.compile:
+        groups.append((("compiled", "hf_compiled"), ("vit_h14", "vit_b16", "vit_l16")))
+    return [(name, variant) for variants, names in groups for name in names for variant in variants]
+
+
+def _estimate_s(variant: str, found: dict) -> float:
+    """What a task is expected to take, from the eager step of its model (compiles: a fixed allowance)."""
+    step_s = found.get("eager_batch", 1) / max(found.get("eager_img_s", 1e9), 1e-9)
+    return (COMPILE_ESTIMATE_S if variant.endswith("compiled") else 5.0) + 20 * step_s
+
+
+def run(s: StepSettings, deadline: float, log: Callable[[str], None]) -> dict:
+    """Every task that fits before ``deadline`` (time.monotonic); the flat keys, ``<key>_<model>``."""
+    results: dict = {}
+    found: dict[str, dict] = {name: {} for name in MODELS}
+    for name, variant in _tasks(s):
+        left = deadline - time.monotonic()
+        if _estimate_s(variant, found[name]) > left:
+            results[f"skipped_{variant}_{name}"] = f"{left:.0f} s left of the step part's budget"
+            continue
+        began = time.monotonic()
+        try:
+            found[name].update(run_task(name, variant, s, found[name]))
+        except Exception as error:  # recorded; the campaign goes on
+            results[f"error_{variant}_{name}"] = f"{type(error).__name__}: {str(error)[:300]}"
+        log(f"step {name} {variant}: {time.monotonic() - began:.0f} s; " + _line(found[name], variant))
+    for name, got in found.items():
+        results.update({f"{key}_{name}": value for key, value in got.items()})
+        results.update(_ratios(name, got, config_of(name, s.smoke)))
+    return results
+
+
+def _line(got: dict, variant: str) -> str:
+    if f"{variant}_img_s" not in got:
+        return "no number"
+    return f"batch {got[f'{variant}_batch']}, {got[f'{variant}_img_s']:.4g} img/s, MFU {got[f'mfu_{variant}']:.1%}"
+
+
+def _ratios(name: str, got: dict, config: ViTConfig) -> dict:
+    """The headline keys of one model: speedups against HF, the best MFU and which configuration gave it."""
+    out: dict = {f"train_gflops_per_image_{name}": train_flops(config) / 1e9}
+    if "eager_img_s" in got and "hf_img_s" in got:
+        out[f"speedup_vs_hf_{name}"] = got["eager_img_s"] / got["hf_img_s"]
+    if "compiled_img_s" in got and "hf_img_s" in got:
+        out[f"speedup_compiled_vs_hf_{name}"] = got["compiled_img_s"] / got["hf_img_s"]
+    if "compiled_img_s" in got and "hf_compiled_img_s" in got:
+        out[f"speedup_compiled_vs_hf_compiled_{name}"] = got["compiled_img_s"] / got["hf_compiled_img_s"]
+    mfus = {v: got[f"mfu_{v}"] for v in ("eager", "ckpt", "compiled") if f"mfu_{v}" in got}
+    if mfus:
+        best = max(mfus, key=mfus.__getitem__)
+        out[f"mfu_{name}"] = mfus[best]
+        out[f"mfu_config_{name}"] = f"vitscale {best}, micro-batch {got[f'{best}_batch']}"
+    return out
+
+
+def smoke_settings(s: StepSettings) -> StepSettings:
+    return replace(s, warmup=1, repeats=2, compile=False)

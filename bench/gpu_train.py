@@ -1,0 +1,277 @@
+"""The campaign's real-path part (`bench.gpu`), run in a child process of its own: `pretrain.train` through DeepSpeed on
+one device, a resume from its checkpoint, and the same step at ZeRO-0 (plain PyTorch), ZeRO-1 and ZeRO-2.
+
+    python -m bench.gpu_train SPEC.json OUT.json       (bench.gpu starts it; SPEC is a `TrainSpec` as JSON)
+
+1. ``train_worker`` of the ``vit_h14_i21k`` recipe at its micro-batch (accumulation 1: the global batch is one
+   micro-batch, so a step is short enough to time many), on a formula-driven set generated on this machine
+   (``data.train``), loader workers on, ``steps`` steps with a checkpoint at ``checkpoint_at`` and at the end. The
+   learning rate is the recipe's warm-up (10k steps), so the few steps stay small and finite. A heartbeat of ours
+   (`TimedBeat`) takes each step's end time and data wait; the checkpoint hook the time its save took (from the
+   step's end to the save's COMPLETE) and the folder's size. Steady state: the median step after ``warmup_steps``,
+   leaving out steps that followed a save. Peak memory: ``torch.cuda.max_memory_allocated`` / ``_reserved``.
+2. A second ``train_worker`` in a new run folder, ``checkpoint.resume_from`` the first checkpoint, up to
+   ``checkpoint_at + resume_steps``: its losses against the first run's at the same steps.
+3. ZeRO (each setting only if it is expected to end by ``deadline``): `pretrain.trainer.Trainer` (the step
+   ``pretrain.train`` runs, without checkpoints) at ZeRO-1 and ZeRO-2, and plain PyTorch as ZeRO-0 (DeepSpeed refuses
+   bf16 without ZeRO: `pretrain.ds_config.check_config`; at world size 1 plain DDP is plain PyTorch): the same model,
+   task, optimizer and batches, bf16 autocast, gradient clipping.
+
+The output JSON is rewritten after each part, so a timeout keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint import StartPoint
+from pretrain.config import TrainConfig, load_config, model_overrides
+from pretrain.distributed import finish_distributed, init_distributed, training_device_type
+from pretrain.engine import decide_precision
+from pretrain.flops import train_flops
+from pretrain.heartbeat import Heartbeat
+from pretrain.model import build_model, model_config
+from pretrain.optim import build_optimizer
+from pretrain.peak import device_peak
+from pretrain.tasks import build_task
+from pretrain.train import train_worker
+from pretrain.trainer import Trainer, build_stream, prepare_data
+
+RECIPE = "vit_h14_i21k"
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    data: str  # shard folder (a formula set bench.gpu generated)
+    run_root: str  # scratch folder for the run folders
+    smoke: bool = False
+    steps: int = 24
+    checkpoint_at: int = 12
+    resume_steps: int = 4
+    warmup_steps: int = 4  # steps left out of the steady state
+    zero_steps: int = 8  # timed steps per ZeRO setting (after 2 warm-up steps)
+    num_workers: int = 8
+    resume: bool = True  # run part 2
+    zero: bool = True  # run part 3
+    deadline: float = 0.0  # time.time() the part must end by: a ZeRO setting that would end later is skipped; 0: none
+
+    def sets(self, run_dir: Path) -> list[str]:
+        """Overrides of the recipe: this data, accumulation 1, a short stop, no MLflow, no evals."""
+        sets = [
+            f"data.train={self.data}", "data.builtin=null", f"data.streams={4 if self.smoke else 8}",
+            "data.shuffle_buffer=256",
+            f"data.num_workers={self.num_workers}", "schedule.total=20000", f"schedule.stop_at_step={self.steps}",
+            f"checkpoint.dir={run_dir}", f"checkpoint.every_steps={self.checkpoint_at}", "checkpoint.keep_last=2",
+            "logging.progress_bar=false", f"logging.log_every={max(1, self.steps // 4)}", "evals.suite=null",
+        ]  # fmt: skip
+        if self.smoke:  # a tiny ViT at 32 px, one worker forked (forkserver's start-up is seconds on 2 cores)
+            sets += ["model.name=vit_tiny_debug", "data.image_size=32", "model.num_classes=10",
+                     "model.representation_size=null", "data.shuffle_buffer=16", "data.loader_start_method=fork",
+                     "logging.peak_tflops=1.0"]  # fmt: skip
+        return sets
+
+    def config(self, run_dir: Path, *more: str) -> TrainConfig:
+        config = load_config(RECIPE, self.sets(run_dir))
+        micro = 4 if self.smoke else config.data.micro_batch_size  # the recipe's (64 for H/14)
+        return load_config(RECIPE, [*self.sets(run_dir), f"data.micro_batch_size={micro}",
+                                    f"data.global_batch_size={micro}", *more])  # fmt: skip
+
+
+class TimedBeat(Heartbeat):
+    """A heartbeat without a file that keeps every step's end time and data wait (`pretrain.heartbeat`)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.ends: dict[int, float] = {}
+        self.waits: dict[int, float] = {}
+        self.started = time.perf_counter()
+
+    def step(self, step, data_s, data) -> None:
+        self.ends[step] = time.perf_counter()
+        self.waits[step] = data_s
+        super().step(step, data_s, data)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _memory(device: torch.device, prefix: str) -> dict:
+    """Peak device memory in GB: what tensors held and what the allocator reserved; on a CPU (a smoke run) both are
+    the process's peak resident size."""
+    if device.type != "cuda":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+        return {f"{prefix}_peak_memory_allocated_gb": peak, f"{prefix}_peak_memory_reserved_gb": peak}
+    return {f"{prefix}_peak_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            f"{prefix}_peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}  # fmt: skip
+
+
+def _flops_per_image(config: TrainConfig) -> int:
+    return train_flops(model_config(config.model.name, **model_overrides(config, config.model.num_classes or 1000)))
+
+
+def real_path(spec: TrainSpec, out: dict) -> None:
+    """Part 1 (module docstring): the keys ``train_path_*``."""
+    run_dir = Path(spec.run_root) / "run"
+    config = spec.config(run_dir)
+    beat, saves = TimedBeat(), {}
+
+    def on_checkpoint(folder: Path, step: int, metrics: dict) -> None:
+        saves[step] = (time.perf_counter() - beat.ends[step], folder_bytes(Path(folder)))
+
+    summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=beat)
+    device = torch.device("cuda", 0) if training_device_type() == "cuda" else torch.device("cpu")
+    steps = sorted(beat.ends)
+    durations = {s: beat.ends[s] - beat.ends[p] for p, s in zip(steps, steps[1:]) if p not in saves}
+    steady = [s for s in durations if s > spec.warmup_steps] or list(durations)
+    step_s = statistics.median(durations[s] for s in steady)
+    wait = statistics.fmean(beat.waits[s] for s in steady) / step_s
+    batch = config.data.global_batch_size
+    peak = device_peak(config.logging.peak_tflops, device, "bf16" if device.type == "cuda" else "fp32")
+    img_s = batch / step_s
+    save_s, save_bytes = saves[spec.checkpoint_at]
+    out.update({
+        "train_path_model": config.model.name, "train_path_micro_batch": config.data.micro_batch_size,
+        "train_path_global_batch": batch, "train_path_zero_stage": config.deepspeed.zero_stage,
+        "train_path_num_workers": config.data.num_workers, "train_path_steps": summary.steps,
+        "train_path_steady_steps": len(steady), "train_path_step_s": step_s, "train_path_img_s": img_s,
+        "train_path_mfu": img_s * _flops_per_image(config) / (peak.tflops * 1e12),
+        "train_path_peak_tflops": peak.tflops, "train_path_peak_source": peak.source, "train_path_data_wait": wait,
+        "train_path_start_s": beat.ends[steps[0]] - beat.started, "train_path_checkpoint_save_s": save_s,
+        "train_path_checkpoint_gb": save_bytes / 1e9, "train_path_losses": summary.losses,
+        "train_path_step_times_s": [round(durations[s], 4) for s in sorted(durations)],
+        **_memory(device, "train_path"),
+    })  # fmt: skip
+    for step in list(saves)[1:]:  # only the first checkpoint is resumed from: the disk holds one H/14 save less
+        shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
+
+
+def resume(spec: TrainSpec, out: dict) -> None:
+    """Part 2: the keys ``resume_*``."""
+    source = Path(spec.run_root) / "run" / "checkpoints" / f"step_{spec.checkpoint_at:08d}"
+    stop = spec.checkpoint_at + spec.resume_steps
+    config = spec.config(Path(spec.run_root) / "resumed", f"checkpoint.resume_from={source}",
+                         f"schedule.stop_at_step={stop}")  # fmt: skip
+    beat = TimedBeat()
+    summary = train_worker(config, heartbeat=beat)
+    first = dict((int(s), loss) for s, loss in out["train_path_losses"])
+    again = [(int(s), loss) for s, loss in summary.losses]
+    diffs = [abs(loss - first[s]) for s, loss in again if s in first]
+    out.update({
+        "resume_start": summary.start, "resume_start_step": summary.start_step, "resume_losses": summary.losses,
+        "resume_compared_steps": len(diffs), "resume_max_abs_loss_diff": max(diffs) if diffs else None,
+        "resume_losses_equal": bool(diffs) and max(diffs) == 0.0,
+        "resume_start_s": beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
+    })  # fmt: skip
+    shutil.rmtree(Path(spec.run_root) / "run", ignore_errors=True)
+    shutil.rmtree(Path(spec.run_root) / "resumed", ignore_errors=True)
+
+
+def _median_step(step, device: torch.device, steps: int) -> float:
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: torch.dtype):
+    """ZeRO-0 at world size 1: the model, task and optimizer of the run in plain PyTorch (module docstring)."""
+    config = trainer_config
+    with place.device:
+        model = build_model(config.model.name, **model_overrides(config, num_classes))
+    task = build_task(config, model).to(place.device)  # what a task adds to the model (none for classification)
+    optimizer = build_optimizer(task, config.optim)
+    batches = iter(build_stream(config, place, num_classes))
+
+    def step() -> None:
+        images, labels = next(batches)
+        images, labels = images.to(place.device, non_blocking=True), labels.to(place.device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(place.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss, _ = task(images, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(task.parameters(), config.optim.grad_clip)
+        optimizer.step()
+
+    return step
+
+
+def zero_stages(spec: TrainSpec, out: dict) -> None:
+    """Part 3: ``zero<stage>_step_s`` / ``_img_s`` / peak memory for ZeRO-1, ZeRO-2 and ZeRO-0 (plain PyTorch)."""
+    # A setting costs about what the real path took to its first step (imports aside: already done) and its steps.
+    estimate = 0.8 * out.get("train_path_start_s", 0.0) + (spec.zero_steps + 3) * out.get("train_path_step_s", 0.0)
+    for stage in (1, 2, 0):
+        if spec.deadline and time.time() + estimate > spec.deadline:
+            out[f"zero{stage}_skipped"] = f"~{estimate:.0f} s needed, {spec.deadline - time.time():.0f} s left"
+            continue
+        more = ["data.num_workers=0"] if spec.smoke else []  # smoke: the real path has run its loader workers
+        config = spec.config(Path(spec.run_root) / f"zero{stage}", f"deepspeed.zero_stage={max(stage, 1)}", *more)
+        place = init_distributed(config)
+        if place.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(place.device)
+        if stage == 0:  # the run's classes and precision, as the trainer decides them; no engine
+            classes, _ = prepare_data(config, place)
+            choice = decide_precision(config, place, classes, StartPoint("scratch", None))
+            dtype = torch.bfloat16 if choice.precision == "bf16" else torch.float32
+            step_s = _median_step(_plain_step(config, place, classes, dtype), place.device, spec.zero_steps)
+        else:
+            trainer = Trainer.start(config, place)
+            try:
+                step_s = _median_step(lambda t=trainer: t.train_step(None), place.device, spec.zero_steps)
+            finally:
+                trainer.close()
+            del trainer
+        gc.collect()
+        out.update({f"zero{stage}_step_s": step_s, f"zero{stage}_img_s": config.data.global_batch_size / step_s,
+                    **_memory(place.device, f"zero{stage}")})  # fmt: skip
+        if place.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shutil.rmtree(Path(spec.run_root) / f"zero{stage}", ignore_errors=True)
+    if "zero0_step_s" in out and "zero2_step_s" in out:
+        out["zero2_over_zero0_step_time"] = out["zero2_step_s"] / out["zero0_step_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m bench.gpu_train SPEC.json OUT.json (started by python -m bench.gpu)", file=sys.stderr)
+        return 2
+    spec = TrainSpec(**json.loads(Path(args[0]).read_text()))
+    out_path, out = Path(args[1]), {}
+    parts = [part for part, on in ((real_path, True), (resume, spec.resume), (zero_stages, spec.zero)) if on]
+    for part in parts:
+        began = time.perf_counter()
+        try:
+            part(spec, out)
+        except Exception as error:  # recorded; the next part still runs
+            out[f"error_{part.__name__}"] = f"{type(error).__name__}: {str(error)[:300]}"
+            traceback.print_exc()
+        out[f"seconds_{part.__name__}"] = round(time.perf_counter() - began, 1)
+        tmp = out_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(out_path)
+    finish_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""bench.gpu --smoke: every part of the GPU campaign end to end on the CPU (tiny ViTs of each model's patch size, HF's
+ViT beside them, 3 steps of pretrain.train through DeepSpeed with a checkpoint and a resume, ZeRO-0/1/2, the loader,
+the plan's comparison), so that the first device call is not the campaign's first run. One run serves every test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.gpu import HEADLINE, MODELS, main
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("bench_gpu")
+    out = folder / "gpu.json"
+    assert main(["--smoke", "--out", str(out), "--work-dir", str(folder)]) == 0
+    assert not list(folder.glob("*.tmp")) and not list(folder.glob("bench-gpu-*"))  # scratch removed
+    return json.loads(out.read_text())
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@pytest.mark.timeout(300)
+def test_every_part_runs_and_the_headline_keys_are_numbers(smoke):
+    assert not [k for k in smoke if k.startswith(("error_", "skipped_"))], smoke
+    assert all(_number(smoke[key]) for key in HEADLINE), {key: smoke[key] for key in HEADLINE}
+    assert smoke["smoke"] is True and smoke["precision"] == "bf16"
+    for key in ("device", "torch", "deepspeed", "transformers", "python", "date"):  # beside every number
+        assert isinstance(smoke[key], str) and smoke[key], key
+    assert {f"seconds_{p}" for p in ("data", "step", "train", "loader", "plan")} <= set(smoke)
+
+
+@pytest.mark.timeout(300)
+def test_step_part_measures_vitscale_and_hf_per_model(smoke):
+    peak = smoke["step_peak_tflops"]
+    for name in MODELS:
+        for variant in ("eager", "hf", "ckpt"):
+            assert smoke[f"{variant}_batch_{name}"] >= 1 and smoke[f"{variant}_img_s_{name}"] > 0, (name, variant)
+        flops = smoke[f"train_gflops_per_image_{name}"] * 1e9
+        assert smoke[f"mfu_eager_{name}"] == pytest.approx(smoke[f"eager_img_s_{name}"] * flops / (peak * 1e12))
+        assert smoke[f"speedup_vs_hf_{name}"] == pytest.approx(smoke[f"eager_img_s_{name}"] / smoke[f"hf_img_s_{name}"])
+        assert smoke[f"mfu_{name}"] == max(smoke[f"mfu_{v}_{name}"] for v in ("eager", "ckpt"))
+        # bf16 on a CPU: vitscale's attention is two GEMMs and a softmax, HF's SDPA runs torch's CPU flash kernel
+        assert smoke[f"attention_kernel_vitscale_{name}"] == "explicit (bmm + softmax)"
+        assert smoke[f"attention_kernel_hf_{name}"] == "flash (CPU)"
+
+
+@pytest.mark.timeout(300)
+def test_train_part_trains_saves_resumes_with_equal_losses_and_compares_zero_stages(smoke):
+    assert smoke["train_path_steps"] == 3 and len(smoke["train_path_losses"]) == 3
+    assert smoke["train_path_mfu_vit_h14"] == smoke["train_path_mfu"] > 0
+    assert smoke["train_path_img_s"] == pytest.approx(smoke["train_path_global_batch"] / smoke["train_path_step_s"])
+    assert 0 <= smoke["train_path_data_wait"] <= 1 and smoke["train_path_num_workers"] == 1
+    assert smoke["train_path_checkpoint_gb"] > 0 and smoke["train_path_checkpoint_save_s"] > 0
+    assert smoke["resume_start"] == "resume_from" and smoke["resume_start_step"] == 2
+    assert smoke["resume_compared_steps"] == 1 and smoke["resume_losses_equal"] is True
+    assert smoke["resume_losses"][0] == smoke["train_path_losses"][2]
+    for stage in (0, 1, 2):
+        assert smoke[f"zero{stage}_step_s"] > 0 and smoke[f"zero{stage}_peak_memory_reserved_gb"] > 0, stage
+
+
+@pytest.mark.timeout(300)
+def test_plan_and_loader_parts_relate_their_numbers(smoke):
+    step_s, planned = smoke["train_path_step_s"], smoke["plan_step_time_s_vit_h14"]
+    assert smoke["plan_step_time_error_vit_h14"] == pytest.approx((planned - step_s) / step_s)
+    measured = smoke["measured_memory_gb_vit_h14"]
+    assert smoke["plan_memory_error_vit_h14"] == pytest.approx((smoke["plan_memory_gb_vit_h14"] - measured) / measured)
+    assert smoke["plan_mfu_source_vit_h14"] == "assumed"  # the shipped cluster/mfu.yaml measures nothing
+    fastest = max(smoke["eager_img_s_vit_b16"], smoke.get("compiled_img_s_vit_b16", 0))
+    assert smoke["loader_cores_needed_vit_b16"] == pytest.approx(fastest / smoke["loader_img_s_per_core"])
+    assert smoke["loader_formula_img_s_per_core"] > 0
+
+
+@pytest.mark.parametrize("args", [["--smoke", "--budget-s", "0"], ["--budget-s", "60"]])
+def test_bad_arguments_and_no_gpu_exit_2_before_any_work(args, capsys, tmp_path):
+    import torch
+
+    if "--smoke" not in args and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the campaign would run")
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--out", str(tmp_path / "gpu.json")])
+    assert stop.value.code == 2 and "error:" in capsys.readouterr().err
+    assert not (tmp_path / "gpu.json").exists()
