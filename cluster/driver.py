@@ -31,7 +31,9 @@ Order of work (all on the Ray head, inside the job):
    progressed within the allowance, so that the same restart path takes over.
 4. Wait for pending evals (at most `evals.timeout_s`; an eval that failed is recorded as such), then
    `cluster.job_record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
-   metrics, the headline metric's gain over step 0), close the MLflow run; exit 0 only if training succeeded.
+   metrics, the headline metric's gain over step 0), print and log the goodput ledger (`cluster.goodput`, logged
+   over time by a driver thread while training runs; docs/goodput.md), close the MLflow run; exit 0 only if training
+   succeeded.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cluster.eval_scheduler import EvalScheduler
+from cluster.goodput import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.job_record import JobEnd, finish_job, record_placement
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
@@ -195,8 +198,12 @@ def _floats(d: dict) -> dict[str, float]:
     return {str(k): float(v) for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None) -> int:
-    """Steps 2-4 of the module docstring; returns the process exit code (0 = training succeeded)."""
+def run_job(
+    spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None, started_at: float | None = None
+) -> int:
+    """Steps 2-4 of the module docstring; returns the process exit code (0 = training succeeded). ``started_at``:
+    the job's start (Unix time) for its goodput ledger, the driver process's start under `main`; default now."""
+    clock = JobClock(time.time() if started_at is None else started_at)
     import ray  # heavy: only the driver and cluster commands need Ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -225,6 +232,8 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     )
     trainer = _torch_trainer(spec, config, scheduler)
     watchdog = Watchdog(run_dir, profile.hang, Tracker(uri, run_id, rank=0)).start()
+    clock.fit_at = time.time()  # from here Ray Train places the worker group (docs/goodput.md)
+    goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0)).start()
     started = time.monotonic()
     status, error = "FINISHED", None
     try:
@@ -234,6 +243,7 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
         error = exc
     finally:
         watchdog.stop()
+        goodput.stop()
     if error is not None:
         status = "FAILED"
         print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
@@ -241,7 +251,8 @@ def run_job(spec: JobSpec, address: str | None = None, eval_timeout_s: float | N
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     # Evals never hold the job's end beyond evals.timeout_s: what is still running then is recorded as failed.
     evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
-    finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, JobEnd(status, train_s, evals))
+    end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
+    finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, end)
     return 0 if status == "FINISHED" else 1
 
 
@@ -311,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_job(spec, address=args.address)
+    import psutil  # a Ray dependency: the driver process's start begins the job's goodput ledger
+
+    return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ onto the eval slot). It runs `local_demo` (tiny ViT, ZeRO-2, few-shot evals afte
 run, Ray Train V2 elastic scaling). After the first checkpoint past step 0 it removes one worker node, waits until
 training goes on at world size 1 and writes a checkpoint there, adds a node back, waits until Ray Train has grown
 the group to world size 2 again, and lets the job finish. Then it prints what happened (world size per step range,
-the resizes, the evals per checkpoint step) and shuts down the cluster it started (nothing else).
+the resizes, the evals per checkpoint step, the goodput ledger's share per bucket) and shuts down the cluster it
+started (nothing else).
 
 Token authentication is off for this cluster only (RAY_AUTH_MODE=disabled in this process while the demo runs, in
 the environment and in Ray's process-wide state: `cluster.local_head.ray_auth_mode`): it lives inside the command and
@@ -44,6 +45,7 @@ from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
 from evals.suites import load_suite
 from pretrain import run_folder
+from pretrain.goodput import GOODPUT_DIR
 from tracking import keys
 
 PROFILE = "local_elastic"
@@ -74,6 +76,7 @@ class DemoResult:
     tracking_uri: str
     events: list[str] = field(default_factory=list)  # what the demo did, with times
     error: str | None = None  # a wait that timed out, or the job thread's exception
+    job_s: float | None = None  # run_job's wall-clock, as this process measured it (the goodput ledger's to match)
 
 
 def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> JobSpec:
@@ -184,8 +187,10 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         log(line)
 
     def job() -> None:
+        started = time.time()
         try:
-            result.rc = run_job(spec, address=cluster.address, eval_timeout_s=settings.timeout_s)
+            result.rc = run_job(spec, address=cluster.address, eval_timeout_s=settings.timeout_s, started_at=started)
+            result.job_s = time.time() - started
         except BaseException as exc:  # reported, not raised in a thread
             result.error = f"job: {type(exc).__name__}: {exc}"
             log(f"the job raised {type(exc).__name__}: {exc}")
@@ -249,6 +254,7 @@ def describe(result: DemoResult) -> dict[str, Any]:
 
     summary_path = result.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    ledger_path = result.run_dir / GOODPUT_DIR / "ledger.json"  # cluster.goodput, at the job's end
     run_id = json.loads((result.run_dir / "mlflow_run.json").read_text())["run_id"]
     client = MlflowClient(result.tracking_uri)
     run = client.get_run(run_id)
@@ -262,6 +268,7 @@ def describe(result: DemoResult) -> dict[str, Any]:
         "tags": {k: run.data.tags.get(k) for k in (keys.RESIZES, keys.WORLD_SIZES, keys.RESTARTS)},
         "eval_steps": evals,
         "checkpoint_steps": sorted(int(s) for s in summary.get("checkpoints", {})),
+        "goodput": json.loads(ledger_path.read_text()) if ledger_path.exists() else None,
     }
 
 
@@ -275,6 +282,11 @@ def format_report(result: DemoResult, report: dict[str, Any]) -> str:
         f"  tags              {report['tags']}; failure restarts {report['restarts']}",
         f"  evals at steps    {report['eval_steps']} (checkpoints evaluated: {report['checkpoint_steps']})",
     ]
+    ledger = report.get("goodput")
+    if ledger:
+        buckets = ", ".join(f"{k} {v:.0f} s" for k, v in ledger["total"].items() if v >= 0.5)
+        measured = f" (measured around the job: {result.job_s:.1f} s)" if result.job_s else ""
+        lines.append(f"  goodput           {ledger['fraction']:.1%} of {ledger['wall_s']:.1f} s{measured}: {buckets}")
     if result.error:
         lines.append(f"  PROBLEM           {result.error}")
     return "\n".join(lines)

@@ -74,13 +74,14 @@ def run_suite_task(
 
     Releases the checkpoint's pin however it ends.
     """
-    started = time.monotonic()
+    started, began = time.monotonic(), time.time()  # "started" (Unix time) places it on the goodput ledger's clock
     try:
         if not is_complete(checkpoint_dir):
             return {
                 "error": f"{checkpoint_dir} is gone or incomplete although pinned for this eval: deleted by hand, "
                 "or by another job writing the same run folder",
                 "seconds": 0.0,
+                "started": began,
             }
         # Eval tasks share the machine with training: stay within the CPUs Ray gave this task, on its GPU if it has one.
         resources = ray.get_runtime_context().get_assigned_resources()
@@ -89,12 +90,13 @@ def run_suite_task(
         table = run_suite(checkpoint_dir, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=tracking_uri,
                           device=device)  # fmt: skip
         # The metrics MLflow got (ok rows, finite values): a missing dataset shows as "-" in the summary, not NaN.
-        return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started}
+        return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started, "started": began}
     except Exception as exc:  # an eval failure is reported in the summary; it never fails the training job
         return {
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
             "seconds": time.monotonic() - started,
+            "started": began,
         }
     finally:  # done, failed or interrupted: this eval no longer needs the folder
         unpin_checkpoint(checkpoint_dir)

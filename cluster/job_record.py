@@ -1,6 +1,7 @@
 """What a job leaves in its run folder beyond the checkpoints: where each worker ran (`workers/*.json`), and at the
 end, `summary.json` (status, restarts, resizes, every checkpoint's eval metrics) with the summary table printed, the
-final model logged to the MLflow run and the run closed (`finish_job`)."""
+final model logged to the MLflow run, the goodput ledger printed and logged (`cluster.goodput`) and the run closed
+(`finish_job`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.goodput import JobClock, current_ledger, eval_spans, finish_ledger
 from cluster.summary import format_resizes, format_summary
 from pretrain import run_folder
 from pretrain.export import checkpoint_step, class_names, save_hf
@@ -30,6 +32,7 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
     world size)."""
     import socket
 
+    import psutil  # a Ray dependency
     import ray  # heavy: only the driver and cluster commands need Ray
 
     folder = run_dir / "workers"
@@ -41,6 +44,7 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
         "node_id": ctx.get_node_id(),
         "hostname": socket.gethostname(),
         "started": time.time(),
+        "process_started": psutil.Process().create_time(),  # before it: Ray placing the group (the goodput ledger)
         "job_id": ctx.get_job_id(),
         "world_size": world_size,
     }
@@ -67,11 +71,14 @@ def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> lis
 
 @dataclass(frozen=True)
 class JobEnd:
-    """How training ended, as the driver saw it."""
+    """How training ended, as the driver saw it, and what its goodput ledger needs (`cluster.goodput`)."""
 
     status: str  # MLflow's: FINISHED or FAILED
     train_seconds: float
     evals: dict[int, dict[str, Any]]  # the eval scheduler's results by checkpoint step
+    clock: JobClock | None = None  # the job's start and when it asked for workers; None: no ledger
+    evals_shared: bool = False  # evals ran on the training cores (`evals_share_training_cores`)
+    plan: dict[str, Any] = field(default_factory=dict)  # the job's plan (its predicted data wait, if any)
 
 
 def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd) -> None:
@@ -110,9 +117,16 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd
     # vitscale.resizes and vitscale.world_sizes are set by train_worker's rank 0 at every start, from the same history.
     tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
-    tracker.close()
     if end.status == "FINISHED":
         log_final_model(run_dir, uri, run_id)
+    if end.clock is not None:  # last: the job's wall-clock ends when its ledger closes
+        try:
+            ledger = current_ledger(run_dir, end.clock, time.time(), eval_spans(end.evals), end.evals_shared)
+            step = ledger.step or int(train_result.get("steps") or 0)  # the job's own newest step
+            print(finish_ledger(run_dir, ledger, end.plan, tracker, step), flush=True)
+        except Exception as error:  # noqa: BLE001 — bookkeeping; the job's outcome stays training's
+            print(f"warning: no goodput ledger: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    tracker.close()
     finish_run(uri, run_id, end.status)
 
 

@@ -519,6 +519,7 @@ class Checkpointer:
         self.on_save_error = config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
         self.saved: list[str] = []  # this attempt's COMPLETE checkpoints, in order
+        self.save_seconds = 0.0  # wall seconds this attempt spent saving (and handing saves over): the goodput ledger
 
     def save_baseline(self, trainer) -> None:
         """A fresh run's step-0 weights, before the first update, so every transfer curve starts at its baseline. A
@@ -533,6 +534,13 @@ class Checkpointer:
             self._save(trainer, metrics)
 
     def _save(self, trainer, metrics: dict[str, float]) -> None:
+        started = time.perf_counter()
+        try:
+            self._save_and_hand_over(trainer, metrics)
+        finally:  # a failed save's time was spent saving too
+            self.save_seconds += time.perf_counter() - started
+
+    def _save_and_hand_over(self, trainer, metrics: dict[str, float]) -> None:
         try:
             folder = save_checkpoint(trainer.engine, trainer.model, trainer.current, step=trainer.step,
                                      images_seen=trainer.images_seen, stream_state=trainer.stream.state_dict(),

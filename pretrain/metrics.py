@@ -2,7 +2,8 @@
 
 Every rank calls `TrainMetrics.step(...)` each optimizer step; only rank 0 prints and logs. Every `log_every`
 steps it reports the `train/` metrics named and explained in `tracking.keys` (loss = mean over ranks, lr, grad
-norm, throughput, TFLOP/s and MFU, data wait, memory, cumulative images and exaFLOPs).
+norm, throughput, TFLOP/s and MFU, data wait, memory, cumulative images and exaFLOPs) and the window's p50/p90/p99
+of step time and data wait.
 A non-finite loss raises `NonFiniteLossError` on every rank (the loss is already all-reduced, so all agree).
 Each step's values reach the MLflow run once: steps redone after a restart from a checkpoint are not logged again.
 """
@@ -32,6 +33,25 @@ def memory_gb(device: torch.device) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def percentile(values: list[float], p: float) -> float:
+    """The ``p``-th percentile of ``values`` (linear between the closest ranks, numpy's default)."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def tail_metrics(step_s: list[float], data_s: list[float]) -> dict[str, float]:
+    """p50/p90/p99 of a window's step times and data waits (`tracking.keys.TAIL_PERCENTILES`): a loader that stalls
+    one step in fifty moves p99, not the mean's 2%."""
+    if not step_s:
+        return {}
+    out = {keys.step_time_percentile(p): percentile(step_s, p) for p in keys.TAIL_PERCENTILES}
+    out.update({keys.data_wait_percentile(p): percentile(data_s, p) for p in keys.TAIL_PERCENTILES})
+    return out
+
+
 @dataclass
 class TrainMetrics:
     rank: int
@@ -46,6 +66,8 @@ class TrainMetrics:
     start_step: int = 0
     images_seen: int = 0
     _window: dict[str, float] = field(default_factory=dict)
+    _step_s: list[float] = field(default_factory=list)  # this window's step times and data waits (the tails)
+    _data_s: list[float] = field(default_factory=list)
     _bar: Any = None
 
     def __post_init__(self) -> None:
@@ -61,14 +83,30 @@ class TrainMetrics:
             )
 
     def _reset_window(self) -> None:
-        self._window = {"start": time.perf_counter(), "images": 0, "data_s": 0.0}
+        now = time.perf_counter()
+        self._window = {"start": now, "images": 0, "data_s": 0.0, "last": now}
+        self._step_s, self._data_s = [], []
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, images: int, data_s: float) -> dict:
+    def step(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        images: int,
+        data_s: float,
+        step_s: float | None = None,
+    ) -> dict:
         """Record optimizer step ``step`` (1-based count of steps done); returns the metrics logged, if any.
 
         ``images`` is the number of images all ranks consumed in this step, ``data_s`` this rank's time spent
-        waiting for batches.
+        waiting for batches, ``step_s`` the step's wall seconds, saves excluded (`pretrain.goodput.AttemptClock`;
+        None: the time since the previous call). The window's p50/p90/p99 of both are logged with the rest.
         """
+        now = time.perf_counter()
+        self._step_s.append(now - self._window["last"] if step_s is None else step_s)
+        self._data_s.append(data_s)
+        self._window["last"] = now
         if not math.isfinite(loss):
             raise NonFiniteLossError(
                 f"loss is {loss} at step {step} (lr {lr:.3g}); training stopped. Try a lower optim.lr, a longer "
@@ -99,6 +137,7 @@ class TrainMetrics:
         }
         if grad_norm is not None and math.isfinite(grad_norm):
             metrics[keys.GRAD_NORM] = grad_norm
+        metrics.update(tail_metrics(self._step_s, self._data_s))
         self._reset_window()
         if self.rank == 0:
             if self.tracker is not None:

@@ -8,7 +8,8 @@ WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Sta
 The loop reads like the algorithm: start (resume) → per step: resolution, optimizer step, record, log, checkpoint →
 summary. Its parts: `pretrain.trainer` (engine, stream, step), `pretrain.checkpoint.Checkpointer` (when to save, the
 step-0 baseline of an evaluated run, the on-checkpoint hook), `pretrain.recorder` (losses; batch digests and sample
-keys on request), `pretrain.metrics` (the logged numbers), `pretrain.distributed` (the process group).
+keys on request), `pretrain.metrics` (the logged numbers), `pretrain.goodput` (where the attempt's seconds went),
+`pretrain.distributed` (the process group).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pretrain.config import TrainConfig, load_config
 from pretrain.distributed import Placement, broadcast, exit_rank, finish_distributed, init_distributed
 from pretrain.ds_config import batch_plan
 from pretrain.flops import train_flops
+from pretrain.goodput import AttemptClock, attempt_path
 from pretrain.heartbeat import Heartbeat
 from pretrain.metrics import TrainMetrics
 from pretrain.peak import Peak, device_peak
@@ -42,6 +44,7 @@ def train_worker(
     """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
     every rank after each COMPLETE checkpoint, the step-0 baseline included (`pretrain.checkpoint.Checkpointer`).
     ``heartbeat`` (the cluster driver's) hears of every step, save and resolution switch (`pretrain.heartbeat`)."""
+    clock = AttemptClock()  # from here on every second of this attempt is booked (pretrain.goodput)
     config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
     place = init_distributed(config)
     config.validate(place.world_size)
@@ -60,19 +63,27 @@ def train_worker(
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after this draws from the global generators
     recorder, outcome = open_recorder(config, place), "failed"
+    open_clock(clock, config, trainer)
     try:
         checkpointer.save_baseline(trainer)
+        clock.saved_before_loop(checkpointer.save_seconds)
         logged: dict[str, float] = {}
         while trainer.step < trainer.last_step:
+            clock.lap("productive")
             trainer.maybe_switch_resolution(on_switch=beat.busy)
+            clock.lap("startup")  # a resolution switch rebuilds the engine: start-up work (nothing when none)
             result = trainer.train_step(recorder)
+            step_s = clock.step_done(trainer.step, result.data_s)
             beat.step(trainer.step, result.data_s, trainer.stream.stats)
             recorder.end_step(trainer.step, result.loss, trainer.epoch)
-            logged = metrics.step(trainer.step, result.loss, result.lr, result.grad_norm,
-                                  trainer.plan.global_batch_size, result.data_s) or logged  # fmt: skip
+            new = metrics.step(trainer.step, result.loss, result.lr, result.grad_norm,
+                               trainer.plan.global_batch_size, result.data_s, step_s=step_s)  # fmt: skip
+            logged = new or logged
             checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})
+            clock.after_step(checkpointer.save_seconds, logged=bool(new))
         outcome = "finished" if trainer.step >= trainer.total_steps else "stopped"
     finally:
+        clock.close(outcome)
         beat.end()
         tracker.set_tags({keys.STATUS: outcome})
         recorder.close()
@@ -83,6 +94,18 @@ def train_worker(
             finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
     trainer.close()
     return recorder.summary(**trainer.describe(), checkpoints=checkpointer.saved)
+
+
+def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> None:
+    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = this start's place in the run folder's history
+    of starts (`record_world_size` appended it in `start_tracking`); everything until now was start-up."""
+    place, path, attempt = trainer.place, None, 0
+    if place.rank == 0:
+        attempt = len(run_folder.world_size_history(Path(config.checkpoint.dir)))
+        path = attempt_path(config.checkpoint.dir, attempt)
+    clock.open(path, attempt=attempt, world_size=place.world_size, start_step=trainer.step,
+               last_step=trainer.last_step, pid=os.getpid())  # fmt: skip
+    clock.lap("startup")
 
 
 def open_recorder(config: TrainConfig, place: Placement) -> Recorder:

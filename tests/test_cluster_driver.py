@@ -260,7 +260,9 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
         held = held.remote(str(run_dir / "train_result.json"), 300)  # rank 0 writes it when training ends
         while not holding.exists():
             time.sleep(0.2)
+        job_started = time.time()
         rc = run_job(spec, address=cluster.address, eval_timeout_s=240)
+        job_s = time.time() - job_started
         ray.get(held)
         node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         rank0 = sorted((json.loads(p.read_text()) for p in (run_dir / "workers").glob("rank0-*.json")),
@@ -323,3 +325,38 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     rows = summary["checkpoints"]
     gain = rows["30"]["metrics"]["fewshot/mean/1shot"] - rows["0"]["metrics"]["fewshot/mean/1shot"]
     assert f"{gain:+.4f}" in table.split("gain vs step 0")[1]
+    _check_goodput_ledger(run_dir, job_s, client, run.info.run_id, table)
+
+
+def _check_goodput_ledger(run_dir: Path, job_s: float, client, run_id: str, printed: str) -> None:
+    """The ledger of the job above: its buckets sum to the wall-clock the test measured around run_job (within 2%),
+    the killed attempt's steps after checkpoint 10 count as restart, and the run holds the final values at step 30."""
+    from pretrain.goodput import read_attempts
+    from tracking import keys
+
+    ledger = json.loads((run_dir / "goodput" / "ledger.json").read_text())
+    total = sum(ledger["total"].values())
+    print(f"goodput ledger: buckets sum {total:.1f} s, ledger wall {ledger['wall_s']:.1f} s, measured {job_s:.1f} s; "
+          f"{ledger['total']}")  # fmt: skip
+    assert abs(total - job_s) <= 0.02 * job_s and abs(ledger["wall_s"] - job_s) <= 0.02 * job_s
+    assert all(v >= 0 for row in ledger["attempts"] for k, v in row.items() if k != "row")
+    rows = {row["row"]: row for row in ledger["attempts"]}
+    first, last = read_attempts(run_dir)[-2:]
+    assert last["start_step"] == 10 and last["outcome"] == "finished" and first["start_step"] == 0
+    kept = next(c for c in first["checkpoints"] if c[0] == 10)  # [step, productive_s, data_wait_s] at step 10
+    killed, resumed = rows[f"attempt {first['attempt']}"], rows[f"attempt {last['attempt']}"]
+    assert killed["productive"] <= kept[1] + 1e-6  # what it trained after step 10 was redone: not productive
+    lost = first["seconds"]["productive"] + first["seconds"]["data_wait"] - kept[1] - kept[2]
+    assert killed["restart"] >= lost - 1e-6 and resumed["restart"] > 0  # lost work, then the gap before the restart
+    assert ledger["total"]["productive"] > 0 and ledger["total"]["startup"] > 0
+    assert "goodput " in printed and "s wall" in printed
+    for key in (keys.GOODPUT_WALL_S, keys.GOODPUT_FRACTION, *map(keys.goodput_bucket, keys.GOODPUT_BUCKETS)):
+        history = client.get_metric_history(run_id, key)
+        final = max(history, key=lambda m: (m.step, m.timestamp))
+        assert final.step == 30, key
+    fraction = max(client.get_metric_history(run_id, keys.GOODPUT_FRACTION), key=lambda m: m.step)
+    assert fraction.value == pytest.approx(ledger["fraction"])
+    tails = client.get_metric_history(run_id, keys.step_time_percentile(99))
+    assert sorted(m.step for m in tails) == list(range(1, 31))  # every step logged (log_every=1), once
+    artifacts = {a.path for a in client.list_artifacts(run_id, keys.GOODPUT_ARTIFACT)}
+    assert artifacts == {"goodput/ledger.json", "goodput/ledger.txt"}

@@ -91,3 +91,15 @@ def test_node_lost_and_regained_job_goes_on_in_one_run(tmp_path):
         by_epoch[steps[step]["epoch"]] += steps[step]["keys"]
     for epoch, seen in by_epoch.items():
         assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample was seen twice"
+
+    # The goodput ledger: every second of the job in one bucket, summing to the wall-clock measured around run_job
+    # (within 2%); three attempts (2, 1, 2 workers), the node loss and the regrowth each a restart.
+    ledger = report["goodput"]
+    total = sum(ledger["total"].values())
+    print(f"goodput ledger: buckets sum {total:.1f} s, ledger wall {ledger['wall_s']:.1f} s, measured "
+          f"{result.job_s:.1f} s; {ledger['total']}")  # fmt: skip
+    assert abs(total - result.job_s) <= 0.02 * result.job_s
+    assert abs(ledger["wall_s"] - result.job_s) <= 0.02 * result.job_s
+    attempts = [row for row in ledger["attempts"] if row["row"].startswith("attempt")]
+    assert len(attempts) == 3 and all(row["restart"] > 0 for row in attempts[1:])
+    assert ledger["total"]["productive"] > 0 and ledger["total"]["eval_interference"] >= 0

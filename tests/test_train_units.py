@@ -156,7 +156,8 @@ def test_metrics_report_the_documented_keys_and_stop_on_non_finite_loss():
     assert m.step(1, 2.0, 1e-3, 0.5, images=64, data_s=0.01) == {}
     logged = m.step(2, 1.9, 1e-3, 0.4, images=64, data_s=0.01)
     keys = {"train/loss", "train/lr", "train/grad_norm", "train/images_per_s", "train/tflops", "train/mfu",
-            "train/data_wait", "train/memory_gb", "train/images_seen", "train/exaflops"}  # fmt: skip
+            "train/data_wait", "train/memory_gb", "train/images_seen", "train/exaflops",
+            *(f"train/{what}_s_p{p}" for what in ("step", "data_wait") for p in (50, 90, 99))}  # fmt: skip
     assert set(logged) == keys
     assert logged["train/images_seen"] == 128 and logged["train/exaflops"] == pytest.approx(128 * 1e9 / 1e18)
     assert logged["train/mfu"] == pytest.approx(logged["train/tflops"] / 1.0)

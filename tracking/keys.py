@@ -90,3 +90,49 @@ MODEL_STEP = "vitscale.model_step"  # the checkpoint step that model holds
 MODEL_TAG_STEP = "vitscale.step"
 MODEL_TAG_SOURCE = "vitscale.source"  # the checkpoint folder it was exported from
 MODEL_TAG_EVAL_PREFIX = "vitscale.eval."  # + an eval mean's metric key, e.g. vitscale.eval.fewshot/mean/10shot
+
+# Goodput (docs/goodput.md): every second of a job's wall-clock lands in exactly one bucket, per attempt and in
+# total. Logged over time and at the job's last step; the final table is the artifact GOODPUT_ARTIFACT.
+GOODPUT_BUCKETS = (
+    "productive",  # optimizer steps whose work the run kept
+    "data_wait",  # the training loop waiting for its next batch
+    "checkpoint",  # saving checkpoints (the training loop blocked on it)
+    "eval_interference",  # evals running on the training job's own cores
+    "restart",  # between a failed attempt and the next one's start, plus the steps redone after it (lost work)
+    "startup",  # process start, engine build, compile, resume load, universal-checkpoint conversion
+    "resource_wait",  # waiting for workers to be placed
+    "other",  # whatever the ledger cannot attribute (so the buckets sum to the wall-clock)
+)
+GOODPUT_PREFIX = "goodput/"
+GOODPUT_WALL_S = "goodput/wall_s"  # the job's wall-clock so far
+GOODPUT_FRACTION = "goodput/fraction"  # productive_s / wall_s
+GOODPUT_ARTIFACT = "goodput"  # artifact folder: ledger.json (per attempt and total) and ledger.txt (the table)
+
+
+def goodput_bucket(bucket: str) -> str:  # e.g. goodput/data_wait_s
+    if bucket not in GOODPUT_BUCKETS:
+        raise KeyError(f"unknown goodput bucket {bucket!r}; known: {', '.join(GOODPUT_BUCKETS)}")
+    return f"{GOODPUT_PREFIX}{bucket}_s"
+
+
+# Step-time tails per logging window (pretrain.metrics): a loader that stalls one step in fifty shows up in p99.
+TAIL_PERCENTILES = (50, 90, 99)
+
+
+def step_time_percentile(p: int) -> str:  # e.g. train/step_s_p99: wall seconds per optimizer step
+    return f"train/step_s_p{p}"
+
+
+def data_wait_percentile(p: int) -> str:  # e.g. train/data_wait_s_p99: seconds one step waited for its batches
+    return f"train/data_wait_s_p{p}"
+
+
+# The data wait the plan predicted (cluster.plan DataPlan.predicted_data_wait, when it has one) and the one measured,
+# each a fraction of the training loop's step time, logged by the driver with the final ledger.
+GOODPUT_DATA_WAIT_PREDICTED = "goodput/data_wait_predicted"
+GOODPUT_DATA_WAIT_MEASURED = "goodput/data_wait_measured"
+
+
+def finetune_accuracy_at(dataset: str, steps: int) -> str:  # e.g. finetune/digits/accuracy_at_100steps
+    # The learning curve: test top-1 of the final fine-tuning run after `steps` of its schedule (evals.finetune).
+    return f"finetune/{dataset}/accuracy_at_{steps}steps"
