@@ -2,8 +2,9 @@
 
 Answers "which model / recipe gives the best transfer per exaFLOP?" (the paper's Figure 5 and Table 6): a table of
 runs (model, patch, recipe, steps, images seen, exaFLOPs, final loss, few-shot 10-shot mean, fine-tune accuracy,
-VTAB mean with its task count), each run's model in MLflow (its URI and step, `tracking.models`) and two figures
-(training loss vs images seen; few-shot 10-shot accuracy vs pre-training exaFLOPs). Collect
+VTAB mean with its task count, goodput), each run's model in MLflow (its URI and step, `tracking.models`) and the
+figures (training loss vs images seen; few-shot 10-shot accuracy vs pre-training exaFLOPs; once a run has a goodput
+ledger, a stacked bar per run of where its wall-clock went, `tracking.report_goodput`). Collect
 (`tracking.report_collect`) → render (`tracking.report_render`) → this CLI, which writes ``reports/<name>/``
 (index.html, PNGs, runs.csv) and logs it to MLflow.
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tracking import keys
+from tracking.report_goodput import Goodput, read_goodput, read_tails
 
 COMPARISON_KIND = "comparison"  # the value of the keys.KIND tag on the runs the report is logged to
 COMPARISONS_EXPERIMENT = "comparisons"
@@ -50,6 +51,9 @@ class RunSummary:
     fewshot_last_step: int | None = None  # the newest step with a fewshot/mean/10shot value
     model_uri: str | None = None  # the run's model in MLflow (tag vitscale.model_uri, tracking.models)
     model_step: int | None = None  # the checkpoint step that model holds
+    goodput: Goodput | None = None  # the run's goodput ledger (tracking.report_goodput); None: none logged
+    step_tails: tuple[tuple[int, float], ...] = ()  # (percentile, train/step_s_pNN) of the last logging window
+    data_wait_tails: tuple[tuple[int, float], ...] = ()  # (percentile, train/data_wait_s_pNN) likewise
 
     @property
     def fewshot_gain(self) -> float | None:
@@ -199,6 +203,9 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         fewshot_last_step=fewshot[-1][0] if fewshot else None,
         model_uri=tags.get(keys.MODEL_URI),
         model_step=_int_tag(tags.get(keys.MODEL_STEP)),
+        goodput=read_goodput(metrics),
+        step_tails=read_tails(metrics, keys.step_time_percentile),
+        data_wait_tails=read_tails(metrics, keys.data_wait_percentile),
     )
 
 

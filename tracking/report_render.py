@@ -1,8 +1,9 @@
-"""Render step of the cross-run report (``python -m tracking.compare``): runs.csv, two figures and index.html.
+"""Render step of the cross-run report (``python -m tracking.compare``): runs.csv, the figures and index.html.
 
-The HTML is self-contained apart from the two PNGs next to it (relative links), so the folder can be copied,
+The HTML is self-contained apart from the PNGs next to it (relative links), so the folder can be copied,
 served, or downloaded from MLflow's artifact view as is. Every gap in the data is said in words: per run in the
 Notes column, per figure under it, and a placeholder image rather than a broken one when a figure has no data.
+The goodput ledger (its column, bar chart and table: `tracking.report_goodput`) appears once a run has logged one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import datetime as dt
 import html
 from pathlib import Path
 
+from tracking import keys
 from tracking.report_collect import Comparison, RunSummary
+from tracking.report_goodput import GOODPUT_PNG, goodput_cell, goodput_line, goodput_section_html, plot_goodput
 
 LOSS_PNG = "loss_vs_images.png"
 FEWSHOT_PNG = "fewshot_vs_exaflops.png"
@@ -22,8 +25,12 @@ CSV_COLUMNS = (
     "run_id run_name experiment status model patch recipe steps images_seen exaflops final_loss "
     "fewshot_10shot_mean fewshot_10shot_step0 fewshot_10shot_gain finetune_accuracy_mean finetune_datasets "
     "vtab_mean vtab_num_tasks vtab_num_tasks_expected "
-    "notes model_uri model_step"
-).split()
+    "notes model_uri model_step goodput_fraction goodput_wall_s"
+).split() + [
+    *(f"goodput_{b}_s" for b in keys.GOODPUT_BUCKETS),
+    *(f"step_s_p{p}" for p in keys.TAIL_PERCENTILES),
+    *(f"data_wait_s_p{p}" for p in keys.TAIL_PERCENTILES),
+]  # goodput and tails last: columns of reports from before the ledger keep their places
 
 
 # ---- number formatting (the table shows rounded numbers; runs.csv keeps full precision) ----------------------
@@ -73,6 +80,7 @@ TABLE_COLUMNS = (
     ("Images seen", lambda r: _count(r.images_seen)),
     ("ExaFLOPs", lambda r: _sig(r.exaflops)),
     ("Final loss", lambda r: _sig(r.final_loss, 4)),
+    ("Goodput", lambda r: goodput_cell(r.goodput)),
     ("10-shot mean", lambda r: _pct(r.fewshot_10shot)),
     ("Step 0", lambda r: _pct(r.fewshot_baseline)),
     ("Gain vs step 0", lambda r: _points(r.fewshot_gain)),
@@ -90,6 +98,7 @@ def format_table(comparison: Comparison) -> str:
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"gain [{run.run_name}]: {line}" for run in comparison.runs if (line := gains_line(run))]
     lines += [f"model [{run.run_name}]: {line}" for run in comparison.runs if (line := model_line(run))]
+    lines += [f"goodput [{run.run_name}]: {line}" for run in comparison.runs if (line := _goodput_line(run))]
     for run in comparison.runs:
         lines += [f"note [{run.run_name}]: {note}" for note in run.notes]
     return "\n".join(lines + list(comparison.notes))
@@ -111,6 +120,19 @@ def model_line(run: RunSummary) -> str:
     return f"{run.model_uri} ({step}load with mlflow.pyfunc.load_model)"
 
 
+def _goodput_line(run: RunSummary) -> str:
+    return goodput_line(run.goodput, run.step_tails, run.data_wait_tails)
+
+
+def _goodput_csv(run: RunSummary) -> list[str]:
+    goodput, steps, waits = run.goodput, dict(run.step_tails), dict(run.data_wait_tails)
+    ledger = [None] * (2 + len(keys.GOODPUT_BUCKETS))
+    if goodput is not None:
+        ledger = [goodput.fraction, goodput.wall_s, *(s for _, s in goodput.seconds)]
+    tails = [steps.get(p) for p in keys.TAIL_PERCENTILES] + [waits.get(p) for p in keys.TAIL_PERCENTILES]
+    return [_raw(v) for v in ledger + tails]
+
+
 def write_csv(comparison: Comparison, path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -124,6 +146,7 @@ def write_csv(comparison: Comparison, path: Path) -> None:
                         r.fewshot_gain, r.finetune_accuracy)),
                     ";".join(r.finetune_datasets), _raw(r.vtab_mean), _raw(r.vtab_num_tasks),
                     _raw(r.vtab_num_tasks_expected), " | ".join(r.notes), r.model_uri or "", _raw(r.model_step),
+                    *_goodput_csv(r),
                 ]
             )  # fmt: skip
 
@@ -247,6 +270,7 @@ tr:nth-child(even) td { background: #f8f9fc; }
 .notes li { margin: 3px 0; } figure { margin: 10px 0 24px; } figure img { max-width: 100%; border: 1px solid #e2e5ec; }
 figcaption { font-size: 13px; color: #4a5266; margin-top: 6px; }
 code { font-size: 12px; color: #5a6275; }
+table.goodput th, table.goodput td.tails { white-space: normal; }
 """
 
 
@@ -271,7 +295,9 @@ def _model_html(run: RunSummary) -> str:
     return f" · model <code>{html.escape(run.model_uri)}</code>{step}"
 
 
-def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: list[str]) -> str:
+def render_html(
+    comparison: Comparison, loss_notes: list[str], fewshot_notes: list[str], goodput_notes: list[str] | None = None
+) -> str:
     esc = html.escape
     runs = comparison.runs
     text_columns = {"Run", "Status", "Model", "Recipe"}
@@ -305,7 +331,8 @@ def render_html(comparison: Comparison, loss_notes: list[str], fewshot_notes: li
 <h2>Runs</h2>
 {table}
 <p class="meta">Latest value of each metric. Accuracies are on the evaluation suite's test splits; the fine-tune
-column is the mean over the fine-tuned datasets, VTAB the mean over the tasks that ran (count shown).
+column is the mean over the fine-tuned datasets, VTAB the mean over the tasks that ran (count shown); goodput is
+the productive share of the job's wall-clock (<code>goodput/fraction</code>, "—" for a run without a ledger).
 Full precision in <a href="{CSV_NAME}">{CSV_NAME}</a>.</p>
 {_notes_html(run_notes) if run_notes else '<p class="meta">No notes: every run finished and has eval metrics.</p>'}
 <h2>Training loss vs images seen</h2>
@@ -321,6 +348,7 @@ each run is its step-0 value: the same model at random initialisation, evaluated
 </figure>
 {_notes_html(fewshot_notes)}
 {_gains_html(runs)}
+{goodput_section_html([(r.run_name, r.goodput, r.step_tails, r.data_wait_tails) for r in runs], goodput_notes or [])}
 <h2>Run ids and models</h2>
 <p class="meta">A run's model is the HF ViT folder its job (or <code>python -m pretrain.weights export ...
 --mlflow-run ID</code>) logged to it: <code>mlflow.pyfunc.load_model(uri).predict(pixels)</code> gives its logits.</p>
@@ -330,12 +358,17 @@ each run is its step-0 value: the same model at random initialisation, evaluated
 
 
 def write_report(comparison: Comparison, out_dir: Path) -> Path:
-    """Write index.html, the two PNGs and runs.csv into ``out_dir`` (created); returns the index path."""
+    """Write index.html, the PNGs and runs.csv into ``out_dir`` (created); returns the index path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(comparison, out_dir / CSV_NAME)
     loss_notes = plot_loss(comparison.runs, out_dir / LOSS_PNG)
     fewshot_notes = plot_fewshot(comparison.runs, out_dir / FEWSHOT_PNG)
+    goodput_notes: list[str] = []
+    if any(r.goodput is not None for r in comparison.runs):
+        goodput_notes = plot_goodput([(r.run_name, r.goodput) for r in comparison.runs], out_dir / GOODPUT_PNG)
+    else:  # no ledger, no figure: and none left from an earlier report in this folder (it would be logged)
+        (out_dir / GOODPUT_PNG).unlink(missing_ok=True)
     index = out_dir / "index.html"
-    index.write_text(render_html(comparison, loss_notes, fewshot_notes), encoding="utf-8")
+    index.write_text(render_html(comparison, loss_notes, fewshot_notes, goodput_notes), encoding="utf-8")
     return index

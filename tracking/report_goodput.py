@@ -1,0 +1,258 @@
+"""The goodput ledger in the cross-run report (``python -m tracking.compare``): read, format and draw it.
+
+A run's ledger (docs/goodput.md) splits the job's wall-clock into the buckets of ``keys.GOODPUT_BUCKETS``; the
+report reads the latest ``goodput/<bucket>_s``, ``goodput/wall_s`` and ``goodput/fraction`` of each run (what the job
+logged last, at its last step when it ended) and the step-time tails of its last logging window. It shows the
+fraction in the runs table, one stacked bar per run (each bucket's share of the wall-clock, its seconds written on
+the segment and in the table under the figure), and the same ledger as one line per run in the terminal.
+
+A run without any ``goodput/`` metric (one from before the ledger) has no :class:`Goodput`: "—" in the table, no bar,
+and when no run has one the report has no goodput section at all. This module imports no other report module, so
+both the collect and the render step can use it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracking import keys
+
+GOODPUT_PNG = "goodput.png"
+# One colour per bucket, the same in the bar, its legend and the table header; a bucket added to keys later gets
+# matplotlib's default cycle until it is given one here.
+BUCKET_COLORS = {
+    "productive": "#2e7d32",
+    "data_wait": "#f9a825",
+    "checkpoint": "#1565c0",
+    "eval_interference": "#8e24aa",
+    "restart": "#c62828",
+    "startup": "#6d4c41",
+    "resource_wait": "#00838f",
+    "other": "#9e9e9e",
+}
+# A bar segment narrower than this share of the wall-clock gets no seconds label (it would not fit); the table
+# under the figure has every number.
+LABEL_MIN_SHARE = 0.07
+# Buckets that do not add up to the wall-clock within this much (relative) are said under the figure: the latest
+# values of the metrics came from different moments, or the ledger missed time.
+SUM_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """One run's ledger: seconds per bucket (None: not logged) in ``keys.GOODPUT_BUCKETS`` order, and its totals."""
+
+    seconds: tuple[tuple[str, float | None], ...]
+    wall_s: float | None  # goodput/wall_s, else the sum of the logged buckets
+    fraction: float | None  # goodput/fraction, else productive_s / wall_s
+
+    @property
+    def accounted_s(self) -> float:
+        """The sum of the logged buckets (the wall-clock, when the ledger is consistent)."""
+        return sum(s for _, s in self.seconds if s is not None)
+
+    def share(self, bucket: str) -> float | None:
+        """The bucket's seconds as a fraction of the wall-clock (None: not logged, or no wall-clock yet)."""
+        value = dict(self.seconds).get(bucket)
+        return None if value is None or not self.wall_s else value / self.wall_s
+
+
+def _finite(metrics: dict, key: str) -> float | None:
+    value = metrics.get(key)
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def read_goodput(metrics: dict) -> Goodput | None:
+    """The ledger from a run's latest metrics; None when the run logged no ``goodput/`` metric at all."""
+    if not any(k.startswith(keys.GOODPUT_PREFIX) for k in metrics):
+        return None
+    seconds = tuple((b, _finite(metrics, keys.goodput_bucket(b))) for b in keys.GOODPUT_BUCKETS)
+    logged = [s for _, s in seconds if s is not None]
+    wall = _finite(metrics, keys.GOODPUT_WALL_S)
+    if wall is None and logged:
+        wall = sum(logged)
+    fraction = _finite(metrics, keys.GOODPUT_FRACTION)
+    productive = dict(seconds).get("productive")
+    if fraction is None and productive is not None and wall:
+        fraction = productive / wall
+    return Goodput(seconds, wall, fraction)
+
+
+def read_tails(metrics: dict, key_of) -> tuple[tuple[int, float], ...]:
+    """(percentile, seconds) of the last logging window for each of ``keys.TAIL_PERCENTILES`` that was logged."""
+    found = ((p, _finite(metrics, key_of(p))) for p in keys.TAIL_PERCENTILES)
+    return tuple((p, v) for p, v in found if v is not None)
+
+
+# ---- text ------------------------------------------------------------------------------------------------------
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def seconds_text(value: float | None) -> str:
+    """Seconds with thousands separators, e.g. "1,234 s" (fractions below 10 s: "2.5 s")."""
+    if value is None:
+        return "—"
+    return f"{value:.1f} s" if abs(value) < 10 else f"{value:,.0f} s"
+
+
+def duration_text(value: float) -> str:
+    """A short duration for a bar label: "45 s", "12.5 min", "3.4 h"."""
+    if value < 120:
+        return f"{value:.0f} s"
+    return f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.1f} h"
+
+
+def goodput_cell(goodput: Goodput | None) -> str:
+    """The runs table's Goodput column: the productive fraction of the wall-clock, "—" without a ledger."""
+    return "—" if goodput is None else _pct(goodput.fraction)
+
+
+def tails_text(tails: tuple[tuple[int, float], ...]) -> str:
+    """e.g. "p50 0.12 s, p99 0.4 s"; "" when none was logged."""
+    return ", ".join(f"p{p} {v:.3g} s" for p, v in tails)
+
+
+def goodput_line(goodput: Goodput | None, step_tails=(), wait_tails=()) -> str:
+    """The ledger in one line for the terminal; "" for a run with neither ledger nor step-time tails."""
+    parts = []
+    if goodput is not None:
+        buckets = ", ".join(
+            f"{bucket} {seconds_text(s)} ({_pct(goodput.share(bucket))})" for bucket, s in goodput.seconds if s
+        )
+        parts.append(f"{_pct(goodput.fraction)} of {seconds_text(goodput.wall_s)} wall-clock: {buckets or 'no time'}")
+    if step_tails:
+        parts.append(f"step time {tails_text(step_tails)}")
+    if wait_tails:
+        parts.append(f"data wait per step {tails_text(wait_tails)}")
+    return "; ".join(parts)
+
+
+def ledger_notes(rows) -> list[str]:
+    """What the figure cannot show, per run: no ledger, no wall-clock yet, buckets that do not sum to it."""
+    notes = []
+    for name, goodput in rows:
+        if goodput is None:
+            notes.append(f"{name}: no goodput ledger logged (a run from before it, or one that logged no step)")
+        elif not goodput.wall_s:
+            notes.append(f"{name}: no wall-clock in its goodput ledger yet")
+        elif abs(goodput.accounted_s - goodput.wall_s) > SUM_TOLERANCE * goodput.wall_s:
+            notes.append(
+                f"{name}: its buckets sum to {seconds_text(goodput.accounted_s)} of {seconds_text(goodput.wall_s)} "
+                "wall-clock (values logged at different moments, or time the ledger missed)"
+            )
+    return notes
+
+
+# ---- figure ----------------------------------------------------------------------------------------------------
+
+
+def bucket_color(bucket: str) -> str:
+    return BUCKET_COLORS.get(bucket) or f"C{keys.GOODPUT_BUCKETS.index(bucket) % 10}"
+
+
+def _text_color(color: str) -> str:
+    """Black on light segments, white on dark ones (relative luminance of the fill)."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(color)
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.5 else "white"
+
+
+def draw_goodput(ax, rows) -> list[str]:
+    """One stacked horizontal bar per ``(name, Goodput)`` row with a wall-clock, first row on top: each bucket's
+    share of the wall-clock (%), in ``keys.GOODPUT_BUCKETS`` order, labelled with its seconds where it fits.
+    Returns the notes to print under the figure (see :func:`ledger_notes`)."""
+    from matplotlib.patches import Patch
+
+    drawn = [(name, g) for name, g in rows if g is not None and g.wall_s]
+    widest = 100.0
+    for y, (_, goodput) in enumerate(drawn):
+        left = 0.0
+        for bucket, seconds in goodput.seconds:
+            if not seconds:
+                continue
+            width = 100 * seconds / goodput.wall_s
+            color = bucket_color(bucket)
+            ax.barh(y, width, left=left, height=0.6, color=color, edgecolor="white", linewidth=0.5)
+            if seconds / goodput.wall_s >= LABEL_MIN_SHARE:
+                ax.text(left + width / 2, y, duration_text(seconds), ha="center", va="center", fontsize=7,
+                        color=_text_color(color))  # fmt: skip
+            left += width
+        widest = max(widest, left)
+    ax.set_yticks(range(len(drawn)))
+    ax.set_yticklabels(
+        [f"{name}\n{duration_text(g.wall_s)} · {goodput_cell(g)} goodput" for name, g in drawn], fontsize=8
+    )
+    ax.set_ylim(len(drawn) - 0.5, -0.5)  # the first run on top, as in the table
+    ax.set_xlim(0, widest)
+    ax.set_xlabel("share of the job's wall-clock (%); durations on the segments")
+    handles = [Patch(color=bucket_color(b), label=b) for b in keys.GOODPUT_BUCKETS]
+    ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
+    ax.set_title("Goodput: where each run's wall-clock went")
+    return ledger_notes(rows)
+
+
+def plot_goodput(rows, path: Path) -> list[str]:
+    """:func:`draw_goodput` into a PNG whose height grows with the number of bars; returns its notes."""
+    import matplotlib  # heavy: imported only when a report is drawn
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    bars = sum(1 for _, g in rows if g is not None and g.wall_s)
+    fig, ax = plt.subplots(figsize=(7.5, 2.2 + 0.55 * bars), dpi=110)
+    ax.grid(True, axis="x", alpha=0.3)
+    notes = draw_goodput(ax, rows)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return notes
+
+
+# ---- HTML ------------------------------------------------------------------------------------------------------
+
+
+def _bucket_cell(goodput: Goodput, bucket: str) -> str:
+    seconds = dict(goodput.seconds).get(bucket)
+    if seconds is None:
+        return "<td>—</td>"
+    share = _pct(goodput.share(bucket))
+    return f'<td title="{html.escape(bucket)}: {seconds!r} s">{share}<br>{seconds_text(seconds)}</td>'
+
+
+def goodput_section_html(rows, notes: list[str]) -> str:
+    """The report's goodput section: the figure, the ledger table (share and seconds per bucket) and the notes.
+
+    ``rows`` are ``(name, Goodput | None, step_tails, wait_tails)``; "" when no run has a ledger, so a comparison
+    of runs from before the ledger renders as it did.
+    """
+    ledgers = [row for row in rows if row[1] is not None]
+    if not ledgers:
+        return ""
+    esc = html.escape
+    swatch = '<span style="display:inline-block;width:10px;height:10px;background:{};margin-right:4px"></span>'
+    head = "".join(f"<th>{swatch.format(bucket_color(b))}{esc(b)}</th>" for b in keys.GOODPUT_BUCKETS)
+    body = []
+    for name, goodput, step_tails, wait_tails in ledgers:
+        cells = "".join(_bucket_cell(goodput, b) for b in keys.GOODPUT_BUCKETS)
+        body.append(
+            f'<tr><td class="text">{esc(name)}</td><td>{seconds_text(goodput.wall_s)}</td>'
+            f'<td>{goodput_cell(goodput)}</td>{cells}<td class="tails">{esc(tails_text(step_tails)) or "—"}</td>'
+            f'<td class="tails">{esc(tails_text(wait_tails)) or "—"}</td></tr>'
+        )
+    items = "".join(f"<li>{esc(n)}</li>" for n in notes)
+    return f"""<h2>Goodput: where the wall-clock went</h2>
+<figure><img src="{GOODPUT_PNG}" alt="goodput ledger per run, stacked bars">
+<figcaption>Each run's wall-clock split into the ledger's buckets (docs/goodput.md), as a share of it; goodput is
+the productive share. Latest values of <code>goodput/&lt;bucket&gt;_s</code>; the run's own table, per attempt, is
+its <code>{keys.GOODPUT_ARTIFACT}/ledger.txt</code> artifact.</figcaption></figure>
+<table class="goodput"><thead><tr><th class="text">Run</th><th>Wall-clock</th><th>Goodput</th>{head}
+<th>Step time (last window)</th><th>Data wait per step</th></tr></thead><tbody>{"".join(body)}</tbody></table>
+{'<ul class="notes">' + items + "</ul>" if items else ""}
+"""
