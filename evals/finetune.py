@@ -4,7 +4,13 @@ Protocol: drop the pre-training head *and* the pre-logits layer, attach a zero-i
 (``model.reset_classifier(K)``); SGD with momentum 0.9, no weight decay, gradient clipping at global norm 1,
 linear warmup then cosine decay to 0; fine-tuning at a new resolution interpolates the position embeddings
 (the context's ``load_model(image_size=N)`` → ``pretrain.weights``). The learning rate is chosen from a grid on a
-held-out slice of train (seeded permutation), then one final run on the full train split is scored on test.
+held-out slice of train (seeded permutation), then one final run on train + held-out is scored on test.
+
+Two budgets (docs/reference.md §4): all of train with a ``holdout_fraction`` slice held out, or VTAB-1k's —
+``train_examples: 800`` + ``val_examples: 200`` drawn from one seeded permutation of train (``vtab_indices``, the
+draw ``evals.vtab`` uses), the lr chosen on the 200, the final run on all 1000. A learning curve (``eval_steps``)
+scores the *final* run on test after each listed step: one run, evaluated along the way, so a point at N steps is
+the model N steps into the full schedule (its lr not yet decayed), not a run whose budget was N.
 
 Splits are held in memory (``evals.features.load_images``), which suits VTAB-1k (1000 images) and the built-in
 sets; ``max_train_examples`` bounds it.
@@ -14,8 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 
 from evals.evaluator import EvalOutput, ResultRow
 from evals.features import check_sizes, load_images, resolve_split
+from tracking import keys
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,12 @@ class FinetuneOptions:
     warmup_steps: int = 50
     momentum: float = 0.9
     grad_clip: float = 1.0
-    holdout_fraction: float = 0.1  # slice of train held out to choose the lr
+    holdout_fraction: float = 0.1  # slice of train held out to choose the lr (when train_examples is not set)
+    # VTAB-1k's budget: this many training and held-out examples, drawn from one seeded permutation of train (800 and
+    # 200); the final run trains on both. None: all of train (up to max_train_examples), holdout_fraction held out.
+    train_examples: int | None = None
+    val_examples: int | None = None
+    eval_steps: tuple[int, ...] = ()  # learning curve: test accuracy of the final run after each of these steps
     selection_steps: int | None = None  # steps of each lr-search run; None: same as ``steps``
     crop_padding: int = 0  # random-crop augmentation: pad by this many pixels (reflect) and crop back; 0 = off
     flip: bool = False  # random horizontal flips (off by default: wrong for digits and position tasks)
@@ -59,7 +71,23 @@ class FinetuneOptions:
             raise ValueError(f"holdout_fraction must be in (0, 1); got {self.holdout_fraction}")
         if self.warmup_steps < 0 or self.crop_padding < 0:
             raise ValueError("warmup_steps and crop_padding must be >= 0")
-        check_sizes(self, ("image_size", "resize_size", "batch_size", "max_train_examples", "eval_batch_size"))
+        if (self.train_examples is None) != (self.val_examples is None):
+            raise ValueError(
+                f"set train_examples and val_examples together (VTAB-1k: 800 and 200), or neither; got "
+                f"train_examples={self.train_examples}, val_examples={self.val_examples}"
+            )
+        if self.train_examples is not None and self.holdout_fraction != FinetuneOptions.holdout_fraction:
+            raise ValueError(
+                "holdout_fraction is unused when train_examples/val_examples set the held-out slice; drop one of them"
+            )
+        bad = [n for n in self.eval_steps if not 1 <= n <= self.steps]
+        if bad or len(set(self.eval_steps)) != len(self.eval_steps):
+            raise ValueError(f"eval_steps must be distinct steps in 1..steps={self.steps}; got {list(self.eval_steps)}")
+        check_sizes(
+            self,
+            ("image_size", "resize_size", "batch_size", "max_train_examples", "eval_batch_size", "train_examples",
+             "val_examples"),
+        )  # fmt: skip
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -95,10 +123,14 @@ def train_classifier(
     opts: FinetuneOptions,
     device: str = "cpu",
     log: Callable[[str], None] | None = None,
-):
+    measure_at: Collection[int] = (),
+    measure: Callable[[torch.nn.Module], float] | None = None,
+) -> tuple[torch.nn.Module, dict[int, float]]:
     """Fine-tune ``model`` in place on (images (N,3,S,S), labels (N,)) with a fresh zero-initialised head.
 
     Minibatches walk seeded per-epoch permutations of the data (``opts.seed``), so a run is reproducible.
+    Returns the model and ``{step: measure(model)}`` after each step of ``measure_at`` (a learning curve; measuring
+    neither draws random numbers nor touches the weights, so the run is the same with or without it).
     Raises ``FloatingPointError`` on a non-finite loss rather than training on garbage.
     """
     model.reset_classifier(num_classes)  # drops pre-logits too (representation_size=None): paper App. B.1.1
@@ -110,7 +142,7 @@ def train_classifier(
     gen = torch.Generator().manual_seed(opts.seed)
     order, cursor = torch.randperm(len(targets), generator=gen), 0
     batch = min(opts.batch_size, len(targets))
-    start = time.perf_counter()
+    curve, start = {}, time.perf_counter()
     for step in range(steps):
         if cursor + batch > len(order):  # next epoch: a fresh permutation, the tail of the last one dropped
             order, cursor = torch.randperm(len(targets), generator=gen), 0
@@ -125,12 +157,15 @@ def train_classifier(
         torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
         optimizer.step()
         schedule.step()
+        if measure is not None and step + 1 in measure_at:
+            curve[step + 1] = measure(model)
+            model.train()  # measure() leaves the model in eval mode
         if log is not None and (step + 1) % max(1, steps // 4) == 0:
             log(
                 f"finetune: lr={lr:g} step {step + 1}/{steps} loss {loss.item():.4f} "
                 f"({time.perf_counter() - start:.1f}s)"
             )
-    return model
+    return model, curve
 
 
 @torch.inference_mode()
@@ -144,6 +179,17 @@ def accuracy(model, images: torch.Tensor, labels: np.ndarray, *, batch_size: int
     return correct / len(images)
 
 
+@dataclass(frozen=True)
+class FinetuneResult:
+    """What the protocol found: test top-1 of the final run, the lr it chose, the held-out accuracy of every lr of
+    the grid, and the final run's learning curve ``{step: test top-1}`` (``opts.eval_steps``)."""
+
+    accuracy: float
+    lr: float
+    val_scores: dict[float, float]
+    curve: dict[int, float] = field(default_factory=dict)
+
+
 def select_lr_and_evaluate(
     make_model: Callable[[], torch.nn.Module],
     train: tuple,
@@ -154,23 +200,15 @@ def select_lr_and_evaluate(
     opts: FinetuneOptions,
     device: str = "cpu",
     log=None,
-):
+) -> FinetuneResult:
     """The protocol: one run per lr on ``train`` scored on ``val``; the best lr (ties → smaller) is re-run on
-    ``train + val`` and scored on ``test``. Each run starts from a fresh ``make_model()``.
-
-    Returns ``(test_accuracy, best_lr, {lr: val_accuracy})``.
-    """
+    ``train + val`` and scored on ``test`` (after each of ``opts.eval_steps`` too). Each run starts from a fresh
+    ``make_model()``."""
     val_scores = {}
     for lr in opts.lr_grid:
-        model = train_classifier(
-            make_model(),
-            *train,
-            num_classes=num_classes,
-            lr=lr,
-            steps=opts.selection_steps or opts.steps,
-            opts=opts,
-            device=device,
-            log=log,
+        steps = opts.selection_steps or opts.steps
+        model, _ = train_classifier(
+            make_model(), *train, num_classes=num_classes, lr=lr, steps=steps, opts=opts, device=device, log=log
         )
         val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device)
         if log is not None:
@@ -178,7 +216,11 @@ def select_lr_and_evaluate(
     best_lr = max(sorted(val_scores), key=lambda lr: val_scores[lr])  # max keeps the first (smallest) of ties
     full_images = torch.cat([train[0], val[0]])
     full_labels = np.concatenate([train[1], val[1]])
-    model = train_classifier(
+
+    def on_test(m) -> float:
+        return accuracy(m, *test, batch_size=opts.eval_batch_size, device=device)
+
+    model, curve = train_classifier(
         make_model(),
         full_images,
         full_labels,
@@ -188,8 +230,13 @@ def select_lr_and_evaluate(
         opts=opts,
         device=device,
         log=log,
+        measure_at=set(opts.eval_steps) - {opts.steps},  # the last step is the final score, measured once below
+        measure=on_test,
     )
-    return accuracy(model, *test, batch_size=opts.eval_batch_size, device=device), best_lr, val_scores
+    final = on_test(model)
+    if opts.steps in opts.eval_steps:
+        curve[opts.steps] = final
+    return FinetuneResult(final, best_lr, val_scores, dict(sorted(curve.items())))
 
 
 def holdout_split(num_examples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -201,9 +248,53 @@ def holdout_split(num_examples: int, fraction: float, seed: int) -> tuple[np.nda
     return perm[held:], perm[:held]
 
 
+def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed: int):
+    """(train800, val200) indices drawn from one seeded permutation of the train split (disjoint; the same for the
+    same size and seed)."""
+    need = train_examples + val_examples
+    if num_examples < need:
+        raise ValueError(
+            f"the train split has {num_examples} images but VTAB needs {need} "
+            f"({train_examples} train + {val_examples} val); write a larger train split"
+        )
+    perm = np.random.default_rng(seed).permutation(num_examples)
+    return perm[:train_examples], perm[train_examples:need]
+
+
+def train_val_split(num_examples: int, opts: FinetuneOptions) -> tuple[np.ndarray, np.ndarray]:
+    """The budget of ``opts``: VTAB-1k's train/val draw when ``train_examples`` is set, else the held-out slice."""
+    if opts.train_examples is not None:
+        return vtab_indices(num_examples, opts.train_examples, opts.val_examples, opts.seed)
+    return holdout_split(num_examples, opts.holdout_fraction, opts.seed)
+
+
+def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, counts: tuple) -> list[ResultRow]:
+    """The table rows of one dataset: test top-1, the chosen lr, the learning curve, each lr's held-out score."""
+    num_train, num_held, num_test = counts
+    grid = list(opts.lr_grid)
+    trained_on = f"{num_train} + {num_held}" if opts.train_examples is not None else f"{num_train + num_held}"
+    detail = f"lr={result.lr:g} from {grid} on {num_held} held-out; {opts.steps} steps at {size}px on {trained_on}"
+    rows = [
+        ResultRow("finetune", name, keys.finetune_accuracy(name), result.accuracy, count=num_test, detail=detail),
+        ResultRow("finetune", name, f"finetune/{name}/lr", result.lr, count=num_held, detail=f"chosen from {grid}"),
+    ]
+    rows += [
+        ResultRow("finetune", name, keys.finetune_accuracy_at(name, steps), acc, count=num_test,
+                  detail=f"test top-1 after {steps} of {opts.steps} steps (lr={result.lr:g})")
+        for steps, acc in result.curve.items()
+    ]  # fmt: skip
+    rows += [
+        ResultRow("finetune", name, f"finetune/{name}/holdout_accuracy", score, count=num_held, status="sweep",
+                  detail=f"lr={grid_lr:g}")
+        for grid_lr, score in result.val_scores.items()
+    ]  # fmt: skip
+    return rows
+
+
 def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
     """Suite entry: ``finetune/<dataset>/accuracy`` (test top-1) per dataset, the chosen ``finetune/<dataset>/lr``,
-    and the held-out accuracy of every lr of the grid (``sweep`` rows: the table only)."""
+    the learning curve ``finetune/<dataset>/accuracy_at_<N>steps`` (``eval_steps``), and the held-out accuracy of
+    every lr of the grid (``sweep`` rows: the table only)."""
     size = int(opts.image_size or ctx.model.config.image_size)
     out = EvalOutput()
     for name in opts.datasets:
@@ -214,9 +305,9 @@ def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
         test_images, test_labels, test_info = load_images(resolve_split(ctx.data_root, name, opts.test_split), **kw)
         if test_info.num_classes != info.num_classes:
             raise ValueError(f"{name}: train declares {info.num_classes} classes, test {test_info.num_classes}")
-        keep, held = holdout_split(len(labels), opts.holdout_fraction, opts.seed)
+        keep, held = train_val_split(len(labels), opts)
         start = time.perf_counter()
-        acc, lr, val_scores = select_lr_and_evaluate(
+        result = select_lr_and_evaluate(
             lambda: ctx.load_model(image_size=size),
             (images[keep], labels[keep]),
             (images[held], labels[held]),
@@ -226,15 +317,10 @@ def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
             device=ctx.device,
             log=ctx.log,
         )
-        seconds = time.perf_counter() - start
-        key, grid = f"finetune/{name}", list(opts.lr_grid)
-        detail = f"lr={lr:g} from {grid} on {len(held)} held-out; {opts.steps} steps at {size}px"
-        out.rows.append(ResultRow("finetune", name, f"{key}/accuracy", acc, count=len(test_labels), detail=detail))
-        out.rows.append(ResultRow("finetune", name, f"{key}/lr", lr, count=len(held), detail=f"chosen from {grid}"))
-        out.rows += [
-            ResultRow("finetune", name, f"{key}/holdout_accuracy", score, count=len(held), status="sweep",
-                      detail=f"lr={grid_lr:g}")
-            for grid_lr, score in val_scores.items()
-        ]  # fmt: skip
-        ctx.log(f"finetune: {name} test accuracy {acc:.4f} (lr {lr:g}, {seconds:.0f}s)")
+        out.rows += _rows(name, result, opts, size, (len(keep), len(held), len(test_labels)))
+        curve = ", ".join(f"{n}: {acc:.4f}" for n, acc in result.curve.items())
+        ctx.log(
+            f"finetune: {name} test accuracy {result.accuracy:.4f} (lr {result.lr:g}, "
+            f"{time.perf_counter() - start:.0f}s)" + (f"; after N steps {{{curve}}}" if curve else "")
+        )
     return out

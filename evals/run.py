@@ -14,6 +14,12 @@ Inputs: whatever ``pretrain.weights.load_model`` reads —
 Outputs: ``<suite>.parquet`` in ``evals/`` inside the folder (checkpoint or exported), ``<stem>_evals/`` beside an
 ``.npz`` (a file has no inside), or ``--out``; the metrics of its rows (``evals.evaluator.mlflow_metrics``) logged
 to the MLflow run ``--mlflow-run-id`` at that step; and a printed table.
+
+``--random-init`` runs the same suite a second time on a random initialisation of the weights' architecture, seeded
+as the trainer seeds its step-0 model (the recipe's ``seed`` from the checkpoint's ``config.yaml``; 0 for weights
+without one; ``--init-seed`` overrides), and prints both and the gap: how much the pre-training is worth, in one
+command. Its table is ``<suite>_random_init.parquet`` beside the other; it is never logged to MLflow (a run's own
+random-init baseline is its step 0).
 """
 
 from __future__ import annotations
@@ -29,12 +35,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import yaml
 from safetensors import SafetensorError
 
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.suites import EVALUATORS, load_suite
 from pretrain import checksums, run_folder
+from pretrain.model import VisionTransformer
 from pretrain.weights import load_model as load
+from pretrain.weights import resize_model
 from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
 
 ACCEPTED = (
@@ -100,6 +109,38 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     return load_model, 0 if step is None else step, default_out
 
 
+def init_seed(checkpoint: str | Path) -> int:
+    """The seed the trainer built a checkpoint's step-0 model with: ``seed`` of the resolved recipe it saved
+    (``config.yaml``); 0, every recipe's default, for weights that carry no recipe (an export, an .npz)."""
+    path = Path(checkpoint)
+    recipe = path / run_folder.CONFIG_YAML if path.is_dir() else None
+    if recipe is None or not recipe.is_file():
+        return 0
+    try:
+        seed = (yaml.safe_load(recipe.read_text()) or {}).get("seed", 0)
+    except (yaml.YAMLError, AttributeError) as error:
+        raise CheckpointError(f"{recipe} is not a readable recipe ({error}); pass --init-seed N") from None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise CheckpointError(f"{recipe} records seed={seed!r}, not an integer; pass --init-seed N")
+    return seed
+
+
+def random_init(config, seed: int):
+    """``load_model(image_size=None)`` for a fresh initialisation of ``config`` (a ViTConfig), drawn as the trainer
+    draws its step-0 model (torch's generator seeded with ``seed``, then the constructor), without disturbing the
+    caller's random state. A new ``image_size`` interpolates the position embeddings, as for the checkpoint."""
+
+    def load_model(image_size: int | None = None):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = VisionTransformer(config)
+        if image_size is not None and image_size != config.image_size:
+            resize_model(model, image_size)
+        return model
+
+    return load_model
+
+
 def _load(load_model, checkpoint):
     """The first load of the weights: a file that is unreadable or does not describe a ViT is the user's error."""
     try:
@@ -119,13 +160,23 @@ def run_suite(
     num_threads: int | None = None,
     device: str | None = None,
     step: int | None = None,
+    random_init_seed: int | None = None,
     log=print,
 ):
     """Evaluate one set of weights on one suite; returns the result table (``pyarrow.Table``, columns RESULT_COLUMNS
     plus ``checkpoint``) after writing it to ``<out>/<suite>.parquet`` and logging its metrics to MLflow.
 
-    ``step``: the MLflow step for weights that carry none (an exported folder, an .npz; default 0)."""
+    ``step``: the MLflow step for weights that carry none (an exported folder, an .npz; default 0).
+    ``random_init_seed``: evaluate a random initialisation of the weights' architecture instead (`random_init`), at
+    step 0, into ``<out>/<suite>_random_init.parquet``; never logged to MLflow."""
     config = load_suite(suite)  # fail on a bad suite (or a bad option in it) before loading any weights
+    if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
+        raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
+    if random_init_seed is not None and mlflow_run_id:
+        raise ValueError(
+            "random-init results are not logged to MLflow (a run's random-init baseline is its step 0); "
+            "drop the MLflow run id for the random-init evaluation"
+        )
     load_model, step, default_out = open_checkpoint(checkpoint, step)
     out_dir = Path(out) if out is not None else default_out
     if out_dir.exists() and not out_dir.is_dir():
@@ -138,7 +189,11 @@ def run_suite(
     if num_threads:
         torch.set_num_threads(int(num_threads))
     try:
-        model = _load(load_model, checkpoint).eval().to(device or "cpu")  # evaluators put their inputs there
+        model = _load(load_model, checkpoint)
+        if random_init_seed is not None:  # the checkpoint's architecture (read off its weights), fresh weights
+            load_model, step = random_init(model.config, random_init_seed), 0
+            model = load_model()
+        model = model.eval().to(device or "cpu")  # evaluators put their inputs there
         ctx = EvalContext(
             model=model,
             load_model=load_model,
@@ -149,31 +204,20 @@ def run_suite(
             device=device or "cpu",
             log=log,
         )
-        rows, artifacts, logged, start = [], [], set(), time.perf_counter()
-        for spec in config.evaluators:
-            t0 = time.perf_counter()
-            produced = EVALUATORS[spec.type].evaluate(ctx, spec.options)
-            entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
-            keys = set(mlflow_metrics(entry_rows))
-            clash = sorted(keys & logged)
-            if clash:  # both stay in the table; MLflow keeps one value per key and step, the later one
-                log(
-                    f"evals: warning: {spec.name!r} repeats metric keys {clash[:4]} of an earlier entry of suite "
-                    f"{config.name}; MLflow gets the later values (merge the entries to avoid this)"
-                )
-            logged |= keys
-            rows += entry_rows
-            artifacts += produced.artifacts
-            log(f"evals: {spec.name} done in {time.perf_counter() - t0:.1f}s")
+        start = time.perf_counter()
+        rows, artifacts = _run_entries(config, ctx, log)
     finally:
         torch.set_num_threads(previous_threads)
 
     records = [{**asdict(r), "suite": config.name, "step": step} for r in rows]
     columns = {c: [rec[c] for rec in records] for c in RESULT_COLUMNS}
-    columns["checkpoint"] = [str(Path(checkpoint))] * len(records)
+    source = str(Path(checkpoint))
+    if random_init_seed is not None:
+        source = f"random init (seed {random_init_seed}) shaped as {source}"
+    columns["checkpoint"] = [source] * len(records)
     table = pa.table(columns, schema=SCHEMA)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{config.name}.parquet"
+    target = out_dir / f"{config.name}{'' if random_init_seed is None else '_random_init'}.parquet"
     tmp = target.with_suffix(f".parquet.tmp{os.getpid()}")
     pq.write_table(table, tmp)
     os.replace(tmp, target)  # readers never see a half-written table
@@ -182,6 +226,27 @@ def run_suite(
     if mlflow_run_id:
         _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log)
     return table
+
+
+def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
+    """Every entry of the suite in order: their rows (named after the entry) and artifacts."""
+    rows, artifacts, logged = [], [], set()
+    for spec in config.evaluators:
+        t0 = time.perf_counter()
+        produced = EVALUATORS[spec.type].evaluate(ctx, spec.options)
+        entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
+        keys = set(mlflow_metrics(entry_rows))
+        clash = sorted(keys & logged)
+        if clash:  # both stay in the table; MLflow keeps one value per key and step, the later one
+            log(
+                f"evals: warning: {spec.name!r} repeats metric keys {clash[:4]} of an earlier entry of suite "
+                f"{config.name}; MLflow gets the later values (merge the entries to avoid this)"
+            )
+        logged |= keys
+        rows += entry_rows
+        artifacts += produced.artifacts
+        log(f"evals: {spec.name} done in {time.perf_counter() - t0:.1f}s")
+    return rows, artifacts
 
 
 def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log):
@@ -201,15 +266,28 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
 
 def format_table(table) -> str:
     """A fixed-width text rendering: evaluator, dataset, metric, value ± std, count, status, detail."""
-    lines = [f"{'evaluator':<10} {'dataset':<14} {'metric':<34} {'value':>16} {'n':>5} {'status':<8} detail"]
-    for row in table.to_pylist():
+    rows = table.to_pylist()
+    w = max([34, *(len(row["metric"]) for row in rows)])  # the metric column fits the longest key
+    lines = [f"{'evaluator':<10} {'dataset':<14} {'metric':<{w}} {'value':>16} {'n':>5} {'status':<8} detail"]
+    for row in rows:
         value = "nan" if math.isnan(row["value"]) else f"{row['value']:.4f}"
         if not math.isnan(row["std"]):
             value += f" ± {row['std']:.4f}"
         lines.append(
-            f"{row['evaluator']:<10} {row['dataset']:<14} {row['metric']:<34} {value:>16} "
+            f"{row['evaluator']:<10} {row['dataset']:<14} {row['metric']:<{w}} {value:>16} "
             f"{row['count']:>5} {row['status']:<8} {row['detail']}"
         )
+    return "\n".join(lines)
+
+
+def format_gap(table, baseline) -> str:
+    """What the weights gain over the random init: every metric both tables log (``mlflow_metrics``), side by side,
+    with the difference (fractions for accuracies: 0.0610 is 6.1 points)."""
+    ours, theirs = mlflow_metrics(table.to_pylist()), mlflow_metrics(baseline.to_pylist())
+    lines = [f"{'metric':<40} {'checkpoint':>10} {'random init':>11} {'gap':>9}"]
+    for metric in (m for m in ours if m in theirs):
+        a, b = ours[metric], theirs[metric]
+        lines.append(f"{metric:<40} {a:>10.4f} {b:>11.4f} {a - b:>+9.4f}")
     return "\n".join(lines)
 
 
@@ -277,23 +355,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-threads", default=None, help="torch threads (keep low beside training)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument(
+        "--random-init",
+        action="store_true",
+        help="also evaluate a random initialisation of the same architecture (the trainer's seed rule) and print "
+        "both and the gap; its table is <suite>_random_init.parquet, not logged to MLflow",
+    )
+    parser.add_argument(
+        "--init-seed",
+        default=None,
+        metavar="N",
+        help="with --random-init: the initialisation seed (default: the checkpoint recipe's seed, else 0)",
+    )
     args = parser.parse_args(argv)
     try:
         step = _count(args.step, "--step", 0, "the MLflow step to log the metrics at")
         num_threads = _count(args.num_threads, "--num-threads", 1, "torch threads")
+        seed = _count(args.init_seed, "--init-seed", 0, "the random initialisation's seed")
+        if seed is not None and not args.random_init:
+            raise ValueError("--init-seed is the seed of --random-init's model; add --random-init or drop it")
+        if args.random_init and seed is None:  # read before any work: a bad recipe fails first
+            seed = init_seed(args.checkpoint)
         if args.mlflow_run_id:
             check_mlflow_run(args.mlflow_run_id, args.tracking_uri)
-        run_suite(
-            args.checkpoint,
-            args.suite,
-            args.data_root,
-            args.mlflow_run_id,
-            args.tracking_uri,
-            out=args.out,
-            num_threads=num_threads,
-            device=args.device,
-            step=step,
-        )
+        common = dict(out=args.out, num_threads=num_threads, device=args.device, step=step)
+        table = run_suite(args.checkpoint, args.suite, args.data_root, args.mlflow_run_id, args.tracking_uri, **common)
+        if args.random_init:
+            print(f"evals: the same suite on a random init of the same architecture (seed {seed})")
+            baseline = run_suite(args.checkpoint, args.suite, args.data_root, random_init_seed=seed, **common)
+            print(format_gap(table, baseline))
     except (ValueError, OSError) as error:  # user errors (bad weights, suite, data root, out folder): one line
         print(f"evals.run: error: {error}", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ import numpy as np
 from evals.evaluator import EvalOutput, ResultRow
 from evals.features import check_sizes, load_images, resolve_split, split_info, suite_features
 from evals.fewshot import RidgeSolver
-from evals.finetune import FinetuneOptions, select_lr_and_evaluate
+from evals.finetune import FinetuneOptions, select_lr_and_evaluate, vtab_indices
 
 GROUPS = ("natural", "specialized", "structured")
 
@@ -157,18 +157,12 @@ class VtabOptions:
         if not self.l2_grid or any(l2 <= 0 for l2 in self.l2_grid):
             raise ValueError(f"l2_grid must be non-empty positive l2 strengths; got {list(self.l2_grid)}")
         check_sizes(self)
-
-
-def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed: int):
-    """(train800, val200) indices drawn from one seeded permutation of the train split."""
-    need = train_examples + val_examples
-    if num_examples < need:
-        raise ValueError(
-            f"the train split has {num_examples} images but VTAB needs {need} "
-            f"({train_examples} train + {val_examples} val); write a larger train split"
-        )
-    perm = np.random.default_rng(seed).permutation(num_examples)
-    return perm[:train_examples], perm[train_examples:need]
+        ft = self.finetune
+        if ft.train_examples is not None or ft.eval_steps:
+            raise ValueError(
+                "finetune.train_examples/val_examples/eval_steps are not used by type: vtab (its own train_examples "
+                "and val_examples draw train800/val200); drop them, or use type: finetune for a learning curve"
+            )
 
 
 def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
@@ -192,7 +186,7 @@ def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> 
     images, labels, info = load_images(train_dir, **kw)
     test_images, test_labels, _ = load_images(test_dir, **kw)
     tr, va = vtab_indices(len(labels), opts.train_examples, opts.val_examples, opts.seed)
-    acc, lr, val = select_lr_and_evaluate(
+    result = select_lr_and_evaluate(
         lambda: ctx.load_model(image_size=size),
         (images[tr], labels[tr]),
         (images[va], labels[va]),
@@ -202,7 +196,8 @@ def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> 
         device=ctx.device,
         log=ctx.log,
     )
-    return acc, f"finetune lr={lr:g} (val200 {val[lr]:.3f}), {ft.steps} steps at {size}px on {need}"
+    lr, val = result.lr, result.val_scores[result.lr]
+    return result.accuracy, f"finetune lr={lr:g} (val200 {val:.3f}), {ft.steps} steps at {size}px on {need}"
 
 
 def evaluate(ctx, opts: VtabOptions) -> EvalOutput:

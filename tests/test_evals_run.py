@@ -50,12 +50,13 @@ FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n    shots: [1, 5]\n    see
 # rows with a finite value (not a missing task's NaN, not a held-out accuracy of each lr, which are `sweep` rows).
 MIXED = FEWSHOT + (
     "  - type: finetune\n    datasets: [digits]\n    steps: 2\n    batch_size: 16\n    lr_grid: [0.01, 0.03]\n"
-    "    warmup_steps: 1\n    max_train_examples: 40\n"
+    "    warmup_steps: 1\n    max_train_examples: 40\n    eval_steps: [1, 2]\n"
     "  - type: vtab\n    benchmark: ci\n    tasks: [digits]\n    train_examples: 80\n    val_examples: 20\n"
 )
 MIXED_METRICS = {
     "fewshot/digits/1shot", "fewshot/digits/5shot", "fewshot/mean/1shot", "fewshot/mean/5shot",
     "finetune/digits/accuracy", "finetune/digits/lr",
+    "finetune/digits/accuracy_at_1steps", "finetune/digits/accuracy_at_2steps",  # the learning curve
     "vtab/digits", "vtab/mean", "vtab/natural", "vtab/num_tasks", "vtab/natural_num_tasks",
     "vtab/specialized_num_tasks", "vtab/structured_num_tasks", "vtab/num_tasks_expected",
 }  # fmt: skip
@@ -77,6 +78,11 @@ def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path)
     assert 0.1 < five["value"] <= 1.0 and five["count"] == 2 and five["step"] == 120 and not math.isnan(five["std"])
     assert rows["fewshot/mean/5shot"]["value"] == pytest.approx(five["value"])
     assert rows["finetune/digits/lr"]["value"] in (0.01, 0.03) and rows["finetune/digits/holdout_accuracy"]
+    # The curve's last point is the reported number: the same run, scored once.
+    assert rows["finetune/digits/accuracy_at_2steps"]["value"] == rows["finetune/digits/accuracy"]["value"]
+    assert rows["finetune/digits/accuracy_at_1steps"]["detail"] == "test top-1 after 1 of 2 steps (lr=" + (
+        f"{rows['finetune/digits/lr']['value']:g})"
+    )
     assert (rows["vtab/num_tasks"]["value"], rows["vtab/num_tasks_expected"]["value"]) == (1, 4)
     assert rows["vtab/structured"]["status"] == "missing" and rows["vtab/structured_num_tasks"]["value"] == 0
     written = pq.read_table(checkpoint / "evals" / "tiny_mixed.parquet")
@@ -181,6 +187,11 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys)
     pickled.write_bytes(b"\x80\x04K\x01.")  # pickle.dumps(1): never loaded
     a_file = tmp_path / "a_file"
     a_file.write_text("")
+    bad_seed = tmp_path / "bad_seed"  # a checkpoint whose recipe records a seed that is not an integer
+    save_pretrained(build_model("vit_tiny_debug"), bad_seed)
+    (bad_seed / "trainer_state.json").write_text(json.dumps({"step": 5}))
+    (bad_seed / "config.yaml").write_text("recipe: x\nseed: abc\n")
+    (bad_seed / "COMPLETE").write_text("")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     create_run(uri, "evals-errors", "run", params={})
     capsys.readouterr()  # MLflow's own log lines from creating the store
@@ -197,6 +208,9 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys)
         ([*ckpt, *suite, "--step", "-3"], "--step '-3' is not an integer >= 0"),
         ([*ckpt, *suite, "--step", "7"], "--step 7 contradicts checkpoint"),  # it is step 120
         ([*ckpt, *suite, "--num-threads", "0"], "--num-threads '0'"),
+        ([*ckpt, *suite, "--init-seed", "3"], "add --random-init or drop it"),
+        ([*ckpt, *suite, "--random-init", "--init-seed", "x"], "--init-seed 'x' is not an integer >= 0"),
+        (["--checkpoint", str(bad_seed), *suite, "--random-init"], "records seed='abc', not an integer"),
         ([*ckpt, *suite, "--out", str(a_file)], "is a file"),
         ([*ckpt, *suite, "--device", "cuda:7" if torch.cuda.is_available() else "cuda"], "not available here"),
         ([*ckpt, *suite, "--mlflow-run-id", "0123abcd", "--tracking-uri", uri], "run '0123abcd' does not exist"),
@@ -351,3 +365,78 @@ def test_every_evaluator_type_runs_on_cuda_and_agrees_with_the_cpu(data_root, ch
             assert diff <= 1e-3 * max(1.0, abs(cpu[metric]["value"])), (metric, diff)
         else:
             assert diff <= (0.02 if metric.startswith("fewshot/") else 0.1), (metric, diff)
+
+
+def test_learning_curve_is_measured_along_the_one_run():
+    """The curve scores the final run after the steps asked, without changing it: the same weights either way."""
+    import numpy as np
+
+    from evals.finetune import FinetuneOptions, accuracy, train_classifier
+
+    gen = torch.Generator().manual_seed(0)
+    images, labels = torch.rand(24, 3, 32, 32, generator=gen) * 2 - 1, np.arange(24) % 3
+    opts = FinetuneOptions(steps=4, batch_size=8, warmup_steps=1)
+
+    def run(**curve):
+        torch.manual_seed(1)
+        model = build_model("vit_tiny_debug", dropout=0.1)  # dropout on: measuring must not shift its masks either
+        return train_classifier(model, images, labels, num_classes=3, lr=0.03, steps=4, opts=opts, **curve)
+
+    torch.manual_seed(2)
+    plain, none = run()
+    torch.manual_seed(2)
+    measured, curve = run(measure_at={1, 3}, measure=lambda m: accuracy(m, images, labels))
+    assert none == {} and sorted(curve) == [1, 3] and all(0.0 <= acc <= 1.0 for acc in curve.values())
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), measured.state_dict().values()))
+    assert measured.training  # handed back in train mode, as training left it
+
+
+def test_random_init_has_the_checkpoints_shape_and_the_trainers_seed_rule(checkpoint, tmp_path):
+    from evals.run import init_seed, random_init
+    from pretrain.randomness import seed_everything
+    from pretrain.weights import load_model
+
+    trained = load_model(checkpoint)  # the fixture was built at seed 0: the step-0 model of a seed-0 recipe
+    make = random_init(trained.config, 0)
+    before = torch.get_rng_state()
+    first, second = make(), make()
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's random state is left alone
+    expected = trained.state_dict()
+    assert {k: v.shape for k, v in first.state_dict().items()} == {k: v.shape for k, v in expected.items()}
+    assert all(torch.equal(first.state_dict()[k], second.state_dict()[k]) for k in expected)  # deterministic
+    assert all(torch.equal(first.state_dict()[k], v) for k, v in expected.items())  # = the trainer's seed-0 init
+    seed_everything(7)  # what pretrain.engine does before building the step-0 model of a seed-7 recipe
+    seven = build_model("vit_tiny_debug", num_classes=32).state_dict()
+    other = random_init(trained.config, 7)().state_dict()
+    assert all(torch.equal(other[k], v) for k, v in seven.items())
+    assert not torch.equal(other["blocks.0.attn.qkv.weight"], expected["blocks.0.attn.qkv.weight"])
+    assert make(image_size=48).pos_embed.shape == (1, 1 + 12 * 12, trained.config.width)  # interpolated, as loads
+
+    assert init_seed(checkpoint) == 0  # no recipe saved beside the weights: every recipe's default
+    (tmp_path / "config.yaml").write_text("recipe: local_demo\nseed: 7\n")
+    assert init_seed(tmp_path) == 7 and init_seed(tmp_path / "missing.npz") == 0
+
+
+@pytest.mark.timeout(300)
+def test_cli_random_init_prints_both_and_the_gap(checkpoint, data_root, tmp_path, capsys):
+    # A seed-0 recipe's checkpoint whose weights are not its step-0 init (drawn at seed 1 here, trained in a run):
+    # its random init is the fixture's model (seed 0), so the baseline's rows must equal the fixture's own.
+    torch.manual_seed(1)
+    trained = tmp_path / "run" / "checkpoints" / "step_00000040"
+    save_pretrained(build_model("vit_tiny_debug", num_classes=32), trained)
+    (trained / "trainer_state.json").write_text(json.dumps({"step": 40}))
+    (trained / "config.yaml").write_text("recipe: local_demo\nseed: 0\n")
+    (trained / "COMPLETE").write_text("")
+    suite = write_suite(tmp_path, "gap", "  - type: fewshot\n    datasets: [digits]\n    shots: [2]\n    seeds: [0]\n")
+    common = ["--suite", str(suite), "--data-root", str(data_root), "--num-threads", "1"]
+    assert main(["--checkpoint", str(trained), "--out", str(tmp_path / "out"), "--random-init", *common]) == 0
+    printed = capsys.readouterr().out
+    ours = pq.read_table(tmp_path / "out" / "gap.parquet").to_pylist()
+    base = pq.read_table(tmp_path / "out" / "gap_random_init.parquet").to_pylist()
+    assert {r["step"] for r in ours} == {40} and {r["step"] for r in base} == {0}
+    assert base[0]["checkpoint"] == f"random init (seed 0) shaped as {trained}"
+    reference = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path / "ref", num_threads=1).to_pylist()
+    assert [r["value"] for r in base] == [r["value"] for r in reference]  # the same seed rule as the trainer's
+    a, b = ours[0]["value"], base[0]["value"]
+    assert "random init of the same architecture (seed 0)" in printed
+    assert f"{'fewshot/digits/2shot':<40} {a:>10.4f} {b:>11.4f} {a - b:>+9.4f}" in printed.splitlines()

@@ -25,6 +25,10 @@ def test_shipped_suites_load_with_parsed_options(name):
     if name == "vtab1k":  # nested options are typed too: the paper's fine-tuning schedule
         (spec,) = suite.evaluators
         assert spec.options.finetune == FinetuneOptions(steps=2500, batch_size=512, warmup_steps=200)
+    if name == "digits_finetune":  # VTAB-1k's budget, and a learning curve ending at the reported number
+        (spec,) = suite.evaluators
+        opts = spec.options
+        assert (opts.train_examples, opts.val_examples) == (800, 200) and opts.eval_steps[-1] == opts.steps
 
 
 FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n"
@@ -45,6 +49,18 @@ FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n"
         ("  - type: vtab\n    finetune: {stpes: 5}\n", r"unknown key\(s\) \['evaluators\[0\]\.finetune\.stpes'\]"),
         ("  - type: vtab\n    finetune: {lr_grid: [0]}\n", r"lr_grid must be non-empty positive"),
         ("  - type: finetune\n    holdout_fraction: 1.5\n", r"holdout_fraction must be in \(0, 1\)"),
+        ("  - type: finetune\n    train_examples: 800\n", r"set train_examples and val_examples together"),
+        (
+            "  - type: finetune\n    train_examples: 8\n    val_examples: 2\n    holdout_fraction: 0.2\n",
+            r"holdout_fraction is unused when train_examples",
+        ),
+        ("  - type: finetune\n    train_examples: 0\n    val_examples: 2\n", r"train_examples must be >= 1"),
+        (
+            "  - type: finetune\n    steps: 10\n    eval_steps: [5, 20]\n",
+            r"eval_steps must be distinct steps in 1\.\.steps=10; got \[5, 20\]",
+        ),
+        ("  - type: finetune\n    eval_steps: [5, 5]\n", r"eval_steps must be distinct steps"),
+        ("  - type: vtab\n    finetune: {eval_steps: [5]}\n", r"not used by type: vtab"),
         ("  - type: inspect\n    num_images: 2\n    num_rollout_images: 3\n", r"num_rollout_images \(3\) must be ≤"),
     ],
 )

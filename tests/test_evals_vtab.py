@@ -1,10 +1,12 @@
 """VTAB registry and aggregation: coverage is always stated, missing tasks never enter a mean."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from evals.finetune import FinetuneOptions, train_val_split
 from evals.vtab import CI_TASKS, GROUPS, VTAB1K_TASKS, aggregate, vtab_indices
 
 
@@ -55,3 +57,16 @@ def test_train800_val200_draw():
     assert not np.array_equal(tr, vtab_indices(1297, 800, 200, seed=1)[0])
     with pytest.raises(ValueError, match="has 900 images but VTAB needs 1000"):
         vtab_indices(900, 800, 200, seed=0)
+
+
+def test_finetune_at_the_vtab1k_budget_draws_the_same_800_and_200():
+    opts = FinetuneOptions(train_examples=800, val_examples=200, seed=0)
+    tr, va = train_val_split(1297, opts)  # digits' train split holds 1297 images
+    assert (len(tr), len(va)) == (800, 200) and not set(tr) & set(va) and set(tr) | set(va) <= set(range(1297))
+    again = train_val_split(1297, opts)
+    assert np.array_equal(tr, again[0]) and np.array_equal(va, again[1])  # deterministic
+    vtab = vtab_indices(1297, 800, 200, seed=0)  # type: finetune and type: vtab hold out the same 200
+    assert np.array_equal(tr, vtab[0]) and np.array_equal(va, vtab[1])
+    assert not np.array_equal(va, train_val_split(1297, replace(opts, seed=1))[1])
+    keep, held = train_val_split(1297, FinetuneOptions())  # without a budget: all of train, 10% held out
+    assert (len(keep), len(held)) == (1167, 130) and not set(keep) & set(held)
