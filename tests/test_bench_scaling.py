@@ -1,6 +1,6 @@
-"""bench.scaling runs the real training loop at world size 1 and 2 (tiny: ViT-Ti/16 at 32 px, 4 steps), one core per
-rank plus world 1 on both cores, and writes the documented keys; the ratio itself is the lead's to measure on an idle
-machine."""
+"""bench.scaling runs the real training loop at world size 1 and 2 (tiny: ViT-Ti/16 at 32 px, 2 steps: the fewest
+that give the warm-up window and one timed window), one core per rank plus world 1 on both cores, and writes the
+documented keys; the ratio itself is the lead's to measure on an idle machine."""
 
 import json
 from pathlib import Path
@@ -14,7 +14,7 @@ def test_bench_scaling_writes_the_documented_keys(tmp_path, tiny_fractal_shards)
     from bench.scaling import main
 
     out = tmp_path / "scaling.json"
-    args = ["--model", "vit_ti16", "--image-size", "32", "--global-batch", "16", "--steps", "4", "--log-every", "2",
+    args = ["--model", "vit_ti16", "--image-size", "32", "--global-batch", "16", "--steps", "2", "--log-every", "1",
             "--rounds", "1", "--threads", "2", "--data", str(tiny_fractal_shards), "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     result = json.loads(out.read_text())

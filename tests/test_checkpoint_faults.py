@@ -28,7 +28,7 @@ from pretrain import checkpoint as ckpt
 from pretrain import checksums, run_folder
 from pretrain.checkpoint_writes import CheckpointSaveError, SaveAttempt, failure_message, folder_bytes
 from pretrain.config import load_config
-from tests.test_train_distributed import _free_port, _run, tiny_config, torchrun
+from tests.test_train_distributed import _free_port, _run, shared_torchrun, tiny_config, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=2", "checkpoint.keep_last=4")
@@ -157,12 +157,11 @@ def test_plan_warns_when_the_run_folder_cannot_hold_keep_last_plus_one_checkpoin
 # --------------------------------------------------------------------------------------------- slow: 2 processes
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_fractal_shards, tmp_path_factory) -> tuple[Path, list[dict]]:
-    """An uninterrupted 8-step run with checkpoints at steps 2, 4, 6, 8 (kept), and its rank summaries."""
-    work = tmp_path_factory.mktemp("uninterrupted")
-    summaries = torchrun(tiny_config(tiny_fractal_shards, work / "run", *EXTRA), work)
-    return work / "run", summaries
+@pytest.fixture
+def uninterrupted(tiny_fractal_shards, shared_folder) -> tuple[Path, list[dict]]:
+    """An uninterrupted 8-step run with checkpoints at steps 2, 4, 6, 8 (kept), and its rank summaries: trained once
+    per pytest run for the tests below, which change only copies of it."""
+    return shared_torchrun(shared_folder, tiny_fractal_shards, *EXTRA)
 
 
 def _copy_run(run: Path, to: Path, drop: tuple[int, ...] = ()) -> Path:

@@ -1,6 +1,7 @@
 """A bf16 run's consolidated ``model.safetensors`` holds the fp32 master weights the optimizer trains, not the bf16
 compute copy: at ZeRO 1, 2 and 3 (2 processes) every tensor is fp32 and equals DeepSpeed's own consolidation of the
-same checkpoint's engine state, and the checkpoint loads as a model."""
+same checkpoint's engine state, and the checkpoint loads as a model. The bf16 runs (`bf16_run`) are trained once per
+pytest run: tests/test_deepspeed_interop.py reads the same checkpoints with DeepSpeed's own tools."""
 
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ from safetensors.torch import load_file
 from pretrain.checkpoint import _to_universal
 from pretrain.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.weights import load_checkpoint_model
-from tests.test_train_distributed import tiny_config, torchrun
+from tests.test_train_distributed import shared_torchrun
 
 pytestmark = [pytest.mark.slow]
 
 TASK_PREFIX = "model."  # the engine wraps the bare ViT in a task module (pretrain.tasks): its names gain this prefix
+
+
+def bf16_run(shared_folder, shards: Path, stage: int) -> tuple[Path, list[dict]]:
+    """A 2-process bf16 run at ZeRO ``stage`` stopped after step 2 (its checkpoint), accumulation 1: its run folder
+    and rank summaries, shared with tests/test_deepspeed_interop.py (read only)."""
+    overrides = (f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16", "data.global_batch_size=8",
+                 "schedule.stop_at_step=2")  # fmt: skip
+    return shared_torchrun(shared_folder, shards, *overrides)
 
 
 def deepspeed_fp32_weights(checkpoint: Path, stage: int, scratch: Path) -> dict[str, torch.Tensor]:
@@ -38,10 +47,9 @@ def deepspeed_fp32_weights(checkpoint: Path, stage: int, scratch: Path) -> dict[
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_checkpoint_holds_the_fp32_master_weights(stage, tiny_fractal_shards, tmp_path, one_torch_thread):
-    config = tiny_config(tiny_fractal_shards, tmp_path / "run", f"deepspeed.zero_stage={stage}",
-                         "deepspeed.precision=bf16", "data.global_batch_size=8", "schedule.stop_at_step=2")  # fmt: skip
-    checkpoint = Path(torchrun(config, tmp_path)[0]["checkpoints"][-1])
+def test_bf16_checkpoint_holds_the_fp32_master_weights(stage, tiny_fractal_shards, tmp_path, one_torch_thread,
+                                                        shared_folder):  # fmt: skip
+    checkpoint = Path(bf16_run(shared_folder, tiny_fractal_shards, stage)[1][0]["checkpoints"][-1])
     assert checkpoint.name == "step_00000002" and TrainerState.read(checkpoint).precision == "bf16"
     saved = load_file(str(checkpoint / WEIGHTS_FILE))
     expected = deepspeed_fp32_weights(checkpoint, stage, tmp_path / "universal")

@@ -7,6 +7,10 @@ the engine wraps: ``model.`` + the ViT's). The one exception is DeepSpeed's: at 
 gradient accumulation makes DeepSpeed train with its BF16_Optimizer, whose state zero_to_fp32 does not read ("not a
 zero checkpoint"); DeepSpeed's universal-checkpoint converter does, and gives the same tensors (docs/interfaces.md,
 "Checkpoints"). The same runs' folders export to transformers with vitscale's logits.
+
+The runs are the ones other tests train (once per pytest run, read only here): fp32 the 8-step reference runs of
+tests/test_train_distributed.py (accumulation 2, checkpoint at step 8), bf16 the runs of
+tests/test_checkpoint_master_weights.py (accumulation 1, stopped after the step-2 checkpoint).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from safetensors.torch import load_file
 from data_pipeline.manifest import read_dataset_info
 from pretrain.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.weights import load_checkpoint_model, main
-from tests.test_train_distributed import tiny_config, torchrun
+from tests.test_checkpoint_master_weights import bf16_run
+from tests.test_train_distributed import reference_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -77,15 +82,15 @@ def _hf_logits_match(run_dir: Path, checkpoint: Path, out: Path, shards: Path) -
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(stage, precision, tiny_fractal_shards, tmp_path,
-                                                                one_torch_thread):  # fmt: skip
+                                                                one_torch_thread, shared_folder):  # fmt: skip
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    config = tiny_config(tiny_fractal_shards, tmp_path / "run", f"deepspeed.zero_stage={stage}",
-                         f"deepspeed.precision={precision}", "data.global_batch_size=8",
-                         "schedule.stop_at_step=2")  # fmt: skip
-    checkpoint = Path(torchrun(config, tmp_path)[0]["checkpoints"][-1])
+    shared_run = reference_run if precision == "fp32" else bf16_run
+    run, summaries = shared_run(shared_folder, tiny_fractal_shards, stage)
+    checkpoint = Path(summaries[0]["checkpoints"][-1])
     state = TrainerState.read(checkpoint)
-    assert checkpoint.name == "step_00000002" and state.precision == precision
+    assert checkpoint.name == {"fp32": "step_00000008", "bf16": "step_00000002"}[precision]
+    assert state.precision == precision
     engine_dir = checkpoint / DEEPSPEED_DIR
     # What DeepSpeed's tools look for: the tag in `latest`, its folder beside it, and the recovery script.
     assert (engine_dir / "latest").read_text().strip() == state.deepspeed_tag
@@ -100,4 +105,4 @@ def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(stage, precision,
         # The script DeepSpeed wrote into the checkpoint, run as its header says, from inside the folder.
         _run("zero_to_fp32.py", ".", str(tmp_path / "fp32"), "--safe_serialization", cwd=engine_dir, home=tmp_path)
         _assert_same(_bare(load_file(str(tmp_path / "fp32" / WEIGHTS_FILE))), saved)
-    _hf_logits_match(tmp_path / "run", checkpoint, tmp_path / "hf", tiny_fractal_shards)
+    _hf_logits_match(run, checkpoint, tmp_path / "hf", tiny_fractal_shards)

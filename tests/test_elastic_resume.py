@@ -12,10 +12,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.test_train_distributed import ROOT, _env, _free_port, tiny_config, torchrun
+from tests.test_train_distributed import ROOT, _env, _free_port, reference_run, tiny_config, torchrun
 
 pytestmark = [pytest.mark.slow]
 
@@ -61,11 +62,12 @@ def test_resume_at_another_world_size_continues_the_same_samples_and_losses(stag
     assert (step2 / "universal").is_dir() == (stage > 0)
 
 
-def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loading(tiny_fractal_shards, tmp_path):
-    run = tmp_path / "run"
-    torchrun(tiny_config(tiny_fractal_shards, run, "schedule.stop_at_step=2", "checkpoint.every_steps=2"),
-             tmp_path / "a", nproc=2)  # fmt: skip
-    checkpoint = run / "checkpoints" / "step_00000002"
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loading(tiny_fractal_shards, tmp_path,
+                                                                                   shared_folder):  # fmt: skip
+    # A world-size-2 ZeRO-2 checkpoint: the shared reference run's (tests/test_train_distributed.py), read only.
+    _, summaries = reference_run(shared_folder, tiny_fractal_shards, stage=2)
+    checkpoint = Path(summaries[0]["checkpoints"][-1])
+    assert not (checkpoint / "universal").exists()
     config = tiny_config(tiny_fractal_shards, tmp_path / "other", f"checkpoint.resume_from={checkpoint}")
     recipe = tmp_path / "other.yaml"
     config.save(recipe)

@@ -229,12 +229,12 @@ def test_watchdog_dumps_stacks_and_kills_the_stopped_rank(tmp_path):
                 proc.wait()
 
 
-def test_watchdog_logs_data_counters_and_stragglers_to_mlflow(tmp_path):
+def test_watchdog_logs_data_counters_and_stragglers_to_mlflow(tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
     from tracking.runs import create_run
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     run_id = create_run(uri, "watchdog", "test", {}, {})
     for rank in range(3):
         Heartbeat(heartbeat_path(tmp_path / "run", rank), {"rank": rank, "world_size": 3, "host": "h"})
@@ -266,7 +266,7 @@ def ray_auth_off():
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_driver_restarts_a_stopped_rank_from_the_newest_checkpoint(tmp_path, monkeypatch, local_demo_data,
-                                                                   ray_auth_off):  # fmt: skip
+                                                                   ray_auth_off, mlflow_uri):  # fmt: skip
     """The local profile's settings (2 CPU workers, ZeRO-2, the default hang allowances): rank 1 stops itself with
     SIGSTOP right after checkpoint step 10. The watchdog kills it, Ray Train restarts the group, which resumes from
     step 10 and finishes: one MLflow run, every step's loss once, the hang in the run's tags."""
@@ -277,7 +277,7 @@ def test_driver_restarts_a_stopped_rank_from_the_newest_checkpoint(tmp_path, mon
     from cluster.plan import build_plan, resolve_config
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     base = load_profile("local")
     profile = dataclasses.replace(
         base,

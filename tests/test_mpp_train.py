@@ -1,6 +1,7 @@
 """Masked patch prediction through the real trainer (`python -m pretrain.train --config local_mpp`, DeepSpeed
 ZeRO-2 on CPU): the registered `mpp` task trains, its loss falls from ln(512), the checkpointed ViT has no
-classification head, and a stopped + resumed run draws the same corruptions (identical losses)."""
+classification head, and a run killed after its step-4 checkpoint and launched again (its folder as it stood then)
+draws the same corruptions (identical losses)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.config import load_config
+from tests.test_train_distributed import copy_run_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -40,8 +42,9 @@ def test_mpp_recipe_trains_checkpoints_and_resumes_exactly(tiny_fractal_shards, 
     model_json = json.loads((tmp_path / "full" / "checkpoints" / "step_00000008" / "model.json").read_text())
     assert model_json["num_classes"] == 0 and model_json["pool"] == "gap"
 
-    train_cli(_config(tiny_fractal_shards, tmp_path / "split", "schedule.stop_at_step=4"), tmp_path / "split")
-    resumed = train_cli(_config(tiny_fractal_shards, tmp_path / "split"), tmp_path / "split")
-    assert resumed["start_step"] == 4
+    split = copy_run_until(tmp_path / "full", tmp_path / "split", 4)
+    resumed = train_cli(_config(tiny_fractal_shards, split), split)
+    assert resumed["start"] == "run" and resumed["start_step"] == 4
+    assert [int(step) for step, _ in resumed["losses"]] == [5, 6, 7, 8]
     for step, loss in resumed["losses"]:
         assert loss == pytest.approx(losses[int(step)], abs=1e-6), f"step {step}: {loss} vs {losses[int(step)]}"

@@ -1,6 +1,7 @@
 """Progressive resolution through the real trainer (`python -m pretrain.train`, DeepSpeed ZeRO-2 on CPU): the
 position embeddings change size at the scheduled step, checkpoints record the resolution they were saved at, the
-loss stays finite, and a run stopped right at the switch and resumed equals the uninterrupted one."""
+loss stays finite, and a run killed right at the switch (after its step-4 checkpoint, the last at 16 px; its folder
+as it stood then) and launched again equals the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from pretrain.config import load_config
+from tests.test_train_distributed import copy_run_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -48,9 +50,10 @@ def test_progressive_resolution_switches_and_resumes_exactly(tiny_fractal_shards
             grid = (size // 4) ** 2
             assert tuple(f.get_slice("pos_embed").get_shape()) == (1, 1 + grid, 64)
 
-    # Stop where the parameters are still 16 px but the next step trains at 32 px, then resume.
-    train_cli(_config(tiny_fractal_shards, tmp_path / "split", "schedule.stop_at_step=4"), tmp_path / "split")
-    resumed = train_cli(_config(tiny_fractal_shards, tmp_path / "split"), tmp_path / "split")
+    # Killed where the parameters are still 16 px but the next step trains at 32 px, then launched again.
+    split = copy_run_until(tmp_path / "full", tmp_path / "split", 4)
+    resumed = train_cli(_config(tiny_fractal_shards, split), split)
     assert resumed["start"] == "run" and resumed["start_step"] == 4
+    assert [int(step) for step, _ in resumed["losses"]] == [5, 6, 7, 8]
     for step, loss in resumed["losses"]:
         assert loss == pytest.approx(losses[int(step)], abs=1e-6), f"step {step}: {loss} vs {losses[int(step)]}"

@@ -1,24 +1,31 @@
 """End to end on real DeepSpeed (CPU, gloo) under torchrun, on real shards written by the project.
 
 - 2 processes with ZeRO-1, -2 and -3 each match a single-process plain-PyTorch run of the same model and data
-  (5 steps, gradient accumulation 2, loss <= 1e-5 apart; the ZeRO-3 consolidated weights match too);
+  (8 steps, gradient accumulation 2, loss <= 1e-5 apart; the ZeRO-3 consolidated weights match too);
 - a 2-process run stopped at step 5 and resumed equals the uninterrupted run at every later step (loss <= 1e-6,
   with dropout on, so the dropout masks are reproduced too) and consumes the same batches (hashes per rank);
 - the same with the paper's recipe settings (2 loader workers per rank, dropout, RandAugment, mixup, ZeRO-3,
-  accumulation 2) and two epoch boundaries in the resumed part, where the loader workers are created anew;
+  accumulation 2), resumed from a checkpoint in the middle of a run (the run killed there: its folder as it stood)
+  with two epoch boundaries in the resumed part, where the loader workers are created anew;
 - a hard crash in the middle of a checkpoint write leaves the previous checkpoint loadable, the partial one ignored,
   and the run resumes from the previous one;
 - the step-0 baseline checkpoint (evals on) changes no loss, holds the initial weights, and resumes exactly;
 - ZeRO-2 bf16 on CPU over gloo trains (finite, falling loss) with fp32 master weights and Adam moments.
 - compiled blocks (`model.compile`) follow the eager losses, and resume exactly with dropout, workers and ZeRO-3.
+
+The runs several tests read are trained once per pytest run (`shared_torchrun`): the 2-process fp32 run at each
+ZeRO stage (`reference_run`: the plain-PyTorch comparison, the compiled run's eager reference, and DeepSpeed's own
+tools in tests/test_deepspeed_interop.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -99,6 +106,39 @@ def torchrun(
     return [json.loads((workdir / f"summary_{r}.json").read_text()) for r in range(nproc)]
 
 
+def shared_torchrun(shared_folder, shards: Path, *overrides: str, nproc: int = 2) -> tuple[Path, list[dict]]:
+    """The run of ``tiny_config(*overrides)`` at ``nproc`` ranks, trained once per pytest run for every test that
+    reads it (``shared_folder``, tests/conftest.py): its run folder (``<folder>/run``, never to be changed: copy it
+    first) and its rank summaries. What its ranks printed is ``<folder>/output.log``."""
+    key = "torchrun-" + hashlib.sha256(repr((overrides, nproc)).encode()).hexdigest()[:16]
+
+    def build(folder: Path) -> None:
+        (folder / "overrides.txt").write_text("\n".join([*overrides, f"nproc={nproc}"]) + "\n")
+        torchrun(tiny_config(shards, folder / "run", *overrides), folder, nproc=nproc)
+
+    folder = shared_folder(key, build)
+    return folder / "run", [json.loads((folder / f"summary_{r}.json").read_text()) for r in range(nproc)]
+
+
+def reference_run(shared_folder, shards: Path, stage: int) -> tuple[Path, list[dict]]:
+    """The recipe's tiny fp32 run at ZeRO ``stage``, 2 processes, 8 steps (accumulation 2) and one checkpoint, at
+    the end (step 8): shared by the tests that compare against it or read its checkpoint."""
+    return shared_torchrun(shared_folder, shards, f"deepspeed.zero_stage={stage}")
+
+
+def copy_run_until(run: Path, to: Path, step: int) -> Path:
+    """A copy of run folder ``run`` as it stood when the run was killed right after its step-``step`` checkpoint:
+    the later checkpoints removed, so a run launched on the copy resumes from ``step``."""
+    from pretrain import run_folder
+
+    shutil.copytree(run, to)
+    for later in run_folder.complete_checkpoints(to):
+        if run_folder.TrainerState.read(later).step > step:
+            shutil.rmtree(later)
+    assert run_folder.latest_checkpoint(to) == run_folder.checkpoint_dir(to, step)
+    return to
+
+
 def plain_pytorch_losses(config: TrainConfig, world_size: int, steps: int) -> tuple[list[float], torch.nn.Module]:
     """The same training in one process without DeepSpeed: every rank's micro-batches, one AdamW, clip, lr."""
     from data_pipeline.manifest import read_dataset_info
@@ -133,13 +173,13 @@ def plain_pytorch_losses(config: TrainConfig, world_size: int, steps: int) -> tu
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_matches_plain_pytorch(stage, shards, tmp_path):
-    config = tiny_config(shards, tmp_path / "run", f"deepspeed.zero_stage={stage}", "schedule.stop_at_step=5")
-    summaries = torchrun(config, tmp_path)
-    expected, reference_model = plain_pytorch_losses(config, world_size=2, steps=5)
+def test_zero_stage_matches_plain_pytorch(stage, shards, shared_folder):
+    run, summaries = reference_run(shared_folder, shards, stage)
+    config = tiny_config(shards, run, f"deepspeed.zero_stage={stage}")
+    expected, reference_model = plain_pytorch_losses(config, world_size=2, steps=8)
     for summary in summaries:
         got = [loss for _, loss in summary["losses"]]
-        assert [s for s, _ in summary["losses"]] == [1, 2, 3, 4, 5]
+        assert [s for s, _ in summary["losses"]] == [1, 2, 3, 4, 5, 6, 7, 8]
         assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
     assert max(expected) - min(expected) > 1e-4  # the updates move the loss: matching a frozen model proves nothing
     # The consolidated weights (gathered from partitions under ZeRO-3) equal the plain run's weights.
@@ -160,16 +200,32 @@ def stop_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tu
     return whole, stopped, resumed
 
 
-def assert_resumed_exactly(whole: list, stopped: list, resumed: list, stop: int, tolerance: float) -> None:
+def kill_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tuple[list, list]:
+    """Summaries of an uninterrupted run (checkpoints every few steps, ``stop`` among those it keeps) and of a run
+    launched on a copy of its folder as it stood right after the step-``stop`` checkpoint (``copy_run_until``): what
+    a run killed there and launched again does. One launch fewer than a run stopped at ``stop`` and resumed, and the
+    harder case: the checkpoint was taken with the loader workers running ahead into later steps."""
+    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "w")
+    split = copy_run_until(tmp_path / "whole", tmp_path / "split", stop)
+    resumed = torchrun(tiny_config(shards, split, *extra), tmp_path / "r")
+    return whole, resumed
+
+
+def assert_resumed_exactly(whole: list, stopped: list | None, resumed: list, stop: int, tolerance: float) -> None:
     """On every rank the resumed run starts after step ``stop``, continues the uninterrupted run's losses (within
-    ``tolerance``; 0: bit-identical) to its last step, and reads the same batches in the same order."""
-    for rank, (w, s, r) in enumerate(zip(whole, stopped, resumed, strict=True)):
+    ``tolerance``; 0: bit-identical) to its last step, and reads the same batches in the same order; ``stopped``
+    (None when the run resumed from a copy of the uninterrupted run's folder) read the uninterrupted run's first
+    ``stop`` batches."""
+    for rank, (w, r) in enumerate(zip(whole, resumed, strict=True)):
         assert r["start"] == "run" and r["start_step"] == stop
         later = dict(w["losses"])
         assert [step for step, _ in r["losses"]] == list(range(stop + 1, max(later) + 1))
         diffs = [abs(loss - later[step]) for step, loss in r["losses"]]
         assert max(diffs) <= tolerance, (rank, diffs, r["losses"], w["losses"])
-        assert s["digests"] + r["digests"] == w["digests"]  # before the stop and after the resume
+        assert [step for step, _ in w["digests"]] == list(range(1, max(later) + 1))
+        assert r["digests"] == w["digests"][stop:]  # after the resume: the uninterrupted run's batches
+        if stopped is not None:
+            assert stopped[rank]["digests"] == w["digests"][:stop]  # before the stop
 
 
 @pytest.mark.timeout(900)
@@ -213,14 +269,14 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.timeout(600)
-def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_path):
+def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
     from pretrain import run_folder
     from pretrain.weights import load_checkpoint_model
     from tracking.runs import create_run
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the run is created up front and passed in, as the driver does
+    uri = mlflow_uri  # the run is created up front and passed in, as the driver does
     run_id = create_run(uri, "test_train", "crash-and-resume", params={}, tags={})
     config = tiny_config(shards, tmp_path / "run", "checkpoint.every_steps=2", "schedule.total=6",
                          "deepspeed.zero_stage=1", "data.global_batch_size=8", "logging.log_every=2",
@@ -305,14 +361,14 @@ def test_resume_on_one_gpu_reads_the_same_batches_and_tracks_the_losses(shards, 
 @pytest.mark.timeout(900)
 def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards, tmp_path):
     # The paper's recipe case: loader workers, dropout, RandAugment, mixup, ZeRO-3, accumulation 2. 64 images over
-    # 2 ranks x micro-batch 4 is 8 micro-batches = 4 steps per epoch: the stop at step 3 lands mid-epoch and the
-    # resumed part (4..10) crosses two epoch boundaries, each of which re-creates the workers.
+    # 2 ranks x micro-batch 4 is 8 micro-batches = 4 steps per epoch: the restart from the step-3 checkpoint lands
+    # mid-epoch and the resumed part (4..10) crosses two epoch boundaries, each of which re-creates the workers.
     extra = ("deepspeed.zero_stage=3", "model.dropout=0.1", "data.num_workers=2", "data.mixup_alpha=0.2",
              "data.augment.randaugment_n=2", "data.augment.randaugment_m=10", "checkpoint.every_steps=3",
-             "schedule.total=10")  # fmt: skip
-    whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=3)
+             "checkpoint.keep_last=4", "schedule.total=10")  # fmt: skip
+    whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3)
     assert max(step for step, _ in whole[0]["losses"]) == 10
-    assert_resumed_exactly(whole, stopped, resumed, stop=3, tolerance=1e-6)
+    assert_resumed_exactly(whole, None, resumed, stop=3, tolerance=1e-6)
 
 
 # train_worker with an on_checkpoint callback, as the cluster driver runs it (the CLI passes none): it records the
@@ -439,12 +495,12 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
 
 
 @pytest.mark.timeout(900)
-def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path):
+def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared_folder):
     """``model.compile``: torch.compile'd blocks (2 ranks, ZeRO-2, accumulation 2) follow the eager run's losses
     within float rounding (no dropout: compiled dropout draws its masks its own way); with dropout, 2 loader workers
-    and ZeRO-3 (whose parameters are gathered by hooks around each layer) a compiled run stopped at step 3 and
-    resumed equals the uninterrupted compiled run."""
-    eager = torchrun(tiny_config(shards, tmp_path / "eager", "deepspeed.zero_stage=2"), tmp_path / "a")
+    and ZeRO-3 (whose parameters are gathered by hooks around each layer) a compiled run killed after its step-3
+    checkpoint and launched again equals the uninterrupted compiled run."""
+    _, eager = reference_run(shared_folder, shards, stage=2)
     compiled = torchrun(tiny_config(shards, tmp_path / "compiled", "deepspeed.zero_stage=2", "model.compile=true"),
                         tmp_path / "b")  # fmt: skip
     e, c = [loss for _, loss in eager[0]["losses"]], [loss for _, loss in compiled[0]["losses"]]
@@ -453,6 +509,6 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path):
     assert max(e) - min(e) > 1e-3  # the updates move the loss
     assert compiled[0]["digests"] == eager[0]["digests"]  # the same batches
     extra = ("deepspeed.zero_stage=3", "model.compile=true", "model.dropout=0.1", "data.num_workers=2",
-             "checkpoint.every_steps=3")  # fmt: skip
-    whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=3)
-    assert_resumed_exactly(whole, stopped, resumed, stop=3, tolerance=0.0)  # bit-identical
+             "checkpoint.every_steps=3", "checkpoint.keep_last=4")  # fmt: skip
+    whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3)
+    assert_resumed_exactly(whole, None, resumed, stop=3, tolerance=0.0)  # bit-identical
