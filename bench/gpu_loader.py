@@ -22,21 +22,10 @@ from pathlib import Path
 
 import torch
 
-from bench.data import imagenet_like_jpegs
+from bench.data import imagenet_like_jpegs, stream_rate
 from data_pipeline.augment import AugmentConfig
 from data_pipeline.stream import StreamSpec, TrainStream
 from data_pipeline.write import WriteConfig, write_dataset
-
-
-def per_core_rate(shards: Path, size: int, batch: int) -> float:
-    """Images per CPU second of a TrainStream with no workers over one epoch of ``shards``."""
-    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig())
-    stream = TrainStream(spec)
-    it = iter(stream)
-    start = time.process_time()
-    for _ in range(stream.steps_per_epoch):
-        next(it)
-    return stream.steps_per_epoch * batch / (time.process_time() - start)
 
 
 def wall_rate(shards: Path, size: int, workers: int, batch: int) -> float:
@@ -68,9 +57,9 @@ def run(formula_shards: Path | None, smoke: bool, workers: int) -> dict:
                                  keep_exact_duplicates=True)  # fmt: skip
             write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
             out["loader_jpeg_kib"] = sum(map(len, images)) / len(images) / 1024
-            out["loader_img_s_per_core"] = per_core_rate(shards, size, batch)
+            out["loader_img_s_per_core"] = stream_rate(shards, size, batch)
             if formula_shards is not None:
-                out["loader_formula_img_s_per_core"] = per_core_rate(formula_shards, size, batch)
+                out["loader_formula_img_s_per_core"] = stream_rate(formula_shards, size, batch)
             if workers:
                 out[f"loader_img_s_workers{workers}"] = wall_rate(shards, size, workers, batch)
                 out["loader_workers_checked"] = workers

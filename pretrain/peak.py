@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.loader_rate import cpu_model  # one reading of the CPU for every per-machine cache
 from pretrain.precision import cpu_bf16_units
 
 # Dense (not 2:4 sparse) TFLOP/s per GPU by name fragment, from NVIDIA's datasheets (SXM parts where there are two).
@@ -82,16 +83,6 @@ def gemm_tflops(precision: str, size: int, device: torch.device | str = "cpu", s
             best, count = min(best, time.perf_counter() - start), count + 1
         rates[layout] = 2 * size**3 / best / 1e12
     return rates
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability()
 
 
 def cpu_peak(precision: str, threads: int | None = None) -> Peak:
