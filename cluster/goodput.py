@@ -143,8 +143,13 @@ def build_ledger(
     for i, attempt in enumerate(attempts):
         row = _row()
         process_start = (process_starts or {}).get(int(attempt.get("pid") or 0), attempt["started"])
-        row["resource_wait" if i == 0 else "restart"] += cursor.take(min(process_start, attempt["started"]))
-        row["startup"] += cursor.take(attempt["started"])  # imports, Ray Train's setup: before train_worker
+        if i > 0 and process_start <= cursor.at:
+            # A worker process Ray Train kept across the restart or resize (it started before the last attempt
+            # ended): no process start to wait for, so all until its training function runs again is the restart.
+            row["restart"] += cursor.take(attempt["started"])
+        else:
+            row["resource_wait" if i == 0 else "restart"] += cursor.take(min(process_start, attempt["started"]))
+            row["startup"] += cursor.take(attempt["started"])  # imports, Ray Train's setup: before train_worker
         span = cursor.take(attempt.get("ended") or attempt.get("updated"))
         booked = {b: max(0.0, float(attempt.get("seconds", {}).get(b, 0.0))) for b in row if b in attempt["seconds"]}
         scale, total_booked = 1.0, sum(booked.values())

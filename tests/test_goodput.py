@@ -71,6 +71,17 @@ def test_ledger_sums_to_the_wall_clock_and_counts_redone_steps_as_restart():
     assert {keys.goodput_bucket(b) for b in keys.GOODPUT_BUCKETS} <= set(metrics)
 
 
+def test_a_worker_process_kept_across_a_resize_books_the_gap_as_restart_not_startup():
+    """An elastic regrowth: Ray Train restarts the training function in the process that ran the last attempt (same
+    pid, started long before), so the gap from that attempt's end to train_worker is the restart's."""
+    first, second, starts = _two_attempts()
+    kept = dict(second, pid=101)  # attempt 2 runs in attempt 1's process, started at 8 s
+    rows = dict(build_ledger(JobClock(0.0, 5.0), 100.0, [first, kept], starts).rows)
+    assert rows["attempt 2"]["restart"] == 52.0 - 40.0  # the whole gap 40 → 52 (attempt 1 books its own lost work)
+    assert rows["attempt 2"]["startup"] == 5.0  # only what train_worker itself booked
+    assert rows["attempt 1"]["startup"] == 2.0 + 6.0  # the first attempt's process start still counts as start-up
+
+
 def test_a_resume_from_a_step_it_did_not_save_is_interpolated_and_overlong_records_are_scaled():
     first, second, starts = _two_attempts()
     second["start_step"] = 12  # no checkpoint of attempt 1 at 12: kept = 12/14 of its step seconds
