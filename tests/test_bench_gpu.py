@@ -14,13 +14,16 @@ from bench.gpu import HEADLINE, MODELS, main
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("bench_gpu")
+def _run_smoke(folder) -> None:
     out = folder / "gpu.json"
     assert main(["--smoke", "--out", str(out), "--work-dir", str(folder)]) == 0
     assert not list(folder.glob("*.tmp")) and not list(folder.glob("bench-gpu-*"))  # scratch removed
-    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke(shared_folder) -> dict:
+    """One smoke run per pytest run, whichever xdist workers this file's tests land on (`shared_folder`)."""
+    return json.loads((shared_folder("bench_gpu_smoke", _run_smoke) / "gpu.json").read_text())
 
 
 def _number(value) -> bool:
