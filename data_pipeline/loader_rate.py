@@ -115,7 +115,7 @@ def loader_rate(
     how = "measured earlier"
     if not isinstance(store.get(key), float):
         store[key] = _measure(info, image_size, augment, cached, side)
-        _write_atomically(path, json.dumps(store, indent=1, sort_keys=True))
+        write_atomically(path, json.dumps(store, indent=1, sort_keys=True))
         how = "measured now"
     where = "from its decoded cache" if cached else ("from its shards" if info is not None else data)
     return LoaderRate(store[key], f"this CPU, one core, {image_size}px {where} ({how}; {path})")
@@ -181,8 +181,9 @@ def _synthetic_shards(root: Path, side: int) -> Path:
     return root / "shards"
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Processes that measure at once each replace the whole file; a reader never sees half of one."""
+def write_atomically(path: Path, text: str) -> None:
+    """A per-machine cache file (this one, `pretrain.peak`'s): processes that measure at once each replace the whole
+    file, so a reader never sees half of one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

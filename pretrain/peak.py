@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.loader_rate import cpu_model  # one reading of the CPU for every per-machine cache
+from data_pipeline.loader_rate import cpu_model, write_atomically  # one CPU name, one writer: per-machine caches
 from pretrain.precision import cpu_bf16_units
 
 # Dense (not 2:4 sparse) TFLOP/s per GPU by name fragment, from NVIDIA's datasheets (SXM parts where there are two).
@@ -105,22 +105,11 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
             cache[key] = max(gemm_tflops(precision, size, seconds=MEASURE_SECONDS).values())
         finally:
             torch.set_num_threads(before)
-        _write_atomically(path, json.dumps(cache, indent=1, sort_keys=True))
+        write_atomically(path, json.dumps(cache, indent=1, sort_keys=True))
         how = "measured now"
     else:
         how = "measured earlier"
     return Peak(cache[key], f"{precision} {size}x{size} GEMM on this CPU, {threads} thread(s) ({how}; {path})")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Ranks that measure at once each replace the whole file; a reader never sees half of one."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: the number is still used, only measured again next time
-        pass
 
 
 def device_peak(declared: float | None, device: torch.device, precision: str) -> Peak:
