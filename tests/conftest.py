@@ -2,6 +2,11 @@
 order options: ``--shuffle SEED`` runs the tests in a random order drawn from SEED (`make test-shuffled`), ``--reverse``
 in reverse order. Every test must pass alone, in the suite, and in either order.
 
+Without either option the longest tests start first: ``tests/durations.json`` holds each test's seconds from a
+measured run (``--write-durations`` rewrites it), and the tests run longest first, the rest in collection order
+after them. With `make test`'s ``--dist load``, xdist hands each worker the next test as it frees up, so a
+four-minute end-to-end test no longer starts in the last minutes of the run and becomes its tail.
+
 What several tests only read (generated shards, tiny trainings whose summaries and checkpoints they compare) is made
 once per pytest run, however many pytest-xdist workers ask for it: ``shared_folder``."""
 
@@ -28,12 +33,21 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+DURATIONS = ROOT / "tests" / "durations.json"
+RECORDED_FROM = 5.0  # seconds: shorter tests keep their collection order, after the recorded ones
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("vitscale order")
     group.addoption(
         "--shuffle", metavar="SEED", type=int, default=None, help="run the tests in an order drawn from SEED"
     )
     group.addoption("--reverse", action="store_true", help="run the tests in reverse order")
+    group.addoption(
+        "--write-durations",
+        action="store_true",
+        help=f"rewrite {DURATIONS.relative_to(ROOT)} with this run's seconds per test (the longest-first order)",
+    )
 
 
 def pytest_report_header(config):
@@ -51,12 +65,30 @@ def pytest_collection_modifyitems(config, items):
         random.Random(config.getoption("--shuffle")).shuffle(items)
     if config.getoption("--reverse"):
         items.reverse()
+    if config.getoption("--shuffle") is None and not config.getoption("--reverse"):
+        seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))  # stable: the rest keep collection order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this machine); runs on the GPU box")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # In an xdist run the controller sees every worker's reports; setup and teardown count (shared builds happen there).
+    _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not session.config.getoption("--write-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    recorded = {k: round(v, 1) for k, v in sorted(_measured.items(), key=lambda kv: -kv[1]) if v >= RECORDED_FROM}
+    DURATIONS.write_text(json.dumps(recorded, indent=0) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
