@@ -59,11 +59,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box
+from data_pipeline.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import read_shard
-from data_pipeline.step_pool import StepPool
+from data_pipeline.step_pool import StepPool, conversion_rows
 from data_pipeline.stream import StreamSpec, TrainStream
 from data_pipeline.write import WriteConfig, write_dataset
 
@@ -110,9 +110,9 @@ def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int 
     if convert:  # shared memory and scratch made before the clock starts, as the loader makes them once
         pool, scratch = (
             StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
-            np.empty((1, 3, size, size), np.uint8),  # one image's planes at a time, as in a worker
+            planes(conversion_rows(size), size),  # the planes a worker converts at a time
         )
-    decode = decode_train_image if convert else decode_train  # the loader's workers keep PIL images for the scratch
+    decode = decode_train_image if convert else decode_train  # a worker keeps the training image until it packs it
     start = time.process_time()
     for step, first in enumerate(range(0, len(images), batch)):
         arrays = [

@@ -33,6 +33,9 @@ from PIL import Image, ImageEnhance, ImageOps
 # What decoding a damaged or hostile image raises: the streams skip that sample and count it as corrupt.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 _BILINEAR = Image.Resampling.BILINEAR  # PIL's filter for the evaluation resize and RandAugment's geometric ops
+# A training image until `channels_first` packs it: the resized uint8 array (S, S, C) (C = 1 grey, 3 RGB, or 4 RGB +
+# padding, the fourth channel unread), maybe a flipped view of it; an RGB PIL image after RandAugment.
+TrainImage = np.ndarray | Image.Image
 
 
 @dataclass(frozen=True)
@@ -256,11 +259,11 @@ def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.n
 
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
     """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
-    return np.asarray(decode_train_image(data, size, cfg, rng))
+    return rgb_array(decode_train_image(data, size, cfg, rng))
 
 
-def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> Image.Image:
-    """`decode_train` as an RGB PIL image, for `channels_first`."""
+def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> TrainImage:
+    """`decode_train` as the loader keeps it until `channels_first` (`TrainImage`)."""
     img: Image.Image = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
     width, height = img.size
     box = train_box(width, height, cfg, rng)
@@ -278,15 +281,19 @@ def train_box(width: int, height: int, cfg: AugmentConfig | None, rng: np.random
 
 def augmented(
     pixels: np.ndarray | Image.Image, box: tuple, size: int, cfg: AugmentConfig | None, rng: np.random.Generator
-) -> Image.Image:
+) -> TrainImage:
     """Decoded pixels (`decoded_pixels`) -> the training image: ``box`` resized to ``size`` (`crop_resize`), then the
-    flip and RandAugment ``cfg`` asks for, drawn from ``rng`` after the crop's draws. RGB out."""
-    img = pixels_image(crop_resize(pixels, box, size))
-    if cfg is not None and cfg.flip and rng.random() < 0.5:
+    flip and RandAugment ``cfg`` asks for, drawn from ``rng`` after the crop's draws. Without RandAugment the image
+    stays the resized uint8 array (the flip a reversed view of it): no PIL image is made, which at 32 px was a third
+    of the loader's time per image (docs/performance.md, "Loader")."""
+    resized = crop_resize(pixels, box, size)
+    flip = cfg is not None and cfg.flip and rng.random() < 0.5
+    if cfg is None or cfg.randaugment_n == 0:
+        return resized[:, ::-1] if flip else resized
+    img = pixels_image(resized)
+    if flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    if cfg is not None and cfg.randaugment_n > 0:
-        img = randaugment(img.convert("RGB"), cfg.randaugment_n, cfg.randaugment_m, rng)
-    return img if img.mode == "RGB" else img.convert("RGB")
+    return randaugment(img.convert("RGB"), cfg.randaugment_n, cfg.randaugment_m, rng)
 
 
 def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
@@ -303,7 +310,7 @@ def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
 def decoded_train_image(
     pixels: np.ndarray, image_format: str | None, data: bytes | None, size: int, cfg: AugmentConfig | None,
     rng: np.random.Generator,
-) -> Image.Image:  # fmt: skip
+) -> TrainImage:  # fmt: skip
     """`decode_train_image` of an image already decoded whole (`decode_whole`): the same crop, flip and RandAugment
     from the same ``rng``, and bit-identical pixels. A crop that `decode_train_image` decodes at a reduced DCT scale
     (`drafts`) is decoded from ``data``, its encoded bytes, as there (they must then be given)."""
@@ -353,14 +360,27 @@ def planes(rows: int, size: int) -> np.ndarray:
     return np.empty((rows, 3, size, size), np.uint8)
 
 
-def channels_first(images: list[Image.Image], out: np.ndarray) -> np.ndarray:
-    """RGB images of one size (S, S) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns those rows.
+def rgb_array(image: TrainImage) -> np.ndarray:
+    """A `TrainImage` as a C-contiguous uint8 (S, S, 3) RGB array."""
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB") if image.mode != "RGB" else image)
+    return np.ascontiguousarray(np.broadcast_to(image[:, :, :3], (*image.shape[:2], 3)))  # grey: one plane thrice
 
-    Each plane comes straight from PIL's raw packer (``tobytes("raw", band)``), one pass per band: ~34 us per 224 px
-    image here, against ~80 us for ``np.asarray`` (a packed copy) and then a transposing copy. The loader's workers
-    write their batches this way, into shared memory or a fresh array.
+
+def channels_first(images: list[TrainImage], out: np.ndarray) -> np.ndarray:
+    """Images of one size (S, S) (`TrainImage`) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns
+    those rows. The loader's workers write their batches this way, into shared memory or a fresh array.
+
+    An array is copied transposed, in one numpy pass (~1.5 us at 32 px, 20 us at 224; a grey plane broadcast to all
+    three, as PIL's conversion to RGB repeats it). A PIL image (RandAugment's output, the evaluation resize) has each
+    plane straight from PIL's raw packer (``tobytes("raw", band)``), one pass per band: ~34 us per 224 px image,
+    against ~80 us for ``np.asarray`` (a packed copy) and then a transposing copy.
     """
     for row, img in zip(out, images):
+        if isinstance(img, np.ndarray):
+            row[...] = img[:, :, :3].transpose(2, 0, 1)  # (C, S, S), C = 1 broadcast
+            continue
+        img = img if img.mode == "RGB" else img.convert("RGB")
         for plane, band in zip(row, "RGB"):
             plane[...] = np.frombuffer(img.tobytes("raw", band), np.uint8).reshape(plane.shape)
     return out[: len(images)]

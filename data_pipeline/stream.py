@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_pipeline.augment import (
     DECODE_ERRORS,
     AugmentConfig,
+    TrainImage,
     channels_first,
     decode_train_image,
     decoded_train_image,
@@ -44,6 +44,7 @@ from data_pipeline.step_pool import (
     PREFETCH_FACTOR,
     StepPool,
     check_shared_memory,
+    conversion_rows,
     shm_free,
     step_pool_bytes,
     step_slots,
@@ -186,10 +187,10 @@ class _StreamReader:
         else:
             self.stats.clear()  # counts from the replayed part were reported before the interruption
 
-    def chunk(self) -> tuple[list[Image.Image], list[int], list[str]]:
+    def chunk(self) -> tuple[list[TrainImage], list[int], list[str]]:
         """The next c usable samples: decoded RGB images (S, S), labels, keys."""
         plan, stats = self.plan, self.stats
-        images: list[Image.Image] = []
+        images: list[TrainImage] = []
         labels: list[int] = []
         keys: list[str] = []
         failures_in_row = 0
@@ -245,9 +246,9 @@ class _TrainEpoch(IterableDataset):
         group = plan.worker_streams(logical)
         readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s], self.cache) for s in group]
         first_row = (group[0] - plan.rank_streams[0]) * plan.chunk  # of this worker's rows in the step's batch
-        scratch = planes(1, plan.image_size)  # reused: an image's uint8 planes before their conversion
+        scratch = planes(conversion_rows(plan.image_size), plan.image_size)  # reused: uint8 planes to convert
         for step in range(self.start, plan.steps_in_epoch(epoch)):
-            images: list[Image.Image] = []
+            images: list[TrainImage] = []
             labels: list[int] = []
             keys: list[str] = []
             stats: Counter = Counter()

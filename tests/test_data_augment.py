@@ -24,6 +24,7 @@ from data_pipeline.augment import (
     mixup,
     pixel_box,
     randaugment,
+    rgb_array,
     to_float_images,
 )
 
@@ -100,6 +101,26 @@ def test_every_randaugment_op_runs_and_keeps_size():
     for m in (0, 10, 30):
         out = randaugment(img, len(RANDAUGMENT_OPS) * 3, m, np.random.default_rng(m))
         assert out.size == (24, 24) and out.mode == "RGB"
+
+
+def test_a_training_image_as_an_array_packs_as_its_pil_image_does():
+    """`augmented` keeps the resized array (RGB, RGB + padding, grey; a flip is a reversed view): packed into planes
+    it gives what the PIL image of the same pixels gave, as a grey image converted to RGB repeats its one plane."""
+    rng = np.random.default_rng(1)
+    rgbx = rng.integers(0, 256, (5, 5, 4), dtype=np.uint8)
+    grey = rng.integers(0, 256, (5, 5, 1), dtype=np.uint8)
+    arrays = [rgbx, rgbx[:, :, :3].copy(), grey, rgbx[:, ::-1], grey[:, ::-1]]
+    images = [
+        Image.fromarray(rgbx[:, :, :3]),
+        Image.fromarray(rgbx[:, :, :3]),
+        Image.fromarray(grey[:, :, 0]).convert("RGB"),
+        Image.fromarray(rgbx[:, :, :3]).transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+        Image.fromarray(grey[:, :, 0]).convert("RGB").transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+    ]
+    got = channels_first(arrays, out=np.empty((5, 3, 5, 5), np.uint8))
+    assert np.array_equal(got, channels_first(images, out=np.empty((5, 3, 5, 5), np.uint8)))
+    for array, image in zip(arrays, images):
+        assert np.array_equal(rgb_array(array), np.asarray(image)) and rgb_array(array).flags.c_contiguous
 
 
 def test_channels_first_writes_each_image_transposed_into_its_row():

@@ -14,12 +14,12 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig
+from data_pipeline.augment import AugmentConfig, channels_first, to_float_images
 from data_pipeline.dedup import sha256_hex
 from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import SHARD_PATTERN, write_metadata
 from data_pipeline.order import balanced_split, merge_stream_states
-from data_pipeline.step_pool import StepPool, check_shared_memory
+from data_pipeline.step_pool import StepPool, check_shared_memory, conversion_rows
 from data_pipeline.stream import StreamSpec, TrainStream
 from pretrain.config import load_config
 
@@ -377,6 +377,21 @@ def test_step_pool_grants_a_buffer_only_when_no_view_of_it_is_alive():
     assert pool.slot(4) == slot
     with pytest.raises(RuntimeError, match="loader grant for step 2 missing"):
         pool.slot(2)  # the table has moved on: asking for an old step is a bug, never a wrong buffer
+
+
+def test_a_pool_converts_images_in_groups_of_its_scratch_rows():
+    """`StepPool.write` packs and converts `conversion_rows` images at a time (all 32 of a chunk at 32 px, one at 224):
+    any group size gives the rows that converting the images one by one gives."""
+    assert (conversion_rows(32), conversion_rows(64), conversion_rows(224)) == (42, 10, 1)
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (4, 4, 3), dtype=np.uint8) for _ in range(5)]
+    planes = [torch.from_numpy(channels_first([i], np.empty((1, 3, 4, 4), np.uint8))) for i in images]
+    one_by_one = torch.cat([to_float_images([p]) for p in planes])
+    for group in (1, 2, 5, 8):
+        pool = StepPool(slots=1, rows=6, image_size=4, workers=1, lookahead=0, shared=False)
+        pool.grant(0)
+        pool.write(0, 0, 0, 1, images, np.empty((group, 3, 4, 4), np.uint8))  # rows 1-5 of 6
+        assert torch.equal(pool.take(0, 0)[1:], one_by_one), group
 
 
 @pytest.mark.timeout(120)
