@@ -55,6 +55,7 @@ from cluster.job_record import JobEnd, finish_job, record_placement
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
 from cluster.watchdog import Watchdog, identity, install_stack_dump
+from pretrain import collector
 from pretrain.config import TrainConfig
 from pretrain.heartbeat import Heartbeat, heartbeat_path
 from pretrain.run_folder import pin_checkpoint, release_pins
@@ -138,6 +139,14 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
 
 def _train_loop(loop_config: dict[str, Any]) -> None:
     """Runs in each Ray Train worker (Ray created the process group and set RANK / WORLD_SIZE / LOCAL_RANK)."""
+    collector.pause()  # the start ahead (DeepSpeed's imports, the engine) without collector passes: `train_worker`
+    try:  # resumes it before the first step; a start that fails must not leave the worker without it
+        _train_rank(loop_config)
+    finally:
+        collector.resume()
+
+
+def _train_rank(loop_config: dict[str, Any]) -> None:
     os.environ.update(loop_config["env"])
     import ray.train  # heavy: only the driver and cluster commands need Ray
     import torch

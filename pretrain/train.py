@@ -14,6 +14,11 @@ keys on request), `pretrain.metrics` (the logged numbers), `pretrain.goodput` (w
 
 from __future__ import annotations
 
+from pretrain import collector
+
+if __name__ == "__main__":  # before the imports below, which are most of a rank's start (pretrain.collector)
+    collector.pause()
+
 import argparse
 import json
 import os
@@ -67,6 +72,7 @@ def train_worker(
     try:
         checkpointer.save_baseline(trainer)
         clock.saved_before_loop(checkpointer.save_seconds)
+        collector.resume()  # the start is over: its objects frozen out of the collector's passes
         logged: dict[str, float] = {}
         while trainer.step < trainer.last_step:
             clock.lap("productive")

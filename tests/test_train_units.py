@@ -333,3 +333,36 @@ def test_ds_accelerator_cpu_keeps_training_on_the_cpu_beside_a_gpu(monkeypatch, 
     else:
         monkeypatch.setenv("DS_ACCELERATOR", accelerator)
     assert training_device_type() == expected
+
+
+def test_the_collector_is_paused_over_a_start_and_resumed_with_its_objects_frozen():
+    """`python -m pretrain.train` and a Ray Train worker pause CPython's collector over their start; `resume` frees
+    the start's cyclic garbage, freezes the survivors out of later passes and starts it again. Where it was off by
+    someone else's choice, or never paused, both leave it as it is."""
+    import gc
+    import weakref
+
+    from pretrain import collector
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    assert gc.isenabled()
+    try:
+        collector.resume()  # never paused: nothing changes
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        collector.pause()
+        assert not gc.isenabled()
+        garbage = weakref.ref(Cycle())  # only the collector can free it
+        assert garbage() is not None
+        collector.resume()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert garbage() is None  # freed, not frozen
+        gc.disable()  # off by someone else's choice: left off
+        collector.pause()
+        collector.resume()
+        assert not gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
