@@ -93,6 +93,31 @@ def test_create_run_and_rank0_tracker_round_trip(store, tmp_path):
     assert (root / "mlartifacts" / "roundtrip" / run_id / "artifacts" / "plan" / "plan.json").is_file()
 
 
+def test_the_sender_writes_a_second_of_steps_at_once(store, monkeypatch):
+    """Logged every step, the metrics reach the store without a flush, in writes at most ``send_every_s`` apart: the
+    sender's Python holds the GIL while it writes, and a write per step had taken it from the training thread."""
+    uri, _ = store
+    run_id = create_run(uri, "coalesced", "demo", {}, {})
+    tracker = Tracker(uri, run_id, rank=0, send_every_s=1.0)
+    writes: list[float] = []
+    send_all = tracker._send_all
+
+    def counted() -> None:
+        writes.append(time.monotonic())
+        send_all()
+
+    monkeypatch.setattr(tracker, "_send_all", counted)
+    try:
+        for step in range(1, 31):  # 30 steps of 50 ms
+            tracker.log_metrics({"train/loss": float(step)}, step=step)
+            time.sleep(0.05)
+        assert _wait_for(lambda: len(_client(uri).get_metric_history(run_id, "train/loss")) == 30, timeout=30)
+    finally:
+        tracker.close()
+    assert 2 <= len(writes) <= 4, writes  # 1.5 s of steps: the first write at once, then one a second
+    assert all(b - a >= 0.95 for a, b in zip(writes, writes[1:])), writes
+
+
 def test_job_run_is_created_once_continued_on_relaunch_and_finished(store, tmp_path, capsys):
     """The driver's run: config as params (its own id logged once it exists), the run's tags, the plan as
     artifact; a relaunch of the same run folder continues it; the end sets MLflow's status and the tag."""

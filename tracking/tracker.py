@@ -156,6 +156,9 @@ class Tracker:
     keeps the buffer (beyond ``max_buffered`` metric values the oldest are dropped and counted in a warning) and
     retries after an exponential backoff (1 s doubling up to ``max_backoff_s``), or at once on :meth:`flush`.
     A batch MLflow rejects as invalid (e.g. a param re-logged with another value) is dropped with a warning.
+    The sender writes at most once per ``send_every_s``, everything buffered in one go: a write per step had the
+    sender's Python (SQLAlchemy) take the GIL from the training thread for 5% of rank 0's time in `local_demo`,
+    most of it while the thread was loading its batch (docs/performance.md, "The MLflow sender").
 
     Keys under a prefix given to :meth:`log_once_per_step` keep one value per step in the run: values at steps the
     run already holds (a restarted worker group redoing the steps after its checkpoint) are not sent again.
@@ -171,6 +174,7 @@ class Tracker:
         max_buffered: int = 100_000,
         warn_interval_s: float = 60.0,
         max_backoff_s: float = 60.0,
+        send_every_s: float = 1.0,
     ) -> None:
         self.rank = _rank_from_env() if rank is None else rank
         self.enabled = bool(enabled and run_id and self.rank == 0)
@@ -179,6 +183,7 @@ class Tracker:
         self.max_buffered = max_buffered
         self.warn_interval_s = warn_interval_s
         self.max_backoff_s = max_backoff_s
+        self.send_every_s = send_every_s
         # Buffers, guarded by _buffer_lock (held only for list operations, never while talking to MLflow).
         self._metrics: deque[_PendingMetric] = deque()
         self._params: dict[str, str] = {}
@@ -195,6 +200,7 @@ class Tracker:
         self._send_lock = threading.Lock()
         self._failures = 0
         self._next_attempt = 0.0
+        self._last_send = -math.inf
         self._client = None
         self._warn_lock = threading.Lock()
         self._last_warning = -math.inf
@@ -320,10 +326,12 @@ class Tracker:
             wait = max(0.0, self._next_attempt - time.monotonic())
             self._wake.wait(timeout=wait if self._failures else None)
             self._wake.clear()
+            self._closing.wait(self._last_send + self.send_every_s - time.monotonic())  # what else comes meanwhile
             if self._closing.is_set() or time.monotonic() < self._next_attempt or self.pending == 0:
                 continue
             with self._send_lock:
                 self._attempt()
+                self._last_send = time.monotonic()
         with self._send_lock:  # close(): one last attempt regardless of the backoff
             self._attempt()
 
