@@ -285,7 +285,7 @@ def augmented(
     """Decoded pixels (`decoded_pixels`) -> the training image: ``box`` resized to ``size`` (`crop_resize`), then the
     flip and RandAugment ``cfg`` asks for, drawn from ``rng`` after the crop's draws. Without RandAugment the image
     stays the resized uint8 array (the flip a reversed view of it): no PIL image is made, which at 32 px was a third
-    of the loader's time per image (docs/performance.md, "Loader")."""
+    of the loader's time per image (docs/performance.md, "No PIL image on the way")."""
     resized = crop_resize(pixels, box, size)
     flip = cfg is not None and cfg.flip and rng.random() < 0.5
     if cfg is None or cfg.randaugment_n == 0:
@@ -380,7 +380,6 @@ def channels_first(images: list[TrainImage], out: np.ndarray) -> np.ndarray:
         if isinstance(img, np.ndarray):
             row[...] = img[:, :, :3].transpose(2, 0, 1)  # (C, S, S), C = 1 broadcast
             continue
-        img = img if img.mode == "RGB" else img.convert("RGB")
         for plane, band in zip(row, "RGB"):
             plane[...] = np.frombuffer(img.tobytes("raw", band), np.uint8).reshape(plane.shape)
     return out[: len(images)]

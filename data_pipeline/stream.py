@@ -188,7 +188,7 @@ class _StreamReader:
             self.stats.clear()  # counts from the replayed part were reported before the interruption
 
     def chunk(self) -> tuple[list[TrainImage], list[int], list[str]]:
-        """The next c usable samples: decoded RGB images (S, S), labels, keys."""
+        """The next c usable samples: training images (S, S) (`TrainImage`), labels, keys."""
         plan, stats = self.plan, self.stats
         images: list[TrainImage] = []
         labels: list[int] = []

@@ -108,13 +108,17 @@ def test_the_sender_writes_a_second_of_steps_at_once(store, monkeypatch):
 
     monkeypatch.setattr(tracker, "_send_all", counted)
     try:
+        start = time.monotonic()
         for step in range(1, 31):  # 30 steps of 50 ms
             tracker.log_metrics({"train/loss": float(step)}, step=step)
             time.sleep(0.05)
+        logging_s = time.monotonic() - start
         assert _wait_for(lambda: len(_client(uri).get_metric_history(run_id, "train/loss")) == 30, timeout=30)
     finally:
         tracker.close()
-    assert 2 <= len(writes) <= 4, writes  # 1.5 s of steps: the first write at once, then one a second
+    # The first write at once, then at most one a second while steps come (1.5 s of them, longer on a loaded machine),
+    # and one for what came last: 2 or 3 writes, not 30.
+    assert 2 <= len(writes) <= 2 + int(logging_s), (writes, logging_s)
     assert all(b - a >= 0.95 for a, b in zip(writes, writes[1:])), writes
 
 
