@@ -53,10 +53,13 @@ TRAINER_RESOURCE = "vitscale_trainer"  # advertised by the worker nodes only; ea
 # No node_ip_address: a worker node canonicalises a 127.0.0.1 bootstrap address to the machine's own IP and then
 # cannot reach a head bound to 127.0.0.1. The nodes listen on this machine's address, with no dashboard or Jobs API.
 NODE_ARGS = {"object_store_memory": 100 * 1024**2, "include_dashboard": False}
-# A killed node is declared dead after ~3 missed 1 s health checks (Ray's defaults take longer): until then Ray Train
-# still counts its CPU and tries to restart the group at the old size, which waits out the start timeout below.
-FAST_NODE_DEATH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
-                   "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}  # fmt: skip
+# Node health checks: a killed node refuses the check at once and is declared dead after 3 checks 1 s apart (~3 s;
+# Ray's defaults take longer, and until then Ray Train still counts its CPU and tries to restart the group at the old
+# size, which waits out the start timeout below). A node that is only slow gets 10 s per check: with a 1 s timeout a
+# raylet stalled for 8 s on a busy machine (the test suite runs two tests at once) was marked dead and exited,
+# taking the driver's or the evals' node with it (docs/elastic.md, "Health checks").
+NODE_HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+               "health_check_timeout_ms": 10000, "health_check_failure_threshold": 3}  # fmt: skip
 DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's default: 60 s
 
 
@@ -133,7 +136,7 @@ def start_cluster(temp_dir: Path):
     """Head (1 CPU: the eval slot) + 2 worker nodes (1 CPU + 1 trainer slot each), all on this machine."""
     from ray.cluster_utils import Cluster  # heavy: only cluster commands need Ray
 
-    head = {**NODE_ARGS, "num_cpus": 1, "temp_dir": str(temp_dir), "_system_config": FAST_NODE_DEATH}
+    head = {**NODE_ARGS, "num_cpus": 1, "temp_dir": str(temp_dir), "_system_config": NODE_HEALTH}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         nodes = [add_worker_node(cluster, temp_dir) for _ in range(2)]
@@ -180,6 +183,7 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
     run_dir = Path(spec.config.checkpoint.dir)
     result = DemoResult(rc=1, run_dir=run_dir, tracking_uri=spec.config.logging.mlflow_tracking_uri)
     t0 = time.monotonic()
+    removed: set[str] = set()  # the nodes this scenario took away
 
     def note(text: str) -> None:
         line = f"[{time.monotonic() - t0:6.1f} s] {text}"
@@ -208,6 +212,7 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         victim = next(n for n in reversed(nodes) if n.node_id != driver_node)
         note(f"checkpoint step {at} is complete; removing worker node {victim.node_id[:8]}")
         removed_at = time.time()
+        removed.add(victim.node_id)
         cluster.remove_node(victim, allow_graceful=False)  # like a lost machine: no goodbye to the GCS
         _wait("restart at world size 1",
               lambda: any(a["world_size"] == 1 and a["started"] > removed_at for a in _attempts(run_dir)),
@@ -228,8 +233,25 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
     thread.join(settings.timeout_s)
     if thread.is_alive():
         result.error = (result.error or "") + f"; the job did not end within {settings.timeout_s:.0f} s"
+    if result.error:
+        result.error += _unplanned_node_deaths(removed)
     note(f"job ended with exit code {result.rc}")
     return result
+
+
+def _unplanned_node_deaths(removed: set[str]) -> str:
+    """A note naming the nodes Ray declared dead that the scenario did not remove (a raylet that missed its health
+    checks exits with everything on it); empty if none, or if Ray cannot say."""
+    import ray
+
+    try:
+        dead = [n["NodeID"][:8] for n in ray.nodes() if not n["Alive"] and n["NodeID"] not in removed]
+    except Exception:  # the GCS is gone too: nothing to add
+        return ""
+    if not dead:
+        return ""
+    return (f"; Ray declared node(s) {', '.join(dead)} dead although the demo did not remove them: their raylet "
+            "missed its health checks (an overloaded machine? docs/elastic.md, \"Health checks\")")  # fmt: skip
 
 
 def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
