@@ -51,7 +51,7 @@ from pretrain.ds_config import batch_plan
 from pretrain.model import VisionTransformer
 from pretrain.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.weights import load_npz, load_pretrained, save_pretrained
-from tracking.tracker import flatten_config
+from tracking.tracker import Tracker, flatten_config
 
 
 @dataclass(frozen=True)
@@ -511,11 +511,21 @@ class Checkpointer:
     plus the step-0 weights of a fresh run whose checkpoints are evaluated (`wants_baseline`); ``checkpoint.keep_last``
     prunes older ones as each save publishes (`pretrain.run_folder.prune_checkpoints`, sparing pinned ones); and
     ``on_checkpoint(folder, step, metrics)`` runs on every rank after each COMPLETE checkpoint (the cluster driver
-    hands it to the evals). A save that fails (`CheckpointSaveError`) stops the run, or with
-    ``checkpoint.on_save_error: skip`` is reported and retried at the next cadence step (never the last step's)."""
+    hands it to the evals). Before each save the ``tracker`` delivers what it holds (`Tracker.sync`): a checkpoint
+    is published only once the metrics of its steps are in the run, so a worker lost after it, whose group resumes
+    from it, loses no metric of a step that is not trained again. A save that fails (`CheckpointSaveError`) stops
+    the run, or with ``checkpoint.on_save_error: skip`` is reported and retried at the next cadence step (never the
+    last step's)."""
 
-    def __init__(self, config: TrainConfig, last_step: int, on_checkpoint: CheckpointCallback | None = None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        last_step: int,
+        on_checkpoint: CheckpointCallback | None = None,
+        tracker: Tracker | None = None,
+    ):
         self.every, self.last_step, self.on_checkpoint = config.checkpoint.every_steps, last_step, on_checkpoint
+        self.tracker = tracker
         self.on_save_error = config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
         self.saved: list[str] = []  # this attempt's COMPLETE checkpoints, in order
@@ -541,6 +551,8 @@ class Checkpointer:
             self.save_seconds += time.perf_counter() - started
 
     def _save_and_hand_over(self, trainer, metrics: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self.tracker.sync()
         try:
             folder = save_checkpoint(trainer.engine, trainer.model, trainer.current, step=trainer.step,
                                      images_seen=trainer.images_seen, stream_state=trainer.stream.state_dict(),

@@ -64,7 +64,7 @@ def train_worker(
         device=place.device, log_every=config.logging.log_every, tracker=tracker,
         progress_bar=config.logging.progress_bar, start_step=trainer.step, images_seen=trainer.images_seen,
     )  # fmt: skip
-    checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint)
+    checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after this draws from the global generators
     recorder, outcome = open_recorder(config, place), "failed"

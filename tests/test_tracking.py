@@ -122,6 +122,40 @@ def test_the_sender_writes_a_second_of_steps_at_once(store, monkeypatch):
     assert all(b - a >= 0.95 for a, b in zip(writes, writes[1:])), writes
 
 
+def test_sync_sends_at_once_and_never_waits_on_a_store_that_is_down(store, monkeypatch):
+    """Before a checkpoint (pretrain.checkpoint.Checkpointer) the buffer is delivered now, not at the sender's next
+    turn: a worker lost after the checkpoint must not take the metrics of its steps along. A store that is down
+    makes it return at once, with everything still buffered."""
+    uri, _ = store
+    run_id = create_run(uri, "synced", "demo", {}, {})
+    tracker = Tracker(uri, run_id, rank=0, send_every_s=60.0)
+    try:
+        tracker.log_metrics({"train/loss": 1.0}, step=1)  # the first write goes at once; the next waits 60 s
+        assert _wait_for(lambda: len(_client(uri).get_metric_history(run_id, "train/loss")) == 1, timeout=30)
+        tracker.log_metrics({"train/loss": 0.5}, step=2)
+        started = time.monotonic()
+        assert tracker.sync(timeout=30) and tracker.pending == 0
+        assert time.monotonic() - started < 30
+        assert [m.step for m in _client(uri).get_metric_history(run_id, "train/loss")] == [1, 2]
+    finally:
+        tracker.close()
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once the block ends
+    down = Tracker(f"http://127.0.0.1:{port}", "0123456789abcdef", rank=0)
+    try:
+        down.log_metrics({"train/loss": 1.0}, step=1)
+        assert _wait_for(lambda: down._failures > 0, timeout=30)  # the sender has met the store down: backing off
+        started = time.monotonic()
+        assert not down.sync(timeout=30) and down.pending == 1
+        assert time.monotonic() - started < 1.0
+    finally:
+        down.close(timeout=10)
+
+
 def test_job_run_is_created_once_continued_on_relaunch_and_finished(store, tmp_path, capsys):
     """The driver's run: config as params (its own id logged once it exists), the run's tags, the plan as
     artifact; a relaunch of the same run folder continues it; the end sets MLflow's status and the tag."""

@@ -158,7 +158,8 @@ class Tracker:
     A batch MLflow rejects as invalid (e.g. a param re-logged with another value) is dropped with a warning.
     The sender writes at most once per ``send_every_s``, everything buffered in one go: a write per step had the
     sender's Python (SQLAlchemy) take the GIL from the training thread for 5% of rank 0's time in `local_demo`,
-    most of it while the thread was loading its batch (docs/performance.md, "The MLflow sender").
+    most of it while the thread was loading its batch (docs/performance.md, "The MLflow sender"); :meth:`sync`
+    sends at once (before each checkpoint).
 
     Keys under a prefix given to :meth:`log_once_per_step` keep one value per step in the run: values at steps the
     run already holds (a restarted worker group redoing the steps after its checkpoint) are not sent again.
@@ -207,6 +208,8 @@ class Tracker:
         self._suppressed_warnings = 0
         self._wake = threading.Event()
         self._closing = threading.Event()
+        self._hurry = threading.Event()  # cuts the sender's coalescing wait short: sync() and close()
+        self._attempted = threading.Event()  # set after each of the sender's delivery attempts
         self._thread: threading.Thread | None = None
         if self.enabled:  # addFilter is idempotent; done here, not at import, to keep import side-effect free
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
@@ -283,6 +286,27 @@ class Tracker:
             self._send_lock.release()
         return self.pending == 0
 
+    def sync(self, timeout: float = 5.0) -> bool:
+        """Have the sender deliver what is buffered now, not at its next turn, and wait until it has (at most
+        ``timeout`` seconds); True when nothing is left buffered. Never raises.
+
+        A checkpoint calls this before it is published (`pretrain.checkpoint.Checkpointer`): the steps up to a
+        checkpoint are never trained again, so their metrics must reach the run before a lost worker can take them
+        along, buffered. While the store is failing (backing off) it returns False at once: training does not wait
+        on a store that is down; the buffer is sent when it recovers, as always.
+        """
+        if not self.enabled:
+            return True
+        deadline = time.monotonic() + timeout
+        while self.pending:
+            if self._failures or time.monotonic() >= deadline:
+                return False
+            self._attempted.clear()
+            self._hurry.set()
+            self._kick()
+            self._attempted.wait(max(0.0, deadline - time.monotonic()))
+        return True
+
     def close(self, timeout: float | None = 120.0) -> None:
         """Make one last attempt to send everything, stop the sender, and warn about what could not be sent.
 
@@ -293,6 +317,7 @@ class Tracker:
         if not self.enabled:
             return
         self._closing.set()
+        self._hurry.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
@@ -326,12 +351,15 @@ class Tracker:
             wait = max(0.0, self._next_attempt - time.monotonic())
             self._wake.wait(timeout=wait if self._failures else None)
             self._wake.clear()
-            self._closing.wait(self._last_send + self.send_every_s - time.monotonic())  # what else comes meanwhile
+            self._hurry.wait(self._last_send + self.send_every_s - time.monotonic())  # what else comes meanwhile
+            self._hurry.clear()
             if self._closing.is_set() or time.monotonic() < self._next_attempt or self.pending == 0:
+                self._attempted.set()
                 continue
             with self._send_lock:
                 self._attempt()
                 self._last_send = time.monotonic()
+            self._attempted.set()
         with self._send_lock:  # close(): one last attempt regardless of the backoff
             self._attempt()
 
