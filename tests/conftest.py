@@ -202,7 +202,21 @@ def mlflow_uri(tmp_path, shared_folder) -> str:
 
 
 @pytest.fixture
-def train_cli():
+def train_env() -> Callable[[], dict[str, str]]:
+    """The environment of a standalone (one-process) training run, made from ``os.environ`` when called (so a test's
+    monkeypatched variables are in it): CPU, one thread, this checkout importable, no torchrun variables."""
+
+    def make() -> dict[str, str]:
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            env.pop(key, None)
+        return env
+
+    return make
+
+
+@pytest.fixture
+def train_cli(train_env):
     """Run `python -m pretrain.train` on a TrainConfig in a process session of its own (a timeout kills the whole
     tree, nothing leaks) and return its summary; the config is saved as `<run_dir>/recipe.yaml` first, what it
     printed as `<run_dir>/output.log` after. ``fails=True``: the run must end with a non-zero status (returns None)."""
@@ -210,9 +224,7 @@ def train_cli():
     def run(config, run_dir: Path, timeout: float = 400, fails: bool = False) -> dict | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "recipe.yaml")
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            env.pop(key, None)
+        env = train_env()
         cmd = [sys.executable, "-m", "pretrain.train", "--config", str(run_dir / "recipe.yaml"),
                "--summary", str(run_dir / "summary.json")]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -39,6 +39,16 @@ def _wait_for(predicate, timeout=60.0):
     return False
 
 
+def _server_that_is_down(monkeypatch) -> str:
+    """A tracking URI at a closed localhost port (a server that is down); MLflow's HTTP client set not to retry."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again when the block ends: nothing listens there
+    return f"http://127.0.0.1:{port}"
+
+
 def test_default_tracking_uri_env_and_embedded(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert default_tracking_uri() == f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
@@ -140,12 +150,7 @@ def test_sync_sends_at_once_and_never_waits_on_a_store_that_is_down(store, monke
     finally:
         tracker.close()
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # nothing listens there once the block ends
-    down = Tracker(f"http://127.0.0.1:{port}", "0123456789abcdef", rank=0)
+    down = Tracker(_server_that_is_down(monkeypatch), "0123456789abcdef", rank=0)
     try:
         down.log_metrics({"train/loss": 1.0}, step=1)
         assert _wait_for(lambda: down._failures > 0, timeout=30)  # the sender has met the store down: backing off
@@ -268,12 +273,7 @@ def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
 
 def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
     """A tracking URI at a closed localhost port (a server that is down): warnings, no exception, bounded close."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again when the block ends: nothing listens there
-    tracker = Tracker(f"http://127.0.0.1:{port}", "0123456789abcdef", rank=0, max_buffered=5)
+    tracker = Tracker(_server_that_is_down(monkeypatch), "0123456789abcdef", rank=0, max_buffered=5)
     with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
         for step in range(10):
             tracker.log_metrics({"train/loss": float(step)}, step=step)

@@ -319,7 +319,9 @@ def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, tr
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_steps(tiny_fractal_shards, tmp_path):
+def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_steps(
+    tiny_fractal_shards, train_env, tmp_path
+):
     # The tracker sends at most once a second; the checkpoint of step 3 is published only once steps 1-3 are in the
     # MLflow run (Tracker.sync before the save). The process dies the moment the checkpoint is COMPLETE (os._exit: no
     # exit handlers, no last flush), like a worker lost with its node; the group would resume from step 3 and never
@@ -341,16 +343,8 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
         "import os, sys\nfrom pretrain.config import load_config\nfrom pretrain.train import train_worker\n"
         "train_worker(load_config(sys.argv[1]), on_checkpoint=lambda folder, step, m: step == 3 and os._exit(17))"
     )
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(Path(__file__).parent.parent),
-    }
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "recipe.yaml")], env=env, capture_output=True,
-                          text=True, timeout=400)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "recipe.yaml")], env=train_env(),
+                          capture_output=True, text=True, timeout=400)  # fmt: skip
     assert done.returncode == 17, (done.stdout + done.stderr)[-4000:]
     client = MlflowClient(tracking_uri=uri)
     assert [m.step for m in client.get_metric_history(run_id, keys.WORLD_SIZE_METRIC)] == [1, 2, 3]
