@@ -152,7 +152,9 @@ def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off):
     folders = _fake_checkpoints(tmp_path, (10, 20, 30))
     for folder in folders:
         pin_checkpoint(folder, "evals pending")  # what training rank 0 does before submitting
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+    # address="local": a new instance of its own. Without it ray.init() joins the newest `ray start` head on this
+    # machine (/tmp/ray/ray_current_cluster), which another test may be running at the same time.
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
     try:
         scheduler = EvalScheduler.remote("no_such_suite", str(tmp_path), None, None, num_cpus=1, max_pinned=1)
         assert ray.get(scheduler.submit.remote(str(folders[0]), 10, {"train/loss": 3.0}))
