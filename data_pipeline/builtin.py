@@ -54,6 +54,9 @@ class BuiltinConfig:
     # rcdb: each class's centre sits at its own fixed place, up to this percent of the half side off centre on each
     # axis (data_pipeline.formula.rcdb_class); 0 centres every class
     class_offset: int = 0
+    # rcdb: 0 draws the contours on a dark grey; N > 0 on a smooth random ramp between two colours with channels in
+    # [0, N) (data_pipeline.formula.ramp_background), which gives masked patch prediction something local to predict
+    background_ramp: int = 0
     processes: int = 1
 
 
@@ -66,9 +69,18 @@ def _formula_set(kind: str, cfg: BuiltinConfig) -> dict[str, tuple[list, list[st
     names = [f"{prefix}_{c:05d}" if cfg.num_classes > 1000 else f"{prefix}_{c:03d}" for c in range(cfg.num_classes)]
     splits = {}
     offset = cfg.class_offset / 100 if kind == "rcdb" else 0.0
+    ramp = cfg.background_ramp if kind == "rcdb" else 0
     for split, per_class in (("train", cfg.images_per_class), ("val", cfg.val_per_class)):
         items = formula.generate(
-            kind, cfg.seed, split, cfg.num_classes, per_class, cfg.resolution, cfg.processes, class_offset=offset
+            kind,
+            cfg.seed,
+            split,
+            cfg.num_classes,
+            per_class,
+            cfg.resolution,
+            cfg.processes,
+            class_offset=offset,
+            background_ramp=ramp,
         )
         splits[split] = (items, names)
     return splits
@@ -195,6 +207,7 @@ GENERATORS: dict[str, Callable[[BuiltinConfig], dict]] = {
     "shapes_count": gen_shapes_count,
 }
 MAX_CLASS_OFFSET = 50
+MAX_BACKGROUND_RAMP = 256  # channels are drawn below it: up to full brightness
 FORMULA_SETS = ("fractal", "rcdb")  # pre-training sets (train, val); the rest are eval sets (train, test)
 SPLITS = {n: ("train", "val") if n in FORMULA_SETS else ("train", "test") for n in GENERATORS}
 ALIASES = {"shapes-count": "shapes_count", "dsprites-loc": "dsprites_loc", "dsprites-ori": "dsprites_ori"}
@@ -206,7 +219,7 @@ def option_minimum(name: str) -> int | None:
     class); None when there is no such field. The one rule behind `--set` here and `data.builtin_options` in recipes."""
     if name not in {f.name for f in fields(BuiltinConfig)}:
         return None
-    return 0 if name in ("seed", "class_offset") else 1
+    return 0 if name in ("seed", "class_offset", "background_ramp") else 1
 
 
 def _canonical(name: str) -> str:
@@ -219,7 +232,7 @@ def _canonical(name: str) -> str:
 # The BuiltinConfig fields each generator reads; only these must match for an existing folder to be reused.
 _FORMULA_FIELDS = ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")
 _FIELDS = (
-    {"fractal": _FORMULA_FIELDS, "rcdb": (*_FORMULA_FIELDS, "class_offset")}
+    {"fractal": _FORMULA_FIELDS, "rcdb": (*_FORMULA_FIELDS, "class_offset", "background_ramp")}
     | {
         "digits": ("resolution", "seed", "num_test", "samples_per_shard"),
     }
@@ -242,6 +255,11 @@ def check_sizes(name: str, cfg: BuiltinConfig) -> None:
         raise ValueError(
             f"class_offset={cfg.class_offset} is out of range; use 0..{MAX_CLASS_OFFSET} (percent of the half side: "
             "a contour further off centre leaves the frame)"
+        )
+    if name == "rcdb" and not 0 <= cfg.background_ramp <= MAX_BACKGROUND_RAMP:
+        raise ValueError(
+            f"background_ramp={cfg.background_ramp} is out of range; use 0 (dark background) or "
+            f"1..{MAX_BACKGROUND_RAMP} (the ramp's colours have channels below it)"
         )
 
 

@@ -119,13 +119,16 @@ def fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
 # ------------------------------------------------------------------------------------ radial contours (RCDB)
 
 
-def rcdb_class(seed: int, c: int, offset: float = 0.0) -> dict:
+def rcdb_class(seed: int, c: int, offset: float = 0.0, ramp: int = 0) -> dict:
     """Class ``c``'s contour formula: polygon vertices, nested contours, a radial sine perturbation and a fixed
     per-vertex radius profile, at a fixed orientation (orientation is part of the class, so features keep it).
 
     ``offset`` > 0 also fixes where the class sits: its centre is displaced by up to ``offset`` half-sides on each
     axis, drawn once per class, so position is part of the class too and features keep where things are
-    (docs/reference.md §9). Drawn from its own stream: at 0 every class is centred and its bytes are unchanged."""
+    (docs/reference.md §9). Drawn from its own stream: at 0 every class is centred and its bytes are unchanged.
+
+    ``ramp`` > 0 puts every image of the class on a smooth random colour ramp instead of its dark grey
+    (`ramp_background`, channels below ``ramp``); 0 keeps the dark background and the bytes of sets made without it."""
     rng = np.random.default_rng([seed, 7005, c])
     vertices = int(rng.integers(3, 13)) if rng.random() < 0.7 else 48  # polygons, or smooth closed curves
     return dict(
@@ -140,6 +143,7 @@ def rcdb_class(seed: int, c: int, offset: float = 0.0) -> dict:
         rotation=float(rng.uniform(0, 2 * np.pi)),
         width=float(rng.uniform(0.5, 1.5)),  # line width in pixels per 32 px of resolution
         offset=np.random.default_rng([seed, 9001, c]).uniform(-offset, offset, size=2),  # (x, y), of the half side
+        ramp=int(ramp),
     )
 
 
@@ -162,7 +166,29 @@ def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
             break
         pts = np.stack([centre[0] + r * np.cos(angles), centre[1] + r * np.sin(angles)], 1)
         draw.line([tuple(p) for p in np.vstack([pts, pts[:1]])], fill=level, width=width, joint="curve")
-    return img.resize((res, res), Image.Resampling.BOX).convert("RGB")
+    rgb = img.resize((res, res), Image.Resampling.BOX).convert("RGB")
+    return ramp_background(rgb, rng, spec["ramp"]) if spec.get("ramp") else rgb
+
+
+RAMP_THRESHOLD = 40  # grey levels at or below it are background: rcdb draws its background below 40, lines >= 160
+
+
+def ramp_background(img: Image.Image, rng: np.random.Generator, top: int) -> Image.Image:
+    """``img`` with its background (pixels whose brightest channel is <= RAMP_THRESHOLD) replaced by a linear blend
+    between two random colours (each channel uniform in [0, ``top``)) along a random direction.
+
+    On a uniform background a masked patch's colour needs no neighbour, so masked patch prediction teaches nothing
+    local; on a ramp it is the neighbours' colours continued, which is what gives layer 1 local heads in the demo
+    (docs/demo.md, "Locality"). Drawn from ``rng`` after the contour's own draws, so the contours are unchanged."""
+    pixels = np.asarray(img)
+    h, w, _ = pixels.shape
+    start, end = rng.uniform(0, top, size=3), rng.uniform(0, top, size=3)
+    angle = rng.uniform(0, 2 * np.pi)
+    yy, xx = np.mgrid[0:h, 0:w] / np.array([max(h - 1, 1), max(w - 1, 1)])[:, None, None]
+    t = np.clip(np.cos(angle) * (xx - 0.5) + np.sin(angle) * (yy - 0.5) + 0.5, 0, 1)  # (h, w)
+    ramp = (start + t[..., None] * (end - start)).astype(np.uint8)
+    foreground = pixels.max(axis=-1, keepdims=True) > RAMP_THRESHOLD
+    return Image.fromarray(np.where(foreground, pixels, ramp))
 
 
 # ------------------------------------------------------------------------------------------ parallel driver
@@ -196,12 +222,16 @@ def generate(
     res: int,
     workers: int = 1,
     class_offset: float = 0.0,
+    background_ramp: int = 0,
 ) -> list[tuple[bytes, int, str]]:
     """All images of one split in class order; ``workers`` processes split the classes in blocks (output identical
-    for any ``workers``). ``class_offset``: rcdb's per-class displacement (``rcdb_class``), in half sides."""
+    for any ``workers``). ``class_offset``: rcdb's per-class displacement (``rcdb_class``), in half sides;
+    ``background_ramp``: rcdb's ramp background (``rcdb_class``'s ``ramp``), 0 for none."""
     if class_offset and kind != "rcdb":
         raise ValueError(f"class_offset={class_offset} applies to rcdb only; {kind} classes have no fixed position")
-    class_options = {"offset": class_offset} if kind == "rcdb" else {}
+    if background_ramp and kind != "rcdb":
+        raise ValueError(f"background_ramp={background_ramp} applies to rcdb only; {kind} draws its own background")
+    class_options = {"offset": class_offset, "ramp": background_ramp} if kind == "rcdb" else {}
     block = max(1, min(64, num_classes // (4 * workers) or 1))
     jobs = [
         (kind, seed, split, range(lo, min(lo + block, num_classes)), per_class, res, class_options)

@@ -89,6 +89,44 @@ def test_class_offset_is_a_setting_of_the_folder(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_rcdb_ramp_background_replaces_only_the_background():
+    spec, ramped_spec = formula.rcdb_class(0, 3, 0.3), formula.rcdb_class(0, 3, 0.3, ramp=160)
+    plain = np.asarray(formula.rcdb_image(spec, np.random.default_rng([0, 1, 3, 0]), 32))
+    ramped = np.asarray(formula.rcdb_image(ramped_spec, np.random.default_rng([0, 1, 3, 0]), 32))
+    foreground = plain.max(-1) > formula.RAMP_THRESHOLD
+    assert 0.02 < foreground.mean() < 0.6  # a contour, and background around it
+    assert np.array_equal(ramped[foreground], plain[foreground])  # the contour's pixels are untouched
+    background = ramped[~foreground].astype(float)  # (P, 3): a ramp, not the dark grey
+    assert background.max() < 160 and background.std(axis=0).max() > 5 and background.mean() > 40
+    # Smooth: neighbouring background pixels differ by a small step of the ramp (≤ 160 / 31 per channel, rounding).
+    both = ~foreground[:, 1:] & ~foreground[:, :-1]
+    steps = np.abs(np.diff(ramped.astype(int), axis=1))[both]
+    assert steps.max() <= 7, steps.max()
+    # Deterministic per image, whatever the process split; 0 leaves the dark sets' bytes as they were.
+    assert formula.generate("rcdb", 0, "train", 6, 3, 32, 1, 0.3, 160) == formula.generate(
+        "rcdb", 0, "train", 6, 3, 32, 2, 0.3, 160
+    )
+    dark = formula.generate("rcdb", 0, "val", 4, 2, 32)
+    assert formula.generate("rcdb", 0, "val", 4, 2, 32, background_ramp=0) == dark
+    with pytest.raises(ValueError, match="background_ramp=160 applies to rcdb only"):
+        formula.generate("fractal", 0, "train", 2, 1, 32, background_ramp=160)
+
+
+def test_background_ramp_is_a_setting_of_the_folder(tmp_path):
+    folder = builtin.ensure("rcdb", tmp_path, **TINY)
+    meta = folder / "train" / "dataset.json"
+    stored = json.loads(meta.read_text())
+    assert stored["builtin"]["background_ramp"] == 0
+    stored["builtin"].pop("background_ramp")  # as written before the setting existed
+    meta.write_text(json.dumps(stored))
+    assert builtin.ensure("rcdb", tmp_path, **TINY) == folder
+    with pytest.raises(ValueError, match=r"generated with background_ramp=0 \(wanted 160\); delete it"):
+        builtin.ensure("rcdb", tmp_path, **TINY, background_ramp=160)
+    with pytest.raises(ValueError, match="background_ramp=257 is out of range; use 0 .dark background. or 1..256"):
+        builtin.ensure("rcdb", tmp_path / "new", **TINY, background_ramp=257)
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
