@@ -69,12 +69,14 @@ class MPPConfig:
         return 2 ** (3 * self.color_bits)
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> MPPConfig:
-        """The options of a recipe's ``task.options``; ValueError naming an unknown or out-of-range one."""
+    def from_options(cls, options: dict[str, Any], task: str = "mpp", also: tuple[str, ...] = ()) -> MPPConfig:
+        """The options of a recipe's ``task.options``; ValueError naming an unknown or out-of-range one. ``also``:
+        the options of ``task`` that are not MPP's (the caller has taken them out of ``options``)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"task.options has unknown keys {unknown} for task 'mpp'; known: {sorted(known)}")
+            valid = sorted(known | set(also))
+            raise ValueError(f"task.options has unknown keys {unknown} for task {task!r}; known: {valid}")
         return cls(**options)
 
 
@@ -163,6 +165,12 @@ class MaskedPatchPrediction(nn.Module):
         """The [mask] embedding is an embedding, not a weight matrix (the model's own names come from the model)."""
         return {"mask_token"}
 
+    def external_parameters(self) -> list[nn.Parameter]:
+        """The model's parameters this task reads outside the model's own ``forward``: the class token and the position
+        embeddings, which `VisionTransformer.encode` adds to the corrupted tokens. ZeRO-3 gathers a parameter around
+        its owner's ``forward``, so the engine registers these with this module (`pretrain.engine.build_engine`)."""
+        return [p for p in (self.model.cls_token, self.model.pos_embed) if isinstance(p, nn.Parameter)]
+
     def _generator(self) -> torch.Generator:
         g = torch.Generator()
         # Distinct, reproducible streams per (seed, rank, call); the large odd multipliers keep them apart.
@@ -180,9 +188,9 @@ class MaskedPatchPrediction(nn.Module):
         x = torch.where(randomised.unsqueeze(-1), swapped, tokens)
         return torch.where(masked, self.mask_token.to(tokens.dtype).expand(b, n, d), x)
 
-    def forward(
-        self, images: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def corrupted_pass(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encode ``images`` with a drawn corruption and predict the corrupted patches' colours: (the encoder's
+        output tokens (B, P+N, D), the mean cross-entropy over corrupted patches, their top-1 accuracy)."""
         tokens = self.model.embed_patches(images)  # (B, N, D)
         b, n, _ = tokens.shape
         if self.training:
@@ -200,6 +208,12 @@ class MaskedPatchPrediction(nn.Module):
         loss = F.cross_entropy(logits.float(), targets)
         with torch.no_grad():
             accuracy = (logits.argmax(-1) == targets).float().mean()
+        return encoded, loss, accuracy
+
+    def forward(
+        self, images: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        _, loss, accuracy = self.corrupted_pass(images)
         return loss, {"accuracy": accuracy}
 
 

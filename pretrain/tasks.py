@@ -3,8 +3,9 @@
 
 A task owns the model and its loss, so the engine sees a single module and checkpoints hold everything that
 trains. The registry `TASKS` maps ``task.name`` to a `Task`: its builder, the check of its ``task.options``, and the
-model it trains as the cluster planner counts it (`planned_model`). Both tasks of the project are registered here:
-``classification`` and ``mpp`` (masked patch prediction, `pretrain.mpp`); ``@register_task(name)`` adds another.
+model it trains as the cluster planner counts it (`planned_model`). The project's tasks are registered here:
+``classification``, ``mpp`` (masked patch prediction, `pretrain.mpp`) and ``classification_mpp`` (both from one
+pass, `ClassificationWithMPP`); ``@register_task(name)`` adds another.
 
 Builders read the run's config through `TaskSettings` (the task and loss sections, the seed), a protocol that
 `pretrain.config.TrainConfig` satisfies, so this module does not import `pretrain.config`.
@@ -12,6 +13,7 @@ Builders read the run's config through `TaskSettings` (the task and loss section
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -38,7 +40,7 @@ class LossConfig:
 class TaskConfig:
     """Recipe section ``task``: what the model is trained to do; a name in `TASKS` with its own options."""
 
-    name: str = "classification"  # "classification" | "mpp" (masked patch prediction, §4.6)
+    name: str = "classification"  # "classification" | "mpp" (masked patch prediction, §4.6) | "classification_mpp"
     options: dict[str, Any] = field(default_factory=dict)  # passed to the task builder, which validates them
 
 
@@ -104,6 +106,66 @@ class ClassificationTask(nn.Module):
         return loss, {"accuracy": accuracy}
 
 
+class ClassificationWithMPP(mpp.MaskedPatchPrediction):
+    """Labels and masked patch prediction from one pass: the images' patches are corrupted as in ``mpp``
+    (`pretrain.mpp`), the encoder runs once, the pooled output is classified against the labels and the corrupted
+    patches' outputs predict their colours; loss = classification loss + ``mpp_weight`` × MPP loss.
+
+    Labels alone leave a small model's first layer global on the demo's contours; the colour of a patch hidden in a
+    smooth background is best read from its neighbours, which gives layer 1 local heads at no cost to transfer
+    (docs/demo.md, "Locality"). Metrics: ``accuracy`` (top-1 against the labels, on the corrupted images) and
+    ``mpp_accuracy`` (top-1 colour over the corrupted patches). The model keeps its classifier: the exported weights
+    are the model's alone, without the [mask] embedding and the colour head.
+    """
+
+    def __init__(
+        self,
+        model: VisionTransformer,
+        config: mpp.MPPConfig,
+        mpp_weight: float = 1.0,
+        loss: str = "softmax_xent",
+        label_smoothing: float = 0.0,
+        seed: int = 0,
+        rank: int = 0,
+    ):
+        super().__init__(model, config, seed=seed, rank=rank)
+        if loss not in LOSSES:
+            raise ValueError(f"loss.type={loss!r} is unknown; use one of {list(LOSSES)}")
+        if not model.config.num_classes:
+            raise ValueError("task classification_mpp classifies: the model needs a head (model.num_classes > 0)")
+        self.mpp_weight = float(mpp_weight)
+        self.loss_name = loss
+        self.label_smoothing = label_smoothing
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        encoded, patch_loss, patch_accuracy = self.corrupted_pass(images)
+        logits = self.model.forward_head(self.model.pre_logits(self.model.pool(encoded))).float()  # (B, K)
+        loss = LOSSES[self.loss_name](logits, labels, self.label_smoothing) + self.mpp_weight * patch_loss
+        with torch.no_grad():
+            target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
+            accuracy = (logits.argmax(dim=-1) == target).float().mean()
+        return loss, {"accuracy": accuracy, "mpp_accuracy": patch_accuracy}
+
+
+MPP_WEIGHT = "mpp_weight"  # the option of classification_mpp that is not an MPP option
+
+
+def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, float]:
+    """``task.options`` of ``classification_mpp``: MPP's options (`pretrain.mpp.MPPConfig`) and ``mpp_weight``
+    (default 1); ValueError naming a bad one."""
+    rest = dict(options)
+    weight = rest.pop(MPP_WEIGHT, 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+        raise ValueError(f"task.options.{MPP_WEIGHT}={weight!r} must be a number > 0 (the MPP loss's weight)")
+    return mpp.MPPConfig.from_options(rest, task="classification_mpp", also=(MPP_WEIGHT,)), float(weight)
+
+
+def _plan_classification_mpp(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
+    """The model as configured, plus the [mask] embedding (D) and the colour head (D x colours + colours)."""
+    colours = classification_mpp_options(options)[0].num_colors
+    return vit, vit.width + vit.width * colours + colours
+
+
 TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]  # (config, model) -> the module DeepSpeed wraps
 OptionsCheck = Callable[[dict[str, Any]], object]  # parses `task.options`; ValueError naming the bad one
 ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]  # (options, vit) -> see `planned_model`
@@ -146,7 +208,10 @@ def register_task(
 
 def _no_options(options: dict[str, Any]) -> None:
     if options:
-        raise ValueError(f"task.options={options} given, but the classification task takes none")
+        raise ValueError(
+            f"task.options={options} given, but the classification task takes none; set task.options={{}} (a base "
+            "recipe's options for another task are kept when only task.name changes)"
+        )
 
 
 @register_task("classification", options=_no_options)
@@ -158,6 +223,15 @@ def _build_classification(config: TaskSettings, model: VisionTransformer) -> nn.
 @register_task("mpp", options=mpp.MPPConfig.from_options, plan=mpp.planned_model)
 def _build_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
     return mpp.build_mpp_task(model, config.task.options, config.seed)
+
+
+@register_task("classification_mpp", options=classification_mpp_options, plan=_plan_classification_mpp)
+def _build_classification_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
+    patches, weight = classification_mpp_options(dict(config.task.options))
+    rank = int(os.environ.get("RANK", "0"))  # each rank draws its own corruptions, as in `pretrain.mpp`
+    return ClassificationWithMPP(
+        model, patches, weight, config.loss.type, config.loss.label_smoothing, seed=config.seed, rank=rank
+    )
 
 
 def _registered(name: str) -> Task:
@@ -187,6 +261,7 @@ def planned_model(config: TaskSettings, vit: ViTConfig) -> tuple[ViTConfig, int]
     build from a model of config ``vit``, for the cluster planner's parameter, FLOP and memory counts.
 
     Classification trains ``vit`` as it is: ``(vit, 0)``. Masked patch prediction trains the encoder without the
-    classifier and its pre-logits and adds a [mask] embedding and a colour head (`pretrain.mpp.planned_model`).
+    classifier and its pre-logits and adds a [mask] embedding and a colour head (`pretrain.mpp.planned_model`);
+    classification_mpp trains ``vit`` as it is and adds the same two.
     """
     return _registered(config.task.name).plan(dict(config.task.options), vit)

@@ -288,6 +288,10 @@ def test_mpp_plans_count_the_colour_head_not_a_classifier():
     config = resolve_config(local, "local_mpp", [], "mpp")
     task = build_task(config, build_model(config.model.name, **model_overrides(config, num_classes=10)))
     assert build_plan(local, config).model.num_params == sum(p.numel() for p in task.parameters())
+    # local_demo's classification_mpp keeps the classifier and adds the same [mask] embedding and colour head.
+    config = resolve_config(local, "local_demo", ["model.num_classes=64"], "demo")
+    task = build_task(config, build_model(config.model.name, **model_overrides(config, num_classes=64)))
+    assert build_plan(local, config).model.num_params == sum(p.numel() for p in task.parameters())
 
 
 @pytest.mark.timeout(120)

@@ -1,10 +1,21 @@
-"""Masked patch prediction (paper §4.6): corruption proportions, 3-bit colour targets, determinism, learning."""
+"""Masked patch prediction (paper §4.6): corruption proportions, 3-bit colour targets, determinism, learning; and
+``classification_mpp``, labels and MPP from one pass (the demo's task)."""
+
+import math
 
 import pytest
 import torch
 
 from pretrain.model import build_model
 from pretrain.mpp import MaskedPatchPrediction, MPPConfig, corruption_plan, mean_color_targets
+from pretrain.tasks import (
+    LOSSES,
+    ClassificationWithMPP,
+    LossConfig,
+    TaskConfig,
+    check_config,
+    classification_mpp_options,
+)
 
 
 def test_corruption_proportions_are_exact_per_image():
@@ -108,3 +119,62 @@ def test_mpp_loss_decreases_on_a_tiny_model():
     # log(512) = 6.24 at the start; 25 steps should at least learn the 8-colour marginal (log 8 = 2.08).
     assert last < first - 2.0, f"MPP loss did not fall: {first:.3f} → {last:.3f}"
     assert metrics["accuracy"].item() > 2 / 512
+
+
+def test_classification_mpp_is_the_labels_loss_on_the_corrupted_pass_plus_mpp():
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", num_classes=10)
+    task = ClassificationWithMPP(model, MPPConfig(corrupt_fraction=0.25), 0.5, "softmax_xent", 0.1, seed=3)
+    alone = MaskedPatchPrediction(model, MPPConfig(corrupt_fraction=0.25), seed=3)  # same model, same stream
+    alone.head.load_state_dict(task.head.state_dict())
+    alone.mask_token.data.copy_(task.mask_token.data)
+    images, labels = torch.randn(6, 3, 32, 32), torch.randint(0, 10, (6,))
+    loss, metrics = task(images, labels)
+    assert loss.item() == pytest.approx(math.log(10) + 0.5 * math.log(512), rel=1e-4)  # both heads start at zero
+    # The same corrupted pass, its parts recomputed by hand: labels loss on the pooled output + weight x MPP loss.
+    encoded, patch_loss, _ = alone.corrupted_pass(images)
+    logits = model.forward_head(model.pre_logits(model.pool(encoded)))
+    expected = LOSSES["softmax_xent"](logits, labels, 0.1) + 0.5 * patch_loss
+    assert torch.equal(loss, expected)
+    assert int(task.draws) == 1 and set(metrics) == {"accuracy", "mpp_accuracy"}
+    # Only the [mask] embedding and the colour head are the task's own: the model keeps its classifier.
+    extras = {n for n, _ in task.named_parameters() if not n.startswith("model.")}
+    assert extras == {"mask_token", "head.weight", "head.bias"} and model.config.num_classes == 10
+
+
+@pytest.mark.timeout(180)
+def test_classification_mpp_learns_both_and_replays_its_corruptions():
+    def run(steps: int) -> tuple[list[float], ClassificationWithMPP]:
+        torch.manual_seed(0)
+        task = ClassificationWithMPP(build_model("vit_tiny_debug", num_classes=8), MPPConfig(), seed=1)
+        opt = torch.optim.AdamW(task.parameters(), lr=5e-3, weight_decay=0.0)
+        data = torch.Generator().manual_seed(0)
+        palette = torch.rand(8, 3, generator=data) * 2 - 1
+        losses = []
+        for _ in range(steps):
+            images = _palette_blocks(16, palette, data)
+            labels = torch.cdist(images.mean((2, 3)), palette).argmin(1)  # the palette colour closest to the mean
+            loss, _ = task(images, labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, task
+
+    losses, task = run(20)
+    assert losses[0] == pytest.approx(math.log(8) + math.log(512), rel=1e-3)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 2.0, losses
+    assert int(task.draws) == 20
+    assert run(20)[0] == losses  # the corruptions come from (seed, rank, draws): a second run is the same
+
+
+def test_classification_mpp_options_and_model():
+    assert classification_mpp_options({"corrupt_fraction": 0.25}) == (MPPConfig(corrupt_fraction=0.25), 1.0)
+    assert classification_mpp_options({"mpp_weight": 2}) == (MPPConfig(), 2.0)
+    for weight in (0, -1.0, "1", True):
+        with pytest.raises(ValueError, match="mpp_weight=.* must be a number > 0"):
+            check_config(LossConfig(), TaskConfig("classification_mpp", {"mpp_weight": weight}))
+    with pytest.raises(ValueError, match=r"unknown keys \['weight'\] .* known: \[.*'mpp_weight'"):
+        check_config(LossConfig(), TaskConfig("classification_mpp", {"weight": 1.0}))
+    with pytest.raises(ValueError, match="needs a head"):
+        ClassificationWithMPP(build_model("vit_tiny_debug", num_classes=0), MPPConfig())
