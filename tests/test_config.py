@@ -94,7 +94,11 @@ BAD = [
     (["schedule.total=3ep", "data.epoch_images=null", "data.train=s3://bucket/x"], r"set data\.epoch_images"),
     (["data.image_size=30"], r"not a multiple of the patch stride"),
     (["task.name=jigsaw"], r"task\.name='jigsaw' is not registered"),
-    (["task.name=mpp", "task.options.corrupt_fraction=2"], r"task\.options\.corrupt_fraction must be in \(0, 1\]"),
+    (["task.name=mpp", "task.options={corrupt_fraction: 2}"], r"task\.options\.corrupt_fraction must be in \(0, 1\]"),
+    (["task.options.corrupt_fraction=0"], r"task\.options\.corrupt_fraction must be in \(0, 1\]"),
+    (["task.options.mpp_weight=0"], r"task\.options\.mpp_weight=0 must be a number > 0"),
+    (["task.options.mask_ratio=0.5"], r"unknown keys \['mask_ratio'\] for task 'classification_mpp'; known: .*weight"),
+    (["task.name=mpp"], r"unknown keys \['mpp_weight'\] for task 'mpp'"),
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
 ]
 

@@ -103,6 +103,7 @@ def _engine(task_name: str, image_size: int, zero_stage: int):
         "local_demo",
         [
             f"task.name={task_name}",
+            "task.options={}",  # the task's own defaults, not local_demo's classification_mpp options
             "loss.label_smoothing=0.0",
             f"deepspeed.zero_stage={zero_stage}",
             "data.global_batch_size=8",

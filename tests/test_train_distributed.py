@@ -154,14 +154,20 @@ def plain_pytorch_losses(config: TrainConfig, world_size: int, steps: int) -> tu
     streams = [
         iter(build_stream(config, Placement(r, world_size, 0, cpu), info.num_classes)) for r in range(world_size)
     ]
+    # A task that corrupts patches (the recipe's classification_mpp) draws from (seed, rank, its calls so far): each
+    # simulated rank keeps its own count, as each real rank's task does.
+    draws = [0] * world_size
     losses = []
     for step in range(steps):
         set_lr(optimizer, schedule(step))
         optimizer.zero_grad()
         total = 0.0
         for _ in range(plan.grad_accum_steps):
-            for stream in streams:
+            for rank, stream in enumerate(streams):
                 images, labels = next(stream)
+                if hasattr(task, "draws"):
+                    task.rank, task.draws = rank, torch.tensor(draws[rank])
+                    draws[rank] += 1
                 loss, _ = task(images, labels)
                 (loss / (world_size * plan.grad_accum_steps)).backward()
                 total += loss.item()
@@ -187,9 +193,12 @@ def test_zero_stage_matches_plain_pytorch(stage, shards, shared_folder):
 
     saved = load_checkpoint_model(summaries[0]["checkpoints"][-1])
     reference = reference_model.state_dict()
-    worst = max((saved.state_dict()[k] - v).abs().max().item() for k, v in reference.items())
-    # Reduction-order noise in the gradients (1e-7) that Adam's normalisation lifts where the second moment is small.
-    assert worst <= 5e-5, worst
+    worst, name = max(((saved.state_dict()[k] - v).abs().max().item(), k) for k, v in reference.items())
+    diff = torch.cat([(saved.state_dict()[k] - v).abs().flatten() for k, v in reference.items()])
+    # Reduction-order noise in the gradients (1e-7) that Adam's normalisation lifts where the second moment is small:
+    # in a few isolated weights (measured: 4 of 207,684 above 1e-5 at ZeRO-1, at most 5.6e-5), never a tenth of
+    # one step's lr (1e-3). A wrong gradient, batch or corruption would move thousands of weights by ~lr.
+    assert worst <= 1e-4 and (diff > 1e-5).sum().item() <= 1e-4 * diff.numel(), (worst, name)
 
 
 def stop_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tuple[list, list, list]:
@@ -505,7 +514,13 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
                         tmp_path / "b")  # fmt: skip
     e, c = [loss for _, loss in eager[0]["losses"]], [loss for _, loss in compiled[0]["losses"]]
     assert len(c) == 8 and max(abs(a - b) for a, b in zip(e, c)) <= 1e-5, (e, c)
-    assert c != e  # the fused kernels round differently: they ran
+    # The fused kernels round differently, so they ran: the trained weights differ in the last bits. (The losses
+    # may not show it: the zero-initialised heads make the first steps' losses insensitive to feature rounding.)
+    from pretrain.weights import load_checkpoint_model
+
+    final = [load_checkpoint_model(s[0]["checkpoints"][-1]).state_dict() for s in (eager, compiled)]
+    worst = max((final[0][k] - v).abs().max().item() for k, v in final[1].items())
+    assert 0 < worst <= 5e-5, worst
     assert max(e) - min(e) > 1e-3  # the updates move the loss
     assert compiled[0]["digests"] == eager[0]["digests"]  # the same batches
     extra = ("deepspeed.zero_stage=3", "model.compile=true", "model.dropout=0.1", "data.num_workers=2",
