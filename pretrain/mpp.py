@@ -7,9 +7,11 @@ from its output token with a linear head. Corruption happens after the patch pro
 class token and position embeddings are added, so position information stays intact, as in BERT.
 
 Counts are exact per image (round(50% of N) corrupted; round(80%) / round(10%) of those masked / replaced), which
-makes the proportions testable and the batch loss equally weighted across images. The random choices come from a
-``torch.Generator`` seeded by (seed, rank, step counter); the counter is a buffer of the task module, so it is part
-of every DeepSpeed checkpoint and a resumed run draws the same corruptions as an uninterrupted one.
+makes the proportions testable and the batch loss equally weighted across images. In training the random choices
+come from torch's global CPU generator, which the trainer seeds for each micro-batch by its position in the run
+(seed, optimizer step, global micro-batch index: `pretrain.randomness.model_randomness`), as it does for dropout: a
+resumed run, or one resumed at another world size, draws the same corruptions as an uninterrupted one, and the task
+keeps no random state of its own.
 
 `pretrain.tasks` registers this task as ``mpp`` (recipe ``task.name: mpp``, its options ``task.options``): the builder
 is `build_mpp_task`, the options' check `MPPConfig.from_options`, and `planned_model` what the cluster planner counts.
@@ -17,7 +19,6 @@ is `build_mpp_task`, the options' check `MPPConfig.from_options`, and `planned_m
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -142,23 +143,23 @@ class MaskedPatchPrediction(nn.Module):
     softmax cross-entropy over corrupted patches; metrics hold ``accuracy`` (top-1 over corrupted patches).
     """
 
-    draws: torch.Tensor  # a buffer: forward calls so far (see __init__)
+    draws: torch.Tensor  # a buffer: training forward calls so far (see __init__)
 
-    def __init__(self, model: VisionTransformer, config: MPPConfig = MPPConfig(), seed: int = 0, rank: int = 0):
+    def __init__(self, model: VisionTransformer, config: MPPConfig = MPPConfig(), seed: int = 0):
         super().__init__()
         if model.config.in_chans != 3:
             raise ValueError("masked patch prediction predicts RGB colours; the model must take 3-channel images")
         self.model = model
         self.config = config
-        self.seed = int(seed)
-        self.rank = int(rank)
+        self.seed = int(seed)  # the evaluation-mode corruption's seed
         width = model.config.width
         # BERT-style learned [mask] embedding, initialised like the position embeddings.
         self.mask_token = nn.Parameter(torch.empty(1, 1, width).normal_(std=0.02))
         self.head = nn.Linear(width, config.num_colors)
         nn.init.zeros_(self.head.weight)  # the initial prediction is uniform: loss starts at log(512)
         nn.init.zeros_(self.head.bias)
-        # Forward calls so far; a buffer so checkpoints carry it and a resumed run redraws the same corruptions.
+        # Training forward calls so far: a count in every checkpoint (the corruptions no longer depend on it; it stays
+        # so that checkpoints of runs that keyed them by it still load).
         self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def no_weight_decay(self) -> set[str]:
@@ -170,12 +171,6 @@ class MaskedPatchPrediction(nn.Module):
         embeddings, which `VisionTransformer.encode` adds to the corrupted tokens. ZeRO-3 gathers a parameter around
         its owner's ``forward``, so the engine registers these with this module (`pretrain.engine.build_engine`)."""
         return [p for p in (self.model.cls_token, self.model.pos_embed) if isinstance(p, nn.Parameter)]
-
-    def _generator(self) -> torch.Generator:
-        g = torch.Generator()
-        # Distinct, reproducible streams per (seed, rank, call); the large odd multipliers keep them apart.
-        g.manual_seed((self.seed * 1_000_003 + self.rank * 7_919 + int(self.draws) * 104_729) % (2**63 - 1))
-        return g
 
     def corrupt(self, tokens: torch.Tensor, plan: CorruptionPlan) -> torch.Tensor:
         """Apply ``plan`` to patch embeddings ``(B, N, D)``; randomised patches take the *uncorrupted* source."""
@@ -194,7 +189,8 @@ class MaskedPatchPrediction(nn.Module):
         tokens = self.model.embed_patches(images)  # (B, N, D)
         b, n, _ = tokens.shape
         if self.training:
-            plan = corruption_plan(b, n, self.config, self._generator())
+            # Seeded by the micro-batch's position when the trainer runs it (module docstring).
+            plan = corruption_plan(b, n, self.config, torch.default_generator)
             self.draws += 1
         else:
             # Evaluation loss is reproducible regardless of how many training steps came before.
@@ -218,16 +214,14 @@ class MaskedPatchPrediction(nn.Module):
 
 
 def build_mpp_task(model: VisionTransformer, options: dict[str, Any], seed: int) -> MaskedPatchPrediction:
-    """The ``mpp`` task around ``model``: ``options`` are the recipe's ``task.options``, ``seed`` the run's seed, and
-    the rank (RANK in the environment) keeps each rank's corruptions apart.
+    """The ``mpp`` task around ``model``: ``options`` are the recipe's ``task.options``, ``seed`` the run's seed.
 
     MPP has no use for a classification head; one the trainer built for the dataset's classes is dropped, since
     parameters that never get a gradient would only be dead weight in the optimizer and the checkpoint.
     """
     if model.config.num_classes:
         model.reset_classifier(0)
-    rank = int(os.environ.get("RANK", "0"))
-    return MaskedPatchPrediction(model, MPPConfig.from_options(dict(options)), seed=seed, rank=rank)
+    return MaskedPatchPrediction(model, MPPConfig.from_options(dict(options)), seed=seed)
 
 
 def planned_model(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:

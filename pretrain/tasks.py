@@ -13,7 +13,6 @@ Builders read the run's config through `TaskSettings` (the task and loss section
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -54,7 +53,7 @@ class TaskSettings(Protocol):
     def loss(self) -> LossConfig: ...
 
     @property
-    def seed(self) -> int: ...  # the run's seed (MPP's corruption stream)
+    def seed(self) -> int: ...  # the run's seed (MPP's evaluation-mode corruption)
 
 
 def _as_targets(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -126,9 +125,8 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
         loss: str = "softmax_xent",
         label_smoothing: float = 0.0,
         seed: int = 0,
-        rank: int = 0,
     ):
-        super().__init__(model, config, seed=seed, rank=rank)
+        super().__init__(model, config, seed=seed)
         if loss not in LOSSES:
             raise ValueError(f"loss.type={loss!r} is unknown; use one of {list(LOSSES)}")
         if not model.config.num_classes:
@@ -228,10 +226,7 @@ def _build_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
 @register_task("classification_mpp", options=classification_mpp_options, plan=_plan_classification_mpp)
 def _build_classification_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
     patches, weight = classification_mpp_options(dict(config.task.options))
-    rank = int(os.environ.get("RANK", "0"))  # each rank draws its own corruptions, as in `pretrain.mpp`
-    return ClassificationWithMPP(
-        model, patches, weight, config.loss.type, config.loss.label_smoothing, seed=config.seed, rank=rank
-    )
+    return ClassificationWithMPP(model, patches, weight, config.loss.type, config.loss.label_smoothing, config.seed)
 
 
 def _registered(name: str) -> Task:
