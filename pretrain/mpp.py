@@ -32,6 +32,7 @@ __all__ = [
     "MPPConfig",
     "CorruptionPlan",
     "MaskedPatchPrediction",
+    "added_parameters",
     "build_mpp_task",
     "corruption_plan",
     "mean_color_targets",
@@ -224,10 +225,14 @@ def build_mpp_task(model: VisionTransformer, options: dict[str, Any], seed: int)
     return MaskedPatchPrediction(model, MPPConfig.from_options(dict(options)), seed=seed)
 
 
+def added_parameters(width: int, config: MPPConfig) -> int:
+    """The parameters `MaskedPatchPrediction` adds to a model of ``width`` D: the [mask] embedding (D) and the linear
+    colour head (D x colours + colours)."""
+    return width + width * config.num_colors + config.num_colors
+
+
 def planned_model(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
     """(the ViTConfig `build_mpp_task` trains from ``vit``, the parameters the task adds): the encoder without the
-    classifier and its pre-logits (``reset_classifier(0)``), plus the [mask] embedding (D) and the linear colour head
-    (D x colours + colours)."""
-    colours = MPPConfig.from_options(dict(options)).num_colors
+    classifier and its pre-logits (``reset_classifier(0)``), plus `added_parameters`."""
     encoder = replace(vit, num_classes=0, representation_size=None)
-    return encoder, vit.width + vit.width * colours + colours
+    return encoder, added_parameters(vit.width, MPPConfig.from_options(dict(options)))

@@ -85,23 +85,35 @@ def sigmoid_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: fl
 LOSSES: dict[LossType, Callable[..., torch.Tensor]] = {"softmax_xent": softmax_xent, "sigmoid_xent": sigmoid_xent}
 
 
+def _check_loss(loss: str) -> None:
+    if loss not in LOSSES:
+        raise ValueError(f"loss.type={loss!r} is unknown; use one of {list(LOSSES)}")
+
+
+def _labels_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss: str, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss of fp32 logits (B, K) from `LOSSES`, top-1 accuracy against the argmax target)."""
+    value = LOSSES[loss](logits, labels, label_smoothing)
+    with torch.no_grad():
+        target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
+        accuracy = (logits.argmax(dim=-1) == target).float().mean()
+    return value, accuracy
+
+
 class ClassificationTask(nn.Module):
     """Image classification: logits = model(images); loss from `LOSSES`; top-1 accuracy against the argmax target."""
 
     def __init__(self, model: nn.Module, loss: str = "softmax_xent", label_smoothing: float = 0.0):
         super().__init__()
-        if loss not in LOSSES:
-            raise ValueError(f"loss.type={loss!r} is unknown; use one of {list(LOSSES)}")
+        _check_loss(loss)
         self.model = model
         self.loss_name = loss
         self.label_smoothing = label_smoothing
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = self.model(images).float()  # (B, K); the loss in fp32 even when the weights are bf16
-        loss = LOSSES[self.loss_name](logits, labels, self.label_smoothing)
-        with torch.no_grad():
-            target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
-            accuracy = (logits.argmax(dim=-1) == target).float().mean()
+        loss, accuracy = _labels_loss(logits, labels, self.loss_name, self.label_smoothing)
         return loss, {"accuracy": accuracy}
 
 
@@ -127,8 +139,7 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
         seed: int = 0,
     ):
         super().__init__(model, config, seed=seed)
-        if loss not in LOSSES:
-            raise ValueError(f"loss.type={loss!r} is unknown; use one of {list(LOSSES)}")
+        _check_loss(loss)
         if not model.config.num_classes:
             raise ValueError("task classification_mpp classifies: the model needs a head (model.num_classes > 0)")
         self.mpp_weight = float(mpp_weight)
@@ -138,11 +149,8 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         encoded, patch_loss, patch_accuracy = self.corrupted_pass(images)
         logits = self.model.forward_head(self.model.pre_logits(self.model.pool(encoded))).float()  # (B, K)
-        loss = LOSSES[self.loss_name](logits, labels, self.label_smoothing) + self.mpp_weight * patch_loss
-        with torch.no_grad():
-            target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
-            accuracy = (logits.argmax(dim=-1) == target).float().mean()
-        return loss, {"accuracy": accuracy, "mpp_accuracy": patch_accuracy}
+        labels_loss, accuracy = _labels_loss(logits, labels, self.loss_name, self.label_smoothing)
+        return labels_loss + self.mpp_weight * patch_loss, {"accuracy": accuracy, "mpp_accuracy": patch_accuracy}
 
 
 MPP_WEIGHT = "mpp_weight"  # the option of classification_mpp that is not an MPP option
@@ -160,8 +168,7 @@ def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, 
 
 def _plan_classification_mpp(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
     """The model as configured, plus the [mask] embedding (D) and the colour head (D x colours + colours)."""
-    colours = classification_mpp_options(options)[0].num_colors
-    return vit, vit.width + vit.width * colours + colours
+    return vit, mpp.added_parameters(vit.width, classification_mpp_options(options)[0])
 
 
 TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]  # (config, model) -> the module DeepSpeed wraps
