@@ -40,7 +40,7 @@ from typing import Any, Literal
 import yaml
 
 from data_pipeline.augment import AugmentConfig
-from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig, option_minimum
+from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
 from pretrain import ds_config, optim, progressive, run_folder, tasks, typed_yaml
@@ -339,6 +339,10 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
                 raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {known}")
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
+        try:  # the ranges the generator checks (class_offset, background_ramp, sizes), before anything starts
+            check_sizes(ALIASES.get(d.builtin, d.builtin), BuiltinConfig(**d.builtin_options))
+        except ValueError as error:
+            raise ValueError(f"data.builtin_options: {error}") from None
     if d.augment is not None:
         try:
             d.augment.validate()

@@ -99,6 +99,8 @@ BAD = [
     (["task.options.mpp_weight=0"], r"task\.options\.mpp_weight=0 must be a number > 0"),
     (["task.options.mask_ratio=0.5"], r"unknown keys \['mask_ratio'\] for task 'classification_mpp'; known: .*weight"),
     (["task.name=mpp"], r"unknown keys \['mpp_weight'\] for task 'mpp'"),
+    (["data.builtin_options.background_ramp=257"], r"data\.builtin_options: background_ramp=257 is out of range"),
+    (["data.builtin_options.class_offset=51"], r"data\.builtin_options: class_offset=51 is out of range"),
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
 ]
 
