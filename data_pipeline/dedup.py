@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import scipy.fft
 from PIL import Image
 
 from data_pipeline.manifest import SAMPLES_FILE, iter_samples
@@ -29,6 +28,8 @@ def perceptual_hash(image: Image.Image) -> int:
     Robust to re-encoding, rescaling and small colour shifts; returned as a signed 64-bit int so it fits Parquet
     int64 columns (the bit pattern is what matters).
     """
+    import scipy.fft  # ~0.6 CPU-s: only writing shards hashes images, not the readers that import this module
+
     grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
     coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()  # (64,)
     median = np.median(coeffs[1:])  # the DC term only measures brightness

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +42,61 @@ def training_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# DeepSpeed modules a training rank imports without using them: the ZeRO optimizers import DeepSpeed's Muon
+# optimizer only to ask `isinstance(optimizer, MuonWithAuxAdam)` (and bind `muon_update` where Muon groups would be
+# updated), and that module `torch.compile`s two functions at import, which imports Inductor.
+MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
+MUON_NAMES = ("MuonWithAuxAdam", "muon_update", "adam_update")
+
+
+def import_deepspeed() -> types.ModuleType:
+    """``import deepspeed`` for a training process, without two imports it would make for DeepSpeed features this
+    project never runs (docs/performance.md, "A rank's start"): about 2 CPU-seconds of every rank's start.
+
+    - DeepSpeed's autotuner imports MLflow when it can (``deepspeed/autotuning/autotuner.py``), at ``import
+      deepspeed``; the autotuner is never run here. MLflow is hidden while DeepSpeed is imported, so that its
+      autotuner finds none; the rank that logs imports MLflow itself, later (`tracking.tracker`).
+    - DeepSpeed's Muon modules (`MUON_MODULES`) stand for a light module whose `MuonWithAuxAdam` is a class nothing
+      instantiates, and whose updates refuse to run: this project's optimizer is always torch's AdamW
+      (`pretrain.optim.build_optimizer`), so DeepSpeed's checks answer as with the real module, and no Muon update is
+      ever called. A process that imported the real modules first keeps them.
+    Idempotent; ``DS_ACCELERATOR`` must be set before the first call, as before any import of DeepSpeed."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    for name in MUON_MODULES:
+        sys.modules.setdefault(name, _muon_stand_in(name))
+    hide_mlflow = "mlflow" not in sys.modules
+    if hide_mlflow:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if hide_mlflow:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
+def _muon_stand_in(name: str) -> types.ModuleType:
+    module = types.ModuleType(name, f"vitscale's stand-in for {name}: pretrain.distributed.import_deepspeed.")
+
+    class MuonWithAuxAdam:  # never instantiated: isinstance() is False, as for the real class here
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(_MUON_REFUSED)
+
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(_MUON_REFUSED)
+
+    module.MuonWithAuxAdam = MuonWithAuxAdam  # type: ignore[attr-defined]
+    module.muon_update = module.adam_update = refuse  # type: ignore[attr-defined]
+    return module
+
+
+_MUON_REFUSED = (
+    "DeepSpeed's Muon optimizer is not loaded in a vitscale training process (pretrain.distributed.import_deepspeed): "
+    "vitscale trains with torch's AdamW"
+)
+
+
 def init_distributed(config: TrainConfig) -> Placement:
     """Join (or create) the process group from RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on CUDA."""
     device_type = training_device_type()
@@ -48,7 +104,7 @@ def init_distributed(config: TrainConfig) -> Placement:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine, or two could remove a live lock
             remove_stale_build_lock(SHM_COMM_OP)
-    import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
+    deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import
 
     if not dist.is_initialized():
         _import_world_defaults()  # before the default group exists, or they keep it alive for good

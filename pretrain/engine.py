@@ -9,7 +9,7 @@ from pathlib import Path
 from pretrain import checkpoint as ckpt
 from pretrain import run_folder
 from pretrain.config import TrainConfig, model_overrides
-from pretrain.distributed import Placement
+from pretrain.distributed import Placement, import_deepspeed
 from pretrain.ds_config import engine_config
 from pretrain.model import build_model, model_config
 from pretrain.optim import build_optimizer
@@ -58,7 +58,7 @@ def build_engine(
 ):  # fmt: skip
     """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model).
     ``load_universal``: the engine will load a universal checkpoint (a resume at another world size)."""
-    import deepspeed  # heavy, and DS_ACCELERATOR must be set before its first import
+    deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import
 
     seed_everything(config.seed)  # identical initialisation on every rank
     model = build_model(config.model.name, **model_overrides(config, num_classes))

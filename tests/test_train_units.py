@@ -260,6 +260,56 @@ def test_only_a_build_lock_that_a_killed_process_left_is_removed(tmp_path, monke
     assert remove_stale_build_lock(SHM_COMM_OP) is None  # nothing there: nothing to do
 
 
+def test_deepspeed_is_imported_without_mlflow_and_inductor_and_its_muon_names_are_all_there():
+    """`import_deepspeed` leaves out the two imports DeepSpeed makes for features never run here (MLflow for its
+    autotuner, Inductor for its Muon optimizer), leaves MLflow importable after, and its Muon stand-in provides every
+    name the installed DeepSpeed imports from the Muon modules (read from DeepSpeed's source, so a DeepSpeed that
+    imports another name fails here, not in a run)."""
+    import ast
+    import importlib.util
+
+    from pretrain.distributed import MUON_MODULES, MUON_NAMES
+
+    code = (
+        "import sys\n"
+        "from pretrain.distributed import import_deepspeed\n"
+        "deepspeed = import_deepspeed()\n"
+        "assert import_deepspeed() is deepspeed\n"
+        "print(sorted(m for m in ('mlflow', 'torch._inductor') if m in sys.modules))\n"
+        "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam\n"
+        "try:\n"
+        "    MuonWithAuxAdam([])\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+        "import mlflow\n"
+        "print('mlflow', mlflow.__version__ != '')\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[]" and lines[-1] == "mlflow True", done.stdout
+    assert "refused: DeepSpeed's Muon optimizer is not loaded" in done.stdout
+
+    package = Path(importlib.util.find_spec("deepspeed").origin).parent
+    muon_package = "deepspeed.runtime.zero.muon"
+    imported: dict[str, set[str]] = {}
+    for source in package.rglob("*.py"):
+        if "muon" in source.parts:  # the replaced modules themselves
+            continue
+        text = source.read_text(errors="replace")
+        if "muon" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(muon_package):
+                imported.setdefault(node.module, set()).update(a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith(muon_package) for a in node.names), source
+    assert set(imported) <= set(MUON_MODULES), imported
+    assert set().union(*imported.values()) <= set(MUON_NAMES), imported
+    assert imported, "DeepSpeed no longer imports its Muon modules: import_deepspeed's stand-in can go"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shards, train_cli, tmp_path, monkeypatch):
