@@ -31,6 +31,11 @@ if str(ROOT) not in sys.path:
 
 # DeepSpeed picks its accelerator at import time; the suite runs on CPU unless a GPU test asks otherwise.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Three xdist workers share two cores, and between parallel regions torch's OpenMP threads spin-wait for work (the
+# libgomp default), burning the cores the other workers need. Waiting passively (they sleep) took three in-process
+# test files from 193 to 140 CPU-s (docs/benchmarks/2026-11-28-test-suite.md). Read when torch loads libgomp, so set
+# before any import of torch; the processes tests start inherit it. A scheduling policy: the numerics are unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 DURATIONS = ROOT / "tests" / "durations.json"
