@@ -79,6 +79,20 @@ def test_import_does_not_import_mlflow():
     subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, timeout=60)
 
 
+def test_an_enabled_tracker_imports_mlflow_when_made_and_a_disabled_one_never(tmp_path):
+    """The logging rank imports MLflow when its tracker is made, on its own thread: left to the sender's first turn,
+    the import (seconds on a loaded machine) ate the 5 s a checkpoint soon after the start waits for its steps to be
+    sent, and a shuffled suite run once lost steps 1-3 (test_train_units.py, the worker lost after a checkpoint)."""
+    code = (
+        "import sys\nfrom tracking.tracker import Tracker\n"
+        f"Tracker('sqlite:///{tmp_path}/m.db', 'run', rank=1).close()\n"
+        "assert 'mlflow' not in sys.modules, 'a disabled tracker imported mlflow'\n"
+        f"t = Tracker('sqlite:///{tmp_path}/m.db', 'run', rank=0)\n"
+        "assert t.enabled and 'mlflow' in sys.modules and t._thread is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, timeout=120)
+
+
 def test_create_run_and_rank0_tracker_round_trip(store, tmp_path):
     uri, root = store
     config = {"model": {"name": "vit_tiny_debug"}, "optim": {"lr": 0.001, "weight_decay": 0.1}}

@@ -214,6 +214,10 @@ class Tracker:
         if self.enabled:  # addFilter is idempotent; done here, not at import, to keep import side-effect free
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
             _track_for_exit(self)
+            # MLflow now, on this thread, not on the sender's first turn: importing it takes seconds on a loaded
+            # machine, and a checkpoint soon after the start waits at most sync()'s timeout for the steps before it
+            # to be sent. (A training rank imports DeepSpeed without MLflow: pretrain.distributed.import_deepspeed.)
+            import mlflow  # noqa: F401
 
     # ---- public API -------------------------------------------------------------------------------------------
 
