@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from data_pipeline.augment import DECODE_ERRORS, decode_whole, drafts
-from data_pipeline.manifest import DatasetInfo, ShardFormatError, iter_samples
+from data_pipeline.manifest import DatasetInfo, ShardFormatError, int64_column, iter_samples
 from data_pipeline.shards import read_shard
 from data_pipeline.step_pool import shm_free
 
@@ -67,8 +67,7 @@ def planned_bytes(info: DatasetInfo, image_size: int, stop_above: float | None =
     total = 0
     try:
         for batch in iter_samples(info.root, columns=["width", "height"]):
-            width = batch.column("width").to_numpy(zero_copy_only=False).astype(np.int64)
-            height = batch.column("height").to_numpy(zero_copy_only=False).astype(np.int64)
+            width, height = int64_column(batch, "width"), int64_column(batch, "height")
             total += int((width * height).sum()) * PIXEL_BYTES
             total += int((np.minimum(width, height) >= 2 * image_size).sum() * per_sample)
             if stop_above is not None and total > stop_above:

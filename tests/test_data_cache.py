@@ -140,6 +140,34 @@ def test_planned_bytes_bound_the_cache_and_a_set_over_cache_mb_gets_none(shards)
     assert stream.cache is None and stream.cache_line == line
 
 
+def test_int64_column_reads_arrow_buffers_like_to_numpy_without_importing_pandas(shards, tmp_path):
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_pipeline.manifest import int64_column, iter_samples
+
+    batch = next(iter_samples(shards, columns=["width", "height"]))
+    for part in (batch, batch.slice(3, 5)):  # a slice starts at an offset into its buffers
+        for name in ("width", "height"):
+            got = int64_column(part, name)
+            assert got.dtype == np.int64 and got.tolist() == part.column(name).to_pylist()
+    pq.write_table(pa.table({"width": pa.array([3, None], pa.int32())}), tmp_path / "nulls.parquet")
+    with pytest.raises(ValueError, match="1 nulls"):
+        int64_column(next(iter_samples(tmp_path / "nulls.parquet", columns=["width"])), "width")
+    # pyarrow's to_numpy imports pandas (0.2 s in every rank that plans its decoded cache); planning must not
+    code = (
+        "import sys; from data_pipeline.decoded_cache import planned_bytes;"
+        "from data_pipeline.manifest import read_dataset_info;"
+        f"assert planned_bytes(read_dataset_info({str(shards)!r}), 16) > 0;"
+        "print('pandas' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
+
+
 def test_a_shard_with_read_damage_is_read_from_storage_and_counted_as_without_the_cache(tmp_path):
     root = _write(tmp_path / "train", count=64, per_shard=8)
     info = read_dataset_info(root)
