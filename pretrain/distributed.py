@@ -55,7 +55,7 @@ def import_deepspeed() -> types.ModuleType:
 
     - DeepSpeed's autotuner imports MLflow when it can (``deepspeed/autotuning/autotuner.py``), at ``import
       deepspeed``; the autotuner is never run here. MLflow is hidden while DeepSpeed is imported, so that its
-      autotuner finds none; the rank that logs imports MLflow itself, later (`tracking.tracker`).
+      autotuner finds none; the rank that logs imports MLflow itself, when it makes its `tracking.tracker.Tracker`.
     - DeepSpeed's Muon modules (`MUON_MODULES`) stand for a light module whose `MuonWithAuxAdam` is a class nothing
       instantiates, and whose updates refuse to run: this project's optimizer is always torch's AdamW
       (`pretrain.optim.build_optimizer`), so DeepSpeed's checks answer as with the real module, and no Muon update is
