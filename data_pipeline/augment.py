@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -367,7 +368,7 @@ def rgb_array(image: TrainImage) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(image[:, :, :3], (*image.shape[:2], 3)))  # grey: one plane thrice
 
 
-def channels_first(images: list[TrainImage], out: np.ndarray) -> np.ndarray:
+def channels_first(images: Sequence[TrainImage], out: np.ndarray) -> np.ndarray:
     """Images of one size (S, S) (`TrainImage`) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns
     those rows. The loader's workers write their batches this way, into shared memory or a fresh array.
 

@@ -67,9 +67,10 @@ def build_engine(
     if config.model.compile:
         model.compile_blocks()  # compiles at the first step; checkpoints and parameter names are unchanged
     task = build_task(config, model)
-    if config.deepspeed.zero_stage == 3 and hasattr(task, "external_parameters"):
+    external_parameters = getattr(task, "external_parameters", None)
+    if config.deepspeed.zero_stage == 3 and external_parameters is not None:
         # Parameters the task reads outside their module's forward: ZeRO-3 must gather them around the task's.
-        for param in task.external_parameters():
+        for param in external_parameters():
             deepspeed.zero.register_external_parameter(task, param)
     ds_config = engine_config(config, place.world_size, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)

@@ -82,7 +82,7 @@ def sigmoid_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: fl
     return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(dim=-1).mean()
 
 
-LOSSES: dict[LossType, Callable[..., torch.Tensor]] = {"softmax_xent": softmax_xent, "sigmoid_xent": sigmoid_xent}
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {"softmax_xent": softmax_xent, "sigmoid_xent": sigmoid_xent}
 
 
 def _check_loss(loss: str) -> None:
@@ -146,7 +146,11 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
         self.loss_name = loss
         self.label_smoothing = label_smoothing
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(
+        self, images: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if labels is None:  # the signature of the mpp task it extends, whose labels are optional
+            raise ValueError("task classification_mpp trains on labels: call it with (images, labels)")
         encoded, patch_loss, patch_accuracy = self.corrupted_pass(images)
         logits = self.model.forward_head(self.model.pre_logits(self.model.pool(encoded))).float()  # (B, K)
         labels_loss, accuracy = _labels_loss(logits, labels, self.loss_name, self.label_smoothing)

@@ -142,6 +142,8 @@ def test_classification_mpp_is_the_labels_loss_on_the_corrupted_pass_plus_mpp():
     # Only the [mask] embedding and the colour head are the task's own: the model keeps its classifier.
     extras = {n for n, _ in task.named_parameters() if not n.startswith("model.")}
     assert extras == {"mask_token", "head.weight", "head.bias"} and model.config.num_classes == 10
+    with pytest.raises(ValueError, match="trains on labels"):  # the mpp task's labels are optional; these are not
+        task(images)
 
 
 @pytest.mark.timeout(180)
