@@ -12,16 +12,20 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
 
 from data_pipeline.augment import AugmentConfig, decode_train_image, decode_whole, decoded_train_image, rgb_array
 from data_pipeline.decoded_cache import DecodedCache, planned_bytes
-from data_pipeline.manifest import read_dataset_info
+from data_pipeline.manifest import int64_column, iter_samples, read_dataset_info
 from data_pipeline.stream import StreamSpec, TrainStream
 from data_pipeline.write import WriteConfig, write_dataset
 
@@ -141,14 +145,6 @@ def test_planned_bytes_bound_the_cache_and_a_set_over_cache_mb_gets_none(shards)
 
 
 def test_int64_column_reads_arrow_buffers_like_to_numpy_without_importing_pandas(shards, tmp_path):
-    import subprocess
-    import sys
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from data_pipeline.manifest import int64_column, iter_samples
-
     batch = next(iter_samples(shards, columns=["width", "height"]))
     for part in (batch, batch.slice(3, 5)):  # a slice starts at an offset into its buffers
         for name in ("width", "height"):
