@@ -1,21 +1,23 @@
 """Every `python -m` entry point on bad input: exit status 2, one message that names the problem, no traceback.
 
-One table, run as real subprocesses (the way a user meets these errors): broken and mis-shaped YAML (recipes,
-cluster profiles, eval suites), bad `--set` overrides, missing or damaged files and folders, unknown names, bad
-flags, and Ray clusters that are not there. Each row lists regular expressions its stderr must match: the file (and
-line) or the field at fault. The rows run two at a time; most of the cost is importing torch in each process.
+One table of broken and mis-shaped YAML (recipes, cluster profiles, eval suites), bad `--set` overrides, missing or
+damaged files and folders, unknown names, bad flags, and Ray clusters that are not there. Each row lists regular
+expressions its stderr must match: the file (and line) or the field at fault. Each row runs in its own process, as
+`python -m` runs it, forked two at a time from one interpreter that imported torch and the other heavy libraries
+once (tests/warm_python.py): importing torch in every process was most of the table's cost. Two rows also run as
+plain `python -m` processes and must give the same status and stderr.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
 import socket
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +168,25 @@ def _run(module: str, args: list[str], env: dict[str, str], cwd: Path) -> subpro
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _run_warm(rows: list, env: dict[str, str], cwd: Path, tmp: Path) -> list[subprocess.CompletedProcess]:
+    """Every row as ``python -m module args``, forked from one warm interpreter (tests/warm_python.py)."""
+    requests = [
+        {"module": module, "args": args, "stdout": str(tmp / f"{i}.out"), "stderr": str(tmp / f"{i}.err")}
+        for i, (module, args, _) in enumerate(rows)
+    ]
+    (tmp / "requests.json").write_text(json.dumps(requests))
+    server = [sys.executable, str(ROOT / "tests/warm_python.py"), str(tmp / "requests.json"), str(tmp / "results.json")]
+    done = subprocess.run([*server, "--jobs", "2"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    statuses = json.loads((tmp / "results.json").read_text())
+    return [
+        subprocess.CompletedProcess(
+            [module, *args], status, Path(r["stdout"]).read_text(), Path(r["stderr"]).read_text()
+        )
+        for (module, args, _), r, status in zip(rows, requests, statuses, strict=True)
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
@@ -178,8 +199,12 @@ def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
     work = tmp_path / "cwd"  # relative default outputs (rendered/, reports/) land here, not in the project
     work.mkdir()
     rows = [(module, [a.format(**values) for a in args], patterns) for module, args, patterns in TABLE]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda row: _run(row[0], row[1], env, work), rows))
+    (tmp_path / "warm").mkdir()
+    results = _run_warm(rows, env, work, tmp_path / "warm")
+    # The warm forks behave as `python -m` does: a row that imports torch and one that does not, run both ways.
+    for i in (0, next(i for i, row in enumerate(rows) if row[0] == "cluster.jobs")):
+        cold = _run(rows[i][0], rows[i][1], env, work)
+        assert (cold.returncode, cold.stderr) == (results[i].returncode, results[i].stderr), (cold, results[i])
     failures = []
     for (module, args, patterns), done in zip(rows, results, strict=True):
         problems = []
