@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from pretrain import checkpoint as ckpt
 from pretrain import run_folder
 from pretrain.config import TrainConfig, model_overrides
@@ -65,7 +67,10 @@ def build_engine(
     if start.kind == "init_from":
         ckpt.init_weights(model, start.folder, config.data.image_size)
     if config.model.compile:
-        model.compile_blocks()  # compiles at the first step; checkpoints and parameter names are unchanged
+        # Compiles at the first step; checkpoints and parameter names are unchanged. A CPU rank builds its kernels
+        # on its own threads: Inductor's default pool, a process per core of the machine in every rank, took a
+        # cold 2-rank run from 37 to 92 CPU-s on 2 cores (docs/performance.md, "Compiled blocks").
+        model.compile_blocks(compile_threads=torch.get_num_threads() if place.device.type == "cpu" else None)
     task = build_task(config, model)
     external_parameters = getattr(task, "external_parameters", None)
     if config.deepspeed.zero_stage == 3 and external_parameters is not None:

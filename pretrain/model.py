@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -473,11 +474,19 @@ class VisionTransformer(nn.Module):
         """Names of parameters excluded from weight decay: everything but kernels (biases, norms, cls, pos)."""
         return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in ("cls_token", "pos_embed")}
 
-    def compile_blocks(self) -> None:
+    def compile_blocks(self, compile_threads: int | None = None) -> None:
         """torch.compile each encoder block in place (one compiled graph serves all blocks, which share their code;
         parameter names and checkpoints are unchanged). Inductor fuses each block's element-wise work (bias, GELU,
         dropout, residual, LayerNorm, casts) around the GEMMs; on a CPU it needs a C++ compiler. Training option
-        ``model.compile`` (docs/performance.md, "Compiled blocks")."""
+        ``model.compile`` (docs/performance.md, "Compiled blocks").
+
+        ``compile_threads``: how many workers Inductor builds its kernels with, for the whole process (None: its own
+        default, a pool of one process per core of the machine). ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins.
+        The kernels are the same either way."""
+        if compile_threads is not None and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.compile_threads = max(1, compile_threads)
         for block in self.blocks:
             block.compile()
 

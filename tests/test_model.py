@@ -296,12 +296,18 @@ def test_gelu_as_sigmoid_is_the_tanh_gelu():
 @pytest.mark.timeout(300)
 def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
     """`compile_blocks` (training's ``model.compile``) changes neither the parameter names nor, beyond float
-    rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU."""
+    rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU. It builds its
+    kernels with the workers it is given (a CPU rank: its own threads), unless TORCHINDUCTOR_COMPILE_THREADS says."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # put back after
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     torch.manual_seed(0)
     eager = build_model("vit_tiny_debug", num_classes=5)
     compiled = build_model("vit_tiny_debug", num_classes=5)
     compiled.load_state_dict(eager.state_dict())
-    compiled.compile_blocks()
+    compiled.compile_blocks(compile_threads=1)
+    assert inductor_config.compile_threads == 1
     assert list(compiled.state_dict()) == list(eager.state_dict())
     images = torch.rand(4, 3, 32, 32) * 2 - 1
     for model in (eager, compiled):
@@ -315,6 +321,9 @@ def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
     monkeypatch.setattr("pretrain.model.gelu_tanh_as_sigmoid", traced)
     compiled(images)
     assert calls, "the compiled blocks did not trace the sigmoid-form GELU"
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    build_model("vit_tiny_debug", num_classes=5).compile_blocks(compile_threads=2)
+    assert inductor_config.compile_threads == 1  # the variable decides, through Inductor's own reading of it
 
 
 def test_initialization_follows_the_official_code():
