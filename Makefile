@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import deepspeed" 2>/dev/null \
 		|| DS_BUILD_OPS=0 $(PY) -m pip install "deepspeed>=0.16,<0.20" --no-build-isolation
 	$(PY) -m pip install -e ".[dev]"
+	@# DeepSpeed's CPU communication op, built once here (about 35 s on 2 cores; torch keeps it in
+	@# ~/.cache/torch_extensions) rather than by the first training process, which would make every rank wait.
+	@$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 	@touch $@
 
 # pytest exits 5 when it collected no tests: that is a failure, said in words. TEST_WORKERS pytest-xdist workers
