@@ -238,14 +238,14 @@ def assert_resumed_exactly(whole: list, stopped: list | None, resumed: list, sto
 
 @pytest.mark.timeout(900)
 def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
-    """With ``precision: auto``, the default: two fresh runs of the recipe are bit-identical, and a run stopped and
-    resumed equals the uninterrupted one (the precision is a rule on the machine and the model, never a timing)."""
+    """With ``precision: auto``, the default: two fresh runs of the recipe (the uninterrupted one, and the one
+    stopped after step 5) are bit-identical over the steps both ran, and a run stopped and resumed equals the
+    uninterrupted one (the precision is a rule on the machine and the model, never a timing)."""
     # dropout on: a resumed run must also reproduce each rank's dropout masks exactly
     extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3", "deepspeed.precision=auto")
     whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=5)
-    again = torchrun(tiny_config(shards, tmp_path / "again", *extra), tmp_path / "a")
-    assert [r["losses"] for r in again] == [r["losses"] for r in whole]  # bit-identical, every rank, every step
-    assert [r["digests"] for r in again] == [r["digests"] for r in whole]
+    for s, w in zip(stopped, whole, strict=True):  # bit-identical, every rank, every step up to the stop
+        assert s["losses"] == w["losses"][:5] and s["digests"] == w["digests"][:5]
     assert stopped[0]["steps"] == 5 and stopped[0]["checkpoints"][-1].endswith("step_00000005")
     assert resumed[0]["steps"] == 8
     assert_resumed_exactly(whole, stopped, resumed, stop=5, tolerance=0.0)
@@ -253,7 +253,7 @@ def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
     assert resumed[0]["images_seen"] == whole[0]["images_seen"] == 8 * 16
     lines = {
         next(line for line in (tmp_path / w / "output.log").read_text().splitlines() if "precision auto ->" in line)
-        for w in ("w", "a", "s")
+        for w in ("w", "s")
     }
     assert len(lines) == 1 and " (cpu:" in lines.pop()  # one rule, one answer, printed the same by every run
     printed = (tmp_path / "r" / "output.log").read_text()
