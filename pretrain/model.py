@@ -302,7 +302,8 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(D, eps=LN_EPS)
         self.grad_checkpointing = config.grad_checkpointing
         self._build_head(config.num_classes, config.representation_size, config.head_bias_init)
-        self._init_weights()
+        if not self.pos_embed.is_meta:  # a meta model is built to be loaded into: no values to initialize
+            self._init_weights()  # (and torch's meta `normal_` imports torch._dynamo, 1.5 s)
 
     # -------------------------------------------------------------- construction
 

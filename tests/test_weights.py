@@ -275,6 +275,24 @@ def test_safetensors_round_trip_is_exact(tmp_path):
             assert torch.equal(original[key], restored[key]), key
 
 
+def test_loading_weights_skips_the_initialization_and_torch_dynamo(tmp_path):
+    """A loaded model is built on the meta device and takes every value from the file: it is not initialized (on
+    meta tensors torch's `normal_` imports torch._dynamo, 1.5 s of every eval task and CLI that loads weights), and
+    the global generator is where it was."""
+    save_pretrained(build_model("vit_tiny_debug", representation_size=16), tmp_path / "m")
+    code = (
+        "import sys, torch\n"
+        "from pretrain.weights import load_pretrained\n"
+        "torch.manual_seed(0); expected = torch.rand(3)\n"
+        "torch.manual_seed(0); load_pretrained(sys.argv[1]); drawn = torch.rand(3)\n"
+        "print('torch._dynamo' in sys.modules, torch.equal(expected, drawn))\n"
+    )
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True"]
+
+
 def test_bf16_weights_load_as_fp32(tmp_path):
     model = build_model("vit_tiny_debug").to(torch.bfloat16)
     save_pretrained(model, tmp_path / "bf16")
