@@ -323,7 +323,7 @@ def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
     assert calls, "the compiled blocks did not trace the sigmoid-form GELU"
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
     build_model("vit_tiny_debug", num_classes=5).compile_blocks(compile_threads=2)
-    assert inductor_config.compile_threads == 1  # the variable decides, through Inductor's own reading of it
+    assert inductor_config.compile_threads == 1  # left as it was: with the variable set, Inductor's reading decides
 
 
 def test_initialization_follows_the_official_code():

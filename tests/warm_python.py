@@ -16,12 +16,14 @@ their exit statuses, in order. Run it with the environment and working folder th
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
 import sys
 import traceback
 import types
+from pathlib import Path
 
 
 def _exit_status(stop: SystemExit) -> int:
@@ -72,7 +74,7 @@ def _child(request: dict) -> None:
 
 def run_all(requests: list[dict], jobs: int) -> list[int]:
     """Fork a child per request, ``jobs`` at a time; their exit statuses in request order."""
-    statuses: list[int | None] = [None] * len(requests)
+    statuses = [0] * len(requests)
     running: dict[int, int] = {}  # pid -> index
     pending = iter(enumerate(requests))
     while True:
@@ -88,20 +90,18 @@ def run_all(requests: list[dict], jobs: int) -> list[int]:
                 _child(request)
             running[pid] = index
         if not running:
-            return [s if s is not None else -1 for s in statuses]
+            return statuses
         pid, wait_status = os.wait()
         statuses[running.pop(pid)] = os.waitstatus_to_exitcode(wait_status)
 
 
 def main() -> int:
-    args = sys.argv[1:]
-    jobs = 1
-    if "--jobs" in args:
-        at = args.index("--jobs")
-        jobs = int(args[at + 1])
-        del args[at : at + 2]
-    requests_path, results_path = args
-    requests = json.loads(open(requests_path).read())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("requests", type=Path)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--jobs", type=int, default=1, help="commands running at once")
+    args = parser.parse_args()
+    requests = json.loads(args.requests.read_text())
     import deepspeed  # noqa: F401  (torch, NumPy and what DeepSpeed pulls in)
     import mlflow  # noqa: F401
     import numpy  # noqa: F401
@@ -110,9 +110,7 @@ def main() -> int:
     import torch  # noqa: F401
     import yaml  # noqa: F401
 
-    statuses = run_all(requests, jobs)
-    with open(results_path, "w") as f:
-        json.dump(statuses, f)
+    args.results.write_text(json.dumps(run_all(requests, args.jobs)))
     return 0
 
 
