@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from collections import Counter
 
 import pytest
 from test_data_stream import UNEVEN, jpeg_bytes, make_shards
@@ -46,11 +47,19 @@ def test_truncated_shard_is_counted_not_silently_shortened(tmp_path, capsys):
     root = make_shards(tmp_path / "t")
     big = root / "shard-000003.tar"  # 40 samples
     data = big.read_bytes()
-    big.write_bytes(data[: len(data) // 2])
+    cut = len(data) // 2
+    with tarfile.open(big) as tar:  # a sample cut inside has some of its members whole (read), not all
+        members = tar.getmembers()
+    whole = Counter(m.name.split(".")[0] for m in members if m.offset_data + m.size <= cut)
+    every = Counter(m.name.split(".")[0] for m in members)
+    partial = [key for key, n in whole.items() if n < every[key]]
+    big.write_bytes(data[:cut])
     keys, stream = eval_keys(root)
     lost = sum(UNEVEN) - len(keys)
     assert 0 < lost < 40
-    assert stream.stats["truncated_shards"] == 1 and stream.stats["missing_samples"] == lost
+    # Every lost sample is counted: read in part (incomplete) or never reached (missing), none twice.
+    assert stream.stats["truncated_shards"] == 1 and stream.stats["incomplete_samples"] == len(partial)
+    assert stream.stats["missing_samples"] == lost - len(partial)
     others = {f"{k:06d}" for k in range(sum(UNEVEN))} - {f"{k:06d}" for k in range(3 + 17 + 5, 3 + 17 + 5 + 40)}
     assert others <= set(keys)  # every sample of the intact shards is still there
     train = TrainStream(

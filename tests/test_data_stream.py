@@ -41,7 +41,7 @@ def make_shards(root, sizes=UNEVEN, num_classes=NUM_CLASSES, member=None):
     rows, keys, k = [], [], 0
     for s, n in enumerate(sizes):
         name = SHARD_PATTERN.format(index=s)
-        with open(root / name, "wb") as f, wds.TarWriter(f, encoder=False, mtime=0.0) as w:
+        with open(root / name, "wb") as f, wds.TarWriter(f, encoder=False, mtime=0) as w:
             for _ in range(n):
                 key = f"{k:06d}"
                 sample = {"__key__": key, "jpg": jpeg_bytes(k), "cls": str(k % num_classes).encode()}

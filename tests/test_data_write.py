@@ -124,6 +124,8 @@ def test_rerun_after_interruption_is_byte_identical(folder_source, tmp_path, mon
     for name in clean:
         assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
     assert {(m[1], m[2], m[3]) for m in read_members(tmp_path / "clean" / "shard-000000.tar")} == {(0, 0, "vitscale")}
+    with tarfile.open(tmp_path / "clean" / "shard-000000.tar") as tar:  # plain ustar: one 512-byte header a member
+        assert not any(m.pax_headers for m in tar.getmembers())  # (a float mtime added a PAX header to each)
 
 
 def test_exclude_like_drops_images_of_an_eval_set(folder_source, tmp_path):
