@@ -195,7 +195,8 @@ def test_eval_tasks_run_on_the_gpu_ray_gave_them():
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys, ray_auth_off):
+def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys, ray_auth_off,
+                                                                mlflow_uri):  # fmt: skip
     """The restarted group redoes steps 11..~15 (already logged to MLflow), and keep_last=1 would delete the
     checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot."""
     import ray
@@ -207,7 +208,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     from evals.suites import load_suite
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     base = load_profile("local")
     profile = dataclasses.replace(
         base,

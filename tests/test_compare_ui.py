@@ -55,8 +55,8 @@ def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_real_ui_serves_the_store_on_loopback_only(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_real_ui_serves_the_store_on_loopback_only(mlflow_uri):
+    uri = mlflow_uri
     create_run(uri, "ui-check", "visible-run", {"model": {"name": "vit_tiny_debug"}}, {})
     port = _free_port()
     proc = subprocess.Popen(

@@ -35,10 +35,10 @@ def ray_local():
 
 
 @pytest.fixture
-def mlflow_run(tmp_path):
+def mlflow_run(mlflow_uri):
     from tracking.runs import create_run
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     return uri, create_run(uri, "evals", "test", {}, {})
 
 

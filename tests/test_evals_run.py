@@ -63,12 +63,12 @@ MIXED_METRICS = {
 
 
 @pytest.mark.timeout(300)
-def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path):
+def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
     from tracking.runs import create_run
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     run_id = create_run(uri, "evals-test", "tiny", params={"model": {"name": "vit_tiny_debug"}})
     suite = write_suite(tmp_path, "tiny_mixed", MIXED)
     table = run_suite(checkpoint, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri, num_threads=2)
@@ -168,7 +168,7 @@ def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
         run_suite(checkpoint, many, data_root=data_root, out=tmp_path / "o")
 
 
-def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys):
+def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys, mlflow_uri):
     from tracking.runs import create_run
 
     unfinished = tmp_path / "step_00000300"
@@ -192,7 +192,7 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys)
     (bad_seed / "trainer_state.json").write_text(json.dumps({"step": 5}))
     (bad_seed / "config.yaml").write_text("recipe: x\nseed: abc\n")
     (bad_seed / "COMPLETE").write_text("")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     create_run(uri, "evals-errors", "run", params={})
     capsys.readouterr()  # MLflow's own log lines from creating the store
     ckpt, suite = ["--checkpoint", str(checkpoint)], ["--suite", "local_fewshot", "--data-root", str(data_root)]
@@ -230,7 +230,7 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys)
 
 
 @pytest.mark.timeout(300)
-def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_path):
+def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_path, mlflow_uri):
     """An exported folder (`pretrain.weights convert`, save_pretrained), an official .npz and a checkpoint folder;
     --step names the MLflow step of weights that carry none (default 0), a checkpoint keeps its own."""
     import numpy as np
@@ -244,7 +244,7 @@ def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_p
     np.savez(npz, **official_arrays(width=32, depth=2, heads=4, mlp=64, patch=4, grid=8, num_classes=5))
     converted = tmp_path / "converted"
     weights_main(["convert", str(npz), str(converted)])  # model.safetensors + model.json, no step, no COMPLETE
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     run_id = create_run(uri, "evals-any-weights", "run", params={})
     suite = write_suite(tmp_path, "any", "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n    seeds: [0]\n")
     common = ["--suite", str(suite), "--data-root", str(data_root), "--num-threads", "1"]

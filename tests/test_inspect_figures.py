@@ -50,7 +50,7 @@ def test_run_inspection_writes_every_figure(tmp_path, pool):
 
 
 @pytest.mark.timeout(300)
-def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(tmp_path):
+def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(tmp_path, mlflow_uri):
     """configs/evals/inspect.yaml through evals.run on real digits shards, a checkpoint folder and a SQLite MLflow."""
     import json
 
@@ -68,7 +68,7 @@ def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(t
     save_pretrained(build_model("vit_tiny_debug", num_classes=10), checkpoint)
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 50, "images_seen": 3200}))
     (checkpoint / "COMPLETE").write_text("")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     run_id = create_run(uri, "inspect-test", "tiny", params={"model": {"name": "vit_tiny_debug"}})
 
     table = run_suite(checkpoint, "inspect", data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri)

@@ -340,12 +340,12 @@ def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shar
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, train_cli, tmp_path):
+def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, train_cli, tmp_path, mlflow_uri):
     # logging.mlflow_experiment without a run id: the trainer creates the MLflow run, so it must end it too (before,
     # such runs stayed RUNNING for good); stopped at stop_at_step is FINISHED, a diverged run FAILED.
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     common = [f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8",
               "data.micro_batch_size=8", "data.streams=4", "schedule.total=4", "schedule.warmup=1",
               "logging.progress_bar=false", "deepspeed.precision=fp32", f"logging.mlflow_tracking_uri={uri}",
@@ -370,7 +370,7 @@ def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, tr
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_steps(
-    tiny_fractal_shards, train_env, tmp_path
+    tiny_fractal_shards, train_env, tmp_path, mlflow_uri
 ):
     # The tracker sends at most once a second; the checkpoint of step 3 is published only once steps 1-3 are in the
     # MLflow run (Tracker.sync before the save). The process dies the moment the checkpoint is COMPLETE (os._exit: no
@@ -380,7 +380,7 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
 
     from tracking.runs import create_run
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     run_id = create_run(uri, "lost", "local_demo", {}, {})
     config = load_config("local_demo", [
         f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8", "data.micro_batch_size=8",
