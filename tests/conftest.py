@@ -178,6 +178,18 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def eval_data_root(tmp_path_factory) -> Path:
+    """A data root holding the built-in digits and dsprites_loc at their default sizes, generated once per pytest run
+    like ``tiny_fractal_shards`` (about 7 s each time it is built), for tests that read them and never write there."""
+    from data_pipeline.builtin import ensure
+
+    root = _run_root(tmp_path_factory) / "eval_data"
+    for name in ("digits", "dsprites_loc"):
+        ensure(name, root)
+    return root
+
+
+@pytest.fixture(scope="session")
 def local_demo_data(tmp_path_factory) -> Path:
     """A shard root holding local_demo's training set (rcdb, 64 classes x 60 images at 32 px, as the recipe builds
     it), generated once per pytest run like ``tiny_fractal_shards``: what `make launch` writes under the project's

@@ -17,14 +17,9 @@ from pretrain.weights import save_pretrained
 PROJECT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    from data_pipeline.builtin import ensure
-
-    root = tmp_path_factory.mktemp("data")
-    for name in ("digits", "dsprites_loc"):
-        ensure(name, root)
-    return root
+@pytest.fixture
+def data_root(eval_data_root):
+    return eval_data_root  # shared by every worker of the run: read, never written
 
 
 @pytest.fixture(scope="module")
