@@ -252,8 +252,12 @@ def zero_stages(spec: TrainSpec, out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m bench.gpu_train SPEC.json OUT.json (started by python -m bench.gpu)"
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(args) != 2:
-        print("usage: python -m bench.gpu_train SPEC.json OUT.json (started by python -m bench.gpu)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     spec = TrainSpec(**json.loads(Path(args[0]).read_text()))
     out_path, out = Path(args[1]), {}

@@ -101,6 +101,17 @@ def _fs_and_path(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path.rstrip("/")
 
 
+def _read_parquet(fs: fsspec.AbstractFileSystem, file: str) -> list[dict[str, Any]]:
+    """The rows of a small Parquet file behind fsspec, read and decoded on the calling thread.
+
+    Arrow's threads must never hold bytes that came from a Python file object: a pool thread that drops the last
+    reference to one takes the GIL, and at interpreter exit CPython ends such a thread with ``pthread_exit``, whose
+    unwinding through Arrow's C++ aborts the process ("terminate called without an active exception", exit 134,
+    about 1 run in 75 of a CLI that read a manifest; docs/reference.md, "Ending a process")."""
+    with fs.open(file, "rb") as f:
+        return pq.ParquetFile(f, pre_buffer=False).read(use_threads=False).to_pylist()
+
+
 def join_url(root: str | Path, name: str) -> str:
     """Join a member name onto a folder URL, keeping the URL's scheme (``file://``, ``s3://``)."""
     root = str(root)
@@ -175,8 +186,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     # As with dataset.json, any way a table fails to parse (not Parquet, a missing column, a wrong type) is one
     # finding, "this file is damaged", never a traceback.
     try:
-        with fs.open(posixpath.join(path, MANIFEST_FILE), "rb") as f:
-            manifest = pq.ParquetFile(f).read().to_pylist()  # ParquetFile: no pyarrow.dataset import, ~1 s per rank
+        manifest = _read_parquet(fs, posixpath.join(path, MANIFEST_FILE))
         shards = tuple(
             ShardInfo(
                 url=join_url(root, r["url"]), samples=int(r["samples"]), bytes=int(r["bytes"]), sha256=r["sha256"]
@@ -188,8 +198,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     class_names: tuple[str, ...] = ()
     if fs.exists(posixpath.join(path, CLASSES_FILE)):
         try:
-            with fs.open(posixpath.join(path, CLASSES_FILE), "rb") as f:
-                rows = sorted(pq.ParquetFile(f).read().to_pylist(), key=lambda r: r["label"])
+            rows = sorted(_read_parquet(fs, posixpath.join(path, CLASSES_FILE)), key=lambda r: r["label"])
             class_names = tuple(str(r["name"]) for r in rows)
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise _damaged(root, CLASSES_FILE, error) from None
@@ -298,7 +307,7 @@ def iter_samples(shard_dir: str | Path, columns: list[str] | None = None, batch_
                 raise ShardFormatError(
                     f"{file} has no column(s) {sorted(missing)}; rewrite it with `python -m data_pipeline.write`"
                 )
-            yield from parquet.iter_batches(batch_size=batch_rows, columns=columns)
+            yield from parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)  # _read_parquet
     except FileNotFoundError:
         raise ShardFormatError(f"{file} is missing; write the folder with `python -m data_pipeline.write`") from None
     except (OSError, pa.ArrowInvalid) as error:
@@ -378,8 +387,7 @@ def rewrite_reader_indexes(shard_dir: str | Path) -> None:
     """Add (or redo) the reader indexes of a local split folder from its manifest, e.g. one written before them."""
     info = read_dataset_info(shard_dir)
     root = Path(shard_dir)
-    with open(root / MANIFEST_FILE, "rb") as f:
-        rows = pq.ParquetFile(f).read().to_pylist()
+    rows = pq.ParquetFile(root / MANIFEST_FILE).read().to_pylist()  # a path: Arrow reads it without Python
     write_reader_indexes(root, rows, dict(name=info.name, split=info.split), info.num_classes)
 
 
