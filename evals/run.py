@@ -40,14 +40,14 @@ from safetensors import SafetensorError
 
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.suites import EVALUATORS, load_suite
-from pretrain import checksums, run_folder
+from pretrain import run_folder, weights_source
 from pretrain.model import VisionTransformer
 from pretrain.weights import load_model as load
 from pretrain.weights import resize_model
 from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
 
 ACCEPTED = (
-    "pass a training checkpoint folder (with COMPLETE), a folder written by save_pretrained / "
+    "pass a training checkpoint folder (with COMPLETE), a run folder, a folder written by save_pretrained / "
     "`python -m pretrain.weights convert` (model.safetensors + model.json) or an official .npz"
 )
 
@@ -65,7 +65,8 @@ class CheckpointError(ValueError):
 
 
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
-    """``(load_model(image_size=None), step, default_out_dir)`` for any weights ``pretrain.weights.load_model`` reads.
+    """``(load_model(image_size=None), step, default_out_dir, path)`` for any weights source
+    (`pretrain.weights_source`: a run folder means its newest COMPLETE checkpoint, which ``path`` names).
 
     ``step`` is the MLflow step for weights that carry none (default 0). A training checkpoint logs at its own
     step: a different ``step`` for it is an error (its results would be filed under another step). Whether the
@@ -73,19 +74,13 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
-    path = Path(checkpoint)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; {ACCEPTED}")
-    if path.is_file() and path.name in (run_folder.WEIGHTS_FILE, run_folder.CONFIG_FILE):
-        path = path.parent  # one file of a weights folder stands for the folder (as load_model reads it)
+    if not Path(checkpoint).exists():
+        raise CheckpointError(f"checkpoint {checkpoint} does not exist; {ACCEPTED}")
+    try:
+        path = weights_source.resolve(checkpoint)  # a run folder: its newest COMPLETE checkpoint, verified
+    except (FileNotFoundError, weights_source.DamagedCheckpointError) as error:
+        raise CheckpointError(str(error)) from None
     if run_folder.looks_like_checkpoint(path):  # else exported weights: no COMPLETE, no step of their own
-        # The files an eval reads must be as saved, before any is read (trainer_state.json included).
-        verdict = checksums.verify(path, only=checksums.WEIGHT_FILES) if run_folder.is_complete(path) else None
-        if verdict is not None and not verdict.ok:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {verdict.problem}; evaluate an intact one (`python -m "
-                "pretrain.checkpoint verify <run folder>` lists them)"
-            )
         try:
             own = run_folder.open_checkpoint(path).step
         except ValueError as error:  # no COMPLETE marker, or a trainer state without a step
@@ -106,13 +101,16 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     def load_model(image_size: int | None = None):
         return load(path, image_size=image_size)
 
-    return load_model, 0 if step is None else step, default_out
+    return load_model, 0 if step is None else step, default_out, path
 
 
 def init_seed(checkpoint: str | Path) -> int:
     """The seed the trainer built a checkpoint's step-0 model with: ``seed`` of the resolved recipe it saved
     (``config.yaml``); 0, every recipe's default, for weights that carry no recipe (an export, an .npz)."""
-    path = Path(checkpoint)
+    try:
+        path = weights_source.resolve(checkpoint)
+    except (OSError, ValueError):  # said by the suite's own load, with the same message
+        path = Path(checkpoint)
     recipe = path / run_folder.CONFIG_YAML if path.is_dir() else None
     if recipe is None or not recipe.is_file():
         return 0
@@ -177,7 +175,7 @@ def run_suite(
             "random-init results are not logged to MLflow (a run's random-init baseline is its step 0); "
             "drop the MLflow run id for the random-init evaluation"
         )
-    load_model, step, default_out = open_checkpoint(checkpoint, step)
+    load_model, step, default_out, path = open_checkpoint(checkpoint, step)
     out_dir = Path(out) if out is not None else default_out
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"output folder {out_dir} is a file; pass --out a folder (it is created if absent)")
@@ -211,7 +209,7 @@ def run_suite(
 
     records = [{**asdict(r), "suite": config.name, "step": step} for r in rows]
     columns = {c: [rec[c] for rec in records] for c in RESULT_COLUMNS}
-    source = str(Path(checkpoint))
+    source = str(path)
     if random_init_seed is not None:
         source = f"random init (seed {random_init_seed}) shaped as {source}"
     columns["checkpoint"] = [source] * len(records)

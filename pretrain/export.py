@@ -32,13 +32,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from data_pipeline.manifest import read_dataset_info
-from pretrain import checksums, run_folder
+from pretrain import run_folder
 from pretrain.hf_convert import config_from_hf_dict, hf_config_dict, state_dict_from_hf, to_hf_state_dict
 from pretrain.model import VisionTransformer, ViTConfig
 from pretrain.run_folder import CONFIG_YAML, WEIGHTS_FILE
+from pretrain.weights_source import HF_CONFIG
 
 FORMATS = ("hf", "npz")
-HF_CONFIG = "config.json"
 HF_PREPROCESSOR = "preprocessor_config.json"
 NPZ_NAME = "model.npz"  # the file written when OUT is a folder
 # VT's pre-Linen block names (call order): what the official repo writes and every official loader reads.
@@ -46,22 +46,6 @@ _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", 
 
 
 # --------------------------------------------------------------------------------------------- the source
-
-
-def resolve_source(source: Path) -> Path:
-    """The weights ``source`` names: a run folder (or its ``checkpoints/``) → its newest COMPLETE checkpoint; a
-    checkpoint whose weights' checksums do not match → ValueError naming the file; anything else as it is."""
-    run = source.parent if source.name == run_folder.CHECKPOINTS else source
-    if source.is_dir() and not run_folder.looks_like_checkpoint(source) and (run / run_folder.CHECKPOINTS).is_dir():
-        latest = run_folder.latest_checkpoint(run)
-        if latest is None:
-            raise FileNotFoundError(f"{source} is a run folder without a COMPLETE checkpoint; nothing to export yet")
-        source = latest
-    if run_folder.is_complete(source):
-        verdict = checksums.verify(source, only=checksums.WEIGHT_FILES)
-        if not verdict.ok:
-            raise ValueError(f"{source} is damaged: {verdict.problem}; export another checkpoint of the run")
-    return source
 
 
 def checkpoint_step(source: Path) -> int | None:

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pretrain import run_folder
-from pretrain.export import FORMATS, HF_CONFIG, checkpoint_step, class_names, export, is_hf_folder, read_hf_folder
-from pretrain.export import resolve_source as export_source
+from pretrain import run_folder, weights_source
+from pretrain.export import FORMATS, checkpoint_step, class_names, export, is_hf_folder, read_hf_folder
 from pretrain.flops import describe
 from pretrain.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.model import VisionTransformer, ViTConfig
@@ -484,12 +483,11 @@ def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = N
 
 
 def load_model(source: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """Any weights vitscale reads: an official `.npz`, a training checkpoint folder, a `save_pretrained` folder or
-    an HF ViT folder (`config.json` + `model.safetensors`, e.g. an export) (or one file of such a folder)."""
-    source = Path(source)
+    """Any weights source (`pretrain.weights_source`): an official `.npz`, a training checkpoint, a run folder (its
+    newest COMPLETE checkpoint), a `save_pretrained` folder or an HF ViT folder (`config.json` + `model.safetensors`,
+    e.g. an export), or one file of such a folder."""
+    source = weights_source.resolve(source)
     if source.is_file():
-        if source.name in (WEIGHTS_FILE, CONFIG_FILE, HF_CONFIG):  # one file of a weights folder: the folder
-            return load_model(source.parent, image_size=image_size, **overrides)
         if source.suffix == ".safetensors":
             _read_safetensors(source)  # a damaged file is the first thing to say
             raise ValueError(
@@ -500,7 +498,7 @@ def load_model(source: str | Path, image_size: int | None = None, **overrides) -
         return load_npz(source, image_size=image_size, **overrides)  # reads the format off the bytes, not the name
     if not source.is_dir():
         raise FileNotFoundError(
-            f"no file or folder at {source}; pass an official .npz, a training checkpoint folder or a folder "
+            f"no file or folder at {source}; pass an official .npz, a training checkpoint or run folder, or a folder "
             "written by save_pretrained / `python -m pretrain.weights convert`"
         )
     if run_folder.looks_like_checkpoint(source):
@@ -509,13 +507,10 @@ def load_model(source: str | Path, image_size: int | None = None, **overrides) -
         config, state = read_hf_folder(source)
         return _finish(config, state, source, image_size, overrides)
     if not (source / WEIGHTS_FILE).exists() and not (source / CONFIG_FILE).exists():
-        run = source.parent if source.name == run_folder.CHECKPOINTS else source  # a run folder or its checkpoints/
-        latest = run_folder.latest_checkpoint(run)
-        hint = f"; it looks like a run folder: pass its checkpoint {latest}" if latest else ""
         raise FileNotFoundError(
             f"{source} holds no weights (no {WEIGHTS_FILE} + {CONFIG_FILE}, no COMPLETE checkpoint); pass "
-            "an official .npz, a training checkpoint folder (<run>/checkpoints/step_XXXXXXXX) or a folder written by "
-            f"save_pretrained / `python -m pretrain.weights convert`{hint}"
+            "an official .npz, a training checkpoint folder (<run>/checkpoints/step_XXXXXXXX), a run folder or a "
+            "folder written by save_pretrained / `python -m pretrain.weights convert`"
         )
     return load_pretrained(source, image_size=image_size, **overrides)
 
@@ -552,7 +547,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _export(args: argparse.Namespace) -> VisionTransformer:
     """The export command: resolve SOURCE, load, write OUT, and log it to MLflow when asked."""
-    source = export_source(args.source)
+    source = weights_source.resolve(args.source)
     model = load_model(source, image_size=args.image_size)
     written = export(model, args.out, args.format, labels=class_names(source, model.config.num_classes))
     print(f"wrote {written}")

@@ -22,6 +22,7 @@ import pytest
 import torch
 from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
+from evals.run import open_checkpoint
 from pretrain import checksums
 from pretrain.model import MODEL_NAMES, VARIANTS, VisionTransformer, model_config
 from pretrain.run_folder import COMPLETE, TrainerState
@@ -212,13 +213,16 @@ def _checkpoint(run: Path, step: int, model: VisionTransformer, complete: bool =
     return folder
 
 
-def test_a_run_folder_exports_its_newest_complete_checkpoint(tmp_path, capsys):
+def test_a_run_folder_means_its_newest_complete_checkpoint_to_export_load_and_evals(tmp_path, capsys):
     models = {step: _random(model_config("vit_tiny_debug", num_classes=4, depth=1 + step)) for step in (1, 2, 3)}
     for step, model in models.items():
         _checkpoint(tmp_path / "run", step, model, complete=step < 3)
     for source in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
         assert _export(source, tmp_path / "hf", capsys=capsys) == 0
         assert transformers.ViTConfig.from_pretrained(tmp_path / "hf").num_hidden_layers == 3  # step 2's model
+        assert load_model(source).config.depth == 3
+        load, step, out, path = open_checkpoint(source)
+        assert (step, path.name, out) == (2, "step_00000002", path / "evals") and load().config.depth == 3
     assert _export(tmp_path / "run" / "checkpoints" / "step_00000003", tmp_path / "x") == 2
     assert "has no COMPLETE marker" in capsys.readouterr().err
 
