@@ -28,7 +28,11 @@ Order of work (all on the Ray head, inside the job):
    A rank that hangs without dying (SIGSTOP, a stuck collective or read) would hold the group until the collective
    timeout: each worker reports its progress (`pretrain.heartbeat`) and the driver's watchdog thread
    (`cluster.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank has
-   progressed within the allowance, so that the same restart path takes over.
+   progressed within the allowance, so that the same restart path takes over; its allowances at the start and in a
+   first save are the plan's (`cluster.plan.startup_allowance`), a later save's follow the saves measured.
+   A worker error that a restart would only repeat (a checkpoint save that failed: a full disk) is not retried: the
+   job fails at once with the save's message, in the log and in the MLflow tag `vitscale.failure`
+   (`cluster.watchdog.final_failures_callback`).
 4. Wait for pending evals (at most `evals.timeout_s`; an eval that failed is recorded as such), then
    `cluster.job_record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
    metrics, the headline metric's gain over step 0), print and log the goodput ledger (`cluster.goodput`, logged
@@ -45,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -53,9 +58,10 @@ from cluster.eval_scheduler import EvalScheduler
 from cluster.goodput import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.job_record import JobEnd, finish_job, record_placement
 from cluster.plan import Plan
-from cluster.profiles import ClusterProfile, profile_from_dict, profile_to_dict
-from cluster.watchdog import Watchdog, identity, install_stack_dump
-from pretrain import collector
+from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
+from cluster.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
+from pretrain import collector, run_folder
+from pretrain.checkpoint_writes import SaveAttempt
 from pretrain.config import TrainConfig
 from pretrain.heartbeat import Heartbeat, heartbeat_path
 from pretrain.run_folder import pin_checkpoint, release_pins
@@ -64,18 +70,23 @@ from tracking.runs import open_job_run, run_tags
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
+# Tag: why training failed, in one line (a failed save's own message). TODO: move to tracking/keys.py.
+FAILURE_TAG = "vitscale.failure"
 
 
 @dataclass(frozen=True)
 class FaultInjection:
     """Chaos hook for tests and drills: `delay_s` after checkpoint step >= `after_step`, rank `rank` exits abruptly
     (`kind` "exit": a lost worker) or stops itself with SIGSTOP ("stop": a hung rank, which only the watchdog
-    notices), once per run folder (a marker file there, saying when, makes the restarted worker group run through)."""
+    notices), once per run folder (a marker file there, saying when, makes the restarted worker group run through).
+    Besides, with `full_disk_after` set, every save after checkpoint step `full_disk_after` fails on rank `rank` as on
+    a full disk, in every attempt (its writes go to /dev/full, whose writes fail with the kernel's ENOSPC)."""
 
     rank: int
     after_step: int
     delay_s: float = 0.0
     kind: Literal["exit", "stop"] = "exit"
+    full_disk_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("exit", "stop"):
@@ -163,6 +174,8 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     heartbeat = Heartbeat(heartbeat_path(run_dir, rank), identity(rank, world_size))
     scheduler = loop_config["scheduler"]
     fault = loop_config.get("fault")
+    if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
+        _fill_disk(fault["full_disk_after"])
 
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         heartbeat.saved()
@@ -203,6 +216,25 @@ def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
     threading.Timer(fault["delay_s"], strike).start()
 
 
+def _fill_disk(after_step: int) -> None:
+    """This process's saves of checkpoints after step ``after_step`` fail as on a full disk: each of their writes
+    (`pretrain.checkpoint_writes.SaveAttempt.write`) becomes a write to /dev/full, which the kernel fails with
+    ENOSPC. Only the fault's rank, in its own process: the save's agreement makes every rank fail alike."""
+
+    def full() -> None:
+        with open("/dev/full", "wb") as out:
+            out.write(b"\0" * 4096)
+            out.flush()
+
+    write = SaveAttempt.write
+
+    def write_or_fail(attempt: SaveAttempt, path: Path, action: Callable[[], object], record: bool = True) -> None:
+        step = run_folder.parse_step(attempt.staging.name.removesuffix(run_folder.STAGING_SUFFIX))
+        write(attempt, path, full if step is not None and step > after_step else action, record)
+
+    SaveAttempt.write = write_or_fail  # type: ignore[method-assign]
+
+
 def _floats(d: dict) -> dict[str, float]:
     return {str(k): float(v) for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
@@ -240,7 +272,7 @@ def run_job(
         num_gpus=profile.evals.num_gpus,
     )
     trainer = _torch_trainer(spec, config, scheduler)
-    watchdog = Watchdog(run_dir, profile.hang, Tracker(uri, run_id, rank=0)).start()
+    watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0)).start()
     clock.fit_at = time.time()  # from here Ray Train places the worker group (docs/goodput.md)
     goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0)).start()
     started = time.monotonic()
@@ -255,7 +287,11 @@ def run_job(
         goodput.stop()
     if error is not None:
         status = "FAILED"
-        print(f"training failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        why = failure_line(error)
+        print(f"training failed: {why}", file=sys.stderr, flush=True)
+        tracker = Tracker(uri, run_id, rank=0)
+        tracker.set_tags({FAILURE_TAG: why[:4000]})
+        tracker.close()
     train_s = time.monotonic() - started
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     # Evals never hold the job's end beyond evals.timeout_s: what is still running then is recorded as failed.
@@ -263,6 +299,26 @@ def run_job(
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
     finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, end)
     return 0 if status == "FINISHED" else 1
+
+
+def job_hang(spec: JobSpec) -> HangSpec:
+    """The watchdog's allowances for this job: the profile's `hang` section with the plan's start and first-save
+    allowances (`cluster.plan.startup_allowance`, at least the profile's; a plan without them keeps the profile's)."""
+    hang, startup = spec.profile.hang, spec.plan.get("startup") or {}
+    return replace(
+        hang,
+        startup_s=startup.get("startup_s", hang.startup_s),
+        checkpoint_s=startup.get("first_save_s", hang.checkpoint_s),
+    )
+
+
+def failure_line(error: BaseException) -> str:
+    """Why training failed, for the log and the MLflow run: a final worker error's own message (Ray Train hands it
+    over as a `ControllerError`, `cluster.watchdog.FinalFailure`), else the error as Ray raised it."""
+    cause = getattr(error, "controller_failure", None)
+    if isinstance(cause, FinalFailure):
+        return str(cause)
+    return f"{type(error).__name__}: {error}"
 
 
 def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
@@ -296,6 +352,8 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
             name=run_dir.name,
             storage_path=str(run_dir.parent),
             failure_config=FailureConfig(max_failures=profile.max_failures),
+            # A worker error a restart would only repeat (a failed checkpoint save) ends the job at once.
+            callbacks=[final_failures_callback()],
             # Before the worker process imports anything: thread counts, and print() said once (worker_env).
             worker_runtime_env={"env_vars": worker_env(profile)},
         ),

@@ -10,12 +10,15 @@ from `pretrain.flops` (of the model the task trains: `pretrain.tasks.planned_mod
 `format_plan` prints it, a line per part.
 
 The plan also says what the run needs that this machine may lack (the fsspec filesystem of remote storage, an
-optional extra of vitscale: `cluster.storage`) and whether activation checkpointing is worth its recompute.
+optional extra of vitscale: `cluster.storage`), which extras the job's Ray runtime env installs (`runtime_pip`: the
+storage's, and vitscale[hf] where the job logs its final model to MLflow) and whether activation checkpointing is
+worth its recompute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import shutil
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ from cluster.calibrate import Measured
 from cluster.data_plan import data_wait, loader_host_bytes
 from cluster.memory import MemoryPlan
 from cluster.profiles import ClusterProfile
-from cluster.storage import STORAGE_EXTRAS, missing_storage, storage_extras, storage_urls, url_scheme
+from cluster.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from pretrain import flops, optim, run_folder, tasks
@@ -39,6 +42,7 @@ from pretrain.config import (
     recipe_path,
 )
 from pretrain.ds_config import BatchPlan, batch_plan, valid_world_sizes
+from pretrain.hf_convert import hf_config_dict
 from pretrain.model import ViTConfig, model_config
 from pretrain.peak import Peak, cpu_peak, gpu_peak
 from pretrain.precision import StepShape, cpu_bf16_units, decide
@@ -58,9 +62,39 @@ class PlanError(ValueError):
     """The plan cannot run as configured; the message names the problem and settings that would fix it."""
 
 
-def storage_pip(plan: dict) -> list[str]:
-    """pip requirements of the extras a plan's storage needs (`Plan.to_dict()`): a Ray runtime env's `pip`."""
-    return [STORAGE_EXTRAS[name].requirement for name in plan["data"]["storage_extras"]]
+# The vitscale extra the job's driver needs to log the final model to MLflow (`cluster.job_record.log_final_model`
+# exports it as an HF ViT folder): = pyproject.toml [project.optional-dependencies] hf (a test keeps them equal).
+HF_EXTRA = StorageExtra("hf", "transformers>=4.45,<6", "transformers")
+EXTRAS = {**STORAGE_EXTRAS, HF_EXTRA.name: HF_EXTRA}  # every extra a job's runtime env may install, by name
+
+
+def runtime_pip(plan: dict) -> list[str]:
+    """pip requirements of the extras the job's Ray runtime env installs (`Plan.runtime_extras`, of
+    `Plan.to_dict()`): a runtime env's `pip`, empty when there is nothing to install."""
+    return [EXTRAS[name].requirement for name in plan.get("runtime_extras", ())]
+
+
+def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
+    """(whether the job's end logs its final model to MLflow, what the plan says about it). Only a model HF's ViT
+    can hold is logged (class token, no pre-logits layer, no hybrid stem: `pretrain.hf_convert`); it needs
+    transformers where the driver runs."""
+    try:
+        hf_config_dict(vit)
+    except ValueError:
+        return False, "the final model is not logged to MLflow: HF's ViT has no pre-logits, gap pool or hybrid stem"
+    if profile.is_local and importlib.util.find_spec(HF_EXTRA.module) is None:
+        return False, f"the final model is not logged to MLflow: no {HF_EXTRA.module} here (pip install -e '.[hf]')"
+    return True, "the final model is logged to MLflow at the job's end"
+
+
+def _runtime_extras(profile: ClusterProfile, data: DataPlan, logs_model: bool) -> tuple[str, ...]:
+    """The vitscale extras the job's Ray runtime env installs over the cluster's packages: the storage's, and hf
+    when the job logs its final model. A `local` job runs in this environment: only a storage extra it lacks (the
+    run cannot read its data without it), never one it has, and never hf (the model is a convenience, and a
+    runtime-env pip install needs the network)."""
+    if profile.is_local:
+        return tuple(n for n in data.storage_extras if importlib.util.find_spec(EXTRAS[n].module) is None)
+    return (*data.storage_extras, *((HF_EXTRA.name,) if logs_model else ()))
 
 
 def _relocate(path: str, root: str) -> str:
@@ -279,7 +313,10 @@ class Plan:
     memory: MemoryPlan
     data: DataPlan
     baseline_eval: str  # the step-0 baseline eval: what it costs, or why there is none
+    startup: StartupAllowance  # the watchdog's allowance before the first step and in a first save
     elastic_ends: tuple[ElasticEnd, ...] = ()  # elastic profiles: (at workers.min, at workers.max); () when fixed
+    runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs (`runtime_pip`)
+    final_model: str = ""  # whether the job's end logs the final model to MLflow (or why not), in words
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -301,6 +338,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     )
     if does_not_fit:
         raise PlanError(does_not_fit)
+    logs_model, final_model = _final_model(profile, vit)
     plan = Plan(
         recipe=config.recipe,
         run_name=Path(config.checkpoint.dir).name,
@@ -311,6 +349,9 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         memory=mem,
         data=data,
         baseline_eval=_baseline_eval(config, model.num_params),
+        startup=startup_allowance(profile, model.num_params),
+        runtime_extras=_runtime_extras(profile, data, logs_model),
+        final_model=final_model,
     )
     if profile.workers.elastic:
         plan = dataclasses.replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
@@ -571,6 +612,58 @@ def _baseline_eval(config: TrainConfig, num_params: int) -> str:
     return (
         f"the step-0 weights are saved before the first update (a checkpoint of ~{size:.2g} GB) and evaluated with "
         f"{config.evals.suite} like every checkpoint; evals.baseline=false skips both"
+    )
+
+
+# The watchdog's allowance from a worker's start to its first step, term by term (`startup_allowance`): estimates, so
+# the allowance is ALLOWANCE_MARGIN times their sum, and never below the profile's hang.startup_s.
+PROCESS_START_S = 60.0  # Ray starting a worker, its imports (docs/performance.md "A rank's start"), the process group
+ENGINE_S_PER_GPARAM = 60.0  # building the model and DeepSpeed's engine around it, per 1e9 parameters
+ALLOWANCE_MARGIN = 2.0  # an allowance too short kills a healthy group: a restart, charged to max_failures
+
+
+@dataclass(frozen=True)
+class StartupAllowance:
+    """How long the watchdog lets a worker group go without a report from its start to its first step
+    (``startup_s``), and in a save before one was measured (``first_save_s``): `startup_allowance`. The driver hands
+    both to the watchdog (`cluster.driver.job_hang`)."""
+
+    terms: tuple[tuple[str, float], ...]  # (what, estimated seconds), in the order a start does them
+    estimate_s: float  # their sum
+    floor_s: float  # the profile's hang.startup_s
+    startup_s: float  # max(floor_s, margin x estimate_s)
+    checkpoint_gb: float  # one checkpoint: CHECKPOINT_BYTES_PER_PARAM bytes a parameter
+    write_mb_per_s: float  # the checkpoint storage's write rate assumed (the profile's hang.write_mb_per_s)
+    save_floor_s: float  # the profile's hang.checkpoint_s
+    first_save_s: float  # max(save_floor_s, margin x the checkpoint's write)
+    margin: float = ALLOWANCE_MARGIN
+
+
+def startup_allowance(profile: ClusterProfile, num_params: int) -> StartupAllowance:
+    """The start allowance: margin x (a worker process's start + the model and engine build + one checkpoint at the
+    storage's assumed write rate: the step-0 save of a fresh run or the load of a resumed one, reads assumed no
+    slower + for an elastic job, the universal conversion rank 0 makes of a checkpoint written at another world size:
+    read and written again), at least the profile's hang.startup_s. A later refinement is one more term."""
+    hang = profile.hang
+    checkpoint_gb = num_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
+    write_s = checkpoint_gb * 1e3 / hang.write_mb_per_s
+    terms = [
+        ("process start", PROCESS_START_S),
+        ("model and engine", ENGINE_S_PER_GPARAM * num_params / 1e9),
+        ("checkpoint", write_s),
+    ]
+    if profile.workers.elastic:
+        terms.append(("universal conversion", 2 * write_s))
+    estimate = sum(seconds for _, seconds in terms)
+    return StartupAllowance(
+        terms=tuple(terms),
+        estimate_s=estimate,
+        floor_s=hang.startup_s,
+        startup_s=max(hang.startup_s, ALLOWANCE_MARGIN * estimate),
+        checkpoint_gb=checkpoint_gb,
+        write_mb_per_s=hang.write_mb_per_s,
+        save_floor_s=hang.checkpoint_s,
+        first_save_s=max(hang.checkpoint_s, ALLOWANCE_MARGIN * write_s),
     )
 
 

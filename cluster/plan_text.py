@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from cluster.data_plan import DataWait, data_wait_line
-from cluster.plan import DataPlan, Plan
+from cluster.plan import EXTRAS, DataPlan, Plan
 from cluster.storage import STORAGE_EXTRAS
 
 
@@ -40,11 +40,26 @@ def format_plan(plan: Plan) -> str:
         f"  loader memory {d.loader_gb_per_node:.3g} GB per node: {d.loader_detail}",
         f"  data wait     {_data_wait(d, batch.global_batch_size // batch.world_size)}",
         f"  storage       {d.storage}" + _storage_needs(d),
+        f"  runtime env   {_runtime_env(plan)}",
         f"  baseline eval {plan.baseline_eval}",
+        f"  hang watchdog {_startup(plan)}",
         *_elastic_lines(plan),
     ]
     lines += [f"  WARNING       {w}" for w in d.warnings]
     return "\n".join(lines)
+
+
+def _startup(plan: Plan) -> str:
+    """The watchdog's allowances before the first step and in a first save, each term named
+    (`cluster.plan.startup_allowance`)."""
+    a = plan.startup
+    terms = " + ".join(f"{name} {seconds:.3g}" for name, seconds in a.terms)
+    write_s = a.checkpoint_gb * 1e3 / a.write_mb_per_s
+    return (
+        f"start {a.startup_s:.0f} s = max(hang.startup_s {a.floor_s:g}, {a.margin:g} x ({terms} = {a.estimate_s:.3g} "
+        f"s)); first save {a.first_save_s:.0f} s = max(hang.checkpoint_s {a.save_floor_s:g}, {a.margin:g} x "
+        f"{write_s:.3g} s); a checkpoint of {a.checkpoint_gb:.3g} GB at {a.write_mb_per_s:g} MB/s (hang.write_mb_per_s)"
+    )
 
 
 def _mfu(mfu: float, source: str) -> str:
@@ -76,11 +91,22 @@ def _data_wait(d: DataPlan, images_per_rank: int) -> str:
     return data_wait_line(wait, images_per_rank)
 
 
+def _runtime_env(plan: Plan) -> str:
+    """What the job's Ray runtime env installs over the cluster's packages (`cluster.plan.runtime_pip`), and whether
+    the final model reaches MLflow."""
+    if plan.runtime_extras:
+        extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in plan.runtime_extras)
+        installs = f"pip installs {extras} on the cluster"
+    else:
+        installs = "installs no extras"
+    return f"{installs}; {plan.final_model}"
+
+
 def _storage_needs(d: DataPlan) -> str:
     needs = ""
     if d.storage_extras:
         extras = ", ".join(f"vitscale[{n}] ({STORAGE_EXTRAS[n].module})" for n in d.storage_extras)
-        needs = f"; needs {extras}, which the job's runtime env installs on the cluster"
+        needs = f"; needs {extras}"
     if d.storage_missing_here:
         needs += "; " + "; ".join(d.storage_missing_here) + " (only to read the manifest from this machine)"
     return needs

@@ -116,14 +116,20 @@ class HangSpec:
     """When the driver's watchdog (`cluster.watchdog`) declares the worker group hung and restarts it from the newest
     COMPLETE checkpoint: no rank has reported progress for longer than the allowance of what the ranks are doing.
     Training: max(floor_s, factor x the median step time); the start of an attempt (Ray's worker start, the engine
-    build, a resume, the step-0 save, the first batch): startup_s; a checkpoint save or a resolution switch:
+    build, a resume, the step-0 save, the first batch): the plan's start allowance, at least startup_s
+    (`cluster.plan.startup_allowance`); a checkpoint save: max(save_floor_s, factor x the longest save the attempt
+    measured), before one is measured (and in a resolution switch) the plan's first-save allowance, at least
     checkpoint_s. docs/elastic.md#faults."""
 
     enabled: bool = True
     floor_s: float = 30.0  # never sooner while training, however short the steps
-    factor: float = 10.0  # ... nor sooner than this many median steps
-    startup_s: float = 600.0  # from a worker's start to its first optimizer step
-    checkpoint_s: float = 300.0  # a save (every rank writes its shard) or a resolution switch in progress
+    factor: float = 10.0  # ... nor sooner than this many median steps (or, in a save, longest saves)
+    startup_s: float = 600.0  # from a worker's start to its first optimizer step: the floor of the plan's allowance
+    checkpoint_s: float = 300.0  # a save before one was measured, or a resolution switch: the floor of the plan's
+    save_floor_s: float = 60.0  # a save once one was measured: never sooner than this
+    # The checkpoint storage's write rate (all ranks together) the plan's start and first-save allowances assume:
+    # low on purpose, since an allowance too short kills a healthy group
+    write_mb_per_s: float = 100.0
     poll_s: float = 2.0  # how often the watchdog reads the heartbeats
     # A straggler: a rank whose data wait per step exceeds the median rank's by this fraction of the median step,
     # in `straggler_polls` successive polls with new steps (reported in MLflow; nothing is restarted)
@@ -131,7 +137,17 @@ class HangSpec:
     straggler_polls: int = 3
 
     def validate(self, where: str) -> None:
-        for key in ("floor_s", "factor", "startup_s", "checkpoint_s", "poll_s", "straggler_fraction"):
+        positive = (
+            "floor_s",
+            "factor",
+            "startup_s",
+            "checkpoint_s",
+            "save_floor_s",
+            "write_mb_per_s",
+            "poll_s",
+            "straggler_fraction",
+        )
+        for key in positive:
             if not getattr(self, key) > 0:
                 raise ValueError(f"{where}: hang.{key}={getattr(self, key)} must be > 0")
         if self.straggler_polls < 1:

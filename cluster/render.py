@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from cluster.driver import PLAN_ENV, JobSpec
-from cluster.plan import build_plan, resolve_config, storage_extras, storage_pip
+from cluster.plan import build_plan, resolve_config, runtime_pip, storage_extras
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.cli import output_folder
 
@@ -169,9 +169,9 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
 
 
 def _runtime_env(job_spec_json: str) -> dict:
-    """The plan for the driver, and pip installs of the storage extras the plan needs (as `cluster.launch`)."""
+    """The plan for the driver, and pip installs of the extras the plan names (as `cluster.launch`)."""
     env: dict = {"env_vars": {PLAN_ENV: job_spec_json}}
-    pip = storage_pip(json.loads(job_spec_json)["plan"])
+    pip = runtime_pip(json.loads(job_spec_json)["plan"])
     if pip:
         env["pip"] = pip
     return env

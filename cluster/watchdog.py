@@ -20,6 +20,9 @@ node, median step time, data wait, the stream's counters). A thread of the drive
   `vitscale.stragglers` and counted in the metric `cluster/stragglers`; nothing is restarted.
 - **Data counters.** The ranks' stream counters (read retries, reads given up, damaged shards and samples) summed
   over ranks go to MLflow as `data/<counter>` at the group's step whenever they change.
+- **Failures a restart would repeat.** A worker error whose class says ``retryable = False`` (a checkpoint save that
+  failed: `pretrain.checkpoint_writes.CheckpointSaveError`) ends the job at once instead of being charged to
+  `max_failures` and retried into the same full disk (`FinalFailures`, a Ray Train callback; `final_failure`).
 
 A report whose process is gone (a worker Ray already lost or restarted) is no hang: Ray's failure path has it.
 Reports of processes the watchdog acted on, or found at its start (an earlier job of the run), are ignored.
@@ -35,7 +38,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -76,13 +79,36 @@ def step_bound(spec: HangSpec, step_s: float | None) -> float:
     return max(spec.floor_s, spec.factor * step_s) if step_s else spec.floor_s
 
 
-def allowance(spec: HangSpec, phase: str, step_s: float | None) -> float:
-    """How long a rank in ``phase`` may go without a report."""
+def save_bound(spec: HangSpec, save_s: float | None) -> float:
+    """The allowance of a save: max(save floor, factor x the longest save measured in this attempt); before one was
+    measured, ``checkpoint_s`` (the driver gives the plan's first-save allowance there)."""
+    return max(spec.save_floor_s, spec.factor * save_s) if save_s else spec.checkpoint_s
+
+
+def allowance(spec: HangSpec, phase: str, step_s: float | None, save_s: float | None = None) -> float:
+    """How long a rank in ``phase`` may go without a report (``step_s``: the median step; ``save_s``: the longest
+    save measured), never shorter in a save or a switch than while training."""
     if phase == "start":
         return spec.startup_s
-    if phase in ("checkpoint", "switch"):
+    if phase == "checkpoint":
+        return max(save_bound(spec, save_s), step_bound(spec, step_s))
+    if phase == "switch":
         return max(spec.checkpoint_s, step_bound(spec, step_s))
     return step_bound(spec, step_s)
+
+
+def explain(spec: HangSpec, phase: str, step_s: float | None, save_s: float | None = None) -> str:
+    """Where `allowance` comes from, in words (the watchdog's line when it acts)."""
+    training = f"max(floor {spec.floor_s:g} s, {spec.factor:g} x median step {step_s or 0:.2f} s)"
+    if phase == "start":
+        return f"phase start: the start allowance {spec.startup_s:g} s (the plan's, at least hang.startup_s)"
+    if phase == "checkpoint" and save_s:
+        saving = f"max(save floor {spec.save_floor_s:g} s, {spec.factor:g} x longest save {save_s:.2f} s)"
+    elif phase in ("checkpoint", "switch"):
+        saving = f"{spec.checkpoint_s:g} s before a save is measured (the plan's, at least hang.checkpoint_s)"
+    else:
+        return f"phase {phase}: {training}"
+    return f"phase {phase}: {saving}, at least {training}"
 
 
 @dataclass(frozen=True)
@@ -110,22 +136,23 @@ def median_step_s(reports: list[dict[str, Any]]) -> float | None:
     return statistics.median(times) if times else None
 
 
+def longest_save_s(reports: list[dict[str, Any]]) -> float | None:
+    """The longest save any rank measured in this attempt (`pretrain.heartbeat`: ``save_s``), or None."""
+    times = [b["save_s"] for b in reports if b.get("save_s")]
+    return max(times) if times else None
+
+
 def assess(reports: list[dict[str, Any]], now: float, spec: HangSpec) -> Verdict:
     """Hung when no rank still training has reported for longer than the longest allowance among them."""
     ranks = [b for b in reports if b.get("phase") != "done"]
     if not ranks:
         return Verdict(False, 0.0, 0.0, [])
-    step_s = median_step_s(ranks)
+    step_s, save_s = median_step_s(ranks), longest_save_s(ranks)
     phases = {b.get("phase", "step") for b in ranks}
-    bound = max(allowance(spec, phase, step_s) for phase in phases)
+    longest = max(sorted(phases), key=lambda p: allowance(spec, p, step_s, save_s))
+    bound = allowance(spec, longest, step_s, save_s)
     idle = now - max(b.get("time", now) for b in ranks)
-    longest = max(phases, key=lambda p: allowance(spec, p, step_s))
-    why = f"phase {longest}: " + (
-        f"max(floor {spec.floor_s:g} s, {spec.factor:g} x median step {step_s or 0:.2f} s)"
-        if longest == "step"
-        else f"hang.{'startup_s' if longest == 'start' else 'checkpoint_s'}"
-    )
-    return Verdict(idle > bound, idle, bound, ranks, why)
+    return Verdict(idle > bound, idle, bound, ranks, explain(spec, longest, step_s, save_s))
 
 
 def pick_culprit(ranks: list[dict[str, Any]], states: dict[int, str]) -> dict[str, Any]:
@@ -163,6 +190,47 @@ def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
             if name in totals:
                 totals[name] += int(value)
     return totals
+
+
+def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseException] | None:
+    """The first worker error (by rank) that a restart would only repeat, with its rank: its class says
+    ``retryable = False`` (`pretrain.checkpoint_writes.CheckpointSaveError`: the group would resume from the newest
+    checkpoint and save into the same full disk). None when every error may pass with a restart."""
+    for rank in sorted(errors):
+        if getattr(errors[rank], "retryable", True) is False:
+            return rank, errors[rank]
+    return None
+
+
+class FinalFailure(RuntimeError):
+    """Raised by `FinalFailures` in Ray Train's controller: the job fails with the worker's message, not restarted.
+    The driver gets it as a `ray.train.ControllerError`'s ``controller_failure``."""
+
+
+def final_failures_callback() -> Any:
+    """A Ray Train callback (`RunConfig(callbacks=[...])`) that makes a worker error `final_failure` finds end the
+    job at once, whatever `FailureConfig.max_failures` allows (docs/elastic.md#faults).
+
+    Ray Train V2 charges every worker error to ``max_failures`` (its `DefaultFailurePolicy` retries any
+    `WorkerGroupError`) and offers no per-exception say; what it does offer: the controller gives each worker-group
+    poll to the callbacks (``after_worker_group_poll_status``) and, before it restarts the group, runs
+    ``before_controller_execute_failure_decision``, where an exception becomes a `ControllerError` that the policy
+    never retries. So the callback keeps the final error of the latest poll and raises it there. The class is made
+    here, not at import, to keep Ray's import out of this module's users; Ray sends it to the controller by value."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    class FinalFailures(ControllerCallback, WorkerGroupCallback):
+        def __init__(self) -> None:
+            self.final: tuple[int, BaseException] | None = None
+
+        def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+            self.final = final_failure(worker_group_status.errors)
+
+        def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+            if self.final is not None and failure_decision.value in ("RETRY", "RAISE"):
+                raise FinalFailure(f"{self.final[1]} (not restarted: a restart would fail the same way)")
+
+    return FinalFailures()
 
 
 # ------------------------------------------------------------------------------------------------ processes

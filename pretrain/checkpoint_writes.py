@@ -35,7 +35,11 @@ _ALMOST_FULL_BYTES = 1 << 20
 class CheckpointSaveError(ValueError):
     """A checkpoint save that failed on some rank (a full disk, any write error). Its staging folder is removed and
     the earlier checkpoints are untouched. A ValueError, like every condition the user fixes (here: free space), so
-    ``python -m pretrain.train`` reports it in one line and exits 2."""
+    ``python -m pretrain.train`` reports it in one line and exits 2. Not ``retryable``: a restarted worker group would
+    resume from the newest checkpoint and save into the same storage again, so under Ray the job fails at once with
+    this message (`cluster.watchdog.final_failure`) instead of spending ``max_failures`` restarts on it."""
+
+    retryable = False
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ Each record: rank, world size, pid, host, node (the identity the driver gave), `
 the attempt), ``time`` (of this write), ``step`` (optimizer steps done), ``phase`` (``start`` until the first step is
 done, ``step``, ``checkpoint`` or ``switch`` while one is in progress, ``done`` once the loop has ended),
 ``step_s`` (median seconds per step over the last steps, saves excluded), ``data_s`` (mean seconds per step this
-rank waited for batches, same steps) and ``data`` (the stream's cumulative counters: read retries and failures,
-damaged samples; `data_pipeline.shards`).
+rank waited for batches, same steps), ``save_s`` (the longest checkpoint save of this attempt so far, from the
+report before it to the one after it; absent until one ended: the watchdog's save allowance follows it) and
+``data`` (the stream's cumulative counters: read retries and failures, damaged samples; `data_pipeline.shards`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Heartbeat:
         self._warned = False
         self._last_step_at: float | None = None  # when the previous step ended, if no save or switch came between
         self._stepped = False  # a step was done in this attempt (before it, a save is part of the start)
+        self._save_began: float | None = None  # when the save after the last step began (its report was written)
         self._steps: deque[float] = deque(maxlen=WINDOW)
         self._waits: deque[float] = deque(maxlen=WINDOW)
         if path is not None:
@@ -81,6 +83,7 @@ class Heartbeat:
             self._waits.append(data_s)
         saving = bool(self.every_steps) and (step % self.every_steps == 0 or step == self.last_step)
         self._last_step_at = None if saving else now
+        self._save_began = now if saving else None
         self.record.update(step=step, data={k: int(v) for k, v in data.items()})
         if self._steps:
             self.record.update(step_s=statistics.median(self._steps), data_s=statistics.fmean(self._waits))
@@ -88,13 +91,16 @@ class Heartbeat:
 
     def busy(self, what: str) -> None:
         """Something legitimately long starts now (``switch``: a resolution switch rebuilding the engine)."""
-        self._last_step_at = None
+        self._last_step_at = self._save_began = None
         self._write(what, force=True)
 
     def saved(self) -> None:
         """The checkpoint save after the last step ended: back to the training allowance (or, for the step-0 save
-        before the first step, to the start's)."""
-        self._last_step_at = time.monotonic() if self._stepped else None
+        before the first step, to the start's). Its duration counts in ``save_s`` (a step-0 save is the start's)."""
+        now = time.monotonic()
+        if self._save_began is not None:
+            self.record["save_s"] = max(self.record.get("save_s", 0.0), now - self._save_began)
+        self._last_step_at, self._save_began = (now if self._stepped else None), None
         self._write("step" if self._stepped else "start", force=True)
 
     def end(self) -> None:

@@ -1,10 +1,12 @@
 """A hung rank is found in minutes, not at the collective timeout.
 
-Fast tests of the watchdog's decisions (allowances per phase, the group rule, the culprit, stragglers, the data
-counters), of the heartbeat a rank writes, and of the watchdog acting on real processes: two Python processes coupled
-like ranks in a collective (the second reads what the first writes each step), the first stopped with SIGSTOP. One
-end-to-end test runs the real Ray driver with a 2-worker CPU profile and a rank that SIGSTOPs itself after a
-checkpoint: the job goes on from that checkpoint within 2 minutes of the stop, in one MLflow run.
+Fast tests of the watchdog's decisions (allowances per phase, a save's from the saves measured, the plan's start and
+first-save allowances, the group rule, the culprit, stragglers, the data counters, which worker errors are final), of
+the heartbeat a rank writes, and of the watchdog acting on real processes: two Python processes coupled like ranks in
+a collective (the second reads what the first writes each step), the first stopped with SIGSTOP. One end-to-end test
+runs the real Ray driver with a 2-worker CPU profile and a rank that SIGSTOPs itself after a checkpoint: the job goes
+on from that checkpoint within 2 minutes of the stop, in one MLflow run; then a save into a full disk ends it at once,
+not restarted.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from cluster.watchdog import (
     allowance,
     assess,
     data_totals,
+    final_failure,
     pick_culprit,
     process_state,
+    save_bound,
     step_bound,
     stragglers,
 )
+from pretrain.checkpoint_writes import CheckpointSaveError
 from pretrain.heartbeat import Heartbeat, heartbeat_path, read_heartbeats
 from tracking.tracker import Tracker
 
@@ -54,6 +59,72 @@ def test_allowance_per_phase_and_step_time():
     assert allowance(SPEC, "checkpoint", 0.5) == 300 and allowance(SPEC, "switch", 0.5) == 300
     assert allowance(SPEC, "checkpoint", 40.0) == 400  # never shorter than the training bound
     assert allowance(SPEC, "step", 0.5) == 30
+
+
+def test_a_save_is_allowed_factor_times_the_longest_save_measured_at_least_the_save_floor():
+    assert SPEC.save_floor_s == 60 and SPEC.checkpoint_s == 300
+    assert save_bound(SPEC, None) == 300  # nothing measured yet: the first save's allowance (the plan's, in a job)
+    assert save_bound(SPEC, 2.0) == 60 and save_bound(SPEC, 20.0) == 200  # max(60, 10 x the longest save)
+    assert allowance(SPEC, "checkpoint", 0.5, save_s=2.0) == 60 and allowance(SPEC, "checkpoint", 0.5, 45.0) == 450
+    assert allowance(SPEC, "checkpoint", 8.0, save_s=2.0) == 80  # never shorter than the training bound
+    assert allowance(SPEC, "switch", 0.5, save_s=2.0) == 300  # a switch rebuilds the engine: not a save
+    assert allowance(SPEC, "start", 0.5, save_s=2.0) == 600
+    now = 10_000.0
+    saving = [report(0, now - 70, "checkpoint", save_s=3.0), report(1, now - 65, "checkpoint", save_s=5.0)]
+    verdict = assess(saving, now, SPEC)  # rank 1's 5 s save is the longest: 50 s, the floor 60 s applies
+    assert verdict.hung and verdict.bound_s == 60 and "max(save floor 60 s, 10 x longest save 5.00 s)" in verdict.why
+    first = [report(0, now - 70, "checkpoint"), report(1, now - 65, "checkpoint")]
+    verdict = assess(first, now, SPEC)
+    assert not verdict.hung and verdict.bound_s == 300 and "before a save is measured" in verdict.why
+
+
+def test_a_failed_save_is_the_final_worker_error_others_are_retried():
+    full = CheckpointSaveError("checkpoint step_00000030 was not saved: no space left on device writing x")
+    assert final_failure({0: RuntimeError("gloo: connection reset"), 1: full}) == (1, full)
+    assert final_failure({0: RuntimeError("a worker died"), 1: OSError("EIO")}) is None
+    assert final_failure({}) is None
+
+
+@pytest.mark.timeout(120)
+def test_the_plan_gives_the_start_and_first_save_allowances_term_by_term(tmp_path):
+    """a100x64 with ViT-H/14: the estimate (2 x 232 s) is below the profile's 600 s, which applies; on storage 5x
+    slower the checkpoint's write decides both allowances; local keeps its floors. The job's watchdog gets them."""
+    from cluster.driver import JobSpec, job_hang
+    from cluster.plan import build_plan, resolve_config
+    from cluster.plan_text import format_plan
+
+    big = load_profile("a100x64")
+    config = resolve_config(big, "vit_h14_i21k", [], "h14")
+    plan = build_plan(big, config)
+    a, params = plan.startup, plan.model.num_params
+    write_s = params * 20 / 100e6  # 20 bytes a parameter at hang.write_mb_per_s = 100
+    expected = {"process start": 60.0, "model and engine": 60 * params / 1e9, "checkpoint": write_s}
+    assert dict(a.terms) == pytest.approx(expected)
+    assert a.estimate_s == pytest.approx(60 + 60 * params / 1e9 + write_s) and a.estimate_s < 300
+    assert (a.startup_s, a.first_save_s) == (600, 300)  # the profile's floors
+    assert (
+        "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + model and engine 39.6 + "
+        "checkpoint 132 = 232 s)); first save 300 s = max(hang.checkpoint_s 300, 2 x 132 s); a checkpoint of 13.2 GB "
+        "at 100 MB/s (hang.write_mb_per_s)"
+    ) in format_plan(plan).splitlines()
+    slow = dataclasses.replace(big, hang=dataclasses.replace(big.hang, write_mb_per_s=20.0))
+    plan = build_plan(slow, config)
+    assert plan.startup.startup_s == pytest.approx(2 * (60 + 60 * params / 1e9 + 5 * write_s))
+    assert plan.startup.first_save_s == pytest.approx(2 * 5 * write_s)
+    assert f"hang watchdog start {plan.startup.startup_s:.0f} s = max(hang.startup_s 600, 2 x (" in format_plan(plan)
+    hang = job_hang(JobSpec.from_json(JobSpec(slow, config, plan.to_dict()).to_json()))  # what the driver runs with
+    assert (hang.startup_s, hang.checkpoint_s) == (plan.startup.startup_s, plan.startup.first_save_s)
+    assert (hang.save_floor_s, hang.factor) == (60, 10)
+
+    local = load_profile("local")
+    storage = dataclasses.replace(local.storage, shards=str(tmp_path / "data"), checkpoints=str(tmp_path / "runs"))
+    local = dataclasses.replace(local, storage=storage)
+    plan = build_plan(local, resolve_config(local, "local_demo", [], "demo"))
+    assert [name for name, _ in plan.startup.terms] == ["process start", "model and engine", "checkpoint"]
+    assert (plan.startup.startup_s, plan.startup.first_save_s) == (600, 300)
+    line = next(x for x in format_plan(plan).splitlines() if x.startswith("  hang watchdog"))
+    start = "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + model and engine "
+    assert line.startswith(start) and "first save 300 s = max(hang.checkpoint_s 300, 2 x " in line, line
 
 
 def test_the_group_is_hung_only_when_no_rank_reports_within_the_longest_allowance():
@@ -117,11 +188,19 @@ def test_heartbeat_reports_progress_phases_and_step_time(tmp_path, monkeypatch):
     record = json.loads(path.read_text())
     assert (record["phase"], record["step"], record["data"]) == ("checkpoint", 10, {"read_retries": 10})
     assert record["step_s"] == 1.0 and record["data_s"] == 0.25
+    assert "save_s" not in record  # no save measured yet
     clock[0] += 100.0  # a long save: not a step
     beat.saved()
+    assert json.loads(path.read_text())["save_s"] == 100.0  # the save, from its report to the one after it
     clock[0] += 1.0
     beat.step(11, 0.25, Counter())
     assert beat.record["step_s"] == 1.0  # the 100 s save between steps 10 and 11 is not a step
+    for step in range(12, 21):
+        clock[0] += 1.0
+        beat.step(step, 0.25, Counter())
+    clock[0] += 40.0  # a shorter save: the longest of the attempt stays
+    beat.saved()
+    assert beat.record["save_s"] == 100.0
     beat.busy("switch")
     assert json.loads(path.read_text())["phase"] == "switch"
     beat.end()
@@ -265,16 +344,20 @@ def ray_auth_off():
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_driver_restarts_a_stopped_rank_from_the_newest_checkpoint(tmp_path, monkeypatch, local_demo_data,
-                                                                   ray_auth_off, mlflow_uri):  # fmt: skip
-    """The local profile's settings (2 CPU workers, ZeRO-2, the default hang allowances): rank 1 stops itself with
-    SIGSTOP right after checkpoint step 10. The watchdog kills it, Ray Train restarts the group, which resumes from
-    step 10 and finishes: one MLflow run, every step's loss once, the hang in the run's tags."""
+def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restart(
+    tmp_path, monkeypatch, capsys, local_demo_data, ray_auth_off, mlflow_uri
+):
+    """The local profile's settings (2 CPU workers, ZeRO-2, the default hang allowances) with max_failures=2: rank 1
+    stops itself with SIGSTOP right after checkpoint step 10. The watchdog kills it, Ray Train restarts the group,
+    which resumes from step 10. Then the disk "fills" (every save after step 20 fails on rank 1 with ENOSPC, in every
+    attempt): the step-30 save fails, and the job fails at once with the save's message, in the log and the MLflow
+    run, although max_failures allows a second restart (which would only save into the same full disk)."""
     import ray
     from mlflow import MlflowClient
 
-    from cluster.driver import FaultInjection, JobSpec, run_job
+    from cluster.driver import FAILURE_TAG, FaultInjection, JobSpec, run_job
     from cluster.plan import build_plan, resolve_config
+    from pretrain.run_folder import complete_checkpoints, world_size_history
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     uri = mlflow_uri
@@ -284,12 +367,13 @@ def test_driver_restarts_a_stopped_rank_from_the_newest_checkpoint(tmp_path, mon
         storage=dataclasses.replace(
             base.storage, shards=str(local_demo_data), checkpoints=str(tmp_path / "runs"), mlflow_tracking_uri=uri
         ),  # fmt: skip
+        max_failures=2,
     )
     sets = ["schedule.total=30", "schedule.warmup=3", "checkpoint.every_steps=10", "logging.progress_bar=false",
             "logging.log_every=1", "evals.suite=null"]  # fmt: skip
     config = resolve_config(profile, "local_demo", sets, "hang")
     plan = build_plan(profile, config)
-    fault = FaultInjection(rank=1, after_step=10, delay_s=0.0, kind="stop")
+    fault = FaultInjection(rank=1, after_step=10, delay_s=0.0, kind="stop", full_disk_after=20)
     spec = JobSpec.from_json(
         JobSpec(profile, config, plan.to_dict(), fault, {"vitscale.recipe": "local_demo"}).to_json()
     )
@@ -300,10 +384,13 @@ def test_driver_restarts_a_stopped_rank_from_the_newest_checkpoint(tmp_path, mon
         ray.shutdown()
 
     run_dir = Path(config.checkpoint.dir)
-    assert rc == 0
+    assert rc == 1
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "FINISHED" and summary["restarts"] == 1
-    assert summary["train_result"]["steps"] == 30 and summary["train_result"]["start_step"] == 10
+    # Two starts of the group: at step 0, and from checkpoint 10 after the hang; none after the failed save.
+    assert summary["status"] == "FAILED" and summary["restarts"] == 1
+    assert [start["step"] for start in world_size_history(run_dir)] == [0, 10]
+    assert [p.name for p in complete_checkpoints(run_dir)][-2:] == ["step_00000010", "step_00000020"]
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # the failed save's partial files are gone
     marker = (run_dir / ".fault_injected").read_text()
     assert "stopped (SIGSTOP)" in marker, marker
     stopped_at = float(re.search(r" at (\d+\.\d+)", marker).group(1))
@@ -316,11 +403,19 @@ def test_driver_restarts_a_stopped_rank_from_the_newest_checkpoint(tmp_path, mon
           f"{resumed['step']}) after {lost:.0f} s")  # fmt: skip
     assert resumed["step"] > 10 and lost < 120
     assert "watchdog: no progress" in (run_dir / "stacks" / "rank1.txt").read_text()
+    # The driver says why in one line: the save's own message, which names the disk as full.
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training failed: ")]
+    assert len(said) == 1, said
+    why = said[0].removeprefix("training failed: ")
+    assert why.startswith("checkpoint step_00000030 was not saved: no space left on device writing "), why
+    assert "(rank 1: OSError: [Errno 28] No space left on device)" in why and "(newest: step_00000020)" in why, why
+    assert why.endswith("(checkpoint.on_save_error: stop) (not restarted: a restart would fail the same way)"), why
 
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("local_demo").experiment_id])
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.tags["vitscale.restarts"] == "1"
+    assert run.info.status == "FAILED" and run.data.tags["vitscale.restarts"] == "1"
+    assert run.data.tags[FAILURE_TAG] == why
     assert run.data.tags["vitscale.hangs"] == "1" and "rank 1" in run.data.tags["vitscale.last_hang"]
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, 31))
