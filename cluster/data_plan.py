@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from cluster.memory import GB
 from cluster.profiles import ClusterProfile
+from data_pipeline import builtin
 from data_pipeline.loader_rate import LoaderRate, cache_bytes, loader_rate
 from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location
@@ -105,7 +106,7 @@ def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderR
     if not profile.is_local:
         rate = profile.hardware.loader_img_s_per_core
         return LoaderRate(rate, f"declared: profile {profile.name} hardware.loader_img_s_per_core")
-    side = d.builtin_options.get("resolution") if d.builtin else None
+    side = builtin.config(d.builtin, **d.builtin_options).resolution if d.builtin else None
     return loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, synthetic_side=side)
 
 

@@ -8,8 +8,10 @@ Everything that can be wrong is checked before anything is submitted: the profil
 validates at the profile's world size, the plan fits in device memory, the cluster answers. Then the job
 (`python -m cluster.driver`, the plan in its runtime env) goes through the Ray Job Submission API, its logs are
 streamed here, and this command exits with the job's status: 0 SUCCEEDED, 1 otherwise, 2 for bad input.
-The `local` profile first generates the built-in datasets the recipe and its eval suite need (if absent) and
-starts (or reuses) its own Ray head on 127.0.0.1.
+On the `local` profile every built-in folder the recipe and its eval suite use is checked first, the dry run
+included, without generating anything: one generated with other settings than the run wants is bad input (exit 2,
+the folder, the settings and the fix). Then a real launch generates those that are absent and starts (or reuses)
+its own Ray head on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from pathlib import Path
 
 from cluster import jobs
 from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
-from cluster.plan import PlanError, build_plan, resolve_config, storage_pip
+from cluster.plan import PlanError, build_plan, resolve_config, runtime_pip
 from cluster.plan_text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
-from data_pipeline.builtin import BUILTIN_NAMES, ensure
+from data_pipeline import builtin
 from data_pipeline.paths import PROJECT_ROOT, resolve_path
 from evals.suites import SuiteConfig, load_suite
+from evals.vtab import BENCHMARKS
 
 # Never shipped to the cluster with the working dir (Ray also honours .gitignore): data, runs, stores, caches.
 WORKING_DIR_EXCLUDES = [
@@ -44,26 +47,69 @@ WORKING_DIR_EXCLUDES = [
 ]
 
 
+def _suite_datasets(suite: SuiteConfig) -> list[tuple[str, str | None]]:
+    """(name, its own data root or None) of each built-in dataset the suite's evaluators read: fewshot and finetune
+    `datasets`, inspect's `dataset`, vtab's `tasks` (all of the offline `ci` benchmark's when it lists none)."""
+    found = []
+    for spec in suite.evaluators:
+        o = spec.options
+        names = list(getattr(o, "datasets", None) or ()) + list(getattr(o, "tasks", None) or ())
+        if isinstance(getattr(o, "dataset", None), str):
+            names.append(o.dataset)
+        if getattr(o, "benchmark", None) == "ci" and o.tasks is None:
+            names += list(BENCHMARKS["ci"])
+        found += [
+            (n, getattr(o, "data_root", None)) for n in names if isinstance(n, str) and n in builtin.BUILTIN_NAMES
+        ]
+    return found
+
+
+def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, Path, dict]]:
+    """(name, root, options) of each built-in folder ``root/<name>`` the run reads: the training set with
+    `data.builtin_options`, and each set the eval suite names under `evals.data_root` at the set's defaults, as the
+    eval tasks generate it (`evals.features.resolve_split`)."""
+    found: list[tuple[str, Path, dict]] = []
+    if config.data.builtin:
+        name = builtin.ALIASES.get(config.data.builtin, config.data.builtin)
+        found.append((name, resolve_path(config.data.train).parent.parent, dict(config.data.builtin_options)))
+    if suite is not None:
+        for name, root in _suite_datasets(suite):
+            found.append((name, resolve_path(root or config.evals.data_root), {}))
+    unique = {}  # the same folder at the same settings once (local_demo's rcdb and inspect_rcdb's)
+    for name, root, options in found:
+        unique.setdefault((name, root, tuple(builtin.settings(name, **options).items())), (name, root, options))
+    return list(unique.values())
+
+
 def builtin_datasets(config, suite: SuiteConfig | None) -> list[str]:
     """Built-in dataset names the training data and the eval suite need (generated on `local` if absent)."""
-    names = [config.data.builtin] if config.data.builtin else []
-    if suite is not None:
-        for spec in suite.evaluators:
-            for key in ("datasets", "tasks"):
-                for name in getattr(spec.options, key, None) or ():
-                    if isinstance(name, str) and name in BUILTIN_NAMES:
-                        names.append(name)
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(name for name, _, _ in builtin_requirements(config, suite)))
+
+
+def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:
+    """Each built-in folder the run reads (`builtin_requirements`) → whether it is there complete, generating
+    nothing. ValueError naming the folder, the differing settings and the fix when one was generated with other
+    settings than the run wants (`data_pipeline.builtin.check_folder`), as generating it would be refused, or when
+    the training set and the eval suite want one folder at different settings."""
+    needs = builtin_requirements(config, suite)
+    wanted: dict[Path, dict] = {}
+    for name, root, options in needs:
+        this = builtin.settings(name, **options)
+        first = wanted.setdefault(root / name, this)
+        if this != first:  # the suite reads it at the set's defaults (as `evals.features.resolve_split` makes it)
+            differ = ", ".join(f"{k}={first[k]} / {v}" for k, v in this.items() if first[k] != v)
+            raise ValueError(
+                f"{root / name} is read at two settings ({differ}): by the training set (data.builtin_options) and "
+                "by the eval suite (the set's defaults); train on the defaults or set evals.data_root to another root"
+            )
+    return {root / name: builtin.check_folder(name, root, **options) for name, root, options in needs}
 
 
 def prepare_local_data(config, suite: SuiteConfig | None) -> None:
-    """Generate what `builtin_datasets` lists; ``suite`` is the recipe's eval suite, already loaded (None: none)."""
-    roots = {config.data.builtin: resolve_path(config.data.train).parent.parent} if config.data.builtin else {}
-    for name in builtin_datasets(config, suite):
-        root = roots.get(name, resolve_path(config.evals.data_root))
+    """Generate what `builtin_requirements` lists; ``suite`` is the recipe's eval suite, already loaded (None: none)."""
+    for name, root, options in builtin_requirements(config, suite):
         t0 = time.monotonic()
-        options = config.data.builtin_options if name == config.data.builtin else {}
-        folder = ensure(name, root, **options)
+        folder = builtin.ensure(name, root, **options)
         print(f"data: {name} ready in {folder} ({time.monotonic() - t0:.1f} s)", flush=True)
 
 
@@ -71,8 +117,10 @@ def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
     env = {PLAN_ENV: spec.to_json(), **worker_env(profile)}
     env.pop("OMP_NUM_THREADS")  # the driver itself is light; workers set their own thread count
     runtime = {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES, "env_vars": env}
-    pip = storage_pip(spec.plan)
-    if pip:  # s3fs / gcsfs for the run's storage on any cluster: Ray layers them over the image's packages
+    # The extras the plan names (`Plan.runtime_extras`): s3fs / gcsfs for the run's storage, transformers to log the
+    # final model, on a cluster; Ray layers them over the image's packages. A local job runs in this environment.
+    pip = runtime_pip(spec.plan)
+    if pip:
         runtime["pip"] = pip
     return runtime
 
@@ -117,11 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         config = resolve_config(profile, args.recipe, args.set, run_name)
         # Checked now, not by the first eval task after the first checkpoint; read once, also for its datasets.
         suite = load_suite(config.evals.suite) if config.evals.suite else None
+        present = check_local_data(config, suite) if profile.is_local else {}  # before the plan reads a manifest
         if profile.is_local and not args.dry_run:
             prepare_local_data(config, suite)
         plan = build_plan(profile, config)
         print(format_plan(plan), flush=True)
         if args.dry_run:
+            absent = [str(folder) for folder, complete in present.items() if not complete]
+            if absent:
+                print(f"data: {', '.join(absent)} absent: the launch generates {'it' if len(absent) == 1 else 'them'}")
             print("dry run: nothing submitted")
             return 0
         client = jobs.connect(profile, start_local=True)

@@ -1,22 +1,30 @@
 """Built-in datasets, generated offline and deterministically from a seed, written in the shard format.
 
-    python -m data_pipeline.builtin all --out data          # what `make shards` / `make launch` use
+    python -m data_pipeline.builtin all --out data          # = `make shards`: what the shipped recipes and suites use
     python -m data_pipeline.builtin fractal --out data --set num_classes=64 --set images_per_class=500
     python -m data_pipeline.builtin rcdb --out data --set num_classes=21843 --set resolution=224 --workers 16
 
-| name          | splits       | what                                                                         |
-|---------------|--------------|------------------------------------------------------------------------------|
-| fractal       | train, val   | FractalDB-style (Kataoka et al. 2020): one random IFS per class, chaos game  |
-| rcdb          | train, val   | RCDB-style radial contours (Kataoka et al. 2022): one contour formula/class  |
-| digits        | train, test  | scikit-learn's 1797 bundled 8x8 digits, upscaled to RGB, 1297/500 split      |
-| dsprites_loc  | train, test  | procedural dSprites, label = x position in 16 bins (VTAB dSpr-Loc)            |
-| dsprites_ori  | train, test  | the same images, label = orientation in 16 bins (VTAB dSpr-Ori)               |
-| shapes_count  | train, test  | Clevr-Count-like: 3-10 objects, label = count - 3 (8 classes)                 |
+| name         | splits      | what                                                            | default size      |
+|--------------|-------------|-----------------------------------------------------------------|-------------------|
+| fractal      | train, val  | FractalDB-style (Kataoka et al. 2020): one random IFS per class | 32 x (120 + 10),  |
+|              |             | (chaos game)                                                    | 64 px             |
+| rcdb         | train, val  | RCDB-style radial contours (Kataoka et al. 2022): one contour   | 64 x (60 + 10),   |
+|              |             | formula per class, each at its own place, on a colour ramp      | 32 px             |
+| digits       | train, test | scikit-learn's 1797 bundled 8x8 digits, upscaled to RGB         | 1297 + 500, 64 px |
+| dsprites_loc | train, test | procedural dSprites, label = x position in 16 bins (dSpr-Loc)   | 1200 + 500, 64 px |
+| dsprites_ori | train, test | the same images, label = orientation in 16 bins (dSpr-Ori)      | 1200 + 500, 64 px |
+| shapes_count | train, test | Clevr-Count-like: 3-10 objects, label = count - 3 (8 classes)   | 1200 + 500, 64 px |
 
-Every eval split has >= 1000 train images, so VTAB-1k's train800/val200/train1000 can be drawn from ``train``.
+Each set's defaults are ``BuiltinConfig``'s with ``DEFAULTS[name]`` over them (``config(name)``; rcdb's: class_offset
+30, background_ramp 160, the set configs/local_demo.yaml was tuned on); ``--set`` here and ``data.builtin_options``
+in a recipe override them. So `all` writes exactly the folders the shipped recipes (``data.builtin``) and eval suites
+read (tests/test_data_builtin.py checks every one). Every eval split has >= 1000 train images, so VTAB-1k's
+train800/val200/train1000 can be drawn from ``train``.
 ``ensure(name, root)`` generates a dataset when absent (under a file lock, so concurrent callers wait) and returns
-``root/<name>``. The two pre-training sets are formula-driven (data_pipeline.formula, docs/reference.md §9): any
-class count up to 21,843 at up to 224 px, generated in parallel (``--workers``) with identical bytes for any count.
+``root/<name>``; ``check_folder(name, root)`` says whether it is there, generating nothing. Both refuse a folder
+generated with other settings (ValueError naming the folder, the settings and the fix). The two pre-training sets
+are formula-driven (data_pipeline.formula, docs/reference.md §9): any class count up to 21,843 at up to 224 px,
+generated in parallel (``--workers``) with identical bytes for any count.
 """
 
 from __future__ import annotations
@@ -41,23 +49,46 @@ from data_pipeline.write import WriteConfig, write_dataset
 
 @dataclass(frozen=True)
 class BuiltinConfig:
-    """Sizes of the generated datasets; every default is small enough for `make launch` on 2 cores."""
+    """Sizes of the generated datasets; every default is small enough for `make launch` on 2 cores. These are the
+    defaults of every set but those ``DEFAULTS`` changes for its own set (``config(name)``)."""
 
     resolution: int = 64  # side of the square images, pixels
     seed: int = 0
-    num_classes: int = 32  # fractal: IFS categories
-    images_per_class: int = 120  # fractal train images per category
-    val_per_class: int = 10  # fractal val images per category
+    num_classes: int = 32  # fractal / rcdb: categories (IFS codes, contour formulas)
+    images_per_class: int = 120  # fractal / rcdb train images per category
+    val_per_class: int = 10  # fractal / rcdb val images per category
     num_train: int = 1200  # dsprites / shapes_count train images
     num_test: int = 500  # dsprites / shapes_count test images (digits: test split size)
     samples_per_shard: int = 128  # small shards so 2 ranks x 2 workers all get several
     # rcdb: each class's centre sits at its own fixed place, up to this percent of the half side off centre on each
-    # axis (data_pipeline.formula.rcdb_class); 0 centres every class
+    # axis (data_pipeline.formula.rcdb_class); 0 centres every class (rcdb's default: 30, DEFAULTS)
     class_offset: int = 0
     # rcdb: 0 draws the contours on a dark grey; N > 0 on a smooth random ramp between two colours with channels in
     # [0, N) (data_pipeline.formula.ramp_background), which gives masked patch prediction something local to predict
+    # (rcdb's default: 160, DEFAULTS)
     background_ramp: int = 0
     processes: int = 1
+
+
+# Each set's own defaults over BuiltinConfig's: what `ensure(name, root)` and `python -m data_pipeline.builtin all`
+# (= `make shards`) generate. rcdb's are the set configs/local_demo.yaml was tuned on (its comments and docs/demo.md;
+# the recipe names them again in its data.builtin_options), so `make shards && make launch` reuses the folder, and
+# the `inspect_rcdb` suite reads the demo's own images. A shipped recipe or suite that needs other sizes needs a
+# change here too: tests/test_data_builtin.py checks that `all` satisfies every one.
+DEFAULTS: dict[str, dict[str, int]] = {
+    "rcdb": {
+        "resolution": 32,
+        "num_classes": 64,
+        "images_per_class": 60,
+        "val_per_class": 10,
+        "class_offset": 30,
+        "background_ramp": 160,
+    },
+}
+# The value a setting had in every folder written before the folder recorded it (the generator then had no such
+# setting): a folder without the record was generated at this value, whatever the default is now. A field added to
+# BuiltinConfig later that changes the bytes gets an entry here, with the behaviour from before it existed.
+UNRECORDED = {"class_offset": 0, "background_ramp": 0}
 
 
 # --------------------------------------------------------------------------------- formula-driven (fractal, rcdb)
@@ -222,6 +253,18 @@ def option_minimum(name: str) -> int | None:
     return 0 if name in ("seed", "class_offset", "background_ramp") else 1
 
 
+def config(name: str, **options) -> BuiltinConfig:
+    """The settings built-in dataset ``name`` is generated with: BuiltinConfig's defaults, ``DEFAULTS[name]`` over
+    them, then ``options`` (``--set`` here, ``data.builtin_options`` in a recipe). ValueError for an unknown name or
+    option; the ranges are `check_sizes`'s."""
+    name = _canonical(name)
+    known = {f.name for f in fields(BuiltinConfig)}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown built-in size option(s) {sorted(unknown)}; known: {sorted(known)}")
+    return BuiltinConfig(**{**DEFAULTS.get(name, {}), **options})
+
+
 def _canonical(name: str) -> str:
     name = ALIASES.get(name, name)
     if name not in GENERATORS:
@@ -247,6 +290,12 @@ def _settings(name: str, cfg: BuiltinConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k in _FIELDS[name]}
 
 
+def settings(name: str, **options) -> dict:
+    """The settings of dataset ``name`` that its bytes depend on, at ``config(name, **options)``: what its folder
+    records and what must match for the folder to be reused."""
+    return _settings(_canonical(name), config(name, **options))
+
+
 def check_sizes(name: str, cfg: BuiltinConfig) -> None:
     """Reject sizes dataset ``name`` cannot have (ValueError), before any folder is made: nothing is left behind."""
     if name in FORMULA_SETS:
@@ -266,21 +315,17 @@ def check_sizes(name: str, cfg: BuiltinConfig) -> None:
 def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
     """True when every split exists and was generated with the same settings; raises if settings differ."""
     complete = True
+    wanted = _settings(name, cfg)
     for split in SPLITS[name]:
         meta = read_dataset_json(folder / split)
         if meta is None:
             complete = False
             continue
         stored = meta.get("builtin")
-        wanted = _settings(name, cfg)
-        if stored is None:
+        if stored is None:  # a shard folder the user wrote there: theirs to answer for
             continue
-        defaults = asdict(BuiltinConfig())  # a setting added later was at its default in a folder made before it
-        differ = [
-            f"{k}={stored.get(k, defaults[k])} (wanted {v})"
-            for k, v in wanted.items()
-            if stored.get(k, defaults[k]) != v
-        ]
+        had = {k: stored.get(k, UNRECORDED.get(k, "unrecorded")) for k in wanted}
+        differ = [f"{k}={had[k]} (wanted {v})" for k, v in wanted.items() if had[k] != v]
         if differ:
             raise ValueError(
                 f"{folder / split} was generated with {', '.join(differ)}; delete it (rm -r {folder}) to generate it "
@@ -289,20 +334,27 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
     return complete
 
 
+def check_folder(name: str, root: str | Path, **options) -> bool:
+    """Whether ``root/<name>`` holds built-in dataset ``name`` complete, at the settings ``config(name, **options)``
+    gives, generating nothing: True when every split is there, False when one is missing (``ensure`` would generate
+    it). ValueError when a split there was generated with other settings (the message names the folder, the
+    differing settings and the fix, as `ensure` says it), or when the settings themselves are invalid."""
+    cfg = config(name, **options)
+    name = _canonical(name)
+    check_sizes(name, cfg)
+    return _is_complete(Path(root) / name, name, cfg)
+
+
 def ensure(name: str, root: str | Path, **size_overrides) -> Path:
     """Generate built-in dataset ``name`` under ``root/<name>/<split>/`` unless present; return ``root/<name>``.
 
-    ``size_overrides`` are BuiltinConfig fields (resolution, seed, num_classes, images_per_class, ...).
+    ``size_overrides`` are BuiltinConfig fields (resolution, seed, num_classes, images_per_class, ...) over the set's
+    defaults (``config``). A folder there generated with other settings is refused (`check_folder`).
     """
     name = _canonical(name)
-    known = {f.name for f in fields(BuiltinConfig)}
-    unknown = set(size_overrides) - known
-    if unknown:
-        raise ValueError(f"unknown built-in size option(s) {sorted(unknown)}; known: {sorted(known)}")
-    cfg = BuiltinConfig(**size_overrides)
-    check_sizes(name, cfg)
+    cfg = config(name, **size_overrides)
     folder = Path(root) / name
-    if _is_complete(folder, name, cfg):
+    if check_folder(name, root, **size_overrides):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".generate.lock", "w") as lock:
@@ -340,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FIELD=INT",
-        help=f"size override, fields: {', '.join(f.name for f in fields(BuiltinConfig))}",
+        help=f"size override over the set's defaults, fields: {', '.join(f.name for f in fields(BuiltinConfig))}",
     )
     p.add_argument(
         "--workers",
@@ -368,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides[key] = int(value)
         names = BUILTIN_NAMES if args.name == "all" else (_canonical(args.name),)
         for name in names:
-            check_sizes(name, BuiltinConfig(**overrides))
+            check_sizes(name, config(name, **overrides))
         output_folder(args.out, "--out")
+        for name in names:  # a folder made with other settings stops `all` before it generates anything
+            check_folder(name, args.out, **overrides)
         for name in names:
             start = time.perf_counter()
             folder = ensure(name, args.out, **overrides)

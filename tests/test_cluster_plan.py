@@ -182,6 +182,55 @@ def test_dry_run_prints_plan_and_submits_nothing(capsys):
     assert "per (rank x loader worker)" in out and "WARNING" in out  # 512 loaders over ~3.8k assumed shards
 
 
+@pytest.mark.timeout(300)
+def test_a_stale_builtin_folder_stops_the_dry_run_with_one_line(tmp_path, local_demo_data, capsys):
+    """A built-in folder generated with other settings (an older `make shards`) stops `make launch DRY_RUN=1` as bad
+    input, before the plan, generating nothing; an absent one is named as what the launch will generate."""
+    import re
+    import subprocess
+
+    from data_pipeline import builtin
+
+    data = tmp_path / "data"
+    builtin.ensure("rcdb", data, num_classes=4, images_per_class=4, val_per_class=1, samples_per_shard=4)
+    sets = ["--set", f"data.train={data}/rcdb/train", "--set", f"evals.data_root={data}"]
+    command = [sys.executable, "-m", "cluster.launch", "--cluster", "local", "--recipe", "local_demo", *sets]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([*command, "--dry-run"], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    folder = re.escape(str(data / "rcdb"))
+    assert len(lines) == 1 and re.fullmatch(
+        rf"error: {folder}/train was generated with num_classes=4 \(wanted 64\), images_per_class=4 \(wanted 60\), "
+        rf"val_per_class=1 \(wanted 10\), samples_per_shard=4 \(wanted 128\); delete it \(rm -r {folder}\) to "
+        "generate it again, or use another data root",
+        lines[0],
+    ), lines
+    assert "plan:" not in done.stdout  # stopped before the plan
+    assert sorted(p.name for p in data.iterdir()) == ["rcdb"]  # the suite's eval sets were not generated
+    # The settings the recipe wants (the session's local_demo set): the dry run goes on, naming what is absent.
+    sets = ["--set", f"data.train={local_demo_data}/rcdb/train", "--set", f"evals.data_root={local_demo_data}"]
+    assert launch.main(["--cluster", "local", "--recipe", "local_demo", *sets, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    absent = next(line for line in out.splitlines() if line.startswith("data: "))
+    assert f"{local_demo_data}/digits" in absent and "absent: the launch generates them" in absent
+    assert f"{local_demo_data}/rcdb," not in absent and not (local_demo_data / "digits").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_dry_run_refuses_one_builtin_folder_wanted_at_two_settings(tmp_path, capsys):
+    """inspect_rcdb reads <evals.data_root>/rcdb at rcdb's defaults: training on other sizes in the same folder
+    would make the eval refuse it later; the dry run says so first."""
+    sets = [f"data.train={tmp_path}/rcdb/train", f"evals.data_root={tmp_path}", "evals.suite=inspect_rcdb"]
+    sets.append("data.builtin_options.num_classes=32")
+    argv = ["--cluster", "local", "--recipe", "local_demo", *sum((["--set", s] for s in sets), []), "--dry-run"]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/rcdb is read at two settings (num_classes=32 / 64)" in err and "evals.data_root" in err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.timeout(60)
 def test_launch_reads_the_recipe_file_once(capsys):
     """Every open of the recipe and of its `base:` by `make launch`'s path (as a dry run) is counted: one each."""
@@ -391,14 +440,55 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
 def test_storage_extras_are_the_pyproject_extras():
     import tomllib
 
+    from cluster.plan import EXTRAS, HF_EXTRA
     from cluster.profiles import PROJECT_ROOT
     from cluster.storage import SCHEME_EXTRAS, STORAGE_EXTRAS
 
     extras = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for name, extra in STORAGE_EXTRAS.items():
+    for name, extra in EXTRAS.items():
         assert extras[name] == [extra.requirement], name
         assert extra.requirement.startswith(extra.module)
     assert set(SCHEME_EXTRAS.values()) == set(STORAGE_EXTRAS)
+    # dev installs hf (the venv logs models, the tests export them), by the extra rather than a second version bound
+    assert f"vitscale[{HF_EXTRA.name}]" in extras["dev"]
+    assert not any(r.startswith(HF_EXTRA.module) for r in extras["dev"])
+
+
+@pytest.mark.timeout(120)
+def test_the_job_installs_transformers_on_a_cluster_where_it_logs_the_final_model():
+    """`cluster.job_record.log_final_model` needs transformers on the cluster; the job's runtime env installs
+    vitscale[hf] there when the job logs a model (one HF's ViT holds), and a local job installs nothing it has."""
+    import importlib.util
+
+    from cluster.driver import JobSpec
+    from cluster.plan import HF_EXTRA, STORAGE_EXTRAS
+
+    def job(profile_name: str, recipe: str, sets: tuple[str, ...] = ()):
+        profile = load_profile(profile_name)
+        config = resolve_config(profile, recipe, list(sets), "r")
+        plan = build_plan(profile, config)
+        spec = JobSpec.from_json(JobSpec.create(profile, config, plan).to_json())  # as it travels to the job
+        return plan, launch.runtime_env(profile, spec)
+
+    s3fs = STORAGE_EXTRAS["s3"].requirement
+    # class token, no pre-logits layer: the final model is logged, so the cluster gets transformers
+    mpp, env = job("a100x64", "vit_b16_mpp")
+    assert mpp.runtime_extras == ("s3", "hf") and env["pip"] == [s3fs, HF_EXTRA.requirement]
+    runtime = next(line for line in format_plan(mpp).splitlines() if line.startswith("  runtime env"))
+    assert "pip installs vitscale[s3] (s3fs), vitscale[hf] (transformers) on the cluster" in runtime
+    assert "the final model is logged to MLflow" in runtime
+    # a pre-logits layer (the i21k recipes): HF's ViT cannot hold it, nothing is logged, transformers is not needed
+    prelogits, env = job("h100x8", "vit_b16_i21k")
+    assert prelogits.runtime_extras == ("s3",) and env["pip"] == [s3fs]
+    assert "the final model is not logged to MLflow: HF's ViT has no pre-logits" in format_plan(prelogits)
+    # the same recipe without it logs its model again: the model decides, not the recipe's name
+    _, env = job("h100x8", "vit_b16_i21k", ("model.representation_size=null",))
+    assert env["pip"] == [s3fs, HF_EXTRA.requirement]
+    # local: the job runs in this environment, which has transformers (dev): nothing to install, the model logged
+    local, env = job("local", "local_demo")
+    assert local.runtime_extras == () and "pip" not in env
+    if importlib.util.find_spec("transformers") is not None:
+        assert "installs no extras; the final model is logged to MLflow" in format_plan(local)
 
 
 @pytest.mark.timeout(60)

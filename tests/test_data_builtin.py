@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -106,3 +110,79 @@ def test_cli_writes_the_documented_layout(tmp_path, capsys):
     stream = TrainStream(spec, world_size=2, rank=1)
     x, y = next(iter(stream))
     assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False
+
+
+# ------------------------------------------------------------- each set's defaults: `make shards` then `make launch`
+
+
+def test_rcdb_defaults_are_the_set_local_demo_trains_on():
+    """The recipe names its sizes again (data.builtin_options); they must stay rcdb's defaults, or `make shards`
+    writes a folder `make launch` refuses (issue #51)."""
+    from pretrain.config import load_config
+
+    recipe = load_config("local_demo")
+    assert recipe.data.builtin == "rcdb"
+    assert builtin.config("rcdb") == builtin.config("rcdb", **recipe.data.builtin_options)
+    assert (builtin.config("rcdb").resolution, builtin.config("rcdb").num_classes) == (32, 64)
+    # the other sets keep BuiltinConfig's defaults; --set / builtin_options still win over a set's own
+    assert builtin.config("fractal") == builtin.BuiltinConfig() == builtin.config("digits")
+    assert builtin.config("rcdb", resolution=48).resolution == 48
+    with pytest.raises(ValueError, match="unknown built-in size option"):
+        builtin.config("rcdb", colour=3)
+
+
+def test_check_folder_generates_nothing_and_names_the_settings_and_the_fix(tmp_path, capsys):
+    sizes = dict(num_train=20, num_test=10, resolution=16, samples_per_shard=8)
+    assert builtin.check_folder("shapes_count", tmp_path, **sizes) is False
+    assert not (tmp_path / "shapes_count").exists()  # nothing made, not even the folder
+    folder = builtin.ensure("shapes_count", tmp_path, **sizes)
+    assert builtin.check_folder("shapes-count", tmp_path, **sizes) is True
+    (folder / "test" / "dataset.json").unlink()  # one split gone: incomplete, so ensure would generate it
+    assert builtin.check_folder("shapes_count", tmp_path, **sizes) is False
+    where = re.escape(str(folder))
+    message = (
+        rf"{where}/train was generated with resolution=16 \(wanted 64\), num_train=20 \(wanted 1200\), "
+        rf"num_test=10 \(wanted 500\), samples_per_shard=8 \(wanted 128\); delete it \(rm -r {where}\)"
+    )
+    with pytest.raises(ValueError, match=message):  # at the set's defaults
+        builtin.check_folder("shapes_count", tmp_path)
+    # `all` checks every folder before it generates any: a stale one stops it with that line, nothing written
+    assert builtin.main(["all", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes_count"]
+
+
+@pytest.mark.slow  # generates every built-in set at its default size: ~30 s of CPU
+@pytest.mark.timeout(600)
+def test_make_shards_writes_what_every_shipped_recipe_and_suite_reads(tmp_path):
+    """`make shards` (= `python -m data_pipeline.builtin all --out data`), then any shipped recipe with
+    `data.builtin` (`make launch`) or eval suite naming built-in sets: each folder they read is there at the
+    settings they want, reused as written (issue #51)."""
+    from cluster.launch import builtin_requirements
+    from data_pipeline.paths import PROJECT_ROOT, RECIPE_DIR, SUITES_DIR
+    from evals.suites import load_suite
+    from pretrain.config import load_config
+
+    out = tmp_path / "data"
+    command = [sys.executable, "-m", "data_pipeline.builtin", "all", "--out", str(out), "--workers", "2"]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    needs = []
+    for recipe in sorted(RECIPE_DIR.glob("*.yaml")):
+        config = load_config(recipe.stem)
+        suite = load_suite(config.evals.suite) if config.evals.suite else None
+        needs += [(recipe.name, *need) for need in builtin_requirements(config, suite)]
+    demo = load_config("local_demo")
+    bare = dataclasses.replace(demo, data=dataclasses.replace(demo.data, builtin=None))  # the suite's needs alone
+    for path in sorted(SUITES_DIR.glob("*.yaml")):
+        needs += [(path.name, *need) for need in builtin_requirements(bare, load_suite(path))]
+    read = {(where, name) for where, name, _, _ in needs}
+    assert {("local_demo.yaml", "rcdb"), ("local_mpp.yaml", "digits"), ("inspect_rcdb.yaml", "rcdb")} <= read
+    assert {"digits", "dsprites_loc", "dsprites_ori", "shapes_count"} <= {name for _, name in read}
+    for where, name, root, options in needs:
+        assert root == PROJECT_ROOT / "data", where  # where `make shards` writes them
+        assert builtin.check_folder(name, out, **options), (where, name, options)
+        assert builtin.ensure(name, out, **options) == out / name
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == written  # reused: nothing rewritten

@@ -74,16 +74,18 @@ def test_rcdb_class_offset_gives_each_class_its_own_place():
 
 
 def test_class_offset_is_a_setting_of_the_folder(tmp_path):
-    folder = builtin.ensure("rcdb", tmp_path, **TINY)  # class_offset 0, the default
+    folder = builtin.ensure("rcdb", tmp_path, **TINY, class_offset=0)  # centred, as every rcdb before the setting
     meta = folder / "train" / "dataset.json"
     stored = json.loads(meta.read_text())
     stored["builtin"].pop("class_offset")  # as written before the setting existed
     meta.write_text(json.dumps(stored))
-    assert builtin.ensure("rcdb", tmp_path, **TINY) == folder  # reused: it was made at the default
+    assert builtin.ensure("rcdb", tmp_path, **TINY, class_offset=0) == folder  # reused: it was made at 0
+    # rcdb's default is 30 now (local_demo's): an old folder counts at the 0 it was made with, not at today's default
+    assert builtin.config("rcdb").class_offset == 30
     with pytest.raises(
         ValueError, match=r"rcdb/train was generated with class_offset=0 \(wanted 30\); delete it \(rm -r "
     ):
-        builtin.ensure("rcdb", tmp_path, **TINY, class_offset=30)
+        builtin.ensure("rcdb", tmp_path, **TINY)
     with pytest.raises(ValueError, match="class_offset=51 is out of range; use 0..50"):
         builtin.ensure("rcdb", tmp_path / "new", **TINY, class_offset=51)
     assert not (tmp_path / "new").exists()
@@ -113,15 +115,16 @@ def test_rcdb_ramp_background_replaces_only_the_background():
 
 
 def test_background_ramp_is_a_setting_of_the_folder(tmp_path):
-    folder = builtin.ensure("rcdb", tmp_path, **TINY)
+    folder = builtin.ensure("rcdb", tmp_path, **TINY, background_ramp=0)  # dark, as every rcdb before the setting
     meta = folder / "train" / "dataset.json"
     stored = json.loads(meta.read_text())
     assert stored["builtin"]["background_ramp"] == 0
     stored["builtin"].pop("background_ramp")  # as written before the setting existed
     meta.write_text(json.dumps(stored))
-    assert builtin.ensure("rcdb", tmp_path, **TINY) == folder
+    assert builtin.ensure("rcdb", tmp_path, **TINY, background_ramp=0) == folder
+    assert builtin.config("rcdb").background_ramp == 160  # rcdb's default now (local_demo's)
     with pytest.raises(ValueError, match=r"generated with background_ramp=0 \(wanted 160\); delete it"):
-        builtin.ensure("rcdb", tmp_path, **TINY, background_ramp=160)
+        builtin.ensure("rcdb", tmp_path, **TINY)
     with pytest.raises(ValueError, match="background_ramp=257 is out of range; use 0 .dark background. or 1..256"):
         builtin.ensure("rcdb", tmp_path / "new", **TINY, background_ramp=257)
     assert not (tmp_path / "new").exists()
