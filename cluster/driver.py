@@ -66,12 +66,11 @@ from pretrain.config import TrainConfig
 from pretrain.heartbeat import Heartbeat, heartbeat_path
 from pretrain.run_folder import pin_checkpoint, release_pins
 from pretrain.train import train_worker
+from tracking import keys
 from tracking.runs import open_job_run, run_tags
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
-# Tag: why training failed, in one line (a failed save's own message). TODO: move to tracking/keys.py.
-FAILURE_TAG = "vitscale.failure"
 
 
 @dataclass(frozen=True)
@@ -290,7 +289,7 @@ def run_job(
         why = failure_line(error)
         print(f"training failed: {why}", file=sys.stderr, flush=True)
         tracker = Tracker(uri, run_id, rank=0)
-        tracker.set_tags({FAILURE_TAG: why[:4000]})
+        tracker.set_tags({keys.FAILURE: why[:4000]})
         tracker.close()
     train_s = time.monotonic() - started
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)

@@ -355,9 +355,10 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
     import ray
     from mlflow import MlflowClient
 
-    from cluster.driver import FAILURE_TAG, FaultInjection, JobSpec, run_job
+    from cluster.driver import FaultInjection, JobSpec, run_job
     from cluster.plan import build_plan, resolve_config
     from pretrain.run_folder import complete_checkpoints, world_size_history
+    from tracking.keys import FAILURE
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     uri = mlflow_uri
@@ -416,6 +417,6 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FAILED" and run.data.tags["vitscale.restarts"] == "1"
-    assert run.data.tags[FAILURE_TAG] == why
+    assert run.data.tags[FAILURE] == why
     assert run.data.tags["vitscale.hangs"] == "1" and "rank 1" in run.data.tags["vitscale.last_hang"]
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, 31))

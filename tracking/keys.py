@@ -63,6 +63,7 @@ COMPARED_RUNS = "vitscale.compared_runs"
 HANGS = "vitscale.hangs"  # tag: how many times the watchdog found the group hung and killed the culprit
 LAST_HANG = "vitscale.last_hang"  # tag: the watchdog's line about the last one (rank, pid, step, state, why)
 HANGS_METRIC = "cluster/hangs"  # the same count, at the step the group was at
+FAILURE = "vitscale.failure"  # tag: why training failed, in one line (a failed save's own message)
 STRAGGLERS = "vitscale.stragglers"  # tag: the persistent stragglers with their numbers, or "none"
 STRAGGLERS_METRIC = "cluster/stragglers"  # how many ranks are persistent stragglers, logged when it changes
 # The training stream's counters summed over ranks, logged by the watchdog when they change: read_retries (a shard
