@@ -34,18 +34,13 @@ checkpoints (fire-and-forget), and nothing an eval does reaches the training wor
 from __future__ import annotations
 
 import threading
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
-from evals.evaluator import mlflow_metrics
-from evals.run import run_suite
-from pretrain.run_folder import is_complete, unpin_checkpoint
+from pretrain.run_folder import unpin_checkpoint
 from tracking import keys
 from tracking.tracker import Tracker
 
@@ -53,53 +48,14 @@ from tracking.tracker import Tracker
 MAX_PINNED = 8
 
 
-def task_device(assigned: dict[str, float], cuda_available: bool) -> str:
-    """The device of an eval task: the GPU Ray gave it (``evals.num_gpus`` of the profile; Ray makes it the task's only
-    visible one, so it is ``cuda``), else the CPU. A GPU that torch cannot use (a CPU build of torch) is an error: the
-    task would hold it idle and take hours on the CPU."""
-    if assigned.get("GPU", 0) <= 0:
-        return "cpu"
-    if not cuda_available:
-        raise RuntimeError(
-            "Ray gave this eval task a GPU but torch sees no CUDA device (a CPU build of torch on the eval nodes?); "
-            "install a CUDA build there, or set evals.num_gpus: 0 in the profile to evaluate on CPUs"
-        )
-    return "cuda"
-
-
 def run_suite_task(
     checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """Body of one eval task: run the suite on one checkpoint; return its metrics, or the error as text.
+    """Body of one eval task (`cluster.eval_task.run_suite_task`), imported here, in the task's own process: the
+    scheduler actor only submits this function, so it never imports torch and the evals (3.5 of its 4.7 CPU-s)."""
+    from cluster import eval_task  # deferred on purpose (docstring; docs/design.md, "Imports go at the top")
 
-    Releases the checkpoint's pin however it ends.
-    """
-    started, began = time.monotonic(), time.time()  # "started" (Unix time) places it on the goodput ledger's clock
-    try:
-        if not is_complete(checkpoint_dir):
-            return {
-                "error": f"{checkpoint_dir} is gone or incomplete although pinned for this eval: deleted by hand, "
-                "or by another job writing the same run folder",
-                "seconds": 0.0,
-                "started": began,
-            }
-        # Eval tasks share the machine with training: stay within the CPUs Ray gave this task, on its GPU if it has one.
-        resources = ray.get_runtime_context().get_assigned_resources()
-        torch.set_num_threads(max(1, int(resources.get("CPU", 1))))
-        device = task_device(resources, torch.cuda.is_available())
-        table = run_suite(checkpoint_dir, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=tracking_uri,
-                          device=device)  # fmt: skip
-        # The metrics MLflow got (ok rows, finite values): a missing dataset shows as "-" in the summary, not NaN.
-        return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started, "started": began}
-    except Exception as exc:  # an eval failure is reported in the summary; it never fails the training job
-        return {
-            "error": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(),
-            "seconds": time.monotonic() - started,
-            "started": began,
-        }
-    finally:  # done, failed or interrupted: this eval no longer needs the folder
-        unpin_checkpoint(checkpoint_dir)
+    return eval_task.run_suite_task(checkpoint_dir, suite, data_root, run_id, tracking_uri)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def test_elastic_growth_is_a_resize_not_a_restart_and_resizes_are_listed():
 @pytest.mark.timeout(180)
 def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off):
     """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
-    new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned."""
+    new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned.
+    The scheduler actor itself never imports torch or the evals (only its tasks do)."""
     import ray
 
     from cluster.eval_scheduler import EvalScheduler
@@ -173,6 +175,9 @@ def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off):
         assert ray.get(scheduler.submit.remote(str(folders[2]), 30, {}))
         rows = ray.get(scheduler.drain.remote(120))
         assert "no_such_suite" in rows[30]["error"] and not is_pinned(folders[2])
+        # The actor ran its evals (real tasks, which import the evals) without importing torch itself.
+        imported = ray.get(scheduler.__ray_call__.remote(lambda _: sorted({"torch", "evals"} & set(sys.modules))))
+        assert imported == [], imported
     finally:
         ray.shutdown()
 
@@ -185,7 +190,7 @@ def _worker_output(cluster, pid: int) -> str:
 
 
 def test_eval_tasks_run_on_the_gpu_ray_gave_them():
-    from cluster.eval_scheduler import task_device
+    from cluster.eval_task import task_device
 
     assert task_device({"CPU": 8.0}, cuda_available=True) == "cpu"  # evals.num_gpus: 0 (a100x8, h100x8, local)
     assert task_device({"CPU": 8.0, "GPU": 1.0}, cuda_available=True) == "cuda"  # a100x64's eval node group

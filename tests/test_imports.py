@@ -163,12 +163,17 @@ def test_packages_import_only_what_docs_design_allows():
     assert not broken, "imports the package table of docs/design.md forbids:\n" + "\n".join(broken)
 
 
+# The one module of ours imported inside a function: the eval-scheduler actor's task imports its body in the task's
+# own process, so that the actor never imports torch (docs/design.md, "Imports go at the top").
+DEFERRED_OK = {("cluster.eval_scheduler", "cluster.eval_task")}
+
+
 def test_our_modules_import_each_other_at_the_top():
     # Function-level imports are for heavy optional externals (deepspeed, ray, mlflow, matplotlib) only.
     deferred = [
         f"{MODULES[m].relative_to(ROOT)}:{line} imports {target} inside a function"
         for m in MODULES
         for target, line, is_deferred in imports(m)
-        if is_deferred
+        if is_deferred and (m, target) not in DEFERRED_OK
     ]
     assert not deferred, "move these imports to the top of their file:\n" + "\n".join(deferred)
