@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
 
 JOB_METADATA = {"vitscale": "1"}
+# Ray's Jobs API answers 500 with this when the head node's job agent has not registered for 10 s (Ray 2.60,
+# ray/dashboard/modules/job/job_head.py `submit_job`). `local_head.ensure_head` waits for that agent, so this should
+# come only from a remote cluster's head that has just started; `submit` retries it, and only it.
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 60.0
 
 
 class RayUnreachableError(RuntimeError):
@@ -60,7 +65,7 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
             if os.environ.pop(var, None):
                 print(f"note: {var} is ignored for the local profile", file=sys.stderr)
         if start_local:
-            local_head.ensure_head(profile)
+            _ensure_local_head(profile)
     address = cluster_address(profile)
     if not address:
         raise RayUnreachableError(
@@ -75,10 +80,58 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
         ) from exc
 
 
-def submit(client: JobSubmissionClient, entrypoint: str, runtime_env: dict, submission_id: str) -> str:
-    return client.submit_job(
+def _ensure_local_head(profile: ClusterProfile) -> None:
+    """`local_head.ensure_head`, its failures as RayUnreachableError (the launcher prints one line and exits 2)."""
+    from ray.exceptions import RayError  # e.g. AuthenticationError: the head does not take this process's token
+
+    try:
+        local_head.ensure_head(profile)
+    except (RuntimeError, OSError, RayError) as exc:
+        raise RayUnreachableError(f"the local Ray head of profile {profile.name} is not ready: {exc}") from exc
+
+
+def submit(
+    client: JobSubmissionClient,
+    entrypoint: str,
+    runtime_env: dict,
+    submission_id: str,
+    agent_wait_s: float = AGENT_WAIT_S,
+) -> str:
+    """Submit a job of this project (metadata vitscale=1); return its submission id.
+
+    Ray's "No available agent" 500 (NO_AGENT) alone is retried, for up to `agent_wait_s`, with one line on stderr;
+    RayUnreachableError if it still says so then. Any other error is raised at once.
+    """
+    request = dict(
         entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=dict(JOB_METADATA)
     )
+    return _submit_counting_retries(client, request, agent_wait_s)[0]
+
+
+def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_wait_s: float) -> tuple[str, int]:
+    """`client.submit_job(**request)`, retried while the head's job agent is missing: (submission id, retries)."""
+    deadline = time.monotonic() + agent_wait_s
+    retries = 0
+    while True:
+        try:
+            return client.submit_job(**request), retries
+        except RuntimeError as exc:
+            if "status code 500" not in str(exc) or NO_AGENT not in str(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise RayUnreachableError(
+                    f"Ray's job agent on the head did not register within {agent_wait_s:.0f} s, so the Jobs API "
+                    f"refuses jobs ({exc}); see dashboard_agent.log in the head node's Ray logs "
+                    "(<Ray temp dir>/session_latest/logs)"
+                ) from exc
+            if retries == 0:
+                print(
+                    f"Ray's job agent on the head is not registered yet; retrying for up to {agent_wait_s:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            retries += 1
+            time.sleep(1.0)  # each refusal already took Ray's own 10 s wait for the agent
 
 
 def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:

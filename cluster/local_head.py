@@ -8,6 +8,10 @@ Contract:
 - Token authentication stays on: a token is generated into `~/.ray/auth_token` if none exists (Ray's own
   `ray get-auth-token --generate`), the head starts with `RAY_AUTH_MODE=token`, and the launcher sends the token
   as a Bearer header. Only an explicit `RAY_AUTH_MODE=disabled` in the environment (tests) turns it off.
+- `ensure_head` returns only when the head can run a job: its dashboard answers and the head node's dashboard agent,
+  through which Ray's Jobs API runs every job, has registered and answers (see `_registered_job_agent`). The dashboard
+  can answer before the agent has registered, and a job submitted in between is refused ("No available agent to
+  submit job") once Ray has waited 10 s for the agent.
 - Ray's temp dir is ours (`profile.ray.temp_dir`), and `head.json` in it records what we started. Stopping kills
   exactly the processes whose command line names that temp dir (and their children) by PID — never `ray stop`,
   which would take down every Ray instance on the machine.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -32,6 +37,15 @@ from pathlib import Path
 from cluster.profiles import ClusterProfile
 
 STATE_FILE = "head.json"
+NOT_READY_EXIT = 3  # the agent check's status when the agent did not come in time (1 is Python's own crash code)
+# The agent check, run by `_wait_for_job_agent` in a child process: `_job_agent_ready(GCS_ADDRESS, TIMEOUT_S)`.
+_AGENT_CHECK = (
+    "import sys; from cluster.local_head import NOT_READY_EXIT, _job_agent_ready as ready; "
+    "sys.exit(0 if ready(sys.argv[1], float(sys.argv[2])) else NOT_READY_EXIT)"
+)
+AGENT_LOG = "session_latest/logs/dashboard_agent.log"  # under the temp dir: why an agent did not come up
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,14 +106,90 @@ def _ray_executable() -> str:
     return str(exe)
 
 
-def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
-    """The Jobs API answers /api/version (no auth needed for that path in Ray 2.60)."""
-    req = urllib.request.Request(f"{url}/api/version", headers=auth_headers())
+def _answers(url: str, timeout: float = 2.0) -> bool:
+    """GET `url` returns 200 (with our auth header; the paths asked here need none in Ray 2.60)."""
+    req = urllib.request.Request(url, headers=auth_headers())
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our own head only
             return resp.status == 200
     except (urllib.error.URLError, OSError, TimeoutError):
         return False
+
+
+def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
+    """The Jobs API answers /api/version."""
+    return _answers(f"{url}/api/version", timeout)
+
+
+def _registered_job_agent(gcs) -> str | None:
+    """The URL of the head node's job agent as Ray's Jobs API finds it before it runs a job, None until it is there.
+
+    Ray 2.60, ray/dashboard/modules/job/job_head.py: `submit_job` calls `get_target_agent`, which polls
+    `_get_head_node_agent_once` for WAIT_AVAILABLE_AGENT_TIMEOUT (10 s) and then answers 500 "No available agent to
+    submit job". That reads two GCS internal KV entries: the head node's ID (KV_HEAD_NODE_ID_KEY, namespace `job`,
+    put by the dashboard's NodeHead once the head node is ALIVE) and, under DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX + that
+    ID (namespace `dashboard`), the agent's [ip, http_port, grpc_port], which ray/dashboard/agent.py `run` puts only
+    after its HTTP server listens. Ray's own tests wait for the same key (`wait_for_dashboard_agent_available`)."""
+    from ray._private import ray_constants
+    from ray.dashboard import consts
+
+    node_id = gcs.internal_kv_get(
+        ray_constants.KV_HEAD_NODE_ID_KEY, namespace=ray_constants.KV_NAMESPACE_JOB, timeout=5
+    )
+    if not node_id:
+        return None
+    key = f"{consts.DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX}{node_id.decode()}".encode()
+    value = gcs.internal_kv_get(key, namespace=ray_constants.KV_NAMESPACE_DASHBOARD, timeout=5)
+    if not value:
+        return None
+    ip, http_port, _grpc_port = json.loads(value)
+    return f"http://{ip}:{http_port}" if http_port > 0 else None  # -1: the agent's HTTP server failed to start
+
+
+def _job_agent_ready(gcs_address: str, timeout_s: float) -> bool:
+    """Poll until the head's job agent is registered (`_registered_job_agent`) and answers /api/healthz, for at most
+    `timeout_s`. Runs in a child process (`_wait_for_job_agent`)."""
+    import ray.exceptions
+    from ray._raylet import GcsClient
+
+    gcs = GcsClient(address=gcs_address)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            url = _registered_job_agent(gcs)
+        except ray.exceptions.RpcError:  # GCS busy or briefly unreachable: ask again
+            url = None
+        if url and _answers(f"{url}/api/healthz"):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def _wait_for_job_agent(info: HeadInfo, deadline: float) -> float:
+    """Block until the head's job agent can take a job (`_job_agent_ready`); return the seconds waited. RuntimeError
+    at `deadline` (time.monotonic()) naming what was awaited and the agent's log, or saying why the check failed.
+
+    The GCS client runs in a child process with RAY_AUTH_MODE set as the head's: in this process Ray would take the
+    auth mode into process-wide state (`ray_auth_mode`), and a later change of the variable would no longer reach it.
+    """
+    start = time.monotonic()
+    left = max(deadline - start, 1.0)
+    cmd = [sys.executable, "-c", _AGENT_CHECK, info.gcs_address, f"{left:.1f}"]
+    env = dict(os.environ, RAY_AUTH_MODE=info.auth_mode)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left + 60)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"`{' '.join(cmd)}` (the wait for the Ray head's job agent) hung; killed") from exc
+    if proc.returncode == 0:
+        return time.monotonic() - start
+    if proc.returncode != NOT_READY_EXIT:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]  # the exception, without its traceback
+        raise RuntimeError(f"`{' '.join(cmd)}` (the wait for the Ray head's job agent) failed: {last}")
+    raise RuntimeError(
+        f"the Ray head's dashboard answers at {info.dashboard_url}, but its job agent did not register in GCS "
+        f"({info.gcs_address}) and answer within {time.monotonic() - start:.0f} s, so Ray's Jobs API would refuse jobs "
+        f"('No available agent to submit job'); see {Path(info.temp_dir) / AGENT_LOG}"
+    )
 
 
 def _state_path(profile: ClusterProfile) -> Path:
@@ -117,15 +207,27 @@ def read_state(profile: ClusterProfile) -> HeadInfo | None:
 
 
 def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
-    """Reuse our running head (same temp dir, dashboard answering) or start a new one; return how to reach it."""
+    """Reuse our running head (same temp dir, dashboard answering) or start a new one; return how to reach it once it
+    can run a job (dashboard up, job agent registered: module docstring).
+
+    RuntimeError naming what did not come up within `timeout_s`: a head started here is stopped again first, a reused
+    one is left alone (it may be running a job).
+    """
     if not profile.is_local:
         raise ValueError(f"profile {profile.name} has ray.address={profile.ray.address!r}: only 'local' starts a head")
     existing = read_state(profile)
     if existing and _dashboard_alive(existing.dashboard_url):
+        _wait_until_ready(profile, existing, time.monotonic() + timeout_s, started_here=False)
         return existing
     if existing:  # a stale record (machine rebooted, head killed): clear whatever is left of it
         stop_head(profile)
+    info = _start_head(profile, timeout_s)
+    _wait_until_ready(profile, info, time.monotonic() + timeout_s, started_here=True)
+    return info
 
+
+def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
+    """`ray start --head` as the module docstring says, recorded in head.json; returns once `ray start` has."""
     temp_dir = Path(profile.ray.temp_dir)
     temp_dir.mkdir(parents=True, exist_ok=True)
     mode = auth_mode_from_env()
@@ -157,7 +259,11 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:  # what it started so far runs on, with no head.json: stop it by temp dir
+        stop_head(profile)
+        raise RuntimeError(f"`ray start --head` did not return within {timeout_s:.0f} s (a busy machine?)") from exc
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     info = HeadInfo(
@@ -168,13 +274,33 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
         started_by_us=True,
     )
     _state_path(profile).write_text(json.dumps(asdict(info), indent=2))
-    deadline = time.monotonic() + timeout_s
+    return info
+
+
+def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, started_here: bool) -> None:
+    """The dashboard answers, then the job agent (`_wait_for_job_agent`); RuntimeError at `deadline` otherwise."""
+    start = time.monotonic()
     while not _dashboard_alive(info.dashboard_url):
         if time.monotonic() > deadline:
-            stop_head(profile)
-            raise RuntimeError(f"Ray head started but its dashboard {info.dashboard_url} never answered")
+            raise _not_ready(
+                profile, started_here, f"Ray head started but its dashboard {info.dashboard_url} never answered"
+            )
         time.sleep(1.0)
-    return info
+    dashboard_s = time.monotonic() - start
+    try:
+        agent_s = _wait_for_job_agent(info, deadline)
+    except RuntimeError as exc:
+        raise _not_ready(profile, started_here, str(exc)) from exc
+    _log.info(
+        "Ray head %s: dashboard answered in %.1f s, job agent %.1f s after that", info.gcs_address, dashboard_s, agent_s
+    )
+
+
+def _not_ready(profile: ClusterProfile, started_here: bool, message: str) -> RuntimeError:
+    """The error for a head that did not come up; one started here is stopped first, so that nothing is left."""
+    if started_here:
+        stop_head(profile)
+    return RuntimeError(message)
 
 
 def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:

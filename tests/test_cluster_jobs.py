@@ -3,6 +3,8 @@ its life: submit, status, logs, Ray's own CLI (`ray job list|logs` with the expo
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import shlex
@@ -11,6 +13,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +63,29 @@ def test_auth_headers_follow_rays_token_lookup(monkeypatch, tmp_path):
         local_head.auth_mode_from_env()
 
 
+def _ray_temp_dir() -> str:
+    """A Ray temp dir of the test's own under /tmp, not under tmp_path: Ray's unix sockets live in
+    <temp dir>/session_<date>_<pid>/sockets/, and an AF_UNIX path may not exceed 107 bytes (a pytest tmp_path under
+    xdist is ~70 of them before Ray adds ~65). The test removes it."""
+    return tempfile.mkdtemp(prefix="vsd", dir="/tmp")
+
+
+def _local_profile_file(path: Path, temp_dir: str) -> Path:
+    """The `local` profile at `path` with Ray's temp dir `temp_dir`, a dashboard port that is not 8265 (the head's port
+    must be read, not assumed), one CPU and one worker."""
+    text = (ROOT / "cluster/profiles/local.yaml").read_text()
+    for pattern, value in [
+        (r"temp_dir: .*", f'temp_dir: "{temp_dir}"'),
+        (r"dashboard_port: \d+", f"dashboard_port: {_closed_port()}"),
+        (r"head_num_cpus: \d+", "head_num_cpus: 1"),
+        (r"num_workers: \d+", "num_workers: 1"),
+    ]:
+        text, n = re.subn(pattern, value, text, count=1)
+        assert n == 1, pattern
+    path.write_text(text)
+    return path
+
+
 def _parse_exports(text: str) -> dict[str, str]:
     """`export NAME=VALUE` lines (shell-quoted values) → {NAME: VALUE}; any other non-empty line is an error."""
     found = {}
@@ -78,49 +105,197 @@ def _ray_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
     return subprocess.run([ray, *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+FRESH = int(os.environ.get("VITSCALE_FRESH_HEADS", "0"))  # more fresh heads, each taking a job (a measurement)
+RETRY_LINE = "Ray's job agent on the head is not registered yet; retrying for up to 60 s"
+
+
+def _token_auth(monkeypatch, tmp_path: Path) -> None:
+    """A token of this test's own, no Ray address inherited; the test itself sets RAY_AUTH_MODE=token (how: below)."""
+    token = tmp_path / "token"
+    token.write_text("vitscale-test-token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@contextlib.contextmanager
+def _cpu_burners(n: int):
+    """`n` processes spinning on a core each: the busy machine on which the dashboard answers long before the agent."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+def _job(submission_id: str) -> dict:
+    """A trivial job, as `jobs.submit` sends it to Ray."""
+    entrypoint = "python -c \"print('job ran')\""
+    return dict(entrypoint=entrypoint, runtime_env={}, submission_id=submission_id, metadata=dict(jobs.JOB_METADATA))
+
+
+def _job_end(client, job_id: str, timeout_s: float = 180.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not (status := client.get_job_status(job_id)).is_terminal():
+        assert time.monotonic() < deadline, f"job {job_id} still {status} after {timeout_s} s"
+        time.sleep(0.5)
+    return str(status.value)
+
+
+def _stop_our_head(profile, temp_dir: str) -> list[int]:
+    """Stop the head under `temp_dir` by PID (`local_head.stop_head`), remove the dir; the processes left over."""
+    state = local_head.read_state(profile)
+    local_head.stop_head(profile)
+    resolved = str(Path(temp_dir).resolve())
+    leftover = [
+        p
+        for p in local_head._processes_of(resolved, state.gcs_address if state else None)
+        if not local_head._is_zombie(p)
+    ]
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return leftover
+
+
+def _fresh_head_takes_a_job(profile_path: Path, submission_id: str) -> tuple[float, int, str, list[int]]:
+    """Start a fresh head, submit the moment it is ready, run the job, stop the head: (seconds until `connect`
+    returned, retries the submission needed, the job's final status, processes left over)."""
+    temp_dir = _ray_temp_dir()
+    profile = load_profile(_local_profile_file(profile_path, temp_dir))
+    try:
+        start = time.monotonic()
+        client = jobs.connect(profile, start_local=True)
+        ready_s = time.monotonic() - start
+        job_id, retries = jobs._submit_counting_retries(client, _job(submission_id), jobs.AGENT_WAIT_S)
+        status = _job_end(client, job_id)
+    finally:
+        leftover = _stop_our_head(profile, temp_dir)
+    return ready_s, retries, status, leftover
+
+
+def _gcs(info: local_head.HeadInfo, method: str, *args, **kwargs):
+    """One call of Ray's GCS client on our head; inside `local_head.ray_auth_mode` as the head's."""
+    from ray._raylet import GcsClient
+
+    return getattr(GcsClient(address=info.gcs_address), method)(*args, **kwargs)
+
+
+def _agent_key(info: local_head.HeadInfo) -> bytes:
+    """Where the head's job agent registers, and Ray's Jobs API looks for it (`local_head._registered_job_agent`)."""
+    from ray._private import ray_constants
+    from ray.dashboard import consts
+
+    node_id = _gcs(info, "internal_kv_get", ray_constants.KV_HEAD_NODE_ID_KEY, namespace=ray_constants.KV_NAMESPACE_JOB)
+    return f"{consts.DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX}{node_id.decode()}".encode()
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch, tmp_path, capsys):
+@pytest.mark.timeout(600)
+def test_submit_retries_only_while_no_job_agent_is_registered(monkeypatch, tmp_path, capsys):
+    """The submission's safety net, against a real head whose job agent's registration is removed from GCS (as the
+    dashboard does for a dead node) before any job was submitted (the Jobs API keeps an agent it once used):
+    `ensure_head` then waits for it and names it; `jobs.submit` gives up after its wait with RayUnreachableError
+    (the launcher's exit 2), retries while the agent is missing and is taken once it is back, saying so in one line;
+    any other error is raised at once.
+
+    This process talks to the GCS itself, so token auth is turned on with `ray_auth_mode` (the variable and Ray's
+    process-wide state; conftest.no_ray_auth_leak), not with the variable alone."""
+    _token_auth(monkeypatch, tmp_path)
+    temp_dir = _ray_temp_dir()
+    profile = load_profile(_local_profile_file(tmp_path / "local_test.yaml", temp_dir))
+    try:
+        with local_head.ray_auth_mode("token"):
+            refused_s, retries = _refused_retried_raised(profile)
+    finally:
+        leftover = _stop_our_head(profile, temp_dir)
+    assert leftover == []
+    err = capsys.readouterr().err
+    assert err.count(RETRY_LINE) == 1, err  # once, however many retries: the retried submission's line
+    print(f"refused after {refused_s:.1f} s; taken after {retries} retries")
+
+
+def _refused_retried_raised(profile) -> tuple[float, int]:
+    """The body of the test above: (seconds until the refusal without retry, retries until the job was taken)."""
+    from ray._private.ray_constants import KV_NAMESPACE_DASHBOARD as NS
+
+    client = jobs.connect(profile, start_local=True)
+    info = local_head.read_state(profile)
+    key = _agent_key(info)
+    registration = _gcs(info, "internal_kv_get", key, namespace=NS)
+    assert registration
+    _gcs(info, "internal_kv_del", key, False, namespace=NS)
+
+    with pytest.raises(RuntimeError, match="its job agent did not register in GCS") as err:
+        local_head.ensure_head(profile, timeout_s=3)  # reused: waits for the agent, leaves the head running
+    assert local_head.AGENT_LOG in str(err.value) and local_head._dashboard_alive(info.dashboard_url)
+
+    start = time.monotonic()
+    with pytest.raises(jobs.RayUnreachableError, match="job agent on the head did not register within 1 s"):
+        jobs.submit(client, "python -c pass", {}, "vitscale-never", agent_wait_s=1)
+    refused_s = time.monotonic() - start  # one refusal: Ray's own 10 s wait for the agent
+
+    # The agent registers again 15 s in: the first attempt is refused after 10 s, a retry is taken.
+    back = threading.Timer(15.0, _gcs, (info, "internal_kv_put", key, registration, True), {"namespace": NS})
+    back.start()
+    try:
+        job_id, retries = jobs._submit_counting_retries(client, _job("vitscale-retried"), jobs.AGENT_WAIT_S)
+    finally:
+        back.join()
+    assert retries >= 1
+    assert _job_end(client, job_id) == "SUCCEEDED"
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="already exists") as err:
+        jobs.submit(client, "python -c pass", {}, "vitscale-retried")  # a 4xx from the agent: no retry
+    assert not isinstance(err.value, jobs.RayUnreachableError) and time.monotonic() - start < 10
+    return refused_s, retries
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch, tmp_path, capsys, caplog):
     """One head for the whole life cycle: start our own (private temp dir, free ports, 127.0.0.1 dashboard on a port
-    that is not 8265, token auth ON with a test token), run a job through the Jobs API, follow it with
-    `cluster.jobs status|logs`, then with Ray's own CLI (`ray job list|logs`) in exactly the environment
-    `python -m cluster.env` prints (`make env`), then `stop` kills exactly our processes."""
+    that is not 8265, token auth ON with a test token) on a busy machine and submit the moment `connect` returns
+    (issue #51: `ensure_head` used to return before the head's job agent had registered, and 1 launch in 9 was
+    refused), follow the job with `cluster.jobs status|logs`, then with Ray's own CLI (`ray job list|logs`) in exactly
+    the environment `python -m cluster.env` prints (`make env`), then `stop` kills exactly our processes.
+
+    ``VITSCALE_FRESH_HEADS=10`` first starts that many more fresh heads, each taking a job the moment it is ready,
+    and prints their seconds (the measurement behind "10 of 10"); the suite starts this one."""
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
-    token = tmp_path / "token"
-    token.write_text("vitscale-test-token")
+    _token_auth(monkeypatch, tmp_path)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))  # a non-default path: cluster.env must export it
-    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
-    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_ADDRESS", "http://10.255.255.1:8265")  # must be ignored by the local profile
-    temp_dir = tempfile.mkdtemp(prefix="vsd", dir="/tmp")  # short: Ray's unix socket paths are length-limited
+    token = tmp_path / "token"
+    with caplog.at_level(logging.INFO, logger="cluster.local_head"):
+        extra = [_fresh_head_takes_a_job(tmp_path / f"fresh_{i}.yaml", f"vitscale-fresh-{i}") for i in range(FRESH)]
+    waits = [r.args for r in caplog.records if r.name == "cluster.local_head" and "job agent" in r.msg]
+    for i, ((ready_s, retries, status, leftover), (_, dashboard_s, agent_s)) in enumerate(zip(extra, waits)):
+        waited = f"dashboard {dashboard_s:.1f} s, then the job agent {agent_s:.1f} s"
+        print(f"fresh head {i}: ready {ready_s:.1f} s after the start ({waited}); retries {retries}; job {status}")
+        assert (retries, status, leftover) == (0, "SUCCEEDED", [])
+    temp_dir = _ray_temp_dir()
     # A profile file (not only a dataclass) so that `python -m cluster.env --cluster <file>` finds the same head.
-    text = (ROOT / "cluster/profiles/local.yaml").read_text()
-    for pattern, value in [
-        (r"temp_dir: .*", f'temp_dir: "{temp_dir}"'),
-        (r"dashboard_port: \d+", f"dashboard_port: {_closed_port()}"),  # not 8265: the head's port must be read
-        (r"head_num_cpus: \d+", "head_num_cpus: 1"),
-        (r"num_workers: \d+", "num_workers: 1"),
-    ]:
-        text, n = re.subn(pattern, value, text, count=1)
-        assert n == 1, pattern
-    profile_path = tmp_path / "local_test.yaml"
-    profile_path.write_text(text)
+    profile_path = _local_profile_file(tmp_path / "local_test.yaml", temp_dir)
     profile = load_profile(profile_path)
     info = None
     try:
-        client = jobs.connect(profile, start_local=True)
+        with _cpu_burners(2):  # the busy machine on which the dashboard answered before the agent
+            client = jobs.connect(profile, start_local=True)
+            request = _job("vitscale-test-job")
+            request["entrypoint"] = "python -c \"import sys; print('hello from', sys.executable)\""
+            job_id, retries = jobs._submit_counting_retries(client, request, jobs.AGENT_WAIT_S)
+        assert retries == 0, "the readiness wait, not the submission's retry, must let the job in"
         info = local_head.read_state(profile)
         assert info.dashboard_url.startswith("http://127.0.0.1:") and info.auth_mode == "token"
         assert info.temp_dir == temp_dir
         assert local_head.ensure_head(profile) == info  # reused, not started twice
         with pytest.raises(AuthenticationError):
             JobSubmissionClient(info.dashboard_url).list_jobs()  # no token, no access
-        job_id = jobs.submit(
-            client, "python -c \"import sys; print('hello from', sys.executable)\"", {}, "vitscale-test-job"
-        )
         assert jobs.follow(client, job_id) == "SUCCEEDED"
         out = capsys.readouterr().out
         assert f"hello from {Path(sys.executable).parent}" in out  # the job's python is this venv's
