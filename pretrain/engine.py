@@ -13,7 +13,7 @@ from pretrain import run_folder
 from pretrain.config import TrainConfig, model_overrides
 from pretrain.distributed import Placement, import_deepspeed
 from pretrain.ds_config import engine_config
-from pretrain.model import build_model, model_config
+from pretrain.model import Block, build_model, model_config
 from pretrain.optim import build_optimizer
 from pretrain.precision import PrecisionChoice, StepShape, decide, decide_on_rank0, probe_bf16_speedup
 from pretrain.randomness import seed_everything
@@ -77,6 +77,11 @@ def build_engine(
         # Parameters the task reads outside their module's forward: ZeRO-3 must gather them around the task's.
         for param in external_parameters():
             deepspeed.zero.register_external_parameter(task, param)
+    if config.deepspeed.zero_stage == 3 and config.model.compile:
+        # ZeRO-3 gathers each block's parameters in hooks on the block alone (a leaf module: none on its children),
+        # which run around its compiled forward. With hooks on every submodule, Dynamo traced them inside the blocks
+        # and recompiled per layer (docs/performance.md, "Compiled blocks").
+        deepspeed.utils.set_z3_leaf_modules(task, [Block])
     ds_config = engine_config(config, place.world_size, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
     return engine, model

@@ -476,10 +476,15 @@ class VisionTransformer(nn.Module):
         return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in ("cls_token", "pos_embed")}
 
     def compile_blocks(self, compile_threads: int | None = None) -> None:
-        """torch.compile each encoder block in place (one compiled graph serves all blocks, which share their code;
-        parameter names and checkpoints are unchanged). Inductor fuses each block's element-wise work (bias, GELU,
-        dropout, residual, LayerNorm, casts) around the GEMMs; on a CPU it needs a C++ compiler. Training option
-        ``model.compile`` (docs/performance.md, "Compiled blocks").
+        """torch.compile each encoder block's ``forward`` in place (one compiled graph serves all blocks, which share
+        their code; parameter names and checkpoints are unchanged). Inductor fuses each block's element-wise work
+        (bias, GELU, dropout, residual, LayerNorm, casts) around the GEMMs; on a CPU it needs a C++ compiler. Training
+        option ``model.compile`` (docs/performance.md, "Compiled blocks").
+
+        The ``forward``, not the module's call (`nn.Module.compile`): hooks registered on a block run eagerly around
+        its compiled code, never traced into it. ZeRO-3 gathers a block's parameters in such hooks; traced, they
+        recompiled per layer. Hooks on a block's children still run inside it (at ZeRO-3 the trainer marks the blocks
+        leaf modules, so that DeepSpeed puts none there).
 
         ``compile_threads``: how many workers Inductor builds its kernels with, for the whole process (None: its own
         default, a pool of one process per core of the machine). ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins.
@@ -489,7 +494,7 @@ class VisionTransformer(nn.Module):
 
             inductor_config.compile_threads = max(1, compile_threads)
         for block in self.blocks:
-            block.compile()
+            block.forward = torch.compile(block.forward)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable

@@ -296,8 +296,9 @@ def test_gelu_as_sigmoid_is_the_tanh_gelu():
 @pytest.mark.timeout(300)
 def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
     """`compile_blocks` (training's ``model.compile``) changes neither the parameter names nor, beyond float
-    rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU. It builds its
-    kernels with the workers it is given (a CPU rank: its own threads), unless TORCHINDUCTOR_COMPILE_THREADS says."""
+    rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU; a block's hooks
+    run outside its compiled code. It builds its kernels with the workers it is given (a CPU rank: its own threads),
+    unless TORCHINDUCTOR_COMPILE_THREADS says."""
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # put back after
@@ -315,12 +316,18 @@ def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
     torch.testing.assert_close(compiled(images), eager(images), atol=1e-5, rtol=1e-5)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
-    calls = []
+    calls, hooks = [], []
     torch.compiler.reset()  # compile again, so that the trace below calls the function
     traced = lambda h: calls.append(h.shape) or gelu_tanh_as_sigmoid(h)  # noqa: E731
     monkeypatch.setattr("pretrain.model.gelu_tanh_as_sigmoid", traced)
+    # A block's own hooks (ZeRO-3 gathers its parameters in such hooks) run eagerly around its compiled forward:
+    # traced into it, they recompiled per layer.
+    in_compiled = lambda *args: hooks.append(torch.compiler.is_compiling())  # noqa: E731
+    compiled.blocks[0].register_forward_pre_hook(in_compiled)
+    compiled.blocks[0].register_forward_hook(in_compiled)
     compiled(images)
     assert calls, "the compiled blocks did not trace the sigmoid-form GELU"
+    assert hooks == [False, False], hooks
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
     build_model("vit_tiny_debug", num_classes=5).compile_blocks(compile_threads=2)
     assert inductor_config.compile_threads == 1  # left as it was: with the variable set, Inductor's reading decides

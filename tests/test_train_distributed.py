@@ -11,7 +11,8 @@
   and the run resumes from the previous one;
 - the step-0 baseline checkpoint (evals on) changes no loss, holds the initial weights, and resumes exactly;
 - ZeRO-2 bf16 on CPU over gloo trains (finite, falling loss) with fp32 master weights and Adam moments.
-- compiled blocks (`model.compile`) follow the eager losses, and resume exactly with dropout, workers and ZeRO-3.
+- compiled blocks (`model.compile`) follow the eager losses, and resume exactly with dropout, workers and ZeRO-3,
+  whose hooks run outside the compiled blocks (Dynamo traces the blocks' forward alone).
 
 The runs several tests read are trained once per pytest run (`shared_torchrun`): the 2-process fp32 run at each
 ZeRO stage (`reference_run`: the plain-PyTorch comparison, the compiled run's eager reference, and DeepSpeed's own
@@ -25,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -502,12 +504,20 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
     assert {t.dtype for t in module.values() if t.is_floating_point()} == {torch.bfloat16}  # the compute copy
 
 
+def dynamo_traced(log: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(rank, function, (folder, file)) of each frame the ranks' Dynamo traced, sorted, from what they printed with
+    ``TORCH_LOGS=dynamo`` (a recompile traces its frame again)."""
+    traced = re.findall(r"\[rank(\d)\].*torchdynamo start tracing (\S+) (\S+):\d+", log)
+    return sorted((rank, name, Path(file).parts[-2:]) for rank, name, file in traced)
+
+
 @pytest.mark.timeout(900)
-def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared_folder):
+def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared_folder, monkeypatch):
     """``model.compile``: torch.compile'd blocks (2 ranks, ZeRO-2, accumulation 2) follow the eager run's losses
     within float rounding (no dropout: compiled dropout draws its masks its own way); with dropout, 2 loader workers
     and ZeRO-3 (whose parameters are gathered by hooks around each layer) a compiled run killed after its step-3
-    checkpoint and launched again equals the uninterrupted compiled run."""
+    checkpoint and launched again equals the uninterrupted compiled run, and Dynamo traces the blocks' forward
+    alone, once per rank: none of DeepSpeed's hooks, no recompile."""
     _, eager = reference_run(shared_folder, shards, stage=2)
     compiled = torchrun(tiny_config(shards, tmp_path / "compiled", "deepspeed.zero_stage=2", "model.compile=true"),
                         tmp_path / "b")  # fmt: skip
@@ -524,5 +534,11 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
     assert compiled[0]["digests"] == eager[0]["digests"]  # the same batches
     extra = ("deepspeed.zero_stage=3", "model.compile=true", "model.dropout=0.1", "data.num_workers=2",
              "checkpoint.every_steps=3", "checkpoint.keep_last=4")  # fmt: skip
+    monkeypatch.setenv("TORCH_LOGS", "dynamo")  # the ranks log each frame Dynamo traces (`dynamo_traced`)
     whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3)
     assert_resumed_exactly(whole, None, resumed, stop=3, tolerance=0.0)  # bit-identical
+    # ZeRO-3 gathers a block's parameters in hooks on the block (marked a leaf: none on its children). Traced with
+    # the blocks (nn.Module.compile), DeepSpeed's hooks recompiled per layer, 50 times in such a run.
+    for launch in ("w", "r"):
+        traced = dynamo_traced((tmp_path / launch / "output.log").read_text())
+        assert traced == [(rank, "forward", ("pretrain", "model.py")) for rank in "01"], (launch, traced)
