@@ -15,8 +15,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -234,29 +232,27 @@ def train_env() -> Callable[[], dict[str, str]]:
 
 @pytest.fixture
 def train_cli(train_env):
-    """Run `python -m pretrain.train` on a TrainConfig in a process session of its own (a timeout kills the whole
-    tree, nothing leaks) and return its summary; the config is saved as `<run_dir>/recipe.yaml` first, what it
-    printed as `<run_dir>/output.log` after. ``fails=True``: the run must end with a non-zero status (returns None)."""
+    """Run `python -m pretrain.train` on a TrainConfig as one standalone process (no torchrun variables), forked
+    from an interpreter that has imported what it imports (`tests/warm_ranks.py`; a timeout kills it and what it
+    started), and return its summary; the config is saved as `<run_dir>/recipe.yaml` first, what it printed is
+    `<run_dir>/output.log`. ``fails=True``: the run must end with a non-zero status (returns None)."""
+    from tests import warm_ranks
 
     def run(config, run_dir: Path, timeout: float = 400, fails: bool = False) -> dict | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.save(run_dir / "recipe.yaml")
-        env = train_env()
-        cmd = [sys.executable, "-m", "pretrain.train", "--config", str(run_dir / "recipe.yaml"),
-               "--summary", str(run_dir / "summary.json")]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
+        log = run_dir / "output.log"
+        log.write_text("")
+        args = ["--config", str(run_dir / "recipe.yaml"), "--summary", str(run_dir / "summary.json")]
         try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"training timed out:\n{out[-4000:]}")
-        (run_dir / "output.log").write_text(out)  # what it printed (stdout and stderr), for tests that read it
+            status = warm_ranks.launch("pretrain.train", args, 1, train_env(), log, timeout, ranks=False)
+        except TimeoutError:
+            pytest.fail(f"training timed out:\n{log.read_text()[-4000:]}")
+        out = log.read_text()
         if fails:
-            assert proc.returncode != 0, out[-6000:]
+            assert status != 0, out[-6000:]
             return None
-        assert proc.returncode == 0, out[-6000:]
+        assert status == 0, out[-6000:]
         return json.loads((run_dir / "summary.json").read_text())
 
     return run

@@ -46,6 +46,7 @@ from pretrain.randomness import model_randomness, seed_everything
 from pretrain.run_folder import TrainerState
 from pretrain.tasks import build_task
 from pretrain.trainer import build_stream
+from tests import warm_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
@@ -94,17 +95,35 @@ def _run(cmd: list[str], timeout: int, accelerator: str = "cpu", **env: str) -> 
 
 
 def torchrun(
-    config: TrainConfig, workdir: Path, nproc: int = 2, timeout: int = 240, accelerator: str = "cpu"
+    config: TrainConfig,
+    workdir: Path,
+    nproc: int = 2,
+    timeout: int = 240,
+    accelerator: str = "cpu",
+    launcher: str = os.environ.get("VITSCALE_TEST_LAUNCHER", "warm"),
 ) -> list[dict]:
+    """Train ``config`` on ``nproc`` ranks; their summaries. ``launcher``: "warm" forks the ranks from an interpreter
+    that has imported torch and DeepSpeed (`tests/warm_ranks.py`: as torchrun starts them, without their imports),
+    "torchrun" runs `python -m torch.distributed.run` itself (a GPU run always does). What the ranks printed is
+    ``workdir/output.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
     config.save(path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", "-m", "pretrain.train", "--config", str(path),
-           "--summary", str(workdir / "summary_{rank}.json")]  # fmt: skip
-    result = _run(cmd, timeout, accelerator)
-    (workdir / "output.log").write_text(result.stdout)  # what the ranks printed, for tests that read it
-    assert result.returncode == 0, result.stdout[-6000:]
+    args = ["--config", str(path), "--summary", str(workdir / "summary_{rank}.json")]
+    log = workdir / "output.log"
+    if launcher == "warm" and accelerator == "cpu":
+        log.write_text("")
+        try:
+            status = warm_ranks.launch("pretrain.train", args, nproc, _env(accelerator), log, timeout)
+        except TimeoutError:
+            pytest.fail(f"training timed out after {timeout}s:\n{log.read_text()[-4000:]}")
+        assert status == 0, log.read_text()[-6000:]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port()}", "-m", "pretrain.train", *args]  # fmt: skip
+        result = _run(cmd, timeout, accelerator)
+        log.write_text(result.stdout)  # what the ranks printed, for tests that read it
+        assert result.returncode == 0, result.stdout[-6000:]
     return [json.loads((workdir / f"summary_{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -203,10 +222,12 @@ def test_zero_stage_matches_plain_pytorch(stage, shards, shared_folder):
 
 
 def stop_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tuple[list, list, list]:
-    """Summaries of an uninterrupted run, of the same run stopped after step ``stop``, and of its resumption."""
-    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "w")
-    stopped = torchrun(tiny_config(shards, tmp_path / "split", *extra, f"schedule.stop_at_step={stop}"), tmp_path / "s")
-    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "r")
+    """Summaries of an uninterrupted run, of the same run stopped after step ``stop``, and of its resumption, each
+    launched by torchrun itself (the launcher users run; the other tests fork their ranks: `torchrun`)."""
+    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "w", launcher="torchrun")
+    first_part = tiny_config(shards, tmp_path / "split", *extra, f"schedule.stop_at_step={stop}")
+    stopped = torchrun(first_part, tmp_path / "s", launcher="torchrun")
+    resumed = torchrun(tiny_config(shards, tmp_path / "split", *extra), tmp_path / "r", launcher="torchrun")
     return whole, stopped, resumed
 
 
@@ -242,7 +263,8 @@ def assert_resumed_exactly(whole: list, stopped: list | None, resumed: list, sto
 def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
     """With ``precision: auto``, the default: two fresh runs of the recipe (the uninterrupted one, and the one
     stopped after step 5) are bit-identical over the steps both ran, and a run stopped and resumed equals the
-    uninterrupted one (the precision is a rule on the machine and the model, never a timing)."""
+    uninterrupted one (the precision is a rule on the machine and the model, never a timing). Launched by torchrun,
+    and the uninterrupted run once more with forked ranks (tests/warm_ranks.py), which must give the same run."""
     # dropout on: a resumed run must also reproduce each rank's dropout masks exactly
     extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3", "deepspeed.precision=auto")
     whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=5)
@@ -260,6 +282,9 @@ def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
     assert len(lines) == 1 and " (cpu:" in lines.pop()  # one rule, one answer, printed the same by every run
     printed = (tmp_path / "r" / "output.log").read_text()
     assert "(checkpoint): kept from step_00000005" in printed  # the resume keeps what its checkpoint trained in
+    # The other tests fork their ranks from a warm interpreter (`torchrun`): the same run so equals torchrun's.
+    forked = torchrun(tiny_config(shards, tmp_path / "forked", *extra), tmp_path / "f")
+    assert [(f["losses"], f["digests"]) for f in forked] == [(w["losses"], w["digests"]) for w in whole]
 
 
 CRASH_DURING_SAVE = """
@@ -400,14 +425,18 @@ exit_rank(0)
 
 
 def torchrun_with_evals(config: TrainConfig, workdir: Path, timeout: int = 240) -> list[dict]:
+    """``config`` on 2 ranks as the cluster driver runs it (`WITH_EVALS`); their summaries."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.yaml").write_text(config.to_yaml())
     (workdir / "with_evals.py").write_text(WITH_EVALS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(workdir / "with_evals.py"), str(workdir / "config.yaml"),
-           str(workdir / "summary_{rank}.json")]  # fmt: skip
-    result = _run(cmd, timeout)
-    assert result.returncode == 0, result.stdout[-6000:]
+    log = workdir / "output.log"
+    log.write_text("")
+    args = [str(workdir / "config.yaml"), str(workdir / "summary_{rank}.json")]
+    try:
+        status = warm_ranks.launch(str(workdir / "with_evals.py"), args, 2, _env(), log, timeout, module=False)
+    except TimeoutError:
+        pytest.fail(f"training timed out after {timeout}s:\n{log.read_text()[-4000:]}")
+    assert status == 0, log.read_text()[-6000:]
     return [json.loads((workdir / f"summary_{r}.json").read_text()) for r in range(2)]
 
 
