@@ -27,7 +27,7 @@ from pretrain.weights import save_pretrained
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = int(os.environ.get("VITSCALE_EXIT_ROUNDS", "1"))
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(600 * ROUNDS)  # a measurement of 20 rounds takes about 20 times one
 
 
 def _threads_after_reading(folder: Path) -> tuple[int, int]:

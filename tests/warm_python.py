@@ -21,6 +21,7 @@ import atexit
 import json
 import os
 import sys
+import threading
 import traceback
 import types
 from pathlib import Path
@@ -36,40 +37,58 @@ def _exit_status(stop: SystemExit) -> int:
     return 1
 
 
-def _child(request: dict) -> None:
-    """In the forked child: become ``python -m module args`` and never return."""
+def run_as_main(target: str, module: bool = True) -> int:
+    """Run ``target`` in this process as ``python -m target`` (``module``) or ``python target`` runs it, with
+    ``sys.argv`` and ``sys.path[0]`` already set by the caller: a fresh ``__main__``, ``SystemExit`` turned into the
+    exit status, an uncaught exception printed by ``sys.excepthook`` (status 1), then what the interpreter's end does
+    before teardown: non-daemon threads joined and the exit handlers run. Returns the exit status."""
     import runpy
 
+    sys.modules["__main__"] = types.ModuleType("__main__")  # not the caller's namespace
+    try:
+        if module:
+            runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            runpy.run_path(target, run_name="__main__")
+        status = 0
+    except SystemExit as stop:
+        status = _exit_status(stop)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    try:
+        atexit._run_exitfuncs()
+    except SystemExit as stop:
+        status = _exit_status(stop)
+    return status
+
+
+def exit_now(status: int) -> None:
+    """End a forked child with ``status`` once its output is flushed, without the parent's exit handlers."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status & 0xFF)
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become ``python -m module args`` and never return."""
     status = 1
     try:
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
         for fd, key in ((1, "stdout"), (2, "stderr")):
             os.dup2(os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.modules["__main__"] = types.ModuleType("__main__")  # not this script's namespace
         sys.path[0] = os.getcwd()  # where `python -m` looks first (this script's folder is there now)
         sys.argv = [request["module"], *request["args"]]  # runpy puts the module's file in argv[0]
-        try:
-            runpy._run_module_as_main(request["module"], alter_argv=True)  # type: ignore[attr-defined]
-            status = 0
-        except SystemExit as stop:
-            status = _exit_status(stop)
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            status = 1
-        try:
-            atexit._run_exitfuncs()
-        except SystemExit as stop:
-            status = _exit_status(stop)
+        status = run_as_main(request["module"])
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(status)
+        exit_now(status)
 
 
 def run_all(requests: list[dict], jobs: int) -> list[int]:

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +42,7 @@ GRACE_S = 10.0  # after a rank failed, the others get SIGTERM, then SIGKILL this
 
 def _rank(request: dict, rank: int, protocol: int) -> None:
     """In a forked child: become rank ``rank`` of the launch and never return."""
-    import runpy
+    from tests.warm_python import exit_now, run_as_main  # imported by the zygote (`serve`): no cost here
 
     status = 1
     try:
@@ -63,34 +62,18 @@ def _rank(request: dict, rank: int, protocol: int) -> None:
             for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"):
                 os.environ[name] = str(nproc)
             os.environ.update(GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]))
-        sys.modules["__main__"] = types.ModuleType("__main__")
         sys.argv = [request["target"], *request["args"]]
-        try:
-            if request["module"]:
-                sys.path[0] = request["cwd"]  # where `python -m` looks first
-                runpy._run_module_as_main(request["target"], alter_argv=True)  # type: ignore[attr-defined]
-            else:
-                sys.path[0] = str(Path(request["target"]).resolve().parent)  # where `python script` looks first
-                runpy.run_path(request["target"], run_name="__main__")
-            status = 0
-        except SystemExit as stop:
-            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            status = 1
-        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's end does first
-        atexit._run_exitfuncs()
+        if request["module"]:
+            sys.path[0] = request["cwd"]  # where `python -m` looks first
+        else:
+            sys.path[0] = str(Path(request["target"]).resolve().parent)  # where `python script` looks first
+        status = run_as_main(request["target"], module=request["module"])
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(status & 0xFF)
+        exit_now(status)
 
 
 def _end(pids: list[int], sig: int) -> None:
@@ -129,6 +112,7 @@ def serve() -> int:
 
     import_deepspeed()
     import pretrain.train  # noqa: F401
+    import tests.warm_python  # noqa: F401  (each rank runs its module through it)
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write into the answers
