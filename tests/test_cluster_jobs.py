@@ -279,7 +279,8 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
     waits = [r.args for r in caplog.records if r.name == "cluster.local_head" and "job agent" in r.msg]
     for i, ((ready_s, retries, status, leftover), (_, dashboard_s, agent_s)) in enumerate(zip(extra, waits)):
         waited = f"dashboard {dashboard_s:.1f} s, then the job agent {agent_s:.1f} s"
-        print(f"fresh head {i}: ready {ready_s:.1f} s after the start ({waited}); retries {retries}; job {status}")
+        with capsys.disabled():  # the measurement's lines, not for the checks of this test's own output below
+            print(f"fresh head {i}: ready {ready_s:.1f} s after the start ({waited}); retries {retries}; job {status}")
         assert (retries, status, leftover) == (0, "SUCCEEDED", [])
     temp_dir = _ray_temp_dir()
     # A profile file (not only a dataclass) so that `python -m cluster.env --cluster <file>` finds the same head.
