@@ -141,6 +141,11 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
         # sys.stdout. Every line of a training worker came out twice; off, print() writes once, to the worker's
         # stdout, which Ray streams to the job log.
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        # Ray starts task and actor processes at nice 15 (its `worker_niceness`); a rank at 15 beside any work at 0
+        # gets ~3% of a core: a fresh clone's `make launch` beside two busy processes sat in step 0 until the start
+        # allowance killed it (docs/benchmarks/2026-12-02-first-launch.md). The ranks run at the priority of the
+        # job; the evals stay at 15, so that on shared CPUs they yield to training.
+        "RAY_worker_niceness": "0",
     }
     if not profile.uses_gpus:
         env["DS_ACCELERATOR"] = "cpu"

@@ -47,6 +47,7 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
         "process_started": psutil.Process().create_time(),  # before it: Ray placing the group (the goodput ledger)
         "job_id": ctx.get_job_id(),
         "world_size": world_size,
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),  # 0: the job's priority (driver.worker_env), not Ray's 15
     }
     (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
 

@@ -290,6 +290,9 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
     workers = summary["workers"]
     assert len({w["pid"] for w in workers if w["rank"] == 1}) == 2  # rank 1 ran twice: before and after the kill
     assert {w["node_id"] for w in workers} == node_ids and len(node_ids) == 2  # workers on both nodes
+    # The ranks run at the job's priority, not at the nice 15 Ray gives its workers (driver.worker_env): at 15
+    # beside any other work a rank starves (docs/benchmarks/2026-12-02-first-launch.md).
+    assert {w["niceness"] for w in workers} == {0}
     assert (run_dir / "checkpoints" / "step_00000030" / "COMPLETE").exists()
     # Pins kept steps 10 and 20 for their evals (all three ran, above and below); once those ended, keep_last=1
     # applied, and no pin is left.
