@@ -293,15 +293,24 @@ def test_gelu_as_sigmoid_is_the_tanh_gelu():
     assert ((gelu_tanh_as_sigmoid(x64.float()) - exact) / exact).abs().max() < 1e-4
 
 
+@pytest.fixture
+def inductor_config():
+    """Inductor's config, its ``compile_threads`` put back after the test. Not with ``monkeypatch.setattr``: the
+    config keeps its values outside the module's ``__dict__``, so pytest's undo deletes the setting, and every later
+    compile in that xdist worker failed ("torch._inductor.config.compile_threads does not exist")."""
+    import torch._inductor.config as config
+
+    previous = config.compile_threads
+    yield config
+    config.compile_threads = previous
+
+
 @pytest.mark.timeout(300)
-def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch):
+def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch, inductor_config):
     """`compile_blocks` (training's ``model.compile``) changes neither the parameter names nor, beyond float
     rounding, the outputs and gradients; the compiled MLP runs the sigmoid form of the tanh-GELU; a block's hooks
     run outside its compiled code. It builds its kernels with the workers it is given (a CPU rank: its own threads),
     unless TORCHINDUCTOR_COMPILE_THREADS says."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # put back after
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     torch.manual_seed(0)
     eager = build_model("vit_tiny_debug", num_classes=5)
