@@ -3,7 +3,6 @@ its life: submit, status, logs, Ray's own CLI (`ray job list|logs` with the expo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ import pytest
 
 from cluster import jobs, launch, local_head
 from cluster.profiles import load_profile
+from tests.load import cpu_burners
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -116,22 +116,6 @@ def _token_auth(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
-
-
-@contextlib.contextmanager
-def _cpu_burners(n: int):
-    """`n` processes spinning on a core each: the busy machine on which the dashboard answers long before the agent.
-    In the suite they run at nice 19 (its other tests keep the cores busy, and this one must not take their CPU);
-    measuring (VITSCALE_FRESH_HEADS set), at the launch's own priority."""
-    spin = f"import os; os.nice({0 if FRESH else 19})\nwhile True: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait(timeout=30)
 
 
 def _job(submission_id: str) -> dict:
@@ -288,7 +272,7 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
     profile = load_profile(profile_path)
     info = None
     try:
-        with _cpu_burners(2):  # the busy machine on which the dashboard answered before the agent
+        with cpu_burners(2, measuring=bool(FRESH)):  # the busy machine: the dashboard answered before the agent
             client = jobs.connect(profile, start_local=True)
             request = _job("vitscale-test-job")
             request["entrypoint"] = "python -c \"import sys; print('hello from', sys.executable)\""

@@ -23,6 +23,7 @@ from pretrain import checksums
 from pretrain.model import build_model
 from pretrain.run_folder import COMPLETE, TrainerState, checkpoint_dir
 from pretrain.weights import save_pretrained
+from tests.load import cpu_burners
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = int(os.environ.get("VITSCALE_EXIT_ROUNDS", "1"))
@@ -129,19 +130,12 @@ def test_every_entry_point_exits_cleanly_under_load(tmp_path, eval_data_root):
     measuring = "VITSCALE_EXIT_ROUNDS" in os.environ
     writes = [("data_pipeline.write", r.pop("data_pipeline.write")) for r in rounds]  # validate reads what it wrote
     others = [[(m, args or ["--help"]) for m, args in r.items() if measuring or args is not None] for r in rounds]
-    # The load: in the suite at nice 19 (its other tests keep the cores busy; this must not take their CPU), measuring
-    # (VITSCALE_EXIT_ROUNDS set) at the commands' own priority.
-    spin = f"import os; os.nice({0 if measuring else 19})\nwhile True: pass"
-    burner = subprocess.Popen([sys.executable, "-c", spin])
     results = []
-    try:
+    with cpu_burners(1, measuring):  # the load
         for write, commands in zip(writes, others):
             results.append(run(write))
             with ThreadPoolExecutor(2) as pool:
                 results += pool.map(run, commands)
-    finally:
-        burner.kill()
-        burner.wait()
     failures = [(m, rc, err[-2000:]) for m, rc, err in results if rc != 0 or "terminate called" in err]
     assert not failures, "\n\n".join(f"python -m {m}: exit {rc}\n{err}" for m, rc, err in failures)
     assert len(results) == len(writes) + sum(map(len, others))
