@@ -71,6 +71,7 @@ from tracking.runs import open_job_run, run_tags
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
+SUBMIT_WAIT_S = 60.0  # how long rank 0 waits at its end for the eval scheduler to take its checkpoints
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
         _fill_disk(fault["full_disk_after"])
 
+    submits: list = []  # rank 0's submit calls not yet seen done: awaited before this rank ends (below)
+
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         heartbeat.saved()
         if rank == 0:
@@ -188,16 +191,35 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
                 # Pinned here, synchronously, before the next save's prune can run; the scheduler only gets the
                 # folder later (an async call), and releases the pin when the eval ends.
                 pin_checkpoint(checkpoint_dir, f"evals {config.evals.suite} pending on step {step}")
-            scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics))
+            submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
+            submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
         if fault and rank == fault["rank"] and step >= fault["after_step"]:
             _inject(fault, run_dir / ".fault_injected", rank, step)
 
     summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=heartbeat)
+    _await_submits(submits)
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints: hand the summary over in the run folder
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
         tmp = Path(config.checkpoint.dir) / f"train_result.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps({k: summary.to_dict()[k] for k in keep}, default=str))
         os.replace(tmp, Path(config.checkpoint.dir) / "train_result.json")
+
+
+def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
+    """Wait until the eval scheduler has taken rank 0's checkpoints. The driver drains the scheduler once the worker
+    group has ended, so a submit still in flight then (this process gone, or the call arriving after the drain took
+    its list) would lose the final checkpoint's eval: in CI the elastic test once ended without step 200's."""
+    import ray
+
+    if not refs:
+        return
+    _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if late:
+        print(
+            f"warning: the eval scheduler did not take {len(late)} checkpoint(s) within {timeout_s:g} s; "
+            "their evals may be missing from the run",
+            flush=True,
+        )
 
 
 def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.driver import FaultInjection, JobSpec, run_job
+from cluster.driver import FaultInjection, JobSpec, _await_submits, run_job
 from cluster.job_record import count_restarts
 from cluster.local_head import ray_auth_mode
 from cluster.plan import build_plan, resolve_config
@@ -143,7 +143,7 @@ def test_elastic_growth_is_a_resize_not_a_restart_and_resizes_are_listed():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off):
+def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off, capsys):
     """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
     new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned.
     The scheduler actor itself never imports torch or the evals (only its tasks do)."""
@@ -178,6 +178,18 @@ def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off):
         # The actor ran its evals (real tasks, which import the evals) without importing torch itself.
         imported = ray.get(scheduler.__ray_call__.remote(lambda _: sorted({"torch", "evals"} & set(sys.modules))))
         assert imported == [], imported
+
+        # Rank 0 ends only once the scheduler has taken its submits: the driver drains it after the group ends, and
+        # a submit still in flight then lost the final checkpoint's eval (seen in CI). Here a call that takes 1 s.
+        @ray.remote(num_cpus=0)
+        def take(path: str, seconds: float) -> None:
+            time.sleep(seconds)
+            Path(path).write_text("taken")
+
+        _await_submits([take.remote(str(tmp_path / "taken"), 1.0)])
+        assert (tmp_path / "taken").read_text() == "taken"
+        _await_submits([take.remote(str(tmp_path / "late"), 30.0)], timeout_s=0.5)  # gone past: said, not waited
+        assert "did not take 1 checkpoint(s) within 0.5 s" in capsys.readouterr().out
     finally:
         ray.shutdown()
 
