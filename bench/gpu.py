@@ -53,7 +53,7 @@ from bench.gpu_train import TrainSpec
 from data_pipeline.builtin import ensure
 from data_pipeline.cli import output_file
 from data_pipeline.paths import PROJECT_ROOT
-from pretrain.peak import device_peak
+from pretrain.telemetry.peak import device_peak
 
 MODELS = tuple(gpu_step.MODELS)
 HEADLINE = ("mfu_vit_h14", "mfu_vit_l16", "mfu_vit_b16", "speedup_vs_hf_vit_h14", "speedup_vs_hf_vit_b16",
@@ -262,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time compiled blocks (vitscale's and HF's); off with --smoke")  # fmt: skip
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="the MFU denominator per device (default: pretrain.peak's; --smoke: 1.0)")  # fmt: skip
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the MFU denominator per device (default: pretrain.telemetry.peak's; --smoke: 1.0)",
+    )
     parser.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one, removed after)")
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):

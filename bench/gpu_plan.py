@@ -3,9 +3,9 @@ against what it measured. The one module of ``bench`` that imports ``cluster`` (
 checks the planner must ask the planner).
 
 The profile is ``h100x8``'s with its hardware made this machine's: one node, one GPU of this device's name and memory
-and its dense bf16 peak (`pretrain.peak`), one worker with the part's loader workers. The config is the real path's
-own (`bench.gpu_train.TrainSpec.config`). Errors are relative and signed, (planned - measured) / measured: positive
-when the plan expects more memory or a longer step than the device took.
+and its dense bf16 peak (`pretrain.telemetry.peak`), one worker with the part's loader workers. The config is the real
+path's own (`bench.gpu_train.TrainSpec.config`). Errors are relative and signed, (planned - measured) / measured:
+positive when the plan expects more memory or a longer step than the device took.
 
 - memory: the plan's total per device (model states + activations + its overhead allowance) against the largest
   memory the run's process reserved from the device (``torch.cuda.max_memory_reserved``: what the allocator took,

@@ -14,9 +14,9 @@ device so that only one model's memory is held at a time:
    layers the same way: ``bench.train.compile_hf_layers``) at the eager micro-batch; they compile in their first step.
 
 A timed configuration runs ``warmup`` steps, then ``repeats`` steps each between two synchronizes; its rate is the
-median. MFU = images/s x 6 x forward MACs per image (``pretrain.flops.train_flops``: the published count, which the
-plan and the training loop use too) / the device's dense peak (``pretrain.peak``). Recomputed activations are not
-model FLOPs, so checkpointing lowers MFU by what it costs. The attention kernel each side runs is read from a
+median. MFU = images/s x 6 x forward MACs per image (``pretrain.model.flops.train_flops``: the published count, which
+the plan and the training loop use too) / the device's dense peak (``pretrain.telemetry.peak``). Recomputed activations
+are not model FLOPs, so checkpointing lowers MFU by what it costs. The attention kernel each side runs is read from a
 profiled step (``attention_kernel``). A task that would end past the part's deadline is skipped and says so; one
 that fails records its error; neither stops the others.
 """
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.train import _logits_of, compile_hf_layers, hf_model
-from pretrain.flops import train_flops
-from pretrain.model import VisionTransformer, ViTConfig, model_config
+from pretrain.model.flops import train_flops
+from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 
 # name → (first micro-batch tried, cap): H200-sized caps; a cap says "at least this many fit" in the JSON.
 MODELS = {"vit_h14": (32, 256), "vit_l16": (64, 512), "vit_b16": (128, 1024)}
@@ -50,7 +50,7 @@ class StepSettings:
     warmup: int = 2
     repeats: int = 5
     compile: bool = True
-    peak_tflops: float = 989.0  # dense bf16 peak of the device (pretrain.peak)
+    peak_tflops: float = 989.0  # dense bf16 peak of the device (pretrain.telemetry.peak)
 
 
 def config_of(name: str, smoke: bool) -> ViTConfig:

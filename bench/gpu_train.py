@@ -14,8 +14,8 @@ one device, a resume from its checkpoint, and the same step at ZeRO-0 (plain PyT
    ``checkpoint_at + resume_steps``: its losses against the first run's at the same steps.
 3. ZeRO (each setting only if it is expected to end by ``deadline``): `pretrain.trainer.Trainer` (the step
    ``pretrain.train`` runs, without checkpoints) at ZeRO-1 and ZeRO-2, and plain PyTorch as ZeRO-0 (DeepSpeed refuses
-   bf16 without ZeRO: `pretrain.ds_config.check_config`; at world size 1 plain DDP is plain PyTorch): the same model,
-   task, optimizer and batches, bf16 autocast, gradient clipping.
+   bf16 without ZeRO: `pretrain.config.ds_config.check_config`; at world size 1 plain DDP is plain PyTorch): the same
+   model, task, optimizer and batches, bf16 autocast, gradient clipping.
 
 The output JSON is rewritten after each part, so a timeout keeps what was measured.
 """
@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import StartPoint
-from pretrain.config import TrainConfig, load_config, model_overrides
+from pretrain.checkpointer import StartPoint
+from pretrain.config.optim import build_optimizer
+from pretrain.config.train_config import TrainConfig, load_config, model_overrides
 from pretrain.distributed import finish_distributed, init_distributed, training_device_type
 from pretrain.engine import decide_precision
-from pretrain.flops import train_flops
-from pretrain.heartbeat import Heartbeat
-from pretrain.model import build_model, model_config
-from pretrain.optim import build_optimizer
-from pretrain.peak import device_peak
-from pretrain.tasks import build_task
+from pretrain.model.flops import train_flops
+from pretrain.model.tasks import build_task
+from pretrain.model.vit import build_model, model_config
+from pretrain.telemetry.heartbeat import Heartbeat
+from pretrain.telemetry.peak import device_peak
 from pretrain.train import train_worker
 from pretrain.trainer import Trainer, build_stream, prepare_data
 
@@ -89,7 +89,7 @@ class TrainSpec:
 
 
 class TimedBeat(Heartbeat):
-    """A heartbeat without a file that keeps every step's end time and data wait (`pretrain.heartbeat`)."""
+    """A heartbeat without a file that keeps every step's end time and data wait (`pretrain.telemetry.heartbeat`)."""
 
     def __init__(self) -> None:
         super().__init__(None)

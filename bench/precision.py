@@ -4,9 +4,9 @@
     (make bench-precision)
 
 For each (model, image size, micro-batch) it times one forward + backward of the training task in fp32 and in bf16
-weights (`pretrain.precision.probe_bf16_speedup`, the same step `precision: probe` times), ``--trials`` times on one
-thread (a rank's share of the local profile), the best of each counting, and sets the measured speedup beside what
-the rule (`pretrain.precision.cpu_rule`) picks for this CPU. The JSON is flat: ``speedup_<shape>`` and
+weights (`pretrain.config.precision.probe_bf16_speedup`, the same step `precision: probe` times), ``--trials`` times on
+one thread (a rank's share of the local profile), the best of each counting, and sets the measured speedup beside what
+the rule (`pretrain.config.precision.cpu_rule`) picks for this CPU. The JSON is flat: ``speedup_<shape>`` and
 ``rule_<shape>`` per shape, then the two numbers that check the rule's margin on this machine:
 ``min_speedup_ruled_bf16`` (the slowest shape the rule sends to bf16; the rule promises >= its margin) and
 ``max_speedup_ruled_fp32`` (the fastest shape it keeps in fp32). On a CPU without bf16 units bf16 is emulated: the
@@ -23,9 +23,9 @@ import time
 import torch
 
 from data_pipeline.cli import output_file
-from pretrain.model import build_model, model_config
-from pretrain.peak import cpu_model
-from pretrain.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_rule, probe_bf16_speedup
+from pretrain.config.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_rule, probe_bf16_speedup
+from pretrain.model.vit import build_model, model_config
+from pretrain.telemetry.peak import cpu_model
 
 # (model, image size, micro-batch, overrides): local_demo's model around its micro-batch, then the paper's variants
 # at small micro-batches (the rule's boundary in tokens x width²), a /32 whose patch convolution weighs, a hybrid.

@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 
 from data_pipeline.cli import output_file
 from data_pipeline.paths import PROJECT_ROOT
-from pretrain.model import MODEL_NAMES, build_model
+from pretrain.model.vit import MODEL_NAMES, build_model
 
 LOG_LINE = re.compile(r"^step (\d+)/\d+ loss \S+ lr \S+ ([\d.]+) img/s mfu \S+ wait (\d+)%", re.MULTILINE)
 

@@ -10,7 +10,7 @@ precision the rounds are interleaved (vitscale, HF, GEMM, HF, vitscale, GEMM, ..
 neither always runs first) so a machine whose load changes during the run hurts both sides alike; each number is the
 median over rounds of the best of ``repeats``.
 
-Achieved FLOP/s = images/s x training FLOPs per image as vitscale runs them (``pretrain.flops.train_flops(...,
+Achieved FLOP/s = images/s x training FLOPs per image as vitscale runs them (``pretrain.model.flops.train_flops(...,
 as_run=True)``: 3 x forward, multiply-add = 2; its last block computes the class token alone, so the count is
 6.3% under the published one at S/16, ``train_gflops_per_image`` in the JSON, beside ``train_gflops_per_image_as_run``).
 ``gemm_fraction_<p>`` divides it by the rate of a square matmul at precision ``p`` measured in the same rounds:
@@ -57,9 +57,9 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.cli import output_file
-from pretrain.flops import train_flops
-from pretrain.model import VisionTransformer, ViTConfig, build_model, model_config
-from pretrain.peak import gemm_tflops
+from pretrain.model.flops import train_flops
+from pretrain.model.vit import VisionTransformer, ViTConfig, build_model, model_config
+from pretrain.telemetry.peak import gemm_tflops
 
 # JSON key suffix per model: ViT-S/16 is the headline; ViT-Ti/16 is for quick checks (tests), not in the default run.
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}

@@ -3,8 +3,8 @@ writes them from a GPU campaign's JSON (``python -m bench.gpu``, docs/benchmarks
 
     python -m cluster.calibrate bench-results/gpu.json [--mfu-file cluster/mfu.yaml]
 
-The table, by model name then GPU kind (the `pretrain.peak.GPU_PEAK_TFLOPS` name fragment of the device: "H200",
-"A100"; another device keeps its full name)::
+The table, by model name then GPU kind (the `pretrain.telemetry.peak.GPU_PEAK_TFLOPS` name fragment of the device:
+"H200", "A100"; another device keeps its full name)::
 
     vit_h14:
       H200:
@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from pretrain.peak import GPU_PEAK_TFLOPS
+from pretrain.telemetry.peak import GPU_PEAK_TFLOPS
 
 MFU_FILE = Path(__file__).resolve().parent / "mfu.yaml"
 MFU_FILE_ENV = "VITSCALE_MFU_FILE"

@@ -14,10 +14,10 @@ has ``k`` cores (the node's, shared by its ranks) and computes with ``t`` of the
   ``W k / (t + W)`` cores; what is left of ``d`` after that, they load at ``min(W, k)`` cores while the rank waits.
   Workers there hide the wait but cannot make a step shorter than ``(c t + d) / k``: the cores are the limit.
 
-The predicted data wait is the waited share of a step: what a run logs as ``train/data_wait`` (`pretrain.metrics`)
-and compares at its end (``plan["data"]["predicted_data_wait"]``). A run is input-bound when it is over
-``INPUT_BOUND_WAIT``; the workers it needs are the fewest that bring it under that (at most the rank's streams, as
-a loader worker reads whole streams).
+The predicted data wait is the waited share of a step: what a run logs as ``train/data_wait``
+(`pretrain.telemetry.metrics`) and compares at its end (``plan["data"]["predicted_data_wait"]``). A run is input-bound
+when it is over ``INPUT_BOUND_WAIT``; the workers it needs are the fewest that bring it under that (at most the rank's
+streams, as a loader worker reads whole streams).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from data_pipeline.loader_rate import LoaderRate, cache_bytes, loader_rate
 from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location
 from data_pipeline.step_pool import decoded_bytes
-from pretrain.config import TrainConfig
-from pretrain.ds_config import BatchPlan
+from pretrain.config.ds_config import BatchPlan
+from pretrain.config.train_config import TrainConfig
 
 INPUT_BOUND_WAIT = 0.05  # a predicted data wait above this share of a step is input-bound
 

@@ -26,7 +26,7 @@ Order of work (all on the Ray head, inside the job):
    newest COMPLETE checkpoint at its own world size (docs/elastic.md). The resizes are tagged on the run and listed
    in the summary from `<run_dir>/world_sizes.jsonl` (pretrain.train tags them at every start).
    A rank that hangs without dying (SIGSTOP, a stuck collective or read) would hold the group until the collective
-   timeout: each worker reports its progress (`pretrain.heartbeat`) and the driver's watchdog thread
+   timeout: each worker reports its progress (`pretrain.telemetry.heartbeat`) and the driver's watchdog thread
    (`cluster.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank has
    progressed within the allowance, so that the same restart path takes over; its allowances at the start and in a
    first save are the plan's (`cluster.plan.startup_allowance`), a later save's follow the saves measured.
@@ -60,11 +60,12 @@ from cluster.job_record import JobEnd, finish_job, record_placement
 from cluster.plan import Plan
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
 from cluster.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
-from pretrain import collector, run_folder
-from pretrain.checkpoint_writes import SaveAttempt
-from pretrain.config import TrainConfig
-from pretrain.heartbeat import Heartbeat, heartbeat_path
-from pretrain.run_folder import pin_checkpoint, release_pins
+from pretrain import collector
+from pretrain.checkpoint import run_folder
+from pretrain.checkpoint.run_folder import pin_checkpoint, release_pins
+from pretrain.checkpoint.writes import SaveAttempt
+from pretrain.config.train_config import TrainConfig
+from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
 from pretrain.train import train_worker
 from tracking import keys
 from tracking.runs import open_job_run, run_tags
@@ -244,7 +245,7 @@ def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
 
 def _fill_disk(after_step: int) -> None:
     """This process's saves of checkpoints after step ``after_step`` fail as on a full disk: each of their writes
-    (`pretrain.checkpoint_writes.SaveAttempt.write`) becomes a write to /dev/full, which the kernel fails with
+    (`pretrain.checkpoint.writes.SaveAttempt.write`) becomes a write to /dev/full, which the kernel fails with
     ENOSPC. Only the fault's rank, in its own process: the save's agreement makes every rank fail alike."""
 
     def full() -> None:

@@ -44,8 +44,8 @@ from cluster.plan import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
 from evals.suites import load_suite
-from pretrain import run_folder
-from pretrain.goodput import GOODPUT_DIR
+from pretrain.checkpoint import run_folder
+from pretrain.telemetry.attempt_clock import GOODPUT_DIR
 from tracking import keys
 
 PROFILE = "local_elastic"

@@ -15,7 +15,7 @@ A restarted worker group may report the same checkpoint again: each step is eval
 before the first update, `evals.baseline`) comes like any other checkpoint and is logged at MLflow step 0.
 
 Pins: `checkpoint.keep_last` must not delete a checkpoint whose eval has not run yet. Rank 0 pins each checkpoint
-(`pretrain.run_folder.pin_checkpoint`, a file in its folder) right after saving it, before any later save can
+(`pretrain.checkpoint.run_folder.pin_checkpoint`, a file in its folder) right after saving it, before any later save can
 prune; the pin is released when its eval ends — by the eval task (in a `finally`), or by this actor when it sees
 the task finished or died — and the next prune (or the driver's, after `drain`) deletes it. Pins stay bounded:
 at most `max_pinned` checkpoints wait for evals at once — when evals fall that far behind training, the eval of
@@ -40,7 +40,7 @@ from typing import Any
 
 import ray
 
-from pretrain.run_folder import unpin_checkpoint
+from pretrain.checkpoint.run_folder import unpin_checkpoint
 from tracking import keys
 from tracking.tracker import Tracker
 

@@ -14,7 +14,7 @@ import torch
 
 from evals.evaluator import mlflow_metrics
 from evals.run import run_suite
-from pretrain.run_folder import is_complete, unpin_checkpoint
+from pretrain.checkpoint.run_folder import is_complete, unpin_checkpoint
 
 
 def task_device(assigned: dict[str, float], cuda_available: bool) -> str:

@@ -2,9 +2,9 @@
 
 The driver's half of docs/goodput.md. `build_ledger` is pure: it lays the job's timeline out from the driver's own
 timestamps (`JobClock`: the job's start, when it asked Ray Train for the worker group), each attempt's record
-(`pretrain.goodput`: rank 0's booked seconds, log windows, checkpoints), each attempt's worker process start
-(`cluster.job_record.record_placement`) and the eval tasks' spans, walking a cursor from the job's start to its end
-so that no second is counted twice or skipped:
+(`pretrain.telemetry.attempt_clock`: rank 0's booked seconds, log windows, checkpoints), each attempt's worker process
+start (`cluster.job_record.record_placement`) and the eval tasks' spans, walking a cursor from the job's start to its
+end so that no second is counted twice or skipped:
 
     job start ─ startup ─▶ fit() ─ resource_wait (first attempt) | restart (later ones) ─▶ worker process start
       ─ startup ─▶ train_worker ─ the attempt's own startup / productive / data_wait / checkpoint / other ─▶ its
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.profiles import ClusterProfile
-from pretrain.goodput import GOODPUT_DIR, read_attempts
+from pretrain.telemetry.attempt_clock import GOODPUT_DIR, read_attempts
 from tracking import keys
 from tracking.tracker import Tracker
 
@@ -135,7 +135,8 @@ def build_ledger(
     evals_shared: bool = False,
 ) -> Ledger:
     """The ledger of the job from ``clock.started`` to ``end`` (module docstring). ``attempts``: this job's records
-    (`pretrain.goodput.read_attempts`), oldest first; ``process_starts``: {pid: when that worker process started}."""
+    (`pretrain.telemetry.attempt_clock.read_attempts`), oldest first; ``process_starts``: {pid: when that worker process
+    started}."""
     cursor, notes = _Cursor(clock.started, end), []
     head = _row()
     head["startup"] = cursor.take(clock.fit_at if clock.fit_at is not None else end)

@@ -17,10 +17,10 @@ from typing import Any
 
 from cluster.goodput import JobClock, current_ledger, eval_spans, finish_ledger
 from cluster.summary import format_resizes, format_summary
-from pretrain import run_folder
-from pretrain.export import checkpoint_step, class_names, save_hf
-from pretrain.run_folder import prune_checkpoints, release_pins
-from pretrain.weights import load_checkpoint_model
+from pretrain.checkpoint import run_folder
+from pretrain.checkpoint.run_folder import prune_checkpoints, release_pins
+from pretrain.weights.export import checkpoint_step, class_names, save_hf
+from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
 from tracking.runs import finish_run

@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from cluster.profiles import ClusterProfile
-from pretrain.ds_config import BatchPlan
-from pretrain.model import ViTConfig
+from pretrain.config.ds_config import BatchPlan
+from pretrain.model.vit import ViTConfig
 
 GB = 1e9  # decimal gigabytes, as GPU data sheets and docs/reference.md §7 count them
 # Memory no formula above accounts for: CUDA context, NCCL buffers, DeepSpeed buckets, allocator fragmentation

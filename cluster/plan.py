@@ -5,9 +5,9 @@ storage locations) to the recipe, then the user's `--set` overrides, so what the
 workers will run. `build_plan` does the arithmetic, one builder per part of the `Plan` (`Topology`, `BatchPlan`,
 `ModelSize`, `ComputePlan`, `MemoryPlan`, `DataPlan`), and raises `PlanError` (a ValueError) when the run cannot
 fit, with the settings that would make it fit. Every number is derived from one source: FLOPs and parameter counts
-from `pretrain.flops` (of the model the task trains: `pretrain.tasks.planned_model`), the batch split from
-`pretrain.ds_config.batch_plan`, steps from `pretrain.optim.duration_to_steps`, memory from `cluster.memory`.
-`format_plan` prints it, a line per part.
+from `pretrain.model.flops` (of the model the task trains: `pretrain.model.tasks.planned_model`), the batch split from
+`pretrain.config.ds_config.batch_plan`, steps from `pretrain.config.optim.duration_to_steps`, memory from
+`cluster.memory`. `format_plan` prints it, a line per part.
 
 The plan also says what the run needs that this machine may lack (the fsspec filesystem of remote storage, an
 optional extra of vitscale: `cluster.storage`), which extras the job's Ray runtime env installs (`runtime_pip`: the
@@ -33,20 +33,22 @@ from cluster.profiles import ClusterProfile
 from cluster.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
-from pretrain import flops, optim, run_folder, tasks
-from pretrain.config import (
+from pretrain.checkpoint import run_folder
+from pretrain.config import optim
+from pretrain.config.ds_config import BatchPlan, batch_plan, valid_world_sizes
+from pretrain.config.precision import StepShape, cpu_bf16_units, decide
+from pretrain.config.train_config import (
     TrainConfig,
     config_from_recipe,
     model_overrides,
     read_recipe,
     recipe_path,
 )
-from pretrain.ds_config import BatchPlan, batch_plan, valid_world_sizes
-from pretrain.hf_convert import hf_config_dict
-from pretrain.model import ViTConfig, model_config
-from pretrain.peak import Peak, cpu_peak, gpu_peak
-from pretrain.precision import StepShape, cpu_bf16_units, decide
-from pretrain.typed_yaml import parse_override
+from pretrain.config.typed_yaml import parse_override
+from pretrain.model import flops, tasks
+from pretrain.model.vit import ViTConfig, model_config
+from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
+from pretrain.weights.hf import hf_config_dict
 
 # Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
 RECIPE_DATA_ROOT = "data"
@@ -76,7 +78,7 @@ def runtime_pip(plan: dict) -> list[str]:
 
 def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
     """(whether the job's end logs its final model to MLflow, what the plan says about it). Only a model HF's ViT
-    can hold is logged (class token, no pre-logits layer, no hybrid stem: `pretrain.hf_convert`); it needs
+    can hold is logged (class token, no pre-logits layer, no hybrid stem: `pretrain.weights.hf`); it needs
     transformers where the driver runs."""
     try:
         hf_config_dict(vit)
@@ -154,7 +156,7 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
     }
     out += [f"{k}={v}" for k, v in defaults.items() if k not in given]
     # The MFU denominator at the run's precision (CUDA: auto and probe are bf16), where the profile knows it; a local
-    # CPU run measures it, as the plan does (pretrain.peak).
+    # CPU run measures it, as the plan does (pretrain.telemetry.peak).
     requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
     peak = profile_peak(profile, "fp32" if requested == "fp32" or not profile.uses_gpus else "bf16")
     if peak is not None:
@@ -186,7 +188,7 @@ def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_na
 
 def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[int]:
     """The world sizes an elastic job may run at: Ray Train picks ANY worker count in workers.min..max that the
-    cluster holds, so each must keep the global batch (`pretrain.ds_config.valid_world_sizes`); PlanError naming
+    cluster holds, so each must keep the global batch (`pretrain.config.ds_config.valid_world_sizes`); PlanError naming
     the sizes that work otherwise."""
     w = profile.workers
     sizes = list(range(w.min_workers, w.max_workers + 1))
@@ -217,7 +219,7 @@ class Topology:
 
 @dataclass(frozen=True)
 class ModelSize:
-    """The model the task trains (`pretrain.tasks.planned_model`), counted by `pretrain.flops`."""
+    """The model the task trains (`pretrain.model.tasks.planned_model`), counted by `pretrain.model.flops`."""
 
     name: str
     image_size: int
@@ -307,7 +309,7 @@ class Plan:
     recipe: str
     run_name: str
     topology: Topology
-    batch: BatchPlan  # `pretrain.ds_config.batch_plan`: global = micro x accumulation x world
+    batch: BatchPlan  # `pretrain.config.ds_config.batch_plan`: global = micro x accumulation x world
     model: ModelSize
     compute: ComputePlan
     memory: MemoryPlan
@@ -527,7 +529,7 @@ def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) ->
 
 
 def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
-    """(precision the plan's memory and step time assume, why): `pretrain.precision.decide` on the profile's
+    """(precision the plan's memory and step time assume, why): `pretrain.config.precision.decide` on the profile's
     hardware, the same rule the workers apply. This machine's CPU answers for a local profile; the CPUs of a remote CPU
     cluster are unknown here, so the plan assumes fp32 and the workers decide at start."""
     requested = config.deepspeed.precision
@@ -544,8 +546,8 @@ def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> 
 
 def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
     """The per-device peak a run on ``profile`` in ``precision`` divides by, where the profile knows it: its GPUs'
-    datasheet (``hardware.peak_tflops`` is their dense bf16 peak; fp32 from `pretrain.peak.GPU_PEAK_TFLOPS`) or a
-    declared CPU peak. None: measured on the machine (`pretrain.peak.cpu_peak`)."""
+    datasheet (``hardware.peak_tflops`` is their dense bf16 peak; fp32 from `pretrain.telemetry.peak.GPU_PEAK_TFLOPS`)
+    or a declared CPU peak. None: measured on the machine (`pretrain.telemetry.peak.cpu_peak`)."""
     hw = profile.hardware
     if hw.peak_tflops is None:
         return None
@@ -556,8 +558,8 @@ def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
     known = gpu_peak(hw.gpu_type, "fp32")
     if known is None:
         raise PlanError(
-            f"profile {profile.name}: no fp32 peak is known for gpu_type {hw.gpu_type!r} (pretrain.peak); train in "
-            "bf16 (--set deepspeed.precision=auto) or name a GPU the table lists"
+            f"profile {profile.name}: no fp32 peak is known for gpu_type {hw.gpu_type!r} (pretrain.telemetry.peak); "
+            "train in bf16 (--set deepspeed.precision=auto) or name a GPU the table lists"
         )
     return known
 

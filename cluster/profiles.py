@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data_pipeline.paths import PROJECT_ROOT
-from pretrain import typed_yaml
+from pretrain.config import typed_yaml
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -26,8 +26,9 @@ class HardwareSpec:
     gpu_memory_gb: float  # per GPU, decimal GB (1e9 bytes); 0 on CPU
     cpus_per_node: int
     memory_gb_per_node: float
-    # The MFU denominator per device: the GPUs' dense bf16 peak (their fp32 one is in pretrain.peak); on CPU None, the
-    # plan and the workers measure this machine's GEMM rate at the run's precision (pretrain.peak.cpu_peak).
+    # The MFU denominator per device: the GPUs' dense bf16 peak (their fp32 one is in pretrain.telemetry.peak); on CPU
+    # None, the plan and the workers measure this machine's GEMM rate at the run's precision
+    # (pretrain.telemetry.peak.cpu_peak).
     peak_tflops: float | None = None
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
     # Images/s one CPU core of a node decodes and augments for the loader, declared for the plan's data-wait prediction

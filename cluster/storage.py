@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from data_pipeline.paths import is_remote
-from pretrain.config import TrainConfig
+from pretrain.config.train_config import TrainConfig
 
 
 @dataclass(frozen=True)

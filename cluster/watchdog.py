@@ -1,8 +1,8 @@
 """The driver's watchdog: a worker group that stopped making progress without dying is restarted in minutes, not at
 the collective timeout (`deepspeed.timeout_minutes`, 30 by default).
 
-Each training rank rewrites `<run_dir>/heartbeats/rank<r>.json` as it goes (`pretrain.heartbeat`: step, phase, pid,
-node, median step time, data wait, the stream's counters). A thread of the driver (`Watchdog`, started around
+Each training rank rewrites `<run_dir>/heartbeats/rank<r>.json` as it goes (`pretrain.telemetry.heartbeat`: step, phase,
+pid, node, median step time, data wait, the stream's counters). A thread of the driver (`Watchdog`, started around
 `TorchTrainer.fit()`) reads them every `hang.poll_s` and:
 
 - **Hangs.** Ranks of a data-parallel group wait for each other in every collective, so one rank that stops (a
@@ -21,7 +21,7 @@ node, median step time, data wait, the stream's counters). A thread of the drive
 - **Data counters.** The ranks' stream counters (read retries, reads given up, damaged shards and samples) summed
   over ranks go to MLflow as `data/<counter>` at the group's step whenever they change.
 - **Failures a restart would repeat.** A worker error whose class says ``retryable = False`` (a checkpoint save that
-  failed: `pretrain.checkpoint_writes.CheckpointSaveError`) ends the job at once instead of being charged to
+  failed: `pretrain.checkpoint.writes.CheckpointSaveError`) ends the job at once instead of being charged to
   `max_failures` and retried into the same full disk (`FinalFailures`, a Ray Train callback; `final_failure`).
 
 A report whose process is gone (a worker Ray already lost or restarted) is no hang: Ray's failure path has it.
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cluster.profiles import HangSpec
-from pretrain.heartbeat import read_heartbeats
+from pretrain.telemetry.heartbeat import read_heartbeats
 from tracking import keys
 from tracking.tracker import Tracker
 
@@ -137,7 +137,7 @@ def median_step_s(reports: list[dict[str, Any]]) -> float | None:
 
 
 def longest_save_s(reports: list[dict[str, Any]]) -> float | None:
-    """The longest save any rank measured in this attempt (`pretrain.heartbeat`: ``save_s``), or None."""
+    """The longest save any rank measured in this attempt (`pretrain.telemetry.heartbeat`: ``save_s``), or None."""
     times = [b["save_s"] for b in reports if b.get("save_s")]
     return max(times) if times else None
 
@@ -194,7 +194,7 @@ def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
 
 def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseException] | None:
     """The first worker error (by rank) that a restart would only repeat, with its rank: its class says
-    ``retryable = False`` (`pretrain.checkpoint_writes.CheckpointSaveError`: the group would resume from the newest
+    ``retryable = False`` (`pretrain.checkpoint.writes.CheckpointSaveError`: the group would resume from the newest
     checkpoint and save into the same full disk). None when every error may pass with a restart."""
     for rank in sorted(errors):
         if getattr(errors[rank], "retryable", True) is False:

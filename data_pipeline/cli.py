@@ -3,7 +3,7 @@
 Both fail with one ValueError that names the path, the option and the fix; each ``main()`` prints it as
 ``error: ...`` and exits 2. It lives here because every package may import data_pipeline (docs/interfaces.md),
 and it imports nothing heavy so that quick commands (``cluster.jobs``, ``tracking.ui``) stay quick. Reading a
-user's YAML file is `pretrain.typed_yaml`'s.
+user's YAML file is `pretrain.config.typed_yaml`'s.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the local data is generated, remote storage), it times synthetic photo-like JPEG
 
 Measured once per CPU model, library versions, data, resolution, augmentation and cache use, and cached in
 ``~/.cache/vitscale/loader_rate.json`` (or ``$VITSCALE_CACHE``): the cache folder of the GEMM peak
-(`pretrain.peak`), in the same style, so every plan on the machine predicts with the same number.
+(`pretrain.telemetry.peak`), in the same style, so every plan on the machine predicts with the same number.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ def _synthetic_shards(root: Path, side: int) -> Path:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """A per-machine cache file (this one, `pretrain.peak`'s): processes that measure at once each replace the whole
-    file, so a reader never sees half of one."""
+    """A per-machine cache file (this one, `pretrain.telemetry.peak`'s): processes that measure at once each replace the
+    whole file, so a reader never sees half of one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

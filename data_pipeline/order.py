@@ -143,7 +143,7 @@ class TrainPlan:
 
 
 def check_split(info: DatasetInfo, G: int, m: int, P: int, R: int, mixup_alpha: float) -> None:
-    """The divisibility the stream split needs (pretrain.ds_config.batch_plan checks the same for a config)."""
+    """The divisibility the stream split needs (pretrain.config.ds_config.batch_plan checks the same for a config)."""
     if G < 1 or P < 1:
         raise ValueError(f"global_batch_size and streams must be >= 1, got {G} and {P}")
     if G % P:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-RECIPE_DIR = PROJECT_ROOT / "configs"  # experiment recipes (pretrain.config)
+RECIPE_DIR = PROJECT_ROOT / "configs"  # experiment recipes (pretrain.config.train_config)
 SUITES_DIR = RECIPE_DIR / "evals"  # eval suites (evals.suites)
 
 

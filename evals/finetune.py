@@ -3,8 +3,8 @@
 Protocol: drop the pre-training head *and* the pre-logits layer, attach a zero-initialised linear head
 (``model.reset_classifier(K)``); SGD with momentum 0.9, no weight decay, gradient clipping at global norm 1,
 linear warmup then cosine decay to 0; fine-tuning at a new resolution interpolates the position embeddings
-(the context's ``load_model(image_size=N)`` → ``pretrain.weights``). The learning rate is chosen from a grid on a
-held-out slice of train (seeded permutation), then one final run on train + held-out is scored on test.
+(the context's ``load_model(image_size=N)`` → ``pretrain.weights.formats``). The learning rate is chosen from a grid on
+a held-out slice of train (seeded permutation), then one final run on train + held-out is scored on test.
 
 Two budgets (docs/reference.md §4): all of train with a ``holdout_fraction`` slice held out, or VTAB-1k's —
 ``train_examples: 800`` + ``val_examples: 200`` drawn from one seeded permutation of train (``vtab_indices``, the

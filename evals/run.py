@@ -4,10 +4,11 @@ This is what the eval scheduler calls after every checkpoint: it reads the suite
 any weights, keeps nothing between calls (a fresh feature cache per call; nothing can go stale across
 checkpoints), and can be held to a few threads (``num_threads``) to run beside training.
 
-Inputs: whatever ``pretrain.weights.load_model`` reads —
+Inputs: whatever ``pretrain.weights.formats.load_model`` reads —
 - a training checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``), refused without its ``COMPLETE`` marker or
-  when the files an eval reads differ from the sizes and checksums its save recorded (``pretrain.checksums``);
-  its step comes from ``trainer_state.json`` (``pretrain.run_folder.open_checkpoint``);
+  when the files an eval reads differ from the sizes and checksums its save recorded
+  (``pretrain.checkpoint.checksums``); its step comes from ``trainer_state.json``
+  (``pretrain.checkpoint.run_folder.open_checkpoint``);
 - a folder written by ``save_pretrained`` or ``python -m pretrain.weights convert`` (``model.safetensors`` +
   ``model.json``), and an official JAX ``.npz``: these carry no step; their results are logged at ``--step``
   (default 0).
@@ -40,10 +41,11 @@ from safetensors import SafetensorError
 
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.suites import EVALUATORS, load_suite
-from pretrain import run_folder, weights_source
-from pretrain.model import VisionTransformer
-from pretrain.weights import load_model as load
-from pretrain.weights import resize_model
+from pretrain.checkpoint import run_folder
+from pretrain.model.vit import VisionTransformer
+from pretrain.weights import source as weights_source
+from pretrain.weights.formats import load_model as load
+from pretrain.weights.formats import resize_model
 from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
 
 ACCEPTED = (
@@ -66,7 +68,7 @@ class CheckpointError(ValueError):
 
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     """``(load_model(image_size=None), step, default_out_dir, path)`` for any weights source
-    (`pretrain.weights_source`: a run folder means its newest COMPLETE checkpoint, which ``path`` names).
+    (`pretrain.weights.source`: a run folder means its newest COMPLETE checkpoint, which ``path`` names).
 
     ``step`` is the MLflow step for weights that carry none (default 0). A training checkpoint logs at its own
     step: a different ``step`` for it is an error (its results would be filed under another step). Whether the
@@ -331,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         dest="checkpoint",
         required=True,
         metavar="PATH",
-        help="training checkpoint folder (with COMPLETE), save_pretrained / `pretrain.weights convert` folder "
-        "(model.safetensors + model.json), or official .npz",
+        help="training checkpoint folder (with COMPLETE), save_pretrained / `python -m pretrain.weights convert` "
+        "folder (model.safetensors + model.json), or official .npz",
     )
     parser.add_argument("--suite", required=True, help="configs/evals/<suite>.yaml name, or a path to a suite YAML")
     parser.add_argument("--data-root", default="data", help="folder holding <dataset>/<split>/ shard folders")

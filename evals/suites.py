@@ -28,7 +28,7 @@ from typing import Any
 from data_pipeline.paths import SUITES_DIR
 from evals import fewshot, finetune, inspection, vtab
 from evals.evaluator import EvalContext, EvalOutput
-from pretrain import typed_yaml
+from pretrain.config import typed_yaml
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from pretrain.config import TrainConfig
-from pretrain.ds_config import resolve_backend
+from pretrain.config.ds_config import resolve_backend
+from pretrain.config.train_config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ def import_deepspeed() -> types.ModuleType:
       autotuner finds none; the rank that logs imports MLflow itself, when it makes its `tracking.tracker.Tracker`.
     - DeepSpeed's Muon modules (`MUON_MODULES`) stand for a light module whose `MuonWithAuxAdam` is a class nothing
       instantiates, and whose updates refuse to run: this project's optimizer is always torch's AdamW
-      (`pretrain.optim.build_optimizer`), so DeepSpeed's checks answer as with the real module, and no Muon update is
-      ever called. A process that imported the real modules first keeps them.
+      (`pretrain.config.optim.build_optimizer`), so DeepSpeed's checks answer as with the real module, and no Muon
+      update is ever called. A process that imported the real modules first keeps them.
     Idempotent; ``DS_ACCELERATOR`` must be set before the first call, as before any import of DeepSpeed."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]

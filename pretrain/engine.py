@@ -1,5 +1,5 @@
-"""The DeepSpeed engine of a run: its precision (`pretrain.precision`'s rule, the same on every rank) and the engine
-itself (model, task, optimizer) as the config and the start point say.
+"""The DeepSpeed engine of a run: its precision (`pretrain.config.precision`'s rule, the same on every rank) and the
+engine itself (model, task, optimizer) as the config and the start point say.
 """
 
 from __future__ import annotations
@@ -8,24 +8,24 @@ from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint as ckpt
-from pretrain import run_folder
-from pretrain.config import TrainConfig, model_overrides
+from pretrain import checkpointer as ckpt
+from pretrain.checkpoint import run_folder
+from pretrain.checkpoint.run_folder import TrainerState
+from pretrain.config.ds_config import engine_config
+from pretrain.config.optim import build_optimizer
+from pretrain.config.precision import PrecisionChoice, StepShape, decide, decide_on_rank0, probe_bf16_speedup
+from pretrain.config.train_config import TrainConfig, model_overrides
 from pretrain.distributed import Placement, import_deepspeed
-from pretrain.ds_config import engine_config
-from pretrain.model import Block, build_model, model_config
-from pretrain.optim import build_optimizer
-from pretrain.precision import PrecisionChoice, StepShape, decide, decide_on_rank0, probe_bf16_speedup
+from pretrain.model.tasks import build_task
+from pretrain.model.vit import Block, build_model, model_config
 from pretrain.randomness import seed_everything
-from pretrain.run_folder import TrainerState
-from pretrain.tasks import build_task
 
 
 def decide_precision(
     config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint
 ) -> PrecisionChoice:
-    """`deepspeed.precision` for this run, the same on every rank (`pretrain.precision`): `auto` by the rule on this
-    device and the model's shapes; `probe` by the run folder's record, else by timing on rank 0, which records it.
+    """`deepspeed.precision` for this run, the same on every rank (`pretrain.config.precision`): `auto` by the rule on
+    this device and the model's shapes; `probe` by the run folder's record, else by timing on rank 0, which records it.
     A resumed run keeps the precision its checkpoint trained in."""
     d, run_dir = config.data, Path(config.checkpoint.dir)
     resumed = None

@@ -6,10 +6,10 @@ WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Sta
     python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run]
 
 The loop reads like the algorithm: start (resume) → per step: resolution, optimizer step, record, log, checkpoint →
-summary. Its parts: `pretrain.trainer` (engine, stream, step), `pretrain.checkpoint.Checkpointer` (when to save, the
-step-0 baseline of an evaluated run, the on-checkpoint hook), `pretrain.recorder` (losses; batch digests and sample
-keys on request), `pretrain.metrics` (the logged numbers), `pretrain.goodput` (where the attempt's seconds went),
-`pretrain.distributed` (the process group).
+summary. Its parts: `pretrain.trainer` (engine, stream, step), `pretrain.checkpointer.Checkpointer` (when to save, the
+step-0 baseline of an evaluated run, the on-checkpoint hook), `pretrain.telemetry.recorder` (losses; batch digests and
+sample keys on request), `pretrain.telemetry.metrics` (the logged numbers), `pretrain.telemetry.attempt_clock` (where
+the attempt's seconds went), `pretrain.distributed` (the process group).
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ import sys
 from pathlib import Path
 
 from data_pipeline.cli import output_file
-from pretrain import run_folder
-from pretrain.checkpoint import CheckpointCallback, Checkpointer
-from pretrain.config import TrainConfig, load_config
+from pretrain.checkpoint import run_folder
+from pretrain.checkpointer import CheckpointCallback, Checkpointer
+from pretrain.config.ds_config import batch_plan
+from pretrain.config.train_config import TrainConfig, load_config
 from pretrain.distributed import Placement, broadcast, exit_rank, finish_distributed, init_distributed
-from pretrain.ds_config import batch_plan
-from pretrain.flops import train_flops
-from pretrain.goodput import AttemptClock, attempt_path
-from pretrain.heartbeat import Heartbeat
-from pretrain.metrics import TrainMetrics
-from pretrain.peak import Peak, device_peak
-from pretrain.recorder import Recorder, TrainSummary
+from pretrain.model.flops import train_flops
+from pretrain.telemetry.attempt_clock import AttemptClock, attempt_path
+from pretrain.telemetry.heartbeat import Heartbeat
+from pretrain.telemetry.metrics import TrainMetrics
+from pretrain.telemetry.peak import Peak, device_peak
+from pretrain.telemetry.recorder import Recorder, TrainSummary
 from pretrain.trainer import Trainer
 from tracking import keys
 from tracking.runs import create_run, finish_run, run_tags
@@ -47,9 +47,10 @@ def train_worker(
     config: TrainConfig, on_checkpoint: CheckpointCallback | None = None, heartbeat: Heartbeat | None = None
 ) -> TrainSummary:
     """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
-    every rank after each COMPLETE checkpoint, the step-0 baseline included (`pretrain.checkpoint.Checkpointer`).
-    ``heartbeat`` (the cluster driver's) hears of every step, save and resolution switch (`pretrain.heartbeat`)."""
-    clock = AttemptClock()  # from here on every second of this attempt is booked (pretrain.goodput)
+    every rank after each COMPLETE checkpoint, the step-0 baseline included (`pretrain.checkpointer.Checkpointer`).
+    ``heartbeat`` (the cluster driver's) hears of every step, save and resolution switch
+    (`pretrain.telemetry.heartbeat`)."""
+    clock = AttemptClock()  # from here on every second of this attempt is booked (pretrain.telemetry.attempt_clock)
     config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
     place = init_distributed(config)
     config.validate(place.world_size)
@@ -205,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"world size {world_size}: micro-batch {plan.micro_batch_size} x accumulation "
                   f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}")  # fmt: skip
             return 0
-        # ValueError is how the project reports bad input (pretrain.config, data_pipeline.manifest, pretrain.weights):
-        # the files the config points at (shards, init_from, a resumed checkpoint) are read only from here on.
+        # ValueError is how the project reports bad input (pretrain.config.train_config, data_pipeline.manifest,
+        # pretrain.weights.formats): the files the config points at (shards, init_from, a resumed checkpoint) are read
+        # only from here on.
         summary = train_worker(config)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -20,17 +20,17 @@ import torch.distributed as dist
 from data_pipeline.builtin import ensure
 from data_pipeline.manifest import is_shard_folder, read_dataset_info
 from data_pipeline.stream import StreamSpec, TrainStream
-from pretrain import checkpoint as ckpt
-from pretrain import progressive
-from pretrain.config import TrainConfig
+from pretrain import checkpointer as ckpt
+from pretrain.checkpoint.run_folder import TrainerState
+from pretrain.config import progressive
+from pretrain.config.ds_config import BatchPlan, batch_plan
+from pretrain.config.optim import build_schedule, set_lr
+from pretrain.config.precision import PrecisionChoice
+from pretrain.config.train_config import TrainConfig
 from pretrain.distributed import Placement, mean_over_ranks
-from pretrain.ds_config import BatchPlan, batch_plan
 from pretrain.engine import build_engine, decide_precision
-from pretrain.optim import build_schedule, set_lr
-from pretrain.precision import PrecisionChoice
 from pretrain.randomness import model_randomness, seed_everything
-from pretrain.recorder import Recorder
-from pretrain.run_folder import TrainerState
+from pretrain.telemetry.recorder import Recorder
 
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
@@ -147,8 +147,8 @@ class Trainer:
     def maybe_switch_resolution(self, on_switch: Callable[[str], None] | None = None) -> None:
         """Before each step: move to the image size the progressive schedule gives this step, if it changed. The
         model is rebuilt with its position embeddings interpolated, a new engine takes over the fp32 weights and Adam
-        state, and a new stream continues from the old one's position (`pretrain.progressive`). ``on_switch("switch")``
-        runs first when it does (the heartbeat: a rebuild is legitimately long)."""
+        state, and a new stream continues from the old one's position (`pretrain.config.progressive`).
+        ``on_switch("switch")`` runs first when it does (the heartbeat: a rebuild is legitimately long)."""
         target = progressive.config_at(self.config, self.step)
         if target.data.image_size == self.current.data.image_size:
             return
@@ -195,7 +195,7 @@ class Trainer:
         self.engine.destroy()
 
     def describe(self) -> dict[str, Any]:
-        """Where this attempt started and ended (`pretrain.recorder.TrainSummary`'s position fields)."""
+        """Where this attempt started and ended (`pretrain.telemetry.recorder.TrainSummary`'s position fields)."""
         place = self.place
         return {"start": self.start_point.kind, "start_step": self.start_step, "steps": self.step,
                 "images_seen": self.images_seen, "rank": place.rank, "world_size": place.world_size}  # fmt: skip

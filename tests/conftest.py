@@ -96,8 +96,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """The measured GEMM peaks (pretrain.peak) go to a cache of this session's own: tests neither read nor write the
-    user's ~/.cache/vitscale, and concurrent test workers never race on one file."""
+    """The measured GEMM peaks (pretrain.telemetry.peak) go to a cache of this session's own: tests neither read nor
+    write the user's ~/.cache/vitscale, and concurrent test workers never race on one file."""
     previous = os.environ.get("VITSCALE_CACHE")
     os.environ["VITSCALE_CACHE"] = str(tmp_path_factory.mktemp("vitscale_cache"))
     yield
@@ -193,7 +193,7 @@ def local_demo_data(tmp_path_factory) -> Path:
     it), generated once per pytest run like ``tiny_fractal_shards``: what `make launch` writes under the project's
     data/, never written there."""
     from data_pipeline.builtin import ensure
-    from pretrain.config import load_config
+    from pretrain.config.train_config import load_config
 
     root = _run_root(tmp_path_factory) / "local_demo_data"
     config = load_config("local_demo")

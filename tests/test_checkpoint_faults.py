@@ -24,10 +24,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain import checkpoint as ckpt
-from pretrain import checksums, run_folder
-from pretrain.checkpoint_writes import CheckpointSaveError, SaveAttempt, failure_message, folder_bytes
-from pretrain.config import load_config
+from pretrain import checkpointer as ckpt
+from pretrain.checkpoint import checksums, run_folder
+from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message, folder_bytes
+from pretrain.config.train_config import load_config
 from tests.test_train_distributed import _free_port, _run, shared_torchrun, tiny_config, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,14 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pretrain.checkpoint import _to_universal
-from pretrain.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
-from pretrain.weights import load_checkpoint_model
+from pretrain.checkpoint.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.checkpointer import _to_universal
+from pretrain.weights.formats import load_checkpoint_model
 from tests.test_train_distributed import shared_torchrun
 
 pytestmark = [pytest.mark.slow]
 
-TASK_PREFIX = "model."  # the engine wraps the bare ViT in a task module (pretrain.tasks): its names gain this prefix
+# The engine wraps the bare ViT in a task module (pretrain.model.tasks): its names gain this prefix.
+TASK_PREFIX = "model."
 
 
 def bf16_run(shared_folder, shards: Path, stage: int) -> tuple[Path, list[dict]]:

@@ -102,7 +102,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
         ["--config", "local_demo", "--set", "data.builtin=null", "--set", "data.train={notshards}", "--dry-run"],
         [r"data\.train", r"manifest\.parquet"],
     ),
-    # pretrain.weights: not weights at all, cut short, absent, a checkpoint whose save did not finish
+    # python -m pretrain.weights: not weights at all, cut short, absent, a checkpoint whose save did not finish
     ("pretrain.weights", ["info", "{weights}"], [r"weights\.pkl"]),
     ("pretrain.weights", ["info", "{truncated}"], [r"truncated\.npz"]),
     ("pretrain.weights", ["info", "{missing}"], [r"nothere"]),

@@ -29,7 +29,7 @@ from cluster.local_head import ray_auth_mode
 from cluster.plan import build_plan, resolve_config
 from cluster.profiles import load_profile
 from cluster.summary import format_resizes, format_summary
-from pretrain.run_folder import (
+from pretrain.checkpoint.run_folder import (
     complete_checkpoints,
     is_pinned,
     pin_checkpoint,
@@ -354,7 +354,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
 def _check_goodput_ledger(run_dir: Path, job_s: float, client, run_id: str, printed: str) -> None:
     """The ledger of the job above: its buckets sum to the wall-clock the test measured around run_job (within 2%),
     the killed attempt's steps after checkpoint 10 count as restart, and the run holds the final values at step 30."""
-    from pretrain.goodput import read_attempts
+    from pretrain.telemetry.attempt_clock import read_attempts
     from tracking import keys
 
     ledger = json.loads((run_dir / "goodput" / "ledger.json").read_text())

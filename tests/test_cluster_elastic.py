@@ -19,7 +19,7 @@ import pytest
 
 from cluster import elastic_demo
 from cluster.elastic_demo import DemoSettings, format_report, run_demo
-from pretrain.run_folder import SAMPLE_KEYS_DIR
+from pretrain.checkpoint.run_folder import SAMPLE_KEYS_DIR
 
 STEPS, EVERY = 200, 20
 
@@ -42,8 +42,8 @@ def test_demo_refuses_bad_input_in_one_line(tmp_path, capsys):
 
 def run_keys(run_dir) -> dict[int, dict]:
     """{step: {"epoch": e, "keys": [the global batch's keys, rank order]}} of the whole run, from every attempt's
-    `sample_keys/rank<r>.jsonl` (pretrain.recorder, logging.record_sample_keys): a step trained again after a restart
-    counts as the later attempt trained it."""
+    `sample_keys/rank<r>.jsonl` (pretrain.telemetry.recorder, logging.record_sample_keys): a step trained again after a
+    restart counts as the later attempt trained it."""
     lines = [json.loads(line) for p in sorted((run_dir / SAMPLE_KEYS_DIR).glob("rank*.jsonl"))
              for line in p.read_text().splitlines()]  # fmt: skip
     assert lines, "no rank wrote its sample keys (logging.record_sample_keys)"

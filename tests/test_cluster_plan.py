@@ -16,9 +16,9 @@ from cluster.memory import GB, activation_bytes_per_image, model_state_bytes
 from cluster.plan import PlanError, build_plan, resolve_config
 from cluster.plan_text import format_plan
 from cluster.profiles import load_profile, profile_names
-from pretrain.model import model_config
-from pretrain.peak import cpu_peak
-from pretrain.precision import StepShape, cpu_bf16_units, decide
+from pretrain.config.precision import StepShape, cpu_bf16_units, decide
+from pretrain.model.vit import model_config
+from pretrain.telemetry.peak import cpu_peak
 
 H14_PARAMS_1K = 632_050_000  # paper Table 1 / docs/reference.md §1, with a 1000-class head
 
@@ -300,9 +300,9 @@ I21K_RECIPES = ("vit_b16_i21k", "vit_b16_i21k_augreg", "vit_l16_i21k", "vit_h14_
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("profile_name", ["a100x64", "h100x8"])
 def test_i21k_plans_count_the_21843_class_head_without_the_data(profile_name):
-    from pretrain import flops
-    from pretrain.config import model_overrides
-    from pretrain.model import model_config
+    from pretrain.config.train_config import model_overrides
+    from pretrain.model import flops
+    from pretrain.model.vit import model_config
 
     profile = load_profile(profile_name)
     for recipe in I21K_RECIPES:
@@ -321,10 +321,10 @@ def test_i21k_plans_count_the_21843_class_head_without_the_data(profile_name):
 
 @pytest.mark.timeout(120)
 def test_mpp_plans_count_the_colour_head_not_a_classifier():
-    from pretrain import flops
-    from pretrain.config import model_overrides
-    from pretrain.model import build_model, model_config
-    from pretrain.tasks import build_task
+    from pretrain.config.train_config import model_overrides
+    from pretrain.model import flops
+    from pretrain.model.tasks import build_task
+    from pretrain.model.vit import build_model, model_config
 
     # vit_b16_mpp leaves num_classes unset: MPP drops the classifier, so nothing needs the dataset's classes.
     profile = load_profile("a100x64")

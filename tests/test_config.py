@@ -1,4 +1,5 @@
-"""pretrain.config: recipes load and validate; bad configs fail before any work, naming the field and the fix."""
+"""pretrain.config.train_config: recipes load and validate; bad configs fail before any work, naming the field and the
+fix."""
 
 import dataclasses
 import shutil
@@ -9,11 +10,11 @@ from typing import Literal
 
 import pytest
 
-from pretrain.config import RECIPE_DIR, TrainConfig, load_config
-from pretrain.ds_config import batch_plan, deepspeed_config
-from pretrain.optim import build_schedule
-from pretrain.tasks import LOSSES, LossType
-from pretrain.typed_yaml import build, parse_override, read_mapping
+from pretrain.config.ds_config import batch_plan, deepspeed_config
+from pretrain.config.optim import build_schedule
+from pretrain.config.train_config import RECIPE_DIR, TrainConfig, load_config
+from pretrain.config.typed_yaml import build, parse_override, read_mapping
+from pretrain.model.tasks import LOSSES, LossType
 
 RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 

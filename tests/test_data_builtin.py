@@ -116,7 +116,7 @@ def test_cli_writes_the_documented_layout(tmp_path, capsys):
 def test_rcdb_defaults_are_the_set_local_demo_trains_on():
     """The recipe names its sizes again (data.builtin_options); they must stay rcdb's defaults, or `make shards`
     writes a folder `make launch` refuses (issue #51)."""
-    from pretrain.config import load_config
+    from pretrain.config.train_config import load_config
 
     recipe = load_config("local_demo")
     assert recipe.data.builtin == "rcdb"
@@ -160,7 +160,7 @@ def test_make_shards_writes_what_every_shipped_recipe_and_suite_reads():
     from cluster.launch import builtin_requirements
     from data_pipeline.paths import PROJECT_ROOT, RECIPE_DIR, SUITES_DIR
     from evals.suites import load_suite
-    from pretrain.config import load_config
+    from pretrain.config.train_config import load_config
 
     makefile = (PROJECT_ROOT / "Makefile").read_text()
     assert "$(PY) -m data_pipeline.builtin all --out data\n" in makefile  # the shards target

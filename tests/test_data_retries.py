@@ -23,7 +23,7 @@ from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.shards import is_transient, read_shard, retry_delay_s
 from data_pipeline.stream import StreamSpec, TrainStream
-from pretrain.config import load_config
+from pretrain.config.train_config import load_config
 
 
 class _FailingReader:

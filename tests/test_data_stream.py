@@ -21,7 +21,7 @@ from data_pipeline.manifest import SHARD_PATTERN, write_metadata
 from data_pipeline.order import balanced_split, merge_stream_states
 from data_pipeline.step_pool import StepPool, check_shared_memory, conversion_rows
 from data_pipeline.stream import StreamSpec, TrainStream
-from pretrain.config import load_config
+from pretrain.config.train_config import load_config
 
 UNEVEN = [3, 17, 5, 40, 9, 1, 22, 11, 7, 13]  # 128 samples in 10 shards of very different sizes
 NUM_CLASSES = 4

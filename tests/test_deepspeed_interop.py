@@ -25,14 +25,15 @@ import torch
 from safetensors.torch import load_file
 
 from data_pipeline.manifest import read_dataset_info
-from pretrain.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
-from pretrain.weights import load_checkpoint_model, main
+from pretrain.checkpoint.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.weights.__main__ import main
+from pretrain.weights.formats import load_checkpoint_model
 from tests.test_checkpoint_master_weights import bf16_run
 from tests.test_train_distributed import reference_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-TASK_PREFIX = "model."  # the engine wraps the ViT in a task module (pretrain.tasks): DeepSpeed's names carry this
+TASK_PREFIX = "model."  # the engine wraps the ViT in a task module (pretrain.model.tasks): DeepSpeed's names carry this
 # What the recipe's task (classification_mpp) trains and keeps beside the ViT: the [mask] embedding, the colour head,
 # the count of its calls. Not the ViT's: model.safetensors leaves them out.
 TASK_OWN = {"mask_token", "head.weight", "head.bias", "draws"}

@@ -37,8 +37,8 @@ How each command is checked (nothing here can train, submit, generate data or wr
   output captured) and must return 0 (``pretrain.train`` validates the config at the world size
   ``--nproc-per-node`` gives, ``cluster.launch`` resolves the config and builds the plan). Any other has the
   values it names validated without running, placeholders left out: ``--config``/``--recipe`` through
-  ``pretrain.config.load_config`` (with the ``--set`` overrides where they are config overrides), ``--cluster``
-  through ``cluster.profiles.load_profile``, ``--suite`` through ``evals.suites.load_suite``, and
+  ``pretrain.config.train_config.load_config`` (with the ``--set`` overrides where they are config overrides),
+  ``--cluster`` through ``cluster.profiles.load_profile``, ``--suite`` through ``evals.suites.load_suite``, and
   ``data_pipeline.builtin``'s dataset name and ``--set`` sizes through its own checks. Paths to data that is not
   here (``/data/imagenet21k``, a checkpoint) are never opened.
 - ``NOT_RUN`` below lists what is only looked up (``make -n`` or ``--help``), each with its reason; every entry
@@ -200,9 +200,15 @@ class ModuleRun:
     launcher_flags: tuple[str, ...] = ()  # torchrun's own flags, checked against torchrun's help
 
 
+def _entry(module: str) -> str:
+    """The module ``python -m module`` runs: a package's ``__main__``, else the module itself."""
+    spec = importlib.util.find_spec(module)
+    return f"{module}.__main__" if spec is not None and spec.submodule_search_locations else module
+
+
 def _call_main(module: str, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
     """``module.main(argv)`` in this process with ``env`` set: (exit status, what it printed)."""
-    main = importlib.import_module(module).main
+    main = importlib.import_module(_entry(module)).main
     out = io.StringIO()
     saved = {k: os.environ.get(k) for k in (*env, "COLUMNS", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -225,7 +231,7 @@ def _call_main(module: str, argv: list[str], env: dict[str, str]) -> tuple[int, 
 
 @functools.cache
 def help_text(module: str, positionals: tuple[str, ...]) -> str:
-    spec = importlib.util.find_spec(module)
+    spec = importlib.util.find_spec(_entry(module))
     assert spec is not None and spec.origin, f"no module {module}"
     # A main() that ignores its argv would run for real: only argparse CLIs are called.
     assert "ArgumentParser" in Path(spec.origin).read_text(), f"{module} has no argparse CLI; add it to NOT_RUN"
@@ -281,7 +287,7 @@ def validate_values(module: str, args: list[str]) -> None:
 
     sets = values("--set")
     for recipe in values("--config") + values("--recipe"):
-        from pretrain.config import load_config
+        from pretrain.config.train_config import load_config
 
         load_config(recipe, sets if module in ("pretrain.train", "cluster.launch") else ())
     for profile in values("--cluster"):

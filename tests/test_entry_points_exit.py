@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pretrain import checksums
-from pretrain.model import build_model
-from pretrain.run_folder import COMPLETE, TrainerState, checkpoint_dir
-from pretrain.weights import save_pretrained
+from pretrain.checkpoint import checksums
+from pretrain.checkpoint.run_folder import COMPLETE, TrainerState, checkpoint_dir
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import save_pretrained
 from tests.load import cpu_burners
 
 ROOT = Path(__file__).resolve().parent.parent

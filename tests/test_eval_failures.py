@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cluster.local_head import ray_auth_mode
-from pretrain.run_folder import is_pinned, pin_checkpoint
+from pretrain.checkpoint.run_folder import is_pinned, pin_checkpoint
 from tracking import keys
 
 
@@ -154,7 +154,7 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
 
 
 def test_evals_timeout_is_a_checked_setting():
-    from pretrain.config import load_config
+    from pretrain.config.train_config import load_config
 
     assert load_config("local_demo").evals.timeout_s == 3600
     with pytest.raises(ValueError, match=r"evals\.timeout_s=0.0 must be > 0"):

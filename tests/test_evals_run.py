@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from evals.run import CheckpointError, main, run_suite
-from pretrain.model import build_model
-from pretrain.weights import save_pretrained
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import save_pretrained
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -226,13 +226,14 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys,
 
 @pytest.mark.timeout(300)
 def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_path, mlflow_uri):
-    """An exported folder (`pretrain.weights convert`, save_pretrained), an official .npz and a checkpoint folder;
+    """An exported folder (`python -m pretrain.weights convert`, save_pretrained), an official .npz and a checkpoint
+    folder;
     --step names the MLflow step of weights that carry none (default 0), a checkpoint keeps its own."""
     import numpy as np
     from mlflow import MlflowClient
     from weights_npz_reference import official_arrays
 
-    from pretrain.weights import main as weights_main
+    from pretrain.weights.__main__ import main as weights_main
     from tracking.runs import create_run
 
     npz = tmp_path / "ViT-tiny.npz"
@@ -319,7 +320,7 @@ def test_shipped_suites_run_end_to_end(data_root, checkpoint, tmp_path, suite):
 
 @pytest.mark.timeout(300)
 def test_official_npz_checkpoint(data_root, tmp_path):
-    # An official-layout JAX .npz (the test helper of pretrain.weights writes one): step 0, results beside it.
+    # An official-layout JAX .npz (the test helper of pretrain.weights.formats writes one): step 0, results beside it.
     import numpy as np
     from weights_npz_reference import official_arrays
 
@@ -389,7 +390,7 @@ def test_learning_curve_is_measured_along_the_one_run():
 def test_random_init_has_the_checkpoints_shape_and_the_trainers_seed_rule(checkpoint, tmp_path):
     from evals.run import init_seed, random_init
     from pretrain.randomness import seed_everything
-    from pretrain.weights import load_model
+    from pretrain.weights.formats import load_model
 
     trained = load_model(checkpoint)  # the fixture was built at seed 0: the step-0 model of a seed-0 recipe
     make = random_init(trained.config, 0)

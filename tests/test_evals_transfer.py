@@ -14,9 +14,9 @@ import torch
 
 from data_pipeline.builtin import ensure
 from evals.run import run_suite
-from pretrain.config import load_config
-from pretrain.model import build_model
-from pretrain.weights import save_pretrained
+from pretrain.config.train_config import load_config
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import save_pretrained
 
 STEPS = 400  # the recipe transfers only once its loss is low: at 200 steps the gain is within seed noise
 DATASETS = ("digits", "dsprites_loc", "dsprites_ori")

@@ -23,10 +23,11 @@ import torch
 from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
 from evals.run import open_checkpoint
-from pretrain import checksums
-from pretrain.model import MODEL_NAMES, VARIANTS, VisionTransformer, model_config
-from pretrain.run_folder import COMPLETE, TrainerState
-from pretrain.weights import load_model, load_npz, main, save_pretrained
+from pretrain.checkpoint import checksums
+from pretrain.checkpoint.run_folder import COMPLETE, TrainerState
+from pretrain.model.vit import MODEL_NAMES, VARIANTS, VisionTransformer, model_config
+from pretrain.weights.__main__ import main
+from pretrain.weights.formats import load_model, load_npz, save_pretrained
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""pretrain.flops against the published figures and against a count taken from the running model."""
+"""pretrain.model.flops against the published figures and against a count taken from the running model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain.flops import describe, forward_flops, forward_macs, param_count, train_flops
-from pretrain.model import MODEL_NAMES, build_model, model_config
+from pretrain.model.flops import describe, forward_flops, forward_macs, param_count, train_flops
+from pretrain.model.vit import MODEL_NAMES, build_model, model_config
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -1,4 +1,5 @@
-"""The goodput ledger (pretrain.goodput on the worker, cluster.goodput at the driver) and the step-time tails.
+"""The goodput ledger (pretrain.telemetry.attempt_clock on the worker, cluster.goodput at the driver) and the step-time
+tails.
 
 The ledger's end-to-end sums (a killed worker, the elastic demo) are checked in test_cluster_driver.py and
 test_cluster_elastic.py, on their existing runs; here the bookkeeping itself, on records with known numbers.
@@ -25,8 +26,8 @@ from cluster.goodput import (
     interference,
 )
 from cluster.profiles import load_profile
-from pretrain.goodput import AttemptClock, attempt_path, read_attempts
-from pretrain.metrics import TrainMetrics, percentile, tail_metrics
+from pretrain.telemetry.attempt_clock import AttemptClock, attempt_path, read_attempts
+from pretrain.telemetry.metrics import TrainMetrics, percentile, tail_metrics
 from tracking import keys
 from tracking.tracker import Tracker
 

@@ -40,8 +40,8 @@ from cluster.watchdog import (
     step_bound,
     stragglers,
 )
-from pretrain.checkpoint_writes import CheckpointSaveError
-from pretrain.heartbeat import Heartbeat, heartbeat_path, read_heartbeats
+from pretrain.checkpoint.writes import CheckpointSaveError
+from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path, read_heartbeats
 from tracking.tracker import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +233,7 @@ RANK_SCRIPT = """
 import os, sys, time
 from pathlib import Path
 from cluster.watchdog import install_stack_dump
-from pretrain.heartbeat import Heartbeat, heartbeat_path
+from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
 run_dir, rank, fd = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 stacks = install_stack_dump(run_dir, rank)
 beat = Heartbeat(heartbeat_path(run_dir, rank), {"rank": rank, "world_size": 2, "host": sys.argv[4]},
@@ -357,7 +357,7 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
 
     from cluster.driver import FaultInjection, JobSpec, run_job
     from cluster.plan import build_plan, resolve_config
-    from pretrain.run_folder import complete_checkpoints, world_size_history
+    from pretrain.checkpoint.run_folder import complete_checkpoints, world_size_history
     from tracking.keys import FAILURE
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

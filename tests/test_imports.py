@@ -18,7 +18,7 @@ PACKAGES = ("pretrain", "data_pipeline", "evals", "cluster", "tracking", "bench"
 ALLOWED = {
     "data_pipeline": (),
     "pretrain": ("data_pipeline", "tracking"),  # the training loop records its run through tracking
-    "tracking": ("pretrain.run_folder", "data_pipeline"),
+    "tracking": ("pretrain.checkpoint.run_folder", "data_pipeline"),
     "evals": ("pretrain", "data_pipeline", "tracking"),
     "bench": ("pretrain", "data_pipeline"),
     "cluster": PACKAGES,
@@ -43,7 +43,8 @@ MODULES = _modules()
 
 
 def _ours(name: str) -> str | None:
-    """The most specific module of ours that importing ``name`` runs (``pretrain.config.X`` → ``pretrain.config``)."""
+    """The most specific module of ours that importing ``name`` runs (``pretrain.config.train_config.X`` →
+    ``pretrain.config.train_config``)."""
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
     return name or None
@@ -135,14 +136,17 @@ def _allowed(module: str, target: str) -> bool:
 def test_the_graph_sees_our_imports():
     # The checks below are only as good as the graph: known edges of each kind must be in it.
     graph = import_graph()
-    assert "pretrain.typed_yaml" in graph["pretrain.config"] and "pretrain.model" in graph["pretrain.config"]
-    assert "pretrain.typed_yaml" in graph["cluster.profiles"]
+    config = graph["pretrain.config.train_config"]
+    assert "pretrain.config.typed_yaml" in config and "pretrain.model.vit" in config
+    assert "pretrain.config.typed_yaml" in graph["cluster.profiles"]
     # An import for annotations only is an edge (not deferred); one inside a function is a deferred edge.
-    annotations_only = "if TYPE_CHECKING:\n    from pretrain.config import TrainConfig\n"
-    assert imports_in(annotations_only, "pretrain.optim") == [("pretrain.config", 2, False)]
-    assert imports_in("def f():\n    from pretrain import model\n", "pretrain.tasks") == [("pretrain.model", 2, True)]
-    for owner in ("pretrain.optim", "pretrain.ds_config", "pretrain.tasks"):  # config sections' owners, which
-        assert "pretrain.config" not in graph[owner]  # pretrain.config imports to compose TrainConfig
+    annotations_only = "if TYPE_CHECKING:\n    from pretrain.config.train_config import TrainConfig\n"
+    assert imports_in(annotations_only, "pretrain.config.optim") == [("pretrain.config.train_config", 2, False)]
+    deferred = "def f():\n    from pretrain.model import vit\n"
+    assert imports_in(deferred, "pretrain.model.tasks") == [("pretrain.model.vit", 2, True)]
+    # Config sections' owners, which pretrain.config.train_config imports to compose TrainConfig:
+    for owner in ("pretrain.config.optim", "pretrain.config.ds_config", "pretrain.model.tasks"):
+        assert "pretrain.config.train_config" not in graph[owner]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

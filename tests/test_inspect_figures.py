@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from evals import inspection as insp
-from pretrain.model import build_model
+from pretrain.model.vit import build_model
 
 
 def _assert_nonblank_png(path):
@@ -58,7 +58,7 @@ def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(t
 
     from data_pipeline.builtin import ensure
     from evals.run import run_suite
-    from pretrain.weights import save_pretrained
+    from pretrain.weights.formats import save_pretrained
     from tracking.runs import create_run
 
     data_root = tmp_path / "data"

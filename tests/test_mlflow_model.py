@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from cluster.job_record import JobEnd, finish_job
-from pretrain import checksums
-from pretrain.model import VisionTransformer, model_config
-from pretrain.run_folder import COMPLETE, TrainerState
-from pretrain.weights import main, save_pretrained
+from pretrain.checkpoint import checksums
+from pretrain.checkpoint.run_folder import COMPLETE, TrainerState
+from pretrain.model.vit import VisionTransformer, model_config
+from pretrain.weights.__main__ import main
+from pretrain.weights.formats import save_pretrained
 from tracking import keys
 from tracking.compare import main as compare_main
 from tracking.report_collect import collect

@@ -1,4 +1,4 @@
-"""The model contract over every registered variant, and the paper-specific details of pretrain.model."""
+"""The model contract over every registered variant, and the paper-specific details of pretrain.model.vit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.model import (
+from pretrain.model.resnet import pad_same, same_padding
+from pretrain.model.vit import (
     EXPLICIT_ATTENTION_MAX_TOKENS,
     MODEL_NAMES,
     SIZES,
@@ -22,7 +23,6 @@ from pretrain.model import (
     model_config,
     use_explicit_attention,
 )
-from pretrain.resnet import pad_same, same_padding
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -328,7 +328,7 @@ def test_compiled_blocks_match_eager_and_keep_parameter_names(monkeypatch, induc
     calls, hooks = [], []
     torch.compiler.reset()  # compile again, so that the trace below calls the function
     traced = lambda h: calls.append(h.shape) or gelu_tanh_as_sigmoid(h)  # noqa: E731
-    monkeypatch.setattr("pretrain.model.gelu_tanh_as_sigmoid", traced)
+    monkeypatch.setattr("pretrain.model.vit.gelu_tanh_as_sigmoid", traced)
     # A block's own hooks (ZeRO-3 gathers its parameters in such hooks) run eagerly around its compiled forward:
     # traced into it, they recompiled per layer.
     in_compiled = lambda *args: hooks.append(torch.compiler.is_compiling())  # noqa: E731

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.model import build_model
+from pretrain.model.vit import build_model
 from pretrain.randomness import model_randomness
 
 CPU = torch.device("cpu")

@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from pretrain.model import build_model
-from pretrain.mpp import MaskedPatchPrediction, MPPConfig, corruption_plan, mean_color_targets
-from pretrain.tasks import (
+from pretrain.model.mpp import MaskedPatchPrediction, MPPConfig, corruption_plan, mean_color_targets
+from pretrain.model.tasks import (
     LOSSES,
     ClassificationWithMPP,
     LossConfig,
@@ -16,6 +15,7 @@ from pretrain.tasks import (
     check_config,
     classification_mpp_options,
 )
+from pretrain.model.vit import build_model
 
 
 def test_corruption_proportions_are_exact_per_image():

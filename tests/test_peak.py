@@ -1,4 +1,5 @@
-"""The MFU denominator (pretrain.peak): the peak of the precision and device in use, never a fixed fp32 figure."""
+"""The MFU denominator (pretrain.telemetry.peak): the peak of the precision and device in use, never a fixed fp32
+figure."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from cluster.plan import build_plan, resolve_config
 from cluster.profiles import load_profile
-from pretrain.peak import GPU_PEAK_TFLOPS, cpu_peak, device_peak, gpu_peak
+from pretrain.telemetry.peak import GPU_PEAK_TFLOPS, cpu_peak, device_peak, gpu_peak
 
 
 def test_gpu_peaks_follow_the_precision():

@@ -1,5 +1,5 @@
-"""`deepspeed.precision` (pretrain.precision): auto is bf16 on CUDA and, on a CPU, a fixed rule on its bf16 units and
-the model's GEMM shapes (never a timing); probe is an opt-in timing recorded in the run folder and repeated by every
+"""`deepspeed.precision` (pretrain.config.precision): auto is bf16 on CUDA and, on a CPU, a fixed rule on its bf16 units
+and the model's GEMM shapes (never a timing); probe is an opt-in timing recorded in the run folder and repeated by every
 later start; a resumed run keeps its checkpoint's precision. The same decision on every rank."""
 
 import json
@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 
-from pretrain.checkpoint import StartPoint
-from pretrain.config import load_config, model_overrides
-from pretrain.ds_config import batch_plan, deepspeed_config
-from pretrain.model import build_model, model_config
-from pretrain.precision import (
+from pretrain.checkpoint.run_folder import PRECISION_RECORD, read_precision_record
+from pretrain.checkpointer import StartPoint
+from pretrain.config.ds_config import batch_plan, deepspeed_config
+from pretrain.config.precision import (
     PrecisionChoice,
     StepShape,
     cpu_bf16_units,
@@ -20,8 +19,9 @@ from pretrain.precision import (
     decide_on_rank0,
     probe_bf16_speedup,
 )
-from pretrain.run_folder import PRECISION_RECORD, read_precision_record
-from pretrain.tasks import build_task
+from pretrain.config.train_config import load_config, model_overrides
+from pretrain.model.tasks import build_task
+from pretrain.model.vit import build_model, model_config
 
 AVX2_ONLY = {"fpu", "sse2", "avx", "avx2", "fma"}
 SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -150,8 +150,8 @@ def test_deepspeed_config_takes_the_decided_precision():
 def test_probe_in_a_run_is_timed_once_and_recorded_in_the_run_folder(tmp_path, monkeypatch):
     """`precision: probe` times on the first start, writes ``<run>/precision.json``, and every later start of the run
     (a resume, or a re-run with the same run folder) repeats it without timing."""
+    import pretrain.config.precision as precision_module
     import pretrain.engine as train
-    import pretrain.precision as precision_module
     from pretrain.distributed import Placement
 
     monkeypatch.setattr(precision_module, "cpu_flags", lambda cpuinfo=None: SAPPHIRE_RAPIDS)  # so there is a probe

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from pretrain import progressive
-from pretrain.weights import resize_pos_embed
+from pretrain.config import progressive
+from pretrain.weights.formats import resize_pos_embed
 
 
 def test_resolution_at_follows_the_schedule():
@@ -43,7 +43,7 @@ def test_check_schedule_accepts_a_good_one():
 
 
 def test_recipe_option_is_parsed_validated_and_applied_per_step():
-    from pretrain.config import TrainConfig, load_config
+    from pretrain.config.train_config import TrainConfig, load_config
 
     config = load_config("local_demo", ["data.resolution_schedule=[[0, 16], [100, 32]]"])
     assert config.data.resolution_schedule == ((0, 16), (100, 32))
@@ -93,11 +93,11 @@ def process_group():
 def _engine(task_name: str, image_size: int, zero_stage: int):
     import deepspeed
 
-    from pretrain.config import load_config
-    from pretrain.ds_config import engine_config
-    from pretrain.model import build_model
-    from pretrain.optim import build_optimizer
-    from pretrain.tasks import build_task
+    from pretrain.config.ds_config import engine_config
+    from pretrain.config.optim import build_optimizer
+    from pretrain.config.train_config import load_config
+    from pretrain.model.tasks import build_task
+    from pretrain.model.vit import build_model
 
     config = load_config(
         "local_demo",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench.scaling import communicate_or_end
-from pretrain.config import load_config
+from pretrain.config.train_config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]

@@ -1,5 +1,5 @@
-"""pretrain.run_folder: the run folder's layout, without torch (names, listing, the trainer state, opening for evals,
-the one incomplete-checkpoint error, pins and pruning)."""
+"""pretrain.checkpoint.run_folder: the run folder's layout, without torch (names, listing, the trainer state, opening
+for evals, the one incomplete-checkpoint error, pins and pruning)."""
 
 import json
 import subprocess
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import run_folder as rf
+from pretrain.checkpoint import run_folder as rf
 
 PROJECT = Path(__file__).resolve().parent.parent
 
-# A trainer state as pretrain.checkpoint.save_checkpoint writes it (2 ranks; one global stream position).
+# A trainer state as pretrain.checkpointer.save_checkpoint writes it (2 ranks; one global stream position).
 STATE = (
     '{"step": 20, "images_seen": 1280, "world_size": 2, "deepspeed_tag": "step_00000020", "stream_state": '
     '{"version": 2, "epoch": 1, "step": 3, "draws": {"0": 7, "1": 2}}, "rng_states": [{"python": [3, [1, 2], '
@@ -40,7 +40,7 @@ def _folders(run: Path, complete=(), unmarked=(), staging=()) -> dict[int, Path]
 
 
 def test_import_is_torch_free():
-    code = "import sys, pretrain.run_folder; assert not {'torch', 'numpy', 'deepspeed'} & set(sys.modules)"
+    code = "import sys, pretrain.checkpoint.run_folder; assert not {'torch', 'numpy', 'deepspeed'} & set(sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 

@@ -147,7 +147,7 @@ def test_the_sender_writes_a_second_of_steps_at_once(store, monkeypatch):
 
 
 def test_sync_sends_at_once_and_never_waits_on_a_store_that_is_down(store, monkeypatch):
-    """Before a checkpoint (pretrain.checkpoint.Checkpointer) the buffer is delivered now, not at the sender's next
+    """Before a checkpoint (pretrain.checkpointer.Checkpointer) the buffer is delivered now, not at the sender's next
     turn: a worker lost after the checkpoint must not take the metrics of its steps along. A store that is down
     makes it return at once, with everything still buffered."""
     uri, _ = store
@@ -201,7 +201,7 @@ def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
     the run keeps one value per step (the first), other keys are unaffected, and the skip is said once."""
     import torch
 
-    from pretrain.metrics import TrainMetrics
+    from pretrain.telemetry.metrics import TrainMetrics
 
     uri, _ = store
     run_id = create_run(uri, "restart", "r", {}, {})

@@ -37,14 +37,14 @@ import pytest
 import torch
 
 from bench.scaling import communicate_or_end
-from pretrain.config import TrainConfig, load_config, model_overrides
+from pretrain.checkpoint.run_folder import TrainerState
+from pretrain.config.ds_config import batch_plan
+from pretrain.config.optim import build_optimizer, build_schedule, set_lr
+from pretrain.config.train_config import TrainConfig, load_config, model_overrides
 from pretrain.distributed import Placement
-from pretrain.ds_config import batch_plan
-from pretrain.model import build_model
-from pretrain.optim import build_optimizer, build_schedule, set_lr
+from pretrain.model.tasks import build_task
+from pretrain.model.vit import build_model
 from pretrain.randomness import model_randomness, seed_everything
-from pretrain.run_folder import TrainerState
-from pretrain.tasks import build_task
 from pretrain.trainer import build_stream
 from tests import warm_ranks
 
@@ -150,7 +150,7 @@ def reference_run(shared_folder, shards: Path, stage: int) -> tuple[Path, list[d
 def copy_run_until(run: Path, to: Path, step: int) -> Path:
     """A copy of run folder ``run`` as it stood when the run was killed right after its step-``step`` checkpoint:
     the later checkpoints removed, so a run launched on the copy resumes from ``step``."""
-    from pretrain import run_folder
+    from pretrain.checkpoint import run_folder
 
     shutil.copytree(run, to)
     for later in run_folder.complete_checkpoints(to):
@@ -207,7 +207,7 @@ def test_zero_stage_matches_plain_pytorch(stage, shards, shared_folder):
         assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
     assert max(expected) - min(expected) > 1e-4  # the updates move the loss: matching a frozen model proves nothing
     # The consolidated weights (gathered from partitions under ZeRO-3) equal the plain run's weights.
-    from pretrain.weights import load_checkpoint_model
+    from pretrain.weights.formats import load_checkpoint_model
 
     saved = load_checkpoint_model(summaries[0]["checkpoints"][-1])
     saved_state = saved.state_dict()
@@ -289,7 +289,7 @@ def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
 
 CRASH_DURING_SAVE = """
 import os, sys
-import pretrain.weights as weights
+import pretrain.weights.formats as weights
 original = weights.save_pretrained
 
 def crash_midway(model, directory):
@@ -307,8 +307,8 @@ sys.exit(main(sys.argv[1:]))
 def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_path, mlflow_uri):
     from mlflow import MlflowClient
 
-    from pretrain import run_folder
-    from pretrain.weights import load_checkpoint_model
+    from pretrain.checkpoint import run_folder
+    from pretrain.weights.formats import load_checkpoint_model
     from tracking.runs import create_run
 
     uri = mlflow_uri  # the run is created up front and passed in, as the driver does
@@ -410,7 +410,7 @@ def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards
 # steps it was handed, so the step-0 baseline checkpoint is saved and handed over.
 WITH_EVALS = """
 import json, sys
-from pretrain.config import load_config
+from pretrain.config.train_config import load_config
 from pretrain.distributed import exit_rank, finish_distributed
 from pretrain.train import train_worker
 
@@ -445,8 +445,8 @@ def test_step0_baseline_checkpoint_changes_no_loss_and_resumes_exactly(shards, t
     """With a suite and an evaluating caller, a fresh run saves the step-0 weights first and hands them over; the
     losses stay bit-identical to a run without it, and a run resumed from that checkpoint continues exactly without
     handing step 0 over again (a restart does not re-evaluate the baseline)."""
-    from pretrain import run_folder
-    from pretrain.weights import load_checkpoint_model
+    from pretrain.checkpoint import run_folder
+    from pretrain.weights.formats import load_checkpoint_model
 
     extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3", "evals.suite=local_fewshot")
     # The reference: the same caller with evals.baseline=false saves and hands over no step 0.
@@ -480,7 +480,7 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
     fp32's step by step, and the optimizer's master weights and Adam moments are fp32. Resumed with
     ``precision: auto``, the run keeps the bf16 its checkpoint trained in, without probing. Tiny on purpose: on a CPU
     without AMX/AVX512-BF16 bf16 is emulated and many times slower than fp32."""
-    from pretrain.checkpoint import _load_weights_only
+    from pretrain.checkpointer import _load_weights_only
 
     runs = {}
     for precision in ("fp32", "bf16"):
@@ -554,7 +554,7 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
     assert len(c) == 8 and max(abs(a - b) for a, b in zip(e, c)) <= 1e-5, (e, c)
     # The fused kernels round differently, so they ran: the trained weights differ in the last bits. (The losses
     # may not show it: the zero-initialised heads make the first steps' losses insensitive to feature rounding.)
-    from pretrain.weights import load_checkpoint_model
+    from pretrain.weights.formats import load_checkpoint_model
 
     final = [load_checkpoint_model(s[0]["checkpoints"][-1]).state_dict() for s in (eager, compiled)]
     worst = max((final[0][k] - v).abs().max().item() for k, v in final[1].items())
@@ -570,4 +570,4 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
     # the blocks (nn.Module.compile), DeepSpeed's hooks recompiled per layer, 50 times in such a run.
     for launch in ("w", "r"):
         traced = dynamo_traced((tmp_path / launch / "output.log").read_text())
-        assert traced == [(rank, "forward", ("pretrain", "model.py")) for rank in "01"], (launch, traced)
+        assert traced == [(rank, "forward", ("model", "vit.py")) for rank in "01"], (launch, traced)

@@ -16,13 +16,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain import checkpoint as ckpt
-from pretrain.config import CheckpointConfig, load_config
-from pretrain.metrics import NonFiniteLossError, TrainMetrics
-from pretrain.model import build_model
-from pretrain.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
-from pretrain.run_folder import COMPLETE, IncompleteCheckpointError
-from pretrain.tasks import TASKS, ClassificationTask, TaskConfig, build_task, register_task, sigmoid_xent, softmax_xent
+from pretrain import checkpointer as ckpt
+from pretrain.checkpoint.run_folder import COMPLETE, IncompleteCheckpointError
+from pretrain.config.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
+from pretrain.config.train_config import CheckpointConfig, load_config
+from pretrain.model.tasks import (
+    TASKS,
+    ClassificationTask,
+    TaskConfig,
+    build_task,
+    register_task,
+    sigmoid_xent,
+    softmax_xent,
+)
+from pretrain.model.vit import build_model
+from pretrain.telemetry.metrics import NonFiniteLossError, TrainMetrics
 from tracking import keys
 
 
@@ -199,7 +207,7 @@ def test_a_rank_ends_after_its_exit_handlers_and_keeps_its_code(tmp_path):
 
 
 def test_init_from_copies_matching_weights_and_reports_the_rest(tmp_path):
-    from pretrain.weights import save_pretrained
+    from pretrain.weights.formats import save_pretrained
 
     torch.manual_seed(0)
     source = build_model("vit_tiny_debug", num_classes=10)
@@ -390,7 +398,8 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
     ])  # fmt: skip
     config.save(tmp_path / "recipe.yaml")
     code = (
-        "import os, sys\nfrom pretrain.config import load_config\nfrom pretrain.train import train_worker\n"
+        "import os, sys\nfrom pretrain.config.train_config import load_config\n"
+        "from pretrain.train import train_worker\n"
         "train_worker(load_config(sys.argv[1]), on_checkpoint=lambda folder, step, m: step == 3 and os._exit(17))"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "recipe.yaml")], env=train_env(),

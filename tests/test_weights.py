@@ -1,4 +1,5 @@
-"""pretrain.weights: official npz import against an independent NumPy forward, resize, safetensors, HF parity."""
+"""pretrain.weights.formats: official npz import against an independent NumPy forward, resize, safetensors, HF
+parity."""
 
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ import scipy.ndimage
 import torch
 from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
-from pretrain.model import VisionTransformer, ViTConfig, build_model
-from pretrain.run_folder import IncompleteCheckpointError, latest_checkpoint
-from pretrain.weights import (
+from pretrain.checkpoint.run_folder import IncompleteCheckpointError, latest_checkpoint
+from pretrain.model.vit import VisionTransformer, ViTConfig, build_model
+from pretrain.weights.__main__ import main
+from pretrain.weights.formats import (
     from_hf_state_dict,
     hf_config,
     load_checkpoint_model,
     load_model,
     load_npz,
     load_pretrained,
-    main,
     resize_pos_embed,
     save_pretrained,
     to_hf_state_dict,
@@ -282,7 +283,7 @@ def test_loading_weights_skips_the_initialization_and_torch_dynamo(tmp_path):
     save_pretrained(build_model("vit_tiny_debug", representation_size=16), tmp_path / "m")
     code = (
         "import sys, torch\n"
-        "from pretrain.weights import load_pretrained\n"
+        "from pretrain.weights.formats import load_pretrained\n"
         "torch.manual_seed(0); expected = torch.rand(3)\n"
         "torch.manual_seed(0); load_pretrained(sys.argv[1]); drawn = torch.rand(3)\n"
         "print('torch._dynamo' in sys.modules, torch.equal(expected, drawn))\n"

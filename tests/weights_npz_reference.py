@@ -1,6 +1,6 @@
 """Test helper: official-layout ViT `.npz` files with random weights, and an independent NumPy forward pass.
 
-The arrays are built from shapes alone (never from `pretrain.model`), in the key layouts docs/reference.md §2 lists,
+The arrays are built from shapes alone (never from `pretrain.model.vit`), in the key layouts docs/reference.md §2 lists,
 and `reference_logits` evaluates them the way the Flax code does (NHWC, HWIO kernels, DenseGeneral einsums,
 TF-SAME padding, weight standardization), in float64. A loader that reproduces these logits maps every array
 to the right place.
@@ -211,7 +211,7 @@ def reference_logits(p: dict[str, np.ndarray], images_nhwc: np.ndarray, *, layou
 
 
 def arrays_from_model(model) -> dict[str, np.ndarray]:
-    """A `pretrain.model.VisionTransformer`'s weights under the VT checkpoint names (the inverse of `load_npz`).
+    """A `pretrain.model.vit.VisionTransformer`'s weights under the VT checkpoint names (the inverse of `load_npz`).
 
     Written from the official layout (HWIO kernels, (D, heads, head_dim) attention kernels, VT block names), so
     a save → `load_npz` round trip checks both directions of the mapping.

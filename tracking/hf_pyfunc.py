@@ -2,7 +2,8 @@
 
 MLflow copies this file into the logged model and runs it when the model is loaded: it imports only torch, numpy,
 transformers and mlflow, never vitscale, so `mlflow.pyfunc.load_model(uri)` works wherever those are installed,
-offline (the weights are the model's own artifact ``hf``, an HF ViT folder written by `pretrain.export.save_hf`).
+offline (the weights are the model's own artifact ``hf``, an HF ViT folder written by
+`pretrain.weights.export.save_hf`).
 
 ``predict`` takes pixel values (B, C, H, W) float32 in [-1, 1] (what `preprocessor_config.json` in the folder makes
 of an image) and returns the logits (B, num_classes) of ViTForImageClassification, or for a model without a head the

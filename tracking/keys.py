@@ -4,7 +4,7 @@ Training metrics are logged per optimizer step; eval metrics at the checkpoint's
 the first update). Tags describe the run as a whole.
 """
 
-# Training metrics (pretrain.metrics): logged by rank 0 every `logging.log_every` steps.
+# Training metrics (pretrain.telemetry.metrics): logged by rank 0 every `logging.log_every` steps.
 TRAIN_PREFIX = "train/"
 LOSS = "train/loss"  # mean over ranks
 LR = "train/lr"
@@ -51,9 +51,9 @@ RESTARTS = "vitscale.restarts"  # how many times Ray Train restarted the worker 
 RESIZES = "vitscale.resizes"  # how many times an elastic job continued at another world size
 WORLD_SIZES = "vitscale.world_sizes"  # the world sizes the run trained at, in order, e.g. "2,1,2"
 PRECISION = "vitscale.precision"  # fp32 | bf16: what deepspeed.precision (maybe "auto") resolved to on this hardware
-PRECISION_RULE = "vitscale.precision_rule"  # which rule decided it (pretrain.precision.PrecisionChoice.rule)
+PRECISION_RULE = "vitscale.precision_rule"  # which rule decided it (pretrain.config.precision.PrecisionChoice.rule)
 PRECISION_REASON = "vitscale.precision_reason"  # the rule's one line: why
-PEAK_TFLOPS = "vitscale.peak_tflops"  # the per-device peak train/mfu divides by (pretrain.peak)
+PEAK_TFLOPS = "vitscale.peak_tflops"  # the per-device peak train/mfu divides by (pretrain.telemetry.peak)
 PEAK_SOURCE = "vitscale.peak_source"  # where that peak comes from (datasheet, declared, measured GEMM)
 KIND = "vitscale.kind"  # "comparison" for the runs `make compare` logs its report to
 COMPARED_RUNS = "vitscale.compared_runs"
@@ -116,7 +116,8 @@ def goodput_bucket(bucket: str) -> str:  # e.g. goodput/data_wait_s
     return f"{GOODPUT_PREFIX}{bucket}_s"
 
 
-# Step-time tails per logging window (pretrain.metrics): a loader that stalls one step in fifty shows up in p99.
+# Step-time tails per logging window (pretrain.telemetry.metrics): a loader that stalls one step in fifty shows up in
+# p99.
 TAIL_PERCENTILES = (50, 90, 99)
 
 

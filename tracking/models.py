@@ -1,4 +1,4 @@
-"""A run's model in MLflow: an HF ViT folder (`pretrain.export.save_hf`) logged as an MLflow model of the run.
+"""A run's model in MLflow: an HF ViT folder (`pretrain.weights.export.save_hf`) logged as an MLflow model of the run.
 
 Why a pyfunc over the HF folder rather than MLflow's transformers flavour: that flavour logs a *pipeline* (image in,
 top labels out), needs torchvision for the image processor and does not give the logits back; the pyfunc here

@@ -294,7 +294,7 @@ class Tracker:
         """Have the sender deliver what is buffered now, not at its next turn, and wait until it has (at most
         ``timeout`` seconds); True when nothing is left buffered. Never raises.
 
-        A checkpoint calls this before it is published (`pretrain.checkpoint.Checkpointer`): the steps up to a
+        A checkpoint calls this before it is published (`pretrain.checkpointer.Checkpointer`): the steps up to a
         checkpoint are never trained again, so their metrics must reach the run before a lost worker can take them
         along, buffered. While the store is failing (backing off) it returns False at once: training does not wait
         on a store that is down; the buffer is sent when it recovers, as always.

@@ -13,8 +13,9 @@ come from torch's global CPU generator, which the trainer seeds for each micro-b
 resumed run, or one resumed at another world size, draws the same corruptions as an uninterrupted one, and the task
 keeps no random state of its own.
 
-`pretrain.tasks` registers this task as ``mpp`` (recipe ``task.name: mpp``, its options ``task.options``): the builder
-is `build_mpp_task`, the options' check `MPPConfig.from_options`, and `planned_model` what the cluster planner counts.
+`pretrain.model.tasks` registers this task as ``mpp`` (recipe ``task.name: mpp``, its options ``task.options``): the
+builder is `build_mpp_task`, the options' check `MPPConfig.from_options`, and `planned_model` what the cluster planner
+counts.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.model import VisionTransformer, ViTConfig
+from pretrain.model.vit import VisionTransformer, ViTConfig
 
 __all__ = [
     "MPPConfig",

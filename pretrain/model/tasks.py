@@ -4,11 +4,11 @@
 A task owns the model and its loss, so the engine sees a single module and checkpoints hold everything that
 trains. The registry `TASKS` maps ``task.name`` to a `Task`: its builder, the check of its ``task.options``, and the
 model it trains as the cluster planner counts it (`planned_model`). The project's tasks are registered here:
-``classification``, ``mpp`` (masked patch prediction, `pretrain.mpp`) and ``classification_mpp`` (both from one
+``classification``, ``mpp`` (masked patch prediction, `pretrain.model.mpp`) and ``classification_mpp`` (both from one
 pass, `ClassificationWithMPP`); ``@register_task(name)`` adds another.
 
 Builders read the run's config through `TaskSettings` (the task and loss sections, the seed), a protocol that
-`pretrain.config.TrainConfig` satisfies, so this module does not import `pretrain.config`.
+`pretrain.config.train_config.TrainConfig` satisfies, so this module does not import `pretrain.config.train_config`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain import mpp
-from pretrain.model import VisionTransformer, ViTConfig
+from pretrain.model import mpp
+from pretrain.model.vit import VisionTransformer, ViTConfig
 
 LossType = Literal["softmax_xent", "sigmoid_xent"]  # loss.type: the keys of LOSSES
 
@@ -44,7 +44,7 @@ class TaskConfig:
 
 
 class TaskSettings(Protocol):
-    """What a task reads of the training config (`pretrain.config.TrainConfig`)."""
+    """What a task reads of the training config (`pretrain.config.train_config.TrainConfig`)."""
 
     @property
     def task(self) -> TaskConfig: ...
@@ -119,7 +119,7 @@ class ClassificationTask(nn.Module):
 
 class ClassificationWithMPP(mpp.MaskedPatchPrediction):
     """Labels and masked patch prediction from one pass: the images' patches are corrupted as in ``mpp``
-    (`pretrain.mpp`), the encoder runs once, the pooled output is classified against the labels and the corrupted
+    (`pretrain.model.mpp`), the encoder runs once, the pooled output is classified against the labels and the corrupted
     patches' outputs predict their colours; loss = classification loss + ``mpp_weight`` × MPP loss.
 
     Labels alone leave a small model's first layer global on the demo's contours; the colour of a patch hidden in a
@@ -161,7 +161,7 @@ MPP_WEIGHT = "mpp_weight"  # the option of classification_mpp that is not an MPP
 
 
 def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, float]:
-    """``task.options`` of ``classification_mpp``: MPP's options (`pretrain.mpp.MPPConfig`) and ``mpp_weight``
+    """``task.options`` of ``classification_mpp``: MPP's options (`pretrain.model.mpp.MPPConfig`) and ``mpp_weight``
     (default 1); ValueError naming a bad one."""
     rest = dict(options)
     weight = rest.pop(MPP_WEIGHT, 1.0)
@@ -267,7 +267,7 @@ def planned_model(config: TaskSettings, vit: ViTConfig) -> tuple[ViTConfig, int]
     build from a model of config ``vit``, for the cluster planner's parameter, FLOP and memory counts.
 
     Classification trains ``vit`` as it is: ``(vit, 0)``. Masked patch prediction trains the encoder without the
-    classifier and its pre-logits and adds a [mask] embedding and a colour head (`pretrain.mpp.planned_model`);
+    classifier and its pre-logits and adds a [mask] embedding and a colour head (`pretrain.model.mpp.planned_model`);
     classification_mpp trains ``vit`` as it is and adds the same two.
     """
     return _registered(config.task.name).plan(dict(config.task.options), vit)

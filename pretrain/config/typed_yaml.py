@@ -1,8 +1,8 @@
-"""The one typed-YAML loader of recipes (`pretrain.config`), cluster profiles (`cluster.profiles`) and eval suites
-(`evals.suites`): reading a file (errors name its line), ``base:`` inheritance, dotted ``key=value`` overrides, and
-building frozen dataclasses with typed fields (int, float, str, bool, ``X | None``, tuples, dicts, nested dataclasses,
-``Literal[...]`` closed sets), so that an unknown, missing or mistyped key is an error naming its source, the dotted
-key and the fix. Torch-free and quick to import: every package may import it (docs/design.md).
+"""The one typed-YAML loader of recipes (`pretrain.config.train_config`), cluster profiles (`cluster.profiles`) and eval
+suites (`evals.suites`): reading a file (errors name its line), ``base:`` inheritance, dotted ``key=value`` overrides,
+and building frozen dataclasses with typed fields (int, float, str, bool, ``X | None``, tuples, dicts, nested
+dataclasses, ``Literal[...]`` closed sets), so that an unknown, missing or mistyped key is an error naming its source,
+the dotted key and the fix. Torch-free and quick to import: every package may import it (docs/design.md).
 """
 
 from __future__ import annotations

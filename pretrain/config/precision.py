@@ -6,8 +6,8 @@
   every run, and the plan prints the same answer before anything starts.
 - ``probe``: an explicit opt-in to time one forward + backward of the model in fp32 and in bf16 and take bf16 if it is
   at least `PROBE_MIN_SPEEDUP` faster. A timing can flip between runs, so the first start of a run writes its decision
-  into the run folder (``precision.json``, `pretrain.run_folder.PrecisionRecord`) and every later start of that run
-  (a resume, or a re-run with the same ``checkpoint.dir``) repeats it without timing again.
+  into the run folder (``precision.json``, `pretrain.checkpoint.run_folder.PrecisionRecord`) and every later start of
+  that run (a resume, or a re-run with the same ``checkpoint.dir``) repeats it without timing again.
 - ``fp32`` / ``bf16``: as set.
 
 A run that resumes from a checkpoint which recorded its precision keeps it (``trainer_state.json``): its losses then
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain import flops
-from pretrain.model import ViTConfig
+from pretrain.model import flops
+from pretrain.model.vit import ViTConfig
 
 # /proc/cpuinfo flags of native bf16 matmul units (x86). AMX tiles do bf16 dot products; AVX512_BF16 adds vdpbf16ps.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import torch
 
-from pretrain.run_folder import SAMPLE_KEYS_DIR
+from pretrain.checkpoint.run_folder import SAMPLE_KEYS_DIR
 
 
 @dataclass

@@ -6,7 +6,7 @@ barriers and all-reduces). A rank that raised out of it while the others went on
 next collective until the process-group timeout (``deepspeed.timeout_minutes``, 30 by default). So every write of a
 save goes through `SaveAttempt.write`, which records the first failure and skips the rank's later writes; DeepSpeed's
 own writes are routed there for the length of the save (`SaveAttempt.routing`). After the writes the ranks exchange
-their attempts (`pretrain.checkpoint.save_checkpoint`); if one failed, rank 0 removes the staging folder and every
+their attempts (`pretrain.checkpointer.save_checkpoint`); if one failed, rank 0 removes the staging folder and every
 rank raises the same `CheckpointSaveError`, whose message `failure_message` writes.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from pretrain import checksums, run_folder
+from pretrain.checkpoint import checksums, run_folder
 
 # What a write raises when the disk is full or the storage fails: OSError from Python's files (ENOSPC, EIO, EDQUOT),
 # RuntimeError from torch's writers ("unexpected pos", "basic_ios::clear: iostream error", "file write failed"),
@@ -130,7 +130,7 @@ def folder_bytes(folder: Path) -> int:
 def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) -> str:
     """The one line that says which save failed, where, why, how much space a checkpoint needs against what is free,
     that nothing else was lost, and the fix. Rank 0 writes it once the staging folder is gone (``written_bytes``: what
-    it held); `pretrain.checkpoint.Checkpointer` adds what the run does next (``checkpoint.on_save_error``)."""
+    it held); `pretrain.checkpointer.Checkpointer` adds what the run does next (``checkpoint.on_save_error``)."""
     run_dir = staging.parent.parent
     final = staging.name.removesuffix(run_folder.STAGING_SUFFIX)
     newest = run_folder.latest_checkpoint(run_dir)

@@ -9,8 +9,8 @@ The layout (docs/design.md "The run folder"; docs/interfaces.md "Checkpoints"):
 
 A checkpoint is written into ``step_XXXXXXXX.tmp/``, renamed, and only then marked ``COMPLETE``; nothing reads a
 folder without the marker. ``checksums.json`` (written last before the rename) records each file's size and CRC-32
-(`pretrain.checksums`), checked before a resume or an eval reads the files. ``PINNED`` keeps a checkpoint through
-``checkpoint.keep_last`` pruning while evals need it.
+(`pretrain.checkpoint.checksums`), checked before a resume or an eval reads the files. ``PINNED`` keeps a checkpoint
+through ``checkpoint.keep_last`` pruning while evals need it.
 
 API (paths are used as given: a loaded TrainConfig's ``checkpoint.dir`` is already absolute, `TrainConfig.resolved`)
   names      CHECKPOINTS, COMPLETE, PINNED, TRAINER_STATE, WEIGHTS_FILE, CONFIG_FILE, CONFIG_YAML, DEEPSPEED_DIR,
@@ -51,11 +51,11 @@ COMPLETE = "COMPLETE"
 # (other processes, maybe other nodes on shared storage) clears it; nothing but the filesystem is involved.
 PINNED = "PINNED"
 TRAINER_STATE = "trainer_state.json"
-WEIGHTS_FILE = "model.safetensors"  # also the file name of any save_pretrained folder (pretrain.weights)
+WEIGHTS_FILE = "model.safetensors"  # also the file name of any save_pretrained folder (pretrain.weights.formats)
 CONFIG_FILE = "model.json"  # the ViTConfig beside the weights
 CONFIG_YAML = "config.yaml"  # the resolved TrainConfig of the step
 DEEPSPEED_DIR = "deepspeed"
-CHECKSUMS = "checksums.json"  # each file's size and CRC-32 as its save wrote them (pretrain.checksums)
+CHECKSUMS = "checksums.json"  # each file's size and CRC-32 as its save wrote them (pretrain.checkpoint.checksums)
 STAGING_SUFFIX = ".tmp"
 _STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -180,10 +180,10 @@ class TrainerState:
 
     ``stream_state`` is the data stream's global position (every rank's ``TrainStream.state_dict`` joined by
     ``merge_stream_states``: the same at any world size, docs/elastic.md); ``rng_states[r]`` are rank r's global RNG
-    states (``pretrain.checkpoint.rng_state``); ``world_size`` is the world size that wrote it; ``deepspeed_tag``
+    states (``pretrain.checkpointer.rng_state``); ``world_size`` is the world size that wrote it; ``deepspeed_tag``
     names the engine state under ``deepspeed/``; ``metrics`` are the training metrics at the step; ``saved_at`` is a
     Unix time; ``precision`` is the precision the engine trained in ("fp32" | "bf16"; None in checkpoints written
-    before it was recorded): a resumed ``precision: auto`` run keeps it (`pretrain.precision.decide`).
+    before it was recorded): a resumed ``precision: auto`` run keeps it (`pretrain.config.precision.decide`).
     """
 
     step: int
@@ -212,7 +212,7 @@ class TrainerState:
                 return cls(**data)
         except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError included
             raise ValueError(
-                f"{source} is not a trainer state written by pretrain.checkpoint ({type(error).__name__}: {error}); "
+                f"{source} is not a trainer state written by pretrain.checkpointer ({type(error).__name__}: {error}); "
                 "the checkpoint is damaged: resume from another one"
             ) from None
         raise ValueError(
@@ -390,4 +390,5 @@ def write_precision_record(run_dir: str | Path, precision: str, rule: str, reaso
     write_durably(Path(run_dir) / PRECISION_RECORD, json.dumps(record) + "\n")
 
 
-SAMPLE_KEYS_DIR = "sample_keys"  # <run>/sample_keys/rank<r>.jsonl with logging.record_sample_keys (pretrain.recorder)
+# <run>/sample_keys/rank<r>.jsonl with logging.record_sample_keys (pretrain.telemetry.recorder)
+SAMPLE_KEYS_DIR = "sample_keys"

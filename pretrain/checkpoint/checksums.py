@@ -1,8 +1,8 @@
 """What a checkpoint's bytes must be: each file's size and CRC-32, recorded when it is saved and checked before it is
 loaded. Torch-free, so evals and ``python -m pretrain.checkpoint verify`` check cheaply.
 
-``checksums.json`` (`pretrain.run_folder.CHECKSUMS`) is the last file written into the staging folder, before the
-rename and the ``COMPLETE`` marker (`pretrain.checkpoint.save_checkpoint`):
+``checksums.json`` (`pretrain.checkpoint.run_folder.CHECKSUMS`) is the last file written into the staging folder, before
+the rename and the ``COMPLETE`` marker (`pretrain.checkpointer.save_checkpoint`):
 
     {"algorithm": "crc32", "files": {"deepspeed/step_00000120/mp_rank_00_model_states.pt": [size, "1a2b3c4d"], ...}}
 
@@ -12,7 +12,7 @@ checkpoints recorded checksums: it is *unverified* and still loads.
 
 Why CRC-32 (zlib): it finds every cut-short copy (with the size) and every flipped bit or burst of up to 32 bits,
 which is what a truncated copy, a lost write or a bad sector does; it is not a defence against someone who edits a
-checkpoint on purpose (torch.load(weights_only=True) is that, `pretrain.checkpoint`). On this project's 2-core
+checkpoint on purpose (torch.load(weights_only=True) is that, `pretrain.checkpointer`). On this project's 2-core
 machine zlib.crc32 hashed 1.6 GB/s against 0.56 for blake2b and 0.37 for sha256 (a 265 MB file from the page cache),
 so it can be on by default (docs/interfaces.md "Checkpoints", Faults).
 
@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain import run_folder
-from pretrain.run_folder import CHECKSUMS, CONFIG_FILE, TRAINER_STATE, WEIGHTS_FILE, write_durably
+from pretrain.checkpoint import run_folder
+from pretrain.checkpoint.run_folder import CHECKSUMS, CONFIG_FILE, TRAINER_STATE, WEIGHTS_FILE, write_durably
 
 ALGORITHM = "crc32"
 CHUNK_BYTES = 8 << 20

@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pretrain.model import ViTConfig
-from pretrain.resnet import root_width
+from pretrain.model.resnet import root_width
+from pretrain.model.vit import ViTConfig
 
 
 def _conv_out(size: int, stride: int) -> int:

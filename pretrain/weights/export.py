@@ -2,18 +2,19 @@
 
     python -m pretrain.weights export SOURCE OUT --format hf|npz [--image-size N] [--mlflow-run ID]
 
-(the CLI is `pretrain.weights`'s). SOURCE is a training checkpoint, a run folder (its newest COMPLETE checkpoint), a
-folder written by `save_pretrained`, `convert` or an earlier HF export, or an official `.npz`.
+(the CLI is `pretrain.weights.formats`'s). SOURCE is a training checkpoint, a run folder (its newest COMPLETE
+checkpoint), a folder written by `save_pretrained`, `convert` or an earlier HF export, or an official `.npz`.
 
 - ``hf``: ``config.json`` + ``model.safetensors`` (the Hub key layout, which transformers 4 and 5 both load) +
   ``preprocessor_config.json`` (resize to the model's side, pixels to [-1, 1]: what vitscale feeds the model).
   `transformers.ViTForImageClassification.from_pretrained(OUT)` gives our logits; a model without a head is a
   ViTModel (``last_hidden_state[:, 0]`` = our features). HF's ViT has no pre-logits layer, no average pooling and no
-  ResNet stem: those models are refused with the reason (`pretrain.hf_convert`).
+  ResNet stem: those models are refused with the reason (`pretrain.weights.hf`).
 - ``npz``: the google-research/vision_transformer layout (HWIO kernels, (D, heads, head_dim) attention kernels,
   ``Transformer/encoderblock_{i}/LayerNorm_0 … MlpBlock_3``, the class slot inside the position embeddings), which
-  the official code, big_vision's loader and `pretrain.weights.load_npz` read. It holds every vitscale ViT (pre-logits,
-  ``gap``, hybrids) except exact-erf GELU: Flax's ``nn.gelu`` is the tanh form and the file cannot say otherwise.
+  the official code, big_vision's loader and `pretrain.weights.formats.load_npz` read. It holds every vitscale ViT
+  (pre-logits, ``gap``, hybrids) except exact-erf GELU: Flax's ``nn.gelu`` is the tanh form and the file cannot say
+  otherwise.
 
 Nothing here downloads; transformers is not needed to export (only to load the result).
 """
@@ -32,11 +33,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from data_pipeline.manifest import read_dataset_info
-from pretrain import run_folder
-from pretrain.hf_convert import config_from_hf_dict, hf_config_dict, state_dict_from_hf, to_hf_state_dict
-from pretrain.model import VisionTransformer, ViTConfig
-from pretrain.run_folder import CONFIG_YAML, WEIGHTS_FILE
-from pretrain.weights_source import HF_CONFIG
+from pretrain.checkpoint import run_folder
+from pretrain.checkpoint.run_folder import CONFIG_YAML, WEIGHTS_FILE
+from pretrain.model.vit import VisionTransformer, ViTConfig
+from pretrain.weights.hf import config_from_hf_dict, hf_config_dict, state_dict_from_hf, to_hf_state_dict
+from pretrain.weights.source import HF_CONFIG
 
 FORMATS = ("hf", "npz")
 HF_PREPROCESSOR = "preprocessor_config.json"
@@ -135,7 +136,7 @@ def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None
 
 
 def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
-    """``model``'s weights under the official VT names (the inverse of `pretrain.weights.load_npz`), float32."""
+    """``model``'s weights under the official VT names (the inverse of `pretrain.weights.formats.load_npz`), float32."""
     config = model.config
     if config.gelu_approximate != "tanh":
         raise ValueError(
@@ -189,7 +190,7 @@ def _block_arrays(sd: dict[str, np.ndarray], i: int, D: int, heads: int) -> dict
 
 def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A hybrid's ResNet stem: ``patch_embed.backbone.stages.block1.units.unit1.conv1.weight`` → ``block1/unit1/
-    conv1/kernel`` (HWIO); GroupNorm weight/bias → scale/bias (the official names, `pretrain.resnet`)."""
+    conv1/kernel`` (HWIO); GroupNorm weight/bias → scale/bias (the official names, `pretrain.model.resnet`)."""
     p = {}
     for key, value in sd.items():
         if not key.startswith("patch_embed.backbone."):

@@ -58,7 +58,7 @@ class TrainMetrics:
     world_size: int
     total_steps: int
     flops_per_image: int  # training FLOPs per image (forward + backward)
-    peak_tflops: float  # per device, at the run's precision (`pretrain.peak`)
+    peak_tflops: float  # per device, at the run's precision (`pretrain.telemetry.peak`)
     device: torch.device
     log_every: int = 10
     tracker: Tracker | None = None  # no-op off rank 0
@@ -100,8 +100,9 @@ class TrainMetrics:
         """Record optimizer step ``step`` (1-based count of steps done); returns the metrics logged, if any.
 
         ``images`` is the number of images all ranks consumed in this step, ``data_s`` this rank's time spent
-        waiting for batches, ``step_s`` the step's wall seconds, saves excluded (`pretrain.goodput.AttemptClock`;
-        None: the time since the previous call). The window's p50/p90/p99 of both are logged with the rest.
+        waiting for batches, ``step_s`` the step's wall seconds, saves excluded
+        (`pretrain.telemetry.attempt_clock.AttemptClock`; None: the time since the previous call). The window's
+        p50/p90/p99 of both are logged with the rest.
         """
         now = time.perf_counter()
         self._step_s.append(now - self._window["last"] if step_s is None else step_s)

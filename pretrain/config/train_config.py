@@ -3,17 +3,17 @@
 A recipe (`configs/<name>.yaml`) is a nested mapping whose top-level keys are the sections; a recipe may start from
 another one with ``base: <recipe name>``. Command-line overrides are ``key=value`` strings with dotted keys
 (``model.name=vit_s16``, ``optim.lr=3e-4``); values are parsed as YAML scalars. Reading, inheriting, overriding and
-typing are :mod:`pretrain.typed_yaml`'s.
+typing are :mod:`pretrain.config.typed_yaml`'s.
 
 Each section lives with the module that owns its meaning, its fields documented and its defaults declared there,
-next to its check: ``optim`` and ``schedule`` in :mod:`pretrain.optim`, ``deepspeed`` in :mod:`pretrain.ds_config`,
-``loss`` and ``task`` in :mod:`pretrain.tasks`. The sections no other module owns are here: ``model``, ``data``,
-``checkpoint``, ``logging`` and ``evals``. A closed set of choices is a ``Literal``.
+next to its check: ``optim`` and ``schedule`` in :mod:`pretrain.config.optim`, ``deepspeed`` in
+:mod:`pretrain.config.ds_config`, ``loss`` and ``task`` in :mod:`pretrain.model.tasks`. The sections no other module
+owns are here: ``model``, ``data``, ``checkpoint``, ``logging`` and ``evals``. A closed set of choices is a ``Literal``.
 
 ``TrainConfig.validate(world_size)`` checks everything that can be checked before work starts and raises
 ``ValueError`` naming the field and the fix; each section is checked by its owner (and the resolution schedule by
-:mod:`pretrain.progressive`). Numbers derived from the config (accumulation steps, total steps) are computed in one
-place each: :mod:`pretrain.ds_config` and :mod:`pretrain.optim`.
+:mod:`pretrain.config.progressive`). Numbers derived from the config (accumulation steps, total steps) are computed in
+one place each: :mod:`pretrain.config.ds_config` and :mod:`pretrain.config.optim`.
 
 Paths. A recipe's local paths (``data.train``, ``checkpoint.dir``, ``checkpoint.resume_from``,
 ``checkpoint.init_from``, ``evals.data_root``) are relative to the project root of the process that trains;
@@ -43,19 +43,21 @@ from data_pipeline.augment import AugmentConfig
 from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
-from pretrain import ds_config, optim, progressive, run_folder, tasks, typed_yaml
-from pretrain.ds_config import DeepSpeedConfig
-from pretrain.model import MODEL_NAMES, ViTConfig, model_config
-from pretrain.optim import OptimConfig, ScheduleConfig
-from pretrain.tasks import LossConfig, TaskConfig
-from pretrain.typed_yaml import at_least, positive
+from pretrain.checkpoint import run_folder
+from pretrain.config import ds_config, optim, progressive, typed_yaml
+from pretrain.config.ds_config import DeepSpeedConfig
+from pretrain.config.optim import OptimConfig, ScheduleConfig
+from pretrain.config.typed_yaml import at_least, positive
+from pretrain.model import tasks
+from pretrain.model.tasks import LossConfig, TaskConfig
+from pretrain.model.vit import MODEL_NAMES, ViTConfig, model_config
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which ViT to build. ``None`` keeps the variant's default from `pretrain.model`."""
+    """Which ViT to build. ``None`` keeps the variant's default from `pretrain.model.vit`."""
 
-    name: str = "vit_b16"  # a name in pretrain.model.MODEL_NAMES
+    name: str = "vit_b16"  # a name in pretrain.model.vit.MODEL_NAMES
     num_classes: int | None = None  # None → the training set's num_classes (dataset.json)
     representation_size: int | None = None  # pre-logits Dense+tanh width (768 for i21k pre-training)
     head_bias_init: float | None = None  # −10 with sigmoid xent so the initial loss is small
@@ -75,7 +77,8 @@ class DataConfig:
     builtin: str | None = None  # a data_pipeline.builtin name; when set and `train` is absent it is generated
     builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes (resolution, num_classes…)
     image_size: int = 224  # training resolution; also the model's position-embedding grid
-    # Progressive resolution: [[step, size], ...] from step 0, ending at image_size (pretrain.progressive); () = off
+    # Progressive resolution: [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () =
+    # off
     resolution_schedule: tuple[tuple[int, int], ...] = ()
     global_batch_size: int = 4096  # images per optimizer step, summed over ranks and accumulation steps
     micro_batch_size: int = 32  # images per rank per forward/backward
@@ -293,7 +296,7 @@ def model_overrides(config: TrainConfig, num_classes: int) -> dict[str, Any]:
 
 
 def check_model(config: TrainConfig) -> ViTConfig:
-    """The ViTConfig the model and data sections make (pretrain.model checks it); ValueError naming the fix."""
+    """The ViTConfig the model and data sections make (pretrain.model.vit checks it); ValueError naming the fix."""
     m = config.model
     if m.name not in MODEL_NAMES:
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")

@@ -2,27 +2,16 @@
 
 `load_npz` reads checkpoints released by google-research/vision_transformer (VT) and big_vision (BV), infers the
 architecture from the arrays alone and returns a `VisionTransformer` whose logits equal the official ones
-(docs/reference.md §2). Hugging Face conversion lives in `pretrain.hf_convert` (re-exported here), writing other
-tools' formats in `pretrain.export`.
-
-    python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
-    python -m pretrain.weights info PATH [--image-size N]                 # inferred config, params, GMACs
-    python -m pretrain.weights export SOURCE OUT [--format hf|npz] [--image-size N] [--mlflow-run ID]
-        # → a transformers folder (config.json + model.safetensors) or the official .npz; --mlflow-run also logs the
-        # HF folder as an MLflow model of that run (tracking.models)
-
-On bad input (a missing, damaged or foreign file, a folder without weights, a model the format cannot hold) each
-exits with status 2 and one line naming the file and the fix.
+(docs/reference.md §2). Hugging Face conversion lives in `pretrain.weights.hf` (re-exported here), writing other
+tools' formats in `pretrain.weights.export`, the command line in `pretrain.weights.__main__`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import re
-import sys
 import zipfile
 from pathlib import Path
 
@@ -32,14 +21,13 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pretrain import run_folder, weights_source
-from pretrain.export import FORMATS, checkpoint_step, class_names, export, is_hf_folder, read_hf_folder
-from pretrain.flops import describe
-from pretrain.hf_convert import from_hf_state_dict, hf_config, to_hf_state_dict
-from pretrain.model import VisionTransformer, ViTConfig
-from pretrain.resnet import GN_GROUPS, stem_out_channels, stem_stride
-from pretrain.run_folder import CONFIG_FILE, WEIGHTS_FILE
-from tracking.models import log_hf_model
+from pretrain.checkpoint import run_folder
+from pretrain.checkpoint.run_folder import CONFIG_FILE, WEIGHTS_FILE
+from pretrain.model.resnet import GN_GROUPS, stem_out_channels, stem_stride
+from pretrain.model.vit import VisionTransformer, ViTConfig
+from pretrain.weights import source as weights_source
+from pretrain.weights.export import is_hf_folder, read_hf_folder
+from pretrain.weights.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 
 __all__ = [
     "from_hf_state_dict",
@@ -474,7 +462,7 @@ def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = N
     """The consolidated model of a training checkpoint `.../checkpoints/step_XXXXXXXX/`.
 
     Refuses a folder without `COMPLETE` (written last by the trainer): its files may be half written
-    (`pretrain.run_folder.IncompleteCheckpointError`).
+    (`pretrain.checkpoint.run_folder.IncompleteCheckpointError`).
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -483,7 +471,7 @@ def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = N
 
 
 def load_model(source: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """Any weights source (`pretrain.weights_source`): an official `.npz`, a training checkpoint, a run folder (its
+    """Any weights source (`pretrain.weights.source`): an official `.npz`, a training checkpoint, a run folder (its
     newest COMPLETE checkpoint), a `save_pretrained` folder or an HF ViT folder (`config.json` + `model.safetensors`,
     e.g. an export), or one file of such a folder."""
     source = weights_source.resolve(source)
@@ -513,80 +501,3 @@ def load_model(source: str | Path, image_size: int | None = None, **overrides) -
             "folder written by save_pretrained / `python -m pretrain.weights convert`"
         )
     return load_pretrained(source, image_size=image_size, **overrides)
-
-
-# --------------------------------------------------------------------------------------------- CLI
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.weights", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    convert = sub.add_parser("convert", help="official .npz → model.safetensors + model.json")
-    convert.add_argument("npz", type=Path)
-    convert.add_argument("out_dir", type=Path)
-    convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
-    info = sub.add_parser("info", help="print the architecture, size and compute of any weights vitscale reads")
-    info.add_argument("source", type=Path, help=".npz, checkpoint folder or save_pretrained folder")
-    info.add_argument("--image-size", type=int, default=None)
-    out = sub.add_parser("export", help="any weights vitscale reads → a transformers folder (hf) or the official .npz")
-    out.add_argument("source", type=Path, metavar="SOURCE", help="a checkpoint folder, a run folder (its newest "
-                     "COMPLETE checkpoint), a save_pretrained / convert / HF folder, or an official .npz")  # fmt: skip
-    out.add_argument("out", type=Path, metavar="OUT", help="hf: the folder to write config.json, model.safetensors "
-                     "and preprocessor_config.json into; npz: the file (a folder gets model.npz)")  # fmt: skip
-    out.add_argument("--format", choices=FORMATS, default="hf", help="hf: transformers ViTForImageClassification "
-                     "(ViTModel without a head); npz: the official big_vision / vision_transformer layout "
-                     "(default: hf)")  # fmt: skip
-    out.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
-    out.add_argument("--mlflow-run", metavar="ID", help="also log the HF folder as an MLflow model of this run, at "
-                     "the checkpoint's step, tagged with the run's eval means there (hf; SOURCE: a checkpoint or "
-                     "run folder)")  # fmt: skip
-    out.add_argument("--tracking-uri", help="MLflow store of --mlflow-run (default: MLFLOW_TRACKING_URI, else the "
-                     "project's mlflow.db)")  # fmt: skip
-    return parser
-
-
-def _export(args: argparse.Namespace) -> VisionTransformer:
-    """The export command: resolve SOURCE, load, write OUT, and log it to MLflow when asked."""
-    source = weights_source.resolve(args.source)
-    model = load_model(source, image_size=args.image_size)
-    written = export(model, args.out, args.format, labels=class_names(source, model.config.num_classes))
-    print(f"wrote {written}")
-    if args.mlflow_run:
-        uri = log_hf_model(written, args.mlflow_run, args.tracking_uri, step=checkpoint_step(source), source=source)
-        print(f"logged to MLflow run {args.mlflow_run} as {uri}")
-    return model
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.image_size is not None and args.image_size < 1:
-        parser.error(f"--image-size must be a positive number of pixels, got {args.image_size}")
-    if args.command == "convert" and args.out_dir.exists() and not args.out_dir.is_dir():
-        parser.error(f"OUT_DIR {args.out_dir} is a file; pass a folder to write model.safetensors and model.json into")
-    if args.command == "export" and args.format == "hf" and args.out.exists() and not args.out.is_dir():
-        parser.error(f"OUT {args.out} is a file; --format hf writes a folder (config.json + model.safetensors)")
-    if args.command == "export" and args.mlflow_run and args.format != "hf":
-        parser.error("--mlflow-run logs the HF folder: use it with --format hf")
-    try:
-        if args.command == "convert":
-            model = load_npz(args.npz, image_size=args.image_size)
-            save_pretrained(model, args.out_dir)
-            print(f"wrote {args.out_dir}")
-        elif args.command == "export":
-            model = _export(args)
-        else:
-            model = load_model(args.source, image_size=args.image_size)
-    # Bad input (a wrong, damaged or missing file; a folder without weights; a model the format cannot hold; an
-    # unwritable output; an MLflow run that is not there): the loaders and writers raise these with a message naming
-    # the file and the fix. Anything else is a bug and keeps its traceback.
-    except (ValueError, OSError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    summary = {"config": model.config.to_dict(), **describe(model.config)}
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

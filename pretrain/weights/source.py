@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain import checksums, run_folder
-from pretrain.run_folder import CHECKPOINTS, CONFIG_FILE, WEIGHTS_FILE
+from pretrain.checkpoint import checksums, run_folder
+from pretrain.checkpoint.run_folder import CHECKPOINTS, CONFIG_FILE, WEIGHTS_FILE
 
 HF_CONFIG = "config.json"  # transformers' config file, beside its model.safetensors
 FOLDER_FILES = (WEIGHTS_FILE, CONFIG_FILE, HF_CONFIG)  # a path to one of these stands for its folder

@@ -69,7 +69,7 @@ class Heartbeat:
         self._write("start", force=True)
 
     def for_run(self, last_step: int, every_steps: int) -> Heartbeat:
-        """The checkpoint cadence (`pretrain.checkpoint.Checkpointer`): a step after which a save comes is reported
+        """The checkpoint cadence (`pretrain.checkpointer.Checkpointer`): a step after which a save comes is reported
         as phase ``checkpoint`` before the save starts."""
         self.last_step, self.every_steps = last_step, every_steps
         return self

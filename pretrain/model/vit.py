@@ -8,7 +8,7 @@ Read top to bottom in paper order: attention → MLP → block → model. The mo
     y = LN(z_L^0)                                            (4)  encode (final LN) + pool
 
 It matches the official JAX implementation (google-research/vision_transformer, `models_vit.py`) so that its
-checkpoints reproduce their logits (see `pretrain.weights.load_npz`): pre-LN blocks with LayerNorm eps 1e-6,
+checkpoints reproduce their logits (see `pretrain.weights.formats.load_npz`): pre-LN blocks with LayerNorm eps 1e-6,
 biases on q/k/v/out, GELU with the tanh approximation (Flax's default), a learned class token and learned 1-D
 position embeddings that include the class slot, optional pre-logits Dense+tanh, and a zero-initialized head.
 Images are float (B, 3, H, W) scaled to [-1, 1].
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.resnet import ResNetStem, check_width_factor, stem_stride
+from pretrain.model.resnet import ResNetStem, check_width_factor, stem_stride
 
 LN_EPS = 1e-6  # Flax nn.LayerNorm default; torch's 1e-5 changes the logits of official checkpoints
 
@@ -286,7 +286,7 @@ class VisionTransformer(nn.Module):
     """ViT (and R+ViT hybrid) with the timm-like API: `forward_features`, `reset_classifier`, `no_weight_decay`,
     `set_grad_checkpointing`; plus `embed_patches` / `encode` for masked patch prediction and `forward_attention`
     for inspection. The input side must equal `config.image_size` (resize position embeddings at load time with
-    `pretrain.weights.load_pretrained(..., image_size=N)` to run at another resolution).
+    `pretrain.weights.formats.load_pretrained(..., image_size=N)` to run at another resolution).
     """
 
     def __init__(self, config: ViTConfig):
@@ -436,7 +436,7 @@ class VisionTransformer(nn.Module):
         if (H, W) != (size, size):
             raise ValueError(
                 f"image size {H}x{W} differs from the model's image_size {size}; resize the images to {size}x{size}, "
-                "or load the weights for the new size with pretrain.weights.load_pretrained(..., image_size=N) "
+                "or load the weights for the new size with pretrain.weights.formats.load_pretrained(..., image_size=N) "
                 "(which interpolates the position embeddings)"
             )
 

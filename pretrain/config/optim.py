@@ -6,7 +6,7 @@ The learning rate is computed here for each optimizer step and written into the 
 training loop, so DeepSpeed never owns a scheduler and resume needs only the step number.
 
 The recipe sections ``optim`` (`OptimConfig`) and ``schedule`` (`ScheduleConfig`) live here with their check
-(`check_config`); `pretrain.config.TrainConfig` composes them.
+(`check_config`); `pretrain.config.train_config.TrainConfig` composes them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from pretrain.typed_yaml import at_least, positive
+from pretrain.config.typed_yaml import at_least, positive
 
 Decay = Literal["linear", "cosine", "constant"]  # the schedules LRSchedule implements (schedule.decay)
 DECAYS: tuple[str, ...] = typing.get_args(Decay)

@@ -8,8 +8,8 @@ Two key layouts exist: the Hub layout of every published checkpoint and transfor
 (`vit.encoder.layer.N.attention.attention.query.weight`), and the one transformers ≥ 5 models hold
 (`vit.layers.N.attention.q_proj.weight`; `from_pretrained` renames Hub files on load). `to_hf_state_dict`
 writes the layout of the installed transformers by default; `from_hf_state_dict` reads both. A folder on disk
-(`pretrain.export.save_hf`) holds the Hub layout, which every transformers release loads, and a `config.json` written
-from `hf_config_dict` without importing transformers.
+(`pretrain.weights.export.save_hf`) holds the Hub layout, which every transformers release loads, and a `config.json`
+written from `hf_config_dict` without importing transformers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from pretrain.model import LN_EPS, VisionTransformer, ViTConfig
+from pretrain.model.vit import LN_EPS, VisionTransformer, ViTConfig
 
 _GELU_TO_HF = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 _GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}

@@ -6,8 +6,8 @@ resolution, which the model's config, FLOP counts and evals refer to). Step s tr
 whose step is ≤ s. An empty schedule trains at ``data.image_size`` throughout.
 
 At each change the trainer (`Trainer.maybe_switch_resolution`) calls :func:`switch_resolution`: the model is rebuilt
-at the new size with its position embeddings interpolated (``pretrain.weights.resize_pos_embed``, the official 2-D
-bilinear resize that fine-tuning at a higher resolution uses), and a new DeepSpeed engine takes over the old one's
+at the new size with its position embeddings interpolated (``pretrain.weights.formats.resize_pos_embed``, the official
+2-D bilinear resize that fine-tuning at a higher resolution uses), and a new DeepSpeed engine takes over the old one's
 fp32 weights *and* Adam state — the moments of the position embeddings resized like the embeddings themselves — so
 a change costs one engine rebuild, not the optimizer's memory of the run. The stream is rebuilt at the new size
 from the old one's position.
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pretrain.weights import resize_pos_embed
+from pretrain.weights.formats import resize_pos_embed
 
 __all__ = ["check_config", "check_schedule", "config_at", "resolution_at", "start_config", "switch_resolution"]
 
@@ -235,7 +235,7 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
 
 
 def start_config(config, start):
-    """The config in force when a run starts from ``start`` (a ``pretrain.checkpoint.StartPoint``).
+    """The config in force when a run starts from ``start`` (a ``pretrain.checkpointer.StartPoint``).
 
     A fresh run (or ``init_from`` weights) starts at the schedule's first size. A checkpoint of step k holds the
     parameters at the size its last step (k − 1) trained at, which its ``model.json`` records; the engine is built

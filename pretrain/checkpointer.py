@@ -1,4 +1,5 @@
-"""Checkpoints: save (atomically), resume, initialise from weights; the layout itself is `pretrain.run_folder`'s.
+"""Checkpoints: save (atomically), resume, initialise from weights; the layout itself is
+`pretrain.checkpoint.run_folder`'s.
 
 Each ``<run_dir>/checkpoints/step_XXXXXXXX/`` holds the engine state (``deepspeed/``, every rank's ZeRO partitions),
 the consolidated weights (``model.safetensors`` + ``model.json``: what evals and users load; fp32, in a bf16 run the
@@ -11,19 +12,16 @@ Resume order (`find_start`): the newest COMPLETE checkpoint in the run folder th
 > ``checkpoint.init_from`` (weights only) > scratch.
 
 Faults (docs/interfaces.md "Checkpoints"). Every save records each file's size and CRC-32 in ``checksums.json``
-(`pretrain.checksums`), and a resume checks them first: a damaged checkpoint (a file missing, cut short or changed) is
-skipped with one line naming the file, and the run resumes from the newest one that verifies. A save that fails on any
-rank (a full disk, any write error) removes its staging folder, leaves the earlier checkpoints as they were and
-raises `CheckpointSaveError` on every rank, with one message naming the path and the space needed
-(`pretrain.checkpoint_writes`); ``checkpoint.on_save_error: skip`` trains on instead and saves at the next cadence.
-
-    python -m pretrain.checkpoint verify DIR     # a run folder (each COMPLETE checkpoint) or one checkpoint; exit 2
-                                                 # on damage, or when DIR is neither
+(`pretrain.checkpoint.checksums`), and a resume checks them first: a damaged checkpoint (a file missing, cut short or
+changed) is skipped with one line naming the file, and the run resumes from the newest one that verifies. A save that
+fails on any rank (a full disk, any write error) removes its staging folder, leaves the earlier checkpoints as they were
+and raises `CheckpointSaveError` on every rank, with one message naming the path and the space needed
+(`pretrain.checkpoint.writes`); ``checkpoint.on_save_error: skip`` trains on instead and saves at the next cadence.
+`python -m pretrain.checkpoint verify DIR` checks them by hand (`pretrain.checkpoint.__main__`).
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import importlib
@@ -44,13 +42,13 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.order import merge_stream_states
-from pretrain import checksums, run_folder
-from pretrain.checkpoint_writes import CheckpointSaveError, SaveAttempt, failure_message
-from pretrain.config import TrainConfig
-from pretrain.ds_config import batch_plan
-from pretrain.model import VisionTransformer
-from pretrain.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
-from pretrain.weights import load_npz, load_pretrained, save_pretrained
+from pretrain.checkpoint import checksums, run_folder
+from pretrain.checkpoint.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message
+from pretrain.config.ds_config import batch_plan
+from pretrain.config.train_config import TrainConfig
+from pretrain.model.vit import VisionTransformer
+from pretrain.weights.formats import load_npz, load_pretrained, save_pretrained
 from tracking.tracker import Tracker, flatten_config
 
 
@@ -89,8 +87,9 @@ def find_start(config: TrainConfig) -> StartPoint:
 def newest_verified(run_dir: Path) -> Path | None:
     """Collective. The newest COMPLETE checkpoint of the run whose files are as its save wrote them (or that records
     no checksums: written before they were recorded), or None when the run has none. Rank 0's listing decides what
-    is checked; each rank reads its `pretrain.checksums.share` of every candidate's files. Each damaged newer one is
-    skipped with one line (rank 0) naming the file and what differs; ValueError when every checkpoint is damaged."""
+    is checked; each rank reads its `pretrain.checkpoint.checksums.share` of every candidate's files. Each damaged newer
+    one is skipped with one line (rank 0) naming the file and what differs; ValueError when every checkpoint is
+    damaged."""
     rank, world = _rank_and_world()
     candidates: list[Path] = _gather(run_folder.complete_checkpoints(run_dir))[0]
     damaged = []
@@ -339,7 +338,7 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
     weights and Adam moments by rank) is converted once, by rank 0, with DeepSpeed's ``ds_to_universal`` into
     ``<checkpoint>/universal/`` (staged in ``universal.tmp`` and renamed, reused by later resizes); every rank then
     loads its new partition from it. ZeRO-0 in fp32 keeps the whole optimizer in one file that loads at any world
-    size, so it needs no conversion. The global batch is kept: `pretrain.ds_config.batch_plan` recomputes the
+    size, so it needs no conversion. The global batch is kept: `pretrain.config.ds_config.batch_plan` recomputes the
     accumulation, and a world size that cannot keep it was refused by ``TrainConfig.validate`` before this runs.
     """
     if start.kind not in ("run", "resume_from"):
@@ -400,7 +399,7 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
     if universal is not None:
         # Two things ZeRO-3's universal load gets wrong (DeepSpeed 0.19.8), put right here: (1) every param group
         # gets the hyperparameters of group 0, so the parameters that are not decayed (biases, norms, embeddings:
-        # pretrain.optim) would be decayed; the groups' settings come from the config (the lr from the schedule
+        # pretrain.config.optim) would be decayed; the groups' settings come from the config (the lr from the schedule
         # at every step). (2) All groups' Adam ``step`` is one shared tensor, which torch's AdamW increments in
         # place once per group and step, so the second group's bias correction runs ahead (losses drifted 6e-4
         # from the uninterrupted run within three steps); each group gets its own copy.
@@ -483,7 +482,7 @@ def resume(
 ) -> TrainerState | None:
     """Restore engine + stream position from a full checkpoint; its trainer state (None when starting fresh).
 
-    At another world size the engine loads ``universal`` (`pretrain.checkpoint.prepare_resume`) and the stream takes
+    At another world size the engine loads ``universal`` (`pretrain.checkpointer.prepare_resume`) and the stream takes
     its streams' positions from the global one: the run continues the same sequence of global batches.
     """
     if start.kind not in ("run", "resume_from"):
@@ -509,8 +508,8 @@ CheckpointCallback = Callable[[Path, int, dict], None]
 class Checkpointer:
     """When the trainer saves, and who hears of it: every ``checkpoint.every_steps`` steps and at the run's last step,
     plus the step-0 weights of a fresh run whose checkpoints are evaluated (`wants_baseline`); ``checkpoint.keep_last``
-    prunes older ones as each save publishes (`pretrain.run_folder.prune_checkpoints`, sparing pinned ones); and
-    ``on_checkpoint(folder, step, metrics)`` runs on every rank after each COMPLETE checkpoint (the cluster driver
+    prunes older ones as each save publishes (`pretrain.checkpoint.run_folder.prune_checkpoints`, sparing pinned ones);
+    and ``on_checkpoint(folder, step, metrics)`` runs on every rank after each COMPLETE checkpoint (the cluster driver
     hands it to the evals). Before each save the ``tracker`` delivers what it holds (`Tracker.sync`): a checkpoint
     is published only once the metrics of its steps are in the run, so a worker lost after it, whose group resumes
     from it, loses no metric of a step that is not trained again. A save that fails (`CheckpointSaveError`) stops
@@ -570,23 +569,3 @@ class Checkpointer:
         self.saved.append(str(folder))
         if self.on_checkpoint is not None:
             self.on_checkpoint(folder, trainer.step, metrics)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pretrain.checkpoint verify DIR`` (`pretrain.checksums.verify_command`)."""
-    parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint", description="Check training checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="check each file of a checkpoint (or of every COMPLETE checkpoint of a run "
-                            "folder) against the size and CRC-32 its save recorded; one line per checkpoint, exit 2 "
-                            "on damage")  # fmt: skip
-    verify.add_argument("dir", type=Path, metavar="DIR", help="a run folder or one checkpoint folder")
-    args = parser.parse_args(argv)
-    try:
-        return checksums.verify_command(args.dir)
-    except ValueError as error:  # no run folder or checkpoint there, or one without COMPLETE
-        print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

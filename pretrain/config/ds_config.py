@@ -3,10 +3,11 @@ the batch size).
 
 The batch arithmetic lives here and only here: global batch = micro-batch × accumulation steps × world size.
 The process-group backend is resolved from the device (nccl on CUDA, gloo on CPU). The precision is decided by the
-trainer (`pretrain.precision`: "auto" and "probe" need the model and the hardware) and passed in.
+trainer (`pretrain.config.precision`: "auto" and "probe" need the model and the hardware) and passed in.
 
 The functions read only what they need of the training config, declared as protocols (`BatchSizes`,
-`EngineSettings`) that `pretrain.config`'s sections satisfy, so this module does not import `pretrain.config`.
+`EngineSettings`) that `pretrain.config.train_config`'s sections satisfy, so this module does not import
+`pretrain.config.train_config`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pretrain.optim import OptimConfig
-from pretrain.typed_yaml import positive
+from pretrain.config.optim import OptimConfig
+from pretrain.config.typed_yaml import positive
 
-Precision = Literal["auto", "probe", "fp32", "bf16"]  # deepspeed.precision; resolved by `pretrain.precision.decide`
+# deepspeed.precision; resolved by `pretrain.config.precision.decide`
+Precision = Literal["auto", "probe", "fp32", "bf16"]
 DistBackend = Literal["auto", "nccl", "gloo"]  # deepspeed.dist_backend; "auto" is resolved by `resolve_backend`
 
 
@@ -27,7 +29,7 @@ class DeepSpeedConfig:
 
     zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
     # auto: bf16 on CUDA; on a CPU by a fixed rule on its bf16 units and the model's GEMM shapes; probe: timed once per
-    # run and recorded in the run folder (pretrain.precision)
+    # run and recorded in the run folder (pretrain.config.precision)
     precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
     reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
     allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
@@ -37,7 +39,7 @@ class DeepSpeedConfig:
 
 
 class BatchSizes(Protocol):
-    """What the batch arithmetic reads of the ``data`` section (`pretrain.config.DataConfig`)."""
+    """What the batch arithmetic reads of the ``data`` section (`pretrain.config.train_config.DataConfig`)."""
 
     @property
     def global_batch_size(self) -> int: ...
@@ -50,7 +52,7 @@ class BatchSizes(Protocol):
 
 
 class EngineSettings(Protocol):
-    """What `engine_config` reads of a training config (`pretrain.config.TrainConfig`)."""
+    """What `engine_config` reads of a training config (`pretrain.config.train_config.TrainConfig`)."""
 
     @property
     def data(self) -> BatchSizes: ...
@@ -150,10 +152,10 @@ def deepspeed_config(
 ) -> dict[str, Any]:
     """The dict for `deepspeed.initialize(config=...)`. The optimizer and lr schedule are ours (not listed here).
 
-    ``precision``: the run's decided precision ("fp32" | "bf16", `pretrain.precision.decide`).
+    ``precision``: the run's decided precision ("fp32" | "bf16", `pretrain.config.precision.decide`).
     """
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision={precision!r}: pass the decided precision (pretrain.precision.decide)")
+        raise ValueError(f"precision={precision!r}: pass the decided precision (pretrain.config.precision.decide)")
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
         "overlap_comm": ds.overlap_comm,
@@ -166,7 +168,8 @@ def deepspeed_config(
         zero.update(
             stage3_prefetch_bucket_size=ds.allgather_bucket_size,
             stage3_param_persistence_threshold=10_000,
-            # model.safetensors is gathered by pretrain.checkpoint (GatheredParameters), not by engine.save_16bit_model.
+            # model.safetensors is gathered by pretrain.checkpointer (GatheredParameters), not by
+            # engine.save_16bit_model.
             stage3_gather_16bit_weights_on_model_save=False,
         )
     return {
@@ -190,7 +193,7 @@ def engine_config(
     config: EngineSettings, world_size: int, precision: str, load_universal: bool = False
 ) -> dict[str, Any]:
     """The engine's DeepSpeed JSON; ``load_universal`` when the engine will load a universal checkpoint (a resume at
-    another world size, `pretrain.checkpoint`)."""
+    another world size, `pretrain.checkpointer`)."""
     plan = batch_plan(config.data, world_size)
     ds = deepspeed_config(config.deepspeed, config.optim, plan, precision)
     if load_universal:

@@ -1,0 +1,1 @@
+"""The checkpoint format: the run folder's layout, checksums, a save's writes; `python -m pretrain.checkpoint`."""

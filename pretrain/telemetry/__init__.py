@@ -1,0 +1,1 @@
+"""What a rank reports: step metrics, the recorder, the attempt clock, heartbeats, the MFU peak."""
