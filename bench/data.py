@@ -5,12 +5,12 @@ reading speed.
 
 Generates its own ImageNet-like JPEGs in a temp folder (quality 90, textured so they compress like photos; short
 side log-normal around 375 px with a long tail clipped at the writer's 512, aspect ratios 1:1 to 3:2 either way, as
-ImageNet's are after ``data_pipeline.write``), so it needs no data and no network. The decoders run in this one
+ImageNet's are after ``data_pipeline.write.writer``), so it needs no data and no network. The decoders run in this one
 process on the same images, rounds interleaved, best round kept. Rates are images per CPU second of this process
 (``time.process_time``), i.e. per core, so other jobs sharing the machine distort them less:
 
 - ``pil``: ``Image.open -> convert("RGB") -> resize((S, S), BILINEAR) -> numpy`` — the plain way;
-- ``pipeline``: ``data_pipeline.augment.decode_train`` (Inception crop, flip; JPEG scaled decode where the crop
+- ``pipeline``: ``data_pipeline.stream.augment.decode_train`` (Inception crop, flip; JPEG scaled decode where the crop
   allows it; only the rows the crop reads decoded; the crop resized by PyTorch's vectorised uint8 bilinear kernel,
   one thread, as in a loader worker) + what the loader does next (the worker's copy into channels-first uint8
   rows and its conversion into its rows of the step's [-1, 1] float buffer); ``ratio`` =
@@ -59,13 +59,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
-from data_pipeline.shards import read_shard
-from data_pipeline.step_pool import StepPool, conversion_rows
-from data_pipeline.stream import StreamSpec, TrainStream
-from data_pipeline.write import WriteConfig, write_dataset
+from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
+from data_pipeline.stream.shards import read_shard
+from data_pipeline.stream.step_pool import StepPool, conversion_rows
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def imagenet_like_jpegs(count: int, seed: int = 0, max_short: int = 512) -> list[bytes]:

@@ -7,7 +7,8 @@ Parts, in this order, each with its share of ``--budget-s`` (a part past its sha
 so; a part that fails records ``error_<part>`` and the campaign goes on; the JSON is rewritten after every part, so
 a campaign killed by a timeout keeps what it measured):
 
-- ``data``: a formula-driven set (``rcdb``, 256 classes x 16 images at 224 px: `data_pipeline.builtin`) generated on
+- ``data``: a formula-driven set (``rcdb``, 256 classes x 16 images at 224 px: `data_pipeline.builtin.sets`) generated
+on
   this machine's CPUs, for the real path;
 - ``step`` (`bench.gpu_step`): ViT-B/16, L/16 and H/14 steps at the largest micro-batch that fits, eager, with
   activation checkpointing and compiled, against Hugging Face's ViT as it runs by default and compiled: images/s,
@@ -50,7 +51,7 @@ import torch
 
 from bench import gpu_loader, gpu_plan, gpu_step
 from bench.gpu_train import TrainSpec
-from data_pipeline.builtin import ensure
+from data_pipeline.builtin.sets import ensure
 from data_pipeline.cli import output_file
 from data_pipeline.paths import PROJECT_ROOT
 from pretrain.telemetry.peak import device_peak

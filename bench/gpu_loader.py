@@ -4,7 +4,7 @@ Images per CPU second of one process (``time.process_time``, one torch thread: p
 `TrainStream` without workers (decode, Inception crop, flip, the float conversion), one epoch, on two sets:
 
 - ``loader_img_s_per_core``: ImageNet-like JPEGs (``bench.data.imagenet_like_jpegs``: ~110 KiB, short side ~375 px,
-  as ImageNet-21k's are after ``data_pipeline.write``), the rate a real run's loader works at;
+  as ImageNet-21k's are after ``data_pipeline.write.writer``), the rate a real run's loader works at;
 - ``loader_formula_img_s_per_core``: the formula-driven set the real-path part trains on (224 px JPEGs of ~11 KB,
   several times cheaper to decode), which says how much of the real path's data wait that set hides.
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from bench.data import imagenet_like_jpegs, stream_rate
-from data_pipeline.augment import AugmentConfig
-from data_pipeline.stream import StreamSpec, TrainStream
-from data_pipeline.write import WriteConfig, write_dataset
+from data_pipeline.stream.augment import AugmentConfig
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def wall_rate(shards: Path, size: int, workers: int, batch: int) -> float:

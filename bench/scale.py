@@ -9,12 +9,12 @@
    workers): seconds and peak RSS. The time to the first batch uses a 4,700-row manifest whose rows point at a few
    real shards.
 2. Dedup (``bench.scale_dedup``): 1M synthetic training hashes with planted near copies of 100k evaluation hashes,
-   looked up in the writer's multi-index hash (``data_pipeline.dedup``); recall and precision against brute force
+   looked up in the writer's multi-index hash (``data_pipeline.write.dedup``); recall and precision against brute force
    on a sample; per-core rate projected to 14.2M queries on 16 cores.
 3. Writer (``bench.scale_writer``): ``python -m data_pipeline.write`` on per-class tars of generated JPEGs (small,
    ~400x350, and re-encoded 800x600), images per CPU second; one run killed half-way and re-run must give
    byte-identical output; projected to i21k on a 96-core node.
-4. Generation (here): ``data_pipeline.formula.measure_generation`` per formula kind at 224 px, projected to
+4. Generation (here): ``data_pipeline.builtin.formula.measure_generation`` per formula kind at 224 px, projected to
    21,843 x 1,000.
 
 CPU rates are per CPU second of the measured process (``time.process_time`` / ``RUSAGE_CHILDREN``), so other jobs
@@ -42,7 +42,7 @@ from bench.scale_tables import (
     measure_tables,
 )
 from bench.scale_writer import measure_writer
-from data_pipeline import formula
+from data_pipeline.builtin import formula
 from data_pipeline.cli import output_file
 
 

@@ -1,9 +1,10 @@
 """Near duplicates at ImageNet-21k scale (part 2 of ``bench.scale``).
 
 Synthetic training hashes with planted near copies of evaluation hashes (and exact sha256 copies) are looked up in
-the writer's multi-index hash (``data_pipeline.dedup``, through ``ExclusionSet.matches_many`` as ``--exclude-like``
-does); recall and precision against brute force on a sample; the per-core rate projected to i21k's 14.2M queries on
-16 cores; the writer's in-set self-join; and the pHash's own robustness to re-encoding, which no index can improve.
+the writer's multi-index hash (``data_pipeline.write.dedup``, through ``ExclusionSet.matches_many`` as
+``--exclude-like`` does); recall and precision against brute force on a sample; the per-core rate projected to i21k's
+14.2M queries on 16 cores; the writer's in-set self-join; and the pHash's own robustness to re-encoding, which no index
+can improve.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from bench.scale_tables import I21K_SAMPLES, hex_digests
-from data_pipeline.dedup import ExclusionSet, NearDuplicateIndex, near_duplicates_of_earlier, perceptual_hash
+from data_pipeline.write.dedup import ExclusionSet, NearDuplicateIndex, near_duplicates_of_earlier, perceptual_hash
 
 
 def _plant_near_copies(

@@ -21,7 +21,7 @@ import pyarrow as pa
 from bench.data import read_speed
 from data_pipeline import manifest
 from data_pipeline.manifest import SamplesWriter, iter_samples, read_dataset_info, write_metadata
-from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
 
 # ImageNet-21k (fall 2011), what every projection of bench.scale scales to
 I21K_SAMPLES = 14_197_122

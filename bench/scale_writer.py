@@ -22,9 +22,9 @@ import numpy as np
 from PIL import Image
 
 from bench.scale_tables import I21K_CLASSES, I21K_MEAN_JPEG_KB, I21K_SAMPLES
-from data_pipeline.dedup import ExclusionSet
-from data_pipeline.readers import ItemRef, open_source
-from data_pipeline.write import Candidate, WriteConfig, WriteReport, dedup_candidates, write_dataset
+from data_pipeline.write.dedup import ExclusionSet
+from data_pipeline.write.readers import ItemRef, open_source
+from data_pipeline.write.writer import Candidate, WriteConfig, WriteReport, dedup_candidates, write_dataset
 
 SAMPLES_PER_SHARD = 40
 

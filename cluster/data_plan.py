@@ -2,7 +2,7 @@
 
 A step of the compute plan takes ``c`` seconds (`cluster.plan.ComputePlan.step_time_s`, from the peak and the
 assumed MFU) and each rank consumes ``n = G / R`` images per step. The loader makes ``r`` images/s per core
-(`data_pipeline.loader_rate`: measured on this machine for the local profile, declared by a remote profile's
+(`data_pipeline.stream.loader_rate`: measured on this machine for the local profile, declared by a remote profile's
 ``hardware.loader_img_s_per_core``), so loading a step's images costs ``d = n / r`` core-seconds per rank. A rank
 has ``k`` cores (the node's, shared by its ranks) and computes with ``t`` of them (a CPU rank's torch threads,
 ``workers.cpus_per_worker``; a GPU rank's host work is taken as one core). With ``W`` loader workers:
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 from cluster.memory import GB
 from cluster.profiles import ClusterProfile
-from data_pipeline import builtin
-from data_pipeline.loader_rate import LoaderRate, cache_bytes, loader_rate
+from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location
-from data_pipeline.step_pool import decoded_bytes
+from data_pipeline.stream.loader_rate import LoaderRate, cache_bytes, loader_rate
+from data_pipeline.stream.step_pool import decoded_bytes
 from pretrain.config.ds_config import BatchPlan
 from pretrain.config.train_config import TrainConfig
 
@@ -152,7 +152,7 @@ def loader_host_bytes(
 ) -> tuple[float, str]:
     """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
     (encoded samples; a buffer never holds more than its stream's samples), its decoded images
-    (``data_pipeline.step_pool.decoded_bytes``: its pool of float step buffers, each worker's uint8 planes of an
+    (``data_pipeline.stream.step_pool.decoded_bytes``: its pool of float step buffers, each worker's uint8 planes of an
     image) and its decoded cache of the whole set, where the set fits in ``data.cache_mb``."""
     d = config.data
     streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
@@ -168,7 +168,7 @@ def loader_host_bytes(
 
 
 def _cache_bytes(config: TrainConfig, image_size: int) -> int:
-    """A rank's decoded cache (`data_pipeline.loader_rate.cache_bytes`); 0 where the set is not readable here."""
+    """A rank's decoded cache (`data_pipeline.stream.loader_rate.cache_bytes`); 0 where the set is not readable here."""
     try:
         info = dataset_info(resolve_location(config.data.train))
     except Exception:  # absent, remote, damaged: the manifest line of the plan says why

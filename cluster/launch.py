@@ -27,7 +27,7 @@ from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
 from cluster.plan import PlanError, build_plan, resolve_config, runtime_pip
 from cluster.plan_text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
-from data_pipeline import builtin
+from data_pipeline.builtin import sets as builtin
 from data_pipeline.paths import PROJECT_ROOT, resolve_path
 from evals.suites import SuiteConfig, load_suite
 from evals.vtab import BENCHMARKS
@@ -89,7 +89,7 @@ def builtin_datasets(config, suite: SuiteConfig | None) -> list[str]:
 def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:
     """Each built-in folder the run reads (`builtin_requirements`) → whether it is there complete, generating
     nothing. ValueError naming the folder, the differing settings and the fix when one was generated with other
-    settings than the run wants (`data_pipeline.builtin.check_folder`), as generating it would be refused, or when
+    settings than the run wants (`data_pipeline.builtin.sets.check_folder`), as generating it would be refused, or when
     the training set and the eval suite want one folder at different settings."""
     needs = builtin_requirements(config, suite)
     wanted: dict[Path, dict] = {}

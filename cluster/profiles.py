@@ -32,9 +32,10 @@ class HardwareSpec:
     peak_tflops: float | None = None
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
     # Images/s one CPU core of a node decodes and augments for the loader, declared for the plan's data-wait prediction
-    # (cluster.data_plan) on remote hardware; a local profile measures this machine instead (data_pipeline.loader_rate).
-    # Default: ImageNet-sized JPEGs at 224 px, Inception crop + flip, as `make bench-data` measures the loader's path
-    # (pipeline_img_s_per_core ~760 on a 2026 x86 core: docs/benchmarks/2026-11-26-data-loader.md), rounded down.
+    # (cluster.data_plan) on remote hardware; a local profile measures this machine instead
+    # (data_pipeline.stream.loader_rate). Default: ImageNet-sized JPEGs at 224 px, Inception crop + flip, as `make
+    # bench-data` measures the loader's path (pipeline_img_s_per_core ~760 on a 2026 x86 core:
+    # docs/benchmarks/2026-11-26-data-loader.md), rounded down.
     loader_img_s_per_core: float = 700.0
 
 

@@ -50,7 +50,8 @@ from tracking.tracker import Tracker
 
 STACKS_DIR = "stacks"  # under the run folder: one file per rank, appended at each dump
 EVENTS_FILE = "watchdog.jsonl"
-# The stream counters logged as data/<name> (data_pipeline.shards, data_pipeline.stream): what went wrong reading.
+# The stream counters logged as data/<name> (data_pipeline.stream.shards, data_pipeline.stream.train_stream): what went
+# wrong reading.
 DATA_COUNTERS = (
     "read_retries", "read_failures", "read_errors", "missing_shards", "truncated_shards", "missing_samples",
     "corrupt_samples", "incomplete_samples", "bad_labels", "label_out_of_range", "unsafe_members",

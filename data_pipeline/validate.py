@@ -35,7 +35,7 @@ from data_pipeline.manifest import (
     read_dataset_info,
     rewrite_reader_indexes,
 )
-from data_pipeline.shards import read_shard
+from data_pipeline.stream.shards import read_shard
 
 
 @dataclass

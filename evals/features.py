@@ -1,8 +1,8 @@
 """Reading an eval split once: whole-split images or frozen pre-logits features, batched through ``EvalStream``.
 
 Preprocessing is the few-shot/fine-tune protocol's: square resize to ``resize_size`` then centre crop to
-``image_size``, pixels scaled to [-1, 1] (``data_pipeline.eval_stream.EvalStream``). ``resize_size=None`` means no crop
-(resize straight to ``image_size``), the default for the small built-in sets whose content touches the border.
+``image_size``, pixels scaled to [-1, 1] (``data_pipeline.stream.eval_stream.EvalStream``). ``resize_size=None`` means
+no crop (resize straight to ``image_size``), the default for the small built-in sets whose content touches the border.
 
 Labels are checked against the split's declared ``num_classes`` (``dataset.json``): a label outside
 ``0..num_classes-1`` is a broken dataset and raises ``ValueError`` rather than silently widening the targets.
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_pipeline import builtin
-from data_pipeline.eval_stream import EvalStream
+from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_info
+from data_pipeline.stream.eval_stream import EvalStream
 
 
 @dataclass(frozen=True)

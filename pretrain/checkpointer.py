@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.order import merge_stream_states
+from data_pipeline.stream.order import merge_stream_states
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message

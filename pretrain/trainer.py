@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from data_pipeline.builtin import ensure
+from data_pipeline.builtin.sets import ensure
 from data_pipeline.manifest import is_shard_folder, read_dataset_info
-from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
 from pretrain import checkpointer as ckpt
 from pretrain.checkpoint.run_folder import TrainerState
 from pretrain.config import progressive

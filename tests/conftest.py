@@ -168,7 +168,7 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
     """A tiny fractal set at 32 px: 4 classes x 16 images in 4 shards (2 ranks need >= 2 shards), generated once per
     pytest run (`ensure` locks the folder: concurrent workers wait, then find it complete), at one path for every
     worker, so runs shared between workers (``shared_folder``) name the shards their readers name."""
-    from data_pipeline.builtin import ensure
+    from data_pipeline.builtin.sets import ensure
 
     root = _run_root(tmp_path_factory) / "data"
     ensure("fractal", root, resolution=32, num_classes=4, images_per_class=16, val_per_class=1, samples_per_shard=16)
@@ -179,7 +179,7 @@ def tiny_fractal_shards(tmp_path_factory) -> Path:
 def eval_data_root(tmp_path_factory) -> Path:
     """A data root holding the built-in digits and dsprites_loc at their default sizes, generated once per pytest run
     like ``tiny_fractal_shards`` (about 7 s each time it is built), for tests that read them and never write there."""
-    from data_pipeline.builtin import ensure
+    from data_pipeline.builtin.sets import ensure
 
     root = _run_root(tmp_path_factory) / "eval_data"
     for name in ("digits", "dsprites_loc"):
@@ -192,7 +192,7 @@ def local_demo_data(tmp_path_factory) -> Path:
     """A shard root holding local_demo's training set (rcdb, 64 classes x 60 images at 32 px, as the recipe builds
     it), generated once per pytest run like ``tiny_fractal_shards``: what `make launch` writes under the project's
     data/, never written there."""
-    from data_pipeline.builtin import ensure
+    from data_pipeline.builtin.sets import ensure
     from pretrain.config.train_config import load_config
 
     root = _run_root(tmp_path_factory) / "local_demo_data"

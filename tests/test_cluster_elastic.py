@@ -2,7 +2,7 @@
 checkpoint, the job goes on at world size 1, the node comes back, Ray Train grows the group to world size 2, and the
 job succeeds — in one MLflow run, with evals at every checkpoint step and no sample seen twice in an epoch.
 Real Ray (cluster_utils, Train V2 elastic scaling), real DeepSpeed ZeRO-2 (gloo, CPU), real MLflow (SQLite), real
-shards from data_pipeline.builtin.
+shards from data_pipeline.builtin.sets.
 """
 
 from __future__ import annotations

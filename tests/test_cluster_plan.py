@@ -189,7 +189,7 @@ def test_a_stale_builtin_folder_stops_the_dry_run_with_one_line(tmp_path, local_
     import re
     import subprocess
 
-    from data_pipeline import builtin
+    from data_pipeline.builtin import sets as builtin
 
     data = tmp_path / "data"
     builtin.ensure("rcdb", data, num_classes=4, images_per_class=4, val_per_class=1, samples_per_shard=4)
@@ -587,7 +587,7 @@ def test_the_data_wait_model_by_hand():
 
 def test_the_prediction_says_input_bound_and_the_workers_needed():
     from cluster.data_plan import INPUT_BOUND_WAIT, data_wait_line, predict
-    from data_pipeline.loader_rate import LoaderRate
+    from data_pipeline.stream.loader_rate import LoaderRate
 
     rate = LoaderRate(1000.0, "declared: a test")
     fast = predict(0.1, 32, rate, workers=0, max_workers=8, cores=12, threads=1)  # 0.032 s of loading a step

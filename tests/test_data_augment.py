@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from data_pipeline.augment import (
+from data_pipeline.stream.augment import (
     RANDAUGMENT_OPS,
     AugmentConfig,
     channels_first,
@@ -243,7 +243,7 @@ def photo_jpeg(width, height, seed, **save) -> bytes:
     ],
 )
 def test_decoding_only_the_rows_the_crop_reads_through_simplejpeg_is_bit_identical_to_pil(monkeypatch, save):
-    import data_pipeline.augment as augment
+    import data_pipeline.stream.augment as augment
 
     sizes = [(517, 389), (390, 700), (260, 900)]  # landscape, portrait, and tall enough for Pillow's vertical-first
     cases = [(photo_jpeg(w, h, seed, **dict(save)), seed) for seed, (w, h) in enumerate(sizes)]
@@ -292,7 +292,7 @@ def test_pixel_box_rounds_inside_the_image_and_keeps_a_pixel():
 
 
 def test_decoded_rows_stops_the_decoder_below_the_crop_and_leaves_other_images_alone():
-    from data_pipeline.augment import decoded_rows, jpeg_height_offset
+    from data_pipeline.stream.augment import decoded_rows, jpeg_height_offset
 
     data = photo_jpeg(400, 600, 0, quality=90)
     assert int.from_bytes(data[jpeg_height_offset(data) :][:2], "big") == 600
@@ -313,7 +313,7 @@ def test_decoded_rows_stops_the_decoder_below_the_crop_and_leaves_other_images_a
 
 
 def test_a_truncated_jpeg_is_an_error_even_where_the_decoder_stops_early_and_trailing_bytes_are_not():
-    from data_pipeline.augment import jpeg_truncated
+    from data_pipeline.stream.augment import jpeg_truncated
 
     data = photo_jpeg(400, 300, 0, quality=90)
     progressive = io.BytesIO()

@@ -10,10 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-from data_pipeline import builtin
-from data_pipeline.eval_stream import EvalStream
+from data_pipeline.builtin import __main__ as builtin_cli
+from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import read_dataset_info
-from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.stream.eval_stream import EvalStream
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
 from data_pipeline.validate import validate
 
 SMALL = dict(num_classes=4, images_per_class=12, val_per_class=3, resolution=32, samples_per_shard=16)
@@ -99,11 +100,11 @@ def test_concurrent_ensure_generates_once(tmp_path):
 
 
 def test_cli_writes_the_documented_layout(tmp_path, capsys):
-    rc = builtin.main(["digits", "--out", str(tmp_path), "--set", "resolution=16"])
+    rc = builtin_cli.main(["digits", "--out", str(tmp_path), "--set", "resolution=16"])
     assert rc == 0 and "digits" in capsys.readouterr().out
     meta = json.loads((tmp_path / "digits" / "train" / "dataset.json").read_text())
     assert {"name", "split", "num_classes", "num_samples"} <= set(meta) and meta["split"] == "train"
-    assert builtin.main(["nope", "--out", str(tmp_path)]) == 2
+    assert builtin_cli.main(["nope", "--out", str(tmp_path)]) == 2
     spec = StreamSpec(tmp_path / "digits" / "train", micro_batch_size=8, image_size=16, num_workers=2)
     stream = TrainStream(spec, world_size=2, rank=1)
     x, y = next(iter(stream))
@@ -145,7 +146,7 @@ def test_check_folder_generates_nothing_and_names_the_settings_and_the_fix(tmp_p
     with pytest.raises(ValueError, match=message):  # at the set's defaults
         builtin.check_folder("shapes_count", tmp_path)
     # `all` checks every folder before it generates any: a stale one stops it with that line, nothing written
-    assert builtin.main(["all", "--out", str(tmp_path)]) == 2
+    assert builtin_cli.main(["all", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes_count"]

@@ -1,4 +1,4 @@
-"""The decoded cache (``data.cache_mb``, data_pipeline/decoded_cache.py) changes no batch and no loss.
+"""The decoded cache (``data.cache_mb``, data_pipeline/stream/decoded_cache.py) changes no batch and no loss.
 
 - an image decoded whole and then cropped is bit-identical to the loader's per-crop decode, for RGB, grayscale, CMYK,
   progressive and PNG images, tall ones, crops that decode at a reduced DCT scale, with and without RandAugment;
@@ -23,11 +23,11 @@ import pytest
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, decode_train_image, decode_whole, decoded_train_image, rgb_array
-from data_pipeline.decoded_cache import DecodedCache, planned_bytes
 from data_pipeline.manifest import int64_column, iter_samples, read_dataset_info
-from data_pipeline.stream import StreamSpec, TrainStream
-from data_pipeline.write import WriteConfig, write_dataset
+from data_pipeline.stream.augment import AugmentConfig, decode_train_image, decode_whole, decoded_train_image, rgb_array
+from data_pipeline.stream.decoded_cache import DecodedCache, planned_bytes
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def _photo(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:
@@ -155,7 +155,7 @@ def test_int64_column_reads_arrow_buffers_like_to_numpy_without_importing_pandas
         int64_column(next(iter_samples(tmp_path / "nulls.parquet", columns=["width"])), "width")
     # pyarrow's to_numpy imports pandas (0.2 s in every rank that plans its decoded cache); planning must not
     code = (
-        "import sys; from data_pipeline.decoded_cache import planned_bytes;"
+        "import sys; from data_pipeline.stream.decoded_cache import planned_bytes;"
         "from data_pipeline.manifest import read_dataset_info;"
         f"assert planned_bytes(read_dataset_info({str(shards)!r}), 16) > 0;"
         "print('pandas' in sys.modules)"

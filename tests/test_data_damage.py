@@ -10,11 +10,12 @@ import pytest
 from test_data_stream import UNEVEN, jpeg_bytes, make_shards
 
 from data_pipeline import validate as validate_cli
-from data_pipeline import write as write_cli
-from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import MANIFEST_FILE, ShardFormatError, read_dataset_info
-from data_pipeline.readers import open_source
-from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.stream.eval_stream import EvalStream
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.write import __main__ as write_cli
+from data_pipeline.write import writer
+from data_pipeline.write.readers import open_source
 
 CORRUPT_KEY = "000010"
 
@@ -103,7 +104,7 @@ def test_writer_skips_unsafe_members_of_a_source_tar(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    report = write_cli.write_dataset(tmp_path / "out", write_cli.WriteConfig(processes=1), source=open_source(src))
+    report = writer.write_dataset(tmp_path / "out", writer.WriteConfig(processes=1), source=open_source(src))
     assert report.written == 1 and report.skipped == {"unsafe_member": 1}
     assert not (tmp_path / "evil.JPEG").exists()
 

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_pipeline import builtin, formula
-from data_pipeline.eval_stream import EvalStream
+from data_pipeline.builtin import __main__ as builtin_cli
+from data_pipeline.builtin import formula
+from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import read_dataset_info
+from data_pipeline.stream.eval_stream import EvalStream
 from data_pipeline.validate import validate
 
 TINY = dict(num_classes=6, images_per_class=4, val_per_class=2, resolution=32, samples_per_shard=8)
@@ -144,7 +146,7 @@ def test_background_ramp_is_a_setting_of_the_folder(tmp_path):
 @pytest.mark.parametrize("kind", ["rcdb", "fractal"])
 def test_impossible_sizes_fail_before_writing(tmp_path, capsys, kind, argv, message):
     out = tmp_path / "out"
-    assert builtin.main([kind, "--out", str(out), *argv]) == 2
+    assert builtin_cli.main([kind, "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("data_pipeline.builtin: error:") and message in err[0]
     assert not out.exists()  # nothing written, not even the folder

@@ -14,13 +14,13 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig, channels_first, to_float_images
-from data_pipeline.dedup import sha256_hex
-from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import SHARD_PATTERN, write_metadata
-from data_pipeline.order import balanced_split, merge_stream_states
-from data_pipeline.step_pool import StepPool, check_shared_memory, conversion_rows
-from data_pipeline.stream import StreamSpec, TrainStream
+from data_pipeline.stream.augment import AugmentConfig, channels_first, to_float_images
+from data_pipeline.stream.eval_stream import EvalStream
+from data_pipeline.stream.order import balanced_split, merge_stream_states
+from data_pipeline.stream.step_pool import StepPool, check_shared_memory, conversion_rows
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.write.dedup import sha256_hex
 from pretrain.config.train_config import load_config
 
 UNEVEN = [3, 17, 5, 40, 9, 1, 22, 11, 7, 13]  # 128 samples in 10 shards of very different sizes

@@ -2,7 +2,7 @@
 splits and derived labels, and the errors of `python -m data_pipeline.write --source tfds:DIR`.
 
 Every TFDS folder here is written by the test itself in TFDS's layout (dataset_info.json, features.json,
-``<name>-<split>.tfrecord-NNNNN-of-MMMMM``), its records encoded with data_pipeline.tfrecord's own encoder."""
+``<name>-<split>.tfrecord-NNNNN-of-MMMMM``), its records encoded with data_pipeline.write.tfrecord's own encoder."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from data_pipeline import write as write_cli
-from data_pipeline.tfds import resolve_split
-from data_pipeline.tfrecord import (
+from data_pipeline.validate import validate
+from data_pipeline.write import __main__ as write_cli
+from data_pipeline.write.tfds import resolve_split
+from data_pipeline.write.tfrecord import (
     _crc_loop,
     crc32c,
     decode_example,
@@ -30,8 +31,7 @@ from data_pipeline.tfrecord import (
     scan_records,
     write_records,
 )
-from data_pipeline.validate import validate
-from data_pipeline.vtab_tfds import LABEL_FUNCTIONS, TASKS, split_expression
+from data_pipeline.write.vtab_tfds import LABEL_FUNCTIONS, TASKS, split_expression
 from evals.vtab import VTAB1K_TASKS
 
 IMAGE = {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",

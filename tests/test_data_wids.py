@@ -20,7 +20,7 @@ from PIL import Image
 from data_pipeline import manifest
 from data_pipeline import validate as validate_cli
 from data_pipeline.manifest import TIMM_INFO_FILE, WIDS_INDEX_FILE, read_dataset_info
-from data_pipeline.write import WriteConfig, write_dataset
+from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def jpeg(seed: int) -> bytes:

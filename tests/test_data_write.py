@@ -16,12 +16,13 @@ import pytest
 from PIL import Image
 
 from data_pipeline import manifest
-from data_pipeline import write as write_cli
-from data_pipeline.dedup import sha256_hex
-from data_pipeline.eval_stream import EvalStream
 from data_pipeline.manifest import read_dataset_info
-from data_pipeline.readers import open_source
+from data_pipeline.stream.eval_stream import EvalStream
 from data_pipeline.validate import validate
+from data_pipeline.write import __main__ as write_cli
+from data_pipeline.write import writer
+from data_pipeline.write.dedup import load_exclusion, sha256_hex
+from data_pipeline.write.readers import open_source
 
 
 def smooth_image(seed: int, size=(40, 30)) -> Image.Image:
@@ -65,8 +66,8 @@ def read_members(shard):
 
 
 def test_write_folder_source_counts_dedup_and_format(folder_source, tmp_path):
-    config = write_cli.WriteConfig(name="toy", samples_per_shard=5, max_short_side=32, processes=1, seed=1)
-    report = write_cli.write_dataset(tmp_path / "out", config, source=open_source(folder_source))
+    config = writer.WriteConfig(name="toy", samples_per_shard=5, max_short_side=32, processes=1, seed=1)
+    report = writer.write_dataset(tmp_path / "out", config, source=open_source(folder_source))
     assert report.scanned == 18 + 7
     assert report.skipped == {"corrupt": 1, "not_image": 2, "too_small": 1}
     assert report.exact_duplicates == 1 and report.near_duplicates == 1
@@ -97,10 +98,10 @@ def test_write_folder_source_counts_dedup_and_format(folder_source, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_rerun_after_interruption_is_byte_identical(folder_source, tmp_path, monkeypatch):
-    config = write_cli.WriteConfig(samples_per_shard=4, max_short_side=32, seed=3, processes=2)
-    write_cli.write_dataset(tmp_path / "clean", config, source=open_source(folder_source))
+    config = writer.WriteConfig(samples_per_shard=4, max_short_side=32, seed=3, processes=2)
+    writer.write_dataset(tmp_path / "clean", config, source=open_source(folder_source))
 
-    original = write_cli._write_shard
+    original = writer._write_shard
     calls = []
 
     def crash_on_third(job):
@@ -110,14 +111,14 @@ def test_rerun_after_interruption_is_byte_identical(folder_source, tmp_path, mon
             raise KeyboardInterrupt("simulated kill")
         return original(job)
 
-    single = write_cli.WriteConfig(samples_per_shard=4, max_short_side=32, seed=3, processes=1)
-    monkeypatch.setattr(write_cli, "_write_shard", crash_on_third)
+    single = writer.WriteConfig(samples_per_shard=4, max_short_side=32, seed=3, processes=1)
+    monkeypatch.setattr(writer, "_write_shard", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
-        write_cli.write_dataset(tmp_path / "resumed", single, source=open_source(folder_source))
+        writer.write_dataset(tmp_path / "resumed", single, source=open_source(folder_source))
     assert not (tmp_path / "resumed" / "manifest.parquet").exists()
     assert (tmp_path / "resumed" / "shard-000001.tar").exists()
-    monkeypatch.setattr(write_cli, "_write_shard", original)
-    write_cli.write_dataset(tmp_path / "resumed", single, source=open_source(folder_source))
+    monkeypatch.setattr(writer, "_write_shard", original)
+    writer.write_dataset(tmp_path / "resumed", single, source=open_source(folder_source))
 
     clean = sorted(p.name for p in (tmp_path / "clean").iterdir())
     resumed = sorted(p.name for p in (tmp_path / "resumed").iterdir())
@@ -134,15 +135,15 @@ def test_exclude_like_drops_images_of_an_eval_set(folder_source, tmp_path):
     eval_dir.mkdir()
     (eval_dir / "a.jpg").write_bytes((folder_source / "class1" / "img4.jpg").read_bytes())  # exact copy
     (eval_dir / "b.jpg").write_bytes(encoded(smooth_image(22), quality=50))  # re-encoded copy of class2/img2
-    exclude = write_cli.load_exclusion(eval_dir)
-    config = write_cli.WriteConfig(samples_per_shard=50, max_short_side=32, processes=1)
-    report = write_cli.write_dataset(tmp_path / "out", config, source=open_source(folder_source), exclude=exclude)
+    exclude = load_exclusion(eval_dir)
+    config = writer.WriteConfig(samples_per_shard=50, max_short_side=32, processes=1)
+    report = writer.write_dataset(tmp_path / "out", config, source=open_source(folder_source), exclude=exclude)
     assert report.excluded == 2
     sources = set(pq.read_table(tmp_path / "out" / "samples.parquet").column("source").to_pylist())
     assert "class1/img4.jpg" not in sources and "class2/img2.jpg" not in sources and "class2/img3.jpg" in sources
     # an eval shard folder works as the exclusion source too
-    report2 = write_cli.write_dataset(
-        tmp_path / "out2", config, source=open_source(folder_source), exclude=write_cli.load_exclusion(tmp_path / "out")
+    report2 = writer.write_dataset(
+        tmp_path / "out2", config, source=open_source(folder_source), exclude=load_exclusion(tmp_path / "out")
     )
     # everything written before is excluded (its duplicate too); only the two images excluded before remain
     assert report2.excluded == report.written + report.exact_duplicates and report2.written == 2
@@ -204,18 +205,17 @@ def test_imagenet21k_tars_and_parquet_sources_through_the_cli(tmp_path, capsys):
 
 def test_write_config_rejects_bad_values(tmp_path):
     with pytest.raises(ValueError, match="samples-per-shard"):
-        write_cli.WriteConfig(samples_per_shard=0).validate()
+        writer.WriteConfig(samples_per_shard=0).validate()
     with pytest.raises(ValueError, match="different settings"):
         items = [(encoded(smooth_image(i)), 0, f"m{i}") for i in range(3)]
-        write_cli.write_dataset(tmp_path / "x", write_cli.WriteConfig(processes=1), items=items, class_names=["a"])
-        write_cli.write_dataset(
-            tmp_path / "x", write_cli.WriteConfig(processes=1, seed=9), items=items, class_names=["a"]
-        )
+        writer.write_dataset(tmp_path / "x", writer.WriteConfig(processes=1), items=items, class_names=["a"])
+        writer.write_dataset(tmp_path / "x", writer.WriteConfig(processes=1, seed=9), items=items, class_names=["a"])
 
 
 KILL_AFTER_SHARDS = """
 import os, signal, sys
-from data_pipeline import write
+from data_pipeline.write import writer as write
+from data_pipeline.write.__main__ import main
 original, done = write._write_shard, []
 def write_then_die(job):
     result = original(job)
@@ -226,7 +226,7 @@ def write_then_die(job):
         os.kill(os.getpid(), signal.SIGKILL)  # no exception handler, no cleanup: like kill -9 or a lost node
     return result
 write._write_shard = write_then_die
-sys.exit(write.main(sys.argv[2:]))
+sys.exit(main(sys.argv[2:]))
 """
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline.dedup import ExclusionSet, NearDuplicateIndex, choose_chunks, near_duplicates_of_earlier
+from data_pipeline.write.dedup import ExclusionSet, NearDuplicateIndex, choose_chunks, near_duplicates_of_earlier
 
 
 def planted(rng: np.random.Generator, stored: np.ndarray, count: int, max_flips: int) -> np.ndarray:

@@ -39,7 +39,7 @@ How each command is checked (nothing here can train, submit, generate data or wr
   values it names validated without running, placeholders left out: ``--config``/``--recipe`` through
   ``pretrain.config.train_config.load_config`` (with the ``--set`` overrides where they are config overrides),
   ``--cluster`` through ``cluster.profiles.load_profile``, ``--suite`` through ``evals.suites.load_suite``, and
-  ``data_pipeline.builtin``'s dataset name and ``--set`` sizes through its own checks. Paths to data that is not
+  ``data_pipeline.builtin.sets``'s dataset name and ``--set`` sizes through its own checks. Paths to data that is not
   here (``/data/imagenet21k``, a checkpoint) are never opened.
 - ``NOT_RUN`` below lists what is only looked up (``make -n`` or ``--help``), each with its reason; every entry
   must still match a command in the docs (``test_not_run_entries_are_used``).
@@ -299,12 +299,12 @@ def validate_values(module: str, args: list[str]) -> None:
 
         load_suite(suite)
     if module == "data_pipeline.builtin":
-        from data_pipeline.builtin import BUILTIN_NAMES, BuiltinConfig, _canonical, check_sizes, option_minimum
+        from data_pipeline.builtin.sets import BUILTIN_NAMES, BuiltinConfig, _canonical, check_sizes, option_minimum
 
         overrides = {}
         for item in sets:
             key, _, value = item.partition("=")
-            assert option_minimum(key) is not None, f"--set {item}: data_pipeline.builtin has no field {key!r}"
+            assert option_minimum(key) is not None, f"--set {item}: data_pipeline.builtin.sets has no field {key!r}"
             overrides[key] = int(value)
         name = _positionals(args)[0]
         if not is_synopsis(name):

@@ -12,7 +12,7 @@ a test can spend; `make launch` measures it.
 import pytest
 import torch
 
-from data_pipeline.builtin import ensure
+from data_pipeline.builtin.sets import ensure
 from evals.run import run_suite
 from pretrain.config.train_config import load_config
 from pretrain.model.vit import build_model

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_train import TrainSpec
-from data_pipeline.builtin import ensure
+from data_pipeline.builtin.sets import ensure
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""data_pipeline.loader_rate: the loader's images/s on one core, measured on real shards (or synthetic ones written by
-the project's writer when the set is not readable), bounded, and cached per machine like the GEMM peak."""
+"""data_pipeline.stream.loader_rate: the loader's images/s on one core, measured on real shards (or synthetic ones
+written by the project's writer when the set is not readable), bounded, and cached per machine like the GEMM peak."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from data_pipeline.augment import AugmentConfig
-from data_pipeline.loader_rate import MEASURE_SECONDS, cache_fits, cache_path, cpu_model, loader_rate
 from data_pipeline.manifest import read_dataset_info
+from data_pipeline.stream.augment import AugmentConfig
+from data_pipeline.stream.loader_rate import MEASURE_SECONDS, cache_fits, cache_path, cpu_model, loader_rate
 
 AUGMENT = AugmentConfig(area_min=0.9, aspect_min=0.9, aspect_max=1.1, flip=False)  # local_demo's
 

@@ -68,7 +68,7 @@ STRAGGLERS = "vitscale.stragglers"  # tag: the persistent stragglers with their 
 STRAGGLERS_METRIC = "cluster/stragglers"  # how many ranks are persistent stragglers, logged when it changes
 # The training stream's counters summed over ranks, logged by the watchdog when they change: read_retries (a shard
 # read that failed and was tried again), read_failures (reads given up after data.read_retries retries: the shard
-# counts as damaged), and the damage counters of data_pipeline.shards (missing_shards, truncated_shards, ...).
+# counts as damaged), and the damage counters of data_pipeline.stream.shards (missing_shards, truncated_shards, ...).
 DATA_PREFIX = "data/"
 
 

@@ -90,8 +90,8 @@ def batch_plan(data: BatchSizes, world_size: int) -> BatchPlan:
     """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise.
 
     Each global batch takes global/streams samples from each of `data.streams` canonical streams and each rank reads
-    a contiguous block of streams (data_pipeline.order), so the streams divide the global batch and the world size
-    divides the streams.
+    a contiguous block of streams (data_pipeline.stream.order), so the streams divide the global batch and the world
+    size divides the streams.
     """
     positive(data.streams, "data.streams")
     if data.global_batch_size % data.streams:

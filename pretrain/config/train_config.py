@@ -39,10 +39,10 @@ from typing import Any, Literal
 
 import yaml
 
-from data_pipeline.augment import AugmentConfig
-from data_pipeline.builtin import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
+from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
+from data_pipeline.stream.augment import AugmentConfig
 from pretrain.checkpoint import run_folder
 from pretrain.config import ds_config, optim, progressive, typed_yaml
 from pretrain.config.ds_config import DeepSpeedConfig
@@ -74,7 +74,7 @@ class DataConfig:
     """The training stream and the batch sizes (the one source of truth for both)."""
 
     train: str = "data/imagenet21k/train"  # shard folder (local path relative to the project, or an fsspec URL)
-    builtin: str | None = None  # a data_pipeline.builtin name; when set and `train` is absent it is generated
+    builtin: str | None = None  # a data_pipeline.builtin.sets name; when set and `train` is absent it is generated
     builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes (resolution, num_classes…)
     image_size: int = 224  # training resolution; also the model's position-embedding grid
     # Progressive resolution: [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () =
@@ -92,13 +92,14 @@ class DataConfig:
     shuffle_buffer: int = 1000  # sample shuffle buffer per stream (shards are also shuffled per epoch)
     seed: int = 0  # stream seed: shard order per epoch, shuffle, augmentation
     mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables (AugReg B/16: 0.2)
-    # Training augmentation (inception crop, flip, RandAugment; data_pipeline.augment). null → resize only.
+    # Training augmentation (inception crop, flip, RandAugment; data_pipeline.stream.augment). null → resize only.
     augment: AugmentConfig | None = field(default_factory=AugmentConfig)
     # A shard read that fails with an I/O error (EIO, a reset connection, a store's 5xx) is tried again this many times
     # (after 0.1, 0.4, 1.6 s, ...) before the shard counts as damaged; data/read_retries counts them in MLflow
     read_retries: int = 3
-    # MiB per rank to hold the whole training set decoded in memory (data_pipeline.decoded_cache): all or nothing,
-    # only when it fits; later reads skip the tar and the JPEG decode, the batches stay bit-identical. 0: never.
+    # MiB per rank to hold the whole training set decoded in memory (data_pipeline.stream.decoded_cache): all or
+    # nothing, only when it fits; later reads skip the tar and the JPEG decode, the batches stay bit-identical. 0:
+    # never.
     cache_mb: float = 256.0
 
 

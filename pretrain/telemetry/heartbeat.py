@@ -15,7 +15,7 @@ done, ``step``, ``checkpoint`` or ``switch`` while one is in progress, ``done`` 
 ``step_s`` (median seconds per step over the last steps, saves excluded), ``data_s`` (mean seconds per step this
 rank waited for batches, same steps), ``save_s`` (the longest checkpoint save of this attempt so far, from the
 report before it to the one after it; absent until one ended: the watchdog's save allowance follows it) and
-``data`` (the stream's cumulative counters: read retries and failures, damaged samples; `data_pipeline.shards`).
+``data`` (the stream's cumulative counters: read retries and failures, damaged samples; `data_pipeline.stream.shards`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.loader_rate import cpu_model, write_atomically  # one CPU name, one writer: per-machine caches
+from data_pipeline.stream.loader_rate import cpu_model, write_atomically  # one CPU name, one writer: per-machine caches
 from pretrain.config.precision import cpu_bf16_units
 
 # Dense (not 2:4 sparse) TFLOP/s per GPU by name fragment, from NVIDIA's datasheets (SXM parts where there are two).

@@ -99,7 +99,7 @@ def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
 
 def preprocessor_config(config: ViTConfig) -> dict:
     """HF's ViTImageProcessor settings that turn an image into what the model was trained on: bilinear resize to
-    the model's side, pixels x / 127.5 - 1 (= (x / 255 - 0.5) / 0.5, `data_pipeline.augment`)."""
+    the model's side, pixels x / 127.5 - 1 (= (x / 255 - 0.5) / 0.5, `data_pipeline.stream.augment`)."""
     return {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 # The modules whose datasets the workers unpickle (TrainStream's epochs, EvalStream's shards), with all they import.
-_WORKER_MODULES = ("data_pipeline.stream", "data_pipeline.eval_stream")
+_WORKER_MODULES = ("data_pipeline.stream.train_stream", "data_pipeline.stream.eval_stream")
 
 
 def worker_items(
@@ -61,6 +61,7 @@ def _loader_generator(*key: int) -> torch.Generator:
 
     Without one, that draw comes from the *global* torch generator, the one dropout uses, so creating the loader at
     a resume, an epoch rollover or a resolution switch would shift the model's random stream. The workers seed every
-    choice they make by position (`data_pipeline.order`), so the base seed only has to be reproducible, never random.
+    choice they make by position (`data_pipeline.stream.order`), so the base seed only has to be reproducible, never
+    random.
     """
     return torch.Generator().manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]))

@@ -8,7 +8,7 @@ shard file's record count), ``features.json`` (the feature types) and the record
 NNNNN-of-MMMMM``, each a ``tf.train.Example`` whose image is encoded bytes (PNG/JPEG) and whose label is an int
 (docs/vtab.md#the-formats). Records are selected with TFDS's split syntax (``train``, ``train[:800]``,
 ``train[45000:45200]``, ``test[:50%]``, parts joined with ``+``), by position, as TFDS reads them unshuffled; or,
-with ``--vtab TASK``, by VTAB-1k's definition of the task's splits and labels (data_pipeline/vtab_tfds.py).
+with ``--vtab TASK``, by VTAB-1k's definition of the task's splits and labels (data_pipeline/write/vtab_tfds.py).
 
 Every record's CRC-32C is checked: a record whose data fails it is skipped and counted (``corrupt_records``), a
 length that fails it ends that file (``broken_files``, its unread records ``missing_records``); the write report
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_pipeline.readers import ItemRef, Source, SourceUnit
-from data_pipeline.tfrecord import ExampleError, FeatureValues, count_records, decode_example, scan_records
-from data_pipeline.vtab_tfds import (
+from data_pipeline.write.readers import ItemRef, Source, SourceUnit
+from data_pipeline.write.tfrecord import ExampleError, FeatureValues, count_records, decode_example, scan_records
+from data_pipeline.write.vtab_tfds import (
     LABEL_FEATURES,
     LABEL_FUNCTIONS,
     TASKS,

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import torch
 
-from data_pipeline.augment import TrainImage, channels_first, to_float_images
+from data_pipeline.stream.augment import TrainImage, channels_first, to_float_images
 
 PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
 CONVERSION_BYTES = 512 * 1024  # float rows converted at once: they and their uint8 planes stay in a core's L2 cache

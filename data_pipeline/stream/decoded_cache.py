@@ -2,14 +2,14 @@
 
 A rank's `TrainStream` builds a `DecodedCache` once, before its first batch, when the whole training set fits in
 ``data.cache_mb`` (`planned_bytes`, from ``samples.parquet``'s image sizes); otherwise there is none and a line
-says why. It reads every shard once (`data_pipeline.shards.read_shard`) and keeps each sample as the reader
-yielded it, its image decoded whole (`data_pipeline.augment.decode_whole`: before any augmentation). The stream's
+says why. It reads every shard once (`data_pipeline.stream.shards.read_shard`) and keeps each sample as the reader
+yielded it, its image decoded whole (`data_pipeline.stream.augment.decode_whole`: before any augmentation). The stream's
 buffer draws then read a shard from here (`DecodedCache.read`, with `read_shard`'s signature) and augment each image
-from its pixels (`data_pipeline.augment.decoded_train_image`), seeded by its position exactly as before: the batches,
-and so the losses, are bit-identical with and without the cache (tests/test_data_cache.py). What the cache cannot
-reproduce byte for byte it leaves to the original path: a shard whose read counted any damage is not cached (read
+from its pixels (`data_pipeline.stream.augment.decoded_train_image`), seeded by its position exactly as before: the
+batches, and so the losses, are bit-identical with and without the cache (tests/test_data_cache.py). What the cache
+cannot reproduce byte for byte it leaves to the original path: a shard whose read counted any damage is not cached (read
 from storage every time, as before), an image that does not decode whole keeps its bytes (decoded per crop, as
-before), and so does one whose crops may decode at a reduced DCT scale (`data_pipeline.augment.drafts`).
+before), and so does one whose crops may decode at a reduced DCT scale (`data_pipeline.stream.augment.drafts`).
 
 The pixels of all samples sit in one uint8 tensor, in shared memory when the stream has loader workers: a worker
 unpickles a handle to it, not a copy (docs/performance.md, "Decoded cache").
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data_pipeline.augment import DECODE_ERRORS, decode_whole, drafts
 from data_pipeline.manifest import DatasetInfo, ShardFormatError, int64_column, iter_samples
-from data_pipeline.shards import read_shard
-from data_pipeline.step_pool import shm_free
+from data_pipeline.stream.augment import DECODE_ERRORS, decode_whole, drafts
+from data_pipeline.stream.shards import read_shard
+from data_pipeline.stream.step_pool import shm_free
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
-"""The training stream: `TrainStream`, one rank's endless micro-batches in the order `data_pipeline.order` defines,
-made from one `StreamSpec`.
+"""The training stream: `TrainStream`, one rank's endless micro-batches in the order `data_pipeline.stream.order`
+defines, made from one `StreamSpec`.
 
 Each loader worker of a rank (or the training process itself, without workers) reads its contiguous group of the
 rank's streams (`_StreamReader`: buffer draws, labels, decode and augmentation), converts its rows to float straight
-into the step's buffer in shared memory and hands over only the buffer's number (`data_pipeline.step_pool`). The
+into the step's buffer in shared memory and hands over only the buffer's number (`data_pipeline.stream.step_pool`). The
 training process checks the workers' items, applies mixup within each stream's chunk (`_step_batch`) and yields the
-step as A micro-batches. Creating a DataLoader never draws from the global RNGs (`data_pipeline.loader`), so
+step as A micro-batches. Creating a DataLoader never draws from the global RNGs (`data_pipeline.stream.loader`), so
 iterating, resuming or rolling over an epoch leaves the training process's random state as it was. With
 ``cache_mb``, a set that fits is read and decoded once, when the stream is made, and its readers take the samples
-from that `data_pipeline.decoded_cache.DecodedCache` instead of the tars: the same batches, bit for bit.
+from that `data_pipeline.stream.decoded_cache.DecodedCache` instead of the tars: the same batches, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_pipeline.augment import (
+from data_pipeline.manifest import DatasetInfo, ShardFormatError, dataset_info
+from data_pipeline.stream.augment import (
     DECODE_ERRORS,
     AugmentConfig,
     TrainImage,
@@ -35,12 +36,11 @@ from data_pipeline.augment import (
     planes,
     to_float_images,
 )
-from data_pipeline.decoded_cache import DECODED_KEY, DecodedCache
-from data_pipeline.loader import worker_items
-from data_pipeline.manifest import DatasetInfo, ShardFormatError, dataset_info
-from data_pipeline.order import TrainPlan, check_split, rank_position, stream_draws, stream_state
-from data_pipeline.shards import read_shard, sample_label, set_read_retries
-from data_pipeline.step_pool import (
+from data_pipeline.stream.decoded_cache import DECODED_KEY, DecodedCache
+from data_pipeline.stream.loader import worker_items
+from data_pipeline.stream.order import TrainPlan, check_split, rank_position, stream_draws, stream_state
+from data_pipeline.stream.shards import read_shard, sample_label, set_read_retries
+from data_pipeline.stream.step_pool import (
     PREFETCH_FACTOR,
     StepPool,
     check_shared_memory,
@@ -84,8 +84,9 @@ class StreamSpec:
     start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"  # never "fork" in a threaded process
     prefetch_factor: int = PREFETCH_FACTOR  # steps a loader worker may be ahead of the training process
     record_keys: bool = False  # keep the sample keys of the last micro-batch in `TrainStream.last_keys`
-    read_retries: int = 3  # a shard read failing with an I/O error is tried again this often (data_pipeline.shards)
-    # Hold the whole set decoded in memory when it fits in this many MiB (data_pipeline.decoded_cache); 0: never.
+    # A shard read failing with an I/O error is tried again this often (data_pipeline.stream.shards).
+    read_retries: int = 3
+    # Hold the whole set decoded in memory when it fits in this many MiB (data_pipeline.stream.decoded_cache); 0: never.
     # Training passes data.cache_mb; the batches are bit-identical either way.
     cache_mb: float = 0.0
 
@@ -117,7 +118,8 @@ class StreamSpec:
 
 def _plan(spec: StreamSpec, rank: int, world_size: int) -> TrainPlan:
     """``spec`` resolved for ``rank`` of ``world_size`` against its dataset, with every check that needs the data or
-    the world size (the divisibility of `data_pipeline.order.check_split`, at least c samples in every stream)."""
+    the world size (the divisibility of `data_pipeline.stream.order.check_split`, at least c samples in every
+    stream)."""
     info = dataset_info(spec.location)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -305,7 +307,7 @@ def _step_batch(
 
 class TrainStream:
     """Endless iterable of micro-batches (images float32 (m, 3, S, S) in [-1, 1], labels) of rank ``rank``: its
-    share of the order that ``spec`` gives at ``world_size`` ranks (docs/elastic.md, `data_pipeline.order`).
+    share of the order that ``spec`` gives at ``world_size`` ranks (docs/elastic.md, `data_pipeline.stream.order`).
 
     A = G / (R m) consecutive micro-batches make this rank's share of one global batch (one optimizer step). Labels
     are as ``StreamSpec.label_format`` says; with ``record_keys`` the sample keys of the last micro-batch are in

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from data_pipeline.tfrecord import FeatureValues
+from data_pipeline.write.tfrecord import FeatureValues
 
 # How a task's train / val / test come out of the TFDS splits (sizes n = records of the TFDS split named):
 #   holdout:   train = train[:p% of n], val = train[p% of n:], test = <test_split>

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from data_pipeline.dedup import IMAGE_SUFFIXES
+from data_pipeline.write.dedup import IMAGE_SUFFIXES
 
 
 @dataclass(frozen=True)

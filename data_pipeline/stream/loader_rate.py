@@ -1,14 +1,14 @@
 """The loader's images/s on one core: what the planner divides a step's images by to predict its data wait.
 
-`loader_rate` times the training stream itself (`data_pipeline.stream.TrainStream`, no loader workers, one torch
-thread) on the run's own shards: tar reading, labels, per-sample seeding, decode, augmentation and the conversion
+`loader_rate` times the training stream itself (`data_pipeline.stream.train_stream.TrainStream`, no loader workers, one
+torch thread) on the run's own shards: tar reading, labels, per-sample seeding, decode, augmentation and the conversion
 into the step's float buffer, i.e. everything a loader worker does per image, or the training process with
-``data.num_workers=0``. It reads from a decoded cache (`data_pipeline.decoded_cache`) when the run will have one.
+``data.num_workers=0``. It reads from a decoded cache (`data_pipeline.stream.decoded_cache`) when the run will have one.
 The clock is this process's CPU time (``time.process_time``), so the rate is per core and other jobs on the machine
 distort it less; the first step (the shuffle buffer's fill) is not timed, and the whole measurement is bounded
 (`MEASURE_SECONDS` of timed CPU, on a few shards). Where the training set is not readable here (a dry run before
 the local data is generated, remote storage), it times synthetic photo-like JPEGs written as shards by
-`data_pipeline.write`, and says so.
+`data_pipeline.write.writer`, and says so.
 
 Measured once per CPU model, library versions, data, resolution, augmentation and cache use, and cached in
 ``~/.cache/vitscale/loader_rate.json`` (or ``$VITSCALE_CACHE``): the cache folder of the GEMM peak
@@ -33,11 +33,11 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from data_pipeline.augment import AugmentConfig
-from data_pipeline.decoded_cache import planned_bytes
 from data_pipeline.manifest import DatasetInfo, dataset_info
-from data_pipeline.stream import StreamSpec, TrainStream
-from data_pipeline.write import WriteConfig, write_dataset
+from data_pipeline.stream.augment import AugmentConfig
+from data_pipeline.stream.decoded_cache import planned_bytes
+from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.write.writer import WriteConfig, write_dataset
 
 MEASURE_SECONDS = 0.5  # timed CPU seconds, after the first step
 MEASURE_SAMPLES = 320  # at least this many samples' shards are read (10 batches of 32)
@@ -69,7 +69,7 @@ def cpu_model() -> str:
 
 def cache_fits(info: DatasetInfo, image_size: int, cache_mb: float) -> bool:
     """Whether a run with ``data.cache_mb`` = ``cache_mb`` holds ``info`` decoded (the stream's own all-or-nothing
-    rule, `data_pipeline.decoded_cache.DecodedCache.build`)."""
+    rule, `data_pipeline.stream.decoded_cache.DecodedCache.build`)."""
     return cache_bytes(info, image_size, cache_mb) > 0
 
 
@@ -146,7 +146,7 @@ def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | No
     batch = min(BATCH, max(1, info.num_samples // 2))
     spec = StreamSpec(info, micro_batch_size=batch, image_size=image_size, streams=1, shuffle_buffer=batch,
                       augment=augment, cache_mb=float(2**20) if cached else 0.0)  # fmt: skip
-    threads, stream_log = torch.get_num_threads(), logging.getLogger("data_pipeline.stream")
+    threads, stream_log = torch.get_num_threads(), logging.getLogger("data_pipeline.stream.train_stream")
     torch.set_num_threads(1)  # per core, as in a loader worker
     stream_log.disabled = True  # its line about the decoded cache is about a run's stream, not this measurement's
     try:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import fsspec
 from webdataset import tariterators
 
-from data_pipeline.readers import is_safe_member
+from data_pipeline.write.readers import is_safe_member
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_pipeline.augment import DECODE_ERRORS, channels_first, decode_eval_image, planes, to_float_images
-from data_pipeline.loader import worker_items
 from data_pipeline.manifest import DatasetInfo, dataset_info
-from data_pipeline.order import balanced_split
-from data_pipeline.shards import read_shard, sample_label
+from data_pipeline.stream.augment import DECODE_ERRORS, channels_first, decode_eval_image, planes, to_float_images
+from data_pipeline.stream.loader import worker_items
+from data_pipeline.stream.order import balanced_split
+from data_pipeline.stream.shards import read_shard, sample_label
 
 # (uint8 pixels (B, 3, S, S), labels, keys, counters): one worker item
 _EvalItem = tuple[torch.Tensor, list[int], list[str], dict[str, int]]

@@ -1,8 +1,8 @@
 """The training order: which sample every rank reads at every step, and the position that resumes it exactly.
 
-This module is the elastic contract (docs/elastic.md, "Data order"); `data_pipeline.stream.TrainStream` reads what
-it says. Notation: G global batch, m micro-batch, P canonical streams, R ranks, W DataLoader workers per rank,
-c = G / P, A = G / (R * m) accumulation steps.
+This module is the elastic contract (docs/elastic.md, "Data order"); `data_pipeline.stream.train_stream.TrainStream`
+reads what it says. Notation: G global batch, m micro-batch, P canonical streams, R ranks, W DataLoader workers per
+rank, c = G / P, A = G / (R * m) accumulation steps.
 
 1. Epoch ``e``: the non-empty shards are permuted by (seed, e) and dealt to the P streams by ``balanced_split``.
    Nothing here depends on R or W.
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.augment import AugmentConfig
 from data_pipeline.manifest import DatasetInfo, ShardFormatError
-from data_pipeline.shards import read_shard
+from data_pipeline.stream.augment import AugmentConfig
+from data_pipeline.stream.shards import read_shard
 
 STATE_VERSION = 2  # 1: per-rank streams (before issue #14); its positions mean nothing in the canonical streams
 # Seed keys of the buffers and of mixup: 6 words ending in a tag, so they differ from the 5-word augmentation keys
@@ -66,8 +66,8 @@ def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list
 @dataclass(frozen=True)
 class TrainPlan:
     """One rank's resolved share of the order, and everything its loader workers need to read and decode it
-    (picklable, so forkserver/spawn workers get it whole). `data_pipeline.stream.StreamSpec` is what a user writes;
-    this is that spec with the defaults resolved against the dataset and the world size, and checked."""
+    (picklable, so forkserver/spawn workers get it whole). `data_pipeline.stream.train_stream.StreamSpec` is what a user
+    writes; this is that spec with the defaults resolved against the dataset and the world size, and checked."""
 
     info: DatasetInfo
     micro_batch: int  # m

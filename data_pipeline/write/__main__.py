@@ -1,0 +1,143 @@
+"""Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest.
+
+    python -m data_pipeline.write --source /data/imagenet21k --out /shards/i21k/train [--samples-per-shard 3000]
+    python -m data_pipeline.write --source tfds:DIR --vtab cifar100 --split train --out /shards/vtab/cifar100/train
+
+Sources: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet files of bytes + label
+(data_pipeline/write/readers.py), or a TensorFlow Datasets folder read without TensorFlow, with VTAB-1k's split and
+label definitions on request (data_pipeline/write/tfds.py, docs/vtab.md).
+
+Two passes, both parallel over cores:
+1. scan: every image is read and decoded once to validate it (corrupt, too small or non-image files are skipped
+   and counted) and hashed (sha256 of the bytes, a perceptual hash of the pixels);
+2. write: exact duplicates dropped, near duplicates flagged, ``--exclude-like`` matches dropped, the survivors put in
+   one seeded global permutation (class-sorted sources such as ImageNet-21k's per-class tars would otherwise give
+   class-sorted shards no shuffle buffer can repair) and written ``--samples-per-shard`` at a time.
+
+Stored bytes: a JPEG whose short side is <= ``--max-short-side`` is stored as is (its original bytes); a larger
+JPEG is downscaled and re-encoded at quality 90; any other format (PNG, BMP, ...) is converted to RGB JPEG at
+quality 95, so every sample is ``<key>.jpg`` + ``<key>.cls`` + ``<key>.json``.
+
+Each shard is written to ``shard-NNNNNN.tar.tmp`` and renamed when complete; tar headers carry a fixed mtime,
+owner and mode. Re-running the same command after an interruption keeps the finished shards, writes the missing
+ones and produces output byte-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from data_pipeline.cli import output_folder
+from data_pipeline.write.dedup import load_exclusion
+from data_pipeline.write.readers import Source, open_source
+from data_pipeline.write.tfds import TfdsSource, describe, is_tfds_folder, open_tfds_source, tfds_path
+from data_pipeline.write.writer import WriteConfig, write_dataset
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--source",
+        required=True,
+        help="class-per-folder tree, folder of per-class .tar, .parquet, or tfds:DIR (a TensorFlow Datasets folder)",
+    )
+    p.add_argument("--out", required=True, help="split folder to write (shards + manifest)")
+    p.add_argument("--kind", default="auto", choices=["auto", "folder", "imagenet21k", "parquet", "tfds"])
+    p.add_argument("--class-names", default=None, help="file of 'id name' lines (or one name per line)")
+    p.add_argument("--image-column", default=None, help="image column (parquet) or feature (tfds); default image")
+    p.add_argument("--label-column", default=None, help="label column (parquet) or ClassLabel feature (tfds)")
+    p.add_argument("--name", default=None, help="dataset name (default: the source folder's, or the TFDS/VTAB name)")
+    p.add_argument(
+        "--split",
+        default="train",
+        help="split name recorded in dataset.json; for tfds: the TFDS split to read, or with --vtab the VTAB split\n"
+        "(train = VTAB-1k's 1000 images train800+val200, test, train800, val200, train800val200, val, trainval)",
+    )
+    p.add_argument("--tfds-split", default=None, help="tfds: records to read, in TFDS syntax (train[:800]+test[:50%%])")
+    p.add_argument("--vtab", default=None, metavar="TASK", help="tfds: a VTAB-1k task's splits, labels (docs/vtab.md)")
+    p.add_argument("--samples-per-shard", type=int, default=WriteConfig.samples_per_shard)
+    p.add_argument("--max-short-side", type=int, default=WriteConfig.max_short_side)
+    p.add_argument("--min-size", type=int, default=WriteConfig.min_size)
+    p.add_argument("--seed", type=int, default=WriteConfig.seed)
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    p.add_argument(
+        "--keep-exact-duplicates",
+        action="store_true",
+        help="keep byte-identical images (always on for tfds: a TFDS split is its records, duplicates included)",
+    )
+    p.add_argument("--near-duplicate-distance", type=int, default=WriteConfig.near_duplicate_distance)
+    p.add_argument(
+        "--exclude-like",
+        action="append",
+        default=[],
+        help="evaluation shard folder, samples.parquet or image folder whose images must not be written",
+    )
+    return p
+
+
+def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
+    """(the source, its default dataset name, what dataset.json records about it) from the command line."""
+    if args.class_names is not None and not Path(args.class_names).is_file():
+        raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
+    folder = tfds_path(args.source)
+    if folder is None and (args.kind == "tfds" or args.kind == "auto" and is_tfds_folder(args.source)):
+        folder = args.source
+    if folder is not None:
+        tfds = open_tfds_source(
+            folder,
+            split=args.split,
+            tfds_split=args.tfds_split,
+            vtab=args.vtab,
+            image_feature=args.image_column,
+            label_feature=args.label_column,
+            class_names_file=args.class_names,
+        )
+        return tfds, args.vtab or tfds.tfds_name.replace("/", "_"), {"tfds": describe(tfds)}
+    if args.vtab is not None or args.tfds_split is not None:
+        raise ValueError("--vtab and --tfds-split select records of a TFDS folder; give --source tfds:DIR")
+    source = open_source(
+        args.source,
+        kind=args.kind,
+        class_names_file=args.class_names,
+        image_column=args.image_column or "image",
+        label_column=args.label_column or "label",
+    )
+    return source, Path(args.source).name, {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        source, name, extra_meta = _open_source(args)
+        config = WriteConfig(
+            name=args.name or name,
+            split=args.split,
+            samples_per_shard=args.samples_per_shard,
+            max_short_side=args.max_short_side,
+            min_size=args.min_size,
+            seed=args.seed,
+            processes=args.processes,
+            keep_exact_duplicates=args.keep_exact_duplicates or isinstance(source, TfdsSource),
+            near_duplicate_distance=args.near_duplicate_distance,
+        )
+        exclude = None
+        for path in args.exclude_like:
+            more = load_exclusion(path, args.near_duplicate_distance)
+            if exclude is None:
+                exclude = more
+            else:
+                exclude.merge(more)
+        output_folder(args.out, "--out")  # once the inputs are known to be good: no empty folder left otherwise
+        report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
+    except ValueError as err:
+        print(f"data_pipeline.write: error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
