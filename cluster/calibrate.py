@@ -8,16 +8,16 @@ The table, by model name then GPU kind (the `pretrain.telemetry.peak.GPU_PEAK_TF
 
     vit_h14:
       H200:
-        mfu: 0.41                   # what cluster.plan's step time divides by, instead of the profile's assumed_mfu
-        mfu_from: pretrain.train    # the real path (DeepSpeed, data) where it ran; else "step benchmark (eager)"
-        device: NVIDIA H200
+        mfu: 0.41                   # what cluster.plan.planner's step time divides by, instead of the profile's
+        assumed_mfu mfu_from: pretrain.train    # the real path (DeepSpeed, data) where it ran; else "step benchmark
+        (eager)" device: NVIDIA H200
         date: '2026-11-28'
         memory_error: 0.21          # (planned - measured) / measured GB per device, the campaign's configuration
         activation_scale: 0.62      # applied to the plan's activations when |memory_error| > 15%, else 1.0
         ...
 
-`cluster.plan` reads it through `measured(model, gpu_type)`: a GPU profile whose ``hardware.gpu_type`` is of a kind
-measured for the recipe's model takes that MFU (the plan prints "measured on H200 <date>") and, where the memory
+`cluster.plan.planner` reads it through `measured(model, gpu_type)`: a GPU profile whose ``hardware.gpu_type`` is of a
+kind measured for the recipe's model takes that MFU (the plan prints "measured on H200 <date>") and, where the memory
 model was off by more than `MEMORY_TOLERANCE`, the measured activation scale; anything else stays assumed.
 ``$VITSCALE_MFU_FILE`` (or ``--mfu-file``) points at another table (the tests use a copy, never this file).
 """
@@ -44,7 +44,8 @@ MODELS = ("vit_b16", "vit_l16", "vit_h14")  # what the campaign measures
 ACTIVATION_SCALE_RANGE = (0.1, 10.0)  # a correction outside it says the model is wrong, not its activations
 HEADER = (
     "# Measured MFU and memory per model and GPU kind, written by `python -m cluster.calibrate GPU_JSON` from\n"
-    "# `python -m bench.gpu` (docs/benchmarks/gpu.md); cluster.plan uses them instead of a profile's assumed_mfu.\n"
+    "# `python -m bench.gpu` (docs/benchmarks/gpu.md); cluster.plan.planner uses them instead of a profile's\n"
+    "# assumed_mfu.\n"
 )
 
 
@@ -59,7 +60,7 @@ def gpu_kind(name: str) -> str:
 
 @dataclass(frozen=True)
 class Measured:
-    """One model on one GPU kind, as `cluster.plan` uses it."""
+    """One model on one GPU kind, as `cluster.plan.planner` uses it."""
 
     model: str
     gpu_kind: str
@@ -124,8 +125,8 @@ def _number(result: dict, key: str) -> float | None:
 
 
 def entries_from(result: dict) -> dict[str, dict[str, Any]]:
-    """model → its table entry from a campaign's JSON (`bench.gpu`): the real path's MFU where the campaign ran the
-    model through ``pretrain.train``, else the step benchmark's eager one (what ``pretrain.train`` runs without
+    """model → its table entry from a campaign's JSON (`bench.gpu.campaign`): the real path's MFU where the campaign ran
+    the model through ``pretrain.train``, else the step benchmark's eager one (what ``pretrain.train`` runs without
     ``model.compile``); the memory error and activation scale where the campaign compared the plan's memory."""
     entries = {}
     for model in MODELS:
@@ -165,7 +166,7 @@ def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:
     """Merge a campaign's measurements into the table at ``path``; returns the entries written. ValueError when the
     JSON cannot calibrate anything (a --smoke run, no device, no MFU)."""
     if not isinstance(result, dict):
-        raise ValueError("the GPU JSON must be an object (bench.gpu writes one)")
+        raise ValueError("the GPU JSON must be an object (bench.gpu.campaign writes one)")
     if result.get("smoke"):
         raise ValueError("it is a --smoke run (tiny models on a CPU): it measured nothing to calibrate with")
     if not isinstance(result.get("device"), str) or not result.get("date"):

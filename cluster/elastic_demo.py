@@ -7,7 +7,7 @@ What it does (docs/elastic.md): starts a Ray cluster in this process (`ray.clust
 this machine, Ray's temp folder a fresh one of ours): a head with one CPU for the evals, and two worker nodes with one
 CPU each and the custom resource `vitscale_trainer`, which only training workers ask for (so the group never grows
 onto the eval slot). It runs `local_demo` (tiny ViT, ZeRO-2, few-shot evals after each checkpoint) on the
-`local_elastic` profile (`workers: {min: 1, max: 2}`) through the real driver (`cluster.driver.run_job`: one MLflow
+`local_elastic` profile (`workers: {min: 1, max: 2}`) through the real driver (`cluster.driver.job.run_job`: one MLflow
 run, Ray Train V2 elastic scaling). After the first checkpoint past step 0 it removes one worker node, waits until
 training goes on at world size 1 and writes a checkpoint there, adds a node back, waits until Ray Train has grown
 the group to world size 2 again, and lets the job finish. Then it prints what happened (world size per step range,
@@ -38,9 +38,9 @@ from typing import Any
 import yaml
 
 from cluster import local_head
-from cluster.driver import JobSpec, run_job
+from cluster.driver.job import JobSpec, run_job
 from cluster.launch import prepare_local_data
-from cluster.plan import build_plan, resolve_config
+from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
 from evals.suites import load_suite
@@ -152,7 +152,7 @@ def add_worker_node(cluster, temp_dir: Path):
 
 
 def _attempts(run_dir: Path) -> list[dict[str, Any]]:
-    """Rank 0's placement records (cluster.driver): one per start of the worker group, with its world size."""
+    """Rank 0's placement records (cluster.driver.job): one per start of the worker group, with its world size."""
     records = []
     for path in (run_dir / "workers").glob("rank0-*.json"):
         try:
@@ -276,7 +276,7 @@ def describe(result: DemoResult) -> dict[str, Any]:
 
     summary_path = result.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    ledger_path = result.run_dir / GOODPUT_DIR / "ledger.json"  # cluster.goodput, at the job's end
+    ledger_path = result.run_dir / GOODPUT_DIR / "ledger.json"  # cluster.driver.ledger, at the job's end
     run_id = json.loads((result.run_dir / "mlflow_run.json").read_text())["run_id"]
     client = MlflowClient(result.tracking_uri)
     run = client.get_run(run_id)

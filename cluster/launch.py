@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from cluster import jobs
-from cluster.driver import PLAN_ENV, FaultInjection, JobSpec, worker_env
-from cluster.plan import PlanError, build_plan, resolve_config, runtime_pip
-from cluster.plan_text import format_plan
+from cluster.driver.job import PLAN_ENV, FaultInjection, JobSpec, worker_env
+from cluster.plan.planner import PlanError, build_plan, resolve_config, runtime_pip
+from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.builtin import sets as builtin
 from data_pipeline.paths import PROJECT_ROOT, resolve_path

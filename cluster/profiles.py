@@ -1,7 +1,7 @@
 """Cluster profiles: the hardware, storage, Ray address and defaults a recipe runs on.
 
 A profile (`cluster/profiles/<name>.yaml`) names *where* a run happens; a recipe (`configs/<name>.yaml`) names
-*what* is trained. `cluster.plan` joins the two. Every field is declared (with its default, if any) once, here;
+*what* is trained. `cluster.plan.planner` joins the two. Every field is declared (with its default, if any) once, here;
 `{project}` in a path or URL expands to the project root so the embedded profile works from any clone.
 """
 
@@ -32,7 +32,7 @@ class HardwareSpec:
     peak_tflops: float | None = None
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
     # Images/s one CPU core of a node decodes and augments for the loader, declared for the plan's data-wait prediction
-    # (cluster.data_plan) on remote hardware; a local profile measures this machine instead
+    # (cluster.plan.data_wait) on remote hardware; a local profile measures this machine instead
     # (data_pipeline.stream.loader_rate). Default: ImageNet-sized JPEGs at 224 px, Inception crop + flip, as `make
     # bench-data` measures the loader's path (pipeline_img_s_per_core ~760 on a 2026 x86 core:
     # docs/benchmarks/2026-11-26-data-loader.md), rounded down.
@@ -115,12 +115,12 @@ class EvalResources:
 
 @dataclass(frozen=True)
 class HangSpec:
-    """When the driver's watchdog (`cluster.watchdog`) declares the worker group hung and restarts it from the newest
-    COMPLETE checkpoint: no rank has reported progress for longer than the allowance of what the ranks are doing.
+    """When the driver's watchdog (`cluster.driver.watchdog`) declares the worker group hung and restarts it from the
+    newest COMPLETE checkpoint: no rank has reported progress for longer than the allowance of what the ranks are doing.
     Training: max(floor_s, factor x the median step time); the start of an attempt (Ray's worker start, the engine
     build, a resume, the step-0 save, the first batch): the plan's start allowance, at least startup_s
-    (`cluster.plan.startup_allowance`); a checkpoint save: max(save_floor_s, factor x the longest save the attempt
-    measured), before one is measured (and in a resolution switch) the plan's first-save allowance, at least
+    (`cluster.plan.planner.startup_allowance`); a checkpoint save: max(save_floor_s, factor x the longest save the
+    attempt measured), before one is measured (and in a resolution switch) the plan's first-save allowance, at least
     checkpoint_s. docs/elastic.md#faults."""
 
     enabled: bool = True

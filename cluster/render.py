@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.driver import PLAN_ENV, JobSpec
-from cluster.plan import build_plan, resolve_config, runtime_pip, storage_extras
+from cluster.driver.job import PLAN_ENV, JobSpec
+from cluster.plan.planner import build_plan, resolve_config, runtime_pip, storage_extras
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.cli import output_folder
 

@@ -1,6 +1,7 @@
-"""bench.gpu --smoke: every part of the GPU campaign end to end on the CPU (tiny ViTs of each model's patch size, HF's
-ViT beside them, 3 steps of pretrain.train through DeepSpeed with a checkpoint and a resume, ZeRO-0/1/2, the loader,
-the plan's comparison), so that the first device call is not the campaign's first run. One run serves every test."""
+"""bench.gpu.campaign --smoke: every part of the GPU campaign end to end on the CPU (tiny ViTs of each model's patch
+size, HF's ViT beside them, 3 steps of pretrain.train through DeepSpeed with a checkpoint and a resume, ZeRO-0/1/2, the
+loader, the plan's comparison), so that the first device call is not the campaign's first run. One run serves every
+test."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 
 import pytest
 
-from bench.gpu import HEADLINE, MODELS, main
+from bench.gpu.__main__ import main
+from bench.gpu.campaign import HEADLINE, MODELS
 
 pytestmark = [pytest.mark.slow]
 

@@ -1,4 +1,5 @@
-"""bench.scale at tiny sizes: every part runs end to end and writes the flat result keys (no timing asserted)."""
+"""bench.scale.campaign at tiny sizes: every part runs end to end and writes the flat result keys (no timing
+asserted)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import tempfile
 
 import pytest
 
-from bench import scale
-from bench.scale_tables import build_tables
+from bench.scale import __main__ as scale
+from bench.scale.tables import build_tables
 from data_pipeline.manifest import iter_samples, read_dataset_info
 
 KEYS = [

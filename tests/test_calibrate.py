@@ -1,6 +1,6 @@
-"""cluster.calibrate: a GPU campaign's JSON (the shape `bench.gpu` writes) becomes cluster/mfu.yaml entries, and the
-plan then uses them: the measured MFU for that model on that GPU kind (and says so), the measured activation scale
-where the memory model was off by more than 15%; everything else stays assumed. Tests write a copy of the table
+"""cluster.calibrate: a GPU campaign's JSON (the shape `bench.gpu.campaign` writes) becomes cluster/mfu.yaml entries,
+and the plan then uses them: the measured MFU for that model on that GPU kind (and says so), the measured activation
+scale where the memory model was off by more than 15%; everything else stays assumed. Tests write a copy of the table
 (``--mfu-file``, ``$VITSCALE_MFU_FILE``), never the repository's."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import yaml
 
 from cluster import calibrate
 from cluster.calibrate import MFU_FILE, gpu_kind, main
-from cluster.plan import build_plan, resolve_config
-from cluster.plan_text import format_plan
+from cluster.plan.planner import build_plan, resolve_config
+from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
 
 

@@ -1,4 +1,5 @@
-"""cluster.profiles + cluster.memory + cluster.plan: hand arithmetic, profile/recipe errors, the launcher's dry run."""
+"""cluster.profiles + cluster.plan.memory + cluster.plan.planner: hand arithmetic, profile/recipe errors, the launcher's
+dry run."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 import yaml
 
 from cluster import launch
-from cluster.memory import GB, activation_bytes_per_image, model_state_bytes
-from cluster.plan import PlanError, build_plan, resolve_config
-from cluster.plan_text import format_plan
+from cluster.plan.memory import GB, activation_bytes_per_image, model_state_bytes
+from cluster.plan.planner import PlanError, build_plan, resolve_config
+from cluster.plan.text import format_plan
 from cluster.profiles import load_profile, profile_names
 from pretrain.config.precision import StepShape, cpu_bf16_units, decide
 from pretrain.model.vit import model_config
@@ -411,8 +412,8 @@ def _profile_with_shards(tmp_path, base: str, shards: str):
 def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys, scheme, extra, module):
     import importlib.util
 
-    from cluster.driver import JobSpec
-    from cluster.storage import STORAGE_EXTRAS
+    from cluster.driver.job import JobSpec
+    from cluster.plan.storage import STORAGE_EXTRAS
 
     path = _profile_with_shards(tmp_path, "h100x8", f"{scheme}://bucket/shards")
     assert launch.main(["--cluster", str(path), "--recipe", "vit_l16_i21k", "--dry-run"]) == 0  # never fails for it
@@ -440,9 +441,9 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
 def test_storage_extras_are_the_pyproject_extras():
     import tomllib
 
-    from cluster.plan import EXTRAS, HF_EXTRA
+    from cluster.plan.planner import EXTRAS, HF_EXTRA
+    from cluster.plan.storage import SCHEME_EXTRAS, STORAGE_EXTRAS
     from cluster.profiles import PROJECT_ROOT
-    from cluster.storage import SCHEME_EXTRAS, STORAGE_EXTRAS
 
     extras = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name, extra in EXTRAS.items():
@@ -456,12 +457,12 @@ def test_storage_extras_are_the_pyproject_extras():
 
 @pytest.mark.timeout(120)
 def test_the_job_installs_transformers_on_a_cluster_where_it_logs_the_final_model():
-    """`cluster.job_record.log_final_model` needs transformers on the cluster; the job's runtime env installs
+    """`cluster.driver.record.log_final_model` needs transformers on the cluster; the job's runtime env installs
     vitscale[hf] there when the job logs a model (one HF's ViT holds), and a local job installs nothing it has."""
     import importlib.util
 
-    from cluster.driver import JobSpec
-    from cluster.plan import HF_EXTRA, STORAGE_EXTRAS
+    from cluster.driver.job import JobSpec
+    from cluster.plan.planner import HF_EXTRA, STORAGE_EXTRAS
 
     def job(profile_name: str, recipe: str, sets: tuple[str, ...] = ()):
         profile = load_profile(profile_name)
@@ -567,11 +568,12 @@ def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_h
     assert i21k.data.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 8) * 3 * 224**2) / GB)
 
 
-# ------------------------------------------------------------------------------------- data wait (cluster.data_plan)
+# ------------------------------------------------------------------------------------- data wait
+# (cluster.plan.data_wait)
 
 
 def test_the_data_wait_model_by_hand():
-    from cluster.data_plan import step_with_data
+    from cluster.plan.data_wait import step_with_data
 
     # no loader workers: the rank loads, then computes
     assert step_with_data(0.1, 0.02, 0, cores=1, threads=1) == pytest.approx((0.12, 0.02))
@@ -586,7 +588,7 @@ def test_the_data_wait_model_by_hand():
 
 
 def test_the_prediction_says_input_bound_and_the_workers_needed():
-    from cluster.data_plan import INPUT_BOUND_WAIT, data_wait_line, predict
+    from cluster.plan.data_wait import INPUT_BOUND_WAIT, data_wait_line, predict
     from data_pipeline.stream.loader_rate import LoaderRate
 
     rate = LoaderRate(1000.0, "declared: a test")
@@ -608,7 +610,7 @@ def test_the_prediction_says_input_bound_and_the_workers_needed():
 
 @pytest.mark.timeout(120)
 def test_the_local_plan_predicts_the_data_wait_from_this_cpu_and_a_remote_one_from_its_profile(local_demo_data):
-    from cluster.data_plan import step_with_data
+    from cluster.plan.data_wait import step_with_data
 
     profile = load_profile("local")
     profile = dataclasses.replace(profile, storage=dataclasses.replace(profile.storage, shards=str(local_demo_data)))

@@ -97,7 +97,7 @@ def _invocations(tmp: Path, eval_data: Path, out: Path) -> dict[str, list[str] |
         "cluster.render": ["--cluster", "a100x64", "--out", str(out / "rendered")],
         "cluster.env": ["--cluster", "a100x64"],
         **dict.fromkeys(("tracking.compare", "cluster.jobs", "cluster.driver", "cluster.elastic_demo")),
-        **dict.fromkeys(("cluster.calibrate", "bench.train", "bench.gpu_train")),
+        **dict.fromkeys(("cluster.calibrate", "bench.train", "bench.gpu.train")),
         **dict.fromkeys(f"bench.{name}" for name in ("data", "gpu", "precision", "scale", "scaling")),
     }
 

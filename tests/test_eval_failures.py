@@ -85,7 +85,7 @@ def _attempt_pids(marks: Path, count: int, timeout_s: float = 120) -> list[int]:
 def test_a_killed_eval_task_runs_again_and_one_killed_twice_is_recorded_failed(tmp_path, ray_local, mlflow_run):
     from mlflow import MlflowClient
 
-    from cluster.eval_scheduler import EvalScheduler
+    from cluster.driver.eval_scheduler import EvalScheduler
 
     uri, run_id = mlflow_run
     s10, s20 = _checkpoints(tmp_path / "run", (10, 20))
@@ -122,7 +122,7 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
     for their checkpoints with the reason; the drain returns after evals.timeout_s, not when the eval ends."""
     from mlflow import MlflowClient
 
-    from cluster.eval_scheduler import EvalScheduler
+    from cluster.driver.eval_scheduler import EvalScheduler
 
     uri, run_id = mlflow_run
     s10, s20 = _checkpoints(tmp_path / "run", (10, 20))

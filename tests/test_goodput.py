@@ -1,5 +1,5 @@
-"""The goodput ledger (pretrain.telemetry.attempt_clock on the worker, cluster.goodput at the driver) and the step-time
-tails.
+"""The goodput ledger (pretrain.telemetry.attempt_clock on the worker, cluster.driver.ledger at the driver) and the
+step-time tails.
 
 The ledger's end-to-end sums (a killed worker, the elastic demo) are checked in test_cluster_driver.py and
 test_cluster_elastic.py, on their existing runs; here the bookkeeping itself, on records with known numbers.
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from cluster.goodput import (
+from cluster.driver.ledger import (
     EvalSpan,
     GoodputMonitor,
     JobClock,

@@ -1,4 +1,4 @@
-"""On a CUDA device: the GPU campaign's real path in short form (`bench.gpu_train`): ViT-H/14 with the vit_h14_i21k
+"""On a CUDA device: the GPU campaign's real path in short form (`bench.gpu.train`): ViT-H/14 with the vit_h14_i21k
 recipe at its micro-batch through `pretrain.train` on one GPU (DeepSpeed ZeRO-2, bf16, NCCL, 8 loader workers) on a
 224 px formula set made here, 3 steps and the checkpoint after them. Short, because the device script runs it before
 the campaign within one 10-minute call: the campaign's train part runs the same path at length, with a resume from
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_train import TrainSpec
+from bench.gpu.train import TrainSpec
 from data_pipeline.builtin.sets import ensure
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def test_h14_recipe_trains_through_pretrain_train_on_one_gpu(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cuda", "PYTHONPATH": path}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "bench.gpu_train", str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
+    command = [sys.executable, "-m", "bench.gpu.train", str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     out = json.loads((tmp_path / "out.json").read_text())

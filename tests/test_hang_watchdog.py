@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.profiles import HangSpec, load_profile
-from cluster.watchdog import (
+from cluster.driver.watchdog import (
     EVENTS_FILE,
     Watchdog,
     active_reports,
@@ -40,6 +39,7 @@ from cluster.watchdog import (
     step_bound,
     stragglers,
 )
+from cluster.profiles import HangSpec, load_profile
 from pretrain.checkpoint.writes import CheckpointSaveError
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path, read_heartbeats
 from tracking.tracker import Tracker
@@ -89,9 +89,9 @@ def test_a_failed_save_is_the_final_worker_error_others_are_retried():
 def test_the_plan_gives_the_start_and_first_save_allowances_term_by_term(tmp_path):
     """a100x64 with ViT-H/14: the estimate (2 x 232 s) is below the profile's 600 s, which applies; on storage 5x
     slower the checkpoint's write decides both allowances; local keeps its floors. The job's watchdog gets them."""
-    from cluster.driver import JobSpec, job_hang
-    from cluster.plan import build_plan, resolve_config
-    from cluster.plan_text import format_plan
+    from cluster.driver.job import JobSpec, job_hang
+    from cluster.plan.planner import build_plan, resolve_config
+    from cluster.plan.text import format_plan
 
     big = load_profile("a100x64")
     config = resolve_config(big, "vit_h14_i21k", [], "h14")
@@ -232,7 +232,7 @@ def test_heartbeat_goes_on_when_the_disk_is_full(tmp_path, monkeypatch, capsys):
 RANK_SCRIPT = """
 import os, sys, time
 from pathlib import Path
-from cluster.watchdog import install_stack_dump
+from cluster.driver.watchdog import install_stack_dump
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
 run_dir, rank, fd = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 stacks = install_stack_dump(run_dir, rank)
@@ -355,8 +355,8 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
     import ray
     from mlflow import MlflowClient
 
-    from cluster.driver import FaultInjection, JobSpec, run_job
-    from cluster.plan import build_plan, resolve_config
+    from cluster.driver.job import FaultInjection, JobSpec, run_job
+    from cluster.plan.planner import build_plan, resolve_config
     from pretrain.checkpoint.run_folder import complete_checkpoints, world_size_history
     from tracking.keys import FAILURE
 

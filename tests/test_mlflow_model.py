@@ -1,5 +1,5 @@
 """The run's model in MLflow (`tracking.models`), against a real SQLite store: logged on request
-(`python -m pretrain.weights export ... --mlflow-run ID`) and at the end of a job (`cluster.job_record.finish_job`),
+(`python -m pretrain.weights export ... --mlflow-run ID`) and at the end of a job (`cluster.driver.record.finish_job`),
 loaded back with `mlflow.pyfunc.load_model` to our logits, tagged with its step and eval means, shown by
 `make compare`; a model that cannot be logged costs the job one warning line, never its status."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.job_record import JobEnd, finish_job
+from cluster.driver.record import JobEnd, finish_job
 from pretrain.checkpoint import checksums
 from pretrain.checkpoint.run_folder import COMPLETE, TrainerState
 from pretrain.model.vit import VisionTransformer, model_config

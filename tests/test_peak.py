@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cluster.plan import build_plan, resolve_config
+from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
 from pretrain.telemetry.peak import GPU_PEAK_TFLOPS, cpu_peak, device_peak, gpu_peak
 

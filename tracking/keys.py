@@ -58,7 +58,7 @@ PEAK_SOURCE = "vitscale.peak_source"  # where that peak comes from (datasheet, d
 KIND = "vitscale.kind"  # "comparison" for the runs `make compare` logs its report to
 COMPARED_RUNS = "vitscale.compared_runs"
 
-# Faults (docs/elastic.md#faults). The driver's watchdog (cluster.watchdog): hung worker groups it restarted, and
+# Faults (docs/elastic.md#faults). The driver's watchdog (cluster.driver.watchdog): hung worker groups it restarted, and
 # stragglers (ranks waiting persistently longer for data than the median rank).
 HANGS = "vitscale.hangs"  # tag: how many times the watchdog found the group hung and killed the culprit
 LAST_HANG = "vitscale.last_hang"  # tag: the watchdog's line about the last one (rank, pid, step, state, why)
@@ -129,8 +129,8 @@ def data_wait_percentile(p: int) -> str:  # e.g. train/data_wait_s_p99: seconds 
     return f"train/data_wait_s_p{p}"
 
 
-# The data wait the plan predicted (cluster.plan DataPlan.predicted_data_wait, when it has one) and the one measured,
-# each a fraction of the training loop's step time, logged by the driver with the final ledger.
+# The data wait the plan predicted (cluster.plan.planner DataPlan.predicted_data_wait, when it has one) and the one
+# measured, each a fraction of the training loop's step time, logged by the driver with the final ledger.
 GOODPUT_DATA_WAIT_PREDICTED = "goodput/data_wait_predicted"
 GOODPUT_DATA_WAIT_MEASURED = "goodput/data_wait_measured"
 

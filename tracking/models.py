@@ -14,7 +14,7 @@ eval mean the run holds at that step (``fewshot/mean/10shot``, ``vtab/mean``, ..
 later step.
 
 Callers: ``python -m pretrain.weights export SOURCE OUT --mlflow-run ID`` (any checkpoint, on request) and
-`cluster.job_record.finish_job` (the newest checkpoint at the end of a job, failure-tolerant). ``mlflow`` is imported
+`cluster.driver.record.finish_job` (the newest checkpoint at the end of a job, failure-tolerant). ``mlflow`` is imported
 inside the functions (seconds to import): this module is imported by the weights CLI.
 """
 

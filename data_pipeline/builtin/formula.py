@@ -252,7 +252,8 @@ def generate(
 
 
 def measure_generation(kind: str, resolution: int, num_images: int) -> float:
-    """Images/s generated in this process on one core, JPEG encode included (bench/scale.py reports it per core).
+    """Images/s generated in this process on one core, JPEG encode included (bench/scale/campaign.py reports it per
+    core).
 
     Cycles through 16 classes so the class formula's cost (the fractal's rejection sampling) is counted too."""
     if kind not in CLASS_FORMULA:

@@ -1,7 +1,7 @@
 """The training stream's step buffers: float images that loader workers write straight into, in shared memory.
 
 A rank's `StepPool` holds ``step_slots`` buffers of one step's share of the global batch (G/R, 3, S, S) float32;
-``step_pool_bytes`` and ``decoded_bytes`` are what the planner (cluster.plan) budgets for them, and
+``step_pool_bytes`` and ``decoded_bytes`` are what the planner (cluster.plan.planner) budgets for them, and
 ``check_shared_memory`` refuses a pool that ``/dev/shm`` cannot hold. docs/elastic.md, "Assembly", has the why.
 """
 

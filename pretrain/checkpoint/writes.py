@@ -37,7 +37,7 @@ class CheckpointSaveError(ValueError):
     the earlier checkpoints are untouched. A ValueError, like every condition the user fixes (here: free space), so
     ``python -m pretrain.train`` reports it in one line and exits 2. Not ``retryable``: a restarted worker group would
     resume from the newest checkpoint and save into the same storage again, so under Ray the job fails at once with
-    this message (`cluster.watchdog.final_failure`) instead of spending ``max_failures`` restarts on it."""
+    this message (`cluster.driver.watchdog.final_failure`) instead of spending ``max_failures`` restarts on it."""
 
     retryable = False
 

@@ -20,9 +20,9 @@ Paths. A recipe's local paths (``data.train``, ``checkpoint.dir``, ``checkpoint.
 remote URLs (``s3://``, ``gs://``, any fsspec URL) are kept as written. `TrainConfig.resolved` is the one step that
 makes them absolute (``file://`` stripped, ``~`` expanded, `data_pipeline.paths`), and it runs once, where the
 config is loaded for use: `load_config` returns a resolved config (the standalone trainer, tests), and a config
-shipped as JSON to a Ray job is resolved when the job loads it (`cluster.driver.JobSpec.from_json`). Everything
+shipped as JSON to a Ray job is resolved when the job loads it (`cluster.driver.job.JobSpec.from_json`). Everything
 downstream (trainer, checkpoints, run folder, evals handed ``evals.data_root``) uses the paths as they are.
-`config_from_recipe` keeps a recipe's paths as written: `cluster.plan` relocates ``data/...`` under a profile's
+`config_from_recipe` keeps a recipe's paths as written: `cluster.plan.planner` relocates ``data/...`` under a profile's
 storage and ships the config to a machine whose project root is not this one's.
 """
 
@@ -269,7 +269,8 @@ def load_config(path_or_recipe_name: str | Path, overrides: Iterable[str] = ()) 
 
 def config_from_recipe(path: Path, written: dict[str, Any], overrides: Iterable[str] = ()) -> TrainConfig:
     """`load_config` on a recipe already read from ``path`` (`read_recipe`), so a launch reads its file once, but with
-    the paths as written: relative ones mean the project root of the process that will train (`cluster.plan`)."""
+    the paths as written: relative ones mean the project root of the process that will train
+    (`cluster.plan.planner`)."""
     merged = typed_yaml.apply_overrides(written, list(overrides))  # a malformed override raises here, naming itself
     try:
         return TrainConfig.from_dict(merged)

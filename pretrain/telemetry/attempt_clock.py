@@ -10,7 +10,7 @@ every save, and once more when the loop ends), with the cumulative step seconds 
 later attempt that resumes from it did not lose), and appends one line per log window to
 ``attempt_<n>.windows.jsonl`` (its time span, steps and productive seconds: what the eval-interference estimate
 compares). The cluster driver turns the attempts, its own timestamps and the evals into the job's ledger
-(`cluster.goodput`, docs/goodput.md). Timing only: perf_counter and time.time, no device sync, nothing that
+(`cluster.driver.ledger`, docs/goodput.md). Timing only: perf_counter and time.time, no device sync, nothing that
 changes what is trained.
 """
 

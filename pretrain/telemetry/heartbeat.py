@@ -1,5 +1,5 @@
 """A rank's progress report: `<run_dir>/heartbeats/rank<r>.json`, rewritten as training goes, read by the driver's
-watchdog (`cluster.watchdog`) to find a rank that stopped making progress without dying.
+watchdog (`cluster.driver.watchdog`) to find a rank that stopped making progress without dying.
 
 Why a file, not a Ray actor or a collective: the run folder is already on storage every node and the driver share,
 a write costs ~0.1 ms on a local disk, and a rank that hangs (stopped, stuck in a collective or a read) cannot answer

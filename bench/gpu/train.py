@@ -1,7 +1,7 @@
-"""The campaign's real-path part (`bench.gpu`), run in a child process of its own: `pretrain.train` through DeepSpeed on
-one device, a resume from its checkpoint, and the same step at ZeRO-0 (plain PyTorch), ZeRO-1 and ZeRO-2.
+"""The campaign's real-path part (`bench.gpu.campaign`), run in a child process of its own: `pretrain.train` through
+DeepSpeed on one device, a resume from its checkpoint, and the same step at ZeRO-0 (plain PyTorch), ZeRO-1 and ZeRO-2.
 
-    python -m bench.gpu_train SPEC.json OUT.json       (bench.gpu starts it; SPEC is a `TrainSpec` as JSON)
+    python -m bench.gpu.train SPEC.json OUT.json       (bench.gpu.campaign starts it; SPEC is a `TrainSpec` as JSON)
 
 1. ``train_worker`` of the ``vit_h14_i21k`` recipe at its micro-batch (accumulation 1: the global batch is one
    micro-batch, so a step is short enough to time many), on a formula-driven set generated on this machine
@@ -53,7 +53,7 @@ RECIPE = "vit_h14_i21k"
 
 @dataclass(frozen=True)
 class TrainSpec:
-    data: str  # shard folder (a formula set bench.gpu generated)
+    data: str  # shard folder (a formula set bench.gpu.campaign generated)
     run_root: str  # scratch folder for the run folders
     smoke: bool = False
     steps: int = 24
@@ -252,7 +252,7 @@ def zero_stages(spec: TrainSpec, out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m bench.gpu_train SPEC.json OUT.json (started by python -m bench.gpu)"
+    usage = "usage: python -m bench.gpu.train SPEC.json OUT.json (started by python -m bench.gpu)"
     if args in (["-h"], ["--help"]):
         print(usage)
         return 0

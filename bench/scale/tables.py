@@ -1,4 +1,4 @@
-"""ImageNet-21k's tables without the images, and what one rank does with them (part 1 of ``bench.scale``).
+"""ImageNet-21k's tables without the images, and what one rank does with them (part 1 of ``bench.scale.campaign``).
 
 ``build_tables`` writes ``manifest.parquet`` / ``samples.parquet`` / ``classes.parquet`` of i21k's shape with the
 project's writers (``data_pipeline.manifest``; samples streamed a row group at a time). ``measure_tables`` reads them
@@ -23,7 +23,7 @@ from data_pipeline import manifest
 from data_pipeline.manifest import SamplesWriter, iter_samples, read_dataset_info, write_metadata
 from data_pipeline.stream.train_stream import StreamSpec, TrainStream
 
-# ImageNet-21k (fall 2011), what every projection of bench.scale scales to
+# ImageNet-21k (fall 2011), what every projection of bench.scale.campaign scales to
 I21K_SAMPLES = 14_197_122
 I21K_CLASSES = 21_843
 I21K_SHARDS = 4_700
@@ -31,7 +31,7 @@ I21K_MEAN_JPEG_KB = 92  # 1.31 TB / 14.2M images, docs/reference.md §6
 LOADER_WORKERS = 8
 GLOBAL_BATCH = 4096
 STREAMS = 512  # data.streams of the i21k recipes
-PROBE = "import sys, bench.scale_tables as s; s._probe(sys.argv[1:])"  # a fresh interpreter: its peak RSS is one rank's
+PROBE = "import sys, bench.scale.tables as s; s._probe(sys.argv[1:])"  # a fresh interpreter: its peak RSS is one rank's
 
 # ------------------------------------------------------------------------------------------ synthetic tables
 

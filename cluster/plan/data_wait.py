@@ -1,6 +1,6 @@
 """The plan's data-wait prediction: will the run wait for its batches, and how many loader workers does it need?
 
-A step of the compute plan takes ``c`` seconds (`cluster.plan.ComputePlan.step_time_s`, from the peak and the
+A step of the compute plan takes ``c`` seconds (`cluster.plan.planner.ComputePlan.step_time_s`, from the peak and the
 assumed MFU) and each rank consumes ``n = G / R`` images per step. The loader makes ``r`` images/s per core
 (`data_pipeline.stream.loader_rate`: measured on this machine for the local profile, declared by a remote profile's
 ``hardware.loader_img_s_per_core``), so loading a step's images costs ``d = n / r`` core-seconds per rank. A rank
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.memory import GB
+from cluster.plan.memory import GB
 from cluster.profiles import ClusterProfile
 from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import dataset_info
@@ -40,7 +40,7 @@ INPUT_BOUND_WAIT = 0.05  # a predicted data wait above this share of a step is i
 
 @dataclass(frozen=True)
 class DataWait:
-    """The data-wait prediction's numbers (flat: `cluster.plan.DataPlan` carries them into plan.json)."""
+    """The data-wait prediction's numbers (flat: `cluster.plan.planner.DataPlan` carries them into plan.json)."""
 
     loader_img_s_per_core: float  # r
     loader_rate_source: str  # "declared: ..." or where on this machine it was measured

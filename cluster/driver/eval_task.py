@@ -1,6 +1,6 @@
 """The body of one eval task: run the suite on one checkpoint, on the resources Ray gave the task.
 
-`cluster.eval_scheduler` submits it (through a function that imports this module in the task's process only).
+`cluster.driver.eval_scheduler` submits it (through a function that imports this module in the task's process only).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ is kept, plus one block's full activations while it is recomputed.
 
 `plan_memory` adds up one run's memory per device (model states, activations at its micro-batch, overhead) against
 the device's capacity, for both settings of activation checkpointing, and says whether checkpointing pays for its
-recompute; `cluster.plan` refuses a run that does not fit with the settings that would make it fit.
+recompute; `cluster.plan.planner` refuses a run that does not fit with the settings that would make it fit.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def fits(total_bytes: float, capacity_bytes: float) -> bool:
 
 
 class StepTime(Protocol):
-    """What the memory part reads of the plan's compute part (`cluster.plan.ComputePlan`)."""
+    """What the memory part reads of the plan's compute part (`cluster.plan.planner.ComputePlan`)."""
 
     @property
     def precision(self) -> str: ...  # "bf16" | "fp32": the bytes of weights, gradients and activations

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The GPU campaign's one prepared script (docs/benchmarks/gpu.md).
 #
-#   bash bench/gpu_device.sh wheels   HERE, once: build and download into .whl/ (git-ignored) the packages the device
+#   bash bench/gpu/device.sh wheels   HERE, once: build and download into .whl/ (git-ignored) the packages the device
 #                                     image lacks: DeepSpeed (built from source, pure Python with its ops unbuilt),
 #                                     its hjson and pydantic, webdataset, simplejpeg and Pillow 13, for Python 3.12.
-#   bash bench/gpu_device.sh          ON THE DEVICE (its tool's `run`, carry [".whl"], timeout_s 600): installs
+#   bash bench/gpu/device.sh          ON THE DEVICE (its tool's `run`, carry [".whl"], timeout_s 600): installs
 #                                     .whl/ into the image's python3, runs the gpu-marked tests, then the campaign
 #                                     (python -m bench.gpu) with what is left of LIMIT_S; everything lands in $OUT.
 #
 # Knobs (environment): LIMIT_S (570: the tool's 600 s per command less a margin), CAMPAIGN_MAX_S (480), GPU_TESTS
 # (1; 0 skips the tests and gives the campaign the time), TESTS_MAX_S (240).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 if [ "${1:-}" = wheels ]; then
     set -e
@@ -43,7 +43,7 @@ unset DS_ACCELERATOR  # the GPU: DeepSpeed picks CUDA
 # Into the image's own python3: the tests' training subprocesses set PYTHONPATH to the project alone.
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl \
-        || { echo "gpu_device.sh: installing .whl/*.whl failed" | tee "$OUT/campaign.log"; exit 1; }
+        || { echo "bench/gpu/device.sh: installing .whl/*.whl failed" | tee "$OUT/campaign.log"; exit 1; }
 fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -64,7 +64,7 @@ elapsed=$(($(date +%s) - start))
 budget=$((LIMIT_S - elapsed - 20))
 [ "$budget" -gt "$CAMPAIGN_MAX_S" ] && budget=$CAMPAIGN_MAX_S
 if [ "$budget" -lt 120 ]; then
-    echo "gpu_device.sh: only ${budget} s left for the campaign; rerun with GPU_TESTS=0" | tee -a "$OUT/campaign.log"
+    echo "bench/gpu/device.sh: only ${budget} s left for the campaign; rerun with GPU_TESTS=0" | tee -a "$OUT/campaign.log"
     exit 1
 fi
 echo "campaign: ${budget} s"

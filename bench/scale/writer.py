@@ -1,4 +1,4 @@
-"""The shard writer at ImageNet-21k scale (part 3 of ``bench.scale``).
+"""The shard writer at ImageNet-21k scale (part 3 of ``bench.scale.campaign``).
 
 ``python -m data_pipeline.write`` on per-class tars of generated JPEGs (realistic ~400x350, small, and re-encoded
 800x600): images per CPU second of one process; one run killed half-way and re-run must give byte-identical output;
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.scale_tables import I21K_CLASSES, I21K_MEAN_JPEG_KB, I21K_SAMPLES
+from bench.scale.tables import I21K_CLASSES, I21K_MEAN_JPEG_KB, I21K_SAMPLES
 from data_pipeline.write.dedup import ExclusionSet
 from data_pipeline.write.readers import ItemRef, open_source
 from data_pipeline.write.writer import Candidate, WriteConfig, WriteReport, dedup_candidates, write_dataset

@@ -51,9 +51,9 @@ MAX_PINNED = 8
 def run_suite_task(
     checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """Body of one eval task (`cluster.eval_task.run_suite_task`), imported here, in the task's own process: the
+    """Body of one eval task (`cluster.driver.eval_task.run_suite_task`), imported here, in the task's own process: the
     scheduler actor only submits this function, so it never imports torch and the evals (3.5 of its 4.7 CPU-s)."""
-    from cluster import eval_task  # deferred on purpose (docstring; docs/design.md, "Imports go at the top")
+    from cluster.driver import eval_task  # deferred on purpose (docstring; docs/design.md, "Imports go at the top")
 
     return eval_task.run_suite_task(checkpoint_dir, suite, data_root, run_id, tracking_uri)
 

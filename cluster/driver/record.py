@@ -1,6 +1,6 @@
 """What a job leaves in its run folder beyond the checkpoints: where each worker ran (`workers/*.json`), and at the
 end, `summary.json` (status, restarts, resizes, every checkpoint's eval metrics) with the summary table printed, the
-final model logged to the MLflow run, the goodput ledger printed and logged (`cluster.goodput`) and the run closed
+final model logged to the MLflow run, the goodput ledger printed and logged (`cluster.driver.ledger`) and the run closed
 (`finish_job`)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.goodput import JobClock, current_ledger, eval_spans, finish_ledger
-from cluster.summary import format_resizes, format_summary
+from cluster.driver.ledger import JobClock, current_ledger, eval_spans, finish_ledger
+from cluster.driver.summary import format_resizes, format_summary
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import prune_checkpoints, release_pins
 from pretrain.weights.export import checkpoint_step, class_names, save_hf
@@ -72,7 +72,7 @@ def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> lis
 
 @dataclass(frozen=True)
 class JobEnd:
-    """How training ended, as the driver saw it, and what its goodput ledger needs (`cluster.goodput`)."""
+    """How training ended, as the driver saw it, and what its goodput ledger needs (`cluster.driver.ledger`)."""
 
     status: str  # MLflow's: FINISHED or FAILED
     train_seconds: float

@@ -1,10 +1,10 @@
-"""The campaign's plan part (`bench.gpu`): what `cluster.plan` predicts for the configuration the real-path part ran,
-against what it measured. The one module of ``bench`` that imports ``cluster`` (docs/design.md: a benchmark that
-checks the planner must ask the planner).
+"""The campaign's plan part (`bench.gpu.campaign`): what `cluster.plan.planner` predicts for the configuration the
+real-path part ran, against what it measured. The one module of ``bench`` that imports ``cluster`` (docs/design.md: a
+benchmark that checks the planner must ask the planner).
 
 The profile is ``h100x8``'s with its hardware made this machine's: one node, one GPU of this device's name and memory
 and its dense bf16 peak (`pretrain.telemetry.peak`), one worker with the part's loader workers. The config is the real
-path's own (`bench.gpu_train.TrainSpec.config`). Errors are relative and signed, (planned - measured) / measured:
+path's own (`bench.gpu.train.TrainSpec.config`). Errors are relative and signed, (planned - measured) / measured:
 positive when the plan expects more memory or a longer step than the device took.
 
 - memory: the plan's total per device (model states + activations + its overhead allowance) against the largest
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from bench.gpu_train import TrainSpec
+from bench.gpu.train import TrainSpec
 from cluster.calibrate import gpu_kind
-from cluster.plan import build_plan
+from cluster.plan.planner import build_plan
 from cluster.profiles import load_profile
 
 BASE_PROFILE = "h100x8"

@@ -1,13 +1,13 @@
-"""The plan as `cluster.launch` prints it (and `--dry-run` stops after): a line per part of `cluster.plan.Plan`, the
-numbers at both ends of an elastic job's world sizes, then the warnings."""
+"""The plan as `cluster.launch` prints it (and `--dry-run` stops after): a line per part of `cluster.plan.planner.Plan`,
+the numbers at both ends of an elastic job's world sizes, then the warnings."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from cluster.data_plan import DataWait, data_wait_line
-from cluster.plan import EXTRAS, DataPlan, Plan
-from cluster.storage import STORAGE_EXTRAS
+from cluster.plan.data_wait import DataWait, data_wait_line
+from cluster.plan.planner import EXTRAS, DataPlan, Plan
+from cluster.plan.storage import STORAGE_EXTRAS
 
 
 def format_plan(plan: Plan) -> str:
@@ -51,7 +51,7 @@ def format_plan(plan: Plan) -> str:
 
 def _startup(plan: Plan) -> str:
     """The watchdog's allowances before the first step and in a first save, each term named
-    (`cluster.plan.startup_allowance`)."""
+    (`cluster.plan.planner.startup_allowance`)."""
     a = plan.startup
     terms = " + ".join(f"{name} {seconds:.3g}" for name, seconds in a.terms)
     write_s = a.checkpoint_gb * 1e3 / a.write_mb_per_s
@@ -86,14 +86,14 @@ def _elastic_lines(plan: Plan) -> list[str]:
 
 
 def _data_wait(d: DataPlan, images_per_rank: int) -> str:
-    """The data-wait line, from the `cluster.data_plan.DataWait` fields the data plan carries."""
+    """The data-wait line, from the `cluster.plan.data_wait.DataWait` fields the data plan carries."""
     wait = DataWait(**{f.name: getattr(d, f.name) for f in dataclasses.fields(DataWait)})
     return data_wait_line(wait, images_per_rank)
 
 
 def _runtime_env(plan: Plan) -> str:
-    """What the job's Ray runtime env installs over the cluster's packages (`cluster.plan.runtime_pip`), and whether
-    the final model reaches MLflow."""
+    """What the job's Ray runtime env installs over the cluster's packages (`cluster.plan.planner.runtime_pip`), and
+    whether the final model reaches MLflow."""
     if plan.runtime_extras:
         extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in plan.runtime_extras)
         installs = f"pip installs {extras} on the cluster"

@@ -7,17 +7,17 @@ Parts, in this order, each with its share of ``--budget-s`` (a part past its sha
 so; a part that fails records ``error_<part>`` and the campaign goes on; the JSON is rewritten after every part, so
 a campaign killed by a timeout keeps what it measured):
 
-- ``data``: a formula-driven set (``rcdb``, 256 classes x 16 images at 224 px: `data_pipeline.builtin.sets`) generated
-on
-  this machine's CPUs, for the real path;
-- ``step`` (`bench.gpu_step`): ViT-B/16, L/16 and H/14 steps at the largest micro-batch that fits, eager, with
+- ``data``: a formula-driven set (``rcdb``, 256 classes x 16 images at 224 px: `data_pipeline.builtin.sets`)
+  generated on this machine's CPUs, for the real path;
+- ``step`` (`bench.gpu.step`): ViT-B/16, L/16 and H/14 steps at the largest micro-batch that fits, eager, with
   activation checkpointing and compiled, against Hugging Face's ViT as it runs by default and compiled: images/s,
   MFU (6 x forward MACs per image x images/s / the dense bf16 peak), the attention kernel of each side;
-- ``train`` (`bench.gpu_train`, a child process with a timeout): ``pretrain.train`` through DeepSpeed with the
+- ``train`` (`bench.gpu.train`, a child process with a timeout): ``pretrain.train`` through DeepSpeed with the
   ``vit_h14_i21k`` recipe at its micro-batch, loader workers on; a resume from its checkpoint; ZeRO-0/1/2;
-- ``loader`` (`bench.gpu_loader`): the training stream alone per CPU core at 224 px, and the cores each measured
+- ``loader`` (`bench.gpu.loader`): the training stream alone per CPU core at 224 px, and the cores each measured
   training rate needs;
-- ``plan`` (`bench.gpu_plan`): `cluster.plan`'s memory and step time for the real path's configuration against it.
+- ``plan`` (`bench.gpu.plan`): `cluster.plan.planner`'s memory and step time for the real path's configuration against
+  it.
 
 The JSON is flat. Beside every number: ``device``, ``device_kind``, ``driver``, ``cuda``, ``torch``, ``deepspeed``,
 ``transformers``, ``python``, ``date`` and ``commit``. The headline keys: ``mfu_vit_h14``, ``mfu_vit_l16``,
@@ -41,7 +41,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -49,10 +48,11 @@ from pathlib import Path
 
 import torch
 
-from bench import gpu_loader, gpu_plan, gpu_step
-from bench.gpu_train import TrainSpec
+from bench.gpu import loader as gpu_loader
+from bench.gpu import plan as gpu_plan
+from bench.gpu import step as gpu_step
+from bench.gpu.train import TrainSpec
 from data_pipeline.builtin.sets import ensure
-from data_pipeline.cli import output_file
 from data_pipeline.paths import PROJECT_ROOT
 from pretrain.telemetry.peak import device_peak
 
@@ -68,7 +68,7 @@ TRAIN_MODEL = "vit_h14"  # the model of the real path's recipe (vit_h14_i21k)
 
 
 def log(text: str) -> None:
-    print(f"[bench.gpu {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+    print(f"[bench.gpu.campaign {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def _version(package: str) -> str | None:
@@ -129,7 +129,7 @@ def train_spec(data: Path, work: Path, smoke: bool, deadline_s: float) -> TrainS
 
 
 def run_train(spec: TrainSpec, work: Path, timeout_s: float, device: torch.device) -> dict:
-    """`bench.gpu_train` in a child process of its own session (a timeout ends it and its loader workers); what it
+    """`bench.gpu.train` in a child process of its own session (a timeout ends it and its loader workers); what it
     wrote, whether it finished or not."""
     spec_path, out_path = work / "train_spec.json", work / "train_out.json"
     spec_path.write_text(json.dumps(asdict(spec)))
@@ -139,13 +139,13 @@ def run_train(spec: TrainSpec, work: Path, timeout_s: float, device: torch.devic
         env.setdefault("OMP_NUM_THREADS", "1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "bench.gpu_train", str(spec_path), str(out_path)]
+    command = [sys.executable, "-m", "bench.gpu.train", str(spec_path), str(out_path)]
     proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, start_new_session=True)
     result: dict = {}
     try:
         code = proc.wait(timeout=timeout_s)
         if code:
-            result["error_train"] = f"bench.gpu_train exited {code} (its output is above)"
+            result["error_train"] = f"bench.gpu.train exited {code} (its output is above)"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -254,41 +254,3 @@ def summary_lines(r: dict) -> list[str]:
     if errors:
         lines.append("errors: " + "; ".join(f"{k}: {r[k]}" for k in errors))
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds the whole campaign may take")
-    parser.add_argument("--out", default="bench-results/gpu.json")
-    parser.add_argument("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time compiled blocks (vitscale's and HF's); off with --smoke")  # fmt: skip
-    parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
-        help="the MFU denominator per device (default: pretrain.telemetry.peak's; --smoke: 1.0)",
-    )
-    parser.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one, removed after)")
-    args = parser.parse_args(argv)
-    if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
-        parser.error("--budget-s and --peak-tflops must be > 0")
-    if not args.smoke and not torch.cuda.is_available():
-        parser.error("no CUDA device here (a CPU build of torch, or no GPU); --smoke runs the campaign on the CPU")
-    if args.smoke:
-        args.compile, args.peak_tflops = False, args.peak_tflops or 1.0
-    try:
-        out = output_file(args.out, "--out")
-    except ValueError as error:
-        print(f"bench.gpu: error: {error}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
-        result = Campaign(args, out).run(Path(tmp))
-    for line in summary_lines(result):
-        print(line)
-    print(f"{result['wall_s']:.0f} s -> {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@
 The driver's half of docs/goodput.md. `build_ledger` is pure: it lays the job's timeline out from the driver's own
 timestamps (`JobClock`: the job's start, when it asked Ray Train for the worker group), each attempt's record
 (`pretrain.telemetry.attempt_clock`: rank 0's booked seconds, log windows, checkpoints), each attempt's worker process
-start (`cluster.job_record.record_placement`) and the eval tasks' spans, walking a cursor from the job's start to its
+start (`cluster.driver.record.record_placement`) and the eval tasks' spans, walking a cursor from the job's start to its
 end so that no second is counted twice or skipped:
 
     job start ─ startup ─▶ fit() ─ resource_wait (first attempt) | restart (later ones) ─▶ worker process start

@@ -1,4 +1,5 @@
-"""The campaign's step part (`bench.gpu`): vitscale's training step against Hugging Face's ViT on one device, per model.
+"""The campaign's step part (`bench.gpu.campaign`): vitscale's training step against Hugging Face's ViT on one device,
+per model.
 
 Per model (ViT-B/16, L/16, H/14 at 224, 1000 classes, bf16 autocast around forward and loss, backward and torch's
 AdamW outside it, as ``bench.train`` runs its step), in priority order, each task building its own model on the

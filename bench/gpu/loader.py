@@ -1,4 +1,4 @@
-"""The campaign's loader part (`bench.gpu`): the training stream alone on this machine's CPU cores, at 224 px.
+"""The campaign's loader part (`bench.gpu.campaign`): the training stream alone on this machine's CPU cores, at 224 px.
 
 Images per CPU second of one process (``time.process_time``, one torch thread: per core, as a loader worker runs) of a
 `TrainStream` without workers (decode, Inception crop, flip, the float conversion), one epoch, on two sets:
@@ -9,7 +9,7 @@ Images per CPU second of one process (``time.process_time``, one torch thread: p
   several times cheaper to decode), which says how much of the real path's data wait that set hides.
 
 ``loader_img_s_workers<n>``: the same ImageNet-like shards through ``n`` loader worker processes, images per
-wall-clock second after the first batch, one stream per worker: that the per-core rate scales. `bench.gpu` then
+wall-clock second after the first batch, one stream per worker: that the per-core rate scales. `bench.gpu.campaign` then
 divides each measured training rate by the per-core rate: ``loader_cores_needed_<model>``.
 """
 

@@ -8,7 +8,7 @@ Order of work (all on the Ray head, inside the job):
    = profile / recipe / model / world size / git commit, plan as artifact — or continue the run recorded in
    `<run_dir>/mlflow_run.json` when the same run is launched again (training then resumes from its newest
    COMPLETE checkpoint as well). The run id goes into the config the workers get (which they do not rebuild).
-3. Start the eval scheduler actor (`cluster.eval_scheduler`), then `TorchTrainer(train_loop, ScalingConfig from
+3. Start the eval scheduler actor (`cluster.driver.eval_scheduler`), then `TorchTrainer(train_loop, ScalingConfig from
    the profile, FailureConfig(max_failures), RunConfig(storage_path = profile checkpoints))`. Each worker runs
    `pretrain.train.train_worker(config, on_checkpoint)`; rank 0's `on_checkpoint` hands every COMPLETE checkpoint
    to the scheduler without waiting. When a worker dies, Ray Train restarts the whole worker group and
@@ -27,22 +27,21 @@ Order of work (all on the Ray head, inside the job):
    in the summary from `<run_dir>/world_sizes.jsonl` (pretrain.train tags them at every start).
    A rank that hangs without dying (SIGSTOP, a stuck collective or read) would hold the group until the collective
    timeout: each worker reports its progress (`pretrain.telemetry.heartbeat`) and the driver's watchdog thread
-   (`cluster.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank has
-   progressed within the allowance, so that the same restart path takes over; its allowances at the start and in a
-   first save are the plan's (`cluster.plan.startup_allowance`), a later save's follow the saves measured.
+   (`cluster.driver.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank
+   has progressed within the allowance, so that the same restart path takes over; its allowances at the start and in a
+   first save are the plan's (`cluster.plan.planner.startup_allowance`), a later save's follow the saves measured.
    A worker error that a restart would only repeat (a checkpoint save that failed: a full disk) is not retried: the
    job fails at once with the save's message, in the log and in the MLflow tag `vitscale.failure`
-   (`cluster.watchdog.final_failures_callback`).
+   (`cluster.driver.watchdog.final_failures_callback`).
 4. Wait for pending evals (at most `evals.timeout_s`; an eval that failed is recorded as such), then
-   `cluster.job_record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
-   metrics, the headline metric's gain over step 0), print and log the goodput ledger (`cluster.goodput`, logged
+   `cluster.driver.record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
+   metrics, the headline metric's gain over step 0), print and log the goodput ledger (`cluster.driver.ledger`, logged
    over time by a driver thread while training runs; docs/goodput.md), close the MLflow run; exit 0 only if training
    succeeded.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -54,12 +53,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from cluster.eval_scheduler import EvalScheduler
-from cluster.goodput import GoodputMonitor, JobClock, evals_share_training_cores
-from cluster.job_record import JobEnd, finish_job, record_placement
-from cluster.plan import Plan
+from cluster.driver.eval_scheduler import EvalScheduler
+from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
+from cluster.driver.record import JobEnd, finish_job, record_placement
+from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
+from cluster.plan.planner import Plan
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
-from cluster.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
 from pretrain import collector
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import pin_checkpoint, release_pins
@@ -101,7 +100,7 @@ class JobSpec:
 
     profile: ClusterProfile
     config: TrainConfig  # the resolved config
-    plan: dict[str, Any]  # cluster.plan.Plan.to_dict()
+    plan: dict[str, Any]  # cluster.plan.planner.Plan.to_dict()
     fault: FaultInjection | None = None
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -330,7 +329,8 @@ def run_job(
 
 def job_hang(spec: JobSpec) -> HangSpec:
     """The watchdog's allowances for this job: the profile's `hang` section with the plan's start and first-save
-    allowances (`cluster.plan.startup_allowance`, at least the profile's; a plan without them keeps the profile's)."""
+    allowances (`cluster.plan.planner.startup_allowance`, at least the profile's; a plan without them keeps the
+    profile's)."""
     hang, startup = spec.profile.hang, spec.plan.get("startup") or {}
     return replace(
         hang,
@@ -341,7 +341,7 @@ def job_hang(spec: JobSpec) -> HangSpec:
 
 def failure_line(error: BaseException) -> str:
     """Why training failed, for the log and the MLflow run: a final worker error's own message (Ray Train hands it
-    over as a `ControllerError`, `cluster.watchdog.FinalFailure`), else the error as Ray raised it."""
+    over as a `ControllerError`, `cluster.driver.watchdog.FinalFailure`), else the error as Ray raised it."""
     cause = getattr(error, "controller_failure", None)
     if isinstance(cause, FinalFailure):
         return str(cause)
@@ -385,41 +385,3 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
             worker_runtime_env={"env_vars": worker_env(profile)},
         ),
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.driver", description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
-    parser.add_argument("--address", default=None, help="Ray address (default: the job's cluster)")
-    args = parser.parse_args(argv)
-    if not args.plan and not os.environ.get(PLAN_ENV):
-        parser.error(f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does)")
-    source = f"--plan {args.plan}" if args.plan else f"${PLAN_ENV}"
-    try:  # only parsing here: unreadable, not JSON, JSON of another shape, an invalid profile or config
-        text = Path(args.plan).read_text() if args.plan else os.environ[PLAN_ENV]
-        spec = JobSpec.from_json(text)  # the job's one build of the config, before Ray and MLflow start
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        print(
-            f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
-            f"is the JSON that `python -m cluster.launch` writes into ${PLAN_ENV} of the Ray job it submits",
-            file=sys.stderr,
-        )
-        return 2
-    import ray  # heavy: only the driver and cluster commands need Ray
-
-    try:  # here rather than in run_job: no cluster is the user's to fix, and must not look like a crash
-        ray.init(address=args.address or "auto")
-    except ConnectionError as error:
-        print(
-            f"python -m cluster.driver: error: no Ray cluster at {args.address or 'auto'} ({error}); the driver runs "
-            "as a Ray job: start it with `python -m cluster.launch` (make launch), or pass --address of a running head",
-            file=sys.stderr,
-        )
-        return 2
-    import psutil  # a Ray dependency: the driver process's start begins the job's goodput ledger
-
-    return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Near duplicates at ImageNet-21k scale (part 2 of ``bench.scale``).
+"""Near duplicates at ImageNet-21k scale (part 2 of ``bench.scale.campaign``).
 
 Synthetic training hashes with planted near copies of evaluation hashes (and exact sha256 copies) are looked up in
 the writer's multi-index hash (``data_pipeline.write.dedup``, through ``ExclusionSet.matches_many`` as
@@ -16,7 +16,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from bench.scale_tables import I21K_SAMPLES, hex_digests
+from bench.scale.tables import I21K_SAMPLES, hex_digests
 from data_pipeline.write.dedup import ExclusionSet, NearDuplicateIndex, near_duplicates_of_earlier, perceptual_hash
 
 

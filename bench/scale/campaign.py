@@ -2,16 +2,16 @@
 
     python -m bench.scale [--out bench-results/scale.json] [--tiny]                    (make bench-scale)
 
-1. Tables (``bench.scale_tables``): ``manifest.parquet`` / ``samples.parquet`` / ``classes.parquet`` for 14,197,122
+1. Tables (``bench.scale.tables``): ``manifest.parquet`` / ``samples.parquet`` / ``classes.parquet`` for 14,197,122
    samples in 4,700 shards and 21,843 classes, written by ``data_pipeline.manifest`` (samples streamed a row group
    at a time). Reading them, and planning epoch 0 for 64 and 512 ranks x 8 loader workers, each in a fresh
    subprocess that does what one rank does (read the manifest, build the TrainStream, deal the shards of all 8
    workers): seconds and peak RSS. The time to the first batch uses a 4,700-row manifest whose rows point at a few
    real shards.
-2. Dedup (``bench.scale_dedup``): 1M synthetic training hashes with planted near copies of 100k evaluation hashes,
+2. Dedup (``bench.scale.dedup``): 1M synthetic training hashes with planted near copies of 100k evaluation hashes,
    looked up in the writer's multi-index hash (``data_pipeline.write.dedup``); recall and precision against brute force
    on a sample; per-core rate projected to 14.2M queries on 16 cores.
-3. Writer (``bench.scale_writer``): ``python -m data_pipeline.write`` on per-class tars of generated JPEGs (small,
+3. Writer (``bench.scale.writer``): ``python -m data_pipeline.write`` on per-class tars of generated JPEGs (small,
    ~400x350, and re-encoded 800x600), images per CPU second; one run killed half-way and re-run must give
    byte-identical output; projected to i21k on a 96-core node.
 4. Generation (here): ``data_pipeline.builtin.formula.measure_generation`` per formula kind at 224 px, projected to
@@ -24,26 +24,14 @@ writes its formula and inputs beside it. Temporary files live in one temp folder
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-from bench.data import imagenet_like_jpegs
-from bench.scale_dedup import measure_dedup
-from bench.scale_tables import (
+from bench.scale.tables import (
     I21K_CLASSES,
     I21K_SAMPLES,
     I21K_SHARDS,
-    LOADER_WORKERS,
-    measure_first_batch,
-    measure_tables,
 )
-from bench.scale_writer import measure_writer
 from data_pipeline.builtin import formula
-from data_pipeline.cli import output_file
 
 
 @dataclass(frozen=True)
@@ -112,41 +100,3 @@ def measure_generation(num_images: int) -> dict:
             measured_images_per_kind=num_images,
         ),
     }
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="ImageNet-21k-scale rehearsal: tables, planning, dedup, writer")
-    p.add_argument("--out", default="bench-results/scale.json")
-    p.add_argument("--tiny", action="store_true", help="small sizes throughout (a smoke test; numbers mean little)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
-    try:
-        out = output_file(args.out, "--out")
-    except ValueError as error:
-        print(f"bench.scale: error: {error}", file=sys.stderr)
-        return 2
-    sizes = TINY if args.tiny else FULL
-    result: dict = dict(
-        tiny=args.tiny, samples=sizes.samples, shards=sizes.shards, classes=sizes.classes, loader_workers=LOADER_WORKERS
-    )
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp_name:
-        tmp = Path(tmp_name)
-        result.update(measure_tables(tmp / "i21k", sizes.samples, sizes.shards, sizes.classes, sizes.worlds))
-        photos = imagenet_like_jpegs(sizes.photos, seed=1)
-        result.update(
-            measure_writer(tmp, photos, sizes.reencoded, sizes.serial_candidates, sizes.serial_exclude_hashes)
-        )
-        # the writer's shards stand in for i21k's under the first batch's full-size manifest
-        result.update(measure_first_batch(tmp / "clean-realistic", tmp / "first-batch", sizes.shards, sizes.worlds[1]))
-        result.update(measure_dedup(sizes.dedup_train, sizes.dedup_evals, sizes.dedup_sample, photos[:100]))
-    result.update(measure_generation(sizes.generated_per_kind))
-    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,10 +7,10 @@ workers will run. `build_plan` does the arithmetic, one builder per part of the 
 fit, with the settings that would make it fit. Every number is derived from one source: FLOPs and parameter counts
 from `pretrain.model.flops` (of the model the task trains: `pretrain.model.tasks.planned_model`), the batch split from
 `pretrain.config.ds_config.batch_plan`, steps from `pretrain.config.optim.duration_to_steps`, memory from
-`cluster.memory`. `format_plan` prints it, a line per part.
+`cluster.plan.memory`. `format_plan` prints it, a line per part.
 
 The plan also says what the run needs that this machine may lack (the fsspec filesystem of remote storage, an
-optional extra of vitscale: `cluster.storage`), which extras the job's Ray runtime env installs (`runtime_pip`: the
+optional extra of vitscale: `cluster.plan.storage`), which extras the job's Ray runtime env installs (`runtime_pip`: the
 storage's, and vitscale[hf] where the job logs its final model to MLflow) and whether activation checkpointing is
 worth its recompute.
 """
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster import calibrate, memory
+from cluster import calibrate
 from cluster.calibrate import Measured
-from cluster.data_plan import data_wait, loader_host_bytes
-from cluster.memory import MemoryPlan
+from cluster.plan import memory
+from cluster.plan.data_wait import data_wait, loader_host_bytes
+from cluster.plan.memory import MemoryPlan
+from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from cluster.profiles import ClusterProfile
-from cluster.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from pretrain.checkpoint import run_folder
@@ -64,7 +65,7 @@ class PlanError(ValueError):
     """The plan cannot run as configured; the message names the problem and settings that would fix it."""
 
 
-# The vitscale extra the job's driver needs to log the final model to MLflow (`cluster.job_record.log_final_model`
+# The vitscale extra the job's driver needs to log the final model to MLflow (`cluster.driver.record.log_final_model`
 # exports it as an HF ViT folder): = pyproject.toml [project.optional-dependencies] hf (a test keeps them equal).
 HF_EXTRA = StorageExtra("hf", "transformers>=4.45,<6", "transformers")
 EXTRAS = {**STORAGE_EXTRAS, HF_EXTRA.name: HF_EXTRA}  # every extra a job's runtime env may install, by name
@@ -264,8 +265,8 @@ class DataPlan:
     storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
     storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
     warnings: tuple[str, ...]
-    # The data-wait prediction (`cluster.data_plan.DataWait`, its fields by name): the loader's images/s per core and
-    # where it comes from, the workers and cores, and predicted_data_wait (0..1), which the run's end compares with
+    # The data-wait prediction (`cluster.plan.data_wait.DataWait`, its fields by name): the loader's images/s per core
+    # and where it comes from, the workers and cores, and predicted_data_wait (0..1), which the run's end compares with
     # the data wait it measured.
     loader_img_s_per_core: float
     loader_rate_source: str
@@ -628,7 +629,7 @@ ALLOWANCE_MARGIN = 2.0  # an allowance too short kills a healthy group: a restar
 class StartupAllowance:
     """How long the watchdog lets a worker group go without a report from its start to its first step
     (``startup_s``), and in a save before one was measured (``first_save_s``): `startup_allowance`. The driver hands
-    both to the watchdog (`cluster.driver.job_hang`)."""
+    both to the watchdog (`cluster.driver.job.job_hang`)."""
 
     terms: tuple[tuple[str, float], ...]  # (what, estimated seconds), in the order a start does them
     estimate_s: float  # their sum

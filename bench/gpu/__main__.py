@@ -1,0 +1,54 @@
+"""The GPU campaign's command line (`bench.gpu.campaign`; docs/benchmarks/gpu.md).
+
+python -m bench.gpu [--budget-s 480] [--out bench-results/gpu.json] [--smoke]        (make bench-gpu [SMOKE=1])
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.gpu.campaign import Campaign, summary_lines
+from data_pipeline.cli import output_file
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds the whole campaign may take")
+    parser.add_argument("--out", default="bench-results/gpu.json")
+    parser.add_argument("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time compiled blocks (vitscale's and HF's); off with --smoke")  # fmt: skip
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the MFU denominator per device (default: pretrain.telemetry.peak's; --smoke: 1.0)",
+    )
+    parser.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one, removed after)")
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
+        parser.error("--budget-s and --peak-tflops must be > 0")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device here (a CPU build of torch, or no GPU); --smoke runs the campaign on the CPU")
+    if args.smoke:
+        args.compile, args.peak_tflops = False, args.peak_tflops or 1.0
+    try:
+        out = output_file(args.out, "--out")
+    except ValueError as error:
+        print(f"bench.gpu: error: {error}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
+        result = Campaign(args, out).run(Path(tmp))
+    for line in summary_lines(result):
+        print(line)
+    print(f"{result['wall_s']:.0f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

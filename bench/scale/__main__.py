@@ -1,0 +1,57 @@
+"""ImageNet-21k scale rehearsed without the images: the command line (`bench.scale.campaign`).
+
+python -m bench.scale [--out bench-results/scale.json] [--tiny]                    (make bench-scale)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.data import imagenet_like_jpegs
+from bench.scale.campaign import FULL, TINY, measure_generation
+from bench.scale.dedup import measure_dedup
+from bench.scale.tables import LOADER_WORKERS, measure_first_batch, measure_tables
+from bench.scale.writer import measure_writer
+from data_pipeline.cli import output_file
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="ImageNet-21k-scale rehearsal: tables, planning, dedup, writer")
+    p.add_argument("--out", default="bench-results/scale.json")
+    p.add_argument("--tiny", action="store_true", help="small sizes throughout (a smoke test; numbers mean little)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    try:
+        out = output_file(args.out, "--out")
+    except ValueError as error:
+        print(f"bench.scale: error: {error}", file=sys.stderr)
+        return 2
+    sizes = TINY if args.tiny else FULL
+    result: dict = dict(
+        tiny=args.tiny, samples=sizes.samples, shards=sizes.shards, classes=sizes.classes, loader_workers=LOADER_WORKERS
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp_name:
+        tmp = Path(tmp_name)
+        result.update(measure_tables(tmp / "i21k", sizes.samples, sizes.shards, sizes.classes, sizes.worlds))
+        photos = imagenet_like_jpegs(sizes.photos, seed=1)
+        result.update(
+            measure_writer(tmp, photos, sizes.reencoded, sizes.serial_candidates, sizes.serial_exclude_hashes)
+        )
+        # the writer's shards stand in for i21k's under the first batch's full-size manifest
+        result.update(measure_first_batch(tmp / "clean-realistic", tmp / "first-batch", sizes.shards, sizes.worlds[1]))
+        result.update(measure_dedup(sizes.dedup_train, sizes.dedup_evals, sizes.dedup_sample, photos[:100]))
+    result.update(measure_generation(sizes.generated_per_kind))
+    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
