@@ -198,8 +198,15 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple
     """(images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch;
     microseconds of the training process's CPU per image over the same window)."""
     # 2 streams at every worker count: the same samples in the same order, read by 1 or 2 processes
-    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, streams=2, shuffle_buffer=64,
-                      augment=AugmentConfig(), num_workers=workers)  # fmt: skip
+    spec = StreamSpec(
+        shards,
+        micro_batch_size=batch,
+        image_size=size,
+        streams=2,
+        shuffle_buffer=64,
+        augment=AugmentConfig(),
+        num_workers=workers,
+    )
     stream = TrainStream(spec)
     it = iter(stream)
     next(it)  # worker start-up and the first batch are not counted
@@ -270,8 +277,11 @@ def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) ->
         runs["pipeline_uint8"].append(pipeline(images, size, AugmentConfig(), convert=False))
         if dali:
             runs.setdefault("dali", []).append(dali_rate(images, size, AugmentConfig()))
-        print(f"round {i + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"round {i + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
+            file=sys.stderr,
+            flush=True,
+        )
     return runs
 
 
@@ -334,21 +344,31 @@ def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, fl
     """The headline numbers, one line each, from the unrounded rates and the result's ratios."""
     worker_rate = loader.best
     print(f"bare PIL decode+resize : {rate['pil']:7.1f} images/s per core")
-    print(f"decode+crop+flip (ours): {rate['pipeline']:7.1f} images/s per core   ratio {result['ratio']:.2f} "
-          f"(goal >= 1.3); without scaled decode {result['ratio_full_decode']:.2f}; scaled decode on "
-          f"{result['scaled_decode_fraction']:.0%} of crops")  # fmt: skip
-    print(f"  uint8 out, like PIL's: {rate['pipeline_uint8']:7.1f} images/s per core   ratio "
-          f"{result['ratio_uint8']:.2f} (without the loader's copy and float conversion)")  # fmt: skip
+    print(
+        f"decode+crop+flip (ours): {rate['pipeline']:7.1f} images/s per core   ratio {result['ratio']:.2f} "
+        f"(goal >= 1.3); without scaled decode {result['ratio_full_decode']:.2f}; scaled decode on "
+        f"{result['scaled_decode_fraction']:.0%} of crops"
+    )
+    print(
+        f"  uint8 out, like PIL's: {rate['pipeline_uint8']:7.1f} images/s per core   ratio "
+        f"{result['ratio_uint8']:.2f} (without the loader's copy and float conversion)"
+    )
     if "dali" in rate:
-        print(f"  DALI CPU random crop : {rate['dali']:7.1f} images/s per core   ratio {result['ratio_dali']:.2f} "
-              "(uint8 out: the anchor for ratio_uint8)")  # fmt: skip
-    print(f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
-          f"{result['ratio_randaugment']:.2f}")  # fmt: skip
+        print(
+            f"  DALI CPU random crop : {rate['dali']:7.1f} images/s per core   ratio {result['ratio_dali']:.2f} "
+            "(uint8 out: the anchor for ratio_uint8)"
+        )
+    print(
+        f"  + RandAugment(2, 10) : {rate['pipeline_randaugment']:7.1f} images/s per core   ratio "
+        f"{result['ratio_randaugment']:.2f}"
+    )
     print("JPEG decode by DCT scale: " + ", ".join(f"{n}/8 {us:.0f} us" for n, us in decode_us.items()))
-    print(f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
-          f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x; paired median of the rounds "
-          f"{result['workers_2_over_1_paired_median']:.2f}x); training process "
-          f"{result['loader_main_cpu_us_per_image_workers2']:.0f} us CPU per image at 2 workers")  # fmt: skip
+    print(
+        f"loader, 1 / 2 workers  : {worker_rate[1]:7.1f} / {worker_rate[2]:.1f} images/s (wall)   "
+        f"{result['workers_2_over_1']:.2f}x (goal >= 1.8x; paired median of the rounds "
+        f"{result['workers_2_over_1_paired_median']:.2f}x); training process "
+        f"{result['loader_main_cpu_us_per_image_workers2']:.0f} us CPU per image at 2 workers"
+    )
     print(f"TrainStream end to end: {loader.stream_img_s:7.1f} images/s (num_workers=0)")
     print(f"shard reading          : {loader.read_mb_s:7.1f} MB/s")
 
@@ -364,8 +384,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dali", action="store_true", help="also time NVIDIA DALI's CPU random-crop decoder (the anchor)")
     args = p.parse_args(argv)
     # 40-image shards, batches of 32 and 2 loader workers: at least 2 shards and 2 batches per epoch.
-    checks = (("--images", args.images, 80), ("--size", args.size, 1), ("--rounds", args.rounds, 1),
-              ("--loader-rounds", args.loader_rounds, 1), ("--loader-copies", args.loader_copies, 1))  # fmt: skip
+    checks = (
+        ("--images", args.images, 80),
+        ("--size", args.size, 1),
+        ("--rounds", args.rounds, 1),
+        ("--loader-rounds", args.loader_rounds, 1),
+        ("--loader-copies", args.loader_copies, 1),
+    )
     for flag, value, low in checks:
         if value < low:
             p.error(f"{flag} {value}: must be >= {low}")
@@ -380,15 +405,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.data: error: {error}", file=sys.stderr)
         return 2
     if args.dali and not _dali_importable():
-        print("bench.data: error: --dali needs NVIDIA DALI, which is not a vitscale dependency: pip install "
-              "nvidia-dali-cuda120 (its CPU decoders need no GPU), or leave --dali out", file=sys.stderr)  # fmt: skip
+        print(
+            "bench.data: error: --dali needs NVIDIA DALI, which is not a vitscale dependency: pip install "
+            "nvidia-dali-cuda120 (its CPU decoders need no GPU), or leave --dali out",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(1)  # per core, as in a loader worker: the resize and the float conversion use one thread
     images = imagenet_like_jpegs(args.images)
     mean_kb = sum(map(len, images)) / len(images) / 1024
     shorts = sorted(min(Image.open(io.BytesIO(d)).size) for d in images)
-    print(f"{len(images)} generated JPEGs, mean {mean_kb:.0f} KiB, short side median {shorts[len(shorts) // 2]} px "
-          f"(max {shorts[-1]}); output {args.size}px; one process (one core)")  # fmt: skip
+    print(
+        f"{len(images)} generated JPEGs, mean {mean_kb:.0f} KiB, short side median {shorts[len(shorts) // 2]} px "
+        f"(max {shorts[-1]}); output {args.size}px; one process (one core)"
+    )
     runs = measure_decoders(images, args.size, args.rounds, args.dali)
     decode_us = decode_us_by_scale(images, args.rounds)
     loader = measure_loader(images, args.size, args.rounds, args.loader_rounds, args.loader_copies)

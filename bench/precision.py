@@ -32,13 +32,23 @@ from pretrain.telemetry.peak import cpu_model
 SHAPES = {
     "quick": [("vit_tiny_debug", 32, 8, {}), ("vit_tiny_debug", 32, 32, {}), ("vit_ti16", 224, 2, {})],
     "default": [
-        ("vit_tiny_debug", 32, 8, {}), ("vit_tiny_debug", 32, 16, {}), ("vit_tiny_debug", 32, 32, {}),
-        ("vit_tiny_debug", 32, 64, {}), ("vit_tiny_debug", 64, 32, {}), ("vit_ti16", 224, 2, {}),
-        ("vit_ti16", 224, 3, {}), ("vit_ti16", 224, 8, {}), ("vit_s16", 224, 1, {}), ("vit_s16", 224, 8, {}),
-        ("vit_s32", 224, 8, {}), ("vit_s32", 224, 32, {"depth": 2}), ("vit_b32", 224, 8, {}), ("vit_b16", 224, 4, {}),
+        ("vit_tiny_debug", 32, 8, {}),
+        ("vit_tiny_debug", 32, 16, {}),
+        ("vit_tiny_debug", 32, 32, {}),
+        ("vit_tiny_debug", 32, 64, {}),
+        ("vit_tiny_debug", 64, 32, {}),
+        ("vit_ti16", 224, 2, {}),
+        ("vit_ti16", 224, 3, {}),
+        ("vit_ti16", 224, 8, {}),
+        ("vit_s16", 224, 1, {}),
+        ("vit_s16", 224, 8, {}),
+        ("vit_s32", 224, 8, {}),
+        ("vit_s32", 224, 32, {"depth": 2}),
+        ("vit_b32", 224, 8, {}),
+        ("vit_b16", 224, 4, {}),
         ("r26_vit_s32", 224, 4, {}),
     ],
-}  # fmt: skip
+}
 
 
 def _label(name: str, image_size: int, batch: int, overrides: dict) -> str:
@@ -84,9 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES[args.shapes if units else "quick"]
     if not units:
         print("this CPU has no AMX/AVX512-BF16: bf16 is emulated; timing the quick shapes only", flush=True)
-    result: dict = {"cpu": cpu_model(), "bf16_units": "+".join(units) or "none",
-                    "torch": torch.__version__, "threads": 1, "trials": args.trials,
-                    "rule": CPU_RULES[units[0]].describe() if units else "fp32 (no bf16 units)"}  # fmt: skip
+    result: dict = {
+        "cpu": cpu_model(),
+        "bf16_units": "+".join(units) or "none",
+        "torch": torch.__version__,
+        "threads": 1,
+        "trials": args.trials,
+        "rule": CPU_RULES[units[0]].describe() if units else "fp32 (no bf16 units)",
+    }
     ruled: dict[str, list[float]] = {"bf16": [], "fp32": []}
     start = time.time()
     for name, image_size, batch, overrides in shapes:
@@ -94,16 +109,27 @@ def main(argv: list[str] | None = None) -> int:
         fp32, bf16 = measure(name, image_size, batch, overrides, args.trials)
         pick = cpu_rule(StepShape.of(model_config(name, image_size=image_size, **overrides), batch)).precision
         ruled[pick].append(fp32 / bf16)
-        result.update({f"fp32_ms_{label}": fp32 * 1e3, f"bf16_ms_{label}": bf16 * 1e3,
-                       f"speedup_{label}": fp32 / bf16, f"rule_{label}": pick})  # fmt: skip
-        print(f"{label}: fp32 {fp32 * 1e3:.1f} ms, bf16 {bf16 * 1e3:.1f} ms = {fp32 / bf16:.2f}x; rule: {pick}",
-              flush=True)  # fmt: skip
+        result.update(
+            {
+                f"fp32_ms_{label}": fp32 * 1e3,
+                f"bf16_ms_{label}": bf16 * 1e3,
+                f"speedup_{label}": fp32 / bf16,
+                f"rule_{label}": pick,
+            }
+        )
+        print(
+            f"{label}: fp32 {fp32 * 1e3:.1f} ms, bf16 {bf16 * 1e3:.1f} ms = {fp32 / bf16:.2f}x; rule: {pick}",
+            flush=True,
+        )
     result["min_speedup_ruled_bf16"] = min(ruled["bf16"], default=None)
     result["max_speedup_ruled_fp32"] = max(ruled["fp32"], default=None)
     result["seconds"] = time.time() - start
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}: bf16 picks >= {result['min_speedup_ruled_bf16']}, fp32 picks <= "
-          f"{result['max_speedup_ruled_fp32']}", flush=True)  # fmt: skip
+    print(
+        f"wrote {out}: bf16 picks >= {result['min_speedup_ruled_bf16']}, fp32 picks <= "
+        f"{result['max_speedup_ruled_fp32']}",
+        flush=True,
+    )
     return 0
 
 

@@ -138,11 +138,21 @@ def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
     command = train_command(world, args, tmp)
     label = f"world {world} on cores {','.join(map(str, cores))}"
-    print(f"{label}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"{label}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     start = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=pinned(cores))  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=pinned(cores),
+    )
     stdout, stderr = communicate_or_end(proc, args.timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
@@ -155,10 +165,20 @@ def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
     img_s = statistics.median(rate for _, rate, _ in timed)
     wait = statistics.median(w for _, _, w in timed)
     step_s = args.global_batch / img_s
-    print(f"{label}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall",
-          file=sys.stderr, flush=True)  # fmt: skip
-    return {"img_s": img_s, "step_s": step_s, "data_wait": wait, "threads": threads, "cores": cores, "wall_s": wall,
-            "windows": [[s, round(r, 2)] for s, r, _ in windows]}  # fmt: skip
+    print(
+        f"{label}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "img_s": img_s,
+        "step_s": step_s,
+        "data_wait": wait,
+        "threads": threads,
+        "cores": cores,
+        "wall_s": wall,
+        "windows": [[s, round(r, 2)] for s, r, _ in windows],
+    }
 
 
 def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int, cores: list[int], out) -> None:
@@ -281,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank (an odd one is unused)"
     )
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per training run")
-    parser.add_argument("--data", default=None, metavar="SHARDS",
-                        help="shard folder to train on (default: local_demo's rcdb set, made under data/)")  # fmt: skip
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="SHARDS",
+        help="shard folder to train on (default: local_demo's rcdb set, made under data/)",
+    )
     parser.add_argument("--out", default="bench-results/scaling.json")
     args = parser.parse_args(argv)
     if args.global_batch < 2 or args.global_batch % 2:
@@ -308,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.scaling: error: {error}", file=sys.stderr)
         return 1
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"world 1 {result['img_s_world1']:.1f} img/s, world 2 {result['img_s_world2']:.1f} img/s: "
-          f"{result['scaling_2_over_1']:.2f}x (goal >= 1.7x) -> {out}")  # fmt: skip
+    print(
+        f"world 1 {result['img_s_world1']:.1f} img/s, world 2 {result['img_s_world2']:.1f} img/s: "
+        f"{result['scaling_2_over_1']:.2f}x (goal >= 1.7x) -> {out}"
+    )
     print(result["notes"])
     return 0
 

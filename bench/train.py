@@ -107,11 +107,20 @@ def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
     from transformers import ViTForImageClassification
 
     hf_config = HFViTConfig(
-        hidden_size=config.width, num_hidden_layers=config.depth, num_attention_heads=config.num_heads,
-        intermediate_size=config.mlp_dim, image_size=config.image_size, patch_size=config.patch_size,
-        num_labels=config.num_classes, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, qkv_bias=True,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attn,
-    )  # fmt: skip
+        hidden_size=config.width,
+        num_hidden_layers=config.depth,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.mlp_dim,
+        image_size=config.image_size,
+        patch_size=config.patch_size,
+        num_labels=config.num_classes,
+        hidden_act="gelu_pytorch_tanh",
+        layer_norm_eps=1e-6,
+        qkv_bias=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation=attn,
+    )
     return ViTForImageClassification(hf_config)
 
 
@@ -145,9 +154,14 @@ def compile_hf_layers(model: torch.nn.Module) -> None:
 
 
 def build_steps(
-    name: str, batch_size: int, precision: str, attn: str, with_eager: bool, device: torch.device,
+    name: str,
+    batch_size: int,
+    precision: str,
+    attn: str,
+    with_eager: bool,
+    device: torch.device,
     compiled: bool = False,
-) -> tuple[dict, ViTConfig]:  # fmt: skip
+) -> tuple[dict, ViTConfig]:
     """The training steps to time, by implementation, and vitscale's model config. ``compiled`` adds each
     implementation with its blocks compiled (``<label>_compiled``); they compile in their first (warm-up) step."""
     config = model_config(name, num_classes=1000)
@@ -266,28 +280,32 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
         for layout, rate in gemm_tflops(precision, gemm_size, device).items():
             gemm[layout].append(rate)
         rates = ", ".join(f"{label} {batch_size / s[-1]:.3g} img/s" for label, s in seconds.items())
-        log(f"{name} {precision} round {i + 1}/{rounds}: {rates}, GEMM nn {gemm['nn'][-1]:.4g} nt "
-            f"{gemm['nt'][-1]:.4g} TFLOP/s")  # fmt: skip
+        log(
+            f"{name} {precision} round {i + 1}/{rounds}: {rates}, GEMM nn {gemm['nn'][-1]:.4g} nt "
+            f"{gemm['nt'][-1]:.4g} TFLOP/s"
+        )
     img_s = {label: batch_size / statistics.median(s) for label, s in seconds.items()}
     gemm_layout = {layout: statistics.median(r) for layout, r in gemm.items()}
     gemm_tf = max(gemm_layout.values())
     achieved_tf = img_s["vitscale"] * flops_per_image / 1e12
-    out.update({
-        f"speedup_vs_hf_{tag}": img_s["vitscale"] / img_s["hf"],
-        f"gemm_fraction_{tag}": achieved_tf / gemm_tf,
-        f"vitscale_img_s_{tag}": img_s["vitscale"],
-        f"hf_img_s_{tag}": img_s["hf"],
-        f"achieved_tflops_{tag}": achieved_tf,
-        f"gemm_tflops_{tag}": gemm_tf,
-        f"gemm_tflops_nn_{tag}": gemm_layout["nn"],
-        f"gemm_tflops_nt_{tag}": gemm_layout["nt"],
-        f"gemm_size_{tag}": gemm_size,
-        f"batch_size_{tag}": batch_size,
-        f"rounds_{tag}": rounds,
-        f"repeats_{tag}": repeats,
-        f"train_gflops_per_image{SUFFIX[name]}": train_flops(config) / 1e9,  # the published convention
-        f"train_gflops_per_image_as_run{SUFFIX[name]}": flops_per_image / 1e9,
-    })  # fmt: skip
+    out.update(
+        {
+            f"speedup_vs_hf_{tag}": img_s["vitscale"] / img_s["hf"],
+            f"gemm_fraction_{tag}": achieved_tf / gemm_tf,
+            f"vitscale_img_s_{tag}": img_s["vitscale"],
+            f"hf_img_s_{tag}": img_s["hf"],
+            f"achieved_tflops_{tag}": achieved_tf,
+            f"gemm_tflops_{tag}": gemm_tf,
+            f"gemm_tflops_nn_{tag}": gemm_layout["nn"],
+            f"gemm_tflops_nt_{tag}": gemm_layout["nt"],
+            f"gemm_size_{tag}": gemm_size,
+            f"batch_size_{tag}": batch_size,
+            f"rounds_{tag}": rounds,
+            f"repeats_{tag}": repeats,
+            f"train_gflops_per_image{SUFFIX[name]}": train_flops(config) / 1e9,  # the published convention
+            f"train_gflops_per_image_as_run{SUFFIX[name]}": flops_per_image / 1e9,
+        }
+    )
     if "hf_eager" in img_s:
         out[f"hf_eager_img_s_{tag}"] = img_s["hf_eager"]
         out[f"speedup_vs_hf_eager_{tag}"] = img_s["vitscale"] / img_s["hf_eager"]
@@ -378,14 +396,25 @@ def main(argv: list[str] | None = None) -> int:
     native = "default: as fp32 on a CPU with AMX/AVX512-BF16, else"
     parser.add_argument("--bf16-batch-size", type=int, default=None, help=f"{native} 1")
     parser.add_argument("--bf16-rounds", type=int, default=None, help=f"{native} 1")
-    parser.add_argument("--bf16-warmup", action="store_true",
-                        help="an untimed emulated-bf16 step first (always on with AMX/AVX512-BF16)")  # fmt: skip
+    parser.add_argument(
+        "--bf16-warmup",
+        action="store_true",
+        help="an untimed emulated-bf16 step first (always on with AMX/AVX512-BF16)",
+    )
     parser.add_argument("--gemm-size", type=int, default=2048, help="fp32 GEMM side")
     parser.add_argument("--bf16-gemm-size", type=int, default=None, help=f"bf16 GEMM side ({native} 512)")
-    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                        help="profile one bf16 vitscale step of the first model, after a warm-up step")  # fmt: skip
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time both models with their blocks torch.compile'd (model.compile)")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile one bf16 vitscale step of the first model, after a warm-up step",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time both models with their blocks torch.compile'd (model.compile)",
+    )
     parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
     parser.add_argument("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
     on_gpu = "cuda: both models and the GEMMs on GPU 0, autocast on CUDA, timers after a synchronize"

@@ -108,10 +108,15 @@ def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | 
     if not isinstance(entry, dict) or not _is_fraction(entry.get("mfu")):
         return None
     return Measured(
-        model=model, gpu_kind=kind, mfu=float(entry["mfu"]), mfu_from=str(entry.get("mfu_from", "bench.gpu")),
-        device=str(entry.get("device", kind)), date=str(entry.get("date", "?")),
-        memory_error=entry.get("memory_error"), activation_scale=float(entry.get("activation_scale", 1.0)),
-    )  # fmt: skip
+        model=model,
+        gpu_kind=kind,
+        mfu=float(entry["mfu"]),
+        mfu_from=str(entry.get("mfu_from", "bench.gpu")),
+        device=str(entry.get("device", kind)),
+        date=str(entry.get("date", "?")),
+        memory_error=entry.get("memory_error"),
+        activation_scale=float(entry.get("activation_scale", 1.0)),
+    )
 
 
 def _is_fraction(value: Any) -> bool:
@@ -158,8 +163,12 @@ def _memory_entry(result: dict, model: str) -> dict[str, Any]:
         # activations, the estimated part.
         low, high = ACTIVATION_SCALE_RANGE
         scale = min(high, max(low, (measured_gb - (planned - activations)) / activations))
-    return {"memory_gb_measured": round(measured_gb, 3), "memory_gb_planned": round(planned, 3),
-            "memory_error": round(error, 4), "activation_scale": round(scale, 4)}  # fmt: skip
+    return {
+        "memory_gb_measured": round(measured_gb, 3),
+        "memory_gb_planned": round(planned, 3),
+        "memory_error": round(error, 4),
+        "activation_scale": round(scale, 4),
+    }
 
 
 def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:

@@ -58,8 +58,12 @@ NODE_ARGS = {"object_store_memory": 100 * 1024**2, "include_dashboard": False}
 # size, which waits out the start timeout below). A node that is only slow gets 10 s per check: with a 1 s timeout a
 # raylet stalled for 8 s on a busy machine (the test suite runs two tests at once) was marked dead and exited,
 # taking the driver's or the evals' node with it (docs/elastic.md, "Health checks").
-NODE_HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
-               "health_check_timeout_ms": 10000, "health_check_failure_threshold": 3}  # fmt: skip
+NODE_HEALTH = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 10000,
+    "health_check_failure_threshold": 3,
+}
 DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's default: 60 s
 
 
@@ -204,8 +208,12 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
     thread = threading.Thread(target=job, name="elastic-demo-job", daemon=True)
     thread.start()
     try:
-        _wait("first checkpoint past step 0", lambda: any(s > 0 for s in _checkpoint_steps(run_dir)),
-              settings.timeout_s, thread)  # fmt: skip
+        _wait(
+            "first checkpoint past step 0",
+            lambda: any(s > 0 for s in _checkpoint_steps(run_dir)),
+            settings.timeout_s,
+            thread,
+        )
         at = max(_checkpoint_steps(run_dir))
         # Never the node this driver process attached to (all nodes share one IP, so it may be a worker node).
         driver_node = ray.get_runtime_context().get_node_id()
@@ -214,18 +222,24 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         removed_at = time.time()
         removed.add(victim.node_id)
         cluster.remove_node(victim, allow_graceful=False)  # like a lost machine: no goodbye to the GCS
-        _wait("restart at world size 1",
-              lambda: any(a["world_size"] == 1 and a["started"] > removed_at for a in _attempts(run_dir)),
-              settings.timeout_s, thread)  # fmt: skip
+        _wait(
+            "restart at world size 1",
+            lambda: any(a["world_size"] == 1 and a["started"] > removed_at for a in _attempts(run_dir)),
+            settings.timeout_s,
+            thread,
+        )
         note("the worker group restarted at world size 1; waiting for a checkpoint written at world size 1")
         _wait("checkpoint at world size 1", lambda: max(_checkpoint_steps(run_dir)) > at, settings.timeout_s, thread)
         at = max(_checkpoint_steps(run_dir))
         note(f"checkpoint step {at} written at world size 1; adding a worker node back")
         added_at = time.time()
         nodes[nodes.index(victim)] = add_worker_node(cluster, Path(cluster.head_node.get_temp_dir_path()))
-        _wait("regrowth to world size 2",
-              lambda: any(a["world_size"] == 2 and a["started"] > added_at for a in _attempts(run_dir)),
-              settings.timeout_s, thread)  # fmt: skip
+        _wait(
+            "regrowth to world size 2",
+            lambda: any(a["world_size"] == 2 and a["started"] > added_at for a in _attempts(run_dir)),
+            settings.timeout_s,
+            thread,
+        )
         note("Ray Train grew the worker group back to world size 2; letting the job finish")
     except (TimeoutError, RuntimeError) as exc:
         result.error = "; ".join(filter(None, (result.error, str(exc))))
@@ -250,8 +264,10 @@ def _unplanned_node_deaths(removed: set[str]) -> str:
         return ""
     if not dead:
         return ""
-    return (f"; Ray declared node(s) {', '.join(dead)} dead although the demo did not remove them: their raylet "
-            "missed its health checks (an overloaded machine? docs/elastic.md, \"Health checks\")")  # fmt: skip
+    return (
+        f"; Ray declared node(s) {', '.join(dead)} dead although the demo did not remove them: their raylet "
+        'missed its health checks (an overloaded machine? docs/elastic.md, "Health checks")'
+    )
 
 
 def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
@@ -353,14 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/elastic-demo-<time>)")
     parser.add_argument("--steps", type=int, default=DemoSettings.steps, help="training steps")
     parser.add_argument("--every", type=int, default=DemoSettings.every, help="checkpoint interval in steps")
-    parser.add_argument("--interval", type=float, default=DemoSettings.interval_s,
-                        help="elastic_resize_monitor_interval_s (seconds)")  # fmt: skip
+    parser.add_argument(
+        "--interval", type=float, default=DemoSettings.interval_s, help="elastic_resize_monitor_interval_s (seconds)"
+    )
     args = parser.parse_args(argv)
     out = args.out or PROJECT_ROOT / "runs" / f"elastic-demo-{time.strftime('%Y%m%d-%H%M%S')}"
     problem = None
     if args.every < 1 or args.steps < 3 * args.every:
-        problem = (f"--steps {args.steps} --every {args.every}: need --every >= 1 and --steps >= 3 x --every "
-                   "(a checkpoint before the node loss, one at world size 1, and steps left to grow back)")  # fmt: skip
+        problem = (
+            f"--steps {args.steps} --every {args.every}: need --every >= 1 and --steps >= 3 x --every "
+            "(a checkpoint before the node loss, one at world size 1, and steps left to grow back)"
+        )
     elif not args.interval > 0:
         problem = f"--interval {args.interval}: give a positive number of seconds, e.g. 3"
     elif out.exists() and any(out.iterdir()):

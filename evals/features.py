@@ -58,8 +58,15 @@ def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_si
     ``EvalStream`` skips (and counts) samples whose label is outside the declared classes; for evaluation a
     skipped sample would silently change the test set, so that count is an error here, named with the fix.
     """
-    stream = EvalStream(str(info.path), batch_size=batch_size, image_size=image_size, resize_size=resize_size,
-                        rank=0, world_size=1, num_workers=0)  # fmt: skip
+    stream = EvalStream(
+        str(info.path),
+        batch_size=batch_size,
+        image_size=image_size,
+        resize_size=resize_size,
+        rank=0,
+        world_size=1,
+        num_workers=0,
+    )
     yield from stream
     bad = stream.stats.get("label_out_of_range", 0) + stream.stats.get("bad_labels", 0)
     if bad:

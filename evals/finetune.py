@@ -85,9 +85,16 @@ class FinetuneOptions:
             raise ValueError(f"eval_steps must be distinct steps in 1..steps={self.steps}; got {list(self.eval_steps)}")
         check_sizes(
             self,
-            ("image_size", "resize_size", "batch_size", "max_train_examples", "eval_batch_size", "train_examples",
-             "val_examples"),
-        )  # fmt: skip
+            (
+                "image_size",
+                "resize_size",
+                "batch_size",
+                "max_train_examples",
+                "eval_batch_size",
+                "train_examples",
+                "val_examples",
+            ),
+        )
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -279,15 +286,28 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
         ResultRow("finetune", name, f"finetune/{name}/lr", result.lr, count=num_held, detail=f"chosen from {grid}"),
     ]
     rows += [
-        ResultRow("finetune", name, keys.finetune_accuracy_at(name, steps), acc, count=num_test,
-                  detail=f"test top-1 after {steps} of {opts.steps} steps (lr={result.lr:g})")
+        ResultRow(
+            "finetune",
+            name,
+            keys.finetune_accuracy_at(name, steps),
+            acc,
+            count=num_test,
+            detail=f"test top-1 after {steps} of {opts.steps} steps (lr={result.lr:g})",
+        )
         for steps, acc in result.curve.items()
-    ]  # fmt: skip
+    ]
     rows += [
-        ResultRow("finetune", name, f"finetune/{name}/holdout_accuracy", score, count=num_held, status="sweep",
-                  detail=f"lr={grid_lr:g}")
+        ResultRow(
+            "finetune",
+            name,
+            f"finetune/{name}/holdout_accuracy",
+            score,
+            count=num_held,
+            status="sweep",
+            detail=f"lr={grid_lr:g}",
+        )
         for grid_lr, score in result.val_scores.items()
-    ]  # fmt: skip
+    ]
     return rows
 
 

@@ -55,11 +55,21 @@ ACCEPTED = (
 
 
 # The parquet's schema: RESULT_COLUMNS and the weights evaluated.
-SCHEMA = pa.schema([
-    ("suite", pa.string()), ("evaluator", pa.string()), ("dataset", pa.string()), ("metric", pa.string()),
-    ("value", pa.float64()), ("std", pa.float64()), ("count", pa.int64()), ("status", pa.string()),
-    ("detail", pa.string()), ("step", pa.int64()), ("checkpoint", pa.string()),
-])  # fmt: skip
+SCHEMA = pa.schema(
+    [
+        ("suite", pa.string()),
+        ("evaluator", pa.string()),
+        ("dataset", pa.string()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+        ("std", pa.float64()),
+        ("count", pa.int64()),
+        ("status", pa.string()),
+        ("detail", pa.string()),
+        ("step", pa.int64()),
+        ("checkpoint", pa.string()),
+    ]
+)
 
 
 class CheckpointError(ValueError):

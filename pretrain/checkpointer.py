@@ -97,12 +97,18 @@ def newest_verified(run_dir: Path) -> Path | None:
         verdict = checksums.combine(folder, _gather(checksums.verify(folder, part=(rank, world))))
         if verdict.ok:
             if rank == 0 and verdict.status == "unverified":
-                print(f"warning: resuming {folder} unverified: it records no checksums (written before checkpoints "
-                      "did)", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"warning: resuming {folder} unverified: it records no checksums (written before checkpoints did)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return folder
         if rank == 0:
-            print(f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one",
+                file=sys.stderr,
+                flush=True,
+            )
         damaged.append(verdict)
     if damaged:
         raise ValueError(
@@ -116,8 +122,10 @@ def _intact(folder: Path, setting: str, only: tuple[str, ...] | None = None) -> 
     """``folder`` if its files (``only`` these) are as written, else ValueError naming the setting and the file."""
     verdict = checksums.verify(folder, only=only)
     if not verdict.ok:
-        raise ValueError(f"{setting}={folder} is damaged: {verdict.problem}; point it at an intact checkpoint "
-                         "(`python -m pretrain.checkpoint verify <run folder>` lists them)")  # fmt: skip
+        raise ValueError(
+            f"{setting}={folder} is damaged: {verdict.problem}; point it at an intact checkpoint "
+            "(`python -m pretrain.checkpoint verify <run folder>` lists them)"
+        )
     return folder
 
 
@@ -358,8 +366,11 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
         _to_universal(engine_dir, staging / state.deepspeed_tag)
         staging.rename(target)
         size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
-        print(f"converted {start.folder.name} (world size {state.world_size}) to a universal checkpoint for world size "
-              f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB", flush=True)  # fmt: skip
+        print(
+            f"converted {start.folder.name} (world size {state.world_size}) to a universal checkpoint for world size "
+            f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB",
+            flush=True,
+        )
     _barrier()
     return target
 
@@ -373,8 +384,15 @@ def _to_universal(engine_dir: Path, output: Path) -> None:
 
     from deepspeed.checkpoint import ds_to_universal  # heavy optional external: only a resize needs it
 
-    args = Namespace(input_folder=str(engine_dir), output_folder=str(output), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)  # fmt: skip
+    args = Namespace(
+        input_folder=str(engine_dir),
+        output_folder=str(output),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # its step-by-step prints; errors still raise
         ds_to_universal.main(args)
 
@@ -420,8 +438,10 @@ def _check_weights_only(folder: Path) -> None:
             with torch.serialization.safe_globals(allowed):
                 torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
-            raise ValueError(f"{path} holds objects a weights-only load refuses ({error}); it was not written by "
-                             "vitscale's DeepSpeed: resume from another checkpoint") from None  # fmt: skip
+            raise ValueError(
+                f"{path} holds objects a weights-only load refuses ({error}); it was not written by "
+                "vitscale's DeepSpeed: resume from another checkpoint"
+            ) from None
 
 
 def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[str]:
@@ -458,8 +478,15 @@ def _jsonable(obj: Any) -> Any:
 
 
 # Settings a resumed run may change without changing what it computes up to the old schedule's end.
-_RESUME_MAY_CHANGE = ("checkpoint.", "logging.", "evals.", "schedule.stop_at_step", "data.num_workers",
-                      "data.loader_start_method", "deepspeed.timeout_minutes")  # fmt: skip
+_RESUME_MAY_CHANGE = (
+    "checkpoint.",
+    "logging.",
+    "evals.",
+    "schedule.stop_at_step",
+    "data.num_workers",
+    "data.loader_start_method",
+    "deepspeed.timeout_minutes",
+)
 
 
 def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
@@ -473,8 +500,12 @@ def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
     )
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in changed)
-        print(f"warning: resuming {checkpoint_dir} with changed settings ({diffs}); the run is no longer an exact "
-              "continuation", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: resuming {checkpoint_dir} with changed settings ({diffs}); the run is no longer an exact "
+            "continuation",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def resume(
@@ -494,8 +525,11 @@ def resume(
         if state.world_size != world_size:
             before = batch_plan(config.data, state.world_size).grad_accum_steps
             after = batch_plan(config.data, world_size).grad_accum_steps
-            print(f"resuming step {state.step} at world size {world_size} (was {state.world_size}): accumulation "
-                  f"{before} -> {after}, global batch {config.data.global_batch_size}", flush=True)  # fmt: skip
+            print(
+                f"resuming step {state.step} at world size {world_size} (was {state.world_size}): accumulation "
+                f"{before} -> {after}, global batch {config.data.global_batch_size}",
+                flush=True,
+            )
         _warn_config_changes(start.folder, config)
     return state
 
@@ -553,18 +587,30 @@ class Checkpointer:
         if self.tracker is not None:
             self.tracker.sync()
         try:
-            folder = save_checkpoint(trainer.engine, trainer.model, trainer.current, step=trainer.step,
-                                     images_seen=trainer.images_seen, stream_state=trainer.stream.state_dict(),
-                                     metrics=metrics)  # fmt: skip
+            folder = save_checkpoint(
+                trainer.engine,
+                trainer.model,
+                trainer.current,
+                step=trainer.step,
+                images_seen=trainer.images_seen,
+                stream_state=trainer.stream.state_dict(),
+                metrics=metrics,
+            )
         except CheckpointSaveError as error:
             if self.on_save_error == "stop" or trainer.step >= self.last_step:
                 why = "stop" if self.on_save_error == "stop" else "skip, but the last checkpoint cannot be skipped"
-                raise CheckpointSaveError(f"{error}; then launch the run again: it resumes from its newest "
-                                          f"checkpoint (checkpoint.on_save_error: {why})") from None  # fmt: skip
+                raise CheckpointSaveError(
+                    f"{error}; then launch the run again: it resumes from its newest "
+                    f"checkpoint (checkpoint.on_save_error: {why})"
+                ) from None
             if trainer.place.rank == 0:
                 later = min(trainer.step - trainer.step % self.every + self.every, self.last_step)
-                print(f"warning: {error}; training goes on (checkpoint.on_save_error: skip) and saves again at step "
-                      f"{later}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"warning: {error}; training goes on (checkpoint.on_save_error: skip) and saves again at step "
+                    f"{later}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         self.saved.append(str(folder))
         if self.on_checkpoint is not None:

@@ -177,8 +177,11 @@ def remove_stale_build_lock(op: str) -> Path | None:
     if not (age > STALE_LOCK_S or (held is False and age > ORPHAN_LOCK_S)):
         return None
     lock.unlink(missing_ok=True)
-    print(f"vitscale: removed {lock}, a build lock left {age / 60:.0f} min ago by a process that was killed while "
-          f"building or loading {op}; DeepSpeed would have waited on it forever", file=sys.stderr)  # fmt: skip
+    print(
+        f"vitscale: removed {lock}, a build lock left {age / 60:.0f} min ago by a process that was killed while "
+        f"building or loading {op}; DeepSpeed would have waited on it forever",
+        file=sys.stderr,
+    )
     return lock
 
 

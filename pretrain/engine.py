@@ -33,9 +33,13 @@ def decide_precision(
         kept = TrainerState.read(start.folder).precision
         resumed = None if kept is None else (kept, start.folder.name)
     record = run_folder.read_precision_record(run_dir) if config.deepspeed.precision == "probe" else None
-    recorded = None if record is None else PrecisionChoice(
-        record["precision"], "run-record", f"{run_dir / run_folder.PRECISION_RECORD}: {record['reason']}"
-    )  # fmt: skip
+    recorded = (
+        None
+        if record is None
+        else PrecisionChoice(
+            record["precision"], "run-record", f"{run_dir / run_folder.PRECISION_RECORD}: {record['reason']}"
+        )
+    )
     shape = StepShape.of(model_config(config.model.name, **model_overrides(config, num_classes)), d.micro_batch_size)
 
     def probe() -> tuple[float, float]:
@@ -45,8 +49,15 @@ def decide_precision(
         return probe_bf16_speedup(build, d.micro_batch_size, d.image_size)
 
     def here() -> PrecisionChoice:
-        choice = decide(config.deepspeed.precision, place.device.type, shape, resumed=resumed, recorded=recorded,
-                        probe=probe, zero_stage=config.deepspeed.zero_stage)  # fmt: skip
+        choice = decide(
+            config.deepspeed.precision,
+            place.device.type,
+            shape,
+            resumed=resumed,
+            recorded=recorded,
+            probe=probe,
+            zero_stage=config.deepspeed.zero_stage,
+        )
         if choice.rule == "probe":  # timed now: later starts of this run repeat it
             run_folder.write_precision_record(run_dir, choice.precision, choice.rule, choice.reason)
         return choice
@@ -55,9 +66,13 @@ def decide_precision(
 
 
 def build_engine(
-    config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint, precision: str,
+    config: TrainConfig,
+    place: Placement,
+    num_classes: int,
+    start: ckpt.StartPoint,
+    precision: str,
     load_universal: bool = False,
-):  # fmt: skip
+):
     """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model).
     ``load_universal``: the engine will load a universal checkpoint (a resume at another world size)."""
     deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import

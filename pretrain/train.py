@@ -60,11 +60,18 @@ def train_worker(
     peak = device_peak(config.logging.peak_tflops, place.device, trainer.precision.precision)
     tracker, created_run = start_tracking(config, trainer, peak)
     metrics = TrainMetrics(
-        rank=place.rank, world_size=place.world_size, total_steps=trainer.last_step,
-        flops_per_image=train_flops(trainer.model.config), peak_tflops=peak.tflops,
-        device=place.device, log_every=config.logging.log_every, tracker=tracker,
-        progress_bar=config.logging.progress_bar, start_step=trainer.step, images_seen=trainer.images_seen,
-    )  # fmt: skip
+        rank=place.rank,
+        world_size=place.world_size,
+        total_steps=trainer.last_step,
+        flops_per_image=train_flops(trainer.model.config),
+        peak_tflops=peak.tflops,
+        device=place.device,
+        log_every=config.logging.log_every,
+        tracker=tracker,
+        progress_bar=config.logging.progress_bar,
+        start_step=trainer.step,
+        images_seen=trainer.images_seen,
+    )
     checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after this draws from the global generators
@@ -83,8 +90,15 @@ def train_worker(
             step_s = clock.step_done(trainer.step, result.data_s)
             beat.step(trainer.step, result.data_s, trainer.stream.stats)
             recorder.end_step(trainer.step, result.loss, trainer.epoch)
-            new = metrics.step(trainer.step, result.loss, result.lr, result.grad_norm,
-                               trainer.plan.global_batch_size, result.data_s, step_s=step_s)  # fmt: skip
+            new = metrics.step(
+                trainer.step,
+                result.loss,
+                result.lr,
+                result.grad_norm,
+                trainer.plan.global_batch_size,
+                result.data_s,
+                step_s=step_s,
+            )
             logged = new or logged
             checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})
             clock.after_step(checkpointer.save_seconds, logged=bool(new))
@@ -110,8 +124,14 @@ def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> No
     if place.rank == 0:
         attempt = len(run_folder.world_size_history(Path(config.checkpoint.dir)))
         path = attempt_path(config.checkpoint.dir, attempt)
-    clock.open(path, attempt=attempt, world_size=place.world_size, start_step=trainer.step,
-               last_step=trainer.last_step, pid=os.getpid())  # fmt: skip
+    clock.open(
+        path,
+        attempt=attempt,
+        world_size=place.world_size,
+        start_step=trainer.step,
+        last_step=trainer.last_step,
+        pid=os.getpid(),
+    )
     clock.lap("startup")
 
 
@@ -121,8 +141,7 @@ def open_recorder(config: TrainConfig, place: Placement) -> Recorder:
     attempt = 0
     if config.logging.record_sample_keys:
         attempt = broadcast(len(run_folder.world_size_history(Path(config.checkpoint.dir))))
-    return Recorder.for_run(Path(config.checkpoint.dir), config.logging, place.rank, place.world_size,
-                            attempt)  # fmt: skip
+    return Recorder.for_run(Path(config.checkpoint.dir), config.logging, place.rank, place.world_size, attempt)
 
 
 def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[Tracker, bool]:
@@ -130,10 +149,16 @@ def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[T
     whether this process created the MLflow run."""
     place, choice = trainer.place, trainer.precision
     tracker, created = _tracker(config, place, trainer.model)
-    tracker.set_tags({keys.PRECISION: choice.precision, keys.PRECISION_RULE: choice.rule,
-                      keys.PRECISION_REASON: choice.reason, keys.PEAK_TFLOPS: f"{peak.tflops:.6g}",
-                      keys.PEAK_SOURCE: peak.source,
-                      **record_world_size(config, place, trainer.step, trainer.plan)})  # fmt: skip
+    tracker.set_tags(
+        {
+            keys.PRECISION: choice.precision,
+            keys.PRECISION_RULE: choice.rule,
+            keys.PRECISION_REASON: choice.reason,
+            keys.PEAK_TFLOPS: f"{peak.tflops:.6g}",
+            keys.PEAK_SOURCE: peak.source,
+            **record_world_size(config, place, trainer.step, trainer.plan),
+        }
+    )
     return tracker, created
 
 
@@ -165,8 +190,11 @@ def record_world_size(config: TrainConfig, place: Placement, step: int, plan) ->
     history = run_folder.world_size_history(run_dir)
     events = run_folder.resize_events(history)
     sizes = [history[0]["world_size"], *(e["to"] for e in events)]
-    return {keys.WORLD_SIZE: str(place.world_size), keys.RESIZES: str(len(events)),
-            keys.WORLD_SIZES: ",".join(map(str, sizes))}  # fmt: skip
+    return {
+        keys.WORLD_SIZE: str(place.world_size),
+        keys.RESIZES: str(len(events)),
+        keys.WORLD_SIZES: ",".join(map(str, sizes)),
+    }
 
 
 def _env_world_size() -> int:
@@ -203,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(config.format())
             plan = batch_plan(config.data, world_size)
-            print(f"world size {world_size}: micro-batch {plan.micro_batch_size} x accumulation "
-                  f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}")  # fmt: skip
+            print(
+                f"world size {world_size}: micro-batch {plan.micro_batch_size} x accumulation "
+                f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}"
+            )
             return 0
         # ValueError is how the project reports bad input (pretrain.config.train_config, data_pipeline.manifest,
         # pretrain.weights.formats): the files the config points at (shards, init_from, a resumed checkpoint) are read

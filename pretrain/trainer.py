@@ -92,9 +92,19 @@ class Trainer:
     images seen. ``state`` is the `TrainerState` of the checkpoint it resumed from (None when it started fresh);
     ``current`` is the config in force (``data.image_size`` follows a progressive-resolution schedule)."""
 
-    def __init__(self, config: TrainConfig, place: Placement, num_classes: int, plan: BatchPlan,
-                 schedule: Callable[[int], float], last_step: int, total_steps: int,
-                 start: ckpt.StartPoint, current: TrainConfig, precision: PrecisionChoice):  # fmt: skip
+    def __init__(
+        self,
+        config: TrainConfig,
+        place: Placement,
+        num_classes: int,
+        plan: BatchPlan,
+        schedule: Callable[[int], float],
+        last_step: int,
+        total_steps: int,
+        start: ckpt.StartPoint,
+        current: TrainConfig,
+        precision: PrecisionChoice,
+    ):
         self.config, self.place, self.num_classes, self.plan = config, place, num_classes, plan
         self.schedule, self.last_step, self.total_steps = schedule, last_step, total_steps
         self.start_point, self.current, self.precision = start, current, precision
@@ -102,8 +112,9 @@ class Trainer:
         # computes the loss in fp32, and LayerNorm kernels accumulate their statistics in fp32.
         self.dtype = torch.bfloat16 if precision.precision == "bf16" else torch.float32
         universal = ckpt.prepare_resume(start, place.world_size, place.rank)  # converts for another world size
-        self.engine, self.model = build_engine(current, place, num_classes, start, precision.precision,
-                                               universal is not None)  # fmt: skip
+        self.engine, self.model = build_engine(
+            current, place, num_classes, start, precision.precision, universal is not None
+        )
         self.stream = build_stream(current, place, num_classes)
         self.state: TrainerState | None = ckpt.resume(
             self.engine, self.stream, start, place.rank, place.world_size, current, universal
@@ -124,8 +135,9 @@ class Trainer:
         precision = decide_precision(current, place, num_classes, start)
         if place.rank == 0:
             print(precision.line(config.deepspeed.precision), flush=True)
-        return cls(config, place, num_classes, plan, schedule, last_step, schedule.total_steps, start, current,
-                   precision)  # fmt: skip
+        return cls(
+            config, place, num_classes, plan, schedule, last_step, schedule.total_steps, start, current, precision
+        )
 
     def restore_randomness(self) -> None:
         """The global generators as the checkpoint left them, or seeded per rank. The model's own randomness does not
@@ -156,9 +168,10 @@ class Trainer:
             on_switch("switch")
         scratch = ckpt.StartPoint("scratch", None)
         self.engine, self.model = progressive.switch_resolution(
-            self.engine, self.model,
+            self.engine,
+            self.model,
             lambda: build_engine(target, self.place, self.num_classes, scratch, self.precision.precision),
-        )  # fmt: skip
+        )
         stream = build_stream(target, self.place, self.num_classes)
         stream.load_state_dict(self.stream.state_dict())
         self.current, self.stream, self._batches = target, stream, None
@@ -197,5 +210,11 @@ class Trainer:
     def describe(self) -> dict[str, Any]:
         """Where this attempt started and ended (`pretrain.telemetry.recorder.TrainSummary`'s position fields)."""
         place = self.place
-        return {"start": self.start_point.kind, "start_step": self.start_step, "steps": self.step,
-                "images_seen": self.images_seen, "rank": place.rank, "world_size": place.world_size}  # fmt: skip
+        return {
+            "start": self.start_point.kind,
+            "start_step": self.start_step,
+            "steps": self.step,
+            "images_seen": self.images_seen,
+            "rank": place.rank,
+            "world_size": place.world_size,
+        }

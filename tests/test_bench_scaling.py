@@ -14,13 +14,39 @@ def test_bench_scaling_writes_the_documented_keys(tmp_path, tiny_fractal_shards)
     from bench.scaling import main
 
     out = tmp_path / "scaling.json"
-    args = ["--model", "vit_ti16", "--image-size", "32", "--global-batch", "16", "--steps", "2", "--log-every", "1",
-            "--rounds", "1", "--threads", "2", "--data", str(tiny_fractal_shards), "--out", str(out)]  # fmt: skip
+    args = [
+        "--model",
+        "vit_ti16",
+        "--image-size",
+        "32",
+        "--global-batch",
+        "16",
+        "--steps",
+        "2",
+        "--log-every",
+        "1",
+        "--rounds",
+        "1",
+        "--threads",
+        "2",
+        "--data",
+        str(tiny_fractal_shards),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
-    for key in ("scaling_2_over_1", "img_s_world1", "img_s_world2", "step_s_world1", "step_s_world2",
-                "exchange_s_world2", "compute_s_world2", "scaling_2_over_1_same_cores",
-                "img_s_world1_all_cores"):  # fmt: skip
+    for key in (
+        "scaling_2_over_1",
+        "img_s_world1",
+        "img_s_world2",
+        "step_s_world1",
+        "step_s_world2",
+        "exchange_s_world2",
+        "compute_s_world2",
+        "scaling_2_over_1_same_cores",
+        "img_s_world1_all_cores",
+    ):
         assert isinstance(result[key], float) and result[key] >= 0, key
     assert result["scaling_2_over_1"] == pytest.approx(result["img_s_world2"] / result["img_s_world1"])
     assert result["step_s_world1"] == pytest.approx(16 / result["img_s_world1"])

@@ -22,13 +22,26 @@ from cluster.profiles import load_profile
 def campaign(**changes) -> dict:
     """What `python -m bench.gpu` writes on an H100 (the keys calibrate reads, and a few it does not)."""
     result = {
-        "device": "NVIDIA H100 80GB HBM3", "device_kind": "H100", "date": "2026-11-28T10:00:00+00:00",
-        "torch": "2.11.0+cu130", "cuda": "13.0", "deepspeed": "0.19.8", "driver": "580.65", "smoke": False,
-        "train_path_mfu_vit_h14": 0.42, "train_path_micro_batch": 64, "mfu_eager_vit_h14": 0.47,
-        "mfu_eager_vit_b16": 0.33, "eager_batch_vit_b16": 1024, "mfu_vit_l16": 0.44,
-        "plan_memory_gb_vit_h14": 39.0, "plan_activations_gb_vit_h14": 23.0, "measured_memory_gb_vit_h14": 30.0,
-        "plan_memory_error_vit_h14": (39.0 - 30.0) / 30.0, "loader_cores_needed_vit_b16": 7.5,
-    }  # fmt: skip
+        "device": "NVIDIA H100 80GB HBM3",
+        "device_kind": "H100",
+        "date": "2026-11-28T10:00:00+00:00",
+        "torch": "2.11.0+cu130",
+        "cuda": "13.0",
+        "deepspeed": "0.19.8",
+        "driver": "580.65",
+        "smoke": False,
+        "train_path_mfu_vit_h14": 0.42,
+        "train_path_micro_batch": 64,
+        "mfu_eager_vit_h14": 0.47,
+        "mfu_eager_vit_b16": 0.33,
+        "eager_batch_vit_b16": 1024,
+        "mfu_vit_l16": 0.44,
+        "plan_memory_gb_vit_h14": 39.0,
+        "plan_activations_gb_vit_h14": 23.0,
+        "measured_memory_gb_vit_h14": 30.0,
+        "plan_memory_error_vit_h14": (39.0 - 30.0) / 30.0,
+        "loader_cores_needed_vit_b16": 7.5,
+    }
     return {**result, **changes}
 
 

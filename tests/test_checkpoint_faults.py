@@ -91,8 +91,10 @@ def test_a_write_into_a_full_device_is_recorded_not_raised(tmp_path):
     attempt.write(staging / "ok.pt", lambda: torch.save({"x": torch.ones(3)}, staging / "ok.pt"))
     assert attempt.failure is None and attempt.written == {"ok.pt": checksums.entry(staging / "ok.pt")}
     (staging / "full.pt").symlink_to("/dev/full")
-    attempt.write(staging / "full.pt", lambda: torch.save({"x": torch.ones(10**6)}, str(staging / "full.pt"),
-                                                          _use_new_zipfile_serialization=False))  # fmt: skip
+    attempt.write(
+        staging / "full.pt",
+        lambda: torch.save({"x": torch.ones(10**6)}, str(staging / "full.pt"), _use_new_zipfile_serialization=False),
+    )
     failure = attempt.failure
     assert failure is not None and failure.no_space and failure.rank == 1 and failure.path.endswith("full.pt")
     assert "No space left on device" in failure.error
@@ -112,8 +114,9 @@ def test_a_write_into_a_full_device_is_recorded_not_raised(tmp_path):
 
 def _trainer(config, step: int):
     stream = SimpleNamespace(state_dict=dict)
-    return SimpleNamespace(engine=None, model=None, current=config, step=step, images_seen=0, stream=stream,
-                           place=SimpleNamespace(rank=0))  # fmt: skip
+    return SimpleNamespace(
+        engine=None, model=None, current=config, step=step, images_seen=0, stream=stream, place=SimpleNamespace(rank=0)
+    )
 
 
 def test_on_save_error_stops_or_skips_but_never_skips_the_last_save(tmp_path, monkeypatch, capsys):
@@ -180,8 +183,13 @@ def _flip_middle_byte(path: Path) -> None:
 
 
 def _verify_cli(target: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain.checkpoint", "verify", str(target)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain.checkpoint", "verify", str(target)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _assert_continues(resumed: list[dict], whole: list[dict], start: int) -> None:
@@ -318,8 +326,9 @@ def test_a_full_disk_keeps_the_earlier_checkpoints_and_stops_with_one_message(
     assert f"{full}/checkpoints/step_00000006.tmp/" in message and "(the size of step_00000004)" in message
     assert f"{full}/checkpoints has " in message
     assert "the earlier checkpoints are intact (newest: step_00000004)" in message
-    assert message.endswith("then launch the run again: it resumes from its newest checkpoint (checkpoint."
-                            "on_save_error: stop)")  # fmt: skip
+    assert message.endswith(
+        "then launch the run again: it resumes from its newest checkpoint (checkpoint.on_save_error: stop)"
+    )
     # torch's own words ("unexpected pos", "iostream error") only as the cause inside that line; no rank's traceback
     # (torchrun prints one of its own after the ranks exited with status 2)
     ranks_said = out.split("failed (exitcode: 2)")[0]

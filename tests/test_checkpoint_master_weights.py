@@ -25,8 +25,12 @@ TASK_PREFIX = "model."
 def bf16_run(shared_folder, shards: Path, stage: int) -> tuple[Path, list[dict]]:
     """A 2-process bf16 run at ZeRO ``stage`` stopped after step 2 (its checkpoint), accumulation 1: its run folder
     and rank summaries, shared with tests/test_deepspeed_interop.py (read only)."""
-    overrides = (f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16", "data.global_batch_size=8",
-                 "schedule.stop_at_step=2")  # fmt: skip
+    overrides = (
+        f"deepspeed.zero_stage={stage}",
+        "deepspeed.precision=bf16",
+        "data.global_batch_size=8",
+        "schedule.stop_at_step=2",
+    )
     return shared_torchrun(shared_folder, shards, *overrides)
 
 
@@ -48,8 +52,9 @@ def deepspeed_fp32_weights(checkpoint: Path, stage: int, scratch: Path) -> dict[
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_checkpoint_holds_the_fp32_master_weights(stage, tiny_fractal_shards, tmp_path, one_torch_thread,
-                                                        shared_folder):  # fmt: skip
+def test_bf16_checkpoint_holds_the_fp32_master_weights(
+    stage, tiny_fractal_shards, tmp_path, one_torch_thread, shared_folder
+):
     checkpoint = Path(bf16_run(shared_folder, tiny_fractal_shards, stage)[1][0]["checkpoints"][-1])
     assert checkpoint.name == "step_00000002" and TrainerState.read(checkpoint).precision == "bf16"
     saved = load_file(str(checkpoint / WEIGHTS_FILE))

@@ -109,10 +109,13 @@ def test_keep_last_spares_pinned_checkpoints_until_unpinned(tmp_path):
 
 def test_restarts_are_counted_per_job_from_rank0_placements():
     records = [
-        {"rank": 0, "job_id": "01"}, {"rank": 1, "job_id": "01"},
-        {"rank": 0, "job_id": "01"}, {"rank": 1, "job_id": "01"},  # job 01: lost a worker once
-        {"rank": 0, "job_id": "02"}, {"rank": 1, "job_id": "02"},  # job 02 continued the run: no restart
-    ]  # fmt: skip
+        {"rank": 0, "job_id": "01"},
+        {"rank": 1, "job_id": "01"},
+        {"rank": 0, "job_id": "01"},
+        {"rank": 1, "job_id": "01"},  # job 01: lost a worker once
+        {"rank": 0, "job_id": "02"},
+        {"rank": 1, "job_id": "02"},  # job 02 continued the run: no restart
+    ]
     assert count_restarts(records) == 1
     assert count_restarts(records[:2]) == 0 and count_restarts([]) == 0
 
@@ -212,8 +215,9 @@ def test_eval_tasks_run_on_the_gpu_ray_gave_them():
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkeypatch, capsys, ray_auth_off,
-                                                                mlflow_uri):  # fmt: skip
+def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
+    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri
+):
     """The restarted group redoes steps 11..~15 (already logged to MLflow), and keep_last=1 would delete the
     checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot."""
     import ray
@@ -237,27 +241,43 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
         max_failures=1,
     )
     suite = tmp_path / "tiny_fewshot.yaml"
-    suite.write_text(yaml.safe_dump({
-        "name": "tiny_fewshot",
-        "description": "few-shot on digits, 2 shot counts, 1 seed (test)",
-        "evaluators": [{"type": "fewshot", "datasets": ["digits"], "shots": [1, 5], "seeds": [0]}],
-    }))  # fmt: skip
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny_fewshot",
+                "description": "few-shot on digits, 2 shot counts, 1 seed (test)",
+                "evaluators": [{"type": "fewshot", "datasets": ["digits"], "shots": [1, 5], "seeds": [0]}],
+            }
+        )
+    )
     sets = [
-        "schedule.total=30", "schedule.warmup=3", "checkpoint.every_steps=10", "checkpoint.keep_last=1",
-        "data.builtin_options={num_classes: 8, images_per_class: 40, val_per_class: 2}", f"evals.suite={suite}",
-        "logging.progress_bar=false", "logging.log_every=1", "data.streams=2",  # the small set has 3 shards
-    ]  # fmt: skip
+        "schedule.total=30",
+        "schedule.warmup=3",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep_last=1",
+        "data.builtin_options={num_classes: 8, images_per_class: 40, val_per_class: 2}",
+        f"evals.suite={suite}",
+        "logging.progress_bar=false",
+        "logging.log_every=1",
+        "data.streams=2",  # the small set has 3 shards
+    ]
     config = resolve_config(profile, "local_demo", sets, "two-node")
     prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: fractal + digits, in tmp_path
     plan = build_plan(profile, config)
     # Rank 1 dies as soon as step 10's checkpoint is COMPLETE (on_checkpoint runs after it, on every rank), during
     # step 11. A delay would race the steps: at bf16 speed, 1 s was enough to COMPLETE step 20 first.
-    spec = JobSpec(profile, config, plan.to_dict(), FaultInjection(rank=1, after_step=10, delay_s=0.0),
-                   {"vitscale.profile": "test-2node", "vitscale.recipe": "local_demo"})  # fmt: skip
+    spec = JobSpec(
+        profile,
+        config,
+        plan.to_dict(),
+        FaultInjection(rank=1, after_step=10, delay_s=0.0),
+        {"vitscale.profile": "test-2node", "vitscale.recipe": "local_demo"},
+    )
     spec = JobSpec.from_json(spec.to_json())  # exactly what travels to the job
 
-    node_args = dict(object_store_memory=100 * 1024**2, include_dashboard=False,
-                     dashboard_agent_listen_port=_free_port())  # fmt: skip
+    node_args = dict(
+        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port()
+    )
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 2})
     try:
         cluster.add_node(**{**node_args, "num_cpus": 1, "dashboard_agent_listen_port": _free_port()})
@@ -285,8 +305,9 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(tmp_path, monkey
         job_s = time.time() - job_started
         ray.get(held)
         node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        rank0 = sorted((json.loads(p.read_text()) for p in (run_dir / "workers").glob("rank0-*.json")),
-                       key=lambda w: w["started"])  # fmt: skip
+        rank0 = sorted(
+            (json.loads(p.read_text()) for p in (run_dir / "workers").glob("rank0-*.json")), key=lambda w: w["started"]
+        )
         printed = [_worker_output(cluster, w["pid"]) for w in rank0]
     finally:
         ray.shutdown()
@@ -359,8 +380,10 @@ def _check_goodput_ledger(run_dir: Path, job_s: float, client, run_id: str, prin
 
     ledger = json.loads((run_dir / "goodput" / "ledger.json").read_text())
     total = sum(ledger["total"].values())
-    print(f"goodput ledger: buckets sum {total:.1f} s, ledger wall {ledger['wall_s']:.1f} s, measured {job_s:.1f} s; "
-          f"{ledger['total']}")  # fmt: skip
+    print(
+        f"goodput ledger: buckets sum {total:.1f} s, ledger wall {ledger['wall_s']:.1f} s, measured {job_s:.1f} s; "
+        f"{ledger['total']}"
+    )
     assert abs(total - job_s) <= 0.02 * job_s and abs(ledger["wall_s"] - job_s) <= 0.02 * job_s
     assert all(v >= 0 for row in ledger["attempts"] for k, v in row.items() if k != "row")
     rows = {row["row"]: row for row in ledger["attempts"]}

@@ -44,8 +44,11 @@ def run_keys(run_dir) -> dict[int, dict]:
     """{step: {"epoch": e, "keys": [the global batch's keys, rank order]}} of the whole run, from every attempt's
     `sample_keys/rank<r>.jsonl` (pretrain.telemetry.recorder, logging.record_sample_keys): a step trained again after a
     restart counts as the later attempt trained it."""
-    lines = [json.loads(line) for p in sorted((run_dir / SAMPLE_KEYS_DIR).glob("rank*.jsonl"))
-             for line in p.read_text().splitlines()]  # fmt: skip
+    lines = [
+        json.loads(line)
+        for p in sorted((run_dir / SAMPLE_KEYS_DIR).glob("rank*.jsonl"))
+        for line in p.read_text().splitlines()
+    ]
     assert lines, "no rank wrote its sample keys (logging.record_sample_keys)"
     latest = {}
     for entry in lines:
@@ -55,8 +58,9 @@ def run_keys(run_dir) -> dict[int, dict]:
         if entry["attempt"] == latest[entry["step"]]:
             steps[entry["step"]]["epoch"] = entry["epoch"]
             steps[entry["step"]]["keys"][int(entry["rank"])] = entry["keys"]
-    return {s: {"epoch": v["epoch"], "keys": [k for r in sorted(v["keys"]) for k in v["keys"][r]]}
-            for s, v in steps.items()}  # fmt: skip
+    return {
+        s: {"epoch": v["epoch"], "keys": [k for r in sorted(v["keys"]) for k in v["keys"][r]]} for s, v in steps.items()
+    }
 
 
 @pytest.mark.slow
@@ -103,8 +107,10 @@ def test_node_lost_and_regained_job_goes_on_in_one_run(tmp_path):
     # (within 2%); three attempts (2, 1, 2 workers), the node loss and the regrowth each a restart.
     ledger = report["goodput"]
     total = sum(ledger["total"].values())
-    print(f"goodput ledger: buckets sum {total:.1f} s, ledger wall {ledger['wall_s']:.1f} s, measured "
-          f"{result.job_s:.1f} s; {ledger['total']}")  # fmt: skip
+    print(
+        f"goodput ledger: buckets sum {total:.1f} s, ledger wall {ledger['wall_s']:.1f} s, measured "
+        f"{result.job_s:.1f} s; {ledger['total']}"
+    )
     assert abs(total - result.job_s) <= 0.02 * result.job_s
     assert abs(ledger["wall_s"] - result.job_s) <= 0.02 * result.job_s
     attempts = [row for row in ledger["attempts"] if row["row"].startswith("attempt")]

@@ -297,8 +297,11 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         printed = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert printed.returncode == 0, printed.stderr
         exports = _parse_exports(printed.stdout)
-        assert exports == {"RAY_ADDRESS": info.dashboard_url, "RAY_AUTH_MODE": "token",
-                           "RAY_AUTH_TOKEN_PATH": str(token.resolve())}  # fmt: skip
+        assert exports == {
+            "RAY_ADDRESS": info.dashboard_url,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token.resolve()),
+        }
         cli_env = {**{k: v for k, v in os.environ.items() if k not in RAY_VARS}, **exports}
         listed = _ray_cli(["job", "list"], cli_env)
         assert listed.returncode == 0 and job_id in listed.stdout, listed.stdout + listed.stderr
@@ -317,8 +320,11 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         assert jobs._stop(profile) == 0
         leftover = []
         if info is not None:
-            leftover = [p for p in local_head._processes_of(str(Path(temp_dir).resolve()), info.gcs_address)
-                        if not local_head._is_zombie(p)]  # fmt: skip
+            leftover = [
+                p
+                for p in local_head._processes_of(str(Path(temp_dir).resolve()), info.gcs_address)
+                if not local_head._is_zombie(p)
+            ]
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert "stopped the local Ray head" in capsys.readouterr().out
     assert leftover == []

@@ -79,11 +79,29 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     runs = {
-        "b16": _log_run(uri, "scaling", "b16-run", model="vit_b16", recipe="vit_b16_i21k", steps=60, gflops=17.6,
-                        evals_at=(0, 20, 40, 60), seed=1),
-        "ti": _log_run(uri, "scaling", "tiny-run", model="vit_tiny_debug", recipe="local_demo", steps=80,
-                       gflops=0.05, evals_at=(40, 80), seed=2),
-    }  # fmt: skip
+        "b16": _log_run(
+            uri,
+            "scaling",
+            "b16-run",
+            model="vit_b16",
+            recipe="vit_b16_i21k",
+            steps=60,
+            gflops=17.6,
+            evals_at=(0, 20, 40, 60),
+            seed=1,
+        ),
+        "ti": _log_run(
+            uri,
+            "scaling",
+            "tiny-run",
+            model="vit_tiny_debug",
+            recipe="local_demo",
+            steps=80,
+            gflops=0.05,
+            evals_at=(40, 80),
+            seed=2,
+        ),
+    }
     _client(uri).log_param(runs["ti"][0], "model.patch_size", 4)  # the model's patch size, if the run logged it
     return uri, root, runs
 
@@ -182,8 +200,9 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     died, _ = _log_run(uri, "mixed", "tagged-failed", model="vit_s16", recipe="r", steps=3, gflops=1, status="RUNNING")
     _client(uri).set_tag(died, keys.STATUS, "failed")
     # Died after its step-0 baseline eval, before any later checkpoint.
-    only0, _ = _log_run(uri, "mixed", "only-step0", model="vit_s16", recipe="r", steps=4, gflops=1, evals_at=(0,),
-                        status="FAILED")  # fmt: skip
+    only0, _ = _log_run(
+        uri, "mixed", "only-step0", model="vit_s16", recipe="r", steps=4, gflops=1, evals_at=(0,), status="FAILED"
+    )
     out = tmp_path / "reports"
     ids = ",".join([crashed, running, bare, died, only0])
     assert main(["--runs", ids, "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0
@@ -237,10 +256,19 @@ def _chromium() -> str:
 
 def _chromium_run(args, user_data_dir: Path) -> subprocess.CompletedProcess:
     flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--mute-audio",
-        f"--user-data-dir={user_data_dir}", "--virtual-time-budget=5000",
-    ]  # fmt: skip
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--mute-audio",
+        f"--user-data-dir={user_data_dir}",
+        "--virtual-time-budget=5000",
+    ]
     return subprocess.run([_chromium(), *flags, *args], capture_output=True, text=True, timeout=120)
 
 

@@ -195,9 +195,19 @@ def test_bench_data_writes_the_documented_keys(tmp_path):
     out = tmp_path / "data.json"
     assert main(["--images", "80", "--size", "32", "--rounds", "1", "--loader-copies", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    for key in ("ratio", "ratio_uint8", "ratio_randaugment", "ratio_full_decode", "workers_2_over_1",
-                "pil_img_s_per_core", "pipeline_img_s_per_core", "loader_img_s_workers1", "loader_img_s_workers2",
-                "read_mb_s", *(f"decode_us_scale_{n}_8" for n in range(4, 9))):  # fmt: skip
+    for key in (
+        "ratio",
+        "ratio_uint8",
+        "ratio_randaugment",
+        "ratio_full_decode",
+        "workers_2_over_1",
+        "pil_img_s_per_core",
+        "pipeline_img_s_per_core",
+        "loader_img_s_workers1",
+        "loader_img_s_workers2",
+        "read_mb_s",
+        *(f"decode_us_scale_{n}_8" for n in range(4, 9)),
+    ):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["ratio"] == pytest.approx(result["pipeline_img_s_per_core"] / result["pil_img_s_per_core"], rel=0.01)
     assert result["ratio_uint8"] == pytest.approx(
@@ -253,11 +263,14 @@ def test_decoding_only_the_rows_the_crop_reads_through_simplejpeg_is_bit_identic
         if not cut:
             # PIL decodes it all, for training (crop_resize reads the PIL image) and evaluation (decoded_rows) alike
             monkeypatch.setattr(augment, "decoded_pixels", lambda img, data, box, size, full: img)
-        outputs.append([
-            [decode_train(data, size, cfg, np.random.default_rng([seed, i])) for i in range(12) for cfg in cfgs]
-            + [decode_eval(data, size, resize) for resize in (None, 256, 4 * size)]
-            for data, seed in cases for size in (32, 96, 224)
-        ])  # fmt: skip
+        outputs.append(
+            [
+                [decode_train(data, size, cfg, np.random.default_rng([seed, i])) for i in range(12) for cfg in cfgs]
+                + [decode_eval(data, size, resize) for resize in (None, 256, 4 * size)]
+                for data, seed in cases
+                for size in (32, 96, 224)
+            ]
+        )
     assert all(np.array_equal(a, b) for a, b in zip(outputs[0], outputs[1], strict=True) for a, b in zip(a, b))
 
 
@@ -269,8 +282,12 @@ def test_crop_resize_is_pils_bilinear_filter_on_the_crop_alone(channels):
     rgb = np.array(Image.open(io.BytesIO(photo_jpeg(400, 300, 0, quality=90))))
     pixels = {4: np.dstack([rgb, np.zeros_like(rgb[:, :, :1])]), 3: rgb, 1: rgb[:, :, :1].copy()}[channels]
     image = Image.fromarray(rgb if channels > 1 else rgb[:, :, 0])
-    for box, size in [((10.4, 20.6, 310.2, 270.9), 224), ((100, 50, 180, 120), 224), ((0, 0, 400, 300), 96),
-                      ((50, 40, 274, 264), 224)]:  # fmt: skip
+    for box, size in [
+        ((10.4, 20.6, 310.2, 270.9), 224),
+        ((100, 50, 180, 120), 224),
+        ((0, 0, 400, 300), 96),
+        ((50, 40, 274, 264), 224),
+    ]:
         whole = pixel_box(box, 400, 300)
         expected = np.asarray(image.crop(whole).resize((size, size), Image.BILINEAR)).reshape(size, size, -1)
         got = crop_resize(pixels, box, size)

@@ -90,8 +90,18 @@ def shards(tmp_path_factory):
 
 
 def _spec(root, cache_mb: float, workers: int = 0) -> StreamSpec:
-    return StreamSpec(root, micro_batch_size=4, image_size=16, global_batch_size=16, streams=4, shuffle_buffer=10,
-                      augment=AugmentConfig(), cache_mb=cache_mb, num_workers=workers, record_keys=True)  # fmt: skip
+    return StreamSpec(
+        root,
+        micro_batch_size=4,
+        image_size=16,
+        global_batch_size=16,
+        streams=4,
+        shuffle_buffer=10,
+        augment=AugmentConfig(),
+        cache_mb=cache_mb,
+        num_workers=workers,
+        record_keys=True,
+    )
 
 
 def _batches(stream: TrainStream, steps: int) -> list:
@@ -104,8 +114,9 @@ def _batches(stream: TrainStream, steps: int) -> list:
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(torch.equal(xa, xb) and torch.equal(ya, yb) and ka == kb
-                                    for (xa, ya, ka), (xb, yb, kb) in zip(a, b))  # fmt: skip
+    return len(a) == len(b) and all(
+        torch.equal(xa, xb) and torch.equal(ya, yb) and ka == kb for (xa, ya, ka), (xb, yb, kb) in zip(a, b)
+    )
 
 
 def test_the_stream_yields_the_same_batches_with_and_without_the_cache(shards):

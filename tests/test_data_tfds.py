@@ -34,13 +34,17 @@ from data_pipeline.write.tfrecord import (
 from data_pipeline.write.vtab_tfds import LABEL_FUNCTIONS, TASKS, split_expression
 from evals.vtab import VTAB1K_TASKS
 
-IMAGE = {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
-         "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "jpeg"}}  # fmt: skip
+IMAGE = {
+    "pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
+    "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "jpeg"},
+}
 
 
 def class_label(n: int) -> dict:
-    return {"pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
-            "classLabel": {"numClasses": str(n)}}  # fmt: skip
+    return {
+        "pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
+        "classLabel": {"numClasses": str(n)},
+    }
 
 
 def tensor(shape: list[int], dtype: str) -> dict:
@@ -49,8 +53,10 @@ def tensor(shape: list[int], dtype: str) -> dict:
 
 
 def features_dict(features: dict) -> dict:
-    return {"pythonClassName": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
-            "featuresDict": {"features": features}}  # fmt: skip
+    return {
+        "pythonClassName": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
+        "featuresDict": {"features": features},
+    }
 
 
 def jpeg(seed: int, size=(24, 20)) -> bytes:
@@ -63,14 +69,25 @@ def jpeg(seed: int, size=(24, 20)) -> bytes:
 def make_tfds(folder: Path, name: str, splits: dict[str, list[list[dict]]], features: dict) -> Path:
     """A TFDS version folder: ``splits`` maps a split to its files, each a list of Example feature dicts."""
     folder.mkdir(parents=True)
-    info = {"name": name, "version": "1.0.0", "fileFormat": "tfrecord", "splits": [],
-            "supervisedKeys": {"tuple": {"items": [{"featureKey": "image"}, {"featureKey": "label"}]}}}  # fmt: skip
+    info = {
+        "name": name,
+        "version": "1.0.0",
+        "fileFormat": "tfrecord",
+        "splits": [],
+        "supervisedKeys": {"tuple": {"items": [{"featureKey": "image"}, {"featureKey": "label"}]}},
+    }
     for split, files in splits.items():
         for i, records in enumerate(files):
             path = folder / f"{name}-{split}.tfrecord-{i:05d}-of-{len(files):05d}"
             write_records(path, [encode_example(r) for r in records])
-        info["splits"].append({"name": split, "shardLengths": [str(len(r)) for r in files], "numBytes": "0",
-                               "filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"})  # fmt: skip
+        info["splits"].append(
+            {
+                "name": split,
+                "shardLengths": [str(len(r)) for r in files],
+                "numBytes": "0",
+                "filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}",
+            }
+        )
     (folder / "dataset_info.json").write_text(json.dumps(info))
     (folder / "features.json").write_text(json.dumps(features_dict(features)))
     return folder
@@ -176,8 +193,10 @@ def test_tfds_folder_to_shards_round_trips_labels_and_bytes_and_counts_a_corrupt
     assert validate(str(out), full=True).ok
 
     sub = tmp_path / "shards" / "sub"
-    code, _, err = run(["--source", f"tfds:{folder}", "--out", str(sub), "--tfds-split", "train[2:9]+test[:40%]",
-                        "--split", "mixed"], capsys)  # fmt: skip
+    code, _, err = run(
+        ["--source", f"tfds:{folder}", "--out", str(sub), "--tfds-split", "train[2:9]+test[:40%]", "--split", "mixed"],
+        capsys,
+    )
     assert code == 0, err
     sources = sorted(pq.read_table(sub / "samples.parquet").column("source").to_pylist())
     assert sources == sorted([f"train[{i}]" for i in range(2, 9)] + ["test[0]", "test[1]"])
@@ -224,13 +243,22 @@ def test_vtab_derived_labels_end_to_end(tmp_path, capsys):
     for k in range(30):
         n = int(rng.integers(3, 11))
         coords = [float(v) for obj in range(n) for v in (10.0 * obj, 5.0, float(rng.uniform(7.0, 11.0)))]
-        records.append({"image": [jpeg(100 + k)], "objects/size": [obj % 2 for obj in range(n)],
-                        "objects/pixel_coords": coords})  # fmt: skip
-    objects = {"pythonClassName": "tensorflow_datasets.core.features.sequence_feature.Sequence",
-               "sequence": {"feature": features_dict({"size": class_label(2), "pixel_coords": tensor([3], "float32")}),
-                            "length": "-1"}}  # fmt: skip
-    folder = make_tfds(tmp_path / "clevr" / "3.1.0", "clevr", {"train": [records[:20]], "validation": [records[20:]]},
-                       {"image": IMAGE, "objects": objects})  # fmt: skip
+        records.append(
+            {"image": [jpeg(100 + k)], "objects/size": [obj % 2 for obj in range(n)], "objects/pixel_coords": coords}
+        )
+    objects = {
+        "pythonClassName": "tensorflow_datasets.core.features.sequence_feature.Sequence",
+        "sequence": {
+            "feature": features_dict({"size": class_label(2), "pixel_coords": tensor([3], "float32")}),
+            "length": "-1",
+        },
+    }
+    folder = make_tfds(
+        tmp_path / "clevr" / "3.1.0",
+        "clevr",
+        {"train": [records[:20]], "validation": [records[20:]]},
+        {"image": IMAGE, "objects": objects},
+    )
 
     out = tmp_path / "vtab" / "clevr_count" / "train"
     code, stdout, err = run(["--source", f"tfds:{folder}", "--vtab", "clevr_count", "--out", str(out)], capsys)
@@ -246,8 +274,9 @@ def test_vtab_derived_labels_end_to_end(tmp_path, capsys):
     assert meta["name"] == "clevr_count" and meta["num_classes"] == 8 and meta["tfds"]["vtab_task"] == "clevr_count"
 
     out = tmp_path / "vtab" / "clevr_dist" / "test"
-    code, _, err = run(["--source", f"tfds:{folder}", "--vtab", "clevr_dist", "--split", "test", "--out", str(out)],
-                       capsys)  # fmt: skip
+    code, _, err = run(
+        ["--source", f"tfds:{folder}", "--vtab", "clevr_dist", "--split", "test", "--out", str(out)], capsys
+    )
     assert code == 0, err
     for row in pq.read_table(out / "samples.parquet").to_pylist():
         assert row["source"].startswith("validation[")
@@ -264,11 +293,16 @@ def test_vtab_dsprites_scales_binary_pixels(tmp_path, capsys):
 
     records = [{"image": [binary_png(k)], "label_orientation": [2 * k]} for k in range(20)]
     gray = {**IMAGE, "image": {**IMAGE["image"], "shape": {"dimensions": ["64", "64", "1"]}, "encodingFormat": "png"}}
-    folder = make_tfds(tmp_path / "dsprites" / "2.0.0", "dsprites", {"train": [records]},
-                       {"image": gray, "label_orientation": class_label(40)})  # fmt: skip
+    folder = make_tfds(
+        tmp_path / "dsprites" / "2.0.0",
+        "dsprites",
+        {"train": [records]},
+        {"image": gray, "label_orientation": class_label(40)},
+    )
     out = tmp_path / "dsprites_ori" / "test"
-    code, _, err = run(["--source", f"tfds:{folder}", "--vtab", "dsprites_ori", "--split", "test", "--out", str(out)],
-                       capsys)  # fmt: skip
+    code, _, err = run(
+        ["--source", f"tfds:{folder}", "--vtab", "dsprites_ori", "--split", "test", "--out", str(out)], capsys
+    )
     assert code == 0, err
     rows = pq.read_table(out / "samples.parquet").to_pylist()
     assert sorted(r["source"] for r in rows) == ["train[18]", "train[19]"]  # train[80%+10%:] of 20
@@ -323,11 +357,19 @@ def test_bad_tfds_input_exits_2_with_one_message(toy, tmp_path, capsys, case, ex
 def test_older_tfds_metadata_is_read(toy, tmp_path, capsys):
     """features.json in the older ``type``/``content`` form and a dataset_info.json without per-file counts."""
     folder, records = toy
-    old = {"type": "tensorflow_datasets.core.features.features_dict.FeaturesDict", "content": {
-        "image": {"type": "tensorflow_datasets.core.features.image_feature.Image",
-                  "content": {"shape": [None, None, 3], "dtype": "uint8", "encoding_format": "jpeg"}},
-        "label": {"type": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
-                  "content": {"num_classes": 3}}}}  # fmt: skip
+    old = {
+        "type": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
+        "content": {
+            "image": {
+                "type": "tensorflow_datasets.core.features.image_feature.Image",
+                "content": {"shape": [None, None, 3], "dtype": "uint8", "encoding_format": "jpeg"},
+            },
+            "label": {
+                "type": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
+                "content": {"num_classes": 3},
+            },
+        },
+    }
     (folder / "features.json").write_text(json.dumps(old))
     info = json.loads((folder / "dataset_info.json").read_text())
     for split in info["splits"]:

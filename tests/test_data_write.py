@@ -252,10 +252,21 @@ def test_killed_writer_process_resumes_without_rewriting_complete_shards(folder_
 def test_samples_table_is_streamed_in_row_groups(tmp_path):
     """samples.parquet is written a row group at a time and read back a batch at a time (bounded memory)."""
     rows = [
-        dict(key=f"{i:09d}", shard="shard-000000.tar", label=i % 3, width=8, height=8, sha256="0" * 64,
-             source_sha256="1" * 64, phash=-i, source=f"s{i}", near_duplicate=False, exact_duplicate=i == 5)
+        dict(
+            key=f"{i:09d}",
+            shard="shard-000000.tar",
+            label=i % 3,
+            width=8,
+            height=8,
+            sha256="0" * 64,
+            source_sha256="1" * 64,
+            phash=-i,
+            source=f"s{i}",
+            near_duplicate=False,
+            exact_duplicate=i == 5,
+        )
         for i in range(1000)
-    ]  # fmt: skip
+    ]
     with manifest.SamplesWriter(tmp_path / "samples.parquet", row_group=300) as writer:
         for first in range(0, len(rows), 70):
             writer.write_rows(rows[first : first + 70])

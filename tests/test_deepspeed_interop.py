@@ -61,9 +61,21 @@ def _run(*cmd: str, cwd: Path, home: Path) -> None:
 
 def _universal_fp32(engine_dir: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
     """DeepSpeed's universal-checkpoint converter, as its command line runs it: ``zero/<name>/fp32.pt`` per param."""
-    _run("-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(engine_dir / tag), "--output_folder",
-         str(out), "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state", cwd=out.parent,
-         home=out.parent)  # fmt: skip
+    _run(
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(engine_dir / tag),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+        "--inject_missing_state",
+        cwd=out.parent,
+        home=out.parent,
+    )
     files = sorted((out / "zero").glob("*/fp32.pt"))
     return {f.parent.name: torch.load(f, map_location="cpu", weights_only=True)["param"] for f in files}
 
@@ -86,8 +98,9 @@ def _hf_logits_match(run_dir: Path, checkpoint: Path, out: Path, shards: Path) -
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(stage, precision, tiny_fractal_shards, tmp_path,
-                                                                one_torch_thread, shared_folder):  # fmt: skip
+def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(
+    stage, precision, tiny_fractal_shards, tmp_path, one_torch_thread, shared_folder
+):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     shared_run = reference_run if precision == "fp32" else bf16_run

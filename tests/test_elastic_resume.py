@@ -20,9 +20,15 @@ from tests.test_train_distributed import ROOT, _env, _free_port, reference_run, 
 
 pytestmark = [pytest.mark.slow]
 
-SETTINGS = ("model.dropout=0.1", "data.num_workers=1", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
-            "schedule.total=6",
-            "logging.record_sample_keys=true", "logging.record_batch_digests=false")  # fmt: skip
+SETTINGS = (
+    "model.dropout=0.1",
+    "data.num_workers=1",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep_last=5",
+    "schedule.total=6",
+    "logging.record_sample_keys=true",
+    "logging.record_batch_digests=false",
+)
 
 
 def global_keys(summaries: list[dict]) -> dict[int, list[str]]:
@@ -46,8 +52,9 @@ def test_resume_at_another_world_size_continues_the_same_samples_and_losses(stag
     assert len(set(keys[1] + keys[2] + keys[3] + keys[4])) == 64  # epoch 0: every sample once (4 steps x 16)
 
     step2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
-    shrunk = torchrun(config("shrunk", f"checkpoint.resume_from={step2}", "schedule.stop_at_step=4"),
-                      tmp_path / "s", nproc=1)  # fmt: skip
+    shrunk = torchrun(
+        config("shrunk", f"checkpoint.resume_from={step2}", "schedule.stop_at_step=4"), tmp_path / "s", nproc=1
+    )
     step4 = tmp_path / "shrunk" / "checkpoints" / "step_00000004"
     grown = torchrun(config("grown", f"checkpoint.resume_from={step4}"), tmp_path / "g", nproc=2)
 
@@ -62,8 +69,9 @@ def test_resume_at_another_world_size_continues_the_same_samples_and_losses(stag
     assert (step2 / "universal").is_dir() == (stage > 0)
 
 
-def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loading(tiny_fractal_shards, tmp_path,
-                                                                                   shared_folder):  # fmt: skip
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loading(
+    tiny_fractal_shards, tmp_path, shared_folder
+):
     # A world-size-2 ZeRO-2 checkpoint: the shared reference run's (tests/test_train_distributed.py), read only.
     _, summaries = reference_run(shared_folder, tiny_fractal_shards, stage=2)
     checkpoint = Path(summaries[0]["checkpoints"][-1])
@@ -71,8 +79,18 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loadin
     config = tiny_config(tiny_fractal_shards, tmp_path / "other", f"checkpoint.resume_from={checkpoint}")
     recipe = tmp_path / "other.yaml"
     config.save(recipe)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", "-m", "pretrain.train", "--config", str(recipe)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=3",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        "-m",
+        "pretrain.train",
+        "--config",
+        str(recipe),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "world size 3 does not divide data.streams=4" in result.stderr and "[1, 2, 4]" in result.stderr

@@ -49,12 +49,23 @@ MIXED = FEWSHOT + (
     "  - type: vtab\n    benchmark: ci\n    tasks: [digits]\n    train_examples: 80\n    val_examples: 20\n"
 )
 MIXED_METRICS = {
-    "fewshot/digits/1shot", "fewshot/digits/5shot", "fewshot/mean/1shot", "fewshot/mean/5shot",
-    "finetune/digits/accuracy", "finetune/digits/lr",
-    "finetune/digits/accuracy_at_1steps", "finetune/digits/accuracy_at_2steps",  # the learning curve
-    "vtab/digits", "vtab/mean", "vtab/natural", "vtab/num_tasks", "vtab/natural_num_tasks",
-    "vtab/specialized_num_tasks", "vtab/structured_num_tasks", "vtab/num_tasks_expected",
-}  # fmt: skip
+    "fewshot/digits/1shot",
+    "fewshot/digits/5shot",
+    "fewshot/mean/1shot",
+    "fewshot/mean/5shot",
+    "finetune/digits/accuracy",
+    "finetune/digits/lr",
+    "finetune/digits/accuracy_at_1steps",
+    "finetune/digits/accuracy_at_2steps",  # the learning curve
+    "vtab/digits",
+    "vtab/mean",
+    "vtab/natural",
+    "vtab/num_tasks",
+    "vtab/natural_num_tasks",
+    "vtab/specialized_num_tasks",
+    "vtab/structured_num_tasks",
+    "vtab/num_tasks_expected",
+}
 
 
 @pytest.mark.timeout(300)
@@ -219,8 +230,11 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys,
     # The entry point itself: exit 2, the message, no traceback.
     done = subprocess.run(
         [sys.executable, "-m", "evals.run", "--checkpoint", str(no_weights), "--suite", "local_fewshot"],
-        cwd=PROJECT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr and "cannot evaluate" in done.stderr
 
 
@@ -264,10 +278,26 @@ def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_p
 def test_cli_module_entry_point(data_root, checkpoint, tmp_path):
     suite = write_suite(tmp_path, "cli_fewshot", "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n")
     done = subprocess.run(
-        [sys.executable, "-m", "evals.run", "--checkpoint", str(checkpoint), "--suite", str(suite),
-         "--data-root", str(data_root), "--out", str(tmp_path / "cli"), "--num-threads", "1"],
-        cwd=PROJECT, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "evals.run",
+            "--checkpoint",
+            str(checkpoint),
+            "--suite",
+            str(suite),
+            "--data-root",
+            str(data_root),
+            "--out",
+            str(tmp_path / "cli"),
+            "--num-threads",
+            "1",
+        ],
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stderr
     assert "fewshot/digits/1shot" in done.stdout and (tmp_path / "cli" / "cli_fewshot.parquet").is_file()
 

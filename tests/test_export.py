@@ -79,8 +79,10 @@ def test_every_vit_size_and_patch_loads_in_transformers_with_our_logits(name, tm
     with torch.no_grad():
         assert _relative(hf(pixel_values=images).logits, model(images)) <= 1e-4
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "model.safetensors", "preprocessor_config.json"
-    ]  # fmt: skip
+        "config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+    ]
 
 
 @pytest.mark.parametrize("gelu", ["tanh", "none"])
@@ -205,8 +207,9 @@ def _checkpoint(run: Path, step: int, model: VisionTransformer, complete: bool =
     """A checkpoint folder as the trainer leaves it, as far as an export reads it (weights, state, checksums)."""
     folder = run / "checkpoints" / f"step_{step:08d}"
     save_pretrained(model, folder)
-    TrainerState(step=step, images_seen=step * 8, world_size=1, deepspeed_tag=folder.name, stream_state={},
-                 rng_states=()).write(folder)  # fmt: skip
+    TrainerState(
+        step=step, images_seen=step * 8, world_size=1, deepspeed_tag=folder.name, stream_state={}, rng_states=()
+    ).write(folder)
     files = ("model.safetensors", "model.json", "trainer_state.json")
     checksums.write(folder, {name: checksums.entry(folder / name) for name in files})
     if complete:

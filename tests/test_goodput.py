@@ -33,16 +33,34 @@ from tracking.tracker import Tracker
 
 
 def _attempt(n, started, ended, step, start_step, seconds, checkpoints=(), windows=(), pid=None, updated=None):
-    return {"attempt": n, "pid": pid or 100 + n, "started": started, "ended": ended, "updated": updated or ended,
-            "step": step, "start_step": start_step, "last_step": 30, "seconds": seconds,
-            "checkpoints": [list(c) for c in checkpoints], "windows": list(windows)}  # fmt: skip
+    return {
+        "attempt": n,
+        "pid": pid or 100 + n,
+        "started": started,
+        "ended": ended,
+        "updated": updated or ended,
+        "step": step,
+        "start_step": start_step,
+        "last_step": 30,
+        "seconds": seconds,
+        "checkpoints": [list(c) for c in checkpoints],
+        "windows": list(windows),
+    }
 
 
 def _two_attempts():
     """Job 0..100 s: fit at 5; attempt 1's process at 8, train_worker at 10, killed after its record of 40 (step
     14, checkpoint at 10 with 12 s productive + 2 s data wait); attempt 2's process at 50, resumes step 10, ends 90."""
-    first = _attempt(1, 10.0, None, 14, 0, {"startup": 6.0, "productive": 18.0, "data_wait": 3.0, "checkpoint": 2.0},
-                     checkpoints=[(10, 12.0, 2.0)], updated=40.0)  # fmt: skip
+    first = _attempt(
+        1,
+        10.0,
+        None,
+        14,
+        0,
+        {"startup": 6.0, "productive": 18.0, "data_wait": 3.0, "checkpoint": 2.0},
+        checkpoints=[(10, 12.0, 2.0)],
+        updated=40.0,
+    )
     second = _attempt(2, 52.0, 90.0, 30, 10, {"startup": 5.0, "productive": 25.0, "data_wait": 4.0, "checkpoint": 3.0})
     return first, second, {101: 8.0, 102: 50.0}
 
@@ -104,11 +122,14 @@ def test_a_resume_from_a_step_it_did_not_save_is_interpolated_and_overlong_recor
 
 
 def test_eval_interference_is_the_extra_step_time_of_windows_an_eval_overlapped():
-    windows = [{"t0": 10.0 * i, "t1": 10.0 * (i + 1), "steps": 10, "productive_s": 10.0, "step": 10 * (i + 1)}
-               for i in range(4)]  # fmt: skip
+    windows = [
+        {"t0": 10.0 * i, "t1": 10.0 * (i + 1), "steps": 10, "productive_s": 10.0, "step": 10 * (i + 1)}
+        for i in range(4)
+    ]
     windows[2]["productive_s"] = 16.0  # an eval ran 20..25: half the window, steps 1.6x as long
-    attempt = _attempt(1, 0.0, 50.0, 40, 0, {"startup": 0.0, "productive": 46.0, "data_wait": 0.0, "checkpoint": 0.0},
-                       windows=windows)  # fmt: skip
+    attempt = _attempt(
+        1, 0.0, 50.0, 40, 0, {"startup": 0.0, "productive": 46.0, "data_wait": 0.0, "checkpoint": 0.0}, windows=windows
+    )
     evals = [EvalSpan(20.0, 25.0)]
     assert interference(attempt, evals) == pytest.approx(6.0 * 0.5)
     assert interference(attempt, [EvalSpan(100.0, 110.0)]) == 0.0  # no overlap
@@ -165,8 +186,16 @@ def test_step_time_tails_show_a_loader_that_stalls_one_step_in_fifty():
     assert tails[keys.data_wait_percentile(90)] == 0.0
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 50) == 1.5
     assert tail_metrics([], []) == {}
-    metrics = TrainMetrics(rank=0, world_size=1, total_steps=4, flops_per_image=1, peak_tflops=1.0,
-                           device=torch.device("cpu"), log_every=2, progress_bar=False)  # fmt: skip
+    metrics = TrainMetrics(
+        rank=0,
+        world_size=1,
+        total_steps=4,
+        flops_per_image=1,
+        peak_tflops=1.0,
+        device=torch.device("cpu"),
+        log_every=2,
+        progress_bar=False,
+    )
     assert metrics.step(1, 2.0, 0.1, None, 8, 0.0, step_s=0.5) == {}
     logged = metrics.step(2, 2.0, 0.1, None, 8, 0.25, step_s=1.5)
     assert logged[keys.step_time_percentile(50)] == pytest.approx(1.0)

@@ -26,11 +26,30 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_h14_recipe_trains_through_pretrain_train_on_one_gpu(tmp_path):
-    data = ensure("rcdb", tmp_path / "data", resolution=224, num_classes=8, images_per_class=32, val_per_class=1,
-                  class_offset=0, background_ramp=0,
-                  samples_per_shard=32, processes=max(1, (os.cpu_count() or 2) - 2)) / "train"  # fmt: skip
-    spec = TrainSpec(data=str(data), run_root=str(tmp_path / "runs"), steps=3, checkpoint_at=3, warmup_steps=1,
-                     resume=False, zero=False)  # fmt: skip
+    data = (
+        ensure(
+            "rcdb",
+            tmp_path / "data",
+            resolution=224,
+            num_classes=8,
+            images_per_class=32,
+            val_per_class=1,
+            class_offset=0,
+            background_ramp=0,
+            samples_per_shard=32,
+            processes=max(1, (os.cpu_count() or 2) - 2),
+        )
+        / "train"
+    )
+    spec = TrainSpec(
+        data=str(data),
+        run_root=str(tmp_path / "runs"),
+        steps=3,
+        checkpoint_at=3,
+        warmup_steps=1,
+        resume=False,
+        zero=False,
+    )
     (tmp_path / "spec.json").write_text(json.dumps(dataclasses.asdict(spec)))
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "DS_ACCELERATOR": "cuda", "PYTHONPATH": path}

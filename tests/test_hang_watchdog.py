@@ -49,8 +49,19 @@ SPEC = HangSpec(floor_s=30, factor=10, startup_s=600, checkpoint_s=300)
 
 
 def report(rank: int, t: float, phase: str = "step", step: int = 10, **kw) -> dict:
-    return {"rank": rank, "world_size": 2, "pid": 1000 + rank, "host": "h", "started": 0.0, "time": t,
-            "phase": phase, "step": step, "step_s": 0.5, "data_s": 0.01, **kw}  # fmt: skip
+    return {
+        "rank": rank,
+        "world_size": 2,
+        "pid": 1000 + rank,
+        "host": "h",
+        "started": 0.0,
+        "time": t,
+        "phase": phase,
+        "step": step,
+        "step_s": 0.5,
+        "data_s": 0.01,
+        **kw,
+    }
 
 
 def test_allowance_per_phase_and_step_time():
@@ -277,8 +288,13 @@ def test_watchdog_dumps_stacks_and_kills_the_stopped_rank(tmp_path):
     ]
     spec = HangSpec(floor_s=1.0, factor=1.0, poll_s=0.2)
     try:
-        _wait_for(lambda: all(b.get("step", 0) > 5 for b in read_heartbeats(tmp_path)) and
-                  len(read_heartbeats(tmp_path)) == 2, 60, "progress from both ranks")  # fmt: skip
+        _wait_for(
+            lambda: (
+                all(b.get("step", 0) > 5 for b in read_heartbeats(tmp_path)) and len(read_heartbeats(tmp_path)) == 2
+            ),
+            60,
+            "progress from both ranks",
+        )
         watchdog = Watchdog(tmp_path, spec, Tracker(None, None, enabled=False))
         watchdog._seen.retired.clear()  # these two started before it: here they are the job's own ranks
         assert not watchdog.poll(time.time()).hung
@@ -321,8 +337,15 @@ def test_watchdog_logs_data_counters_and_stragglers_to_mlflow(tmp_path, mlflow_u
     watchdog._seen.retired.clear()
     for step in (5, 6, 7):
         for rank, (wait, retries) in enumerate(((0.01, 2), (0.40, 1), (0.02, 0))):
-            record = report(rank, time.time(), step=step, data_s=wait, world_size=3, pid=1,
-                            data={"read_retries": retries * step, "truncated_shards": 0})  # fmt: skip
+            record = report(
+                rank,
+                time.time(),
+                step=step,
+                data_s=wait,
+                world_size=3,
+                pid=1,
+                data={"read_retries": retries * step, "truncated_shards": 0},
+            )
             heartbeat_path(tmp_path / "run", rank).write_text(json.dumps(record))
         watchdog.poll(time.time())
     watchdog.tracker.close()
@@ -367,11 +390,17 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
         base,
         storage=dataclasses.replace(
             base.storage, shards=str(local_demo_data), checkpoints=str(tmp_path / "runs"), mlflow_tracking_uri=uri
-        ),  # fmt: skip
+        ),
         max_failures=2,
     )
-    sets = ["schedule.total=30", "schedule.warmup=3", "checkpoint.every_steps=10", "logging.progress_bar=false",
-            "logging.log_every=1", "evals.suite=null"]  # fmt: skip
+    sets = [
+        "schedule.total=30",
+        "schedule.warmup=3",
+        "checkpoint.every_steps=10",
+        "logging.progress_bar=false",
+        "logging.log_every=1",
+        "evals.suite=null",
+    ]
     config = resolve_config(profile, "local_demo", sets, "hang")
     plan = build_plan(profile, config)
     fault = FaultInjection(rank=1, after_step=10, delay_s=0.0, kind="stop", full_disk_after=20)
@@ -400,8 +429,10 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
     hung, resumed = events
     assert hung["rank"] == 1 and hung["state"] == "T" and "stopped" in hung["text"]
     lost = resumed["time"] - stopped_at
-    print(f"SIGSTOP at step 10 -> hang declared after {hung['time'] - stopped_at:.0f} s, training resumed (step "
-          f"{resumed['step']}) after {lost:.0f} s")  # fmt: skip
+    print(
+        f"SIGSTOP at step 10 -> hang declared after {hung['time'] - stopped_at:.0f} s, training resumed (step "
+        f"{resumed['step']}) after {lost:.0f} s"
+    )
     assert resumed["step"] > 10 and lost < 120
     assert "watchdog: no progress" in (run_dir / "stacks" / "rank1.txt").read_text()
     # The driver says why in one line: the save's own message, which names the disk as full.

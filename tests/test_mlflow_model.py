@@ -51,8 +51,9 @@ def _checkpoint(run: Path, step: int, model: VisionTransformer) -> Path:
     """A COMPLETE checkpoint as far as export and evals read one (weights, trainer state, checksums)."""
     folder = run / "checkpoints" / f"step_{step:08d}"
     save_pretrained(model, folder)
-    TrainerState(step=step, images_seen=8 * step, world_size=2, deepspeed_tag=folder.name, stream_state={},
-                 rng_states=()).write(folder)  # fmt: skip
+    TrainerState(
+        step=step, images_seen=8 * step, world_size=2, deepspeed_tag=folder.name, stream_state={}, rng_states=()
+    ).write(folder)
     names = ("model.safetensors", "model.json", "trainer_state.json")
     checksums.write(folder, {name: checksums.entry(folder / name) for name in names})
     (folder / COMPLETE).write_text("")
@@ -135,8 +136,10 @@ def test_a_headless_model_predicts_its_features(uri, tmp_path, capsys, load):
     model = _random(num_classes=0)
     checkpoint = _checkpoint(tmp_path / "run", 3, model)
     run_id = _run(uri, "headless", {3: 0.3})
-    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--mlflow-run", run_id, "--tracking-uri",
-                 uri]) == 0  # fmt: skip
+    assert (
+        main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--mlflow-run", run_id, "--tracking-uri", uri])
+        == 0
+    )
     capsys.readouterr()
     model_uri = mlflow.MlflowClient(uri).get_run(run_id).data.tags[keys.MODEL_URI]
     assert mlflow.MlflowClient(uri).get_run(run_id).data.tags[keys.MODEL_STEP] == "3" and checkpoint.is_dir()
@@ -149,8 +152,10 @@ def test_an_older_checkpoint_does_not_displace_the_runs_final_model(uri, tmp_pat
     run_id = _run(uri, "two-models", {10: 0.2, 20: 0.4})
     for step in (20, 10):
         folder = _checkpoint(tmp_path / "run", step, _random(num_classes=3))
-        assert main(["export", str(folder), str(tmp_path / f"hf{step}"), "--mlflow-run", run_id, "--tracking-uri",
-                     uri]) == 0  # fmt: skip
+        assert (
+            main(["export", str(folder), str(tmp_path / f"hf{step}"), "--mlflow-run", run_id, "--tracking-uri", uri])
+            == 0
+        )
     capsys.readouterr()
     tags = mlflow.MlflowClient(uri).get_run(run_id).data.tags
     assert tags[keys.MODEL_STEP] == "20"
@@ -193,8 +198,12 @@ def test_the_end_of_a_job_logs_its_newest_checkpoint_and_compare_links_it(uri, t
     comparison = collect(client, uri, run_ids=(run_id,))
     assert comparison.runs[0].model_uri == model_uri and comparison.runs[0].model_step == 10
     assert f"model [job]: {model_uri} (step 10; load with mlflow.pyfunc.load_model)" in format_table(comparison)
-    assert compare_main(["--runs", run_id, "--tracking-uri", uri, "--out", str(tmp_path / "reports"), "--name", "m",
-                         "--no-mlflow"]) == 0  # fmt: skip
+    assert (
+        compare_main(
+            ["--runs", run_id, "--tracking-uri", uri, "--out", str(tmp_path / "reports"), "--name", "m", "--no-mlflow"]
+        )
+        == 0
+    )
     capsys.readouterr()
     rows = list(csv.DictReader((tmp_path / "reports" / "m" / CSV_NAME).open()))
     assert rows[0]["model_uri"] == model_uri and rows[0]["model_step"] == "10"

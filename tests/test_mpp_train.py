@@ -21,15 +21,24 @@ def _config(shards: Path, run_dir: Path, *overrides: str):
     return load_config(
         "local_mpp",
         [
-            f"data.train={shards}", "data.builtin=null", "data.global_batch_size=16", "data.micro_batch_size=16",
+            f"data.train={shards}",
+            "data.builtin=null",
+            "data.global_batch_size=16",
+            "data.micro_batch_size=16",
             "data.streams=4",  # the tiny set has 4 shards
-            "data.shuffle_buffer=8", "schedule.total=8", "schedule.warmup=2", "optim.lr=3e-3",
-            f"checkpoint.dir={run_dir}", "checkpoint.every_steps=4", "logging.progress_bar=false",
-            "logging.log_every=1", "logging.peak_tflops=1.0",
+            "data.shuffle_buffer=8",
+            "schedule.total=8",
+            "schedule.warmup=2",
+            "optim.lr=3e-3",
+            f"checkpoint.dir={run_dir}",
+            "checkpoint.every_steps=4",
+            "logging.progress_bar=false",
+            "logging.log_every=1",
+            "logging.peak_tflops=1.0",
             "deepspeed.precision=fp32",  # exact resume: one precision in every run (not auto's probe)
             *overrides,
         ],
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.timeout(900)

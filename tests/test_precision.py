@@ -112,8 +112,9 @@ def test_a_resumed_run_keeps_its_checkpoints_precision():
                 requested, "cpu", shape, flags=SAPPHIRE_RAPIDS, resumed=(kept, "step_00000300"), probe=probe
             )
             assert choice.precision == kept
-            assert choice.line(requested) == (f"precision {requested} -> {kept} (checkpoint): kept from "
-                                              f"step_00000300, which trained in {kept}")  # fmt: skip
+            assert choice.line(requested) == (
+                f"precision {requested} -> {kept} (checkpoint): kept from step_00000300, which trained in {kept}"
+            )
     # An explicit setting is the recipe's (a change of it is warned about as a changed setting); CUDA auto keeps too.
     assert decide("fp32", "cpu", resumed=("bf16", "step_00000300")).precision == "fp32"
     assert decide("auto", "cuda", resumed=("fp32", "step_00000300")).precision == "fp32"
@@ -155,8 +156,9 @@ def test_probe_in_a_run_is_timed_once_and_recorded_in_the_run_folder(tmp_path, m
     from pretrain.distributed import Placement
 
     monkeypatch.setattr(precision_module, "cpu_flags", lambda cpuinfo=None: SAPPHIRE_RAPIDS)  # so there is a probe
-    config = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}", "deepspeed.precision=probe",
-                                        "data.micro_batch_size=2"])  # fmt: skip
+    config = load_config(
+        "local_demo", [f"checkpoint.dir={tmp_path / 'run'}", "deepspeed.precision=probe", "data.micro_batch_size=2"]
+    )
     place = Placement(0, 1, 0, torch.device("cpu"))
     first = train.decide_precision(config, place, 4, StartPoint("scratch", None))
     assert first.rule == "probe" and "probe step fp32" in first.reason

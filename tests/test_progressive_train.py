@@ -22,15 +22,25 @@ def _config(shards: Path, run_dir: Path, *overrides: str):
     return load_config(
         "local_demo",
         [
-            f"data.train={shards}", "data.builtin=null", "data.global_batch_size=8", "data.micro_batch_size=8",
-            "data.shuffle_buffer=8", "data.streams=4", "data.resolution_schedule=[[0, 16], [4, 32]]",
+            f"data.train={shards}",
+            "data.builtin=null",
+            "data.global_batch_size=8",
+            "data.micro_batch_size=8",
+            "data.shuffle_buffer=8",
+            "data.streams=4",
+            "data.resolution_schedule=[[0, 16], [4, 32]]",
             "schedule.total=8",
-            "schedule.warmup=2", f"checkpoint.dir={run_dir}", "checkpoint.every_steps=2", "checkpoint.keep_last=10",
-            "logging.progress_bar=false", "logging.log_every=1", "logging.peak_tflops=1.0",
+            "schedule.warmup=2",
+            f"checkpoint.dir={run_dir}",
+            "checkpoint.every_steps=2",
+            "checkpoint.keep_last=10",
+            "logging.progress_bar=false",
+            "logging.log_every=1",
+            "logging.peak_tflops=1.0",
             "deepspeed.precision=fp32",  # exact resume: one precision in every run (not auto's probe)
             *overrides,
         ],
-    )  # fmt: skip
+    )
 
 
 def _checkpoint(run_dir: Path, step: int) -> Path:

@@ -43,8 +43,9 @@ def _env() -> dict[str, str]:
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run in a session of its own; on a timeout end torchrun and its ranks (`communicate_or_end`)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = communicate_or_end(proc, timeout)
     except subprocess.TimeoutExpired as expired:
@@ -57,18 +58,37 @@ def test_finished_ranks_leave_no_gloo_thread_and_exit_normally(tiny_fractal_shar
     config = load_config(
         "local_demo",
         [
-            f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=16",
-            "data.micro_batch_size=4", "data.shuffle_buffer=8", "data.streams=4", "schedule.total=8",
-            "schedule.warmup=2", "schedule.stop_at_step=2", f"checkpoint.dir={tmp_path / 'run'}",
-            "checkpoint.every_steps=100", "logging.progress_bar=false", "logging.peak_tflops=1.0",
-            "deepspeed.zero_stage=2", "deepspeed.precision=fp32",
+            f"data.train={tiny_fractal_shards}",
+            "data.builtin=null",
+            "data.global_batch_size=16",
+            "data.micro_batch_size=4",
+            "data.shuffle_buffer=8",
+            "data.streams=4",
+            "schedule.total=8",
+            "schedule.warmup=2",
+            "schedule.stop_at_step=2",
+            f"checkpoint.dir={tmp_path / 'run'}",
+            "checkpoint.every_steps=100",
+            "logging.progress_bar=false",
+            "logging.peak_tflops=1.0",
+            "deepspeed.zero_stage=2",
+            "deepspeed.precision=fp32",
         ],
-    )  # fmt: skip
+    )
     config.save(tmp_path / "config.yaml")
     reports = tmp_path / "reports"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(ROOT / "tests" / "teardown_repro.py"), str(reports),
-           "--config", str(tmp_path / "config.yaml")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(ROOT / "tests" / "teardown_repro.py"),
+        str(reports),
+        "--config",
+        str(tmp_path / "config.yaml"),
+    ]
     result = _run(cmd, timeout=180)
     assert "terminate called" not in result.stdout, result.stdout[-6000:]
     for rank in range(2):
@@ -101,9 +121,15 @@ sys.exit(1 if gloo_threads() else 0)
 def test_finish_distributed_frees_a_group_that_default_arguments_captured(tmp_path):
     script = tmp_path / "captured.py"
     script.write_text(CAPTURED)
-    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=150)  # fmt: skip
+    env = {
+        **_env(),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+    }
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "gloo threads after finish_distributed: []" in proc.stdout

@@ -65,8 +65,10 @@ def store(tmp_path_factory):
     client = _client(uri)
     experiment = client.create_experiment("ledger", artifact_location=(root / "artifacts").as_uri())
     train = {keys.LOSS: 2.0, keys.IMAGES_SEEN: 640.0}
-    tails = {**{keys.step_time_percentile(p): v for p, v in STEP_TAILS.items()},
-             **{keys.data_wait_percentile(p): v for p, v in WAIT_TAILS.items()}}  # fmt: skip
+    tails = {
+        **{keys.step_time_percentile(p): v for p, v in STEP_TAILS.items()},
+        **{keys.data_wait_percentile(p): v for p, v in WAIT_TAILS.items()},
+    }
     # Logged over time: an early ledger at step 10, the final one at the job's last step (the report reads that).
     early = _ledger_metrics({"productive": 90.0, "startup": 40.0, "data_wait": 10.0})
     _log(client, experiment, "steady", {10: {**train, **early}, 20: {**train, **tails, **_ledger_metrics(STEADY)}})

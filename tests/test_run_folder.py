@@ -147,8 +147,14 @@ def test_what_looks_like_a_training_checkpoint(tmp_path):
     exported.mkdir()
     (exported / rf.WEIGHTS_FILE).write_text("")
     looks = {p.name: rf.looks_like_checkpoint(p) for p in (f[1], f[2], f[3], half, exported, tmp_path / "gone")}
-    assert looks == {"step_00000001": True, "step_00000002": True, "step_00000003": False, "half": True,
-                     "exported": False, "gone": False}  # fmt: skip
+    assert looks == {
+        "step_00000001": True,
+        "step_00000002": True,
+        "step_00000003": False,
+        "half": True,
+        "exported": False,
+        "gone": False,
+    }
 
 
 def test_publish_renames_then_marks_and_replaces_an_unmarked_folder(tmp_path):

@@ -208,9 +208,18 @@ def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
 
     def attempt(start_step: int, last_step: int, loss: float) -> Tracker:
         tracker = Tracker(uri, run_id, rank=0)
-        metrics = TrainMetrics(rank=0, world_size=2, total_steps=20, flops_per_image=10**9, peak_tflops=1.0,
-                               device=torch.device("cpu"), log_every=2, tracker=tracker, progress_bar=False,
-                               start_step=start_step)  # fmt: skip
+        metrics = TrainMetrics(
+            rank=0,
+            world_size=2,
+            total_steps=20,
+            flops_per_image=10**9,
+            peak_tflops=1.0,
+            device=torch.device("cpu"),
+            log_every=2,
+            tracker=tracker,
+            progress_bar=False,
+            start_step=start_step,
+        )
         for step in range(start_step + 1, last_step + 1):
             metrics.step(step, loss, 1e-3, 0.5, images=64, data_s=0.0)
         return tracker

@@ -12,8 +12,25 @@ def test_bench_train_writes_the_documented_keys_at_both_precisions(tmp_path):
     from bench.train import main
 
     out = tmp_path / "train.json"
-    args = ["--models", "vit_ti16", "--batch-size", "2", "--rounds", "1", "--repeats", "1", "--bf16-batch-size", "1",
-            "--no-eager", "--gemm-size", "512", "--bf16-gemm-size", "512", "--out", str(out)]  # fmt: skip
+    args = [
+        "--models",
+        "vit_ti16",
+        "--batch-size",
+        "2",
+        "--rounds",
+        "1",
+        "--repeats",
+        "1",
+        "--bf16-batch-size",
+        "1",
+        "--no-eager",
+        "--gemm-size",
+        "512",
+        "--bf16-gemm-size",
+        "512",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     result = json.loads(out.read_text())
     for precision in ("fp32", "bf16"):

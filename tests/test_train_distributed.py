@@ -61,13 +61,25 @@ def tiny_config(shards: Path, run_dir: Path, *overrides: str) -> TrainConfig:
     return load_config(
         "local_demo",
         [
-            f"data.train={shards}", "data.builtin=null", "data.global_batch_size=16", "data.micro_batch_size=4",
-            "data.shuffle_buffer=8", "data.streams=4", "schedule.total=8", "schedule.warmup=2",
-            f"checkpoint.dir={run_dir}", "optim.lr=1e-3", "checkpoint.every_steps=100", "logging.progress_bar=false",
-            "logging.log_every=1", "logging.peak_tflops=1.0", "logging.record_batch_digests=true",
-            "deepspeed.precision=fp32", *overrides,
+            f"data.train={shards}",
+            "data.builtin=null",
+            "data.global_batch_size=16",
+            "data.micro_batch_size=4",
+            "data.shuffle_buffer=8",
+            "data.streams=4",
+            "schedule.total=8",
+            "schedule.warmup=2",
+            f"checkpoint.dir={run_dir}",
+            "optim.lr=1e-3",
+            "checkpoint.every_steps=100",
+            "logging.progress_bar=false",
+            "logging.log_every=1",
+            "logging.peak_tflops=1.0",
+            "logging.record_batch_digests=true",
+            "deepspeed.precision=fp32",
+            *overrides,
         ],
-    )  # fmt: skip
+    )
 
 
 def _free_port() -> int:
@@ -119,8 +131,17 @@ def torchrun(
             pytest.fail(f"training timed out after {timeout}s:\n{log.read_text()[-4000:]}")
         assert status == 0, log.read_text()[-6000:]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port()}", "-m", "pretrain.train", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+            "-m",
+            "pretrain.train",
+            *args,
+        ]
         result = _run(cmd, timeout, accelerator)
         log.write_text(result.stdout)  # what the ranks printed, for tests that read it
         assert result.returncode == 0, result.stdout[-6000:]
@@ -313,17 +334,29 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
 
     uri = mlflow_uri  # the run is created up front and passed in, as the driver does
     run_id = create_run(uri, "test_train", "crash-and-resume", params={}, tags={})
-    config = tiny_config(shards, tmp_path / "run", "checkpoint.every_steps=2", "schedule.total=6",
-                         "deepspeed.zero_stage=1", "data.global_batch_size=8", "logging.log_every=2",
-                         f"logging.mlflow_tracking_uri={uri}", f"logging.mlflow_run_id={run_id}")  # fmt: skip
+    config = tiny_config(
+        shards,
+        tmp_path / "run",
+        "checkpoint.every_steps=2",
+        "schedule.total=6",
+        "deepspeed.zero_stage=1",
+        "data.global_batch_size=8",
+        "logging.log_every=2",
+        f"logging.mlflow_tracking_uri={uri}",
+        f"logging.mlflow_run_id={run_id}",
+    )
     path = tmp_path / "config.yaml"
     config.save(path)
     # The first attempt also meets a tracking outage (nothing listens at the MLflow URI): it warns and trains on.
     dead_uri = f"http://127.0.0.1:{_free_port()}"
     outage = tmp_path / "outage.yaml"
     config.replace(logging=dataclasses.replace(config.logging, mlflow_tracking_uri=dead_uri)).save(outage)
-    crashed = _run([sys.executable, "-c", CRASH_DURING_SAVE, "--config", str(outage)], timeout=240,
-                   MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")  # fmt: skip
+    crashed = _run(
+        [sys.executable, "-c", CRASH_DURING_SAVE, "--config", str(outage)],
+        timeout=240,
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+        MLFLOW_HTTP_REQUEST_TIMEOUT="5",
+    )
     assert crashed.returncode == 17, crashed.stdout[-4000:]
     assert "Training continues" in crashed.stdout and "step 4/6" in crashed.stdout
     root = tmp_path / "run" / "checkpoints"
@@ -333,8 +366,18 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     model = load_checkpoint_model(root / "step_00000002")  # the previous checkpoint loads
     assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 4)
     # Resuming picks the previous checkpoint, ignores the partial one, and removes it at the next save.
-    resumed = _run([sys.executable, "-m", "pretrain.train", "--config", str(path),
-                    "--summary", str(tmp_path / "summary_{rank}.json")], timeout=240)  # fmt: skip
+    resumed = _run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.train",
+            "--config",
+            str(path),
+            "--summary",
+            str(tmp_path / "summary_{rank}.json"),
+        ],
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     summary = json.loads((tmp_path / "summary_0.json").read_text())
     assert summary["start"] == "run" and summary["start_step"] == 2 and summary["steps"] == 6
@@ -344,8 +387,17 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert {4, 6} <= {m.step for m in client.get_metric_history(run_id, "train/loss")}
-    for key in ("train/lr", "train/grad_norm", "train/images_per_s", "train/mfu", "train/data_wait",
-                "train/memory_gb", "train/images_seen", "train/exaflops", "train/tflops"):  # fmt: skip
+    for key in (
+        "train/lr",
+        "train/grad_norm",
+        "train/images_per_s",
+        "train/mfu",
+        "train/data_wait",
+        "train/memory_gb",
+        "train/images_seen",
+        "train/exaflops",
+        "train/tflops",
+    ):
         assert key in run.data.metrics, key
     assert run.data.metrics["train/images_seen"] == 6 * 8
     assert run.data.tags["vitscale.status"] == "finished" and run.data.params["model.name"] == "vit_tiny_debug"
@@ -374,10 +426,19 @@ def test_resume_on_one_gpu_reads_the_same_batches_and_tracks_the_losses(shards, 
     run, up to CUDA's own run-to-run differences if there are any (a fused attention backward may sum with atomics):
     the test measures two whole runs' difference and allows the resumed run twice it plus 1e-6. On an H200 both
     differences were 0."""
-    extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "data.num_workers=2", "checkpoint.every_steps=3",
-             "schedule.total=10")  # fmt: skip
-    plan = {"whole": ("whole",), "again": ("again",), "stopped": ("split", "schedule.stop_at_step=3"),
-            "resumed": ("split",)}  # name: (run folder, overrides); the last two share a run folder  # fmt: skip
+    extra = (
+        "deepspeed.zero_stage=2",
+        "model.dropout=0.1",
+        "data.num_workers=2",
+        "checkpoint.every_steps=3",
+        "schedule.total=10",
+    )
+    plan = {
+        "whole": ("whole",),
+        "again": ("again",),
+        "stopped": ("split", "schedule.stop_at_step=3"),
+        "resumed": ("split",),
+    }  # name: (run folder, overrides); the last two share a run folder
     runs = {}
     for name, (run_dir, *more) in plan.items():
         config = tiny_config(shards, tmp_path / run_dir, *extra, *more)
@@ -398,9 +459,17 @@ def test_resume_is_exact_with_loader_workers_dropout_and_epoch_boundaries(shards
     # The paper's recipe case: loader workers, dropout, RandAugment, mixup, ZeRO-3, accumulation 2. 64 images over
     # 2 ranks x micro-batch 4 is 8 micro-batches = 4 steps per epoch: the restart from the step-3 checkpoint lands
     # mid-epoch and the resumed part (4..10) crosses two epoch boundaries, each of which re-creates the workers.
-    extra = ("deepspeed.zero_stage=3", "model.dropout=0.1", "data.num_workers=2", "data.mixup_alpha=0.2",
-             "data.augment.randaugment_n=2", "data.augment.randaugment_m=10", "checkpoint.every_steps=3",
-             "checkpoint.keep_last=4", "schedule.total=10")  # fmt: skip
+    extra = (
+        "deepspeed.zero_stage=3",
+        "model.dropout=0.1",
+        "data.num_workers=2",
+        "data.mixup_alpha=0.2",
+        "data.augment.randaugment_n=2",
+        "data.augment.randaugment_m=10",
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=4",
+        "schedule.total=10",
+    )
     whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3)
     assert max(step for step, _ in whole[0]["losses"]) == 10
     assert_resumed_exactly(whole, None, resumed, stop=3, tolerance=1e-6)
@@ -452,8 +521,9 @@ def test_step0_baseline_checkpoint_changes_no_loss_and_resumes_exactly(shards, t
     # The reference: the same caller with evals.baseline=false saves and hands over no step 0.
     plain = torchrun_with_evals(tiny_config(shards, tmp_path / "plain", *extra, "evals.baseline=false"), tmp_path / "a")
     assert plain[0]["handed"] == [3, 6, 8] and plain[0]["checkpoints"][0].endswith("step_00000003")
-    based = torchrun_with_evals(tiny_config(shards, tmp_path / "based", *extra, "checkpoint.keep_last=4"),
-                                tmp_path / "b")  # fmt: skip
+    based = torchrun_with_evals(
+        tiny_config(shards, tmp_path / "based", *extra, "checkpoint.keep_last=4"), tmp_path / "b"
+    )
     step0 = tmp_path / "based" / "checkpoints" / "step_00000000"
     for rank in range(2):
         assert based[rank]["handed"] == [0, 3, 6, 8]
@@ -466,8 +536,9 @@ def test_step0_baseline_checkpoint_changes_no_loss_and_resumes_exactly(shards, t
     fresh = build_model(config.model.name, **model_overrides(config, 4))
     saved = load_checkpoint_model(step0).state_dict()
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
-    resumed = torchrun_with_evals(tiny_config(shards, tmp_path / "resumed", *extra, f"checkpoint.resume_from={step0}"),
-                                  tmp_path / "c")  # fmt: skip
+    resumed = torchrun_with_evals(
+        tiny_config(shards, tmp_path / "resumed", *extra, f"checkpoint.resume_from={step0}"), tmp_path / "c"
+    )
     for rank in range(2):
         r = resumed[rank]
         assert r["start"] == "resume_from" and r["start_step"] == 0 and r["handed"] == [3, 6, 8]
@@ -485,14 +556,24 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
     runs = {}
     for precision in ("fp32", "bf16"):
         # No augmentation and a constant lr: every step moves the weights by a comparable amount.
-        extra = ("deepspeed.zero_stage=2", f"deepspeed.precision={precision}", "schedule.total=14", "optim.lr=2e-3",
-                 "schedule.stop_at_step=12", "schedule.warmup=0", "schedule.decay=constant", "loss.label_smoothing=0",
-                 "data.augment.inception_crop=false", "data.augment.flip=false")  # fmt: skip
+        extra = (
+            "deepspeed.zero_stage=2",
+            f"deepspeed.precision={precision}",
+            "schedule.total=14",
+            "optim.lr=2e-3",
+            "schedule.stop_at_step=12",
+            "schedule.warmup=0",
+            "schedule.decay=constant",
+            "loss.label_smoothing=0",
+            "data.augment.inception_crop=false",
+            "data.augment.flip=false",
+        )
         config = tiny_config(shards, tmp_path / precision, *extra)
         runs[precision] = torchrun(config, tmp_path / f"w_{precision}")
     resumed_extra = [e for e in extra if not e.startswith(("deepspeed.precision", "schedule.stop_at_step"))]
-    resumed = torchrun(tiny_config(shards, tmp_path / "bf16", *resumed_extra, "deepspeed.precision=auto"),
-                       tmp_path / "w_resumed")  # fmt: skip
+    resumed = torchrun(
+        tiny_config(shards, tmp_path / "bf16", *resumed_extra, "deepspeed.precision=auto"), tmp_path / "w_resumed"
+    )
     assert resumed[0]["start"] == "run" and resumed[0]["steps"] == 14
     printed = (tmp_path / "w_resumed" / "output.log").read_text()
     assert "precision auto -> bf16 (checkpoint): kept from step_00000012, which trained in bf16" in printed, printed[
@@ -548,8 +629,9 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
     checkpoint and launched again equals the uninterrupted compiled run, and Dynamo traces the blocks' forward
     alone, once per rank: none of DeepSpeed's hooks, no recompile."""
     _, eager = reference_run(shared_folder, shards, stage=2)
-    compiled = torchrun(tiny_config(shards, tmp_path / "compiled", "deepspeed.zero_stage=2", "model.compile=true"),
-                        tmp_path / "b")  # fmt: skip
+    compiled = torchrun(
+        tiny_config(shards, tmp_path / "compiled", "deepspeed.zero_stage=2", "model.compile=true"), tmp_path / "b"
+    )
     e, c = [loss for _, loss in eager[0]["losses"]], [loss for _, loss in compiled[0]["losses"]]
     assert len(c) == 8 and max(abs(a - b) for a, b in zip(e, c)) <= 1e-5, (e, c)
     # The fused kernels round differently, so they ran: the trained weights differ in the last bits. (The losses
@@ -561,8 +643,14 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
     assert 0 < worst <= 5e-5, worst
     assert max(e) - min(e) > 1e-3  # the updates move the loss
     assert compiled[0]["digests"] == eager[0]["digests"]  # the same batches
-    extra = ("deepspeed.zero_stage=3", "model.compile=true", "model.dropout=0.1", "data.num_workers=2",
-             "checkpoint.every_steps=3", "checkpoint.keep_last=4")  # fmt: skip
+    extra = (
+        "deepspeed.zero_stage=3",
+        "model.compile=true",
+        "model.dropout=0.1",
+        "data.num_workers=2",
+        "checkpoint.every_steps=3",
+        "checkpoint.keep_last=4",
+    )
     monkeypatch.setenv("TORCH_LOGS", "dynamo")  # the ranks log each frame Dynamo traces (`dynamo_traced`)
     whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3)
     assert_resumed_exactly(whole, None, resumed, stop=3, tolerance=0.0)  # bit-identical

@@ -159,13 +159,31 @@ def test_rng_state_round_trips_through_json():
 
 
 def test_metrics_report_the_documented_keys_and_stop_on_non_finite_loss():
-    m = TrainMetrics(rank=0, world_size=2, total_steps=4, flops_per_image=10**9, peak_tflops=1.0,
-                     device=torch.device("cpu"), log_every=2, progress_bar=False)  # fmt: skip
+    m = TrainMetrics(
+        rank=0,
+        world_size=2,
+        total_steps=4,
+        flops_per_image=10**9,
+        peak_tflops=1.0,
+        device=torch.device("cpu"),
+        log_every=2,
+        progress_bar=False,
+    )
     assert m.step(1, 2.0, 1e-3, 0.5, images=64, data_s=0.01) == {}
     logged = m.step(2, 1.9, 1e-3, 0.4, images=64, data_s=0.01)
-    keys = {"train/loss", "train/lr", "train/grad_norm", "train/images_per_s", "train/tflops", "train/mfu",
-            "train/data_wait", "train/memory_gb", "train/images_seen", "train/exaflops",
-            *(f"train/{what}_s_p{p}" for what in ("step", "data_wait") for p in (50, 90, 99))}  # fmt: skip
+    keys = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/images_per_s",
+        "train/tflops",
+        "train/mfu",
+        "train/data_wait",
+        "train/memory_gb",
+        "train/images_seen",
+        "train/exaflops",
+        *(f"train/{what}_s_p{p}" for what in ("step", "data_wait") for p in (50, 90, 99)),
+    }
     assert set(logged) == keys
     assert logged["train/images_seen"] == 128 and logged["train/exaflops"] == pytest.approx(128 * 1e9 / 1e18)
     assert logged["train/mfu"] == pytest.approx(logged["train/tflops"] / 1.0)
@@ -339,9 +357,18 @@ def test_training_starts_past_the_build_lock_a_killed_run_left(tiny_fractal_shar
     old = time.time() - ORPHAN_LOCK_S - 60
     os.utime(lock, (old, old))
     run_dir = tmp_path / "run"
-    overrides = [f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8",
-                 "data.micro_batch_size=8", "data.streams=4", "schedule.total=2", "schedule.warmup=1",
-                 f"checkpoint.dir={run_dir}", "logging.progress_bar=false", "deepspeed.precision=fp32"]  # fmt: skip
+    overrides = [
+        f"data.train={tiny_fractal_shards}",
+        "data.builtin=null",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=8",
+        "data.streams=4",
+        "schedule.total=2",
+        "schedule.warmup=1",
+        f"checkpoint.dir={run_dir}",
+        "logging.progress_bar=false",
+        "deepspeed.precision=fp32",
+    ]
     train_cli(load_config("local_demo", overrides), run_dir, timeout=300)
     assert f"removed {lock}" in (run_dir / "output.log").read_text() and not lock.exists()
 
@@ -354,21 +381,44 @@ def test_a_standalone_run_ends_the_mlflow_run_it_created(tiny_fractal_shards, tr
     from mlflow import MlflowClient
 
     uri = mlflow_uri
-    common = [f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8",
-              "data.micro_batch_size=8", "data.streams=4", "schedule.total=4", "schedule.warmup=1",
-              "logging.progress_bar=false", "deepspeed.precision=fp32", f"logging.mlflow_tracking_uri={uri}",
-              "logging.log_every=1"]  # fmt: skip
-    stopped = load_config("local_demo", [*common, "schedule.stop_at_step=2", "logging.mlflow_experiment=stopped",
-                                         f"checkpoint.dir={tmp_path / 'stopped'}"])  # fmt: skip
+    common = [
+        f"data.train={tiny_fractal_shards}",
+        "data.builtin=null",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=8",
+        "data.streams=4",
+        "schedule.total=4",
+        "schedule.warmup=1",
+        "logging.progress_bar=false",
+        "deepspeed.precision=fp32",
+        f"logging.mlflow_tracking_uri={uri}",
+        "logging.log_every=1",
+    ]
+    stopped = load_config(
+        "local_demo",
+        [
+            *common,
+            "schedule.stop_at_step=2",
+            "logging.mlflow_experiment=stopped",
+            f"checkpoint.dir={tmp_path / 'stopped'}",
+        ],
+    )
     train_cli(stopped, tmp_path / "stopped")
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("stopped").experiment_id])
     assert (run.info.status, run.data.tags[keys.STATUS]) == ("FINISHED", "stopped")
     assert [m.step for m in client.get_metric_history(run.info.run_id, keys.LOSS)] == [1, 2]
 
-    diverged = load_config("local_demo", [*common, "optim.lr=1e30", "optim.grad_clip=0",
-                                          "logging.mlflow_experiment=diverged",
-                                          f"checkpoint.dir={tmp_path / 'diverged'}"])  # fmt: skip
+    diverged = load_config(
+        "local_demo",
+        [
+            *common,
+            "optim.lr=1e30",
+            "optim.grad_clip=0",
+            "logging.mlflow_experiment=diverged",
+            f"checkpoint.dir={tmp_path / 'diverged'}",
+        ],
+    )
     train_cli(diverged, tmp_path / "diverged", fails=True)
     assert "NonFiniteLossError" in (tmp_path / "diverged" / "output.log").read_text()
     (run,) = client.search_runs([client.get_experiment_by_name("diverged").experiment_id])
@@ -390,20 +440,39 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
 
     uri = mlflow_uri
     run_id = create_run(uri, "lost", "local_demo", {}, {})
-    config = load_config("local_demo", [
-        f"data.train={tiny_fractal_shards}", "data.builtin=null", "data.global_batch_size=8", "data.micro_batch_size=8",
-        "data.streams=4", "schedule.total=6", "schedule.warmup=1", "checkpoint.every_steps=3", "evals.suite=null",
-        "logging.progress_bar=false", "deepspeed.precision=fp32", f"logging.mlflow_tracking_uri={uri}",
-        f"logging.mlflow_run_id={run_id}", "logging.log_every=1", f"checkpoint.dir={tmp_path / 'run'}",
-    ])  # fmt: skip
+    config = load_config(
+        "local_demo",
+        [
+            f"data.train={tiny_fractal_shards}",
+            "data.builtin=null",
+            "data.global_batch_size=8",
+            "data.micro_batch_size=8",
+            "data.streams=4",
+            "schedule.total=6",
+            "schedule.warmup=1",
+            "checkpoint.every_steps=3",
+            "evals.suite=null",
+            "logging.progress_bar=false",
+            "deepspeed.precision=fp32",
+            f"logging.mlflow_tracking_uri={uri}",
+            f"logging.mlflow_run_id={run_id}",
+            "logging.log_every=1",
+            f"checkpoint.dir={tmp_path / 'run'}",
+        ],
+    )
     config.save(tmp_path / "recipe.yaml")
     code = (
         "import os, sys\nfrom pretrain.config.train_config import load_config\n"
         "from pretrain.train import train_worker\n"
         "train_worker(load_config(sys.argv[1]), on_checkpoint=lambda folder, step, m: step == 3 and os._exit(17))"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "recipe.yaml")], env=train_env(),
-                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "recipe.yaml")],
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 17, (done.stdout + done.stderr)[-4000:]
     client = MlflowClient(tracking_uri=uri)
     assert [m.step for m in client.get_metric_history(run_id, keys.WORLD_SIZE_METRIC)] == [1, 2, 3]

@@ -369,9 +369,16 @@ def test_hf_parity_hf_to_ours_both_layouts():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.ViTConfig(
-        hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=96, image_size=24,
-        patch_size=6, num_labels=4, layer_norm_eps=1e-6, hidden_act="gelu",
-    )  # fmt: skip
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=96,
+        image_size=24,
+        patch_size=6,
+        num_labels=4,
+        layer_norm_eps=1e-6,
+        hidden_act="gelu",
+    )
     hf = _randomize(transformers.ViTForImageClassification(config)).eval()
     model = from_hf_state_dict(hf.state_dict(), config).eval()
     assert model.config.gelu_approximate == "none"

@@ -50,32 +50,45 @@ def log_hf_model(
 
     hf_dir = Path(hf_dir)
     if step is None:
-        raise ValueError(f"{source or hf_dir} is no training checkpoint: only a checkpoint (or a run folder: its "
-                         "newest one) is logged into a run, at its step")  # fmt: skip
+        raise ValueError(
+            f"{source or hf_dir} is no training checkpoint: only a checkpoint (or a run folder: its "
+            "newest one) is logged into a run, at its step"
+        )
     _require_transformers()
     uri = tracking_uri or default_tracking_uri()
     client = mlflow.MlflowClient(tracking_uri=uri)
     try:
         run = client.get_run(run_id)
     except MlflowException:
-        raise ValueError(f"MLflow run {run_id!r} is not in {uri}; pass a run id `make ui` lists, and --tracking-uri "
-                         "for a store other than the project's") from None  # fmt: skip
+        raise ValueError(
+            f"MLflow run {run_id!r} is not in {uri}; pass a run id `make ui` lists, and --tracking-uri "
+            "for a store other than the project's"
+        ) from None
     spec, example = signature(hf_dir), input_example(hf_dir)  # a folder that is no HF ViT export is refused here
     means = eval_means(client, run_id, step)
     tags = {keys.MODEL_TAG_STEP: str(step), keys.MODEL_TAG_SOURCE: str(source or hf_dir)}
     tags |= {keys.MODEL_TAG_EVAL_PREFIX + key: repr(value) for key, value in means.items()}
     # Created here, in the run's experiment: MLflow's log_model would file it under the process's active experiment
     # (the default one, whose artifacts go to ./mlruns of whatever folder the process runs in).
-    model = client.create_logged_model(run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags,
-                                       params=dict(run.data.params))  # fmt: skip
+    model = client.create_logged_model(
+        run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags, params=dict(run.data.params)
+    )
     with _tracking_uri(uri):
         info = mlflow.models.Model.log(
-            artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, flavor_name="pyfunc.ModelFromCode",
-            run_id=run_id, step=step, model_id=model.model_id,
-            python_model=str(CODE_FILE), artifacts={HF_ARTIFACT: str(hf_dir)}, signature=spec, input_example=example,
+            artifact_path=None,
+            name=MODEL_NAME,
+            flavor=mlflow.pyfunc,
+            flavor_name="pyfunc.ModelFromCode",
+            run_id=run_id,
+            step=step,
+            model_id=model.model_id,
+            python_model=str(CODE_FILE),
+            artifacts={HF_ARTIFACT: str(hf_dir)},
+            signature=spec,
+            input_example=example,
             pip_requirements=requirements(),
             metadata={"vitscale": {"step": step, "source": str(source or hf_dir), "eval_means": means}},
-        )  # fmt: skip
+        )
     _tag_run(client, run_id, info.model_uri, step)
     return info.model_uri
 
@@ -84,8 +97,10 @@ def _require_transformers() -> None:
     try:
         importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError("transformers is not installed: the logged model loads through it (and MLflow checks the "
-                         "input example by loading it); pip install 'transformers>=4.45,<6'") from None  # fmt: skip
+        raise ValueError(
+            "transformers is not installed: the logged model loads through it (and MLflow checks the "
+            "input example by loading it); pip install 'transformers>=4.45,<6'"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -140,8 +155,10 @@ def _hf_shape(hf_dir: Path) -> tuple[int, int, int]:
         outputs = config["hidden_size"] if headless else len(config["id2label"])
         return int(config.get("num_channels", 3)), int(config["image_size"]), int(outputs)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path} is not the config.json of an HF ViT export ({error}); write the folder with "
-                         "`python -m pretrain.weights export SOURCE OUT --format hf`") from None  # fmt: skip
+        raise ValueError(
+            f"{path} is not the config.json of an HF ViT export ({error}); write the folder with "
+            "`python -m pretrain.weights export SOURCE OUT --format hf`"
+        ) from None
 
 
 def signature(hf_dir: Path):

@@ -181,8 +181,15 @@ def draw_goodput(ax, rows) -> list[str]:
             color = bucket_color(bucket)
             ax.barh(y, width, left=left, height=0.6, color=color, edgecolor="white", linewidth=0.5)
             if seconds / goodput.wall_s >= LABEL_MIN_SHARE:
-                ax.text(left + width / 2, y, duration_text(seconds), ha="center", va="center", fontsize=7,
-                        color=_text_color(color))  # fmt: skip
+                ax.text(
+                    left + width / 2,
+                    y,
+                    duration_text(seconds),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color=_text_color(color),
+                )
             left += width
         widest = max(widest, left)
     ax.set_yticks(range(len(drawn)))

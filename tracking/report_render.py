@@ -140,15 +140,36 @@ def write_csv(comparison: Comparison, path: Path) -> None:
         for r in comparison.runs:
             writer.writerow(
                 [
-                    r.run_id, r.run_name, r.experiment, r.status, r.model or "", r.patch or "", r.recipe or "",
-                    r.steps if r.steps is not None else "", *(_raw(v) for v in (
-                        r.images_seen, r.exaflops, r.final_loss, r.fewshot_10shot, r.fewshot_baseline,
-                        r.fewshot_gain, r.finetune_accuracy)),
-                    ";".join(r.finetune_datasets), _raw(r.vtab_mean), _raw(r.vtab_num_tasks),
-                    _raw(r.vtab_num_tasks_expected), " | ".join(r.notes), r.model_uri or "", _raw(r.model_step),
+                    r.run_id,
+                    r.run_name,
+                    r.experiment,
+                    r.status,
+                    r.model or "",
+                    r.patch or "",
+                    r.recipe or "",
+                    r.steps if r.steps is not None else "",
+                    *(
+                        _raw(v)
+                        for v in (
+                            r.images_seen,
+                            r.exaflops,
+                            r.final_loss,
+                            r.fewshot_10shot,
+                            r.fewshot_baseline,
+                            r.fewshot_gain,
+                            r.finetune_accuracy,
+                        )
+                    ),
+                    ";".join(r.finetune_datasets),
+                    _raw(r.vtab_mean),
+                    _raw(r.vtab_num_tasks),
+                    _raw(r.vtab_num_tasks_expected),
+                    " | ".join(r.notes),
+                    r.model_uri or "",
+                    _raw(r.model_step),
                     *_goodput_csv(r),
                 ]
-            )  # fmt: skip
+            )
 
 
 def _raw(value) -> str:
@@ -239,8 +260,9 @@ def draw_fewshot(ax, runs: tuple[RunSummary, ...]) -> list[str]:
         if run.fewshot_baseline is not None:  # step 0 has no compute to place on the log axis: a level line
             base = 100 * run.fewshot_baseline
             ax.axhline(base, linestyle="--", linewidth=1.0, color=color, label=f"{run.run_name}: step 0 {base:.1f}%")
-            ax.annotate("step 0 (random init)", (x[0], base), textcoords="offset points", xytext=(0, 4),
-                        fontsize=7, color=color)  # fmt: skip
+            ax.annotate(
+                "step 0 (random init)", (x[0], base), textcoords="offset points", xytext=(0, 4), fontsize=7, color=color
+            )
     if drawn:
         ax.set_xscale("log")
         ax.set_xlabel("pre-training compute (exaFLOPs, log scale)")
@@ -319,8 +341,9 @@ def render_html(
     run_notes = [f"{r.run_name}: {'; '.join(r.notes)}" for r in runs if r.notes] + list(comparison.notes)
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     experiments = ", ".join(comparison.experiments) or "—"
-    ids = "".join(f"<li><code>{esc(r.run_id)}</code> {esc(r.run_name)} ({esc(r.experiment)}){_model_html(r)}</li>"
-                  for r in runs)  # fmt: skip
+    ids = "".join(
+        f"<li><code>{esc(r.run_id)}</code> {esc(r.run_name)} ({esc(r.experiment)}){_model_html(r)}</li>" for r in runs
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>vitscale comparison — {esc(comparison.title)}</title>
 <style>{_CSS}</style></head>

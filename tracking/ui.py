@@ -54,14 +54,22 @@ def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, wor
     if port <= 0 or port > 65535:
         raise ValueError(f"--port {port} is not a TCP port (1-65535)")
     return [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", tracking_uri,
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        tracking_uri,
         # UI-created experiments keep artifacts next to the database, like those the tracker creates.
-        "--artifacts-destination", str(db.parent / "mlartifacts"),
-        "--host", host,
-        "--port", str(port),
-        "--workers", str(workers),
-    ]  # fmt: skip
+        "--artifacts-destination",
+        str(db.parent / "mlartifacts"),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds the whole campaign may take")
     parser.add_argument("--out", default="bench-results/gpu.json")
     parser.add_argument("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time compiled blocks (vitscale's and HF's); off with --smoke")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time compiled blocks (vitscale's and HF's); off with --smoke",
+    )
     parser.add_argument(
         "--peak-tflops",
         type=float,

@@ -57,9 +57,17 @@ from data_pipeline.paths import PROJECT_ROOT
 from pretrain.telemetry.peak import device_peak
 
 MODELS = tuple(gpu_step.MODELS)
-HEADLINE = ("mfu_vit_h14", "mfu_vit_l16", "mfu_vit_b16", "speedup_vs_hf_vit_h14", "speedup_vs_hf_vit_b16",
-            "train_path_mfu_vit_h14", "plan_memory_error_vit_h14", "plan_step_time_error_vit_h14",
-            "loader_cores_needed_vit_b16")  # fmt: skip
+HEADLINE = (
+    "mfu_vit_h14",
+    "mfu_vit_l16",
+    "mfu_vit_b16",
+    "speedup_vs_hf_vit_h14",
+    "speedup_vs_hf_vit_b16",
+    "train_path_mfu_vit_h14",
+    "plan_memory_error_vit_h14",
+    "plan_step_time_error_vit_h14",
+    "loader_cores_needed_vit_b16",
+)
 # Each part's share of the budget, in the order they run, and what is kept back for start-up, the summary and a part
 # that overruns a little (the step part checks its time between tasks, not inside one).
 SHARES = {"data": 0.03, "step": 0.42, "train": 0.48, "loader": 0.05, "plan": 0.02}
@@ -103,12 +111,22 @@ def environment(device: torch.device, smoke: bool, budget_s: float) -> dict:
     name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()})"
     memory = torch.cuda.get_device_properties(device).total_memory / 1e9 if on_gpu else None
     return {
-        "device": name, "device_kind": gpu_plan.device_kind(name) if on_gpu else "cpu", "gpu_memory_gb": memory,
-        "driver": _driver(), "cuda": torch.version.cuda, "torch": torch.__version__, "deepspeed": _version("deepspeed"),
-        "transformers": _version("transformers"), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
-        "smoke": smoke, "budget_s": budget_s, "precision": "bf16",
-    }  # fmt: skip
+        "device": name,
+        "device_kind": gpu_plan.device_kind(name) if on_gpu else "cpu",
+        "gpu_memory_gb": memory,
+        "driver": _driver(),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "deepspeed": _version("deepspeed"),
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "smoke": smoke,
+        "budget_s": budget_s,
+        "precision": "bf16",
+    }
 
 
 def make_data(root: Path, smoke: bool) -> Path:
@@ -116,8 +134,13 @@ def make_data(root: Path, smoke: bool) -> Path:
     # rcdb's centred contours on a dark background (class_offset 0, background_ramp 0), as the set was measured with
     sizes = dict(resolution=32, num_classes=4, images_per_class=16, samples_per_shard=16, processes=1)
     if not smoke:
-        sizes = dict(resolution=224, num_classes=256, images_per_class=16, samples_per_shard=256,
-                     processes=max(1, (os.cpu_count() or 2) - 2))  # fmt: skip
+        sizes = dict(
+            resolution=224,
+            num_classes=256,
+            images_per_class=16,
+            samples_per_shard=256,
+            processes=max(1, (os.cpu_count() or 2) - 2),
+        )
     return ensure("rcdb", root, val_per_class=1, class_offset=0, background_ramp=0, **sizes) / "train"
 
 
@@ -239,17 +262,23 @@ def summary_lines(r: dict) -> list[str]:
     lines = [f"{r['device']}; torch {r['torch']}, CUDA {r['cuda']}, DeepSpeed {r['deepspeed']}, driver {r['driver']}"]
     for m in MODELS:
         kernels = f"{r.get(f'attention_kernel_vitscale_{m}', '-')} vs HF {r.get(f'attention_kernel_hf_{m}', '-')}"
-        lines.append(f"{m}: MFU {pct(f'mfu_{m}')} ({r.get(f'mfu_config_{m}', '-')}); eager {pct(f'mfu_eager_{m}')} at "
-                     f"micro-batch {num(f'eager_batch_{m}')}, {num(f'speedup_vs_hf_{m}', '.2f')}x HF; attention "
-                     f"{kernels}")  # fmt: skip
-    lines.append(f"pretrain.train {TRAIN_MODEL}: MFU {pct('train_path_mfu_vit_h14')}, {num('train_path_img_s')} img/s, "
-                 f"data wait {pct('train_path_data_wait')}, peak {num('train_path_peak_memory_reserved_gb')} GB, "
-                 f"checkpoint {num('train_path_checkpoint_gb')} GB in {num('train_path_checkpoint_save_s')} s; resume "
-                 f"equal losses: {r.get('resume_losses_equal', '-')}")  # fmt: skip
-    lines.append(f"ZeRO-0/1/2 step: {num('zero0_step_s')} / {num('zero1_step_s')} / {num('zero2_step_s')} s; plan "
-                 f"memory error {pct('plan_memory_error_vit_h14')}, step time error "
-                 f"{pct('plan_step_time_error_vit_h14')}; loader {num('loader_img_s_per_core')} img/s per core, B/16 "
-                 f"needs {num('loader_cores_needed_vit_b16')} cores")  # fmt: skip
+        lines.append(
+            f"{m}: MFU {pct(f'mfu_{m}')} ({r.get(f'mfu_config_{m}', '-')}); eager {pct(f'mfu_eager_{m}')} at "
+            f"micro-batch {num(f'eager_batch_{m}')}, {num(f'speedup_vs_hf_{m}', '.2f')}x HF; attention "
+            f"{kernels}"
+        )
+    lines.append(
+        f"pretrain.train {TRAIN_MODEL}: MFU {pct('train_path_mfu_vit_h14')}, {num('train_path_img_s')} img/s, "
+        f"data wait {pct('train_path_data_wait')}, peak {num('train_path_peak_memory_reserved_gb')} GB, "
+        f"checkpoint {num('train_path_checkpoint_gb')} GB in {num('train_path_checkpoint_save_s')} s; resume "
+        f"equal losses: {r.get('resume_losses_equal', '-')}"
+    )
+    lines.append(
+        f"ZeRO-0/1/2 step: {num('zero0_step_s')} / {num('zero1_step_s')} / {num('zero2_step_s')} s; plan "
+        f"memory error {pct('plan_memory_error_vit_h14')}, step time error "
+        f"{pct('plan_step_time_error_vit_h14')}; loader {num('loader_img_s_per_core')} img/s per core, B/16 "
+        f"needs {num('loader_cores_needed_vit_b16')} cores"
+    )
     errors = sorted(k for k in r if k.startswith("error_"))
     if errors:
         lines.append("errors: " + "; ".join(f"{k}: {r[k]}" for k in errors))

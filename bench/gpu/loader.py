@@ -31,8 +31,15 @@ from data_pipeline.write.writer import WriteConfig, write_dataset
 def wall_rate(shards: Path, size: int, workers: int, batch: int) -> float:
     """Images per wall-clock second of a TrainStream with ``workers`` loader processes (one stream each), after its
     first batch (start-up excluded)."""
-    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, streams=workers, shuffle_buffer=64,
-                      augment=AugmentConfig(), num_workers=workers)  # fmt: skip
+    spec = StreamSpec(
+        shards,
+        micro_batch_size=batch,
+        image_size=size,
+        streams=workers,
+        shuffle_buffer=64,
+        augment=AugmentConfig(),
+        num_workers=workers,
+    )
     stream = TrainStream(spec)
     it = iter(stream)
     next(it)
@@ -53,8 +60,9 @@ def run(formula_shards: Path | None, smoke: bool, workers: int) -> dict:
             images = imagenet_like_jpegs(count, max_short=128 if smoke else 512)
             items = [(data, i % 10, f"bench/{i}") for i, data in enumerate(images)]
             shards = Path(tmp) / "shards"
-            config = WriteConfig(name="bench", samples_per_shard=max(8, count // 16), processes=1,
-                                 keep_exact_duplicates=True)  # fmt: skip
+            config = WriteConfig(
+                name="bench", samples_per_shard=max(8, count // 16), processes=1, keep_exact_duplicates=True
+            )
             write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
             out["loader_jpeg_kib"] = sum(map(len, images)) / len(images) / 1024
             out["loader_img_s_per_core"] = stream_rate(shards, size, batch)

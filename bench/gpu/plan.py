@@ -35,8 +35,9 @@ def device_kind(name: str) -> str:
 def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, loader_workers: int):
     """``BASE_PROFILE`` reduced to one GPU of this device (module docstring)."""
     base = load_profile(BASE_PROFILE)
-    hardware = dataclasses.replace(base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name,
-                                   gpu_memory_gb=memory_gb, peak_tflops=peak_tflops)  # fmt: skip
+    hardware = dataclasses.replace(
+        base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name, gpu_memory_gb=memory_gb, peak_tflops=peak_tflops
+    )
     workers = dataclasses.replace(base.workers, num_workers=1, loader_workers=loader_workers)
     profile = dataclasses.replace(base, name=f"bench-{device_name}", hardware=hardware, workers=workers)
     profile.validate()

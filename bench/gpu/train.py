@@ -69,23 +69,38 @@ class TrainSpec:
     def sets(self, run_dir: Path) -> list[str]:
         """Overrides of the recipe: this data, accumulation 1, a short stop, no MLflow, no evals."""
         sets = [
-            f"data.train={self.data}", "data.builtin=null", f"data.streams={4 if self.smoke else 8}",
+            f"data.train={self.data}",
+            "data.builtin=null",
+            f"data.streams={4 if self.smoke else 8}",
             "data.shuffle_buffer=256",
-            f"data.num_workers={self.num_workers}", "schedule.total=20000", f"schedule.stop_at_step={self.steps}",
-            f"checkpoint.dir={run_dir}", f"checkpoint.every_steps={self.checkpoint_at}", "checkpoint.keep_last=2",
-            "logging.progress_bar=false", f"logging.log_every={max(1, self.steps // 4)}", "evals.suite=null",
-        ]  # fmt: skip
+            f"data.num_workers={self.num_workers}",
+            "schedule.total=20000",
+            f"schedule.stop_at_step={self.steps}",
+            f"checkpoint.dir={run_dir}",
+            f"checkpoint.every_steps={self.checkpoint_at}",
+            "checkpoint.keep_last=2",
+            "logging.progress_bar=false",
+            f"logging.log_every={max(1, self.steps // 4)}",
+            "evals.suite=null",
+        ]
         if self.smoke:  # a tiny ViT at 32 px, one worker forked (forkserver's start-up is seconds on 2 cores)
-            sets += ["model.name=vit_tiny_debug", "data.image_size=32", "model.num_classes=10",
-                     "model.representation_size=null", "data.shuffle_buffer=16", "data.loader_start_method=fork",
-                     "logging.peak_tflops=1.0"]  # fmt: skip
+            sets += [
+                "model.name=vit_tiny_debug",
+                "data.image_size=32",
+                "model.num_classes=10",
+                "model.representation_size=null",
+                "data.shuffle_buffer=16",
+                "data.loader_start_method=fork",
+                "logging.peak_tflops=1.0",
+            ]
         return sets
 
     def config(self, run_dir: Path, *more: str) -> TrainConfig:
         config = load_config(RECIPE, self.sets(run_dir))
         micro = 4 if self.smoke else config.data.micro_batch_size  # the recipe's (64 for H/14)
-        return load_config(RECIPE, [*self.sets(run_dir), f"data.micro_batch_size={micro}",
-                                    f"data.global_batch_size={micro}", *more])  # fmt: skip
+        return load_config(
+            RECIPE, [*self.sets(run_dir), f"data.micro_batch_size={micro}", f"data.global_batch_size={micro}", *more]
+        )
 
 
 class TimedBeat(Heartbeat):
@@ -113,8 +128,10 @@ def _memory(device: torch.device, prefix: str) -> dict:
     if device.type != "cuda":
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
         return {f"{prefix}_peak_memory_allocated_gb": peak, f"{prefix}_peak_memory_reserved_gb": peak}
-    return {f"{prefix}_peak_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-            f"{prefix}_peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}  # fmt: skip
+    return {
+        f"{prefix}_peak_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+        f"{prefix}_peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+    }
 
 
 def _flops_per_image(config: TrainConfig) -> int:
@@ -141,18 +158,29 @@ def real_path(spec: TrainSpec, out: dict) -> None:
     peak = device_peak(config.logging.peak_tflops, device, "bf16" if device.type == "cuda" else "fp32")
     img_s = batch / step_s
     save_s, save_bytes = saves[spec.checkpoint_at]
-    out.update({
-        "train_path_model": config.model.name, "train_path_micro_batch": config.data.micro_batch_size,
-        "train_path_global_batch": batch, "train_path_zero_stage": config.deepspeed.zero_stage,
-        "train_path_num_workers": config.data.num_workers, "train_path_steps": summary.steps,
-        "train_path_steady_steps": len(steady), "train_path_step_s": step_s, "train_path_img_s": img_s,
-        "train_path_mfu": img_s * _flops_per_image(config) / (peak.tflops * 1e12),
-        "train_path_peak_tflops": peak.tflops, "train_path_peak_source": peak.source, "train_path_data_wait": wait,
-        "train_path_start_s": beat.ends[steps[0]] - beat.started, "train_path_checkpoint_save_s": save_s,
-        "train_path_checkpoint_gb": save_bytes / 1e9, "train_path_losses": summary.losses,
-        "train_path_step_times_s": [round(durations[s], 4) for s in sorted(durations)],
-        **_memory(device, "train_path"),
-    })  # fmt: skip
+    out.update(
+        {
+            "train_path_model": config.model.name,
+            "train_path_micro_batch": config.data.micro_batch_size,
+            "train_path_global_batch": batch,
+            "train_path_zero_stage": config.deepspeed.zero_stage,
+            "train_path_num_workers": config.data.num_workers,
+            "train_path_steps": summary.steps,
+            "train_path_steady_steps": len(steady),
+            "train_path_step_s": step_s,
+            "train_path_img_s": img_s,
+            "train_path_mfu": img_s * _flops_per_image(config) / (peak.tflops * 1e12),
+            "train_path_peak_tflops": peak.tflops,
+            "train_path_peak_source": peak.source,
+            "train_path_data_wait": wait,
+            "train_path_start_s": beat.ends[steps[0]] - beat.started,
+            "train_path_checkpoint_save_s": save_s,
+            "train_path_checkpoint_gb": save_bytes / 1e9,
+            "train_path_losses": summary.losses,
+            "train_path_step_times_s": [round(durations[s], 4) for s in sorted(durations)],
+            **_memory(device, "train_path"),
+        }
+    )
     for step in list(saves)[1:]:  # only the first checkpoint is resumed from: the disk holds one H/14 save less
         shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
 
@@ -161,19 +189,25 @@ def resume(spec: TrainSpec, out: dict) -> None:
     """Part 2: the keys ``resume_*``."""
     source = Path(spec.run_root) / "run" / "checkpoints" / f"step_{spec.checkpoint_at:08d}"
     stop = spec.checkpoint_at + spec.resume_steps
-    config = spec.config(Path(spec.run_root) / "resumed", f"checkpoint.resume_from={source}",
-                         f"schedule.stop_at_step={stop}")  # fmt: skip
+    config = spec.config(
+        Path(spec.run_root) / "resumed", f"checkpoint.resume_from={source}", f"schedule.stop_at_step={stop}"
+    )
     beat = TimedBeat()
     summary = train_worker(config, heartbeat=beat)
     first = dict((int(s), loss) for s, loss in out["train_path_losses"])
     again = [(int(s), loss) for s, loss in summary.losses]
     diffs = [abs(loss - first[s]) for s, loss in again if s in first]
-    out.update({
-        "resume_start": summary.start, "resume_start_step": summary.start_step, "resume_losses": summary.losses,
-        "resume_compared_steps": len(diffs), "resume_max_abs_loss_diff": max(diffs) if diffs else None,
-        "resume_losses_equal": bool(diffs) and max(diffs) == 0.0,
-        "resume_start_s": beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
-    })  # fmt: skip
+    out.update(
+        {
+            "resume_start": summary.start,
+            "resume_start_step": summary.start_step,
+            "resume_losses": summary.losses,
+            "resume_compared_steps": len(diffs),
+            "resume_max_abs_loss_diff": max(diffs) if diffs else None,
+            "resume_losses_equal": bool(diffs) and max(diffs) == 0.0,
+            "resume_start_s": beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
+        }
+    )
     shutil.rmtree(Path(spec.run_root) / "run", ignore_errors=True)
     shutil.rmtree(Path(spec.run_root) / "resumed", ignore_errors=True)
 
@@ -241,8 +275,13 @@ def zero_stages(spec: TrainSpec, out: dict) -> None:
                 trainer.close()
             del trainer
         gc.collect()
-        out.update({f"zero{stage}_step_s": step_s, f"zero{stage}_img_s": config.data.global_batch_size / step_s,
-                    **_memory(place.device, f"zero{stage}")})  # fmt: skip
+        out.update(
+            {
+                f"zero{stage}_step_s": step_s,
+                f"zero{stage}_img_s": config.data.global_batch_size / step_s,
+                **_memory(place.device, f"zero{stage}"),
+            }
+        )
         if place.device.type == "cuda":
             torch.cuda.empty_cache()
         shutil.rmtree(Path(spec.run_root) / f"zero{stage}", ignore_errors=True)

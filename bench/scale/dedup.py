@@ -73,8 +73,14 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
     recall_planted = float(hit[np.concatenate([planted, exact])].mean()) if len(planted) else 1.0
 
     # brute force on a sample (planted and random queries alike): every pair within max_distance
-    pick = np.unique(np.concatenate([rng.choice(planted, min(len(planted), sample // 2), replace=False),
-                                     rng.choice(train, sample // 2, replace=False)]))  # fmt: skip
+    pick = np.unique(
+        np.concatenate(
+            [
+                rng.choice(planted, min(len(planted), sample // 2), replace=False),
+                rng.choice(train, sample // 2, replace=False),
+            ]
+        )
+    )
     truth, found = _bruteforce_pairs(index, train_hashes, pick, max_distance)
     both = len(found & truth)
 

@@ -43,8 +43,21 @@ def write_class_tars(root: Path, images: list[bytes], classes: int) -> Path:
 
 
 def _writer(source: Path, out: Path, per_shard: int) -> list[str]:
-    return [sys.executable, "-m", "data_pipeline.write", "--source", str(source), "--out", str(out),
-            "--samples-per-shard", str(per_shard), "--processes", "1", "--name", "bench"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "data_pipeline.write",
+        "--source",
+        str(source),
+        "--out",
+        str(out),
+        "--samples-per-shard",
+        str(per_shard),
+        "--processes",
+        "1",
+        "--name",
+        "bench",
+    ]
 
 
 def _children_cpu() -> float:
@@ -129,9 +142,13 @@ def _write_projection(runs: dict) -> dict:
             ">= 1.31 TB / wall time; JPEGs with short side <= 512 are stored as-is (the _if_all_reencoded "
             "variant takes the 800x600 re-encode rate for every image); the main process's serial part "
             "(pickling, dedup) is write_serial_hours_i21k, added in the _with_serial keys"
-            + ("" if nodes == 1 else "; the writer is one-node today: 8 nodes would need the scan split by units "
-               "and the global dedup/shuffle merged (not implemented)"),
-        )  # fmt: skip
+            + (
+                ""
+                if nodes == 1
+                else "; the writer is one-node today: 8 nodes would need the scan split by units "
+                "and the global dedup/shuffle merged (not implemented)"
+            ),
+        )
     return out
 
 
@@ -145,10 +162,17 @@ def main_process_costs(count: int, evals: int) -> dict:
     held = [
         Candidate(
             ItemRef("tar", "/data/i21k/n01440764.tar", f"n01440764.tar:n01440764_{i}.JPEG", i * 92_000, 92_000),
-            None, i % I21K_CLASSES, f"n01440764.tar:n01440764_{i}.JPEG", f"{i:064x}", phashes[i], 400, 350, False,
+            None,
+            i % I21K_CLASSES,
+            f"n01440764.tar:n01440764_{i}.JPEG",
+            f"{i:064x}",
+            phashes[i],
+            400,
+            350,
+            False,
         )
         for i in range(count)
-    ]  # fmt: skip
+    ]
     per_bytes = tracemalloc.get_traced_memory()[0] / count
     tracemalloc.stop()
     exclusion = ExclusionSet(set(), rng.integers(0, 2**64, evals, dtype=np.uint64).view(np.int64), 3)

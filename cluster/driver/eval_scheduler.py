@@ -104,12 +104,15 @@ class EvalScheduler:
                 return True
             if len(self._pending) >= self.max_pinned:
                 unpin_checkpoint(checkpoint_dir)
-                self._fail(step, {
-                    "error": f"eval skipped: the evals of {len(self._pending)} checkpoints were still waiting or "
-                    f"running (their checkpoints pinned; at most {self.max_pinned}). Evals are slower than "
-                    "checkpointing: give them more resources (the profile's evals section) or raise "
-                    "checkpoint.every_steps"
-                })  # fmt: skip
+                self._fail(
+                    step,
+                    {
+                        "error": f"eval skipped: the evals of {len(self._pending)} checkpoints were still waiting or "
+                        f"running (their checkpoints pinned; at most {self.max_pinned}). Evals are slower than "
+                        "checkpointing: give them more resources (the profile's evals section) or raise "
+                        "checkpoint.every_steps"
+                    },
+                )
                 return True
             self._pending[step] = self._task.remote(
                 checkpoint_dir, self.suite, self.data_root, self.run_id, self.tracking_uri
@@ -175,9 +178,14 @@ class EvalScheduler:
                 ray.cancel(ref, force=True)  # the job ends: its worker process goes now, not with the job
                 del self._pending[step]
                 unpin_checkpoint(self._paths[step])
-                self._fail(step, {"error": f"eval still running when the job's end had waited {timeout_s} s for "
-                                  "evals (evals.timeout_s); cancelled. Raise evals.timeout_s, or give evals more "
-                                  "resources (the profile's evals section)"})  # fmt: skip
+                self._fail(
+                    step,
+                    {
+                        "error": f"eval still running when the job's end had waited {timeout_s} s for "
+                        "evals (evals.timeout_s); cancelled. Raise evals.timeout_s, or give evals more "
+                        "resources (the profile's evals section)"
+                    },
+                )
             self._tracker.flush(timeout=60)
             summary = {}
             for step in sorted(self._paths):

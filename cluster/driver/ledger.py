@@ -80,10 +80,17 @@ class Ledger:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"wall_s": self.wall_s, "fraction": self.fraction, "total": self.total,
-                "attempts": [{"row": name, **row} for name, row in self.rows], "notes": self.notes,
-                "data_wait_measured": self.data_wait_measured, "step": self.step, "started": self.started,
-                "ended": self.ended}  # fmt: skip
+        return {
+            "wall_s": self.wall_s,
+            "fraction": self.fraction,
+            "total": self.total,
+            "attempts": [{"row": name, **row} for name, row in self.rows],
+            "notes": self.notes,
+            "data_wait_measured": self.data_wait_measured,
+            "step": self.step,
+            "started": self.started,
+            "ended": self.ended,
+        }
 
 
 def evals_share_training_cores(profile: ClusterProfile) -> bool:
@@ -156,8 +163,10 @@ def build_ledger(
         scale, total_booked = 1.0, sum(booked.values())
         if total_booked > span:  # clocks of two machines, or a record written after the driver's end
             scale = span / total_booked
-            notes.append(f"attempt {attempt.get('attempt', i + 1)}: its booked seconds exceed its span on the "
-                         f"driver's clock; scaled by {scale:.3f}")  # fmt: skip
+            notes.append(
+                f"attempt {attempt.get('attempt', i + 1)}: its booked seconds exceed its span on the "
+                f"driver's clock; scaled by {scale:.3f}"
+            )
         for bucket, seconds in booked.items():
             row[bucket] += seconds * scale
         row["other"] += max(0.0, span - total_booked * scale)  # (rounding: never below zero)
@@ -202,8 +211,10 @@ def _move_lost_work(row: dict[str, float], attempt: dict, later: dict | None, sc
     row["data_wait"] -= lost_d
     row["restart"] += lost_p + lost_d
     if int(attempt.get("step", 0)) > resumed:
-        notes.append(f"attempt {attempt.get('attempt')}: steps {resumed + 1}-{attempt.get('step')} were trained again "
-                     f"by the next attempt (it resumed from step {resumed}): {lost_p + lost_d:.1f} s lost")  # fmt: skip
+        notes.append(
+            f"attempt {attempt.get('attempt')}: steps {resumed + 1}-{attempt.get('step')} were trained again "
+            f"by the next attempt (it resumed from step {resumed}): {lost_p + lost_d:.1f} s lost"
+        )
 
 
 def _kept_at(attempt: dict, step: int) -> tuple[float, float]:
@@ -253,9 +264,13 @@ def format_ledger(ledger: Ledger) -> str:
     table.append(["sum", *sums, f"{sum(ledger.total.values()):.1f}", f"{ledger.wall_s:.1f} s wall"])
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    lines = [f"goodput {ledger.fraction:.1%}: {ledger.total['productive']:.1f} s productive of {ledger.wall_s:.1f} s "
-             "wall-clock (seconds per bucket; docs/goodput.md):", fmt.format(*header),
-             fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in table)]  # fmt: skip
+    lines = [
+        f"goodput {ledger.fraction:.1%}: {ledger.total['productive']:.1f} s productive of {ledger.wall_s:.1f} s "
+        "wall-clock (seconds per bucket; docs/goodput.md):",
+        fmt.format(*header),
+        fmt.format(*("-" * w for w in widths)),
+        *(fmt.format(*r) for r in table),
+    ]
     return "\n".join(lines + [f"  note: {n}" for n in ledger.notes])
 
 
@@ -287,8 +302,9 @@ def read_workers(run_dir: Path) -> list[dict[str, Any]]:
     return workers
 
 
-def current_ledger(run_dir: Path, clock: JobClock, end: float, evals: list[EvalSpan] | None = None,
-                   evals_shared: bool = False) -> Ledger:  # fmt: skip
+def current_ledger(
+    run_dir: Path, clock: JobClock, end: float, evals: list[EvalSpan] | None = None, evals_shared: bool = False
+) -> Ledger:
     """The ledger from what the run folder holds now."""
     attempts = job_attempts(run_dir, clock.started)
     return build_ledger(clock, end, attempts, process_starts(read_workers(run_dir)), evals, evals_shared)

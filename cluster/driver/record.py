@@ -146,8 +146,11 @@ def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
             model_uri = log_hf_model(folder, run_id, uri, step=checkpoint_step(checkpoint), source=checkpoint)
     except Exception as error:  # noqa: BLE001 — the model in MLflow is a convenience; it never fails the job
         reason = " ".join(str(error).split())[:400]
-        print(f"warning: final model not logged to MLflow ({checkpoint.name}): {type(error).__name__}: {reason}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: final model not logged to MLflow ({checkpoint.name}): {type(error).__name__}: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     print(f"final model: {model_uri} ({checkpoint.name}, in MLflow run {run_id})", flush=True)
     return model_uri

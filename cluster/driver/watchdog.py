@@ -53,9 +53,18 @@ EVENTS_FILE = "watchdog.jsonl"
 # The stream counters logged as data/<name> (data_pipeline.stream.shards, data_pipeline.stream.train_stream): what went
 # wrong reading.
 DATA_COUNTERS = (
-    "read_retries", "read_failures", "read_errors", "missing_shards", "truncated_shards", "missing_samples",
-    "corrupt_samples", "incomplete_samples", "bad_labels", "label_out_of_range", "unsafe_members",
-)  # fmt: skip
+    "read_retries",
+    "read_failures",
+    "read_errors",
+    "missing_shards",
+    "truncated_shards",
+    "missing_samples",
+    "corrupt_samples",
+    "incomplete_samples",
+    "bad_labels",
+    "label_out_of_range",
+    "unsafe_members",
+)
 _STOPPED_STATES = ("T", "t")  # stopped (SIGSTOP, job control) or traced
 _STUCK_STATES = ("D",)  # uninterruptible sleep: a read the kernel cannot give up on (a hung network filesystem)
 
@@ -364,8 +373,11 @@ class Watchdog:
         if self._seen.hang_at is None or not training:
             return
         step = min(b.get("step", 0) for b in training)
-        self._event("resumed", f"training resumed at step {step}, {now - self._seen.hang_at:.0f} s after the hang "
-                    "was acted on", step=step)  # fmt: skip
+        self._event(
+            "resumed",
+            f"training resumed at step {step}, {now - self._seen.hang_at:.0f} s after the hang was acted on",
+            step=step,
+        )
         self._seen.hang_at = None
 
     def _act(self, verdict: Verdict, now: float) -> None:
@@ -396,8 +408,15 @@ class Watchdog:
         killed = on_node(culprit, kill, culprit["pid"])
         self._seen.hangs += 1
         self._seen.hang_at = now
-        self._event("hung", line if killed else line + " (it was gone already)", rank=culprit["rank"],
-                    pid=culprit["pid"], step=culprit.get("step", 0), state=state, idle_s=verdict.idle_s)  # fmt: skip
+        self._event(
+            "hung",
+            line if killed else line + " (it was gone already)",
+            rank=culprit["rank"],
+            pid=culprit["pid"],
+            step=culprit.get("step", 0),
+            state=state,
+            idle_s=verdict.idle_s,
+        )
         self.tracker.set_tags({keys.HANGS: self._seen.hangs, keys.LAST_HANG: line[:4000]})
         self.tracker.log_metrics({keys.HANGS_METRIC: self._seen.hangs}, step=int(culprit.get("step", 0)))
 
@@ -438,5 +457,9 @@ def identity(rank: int, world_size: int) -> dict[str, Any]:
     """What a worker's heartbeat says about where it runs (the watchdog signals it there)."""
     import ray  # heavy: only the driver and cluster commands need Ray
 
-    return {"rank": rank, "world_size": world_size, "host": socket.gethostname(),
-            "node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+    }

@@ -297,9 +297,14 @@ class ElasticEnd:
     def of(cls, plan: Plan) -> ElasticEnd:
         c, m = plan.compute, plan.memory
         return cls(
-            plan.topology.world_size, plan.batch.grad_accum_steps, c.step_time_s, c.images_per_s, c.days,
-            m.total_gb, m.capacity_gb,
-        )  # fmt: skip
+            plan.topology.world_size,
+            plan.batch.grad_accum_steps,
+            c.step_time_s,
+            c.images_per_s,
+            c.days,
+            m.total_gb,
+            m.capacity_gb,
+        )
 
 
 @dataclass(frozen=True)

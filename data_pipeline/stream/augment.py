@@ -309,9 +309,13 @@ def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
 
 
 def decoded_train_image(
-    pixels: np.ndarray, image_format: str | None, data: bytes | None, size: int, cfg: AugmentConfig | None,
+    pixels: np.ndarray,
+    image_format: str | None,
+    data: bytes | None,
+    size: int,
+    cfg: AugmentConfig | None,
     rng: np.random.Generator,
-) -> TrainImage:  # fmt: skip
+) -> TrainImage:
     """`decode_train_image` of an image already decoded whole (`decode_whole`): the same crop, flip and RandAugment
     from the same ``rng``, and bit-identical pixels. A crop that `decode_train_image` decodes at a reduced DCT scale
     (`drafts`) is decoded from ``data``, its encoded bytes, as there (they must then be given)."""

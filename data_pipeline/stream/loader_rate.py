@@ -121,8 +121,9 @@ def loader_rate(
     return LoaderRate(store[key], f"this CPU, one core, {image_size}px {where} ({how}; {path})")
 
 
-def _measure(info: DatasetInfo | None, image_size: int, augment: AugmentConfig | None, cached: bool,
-             side: int) -> float:  # fmt: skip
+def _measure(
+    info: DatasetInfo | None, image_size: int, augment: AugmentConfig | None, cached: bool, side: int
+) -> float:
     if info is not None:
         return _time_stream(_first_shards(info), image_size, augment, cached)
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,8 +145,15 @@ def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | No
     """Images per CPU second of a one-stream, no-worker `TrainStream` over ``info`` with one torch thread, after its
     first step, for at least ``MEASURE_SECONDS`` (epochs repeat as needed)."""
     batch = min(BATCH, max(1, info.num_samples // 2))
-    spec = StreamSpec(info, micro_batch_size=batch, image_size=image_size, streams=1, shuffle_buffer=batch,
-                      augment=augment, cache_mb=float(2**20) if cached else 0.0)  # fmt: skip
+    spec = StreamSpec(
+        info,
+        micro_batch_size=batch,
+        image_size=image_size,
+        streams=1,
+        shuffle_buffer=batch,
+        augment=augment,
+        cache_mb=float(2**20) if cached else 0.0,
+    )
     threads, stream_log = torch.get_num_threads(), logging.getLogger("data_pipeline.stream.train_stream")
     torch.set_num_threads(1)  # per core, as in a loader worker
     stream_log.disabled = True  # its line about the decoded cache is about a run's stream, not this measurement's

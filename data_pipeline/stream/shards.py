@@ -32,8 +32,17 @@ RETRY_FIRST_S, RETRY_FACTOR = 0.1, 4.0
 _retries = [3]  # this process's data.read_retries (`set_read_retries`)
 # Error classes of remote-store clients that mean "the connection broke mid-answer" (aiohttp, urllib3, requests,
 # botocore, http.client); a store's 5xx is recognised by its status instead.
-_TRANSIENT_NAMES = frozenset(("ClientPayloadError", "ServerDisconnectedError", "ProtocolError", "IncompleteRead",
-                              "ChunkedEncodingError", "ResponseStreamingError", "ReadTimeoutError"))  # fmt: skip
+_TRANSIENT_NAMES = frozenset(
+    (
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ProtocolError",
+        "IncompleteRead",
+        "ChunkedEncodingError",
+        "ResponseStreamingError",
+        "ReadTimeoutError",
+    )
+)
 
 
 def _warn(message: str) -> None:

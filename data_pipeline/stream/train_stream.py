@@ -174,8 +174,9 @@ def _plan(spec: StreamSpec, rank: int, world_size: int) -> TrainPlan:
 class _StreamReader:
     """One canonical stream within an epoch: its draws so far, and chunks of c decoded samples."""
 
-    def __init__(self, plan: TrainPlan, epoch: int, stream: int, shards: list[int], draws: int,
-                 cache: DecodedCache | None = None):  # fmt: skip
+    def __init__(
+        self, plan: TrainPlan, epoch: int, stream: int, shards: list[int], draws: int, cache: DecodedCache | None = None
+    ):
         self.plan, self.epoch, self.stream, self.shards = plan, epoch, stream, shards
         self.stats: Counter = Counter()
         self.capacity = sum(plan.info.shards[s].samples for s in shards)
@@ -212,8 +213,11 @@ class _StreamReader:
                 if decoded is None:
                     images.append(decode_train_image(sample["jpg"], plan.image_size, plan.augment, rng))
                 else:
-                    images.append(decoded_train_image(decoded.pixels, decoded.image_format, sample["jpg"],
-                                                      plan.image_size, plan.augment, rng))  # fmt: skip
+                    images.append(
+                        decoded_train_image(
+                            decoded.pixels, decoded.image_format, sample["jpg"], plan.image_size, plan.augment, rng
+                        )
+                    )
             except DECODE_ERRORS:
                 stats["corrupt_samples"] += 1
                 continue
@@ -232,8 +236,16 @@ class _TrainEpoch(IterableDataset):
     items into the rank's batch.
     """
 
-    def __init__(self, plan: TrainPlan, epoch: int, start: int, draws: dict[int, int], pool: StepPool,
-                 read_retries: int = 3, cache: DecodedCache | None = None):  # fmt: skip
+    def __init__(
+        self,
+        plan: TrainPlan,
+        epoch: int,
+        start: int,
+        draws: dict[int, int],
+        pool: StepPool,
+        read_retries: int = 3,
+        cache: DecodedCache | None = None,
+    ):
         self.plan, self.epoch, self.start, self.draws, self.pool = plan, epoch, start, draws, pool
         self.read_retries, self.cache = read_retries, cache
 
@@ -393,8 +405,7 @@ class TrainStream:
         # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
         lookahead = self.spec.prefetch_factor if self._processes > 0 else 0
         pool = self._step_pool(steps, lookahead)
-        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool, self.spec.read_retries,
-                            self.cache)  # fmt: skip
+        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool, self.spec.read_retries, self.cache)
         seed_key = (plan.seed, self._epoch, plan.rank, self._step)
         items = worker_items(epoch, self._processes, self.spec.start_method, seed_key, self.spec.prefetch_factor)
         for step in range(self._step, steps):

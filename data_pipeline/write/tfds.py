@@ -118,8 +118,14 @@ def _feature_kind(node: dict) -> str:
     class_name = node.get("pythonClassName") or node.get("type") or ""
     if class_name:
         return class_name.rsplit(".", 1)[-1]
-    for key, kind in (("featuresDict", "FeaturesDict"), ("sequence", "Sequence"), ("image", "Image"),
-                      ("classLabel", "ClassLabel"), ("tensor", "Tensor"), ("text", "Text")):  # fmt: skip
+    for key, kind in (
+        ("featuresDict", "FeaturesDict"),
+        ("sequence", "Sequence"),
+        ("image", "Image"),
+        ("classLabel", "ClassLabel"),
+        ("tensor", "Tensor"),
+        ("text", "Text"),
+    ):
         if key in node:
             return kind
     return "unknown"
@@ -192,8 +198,16 @@ def read_folder(path: str | Path) -> TfdsFolder:
         raise _not_tfds(root, f"{INFO_FILE} lists no splits")
     features: dict[str, dict] = {}
     _flatten(features_json, "", features)
-    return TfdsFolder(root, name, str(info.get("configName", "")), str(info.get("version", "")), shard_lengths,
-                      files, features, _supervised(info))  # fmt: skip
+    return TfdsFolder(
+        root,
+        name,
+        str(info.get("configName", "")),
+        str(info.get("version", "")),
+        shard_lengths,
+        files,
+        features,
+        _supervised(info),
+    )
 
 
 _PART = re.compile(r"(?P<split>[\w.-]+)(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?")
@@ -233,8 +247,9 @@ def _units(folder: TfdsFolder, parts: list[tuple[str, int, int]]) -> tuple[TfdsU
         for file, length in zip(folder.files[split], folder.shard_lengths[split]):
             lo, hi = max(start, first), min(stop, first + length)
             if lo < hi:
-                units.append(TfdsUnit(REF_KIND, str(file), -1, start=lo - first, stop=hi - first, split=split,
-                                      first_index=first))  # fmt: skip
+                units.append(
+                    TfdsUnit(REF_KIND, str(file), -1, start=lo - first, stop=hi - first, split=split, first_index=first)
+                )
             first += length
     return tuple(units)
 
@@ -318,9 +333,17 @@ def open_tfds_source(
         raise ValueError(
             f"VTAB task {task.name} has {task.num_classes} classes but {label!r} in {folder.path} has {len(names)}"
         )
-    return TfdsSource("tfds", units, tuple(names), image, label, task=task.name if task else "",
-                      tfds_name=folder.name + (f"/{folder.config}" if folder.config else ""),
-                      version=folder.version, split_expression=expression)  # fmt: skip
+    return TfdsSource(
+        "tfds",
+        units,
+        tuple(names),
+        image,
+        label,
+        task=task.name if task else "",
+        tfds_name=folder.name + (f"/{folder.config}" if folder.config else ""),
+        version=folder.version,
+        split_expression=expression,
+    )
 
 
 def describe(source: TfdsSource) -> dict:

@@ -85,7 +85,7 @@ TASKS: dict[str, VtabTfdsTask] = dict(
             val_percent=10,
             label="dsprites_loc",
             binary_image=True,
-        ),  # fmt: skip
+        ),
         _task(
             "dsprites_ori",
             "dsprites",
@@ -95,7 +95,7 @@ TASKS: dict[str, VtabTfdsTask] = dict(
             val_percent=10,
             label="dsprites_ori",
             binary_image=True,
-        ),  # fmt: skip
+        ),
         _task("smallnorb_azim", "smallnorb", 18, "half_test", label="label_azimuth"),
         _task("smallnorb_elev", "smallnorb", 9, "half_test", label="label_elevation"),
     ]
@@ -115,21 +115,33 @@ def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> s
 
     if task.scheme == "holdout":
         cut = task.train_percent * size("train") // 100
-        parts = dict(train=f"train[:{cut}]", val=f"train[{cut}:]", trainval="train", test=task.test_split,
-                     val200=f"train[{cut}:{cut + 200}]")  # fmt: skip
+        parts = dict(
+            train=f"train[:{cut}]",
+            val=f"train[{cut}:]",
+            trainval="train",
+            test=task.test_split,
+            val200=f"train[{cut}:{cut + 200}]",
+        )
     elif task.scheme == "tfds_val":
         size("validation")
-        parts = dict(train="train", val="validation", trainval="train+validation", test="test",
-                     val200="validation[:200]")  # fmt: skip
+        parts = dict(
+            train="train", val="validation", trainval="train+validation", test="test", val200="validation[:200]"
+        )
     elif task.scheme == "three_way":
         n = size("train")
         cut, val_end = task.train_percent * n // 100, task.train_percent * n // 100 + task.val_percent * n // 100
-        parts = dict(train=f"train[:{cut}]", val=f"train[{cut}:{val_end}]", trainval=f"train[:{val_end}]",
-                     test=f"train[{val_end}:]", val200=f"train[{cut}:{cut + 200}]")  # fmt: skip
+        parts = dict(
+            train=f"train[:{cut}]",
+            val=f"train[{cut}:{val_end}]",
+            trainval=f"train[:{val_end}]",
+            test=f"train[{val_end}:]",
+            val200=f"train[{cut}:{cut + 200}]",
+        )
     else:  # half_test
         size("test")
-        parts = dict(train="train", val="test[:50%]", trainval="train+test[:50%]", test="test[50%:]",
-                     val200="test[:200]")  # fmt: skip
+        parts = dict(
+            train="train", val="test[:50%]", trainval="train+test[:50%]", test="test[50%:]", val200="test[:200]"
+        )
     size(parts["test"].split("[")[0])
     parts["train800"] = "train[:800]"
     parts["train800val200"] = f"train[:800]+{parts['val200']}"

@@ -17,9 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m pretrain.checkpoint verify DIR`` (`pretrain.checkpoint.checksums.verify_command`)."""
     parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint", description="Check training checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="check each file of a checkpoint (or of every COMPLETE checkpoint of a run "
-                            "folder) against the size and CRC-32 its save recorded; one line per checkpoint, exit 2 "
-                            "on damage")  # fmt: skip
+    verify = sub.add_parser(
+        "verify",
+        help="check each file of a checkpoint (or of every COMPLETE checkpoint of a run "
+        "folder) against the size and CRC-32 its save recorded; one line per checkpoint, exit 2 "
+        "on damage",
+    )
     verify.add_argument("dir", type=Path, metavar="DIR", help="a run folder or one checkpoint folder")
     args = parser.parse_args(argv)
     try:

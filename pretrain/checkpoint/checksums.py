@@ -185,8 +185,9 @@ def checkpoints_to_verify(path: Path) -> list[Path]:
         return [run_folder.require_complete(path)]  # without COMPLETE: its save never finished, it is no checkpoint
     run = path.parent if path.name == run_folder.CHECKPOINTS else path
     if not run_folder.checkpoints_dir(run).is_dir():
-        raise ValueError(f"{path} is neither a run folder (it has no {run_folder.CHECKPOINTS}/) nor a checkpoint; "
-                         f"{accepted}")  # fmt: skip
+        raise ValueError(
+            f"{path} is neither a run folder (it has no {run_folder.CHECKPOINTS}/) nor a checkpoint; {accepted}"
+        )
     found = run_folder.complete_checkpoints(run)
     if not found:
         raise ValueError(f"{run_folder.checkpoints_dir(run)} holds no COMPLETE checkpoint; {accepted}")

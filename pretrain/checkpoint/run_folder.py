@@ -341,7 +341,7 @@ def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "from": before["world_size"],
                     "to": after["world_size"],
                     "time": after.get("time"),
-                }  # fmt: skip
+                }
             )
     return events
 

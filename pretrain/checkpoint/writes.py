@@ -83,8 +83,9 @@ class SaveAttempt:
         ce = engine.checkpoint_engine
         save, makedirs, copy = ce.save, ce.makedirs, engine._copy_recovery_script
         ce.save = lambda state_dict, path: self.write(Path(path), lambda: save(state_dict, path))
-        ce.makedirs = lambda path, exist_ok=False: self.write(Path(path), lambda: makedirs(path, exist_ok=exist_ok),
-                                                              record=False)  # fmt: skip
+        ce.makedirs = lambda path, exist_ok=False: self.write(
+            Path(path), lambda: makedirs(path, exist_ok=exist_ok), record=False
+        )
         engine._copy_recovery_script = lambda path: self.write(Path(path), lambda: copy(path), record=False)
         try:
             yield

@@ -90,8 +90,10 @@ class CpuBf16Rule:
     def describe(self) -> str:
         stem = "" if self.hybrids else ", no ResNet stem"
         macs, share = self.min_projection_macs / 1e6, self.max_patch_embed_share
-        return (f"bf16 iff width >= {self.min_width}, tokens x width² >= {macs:.0f}M, patch embedding <= {share:.0%} "
-                f"of the FLOPs{stem} (>= {self.margin}x measured)")  # fmt: skip
+        return (
+            f"bf16 iff width >= {self.min_width}, tokens x width² >= {macs:.0f}M, patch embedding <= {share:.0%} "
+            f"of the FLOPs{stem} (>= {self.margin}x measured)"
+        )
 
 
 # Fitted to one fwd+bwd of ViT shapes at 1 thread (the table: docs/benchmarks/2026-11-26-precision.md; the rule:
@@ -153,10 +155,11 @@ def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice
     units = cpu_bf16_units(flags)
     if not units:
         return PrecisionChoice(
-            "fp32", "cpu:none",
+            "fp32",
+            "cpu:none",
             f"this CPU ({cpu_name() if flags is None else 'flags given'}) has no AMX/AVX512-BF16; bf16 matmul would "
             "be emulated (many times slower than fp32)",
-        )  # fmt: skip
+        )
     rule = CPU_RULES[units[0]]
     missed = rule.check(shape)
     verdict = "fp32" if missed else "bf16"
@@ -197,10 +200,11 @@ def _time_step(task: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
 def probe_choice(fp32: float, bf16: float) -> PrecisionChoice:
     speedup = fp32 / bf16
     return PrecisionChoice(
-        "bf16" if speedup >= PROBE_MIN_SPEEDUP else "fp32", "probe",
+        "bf16" if speedup >= PROBE_MIN_SPEEDUP else "fp32",
+        "probe",
         f"probe step fp32 {fp32 * 1e3:.0f} ms vs bf16 {bf16 * 1e3:.0f} ms (bf16 {speedup:.2f}x, needs >= "
         f"{PROBE_MIN_SPEEDUP}x)",
-    )  # fmt: skip
+    )
 
 
 def decide(
@@ -221,8 +225,11 @@ def decide(
     at 0 DeepSpeed has no bf16 with fp32 master weights, so auto and probe pick fp32 there."""
     choice = _decide(requested, device_type, shape, flags, resumed, recorded, probe)
     if zero_stage == 0 and choice.precision == "bf16" and choice.rule not in ("recipe", "checkpoint"):
-        return PrecisionChoice("fp32", choice.rule, f"ZeRO-0: DeepSpeed's bf16 needs zero_stage >= 1 for fp32 master "
-                                                    f"weights (else: {choice.reason})")  # fmt: skip
+        return PrecisionChoice(
+            "fp32",
+            choice.rule,
+            f"ZeRO-0: DeepSpeed's bf16 needs zero_stage >= 1 for fp32 master weights (else: {choice.reason})",
+        )
     return choice
 
 

@@ -178,8 +178,10 @@ def _resize(name: str, value: torch.Tensor, target: torch.Tensor, num_prefix_tok
     if value.shape == target.shape:
         return value
     if not name.endswith("pos_embed"):
-        raise ValueError(f"parameter {name} changed shape {tuple(value.shape)} → {tuple(target.shape)} with the "
-                         "resolution; only the position embeddings may")  # fmt: skip
+        raise ValueError(
+            f"parameter {name} changed shape {tuple(value.shape)} → {tuple(target.shape)} with the "
+            "resolution; only the position embeddings may"
+        )
     g = int(round((target.shape[1] - num_prefix_tokens) ** 0.5))
     return resize_pos_embed(value, (g, g), num_prefix_tokens)
 

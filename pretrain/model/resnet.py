@@ -154,8 +154,9 @@ def check_width_factor(width_factor: float, field: str = "width_factor") -> None
     """
     real = isinstance(width_factor, numbers.Real) and not isinstance(width_factor, bool)
     if not real or not (0 < width_factor < math.inf):
-        raise ValueError(f"{field} must be a positive number (the ResNet width factor, e.g. 0.5, 1 or 2), got "
-                         f"{width_factor!r}")  # fmt: skip
+        raise ValueError(
+            f"{field} must be a positive number (the ResNet width factor, e.g. 0.5, 1 or 2), got {width_factor!r}"
+        )
     width = root_width(width_factor)
     if width < GN_GROUPS or width % GN_GROUPS:
         raise ValueError(

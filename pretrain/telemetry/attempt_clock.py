@@ -116,8 +116,15 @@ class AttemptClock:
         self.write(ended=time.time(), outcome=outcome)
 
     def record(self, **extra: Any) -> dict[str, Any]:
-        return {**self.info, "started": self.started, "updated": time.time(), "step": self.step,
-                "seconds": dict(self.seconds), "checkpoints": self.checkpoints, **extra}  # fmt: skip
+        return {
+            **self.info,
+            "started": self.started,
+            "updated": time.time(),
+            "step": self.step,
+            "seconds": dict(self.seconds),
+            "checkpoints": self.checkpoints,
+            **extra,
+        }
 
     def write(self, **extra: Any) -> None:
         """Atomically replace the record (a reader never sees half of one); a write error warns once, never raises:

@@ -58,8 +58,9 @@ def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
     return None
 
 
-def gemm_tflops(precision: str, size: int, device: torch.device | str = "cpu", seconds: float = 0.0,
-                repeats: int = 3) -> dict[str, float]:  # fmt: skip
+def gemm_tflops(
+    precision: str, size: int, device: torch.device | str = "cpu", seconds: float = 0.0, repeats: int = 3
+) -> dict[str, float]:
     """TFLOP/s of a square ``size`` matmul at ``precision`` ("fp32" | "bf16"), the best of ``repeats`` (and of at
     least ``seconds`` of calls), for both operand layouts: a @ b ("nn") and a @ bᵀ ("nt", how ``F.linear`` multiplies
     by its weight). Without native bf16 the emulated kernel's speed depends on the layout (AVX2: nt ~5 GFLOP/s, nn

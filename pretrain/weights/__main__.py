@@ -36,19 +36,40 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("source", type=Path, help=".npz, checkpoint folder or save_pretrained folder")
     info.add_argument("--image-size", type=int, default=None)
     out = sub.add_parser("export", help="any weights vitscale reads → a transformers folder (hf) or the official .npz")
-    out.add_argument("source", type=Path, metavar="SOURCE", help="a checkpoint folder, a run folder (its newest "
-                     "COMPLETE checkpoint), a save_pretrained / convert / HF folder, or an official .npz")  # fmt: skip
-    out.add_argument("out", type=Path, metavar="OUT", help="hf: the folder to write config.json, model.safetensors "
-                     "and preprocessor_config.json into; npz: the file (a folder gets model.npz)")  # fmt: skip
-    out.add_argument("--format", choices=FORMATS, default="hf", help="hf: transformers ViTForImageClassification "
-                     "(ViTModel without a head); npz: the official big_vision / vision_transformer layout "
-                     "(default: hf)")  # fmt: skip
+    out.add_argument(
+        "source",
+        type=Path,
+        metavar="SOURCE",
+        help="a checkpoint folder, a run folder (its newest "
+        "COMPLETE checkpoint), a save_pretrained / convert / HF folder, or an official .npz",
+    )
+    out.add_argument(
+        "out",
+        type=Path,
+        metavar="OUT",
+        help="hf: the folder to write config.json, model.safetensors "
+        "and preprocessor_config.json into; npz: the file (a folder gets model.npz)",
+    )
+    out.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="hf",
+        help="hf: transformers ViTForImageClassification "
+        "(ViTModel without a head); npz: the official big_vision / vision_transformer layout "
+        "(default: hf)",
+    )
     out.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
-    out.add_argument("--mlflow-run", metavar="ID", help="also log the HF folder as an MLflow model of this run, at "
-                     "the checkpoint's step, tagged with the run's eval means there (hf; SOURCE: a checkpoint or "
-                     "run folder)")  # fmt: skip
-    out.add_argument("--tracking-uri", help="MLflow store of --mlflow-run (default: MLFLOW_TRACKING_URI, else the "
-                     "project's mlflow.db)")  # fmt: skip
+    out.add_argument(
+        "--mlflow-run",
+        metavar="ID",
+        help="also log the HF folder as an MLflow model of this run, at "
+        "the checkpoint's step, tagged with the run's eval means there (hf; SOURCE: a checkpoint or "
+        "run folder)",
+    )
+    out.add_argument(
+        "--tracking-uri",
+        help="MLflow store of --mlflow-run (default: MLFLOW_TRACKING_URI, else the project's mlflow.db)",
+    )
     return parser
 
 

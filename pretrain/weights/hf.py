@@ -157,8 +157,9 @@ def installed_layout() -> str:
         from transformers import ViTForImageClassification
     except ImportError:
         return "hub"
-    tiny = HFViTConfig(hidden_size=4, num_hidden_layers=1, num_attention_heads=1, intermediate_size=4, image_size=2,
-                       patch_size=2)  # fmt: skip
+    tiny = HFViTConfig(
+        hidden_size=4, num_hidden_layers=1, num_attention_heads=1, intermediate_size=4, image_size=2, patch_size=2
+    )
     tiny.num_labels = 1
     keys = ViTForImageClassification(tiny).state_dict().keys()
     return "v5" if any(k.startswith("vit.layers.") for k in keys) else "hub"
