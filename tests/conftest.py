@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# Tests import helpers from one another (`from tests.test_train_distributed import ...`): the repository root on the
-# path, also when pytest is started as `pytest` rather than `python -m pytest` (which adds the working directory).
+# Tests import helpers from one another (`from tests.pretrain.test_train_distributed import ...`): the repository root
+# on the path, also when pytest is started as `pytest` rather than `python -m pytest` (which adds the working
+# directory).
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -233,10 +234,10 @@ def train_env() -> Callable[[], dict[str, str]]:
 @pytest.fixture
 def train_cli(train_env):
     """Run `python -m pretrain.train` on a TrainConfig as one standalone process (no torchrun variables), forked
-    from an interpreter that has imported what it imports (`tests/warm_ranks.py`; a timeout kills it and what it
+    from an interpreter that has imported what it imports (`tests/support/warm_ranks.py`; a timeout kills it and what it
     started), and return its summary; the config is saved as `<run_dir>/recipe.yaml` first, what it printed is
     `<run_dir>/output.log`. ``fails=True``: the run must end with a non-zero status (returns None)."""
-    from tests import warm_ranks
+    from tests.support import warm_ranks
 
     def run(config, run_dir: Path, timeout: float = 400, fails: bool = False) -> dict | None:
         run_dir.mkdir(parents=True, exist_ok=True)

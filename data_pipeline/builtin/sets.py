@@ -16,7 +16,7 @@ The command line is `python -m data_pipeline.builtin` (`data_pipeline/builtin/__
 Each set's defaults are ``BuiltinConfig``'s with ``DEFAULTS[name]`` over them (``config(name)``; rcdb's: class_offset
 30, background_ramp 160, the set configs/local_demo.yaml was tuned on); ``--set`` here and ``data.builtin_options``
 in a recipe override them. So `all` writes exactly the folders the shipped recipes (``data.builtin``) and eval suites
-read (tests/test_data_builtin.py checks every one). Every eval split has >= 1000 train images, so VTAB-1k's
+read (tests/data_pipeline/test_builtin.py checks every one). Every eval split has >= 1000 train images, so VTAB-1k's
 train800/val200/train1000 can be drawn from ``train``.
 ``ensure(name, root)`` generates a dataset when absent (under a file lock, so concurrent callers wait) and returns
 ``root/<name>``; ``check_folder(name, root)`` says whether it is there, generating nothing. Both refuse a folder
@@ -68,7 +68,7 @@ class BuiltinConfig:
 # (= `make shards`) generate. rcdb's are the set configs/local_demo.yaml was tuned on (its comments and docs/demo.md;
 # the recipe names them again in its data.builtin_options), so `make shards && make launch` reuses the folder, and
 # the `inspect_rcdb` suite reads the demo's own images. A shipped recipe or suite that needs other sizes needs a
-# change here too: tests/test_data_builtin.py checks that `all` satisfies every one.
+# change here too: tests/data_pipeline/test_builtin.py checks that `all` satisfies every one.
 DEFAULTS: dict[str, dict[str, int]] = {
     "rcdb": {
         "resolution": 32,

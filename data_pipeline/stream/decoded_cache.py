@@ -6,9 +6,9 @@ says why. It reads every shard once (`data_pipeline.stream.shards.read_shard`) a
 yielded it, its image decoded whole (`data_pipeline.stream.augment.decode_whole`: before any augmentation). The stream's
 buffer draws then read a shard from here (`DecodedCache.read`, with `read_shard`'s signature) and augment each image
 from its pixels (`data_pipeline.stream.augment.decoded_train_image`), seeded by its position exactly as before: the
-batches, and so the losses, are bit-identical with and without the cache (tests/test_data_cache.py). What the cache
-cannot reproduce byte for byte it leaves to the original path: a shard whose read counted any damage is not cached (read
-from storage every time, as before), an image that does not decode whole keeps its bytes (decoded per crop, as
+batches, and so the losses, are bit-identical with and without the cache (tests/data_pipeline/test_cache.py). What the
+cache cannot reproduce byte for byte it leaves to the original path: a shard whose read counted any damage is not cached
+(read from storage every time, as before), an image that does not decode whole keeps its bytes (decoded per crop, as
 before), and so does one whose crops may decode at a reduced DCT scale (`data_pipeline.stream.augment.drafts`).
 
 The pixels of all samples sit in one uint8 tensor, in shared memory when the stream has loader workers: a worker

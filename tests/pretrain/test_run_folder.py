@@ -10,7 +10,7 @@ import pytest
 
 from pretrain.checkpoint import run_folder as rf
 
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 
 # A trainer state as pretrain.checkpointer.save_checkpoint writes it (2 ranks; one global stream position).
 STATE = (

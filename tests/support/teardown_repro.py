@@ -1,13 +1,14 @@
 """One torchrun rank of `python -m pretrain.train` that ends with a NORMAL interpreter exit (docs/reference.md §7).
 
-    torchrun --nproc-per-node 2 tests/teardown_repro.py REPORT_DIR --config RECIPE [pretrain.train arguments]
+    torchrun --nproc-per-node 2 tests/support/teardown_repro.py REPORT_DIR --config RECIPE [pretrain.train arguments]
 
 It runs `pretrain.train.main` (training, then the project's teardown, `finish_distributed`), collects garbage, and
 writes the names of the gloo threads still alive in this process (`/proc/self/task/*/comm`: `pt_gloo_runloop`,
 `gloo_tcp_loop`) to REPORT_DIR/rank<RANK>.json. Then it leaves through `sys.exit`, not `exit_rank`: Python finalizes
 the interpreter and the C++ runtime runs its exit-time destructors, which is where a process group that outlived
 the teardown used to abort a finished rank ("terminate called without an active exception", SIGABRT).
-``tests/test_rank_teardown.py`` runs it; run it by hand in a loop, with the other core busy, to look for that abort.
+``tests/pretrain/test_rank_teardown.py`` runs it; run it by hand in a loop, with the other core busy, to look for that
+abort.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def gloo_threads() -> list[str]:
 
 def main() -> int:
     report_dir, argv = Path(sys.argv[1]), sys.argv[2:]
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from pretrain.train import main as train_main
 
     code = train_main(argv)  # ends with finish_distributed(), the project's teardown

@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from pretrain.config.train_config import load_config
-from tests.test_train_distributed import copy_run_until
+from tests.pretrain.test_train_distributed import copy_run_until
 
 pytestmark = [pytest.mark.slow]
 

@@ -28,9 +28,9 @@ from pretrain import checkpointer as ckpt
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message, folder_bytes
 from pretrain.config.train_config import load_config
-from tests.test_train_distributed import _free_port, _run, shared_torchrun, tiny_config, torchrun
+from tests.pretrain.test_train_distributed import _free_port, _run, shared_torchrun, tiny_config, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXTRA = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=2", "checkpoint.keep_last=4")
 OPTIM_FILE = "deepspeed/step_00000008/zero_pp_rank_0_mp_rank_00_optim_states.pt"
 

@@ -1,7 +1,7 @@
 """A finished rank frees its process groups before the interpreter exits (docs/reference.md §7, "Ending a rank").
 
 - 2 torchrun ranks of `pretrain.train` (ZeRO-2, gloo) that end through the project's teardown (`finish_distributed`)
-  and then exit normally (`sys.exit`, tests/teardown_repro.py) have no gloo thread (`pt_gloo_runloop`,
+  and then exit normally (`sys.exit`, tests/support/teardown_repro.py) have no gloo thread (`pt_gloo_runloop`,
   `gloo_tcp_loop`) left before the interpreter's teardown, and exit 0. Before the fix, the default group outlived
   its destruction on every rank of every run, held by `torch.distributed.nn.functional`'s default arguments, and its
   three threads were still running when Python finalized; a finished rank was seen to abort there with "terminate
@@ -24,7 +24,7 @@ import pytest
 from bench.scaling import communicate_or_end
 from pretrain.config.train_config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
 
 
@@ -84,7 +84,7 @@ def test_finished_ranks_leave_no_gloo_thread_and_exit_normally(tiny_fractal_shar
         "--nproc-per-node=2",
         "--master-addr=127.0.0.1",
         f"--master-port={_free_port()}",
-        str(ROOT / "tests" / "teardown_repro.py"),
+        str(ROOT / "tests" / "support" / "teardown_repro.py"),
         str(reports),
         "--config",
         str(tmp_path / "config.yaml"),
@@ -104,7 +104,7 @@ CAPTURED = """
 import gc, sys
 import deepspeed, torch, torch.distributed as dist
 from pretrain.distributed import finish_distributed
-from teardown_repro import gloo_threads  # tests/ is on PYTHONPATH
+from teardown_repro import gloo_threads  # tests/support/ is on PYTHONPATH
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 import torch.distributed.nn.functional as functional
@@ -128,7 +128,7 @@ def test_finish_distributed_frees_a_group_that_default_arguments_captured(tmp_pa
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'support'}",
     }
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

@@ -6,9 +6,9 @@ CPython runs `python -m module args`: a fresh ``__main__`` module, ``runpy._run_
 calls), ``SystemExit`` turned into the exit status, an uncaught exception printed by ``sys.excepthook`` with
 status 1, the exit handlers run. Each child's stdout and stderr go to files; stdin is /dev/null. What is not the
 same: the libraries above are already in ``sys.modules``, so a command that uses a submodule it never imports
-could pass here. tests/test_cli_errors.py checks two rows against real ``python -m`` processes.
+could pass here. tests/project/test_cli_errors.py checks two rows against real ``python -m`` processes.
 
-    python tests/warm_python.py REQUESTS.json RESULTS.json [--jobs N]
+    python tests/support/warm_python.py REQUESTS.json RESULTS.json [--jobs N]
 
 REQUESTS.json: a list of ``{"module": ..., "args": [...], "stdout": path, "stderr": path}``; RESULTS.json gets
 their exit statuses, in order. Run it with the environment and working folder the commands need.

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import scipy.ndimage
 import torch
-from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
 from pretrain.checkpoint.run_folder import IncompleteCheckpointError, latest_checkpoint
 from pretrain.model.vit import VisionTransformer, ViTConfig, build_model
@@ -31,6 +30,7 @@ from pretrain.weights.formats import (
     save_pretrained,
     to_hf_state_dict,
 )
+from tests.support.weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -288,7 +288,7 @@ def test_loading_weights_skips_the_initialization_and_torch_dynamo(tmp_path):
         "torch.manual_seed(0); load_pretrained(sys.argv[1]); drawn = torch.rand(3)\n"
         "print('torch._dynamo' in sys.modules, torch.equal(expected, drawn))\n"
     )
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "True"]
@@ -500,7 +500,7 @@ def test_cli_bad_input_exits_2_with_one_message_and_no_traceback(tmp_path, capsy
 
 def test_python_m_entry_point_exits_2_without_traceback(tmp_path):
     (tmp_path / "weights.npz").write_bytes(pickle.dumps([1, 2, 3]))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     target = tmp_path / "weights.npz"
     cmd = [sys.executable, "-m", "pretrain.weights", "info", str(target)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)

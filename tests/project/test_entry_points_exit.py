@@ -23,9 +23,9 @@ from pretrain.checkpoint import checksums
 from pretrain.checkpoint.run_folder import COMPLETE, TrainerState, checkpoint_dir
 from pretrain.model.vit import build_model
 from pretrain.weights.formats import save_pretrained
-from tests.load import cpu_burners
+from tests.support.load import cpu_burners
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = int(os.environ.get("VITSCALE_EXIT_ROUNDS", "1"))
 
 pytestmark = pytest.mark.timeout(600 * ROUNDS)  # a measurement of 20 rounds takes about 20 times one

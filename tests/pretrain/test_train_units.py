@@ -216,7 +216,7 @@ def test_a_rank_ends_after_its_exit_handlers_and_keeps_its_code(tmp_path):
         "exit_rank(3)\n"
         "print('never')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("PYTHONUNBUFFERED", None)  # buffered, as a rank's output into a pipe is by default
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 3
@@ -310,7 +310,7 @@ def test_deepspeed_is_imported_without_mlflow_and_inductor_and_its_muon_names_ar
         "import mlflow\n"
         "print('mlflow', mlflow.__version__ != '')\n"
     )
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()

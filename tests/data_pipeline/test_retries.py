@@ -17,13 +17,13 @@ import fsspec
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from test_data_stream import UNEVEN, make_shards
 
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.stream.eval_stream import EvalStream
 from data_pipeline.stream.shards import is_transient, read_shard, retry_delay_s
 from data_pipeline.stream.train_stream import StreamSpec, TrainStream
 from pretrain.config.train_config import load_config
+from tests.data_pipeline.test_stream import UNEVEN, make_shards
 
 
 class _FailingReader:

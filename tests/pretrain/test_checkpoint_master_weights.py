@@ -1,7 +1,7 @@
 """A bf16 run's consolidated ``model.safetensors`` holds the fp32 master weights the optimizer trains, not the bf16
 compute copy: at ZeRO 1, 2 and 3 (2 processes) every tensor is fp32 and equals DeepSpeed's own consolidation of the
 same checkpoint's engine state, and the checkpoint loads as a model. The bf16 runs (`bf16_run`) are trained once per
-pytest run: tests/test_deepspeed_interop.py reads the same checkpoints with DeepSpeed's own tools."""
+pytest run: tests/pretrain/test_deepspeed_interop.py reads the same checkpoints with DeepSpeed's own tools."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from pretrain.checkpoint.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.checkpointer import _to_universal
 from pretrain.weights.formats import load_checkpoint_model
-from tests.test_train_distributed import shared_torchrun
+from tests.pretrain.test_train_distributed import shared_torchrun
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,7 +24,7 @@ TASK_PREFIX = "model."
 
 def bf16_run(shared_folder, shards: Path, stage: int) -> tuple[Path, list[dict]]:
     """A 2-process bf16 run at ZeRO ``stage`` stopped after step 2 (its checkpoint), accumulation 1: its run folder
-    and rank summaries, shared with tests/test_deepspeed_interop.py (read only)."""
+    and rank summaries, shared with tests/pretrain/test_deepspeed_interop.py (read only)."""
     overrides = (
         f"deepspeed.zero_stage={stage}",
         "deepspeed.precision=bf16",

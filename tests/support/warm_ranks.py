@@ -14,7 +14,7 @@ What differs from torchrun: no elastic agent (no restarts), and what the librari
 the zygote's: `launch` runs torchrun itself when a launch asks for another value of those variables (`IMPORT_TIME`).
 Tests of the launcher's own behaviour (a rank's teardown, torchrun's message after a failed rank) run torchrun.
 
-    python tests/warm_ranks.py      # the zygote: a JSON request per line on stdin, JSON answers on stdout
+    python tests/support/warm_ranks.py      # the zygote: a JSON request per line on stdin, JSON answers on stdout
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Read by torch, libgomp or DeepSpeed when they are imported: a launch must find the zygote's values.
 IMPORT_TIME = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCH_LOGS", "PYTHONPATH")
 GRACE_S = 10.0  # after a rank failed, the others get SIGTERM, then SIGKILL this much later
@@ -42,7 +42,7 @@ GRACE_S = 10.0  # after a rank failed, the others get SIGTERM, then SIGKILL this
 
 def _rank(request: dict, rank: int, protocol: int) -> None:
     """In a forked child: become rank ``rank`` of the launch and never return."""
-    from tests.warm_python import exit_now, run_as_main  # imported by the zygote (`serve`): no cost here
+    from tests.support.warm_python import exit_now, run_as_main  # imported by the zygote (`serve`): no cost here
 
     status = 1
     try:
@@ -112,7 +112,7 @@ def serve() -> int:
 
     import_deepspeed()
     import pretrain.train  # noqa: F401
-    import tests.warm_python  # noqa: F401  (each rank runs its module through it)
+    import tests.support.warm_python  # noqa: F401  (each rank runs its module through it)
 
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write into the answers

@@ -197,7 +197,7 @@ def test_a_stale_builtin_folder_stops_the_dry_run_with_one_line(tmp_path, local_
     sets = ["--set", f"data.train={data}/rcdb/train", "--set", f"evals.data_root={data}"]
     command = [sys.executable, "-m", "cluster.launch", "--cluster", "local", "--recipe", "local_demo", *sets]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([*command, "--dry-run"], cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
@@ -235,7 +235,7 @@ def test_the_dry_run_refuses_one_builtin_folder_wanted_at_two_settings(tmp_path,
 @pytest.mark.timeout(60)
 def test_launch_reads_the_recipe_file_once(capsys):
     """Every open of the recipe and of its `base:` by `make launch`'s path (as a dry run) is counted: one each."""
-    configs = Path(__file__).resolve().parents[1] / "configs"
+    configs = Path(__file__).resolve().parents[2] / "configs"
     opened: list[str] = []
     counting = [True]  # an audit hook cannot be removed: this one stops counting when the test ends
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
 from evals.run import open_checkpoint
 from pretrain.checkpoint import checksums
@@ -28,6 +27,7 @@ from pretrain.checkpoint.run_folder import COMPLETE, TrainerState
 from pretrain.model.vit import MODEL_NAMES, VARIANTS, VisionTransformer, model_config
 from pretrain.weights.__main__ import main
 from pretrain.weights.formats import load_model, load_npz, save_pretrained
+from tests.support.weights_npz_reference import arrays_from_model, official_arrays, reference_logits
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 transformers = pytest.importorskip("transformers")
@@ -258,7 +258,7 @@ def test_empty_run_folder_file_out_and_npz_with_mlflow_are_clear_errors(tmp_path
 
 def test_python_m_export_refusal_is_one_line_without_traceback(tmp_path):
     save_pretrained(_random(model_config("vit_tiny_debug", pool="gap")), tmp_path / "ours")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pretrain.weights", "export", str(tmp_path / "ours"), str(tmp_path / "hf")]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and not proc.stdout, proc.stderr

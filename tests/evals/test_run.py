@@ -14,7 +14,7 @@ from evals.run import CheckpointError, main, run_suite
 from pretrain.model.vit import build_model
 from pretrain.weights.formats import save_pretrained
 
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -245,9 +245,9 @@ def test_any_loadable_weights_with_and_without_step(data_root, checkpoint, tmp_p
     --step names the MLflow step of weights that carry none (default 0), a checkpoint keeps its own."""
     import numpy as np
     from mlflow import MlflowClient
-    from weights_npz_reference import official_arrays
 
     from pretrain.weights.__main__ import main as weights_main
+    from tests.support.weights_npz_reference import official_arrays
     from tracking.runs import create_run
 
     npz = tmp_path / "ViT-tiny.npz"
@@ -352,7 +352,8 @@ def test_shipped_suites_run_end_to_end(data_root, checkpoint, tmp_path, suite):
 def test_official_npz_checkpoint(data_root, tmp_path):
     # An official-layout JAX .npz (the test helper of pretrain.weights.formats writes one): step 0, results beside it.
     import numpy as np
-    from weights_npz_reference import official_arrays
+
+    from tests.support.weights_npz_reference import official_arrays
 
     npz = tmp_path / "ViT-tiny.npz"
     np.savez(npz, **official_arrays(width=32, depth=2, heads=4, mlp=64, patch=4, grid=8, num_classes=5))

@@ -16,7 +16,7 @@
 
 The runs several tests read are trained once per pytest run (`shared_torchrun`): the 2-process fp32 run at each
 ZeRO stage (`reference_run`: the plain-PyTorch comparison, the compiled run's eager reference, and DeepSpeed's own
-tools in tests/test_deepspeed_interop.py).
+tools in tests/pretrain/test_deepspeed_interop.py).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from pretrain.model.tasks import build_task
 from pretrain.model.vit import build_model
 from pretrain.randomness import model_randomness, seed_everything
 from pretrain.trainer import build_stream
-from tests import warm_ranks
+from tests.support import warm_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
 
 
@@ -115,9 +115,9 @@ def torchrun(
     launcher: str = os.environ.get("VITSCALE_TEST_LAUNCHER", "warm"),
 ) -> list[dict]:
     """Train ``config`` on ``nproc`` ranks; their summaries. ``launcher``: "warm" forks the ranks from an interpreter
-    that has imported torch and DeepSpeed (`tests/warm_ranks.py`: as torchrun starts them, without their imports),
-    "torchrun" runs `python -m torch.distributed.run` itself (a GPU run always does). What the ranks printed is
-    ``workdir/output.log``."""
+    that has imported torch and DeepSpeed (`tests/support/warm_ranks.py`: as torchrun starts them, without their
+    imports), "torchrun" runs `python -m torch.distributed.run` itself (a GPU run always does). What the ranks printed
+    is ``workdir/output.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
     config.save(path)
@@ -285,7 +285,8 @@ def test_stop_and_resume_equals_uninterrupted(shards, tmp_path):
     """With ``precision: auto``, the default: two fresh runs of the recipe (the uninterrupted one, and the one
     stopped after step 5) are bit-identical over the steps both ran, and a run stopped and resumed equals the
     uninterrupted one (the precision is a rule on the machine and the model, never a timing). Launched by torchrun,
-    and the uninterrupted run once more with forked ranks (tests/warm_ranks.py), which must give the same run."""
+    and the uninterrupted run once more with forked ranks (tests/support/warm_ranks.py), which must give the same
+    run."""
     # dropout on: a resumed run must also reproduce each rank's dropout masks exactly
     extra = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=3", "deepspeed.precision=auto")
     whole, stopped, resumed = stop_and_resume(shards, tmp_path, extra, stop=5)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.config.train_config import load_config
-from tests.test_train_distributed import copy_run_until
+from tests.pretrain.test_train_distributed import copy_run_until
 
 pytestmark = [pytest.mark.slow]
 

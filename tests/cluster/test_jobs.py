@@ -20,9 +20,9 @@ import pytest
 
 from cluster import jobs, launch, local_head
 from cluster.profiles import load_profile
-from tests.load import cpu_burners
+from tests.support.load import cpu_burners
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RAY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 

@@ -7,7 +7,6 @@ import tarfile
 from collections import Counter
 
 import pytest
-from test_data_stream import UNEVEN, jpeg_bytes, make_shards
 
 from data_pipeline import validate as validate_cli
 from data_pipeline.manifest import MANIFEST_FILE, ShardFormatError, read_dataset_info
@@ -16,6 +15,7 @@ from data_pipeline.stream.train_stream import StreamSpec, TrainStream
 from data_pipeline.write import __main__ as write_cli
 from data_pipeline.write import writer
 from data_pipeline.write.readers import open_source
+from tests.data_pipeline.test_stream import UNEVEN, jpeg_bytes, make_shards
 
 CORRUPT_KEY = "000010"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_distributed import ROOT, _env, _free_port, reference_run, tiny_config, torchrun
+from tests.pretrain.test_train_distributed import ROOT, _env, _free_port, reference_run, tiny_config, torchrun
 
 pytestmark = [pytest.mark.slow]
 
@@ -72,7 +72,8 @@ def test_resume_at_another_world_size_continues_the_same_samples_and_losses(stag
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loading(
     tiny_fractal_shards, tmp_path, shared_folder
 ):
-    # A world-size-2 ZeRO-2 checkpoint: the shared reference run's (tests/test_train_distributed.py), read only.
+    # A world-size-2 ZeRO-2 checkpoint: the shared reference run's (tests/pretrain/test_train_distributed.py), read
+    # only.
     _, summaries = reference_run(shared_folder, tiny_fractal_shards, stage=2)
     checkpoint = Path(summaries[0]["checkpoints"][-1])
     assert not (checkpoint / "universal").exists()

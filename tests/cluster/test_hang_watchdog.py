@@ -44,7 +44,7 @@ from pretrain.checkpoint.writes import CheckpointSaveError
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path, read_heartbeats
 from tracking.tracker import Tracker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = HangSpec(floor_s=30, factor=10, startup_s=600, checkpoint_s=300)
 
 

@@ -9,8 +9,8 @@ zero checkpoint"); DeepSpeed's universal-checkpoint converter does, and gives th
 "Checkpoints"). The same runs' folders export to transformers with vitscale's logits.
 
 The runs are the ones other tests train (once per pytest run, read only here): fp32 the 8-step reference runs of
-tests/test_train_distributed.py (accumulation 2, checkpoint at step 8), bf16 the runs of
-tests/test_checkpoint_master_weights.py (accumulation 1, stopped after the step-2 checkpoint).
+tests/pretrain/test_train_distributed.py (accumulation 2, checkpoint at step 8), bf16 the runs of
+tests/pretrain/test_checkpoint_master_weights.py (accumulation 1, stopped after the step-2 checkpoint).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from data_pipeline.manifest import read_dataset_info
 from pretrain.checkpoint.run_folder import DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.weights.__main__ import main
 from pretrain.weights.formats import load_checkpoint_model
-from tests.test_checkpoint_master_weights import bf16_run
-from tests.test_train_distributed import reference_run
+from tests.pretrain.test_checkpoint_master_weights import bf16_run
+from tests.pretrain.test_train_distributed import reference_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

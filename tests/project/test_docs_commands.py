@@ -63,7 +63,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PROJECT_PACKAGES = {"pretrain", "data_pipeline", "evals", "cluster", "tracking", "bench"}
 MAKE_VARIABLES = ("CLUSTER", "RECIPE", "SET", "DRY_RUN", "EXPERIMENT", "RUNS", "PYTEST_ARGS", "MAKEFLAGS", "MAKELEVEL")

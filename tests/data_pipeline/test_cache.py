@@ -196,7 +196,7 @@ def test_a_shard_with_read_damage_is_read_from_storage_and_counted_as_without_th
 def test_two_ranks_with_loader_workers_train_bit_identically_with_and_without_the_cache(
     tiny_fractal_shards, tmp_path, shared_folder
 ):
-    from tests.test_train_distributed import reference_run, tiny_config, torchrun
+    from tests.pretrain.test_train_distributed import reference_run, tiny_config, torchrun
 
     # 8 steps of global batch 16 over the 64-image set: 2 epochs, the loader workers created anew at the boundary
     extra = ("deepspeed.zero_stage=2", "data.num_workers=2")

@@ -12,7 +12,7 @@ import ast
 import functools
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "data_pipeline", "evals", "cluster", "tracking", "bench")
 # What each package may import of ours besides itself (docs/design.md); a prefix allows everything under it.
 ALLOWED = {

@@ -19,7 +19,7 @@ import pytest
 from bench.gpu.train import TrainSpec
 from data_pipeline.builtin.sets import ensure
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.gpu

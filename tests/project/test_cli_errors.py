@@ -4,7 +4,7 @@ One table of broken and mis-shaped YAML (recipes, cluster profiles, eval suites)
 damaged files and folders, unknown names, bad flags, and Ray clusters that are not there. Each row lists regular
 expressions its stderr must match: the file (and line) or the field at fault. Each row runs in its own process, as
 `python -m` runs it, forked two at a time from one interpreter that imported torch and the other heavy libraries
-once (tests/warm_python.py): importing torch in every process was most of the table's cost. Two rows also run as
+once (tests/support/warm_python.py): importing torch in every process was most of the table's cost. Two rows also run as
 plain `python -m` processes and must give the same status and stderr.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _closed_port() -> int:
@@ -169,13 +169,18 @@ def _run(module: str, args: list[str], env: dict[str, str], cwd: Path) -> subpro
 
 
 def _run_warm(rows: list, env: dict[str, str], cwd: Path, tmp: Path) -> list[subprocess.CompletedProcess]:
-    """Every row as ``python -m module args``, forked from one warm interpreter (tests/warm_python.py)."""
+    """Every row as ``python -m module args``, forked from one warm interpreter (tests/support/warm_python.py)."""
     requests = [
         {"module": module, "args": args, "stdout": str(tmp / f"{i}.out"), "stderr": str(tmp / f"{i}.err")}
         for i, (module, args, _) in enumerate(rows)
     ]
     (tmp / "requests.json").write_text(json.dumps(requests))
-    server = [sys.executable, str(ROOT / "tests/warm_python.py"), str(tmp / "requests.json"), str(tmp / "results.json")]
+    server = [
+        sys.executable,
+        str(ROOT / "tests/support/warm_python.py"),
+        str(tmp / "requests.json"),
+        str(tmp / "results.json"),
+    ]
     done = subprocess.run([*server, "--jobs", "2"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     statuses = json.loads((tmp / "results.json").read_text())
