@@ -1,5 +1,5 @@
-"""Where things are: the project root, how a path written in a recipe or profile is resolved, and the one rule for
-"is this a remote URL".
+"""Where things are: the project root, how a path written in a recipe or profile is resolved, the one rule for
+"is this a remote URL", and the one way a file is replaced whole (`replace_atomically`).
 
 Every package may import data_pipeline (docs/design.md), so this is the one copy the others use. Local paths in
 recipes, profiles and suites are relative to the project root, whatever the working directory, so that a Ray job
@@ -8,6 +8,8 @@ recipes, profiles and suites are relative to the project root, whatever the work
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -31,3 +33,21 @@ def resolve_path(path: str | Path) -> Path:
 def resolve_location(url: str | Path) -> str:
     """What readers open: a remote URL as it is, a local path resolved (see `resolve_path`)."""
     return str(url) if is_remote(url) else str(resolve_path(url))
+
+
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Replace ``path`` whole or not at all: ``write(tmp)`` fills a file beside it that is this process's own, which
+    one rename then puts in its place, so a reader sees the old file or the new one, never half of one. On an error the
+    temporary file is removed and the error raised."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """`replace_atomically` with ``text`` as the new content."""
+    replace_atomically(path, lambda tmp: tmp.write_text(text))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -39,6 +38,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
+from data_pipeline.paths import replace_atomically
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.suites import EVALUATORS, load_suite
 from pretrain.checkpoint import run_folder
@@ -228,9 +228,7 @@ def run_suite(
     table = pa.table(columns, schema=SCHEMA)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{config.name}{'' if random_init_seed is None else '_random_init'}.parquet"
-    tmp = target.with_suffix(f".parquet.tmp{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, target)  # readers never see a half-written table
+    replace_atomically(target, lambda tmp: pq.write_table(table, tmp))  # readers never see a half-written table
     log(format_table(table))
     log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
     if mlflow_run_id:

@@ -59,6 +59,7 @@ from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
 from cluster.plan.planner import Plan
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
+from data_pipeline.paths import write_text_atomically
 from pretrain import collector
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import pin_checkpoint, release_pins
@@ -200,9 +201,8 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     _await_submits(submits)
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints: hand the summary over in the run folder
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
-        tmp = Path(config.checkpoint.dir) / f"train_result.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({k: summary.to_dict()[k] for k in keep}, default=str))
-        os.replace(tmp, Path(config.checkpoint.dir) / "train_result.json")
+        result = json.dumps({k: summary.to_dict()[k] for k in keep}, default=str)
+        write_text_atomically(Path(config.checkpoint.dir) / "train_result.json", result)
 
 
 def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:

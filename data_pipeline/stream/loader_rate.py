@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from data_pipeline.manifest import DatasetInfo, dataset_info
+from data_pipeline.paths import write_text_atomically
 from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.decoded_cache import planned_bytes
 from data_pipeline.stream.train_stream import StreamSpec, TrainStream
@@ -194,8 +195,6 @@ def write_atomically(path: Path, text: str) -> None:
     whole file, so a reader never sees half of one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text_atomically(path, text)
     except OSError:  # a read-only home: the number is still used, only measured again next time
         pass

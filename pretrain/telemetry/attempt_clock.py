@@ -17,10 +17,11 @@ changes what is trained.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from data_pipeline.paths import write_text_atomically
 
 GOODPUT_DIR = "goodput"  # under the run folder
 WORKER_BUCKETS = ("startup", "productive", "data_wait", "checkpoint")  # what an attempt books itself
@@ -131,10 +132,8 @@ class AttemptClock:
         the ledger is bookkeeping, training goes on."""
         if self.path is None:
             return
-        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(self.record(**extra)))
-            os.replace(tmp, self.path)
+            write_text_atomically(self.path, json.dumps(self.record(**extra)))
         except OSError as error:
             self._warn(error)
 

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.paths import write_text_atomically
+
 HEARTBEAT_DIR = "heartbeats"  # under the run folder
 WINDOW = 20  # steps the reported step time and data wait are taken over
 
@@ -114,15 +116,12 @@ class Heartbeat:
             return
         self.record.update(phase=phase, time=time.time())
         text = json.dumps(self.record)
-        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
         try:
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            write_text_atomically(self.path, text)
             self._written = now
         except OSError:
             # A full disk (a new file needs a block): rewrite the existing file in place, which needs none, so that
             # the watchdog does not take a training group for hung. A reader may catch it half-written and skip it.
-            tmp.unlink(missing_ok=True)
             try:
                 with open(self.path, "r+") as out:
                     out.write(text)
