@@ -119,8 +119,8 @@ class HangSpec:
     newest COMPLETE checkpoint: no rank has reported progress for longer than the allowance of what the ranks are doing.
     Training: max(floor_s, factor x the median step time); the start of an attempt (Ray's worker start, the engine
     build, a resume, the step-0 save, the first batch): the plan's start allowance, at least startup_s
-    (`cluster.plan.planner.startup_allowance`); a checkpoint save: max(save_floor_s, factor x the longest save the
-    attempt measured), before one is measured (and in a resolution switch) the plan's first-save allowance, at least
+    (`cluster.plan.checkpoint_costs.startup_allowance`); a checkpoint save: max(save_floor_s, factor x the longest save
+    the attempt measured), before one is measured (and in a resolution switch) the plan's first-save allowance, at least
     checkpoint_s. docs/elastic.md#faults."""
 
     enabled: bool = True

@@ -22,12 +22,8 @@ and raises `CheckpointSaveError` on every rank, with one message naming the path
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import importlib
 import io
-import pickle
-import random
 import shutil
 import sys
 import time
@@ -35,15 +31,17 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from data_pipeline.stream.order import merge_stream_states
+from pretrain import randomness
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.checkpoint.safe_load import check_weights_only, load_weights_only
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.train_config import TrainConfig
@@ -135,46 +133,6 @@ def _rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-# --------------------------------------------------------------------------------------------- RNG state
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's global RNG states (python, numpy, torch CPU, every visible CUDA device) as JSON-safe values.
-
-    The model's dropout does not depend on them (``pretrain.train.model_randomness`` seeds it by position) and the
-    data streams seed every choice by position too; these are restored so any other code drawing from the global
-    generators continues exactly as well.
-    """
-    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple (the default)
-    state: dict[str, Any] = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_bytes_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        # Device i's state goes back to device i; a process that now sees fewer devices restores the ones it has.
-        for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(_bytes_tensor(saved), index)
-
-
-def _bytes_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
-
-
-# --------------------------------------------------------------------------------------------- save / load
-
-
 def _gather(obj: Any) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
@@ -218,7 +176,8 @@ def save_checkpoint(
         # DeepSpeed writes its "latest" file outside its checkpoint engine, where a failed write would raise on rank
         # 0 alone (its peers then wait in the save's last barrier): rank 0 writes it below, through the attempt.
         engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=tag, client_state={"step": step}, save_latest=False)
-    stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(rng_state())  # rank-local positions
+    # Rank-local positions and random states, gathered to rank 0.
+    stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(randomness.rng_state())
     _save_consolidated(engine, model, tmp, rank, attempt)
     if rank == 0:
         state = TrainerState(
@@ -311,30 +270,6 @@ def _holding(model: VisionTransformer, state: dict[str, torch.Tensor]) -> Vision
     return copy
 
 
-# The only non-tensor objects DeepSpeed pickles into its model/optimizer state files (ZeRO 0-3, fp32 and bf16 as
-# checked here); allow-listing them lets every engine file load with torch.load(weights_only=True).
-DEEPSPEED_SAFE_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-
-
-def _allowed_globals() -> list:
-    return [getattr(importlib.import_module(m), a) for m, _, a in (n.rpartition(".") for n in DEEPSPEED_SAFE_GLOBALS)]
-
-
-def _load_weights_only(checkpoint_engine) -> None:
-    """Make the engine's checkpoint reader refuse arbitrary pickles (DeepSpeed itself loads weights_only=False)."""
-    allowed = _allowed_globals()
-
-    def load(path: str, map_location=None):
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-    checkpoint_engine.load = load  # this engine only; DeepSpeed's class is left alone
-
-
 UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: the engine state converted for any world size
 
 
@@ -359,7 +294,7 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
         return None
     target = start.folder / UNIVERSAL_DIR
     if rank == 0 and not target.is_dir():
-        _check_weights_only(engine_dir)  # the converter unpickles without the weights-only guard
+        check_weights_only(engine_dir)  # the converter unpickles without the weights-only guard
         started = time.perf_counter()
         staging = target.with_name(UNIVERSAL_DIR + run_folder.STAGING_SUFFIX)
         shutil.rmtree(staging, ignore_errors=True)
@@ -405,10 +340,10 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
     checkpoint cannot run code.
     """
     state = TrainerState.read(checkpoint_dir)
-    _load_weights_only(engine.checkpoint_engine)
+    load_weights_only(engine.checkpoint_engine)
     folder = universal if universal is not None else Path(checkpoint_dir) / DEEPSPEED_DIR
     if universal is not None:  # DeepSpeed reads these with weights_only=False: refuse a code-running pickle first
-        _check_weights_only(folder)
+        check_weights_only(folder)
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW inside ZeRO
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     load_path, _ = engine.load_checkpoint(str(folder), tag=state.deepspeed_tag, load_lr_scheduler_states=False)
@@ -427,21 +362,6 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
             if torch.is_tensor(param_state.get("step")):
                 param_state["step"] = param_state["step"].clone()
     return state
-
-
-def _check_weights_only(folder: Path) -> None:
-    """Open every engine file under ``folder`` with ``torch.load(weights_only=True)`` and the allow-list: DeepSpeed's
-    universal checkpoint code (the converter, ZeRO-3's loader) unpickles them without that guard."""
-    allowed = _allowed_globals()
-    for path in sorted(folder.rglob("*.pt")):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as error:
-            raise ValueError(
-                f"{path} holds objects a weights-only load refuses ({error}); it was not written by "
-                "vitscale's DeepSpeed: resume from another checkpoint"
-            ) from None
 
 
 def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[str]:

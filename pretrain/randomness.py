@@ -1,11 +1,14 @@
 """Where a run's random numbers come from: the global generators seeded once per rank, and the model's own
-randomness (dropout) seeded by its position in the run, so that nothing outside the model can shift it."""
+randomness (dropout) seeded by its position in the run, so that nothing outside the model can shift it; the global
+generators' state as a checkpoint keeps it (`rng_state`, `set_rng_state`)."""
 
 from __future__ import annotations
 
+import base64
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -40,3 +43,40 @@ def model_randomness(seed: int, step: int, micro_batch: int, device: torch.devic
         for index in gpus:
             torch.cuda.default_generators[index].manual_seed(key)
         yield
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's global RNG states (python, numpy, torch CPU, every visible CUDA device) as JSON-safe values.
+
+    The model's dropout does not depend on them (``pretrain.train.model_randomness`` seeds it by position) and the
+    data streams seed every choice by position too; these are restored so any other code drawing from the global
+    generators continues exactly as well.
+    """
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple (the default)
+    state: dict[str, Any] = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        # Device i's state goes back to device i; a process that now sees fewer devices restores the ones it has.
+        for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_bytes_tensor(saved), index)
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+# --------------------------------------------------------------------------------------------- save / load

@@ -29,7 +29,7 @@ from pretrain.config.precision import PrecisionChoice
 from pretrain.config.train_config import TrainConfig
 from pretrain.distributed import Placement, mean_over_ranks
 from pretrain.engine import build_engine, decide_precision
-from pretrain.randomness import model_randomness, seed_everything
+from pretrain.randomness import model_randomness, seed_everything, set_rng_state
 from pretrain.telemetry.recorder import Recorder
 
 
@@ -145,7 +145,7 @@ class Trainer:
         exactly."""
         state, rank, seed = self.state, self.place.rank, self.config.seed
         if state is not None and rank < len(state.rng_states):
-            ckpt.set_rng_state(state.rng_states[rank])
+            set_rng_state(state.rng_states[rank])
         elif state is not None:  # a rank the checkpoint's (smaller) world did not have: seeded by its position
             seed_everything(seed * 1000 + rank + 1 + state.step * 100_003)
         else:

@@ -29,9 +29,9 @@ Order of work (all on the Ray head, inside the job):
    timeout: each worker reports its progress (`pretrain.telemetry.heartbeat`) and the driver's watchdog thread
    (`cluster.driver.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank
    has progressed within the allowance, so that the same restart path takes over; its allowances at the start and in a
-   first save are the plan's (`cluster.plan.planner.startup_allowance`), a later save's follow the saves measured.
-   A worker error that a restart would only repeat (a checkpoint save that failed: a full disk) is not retried: the
-   job fails at once with the save's message, in the log and in the MLflow tag `vitscale.failure`
+   first save are the plan's (`cluster.plan.checkpoint_costs.startup_allowance`), a later save's follow the saves
+   measured. A worker error that a restart would only repeat (a checkpoint save that failed: a full disk) is not
+   retried: the job fails at once with the save's message, in the log and in the MLflow tag `vitscale.failure`
    (`cluster.driver.watchdog.final_failures_callback`).
 4. Wait for pending evals (at most `evals.timeout_s`; an eval that failed is recorded as such), then
    `cluster.driver.record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
@@ -329,7 +329,7 @@ def run_job(
 
 def job_hang(spec: JobSpec) -> HangSpec:
     """The watchdog's allowances for this job: the profile's `hang` section with the plan's start and first-save
-    allowances (`cluster.plan.planner.startup_allowance`, at least the profile's; a plan without them keeps the
+    allowances (`cluster.plan.checkpoint_costs.startup_allowance`, at least the profile's; a plan without them keeps the
     profile's)."""
     hang, startup = spec.profile.hang, spec.plan.get("startup") or {}
     return replace(

@@ -51,7 +51,7 @@ def format_plan(plan: Plan) -> str:
 
 def _startup(plan: Plan) -> str:
     """The watchdog's allowances before the first step and in a first save, each term named
-    (`cluster.plan.planner.startup_allowance`)."""
+    (`cluster.plan.checkpoint_costs.startup_allowance`)."""
     a = plan.startup
     terms = " + ".join(f"{name} {seconds:.3g}" for name, seconds in a.terms)
     write_s = a.checkpoint_gb * 1e3 / a.write_mb_per_s

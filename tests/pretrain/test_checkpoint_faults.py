@@ -140,7 +140,8 @@ def test_on_save_error_stops_or_skips_but_never_skips_the_last_save(tmp_path, mo
 
 @pytest.mark.timeout(120)
 def test_plan_warns_when_the_run_folder_cannot_hold_keep_last_plus_one_checkpoints(tmp_path):
-    from cluster.plan.planner import CHECKPOINT_BYTES_PER_PARAM, build_plan, resolve_config
+    from cluster.plan.checkpoint_costs import CHECKPOINT_BYTES_PER_PARAM
+    from cluster.plan.planner import build_plan, resolve_config
     from cluster.plan.text import format_plan
     from cluster.profiles import load_profile
 

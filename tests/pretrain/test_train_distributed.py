@@ -552,7 +552,7 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
     fp32's step by step, and the optimizer's master weights and Adam moments are fp32. Resumed with
     ``precision: auto``, the run keeps the bf16 its checkpoint trained in, without probing. Tiny on purpose: on a CPU
     without AMX/AVX512-BF16 bf16 is emulated and many times slower than fp32."""
-    from pretrain.checkpointer import _load_weights_only
+    from pretrain.checkpoint.safe_load import load_weights_only
 
     runs = {}
     for precision in ("fp32", "bf16"):
@@ -602,7 +602,7 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
     class Reader:  # the trainer's own weights-only reader of engine files
         load = None
 
-    _load_weights_only(Reader)
+    load_weights_only(Reader)
     for path in optim_files:  # each rank's partition: fp32 master weights, fp32 Adam moments
         state = Reader.load(str(path), map_location="cpu")["optimizer_state_dict"]
         masters = state["single_partition_of_fp32_groups"]

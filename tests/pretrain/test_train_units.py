@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from pretrain import checkpointer as ckpt
+from pretrain import randomness
 from pretrain.checkpoint.run_folder import COMPLETE, IncompleteCheckpointError
+from pretrain.checkpoint.safe_load import load_weights_only
 from pretrain.config.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
 from pretrain.config.train_config import CheckpointConfig, load_config
 from pretrain.model.tasks import (
@@ -148,12 +150,12 @@ def test_rng_state_round_trips_through_json():
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    state = json.loads(json.dumps(ckpt.rng_state()))
+    state = json.loads(json.dumps(randomness.rng_state()))
     expected = (random.random(), np.random.rand(), torch.rand(3))
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    ckpt.set_rng_state(state)
+    randomness.set_rng_state(state)
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
@@ -250,7 +252,7 @@ def test_engine_files_are_read_weights_only(tmp_path, capsys):
     import types
 
     engine = types.SimpleNamespace()
-    ckpt._load_weights_only(engine)
+    load_weights_only(engine)
     good = tmp_path / "good.pt"
     torch.save({"module": {"w": torch.ones(2)}, "zero_stage": 2}, good)
     assert torch.equal(engine.load(str(good))["module"]["w"], torch.ones(2))
