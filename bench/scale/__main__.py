@@ -20,7 +20,9 @@ from data_pipeline.cli import output_file
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="ImageNet-21k-scale rehearsal: tables, planning, dedup, writer")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.scale", description="ImageNet-21k-scale rehearsal: tables, planning, dedup, writer"
+    )
     p.add_argument("--out", default="bench-results/scale.json")
     p.add_argument("--tiny", action="store_true", help="small sizes throughout (a smoke test; numbers mean little)")
     return p.parse_args(argv)

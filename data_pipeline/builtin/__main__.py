@@ -28,7 +28,10 @@ from data_pipeline.manifest import read_dataset_info
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Generate built-in datasets as vitscale shard folders (offline).")
+    p = argparse.ArgumentParser(
+        prog="python -m data_pipeline.builtin",
+        description="Generate built-in datasets as vitscale shard folders (offline).",
+    )
     p.add_argument("name", help=f"one of {', '.join(BUILTIN_NAMES)}, or 'all'")
     p.add_argument("--out", required=True, help="root folder; writes OUT/<name>/<split>/")
     p.add_argument(

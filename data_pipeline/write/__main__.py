@@ -3,24 +3,7 @@
     python -m data_pipeline.write --source /data/imagenet21k --out /shards/i21k/train [--samples-per-shard 3000]
     python -m data_pipeline.write --source tfds:DIR --vtab cifar100 --split train --out /shards/vtab/cifar100/train
 
-Sources: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet files of bytes + label
-(data_pipeline/write/readers.py), or a TensorFlow Datasets folder read without TensorFlow, with VTAB-1k's split and
-label definitions on request (data_pipeline/write/tfds.py, docs/vtab.md).
-
-Two passes, both parallel over cores:
-1. scan: every image is read and decoded once to validate it (corrupt, too small or non-image files are skipped
-   and counted) and hashed (sha256 of the bytes, a perceptual hash of the pixels);
-2. write: exact duplicates dropped, near duplicates flagged, ``--exclude-like`` matches dropped, the survivors put in
-   one seeded global permutation (class-sorted sources such as ImageNet-21k's per-class tars would otherwise give
-   class-sorted shards no shuffle buffer can repair) and written ``--samples-per-shard`` at a time.
-
-Stored bytes: a JPEG whose short side is <= ``--max-short-side`` is stored as is (its original bytes); a larger
-JPEG is downscaled and re-encoded at quality 90; any other format (PNG, BMP, ...) is converted to RGB JPEG at
-quality 95, so every sample is ``<key>.jpg`` + ``<key>.cls`` + ``<key>.json``.
-
-Each shard is written to ``shard-NNNNNN.tar.tmp`` and renamed when complete; tar headers carry a fixed mtime,
-owner and mode. Re-running the same command after an interruption keeps the finished shards, writes the missing
-ones and produces output byte-identical to an uninterrupted run.
+The sources, the two passes, what is stored and how an interrupted run resumes: `data_pipeline.write.writer`.
 """
 
 from __future__ import annotations
@@ -38,7 +21,11 @@ from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m data_pipeline.write",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument(
         "--source",
         required=True,
