@@ -3,42 +3,13 @@ reading speed.
 
     python -m bench.data [--images 320] [--size 224] [--out bench-results/data.json]     (make bench-data)
 
-Generates its own ImageNet-like JPEGs in a temp folder (quality 90, textured so they compress like photos; short
-side log-normal around 375 px with a long tail clipped at the writer's 512, aspect ratios 1:1 to 3:2 either way, as
-ImageNet's are after ``data_pipeline.write.writer``), so it needs no data and no network. The decoders run in this one
-process on the same images, rounds interleaved, best round kept. Rates are images per CPU second of this process
-(``time.process_time``), i.e. per core, so other jobs sharing the machine distort them less:
-
-- ``pil``: ``Image.open -> convert("RGB") -> resize((S, S), BILINEAR) -> numpy`` — the plain way;
-- ``pipeline``: ``data_pipeline.stream.augment.decode_train`` (Inception crop, flip; JPEG scaled decode where the crop
-  allows it; only the rows the crop reads decoded; the crop resized by PyTorch's vectorised uint8 bilinear kernel,
-  one thread, as in a loader worker) + what the loader does next (the worker's copy into channels-first uint8
-  rows and its conversion into its rows of the step's [-1, 1] float buffer); ``ratio`` =
-  pipeline / pil: the headline, and the goal's figure;
-- ``pipeline_uint8``: ``decode_train`` alone, uint8 out, as ``pil`` outputs: ``ratio_uint8``, like for like with
-  the baseline, higher than ``ratio`` by the conversion's share;
-- ``pipeline_full_decode``: the same with ``scaled_decode=False`` (what the DCT-domain downscaling buys);
-- ``pipeline_randaugment``: with RandAugment(2, 10) as well; ``ratio_randaugment`` = it / pil;
-- ``dali`` (``--dali``, where NVIDIA DALI is installed: ``pip install nvidia-dali-cuda120``, no GPU needed): DALI's
-  CPU random-crop decoder (``fn.decoders.image_random_crop``, libjpeg-turbo decoding only the crop's region) +
-  resize + flip, uint8 out, one thread: an outside reference for the same work; ``ratio_dali`` = it / pil, to set
-  beside ``ratio_uint8``.
-
-``decode_us_scale_<n>_8`` is libjpeg-turbo's decode alone (simplejpeg, RGBX) at DCT scale n/8, n = 8..4, in
-microseconds per image: scales between 1/2 and 1 cost more than the full decode here, so the loader uses none.
-``scaled_decode_fraction`` is the share of crops for which libjpeg decodes at 1/2 scale or less (the crop's short
-side >= 2 x the output). ``workers_2_over_1`` is a ``TrainStream`` over shards written from the same images with 2
-loader worker processes against 1, in images per wall-clock second after the first batch (start-up excluded): it
-needs 2 idle cores. Those shards hold every image ``--loader-copies`` times (4: 1,280 samples, 39 timed batches of
-32), so the timed window is seconds long rather than 9 batches (with 9, four runs on one machine gave 1.60 to 1.86).
-It is the best of ``--loader-rounds`` (5) rounds at 2 workers over the best at 1, the counts interleaved;
-``workers_2_over_1_paired_median`` is the median of each round's own ratio, which a noisy machine pulls down more.
-``loader_main_cpu_us_per_image_workers2``: the training process's CPU time per image over the 2-worker window (median
-of the rounds), what it takes from the workers' two cores.
-The training process's share of the loader (receiving each step's buffer number, labels and positions; the workers
-convert to float) runs beside one worker on the second core, and beside two workers on the same two cores.
-``read_mb_s`` streams the shards through the stream's tar reader (no decoding) per CPU second; the files are in the
-page cache, so it measures the reader, not the disk. ``stream_img_s`` is a TrainStream with no workers.
+The JPEGs are generated (``imagenet_like_jpegs``): no data, no network. Decoder rates are images per CPU second of
+this one process (per core, so other jobs distort them less), best of interleaved rounds. ``ratio`` = ``pipeline``
+(``decode_train`` + the worker's float conversion) / ``pil`` (whole-image decode + resize, uint8 out);
+``ratio_uint8`` leaves the conversion out; ``ratio_full_decode``, ``ratio_randaugment`` and ``ratio_dali``
+(``--dali``, an outside anchor for ``ratio_uint8``) vary the pipeline. ``workers_2_over_1``: the loader's images per
+wall-clock second at 2 workers over 1, best rounds (``_paired_median``: the median of per-round ratios); it needs 2
+idle cores. Other keys: where they are measured.
 """
 
 from __future__ import annotations
@@ -69,8 +40,8 @@ from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def imagenet_like_jpegs(count: int, seed: int = 0, max_short: int = 512) -> list[bytes]:
-    """Photo-like JPEGs at quality 90: smooth colour fields plus grain; short side ~ log-normal(375 px) clipped to
-    [160, ``max_short``], aspect 1:1, 4:3 or 3:2, landscape or portrait."""
+    """Photo-like JPEGs at quality 90, shaped like ImageNet's after ``data_pipeline.write``: short side ~
+    log-normal(375 px) clipped to [160, ``max_short``], aspect 1:1, 4:3 or 3:2, landscape or portrait."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
@@ -85,16 +56,15 @@ def imagenet_like_jpegs(count: int, seed: int = 0, max_short: int = 512) -> list
 
 
 def photo_like(width: int, height: int, cells: tuple[int, int], grain: float, rng: np.random.Generator) -> np.ndarray:
-    """uint8 (height, width, 3): a ``cells`` grid of random colours upscaled bicubically (smooth colour fields) plus
-    Gaussian grain of standard deviation ``grain``, so it compresses like a photo and every row differs."""
+    """uint8 (height, width, 3): smooth random colour fields plus grain (std ``grain``): compresses like a photo."""
     base = rng.integers(0, 256, size=(*cells, 3), dtype=np.uint8)
     img = np.asarray(Image.fromarray(base).resize((width, height), Image.BICUBIC), dtype=np.float32)
     return np.clip(img + rng.normal(0, grain, size=img.shape), 0, 255).astype(np.uint8)
 
 
 def bare_pil(images: list[bytes], size: int) -> float:
-    """Images/s per CPU second of PIL's decode + bilinear resize of the whole image to ``size``, uint8 out. Resized
-    first: ``convert("RGB")`` of an RGB image is a full-size copy, which cost the baseline 2-4% until 2026-11."""
+    """Images per CPU second of PIL's decode + bilinear resize of the whole image to ``size``, uint8 out. Resized
+    before ``convert("RGB")``, which would copy the full-size image."""
     start = time.process_time()
     for data in images:
         with Image.open(io.BytesIO(data)) as img:
@@ -104,10 +74,9 @@ def bare_pil(images: list[bytes], size: int) -> float:
 
 
 def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32, convert: bool = True) -> float:
-    """Images/s of what the loader does per image, on one core: decode + augment and a worker's conversion of its
-    rows into the step's float buffer (the stream's own `StepPool`, through its channels-first uint8 scratch).
-    ``convert=False``: decode + augment only, uint8 arrays out."""
-    if convert:  # shared memory and scratch made before the clock starts, as the loader makes them once
+    """Images per CPU second of decode + augment and a worker's conversion into the step's float buffer (the
+    stream's `StepPool`); ``convert=False``: decode + augment only, uint8 out."""
+    if convert:  # made before the clock starts, as the loader makes them once
         pool, scratch = (
             StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
             planes(conversion_rows(size), size),  # the planes a worker converts at a time
@@ -138,10 +107,8 @@ def scaled_decode_fraction(images: list[bytes], size: int, augment: AugmentConfi
 
 
 def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
-    """Microseconds per image of libjpeg-turbo's decode (simplejpeg, RGBX out) at DCT scale n/8 for n = 8..4, best of
-    ``rounds``: why the loader scales only by 1/2, 1/4, 1/8 (PIL's ``draft``). n/8 between them runs libjpeg-turbo's
-    plain-C scaled IDCTs, slower here than the SIMD full-size one; and 1/2 saves little, since entropy decoding,
-    which no scaling skips, is most of the time."""
+    """``decode_us_scale_<n>_8``: µs per image of libjpeg-turbo's decode alone at DCT scale n/8, n = 8..4. Why the
+    loader scales only by 1/2, 1/4, 1/8: the scales between run plain-C IDCTs, slower than the SIMD full-size one."""
     import simplejpeg
 
     sizes = [simplejpeg.decode_jpeg_header(data)[:2] for data in images]
@@ -158,8 +125,8 @@ def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
 
 
 def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32) -> float:
-    """Images/s per CPU second of DALI's CPU random-crop decoder with ``augment``'s area and aspect ranges, a bilinear
-    antialiased resize to ``size`` and a random horizontal flip, one worker thread, uint8 out."""
+    """Images per CPU second of DALI's CPU random-crop decoder (``augment``'s area and aspect ranges), antialiased
+    bilinear resize to ``size`` and random flip; one thread, uint8 out."""
     from nvidia.dali import fn, pipeline_def, types
 
     encoded = [np.frombuffer(data, dtype=np.uint8) for data in images]
@@ -195,9 +162,9 @@ def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int
 
 
 def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple[float, float]:
-    """(images per wall-clock second of a TrainStream with ``workers`` loader processes, after its first batch;
-    microseconds of the training process's CPU per image over the same window)."""
-    # 2 streams at every worker count: the same samples in the same order, read by 1 or 2 processes
+    """(images per wall-clock second after the first batch, training-process CPU µs per image) of a TrainStream
+    with ``workers`` loader processes."""
+    # 2 streams at every worker count: the same samples in the same order
     spec = StreamSpec(
         shards,
         micro_batch_size=batch,
@@ -229,7 +196,7 @@ def read_speed(shard_dir: Path) -> float:
 
 
 def stream_rate(shards: Path, size: int, batch: int = 32) -> float:
-    """Images per CPU second of a TrainStream with no loader workers (decoding in this process), one epoch."""
+    """``stream_img_s``: images per CPU second of a TrainStream without loader workers, one epoch."""
     spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig())
     stream = TrainStream(spec)
     it = iter(stream)
@@ -251,10 +218,10 @@ def _dali_importable() -> bool:
 class LoaderRates:
     """What ``measure_loader`` measured on shards written from the benchmark's JPEGs."""
 
-    read_mb_s: float  # the stream's tar reader, best of the rounds
+    read_mb_s: float  # the tar reader alone, page cache, best round
     stream_img_s: float  # TrainStream without workers
     workers: dict[int, list[float]]  # loader worker count -> images per wall-clock second, one per round
-    main_cpu_us: list[float]  # at 2 workers: the training process's CPU microseconds per image, one per round
+    main_cpu_us: list[float]  # at 2 workers: the training process's CPU µs per image, one per round
 
     @property
     def best(self) -> dict[int, float]:
@@ -286,8 +253,9 @@ def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) ->
 
 
 def measure_loader(images: list[bytes], size: int, rounds: int, loader_rounds: int, copies: int) -> LoaderRates:
-    """Shard reading, TrainStream without workers, and the loader at 1 and 2 worker processes (rounds interleaved),
-    on 40-image shards that hold every image ``copies`` times, written to a temp folder."""
+    """Shard reading, a TrainStream without workers, and the loader at 1 and 2 workers (rounds interleaved) on
+    shards holding every image ``copies`` times, so the timed window lasts seconds. The training process runs beside
+    one worker on the second core, or shares both cores with 2 workers."""
     with tempfile.TemporaryDirectory() as tmp:
         n = len(images)
         items = [(images[i % n], i % 10, f"bench/{i}") for i in range(n * copies)]

@@ -3,14 +3,11 @@
     python -m bench.precision [--shapes default|quick] [--trials 3] [--out bench-results/precision.json]
     (make bench-precision)
 
-For each (model, image size, micro-batch) it times one forward + backward of the training task in fp32 and in bf16
-weights (`pretrain.config.precision.probe_bf16_speedup`, the same step `precision: probe` times), ``--trials`` times on
-one thread (a rank's share of the local profile), the best of each counting, and sets the measured speedup beside what
-the rule (`pretrain.config.precision.cpu_rule`) picks for this CPU. The JSON is flat: ``speedup_<shape>`` and
-``rule_<shape>`` per shape, then the two numbers that check the rule's margin on this machine:
-``min_speedup_ruled_bf16`` (the slowest shape the rule sends to bf16; the rule promises >= its margin) and
-``max_speedup_ruled_fp32`` (the fastest shape it keeps in fp32). On a CPU without bf16 units bf16 is emulated: the
-benchmark says so and measures only the quick shapes.
+Per (model, image size, micro-batch) it times one forward + backward in fp32 and in bf16 on one thread (a rank's share
+of the local profile), best of ``--trials``, with `pretrain.config.precision.probe_bf16_speedup` (what
+`precision: probe` times), beside what `cpu_rule` picks: ``speedup_<shape>``, ``rule_<shape>``. Two keys check the
+rule's margin here: ``min_speedup_ruled_bf16`` (the slowest shape sent to bf16; the rule promises >= its margin) and
+``max_speedup_ruled_fp32`` (the fastest kept in fp32). Without bf16 units bf16 is emulated: only the quick shapes run.
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ from pretrain.config.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_
 from pretrain.model.vit import build_model, model_config
 from pretrain.telemetry.peak import cpu_model
 
-# (model, image size, micro-batch, overrides): local_demo's model around its micro-batch, then the paper's variants
-# at small micro-batches (the rule's boundary in tokens x width²), a /32 whose patch convolution weighs, a hybrid.
+# (model, image size, micro-batch, overrides): local_demo's model around its micro-batch, the paper's variants at
+# small micro-batches (the rule's boundary in tokens x width²), a /32 whose patch convolution weighs, a hybrid.
 SHAPES = {
     "quick": [("vit_tiny_debug", 32, 8, {}), ("vit_tiny_debug", 32, 32, {}), ("vit_ti16", 224, 2, {})],
     "default": [
@@ -57,7 +54,7 @@ def _label(name: str, image_size: int, batch: int, overrides: dict) -> str:
 
 
 def measure(name: str, image_size: int, batch: int, overrides: dict, trials: int) -> tuple[float, float]:
-    """(fp32 s, bf16 s): the best of ``trials`` probes of a classification step (mean cross-entropy, 64 classes)."""
+    """(fp32 s, bf16 s), best of ``trials`` probes of a 64-class classification step."""
 
     def build() -> torch.nn.Module:
         model = build_model(name, image_size=image_size, num_classes=64, **overrides)

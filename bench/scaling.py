@@ -2,32 +2,13 @@
 
     python -m bench.scaling [--model vit_s16] [--image-size 96] [--out bench-results/scaling.json]  (make bench-scaling)
 
-Each world size is one ``torchrun --standalone --nproc-per-node N -m pretrain.train`` of ``configs/local_demo.yaml``
-(DeepSpeed ZeRO-2 over gloo, the built-in ``fractal`` set, decoded in the training process) with the model, image
-size and step count set on the command line; the global batch is the same at both sizes (world 1: one micro-batch of
-the whole batch; world 2: half each). ``--rounds`` runs of each setting alternate and the best of each counts. The
-rate is the training loop's own images/s (its console log every ``--log-every`` steps), the median over the windows
-after the first (the first holds the warm-up).
-
-Cores: every rank gets the same share, ``--threads`` / 2 cores (``OMP_NUM_THREADS``), and the run is pinned to as
-many cores as its ranks need (CPU affinity, inherited by torchrun's ranks): world 1 on one share, world 2 on two.
-Cores are taken one hardware thread per physical core first, so on a machine with SMT keep ``--threads`` at most its
-number of physical cores, or the second share is the first one's sibling threads.
-``scaling_2_over_1`` is then what data parallelism is for, the throughput a second worker adds, ideally 2.0. A third
-setting runs world 1 on all the cores world 2 uses, in one process (``scaling_2_over_1_same_cores``): there the
-second process adds no compute, so that ratio measures what splitting one machine's cores into ranks costs or gains,
-ideally 1.0 (more when one process uses all its threads less well than two processes use half as many each).
-
-The default model is ViT-S/16 at 96 px (36 patches + class token): at local_demo's ViT at 32 px the step is so short
-that process start-up, Python overhead and the gradient exchange dominate and the ratio says nothing about training;
-at ViT-S/16 224 px one step takes many seconds on two cores and the benchmark minutes. At 96 px, compute is most of
-a step while a run still fits in about a minute.
-
-The gap to 2.0 is split from measured parts: the loop's data-wait fraction (``wait`` in its log), and the
-gradient exchange timed alone: the same number of fp32 values (the model's parameters) all-reduced, plus the
-parameter all-gather ZeRO-2 does after the step, over a 2-process gloo group on world 2's cores, each rank pinned to
-its own share (world 2's ranks run on both shares, placed by the OS). Compute is the rest of the world-2 step.
-``notes`` in the JSON says it in words.
+Each world size is one ``torchrun ... -m pretrain.train`` of ``configs/local_demo.yaml`` (ZeRO-2 over gloo; model and
+size from the flags). Runs alternate and the best of ``--rounds`` counts; a run's rate is the loop's logged images/s,
+the median of the windows after the first. Every rank gets ``--threads`` / 2 pinned cores, whole physical cores first
+(with SMT keep ``--threads`` <= physical cores). ``scaling_2_over_1`` is what a second worker adds (ideally 2.0);
+``scaling_2_over_1_same_cores`` is world 2 over world 1 on the same cores (ideally 1.0). The default ViT-S/16 at 96 px
+keeps compute most of a step in a short run. ``notes`` splits the gap to 2.0 into data wait, the gradient exchange
+timed alone (``exchange_seconds``) and compute.
 """
 
 from __future__ import annotations
@@ -73,8 +54,7 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
         "logging.progress_bar": "false",
         "logging.log_every": args.log_every,
         "logging.peak_tflops": 1.0,  # MFU is not used here; skips the start-up GEMM measurement
-        # Plain classification, as the campaigns in docs/benchmarks/ measured it: local_demo's own task adds masked
-        # patch prediction to every step, a different step from the one the recorded numbers timed.
+        # Plain classification, the step docs/benchmarks/ recorded: local_demo's own task adds masked patch prediction.
         "task.name": "classification",
         "task.options": "{}",
     }
@@ -89,10 +69,9 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
 
 
 def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
-    """``proc.communicate()`` of a torchrun within ``timeout`` s; past it, end torchrun and its ranks, then raise
-    ``subprocess.TimeoutExpired`` carrying what they printed. torchrun starts each rank in a session of its own, out
-    of reach of a kill to torchrun (what ``subprocess.run(timeout=...)`` sends): SIGTERM makes torchrun end its ranks
-    first; SIGKILL follows after 60 s."""
+    """``proc.communicate()`` of a torchrun within ``timeout`` s; past it, end torchrun and its ranks and raise
+    ``subprocess.TimeoutExpired`` with their output. Each rank runs in its own session, out of reach of a kill to
+    torchrun: SIGTERM makes torchrun end them first; SIGKILL follows after 60 s."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -115,8 +94,8 @@ def cpu_list(text: str) -> list[int]:
 
 
 def physical_first(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> list[int]:
-    """``cpus`` ordered so that one hardware thread of every physical core comes before any core's second: a share of
-    the first N is N whole cores, not N hyper-threads of fewer cores (sysfs topology; CPU order where it is missing)."""
+    """``cpus`` with one hardware thread of every physical core before any core's second, so the first N are N whole
+    cores (sysfs topology; CPU order where it is missing)."""
 
     def key(cpu: int) -> tuple[int, int]:
         path = sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list"
@@ -129,7 +108,7 @@ def physical_first(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")
 
 
 def pinned(cores: list[int]):
-    """A ``preexec_fn`` that limits the child (and what it starts: torchrun's ranks inherit it) to ``cores``."""
+    """A ``preexec_fn`` that limits the child, and the ranks torchrun starts, to ``cores``."""
     return lambda: os.sched_setaffinity(0, cores)
 
 
@@ -202,8 +181,8 @@ def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int,
 
 
 def exchange_seconds(numel: int, cores: list[int], repeats: int = 3) -> float:
-    """Seconds for one step's gradient all-reduce + parameter all-gather of ``numel`` fp32 values, 2 gloo ranks, each
-    on its half of ``cores``."""
+    """Seconds of one ZeRO-2 step's exchange alone: gradient all-reduce + parameter all-gather of ``numel`` fp32
+    values, 2 gloo ranks, each pinned to its half of ``cores``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

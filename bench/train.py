@@ -3,42 +3,13 @@ machine's GEMM rate, at fp32 and at bf16.
 
     python -m bench.train [--models vit_s16,vit_b16] [--out bench-results/train.json]      (make bench-train)
 
-Both models have the same configuration (width, depth, heads, MLP, 1000 classes, tanh GELU, LayerNorm eps 1e-6) and
-run the same step: forward, softmax cross-entropy, backward, AdamW. bf16 is ``torch.autocast("cpu",
-torch.bfloat16)`` around forward and loss, the precision DeepSpeed's bf16 mode computes in. For each model and
-precision the rounds are interleaved (vitscale, HF, GEMM, HF, vitscale, GEMM, ...: the order alternates so that
-neither always runs first) so a machine whose load changes during the run hurts both sides alike; each number is the
-median over rounds of the best of ``repeats``.
-
-Achieved FLOP/s = images/s x training FLOPs per image as vitscale runs them (``pretrain.model.flops.train_flops(...,
-as_run=True)``: 3 x forward, multiply-add = 2; its last block computes the class token alone, so the count is
-6.3% under the published one at S/16, ``train_gflops_per_image`` in the JSON, beside ``train_gflops_per_image_as_run``).
-``gemm_fraction_<p>`` divides it by the rate of a square matmul at precision ``p`` measured in the same rounds:
-how close the step comes to the fastest kernel at that precision here. On a CPU with native bf16 arithmetic (AMX or
-AVX512-BF16; ``cpu_bf16_native`` in the JSON) bf16 runs exactly as fp32 does (batch, rounds, repeats, warm-up, GEMM
-size). Without it bf16 GEMMs are emulated and far slower than fp32, so bf16 defaults to batch 1, one round, no
-warm-up and a 512 GEMM (``--bf16-batch-size``, ``--bf16-rounds``, ``--bf16-gemm-size``) to keep the run to minutes;
-the numbers then say what bf16 costs here, not what it would on a CPU built for it.
-
-The JSON is flat: ``speedup_vs_hf_<p>`` and ``gemm_fraction_<p>`` for ViT-S/16, the same with a ``_b16`` suffix for
-ViT-B/16, the raw images/s of each model x precision x implementation, the GEMM rates, the CPU flags that decide the
-bf16 path, torch's version and threads, and the share of the profiled bf16 step by operator (``--profile``).
-
-``--device cuda`` runs the same comparison on GPU 0 (both models, the data and the GEMMs there; autocast on CUDA;
-each timer reads after a ``torch.cuda.synchronize``; fp32 GEMMs as torch's TF32 setting says, recorded as
-``tf32_matmul``). The profile is of a step after a warm-up one, on a GPU ranking operators by the time of the
-kernels each launched; bf16 counts as native from compute capability 8.0 (Ampere) on.
-
-Compiled blocks (``--compile``, on by default): both models are timed a second time with each encoder block
-torch.compile'd in place (vitscale's ``model.compile``; HF's layers the same way, SDPA and eager attention), compiled
-in their warm-up step. ``speedup_compiled_vs_hf_<p>`` is compiled vitscale against HF as it runs by default (the
-``speedup_vs_hf_<p>`` baseline), ``speedup_compiled_vs_hf_compiled_<p>`` against the faster compiled HF, and
-``gemm_fraction_compiled_<p>`` its share of the GEMM rate; ``<label>_compiled_img_s_<p>`` are the raw rates.
-
-Attention: ``speedup_vs_hf_<p>`` is against HF with SDPA (``--hf-attn``). vitscale runs SDPA too, except bf16 on a
-CPU, where it computes attention as two GEMMs and a softmax (docs/performance.md, "Attention kernel per device
-and precision"), which is HF's eager kernel; so at bf16 HF eager is timed as well and ``speedup_vs_hf_best_<p>`` is
-against the faster of HF's two implementations.
+Both models share one configuration and step (forward, cross-entropy, backward, AdamW; bf16: autocast around forward
+and loss). Rounds alternate the implementations' order; a rate is the median over rounds of the best of ``repeats``.
+Keys per precision p (suffix ``_b16`` for ViT-B/16): ``speedup_vs_hf_<p>`` against HF with SDPA and, at bf16, where
+vitscale's CPU attention is HF's eager kernel (docs/performance.md, "Attention kernel per device and precision"),
+``speedup_vs_hf_best_<p>`` against HF's faster one; ``gemm_fraction_<p>``: images/s x the FLOPs vitscale runs
+(``train_flops(as_run=True)``) / a square GEMM's rate in the same rounds. Without native bf16 (``cpu_bf16_native``)
+bf16 is emulated and runs a small setting. ``--compile`` adds ``*_compiled_*`` keys (blocks torch.compile'd).
 """
 
 from __future__ import annotations
@@ -61,27 +32,26 @@ from pretrain.model.flops import train_flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, build_model, model_config
 from pretrain.telemetry.peak import gemm_tflops
 
-# JSON key suffix per model: ViT-S/16 is the headline; ViT-Ti/16 is for quick checks (tests), not in the default run.
+# JSON key suffix per model; ViT-Ti/16 is for quick checks (tests).
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
 
 def cpu_bf16_native() -> bool:
-    """True where the CPU has bf16 arithmetic (AMX-BF16 or AVX512-BF16), so bf16 GEMMs are not emulated."""
+    """True where the CPU has AMX-BF16 or AVX512-BF16, so bf16 GEMMs are not emulated."""
     return any(f in cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def bf16_native(device: torch.device) -> bool:
-    """True where bf16 arithmetic is native: a GPU of compute capability 8.0 (Ampere) or later, which has bf16 tensor
-    cores, or a CPU with AMX-BF16 or AVX512-BF16."""
+    """True on a GPU of compute capability >= 8.0 (bf16 tensor cores) or a CPU with AMX-BF16 or AVX512-BF16."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     return cpu_bf16_native()
 
 
 def cpu_flags() -> list[str]:
-    """The CPU flags (of those that decide the fp32/bf16 GEMM paths) this machine has; [] where unreadable."""
+    """This CPU's flags among those that decide the GEMM paths; [] where unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -97,7 +67,7 @@ def _autocast(precision: str, device: torch.device):
 
 
 def _sync(device: torch.device) -> None:
-    """Wait for the device's queued kernels (CUDA runs them asynchronously), so a timer reads finished work."""
+    """Wait for queued CUDA kernels, so a timer reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -127,8 +97,7 @@ def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
 def make_step(
     model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str, device: torch.device
 ) -> Callable[[], None]:
-    """One training step at ``precision`` on ``device``: forward + loss under autocast, backward and AdamW outside
-    it (torch's default AdamW implementation for both models)."""
+    """One training step: forward + loss under autocast, backward and torch's default AdamW outside it."""
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
@@ -146,8 +115,7 @@ def make_step(
 
 
 def compile_hf_layers(model: torch.nn.Module) -> None:
-    """torch.compile each of HF's encoder layers in place: the same per-block compile as vitscale's
-    ``compile_blocks``, so that compiled vitscale is also compared with HF compiled the same way."""
+    """torch.compile each of HF's encoder layers in place, as vitscale's ``compile_blocks`` does its blocks."""
     layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))  # ViTModel's encoder layers
     for layer in layers:
         layer.compile()
@@ -162,8 +130,8 @@ def build_steps(
     device: torch.device,
     compiled: bool = False,
 ) -> tuple[dict, ViTConfig]:
-    """The training steps to time, by implementation, and vitscale's model config. ``compiled`` adds each
-    implementation with its blocks compiled (``<label>_compiled``); they compile in their first (warm-up) step."""
+    """The steps to time, by label, and vitscale's model config. ``compiled`` adds ``<label>_compiled`` twins (same
+    weights), which compile in their first (warm-up) step."""
     config = model_config(name, num_classes=1000)
     builders = {"vitscale": lambda: build_model(name, num_classes=1000), "hf": lambda: hf_model(config, attn)}
     if with_eager and attn != "eager":  # context: the HF default before SDPA
@@ -190,7 +158,7 @@ def _logits_of(model: torch.nn.Module) -> Callable:
 
 
 def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """Seconds per step, the best of ``repeats`` consecutive steps (the least disturbed by other processes)."""
+    """Seconds per step, the best of ``repeats`` (the least disturbed by other processes)."""
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -201,7 +169,7 @@ def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> 
     return min(times)
 
 
-_PROFILE_GROUPS = {  # operator families the issue names, by substring of the profiler's op name
+_PROFILE_GROUPS = {  # operator families, by substring of the profiler's op name
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
     "attention": ("flash_attention", "scaled_dot_product", "_efficient_attention", "_cudnn_attention"),
     "gelu": ("gelu",),
@@ -210,10 +178,8 @@ _PROFILE_GROUPS = {  # operator families the issue names, by substring of the pr
 
 
 def profile_step(step: Callable[[], None], device: torch.device, top: int = 10) -> dict:
-    """One step under torch.profiler: the largest operators by self time as [[name, share], ...], and the shares of
-    the operator families in ``_PROFILE_GROUPS``. On a GPU an operator's self time is that of the kernels it launched
-    itself; only operators count there, not the kernels' own rows nor range annotations, which would count each
-    kernel twice."""
+    """One step under torch.profiler: the top operators by self time as [[name, share], ...] and each
+    ``_PROFILE_GROUPS`` family's share. On a GPU only operator rows count: kernel rows would count kernels twice."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -243,9 +209,8 @@ def log(text: str) -> None:
 def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: int, args) -> dict:
     """Interleaved rounds of one model at one precision; the flat keys for it."""
     tag = f"{precision}{SUFFIX[name]}"
-    # HF's eager attention (two GEMMs + softmax) beside its SDPA: for fp32 ViT-S/16 as context, and at every bf16
-    # model because vitscale's CPU bf16 attention is that kernel too (docs/performance.md), so bf16 is also compared
-    # with HF's faster implementation (`speedup_vs_hf_best_<tag>`).
+    # HF's eager attention too: for fp32 ViT-S/16 as context, and at bf16 because vitscale's CPU bf16 attention is
+    # that kernel (`speedup_vs_hf_best_<tag>`).
     with_eager = not args.no_eager and (tag == "fp32" or precision == "bf16")
     device = torch.device(args.device)
     steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager, device, args.compile)
@@ -255,8 +220,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     if precision == "bf16" and args.profile and name == args.models[0]:
         log(f"{name} {precision}: profiling one vitscale step (batch {batch_size}) ...")
         out["bf16_profile_model"] = name
-        # A first step creates oneDNN's primitives on a CPU (measured here: the convolution was 21% of a profiled
-        # first step) and loads a GPU's kernels: either would lead the profile.
+        # A first step creates oneDNN's primitives on a CPU and loads a GPU's kernels: either would lead the profile.
         steps["vitscale"]()
         profiled = profile_step(steps["vitscale"], device)
         out["bf16_profile_vitscale"] = profiled.pop("top")

@@ -54,7 +54,7 @@ cat "$OUT/versions.txt"
 
 if [ "$GPU_TESTS" = 1 ]; then
     # Only the files that hold gpu-marked tests are collected: the others may import Ray or MLflow, not installed there.
-    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+    mapfile -t files < <(grep -rl --include="test_*.py" "mark.gpu" tests)
     timeout "$TESTS_MAX_S" python3 -m pytest -m gpu -q -p no:cacheprovider -ra --continue-on-collection-errors \
         "${files[@]}" >"$OUT/gpu-tests.log" 2>&1
     echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))"

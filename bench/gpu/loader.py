@@ -1,16 +1,10 @@
 """The campaign's loader part (`bench.gpu.campaign`): the training stream alone on this machine's CPU cores, at 224 px.
 
-Images per CPU second of one process (``time.process_time``, one torch thread: per core, as a loader worker runs) of a
-`TrainStream` without workers (decode, Inception crop, flip, the float conversion), one epoch, on two sets:
-
-- ``loader_img_s_per_core``: ImageNet-like JPEGs (``bench.data.imagenet_like_jpegs``: ~110 KiB, short side ~375 px,
-  as ImageNet-21k's are after ``data_pipeline.write.writer``), the rate a real run's loader works at;
-- ``loader_formula_img_s_per_core``: the formula-driven set the real-path part trains on (224 px JPEGs of ~11 KB,
-  several times cheaper to decode), which says how much of the real path's data wait that set hides.
-
-``loader_img_s_workers<n>``: the same ImageNet-like shards through ``n`` loader worker processes, images per
-wall-clock second after the first batch, one stream per worker: that the per-core rate scales. `bench.gpu.campaign` then
-divides each measured training rate by the per-core rate: ``loader_cores_needed_<model>``.
+Images per CPU second of a `TrainStream` without workers, one torch thread (per core, as a loader worker runs):
+``loader_img_s_per_core`` on ImageNet-like JPEGs (``bench.data.imagenet_like_jpegs``), what a real run's loader
+does; ``loader_formula_img_s_per_core`` on the real path's formula set, whose small JPEGs decode several times faster,
+so the real path's data wait understates ImageNet's. ``loader_img_s_workers<n>``: the ImageNet-like shards through
+``n`` workers, images per wall-clock second after the first batch, to check that the per-core rate scales.
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def wall_rate(shards: Path, size: int, workers: int, batch: int) -> float:
-    """Images per wall-clock second of a TrainStream with ``workers`` loader processes (one stream each), after its
-    first batch (start-up excluded)."""
+    """Images per wall-clock second after the first batch, ``workers`` loader processes, one stream each."""
     spec = StreamSpec(
         shards,
         micro_batch_size=batch,

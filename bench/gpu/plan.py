@@ -1,17 +1,10 @@
-"""The campaign's plan part (`bench.gpu.campaign`): what `cluster.plan.planner` predicts for the configuration the
-real-path part ran, against what it measured. The one module of ``bench`` that imports ``cluster`` (docs/design.md: a
-benchmark that checks the planner must ask the planner).
+"""The campaign's plan part (`bench.gpu.campaign`): `cluster.plan.planner`'s prediction for the real path's
+configuration against what it measured; the one module of ``bench`` that imports ``cluster`` (docs/design.md,
+"Packages, what each owns, and the import rules").
 
-The profile is ``h100x8``'s with its hardware made this machine's: one node, one GPU of this device's name and memory
-and its dense bf16 peak (`pretrain.telemetry.peak`), one worker with the part's loader workers. The config is the real
-path's own (`bench.gpu.train.TrainSpec.config`). Errors are relative and signed, (planned - measured) / measured:
-positive when the plan expects more memory or a longer step than the device took.
-
-- memory: the plan's total per device (model states + activations + its overhead allowance) against the largest
-  memory the run's process reserved from the device (``torch.cuda.max_memory_reserved``: what the allocator took,
-  fragmentation included; on a CPU, a smoke run, the process's peak resident size);
-- step time: the plan's step time (its MFU: measured for this model and GPU kind in cluster/mfu.yaml, or the profile's
-  assumption; ``plan_mfu_source`` says which) against the real path's steady-state step.
+The profile is ``h100x8``'s reduced to one GPU of this device. Errors are (planned - measured) / measured, positive
+when the plan expects more: memory against ``torch.cuda.max_memory_reserved`` (fragmentation included; a CPU smoke
+run: peak RSS), step time (at the plan's MFU, ``plan_mfu_source``) against the real path's steady-state step.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ def device_kind(name: str) -> str:
 
 
 def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, loader_workers: int):
-    """``BASE_PROFILE`` reduced to one GPU of this device (module docstring)."""
+    """``BASE_PROFILE`` reduced to one node, one GPU of this device and one worker."""
     base = load_profile(BASE_PROFILE)
     hardware = dataclasses.replace(
         base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name, gpu_memory_gb=memory_gb, peak_tflops=peak_tflops

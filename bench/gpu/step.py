@@ -1,25 +1,13 @@
 """The campaign's step part (`bench.gpu.campaign`): vitscale's training step against Hugging Face's ViT on one device,
 per model.
 
-Per model (ViT-B/16, L/16, H/14 at 224, 1000 classes, bf16 autocast around forward and loss, backward and torch's
-AdamW outside it, as ``bench.train`` runs its step), in priority order, each task building its own model on the
-device so that only one model's memory is held at a time:
-
-1. ``eager``: vitscale, the largest micro-batch that fits (doubling from a start until an out-of-memory error or the
-   model's cap; two steps per probe, so Adam's state is allocated too), then timed;
-2. ``hf``: Hugging Face's ``ViTForImageClassification`` as it runs by default (SDPA) at the same micro-batch (halved
-   until it fits, if it does not);
-3. ``ckpt``: vitscale with activation checkpointing (``set_grad_checkpointing``), its own largest micro-batch from
-   the eager one up to the model's cap (where eager reached the cap: the same micro-batch, so the ratio is its cost);
-4. ``compiled`` and ``hf_compiled``: each encoder block torch.compile'd in place (vitscale's ``compile_blocks``, HF's
-   layers the same way: ``bench.train.compile_hf_layers``) at the eager micro-batch; they compile in their first step.
-
-A timed configuration runs ``warmup`` steps, then ``repeats`` steps each between two synchronizes; its rate is the
-median. MFU = images/s x 6 x forward MACs per image (``pretrain.model.flops.train_flops``: the published count, which
-the plan and the training loop use too) / the device's dense peak (``pretrain.telemetry.peak``). Recomputed activations
-are not model FLOPs, so checkpointing lowers MFU by what it costs. The attention kernel each side runs is read from a
-profiled step (``attention_kernel``). A task that would end past the part's deadline is skipped and says so; one
-that fails records its error; neither stops the others.
+Per model (ViT-B/16, L/16, H/14; ``bench.train``'s step, bf16 autocast) the tasks, in priority order (``_tasks``) and
+one model in memory at a time, are ``eager`` (vitscale at the largest micro-batch that fits), ``hf`` (default HF,
+SDPA, at that micro-batch or below), ``ckpt`` (activation checkpointing, up to the model's cap), ``compiled`` and
+``hf_compiled`` (blocks torch.compile'd). Keys are ``<key>_<model>``; a rate is the median of ``repeats`` synchronized
+steps after ``warmup``. MFU = images/s x ``train_flops`` (6 x forward MACs, the published count) / the dense peak:
+recomputation is not model FLOPs, so checkpointing lowers MFU by its cost. A task that would end past the deadline
+is skipped (``skipped_<variant>_<model>``), one that fails records ``error_<variant>_<model>``; the others go on.
 """
 
 from __future__ import annotations
@@ -107,11 +95,12 @@ class Stepper:
         self.optimizer.step()
 
     def release(self) -> None:
-        """Drop the model, its optimizer state and the inputs, so that the device memory can be freed."""
+        """Drop the model, optimizer state and inputs, so that their device memory can be freed."""
         self.model = self.optimizer = self.logits_of = self._inputs = None  # type: ignore[assignment]
 
     def fits(self, batch: int) -> bool:
-        """Two steps at ``batch`` run without an out-of-memory error (other errors raise)."""
+        """Two steps at ``batch`` (the second with Adam's state allocated) run without running out of memory; other
+        errors raise."""
         try:
             self.step(batch)
             self.step(batch)
@@ -163,8 +152,8 @@ _KERNELS = (  # profiler op name fragment → the attention kernel it is, most s
 
 
 def attention_kernel(step: Callable[[], None], device: torch.device) -> str:
-    """The attention kernel a step runs, from the operators of one profiled step: SDPA's backend, or "explicit
-    (bmm + softmax)" where attention is two batched GEMMs and a softmax (vitscale's CPU bf16 path, HF's eager)."""
+    """``attention_kernel_*``: SDPA's backend in one profiled step, or "explicit (bmm + softmax)" (vitscale's CPU
+    bf16 path, HF's eager)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -184,7 +173,7 @@ def _timed(stepper: Stepper, batch: int, s: StepSettings, flops: int, label: str
     device = stepper.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    # Compiled: one more warm-up step, so that a recompilation on the second call (a guard that failed) is not timed.
+    # Compiled: one more warm-up step, so that a recompilation on the second call is not timed.
     warmup = s.warmup + label.endswith("compiled")
     step_s = stepper.seconds_per_step(batch, warmup, s.repeats)
     img_s = batch / step_s
@@ -214,8 +203,8 @@ def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
             raise RuntimeError("no eager micro-batch was measured for this model")
         if variant == "ckpt":
             stepper.model.set_grad_checkpointing(True)
-            # Up to the model's cap: where eager reached it, checkpointing is timed at the same micro-batch (its cost);
-            # where eager ran out of memory below it, at the larger micro-batch checkpointing makes room for.
+            # Where eager reached the cap, the same micro-batch (the ratio is checkpointing's cost); else the larger
+            # micro-batch checkpointing makes room for.
             batch = largest_batch(stepper, eager_batch, max(cap, eager_batch))
         elif variant.endswith("compiled"):
             if impl == "vitscale":
@@ -240,8 +229,8 @@ def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
 
 
 def _tasks(s: StepSettings) -> list[tuple[str, str]]:
-    """(model, variant) in priority order: every model's eager pair first, then checkpointing, then compiled (H/14 and
-    B/16 first: the goals name them; each compile costs tens of seconds)."""
+    """(model, variant) in priority order: eager pairs, checkpointing, then compiled (tens of seconds each; H/14 and
+    B/16 first, as the goals name them)."""
     groups = [(("eager", "hf"), MODELS), (("ckpt",), MODELS)]
     if s.compile:
         groups.append((("compiled", "hf_compiled"), ("vit_h14", "vit_b16", "vit_l16")))

@@ -3,19 +3,12 @@ DeepSpeed on one device, a resume from its checkpoint, and the same step at ZeRO
 
     python -m bench.gpu.train SPEC.json OUT.json       (bench.gpu.campaign starts it; SPEC is a `TrainSpec` as JSON)
 
-1. ``train_worker`` of the ``vit_h14_i21k`` recipe at its micro-batch (accumulation 1: the global batch is one
-   micro-batch, so a step is short enough to time many), on a formula-driven set generated on this machine
-   (``data.train``), loader workers on, ``steps`` steps with a checkpoint at ``checkpoint_at`` and at the end. The
-   learning rate is the recipe's warm-up (10k steps), so the few steps stay small and finite. A heartbeat of ours
-   (`TimedBeat`) takes each step's end time and data wait; the checkpoint hook the time its save took (from the
-   step's end to the save's COMPLETE) and the folder's size. Steady state: the median step after ``warmup_steps``,
-   leaving out steps that followed a save. Peak memory: ``torch.cuda.max_memory_allocated`` / ``_reserved``.
-2. A second ``train_worker`` in a new run folder, ``checkpoint.resume_from`` the first checkpoint, up to
-   ``checkpoint_at + resume_steps``: its losses against the first run's at the same steps.
-3. ZeRO (each setting only if it is expected to end by ``deadline``): `pretrain.trainer.Trainer` (the step
-   ``pretrain.train`` runs, without checkpoints) at ZeRO-1 and ZeRO-2, and plain PyTorch as ZeRO-0 (DeepSpeed refuses
-   bf16 without ZeRO: `pretrain.config.ds_config.check_config`; at world size 1 plain DDP is plain PyTorch): the same
-   model, task, optimizer and batches, bf16 autocast, gradient clipping.
+1. ``real_path``: ``train_worker`` of ``vit_h14_i21k`` at its micro-batch, accumulation 1, loader workers on,
+   checkpoints at ``checkpoint_at`` and the end; the lr stays in the warm-up, so the few steps stay finite. Steady
+   state: the median step after ``warmup_steps``, leaving out steps that followed a save.
+2. ``resume``: a new run resumed from the first checkpoint; its losses against the first run's.
+3. ``zero_stages``: the trainer's step at ZeRO-1 and ZeRO-2, and plain PyTorch as ZeRO-0 (DeepSpeed refuses bf16
+   without ZeRO), each only if it can end by ``deadline``.
 
 The output JSON is rewritten after each part, so a timeout keeps what was measured.
 """
@@ -139,7 +132,7 @@ def _flops_per_image(config: TrainConfig) -> int:
 
 
 def real_path(spec: TrainSpec, out: dict) -> None:
-    """Part 1 (module docstring): the keys ``train_path_*``."""
+    """Part 1: the keys ``train_path_*``; a save's time runs from its step's end to its COMPLETE."""
     run_dir = Path(spec.run_root) / "run"
     config = spec.config(run_dir)
     beat, saves = TimedBeat(), {}
@@ -228,7 +221,7 @@ def _median_step(step, device: torch.device, steps: int) -> float:
 
 
 def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: torch.dtype):
-    """ZeRO-0 at world size 1: the model, task and optimizer of the run in plain PyTorch (module docstring)."""
+    """ZeRO-0 at world size 1 in plain PyTorch: the run's model, task, optimizer and batches, autocast, clipping."""
     config = trainer_config
     with place.device:
         model = build_model(config.model.name, **model_overrides(config, num_classes))
@@ -251,7 +244,7 @@ def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: tor
 
 def zero_stages(spec: TrainSpec, out: dict) -> None:
     """Part 3: ``zero<stage>_step_s`` / ``_img_s`` / peak memory for ZeRO-1, ZeRO-2 and ZeRO-0 (plain PyTorch)."""
-    # A setting costs about what the real path took to its first step (imports aside: already done) and its steps.
+    # A setting costs about the real path's start-up (imports already done) plus its steps.
     estimate = 0.8 * out.get("train_path_start_s", 0.0) + (spec.zero_steps + 3) * out.get("train_path_step_s", 0.0)
     for stage in (1, 2, 0):
         if spec.deadline and time.time() + estimate > spec.deadline:

@@ -1,25 +1,12 @@
-"""ImageNet-21k scale rehearsed without the images: manifests, planning, dedup, writing, generation (issue #16).
+"""ImageNet-21k scale rehearsed without the images: the sizes each part runs at, and the generation part.
 
     python -m bench.scale [--out bench-results/scale.json] [--tiny]                    (make bench-scale)
 
-1. Tables (``bench.scale.tables``): ``manifest.parquet`` / ``samples.parquet`` / ``classes.parquet`` for 14,197,122
-   samples in 4,700 shards and 21,843 classes, written by ``data_pipeline.manifest`` (samples streamed a row group
-   at a time). Reading them, and planning epoch 0 for 64 and 512 ranks x 8 loader workers, each in a fresh
-   subprocess that does what one rank does (read the manifest, build the TrainStream, deal the shards of all 8
-   workers): seconds and peak RSS. The time to the first batch uses a 4,700-row manifest whose rows point at a few
-   real shards.
-2. Dedup (``bench.scale.dedup``): 1M synthetic training hashes with planted near copies of 100k evaluation hashes,
-   looked up in the writer's multi-index hash (``data_pipeline.write.dedup``); recall and precision against brute force
-   on a sample; per-core rate projected to 14.2M queries on 16 cores.
-3. Writer (``bench.scale.writer``): ``python -m data_pipeline.write`` on per-class tars of generated JPEGs (small,
-   ~400x350, and re-encoded 800x600), images per CPU second; one run killed half-way and re-run must give
-   byte-identical output; projected to i21k on a 96-core node.
-4. Generation (here): ``data_pipeline.builtin.formula.measure_generation`` per formula kind at 224 px, projected to
-   21,843 x 1,000.
-
+The parts: tables, reading, planning and the first batch (``bench.scale.tables``), near duplicates
+(``bench.scale.dedup``), the writer (``bench.scale.writer``), the formula generators (``measure_generation``).
 CPU rates are per CPU second of the measured process (``time.process_time`` / ``RUSAGE_CHILDREN``), so other jobs
-on the machine distort them little; wall times (planning, first batch) are taken as they come. Every projection
-writes its formula and inputs beside it. Temporary files live in one temp folder, removed at the end.
+distort them little; planning and first-batch times are wall times. Every projection to i21k writes its formula and
+inputs beside it.
 """
 
 from __future__ import annotations
@@ -36,13 +23,13 @@ from data_pipeline.builtin import formula
 
 @dataclass(frozen=True)
 class Sizes:
-    """What each measurement runs at: i21k's own sizes (``FULL``), or ``--tiny``'s (``TINY``)."""
+    """What each part runs at: i21k's own sizes (``FULL``) or ``--tiny``'s (``TINY``)."""
 
     samples: int  # rows of the synthetic tables
     shards: int  # manifest rows (the first batch's stand-in manifest too)
     classes: int
-    worlds: tuple[int, int]  # ranks planned for; the first batch is the last rank's at the larger world
-    photos: int  # realistic JPEGs generated for the writer (and, the first 100, the pHash check)
+    worlds: tuple[int, int]  # ranks planned for; the first batch is the larger world's last rank's
+    photos: int  # realistic JPEGs for the writer (the first 100 also for the pHash check)
     reencoded: int  # of them, re-encoded at 800x600 for the writer
     serial_candidates: int  # writer Candidates held, pickled and deduped by main_process_costs
     serial_exclude_hashes: int  # its --exclude-like set

@@ -1,10 +1,9 @@
 """Near duplicates at ImageNet-21k scale (part 2 of ``bench.scale.campaign``).
 
-Synthetic training hashes with planted near copies of evaluation hashes (and exact sha256 copies) are looked up in
-the writer's multi-index hash (``data_pipeline.write.dedup``, through ``ExclusionSet.matches_many`` as
-``--exclude-like`` does); recall and precision against brute force on a sample; the per-core rate projected to i21k's
-14.2M queries on 16 cores; the writer's in-set self-join; and the pHash's own robustness to re-encoding, which no index
-can improve.
+Uniform synthetic training hashes with planted near and exact (sha256) copies of evaluation hashes, looked up as
+``--exclude-like`` does (``ExclusionSet.matches_many``): recall and precision against brute force on a sample, the
+per-core rate projected to i21k on 16 cores, the writer's in-set self-join, and the pHash's own robustness to
+re-encoding, which no index can improve.
 """
 
 from __future__ import annotations
@@ -56,8 +55,8 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
     rng = np.random.default_rng(seed)
     eval_hashes, train_hashes, planted = _plant_near_copies(rng, train, evals, max_distance, planted_fraction)
 
-    # the writer's --exclude-like path: an ExclusionSet of the eval set's sha256s and pHashes, asked about every
-    # training image in one batch (ExclusionSet.matches_many); 1% of the training sha256s are exact eval copies
+    # --exclude-like: the eval set's sha256s and pHashes, asked about every training image in one batch; as many
+    # training sha256s as planted near copies are exact eval copies
     eval_sha = hex_digests(rng, evals).to_pylist()
     train_sha = hex_digests(rng, train).to_pylist()
     exact = rng.choice(np.setdiff1d(np.arange(train), planted), len(planted), replace=False)
@@ -125,8 +124,7 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
 
 
 def bench_phash_robustness(images: list[bytes], max_distance: int) -> float:
-    """Share of re-encoded (quality 60) and 0.8x-resized copies whose pHash stays within ``max_distance`` bits:
-    the hash's recall, which no index can improve."""
+    """Share of 0.8x-resized, quality-60 copies whose pHash stays within ``max_distance`` bits: the hash's recall."""
     within = 0
     for data in images:
         with Image.open(io.BytesIO(data)) as img:

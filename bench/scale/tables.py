@@ -1,9 +1,7 @@
 """ImageNet-21k's tables without the images, and what one rank does with them (part 1 of ``bench.scale.campaign``).
 
-``build_tables`` writes ``manifest.parquet`` / ``samples.parquet`` / ``classes.parquet`` of i21k's shape with the
-project's writers (``data_pipeline.manifest``; samples streamed a row group at a time). ``measure_tables`` reads them
-and plans epoch 0 at two world sizes x 8 loader workers; ``measure_first_batch`` times a rank's first batch. Each of
-those runs in a fresh interpreter (``_run_probe``) that does what one rank does, so its peak RSS is one rank's.
+Reading, planning and the first batch each run in a fresh interpreter (``_run_probe``) that does what one rank does,
+so its peak RSS is one rank's.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ GLOBAL_BATCH = 4096
 STREAMS = 512  # data.streams of the i21k recipes
 PROBE = "import sys, bench.scale.tables as s; s._probe(sys.argv[1:])"  # a fresh interpreter: its peak RSS is one rank's
 
-# ------------------------------------------------------------------------------------------ synthetic tables
+# --- synthetic tables
 
 
 def _digits(values: np.ndarray, width: int) -> np.ndarray:
@@ -119,7 +117,7 @@ def build_tables(root: Path, samples: int, shards: int, classes: int, seed: int 
     return dict(tables_write_s=round(time.perf_counter() - start, 1), tables_mb=sizes_mb)
 
 
-# --------------------------------------------------------------------------------- probes (fresh subprocesses)
+# --- probes (fresh subprocesses)
 
 
 def _peak_mb() -> float:
@@ -190,7 +188,7 @@ def _run_probe(*args: object) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------- measurements
+# --- measurements
 
 
 def measure_tables(root: Path, samples: int, shards: int, classes: int, worlds: tuple[int, int]) -> dict:

@@ -1,8 +1,6 @@
-"""The shard writer at ImageNet-21k scale (part 3 of ``bench.scale.campaign``).
-
-``python -m data_pipeline.write`` on per-class tars of generated JPEGs (realistic ~400x350, small, and re-encoded
-800x600): images per CPU second of one process; one run killed half-way and re-run must give byte-identical output;
-the writer's serial main-process work per image; all projected to i21k on a 96-core node (and 8).
+"""The shard writer at ImageNet-21k scale (part 3 of ``bench.scale.campaign``): images per CPU second of one process
+on generated JPEGs, a killed and re-run write that must be byte-identical, the main process's serial work, and their
+projection to i21k.
 """
 
 from __future__ import annotations
@@ -73,8 +71,8 @@ def timed_write(source: Path, out: Path, per_shard: int) -> float:
 
 
 def bench_writer(tmp: Path, images: list[bytes], classes: int, per_shard: int, label: str) -> dict:
-    """The writer in this process (one process, as the CLI's ``--processes 1``): images per CPU second. Its tars go
-    to ``tmp/tars-<label>``, its shards to ``tmp/clean-<label>``."""
+    """Images per CPU second of the writer in this process (``--processes 1``): tars in ``tmp/tars-<label>``, shards
+    in ``tmp/clean-<label>``."""
     source = write_class_tars(tmp / f"tars-{label}", images, classes)
     config = WriteConfig(name="bench", samples_per_shard=per_shard, processes=1)
     cpu = time.process_time()
@@ -153,9 +151,8 @@ def _write_projection(runs: dict) -> dict:
 
 
 def main_process_costs(count: int, evals: int) -> dict:
-    """What the writer's main process does alone, per image: hold a Candidate (an ItemRef, i21k-like names),
-    unpickle it from a scan worker and pickle it into a shard job, and dedup it (``write.dedup_candidates`` with an
-    ``--exclude-like`` set of ``evals`` hashes). Projected to 14.2M images; these add to the parallel write time."""
+    """The writer's serial main-process work per image, projected to i21k: hold a Candidate, unpickle it from a scan
+    worker and pickle it into a shard job, dedup it against an ``--exclude-like`` set of ``evals`` hashes."""
     rng = np.random.default_rng(2)
     phashes = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, count, dtype=np.int64).tolist()
     tracemalloc.start()
@@ -202,9 +199,8 @@ def main_process_costs(count: int, evals: int) -> dict:
 
 
 def measure_writer(tmp: Path, realistic: list[bytes], reencoded: int, serial_count: int, serial_evals: int) -> dict:
-    """The writer on ``realistic`` JPEGs, on their 64x48 copies and on the first ``reencoded`` of them at 800x600;
-    the kill-and-resume check; the projections; the main process's serial part (``main_process_costs``). The
-    realistic run's shards are left in ``tmp/clean-realistic``."""
+    """The writer on ``realistic`` JPEGs, their 64x48 copies and ``reencoded`` of them at 800x600; the resume check;
+    the projections; ``main_process_costs``. Leaves the realistic shards in ``tmp/clean-realistic``."""
     small = [_resize(d, (64, 48)) for d in realistic]
     big = [_resize(d, (800, 600)) for d in realistic[:reencoded]]
     runs = {
