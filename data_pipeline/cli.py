@@ -1,9 +1,8 @@
-"""What the `python -m` entry points of every package share: making the folder or file a command writes.
+"""Making the folder or file a `python -m` command writes, before any work is spent on it.
 
-Both fail with one ValueError that names the path, the option and the fix; each ``main()`` prints it as
-``error: ...`` and exits 2. It lives here because every package may import data_pipeline (docs/interfaces.md),
-and it imports nothing heavy so that quick commands (``cluster.jobs``, ``tracking.ui``) stay quick. Reading a
-user's YAML file is `pretrain.config.typed_yaml`'s.
+Both helpers raise one ValueError naming the path, the option and the fix; each ``main()`` prints it as
+``error: ...`` and exits 2. Every package may import data_pipeline (docs/design.md, "Packages, what each owns, and
+the import rules"); nothing heavy is imported, so quick commands stay quick.
 """
 
 from __future__ import annotations
@@ -23,10 +22,7 @@ def _folder_problem(folder: Path) -> str | None:
 
 
 def output_folder(path: str | Path, option: str) -> Path:
-    """Create the folder ``path`` for a command's output before any work is spent on it.
-
-    ValueError naming ``option`` (e.g. ``--out``) when it cannot be a folder: a file is in the way, no permission.
-    """
+    """Create the output folder ``path``; ValueError naming ``option`` (e.g. ``--out``) when it cannot be one."""
     path = Path(path)
     problem = _folder_problem(path)
     if problem:
@@ -35,8 +31,7 @@ def output_folder(path: str | Path, option: str) -> Path:
 
 
 def output_file(path: str | Path, option: str) -> Path:
-    """Check that a command can write the file ``path`` at its end (creating its folder now), so that a bad path
-    fails before the work, not after it. ValueError naming ``option`` otherwise."""
+    """Check that the file ``path`` can be written later (its folder is created now); ValueError naming ``option``."""
     path = Path(path)
     problem = f"{path} is a folder" if path.is_dir() else _folder_problem(path.parent)
     if problem:

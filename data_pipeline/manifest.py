@@ -1,20 +1,17 @@
-"""The shard-folder format: what a dataset split on disk (or behind any fsspec URL) looks like.
+"""The shard-folder format: one dataset split, a local path or any fsspec URL (``file://``, ``s3://``, ``gs://``).
 
-A split folder holds
   shard-000000.tar ...   WebDataset shards; members ``<key>.jpg``, ``<key>.cls``, ``<key>.json``
   manifest.parquet       one row per shard: url (relative to the folder), samples, bytes, sha256
-  samples.parquet        one row per sample: key, shard, label, width, height, sha256, phash, source, dedup flags
+  samples.parquet        one row per sample: key, shard, label, width, height, hashes, source, dedup flags
   classes.parquet        label index -> name
-  shardindex.json        the same shards for webdataset's random-access reader: ``wids.ShardListDataset(path)``
-  _info.json             the same shards for timm's webdataset reader (``ReaderWds(root=<folder>, split=<split>)``)
+  shardindex.json        wids' index (``wids.ShardListDataset(path)``)
+  _info.json             timm's index (``ReaderWds(root=<folder>, split=<split>)``)
   dataset.json           name, split, num_classes, num_samples, num_shards, write settings; written last
-  _write_settings.json   the writer's own record of its settings, so that a re-run with other settings is refused
+  _write_settings.json   the writer's settings; a re-run with others is refused
 
-The two reader indexes are written from the manifest's numbers, with shard URLs relative to the folder so that it can
-move (wids resolves them against the index's own location); folders written before them have neither, which
-`check_reader_indexes` reports as a note and ``python -m data_pipeline.validate DIR --write-index`` repairs.
-
-Everything here is read through fsspec, so the folder may be a local path, ``file://``, ``s3://`` or ``gs://``.
+The reader indexes hold shard URLs relative to the folder, so it can move. A folder without them is a note for
+`check_reader_indexes`, repaired by ``python -m data_pipeline.validate DIR --write-index``.
+Entry points: `read_dataset_info`, `write_metadata`, `SamplesWriter`, `iter_samples`.
 """
 
 from __future__ import annotations
@@ -34,8 +31,8 @@ MANIFEST_FILE = "manifest.parquet"
 SAMPLES_FILE = "samples.parquet"
 CLASSES_FILE = "classes.parquet"
 DATASET_FILE = "dataset.json"
-WRITE_SETTINGS_FILE = "_write_settings.json"  # the writer's settings: a re-run with others is refused
-WIDS_INDEX_FILE = "shardindex.json"  # the name wids' own `widsindex create` gives an index
+WRITE_SETTINGS_FILE = "_write_settings.json"
+WIDS_INDEX_FILE = "shardindex.json"  # the name `widsindex create` gives
 TIMM_INFO_FILE = "_info.json"  # the first name timm's webdataset reader looks for
 WIDS_KIND = "wids-shard-index-v1"
 SHARD_PATTERN = "shard-{index:06d}.tar"
@@ -53,14 +50,14 @@ SAMPLES_SCHEMA = pa.schema(
         ("width", pa.int64()),
         ("height", pa.int64()),
         ("sha256", pa.string()),  # of the stored bytes
-        ("source_sha256", pa.string()),  # of the source file's bytes (what --exclude-like matches too)
+        ("source_sha256", pa.string()),  # of the source file's bytes (--exclude-like matches it too)
         ("phash", pa.int64()),  # 64-bit perceptual hash, bit pattern in a signed int
         ("source", pa.string()),
         ("near_duplicate", pa.bool_()),
         ("exact_duplicate", pa.bool_()),
     ]
 )
-SAMPLES_ROW_GROUP = 262_144  # rows per Parquet row group: a streamed reader holds about one group at a time
+SAMPLES_ROW_GROUP = 262_144  # a streamed reader holds about one row group at a time
 
 
 class ShardFormatError(ValueError):
@@ -70,14 +67,14 @@ class ShardFormatError(ValueError):
 @dataclass(frozen=True)
 class ShardInfo:
     url: str  # absolute URL (or local path) of the tar file
-    samples: int  # samples the writer put in it; the stream checks what it reads against this
+    samples: int  # the stream checks what it reads against this
     bytes: int
     sha256: str
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """A split folder's metadata, read once; what the streams and evaluators size themselves from."""
+    """A split folder's metadata, read once."""
 
     root: str
     name: str
@@ -104,16 +101,14 @@ def _fs_and_path(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
 def _read_parquet(fs: fsspec.AbstractFileSystem, file: str) -> list[dict[str, Any]]:
     """The rows of a small Parquet file behind fsspec, read and decoded on the calling thread.
 
-    Arrow's threads must never hold bytes that came from a Python file object: a pool thread that drops the last
-    reference to one takes the GIL, and at interpreter exit CPython ends such a thread with ``pthread_exit``, whose
-    unwinding through Arrow's C++ aborts the process ("terminate called without an active exception", exit 134,
-    about 1 run in 75 of a CLI that read a manifest; docs/reference.md, "Ending a process")."""
+    Arrow's pool threads must never hold bytes from a Python file object: at interpreter exit such a thread can
+    abort the process (exit 134; docs/reference.md §7, "Ending a process")."""
     with fs.open(file, "rb") as f:
         return pq.ParquetFile(f, pre_buffer=False).read(use_threads=False).to_pylist()
 
 
 def join_url(root: str | Path, name: str) -> str:
-    """Join a member name onto a folder URL, keeping the URL's scheme (``file://``, ``s3://``)."""
+    """``name`` inside the folder ``root``, keeping a URL's scheme."""
     root = str(root)
     if "://" in root:
         return root.rstrip("/") + "/" + name
@@ -121,8 +116,7 @@ def join_url(root: str | Path, name: str) -> str:
 
 
 def is_shard_folder(shard_dir: str | Path) -> bool:
-    """Whether ``shard_dir`` (a local path or fsspec URL) holds a ``manifest.parquet``: a shard folder, written or
-    being finished (`read_dataset_info` also wants its ``dataset.json``, written last)."""
+    """Whether ``shard_dir`` holds a ``manifest.parquet``: a shard folder, complete or being finished."""
     fs, path = _fs_and_path(shard_dir)
     return bool(fs.isfile(posixpath.join(path, MANIFEST_FILE)))
 
@@ -142,16 +136,15 @@ def _damaged(root: str, name: str, error: Exception) -> ShardFormatError:
 
 
 def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
-    """The split's ``dataset.json`` (name, split, num_classes, num_samples, num_shards, write settings), None when
-    the folder has none. ``num_classes`` and, when present, ``num_samples`` come back as ints; a file that does not
-    parse or lacks them raises ShardFormatError (a ValueError) naming it."""
+    """The split's ``dataset.json`` (``num_classes``, ``num_samples`` as ints), None when absent.
+
+    ShardFormatError naming the file when it does not parse or lacks ``num_classes``."""
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
     file = posixpath.join(path, DATASET_FILE)
     if not fs.exists(file):
         return None
-    # The file is the user's data: any way it fails to parse (not JSON, a missing key, a wrong type) is the same
-    # finding, "this file is damaged", never a traceback.
+    # The user's data: any way it fails to parse is one finding, "damaged", never a traceback.
     try:
         with fs.open(file, "r") as f:
             meta = json.load(f)
@@ -166,10 +159,7 @@ def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
 
 
 def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
-    """Read ``dataset.json``, ``manifest.parquet`` and ``classes.parquet`` of a split folder.
-
-    Raises ShardFormatError (a ValueError) naming the missing or inconsistent file.
-    """
+    """Read a split folder's metadata; ShardFormatError (a ValueError) names a missing or inconsistent file."""
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
     if not fs.isdir(path):
@@ -183,8 +173,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     meta = read_dataset_json(root)
     if meta is None:  # removed since the check above
         raise _incomplete(root, DATASET_FILE)
-    # As with dataset.json, any way a table fails to parse (not Parquet, a missing column, a wrong type) is one
-    # finding, "this file is damaged", never a traceback.
+    # As with dataset.json: any way a table fails to parse is "damaged", never a traceback.
     try:
         manifest = _read_parquet(fs, posixpath.join(path, MANIFEST_FILE))
         shards = tuple(
@@ -222,12 +211,11 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
 
 
 def dataset_info(source: str | Path | DatasetInfo) -> DatasetInfo:
-    """``source`` when it was read already, else `read_dataset_info` of it."""
     return source if isinstance(source, DatasetInfo) else read_dataset_info(source)
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
-    """Write a Parquet file under a temporary name and rename it, so readers never see half a file."""
+    """Write under a temporary name, then rename: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
@@ -240,10 +228,9 @@ def write_json_atomic(obj: dict, path: Path) -> None:
 
 
 class SamplesWriter:
-    """``samples.parquet`` written a row group at a time, so 14M rows never sit in memory together.
+    """``samples.parquet`` written a row group at a time, in bounded memory.
 
-    Rows (dicts or record batches) are buffered up to ``row_group`` rows and flushed; the file is written under a
-    temporary name and renamed by ``close()``, so an interrupted writer never leaves a half table behind.
+    The file is written under a temporary name and renamed by ``close()``: an interrupted writer leaves no half table.
     """
 
     def __init__(self, path: Path, schema: pa.Schema = SAMPLES_SCHEMA, row_group: int = SAMPLES_ROW_GROUP):
@@ -285,22 +272,21 @@ class SamplesWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # no half table under the real name; the next run starts the file again
+        else:  # the next run starts the file again
             self._writer.close()
             self._tmp.unlink(missing_ok=True)
 
 
 def iter_samples(shard_dir: str | Path, columns: list[str] | None = None, batch_rows: int = 65536):
-    """Stream ``samples.parquet`` of a split folder as record batches (only ``columns``), in bounded memory.
+    """Stream ``samples.parquet`` (a folder's, or the file itself) as record batches of ``columns``.
 
-    Memory is about one row group of the wanted columns, whatever the number of rows; raises ShardFormatError when
-    the file is missing or damaged.
+    Memory is about one row group of those columns, whatever the rows; ShardFormatError when missing or damaged.
     """
     fs, path = _fs_and_path(shard_dir)
     file = path if path.endswith(".parquet") else posixpath.join(path, SAMPLES_FILE)
     try:
         with fs.open(file, "rb") as f:
-            # pre_buffer (pyarrow's default) keeps what it read cached: RSS grew with the file, 2.6 GB for 14M rows
+            # pre_buffer (pyarrow's default) caches what it read: memory would grow with the file
             parquet = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
             missing = set(columns or ()) - set(parquet.schema_arrow.names)
             if missing:
@@ -315,9 +301,9 @@ def iter_samples(shard_dir: str | Path, columns: list[str] | None = None, batch_
 
 
 def int64_column(batch: pa.RecordBatch, name: str) -> np.ndarray:
-    """Column ``name`` of a record batch as int64 numpy, read from its Arrow buffer. pyarrow's ``to_numpy`` imports
-    pandas on its first call (0.2 s in every rank that plans a decoded cache); this does not. Raises ValueError on
-    nulls, which no column the project writes holds."""
+    """Column ``name`` as int64 numpy, straight from its Arrow buffer (pyarrow's ``to_numpy`` imports pandas).
+
+    ValueError on nulls, which no column the project writes holds."""
     column = batch.column(name).cast(pa.int64())
     if column.null_count:
         raise ValueError(f"column {name!r} holds {column.null_count} nulls")
@@ -332,9 +318,9 @@ def write_metadata(
     class_names: list[str],
     dataset: dict,
 ) -> None:
-    """Write the metadata files of a split folder; ``dataset.json`` goes last, as the completion marker.
+    """Write a split folder's metadata; ``dataset.json`` last, as the completion marker.
 
-    ``samples=None`` when ``samples.parquet`` was already streamed by a :class:`SamplesWriter`.
+    ``samples=None`` when a `SamplesWriter` already wrote ``samples.parquet``.
     """
     out_dir = Path(out_dir)
     write_table_atomic(pa.Table.from_pylist(shards, schema=MANIFEST_SCHEMA), out_dir / MANIFEST_FILE)
@@ -354,19 +340,19 @@ def write_metadata(
 
 
 def _index_names(out_dir: Path, dataset: dict) -> tuple[str, str]:
-    """(dataset name, split name) the reader indexes carry: dataset.json's, else the folder's names."""
+    """(dataset, split) names: dataset.json's, else the folders'."""
     out_dir = Path(out_dir)
     return str(dataset.get("name") or out_dir.parent.name), str(dataset.get("split") or out_dir.name)
 
 
 def wids_index(shards: list[dict], name: str) -> dict:
-    """The wids shard index (``__kind__`` wids-shard-index-v1): each shard's URL, relative, and sample count."""
+    """The wids shard index: each shard's relative URL and sample count."""
     shardlist = [dict(url=s["url"], nsamples=int(s["samples"]), filesize=int(s["bytes"])) for s in shards]
     return {"__kind__": WIDS_KIND, "wids_version": 1, "name": name, "shardlist": shardlist}
 
 
 def timm_info(shards: list[dict], name: str, split: str, num_classes: int) -> dict:
-    """timm's ``_info.json``: per split its sample count, shard file names (relative) and per-shard lengths."""
+    """timm's ``_info.json``: the split's sample count, relative shard names and per-shard lengths."""
     split_info = dict(
         name=split,
         num_samples=sum(int(s["samples"]) for s in shards),
@@ -384,7 +370,7 @@ def write_reader_indexes(out_dir: Path, shards: list[dict], dataset: dict, num_c
 
 
 def rewrite_reader_indexes(shard_dir: str | Path) -> None:
-    """Add (or redo) the reader indexes of a local split folder from its manifest, e.g. one written before them."""
+    """(Re)write the reader indexes of a local split folder from its manifest."""
     info = read_dataset_info(shard_dir)
     root = Path(shard_dir)
     rows = pq.ParquetFile(root / MANIFEST_FILE).read().to_pylist()  # a path: Arrow reads it without Python
@@ -406,7 +392,7 @@ def _read_index(root: str, name: str) -> tuple[dict | None, str | None]:
 
 
 def _index_mismatch(name: str, root: str, info: DatasetInfo, urls: list, counts: list) -> str | None:
-    """What differs between an index's shard URLs and counts and the manifest's, or None."""
+    """How an index's shard URLs and counts differ from the manifest's, or None."""
     if any(not isinstance(u, str) or "://" in u or u.startswith("/") for u in urls):
         return f"{name} holds absolute shard URLs; they must be relative to the folder so that it can move"
     if [join_url(root, u) for u in urls] != info.shard_urls:
@@ -442,8 +428,8 @@ def _check_timm(root: str, info: DatasetInfo, index: dict) -> str | None:
 
 
 def check_reader_indexes(shard_dir: str | Path, info: DatasetInfo) -> tuple[list[str], list[str]]:
-    """(problems, notes) of the folder's wids and timm indexes against its manifest: a damaged or contradicting
-    index is a problem; an absent one (a folder written before them) a note naming the fix."""
+    """(problems, notes) of the wids and timm indexes against the manifest: a damaged or contradicting index is a
+    problem, an absent one a note naming the fix."""
     root = str(shard_dir)
     problems, notes = [], []
     for name, check in ((WIDS_INDEX_FILE, _check_wids), (TIMM_INFO_FILE, _check_timm)):

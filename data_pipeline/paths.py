@@ -1,9 +1,7 @@
-"""Where things are: the project root, how a path written in a recipe or profile is resolved, the one rule for
-"is this a remote URL", and the one way a file is replaced whole (`replace_atomically`).
+"""The project root, path resolution for recipes and profiles, the remote-URL rule and whole-file replacement.
 
-Every package may import data_pipeline (docs/design.md), so this is the one copy the others use. Local paths in
-recipes, profiles and suites are relative to the project root, whatever the working directory, so that a Ray job
-(which runs in an uploaded copy of the project) and a shell in the checkout read the same files.
+Relative paths in recipes, profiles and suites are taken from the project root, not the working directory, so a Ray
+job (in an uploaded copy of the project) and a shell in the checkout read the same files.
 """
 
 from __future__ import annotations
@@ -36,9 +34,9 @@ def resolve_location(url: str | Path) -> str:
 
 
 def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """Replace ``path`` whole or not at all: ``write(tmp)`` fills a file beside it that is this process's own, which
-    one rename then puts in its place, so a reader sees the old file or the new one, never half of one. On an error the
-    temporary file is removed and the error raised."""
+    """Replace ``path`` whole or not at all: ``write(tmp)`` fills a per-process file beside it, then one rename.
+
+    A reader sees the old file or the new one, never half. On an error the temporary file is removed and re-raised."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)

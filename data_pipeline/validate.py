@@ -1,13 +1,9 @@
-"""Check a shard folder: checksums, counts, labels, a spot decode and the reader indexes; a report and an exit code.
+"""Check a shard folder: checksums, counts, labels, a spot decode and the reader indexes (`validate`).
 
     python -m data_pipeline.validate data/fractal/train [--spot 16] [--full] [--write-index]
 
-The reader indexes (``shardindex.json`` for wids, ``_info.json`` for timm; data_pipeline/manifest.py) must agree with
-the manifest; a folder written before they existed has none, which is a note, not damage: its shards are intact and
-vitscale reads it as before. ``--write-index`` adds them (from the manifest) before checking.
-
-Exit status: 0 the folder is intact; 1 damage found (the report lists every problem); 2 not a shard folder
-(missing manifest.parquet or dataset.json) or bad arguments.
+Missing reader indexes are a note, not damage; ``--write-index`` writes them from the manifest first.
+Exit status: 0 intact; 1 damaged (the report lists every problem); 2 not a shard folder, or bad arguments.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ class ValidationReport:
     samples_read: int = 0
     decoded: int = 0
     problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # worth knowing, not damage (e.g. no reader index)
+    notes: list[str] = field(default_factory=list)  # not damage (e.g. no reader index)
     counters: dict = field(default_factory=dict)
 
     @property
@@ -78,7 +74,7 @@ def _check_shard(info: DatasetInfo, index: int, spot: int, full: bool, report: V
         return
     digest, size = hashlib.sha256(), 0
     with fs.open(path, "rb") as f:
-        while chunk := f.read(1 << 22):  # streamed: i21k shards are hundreds of MB
+        while chunk := f.read(1 << 22):  # streamed: shards are hundreds of MB
             digest.update(chunk)
             size += len(chunk)
     if size != shard.bytes:
@@ -119,7 +115,7 @@ def _check_shard(info: DatasetInfo, index: int, spot: int, full: bool, report: V
 
 
 def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationReport:
-    """Validate a split folder; raises ShardFormatError when it is not one (no manifest / dataset.json)."""
+    """Validate a split folder; ShardFormatError when it is not one."""
     info = read_dataset_info(shard_dir)
     report = ValidationReport(root=str(shard_dir), shards=len(info.shards), samples_expected=info.num_samples)
     for index in range(len(info.shards)):
@@ -142,7 +138,7 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
 
 
 def _write_index(shard_dir: str) -> None:
-    """``--write-index``: the reader indexes of a local folder, from its manifest (ShardFormatError otherwise)."""
+    """``--write-index`` for a local folder; ShardFormatError otherwise."""
     if "://" in shard_dir:
         raise ShardFormatError(f"--write-index writes local folders only; {shard_dir} is a URL")
     try:
@@ -169,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     except ShardFormatError as err:
         print(f"data_pipeline.validate: error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # dataset.json or a .parquet file that does not parse (JSON, Arrow errors)
+    except ValueError as err:  # a metadata file that does not parse
         print(
             f"data_pipeline.validate: error: {args.shard_dir}: a metadata file is damaged ({err}); rewrite the "
             "folder with `python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",

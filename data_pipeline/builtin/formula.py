@@ -1,12 +1,8 @@
-"""Formula-driven supervised pre-training sets: radial contours (RCDB) and fractals (FractalDB), docs/reference.md §9.
+"""Formula-driven pre-training images: radial contours (RCDB) and fractals (FractalDB), docs/reference.md §9.
 
-Every image is a pure function of (seed, kind, class, instance, resolution): a class is a set of formula parameters
-drawn from ``(seed, class)`` alone and an instance jitters the generator's secondary parameters from
-``(seed, split, class, instance)``, so any subset of classes or instances is generated independently, in any order
-and in any number of processes, with identical bytes. The sets hold no photograph, so they cannot contain an
-evaluation image.
-
-    python -m data_pipeline.builtin rcdb --out data --set num_classes=1000 --set resolution=224 --workers 16
+Every image is a pure function of (seed, kind, split, class, instance, resolution): a class's formula comes from
+``(seed, class)`` alone, an instance's jitter from ``(seed, split, class, instance)``. So any subset is generated
+independently, in any order and any number of processes, with identical bytes. Entry point: `generate`.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 JPEG_QUALITY = 95
-MAX_CLASSES = 21843  # ImageNet-21k's class count: the scale the FDSL papers match
+MAX_CLASSES = 21843  # ImageNet-21k's class count
 MIN_RESOLUTION = 16  # below this a contour or an attractor is a few pixels
 MAX_RESOLUTION = 224
 SPLIT_SALT = {"train": 1, "val": 2}
@@ -34,7 +30,7 @@ def encode_jpeg(img: Image.Image) -> bytes:
 
 
 def check_sizes(num_classes: int, images_per_class: int, val_per_class: int, resolution: int) -> None:
-    """Reject sizes no formula set can have, before anything is written."""
+    """ValueError for sizes no formula set can have."""
     if not 1 <= num_classes <= MAX_CLASSES:
         raise ValueError(f"num_classes={num_classes} is out of range; use 1..{MAX_CLASSES} (ImageNet-21k's count)")
     if images_per_class < 1 or val_per_class < 1:
@@ -45,11 +41,11 @@ def check_sizes(num_classes: int, images_per_class: int, val_per_class: int, res
         raise ValueError(f"resolution={resolution} is out of range; use {MIN_RESOLUTION}..{MAX_RESOLUTION} pixels")
 
 
-# ----------------------------------------------------------------------------------------------- fractal (IFS)
+# ---- fractal (IFS)
 
 
 def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random contractive IFS of 2-4 affine maps; probabilities proportional to |det| as in FractalDB."""
+    """A random contractive IFS of 2-4 affine maps; probabilities proportional to |det|, as in FractalDB."""
     n = int(rng.integers(2, 5))
     mats = rng.uniform(-1.0, 1.0, size=(n, 2, 2))
     for k in range(n):  # contract each map so the attractor is bounded
@@ -61,7 +57,7 @@ def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def _chaos_game(mats, shifts, probs, rng, chains: int = 256, steps: int = 40, burn_in: int = 6) -> np.ndarray:
-    """Points on the attractor, from many short chains run in parallel (vectorised over chains)."""
+    """Points on the attractor from many short chains, vectorised over chains."""
     cumulative = np.cumsum(probs)
     picks = np.minimum(np.searchsorted(cumulative, rng.random((steps, chains))), len(probs) - 1)  # (T, C)
     x, y = rng.uniform(-1, 1, size=(2, chains))
@@ -75,7 +71,7 @@ def _chaos_game(mats, shifts, probs, rng, chains: int = 256, steps: int = 40, bu
 
 
 def _render_points(pts: np.ndarray, res: int, rng: np.random.Generator) -> np.ndarray:
-    # Robust bounds from a sorted subsample: a few far-flung transient points must not shrink the figure.
+    # Robust bounds: a few far-flung transient points must not shrink the figure.
     sample = np.sort(pts[:: max(1, len(pts) // 512)], axis=0)
     lo, hi = sample[len(sample) // 100], sample[-1 - len(sample) // 100]
     margin = rng.uniform(0.05, 0.2)
@@ -91,8 +87,7 @@ def _filling_rate(mats, shifts, probs, rng) -> float:
 
 
 def fractal_class(seed: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Class ``c``'s IFS: sampled from (seed, c) alone, rejecting degenerate ones (a dot, a line) by their filling
-    rate as FractalDB does."""
+    """Class ``c``'s IFS from (seed, c) alone; degenerate ones (a dot, a line) rejected by filling rate."""
     rng = np.random.default_rng([seed, 7001, c])
     while True:
         ifs = _random_ifs(rng)
@@ -101,11 +96,11 @@ def fractal_class(seed: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
-    """One instance of a category: jittered map parameters, a random colour, flip and rotation by 90 degrees."""
+    """One instance: jittered maps, a random colour, a random flip and 90-degree rotation."""
     mats, shifts, probs = ifs
     mats = mats * rng.uniform(0.9, 1.1, size=mats.shape)
     shifts = shifts + rng.normal(0.0, 0.05, size=shifts.shape)
-    chains = 256 * max(1, (res // 64) ** 2)  # keep the point density per pixel as the resolution grows
+    chains = 256 * max(1, (res // 64) ** 2)  # constant point density per pixel
     intensity = _render_points(_chaos_game(mats, shifts, probs, rng, chains=chains), res, rng)
     colour = rng.uniform(0.3, 1.0, size=3)
     background = rng.uniform(0.0, 0.15, size=3)
@@ -116,19 +111,14 @@ def fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
     return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8))
 
 
-# ------------------------------------------------------------------------------------ radial contours (RCDB)
+# ---- radial contours (RCDB)
 
 
 def rcdb_class(seed: int, c: int, offset: float = 0.0, ramp: int = 0) -> dict:
-    """Class ``c``'s contour formula: polygon vertices, nested contours, a radial sine perturbation and a fixed
-    per-vertex radius profile, at a fixed orientation (orientation is part of the class, so features keep it).
+    """Class ``c``'s contour formula: vertices, nested contours, a radial sine perturbation and a radius profile.
 
-    ``offset`` > 0 also fixes where the class sits: its centre is displaced by up to ``offset`` half-sides on each
-    axis, drawn once per class, so position is part of the class too and features keep where things are
-    (docs/reference.md §9). Drawn from its own stream: at 0 every class is centred and its bytes are unchanged.
-
-    ``ramp`` > 0 puts every image of the class on a smooth random colour ramp instead of its dark grey
-    (`ramp_background`, channels below ``ramp``); 0 keeps the dark background and the bytes of sets made without it."""
+    Orientation is fixed per class, and with ``offset`` > 0 the centre too (up to ``offset`` half sides per axis), so
+    features keep them (docs/reference.md §9). ``ramp`` > 0: `ramp_background`. At 0, neither changes the bytes."""
     rng = np.random.default_rng([seed, 7005, c])
     vertices = int(rng.integers(3, 13)) if rng.random() < 0.7 else 48  # polygons, or smooth closed curves
     return dict(
@@ -148,8 +138,9 @@ def rcdb_class(seed: int, c: int, offset: float = 0.0, ramp: int = 0) -> dict:
 
 
 def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
-    """One instance: the class's contours with jittered line width, scale, centre (around the class's own), vertex
-    radii, grey level and a small rotation; supersampled twice then reduced, so thin lines keep their shape at 32 px."""
+    """One instance: the contours with jittered width, scale, centre, radii, grey level and a small rotation.
+
+    Drawn at twice the resolution and reduced, so thin lines keep their shape at 32 px."""
     n, scale = spec["vertices"], 2 * res
     angles = spec["rotation"] + rng.normal(0.0, 0.05) + 2 * np.pi * np.arange(n) / n
     radial = 1 + spec["amplitude"] * np.sin(spec["freq"] * angles + spec["phase"]) + spec["profile"]
@@ -170,16 +161,13 @@ def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
     return ramp_background(rgb, rng, spec["ramp"]) if spec.get("ramp") else rgb
 
 
-RAMP_THRESHOLD = 40  # grey levels at or below it are background: rcdb draws its background below 40, lines >= 160
+RAMP_THRESHOLD = 40  # background: rcdb draws it below 40, lines at >= 160
 
 
 def ramp_background(img: Image.Image, rng: np.random.Generator, top: int) -> Image.Image:
-    """``img`` with its background (pixels whose brightest channel is <= RAMP_THRESHOLD) replaced by a linear blend
-    between two random colours (each channel uniform in [0, ``top``)) along a random direction.
-
-    On a uniform background a masked patch's colour needs no neighbour, so masked patch prediction teaches nothing
-    local; on a ramp it is the neighbours' colours continued, which is what gives layer 1 local heads in the demo
-    (docs/demo.md, "Locality"). Drawn from ``rng`` after the contour's own draws, so the contours are unchanged."""
+    """``img`` with its background (brightest channel <= RAMP_THRESHOLD) replaced by a linear blend of two random
+    colours (channels in [0, ``top``)) along a random direction: masked patch prediction must then read a patch's
+    colour from its neighbours (docs/demo.md, "Locality"). Drawn after the contour's draws: contours unchanged."""
     pixels = np.asarray(img)
     h, w, _ = pixels.shape
     start, end = rng.uniform(0, top, size=3), rng.uniform(0, top, size=3)
@@ -191,10 +179,10 @@ def ramp_background(img: Image.Image, rng: np.random.Generator, top: int) -> Ima
     return Image.fromarray(np.where(foreground, pixels, ramp))
 
 
-# ------------------------------------------------------------------------------------------ parallel driver
+# ---- parallel driver
 
 CLASS_FORMULA: dict[str, Callable[..., object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
-# (class formula of the kind, rng, resolution) -> image; each kind's formula is its own type (CLASS_FORMULA's result)
+# (the kind's class formula, rng, resolution) -> image
 RENDER: dict[str, Callable[[Any, np.random.Generator, int], Image.Image]] = {
     "fractal": fractal_image,
     "rcdb": rcdb_image,
@@ -202,7 +190,7 @@ RENDER: dict[str, Callable[[Any, np.random.Generator, int], Image.Image]] = {
 
 
 def _generate_classes(job: tuple) -> list[tuple[bytes, int, str]]:
-    """Worker: every image of a block of classes for one split, as (jpeg bytes, label, source id)."""
+    """Every image of a block of classes of one split, as (jpeg bytes, label, source id)."""
     kind, seed, split, classes, per_class, res, class_options = job
     items = []
     for c in classes:
@@ -224,9 +212,9 @@ def generate(
     class_offset: float = 0.0,
     background_ramp: int = 0,
 ) -> list[tuple[bytes, int, str]]:
-    """All images of one split in class order; ``workers`` processes split the classes in blocks (output identical
-    for any ``workers``). ``class_offset``: rcdb's per-class displacement (``rcdb_class``), in half sides;
-    ``background_ramp``: rcdb's ramp background (``rcdb_class``'s ``ramp``), 0 for none."""
+    """All images of one split in class order, identical for any ``workers``.
+
+    ``class_offset`` (half sides) and ``background_ramp`` are rcdb's (`rcdb_class`'s ``offset`` and ``ramp``)."""
     if class_offset and kind != "rcdb":
         raise ValueError(f"class_offset={class_offset} applies to rcdb only; {kind} classes have no fixed position")
     if background_ramp and kind != "rcdb":
@@ -252,10 +240,9 @@ def generate(
 
 
 def measure_generation(kind: str, resolution: int, num_images: int) -> float:
-    """Images/s generated in this process on one core, JPEG encode included (bench/scale/campaign.py reports it per
-    core).
+    """Images/s generated on one core in this process, JPEG encode included.
 
-    Cycles through 16 classes so the class formula's cost (the fractal's rejection sampling) is counted too."""
+    Cycles through 16 classes, so the class formula's cost (the fractal's rejection sampling) counts too."""
     if kind not in CLASS_FORMULA:
         raise ValueError(f"unknown formula kind {kind!r}; choose from {', '.join(CLASS_FORMULA)}")
     check_sizes(1, 1, 1, resolution)

@@ -1,28 +1,16 @@
-"""Built-in datasets, generated offline and deterministically from a seed, written in the shard format.
+"""Built-in datasets, generated offline and deterministically from a seed, written as shard folders.
 
-The command line is `python -m data_pipeline.builtin` (`data_pipeline/builtin/__main__.py`).
+  name          splits       what
+  fractal       train, val   FractalDB-style: one random IFS per class
+  rcdb          train, val   RCDB-style radial contours: one formula per class
+  digits        train, test  scikit-learn's 1797 bundled 8x8 digits, upscaled
+  dsprites_loc  train, test  procedural dSprites, label = x position in 16 bins
+  dsprites_ori  train, test  the same images, label = orientation in 16 bins
+  shapes_count  train, test  Clevr-Count-like: 3-10 objects, label = count - 3
 
-| name         | splits      | what                                                            | default size      |
-|--------------|-------------|-----------------------------------------------------------------|-------------------|
-| fractal      | train, val  | FractalDB-style (Kataoka et al. 2020): one random IFS per class | 32 x (120 + 10),  |
-|              |             | (chaos game)                                                    | 64 px             |
-| rcdb         | train, val  | RCDB-style radial contours (Kataoka et al. 2022): one contour   | 64 x (60 + 10),   |
-|              |             | formula per class, each at its own place, on a colour ramp      | 32 px             |
-| digits       | train, test | scikit-learn's 1797 bundled 8x8 digits, upscaled to RGB         | 1297 + 500, 64 px |
-| dsprites_loc | train, test | procedural dSprites, label = x position in 16 bins (dSpr-Loc)   | 1200 + 500, 64 px |
-| dsprites_ori | train, test | the same images, label = orientation in 16 bins (dSpr-Ori)      | 1200 + 500, 64 px |
-| shapes_count | train, test | Clevr-Count-like: 3-10 objects, label = count - 3 (8 classes)   | 1200 + 500, 64 px |
-
-Each set's defaults are ``BuiltinConfig``'s with ``DEFAULTS[name]`` over them (``config(name)``; rcdb's: class_offset
-30, background_ramp 160, the set configs/local_demo.yaml was tuned on); ``--set`` here and ``data.builtin_options``
-in a recipe override them. So `all` writes exactly the folders the shipped recipes (``data.builtin``) and eval suites
-read (tests/data_pipeline/test_builtin.py checks every one). Every eval split has >= 1000 train images, so VTAB-1k's
-train800/val200/train1000 can be drawn from ``train``.
-``ensure(name, root)`` generates a dataset when absent (under a file lock, so concurrent callers wait) and returns
-``root/<name>``; ``check_folder(name, root)`` says whether it is there, generating nothing. Both refuse a folder
-generated with other settings (ValueError naming the folder, the settings and the fix). The two pre-training sets
-are formula-driven (data_pipeline.builtin.formula, docs/reference.md §9): any class count up to 21,843 at up to 224 px,
-generated in parallel (``--workers``) with identical bytes for any count.
+`ensure(name, root)` generates ``root/<name>`` when absent, under a file lock; `check_folder` only checks; both
+refuse a folder generated at other settings (`config(name)`). Eval train splits have >= 1000 images (VTAB-1k).
+Design: docs/design.md, "Built-in datasets".
 """
 
 from __future__ import annotations
@@ -43,32 +31,23 @@ from data_pipeline.write.writer import WriteConfig, write_dataset
 
 @dataclass(frozen=True)
 class BuiltinConfig:
-    """Sizes of the generated datasets; every default is small enough for `make launch` on 2 cores. These are the
-    defaults of every set but those ``DEFAULTS`` changes for its own set (``config(name)``)."""
+    """Settings of the generated datasets; the defaults are small enough for `make launch` on 2 cores."""
 
-    resolution: int = 64  # side of the square images, pixels
+    resolution: int = 64  # image side, pixels
     seed: int = 0
-    num_classes: int = 32  # fractal / rcdb: categories (IFS codes, contour formulas)
-    images_per_class: int = 120  # fractal / rcdb train images per category
-    val_per_class: int = 10  # fractal / rcdb val images per category
+    num_classes: int = 32  # fractal / rcdb: classes (formulas)
+    images_per_class: int = 120  # fractal / rcdb: train images per class
+    val_per_class: int = 10  # fractal / rcdb: val images per class
     num_train: int = 1200  # dsprites / shapes_count train images
-    num_test: int = 500  # dsprites / shapes_count test images (digits: test split size)
-    samples_per_shard: int = 128  # small shards so 2 ranks x 2 workers all get several
-    # rcdb: each class's centre sits at its own fixed place, up to this percent of the half side off centre on each
-    # axis (data_pipeline.builtin.formula.rcdb_class); 0 centres every class (rcdb's default: 30, DEFAULTS)
-    class_offset: int = 0
-    # rcdb: 0 draws the contours on a dark grey; N > 0 on a smooth random ramp between two colours with channels in
-    # [0, N) (data_pipeline.builtin.formula.ramp_background), which gives masked patch prediction something local to
-    # predict (rcdb's default: 160, DEFAULTS)
-    background_ramp: int = 0
+    num_test: int = 500  # dsprites / shapes_count / digits test images
+    samples_per_shard: int = 128  # small: 2 ranks x 2 workers all get several shards
+    class_offset: int = 0  # rcdb: each class's fixed centre offset, up to this % of the half side (0: centred)
+    background_ramp: int = 0  # rcdb: 0 dark grey background; N > 0 a colour ramp, channels in [0, N)
     processes: int = 1
 
 
-# Each set's own defaults over BuiltinConfig's: what `ensure(name, root)` and `python -m data_pipeline.builtin all`
-# (= `make shards`) generate. rcdb's are the set configs/local_demo.yaml was tuned on (its comments and docs/demo.md;
-# the recipe names them again in its data.builtin_options), so `make shards && make launch` reuses the folder, and
-# the `inspect_rcdb` suite reads the demo's own images. A shipped recipe or suite that needs other sizes needs a
-# change here too: tests/data_pipeline/test_builtin.py checks that `all` satisfies every one.
+# Each set's defaults over BuiltinConfig's. rcdb's are those configs/local_demo.yaml was tuned on. A shipped recipe or
+# suite that needs other sizes needs a change here (docs/design.md, "Built-in datasets").
 DEFAULTS: dict[str, dict[str, int]] = {
     "rcdb": {
         "resolution": 32,
@@ -79,17 +58,15 @@ DEFAULTS: dict[str, dict[str, int]] = {
         "background_ramp": 160,
     },
 }
-# The value a setting had in every folder written before the folder recorded it (the generator then had no such
-# setting): a folder without the record was generated at this value, whatever the default is now. A field added to
-# BuiltinConfig later that changes the bytes gets an entry here, with the behaviour from before it existed.
+# The value of a setting in folders that do not record it. A later field that changes the bytes gets an entry here.
 UNRECORDED = {"class_offset": 0, "background_ramp": 0}
 
 
-# --------------------------------------------------------------------------------- formula-driven (fractal, rcdb)
+# ---- formula-driven (fractal, rcdb)
 
 
 def _formula_set(kind: str, cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
-    """Train and val splits of a formula-driven set (data_pipeline.builtin.formula), generated by ``cfg.processes``."""
+    """Train and val splits of a formula-driven set, generated by ``cfg.processes`` processes."""
     prefix = {"fractal": "ifs", "rcdb": "contour"}[kind]
     names = [f"{prefix}_{c:05d}" if cfg.num_classes > 1000 else f"{prefix}_{c:03d}" for c in range(cfg.num_classes)]
     splits = {}
@@ -119,11 +96,11 @@ def gen_rcdb(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
     return _formula_set("rcdb", cfg)
 
 
-# ------------------------------------------------------------------------------------------------------- digits
+# ---- digits
 
 
 def gen_digits(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+    from sklearn.datasets import load_digits  # bundled: no download
 
     digits = load_digits()
     images, labels = digits.images, digits.target  # (1797, 8, 8) in [0, 16], (1797,)
@@ -142,7 +119,7 @@ def gen_digits(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
     return splits
 
 
-# ----------------------------------------------------------------------------------------------------- dsprites
+# ---- dsprites
 
 
 def _shape_outline(shape: int) -> np.ndarray:
@@ -157,7 +134,7 @@ def _shape_outline(shape: int) -> np.ndarray:
 
 
 def _dsprites(cfg: BuiltinConfig, target: str) -> dict[str, tuple[list, list[str]]]:
-    """White sprites on black, as dSprites: shape, scale, orientation, x and y drawn uniformly."""
+    """White sprites on black: shape, scale, orientation, x and y drawn uniformly."""
     res, bins = cfg.resolution, 16
     names = [f"{'x' if target == 'loc' else 'angle'}_bin_{b:02d}" for b in range(bins)]
     splits = {}
@@ -186,11 +163,11 @@ def gen_dsprites_ori(cfg: BuiltinConfig):
     return _dsprites(cfg, "ori")
 
 
-# ------------------------------------------------------------------------------------------------- shapes_count
+# ---- shapes_count
 
 
 def gen_shapes_count(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
-    """Clevr-Count-like scenes: 3-10 coloured circles, squares and triangles; label = count - 3."""
+    """3-10 coloured circles, squares and triangles; label = count - 3."""
     res = cfg.resolution
     names = [f"count_{n}" for n in range(3, 11)]
     splits = {}
@@ -203,7 +180,7 @@ def gen_shapes_count(cfg: BuiltinConfig) -> dict[str, tuple[list, list[str]]]:
             draw = ImageDraw.Draw(img)
             radius = res * 0.06
             centres: list[np.ndarray] = []
-            while len(centres) < n:  # rejection sampling keeps objects apart so they can be counted
+            while len(centres) < n:  # rejection sampling keeps objects apart, countable
                 c = rng.uniform(radius * 1.3, res - radius * 1.3, size=2)
                 if all(np.linalg.norm(c - o) > 2.3 * radius for o in centres):
                     centres.append(c)
@@ -232,7 +209,7 @@ GENERATORS: dict[str, Callable[[BuiltinConfig], dict]] = {
     "shapes_count": gen_shapes_count,
 }
 MAX_CLASS_OFFSET = 50
-MAX_BACKGROUND_RAMP = 256  # channels are drawn below it: up to full brightness
+MAX_BACKGROUND_RAMP = 256  # channels are drawn below it
 FORMULA_SETS = ("fractal", "rcdb")  # pre-training sets (train, val); the rest are eval sets (train, test)
 SPLITS = {n: ("train", "val") if n in FORMULA_SETS else ("train", "test") for n in GENERATORS}
 ALIASES = {"shapes-count": "shapes_count", "dsprites-loc": "dsprites_loc", "dsprites-ori": "dsprites_ori"}
@@ -240,17 +217,17 @@ BUILTIN_NAMES = tuple(GENERATORS)
 
 
 def option_minimum(name: str) -> int | None:
-    """The smallest value BuiltinConfig field ``name`` takes (a seed may be 0; a size of 0 makes no image, shard or
-    class); None when there is no such field. The one rule behind `--set` here and `data.builtin_options` in recipes."""
+    """The smallest value of BuiltinConfig field ``name`` (0 for a seed or an rcdb option, else 1); None if no such
+    field. The one rule behind ``--set`` and ``data.builtin_options``."""
     if name not in {f.name for f in fields(BuiltinConfig)}:
         return None
     return 0 if name in ("seed", "class_offset", "background_ramp") else 1
 
 
 def config(name: str, **options) -> BuiltinConfig:
-    """The settings built-in dataset ``name`` is generated with: BuiltinConfig's defaults, ``DEFAULTS[name]`` over
-    them, then ``options`` (``--set`` here, ``data.builtin_options`` in a recipe). ValueError for an unknown name or
-    option; the ranges are `check_sizes`'s."""
+    """The settings of dataset ``name``: BuiltinConfig's defaults, ``DEFAULTS[name]``, then ``options``.
+
+    ValueError for an unknown name or option; ranges are `check_sizes`'s."""
     name = _canonical(name)
     known = {f.name for f in fields(BuiltinConfig)}
     unknown = set(options) - known
@@ -266,7 +243,7 @@ def _canonical(name: str) -> str:
     return name
 
 
-# The BuiltinConfig fields each generator reads; only these must match for an existing folder to be reused.
+# The fields each generator reads: only these must match for a folder to be reused.
 _FORMULA_FIELDS = ("resolution", "seed", "num_classes", "images_per_class", "val_per_class", "samples_per_shard")
 _FIELDS = (
     {"fractal": _FORMULA_FIELDS, "rcdb": (*_FORMULA_FIELDS, "class_offset", "background_ramp")}
@@ -285,13 +262,12 @@ def _settings(name: str, cfg: BuiltinConfig) -> dict:
 
 
 def settings(name: str, **options) -> dict:
-    """The settings of dataset ``name`` that its bytes depend on, at ``config(name, **options)``: what its folder
-    records and what must match for the folder to be reused."""
+    """The settings the bytes of dataset ``name`` depend on: what its folder records and reuse requires."""
     return _settings(_canonical(name), config(name, **options))
 
 
 def check_sizes(name: str, cfg: BuiltinConfig) -> None:
-    """Reject sizes dataset ``name`` cannot have (ValueError), before any folder is made: nothing is left behind."""
+    """ValueError for sizes dataset ``name`` cannot have; called before any folder is made."""
     if name in FORMULA_SETS:
         formula.check_sizes(cfg.num_classes, cfg.images_per_class, cfg.val_per_class, cfg.resolution)
     if name == "rcdb" and not 0 <= cfg.class_offset <= MAX_CLASS_OFFSET:
@@ -307,7 +283,7 @@ def check_sizes(name: str, cfg: BuiltinConfig) -> None:
 
 
 def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
-    """True when every split exists and was generated with the same settings; raises if settings differ."""
+    """Whether every split exists; ValueError when one was generated with other settings."""
     complete = True
     wanted = _settings(name, cfg)
     for split in SPLITS[name]:
@@ -316,7 +292,7 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
             complete = False
             continue
         stored = meta.get("builtin")
-        if stored is None:  # a shard folder the user wrote there: theirs to answer for
+        if stored is None:  # written by the user, not generated: theirs to answer for
             continue
         had = {k: stored.get(k, UNRECORDED.get(k, "unrecorded")) for k in wanted}
         differ = [f"{k}={had[k]} (wanted {v})" for k, v in wanted.items() if had[k] != v]
@@ -329,10 +305,9 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
 
 
 def check_folder(name: str, root: str | Path, **options) -> bool:
-    """Whether ``root/<name>`` holds built-in dataset ``name`` complete, at the settings ``config(name, **options)``
-    gives, generating nothing: True when every split is there, False when one is missing (``ensure`` would generate
-    it). ValueError when a split there was generated with other settings (the message names the folder, the
-    differing settings and the fix, as `ensure` says it), or when the settings themselves are invalid."""
+    """Whether ``root/<name>`` holds every split of ``name`` at ``config(name, **options)``, generating nothing.
+
+    ValueError when the settings are invalid or a split there was generated with others (naming them and the fix)."""
     cfg = config(name, **options)
     name = _canonical(name)
     check_sizes(name, cfg)
@@ -340,10 +315,9 @@ def check_folder(name: str, root: str | Path, **options) -> bool:
 
 
 def ensure(name: str, root: str | Path, **size_overrides) -> Path:
-    """Generate built-in dataset ``name`` under ``root/<name>/<split>/`` unless present; return ``root/<name>``.
+    """Generate dataset ``name`` under ``root/<name>/<split>/`` unless present; return ``root/<name>``.
 
-    ``size_overrides`` are BuiltinConfig fields (resolution, seed, num_classes, images_per_class, ...) over the set's
-    defaults (``config``). A folder there generated with other settings is refused (`check_folder`).
+    ``size_overrides`` are BuiltinConfig fields. A folder generated with other settings is refused (`check_folder`).
     """
     name = _canonical(name)
     cfg = config(name, **size_overrides)

@@ -1,7 +1,7 @@
 """Exact and near-duplicate detection: sha256 of the bytes and a 64-bit DCT perceptual hash of the pixels.
 
-The paper de-duplicated its pre-training data against the downstream test sets (following BiT); ``--exclude-like``
-in the writer uses :class:`NearDuplicateIndex` built from an evaluation set's hashes to do the same.
+`NearDuplicateIndex` finds near pairs; `ExclusionSet` holds an evaluation set's hashes for the writer's
+``--exclude-like``, as the paper de-duplicated against the downstream test sets (docs/reference.md §6).
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ def sha256_hex(data: bytes) -> str:
 
 
 def perceptual_hash(image: Image.Image) -> int:
-    """pHash: the signs of the 8x8 lowest DCT frequencies of a 32x32 grey image against their median.
-
-    Robust to re-encoding, rescaling and small colour shifts; returned as a signed 64-bit int so it fits Parquet
-    int64 columns (the bit pattern is what matters).
-    """
-    import scipy.fft  # ~0.6 CPU-s: only writing shards hashes images, not the readers that import this module
+    """pHash: the 8x8 lowest DCT frequencies of a 32x32 grey image against their median, as a signed int64."""
+    import scipy.fft  # slow to import; readers that import this module never hash
 
     grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
     coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()  # (64,)
@@ -41,14 +37,11 @@ def perceptual_hash(image: Image.Image) -> int:
 
 
 class NearDuplicateIndex:
-    """Multi-index hashing over 64-bit perceptual hashes: all pairs within ``max_distance`` bits, without a scan.
+    """Multi-index hashing over 64-bit pHashes: all pairs within ``max_distance`` bits, exactly, without a scan.
 
-    The 64 bits are cut into ``m`` disjoint chunks. If two hashes differ in at most ``r = max_distance`` bits, some
-    chunk differs in at most ``r // m`` bits (pigeonhole), so probing every chunk value within ``r // m`` bits of the
-    query's chunk finds every true pair; candidates are then verified by popcount, so the answer is exact (recall
-    and precision 1.0 by construction). ``m`` is chosen so a chunk has about log2(n) bits (few candidates per probe)
-    unless that makes too many probes. Each chunk's values are kept sorted (numpy), and probes are answered with
-    ``searchsorted``: memory is 16 bytes per hash per chunk, ~450 MB for 14M hashes with two chunks.
+    The bits are cut into ``m`` chunks. Hashes within ``r`` bits differ in at most ``r // m`` bits in some chunk
+    (pigeonhole), so probing every chunk value that close finds every pair; popcount then verifies each candidate.
+    Sorted chunk arrays answer probes by ``searchsorted``: 16 bytes per hash per chunk.
     """
 
     def __init__(self, hashes=(), max_distance: int = 3, chunks: int | None = None):
@@ -86,7 +79,7 @@ class NearDuplicateIndex:
                 if len(hit) == 0:
                     continue
                 count, left = count[hit], left[hit]
-                # expand each [left, left + count) range into positions, without a Python loop
+                # every [left, left + count) range as positions, without a Python loop
                 starts = np.repeat(left - np.cumsum(count) + count, count)
                 positions = starts + np.arange(int(count.sum()))
                 cand_q.append(np.repeat(hit // len(masks), count))
@@ -103,7 +96,7 @@ class NearDuplicateIndex:
         return np.concatenate(found_q), np.concatenate(found_s)
 
     def contains_near(self, queries) -> np.ndarray:
-        """For each query, whether some stored hash is within ``max_distance`` bits (bool array)."""
+        """Per query, whether a stored hash is within ``max_distance`` bits."""
         qi, _ = self.pairs(queries)
         hit = np.zeros(len(_as_u64(queries)), dtype=bool)
         hit[qi] = True
@@ -116,12 +109,9 @@ class NearDuplicateIndex:
 
 
 def near_duplicates_of_earlier(hashes, max_distance: int) -> np.ndarray:
-    """For each hash, whether an *earlier* one (lower position) is within ``max_distance`` bits.
+    """Per hash, whether an *earlier* one is within ``max_distance`` bits, by one self-join.
 
-    The writer's "near duplicate" flag for a whole collection in one self-join instead of one lookup per image.
-    Equal hashes are joined once (a thousand blank images are one value, not a million pairs): a repeat of a value
-    is a near duplicate of its first occurrence, and a first occurrence is one when a different value within the
-    distance occurred before it.
+    Equal hashes are joined once (a thousand blank images are one value, not a million pairs).
     """
     hashes = _as_u64(hashes)
     values, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
@@ -134,8 +124,8 @@ def near_duplicates_of_earlier(hashes, max_distance: int) -> np.ndarray:
 
 
 def choose_chunks(n: int, max_distance: int) -> int:
-    """Chunks for multi-index hashing: about log2(n) bits each, at most ``max_distance + 1`` (radius 0), and
-    fewer chunks only while probes per query stay below ~2,000 (the cost model: probes + expected candidates)."""
+    """Chunks for multi-index hashing: of 1..``max_distance + 1`` with <= 2,000 probes per query, the cheapest
+    (probes plus expected candidates); ``max_distance + 1`` (radius 0) when none is."""
     best, best_cost = max_distance + 1, float("inf")
     for m in range(1, max_distance + 2):
         bits = 64 // m
@@ -149,7 +139,7 @@ def choose_chunks(n: int, max_distance: int) -> int:
 
 
 def _as_u64(hashes) -> np.ndarray:
-    """Hashes (signed int64 as stored in Parquet, or Python ints) as their uint64 bit patterns."""
+    """Hashes (int64 as in Parquet, or Python ints) as uint64 bit patterns."""
     arr = np.asarray(hashes)
     if arr.dtype == np.uint64:
         return np.ascontiguousarray(arr).ravel()
@@ -163,7 +153,7 @@ def _chunk(hashes: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _flip_masks(bits: int, radius: int) -> np.ndarray:
-    """Every ``bits``-bit mask with at most ``radius`` bits set (0 first): the probes around one chunk value."""
+    """Every ``bits``-bit mask with at most ``radius`` bits set, 0 first."""
     masks = [0]
     for k in range(1, radius + 1):
         masks += [sum(1 << b for b in combo) for combo in itertools.combinations(range(bits), k)]
@@ -176,7 +166,7 @@ class ExclusionSet:
     def __init__(self, sha256s: set[str], phashes, max_distance: int):
         self.sha256s = set(sha256s)
         self.max_distance = max_distance
-        # identical hashes (blank images, copies) are one entry: the index answers "is there one", not "which"
+        # equal hashes are one entry: the index answers "is there one", not "which"
         self.index = NearDuplicateIndex(np.unique(_as_u64(phashes)), max_distance)
 
     def __len__(self) -> int:
@@ -191,7 +181,7 @@ class ExclusionSet:
         return sha256 in self.sha256s or self.index.find(phash) is not None
 
     def matches_many(self, sha256s: list[str], phashes) -> np.ndarray:
-        """``matches`` for a whole batch (bool array): one vectorised index lookup instead of one per image."""
+        """``matches`` for a batch, in one vectorised lookup."""
         exact = np.fromiter((s in self.sha256s for s in sha256s), dtype=bool, count=len(sha256s))
         return exact | self.index.contains_near(phashes)
 
@@ -200,10 +190,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 
 def load_exclusion(path: str | Path, max_distance: int = 3) -> ExclusionSet:
-    """Build an ExclusionSet from a shard folder (its samples.parquet), a samples.parquet file, or an image folder.
-
-    Raises ValueError when the path holds none of these.
-    """
+    """An ExclusionSet from a shard folder, its samples.parquet or an image folder; ValueError for anything else."""
     path = Path(path)
     table_path = path / SAMPLES_FILE if path.is_dir() else path
     if table_path.suffix == ".parquet" and table_path.exists():
@@ -214,7 +201,7 @@ def load_exclusion(path: str | Path, max_distance: int = 3) -> ExclusionSet:
 
 
 def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
-    """The hashes a shard folder's samples table holds: stored and source sha256, pHash."""
+    """The hashes of a samples table: stored and source sha256, pHash."""
     try:
         cols = set(pq.read_schema(table_path).names)
     except (OSError, ValueError) as error:
@@ -226,7 +213,7 @@ def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
     wanted = ["sha256", "phash"] + (["source_sha256"] if "source_sha256" in cols else [])
     sha: set[str] = set()
     phash_parts = []
-    for batch in iter_samples(table_path, columns=wanted):  # streamed: only the hash columns, a group at a time
+    for batch in iter_samples(table_path, columns=wanted):
         sha.update(batch.column("sha256").to_pylist())
         if "source_sha256" in cols:
             sha.update(batch.column("source_sha256").to_pylist())
@@ -245,7 +232,7 @@ def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
             with Image.open(file) as img:
                 phashes.append(perceptual_hash(img))
         except OSError:
-            continue  # an unreadable file cannot be near-duplicated; its bytes still count below
+            continue  # no pHash; its sha256 still counts
         finally:
             sha.add(sha256_hex(data))
     if not sha:

@@ -1,9 +1,9 @@
-"""Readers of raw image collections: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet bytes+label.
+"""Readers of raw image collections: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet bytes + label.
 
-A source is split into *units* (a class folder, a class tar, a Parquet file) that the writer scans in parallel.
-Each image is addressed by an :class:`ItemRef` so the writer can fetch it again, in globally shuffled order,
-without holding the collection in memory: tar members are read by byte offset from the tar (never extracted to
-disk), Parquet rows by index.
+A `Source` is split into units (a class folder, a class tar, a Parquet file) that the writer scans in parallel.
+An `ItemRef` addresses each image so the writer can re-read it in shuffled order without holding the collection in
+memory: tar members by byte offset (never extracted), Parquet rows by index. Entry points: `open_source`,
+`iter_unit`, `read_ref`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from data_pipeline.write.dedup import IMAGE_SUFFIXES
 
 @dataclass(frozen=True)
 class ItemRef:
-    """Where one raw image lives. ``source`` is a readable id (folder/file, tar:member, file#row)."""
+    """Where one raw image lives; ``source`` is a readable id (folder/file, tar:member, file#row)."""
 
     kind: str  # "file" | "tar" | "parquet"
     path: str
@@ -35,7 +35,7 @@ class ItemRef:
 class SourceUnit:
     kind: str  # "folder" | "tar" | "parquet"
     path: str
-    label: int  # folder/tar units: the class of every image; parquet units: -1 (labels come from a column)
+    label: int  # folder/tar: every image's class; parquet: -1 (labels from a column)
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,14 @@ class Source:
 
 
 def is_safe_member(name: str) -> bool:
-    """A tar member name we accept: relative, no parent references, no drive letters."""
+    """Whether a tar member name is relative, without parent references or drive letters."""
     parts = name.replace("\\", "/").split("/")
     return bool(name) and not name.startswith(("/", "\\")) and ".." not in parts and ":" not in parts[0]
 
 
 def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
-    """Map class ids (folder names, wnids, label indices) to human names with an optional class-name file.
-
-    The file holds ``id<TAB>name`` lines (ImageNet's words.txt), ``id name`` lines whose ids are the source's, or
-    one name per line in label order.
-    """
+    """Names for class ids from an optional file of ``id<TAB>name`` lines (ImageNet's words.txt), ``id name`` lines
+    or one name per line in label order."""
     if path is None:
         return list(ids)
     lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
@@ -86,9 +83,9 @@ def open_source(
     image_column: str = "image",
     label_column: str = "label",
 ) -> Source:
-    """Describe a raw collection; ``kind`` is "folder", "imagenet21k", "parquet" or "auto" (detected).
+    """Describe a raw collection of ``kind`` "folder", "imagenet21k", "parquet" or "auto" (detected).
 
-    Raises ValueError for a missing or empty source, naming what was expected.
+    ValueError for a missing or empty source, naming what was expected.
     """
     root = Path(path)
     if not root.exists():
@@ -136,7 +133,7 @@ def open_source(
                 raise ValueError(f"{f}: column '{label_column}' holds a negative or missing label")
             max_label = max([max_label, *map(int, labels)])
         ids = [str(i) for i in range(max_label + 1)]
-        # With a name file the file decides the number of classes; a label beyond it is reported below.
+        # With a name file, the file decides the number of classes.
         names = _read_class_names(class_names_file, [] if class_names_file else ids)
         if len(names) <= max_label:
             raise ValueError(
@@ -149,10 +146,9 @@ def open_source(
 
 
 def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[ItemRef, bytes, int]]:
-    """Yield (ref, raw bytes, label) for every candidate image of one unit, in a deterministic order.
+    """Yield (ref, raw bytes, label) of every candidate image of one unit, in a deterministic order.
 
-    Tar members with unsafe names (``../x``, absolute paths) are skipped and counted in ``stats['unsafe_member']``;
-    they are never written anywhere.
+    Tar members with unsafe names (``../x``, absolute) are skipped and counted in ``stats['unsafe_member']``.
     """
     if unit.kind == "folder":
         for file in sorted(Path(unit.path).rglob("*")):
@@ -170,8 +166,8 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
                     stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
                     continue
                 member_file = tar.extractfile(member)
-                assert member_file is not None  # a regular member (checked above) always has one
-                data = member_file.read()  # into memory only
+                assert member_file is not None  # a regular member always has one
+                data = member_file.read()
                 ref = ItemRef(
                     "tar",
                     unit.path,
@@ -197,7 +193,7 @@ def _parquet_images(path: str, column: str) -> list:
 
 
 def read_ref(ref: ItemRef, image_column: str = "image") -> bytes:
-    """Fetch the raw bytes an ItemRef points at (a tar member by offset, without extracting the tar)."""
+    """The raw bytes ``ref`` points at."""
     if ref.kind == "file":
         return Path(ref.path).read_bytes()
     if ref.kind == "tar":

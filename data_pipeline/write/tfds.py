@@ -1,19 +1,9 @@
-"""TensorFlow Datasets folders as a writer source, read without TensorFlow.
+"""A TensorFlow Datasets folder as a writer source (``--source tfds:DIR``), read without TensorFlow.
 
-    python -m data_pipeline.write --source tfds:~/tensorflow_datasets/cifar100/3.0.2 --split test --out DIR
-    python -m data_pipeline.write --source tfds:DIR --vtab cifar100 --split train --out ROOT/cifar100/train
-
-A TFDS dataset folder (one version of one dataset or config) holds ``dataset_info.json`` (the splits and each
-shard file's record count), ``features.json`` (the feature types) and the records, ``<name>-<split>.tfrecord-
-NNNNN-of-MMMMM``, each a ``tf.train.Example`` whose image is encoded bytes (PNG/JPEG) and whose label is an int
-(docs/vtab.md#the-formats). Records are selected with TFDS's split syntax (``train``, ``train[:800]``,
-``train[45000:45200]``, ``test[:50%]``, parts joined with ``+``), by position, as TFDS reads them unshuffled; or,
-with ``--vtab TASK``, by VTAB-1k's definition of the task's splits and labels (data_pipeline/write/vtab_tfds.py).
-
-Every record's CRC-32C is checked: a record whose data fails it is skipped and counted (``corrupt_records``), a
-length that fails it ends that file (``broken_files``, its unread records ``missing_records``); the write report
-lists them. The scan keeps only where each record is (file, offset, length), as the other readers do, so a split of
-any size is written in bounded memory.
+Records are selected by position with TFDS's split syntax (``train[:800]+test[:50%]``), as TFDS reads them
+unshuffled, or by a VTAB-1k task's splits and labels (`vtab_tfds`). The files: docs/vtab.md, "The formats". The
+scan keeps only where each record is, so any split is written in bounded memory. Entry points: `open_tfds_source`,
+`iter_tfds_unit`.
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ from data_pipeline.write.vtab_tfds import (
 TFDS_PREFIX = "tfds:"
 INFO_FILE = "dataset_info.json"
 FEATURES_FILE = "features.json"
-REF_KIND = "tfrecord"  # ItemRef.kind of a record: offset and size of its data in the file
+REF_KIND = "tfrecord"  # ItemRef.kind of a record (offset and size of its data)
 
 
 @dataclass(frozen=True)
@@ -50,13 +40,13 @@ class TfdsUnit(SourceUnit):
 
     start: int = 0
     stop: int = 0
-    split: str = ""  # the TFDS split the file belongs to
-    first_index: int = 0  # index within that split of the file's first record
+    split: str = ""  # the file's TFDS split
+    first_index: int = 0  # index in that split of the file's first record
 
 
 @dataclass(frozen=True)
 class TfdsSource(Source):
-    """A TFDS selection: ``image_column`` / ``label_column`` name features; ``task`` a VTAB-1k task ("" for none)."""
+    """A TFDS selection; ``image_column`` / ``label_column`` name features, ``task`` a VTAB-1k task ("" for none)."""
 
     task: str = ""
     tfds_name: str = ""
@@ -74,8 +64,8 @@ class TfdsFolder:
     version: str
     shard_lengths: dict[str, list[int]]  # split -> records per file, in file order
     files: dict[str, list[Path]]
-    features: dict[str, dict]  # flattened feature name ("objects/size") -> {"kind", "dtype", "num_classes"}
-    supervised: tuple[str, str] | None  # (input, output) feature names when dataset_info.json gives them
+    features: dict[str, dict]  # flat name ("objects/size") -> {"kind", "dtype", "num_classes"}
+    supervised: tuple[str, str] | None  # (input, output) feature names, if given
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -113,8 +103,7 @@ def _read_json(root: Path, name: str) -> dict:
 
 
 def _feature_kind(node: dict) -> str:
-    """Image, ClassLabel, Tensor, Text, Sequence, FeaturesDict, ... from features.json's class name or its keys
-    (new format: ``pythonClassName`` + one key per type; old format: ``type`` + ``content``)."""
+    """A feature's kind (Image, ClassLabel, ...) in either features.json format (``pythonClassName`` or ``type``)."""
     class_name = node.get("pythonClassName") or node.get("type") or ""
     if class_name:
         return class_name.rsplit(".", 1)[-1]
@@ -132,9 +121,9 @@ def _feature_kind(node: dict) -> str:
 
 
 def _flatten(node: dict, prefix: str, out: dict[str, dict]) -> None:
-    """Record every leaf feature under its Example key (nested names joined with ``/``, as TFDS serializes them)."""
+    """Record every leaf feature under its Example key (nested names joined with ``/``, as TFDS does)."""
     kind = _feature_kind(node)
-    body = node.get("content", node)  # old format keeps the details under "content"
+    body = node.get("content", node)  # the old format's details
     if kind == "FeaturesDict":
         children = body.get("featuresDict", {}).get("features", body) if "featuresDict" in body else body
         for name, child in children.items():
@@ -166,7 +155,7 @@ def _split_files(root: Path, name: str, split: str, lengths: list[int] | None) -
     files = sorted(root.glob(f"{name}-{split}.tfrecord-*")) or sorted(root.glob(f"*-{split}.tfrecord-*"))
     if not files:
         raise _not_tfds(root, f"no {name}-{split}.tfrecord-* files for split {split!r}")
-    if lengths is None:  # an old dataset_info.json without per-file counts: count the frames
+    if lengths is None:  # an old dataset_info.json without per-file counts
         lengths = [count_records(f) for f in files]
     if len(files) != len(lengths):
         raise ValueError(
@@ -177,7 +166,7 @@ def _split_files(root: Path, name: str, split: str, lengths: list[int] | None) -
 
 
 def read_folder(path: str | Path) -> TfdsFolder:
-    """Read a TFDS folder's metadata; ValueError naming the file and the fix when it is not one."""
+    """Read a TFDS folder's metadata; ValueError naming the file and the fix."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise _not_tfds(root, "it is not a folder")
@@ -217,12 +206,12 @@ def _bound(text: str | None, n: int) -> int | None:
     if not text:
         return None
     if text.endswith("%"):
-        return round(int(text[:-1]) * n / 100)  # TFDS's default rounding: to the closest record
+        return round(int(text[:-1]) * n / 100)  # TFDS's default: the closest record
     return int(text)
 
 
 def resolve_split(expression: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
-    """(split, start, stop) of each ``+`` part of a TFDS split expression, as absolute record positions."""
+    """(split, start, stop) record positions of each ``+`` part of a TFDS split expression."""
     parts = []
     for part in expression.split("+"):
         match = _PART.fullmatch(part.strip())
@@ -305,8 +294,8 @@ def open_tfds_source(
     label_feature: str | None = None,
     class_names_file: str | None = None,
 ) -> TfdsSource:
-    """Describe the records of a TFDS folder to write: ``tfds_split`` (TFDS syntax), else with ``vtab`` the VTAB-1k
-    split ``split`` of that task, else the TFDS split named ``split``. ValueError names any problem and its fix."""
+    """The records to write: ``tfds_split`` (TFDS syntax), else VTAB split ``split`` of task ``vtab``, else the
+    TFDS split ``split``. ValueError names any problem and its fix."""
     folder = read_folder(path)
     task = None
     if vtab is not None:
@@ -347,7 +336,7 @@ def open_tfds_source(
 
 
 def describe(source: TfdsSource) -> dict:
-    """What dataset.json records about where the samples came from."""
+    """What dataset.json records about the source."""
     return dict(
         name=source.tfds_name,
         version=source.version,
@@ -359,7 +348,7 @@ def describe(source: TfdsSource) -> dict:
 
 
 def unit_ids(source: TfdsSource) -> list[str]:
-    """The records each unit reads, for the writer's settings record (a re-run must select the same ones)."""
+    """The records each unit reads: a re-run must select the same ones."""
     return [f"{u.path}[{getattr(u, 'start', 0)}:{getattr(u, 'stop', 0)}]" for u in source.units]
 
 
@@ -385,9 +374,10 @@ def _image(example: dict[str, FeatureValues], source: TfdsSource) -> bytes:
 
 
 def iter_tfds_unit(unit: SourceUnit, source: Source, stats: Counter) -> Iterator[tuple[ItemRef, bytes, int]]:
-    """Yield (ref, image bytes, label) of every usable record of ``unit``. Skipped and counted in ``stats``: records
-    that fail their CRC (`scan_records`'s counters), ``bad_examples`` (no Example, no single image),
-    ``bad_labels`` (no label to compute) and ``label_out_of_range``."""
+    """Yield (ref, image bytes, label) of every usable record of ``unit``.
+
+    Skipped and counted in ``stats``: `scan_records`'s counters, ``bad_examples``, ``bad_labels`` and
+    ``label_out_of_range``."""
     assert isinstance(unit, TfdsUnit) and isinstance(source, TfdsSource)
     label_of = _label_function(source)
     with open(unit.path, "rb") as f:
@@ -399,7 +389,7 @@ def iter_tfds_unit(unit: SourceUnit, source: Source, stats: Counter) -> Iterator
             except LabelError:
                 stats["bad_labels"] += 1
                 continue
-            except (ExampleError, OSError, ValueError):  # a malformed Example, or a dSprites image that will not decode
+            except (ExampleError, OSError, ValueError):  # also a dSprites image that will not decode
                 stats["bad_examples"] += 1
                 continue
             if not 0 <= label < len(source.class_names):
@@ -410,7 +400,7 @@ def iter_tfds_unit(unit: SourceUnit, source: Source, stats: Counter) -> Iterator
 
 
 def read_tfds_ref(ref: ItemRef, source: Source) -> bytes:
-    """The image bytes of the record ``ref`` points at (its CRC was checked by the scan)."""
+    """The image bytes of the record at ``ref`` (the scan checked its CRC)."""
     assert isinstance(source, TfdsSource)
     with open(ref.path, "rb") as f:
         f.seek(ref.offset)

@@ -1,15 +1,10 @@
-"""TFRecord files and ``tf.train.Example`` records without TensorFlow: CRC-32C, record framing, protobuf wire format.
+"""TFRecord files of ``tf.train.Example`` records in pure Python/numpy, so vitscale never needs TensorFlow.
 
-TensorFlow Datasets stores its splits as TFRecord files of serialized ``tf.train.Example`` messages
-(docs/vtab.md#the-formats). Reading them needs three small pieces, all here and all pure Python/numpy, so that
-vitscale never depends on TensorFlow:
+- CRC-32C (`crc32c`), vectorised over lanes: a byte loop is too slow for gigabyte splits;
+- the framing (`scan_records`, `write_records`): ``uint64 length | masked crc(length) | data | masked crc(data)``;
+- the protobuf wire format of ``Example`` (`decode_example`, `encode_example`): ``{name: [values]}``.
 
-- CRC-32C (Castagnoli), which TFRecord uses to check each record's length and data. A byte-at-a-time Python loop
-  runs at a few MB/s, too slow for a VTAB test split of gigabytes, so long buffers are cut into lanes that numpy
-  advances together, and the lanes' CRCs are combined with the (linear) operator "advance over 2^k zero bytes";
-- the record framing: ``uint64 length | masked crc(length) | data | masked crc(data)``;
-- the protobuf wire format of ``Example`` → ``Features`` → ``map<string, Feature>`` → ``BytesList`` /
-  ``FloatList`` / ``Int64List``, decoded into ``{name: [values]}`` and encoded back (tests write TFDS folders with it).
+The formats: docs/vtab.md, "The formats".
 """
 
 from __future__ import annotations
@@ -25,8 +20,8 @@ import numpy as np
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 _MASK_DELTA = 0xA282EAD8
-_VECTOR_MIN = 1024  # below this many bytes the plain loop is as fast as numpy's per-call overhead
-_MAX_LANES = 32768  # measured: 8192 gave 60 MB/s on 50 MB buffers, 32768 gave 83 (2-core machine)
+_VECTOR_MIN = 1024  # below this many bytes the plain loop is as fast
+_MAX_LANES = 32768  # faster than fewer lanes on large buffers
 
 
 def _byte_table() -> np.ndarray:
@@ -48,7 +43,7 @@ def _crc_loop(data: bytes | memoryview, register: int) -> int:
 
 
 def _apply(operator: np.ndarray, registers: np.ndarray) -> np.ndarray:
-    """A linear map of CRC registers given as 4 byte tables (one per register byte): 4 lookups per register."""
+    """A linear map of CRC registers, given as 4 byte tables (one per register byte)."""
     return (
         operator[0][registers & 0xFF]
         ^ operator[1][(registers >> 8) & 0xFF]
@@ -59,7 +54,7 @@ def _apply(operator: np.ndarray, registers: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _zeros_operator(log2_bytes: int) -> np.ndarray:
-    """The map "feed 2^log2_bytes zero bytes" on a raw register, as 4 x 256 tables; squared from the one-byte map."""
+    """The map "feed 2^log2_bytes zero bytes" on a register, as 4 x 256 tables, by squaring the one-byte map."""
     basis = np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32))
     if log2_bytes == 0:
         columns = _TABLE[basis & 0xFF] ^ (basis >> 8)
@@ -75,11 +70,10 @@ def _zeros_operator(log2_bytes: int) -> np.ndarray:
 
 
 def crc32c(data: bytes | memoryview) -> int:
-    """CRC-32C of ``data`` (initial register and final xor 0xFFFFFFFF), e.g. ``crc32c(b"123456789") == 0xE3069283``.
+    """CRC-32C of ``data``: ``crc32c(b"123456789") == 0xE3069283``.
 
-    Long buffers: the CRC is linear, so the initial register is folded into the first 4 bytes, the buffer is
-    zero-padded in front (zeros leave a zero register unchanged) to lanes x width bytes, every lane is advanced in one
-    numpy step per byte column, and neighbouring lanes are merged pairwise with the zero-byte operator of their width.
+    Long buffers use linearity: the initial register is folded into the data, which is zero-padded in front to
+    lanes x width bytes; all lanes advance together, then merge pairwise with the zero-byte operator of their width.
     """
     n = len(data)
     if n < _VECTOR_MIN:
@@ -102,13 +96,12 @@ def crc32c(data: bytes | memoryview) -> int:
 
 
 def masked_crc32c(data: bytes | memoryview) -> int:
-    """TFRecord's masked CRC: rotated right by 15 bits plus a constant, so CRCs of data holding CRCs stay spread."""
+    """TFRecord's masked CRC: rotated right by 15 bits plus a constant."""
     crc = crc32c(data)
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Record framing
+# ---- Record framing
 
 
 def frame_record(data: bytes) -> bytes:
@@ -118,19 +111,17 @@ def frame_record(data: bytes) -> bytes:
 
 
 def write_records(path: str | Path, records: Sequence[bytes]) -> None:
-    """Write ``records`` as one TFRecord file (what TensorFlow's TFRecordWriter writes, uncompressed)."""
+    """Write ``records`` as one uncompressed TFRecord file."""
     with open(path, "wb") as f:
         for record in records:
             f.write(frame_record(record))
 
 
 def scan_records(f: BinaryIO, start: int, stop: int | None, stats: Counter) -> Iterator[tuple[int, int, bytes]]:
-    """Yield (record index, byte offset of its data, data) of the records ``start <= index < stop`` of an open file.
+    """Yield (index, data offset, data) of the records ``start <= index < stop`` of an open file.
 
-    Records before ``start`` are skipped by seeking (their length CRC is still checked: a bad one means the framing is
-    lost). Counted in ``stats``: ``corrupt_records`` (data CRC mismatch: skipped, reading goes on),
-    ``broken_files`` (a length that fails its CRC or a record cut short: nothing after it can be located) and
-    ``missing_records`` (wanted records never reached, after a broken framing or an early end of file).
+    Earlier records are skipped by seeking, their length CRC still checked. Counted in ``stats``: ``corrupt_records``
+    (skipped), ``broken_files`` (nothing after can be located), ``missing_records`` (wanted, never reached).
     """
     index = 0
     while stop is None or index < stop:
@@ -167,7 +158,7 @@ def scan_records(f: BinaryIO, start: int, stop: int | None, stats: Counter) -> I
 
 
 def count_records(path: str | Path) -> int:
-    """Records in a TFRecord file, walking the length headers only (for folders whose metadata lacks the counts)."""
+    """Records in a TFRecord file, by walking the length headers."""
     count = 0
     with open(path, "rb") as f:
         while header := f.read(12):
@@ -178,8 +169,7 @@ def count_records(path: str | Path) -> int:
     return count
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# tf.train.Example in the protobuf wire format
+# ---- tf.train.Example in the protobuf wire format
 
 FeatureValues = list[bytes] | list[float] | list[int]
 
@@ -202,8 +192,8 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview]]:
-    """(field number, wire type, number, bytes) of each field of one message: ``number`` holds a varint or fixed64,
-    ``bytes`` a length-delimited payload or a fixed32 (still views of ``buf``)."""
+    """(field, wire type, number, bytes) of each field of a message: ``number`` a varint or fixed64, ``bytes`` a
+    length-delimited payload or a fixed32 (views of ``buf``)."""
     empty = memoryview(b"")
     pos = 0
     while pos < len(buf):
@@ -229,7 +219,7 @@ def _signed64(value: int) -> int:
 
 
 def _list_values(kind: int, body: memoryview) -> FeatureValues:
-    """The values of a BytesList (kind 1), FloatList (2) or Int64List (3): field 1, packed or one per tag."""
+    """The values of a BytesList (kind 1), FloatList (2) or Int64List (3), packed or not."""
     values: list = []
     for field, wire, number, item in _fields(body):
         if field != 1:
@@ -260,7 +250,7 @@ def _decode_feature(buf: memoryview) -> FeatureValues:
 
 
 def decode_example(data: bytes) -> dict[str, FeatureValues]:
-    """``{feature name: values}`` of a serialized ``tf.train.Example``; ExampleError when it is malformed."""
+    """``{feature name: values}`` of a serialized ``tf.train.Example``; ExampleError when malformed."""
     features: dict[str, FeatureValues] = {}
     for field, wire, _, body in _fields(memoryview(data)):
         if field != 1 or wire != 2:
@@ -282,7 +272,7 @@ def decode_example(data: bytes) -> dict[str, FeatureValues]:
 
 
 def _encode_varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int64: ten bytes of two's complement, as protobuf writes them
+    value &= (1 << 64) - 1  # negative int64: ten bytes of two's complement, as protobuf
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -296,7 +286,7 @@ def _delimited(number: int, payload: bytes) -> bytes:
 
 
 def _encode_feature(values: Sequence) -> bytes:
-    """Bytes → BytesList, floats → a packed FloatList, ints (and bools) → a packed Int64List; empty → Int64List."""
+    """Bytes → BytesList, floats → packed FloatList, ints and bools (or nothing) → packed Int64List."""
     items = list(values.tolist() if isinstance(values, np.ndarray) else values)
     if items and all(isinstance(v, (bytes, bytearray)) for v in items):
         return _delimited(1, b"".join(_delimited(1, bytes(v)) for v in items))
@@ -308,7 +298,7 @@ def _encode_feature(values: Sequence) -> bytes:
 
 
 def encode_example(features: Mapping[str, Sequence]) -> bytes:
-    """Serialize ``{name: values}`` as a ``tf.train.Example`` (the inverse of `decode_example`)."""
+    """Serialize ``{name: values}`` as a ``tf.train.Example``; the inverse of `decode_example`."""
     entries = b"".join(
         _delimited(1, _delimited(1, name.encode()) + _delimited(2, _encode_feature(values)))
         for name, values in features.items()

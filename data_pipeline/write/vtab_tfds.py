@@ -1,13 +1,9 @@
-"""VTAB-1k's 19 tasks as TensorFlow Datasets folders: which TFDS dataset, which records form each split, which label.
+"""VTAB-1k's 19 tasks over TFDS folders: the TFDS dataset, the records of each split and the label (`TASKS`).
 
-The definitions follow VTAB's own data classes (docs/vtab.md, docs/reference.md §4): every task has a ``train``,
-``val`` and ``test`` split carved from the TFDS splits in one of four ways (``SCHEMES``), and VTAB-1k's
-``train800`` = the first 800 of ``train``, ``val200`` = the first 200 of ``val``, ``train800val200`` their union.
-The split names vitscale writes are these, plus ``train`` meaning ``train800val200``: the 1000 images the VTAB
-evaluator (evals/vtab.py) reads from ``<root>/<task>/train``.
-
-Seven structured tasks predict a label derived from other features (a count, a binned distance, a binned
-position or angle); each has its label function below, written from the same definitions.
+As VTAB's data classes define them (docs/vtab.md): each task's ``train``, ``val`` and ``test`` come from the TFDS
+splits by one of ``SCHEMES``; ``train800`` and ``val200`` are the first 800 of ``train`` and 200 of ``val``. Our
+``train`` is ``train800val200``, the 1000 images the VTAB evaluator reads. Seven tasks derive their label from other
+features (`LABEL_FUNCTIONS`).
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from PIL import Image
 
 from data_pipeline.write.tfrecord import FeatureValues
 
-# How a task's train / val / test come out of the TFDS splits (sizes n = records of the TFDS split named):
+# How a task's train / val / test come out of the TFDS splits:
 #   holdout:   train = train[:p% of n], val = train[p% of n:], test = <test_split>
 #   tfds_val:  train = train, val = validation, test = test
 #   three_way: train = train[:p%], val = train[p%:(p+q)%], test = train[(p+q)%:] (TFDS has one split)
@@ -36,15 +32,15 @@ class LabelError(ValueError):
 
 @dataclass(frozen=True)
 class VtabTfdsTask:
-    name: str  # vitscale's task name (evals.vtab.VTAB1K_TASKS), the folder under the VTAB root
-    tfds_name: str  # TFDS dataset[/config] whose folder holds the records
+    name: str  # as in evals.vtab.VTAB1K_TASKS: the folder under the VTAB root
+    tfds_name: str  # TFDS dataset[/config]
     num_classes: int
     scheme: str  # one of SCHEMES
-    train_percent: int = 0  # holdout, three_way: the share of TFDS train that is VTAB's train
+    train_percent: int = 0  # holdout, three_way: the share of TFDS train that is train
     val_percent: int = 0  # three_way: the share after it that is val
-    test_split: str = "test"  # holdout: the TFDS split that is VTAB's test (clevr's test split has no labels)
-    label: str = "label"  # "label": the TFDS ClassLabel as is; otherwise a key of LABEL_FUNCTIONS
-    binary_image: bool = False  # dsprites: pixels are 0/1 and VTAB scales them to 0/255
+    test_split: str = "test"  # holdout: the TFDS split that is test (clevr's test split has no labels)
+    label: str = "label"  # "label": the TFDS ClassLabel; else a key of LABEL_FUNCTIONS
+    binary_image: bool = False  # dsprites: 0/1 pixels, scaled to 0/255 as VTAB does
 
     @property
     def base_name(self) -> str:
@@ -103,8 +99,9 @@ TASKS: dict[str, VtabTfdsTask] = dict(
 
 
 def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> str:
-    """The TFDS split expression (``train[:800]+validation[:200]``) of VTAB split ``split`` (one of SPLITS;
-    ``train`` = ``train800val200``) for ``task``, given the record count of each TFDS split in ``sizes``."""
+    """The TFDS split expression (``train[:800]+validation[:200]``) of VTAB split ``split`` of ``task``.
+
+    ``sizes``: the record count of each TFDS split."""
     if split not in SPLITS:
         raise ValueError(f"--split {split!r} is not a VTAB split; use one of {', '.join(SPLITS)}")
 
@@ -148,8 +145,7 @@ def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> s
     return parts["train800val200" if split == "train" else split]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Derived labels
+# ---- Derived labels
 
 
 def _values(example: dict[str, FeatureValues], key: str) -> list:
@@ -159,7 +155,7 @@ def _values(example: dict[str, FeatureValues], key: str) -> list:
 
 
 def _bin(value: float, thresholds: tuple[float, ...]) -> int:
-    """The last threshold below ``value`` (VTAB's ``reduce_max(where(thresholds - value < 0))``)."""
+    """The index of the last threshold below ``value``, as VTAB bins."""
     below = [i for i, t in enumerate(thresholds) if t < value]
     if not below:
         raise LabelError(f"value {value} is below every bin")
@@ -206,7 +202,7 @@ LABEL_FUNCTIONS: dict[str, Callable[[dict[str, FeatureValues]], int]] = {
     "label_azimuth": _feature("label_azimuth"),
     "label_elevation": _feature("label_elevation"),
 }
-# The features each derived label reads, checked against features.json before any record is read.
+# The features each derived label reads, checked before any record is read.
 LABEL_FEATURES = {
     "clevr_count": ("objects/size",),
     "clevr_dist": ("objects/pixel_coords",),
@@ -219,7 +215,7 @@ LABEL_FEATURES = {
 
 
 def class_names(task: VtabTfdsTask) -> list[str]:
-    """Readable names of a derived label's classes (a ClassLabel task takes the TFDS names instead)."""
+    """Readable class names of a derived label."""
     if task.label == "clevr_count":
         return [f"{k} objects" for k in range(3, 3 + task.num_classes)]
     if task.label == "clevr_dist":
@@ -230,7 +226,7 @@ def class_names(task: VtabTfdsTask) -> list[str]:
 
 
 def scale_binary_image(data: bytes) -> bytes:
-    """dSprites stores 0/1 pixels; VTAB multiplies them by 255. Returned as PNG (lossless; the writer stores JPEG)."""
+    """dSprites' 0/1 pixels times 255, as VTAB does; PNG, lossless (the writer re-encodes as JPEG)."""
     with Image.open(io.BytesIO(data)) as img:
         pixels = np.asarray(img.convert("L"), dtype=np.uint16) * 255
     out = io.BytesIO()

@@ -1,25 +1,11 @@
-"""Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest.
+"""Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest (`write_dataset`).
 
-The command line is `python -m data_pipeline.write` (`data_pipeline/write/__main__.py`).
-
-Sources: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet files of bytes + label
-(data_pipeline/write/readers.py), or a TensorFlow Datasets folder read without TensorFlow, with VTAB-1k's split and
-label definitions on request (data_pipeline/write/tfds.py, docs/vtab.md).
-
-Two passes, both parallel over cores:
-1. scan: every image is read and decoded once to validate it (corrupt, too small or non-image files are skipped
-   and counted) and hashed (sha256 of the bytes, a perceptual hash of the pixels);
-2. write: exact duplicates dropped, near duplicates flagged, ``--exclude-like`` matches dropped, the survivors put in
-   one seeded global permutation (class-sorted sources such as ImageNet-21k's per-class tars would otherwise give
-   class-sorted shards no shuffle buffer can repair) and written ``--samples-per-shard`` at a time.
-
-Stored bytes: a JPEG whose short side is <= ``--max-short-side`` is stored as is (its original bytes); a larger
-JPEG is downscaled and re-encoded at quality 90; any other format (PNG, BMP, ...) is converted to RGB JPEG at
-quality 95, so every sample is ``<key>.jpg`` + ``<key>.cls`` + ``<key>.json``.
-
-Each shard is written to ``shard-NNNNNN.tar.tmp`` and renamed when complete; tar headers carry a fixed mtime,
-owner and mode. Re-running the same command after an interruption keeps the finished shards, writes the missing
-ones and produces output byte-identical to an uninterrupted run.
+Two passes over a `readers` or `tfds` source, both parallel over cores. The scan decodes each image once to validate
+and hash it (invalid files are skipped and counted). The write drops exact duplicates and ``--exclude-like`` matches,
+flags near duplicates and writes the survivors in one seeded global permutation (docs/reference.md §6).
+A JPEG whose short side is <= ``--max-short-side`` keeps its bytes; a larger one is downscaled and re-encoded at
+q90, other formats at q95. Shards are renamed into place when complete, with fixed tar headers: a re-run after an
+interruption keeps the finished shards and is byte-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -58,23 +44,22 @@ from data_pipeline.write.tfds import (
     unit_ids,
 )
 
-# Fixed header fields keep re-runs byte-identical. An int: a float mtime made tarfile write a PAX header before every
-# member (two more 512-byte blocks each: shards of small images ~40% larger, and twice as slow to read).
+# Fixed header fields keep re-runs byte-identical. An int: a float mtime makes tarfile add a PAX header per member.
 TAR_MTIME = 0
 TAR_OWNER = "vitscale"
 
 
 @dataclass(frozen=True)
 class WriteConfig:
-    name: str = "dataset"  # dataset name recorded in dataset.json
+    name: str = "dataset"  # recorded in dataset.json
     split: str = "train"
-    samples_per_shard: int = 3000  # timm's i21k release uses ~3.3k; keep >= 8 shards per (rank x worker)
+    samples_per_shard: int = 3000  # keep >= 8 shards per (rank x worker); docs/reference.md §6
     max_short_side: int = 512  # larger JPEGs are downscaled and re-encoded at quality 90
-    min_size: int = 8  # images whose short side is smaller are skipped as "too_small"
+    min_size: int = 8  # a smaller short side is skipped as "too_small"
     seed: int = 0  # seeds the global pre-shuffle
     processes: int = field(default_factory=lambda: os.cpu_count() or 1)
-    keep_exact_duplicates: bool = False  # exact (sha256) duplicates are dropped unless set
-    near_duplicate_distance: int = 3  # perceptual-hash bits; near duplicates are flagged in samples.parquet
+    keep_exact_duplicates: bool = False  # else exact (sha256) duplicates are dropped
+    near_duplicate_distance: int = 3  # pHash bits; near duplicates are flagged, not dropped
 
     def validate(self) -> None:
         if self.samples_per_shard < 1:
@@ -87,10 +72,10 @@ class WriteConfig:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One validated image: where it is, its label and its hashes (the bytes stay at the source)."""
+    """One validated image: where it is, its label and hashes (the bytes stay at the source)."""
 
     ref: ItemRef | None
-    data: bytes | None  # in-memory sources (built-in datasets) carry their bytes
+    data: bytes | None  # in-memory sources carry their bytes
     label: int
     source: str
     sha256: str
@@ -99,11 +84,11 @@ class Candidate:
     height: int
     needs_reencode: bool
     near_duplicate: bool = False  # within near_duplicate_distance bits of an earlier kept image
-    exact_duplicate: bool = False  # same bytes as an earlier image (kept only with keep_exact_duplicates)
+    exact_duplicate: bool = False  # same bytes as an earlier image
 
 
 def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str, dict]:
-    """Decode once; return ("ok", facts) or (reason, {}) with reason in corrupt / not_image / too_small."""
+    """Decode once: ("ok", facts) or (reason, {}), reason one of corrupt / not_image / too_small."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt, mode = img.format, img.mode
@@ -121,7 +106,7 @@ def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str,
 
 
 def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> tuple[bytes, int, int]:
-    """The bytes to store: the original JPEG, or a deterministic RGB JPEG re-encode (q90 if resized, else q95)."""
+    """(bytes, width, height) to store: the original JPEG or a deterministic RGB re-encode (q90 resized, else q95)."""
     with Image.open(io.BytesIO(data)) as opened:
         if not needs_reencode:
             return data, opened.size[0], opened.size[1]
@@ -140,16 +125,16 @@ def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> 
 
 @dataclass(frozen=True)
 class _ScanJob:
-    """One job of the scan pass: a unit of a raw source, or a chunk of in-memory items."""
+    """A scan job: a unit of a raw source, or a chunk of in-memory items."""
 
     config: WriteConfig
     unit: SourceUnit | None = None
-    source: Source | None = None  # without its units: each job pickles its own unit only, not the whole list
+    source: Source | None = None  # without its units, so a job pickles only its own
     items: tuple[tuple[bytes, int, str], ...] = ()  # (bytes, label, source id)
 
 
 def _scan_items(job: _ScanJob, stats: Counter) -> Iterator[tuple[ItemRef | None, bytes, int, str]]:
-    """(where it is, bytes, label, source id) of every image of the job, in a deterministic order."""
+    """(ref, bytes, label, source id) of every image of the job, in a deterministic order."""
     if job.unit is None or job.source is None:
         return ((None, data, label, source) for data, label, source in job.items)
     read = iter_tfds_unit if isinstance(job.source, TfdsSource) else iter_unit
@@ -157,14 +142,14 @@ def _scan_items(job: _ScanJob, stats: Counter) -> Iterator[tuple[ItemRef | None,
 
 
 def _read_raw(ref: ItemRef, source: Source | None) -> bytes:
-    """The raw bytes ``ref`` points at, fetched again for the write pass (a TFDS record: its image feature)."""
+    """The raw bytes ``ref`` points at, re-read for the write pass (a TFDS record: its image feature)."""
     if ref.kind == REF_KIND and source is not None:
         return read_tfds_ref(ref, source)
     return read_ref(ref, source.image_column if source is not None else "image")
 
 
 def _scan_unit(job: _ScanJob) -> tuple[list[Candidate], Counter]:
-    """Scan one unit (a class folder, a tar, a Parquet file, or a chunk of in-memory images)."""
+    """Scan one job: (the valid images, skip counts)."""
     stats: Counter = Counter()
     kept: list[Candidate] = []
     for ref, data, label, source in _scan_items(job, stats):
@@ -178,7 +163,7 @@ def _scan_unit(job: _ScanJob) -> tuple[list[Candidate], Counter]:
 
 
 def _imap(fn, jobs: list, processes: int, desc: str):
-    """Ordered parallel map with a progress bar; in-process when one process is asked for (tests, tiny data)."""
+    """Ordered parallel map with a progress bar; in-process for one process or one job."""
     bar = tqdm(total=len(jobs), desc=desc, unit="job", disable=None, file=sys.stderr)
     if processes == 1 or len(jobs) <= 1:
         for job in jobs:
@@ -193,7 +178,7 @@ def _imap(fn, jobs: list, processes: int, desc: str):
 
 
 def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
-    """Write one shard atomically (or read back the finished one) and return its manifest and sample rows."""
+    """Write one shard atomically (or keep the finished one); (its manifest row, its sample rows)."""
     out_dir, index, entries, class_names, source, max_short_side = job
     name = manifest.SHARD_PATTERN.format(index=index)
     final = Path(out_dir) / name
@@ -222,13 +207,13 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
                     }
                 )
         os.replace(tmp, final)
-    # Sample facts are read back from the tar, so a shard kept from an interrupted run reports the same rows.
+    # Read back from the tar, so a shard kept from an interrupted run reports the same rows.
     metas = {}
     with tarfile.open(final, "r:") as tar:
         for member in tar:
             if member.name.endswith(".json"):
                 member_file = tar.extractfile(member)
-                assert member_file is not None  # the members this writer wrote are regular files
+                assert member_file is not None  # this writer writes regular files only
                 metas[member.name[: -len(".json")]] = json.loads(member_file.read())
     for key, cand in entries:
         meta = metas[key]
@@ -249,7 +234,7 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
         )
     digest = hashlib.sha256()
     with open(final, "rb") as f:
-        while chunk := f.read(1 << 22):  # streamed: a 3000-image shard is ~300 MB
+        while chunk := f.read(1 << 22):  # streamed: shards are hundreds of MB
             digest.update(chunk)
     return dict(url=name, samples=len(entries), bytes=final.stat().st_size, sha256=digest.hexdigest()), rows
 
@@ -281,8 +266,7 @@ def dedup_candidates(
 ) -> list[Candidate]:
     """Drop excluded images and exact duplicates, flag near duplicates; counts go to ``report``.
 
-    Runs in the sources' canonical order, so which copy survives never depends on scheduling. The near-duplicate
-    checks are batch lookups in a multi-index hash (data_pipeline/write/dedup.py), not one Python lookup per image.
+    In the sources' canonical order, so which copy survives never depends on scheduling.
     """
     if exclude is not None:
         excluded = exclude.matches_many([c.sha256 for c in candidates], [c.phash for c in candidates])
@@ -316,9 +300,9 @@ def write_dataset(
     exclude: ExclusionSet | None = None,
     extra_meta: dict | None = None,
 ) -> WriteReport:
-    """Write a split folder from a raw ``source`` or from in-memory ``items`` of (bytes, label, source id).
+    """Write a split folder from a raw ``source`` or in-memory ``items`` of (bytes, label, source id).
 
-    Returns the report; raises ValueError when nothing valid remains or the folder holds a different dataset.
+    ValueError when nothing valid remains or the folder holds shards written with other settings.
     """
     config.validate()
     if (source is None) == (items is None):
@@ -333,7 +317,7 @@ def write_dataset(
     survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
-    light = replace(source, units=()) if source is not None else None  # what the write pass needs to re-read
+    light = replace(source, units=()) if source is not None else None  # enough to re-read
     shard_rows, report.written = _write_shards(out, survivors, names, light, config)
     manifest.write_metadata(
         out,
@@ -349,7 +333,7 @@ def write_dataset(
             **(extra_meta or {}),
         ),
     )
-    for stale in out.glob(manifest.SHARD_GLOB + ".tmp"):  # shards an interrupted run left half written
+    for stale in out.glob(manifest.SHARD_GLOB + ".tmp"):  # left by an interrupted run
         stale.unlink()
     report.shards, report.bytes = len(shard_rows), sum(r["bytes"] for r in shard_rows)
     report.seconds = time.perf_counter() - start
@@ -357,10 +341,9 @@ def write_dataset(
 
 
 def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None:
-    """Record the write's settings in ``out``; refuse a folder that holds shards written with other settings (a
-    re-run with the same ones keeps the finished shards)."""
+    """Record the write's settings in ``out``; ValueError when it holds shards written with other settings."""
     units: list[str] | None = None
-    if isinstance(source, TfdsSource):  # records of files: the same files with other records are another dataset
+    if isinstance(source, TfdsSource):  # the same files with other records are another dataset
         units = [*unit_ids(source), source.task, source.label_column]
     elif source is not None:
         units = [u.path for u in source.units]
@@ -374,7 +357,7 @@ def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None
 def _scan_jobs(
     config: WriteConfig, source: Source | None, items: list[tuple[bytes, int, str]], names: list[str]
 ) -> list[_ScanJob]:
-    """The scan pass's jobs: one per unit of ``source``, else chunks of 256 ``items`` (their labels checked)."""
+    """One scan job per unit of ``source``, else per 256 ``items`` (their labels checked)."""
     if source is not None:
         light = replace(source, units=())
         return [_ScanJob(config, unit=u, source=light) for u in source.units]
@@ -385,8 +368,7 @@ def _scan_jobs(
 
 
 def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Candidate]:
-    """Pass 1: every image of every job read, decoded and hashed, in the jobs' order; what was skipped and why goes
-    to ``report``."""
+    """Pass 1: the valid images of all jobs, in the jobs' order; skip counts go to ``report``."""
     candidates: list[Candidate] = []
     skipped: Counter = Counter()
     for kept, stats in _imap(_scan_unit, jobs, processes, "scan"):
@@ -400,17 +382,17 @@ def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Can
 def _write_shards(
     out: Path, survivors: list[Candidate], names: list[str], source: Source | None, config: WriteConfig
 ) -> tuple[list[dict], int]:
-    """Pass 2: ``survivors`` in one seeded permutation, ``samples_per_shard`` to a shard, and their samples table;
-    (the shards' manifest rows, the samples written)."""
+    """Pass 2: ``survivors`` in one seeded permutation, ``samples_per_shard`` to a shard, and samples.parquet;
+    (the manifest rows, the samples written)."""
     order = np.random.default_rng(config.seed).permutation(len(survivors))
-    keyed = [(f"{i:09d}", survivors[j]) for i, j in enumerate(order)]  # keys: digits only, never a dot
+    keyed = [(f"{i:09d}", survivors[j]) for i, j in enumerate(order)]  # digits only: WebDataset splits keys at dots
     per = config.samples_per_shard
     shard_jobs = [
         (str(out), s, keyed[s * per : (s + 1) * per], names, source, config.max_short_side)
         for s in range((len(keyed) + per - 1) // per)
     ]
     shard_rows = []
-    with manifest.SamplesWriter(out / manifest.SAMPLES_FILE) as samples:  # streamed: 14M rows never in memory
+    with manifest.SamplesWriter(out / manifest.SAMPLES_FILE) as samples:
         for shard_row, rows in _imap(_write_shard, shard_jobs, config.processes, "write"):
             shard_rows.append(shard_row)
             samples.write_rows(rows)
