@@ -31,6 +31,7 @@ from data_pipeline.manifest import (
     read_dataset_info,
     rewrite_reader_indexes,
 )
+from data_pipeline.paths import is_remote, resolve_path
 from data_pipeline.stream.shards import read_shard
 
 
@@ -139,10 +140,10 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
 
 def _write_index(shard_dir: str) -> None:
     """``--write-index`` for a local folder; ShardFormatError otherwise."""
-    if "://" in shard_dir:
+    if is_remote(shard_dir):
         raise ShardFormatError(f"--write-index writes local folders only; {shard_dir} is a URL")
     try:
-        rewrite_reader_indexes(shard_dir)
+        rewrite_reader_indexes(resolve_path(shard_dir))
     except OSError as error:
         raise ShardFormatError(f"--write-index: cannot write into {shard_dir} ({error})") from None
 

@@ -59,9 +59,10 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
     if path is None:
         return list(ids)
     lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    known = set(ids)
     if all("\t" in line for line in lines):
         pairs = [line.split("\t", 1) for line in lines]
-    elif ids and all(line.split(None, 1)[0] in set(ids) for line in lines):
+    elif ids and all(line.split(None, 1)[0] in known for line in lines):
         pairs = [line.split(None, 1) + [""] for line in lines]
     else:
         pairs = None

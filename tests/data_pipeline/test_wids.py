@@ -98,6 +98,10 @@ def test_validate_checks_the_indexes(folder, capsys):
     assert validate_cli.main([str(folder), "--write-index"]) == 0
     assert "note:" not in capsys.readouterr().out
     assert {n: (folder / n).read_bytes() for n in originals} == originals  # the writer's own bytes
+    (folder / WIDS_INDEX_FILE).unlink()  # a file:// URL is a local folder too
+    assert validate_cli.main([folder.as_uri(), "--write-index"]) == 0
+    assert (folder / WIDS_INDEX_FILE).read_bytes() == originals[WIDS_INDEX_FILE]
+    capsys.readouterr()
 
     index = json.loads(originals[WIDS_INDEX_FILE])
     index["shardlist"][2]["nsamples"] = 4
