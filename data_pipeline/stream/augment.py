@@ -1,21 +1,10 @@
-"""Decode + augmentation of one image in PIL/numpy, and batch-level mixup.
+"""Decode and augmentation of one image, packing into uint8 planes, float conversion, and batch mixup.
 
-Training: Inception crop (random area fraction and aspect ratio, as in torchvision's RandomResizedCrop and
-big_vision's ``inception_crop``), horizontal flip, optional RandAugment(n, m). Evaluation: square resize then
-centre crop (big_vision's ``resize(256)|central_crop(224)``), fused into one ``Image.resize(box=...)``. The training
-crop's whole pixels are resized by PyTorch's antialiased bilinear uint8 kernel (`crop_resize`): PIL's BILINEAR
-filter within one grey level, at 3-4x the speed of PIL's scalar resampler. Both decode after a JPEG ``draft`` that
-lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop is at least twice the output
-(``AugmentConfig.scaled_decode``, on by default; in practice it never applies to local_demo's 64 px images at
-32 px). At 224 px from ImageNet-sized JPEGs (short side <= 512) few crops qualify, so two other savings do the
-work (`decoded_pixels`): libjpeg stops after the last row the resize reads (the frame height in the JPEG header is
-rewritten; the rows above the crop must still be entropy-decoded, a sequential JPEG being one Huffman stream), and
-undrafted RGB/grayscale JPEGs decode through simplejpeg's libjpeg-turbo, faster than PIL's decoder here. The
-decoded pixels are bit-identical to PIL decoding the whole image (tested), so neither is a setting. See
-docs/reference.md, "Decode cost".
-
-All randomness comes from the ``numpy.random.Generator`` passed in, so the caller decides what it is seeded by
-(the stream seeds it per sample from (seed, epoch, shard, member, repeat) to make resume exact).
+Training (`decode_train_image`): Inception crop, flip, optional RandAugment; the crop, in whole pixels, is resized
+by PyTorch's antialiased bilinear kernel (`crop_resize`). Evaluation (`decode_eval_image`): square resize then
+centre crop, fused into one PIL ``Image.resize(box=...)``. Both may decode a JPEG at a reduced DCT scale
+(``AugmentConfig.scaled_decode``), and decode only the rows the resize reads (`decoded_pixels`, bit-identical to a
+full decode). Why: docs/reference.md §6. All randomness comes from the ``numpy.random.Generator`` passed in.
 """
 
 from __future__ import annotations
@@ -31,11 +20,11 @@ import simplejpeg
 import torch
 from PIL import Image, ImageEnhance, ImageOps
 
-# What decoding a damaged or hostile image raises: the streams skip that sample and count it as corrupt.
+# What decoding a damaged or hostile image raises; the streams count that sample as corrupt and skip it.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 _BILINEAR = Image.Resampling.BILINEAR  # PIL's filter for the evaluation resize and RandAugment's geometric ops
-# A training image until `channels_first` packs it: the resized uint8 array (S, S, C) (C = 1 grey, 3 RGB, or 4 RGB +
-# padding, the fourth channel unread), maybe a flipped view of it; an RGB PIL image after RandAugment.
+# A training image until `channels_first` packs it: uint8 (S, S, C), C = 1 grey, 3 RGB or 4 RGB + unread padding
+# (maybe a flipped view), or an RGB PIL image after RandAugment.
 TrainImage = np.ndarray | Image.Image
 
 
@@ -49,8 +38,7 @@ class AugmentConfig:
     flip: bool = True  # horizontal flip with probability 1/2
     randaugment_n: int = 0  # number of RandAugment ops per image; 0 disables it
     randaugment_m: int = 0  # RandAugment magnitude, 0-30 (10 is the usual "full" strength)
-    # Decode a JPEG at 1/2, 1/4 or 1/8 scale (libjpeg's DCT-domain downscaling) when the crop stays >= the output
-    # size: less decode work, slightly different pixels than decoding at full size and resizing.
+    # Decode a JPEG at 1/2, 1/4 or 1/8 DCT scale when the crop stays >= the output size (slightly different pixels).
     scaled_decode: bool = True
 
     def validate(self) -> None:
@@ -93,15 +81,12 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
 
 
 def drafts(image_format: str | None, box: tuple, size: int) -> bool:
-    """Whether `drafted` decodes an image of ``image_format`` (PIL's name) at a reduced DCT scale for ``box``: a JPEG
-    whose crop is at least twice ``size`` on its short side."""
+    """Whether `drafted` reduces the DCT scale: a JPEG whose crop's short side is >= 2 x ``size``."""
     return image_format == "JPEG" and min(box[2] - box[0], box[3] - box[1]) >= 2 * size
 
 
 def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
-    """Let a JPEG decode at the smallest DCT scale (1/2, 1/4, 1/8) that still gives the crop >= ``size`` pixels on
-    its short side; returns the image (not yet decoded) and the box rescaled to the decoded size. Other formats and
-    crops under 2 x ``size`` (where no scale qualifies) come back unchanged."""
+    """Draft a JPEG to the smallest DCT scale that leaves the crop >= ``size``; returns (image, box rescaled)."""
     width, height = img.size
     crop_short = min(box[2] - box[0], box[3] - box[1])
     if drafts(img.format, box, size):
@@ -132,10 +117,8 @@ def _segments(data: bytes):
 
 
 def jpeg_height_offset(data: bytes) -> int | None:
-    """Byte offset of the 2-byte big-endian frame height in a sequential Huffman JPEG (SOF0 baseline or SOF1
-    extended): the only kind whose scan data runs top to bottom once, so that a smaller height stops the decode after
-    that many rows. None for progressive, lossless or arithmetic-coded frames, a height left to a DNL marker (0), and
-    anything that does not parse as JPEG markers."""
+    """Byte offset of the 2-byte big-endian frame height of a sequential Huffman JPEG (SOF0/SOF1), whose scan runs
+    top to bottom once, so a smaller height stops the decode there. None for anything else or a DNL height (0)."""
     for marker, i in _segments(data):
         if marker in (0xC0, 0xC1):
             return i + 5 if i + 7 <= len(data) and data[i + 5 : i + 7] != b"\0\0" else None
@@ -145,11 +128,10 @@ def jpeg_height_offset(data: bytes) -> int | None:
 
 
 def jpeg_truncated(data: bytes) -> bool:
-    """Whether a JPEG ends before its end-of-image marker (FF D9). Inside entropy-coded data an FF byte is always
-    followed by 00 or a restart marker, so an FF D9 after the first scan header can only be the end. PIL reports such
-    a file as truncated when it decodes all of it; a decoder told to stop early would not notice."""
+    """Whether a JPEG ends before its end-of-image marker (FF D9), which a decoder told to stop early would miss.
+    In scan data FF is followed only by 00 or a restart marker, so an FF D9 after the first scan header is the end."""
     scan = next((i for marker, i in _segments(data) if marker == 0xDA), None)
-    return scan is not None and data.rfind(b"\xff\xd9") < scan  # rfind: the end is near the end (find: 70 µs)
+    return scan is not None and data.rfind(b"\xff\xd9") < scan  # rfind: the marker is near the end
 
 
 def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]) -> Image.Image:
@@ -168,18 +150,14 @@ def pixels_image(pixels: np.ndarray) -> Image.Image:
 def decoded_pixels(
     img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]
 ) -> np.ndarray | Image.Image:
-    """``img`` (opened lazily from ``data``, whose frame is ``full_size``, maybe drafted) decoded down to the last
-    row that resizing ``box`` (in its pixels) to ``size`` x ``size`` reads, and no further: the JPEG's frame height
-    is rewritten so that libjpeg stops there. Those rows come out bit-identical to a full decode. Undrafted RGB and
-    grayscale JPEGs decode through simplejpeg (libjpeg-turbo with PIL's settings, ~1.2x faster than PIL's decoder
-    here, the same pixels: tested) into a uint8 array, (H, W, 4) RGB + padding or (H, W, 1) grayscale; the rest
-    through PIL, a loaded image. Anything but a sequential JPEG is decoded whole, as is a crop that reaches the
-    bottom. The rows kept cover PIL's resize of the box (which reads beyond it by the filter's support), so they
-    also cover `crop_resize`, which reads the box's whole pixels only."""
+    """``img`` (opened lazily from ``data``, frame ``full_size``, maybe drafted) decoded, bit-identical to a full
+    decode, down to the last row that resizing ``box`` to ``size`` reads: the frame height is rewritten so that
+    libjpeg stops there. Undrafted RGB/grey JPEGs come from simplejpeg as uint8 (H, W, 4) RGB + padding or
+    (H, W, 1); the rest from PIL, as a loaded image."""
     if img.format != "JPEG":
         img.load()
         return img
-    if jpeg_truncated(data):  # worded as PIL's own error; the stream counts it as a corrupt sample, as before
+    if jpeg_truncated(data):  # worded as PIL's own error
         raise OSError("image file is truncated: no end-of-image marker after the scan data")
     width, height = img.size
     full_width, full_height = full_size
@@ -187,14 +165,11 @@ def decoded_pixels(
     scale = next((s for s in (1, 2, 4, 8) if -(-full_width // s) == width), None)  # the draft's DCT scale
     rows = full_height
     if offset is not None and scale is not None:
-        # PIL's bilinear resize reads up to (bottom + support + 0.5) with support = max(box height / size, 1) decoded
-        # rows; the decoder's last rows differ from a full decode (its chroma upsampling has no row below them), so
-        # keep one 16-pixel iMCU row more than that.
+        # The resize reads to bottom + support + 0.5, support = max(box height / size, 1); the last decoded rows
+        # differ from a full decode (chroma upsampling), so keep one iMCU row (16 px) more.
         last = box[3] + max((box[3] - box[1]) / size, 1.0) + 1
         if height - size > 2 * (width - size) and height > size:
-            # Pillow 13 resizes such a tall image vertical pass first (Resample.c: "if height is being scaled down
-            # more than twice the amount the width is"), and the other order rounds differently: keep enough rows
-            # that the cut image is still resized in that order.
+            # Pillow resizes such a tall image vertical pass first (the other order rounds differently): keep it so.
             last = max(last, size + 2 * (width - size) + 1)
         rows = min(math.ceil(last * scale) + 16, full_height)
     if offset is not None and rows < full_height:  # rows < full_height only where the header gave the offset
@@ -213,17 +188,14 @@ def decoded_pixels(
 
 
 def rgbx_image(pixels: np.ndarray) -> Image.Image:
-    """An RGB image over a C-contiguous uint8 array (H, W, 4) of RGB + padding, without a copy: PIL keeps an RGB
-    pixel in 4 bytes, and its Arrow import takes that layout as it is. ``Image.fromarray`` of an (H, W, 3) array
-    instead fills a new image and unpacks into it (~100 us per ImageNet-sized JPEG here, against ~35 us)."""
+    """An RGB image over a C-contiguous uint8 (H, W, 4) RGB + padding array, without a copy (PIL's own layout)."""
     height, width, _ = pixels.shape
     values = pa.Array.from_buffers(pa.uint8(), pixels.size, [None, pa.py_buffer(pixels)])
     return Image.fromarrow(pa.FixedSizeListArray.from_arrays(values, 4), "RGB", (width, height))
 
 
 def pixel_box(box: tuple, width: int, height: int) -> tuple[int, int, int, int]:
-    """``box`` (left, top, right, bottom), fractional, rounded to whole pixels inside a ``width`` x ``height`` image,
-    at least one pixel wide and high."""
+    """Fractional ``box`` rounded to whole pixels inside the image, at least one pixel wide and high."""
     left = min(max(round(box[0]), 0), width - 1)
     top = min(max(round(box[1]), 0), height - 1)
     right = min(max(round(box[2]), left + 1), width)
@@ -232,27 +204,20 @@ def pixel_box(box: tuple, width: int, height: int) -> tuple[int, int, int, int]:
 
 
 def pixel_array(pixels: np.ndarray | Image.Image) -> np.ndarray:
-    """`decoded_pixels`' output as the uint8 (H, W, C) array `crop_resize` reads: an array as it is (C = 1 added to a
-    2-D one), a PIL image as RGB or L pixels (a writable copy)."""
+    """`decoded_pixels`' output as uint8 (H, W, C): an array as is (2-D gets C = 1), a PIL image as RGB or L."""
     if isinstance(pixels, Image.Image):
         pixels = np.array(pixels.convert("RGB") if pixels.mode not in ("RGB", "L") else pixels)
     return pixels[:, :, None] if pixels.ndim == 2 else pixels
 
 
 def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.ndarray:
-    """The whole pixels of ``box`` (`pixel_box`) resized to ``size`` x ``size`` with PyTorch's antialiased bilinear
-    uint8 kernel: PIL's BILINEAR filter (the same triangle widened by the scale when shrinking; within 1 of PIL
-    resizing the same crop, tested) at 3-4x its speed here, since PIL's resampler is scalar code (docs/reference.md,
-    "Decode cost"). It reads the crop alone: no pixel outside it, as torchvision's and big_vision's crops do.
-
-    ``pixels`` is uint8 (H, W, C), C = 1, 3 or 4 (`decoded_pixels`), or a PIL image (RGB or L). Returns uint8
-    (size, size, C), C-contiguous. Runs on torch's intra-op threads (one in a loader worker).
-    """
+    """The whole pixels of ``box`` (`pixel_box`) resized to C-contiguous uint8 (size, size, C) by PyTorch's
+    antialiased bilinear kernel: PIL's BILINEAR filter within 1 (tested), reading no pixel outside the crop.
+    ``pixels``: uint8 (H, W, C), C = 1, 3 or 4, or an RGB/L PIL image. Runs on torch's intra-op threads."""
     pixels = pixel_array(pixels)
     left, top, right, bottom = pixel_box(box, pixels.shape[1], pixels.shape[0])
     crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]  # (1, C, h, w), a view
-    # The kernel's fast path wants the crop contiguous (channels-last); given a strided view it is slower than the
-    # copy, and its output comes out channels-first, which the transposing copy back costs ~200 us more (measured).
+    # The kernel's fast path wants a contiguous channels-last crop; its output then stays channels-last.
     crop = crop.contiguous(memory_format=torch.channels_last)
     out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)
     return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())  # channels-last out: a view, no copy
@@ -283,10 +248,8 @@ def train_box(width: int, height: int, cfg: AugmentConfig | None, rng: np.random
 def augmented(
     pixels: np.ndarray | Image.Image, box: tuple, size: int, cfg: AugmentConfig | None, rng: np.random.Generator
 ) -> TrainImage:
-    """Decoded pixels (`decoded_pixels`) -> the training image: ``box`` resized to ``size`` (`crop_resize`), then the
-    flip and RandAugment ``cfg`` asks for, drawn from ``rng`` after the crop's draws. Without RandAugment the image
-    stays the resized uint8 array (the flip a reversed view of it): no PIL image is made, which at 32 px was a third
-    of the loader's time per image (docs/performance.md, "No PIL image on the way")."""
+    """Decoded pixels -> the training image: ``box`` resized to ``size``, then the flip and RandAugment drawn from
+    ``rng``. Without RandAugment no PIL image is made (docs/performance.md, "No PIL image on the way")."""
     resized = crop_resize(pixels, box, size)
     flip = cfg is not None and cfg.flip and rng.random() < 0.5
     if cfg is None or cfg.randaugment_n == 0:
@@ -298,10 +261,8 @@ def augmented(
 
 
 def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
-    """Encoded image -> (all its pixels as `crop_resize` reads them, uint8 (H, W, C); PIL's name of its format):
-    `decoded_pixels` over the whole frame, at full scale. A crop of them resized is bit-identical to what
-    `decode_train_image` makes of the same crop, unless `drafts` says that one decodes at a reduced scale. Raises
-    one of ``DECODE_ERRORS`` where `decode_train_image` would on any crop."""
+    """Encoded image -> (all its pixels, uint8 (H, W, C); PIL's format name). Raises one of ``DECODE_ERRORS``
+    where `decode_train_image` would on any crop."""
     img: Image.Image = Image.open(io.BytesIO(data))
     width, height = img.size
     image_format = img.format
@@ -316,9 +277,8 @@ def decoded_train_image(
     cfg: AugmentConfig | None,
     rng: np.random.Generator,
 ) -> TrainImage:
-    """`decode_train_image` of an image already decoded whole (`decode_whole`): the same crop, flip and RandAugment
-    from the same ``rng``, and bit-identical pixels. A crop that `decode_train_image` decodes at a reduced DCT scale
-    (`drafts`) is decoded from ``data``, its encoded bytes, as there (they must then be given)."""
+    """`decode_train_image` of an image decoded whole (`decode_whole`): the same draws, bit-identical pixels. A crop
+    that decodes at a reduced DCT scale (`drafts`) is decoded from ``data``, which must then be given."""
     height, width = pixels.shape[:2]
     may_draft = (cfg is None or cfg.scaled_decode) and drafts(image_format, (0, 0, width, height), size)
     state = rng.bit_generator.state if may_draft else None  # the crop's draws, replayed by the decode from bytes
@@ -333,9 +293,8 @@ def decoded_train_image(
 
 
 def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True) -> np.ndarray:
-    """Square resize to ``resize_size`` then centre crop ``size`` (fused); ``None`` resizes straight to ``size``.
-    ``scaled_decode`` as in :class:`AugmentConfig` (on: the evals' features have always been computed this way).
-    Returns uint8 (size, size, 3)."""
+    """Square resize to ``resize_size`` (None: ``size``) then centre crop ``size``, fused; uint8 (size, size, 3).
+    ``scaled_decode`` as in `AugmentConfig`."""
     return np.asarray(decode_eval_image(data, size, resize_size, scaled_decode))
 
 
@@ -373,14 +332,8 @@ def rgb_array(image: TrainImage) -> np.ndarray:
 
 
 def channels_first(images: Sequence[TrainImage], out: np.ndarray) -> np.ndarray:
-    """Images of one size (S, S) (`TrainImage`) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns
-    those rows. The loader's workers write their batches this way, into shared memory or a fresh array.
-
-    An array is copied transposed, in one numpy pass (~1.5 us at 32 px, 20 us at 224; a grey plane broadcast to all
-    three, as PIL's conversion to RGB repeats it). A PIL image (RandAugment's output, the evaluation resize) has each
-    plane straight from PIL's raw packer (``tobytes("raw", band)``), one pass per band: ~34 us per 224 px image,
-    against ~80 us for ``np.asarray`` (a packed copy) and then a transposing copy.
-    """
+    """Images (S, S) (`TrainImage`) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns those rows.
+    A grey plane is repeated thrice, as PIL's RGB conversion does."""
     for row, img in zip(out, images):
         if isinstance(img, np.ndarray):
             row[...] = img[:, :, :3].transpose(2, 0, 1)  # (C, S, S), C = 1 broadcast
@@ -390,7 +343,7 @@ def channels_first(images: Sequence[TrainImage], out: np.ndarray) -> np.ndarray:
     return out[: len(images)]
 
 
-# -------------------------------------------------------------------------------------------------- RandAugment
+# ---- RandAugment
 
 
 def _level(m: int, high: float) -> float:
@@ -431,16 +384,14 @@ def randaugment(img: Image.Image, n: int, m: int, rng: np.random.Generator) -> I
     return img
 
 
-# -------------------------------------------------------------------------------------------------------- batch
+# ---- batch
 
 
 def to_float_images(batch: np.ndarray | list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 images -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect.
 
-    ``batch`` is one (B, S, S, 3) array, or channels-first uint8 tensors (b_i, 3, S, S) laid end to end
-    (B = sum b_i): each is converted straight into its rows of the result, so pieces from several loader workers
-    cost no concatenation (and contiguous pieces convert ~2.5x faster than a channels-last array). ``out``, when
-    given, is the float tensor (B, 3, S, S) to write; every element is overwritten.
+    ``batch``: one (B, S, S, 3) array, or uint8 tensors (b_i, 3, S, S), B = sum b_i, each converted straight into
+    its rows. ``out``: a contiguous float32 (B, 3, S, S) to overwrite.
     """
     if isinstance(batch, np.ndarray):
         batch = [torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)]  # (B, 3, S, S) view of uint8
@@ -450,16 +401,15 @@ def to_float_images(batch: np.ndarray | list[torch.Tensor], out: torch.Tensor | 
     elif out.shape != (rows, *batch[0].shape[1:]) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor {(rows, *batch[0].shape[1:])}; got {out.shape}")
     start = 0
-    for piece in batch:  # one converting copy into the contiguous layout: ~1.6x faster than .float().contiguous()
+    for piece in batch:  # one converting copy, cheaper than .float().contiguous()
         out[start : start + len(piece)].copy_(piece)
         start += len(piece)
     return out.mul_(1 / 127.5).sub_(1.0)
 
 
 def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
-    """Batch-level mixup: one lambda ~ Beta(alpha, alpha) per batch, lambda = max(lambda, 1 - lambda), each image
-    mixed with its neighbour (the batch rolled by one). ``targets`` are float (B, K); returns (images, targets, lam).
-    """
+    """Mixup, one lambda ~ Beta(alpha, alpha) per batch, of each image with its neighbour (the batch rolled by one).
+    ``targets``: float (B, K). Returns (images, targets, lam)."""
     lam = float(rng.beta(alpha, alpha))
     lam = max(lam, 1.0 - lam)  # the original image always dominates, so its label stays the argmax
     images = lam * images + (1.0 - lam) * images.roll(1, dims=0)  # (B, 3, S, S)

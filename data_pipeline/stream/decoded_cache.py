@@ -1,18 +1,10 @@
-"""A small training set held decoded in memory (``data.cache_mb``): later reads skip the tar and the JPEG decode.
+"""The decoded cache (``data.cache_mb``): a training set that fits, held decoded in memory (all or nothing).
 
-A rank's `TrainStream` builds a `DecodedCache` once, before its first batch, when the whole training set fits in
-``data.cache_mb`` (`planned_bytes`, from ``samples.parquet``'s image sizes); otherwise there is none and a line
-says why. It reads every shard once (`data_pipeline.stream.shards.read_shard`) and keeps each sample as the reader
-yielded it, its image decoded whole (`data_pipeline.stream.augment.decode_whole`: before any augmentation). The stream's
-buffer draws then read a shard from here (`DecodedCache.read`, with `read_shard`'s signature) and augment each image
-from its pixels (`data_pipeline.stream.augment.decoded_train_image`), seeded by its position exactly as before: the
-batches, and so the losses, are bit-identical with and without the cache (tests/data_pipeline/test_cache.py). What the
-cache cannot reproduce byte for byte it leaves to the original path: a shard whose read counted any damage is not cached
-(read from storage every time, as before), an image that does not decode whole keeps its bytes (decoded per crop, as
-before), and so does one whose crops may decode at a reduced DCT scale (`data_pipeline.stream.augment.drafts`).
-
-The pixels of all samples sit in one uint8 tensor, in shared memory when the stream has loader workers: a worker
-unpickles a handle to it, not a copy (docs/performance.md, "Decoded cache").
+`DecodedCache.build` reads every shard once, decoding each image whole (`decode_whole`); `DecodedCache.read` then
+stands in for `read_shard`. The batches are bit-identical with and without it: a shard read with damage is not
+cached, and an image that does not decode whole, or whose crops may decode at a reduced DCT scale (`drafts`), keeps
+its bytes. The pixels sit in one uint8 tensor, shared with loader workers by handle, not copied
+(docs/performance.md, "Data wait: predicted, and the decoded cache").
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ from data_pipeline.stream.step_pool import shm_free
 
 log = logging.getLogger(__name__)
 
-PIXEL_BYTES = 4  # RGBX: what libjpeg-turbo decodes an RGB JPEG into for the loader (`decoded_pixels`)
+PIXEL_BYTES = 4  # RGBX, as `decoded_pixels` decodes an RGB JPEG
 DECODED_KEY = "__decoded__"  # the sample's `Decoded` in what `DecodedCache.read` yields
 
 
@@ -47,8 +39,8 @@ class Decoded:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One sample of a cached shard: what `read_shard` yielded except the JPEG bytes, which are kept (``jpg``) only
-    where a crop may need them; its pixels at ``offset`` of the cache's tensor, ``shape`` (H, W, C), or none."""
+    """One cached sample: `read_shard`'s fields, the JPEG bytes only where a crop may need them, and its pixels at
+    ``offset`` of the cache's tensor with ``shape`` (H, W, C), or none."""
 
     fields: dict  # __key__, __url__, cls (bytes), any other member read_shard yielded
     jpg: bytes | None
@@ -58,11 +50,8 @@ class _Entry:
 
 
 def planned_bytes(info: DatasetInfo, image_size: int, stop_above: float | None = None) -> int | None:
-    """Host bytes a cache of ``info`` would hold at ``image_size``: every image's RGBX pixels (``samples.parquet``'s
-    widths and heights) and, for images whose crops may decode at a reduced scale (short side >= 2 x image_size), the
-    encoded bytes (the manifest's mean per sample, tar headers included: an upper bound). None where
-    ``samples.parquet`` is not readable. Past ``stop_above`` bytes it stops reading and returns what it counted so
-    far: an ImageNet-sized table is not read to its end to learn that it does not fit."""
+    """Host bytes a cache of ``info`` would hold: RGBX pixels, plus the encoded bytes (an upper bound) where crops
+    may decode at a reduced scale. None where ``samples.parquet`` is unreadable; stops past ``stop_above``."""
     per_sample = sum(s.bytes for s in info.shards) / max(1, info.num_samples)
     total = 0
     try:
@@ -78,7 +67,7 @@ def planned_bytes(info: DatasetInfo, image_size: int, stop_above: float | None =
 
 
 class DecodedCache:
-    """The decoded samples of a training set's cleanly read shards (module docstring); `read` replaces `read_shard`."""
+    """The decoded samples of a training set's cleanly read shards; `read` replaces `read_shard`."""
 
     def __init__(self, shards: dict[str, list[_Entry]], pixels: torch.Tensor):
         self.shards, self.pixels = shards, pixels
@@ -120,9 +109,8 @@ class DecodedCache:
     def build(
         cls, info: DatasetInfo, image_size: int, limit_mb: float, shared: bool, reserve_bytes: int = 0
     ) -> tuple[DecodedCache | None, str]:
-        """(the cache of ``info`` for a stream at ``image_size``, or None; one line saying what was done and why).
-        None when ``limit_mb`` is 0, the set does not fit in it (all or nothing), its size is unknown, or
-        ``shared`` and /dev/shm cannot hold it beside ``reserve_bytes`` (the stream's step buffers)."""
+        """(the cache or None, a line saying why). None unless the set fits in ``limit_mb`` and, when ``shared``,
+        in /dev/shm beside ``reserve_bytes``."""
         if limit_mb <= 0:
             return None, "decoded cache off (data.cache_mb=0)"
         need = planned_bytes(info, image_size, stop_above=limit_mb * 2**20)
@@ -165,14 +153,14 @@ class DecodedCache:
                     try:
                         pixels, image_format = decode_whole(jpg)
                     except DECODE_ERRORS:
-                        pixels = None  # decoded from its bytes per crop, failing (and counted) as before
+                        pixels = None  # decoded per crop from its bytes, and counted there
                     if pixels is not None:
                         keep = drafts(image_format, (0, 0, pixels.shape[1], pixels.shape[0]), image_size)
                         entry = _Entry(fields, jpg if keep else None, offset, pixels.shape, image_format)
                         pieces.append(pixels.reshape(-1))
                         offset += pixels.size
                 entries.append(entry)
-            if stats:  # damage counted: read from storage every time, as without a cache
+            if stats:  # damage counted: read from storage every time
                 offset = start
                 continue
             shards[shard.url] = entries

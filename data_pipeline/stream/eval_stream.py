@@ -1,7 +1,6 @@
-"""The evaluation stream: every sample of a split exactly once across all ranks, in batches, no augmentation.
+"""The evaluation stream (`EvalStream`): every sample of a split exactly once across all ranks, no augmentation.
 
-Shards are dealt to ranks, then to loader workers, by the training order's ``balanced_split``, in manifest order;
-nothing is shuffled and nothing is seeded, so evaluation draws no random number.
+Shards are dealt to ranks, then loader workers, by ``balanced_split`` in manifest order; nothing is shuffled or seeded.
 """
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ class _EvalShards(IterableDataset):
             yield self._batch(images, labels, keys, stats)
 
     def _batch(self, images: list[Image.Image], labels: list[int], keys: list[str], stats: Counter) -> _EvalItem:
-        """(uint8 pixels (B, 3, S, S), labels, keys, counters): the float conversion is the consumer's, so a loader
-        worker hands over a quarter of the bytes (as in training)."""
+        """One `_EvalItem`; the consumer converts to float, so a worker hands over a quarter of the bytes."""
         pixels = torch.from_numpy(channels_first(images, out=planes(len(images), self.image_size)))
         out = (pixels, list(labels), list(keys), dict(stats))
         stats.clear()
@@ -75,11 +73,10 @@ class _EvalShards(IterableDataset):
 
 
 class EvalStream:
-    """Every sample of a split exactly once across all ranks, in batches (the last one partial), no augmentation.
+    """This rank's batches (float32 images, int64 labels[, keys with ``return_keys``]), the last one partial.
 
-    Shards are dealt to ranks and then workers by the same balanced split as training, in manifest order. Ranks may
-    get different batch counts (evaluation needs no lockstep). ``num_samples`` is this rank's share by the
-    manifest; ``stats`` counts what could not be read. With ``return_keys=True`` batches are (images, labels, keys).
+    Ranks may get different batch counts (evaluation needs no lockstep). ``num_samples``: this rank's share by the
+    manifest; ``stats``: what could not be read.
     """
 
     def __init__(

@@ -1,18 +1,10 @@
-"""The loader's images/s on one core: what the planner divides a step's images by to predict its data wait.
+"""The loader's images/s on one core (`loader_rate`), from which the planner predicts a step's data wait
+(docs/performance.md, "Data wait: predicted, and the decoded cache").
 
-`loader_rate` times the training stream itself (`data_pipeline.stream.train_stream.TrainStream`, no loader workers, one
-torch thread) on the run's own shards: tar reading, labels, per-sample seeding, decode, augmentation and the conversion
-into the step's float buffer, i.e. everything a loader worker does per image, or the training process with
-``data.num_workers=0``. It reads from a decoded cache (`data_pipeline.stream.decoded_cache`) when the run will have one.
-The clock is this process's CPU time (``time.process_time``), so the rate is per core and other jobs on the machine
-distort it less; the first step (the shuffle buffer's fill) is not timed, and the whole measurement is bounded
-(`MEASURE_SECONDS` of timed CPU, on a few shards). Where the training set is not readable here (a dry run before
-the local data is generated, remote storage), it times synthetic photo-like JPEGs written as shards by
-`data_pipeline.write.writer`, and says so.
-
-Measured once per CPU model, library versions, data, resolution, augmentation and cache use, and cached in
-``~/.cache/vitscale/loader_rate.json`` (or ``$VITSCALE_CACHE``): the cache folder of the GEMM peak
-(`pretrain.telemetry.peak`), in the same style, so every plan on the machine predicts with the same number.
+It times the training stream itself (no loader workers, one torch thread) on the run's shards, from a decoded
+cache when the run will have one, or on synthetic JPEGs where the set is not readable here. The clock is process
+CPU time, so the rate is per core; the first step (the shuffle buffer's fill) is not timed. Measured once per CPU,
+library versions, data, resolution, augmentation and cache use, and cached in ``cache_path()``.
 """
 
 from __future__ import annotations
@@ -69,14 +61,12 @@ def cpu_model() -> str:
 
 
 def cache_fits(info: DatasetInfo, image_size: int, cache_mb: float) -> bool:
-    """Whether a run with ``data.cache_mb`` = ``cache_mb`` holds ``info`` decoded (the stream's own all-or-nothing
-    rule, `data_pipeline.stream.decoded_cache.DecodedCache.build`)."""
+    """Whether a run with ``data.cache_mb`` = ``cache_mb`` holds ``info`` decoded (`DecodedCache.build`'s rule)."""
     return cache_bytes(info, image_size, cache_mb) > 0
 
 
 def cache_bytes(info: DatasetInfo, image_size: int, cache_mb: float) -> int:
-    """Host bytes of the decoded cache a rank of such a run holds: `planned_bytes`, or 0 where the set does not fit
-    in ``cache_mb`` MiB (or its size is unknown)."""
+    """Host bytes of a rank's decoded cache: `planned_bytes`, or 0 where the set does not fit (or is unsized)."""
     limit = cache_mb * 2**20
     need = planned_bytes(info, image_size, stop_above=limit) if cache_mb > 0 else None
     return need if need is not None and need <= limit else 0
@@ -89,10 +79,8 @@ def loader_rate(
     cache_mb: float = 0.0,
     synthetic_side: int | None = None,
 ) -> LoaderRate:
-    """Images/s one core decodes and augments for a run at ``image_size`` with ``augment`` that reads
-    ``location`` (a shard folder; None or unreadable: ``SYNTHETIC_IMAGES`` synthetic JPEGs of short side
-    ``synthetic_side``, default 1.15 x ``image_size``), from a decoded cache when ``cache_mb`` holds the set; measured
-    on first use and cached (module docstring)."""
+    """Images/s one core loads for a run reading ``location`` (None or unreadable: synthetic JPEGs of short side
+    ``synthetic_side``, default 1.15 x ``image_size``); measured on first use, then cached."""
     try:
         info = dataset_info(location) if location is not None else None
     except Exception:  # absent, remote without its filesystem, damaged: timed on synthetic shards instead
@@ -143,8 +131,7 @@ def _first_shards(info: DatasetInfo) -> DatasetInfo:
 
 
 def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | None, cached: bool) -> float:
-    """Images per CPU second of a one-stream, no-worker `TrainStream` over ``info`` with one torch thread, after its
-    first step, for at least ``MEASURE_SECONDS`` (epochs repeat as needed)."""
+    """Images per CPU second of a one-stream `TrainStream` over ``info``, after its first step."""
     batch = min(BATCH, max(1, info.num_samples // 2))
     spec = StreamSpec(
         info,
@@ -157,7 +144,7 @@ def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | No
     )
     threads, stream_log = torch.get_num_threads(), logging.getLogger("data_pipeline.stream.train_stream")
     torch.set_num_threads(1)  # per core, as in a loader worker
-    stream_log.disabled = True  # its line about the decoded cache is about a run's stream, not this measurement's
+    stream_log.disabled = True  # its decoded-cache line is about a run's stream
     try:
         batches = iter(TrainStream(spec))
         next(batches)
@@ -191,8 +178,7 @@ def _synthetic_shards(root: Path, side: int) -> Path:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """A per-machine cache file (this one, `pretrain.telemetry.peak`'s): processes that measure at once each replace the
-    whole file, so a reader never sees half of one."""
+    """Replace a per-machine cache file whole, so a reader never sees half of one (also `pretrain.telemetry.peak`'s)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, text)

@@ -1,14 +1,7 @@
-"""Reading one shard: webdataset's tar iteration over an fsspec stream, transient read errors retried, every failure
-counted.
-
-Stock webdataset either raises on the first damaged shard or, with ``warn_and_continue``, sleeps 0.5 s per error
-and silently drops the rest of a truncated tar. Here the handler counts and continues without sleeping, member
-names are checked before anything is read (a ``../x`` member is skipped and counted; nothing is ever extracted to
-disk — members are read into memory), and the number of samples read is compared with the manifest so a
-truncated shard shows up in the counters instead of quietly shortening the epoch. ``sample_label`` is the streams'
-check of what a sample read here holds, its failures counted the same way. A read that fails with an I/O error (a
-local EIO, a reset connection, a remote store's 5xx) is tried again with backoff before anything counts as damaged:
-at 64 GPUs over days, a flaky read is routine and must not end the run (docs/elastic.md#faults).
+"""Reading one shard (`read_shard`): webdataset's tar iteration over fsspec, into memory only, transient errors
+retried (docs/elastic.md#faults), every failure counted without sleeping, and the count checked against the
+manifest so a truncated shard cannot quietly shorten the epoch (docs/reference.md §6, "Errors"). `sample_label`
+checks what a sample holds.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ _last_warning = [0.0]
 # Transient read errors (`is_transient`): retried data.read_retries times, after RETRY_FIRST_S x RETRY_FACTOR^i.
 RETRY_FIRST_S, RETRY_FACTOR = 0.1, 4.0
 _retries = [3]  # this process's data.read_retries (`set_read_retries`)
-# Error classes of remote-store clients that mean "the connection broke mid-answer" (aiohttp, urllib3, requests,
-# botocore, http.client); a store's 5xx is recognised by its status instead.
+# Remote-store client errors meaning "the connection broke mid-answer"; a store's 5xx is recognised by its status.
 _TRANSIENT_NAMES = frozenset(
     (
         "ClientPayloadError",
@@ -54,8 +46,8 @@ def _warn(message: str) -> None:
 
 
 def set_read_retries(retries: int) -> None:
-    """Retries of a failed shard read in this process (``data.read_retries``): set by the stream that reads here, in
-    its own process or in each loader worker (which do not inherit the training process's module state)."""
+    """This process's retries of a failed shard read (``data.read_retries``). Each loader worker sets its own: it
+    does not inherit the training process's module state."""
     if retries < 0:
         raise ValueError(f"read retries must be >= 0, got {retries}")
     _retries[0] = retries
@@ -67,9 +59,8 @@ def retry_delay_s(attempt: int) -> float:
 
 
 def is_transient(error: BaseException) -> bool:
-    """A read error worth trying again: an I/O error (EIO, a reset or refused connection, a timeout: OSError and its
-    subclasses) or a remote store's answer that says "later" (HTTP 5xx, 408, 429, in the status of the error classes
-    aiohttp, requests and botocore raise), but not a file that is not there, or not ours to read."""
+    """Whether a read error is worth retrying: an OSError (EIO, a reset connection, a timeout) or a remote store's
+    "later" (HTTP 5xx, 408, 429, a broken connection), but not a missing file or a permission error."""
     if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
         return False
     if isinstance(error, OSError):
@@ -82,15 +73,12 @@ def is_transient(error: BaseException) -> bool:
 
 
 def read_shard(url: str, expected: int | None, stats: Counter, retries: int | None = None) -> Iterator[dict]:
-    """Yield samples (``__key__``, ``jpg``, ``cls`` bytes) of one tar shard at ``url`` (a path or fsspec URL).
+    """Yield samples (``__key__``, ``jpg``, ``cls`` bytes) of the tar shard at ``url`` (a path or fsspec URL).
 
-    A read that fails with a transient error (`is_transient`) is tried again, up to ``retries`` times (None: this
-    process's ``data.read_retries``, `set_read_retries`) after a growing pause (`retry_delay_s`), from the shard's
-    start, skipping the samples already yielded. Counters in ``stats``: ``read_retries`` (each retry),
-    ``read_failures`` (reads given up after the last retry: the shard then counts as damaged below), ``read_errors``
-    (tar-level errors), ``unsafe_members`` (members with unsafe names), ``missing_shards``, ``truncated_shards`` and
-    ``missing_samples`` (fewer samples than ``expected`` when the shard was read to its end). A consumer that stops
-    early is not counted as a truncation.
+    A transient failure is retried up to ``retries`` times (None: `set_read_retries`'s) from the shard's start,
+    skipping samples already yielded. ``stats`` counts ``read_retries``, ``read_failures`` (retries exhausted),
+    ``read_errors``, ``unsafe_members``, ``missing_shards``, and ``truncated_shards`` and ``missing_samples`` when
+    the shard ends short of ``expected``.
     """
     retries = _retries[0] if retries is None else retries
     count, failures = 0, 0
@@ -127,8 +115,7 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
 
 
 def _tar_samples(url: str, sink: list[Counter]) -> Iterator[dict]:
-    """One pass over the shard's samples. Tar-level damage and unsafe members are counted in ``sink[0]`` and
-    skipped; a transient error propagates (`read_shard` retries it)."""
+    """One pass over the shard; damage counted in ``sink[0]`` and skipped, a transient error raised."""
 
     def handler(exn: Exception) -> bool:
         if is_transient(exn):

@@ -1,8 +1,6 @@
-"""The training stream's step buffers: float images that loader workers write straight into, in shared memory.
-
-A rank's `StepPool` holds ``step_slots`` buffers of one step's share of the global batch (G/R, 3, S, S) float32;
-``step_pool_bytes`` and ``decoded_bytes`` are what the planner (cluster.plan.planner) budgets for them, and
-``check_shared_memory`` refuses a pool that ``/dev/shm`` cannot hold. docs/elastic.md, "Assembly", has the why.
+"""The training stream's step buffers (`StepPool`): float images that loader workers write straight into, in shared
+memory (docs/elastic.md, "Assembly"). ``step_pool_bytes`` and ``decoded_bytes`` are what the planner budgets for
+them; ``check_shared_memory`` refuses a pool that ``/dev/shm`` cannot hold.
 """
 
 from __future__ import annotations
@@ -19,18 +17,15 @@ CONVERSION_BYTES = 512 * 1024  # float rows converted at once: they and their ui
 
 
 def step_slots(num_workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
-    """Float step buffers in a rank's ``StepPool``. With loader workers: the ``prefetch_factor`` steps the workers
-    may be writing ahead, the step being handed over, the step before it (the consumer's loop variable still holds
-    its last micro-batch while it asks for the next) and one spare for a consumer that keeps a step a little
-    longer. Without: the last three of those."""
+    """Buffers in a rank's `StepPool`: ``prefetch_factor`` steps written ahead (with workers), the step handed over,
+    the one before (the consumer still holds its last micro-batch while it asks for the next) and a spare."""
     return prefetch_factor + 3 if num_workers > 0 else 3
 
 
 def step_pool_bytes(
     images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR
 ) -> int:
-    """Bytes of a rank's ``StepPool``, in shared memory with loader workers; ``images_per_step`` is the rank's share
-    of a global batch, G / R."""
+    """Bytes of a rank's `StepPool` (shared memory with loader workers); ``images_per_step`` = G / R."""
     return step_slots(num_workers, prefetch_factor) * images_per_step * 3 * image_size**2 * 4
 
 
@@ -49,8 +44,8 @@ def decoded_bytes(
 
 
 def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
-    """Refuse a step pool that ``where`` cannot hold (``free`` bytes; None: unknown), naming the fixes. Past a full
-    ``/dev/shm`` a loader worker dies of SIGBUS mid-write instead of raising, and Docker gives containers 64 MB."""
+    """Refuse a step pool that ``where`` cannot hold (``free`` bytes; None: unknown), naming the fixes: past a full
+    ``/dev/shm`` a worker dies of SIGBUS mid-write instead of raising, and Docker gives containers 64 MB."""
     if free is not None and needed > free:
         raise ValueError(
             f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
@@ -75,22 +70,11 @@ def _storage_uses(t: torch.Tensor) -> int | None:
 
 
 class StepPool:
-    """A rank's float step buffers, which the loader's workers write straight into.
+    """A rank's float step buffers, each one step's share of the global batch, (A m, 3, S, S) in [-1, 1].
 
-    Each buffer holds one step's share of the global batch (A m, 3, S, S) in [-1, 1]; micro-batches are views of it.
-    Before the loader can ask for step s, the training process grants s a buffer (``grant``), one that no step in
-    flight owns and no view of which is alive: its storage's use count is back to what it was when it was made, so
-    no micro-batch from it, no view of one and no autograd graph saving one is held. Each worker (or the training
-    process itself, without workers) decodes its streams' chunks, packs each image into uint8 planes and converts
-    them into its row of that buffer (``write``), then sends only the buffer number. So the training process
-    converts nothing: on a 2-core machine its conversion of every step had taken the CPU that a second loader
-    worker needs (docs/elastic.md, "Assembly"). When no buffer is free (a consumer keeping many steps), the grant
-    is -1 and the workers hand over uint8 pixels, which the training process converts into a tensor of the step's
-    own.
-
-    ``grants[step mod len]`` is (step, buffer) and ``stamps[buffer, worker]`` the step that worker's rows hold (-1
-    while it writes), both in shared memory; ``take`` checks every stamp, so a mix-up would be an error, never
-    silent.
+    `grant` gives a step a buffer that no step in flight owns and no view of which is alive (its storage's use count
+    is back to its start), so kept micro-batches are never overwritten; with none free it grants -1 and workers send
+    uint8 pixels. ``stamps[buffer, worker]`` (the step a worker's rows hold, -1 while it writes) is checked by `take`.
     """
 
     def __init__(self, slots: int, rows: int, image_size: int, workers: int, lookahead: int, shared: bool):
@@ -124,12 +108,8 @@ class StepPool:
     def write(
         self, step: int, slot: int, worker: int, start: int, images: list[TrainImage], scratch: np.ndarray
     ) -> None:
-        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, through uint8 ``scratch``
-        (k, 3, S, S), k = `conversion_rows`.
-
-        k images at a time: their uint8 planes and float rows stay in a core's L2 cache through the conversion's three
-        passes, so only the finished rows go out to memory (at 224 px one image, 0.75 MB). At 32 px one call per 42
-        images instead of one each: the calls' overhead had been most of the conversion's time there."""
+        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, converted through uint8
+        ``scratch`` (k, 3, S, S), k = `conversion_rows` images at a time, so they stay in a core's L2 cache."""
         self.stamps[slot, worker] = -1
         rows = self.buffers[slot][start : start + len(images)]
         for i in range(0, len(images), len(scratch)):

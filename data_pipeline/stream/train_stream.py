@@ -1,14 +1,7 @@
-"""The training stream: `TrainStream`, one rank's endless micro-batches in the order `data_pipeline.stream.order`
-defines, made from one `StreamSpec`.
-
-Each loader worker of a rank (or the training process itself, without workers) reads its contiguous group of the
-rank's streams (`_StreamReader`: buffer draws, labels, decode and augmentation), converts its rows to float straight
-into the step's buffer in shared memory and hands over only the buffer's number (`data_pipeline.stream.step_pool`). The
-training process checks the workers' items, applies mixup within each stream's chunk (`_step_batch`) and yields the
-step as A micro-batches. Creating a DataLoader never draws from the global RNGs (`data_pipeline.stream.loader`), so
-iterating, resuming or rolling over an epoch leaves the training process's random state as it was. With
-``cache_mb``, a set that fits is read and decoded once, when the stream is made, and its readers take the samples
-from that `data_pipeline.stream.decoded_cache.DecodedCache` instead of the tars: the same batches, bit for bit.
+"""The training stream: `TrainStream`, one rank's endless micro-batches in the order of `data_pipeline.stream.order`,
+made from a `StreamSpec`. Loader workers read their streams (`_StreamReader`) and write float rows into the step's
+`StepPool` buffer; the training process applies mixup (`_step_batch`) and yields A micro-batches a step. Every
+faster path yields the same batches (docs/design.md, "What the data stream keeps bit-identical").
 """
 
 from __future__ import annotations
@@ -53,42 +46,36 @@ from data_pipeline.stream.step_pool import (
 log = logging.getLogger(__name__)
 
 _clamp_warned: set[tuple[int, int]] = set()  # (num_workers, streams per rank) already warned about
-# A worker's item for one global batch: (the pool buffer it wrote its rows into, or uint8 (k c, 3, S, S) pixels when
-# the step was granted none; its int labels; its epoch, step, draws, counters and keys)
+# A worker's item per global batch: (pool buffer, or uint8 (k c, 3, S, S) pixels; labels; position, counters, keys)
 _Item = tuple[int | torch.Tensor, list[int], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """What a training stream reads and how it batches it, the same on every rank (the rank and the world size are
-    `TrainStream`'s own arguments). The fields are checked when a spec is made; what they must satisfy together
-    with the dataset and the world size is checked when a stream is made from it."""
+    """What a training stream reads and how it batches it, the same on every rank; checked against the dataset and
+    the world size when a `TrainStream` is made."""
 
-    location: str | Path | DatasetInfo  # a shard folder (local path or fsspec URL), or its metadata already read
+    location: str | Path | DatasetInfo  # a shard folder (path or fsspec URL) or its `DatasetInfo`
     _: KW_ONLY
-    micro_batch_size: int  # m: images per yielded micro-batch
-    image_size: int  # S: images come out (m, 3, S, S)
-    # G: images per optimizer step over all ranks; None → micro_batch_size × world_size (one micro-batch a step)
+    micro_batch_size: int  # m: images per micro-batch
+    image_size: int  # S: images are (m, 3, S, S)
+    # G: images per optimizer step over all ranks; None → m × world_size
     global_batch_size: int | None = None
-    # P: canonical streams. Training passes data.streams, so that the order depends on neither R nor W; None (for
-    # standalone use) → world_size × max(1, num_workers) when that divides G, else world_size
+    # P: canonical streams; None → world_size × max(1, num_workers) when that divides G, else world_size
     streams: int | None = None
-    seed: int = 0  # the shard deal of every epoch, the shuffle buffers, augmentation and mixup
-    shuffle_buffer: int = 1000  # samples in each stream's shuffle buffer (<= 1: the shards' own order)
+    seed: int = 0  # seeds the shard deal, the shuffle buffers, augmentation and mixup
+    shuffle_buffer: int = 1000  # samples per stream's buffer (<= 1: the shards' order)
     augment: AugmentConfig | None = None  # training augmentation; None: resize only
-    mixup_alpha: float = 0.0  # mixup Beta(α, α), within each stream's chunk of G / P; 0 disables it
-    # labels: int64 (m,) for "int", float32 (m, K) one-hot for "multihot"; with mixup always float32 (m, K) soft ones
+    mixup_alpha: float = 0.0  # mixup Beta(α, α) within each stream's chunk; 0: off
+    # labels: "int" int64 (m,), "multihot" float32 (m, K); with mixup always float32 (m, K) soft targets
     label_format: Literal["int", "multihot"] = "int"
     num_classes: int | None = None  # K; None → the dataset's
-    num_workers: int = 0  # DataLoader workers (at most the rank's P / R streams run: a worker reads whole streams)
+    num_workers: int = 0  # DataLoader workers; at most P / R run (a worker reads whole streams)
     start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"  # never "fork" in a threaded process
     prefetch_factor: int = PREFETCH_FACTOR  # steps a loader worker may be ahead of the training process
-    record_keys: bool = False  # keep the sample keys of the last micro-batch in `TrainStream.last_keys`
-    # A shard read failing with an I/O error is tried again this often (data_pipeline.stream.shards).
-    read_retries: int = 3
-    # Hold the whole set decoded in memory when it fits in this many MiB (data_pipeline.stream.decoded_cache); 0: never.
-    # Training passes data.cache_mb; the batches are bit-identical either way.
-    cache_mb: float = 0.0
+    record_keys: bool = False  # fill `TrainStream.last_keys`
+    read_retries: int = 3  # retries of a transiently failing shard read
+    cache_mb: float = 0.0  # hold the set decoded (`DecodedCache`) when it fits in this many MiB; 0: never
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.image_size < 1:
@@ -117,9 +104,7 @@ class StreamSpec:
 
 
 def _plan(spec: StreamSpec, rank: int, world_size: int) -> TrainPlan:
-    """``spec`` resolved for ``rank`` of ``world_size`` against its dataset, with every check that needs the data or
-    the world size (the divisibility of `data_pipeline.stream.order.check_split`, at least c samples in every
-    stream)."""
+    """``spec`` resolved and checked for ``rank`` of ``world_size`` against its dataset."""
     info = dataset_info(spec.location)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -208,7 +193,7 @@ class _StreamReader:
             if label is None:
                 continue
             rng = plan.augment_rng(self.epoch, s, member, repeat)
-            decoded = sample.get(DECODED_KEY)  # from a decoded cache: the same image, its decode done once
+            decoded = sample.get(DECODED_KEY)  # set by a decoded cache
             try:
                 if decoded is None:
                     images.append(decode_train_image(sample["jpg"], plan.image_size, plan.augment, rng))
@@ -230,11 +215,7 @@ class _StreamReader:
 
 
 class _TrainEpoch(IterableDataset):
-    """One epoch of one rank from global batch ``start``, ``draws[stream]`` buffer draws already made per stream.
-
-    Every logical worker yields one `_Item` per global batch, of its streams' chunks; ``_step_batch`` turns the
-    items into the rank's batch.
-    """
+    """One rank's epoch from global batch ``start`` and ``draws[stream]``: one `_Item` per worker and global batch."""
 
     def __init__(
         self,
@@ -292,13 +273,8 @@ class _TrainEpoch(IterableDataset):
 def _step_batch(
     plan: TrainPlan, epoch: int, step: int, parts: list[_Item], pool: StepPool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of global batch ``step`` from its workers' items, laid end to end in stream order: float
-    images (A m, 3, S, S) and labels (A m,), or (A m, K) one-hot / mixed targets.
-
-    The workers have written their rows of the step's pool buffer and send its number (or, when the step got none,
-    uint8 channels-first pixels, converted here into a tensor of the step's own) and int labels, no one-hot rows.
-    Mixup mixes within each stream's chunk of c.
-    """
+    """This rank's share of global batch ``step``: float images (A m, 3, S, S) and labels (A m,) or (A m, K)
+    targets, mixup applied."""
     slots = {p for p, _, _ in parts if isinstance(p, int)}
     if slots:  # every worker read the same grant
         if len(slots) > 1 or len(parts) != sum(isinstance(p, int) for p, _, _ in parts):
@@ -318,16 +294,12 @@ def _step_batch(
 
 
 class TrainStream:
-    """Endless iterable of micro-batches (images float32 (m, 3, S, S) in [-1, 1], labels) of rank ``rank``: its
-    share of the order that ``spec`` gives at ``world_size`` ranks (docs/elastic.md, `data_pipeline.stream.order`).
+    """Endless micro-batches (float32 images (m, 3, S, S) in [-1, 1], labels) of rank ``rank``: its share of the
+    order ``spec`` gives at ``world_size`` ranks (docs/elastic.md, "Data order"), A of them per optimizer step.
 
-    A = G / (R m) consecutive micro-batches make this rank's share of one global batch (one optimizer step). Labels
-    are as ``StreamSpec.label_format`` says; with ``record_keys`` the sample keys of the last micro-batch are in
-    ``last_keys``; ``stats`` counts skipped, truncated, dropped and wrapped samples.
-
-    A yielded micro-batch is a view of a step buffer that the stream writes again only once no view of it is alive,
-    so keeping micro-batches (in a list, in an autograd graph) is safe; modifying one in place changes only it. A
-    consumer that keeps more than one step's micro-batches alive costs a copy per step (``unpooled_steps``).
+    A micro-batch is a view of a step buffer that is rewritten only once no view of it is alive, so keeping one (in
+    a list, in an autograd graph) is safe, and so is modifying one in place. Keeping more than one step's alive costs
+    a copy (``unpooled_steps``).
     """
 
     def __init__(self, spec: StreamSpec, *, rank: int = 0, world_size: int = 1):
@@ -335,7 +307,7 @@ class TrainStream:
         self.plan = _plan(spec, rank, world_size)
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None
-        self.unpooled_steps = 0  # steps that found no free step buffer (a consumer keeping many): copied, not pooled
+        self.unpooled_steps = 0  # steps that found no free step buffer: copied, not pooled
         self._processes = self.plan.workers if spec.num_workers > 0 else 0  # loader worker processes
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
@@ -360,7 +332,7 @@ class TrainStream:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global batches in the current epoch (it varies a little between epochs: see ``steps_in_epoch``)."""
+        """Global batches in the current epoch (it varies a little between epochs)."""
         return self.plan.steps_in_epoch(self._epoch)
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -368,9 +340,7 @@ class TrainStream:
         return self.plan.steps_in_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position after the optimizer steps yielded so far (plain ints: JSON-serialisable).
-
-        Holds the draws of this rank's streams only; ``merge_stream_states`` joins the ranks' states."""
+        """This rank's position (plain ints), only between optimizer steps; `merge_stream_states` joins the ranks'."""
         if self._micro:
             raise ValueError(
                 f"state_dict() after {self._micro} of the {self.plan.accumulation} micro-batches of a step: a stream "
@@ -399,8 +369,7 @@ class TrainStream:
                 )
 
     def _epoch_batches(self, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The micro-batches of the current epoch from global batch ``self._step`` to its end (``steps``),
-        advancing the position as each step's last micro-batch is handed out."""
+        """The epoch's micro-batches from global batch ``self._step`` to ``steps``, advancing the position."""
         plan, m, A = self.plan, self.plan.micro_batch, self.plan.accumulation
         # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
         lookahead = self.spec.prefetch_factor if self._processes > 0 else 0
@@ -431,8 +400,7 @@ class TrainStream:
                 yield x, y
 
     def _step_pool(self, steps: int, lookahead: int) -> StepPool:
-        """This epoch's step buffers, the first ``lookahead`` steps from ``self._step`` granted theirs. A new pool per
-        epoch: the workers of an earlier epoch can never write into it."""
+        """This epoch's step buffers, the next ``lookahead`` steps granted theirs; new, so no older worker writes it."""
         plan, processes, prefetch = self.plan, self._processes, self.spec.prefetch_factor
         rows = plan.global_batch // plan.world_size
         if processes > 0:
