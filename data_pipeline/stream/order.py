@@ -268,7 +268,7 @@ def _check_version(state: dict) -> None:
     version = state.get("version")
     if version == 1:
         raise ValueError(
-            "this stream state (version 1) predates world-size-invariant streams (issue #14): its positions are per "
+            "this stream state (version 1) predates world-size-invariant streams: its positions are per "
             "rank and worker, not per canonical stream; resume that checkpoint with the version that wrote it"
         )
     if version != STATE_VERSION:
