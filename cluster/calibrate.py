@@ -1,25 +1,10 @@
-"""What the planner has measured: MFU and memory per model and GPU kind (`cluster/mfu.yaml`), and the command that
-writes them from a GPU campaign's JSON (``python -m bench.gpu``, docs/benchmarks/gpu.md).
+"""Write the planner's measured MFU and memory table from a GPU campaign's JSON (``python -m bench.gpu``).
 
     python -m cluster.calibrate bench-results/gpu.json [--mfu-file cluster/mfu.yaml]
 
-The table, by model name then GPU kind (the `pretrain.telemetry.peak.GPU_PEAK_TFLOPS` name fragment of the device:
-"H200", "A100"; another device keeps its full name)::
-
-    vit_h14:
-      H200:
-        mfu: 0.41                   # what cluster.plan.planner's step time divides by, instead of the profile's
-        assumed_mfu mfu_from: pretrain.train    # the real path (DeepSpeed, data) where it ran; else "step benchmark
-        (eager)" device: NVIDIA H200
-        date: '2026-11-28'
-        memory_error: 0.21          # (planned - measured) / measured GB per device, the campaign's configuration
-        activation_scale: 0.62      # applied to the plan's activations when |memory_error| > 15%, else 1.0
-        ...
-
-`cluster.plan.planner` reads it through `measured(model, gpu_type)`: a GPU profile whose ``hardware.gpu_type`` is of a
-kind measured for the recipe's model takes that MFU (the plan prints "measured on H200 <date>") and, where the memory
-model was off by more than `MEMORY_TOLERANCE`, the measured activation scale; anything else stays assumed.
-``$VITSCALE_MFU_FILE`` (or ``--mfu-file``) points at another table (the tests use a copy, never this file).
+`cluster/mfu.yaml` maps model -> GPU kind (`gpu_kind`) -> entry (`entries_from`); `cluster.plan.planner` reads it
+through `measured`. ``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table.
+See docs/benchmarks/gpu.md, "The device call".
 """
 
 from __future__ import annotations
@@ -39,9 +24,9 @@ from pretrain.telemetry.peak import GPU_PEAK_TFLOPS
 
 MFU_FILE = Path(__file__).resolve().parent / "mfu.yaml"
 MFU_FILE_ENV = "VITSCALE_MFU_FILE"
-MEMORY_TOLERANCE = 0.15  # the plan's memory model takes a measured correction beyond this relative error
-MODELS = ("vit_b16", "vit_l16", "vit_h14")  # what the campaign measures
-ACTIVATION_SCALE_RANGE = (0.1, 10.0)  # a correction outside it says the model is wrong, not its activations
+MEMORY_TOLERANCE = 0.15  # beyond this relative memory error the plan takes the activation scale
+MODELS = ("vit_b16", "vit_l16", "vit_h14")
+ACTIVATION_SCALE_RANGE = (0.1, 10.0)  # beyond it the model is wrong, not its activations
 HEADER = (
     "# Measured MFU and memory per model and GPU kind, written by `python -m cluster.calibrate GPU_JSON` from\n"
     "# `python -m bench.gpu` (docs/benchmarks/gpu.md); cluster.plan.planner uses them instead of a profile's\n"
@@ -54,13 +39,13 @@ def mfu_file() -> Path:
 
 
 def gpu_kind(name: str) -> str:
-    """ "NVIDIA H200" and "H100-SXM5-80GB" → "H200", "H100": the datasheet table's fragment, else the name itself."""
+    """The `GPU_PEAK_TFLOPS` fragment in ``name`` ("NVIDIA H200" -> "H200"), else the name itself."""
     return next((fragment for fragment in GPU_PEAK_TFLOPS if fragment in name), name.strip())
 
 
 @dataclass(frozen=True)
 class Measured:
-    """One model on one GPU kind, as `cluster.plan.planner` uses it."""
+    """One table entry: a model on a GPU kind."""
 
     model: str
     gpu_kind: str
@@ -88,7 +73,7 @@ class Measured:
 
 
 def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """The table ({} when the file is absent or empty); ValueError naming the file when it is not a mapping."""
+    """The table; {} when the file is absent or empty. ValueError when it is not a mapping."""
     path = path or mfu_file()
     if not path.is_file():
         return {}
@@ -102,7 +87,7 @@ def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]
 
 
 def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | None:
-    """What the table holds for ``model`` on a GPU of ``gpu_type``'s kind, or None."""
+    """The entry for ``model`` on ``gpu_type``'s kind, or None."""
     kind = gpu_kind(gpu_type)
     entry = read_table(path).get(model, {}).get(kind)
     if not isinstance(entry, dict) or not _is_fraction(entry.get("mfu")):
@@ -130,9 +115,8 @@ def _number(result: dict, key: str) -> float | None:
 
 
 def entries_from(result: dict) -> dict[str, dict[str, Any]]:
-    """model → its table entry from a campaign's JSON (`bench.gpu.campaign`): the real path's MFU where the campaign ran
-    the model through ``pretrain.train``, else the step benchmark's eager one (what ``pretrain.train`` runs without
-    ``model.compile``); the memory error and activation scale where the campaign compared the plan's memory."""
+    """model -> table entry: ``pretrain.train``'s MFU where the campaign ran it, else the eager step benchmark's
+    (``pretrain.train`` without ``model.compile``); memory fields where measured."""
     entries = {}
     for model in MODELS:
         train_mfu, step_mfu = _number(result, f"train_path_mfu_{model}"), _number(result, f"mfu_eager_{model}")
@@ -159,8 +143,7 @@ def _memory_entry(result: dict, model: str) -> dict[str, Any]:
         return {}
     scale = 1.0
     if abs(error) > MEMORY_TOLERANCE and activations:
-        # The model-state accounting is exact (ZeRO's table); what the measurement adds or lacks is put on the
-        # activations, the estimated part.
+        # Model states are exact (ZeRO's accounting): the error goes on the activations, the estimated part.
         low, high = ACTIVATION_SCALE_RANGE
         scale = min(high, max(low, (measured_gb - (planned - activations)) / activations))
     return {
@@ -172,8 +155,7 @@ def _memory_entry(result: dict, model: str) -> dict[str, Any]:
 
 
 def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:
-    """Merge a campaign's measurements into the table at ``path``; returns the entries written. ValueError when the
-    JSON cannot calibrate anything (a --smoke run, no device, no MFU)."""
+    """Merge a campaign's entries into the table at ``path``; return them. ValueError when there are none."""
     if not isinstance(result, dict):
         raise ValueError("the GPU JSON must be an object (bench.gpu.campaign writes one)")
     if result.get("smoke"):

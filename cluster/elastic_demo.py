@@ -1,22 +1,10 @@
 """An elastic job on a simulated 2-node Ray cluster: one node is removed mid-run and added back.
 
-    python -m cluster.elastic_demo                      # = `make elastic-demo`; output in runs/elastic-demo-<time>
-    python -m cluster.elastic_demo --out /tmp/ed --steps 200 --every 20
+    python -m cluster.elastic_demo  # = `make elastic-demo`; output in runs/elastic-demo-<time>
 
-What it does (docs/elastic.md): starts a Ray cluster in this process (`ray.cluster_utils.Cluster`, every node on
-this machine, Ray's temp folder a fresh one of ours): a head with one CPU for the evals, and two worker nodes with one
-CPU each and the custom resource `vitscale_trainer`, which only training workers ask for (so the group never grows
-onto the eval slot). It runs `local_demo` (tiny ViT, ZeRO-2, few-shot evals after each checkpoint) on the
-`local_elastic` profile (`workers: {min: 1, max: 2}`) through the real driver (`cluster.driver.job.run_job`: one MLflow
-run, Ray Train V2 elastic scaling). After the first checkpoint past step 0 it removes one worker node, waits until
-training goes on at world size 1 and writes a checkpoint there, adds a node back, waits until Ray Train has grown
-the group to world size 2 again, and lets the job finish. Then it prints what happened (world size per step range,
-the resizes, the evals per checkpoint step, the goodput ledger's share per bucket) and shuts down the cluster it
-started (nothing else).
-
-Token authentication is off for this cluster only (RAY_AUTH_MODE=disabled in this process while the demo runs, in
-the environment and in Ray's process-wide state: `cluster.local_head.ray_auth_mode`): it lives inside the command and
-has no dashboard or Jobs API.
+`run_demo` starts an in-process `ray.cluster_utils.Cluster` with token authentication off, runs `local_demo` on
+`local_elastic` through the real driver while `run_scenario` removes a worker node and adds it back, then reports
+(docs/elastic.md, "Elastic jobs on Ray").
 """
 
 from __future__ import annotations
@@ -49,15 +37,10 @@ from pretrain.telemetry.attempt_clock import GOODPUT_DIR
 from tracking import keys
 
 PROFILE = "local_elastic"
-TRAINER_RESOURCE = "vitscale_trainer"  # advertised by the worker nodes only; each training worker needs 1
-# No node_ip_address: a worker node canonicalises a 127.0.0.1 bootstrap address to the machine's own IP and then
-# cannot reach a head bound to 127.0.0.1. The nodes listen on this machine's address, with no dashboard or Jobs API.
+TRAINER_RESOURCE = "vitscale_trainer"  # worker nodes only; 1 per training worker
+# No node_ip_address: a worker node swaps 127.0.0.1 for the machine's IP and misses a head bound to it.
 NODE_ARGS = {"object_store_memory": 100 * 1024**2, "include_dashboard": False}
-# Node health checks: a killed node refuses the check at once and is declared dead after 3 checks 1 s apart (~3 s;
-# Ray's defaults take longer, and until then Ray Train still counts its CPU and tries to restart the group at the old
-# size, which waits out the start timeout below). A node that is only slow gets 10 s per check: with a 1 s timeout a
-# raylet stalled for 8 s on a busy machine (the test suite runs two tests at once) was marked dead and exited,
-# taking the driver's or the evals' node with it (docs/elastic.md, "Health checks").
+# A killed node is dead in ~3 s; a slow one gets 10 s per check (docs/elastic.md, "Health checks").
 NODE_HEALTH = {
     "health_check_initial_delay_ms": 1000,
     "health_check_period_ms": 1000,
@@ -69,25 +52,25 @@ DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's defau
 
 @dataclass(frozen=True)
 class DemoSettings:
-    steps: int = 200  # long enough that the group is still training at world size 1 when the node comes back
+    steps: int = 200  # still training at world size 1 when the node returns
     every: int = 20  # checkpoint (and eval) interval
-    interval_s: float = 3.0  # elastic_resize_monitor_interval_s: how soon Ray notices the returned node
-    timeout_s: float = 900.0  # each wait (node loss seen, world size 1 checkpoint, regrowth, job end)
+    interval_s: float = 3.0  # elastic_resize_monitor_interval_s
+    timeout_s: float = 900.0  # each wait of the scenario
     record_sample_keys: bool = True
 
 
 @dataclass
 class DemoResult:
-    rc: int  # run_job's exit code (0 = training succeeded)
+    rc: int  # run_job's exit code
     run_dir: Path
     tracking_uri: str
-    events: list[str] = field(default_factory=list)  # what the demo did, with times
-    error: str | None = None  # a wait that timed out, or the job thread's exception
-    job_s: float | None = None  # run_job's wall-clock, as this process measured it (the goodput ledger's to match)
+    events: list[str] = field(default_factory=list)  # timed scenario lines
+    error: str | None = None  # a wait that timed out, or the job's exception
+    job_s: float | None = None  # run_job's wall-clock, measured here
 
 
 def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> JobSpec:
-    """The job: `local_demo` on the local_elastic profile, storage under ``out``, a tiny few-shot suite."""
+    """`local_demo` on local_elastic, storage under ``out``, a tiny few-shot suite."""
     base = load_profile(PROFILE)
     profile: ClusterProfile = dataclasses.replace(
         base,
@@ -102,7 +85,7 @@ def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> 
             elastic_resize_monitor_interval_s=settings.interval_s,
             resources={TRAINER_RESOURCE: 1},
         ),
-        # The node loss is one worker-group failure (Ray charges it to max_failures); one more is allowed.
+        # The node loss is one failure; one more is allowed.
         max_failures=2,
     )
     suite = out / "tiny_fewshot.yaml"
@@ -124,9 +107,7 @@ def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> 
         "logging.progress_bar=false",
         "logging.log_every=1",
         f"logging.record_sample_keys={str(settings.record_sample_keys).lower()}",
-        # Ray Train grows the group back 20-40 s after the node returns, and the run must still be going then. With
-        # `auto` a CPU with bf16 units trains ~2x faster (Zen 4 + AVX512-BF16: regrowth with 40 of 200 steps left;
-        # AMX would leave fewer); fp32 keeps the timeline the demo was made for (regrowth at step 60 there).
+        # In bf16 the run may end before Ray Train regrows the group (docs/elastic.md, "Elastic jobs on Ray").
         "deepspeed.precision=fp32",
     ]
     config = resolve_config(profile, recipe, sets, "elastic-demo")
@@ -137,8 +118,8 @@ def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> 
 
 
 def start_cluster(temp_dir: Path):
-    """Head (1 CPU: the eval slot) + 2 worker nodes (1 CPU + 1 trainer slot each), all on this machine."""
-    from ray.cluster_utils import Cluster  # heavy: only cluster commands need Ray
+    """Head (1 CPU: the eval slot) + 2 worker nodes (1 CPU + 1 trainer slot each)."""
+    from ray.cluster_utils import Cluster  # heavy import
 
     head = {**NODE_ARGS, "num_cpus": 1, "temp_dir": str(temp_dir), "_system_config": NODE_HEALTH}
     cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -156,7 +137,7 @@ def add_worker_node(cluster, temp_dir: Path):
 
 
 def _attempts(run_dir: Path) -> list[dict[str, Any]]:
-    """Rank 0's placement records (cluster.driver.job): one per start of the worker group, with its world size."""
+    """Rank 0's placement records (cluster.driver.job), one per worker-group start, oldest first."""
     records = []
     for path in (run_dir / "workers").glob("rank0-*.json"):
         try:
@@ -181,13 +162,13 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float, job: threading.
 
 
 def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Callable[[str], None] = print):
-    """Run the job in a thread and drive the scenario; returns a DemoResult (the job always runs to its end)."""
-    import ray  # heavy: only cluster commands need Ray
+    """Run the job in a thread and drive the scenario; the job always runs to its end."""
+    import ray  # heavy import
 
     run_dir = Path(spec.config.checkpoint.dir)
     result = DemoResult(rc=1, run_dir=run_dir, tracking_uri=spec.config.logging.mlflow_tracking_uri)
     t0 = time.monotonic()
-    removed: set[str] = set()  # the nodes this scenario took away
+    removed: set[str] = set()
 
     def note(text: str) -> None:
         line = f"[{time.monotonic() - t0:6.1f} s] {text}"
@@ -215,13 +196,13 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
             thread,
         )
         at = max(_checkpoint_steps(run_dir))
-        # Never the node this driver process attached to (all nodes share one IP, so it may be a worker node).
+        # Never this driver's node (all nodes share one IP: it may be a worker node).
         driver_node = ray.get_runtime_context().get_node_id()
         victim = next(n for n in reversed(nodes) if n.node_id != driver_node)
         note(f"checkpoint step {at} is complete; removing worker node {victim.node_id[:8]}")
         removed_at = time.time()
         removed.add(victim.node_id)
-        cluster.remove_node(victim, allow_graceful=False)  # like a lost machine: no goodbye to the GCS
+        cluster.remove_node(victim, allow_graceful=False)  # like a lost machine
         _wait(
             "restart at world size 1",
             lambda: any(a["world_size"] == 1 and a["started"] > removed_at for a in _attempts(run_dir)),
@@ -254,13 +235,12 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
 
 
 def _unplanned_node_deaths(removed: set[str]) -> str:
-    """A note naming the nodes Ray declared dead that the scenario did not remove (a raylet that missed its health
-    checks exits with everything on it); empty if none, or if Ray cannot say."""
+    """A note naming nodes Ray declared dead that the scenario did not remove, or ""."""
     import ray
 
     try:
         dead = [n["NodeID"][:8] for n in ray.nodes() if not n["Alive"] and n["NodeID"] not in removed]
-    except Exception:  # the GCS is gone too: nothing to add
+    except Exception:  # the GCS is gone too
         return ""
     if not dead:
         return ""
@@ -271,8 +251,8 @@ def _unplanned_node_deaths(removed: set[str]) -> str:
 
 
 def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
-    """(first step, last step, world size) runs of the `train/world_size` metric, in step order."""
-    from mlflow import MlflowClient  # heavy: only reports need MLflow
+    """(first step, last step, world size) runs of `train/world_size`, in step order."""
+    from mlflow import MlflowClient  # heavy import
 
     history = sorted(
         (m.step, int(m.value)) for m in MlflowClient(uri).get_metric_history(run_id, keys.WORLD_SIZE_METRIC)
@@ -287,12 +267,12 @@ def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
 
 
 def describe(result: DemoResult) -> dict[str, Any]:
-    """What happened, from the run folder and the MLflow run: world sizes per step range, resizes, evals."""
-    from mlflow import MlflowClient  # heavy: only reports need MLflow
+    """What happened, from the run folder and the MLflow run."""
+    from mlflow import MlflowClient  # heavy import
 
     summary_path = result.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    ledger_path = result.run_dir / GOODPUT_DIR / "ledger.json"  # cluster.driver.ledger, at the job's end
+    ledger_path = result.run_dir / GOODPUT_DIR / "ledger.json"  # written at the job's end
     run_id = json.loads((result.run_dir / "mlflow_run.json").read_text())["run_id"]
     client = MlflowClient(result.tracking_uri)
     run = client.get_run(run_id)
@@ -331,22 +311,18 @@ def format_report(result: DemoResult, report: dict[str, Any]) -> str:
 
 
 def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = print) -> tuple[DemoResult, dict]:
-    """The whole demo in ``out``: job spec, cluster, scenario, report; the cluster and its temp folder are gone
-    when it returns."""
-    import ray  # heavy: only cluster commands need Ray
+    """The whole demo in ``out``; the cluster and its temp folder are gone when it returns."""
+    import ray  # heavy import
 
     spec = demo_spec(out, settings)
-    temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths must stay under 107 bytes
-    # This in-process cluster only (module docstring); the Train controller, a process of the cluster started
-    # below, inherits the start timeout. Restored afterwards: the caller's environment is not ours to keep.
+    temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths stay under 107 bytes
+    # The Train controller inherits the timeout; restored afterwards.
     saved = {k: os.environ.get(k) for k in (*DEMO_ENV, "RAY_ADDRESS")}
     os.environ.update(DEMO_ENV)
     os.environ.pop("RAY_ADDRESS", None)
     cluster = None
     try:
-        with local_head.ray_auth_mode(
-            "disabled"
-        ):  # whatever Ray sessions this process ran before, or the shell exported
+        with local_head.ray_auth_mode("disabled"):
             try:
                 cluster, nodes = start_cluster(temp_dir)
                 result = run_scenario(cluster, nodes, spec, settings, log)

@@ -1,14 +1,7 @@
 """Shell exports that point Ray's own CLI (`ray job list|logs|submit|stop`) at a profile's cluster.
 
-`python -m cluster.env [--cluster P]` backs `make env`; use it as `eval "$(make -s env)"`, then `ray job list`.
-
-- `local`: RAY_ADDRESS is the running embedded head's Jobs API, read from its `head.json` (not always :8265: another
-  port is picked when 8265 is taken), and RAY_AUTH_MODE is the head's mode (`token`). Ray's CLI sends its token only
-  when RAY_AUTH_MODE=token is in its own environment; without it the head refuses the CLI ("Missing authentication
-  token"). RAY_AUTH_TOKEN_PATH is exported too when a non-default token file is in use; the token itself is never
-  printed (a RAY_AUTH_TOKEN already in the shell reaches the CLI as it is). No running head: exit 2, one message.
-- remote profiles: RAY_ADDRESS as `cluster.jobs` resolves it (RAY_API_SERVER_ADDRESS or RAY_ADDRESS from the
-  environment, else the profile's `ray.address`).
+`python -m cluster.env [--cluster P]` backs `make env`: `eval "$(make -s env)"`. On `local` it exports the running
+head's address and RAY_AUTH_MODE (without it Ray's CLI sends no token), never the token; no head: exit 2.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from cluster.profiles import ClusterProfile, load_profile
 
 
 def _custom_token_path() -> str | None:
-    """RAY_AUTH_TOKEN_PATH when it names a file other than Ray's default ~/.ray/auth_token (else None)."""
+    """RAY_AUTH_TOKEN_PATH, resolved; None when unset or Ray's default ~/.ray/auth_token."""
     value = os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip()
     if not value:
         return None
@@ -33,7 +26,7 @@ def _custom_token_path() -> str | None:
 
 
 def exports(profile: ClusterProfile) -> dict[str, str]:
-    """The variables Ray's CLI needs for the profile's cluster; raises RayUnreachableError when no local head runs."""
+    """The variables Ray's CLI needs; RayUnreachableError when no local head answers."""
     if not profile.is_local:
         return {"RAY_ADDRESS": jobs.cluster_address(profile)}
     state = local_head.read_state(profile)
@@ -42,7 +35,7 @@ def exports(profile: ClusterProfile) -> dict[str, str]:
             f"no Ray head of this project is running for profile {profile.name} (no {local_head.STATE_FILE} in "
             f"{profile.ray.temp_dir}); " + jobs._how_to_start(profile, "")
         )
-    # The state file outlives a killed head or a reboot: only a dashboard that answers is worth pointing the CLI at.
+    # head.json outlives a killed head or a reboot.
     if not local_head._dashboard_alive(state.dashboard_url):
         raise jobs.RayUnreachableError(
             f"the Ray head of profile {profile.name} recorded in {profile.ray.temp_dir}/{local_head.STATE_FILE} does "

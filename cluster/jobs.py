@@ -1,8 +1,7 @@
 """Ray Job Submission API: connect to a profile's cluster, submit, follow, and the `status/logs/stop` verbs.
 
 `python -m cluster.jobs {status,logs,stop} --cluster P` backs `make status`, `make logs` and `make stop`.
-Only jobs this project submitted (metadata `vitscale=1`) are listed; "the newest job" is the newest of those.
-`stop` stops the newest running job and, for the `local` profile, the embedded Ray head if this project started it.
+Only this project's jobs (metadata `vitscale=1`) count. `stop` also stops the local head if we started it.
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
 
 JOB_METADATA = {"vitscale": "1"}
-# Ray's Jobs API answers 500 with this when the head node's job agent has not registered for 10 s (Ray 2.60,
-# ray/dashboard/modules/job/job_head.py `submit_job`). `local_head.ensure_head` waits for that agent, so this should
-# come only from a remote cluster's head that has just started; `submit` retries it, and only it.
+# The Jobs API's 500 while the head's job agent is unregistered (docs/design.md, "The local Ray head").
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 60.0
 
@@ -44,7 +41,7 @@ def _how_to_start(profile: ClusterProfile, address: str) -> str:
 
 
 def cluster_address(profile: ClusterProfile) -> str:
-    """RAY_ADDRESS (or RAY_API_SERVER_ADDRESS) overrides a remote profile's address; `local` ignores both."""
+    """The Jobs API address; RAY_API_SERVER_ADDRESS or RAY_ADDRESS overrides a remote profile's, not `local`'s."""
     if profile.is_local:
         state = local_head.read_state(profile)
         return state.dashboard_url if state else ""
@@ -52,15 +49,11 @@ def cluster_address(profile: ClusterProfile) -> str:
 
 
 def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmissionClient:
-    """A JobSubmissionClient for the profile's cluster, authenticated with Ray's token when auth is on.
-
-    `local` with `start_local=True` starts (or reuses) the embedded head. Raises RayUnreachableError naming the
-    address and how to start the cluster.
-    """
-    from ray.job_submission import JobSubmissionClient  # heavy: only the driver and cluster commands need Ray
+    """A client for the profile's cluster, with Ray's token; `start_local` starts or reuses the `local` head."""
+    from ray.job_submission import JobSubmissionClient  # heavy import
 
     if profile.is_local:
-        # JobSubmissionClient lets these env vars override the address it is given; the local head is ours.
+        # They would override the address given to JobSubmissionClient.
         for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
             if os.environ.pop(var, None):
                 print(f"note: {var} is ignored for the local profile", file=sys.stderr)
@@ -81,8 +74,8 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
 
 
 def _ensure_local_head(profile: ClusterProfile) -> None:
-    """`local_head.ensure_head`, its failures as RayUnreachableError (the launcher prints one line and exits 2)."""
-    from ray.exceptions import RayError  # e.g. AuthenticationError: the head does not take this process's token
+    """`local_head.ensure_head`, its failures as RayUnreachableError."""
+    from ray.exceptions import RayError  # e.g. AuthenticationError
 
     try:
         local_head.ensure_head(profile)
@@ -97,11 +90,8 @@ def submit(
     submission_id: str,
     agent_wait_s: float = AGENT_WAIT_S,
 ) -> str:
-    """Submit a job of this project (metadata vitscale=1); return its submission id.
-
-    Ray's "No available agent" 500 (NO_AGENT) alone is retried, for up to `agent_wait_s`, with one line on stderr;
-    RayUnreachableError if it still says so then. Any other error is raised at once.
-    """
+    """Submit with metadata vitscale=1; return the submission id. Only NO_AGENT is retried, for `agent_wait_s`, then
+    RayUnreachableError."""
     request = dict(
         entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=dict(JOB_METADATA)
     )
@@ -109,7 +99,7 @@ def submit(
 
 
 def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_wait_s: float) -> tuple[str, int]:
-    """`client.submit_job(**request)`, retried while the head's job agent is missing: (submission id, retries)."""
+    """`client.submit_job(**request)`, retried on NO_AGENT: (submission id, retries)."""
     deadline = time.monotonic() + agent_wait_s
     retries = 0
     while True:
@@ -131,11 +121,11 @@ def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_w
                     flush=True,
                 )
             retries += 1
-            time.sleep(1.0)  # each refusal already took Ray's own 10 s wait for the agent
+            time.sleep(1.0)  # each refusal already took Ray's 10 s wait
 
 
 def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:
-    """Stream a job's logs (to `out`, default stdout) until it ends; return its final status name."""
+    """Stream a job's logs to `out` (stdout) until it ends; return its final status."""
     out = out or sys.stdout
 
     async def _tail() -> None:
@@ -145,7 +135,7 @@ def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:
 
     try:
         asyncio.run(_tail())
-    except Exception as exc:  # log streaming is a convenience: fall back to polling, never lose the status
+    except Exception as exc:  # fall back to polling: never lose the status
         print(f"(log streaming stopped: {exc}; polling the job status)", file=sys.stderr)
     while True:
         status = client.get_job_status(job_id)
@@ -223,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "logs":
             return _logs(profile, args.follow)
         if not profile.is_local:
-            # A remote cluster that does not answer has stopped nothing: say how to reach it (exit 2). With no local
-            # head of ours there is nothing to stop, and `_stop` says so (exit 0: stopping twice is no error).
+            # An unreachable remote cluster exits 2; on `local`, nothing to stop is no error.
             connect(profile)
         return _stop(profile)
     except (ValueError, RayUnreachableError) as exc:

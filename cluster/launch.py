@@ -1,17 +1,11 @@
 """Plan a recipe on a cluster profile, print the plan, submit it as a Ray job, follow it to the end.
 
-    python -m cluster.launch --cluster local --recipe local_demo            # = `make launch`
+    python -m cluster.launch --cluster local --recipe local_demo  # = `make launch`
     python -m cluster.launch --cluster a100x64 --recipe vit_h14_i21k --dry-run
-    python -m cluster.launch --cluster local --recipe local_demo --set schedule.total=100 --run-name demo
 
-Everything that can be wrong is checked before anything is submitted: the profile and recipe exist, the config
-validates at the profile's world size, the plan fits in device memory, the cluster answers. Then the job
-(`python -m cluster.driver`, the plan in its runtime env) goes through the Ray Job Submission API, its logs are
-streamed here, and this command exits with the job's status: 0 SUCCEEDED, 1 otherwise, 2 for bad input.
-On the `local` profile every built-in folder the recipe and its eval suite use is checked first, the dry run
-included, without generating anything: one generated with other settings than the run wants is bad input (exit 2,
-the folder, the settings and the fix). Then a real launch generates those that are absent and starts (or reuses)
-its own Ray head on 127.0.0.1.
+Nothing is submitted until the profile, recipe, config, memory plan and cluster check out. Exit status: 0 when the
+job SUCCEEDED, 1 otherwise, 2 for bad input. On `local` the built-in data is checked first (`check_local_data`,
+dry run included); a real launch then generates what is absent and starts or reuses the local Ray head.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from data_pipeline.paths import PROJECT_ROOT, resolve_path
 from evals.suites import SuiteConfig, load_suite
 from evals.vtab import BENCHMARKS
 
-# Never shipped to the cluster with the working dir (Ray also honours .gitignore): data, runs, stores, caches.
+# Kept out of the job's working dir (Ray also honours .gitignore).
 WORKING_DIR_EXCLUDES = [
     ".venv/",
     "data/",
@@ -48,8 +42,7 @@ WORKING_DIR_EXCLUDES = [
 
 
 def _suite_datasets(suite: SuiteConfig) -> list[tuple[str, str | None]]:
-    """(name, its own data root or None) of each built-in dataset the suite's evaluators read: fewshot and finetune
-    `datasets`, inspect's `dataset`, vtab's `tasks` (all of the offline `ci` benchmark's when it lists none)."""
+    """(name, its data root or None) of each built-in dataset the suite reads."""
     found = []
     for spec in suite.evaluators:
         o = spec.options
@@ -65,9 +58,8 @@ def _suite_datasets(suite: SuiteConfig) -> list[tuple[str, str | None]]:
 
 
 def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, Path, dict]]:
-    """(name, root, options) of each built-in folder ``root/<name>`` the run reads: the training set with
-    `data.builtin_options`, and each set the eval suite names under `evals.data_root` at the set's defaults, as the
-    eval tasks generate it (`evals.features.resolve_split`)."""
+    """(name, root, options) of each built-in folder ``root/<name>`` the run reads; eval sets at their defaults, as
+    `evals.features.resolve_split` makes them."""
     found: list[tuple[str, Path, dict]] = []
     if config.data.builtin:
         name = builtin.ALIASES.get(config.data.builtin, config.data.builtin)
@@ -75,28 +67,26 @@ def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, P
     if suite is not None:
         for name, root in _suite_datasets(suite):
             found.append((name, resolve_path(root or config.evals.data_root), {}))
-    unique = {}  # the same folder at the same settings once (local_demo's rcdb and inspect_rcdb's)
+    unique = {}
     for name, root, options in found:
         unique.setdefault((name, root, tuple(builtin.settings(name, **options).items())), (name, root, options))
     return list(unique.values())
 
 
 def builtin_datasets(config, suite: SuiteConfig | None) -> list[str]:
-    """Built-in dataset names the training data and the eval suite need (generated on `local` if absent)."""
+    """Names of the built-in datasets the run reads."""
     return list(dict.fromkeys(name for name, _, _ in builtin_requirements(config, suite)))
 
 
 def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:
-    """Each built-in folder the run reads (`builtin_requirements`) → whether it is there complete, generating
-    nothing. ValueError naming the folder, the differing settings and the fix when one was generated with other
-    settings than the run wants (`data_pipeline.builtin.sets.check_folder`), as generating it would be refused, or when
-    the training set and the eval suite want one folder at different settings."""
+    """Each folder of `builtin_requirements` -> whether it is complete; generates nothing. ValueError when one was
+    generated at other settings, or training and the eval suite read one folder at two settings."""
     needs = builtin_requirements(config, suite)
     wanted: dict[Path, dict] = {}
     for name, root, options in needs:
         this = builtin.settings(name, **options)
         first = wanted.setdefault(root / name, this)
-        if this != first:  # the suite reads it at the set's defaults (as `evals.features.resolve_split` makes it)
+        if this != first:
             differ = ", ".join(f"{k}={first[k]} / {v}" for k, v in this.items() if first[k] != v)
             raise ValueError(
                 f"{root / name} is read at two settings ({differ}): by the training set (data.builtin_options) and "
@@ -106,7 +96,7 @@ def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:
 
 
 def prepare_local_data(config, suite: SuiteConfig | None) -> None:
-    """Generate what `builtin_requirements` lists; ``suite`` is the recipe's eval suite, already loaded (None: none)."""
+    """Generate the absent folders of `builtin_requirements`."""
     for name, root, options in builtin_requirements(config, suite):
         t0 = time.monotonic()
         folder = builtin.ensure(name, root, **options)
@@ -115,10 +105,9 @@ def prepare_local_data(config, suite: SuiteConfig | None) -> None:
 
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
     env = {PLAN_ENV: spec.to_json(), **worker_env(profile)}
-    env.pop("OMP_NUM_THREADS")  # the driver itself is light; workers set their own thread count
+    env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
     runtime = {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES, "env_vars": env}
-    # The extras the plan names (`Plan.runtime_extras`): s3fs / gcsfs for the run's storage, transformers to log the
-    # final model, on a cluster; Ray layers them over the image's packages. A local job runs in this environment.
+    # `Plan.runtime_extras` (s3fs / gcsfs, transformers); a local job uses this venv.
     pip = runtime_pip(spec.plan)
     if pip:
         runtime["pip"] = pip
@@ -156,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.run_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.run_name):
-        # It names a folder under the profile's checkpoints and the Ray submission id: no path, no spaces.
+        # It names the run folder and the Ray submission id.
         parser.error(f"--run-name {args.run_name!r}: use letters, digits, '.', '_' and '-' only, e.g. vit-b16-try2")
     try:
         profile = load_profile(args.cluster)
         fault = _parse_fault(args.inject_worker_failure)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         config = resolve_config(profile, args.recipe, args.set, run_name)
-        # Checked now, not by the first eval task after the first checkpoint; read once, also for its datasets.
+        # Fail now, not at the first eval.
         suite = load_suite(config.evals.suite) if config.evals.suite else None
         present = check_local_data(config, suite) if profile.is_local else {}  # before the plan reads a manifest
         if profile.is_local and not args.dry_run:

@@ -1,20 +1,8 @@
-"""The embedded Ray head of the `local` profile: start or reuse it, and stop it only if we started it.
+"""The embedded Ray head of the `local` profile: start or reuse it (`ensure_head`), stop it (`stop_head`).
 
-Contract:
-- The head runs from this venv's `ray` executable, so the job's `python` is the venv's (Ray runs a job's
-  entrypoint with the head's PATH).
-- The dashboard / Jobs API listens on 127.0.0.1 only (`--dashboard-host=127.0.0.1`); it runs arbitrary code
-  for whoever reaches it.
-- Token authentication stays on: a token is generated into `~/.ray/auth_token` if none exists (Ray's own
-  `ray get-auth-token --generate`), the head starts with `RAY_AUTH_MODE=token`, and the launcher sends the token
-  as a Bearer header. Only an explicit `RAY_AUTH_MODE=disabled` in the environment (tests) turns it off.
-- `ensure_head` returns only when the head can run a job: its dashboard answers and the head node's dashboard agent,
-  through which Ray's Jobs API runs every job, has registered and answers (see `_registered_job_agent`). The dashboard
-  can answer before the agent has registered, and a job submitted in between is refused ("No available agent to
-  submit job") once Ray has waited 10 s for the agent.
-- Ray's temp dir is ours (`profile.ray.temp_dir`), and `head.json` in it records what we started. Stopping kills
-  exactly the processes whose command line names that temp dir (and their children) by PID — never `ray stop`,
-  which would take down every Ray instance on the machine.
+It runs this venv's `ray` on 127.0.0.1 with token authentication (unless RAY_AUTH_MODE=disabled), is ready once its
+job agent has registered, and owns `profile.ray.temp_dir` (with `head.json`), whose processes `stop_head` kills by
+PID. Why: docs/design.md, "The local Ray head".
 """
 
 from __future__ import annotations
@@ -37,13 +25,13 @@ from pathlib import Path
 from cluster.profiles import ClusterProfile
 
 STATE_FILE = "head.json"
-NOT_READY_EXIT = 3  # the agent check's status when the agent did not come in time (1 is Python's own crash code)
-# The agent check, run by `_wait_for_job_agent` in a child process: `_job_agent_ready(GCS_ADDRESS, TIMEOUT_S)`.
+NOT_READY_EXIT = 3  # the agent check timed out (1 is a crash)
+# Run in a child process by `_wait_for_job_agent`.
 _AGENT_CHECK = (
     "import sys; from cluster.local_head import NOT_READY_EXIT, _job_agent_ready as ready; "
     "sys.exit(0 if ready(sys.argv[1], float(sys.argv[2])) else NOT_READY_EXIT)"
 )
-AGENT_LOG = "session_latest/logs/dashboard_agent.log"  # under the temp dir: why an agent did not come up
+AGENT_LOG = "session_latest/logs/dashboard_agent.log"  # under the temp dir
 
 _log = logging.getLogger(__name__)
 
@@ -51,7 +39,7 @@ _log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HeadInfo:
     gcs_address: str  # host:port for ray.init(address=...)
-    dashboard_url: str  # http://127.0.0.1:port, the Job Submission API
+    dashboard_url: str  # the Jobs API, http://127.0.0.1:port
     temp_dir: str
     auth_mode: str  # "token" | "disabled"
     started_by_us: bool
@@ -73,7 +61,7 @@ def _port_free(port: int) -> bool:
 
 
 def auth_mode_from_env() -> str:
-    """'disabled' only when RAY_AUTH_MODE says so explicitly; token authentication otherwise."""
+    """'disabled' only when RAY_AUTH_MODE says so; 'token' otherwise."""
     mode = os.environ.get("RAY_AUTH_MODE", "token").strip().lower()
     if mode not in ("token", "disabled"):
         raise ValueError(f"RAY_AUTH_MODE={mode!r}; use 'token' (default) or 'disabled' (tests only)")
@@ -81,7 +69,7 @@ def auth_mode_from_env() -> str:
 
 
 def read_auth_token() -> str | None:
-    """The token Ray itself would use: RAY_AUTH_TOKEN, else the file at RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token."""
+    """The token Ray would use: RAY_AUTH_TOKEN, else the RAY_AUTH_TOKEN_PATH file, else ~/.ray/auth_token."""
     token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
     if token:
         return token
@@ -92,7 +80,7 @@ def read_auth_token() -> str | None:
 
 
 def auth_headers() -> dict[str, str]:
-    """Authorization header for the Jobs API, empty when token auth is disabled or no token exists."""
+    """The Jobs API's Authorization header; empty with auth disabled or no token."""
     if auth_mode_from_env() == "disabled":
         return {}
     token = read_auth_token()
@@ -107,7 +95,7 @@ def _ray_executable() -> str:
 
 
 def _answers(url: str, timeout: float = 2.0) -> bool:
-    """GET `url` returns 200 (with our auth header; the paths asked here need none in Ray 2.60)."""
+    """Whether GET `url`, with our auth header, returns 200."""
     req = urllib.request.Request(url, headers=auth_headers())
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our own head only
@@ -122,14 +110,7 @@ def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
 
 
 def _registered_job_agent(gcs) -> str | None:
-    """The URL of the head node's job agent as Ray's Jobs API finds it before it runs a job, None until it is there.
-
-    Ray 2.60, ray/dashboard/modules/job/job_head.py: `submit_job` calls `get_target_agent`, which polls
-    `_get_head_node_agent_once` for WAIT_AVAILABLE_AGENT_TIMEOUT (10 s) and then answers 500 "No available agent to
-    submit job". That reads two GCS internal KV entries: the head node's ID (KV_HEAD_NODE_ID_KEY, namespace `job`,
-    put by the dashboard's NodeHead once the head node is ALIVE) and, under DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX + that
-    ID (namespace `dashboard`), the agent's [ip, http_port, grpc_port], which ray/dashboard/agent.py `run` puts only
-    after its HTTP server listens. Ray's own tests wait for the same key (`wait_for_dashboard_agent_available`)."""
+    """The head's job agent URL, None until registered; the GCS reads of Ray 2.60's `_get_head_node_agent_once`."""
     from ray._private import ray_constants
     from ray.dashboard import consts
 
@@ -147,8 +128,7 @@ def _registered_job_agent(gcs) -> str | None:
 
 
 def _job_agent_ready(gcs_address: str, timeout_s: float) -> bool:
-    """Poll until the head's job agent is registered (`_registered_job_agent`) and answers /api/healthz, for at most
-    `timeout_s`. Runs in a child process (`_wait_for_job_agent`)."""
+    """Poll, for at most `timeout_s`, until the job agent is registered and answers /api/healthz."""
     import ray.exceptions
     from ray._raylet import GcsClient
 
@@ -157,7 +137,7 @@ def _job_agent_ready(gcs_address: str, timeout_s: float) -> bool:
     while time.monotonic() < deadline:
         try:
             url = _registered_job_agent(gcs)
-        except ray.exceptions.RpcError:  # GCS busy or briefly unreachable: ask again
+        except ray.exceptions.RpcError:  # GCS busy: ask again
             url = None
         if url and _answers(f"{url}/api/healthz"):
             return True
@@ -166,12 +146,8 @@ def _job_agent_ready(gcs_address: str, timeout_s: float) -> bool:
 
 
 def _wait_for_job_agent(info: HeadInfo, deadline: float) -> float:
-    """Block until the head's job agent can take a job (`_job_agent_ready`); return the seconds waited. RuntimeError
-    at `deadline` (time.monotonic()) naming what was awaited and the agent's log, or saying why the check failed.
-
-    The GCS client runs in a child process with RAY_AUTH_MODE set as the head's: in this process Ray would take the
-    auth mode into process-wide state (`ray_auth_mode`), and a later change of the variable would no longer reach it.
-    """
+    """Block until the job agent can take a job; return the seconds waited. RuntimeError at `deadline` (monotonic).
+    A child process checks: this one would keep the auth mode in Ray's process-wide state."""
     start = time.monotonic()
     left = max(deadline - start, 1.0)
     cmd = [sys.executable, "-c", _AGENT_CHECK, info.gcs_address, f"{left:.1f}"]
@@ -183,7 +159,7 @@ def _wait_for_job_agent(info: HeadInfo, deadline: float) -> float:
     if proc.returncode == 0:
         return time.monotonic() - start
     if proc.returncode != NOT_READY_EXIT:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]  # the exception, without its traceback
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]  # the exception alone
         raise RuntimeError(f"`{' '.join(cmd)}` (the wait for the Ray head's job agent) failed: {last}")
     raise RuntimeError(
         f"the Ray head's dashboard answers at {info.dashboard_url}, but its job agent did not register in GCS "
@@ -207,19 +183,15 @@ def read_state(profile: ClusterProfile) -> HeadInfo | None:
 
 
 def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
-    """Reuse our running head (same temp dir, dashboard answering) or start a new one; return how to reach it once it
-    can run a job (dashboard up, job agent registered: module docstring).
-
-    RuntimeError naming what did not come up within `timeout_s`: a head started here is stopped again first, a reused
-    one is left alone (it may be running a job).
-    """
+    """Reuse our running head or start one; return it once it can run a job. RuntimeError after `timeout_s`, having
+    stopped a head started here (a reused one is left alone)."""
     if not profile.is_local:
         raise ValueError(f"profile {profile.name} has ray.address={profile.ray.address!r}: only 'local' starts a head")
     existing = read_state(profile)
     if existing and _dashboard_alive(existing.dashboard_url):
         _wait_until_ready(profile, existing, time.monotonic() + timeout_s, started_here=False)
         return existing
-    if existing:  # a stale record (machine rebooted, head killed): clear whatever is left of it
+    if existing:  # stale (reboot, killed head): clear what is left
         stop_head(profile)
     info = _start_head(profile, timeout_s)
     _wait_until_ready(profile, info, time.monotonic() + timeout_s, started_here=True)
@@ -227,13 +199,13 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
 
 
 def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
-    """`ray start --head` as the module docstring says, recorded in head.json; returns once `ray start` has."""
+    """`ray start --head`, recorded in head.json."""
     temp_dir = Path(profile.ray.temp_dir)
     temp_dir.mkdir(parents=True, exist_ok=True)
     mode = auth_mode_from_env()
     env = dict(os.environ, RAY_AUTH_MODE=mode, RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)  # `ray start --head` must not try to join another cluster
-    # A job's `python` is resolved on the head's PATH: put this venv first so jobs run with our packages.
+    env.pop("RAY_ADDRESS", None)  # `ray start --head` must not join another cluster
+    # A job's `python` is the first on the head's PATH.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if mode == "token" and read_auth_token() is None:
         subprocess.run(
@@ -250,7 +222,7 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash_port}",
         "--include-dashboard=true",
-        # Fixed default ports would collide with any other Ray on the machine: ask for free ones.
+        # Free ports: another Ray may hold the defaults.
         f"--ray-client-server-port={_free_port()}",
         f"--dashboard-agent-listen-port={_free_port()}",
         f"--num-cpus={profile.ray.head_num_cpus}",
@@ -261,7 +233,7 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
     ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:  # what it started so far runs on, with no head.json: stop it by temp dir
+    except subprocess.TimeoutExpired as exc:  # what it started runs on, with no head.json
         stop_head(profile)
         raise RuntimeError(f"`ray start --head` did not return within {timeout_s:.0f} s (a busy machine?)") from exc
     if proc.returncode != 0:
@@ -278,7 +250,7 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
 
 
 def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, started_here: bool) -> None:
-    """The dashboard answers, then the job agent (`_wait_for_job_agent`); RuntimeError at `deadline` otherwise."""
+    """Wait for the dashboard, then the job agent; RuntimeError at `deadline`."""
     start = time.monotonic()
     while not _dashboard_alive(info.dashboard_url):
         if time.monotonic() > deadline:
@@ -297,17 +269,15 @@ def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, 
 
 
 def _not_ready(profile: ClusterProfile, started_here: bool, message: str) -> RuntimeError:
-    """The error for a head that did not come up; one started here is stopped first, so that nothing is left."""
+    """The error for a head that did not come up; one started here is stopped first."""
     if started_here:
         stop_head(profile)
     return RuntimeError(message)
 
 
 def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
-    """PIDs whose command line names our temp dir, plus all their descendants (workers rename themselves), plus
-    the head's Ray Client proxy (``ray.util.client.server --address=<host>:<our GCS port>``). The proxy's command
-    line does not name the temp dir, and once the head that started it has exited it is nobody's descendant:
-    `make stop` used to leave it running."""
+    """PIDs naming our temp dir, their descendants (workers rename themselves), and the head's Ray Client proxy,
+    found by our GCS port: it names no temp dir and outlives the head."""
     parents: dict[int, int] = {}
     roots: set[int] = set()
     gcs_port = None if gcs_address is None else gcs_address.rsplit(":", 1)[-1]
@@ -338,8 +308,7 @@ def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
 
 
 def _address_port(cmdline: str) -> str | None:
-    """The port of a command line's ``--address=host:port`` (Ray names the GCS by the node's IP there, not by the
-    127.0.0.1 we asked for, so only the port identifies our head)."""
+    """The port of ``--address=host:port``; the host is the node's IP, not 127.0.0.1."""
     for arg in cmdline.split():
         if arg.startswith("--address="):
             return arg.rsplit(":", 1)[-1]
@@ -347,15 +316,14 @@ def _address_port(cmdline: str) -> str | None:
 
 
 def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
-    """Stop the head we started (by PID, see module docstring); a head we merely reused is left alone."""
+    """Stop the head we started, by PID; return the PIDs signalled. A reused head is left alone."""
     state = read_state(profile)
     if state is not None and not state.started_by_us:
         return []
     temp_dir = str(Path(profile.ray.temp_dir).resolve())
     stopped: list[int] = []
     deadline = time.monotonic() + grace_s
-    # Re-scan until nothing of ours is left: a raylet that is shutting down can still spawn a worker after the
-    # first scan, and such a late process would otherwise outlive `make stop`.
+    # Re-scan until nothing is left: a raylet shutting down can still spawn a worker after a scan.
     while True:
         alive = [p for p in _processes_of(temp_dir, state.gcs_address if state else None) if not _is_zombie(p)]
         if not alive:
@@ -368,7 +336,7 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
                 pass
         stopped.extend(p for p in alive if p not in stopped)
         if hard and time.monotonic() >= deadline + grace_s:
-            break  # unkillable (e.g. stuck in the kernel): give up rather than hang `make stop`
+            break  # unkillable (stuck in the kernel): do not hang `make stop`
         time.sleep(0.25)
     _state_path(profile).unlink(missing_ok=True)
     return stopped
@@ -383,25 +351,13 @@ def _is_zombie(pid: int) -> bool:
 
 @contextlib.contextmanager
 def ray_auth_mode(mode: str) -> Iterator[None]:
-    """RAY_AUTH_MODE=``mode`` in this process while the block runs, in the environment and in Ray's own state: for
-    Ray clusters started inside this process (`ray.cluster_utils.Cluster`, `ray.init()`). No Ray session may be
-    connected on entry.
-
-    The variable alone does not do it. Ray reads the mode into process-wide state when it is imported; a `ray.init()`
-    that starts a local instance with the variable unset turns token authentication on for the whole process (it sets
-    RAY_AUTH_MODE=token and re-reads its config: ray/_private/worker.py and authentication_token_setup.py); and a
-    token, once loaded, stays cached. `ray.shutdown()` undoes none of it. A cluster started with auth off while that
-    state still says token then has its GCS's calls into this process refused ("Missing authorization header in
-    request!" in the core-driver log), and the GCS cancels every actor this process creates ("The actor never ran -
-    it was cancelled before it started running"). So Ray re-reads the variable on entry, and on exit, once the
-    variable is back to what it was.
-    """
-    import ray  # heavy: only cluster commands need Ray
+    """RAY_AUTH_MODE=``mode`` in the environment and in Ray's process-wide state while the block runs, for clusters
+    started in this process (docs/elastic.md, "Health checks"). No Ray session may be connected on entry."""
+    import ray  # heavy import
     from ray._raylet import AuthenticationTokenLoader, Config
 
     def follow_environment() -> None:
-        # As Ray's own tests reset it (ray._private.authentication_test_utils.reset_auth_token_state): the config
-        # first, so that nothing reloads the old token in between.
+        # As Ray's tests do: the config first, so nothing reloads the old token in between.
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
 

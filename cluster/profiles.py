@@ -1,8 +1,7 @@
-"""Cluster profiles: the hardware, storage, Ray address and defaults a recipe runs on.
+"""Cluster profiles (`cluster/profiles/<name>.yaml`): the hardware, storage, Ray address and defaults a recipe runs on.
 
-A profile (`cluster/profiles/<name>.yaml`) names *where* a run happens; a recipe (`configs/<name>.yaml`) names
-*what* is trained. `cluster.plan.planner` joins the two. Every field is declared (with its default, if any) once, here;
-`{project}` in a path or URL expands to the project root so the embedded profile works from any clone.
+Every field and default is declared here, once (docs/design.md, "Profiles and recipes"). `load_profile` reads and
+validates one; `{project}` in a string expands to the project root.
 """
 
 from __future__ import annotations
@@ -20,67 +19,54 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    nodes: int  # machines in the cluster
-    gpus_per_node: int  # 0 → CPU workers
+    nodes: int  # machines
+    gpus_per_node: int  # 0: CPU workers
     gpu_type: str  # e.g. "A100-SXM4-80GB"; "none" on CPU
-    gpu_memory_gb: float  # per GPU, decimal GB (1e9 bytes); 0 on CPU
+    gpu_memory_gb: float  # per GPU, GB of 1e9 bytes; 0 on CPU
     cpus_per_node: int
     memory_gb_per_node: float
-    # The MFU denominator per device: the GPUs' dense bf16 peak (their fp32 one is in pretrain.telemetry.peak); on CPU
-    # None, the plan and the workers measure this machine's GEMM rate at the run's precision
-    # (pretrain.telemetry.peak.cpu_peak).
-    peak_tflops: float | None = None
+    peak_tflops: float | None = None  # MFU denominator: the GPU's dense bf16 peak; None on CPU (measured there)
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
-    # Images/s one CPU core of a node decodes and augments for the loader, declared for the plan's data-wait prediction
-    # (cluster.plan.data_wait) on remote hardware; a local profile measures this machine instead
-    # (data_pipeline.stream.loader_rate). Default: ImageNet-sized JPEGs at 224 px, Inception crop + flip, as `make
-    # bench-data` measures the loader's path (pipeline_img_s_per_core ~760 on a 2026 x86 core:
-    # docs/benchmarks/2026-11-26-data-loader.md), rounded down.
+    # Images/s one core decodes and augments, for the plan's data wait on remote hardware (local: measured).
+    # Default: `make bench-data` at 224 px, rounded down (docs/benchmarks/2026-11-26-data-loader.md).
     loader_img_s_per_core: float = 700.0
 
 
 @dataclass(frozen=True)
 class RaySpec:
-    address: str  # Job Submission API URL (http://head:8265), or "local" for the embedded head
-    head_num_cpus: int = 0  # embedded head only: logical CPUs it advertises (workers + eval slot)
+    address: str  # Jobs API URL (http://head:8265), or "local": the embedded head
+    head_num_cpus: int = 0  # embedded head: CPUs it advertises (workers + eval slot)
     head_object_store_mb: int = 256
-    dashboard_port: int = 8265  # embedded head only: preferred port, a free one is used when taken
-    temp_dir: str = ""  # embedded head only: Ray's session/log folder, ours alone
+    dashboard_port: int = 8265  # embedded head: preferred port; a free one when taken
+    temp_dir: str = ""  # embedded head: Ray's temp folder, ours alone
 
 
 @dataclass(frozen=True)
 class StorageSpec:
-    shards: str  # root under which recipes' shard folders live (local path or fsspec URL)
-    checkpoints: str  # run folders; a filesystem every node mounts (checkpoints are resumed from it)
+    shards: str  # root of the recipes' shard folders (path or fsspec URL)
+    checkpoints: str  # run folders, on a filesystem every node mounts
     mlflow_tracking_uri: str
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """The training worker group: a fixed world size (`num_workers`) or an elastic one (`min` .. `max`).
-
-    Elastic: Ray Train starts with as many workers as the cluster holds (at most `max`), goes on with the survivors
-    when a node is lost (if at least `min` are left) and grows back when capacity returns, checking every
-    `elastic_resize_monitor_interval_s` (docs/elastic.md). `num_workers` is then `max`, the size the plan's
-    main numbers use.
-    """
+    """A fixed world size (`num_workers`) or an elastic one (`min` .. `max`; docs/elastic.md, "Elastic jobs on
+    Ray"), where `num_workers` is `max`."""
 
     cpus_per_worker: int
     gpus_per_worker: int
     loader_workers: int  # DataLoader processes per rank
-    num_workers: int | None = None  # data-parallel ranks = world size (fixed); None with min/max
-    min: int | None = None  # elastic: fewest workers training continues with
-    max: int | None = None  # elastic: most workers; the job starts with as many as fit
-    elastic_resize_monitor_interval_s: float = 60.0  # elastic: how often Ray looks for new capacity (Ray's default)
-    # Ray placement of the worker group: PACK fills nodes, SPREAD one per node
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # Custom Ray resources each worker also needs, e.g. {trainer: 1} advertised only by training nodes, so an
-    # elastic group never grows onto the head's eval slot.
+    num_workers: int | None = None  # fixed world size; None with min/max
+    min: int | None = None  # elastic: fewest workers to go on with
+    max: int | None = None  # elastic: most workers
+    elastic_resize_monitor_interval_s: float = 60.0  # elastic: how often Ray looks for capacity
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # SPREAD: one per node
+    # Custom Ray resources per worker, e.g. {trainer: 1}, so an elastic group never grows onto the eval slot
     resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_workers is None and self.max is not None:
-            object.__setattr__(self, "num_workers", self.max)  # frozen: set once, at construction
+            object.__setattr__(self, "num_workers", self.max)  # frozen
 
     @property
     def elastic(self) -> bool:
@@ -97,44 +83,37 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class TrainDefaults:
-    """Hardware-dependent training settings for what a recipe leaves unset (the recipe and `--set` win)."""
+    """Hardware-dependent training settings for what the recipe and `--set` leave unset."""
 
     zero_stage: Literal[0, 1, 2, 3]
-    micro_batch_size: int  # also lowered to the largest divisor of global / world when it does not divide it
+    micro_batch_size: int  # lowered to a divisor of global / world if needed
     precision: Literal["bf16", "fp32"]
 
 
 @dataclass(frozen=True)
 class EvalResources:
-    """Ray resources of one eval task; they must not come out of the training workers' share."""
+    """Ray resources of one eval task, apart from the training workers' share."""
 
     num_cpus: float = 1
     num_gpus: float = 0
-    instance_type: str = ""  # a separate eval node group in cluster.render when evals need a GPU of their own
+    instance_type: str = ""  # cluster.render: an eval node group of this type
 
 
 @dataclass(frozen=True)
 class HangSpec:
-    """When the driver's watchdog (`cluster.driver.watchdog`) declares the worker group hung and restarts it from the
-    newest COMPLETE checkpoint: no rank has reported progress for longer than the allowance of what the ranks are doing.
-    Training: max(floor_s, factor x the median step time); the start of an attempt (Ray's worker start, the engine
-    build, a resume, the step-0 save, the first batch): the plan's start allowance, at least startup_s
-    (`cluster.plan.checkpoint_costs.startup_allowance`); a checkpoint save: max(save_floor_s, factor x the longest save
-    the attempt measured), before one is measured (and in a resolution switch) the plan's first-save allowance, at least
-    checkpoint_s. docs/elastic.md#faults."""
+    """The hung-rank watchdog's allowances (`cluster.driver.watchdog`; docs/elastic.md, "Faults")."""
 
     enabled: bool = True
-    floor_s: float = 30.0  # never sooner while training, however short the steps
-    factor: float = 10.0  # ... nor sooner than this many median steps (or, in a save, longest saves)
-    startup_s: float = 600.0  # from a worker's start to its first optimizer step: the floor of the plan's allowance
-    checkpoint_s: float = 300.0  # a save before one was measured, or a resolution switch: the floor of the plan's
-    save_floor_s: float = 60.0  # a save once one was measured: never sooner than this
-    # The checkpoint storage's write rate (all ranks together) the plan's start and first-save allowances assume:
-    # low on purpose, since an allowance too short kills a healthy group
+    floor_s: float = 30.0  # training: never sooner
+    factor: float = 10.0  # ... nor than this many median steps (in a save: longest saves)
+    startup_s: float = 600.0  # floor of the plan's start allowance
+    checkpoint_s: float = 300.0  # floor of the plan's first-save allowance
+    save_floor_s: float = 60.0  # a save once one was measured: never sooner
+    # storage write rate the allowances assume; low: too short an allowance kills a healthy group
     write_mb_per_s: float = 100.0
     poll_s: float = 2.0  # how often the watchdog reads the heartbeats
-    # A straggler: a rank whose data wait per step exceeds the median rank's by this fraction of the median step,
-    # in `straggler_polls` successive polls with new steps (reported in MLflow; nothing is restarted)
+    # Straggler (reported, not restarted): data wait above the median rank's by this fraction of the median step,
+    # in `straggler_polls` polls in a row
     straggler_fraction: float = 0.2
     straggler_polls: int = 3
 
@@ -167,9 +146,9 @@ class ClusterProfile:
     workers: WorkerSpec
     defaults: TrainDefaults
     evals: EvalResources = EvalResources()
-    max_failures: int = 1  # worker-group restarts Ray Train allows before the job fails
-    assumed_mfu: float = 0.4  # model FLOPs utilisation assumed by the plan's time estimate
-    hang: HangSpec = HangSpec()  # the hung-rank watchdog's allowances
+    max_failures: int = 1  # worker-group restarts before the job fails
+    assumed_mfu: float = 0.4  # the plan's MFU where none was measured (cluster.calibrate)
+    hang: HangSpec = HangSpec()  # hung-rank watchdog
 
     @property
     def is_local(self) -> bool:
@@ -286,10 +265,7 @@ def _expand(value: Any, project: Path) -> Any:
 
 
 def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> ClusterProfile:
-    """Load and validate a profile by name (`cluster/profiles/<name>.yaml`) or by path.
-
-    An unknown name raises ValueError listing the valid profiles.
-    """
+    """Load and validate a profile by name or YAML path; ValueError lists the valid names."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and not path.is_file():
         raise ValueError(
@@ -322,5 +298,5 @@ def profile_to_dict(profile: ClusterProfile) -> dict:
 
 
 def profile_from_dict(data: dict) -> ClusterProfile:
-    """Inverse of `profile_to_dict` (the plan file carries the resolved profile to the driver)."""
+    """Inverse of `profile_to_dict`."""
     return typed_yaml.build(ClusterProfile, data, f"profile {data.get('name', '?')}")

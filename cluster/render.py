@@ -2,12 +2,8 @@
 
     python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--out rendered]
 
-writes `<out>/<profile>/cluster.yaml` (`ray up` it; `ray dashboard` it to reach the Jobs API on 127.0.0.1:8265)
-and `<out>/<profile>/rayjob.yaml` (`kubectl apply -f` it: the RayJob runs `python -m cluster.driver` with the
-recipe's plan). Both follow the profile: `hardware.nodes` machines of `hardware.instance_type` (the head is one
-of them, it trains too), plus an eval node group when the profile's evals want a GPU of their own, the shared
-filesystem mounted at the checkpoint root, and the Jobs API bound to 127.0.0.1 (launcher) or reachable only
-inside the namespace with token authentication (KubeRay).
+writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `<out>/<profile>/rayjob.yaml` (`kubectl apply -f` it). The
+Jobs API is bound to 127.0.0.1 (launcher) or kept inside the namespace with token authentication (KubeRay).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from data_pipeline.cli import output_folder
 
 RAY_VERSION = "2.60.0"
 IMAGE = f"rayproject/ray-ml:{RAY_VERSION}-py311-gpu"
-SHARED_FS = "/fsx"  # where the profile's checkpoint root lives on every node (FSx for Lustre / a PVC)
+SHARED_FS = "/fsx"  # the checkpoint root's mount on every node (FSx for Lustre / a PVC)
 
 
 def _gpus(profile: ClusterProfile) -> int:
@@ -34,7 +30,7 @@ def _gpus(profile: ClusterProfile) -> int:
 
 
 def _install_spec(profile: ClusterProfile, project: str) -> str:
-    """`<project>[s3]`-style pip target: the project plus the extras its storage scheme needs (s3fs, gcsfs)."""
+    """`<project>[s3]`-style pip target with the extras the shard storage needs."""
     extras = ",".join(e.name for e in storage_extras([profile.storage.shards]))
     return f"'{project}[{extras}]'" if extras else project
 
@@ -59,10 +55,9 @@ def launcher_config(profile: ClusterProfile) -> dict:
     _check_renderable(profile)
     hw = profile.hardware
     setup = [
-        # Shared filesystem for checkpoints (FSx for Lustre); the DNS name comes from the environment.
+        # FSx for Lustre; its DNS name comes from the environment.
         f"sudo mkdir -p {SHARED_FS} && (mountpoint -q {SHARED_FS} || sudo mount -t lustre -o relatime,flock "
         f"$FSX_DNS@tcp:/$FSX_MOUNT {SHARED_FS})",
-        # The extras give fsspec the profile's shard storage (s3:// → s3fs, gs:// → gcsfs).
         f"pip install -e {_install_spec(profile, f'{SHARED_FS}/vitscale')}",
     ]
     node_types = {
@@ -80,7 +75,7 @@ def launcher_config(profile: ClusterProfile) -> dict:
             "node_config": {
                 "InstanceType": hw.instance_type,
                 "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
-                # One placement group keeps the nodes on the same EFA spine for NCCL all-reduce.
+                # One placement group: one EFA spine for NCCL.
                 "Placement": {"GroupName": f"vitscale-{profile.name}"},
             },
         },
@@ -119,7 +114,7 @@ def launcher_config(profile: ClusterProfile) -> dict:
         "setup_commands": setup,
         "head_setup_commands": [],
         "worker_setup_commands": [],
-        # Jobs API on 127.0.0.1 only: `ray dashboard cluster.yaml` tunnels it over SSH; token auth stays on.
+        # Jobs API on 127.0.0.1 (`ray dashboard` tunnels it over SSH), token auth on.
         "head_start_ray_commands": [
             "ray stop",
             "ray get-auth-token --generate >/dev/null",
@@ -143,8 +138,7 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
             "containers": [
                 {
                     "name": "ray",
-                    # ray-ml base + this repo: `pip install -e <repo>[extras]` as the launcher's setup_commands;
-                    # the RayJob's runtime env installs the storage extras too, should the image lack them.
+                    # ray-ml + this repo, as the launcher's setup_commands.
                     "image": f"vitscale:{RAY_VERSION}",
                     "env": [
                         {"name": "RAY_AUTH_MODE", "value": "token"},
@@ -169,7 +163,7 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
 
 
 def _runtime_env(job_spec_json: str) -> dict:
-    """The plan for the driver, and pip installs of the extras the plan names (as `cluster.launch`)."""
+    """The plan for the driver, and pip installs of the plan's extras (as `cluster.launch`)."""
     env: dict = {"env_vars": {PLAN_ENV: job_spec_json}}
     pip = runtime_pip(json.loads(job_spec_json)["plan"])
     if pip:
@@ -178,7 +172,7 @@ def _runtime_env(job_spec_json: str) -> dict:
 
 
 def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) -> list[dict]:
-    """A KubeRay RayJob (plus a NetworkPolicy keeping the Jobs API inside the namespace)."""
+    """A KubeRay RayJob and a NetworkPolicy keeping the Jobs API inside the namespace."""
     _check_renderable(profile)
     hw = profile.hardware
     node_memory = hw.memory_gb_per_node * 0.9  # leave room for the kubelet
@@ -215,8 +209,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
                 "headGroupSpec": {
-                    # Inside the pod network the submitter must reach 8265; the NetworkPolicy below and token
-                    # authentication keep it from anyone else.
+                    # Open to the pod network; the NetworkPolicy and the token keep others out.
                     "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(_gpus(profile))},
                     "template": _pod(profile, hw.cpus_per_node - 2, _gpus(profile), node_memory),
                 },
@@ -268,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="rendered", help="output folder (default ./rendered)")
     args = parser.parse_args(argv)
     try:
-        _check_renderable(load_profile(args.cluster))  # before the recipe is planned: its errors would mislead
+        _check_renderable(load_profile(args.cluster))  # before planning: its errors would mislead
         for path in render(args.cluster, args.recipe, output_folder(args.out, "--out")):
             print(f"wrote {path}")
     except ValueError as exc:
