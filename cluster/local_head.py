@@ -73,7 +73,7 @@ def read_auth_token() -> str | None:
     token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
     if token:
         return token
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "") or Path.home() / ".ray" / "auth_token")
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip() or Path.home() / ".ray" / "auth_token").expanduser()
     if path.is_file():
         return path.read_text().strip() or None
     return None

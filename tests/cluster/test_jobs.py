@@ -54,6 +54,9 @@ def test_auth_headers_follow_rays_token_lookup(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     assert local_head.auth_headers() == {"Authorization": "Bearer abc123"}
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~" in the path is the home folder, as cluster.env reads it
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "~/token")
+    assert local_head.auth_headers() == {"Authorization": "Bearer abc123"}
     monkeypatch.setenv("RAY_AUTH_TOKEN", "fromenv")
     assert local_head.auth_headers() == {"Authorization": "Bearer fromenv"}
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
