@@ -1,23 +1,8 @@
-"""Checkpoints: save (atomically), resume, initialise from weights; the layout itself is
-`pretrain.checkpoint.run_folder`'s.
+"""Saving and resuming checkpoints (the layout is `pretrain.checkpoint.run_folder`'s).
 
-Each ``<run_dir>/checkpoints/step_XXXXXXXX/`` holds the engine state (``deepspeed/``, every rank's ZeRO partitions),
-the consolidated weights (``model.safetensors`` + ``model.json``: what evals and users load; fp32, in a bf16 run the
-optimizer's fp32 master weights), the `TrainerState` (step, images seen, every rank's stream position and RNG states)
-and the resolved ``config.yaml``. It is written into ``step_XXXXXXXX.tmp``, renamed, and only then marked COMPLETE, so
-a crash mid-write leaves a folder without the marker that nothing reads, and the previous checkpoint stays the newest
-loadable one.
-
-Resume order (`find_start`): the newest COMPLETE checkpoint in the run folder that verifies > ``checkpoint.resume_from``
-> ``checkpoint.init_from`` (weights only) > scratch.
-
-Faults (docs/interfaces.md "Checkpoints"). Every save records each file's size and CRC-32 in ``checksums.json``
-(`pretrain.checkpoint.checksums`), and a resume checks them first: a damaged checkpoint (a file missing, cut short or
-changed) is skipped with one line naming the file, and the run resumes from the newest one that verifies. A save that
-fails on any rank (a full disk, any write error) removes its staging folder, leaves the earlier checkpoints as they were
-and raises `CheckpointSaveError` on every rank, with one message naming the path and the space needed
-(`pretrain.checkpoint.writes`); ``checkpoint.on_save_error: skip`` trains on instead and saves at the next cadence.
-`python -m pretrain.checkpoint verify DIR` checks them by hand (`pretrain.checkpoint.__main__`).
+Entry points: `find_start` (resume order: the newest verified checkpoint of the run, ``checkpoint.resume_from``,
+``checkpoint.init_from``, scratch), `prepare_resume` and `resume`, `save_checkpoint`, and `Checkpointer`, which
+decides when the trainer saves. Faults: docs/contracts.md, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -57,16 +42,14 @@ class StartPoint:
 
     @property
     def folder(self) -> Path:
-        """The checkpoint (or ``init_from`` weights) this start reads; a scratch start reads none."""
+        """The checkpoint (or ``init_from`` weights) this start reads; ValueError for scratch."""
         if self.path is None:
             raise ValueError(f"a {self.kind} start reads no checkpoint")
         return self.path
 
 
 def find_start(config: TrainConfig) -> StartPoint:
-    """Where training starts, by the documented resume order. Collective where a process group exists: the ranks
-    share the checking of the run's checkpoints (`newest_verified`). A damaged ``resume_from`` or ``init_from``
-    checkpoint is refused (ValueError naming the file): the user named it, so it is not skipped."""
+    """Collective: where training starts. A damaged ``resume_from`` or ``init_from`` raises ValueError, not a skip."""
     latest = newest_verified(Path(config.checkpoint.dir))
     if latest is not None:
         return StartPoint("run", latest)
@@ -76,18 +59,17 @@ def find_start(config: TrainConfig) -> StartPoint:
         return StartPoint("resume_from", _intact(folder, "checkpoint.resume_from"))
     if c.init_from is not None:
         source = Path(c.init_from)
-        if run_folder.is_complete(source):  # a training checkpoint: the weights it gives must be as written
+        if run_folder.is_complete(source):  # a training checkpoint: check the weight files
             _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
         return StartPoint("init_from", source)
     return StartPoint("scratch", None)
 
 
 def newest_verified(run_dir: Path) -> Path | None:
-    """Collective. The newest COMPLETE checkpoint of the run whose files are as its save wrote them (or that records
-    no checksums: written before they were recorded), or None when the run has none. Rank 0's listing decides what
-    is checked; each rank reads its `pretrain.checkpoint.checksums.share` of every candidate's files. Each damaged newer
-    one is skipped with one line (rank 0) naming the file and what differs; ValueError when every checkpoint is
-    damaged."""
+    """Collective: the newest COMPLETE checkpoint of the run that verifies (or is unverified), or None.
+
+    Each rank checks its `checksums.share`. A damaged one is skipped with one line; ValueError if all are damaged.
+    """
     rank, world = _rank_and_world()
     candidates: list[Path] = _gather(run_folder.complete_checkpoints(run_dir))[0]
     damaged = []
@@ -117,7 +99,7 @@ def newest_verified(run_dir: Path) -> Path | None:
 
 
 def _intact(folder: Path, setting: str, only: tuple[str, ...] | None = None) -> Path:
-    """``folder`` if its files (``only`` these) are as written, else ValueError naming the setting and the file."""
+    """``folder`` if its files (``only`` these) verify, else ValueError naming ``setting`` and the file."""
     verdict = checksums.verify(folder, only=only)
     if not verdict.ok:
         raise ValueError(
@@ -156,13 +138,10 @@ def save_checkpoint(
     stream_state: dict[str, Any],
     metrics: dict[str, float] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the COMPLETE checkpoint folder (same path on every rank).
+    """Collective: save and publish; returns the COMPLETE folder. ``model``: the bare ViT inside the engine.
 
-    ``model`` is the bare ViT inside the engine (consolidated into model.safetensors by `_save_consolidated`). Every
-    write goes through a `SaveAttempt`; the ranks agree on the outcome at three points (`_agree`: the staging folder
-    made, every file written, the checkpoint published), and a write that failed on any rank raises
-    `CheckpointSaveError` on every rank once its partial files are removed. The files' sizes and checksums go into
-    ``checksums.json``, the last file written before the rename and ``COMPLETE``.
+    Writes go through a `SaveAttempt`; the ranks agree (`_agree`) after staging, writing and publishing, so a failed
+    write anywhere raises `CheckpointSaveError` on every rank (`pretrain.checkpoint.writes`).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     run_dir = Path(config.checkpoint.dir)
@@ -173,10 +152,8 @@ def save_checkpoint(
         attempt.write(tmp, lambda: run_folder.start_staging(tmp), record=False)
     _agree(attempt)
     with attempt.routing(engine):
-        # DeepSpeed writes its "latest" file outside its checkpoint engine, where a failed write would raise on rank
-        # 0 alone (its peers then wait in the save's last barrier): rank 0 writes it below, through the attempt.
+        # DeepSpeed writes "latest" outside the attempt, where a failure would raise on rank 0 alone: see below.
         engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=tag, client_state={"step": step}, save_latest=False)
-    # Rank-local positions and random states, gathered to rank 0.
     stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(randomness.rng_state())
     _save_consolidated(engine, model, tmp, rank, attempt)
     if rank == 0:
@@ -193,7 +170,7 @@ def save_checkpoint(
         )
         attempt.write(tmp / run_folder.TRAINER_STATE, lambda: state.write(tmp))
         attempt.write(tmp / CONFIG_YAML, lambda: run_folder.write_durably(tmp / CONFIG_YAML, config.to_yaml()))
-        latest = tmp / DEEPSPEED_DIR / "latest"  # what DeepSpeed's save_latest writes: the tag
+        latest = tmp / DEEPSPEED_DIR / "latest"
         attempt.write(latest, lambda: run_folder.write_durably(latest, tag))
     for other in _agree(attempt):
         attempt.written.update(other.written)
@@ -204,14 +181,12 @@ def save_checkpoint(
         attempt.write(final, lambda: run_folder.publish(tmp), record=False)
         if attempt.failure is None:
             run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last)
-    _agree(attempt)  # also what makes every rank wait until the checkpoint is COMPLETE
+    _agree(attempt)  # also: every rank waits until the checkpoint is COMPLETE
     return final
 
 
 def _agree(attempt: SaveAttempt) -> list[SaveAttempt]:
-    """Collective: every rank's attempt so far. When a write failed on any rank, rank 0 removes the partial files
-    (the staging folder, or a published folder that did not get its marker) and every rank raises the same
-    `CheckpointSaveError`."""
+    """Collective: every rank's attempt. On any failure rank 0 removes the partial files and all ranks raise."""
     attempts = _gather(attempt)
     failure = next((a.failure for a in attempts if a.failure is not None), None)
     if failure is None:
@@ -228,62 +203,50 @@ def _agree(attempt: SaveAttempt) -> list[SaveAttempt]:
 
 
 def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: int, attempt: SaveAttempt) -> None:
-    """Collective: every rank calls it. Rank 0 writes ``model`` into ``directory`` with `save_pretrained`, through
-    ``attempt`` (a failed write is recorded, and the collectives here still complete on every rank).
+    """Collective: rank 0 writes ``model`` into ``directory`` (`save_pretrained`) through ``attempt``.
 
-    In a bf16 run the parameters written are the optimizer's fp32 master weights, not the engine's bf16 compute copy
-    (rounded to 8 bits of mantissa): evals, exports and ``init_from`` start from what training holds. Parameters
-    without optimizer state (frozen ones) and buffers are written as the module holds them. In an fp32 run the
-    module's parameters are the master weights (DeepSpeed copies them back after every step): written as they are.
+    A bf16 run writes the optimizer's fp32 masters, not the bf16 compute copy, so evals and exports start from what
+    training holds; frozen parameters and buffers are written as the module holds them.
     """
-    import deepspeed  # the engine has imported it already
+    import deepspeed  # already imported by the engine
 
     masters = _fp32_masters(model, rank) if engine.bfloat16_enabled() else {}
     rest = [p for name, p in model.named_parameters() if name not in masters]
-    # ZeRO-3 partitions the parameters: gathering them is a collective every rank enters.
+    # Gathering is a collective under ZeRO-3.
     with deepspeed.zero.GatheredParameters(rest, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
         if rank == 0:
-            held = {name: master for name, master in masters.items() if master is not None}  # all of them on rank 0
+            held = {name: master for name, master in masters.items() if master is not None}
             weights = _holding(model, {**model.state_dict(), **held}) if held else model
             attempt.write(directory / WEIGHTS_FILE, lambda: save_pretrained(weights, directory), record=False)
 
 
 def _fp32_masters(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
-    """Collective: every rank calls it. ``{name: fp32 master weights}`` of each of ``model``'s parameters that the
-    optimizer trains, assembled from every rank's partition (ZeRO 1-3); on CPU on rank 0, None on the others."""
+    """Collective: ``{name: fp32 master}`` of each trained parameter; on CPU on rank 0, None elsewhere."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     masters = {}
     for name, param in model.named_parameters():
-        full = safe_get_full_fp32_param(param)  # one collective per parameter: the same order on every rank
-        if full is not None:  # None: no optimizer state (frozen), the same on every rank
+        full = safe_get_full_fp32_param(param)  # a collective, in the same order on every rank
+        if full is not None:  # None: frozen
             masters[name] = full.cpu() if rank == 0 else None
     return masters
 
 
 def _holding(model: VisionTransformer, state: dict[str, torch.Tensor]) -> VisionTransformer:
-    """A model of ``model``'s class and config whose tensors are ``state`` (built on the meta device: no memory or
-    initialisation is spent on the weights it replaces)."""
+    """A model of ``model``'s class and config holding ``state`` (built on the meta device)."""
     with torch.device("meta"):
         copy = type(model)(model.config)
     copy.load_state_dict(state, assign=True)
     return copy
 
 
-UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: the engine state converted for any world size
+UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: the engine state for any world size
 
 
 def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None:
-    """Collective. Before the engine is built: the universal checkpoint to load when ``start`` was written at
-    another world size and its optimizer state is partitioned by rank, else None.
-
-    The partitioned state (ZeRO 1-3, and bf16 at any stage: DeepSpeed's bf16 optimizer partitions fp32 master
-    weights and Adam moments by rank) is converted once, by rank 0, with DeepSpeed's ``ds_to_universal`` into
-    ``<checkpoint>/universal/`` (staged in ``universal.tmp`` and renamed, reused by later resizes); every rank then
-    loads its new partition from it. ZeRO-0 in fp32 keeps the whole optimizer in one file that loads at any world
-    size, so it needs no conversion. The global batch is kept: `pretrain.config.ds_config.batch_plan` recomputes the
-    accumulation, and a world size that cannot keep it was refused by ``TrainConfig.validate`` before this runs.
-    """
+    """Collective, before the engine is built: the universal checkpoint to load when ``start`` was written at another
+    world size with rank-partitioned optimizer state (ZeRO 1-3, or bf16), else None. Rank 0 converts once and later
+    resizes reuse it (docs/elastic.md, "Checkpoints at another world size")."""
     if start.kind not in ("run", "resume_from"):
         return None
     state = TrainerState.read(start.folder)
@@ -294,7 +257,7 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
         return None
     target = start.folder / UNIVERSAL_DIR
     if rank == 0 and not target.is_dir():
-        check_weights_only(engine_dir)  # the converter unpickles without the weights-only guard
+        check_weights_only(engine_dir)  # the converter unpickles unguarded
         started = time.perf_counter()
         staging = target.with_name(UNIVERSAL_DIR + run_folder.STAGING_SUFFIX)
         shutil.rmtree(staging, ignore_errors=True)
@@ -311,13 +274,11 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
 
 
 def _to_universal(engine_dir: Path, output: Path) -> None:
-    """DeepSpeed's ds_to_universal on one engine folder, in this process (one extract and one merge worker: the
-    conversion runs while the training ranks wait). ``inject_missing_state``: the converter wants the
-    ``universal_checkpoint_info`` that Megatron-style clients save for tensor/pipeline parallelism; vitscale is data
-    parallel only, so it holds nothing but the format version, which the converter fills in."""
+    """DeepSpeed's ds_to_universal, in this process. ``inject_missing_state`` fills in the Megatron-only
+    ``universal_checkpoint_info``, which for pure data parallelism is just the format version."""
     from argparse import Namespace
 
-    from deepspeed.checkpoint import ds_to_universal  # heavy optional external: only a resize needs it
+    from deepspeed.checkpoint import ds_to_universal  # heavy; only a resize needs it
 
     args = Namespace(
         input_folder=str(engine_dir),
@@ -328,34 +289,28 @@ def _to_universal(engine_dir: Path, output: Path) -> None:
         strict=True,
         inject_missing_state=True,
     )
-    with contextlib.redirect_stdout(io.StringIO()):  # its step-by-step prints; errors still raise
+    with contextlib.redirect_stdout(io.StringIO()):  # errors still raise
         ds_to_universal.main(args)
 
 
 def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None) -> TrainerState:
-    """Collective: restore the engine (model + optimizer) and return the trainer state; RNG is restored by caller.
-
-    ``universal`` (from `prepare_resume`): load the engine from that universal checkpoint, at this world size.
-    Engine files are read with ``torch.load(weights_only=True)`` plus the allow-list above, so a tampered
-    checkpoint cannot run code.
-    """
+    """Collective: restore the engine (weights-only loads) and return the trainer state; the caller restores RNG.
+    ``universal``: load that universal checkpoint instead (`prepare_resume`)."""
     state = TrainerState.read(checkpoint_dir)
     load_weights_only(engine.checkpoint_engine)
     folder = universal if universal is not None else Path(checkpoint_dir) / DEEPSPEED_DIR
-    if universal is not None:  # DeepSpeed reads these with weights_only=False: refuse a code-running pickle first
+    if universal is not None:  # DeepSpeed loads these unguarded
         check_weights_only(folder)
-    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch AdamW inside ZeRO
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the AdamW inside ZeRO
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     load_path, _ = engine.load_checkpoint(str(folder), tag=state.deepspeed_tag, load_lr_scheduler_states=False)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no engine state under {folder}")
     if universal is not None:
-        # Two things ZeRO-3's universal load gets wrong (DeepSpeed 0.19.8), put right here: (1) every param group
-        # gets the hyperparameters of group 0, so the parameters that are not decayed (biases, norms, embeddings:
-        # pretrain.config.optim) would be decayed; the groups' settings come from the config (the lr from the schedule
-        # at every step). (2) All groups' Adam ``step`` is one shared tensor, which torch's AdamW increments in
-        # place once per group and step, so the second group's bias correction runs ahead (losses drifted 6e-4
-        # from the uninterrupted run within three steps); each group gets its own copy.
+        # Two bugs of ZeRO-3's universal load (DeepSpeed 0.19.8): (1) every param group gets group 0's
+        # hyperparameters, so the no-decay group would be decayed: restore the groups' own settings. (2) All groups
+        # share one Adam ``step`` tensor, which AdamW increments once per group, so the second group's bias
+        # correction runs ahead: give each its own copy.
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
         for param_state in optimizer.state.values():
@@ -365,11 +320,8 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
 
 
 def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[str]:
-    """Copy weights (same name and shape) from a model.safetensors folder or an official .npz into ``model``.
-
-    Position embeddings are resized to ``image_size`` by the loader. Returns the names left at their
-    initialisation (e.g. a head with another class count), which the caller reports.
-    """
+    """Copy same-name, same-shape weights from a model.safetensors folder or an official .npz into ``model`` (position
+    embeddings resized to ``image_size``); returns the names left at their initialisation."""
     src = load_npz(source, image_size=image_size) if source.suffix == ".npz" else load_pretrained(source, image_size)
     theirs = src.state_dict()
     mine = model.state_dict()
@@ -382,7 +334,7 @@ def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[
 
 
 def _jsonable(obj: Any) -> Any:
-    """Stream states may hold numpy scalars/arrays or tuples; JSON keeps them as plain numbers and lists."""
+    """``obj`` with numpy values and tuples made plain numbers and lists."""
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -397,7 +349,7 @@ def _jsonable(obj: Any) -> Any:
 # --------------------------------------------------------------------------------------------- resume
 
 
-# Settings a resumed run may change without changing what it computes up to the old schedule's end.
+# Settings a resume may change without changing what it computes.
 _RESUME_MAY_CHANGE = (
     "checkpoint.",
     "logging.",
@@ -410,8 +362,8 @@ _RESUME_MAY_CHANGE = (
 
 
 def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
-    """Say which settings differ from the checkpoint's config.yaml: resuming with them is allowed but not exact."""
-    import yaml  # only resumes read a saved config
+    """Warn about settings that differ from the checkpoint's config.yaml (the resume is then not exact)."""
+    import yaml  # only resumes need it
 
     saved = flatten_config(yaml.safe_load((checkpoint_dir / CONFIG_YAML).read_text()))
     now = flatten_config(config.to_dict())
@@ -431,11 +383,7 @@ def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
 def resume(
     engine, stream, start: StartPoint, rank: int, world_size: int, config: TrainConfig, universal: Path | None = None
 ) -> TrainerState | None:
-    """Restore engine + stream position from a full checkpoint; its trainer state (None when starting fresh).
-
-    At another world size the engine loads ``universal`` (`pretrain.checkpointer.prepare_resume`) and the stream takes
-    its streams' positions from the global one: the run continues the same sequence of global batches.
-    """
+    """Restore the engine and the stream from a full checkpoint, at any world size; its trainer state, or None."""
     if start.kind not in ("run", "resume_from"):
         return None
     state = load_checkpoint(engine, start.folder, universal)
@@ -460,15 +408,10 @@ CheckpointCallback = Callable[[Path, int, dict], None]
 
 
 class Checkpointer:
-    """When the trainer saves, and who hears of it: every ``checkpoint.every_steps`` steps and at the run's last step,
-    plus the step-0 weights of a fresh run whose checkpoints are evaluated (`wants_baseline`); ``checkpoint.keep_last``
-    prunes older ones as each save publishes (`pretrain.checkpoint.run_folder.prune_checkpoints`, sparing pinned ones);
-    and ``on_checkpoint(folder, step, metrics)`` runs on every rank after each COMPLETE checkpoint (the cluster driver
-    hands it to the evals). Before each save the ``tracker`` delivers what it holds (`Tracker.sync`): a checkpoint
-    is published only once the metrics of its steps are in the run, so a worker lost after it, whose group resumes
-    from it, loses no metric of a step that is not trained again. A save that fails (`CheckpointSaveError`) stops
-    the run, or with ``checkpoint.on_save_error: skip`` is reported and retried at the next cadence step (never the
-    last step's)."""
+    """When the trainer saves: every ``checkpoint.every_steps`` steps, at the last step, and step 0 of a fresh
+    evaluated run. ``on_checkpoint(folder, step, metrics)`` runs on every rank after each save. The ``tracker`` is
+    synced first, so a checkpoint is published only once its steps' metrics are logged (docs/performance.md, "Data
+    wait: predicted, and the decoded cache"). A failed save stops the run unless ``on_save_error: skip``."""
 
     def __init__(
         self,
@@ -481,18 +424,16 @@ class Checkpointer:
         self.tracker = tracker
         self.on_save_error = config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
-        self.saved: list[str] = []  # this attempt's COMPLETE checkpoints, in order
-        self.save_seconds = 0.0  # wall seconds this attempt spent saving (and handing saves over): the goodput ledger
+        self.saved: list[str] = []  # this attempt's checkpoints
+        self.save_seconds = 0.0  # wall seconds spent saving (goodput ledger)
 
     def save_baseline(self, trainer) -> None:
-        """A fresh run's step-0 weights, before the first update, so every transfer curve starts at its baseline. A
-        resumed run never saves it (its first attempt did), so a restart does not evaluate step 0 again. The save
-        draws no random numbers, so the losses are the same with and without it."""
+        """Save a fresh run's step-0 weights (never on resume). Draws no random numbers."""
         if self.baseline and trainer.start_step == 0 and trainer.state is None:
             self._save(trainer, {})
 
     def after_step(self, trainer, metrics: dict[str, float]) -> None:
-        """Save if ``trainer.step`` is on the cadence or the last step; ``metrics`` go into the trainer state."""
+        """Save if ``trainer.step`` is on the cadence or the last step."""
         if trainer.step % self.every == 0 or trainer.step == self.last_step:
             self._save(trainer, metrics)
 
@@ -500,7 +441,7 @@ class Checkpointer:
         started = time.perf_counter()
         try:
             self._save_and_hand_over(trainer, metrics)
-        finally:  # a failed save's time was spent saving too
+        finally:  # a failed save counts too
             self.save_seconds += time.perf_counter() - started
 
     def _save_and_hand_over(self, trainer, metrics: dict[str, float]) -> None:

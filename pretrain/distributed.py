@@ -1,9 +1,8 @@
-"""The process group of a training rank: joining it, the CPU build lock DeepSpeed can leave behind, and ending it.
+"""A training rank's process group: joining it (`init_distributed`), ending it (`finish_distributed`, `exit_rank`),
+and the DeepSpeed import and CPU build lock that come before (`import_deepspeed`, `remove_stale_build_lock`).
 
-`init_distributed` joins (or creates) the group from RANK / WORLD_SIZE / LOCAL_RANK, the same under torchrun, the
-DeepSpeed launcher and Ray Train (which creates the group itself); gloo on CPU, nccl on CUDA. `finish_distributed`
-tears every group down so that a finished rank exits normally with no gloo thread left, and `exit_rank` ends the
-process (docs/reference.md §7, "Ending a rank").
+The same code runs under torchrun, the DeepSpeed launcher and Ray Train (which creates the group itself).
+docs/reference.md §7, "Ending a rank".
 """
 
 from __future__ import annotations
@@ -35,32 +34,22 @@ class Placement:
 
 
 def training_device_type() -> str:
-    """``cuda`` where torch sees a GPU, unless ``DS_ACCELERATOR=cpu`` asks DeepSpeed for the CPU: then the model, its
-    optimizer and the process group (gloo) stay on the CPU although a GPU is there (docs/reference.md §7, §8)."""
+    """``cuda`` where torch sees a GPU, unless ``DS_ACCELERATOR=cpu`` puts DeepSpeed, and so everything, on the CPU
+    (docs/reference.md §7)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# DeepSpeed modules a training rank imports without using them: the ZeRO optimizers import DeepSpeed's Muon
-# optimizer only to ask `isinstance(optimizer, MuonWithAuxAdam)` (and bind `muon_update` where Muon groups would be
-# updated), and that module `torch.compile`s two functions at import, which imports Inductor.
+# Imported by the ZeRO optimizers only for isinstance checks; they torch.compile at import, which imports Inductor.
 MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
 MUON_NAMES = ("MuonWithAuxAdam", "muon_update", "adam_update")
 
 
 def import_deepspeed() -> types.ModuleType:
-    """``import deepspeed`` for a training process, without two imports it would make for DeepSpeed features this
-    project never runs (docs/performance.md, "A rank's start"): about 2 CPU-seconds of every rank's start.
-
-    - DeepSpeed's autotuner imports MLflow when it can (``deepspeed/autotuning/autotuner.py``), at ``import
-      deepspeed``; the autotuner is never run here. MLflow is hidden while DeepSpeed is imported, so that its
-      autotuner finds none; the rank that logs imports MLflow itself, when it makes its `tracking.tracker.Tracker`.
-    - DeepSpeed's Muon modules (`MUON_MODULES`) stand for a light module whose `MuonWithAuxAdam` is a class nothing
-      instantiates, and whose updates refuse to run: this project's optimizer is always torch's AdamW
-      (`pretrain.config.optim.build_optimizer`), so DeepSpeed's checks answer as with the real module, and no Muon
-      update is ever called. A process that imported the real modules first keeps them.
-    Idempotent; ``DS_ACCELERATOR`` must be set before the first call, as before any import of DeepSpeed."""
+    """``import deepspeed`` without its imports for features never run here (docs/performance.md, "A rank's start"):
+    MLflow is hidden while it imports, and `MUON_MODULES` get a stand-in whose functions refuse to run (the optimizer
+    is always AdamW). Idempotent; set ``DS_ACCELERATOR`` before the first call."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     for name in MUON_MODULES:
@@ -102,12 +91,12 @@ def init_distributed(config: TrainConfig) -> Placement:
     device_type = training_device_type()
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine, or two could remove a live lock
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine
             remove_stale_build_lock(SHM_COMM_OP)
     deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import
 
     if not dist.is_initialized():
-        _import_world_defaults()  # before the default group exists, or they keep it alive for good
+        _import_world_defaults()  # before the default group exists
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -127,22 +116,15 @@ def init_distributed(config: TrainConfig) -> Placement:
 def _import_world_defaults() -> None:
     """Import `torch.distributed.nn.functional` while no default process group exists.
 
-    Its ten collectives take ``group=group.WORLD`` as a default argument (torch/distributed/nn/functional.py), which
-    Python evaluates once, at import. torch imports the module lazily, through `torch._dynamo`, at the first
-    optimizer's `add_param_group`, i.e. after the default group is created: the functions' ``__defaults__`` then hold
-    that group for the rest of the process, and destroying it (which for gloo only removes it from torch's maps) leaves
-    its C++ object, two ``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` thread running until the interpreter is torn
-    down (docs/reference.md §7). Imported first, the defaults are None: the default group at call time."""
+    Its collectives take ``group=group.WORLD`` as a default argument, evaluated at import. Imported after the group
+    exists (torch does so lazily, at the first `add_param_group`), the defaults would keep the group and its gloo
+    threads alive until interpreter teardown (docs/reference.md §7). Imported first, the defaults are None."""
     import torch.distributed.nn.functional  # noqa: F401
 
 
 def _release_destroyed_groups() -> None:
-    """Drop the destroyed groups that `torch.distributed.nn.functional`'s default arguments still hold, so that the
-    last reference goes and the groups' gloo threads are joined now, not during interpreter teardown.
-
-    They hold the default group when the module was imported after it was created: by a caller that made the group
-    itself (`init_distributed` imports the module first, `_import_world_defaults`). Called once every group is
-    destroyed; None is what the defaults are when the module is imported with no group."""
+    """Drop destroyed groups still held by `torch.distributed.nn.functional`'s default arguments (imported after a
+    caller made the group itself), so their gloo threads are joined now, not at interpreter teardown."""
     functional = sys.modules.get("torch.distributed.nn.functional")
     if functional is None:
         return
@@ -152,21 +134,19 @@ def _release_destroyed_groups() -> None:
             function.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
-# DeepSpeed's CPU communication op, JIT-built by torch's extension builder on the first CPU start (docs/reference.md §7)
+# DeepSpeed's CPU communication op, JIT-built on the first CPU start (docs/reference.md §7)
 SHM_COMM_OP = "deepspeed_shm_comm"
-STALE_LOCK_S = 900  # the op builds in about a minute here; no live build holds its lock this long
-ORPHAN_LOCK_S = 30  # a lock no process here holds open, this old, was left by a killed one
+STALE_LOCK_S = 900  # longer than any build holds the lock
+ORPHAN_LOCK_S = 30  # a lock no process holds open, this old, was left by a killed one
 
 
 def remove_stale_build_lock(op: str) -> Path | None:
-    """Remove the build lock of torch JIT extension ``op`` if it was left by a killed process; return its path then.
+    """Remove the build lock of torch JIT extension ``op`` if a killed process left it; return its path then.
 
-    torch's builder holds ``<build dir>/lock`` open while it checks (about a second at every start) or builds the op,
-    and every other process waits, silently and forever, while that file exists. A process killed in that window
-    leaves the file behind, and from then on every DeepSpeed start on the machine hangs (docs/reference.md §8). Left
-    behind: no process on this machine has it open and it is older than ``ORPHAN_LOCK_S`` (the builder keeps its
-    descriptor open until it deletes the file), or, where that cannot be seen, older than any build takes."""
-    from torch.utils.cpp_extension import _get_build_directory  # where torch puts (and locks) the op's build
+    Every process waits forever while ``<build dir>/lock`` exists, so a builder killed while holding it hangs every
+    later DeepSpeed start on the machine (docs/reference.md §7). Stale: no process here has it open and it is older
+    than ``ORPHAN_LOCK_S``, or, where /proc cannot tell, older than any build takes."""
+    from torch.utils.cpp_extension import _get_build_directory
 
     lock = Path(_get_build_directory(op, verbose=False)) / "lock"
     try:
@@ -186,8 +166,7 @@ def remove_stale_build_lock(op: str) -> Path | None:
 
 
 def _held_open(path: Path) -> bool | None:
-    """Whether a process on this machine has ``path`` open (Linux /proc; processes of other users are not visible);
-    None where /proc cannot tell."""
+    """Whether a process here has ``path`` open (other users' processes are not visible); None without /proc."""
     proc = Path("/proc")
     if not (proc / "self" / "fd").is_dir():
         return None
@@ -208,13 +187,8 @@ def _free_port() -> int:
 
 
 def finish_distributed() -> None:
-    """Tear the process groups down once every rank is done (a no-op when there are none).
-
-    The barrier comes first: a rank that exits while its peer is still in a collective makes the peer's gloo threads
-    abort the process. DeepSpeed's destroy also drops the groups DeepSpeed caches, which torch's alone leaves alive,
-    and `_release_destroyed_groups` the references torch keeps in default arguments: when this returns, every group
-    is freed and its gloo threads are joined (docs/reference.md §7).
-    """
+    """Tear the process groups down once every rank is done; afterwards no gloo thread runs. The barrier comes first:
+    a rank exiting while a peer is in a collective makes the peer's gloo threads abort it."""
     if not dist.is_initialized():
         return
     import deepspeed.comm
@@ -227,11 +201,9 @@ def finish_distributed() -> None:
 def exit_rank(code: int) -> NoReturn:
     """End a training process with ``code`` once its results are written.
 
-    After `finish_distributed` no process group is left and no gloo thread runs, and the rank exits normally. A rank
-    that leaves with a group still alive, on an error path that returns before the teardown (its peers may still be
-    in a collective, so no barrier), runs the exit handlers (logging, multiprocessing, ...) and flushes the standard
-    streams, then leaves with ``os._exit``: finalizing the interpreter would destroy that live gloo group during
-    Python's teardown, where its threads can abort the process (docs/reference.md §7).
+    After `finish_distributed` the rank exits normally. With a group still alive (an error path; peers may be in a
+    collective, so no barrier) it runs the exit handlers, flushes stdout and stderr and leaves with ``os._exit``:
+    interpreter teardown would destroy the live gloo group, whose threads can abort the process.
     """
     if dist.is_available() and dist.is_initialized():
         atexit._run_exitfuncs()

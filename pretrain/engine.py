@@ -1,6 +1,5 @@
-"""The DeepSpeed engine of a run: its precision (`pretrain.config.precision`'s rule, the same on every rank) and the
-engine itself (model, task, optimizer) as the config and the start point say.
-"""
+"""A run's DeepSpeed engine: its precision (`decide_precision`) and the engine around model, task and optimizer
+(`build_engine`)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ from pretrain.randomness import seed_everything
 def decide_precision(
     config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint
 ) -> PrecisionChoice:
-    """`deepspeed.precision` for this run, the same on every rank (`pretrain.config.precision`): `auto` by the rule on
-    this device and the model's shapes; `probe` by the run folder's record, else by timing on rank 0, which records it.
-    A resumed run keeps the precision its checkpoint trained in."""
+    """`deepspeed.precision` for this run, the same on every rank (`pretrain.config.precision`). A first `probe`
+    times on rank 0 and records the answer in the run folder."""
     d, run_dir = config.data, Path(config.checkpoint.dir)
     resumed = None
     if start.kind in ("run", "resume_from"):
@@ -58,7 +56,7 @@ def decide_precision(
             probe=probe,
             zero_stage=config.deepspeed.zero_stage,
         )
-        if choice.rule == "probe":  # timed now: later starts of this run repeat it
+        if choice.rule == "probe":  # timed now; later starts repeat it
             run_folder.write_precision_record(run_dir, choice.precision, choice.rule, choice.reason)
         return choice
 
@@ -73,8 +71,8 @@ def build_engine(
     precision: str,
     load_universal: bool = False,
 ):
-    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine. Returns (engine, model).
-    ``load_universal``: the engine will load a universal checkpoint (a resume at another world size)."""
+    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine; returns (engine, model).
+    ``load_universal``: the engine will load a universal checkpoint."""
     deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import
 
     seed_everything(config.seed)  # identical initialisation on every rank
@@ -82,20 +80,18 @@ def build_engine(
     if start.kind == "init_from":
         ckpt.init_weights(model, start.folder, config.data.image_size)
     if config.model.compile:
-        # Compiles at the first step; checkpoints and parameter names are unchanged. A CPU rank builds its kernels
-        # on its own threads: Inductor's default pool, a process per core of the machine in every rank, took a
-        # cold 2-rank run from 37 to 92 CPU-s on 2 cores (docs/performance.md, "Compiled blocks").
+        # Compiles at the first step. A CPU rank builds kernels on its own threads, not Inductor's pool of a process
+        # per core in every rank (docs/performance.md, "Compiled blocks").
         model.compile_blocks(compile_threads=torch.get_num_threads() if place.device.type == "cpu" else None)
     task = build_task(config, model)
     external_parameters = getattr(task, "external_parameters", None)
     if config.deepspeed.zero_stage == 3 and external_parameters is not None:
-        # Parameters the task reads outside their module's forward: ZeRO-3 must gather them around the task's.
+        # Parameters the task reads outside their module's forward: ZeRO-3 gathers them around the task's.
         for param in external_parameters():
             deepspeed.zero.register_external_parameter(task, param)
     if config.deepspeed.zero_stage == 3 and config.model.compile:
-        # ZeRO-3 gathers each block's parameters in hooks on the block alone (a leaf module: none on its children),
-        # which run around its compiled forward. With hooks on every submodule, Dynamo traced them inside the blocks
-        # and recompiled per layer (docs/performance.md, "Compiled blocks").
+        # Leaf blocks: ZeRO-3 hooks the block alone, around its compiled forward; hooks on its children would be
+        # traced by Dynamo and recompiled per layer (docs/performance.md, "Compiled blocks").
         deepspeed.utils.set_z3_leaf_modules(task, [Block])
     ds_config = engine_config(config, place.world_size, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)

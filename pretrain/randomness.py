@@ -1,6 +1,5 @@
-"""Where a run's random numbers come from: the global generators seeded once per rank, and the model's own
-randomness (dropout) seeded by its position in the run, so that nothing outside the model can shift it; the global
-generators' state as a checkpoint keeps it (`rng_state`, `set_rng_state`)."""
+"""A run's random numbers: the global generators, seeded per rank and saved in checkpoints (`rng_state`), and the
+model's own randomness (dropout), seeded by its position in the run (`model_randomness`)."""
 
 from __future__ import annotations
 
@@ -22,19 +21,14 @@ def seed_everything(seed: int) -> None:
 
 @contextmanager
 def model_randomness(seed: int, step: int, micro_batch: int, device: torch.device) -> Iterator[None]:
-    """Run the enclosed forward/backward with torch's generators (CPU, and this rank's GPU) seeded by the position
-    (seed, optimizer step, global micro-batch index); the global states before it are put back afterwards.
+    """Run the enclosed forward/backward with torch's generators (CPU, this rank's GPU) seeded by (seed, optimizer
+    step, global micro-batch index); the global states are restored afterwards.
 
-    Why by position, and not one long per-rank stream that checkpoints save and restore: the model's randomness
-    (dropout, attention dropout, anything stochastic in the task) then depends on nothing outside the model. A
-    DataLoader created at a resume or an epoch rollover, a checkpoint write, an engine rebuild or any library that
-    draws from the global generator cannot shift it, and a resumed or restarted run continues it exactly without any
-    saved state: the same contract as the data stream's. Activation checkpointing replays the state it stashed in
-    the forward, so a recompute in the backward sees the same masks.
-
-    Why the global micro-batch index (rank × accumulation steps + micro) and not the rank: global micro-batch u holds
-    the same samples at every world size (docs/elastic.md), so seeded by u its dropout masks are the same too, and a
-    run resumed at another world size computes the same losses up to the order of the sums.
+    Seeded by position, the model's randomness depends on nothing outside the model: a DataLoader start, a
+    checkpoint write, an engine rebuild or a library drawing from the global generator cannot shift it, and a resume
+    continues it with no saved state. Global micro-batch u (rank × accumulation + micro) holds the same samples at
+    every world size, so its masks are the same too (docs/elastic.md, "Checkpoints at another world size").
+    Activation checkpointing replays the stashed state, so a recompute sees the same masks.
     """
     key = int(np.random.SeedSequence([seed, step, micro_batch]).generate_state(1, np.uint64)[0])
     gpus = [device.index] if device.type == "cuda" else []
@@ -46,12 +40,8 @@ def model_randomness(seed: int, step: int, micro_batch: int, device: torch.devic
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's global RNG states (python, numpy, torch CPU, every visible CUDA device) as JSON-safe values.
-
-    The model's dropout does not depend on them (``pretrain.train.model_randomness`` seeds it by position) and the
-    data streams seed every choice by position too; these are restored so any other code drawing from the global
-    generators continues exactly as well.
-    """
+    """This process's global RNG states (python, numpy, torch CPU, every visible CUDA device) as JSON-safe values,
+    restored on resume so any code drawing from them continues exactly."""
     np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple (the default)
     state: dict[str, Any] = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
@@ -70,13 +60,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_bytes_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        # Device i's state goes back to device i; a process that now sees fewer devices restores the ones it has.
+        # Device i's state goes to device i; a process seeing fewer devices restores those it has.
         for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_bytes_tensor(saved), index)
 
 
 def _bytes_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
-
-
-# --------------------------------------------------------------------------------------------- save / load

@@ -5,18 +5,14 @@ WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Sta
 
     python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run]
 
-The loop reads like the algorithm: start (resume) → per step: resolution, optimizer step, record, log, checkpoint →
-summary. Its parts: `pretrain.trainer` (engine, stream, step), `pretrain.checkpointer.Checkpointer` (when to save, the
-step-0 baseline of an evaluated run, the on-checkpoint hook), `pretrain.telemetry.recorder` (losses; batch digests and
-sample keys on request), `pretrain.telemetry.metrics` (the logged numbers), `pretrain.telemetry.attempt_clock` (where
-the attempt's seconds went), `pretrain.distributed` (the process group).
+Per step: resolution switch, optimizer step (`pretrain.trainer.Trainer`), record, log, checkpoint.
 """
 
 from __future__ import annotations
 
 from pretrain import collector
 
-if __name__ == "__main__":  # before the imports below, which are most of a rank's start (pretrain.collector)
+if __name__ == "__main__":  # before the imports below, most of a rank's start
     collector.pause()
 
 import argparse
@@ -47,10 +43,8 @@ def train_worker(
     config: TrainConfig, on_checkpoint: CheckpointCallback | None = None, heartbeat: Heartbeat | None = None
 ) -> TrainSummary:
     """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
-    every rank after each COMPLETE checkpoint, the step-0 baseline included (`pretrain.checkpointer.Checkpointer`).
-    ``heartbeat`` (the cluster driver's) hears of every step, save and resolution switch
-    (`pretrain.telemetry.heartbeat`)."""
-    clock = AttemptClock()  # from here on every second of this attempt is booked (pretrain.telemetry.attempt_clock)
+    every rank after each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch."""
+    clock = AttemptClock()  # every second of this attempt is booked from here on
     config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
     place = init_distributed(config)
     config.validate(place.world_size)
@@ -74,18 +68,18 @@ def train_worker(
     )
     checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
-    trainer.restore_randomness()  # last before the loop: nothing after this draws from the global generators
+    trainer.restore_randomness()  # last before the loop: nothing after it draws from the global generators
     recorder, outcome = open_recorder(config, place), "failed"
     open_clock(clock, config, trainer)
     try:
         checkpointer.save_baseline(trainer)
         clock.saved_before_loop(checkpointer.save_seconds)
-        collector.resume()  # the start is over: its objects frozen out of the collector's passes
+        collector.resume()  # the start is over
         logged: dict[str, float] = {}
         while trainer.step < trainer.last_step:
             clock.lap("productive")
             trainer.maybe_switch_resolution(on_switch=beat.busy)
-            clock.lap("startup")  # a resolution switch rebuilds the engine: start-up work (nothing when none)
+            clock.lap("startup")  # a resolution switch rebuilds the engine: start-up work
             result = trainer.train_step(recorder)
             step_s = clock.step_done(trainer.step, result.data_s)
             beat.step(trainer.step, result.data_s, trainer.stream.stats)
@@ -110,7 +104,7 @@ def train_worker(
         recorder.close()
         metrics.close()
         tracker.close()
-        # A stopped run ended well too: its MLflow run is FINISHED, vitscale.status says "stopped".
+        # A stopped run ended well too: FINISHED, with vitscale.status "stopped".
         if created_run and tracker.run_id is not None:
             finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
     trainer.close()
@@ -118,8 +112,8 @@ def train_worker(
 
 
 def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> None:
-    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = this start's place in the run folder's history
-    of starts (`record_world_size` appended it in `start_tracking`); everything until now was start-up."""
+    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = this start's index in the run's history of
+    starts (appended in `start_tracking`); everything until now was start-up."""
     place, path, attempt = trainer.place, None, 0
     if place.rank == 0:
         attempt = len(run_folder.world_size_history(Path(config.checkpoint.dir)))
@@ -136,8 +130,7 @@ def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> No
 
 
 def open_recorder(config: TrainConfig, place: Placement) -> Recorder:
-    """This attempt's recorder. With sample keys it knows which attempt of the run this is (the run folder's count of
-    starts, rank 0's view on every rank: a collective)."""
+    """This attempt's recorder. Collective with sample keys: every rank gets rank 0's count of the run's starts."""
     attempt = 0
     if config.logging.record_sample_keys:
         attempt = broadcast(len(run_folder.world_size_history(Path(config.checkpoint.dir))))
@@ -145,8 +138,7 @@ def open_recorder(config: TrainConfig, place: Placement) -> Recorder:
 
 
 def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[Tracker, bool]:
-    """The run's tracker with its params and tags (precision and its rule, the MFU peak, the world sizes), and
-    whether this process created the MLflow run."""
+    """The run's tracker, its params and tags set, and whether this process created the MLflow run."""
     place, choice = trainer.place, trainer.precision
     tracker, created = _tracker(config, place, trainer.model)
     tracker.set_tags(
@@ -163,8 +155,7 @@ def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[T
 
 
 def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, bool]:
-    """The MLflow tracker of this run (rank 0 logs; a standalone run may create its own run by experiment name), and
-    whether this process created the MLflow run (then it also ends it: nobody else will)."""
+    """The MLflow tracker (rank 0 logs), and whether this process created the MLflow run, and so must end it."""
     lg = config.logging
     run_id, created = lg.mlflow_run_id, False
     if run_id is None and lg.mlflow_experiment and place.rank == 0:
@@ -174,15 +165,15 @@ def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, boo
         except Exception as error:  # tracking must never stop training
             print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
     tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
-    # The patch size is not a recipe field (the model name implies it); the comparison report reads it from here.
+    # The patch size is no recipe field; the comparison report reads it from here.
     tracker.log_params({**config.to_dict(), "model.patch_size": model.config.patch_size})
     tracker.set_tags(run_tags(config.recipe, config.model.name, place.world_size))
     return tracker, created
 
 
 def record_world_size(config: TrainConfig, place: Placement, step: int, plan) -> dict[str, str]:
-    """Rank 0 appends this start to the run folder's world-size history; the run's world-size tags from it (the
-    current size, how many times it changed, the sizes in order: "2,1,2")."""
+    """Rank 0 appends this start to the run's world-size history; returns the world-size tags (current size, number
+    of changes, the sizes in order: "2,1,2")."""
     if place.rank != 0:
         return {}
     run_dir = Path(config.checkpoint.dir)
@@ -198,7 +189,7 @@ def record_world_size(config: TrainConfig, place: Placement, step: int, plan) ->
 
 
 def _env_world_size() -> int:
-    text = os.environ.get("WORLD_SIZE", "1")  # set by torchrun / the DeepSpeed launcher
+    text = os.environ.get("WORLD_SIZE", "1")
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"WORLD_SIZE={text!r} in the environment is not a positive integer; unset it or use torchrun")
     return int(text)
@@ -207,7 +198,7 @@ def _env_world_size() -> int:
 def _summary_path(template: str, rank: int) -> str:
     try:
         return template.format(rank=rank)
-    except (KeyError, IndexError, ValueError):  # str.format on the user's text: any other {field} or a lone brace
+    except (KeyError, IndexError, ValueError):  # another {field} or a lone brace
         raise ValueError(
             f"--summary {template!r}: only {{rank}} may appear in braces, e.g. runs/summary_{{rank}}.json"
         ) from None
@@ -219,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
     parser.add_argument("--summary", metavar="PATH", help="write each rank's summary as JSON ('{rank}' is filled in)")
-    # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment (which it also sets) is what counts.
+    # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment is what counts.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         world_size = _env_world_size()
         config = load_config(args.config, args.set)
-        config.validate(world_size)  # before any process group, data or model: bad input costs nothing
-        if args.summary:  # a bad --summary path must not surface only after the whole run
+        config.validate(world_size)  # before any process group, data or model
+        if args.summary:  # fail now, not after the run
             output_file(_summary_path(args.summary, 0), "--summary")
         if args.dry_run:
             print(config.format())
@@ -236,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}"
             )
             return 0
-        # ValueError is how the project reports bad input (pretrain.config.train_config, data_pipeline.manifest,
-        # pretrain.weights.formats): the files the config points at (shards, init_from, a resumed checkpoint) are read
-        # only from here on.
+        # ValueError is how the project reports bad input, also from the files read from here on.
         summary = train_worker(config)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

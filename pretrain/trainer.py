@@ -1,9 +1,8 @@
-"""The trainer: one rank's engine, data stream and position (step, images seen), and the optimizer step.
+"""One rank's engine, data stream and position (step, images seen), and the optimizer step.
 
-`Trainer.start(config, place)` does everything before the first step, in the documented resume order (the newest
-COMPLETE checkpoint of the run > ``checkpoint.resume_from`` > ``checkpoint.init_from`` > scratch): it readies the
-data, the lr schedule, the precision, the engine (converting a checkpoint written at another world size) and the
-stream, and restores their state. Then the loop calls `maybe_switch_resolution` and `train_step` once per step.
+`Trainer.start(config, place)` readies the data, the lr schedule, the precision, the engine and the stream, and
+resumes them (`pretrain.checkpointer.find_start`). The loop then calls `maybe_switch_resolution` and `train_step`
+once per step.
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ from pretrain.telemetry.recorder import Recorder
 
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
-    """Generate a built-in training set if the recipe asks for it (rank 0; others wait); (num_classes, epoch size)."""
+    """Generate a built-in training set if asked (rank 0; others wait); returns (num_classes, epoch size)."""
     d = config.data
     if d.builtin is not None and place.rank == 0 and not is_shard_folder(Path(d.train)):
-        ensure(d.builtin, Path(d.train).parent.parent, **d.builtin_options)  # a built-in set is local
+        ensure(d.builtin, Path(d.train).parent.parent, **d.builtin_options)
     dist.barrier()
     info = read_dataset_info(d.train)
     if config.model.num_classes is not None and info.num_classes > config.model.num_classes:
@@ -60,7 +59,7 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int) -> Tra
         shuffle_buffer=d.shuffle_buffer,
         augment=d.augment,
         mixup_alpha=d.mixup_alpha,
-        # Mixup needs soft targets; otherwise int labels are cheapest (the loss one-hots them itself).
+        # Mixup needs soft targets; otherwise int labels are cheapest.
         label_format="multihot" if d.mixup_alpha > 0 else "int",
         num_classes=num_classes,
         num_workers=d.num_workers,
@@ -88,9 +87,8 @@ class StepResult:
 
 
 class Trainer:
-    """One rank's training: the engine (and the bare model inside it), the stream and its iterator, the step and the
-    images seen. ``state`` is the `TrainerState` of the checkpoint it resumed from (None when it started fresh);
-    ``current`` is the config in force (``data.image_size`` follows a progressive-resolution schedule)."""
+    """One rank's training. ``state``: the `TrainerState` it resumed from (None when fresh); ``current``: the config
+    in force (``data.image_size`` follows the resolution schedule)."""
 
     def __init__(
         self,
@@ -108,10 +106,9 @@ class Trainer:
         self.config, self.place, self.num_classes, self.plan = config, place, num_classes, plan
         self.schedule, self.last_step, self.total_steps = schedule, last_step, total_steps
         self.start_point, self.current, self.precision = start, current, precision
-        # bf16: DeepSpeed keeps bf16 weights for compute and fp32 master weights + optimizer state in ZeRO; the task
-        # computes the loss in fp32, and LayerNorm kernels accumulate their statistics in fp32.
+        # bf16: the compute copy; fp32 master weights and optimizer state live in ZeRO, the loss is fp32.
         self.dtype = torch.bfloat16 if precision.precision == "bf16" else torch.float32
-        universal = ckpt.prepare_resume(start, place.world_size, place.rank)  # converts for another world size
+        universal = ckpt.prepare_resume(start, place.world_size, place.rank)
         self.engine, self.model = build_engine(
             current, place, num_classes, start, precision.precision, universal is not None
         )
@@ -125,13 +122,13 @@ class Trainer:
 
     @classmethod
     def start(cls, config: TrainConfig, place: Placement) -> Trainer:
-        """Everything before the first step (module docstring); prints the precision line on rank 0."""
+        """Everything before the first step; rank 0 prints the precision line."""
         num_classes, epoch_images = prepare_data(config, place)
         plan = batch_plan(config.data, place.world_size)
         schedule = build_schedule(config.optim, config.schedule, plan.global_batch_size, epoch_images)
         last_step = min(schedule.total_steps, config.schedule.stop_at_step or schedule.total_steps)
         start = ckpt.find_start(config)
-        current = progressive.start_config(config, start)  # data.image_size in force (progressive resolution)
+        current = progressive.start_config(config, start)  # the data.image_size in force
         precision = decide_precision(current, place, num_classes, start)
         if place.rank == 0:
             print(precision.line(config.deepspeed.precision), flush=True)
@@ -140,27 +137,24 @@ class Trainer:
         )
 
     def restore_randomness(self) -> None:
-        """The global generators as the checkpoint left them, or seeded per rank. The model's own randomness does not
-        depend on them (`pretrain.randomness.model_randomness`); any other code that draws from them continues
-        exactly."""
+        """The global generators as the checkpoint left them, or seeded per rank. The model's randomness does not
+        depend on them (`pretrain.randomness.model_randomness`)."""
         state, rank, seed = self.state, self.place.rank, self.config.seed
         if state is not None and rank < len(state.rng_states):
             set_rng_state(state.rng_states[rank])
-        elif state is not None:  # a rank the checkpoint's (smaller) world did not have: seeded by its position
+        elif state is not None:  # a rank the checkpoint's smaller world lacked: seeded by its position
             seed_everything(seed * 1000 + rank + 1 + state.step * 100_003)
         else:
             seed_everything(seed * 1000 + rank + 1)  # different on every rank, reproducibly
 
     @property
     def epoch(self) -> int:
-        """The stream's epoch (it rolls over when the next step starts: right after a step, that step's epoch)."""
+        """The stream's epoch; right after a step, that step's (it rolls over when the next step starts)."""
         return int(self.stream.state_dict()["epoch"])
 
     def maybe_switch_resolution(self, on_switch: Callable[[str], None] | None = None) -> None:
-        """Before each step: move to the image size the progressive schedule gives this step, if it changed. The
-        model is rebuilt with its position embeddings interpolated, a new engine takes over the fp32 weights and Adam
-        state, and a new stream continues from the old one's position (`pretrain.config.progressive`).
-        ``on_switch("switch")`` runs first when it does (the heartbeat: a rebuild is legitimately long)."""
+        """Before each step: switch to this step's image size if it changed (`pretrain.config.progressive`); the new
+        stream continues from the old one's position. ``on_switch("switch")`` runs first (a rebuild is long)."""
         target = progressive.config_at(self.config, self.step)
         if target.data.image_size == self.current.data.image_size:
             return
@@ -177,8 +171,7 @@ class Trainer:
         self.current, self.stream, self._batches = target, stream, None
 
     def train_step(self, recorder: Recorder | None = None) -> StepResult:
-        """One optimizer step over ``plan.grad_accum_steps`` micro-batches; the model's randomness is seeded by (seed,
-        step, global micro-batch index). ``recorder`` sees every micro-batch when it asks to."""
+        """One optimizer step over ``plan.grad_accum_steps`` micro-batches; ``recorder`` sees each if it asks."""
         if self._batches is None:
             self._batches = iter(self.stream)
         lr = self.schedule(self.step)
@@ -192,8 +185,8 @@ class Trainer:
                 recorder.batch(images, labels, (self.stream.last_keys or []) if recorder.want_keys else [])
             with model_randomness(self.config.seed, self.step, place.rank * accum + micro, place.device):
                 loss, _ = self.engine(images, labels)
-                self.engine.backward(loss)  # DeepSpeed scales by 1/accum_steps and reduces across ranks at the end
-            self.engine.step()  # steps the optimizer (with clipping) only at the accumulation boundary
+                self.engine.backward(loss)  # scales by 1/accum_steps; reduces across ranks at the boundary
+            self.engine.step()  # the optimizer steps (with clipping) only at the accumulation boundary
             loss_sum += loss.detach().float()
         self.step += 1
         self.images_seen += self.plan.global_batch_size
@@ -202,13 +195,12 @@ class Trainer:
         return StepResult(mean_loss, lr, data_s, None if grad_norm is None else float(grad_norm))
 
     def close(self) -> None:
-        """DeepSpeed's gradient hooks hold the engine in a reference cycle through autograd's C++ nodes, which
-        Python's collector cannot see: without destroy() a process that trains more than once (a Ray worker) keeps
-        every engine."""
+        """Destroy the engine: its hooks form a cycle through autograd's C++ nodes that the collector cannot see, so
+        a process training more than once (a Ray worker) would keep every engine."""
         self.engine.destroy()
 
     def describe(self) -> dict[str, Any]:
-        """Where this attempt started and ended (`pretrain.telemetry.recorder.TrainSummary`'s position fields)."""
+        """Where this attempt started and ended (`TrainSummary`'s position fields)."""
         place = self.place
         return {
             "start": self.start_point.kind,

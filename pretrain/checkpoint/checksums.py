@@ -1,27 +1,12 @@
-"""What a checkpoint's bytes must be: each file's size and CRC-32, recorded when it is saved and checked before it is
-loaded. Torch-free, so evals and ``python -m pretrain.checkpoint verify`` check cheaply.
+"""Each checkpoint file's size and CRC-32, recorded at save and checked before load (`verify`). Torch-free.
 
-``checksums.json`` (`pretrain.checkpoint.run_folder.CHECKSUMS`) is the last file written into the staging folder, before
-the rename and the ``COMPLETE`` marker (`pretrain.checkpointer.save_checkpoint`):
+``checksums.json`` is the last file written into the staging folder, before the rename and ``COMPLETE``:
 
     {"algorithm": "crc32", "files": {"deepspeed/step_00000120/mp_rank_00_model_states.pt": [size, "1a2b3c4d"], ...}}
 
-Paths are relative to the checkpoint folder, with "/". What is added to a checkpoint after its save (``COMPLETE``,
-``PINNED``, ``evals/``, ``universal/``) is not listed and not checked. A checkpoint without the file was written before
-checkpoints recorded checksums: it is *unverified* and still loads.
-
-Why CRC-32 (zlib): it finds every cut-short copy (with the size) and every flipped bit or burst of up to 32 bits,
-which is what a truncated copy, a lost write or a bad sector does; it is not a defence against someone who edits a
-checkpoint on purpose (torch.load(weights_only=True) is that, `pretrain.checkpointer`). On this project's 2-core
-machine zlib.crc32 hashed 1.6 GB/s against 0.56 for blake2b and 0.37 for sha256 (a 265 MB file from the page cache),
-so it can be on by default (docs/interfaces.md "Checkpoints", Faults).
-
-API
-  entry(path) -> [size, crc32 hex]; write(folder, entries); expected(folder) -> {path: (size, crc)} | None
-  check(folder, entries) -> [problem, ...]; share(entries, part, parts) -> the part one rank of ``parts`` checks
-  verify(folder, only=None, part=(0, 1)) -> Verdict; combine(folder, verdicts) -> Verdict (joins the ranks' shares)
-  checkpoints_to_verify(path) -> [folder]; verify_command(path) -> exit status (``python -m pretrain.checkpoint
-  verify DIR``)
+Files added after the save (``COMPLETE``, ``PINNED``, ``evals/``, ``universal/``) are not covered; a checkpoint
+without the record is *unverified* and still loads. CRC-32 catches accidents, cheaply, not deliberate edits
+(docs/contracts.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -37,14 +22,14 @@ from pretrain.checkpoint.run_folder import CHECKSUMS, CONFIG_FILE, TRAINER_STATE
 
 ALGORITHM = "crc32"
 CHUNK_BYTES = 8 << 20
-# What an eval (or init_from) reads of a checkpoint: checked alone, so an eval does not read the optimizer state.
+# What an eval (or init_from) reads, checked alone so the optimizer state is not read.
 WEIGHT_FILES = (WEIGHTS_FILE, CONFIG_FILE, TRAINER_STATE)
 
 Entries = dict[str, tuple[int, str]]  # relative path -> (size in bytes, checksum)
 
 
 def entry(path: Path) -> tuple[int, str]:
-    """(size, CRC-32 as 8 hex digits) of the file at ``path``, read in chunks into one reused buffer."""
+    """(size, CRC-32 as 8 hex digits) of the file at ``path``."""
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
     crc, size = 0, 0
@@ -56,14 +41,14 @@ def entry(path: Path) -> tuple[int, str]:
 
 
 def write(folder: Path, entries: Mapping[str, tuple[int, str]]) -> None:
-    """``folder/checksums.json`` for ``entries`` (sorted, so two saves of the same bytes write the same file)."""
+    """Write ``folder/checksums.json`` (sorted: the same bytes give the same file)."""
     files = {name: [size, crc] for name, (size, crc) in sorted(entries.items())}
     write_durably(folder / CHECKSUMS, json.dumps({"algorithm": ALGORITHM, "files": files}, indent=0) + "\n")
 
 
 def expected(folder: Path) -> Entries | None:
-    """The sizes and checksums ``folder`` recorded at its save; None when it has no ``checksums.json`` (written
-    before checksums were recorded); ValueError, naming the file, when the record itself is damaged."""
+    """The sizes and checksums ``folder`` recorded at its save; None without ``checksums.json``; ValueError, naming
+    the file, when the record is damaged."""
     path = folder / CHECKSUMS
     if not path.is_file():
         return None
@@ -86,7 +71,7 @@ def check(folder: Path, entries: Mapping[str, tuple[int, str]]) -> list[str]:
             problems.append(f"{name} is missing")
             continue
         actual = path.stat().st_size
-        if actual != size:  # the cheap test first: a cut-short copy needs no read
+        if actual != size:  # the cheap test first
             problems.append(f"{name} has {actual} bytes, {size} were written")
             continue
         try:
@@ -100,8 +85,7 @@ def check(folder: Path, entries: Mapping[str, tuple[int, str]]) -> list[str]:
 
 
 def share(entries: Mapping[str, tuple[int, str]], part: int, parts: int) -> Entries:
-    """The files rank ``part`` of ``parts`` checks: the largest first, each to the part with the fewest bytes so far;
-    the same split on every rank (it depends on the entries only)."""
+    """The files rank ``part`` of ``parts`` checks: largest first, each to the least-loaded part. Deterministic."""
     loads = [0] * parts
     mine: Entries = {}
     for name, (size, crc) in sorted(entries.items(), key=lambda item: (-item[1][0], item[0])):
@@ -114,8 +98,8 @@ def share(entries: Mapping[str, tuple[int, str]], part: int, parts: int) -> Entr
 
 @dataclass(frozen=True)
 class Verdict:
-    """What checking one checkpoint found. ``status``: "verified" (every recorded file as written), "unverified" (no
-    checksums recorded: an older checkpoint; it loads) or "damaged" (``problems`` says which file and what differs)."""
+    """What checking one checkpoint found: ``status`` "verified", "unverified" (no record; it loads) or "damaged"
+    (``problems`` names each file and what differs)."""
 
     folder: Path
     status: str
@@ -134,8 +118,7 @@ class Verdict:
         return self.problems[0] + (f" (and {more} more file{'s' * (more > 1)})" if more > 0 else "")
 
     def line(self) -> str:
-        """One line for a person: ``<folder>: verified (12 files, 265.3 MB)`` / ``: unverified (...)`` /
-        ``: DAMAGED: <file> has 1000 bytes, 2000 were written``."""
+        """``<folder>: verified (12 files, 265.3 MB)``, ``: unverified (...)`` or ``: DAMAGED: <problem>``."""
         if self.status == "verified":
             return f"{self.folder}: verified ({self.files} files, {self.size / 1e6:.1f} MB)"
         if self.status == "unverified":
@@ -144,8 +127,8 @@ class Verdict:
 
 
 def verify(folder: Path, only: Iterable[str] | None = None, part: tuple[int, int] = (0, 1)) -> Verdict:
-    """Check ``folder``'s files against its ``checksums.json``. ``only``: just these of them (where recorded);
-    ``part=(rank, world_size)``: just this rank's `share` (`combine` joins the ranks' verdicts)."""
+    """Check ``folder``'s files against its ``checksums.json``. ``only``: just these files; ``part=(rank,
+    world_size)``: just this rank's `share` (`combine` joins the ranks' verdicts)."""
     folder = Path(folder)
     try:
         entries = expected(folder)
@@ -163,10 +146,9 @@ def verify(folder: Path, only: Iterable[str] | None = None, part: tuple[int, int
 
 
 def combine(folder: Path, parts: Iterable[Verdict]) -> Verdict:
-    """One verdict from the ranks' verdicts on their shares of ``folder`` (`share`): damaged if any share is, else
-    unverified if any is, else verified; the problems and counts of all shares."""
+    """One verdict from the ranks' shares: damaged if any is, else unverified if any is, else verified."""
     parts = list(parts)
-    problems = tuple(sorted({p for v in parts for p in v.problems}))  # a damaged record: every rank says the same
+    problems = tuple(sorted({p for v in parts for p in v.problems}))  # deduplicated: a damaged record is everyone's
     statuses = {v.status for v in parts}
     status = next(s for s in ("damaged", "unverified", "verified") if s in statuses)
     return Verdict(Path(folder), status, problems, sum(v.files for v in parts), sum(v.size for v in parts))
@@ -176,13 +158,13 @@ def combine(folder: Path, parts: Iterable[Verdict]) -> Verdict:
 
 
 def checkpoints_to_verify(path: Path) -> list[Path]:
-    """The checkpoints ``verify`` checks at ``path``: one checkpoint folder, or every COMPLETE checkpoint of a run
-    folder (or of its ``checkpoints/``); ValueError naming the problem when ``path`` is neither, or holds none."""
+    """One checkpoint folder, or every COMPLETE checkpoint of a run folder (or its ``checkpoints/``); ValueError when
+    ``path`` is neither or holds none."""
     accepted = f"pass a run folder (checkpoint.dir) or one checkpoint, <run>/{run_folder.CHECKPOINTS}/step_XXXXXXXX"
     if not path.exists():
         raise ValueError(f"{path} does not exist; {accepted}")
     if run_folder.looks_like_checkpoint(path):
-        return [run_folder.require_complete(path)]  # without COMPLETE: its save never finished, it is no checkpoint
+        return [run_folder.require_complete(path)]  # without COMPLETE its save never finished
     run = path.parent if path.name == run_folder.CHECKPOINTS else path
     if not run_folder.checkpoints_dir(run).is_dir():
         raise ValueError(
@@ -195,8 +177,7 @@ def checkpoints_to_verify(path: Path) -> list[Path]:
 
 
 def verify_command(path: Path) -> int:
-    """``python -m pretrain.checkpoint verify DIR``: one line per checkpoint at ``path``; 0 when none is damaged
-    (unverified ones included), 2 on damage. ValueError when ``path`` is no run folder or checkpoint."""
+    """``verify DIR``: one line per checkpoint; exit status 0 when none is damaged, 2 otherwise."""
     verdicts = []
     for folder in checkpoints_to_verify(path):
         verdicts.append(verify(folder))

@@ -1,5 +1,4 @@
-"""Reading DeepSpeed's engine files without running their pickles: `torch.load(weights_only=True)` with the few
-DeepSpeed objects those files hold allow-listed."""
+"""Loading DeepSpeed's engine files with `torch.load(weights_only=True)`, its few pickled objects allow-listed."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-# The only non-tensor objects DeepSpeed pickles into its model/optimizer state files (ZeRO 0-3, fp32 and bf16 as
-# checked here); allow-listing them lets every engine file load with torch.load(weights_only=True).
+# The only non-tensor objects in DeepSpeed's state files (checked at ZeRO 0-3, fp32 and bf16)
 DEEPSPEED_SAFE_GLOBALS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -34,8 +32,8 @@ def load_weights_only(checkpoint_engine) -> None:
 
 
 def check_weights_only(folder: Path) -> None:
-    """Open every engine file under ``folder`` with ``torch.load(weights_only=True)`` and the allow-list: DeepSpeed's
-    universal checkpoint code (the converter, ZeRO-3's loader) unpickles them without that guard."""
+    """Open every engine file under ``folder`` weights-only, before DeepSpeed's universal-checkpoint code (the
+    converter, ZeRO-3's loader) unpickles them unguarded; ValueError naming a file that fails."""
     allowed = allowed_globals()
     for path in sorted(folder.rglob("*.pt")):
         try:

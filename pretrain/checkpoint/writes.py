@@ -1,13 +1,8 @@
-"""One rank's writes of one checkpoint save: the sizes and checksums of what it wrote (for ``checksums.json``) and the
-first write that failed, so that a full disk or any other write error becomes one decision every rank agrees on.
+"""One rank's writes of one checkpoint save (`SaveAttempt`): each file's size and checksum, and the first failure.
 
-Why a failed write is recorded rather than raised: a DeepSpeed save is collective (``engine.save_checkpoint`` holds
-barriers and all-reduces). A rank that raised out of it while the others went on would leave them waiting in their
-next collective until the process-group timeout (``deepspeed.timeout_minutes``, 30 by default). So every write of a
-save goes through `SaveAttempt.write`, which records the first failure and skips the rank's later writes; DeepSpeed's
-own writes are routed there for the length of the save (`SaveAttempt.routing`). After the writes the ranks exchange
-their attempts (`pretrain.checkpointer.save_checkpoint`); if one failed, rank 0 removes the staging folder and every
-rank raises the same `CheckpointSaveError`, whose message `failure_message` writes.
+A failed write is recorded, not raised: a DeepSpeed save is collective, and a rank raising out of it would leave
+the others waiting until the process-group timeout. Every write of a save, DeepSpeed's included, goes through
+`SaveAttempt.write`; the ranks then exchange attempts and, if any failed, all raise `CheckpointSaveError`.
 """
 
 from __future__ import annotations
@@ -23,9 +18,7 @@ from safetensors import SafetensorError
 
 from pretrain.checkpoint import checksums, run_folder
 
-# What a write raises when the disk is full or the storage fails: OSError from Python's files (ENOSPC, EIO, EDQUOT),
-# RuntimeError from torch's writers ("unexpected pos", "basic_ios::clear: iostream error", "file write failed"),
-# SafetensorError from safetensors ("I/O error: No space left on device").
+# A full disk or failing storage: OSError (Python), RuntimeError (torch's writers), SafetensorError (safetensors)
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("no space left", "disk quota exceeded", "storagefull", "os error 28")
@@ -33,11 +26,11 @@ _ALMOST_FULL_BYTES = 1 << 20
 
 
 class CheckpointSaveError(ValueError):
-    """A checkpoint save that failed on some rank (a full disk, any write error). Its staging folder is removed and
-    the earlier checkpoints are untouched. A ValueError, like every condition the user fixes (here: free space), so
-    ``python -m pretrain.train`` reports it in one line and exits 2. Not ``retryable``: a restarted worker group would
-    resume from the newest checkpoint and save into the same storage again, so under Ray the job fails at once with
-    this message (`cluster.driver.watchdog.final_failure`) instead of spending ``max_failures`` restarts on it."""
+    """A checkpoint save that failed on some rank; its staging folder is removed, earlier checkpoints are untouched.
+
+    A ValueError, as the user fixes it (free space): the CLI prints one line and exits 2. Not ``retryable``: a
+    restarted worker group would fail the same save again, so under Ray the job fails at once.
+    """
 
     retryable = False
 
@@ -62,8 +55,8 @@ class SaveAttempt:
     failure: WriteFailure | None = None
 
     def write(self, path: Path, action: Callable[[], object], record: bool = True) -> None:
-        """Run ``action`` (which writes ``path``) unless an earlier write failed; record its failure, or the file's
-        size and checksum (``record``; read back while it is in the page cache)."""
+        """Run ``action`` (which writes ``path``) unless an earlier write failed; record its failure, or (``record``)
+        the file's size and checksum, read back while in the page cache."""
         if self.failure is not None:
             return
         try:
@@ -71,15 +64,14 @@ class SaveAttempt:
             if record and path.is_file():
                 self.written[path.relative_to(self.staging).as_posix()] = checksums.entry(path)
         except WRITE_ERRORS as error:
-            # torch's zip writer says "unexpected pos" without an errno: a disk with (almost) nothing free says more
+            # torch's "unexpected pos" has no errno: an (almost) full disk is the tell
             free = _free_bytes(path)
             no_space = _says_no_space(error) or (free is not None and free < _ALMOST_FULL_BYTES)
             self.failure = WriteFailure(self.rank, str(path), f"{type(error).__name__}: {error}", no_space)
 
     @contextlib.contextmanager
     def routing(self, engine) -> Iterator[None]:
-        """DeepSpeed's writes during ``engine.save_checkpoint`` (its state files, its folders, its recovery scripts)
-        go through `write`: this engine only, for the length of the block."""
+        """Route this engine's writes (state files, folders, recovery scripts) through `write` for the block."""
         ce = engine.checkpoint_engine
         save, makedirs, copy = ce.save, ce.makedirs, engine._copy_recovery_script
         ce.save = lambda state_dict, path: self.write(Path(path), lambda: save(state_dict, path))
@@ -93,8 +85,7 @@ class SaveAttempt:
             ce.save, ce.makedirs, engine._copy_recovery_script = save, makedirs, copy
 
     def record_rest(self) -> None:
-        """Rank 0, last: the size and checksum of every file in the staging folder no rank recorded (the files it
-        wrote itself outside DeepSpeed's state files)."""
+        """Rank 0, last: record every file in the staging folder that no rank recorded yet."""
         for path in sorted(self.staging.rglob("*")):
             name = path.relative_to(self.staging).as_posix()
             if path.is_file() and name not in self.written and name != run_folder.CHECKSUMS:
@@ -114,8 +105,7 @@ def _says_no_space(error: BaseException) -> bool:
 
 
 def folder_bytes(folder: Path) -> int:
-    """The bytes of a checkpoint as its save wrote them (what ``checksums.json`` lists, else every file but the evals'
-    and the universal conversion's, which come later)."""
+    """A checkpoint's bytes as saved: ``checksums.json``'s total, else every file but ``evals/`` and ``universal/``."""
     try:
         entries = checksums.expected(folder)
     except ValueError:
@@ -129,9 +119,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) -> str:
-    """The one line that says which save failed, where, why, how much space a checkpoint needs against what is free,
-    that nothing else was lost, and the fix. Rank 0 writes it once the staging folder is gone (``written_bytes``: what
-    it held); `pretrain.checkpointer.Checkpointer` adds what the run does next (``checkpoint.on_save_error``)."""
+    """One line: which save failed, where and why, the space a checkpoint needs against what is free, that nothing
+    else was lost, and the fix. ``written_bytes``: what the removed staging folder held."""
     run_dir = staging.parent.parent
     final = staging.name.removesuffix(run_folder.STAGING_SUFFIX)
     newest = run_folder.latest_checkpoint(run_dir)
@@ -152,7 +141,7 @@ def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) ->
 
 
 def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the filesystem of ``path`` (its nearest existing parent); None where that cannot be read."""
+    """Free bytes on the filesystem of ``path``'s nearest existing parent; None if unreadable."""
     for candidate in (path, *path.parents):
         try:
             if candidate.exists():

@@ -1,12 +1,8 @@
-"""The recipe section ``deepspeed`` and the DeepSpeed config generated from it (never a hand-written JSON repeating
-the batch size).
+"""The recipe section ``deepspeed`` and the DeepSpeed JSON generated from it.
 
-The batch arithmetic lives here and only here: global batch = micro-batch × accumulation steps × world size.
-The process-group backend is resolved from the device (nccl on CUDA, gloo on CPU). The precision is decided by the
-trainer (`pretrain.config.precision`: "auto" and "probe" need the model and the hardware) and passed in.
-
-The functions read only what they need of the training config, declared as protocols (`BatchSizes`,
-`EngineSettings`) that `pretrain.config.train_config`'s sections satisfy, so this module does not import
+Owns the batch arithmetic (global batch = micro-batch × accumulation steps × world size, `batch_plan`) and the
+backend choice (`resolve_backend`). The precision is decided elsewhere (`pretrain.config.precision`) and passed in.
+The config is read through protocols (`BatchSizes`, `EngineSettings`), so this module does not import
 `pretrain.config.train_config`.
 """
 
@@ -28,14 +24,13 @@ class DeepSpeedConfig:
     """Recipe section ``deepspeed``: the ZeRO engine; the DeepSpeed JSON is generated from it (`deepspeed_config`)."""
 
     zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
-    # auto: bf16 on CUDA; on a CPU by a fixed rule on its bf16 units and the model's GEMM shapes; probe: timed once per
-    # run and recorded in the run folder (pretrain.config.precision)
+    # auto | probe | fp32 | bf16 (pretrain.config.precision)
     precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
     reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
     allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
     overlap_comm: bool = False  # overlap gradient reduction with backward (worth it on GPUs)
     dist_backend: DistBackend = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_minutes: int = 30  # collective timeout when this worker creates the process group
+    timeout_minutes: int = 30  # collective timeout, when this worker creates the process group
 
 
 class BatchSizes(Protocol):
@@ -77,8 +72,7 @@ class BatchPlan:
 
 
 def valid_world_sizes(data: BatchSizes, upto: int) -> list[int]:
-    """World sizes in [1, upto] that keep the global batch and the stream split: they divide `data.streams` and
-    `data.global_batch_size` / `data.micro_batch_size` (the accumulation steps are recomputed for each)."""
+    """World sizes in [1, upto] that divide `data.streams` and `global_batch_size / micro_batch_size`."""
     return [
         w
         for w in range(1, upto + 1)
@@ -89,9 +83,8 @@ def valid_world_sizes(data: BatchSizes, upto: int) -> list[int]:
 def batch_plan(data: BatchSizes, world_size: int) -> BatchPlan:
     """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise.
 
-    Each global batch takes global/streams samples from each of `data.streams` canonical streams and each rank reads
-    a contiguous block of streams (data_pipeline.stream.order), so the streams divide the global batch and the world
-    size divides the streams.
+    The streams must divide the global batch and the world size the streams (docs/design.md, "The training stream
+    contract").
     """
     positive(data.streams, "data.streams")
     if data.global_batch_size % data.streams:
@@ -123,7 +116,7 @@ def batch_plan(data: BatchSizes, world_size: int) -> BatchPlan:
 
 
 def check_config(ds: DeepSpeedConfig) -> None:
-    """The deepspeed section (`TrainConfig.validate`); precision and backend are closed sets checked as typed."""
+    """Check the deepspeed section; precision and backend are Literals, checked when typed."""
     if isinstance(ds.zero_stage, bool) or ds.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"deepspeed.zero_stage={ds.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3 (2 is usual)")
     if ds.precision == "bf16" and ds.zero_stage == 0:
@@ -150,9 +143,9 @@ def deepspeed_config(
     precision: str,
     steps_per_print: int = 10**9,
 ) -> dict[str, Any]:
-    """The dict for `deepspeed.initialize(config=...)`. The optimizer and lr schedule are ours (not listed here).
+    """The dict for `deepspeed.initialize(config=...)`; the optimizer and lr schedule are ours, not DeepSpeed's.
 
-    ``precision``: the run's decided precision ("fp32" | "bf16", `pretrain.config.precision.decide`).
+    ``precision``: the decided precision, "fp32" or "bf16".
     """
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}: pass the decided precision (pretrain.config.precision.decide)")
@@ -168,8 +161,7 @@ def deepspeed_config(
         zero.update(
             stage3_prefetch_bucket_size=ds.allgather_bucket_size,
             stage3_param_persistence_threshold=10_000,
-            # model.safetensors is gathered by pretrain.checkpointer (GatheredParameters), not by
-            # engine.save_16bit_model.
+            # pretrain.checkpointer gathers model.safetensors itself.
             stage3_gather_16bit_weights_on_model_save=False,
         )
     return {
@@ -180,9 +172,9 @@ def deepspeed_config(
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": False},
-        # Accumulate in fp32 even when the weights are bf16: the sum of many micro-batches loses bits otherwise.
+        # fp32 accumulation even for bf16 weights: a sum of many micro-batches loses bits otherwise.
         "data_types": {"grad_accum_dtype": "fp32"},
-        # Our optimizer is a torch AdamW; no DeepSpeed ops to JIT-compile for it.
+        # Our optimizer is a torch AdamW, not a DeepSpeed op.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": steps_per_print,
         "wall_clock_breakdown": False,
@@ -192,8 +184,7 @@ def deepspeed_config(
 def engine_config(
     config: EngineSettings, world_size: int, precision: str, load_universal: bool = False
 ) -> dict[str, Any]:
-    """The engine's DeepSpeed JSON; ``load_universal`` when the engine will load a universal checkpoint (a resume at
-    another world size, `pretrain.checkpointer`)."""
+    """The engine's DeepSpeed JSON; ``load_universal`` to load a universal checkpoint (resume at another world size)."""
     plan = batch_plan(config.data, world_size)
     ds = deepspeed_config(config.deepspeed, config.optim, plan, precision)
     if load_universal:

@@ -1,12 +1,9 @@
-"""AdamW on weight matrices only, the learning-rate schedules, and the one function that turns durations into steps.
+"""The recipe sections ``optim`` and ``schedule``: AdamW, the learning-rate schedule, durations to steps.
 
-Paper §4.1 / docs/reference.md §3: Adam β = (0.9, 0.999), decoupled weight decay on kernels only (not biases, norms, the
-class token or the position embedding), linear warmup then linear (i21k) or cosine (AugReg) decay to `end_lr`.
-The learning rate is computed here for each optimizer step and written into the optimizer's param groups by the
-training loop, so DeepSpeed never owns a scheduler and resume needs only the step number.
-
-The recipe sections ``optim`` (`OptimConfig`) and ``schedule`` (`ScheduleConfig`) live here with their check
-(`check_config`); `pretrain.config.train_config.TrainConfig` composes them.
+docs/reference.md §3: Adam β = (0.9, 0.999), decoupled weight decay on weight matrices only, linear warmup then
+linear (i21k) or cosine (AugReg) decay to `end_lr`. The training loop writes `LRSchedule(step)` into the param groups
+(`set_lr`), so DeepSpeed owns no scheduler and a resume needs only the step number. Every duration in a config goes
+through `duration_to_steps`.
 """
 
 from __future__ import annotations
@@ -24,20 +21,18 @@ from pretrain.config.typed_yaml import at_least, positive
 
 Decay = Literal["linear", "cosine", "constant"]  # the schedules LRSchedule implements (schedule.decay)
 DECAYS: tuple[str, ...] = typing.get_args(Decay)
-# A duration: an int is a number of optimizer steps; a string carries a unit: "90ep" (epochs of
-# `data.epoch_images`), "1.2e6img" (images), "500st" (steps). Converted by `duration_to_steps`.
+# An int counts optimizer steps; a string has a unit: "90ep" (epochs), "1.2e6img" (images), "500st" (steps)
 Duration = int | str
 _DURATION = re.compile(r"^\s*([0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Recipe section ``optim``: AdamW applied to weight matrices only (biases, norms, cls and position embeddings
-    are not decayed)."""
+    """Recipe section ``optim``: AdamW, weight decay on weight matrices only."""
 
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
-    beta1: float = 0.9  # Adam first-moment decay (the paper's 0.9)
-    beta2: float = 0.999  # Adam second-moment decay (the paper's 0.999)
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.999  # Adam second-moment decay
     eps: float = 1e-8  # Adam denominator epsilon
     weight_decay: float = 0.1  # decoupled (torch AdamW: multiplied by the current lr)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
@@ -62,10 +57,7 @@ def duration_to_steps(
     field: str = "duration",
     zero_ok: bool = False,
 ) -> int:
-    """Optimizer steps in a duration: an int (steps), or a string "500st", "90ep", "1.2e6img" (rounded up).
-
-    Epochs need ``epoch_images`` (images per epoch); every duration in a config goes through this function.
-    """
+    """Optimizer steps in a duration, rounded up; epochs need ``epoch_images``. ValueError naming ``field``."""
     if isinstance(duration, bool):
         raise ValueError(f"{field}={duration!r} is not a duration; write steps (10000) or '90ep' / '1e6img'")
     if isinstance(duration, int):
@@ -106,7 +98,7 @@ class LRSchedule:
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
-            # (step + 1): the first update already moves the weights, as in the upstream schedules' step 1.
+            # (step + 1): the first update already moves the weights, as upstream's step 1 does.
             return self.peak_lr * (step + 1) / self.warmup_steps
         if self.decay == "constant":
             return self.peak_lr
@@ -131,7 +123,7 @@ def build_schedule(
 def check_config(
     optim: OptimConfig, schedule: ScheduleConfig, global_batch_size: int, epoch_images: int | None
 ) -> None:
-    """The optim and schedule sections (`TrainConfig.validate`); ValueError naming the field and the fix."""
+    """Check the optim and schedule sections; ValueError naming the field and the fix."""
     if not optim.lr > 0:
         raise ValueError(f"optim.lr={optim.lr} must be > 0; the paper's i21k runs use optim.lr=1e-3")
     at_least(optim.weight_decay, 0.0, "optim.weight_decay")
@@ -175,7 +167,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 
 def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW (decoupled decay × lr). Passed to deepspeed.initialize so no DeepSpeed optimizer op is compiled."""
+    """torch AdamW (decay × lr); given to deepspeed.initialize, so no DeepSpeed optimizer op is compiled."""
     return torch.optim.AdamW(
         param_groups(module, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
     )

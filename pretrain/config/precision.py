@@ -1,17 +1,12 @@
-"""`deepspeed.precision`: fp32 or bf16 for a run, decided from what the run is, never from a timing taken at start.
+"""`deepspeed.precision`: fp32 or bf16 for a run, decided from what the run is, never from a timing at start.
 
-- ``auto`` (the default): bf16 on CUDA (tensor cores). On a CPU, bf16 only where it clearly pays, by a fixed rule on
-  the CPU's native bf16 units and the shapes of the model's GEMMs (`CPU_RULES`, fitted to probe steps measured on
-  each unit kind; docs/performance.md, "Precision"). The same recipe on the same kind of CPU picks the same precision on
-  every run, and the plan prints the same answer before anything starts.
-- ``probe``: an explicit opt-in to time one forward + backward of the model in fp32 and in bf16 and take bf16 if it is
-  at least `PROBE_MIN_SPEEDUP` faster. A timing can flip between runs, so the first start of a run writes its decision
-  into the run folder (``precision.json``, `pretrain.checkpoint.run_folder.PrecisionRecord`) and every later start of
-  that run (a resume, or a re-run with the same ``checkpoint.dir``) repeats it without timing again.
+- ``auto``: bf16 on CUDA; on a CPU, a fixed rule on its bf16 units and the model's GEMM shapes (`CPU_RULES`), so the
+  same recipe on the same kind of CPU always gets the same answer, which the plan can print before the run.
+- ``probe``: time one fp32 and one bf16 step at the run's first start, recorded in the run folder for later starts.
 - ``fp32`` / ``bf16``: as set.
 
-A run that resumes from a checkpoint which recorded its precision keeps it (``trainer_state.json``): its losses then
-continue the interrupted run's even when the rule or the recipe's choice changed in between.
+A resume keeps its checkpoint's precision. Entry point: `decide`; rules and thresholds: docs/performance.md,
+"Precision".
 """
 
 from __future__ import annotations
@@ -26,9 +21,9 @@ import torch
 from pretrain.model import flops
 from pretrain.model.vit import ViTConfig
 
-# /proc/cpuinfo flags of native bf16 matmul units (x86). AMX tiles do bf16 dot products; AVX512_BF16 adds vdpbf16ps.
+# /proc/cpuinfo flags of native bf16 matmul units (x86)
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-PROBE_REPEATS = 2  # timed fwd+bwd per precision, after one warm-up each; the faster of the repeats counts
+PROBE_REPEATS = 2  # timed fwd+bwd per precision after a warm-up; the fastest counts
 PROBE_MIN_SPEEDUP = 1.05  # `probe`: bf16 must beat fp32 by this much
 
 
@@ -36,10 +31,10 @@ PROBE_MIN_SPEEDUP = 1.05  # `probe`: bf16 must beat fp32 by this much
 class StepShape:
     """What the CPU rule looks at: the shapes of one micro-batch's GEMMs."""
 
-    width: int  # D: the inner and outer size of the encoder's projections (the MLP's are 4 D)
+    width: int  # D: the encoder's projection size (the MLP's are 4 D)
     rows: int  # micro-batch x tokens: the M of every encoder GEMM
-    patch_embed_share: float  # the patch-embedding convolution's share of the forward multiply-adds
-    hybrid: bool  # a ResNet stem (convolutions, GroupNorm) in front of the encoder
+    patch_embed_share: float  # the patch convolution's share of the forward multiply-adds
+    hybrid: bool  # a ResNet stem in front of the encoder
 
     @property
     def projection_macs(self) -> int:
@@ -61,18 +56,16 @@ class StepShape:
 
 @dataclass(frozen=True)
 class CpuBf16Rule:
-    """bf16 on a CPU with these units iff every condition holds; fp32 otherwise. The thresholds sit where bf16 was
-    measured at least `margin` times faster than fp32 above them (docs/performance.md, "Precision"): a shape near
-    the crossover gets fp32, the exact one, on every run."""
+    """bf16 on a CPU with these units iff every condition holds. The thresholds keep a margin, so a shape near the
+    crossover gets fp32 on every run instead of flipping with noise."""
 
     units: str  # the /proc/cpuinfo flag that selects this rule
     min_width: int
-    # rows x width²: the multiply-adds of one D x D projection of the micro-batch. Below it the fixed costs (casts,
-    # element-wise kernels, small GEMM tiles) eat the GEMMs' gain.
+    # rows x width², one D x D projection's multiply-adds; below it fixed costs (casts, small tiles) eat the gain
     min_projection_macs: int = 16_000_000
-    max_patch_embed_share: float = 0.15  # the patch convolution's bf16 weight gradient runs slower than fp32's
+    max_patch_embed_share: float = 0.15  # the patch convolution's bf16 weight gradient is slower than fp32's
     hybrids: bool = True  # whether ResNet stems were measured to gain too
-    margin: float = 1.5  # measured speedup of every shape the rule sends to bf16
+    margin: float = 1.5  # least measured speedup of a shape the rule sends to bf16
 
     def check(self, shape: StepShape) -> str | None:
         """None when bf16 pays for ``shape``; otherwise the first condition it misses, in words."""
@@ -96,11 +89,8 @@ class CpuBf16Rule:
         )
 
 
-# Fitted to one fwd+bwd of ViT shapes at 1 thread (the table: docs/benchmarks/2026-11-26-precision.md; the rule:
-# docs/performance.md, "Precision"). AMX (Sapphire Rapids): every shape sent to bf16 measured 1.53-3.5x, every one
-# sent to fp32 0.5-1.51x (vit_tiny_debug: 1.03x at micro-batch 8, 1.35x at 32, 1.51x at 64). AVX512-BF16 without
-# AMX (Zen 4): 1.7x at S/16 and B/16, ~1.0x at vit_tiny_debug; nothing was measured between, nor a hybrid, so the
-# rule keeps those in fp32.
+# Fitted to one fwd+bwd of ViT shapes at 1 thread (docs/benchmarks/2026-11-26-precision.md). AVX512-BF16 without
+# AMX was measured only at the ends (and no hybrid), so its rule keeps what lies between in fp32.
 CPU_RULES: dict[str, CpuBf16Rule] = {
     "amx_bf16": CpuBf16Rule("amx_bf16", min_width=128),
     "avx512_bf16": CpuBf16Rule("avx512_bf16", min_width=384, min_projection_macs=64_000_000, hybrids=False),
@@ -118,7 +108,7 @@ class PrecisionChoice:
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (first processor); None where there is no such file."""
+    """The first processor's flags from /proc/cpuinfo; None without the file."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -130,10 +120,7 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
 
 
 def cpu_bf16_units(flags: set[str] | None = None) -> tuple[str, ...]:
-    """The native bf16 matmul units of this CPU (a subset of `BF16_FLAGS`); () when it has none.
-
-    Without /proc/cpuinfo (not Linux) PyTorch's own detection answers (the same CPUID bits).
-    """
+    """This CPU's native bf16 matmul units (a subset of `BF16_FLAGS`); without /proc/cpuinfo, PyTorch's detection."""
     flags = cpu_flags() if flags is None else flags
     if flags is not None:
         return tuple(f for f in BF16_FLAGS if f in flags)
@@ -146,7 +133,7 @@ def cpu_bf16_units(flags: set[str] | None = None) -> tuple[str, ...]:
 
 
 def cpu_name() -> str:
-    """What the fallback line calls this CPU: PyTorch's kernel level (AVX2, AVX512, ...)."""
+    """PyTorch's kernel level (AVX2, AVX512, ...)."""
     return torch.backends.cpu.get_cpu_capability()
 
 
@@ -170,11 +157,8 @@ def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice
 def probe_bf16_speedup(
     build: Callable[[], torch.nn.Module], batch: int, image_size: int, repeats: int = PROBE_REPEATS
 ) -> tuple[float, float]:
-    """(fp32 seconds, bf16 seconds) of one forward + backward of ``build()`` on a ``batch`` of random images.
-
-    ``build`` returns a fresh task module (images, labels) -> (loss, metrics). The global RNG states are put back
-    afterwards, so the probe changes nothing the run draws (its model and batch come from forked generators).
-    """
+    """(fp32 s, bf16 s) of one forward + backward of the task ``build()`` on ``batch`` random images. The global RNG
+    state is restored, so the probe changes nothing the run draws."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         task = build()
@@ -187,7 +171,7 @@ def probe_bf16_speedup(
 
 def _time_step(task: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, repeats: int) -> float:
     best = float("inf")
-    for i in range(repeats + 1):  # the first is a warm-up (allocations, kernel selection)
+    for i in range(repeats + 1):  # the first is a warm-up
         task.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss, _ = task(images, labels)
@@ -218,11 +202,9 @@ def decide(
     probe: Callable[[], tuple[float, float]] | None = None,
     zero_stage: int | None = None,
 ) -> PrecisionChoice:
-    """The precision of a run (module docstring). ``shape``: the micro-batch's GEMM shapes, which `auto` on a CPU
-    needs; ``resumed``: (precision, checkpoint name) of the checkpoint the run resumes from, when it recorded one;
-    ``recorded``: the `probe` decision in the run folder; ``probe`` (→ fp32 s, bf16 s): times the model, for
-    `probe` on a CPU with bf16 units when nothing is recorded (None: the plan, which times nothing); ``zero_stage``:
-    at 0 DeepSpeed has no bf16 with fp32 master weights, so auto and probe pick fp32 there."""
+    """The precision of a run. ``shape``: needed by `auto` on a CPU; ``resumed``: (precision, checkpoint name);
+    ``recorded``: the run folder's `probe` decision; ``probe`` (→ fp32 s, bf16 s): None in the plan, which times
+    nothing; ``zero_stage`` 0 has no bf16 with fp32 master weights, so auto and probe pick fp32 there."""
     choice = _decide(requested, device_type, shape, flags, resumed, recorded, probe)
     if zero_stage == 0 and choice.precision == "bf16" and choice.rule not in ("recipe", "checkpoint"):
         return PrecisionChoice(
@@ -257,7 +239,7 @@ def _decide(requested, device_type, shape, flags, resumed, recorded, probe) -> P
 
 
 def decide_on_rank0(decide_here: Callable[[], PrecisionChoice]) -> PrecisionChoice:
-    """`decide_here()` on rank 0, broadcast to every rank (a probe's timing must not differ between ranks)."""
+    """`decide_here()` on rank 0, broadcast, so every rank gets the same probe answer."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:

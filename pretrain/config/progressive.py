@@ -1,20 +1,12 @@
-"""Progressive resolution: pre-train on small images first, then on the full size (a curriculum over image size).
+"""Progressive resolution: train on small images first, then at ``data.image_size``.
 
-A recipe sets ``data.resolution_schedule: [[0, 16], [100, 32]]`` — pairs (first step, image size), steps strictly
-increasing from 0, sizes multiples of the patch stride, the last size equal to ``data.image_size`` (the final
-resolution, which the model's config, FLOP counts and evals refer to). Step s trains at the size of the last pair
-whose step is ≤ s. An empty schedule trains at ``data.image_size`` throughout.
+``data.resolution_schedule: [[0, 16], [100, 32]]`` lists (first step, image size) pairs: steps strictly increasing
+from 0, sizes multiples of the patch stride, the last size equal to ``data.image_size``. Step s trains at the size of
+the last pair whose step is ≤ s (`resolution_at`); an empty schedule means ``data.image_size`` throughout.
 
-At each change the trainer (`Trainer.maybe_switch_resolution`) calls :func:`switch_resolution`: the model is rebuilt
-at the new size with its position embeddings interpolated (``pretrain.weights.formats.resize_pos_embed``, the official
-2-D bilinear resize that fine-tuning at a higher resolution uses), and a new DeepSpeed engine takes over the old one's
-fp32 weights *and* Adam state — the moments of the position embeddings resized like the embeddings themselves — so
-a change costs one engine rebuild, not the optimizer's memory of the run. The stream is rebuilt at the new size
-from the old one's position.
-
-Checkpoints hold the parameters at the resolution current at their step (``config.yaml`` and ``model.json`` record
-it); a resumed run builds its engine at :func:`resolution_at` of the checkpoint's step before loading, so it
-continues exactly where the uninterrupted run would be.
+At each change `switch_resolution` rebuilds model and engine at the new size, carrying over the fp32 weights and
+the Adam state; the position embeddings and their moments get the official 2-D bilinear resize. A resumed engine is
+built at its checkpoint's size (`start_config`), so it switches where the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from pretrain.weights.formats import resize_pos_embed
 __all__ = ["check_config", "check_schedule", "config_at", "resolution_at", "start_config", "switch_resolution"]
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
-# (working-copy groups, fp32 partitions) attribute names of DeepSpeed's ZeRO-1/2 optimizer and its bf16 optimizer.
+# (working-copy groups, fp32 partitions) attribute names of DeepSpeed's ZeRO-1/2 and bf16 optimizers
 _FRAGMENT_GROUPS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
 
 
@@ -67,7 +59,7 @@ def check_schedule(schedule: Sequence, image_size: int, stride: int) -> tuple[tu
 
 
 def check_config(schedule: Sequence, image_size: int, stride: int, zero_stage: int) -> None:
-    """``data.resolution_schedule`` and the ZeRO stage it needs (`TrainConfig.validate`); ValueError names the fix."""
+    """Check ``data.resolution_schedule`` and the ZeRO stage it needs; ValueError names the fix."""
     if schedule:
         check_schedule(schedule, image_size, stride)
         if zero_stage > 2:
@@ -87,8 +79,7 @@ def resolution_at(schedule: Sequence, step: int, image_size: int) -> int:
 
 
 def config_at(config, step: int):
-    """``config`` with ``data.image_size`` set to the resolution of ``step``: the config the model, the stream and
-    the checkpoint's ``config.yaml`` of that step are built from."""
+    """``config`` with ``data.image_size`` set to the resolution of ``step``."""
     d = config.data
     size = resolution_at(d.resolution_schedule, step, d.image_size)
     return config if size == d.image_size else config.replace(data=dataclasses.replace(d, image_size=size))
@@ -98,7 +89,7 @@ def config_at(config, step: int):
 
 
 def _full_fp32(param: nn.Parameter) -> torch.Tensor:
-    """The fp32 master copy of ``param`` assembled from the ZeRO partitions (the parameter itself without ZeRO)."""
+    """The fp32 master copy of ``param``, gathered from the ZeRO partitions."""
     from deepspeed.utils import safe_get_full_fp32_param  # heavy external
 
     value = safe_get_full_fp32_param(param)
@@ -106,7 +97,7 @@ def _full_fp32(param: nn.Parameter) -> torch.Tensor:
 
 
 def _inner_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer that holds the Adam state (ZeRO wraps it; without ZeRO the engine uses it directly)."""
+    """The torch optimizer holding the Adam state (ZeRO wraps it)."""
     opt = engine.optimizer
     return getattr(opt, "optimizer", opt)
 
@@ -130,7 +121,7 @@ def _adam_step(engine) -> torch.Tensor | None:
 
 
 def _seed_adam_state(engine, step: torch.Tensor) -> None:
-    """Create the torch Adam state eagerly (it is lazy) so the moments can be written before the first step."""
+    """Create torch's lazy Adam state now, so the moments can be written before the first step."""
     inner = _inner_optimizer(engine)
     for group in inner.param_groups:
         for p in group["params"]:
@@ -144,12 +135,10 @@ def _seed_adam_state(engine, step: torch.Tensor) -> None:
 
 
 def _link_states(engine) -> None:
-    """Point every parameter's ZeRO / bf16 fragment at its flat partition's Adam state.
+    """Point every parameter's ZeRO / bf16 fragment at its flat partition's Adam state. Idempotent.
 
-    DeepSpeed 0.19 links them once, right after the *first parameter group's* first step, when the other groups'
-    lazily created state does not exist yet; parameters of later groups (here: the no-weight-decay group) are then
-    never linked and ``safe_get_full_optimizer_state`` fails for them. Re-linking every group whose state exists
-    is idempotent.
+    DeepSpeed links them once, after the first parameter group's first step, before later groups' lazy state exists;
+    the no-decay group is then never linked and ``safe_get_full_optimizer_state`` fails for it.
     """
     from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state  # heavy external
 
@@ -187,17 +176,13 @@ def _resize(name: str, value: torch.Tensor, target: torch.Tensor, num_prefix_tok
 
 
 def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> tuple:
-    """Move training from ``engine`` (wrapping ``model``) to a fresh engine from ``build() -> (engine, model)``.
-
-    Collective: every rank calls it at the same step. The new engine gets the old fp32 weights, buffers and Adam
-    moments and step count; tensors whose shape changed (the position embeddings) are resized to the new grid.
-    RNG states are preserved across the rebuild (``build`` may re-seed). Returns ``(engine, model)``; the old engine
-    is destroyed. Supports ZeRO stages 0-2 (checked by the config).
-    """
+    """Collective, at the same step on every rank: move training from ``engine`` to ``build() -> (engine, model)``,
+    which it returns. Carries fp32 weights, buffers, Adam moments and step; RNG states survive ``build``; the old
+    engine is destroyed. ZeRO 0-2 only."""
     old_task = engine.module
     named = dict(old_task.named_parameters())
     weights = {name: _full_fp32(p) for name, p in named.items()}
-    adam_step = _adam_step(engine)  # None before the first optimizer step: there are no moments to carry
+    adam_step = _adam_step(engine)  # None before the first step: no moments to carry
     _link_states(engine)
     moments = {name: _adam_state(engine, p) if adam_step is not None else None for name, p in named.items()}
     buffers = {name: b.detach().clone() for name, b in old_task.named_buffers()}
@@ -237,13 +222,8 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
 
 
 def start_config(config, start):
-    """The config in force when a run starts from ``start`` (a ``pretrain.checkpointer.StartPoint``).
-
-    A fresh run (or ``init_from`` weights) starts at the schedule's first size. A checkpoint of step k holds the
-    parameters at the size its last step (k − 1) trained at, which its ``model.json`` records; the engine is built
-    at that size so the DeepSpeed state loads, and `pretrain.trainer.Trainer.maybe_switch_resolution` at step k
-    switches exactly where the uninterrupted run did.
-    """
+    """The config in force when a run starts from ``start``: the schedule's first size, or for a checkpoint of step k
+    the size step k − 1 trained at (its ``model.json``), so the DeepSpeed state loads."""
     if start.kind in ("run", "resume_from"):
         import json
         from pathlib import Path

@@ -1,29 +1,12 @@
-"""The typed training configuration, loaded from a YAML recipe: `TrainConfig` composes one frozen dataclass per concern.
+"""The training recipe: `TrainConfig`, one frozen dataclass per section, loaded from YAML (`load_config`).
 
-A recipe (`configs/<name>.yaml`) is a nested mapping whose top-level keys are the sections; a recipe may start from
-another one with ``base: <recipe name>``. Command-line overrides are ``key=value`` strings with dotted keys
-(``model.name=vit_s16``, ``optim.lr=3e-4``); values are parsed as YAML scalars. Reading, inheriting, overriding and
-typing are :mod:`pretrain.config.typed_yaml`'s.
+Sections live with their owners (docs/design.md, "One owner per concern"); ``model``, ``data``, ``checkpoint``,
+``logging`` and ``evals`` live here. ``TrainConfig.validate(world_size)`` checks them all before work starts.
 
-Each section lives with the module that owns its meaning, its fields documented and its defaults declared there,
-next to its check: ``optim`` and ``schedule`` in :mod:`pretrain.config.optim`, ``deepspeed`` in
-:mod:`pretrain.config.ds_config`, ``loss`` and ``task`` in :mod:`pretrain.model.tasks`. The sections no other module
-owns are here: ``model``, ``data``, ``checkpoint``, ``logging`` and ``evals``. A closed set of choices is a ``Literal``.
-
-``TrainConfig.validate(world_size)`` checks everything that can be checked before work starts and raises
-``ValueError`` naming the field and the fix; each section is checked by its owner (and the resolution schedule by
-:mod:`pretrain.config.progressive`). Numbers derived from the config (accumulation steps, total steps) are computed in
-one place each: :mod:`pretrain.config.ds_config` and :mod:`pretrain.config.optim`.
-
-Paths. A recipe's local paths (``data.train``, ``checkpoint.dir``, ``checkpoint.resume_from``,
-``checkpoint.init_from``, ``evals.data_root``) are relative to the project root of the process that trains;
-remote URLs (``s3://``, ``gs://``, any fsspec URL) are kept as written. `TrainConfig.resolved` is the one step that
-makes them absolute (``file://`` stripped, ``~`` expanded, `data_pipeline.paths`), and it runs once, where the
-config is loaded for use: `load_config` returns a resolved config (the standalone trainer, tests), and a config
-shipped as JSON to a Ray job is resolved when the job loads it (`cluster.driver.job.JobSpec.from_json`). Everything
-downstream (trainer, checkpoints, run folder, evals handed ``evals.data_root``) uses the paths as they are.
-`config_from_recipe` keeps a recipe's paths as written: `cluster.plan.planner` relocates ``data/...`` under a profile's
-storage and ships the config to a machine whose project root is not this one's.
+Paths. Local paths are relative to the project root of the process that trains; remote URLs stay as written.
+`TrainConfig.resolved` makes them absolute, once, where the config is loaded for use (`load_config`, or a Ray job
+loading its JSON); downstream code uses them as they are. `config_from_recipe` keeps them as written, for a config
+shipped to another machine.
 """
 
 from __future__ import annotations
@@ -59,61 +42,55 @@ class ModelConfig:
 
     name: str = "vit_b16"  # a name in pretrain.model.vit.MODEL_NAMES
     num_classes: int | None = None  # None → the training set's num_classes (dataset.json)
-    representation_size: int | None = None  # pre-logits Dense+tanh width (768 for i21k pre-training)
-    head_bias_init: float | None = None  # −10 with sigmoid xent so the initial loss is small
+    representation_size: int | None = None  # pre-logits Dense+tanh width
+    head_bias_init: float | None = None  # −10 with sigmoid xent keeps the initial loss small
     dropout: float | None = None  # 0.1 for i21k pre-training of B and L
     attention_dropout: float | None = None  # on the attention weights
-    pool: Literal["token", "gap"] | None = None  # class token, or the mean of all tokens after the final LN
+    pool: Literal["token", "gap"] | None = None  # class token, or the mean of all tokens
     gelu_approximate: Literal["tanh", "none"] | None = None  # tanh (JAX checkpoints) | none (exact erf)
-    grad_checkpointing: bool = False  # activation checkpointing: recompute each block in backward
-    compile: bool = False  # torch.compile each encoder block (docs/performance.md, "Compiled blocks"); CPU: needs g++
+    grad_checkpointing: bool = False  # recompute each block in backward
+    compile: bool = False  # torch.compile each encoder block (docs/performance.md, "Compiled blocks")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The training stream and the batch sizes (the one source of truth for both)."""
+    """The training stream and the batch sizes."""
 
-    train: str = "data/imagenet21k/train"  # shard folder (local path relative to the project, or an fsspec URL)
-    builtin: str | None = None  # a data_pipeline.builtin.sets name; when set and `train` is absent it is generated
-    builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes (resolution, num_classes…)
-    image_size: int = 224  # training resolution; also the model's position-embedding grid
-    # Progressive resolution: [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () =
-    # off
+    train: str = "data/imagenet21k/train"  # shard folder: a local path or an fsspec URL
+    builtin: str | None = None  # a built-in set, generated at `train` when absent
+    builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes
+    image_size: int = 224  # final training resolution
+    # [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () = off
     resolution_schedule: tuple[tuple[int, int], ...] = ()
-    global_batch_size: int = 4096  # images per optimizer step, summed over ranks and accumulation steps
+    global_batch_size: int = 4096  # images per optimizer step, all ranks
     micro_batch_size: int = 32  # images per rank per forward/backward
-    epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json num_samples
-    num_workers: int = 0  # DataLoader worker processes per rank decoding images
-    # How those workers start: forkserver, as forking a training process, which runs threads, can hang the child
+    epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json
+    num_workers: int = 0  # DataLoader worker processes per rank
+    # Not fork by default: forking a training process, which runs threads, can hang the child
     loader_start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"
-    # Canonical sequential streams the epoch's shards are dealt to; every global batch takes global/streams samples
-    # from each, in stream order, whatever the world size (docs/elastic.md). World sizes must divide it.
+    # Fixed streams of the data order (docs/design.md, "The training stream contract"); world sizes divide it
     streams: int = 8
-    shuffle_buffer: int = 1000  # sample shuffle buffer per stream (shards are also shuffled per epoch)
-    seed: int = 0  # stream seed: shard order per epoch, shuffle, augmentation
-    mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables (AugReg B/16: 0.2)
-    # Training augmentation (inception crop, flip, RandAugment; data_pipeline.stream.augment). null → resize only.
+    shuffle_buffer: int = 1000  # sample shuffle buffer per stream
+    seed: int = 0  # stream seed: shard order, shuffle, augmentation
+    mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables
+    # Inception crop, flip, RandAugment (data_pipeline.stream.augment); null → resize only
     augment: AugmentConfig | None = field(default_factory=AugmentConfig)
-    # A shard read that fails with an I/O error (EIO, a reset connection, a store's 5xx) is tried again this many times
-    # (after 0.1, 0.4, 1.6 s, ...) before the shard counts as damaged; data/read_retries counts them in MLflow
+    # Retries of a failed shard read (backoff 0.1, 0.4, 1.6 s, ...) before it counts as damaged
     read_retries: int = 3
-    # MiB per rank to hold the whole training set decoded in memory (data_pipeline.stream.decoded_cache): all or
-    # nothing, only when it fits; later reads skip the tar and the JPEG decode, the batches stay bit-identical. 0:
-    # never.
+    # MiB per rank to hold the whole set decoded, used only if it all fits; 0: never
     cache_mb: float = 256.0
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where the run folder is, how often it gets a checkpoint, and where a run starts from."""
+    """The run folder, the save cadence, and where a run starts from."""
 
     dir: str = "runs/default"  # the run folder; checkpoints go to <dir>/checkpoints/step_XXXXXXXX/
     every_steps: int = 1000  # save every K optimizer steps (and at the end)
-    keep_last: int = 3  # keep the newest k complete checkpoints
-    resume_from: str | None = None  # a checkpoint folder to resume fully (used when <dir> has none)
+    keep_last: int = 3  # complete checkpoints kept
+    resume_from: str | None = None  # a checkpoint to resume (when <dir> has none)
     init_from: str | None = None  # weights only: a model.safetensors folder or an official .npz
-    # A save that fails (a full disk, any write error; its partial files are removed either way): stop the run, or
-    # skip this checkpoint, train on and save at the next one (the last step's save is never skipped)
+    # On a failed save: stop, or skip it and train on (the last step's save is never skipped)
     on_save_error: Literal["stop", "skip"] = "stop"
 
 
@@ -121,28 +98,26 @@ class CheckpointConfig:
 class LoggingConfig:
     """MLflow and the console."""
 
-    mlflow_tracking_uri: str | None = None  # None → the project's default store (the tracking package)
-    mlflow_run_id: str | None = None  # the run created by the driver; None → no MLflow unless experiment is set
-    mlflow_experiment: str | None = None  # standalone runs: create (and end) a run in this experiment when no run id
-    log_every: int = 10  # steps between metric logs (and console updates)
-    peak_tflops: float | None = None  # hardware peak per device for MFU; None → known GPU table / measured CPU GEMM
+    mlflow_tracking_uri: str | None = None  # None → the project's default store
+    mlflow_run_id: str | None = None  # the driver's run; None → no MLflow unless mlflow_experiment
+    mlflow_experiment: str | None = None  # without a run id: create (and end) a run here
+    log_every: int = 10  # steps between metric logs and console updates
+    peak_tflops: float | None = None  # per-device peak for MFU; None → pretrain.telemetry.peak
     progress_bar: bool = True  # tqdm on rank 0
-    record_batch_digests: bool = False  # keep a hash of every batch in the summary (exact-resume checks)
-    # Keep every step's sample keys (this rank's, in order) in the summary and <run>/sample_keys/rank<r>.jsonl
+    record_batch_digests: bool = False  # a hash of every batch in the summary
+    # Every step's sample keys in the summary and <run>/sample_keys/rank<r>.jsonl
     record_sample_keys: bool = False
 
 
 @dataclass(frozen=True)
 class EvalsConfig:
-    """Carried for the cluster driver, which runs `configs/evals/<suite>.yaml` after each checkpoint."""
+    """Read by the cluster driver, which runs the suite after each checkpoint."""
 
     suite: str | None = None  # an eval suite name or YAML path; None → no evals
-    data_root: str = "data"  # where the suite's datasets live (built-in ones are generated there)
-    # Evaluate the step-0 weights too (a checkpoint saved before the first update): the random-initialisation
-    # baseline every transfer curve starts at. Costs one checkpoint save and one eval; false skips both.
+    data_root: str = "data"  # the suite's datasets
+    # Also evaluate step_00000000, the weights before the first update
     baseline: bool = True
-    # The job's end waits at most this long for evals still pending after training; what is still running then is
-    # recorded as failed (eval_failed/<suite>). Evals never hold training itself.
+    # Seconds the job's end waits for pending evals; then they count as failed
     timeout_s: float = 3600.0
 
 
@@ -151,7 +126,7 @@ SECTIONS = ("model", "data", "optim", "schedule", "loss", "task", "deepspeed", "
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A whole run: its sections (the module docstring says where each lives), the recipe's name and the model seed."""
+    """A whole run: its sections, the recipe's name and the model seed."""
 
     recipe: str = ""  # the recipe's name (tags and run names); set by load_config
     seed: int = 0  # model initialisation and dropout
@@ -178,9 +153,7 @@ class TrainConfig:
         return dataclasses.replace(self, **sections)
 
     def resolved(self) -> TrainConfig:
-        """This config with its local paths absolute, from this process's project root (the module docstring,
-        "Paths"); remote URLs, unset paths and an empty ``checkpoint.dir`` (which `validate` refuses) stay as they
-        are. Idempotent: resolving a resolved config changes nothing."""
+        """This config with its local paths absolute (module docstring, "Paths"). Idempotent."""
         d, c, e = self.data, self.checkpoint, self.evals
         return dataclasses.replace(
             self,
@@ -195,15 +168,11 @@ class TrainConfig:
         )
 
     def validate(self, world_size: int, *, check_paths: bool = True) -> None:
-        """Raise ValueError (field + fix) for anything that would fail later; each section's owner checks it.
-
-        ``check_paths=False`` skips what depends on files existing here (data, resume_from, init_from), e.g. to
-        check a cluster recipe on a laptop. Remote (``s3://``…) data is checked when the stream opens it. The files
-        checked are those this process would open (`resolved`): a config as written is checked from here.
-        """
+        """Raise ValueError (field + fix) for anything that would fail later. ``check_paths=False`` skips the local
+        files (e.g. a cluster recipe checked on a laptop); remote data is checked when the stream opens it."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        typed_yaml.build(TrainConfig, self.to_dict())  # a config made in code gets a recipe's type checks too
+        typed_yaml.build(TrainConfig, self.to_dict())  # type checks for a config made in code
         d, here = self.data, self.resolved()
         vit = check_model(self)
         check_data_config(d, world_size)
@@ -258,24 +227,17 @@ def read_recipe(path: Path) -> dict[str, Any]:
 
 
 def load_config(path_or_recipe_name: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
-    """Load a recipe (path or name under configs/), apply ``key=value`` overrides, type-check every field and resolve
-    its paths for this process (`TrainConfig.resolved`).
-
-    Unknown keys raise ValueError listing the valid ones, prefixed by where the bad key came from.
-    """
+    """Load a recipe (path or name), apply ``key=value`` overrides, type-check it and resolve its paths."""
     path = recipe_path(path_or_recipe_name)
     return config_from_recipe(path, read_recipe(path), overrides).resolved()
 
 
 def config_from_recipe(path: Path, written: dict[str, Any], overrides: Iterable[str] = ()) -> TrainConfig:
-    """`load_config` on a recipe already read from ``path`` (`read_recipe`), so a launch reads its file once, but with
-    the paths as written: relative ones mean the project root of the process that will train
-    (`cluster.plan.planner`)."""
-    merged = typed_yaml.apply_overrides(written, list(overrides))  # a malformed override raises here, naming itself
+    """`load_config` on a recipe already read, its paths as written. ValueError says where a bad key came from."""
+    merged = typed_yaml.apply_overrides(written, list(overrides))
     try:
         return TrainConfig.from_dict(merged)
     except ValueError as error:
-        # Say where the bad key or value came from: the file (or its base chain), or an override.
         try:
             TrainConfig.from_dict(written)
         except ValueError:
@@ -298,7 +260,7 @@ def model_overrides(config: TrainConfig, num_classes: int) -> dict[str, Any]:
 
 
 def check_model(config: TrainConfig) -> ViTConfig:
-    """The ViTConfig the model and data sections make (pretrain.model.vit checks it); ValueError naming the fix."""
+    """The ViTConfig the model and data sections make; ValueError naming the fix."""
     m = config.model
     if m.name not in MODEL_NAMES:
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")
@@ -310,8 +272,7 @@ def check_model(config: TrainConfig) -> ViTConfig:
 
 
 def check_compiler(m: ModelConfig) -> None:
-    """``model.compile`` needs a C++ compiler here: torch.compile builds its CPU kernels (and Triton its GPU
-    launchers) with one. Checked before any work starts, not at the first step."""
+    """``model.compile`` needs a C++ compiler (torch.compile builds kernels with it)."""
     compiler = os.environ.get("CXX") or "g++"
     if m.compile and shutil.which(compiler) is None:
         raise ValueError(
@@ -324,7 +285,7 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
     """The data section's ranges, the batch split, the built-in dataset and the augmentation."""
     positive(d.global_batch_size, "data.global_batch_size")
     positive(d.micro_batch_size, "data.micro_batch_size")
-    ds_config.batch_plan(d, world_size)  # raises when global batch is not divisible by world × micro
+    ds_config.batch_plan(d, world_size)
     if d.epoch_images is not None:
         positive(d.epoch_images, "data.epoch_images")
     at_least(d.num_workers, 0, "data.num_workers")
@@ -332,7 +293,7 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
     at_least(d.cache_mb, 0, "data.cache_mb")
     at_least(d.shuffle_buffer, 0, "data.shuffle_buffer")
     at_least(d.mixup_alpha, 0.0, "data.mixup_alpha")
-    if d.builtin is not None:  # checked here rather than when rank 0 generates the set mid-start
+    if d.builtin is not None:  # here, not when rank 0 generates the set mid-start
         if ALIASES.get(d.builtin, d.builtin) not in BUILTIN_NAMES:
             raise ValueError(
                 f"data.builtin={d.builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it"
@@ -344,7 +305,7 @@ def check_data_config(d: DataConfig, world_size: int) -> None:
                 raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {known}")
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
-        try:  # the ranges the generator checks (class_offset, background_ramp, sizes), before anything starts
+        try:  # the generator's own range checks
             check_sizes(ALIASES.get(d.builtin, d.builtin), BuiltinConfig(**d.builtin_options))
         except ValueError as error:
             raise ValueError(f"data.builtin_options: {error}") from None
@@ -367,8 +328,7 @@ def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:
 
 
 def check_paths_exist(config: TrainConfig) -> None:
-    """The files a resolved config (`TrainConfig.resolved`) points at, when they are here: shards (or a built-in set
-    to generate), the checkpoint to resume and the weights to start from."""
+    """The local files a resolved config points at: shards (or a built-in set), resume_from, init_from."""
     d, c = config.data, config.checkpoint
     if not is_remote(d.train):
         shard_dir = Path(d.train)
@@ -393,8 +353,7 @@ def check_paths_exist(config: TrainConfig) -> None:
                 f"checkpoint.init_from={c.init_from!r} is neither an .npz file nor a folder with model.safetensors; "
                 "point it at an official ViT .npz or a checkpoint folder"
             )
-        # An .npz is a zip whose directory is at its end: a truncated download or a pickle fails here, in seconds,
-        # rather than after the workers have started.
+        # An .npz is a zip with its directory at the end: a truncated download fails here.
         if src.suffix == ".npz" and src.is_file() and not zipfile.is_zipfile(src):
             raise ValueError(
                 f"checkpoint.init_from={c.init_from!r} is not an .npz archive (truncated, damaged or another format); "
@@ -403,15 +362,14 @@ def check_paths_exist(config: TrainConfig) -> None:
 
 
 def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:
-    """Images per epoch for "ep" durations: the recipe's, else the local training set's dataset.json (``d`` is a
-    resolved data section)."""
+    """Images per epoch: the recipe's, else the local set's dataset.json (``d`` is resolved)."""
     if d.epoch_images is None and check_paths and not is_remote(d.train):
-        meta = read_dataset_json(d.train)  # a damaged file raises, naming it and the fix
+        meta = read_dataset_json(d.train)
         if meta is not None and "num_samples" in meta:
             return int(meta["num_samples"])
     return d.epoch_images
 
 
 def _resolve(path: str) -> str:
-    """A local path made absolute from this process's project root; a URL, or "" (refused by validate), as it is."""
+    """A local path made absolute from this process's project root; a URL or "" as it is."""
     return resolve_location(path) if path else path

@@ -1,8 +1,8 @@
-"""The one typed-YAML loader of recipes (`pretrain.config.train_config`), cluster profiles (`cluster.profiles`) and eval
-suites (`evals.suites`): reading a file (errors name its line), ``base:`` inheritance, dotted ``key=value`` overrides,
-and building frozen dataclasses with typed fields (int, float, str, bool, ``X | None``, tuples, dicts, nested
-dataclasses, ``Literal[...]`` closed sets), so that an unknown, missing or mistyped key is an error naming its source,
-the dotted key and the fix. Torch-free and quick to import: every package may import it (docs/design.md).
+"""The typed-YAML loader of recipes, cluster profiles and eval suites.
+
+Reads a file (errors name the line), merges ``base:`` chains, applies dotted ``key=value`` overrides and builds
+frozen dataclasses (`build`), so an unknown, missing or mistyped key is a ValueError naming its source, the dotted
+key and the fix. Torch-free, so every package may import it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def parse_yaml(text: str, where: str) -> Any:
         mark = error.problem_mark or error.context_mark
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = error.problem or error.context or "syntax error"
-        # "while parsing a flow sequence" started at an earlier line is often where the mistake is (an unclosed [).
+        # The context's earlier line ("while parsing a flow sequence") is often the mistake (an unclosed [).
         context = ""
         if error.context and error.context_mark is not None and error.context_mark is not mark:
             context = f" ({error.context} that starts at line {error.context_mark.line + 1})"
@@ -88,8 +88,8 @@ def deep_merge(
 ) -> dict[str, Any]:
     """``top`` over ``base``, mapping by mapping; a key in ``opaque`` (free-form options) is replaced whole.
 
-    ``builtin_options`` belongs to one built-in dataset: a child recipe on another dataset (local_mpp on digits over
-    local_demo on rcdb) must not inherit the parent's sizes, so ``builtin_options: {}`` means the defaults.
+    ``builtin_options`` belongs to one built-in dataset: a child recipe on another dataset must not inherit the
+    parent's sizes, so ``builtin_options: {}`` means the defaults.
     """
     merged = dict(base)
     for key, value in top.items():
@@ -135,9 +135,8 @@ T = typing.TypeVar("T")
 def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
     """The frozen dataclass ``cls`` from a mapping, nested dataclasses included; every value :func:`coerce`\\ d.
 
-    ValueError for an unknown, missing or mistyped key, naming the dotted key (``prefix`` is the dotted path of
-    ``data`` in its source) and starting with ``where`` (the source, e.g. "profile local") when given. A field's
-    ``metadata={"hint": ...}`` is added to that field's error (why a tempting value is not allowed).
+    ValueError for an unknown, missing or mistyped key names the dotted key (``prefix``: ``data``'s path in its
+    source) after ``where`` (e.g. "profile local"). A field's ``metadata={"hint": ...}`` is appended to its error.
     """
     try:
         return _build(cls, data, prefix)
@@ -146,9 +145,9 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
 
 
 def coerce(value: Any, hint: Any, path: str) -> Any:
-    """``value`` checked (and converted: list → tuple, "1e-3" → 0.001) against a dataclass field's type ``hint``.
+    """``value`` checked against the field type ``hint`` and converted (list → tuple, "1e-3" → 0.001).
 
-    ValueError naming ``path`` (the dotted key) and the expected type or the allowed values.
+    ValueError names ``path`` (the dotted key) and the expected type or allowed values.
     """
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path + ".")
