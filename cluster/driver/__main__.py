@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.plan and not os.environ.get(PLAN_ENV):
         parser.error(f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does)")
     source = f"--plan {args.plan}" if args.plan else f"${PLAN_ENV}"
-    try:  # only parsing here: unreadable, not JSON, JSON of another shape, an invalid profile or config
+    try:  # unreadable, not JSON, JSON of another shape, an invalid profile or config
         text = Path(args.plan).read_text() if args.plan else os.environ[PLAN_ENV]
         spec = JobSpec.from_json(text)  # the job's one build of the config, before Ray and MLflow start
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    import ray  # heavy: only the driver and cluster commands need Ray
+    import ray  # heavy: deferred
 
-    try:  # here rather than in run_job: no cluster is the user's to fix, and must not look like a crash
+    try:  # here, not in run_job: no cluster is the user's to fix, not a crash
         ray.init(address=args.address or "auto")
     except ConnectionError as error:
         print(
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    import psutil  # a Ray dependency: the driver process's start begins the job's goodput ledger
+    import psutil  # a Ray dependency; the driver process's start begins the goodput ledger
 
     return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
 

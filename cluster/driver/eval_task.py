@@ -1,6 +1,6 @@
 """The body of one eval task: run the suite on one checkpoint, on the resources Ray gave the task.
 
-`cluster.driver.eval_scheduler` submits it (through a function that imports this module in the task's process only).
+Imported only in the task's process, never by the scheduler actor.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from pretrain.checkpoint.run_folder import is_complete, unpin_checkpoint
 
 
 def task_device(assigned: dict[str, float], cuda_available: bool) -> str:
-    """The device of an eval task: the GPU Ray gave it (``evals.num_gpus`` of the profile; Ray makes it the task's only
-    visible one, so it is ``cuda``), else the CPU. A GPU that torch cannot use (a CPU build of torch) is an error: the
-    task would hold it idle and take hours on the CPU."""
+    """``cuda`` when Ray gave the task a GPU (its only visible one), else ``cpu``. RuntimeError when torch cannot
+    use that GPU: the task would hold it idle and take hours on the CPU."""
     if assigned.get("GPU", 0) <= 0:
         return "cpu"
     if not cuda_available:
@@ -34,11 +33,8 @@ def task_device(assigned: dict[str, float], cuda_available: bool) -> str:
 def run_suite_task(
     checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """Body of one eval task: run the suite on one checkpoint; return its metrics, or the error as text.
-
-    Releases the checkpoint's pin however it ends.
-    """
-    started, began = time.monotonic(), time.time()  # "started" (Unix time) places it on the goodput ledger's clock
+    """{metrics | error (+ traceback), seconds, started}; never raises. Unpins the checkpoint however it ends."""
+    started, began = time.monotonic(), time.time()  # "started" (Unix time): the goodput ledger's clock
     try:
         if not is_complete(checkpoint_dir):
             return {
@@ -47,21 +43,21 @@ def run_suite_task(
                 "seconds": 0.0,
                 "started": began,
             }
-        # Eval tasks share the machine with training: stay within the CPUs Ray gave this task, on its GPU if it has one.
+        # Stay within the CPUs Ray gave this task: it may share them with training.
         resources = ray.get_runtime_context().get_assigned_resources()
         torch.set_num_threads(max(1, int(resources.get("CPU", 1))))
         device = task_device(resources, torch.cuda.is_available())
         table = run_suite(
             checkpoint_dir, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=tracking_uri, device=device
         )
-        # The metrics MLflow got (ok rows, finite values): a missing dataset shows as "-" in the summary, not NaN.
+        # What MLflow got (ok rows, finite values): a missing dataset shows as "-".
         return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started, "started": began}
-    except Exception as exc:  # an eval failure is reported in the summary; it never fails the training job
+    except Exception as exc:  # reported in the summary; it never fails the training job
         return {
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
             "seconds": time.monotonic() - started,
             "started": began,
         }
-    finally:  # done, failed or interrupted: this eval no longer needs the folder
+    finally:  # done, failed or interrupted
         unpin_checkpoint(checkpoint_dir)

@@ -1,43 +1,8 @@
-"""The Ray job entrypoint: one MLflow run, Ray Train workers running `train_worker`, evals after each checkpoint.
+"""The Ray job: one MLflow run, Ray Train workers running `train_worker`, evals after each checkpoint.
 
-    python -m cluster.driver --plan plan.json      # or the plan in $VITSCALE_PLAN (what cluster.launch submits)
-
-Order of work (all on the Ray head, inside the job):
-1. Read the plan (resolved profile + resolved TrainConfig + the printed numbers).
-2. Create the ONE MLflow run of this job (`tracking.runs.open_job_run`) — params = flattened resolved config, tags
-   = profile / recipe / model / world size / git commit, plan as artifact — or continue the run recorded in
-   `<run_dir>/mlflow_run.json` when the same run is launched again (training then resumes from its newest
-   COMPLETE checkpoint as well). The run id goes into the config the workers get (which they do not rebuild).
-3. Start the eval scheduler actor (`cluster.driver.eval_scheduler`), then `TorchTrainer(train_loop, ScalingConfig from
-   the profile, FailureConfig(max_failures), RunConfig(storage_path = profile checkpoints))`. Each worker runs
-   `pretrain.train.train_worker(config, on_checkpoint)`; rank 0's `on_checkpoint` hands every COMPLETE checkpoint
-   to the scheduler without waiting. When a worker dies, Ray Train restarts the whole worker group and
-   `train_worker` resumes from the newest COMPLETE checkpoint in the run folder: same run folder, same MLflow run
-   (the steps it redoes are not logged to MLflow again; the run's tag `vitscale.restarts` counts the restarts).
-   Rank 0 pins each checkpoint until its evals end, so `checkpoint.keep_last` never deletes one they still need.
-   With a suite (and `evals.baseline`, on by default) a fresh run first saves and submits step 0, the weights
-   before the first update: every transfer curve starts at its random-initialisation baseline. A restart resumes
-   from a checkpoint, so it never evaluates step 0 again.
-   Elastic profiles (`workers: {min, max}`) give Ray Train `ScalingConfig(num_workers=(min, max))`: it starts with
-   as many workers as the cluster holds; a lost node fails the group (charged to `max_failures`, like any worker
-   failure; a node drained for preemption is charged to `max_preemption_failures` instead) and Ray restarts it with
-   the survivors if at least `min` are left; every `elastic_resize_monitor_interval_s` it looks for capacity and,
-   when more workers fit, stops the group and starts a larger one (not a failure). Each start resumes from the
-   newest COMPLETE checkpoint at its own world size (docs/elastic.md). The resizes are tagged on the run and listed
-   in the summary from `<run_dir>/world_sizes.jsonl` (pretrain.train tags them at every start).
-   A rank that hangs without dying (SIGSTOP, a stuck collective or read) would hold the group until the collective
-   timeout: each worker reports its progress (`pretrain.telemetry.heartbeat`) and the driver's watchdog thread
-   (`cluster.driver.watchdog`, the profile's `hang` section) dumps the ranks' stacks and kills the culprit once no rank
-   has progressed within the allowance, so that the same restart path takes over; its allowances at the start and in a
-   first save are the plan's (`cluster.plan.checkpoint_costs.startup_allowance`), a later save's follow the saves
-   measured. A worker error that a restart would only repeat (a checkpoint save that failed: a full disk) is not
-   retried: the job fails at once with the save's message, in the log and in the MLflow tag `vitscale.failure`
-   (`cluster.driver.watchdog.final_failures_callback`).
-4. Wait for pending evals (at most `evals.timeout_s`; an eval that failed is recorded as such), then
-   `cluster.driver.record.finish_job`: prune the checkpoints their pins kept, print the summary table (step, loss, eval
-   metrics, the headline metric's gain over step 0), print and log the goodput ledger (`cluster.driver.ledger`, logged
-   over time by a driver thread while training runs; docs/goodput.md), close the MLflow run; exit 0 only if training
-   succeeded.
+`run_job` runs a `JobSpec`; each worker runs `_train_loop`, whose rank 0 hands every COMPLETE checkpoint to the
+eval scheduler without waiting. Order of work: docs/design.md, "The Ray job"; restarts, resizes, hangs and final
+failures: docs/elastic.md, "Elastic jobs on Ray" and "Faults".
 """
 
 from __future__ import annotations
@@ -72,16 +37,13 @@ from tracking.runs import open_job_run, run_tags
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
-SUBMIT_WAIT_S = 60.0  # how long rank 0 waits at its end for the eval scheduler to take its checkpoints
+SUBMIT_WAIT_S = 60.0  # rank 0's wait at its end for the eval scheduler to take its checkpoints
 
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Chaos hook for tests and drills: `delay_s` after checkpoint step >= `after_step`, rank `rank` exits abruptly
-    (`kind` "exit": a lost worker) or stops itself with SIGSTOP ("stop": a hung rank, which only the watchdog
-    notices), once per run folder (a marker file there, saying when, makes the restarted worker group run through).
-    Besides, with `full_disk_after` set, every save after checkpoint step `full_disk_after` fails on rank `rank` as on
-    a full disk, in every attempt (its writes go to /dev/full, whose writes fail with the kernel's ENOSPC)."""
+    """Chaos hook: `delay_s` after checkpoint step >= `after_step`, rank `rank` exits ("exit": a lost worker) or
+    SIGSTOPs itself ("stop": a hung rank), once per run folder. `full_disk_after`: its later saves fail (ENOSPC)."""
 
     rank: int
     after_step: int
@@ -96,8 +58,7 @@ class FaultInjection:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What `cluster.launch` submits: it travels as JSON (the config as one dict), and the job builds the config
-    once, in `from_json`."""
+    """What `cluster.launch` submits, as JSON; the job builds the config once, in `from_json`."""
 
     profile: ClusterProfile
     config: TrainConfig  # the resolved config
@@ -138,15 +99,10 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
     env = {
         "OMP_NUM_THREADS": str(profile.workers.cpus_per_worker),
         "PYTHONUNBUFFERED": "1",
-        # Ray Train V2 routes a worker's print() to the root logger, whose console handler writes it out, and also
-        # prints it itself whenever sys.stdout is not sys.__stdout__ — always so in a Ray worker, which replaces
-        # sys.stdout. Every line of a training worker came out twice; off, print() writes once, to the worker's
-        # stdout, which Ray streams to the job log.
+        # Ray Train V2's print patch printed every worker line twice; off, print() writes once, to the job log.
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-        # Ray starts task and actor processes at nice 15 (its `worker_niceness`); a rank at 15 beside any work at 0
-        # gets ~3% of a core: a fresh clone's `make launch` beside two busy processes sat in step 0 until the start
-        # allowance killed it (docs/benchmarks/2026-12-02-first-launch.md). The ranks run at the priority of the
-        # job; the evals stay at 15, so that on shared CPUs they yield to training.
+        # Ray starts its workers at nice 15, where a rank starves beside any work at nice 0
+        # (docs/benchmarks/2026-12-02-first-launch.md). Ranks run at the job's priority; evals stay at 15 and yield.
         "RAY_worker_niceness": "0",
     }
     if not profile.uses_gpus:
@@ -156,8 +112,8 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
 
 def _train_loop(loop_config: dict[str, Any]) -> None:
     """Runs in each Ray Train worker (Ray created the process group and set RANK / WORLD_SIZE / LOCAL_RANK)."""
-    collector.pause()  # the start ahead (DeepSpeed's imports, the engine) without collector passes: `train_worker`
-    try:  # resumes it before the first step; a start that fails must not leave the worker without it
+    collector.pause()  # no GC passes during the start; `train_worker` resumes it before the first step
+    try:  # a start that fails must not leave the worker without it
         _train_rank(loop_config)
     finally:
         collector.resume()
@@ -165,7 +121,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
 def _train_rank(loop_config: dict[str, Any]) -> None:
     os.environ.update(loop_config["env"])
-    import ray.train  # heavy: only the driver and cluster commands need Ray
+    import ray.train  # heavy: deferred
     import torch
 
     torch.set_num_threads(int(loop_config["env"]["OMP_NUM_THREADS"]))
@@ -174,8 +130,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(config.checkpoint.dir)
     record_placement(run_dir, rank, world_size)
-    # The watchdog's view of this rank: a stack dump on SIGUSR1 (the file kept open while training; registered before
-    # the first report names this pid), and progress reports.
+    # For the watchdog: a stack dump on SIGUSR1, registered before the first heartbeat names this pid.
     stacks = install_stack_dump(run_dir, rank)  # noqa: F841 (faulthandler writes to it until the process ends)
     heartbeat = Heartbeat(heartbeat_path(run_dir, rank), identity(rank, world_size))
     scheduler = loop_config["scheduler"]
@@ -183,14 +138,13 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
         _fill_disk(fault["full_disk_after"])
 
-    submits: list = []  # rank 0's submit calls not yet seen done: awaited before this rank ends (below)
+    submits: list = []  # rank 0's submit calls not yet seen done: awaited before this rank ends
 
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         heartbeat.saved()
         if rank == 0:
             if config.evals.suite:
-                # Pinned here, synchronously, before the next save's prune can run; the scheduler only gets the
-                # folder later (an async call), and releases the pin when the eval ends.
+                # Pinned synchronously, before the next save's prune; the scheduler unpins when the eval ends.
                 pin_checkpoint(checkpoint_dir, f"evals {config.evals.suite} pending on step {step}")
             submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
             submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
@@ -206,9 +160,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
 
 
 def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
-    """Wait until the eval scheduler has taken rank 0's checkpoints. The driver drains the scheduler once the worker
-    group has ended, so a submit still in flight then (this process gone, or the call arriving after the drain took
-    its list) would lose the final checkpoint's eval: in CI the elastic test once ended without step 200's."""
+    """Wait until the eval scheduler has taken rank 0's checkpoints: a submit in flight at the drain is lost."""
     import ray
 
     if not refs:
@@ -223,7 +175,7 @@ def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
 
 
 def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
-    """The fault, once per run folder: the marker says what happened and when (unix time), for drills and tests."""
+    """The fault, once per run folder; the marker says what happened and when (Unix time)."""
     if marker.exists():
         return
     kind = fault.get("kind", "exit")
@@ -233,9 +185,9 @@ def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
         marker.write_text(
             f"rank {rank} {verb} {fault['delay_s']} s after checkpoint step {step} at {time.time():.3f}\n"
         )
-        if kind == "stop":  # hang like a stuck rank: alive, silent, holding the others in their next collective
+        if kind == "stop":  # a stuck rank: alive, silent, holding the others in their next collective
             os.kill(os.getpid(), signal.SIGSTOP)
-        else:  # die like a lost node would: no exception, no cleanup, in the middle of later training steps
+        else:  # a lost node: no exception, no cleanup
             os._exit(1)
 
     marker.write_text(f"rank {rank}: {kind} pending\n")  # at once: a restarted group must not strike again
@@ -243,9 +195,8 @@ def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
 
 
 def _fill_disk(after_step: int) -> None:
-    """This process's saves of checkpoints after step ``after_step`` fail as on a full disk: each of their writes
-    (`pretrain.checkpoint.writes.SaveAttempt.write`) becomes a write to /dev/full, which the kernel fails with
-    ENOSPC. Only the fault's rank, in its own process: the save's agreement makes every rank fail alike."""
+    """Saves after step ``after_step`` fail as on a full disk: each `SaveAttempt.write` writes to /dev/full
+    (ENOSPC). Patched in this process only; the save's agreement makes every rank fail alike."""
 
     def full() -> None:
         with open("/dev/full", "wb") as out:
@@ -268,10 +219,9 @@ def _floats(d: dict) -> dict[str, float]:
 def run_job(
     spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None, started_at: float | None = None
 ) -> int:
-    """Steps 2-4 of the module docstring; returns the process exit code (0 = training succeeded). ``started_at``:
-    the job's start (Unix time) for its goodput ledger, the driver process's start under `main`; default now."""
+    """The job's exit code (0 = training succeeded). ``started_at``: its start (Unix time) for the goodput ledger."""
     clock = JobClock(time.time() if started_at is None else started_at)
-    import ray  # heavy: only the driver and cluster commands need Ray
+    import ray  # heavy: deferred
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     profile, config = spec.profile, spec.config
@@ -286,8 +236,7 @@ def run_job(
     if stale:
         print(f"released {len(stale)} checkpoint pins left by an earlier job of this run", flush=True)
 
-    # On the driver's own node (the head): an actor with no CPU could land on any node, and a lost node would take
-    # the job's eval bookkeeping with it (an elastic job outlives its nodes).
+    # On the driver's node: a zero-CPU actor could land anywhere, and a lost node would take the eval bookkeeping.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
         config.evals.suite,
@@ -320,7 +269,6 @@ def run_job(
         tracker.close()
     train_s = time.monotonic() - started
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
-    # Evals never hold the job's end beyond evals.timeout_s: what is still running then is recorded as failed.
     evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
     finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, end)
@@ -328,9 +276,7 @@ def run_job(
 
 
 def job_hang(spec: JobSpec) -> HangSpec:
-    """The watchdog's allowances for this job: the profile's `hang` section with the plan's start and first-save
-    allowances (`cluster.plan.checkpoint_costs.startup_allowance`, at least the profile's; a plan without them keeps the
-    profile's)."""
+    """The profile's `hang` section with the plan's start and first-save allowances, where the plan has them."""
     hang, startup = spec.profile.hang, spec.plan.get("startup") or {}
     return replace(
         hang,
@@ -340,8 +286,7 @@ def job_hang(spec: JobSpec) -> HangSpec:
 
 
 def failure_line(error: BaseException) -> str:
-    """Why training failed, for the log and the MLflow run: a final worker error's own message (Ray Train hands it
-    over as a `ControllerError`, `cluster.driver.watchdog.FinalFailure`), else the error as Ray raised it."""
+    """Why training failed: a `FinalFailure`'s own message (inside Ray's `ControllerError`), else the error."""
     cause = getattr(error, "controller_failure", None)
     if isinstance(cause, FinalFailure):
         return str(cause)
@@ -349,15 +294,14 @@ def failure_line(error: BaseException) -> str:
 
 
 def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
-    """Ray Train's TorchTrainer for the job: the profile's workers and resources, each running `_train_loop`."""
+    """Ray Train's TorchTrainer: the profile's workers, each running `_train_loop`."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     profile, run_dir = spec.profile, Path(config.checkpoint.dir)
     w = profile.workers
     resources = {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.gpus_per_worker else {}), **w.resources}
-    # Elastic: Ray Train may run at any count in min..max that the cluster holds (the plan checked each keeps the
-    # global batch); it looks for returned capacity every elastic_resize_monitor_interval_s.
+    # Elastic: Ray Train may run at any count in min..max (the plan checked each keeps the global batch).
     elastic = {"elastic_resize_monitor_interval_s": w.elastic_resize_monitor_interval_s} if w.elastic else {}
     return TorchTrainer(
         _train_loop,
@@ -379,9 +323,8 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
             name=run_dir.name,
             storage_path=str(run_dir.parent),
             failure_config=FailureConfig(max_failures=profile.max_failures),
-            # A worker error a restart would only repeat (a failed checkpoint save) ends the job at once.
             callbacks=[final_failures_callback()],
-            # Before the worker process imports anything: thread counts, and print() said once (worker_env).
+            # Set before the worker process imports anything.
             worker_runtime_env={"env_vars": worker_env(profile)},
         ),
     )

@@ -1,23 +1,12 @@
 """The job's goodput ledger: every second of its wall-clock in exactly one bucket, per attempt and in total.
 
-The driver's half of docs/goodput.md. `build_ledger` is pure: it lays the job's timeline out from the driver's own
-timestamps (`JobClock`: the job's start, when it asked Ray Train for the worker group), each attempt's record
-(`pretrain.telemetry.attempt_clock`: rank 0's booked seconds, log windows, checkpoints), each attempt's worker process
-start (`cluster.driver.record.record_placement`) and the eval tasks' spans, walking a cursor from the job's start to its
-end so that no second is counted twice or skipped:
+The driver's half of docs/goodput.md, "How the ledger is built". `build_ledger` is pure: a cursor walks the job's
+timeline, so that no second is booked twice or skipped:
 
     job start ─ startup ─▶ fit() ─ resource_wait (first attempt) | restart (later ones) ─▶ worker process start
-      ─ startup ─▶ train_worker ─ the attempt's own startup / productive / data_wait / checkpoint / other ─▶ its
-      last record ─ ... next attempt ... ─▶ last attempt's end ─ other (Ray Train's end, evals drained, the final
-      model) ─▶ ledger closed
+      ─ startup ─▶ train_worker ─ the attempt's own buckets ─▶ its last record ─ ... ─▶ other ─▶ ledger closed
 
-Then the attempt-level corrections: a failed attempt's step seconds after the checkpoint the next attempt resumed
-from are lost work (moved to ``restart``), and where evals share the training cores (`evals_share_training_cores`)
-the step seconds an eval cost training are moved to ``eval_interference`` (`interference`). ``other`` is what no
-record explains; it is never negative (an attempt whose booked seconds exceed its span is scaled down, said in the
-ledger's notes). `GoodputMonitor` logs the ledger so far while training runs; `finish_ledger` writes, prints and logs
-the final one at the job's last step (`tracking.keys`: ``goodput/wall_s``, ``goodput/fraction``,
-``goodput/<bucket>_s``; the artifact folder ``goodput/`` with ``ledger.json`` and ``ledger.txt``).
+`GoodputMonitor` logs the ledger so far while training runs; `finish_ledger` writes, prints and logs the final one.
 """
 
 from __future__ import annotations
@@ -41,8 +30,7 @@ BUCKETS = keys.GOODPUT_BUCKETS
 
 @dataclass
 class JobClock:
-    """The driver's timestamps (Unix time): the job's start (the driver process's) and when it asked Ray Train for
-    the worker group."""
+    """The driver's timestamps (Unix time): the job's start and when it asked Ray Train for the worker group."""
 
     started: float
     fit_at: float | None = None
@@ -50,7 +38,7 @@ class JobClock:
 
 @dataclass(frozen=True)
 class EvalSpan:
-    """One eval task: when it ran (Unix time)."""
+    """When one eval task ran (Unix time)."""
 
     start: float
     end: float
@@ -58,16 +46,16 @@ class EvalSpan:
 
 @dataclass
 class Ledger:
-    """Seconds per bucket in total and per row (``job start``, ``attempt <n>``, ``job end``); they sum to
+    """Seconds per bucket in total and per row (``job start``, ``attempt <n>``, ``job end``); each sums to
     ``wall_s`` exactly."""
 
     wall_s: float
     total: dict[str, float]
     rows: list[tuple[str, dict[str, float]]]
     notes: list[str] = field(default_factory=list)
-    data_wait_measured: float | None = None  # data wait / (step compute + data wait), every attempt's steps
+    data_wait_measured: float | None = None  # data wait / (step compute + data wait), over every attempt
     step: int = 0  # the newest step trained
-    started: float | None = None  # the job's start and the ledger's close (Unix time): its wall-clock
+    started: float | None = None  # the job's start and the ledger's close (Unix time)
     ended: float | None = None
 
     @property
@@ -94,9 +82,8 @@ class Ledger:
 
 
 def evals_share_training_cores(profile: ClusterProfile) -> bool:
-    """Whether eval tasks run on the training workers' own cores: no GPU or node group of their own, and a training
-    node's workers plus one eval ask for more CPUs than the node has (the `local` profiles: 2 workers and an eval
-    slot on 2 cores). Then an eval slows the steps beside it."""
+    """Whether evals run on the training cores: no GPU or node group of their own, and a node's workers plus one
+    eval ask for more CPUs than it has."""
     e, w, hw = profile.evals, profile.workers, profile.hardware
     if e.num_gpus > 0 or e.instance_type:
         return False
@@ -105,7 +92,7 @@ def evals_share_training_cores(profile: ClusterProfile) -> bool:
 
 
 def eval_spans(evals: dict[int, dict[str, Any]]) -> list[EvalSpan]:
-    """The eval scheduler's results (`drain`) as spans: those that record when they started and how long they ran."""
+    """The spans of the eval results (`EvalScheduler.drain`) that have them."""
     spans = []
     for row in evals.values():
         start, seconds = row.get("started"), row.get("seconds")
@@ -115,8 +102,7 @@ def eval_spans(evals: dict[int, dict[str, Any]]) -> list[EvalSpan]:
 
 
 class _Cursor:
-    """Walks the job's timeline: each `take` books the seconds from the cursor to ``until`` (clipped to the job's
-    span, never negative) and moves on, so no second is booked twice."""
+    """Each `take` books the seconds from the cursor to ``until`` (clipped to the end, never negative) and moves on."""
 
     def __init__(self, start: float, end: float):
         self.at, self.end = start, end
@@ -141,9 +127,9 @@ def build_ledger(
     evals: list[EvalSpan] | None = None,
     evals_shared: bool = False,
 ) -> Ledger:
-    """The ledger of the job from ``clock.started`` to ``end`` (module docstring). ``attempts``: this job's records
-    (`pretrain.telemetry.attempt_clock.read_attempts`), oldest first; ``process_starts``: {pid: when that worker process
-    started}."""
+    """The ledger from ``clock.started`` to ``end``. ``attempts``: this job's records, oldest first;
+    ``process_starts``: {pid: when that worker process started}. Lost work moves to ``restart``, eval interference
+    to ``eval_interference``; ``other`` is what no record explains, never negative."""
     cursor, notes = _Cursor(clock.started, end), []
     head = _row()
     head["startup"] = cursor.take(clock.fit_at if clock.fit_at is not None else end)
@@ -152,12 +138,11 @@ def build_ledger(
         row = _row()
         process_start = (process_starts or {}).get(int(attempt.get("pid") or 0), attempt["started"])
         if i > 0 and process_start <= cursor.at:
-            # A worker process Ray Train kept across the restart or resize (it started before the last attempt
-            # ended): no process start to wait for, so all until its training function runs again is the restart.
+            # A worker process Ray Train kept across the restart or resize: all until train_worker is the restart.
             row["restart"] += cursor.take(attempt["started"])
         else:
             row["resource_wait" if i == 0 else "restart"] += cursor.take(min(process_start, attempt["started"]))
-            row["startup"] += cursor.take(attempt["started"])  # imports, Ray Train's setup: before train_worker
+            row["startup"] += cursor.take(attempt["started"])  # imports, Ray Train's setup
         span = cursor.take(attempt.get("ended") or attempt.get("updated"))
         booked = {b: max(0.0, float(attempt.get("seconds", {}).get(b, 0.0))) for b in row if b in attempt["seconds"]}
         scale, total_booked = 1.0, sum(booked.values())
@@ -169,7 +154,7 @@ def build_ledger(
             )
         for bucket, seconds in booked.items():
             row[bucket] += seconds * scale
-        row["other"] += max(0.0, span - total_booked * scale)  # (rounding: never below zero)
+        row["other"] += max(0.0, span - total_booked * scale)  # never below zero (rounding)
         later = attempts[i + 1] if i + 1 < len(attempts) else None
         _move_lost_work(row, attempt, later, scale, notes)
         if evals_shared and evals:
@@ -198,8 +183,8 @@ def build_ledger(
 
 
 def _move_lost_work(row: dict[str, float], attempt: dict, later: dict | None, scale: float, notes: list[str]) -> None:
-    """A failed (or stopped-for-resize) attempt's step seconds after the checkpoint the next attempt resumed from:
-    redone (or, for the step a failure interrupted, never finished), so lost, not productive."""
+    """Move a failed (or resized) attempt's step seconds after the checkpoint the next one resumed from to
+    ``restart``: that work was lost."""
     if later is None:
         return
     resumed = int(later.get("start_step", 0))
@@ -218,8 +203,8 @@ def _move_lost_work(row: dict[str, float], attempt: dict, later: dict | None, sc
 
 
 def _kept_at(attempt: dict, step: int) -> tuple[float, float]:
-    """(productive, data wait) seconds of ``attempt`` up to ``step``: recorded at its checkpoint of that step, else
-    interpolated by steps (a resume from a checkpoint it did not save)."""
+    """(productive, data wait) seconds of ``attempt`` up to ``step``: as recorded at that checkpoint, else
+    interpolated by steps."""
     start = int(attempt.get("start_step", 0))
     for saved_step, productive, data_wait in attempt.get("checkpoints", []):
         if int(saved_step) == step:
@@ -231,10 +216,9 @@ def _kept_at(attempt: dict, step: int) -> tuple[float, float]:
 
 
 def interference(attempt: dict[str, Any], evals: list[EvalSpan], later: dict | None = None) -> float:
-    """The step seconds evals cost ``attempt`` (an estimate, docs/goodput.md): in each of its log windows that an
-    eval overlapped, the productive seconds beyond the window's steps at the attempt's median seconds per step in
-    windows no eval overlapped, times the share of the window the eval covered. Windows of steps a later attempt
-    redid are skipped (lost work already). 0 when every window overlapped an eval (no clean median to compare)."""
+    """The step seconds evals cost ``attempt`` (an estimate, docs/goodput.md): per log window an eval overlapped,
+    the productive seconds beyond the clean windows' median per step, times the share overlapped. Windows a later
+    attempt redid are skipped; 0 without a clean window."""
     limit = int(later["start_step"]) if later is not None else None
     clean: list[tuple[dict[str, Any], float]] = []
     touched: list[tuple[dict[str, Any], float]] = []
@@ -251,8 +235,7 @@ def interference(attempt: dict[str, Any], evals: list[EvalSpan], later: dict | N
 
 
 def format_ledger(ledger: Ledger) -> str:
-    """The table printed at the job's end and logged as ``goodput/ledger.txt``: seconds per bucket, a column per
-    row (job start, each attempt, job end) and the total with its share of the wall-clock."""
+    """The table printed at the job's end (``goodput/ledger.txt``): seconds per bucket and row, total, share."""
     names = [name for name, _ in ledger.rows]
     header = ["bucket", *names, "total", "share"]
     table = []
@@ -275,7 +258,7 @@ def format_ledger(ledger: Ledger) -> str:
 
 
 def data_wait_line(plan: dict[str, Any], ledger: Ledger) -> str | None:
-    """ "data wait: predicted X%, measured Y%" when the plan predicted it (`plan["data"]["predicted_data_wait"]`)."""
+    """ "data wait: predicted X%, measured Y%" when the plan predicted it, else None."""
     predicted = (plan.get("data") or {}).get("predicted_data_wait")
     if not isinstance(predicted, (int, float)) or ledger.data_wait_measured is None:
         return None
@@ -283,12 +266,12 @@ def data_wait_line(plan: dict[str, Any], ledger: Ledger) -> str | None:
 
 
 def job_attempts(run_dir: Path, since: float) -> list[dict[str, Any]]:
-    """This job's attempt records (those that started after ``since``, the job's start)."""
+    """The attempt records that started after ``since`` (the job's start)."""
     return [a for a in read_attempts(run_dir) if a.get("started", 0.0) >= since and isinstance(a.get("seconds"), dict)]
 
 
 def process_starts(workers: list[dict[str, Any]]) -> dict[int, float]:
-    """{pid: its process start} from the placement records (`record_placement`)."""
+    """{pid: its process start} from the placement records."""
     return {int(w["pid"]): float(w["process_started"]) for w in workers if w.get("process_started") is not None}
 
 
@@ -311,8 +294,8 @@ def current_ledger(
 
 
 def finish_ledger(run_dir: Path, ledger: Ledger, plan: dict[str, Any], tracker: Tracker, step: int) -> str:
-    """Write ``<run>/goodput/ledger.json`` and ``ledger.txt``, log the totals at ``step`` (the job's last step) and
-    both files as the artifact folder; returns the text printed (the table and, when planned, the data-wait line)."""
+    """Write ``<run>/goodput/ledger.json`` and ``ledger.txt``, log the totals at ``step`` (the job's last) and both
+    files; returns the text to print."""
     folder = run_dir / GOODPUT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     text = format_ledger(ledger)
@@ -334,9 +317,8 @@ def finish_ledger(run_dir: Path, ledger: Ledger, plan: dict[str, Any], tracker: 
 
 
 class GoodputMonitor:
-    """A driver thread that logs the ledger so far every ``interval_s`` while training runs, at the newest step
-    trained when it advanced (never at the run's last step, which holds the final ledger). Evals are not known
-    until the job's end, so ``eval_interference`` over time is 0 and shows in the final ledger only."""
+    """Logs the ledger so far every ``interval_s`` at the newest step, when it advanced; never at the run's last
+    step, which holds the final ledger. Eval spans are unknown until the end: ``eval_interference`` stays 0."""
 
     def __init__(self, run_dir: Path, clock: JobClock, tracker: Tracker, interval_s: float = 5.0):
         self.run_dir, self.clock, self.tracker, self.interval_s = run_dir, clock, tracker, interval_s

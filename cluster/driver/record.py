@@ -1,7 +1,5 @@
-"""What a job leaves in its run folder beyond the checkpoints: where each worker ran (`workers/*.json`), and at the
-end, `summary.json` (status, restarts, resizes, every checkpoint's eval metrics) with the summary table printed, the
-final model logged to the MLflow run, the goodput ledger printed and logged (`cluster.driver.ledger`) and the run closed
-(`finish_job`)."""
+"""What a job records beyond its checkpoints: where each worker ran (`record_placement`, `workers/*.json`), and at
+the end (`finish_job`) `summary.json`, the summary table, the final model in MLflow and the goodput ledger."""
 
 from __future__ import annotations
 
@@ -28,12 +26,11 @@ from tracking.tracker import Tracker
 
 
 def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
-    """`<run_dir>/workers/rank<r>-pid<pid>.json`: where each attempt of each rank ran (node, pid, time, Ray job,
-    world size)."""
+    """Write `<run_dir>/workers/rank<r>-pid<pid>.json`: where this attempt of this rank runs."""
     import socket
 
     import psutil  # a Ray dependency
-    import ray  # heavy: only the driver and cluster commands need Ray
+    import ray  # heavy: deferred
 
     folder = run_dir / "workers"
     folder.mkdir(parents=True, exist_ok=True)
@@ -44,19 +41,17 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
         "node_id": ctx.get_node_id(),
         "hostname": socket.gethostname(),
         "started": time.time(),
-        "process_started": psutil.Process().create_time(),  # before it: Ray placing the group (the goodput ledger)
+        "process_started": psutil.Process().create_time(),  # for the goodput ledger
         "job_id": ctx.get_job_id(),
         "world_size": world_size,
-        "niceness": os.getpriority(os.PRIO_PROCESS, 0),  # 0: the job's priority (driver.worker_env), not Ray's 15
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),  # 0 expected: `cluster.driver.job.worker_env`
     }
     (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
 
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:
-    """Worker-group restarts after a failure, from a run's placement records: every attempt's rank 0 writes one,
-    so the attempts of a Ray job beyond its first are restarts (summed over the jobs that continued the run) —
-    except those at a larger world size than the attempt before: an elastic group growing into returned capacity,
-    which Ray does without a failure."""
+    """Restarts after a failure: each Ray job's rank-0 attempts beyond its first, less those at a larger world size
+    than the attempt before (an elastic group growing)."""
     attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
     grown = 0
     for job in attempts:
@@ -72,23 +67,22 @@ def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> lis
 
 @dataclass(frozen=True)
 class JobEnd:
-    """How training ended, as the driver saw it, and what its goodput ledger needs (`cluster.driver.ledger`)."""
+    """How training ended, as the driver saw it, and what its goodput ledger needs."""
 
-    status: str  # MLflow's: FINISHED or FAILED
+    status: str  # FINISHED or FAILED
     train_seconds: float
     evals: dict[int, dict[str, Any]]  # the eval scheduler's results by checkpoint step
-    clock: JobClock | None = None  # the job's start and when it asked for workers; None: no ledger
-    evals_shared: bool = False  # evals ran on the training cores (`evals_share_training_cores`)
-    plan: dict[str, Any] = field(default_factory=dict)  # the job's plan (its predicted data wait, if any)
+    clock: JobClock | None = None  # None: no ledger
+    evals_shared: bool = False  # evals ran on the training cores
+    plan: dict[str, Any] = field(default_factory=dict)  # for its predicted data wait
 
 
 def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd) -> None:
-    """Step 4 of the driver: prune what pins kept, print the summary, write `summary.json`, close the MLflow run."""
+    """Release pins and prune, print the summary, write `summary.json`, log the model and ledger, close the run."""
     train_result = {}
-    if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary (steps, loss, where it resumed)
+    if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary
         train_result = json.loads((run_dir / "train_result.json").read_text())
-    # The job ends here: an eval still running past the timeout dies with it, so no pin needs to outlive it, and
-    # the checkpoints pins kept beyond checkpoint.keep_last go now.
+    # Evals drained: release every pin and prune what pins kept beyond keep_last.
     release_pins(run_dir)
     pruned = prune_checkpoints(run_dir, keep_last)
     print(format_summary(end.evals), flush=True)
@@ -115,12 +109,11 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     tracker = Tracker(uri, run_id, rank=0)
-    # vitscale.resizes and vitscale.world_sizes are set by train_worker's rank 0 at every start, from the same history.
-    tracker.set_tags({keys.RESTARTS: restarts})
+    tracker.set_tags({keys.RESTARTS: restarts})  # resizes and world sizes: tagged by train_worker at every start
     tracker.log_artifact(str(run_dir / "summary.json"))
     if end.status == "FINISHED":
         log_final_model(run_dir, uri, run_id)
-    if end.clock is not None:  # last: the job's wall-clock ends when its ledger closes
+    if end.clock is not None:  # last: the wall-clock ends when the ledger closes
         try:
             ledger = current_ledger(run_dir, end.clock, time.time(), eval_spans(end.evals), end.evals_shared)
             step = ledger.step or int(train_result.get("steps") or 0)  # the job's own newest step
@@ -132,10 +125,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd
 
 
 def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
-    """The run's newest checkpoint, exported to an HF folder and logged as the run's MLflow model
-    (`tracking.models.log_hf_model`); its URI, or None. Never raises: a model HF cannot hold (pre-logits, gap,
-    hybrid), a missing transformers or a store that fails is one warning line, and the job's outcome stays
-    training's. Costs one load and one write of the weights, plus MLflow's check that the logged model loads."""
+    """Log the newest checkpoint as the run's MLflow model (an HF folder); its URI, or None. Never raises."""
     checkpoint = run_folder.latest_checkpoint(run_dir)
     if checkpoint is None:
         return None

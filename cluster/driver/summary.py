@@ -1,5 +1,5 @@
-"""The end-of-job table: one row per checkpoint step with its training loss, eval metrics and the headline metric's
-gain over step 0 (the random-initialisation baseline, evaluated when `evals.baseline` is on)."""
+"""The end-of-job table: a row per checkpoint step with its training loss, eval metrics and the headline metric's
+gain over step 0 (the random-initialisation baseline)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def gains_over_baseline(rows: dict[int, dict[str, Any]], metric: str) -> dict[in
 
 
 def format_summary(rows: dict[int, dict[str, Any]]) -> str:
-    """`rows` is EvalScheduler.drain()'s result: {step: {train: {...}, metrics: {...} | error: str}}."""
+    """The table; ``rows`` is `EvalScheduler.drain`'s result: {step: {train: {...}, metrics: {...} | error: str}}."""
     if not rows:
         return "summary: no checkpoint was completed"
     cols = _eval_columns(rows)

@@ -1,31 +1,11 @@
-"""The driver's watchdog: a worker group that stopped making progress without dying is restarted in minutes, not at
-the collective timeout (`deepspeed.timeout_minutes`, 30 by default).
+"""The driver's watchdog: a worker group that stops making progress without dying is restarted in minutes, not at
+the collective timeout. Design and guarantees: docs/elastic.md, "Faults".
 
-Each training rank rewrites `<run_dir>/heartbeats/rank<r>.json` as it goes (`pretrain.telemetry.heartbeat`: step, phase,
-pid, node, median step time, data wait, the stream's counters). A thread of the driver (`Watchdog`, started around
-`TorchTrainer.fit()`) reads them every `hang.poll_s` and:
-
-- **Hangs.** Ranks of a data-parallel group wait for each other in every collective, so one rank that stops (a
-  SIGSTOP, a stuck read, a deadlock) stops them all within a step: the group is hung when *no* rank has reported for
-  longer than the allowance of what the ranks are doing (`assess`: the profile's `hang` section,
-  `cluster.profiles.HangSpec`; the longest allowance among the ranks applies, since a rank in a long checkpoint save
-  legitimately holds the others in their next collective). Then the watchdog writes every rank's Python stack to
-  `<run_dir>/stacks/rank<r>.txt` (SIGUSR1 to the `faulthandler` each worker registered; a stopped process — state
-  T in /proc — is continued just long enough to write it, and the log says it was stopped), picks the culprit (a
-  stopped or uninterruptible process first, else the rank whose report is oldest) and kills it with SIGKILL on its
-  node. Ray Train sees a worker failure and restarts the group (charged to `max_failures`, like any failure), which
-  resumes from the newest COMPLETE checkpoint: the same path as a lost worker. The event goes to the driver's log,
-  `<run_dir>/watchdog.jsonl` and the MLflow run (tags `vitscale.hangs`, `vitscale.last_hang`).
-- **Stragglers.** A rank whose data wait per step stays above the median rank's (`stragglers`) is named in the tag
-  `vitscale.stragglers` and counted in the metric `cluster/stragglers`; nothing is restarted.
-- **Data counters.** The ranks' stream counters (read retries, reads given up, damaged shards and samples) summed
-  over ranks go to MLflow as `data/<counter>` at the group's step whenever they change.
-- **Failures a restart would repeat.** A worker error whose class says ``retryable = False`` (a checkpoint save that
-  failed: `pretrain.checkpoint.writes.CheckpointSaveError`) ends the job at once instead of being charged to
-  `max_failures` and retried into the same full disk (`FinalFailures`, a Ray Train callback; `final_failure`).
-
-A report whose process is gone (a worker Ray already lost or restarted) is no hang: Ray's failure path has it.
-Reports of processes the watchdog acted on, or found at its start (an earlier job of the run), are ignored.
+`Watchdog`, a driver thread around `TorchTrainer.fit()`, reads the ranks' heartbeats every `hang.poll_s`. When no
+rank has reported for longer than the longest allowance among their phases (`assess`: a rank in a long save holds
+the others), it dumps every rank's stack and kills the culprit, so that Ray Train restarts the group as after any
+worker failure. It also logs stragglers and data counters. `final_failures_callback` ends the job at once on an
+error a restart would repeat. Reports of a process that is gone, acted on, or there at its start are ignored.
 """
 
 from __future__ import annotations
@@ -48,10 +28,9 @@ from pretrain.telemetry.heartbeat import read_heartbeats
 from tracking import keys
 from tracking.tracker import Tracker
 
-STACKS_DIR = "stacks"  # under the run folder: one file per rank, appended at each dump
+STACKS_DIR = "stacks"  # under the run folder: one file per rank
 EVENTS_FILE = "watchdog.jsonl"
-# The stream counters logged as data/<name> (data_pipeline.stream.shards, data_pipeline.stream.train_stream): what went
-# wrong reading.
+# The stream counters logged as data/<name>: what went wrong reading.
 DATA_COUNTERS = (
     "read_retries",
     "read_failures",
@@ -66,14 +45,12 @@ DATA_COUNTERS = (
     "unsafe_members",
 )
 _STOPPED_STATES = ("T", "t")  # stopped (SIGSTOP, job control) or traced
-_STUCK_STATES = ("D",)  # uninterruptible sleep: a read the kernel cannot give up on (a hung network filesystem)
+_STUCK_STATES = ("D",)  # uninterruptible sleep: e.g. a read from a hung network filesystem
 
 
 def install_stack_dump(run_dir: Path, rank: int) -> IO[str]:
-    """In a training worker: SIGUSR1 appends every thread's Python stack to `<run_dir>/stacks/rank<r>.txt`.
-
-    faulthandler writes from its C signal handler, so a process stuck in C code (a collective, a read) dumps too.
-    Returns the open file, which must stay open (and referenced) as long as the handler is registered."""
+    """In a training worker: SIGUSR1 appends every thread's Python stack to `<run_dir>/stacks/rank<r>.txt`, from C,
+    so a process stuck in C code dumps too. Returns the file, which must stay open while the handler is registered."""
     folder = Path(run_dir) / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     out = open(folder / f"rank{rank}.txt", "a")  # noqa: SIM115 (kept open: faulthandler writes to its descriptor)
@@ -81,7 +58,7 @@ def install_stack_dump(run_dir: Path, rank: int) -> IO[str]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ pure decisions
+# --- pure decisions
 
 
 def step_bound(spec: HangSpec, step_s: float | None) -> float:
@@ -90,14 +67,13 @@ def step_bound(spec: HangSpec, step_s: float | None) -> float:
 
 
 def save_bound(spec: HangSpec, save_s: float | None) -> float:
-    """The allowance of a save: max(save floor, factor x the longest save measured in this attempt); before one was
-    measured, ``checkpoint_s`` (the driver gives the plan's first-save allowance there)."""
+    """The allowance of a save: max(save floor, factor x the longest save of this attempt), else ``checkpoint_s``."""
     return max(spec.save_floor_s, spec.factor * save_s) if save_s else spec.checkpoint_s
 
 
 def allowance(spec: HangSpec, phase: str, step_s: float | None, save_s: float | None = None) -> float:
-    """How long a rank in ``phase`` may go without a report (``step_s``: the median step; ``save_s``: the longest
-    save measured), never shorter in a save or a switch than while training."""
+    """Seconds a rank in ``phase`` may go without a report (``step_s``: the median step; ``save_s``: the longest
+    save measured); never shorter in a save or a switch than in a step."""
     if phase == "start":
         return spec.startup_s
     if phase == "checkpoint":
@@ -108,7 +84,7 @@ def allowance(spec: HangSpec, phase: str, step_s: float | None, save_s: float | 
 
 
 def explain(spec: HangSpec, phase: str, step_s: float | None, save_s: float | None = None) -> str:
-    """Where `allowance` comes from, in words (the watchdog's line when it acts)."""
+    """Where `allowance` comes from, in words."""
     training = f"max(floor {spec.floor_s:g} s, {spec.factor:g} x median step {step_s or 0:.2f} s)"
     if phase == "start":
         return f"phase start: the start allowance {spec.startup_s:g} s (the plan's, at least hang.startup_s)"
@@ -123,7 +99,7 @@ def explain(spec: HangSpec, phase: str, step_s: float | None, save_s: float | No
 
 @dataclass(frozen=True)
 class Verdict:
-    """The group's state at one poll: hung or not, for how long nothing was reported, and the allowance."""
+    """The group's state at one poll."""
 
     hung: bool
     idle_s: float
@@ -147,7 +123,7 @@ def median_step_s(reports: list[dict[str, Any]]) -> float | None:
 
 
 def longest_save_s(reports: list[dict[str, Any]]) -> float | None:
-    """The longest save any rank measured in this attempt (`pretrain.telemetry.heartbeat`: ``save_s``), or None."""
+    """The longest save any rank measured in this attempt, or None."""
     times = [b["save_s"] for b in reports if b.get("save_s")]
     return max(times) if times else None
 
@@ -166,8 +142,7 @@ def assess(reports: list[dict[str, Any]], now: float, spec: HangSpec) -> Verdict
 
 
 def pick_culprit(ranks: list[dict[str, Any]], states: dict[int, str]) -> dict[str, Any]:
-    """The rank to kill: a stopped process, else one stuck in the kernel, else the one whose report is oldest (the
-    others wait for it in a collective; its stack dump says where it is)."""
+    """The rank to kill: a stopped process, else one stuck in the kernel, else the one whose report is oldest."""
 
     def order(b: dict[str, Any]) -> tuple:
         state = states.get(b["rank"], "")
@@ -177,8 +152,7 @@ def pick_culprit(ranks: list[dict[str, Any]], states: dict[int, str]) -> dict[st
 
 
 def stragglers(reports: list[dict[str, Any]], fraction: float) -> dict[int, str]:
-    """Ranks whose data wait per step exceeds the median rank's by ``fraction`` of the median step time, each with
-    the numbers that say so."""
+    """{rank: why} for ranks whose data wait per step exceeds the median rank's by ``fraction`` of a step."""
     timed = [b for b in reports if b.get("phase") == "step" and b.get("step_s") and "data_s" in b]
     if len(timed) < 2:
         return {}
@@ -193,7 +167,7 @@ def stragglers(reports: list[dict[str, Any]], fraction: float) -> dict[int, str]
 
 
 def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
-    """The stream counters of ``reports`` summed over ranks (the ones in `DATA_COUNTERS`)."""
+    """The `DATA_COUNTERS` of ``reports``, summed over ranks."""
     totals = dict.fromkeys(DATA_COUNTERS, 0)
     for b in reports:
         for name, value in (b.get("data") or {}).items():
@@ -203,9 +177,7 @@ def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseException] | None:
-    """The first worker error (by rank) that a restart would only repeat, with its rank: its class says
-    ``retryable = False`` (`pretrain.checkpoint.writes.CheckpointSaveError`: the group would resume from the newest
-    checkpoint and save into the same full disk). None when every error may pass with a restart."""
+    """(rank, error) of the first worker error whose class says ``retryable = False`` (a failed save), or None."""
     for rank in sorted(errors):
         if getattr(errors[rank], "retryable", True) is False:
             return rank, errors[rank]
@@ -213,20 +185,15 @@ def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseExcepti
 
 
 class FinalFailure(RuntimeError):
-    """Raised by `FinalFailures` in Ray Train's controller: the job fails with the worker's message, not restarted.
-    The driver gets it as a `ray.train.ControllerError`'s ``controller_failure``."""
+    """Raised in Ray Train's controller to fail the job with the worker's message (the driver's
+    `ControllerError.controller_failure`)."""
 
 
 def final_failures_callback() -> Any:
-    """A Ray Train callback (`RunConfig(callbacks=[...])`) that makes a worker error `final_failure` finds end the
-    job at once, whatever `FailureConfig.max_failures` allows (docs/elastic.md#faults).
-
-    Ray Train V2 charges every worker error to ``max_failures`` (its `DefaultFailurePolicy` retries any
-    `WorkerGroupError`) and offers no per-exception say; what it does offer: the controller gives each worker-group
-    poll to the callbacks (``after_worker_group_poll_status``) and, before it restarts the group, runs
-    ``before_controller_execute_failure_decision``, where an exception becomes a `ControllerError` that the policy
-    never retries. So the callback keeps the final error of the latest poll and raises it there. The class is made
-    here, not at import, to keep Ray's import out of this module's users; Ray sends it to the controller by value."""
+    """A Ray Train callback that ends the job at once on an error `final_failure` finds, whatever `max_failures`
+    allows. Ray Train V2 retries every worker error, so the callback keeps the latest poll's final error and raises
+    it before the failure decision, as a `ControllerError` the policy never retries. Made here, not at import, to
+    keep Ray out of this module's import; Ray sends it to the controller by value."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
     class FinalFailures(ControllerCallback, WorkerGroupCallback):
@@ -243,7 +210,7 @@ def final_failures_callback() -> Any:
     return FinalFailures()
 
 
-# ------------------------------------------------------------------------------------------------ processes
+# --- processes
 
 
 def process_state(pid: int) -> str:
@@ -257,14 +224,13 @@ def process_state(pid: int) -> str:
 
 
 def dump_and_state(pid: int, stack_file: str, header: str, wait_s: float = 3.0) -> str:
-    """Ask ``pid`` for its Python stacks (appended to ``stack_file`` after ``header``) and return its state as it
-    was. A stopped process is continued so that its handler runs (the dump is where it stopped); the caller kills
-    it next."""
+    """Have ``pid`` append its stacks to ``stack_file`` after ``header``; its state before. A stopped process is
+    continued so that its handler runs; the caller kills it next."""
     state = process_state(pid)
     if state == "gone":
         return state
     path = Path(stack_file)
-    try:  # a full disk must not keep the watchdog from killing the culprit: the dump is a bonus
+    try:  # a full disk must not keep the watchdog from killing the culprit
         with open(path, "a") as out:
             out.write(f"\n{header} (process state {state})\n")
         size = path.stat().st_size
@@ -298,12 +264,11 @@ def kill(pid: int) -> bool:
 
 
 def on_node(report: dict[str, Any], fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` where the process of ``report`` runs: directly when that is this machine (its /proc and
-    signals are ours, whichever Ray node it belongs to), else as a Ray task pinned to its node; None when that node
-    cannot be reached (lost: Ray's node-loss path restarts the group)."""
+    """``fn(*args)`` where the process of ``report`` runs: here, or as a Ray task pinned to its node; None when that
+    node cannot be reached (Ray's node-loss path has it)."""
     if report.get("host") in (None, socket.gethostname()) or report.get("node_id") is None:
         return fn(*args)
-    import ray  # heavy: only the driver and cluster commands need Ray
+    import ray  # heavy: deferred
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0, max_retries=0)(fn)
@@ -315,7 +280,7 @@ def on_node(report: dict[str, Any], fn: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
-# ------------------------------------------------------------------------------------------------ the thread
+# --- the thread
 
 
 @dataclass
@@ -332,7 +297,7 @@ class _Seen:
 
 
 class Watchdog:
-    """The driver's thread (module docstring). ``start()`` before `TorchTrainer.fit()`, ``stop()`` after."""
+    """The driver's thread: ``start()`` before `TorchTrainer.fit()`, ``stop()`` after."""
 
     def __init__(self, run_dir: Path, spec: HangSpec, tracker: Tracker):
         self.run_dir, self.spec, self.tracker = Path(run_dir), spec, tracker
@@ -381,7 +346,7 @@ class Watchdog:
         self._seen.hang_at = None
 
     def _act(self, verdict: Verdict, now: float) -> None:
-        """Dump every rank's stacks, kill the culprit (or, when a process is already gone, leave it to Ray)."""
+        """Dump every rank's stacks and kill the culprit; leave it to Ray when a process is gone already."""
         ranks = verdict.ranks
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now))
         states: dict[int, str] = {}
@@ -455,7 +420,7 @@ class Watchdog:
 
 def identity(rank: int, world_size: int) -> dict[str, Any]:
     """What a worker's heartbeat says about where it runs (the watchdog signals it there)."""
-    import ray  # heavy: only the driver and cluster commands need Ray
+    import ray  # heavy: deferred
 
     return {
         "rank": rank,

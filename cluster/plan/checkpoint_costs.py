@@ -1,5 +1,4 @@
-"""What a run's checkpoints cost the plan: their size on disk (a warning when the run folder cannot hold them), the
-step-0 baseline save, and the watchdog's allowances before the first step and in the first save."""
+"""What a run's checkpoints cost the plan: disk space, the step-0 baseline save, and the watchdog's allowances."""
 
 from __future__ import annotations
 
@@ -12,14 +11,14 @@ from data_pipeline.paths import is_remote, resolve_location
 from pretrain.checkpoint import run_folder
 from pretrain.config.train_config import TrainConfig
 
-# Bytes per parameter of one checkpoint: fp32 master weights + Adam's two moments in the engine state (12), the
-# engine's working copy (4 at most) and the consolidated model.safetensors (4).
+# Bytes per parameter of one checkpoint: fp32 master weights and Adam's moments (12), the engine's working copy (at
+# most 4) and model.safetensors (4).
 CHECKPOINT_BYTES_PER_PARAM = 20
 
 
 def checkpoint_space_warning(config: TrainConfig, num_params: int) -> list[str]:
-    """A warning when a local run folder's filesystem cannot take the checkpoints to come: a save holds
-    ``checkpoint.keep_last + 1`` (the new one is written before the prune), less those already there."""
+    """A warning when a local run folder's filesystem cannot take ``keep_last + 1`` checkpoints (a save writes
+    before it prunes), less those already there."""
     c = config.checkpoint
     if is_remote(c.dir):
         return []
@@ -30,7 +29,7 @@ def checkpoint_space_warning(config: TrainConfig, num_params: int) -> list[str]:
     need = max(1, c.keep_last + 1 - held) * size
     try:
         free = shutil.disk_usage(existing).free
-    except OSError:  # not readable from here: the workers' filesystem may differ anyway
+    except OSError:  # the workers' filesystem may differ anyway
         return []
     if free >= need:
         return []
@@ -53,35 +52,30 @@ def baseline_eval(config: TrainConfig, num_params: int) -> str:
     )
 
 
-# The watchdog's allowance from a worker's start to its first step, term by term (`startup_allowance`): estimates, so
-# the allowance is ALLOWANCE_MARGIN times their sum, and never below the profile's hang.startup_s.
-PROCESS_START_S = 60.0  # Ray starting a worker, its imports (docs/performance.md "A rank's start"), the process group
-ENGINE_S_PER_GPARAM = 60.0  # building the model and DeepSpeed's engine around it, per 1e9 parameters
-ALLOWANCE_MARGIN = 2.0  # an allowance too short kills a healthy group: a restart, charged to max_failures
+# The terms of `startup_allowance`: estimates, so the allowance is ALLOWANCE_MARGIN times their sum.
+PROCESS_START_S = 60.0  # Ray starting a worker, its imports (docs/performance.md, "A rank's start"), the group
+ENGINE_S_PER_GPARAM = 60.0  # the model and DeepSpeed's engine, per 1e9 parameters
+ALLOWANCE_MARGIN = 2.0  # an allowance too short kills a healthy group
 
 
 @dataclass(frozen=True)
 class StartupAllowance:
-    """How long the watchdog lets a worker group go without a report from its start to its first step
-    (``startup_s``), and in a save before one was measured (``first_save_s``): `startup_allowance`. The driver hands
-    both to the watchdog (`cluster.driver.job.job_hang`)."""
+    """How long the watchdog lets a group go without a report before its first step, and in an unmeasured save."""
 
-    terms: tuple[tuple[str, float], ...]  # (what, estimated seconds), in the order a start does them
+    terms: tuple[tuple[str, float], ...]  # (what, estimated seconds), in order
     estimate_s: float  # their sum
     floor_s: float  # the profile's hang.startup_s
     startup_s: float  # max(floor_s, margin x estimate_s)
-    checkpoint_gb: float  # one checkpoint: CHECKPOINT_BYTES_PER_PARAM bytes a parameter
-    write_mb_per_s: float  # the checkpoint storage's write rate assumed (the profile's hang.write_mb_per_s)
+    checkpoint_gb: float  # one checkpoint
+    write_mb_per_s: float  # the storage's assumed write rate (the profile's hang.write_mb_per_s)
     save_floor_s: float  # the profile's hang.checkpoint_s
     first_save_s: float  # max(save_floor_s, margin x the checkpoint's write)
     margin: float = ALLOWANCE_MARGIN
 
 
 def startup_allowance(profile: ClusterProfile, num_params: int) -> StartupAllowance:
-    """The start allowance: margin x (a worker process's start + the model and engine build + one checkpoint at the
-    storage's assumed write rate: the step-0 save of a fresh run or the load of a resumed one, reads assumed no
-    slower + for an elastic job, the universal conversion rank 0 makes of a checkpoint written at another world size:
-    read and written again), at least the profile's hang.startup_s. A later refinement is one more term."""
+    """margin x (process start + model and engine + one checkpoint's write or load + for an elastic job, the
+    universal conversion: a read and a write), at least hang.startup_s; a first save: margin x one write."""
     hang = profile.hang
     checkpoint_gb = num_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
     write_s = checkpoint_gb * 1e3 / hang.write_mb_per_s

@@ -1,23 +1,9 @@
 """The plan's data-wait prediction: will the run wait for its batches, and how many loader workers does it need?
 
-A step of the compute plan takes ``c`` seconds (`cluster.plan.planner.ComputePlan.step_time_s`, from the peak and the
-assumed MFU) and each rank consumes ``n = G / R`` images per step. The loader makes ``r`` images/s per core
-(`data_pipeline.stream.loader_rate`: measured on this machine for the local profile, declared by a remote profile's
-``hardware.loader_img_s_per_core``), so loading a step's images costs ``d = n / r`` core-seconds per rank. A rank
-has ``k`` cores (the node's, shared by its ranks) and computes with ``t`` of them (a CPU rank's torch threads,
-``workers.cpus_per_worker``; a GPU rank's host work is taken as one core). With ``W`` loader workers:
-
-- ``W = 0``: the rank loads, then computes: a step takes ``c + d`` and waits ``d`` of it.
-- ``t + W <= k``: every process has a core of its own: a step takes ``max(c, d / W)`` and waits the excess over c.
-- ``t + W > k`` (the 2-core local profile: 2 ranks on 2 cores): the rank and its workers share the cores, each
-  process an equal share per thread. While the rank computes (slowed to ``c (t + W) / k``), its workers load at
-  ``W k / (t + W)`` cores; what is left of ``d`` after that, they load at ``min(W, k)`` cores while the rank waits.
-  Workers there hide the wait but cannot make a step shorter than ``(c t + d) / k``: the cores are the limit.
-
-The predicted data wait is the waited share of a step: what a run logs as ``train/data_wait``
-(`pretrain.telemetry.metrics`) and compares at its end (``plan["data"]["predicted_data_wait"]``). A run is input-bound
-when it is over ``INPUT_BOUND_WAIT``; the workers it needs are the fewest that bring it under that (at most the rank's
-streams, as a loader worker reads whole streams).
+Each rank loads ``n = G / R`` images per step at the loader's ``r`` images/s per core: ``d = n / r`` core-seconds
+beside the compute plan's step of ``c`` seconds (`step_with_data`). The predicted data wait is the waited share of a
+step, what a run logs as ``train/data_wait``; above ``INPUT_BOUND_WAIT`` the run is input-bound. Design:
+docs/performance.md, "Data wait: predicted, and the decoded cache".
 """
 
 from __future__ import annotations
@@ -43,20 +29,26 @@ class DataWait:
     """The data-wait prediction's numbers (flat: `cluster.plan.planner.DataPlan` carries them into plan.json)."""
 
     loader_img_s_per_core: float  # r
-    loader_rate_source: str  # "declared: ..." or where on this machine it was measured
+    loader_rate_source: str  # "declared: ..." or where it was measured
     loader_workers: int  # W: loader processes per rank that will run
     loader_cores_per_rank: float  # k: the node's cores over its ranks
     load_s_per_step: float  # d: core-seconds of loading per rank per step
     predicted_step_time_s: float  # compute and data together
     predicted_data_wait: float  # 0..1: the share of a step spent waiting for data
     input_bound: bool
-    loader_workers_needed: int | None  # fewest W under INPUT_BOUND_WAIT; None: no W gets there (the cores limit)
-    loader_cores_needed: float  # d / c: cores loading must have to keep up with the compute
+    loader_workers_needed: int | None  # fewest W under INPUT_BOUND_WAIT (at most the rank's streams); None: none
+    loader_cores_needed: float  # d / c: cores loading needs to keep up with the compute
 
 
 def step_with_data(c: float, d: float, workers: int, cores: float, threads: float) -> tuple[float, float]:
-    """(seconds per step, seconds of it waiting for data) for compute ``c``, loading ``d`` core-seconds, ``workers``
-    loader processes, ``cores`` per rank and ``threads`` computing (module docstring)."""
+    """(seconds per step, seconds of it waiting) for compute ``c``, ``d`` core-seconds of loading, W ``workers``,
+    k ``cores`` per rank and t ``threads`` computing (a GPU rank's host work counts as one):
+
+    - W = 0: the rank loads, then computes: ``c + d``, waiting ``d``.
+    - t + W <= k: each process has its own core: ``max(c, d / W)``, waiting the excess over c.
+    - t + W > k: all share the cores per thread. While the rank computes (slowed to ``c (t + W) / k``) its workers
+      load at ``W k / (t + W)`` cores, the rest at ``min(W, k)`` while it waits; no step is under ``(c t + d) / k``.
+    """
     if workers == 0 or d == 0:
         return c + d, d
     if threads + workers <= cores:
@@ -73,8 +65,7 @@ def step_with_data(c: float, d: float, workers: int, cores: float, threads: floa
 def predict(
     c: float, images_per_rank: int, rate: LoaderRate, workers: int, max_workers: int, cores: float, threads: float
 ) -> DataWait:
-    """The data wait of a step of ``c`` seconds over ``images_per_rank`` images per rank, at ``workers`` and at every
-    count up to ``max_workers`` (for the workers needed)."""
+    """The prediction at ``workers``; every count up to ``max_workers`` is tried for the workers needed."""
     d = images_per_rank / rate.img_s_per_core
     step, wait = step_with_data(c, d, workers, cores, threads)
     needed = next(
@@ -100,8 +91,7 @@ def _share(step: float, wait: float) -> float:
 
 
 def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderRate:
-    """The loader's images/s per core for ``config`` on ``profile``: measured here for a local profile (on the
-    training set when readable, from its decoded cache when the run will hold one), declared by a remote one."""
+    """The loader's images/s per core: measured here for a local profile, declared by a remote one."""
     d = config.data
     if not profile.is_local:
         rate = profile.hardware.loader_img_s_per_core
@@ -111,12 +101,11 @@ def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderR
 
 
 def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, images_per_s: float) -> DataWait:
-    """The prediction for ``config`` on ``profile``: the compute plan's ``images_per_s`` over the global batch gives
-    the step; the node's cores are shared by its ranks."""
+    """The prediction for ``config`` on ``profile``; the step time is the global batch over ``images_per_s``."""
     d, hw, w = config.data, profile.hardware, profile.workers
     ranks_per_node = math.ceil(batch.world_size / hw.nodes)
     streams_per_rank = max(1, d.streams // batch.world_size)
-    workers = min(d.num_workers, streams_per_rank)  # a worker reads whole streams: the stream runs no more
+    workers = min(d.num_workers, streams_per_rank)  # a worker reads whole streams: no more run
     threads = w.cpus_per_worker if not profile.uses_gpus else 1
     return predict(
         c=batch.global_batch_size / images_per_s,
@@ -150,10 +139,8 @@ def data_wait_line(wait: DataWait, images_per_rank: int) -> str:
 def loader_host_bytes(
     config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
 ) -> tuple[float, str]:
-    """(bytes, what they are) of host memory one rank's TrainStream holds: the shuffle buffers of its P/R streams
-    (encoded samples; a buffer never holds more than its stream's samples), its decoded images
-    (``data_pipeline.stream.step_pool.decoded_bytes``: its pool of float step buffers, each worker's uint8 planes of an
-    image) and its decoded cache of the whole set, where the set fits in ``data.cache_mb``."""
+    """(bytes, what they are) of host memory one rank's TrainStream holds: its P/R streams' shuffle buffers, its
+    decoded step buffers and, where the set fits ``data.cache_mb``, its decoded cache."""
     d = config.data
     streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
     held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
@@ -168,9 +155,9 @@ def loader_host_bytes(
 
 
 def _cache_bytes(config: TrainConfig, image_size: int) -> int:
-    """A rank's decoded cache (`data_pipeline.stream.loader_rate.cache_bytes`); 0 where the set is not readable here."""
+    """A rank's decoded cache in bytes; 0 where the set is not readable here."""
     try:
         info = dataset_info(resolve_location(config.data.train))
-    except Exception:  # absent, remote, damaged: the manifest line of the plan says why
+    except Exception:  # absent, remote, damaged: the plan's manifest line says why
         return 0
     return cache_bytes(info, image_size, config.data.cache_mb)

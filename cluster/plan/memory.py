@@ -2,29 +2,14 @@
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020) for mixed precision with Adam:
 
-| state                         | bytes / param | replicated until | note                                         |
-|-------------------------------|---------------|------------------|----------------------------------------------|
-| training weights (bf16)       | 2             | stage 3          | fp32 training: 4, and no separate master copy |
-| gradients (bf16)              | 2             | stage 2          | fp32 training: 4                              |
-| fp32 gradient partition       | 4             | (stage >= 2 only)| `grad_accum_dtype: fp32` keeps one per rank   |
-| optimizer: fp32 master + m, v | 12            | stage 1          | fp32 training: m, v only = 8                  |
-
-For ViT-H/14 (632.05M parameters) on 64 GPUs this gives 10.1 GB without ZeRO, 2.65 GB (ZeRO-1), 1.44 GB
-(ZeRO-2) and 0.20 GB (ZeRO-3): docs/reference.md §7's figures, which the tests check.
-
-Activations are counted per token per layer (Korthikanti et al., 2022, "Reducing Activation Recomputation",
-§4.1, re-derived for this model: SDPA, no dropout masks unless dropout > 0). Saved for backward, in elements
-per token per layer: LN1 input D, qkv input D, q k v 3D, SDPA output / proj input D, LN2 input D, fc1 input D
-(8·D), then the GELU input and fc2 input (2·m, m the MLP width) —
-i.e. (8·D + 2·m) elements per token per layer with SDPA, where m is the MLP width; eager attention adds the
-softmax output (heads · N elements). At 2 bytes that is 16·D + 4·m bytes: for ViT-H/14 at 224 (N = 257 tokens,
-32 layers) 40,960 B × 257 × 32 = 337 MB per image, the measured figure in docs/reference.md §7. Dropout adds one-byte
-masks (2·D per token per layer). With per-block activation checkpointing only each block's input (D elements)
-is kept, plus one block's full activations while it is recomputed.
-
-`plan_memory` adds up one run's memory per device (model states, activations at its micro-batch, overhead) against
-the device's capacity, for both settings of activation checkpointing, and says whether checkpointing pays for its
-recompute; `cluster.plan.planner` refuses a run that does not fit with the settings that would make it fit.
+| state                         | bytes/param | replicated until  | fp32 training                  |
+|-------------------------------|-------------|-------------------|--------------------------------|
+| training weights (bf16)       | 2           | stage 3           | 4, and no separate master copy |
+| gradients (bf16)              | 2           | stage 2           | 4                              |
+| fp32 gradient partition       | 4           | (stage >= 2 only) | none: the gradients are fp32   |
+| optimizer: fp32 master + m, v | 12          | stage 1           | m, v only: 8                   |
+ViT-H/14 on 64 GPUs: 10.1, 2.65, 1.44 and 0.20 GB at ZeRO-0 to 3 (docs/reference.md §7; the tests check it).
+`plan_memory` sets a run's memory per device against capacity, with activation checkpointing on and off.
 """
 
 from __future__ import annotations
@@ -39,15 +24,15 @@ from pretrain.config.ds_config import BatchPlan
 from pretrain.model.vit import ViTConfig
 
 GB = 1e9  # decimal gigabytes, as GPU data sheets and docs/reference.md §7 count them
-# Memory no formula above accounts for: CUDA context, NCCL buffers, DeepSpeed buckets, allocator fragmentation
-# (GPU); Python + torch + DeepSpeed resident size (CPU).
+# Memory no formula accounts for: CUDA context, NCCL buffers, DeepSpeed buckets, fragmentation (GPU); the resident
+# size of Python, torch and DeepSpeed (CPU).
 GPU_OVERHEAD_GB = 3.0
 CPU_OVERHEAD_GB = 1.5
-# Share of device memory a plan may fill before the plan calls it tight: the estimate leaves out allocator peaks
-# in backward (e.g. a block's recomputation beside its gradients), so a setting "fits" only below this.
+# Share of device memory a plan may fill before it calls it tight: the estimate leaves out allocator peaks in
+# backward (a block's recomputation beside its gradients).
 COMFORTABLE_FRACTION = 0.85
-# Smallest micro-batch the checkpointing advice trades recomputation for: below it the GEMMs of a ViT shrink
-# enough (≈ 16 x 197 tokens at 224 px) that the GPU loses more than recomputing costs.
+# Smallest micro-batch the checkpointing advice trades recomputation for: below it (≈ 16 x 197 tokens at 224 px)
+# the GEMMs shrink enough that the GPU loses more than recomputing costs.
 MIN_EFFICIENT_MICRO_BATCH = 16
 
 
@@ -65,7 +50,7 @@ class ModelStateMemory:
 
 
 def model_state_bytes(num_params: int, zero_stage: int, world_size: int, precision: str) -> ModelStateMemory:
-    """ZeRO stage 0-3 per-GPU model-state memory for Adam (see the module docstring's table)."""
+    """Per-GPU model-state memory for Adam at ZeRO stage 0-3 (the module docstring's table)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}; use 0, 1, 2 or 3")
     if precision not in ("bf16", "fp32"):
@@ -101,7 +86,13 @@ def activation_bytes_per_image(
     activation_checkpointing: bool = False,
     sdpa: bool = True,
 ) -> float:
-    """Bytes of activations one image keeps for the backward pass (transformer encoder only)."""
+    """Bytes of activations one image keeps for the backward pass (transformer encoder only).
+
+    Per token per layer (Korthikanti et al., 2022, §4.1, re-derived): the inputs of LN1, qkv, SDPA (q, k, v), proj,
+    LN2 and fc1 (8·D elements), of GELU and fc2 (2·m, m the MLP width); eager attention adds the softmax (heads · N),
+    dropout one-byte masks (2·D). ViT-H/14 at 224, bf16: 40,960 B × 257 × 32 = 337 MB, as measured
+    (docs/reference.md §7). Checkpointing keeps each block's input (D), plus one block's activations in recompute.
+    """
     elem = 2.0 if precision == "bf16" else 4.0
     per_token_layer = elem * (8 * width + 2 * mlp_dim)  # (N, D)-shaped saves + the two (N, m) MLP tensors
     if not sdpa:
@@ -110,7 +101,6 @@ def activation_bytes_per_image(
         per_token_layer += 2 * width  # one-byte masks after attention-out and MLP
     one_layer = per_token_layer * tokens
     if activation_checkpointing:
-        # Block inputs for every layer, plus one block's activations alive during its recomputation.
         return elem * width * tokens * depth + one_layer
     return one_layer * depth
 
@@ -123,13 +113,13 @@ class StepTime(Protocol):
     """What the memory part reads of the plan's compute part (`cluster.plan.planner.ComputePlan`)."""
 
     @property
-    def precision(self) -> str: ...  # "bf16" | "fp32": the bytes of weights, gradients and activations
+    def precision(self) -> str: ...  # "bf16" | "fp32"
 
     @property
     def recompute_factor(self) -> float: ...  # step time with activation checkpointing / without
 
     @property
-    def step_time_s(self) -> float: ...  # as configured: with the recompute when the run checkpoints activations
+    def step_time_s(self) -> float: ...  # with the recompute when the run checkpoints activations
 
     @property
     def days(self) -> float: ...
@@ -149,12 +139,12 @@ class MemoryPlan:
     overhead_gb: float
     total_gb: float
     capacity_gb: float
-    # Both settings of activation checkpointing at this micro-batch, whichever the run uses (the fields above).
+    # Both settings of activation checkpointing at this micro-batch, whichever the run uses.
     activations_gb_checkpointed: float
     activations_gb_not_checkpointed: float
     total_gb_not_checkpointed: float
     checkpointing_advice: str  # "" when the run does not fit
-    # "" for the model above as it is; else the measured correction applied to its activations (`cluster.calibrate`)
+    # "": the model as it is; else the measured correction of its activations
     memory_source: str = ""
 
 
@@ -167,10 +157,8 @@ def plan_memory(
     num_params: int,
     correction: tuple[float, str] | None = None,
 ) -> tuple[MemoryPlan, str | None]:
-    """(the memory part, None) when the run fits its devices, with the checkpointing advice; else (the part without
-    advice, why it does not fit and the settings that would make it fit). ``correction``: (a factor on the activation
-    bytes, where it comes from), when a measurement found the model off by more than 15% (`cluster.calibrate`): the
-    model-state accounting is exact, the activations are the estimated part."""
+    """(the memory part with its checkpointing advice, None) when the run fits; else (the part, why not and the
+    fixes). ``correction``: (factor, source) for the activations, the estimated part."""
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
     per_image = functools.partial(
@@ -183,7 +171,7 @@ def plan_memory(
         precision=compute.precision,
         dropout=vit.dropout,
     )
-    # Both settings, for the checkpointing advice; the plan's own numbers follow the configured one.
+    # Both settings, for the advice; the plan's own numbers follow the configured one.
     scale, source = correction or (1.0, "")
     act_on = scale * per_image(activation_checkpointing=True)
     act_off = scale * per_image(activation_checkpointing=False)

@@ -1,18 +1,9 @@
 """The plan: a recipe joined with a profile — topology, batch split, model, compute, memory per device and data.
 
-`resolve_config` applies the profile's hardware defaults (ZeRO stage, micro-batch, precision, loader workers,
-storage locations) to the recipe, then the user's `--set` overrides, so what the plan shows is exactly what the
-workers will run. `build_plan` does the arithmetic, one builder per part of the `Plan` (`Topology`, `BatchPlan`,
-`ModelSize`, `ComputePlan`, `MemoryPlan`, `DataPlan`), and raises `PlanError` (a ValueError) when the run cannot
-fit, with the settings that would make it fit. Every number is derived from one source: FLOPs and parameter counts
-from `pretrain.model.flops` (of the model the task trains: `pretrain.model.tasks.planned_model`), the batch split from
-`pretrain.config.ds_config.batch_plan`, steps from `pretrain.config.optim.duration_to_steps`, memory from
-`cluster.plan.memory`. `format_plan` prints it, a line per part.
-
-The plan also says what the run needs that this machine may lack (the fsspec filesystem of remote storage, an
-optional extra of vitscale: `cluster.plan.storage`), which extras the job's Ray runtime env installs (`runtime_pip`: the
-storage's, and vitscale[hf] where the job logs its final model to MLflow) and whether activation checkpointing is
-worth its recompute.
+`resolve_config` layers the profile's defaults and the user's `--set` on the recipe, so that the plan shows exactly
+what the workers run. `build_plan` does the arithmetic, one builder per part of `Plan`, each number from its one
+owner (`pretrain.model.flops`, `pretrain.config.ds_config`, `cluster.plan.memory`, ...), and raises `PlanError` when
+the run cannot fit. `runtime_pip`: the extras the job's Ray runtime env installs.
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ from pretrain.weights.hf import hf_config_dict
 
 # Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
 RECIPE_DATA_ROOT = "data"
-# Assumptions used only when the training manifest cannot be read from here (e.g. s3:// on a laptop).
+# Assumed only when the training manifest cannot be read from here (e.g. s3:// on a laptop).
 ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (docs/reference.md §6)
 ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
 # The data streams may fill this share of a node's memory; the rest holds the processes and the page cache.
@@ -61,25 +52,21 @@ MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers beco
 
 
 class PlanError(ValueError):
-    """The plan cannot run as configured; the message names the problem and settings that would fix it."""
+    """The plan cannot run as configured; the message names the problem and the fix."""
 
 
-# The vitscale extra the job's driver needs to log the final model to MLflow (`cluster.driver.record.log_final_model`
-# exports it as an HF ViT folder): = pyproject.toml [project.optional-dependencies] hf (a test keeps them equal).
+# The extra the driver needs to log the final model as an HF ViT folder; = pyproject.toml's hf extra (tested).
 HF_EXTRA = StorageExtra("hf", "transformers>=4.45,<6", "transformers")
 EXTRAS = {**STORAGE_EXTRAS, HF_EXTRA.name: HF_EXTRA}  # every extra a job's runtime env may install, by name
 
 
 def runtime_pip(plan: dict) -> list[str]:
-    """pip requirements of the extras the job's Ray runtime env installs (`Plan.runtime_extras`, of
-    `Plan.to_dict()`): a runtime env's `pip`, empty when there is nothing to install."""
+    """The runtime env's `pip` list for ``plan`` (`Plan.to_dict()`)."""
     return [EXTRAS[name].requirement for name in plan.get("runtime_extras", ())]
 
 
 def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
-    """(whether the job's end logs its final model to MLflow, what the plan says about it). Only a model HF's ViT
-    can hold is logged (class token, no pre-logits layer, no hybrid stem: `pretrain.weights.hf`); it needs
-    transformers where the driver runs."""
+    """(whether the job logs its final model, the plan's line on it): a model HF's ViT holds, with transformers."""
     try:
         hf_config_dict(vit)
     except ValueError:
@@ -90,17 +77,15 @@ def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
 
 
 def _runtime_extras(profile: ClusterProfile, data: DataPlan, logs_model: bool) -> tuple[str, ...]:
-    """The vitscale extras the job's Ray runtime env installs over the cluster's packages: the storage's, and hf
-    when the job logs its final model. A `local` job runs in this environment: only a storage extra it lacks (the
-    run cannot read its data without it), never one it has, and never hf (the model is a convenience, and a
-    runtime-env pip install needs the network)."""
+    """The storage's extras, and hf when the job logs its final model. A `local` job runs in this environment: only
+    a storage extra it lacks, never hf (a runtime-env pip install needs the network)."""
     if profile.is_local:
         return tuple(n for n in data.storage_extras if importlib.util.find_spec(EXTRAS[n].module) is None)
     return (*data.storage_extras, *((HF_EXTRA.name,) if logs_model else ()))
 
 
 def _relocate(path: str, root: str) -> str:
-    """`data/x/y` → `<root>/x/y`; absolute paths and URLs are the recipe's own choice and stay."""
+    """`data/x/y` → `<root>/x/y`; absolute paths and URLs stay."""
     if is_remote(path) or Path(path).is_absolute():
         return path
     parts = Path(path).parts
@@ -126,13 +111,9 @@ def _given(written: dict, sets: list[str]) -> set[str]:
 
 
 def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
-    """`key=value` overrides that put a recipe (``written``, as read from ``path``) on this profile's hardware.
-
-    Storage, tracking, communication backend and the hardware peak (where the profile declares one) always come from
-    the profile. The profile's
-    `defaults` (ZeRO stage, micro-batch, precision, loader workers) fill only what the recipe leaves unset. The
-    micro-batch is then lowered, if needed, to the largest value that splits the global batch over the world.
-    """
+    """`key=value` overrides that put a recipe (``written``, read from ``path``) on this profile's hardware.
+    Storage, tracking, backend and a declared peak always come from the profile; its `defaults` fill only what the
+    recipe leaves unset; the micro-batch is lowered, if needed, to split the global batch."""
     base = config_from_recipe(path, written, sets)
     given = _given(written, sets)
     d = profile.defaults
@@ -145,7 +126,7 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         f"evals.data_root={_relocate(base.evals.data_root, shards)}",
         # Ray Train workers are actors with threads: forking them for loader workers is unsafe (docs/reference.md §6).
         "data.loader_start_method=forkserver",
-        # Job logs are not a terminal: one line per log_every steps instead of a redrawn progress bar.
+        # Job logs are not a terminal: a line per log_every steps, no progress bar.
         "logging.progress_bar=false",
     ]
     defaults = {
@@ -155,8 +136,7 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         "data.num_workers": profile.workers.loader_workers,
     }
     out += [f"{k}={v}" for k, v in defaults.items() if k not in given]
-    # The MFU denominator at the run's precision (CUDA: auto and probe are bf16), where the profile knows it; a local
-    # CPU run measures it, as the plan does (pretrain.telemetry.peak).
+    # The MFU denominator at the run's precision (CUDA: auto and probe are bf16), where the profile knows it.
     requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
     peak = profile_peak(profile, "fp32" if requested == "fp32" or not profile.uses_gpus else "bf16")
     if peak is not None:
@@ -172,24 +152,19 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
 
 
 def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
-    """Recipe → profile defaults → the user's `--set` overrides (last wins), validated at the profile's world size.
-
-    The recipe file (and its `base:` chain) is read here, once, for the whole launch. Paths are checked only where
-    they are local: a cluster's shards or checkpoints are not visible from a laptop.
-    """
+    """Recipe → profile defaults → the user's `--set` (last wins), validated at the profile's world size. The recipe
+    is read here, once, for the whole launch; paths are checked only on a local profile."""
     path = recipe_path(recipe)
     written = read_recipe(path)
     config = config_from_recipe(path, written, [*profile_overrides(profile, path, written, sets, run_name), *sets])
     if profile.workers.elastic:
-        elastic_world_sizes(profile, config)  # every size Ray may pick must keep the global batch
+        elastic_world_sizes(profile, config)
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
     return config
 
 
 def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[int]:
-    """The world sizes an elastic job may run at: Ray Train picks ANY worker count in workers.min..max that the
-    cluster holds, so each must keep the global batch (`pretrain.config.ds_config.valid_world_sizes`); PlanError naming
-    the sizes that work otherwise."""
+    """workers.min..max: Ray Train may pick any, so each must keep the global batch; else PlanError."""
     w = profile.workers
     sizes = list(range(w.min_workers, w.max_workers + 1))
     valid = valid_world_sizes(config.data, max(w.max_workers, config.data.streams))
@@ -209,7 +184,7 @@ def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[in
 
 @dataclass(frozen=True)
 class Topology:
-    """Where the run goes: the profile's machines and the world size the plan's numbers are for."""
+    """The profile's machines and the world size the plan's numbers are for."""
 
     profile: str
     nodes: int
@@ -219,13 +194,13 @@ class Topology:
 
 @dataclass(frozen=True)
 class ModelSize:
-    """The model the task trains (`pretrain.model.tasks.planned_model`), counted by `pretrain.model.flops`."""
+    """The model the task trains and its parameter counts."""
 
     name: str
     image_size: int
-    num_params: int  # the task's model and what the task adds to it (MPP: a [mask] embedding and a colour head)
+    num_params: int  # with what the task adds (MPP: a [mask] embedding and a colour head)
     num_params_1k_head: int  # the paper's convention (Table 1 counts a 1000-class head)
-    # The head's size is unknown here (no model.num_classes, no dataset.json readable): 1000 classes are counted.
+    # No model.num_classes and no readable dataset.json: a 1000-class head is counted.
     head_classes_assumed: bool
 
 
@@ -234,7 +209,7 @@ class ComputePlan:
     """Precision, FLOPs and time: a step takes the training FLOPs of the global batch / (world x peak x MFU)."""
 
     precision: str
-    precision_reason: str  # why: what `deepspeed.precision: auto` picks on the profile's hardware
+    precision_reason: str  # why (`pretrain.config.precision.decide` on the profile's hardware)
     forward_gflops_per_image: float
     train_gflops_per_image: float  # 3 x forward: the model FLOPs MFU counts
     recompute_factor: float  # step time with activation checkpointing / without: one more forward, (3 + 1) / 3
@@ -243,30 +218,28 @@ class ComputePlan:
     days: float
     total_exaflops: float
     images_per_s: float
-    assumed_mfu: float  # the profile's assumed_mfu, or the MFU measured for this model on this GPU kind
-    peak_tflops: float  # per device at the plan's precision: the MFU denominator of the run too
+    assumed_mfu: float  # the profile's, or the one measured for this model on this GPU kind
+    peak_tflops: float  # per device at the plan's precision; the run's MFU denominator too
     peak_source: str
-    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)": cluster/mfu.yaml (`cluster.calibrate`)
+    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)" (cluster/mfu.yaml)
 
 
 @dataclass(frozen=True)
 class DataPlan:
-    """What the run reads: shards per loader, read rate, host memory of the data streams, storage and its extras."""
+    """What the run reads, where from, the host memory it takes, and the data wait."""
 
     num_shards: int
     shards_per_loader: float
     bytes_per_image: float
     read_mb_per_s: float
     note: str  # where the numbers come from: the manifest, or the assumptions made without it
-    loader_gb_per_node: float  # host memory of the data streams on the fullest node (docs/elastic.md "Memory")
+    loader_gb_per_node: float  # host memory of the data streams on the fullest node (docs/elastic.md, "Costs")
     loader_detail: str  # what it is made of
     storage: str  # the training shards' location
-    storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs (installed by the job's runtime env)
+    storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs
     storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
     warnings: tuple[str, ...]
-    # The data-wait prediction (`cluster.plan.data_wait.DataWait`, its fields by name): the loader's images/s per core
-    # and where it comes from, the workers and cores, and predicted_data_wait (0..1), which the run's end compares with
-    # the data wait it measured.
+    # The data-wait prediction: `cluster.plan.data_wait.DataWait`'s fields, by name.
     loader_img_s_per_core: float
     loader_rate_source: str
     loader_workers: int
@@ -281,8 +254,7 @@ class DataPlan:
 
 @dataclass(frozen=True)
 class ElasticEnd:
-    """An elastic plan's numbers at one end of the world sizes Ray may pick (fewer workers: more accumulation, more
-    ZeRO state each, longer steps)."""
+    """An elastic plan's numbers at one end of the world sizes Ray may pick."""
 
     world_size: int
     grad_accum_steps: int
@@ -308,8 +280,7 @@ class ElasticEnd:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything `cluster.launch` prints (`format_plan`), part by part. `to_dict()` travels with the job (`JobSpec`)
-    and is the run's `plan.json`."""
+    """Everything `cluster.launch` prints; `to_dict()` travels with the job and is its `plan.json`."""
 
     recipe: str
     run_name: str
@@ -320,22 +291,21 @@ class Plan:
     memory: MemoryPlan
     data: DataPlan
     baseline_eval: str  # the step-0 baseline eval: what it costs, or why there is none
-    startup: StartupAllowance  # the watchdog's allowance before the first step and in a first save
-    elastic_ends: tuple[ElasticEnd, ...] = ()  # elastic profiles: (at workers.min, at workers.max); () when fixed
-    runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs (`runtime_pip`)
-    final_model: str = ""  # whether the job's end logs the final model to MLflow (or why not), in words
+    startup: StartupAllowance  # the watchdog's allowances
+    elastic_ends: tuple[ElasticEnd, ...] = ()  # (at workers.min, at workers.max); () when not elastic
+    runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs
+    final_model: str = ""  # whether the job's end logs the final model to MLflow, or why not
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
-    """All the numbers `cluster.launch` prints, one builder per part. PlanError when the run cannot fit: memory per
-    device, the data streams' host memory, a stream without shards, a peak the plan cannot know."""
+    """The plan. PlanError when the run cannot fit: memory per device, the data streams' host memory, a stream
+    without shards, a peak the plan cannot know."""
     batch = batch_plan(config.data, profile.workers.num_workers)
     stats = _data_stats(config)
     vit, model = _model_size(config)
-    # What the campaign measured for this model on this GPU kind (cluster/mfu.yaml), if anything.
     measured = calibrate.measured(config.model.name, profile.hardware.gpu_type) if profile.uses_gpus else None
     compute = _compute_plan(profile, config, vit, batch, stats.num_samples, measured)
     data = _data_plan(profile, config, batch, stats, model, compute.images_per_s)
@@ -375,8 +345,7 @@ def _topology(profile: ClusterProfile) -> Topology:
 
 
 def _model_size(config: TrainConfig) -> tuple[ViTConfig, ModelSize]:
-    """(the ViTConfig the task trains, its size). The head has `model.num_classes` classes, else the dataset's
-    (its dataset.json, where readable here), else 1000; the task decides what it trains (`planned_model`)."""
+    """(the ViTConfig the task trains, its size); the head has `model.num_classes`, else the dataset's, else 1000."""
     num_classes = config.model.num_classes or _dataset_classes(config)
     configured = model_config(config.model.name, **model_overrides(config, num_classes=num_classes or 1000))
     vit, task_params = tasks.planned_model(config, configured)
@@ -399,9 +368,8 @@ def _compute_plan(
     samples: int | None,
     measured: Measured | None = None,
 ) -> ComputePlan:
-    """Steps, step time, days and exaFLOPs at the profile's peak x MFU: the one ``measured`` for this model on this
-    GPU kind (`cluster.calibrate`), else the profile's assumed one; ``samples``: the manifest's count, which `"90ep"`
-    durations need when `data.epoch_images` is unset."""
+    """Steps, step time, days and exaFLOPs at the peak x MFU (``measured``, else the profile's). ``samples``: the
+    manifest's count, for `"90ep"` durations without `data.epoch_images`."""
     fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
     total_steps = optim.duration_to_steps(
         config.schedule.total, batch.global_batch_size, config.data.epoch_images or samples, field="schedule.total"
@@ -436,7 +404,7 @@ def _compute_plan(
 
 @dataclass(frozen=True)
 class DataStats:
-    """The training manifest's numbers, each None where it is not readable from here, and where they come from."""
+    """The training manifest's numbers (None where not readable here) and their source."""
 
     num_shards: int | None
     num_samples: int | None
@@ -445,13 +413,13 @@ class DataStats:
 
 
 def _data_stats(config: TrainConfig) -> DataStats:
-    if missing_storage([config.data.train]):  # the storage line says what to install; no raw fsspec message here
+    if missing_storage([config.data.train]):  # the storage line says what to install
         return DataStats(
             None, None, None, f"manifest not readable here: no {url_scheme(config.data.train)}:// filesystem"
         )
     try:
         info = read_dataset_info(resolve_location(config.data.train))
-    except Exception as exc:  # any unreadable manifest (absent, remote, offline) → documented assumptions
+    except Exception as exc:  # absent, remote, offline → the assumptions
         return DataStats(None, None, None, f"manifest not readable here: {type(exc).__name__}: {str(exc)[:80]}")
     total_bytes = sum(s.bytes for s in info.shards)
     per_image = total_bytes / max(info.num_samples, 1)
@@ -466,8 +434,8 @@ def _data_plan(
     model: ModelSize,
     images_per_s: float,
 ) -> DataPlan:
-    """The shards and read rate, with documented assumptions where the manifest is not readable here; PlanError when a
-    stream would have no shard of its own or the data streams would fill more than LOADER_MEMORY_SHARE of a node."""
+    """The data part. PlanError when a stream would have no shard of its own or the data streams would fill more
+    than LOADER_MEMORY_SHARE of a node."""
     d, world = config.data, batch.world_size
     shards, bytes_per_image, note = stats.num_shards, stats.bytes_per_image, stats.note
     if model.head_classes_assumed:
@@ -519,7 +487,7 @@ def _data_plan(
 
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[ElasticEnd, ElasticEnd]:
-    """The plan's numbers at workers.min and workers.max: the same estimators, run at a fixed world size of each."""
+    """The plan's numbers at workers.min and workers.max, each planned as a fixed world size."""
     w = profile.workers
     fixed = dataclasses.replace(w, num_workers=w.min_workers, min=None, max=None)
     try:
@@ -534,9 +502,8 @@ def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) ->
 
 
 def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
-    """(precision the plan's memory and step time assume, why): `pretrain.config.precision.decide` on the profile's
-    hardware, the same rule the workers apply. This machine's CPU answers for a local profile; the CPUs of a remote CPU
-    cluster are unknown here, so the plan assumes fp32 and the workers decide at start."""
+    """(precision, why): the workers' own rule on the profile's hardware; fp32 for a remote CPU cluster, whose CPUs
+    are unknown here."""
     requested = config.deepspeed.precision
     if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
         device = "cuda" if profile.uses_gpus else "cpu"
@@ -550,9 +517,8 @@ def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> 
 
 
 def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
-    """The per-device peak a run on ``profile`` in ``precision`` divides by, where the profile knows it: its GPUs'
-    datasheet (``hardware.peak_tflops`` is their dense bf16 peak; fp32 from `pretrain.telemetry.peak.GPU_PEAK_TFLOPS`)
-    or a declared CPU peak. None: measured on the machine (`pretrain.telemetry.peak.cpu_peak`)."""
+    """The per-device peak MFU divides by, where the profile knows it (``hardware.peak_tflops`` is a GPU's dense
+    bf16 peak; fp32 comes from `pretrain.telemetry.peak`); None: measured on the machine."""
     hw = profile.hardware
     if hw.peak_tflops is None:
         return None

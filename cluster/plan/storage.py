@@ -1,8 +1,7 @@
 """What a run's storage needs: the vitscale extra that gives fsspec each remote scheme, and whether this machine has it.
 
-A run reads its training shards and its eval shard folders (`storage_urls`) from local paths or fsspec URLs.
-`s3://` needs vitscale[s3] (s3fs) and `gs://` vitscale[gcs] (gcsfs): the job's runtime env installs them on the
-cluster (`storage_extras`), and the plan says when this machine lacks them to read the manifest (`missing_storage`).
+The job's runtime env installs the extras on the cluster (`storage_extras`); the plan says when this machine lacks
+one to read the manifest (`missing_storage`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ class StorageExtra:
     """An optional dependency group of vitscale that gives fsspec one more storage scheme."""
 
     name: str  # `pip install 'vitscale[<name>]'`
-    requirement: str  # what it installs = pyproject.toml [project.optional-dependencies] (a test keeps them equal)
+    requirement: str  # = pyproject.toml [project.optional-dependencies] (a test keeps them equal)
     module: str  # the module fsspec imports for the scheme
 
 
@@ -35,12 +34,12 @@ def url_scheme(url: str) -> str | None:
 
 
 def storage_urls(config: TrainConfig) -> list[str]:
-    """Where the run reads data from (training shards, eval shard folders): what its filesystems must reach."""
+    """Where the run reads data from: training shards and eval shard folders."""
     return [config.data.train, config.evals.data_root]
 
 
 def storage_extras(urls: list[str]) -> list[StorageExtra]:
-    """The vitscale extras the remote schemes among `urls` need (`s3://` → vitscale[s3], `gs://` → vitscale[gcs])."""
+    """The vitscale extras the remote schemes among `urls` need."""
     names = [SCHEME_EXTRAS[s] for s in map(url_scheme, urls) if s in SCHEME_EXTRAS]
     return [STORAGE_EXTRAS[n] for n in dict.fromkeys(names)]
 

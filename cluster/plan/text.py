@@ -1,5 +1,5 @@
-"""The plan as `cluster.launch` prints it (and `--dry-run` stops after): a line per part of `cluster.plan.planner.Plan`,
-the numbers at both ends of an elastic job's world sizes, then the warnings."""
+"""The plan as `cluster.launch` prints it: a line per part of `cluster.plan.planner.Plan`, the numbers at both ends
+of an elastic job's world sizes, then the warnings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from cluster.plan.storage import STORAGE_EXTRAS
 
 
 def format_plan(plan: Plan) -> str:
-    """The plan's text, as `python -m cluster.launch` prints it."""
+    """The plan's text."""
     topo, batch, model, c, m, d = plan.topology, plan.batch, plan.model, plan.compute, plan.memory, plan.data
     micro = batch.micro_batch_size
     recompute = f", + recompute x {c.recompute_factor:.2f}" if m.activation_checkpointing else ""
@@ -50,8 +50,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def _startup(plan: Plan) -> str:
-    """The watchdog's allowances before the first step and in a first save, each term named
-    (`cluster.plan.checkpoint_costs.startup_allowance`)."""
+    """The watchdog's allowances before the first step and in a first save, each term named."""
     a = plan.startup
     terms = " + ".join(f"{name} {seconds:.3g}" for name, seconds in a.terms)
     write_s = a.checkpoint_gb * 1e3 / a.write_mb_per_s
@@ -63,7 +62,7 @@ def _startup(plan: Plan) -> str:
 
 
 def _mfu(mfu: float, source: str) -> str:
-    """The MFU as the plan says it: "assumed MFU 40%", or "MFU 43% measured on H200 2026-11-28 (pretrain.train)"."""
+    """ "assumed MFU 40%", or "MFU 43% measured on ..."."""
     return f"assumed MFU {mfu:.0%}" if source == "assumed" else f"MFU {mfu:.0%} {source}"
 
 
@@ -86,14 +85,13 @@ def _elastic_lines(plan: Plan) -> list[str]:
 
 
 def _data_wait(d: DataPlan, images_per_rank: int) -> str:
-    """The data-wait line, from the `cluster.plan.data_wait.DataWait` fields the data plan carries."""
+    """The data-wait line, from the `DataWait` fields the data plan carries."""
     wait = DataWait(**{f.name: getattr(d, f.name) for f in dataclasses.fields(DataWait)})
     return data_wait_line(wait, images_per_rank)
 
 
 def _runtime_env(plan: Plan) -> str:
-    """What the job's Ray runtime env installs over the cluster's packages (`cluster.plan.planner.runtime_pip`), and
-    whether the final model reaches MLflow."""
+    """What the job's Ray runtime env installs, and whether the final model reaches MLflow."""
     if plan.runtime_extras:
         extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in plan.runtime_extras)
         installs = f"pip installs {extras} on the cluster"
