@@ -1,19 +1,12 @@
 """Analytic compute and size of a ViT from its config alone (no model is built).
 
-FLOPs count a multiply-add as 2 FLOPs. Per encoder layer with N tokens (class token included), width D and MLP
-size M, the multiply-adds are (docs/reference.md §5)
+A multiply-add is 2 FLOPs. Per encoder layer with N tokens (class token included), width D and MLP size M:
 
     N·D·3D  (q, k, v)  +  2·N²·D  (q kᵀ and A v)  +  N·D²  (out)  +  2·N·D·M  (MLP)
 
-plus the patch embedding, the hybrid stem's convolutions, pre-logits and head. Norms, softmax, GELU and biases
-are ignored (< 1% at the sizes of interest), as in the paper's and timm's figures. Training ≈ 3 × forward
-(backward is twice the forward: gradients with respect to activations and to weights).
-
-These are the published convention: every layer at every token. ``as_run=True`` counts what `VisionTransformer`
-runs instead: with a class token, its last layer computes the class token's output alone (q, k and v at every token,
-then one query's attention, output projection and MLP), about 80% of one layer less (docs/performance.md, "The
-last block computes the class token alone"). Plans and the training MFU use the convention; benchmarks that compare the
-step with the GEMM rate use ``as_run``.
+multiply-adds, plus embedding, stem and head; norms, softmax, GELU and biases are ignored, as by timm. Training is
+3 × forward. ``as_run=True`` counts the last layer at the class token alone, as `VisionTransformer` runs it;
+the default is the published count (docs/reference.md §5).
 """
 
 from __future__ import annotations
@@ -30,10 +23,10 @@ def _conv_out(size: int, stride: int) -> int:
 
 
 def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int, int]:
-    """(MACs, parameters, output channels) of the hybrid's ResNet stem; zeros for a plain ViT."""
+    """(MACs, parameters, output channels) of the hybrid's stem."""
     if config.hybrid_stages is None:
         return 0, 0, config.in_chans
-    width = root_width(config.hybrid_width)  # int(64 * factor), as the model builds it (0.5 → 32)
+    width = root_width(config.hybrid_width)
     size = _conv_out(image_size, 2)
     macs = size * size * width * 7 * 7 * config.in_chans
     params = 7 * 7 * config.in_chans * width + 2 * width  # conv_root + gn_root
@@ -57,13 +50,12 @@ def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int,
 
 
 def stem_channels(config: ViTConfig) -> int:
-    """Channels the patch embedding sees: the hybrid stem's output, else the image's."""
+    """Channels the patch embedding sees."""
     return _stem_macs_and_params(config, config.image_size)[2]
 
 
 def forward_macs(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
-    """Multiply-adds of one forward pass of one image at `image_size` (default: the config's); ``as_run``: as the
-    model runs it, the last layer at the class token alone (module docstring)."""
+    """Multiply-adds of one image's forward pass at `image_size` (default: the config's)."""
     image_size = image_size or config.image_size
     if image_size % config.stride:
         raise ValueError(f"image_size={image_size} is not a multiple of the model's patch stride {config.stride}")
@@ -83,17 +75,17 @@ def forward_macs(config: ViTConfig, image_size: int | None = None, *, as_run: bo
 
 
 def forward_flops(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
-    """FLOPs of one forward pass of one image (2 per multiply-add)."""
+    """FLOPs of one image's forward pass."""
     return 2 * forward_macs(config, image_size, as_run=as_run)
 
 
 def train_flops(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
-    """FLOPs of one training step per image: forward + backward ≈ 3 × forward (no activation recomputation)."""
+    """Training FLOPs per image: 3 × forward (no activation recomputation)."""
     return 3 * forward_flops(config, image_size, as_run=as_run)
 
 
 def param_count(config: ViTConfig) -> int:
-    """Number of parameters of `VisionTransformer(config)`, computed from the config."""
+    """Parameters of `VisionTransformer(config)`."""
     D, M = config.width, config.mlp_dim
     _, stem_params, stem_channels = _stem_macs_and_params(config, config.image_size)
     patch_embed = config.patch_size**2 * stem_channels * D + D
@@ -107,7 +99,7 @@ def param_count(config: ViTConfig) -> int:
 
 
 def describe(config: ViTConfig, image_size: int | None = None) -> dict[str, float]:
-    """Headline numbers for logs and plans: params (M), forward GMACs and GFLOPs, training GFLOPs per image."""
+    """Headline numbers for logs and plans."""
     image_size = image_size or config.image_size
     return {
         "params_m": param_count(dataclasses.replace(config, image_size=image_size)) / 1e6,

@@ -1,14 +1,8 @@
-"""The BiT ResNet stem of the ViT hybrids (paper §3.1 "Hybrid Architecture"; VT `vit_jax/models_resnet.py`).
+"""The BiT ResNet stem of the ViT hybrids (paper §3.1; VT `vit_jax/models_resnet.py`): `ResNetStem`.
 
-A ResNet *without* pre-activation whose convolutions are weight-standardized (Qiao et al. 2019) and whose norms
-are GroupNorm(32 groups, eps 1e-6), as in BiT. Its feature map is the input of the ViT's 1x1 patch embedding.
-
-Official weights only reproduce official outputs with TensorFlow "SAME" padding: for a stride-2 layer the padding
-is asymmetric (the extra row/column goes at the bottom/right), and the max-pool pads with −inf, not 0. Symmetric
-PyTorch padding shifts every stride-2 feature map by half a pixel.
-
-Parameter names follow the official keys (`conv_root`, `gn_root`, `block{s}.unit{u}.conv{1,2,3}`, `gn{1,2,3}`,
-`conv_proj`, `gn_proj`) so that checkpoint conversion is a rename plus a layout transpose.
+A ResNet without pre-activation, weight-standardized convolutions and GroupNorm(32, eps 1e-6), as in BiT.
+Official weights reproduce official outputs only with TF "SAME" padding: stride-2 layers pad the odd row/column at
+the bottom/right, and the max-pool pads with −inf. Parameter names are the official keys.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from torch import nn
 
 GN_GROUPS = 32
 GN_EPS = 1e-6  # Flax nn.GroupNorm default
-WS_EPS = 1e-5  # VT weight_standardize(eps=1e-5): (w - mean) / (std + eps)
+WS_EPS = 1e-5  # VT's: (w - mean) / (std + eps)
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -41,11 +35,7 @@ def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> t
 
 
 class StdConv2d(nn.Conv2d):
-    """Weight-standardized conv without bias, TF-SAME padded.
-
-    The kernel is standardized over (Cin, kH, kW) per output channel with the population std, as the JAX
-    implementation does over (H, W, Cin) of its HWIO kernel.
-    """
+    """Bias-free, TF-SAME conv whose kernel is standardized per output channel (population std), as in JAX."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0, bias=False)
@@ -79,7 +69,7 @@ class ResidualUnit(nn.Module):
         self.gn2 = group_norm(features)
         self.conv3 = StdConv2d(features, out_channels, 1)
         self.gn3 = group_norm(out_channels)
-        # Zero-init the last GN scale so that every unit starts as the identity on its residual (BiT / VT init).
+        # Zero last GN scale: every unit starts as the identity on its residual (BiT / VT init).
         nn.init.zeros_(self.gn3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +83,7 @@ class ResidualUnit(nn.Module):
 class ResNetStage(nn.Module):
     def __init__(self, in_channels: int, features: int, num_units: int, first_stride: int):
         super().__init__()
-        # Named unit1..unitN like the official keys (a ModuleDict keeps those names in the state dict).
+        # unit1..unitN, the official keys (a ModuleDict keeps the names in the state dict).
         self.units = nn.ModuleDict()
         for u in range(num_units):
             stride = first_stride if u == 0 else 1
@@ -107,12 +97,8 @@ class ResNetStage(nn.Module):
 
 
 class ResNetStem(nn.Module):
-    """Root (StdConv 7x7/2 → GN → ReLU → max-pool 3x3/2 SAME) followed by the bottleneck stages.
-
-    Stage 1 keeps the resolution, every later stage halves it, so the total stride is 4 · 2^(len(stages) − 1):
-    16 for R50 (3, 4, 9), 32 for (3, 4, 6, 3) and R26 (2, 2, 2, 2); `stages=()` is the root alone (stride 4), which
-    the official code also builds. Stage s has `root_width(width_factor) · 2^s` bottleneck features.
-    """
+    """Root (StdConv 7x7/2, GN, ReLU, max-pool 3x3/2), then bottleneck stages, each after the first halving the
+    resolution; `stages=()` is the root alone."""
 
     def __init__(self, stages: tuple[int, ...], width_factor: float = 1, in_chans: int = 3):
         super().__init__()
@@ -137,21 +123,12 @@ class ResNetStem(nn.Module):
 
 
 def root_width(width_factor: float) -> int:
-    """Output channels of `conv_root`: `int(64 * width_factor)`, as VT `models_vit.py` computes it.
-
-    The official width factor may be fractional (0.5 → 32 channels); every stage width derives from this integer,
-    never from the factor itself, so two factors with the same root width build the same network.
-    """
+    """`conv_root`'s channels as VT computes them; every stage width derives from this integer."""
     return int(64 * width_factor)
 
 
 def check_width_factor(width_factor: float, field: str = "width_factor") -> None:
-    """ValueError naming `field` unless the official code builds a stem of this width factor.
-
-    Every GroupNorm has 32 groups, and Flax (like torch) refuses a channel count that 32 does not divide; the
-    stage widths are the root width times powers of two, so the root width decides: 0.5, 1, 1.5, 2, 3 build,
-    0.25 and 0.75 (16 and 48 channels) do not.
-    """
+    """ValueError naming `field` unless 32 GroupNorm groups divide the root width (0.5, 1, 1.5, 2 do)."""
     real = isinstance(width_factor, numbers.Real) and not isinstance(width_factor, bool)
     if not real or not (0 < width_factor < math.inf):
         raise ValueError(
@@ -167,11 +144,11 @@ def check_width_factor(width_factor: float, field: str = "width_factor") -> None
 
 
 def stem_stride(stages: tuple[int, ...]) -> int:
-    """Total downsampling of a ResNetStem with these stage sizes (the root conv and max-pool give 4)."""
+    """Total downsampling of a ResNetStem."""
     return 4 * 2 ** max(len(stages) - 1, 0)
 
 
 def stem_out_channels(stages: tuple[int, ...], width_factor: float = 1) -> int:
-    """Channels of the stem's feature map: the last stage's 4x expansion, or the root's own width without stages."""
+    """Channels of the stem's output."""
     width = root_width(width_factor)
     return 4 * width * 2 ** (len(stages) - 1) if stages else width

@@ -1,14 +1,9 @@
-"""Training tasks: the one module DeepSpeed wraps, `forward(images, labels) -> (loss, metrics)`; and the recipe sections
-``loss`` (`LossConfig`) and ``task`` (`TaskConfig`) with their check.
+"""Training tasks: the module DeepSpeed wraps, `forward(images, labels) -> (loss, metrics)`, and the recipe sections
+``loss`` (`LossConfig`) and ``task`` (`TaskConfig`).
 
-A task owns the model and its loss, so the engine sees a single module and checkpoints hold everything that
-trains. The registry `TASKS` maps ``task.name`` to a `Task`: its builder, the check of its ``task.options``, and the
-model it trains as the cluster planner counts it (`planned_model`). The project's tasks are registered here:
-``classification``, ``mpp`` (masked patch prediction, `pretrain.model.mpp`) and ``classification_mpp`` (both from one
-pass, `ClassificationWithMPP`); ``@register_task(name)`` adds another.
-
-Builders read the run's config through `TaskSettings` (the task and loss sections, the seed), a protocol that
-`pretrain.config.train_config.TrainConfig` satisfies, so this module does not import `pretrain.config.train_config`.
+A task owns the model and its loss, so checkpoints hold all that trains. `TASKS` maps ``task.name`` to a `Task`
+(``classification``, ``mpp``, ``classification_mpp``; ``@register_task`` adds more). Entry points: `build_task`,
+`check_config`, `planned_model`.
 """
 
 from __future__ import annotations
@@ -31,20 +26,20 @@ LossType = Literal["softmax_xent", "sigmoid_xent"]  # loss.type: the keys of LOS
 class LossConfig:
     """Recipe section ``loss``: the classification loss (`LOSSES`)."""
 
-    type: LossType = "sigmoid_xent"  # softmax_xent (+ label smoothing) | sigmoid_xent (summed over classes)
+    type: LossType = "sigmoid_xent"  # softmax_xent | sigmoid_xent (summed over classes)
     label_smoothing: float = 0.0  # softmax_xent only
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Recipe section ``task``: what the model is trained to do; a name in `TASKS` with its own options."""
+    """Recipe section ``task``: a name in `TASKS` and its options."""
 
-    name: str = "classification"  # "classification" | "mpp" (masked patch prediction, §4.6) | "classification_mpp"
-    options: dict[str, Any] = field(default_factory=dict)  # passed to the task builder, which validates them
+    name: str = "classification"  # "classification" | "mpp" | "classification_mpp"
+    options: dict[str, Any] = field(default_factory=dict)  # checked by the task
 
 
 class TaskSettings(Protocol):
-    """What a task reads of the training config (`pretrain.config.train_config.TrainConfig`)."""
+    """What a task reads of `TrainConfig` (a protocol, so this module does not import it)."""
 
     @property
     def task(self) -> TaskConfig: ...
@@ -53,11 +48,11 @@ class TaskSettings(Protocol):
     def loss(self) -> LossConfig: ...
 
     @property
-    def seed(self) -> int: ...  # the run's seed (MPP's evaluation-mode corruption)
+    def seed(self) -> int: ...  # MPP's evaluation corruption
 
 
 def _as_targets(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
-    """Int labels (B,) → one-hot (B, K); soft / multi-hot targets (B, K) (e.g. after mixup) pass through."""
+    """Int labels (B,) → one-hot (B, K); soft or multi-hot (B, K) targets pass through."""
     if labels.ndim == 1:
         return F.one_hot(labels.long(), num_classes).to(dtype)
     if labels.shape[-1] != num_classes:
@@ -75,7 +70,7 @@ def softmax_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: fl
 
 
 def sigmoid_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Binary cross-entropy per class, summed over classes and averaged over the batch (the i21k loss)."""
+    """Per-class binary cross-entropy, summed over classes, mean over the batch (the i21k loss)."""
     if label_smoothing:
         raise ValueError("label smoothing is defined for softmax_xent only; set loss.label_smoothing=0")
     targets = _as_targets(labels, logits.shape[-1], logits.dtype)  # (B, K)
@@ -93,7 +88,7 @@ def _check_loss(loss: str) -> None:
 def _labels_loss(
     logits: torch.Tensor, labels: torch.Tensor, loss: str, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the loss of fp32 logits (B, K) from `LOSSES`, top-1 accuracy against the argmax target)."""
+    """(`LOSSES[loss]` of fp32 logits (B, K), top-1 accuracy against the argmax target)."""
     value = LOSSES[loss](logits, labels, label_smoothing)
     with torch.no_grad():
         target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
@@ -102,7 +97,7 @@ def _labels_loss(
 
 
 class ClassificationTask(nn.Module):
-    """Image classification: logits = model(images); loss from `LOSSES`; top-1 accuracy against the argmax target."""
+    """Image classification: a loss from `LOSSES` on model(images); metric ``accuracy``."""
 
     def __init__(self, model: nn.Module, loss: str = "softmax_xent", label_smoothing: float = 0.0):
         super().__init__()
@@ -112,21 +107,15 @@ class ClassificationTask(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = self.model(images).float()  # (B, K); the loss in fp32 even when the weights are bf16
+        logits = self.model(images).float()  # (B, K); the loss in fp32 even under bf16
         loss, accuracy = _labels_loss(logits, labels, self.loss_name, self.label_smoothing)
         return loss, {"accuracy": accuracy}
 
 
 class ClassificationWithMPP(mpp.MaskedPatchPrediction):
-    """Labels and masked patch prediction from one pass: the images' patches are corrupted as in ``mpp``
-    (`pretrain.model.mpp`), the encoder runs once, the pooled output is classified against the labels and the corrupted
-    patches' outputs predict their colours; loss = classification loss + ``mpp_weight`` × MPP loss.
-
-    Labels alone leave a small model's first layer global on the demo's contours; the colour of a patch hidden in a
-    smooth background is best read from its neighbours, which gives layer 1 local heads at no cost to transfer
-    (docs/demo.md, "Locality"). Metrics: ``accuracy`` (top-1 against the labels, on the corrupted images) and
-    ``mpp_accuracy`` (top-1 colour over the corrupted patches). The model keeps its classifier: the exported weights
-    are the model's alone, without the [mask] embedding and the colour head.
+    """Classification and ``mpp`` from one encoder pass over the corrupted patches; loss = labels' + ``mpp_weight``
+    × MPP's. It gives a small model's first layer local heads (docs/demo.md, "Locality"). Metrics: ``accuracy``
+    (labels), ``mpp_accuracy``. The model keeps its classifier.
     """
 
     def __init__(
@@ -149,7 +138,7 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
     def forward(
         self, images: torch.Tensor, labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if labels is None:  # the signature of the mpp task it extends, whose labels are optional
+        if labels is None:  # optional in the mpp signature this extends
             raise ValueError("task classification_mpp trains on labels: call it with (images, labels)")
         encoded, patch_loss, patch_accuracy = self.corrupted_pass(images)
         logits = self.model.forward_head(self.model.pre_logits(self.model.pool(encoded))).float()  # (B, K)
@@ -157,12 +146,11 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
         return labels_loss + self.mpp_weight * patch_loss, {"accuracy": accuracy, "mpp_accuracy": patch_accuracy}
 
 
-MPP_WEIGHT = "mpp_weight"  # the option of classification_mpp that is not an MPP option
+MPP_WEIGHT = "mpp_weight"  # classification_mpp's non-MPP option
 
 
 def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, float]:
-    """``task.options`` of ``classification_mpp``: MPP's options (`pretrain.model.mpp.MPPConfig`) and ``mpp_weight``
-    (default 1); ValueError naming a bad one."""
+    """``classification_mpp``'s options: (`mpp.MPPConfig`, ``mpp_weight``); ValueError names a bad one."""
     rest = dict(options)
     weight = rest.pop(MPP_WEIGHT, 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
@@ -171,13 +159,13 @@ def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, 
 
 
 def _plan_classification_mpp(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
-    """The model as configured, plus the [mask] embedding (D) and the colour head (D x colours + colours)."""
+    """The model as configured, plus MPP's [mask] embedding and colour head."""
     return vit, mpp.added_parameters(vit.width, classification_mpp_options(options)[0])
 
 
-TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]  # (config, model) -> the module DeepSpeed wraps
-OptionsCheck = Callable[[dict[str, Any]], object]  # parses `task.options`; ValueError naming the bad one
-ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]  # (options, vit) -> see `planned_model`
+TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]
+OptionsCheck = Callable[[dict[str, Any]], object]  # ValueError naming a bad option
+ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]
 
 
 def _as_configured(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
@@ -189,8 +177,8 @@ class Task:
     """A registered task (`register_task`)."""
 
     build: TaskBuilder
-    options: OptionsCheck | None  # run by `check_config` before any worker starts; None: the builder checks them
-    plan: ModelPlan  # (the ViTConfig it trains, the parameters it adds); `_as_configured` unless the task says
+    options: OptionsCheck | None  # run by `check_config` before workers start; None: the builder checks
+    plan: ModelPlan  # see `planned_model`
 
 
 TASKS: dict[str, Task] = {}
@@ -199,12 +187,8 @@ TASKS: dict[str, Task] = {}
 def register_task(
     name: str, options: OptionsCheck | None = None, plan: ModelPlan | None = None
 ) -> Callable[[TaskBuilder], TaskBuilder]:
-    """Decorator adding ``builder(config, model) -> nn.Module`` to `TASKS` under ``name``.
-
-    ``options(task_options_dict)`` parses and checks the task's options, so that `TrainConfig.validate` rejects a
-    bad one before any worker starts; the builder gets them unchecked otherwise. ``plan(options, vit)`` says what the
-    task trains when it changes the model or adds parameters (`planned_model`); without it, the model as configured.
-    """
+    """Decorator adding ``builder(config, model)`` to `TASKS`. ``options`` runs in `TrainConfig.validate`, before
+    workers start; ``plan``: see `planned_model` (default: ``vit``, nothing added)."""
 
     def add(builder: TaskBuilder) -> TaskBuilder:
         if name in TASKS and TASKS[name].build is not builder:
@@ -247,7 +231,7 @@ def _registered(name: str) -> Task:
 
 
 def check_config(loss: LossConfig, task: TaskConfig) -> None:
-    """The loss and task sections (`TrainConfig.validate`); ValueError naming the field and the fix."""
+    """Check the loss and task sections; ValueError naming the field and the fix."""
     if not 0.0 <= loss.label_smoothing < 1.0:
         raise ValueError(f"loss.label_smoothing={loss.label_smoothing} must be in [0, 1)")
     if loss.label_smoothing and loss.type != "softmax_xent":
@@ -263,11 +247,5 @@ def build_task(config: TaskSettings, model: VisionTransformer) -> nn.Module:
 
 
 def planned_model(config: TaskSettings, vit: ViTConfig) -> tuple[ViTConfig, int]:
-    """(the ViTConfig the task of ``config`` trains, the parameters the task adds beyond it): what `build_task` will
-    build from a model of config ``vit``, for the cluster planner's parameter, FLOP and memory counts.
-
-    Classification trains ``vit`` as it is: ``(vit, 0)``. Masked patch prediction trains the encoder without the
-    classifier and its pre-logits and adds a [mask] embedding and a colour head (`pretrain.model.mpp.planned_model`);
-    classification_mpp trains ``vit`` as it is and adds the same two.
-    """
+    """(the ViTConfig the task trains, the parameters it adds) from ``vit``, for the cluster planner."""
     return _registered(config.task.name).plan(dict(config.task.options), vit)

@@ -1,19 +1,13 @@
-"""The Vision Transformer of Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021).
-
-Read top to bottom in paper order: attention → MLP → block → model. The model's `forward` is equations 1-4:
+"""The Vision Transformer of Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021), equations 1-4:
 
     z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos          (1)  embed_patches + encode
     z'_l = MSA(LN(z_{l-1})) + z_{l-1}                        (2)  Block.forward, line 1
     z_l = MLP(LN(z'_l)) + z'_l                               (3)  Block.forward, line 2
     y = LN(z_L^0)                                            (4)  encode (final LN) + pool
 
-It matches the official JAX implementation (google-research/vision_transformer, `models_vit.py`) so that its
-checkpoints reproduce their logits (see `pretrain.weights.formats.load_npz`): pre-LN blocks with LayerNorm eps 1e-6,
-biases on q/k/v/out, GELU with the tanh approximation (Flax's default), a learned class token and learned 1-D
-position embeddings that include the class slot, optional pre-logits Dense+tanh, and a zero-initialized head.
-Images are float (B, 3, H, W) scaled to [-1, 1].
-
-No training code lives here.
+It matches the official JAX model (VT `models_vit.py`, docs/reference.md §1), so official checkpoints reproduce
+their logits. Images are float (B, 3, H, W) in [-1, 1]. Entry points: `build_model`, `VisionTransformer`. No
+training code lives here.
 """
 
 from __future__ import annotations
@@ -30,37 +24,36 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.resnet import ResNetStem, check_width_factor, stem_stride
 
-LN_EPS = 1e-6  # Flax nn.LayerNorm default; torch's 1e-5 changes the logits of official checkpoints
+LN_EPS = 1e-6  # Flax's default; torch's 1e-5 changes official checkpoints' logits
 
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """Everything that defines the architecture; `model.json` next to saved weights is this dataclass."""
+    """The architecture; saved as `model.json` beside weights."""
 
-    image_size: int = 224  # square input side the position embeddings are made for
-    patch_size: int = 16  # 1 for the hybrid (the ResNet stem already downsamples by 16 or 32)
+    image_size: int = 224  # square input side
+    patch_size: int = 16  # 1 for hybrids (the ResNet stem downsamples)
     width: int = 768  # D, "hidden size"
     depth: int = 12  # number of encoder blocks
     num_heads: int = 12
     mlp_dim: int = 3072
-    num_classes: int = 1000  # 0 → no head (forward returns the pre-logits features)
-    pool: str = "token"  # "token" (class token) | "gap" (mean over all tokens after the final LN)
-    representation_size: int | None = None  # pre-logits Dense+tanh (i21k pre-training); None → identity
+    num_classes: int = 1000  # 0: no head (forward returns the features)
+    pool: str = "token"  # "token" (class token) | "gap" (mean of all tokens)
+    representation_size: int | None = None  # pre-logits Dense+tanh width; None: none
     head_bias_init: float = 0.0  # −10 for sigmoid i21k pre-training
     dropout: float = 0.0  # after the position embedding, the attention output and both MLP layers
     attention_dropout: float = 0.0  # on the attention weights
-    gelu_approximate: str = "tanh"  # "tanh" (JAX checkpoints) | "none" (exact erf, as timm / Hugging Face)
-    hybrid_stages: tuple[int, ...] | None = None  # BiT ResNet stages for R50/R26 hybrids; () = root conv only
-    hybrid_width: int | float = 1  # ResNet width factor: the root has int(64 * hybrid_width) channels (0.5 → 32)
-    grad_checkpointing: bool = False  # recompute each block in backward (activation checkpointing)
+    gelu_approximate: str = "tanh"  # "tanh" (JAX checkpoints) | "none" (exact erf, timm / HF)
+    hybrid_stages: tuple[int, ...] | None = None  # hybrid ResNet units per stage; () = root only
+    hybrid_width: int | float = 1  # ResNet width factor: root has int(64 * factor) channels
+    grad_checkpointing: bool = False  # recompute each block in backward
     in_chans: int = 3
 
     def __post_init__(self) -> None:
         if self.hybrid_stages is not None and not isinstance(self.hybrid_stages, tuple):
-            # YAML/JSON give lists; keep the dataclass hashable and comparable.
+            # YAML/JSON give lists; a tuple keeps the dataclass hashable.
             object.__setattr__(self, "hybrid_stages", tuple(int(s) for s in self.hybrid_stages))
-        # The official width factor is any number whose root width int(64 * factor) GroupNorm can split (0.5, 1.5);
-        # a whole factor is kept an int so that model.json and comparisons read as before.
+        # A whole factor stays an int: model.json says 1, not 1.0.
         check_width_factor(self.hybrid_width, "ViTConfig.hybrid_width")
         factor = float(self.hybrid_width)
         object.__setattr__(self, "hybrid_width", int(factor) if factor.is_integer() else factor)
@@ -134,12 +127,11 @@ class ViTConfig:
         return cls(**d)
 
 
-# --------------------------------------------------------------------------------------------- the encoder
+# --- the encoder
 
 
-# CPU bf16 attention: two batched GEMMs and a softmax run faster than torch's fused CPU kernel (flash attention) up to
-# this many tokens, measured forward + backward on 2 Zen 4 cores with AVX512-BF16 (docs/performance.md, "Attention
-# kernel per device and precision"); longer sequences, fp32 and other devices keep SDPA.
+# CPU bf16 attention up to this many tokens beats SDPA as plain GEMMs (docs/performance.md, "Attention kernel
+# per device and precision").
 EXPLICIT_ATTENTION_MAX_TOKENS = 640
 
 
@@ -148,8 +140,7 @@ def use_explicit_attention(q: torch.Tensor) -> bool:
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(hd)) v as GEMMs; (B, h, N, hd) each. The softmax accumulates in fp32 and rounds its output
-    to q's dtype, as a flash kernel does before its second GEMM."""
+    """softmax(q kᵀ / sqrt(hd)) v as two GEMMs on (B, h, N, hd); weights rounded to q's dtype, as flash does."""
     weights = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, h, N, N)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
@@ -157,12 +148,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention (MSA, paper App. A) with the output dropout of eq. 2 folded in.
-
-    q, k and v share one (D, 3D) projection — the official checkpoints' separate kernels are concatenated at load
-    time — and attention runs through SDPA (flash / memory-efficient kernels where available), except in bf16 on a
-    CPU, where `explicit_attention` is faster for ViT sequence lengths.
-    """
+    """Multi-head self-attention with eq. 2's output dropout; q, k, v share one (D, 3D) projection."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -184,8 +170,7 @@ class Attention(nn.Module):
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, N, h * hd)))  # (B, N, D)
 
     def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
-        """(B, N, D) → (B, N, D); with ``queries``, (B, queries, D): the outputs of the first ``queries`` tokens
-        alone, which still attend to all N (the projection runs at every token: q, k and v share one Linear)."""
+        """(B, N, D) → (B, N, D); with ``queries``, the first ``queries`` tokens' outputs (B, queries, D)."""
         q, k, v = self._heads(x)
         if queries is not None:
             q = q[:, :, :queries].contiguous()  # (B, h, queries, hd)
@@ -197,7 +182,7 @@ class Attention(nn.Module):
         return self._merge(y)
 
     def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same as `forward` (eval mode), also returning the softmax weights (B, h, N, N) for inspection."""
+        """`forward` in eval mode, plus the softmax weights (B, h, N, N)."""
         q, k, v = self._heads(x)
         weights = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim), dim=-1)  # (B, h, N, N)
         return self._merge(weights @ v), weights
@@ -209,10 +194,8 @@ _GELU_B = _GELU_A * 0.044715
 
 
 def gelu_tanh_as_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """tanh-GELU written as x · sigmoid(2u), computed in fp32 and rounded once to x's dtype: the function of
-    ``F.gelu(x, approximate="tanh")``, and more accurate below x = -3, where 1 + tanh(u) cancels. Compiled blocks
-    (`VisionTransformer.compile_blocks`) run it: a fused tanh is as slow as torch's own kernel on a CPU, a fused
-    sigmoid is not (docs/performance.md, "Compiled blocks")."""
+    """``F.gelu(x, approximate="tanh")`` as x · sigmoid(2u) in fp32, for compiled blocks: a fused tanh is slow on a
+    CPU (docs/performance.md, "Compiled blocks"). More accurate below x = -3."""
     xf = x.float()
     return (xf * torch.sigmoid(xf * (_GELU_A + _GELU_B * xf * xf))).to(x.dtype)
 
@@ -230,7 +213,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) → (B, N, D)
         h = self.fc1(x)
         if self.act.approximate == "tanh" and torch.compiler.is_compiling():
-            h = gelu_tanh_as_sigmoid(h)  # eager runs keep torch's kernel, and its numerics
+            h = gelu_tanh_as_sigmoid(h)  # eager keeps torch's kernel and numerics
         else:
             h = self.act(h)
         return self.dropout(self.fc2(self.dropout(h)))
@@ -247,7 +230,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
-        """(B, N, D) → (B, N, D); with ``queries``, (B, queries, D): the first ``queries`` tokens' outputs alone."""
+        """(B, N, D) → (B, N, D); with ``queries``, (B, queries, D): the first ``queries`` tokens' outputs."""
         if queries is None:
             x = x + self.attn(self.norm1(x))  # eq. 2
         else:
@@ -263,7 +246,7 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """x_p E of eq. 1: a conv with kernel = stride = patch size, on the pixels or on the hybrid's ResNet features."""
+    """x_p E of eq. 1: a conv with kernel = stride = patch size, on pixels or the hybrid's features."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -279,15 +262,12 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
-# --------------------------------------------------------------------------------------------- the model
+# --- the model
 
 
 class VisionTransformer(nn.Module):
-    """ViT (and R+ViT hybrid) with the timm-like API: `forward_features`, `reset_classifier`, `no_weight_decay`,
-    `set_grad_checkpointing`; plus `embed_patches` / `encode` for masked patch prediction and `forward_attention`
-    for inspection. The input side must equal `config.image_size` (resize position embeddings at load time with
-    `pretrain.weights.formats.load_pretrained(..., image_size=N)` to run at another resolution).
-    """
+    """ViT and R+ViT hybrid with a timm-like API. Inputs must be `config.image_size` square; for another size,
+    load with `pretrain.weights.formats.load_pretrained(..., image_size=N)`."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -302,10 +282,10 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(D, eps=LN_EPS)
         self.grad_checkpointing = config.grad_checkpointing
         self._build_head(config.num_classes, config.representation_size, config.head_bias_init)
-        if not self.pos_embed.is_meta:  # a meta model is built to be loaded into: no values to initialize
-            self._init_weights()  # (and torch's meta `normal_` imports torch._dynamo, 1.5 s)
+        if not self.pos_embed.is_meta:  # to be loaded into; meta `normal_` would import torch._dynamo
+            self._init_weights()
 
-    # -------------------------------------------------------------- construction
+    # --- construction
 
     def _build_head(self, num_classes: int, representation_size: int | None, head_bias_init: float) -> None:
         D = self.config.width
@@ -321,7 +301,7 @@ class VisionTransformer(nn.Module):
     def _build_classifier(self, num_classes: int, num_features: int, head_bias_init: float) -> None:
         self.head: nn.Module = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
         if isinstance(self.head, nn.Linear):
-            # Zero kernel: fine-tuning starts from the pre-trained features' predictions, not from noise.
+            # Zero kernel: fine-tuning starts from the features' predictions, not from noise.
             nn.init.zeros_(self.head.weight)
             nn.init.constant_(self.head.bias, head_bias_init)
 
@@ -346,23 +326,19 @@ class VisionTransformer(nn.Module):
                 if isinstance(m, nn.Conv2d):
                     _lecun_normal_(m.weight)
 
-    # -------------------------------------------------------------- eq. 1-4
+    # --- eq. 1-4
 
     def embed_patches(self, images: torch.Tensor) -> torch.Tensor:
-        """Patch projection only (eq. 1 without class token and position embedding). (B, C, H, W) → (B, N, D)."""
+        """Eq. 1 without class token and position embedding: (B, C, H, W) → (B, N, D)."""
         self._check_images(images)
         return self.patch_embed(images)
 
     def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:
-        """Prepend the class token, add position embeddings, run the blocks and the final LN.
-
-        (B, N, D) → (B, N+1, D) for `pool="token"` ((B, N, D) for "gap", which has no class token).
-        """
+        """Class token, position embeddings, blocks, final LN: (B, N, D) → (B, N+1, D) ((B, N, D) for "gap")."""
         return self.norm(self._run_blocks(self._embed_tokens(patch_tokens)))  # eq. 4 LN, applied to every token
 
     def _run_blocks(self, x: torch.Tensor, last_queries: int | None = None) -> torch.Tensor:
-        """The encoder blocks over (B, T, D); ``last_queries``: the last block computes only the outputs of the first
-        ``last_queries`` tokens, (B, last_queries, D)."""
+        """The blocks over (B, T, D); the last outputs only the first ``last_queries`` tokens, if given."""
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             queries = last_queries if i == last else None
@@ -380,13 +356,9 @@ class VisionTransformer(nn.Module):
         return tokens[:, 0] if self.config.pool == "token" else tokens.mean(dim=1)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The pre-logits representation (B, D'): pooled final-LN output, through Dense+tanh if configured.
-
-        With a class token, only its final output is pooled, so the last block computes that token's output alone
-        (its keys and values still come from every token): the other tokens' attention outputs and MLPs there would
-        be thrown away. The same function as pooling `forward_tokens`, ~80% of one block less work (6.3% of a
-        ViT-S/16 training step's FLOPs); docs/performance.md, "The last block computes the class token alone".
-        """
+        """The pre-logits features (B, D'). With a class token the last block computes that token alone: the same
+        function as pooling `forward_tokens`, cheaper (docs/performance.md, "The last block computes the class token
+        alone")."""
         if self.cls_token is None:
             return self.pre_logits(self.pool(self.forward_tokens(images)))
         x = self._run_blocks(self._embed_tokens(self.embed_patches(images)), last_queries=1)  # (B, 1, D)
@@ -440,7 +412,7 @@ class VisionTransformer(nn.Module):
                 "(which interpolates the position embeddings)"
             )
 
-    # -------------------------------------------------------------- timm-like API
+    # --- timm-like API
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -453,12 +425,8 @@ class VisionTransformer(nn.Module):
     def reset_classifier(
         self, num_classes: int, representation_size: int | None = None, head_bias_init: float = 0.0
     ) -> None:
-        """Replace the head with a zero-initialized one (fine-tuning, paper App. B.1.1).
-
-        `representation_size=None` drops the pre-logits layer too (the paper's protocol); passing the current
-        pre-logits size keeps its trained weights (VT's "keep pre-logits, reset the last layer" variant); another
-        size builds a fresh one. `config` is updated so that saved weights describe the new head.
-        """
+        """Replace the head with a zero-initialized one (paper App. B.1.1); `config` follows. `representation_size`:
+        None drops pre-logits, the current size keeps them trained, another size builds them fresh."""
         device = self.pos_embed.device
         keep_pre_logits = bool(representation_size) and representation_size == self.config.representation_size
         self.config = dataclasses.replace(
@@ -472,23 +440,16 @@ class VisionTransformer(nn.Module):
         self.head.to(device)
 
     def no_weight_decay(self) -> set[str]:
-        """Names of parameters excluded from weight decay: everything but kernels (biases, norms, cls, pos)."""
+        """Parameters excluded from weight decay: all but kernels."""
         return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in ("cls_token", "pos_embed")}
 
     def compile_blocks(self, compile_threads: int | None = None) -> None:
-        """torch.compile each encoder block's ``forward`` in place (one compiled graph serves all blocks, which share
-        their code; parameter names and checkpoints are unchanged). Inductor fuses each block's element-wise work
-        (bias, GELU, dropout, residual, LayerNorm, casts) around the GEMMs; on a CPU it needs a C++ compiler. Training
-        option ``model.compile`` (docs/performance.md, "Compiled blocks").
+        """torch.compile each block's ``forward`` in place; names and checkpoints are unchanged (docs/performance.md,
+        "Compiled blocks"). The ``forward``, not `nn.Module.compile`, so hooks on a block (ZeRO-3's gathering) run
+        eagerly around the compiled code instead of recompiling per layer.
 
-        The ``forward``, not the module's call (`nn.Module.compile`): hooks registered on a block run eagerly around
-        its compiled code, never traced into it. ZeRO-3 gathers a block's parameters in such hooks; traced, they
-        recompiled per layer. Hooks on a block's children still run inside it (at ZeRO-3 the trainer marks the blocks
-        leaf modules, so that DeepSpeed puts none there).
-
-        ``compile_threads``: how many workers Inductor builds its kernels with, for the whole process (None: its own
-        default, a pool of one process per core of the machine). ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins.
-        The kernels are the same either way."""
+        ``compile_threads``: Inductor's kernel-build workers, process-wide (None: one per core), unless
+        ``TORCHINDUCTOR_COMPILE_THREADS`` is set. The kernels are the same either way."""
         if compile_threads is not None and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
             import torch._inductor.config as inductor_config
 
@@ -504,12 +465,12 @@ class VisionTransformer(nn.Module):
 def _lecun_normal_(w: torch.Tensor) -> None:
     """Flax's default kernel init: truncated normal (±2σ) with variance 1/fan_in."""
     fan_in = w[0].numel()
-    # 0.8796 is the std of a unit normal truncated to ±2; divide so the truncated draw has variance 1/fan_in.
+    # 0.8796: the std of a unit normal truncated to ±2.
     std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
     nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
 
 
-# --------------------------------------------------------------------------------------------- variants
+# --- variants
 
 # Paper Table 1 (+ VT configs): width D, depth (layers), MLP size, heads.
 SIZES: dict[str, dict[str, int]] = {
@@ -541,7 +502,7 @@ MODEL_NAMES: tuple[str, ...] = tuple(VARIANTS)
 
 
 def model_config(name: str, **overrides) -> ViTConfig:
-    """The ViTConfig of a registered variant, with any field overridden (e.g. image_size=384, num_classes=10)."""
+    """The ViTConfig of a registered variant, with fields overridden (e.g. image_size=384)."""
     if name not in VARIANTS:
         raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(MODEL_NAMES)}")
     size, patch, stages, image_size = VARIANTS[name]

@@ -1,17 +1,8 @@
 """Where one attempt's seconds went, as training rank 0 saw them: the worker's half of the goodput ledger.
 
-An attempt is one start of `pretrain.train.train_worker` (a Ray Train worker group's life, or one standalone run).
-Its `AttemptClock` books every second since ``train_worker`` began into one of four of the ledger's buckets
-(`tracking.keys.GOODPUT_BUCKETS`): ``startup`` (config, process group, data, engine build and compile, resume load
-and conversion, tracking, a resolution switch's rebuild), ``productive`` (optimizer steps: forward, backward,
-update, logging), ``data_wait`` (the step waiting for its batches) and ``checkpoint`` (saves, the step-0 one
-included). Rank 0 writes them to ``<run>/goodput/attempt_<n>.json`` (atomically, at every log window and after
-every save, and once more when the loop ends), with the cumulative step seconds at each checkpoint it saved (what a
-later attempt that resumes from it did not lose), and appends one line per log window to
-``attempt_<n>.windows.jsonl`` (its time span, steps and productive seconds: what the eval-interference estimate
-compares). The cluster driver turns the attempts, its own timestamps and the evals into the job's ledger
-(`cluster.driver.ledger`, docs/goodput.md). Timing only: perf_counter and time.time, no device sync, nothing that
-changes what is trained.
+`AttemptClock` books each second of one `train_worker` start into ``startup``, ``productive``, ``data_wait`` or
+``checkpoint``; rank 0 writes ``<run>/goodput/attempt_<n>.json`` and ``attempt_<n>.windows.jsonl``, which
+`read_attempts` reads back (docs/goodput.md, "How the ledger is built"). Timing only, no device sync.
 """
 
 from __future__ import annotations
@@ -36,25 +27,22 @@ def windows_path(record: Path) -> Path:
 
 
 class AttemptClock:
-    """One attempt's stopwatch (module docstring). Every rank keeps one (each step's time feeds the step-time tails);
-    only the clock `open`ed with a path writes. `lap(bucket)` books the time since the previous lap into ``bucket``;
-    `step_done` and `after_step` split a training step's time into productive, data wait and checkpoint."""
+    """One attempt's stopwatch. Every rank keeps one for its step times; only one `open`ed with a path writes."""
 
     def __init__(self) -> None:
-        self.started = time.time()  # train_worker's entry, Unix time (the driver's timeline is in Unix time)
+        self.started = time.time()  # Unix time, as the driver's timeline
         self._mark = time.perf_counter()
         self.seconds = dict.fromkeys(WORKER_BUCKETS, 0.0)
         self.path: Path | None = None
         self.info: dict[str, Any] = {}
-        self.checkpoints: list[list[float]] = []  # [step, productive_s, data_wait_s] at each save of this attempt
+        self.checkpoints: list[list[float]] = []  # [step, productive_s, data_wait_s] per save
         self.step = 0
-        self._saved_s = 0.0  # the Checkpointer's save seconds already booked
+        self._saved_s = 0.0  # Checkpointer save seconds already booked
         self._window: dict[str, float] = {}
         self._warned = False
 
     def open(self, path: Path | None, **info: Any) -> None:
-        """Start writing to ``path`` (rank 0; None: never write). ``info``: attempt, world_size, start_step,
-        last_step, pid, written into the record as given."""
+        """Start writing to ``path`` (None: never); ``info`` goes into the record."""
         self.path, self.info = path, info
         self.step = int(info.get("start_step", 0))
         if path is not None:
@@ -62,15 +50,14 @@ class AttemptClock:
         self._new_window()
 
     def lap(self, bucket: str) -> float:
-        """Book the seconds since the previous lap into ``bucket``; returns them."""
+        """Book and return the seconds since the previous lap."""
         now = time.perf_counter()
         seconds, self._mark = now - self._mark, now
         self.seconds[bucket] += seconds
         return seconds
 
     def step_done(self, step: int, data_s: float) -> float:
-        """Optimizer step ``step`` just returned, having waited ``data_s`` for batches: its wall seconds since the
-        previous step's bookkeeping ended (what the step-time tails see; saves are never in it)."""
+        """Step ``step`` returned after waiting ``data_s``; returns its wall seconds (never a save)."""
         seconds = self.lap("productive")
         wait = min(max(data_s, 0.0), seconds)
         self.seconds["productive"] -= wait
@@ -81,9 +68,7 @@ class AttemptClock:
         return seconds
 
     def after_step(self, saved_s: float, logged: bool) -> None:
-        """After the step's logging and its save, if any: ``saved_s`` is the Checkpointer's cumulative save time
-        (a save since the last call is booked as checkpoint, the rest as the step's own). ``logged``: a log window
-        ended at this step (the record is rewritten and the window appended)."""
+        """After the step's logging and save; ``saved_s``: cumulative save time; ``logged``: a window ended."""
         seconds = self.lap("productive")
         save = min(max(saved_s - self._saved_s, 0.0), seconds)
         self._saved_s = saved_s
@@ -98,7 +83,7 @@ class AttemptClock:
             self.write()
 
     def saved_before_loop(self, saved_s: float) -> None:
-        """The step-0 save (`Checkpointer.save_baseline`) is done: its time is checkpoint, the rest start-up."""
+        """The step-0 save is done: its time is checkpoint, the rest start-up."""
         self.lap("startup")
         self.seconds["startup"] -= saved_s
         self.seconds["checkpoint"] += saved_s
@@ -109,8 +94,7 @@ class AttemptClock:
         self.write()
 
     def close(self, outcome: str) -> None:
-        """The loop ended (``outcome``: finished, stopped or failed): the remainder is booked and written with the
-        end time."""
+        """The loop ended (``outcome``: finished, stopped or failed)."""
         self.lap("productive")  # the loop's exit; after a failure, the part of a step it interrupted
         if self._window.get("steps"):
             self._append_window()
@@ -128,8 +112,7 @@ class AttemptClock:
         }
 
     def write(self, **extra: Any) -> None:
-        """Atomically replace the record (a reader never sees half of one); a write error warns once, never raises:
-        the ledger is bookkeeping, training goes on."""
+        """Atomically replace the record. A write error warns once and never raises: training goes on."""
         if self.path is None:
             return
         try:
@@ -157,8 +140,7 @@ class AttemptClock:
 
 
 def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every attempt record of the run, oldest first, each with its log windows under ``windows`` (a record being
-    replaced or a line cut short by a crash is skipped)."""
+    """The run's attempt records, oldest first, with ``windows``; unreadable records and lines are skipped."""
     records = []
     for path in (Path(run_dir) / GOODPUT_DIR).glob("attempt_*.json"):
         try:

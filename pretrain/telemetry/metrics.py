@@ -1,11 +1,7 @@
-"""The one metrics interface of the training loop: rank-aware, console progress bar + MLflow.
+"""The training loop's metrics, `TrainMetrics`: every rank calls `step` each optimizer step; rank 0 prints and logs.
 
-Every rank calls `TrainMetrics.step(...)` each optimizer step; only rank 0 prints and logs. Every `log_every`
-steps it reports the `train/` metrics named and explained in `tracking.keys` (loss = mean over ranks, lr, grad
-norm, throughput, TFLOP/s and MFU, data wait, memory, cumulative images and exaFLOPs) and the window's p50/p90/p99
-of step time and data wait.
-A non-finite loss raises `NonFiniteLossError` on every rank (the loss is already all-reduced, so all agree).
-Each step's values reach the MLflow run once: steps redone after a restart from a checkpoint are not logged again.
+Every `log_every` steps it logs the `train/` metrics of `tracking.keys`. A non-finite loss raises
+`NonFiniteLossError` on every rank (the loss is all-reduced, so all agree).
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from tracking.tracker import Tracker
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or inf; the message names the step and what to try."""
+    """The training loss is NaN or inf; the message names the step and what to try."""
 
 
 def memory_gb(device: torch.device) -> float:
@@ -34,7 +30,7 @@ def memory_gb(device: torch.device) -> float:
 
 
 def percentile(values: list[float], p: float) -> float:
-    """The ``p``-th percentile of ``values`` (linear between the closest ranks, numpy's default)."""
+    """The ``p``-th percentile, interpolated as numpy's default."""
     ordered = sorted(values)
     rank = (len(ordered) - 1) * p / 100
     low = math.floor(rank)
@@ -43,8 +39,8 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def tail_metrics(step_s: list[float], data_s: list[float]) -> dict[str, float]:
-    """p50/p90/p99 of a window's step times and data waits (`tracking.keys.TAIL_PERCENTILES`): a loader that stalls
-    one step in fifty moves p99, not the mean's 2%."""
+    """Percentiles of a window's step times and data waits: a loader stalling one step in fifty moves p99, not
+    the mean."""
     if not step_s:
         return {}
     out = {keys.step_time_percentile(p): percentile(step_s, p) for p in keys.TAIL_PERCENTILES}
@@ -57,7 +53,7 @@ class TrainMetrics:
     rank: int
     world_size: int
     total_steps: int
-    flops_per_image: int  # training FLOPs per image (forward + backward)
+    flops_per_image: int  # training FLOPs per image
     peak_tflops: float  # per device, at the run's precision (`pretrain.telemetry.peak`)
     device: torch.device
     log_every: int = 10
@@ -66,14 +62,14 @@ class TrainMetrics:
     start_step: int = 0
     images_seen: int = 0
     _window: dict[str, float] = field(default_factory=dict)
-    _step_s: list[float] = field(default_factory=list)  # this window's step times and data waits (the tails)
+    _step_s: list[float] = field(default_factory=list)  # this window's step times; _data_s: data waits
     _data_s: list[float] = field(default_factory=list)
     _bar: Any = None
 
     def __post_init__(self) -> None:
         self._reset_window()
         if self.tracker is not None:
-            # A restarted worker group redoes the steps after its checkpoint: keep the first value of each step.
+            # A restarted group redoes steps after its checkpoint: keep each step's first value.
             self.tracker.log_once_per_step(keys.TRAIN_PREFIX)
         if self.rank == 0 and self.progress_bar:
             from tqdm import tqdm
@@ -97,13 +93,8 @@ class TrainMetrics:
         data_s: float,
         step_s: float | None = None,
     ) -> dict:
-        """Record optimizer step ``step`` (1-based count of steps done); returns the metrics logged, if any.
-
-        ``images`` is the number of images all ranks consumed in this step, ``data_s`` this rank's time spent
-        waiting for batches, ``step_s`` the step's wall seconds, saves excluded
-        (`pretrain.telemetry.attempt_clock.AttemptClock`; None: the time since the previous call). The window's
-        p50/p90/p99 of both are logged with the rest.
-        """
+        """Record step ``step`` (1-based); returns the metrics logged, if any. ``images`` counts all ranks;
+        ``step_s`` excludes saves (None: the time since the previous call)."""
         now = time.perf_counter()
         self._step_s.append(now - self._window["last"] if step_s is None else step_s)
         self._data_s.append(data_s)
@@ -157,6 +148,6 @@ class TrainMetrics:
             print(f"step {step}/{self.total_steps} {text}", flush=True)
 
     def close(self) -> None:
-        """Close the progress bar. The tracker belongs to the caller, whose ``close`` bounds the final send."""
+        """Close the progress bar; the tracker is the caller's to close."""
         if self._bar is not None:
             self._bar.close()

@@ -1,16 +1,8 @@
-"""The MFU denominator: the dense peak TFLOP/s of one device at the precision a run computes in.
+"""The MFU denominator, `device_peak`: one device's dense peak TFLOP/s at the run's precision.
 
-- Declared (``logging.peak_tflops``; the cluster profiles declare their GPUs' peak for the plan's precision): used as
-  given.
-- CUDA: the datasheet's dense peak by device name (`GPU_PEAK_TFLOPS`): bf16 tensor cores for bf16; for fp32 the TF32
-  tensor cores when ``torch.backends.cuda.matmul.allow_tf32`` is on, the fp32 units otherwise (torch's default).
-- CPU: a square GEMM at that precision, measured on this machine at this process's thread count: the most a step's
-  GEMMs can get here (the "GEMM rate" of ``make bench-train``). It is measured once per CPU model, bf16 units, torch
-  version, thread count and precision, and cached (``~/.cache/vitscale/gemm_peak.json``, or ``$VITSCALE_CACHE``), so
-  the plan and every run on the machine divide by the same number.
-
-A run logs the peak it used and where it came from as tags (`tracking.keys.PEAK_TFLOPS`, ``PEAK_SOURCE``), so its MFU
-can be recomputed against another peak.
+A declared ``logging.peak_tflops`` wins. CUDA: the datasheet peak (fp32 as TF32 only when torch allows TF32). CPU:
+a square GEMM at this process's thread count, measured once per CPU, torch version, threads and precision and cached
+in ``~/.cache/vitscale/gemm_peak.json`` (``$VITSCALE_CACHE``), so the plan and every run divide by the same number.
 """
 
 from __future__ import annotations
@@ -23,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.stream.loader_rate import cpu_model, write_atomically  # one CPU name, one writer: per-machine caches
+from data_pipeline.stream.loader_rate import cpu_model, write_atomically  # shared per-machine cache helpers
 from pretrain.config.precision import cpu_bf16_units
 
-# Dense (not 2:4 sparse) TFLOP/s per GPU by name fragment, from NVIDIA's datasheets (SXM parts where there are two).
+# Dense (not 2:4 sparse) TFLOP/s by GPU name fragment, NVIDIA datasheets (SXM where there are two).
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9},
     "H100": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9},
@@ -34,7 +26,7 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A10G": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
 }
-GEMM_SIZE = 2048  # side of the measured square GEMM (bf16 without native units: 512, it is emulated and slow)
+GEMM_SIZE = 2048  # measured GEMM side (emulated bf16: 512, it is slow)
 MEASURE_SECONDS = 0.5  # per layout, after a warm-up
 
 
@@ -49,8 +41,7 @@ def cache_path() -> Path:
 
 
 def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
-    """The datasheet peak of the GPU whose name contains a known fragment ("NVIDIA H100 80GB HBM3", "A100-SXM4-80GB");
-    None for an unknown GPU."""
+    """The datasheet peak of a GPU whose name contains a known fragment; None for an unknown GPU."""
     kind = "bf16" if precision == "bf16" else ("tf32" if tf32 else "fp32")
     for fragment, peaks in GPU_PEAK_TFLOPS.items():
         if fragment in name:
@@ -61,12 +52,10 @@ def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
 def gemm_tflops(
     precision: str, size: int, device: torch.device | str = "cpu", seconds: float = 0.0, repeats: int = 3
 ) -> dict[str, float]:
-    """TFLOP/s of a square ``size`` matmul at ``precision`` ("fp32" | "bf16"), the best of ``repeats`` (and of at
-    least ``seconds`` of calls), for both operand layouts: a @ b ("nn") and a @ bᵀ ("nt", how ``F.linear`` multiplies
-    by its weight). Without native bf16 the emulated kernel's speed depends on the layout (AVX2: nt ~5 GFLOP/s, nn
-    ~0.5), so a peak is the faster of the two."""
+    """Best TFLOP/s of a square matmul per layout, "nn" (a @ b) and "nt" (a @ bᵀ, as ``F.linear``): emulated
+    bf16's speed depends on it."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    g = torch.Generator().manual_seed(0)  # a private generator: measuring must not shift the training RNG
+    g = torch.Generator().manual_seed(0)  # private: must not shift the training RNG
     a = torch.randn(size, size, generator=g).to(device, dtype)
     b = torch.randn(size, size, generator=g).to(device, dtype)
     cuda = torch.device(device).type == "cuda"
@@ -87,8 +76,7 @@ def gemm_tflops(
 
 
 def cpu_peak(precision: str, threads: int | None = None) -> Peak:
-    """This CPU's GEMM rate at ``precision`` with ``threads`` torch threads (default: this process's), measured on
-    first use and cached (module docstring)."""
+    """This CPU's cached GEMM rate at ``precision`` with ``threads`` torch threads (default: this process's)."""
     threads = threads or torch.get_num_threads()
     units = cpu_bf16_units()
     size = GEMM_SIZE if precision == "fp32" or units else 512
@@ -114,7 +102,7 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
 
 
 def device_peak(declared: float | None, device: torch.device, precision: str) -> Peak:
-    """The peak a run on ``device`` computing in ``precision`` divides by (module docstring)."""
+    """The peak a run on ``device`` in ``precision`` divides by."""
     if declared:
         return Peak(declared, "logging.peak_tflops (declared)")
     if device.type == "cuda":

@@ -1,10 +1,7 @@
-"""What a rank trained on and what it got: the per-step losses always, and on request the batch digests and sample keys.
+"""What a rank trained on and what it got: `Recorder` keeps per-step losses, and on request digests and sample keys.
 
-`Recorder` is opt-in beyond the losses: ``logging.record_batch_digests`` hashes every micro-batch's pixels and labels
-(a step's digest equals another run's only if they read the same bytes in the same order), and
-``logging.record_sample_keys`` lists each step's sample keys, also appended to ``<run>/sample_keys/rank<r>.jsonl``
-per attempt so that a run killed mid-way (a lost node) keeps what it trained on. The trainer hands it each
-micro-batch (`batch`) and each finished step (`end_step`); `summary` returns the typed `TrainSummary`.
+Digests hash each micro-batch's pixels and labels: two runs' step digests match only for the same bytes in the same
+order. Sample keys are also appended to ``<run>/sample_keys/rank<r>.jsonl``.
 """
 
 from __future__ import annotations
@@ -23,17 +20,17 @@ from pretrain.checkpoint.run_folder import SAMPLE_KEYS_DIR
 
 @dataclass
 class TrainSummary:
-    """What `pretrain.train.train_worker` returns on every rank (and ``--summary`` writes as JSON)."""
+    """What `pretrain.train.train_worker` returns on every rank (``--summary`` writes it as JSON)."""
 
     rank: int
     world_size: int
-    start: str  # where training started: "run" | "resume_from" | "init_from" | "scratch"
+    start: str  # "run" | "resume_from" | "init_from" | "scratch"
     start_step: int
-    steps: int  # the step it ended at
+    steps: int  # the last step
     images_seen: int
-    checkpoints: list[str] = field(default_factory=list)  # the COMPLETE checkpoints this attempt saved, in order
+    checkpoints: list[str] = field(default_factory=list)  # COMPLETE checkpoints this attempt saved
     losses: list[list[float]] = field(default_factory=list)  # [step, loss averaged over ranks]
-    digests: list[list[Any]] = field(default_factory=list)  # [step, sha256 hex] with logging.record_batch_digests
+    digests: list[list[Any]] = field(default_factory=list)  # [step, sha256 hex]: record_batch_digests
     sample_keys: list[dict[str, Any]] = field(default_factory=list)  # {step, epoch, keys}: record_sample_keys
 
     @property
@@ -45,7 +42,7 @@ class TrainSummary:
 
 
 class Recorder:
-    """Per-rank record of one attempt (module docstring)."""
+    """One rank's record of one attempt."""
 
     def __init__(self, digests: bool, sample_keys: bool, keys_log: Path | None = None, where: dict | None = None):
         self.want_digests, self.want_keys = digests, sample_keys
@@ -54,7 +51,7 @@ class Recorder:
         self.sample_keys: list[dict[str, Any]] = []
         self._digest = hashlib.sha256()
         self._keys: list[str] = []
-        self._where = where or {}  # attempt, rank, world size: written beside each step's keys
+        self._where = where or {}  # attempt, rank, world size: beside each step's keys
         self._log: TextIO | None = None
         if sample_keys and keys_log is not None:
             keys_log.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +59,7 @@ class Recorder:
 
     @classmethod
     def for_run(cls, run_dir: Path, logging, rank: int, world_size: int, attempt: int) -> Recorder:
-        """The recorder ``logging`` (a `LoggingConfig`) asks for; its keys log is ``<run_dir>/sample_keys/``."""
+        """The recorder ``logging`` (a `LoggingConfig`) asks for."""
         log = run_dir / SAMPLE_KEYS_DIR / f"rank{rank}.jsonl"
         where = {"attempt": attempt, "rank": rank, "world_size": world_size}
         return cls(logging.record_batch_digests, logging.record_sample_keys, log, where)
@@ -79,7 +76,7 @@ class Recorder:
             self._keys.extend(keys)
 
     def end_step(self, step: int, loss: float, epoch: int) -> None:
-        """Step ``step`` (1-based count) is done; ``epoch`` is the stream's epoch of its batches."""
+        """Step ``step`` (1-based) is done; ``epoch``: the stream's epoch of its batches."""
         self.losses.append([step, loss])
         if self.want_digests:
             self.digests.append([step, self._digest.hexdigest()])
@@ -89,7 +86,7 @@ class Recorder:
             self.sample_keys.append(entry)
             if self._log is not None:
                 self._log.write(json.dumps({**entry, **self._where}) + "\n")
-                self._log.flush()  # an attempt killed mid-run (a lost node) keeps what it trained on
+                self._log.flush()  # a killed attempt keeps what it trained on
             self._keys = []
 
     def close(self) -> None:

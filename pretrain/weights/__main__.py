@@ -3,11 +3,8 @@
     python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
     python -m pretrain.weights info PATH [--image-size N]                 # inferred config, params, GMACs
     python -m pretrain.weights export SOURCE OUT [--format hf|npz] [--image-size N] [--mlflow-run ID]
-        # → a transformers folder (config.json + model.safetensors) or the official .npz; --mlflow-run also logs the
-        # HF folder as an MLflow model of that run (tracking.models)
 
-On bad input (a missing, damaged or foreign file, a folder without weights, a model the format cannot hold) each
-exits with status 2 and one line naming the file and the fix.
+Bad input exits 2 with one line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -74,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> VisionTransformer:
-    """The export command: resolve SOURCE, load, write OUT, and log it to MLflow when asked."""
+    """Resolve SOURCE, load, write OUT, log it to MLflow if asked."""
     source = weights_source.resolve(args.source)
     model = load_model(source, image_size=args.image_size)
     written = export(model, args.out, args.format, labels=class_names(source, model.config.num_classes))
@@ -105,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             model = _export(args)
         else:
             model = load_model(args.source, image_size=args.image_size)
-    # Bad input (a wrong, damaged or missing file; a folder without weights; a model the format cannot hold; an
-    # unwritable output; an MLflow run that is not there): the loaders and writers raise these with a message naming
-    # the file and the fix. Anything else is a bug and keeps its traceback.
+    # Bad input, named by the loaders and writers; anything else is a bug and keeps its traceback.
     except (ValueError, OSError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

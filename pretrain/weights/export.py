@@ -1,22 +1,14 @@
 """Weights out to the tools labs already run: a Hugging Face `transformers` folder and the official JAX `.npz`.
 
-    python -m pretrain.weights export SOURCE OUT --format hf|npz [--image-size N] [--mlflow-run ID]
+Entry point `export(model, out, fmt)`, CLI `python -m pretrain.weights export`; HF folders are read back here.
 
-(the CLI is `pretrain.weights.formats`'s). SOURCE is a training checkpoint, a run folder (its newest COMPLETE
-checkpoint), a folder written by `save_pretrained`, `convert` or an earlier HF export, or an official `.npz`.
+- ``hf``: ``config.json``, ``model.safetensors`` (Hub key layout, loaded by transformers 4 and 5) and
+  ``preprocessor_config.json``; `ViTForImageClassification.from_pretrained(OUT)` gives our logits. Pre-logits,
+  ``gap`` and hybrid models are refused.
+- ``npz``: the official layout (docs/reference.md §2). It holds every vitscale ViT but exact-erf GELU, which
+  the file cannot express.
 
-- ``hf``: ``config.json`` + ``model.safetensors`` (the Hub key layout, which transformers 4 and 5 both load) +
-  ``preprocessor_config.json`` (resize to the model's side, pixels to [-1, 1]: what vitscale feeds the model).
-  `transformers.ViTForImageClassification.from_pretrained(OUT)` gives our logits; a model without a head is a
-  ViTModel (``last_hidden_state[:, 0]`` = our features). HF's ViT has no pre-logits layer, no average pooling and no
-  ResNet stem: those models are refused with the reason (`pretrain.weights.hf`).
-- ``npz``: the google-research/vision_transformer layout (HWIO kernels, (D, heads, head_dim) attention kernels,
-  ``Transformer/encoderblock_{i}/LayerNorm_0 … MlpBlock_3``, the class slot inside the position embeddings), which
-  the official code, big_vision's loader and `pretrain.weights.formats.load_npz` read. It holds every vitscale ViT
-  (pre-logits, ``gap``, hybrids) except exact-erf GELU: Flax's ``nn.gelu`` is the tanh form and the file cannot say
-  otherwise.
-
-Nothing here downloads; transformers is not needed to export (only to load the result).
+Nothing downloads; writing needs no transformers.
 """
 
 from __future__ import annotations
@@ -41,25 +33,23 @@ from pretrain.weights.source import HF_CONFIG
 
 FORMATS = ("hf", "npz")
 HF_PREPROCESSOR = "preprocessor_config.json"
-NPZ_NAME = "model.npz"  # the file written when OUT is a folder
-# VT's pre-Linen block names (call order): what the official repo writes and every official loader reads.
+NPZ_NAME = "model.npz"  # when OUT is a folder
+# VT's block names, in call order.
 _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
 
 
-# --------------------------------------------------------------------------------------------- the source
+# --- the source
 
 
 def checkpoint_step(source: Path) -> int | None:
-    """The training step of a checkpoint folder (its trainer state), else None."""
+    """A checkpoint folder's training step, else None."""
     if not (source / run_folder.TRAINER_STATE).is_file():
         return None
     return run_folder.TrainerState.read(source).step
 
 
 def class_names(source: Path, num_classes: int) -> list[str] | None:
-    """The class names of the data a checkpoint was trained on (``classes.parquet`` of its ``data.train``), when
-    that folder is local and has one name per logit; else None (HF then names them ``LABEL_<i>``). Never raises:
-    names are a convenience, and the data may live elsewhere by now."""
+    """The class names of a checkpoint's local ``data.train`` if one per logit, else None. Never raises."""
     try:
         config = yaml.safe_load((source / CONFIG_YAML).read_text())
         train = (config.get("data") or {}).get("train")
@@ -71,11 +61,11 @@ def class_names(source: Path, num_classes: int) -> list[str] | None:
     return list(names) if len(names) == num_classes and len(set(names)) == num_classes else None
 
 
-# --------------------------------------------------------------------------------------------- Hugging Face
+# --- Hugging Face
 
 
 def is_hf_folder(path: Path) -> bool:
-    """A folder holding an HF ViT export: ``config.json`` (model_type "vit") beside ``model.safetensors``."""
+    """A folder with ``config.json`` (model_type "vit") beside ``model.safetensors``."""
     if not (path / HF_CONFIG).is_file() or not (path / WEIGHTS_FILE).is_file():
         return False
     try:
@@ -85,7 +75,7 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
-    """Our config and our-keyed weights of an HF ViT folder (an export of ours, or any ViT in either key layout)."""
+    """Our config and our-keyed weights of an HF ViT folder, in either key layout."""
     try:
         fields = json.loads((path / HF_CONFIG).read_text())
         config = config_from_hf_dict(fields)
@@ -98,8 +88,7 @@ def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
 
 
 def preprocessor_config(config: ViTConfig) -> dict:
-    """HF's ViTImageProcessor settings that turn an image into what the model was trained on: bilinear resize to
-    the model's side, pixels x / 127.5 - 1 (= (x / 255 - 0.5) / 0.5, `data_pipeline.stream.augment`)."""
+    """HF ViTImageProcessor settings giving the training input: resize to the model's side, x / 127.5 - 1."""
     return {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,
@@ -114,11 +103,8 @@ def preprocessor_config(config: ViTConfig) -> dict:
 
 
 def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None) -> Path:
-    """Write ``out/config.json``, ``model.safetensors`` and ``preprocessor_config.json``; returns ``out``.
-
-    ValueError (before anything is written) for a model HF's ViT cannot hold. A headless model is written as a
-    ViTModel: its keys lose the ``vit.`` prefix, as the Hub's ViTModel checkpoints have it.
-    """
+    """Write the HF folder ``out`` and return it; ValueError, before writing, for a model HF cannot hold. A headless
+    model is a ViTModel, keys without ``vit.`` as on the Hub."""
     config = model.config
     fields = hf_config_dict(config, labels)  # refuses first
     state = to_hf_state_dict(model, layout="hub")
@@ -132,11 +118,11 @@ def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None
     return out
 
 
-# --------------------------------------------------------------------------------------------- official .npz
+# --- official .npz
 
 
 def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
-    """``model``'s weights under the official VT names (the inverse of `pretrain.weights.formats.load_npz`), float32."""
+    """``model``'s weights under the official names, float32 (the inverse of `load_npz`)."""
     config = model.config
     if config.gelu_approximate != "tanh":
         raise ValueError(
@@ -149,7 +135,7 @@ def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
     p = {
         "embedding/kernel": _hwio(sd["patch_embed.proj.weight"]),
         "embedding/bias": sd["patch_embed.proj.bias"],
-        "Transformer/posembed_input/pos_embedding": sd["pos_embed"],  # (1, [1 +] N, D): the class slot first
+        "Transformer/posembed_input/pos_embedding": sd["pos_embed"],  # class slot first
         "Transformer/encoder_norm/scale": sd["norm.weight"],
         "Transformer/encoder_norm/bias": sd["norm.bias"],
     }
@@ -170,7 +156,7 @@ def _hwio(weight: np.ndarray) -> np.ndarray:
 
 
 def _block_arrays(sd: dict[str, np.ndarray], i: int, D: int, heads: int) -> dict[str, np.ndarray]:
-    """Encoder block ``i``: our fused qkv (3D, D) split into DenseGeneral kernels (D, heads, head_dim)."""
+    """Block ``i``; our fused qkv (3D, D) split into (D, heads, head_dim) kernels."""
     ours = f"blocks.{i}."
     ln1, attn, ln2, mlp = (f"Transformer/encoderblock_{i}/{name}" for name in _BLOCK_NAMES)
     hd = D // heads
@@ -189,8 +175,7 @@ def _block_arrays(sd: dict[str, np.ndarray], i: int, D: int, heads: int) -> dict
 
 
 def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A hybrid's ResNet stem: ``patch_embed.backbone.stages.block1.units.unit1.conv1.weight`` → ``block1/unit1/
-    conv1/kernel`` (HWIO); GroupNorm weight/bias → scale/bias (the official names, `pretrain.model.resnet`)."""
+    """A hybrid's stem under the official names (HWIO kernels, GroupNorm scale/bias)."""
     p = {}
     for key, value in sd.items():
         if not key.startswith("patch_embed.backbone."):
@@ -205,9 +190,8 @@ def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def save_npz(model: VisionTransformer, out: Path) -> Path:
-    """Write the official-layout arrays to ``out`` (a folder → ``out/model.npz``); returns the file's path. The
-    archive is what np.savez writes (one stored ``<key>.npy`` member per array), with the name exactly ``out`` (np.savez
-    appends ``.npz``) and pickling refused outright."""
+    """Write the official arrays to ``out`` (a folder: ``out/model.npz``) and return the path: np.savez's format,
+    named exactly ``out`` and never pickled."""
     arrays = npz_arrays(model)  # refuses first
     path = out / NPZ_NAME if out.is_dir() else out
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +203,7 @@ def save_npz(model: VisionTransformer, out: Path) -> Path:
 
 
 def export(model: VisionTransformer, out: Path, fmt: str, labels: list[str] | None = None) -> Path:
-    """``model`` written in format ``fmt`` ("hf" | "npz") at ``out``; returns what was written."""
+    """Write ``model`` as ``fmt`` ("hf" | "npz") at ``out``; returns what was written."""
     model = model.eval()
     if fmt == "hf":
         return save_hf(model, out, labels)

@@ -1,9 +1,7 @@
-"""Weights in and out: official JAX `.npz` checkpoints, safetensors + `model.json`, training checkpoints.
+"""Loading weights: official JAX `.npz`, safetensors + `model.json`, training checkpoints; `load_model` takes any.
 
-`load_npz` reads checkpoints released by google-research/vision_transformer (VT) and big_vision (BV), infers the
-architecture from the arrays alone and returns a `VisionTransformer` whose logits equal the official ones
-(docs/reference.md §2). Hugging Face conversion lives in `pretrain.weights.hf` (re-exported here), writing other
-tools' formats in `pretrain.weights.export`, the command line in `pretrain.weights.__main__`.
+`load_npz` reads VT and big_vision (BV) releases, infers the architecture from the arrays, and reproduces the
+official logits (docs/reference.md §2).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ __all__ = [
 ]
 
 
-# Fields the weights determine; an override that contradicts the file is a user error, not a resize.
+# Fields the weights determine; overrides must agree.
 _ARCHITECTURE_FIELDS = (
     "patch_size",
     "width",
@@ -58,15 +56,11 @@ _ARCHITECTURE_FIELDS = (
 _HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
 
 
-# --------------------------------------------------------------------------------------------- position embeddings
+# --- position embeddings
 
 
 def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix_tokens: int = 1) -> torch.Tensor:
-    """Resize (1, P+N, D) position embeddings to a new grid with the official semantics (VT `checkpoint.py`).
-
-    The P prefix rows (class token) are kept; the square grid is interpolated bilinearly with align_corners=True,
-    which is exactly `scipy.ndimage.zoom(grid, (gh/g, gw/g, 1), order=1)`.
-    """
+    """Resize (1, P+N, D) position embeddings as VT does: prefix rows kept, grid bilinear, align_corners=True."""
     if posemb.ndim != 3 or posemb.shape[0] != 1:
         raise ValueError(f"position embeddings must be (1, P+N, D), got {tuple(posemb.shape)}")
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[0, num_prefix_tokens:]
@@ -84,11 +78,11 @@ def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix
     return torch.cat([prefix, x], dim=1)
 
 
-# --------------------------------------------------------------------------------------------- official .npz
+# --- official .npz
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """All arrays of an npz, read eagerly so that truncation and pickles fail here with a clear message."""
+    """All arrays of an npz, read eagerly so bad files fail here."""
     if path.is_dir():
         raise ValueError(f"{path} is a folder, not an .npz file; pass the path of an official .npz checkpoint")
     if not path.is_file():
@@ -129,7 +123,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
     if not arrays:
         raise ValueError(f"{path} is an .npz archive without any array, not a ViT checkpoint")
     for key, value in arrays.items():
-        # NpzFile hands back raw bytes for a zip member that is not a .npy file: a zip, but not an npz.
+        # NpzFile returns raw bytes for a member that is not a .npy file.
         if not isinstance(value, np.ndarray):
             raise ValueError(f"{path} is a zip archive but not an .npz checkpoint: member {key!r} is not a NumPy array")
         if value.dtype.kind not in "biuf":
@@ -141,7 +135,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def _array(p: dict[str, np.ndarray], key: str, ndim: int) -> np.ndarray:
-    """`p[key]` with the number of dimensions the official models give it (a KeyError names a missing array)."""
+    """`p[key]`, checked to have ``ndim`` dimensions (KeyError if missing)."""
     value = p[key]
     if value.ndim != ndim:
         raise ValueError(f"array {key!r} has shape {value.shape}, but official checkpoints give it {ndim} dimensions")
@@ -149,7 +143,7 @@ def _array(p: dict[str, np.ndarray], key: str, ndim: int) -> np.ndarray:
 
 
 def _strip_prefix(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
-    """Drop `params/`, `opt/target/` (or any other) prefix: the prefix is whatever precedes `embedding/kernel`."""
+    """Drop whatever prefix precedes `embedding/kernel` (`params/`, `opt/target/`)."""
     roots = [
         k[: -len("embedding/kernel")] for k in arrays if k == "embedding/kernel" or k.endswith("/embedding/kernel")
     ]
@@ -164,13 +158,8 @@ def _strip_prefix(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.nda
 
 
 def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """Per block, its arrays keyed `ln1/…, attn/…, ln2/…, mlp/…` whatever the layout.
-
-    Both VT (`LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3`, pre-Linen numbering) and BV
-    / Linen (`LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0`) number submodules in call
-    order, so the first LayerNorm is the pre-attention one in either. BV's `scan` layout (one `encoderblock/` with
-    a leading depth axis) is unstacked.
-    """
+    """Per block, its arrays keyed `ln1/…, attn/…, ln2/…, mlp/…`. VT and BV both number submodules in call order;
+    BV's `scan` layout (a leading depth axis) is unstacked."""
     per_block: dict[int, dict[str, np.ndarray]] = {}
     stacked = {
         k[len("Transformer/encoderblock/") :]: v for k, v in p.items() if k.startswith("Transformer/encoderblock/")
@@ -210,21 +199,20 @@ def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
 
 
 def _hybrid_stages(p: dict[str, np.ndarray]) -> tuple[int, ...] | None:
-    """Units per ResNet stage, read off the `block{s}/unit{u}` names; None for a ViT without a ResNet stem."""
+    """Units per ResNet stage from the `block{s}/unit{u}` names; None without a ResNet stem."""
     units: dict[int, int] = {}
     for k in p:
         m = re.match(r"block(\d+)/unit(\d+)/", k)
         if m:
             units[int(m.group(1))] = max(units.get(int(m.group(1)), 0), int(m.group(2)))
-    if not units:  # the official root-only stem (`num_layers=()`): conv_root without any stage
+    if not units:  # the official root-only stem
         return () if "conv_root/kernel" in p else None
     if sorted(units) != list(range(1, len(units) + 1)):
         raise ValueError(f"hybrid ResNet stages are not numbered block1..block{len(units)}: found {sorted(units)}")
     return tuple(units[s] for s in range(1, len(units) + 1))
 
 
-# VT (class slot included), big_vision before 2022 (inside the encoder, class slot included), big_vision now
-# (top level, patches only). Which semantics applies is read off the row count, as big_vision's own loader does.
+# VT, older BV (with the class row), current BV (without; the row count tells).
 _POSEMB_KEYS = ("Transformer/posembed_input/pos_embedding", "Transformer/pos_embedding", "pos_embedding")
 
 
@@ -243,8 +231,7 @@ def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -
     posemb = _array(p, posemb_key, 3)
     rows = posemb.shape[1]
     if pool == "token" and math.isqrt(rows) ** 2 == rows:
-        # Added before the class token was prepended (big_vision since 2022): that token has no position
-        # embedding, which equals a zero row in our layout.
+        # No class row: equivalent to a zero row.
         posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
     num_patches = posemb.shape[1] - (pool == "token")
     grid = math.isqrt(num_patches)
@@ -252,7 +239,7 @@ def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -
         raise ValueError(f"position embeddings {posemb.shape} do not describe a square grid of patches")
     stages = _hybrid_stages(p)
     hybrid_width = 1
-    if stages is not None:  # the patch embedding reads the stem's features; the image channels are the root's input
+    if stages is not None:  # embedding/kernel reads the stem's channels
         stem_channels = in_chans
         _, _, in_chans, root_channels = _array(p, "conv_root/kernel", 4).shape
         if root_channels % GN_GROUPS:
@@ -261,8 +248,7 @@ def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -
                 f"the {GN_GROUPS}-group GroupNorms of the official ResNet stem cannot divide, so no official model "
                 "has this root; the checkpoint is inconsistent"
             )
-        # The official root has int(64 * width_factor) channels and every stage width derives from that integer,
-        # so the factor is root/64 exactly (an integer over a power of two), fractional or not (32 → 0.5).
+        # root/64 is exact (`pretrain.model.resnet.root_width`).
         hybrid_width = root_channels / 64
         if stem_channels != stem_out_channels(stages, hybrid_width):
             raise ValueError(
@@ -327,19 +313,14 @@ def _npz_state_dict(p: dict[str, np.ndarray], blocks, posemb: np.ndarray, config
         module = re.sub(r"(block\d+)/(unit\d+)/", r"stages.\1.units.\2.", m.group(1))
         if m.group(2) == "kernel":
             sd[f"patch_embed.backbone.{module}.weight"] = _conv(_array(p, key, 4))
-        else:  # GroupNorm scale/bias, stored (1, 1, 1, C) by older Flax (flax#1721)
+        else:  # GroupNorm scale/bias; older Flax stored (1, 1, 1, C)
             sd[f"patch_embed.backbone.{module}.{'weight' if m.group(2) == 'scale' else 'bias'}"] = value.reshape(-1)
     return sd
 
 
 def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """Build the model an official JAX checkpoint describes and load its weights.
-
-    `image_size` other than the checkpoint's resizes the position embeddings (official semantics). Overrides may
-    change dropout, GELU, checkpointing, and the head: a different `num_classes`, `representation_size` or
-    `head_bias_init` replaces the head with a zero-initialized one (`representation_size=None` drops pre-logits,
-    the fine-tuning protocol). Architecture fields must agree with the file.
-    """
+    """The model of an official JAX checkpoint. Another `image_size` resizes the position embeddings; head
+    overrides reset the head (`reset_classifier`); architecture overrides must agree with the file."""
     path = Path(path)
     p = _strip_prefix(_read_npz(path), path)
     try:
@@ -348,7 +329,7 @@ def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> Vi
         state = _npz_state_dict(p, blocks, posemb, config)
     except KeyError as e:
         raise ValueError(f"{path} is not a complete ViT checkpoint: missing array {e}") from None
-    except ValueError as e:  # what the arrays say is wrong with them; name the file it is about
+    except ValueError as e:  # name the file
         raise ValueError(f"{path} is not a valid ViT checkpoint: {e}") from None
     return _finish(
         config, {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()}, path, image_size, overrides
@@ -356,7 +337,7 @@ def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> Vi
 
 
 def _finish(config: ViTConfig, state: dict, source, image_size: int | None, overrides: dict) -> VisionTransformer:
-    """Build `config`, load `state` strictly, then resize and apply overrides."""
+    """Build, load `state` strictly, resize, apply overrides."""
     valid = {f.name for f in dataclasses.fields(ViTConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:
@@ -369,9 +350,9 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
             )
     head = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
     free = {k: v for k, v in overrides.items() if k not in _ARCHITECTURE_FIELDS}
-    with torch.device("meta"):  # every parameter comes from `state`: skip allocating and initializing them twice
+    with torch.device("meta"):  # every parameter comes from `state`: allocate once
         model = VisionTransformer(dataclasses.replace(config, **free))
-    # Loaded models are fp32 whatever precision the weights were saved in (bf16 → fp32 is exact); callers cast.
+    # Loaded models are fp32 (bf16 → fp32 is exact); callers cast.
     state = {k: v.float().contiguous() for k, v in state.items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -397,25 +378,25 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
 
 
 def _some(names: list[str], shown: int = 6) -> str:
-    """A readable excerpt of a long list of parameter names (a wrong file can miss hundreds)."""
+    """The first ``shown`` names and how many more."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{names[:shown]}{more}"
 
 
 @torch.no_grad()
 def resize_model(model: VisionTransformer, image_size: int) -> None:
-    """Make `model` run at `image_size` by interpolating its position embeddings (in place)."""
+    """Make `model` run at `image_size`, interpolating its position embeddings in place."""
     config = dataclasses.replace(model.config, image_size=image_size)  # validates divisibility
     new = resize_pos_embed(model.pos_embed.data, (config.grid_size, config.grid_size), model.num_prefix_tokens)
     model.pos_embed = torch.nn.Parameter(new, requires_grad=model.pos_embed.requires_grad)
     model.config = config
 
 
-# --------------------------------------------------------------------------------------------- safetensors
+# --- safetensors
 
 
 def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
-    """Write `model.safetensors` (the state dict, in the model's dtype) and `model.json` (the ViTConfig fields)."""
+    """Write `model.safetensors` (in the model's dtype) and `model.json` (the ViTConfig)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
@@ -442,7 +423,7 @@ def load_pretrained(directory: str | Path, image_size: int | None = None, **over
         if not isinstance(fields, dict):
             raise ValueError(f"it holds a JSON {type(fields).__name__}, not an object of ViTConfig fields")
         config = ViTConfig.from_dict(fields)
-    except (ValueError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError and ViTConfig's checks included
+    except (ValueError, TypeError) as e:  # JSON, Unicode and ViTConfig errors
         raise ValueError(
             f"{config_path} is not a valid model config: {e}; it should be the {CONFIG_FILE} save_pretrained writes"
         ) from None
@@ -452,18 +433,14 @@ def load_pretrained(directory: str | Path, image_size: int | None = None, **over
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
-    except SafetensorError as e:  # a bad header or a truncated file: the file's fault, not our code's
+    except SafetensorError as e:  # a bad header or truncated file
         raise ValueError(
             f"{path} is not a readable safetensors file ({e}); it is damaged or was not fully copied — write it again"
         ) from None
 
 
 def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """The consolidated model of a training checkpoint `.../checkpoints/step_XXXXXXXX/`.
-
-    Refuses a folder without `COMPLETE` (written last by the trainer): its files may be half written
-    (`pretrain.checkpoint.run_folder.IncompleteCheckpointError`).
-    """
+    """A training checkpoint's model; one without `COMPLETE` raises `IncompleteCheckpointError`."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {checkpoint_dir}")
@@ -471,19 +448,17 @@ def load_checkpoint_model(checkpoint_dir: str | Path, image_size: int | None = N
 
 
 def load_model(source: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """Any weights source (`pretrain.weights.source`): an official `.npz`, a training checkpoint, a run folder (its
-    newest COMPLETE checkpoint), a `save_pretrained` folder or an HF ViT folder (`config.json` + `model.safetensors`,
-    e.g. an export), or one file of such a folder."""
+    """The model of any weights source (`pretrain.weights.source`)."""
     source = weights_source.resolve(source)
     if source.is_file():
         if source.suffix == ".safetensors":
-            _read_safetensors(source)  # a damaged file is the first thing to say
+            _read_safetensors(source)  # report damage first
             raise ValueError(
                 f"{source} is a bare safetensors file: the architecture lives in the {CONFIG_FILE} beside it; pass "
                 f"a folder holding {WEIGHTS_FILE} + {CONFIG_FILE} (save_pretrained and `python -m pretrain.weights "
                 "convert` write both)"
             )
-        return load_npz(source, image_size=image_size, **overrides)  # reads the format off the bytes, not the name
+        return load_npz(source, image_size=image_size, **overrides)  # judged by the bytes, not the name
     if not source.is_dir():
         raise FileNotFoundError(
             f"no file or folder at {source}; pass an official .npz, a training checkpoint or run folder, or a folder "

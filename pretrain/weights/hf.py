@@ -1,15 +1,8 @@
-"""Conversion to and from Hugging Face `transformers` ViTForImageClassification state dicts.
+"""Conversion to and from Hugging Face `transformers` ViT state dicts and configs.
 
-HF's ViT is the paper's model with a class-token head and no pre-logits layer, so only `pool="token"`,
-`representation_size=None`, non-hybrid models convert. HF computes exact GELU for `hidden_act="gelu"` (our
-`gelu_approximate="none"`) and tanh GELU for `"gelu_pytorch_tanh"` (our default, official JAX checkpoints).
-
-Two key layouts exist: the Hub layout of every published checkpoint and transformers < 5
-(`vit.encoder.layer.N.attention.attention.query.weight`), and the one transformers ≥ 5 models hold
-(`vit.layers.N.attention.q_proj.weight`; `from_pretrained` renames Hub files on load). `to_hf_state_dict`
-writes the layout of the installed transformers by default; `from_hf_state_dict` reads both. A folder on disk
-(`pretrain.weights.export.save_hf`) holds the Hub layout, which every transformers release loads, and a `config.json`
-written from `hf_config_dict` without importing transformers.
+HF's ViT has no pre-logits, ``gap`` or hybrid stem, so those do not convert. Two key layouts exist: the Hub's
+(transformers < 5 and every file, `vit.encoder.layer.N...`) and transformers ≥ 5's in memory (`vit.layers.N...`).
+`to_hf_state_dict` writes the installed one by default; `from_hf_state_dict` reads both.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from pretrain.model.vit import LN_EPS, VisionTransformer, ViTConfig
 _GELU_TO_HF = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 _GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 
-# Per-block names: ours → (Hub / transformers < 5, transformers ≥ 5); q, k, v are split from our fused qkv.
+# Per-block names: ours → (Hub, transformers ≥ 5); q, k, v split from our qkv.
 _BLOCK_KEYS = {
     "norm1": ("layernorm_before", "layernorm_before"),
     "q": ("attention.attention.query", "attention.q_proj"),
@@ -39,7 +32,7 @@ _LAYER_PREFIX = {"hub": "vit.encoder.layer.", "v5": "vit.layers."}
 
 
 def _check_convertible(config: ViTConfig) -> None:
-    """ValueError naming each part of ``config`` that HF's ViT has no place for (and what holds it instead)."""
+    """ValueError naming each part of ``config`` HF's ViT cannot hold."""
     problems = []
     if config.pool != "token":
         problems.append("pool='gap' (HF ViT classifies from the class token)")
@@ -58,13 +51,8 @@ def _check_convertible(config: ViTConfig) -> None:
 
 
 def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None = None) -> dict:
-    """The `config.json` of an HF export of ``config``, written without transformers (a plain dict).
-
-    The keys are those `transformers.ViTConfig` has read since 4.x. A model with a head is a
-    ViTForImageClassification (``labels``: its class names, default ``LABEL_<i>``); one without (``num_classes=0``)
-    a ViTModel whose ``last_hidden_state[:, 0]`` is our ``forward`` (load it with ``add_pooling_layer=False``).
-    LayerNorm eps is 1e-6 as in the JAX model (HF's default is 1e-12).
-    """
+    """The HF `config.json` of ``config``, built without transformers. A headless model is a ViTModel whose
+    ``last_hidden_state[:, 0]`` is our ``forward`` (load with ``add_pooling_layer=False``)."""
     _check_convertible(config)
     if labels is not None and len(labels) != config.num_classes:
         raise ValueError(f"{len(labels)} class names for a head of {config.num_classes} classes")
@@ -93,8 +81,8 @@ def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None
 
 
 def hf_config(config: ViTConfig):
-    """The `transformers.ViTConfig` of the same architecture (LayerNorm eps 1e-6 as the JAX model)."""
-    from transformers import ViTConfig as HFViTConfig  # optional dependency: only this module needs it
+    """The `transformers.ViTConfig` of the same architecture."""
+    from transformers import ViTConfig as HFViTConfig  # optional dependency
 
     _check_convertible(config)
     hf = HFViTConfig(
@@ -111,18 +99,17 @@ def hf_config(config: ViTConfig):
         num_channels=config.in_chans,
         qkv_bias=True,
     )
-    hf.num_labels = max(config.num_classes, 1)  # a property: transformers 5's typed __init__ does not list it
+    hf.num_labels = max(config.num_classes, 1)  # a property, not an __init__ argument in transformers 5
     return hf
 
 
 def config_from_hf(hf) -> ViTConfig:
-    """Our ViTConfig for a `transformers.ViTConfig` (gelu variants mapped; other activations refused)."""
+    """Our ViTConfig for a `transformers.ViTConfig`; non-GELU activations are refused."""
     return config_from_hf_dict({**hf.to_dict(), "num_labels": hf.num_labels})
 
 
 def config_from_hf_dict(hf: dict) -> ViTConfig:
-    """Our ViTConfig for the fields of an HF ViT `config.json` (HF's defaults where a field is absent). A ViTModel
-    (``architectures`` without a classifier) has no head: ``num_classes=0``."""
+    """Our ViTConfig for an HF `config.json` (HF's defaults where absent)."""
     act = hf.get("hidden_act", "gelu")
     if act not in _GELU_FROM_HF:
         raise ValueError(f"HF hidden_act={act!r} has no ViT equivalent; expected one of {list(_GELU_FROM_HF)}")
@@ -133,7 +120,7 @@ def config_from_hf_dict(hf: dict) -> ViTConfig:
     patch_size = patch_size if isinstance(patch_size, int) else patch_size[0]
     architectures = hf.get("architectures") or ["ViTForImageClassification"]
     classifier = any(a.endswith("ForImageClassification") for a in architectures)
-    num_labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)  # HF's own default: 2 labels
+    num_labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)  # HF's default
     return ViTConfig(
         image_size=image_size,
         patch_size=patch_size,
@@ -151,7 +138,7 @@ def config_from_hf_dict(hf: dict) -> ViTConfig:
 
 @functools.lru_cache(maxsize=1)
 def installed_layout() -> str:
-    """ "v5" when the installed transformers' ViT holds `vit.layers.*`, else "hub" (also without transformers)."""
+    """The installed transformers' layout: "v5" (`vit.layers.*`) or "hub" (also without transformers)."""
     try:
         from transformers import ViTConfig as HFViTConfig
         from transformers import ViTForImageClassification
@@ -166,7 +153,7 @@ def installed_layout() -> str:
 
 
 def to_hf_state_dict(model: VisionTransformer, layout: str = "auto") -> dict[str, torch.Tensor]:
-    """Our weights in HF ViTForImageClassification keys; `layout` "auto" | "hub" | "v5" (see module doc)."""
+    """Our weights under HF ViTForImageClassification keys; `layout`: "auto" (installed) | "hub" | "v5"."""
     config = model.config
     _check_convertible(config)
     layout = installed_layout() if layout == "auto" else layout
@@ -195,11 +182,7 @@ def to_hf_state_dict(model: VisionTransformer, layout: str = "auto") -> dict[str
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTransformer:
-    """A VisionTransformer from HF ViT(ForImageClassification) weights in either layout.
-
-    `config` is our ViTConfig or a `transformers.ViTConfig`. Keys without the `vit.` prefix (a bare ViTModel) are
-    accepted; a pooler, if present, is ignored (ViTForImageClassification does not use it).
-    """
+    """A VisionTransformer from HF weights (either layout, with or without `vit.`); a pooler is ignored."""
     if not isinstance(config, ViTConfig):
         config = config_from_hf(config)
     model = VisionTransformer(config)
@@ -211,7 +194,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTra
 
 
 def state_dict_from_hf(state_dict: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
-    """`from_hf_state_dict`'s renaming alone: HF ViT weights (either layout) under our parameter names."""
+    """HF ViT weights (either layout) under our parameter names."""
     _check_convertible(config)
     hf = {re.sub(r"^(?!vit\.|classifier\.)", "vit.", k): v for k, v in state_dict.items()}
     layout = "v5" if any(k.startswith("vit.layers.") for k in hf) else "hub"

@@ -1,8 +1,7 @@
 """What a weights source is: the one rule that loading, export and evals share (no torch here).
 
-A source is an official `.npz`, a training checkpoint folder, a run folder or its `checkpoints/` (the newest
-COMPLETE checkpoint), a `save_pretrained` / `convert` folder, an HF folder, or one file of such a folder (the
-folder). A checkpoint is used only whole (COMPLETE) and with its weights' checksums as saved.
+A source is an official `.npz`, a checkpoint, a run folder or its `checkpoints/` (the newest COMPLETE checkpoint),
+a `save_pretrained` or HF folder, or one file of such a folder. A checkpoint is used only COMPLETE and intact.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ class DamagedCheckpointError(ValueError):
 
 
 def resolve(source: str | Path) -> Path:
-    """The file or folder whose weights ``source`` names (see the module docstring).
-
-    FileNotFoundError for a run folder without a COMPLETE checkpoint; DamagedCheckpointError for a checkpoint whose
-    weights fail their checksums. Anything else is returned as it is, for the loader to judge."""
+    """The file or folder whose weights ``source`` names; FileNotFoundError for a run without a COMPLETE
+    checkpoint, DamagedCheckpointError for failed checksums. Anything else is for the loader to judge."""
     path = Path(source)
     if path.is_file() and path.name in FOLDER_FILES:
         path = path.parent
