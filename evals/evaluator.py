@@ -1,7 +1,6 @@
-"""What an evaluator is: it receives an `EvalContext` and its parsed options, and returns `ResultRow`s once.
+"""The evaluator contract: `EvalContext` and parsed options in, `ResultRow`s out.
 
-The rows are the record: ``evals.run`` writes them to ``<suite>.parquet`` and logs ``mlflow_metrics(rows)`` — the
-only place MLflow metrics come from — at the checkpoint's step. The registry of types is ``evals.suites``.
+The rows are the record; ``mlflow_metrics(rows)`` is the only source of MLflow metrics. Types: ``evals.suites``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The columns of ``evals/<suite>.parquet`` — one row per reported number (see ``ResultRow``).
+# The columns of ``evals/<suite>.parquet``.
 RESULT_COLUMNS = ("suite", "evaluator", "dataset", "metric", "value", "std", "count", "status", "detail", "step")
 
 
@@ -20,10 +19,9 @@ RESULT_COLUMNS = ("suite", "evaluator", "dataset", "metric", "value", "std", "co
 class ResultRow:
     """One reported number; ``metric`` is its MLflow key (``fewshot/digits/10shot``).
 
-    ``status``: ``ok`` (logged to MLflow when ``value`` is finite), ``missing`` (a task without data: ``value`` is
-    NaN and ``detail`` says why) or ``sweep`` (one point of a hyperparameter search, e.g. the held-out accuracy of
-    each lr: the table only, as MLflow keeps one value per key and step). ``count`` is what the number averages
-    over (seeds, tasks); ``std`` is NaN when there is no spread to report.
+    ``status``: ``ok`` (logged if finite), ``missing`` (no data: NaN, ``detail`` says why) or ``sweep`` (a point of a
+    hyperparameter search: table only, as MLflow keeps one value per key and step). ``count``: how many values
+    (seeds, tasks) it averages.
     """
 
     evaluator: str
@@ -37,8 +35,8 @@ class ResultRow:
 
 
 def mlflow_metrics(rows: Iterable[ResultRow | Mapping[str, Any]]) -> dict[str, float]:
-    """``{metric: value}`` of the ``ok`` rows with a finite value (rows as `ResultRow`s or parquet records); a key
-    repeated by a later row takes the later value, as MLflow would."""
+    """``{metric: value}`` of the ``ok`` rows with a finite value (`ResultRow`s or parquet records); a repeated key
+    takes the later row's value, as MLflow would."""
     metrics = {}
     for row in rows:
         row = row if isinstance(row, Mapping) else vars(row)
@@ -49,7 +47,7 @@ def mlflow_metrics(rows: Iterable[ResultRow | Mapping[str, Any]]) -> dict[str, f
 
 @dataclass
 class EvalOutput:
-    """What an evaluator returns: its table rows, and files to log to MLflow beside them (figures; optional)."""
+    """An evaluator's rows, and files (figures) to log to MLflow beside them."""
 
     rows: list[ResultRow] = field(default_factory=list)
     artifacts: list[Path] = field(default_factory=list)
@@ -57,19 +55,17 @@ class EvalOutput:
 
 @dataclass
 class EvalContext:
-    """What every evaluator gets from the runner for one checkpoint.
+    """What an evaluator gets for one checkpoint.
 
-    ``load_model(image_size=None)`` returns a *fresh* copy of the checkpoint's model (resized position
-    embeddings when ``image_size`` differs), for evaluators that train; ``model`` is one shared instance in eval
-    mode for frozen-feature evaluators, which must not modify it. ``feature_cache`` lives for one ``run_suite``
-    call only, so nothing computed for one checkpoint is reused for another.
+    ``model`` is shared and in eval mode: do not modify it. ``load_model(image_size=None)`` returns a fresh copy
+    (position embeddings resized) for evaluators that train. ``feature_cache`` lives for one ``run_suite`` call.
     """
 
     model: Any
     load_model: Callable[..., Any]
     data_root: Path
     step: int
-    out_dir: Path  # where evaluators may write files (figures); the checkpoint's ``evals/`` folder
+    out_dir: Path  # for files (figures): the checkpoint's ``evals/`` folder
     num_threads: int | None = None
     device: str = "cpu"
     log: Callable[[str], None] = print

@@ -1,11 +1,7 @@
-"""Reading an eval split once: whole-split images or frozen pre-logits features, batched through ``EvalStream``.
+"""Reading a whole eval split through ``EvalStream``: images in memory, or frozen pre-logits features.
 
-Preprocessing is the few-shot/fine-tune protocol's: square resize to ``resize_size`` then centre crop to
-``image_size``, pixels scaled to [-1, 1] (``data_pipeline.stream.eval_stream.EvalStream``). ``resize_size=None`` means
-no crop (resize straight to ``image_size``), the default for the small built-in sets whose content touches the border.
-
-Labels are checked against the split's declared ``num_classes`` (``dataset.json``): a label outside
-``0..num_classes-1`` is a broken dataset and raises ``ValueError`` rather than silently widening the targets.
+Preprocessing: square resize to ``resize_size``, centre crop to ``image_size``, pixels in [-1, 1]; ``resize_size``
+None: no crop (the built-in sets' content touches the border). A label outside the declared classes raises.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ class SplitInfo:
 
 
 def split_info(split_dir: str | Path) -> SplitInfo:
-    """The split's declared class and sample counts, with a clear error when the folder is not a shard folder."""
+    """The split's declared class and sample counts; ValueError naming the fix for a non-shard folder."""
     path = Path(split_dir)
     if not is_shard_folder(path):
         raise ValueError(
@@ -53,11 +49,7 @@ def _check_labels(labels: np.ndarray, info: SplitInfo) -> None:
 
 
 def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_size: int):
-    """Yield (images, labels) of the whole split; afterwards refuse a split the stream had to drop labels from.
-
-    ``EvalStream`` skips (and counts) samples whose label is outside the declared classes; for evaluation a
-    skipped sample would silently change the test set, so that count is an error here, named with the fix.
-    """
+    """Yield the split's (images, labels), then raise if the stream skipped bad labels (a changed test set)."""
     stream = EvalStream(
         str(info.path),
         batch_size=batch_size,
@@ -84,10 +76,7 @@ def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_si
 def load_images(
     split_dir: str | Path, *, image_size: int, resize_size: int | None = None, batch_size: int = 256, limit=None
 ) -> tuple[torch.Tensor, np.ndarray, SplitInfo]:
-    """Whole split (or its first ``limit`` samples) in memory: images (N, 3, S, S) float32 in [-1, 1], labels (N,).
-
-    Meant for the small splits fine-tuning and VTAB-1k adapt on; a large split should stream instead.
-    """
+    """The split (or its first ``limit`` samples) in memory: images (N, 3, S, S) float32 in [-1, 1], labels (N,)."""
     info = split_info(split_dir)
     images, labels, seen = [], [], 0
     for batch_images, batch_labels in _batches(info, image_size, resize_size, batch_size):
@@ -115,11 +104,8 @@ def extract_features(
     device: str = "cpu",
     cache: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
-    """Frozen pre-logits features (N, D') float32 and labels (N,) of a whole split, in stream order.
-
-    ``image_size`` defaults to the model's own resolution. ``cache`` (a dict owned by the caller, e.g. the
-    per-``run_suite`` context) reuses features of the same split and preprocessing within one evaluation.
-    """
+    """Frozen pre-logits features (N, D') float32 and labels (N,) of a split, in stream order; ``cache`` (the
+    caller's) reuses them for the same split, preprocessing and model."""
     size = int(image_size or model.config.image_size)
     key = (str(Path(split_dir).resolve()), size, resize_size, id(model))
     if cache is not None and key in cache:
@@ -144,7 +130,7 @@ def extract_features(
 
 
 def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None:
-    """A suite entry's size options (the preprocessing of `suite_features` by default), checked when it loads."""
+    """Check a suite entry's size options when it loads."""
     for name in names:
         value = getattr(opts, name)
         if value is not None and value < 1:
@@ -152,8 +138,7 @@ def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None
 
 
 def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
-    """`extract_features` for a suite entry: the context's model, device and feature cache, and the entry's
-    ``image_size``, ``resize_size`` and ``batch_size`` options."""
+    """`extract_features` with the context's model, device and cache and the entry's size options."""
     return extract_features(
         ctx.model,
         split_dir,

@@ -1,15 +1,7 @@
 """Few-shot linear regression on frozen features (ViT paper §4.1; big_vision `evaluators/fewshot_lsr.py`).
 
-The closed form, step by step (docs/reference.md §4):
-
-1. standardise the few-shot subset by its own mean and population std, the std plus 1e-5;
-2. append a constant feature 100 *after* standardising, so the bias weight is almost unregularised;
-3. targets are ``2 * onehot(y, K) - 1`` in {-1, 1}^K;
-4. ridge regression with ``l2_reg`` (default 1024) solved through the eigendecomposition of ``XᵀX`` (N ≥ D) or
-   ``XXᵀ`` (D > N), whichever is smaller, so one decomposition serves every l2 of a sweep;
-5. predict the argmax over the K outputs on the test features, standardised with the subset's statistics.
-
-The functions here are pure numpy; the evaluator that extracts features and sweeps shots/seeds is at the bottom.
+The closed form, step by step: docs/reference.md §4. One eigendecomposition per subset serves every l2. Pure
+numpy; the suite entry is ``evaluate``.
 """
 
 from __future__ import annotations
@@ -21,13 +13,12 @@ import numpy as np
 from evals.evaluator import EvalOutput, ResultRow
 from evals.features import check_sizes, resolve_split, suite_features
 
-BIAS_CONSTANT = 100.0  # big_vision's constant feature: large, so its weight is barely shrunk by the l2 penalty
-STD_EPS = 1e-5  # added to the std (not the variance), as big_vision does
+BIAS_CONSTANT = 100.0  # large, so the l2 penalty barely shrinks the bias weight
+STD_EPS = 1e-5  # added to the std, not the variance (big_vision)
 L2_SWEEP = tuple(2.0**e for e in range(-10, 20))  # 2^-10 .. 2^19, the paper's sweep variant
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Input checks: every caller goes through these so the error names the argument and the fix.
+# ---- input checks
 
 
 def _as_features(x, name: str) -> np.ndarray:
@@ -58,10 +49,7 @@ def _as_labels(y, name: str, num_examples: int) -> np.ndarray:
 
 
 def resolve_num_classes(train_y: np.ndarray, test_y: np.ndarray, num_classes: int | None) -> int:
-    """The K of the one-hot targets: as given, else ``max label + 1`` over both splits.
-
-    A given K smaller than a label is a dataset error (labels exceeding the declared classes), never truncated.
-    """
+    """K of the one-hot targets: as given, else ``max label + 1`` over both splits; a label >= a given K raises."""
     largest = max(int(train_y.max(initial=-1)), int(test_y.max(initial=-1)))
     if num_classes is None:
         return largest + 1
@@ -75,17 +63,15 @@ def resolve_num_classes(train_y: np.ndarray, test_y: np.ndarray, num_classes: in
     return int(num_classes)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The closed form.
+# ---- the closed form
 
 
 @dataclass(frozen=True)
 class RidgeSolver:
-    """One few-shot subset, decomposed once; ``predict``/``accuracy`` then cost one matmul per l2 value.
+    """One few-shot subset, decomposed once; each l2 then costs one matmul.
 
-    With X the standardised, bias-padded (N, D) design and Y the (N, K) ±1 targets, ridge weights are
-    ``W = lhs · diag(1 / (eigs + l2)) · rhs`` where, for N ≥ D, ``XᵀX = Q Λ Qᵀ``, lhs = Q, rhs = Qᵀ Xᵀ Y, and for
-    D > N, ``XXᵀ = Q Λ Qᵀ``, lhs = Xᵀ Q, rhs = Qᵀ Y (the push-through identity).
+    X: the standardised, bias-padded (N, D) design, Y: the (N, K) ±1 targets. ``W = lhs · diag(1 / (eigs + l2)) · rhs``;
+    N ≥ D: ``XᵀX = Q Λ Qᵀ``, lhs = Q, rhs = Qᵀ Xᵀ Y; D > N: ``XXᵀ = Q Λ Qᵀ``, lhs = Xᵀ Q, rhs = Qᵀ Y (push-through).
     """
 
     mean: np.ndarray  # (1, D-1) mean of the subset's raw features
@@ -134,7 +120,7 @@ def _check_l2(l2_reg: float) -> float:
 
 
 def fit_ridge(train_x, train_y, *, test_y=None, num_classes: int | None = None) -> tuple[RidgeSolver, int]:
-    """Validate a few-shot subset and decompose it; returns the solver and the number of classes K."""
+    """Validate and decompose a few-shot subset; returns the solver and K."""
     x = _as_features(train_x, "train_x")
     y = _as_labels(train_y, "train_y", len(x))
     if len(x) == 0:
@@ -144,11 +130,9 @@ def fit_ridge(train_x, train_y, *, test_y=None, num_classes: int | None = None) 
 
 
 def fewshot_accuracy(train_x, train_y, test_x, test_y, l2_reg: float = 1024.0, *, num_classes: int | None = None):
-    """Top-1 accuracy (fraction in [0, 1]) of the paper's few-shot ridge regression.
+    """Top-1 accuracy (fraction) of the paper's few-shot ridge regression on features (N, D) and (M, D).
 
-    ``train_x`` (N, D) and ``test_x`` (M, D) are frozen features; ``train_y``/``test_y`` integer class ids.
-    ``num_classes`` (K of the ±1 one-hot targets) defaults to ``max label + 1`` over both splits; when given, a
-    label ≥ K raises ``ValueError``. Classes absent from ``train_y`` get all −1 targets, as in big_vision.
+    ``num_classes`` K: see `resolve_num_classes`. Classes absent from ``train_y`` get all −1 targets (big_vision).
     """
     l2 = _check_l2(l2_reg)
     test_features = _as_features(test_x, "test_x")
@@ -164,16 +148,12 @@ def fewshot_accuracy(train_x, train_y, test_x, test_y, l2_reg: float = 1024.0, *
     return solver.accuracy(test_features, labels, l2)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Sampling and the l2 choice.
+# ---- sampling and the l2 choice
 
 
 def sample_fewshot_indices(labels, shots: list[int] | tuple[int, ...], seed: int, num_classes: int):
-    """Class-balanced few-shot subsets, ``{shots: indices}``, nested across shot counts like big_vision.
-
-    One ``np.random.default_rng(seed)`` permutation of each class's indices; a k-shot subset takes the first k.
-    Raises ``ValueError`` for shots < 1 or a class with fewer than ``max(shots)`` examples.
-    """
+    """Class-balanced subsets ``{shots: indices}``, nested across shot counts (big_vision): one seeded permutation
+    per class, of which a k-shot subset takes the first k. ValueError for shots < 1 or a class too small."""
     labels = np.asarray(labels)
     for k in shots:
         if int(k) != k or k < 1:
@@ -197,12 +177,9 @@ def sample_fewshot_indices(labels, shots: list[int] | tuple[int, ...], seed: int
 
 
 def choose_l2_by_mean_rank(accuracy: dict[str, dict[float, float]]) -> tuple[float, dict[float, float]]:
-    """Pick one l2 for a shot count from ``{dataset: {l2: accuracy}}`` by mean rank across datasets.
-
-    Rank 1 is the best accuracy on a dataset (ties share the average rank); the lowest mean rank wins and a tie
-    between l2 values goes to the smaller one. Returns the chosen l2 and the mean rank of every l2.
-    """
-    from scipy.stats import rankdata  # heavy (~1 s): only the l2 sweep needs it, not every suite load
+    """``(l2, {l2: mean rank})`` from ``{dataset: {l2: accuracy}}``: the l2 of lowest mean rank across datasets (ties:
+    the smaller); equal accuracies share their average rank."""
+    from scipy.stats import rankdata  # heavy: only the l2 sweep needs it
 
     if not accuracy:
         raise ValueError("choosing l2 by mean rank needs at least one dataset")
@@ -216,22 +193,21 @@ def choose_l2_by_mean_rank(accuracy: dict[str, dict[float, float]]) -> tuple[flo
     return best, dict(zip(grid, mean_rank.tolist()))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The suite evaluator: features of whole splits, shots x seeds, mean ± std per dataset and shot count.
+# ---- the suite evaluator
 
 
 @dataclass(frozen=True)
 class FewshotOptions:
-    """Options of a ``type: fewshot`` suite entry (defaults follow the paper / big_vision)."""
+    """Options of a ``type: fewshot`` suite entry (defaults: the paper's)."""
 
-    datasets: tuple[str, ...] = ("digits",)  # folders under the data root, each with train/ and test/ splits
+    datasets: tuple[str, ...] = ("digits",)  # folders under the data root, each with train/ and test/
     shots: tuple[int, ...] = (1, 5, 10, 25)  # images per class; 10-shot is the headline number
-    seeds: tuple[int, ...] = (0, 1, 2)  # one class-balanced subset per seed, reported as mean ± std
+    seeds: tuple[int, ...] = (0, 1, 2)  # one subset per seed, reported as mean ± std
     l2_reg: float = 1024.0
-    l2_sweep: bool = False  # sweep 2^-10..2^19, pick one l2 per shot count by mean rank across datasets
+    l2_sweep: bool = False  # L2_SWEEP, one l2 per shot count by mean rank
     train_split: str = "train"
     test_split: str = "test"
-    image_size: int | None = None  # None: the model's own resolution
+    image_size: int | None = None  # None: the model's
     resize_size: int | None = None  # square resize before the centre crop; None: no crop
     batch_size: int = 256
 

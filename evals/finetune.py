@@ -1,19 +1,8 @@
-"""Fine-tuning transfer (ViT paper App. B.1.1, Table 4), in plain PyTorch — no DeepSpeed needed for a head swap.
+"""Fine-tuning transfer (ViT paper App. B.1.1, Table 4) in plain PyTorch: a head swap needs no DeepSpeed.
 
-Protocol: drop the pre-training head *and* the pre-logits layer, attach a zero-initialised linear head
-(``model.reset_classifier(K)``); SGD with momentum 0.9, no weight decay, gradient clipping at global norm 1,
-linear warmup then cosine decay to 0; fine-tuning at a new resolution interpolates the position embeddings
-(the context's ``load_model(image_size=N)`` → ``pretrain.weights.formats``). The learning rate is chosen from a grid on
-a held-out slice of train (seeded permutation), then one final run on train + held-out is scored on test.
-
-Two budgets (docs/reference.md §4): all of train with a ``holdout_fraction`` slice held out, or VTAB-1k's —
-``train_examples: 800`` + ``val_examples: 200`` drawn from one seeded permutation of train (``vtab_indices``, the
-draw ``evals.vtab`` uses), the lr chosen on the 200, the final run on all 1000. A learning curve (``eval_steps``)
-scores the *final* run on test after each listed step: one run, evaluated along the way, so a point at N steps is
-the model N steps into the full schedule (its lr not yet decayed), not a run whose budget was N.
-
-Splits are held in memory (``evals.features.load_images``), which suits VTAB-1k (1000 images) and the built-in
-sets; ``max_train_examples`` bounds it.
+The protocol is docs/reference.md §4; the lr is chosen on a held-out part of train, then a final run on train +
+held-out is scored on test. A learning-curve point (``eval_steps``) at N steps is the final run N steps into its
+full schedule, not a run with a budget of N. Splits are held in memory.
 """
 
 from __future__ import annotations
@@ -34,12 +23,12 @@ from tracking import keys
 
 @dataclass(frozen=True)
 class FinetuneOptions:
-    """Options of a ``type: finetune`` suite entry; the schedule fields are also VTAB's ``finetune`` protocol."""
+    """Options of a ``type: finetune`` suite entry; VTAB's ``finetune`` protocol uses its schedule."""
 
     datasets: tuple[str, ...] = ("digits",)
     train_split: str = "train"
     test_split: str = "test"
-    image_size: int | None = None  # fine-tuning resolution; None keeps the checkpoint's (else pos-embed interp.)
+    image_size: int | None = None  # None: the checkpoint's (else pos-embed interpolation)
     resize_size: int | None = None  # square resize before the centre crop; None: no crop
     steps: int = 500
     batch_size: int = 128
@@ -47,15 +36,14 @@ class FinetuneOptions:
     warmup_steps: int = 50
     momentum: float = 0.9
     grad_clip: float = 1.0
-    holdout_fraction: float = 0.1  # slice of train held out to choose the lr (when train_examples is not set)
-    # VTAB-1k's budget: this many training and held-out examples, drawn from one seeded permutation of train (800 and
-    # 200); the final run trains on both. None: all of train (up to max_train_examples), holdout_fraction held out.
+    holdout_fraction: float = 0.1  # held out of train to choose the lr (without train_examples)
+    # VTAB-1k's budget (800 and 200), one seeded draw from train; None: all of train.
     train_examples: int | None = None
     val_examples: int | None = None
-    eval_steps: tuple[int, ...] = ()  # learning curve: test accuracy of the final run after each of these steps
-    selection_steps: int | None = None  # steps of each lr-search run; None: same as ``steps``
-    crop_padding: int = 0  # random-crop augmentation: pad by this many pixels (reflect) and crop back; 0 = off
-    flip: bool = False  # random horizontal flips (off by default: wrong for digits and position tasks)
+    eval_steps: tuple[int, ...] = ()  # learning curve: the final run's test accuracy after these steps
+    selection_steps: int | None = None  # steps of each lr-search run; None: ``steps``
+    crop_padding: int = 0  # random crop: reflect-pad by this many pixels, crop back; 0 = off
+    flip: bool = False  # random horizontal flips (wrong for digits and position tasks)
     seed: int = 0
     max_train_examples: int = 50_000
     eval_batch_size: int = 256
@@ -133,13 +121,9 @@ def train_classifier(
     measure_at: Collection[int] = (),
     measure: Callable[[torch.nn.Module], float] | None = None,
 ) -> tuple[torch.nn.Module, dict[int, float]]:
-    """Fine-tune ``model`` in place on (images (N,3,S,S), labels (N,)) with a fresh zero-initialised head.
-
-    Minibatches walk seeded per-epoch permutations of the data (``opts.seed``), so a run is reproducible.
-    Returns the model and ``{step: measure(model)}`` after each step of ``measure_at`` (a learning curve; measuring
-    neither draws random numbers nor touches the weights, so the run is the same with or without it).
-    Raises ``FloatingPointError`` on a non-finite loss rather than training on garbage.
-    """
+    """Fine-tune ``model`` in place on images (N, 3, S, S), labels (N,) with a fresh zero-initialised head, seeded by
+    ``opts.seed``. Returns it and ``{step: measure(model)}`` for ``measure_at`` (measuring does not change the run).
+    ``FloatingPointError`` on a non-finite loss."""
     model.reset_classifier(num_classes)  # drops pre-logits too (representation_size=None): paper App. B.1.1
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -188,8 +172,7 @@ def accuracy(model, images: torch.Tensor, labels: np.ndarray, *, batch_size: int
 
 @dataclass(frozen=True)
 class FinetuneResult:
-    """What the protocol found: test top-1 of the final run, the lr it chose, the held-out accuracy of every lr of
-    the grid, and the final run's learning curve ``{step: test top-1}`` (``opts.eval_steps``)."""
+    """Test top-1 of the final run, the chosen lr, each lr's held-out accuracy, the curve ``{step: test top-1}``."""
 
     accuracy: float
     lr: float
@@ -208,9 +191,8 @@ def select_lr_and_evaluate(
     device: str = "cpu",
     log=None,
 ) -> FinetuneResult:
-    """The protocol: one run per lr on ``train`` scored on ``val``; the best lr (ties → smaller) is re-run on
-    ``train + val`` and scored on ``test`` (after each of ``opts.eval_steps`` too). Each run starts from a fresh
-    ``make_model()``."""
+    """One run per lr on ``train``, scored on ``val``; the best lr (ties → smaller) re-run on ``train + val``, scored
+    on ``test`` (and after each of ``opts.eval_steps``). Every run starts from a fresh ``make_model()``."""
     val_scores = {}
     for lr in opts.lr_grid:
         steps = opts.selection_steps or opts.steps
@@ -247,7 +229,7 @@ def select_lr_and_evaluate(
 
 
 def holdout_split(num_examples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, held-out indices) from one seeded permutation; at least one example on each side."""
+    """(train, held-out) indices from one seeded permutation, at least one on each side."""
     if num_examples < 2:
         raise ValueError(f"fine-tuning needs at least 2 training examples to hold one out; got {num_examples}")
     perm = np.random.default_rng(seed).permutation(num_examples)
@@ -256,8 +238,7 @@ def holdout_split(num_examples: int, fraction: float, seed: int) -> tuple[np.nda
 
 
 def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed: int):
-    """(train800, val200) indices drawn from one seeded permutation of the train split (disjoint; the same for the
-    same size and seed)."""
+    """Disjoint (train800, val200) indices from one seeded permutation of the train split."""
     need = train_examples + val_examples
     if num_examples < need:
         raise ValueError(
@@ -269,14 +250,13 @@ def vtab_indices(num_examples: int, train_examples: int, val_examples: int, seed
 
 
 def train_val_split(num_examples: int, opts: FinetuneOptions) -> tuple[np.ndarray, np.ndarray]:
-    """The budget of ``opts``: VTAB-1k's train/val draw when ``train_examples`` is set, else the held-out slice."""
+    """VTAB-1k's draw when ``train_examples`` is set, else the held-out slice."""
     if opts.train_examples is not None:
         return vtab_indices(num_examples, opts.train_examples, opts.val_examples, opts.seed)
     return holdout_split(num_examples, opts.holdout_fraction, opts.seed)
 
 
 def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, counts: tuple) -> list[ResultRow]:
-    """The table rows of one dataset: test top-1, the chosen lr, the learning curve, each lr's held-out score."""
     num_train, num_held, num_test = counts
     grid = list(opts.lr_grid)
     trained_on = f"{num_train} + {num_held}" if opts.train_examples is not None else f"{num_train + num_held}"
@@ -312,9 +292,7 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
 
 
 def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
-    """Suite entry: ``finetune/<dataset>/accuracy`` (test top-1) per dataset, the chosen ``finetune/<dataset>/lr``,
-    the learning curve ``finetune/<dataset>/accuracy_at_<N>steps`` (``eval_steps``), and the held-out accuracy of
-    every lr of the grid (``sweep`` rows: the table only)."""
+    """Suite entry: per dataset, test top-1, the chosen lr, the curve, each lr's held-out accuracy."""
     size = int(opts.image_size or ctx.model.config.image_size)
     out = EvalOutput()
     for name in opts.datasets:

@@ -1,29 +1,13 @@
 """Inspecting a Vision Transformer (paper §4.5, Fig. 6, 7, 10, 11; definitions in docs/reference.md §4).
 
-Four analyses, each a pure function on arrays (tested against hand-computed values) plus a figure:
+Four analyses, each a pure function on arrays plus a figure; the suite entry: ``evaluate``. Conventions:
 
-- mean attention distance per layer and head — how far, in pixels, each head integrates information
-  (Fig. 7 right / Fig. 11: one dot per head against network depth);
-- position-embedding similarity — cosine similarity of every patch's position embedding with all others,
-  drawn as a grid of grids (Fig. 7 centre / Fig. 10);
-- principal components of the patch-embedding filters, drawn as RGB tiles (Fig. 7 left);
-- attention rollout (Abnar & Zuidema 2020) — what the class token attends to through all layers (Fig. 6).
-
-Conventions, applied everywhere in this module:
-
-- Attention tensors are softmax weights `(B, heads, T, T)` with the class token at index 0 and the patch grid
-  flattened row-major after it (`VisionTransformer.forward_attention`). ``num_prefix_tokens`` says how many
-  leading tokens are not patches.
-- Attention distance excludes the class token: its query row is dropped, its key column is dropped, and each
-  patch query's remaining weights are renormalised to sum to 1. The class token has no position in the image,
-  so any distance given to it would be invented; renormalising keeps a head that also looks at the class token
-  comparable with one that does not.
-- Distances are between patch centres, in input pixels: grid distance × pixel size of one grid cell
-  (`image_size / grid`, which equals the patch size for plain ViTs and the stem stride for hybrids).
-- Rollout keeps every token (class token included), since the class token is what it reads out.
-
-The suite entry (``evaluate`` → ``run_inspection``) writes the PNGs into a folder and returns the scalars as rows;
-``evals.run`` logs both to MLflow.
+- Attention is ``(B, heads, T, T)`` softmax weights: ``num_prefix_tokens`` leading tokens, then the patch grid
+  row-major (`VisionTransformer.forward_attention`).
+- Attention distance drops the class token (it has no position) and renormalises each patch query's weights to sum
+  to 1, so a head that also attends to it stays comparable.
+- Distances are between patch centres in input pixels; a cell is ``image_size / grid`` (patch size or stem stride).
+- Rollout keeps every token: the class token is what it reads out.
 """
 
 from __future__ import annotations
@@ -55,14 +39,11 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------- pure functions
+# ---- pure functions
 
 
 def patch_distances(grid: tuple[int, int], cell_pixels: float) -> np.ndarray:
-    """Euclidean distance in pixels between the centres of every pair of grid cells → ``(N, N)``, N = gh·gw.
-
-    Cells are flattened row-major, as the patch sequence is.
-    """
+    """Pixel distance between the centres of every pair of cells (row-major) → ``(N, N)``, N = gh·gw."""
     gh, gw = grid
     if gh < 1 or gw < 1 or cell_pixels <= 0:
         raise ValueError(f"grid must be positive and cell_pixels > 0, got grid={grid}, cell_pixels={cell_pixels}")
@@ -81,13 +62,8 @@ def _as_numpy(x) -> np.ndarray:
 def mean_attention_distance(
     attentions: Sequence, grid: tuple[int, int], cell_pixels: float, num_prefix_tokens: int = 1
 ) -> np.ndarray:
-    """Mean attention distance in pixels, ``(layers, heads)``.
-
-    For each layer and head: Σ_j Ã_ij · d_ij over patch keys j, averaged over patch queries i and images, where
-    Ã is the attention restricted to patch tokens and renormalised per row (see the module docstring) and d the
-    centre distance of ``patch_distances``. ``attentions`` holds one ``(B, heads, T, T)`` array per layer with
-    T = num_prefix_tokens + gh·gw.
-    """
+    """Mean attention distance in pixels → ``(layers, heads)``: Σ_j Ã_ij · d_ij over patch keys, averaged over patch
+    queries and images (Ã: patch attention renormalised per row). ``attentions``: a ``(B, heads, T, T)`` per layer."""
     n = grid[0] * grid[1]
     dist = patch_distances(grid, cell_pixels)  # (N, N)
     out = []
@@ -100,7 +76,7 @@ def mean_attention_distance(
             )
         patch = a[:, :, num_prefix_tokens:, num_prefix_tokens:]  # (B, H, N, N)
         mass = patch.sum(-1, keepdims=True)
-        # A query that put all its weight on the class token has no spatial extent; count it as distance 0.
+        # A query with all its weight on the class token has no spatial extent: distance 0.
         patch = np.divide(patch, mass, out=np.zeros_like(patch), where=mass > 0)
         per_query = (patch * dist).sum(-1)  # (B, H, N)
         out.append(per_query.mean(axis=(0, 2)))
@@ -108,11 +84,8 @@ def mean_attention_distance(
 
 
 def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tensor:
-    """Attention rollout (Abnar & Zuidema 2020) → ``(B, T, T)``; row t is how token t's output mixes the inputs.
-
-    Per layer: mean over heads, add the identity for the residual connection, renormalise rows; the joint
-    attention is the product from the first layer up: R = Ā_L · … · Ā_1. Rows of R sum to 1.
-    """
+    """Attention rollout (Abnar & Zuidema 2020) → ``(B, T, T)``; row t: how token t's output mixes the inputs.
+    Per layer: mean over heads, plus the identity (residual), rows renormalised; R = Ā_L · … · Ā_1, rows sum to 1."""
     if len(attentions) == 0:
         raise ValueError("attention_rollout needs at least one layer of attention weights")
     rollout = None
@@ -126,11 +99,8 @@ def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tens
 
 
 def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
-    """Class-token rollout over the patch grid → ``(B, gh, gw)``, each map scaled to sum to 1 over patches.
-
-    Without a class token (``pool="gap"``, num_prefix_tokens=0) the representation is the mean of all output
-    tokens, so the map is the mean of the rollout rows.
-    """
+    """Class-token rollout over the patch grid → ``(B, gh, gw)``, each map summing to 1 (``pool="gap"``: the mean
+    row, as the representation is the mean of all tokens)."""
     rollout = attention_rollout(attentions)  # (B, T, T)
     r = rollout[:, 0, num_prefix_tokens:] if num_prefix_tokens else rollout.mean(dim=1)  # (B, N)
     if r.shape[-1] != grid[0] * grid[1]:
@@ -140,11 +110,7 @@ def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens:
 
 
 def position_similarity(pos_embed, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
-    """Cosine similarity between the position embeddings of every pair of patches → ``(gh, gw, gh, gw)``.
-
-    ``pos_embed`` is ``(1, P+N, D)`` or ``(P+N, D)``; the P prefix (class) slots are dropped. Entry [r, c] is the
-    similarity map of patch (r, c) with every patch, so ``sim[r, c, r, c] == 1``.
-    """
+    """Cosine similarity of every pair of patch position embeddings (prefix slots dropped) → ``(gh, gw, gh, gw)``."""
     p = _as_numpy(pos_embed).astype(np.float64)
     p = p.reshape(-1, p.shape[-1])[num_prefix_tokens:]  # (N, D)
     if p.shape[0] != grid[0] * grid[1]:
@@ -154,12 +120,8 @@ def position_similarity(pos_embed, grid: tuple[int, int], num_prefix_tokens: int
 
 
 def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.ndarray, np.ndarray]:
-    """Top principal components of the patch-embedding filters.
-
-    ``kernel`` is the conv weight ``(D, C, p, p)``: D filters, each a point in C·p·p pixel space. Returns
-    ``(components (k, C, p, p), explained_variance_ratio (k,))`` with k = min(num_components, D, C·p·p), components
-    ordered by variance, each of unit norm (the sign of a component is arbitrary, as in any PCA).
-    """
+    """Top principal components of the patch-embedding kernel ``(D, C, p, p)``: ``(components (k, C, p, p),
+    explained_variance_ratio (k,))``, k <= num_components, each of unit norm (sign arbitrary)."""
     w = _as_numpy(kernel).astype(np.float64)
     if w.ndim != 4:
         raise ValueError(f"patch-embedding kernel must be (D, C, p, p), got shape {w.shape}")
@@ -173,13 +135,11 @@ def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.nd
     return vt[:k].reshape(k, c, ph, pw), ratio
 
 
-# ---------------------------------------------------------------------------------------------------- figures
+# ---- figures
 
 
 def _figure(width: float, height: float):
-    """A figure of the object API (Figure + Agg canvas), never pyplot: no global backend state, no display needed in
-    Ray workers, nothing leaks between figures. matplotlib is heavy: imported on the first figure, not when a suite
-    (and so this module) is loaded."""
+    """An object-API Figure, never pyplot: no global backend state, no display needed."""
     from matplotlib.figure import Figure  # heavy: only when a figure is drawn
 
     return Figure(figsize=(width, height), dpi=120, layout="constrained")
@@ -188,18 +148,14 @@ def _figure(width: float, height: float):
 def plot_attention_distance(
     distances: np.ndarray, image_size: int, path: Path, title: str = "", uniform: float | None = None
 ) -> Path:
-    """Fig. 7 right / Fig. 11: mean attention distance per head (dots) against network depth (layer).
-
-    ``uniform``, when given, is drawn as a dashed reference line: the distance a head attending uniformly over all
-    patches would have (the paper's "global" heads sit near it, "local" heads far below).
-    """
+    """Fig. 7 right / Fig. 11: mean attention distance per head against depth; ``uniform``: a dashed reference."""
     layers, heads = distances.shape
     from matplotlib import colormaps  # heavy: see _figure
 
     fig = _figure(4.8, 4.0)
     ax = fig.subplots()
     colors = colormaps.get_cmap("tab20" if heads > 10 else "tab10")
-    # A small per-head x offset keeps heads with equal distances visible side by side instead of hidden.
+    # A per-head x offset keeps heads with equal distances visible.
     jitter = np.linspace(-0.15, 0.15, heads) if heads > 1 else np.zeros(1)
     for h in range(heads):
         x = np.arange(1, layers + 1) + jitter[h]
@@ -209,7 +165,7 @@ def plot_attention_distance(
     ax.set_xlabel("Network depth (layer)")
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_xlim(0, layers + 1)
-    # Random attention over the whole image sits near half the side; the axis goes a bit beyond it.
+    # Uniform attention sits near half the side.
     ax.set_ylim(0, max(image_size * 0.6, float(distances.max()) * 1.1))
     ax.set_xticks(np.arange(0, layers + 1, max(1, layers // 6 or 1)))
     if heads <= 16 or uniform is not None:
@@ -220,8 +176,7 @@ def plot_attention_distance(
 
 
 def plot_position_similarity(similarity: np.ndarray, path: Path, title: str = "") -> Path:
-    """Fig. 7 centre / Fig. 10: tile (r, c) shows the cosine similarity of patch (r, c)'s position embedding with
-    every patch. Drawn as one mosaic image with thin gaps (one imshow is fast even for a 24x24 grid)."""
+    """Fig. 7 centre / Fig. 10: tile (r, c) is patch (r, c)'s similarity with every patch."""
     gh, gw = similarity.shape[:2]
     gap = 1
     mosaic = np.full((gh * (gh + gap) - gap, gw * (gw + gap) - gap), np.nan)
@@ -271,10 +226,7 @@ def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") 
 
 
 def plot_rollout(images: np.ndarray, maps: np.ndarray, path: Path, title: str = "") -> Path:
-    """Fig. 6: input, rollout heat-map over it, and the input weighted by the map, one row per sample.
-
-    ``images`` are ``(B, 3, H, W)`` in [-1, 1]; ``maps`` are ``(B, gh, gw)`` class-token rollouts.
-    """
+    """Fig. 6, a row per sample: input, rollout over it, input weighted by it; images (B, 3, H, W) in [-1, 1]."""
     b = images.shape[0]
     fig = _figure(6.0, 2.0 * b + 0.5)
     axes = fig.subplots(b, 3, squeeze=False)
@@ -307,26 +259,19 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------------------- model → figures
+# ---- model → figures
 
 
 @dataclass(frozen=True)
 class InspectConfig:
-    """One ``type: inspect`` entry of an eval suite.
+    """One ``type: inspect`` entry of an eval suite."""
 
-    dataset / split: the built-in (or any) shard folder ``<data_root>/<dataset>/<split>`` whose first
-        ``num_images`` images (in the stream's fixed order) are the fixed image set; the paper used 128.
-    num_rollout_images: how many of them get a rollout row in the Fig. 6 panel.
-    num_components: principal components of the patch-embedding filters to draw (fewer if the model is tiny).
-    batch_size: images per forward pass when collecting attention.
-    """
-
-    dataset: str = "digits"
+    dataset: str = "digits"  # the shard folder <data_root>/<dataset>/<split>
     split: str = "test"
-    num_images: int = 32
-    num_rollout_images: int = 4
-    num_components: int = 28
-    batch_size: int = 16
+    num_images: int = 32  # the split's first images are the fixed set (the paper: 128)
+    num_rollout_images: int = 4  # rows of the Fig. 6 panel
+    num_components: int = 28  # filter components drawn (fewer for a tiny model)
+    batch_size: int = 16  # images per forward pass
 
     def __post_init__(self):
         for name in ("num_images", "num_rollout_images", "num_components", "batch_size"):
@@ -348,13 +293,8 @@ def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
 def run_inspection(
     model, images: torch.Tensor, out_dir: Path, config: InspectConfig = InspectConfig(), label: str = ""
 ) -> tuple[dict[str, float], list[Path]]:
-    """Compute every analysis for ``model`` on ``images`` (B, 3, H, W) in [-1, 1] and write the PNGs.
-
-    Returns ``(metrics, figures)``: metrics are floats keyed ``inspect/...`` (per-layer mean attention distance
-    averaged over heads, its min/max head, the mean cosine similarity of neighbouring position embeddings and the
-    variance the drawn filter components explain); figures the list of PNG paths written into ``out_dir``. The
-    model is put in eval mode for the duration and restored afterwards. ``label`` names the model in titles.
-    """
+    """Every analysis of ``model`` on ``images`` (B, 3, H, W) in [-1, 1] → (``inspect/...`` metrics, PNG paths in
+    ``out_dir``). ``label`` names the model in titles."""
     out_dir = Path(out_dir)
     was_training = model.training
     model.eval()
@@ -415,7 +355,7 @@ def run_inspection(
 
 
 def _neighbour_similarity(sim: np.ndarray) -> float:
-    """Mean cosine similarity of horizontally and vertically adjacent patches (learned 2-D structure → high)."""
+    """Mean similarity of adjacent patches: high when the embedding learned 2-D structure."""
     gh, gw = sim.shape[:2]
     values = [sim[r, c, r, c + 1] for r in range(gh) for c in range(gw - 1)]
     values += [sim[r, c, r + 1, c] for r in range(gh - 1) for c in range(gw)]
@@ -423,26 +363,21 @@ def _neighbour_similarity(sim: np.ndarray) -> float:
 
 
 def position_embedding_of(model) -> torch.Tensor:
-    """The learned position embedding ``(1, 1+N, D)`` of a ``VisionTransformer``."""
+    """The learned position embedding ``(1, P+N, D)`` of a ``VisionTransformer`` (P prefix tokens)."""
     return model.pos_embed.detach().float().cpu()
 
 
 def patch_kernel_of(model) -> torch.Tensor | None:
-    """The RGB patch-embedding conv kernel ``(D, 3, p, p)``; None for hybrids, whose 1x1 "patches" see ResNet
-    features rather than pixels, so their filters have no picture to show."""
+    """The RGB patch-embedding kernel ``(D, 3, p, p)``; None for hybrids, whose 1x1 patches see features, not pixels."""
     if getattr(model.config, "hybrid_stages", None) is not None:  # () = root conv only: still not pixels
         return None
     return model.patch_embed.proj.weight.detach().float().cpu()
 
 
 def evaluate(ctx, config: InspectConfig) -> EvalOutput:
-    """Suite entry (``type: inspect``): the four figures for the checkpoint's model on a fixed image set.
-
-    PNGs (and the raw ``attention_distance.npy``) go to ``<ctx.out_dir>/inspect/``, the checkpoint's ``evals/``
-    folder; the runner logs them to MLflow as artifacts and the ``inspect/...`` scalars as metrics at the step.
-    """
+    """Suite entry: the figures in ``<ctx.out_dir>/inspect/``, the scalars as rows."""
     split = resolve_split(ctx.data_root, config.dataset, config.split)
-    # No centre crop: the fixed set is the split's first images, resized whole to the model's resolution.
+    # No centre crop: resized whole.
     images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)
     images = images.to(ctx.device)
     label = f"step {ctx.step}" if ctx.step is not None else ""

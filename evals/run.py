@@ -1,26 +1,9 @@
 """Run an eval suite on any weights: ``python -m evals.run --checkpoint PATH --suite NAME [--step N]``.
 
-This is what the eval scheduler calls after every checkpoint: it reads the suite (and so checks its options) before
-any weights, keeps nothing between calls (a fresh feature cache per call; nothing can go stale across
-checkpoints), and can be held to a few threads (``num_threads``) to run beside training.
-
-Inputs: whatever ``pretrain.weights.formats.load_model`` reads —
-- a training checkpoint folder (``<run>/checkpoints/step_XXXXXXXX/``), refused without its ``COMPLETE`` marker or
-  when the files an eval reads differ from the sizes and checksums its save recorded
-  (``pretrain.checkpoint.checksums``); its step comes from ``trainer_state.json``
-  (``pretrain.checkpoint.run_folder.open_checkpoint``);
-- a folder written by ``save_pretrained`` or ``python -m pretrain.weights convert`` (``model.safetensors`` +
-  ``model.json``), and an official JAX ``.npz``: these carry no step; their results are logged at ``--step``
-  (default 0).
-Outputs: ``<suite>.parquet`` in ``evals/`` inside the folder (checkpoint or exported), ``<stem>_evals/`` beside an
-``.npz`` (a file has no inside), or ``--out``; the metrics of its rows (``evals.evaluator.mlflow_metrics``) logged
-to the MLflow run ``--mlflow-run-id`` at that step; and a printed table.
-
-``--random-init`` runs the same suite a second time on a random initialisation of the weights' architecture, seeded
-as the trainer seeds its step-0 model (the recipe's ``seed`` from the checkpoint's ``config.yaml``; 0 for weights
-without one; ``--init-seed`` overrides), and prints both and the gap: how much the pre-training is worth, in one
-command. Its table is ``<suite>_random_init.parquet`` beside the other; it is never logged to MLflow (a run's own
-random-init baseline is its step 0).
+Run after every checkpoint: the suite is checked before any weights load, nothing is kept between calls, and
+``num_threads`` holds it beside training. A checkpoint must be ``COMPLETE`` with verified checksums and logs at its
+own step; exported weights log at ``--step``. ``--random-init`` also evaluates a random initialisation of the same
+architecture and prints the gap; that table is never logged (a run's random-init baseline is its step 0).
 """
 
 from __future__ import annotations
@@ -54,7 +37,7 @@ ACCEPTED = (
 )
 
 
-# The parquet's schema: RESULT_COLUMNS and the weights evaluated.
+# RESULT_COLUMNS and the weights evaluated.
 SCHEMA = pa.schema(
     [
         ("suite", pa.string()),
@@ -73,17 +56,12 @@ SCHEMA = pa.schema(
 
 
 class CheckpointError(ValueError):
-    """Weights that cannot be evaluated (missing, unfinished, unknown format, a step that contradicts them)."""
+    """Weights that cannot be evaluated (missing, unfinished, unknown format, a contradicting step)."""
 
 
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
-    """``(load_model(image_size=None), step, default_out_dir, path)`` for any weights source
-    (`pretrain.weights.source`: a run folder means its newest COMPLETE checkpoint, which ``path`` names).
-
-    ``step`` is the MLflow step for weights that carry none (default 0). A training checkpoint logs at its own
-    step: a different ``step`` for it is an error (its results would be filed under another step). Whether the
-    weights load is found out by loading them (`run_suite`), with `load_model`'s own messages.
-    """
+    """``(load_model(image_size=None), step, default_out_dir, path)`` without loading; ``path`` is what
+    `pretrain.weights.source` resolves. ``step``: for weights without one (default 0); a checkpoint refuses another."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
     if not Path(checkpoint).exists():
@@ -107,7 +85,7 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
                 "drop --step (a training checkpoint logs at its own step)"
             )
         step = own if own is not None else step
-    # Results go inside a folder of weights (as a checkpoint's evals/), beside a file (it has no inside).
+    # Results go inside a folder of weights, beside a file.
     default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
 
     def load_model(image_size: int | None = None):
@@ -117,11 +95,10 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
 
 
 def init_seed(checkpoint: str | Path) -> int:
-    """The seed the trainer built a checkpoint's step-0 model with: ``seed`` of the resolved recipe it saved
-    (``config.yaml``); 0, every recipe's default, for weights that carry no recipe (an export, an .npz)."""
+    """The seed of a checkpoint's step-0 model: its saved recipe's ``seed``, else 0 (the default)."""
     try:
         path = weights_source.resolve(checkpoint)
-    except (OSError, ValueError):  # said by the suite's own load, with the same message
+    except (OSError, ValueError):  # the suite's own load says it
         path = Path(checkpoint)
     recipe = path / run_folder.CONFIG_YAML if path.is_dir() else None
     if recipe is None or not recipe.is_file():
@@ -136,9 +113,8 @@ def init_seed(checkpoint: str | Path) -> int:
 
 
 def random_init(config, seed: int):
-    """``load_model(image_size=None)`` for a fresh initialisation of ``config`` (a ViTConfig), drawn as the trainer
-    draws its step-0 model (torch's generator seeded with ``seed``, then the constructor), without disturbing the
-    caller's random state. A new ``image_size`` interpolates the position embeddings, as for the checkpoint."""
+    """``load_model(image_size=None)`` for a fresh ``config`` model seeded as the trainer's step-0 model, leaving the
+    caller's random state alone."""
 
     def load_model(image_size: int | None = None):
         with torch.random.fork_rng(devices=[]):
@@ -152,7 +128,7 @@ def random_init(config, seed: int):
 
 
 def _load(load_model, checkpoint):
-    """The first load of the weights: a file that is unreadable or does not describe a ViT is the user's error."""
+    """First load: an unreadable or non-ViT file is the user's error."""
     try:
         return load_model()
     except (ValueError, OSError, SafetensorError) as error:
@@ -173,13 +149,10 @@ def run_suite(
     random_init_seed: int | None = None,
     log=print,
 ):
-    """Evaluate one set of weights on one suite; returns the result table (``pyarrow.Table``, columns RESULT_COLUMNS
-    plus ``checkpoint``) after writing it to ``<out>/<suite>.parquet`` and logging its metrics to MLflow.
+    """Evaluate weights on a suite: write ``<out>/<suite>.parquet``, log its metrics, return the ``pyarrow.Table``.
 
-    ``step``: the MLflow step for weights that carry none (an exported folder, an .npz; default 0).
-    ``random_init_seed``: evaluate a random initialisation of the weights' architecture instead (`random_init`), at
-    step 0, into ``<out>/<suite>_random_init.parquet``; never logged to MLflow."""
-    config = load_suite(suite)  # fail on a bad suite (or a bad option in it) before loading any weights
+    ``random_init_seed``: evaluate `random_init` instead, at step 0, into ``<suite>_random_init.parquet``, unlogged."""
+    config = load_suite(suite)  # a bad suite fails before any weights load
     if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
         raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
     if random_init_seed is not None and mlflow_run_id:
@@ -200,7 +173,7 @@ def run_suite(
         torch.set_num_threads(int(num_threads))
     try:
         model = _load(load_model, checkpoint)
-        if random_init_seed is not None:  # the checkpoint's architecture (read off its weights), fresh weights
+        if random_init_seed is not None:  # the checkpoint's architecture, fresh weights
             load_model, step = random_init(model.config, random_init_seed), 0
             model = load_model()
         model = model.eval().to(device or "cpu")  # evaluators put their inputs there
@@ -237,7 +210,7 @@ def run_suite(
 
 
 def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
-    """Every entry of the suite in order: their rows (named after the entry) and artifacts."""
+    """Rows (named after their entry) and artifacts of every entry, in order."""
     rows, artifacts, logged = [], [], set()
     for spec in config.evaluators:
         t0 = time.perf_counter()
@@ -245,7 +218,7 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
         entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
         keys = set(mlflow_metrics(entry_rows))
         clash = sorted(keys & logged)
-        if clash:  # both stay in the table; MLflow keeps one value per key and step, the later one
+        if clash:  # both stay in the table; MLflow keeps the later
             log(
                 f"evals: warning: {spec.name!r} repeats metric keys {clash[:4]} of an earlier entry of suite "
                 f"{config.name}; MLflow gets the later values (merge the entries to avoid this)"
@@ -258,7 +231,7 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
 
 
 def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log):
-    # rank=0: one eval task per checkpoint logs, even when launched from a process that has RANK set.
+    # rank=0: log even when this process has RANK set.
     tracker = Tracker(tracking_uri or default_tracking_uri(), run_id, rank=0)
     try:
         tracker.log_metrics(metrics, step=step)
@@ -273,7 +246,6 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
 
 
 def format_table(table) -> str:
-    """A fixed-width text rendering: evaluator, dataset, metric, value ± std, count, status, detail."""
     rows = table.to_pylist()
     w = max([34, *(len(row["metric"]) for row in rows)])  # the metric column fits the longest key
     lines = [f"{'evaluator':<10} {'dataset':<14} {'metric':<{w}} {'value':>16} {'n':>5} {'status':<8} detail"]
@@ -289,8 +261,7 @@ def format_table(table) -> str:
 
 
 def format_gap(table, baseline) -> str:
-    """What the weights gain over the random init: every metric both tables log (``mlflow_metrics``), side by side,
-    with the difference (fractions for accuracies: 0.0610 is 6.1 points)."""
+    """Every metric both tables log, side by side, with the gap (accuracies are fractions: 0.061 is 6.1 points)."""
     ours, theirs = mlflow_metrics(table.to_pylist()), mlflow_metrics(baseline.to_pylist())
     lines = [f"{'metric':<40} {'checkpoint':>10} {'random init':>11} {'gap':>9}"]
     for metric in (m for m in ours if m in theirs):
@@ -300,16 +271,15 @@ def format_gap(table, baseline) -> str:
 
 
 def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
-    """Refuse, before any work, an MLflow run that an embedded (SQLite) store does not hold: metrics sent to it
-    would be lost. A tracking server is not asked here (when it is down, MLflow retries for minutes; the
-    `Tracker` retries in the background instead and says what it could not send)."""
+    """Refuse a run an embedded store lacks (its metrics would be lost). A server is not asked: MLflow would retry for
+    minutes if it is down."""
     uri = tracking_uri or default_tracking_uri()
     db = sqlite_path(uri)
     if db is None:
         return
     if not db.is_file():
         raise ValueError(f"no MLflow store at {db} (tracking URI {uri}); check --tracking-uri")
-    from mlflow import MlflowClient  # heavy (seconds to import): only when a run is touched
+    from mlflow import MlflowClient  # heavy: only when a run is touched
     from mlflow.exceptions import MlflowException
 
     try:
@@ -321,7 +291,7 @@ def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
 
 
 def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
-    """An integer flag checked here, so that a bad value is one line (argparse's `type=` adds its usage block)."""
+    """An integer flag checked here: a bad value is one line, without argparse's usage block."""
     if text is None:
         return None
     try:
@@ -392,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evals: the same suite on a random init of the same architecture (seed {seed})")
             baseline = run_suite(args.checkpoint, args.suite, args.data_root, random_init_seed=seed, **common)
             print(format_gap(table, baseline))
-    except (ValueError, OSError) as error:  # user errors (bad weights, suite, data root, out folder): one line
+    except (ValueError, OSError) as error:  # user errors: one line
         print(f"evals.run: error: {error}", file=sys.stderr)
         return 2
     return 0

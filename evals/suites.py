@@ -1,21 +1,15 @@
-"""Eval suites: the YAML format, and the registry of evaluator types with the options each one takes.
+"""Eval suites: the YAML format, and the registry of evaluator types and their options.
 
-A suite is ``configs/evals/<name>.yaml``, big_vision style — a list of evaluators, each chosen by ``type``::
+A suite is ``configs/evals/<name>.yaml``, big_vision style::
 
     name: local_fewshot
-    description: few-shot ridge on the built-in sets
     evaluators:
       - type: fewshot            # a key of EVALUATORS
         datasets: [digits, dsprites_loc]
         shots: [1, 5, 10]
 
-Everything except ``type`` (and an optional display ``name``) is the evaluator's own options. ``load_suite`` parses
-them into the type's frozen options dataclass and checks them (unknown keys, types, values such as ``shots: [0]``,
-VTAB task names), so a bad suite fails when it is read — by ``cluster.launch`` before anything is submitted — and
-not after the first checkpoint. What an evaluator receives and returns is in ``evals.evaluator``.
-
-A new type is a plug-in: ``EVALUATORS["knn"] = EvaluatorType(KnnOptions, evaluate)``, or decorate
-``evaluate(ctx: EvalContext, options: KnnOptions) -> EvalOutput`` with ``@register_evaluator("knn", KnnOptions)``.
+Keys other than ``type`` and ``name`` are the type's options; ``load_suite`` checks them, so a bad suite fails when
+read (before a job is submitted), not after the first checkpoint. A plug-in: ``register_evaluator``.
 """
 
 from __future__ import annotations
@@ -33,8 +27,6 @@ from pretrain.config import typed_yaml
 
 @dataclass(frozen=True)
 class EvaluatorType:
-    """A registered ``type``: the frozen dataclass its suite options parse into, and the function that runs it."""
-
     options: type
     evaluate: Callable[[EvalContext, Any], EvalOutput]
 
@@ -61,7 +53,7 @@ def register_evaluator(name: str, options: type) -> Callable:
 class EvaluatorSpec:
     type: str
     name: str
-    options: Any  # an instance of EVALUATORS[type].options, checked when the suite was loaded
+    options: Any  # an EVALUATORS[type].options instance, checked at load
 
 
 @dataclass(frozen=True)
@@ -89,7 +81,7 @@ def suite_path(name_or_path: str | Path) -> Path:
 
 
 def load_suite(name_or_path: str | Path) -> SuiteConfig:
-    """Read and check a suite: a name, and a non-empty list of evaluators of registered types with valid options."""
+    """Read and check a suite; ValueError naming the fix."""
     path = suite_path(name_or_path)
     example = f"a mapping with evaluators: [- type: fewshot ...]; see {SUITES_DIR / 'local_fewshot.yaml'}"
     raw = typed_yaml.read_mapping(path, "eval suite", example)
@@ -110,7 +102,7 @@ def load_suite(name_or_path: str | Path) -> SuiteConfig:
         options = {k: v for k, v in entry.items() if k not in ("type", "name")}
         if not isinstance(entry["type"], str) or entry["type"] not in EVALUATORS:
             raise ValueError(f"{path}: evaluators[{i}] has unknown type {entry['type']!r}; known: {sorted(EVALUATORS)}")
-        # Unknown keys, types (Literal choices and nested options included) and the class's own checks, now.
+        # Unknown keys, types (Literal and nested options too) and the class's own checks.
         parsed = typed_yaml.build(
             EVALUATORS[entry["type"]].options, options, f"{path} ({entry['type']})", f"evaluators[{i}]."
         )

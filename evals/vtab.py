@@ -1,21 +1,10 @@
 """VTAB-1k (Zhai et al. 2019) as the ViT paper runs it, and an offline stand-in over the built-in datasets.
 
-Each task is a pair of shard folders the user writes (``data_pipeline``): ``<root>/<task>/train`` with at least
-1000 images and ``<root>/<task>/test``. One seeded permutation of ``train`` gives ``train800`` and ``val200``; the
-hyperparameter (the lr for fine-tuning, the l2 for the linear probe) is chosen on train800 → val200, the model is
-re-fit on all 1000 (``train1000``), and the score is test top-1.
-
-Two adaptation protocols, a suite option (``protocol``):
-
-- ``finetune`` — the paper's: fine-tune the whole network (``evals.finetune``: SGD momentum 0.9, cosine, clip 1;
-  paper: lr 0.01, 2500 steps, batch 512, 384 px). Right on accelerators, hours on a CPU.
-- ``linear_probe`` (default) — a linear classifier on frozen pre-logits features: the closed-form ridge to ±1
-  targets of the few-shot evaluator, l2 chosen from 2^-10..2^19. Seconds on a CPU; it measures the frozen
-  representation, so its numbers are lower than, and not comparable with, the paper's fine-tuned VTAB scores.
-
-Aggregates are honest about coverage: a task without data is reported ``missing`` (value NaN, reason given), and
-every mean is over the tasks that ran, with ``vtab/num_tasks`` (and a per-group count) logged beside it. A run
-over 4 of the 19 tasks says "over 4/19 tasks"; it is never presented as a 19-task number.
+A task is ``<root>/<task>/{train,test}`` shard folders; train800 and val200 come from one seeded permutation of
+train (docs/reference.md §4). Protocols: ``finetune`` (the paper's, `evals.finetune`; hours on a CPU) and
+``linear_probe`` (default: the few-shot ridge on frozen features; seconds, and not comparable with the paper's
+fine-tuned scores). A task without data is a ``missing`` row; each mean is logged with its task count, so 4 of 19
+tasks is never presented as a 19-task number.
 """
 
 from __future__ import annotations
@@ -36,10 +25,10 @@ GROUPS = ("natural", "specialized", "structured")
 
 @dataclass(frozen=True)
 class VtabTask:
-    name: str  # folder under the VTAB root and the metric key: vtab/<name>
+    name: str  # folder under the VTAB root; metric vtab/<name>
     group: str  # natural | specialized | structured
-    num_classes: int | None  # declared classes; None → taken from the folder's dataset.json (offline stand-ins)
-    source: str = ""  # where the real task comes from (TFDS name and what the label means)
+    num_classes: int | None  # None: the folder's dataset.json (offline stand-ins)
+    source: str = ""  # the real task's TFDS name and label
 
 
 def _tasks(*tasks: VtabTask) -> dict[str, VtabTask]:
@@ -69,7 +58,7 @@ VTAB1K_TASKS = _tasks(
     VtabTask("smallnorb_elev", "structured", 9, "tfds smallnorb: elevation"),
 )
 
-# The offline suite: the project's generated built-ins standing in for one Natural and three Structured tasks.
+# Offline: built-ins standing in for one Natural and three Structured tasks.
 CI_TASKS = _tasks(
     VtabTask("digits", "natural", None, "built-in rendered digits (an SVHN-like stand-in)"),
     VtabTask("dsprites_loc", "structured", None, "built-in dSprites-like shapes: x position bins"),
@@ -80,18 +69,12 @@ CI_TASKS = _tasks(
 BENCHMARKS = {"vtab1k": VTAB1K_TASKS, "ci": CI_TASKS}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Aggregation.
+# ---- aggregation
 
 
 def aggregate(scores: dict[str, float | None], tasks: dict[str, VtabTask], prefix: str = "vtab") -> list[dict]:
-    """Means over the tasks that have a score, each stating its coverage.
-
-    ``scores`` maps task name → top-1 (fraction) or ``None`` when the task is missing. Tasks of the benchmark that
-    are absent from ``scores`` count as missing too. Returns one dict per aggregate: ``metric``, ``value`` (NaN
-    when nothing is covered), ``count`` (tasks covered) and its key ``count_metric`` (``vtab/num_tasks``,
-    ``vtab/natural_num_tasks``, ...), ``expected`` (tasks in the benchmark / group), ``detail``.
-    """
+    """Means over the tasks with a score (None or absent: missing), as dicts of ``metric``, ``value`` (NaN if none
+    is covered), ``count`` (tasks covered), ``count_metric``, ``expected`` (tasks in the group) and ``detail``."""
     unknown = set(scores) - set(tasks)
     if unknown:
         raise ValueError(f"scores for tasks outside the benchmark: {sorted(unknown)}; known: {sorted(tasks)}")
@@ -117,30 +100,29 @@ def aggregate(scores: dict[str, float | None], tasks: dict[str, VtabTask], prefi
         )
 
     summary(f"{prefix}/mean", f"{prefix}/num_tasks", "VTAB mean", list(tasks))
-    for group in GROUPS:  # every group, even one the benchmark lacks (ci has no Specialized task): "0/0 tasks"
+    for group in GROUPS:  # every group, even one the benchmark lacks ("0/0 tasks")
         names = [n for n, t in tasks.items() if t.group == group]
         summary(f"{prefix}/{group}", f"{prefix}/{group}_num_tasks", f"{group.capitalize()} mean", names)
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The suite evaluator.
+# ---- the suite evaluator
 
 
 @dataclass(frozen=True)
 class VtabOptions:
     benchmark: str = "vtab1k"  # vtab1k (the 19 real tasks) | ci (offline built-ins)
-    tasks: tuple[str, ...] | None = None  # a subset to run; the others are reported missing ("not in suite")
-    data_root: str | None = None  # VTAB root; None → the runner's --data-root
+    tasks: tuple[str, ...] | None = None  # a subset; the others are reported missing
+    data_root: str | None = None  # None: the runner's --data-root
     protocol: Literal["linear_probe", "finetune"] = "linear_probe"
-    seed: int = 0  # the permutation of train that draws train800 / val200
+    seed: int = 0  # draws train800 / val200
     train_examples: int = 800
     val_examples: int = 200
-    image_size: int | None = None  # None: the model's resolution (finetune: pos-embed interpolation when set)
+    image_size: int | None = None  # None: the model's (finetune: else pos-embed interpolation)
     resize_size: int | None = None
     batch_size: int = 256
     l2_grid: tuple[float, ...] = tuple(2.0**e for e in range(-10, 20))  # linear_probe's choice
-    finetune: FinetuneOptions = FinetuneOptions()  # the schedule of protocol finetune (its datasets are unused)
+    finetune: FinetuneOptions = FinetuneOptions()  # protocol finetune's schedule (datasets unused)
 
     def __post_init__(self):
         if self.benchmark not in BENCHMARKS:
@@ -201,8 +183,7 @@ def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> 
 
 
 def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
-    """Suite entry: ``vtab/<task>`` per task that has data, ``vtab/mean`` + group means with their coverage (the
-    number of tasks each covers: ``vtab/num_tasks``, ``vtab/<group>_num_tasks``; ``vtab/num_tasks_expected``)."""
+    """Suite entry: ``vtab/<task>`` per task with data, ``vtab/mean`` and group means, each with its task count."""
     tasks = BENCHMARKS[opts.benchmark]
     root = opts.data_root or ctx.data_root
     wanted = list(opts.tasks) if opts.tasks is not None else list(tasks)
@@ -241,7 +222,7 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
         out.rows.append(
             ResultRow("vtab", bench, metric, agg["value"], count=covered, status=status, detail=agg["detail"])
         )
-        # The coverage is a row of its own, logged even when it is 0: a mean is never read without its task count.
+        # Coverage is its own row, logged even when 0: a mean is never read without its task count.
         coverage = f"tasks covered by {metric} (of {agg['expected']})"
         out.rows.append(ResultRow("vtab", bench, agg["count_metric"], float(covered), detail=coverage))
     out.rows.append(ResultRow("vtab", bench, "vtab/num_tasks_expected", float(len(tasks)), detail=f"tasks in {bench}"))

@@ -1,21 +1,7 @@
 """Side-by-side comparison of pre-training runs, read back from MLflow: ``python -m tracking.compare``.
 
-Answers "which model / recipe gives the best transfer per exaFLOP?" (the paper's Figure 5 and Table 6): a table of
-runs (model, patch, recipe, steps, images seen, exaFLOPs, final loss, few-shot 10-shot mean, fine-tune accuracy,
-VTAB mean with its task count, goodput), each run's model in MLflow (its URI and step, `tracking.models`) and the
-figures (training loss vs images seen; few-shot 10-shot accuracy vs pre-training exaFLOPs; once a run has a goodput
-ledger, a stacked bar per run of where its wall-clock went, `tracking.report_goodput`). Collect
-(`tracking.report_collect`) → render (`tracking.report_render`) → this CLI, which writes ``reports/<name>/``
-(index.html, PNGs, runs.csv) and logs it to MLflow.
-
-Where the report is logged: a dedicated run tagged ``vitscale.kind=comparison`` in the compared experiment (or in
-the ``comparisons`` experiment when runs of several experiments are compared). The training runs stay the
-untouched record of their job, re-running a comparison does not pile reports into every run, and the comparison
-run's tags list exactly which runs it read. Comparison runs are never themselves compared.
-
-Usage::
-
-    python -m tracking.compare [--experiment NAME] [--runs ID,ID] [--tracking-uri URI] [--out reports] [--name N]
+Which model or recipe transfers best per exaFLOP (paper Fig. 5)? Writes ``reports/<name>/`` (index.html, PNGs,
+runs.csv) and logs it to a comparison run of its own (docs/design.md, "The comparison report").
 """
 
 from __future__ import annotations
@@ -34,7 +20,7 @@ from tracking.tracker import default_tracking_uri, sqlite_path
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
-    """Log the report folder as artifacts of a new comparison run (see module docstring); returns its id."""
+    """Log the report folder to a new comparison run, tagged with the runs it read; returns its id."""
     target = comparison.experiments[0] if len(comparison.experiments) == 1 else COMPARISONS_EXPERIMENT
     experiment_id = get_or_create_experiment(client, tracking_uri, target)
     tags = {
@@ -75,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from mlflow import MlflowClient  # after the checks above: importing MLflow takes seconds
+    from mlflow import MlflowClient  # heavy: only after the checks above
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -102,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run_id = log_to_mlflow(client, uri, comparison, out_dir, name)
-    except Exception as error:  # noqa: BLE001 — the report on disk is the product; logging it is a bonus
+    except Exception as error:  # noqa: BLE001 — the report on disk is the product
         print(
             f"tracking.compare: warning: report not logged to MLflow ({type(error).__name__}: {error})", file=sys.stderr
         )

@@ -1,14 +1,8 @@
-"""The model code MLflow stores with every vitscale model (`tracking.models.log_hf_model`, MLflow "models from code").
+"""The model code MLflow stores with every vitscale model ("models from code", `tracking.models`).
 
-MLflow copies this file into the logged model and runs it when the model is loaded: it imports only torch, numpy,
-transformers and mlflow, never vitscale, so `mlflow.pyfunc.load_model(uri)` works wherever those are installed,
-offline (the weights are the model's own artifact ``hf``, an HF ViT folder written by
-`pretrain.weights.export.save_hf`).
-
-``predict`` takes pixel values (B, C, H, W) float32 in [-1, 1] (what `preprocessor_config.json` in the folder makes
-of an image) and returns the logits (B, num_classes) of ViTForImageClassification, or for a model without a head the
-class token's final features (B, D) of ViTModel: the numbers vitscale's own forward gives. Nothing is pickled: the
-logged model is this source file plus the folder.
+It imports no vitscale, so the model loads wherever torch, numpy, transformers and mlflow are installed.
+``predict``: pixels (B, C, H, W) float32 in [-1, 1] → logits (B, num_classes), or a headless model's class-token
+features (B, D). The weights are the model's artifact ``hf``.
 """
 
 import mlflow
@@ -19,8 +13,6 @@ from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 
 class ViTLogits(PythonModel):
-    """pyfunc over an HF ViT folder: pixels in, logits (or features) out, in eval mode."""
-
     def load_context(self, context):
         folder = context.artifacts["hf"]
         architectures = ViTConfig.from_pretrained(folder).architectures or []

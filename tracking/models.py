@@ -1,21 +1,7 @@
-"""A run's model in MLflow: an HF ViT folder (`pretrain.weights.export.save_hf`) logged as an MLflow model of the run.
+"""A run's model in MLflow: an HF ViT folder (`pretrain.weights.export.save_hf`) logged as a model of the run.
 
-Why a pyfunc over the HF folder rather than MLflow's transformers flavour: that flavour logs a *pipeline* (image in,
-top labels out), needs torchvision for the image processor and does not give the logits back; the pyfunc here
-(`tracking/hf_pyfunc.py`, stored as source code, nothing pickled) loads the folder with transformers alone, offline,
-and returns exactly the logits vitscale's own forward gives. The folder is the model's artifact ``hf``, so
-`mlflow.artifacts.download_artifacts(f"{uri}/artifacts/hf")` hands back a plain `from_pretrained` folder too.
-
-What is logged: the model (name ``model``) linked to the run at the checkpoint's step, with a signature (pixels
-(-1, C, S, S) float32 in [-1, 1] → logits (-1, num_classes), or the features (-1, D) of a headless model), an input
-example, pinned pip requirements, tags ``vitscale.step``, ``vitscale.source`` and ``vitscale.eval.<key>`` for each
-eval mean the run holds at that step (``fewshot/mean/10shot``, ``vtab/mean``, ...); the run gets the tags
-``vitscale.model_uri`` and ``vitscale.model_step`` (`make compare` shows them) unless it already names a model of a
-later step.
-
-Callers: ``python -m pretrain.weights export SOURCE OUT --mlflow-run ID`` (any checkpoint, on request) and
-`cluster.driver.record.finish_job` (the newest checkpoint at the end of a job, failure-tolerant). ``mlflow`` is imported
-inside the functions (seconds to import): this module is imported by the weights CLI.
+What is logged, and why a pyfunc (`tracking/hf_pyfunc.py`): docs/contracts.md, "The run's model in MLflow".
+``mlflow`` is imported inside functions: the weights CLI imports this module.
 """
 
 from __future__ import annotations
@@ -42,9 +28,8 @@ _URI_VARIABLE = "MLFLOW_TRACKING_URI"
 def log_hf_model(
     hf_dir: str | Path, run_id: str, tracking_uri: str | None = None, *, step: int | None, source: Any = None
 ) -> str:
-    """Log the HF ViT folder ``hf_dir`` as an MLflow model of run ``run_id`` at checkpoint ``step``; returns its URI
-    (``models:/m-…``). ValueError naming the fix when the run is not in the store, the folder is not an HF ViT
-    export, ``step`` is None (only a training checkpoint has a place in a run) or transformers is missing."""
+    """Log ``hf_dir`` as a model of ``run_id`` at checkpoint ``step``; returns its URI (``models:/m-…``). ValueError
+    naming the fix: no such run, no HF ViT folder, ``step`` None (not a checkpoint), transformers missing."""
     import mlflow  # heavy: only when a model is logged
     from mlflow.exceptions import MlflowException
 
@@ -68,8 +53,7 @@ def log_hf_model(
     means = eval_means(client, run_id, step)
     tags = {keys.MODEL_TAG_STEP: str(step), keys.MODEL_TAG_SOURCE: str(source or hf_dir)}
     tags |= {keys.MODEL_TAG_EVAL_PREFIX + key: repr(value) for key, value in means.items()}
-    # Created here, in the run's experiment: MLflow's log_model would file it under the process's active experiment
-    # (the default one, whose artifacts go to ./mlruns of whatever folder the process runs in).
+    # In the run's experiment: log_model would use the process's active one (artifacts in ./mlruns).
     model = client.create_logged_model(
         run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags, params=dict(run.data.params)
     )
@@ -105,10 +89,8 @@ def _require_transformers() -> None:
 
 @contextlib.contextmanager
 def _tracking_uri(uri: str):
-    """MLflow's model logging reads the process-wide tracking URI: set it for the call, then put everything back —
-    MLflow's own setting and the ``MLFLOW_TRACKING_URI`` variable it rewrites on the way (which
-    `tracking.tracker.default_tracking_uri` reads). Its progress bars are off meanwhile (the input-example check
-    downloads the model back): a job's log stays readable."""
+    """Set MLflow's process-wide tracking URI for the call, then restore it and ``MLFLOW_TRACKING_URI``. Progress
+    bars are off meanwhile (the input-example check downloads the model): a job's log stays readable."""
     from mlflow.tracking._tracking_service.utils import _use_tracking_uri  # restores MLflow's setting as it was
 
     saved = {name: os.environ.get(name) for name in (_PROGRESS_BAR, _URI_VARIABLE)}
@@ -125,8 +107,7 @@ def _tracking_uri(uri: str):
 
 
 def _tag_run(client, run_id: str, model_uri: str, step: int) -> None:
-    """Name the model on the run, unless the run already names one of a later step (a model logged on request for
-    an older checkpoint does not displace the final one)."""
+    """Name the model on the run unless it already names one of a later step."""
     recorded = client.get_run(run_id).data.tags.get(keys.MODEL_STEP)
     if recorded is not None and recorded.lstrip("-").isdigit() and int(recorded) > step:
         return
@@ -135,7 +116,7 @@ def _tag_run(client, run_id: str, model_uri: str, step: int) -> None:
 
 
 def eval_means(client, run_id: str, step: int) -> dict[str, float]:
-    """The run's eval means at ``step`` (every ``<family>/.../mean...`` eval metric, the value logged last)."""
+    """The run's eval metrics with ``/mean`` in their key at ``step``, each the value logged last."""
     means = {}
     for key in client.get_run(run_id).data.metrics:
         if not key.startswith(keys.EVAL_PREFIXES) or "/mean" not in key:
@@ -173,7 +154,7 @@ def signature(hf_dir: Path):
 
 
 def input_example(hf_dir: Path):
-    """One mid-grey image (zeros in [-1, 1]): small in JSON, and any image is a valid example."""
+    """One mid-grey image (zeros): small in JSON."""
     import numpy as np
 
     channels, side, _ = _hf_shape(hf_dir)
@@ -181,5 +162,5 @@ def input_example(hf_dir: Path):
 
 
 def requirements() -> list[str]:
-    """Pinned to what wrote the model, without local labels (``2.13.0+cpu`` → ``2.13.0``, installable from PyPI)."""
+    """Pinned to what wrote the model, local labels dropped (``2.13.0+cpu`` → ``2.13.0``, on PyPI)."""
     return [f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in _REQUIREMENTS]

@@ -1,7 +1,4 @@
-"""Collect step of the cross-run report (``python -m tracking.compare``): MLflow runs → :class:`Comparison`.
-
-Read from the tracking store only, so a report can be rebuilt for any past run; `tracking.report_render` draws it.
-"""
+"""Collect step of the cross-run report: MLflow runs → `Comparison`, from the store alone (any past run works)."""
 
 from __future__ import annotations
 
@@ -14,15 +11,15 @@ import numpy as np
 from tracking import keys
 from tracking.report_goodput import Goodput, read_goodput, read_tails
 
-COMPARISON_KIND = "comparison"  # the value of the keys.KIND tag on the runs the report is logged to
+COMPARISON_KIND = "comparison"  # keys.KIND of the runs reports are logged to
 COMPARISONS_EXPERIMENT = "comparisons"
-MAX_RUNS = 100  # newest runs kept when no selection is given; the report says when it cut
+MAX_RUNS = 100  # newest runs kept without a selection (noted)
 _FINETUNE_KEY = re.compile(r"^finetune/([^/]+)/accuracy$")  # keys.finetune_accuracy(dataset)
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    """One row of the comparison: the latest value of each metric (MLflow's "latest" = highest step)."""
+    """One row: each metric's latest value (MLflow's latest: the highest step)."""
 
     run_id: str
     run_name: str
@@ -42,16 +39,15 @@ class RunSummary:
     vtab_num_tasks: int | None
     vtab_num_tasks_expected: int | None
     start_time_ms: int
-    # Curves for the figures: (images_seen, loss) per logged step; (exaFLOPs, accuracy, step) per checkpoint after
-    # step 0 (no compute yet: it has no place on a log axis, so it is drawn as the baseline instead).
+    # Figure curves: (images_seen, loss) per step; (exaFLOPs, accuracy, step) per checkpoint after step 0.
     loss_curve: tuple[tuple[float, float], ...] = ()
     fewshot_curve: tuple[tuple[float, float, int], ...] = ()
     notes: tuple[str, ...] = field(default=())
-    fewshot_baseline: float | None = None  # fewshot/mean/10shot at step 0: the weights before the first update
+    fewshot_baseline: float | None = None  # fewshot/mean/10shot at step 0
     fewshot_last_step: int | None = None  # the newest step with a fewshot/mean/10shot value
-    model_uri: str | None = None  # the run's model in MLflow (tag vitscale.model_uri, tracking.models)
+    model_uri: str | None = None  # tag vitscale.model_uri
     model_step: int | None = None  # the checkpoint step that model holds
-    goodput: Goodput | None = None  # the run's goodput ledger (tracking.report_goodput); None: none logged
+    goodput: Goodput | None = None  # None: no ledger logged
     step_tails: tuple[tuple[int, float], ...] = ()  # (percentile, train/step_s_pNN) of the last logging window
     data_wait_tails: tuple[tuple[int, float], ...] = ()  # (percentile, train/data_wait_s_pNN) likewise
 
@@ -64,7 +60,7 @@ class RunSummary:
 
     @property
     def fewshot_gains(self) -> tuple[tuple[int, float], ...]:
-        """(step, 10-shot mean - its step-0 value) for every evaluated checkpoint after step 0."""
+        """(step, gain over step 0) per checkpoint after step 0."""
         if self.fewshot_baseline is None:
             return ()
         return tuple((step, value - self.fewshot_baseline) for _, value, step in self.fewshot_curve)
@@ -77,8 +73,6 @@ class RunSummary:
 
 @dataclass(frozen=True)
 class Comparison:
-    """What the report shows: the runs, where they came from, and notes about the selection itself."""
-
     title: str
     tracking_uri: str
     experiments: tuple[str, ...]
@@ -101,17 +95,14 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def _interp(step: int, table: list[tuple[int, float]]) -> float:
-    """Value of a cumulative counter (exaFLOPs, images seen) at ``step``, linear between logged steps."""
+    """A cumulative counter at ``step``, linear between logged steps."""
     steps, values = zip(*table)
     return float(np.interp(step, steps, values))
 
 
 def _patch_size(model: str | None, params: dict) -> int | None:
-    """The patch size the run logged (param ``model.patch_size``), else the trailing digits of the model name.
-
-    The report reads the store only (it does not import the model registry), so a run that did not log its patch
-    size gets the name's number: ``vit_b16`` → 16, ``r50_vit_b16`` → 16 (its stride), ``vit_tiny_debug`` → none.
-    """
+    """Param ``model.patch_size``, else the model name's trailing digits (no model registry import): ``vit_b16``,
+    ``r50_vit_b16`` → 16, ``vit_tiny_debug`` → None."""
     if "model.patch_size" in params:
         return int(params["model.patch_size"])
     match = re.search(r"(\d+)$", model or "")
@@ -119,19 +110,13 @@ def _patch_size(model: str | None, params: dict) -> int | None:
 
 
 def _effective_status(mlflow_status: str, vitscale_status: str) -> str:
-    """The run's status, trusting the trainer's ``vitscale.status`` tag over an MLflow run left RUNNING.
-
-    A standalone ``python -m pretrain.train`` run from an older vitscale tagged its outcome but left its MLflow run
-    RUNNING (now it ends the run it created); only a run RUNNING in both places is really running (or died without a
-    word).
-    """
+    """MLflow's status, except that a RUNNING run whose ``vitscale.status`` says it ended takes that status."""
     if mlflow_status != "RUNNING":
         return mlflow_status
     return {"finished": "FINISHED", "failed": "FAILED", "stopped": "STOPPED"}.get(vitscale_status.lower(), "RUNNING")
 
 
 def summarize_run(client, run, experiment_name: str) -> RunSummary:
-    """Read one MLflow run (metrics, histories, params, tags) into a :class:`RunSummary` with notes."""
     data, info = run.data, run.info
     metrics, params, tags = data.metrics, data.params, data.tags
     model = tags.get(keys.MODEL) or params.get("model.name")
@@ -214,8 +199,8 @@ def _int_tag(value: str | None) -> int | None:
 
 
 def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: tuple[str, ...] = ()) -> Comparison:
-    """Select runs (by id, by experiment, or every experiment) and summarize them. Raises ValueError on a bad name."""
-    from mlflow.exceptions import MlflowException  # MLflow takes seconds to import: only once a store is read
+    """Summarize runs by id, by experiment, or all; ValueError on a bad name."""
+    from mlflow.exceptions import MlflowException  # heavy: only once a store is read
 
     names = {e.experiment_id: e.name for e in client.search_experiments()}
     notes: list[str] = []

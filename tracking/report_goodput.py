@@ -1,14 +1,7 @@
-"""The goodput ledger in the cross-run report (``python -m tracking.compare``): read, format and draw it.
+"""The goodput ledger (docs/goodput.md) in the cross-run report: read, format and draw it.
 
-A run's ledger (docs/goodput.md) splits the job's wall-clock into the buckets of ``keys.GOODPUT_BUCKETS``; the
-report reads the latest ``goodput/<bucket>_s``, ``goodput/wall_s`` and ``goodput/fraction`` of each run (what the job
-logged last, at its last step when it ended) and the step-time tails of its last logging window. It shows the
-fraction in the runs table, one stacked bar per run (each bucket's share of the wall-clock, its seconds written on
-the segment and in the table under the figure), and the same ledger as one line per run in the terminal.
-
-A run without any ``goodput/`` metric (one from before the ledger) has no :class:`Goodput`: "—" in the table, no bar,
-and when no run has one the report has no goodput section at all. This module imports no other report module, so
-both the collect and the render step can use it.
+A run without ``goodput/`` metrics has no `Goodput`: "—", no bar, and no section when no run has one. Imports no
+other report module: collect and render both use it.
 """
 
 from __future__ import annotations
@@ -21,8 +14,7 @@ from pathlib import Path
 from tracking import keys
 
 GOODPUT_PNG = "goodput.png"
-# One colour per bucket, the same in the bar, its legend and the table header; a bucket added to keys later gets
-# matplotlib's default cycle until it is given one here.
+# A bucket missing here gets matplotlib's default cycle.
 BUCKET_COLORS = {
     "productive": "#2e7d32",
     "data_wait": "#f9a825",
@@ -33,17 +25,15 @@ BUCKET_COLORS = {
     "resource_wait": "#00838f",
     "other": "#9e9e9e",
 }
-# A bar segment narrower than this share of the wall-clock gets no seconds label (it would not fit); the table
-# under the figure has every number.
+# Narrower segments (share of the wall-clock) get no seconds label.
 LABEL_MIN_SHARE = 0.07
-# Buckets that do not add up to the wall-clock within this much (relative) are said under the figure: the latest
-# values of the metrics came from different moments, or the ledger missed time.
+# Buckets summing further (relative) from the wall-clock get a note under the figure.
 SUM_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
 class Goodput:
-    """One run's ledger: seconds per bucket (None: not logged) in ``keys.GOODPUT_BUCKETS`` order, and its totals."""
+    """One run's ledger: seconds per bucket (None: not logged) in ``keys.GOODPUT_BUCKETS`` order, and totals."""
 
     seconds: tuple[tuple[str, float | None], ...]
     wall_s: float | None  # goodput/wall_s, else the sum of the logged buckets
@@ -51,11 +41,11 @@ class Goodput:
 
     @property
     def accounted_s(self) -> float:
-        """The sum of the logged buckets (the wall-clock, when the ledger is consistent)."""
+        """The logged buckets' sum (the wall-clock, if consistent)."""
         return sum(s for _, s in self.seconds if s is not None)
 
     def share(self, bucket: str) -> float | None:
-        """The bucket's seconds as a fraction of the wall-clock (None: not logged, or no wall-clock yet)."""
+        """The bucket's fraction of the wall-clock; None without both."""
         value = dict(self.seconds).get(bucket)
         return None if value is None or not self.wall_s else value / self.wall_s
 
@@ -66,7 +56,7 @@ def _finite(metrics: dict, key: str) -> float | None:
 
 
 def read_goodput(metrics: dict) -> Goodput | None:
-    """The ledger from a run's latest metrics; None when the run logged no ``goodput/`` metric at all."""
+    """The ledger from a run's latest metrics; None without any ``goodput/`` metric."""
     if not any(k.startswith(keys.GOODPUT_PREFIX) for k in metrics):
         return None
     seconds = tuple((b, _finite(metrics, keys.goodput_bucket(b))) for b in keys.GOODPUT_BUCKETS)
@@ -82,12 +72,12 @@ def read_goodput(metrics: dict) -> Goodput | None:
 
 
 def read_tails(metrics: dict, key_of) -> tuple[tuple[int, float], ...]:
-    """(percentile, seconds) of the last logging window for each of ``keys.TAIL_PERCENTILES`` that was logged."""
+    """(percentile, seconds) of the last logging window, for those logged."""
     found = ((p, _finite(metrics, key_of(p))) for p in keys.TAIL_PERCENTILES)
     return tuple((p, v) for p, v in found if v is not None)
 
 
-# ---- text ------------------------------------------------------------------------------------------------------
+# ---- text
 
 
 def _pct(value: float | None) -> str:
@@ -109,7 +99,7 @@ def duration_text(value: float) -> str:
 
 
 def goodput_cell(goodput: Goodput | None) -> str:
-    """The runs table's Goodput column: the productive fraction of the wall-clock, "—" without a ledger."""
+    """The productive fraction, "—" without a ledger."""
     return "—" if goodput is None else _pct(goodput.fraction)
 
 
@@ -119,7 +109,7 @@ def tails_text(tails: tuple[tuple[int, float], ...]) -> str:
 
 
 def goodput_line(goodput: Goodput | None, step_tails=(), wait_tails=()) -> str:
-    """The ledger in one line for the terminal; "" for a run with neither ledger nor step-time tails."""
+    """The ledger and tails in one terminal line; "" without either."""
     parts = []
     if goodput is not None:
         buckets = ", ".join(
@@ -134,7 +124,7 @@ def goodput_line(goodput: Goodput | None, step_tails=(), wait_tails=()) -> str:
 
 
 def ledger_notes(rows) -> list[str]:
-    """What the figure cannot show, per run: no ledger, no wall-clock yet, buckets that do not sum to it."""
+    """Per run: no ledger, no wall-clock yet, or buckets that do not sum to it."""
     notes = []
     for name, goodput in rows:
         if goodput is None:
@@ -149,7 +139,7 @@ def ledger_notes(rows) -> list[str]:
     return notes
 
 
-# ---- figure ----------------------------------------------------------------------------------------------------
+# ---- figure
 
 
 def bucket_color(bucket: str) -> str:
@@ -157,7 +147,6 @@ def bucket_color(bucket: str) -> str:
 
 
 def _text_color(color: str) -> str:
-    """Black on light segments, white on dark ones (relative luminance of the fill)."""
     from matplotlib.colors import to_rgb
 
     r, g, b = to_rgb(color)
@@ -165,9 +154,8 @@ def _text_color(color: str) -> str:
 
 
 def draw_goodput(ax, rows) -> list[str]:
-    """One stacked horizontal bar per ``(name, Goodput)`` row with a wall-clock, first row on top: each bucket's
-    share of the wall-clock (%), in ``keys.GOODPUT_BUCKETS`` order, labelled with its seconds where it fits.
-    Returns the notes to print under the figure (see :func:`ledger_notes`)."""
+    """A stacked bar per ``(name, Goodput)`` with a wall-clock, first on top, of each bucket's share (%); returns
+    the `ledger_notes`."""
     from matplotlib.patches import Patch
 
     drawn = [(name, g) for name, g in rows if g is not None and g.wall_s]
@@ -206,8 +194,7 @@ def draw_goodput(ax, rows) -> list[str]:
 
 
 def plot_goodput(rows, path: Path) -> list[str]:
-    """:func:`draw_goodput` into a PNG whose height grows with the number of bars; returns its notes."""
-    import matplotlib  # heavy: imported only when a report is drawn
+    import matplotlib  # heavy: only when a report is drawn
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt
@@ -222,7 +209,7 @@ def plot_goodput(rows, path: Path) -> list[str]:
     return notes
 
 
-# ---- HTML ------------------------------------------------------------------------------------------------------
+# ---- HTML
 
 
 def _bucket_cell(goodput: Goodput, bucket: str) -> str:
@@ -234,11 +221,7 @@ def _bucket_cell(goodput: Goodput, bucket: str) -> str:
 
 
 def goodput_section_html(rows, notes: list[str]) -> str:
-    """The report's goodput section: the figure, the ledger table (share and seconds per bucket) and the notes.
-
-    ``rows`` are ``(name, Goodput | None, step_tails, wait_tails)``; "" when no run has a ledger, so a comparison
-    of runs from before the ledger renders as it did.
-    """
+    """Figure, ledger table and notes of ``(name, Goodput | None, step_tails, wait_tails)`` rows; "" if no ledger."""
     ledgers = [row for row in rows if row[1] is not None]
     if not ledgers:
         return ""

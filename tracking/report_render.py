@@ -1,9 +1,6 @@
-"""Render step of the cross-run report (``python -m tracking.compare``): runs.csv, the figures and index.html.
+"""Render step of the cross-run report: runs.csv, the figures and index.html.
 
-The HTML is self-contained apart from the PNGs next to it (relative links), so the folder can be copied,
-served, or downloaded from MLflow's artifact view as is. Every gap in the data is said in words: per run in the
-Notes column, per figure under it, and a placeholder image rather than a broken one when a figure has no data.
-The goodput ledger (its column, bar chart and table: `tracking.report_goodput`) appears once a run has logged one.
+The HTML links only the PNGs beside it: the folder works anywhere. Every gap in the data is said in words.
 """
 
 from __future__ import annotations
@@ -30,10 +27,10 @@ CSV_COLUMNS = (
     *(f"goodput_{b}_s" for b in keys.GOODPUT_BUCKETS),
     *(f"step_s_p{p}" for p in keys.TAIL_PERCENTILES),
     *(f"data_wait_s_p{p}" for p in keys.TAIL_PERCENTILES),
-]  # goodput and tails last: columns of reports from before the ledger keep their places
+]  # goodput and tails last: older reports' columns keep their places
 
 
-# ---- number formatting (the table shows rounded numbers; runs.csv keeps full precision) ----------------------
+# ---- number formatting: the table rounds, runs.csv keeps full precision
 
 
 def _count(value: float | None) -> str:
@@ -49,7 +46,7 @@ def _pct(value: float | None) -> str:
 
 
 def _points(value: float | None) -> str:
-    """A difference of two accuracies (fractions) in percentage points, signed."""
+    """An accuracy difference in signed percentage points."""
     return "—" if value is None else f"{100 * value:+.1f} pp"
 
 
@@ -90,7 +87,6 @@ TABLE_COLUMNS = (
 
 
 def format_table(comparison: Comparison) -> str:
-    """Plain-text table for the terminal (what `make compare` prints)."""
     if not comparison.runs:
         return "\n".join(comparison.notes) or "no runs"
     rows = [[name for name, _ in TABLE_COLUMNS]] + [[cell(r) for _, cell in TABLE_COLUMNS] for r in comparison.runs]
@@ -113,7 +109,7 @@ def gains_line(run: RunSummary) -> str:
 
 
 def model_line(run: RunSummary) -> str:
-    """The run's MLflow model, e.g. "models:/m-1a2b… (step 200; load with mlflow.pyfunc.load_model)"; "" if none."""
+    """e.g. "models:/m-1a2b… (step 200; load with mlflow.pyfunc.load_model)"; "" without a model."""
     if not run.model_uri:
         return ""
     step = f"step {run.model_step}; " if run.model_step is not None else ""
@@ -176,11 +172,11 @@ def _raw(value) -> str:
     return "" if value is None else repr(value)
 
 
-# ---- figures ---------------------------------------------------------------------------------------------------
+# ---- figures
 
 
 def _figure():
-    import matplotlib  # heavy: imported only when a report is drawn
+    import matplotlib  # heavy: only when a report is drawn
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt
@@ -191,7 +187,7 @@ def _figure():
 
 
 def _color(runs: tuple[RunSummary, ...], run: RunSummary) -> str:
-    """One colour per run, the same in both figures (matplotlib's default cycle by table row)."""
+    """One colour per run, the same in both figures."""
     return f"C{runs.index(run) % 10}"
 
 
@@ -202,7 +198,7 @@ def _placeholder(ax, message: str) -> None:
 
 
 def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
-    """Training loss vs images seen, one line per run. Returns the notes to print under the figure."""
+    """Training loss vs images seen per run; returns the notes for under the figure."""
     plt, fig, ax = _figure()
     drawn = [r for r in runs if r.loss_curve]
     notes = [f"{r.run_name}: no train/loss with train/images_seen logged" for r in runs if not r.loss_curve]
@@ -228,8 +224,7 @@ def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
 
 
 def plot_fewshot(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
-    """10-shot accuracy vs pre-training exaFLOPs (the paper's Figure 5, log x), one marker line per run and a dashed
-    level line at each run's step-0 value (its random-initialisation baseline)."""
+    """10-shot accuracy vs exaFLOPs (paper Fig. 5, log x) per run, with a dashed line at its step-0 value."""
     plt, fig, ax = _figure()
     notes = draw_fewshot(ax, runs)
     fig.tight_layout()
@@ -247,7 +242,7 @@ def _no_curve(run: RunSummary) -> str:
 
 
 def draw_fewshot(ax, runs: tuple[RunSummary, ...]) -> list[str]:
-    """`plot_fewshot`'s drawing on ``ax``; returns the notes to print under the figure."""
+    """`plot_fewshot` on ``ax``; returns its notes."""
     drawn = [r for r in runs if r.fewshot_curve]
     notes = [f"{r.run_name}: {_no_curve(r)}" for r in runs if not r.fewshot_curve]
     notes += [f"{r.run_name}: no step-0 evaluation, so no baseline line" for r in drawn if r.fewshot_baseline is None]
@@ -274,7 +269,7 @@ def draw_fewshot(ax, runs: tuple[RunSummary, ...]) -> list[str]:
     return notes
 
 
-# ---- HTML ------------------------------------------------------------------------------------------------------
+# ---- HTML
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 28px auto; max-width: 1200px;
@@ -337,7 +332,6 @@ def render_html(
                 cells.append(f'<td class="{"text" if name in text_columns else ""}">{value}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>" if runs else ""
-    # One line per run (its notes joined), then notes about the selection itself.
     run_notes = [f"{r.run_name}: {'; '.join(r.notes)}" for r in runs if r.notes] + list(comparison.notes)
     generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     experiments = ", ".join(comparison.experiments) or "—"
@@ -390,7 +384,7 @@ def write_report(comparison: Comparison, out_dir: Path) -> Path:
     goodput_notes: list[str] = []
     if any(r.goodput is not None for r in comparison.runs):
         goodput_notes = plot_goodput([(r.run_name, r.goodput) for r in comparison.runs], out_dir / GOODPUT_PNG)
-    else:  # no ledger, no figure: and none left from an earlier report in this folder (it would be logged)
+    else:  # no ledger: remove an earlier report's goodput.png (it would be logged)
         (out_dir / GOODPUT_PNG).unlink(missing_ok=True)
     index = out_dir / "index.html"
     index.write_text(render_html(comparison, loss_notes, fewshot_notes, goodput_notes), encoding="utf-8")

@@ -1,7 +1,7 @@
 """A run's life in MLflow: creation (once per pre-training job), its tags, its final status.
 
-Creation raises (the caller is not training yet and decides whether to go on untracked); :func:`finish_run`
-never does: tracking never decides a job's fate. Logging into the run is :class:`tracking.tracker.Tracker`'s.
+Creation raises (the caller decides whether to go on untracked); `finish_run` never does: tracking never decides a
+job's fate.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tracking.tracker import (
     flatten_config,
 )
 
-# In the run folder: which MLflow run a relaunch of the same run continues.
+# In the run folder: the MLflow run a relaunch continues.
 RUN_RECORD = "mlflow_run.json"
 
 
@@ -50,11 +50,8 @@ def git_commit(root: Path | str | None = None) -> str:
 def run_tags(
     recipe: str, model: str, world_size: int, *, profile: str | None = None, run_dir: str | None = None
 ) -> dict[str, str]:
-    """The tags that describe a run: what is trained, at which world size, and that it is running.
-
-    A job launched on a cluster profile also carries the profile, its run folder and the commit of the code it
-    ships, computed here, on the launching machine: the job's copy of the code has no ``.git``.
-    """
+    """The run's tags: what is trained, at which world size, ``running``. A profile's job also gets the profile and
+    the commit, computed here on the launching machine: the job's copy of the code has no ``.git``."""
     tags = {keys.RECIPE: recipe, keys.MODEL: model, keys.WORLD_SIZE: str(world_size), keys.STATUS: "running"}
     if profile is not None:
         tags |= {keys.PROFILE: profile, keys.GIT_COMMIT: git_commit()}
@@ -64,8 +61,7 @@ def run_tags(
 
 
 def get_or_create_experiment(client, tracking_uri: str, experiment: str) -> str:
-    """Experiment id for ``experiment``, created (with artifacts next to an embedded store) when absent."""
-    from mlflow.exceptions import MlflowException  # mlflow is heavy: imported only when a run is touched
+    from mlflow.exceptions import MlflowException  # heavy: only when a run is touched
 
     found = client.get_experiment_by_name(experiment)
     if found is not None:
@@ -74,7 +70,7 @@ def get_or_create_experiment(client, tracking_uri: str, experiment: str) -> str:
         location = default_artifact_location(tracking_uri, experiment)
         return client.create_experiment(experiment, artifact_location=location)
     except MlflowException:
-        # Another process created it between our lookup and create (driver + eval tasks racing).
+        # Another process created it since the lookup.
         found = client.get_experiment_by_name(experiment)
         if found is None:
             raise
@@ -88,12 +84,8 @@ def create_run(
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, Any] | None = None,
 ) -> str:
-    """Create one MLflow run (the record of one pre-training job) and return its id.
-
-    ``params`` may be nested (the resolved config dict); it is flattened with
-    :func:`tracking.tracker.flatten_config`. ``tags`` values are stringified.
-    """
-    from mlflow import MlflowClient  # mlflow is heavy: imported only when a run is created
+    """Create the run of one pre-training job; returns its id. Nested ``params`` are flattened (`flatten_config`)."""
+    from mlflow import MlflowClient  # heavy: only when a run is created
     from mlflow.entities import Param
 
     if not experiment:
@@ -118,12 +110,8 @@ def open_job_run(
     tags: Mapping[str, Any],
     plan: Mapping[str, Any],
 ) -> str:
-    """The job's run: created, or the one recorded in ``<run_dir>/mlflow_run.json`` (a relaunch of the same run).
-
-    A new run gets the resolved ``config`` as params, ``tags``, and ``plan`` as the artifact ``plan.json``. The
-    run id is itself a config field (``logging.mlflow_run_id``) that the workers log as a param: it is logged once
-    it exists, with the same value.
-    """
+    """The run ``<run_dir>/mlflow_run.json`` records, else a new one (``config`` as params, ``tags``, ``plan.json``);
+    its id, a config field, is logged once it exists."""
     record = run_dir / RUN_RECORD
     if record.exists():
         saved = json.loads(record.read_text())
@@ -144,9 +132,9 @@ def open_job_run(
 
 
 def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> None:
-    """Mark the run ended: ``status`` is MLflow's (FINISHED, FAILED). ``vitscale.status`` gets ``outcome``, the
-    trainer's finer word ("stopped": ended at ``schedule.stop_at_step``), or else ``status`` in lower case."""
-    from mlflow import MlflowClient  # mlflow is heavy: imported only when a run is touched
+    """End the run with MLflow's ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` (the trainer's
+    finer word, e.g. "stopped") or ``status`` lower-cased."""
+    from mlflow import MlflowClient  # heavy: only when a run is touched
 
     try:
         client = MlflowClient(tracking_uri=tracking_uri)

@@ -1,12 +1,7 @@
-"""The rank-0 MLflow tracker, and where the run's record is stored.
+"""The rank-0 MLflow tracker, and where a run's record is stored.
 
-Training workers, eval tasks and the cluster driver log into one run through a :class:`Tracker` (the run itself
-is created by :mod:`tracking.runs`). The contract that matters most: **a tracking failure never stops training.**
-A locked SQLite file, an unreachable MLflow server or a full disk makes the tracker warn (rate-limited), keep what
-it could not send in a bounded in-memory buffer, and send it on a later call or on :meth:`Tracker.flush`.
-
-``mlflow`` is imported lazily inside functions so that ``import tracking.tracker`` stays cheap (the training loop
-and CLI ``--help`` paths import this module).
+A tracking failure never stops training (`Tracker`). ``mlflow`` is imported inside functions: the training loop and
+CLI ``--help`` import this module.
 """
 
 from __future__ import annotations
@@ -32,26 +27,20 @@ from data_pipeline.paths import PROJECT_ROOT
 logger = logging.getLogger(__name__)
 
 
-# MLflow's own limits (mlflow.utils.validation); a value over the limit makes the whole batch fail, so we
-# truncate rather than lose every other param of the run.
+# MLflow's limits (mlflow.utils.validation): one value over fails the whole batch.
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_KEY_LENGTH = 250
 MAX_PARAMS_TAGS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 
-# MLflow error codes that no retry can fix (bad value, deleted run, conflicting param): such a batch is dropped
-# with a warning instead of being retried forever.
+# Errors no retry fixes: the batch is dropped with a warning.
 _PERMANENT_ERROR_CODES = frozenset(
     {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
 )
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else the embedded store ``sqlite:///<root>/mlflow.db``.
-
-    ``root`` defaults to the project folder. A plain ``./mlruns`` file store is never returned: MLflow >= 3.13
-    refuses it.
-    """
+    """``MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db``; never ``./mlruns`` (MLflow >= 3.13 refuses it)."""
     env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if env:
         return env
@@ -67,12 +56,8 @@ def sqlite_path(tracking_uri: str) -> Path | None:
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
-    """Where an embedded store keeps an experiment's artifacts: next to the database, never relative to CWD.
-
-    MLflow's own default for a SQLite store is ``./mlruns`` under whatever the current directory is, so runs
-    created from different folders (driver, eval task, test) would scatter their artifacts. Servers decide for
-    themselves (None).
-    """
+    """An embedded store's artifact folder: next to the database, not the current directory's ``./mlruns``; None for
+    a server."""
     db = sqlite_path(tracking_uri)
     if db is None:
         return None
@@ -81,12 +66,7 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Flatten a nested config dict to MLflow params: ``{"optim": {"lr": 1e-3}} -> {"optim.lr": "0.001"}``.
-
-    Lists/tuples become JSON; None becomes ``"None"``; values longer than MLflow's limit (6000 characters) are
-    truncated with a marker so the rest of the batch is still accepted. Keys longer than 250 characters raise
-    ``ValueError`` (a config that deep is a bug, not something to hide).
-    """
+    """``{"optim": {"lr": 1e-3}} -> {"optim.lr": "0.001"}``; long values truncated, a too-long key ``ValueError``."""
     flat: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
@@ -116,7 +96,7 @@ class _Artifact:
 
 @dataclass(frozen=True)
 class _PendingMetric:
-    seq: int  # position in the stream of logged values, to remove exactly what was sent
+    seq: int  # to remove exactly what was sent
     key: str
     value: float
     timestamp_ms: int
@@ -124,11 +104,7 @@ class _PendingMetric:
 
 
 class _QuietMlflowDbErrors(logging.Filter):
-    """Drops MLflow's own traceback log for SQL errors while a Tracker is sending from this thread.
-
-    MLflow logs ``logger.exception`` for every failed SQL statement before raising; during an outage that would
-    print a traceback per retry. The Tracker already reports the failure once, in one line.
-    """
+    """Drops MLflow's per-retry traceback of failed SQL while a Tracker sends from this thread (it warns itself)."""
 
     active = threading.local()
 
@@ -149,20 +125,10 @@ def _rank_from_env() -> int:
 class Tracker:
     """Rank-aware MLflow logger that never raises into, and never blocks, the training loop.
 
-    Only rank 0 (``RANK`` env, or ``rank=``) with ``enabled=True`` and a ``run_id`` logs; everywhere else every
-    method is a no-op. ``log_*`` calls only append to an in-memory buffer (metrics keep the timestamp and step of
-    the call) and wake a background sender thread, so a slow or locked store (SQLite waits up to 20 s on a lock)
-    costs the training step nothing. When sending fails the tracker warns (at most once per ``warn_interval_s``),
-    keeps the buffer (beyond ``max_buffered`` metric values the oldest are dropped and counted in a warning) and
-    retries after an exponential backoff (1 s doubling up to ``max_backoff_s``), or at once on :meth:`flush`.
-    A batch MLflow rejects as invalid (e.g. a param re-logged with another value) is dropped with a warning.
-    The sender writes at most once per ``send_every_s``, everything buffered in one go: a write per step had the
-    sender's Python (SQLAlchemy) take the GIL from the training thread for 5% of rank 0's time in `local_demo`,
-    most of it while the thread was loading its batch (docs/performance.md, "The MLflow sender"); :meth:`sync`
-    sends at once (before each checkpoint).
-
-    Keys under a prefix given to :meth:`log_once_per_step` keep one value per step in the run: values at steps the
-    run already holds (a restarted worker group redoing the steps after its checkpoint) are not sent again.
+    Only rank 0 (``RANK`` env, or ``rank=``) with a ``run_id`` logs. ``log_*`` only buffers, for a sender thread that
+    writes at most once per ``send_every_s`` (docs/performance.md, "The MLflow sender"). A failed send warns (rate
+    limited), keeps the buffer (up to ``max_buffered`` metrics) and retries with a backoff doubling to
+    ``max_backoff_s``. A batch MLflow rejects as invalid is dropped.
     """
 
     def __init__(
@@ -185,19 +151,19 @@ class Tracker:
         self.warn_interval_s = warn_interval_s
         self.max_backoff_s = max_backoff_s
         self.send_every_s = send_every_s
-        # Buffers, guarded by _buffer_lock (held only for list operations, never while talking to MLflow).
+        # Guarded by _buffer_lock, never held while talking to MLflow.
         self._metrics: deque[_PendingMetric] = deque()
         self._params: dict[str, str] = {}
         self._tags: dict[str, str] = {}
         self._artifacts: list[_Artifact] = []
         self._next_seq = 0
         self._dropped = 0
-        # log_once_per_step: key prefixes, and the highest step of each key the run held when we connected.
+        # log_once_per_step
         self._once_prefixes: tuple[str, ...] = ()
         self._run_steps: dict[str, int] = {}
         self._said_skipping = False
         self._buffer_lock = threading.Lock()
-        # Delivery state, guarded by _send_lock (one sender at a time: the thread or a flush()).
+        # Guarded by _send_lock: one sender at a time (the thread or flush()).
         self._send_lock = threading.Lock()
         self._failures = 0
         self._next_attempt = 0.0
@@ -208,21 +174,19 @@ class Tracker:
         self._suppressed_warnings = 0
         self._wake = threading.Event()
         self._closing = threading.Event()
-        self._hurry = threading.Event()  # cuts the sender's coalescing wait short: sync() and close()
-        self._attempted = threading.Event()  # set after each of the sender's delivery attempts
+        self._hurry = threading.Event()  # sync(), close(): skip the coalescing wait
+        self._attempted = threading.Event()  # set after each send attempt
         self._thread: threading.Thread | None = None
-        if self.enabled:  # addFilter is idempotent; done here, not at import, to keep import side-effect free
+        if self.enabled:  # here, not at import: importing has no side effects
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
             _track_for_exit(self)
-            # MLflow now, on this thread, not on the sender's first turn: importing it takes seconds on a loaded
-            # machine, and a checkpoint soon after the start waits at most sync()'s timeout for the steps before it
-            # to be sent. (A training rank imports DeepSpeed without MLflow: pretrain.distributed.import_deepspeed.)
+            # Now, not in the sender: slow to import, it would time out an early checkpoint's sync().
             import mlflow  # noqa: F401
 
-    # ---- public API -------------------------------------------------------------------------------------------
+    # ---- public API
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Buffer ``metrics`` at ``step`` for sending. Non-numeric values are skipped with a warning."""
+        """Buffer ``metrics`` at ``step``; non-numeric values are skipped with a warning."""
         if not self.enabled:
             return
         now_ms = int(time.time() * 1000)
@@ -241,18 +205,12 @@ class Tracker:
         self._kick()
 
     def log_once_per_step(self, *prefixes: str) -> None:
-        """Send at most one value per step of each key starting with one of ``prefixes`` to this run.
-
-        MLflow's metric history is append-only, so when a worker group restarts from its newest checkpoint the
-        redone steps would be logged a second time (a zig-zag in every plot). On connecting, the tracker reads
-        the highest step the run holds for each key (its latest metric, which MLflow keeps at the highest step);
-        values at or below it are skipped: the first value logged for a step is the one kept.
-        """
+        """Skip values of keys under ``prefixes`` at steps the run held when we connected (a restart redoes steps)."""
         with self._buffer_lock:
             self._once_prefixes = tuple(dict.fromkeys((*self._once_prefixes, *prefixes)))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log params; nested dicts are flattened like :func:`flatten_config`."""
+        """Log params, flattened like `flatten_config`."""
         if not self.enabled:
             return
         flat = flatten_config(params)
@@ -268,7 +226,7 @@ class Tracker:
         self._kick()
 
     def log_artifact(self, local_path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        """Upload a file or folder (in the background): keep it until :meth:`flush` returns True."""
+        """Upload a file or folder in the background; keep it on disk until `flush` returns True."""
         if not self.enabled:
             return
         with self._buffer_lock:
@@ -276,10 +234,7 @@ class Tracker:
         self._kick()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Send everything buffered now, ignoring the backoff; True when nothing is left buffered.
-
-        Waits for an attempt the sender thread has in progress (at most ``timeout`` seconds, None = no limit).
-        """
+        """Send everything now, ignoring the backoff; True when nothing is left."""
         if not self.enabled:
             return True
         if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
@@ -291,14 +246,8 @@ class Tracker:
         return self.pending == 0
 
     def sync(self, timeout: float = 5.0) -> bool:
-        """Have the sender deliver what is buffered now, not at its next turn, and wait until it has (at most
-        ``timeout`` seconds); True when nothing is left buffered. Never raises.
-
-        A checkpoint calls this before it is published (`pretrain.checkpointer.Checkpointer`): the steps up to a
-        checkpoint are never trained again, so their metrics must reach the run before a lost worker can take them
-        along, buffered. While the store is failing (backing off) it returns False at once: training does not wait
-        on a store that is down; the buffer is sent when it recovers, as always.
-        """
+        """Have the sender deliver now; True when nothing is left. Called before a checkpoint is published: its steps
+        are never redone, so their metrics must not die buffered. False at once while the store is failing."""
         if not self.enabled:
             return True
         deadline = time.monotonic() + timeout
@@ -312,12 +261,7 @@ class Tracker:
         return True
 
     def close(self, timeout: float | None = 120.0) -> None:
-        """Make one last attempt to send everything, stop the sender, and warn about what could not be sent.
-
-        The last attempt runs on the sender thread and ``timeout`` bounds the wait for it, so the end of training
-        never hangs on a server that accepts connections but never answers (MLflow's HTTP client waits and
-        retries for minutes); None waits as long as it takes.
-        """
+        """One last send, then stop the sender; ``timeout`` bounds the wait on a server that never answers."""
         if not self.enabled:
             return
         self._closing.set()
@@ -332,7 +276,6 @@ class Tracker:
 
     @property
     def pending(self) -> int:
-        """Number of buffered items (metric values + params + tags + artifacts) not yet sent."""
         with self._buffer_lock:
             return len(self._metrics) + len(self._params) + len(self._tags) + len(self._artifacts)
 
@@ -342,7 +285,7 @@ class Tracker:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- delivery (sender thread, or flush) -------------------------------------------------------------------
+    # ---- delivery (sender thread, or flush)
 
     def _kick(self) -> None:
         if self._thread is None and not self._closing.is_set():
@@ -368,7 +311,7 @@ class Tracker:
             self._attempt()
 
     def _attempt(self) -> None:
-        """One delivery attempt of everything buffered; the caller holds _send_lock. Never raises."""
+        """Send everything buffered; the caller holds _send_lock. Never raises."""
         if self.pending == 0:
             return
         _QUIET_FILTER.active.sending = True
@@ -392,10 +335,10 @@ class Tracker:
             _QUIET_FILTER.active.sending = False
 
     def _send_all(self) -> None:
-        from mlflow.entities import Metric, Param, RunTag  # heavy (seconds to import): only when a run is touched
+        from mlflow.entities import Metric, Param, RunTag  # heavy: only when a run is touched
 
         client = self._get_client()
-        # Params and tags first: a run whose metrics arrived without its config is hard to interpret.
+        # Params and tags first: metrics without their config are hard to read.
         for store, make, what in ((self._params, Param, "params"), (self._tags, RunTag, "tags")):
             while True:
                 with self._buffer_lock:
@@ -417,7 +360,7 @@ class Tracker:
             if sent:
                 self._send_batch("metrics", lambda e=sent: client.log_batch(self.run_id, metrics=e))
             with self._buffer_lock:
-                # Sequence numbers, not counts: log_metrics may have dropped the oldest values meanwhile.
+                # By sequence number: log_metrics may have dropped the oldest meanwhile.
                 while self._metrics and self._metrics[0].seq <= metrics[-1].seq:
                     self._metrics.popleft()
         while True:
@@ -437,8 +380,8 @@ class Tracker:
             self._warn(f"{dropped} metric values were dropped while MLflow was unreachable (buffer full)", force=True)
 
     def _send_batch(self, what: str, send) -> None:
-        """Run ``send``; swallow permanent MLflow rejections (warn), re-raise everything else for a retry."""
-        from mlflow.exceptions import MlflowException  # heavy (seconds to import): only when a run is touched
+        """Run ``send``; warn about permanent rejections, re-raise the rest for a retry."""
+        from mlflow.exceptions import MlflowException  # heavy: only when a run is touched
 
         try:
             send()
@@ -458,18 +401,17 @@ class Tracker:
 
     def _get_client(self):
         if self._client is None:
-            from mlflow import MlflowClient  # heavy (seconds to import): only when a run is touched
+            from mlflow import MlflowClient  # heavy: only when a run is touched
 
             client = MlflowClient(tracking_uri=self.tracking_uri)
-            # Touch the store now so an unreachable one fails here, inside the retry logic. This happens before
-            # anything of ours is sent, so the steps read are those of earlier processes (log_once_per_step).
+            # Touch the store inside the retries; nothing is sent yet, so these steps are earlier processes'.
             run = client.get_run(self.run_id)
             self._run_steps = {m.key: m.step for m in run.data.to_proto().metrics}
             self._client = client
         return self._client
 
     def _already_logged(self, metric: _PendingMetric) -> bool:
-        """True for a value of a log_once_per_step key at a step the run held before this tracker connected."""
+        """True for a log_once_per_step value at a step the run already held."""
         if not metric.key.startswith(self._once_prefixes) or metric.step > self._run_steps.get(metric.key, -1):
             return False
         if not self._said_skipping:
@@ -481,7 +423,7 @@ class Tracker:
         return True
 
     def _warn(self, message: str, force: bool = False) -> None:
-        """Log a warning; unforced ones (the outage notice) at most once per warn_interval_s."""
+        """Log a warning; unforced ones at most once per warn_interval_s."""
         with self._warn_lock:
             now = time.monotonic()
             if not force and now - self._last_warning < self.warn_interval_s:
@@ -495,8 +437,7 @@ class Tracker:
         logger.warning(message)
 
 
-# Trackers still open at interpreter exit get one last flush (bounded), so a forgotten close() loses nothing
-# when the store is up. The exit hook is registered with the first enabled Tracker, not at import.
+# Trackers still open at exit get a bounded close(); registered by the first enabled Tracker.
 _OPEN_TRACKERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
 _exit_hook_registered = False
 

@@ -1,9 +1,7 @@
 """The MLflow UI over the project's tracking store, on 127.0.0.1: ``python -m tracking.ui [--port 5000]``.
 
-Runs ``mlflow server`` on the embedded SQLite store (``sqlite:///<project>/mlflow.db``, or MLFLOW_TRACKING_URI).
-It binds to the loopback interface only: the UI has no authentication and can delete runs, so exposing it needs
-an explicit ``--host 0.0.0.0`` (warned about). When the tracking URI is already an MLflow server (a cluster
-profile's), there is nothing to start: the command says where to look instead.
+Runs ``mlflow server`` on the embedded SQLite store, on loopback: the UI has no authentication and can delete
+runs, so another ``--host`` is warned about.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise ValueError naming the fix when ``host:port`` cannot be bound (another UI or service is there)."""
+    """ValueError naming the fix when ``host:port`` cannot be bound."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         try:
             sock.bind((host, port))
@@ -42,7 +40,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, workers: int = 1) -> list[str]:
-    """The ``mlflow server`` command line for a SQLite store; ValueError for a store that is not a local file."""
+    """The ``mlflow server`` command line; ValueError for a store that is not a local SQLite file."""
     db = sqlite_path(tracking_uri)
     if db is None:
         raise ValueError(
@@ -60,7 +58,7 @@ def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, wor
         "server",
         "--backend-store-uri",
         tracking_uri,
-        # UI-created experiments keep artifacts next to the database, like those the tracker creates.
+        # UI-created experiments keep artifacts next to the database too.
         "--artifacts-destination",
         str(db.parent / "mlartifacts"),
         "--host",
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(" ".join(command))
         return 0
-    # exec: the server becomes this process, so Ctrl-C and `kill <pid>` reach it directly.
+    # exec: Ctrl-C and `kill <pid>` reach the server directly.
     os.execv(command[0], command)
     return 0  # not reached
 
