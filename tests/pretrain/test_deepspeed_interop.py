@@ -5,7 +5,7 @@ the tag read from the ``latest`` file vitscale writes — and the ``zero_to_fp32
 ``deepspeed/`` give exactly the tensors of the checkpoint's ``model.safetensors`` (under the names of the task module
 the engine wraps: ``model.`` + the ViT's). The one exception is DeepSpeed's: at ZeRO-1 in bf16, vitscale's fp32
 gradient accumulation makes DeepSpeed train with its BF16_Optimizer, whose state zero_to_fp32 does not read ("not a
-zero checkpoint"); DeepSpeed's universal-checkpoint converter does, and gives the same tensors (docs/interfaces.md,
+zero checkpoint"); DeepSpeed's universal-checkpoint converter does, and gives the same tensors (docs/contracts.md,
 "Checkpoints"). The same runs' folders export to transformers with vitscale's logits.
 
 The runs are the ones other tests train (once per pytest run, read only here): fp32 the 8-step reference runs of
