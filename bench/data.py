@@ -33,9 +33,10 @@ from PIL import Image
 from data_pipeline.cli import output_file
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.shards import read_shard
 from data_pipeline.stream.step_pool import StepPool, conversion_rows
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
@@ -165,7 +166,7 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple
     """(images per wall-clock second after the first batch, training-process CPU µs per image) of a TrainStream
     with ``workers`` loader processes."""
     # 2 streams at every worker count: the same samples in the same order
-    spec = StreamSpec(
+    spec = DataConfig.for_stream(
         shards,
         micro_batch_size=batch,
         image_size=size,
@@ -197,7 +198,9 @@ def read_speed(shard_dir: Path) -> float:
 
 def stream_rate(shards: Path, size: int, batch: int = 32) -> float:
     """``stream_img_s``: images per CPU second of a TrainStream without loader workers, one epoch."""
-    spec = StreamSpec(shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig())
+    spec = DataConfig.for_stream(
+        shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig()
+    )
     stream = TrainStream(spec)
     it = iter(stream)
     start = time.process_time()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from data_pipeline.builtin.sets import ensure
 from data_pipeline.manifest import is_shard_folder, read_dataset_info
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from pretrain import checkpointer as ckpt
 from pretrain.checkpoint.run_folder import TrainerState
 from pretrain.config import progressive
@@ -48,27 +48,13 @@ def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
 
 
 def build_stream(config: TrainConfig, place: Placement, num_classes: int) -> TrainStream:
-    d = config.data
-    spec = StreamSpec(
-        d.train,
-        micro_batch_size=d.micro_batch_size,
-        image_size=d.image_size,
-        global_batch_size=d.global_batch_size,
-        streams=d.streams,
-        seed=d.seed,
-        shuffle_buffer=d.shuffle_buffer,
-        augment=d.augment,
-        mixup_alpha=d.mixup_alpha,
-        # Mixup needs soft targets; otherwise int labels are cheapest.
-        label_format="multihot" if d.mixup_alpha > 0 else "int",
+    return TrainStream(
+        config.data,
+        rank=place.rank,
+        world_size=place.world_size,
         num_classes=num_classes,
-        num_workers=d.num_workers,
-        start_method=d.loader_start_method,
         record_keys=config.logging.record_sample_keys,
-        read_retries=d.read_retries,
-        cache_mb=d.cache_mb,
     )
-    return TrainStream(spec, rank=place.rank, world_size=place.world_size)
 
 
 def _next_batch(it: Iterator, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:

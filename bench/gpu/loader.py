@@ -18,13 +18,14 @@ import torch
 
 from bench.data import imagenet_like_jpegs, stream_rate
 from data_pipeline.stream.augment import AugmentConfig
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.config import DataConfig
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def wall_rate(shards: Path, size: int, workers: int, batch: int) -> float:
     """Images per wall-clock second after the first batch, ``workers`` loader processes, one stream each."""
-    spec = StreamSpec(
+    spec = DataConfig.for_stream(
         shards,
         micro_batch_size=batch,
         image_size=size,

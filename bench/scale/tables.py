@@ -19,7 +19,8 @@ import pyarrow as pa
 from bench.data import read_speed
 from data_pipeline import manifest
 from data_pipeline.manifest import SamplesWriter, iter_samples, read_dataset_info, write_metadata
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.config import DataConfig
+from data_pipeline.stream.train_stream import TrainStream
 
 # ImageNet-21k (fall 2011), what every projection of bench.scale.campaign scales to
 I21K_SAMPLES = 14_197_122
@@ -145,7 +146,7 @@ def _probe(args: list[str]) -> None:
     elif what == "plan":
         world = int(args[2])
         info = read_dataset_info(root)
-        spec = StreamSpec(
+        spec = DataConfig.for_stream(
             info,
             micro_batch_size=max(1, GLOBAL_BATCH // world),
             image_size=224,
@@ -159,7 +160,7 @@ def _probe(args: list[str]) -> None:
         out["steps_per_epoch"] = stream.steps_per_epoch
     elif what == "first_batch":
         world = int(args[2])
-        spec = StreamSpec(
+        spec = DataConfig.for_stream(
             root,
             micro_batch_size=64,
             image_size=224,

@@ -28,8 +28,9 @@ from PIL import Image
 from data_pipeline.manifest import DatasetInfo, dataset_info
 from data_pipeline.paths import write_text_atomically
 from data_pipeline.stream.augment import AugmentConfig
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.decoded_cache import planned_bytes
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 MEASURE_SECONDS = 0.5  # timed CPU seconds, after the first step
@@ -133,7 +134,7 @@ def _first_shards(info: DatasetInfo) -> DatasetInfo:
 def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | None, cached: bool) -> float:
     """Images per CPU second of a one-stream `TrainStream` over ``info``, after its first step."""
     batch = min(BATCH, max(1, info.num_samples // 2))
-    spec = StreamSpec(
+    spec = DataConfig.for_stream(
         info,
         micro_batch_size=batch,
         image_size=image_size,

@@ -45,7 +45,7 @@ def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """One rank's share of the order (picklable, for its workers): a `StreamSpec` resolved and checked."""
+    """One rank's share of the order (picklable, for its workers): a `DataConfig` resolved and checked."""
 
     info: DatasetInfo
     micro_batch: int  # m

@@ -1,6 +1,6 @@
 """The training stream: `TrainStream`, one rank's endless micro-batches in the order of `data_pipeline.stream.order`,
-made from a `StreamSpec`. Loader workers read their streams (`_StreamReader`) and write float rows into the step's
-`StepPool` buffer; the training process applies mixup (`_step_batch`) and yields A micro-batches a step. Every
+made from the recipe's `DataConfig`. Loader workers read their streams (`_StreamReader`) and write float rows into the
+step's `StepPool` buffer; the training process applies mixup (`_step_batch`) and yields A micro-batches a step. Every
 faster path yields the same batches (docs/design.md, "What the data stream keeps bit-identical").
 """
 
@@ -10,8 +10,6 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import KW_ONLY, dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -20,7 +18,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 from data_pipeline.manifest import DatasetInfo, ShardFormatError, dataset_info
 from data_pipeline.stream.augment import (
     DECODE_ERRORS,
-    AugmentConfig,
     TrainImage,
     channels_first,
     decode_train_image,
@@ -29,6 +26,7 @@ from data_pipeline.stream.augment import (
     planes,
     to_float_images,
 )
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.decoded_cache import DECODED_KEY, DecodedCache
 from data_pipeline.stream.loader import worker_items
 from data_pipeline.stream.order import TrainPlan, check_split, rank_position, stream_draws, stream_state
@@ -50,76 +48,20 @@ _clamp_warned: set[tuple[int, int]] = set()  # (num_workers, streams per rank) a
 _Item = tuple[int | torch.Tensor, list[int], dict[str, Any]]
 
 
-@dataclass(frozen=True)
-class StreamSpec:
-    """What a training stream reads and how it batches it, the same on every rank; checked against the dataset and
-    the world size when a `TrainStream` is made."""
-
-    location: str | Path | DatasetInfo  # a shard folder (path or fsspec URL) or its `DatasetInfo`
-    _: KW_ONLY
-    micro_batch_size: int  # m: images per micro-batch
-    image_size: int  # S: images are (m, 3, S, S)
-    # G: images per optimizer step over all ranks; None → m × world_size
-    global_batch_size: int | None = None
-    # P: canonical streams; None → world_size × max(1, num_workers) when that divides G, else world_size
-    streams: int | None = None
-    seed: int = 0  # seeds the shard deal, the shuffle buffers, augmentation and mixup
-    shuffle_buffer: int = 1000  # samples per stream's buffer (<= 1: the shards' order)
-    augment: AugmentConfig | None = None  # training augmentation; None: resize only
-    mixup_alpha: float = 0.0  # mixup Beta(α, α) within each stream's chunk; 0: off
-    # labels: "int" int64 (m,), "multihot" float32 (m, K); with mixup always float32 (m, K) soft targets
-    label_format: Literal["int", "multihot"] = "int"
-    num_classes: int | None = None  # K; None → the dataset's
-    num_workers: int = 0  # DataLoader workers; at most P / R run (a worker reads whole streams)
-    start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"  # never "fork" in a threaded process
-    prefetch_factor: int = PREFETCH_FACTOR  # steps a loader worker may be ahead of the training process
-    record_keys: bool = False  # fill `TrainStream.last_keys`
-    read_retries: int = 3  # retries of a transiently failing shard read
-    cache_mb: float = 0.0  # hold the set decoded (`DecodedCache`) when it fits in this many MiB; 0: never
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1 or self.image_size < 1:
-            raise ValueError(
-                f"micro_batch_size and image_size must be >= 1, got {self.micro_batch_size} and {self.image_size}"
-            )
-        if self.label_format not in ("int", "multihot"):
-            raise ValueError(f"label_format must be 'int' or 'multihot', got {self.label_format!r}")
-        if self.mixup_alpha < 0:
-            raise ValueError(f"mixup_alpha must be >= 0, got {self.mixup_alpha}")
-        if self.num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
-        if self.read_retries < 0:
-            raise ValueError(f"read_retries must be >= 0, got {self.read_retries}")
-        if not self.cache_mb >= 0:
-            raise ValueError(f"cache_mb must be >= 0 (0: no decoded cache), got {self.cache_mb}")
-        if self.start_method not in ("fork", "forkserver", "spawn"):
-            raise ValueError(f"start_method must be 'fork', 'forkserver' or 'spawn', got {self.start_method!r}")
-        if not isinstance(self.prefetch_factor, int) or self.prefetch_factor < 1:
-            raise ValueError(
-                "prefetch_factor must be an int >= 1 (steps a loader worker may be ahead), "
-                f"got {self.prefetch_factor!r}"
-            )
-        if self.augment is not None:
-            self.augment.validate()
-
-
-def _plan(spec: StreamSpec, rank: int, world_size: int) -> TrainPlan:
+def _plan(
+    spec: DataConfig, rank: int, world_size: int, num_classes: int | None, label_format: str, record_keys: bool
+) -> TrainPlan:
     """``spec`` resolved and checked for ``rank`` of ``world_size`` against its dataset."""
-    info = dataset_info(spec.location)
+    info = dataset_info(spec.train)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    num_classes = info.num_classes if spec.num_classes is None else spec.num_classes
+    num_classes = info.num_classes if num_classes is None else num_classes
     if num_classes < info.num_classes:
         raise ValueError(
             f"num_classes={num_classes} but {info.root} has {info.num_classes} classes; "
             "pass num_classes >= the dataset's (or leave it None)"
         )
-    m = spec.micro_batch_size
-    G = m * world_size if spec.global_batch_size is None else spec.global_batch_size
-    P = spec.streams
-    if P is None:
-        P = world_size * max(1, spec.num_workers)
-        P = P if G % P == 0 else world_size
+    m, G, P = spec.micro_batch_size, spec.global_batch_size, spec.streams
     check_split(info, G, m, P, world_size, spec.mixup_alpha)
     workers = min(max(1, spec.num_workers), P // world_size)
     if spec.num_workers > workers and (spec.num_workers, P // world_size) not in _clamp_warned:
@@ -143,9 +85,9 @@ def _plan(spec: StreamSpec, rank: int, world_size: int) -> TrainPlan:
         shuffle_buffer=spec.shuffle_buffer,
         augment=spec.augment,
         mixup_alpha=float(spec.mixup_alpha),
-        label_format=spec.label_format,
+        label_format=label_format,
         num_classes=num_classes,
-        record_keys=bool(spec.record_keys),
+        record_keys=bool(record_keys),
     )
     if plan.steps_in_epoch(0) < 1:
         raise ValueError(
@@ -295,16 +237,36 @@ def _step_batch(
 
 class TrainStream:
     """Endless micro-batches (float32 images (m, 3, S, S) in [-1, 1], labels) of rank ``rank``: its share of the
-    order ``spec`` gives at ``world_size`` ranks (docs/elastic.md, "Data order"), A of them per optimizer step.
+    order ``config`` gives at ``world_size`` ranks (docs/elastic.md, "Data order"), A of them per optimizer step.
 
     A micro-batch is a view of a step buffer that is rewritten only once no view of it is alive, so keeping one (in
     a list, in an autograd graph) is safe, and so is modifying one in place. Keeping more than one step's alive costs
     a copy (``unpooled_steps``).
     """
 
-    def __init__(self, spec: StreamSpec, *, rank: int = 0, world_size: int = 1):
-        self.spec = spec
-        self.plan = _plan(spec, rank, world_size)
+    def __init__(
+        self,
+        config: DataConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        num_classes: int | None = None,
+        label_format: Literal["int", "multihot"] = "int",
+        record_keys: bool = False,
+        prefetch_factor: int = PREFETCH_FACTOR,
+    ):
+        """``num_classes``: K, None → the dataset's. ``label_format``: "int" int64 (m,), "multihot" float32 (m, K);
+        with mixup always float32 (m, K) soft targets. ``record_keys``: fill `last_keys`. ``prefetch_factor``: steps
+        a loader worker may be ahead of the training process."""
+        config.check()
+        if label_format not in ("int", "multihot"):
+            raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
+        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ValueError(
+                f"prefetch_factor must be an int >= 1 (steps a loader worker may be ahead), got {prefetch_factor!r}"
+            )
+        spec, self.config, self.prefetch_factor = config, config, prefetch_factor
+        self.plan = _plan(config, rank, world_size, num_classes, label_format, record_keys)
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None
         self.unpooled_steps = 0  # steps that found no free step buffer: copied, not pooled
@@ -312,9 +274,7 @@ class TrainStream:
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
         # Built before the first batch, so that its one read of the set is not counted as waiting for data.
-        pool = step_pool_bytes(
-            self.plan.global_batch // world_size, spec.image_size, self._processes, spec.prefetch_factor
-        )
+        pool = step_pool_bytes(self.plan.global_batch // world_size, spec.image_size, self._processes, prefetch_factor)
         self.cache, self.cache_line = DecodedCache.build(
             self.plan.info, self.plan.image_size, spec.cache_mb, shared=self._processes > 0, reserve_bytes=pool
         )
@@ -372,11 +332,13 @@ class TrainStream:
         """The epoch's micro-batches from global batch ``self._step`` to ``steps``, advancing the position."""
         plan, m, A = self.plan, self.plan.micro_batch, self.plan.accumulation
         # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
-        lookahead = self.spec.prefetch_factor if self._processes > 0 else 0
+        lookahead = self.prefetch_factor if self._processes > 0 else 0
         pool = self._step_pool(steps, lookahead)
-        epoch = _TrainEpoch(plan, self._epoch, self._step, dict(self._draws), pool, self.spec.read_retries, self.cache)
+        epoch = _TrainEpoch(
+            plan, self._epoch, self._step, dict(self._draws), pool, self.config.read_retries, self.cache
+        )
         seed_key = (plan.seed, self._epoch, plan.rank, self._step)
-        items = worker_items(epoch, self._processes, self.spec.start_method, seed_key, self.spec.prefetch_factor)
+        items = worker_items(epoch, self._processes, self.config.loader_start_method, seed_key, self.prefetch_factor)
         for step in range(self._step, steps):
             if step + lookahead < steps:
                 pool.grant(step + lookahead)
@@ -401,7 +363,7 @@ class TrainStream:
 
     def _step_pool(self, steps: int, lookahead: int) -> StepPool:
         """This epoch's step buffers, the next ``lookahead`` steps granted theirs; new, so no older worker writes it."""
-        plan, processes, prefetch = self.plan, self._processes, self.spec.prefetch_factor
+        plan, processes, prefetch = self.plan, self._processes, self.prefetch_factor
         rows = plan.global_batch // plan.world_size
         if processes > 0:
             check_shared_memory(step_pool_bytes(rows, plan.image_size, processes, prefetch), shm_free())

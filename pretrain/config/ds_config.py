@@ -34,7 +34,7 @@ class DeepSpeedConfig:
 
 
 class BatchSizes(Protocol):
-    """What the batch arithmetic reads of the ``data`` section (`pretrain.config.train_config.DataConfig`)."""
+    """What the batch arithmetic reads of the ``data`` section (`data_pipeline.stream.config.DataConfig`)."""
 
     @property
     def global_batch_size(self) -> int: ...

@@ -22,15 +22,14 @@ from typing import Any, Literal
 
 import yaml
 
-from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
-from data_pipeline.stream.augment import AugmentConfig
+from data_pipeline.stream.config import DataConfig
 from pretrain.checkpoint import run_folder
 from pretrain.config import ds_config, optim, progressive, typed_yaml
 from pretrain.config.ds_config import DeepSpeedConfig
 from pretrain.config.optim import OptimConfig, ScheduleConfig
-from pretrain.config.typed_yaml import at_least, positive
+from pretrain.config.typed_yaml import positive
 from pretrain.model import tasks
 from pretrain.model.tasks import LossConfig, TaskConfig
 from pretrain.model.vit import MODEL_NAMES, ViTConfig, model_config
@@ -50,35 +49,6 @@ class ModelConfig:
     gelu_approximate: Literal["tanh", "none"] | None = None  # tanh (JAX checkpoints) | none (exact erf)
     grad_checkpointing: bool = False  # recompute each block in backward
     compile: bool = False  # torch.compile each encoder block (docs/performance.md, "Compiled blocks")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """The training stream and the batch sizes."""
-
-    train: str = "data/imagenet21k/train"  # shard folder: a local path or an fsspec URL
-    builtin: str | None = None  # a built-in set, generated at `train` when absent
-    builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes
-    image_size: int = 224  # final training resolution
-    # [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () = off
-    resolution_schedule: tuple[tuple[int, int], ...] = ()
-    global_batch_size: int = 4096  # images per optimizer step, all ranks
-    micro_batch_size: int = 32  # images per rank per forward/backward
-    epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json
-    num_workers: int = 0  # DataLoader worker processes per rank
-    # Not fork by default: forking a training process, which runs threads, can hang the child
-    loader_start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"
-    # Fixed streams of the data order (docs/design.md, "The training stream contract"); world sizes divide it
-    streams: int = 8
-    shuffle_buffer: int = 1000  # sample shuffle buffer per stream
-    seed: int = 0  # stream seed: shard order, shuffle, augmentation
-    mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables
-    # Inception crop, flip, RandAugment (data_pipeline.stream.augment); null → resize only
-    augment: AugmentConfig | None = field(default_factory=AugmentConfig)
-    # Retries of a failed shard read (backoff 0.1, 0.4, 1.6 s, ...) before it counts as damaged
-    read_retries: int = 3
-    # MiB per rank to hold the whole set decoded, used only if it all fits; 0: never
-    cache_mb: float = 256.0
 
 
 @dataclass(frozen=True)
@@ -174,8 +144,8 @@ class TrainConfig:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         typed_yaml.build(TrainConfig, self.to_dict())  # type checks for a config made in code
         d, here = self.data, self.resolved()
-        vit = check_model(self)
         check_data_config(d, world_size)
+        vit = check_model(self)
         progressive.check_config(d.resolution_schedule, d.image_size, vit.stride, self.deepspeed.zero_stage)
         optim.check_config(self.optim, self.schedule, d.global_batch_size, _epoch_images(here.data, check_paths))
         tasks.check_config(self.loss, self.task)
@@ -264,7 +234,6 @@ def check_model(config: TrainConfig) -> ViTConfig:
     m = config.model
     if m.name not in MODEL_NAMES:
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")
-    positive(config.data.image_size, "data.image_size")
     try:
         return model_config(m.name, **model_overrides(config, num_classes=m.num_classes or 1))
     except ValueError as error:
@@ -282,38 +251,9 @@ def check_compiler(m: ModelConfig) -> None:
 
 
 def check_data_config(d: DataConfig, world_size: int) -> None:
-    """The data section's ranges, the batch split, the built-in dataset and the augmentation."""
-    positive(d.global_batch_size, "data.global_batch_size")
-    positive(d.micro_batch_size, "data.micro_batch_size")
+    """The data section's own ranges (`DataConfig.check`), then the batch split at this world size."""
+    d.check()
     ds_config.batch_plan(d, world_size)
-    if d.epoch_images is not None:
-        positive(d.epoch_images, "data.epoch_images")
-    at_least(d.num_workers, 0, "data.num_workers")
-    at_least(d.read_retries, 0, "data.read_retries")
-    at_least(d.cache_mb, 0, "data.cache_mb")
-    at_least(d.shuffle_buffer, 0, "data.shuffle_buffer")
-    at_least(d.mixup_alpha, 0.0, "data.mixup_alpha")
-    if d.builtin is not None:  # here, not when rank 0 generates the set mid-start
-        if ALIASES.get(d.builtin, d.builtin) not in BUILTIN_NAMES:
-            raise ValueError(
-                f"data.builtin={d.builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it"
-            )
-        for key, value in d.builtin_options.items():
-            low = option_minimum(key)
-            if low is None:
-                known = ", ".join(f.name for f in dataclasses.fields(BuiltinConfig))
-                raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {known}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
-        try:  # the generator's own range checks
-            check_sizes(ALIASES.get(d.builtin, d.builtin), BuiltinConfig(**d.builtin_options))
-        except ValueError as error:
-            raise ValueError(f"data.builtin_options: {error}") from None
-    if d.augment is not None:
-        try:
-            d.augment.validate()
-        except ValueError as error:
-            raise ValueError(f"data.{error}") from None
 
 
 def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:

@@ -13,8 +13,9 @@ import pytest
 from data_pipeline.builtin import __main__ as builtin_cli
 from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import read_dataset_info
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.eval_stream import EvalStream
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.validate import validate
 
 SMALL = dict(num_classes=4, images_per_class=12, val_per_class=3, resolution=32, samples_per_shard=16)
@@ -105,7 +106,9 @@ def test_cli_writes_the_documented_layout(tmp_path, capsys):
     meta = json.loads((tmp_path / "digits" / "train" / "dataset.json").read_text())
     assert {"name", "split", "num_classes", "num_samples"} <= set(meta) and meta["split"] == "train"
     assert builtin_cli.main(["nope", "--out", str(tmp_path)]) == 2
-    spec = StreamSpec(tmp_path / "digits" / "train", micro_batch_size=8, image_size=16, num_workers=2)
+    spec = DataConfig.for_stream(
+        tmp_path / "digits" / "train", micro_batch_size=8, image_size=16, num_workers=2, world_size=2
+    )
     stream = TrainStream(spec, world_size=2, rank=1)
     x, y = next(iter(stream))
     assert x.shape == (8, 3, 16, 16) and y.dtype.is_floating_point is False

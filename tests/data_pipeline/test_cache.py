@@ -25,8 +25,9 @@ from PIL import Image
 
 from data_pipeline.manifest import int64_column, iter_samples, read_dataset_info
 from data_pipeline.stream.augment import AugmentConfig, decode_train_image, decode_whole, decoded_train_image, rgb_array
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.decoded_cache import DecodedCache, planned_bytes
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
@@ -89,8 +90,8 @@ def shards(tmp_path_factory):
     return _write(tmp_path_factory.mktemp("cached") / "train")
 
 
-def _spec(root, cache_mb: float, workers: int = 0) -> StreamSpec:
-    return StreamSpec(
+def _stream(root, cache_mb: float, workers: int = 0, **kw) -> TrainStream:
+    config = DataConfig.for_stream(
         root,
         micro_batch_size=4,
         image_size=16,
@@ -100,8 +101,8 @@ def _spec(root, cache_mb: float, workers: int = 0) -> StreamSpec:
         augment=AugmentConfig(),
         cache_mb=cache_mb,
         num_workers=workers,
-        record_keys=True,
     )
+    return TrainStream(config, record_keys=True, **kw)
 
 
 def _batches(stream: TrainStream, steps: int) -> list:
@@ -120,20 +121,20 @@ def _same(a: list, b: list) -> bool:
 
 
 def test_the_stream_yields_the_same_batches_with_and_without_the_cache(shards):
-    plain = TrainStream(_spec(shards, 0), rank=1, world_size=2)
-    cached = TrainStream(_spec(shards, 64), rank=1, world_size=2)
+    plain = _stream(shards, 0, rank=1, world_size=2)
+    cached = _stream(shards, 64, rank=1, world_size=2)
     assert plain.cache is None and cached.cache is not None and cached.cache.num_samples == 96
     assert cached.cache_line.startswith("decoded cache on: cached (96 images)")
     steps = plain.steps_per_epoch + 3  # into the second epoch: its shards re-dealt, read from the cache
     want = _batches(plain, steps)
     assert _same(_batches(cached, steps), want)
     assert cached.stats == plain.stats and cached.state_dict() == plain.state_dict()
-    workers = TrainStream(_spec(shards, 64, workers=2), rank=1, world_size=2)  # the cache in shared memory
+    workers = _stream(shards, 64, workers=2, rank=1, world_size=2)  # the cache in shared memory
     assert workers.cache.pixels.is_shared()
     assert _same(_batches(workers, steps), want)
-    stopped = TrainStream(_spec(shards, 0), rank=1, world_size=2)
+    stopped = _stream(shards, 0, rank=1, world_size=2)
     _batches(stopped, 4)
-    resumed = TrainStream(_spec(shards, 64), rank=1, world_size=2)  # a resume replays its draws from the cache
+    resumed = _stream(shards, 64, rank=1, world_size=2)  # a resume replays its draws from the cache
     resumed.load_state_dict(stopped.state_dict())
     assert _same(_batches(resumed, steps - 4), want[4 * resumed.accumulation_steps :])
 
@@ -151,7 +152,7 @@ def test_planned_bytes_bound_the_cache_and_a_set_over_cache_mb_gets_none(shards)
     cache, line = DecodedCache.build(info, 16, limit_mb=need / 2**20 * 0.99, shared=False)
     assert cache is None and line.startswith("decoded cache off: cached (96 images) needs over data.cache_mb=")
     assert DecodedCache.build(info, 16, limit_mb=0, shared=False) == (None, "decoded cache off (data.cache_mb=0)")
-    stream = TrainStream(_spec(shards, need / 2**20 * 0.99))
+    stream = _stream(shards, need / 2**20 * 0.99)
     assert stream.cache is None and stream.cache_line == line
 
 
@@ -185,7 +186,7 @@ def test_a_shard_with_read_damage_is_read_from_storage_and_counted_as_without_th
         f.truncate(cut)
     cache, _ = DecodedCache.build(info, 16, limit_mb=64, shared=False)
     assert damaged not in cache.shards and len(cache.shards) == len(info.shards) - 1
-    plain, cached = TrainStream(_spec(root, 0)), TrainStream(_spec(root, 64))
+    plain, cached = _stream(root, 0), _stream(root, 64)
     steps = plain.steps_per_epoch + 2
     assert _same(_batches(cached, steps), _batches(plain, steps))
     assert cached.stats == plain.stats and plain.stats["truncated_shards"] >= 1

@@ -10,8 +10,9 @@ import pytest
 
 from data_pipeline import validate as validate_cli
 from data_pipeline.manifest import MANIFEST_FILE, ShardFormatError, read_dataset_info
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.eval_stream import EvalStream
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write import __main__ as write_cli
 from data_pipeline.write import writer
 from data_pipeline.write.readers import open_source
@@ -36,7 +37,7 @@ def test_corrupt_jpeg_is_skipped_and_counted_exactly(tmp_path):
     keys, stream = eval_keys(root, num_workers=2)
     assert stream.stats["corrupt_samples"] == 1
     assert sorted(keys) == [f"{k:06d}" for k in range(sum(UNEVEN)) if f"{k:06d}" != CORRUPT_KEY]
-    train = TrainStream(StreamSpec(root, micro_batch_size=8, image_size=16, num_workers=0, shuffle_buffer=0))
+    train = TrainStream(DataConfig.for_stream(root, micro_batch_size=8, image_size=16, num_workers=0, shuffle_buffer=0))
     it = iter(train)
     for _ in range(train.steps_per_epoch):
         next(it)
@@ -64,7 +65,7 @@ def test_truncated_shard_is_counted_not_silently_shortened(tmp_path, capsys):
     others = {f"{k:06d}" for k in range(sum(UNEVEN))} - {f"{k:06d}" for k in range(3 + 17 + 5, 3 + 17 + 5 + 40)}
     assert others <= set(keys)  # every sample of the intact shards is still there
     train = TrainStream(
-        StreamSpec(root, micro_batch_size=8, image_size=16, num_workers=2, shuffle_buffer=4), world_size=1
+        DataConfig.for_stream(root, micro_batch_size=8, image_size=16, num_workers=2, shuffle_buffer=4), world_size=1
     )
     batches = [b for _, b in zip(range(train.steps_per_epoch), train)]
     assert len(batches) == train.steps_per_epoch  # the epoch keeps its length (wrapping), and says why
@@ -146,7 +147,7 @@ def test_missing_manifest_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(ShardFormatError, match="has no manifest.parquet"):
         read_dataset_info(root)
     with pytest.raises(ValueError, match="has no manifest.parquet"):
-        TrainStream(StreamSpec(root, micro_batch_size=2, image_size=16))
+        TrainStream(DataConfig.for_stream(root, micro_batch_size=2, image_size=16))
     assert validate_cli.main([str(root)]) == 2
     assert "manifest.parquet" in capsys.readouterr().err
     with pytest.raises(ShardFormatError, match="does not exist"):
@@ -162,4 +163,4 @@ def test_validate_passes_an_intact_folder(tmp_path, capsys):
 def test_shards_without_one_decodable_image_fail_loudly_instead_of_spinning(tmp_path):
     root = make_shards(tmp_path / "bad", sizes=[4], member=lambda key, i, s: {**s, "jpg": b"garbage"})
     with pytest.raises(ShardFormatError, match="no usable sample"):
-        next(iter(TrainStream(StreamSpec(root, micro_batch_size=2, image_size=16))))
+        next(iter(TrainStream(DataConfig.for_stream(root, micro_batch_size=2, image_size=16))))

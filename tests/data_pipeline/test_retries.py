@@ -19,9 +19,10 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from data_pipeline.manifest import read_dataset_info
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.eval_stream import EvalStream
 from data_pipeline.stream.shards import is_transient, read_shard, retry_delay_s
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from pretrain.config.train_config import load_config
 from tests.data_pipeline.test_stream import UNEVEN, make_shards
 
@@ -146,11 +147,13 @@ def test_train_stream_with_loader_workers_retries_and_yields_the_clean_batches(t
     """Two forked loader workers read every shard through storage whose first two opens of each shard fail: the
     epoch's batches are exactly those of a clean read, and every retry is counted in the stream's stats."""
     root = make_shards(tmp_path / "s")
-    kw: dict[str, Any] = dict(micro_batch_size=8, image_size=16, num_workers=2, start_method="fork", shuffle_buffer=8)
-    clean = TrainStream(StreamSpec(root, **kw))
+    kw: dict[str, Any] = dict(
+        micro_batch_size=8, image_size=16, num_workers=2, loader_start_method="fork", shuffle_buffer=8
+    )
+    clean = TrainStream(DataConfig.for_stream(root, **kw))
     expected = [b for _, b in zip(range(clean.steps_per_epoch), clean)]
     monkeypatch.setattr(flaky, "fail_opens", 2)
-    flaky_stream = TrainStream(StreamSpec(f"flaky://{root}", **kw))
+    flaky_stream = TrainStream(DataConfig.for_stream(f"flaky://{root}", **kw))
     got = [b for _, b in zip(range(flaky_stream.steps_per_epoch), flaky_stream)]
     assert len(got) == len(expected) == clean.steps_per_epoch
     for (x, y), (cx, cy) in zip(got, expected):
@@ -162,7 +165,7 @@ def test_train_stream_with_loader_workers_retries_and_yields_the_clean_batches(t
 
 def test_read_retries_is_a_checked_setting(tmp_path):
     with pytest.raises(ValueError, match="read_retries"):
-        StreamSpec(tmp_path, micro_batch_size=8, image_size=16, read_retries=-1)
+        TrainStream(DataConfig.for_stream(tmp_path, micro_batch_size=8, image_size=16, read_retries=-1))
     config = load_config("local_demo", ["data.read_retries=-1"])
     with pytest.raises(ValueError, match=r"data\.read_retries=-1 must be >= 0"):
         config.validate(2, check_paths=False)

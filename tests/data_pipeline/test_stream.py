@@ -16,10 +16,11 @@ from PIL import Image
 
 from data_pipeline.manifest import SHARD_PATTERN, write_metadata
 from data_pipeline.stream.augment import AugmentConfig, channels_first, to_float_images
+from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.eval_stream import EvalStream
 from data_pipeline.stream.order import balanced_split, merge_stream_states
 from data_pipeline.stream.step_pool import StepPool, check_shared_memory, conversion_rows
-from data_pipeline.stream.train_stream import StreamSpec, TrainStream
+from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.dedup import sha256_hex
 from pretrain.config.train_config import load_config
 
@@ -128,8 +129,11 @@ ORDER = dict(
 )
 
 
-def train_stream(location, rank=0, world_size=1, **spec):
-    return TrainStream(StreamSpec(location, **spec), rank=rank, world_size=world_size)
+def train_stream(location, rank=0, world_size=1, **kw):
+    """A rank's stream: ``kw`` are `DataConfig` fields and `TrainStream`'s own arguments."""
+    args = {k: kw.pop(k) for k in ("num_classes", "label_format", "record_keys", "prefetch_factor") if k in kw}
+    config = DataConfig.for_stream(location, world_size=world_size, **kw)
+    return TrainStream(config, rank=rank, world_size=world_size, **args)
 
 
 def rank_streams(root, world_size, num_workers, **kw):
@@ -344,9 +348,9 @@ def test_forkserver_workers_are_the_default_and_give_the_same_batches_as_fork(un
     the child: docs/reference.md §6); the epoch dataset pickles and yields the batches forked workers give."""
     kwargs = dict(ORDER, num_workers=2, seed=4, augment=AugmentConfig(), mixup_alpha=0.2)
     served = train_stream(uneven, **kwargs)
-    assert served.spec.start_method == "forkserver"
+    assert served.config.loader_start_method == "forkserver"
     assert load_config("local_demo").data.loader_start_method == "forkserver"  # what pretrain.train passes it
-    forked = take(train_stream(uneven, start_method="fork", **kwargs), 5)
+    forked = take(train_stream(uneven, loader_start_method="fork", **kwargs), 5)
     for (x1, y1), (x2, y2) in zip(forked, take(served, 5)):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 

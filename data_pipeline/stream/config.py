@@ -1,0 +1,103 @@
+"""`DataConfig`: the recipe's ``data:`` section, which is also the training stream's own configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
+from data_pipeline.stream.augment import AugmentConfig
+
+START_METHODS = ("fork", "forkserver", "spawn")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The recipe's ``data:`` section: what the training stream reads and how it batches it, the same on every rank
+    (`TrainStream` takes it whole), plus the built-in set, the resolution schedule and the epoch size for training.
+    `check` tests each field's own range; what the fields must satisfy with the dataset and the world size is
+    checked when a `TrainStream` is made."""
+
+    train: str = "data/imagenet21k/train"  # shard folder: a local path or an fsspec URL
+    builtin: str | None = None  # a built-in set, generated at `train` when absent
+    builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes
+    image_size: int = 224  # final training resolution
+    # [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () = off
+    resolution_schedule: tuple[tuple[int, int], ...] = ()
+    global_batch_size: int = 4096  # images per optimizer step, all ranks
+    micro_batch_size: int = 32  # images per rank per forward/backward
+    epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json
+    num_workers: int = 0  # DataLoader worker processes per rank
+    # Not fork by default: forking a training process, which runs threads, can hang the child
+    loader_start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"
+    # Fixed streams of the data order (docs/design.md, "The training stream contract"); world sizes divide it
+    streams: int = 8
+    shuffle_buffer: int = 1000  # sample shuffle buffer per stream
+    seed: int = 0  # stream seed: shard order, shuffle, augmentation
+    mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables
+    # Inception crop, flip, RandAugment (data_pipeline.stream.augment); null → resize only
+    augment: AugmentConfig | None = field(default_factory=AugmentConfig)
+    # Retries of a failed shard read (backoff 0.1, 0.4, 1.6 s, ...) before it counts as damaged
+    read_retries: int = 3
+    # MiB per rank to hold the whole set decoded, used only if it all fits; 0: never
+    cache_mb: float = 256.0
+
+    @classmethod
+    def for_stream(
+        cls, train: Any, *, micro_batch_size: int, image_size: int, world_size: int = 1, **fields: Any
+    ) -> DataConfig:
+        """A config for a stream outside a recipe (benchmarks, tests): ``train`` may also be a Path or a
+        `DatasetInfo`; one micro-batch per step on each of ``world_size`` ranks (G = m × world_size); P =
+        world_size × max(1, num_workers) streams when that divides G, else world_size; no augmentation, no cache.
+        ``fields`` override any of these."""
+        workers = fields.get("num_workers", 0)
+        G = fields.pop("global_batch_size", micro_batch_size * world_size)
+        P = world_size * max(1, workers)
+        fields.setdefault("streams", P if G % P == 0 else world_size)
+        fields.setdefault("augment", None)
+        fields.setdefault("cache_mb", 0.0)
+        return cls(train=train, micro_batch_size=micro_batch_size, image_size=image_size, global_batch_size=G, **fields)
+
+    def check(self) -> None:
+        """Raise ValueError naming ``data.<field>``, its value and the fix, for a value out of its own range."""
+        for name in ("image_size", "global_batch_size", "micro_batch_size"):
+            _positive(getattr(self, name), f"data.{name}")
+        if self.epoch_images is not None:
+            _positive(self.epoch_images, "data.epoch_images")
+        for name in ("num_workers", "read_retries", "cache_mb", "shuffle_buffer", "mixup_alpha"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"data.{name}={getattr(self, name)} must be >= 0")
+        if self.loader_start_method not in START_METHODS:
+            raise ValueError(
+                f"data.loader_start_method={self.loader_start_method!r} must be one of {', '.join(START_METHODS)}"
+            )
+        if self.builtin is not None:
+            _check_builtin(self.builtin, self.builtin_options)
+        if self.augment is not None:
+            try:
+                self.augment.validate()
+            except ValueError as error:
+                raise ValueError(f"data.{error}") from None
+
+
+def _positive(value: float, name: str) -> None:
+    if not value > 0:
+        raise ValueError(f"{name}={value} must be > 0")
+
+
+def _check_builtin(builtin: str, options: dict[str, Any]) -> None:
+    """A known set, known options, and the generator's own ranges: here, not when rank 0 generates the set."""
+    if ALIASES.get(builtin, builtin) not in BUILTIN_NAMES:
+        raise ValueError(f"data.builtin={builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it")
+    for key, value in options.items():
+        low = option_minimum(key)
+        if low is None:
+            known = ", ".join(f.name for f in dataclasses.fields(BuiltinConfig))
+            raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {known}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
+    try:
+        check_sizes(ALIASES.get(builtin, builtin), BuiltinConfig(**options))
+    except ValueError as error:
+        raise ValueError(f"data.builtin_options: {error}") from None
