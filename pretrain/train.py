@@ -1,11 +1,9 @@
-"""The per-worker training loop: DeepSpeed ZeRO over a ViT classification (or other) task.
+"""Train a recipe: DeepSpeed ZeRO over a ViT classification (or other) task, one process or one per rank.
 
-`train_worker(config)` runs the same under `torchrun`, the DeepSpeed launcher and Ray Train: it reads RANK /
-WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Standalone:
+    python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run] [--summary PATH]
+    torchrun --nproc-per-node 2 -m pretrain.train --config local_demo
 
-    python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run]
-
-Per step: resolution switch, optimizer step (`pretrain.trainer.Trainer`), record, log, checkpoint.
+The loop itself is `pretrain.loop.train_worker`.
 """
 
 from __future__ import annotations
@@ -22,170 +20,10 @@ import sys
 from pathlib import Path
 
 from data_pipeline.cli import output_file
-from pretrain.checkpoint import run_folder
-from pretrain.checkpointer import CheckpointCallback, Checkpointer
 from pretrain.config.ds_config import batch_plan
-from pretrain.config.train_config import TrainConfig, load_config
-from pretrain.distributed import Placement, broadcast, exit_rank, finish_distributed, init_distributed
-from pretrain.model.flops import train_flops
-from pretrain.telemetry.attempt_clock import AttemptClock, attempt_path
-from pretrain.telemetry.heartbeat import Heartbeat
-from pretrain.telemetry.metrics import TrainMetrics
-from pretrain.telemetry.peak import Peak, device_peak
-from pretrain.telemetry.recorder import Recorder, TrainSummary
-from pretrain.trainer import Trainer
-from tracking import keys
-from tracking.runs import create_run, finish_run, run_tags
-from tracking.tracker import Tracker
-
-
-def train_worker(
-    config: TrainConfig, on_checkpoint: CheckpointCallback | None = None, heartbeat: Heartbeat | None = None
-) -> TrainSummary:
-    """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
-    every rank after each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch."""
-    clock = AttemptClock()  # every second of this attempt is booked from here on
-    config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
-    place = init_distributed(config)
-    config.validate(place.world_size)
-    if place.rank == 0:
-        print(config.format(), flush=True)
-    trainer = Trainer.start(config, place)
-    peak = device_peak(config.logging.peak_tflops, place.device, trainer.precision.precision)
-    tracker, created_run = start_tracking(config, trainer, peak)
-    metrics = TrainMetrics(
-        rank=place.rank,
-        world_size=place.world_size,
-        total_steps=trainer.last_step,
-        flops_per_image=train_flops(trainer.model.config),
-        peak_tflops=peak.tflops,
-        device=place.device,
-        log_every=config.logging.log_every,
-        tracker=tracker,
-        progress_bar=config.logging.progress_bar,
-        start_step=trainer.step,
-        images_seen=trainer.images_seen,
-    )
-    checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker)
-    beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
-    trainer.restore_randomness()  # last before the loop: nothing after it draws from the global generators
-    recorder, outcome = open_recorder(config, place), "failed"
-    open_clock(clock, config, trainer)
-    try:
-        checkpointer.save_baseline(trainer)
-        clock.saved_before_loop(checkpointer.save_seconds)
-        collector.resume()  # the start is over
-        logged: dict[str, float] = {}
-        while trainer.step < trainer.last_step:
-            clock.lap("productive")
-            trainer.maybe_switch_resolution(on_switch=beat.busy)
-            clock.lap("startup")  # a resolution switch rebuilds the engine: start-up work
-            result = trainer.train_step(recorder)
-            step_s = clock.step_done(trainer.step, result.data_s)
-            beat.step(trainer.step, result.data_s, trainer.stream.stats)
-            recorder.end_step(trainer.step, result.loss, trainer.epoch)
-            new = metrics.step(
-                trainer.step,
-                result.loss,
-                result.lr,
-                result.grad_norm,
-                trainer.plan.global_batch_size,
-                result.data_s,
-                step_s=step_s,
-            )
-            logged = new or logged
-            checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})
-            clock.after_step(checkpointer.save_seconds, logged=bool(new))
-        outcome = "finished" if trainer.step >= trainer.total_steps else "stopped"
-    finally:
-        clock.close(outcome)
-        beat.end()
-        tracker.set_tags({keys.STATUS: outcome})
-        recorder.close()
-        metrics.close()
-        tracker.close()
-        # A stopped run ended well too: FINISHED, with vitscale.status "stopped".
-        if created_run and tracker.run_id is not None:
-            finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
-    trainer.close()
-    return recorder.summary(**trainer.describe(), checkpoints=checkpointer.saved)
-
-
-def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> None:
-    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = this start's index in the run's history of
-    starts (appended in `start_tracking`); everything until now was start-up."""
-    place, path, attempt = trainer.place, None, 0
-    if place.rank == 0:
-        attempt = len(run_folder.world_size_history(Path(config.checkpoint.dir)))
-        path = attempt_path(config.checkpoint.dir, attempt)
-    clock.open(
-        path,
-        attempt=attempt,
-        world_size=place.world_size,
-        start_step=trainer.step,
-        last_step=trainer.last_step,
-        pid=os.getpid(),
-    )
-    clock.lap("startup")
-
-
-def open_recorder(config: TrainConfig, place: Placement) -> Recorder:
-    """This attempt's recorder. Collective with sample keys: every rank gets rank 0's count of the run's starts."""
-    attempt = 0
-    if config.logging.record_sample_keys:
-        attempt = broadcast(len(run_folder.world_size_history(Path(config.checkpoint.dir))))
-    return Recorder.for_run(Path(config.checkpoint.dir), config.logging, place.rank, place.world_size, attempt)
-
-
-def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[Tracker, bool]:
-    """The run's tracker, its params and tags set, and whether this process created the MLflow run."""
-    place, choice = trainer.place, trainer.precision
-    tracker, created = _tracker(config, place, trainer.model)
-    tracker.set_tags(
-        {
-            keys.PRECISION: choice.precision,
-            keys.PRECISION_RULE: choice.rule,
-            keys.PRECISION_REASON: choice.reason,
-            keys.PEAK_TFLOPS: f"{peak.tflops:.6g}",
-            keys.PEAK_SOURCE: peak.source,
-            **record_world_size(config, place, trainer.step, trainer.plan),
-        }
-    )
-    return tracker, created
-
-
-def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, bool]:
-    """The MLflow tracker (rank 0 logs), and whether this process created the MLflow run, and so must end it."""
-    lg = config.logging
-    run_id, created = lg.mlflow_run_id, False
-    if run_id is None and lg.mlflow_experiment and place.rank == 0:
-        try:
-            run_id = create_run(lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {})
-            created = True
-        except Exception as error:  # tracking must never stop training
-            print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
-    tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
-    # The patch size is no recipe field; the comparison report reads it from here.
-    tracker.log_params({**config.to_dict(), "model.patch_size": model.config.patch_size})
-    tracker.set_tags(run_tags(config.recipe, config.model.name, place.world_size))
-    return tracker, created
-
-
-def record_world_size(config: TrainConfig, place: Placement, step: int, plan) -> dict[str, str]:
-    """Rank 0 appends this start to the run's world-size history; returns the world-size tags (current size, number
-    of changes, the sizes in order: "2,1,2")."""
-    if place.rank != 0:
-        return {}
-    run_dir = Path(config.checkpoint.dir)
-    run_folder.record_world_size(run_dir, step, place.world_size, plan.grad_accum_steps)
-    history = run_folder.world_size_history(run_dir)
-    events = run_folder.resize_events(history)
-    sizes = [history[0]["world_size"], *(e["to"] for e in events)]
-    return {
-        keys.WORLD_SIZE: str(place.world_size),
-        keys.RESIZES: str(len(events)),
-        keys.WORLD_SIZES: ",".join(map(str, sizes)),
-    }
+from pretrain.config.train_config import load_config
+from pretrain.distributed import exit_rank, finish_distributed
+from pretrain.loop import train_worker
 
 
 def _env_world_size() -> int:

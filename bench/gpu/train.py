@@ -33,12 +33,12 @@ from pretrain.config.optim import build_optimizer
 from pretrain.config.train_config import TrainConfig, load_config, model_overrides
 from pretrain.distributed import finish_distributed, init_distributed, training_device_type
 from pretrain.engine import decide_precision
+from pretrain.loop import train_worker
 from pretrain.model.flops import train_flops
 from pretrain.model.tasks import build_task
 from pretrain.model.vit import build_model, model_config
 from pretrain.telemetry.heartbeat import Heartbeat
 from pretrain.telemetry.peak import device_peak
-from pretrain.train import train_worker
 from pretrain.trainer import Trainer, build_stream, prepare_data
 
 RECIPE = "vit_h14_i21k"

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from evals.evaluator import mlflow_metrics
-from evals.run import run_suite
+from evals.runner import run_suite
 from pretrain.checkpoint.run_folder import is_complete, unpin_checkpoint
 
 

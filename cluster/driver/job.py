@@ -30,8 +30,8 @@ from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import pin_checkpoint, release_pins
 from pretrain.checkpoint.writes import SaveAttempt
 from pretrain.config.train_config import TrainConfig
+from pretrain.loop import train_worker
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
-from pretrain.train import train_worker
 from tracking import keys
 from tracking.runs import open_job_run, run_tags
 from tracking.tracker import Tracker

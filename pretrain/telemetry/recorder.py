@@ -20,7 +20,7 @@ from pretrain.checkpoint.run_folder import SAMPLE_KEYS_DIR
 
 @dataclass
 class TrainSummary:
-    """What `pretrain.train.train_worker` returns on every rank (``--summary`` writes it as JSON)."""
+    """What `pretrain.loop.train_worker` returns on every rank (``--summary`` writes it as JSON)."""
 
     rank: int
     world_size: int

@@ -57,7 +57,7 @@ def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(t
     from mlflow import MlflowClient
 
     from data_pipeline.builtin.sets import ensure
-    from evals.run import run_suite
+    from evals.runner import run_suite
     from pretrain.weights.formats import save_pretrained
     from tracking.runs import create_run
 

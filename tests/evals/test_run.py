@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from evals.run import CheckpointError, main, run_suite
+from evals.run import main
+from evals.runner import CheckpointError, run_suite
 from pretrain.model.vit import build_model
 from pretrain.weights.formats import save_pretrained
 
@@ -419,7 +420,7 @@ def test_learning_curve_is_measured_along_the_one_run():
 
 
 def test_random_init_has_the_checkpoints_shape_and_the_trainers_seed_rule(checkpoint, tmp_path):
-    from evals.run import init_seed, random_init
+    from evals.runner import init_seed, random_init
     from pretrain.randomness import seed_everything
     from pretrain.weights.formats import load_model
 

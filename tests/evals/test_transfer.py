@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from data_pipeline.builtin.sets import ensure
-from evals.run import run_suite
+from evals.runner import run_suite
 from pretrain.config.train_config import load_config
 from pretrain.model.vit import build_model
 from pretrain.weights.formats import save_pretrained

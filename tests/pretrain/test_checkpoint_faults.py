@@ -229,7 +229,7 @@ def test_a_file_cut_short_in_the_newest_checkpoint_resumes_exactly_from_the_prev
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_flipped_byte_is_found_skipped_and_refused_by_evals_and_verify(uninterrupted, tmp_path, capsys):
-    from evals.run import CheckpointError, open_checkpoint
+    from evals.runner import CheckpointError, open_checkpoint
 
     run, _ = uninterrupted
     flipped = _copy_run(run, tmp_path / "flipped")

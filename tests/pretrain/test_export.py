@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from evals.run import open_checkpoint
+from evals.runner import open_checkpoint
 from pretrain.checkpoint import checksums
 from pretrain.checkpoint.run_folder import COMPLETE, TrainerState
 from pretrain.model.vit import MODEL_NAMES, VARIANTS, VisionTransformer, model_config

@@ -482,7 +482,7 @@ WITH_EVALS = """
 import json, sys
 from pretrain.config.train_config import load_config
 from pretrain.distributed import exit_rank, finish_distributed
-from pretrain.train import train_worker
+from pretrain.loop import train_worker
 
 config = load_config(sys.argv[1])
 handed = []

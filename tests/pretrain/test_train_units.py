@@ -465,7 +465,7 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
     config.save(tmp_path / "recipe.yaml")
     code = (
         "import os, sys\nfrom pretrain.config.train_config import load_config\n"
-        "from pretrain.train import train_worker\n"
+        "from pretrain.loop import train_worker\n"
         "train_worker(load_config(sys.argv[1]), on_checkpoint=lambda folder, step, m: step == 3 and os._exit(17))"
     )
     done = subprocess.run(

@@ -1,0 +1,287 @@
+"""Run an eval suite on any weights: `run_suite`, called by the cluster's eval tasks and by ``python -m evals.run``.
+
+Made to run after every checkpoint: the suite is checked before any weights load, nothing is kept between calls, and
+``num_threads`` holds it beside training. A checkpoint must be ``COMPLETE`` with verified checksums and logs at its
+own step; exported weights log at the step given. A random-init baseline (``random_init_seed``) is never logged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import yaml
+from safetensors import SafetensorError
+
+from data_pipeline.paths import replace_atomically
+from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
+from evals.suites import EVALUATORS, load_suite
+from pretrain.checkpoint import run_folder
+from pretrain.model.vit import VisionTransformer
+from pretrain.weights import source as weights_source
+from pretrain.weights.formats import load_model as load
+from pretrain.weights.formats import resize_model
+from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
+
+ACCEPTED = (
+    "pass a training checkpoint folder (with COMPLETE), a run folder, a folder written by save_pretrained / "
+    "`python -m pretrain.weights convert` (model.safetensors + model.json) or an official .npz"
+)
+
+
+# RESULT_COLUMNS and the weights evaluated.
+SCHEMA = pa.schema(
+    [
+        ("suite", pa.string()),
+        ("evaluator", pa.string()),
+        ("dataset", pa.string()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+        ("std", pa.float64()),
+        ("count", pa.int64()),
+        ("status", pa.string()),
+        ("detail", pa.string()),
+        ("step", pa.int64()),
+        ("checkpoint", pa.string()),
+    ]
+)
+
+
+class CheckpointError(ValueError):
+    """Weights that cannot be evaluated (missing, unfinished, unknown format, a contradicting step)."""
+
+
+def open_checkpoint(checkpoint: str | Path, step: int | None = None):
+    """``(load_model(image_size=None), step, default_out_dir, path)`` without loading; ``path`` is what
+    `pretrain.weights.source` resolves. ``step``: for weights without one (default 0); a checkpoint refuses another."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
+    if not Path(checkpoint).exists():
+        raise CheckpointError(f"checkpoint {checkpoint} does not exist; {ACCEPTED}")
+    try:
+        path = weights_source.resolve(checkpoint)  # a run folder: its newest COMPLETE checkpoint, verified
+    except (FileNotFoundError, weights_source.DamagedCheckpointError) as error:
+        raise CheckpointError(str(error)) from None
+    if run_folder.looks_like_checkpoint(path):  # else exported weights: no COMPLETE, no step of their own
+        try:
+            own = run_folder.open_checkpoint(path).step
+        except ValueError as error:  # no COMPLETE marker, or a trainer state without a step
+            raise CheckpointError(str(error)) from None
+        if own is None and step is None:
+            raise CheckpointError(
+                f"{path} has no {run_folder.TRAINER_STATE}, so its step is unknown; pass --step N for the MLflow step"
+            )
+        if own is not None and step is not None and step != own:
+            raise CheckpointError(
+                f"--step {step} contradicts checkpoint {path}, which is step {own} ({run_folder.TRAINER_STATE}); "
+                "drop --step (a training checkpoint logs at its own step)"
+            )
+        step = own if own is not None else step
+    # Results go inside a folder of weights, beside a file.
+    default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
+
+    def load_model(image_size: int | None = None):
+        return load(path, image_size=image_size)
+
+    return load_model, 0 if step is None else step, default_out, path
+
+
+def init_seed(checkpoint: str | Path) -> int:
+    """The seed of a checkpoint's step-0 model: its saved recipe's ``seed``, else 0 (the default)."""
+    try:
+        path = weights_source.resolve(checkpoint)
+    except (OSError, ValueError):  # the suite's own load says it
+        path = Path(checkpoint)
+    recipe = path / run_folder.CONFIG_YAML if path.is_dir() else None
+    if recipe is None or not recipe.is_file():
+        return 0
+    try:
+        seed = (yaml.safe_load(recipe.read_text()) or {}).get("seed", 0)
+    except (yaml.YAMLError, AttributeError) as error:
+        raise CheckpointError(f"{recipe} is not a readable recipe ({error}); pass --init-seed N") from None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise CheckpointError(f"{recipe} records seed={seed!r}, not an integer; pass --init-seed N")
+    return seed
+
+
+def random_init(config, seed: int):
+    """``load_model(image_size=None)`` for a fresh ``config`` model seeded as the trainer's step-0 model, leaving the
+    caller's random state alone."""
+
+    def load_model(image_size: int | None = None):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = VisionTransformer(config)
+        if image_size is not None and image_size != config.image_size:
+            resize_model(model, image_size)
+        return model
+
+    return load_model
+
+
+def _load(load_model, checkpoint):
+    """First load: an unreadable or non-ViT file is the user's error."""
+    try:
+        return load_model()
+    except (ValueError, OSError, SafetensorError) as error:
+        raise CheckpointError(f"cannot evaluate {checkpoint}: {error}") from None
+
+
+def run_suite(
+    checkpoint,
+    suite,
+    data_root="data",
+    mlflow_run_id=None,
+    tracking_uri=None,
+    *,
+    out=None,
+    num_threads: int | None = None,
+    device: str | None = None,
+    step: int | None = None,
+    random_init_seed: int | None = None,
+    log=print,
+):
+    """Evaluate weights on a suite: write ``<out>/<suite>.parquet``, log its metrics, return the ``pyarrow.Table``.
+
+    ``random_init_seed``: evaluate `random_init` instead, at step 0, into ``<suite>_random_init.parquet``, unlogged."""
+    config = load_suite(suite)  # a bad suite fails before any weights load
+    if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
+        raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
+    if random_init_seed is not None and mlflow_run_id:
+        raise ValueError(
+            "random-init results are not logged to MLflow (a run's random-init baseline is its step 0); "
+            "drop the MLflow run id for the random-init evaluation"
+        )
+    load_model, step, default_out, path = open_checkpoint(checkpoint, step)
+    out_dir = Path(out) if out is not None else default_out
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output folder {out_dir} is a file; pass --out a folder (it is created if absent)")
+    if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
+        raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
+    if device not in (None, "cpu") and not (str(device).startswith("cuda") and torch.cuda.is_available()):
+        raise ValueError(f"device={device!r} is not available here; use cpu (or cuda on a machine with a GPU)")
+    previous_threads = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    try:
+        model = _load(load_model, checkpoint)
+        if random_init_seed is not None:  # the checkpoint's architecture, fresh weights
+            load_model, step = random_init(model.config, random_init_seed), 0
+            model = load_model()
+        model = model.eval().to(device or "cpu")  # evaluators put their inputs there
+        ctx = EvalContext(
+            model=model,
+            load_model=load_model,
+            data_root=Path(data_root),
+            step=step,
+            out_dir=out_dir,
+            num_threads=num_threads,
+            device=device or "cpu",
+            log=log,
+        )
+        start = time.perf_counter()
+        rows, artifacts = _run_entries(config, ctx, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    records = [{**asdict(r), "suite": config.name, "step": step} for r in rows]
+    columns = {c: [rec[c] for rec in records] for c in RESULT_COLUMNS}
+    source = str(path)
+    if random_init_seed is not None:
+        source = f"random init (seed {random_init_seed}) shaped as {source}"
+    columns["checkpoint"] = [source] * len(records)
+    table = pa.table(columns, schema=SCHEMA)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{config.name}{'' if random_init_seed is None else '_random_init'}.parquet"
+    replace_atomically(target, lambda tmp: pq.write_table(table, tmp))  # readers never see a half-written table
+    log(format_table(table))
+    log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
+    if mlflow_run_id:
+        _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log)
+    return table
+
+
+def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
+    """Rows (named after their entry) and artifacts of every entry, in order."""
+    rows, artifacts, logged = [], [], set()
+    for spec in config.evaluators:
+        t0 = time.perf_counter()
+        produced = EVALUATORS[spec.type].evaluate(ctx, spec.options)
+        entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
+        keys = set(mlflow_metrics(entry_rows))
+        clash = sorted(keys & logged)
+        if clash:  # both stay in the table; MLflow keeps the later
+            log(
+                f"evals: warning: {spec.name!r} repeats metric keys {clash[:4]} of an earlier entry of suite "
+                f"{config.name}; MLflow gets the later values (merge the entries to avoid this)"
+            )
+        logged |= keys
+        rows += entry_rows
+        artifacts += produced.artifacts
+        log(f"evals: {spec.name} done in {time.perf_counter() - t0:.1f}s")
+    return rows, artifacts
+
+
+def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log):
+    # rank=0: log even when this process has RANK set.
+    tracker = Tracker(tracking_uri or default_tracking_uri(), run_id, rank=0)
+    try:
+        tracker.log_metrics(metrics, step=step)
+        tracker.log_artifact(table_path, f"evals/step_{step:08d}")
+        for artifact in artifacts:
+            tracker.log_artifact(artifact, f"evals/step_{step:08d}")
+        if not tracker.flush():
+            log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
+    finally:
+        tracker.close()
+    log(f"evals: logged {len(metrics)} metrics to MLflow run {run_id} at step {step}")
+
+
+def format_table(table) -> str:
+    rows = table.to_pylist()
+    w = max([34, *(len(row["metric"]) for row in rows)])  # the metric column fits the longest key
+    lines = [f"{'evaluator':<10} {'dataset':<14} {'metric':<{w}} {'value':>16} {'n':>5} {'status':<8} detail"]
+    for row in rows:
+        value = "nan" if math.isnan(row["value"]) else f"{row['value']:.4f}"
+        if not math.isnan(row["std"]):
+            value += f" ± {row['std']:.4f}"
+        lines.append(
+            f"{row['evaluator']:<10} {row['dataset']:<14} {row['metric']:<{w}} {value:>16} "
+            f"{row['count']:>5} {row['status']:<8} {row['detail']}"
+        )
+    return "\n".join(lines)
+
+
+def format_gap(table, baseline) -> str:
+    """Every metric both tables log, side by side, with the gap (accuracies are fractions: 0.061 is 6.1 points)."""
+    ours, theirs = mlflow_metrics(table.to_pylist()), mlflow_metrics(baseline.to_pylist())
+    lines = [f"{'metric':<40} {'checkpoint':>10} {'random init':>11} {'gap':>9}"]
+    for metric in (m for m in ours if m in theirs):
+        a, b = ours[metric], theirs[metric]
+        lines.append(f"{metric:<40} {a:>10.4f} {b:>11.4f} {a - b:>+9.4f}")
+    return "\n".join(lines)
+
+
+def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
+    """Refuse a run an embedded store lacks (its metrics would be lost). A server is not asked: MLflow would retry for
+    minutes if it is down."""
+    uri = tracking_uri or default_tracking_uri()
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    if not db.is_file():
+        raise ValueError(f"no MLflow store at {db} (tracking URI {uri}); check --tracking-uri")
+    from mlflow import MlflowClient  # heavy: only when a run is touched
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise ValueError(f"MLflow run {run_id!r} does not exist in {uri}; check --mlflow-run-id") from None
+        raise
