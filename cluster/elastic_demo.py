@@ -119,10 +119,7 @@ def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> 
 
 def start_cluster(temp_dir: Path):
     """Head (1 CPU: the eval slot) + 2 worker nodes (1 CPU + 1 trainer slot each)."""
-    from ray.cluster_utils import Cluster  # heavy import
-
-    head = {**NODE_ARGS, "num_cpus": 1, "temp_dir": str(temp_dir), "_system_config": NODE_HEALTH}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    cluster = local_head.in_process_cluster(**NODE_ARGS, num_cpus=1, temp_dir=str(temp_dir), _system_config=NODE_HEALTH)
     try:
         nodes = [add_worker_node(cluster, temp_dir) for _ in range(2)]
         cluster.wait_for_nodes()

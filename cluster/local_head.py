@@ -60,6 +60,17 @@ def _port_free(port: int) -> bool:
         return True
 
 
+def in_process_cluster(**head_args):
+    """A `ray.cluster_utils.Cluster` with its head started (tests and the elastic demo). Ray writes the head's address
+    to ``<system temp>/ray/ray_current_cluster`` whatever ``temp_dir`` says, and fails where no Ray ran before on the
+    machine and that folder is missing; it is made first."""
+    from ray._common.utils import get_default_ray_temp_dir  # heavy import
+    from ray.cluster_utils import Cluster
+
+    Path(get_default_ray_temp_dir()).mkdir(parents=True, exist_ok=True)
+    return Cluster(initialize_head=True, head_node_args=head_args)
+
+
 def auth_mode_from_env() -> str:
     """'disabled' only when RAY_AUTH_MODE says so; 'token' otherwise."""
     mode = os.environ.get("RAY_AUTH_MODE", "token").strip().lower()

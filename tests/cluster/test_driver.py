@@ -26,7 +26,7 @@ import yaml
 from cluster.driver.job import FaultInjection, JobSpec, _await_submits, run_job
 from cluster.driver.record import count_restarts
 from cluster.driver.summary import format_resizes, format_summary
-from cluster.local_head import ray_auth_mode
+from cluster.local_head import in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
 from pretrain.checkpoint.run_folder import (
@@ -222,7 +222,6 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot."""
     import ray
     from mlflow import MlflowClient
-    from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.launch import prepare_local_data
@@ -278,7 +277,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     node_args = dict(
         object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port()
     )
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "num_cpus": 2})
+    cluster = in_process_cluster(**node_args, num_cpus=2)
     try:
         cluster.add_node(**{**node_args, "num_cpus": 1, "dashboard_agent_listen_port": _free_port()})
         cluster.wait_for_nodes()
