@@ -236,10 +236,10 @@ def measure_first_batch(written: Path, stand_in: Path, shards: int, world: int) 
     probe = _run_probe("first_batch", stand_in, world)
     result: dict = {"first_batch_s": round(probe["seconds"], 2)}
     read_mb_s = read_speed(written)
-    fill_s = 1000 * I21K_MEAN_JPEG_KB / 1000 / read_mb_s
+    fill_s = 1000 * I21K_MEAN_JPEG_KB * 1000 / 2**20 / read_mb_s  # kB per image; read_speed gives MiB/s
     result["first_batch_buffer_fill_s_i21k"] = round(fill_s, 2)
     result["first_batch_buffer_fill_inputs"] = dict(
-        formula="shuffle_buffer * i21k_jpeg_kb / 1000 / read_mb_s_per_core (added to first_batch_s at i21k)",
+        formula="shuffle_buffer * i21k_jpeg_kb * 1000 / 2**20 / read_mb_s_per_core (MiB/s), added to first_batch_s",
         shuffle_buffer=1000,
         i21k_jpeg_kb=I21K_MEAN_JPEG_KB,
         read_mb_s_per_core=round(read_mb_s, 1),
