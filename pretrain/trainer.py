@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from data_pipeline.builtin.sets import ensure
 from data_pipeline.manifest import is_shard_folder, read_dataset_info
 from data_pipeline.stream.train_stream import TrainStream
 from pretrain import checkpointer as ckpt
@@ -33,11 +31,15 @@ from pretrain.telemetry.recorder import Recorder
 
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
-    """Generate a built-in training set if asked (rank 0; others wait); returns (num_classes, epoch size)."""
+    """(num_classes, epoch size) of the training set. Ranks never generate it: a built-in set is written before
+    training starts (`pretrain.train`, `cluster.launch`)."""
     d = config.data
-    if d.builtin is not None and place.rank == 0 and not is_shard_folder(Path(d.train)):
-        ensure(d.builtin, Path(d.train).parent.parent, **d.builtin_options)
-    dist.barrier()
+    if d.builtin is not None and not is_shard_folder(Path(d.train)):
+        raise ValueError(
+            f"data.train={d.train!r} holds no shard folder; the built-in set {d.builtin!r} is written before training "
+            f"by `python -m pretrain.train` or `make launch`, or by `python -m data_pipeline.builtin {d.builtin} "
+            f"--out {Path(d.train).parent.parent}`"
+        )
     info = read_dataset_info(d.train)
     if config.model.num_classes is not None and info.num_classes > config.model.num_classes:
         raise ValueError(

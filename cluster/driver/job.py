@@ -246,6 +246,7 @@ def run_job(
         num_cpus=profile.evals.num_cpus,
         num_gpus=profile.evals.num_gpus,
     )
+    config.data.ensure_builtin()  # ranks never generate data; this node sees the run's storage
     trainer = _torch_trainer(spec, config, scheduler)
     watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0)).start()
     clock.fit_at = time.time()  # from here Ray Train places the worker group (docs/goodput.md)

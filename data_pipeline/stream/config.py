@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, option_minimum
+from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, ensure, option_minimum
+from data_pipeline.manifest import is_shard_folder
 from data_pipeline.stream.augment import AugmentConfig
 
 START_METHODS = ("fork", "forkserver", "spawn")
@@ -59,6 +61,13 @@ class DataConfig:
         fields.setdefault("cache_mb", 0.0)
         return cls(train=train, micro_batch_size=micro_batch_size, image_size=image_size, global_batch_size=G, **fields)
 
+    def ensure_builtin(self) -> None:
+        """Write the built-in training set where ``train`` says, unless it is there. Called before training starts
+        (`pretrain.train`, the cluster driver, `cluster.launch`), never by a rank; `ensure` holds a file lock, so
+        processes that call it at once write it once."""
+        if self.builtin is not None and not is_shard_folder(Path(self.train)):
+            ensure(self.builtin, Path(self.train).parent.parent, **self.builtin_options)
+
     def check(self) -> None:
         """Raise ValueError naming ``data.<field>``, its value and the fix, for a value out of its own range."""
         for name in ("image_size", "global_batch_size", "micro_batch_size"):
@@ -87,7 +96,7 @@ def _positive(value: float, name: str) -> None:
 
 
 def _check_builtin(builtin: str, options: dict[str, Any]) -> None:
-    """A known set, known options, and the generator's own ranges: here, not when rank 0 generates the set."""
+    """A known set, known options, and the generator's own ranges: here, before anything is generated."""
     if ALIASES.get(builtin, builtin) not in BUILTIN_NAMES:
         raise ValueError(f"data.builtin={builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it")
     for key, value in options.items():

@@ -530,3 +530,22 @@ def test_the_collector_is_paused_over_a_start_and_resumed_with_its_objects_froze
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_rank_never_generates_data_the_command_line_does(tmp_path):
+    """`prepare_data` (every rank's start) refuses a missing built-in set with the fix; `DataConfig.ensure_builtin`,
+    which `python -m pretrain.train` and the cluster driver call before training, writes it once."""
+    from pretrain.distributed import Placement
+    from pretrain.trainer import prepare_data
+
+    sizes = {"num_classes": 4, "images_per_class": 8, "val_per_class": 1, "resolution": 32, "samples_per_shard": 16}
+    config = load_config(
+        "local_demo", [f"data.train={tmp_path / 'rcdb' / 'train'}", f"data.builtin_options={json.dumps(sizes)}"]
+    )
+    place = Placement(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"holds no shard folder.*python -m data_pipeline\.builtin rcdb --out "):
+        prepare_data(config, place)
+    assert not (tmp_path / "rcdb").exists()
+    config.data.ensure_builtin()
+    config.data.ensure_builtin()  # present: nothing to do
+    assert prepare_data(config, place) == (4, 32)
