@@ -1,13 +1,26 @@
-"""Making the folder or file a `python -m` command writes, before any work is spent on it.
+"""Bad input as one ValueError: the folder or file a `python -m` command writes, made before any work is spent on
+it, and a config value's range (`positive`, `at_least`, for every package's config sections).
 
-Both helpers raise one ValueError naming the path, the option and the fix; each ``main()`` prints it as
-``error: ...`` and exits 2. Every package may import data_pipeline (docs/design.md, "Packages, what each owns, and
+Each ValueError names the path or field, the value and the fix; each ``main()`` prints it as ``error: ...`` and
+exits 2. Every package may import data_pipeline (docs/design.md, "Packages, what each owns, and
 the import rules"); nothing heavy is imported, so quick commands stay quick.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+
+def positive(value: float, name: str) -> None:
+    """A config value that must be > 0 (NaN is not): ValueError ``name=value must be > 0``."""
+    if not value > 0:
+        raise ValueError(f"{name}={value} must be > 0")
+
+
+def at_least(value: float, low: float, name: str) -> None:
+    """A config value that must be >= ``low`` (NaN is not): ValueError ``name=value must be >= low``."""
+    if not value >= low:
+        raise ValueError(f"{name}={value} must be >= {low}")
 
 
 def _folder_problem(folder: Path) -> str | None:

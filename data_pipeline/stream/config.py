@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, ensure, option_minimum
+from data_pipeline.cli import at_least, positive
 from data_pipeline.manifest import is_shard_folder
 from data_pipeline.stream.augment import AugmentConfig
 
@@ -71,12 +72,11 @@ class DataConfig:
     def check(self) -> None:
         """Raise ValueError naming ``data.<field>``, its value and the fix, for a value out of its own range."""
         for name in ("image_size", "global_batch_size", "micro_batch_size"):
-            _positive(getattr(self, name), f"data.{name}")
+            positive(getattr(self, name), f"data.{name}")
         if self.epoch_images is not None:
-            _positive(self.epoch_images, "data.epoch_images")
+            positive(self.epoch_images, "data.epoch_images")
         for name in ("num_workers", "read_retries", "cache_mb", "shuffle_buffer", "mixup_alpha"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"data.{name}={getattr(self, name)} must be >= 0")
+            at_least(getattr(self, name), 0, f"data.{name}")
         if self.loader_start_method not in START_METHODS:
             raise ValueError(
                 f"data.loader_start_method={self.loader_start_method!r} must be one of {', '.join(START_METHODS)}"
@@ -88,11 +88,6 @@ class DataConfig:
                 self.augment.validate()
             except ValueError as error:
                 raise ValueError(f"data.{error}") from None
-
-
-def _positive(value: float, name: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{name}={value} must be > 0")
 
 
 def _check_builtin(builtin: str, options: dict[str, Any]) -> None:

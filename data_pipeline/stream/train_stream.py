@@ -49,10 +49,10 @@ _Item = tuple[int | torch.Tensor, list[int], dict[str, Any]]
 
 
 def _plan(
-    spec: DataConfig, rank: int, world_size: int, num_classes: int | None, label_format: str, record_keys: bool
+    config: DataConfig, rank: int, world_size: int, num_classes: int | None, label_format: str, record_keys: bool
 ) -> TrainPlan:
-    """``spec`` resolved and checked for ``rank`` of ``world_size`` against its dataset."""
-    info = dataset_info(spec.train)
+    """``config`` resolved and checked for ``rank`` of ``world_size`` against its dataset."""
+    info = dataset_info(config.train)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     num_classes = info.num_classes if num_classes is None else num_classes
@@ -61,14 +61,14 @@ def _plan(
             f"num_classes={num_classes} but {info.root} has {info.num_classes} classes; "
             "pass num_classes >= the dataset's (or leave it None)"
         )
-    m, G, P = spec.micro_batch_size, spec.global_batch_size, spec.streams
-    check_split(info, G, m, P, world_size, spec.mixup_alpha)
-    workers = min(max(1, spec.num_workers), P // world_size)
-    if spec.num_workers > workers and (spec.num_workers, P // world_size) not in _clamp_warned:
-        _clamp_warned.add((spec.num_workers, P // world_size))
+    m, G, P = config.micro_batch_size, config.global_batch_size, config.streams
+    check_split(info, G, m, P, world_size, config.mixup_alpha)
+    workers = min(max(1, config.num_workers), P // world_size)
+    if config.num_workers > workers and (config.num_workers, P // world_size) not in _clamp_warned:
+        _clamp_warned.add((config.num_workers, P // world_size))
         log.warning(
             "num_workers=%d but each rank reads %d streams: %d loader workers run (a worker reads whole streams)",
-            spec.num_workers,
+            config.num_workers,
             P // world_size,
             workers,
         )
@@ -77,14 +77,14 @@ def _plan(
         micro_batch=m,
         global_batch=G,
         streams=P,
-        image_size=spec.image_size,
+        image_size=config.image_size,
         rank=rank,
         world_size=world_size,
         workers=workers,
-        seed=spec.seed,
-        shuffle_buffer=spec.shuffle_buffer,
-        augment=spec.augment,
-        mixup_alpha=float(spec.mixup_alpha),
+        seed=config.seed,
+        shuffle_buffer=config.shuffle_buffer,
+        augment=config.augment,
+        mixup_alpha=float(config.mixup_alpha),
         label_format=label_format,
         num_classes=num_classes,
         record_keys=bool(record_keys),
@@ -265,20 +265,22 @@ class TrainStream:
             raise ValueError(
                 f"prefetch_factor must be an int >= 1 (steps a loader worker may be ahead), got {prefetch_factor!r}"
             )
-        spec, self.config, self.prefetch_factor = config, config, prefetch_factor
+        self.config, self.prefetch_factor = config, prefetch_factor
         self.plan = _plan(config, rank, world_size, num_classes, label_format, record_keys)
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None
         self.unpooled_steps = 0  # steps that found no free step buffer: copied, not pooled
-        self._processes = self.plan.workers if spec.num_workers > 0 else 0  # loader worker processes
+        self._processes = self.plan.workers if config.num_workers > 0 else 0  # loader worker processes
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
         # Built before the first batch, so that its one read of the set is not counted as waiting for data.
-        pool = step_pool_bytes(self.plan.global_batch // world_size, spec.image_size, self._processes, prefetch_factor)
-        self.cache, self.cache_line = DecodedCache.build(
-            self.plan.info, self.plan.image_size, spec.cache_mb, shared=self._processes > 0, reserve_bytes=pool
+        pool = step_pool_bytes(
+            self.plan.global_batch // world_size, config.image_size, self._processes, prefetch_factor
         )
-        if rank == 0 and spec.cache_mb > 0:
+        self.cache, self.cache_line = DecodedCache.build(
+            self.plan.info, self.plan.image_size, config.cache_mb, shared=self._processes > 0, reserve_bytes=pool
+        )
+        if rank == 0 and config.cache_mb > 0:
             log.warning(self.cache_line)
 
     @property

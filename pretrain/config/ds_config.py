@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from data_pipeline.cli import positive
 from pretrain.config.optim import OptimConfig
-from pretrain.config.typed_yaml import positive
 
 # deepspeed.precision; resolved by `pretrain.config.precision.decide`
 Precision = Literal["auto", "probe", "fp32", "bf16"]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from pretrain.config.typed_yaml import at_least, positive
+from data_pipeline.cli import at_least, positive
 
 Decay = Literal["linear", "cosine", "constant"]  # the schedules LRSchedule implements (schedule.decay)
 DECAYS: tuple[str, ...] = typing.get_args(Decay)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from data_pipeline.cli import positive
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
 from data_pipeline.stream.config import DataConfig
@@ -29,7 +30,6 @@ from pretrain.checkpoint import run_folder
 from pretrain.config import ds_config, optim, progressive, typed_yaml
 from pretrain.config.ds_config import DeepSpeedConfig
 from pretrain.config.optim import OptimConfig, ScheduleConfig
-from pretrain.config.typed_yaml import positive
 from pretrain.model import tasks
 from pretrain.model.tasks import LossConfig, TaskConfig
 from pretrain.model.vit import MODEL_NAMES, ViTConfig, model_config

@@ -244,16 +244,3 @@ def _type_name(hint: Any) -> str:
     if not args:
         return getattr(hint, "__name__", str(hint))
     return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-
-
-# --------------------------------------------------------------------------------------------- range checks
-
-
-def positive(value: float, name: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{name}={value} must be > 0")
-
-
-def at_least(value: float, low: float, name: str) -> None:
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
