@@ -30,19 +30,26 @@ from tracking.tracker import Tracker
 
 
 def train_worker(
-    config: TrainConfig, on_checkpoint: CheckpointCallback | None = None, heartbeat: Heartbeat | None = None
+    config: TrainConfig,
+    on_checkpoint: CheckpointCallback | None = None,
+    heartbeat: Heartbeat | None = None,
+    *,
+    validated: bool = False,
 ) -> TrainSummary:
     """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
-    every rank after each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch."""
+    every rank after each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch.
+    ``validated``: the caller ran ``config.validate`` at this world size (`pretrain.train` does, before any process
+    group); else it runs here, once the world size is known (under Ray it differs between attempts)."""
     clock = AttemptClock()  # every second of this attempt is booked from here on
     config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
     place = init_distributed(config)
-    config.validate(place.world_size)
+    if not validated:
+        config.validate(place.world_size)
     if place.rank == 0:
         print(config.format(), flush=True)
     trainer = Trainer.start(config, place)
     peak = device_peak(config.logging.peak_tflops, place.device, trainer.precision.precision)
-    tracker, created_run = start_tracking(config, trainer, peak)
+    tracker, created_run, starts = start_tracking(config, trainer, peak)
     metrics = TrainMetrics(
         rank=place.rank,
         world_size=place.world_size,
@@ -59,8 +66,8 @@ def train_worker(
     checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after it draws from the global generators
-    recorder, outcome = open_recorder(config, place), "failed"
-    open_clock(clock, config, trainer)
+    recorder, outcome = open_recorder(config, place, starts), "failed"
+    open_clock(clock, config, trainer, starts)
     try:
         checkpointer.save_baseline(trainer)
         clock.saved_before_loop(checkpointer.save_seconds)
@@ -101,12 +108,12 @@ def train_worker(
     return recorder.summary(**trainer.describe(), checkpoints=checkpointer.saved)
 
 
-def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> None:
-    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = this start's index in the run's history of
-    starts (appended in `start_tracking`); everything until now was start-up."""
+def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer, starts: int) -> None:
+    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = ``starts``, the length of the run's history of
+    starts once `start_tracking` appended this one; everything until now was start-up."""
     place, path, attempt = trainer.place, None, 0
     if place.rank == 0:
-        attempt = len(run_folder.world_size_history(Path(config.checkpoint.dir)))
+        attempt = starts
         path = attempt_path(config.checkpoint.dir, attempt)
     clock.open(
         path,
@@ -119,18 +126,21 @@ def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer) -> No
     clock.lap("startup")
 
 
-def open_recorder(config: TrainConfig, place: Placement) -> Recorder:
-    """This attempt's recorder. Collective with sample keys: every rank gets rank 0's count of the run's starts."""
+def open_recorder(config: TrainConfig, place: Placement, starts: int) -> Recorder:
+    """This attempt's recorder. Collective with sample keys: every rank gets rank 0's ``starts`` (the run's count of
+    starts, this one included)."""
     attempt = 0
     if config.logging.record_sample_keys:
-        attempt = broadcast(len(run_folder.world_size_history(Path(config.checkpoint.dir))))
+        attempt = broadcast(starts)
     return Recorder.for_run(Path(config.checkpoint.dir), config.logging, place.rank, place.world_size, attempt)
 
 
-def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[Tracker, bool]:
-    """The run's tracker, its params and tags set, and whether this process created the MLflow run."""
+def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[Tracker, bool, int]:
+    """The run's tracker, its params and tags set; whether this process created the MLflow run; and on rank 0 the
+    run's count of starts once this one is recorded (0 on the other ranks)."""
     place, choice = trainer.place, trainer.precision
     tracker, created = _tracker(config, place, trainer.model)
+    starts, world_size_tags = record_world_size(config, place, trainer.step, trainer.plan)
     tracker.set_tags(
         {
             keys.PRECISION: choice.precision,
@@ -138,10 +148,10 @@ def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[T
             keys.PRECISION_REASON: choice.reason,
             keys.PEAK_TFLOPS: f"{peak.tflops:.6g}",
             keys.PEAK_SOURCE: peak.source,
-            **record_world_size(config, place, trainer.step, trainer.plan),
+            **world_size_tags,
         }
     )
-    return tracker, created
+    return tracker, created, starts
 
 
 def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, bool]:
@@ -161,17 +171,17 @@ def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, boo
     return tracker, created
 
 
-def record_world_size(config: TrainConfig, place: Placement, step: int, plan) -> dict[str, str]:
-    """Rank 0 appends this start to the run's world-size history; returns the world-size tags (current size, number
-    of changes, the sizes in order: "2,1,2")."""
+def record_world_size(config: TrainConfig, place: Placement, step: int, plan) -> tuple[int, dict[str, str]]:
+    """Rank 0 appends this start to the run's world-size history; returns the history's length and the world-size
+    tags (current size, number of changes, the sizes in order: "2,1,2"). Other ranks: (0, {})."""
     if place.rank != 0:
-        return {}
+        return 0, {}
     run_dir = Path(config.checkpoint.dir)
     run_folder.record_world_size(run_dir, step, place.world_size, plan.grad_accum_steps)
     history = run_folder.world_size_history(run_dir)
     events = run_folder.resize_events(history)
     sizes = [history[0]["world_size"], *(e["to"] for e in events)]
-    return {
+    return len(history), {
         keys.WORLD_SIZE: str(place.world_size),
         keys.RESIZES: str(len(events)),
         keys.WORLD_SIZES: ",".join(map(str, sizes)),

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # ValueError is how the project reports bad input, also from the files read from here on.
         config.data.ensure_builtin()  # every process of a torchrun launch: one writes, the others wait
-        summary = train_worker(config)
+        summary = train_worker(config, validated=True)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

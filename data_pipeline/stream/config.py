@@ -10,6 +10,7 @@ from typing import Any, Literal
 from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, ensure, option_minimum
 from data_pipeline.cli import at_least, positive
 from data_pipeline.manifest import is_shard_folder
+from data_pipeline.paths import resolve_path
 from data_pipeline.stream.augment import AugmentConfig
 
 START_METHODS = ("fork", "forkserver", "spawn")
@@ -19,8 +20,9 @@ START_METHODS = ("fork", "forkserver", "spawn")
 class DataConfig:
     """The recipe's ``data:`` section: what the training stream reads and how it batches it, the same on every rank
     (`TrainStream` takes it whole), plus the built-in set, the resolution schedule and the epoch size for training.
-    `check` tests each field's own range; what the fields must satisfy with the dataset and the world size is
-    checked when a `TrainStream` is made."""
+    Each field's own range is checked when the config is made (`check`, from `__post_init__`: a DataConfig that
+    exists is in range); what the fields must satisfy with the dataset and the world size is checked when a
+    `TrainStream` is made."""
 
     train: str = "data/imagenet21k/train"  # shard folder: a local path or an fsspec URL
     builtin: str | None = None  # a built-in set, generated at `train` when absent
@@ -46,6 +48,9 @@ class DataConfig:
     # MiB per rank to hold the whole set decoded, used only if it all fits; 0: never
     cache_mb: float = 256.0
 
+    def __post_init__(self) -> None:
+        self.check()
+
     @classmethod
     def for_stream(
         cls, train: Any, *, micro_batch_size: int, image_size: int, world_size: int = 1, **fields: Any
@@ -62,12 +67,17 @@ class DataConfig:
         fields.setdefault("cache_mb", 0.0)
         return cls(train=train, micro_batch_size=micro_batch_size, image_size=image_size, global_batch_size=G, **fields)
 
+    @property
+    def builtin_root(self) -> Path:
+        """The local data root a built-in set is written under: ``train`` is ``<root>/<set>/train``."""
+        return resolve_path(self.train).parent.parent
+
     def ensure_builtin(self) -> None:
         """Write the built-in training set where ``train`` says, unless it is there. Called before training starts
         (`pretrain.train`, the cluster driver, `cluster.launch`), never by a rank; `ensure` holds a file lock, so
         processes that call it at once write it once."""
         if self.builtin is not None and not is_shard_folder(Path(self.train)):
-            ensure(self.builtin, Path(self.train).parent.parent, **self.builtin_options)
+            ensure(self.builtin, self.builtin_root, **self.builtin_options)
 
     def check(self) -> None:
         """Raise ValueError naming ``data.<field>``, its value and the fix, for a value out of its own range."""

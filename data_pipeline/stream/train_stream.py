@@ -258,7 +258,6 @@ class TrainStream:
         """``num_classes``: K, None → the dataset's. ``label_format``: "int" int64 (m,), "multihot" float32 (m, K);
         with mixup always float32 (m, K) soft targets. ``record_keys``: fill `last_keys`. ``prefetch_factor``: steps
         a loader worker may be ahead of the training process."""
-        config.check()
         if label_format not in ("int", "multihot"):
             raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
         if not isinstance(prefetch_factor, int) or prefetch_factor < 1:

@@ -144,7 +144,7 @@ class TrainConfig:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         typed_yaml.build(TrainConfig, self.to_dict())  # type checks for a config made in code
         d, here = self.data, self.resolved()
-        check_data_config(d, world_size)
+        ds_config.batch_plan(d, world_size)  # the batch split at this world size (ranges: DataConfig)
         vit = check_model(self)
         progressive.check_config(d.resolution_schedule, d.image_size, vit.stride, self.deepspeed.zero_stage)
         optim.check_config(self.optim, self.schedule, d.global_batch_size, _epoch_images(here.data, check_paths))
@@ -248,12 +248,6 @@ def check_compiler(m: ModelConfig) -> None:
             f"model.compile=true needs a C++ compiler, and {compiler!r} is not on PATH; install g++ (or set CXX to "
             "one), or set model.compile=false"
         )
-
-
-def check_data_config(d: DataConfig, world_size: int) -> None:
-    """The data section's own ranges (`DataConfig.check`), then the batch split at this world size."""
-    d.check()
-    ds_config.batch_plan(d, world_size)
 
 
 def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:
