@@ -3,7 +3,7 @@ reading speed.
 
     python -m bench.data [--images 320] [--size 224] [--out bench-results/data.json]     (make bench-data)
 
-The JPEGs are generated (``imagenet_like_jpegs``): no data, no network. Decoder rates are images per CPU second of
+The JPEGs are generated (``bench.images``): no data, no network. Decoder rates are images per CPU second of
 this one process (per core, so other jobs distort them less), best of interleaved rounds. ``ratio`` = ``pipeline``
 (``decode_train`` + the worker's float conversion) / ``pil`` (whole-image decode + resize, uint8 out);
 ``ratio_uint8`` leaves the conversion out; ``ratio_full_decode``, ``ratio_randaugment`` and ``ratio_dali``
@@ -22,7 +22,6 @@ import os
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,37 +29,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench.images import imagenet_like_jpegs
+from bench.shard_rates import read_speed, stream_rate
 from data_pipeline.cli import output_file
-from data_pipeline.manifest import read_dataset_info
 from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
 from data_pipeline.stream.config import DataConfig
-from data_pipeline.stream.shards import read_shard
 from data_pipeline.stream.step_pool import StepPool, conversion_rows
 from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
-
-
-def imagenet_like_jpegs(count: int, seed: int = 0, max_short: int = 512) -> list[bytes]:
-    """Photo-like JPEGs at quality 90, shaped like ImageNet's after ``data_pipeline.write``: short side ~
-    log-normal(375 px) clipped to [160, ``max_short``], aspect 1:1, 4:3 or 3:2, landscape or portrait."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        short = int(np.clip(rng.lognormal(np.log(375), 0.25), 160, max_short))
-        long = int(short * rng.choice([1.0, 4 / 3, 4 / 3, 3 / 2]))
-        w, h = (long, short) if rng.random() < 0.75 else (short, long)
-        cells = (int(rng.integers(12, 30)), int(rng.integers(12, 30)))
-        buf = io.BytesIO()
-        Image.fromarray(photo_like(w, h, cells, 10.0, rng)).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
-
-
-def photo_like(width: int, height: int, cells: tuple[int, int], grain: float, rng: np.random.Generator) -> np.ndarray:
-    """uint8 (height, width, 3): smooth random colour fields plus grain (std ``grain``): compresses like a photo."""
-    base = rng.integers(0, 256, size=(*cells, 3), dtype=np.uint8)
-    img = np.asarray(Image.fromarray(base).resize((width, height), Image.BICUBIC), dtype=np.float32)
-    return np.clip(img + rng.normal(0, grain, size=img.shape), 0, 255).astype(np.uint8)
 
 
 def bare_pil(images: list[bytes], size: int) -> float:
@@ -183,30 +159,6 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple
         next(it)
     images = (stream.steps_per_epoch - 1) * batch
     return images / (time.perf_counter() - start), (time.process_time() - cpu) / images * 1e6
-
-
-def read_speed(shard_dir: Path) -> float:
-    info = read_dataset_info(shard_dir)
-    stats: Counter = Counter()
-    start = time.process_time()
-    for shard in info.shards:
-        for _ in read_shard(shard.url, shard.samples, stats):
-            pass
-    seconds = time.process_time() - start
-    return sum(s.bytes for s in info.shards) / 2**20 / seconds
-
-
-def stream_rate(shards: Path, size: int, batch: int = 32) -> float:
-    """``stream_img_s``: images per CPU second of a TrainStream without loader workers, one epoch."""
-    spec = DataConfig.for_stream(
-        shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig()
-    )
-    stream = TrainStream(spec)
-    it = iter(stream)
-    start = time.process_time()
-    for _ in range(stream.steps_per_epoch):
-        next(it)
-    return stream.steps_per_epoch * batch / (time.process_time() - start)
 
 
 def _dali_importable() -> bool:

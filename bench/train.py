@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.hf_models import compile_hf_layers, hf_model, logits_of
 from data_pipeline.cli import output_file
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, build_model, model_config
@@ -72,28 +73,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
-    from transformers import ViTConfig as HFViTConfig
-    from transformers import ViTForImageClassification
-
-    hf_config = HFViTConfig(
-        hidden_size=config.width,
-        num_hidden_layers=config.depth,
-        num_attention_heads=config.num_heads,
-        intermediate_size=config.mlp_dim,
-        image_size=config.image_size,
-        patch_size=config.patch_size,
-        num_labels=config.num_classes,
-        hidden_act="gelu_pytorch_tanh",
-        layer_norm_eps=1e-6,
-        qkv_bias=True,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation=attn,
-    )
-    return ViTForImageClassification(hf_config)
-
-
 def make_step(
     model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str, device: torch.device
 ) -> Callable[[], None]:
@@ -112,13 +91,6 @@ def make_step(
         optimizer.step()
 
     return step
-
-
-def compile_hf_layers(model: torch.nn.Module) -> None:
-    """torch.compile each of HF's encoder layers in place, as vitscale's ``compile_blocks`` does its blocks."""
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))  # ViTModel's encoder layers
-    for layer in layers:
-        layer.compile()
 
 
 def build_steps(
@@ -147,14 +119,8 @@ def build_steps(
             else:
                 compile_hf_layers(twin)
             models[f"{label}_compiled"] = twin
-    steps = {label: make_step(m, _logits_of(m), batch_size, precision, device) for label, m in models.items()}
+    steps = {label: make_step(m, logits_of(m), batch_size, precision, device) for label, m in models.items()}
     return steps, config
-
-
-def _logits_of(model: torch.nn.Module) -> Callable:
-    if isinstance(model, VisionTransformer):
-        return model
-    return lambda x: model(pixel_values=x).logits
 
 
 def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> float:

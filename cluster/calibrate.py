@@ -2,8 +2,8 @@
 
     python -m cluster.calibrate bench-results/gpu.json [--mfu-file cluster/mfu.yaml]
 
-`cluster/mfu.yaml` maps model -> GPU kind (`gpu_kind`) -> entry (`entries_from`); `cluster.plan.planner` reads it
-through `measured`. ``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table.
+`cluster/mfu.yaml` maps model -> GPU kind -> entry (`entries_from`); `cluster.plan.mfu` reads it for
+`cluster.plan.planner`. ``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table.
 See docs/benchmarks/gpu.md, "The device call".
 """
 
@@ -12,19 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pretrain.telemetry.peak import GPU_PEAK_TFLOPS
+from cluster.plan.mfu import MEMORY_TOLERANCE, MFU_FILE, MFU_FILE_ENV, gpu_kind, mfu_file, read_table
 
-MFU_FILE = Path(__file__).resolve().parent / "mfu.yaml"
-MFU_FILE_ENV = "VITSCALE_MFU_FILE"
-MEMORY_TOLERANCE = 0.15  # beyond this relative memory error the plan takes the activation scale
 MODELS = ("vit_b16", "vit_l16", "vit_h14")
 ACTIVATION_SCALE_RANGE = (0.1, 10.0)  # beyond it the model is wrong, not its activations
 HEADER = (
@@ -32,80 +27,6 @@ HEADER = (
     "# `python -m bench.gpu` (docs/benchmarks/gpu.md); cluster.plan.planner uses them instead of a profile's\n"
     "# assumed_mfu.\n"
 )
-
-
-def mfu_file() -> Path:
-    return Path(os.environ.get(MFU_FILE_ENV) or MFU_FILE)
-
-
-def gpu_kind(name: str) -> str:
-    """The `GPU_PEAK_TFLOPS` fragment in ``name`` ("NVIDIA H200" -> "H200"), else the name itself."""
-    return next((fragment for fragment in GPU_PEAK_TFLOPS if fragment in name), name.strip())
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One table entry: a model on a GPU kind."""
-
-    model: str
-    gpu_kind: str
-    mfu: float
-    mfu_from: str
-    device: str
-    date: str
-    memory_error: float | None = None
-    activation_scale: float = 1.0
-
-    @property
-    def mfu_source(self) -> str:
-        return f"measured on {self.gpu_kind} {self.date} ({self.mfu_from})"
-
-    @property
-    def memory_corrected(self) -> bool:
-        return self.memory_error is not None and abs(self.memory_error) > MEMORY_TOLERANCE
-
-    @property
-    def memory_source(self) -> str:
-        return (
-            f"activations x {self.activation_scale:.2f}: the model was {self.memory_error:+.0%} off what "
-            f"{self.gpu_kind} measured on {self.date}"
-        )
-
-
-def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """The table; {} when the file is absent or empty. ValueError when it is not a mapping."""
-    path = path or mfu_file()
-    if not path.is_file():
-        return {}
-    try:
-        table = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML ({error}); run python -m cluster.calibrate again") from None
-    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"{path} must map model -> GPU kind -> numbers; run python -m cluster.calibrate again")
-    return table
-
-
-def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | None:
-    """The entry for ``model`` on ``gpu_type``'s kind, or None."""
-    kind = gpu_kind(gpu_type)
-    entry = read_table(path).get(model, {}).get(kind)
-    if not isinstance(entry, dict) or not _is_fraction(entry.get("mfu")):
-        return None
-    return Measured(
-        model=model,
-        gpu_kind=kind,
-        mfu=float(entry["mfu"]),
-        mfu_from=str(entry.get("mfu_from", "bench.gpu")),
-        device=str(entry.get("device", kind)),
-        date=str(entry.get("date", "?")),
-        memory_error=entry.get("memory_error"),
-        activation_scale=float(entry.get("activation_scale", 1.0)),
-    )
-
-
-def _is_fraction(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 < value <= 1
 
 
 def _number(result: dict, key: str) -> float | None:

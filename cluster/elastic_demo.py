@@ -27,7 +27,7 @@ import yaml
 
 from cluster import local_head
 from cluster.driver.job import JobSpec, run_job
-from cluster.launch import prepare_local_data
+from cluster.local_data import prepare_local_data
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT

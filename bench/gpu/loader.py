@@ -1,7 +1,7 @@
 """The campaign's loader part (`bench.gpu.campaign`): the training stream alone on this machine's CPU cores, at 224 px.
 
 Images per CPU second of a `TrainStream` without workers, one torch thread (per core, as a loader worker runs):
-``loader_img_s_per_core`` on ImageNet-like JPEGs (``bench.data.imagenet_like_jpegs``), what a real run's loader
+``loader_img_s_per_core`` on ImageNet-like JPEGs (``bench.images.imagenet_like_jpegs``), what a real run's loader
 does; ``loader_formula_img_s_per_core`` on the real path's formula set, whose small JPEGs decode several times faster,
 so the real path's data wait understates ImageNet's. ``loader_img_s_workers<n>``: the ImageNet-like shards through
 ``n`` workers, images per wall-clock second after the first batch, to check that the per-core rate scales.
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from bench.data import imagenet_like_jpegs, stream_rate
+from bench.images import imagenet_like_jpegs
+from bench.shard_rates import stream_rate
 from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.train_stream import TrainStream

@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from bench.gpu.train import TrainSpec
-from cluster.calibrate import gpu_kind
+from cluster.plan.mfu import gpu_kind
 from cluster.plan.planner import build_plan
 from cluster.profiles import load_profile
 
@@ -21,7 +21,7 @@ BASE_PROFILE = "h100x8"
 
 
 def device_kind(name: str) -> str:
-    """The GPU kind cluster/mfu.yaml files a device's numbers under ("NVIDIA H200" → "H200": `cluster.calibrate`)."""
+    """The GPU kind cluster/mfu.yaml files a device's numbers under ("NVIDIA H200" → "H200": `cluster.plan.mfu`)."""
     return gpu_kind(name)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from bench.train import _logits_of, compile_hf_layers, hf_model
+from bench.hf_models import compile_hf_layers, hf_model, logits_of
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 
@@ -72,7 +72,7 @@ class Stepper:
         with device:  # initialised on the device: an H/14 built on the CPU takes longer than its timing
             self.model = VisionTransformer(config) if impl == "vitscale" else hf_model(config, "sdpa")
         self.model.train()
-        self.logits_of = _logits_of(self.model)
+        self.logits_of = logits_of(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
         self._inputs: tuple[int, torch.Tensor, torch.Tensor] | None = None
 

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.data import imagenet_like_jpegs
+from bench.images import imagenet_like_jpegs
 from bench.scale.campaign import FULL, TINY, measure_generation
 from bench.scale.dedup import measure_dedup
 from bench.scale.tables import LOADER_WORKERS, measure_first_batch, measure_tables

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bench.data import read_speed
+from bench.shard_rates import read_speed
 from data_pipeline import manifest
 from data_pipeline.manifest import SamplesWriter, iter_samples, read_dataset_info, write_metadata
 from data_pipeline.stream.config import DataConfig

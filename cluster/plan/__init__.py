@@ -1,1 +1,2 @@
-"""The plan of a recipe on a profile: topology, batch split, compute, memory per device, data wait, storage."""
+"""The plan of a recipe on a profile: topology, batch split, compute (measured MFU: `mfu`), memory per device, data
+wait, storage."""

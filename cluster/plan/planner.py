@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster import calibrate
-from cluster.calibrate import Measured
-from cluster.plan import memory
+from cluster.plan import memory, mfu
 from cluster.plan.checkpoint_costs import StartupAllowance, baseline_eval, checkpoint_space_warning, startup_allowance
 from cluster.plan.data_wait import data_wait, loader_host_bytes
 from cluster.plan.memory import MemoryPlan
+from cluster.plan.mfu import Measured
 from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
@@ -306,7 +305,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     batch = batch_plan(config.data, profile.workers.num_workers)
     stats = _data_stats(config)
     vit, model = _model_size(config)
-    measured = calibrate.measured(config.model.name, profile.hardware.gpu_type) if profile.uses_gpus else None
+    measured = mfu.measured(config.model.name, profile.hardware.gpu_type) if profile.uses_gpus else None
     compute = _compute_plan(profile, config, vit, batch, stats.num_samples, measured)
     data = _data_plan(profile, config, batch, stats, model, compute.images_per_s)
     correction = (measured.activation_scale, measured.memory_source) if measured and measured.memory_corrected else None

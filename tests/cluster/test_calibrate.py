@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import calibrate
-from cluster.calibrate import MFU_FILE, gpu_kind, main
+from cluster.calibrate import main
+from cluster.plan import mfu
+from cluster.plan.mfu import MFU_FILE, gpu_kind
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
@@ -50,7 +51,7 @@ def table(tmp_path, monkeypatch) -> Path:
     """A copy of the shipped (empty) table, which the plan reads through $VITSCALE_MFU_FILE."""
     path = tmp_path / "mfu.yaml"
     shutil.copy(MFU_FILE, path)
-    monkeypatch.setenv(calibrate.MFU_FILE_ENV, str(path))
+    monkeypatch.setenv(mfu.MFU_FILE_ENV, str(path))
     return path
 
 
@@ -66,7 +67,7 @@ def h14_plan(profile_name: str = "h100x8"):
 
 
 def test_the_shipped_table_is_empty_and_the_kinds_are_the_datasheet_names():
-    assert calibrate.read_table(MFU_FILE) == {}
+    assert mfu.read_table(MFU_FILE) == {}
     assert [gpu_kind(n) for n in ("NVIDIA H200", "H100-SXM5-80GB", "A100-SXM4-80GB")] == ["H200", "H100", "A100"]
     assert gpu_kind(" Some New GPU ") == "Some New GPU"
 
@@ -100,7 +101,7 @@ def test_memory_within_15_percent_is_not_corrected_and_a_rerun_replaces_the_entr
     close = campaign(measured_memory_gb_vit_h14=36.0, plan_memory_error_vit_h14=(39.0 - 36.0) / 36.0)
     assert main([str(write(tmp_path, close))]) == 0  # the table from $VITSCALE_MFU_FILE
     assert main([str(write(tmp_path, close | {"train_path_mfu_vit_h14": 0.45}))]) == 0
-    entry = calibrate.measured("vit_h14", "H100-SXM5-80GB")
+    entry = mfu.measured("vit_h14", "H100-SXM5-80GB")
     assert entry is not None and entry.mfu == 0.45 and entry.activation_scale == 1.0 and not entry.memory_corrected
     plan = h14_plan()
     assert plan.memory.memory_source == "" and plan.compute.assumed_mfu == 0.45
@@ -124,7 +125,7 @@ def test_bad_input_exits_2_with_one_message(tmp_path, table, capsys, content, sa
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cluster.calibrate: error: ") and says in err and len(err.strip().splitlines()) == 1
-    assert calibrate.read_table(table) == {}  # nothing written
+    assert mfu.read_table(table) == {}  # nothing written
 
 
 def test_a_damaged_table_is_a_clear_error(tmp_path, table, capsys):

@@ -224,7 +224,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     from mlflow import MlflowClient
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from cluster.launch import prepare_local_data
+    from cluster.local_data import prepare_local_data
     from evals.suites import load_suite
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

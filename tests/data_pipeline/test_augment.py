@@ -231,8 +231,8 @@ def test_bench_data_dali_without_dali_is_one_clear_error_before_any_timing(tmp_p
 
 
 def photo_jpeg(width, height, seed, **save) -> bytes:
-    """bench.data's photo-like pixels, so every row decodes to different pixels, saved with ``save`` (+ ``mode``)."""
-    from bench.data import photo_like
+    """bench.images' photo-like pixels, so every row decodes to different pixels, saved with ``save`` (+ ``mode``)."""
+    from bench.images import photo_like
 
     pixels = photo_like(width, height, (9, 11), 12.0, np.random.default_rng(seed))
     out = io.BytesIO()

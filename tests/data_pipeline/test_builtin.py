@@ -161,7 +161,7 @@ def test_make_shards_writes_what_every_shipped_recipe_and_suite_reads():
     sets reads each of its folders under data/ at exactly those settings, so the folders `make shards` wrote are
     reused as written (issue #51). Folders are compared by their settings, as `check_folder` does: the tests above
     show it accepts a folder written at the same ones and refuses one written at others."""
-    from cluster.launch import builtin_requirements
+    from cluster.local_data import builtin_requirements
     from data_pipeline.paths import PROJECT_ROOT, RECIPE_DIR, SUITES_DIR
     from evals.suites import load_suite
     from pretrain.config.train_config import load_config
