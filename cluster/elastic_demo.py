@@ -48,6 +48,8 @@ NODE_HEALTH = {
     "health_check_failure_threshold": 3,
 }
 DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's default: 60 s
+COORDINATOR = "AutoscalingCoordinator"  # Ray's actor (name and namespace) that Ray Train's elastic policy asks
+COORDINATOR_TICK_S = 1.0  # how often the demo has it re-read the nodes (Ray: every 20 s)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,24 @@ def add_worker_node(cluster, temp_dir: Path):
     return cluster.add_node(**NODE_ARGS, num_cpus=1, resources={TRAINER_RESOURCE: 1}, temp_dir=str(temp_dir))
 
 
+def refresh_ray_train_view(job: threading.Thread, log: Callable[[str], None] = print) -> None:
+    """While ``job`` runs, have Ray's AutoscalingCoordinator re-read the nodes every `COORDINATOR_TICK_S`: Ray Train's
+    elastic policy sizes the group from its view, which Ray refreshes only every 20 s (docs/elastic.md, "Elastic jobs
+    on Ray")."""
+    import ray
+
+    while job.is_alive():
+        try:
+            coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR)
+            ray.get(coordinator._tick.remote(), timeout=30)
+        except ValueError:  # Ray Train has not created it yet
+            pass
+        except Exception as error:  # Ray's internals: without the refresh the demo waits for Ray's own ticks
+            log(f"stopped refreshing Ray Train's view of the nodes ({type(error).__name__}: {error})")
+            return
+        time.sleep(COORDINATOR_TICK_S)
+
+
 def _attempts(run_dir: Path) -> list[dict[str, Any]]:
     """Rank 0's placement records (cluster.driver.job), one per worker-group start, oldest first."""
     records = []
@@ -185,6 +205,7 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         ray.init(address=cluster.address)
     thread = threading.Thread(target=job, name="elastic-demo-job", daemon=True)
     thread.start()
+    threading.Thread(target=refresh_ray_train_view, args=(thread, log), name="coordinator-ticks", daemon=True).start()
     try:
         _wait(
             "first checkpoint past step 0",
@@ -229,6 +250,12 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         result.error += _unplanned_node_deaths(removed)
     note(f"job ended with exit code {result.rc}")
     return result
+
+
+def _alive(node_id: str) -> bool:
+    import ray
+
+    return any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
 def _unplanned_node_deaths(removed: set[str]) -> str:
