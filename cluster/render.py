@@ -1,38 +1,122 @@
 """Cluster files for a GPU profile: a Ray cluster-launcher YAML (AWS) and a KubeRay RayJob manifest.
 
     python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--out rendered]
+        [--image REGISTRY/vitscale:TAG] [--fsx-dns fs-ID.fsx.us-east-1.amazonaws.com --fsx-mount-name NAME]
 
-writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `<out>/<profile>/rayjob.yaml` (`kubectl apply -f` it). The
-Jobs API is bound to 127.0.0.1 (launcher) or kept inside the namespace with token authentication (KubeRay).
+writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `<out>/<profile>/rayjob.yaml` (`kubectl apply -f` it); the
+header of each lists what must exist first. Every node and pod runs the image ./Dockerfile builds (Ray's CUDA image
+with vitscale's dependencies); the code comes with each job (Ray's working_dir). Without `--image` the files name a
+placeholder registry; without the FSx flags `ray up` stops at the mount, saying so. The Jobs API is bound to
+127.0.0.1 (launcher) or kept inside the namespace (KubeRay), with token authentication on every node.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from cluster.driver.job import PLAN_ENV, JobSpec
-from cluster.plan.planner import build_plan, resolve_config, runtime_pip, storage_extras
+from cluster.driver.job import PLAN_ENV, JobSpec, worker_env
+from cluster.plan.planner import build_plan, resolve_config, runtime_pip
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.cli import output_folder
+from data_pipeline.paths import PROJECT_ROOT
 
-RAY_VERSION = "2.60.0"
-IMAGE = f"rayproject/ray-ml:{RAY_VERSION}-py311-gpu"
+RAY_VERSION = "2.60.0"  # = the Ray this venv plans and submits with (a test holds them equal)
+BASE_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311-gpu"  # ./Dockerfile's base; Ray published ray-ml up to 2.49 only
+DOCKERFILE = PROJECT_ROOT / "Dockerfile"
+IMAGE = f"registry.example.com/vitscale:ray{RAY_VERSION}"  # placeholder: where you push ./Dockerfile's image
+IMAGE_CODE_DIR = "/home/ray/vitscale"  # the Dockerfile's WORKDIR: the code a KubeRay job runs
 SHARED_FS = "/fsx"  # the checkpoint root's mount on every node (FSx for Lustre / a PVC)
+REGION, ZONE = "us-east-1", "us-east-1a"
+AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where `ray get-auth-token --generate` writes and `ray start` reads it
+TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the Kubernetes secret holding the token
+# vCPUs, GiB and GPUs of the instance types evals.instance_type may name: a profile declares its training nodes'
+# shape (hardware), not the eval node's.
+EVAL_INSTANCES = {
+    "g5.xlarge": (4, 16, 1),
+    "g5.2xlarge": (8, 32, 1),
+    "g5.4xlarge": (16, 64, 1),
+    "g6.xlarge": (4, 16, 1),
+    "g6.2xlarge": (8, 32, 1),
+    "g6.4xlarge": (16, 64, 1),
+}
+
+
+@dataclass(frozen=True)
+class FsxMount:
+    """An FSx for Lustre file system: its DNS name and mount name (the AWS console's "Attach" shows both)."""
+
+    dns_name: str
+    mount_name: str
+
+    @property
+    def source(self) -> str:
+        return f"{self.dns_name}@tcp:/{self.mount_name}"
+
+
+def fsx_mount(dns_name: str | None, mount_name: str | None) -> FsxMount | None:
+    """The file system of `--fsx-dns` and `--fsx-mount-name` (None when neither is given); both go into a shell
+    command on every node, so each must be a plain name."""
+    if not dns_name and not mount_name:
+        return None
+    if not dns_name or not mount_name:
+        raise ValueError("--fsx-dns and --fsx-mount-name go together: give both names of the FSx file system")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", dns_name):
+        raise ValueError(f"--fsx-dns {dns_name!r} is no DNS name; give e.g. fs-0123abcd.fsx.{REGION}.amazonaws.com")
+    if not re.fullmatch(r"[A-Za-z0-9]+", mount_name):
+        raise ValueError(f"--fsx-mount-name {mount_name!r}: letters and digits only, e.g. abcdefgh (or fsx)")
+    region = re.search(r"\.fsx\.([a-z0-9-]+)\.amazonaws\.com$", dns_name)
+    if region and region.group(1) != REGION:
+        raise ValueError(f"--fsx-dns {dns_name}: the file system is in {region.group(1)}, the cluster in {REGION}")
+    return FsxMount(dns_name, mount_name)
 
 
 def _gpus(profile: ClusterProfile) -> int:
     return profile.hardware.gpus_per_node
 
 
-def _install_spec(profile: ClusterProfile, project: str) -> str:
-    """`<project>[s3]`-style pip target with the extras the shard storage needs."""
-    extras = ",".join(e.name for e in storage_extras([profile.storage.shards]))
-    return f"'{project}[{extras}]'" if extras else project
+def _allocatable(vcpus: int, memory_gb: float) -> tuple[int, float]:
+    """What a pod may ask of a node: the kubelet, the OS and the daemonsets (CNI, device plugins, FSx CSI) keep
+    some of it, so a pod asking for the whole node is never scheduled. 2% of the vCPUs (at least one), 10% of
+    the memory: more than EKS reserves on these sizes."""
+    return vcpus - max(1, round(vcpus * 0.02)), memory_gb * 0.9
+
+
+def _eval_instance(profile: ClusterProfile) -> tuple[int, int, int]:
+    return EVAL_INSTANCES[profile.evals.instance_type]
+
+
+def _check_fits(profile: ClusterProfile) -> None:
+    """A training node's pod holds its workers (and the evals when they share it); the eval pod holds an eval."""
+    hw, wk, ev = profile.hardware, profile.workers, profile.evals
+    cpus, _ = _allocatable(hw.cpus_per_node, hw.memory_gb_per_node)
+    per_node = math.ceil(wk.max_workers / hw.nodes) * wk.cpus_per_worker + (0 if ev.instance_type else ev.num_cpus)
+    if per_node > cpus:
+        raise ValueError(
+            f"profile {profile.name}: a node's workers (and evals) need {per_node:g} CPUs, its pod has {cpus} of "
+            f"hardware.cpus_per_node={hw.cpus_per_node}; lower workers.cpus_per_worker or evals.num_cpus"
+        )
+    if not ev.instance_type:
+        return
+    if ev.instance_type not in EVAL_INSTANCES:
+        raise ValueError(
+            f"profile {profile.name}: evals.instance_type={ev.instance_type!r} is not one cluster.render knows "
+            f"({', '.join(EVAL_INSTANCES)}); pick one or add its vCPUs, GiB and GPUs to cluster.render.EVAL_INSTANCES"
+        )
+    vcpus, memory_gb, gpus = _eval_instance(profile)
+    pod_cpus, _ = _allocatable(vcpus, memory_gb)
+    if ev.num_cpus > pod_cpus or ev.num_gpus > gpus:
+        raise ValueError(
+            f"profile {profile.name}: an eval (evals.num_cpus={ev.num_cpus:g}, num_gpus={ev.num_gpus:g}) does not fit "
+            f"the {ev.instance_type} pod ({pod_cpus} of its {vcpus} vCPUs, {gpus} GPU); lower them or use a bigger type"
+        )
 
 
 def _check_renderable(profile: ClusterProfile) -> None:
@@ -48,44 +132,60 @@ def _check_renderable(profile: ClusterProfile) -> None:
             f"profile {profile.name}: storage.checkpoints={profile.storage.checkpoints!r} must live on "
             f"the shared filesystem mounted at {SHARED_FS} so every node resumes from the same folder"
         )
+    _check_fits(profile)
 
 
-def launcher_config(profile: ClusterProfile) -> dict:
+def placement_group(profile: ClusterProfile) -> str | None:
+    """The EC2 cluster placement group of the training nodes (one EFA spine for NCCL); None on one node. Ray's AWS
+    provider passes `Placement` to EC2 as it is, so the group must exist before `ray up` (the file's header)."""
+    return f"vitscale-{profile.name}" if profile.hardware.nodes > 1 else None
+
+
+def _mount_fsx(fsx: FsxMount | None) -> str:
+    """The host command (before docker starts, so the container's `-v /fsx:/fsx` sees the mount) that mounts FSx,
+    or one that stops `ray up` with the reason."""
+    if fsx is None:
+        return (
+            f"echo 'cluster.yaml names no FSx file system to mount at {SHARED_FS}: render it with --fsx-dns and "
+            "--fsx-mount-name' >&2; exit 1"
+        )
+    return (
+        f"sudo mkdir -p {SHARED_FS} && (mountpoint -q {SHARED_FS} || sudo mount -t lustre -o relatime,flock "
+        f"{fsx.source} {SHARED_FS})"
+    )
+
+
+def _training_node(profile: ClusterProfile) -> dict:
+    node = {
+        "InstanceType": profile.hardware.instance_type,
+        "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
+    }
+    group = placement_group(profile)
+    if group:  # the head trains too: it joins the workers' group
+        node["Placement"] = {"GroupName": group}
+    return node
+
+
+def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount | None = None) -> dict:
     """The `ray up` YAML; validated by Ray's own schema in tests."""
     _check_renderable(profile)
     hw = profile.hardware
-    setup = [
-        # FSx for Lustre; its DNS name comes from the environment.
-        f"sudo mkdir -p {SHARED_FS} && (mountpoint -q {SHARED_FS} || sudo mount -t lustre -o relatime,flock "
-        f"$FSX_DNS@tcp:/$FSX_MOUNT {SHARED_FS})",
-        f"pip install -e {_install_spec(profile, f'{SHARED_FS}/vitscale')}",
-    ]
     node_types = {
-        "head": {
-            "resources": {"CPU": hw.cpus_per_node, "GPU": _gpus(profile)},
-            "node_config": {
-                "InstanceType": hw.instance_type,
-                "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
-            },
-        },
+        "head": {"resources": {"CPU": hw.cpus_per_node, "GPU": _gpus(profile)}, "node_config": _training_node(profile)},
         "gpu_worker": {
             "min_workers": hw.nodes - 1,
             "max_workers": hw.nodes - 1,
             "resources": {"CPU": hw.cpus_per_node, "GPU": _gpus(profile)},
-            "node_config": {
-                "InstanceType": hw.instance_type,
-                "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
-                # One placement group: one EFA spine for NCCL.
-                "Placement": {"GroupName": f"vitscale-{profile.name}"},
-            },
+            "node_config": _training_node(profile),
         },
     }
     max_workers = hw.nodes - 1
     if profile.evals.instance_type:
+        vcpus, _, gpus = _eval_instance(profile)
         node_types["eval_worker"] = {
             "min_workers": 1,
             "max_workers": 1,
-            "resources": {"CPU": profile.evals.num_cpus, "GPU": profile.evals.num_gpus},
+            "resources": {"CPU": vcpus, "GPU": gpus},
             "node_config": {"InstanceType": profile.evals.instance_type},
         }
         max_workers += 1
@@ -95,29 +195,25 @@ def launcher_config(profile: ClusterProfile) -> dict:
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": 30,
         "docker": {
-            "image": IMAGE,
+            "image": image,  # vitscale's dependencies on Ray's CUDA image; the code comes with each job
             "container_name": "ray_container",
             "pull_before_run": True,
             "run_options": ["--ulimit nofile=65536:65536", "--shm-size=64g", f"-v {SHARED_FS}:{SHARED_FS}"],
         },
-        "provider": {
-            "type": "aws",
-            "region": "us-east-1",
-            "availability_zone": "us-east-1a",
-            "cache_stopped_nodes": False,
-        },
+        "provider": {"type": "aws", "region": REGION, "availability_zone": ZONE, "cache_stopped_nodes": False},
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": node_types,
         "head_node_type": "head",
-        "file_mounts": {},
-        "initialization_commands": [],
-        "setup_commands": setup,
+        # The token made here before `ray up`: the client's, bind-mounted into every node's container (the head's
+        # autoscaler passes its file_mounts on to the workers), so head and workers share one.
+        "file_mounts": {AUTH_TOKEN_FILE: AUTH_TOKEN_FILE},
+        "initialization_commands": [_mount_fsx(fsx)],
+        "setup_commands": [],
         "head_setup_commands": [],
         "worker_setup_commands": [],
         # Jobs API on 127.0.0.1 (`ray dashboard` tunnels it over SSH), token auth on.
         "head_start_ray_commands": [
             "ray stop",
-            "ray get-auth-token --generate >/dev/null",
             "ulimit -n 65536; RAY_AUTH_MODE=token ray start --head --port=6379 --dashboard-host=127.0.0.1 "
             "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats",
         ],
@@ -128,26 +224,31 @@ def launcher_config(profile: ClusterProfile) -> dict:
     }
 
 
-def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) -> dict:
-    limits = {"cpu": str(int(cpus)), "memory": f"{int(memory_gb)}Gi"}
+def _ray_auth_env() -> list[dict]:
+    """Token authentication with the namespace's secret: every pod that starts Ray or talks to it."""
+    return [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}},
+    ]
+
+
+def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
+    """A Ray pod on a node of (vCPUs, GiB, GPUs), asking for what the node can give it."""
+    vcpus, memory_gb, gpus = node
+    cpus, memory_gb = _allocatable(vcpus, memory_gb)
+    limits = {"cpu": str(cpus), "memory": f"{int(memory_gb)}Gi"}
     if gpus:
-        limits["nvidia.com/gpu"] = str(int(gpus))
-        limits["vpc.amazonaws.com/efa"] = "4" if profile.hardware.gpus_per_node >= 8 else "1"
+        limits["nvidia.com/gpu"] = str(gpus)
+    if efa:
+        limits["vpc.amazonaws.com/efa"] = str(efa)
     return {
         "spec": {
             "containers": [
                 {
                     "name": "ray",
-                    # ray-ml + this repo, as the launcher's setup_commands.
-                    "image": f"vitscale:{RAY_VERSION}",
-                    "env": [
-                        {"name": "RAY_AUTH_MODE", "value": "token"},
-                        {
-                            "name": "RAY_AUTH_TOKEN",
-                            "valueFrom": {"secretKeyRef": {"name": "vitscale-ray-token", "key": "token"}},
-                        },
-                    ],
-                    "resources": {"limits": limits, "requests": limits},
+                    "image": image,
+                    "env": _ray_auth_env(),
+                    "resources": {"limits": limits, "requests": dict(limits)},  # a copy: no YAML anchors
                     "volumeMounts": [
                         {"name": "fsx", "mountPath": SHARED_FS},
                         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -162,20 +263,35 @@ def _pod(profile: ClusterProfile, cpus: float, gpus: float, memory_gb: float) ->
     }
 
 
-def _runtime_env(job_spec_json: str) -> dict:
-    """The plan for the driver, and pip installs of the plan's extras (as `cluster.launch`)."""
-    env: dict = {"env_vars": {PLAN_ENV: job_spec_json}}
+def _training_pod(profile: ClusterProfile, image: str) -> dict:
+    hw = profile.hardware
+    return _pod(image, (hw.cpus_per_node, hw.memory_gb_per_node, _gpus(profile)), 4 if _gpus(profile) >= 8 else 1)
+
+
+def _submitter(image: str) -> dict:
+    """The pod that runs `ray job submit`: KubeRay's default one has no token, and the head refuses it. It uploads
+    the job's working_dir from this image."""
+    limits = {"cpu": "1", "memory": "1Gi"}
+    container = {"name": "ray-job-submitter", "image": image, "env": _ray_auth_env()}
+    container["resources"] = {"limits": limits, "requests": dict(limits)}
+    return {"spec": {"restartPolicy": "Never", "containers": [container]}}
+
+
+def _runtime_env(profile: ClusterProfile, job_spec_json: str) -> dict:
+    """As `cluster.launch.runtime_env`, with the code of the image (the submitter pod has no checkout)."""
+    env = {PLAN_ENV: job_spec_json, **worker_env(profile)}
+    env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
+    runtime: dict = {"working_dir": IMAGE_CODE_DIR, "env_vars": env}
     pip = runtime_pip(json.loads(job_spec_json)["plan"])
     if pip:
-        env["pip"] = pip
-    return env
+        runtime["pip"] = pip
+    return runtime
 
 
-def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) -> list[dict]:
+def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, image: str = IMAGE) -> list[dict]:
     """A KubeRay RayJob and a NetworkPolicy keeping the Jobs API inside the namespace."""
     _check_renderable(profile)
     hw = profile.hardware
-    node_memory = hw.memory_gb_per_node * 0.9  # leave room for the kubelet
     worker_groups = [
         {
             "groupName": "gpu",
@@ -183,7 +299,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
             "minReplicas": hw.nodes - 1,
             "maxReplicas": hw.nodes - 1,
             "rayStartParams": {},
-            "template": _pod(profile, hw.cpus_per_node - 2, _gpus(profile), node_memory),
+            "template": _training_pod(profile, image),
         }
     ]
     if profile.evals.instance_type:
@@ -194,7 +310,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
                 "minReplicas": 1,
                 "maxReplicas": 1,
                 "rayStartParams": {},
-                "template": _pod(profile, profile.evals.num_cpus, profile.evals.num_gpus, 30),
+                "template": _pod(image, _eval_instance(profile)),  # no EFA: evals need none, small types have none
             }
         )
     rayjob = {
@@ -203,15 +319,16 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
         "metadata": {"name": job_name, "labels": {"app": "vitscale"}},
         "spec": {
             "entrypoint": "python -m cluster.driver",
-            "runtimeEnvYAML": yaml.safe_dump(_runtime_env(job_spec_json), width=10**9),
+            "runtimeEnvYAML": yaml.safe_dump(_runtime_env(profile, job_spec_json), width=10**9),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,
+            "submitterPodTemplate": _submitter(image),
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
                 "headGroupSpec": {
                     # Open to the pod network; the NetworkPolicy and the token keep others out.
                     "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(_gpus(profile))},
-                    "template": _pod(profile, hw.cpus_per_node - 2, _gpus(profile), node_memory),
+                    "template": _training_pod(profile, image),
                 },
                 "workerGroupSpecs": worker_groups,
             },
@@ -230,7 +347,34 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str) 
     return [rayjob, policy]
 
 
-def render(profile_name: str, recipe: str, out: Path) -> list[Path]:
+def _build_image(image: str) -> str:
+    return f"docker build -t {image} {PROJECT_ROOT} && docker push {image}"
+
+
+def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
+    lines = [
+        f"Ray cluster launcher for profile {profile.name}: `ray up {path}`, once these exist:",
+        f"  {_build_image(image)}",
+        f"  ray get-auth-token --generate  # {AUTH_TOKEN_FILE} here, copied to every node",
+    ]
+    group = placement_group(profile)
+    if group:
+        lines.append(f"  aws ec2 create-placement-group --region {REGION} --group-name {group} --strategy cluster")
+    lines.append(f"and an FSx for Lustre file system in {ZONE}, mounted at {SHARED_FS} (--fsx-dns, --fsx-mount-name).")
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str) -> str:
+    lines = [
+        f"KubeRay RayJob for {recipe} on profile {profile.name}: `kubectl apply -f {path}`, once these exist:",
+        f"  {_build_image(image)}  # the job runs the code of this image",
+        f"  kubectl create secret generic {TOKEN_SECRET} --from-literal=token=$(uuidgen)",
+        f"and a PersistentVolumeClaim fsx-claim (FSx for Lustre) in the namespace, mounted at {SHARED_FS}.",
+    ]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def render(profile_name: str, recipe: str, out: Path, image: str = IMAGE, fsx: FsxMount | None = None) -> list[Path]:
     profile = load_profile(profile_name)
     run_name = f"{Path(recipe).stem}-{profile.name}"
     config = resolve_config(profile, recipe, [], run_name)
@@ -240,16 +384,13 @@ def render(profile_name: str, recipe: str, out: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     launcher = folder / "cluster.yaml"
     launcher.write_text(
-        f"# Ray cluster launcher for profile {profile.name}: `ray up {launcher}`\n"
-        + yaml.safe_dump(launcher_config(profile), sort_keys=False, width=120)
+        _launcher_header(profile, launcher, image)
+        + yaml.safe_dump(launcher_config(profile, image, fsx), sort_keys=False, width=120)
     )
     rayjob = folder / "rayjob.yaml"
+    manifest = rayjob_manifest(profile, spec.to_json(), run_name.replace("_", "-"), image)
     rayjob.write_text(
-        f"# KubeRay RayJob for {recipe} on profile {profile.name}: `kubectl apply -f {rayjob}`\n"
-        "# (first: kubectl create secret generic vitscale-ray-token --from-literal=token=$(uuidgen))\n"
-        + yaml.safe_dump_all(
-            rayjob_manifest(profile, spec.to_json(), run_name.replace("_", "-")), sort_keys=False, width=120
-        )
+        _rayjob_header(profile, rayjob, recipe, image) + yaml.safe_dump_all(manifest, sort_keys=False, width=120)
     )
     return [launcher, rayjob]
 
@@ -259,14 +400,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", required=True, help="a GPU profile: a100x8, a100x64, h100x8")
     parser.add_argument("--recipe", default="vit_b16_i21k", help="recipe the RayJob runs (default vit_b16_i21k)")
     parser.add_argument("--out", default="rendered", help="output folder (default ./rendered)")
+    parser.add_argument("--image", default=IMAGE, help=f"the image ./Dockerfile builds, pushed (default {IMAGE})")
+    parser.add_argument("--fsx-dns", help="the FSx for Lustre file system's DNS name (launcher: mounted at /fsx)")
+    parser.add_argument("--fsx-mount-name", help="the FSx for Lustre file system's mount name")
     args = parser.parse_args(argv)
     try:
         _check_renderable(load_profile(args.cluster))  # before planning: its errors would mislead
-        for path in render(args.cluster, args.recipe, output_folder(args.out, "--out")):
+        fsx = fsx_mount(args.fsx_dns, args.fsx_mount_name)
+        for path in render(args.cluster, args.recipe, output_folder(args.out, "--out"), args.image, fsx):
             print(f"wrote {path}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.image == IMAGE:
+        print(f"note: {IMAGE} is a placeholder: push ./Dockerfile's image and pass --image")
+    if fsx is None:
+        print("note: no --fsx-dns/--fsx-mount-name: `ray up` of cluster.yaml stops before the FSx mount")
     return 0
 
 

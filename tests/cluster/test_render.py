@@ -1,20 +1,64 @@
-"""cluster.render: the `ray up` YAML passes Ray's own config schema; the KubeRay RayJob matches the profile."""
+"""cluster.render: files a cluster can come up from. The `ray up` YAML passes Ray's own config schema for every GPU
+profile; every node and pod runs the image ./Dockerfile builds (installed as `make setup` installs); FSx is mounted
+on the host; the code comes with the job; every node gets the token; every pod fits its node."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 
 import pytest
 import yaml
 
 from cluster import render
+from cluster.plan.storage import storage_extras
+from data_pipeline.paths import PROJECT_ROOT
+
+GPU_PROFILES = ["a100x8", "a100x64", "h100x8"]
+PYPROJECT = PROJECT_ROOT / "pyproject.toml"
+FSX = render.FsxMount("fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", "abcdefgh")
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """profile → (launcher header, launcher config, RayJob header, [RayJob, NetworkPolicy]), rendered once."""
+    out = tmp_path_factory.mktemp("rendered")
+    files = {}
+    for name in GPU_PROFILES:
+        launcher, rayjob = render.render(name, "vit_b16_i21k", out, fsx=FSX)
+        files[name] = (launcher.read_text(), yaml.safe_load(launcher.read_text()), rayjob.read_text())
+        files[name] += (list(yaml.safe_load_all(rayjob.read_text())),)
+    return files
+
+
+def _pods(job: dict) -> dict[str, dict]:
+    """Every pod template of a RayJob by role: head, each worker group, the submitter."""
+    spec = job["spec"]["rayClusterSpec"]
+    pods = {
+        "head": spec["headGroupSpec"]["template"],
+        **{g["groupName"]: g["template"] for g in spec["workerGroupSpecs"]},
+    }
+    if "submitterPodTemplate" in job["spec"]:
+        pods["submitter"] = job["spec"]["submitterPodTemplate"]
+    return pods
+
+
+def _dockerfile() -> str:
+    return render.DOCKERFILE.read_text()
+
+
+def _dockerfile_line(pattern: str) -> tuple[int, str]:
+    """(index, text) of the Dockerfile's first logical line (`\\` continuations joined) matching ``pattern``."""
+    lines = re.sub(r"\\\n\s*", " ", _dockerfile()).splitlines()
+    return next((i, line) for i, line in enumerate(lines) if re.search(pattern, line))
 
 
 @pytest.mark.timeout(120)
 def test_a100x64_launcher_yaml_validates_with_rays_schema(tmp_path):
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    launcher, rayjob = render.render("a100x64", "vit_h14_i21k", tmp_path)
+    launcher, rayjob = render.render("a100x64", "vit_h14_i21k", tmp_path, fsx=FSX)
     config = yaml.safe_load(launcher.read_text())
     validate_config(prepare_config(config))  # Ray's ray-schema.json after Ray fills its defaults; raises if invalid
 
@@ -37,12 +81,205 @@ def test_a100x64_launcher_yaml_validates_with_rays_schema(tmp_path):
     runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
     env = runtime_env["env_vars"]
     spec = json.loads(env["VITSCALE_PLAN"])
-    # Shards on s3://: the nodes install the s3 extra, and so does the job (for an image without it).
-    assert "pip install -e '/fsx/vitscale[s3]'" in config["setup_commands"]
+    # Shards on s3://: the image holds the s3 extra, and the job installs it too (for an image without it).
     assert runtime_env["pip"] == ["s3fs>=2024.2"] and spec["plan"]["data"]["storage_extras"] == ["s3"]
     assert spec["plan"]["topology"]["world_size"] == 64 and spec["config"]["model"]["name"] == "vit_h14"
     assert spec["config"]["checkpoint"]["dir"].startswith("/fsx/")
     assert policy["kind"] == "NetworkPolicy"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_every_gpu_profiles_launcher_yaml_passes_rays_validator(rendered, name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = rendered[name][1]
+    validate_config(prepare_config(config))  # raises jsonschema.ValidationError (or ValueError) if invalid
+    assert (
+        config["available_node_types"]["head"]["node_config"]["InstanceType"]
+        == render.load_profile(name).hardware.instance_type
+    )
+
+
+def test_dockerfile_builds_on_rays_published_cuda_image():
+    """Ray stopped publishing rayproject/ray-ml after 2.49: the base is rayproject/ray's CUDA image of the Ray this
+    venv plans and submits with."""
+    assert render.RAY_VERSION == importlib.metadata.version("ray")
+    assert render.BASE_IMAGE == f"rayproject/ray:{render.RAY_VERSION}-py311-gpu"
+    _, arg = _dockerfile_line(r"^ARG RAY_VERSION=")
+    _, base = _dockerfile_line(r"^FROM ")
+    assert base.split()[1].replace("${RAY_VERSION}", arg.split("=", 1)[1]) == render.BASE_IMAGE
+    assert "ray-ml" not in render.BASE_IMAGE + render.IMAGE
+    assert render.IMAGE.startswith("registry.example.com/")  # a placeholder no one can pull from
+
+
+def test_dockerfile_installs_as_make_setup_does():
+    """The same torch pin, then DeepSpeed with the same spec and flags, then the project with the extras the GPU
+    profiles' storage needs: in the Makefile's order, so the image and a venv cannot drift apart."""
+    makefile = (PROJECT_ROOT / "Makefile").read_text()
+    torch_pin = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, re.M).group(1)
+    ds_make = next(line for line in makefile.splitlines() if "pip install" in line and "deepspeed" in line)
+    ds_spec = re.search(r'"(deepspeed[^"]*)"', ds_make).group(1)
+    assert "DS_BUILD_OPS=0" in ds_make and "--no-build-isolation" in ds_make  # what the image must repeat
+
+    torch_at, torch_line = _dockerfile_line(r"pip install .*\"torch==")
+    _, torch_arg = _dockerfile_line(r"^ARG TORCH_VERSION=")
+    assert torch_arg == f"ARG TORCH_VERSION={torch_pin}" and '"torch==${TORCH_VERSION}"' in torch_line
+    ds_at, ds_line = _dockerfile_line(r"pip install .*deepspeed")
+    assert f'"{ds_spec}"' in ds_line and "DS_BUILD_OPS=0" in ds_line and "--no-build-isolation" in ds_line
+    project_at, project_line = _dockerfile_line(r'pip install .*"\.\[')
+    assert torch_at < ds_at < project_at
+    extras = set(re.search(r'"\.\[([^\]]*)\]"', project_line).group(1).split(","))
+    for name in GPU_PROFILES:
+        storage = render.load_profile(name).storage
+        assert {e.name for e in storage_extras([storage.shards])} <= extras, name
+    assert "pip uninstall -y vitscale" in project_line  # dependencies only: the job brings the code
+
+    # Every package pip installs, and the recipes and eval suites, are in the image's copy of the code.
+    find = re.search(r"^\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*)\]$", PYPROJECT.read_text(), re.M)
+    packages = [p.strip(' "*') for p in find.group(1).split(",")]
+    for folder in [*packages, "configs"]:
+        assert re.search(rf"^COPY .* {folder} {folder}$", _dockerfile(), re.M), folder
+    assert _dockerfile_line(r"^WORKDIR ")[1] == f"WORKDIR {render.IMAGE_CODE_DIR}"
+
+
+@pytest.mark.timeout(120)
+def test_every_node_and_pod_runs_the_built_image(rendered, tmp_path, capsys):
+    for _, config, _, (job, _) in rendered.values():
+        assert config["docker"]["image"] == render.IMAGE
+        for role, pod in _pods(job).items():
+            assert [c["image"] for c in pod["spec"]["containers"]] == [render.IMAGE], role
+
+    mine = "123456789012.dkr.ecr.us-east-1.amazonaws.com/vitscale:ray2.60.0"
+    assert render.main(["--cluster", "a100x8", "--out", str(tmp_path), "--image", mine]) == 0
+    config = yaml.safe_load((tmp_path / "a100x8" / "cluster.yaml").read_text())
+    job = next(yaml.safe_load_all((tmp_path / "a100x8" / "rayjob.yaml").read_text()))
+    assert config["docker"]["image"] == mine
+    assert {c["image"] for pod in _pods(job).values() for c in pod["spec"]["containers"]} == {mine}
+    assert "placeholder" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_fsx_is_mounted_on_the_host_before_the_container_starts(rendered, tmp_path, capsys):
+    """Ray runs initialization_commands on the host before `docker run`; setup_commands run in the container, after
+    its `-v /fsx:/fsx` bind was made, and unprivileged."""
+    config = rendered["a100x64"][1]
+    mount = f"sudo mount -t lustre -o relatime,flock {FSX.dns_name}@tcp:/{FSX.mount_name} /fsx"
+    assert any(mount in command for command in config["initialization_commands"])
+    assert f"-v {render.SHARED_FS}:{render.SHARED_FS}" in config["docker"]["run_options"]
+    commands = [c for key, value in config.items() if key.endswith("_commands") for c in value]
+    assert not any("lustre" in c for c in commands if c not in config["initialization_commands"])
+    assert not any("$FSX" in c for c in commands)  # nothing defines such variables on a node
+
+    # Without the file system's names: the files are written, and `ray up` stops at the mount, saying why.
+    profile = render.load_profile("a100x8")
+    (command,) = render.launcher_config(profile)["initialization_commands"]
+    assert "--fsx-dns" in command and command.endswith("exit 1")
+    assert render.main(["--cluster", "a100x8", "--out", str(tmp_path)]) == 0
+    assert "--fsx-dns" in capsys.readouterr().out
+
+    bad = [
+        ["--fsx-dns", FSX.dns_name],  # one without the other
+        ["--fsx-dns", "fs-1.fsx.us-east-1.amazonaws.com; rm -rf /", "--fsx-mount-name", "abc"],
+        ["--fsx-dns", FSX.dns_name, "--fsx-mount-name", "a b"],
+        ["--fsx-dns", "fs-1.fsx.eu-west-1.amazonaws.com", "--fsx-mount-name", "abc"],  # another region
+    ]
+    for flags in bad:
+        assert render.main(["--cluster", "a100x8", "--out", str(tmp_path / "bad"), *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith("error: --fsx") and err.count("\n") == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_code_comes_with_the_job_and_no_node_installs_it(rendered):
+    for _, config, _, (job, _) in rendered.values():
+        commands = [c for key, value in config.items() if key.endswith("_commands") for c in value]
+        assert not any("pip install" in c for c in commands)
+        assert config["setup_commands"] == []
+        runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+        # The image's copy of the code (the submitter pod uploads it), with the env of cluster.launch's jobs
+        assert runtime_env["working_dir"] == render.IMAGE_CODE_DIR
+        assert runtime_env["env_vars"]["RAY_worker_niceness"] == "0"
+
+
+@pytest.mark.timeout(120)
+def test_every_node_gets_the_clusters_auth_token(rendered):
+    header, config, rayjob_header, (job, _) = rendered["a100x64"]
+    # Launcher: the token made before `ray up` reaches every node's container, where `ray start` reads it.
+    assert config["file_mounts"] == {render.AUTH_TOKEN_FILE: render.AUTH_TOKEN_FILE}
+    assert render.AUTH_TOKEN_FILE == "~/.ray/auth_token"  # Ray's default path: no RAY_AUTH_TOKEN_PATH needed
+    assert "ray get-auth-token --generate" in header
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = " ".join(config[key])
+        assert "RAY_AUTH_MODE=token ray start" in start and "--generate" not in start, key  # no token of its own
+    # KubeRay: the secret in every pod that starts Ray or submits to it (KubeRay's default submitter has none).
+    assert f"kubectl create secret generic {render.TOKEN_SECRET} " in rayjob_header
+    pods = _pods(job)
+    assert {"head", "gpu", "eval", "submitter"} <= set(pods)
+    for role, pod in pods.items():
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", role
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": render.TOKEN_SECRET, "key": "token"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_placement_group_exists_before_ray_up(rendered, name):
+    """Ray's AWS provider passes node_config's Placement to EC2 as it is: the group is never created for us. Every
+    training node (the head trains too) is in one, created by the command the file's header gives."""
+    header, config, _, _ = rendered[name]
+    types = config["available_node_types"]
+    training = [t["node_config"] for key, t in types.items() if key != "eval_worker"]
+    groups = {node.get("Placement", {}).get("GroupName") for node in training}
+    if render.load_profile(name).hardware.nodes == 1:
+        assert groups == {None} and "create-placement-group" not in header  # one node: nothing to place
+        return
+    (group,) = groups
+    region = config["provider"]["region"]
+    assert f"aws ec2 create-placement-group --region {region} --group-name {group} --strategy cluster" in header
+
+
+def _gib(quantity: str) -> float:
+    return float(quantity.removesuffix("Gi"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_every_pod_fits_its_node_and_holds_its_ray_work(rendered, name):
+    """A pod asking for a whole node is never scheduled (the kubelet and the daemonsets keep part of it); and the
+    smaller pod must still hold the Ray work meant for it: a node's training workers, an eval task."""
+    profile = render.load_profile(name)
+    hw, wk, ev = profile.hardware, profile.workers, profile.evals
+    job = rendered[name][3][0]
+    nodes = {"head": (hw.cpus_per_node, hw.memory_gb_per_node), "gpu": (hw.cpus_per_node, hw.memory_gb_per_node)}
+    if ev.instance_type:
+        nodes["eval"] = render.EVAL_INSTANCES[ev.instance_type][:2]
+    pods = _pods(job)
+    for role, (vcpus, memory_gb) in nodes.items():
+        requests = pods[role]["spec"]["containers"][0]["resources"]["requests"]
+        assert int(requests["cpu"]) <= vcpus - 1 and _gib(requests["memory"]) <= 0.95 * memory_gb, (role, requests)
+        assert requests == pods[role]["spec"]["containers"][0]["resources"]["limits"]
+    training_cpus = wk.max_workers // hw.nodes * wk.cpus_per_worker
+    head = pods["head"]["spec"]["containers"][0]["resources"]["requests"]
+    assert int(head["cpu"]) >= training_cpus + (0 if ev.instance_type else ev.num_cpus)
+    if ev.instance_type:
+        evals = pods["eval"]["spec"]["containers"][0]["resources"]["requests"]
+        assert int(evals["cpu"]) >= ev.num_cpus and int(evals.get("nvidia.com/gpu", 0)) >= ev.num_gpus
+        assert "vpc.amazonaws.com/efa" not in evals  # a g5.2xlarge has no EFA device to give
+
+
+@pytest.mark.timeout(120)
+def test_render_refuses_an_eval_that_cannot_fit_its_pod(tmp_path, capsys):
+    data = yaml.safe_load((render.load_profile.__globals__["PROFILES_DIR"] / "a100x64.yaml").read_text())
+    data["evals"]["num_cpus"] = 8  # all of a g5.2xlarge's vCPUs
+    (tmp_path / "big_eval.yaml").write_text(yaml.safe_dump(data))
+    assert render.main(["--cluster", str(tmp_path / "big_eval.yaml"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "evals.num_cpus=8" in err and err.count("\n") == 1
+    data["evals"]["instance_type"] = "x9.mega"
+    (tmp_path / "unknown.yaml").write_text(yaml.safe_dump(data))
+    assert render.main(["--cluster", str(tmp_path / "unknown.yaml"), "--out", str(tmp_path / "out")]) == 2
+    assert "EVAL_INSTANCES" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
@@ -62,11 +299,10 @@ def test_gcs_shards_install_the_gcs_extra(tmp_path):
     data["storage"]["shards"] = "gs://vitscale-datasets"
     profile = tmp_path / "a100x8_gcs.yaml"
     profile.write_text(yaml.safe_dump(data))
-    launcher, rayjob = render.render(str(profile), "vit_b16_i21k", tmp_path / "out")
+    launcher, rayjob = render.render(str(profile), "vit_b16_i21k", tmp_path / "out", fsx=FSX)
     config = yaml.safe_load(launcher.read_text())
     validate_config(prepare_config(config))
-    assert "pip install -e '/fsx/vitscale[gcs]'" in config["setup_commands"]
     job = next(yaml.safe_load_all(rayjob.read_text()))
     runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
-    assert runtime_env["pip"] == ["gcsfs>=2024.2"]
+    assert runtime_env["pip"] == ["gcsfs>=2024.2"]  # the image holds s3 only: the job installs gcs
     assert json.loads(runtime_env["env_vars"]["VITSCALE_PLAN"])["config"]["data"]["train"].startswith("gs://")

@@ -1,0 +1,32 @@
+# The image every node and pod of a cluster from `python -m cluster.render` runs: Ray's own CUDA image of the Ray
+# version this project pins, with vitscale's dependencies installed as `make setup` installs them. The code itself
+# is not installed: each job brings it as Ray's working_dir (your checkout, from `make launch`), and a KubeRay
+# RayJob ships the copy kept here in /home/ray/vitscale. tests/cluster/test_render.py holds the torch pin, the
+# DeepSpeed install and the base image equal to the Makefile's and cluster/render.py's.
+#
+#   docker build -t registry.example.com/vitscale:ray2.60.0 .     # your registry in place of registry.example.com
+#   docker push registry.example.com/vitscale:ray2.60.0
+#   python -m cluster.render --cluster a100x64 --image registry.example.com/vitscale:ray2.60.0 ...
+ARG RAY_VERSION=2.60.0
+FROM rayproject/ray:${RAY_VERSION}-py311-gpu
+
+ARG TORCH_VERSION=2.13.0
+# torch first, so DeepSpeed builds against it and no later install swaps it (the Makefile's order).
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
+# Without its ops (built on first use) and against the torch above rather than an isolated build's own.
+RUN DS_BUILD_OPS=0 pip install --no-cache-dir "deepspeed>=0.16,<0.20" --no-build-isolation
+
+WORKDIR /home/ray/vitscale
+COPY --chown=ray:users pyproject.toml README.md .gitignore ./
+COPY --chown=ray:users pretrain pretrain
+COPY --chown=ray:users data_pipeline data_pipeline
+COPY --chown=ray:users evals evals
+COPY --chown=ray:users cluster cluster
+COPY --chown=ray:users tracking tracking
+COPY --chown=ray:users bench bench
+COPY --chown=ray:users configs configs
+# The dependencies, with the extra the GPU profiles' shards need (s3://); a job's runtime env adds any other. Then
+# vitscale itself goes again, so the job's working_dir is the only vitscale a process imports.
+RUN pip install --no-cache-dir ".[s3]" \
+    && pip uninstall -y vitscale \
+    && rm -rf build ./*.egg-info
