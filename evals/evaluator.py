@@ -63,7 +63,7 @@ class EvalContext:
 
     model: Any
     load_model: Callable[..., Any]
-    data_root: Path
+    data_root: str | Path  # a local folder, or a remote URL as a string (`evals.features.data_location`)
     step: int
     out_dir: Path  # for files (figures): the checkpoint's ``evals/`` folder
     num_threads: int | None = None

@@ -2,6 +2,7 @@
 
 Preprocessing: square resize to ``resize_size``, centre crop to ``image_size``, pixels in [-1, 1]; ``resize_size``
 None: no crop (the built-in sets' content touches the border). A label outside the declared classes raises.
+A data root is a `data_location`: a local folder, or a remote fsspec URL read as one.
 """
 
 from __future__ import annotations
@@ -15,19 +16,28 @@ import torch
 
 from data_pipeline.builtin import sets as builtin
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_info
+from data_pipeline.paths import is_remote
 from data_pipeline.stream.eval_stream import EvalStream
 
 
 @dataclass(frozen=True)
 class SplitInfo:
-    path: Path
+    path: str | Path  # a `data_location`
     num_classes: int
     num_samples: int
 
 
+def data_location(root: str | Path) -> str | Path:
+    """A folder of shards: a remote URL (``s3://``, ``memory://`` …) as a string, else a local `Path` (``file://``
+    stripped, relative to the working directory)."""
+    if is_remote(root):
+        return str(root).rstrip("/")
+    return Path(str(root).removeprefix("file://"))
+
+
 def split_info(split_dir: str | Path) -> SplitInfo:
     """The split's declared class and sample counts; ValueError naming the fix for a non-shard folder."""
-    path = Path(split_dir)
+    path = data_location(split_dir)
     if not is_shard_folder(path):
         raise ValueError(
             f"{path} is not a shard folder (no {MANIFEST_FILE}); write it with data_pipeline "
@@ -107,7 +117,8 @@ def extract_features(
     """Frozen pre-logits features (N, D') float32 and labels (N,) of a split, in stream order; ``cache`` (the
     caller's) reuses them for the same split, preprocessing and model."""
     size = int(image_size or model.config.image_size)
-    key = (str(Path(split_dir).resolve()), size, resize_size, id(model))
+    where = data_location(split_dir)
+    key = (str(where if is_remote(where) else where.resolve()), size, resize_size, id(model))
     if cache is not None and key in cache:
         return cache[key]
     info = split_info(split_dir)
@@ -150,16 +161,32 @@ def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.nda
     )
 
 
-def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_builtin: bool = True) -> Path:
-    """``<data_root>/<dataset>/<split>``; a missing built-in dataset is generated first when allowed."""
-    path = Path(data_root) / dataset / split
+def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_builtin: bool = True) -> str | Path:
+    """``<data_root>/<dataset>/<split>`` (a `data_location`); a missing built-in dataset is generated first when
+    allowed, under a local root only."""
+    root = data_location(data_root)
+    if is_remote(root):
+        return _remote_split(root, dataset, split)
+    path = root / dataset / split
     if is_shard_folder(path):
         return path
     if generate_builtin and dataset in builtin.BUILTIN_NAMES:
-        builtin.ensure(dataset, data_root)
+        builtin.ensure(dataset, root)
         if is_shard_folder(path):
             return path
     raise ValueError(
-        f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {data_root}`) "
+        f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {root}`) "
         "or pass --data-root pointing at the folder that holds it"
+    )
+
+
+def _remote_split(root: str, dataset: str, split: str) -> str:
+    """``<root>/<dataset>/<split>`` under a remote root; ValueError naming the URL when it holds no shard folder."""
+    url = f"{root}/{dataset}/{split}"
+    if is_shard_folder(url):
+        return url
+    raise ValueError(
+        f"no shard folder at {url}; built-in sets are generated only under a local data root: write it to a local "
+        f"folder (`python -m data_pipeline.builtin {dataset} --out DIR` for a built-in) and copy {dataset}/ to {root}, "
+        "or pass --data-root pointing at the root that holds it"
     )

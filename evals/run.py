@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         "folder (model.safetensors + model.json), or official .npz",
     )
     parser.add_argument("--suite", required=True, help="configs/evals/<suite>.yaml name, or a path to a suite YAML")
-    parser.add_argument("--data-root", default="data", help="folder holding <dataset>/<split>/ shard folders")
+    parser.add_argument(
+        "--data-root",
+        default="data",
+        help="folder or fsspec URL (s3://...) holding <dataset>/<split>/ shard folders; built-in sets missing from a "
+        "folder are generated there",
+    )
     parser.add_argument("--mlflow-run-id", default=None, help="log metrics to this MLflow run (at the step below)")
     parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite project db)")
     parser.add_argument(

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 
 from data_pipeline.paths import replace_atomically
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
+from evals.features import data_location
 from evals.suites import EVALUATORS, load_suite
 from pretrain.checkpoint import run_folder
 from pretrain.model.vit import VisionTransformer
@@ -124,6 +125,25 @@ def random_init(config, seed: int):
     return load_model
 
 
+def check_resolution(setting: str, value: int, patch_size: int) -> None:
+    """ValueError naming ``setting`` and the nearest valid sizes when ``value`` is not a multiple of ``patch_size``."""
+    if value % patch_size == 0:
+        return
+    below, above = value // patch_size * patch_size, (value // patch_size + 1) * patch_size
+    sizes = f"{below} or {above}" if below else str(above)
+    raise ValueError(f"{setting}: {value} is not a multiple of the patch size {patch_size}: use {sizes}")
+
+
+def check_resolutions(config, patch_size: int) -> None:
+    """`check_resolution` for every option of the suite ``config`` that resizes the model; ``patch_size``: the
+    model's patch stride (a hybrid's stem stride x patch)."""
+    for i, spec in enumerate(config.evaluators):
+        for option in EVALUATORS[spec.type].resolutions:
+            value = getattr(spec.options, option)
+            if value is not None:
+                check_resolution(f"eval suite {config.name}: evaluators[{i}].{option} ({spec.name})", value, patch_size)
+
+
 def _load(load_model, checkpoint):
     """First load: an unreadable or non-ViT file is the user's error."""
     try:
@@ -170,6 +190,7 @@ def run_suite(
         torch.set_num_threads(int(num_threads))
     try:
         model = _load(load_model, checkpoint)
+        check_resolutions(config, model.config.stride)  # before any evaluator works
         if random_init_seed is not None:  # the checkpoint's architecture, fresh weights
             load_model, step = random_init(model.config, random_init_seed), 0
             model = load_model()
@@ -177,7 +198,7 @@ def run_suite(
         ctx = EvalContext(
             model=model,
             load_model=load_model,
-            data_root=Path(data_root),
+            data_root=data_location(data_root),
             step=step,
             out_dir=out_dir,
             num_threads=num_threads,

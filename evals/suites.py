@@ -29,21 +29,23 @@ from pretrain.config import typed_yaml
 class EvaluatorType:
     options: type
     evaluate: Callable[[EvalContext, Any], EvalOutput]
+    # Options that resize the model (None: its own size); the runner checks them against its patch size.
+    resolutions: tuple[str, ...] = ()
 
 
 EVALUATORS: dict[str, EvaluatorType] = {
     "fewshot": EvaluatorType(fewshot.FewshotOptions, fewshot.evaluate),
-    "finetune": EvaluatorType(finetune.FinetuneOptions, finetune.evaluate),
-    "vtab": EvaluatorType(vtab.VtabOptions, vtab.evaluate),
+    "finetune": EvaluatorType(finetune.FinetuneOptions, finetune.evaluate, resolutions=("image_size",)),
+    "vtab": EvaluatorType(vtab.VtabOptions, vtab.evaluate, resolutions=("image_size",)),
     "inspect": EvaluatorType(inspection.InspectConfig, inspection.evaluate),
 }
 
 
-def register_evaluator(name: str, options: type) -> Callable:
+def register_evaluator(name: str, options: type, resolutions: tuple[str, ...] = ()) -> Callable:
     """Decorator: ``@register_evaluator("knn", KnnOptions)`` adds ``evaluate(ctx, options)`` to ``EVALUATORS``."""
 
     def decorate(fn: Callable[[EvalContext, Any], EvalOutput]) -> Callable:
-        EVALUATORS[name] = EvaluatorType(options, fn)
+        EVALUATORS[name] = EvaluatorType(options, fn, resolutions)
         return fn
 
     return decorate

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -468,3 +469,75 @@ def test_cli_random_init_prints_both_and_the_gap(checkpoint, data_root, tmp_path
     a, b = ours[0]["value"], base[0]["value"]
     assert "random init of the same architecture (seed 0)" in printed
     assert f"{'fewshot/digits/2shot':<40} {a:>10.4f} {b:>11.4f} {a - b:>+9.4f}" in printed.splitlines()
+
+
+@pytest.mark.timeout(300)
+def test_a_remote_data_root_is_read_as_a_url(data_root, checkpoint, tmp_path, monkeypatch):
+    # memory:// is a real fsspec filesystem and no local path: the shards copied there must score as the local ones.
+    # From tmp_path, a URL mangled into a path ("memory:/...") would be a folder here.
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    memory, url = fsspec.filesystem("memory"), f"memory://evals-{tmp_path.name}"
+    memory.put(str(data_root / "digits"), f"{url}/digits", recursive=True)
+    vtab = "  - type: vtab\n    benchmark: ci\n    tasks: [digits]\n    train_examples: 80\n    val_examples: 20\n"
+    suite = write_suite(tmp_path, "remote", FEWSHOT + vtab)
+    absent = write_suite(tmp_path, "absent", vtab.replace("[digits]", "[dsprites_loc]"))
+    absent_fewshot = write_suite(tmp_path, "absent_fewshot", FEWSHOT.replace("[digits]", "[dsprites_loc]"))
+    try:
+        local = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path / "local", num_threads=1)
+        remote = run_suite(checkpoint, suite, data_root=url + "/", out=tmp_path / "remote", num_threads=1)
+        # A built-in set is never generated under a remote root: VTAB reports the task missing, few-shot refuses.
+        absent_rows = run_suite(checkpoint, absent, data_root=url, out=tmp_path / "remote").to_pylist()
+        with pytest.raises(ValueError, match=re.escape(f"no shard folder at {url}/dsprites_loc/train; ") + ".* local"):
+            run_suite(checkpoint, absent_fewshot, data_root=url, out=tmp_path / "remote")
+    finally:
+        memory.rm(url, recursive=True)
+    local_rows, remote_rows = ({r["metric"]: r for r in t.to_pylist()} for t in (local, remote))
+    for metric in ("fewshot/digits/1shot", "fewshot/digits/5shot", "fewshot/mean/5shot", "vtab/digits"):
+        assert remote_rows[metric]["status"] == "ok" and remote_rows[metric]["value"] == local_rows[metric]["value"]
+    missing = next(r for r in absent_rows if r["metric"] == "vtab/dsprites_loc")
+    assert missing["status"] == "missing"
+    assert missing["detail"].startswith(f"no shard folder at {url}/dsprites_loc/train; ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "absent.yaml",
+        "absent_fewshot.yaml",
+        "local",
+        "remote",
+        "remote.yaml",
+    ]
+
+
+def test_resolution_must_be_a_multiple_of_the_patch_size():
+    from evals.runner import check_resolution
+
+    check_resolution("image_size", 224, 16)
+    check_resolution("image_size", 378, 14)
+    with pytest.raises(ValueError, match=r"^image_size: 384 is not a multiple of the patch size 14: use 378 or 392$"):
+        check_resolution("image_size", 384, 14)
+    with pytest.raises(ValueError, match=r"10 is not a multiple of the patch size 14: use 14$"):
+        check_resolution("image_size", 10, 14)  # no valid size below
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "  - type: finetune\n    name: ft\n    datasets: [digits]\n    image_size: 30\n",
+        "  - type: vtab\n    name: ft\n    benchmark: ci\n    protocol: finetune\n    image_size: 30\n",
+    ],
+    ids=["finetune", "vtab"],
+)
+def test_a_resolution_off_the_patch_grid_is_refused_before_any_work(checkpoint, tmp_path, capsys, entry):
+    # vit_tiny_debug has 4-pixel patches. The few-shot entry first would generate digits under the empty root.
+    suite = write_suite(tmp_path, "off_grid", FEWSHOT + entry)
+    empty, out, lines = tmp_path / "empty", tmp_path / "out", []
+    expected = (
+        "eval suite off_grid: evaluators[1].image_size (ft): 30 is not a multiple of the patch size 4: use 28 or 32"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        run_suite(checkpoint, suite, data_root=empty, out=out, log=lines.append)
+    assert lines == [] and not empty.exists() and not out.exists()
+    capsys.readouterr()
+    assert main(["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(empty)]) == 2
+    assert capsys.readouterr().err == f"evals.run: error: {expected}\n"
+    assert not empty.exists()
