@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(command))
         return 0
     # exec: Ctrl-C and `kill <pid>` reach the server directly.
+    # MLflow 3's server also starts a job runner with seven consumer processes for its GenAI jobs (judges, prompt
+    # optimisation), which this project never submits: off unless asked for, the UI answers in half the CPU.
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execv(command[0], command)
     return 0  # not reached
 
