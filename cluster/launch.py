@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from cluster import jobs
-from cluster.driver.job import PLAN_ENV, FaultInjection, JobSpec, worker_env
+from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
 from cluster.local_data import check_local_data, prepare_local_data
-from cluster.plan.planner import PlanError, build_plan, resolve_config, runtime_pip
+from cluster.plan.planner import PlanError, build_plan, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
@@ -41,14 +41,8 @@ WORKING_DIR_EXCLUDES = [
 
 
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
-    env = {PLAN_ENV: spec.to_json(), **worker_env(profile)}
-    env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
-    runtime = {"working_dir": str(PROJECT_ROOT), "excludes": WORKING_DIR_EXCLUDES, "env_vars": env}
-    # `Plan.runtime_extras` (s3fs / gcsfs, transformers); a local job uses this venv.
-    pip = runtime_pip(spec.plan)
-    if pip:
-        runtime["pip"] = pip
-    return runtime
+    """The job's runtime env with this checkout as its code; a local job uses this venv for the rest."""
+    return job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES)
 
 
 def _parse_fault(text: str | None) -> FaultInjection | None:

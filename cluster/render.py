@@ -13,7 +13,6 @@ placeholder registry; without the FSx flags `ray up` stops at the mount, saying 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -22,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.driver.job import PLAN_ENV, JobSpec, worker_env
-from cluster.plan.planner import build_plan, resolve_config, runtime_pip
+from cluster.driver.job import JobSpec, job_runtime_env
+from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.cli import output_folder
 from data_pipeline.paths import PROJECT_ROOT
@@ -277,17 +276,6 @@ def _submitter(image: str) -> dict:
     return {"spec": {"restartPolicy": "Never", "containers": [container]}}
 
 
-def _runtime_env(profile: ClusterProfile, job_spec_json: str) -> dict:
-    """As `cluster.launch.runtime_env`, with the code of the image (the submitter pod has no checkout)."""
-    env = {PLAN_ENV: job_spec_json, **worker_env(profile)}
-    env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
-    runtime: dict = {"working_dir": IMAGE_CODE_DIR, "env_vars": env}
-    pip = runtime_pip(json.loads(job_spec_json)["plan"])
-    if pip:
-        runtime["pip"] = pip
-    return runtime
-
-
 def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, image: str = IMAGE) -> list[dict]:
     """A KubeRay RayJob and a NetworkPolicy keeping the Jobs API inside the namespace."""
     _check_renderable(profile)
@@ -319,7 +307,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
         "metadata": {"name": job_name, "labels": {"app": "vitscale"}},
         "spec": {
             "entrypoint": "python -m cluster.driver",
-            "runtimeEnvYAML": yaml.safe_dump(_runtime_env(profile, job_spec_json), width=10**9),
+            "runtimeEnvYAML": yaml.safe_dump(job_runtime_env(profile, job_spec_json, IMAGE_CODE_DIR), width=10**9),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,
             "submitterPodTemplate": _submitter(image),

@@ -22,7 +22,7 @@ from cluster.driver.eval_scheduler import EvalScheduler
 from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
-from cluster.plan.planner import Plan
+from cluster.plan.planner import Plan, runtime_pip
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
 from data_pipeline.paths import write_text_atomically
 from pretrain import collector
@@ -108,6 +108,23 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
     if not profile.uses_gpus:
         env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def job_runtime_env(
+    profile: ClusterProfile, spec_json: str, working_dir: str, excludes: list[str] | None = None
+) -> dict[str, Any]:
+    """The Ray job's runtime env: the job spec for the driver (`PLAN_ENV`), the workers' variables, the code
+    (``working_dir``, less ``excludes``) and pip installs of the plan's runtime extras (s3fs / gcsfs, transformers)."""
+    env = {PLAN_ENV: spec_json, **worker_env(profile)}
+    env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
+    runtime: dict[str, Any] = {"working_dir": working_dir}
+    if excludes is not None:
+        runtime["excludes"] = excludes
+    runtime["env_vars"] = env
+    pip = runtime_pip(json.loads(spec_json)["plan"])
+    if pip:
+        runtime["pip"] = pip
+    return runtime
 
 
 def _train_loop(loop_config: dict[str, Any]) -> None:
