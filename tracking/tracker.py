@@ -245,6 +245,23 @@ class Tracker:
             self._send_lock.release()
         return self.pending == 0
 
+    def connect_in_background(self) -> None:
+        """Open the MLflow client now, on a thread, so that the first send does not pay for it: a fresh process's
+        first touch of the store imports and sets up its backend, seconds on a quiet machine and tens of seconds on a
+        loaded one. A store that is down is only found out (and warned about) by the first send, as without this."""
+        if self.enabled:
+            threading.Thread(target=self._connect_quietly, name="vitscale-mlflow-connect", daemon=True).start()
+
+    def _connect_quietly(self) -> None:
+        with self._send_lock:
+            _QUIET_FILTER.active.sending = True
+            try:
+                self._get_client()
+            except Exception:  # noqa: BLE001 — the first send retries, and warns with the reason
+                pass
+            finally:
+                _QUIET_FILTER.active.sending = False
+
     def sync(self, timeout: float = 5.0) -> bool:
         """Have the sender deliver now; True when nothing is left. Called before a checkpoint is published: its steps
         are never redone, so their metrics must not die buffered. False at once while the store is failing."""

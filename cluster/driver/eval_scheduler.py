@@ -54,6 +54,7 @@ class EvalScheduler:
         # A task whose process dies runs once more; an exception is returned, not retried.
         self._task = ray.remote(task).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)
         self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures only: the tasks log their metrics
+        self._tracker.connect_in_background()  # the job's end, which flushes, should not wait for MLflow's setup
         self._failures = 0
         self._lock = threading.Lock()  # a threaded actor: submit / drain / pending may run concurrently
         self._pending: dict[int, ray.ObjectRef] = {}  # steps whose eval has not ended (pinned)
