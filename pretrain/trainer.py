@@ -26,6 +26,7 @@ from pretrain.config.precision import PrecisionChoice
 from pretrain.config.train_config import TrainConfig
 from pretrain.distributed import Placement, mean_over_ranks
 from pretrain.engine import build_engine, decide_precision
+from pretrain.feed import DeviceFeed
 from pretrain.randomness import model_randomness, seed_everything, set_rng_state
 from pretrain.telemetry.recorder import Recorder
 
@@ -56,14 +57,14 @@ def build_stream(config: TrainConfig, place: Placement, num_classes: int) -> Tra
         world_size=place.world_size,
         num_classes=num_classes,
         record_keys=config.logging.record_sample_keys,
+        pixels=config.data.pixels_for(place.device.type),
     )
 
 
-def _next_batch(it: Iterator, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _next_batch(it: Iterator, feed: DeviceFeed) -> tuple[torch.Tensor, torch.Tensor, float]:
     start = time.perf_counter()
-    images, labels = next(it)
-    images = images.to(device, dtype=dtype, non_blocking=True)  # (B, 3, S, S)
-    return images, labels.to(device, non_blocking=True), time.perf_counter() - start
+    images, labels = feed(next(it))  # (B, 3, S, S) in the compute dtype, on the device
+    return images, labels, time.perf_counter() - start
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Trainer:
         self.step = self.start_step = self.state.step if self.state else 0
         self.images_seen = self.state.images_seen if self.state else 0
         self._batches: Iterator | None = None
+        self.feed = DeviceFeed(place.device, self.dtype)
 
     @classmethod
     def start(cls, config: TrainConfig, place: Placement) -> Trainer:
@@ -167,7 +169,7 @@ class Trainer:
         accum, place = self.plan.grad_accum_steps, self.place
         loss_sum, data_s = torch.zeros((), device=place.device), 0.0
         for micro in range(accum):
-            images, labels, wait = _next_batch(self._batches, place.device, self.dtype)
+            images, labels, wait = _next_batch(self._batches, self.feed)
             data_s += wait
             if recorder is not None and recorder.wants_batches:
                 recorder.batch(images, labels, (self.stream.last_keys or []) if recorder.want_keys else [])

@@ -404,14 +404,36 @@ def to_float_images(batch: np.ndarray | list[torch.Tensor], out: torch.Tensor | 
     for piece in batch:  # one converting copy, cheaper than .float().contiguous()
         out[start : start + len(piece)].copy_(piece)
         start += len(piece)
-    return out.mul_(1 / 127.5).sub_(1.0)
+    return _scale(out)
+
+
+def _scale(floats: torch.Tensor) -> torch.Tensor:
+    """Pixel values 0..255 (float32, in place) -> [-1, 1]; the one formula, on the host or on the device."""
+    return floats.mul_(1 / 127.5).sub_(1.0)
+
+
+def float_images_on(pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """uint8 (B, 3, S, S) -> float32 in [-1, 1] on ``device``: the numbers `to_float_images` gives, converted where
+    the batch is used (a GPU: a quarter of the bytes cross the bus). ``pixels`` may already be on ``device``."""
+    return _scale(pixels.to(device, non_blocking=True).to(torch.float32))
+
+
+def mixup_lambda(alpha: float, rng: np.random.Generator) -> float:
+    """One mixup weight ~ Beta(alpha, alpha), folded so that the original image always dominates (its label stays
+    the argmax)."""
+    lam = float(rng.beta(alpha, alpha))
+    return max(lam, 1.0 - lam)
+
+
+def mix(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
+    """lam a + (1 - lam) b, as three separate operations in a's dtype, so the host and a GPU give the same bits."""
+    return lam * a + (1.0 - lam) * b
 
 
 def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
     """Mixup, one lambda ~ Beta(alpha, alpha) per batch, of each image with its neighbour (the batch rolled by one).
     ``targets``: float (B, K). Returns (images, targets, lam)."""
-    lam = float(rng.beta(alpha, alpha))
-    lam = max(lam, 1.0 - lam)  # the original image always dominates, so its label stays the argmax
-    images = lam * images + (1.0 - lam) * images.roll(1, dims=0)  # (B, 3, S, S)
-    targets = lam * targets + (1.0 - lam) * targets.roll(1, dims=0)  # (B, K)
+    lam = mixup_lambda(alpha, rng)
+    images = mix(images, images.roll(1, dims=0), lam)  # (B, 3, S, S)
+    targets = mix(targets, targets.roll(1, dims=0), lam)  # (B, K)
     return images, targets, lam

@@ -47,6 +47,9 @@ class DataConfig:
     read_retries: int = 3
     # MiB per rank to hold the whole set decoded, used only if it all fits; 0: never
     cache_mb: float = 256.0
+    # Where pixels become floats in [-1, 1]: "loader" (its workers, float32 to the device), "device" (uint8 to the
+    # device, a quarter of the bytes, through pinned memory on a GPU), "auto" (device on a GPU, else loader)
+    normalize_on: Literal["auto", "loader", "device"] = "auto"
 
     def __post_init__(self) -> None:
         self.check()
@@ -66,6 +69,12 @@ class DataConfig:
         fields.setdefault("augment", None)
         fields.setdefault("cache_mb", 0.0)
         return cls(train=train, micro_batch_size=micro_batch_size, image_size=image_size, global_batch_size=G, **fields)
+
+    def pixels_for(self, device_type: str) -> Literal["float", "uint8"]:
+        """What the stream hands a rank on ``device_type`` (`TrainStream`'s ``pixels``): uint8 where the device
+        normalizes."""
+        on_device = self.normalize_on == "device" or (self.normalize_on == "auto" and device_type == "cuda")
+        return "uint8" if on_device else "float"
 
     @property
     def builtin_root(self) -> Path:
@@ -87,6 +96,8 @@ class DataConfig:
             positive(self.epoch_images, "data.epoch_images")
         for name in ("num_workers", "read_retries", "cache_mb", "shuffle_buffer", "mixup_alpha"):
             at_least(getattr(self, name), 0, f"data.{name}")
+        if self.normalize_on not in ("auto", "loader", "device"):
+            raise ValueError(f"data.normalize_on={self.normalize_on!r} must be one of auto, loader, device")
         if self.loader_start_method not in START_METHODS:
             raise ValueError(
                 f"data.loader_start_method={self.loader_start_method!r} must be one of {', '.join(START_METHODS)}"

@@ -1,17 +1,20 @@
-"""The training stream's step buffers (`StepPool`): float images that loader workers write straight into, in shared
-memory (docs/elastic.md, "Assembly"). ``step_pool_bytes`` and ``decoded_bytes`` are what the planner budgets for
+"""The training stream's step buffers (`StepPool`): images that loader workers write straight into, in shared
+memory (docs/elastic.md, "Assembly"): float32 in [-1, 1], or uint8 pixels where the device converts them
+(``data.normalize_on``). ``step_pool_bytes`` and ``decoded_bytes`` are what the planner budgets for
 them; ``check_shared_memory`` refuses a pool that ``/dev/shm`` cannot hold.
 """
 
 from __future__ import annotations
 
 import shutil
+from typing import Literal
 
 import numpy as np
 import torch
 
 from data_pipeline.stream.augment import TrainImage, channels_first, to_float_images
 
+Pixels = Literal["float", "uint8"]  # what a step buffer holds: float32 in [-1, 1], or the pixels as decoded
 PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
 CONVERSION_BYTES = 512 * 1024  # float rows converted at once: they and their uint8 planes stay in a core's L2 cache
 
@@ -23,10 +26,15 @@ def step_slots(num_workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
 
 
 def step_pool_bytes(
-    images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR
+    images_per_step: int,
+    image_size: int,
+    num_workers: int,
+    prefetch_factor: int = PREFETCH_FACTOR,
+    pixels: Pixels = "float",
 ) -> int:
     """Bytes of a rank's `StepPool` (shared memory with loader workers); ``images_per_step`` = G / R."""
-    return step_slots(num_workers, prefetch_factor) * images_per_step * 3 * image_size**2 * 4
+    value_bytes = 4 if pixels == "float" else 1
+    return step_slots(num_workers, prefetch_factor) * images_per_step * 3 * image_size**2 * value_bytes
 
 
 def conversion_rows(image_size: int) -> int:
@@ -70,18 +78,29 @@ def _storage_uses(t: torch.Tensor) -> int | None:
 
 
 class StepPool:
-    """A rank's float step buffers, each one step's share of the global batch, (A m, 3, S, S) in [-1, 1].
+    """A rank's step buffers, each one step's share of the global batch, (A m, 3, S, S): float32 in [-1, 1], or
+    uint8 pixels with ``pixels="uint8"``.
 
     `grant` gives a step a buffer that no step in flight owns and no view of which is alive (its storage's use count
     is back to its start), so kept micro-batches are never overwritten; with none free it grants -1 and workers send
     uint8 pixels. ``stamps[buffer, worker]`` (the step a worker's rows hold, -1 while it writes) is checked by `take`.
     """
 
-    def __init__(self, slots: int, rows: int, image_size: int, workers: int, lookahead: int, shared: bool):
+    def __init__(
+        self,
+        slots: int,
+        rows: int,
+        image_size: int,
+        workers: int,
+        lookahead: int,
+        shared: bool,
+        pixels: Pixels = "float",
+    ):
         def made(t: torch.Tensor) -> torch.Tensor:
             return t.share_memory_() if shared else t
 
-        self.buffers = [made(torch.empty((rows, 3, image_size, image_size))) for _ in range(slots)]
+        dtype = torch.float32 if pixels == "float" else torch.uint8
+        self.buffers = [made(torch.empty((rows, 3, image_size, image_size), dtype=dtype)) for _ in range(slots)]
         self.stamps = made(torch.full((slots, workers), -1, dtype=torch.int64))
         self.grants = made(torch.full((lookahead + 2, 2), -1, dtype=torch.int64))
         self.owner: list[int | None] = [None] * slots  # training process only: the step in flight in each buffer
@@ -108,10 +127,15 @@ class StepPool:
     def write(
         self, step: int, slot: int, worker: int, start: int, images: list[TrainImage], scratch: np.ndarray
     ) -> None:
-        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, converted through uint8
-        ``scratch`` (k, 3, S, S), k = `conversion_rows` images at a time, so they stay in a core's L2 cache."""
+        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``: uint8 as they are, float
+        converted through uint8 ``scratch`` (k, 3, S, S), k = `conversion_rows` images at a time, so they stay in a
+        core's L2 cache."""
         self.stamps[slot, worker] = -1
         rows = self.buffers[slot][start : start + len(images)]
+        if rows.dtype == torch.uint8:
+            channels_first(images, out=rows.numpy())
+            self.stamps[slot, worker] = step
+            return
         for i in range(0, len(images), len(scratch)):
             group = images[i : i + len(scratch)]
             to_float_images([torch.from_numpy(channels_first(group, out=scratch))], out=rows[i : i + len(group)])

@@ -1,7 +1,8 @@
 """The training stream: `TrainStream`, one rank's endless micro-batches in the order of `data_pipeline.stream.order`,
-made from the recipe's `DataConfig`. Loader workers read their streams (`_StreamReader`) and write float rows into the
-step's `StepPool` buffer; the training process applies mixup (`_step_batch`) and yields A micro-batches a step. Every
-faster path yields the same batches (docs/design.md, "What the data stream keeps bit-identical").
+made from the recipe's `DataConfig`. Loader workers read their streams (`_StreamReader`) and write float rows (or
+uint8 pixels, ``pixels="uint8"``) into the step's `StepPool` buffer; the training process applies mixup
+(`_step_batch`) and yields A micro-batches a step. Every faster path yields the same batches (docs/design.md, "What
+the data stream keeps bit-identical").
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -22,7 +24,9 @@ from data_pipeline.stream.augment import (
     channels_first,
     decode_train_image,
     decoded_train_image,
+    mix,
     mixup,
+    mixup_lambda,
     planes,
     to_float_images,
 )
@@ -33,6 +37,7 @@ from data_pipeline.stream.order import TrainPlan, check_split, rank_position, st
 from data_pipeline.stream.shards import read_shard, sample_label, set_read_retries
 from data_pipeline.stream.step_pool import (
     PREFETCH_FACTOR,
+    Pixels,
     StepPool,
     check_shared_memory,
     conversion_rows,
@@ -212,27 +217,55 @@ class _TrainEpoch(IterableDataset):
             yield pixels, labels, meta
 
 
+@dataclass(frozen=True)
+class MixRows:
+    """Mixup left to the device, for one micro-batch of uint8 pixels: row i becomes ``mix(row i, partners[i], lam)``
+    (`augment.mix`, both converted by `augment.float_images_on`) for each (start, stop, lam) span: the rows of one
+    stream's chunk. ``partners``: uint8 (m, 3, S, S), each row's neighbour in its chunk (the chunk rolled by one)."""
+
+    partners: torch.Tensor
+    spans: tuple[tuple[int, int, float], ...]
+
+
 def _step_batch(
-    plan: TrainPlan, epoch: int, step: int, parts: list[_Item], pool: StepPool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of global batch ``step``: float images (A m, 3, S, S) and labels (A m,) or (A m, K)
-    targets, mixup applied."""
+    plan: TrainPlan, epoch: int, step: int, parts: list[_Item], pool: StepPool, pixels: Pixels = "float"
+) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """This rank's share of global batch ``step``: images (A m, 3, S, S), float (mixup applied) or uint8 (mixup
+    left to the device), labels (A m,) or (A m, K) targets (mixup applied), and each chunk's mixup weight."""
     slots = {p for p, _, _ in parts if isinstance(p, int)}
+    pieces = [p for p, _, _ in parts if isinstance(p, torch.Tensor)]
     if slots:  # every worker read the same grant
-        if len(slots) > 1 or len(parts) != sum(isinstance(p, int) for p, _, _ in parts):
+        if len(slots) > 1 or pieces:
             raise RuntimeError(f"step {step}: the workers' items disagree on its buffer: {[p for p, _, _ in parts]}")
         x = pool.take(step, slots.pop())  # (A m, 3, S, S)
     else:
-        x = to_float_images([p for p, _, _ in parts if isinstance(p, torch.Tensor)])
+        x = to_float_images(pieces) if pixels == "float" else torch.cat(pieces)
     y = torch.tensor([label for _, labels, _ in parts for label in labels], dtype=torch.int64)  # (A m,)
     if plan.label_format == "multihot" or plan.mixup_alpha > 0:
         y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (A m, K)
-    if plan.mixup_alpha > 0:
-        c = plan.chunk
-        for i, stream in enumerate(plan.rank_streams):
-            rows = slice(i * c, (i + 1) * c)
-            x[rows], y[rows], _ = mixup(x[rows], y[rows], plan.mixup_alpha, plan.mixup_rng(epoch, stream, step))
-    return x, y
+    lams: list[float] = []
+    c = plan.chunk
+    for i, stream in enumerate(plan.rank_streams if plan.mixup_alpha > 0 else ()):
+        rows, rng = slice(i * c, (i + 1) * c), plan.mixup_rng(epoch, stream, step)
+        if pixels == "float":
+            x[rows], y[rows], lam = mixup(x[rows], y[rows], plan.mixup_alpha, rng)
+        else:  # the same draw and targets; the images are mixed on the device (`MixRows`)
+            lam = mixup_lambda(plan.mixup_alpha, rng)
+            y[rows] = mix(y[rows], y[rows].roll(1, dims=0), lam)
+        lams.append(lam)
+    return x, y, lams
+
+
+def _mix_rows(images: torch.Tensor, lams: list[float], chunk: int, rows: range) -> MixRows:
+    """The `MixRows` of the micro-batch ``rows`` of a step's uint8 ``images``, whose chunks of ``chunk`` rows have
+    the mixup weights ``lams``."""
+    partner = [r - 1 if r % chunk else r + chunk - 1 for r in rows]  # the previous row of the chunk, cyclically
+    spans, start = [], rows.start
+    while start < rows.stop:
+        stop = min(rows.stop, (start // chunk + 1) * chunk)
+        spans.append((start - rows.start, stop - rows.start, lams[start // chunk]))
+        start = stop
+    return MixRows(images[partner], tuple(spans))
 
 
 class TrainStream:
@@ -254,12 +287,17 @@ class TrainStream:
         label_format: Literal["int", "multihot"] = "int",
         record_keys: bool = False,
         prefetch_factor: int = PREFETCH_FACTOR,
+        pixels: Pixels = "float",
     ):
         """``num_classes``: K, None → the dataset's. ``label_format``: "int" int64 (m,), "multihot" float32 (m, K);
         with mixup always float32 (m, K) soft targets. ``record_keys``: fill `last_keys`. ``prefetch_factor``: steps
-        a loader worker may be ahead of the training process."""
+        a loader worker may be ahead of the training process. ``pixels="uint8"``: yield (uint8 images, labels,
+        `MixRows` or None) for the device to convert (`augment.float_images_on`) and mix (`augment.mix`)."""
         if label_format not in ("int", "multihot"):
             raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
+        if pixels not in ("float", "uint8"):
+            raise ValueError(f"pixels must be 'float' or 'uint8', got {pixels!r}")
+        self.pixels = pixels
         if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
             raise ValueError(
                 f"prefetch_factor must be an int >= 1 (steps a loader worker may be ahead), got {prefetch_factor!r}"
@@ -274,7 +312,7 @@ class TrainStream:
         self._draws = {s: 0 for s in self.plan.rank_streams}
         # Built before the first batch, so that its one read of the set is not counted as waiting for data.
         pool = step_pool_bytes(
-            self.plan.global_batch // world_size, config.image_size, self._processes, prefetch_factor
+            self.plan.global_batch // world_size, config.image_size, self._processes, prefetch_factor, pixels
         )
         self.cache, self.cache_line = DecodedCache.build(
             self.plan.info, self.plan.image_size, config.cache_mb, shared=self._processes > 0, reserve_bytes=pool
@@ -348,7 +386,7 @@ class TrainStream:
                 raise RuntimeError(f"epoch {self._epoch} ended after {step} of {steps} global batches")
             assert all(p[2]["step"] == step and p[2]["epoch"] == self._epoch for p in parts), (step, self._epoch)
             keys = [k for p in parts for k in p[2]["keys"]] if plan.record_keys else None
-            images, targets = _step_batch(plan, self._epoch, step, parts, pool)
+            images, targets, lams = _step_batch(plan, self._epoch, step, parts, pool, self.pixels)
             self.unpooled_steps += not isinstance(parts[0][0], int)
             for i in range(A):
                 x, y = images[i * m : (i + 1) * m], targets[i * m : (i + 1) * m]  # views: (m, 3, S, S), labels
@@ -360,16 +398,19 @@ class TrainStream:
                 self._micro = (i + 1) % A
                 if keys is not None:
                     self.last_keys = keys[i * m : (i + 1) * m]
-                yield x, y
+                if self.pixels == "uint8":
+                    yield x, y, (_mix_rows(images, lams, plan.chunk, range(i * m, (i + 1) * m)) if lams else None)
+                else:
+                    yield x, y
 
     def _step_pool(self, steps: int, lookahead: int) -> StepPool:
         """This epoch's step buffers, the next ``lookahead`` steps granted theirs; new, so no older worker writes it."""
         plan, processes, prefetch = self.plan, self._processes, self.prefetch_factor
         rows = plan.global_batch // plan.world_size
         if processes > 0:
-            check_shared_memory(step_pool_bytes(rows, plan.image_size, processes, prefetch), shm_free())
+            check_shared_memory(step_pool_bytes(rows, plan.image_size, processes, prefetch, self.pixels), shm_free())
         slots = step_slots(processes, prefetch)
-        pool = StepPool(slots, rows, plan.image_size, plan.workers, lookahead, shared=processes > 0)
+        pool = StepPool(slots, rows, plan.image_size, plan.workers, lookahead, shared=processes > 0, pixels=self.pixels)
         for step in range(self._step, min(self._step + lookahead, steps)):
             pool.grant(step)
         return pool
