@@ -2,15 +2,18 @@
 
 The protocol is docs/reference.md §4; the lr is chosen on a held-out part of train, then a final run on train +
 held-out is scored on test. A learning-curve point (``eval_steps``) at N steps is the final run N steps into its
-full schedule, not a run with a budget of N. Splits are held in memory.
+full schedule, not a run with a budget of N. Splits are held in memory. Memory on an accelerator (docs/vtab.md,
+"Fine-tuning memory"): gradient accumulation over micro-batches, bf16 autocast and activation checkpointing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 from evals.evaluator import EvalOutput, ResultRow
 from evals.features import check_sizes, load_images, resolve_split
 from tracking import keys
+
+Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, plain fp32 elsewhere
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,11 @@ class FinetuneOptions:
     seed: int = 0
     max_train_examples: int = 50_000
     eval_batch_size: int = 256
+    # Images per forward/backward; an optimizer step accumulates batch_size / micro_batch_size of them, the same
+    # batches and the same step as one pass. None: the whole batch in one pass.
+    micro_batch_size: int | None = None
+    precision: Precision = "auto"  # autocast of training and evaluation forwards; fp32 weights and optimizer
+    activation_checkpointing: bool = False  # recompute each block in backward (the model's set_grad_checkpointing)
 
     def __post_init__(self):
         if not self.datasets:
@@ -81,8 +91,33 @@ class FinetuneOptions:
                 "eval_batch_size",
                 "train_examples",
                 "val_examples",
+                "micro_batch_size",
             ),
         )
+        self._check_micro_batch()
+        if self.precision not in get_args(Precision):
+            raise ValueError(f"precision={self.precision!r} is unknown; use one of {list(get_args(Precision))}")
+
+    def _check_micro_batch(self) -> None:
+        micro, batch = self.micro_batch_size, self.batch_size
+        if micro is not None and batch % micro:
+            divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
+            raise ValueError(
+                f"micro_batch_size={micro} does not divide batch_size={batch}; use a divisor of batch_size "
+                f"(e.g. micro_batch_size={divisor}) or null for one pass over the whole batch"
+            )
+
+
+def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
+    """The dtype forwards autocast to: bf16 for ``bf16``, and for ``auto`` on CUDA; None (plain fp32) otherwise."""
+    if precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _autocast(device: str, dtype: torch.dtype | None):
+    # No autocast context at all for fp32: the plain path stays the one that ran before these options existed.
+    return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -107,6 +142,42 @@ def _augment(images: torch.Tensor, padding: int, flip: bool, gen: torch.Generato
     return images
 
 
+def _micro_batches(x: torch.Tensor, y: torch.Tensor, micro: int | None) -> list[tuple]:
+    """``(images, labels, weight)`` per micro-batch of the drawn batch; ``weight`` is its share of the batch, so
+    the weighted mean losses sum to the batch's mean loss. One pass (weight None) when ``micro`` covers the batch."""
+    if micro is None or micro >= len(y):
+        return [(x, y, None)]
+    return [(xs, ys, len(ys) / len(y)) for xs, ys in zip(x.split(micro), y.split(micro))]
+
+
+def _accumulate_gradients(model, x, y, micro: int | None, dtype, where: str) -> torch.Tensor:
+    """Backward of the batch's mean cross-entropy, in micro-batches of ``micro`` images; returns that loss
+    (detached). ``FloatingPointError`` naming ``where`` on a non-finite loss, before its backward."""
+    total = None
+    for xs, ys, weight in _micro_batches(x, y, micro):
+        with _autocast(x.device.type, dtype):
+            loss = F.cross_entropy(model(xs), ys)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"fine-tuning loss is {loss.item()} at {where}; lower the lr")
+        if weight is None:  # one pass: exactly the unscaled loss, as before micro-batching existed
+            loss.backward()
+            return loss.detach()
+        (loss * weight).backward()  # the gradients sum to the batch mean's
+        total = loss.detach() * weight if total is None else total + loss.detach() * weight
+    return total
+
+
+def _prepare(model, num_classes: int, opts: FinetuneOptions, device: str) -> None:
+    """Fresh zero-initialised head, activation checkpointing as ``opts`` asks, on ``device`` in train mode."""
+    model.reset_classifier(num_classes)  # drops pre-logits too (representation_size=None): paper App. B.1.1
+    if hasattr(model, "set_grad_checkpointing"):  # timm's name, which pretrain/model/vit.py follows
+        # Set either way: a checkpoint pre-trained with it on keeps it in model.json, not a fine-tuning choice.
+        model.set_grad_checkpointing(opts.activation_checkpointing)
+    elif opts.activation_checkpointing:
+        raise ValueError(f"{type(model).__name__} has no set_grad_checkpointing; set activation_checkpointing: false")
+    model.to(device).train()
+
+
 def train_classifier(
     model,
     images: torch.Tensor,
@@ -124,8 +195,8 @@ def train_classifier(
     """Fine-tune ``model`` in place on images (N, 3, S, S), labels (N,) with a fresh zero-initialised head, seeded by
     ``opts.seed``. Returns it and ``{step: measure(model)}`` for ``measure_at`` (measuring does not change the run).
     ``FloatingPointError`` on a non-finite loss."""
-    model.reset_classifier(num_classes)  # drops pre-logits too (representation_size=None): paper App. B.1.1
-    model.to(device).train()
+    _prepare(model, num_classes, opts, device)
+    dtype = autocast_dtype(opts.precision, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=opts.momentum, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, opts.warmup_steps))
@@ -139,12 +210,11 @@ def train_classifier(
             order, cursor = torch.randperm(len(targets), generator=gen), 0
         idx = order[cursor : cursor + batch]
         cursor += batch
+        # The whole batch is drawn and augmented before it is split: micro-batching leaves the data stream unchanged.
         x = _augment(images[idx], opts.crop_padding, opts.flip, gen).to(device)  # (B, 3, S, S)
-        loss = F.cross_entropy(model(x), targets[idx].to(device))
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"fine-tuning loss is {loss.item()} at step {step} (lr={lr}); lower the lr")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        y = targets[idx].to(device)
+        loss = _accumulate_gradients(model, x, y, opts.micro_batch_size, dtype, f"step {step} (lr={lr})")
         torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
         optimizer.step()
         schedule.step()
@@ -160,12 +230,22 @@ def train_classifier(
 
 
 @torch.inference_mode()
-def accuracy(model, images: torch.Tensor, labels: np.ndarray, *, batch_size: int = 256, device: str = "cpu") -> float:
-    """Top-1 accuracy (fraction) of ``model``'s logits on in-memory images."""
+def accuracy(
+    model,
+    images: torch.Tensor,
+    labels: np.ndarray,
+    *,
+    batch_size: int = 256,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> float:
+    """Top-1 accuracy (fraction) of ``model``'s logits on in-memory images, without autograd; forwards autocast to
+    ``dtype`` (None: plain fp32)."""
     model.eval()
     correct = 0
     for i in range(0, len(images), batch_size):
-        logits = model(images[i : i + batch_size].to(device))  # (B, K)
+        with _autocast(device, dtype):
+            logits = model(images[i : i + batch_size].to(device))  # (B, K)
         correct += int((logits.argmax(1).cpu().numpy() == labels[i : i + batch_size]).sum())
     return correct / len(images)
 
@@ -193,13 +273,13 @@ def select_lr_and_evaluate(
 ) -> FinetuneResult:
     """One run per lr on ``train``, scored on ``val``; the best lr (ties → smaller) re-run on ``train + val``, scored
     on ``test`` (and after each of ``opts.eval_steps``). Every run starts from a fresh ``make_model()``."""
-    val_scores = {}
+    val_scores, dtype = {}, autocast_dtype(opts.precision, device)
     for lr in opts.lr_grid:
         steps = opts.selection_steps or opts.steps
         model, _ = train_classifier(
             make_model(), *train, num_classes=num_classes, lr=lr, steps=steps, opts=opts, device=device, log=log
         )
-        val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device)
+        val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
         if log is not None:
             log(f"finetune: lr={lr:g} held-out accuracy {val_scores[float(lr)]:.4f}")
     best_lr = max(sorted(val_scores), key=lambda lr: val_scores[lr])  # max keeps the first (smallest) of ties
@@ -207,7 +287,7 @@ def select_lr_and_evaluate(
     full_labels = np.concatenate([train[1], val[1]])
 
     def on_test(m) -> float:
-        return accuracy(m, *test, batch_size=opts.eval_batch_size, device=device)
+        return accuracy(m, *test, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
 
     model, curve = train_classifier(
         make_model(),

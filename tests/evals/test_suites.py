@@ -24,7 +24,9 @@ def test_shipped_suites_load_with_parsed_options(name):
         assert isinstance(spec.options, EVALUATORS[spec.type].options)
     if name == "vtab1k":  # nested options are typed too: the paper's fine-tuning schedule
         (spec,) = suite.evaluators
-        assert spec.options.finetune == FinetuneOptions(steps=2500, batch_size=512, warmup_steps=200)
+        assert spec.options.finetune == FinetuneOptions(
+            steps=2500, batch_size=512, micro_batch_size=32, warmup_steps=200
+        )
     if name == "digits_finetune":  # VTAB-1k's budget, and a learning curve ending at the reported number
         (spec,) = suite.evaluators
         opts = spec.options

@@ -1,0 +1,126 @@
+"""Fine-tuning that fits (docs/vtab.md, "Fine-tuning memory"): micro-batches accumulate to the full-batch step, bf16
+autocast on request, activation checkpointing, and the options load from suite YAML. The real vit_tiny_debug on CPU.
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evals.finetune import FinetuneOptions, accuracy, autocast_dtype, train_classifier
+from evals.suites import load_suite
+from pretrain.model.vit import build_model
+
+STEPS = 4  # 24 images in batches of 8: step 4 starts a second epoch (a fresh permutation)
+GEN = torch.Generator().manual_seed(0)
+IMAGES = torch.rand(24, 3, 32, 32, generator=GEN) * 2 - 1
+LABELS = np.arange(24) % 3
+# Augmentation on: its random draws must be the full batch's, whatever the micro-batch size.
+OPTS = FinetuneOptions(steps=STEPS, batch_size=8, warmup_steps=1, crop_padding=2, flip=True)
+
+
+def _finetune(opts: FinetuneOptions, num_images: int = 24, **overrides):
+    """Parameters, the train loss after each step, test accuracy and the log lines (timings dropped) of one run."""
+    images, labels = IMAGES[:num_images], LABELS[:num_images]
+    targets = torch.as_tensor(labels)
+    logs = []
+
+    def train_loss(model) -> float:
+        with torch.no_grad():
+            return F.cross_entropy(model.eval()(images), targets).item()
+
+    torch.manual_seed(1)
+    model = build_model("vit_tiny_debug", **overrides)
+    run = dict(steps=STEPS, opts=opts, log=logs.append, measure_at=range(1, STEPS + 1), measure=train_loss)
+    model, losses = train_classifier(model, images, labels, num_classes=3, lr=0.03, **run)
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return params, losses, accuracy(model, IMAGES, LABELS), [line.rsplit(" (", 1)[0] for line in logs]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# vit_tiny_debug fine-tunes without dropout, as the shipped configs' B/16 augreg checkpoints do. With dropout each
+# forward draws its own masks from torch's generator, so micro-batches see other masks (the same distribution).
+@pytest.mark.parametrize("num_images, micro", [(24, 2), (24, 4), (6, 4)], ids=["micro2", "micro4", "uneven"])
+def test_accumulated_step_equals_the_full_batch_step(num_images, micro):
+    # "uneven": 6 images clip the batch of 8 to 6, split 4 + 2; each part weighs its share of the batch.
+    full = _finetune(OPTS, num_images)
+    accumulated = _finetune(replace(OPTS, micro_batch_size=micro), num_images)
+    assert _max_diff(full[0], accumulated[0]) <= 1e-6
+    assert sorted(full[1]) == sorted(accumulated[1]) == list(range(1, STEPS + 1))
+    assert all(abs(full[1][s] - accumulated[1][s]) <= 1e-6 for s in full[1])
+    assert full[2] == accumulated[2] and full[3] == accumulated[3]  # accuracy; logged losses at 4 decimals
+
+
+def test_activation_checkpointing_follows_the_option_and_keeps_the_numbers():
+    plain = _finetune(OPTS)
+    checkpointed = _finetune(replace(OPTS, activation_checkpointing=True))
+    assert _max_diff(plain[0], checkpointed[0]) <= 1e-6 and plain[3] == checkpointed[3]
+    # A checkpoint pre-trained with it on (model.json keeps the flag) fine-tunes as the option says.
+    model = build_model("vit_tiny_debug", grad_checkpointing=True)
+    train_classifier(model, IMAGES, LABELS, num_classes=3, lr=0.03, steps=1, opts=OPTS)
+    assert not model.grad_checkpointing and not model.config.grad_checkpointing
+
+
+def _record_forward_modes(model) -> list[tuple[bool, bool]]:
+    """(grad enabled, CPU autocast enabled) inside each forward of ``model``, appended as it runs."""
+    modes = []
+    model.register_forward_hook(lambda *_: modes.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))))
+    return modes
+
+
+def test_bf16_autocast_trains_and_evaluates_without_gradients():
+    torch.manual_seed(1)
+    model = build_model("vit_tiny_debug")
+    modes = _record_forward_modes(model)
+    opts = replace(OPTS, micro_batch_size=4, precision="bf16")
+    train_classifier(model, IMAGES, LABELS, num_classes=3, lr=0.03, steps=2, opts=opts)
+    assert modes == [(True, True)] * 4  # 2 steps x 2 micro-batches, each under autocast
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())  # fp32 weights
+    modes.clear()
+    acc = accuracy(model, IMAGES, LABELS, batch_size=16, dtype=torch.bfloat16)
+    assert 0.0 <= acc <= 1.0 and modes == [(False, True)] * 2  # evaluation: no autograd, autocast
+    modes.clear()
+    accuracy(model, IMAGES, LABELS, batch_size=16)
+    assert modes == [(False, False)] * 2
+
+
+def test_precision_auto_is_bf16_on_cuda_only():
+    assert autocast_dtype("auto", "cpu") is None and autocast_dtype("fp32", "cpu") is None
+    assert autocast_dtype("auto", "cuda") == torch.bfloat16 and autocast_dtype("auto", "cuda:1") == torch.bfloat16
+    assert autocast_dtype("fp32", "cuda") is None and autocast_dtype("bf16", "cpu") == torch.bfloat16
+
+
+def test_micro_batch_size_must_divide_batch_size(tmp_path):
+    with pytest.raises(ValueError, match=r"micro_batch_size=3 does not divide batch_size=8.*micro_batch_size=2"):
+        FinetuneOptions(batch_size=8, micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"micro_batch_size must be >= 1"):
+        FinetuneOptions(batch_size=8, micro_batch_size=0)
+    suite = tmp_path / "bad.yaml"
+    suite.write_text("name: bad\nevaluators:\n  - type: vtab\n    finetune: {batch_size: 512, micro_batch_size: 48}\n")
+    with pytest.raises(ValueError, match=r"micro_batch_size=48 does not divide batch_size=512.*=32") as raised:
+        load_suite(suite)
+    assert str(suite) in str(raised.value)
+    suite.write_text("name: bad\nevaluators:\n  - type: finetune\n    precision: fp16\n")
+    with pytest.raises(ValueError, match=r"precision='fp16' is unknown; use one of auto"):
+        load_suite(suite)
+
+
+def test_the_options_load_from_suite_yaml(tmp_path):
+    (spec,) = load_suite("vtab1k").evaluators
+    ft = spec.options.finetune
+    assert ft.batch_size % ft.micro_batch_size == 0 and ft.batch_size // ft.micro_batch_size > 1
+    assert (ft.precision, ft.activation_checkpointing) == ("auto", False)
+    suite = tmp_path / "ft.yaml"
+    suite.write_text(
+        "name: ft\nevaluators:\n  - type: finetune\n    batch_size: 64\n    micro_batch_size: 16\n"
+        "    precision: fp32\n    activation_checkpointing: true\n"
+    )
+    (spec,) = load_suite(suite).evaluators
+    assert spec.options == FinetuneOptions(
+        batch_size=64, micro_batch_size=16, precision="fp32", activation_checkpointing=True
+    )
