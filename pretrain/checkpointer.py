@@ -13,10 +13,10 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
 import numpy as np
 import torch
@@ -432,10 +432,14 @@ class Checkpointer:
         if self.baseline and trainer.start_step == 0 and trainer.state is None:
             self._save(trainer, {})
 
-    def after_step(self, trainer, metrics: dict[str, float]) -> None:
-        """Save if ``trainer.step`` is on the cadence or the last step."""
-        if trainer.step % self.every == 0 or trainer.step == self.last_step:
-            self._save(trainer, metrics)
+    def due(self, step: int) -> bool:
+        """Whether `after_step` saves after ``step``: on the cadence, or the last step."""
+        return step % self.every == 0 or step == self.last_step
+
+    def after_step(self, trainer, metrics: Mapping[str, SupportsFloat]) -> None:
+        """Save if ``trainer.step`` is `due`; ``metrics`` are read (``float``) only then."""
+        if self.due(trainer.step):
+            self._save(trainer, {key: float(value) for key, value in metrics.items()})
 
     def _save(self, trainer, metrics: dict[str, float]) -> None:
         started = time.perf_counter()

@@ -213,11 +213,33 @@ def exit_rank(code: int) -> NoReturn:
     sys.exit(code)
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The mean of a scalar tensor over all ranks (a collective)."""
+class Readback:
+    """A scalar still on the device, read (which waits for the device) the first time ``float()`` asks, then kept as
+    a Python float and its tensor let go: the loop reads the loss and grad norm only at the logging cadence and
+    before a save, so a GPU step never waits for its own end (docs/performance.md, "Host to device")."""
+
+    __slots__ = ("_tensor", "_divisor", "_value")
+
+    def __init__(self, value: torch.Tensor | float, divisor: int = 1):
+        self._tensor, self._divisor = value, divisor
+        self._value: float | None = None
+
+    def __float__(self) -> float:
+        if self._value is None:
+            value = self._tensor
+            self._value = (value.item() if isinstance(value, torch.Tensor) else float(value)) / self._divisor
+            self._tensor = None
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Readback({self._value if self._value is not None else 'on the device'})"
+
+
+def mean_over_ranks(value: torch.Tensor) -> Readback:
+    """The mean of a scalar tensor over all ranks (a collective), read back when asked."""
     value = value.detach().float().clone()
     dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+    return Readback(value, dist.get_world_size())
 
 
 def broadcast(value: Any) -> Any:

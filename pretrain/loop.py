@@ -89,6 +89,7 @@ def train_worker(
                 trainer.plan.global_batch_size,
                 result.data_s,
                 step_s=step_s,
+                read=checkpointer.due(trainer.step),  # a save must not keep a diverged model
             )
             logged = new or logged
             checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})

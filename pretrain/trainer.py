@@ -24,7 +24,7 @@ from pretrain.config.ds_config import BatchPlan, batch_plan
 from pretrain.config.optim import build_schedule, set_lr
 from pretrain.config.precision import PrecisionChoice
 from pretrain.config.train_config import TrainConfig
-from pretrain.distributed import Placement, mean_over_ranks
+from pretrain.distributed import Placement, Readback, mean_over_ranks
 from pretrain.engine import build_engine, decide_precision
 from pretrain.feed import DeviceFeed
 from pretrain.randomness import model_randomness, seed_everything, set_rng_state
@@ -69,10 +69,12 @@ def _next_batch(it: Iterator, feed: DeviceFeed) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass
 class StepResult:
-    loss: float  # averaged over the step's micro-batches and the ranks
+    """One optimizer step; ``loss`` and ``grad_norm`` stay on the device until ``float()`` reads them."""
+
+    loss: Readback  # averaged over the step's micro-batches and the ranks
     lr: float
     data_s: float  # seconds this rank waited for batches
-    grad_norm: float | None
+    grad_norm: Readback | None
 
 
 class Trainer:
@@ -182,7 +184,7 @@ class Trainer:
         self.images_seen += self.plan.global_batch_size
         mean_loss = mean_over_ranks(loss_sum / accum)
         grad_norm = self.engine.get_global_grad_norm()
-        return StepResult(mean_loss, lr, data_s, None if grad_norm is None else float(grad_norm))
+        return StepResult(mean_loss, lr, data_s, None if grad_norm is None else Readback(grad_norm))
 
     def close(self) -> None:
         """Destroy the engine: its hooks form a cycle through autograd's C++ nodes that the collector cannot see, so

@@ -10,7 +10,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 
@@ -65,6 +65,7 @@ class TrainMetrics:
     _step_s: list[float] = field(default_factory=list)  # this window's step times; _data_s: data waits
     _data_s: list[float] = field(default_factory=list)
     _bar: Any = None
+    _unread: list[tuple[int, SupportsFloat, float]] = field(default_factory=list)  # (step, loss, lr) not yet checked
 
     def __post_init__(self) -> None:
         self._reset_window()
@@ -78,6 +79,17 @@ class TrainMetrics:
                 total=self.total_steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True
             )
 
+    def _check_losses(self) -> None:
+        """Read the losses since the last check; NonFiniteLossError at the first that is not finite."""
+        unread, self._unread = self._unread, []
+        for step, loss, lr in unread:
+            if not math.isfinite(float(loss)):
+                raise NonFiniteLossError(
+                    f"loss is {float(loss)} at step {step} (lr {lr:.3g}); training stopped. Try a lower optim.lr, a "
+                    "longer schedule.warmup, optim.grad_clip=1.0, or deepspeed.precision=fp32; the newest checkpoint "
+                    "is intact."
+                )
+
     def _reset_window(self) -> None:
         now = time.perf_counter()
         self._window = {"start": now, "images": 0, "data_s": 0.0, "last": now}
@@ -86,24 +98,25 @@ class TrainMetrics:
     def step(
         self,
         step: int,
-        loss: float,
+        loss: SupportsFloat,
         lr: float,
-        grad_norm: float | None,
+        grad_norm: SupportsFloat | None,
         images: int,
         data_s: float,
         step_s: float | None = None,
+        read: bool = False,
     ) -> dict:
         """Record step ``step`` (1-based); returns the metrics logged, if any. ``images`` counts all ranks;
-        ``step_s`` excludes saves (None: the time since the previous call)."""
+        ``step_s`` excludes saves (None: the time since the previous call). The losses are read (``float``, a wait
+        for the device) and checked at the logging cadence, at the last step, and where ``read`` (before a save)."""
         now = time.perf_counter()
         self._step_s.append(now - self._window["last"] if step_s is None else step_s)
         self._data_s.append(data_s)
         self._window["last"] = now
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss} at step {step} (lr {lr:.3g}); training stopped. Try a lower optim.lr, a longer "
-                "schedule.warmup, optim.grad_clip=1.0, or deepspeed.precision=fp32; the newest checkpoint is intact."
-            )
+        self._unread.append((step, loss, lr))
+        logs = not step % self.log_every or step == self.total_steps
+        if logs or read:
+            self._check_losses()
         self.images_seen += images
         self._window["images"] += images
         self._window["data_s"] += data_s
@@ -111,13 +124,13 @@ class TrainMetrics:
             self._bar.update(1)
         if self.rank == 0 and self.tracker is not None:  # every step (buffered): an elastic job changes it
             self.tracker.log_metrics({keys.WORLD_SIZE_METRIC: self.world_size}, step=step)
-        if step % self.log_every and step != self.total_steps:
+        if not logs:
             return {}
         elapsed = max(time.perf_counter() - self._window["start"], 1e-9)
         images_per_s = self._window["images"] / elapsed
         tflops = images_per_s * self.flops_per_image / self.world_size / 1e12  # per device
         metrics = {
-            keys.LOSS: loss,
+            keys.LOSS: float(loss),
             keys.LR: lr,
             keys.IMAGES_PER_S: images_per_s,
             keys.TFLOPS: tflops,
@@ -127,8 +140,8 @@ class TrainMetrics:
             keys.IMAGES_SEEN: float(self.images_seen),
             keys.EXAFLOPS: self.images_seen * self.flops_per_image / 1e18,
         }
-        if grad_norm is not None and math.isfinite(grad_norm):
-            metrics[keys.GRAD_NORM] = grad_norm
+        if grad_norm is not None and math.isfinite(float(grad_norm)):
+            metrics[keys.GRAD_NORM] = float(grad_norm)
         metrics.update(tail_metrics(self._step_s, self._data_s))
         self._reset_window()
         if self.rank == 0:

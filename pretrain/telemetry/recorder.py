@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, SupportsFloat, TextIO
 
 import torch
 
@@ -46,7 +46,7 @@ class Recorder:
 
     def __init__(self, digests: bool, sample_keys: bool, keys_log: Path | None = None, where: dict | None = None):
         self.want_digests, self.want_keys = digests, sample_keys
-        self.losses: list[list[float]] = []
+        self.losses: list[list[Any]] = []  # [step, loss]: a float once read
         self.digests: list[list[Any]] = []
         self.sample_keys: list[dict[str, Any]] = []
         self._digest = hashlib.sha256()
@@ -75,8 +75,9 @@ class Recorder:
         if self.want_keys:
             self._keys.extend(keys)
 
-    def end_step(self, step: int, loss: float, epoch: int) -> None:
-        """Step ``step`` (1-based) is done; ``epoch``: the stream's epoch of its batches."""
+    def end_step(self, step: int, loss: SupportsFloat, epoch: int) -> None:
+        """Step ``step`` (1-based) is done; ``epoch``: the stream's epoch of its batches. ``loss`` is read (``float``)
+        only for the summary: the loop's logging reads it first."""
         self.losses.append([step, loss])
         if self.want_digests:
             self.digests.append([step, self._digest.hexdigest()])
@@ -95,4 +96,5 @@ class Recorder:
             self._log = None
 
     def summary(self, **fields: Any) -> TrainSummary:
-        return TrainSummary(**fields, losses=self.losses, digests=self.digests, sample_keys=self.sample_keys)
+        losses = [[step, float(loss)] for step, loss in self.losses]
+        return TrainSummary(**fields, losses=losses, digests=self.digests, sample_keys=self.sample_keys)

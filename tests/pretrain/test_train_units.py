@@ -22,6 +22,7 @@ from pretrain.checkpoint.run_folder import COMPLETE, IncompleteCheckpointError
 from pretrain.checkpoint.safe_load import load_weights_only
 from pretrain.config.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
 from pretrain.config.train_config import CheckpointConfig, load_config
+from pretrain.distributed import Readback
 from pretrain.model.tasks import (
     TASKS,
     ClassificationTask,
@@ -190,8 +191,16 @@ def test_metrics_report_the_documented_keys_and_stop_on_non_finite_loss():
     assert logged["train/images_seen"] == 128 and logged["train/exaflops"] == pytest.approx(128 * 1e9 / 1e18)
     assert logged["train/mfu"] == pytest.approx(logged["train/tflops"] / 1.0)
     assert 0 < logged["train/memory_gb"] < 64 and 0 <= logged["train/data_wait"] <= 1
+    # Losses are read at the logging cadence (a GPU step does not wait for its own end), and before a save
+    nan = Readback(torch.tensor(float("nan")))
+    assert m.step(3, nan, 1e-3, None, images=64, data_s=0.0) == {} and "on the device" in repr(nan)
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 3 .*optim\.lr"):
-        m.step(3, float("nan"), 1e-3, None, images=64, data_s=0.0)
+        m.step(4, 1.8, 1e-3, None, images=64, data_s=0.0)
+    m._unread.clear()
+    with pytest.raises(NonFiniteLossError, match=r"loss is inf at step 5"):
+        m.step(5, float("inf"), 1e-3, None, images=64, data_s=0.0, read=True)
+    mean = Readback(torch.tensor(3.0), divisor=2)
+    assert float(mean) == 1.5 and float(mean) == 1.5 and repr(mean) == "Readback(1.5)"  # read once, then kept
 
 
 def test_cli_rejects_bad_configs_before_any_work(tmp_path, capsys, monkeypatch):
