@@ -78,6 +78,14 @@ def eval_failed(suite: str) -> str:  # e.g. eval_failed/local_fewshot
 
 
 EVAL_FAILURES = "vitscale.eval_failures"  # tag: checkpoints whose eval failed for good
+
+
+# 1 at the step of a checkpoint whose eval was skipped (too many evals waiting); the reason is in EVAL_FAILURES_DIR.
+def eval_skipped(suite: str) -> str:  # e.g. eval_skipped/vtab1k
+    return f"eval_skipped/{suite}"
+
+
+EVAL_SKIPPED = "vitscale.eval_skipped"  # tag: checkpoints whose eval was skipped
 EVAL_FAILURES_DIR = "eval_failures"  # artifact folder: one text file per failed checkpoint
 MODEL_URI = "vitscale.model_uri"  # the run's model (models:/m-…, tracking.models)
 MODEL_STEP = "vitscale.model_step"  # the checkpoint step that model holds

@@ -53,9 +53,9 @@ class EvalScheduler:
         self.max_pinned = max_pinned
         # A task whose process dies runs once more; an exception is returned, not retried.
         self._task = ray.remote(task).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)
-        self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures only: the tasks log their metrics
+        self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures and skips: the tasks log their metrics
         self._tracker.connect_in_background()  # the job's end, which flushes, should not wait for MLflow's setup
-        self._failures = 0
+        self._failures = self._skips = 0
         self._lock = threading.Lock()  # a threaded actor: submit / drain / pending may run concurrently
         self._pending: dict[int, ray.ObjectRef] = {}  # steps whose eval has not ended (pinned)
         self._results: dict[int, dict[str, Any]] = {}
@@ -84,7 +84,8 @@ class EvalScheduler:
                         "error": f"eval skipped: the evals of {len(self._pending)} checkpoints were still waiting or "
                         f"running (their checkpoints pinned; at most {self.max_pinned}). Evals are slower than "
                         "checkpointing: give them more resources (the profile's evals section) or raise "
-                        "checkpoint.every_steps"
+                        "checkpoint.every_steps",
+                        "skipped": True,
                     },
                 )
                 return True
@@ -120,14 +121,20 @@ class EvalScheduler:
                 self._fail(step, self._results[step])
 
     def _fail(self, step: int, result: dict[str, Any]) -> None:
-        """Record an eval that failed for good: metric `eval_failed/<suite>` = 1 at its step, the reason in
-        `eval_failures/step_XXXXXXXX.txt` (run folder and artifact), the failure count as a tag; caller holds _lock."""
+        """Record an eval that failed for good, or was skipped (``result["skipped"]``): metric `eval_failed/<suite>`
+        (or `eval_skipped/<suite>`) = 1 at its step, the reason in `eval_failures/step_XXXXXXXX.txt` (run folder and
+        artifact), the count of each as a tag; caller holds _lock."""
         self._results[step] = result
-        self._failures += 1
         suite = Path(self.suite).stem if self.suite else "evals"  # a suite's YAML path: its file name
         reason = f"step {step}: {result['error']}\n\n{result.get('traceback', '')}".rstrip() + "\n"
-        self._tracker.log_metrics({keys.eval_failed(suite): 1.0}, step=step)
-        self._tracker.set_tags({keys.EVAL_FAILURES: self._failures})
+        if result.get("skipped"):
+            self._skips += 1
+            self._tracker.log_metrics({keys.eval_skipped(suite): 1.0}, step=step)
+            self._tracker.set_tags({keys.EVAL_SKIPPED: self._skips})
+        else:
+            self._failures += 1
+            self._tracker.log_metrics({keys.eval_failed(suite): 1.0}, step=step)
+            self._tracker.set_tags({keys.EVAL_FAILURES: self._failures})
         folder = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR  # <run_dir>/eval_failures
         try:
             folder.mkdir(parents=True, exist_ok=True)

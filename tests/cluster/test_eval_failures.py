@@ -133,25 +133,34 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
 
     marks = tmp_path / "marks"
     marks.mkdir()
-    slow = EvalScheduler.remote("forever", str(tmp_path), run_id, uri, num_cpus=1, task=_sleeper(str(marks)))
+    slow = EvalScheduler.remote(
+        "forever", str(tmp_path), run_id, uri, num_cpus=1, max_pinned=1, task=_sleeper(str(marks))
+    )
     assert ray_local.get(slow.submit.remote(str(s20), 20, {}))
     _attempt_pids(marks, 1)
+    (s30,) = _checkpoints(tmp_path / "run", (30,))
+    assert ray_local.get(slow.submit.remote(str(s30), 30, {}))  # step 20's eval holds the one pin: skipped
+    assert not is_pinned(s30)
     started = time.monotonic()
     rows = ray_local.get(slow.drain.remote(3.0))  # what the driver passes: evals.timeout_s
     waited = time.monotonic() - started
     # The eval would sleep 600 s; the drain waits 3 s, then flushes the failure to MLflow (up to 60 s).
     assert waited < 120, waited
     assert "evals.timeout_s" in rows[20]["error"] and not is_pinned(s20)
+    assert rows[30]["skipped"] and rows[30]["error"].startswith("eval skipped")
 
     client = MlflowClient(tracking_uri=uri)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_failed("no_such_suite"))] == [
         (10, 1.0)
     ]
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_failed("forever"))] == [(20, 1.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_skipped("forever"))] == [(30, 1.0)]
     reasons = {p.name: p.read_text() for p in (tmp_path / "run" / keys.EVAL_FAILURES_DIR).iterdir()}
+    assert "eval skipped" in reasons["step_00000030.txt"]
     assert "no_such_suite" in reasons["step_00000010.txt"] and "Traceback" in reasons["step_00000010.txt"]
     assert "evals.timeout_s" in reasons["step_00000020.txt"]
-    assert client.get_run(run_id).data.tags[keys.EVAL_FAILURES] == "1"  # counted per scheduler: one per job
+    tags = client.get_run(run_id).data.tags
+    assert tags[keys.EVAL_FAILURES] == "1" and tags[keys.EVAL_SKIPPED] == "1"  # counted per scheduler: one per job
 
 
 def test_evals_timeout_is_a_checked_setting():
