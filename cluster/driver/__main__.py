@@ -1,6 +1,12 @@
-"""The Ray job's entry point: read the job spec `cluster.launch` wrote, join the cluster, run the job.
+"""The Ray job's entry point: read the job spec `cluster.launch` wrote (or plan the recipe here), join the cluster,
+run the job.
 
 python -m cluster.driver [--plan SPEC.json] [--address ADDR]     # the plan defaults to $VITSCALE_PLAN
+python -m cluster.driver --cluster a100x64 --recipe vit_h14_i21k [--set KEY=VALUE] [--run-name NAME] [--dry-run]
+
+The second form is for Ray's own job submission on a cluster that is already up (README, "Quick start"):
+`ray job submit --working-dir . -- python -m cluster.driver --cluster a100x64 --recipe vit_h14_i21k`. It plans
+inside the job exactly as `cluster.launch` plans on the launching machine, prints the plan, and runs the same job.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from cluster.driver.job import PLAN_ENV, JobSpec, run_job
@@ -17,19 +24,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.driver", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
     parser.add_argument("--address", default=None, help="Ray address (default: the job's cluster)")
+    parser.add_argument("--cluster", help="plan here: the profile (cluster/profiles/<name>.yaml); needs --recipe")
+    parser.add_argument("--recipe", help="plan here: the recipe (configs/<name>.yaml or a YAML path)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
+    parser.add_argument("--run-name", default=None, help="run folder name (default <recipe>-<time>); reuse resumes")
+    parser.add_argument("--dry-run", action="store_true", help="with --cluster/--recipe: print the plan and stop")
     args = parser.parse_args(argv)
-    if not args.plan and not os.environ.get(PLAN_ENV):
-        parser.error(f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does)")
-    source = f"--plan {args.plan}" if args.plan else f"${PLAN_ENV}"
-    try:  # unreadable, not JSON, JSON of another shape, an invalid profile or config
-        text = Path(args.plan).read_text() if args.plan else os.environ[PLAN_ENV]
-        spec = JobSpec.from_json(text)  # the job's one build of the config, before Ray and MLflow start
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        print(
-            f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
-            f"is the JSON that `python -m cluster.launch` writes into ${PLAN_ENV} of the Ray job it submits",
-            file=sys.stderr,
-        )
+    if bool(args.cluster) != bool(args.recipe):
+        parser.error("--cluster and --recipe go together: the job plans that recipe on that profile")
+    if args.cluster and args.plan:
+        parser.error("pass either --plan (a spec cluster.launch wrote) or --cluster/--recipe (plan here), not both")
+    if args.dry_run and not args.cluster:
+        parser.error("--dry-run plans a recipe: pass --cluster and --recipe")
+    if not args.cluster:
+        spec = _read_spec(parser, args.plan)
+    else:
+        spec = _plan_here(args)
+        if spec is not None and args.dry_run:
+            print("dry run: nothing trained")
+            return 0
+    if spec is None:
         return 2
     import ray  # heavy: deferred
 
@@ -45,6 +59,47 @@ def main(argv: list[str] | None = None) -> int:
     import psutil  # a Ray dependency; the driver process's start begins the goodput ledger
 
     return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
+
+
+def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | None:
+    """The job spec from ``--plan`` or ``$VITSCALE_PLAN``; None (said) when it is not one."""
+    if not plan and not os.environ.get(PLAN_ENV):
+        parser.error(
+            f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does), or plan here with "
+            "--cluster and --recipe"
+        )
+    source = f"--plan {plan}" if plan else f"${PLAN_ENV}"
+    try:  # unreadable, not JSON, JSON of another shape, an invalid profile or config
+        text = Path(plan).read_text() if plan else os.environ[PLAN_ENV]
+        return JobSpec.from_json(text)  # the job's one build of the config, before Ray and MLflow start
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        print(
+            f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
+            f"is the JSON that `python -m cluster.launch` writes into ${PLAN_ENV} of the Ray job it submits",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _plan_here(args: argparse.Namespace) -> JobSpec | None:
+    """Plan ``args.recipe`` on ``args.cluster`` as `cluster.launch` does, print the plan; None (said) on bad input."""
+    from cluster.plan.planner import PlanError, build_plan, resolve_config  # deferred: the spec path needs none
+    from cluster.plan.text import format_plan
+    from cluster.profiles import load_profile
+    from evals.suites import load_suite
+
+    try:
+        profile = load_profile(args.cluster)
+        run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config = resolve_config(profile, args.recipe, args.set, run_name)
+        if config.evals.suite:
+            load_suite(config.evals.suite)  # fail now, not at the first eval
+        plan = build_plan(profile, config)
+    except (PlanError, ValueError) as error:
+        print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
+        return None
+    print(format_plan(plan), flush=True)
+    return JobSpec.create(profile, config, plan)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """cluster.jobs + cluster.local_head + cluster.env: unreachable clusters, and the embedded head (token auth) through
-its life: submit, status, logs, Ray's own CLI (`ray job list|logs` with the exports `make env` prints), stop."""
+its life: submit, status, logs, Ray's own CLI (`ray job list|logs|submit` with the exports `make env` prints), stop."""
 
 from __future__ import annotations
 
@@ -310,6 +310,13 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         assert listed.returncode == 0 and job_id in listed.stdout, listed.stdout + listed.stderr
         logs = _ray_cli(["job", "logs", job_id], cli_env)
         assert logs.returncode == 0 and "hello from" in logs.stdout, logs.stdout + logs.stderr
+        # A lab's own submission (README, "Quick start"): the code shipped as the working dir, the plan made inside
+        # the job by the same planner as `make launch`.
+        driver = ["python", "-m", "cluster.driver", "--cluster", "local", "--recipe", "local_demo", "--dry-run"]
+        submitted = _ray_cli(["job", "submit", "--working-dir", ".", "--", *driver], cli_env)
+        out = submitted.stdout + submitted.stderr
+        assert submitted.returncode == 0 and "succeeded" in out.lower(), out
+        assert "plan: recipe local_demo" in out and "dry run: nothing trained" in out, out
         # Why RAY_AUTH_MODE is exported: without it Ray's CLI sends no token and the head refuses it.
         refused = _ray_cli(["job", "list"], {k: v for k, v in cli_env.items() if k != "RAY_AUTH_MODE"})
         assert refused.returncode != 0 and job_id not in refused.stdout

@@ -7,7 +7,8 @@ Where commands are found (README.md and every docs/**/*.md, the dated benchmark 
 - every inline code span outside fenced blocks (a span may wrap onto the next line of its paragraph).
 
 A line or span is a command when it starts (after optional ``VAR=value`` words) with ``make <target>``,
-``python -m <module>`` (also ``python3``, ``.venv/bin/python``) or ``torchrun ... -m <module>``. Then:
+``python -m <module>`` (also ``python3``, ``.venv/bin/python``) or ``torchrun ... -m <module>``; the job of a
+``ray job submit ... -- <command>`` line is that command. Then:
 
 - a trailing ``# comment`` is dropped;
 - it is split at `` | ``, `` || ``, `` && `` and ``; `` into parts, and every part that starts with a command is a
@@ -85,6 +86,7 @@ _PREFIX = re.compile(
     r"|(?:\S*/)?python3?\s+-m\s+[A-Za-z_][\w.]*"
     r"|(?:\S*/)?torchrun\s(?:.*?\s)?-m\s+[A-Za-z_][\w.]*)"
 )
+_RAY_SUBMIT = re.compile(r"^(?:\S*/)?ray\s+job\s+submit\s(?:.*?\s)?--\s+(.+)$")  # Ray's CLI: the job's entrypoint
 _SEPARATOR = re.compile(r"\s+(?:\|\||\||&&)\s+|;\s+")
 _DIAGRAM = re.compile(r"[─▶│┌└├]")
 _OPTIONAL = re.compile(r"(?:(?<=\s)|^)\[([^\[\]]*)\](?=\s|$)")
@@ -110,6 +112,8 @@ def _strip_comment(text: str) -> str:
 def _commands_in(text: str) -> list[str]:
     """The commands of one line or span ([] when it does not start with one)."""
     text = _strip_comment(" ".join(text.split()))
+    if submitted := _RAY_SUBMIT.match(text):
+        text = submitted.group(1)
     if not _PREFIX.match(text) or _DIAGRAM.search(text):
         return []
     return [part.strip() for part in _SEPARATOR.split(text) if _PREFIX.match(part.strip())]
