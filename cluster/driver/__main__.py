@@ -18,6 +18,10 @@ import time
 from pathlib import Path
 
 from cluster.driver.job import PLAN_ENV, JobSpec, run_job
+from cluster.plan.planner import PlanError, build_plan, resolve_config
+from cluster.plan.text import format_plan
+from cluster.profiles import load_profile
+from evals.suites import load_suite
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,11 +87,6 @@ def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | N
 
 def _plan_here(args: argparse.Namespace) -> JobSpec | None:
     """Plan ``args.recipe`` on ``args.cluster`` as `cluster.launch` does, print the plan; None (said) on bad input."""
-    from cluster.plan.planner import PlanError, build_plan, resolve_config  # deferred: the spec path needs none
-    from cluster.plan.text import format_plan
-    from cluster.profiles import load_profile
-    from evals.suites import load_suite
-
     try:
         profile = load_profile(args.cluster)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
