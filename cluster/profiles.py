@@ -46,6 +46,8 @@ class StorageSpec:
     shards: str  # root of the recipes' shard folders (path or fsspec URL)
     checkpoints: str  # run folders, on a filesystem every node mounts
     mlflow_tracking_uri: str
+    # One rank's read rate from `shards`, MB/s: the start allowance reads the manifest at it. Assumed.
+    read_mb_per_s: float = 100.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,42 @@ class HangSpec:
 
 
 @dataclass(frozen=True)
+class NetworkSpec:
+    """How the workers' collectives travel (docs/network.md): the fabric between nodes, NVLink within one.
+
+    The plan's communication time divides each collective's bytes by the achievable bus bandwidth: between nodes
+    `gbps_per_node` / 8 x `efficiency` (a ring crosses each node's NICs once), on one node `nvlink_gb_per_s` x
+    `efficiency`; each collective also pays `latency_us`. `cluster.network.network_env` gives the environment.
+    """
+
+    kind: Literal["efa", "infiniband", "nvlink", "sockets"] = "sockets"  # nvlink: one node, no network in the way
+    gbps_per_node: float = 0.0  # line rate of all of a node's NICs, Gb/s; 0: unknown or one node
+    nvlink_gb_per_s: float = 0.0  # per GPU and direction, GB/s; 0: none (CPU) or unknown
+    efficiency: float = 0.8  # share of the line rate NCCL reaches (nccl-tests' busbw / line rate); assumed
+    latency_us: float = 20.0  # start-up time of one collective, microseconds; assumed
+    socket_ifname: str = ""  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, only where the default interface is wrong
+
+    def validate(self, where: str, nodes: int, gpus: bool) -> None:
+        """ValueError naming the field and the fix when the network cannot carry the profile's workers."""
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"{where}: network.efficiency={self.efficiency} must be in (0, 1]")
+        for key in ("gbps_per_node", "nvlink_gb_per_s", "latency_us"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{where}: network.{key}={getattr(self, key)} must be >= 0")
+        if self.kind == "nvlink" and (nodes > 1 or not gpus):
+            raise ValueError(
+                f"{where}: network.kind=nvlink joins the GPUs of one node only; with {nodes} node(s) and "
+                f"{'GPU' if gpus else 'CPU'} workers use efa, infiniband or sockets"
+            )
+        if self.kind in ("efa", "infiniband") and not gpus:
+            raise ValueError(f"{where}: network.kind={self.kind} carries NCCL; CPU workers (gloo) use sockets")
+        if self.kind == "nvlink" and not self.nvlink_gb_per_s > 0:
+            raise ValueError(f"{where}: network.kind=nvlink needs network.nvlink_gb_per_s (per GPU and direction)")
+        if self.kind in ("efa", "infiniband") and nodes > 1 and not self.gbps_per_node > 0:
+            raise ValueError(f"{where}: network.kind={self.kind} on {nodes} nodes needs network.gbps_per_node")
+
+
+@dataclass(frozen=True)
 class ClusterProfile:
     name: str
     description: str
@@ -149,6 +187,7 @@ class ClusterProfile:
     max_failures: int = 1  # worker-group restarts before the job fails
     assumed_mfu: float = 0.4  # the plan's MFU where none was measured (cluster.calibrate)
     hang: HangSpec = HangSpec()  # hung-rank watchdog
+    network: NetworkSpec = NetworkSpec()  # the collectives' fabric (docs/network.md)
 
     @property
     def is_local(self) -> bool:
@@ -183,6 +222,8 @@ class ClusterProfile:
             )
         if not hw.memory_gb_per_node > 0:  # the plan divides by it
             raise ValueError(f"profile {self.name}: hardware.memory_gb_per_node={hw.memory_gb_per_node} must be > 0")
+        if not self.storage.read_mb_per_s > 0:  # the start allowance divides by it
+            raise ValueError(f"profile {self.name}: storage.read_mb_per_s={self.storage.read_mb_per_s} must be > 0")
         if hw.peak_tflops is not None and not hw.peak_tflops > 0:
             raise ValueError(
                 f"profile {self.name}: hardware.peak_tflops={hw.peak_tflops} must be > 0 (or absent on CPU)"
@@ -205,6 +246,7 @@ class ClusterProfile:
         elif self.comm_backend == "nccl":
             raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
         self.hang.validate(f"profile {self.name}")
+        self.network.validate(f"profile {self.name}", hw.nodes, wk.gpus_per_worker > 0)
         if not 0 < self.assumed_mfu <= 1:
             raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
         if self.max_failures < 0:

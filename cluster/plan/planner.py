@@ -15,17 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.plan import memory, mfu
-from cluster.plan.checkpoint_costs import StartupAllowance, baseline_eval, checkpoint_space_warning, startup_allowance
+from cluster.plan import comms, memory, mfu
+from cluster.plan.checkpoint_costs import baseline_eval, checkpoint_space_warning
+from cluster.plan.comms import CommPlan
 from cluster.plan.data_wait import data_wait, loader_host_bytes
 from cluster.plan.memory import MemoryPlan
 from cluster.plan.mfu import Measured
+from cluster.plan.startup import StartupAllowance, startup_allowance
 from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from pretrain.config import optim
-from pretrain.config.ds_config import BatchPlan, batch_plan, valid_world_sizes
+from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
 from pretrain.config.precision import StepShape, cpu_bf16_units, decide
 from pretrain.config.train_config import (
     TrainConfig,
@@ -155,11 +157,37 @@ def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_na
     is read here, once, for the whole launch; paths are checked only on a local profile."""
     path = recipe_path(recipe)
     written = read_recipe(path)
-    config = config_from_recipe(path, written, [*profile_overrides(profile, path, written, sets, run_name), *sets])
+    overrides = profile_overrides(profile, path, written, sets, run_name)
+    config = config_from_recipe(path, written, [*overrides, *sets])
+    if profile.uses_gpus:  # CPU runs keep their settings, and so their numbers
+        chosen = reduction_overrides(profile, config, _given(written, sets))
+        config = config_from_recipe(path, written, [*overrides, *chosen, *sets])
     if profile.workers.elastic:
         elastic_world_sizes(profile, config)
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
     return config
+
+
+def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set[str]) -> list[str]:
+    """DeepSpeed's reduction settings as `cluster.plan.comms.choose_reduction` picks them for this run's step, for
+    the keys the recipe and `--set` leave unset (docs/network.md)."""
+    vit, model = _model_size(config)
+    batch = batch_plan(config.data, profile.workers.num_workers)
+    measured = mfu.measured(config.model.name, profile.hardware.gpu_type)
+    precision, step_s = _step_time(profile, config, vit, batch, measured)
+    ds = config.deepspeed
+    r = comms.choose_reduction(
+        profile, ds.zero_stage, precision, batch.world_size, batch.grad_accum_steps, model.num_params, step_s
+    )
+    # The buckets fit the dtype in force, which may be the recipe's
+    dtype = ds.communication_data_type if "deepspeed.communication_data_type" in given else r.communication_data_type
+    reduce, gather = comms.buckets(profile, batch.world_size, precision if dtype == "auto" else dtype, precision)
+    chosen = {
+        "deepspeed.communication_data_type": r.communication_data_type,
+        "deepspeed.reduce_bucket_size": reduce,
+        "deepspeed.allgather_bucket_size": gather,
+    }
+    return [f"{k}={v}" for k, v in chosen.items() if k not in given]
 
 
 def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[int]:
@@ -291,6 +319,7 @@ class Plan:
     data: DataPlan
     baseline_eval: str  # the step-0 baseline eval: what it costs, or why there is none
     startup: StartupAllowance  # the watchdog's allowances
+    comms: CommPlan  # the interconnect, a step's collectives and their time (docs/network.md)
     elastic_ends: tuple[ElasticEnd, ...] = ()  # (at workers.min, at workers.max); () when not elastic
     runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs
     final_model: str = ""  # whether the job's end logs the final model to MLflow, or why not
@@ -325,7 +354,15 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         memory=mem,
         data=data,
         baseline_eval=baseline_eval(config, model.num_params),
-        startup=startup_allowance(profile, model.num_params),
+        startup=startup_allowance(profile, model.num_params, data.num_shards),
+        # for the DeepSpeed JSON the workers will build
+        comms=comms.comm_plan(
+            profile,
+            deepspeed_config(config.deepspeed, config.optim, batch, compute.precision),
+            batch,
+            model.num_params,
+            compute.step_time_s,
+        ),
         runtime_extras=_runtime_extras(profile, data, logs_model),
         final_model=final_model,
     )
@@ -380,9 +417,7 @@ def _compute_plan(
     # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
     recompute_factor = (train + fwd) / train
     mfu = measured.mfu if measured else profile.assumed_mfu
-    step_time = train * batch.global_batch_size / (batch.world_size * peak.tflops * 1e12 * mfu)
-    if vit.grad_checkpointing:
-        step_time *= recompute_factor
+    step_time = _seconds_per_step(vit, batch, peak.tflops, mfu)
     return ComputePlan(
         precision=precision,
         precision_reason=precision_reason,
@@ -399,6 +434,22 @@ def _compute_plan(
         peak_source=peak.source,
         mfu_source=measured.mfu_source if measured else "assumed",
     )
+
+
+def _seconds_per_step(vit: ViTConfig, batch: BatchPlan, peak_tflops: float, mfu: float) -> float:
+    """Training FLOPs of the global batch / (world x peak x MFU), x the recompute factor with checkpointing."""
+    fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
+    seconds = train * batch.global_batch_size / (batch.world_size * peak_tflops * 1e12 * mfu)
+    return seconds * (train + fwd) / train if vit.grad_checkpointing else seconds
+
+
+def _step_time(
+    profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, batch: BatchPlan, measured: Measured | None
+) -> tuple[str, float]:
+    """(precision, seconds per step) as `_compute_plan` reckons them."""
+    precision, _ = _precision(profile, config, vit)
+    mfu = measured.mfu if measured else profile.assumed_mfu
+    return precision, _seconds_per_step(vit, batch, _peak(profile, precision).tflops, mfu)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cluster.plan.comms import CommPlan
 from cluster.plan.data_wait import DataWait, data_wait_line
 from cluster.plan.planner import EXTRAS, DataPlan, Plan
 from cluster.plan.storage import STORAGE_EXTRAS
@@ -35,6 +36,9 @@ def format_plan(plan: Plan) -> str:
         f"  compute       {c.total_steps} steps x {c.step_time_s:.3g} s/step ({_mfu(c.assumed_mfu, c.mfu_source)} of "
         f"{c.peak_tflops:.4g} TFLOP/s per device: {c.peak_source}{recompute}) = "
         f"{c.days:.3g} days; {c.images_per_s:,.0f} images/s; {c.total_exaflops:.4g} exaFLOPs total",
+        f"  interconnect  {_interconnect(plan.comms)}",
+        f"  communication {_communication(plan.comms)}",
+        f"  reduction     DeepSpeed {'; '.join(f'{k} {v}' for k, v in plan.comms.settings)}",
         f"  data          {d.num_shards or 'unknown number of'} shards, {d.shards_per_loader:.1f} per (rank x loader "
         f"worker); {d.bytes_per_image / 1e3:.0f} KB/image -> read {d.read_mb_per_s:,.1f} MB/s ({d.note})",
         f"  loader memory {d.loader_gb_per_node:.3g} GB per node: {d.loader_detail}",
@@ -57,8 +61,35 @@ def _startup(plan: Plan) -> str:
     return (
         f"start {a.startup_s:.0f} s = max(hang.startup_s {a.floor_s:g}, {a.margin:g} x ({terms} = {a.estimate_s:.3g} "
         f"s)); first save {a.first_save_s:.0f} s = max(hang.checkpoint_s {a.save_floor_s:g}, {a.margin:g} x "
-        f"{write_s:.3g} s); a checkpoint of {a.checkpoint_gb:.3g} GB at {a.write_mb_per_s:g} MB/s (hang.write_mb_per_s)"
+        f"{write_s:.3g} s); a checkpoint of {a.checkpoint_gb:.3g} GB at {a.write_mb_per_s:g} MB/s "
+        f"(hang.write_mb_per_s); a manifest of {a.num_shards} shards, {a.manifest_mb:.2g} MB at {a.read_mb_per_s:g} "
+        "MB/s (storage.read_mb_per_s)"
     )
+
+
+def _interconnect(c: CommPlan) -> str:
+    """The network in words and the environment `cluster.network.network_env` gives the workers."""
+    env = ", ".join(c.env) if c.env else "none needed"
+    return f"{c.interconnect}; worker env: {env} (docs/network.md)"
+
+
+def _communication(c: CommPlan) -> str:
+    """A step's bytes per GPU, collective by collective, their time and the verdict against compute."""
+    if not c.collectives:
+        return c.verdict
+    parts = " + ".join(f"{x.what} {_bytes(x.bytes_per_gpu)} ({x.tensor})" for x in c.collectives)
+    sent = f"{_bytes(c.bytes_per_gpu)} per GPU per step = {parts}"
+    if c.comm_s is None:
+        return f"{sent}; time not estimated: {c.bandwidth_source}"
+    calls = sum(x.calls for x in c.collectives)
+    return (
+        f"{sent}; {c.comm_s * 1e3:.3g} ms at {c.bandwidth_gb_per_s:.3g} GB/s ({c.bandwidth_source}) incl. {calls} "
+        f"collectives x {c.latency_us:g} us = {c.verdict}"
+    )
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
 
 
 def _mfu(mfu: float, source: str) -> str:

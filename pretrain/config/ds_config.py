@@ -29,6 +29,9 @@ class DeepSpeedConfig:
     reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
     allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
     overlap_comm: bool = False  # overlap gradient reduction with backward (worth it on GPUs)
+    # dtype the gradients are reduced in: auto = the training precision (DeepSpeed's own default, written out); a
+    # GPU plan sets fp32 where its network carries it cheaply (cluster.plan.comms, docs/network.md)
+    communication_data_type: Literal["auto", "fp32", "bf16"] = "auto"
     dist_backend: DistBackend = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_minutes: int = 30  # collective timeout, when this worker creates the process group
 
@@ -136,6 +139,18 @@ def resolve_backend(ds: DeepSpeedConfig, device_type: str) -> str:
     return ds.dist_backend
 
 
+def reduction_dtype(ds: DeepSpeedConfig, precision: str) -> str:
+    """The dtype gradients are reduced in (`communication_data_type`) for the decided ``precision``."""
+    if ds.communication_data_type == "auto":
+        return precision
+    if ds.communication_data_type == "bf16" and precision == "fp32":
+        raise ValueError(
+            "deepspeed.communication_data_type=bf16 with fp32 training rounds every gradient to bf16 before the sum; "
+            "use auto or fp32"
+        )
+    return ds.communication_data_type
+
+
 def deepspeed_config(
     ds: DeepSpeedConfig,
     optim: OptimConfig,
@@ -153,6 +168,9 @@ def deepspeed_config(
         "stage": ds.zero_stage,
         "overlap_comm": ds.overlap_comm,
         "contiguous_gradients": True,
+        # ZeRO-1/2 reduce each bucket's slices to the ranks that own them, (n-1)/n of its bytes per rank, rather than
+        # all-reduce it whole, 2(n-1)/n (docs/network.md). Two ranks sum a + b either way: CPU numbers are unchanged.
+        "use_multi_rank_bucket_allreduce": False,
         # Explicit sizes: the defaults moved between releases and 5e8 allocates two ~1 GB buffers.
         "reduce_bucket_size": ds.reduce_bucket_size,
         "allgather_bucket_size": ds.allgather_bucket_size,
@@ -171,6 +189,7 @@ def deepspeed_config(
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
+        "communication_data_type": reduction_dtype(ds, precision),
         "fp16": {"enabled": False},
         # fp32 accumulation even for bf16 weights: a sum of many micro-batches loses bits otherwise.
         "data_types": {"grad_accum_dtype": "fp32"},

@@ -109,18 +109,25 @@ def test_the_plan_gives_the_start_and_first_save_allowances_term_by_term(tmp_pat
     plan = build_plan(big, config)
     a, params = plan.startup, plan.model.num_params
     write_s = params * 20 / 100e6  # 20 bytes a parameter at hang.write_mb_per_s = 100
-    expected = {"process start": 60.0, "model and engine": 60 * params / 1e9, "checkpoint": write_s}
+    manifest_s = plan.data.num_shards * 128 / 100e6 + plan.data.num_shards * 0.10 / 4700  # cluster.plan.startup
+    expected = {
+        "process start": 60.0,
+        "manifest": manifest_s,
+        "model and engine": 60 * params / 1e9,
+        "checkpoint": write_s,
+    }
     assert dict(a.terms) == pytest.approx(expected)
-    assert a.estimate_s == pytest.approx(60 + 60 * params / 1e9 + write_s) and a.estimate_s < 300
+    assert a.estimate_s == pytest.approx(60 + manifest_s + 60 * params / 1e9 + write_s) and a.estimate_s < 300
     assert (a.startup_s, a.first_save_s) == (600, 300)  # the profile's floors
     assert (
-        "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + model and engine 39.6 + "
-        "checkpoint 132 = 232 s)); first save 300 s = max(hang.checkpoint_s 300, 2 x 132 s); a checkpoint of 13.2 GB "
-        "at 100 MB/s (hang.write_mb_per_s)"
+        "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + manifest 0.0848 + model and "
+        "engine 39.6 + checkpoint 132 = 232 s)); first save 300 s = max(hang.checkpoint_s 300, 2 x 132 s); a "
+        "checkpoint of 13.2 GB at 100 MB/s (hang.write_mb_per_s); a manifest of 3758 shards, 0.48 MB at 100 MB/s "
+        "(storage.read_mb_per_s)"
     ) in format_plan(plan).splitlines()
     slow = dataclasses.replace(big, hang=dataclasses.replace(big.hang, write_mb_per_s=20.0))
     plan = build_plan(slow, config)
-    assert plan.startup.startup_s == pytest.approx(2 * (60 + 60 * params / 1e9 + 5 * write_s))
+    assert plan.startup.startup_s == pytest.approx(2 * (60 + manifest_s + 60 * params / 1e9 + 5 * write_s))
     assert plan.startup.first_save_s == pytest.approx(2 * 5 * write_s)
     assert f"hang watchdog start {plan.startup.startup_s:.0f} s = max(hang.startup_s 600, 2 x (" in format_plan(plan)
     hang = job_hang(JobSpec.from_json(JobSpec(slow, config, plan.to_dict()).to_json()))  # what the driver runs with
@@ -131,10 +138,10 @@ def test_the_plan_gives_the_start_and_first_save_allowances_term_by_term(tmp_pat
     storage = dataclasses.replace(local.storage, shards=str(tmp_path / "data"), checkpoints=str(tmp_path / "runs"))
     local = dataclasses.replace(local, storage=storage)
     plan = build_plan(local, resolve_config(local, "local_demo", [], "demo"))
-    assert [name for name, _ in plan.startup.terms] == ["process start", "model and engine", "checkpoint"]
+    assert [name for name, _ in plan.startup.terms] == ["process start", "manifest", "model and engine", "checkpoint"]
     assert (plan.startup.startup_s, plan.startup.first_save_s) == (600, 300)
     line = next(x for x in format_plan(plan).splitlines() if x.startswith("  hang watchdog"))
-    start = "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + model and engine "
+    start = "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + manifest "
     assert line.startswith(start) and "first save 300 s = max(hang.checkpoint_s 300, 2 x " in line, line
 
 
