@@ -11,6 +11,7 @@ dry run included); a real launch then generates what is absent and starts or reu
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -24,6 +25,7 @@ from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
 from evals.suites import load_suite
+from tracking.runs import tracking_credentials
 
 # Kept out of the job's working dir (Ray also honours .gitignore).
 WORKING_DIR_EXCLUDES = [
@@ -41,8 +43,10 @@ WORKING_DIR_EXCLUDES = [
 
 
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
-    """The job's runtime env with this checkout as its code; a local job uses this venv for the rest."""
-    return job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES)
+    """The job's runtime env with this checkout as its code and this shell's MLflow credentials; a local job uses
+    this venv for the rest."""
+    credentials = tracking_credentials(os.environ)
+    return job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES, credentials)
 
 
 def _parse_fault(text: str | None) -> FaultInjection | None:

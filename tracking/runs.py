@@ -1,7 +1,8 @@
-"""A run's life in MLflow: creation (once per pre-training job), its tags, its final status.
+"""A run's life in MLflow: creation (once per pre-training job), its tags, its final status; the credentials a job
+takes along.
 
-Creation raises (the caller decides whether to go on untracked); `finish_run` never does: tracking never decides a
-job's fate.
+`create_run` and `open_job_run` raise (the caller decides whether to go on untracked); `start_job_run` and
+`finish_run` never do: tracking never decides a job's fate (docs/design.md, "Tracking at a job's start").
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.paths import PROJECT_ROOT
+from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 from tracking import keys
 from tracking.tracker import (
     MAX_PARAMS_TAGS_PER_BATCH,
@@ -21,10 +24,26 @@ from tracking.tracker import (
     default_artifact_location,
     default_tracking_uri,
     flatten_config,
+    pending_run_ref,
+    recorded_run_id,
 )
 
 # In the run folder: the MLflow run a relaunch continues.
 RUN_RECORD = "mlflow_run.json"
+# A job's start waits this long for MLflow to create its run, then trains without it: a healthy server answers well
+# within it, and MLflow's own retries against one that is down last minutes.
+START_WAIT_S = 10.0
+# The background creation's retries back off up to this.
+CREATE_RETRY_MAX_S = 60.0
+# What MLflow's client reads to reach a server (mlflow.environment_variables): the job gets them from the launching
+# environment, in its runtime env only, never in the job spec, the plan, a param or a tag.
+CREDENTIAL_VARS = (
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+    "MLFLOW_TRACKING_SERVER_CERT_PATH",
+)
 
 
 def git_commit(root: Path | str | None = None) -> str:
@@ -102,6 +121,11 @@ def create_run(
     return run_id
 
 
+def tracking_credentials(environ: Mapping[str, str]) -> dict[str, str]:
+    """The `CREDENTIAL_VARS` set in ``environ``, for the job's runtime env."""
+    return {name: environ[name] for name in CREDENTIAL_VARS if environ.get(name)}
+
+
 def open_job_run(
     run_dir: Path,
     tracking_uri: str | None,
@@ -111,21 +135,157 @@ def open_job_run(
     plan: Mapping[str, Any],
 ) -> str:
     """The run ``<run_dir>/mlflow_run.json`` records, else a new one (``config`` as params, ``tags``, ``plan.json``);
-    its id, a config field, is logged once it exists."""
-    record = run_dir / RUN_RECORD
-    if record.exists():
-        saved = json.loads(record.read_text())
-        if saved.get("tracking_uri") == tracking_uri:
-            print(f"continuing MLflow run {saved['run_id']} recorded in {record}")
-            return saved["run_id"]
+    its id, a config field, is logged once it exists. Waits on MLflow and raises: `start_job_run` does neither."""
+    run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+    if run_id is not None:
+        print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
+        return run_id
+    _write_plan(run_dir, plan)
+    return _create_job_run(run_dir, tracking_uri, experiment, config, tags)
+
+
+def start_job_run(
+    run_dir: Path,
+    tracking_uri: str | None,
+    experiment: str,
+    config: Mapping[str, Any],
+    tags: Mapping[str, Any],
+    plan: Mapping[str, Any],
+    wait_s: float | None = None,
+) -> JobRun:
+    """`open_job_run` that never stops the job: MLflow gets ``wait_s`` (default `START_WAIT_S`), then the run is
+    created on a thread, retried until MLflow answers, while the job trains; see `JobRun`."""
+    run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+    if run_id is not None:  # a relaunch: nothing to ask MLflow
+        print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
+        return JobRun(run_dir / RUN_RECORD, tracking_uri, run_id)
+    _write_plan(run_dir, plan)
+    run = JobRun(run_dir / RUN_RECORD, tracking_uri)
+    run.create_in_background(lambda: _create_job_run(run_dir, tracking_uri, experiment, config, tags))
+    run.wait_for_start(START_WAIT_S if wait_s is None else wait_s)
+    return run
+
+
+class JobRun:
+    """A job's MLflow run, which may not exist yet: ``ref`` names it to every Tracker from the job's start.
+
+    ``ref`` is the run's id when the run existed, or was created, within the start's wait; else `pending_run_ref` of
+    the run record, which Trackers resolve once the record names the run. Until then they buffer. The creation
+    retries, backing off to `CREATE_RETRY_MAX_S`, until MLflow answers or `stop`; its first failure, or the end of
+    the start's wait, is said in one warning line. ``run_id``: the id, once the run exists.
+    """
+
+    def __init__(self, record: Path, tracking_uri: str | None, run_id: str | None = None) -> None:
+        self.record = record
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self.ref = run_id or pending_run_ref(record)
+        self._lock = threading.Lock()  # run_id and ref: the creation thread and the job's start
+        self._created = threading.Event()
+        self._settled = threading.Event()  # created, or failed once: the start waits no longer
+        self._stop = threading.Event()
+        self._warned = False
+        self._started = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def create_in_background(self, create: Callable[[], str]) -> None:
+        self._thread = threading.Thread(target=self._create, args=(create,), name="vitscale-mlflow-run", daemon=True)
+        self._thread.start()
+
+    def wait_for_start(self, timeout_s: float) -> None:
+        """Wait for the run, a failure or ``timeout_s``; ``ref`` is then fixed: the run's id, or the pending one."""
+        self._settled.wait(timeout_s)
+        with self._lock:
+            self.ref = self.run_id or self.ref
+            if self.run_id is None:
+                self._warn_once(f"it did not answer within {timeout_s:g} s")
+
+    def wait(self, timeout_s: float | None = None) -> str | None:
+        """The run's id once it exists, within ``timeout_s``; else None."""
+        if self.run_id is None:
+            self._created.wait(timeout_s)
+        return self.run_id
+
+    def stop(self, wait_s: float = 0.0) -> None:
+        """No further attempt to create the run (the job ends); waits up to ``wait_s`` for one in flight."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait_s)
+
+    def _create(self, create: Callable[[], str]) -> None:
+        delay = 1.0
+        while not self._stop.is_set():
+            try:
+                run_id = create()
+            except Exception as error:  # noqa: BLE001 — MLflow down, slow or refusing: the job trains regardless
+                with self._lock:
+                    self._warn_once(f"it failed: {_reason(error)}")
+                if getattr(error, "error_code", None) in _REFUSALS:
+                    self._record_refusal(error)
+                self._settled.set()
+                self._stop.wait(delay)
+                delay = min(2 * delay, CREATE_RETRY_MAX_S)
+                continue
+            with self._lock:
+                self.run_id = run_id
+                late = self.ref != run_id and self._warned
+            self._created.set()
+            self._settled.set()
+            if late:
+                waited = time.monotonic() - self._started
+                print(f"MLflow run {run_id} created after {waited:.0f} s; the buffered records go to it", flush=True)
+            return
+
+    def _record_refusal(self, error: BaseException) -> None:
+        """Say in the run record that MLflow refuses the job: closing Trackers then give up their records at once."""
+        refused = {"run_id": None, "tracking_uri": self.tracking_uri, "refused": _reason(error)}
+        try:
+            write_text_atomically(self.record, json.dumps(refused))
+        except OSError:  # a full disk: the Trackers wait out their close timeout instead
+            pass
+
+    def _warn_once(self, what: str) -> None:
+        """The one warning of a run not created at the job's start; the caller holds _lock."""
+        if self._warned:
+            return
+        self._warned = True
+        print(
+            f"warning: MLflow at {self.tracking_uri} could not create the job's run ({what}); training goes on, "
+            f"the run's records are buffered and reach MLflow once it answers (run record {self.record})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+# MLflow's error codes of a 401 and a 403: credentials the job lacks, not an outage.
+_REFUSALS = frozenset({"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"})
+
+
+def _reason(error: BaseException) -> str:
+    """One line on why MLflow failed, with the fix for a refusal (401/403)."""
+    summary = " ".join(str(error).split())[:300]
+    hint = ""
+    if getattr(error, "error_code", None) in _REFUSALS:  # credentials, not an outage
+        hint = "; check MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN where you launch"
+    return f"{type(error).__name__}: {summary}{hint}"
+
+
+def _write_plan(run_dir: Path, plan: Mapping[str, Any]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
+
+
+def _create_job_run(
+    run_dir: Path, tracking_uri: str | None, experiment: str, config: Mapping[str, Any], tags: Mapping[str, Any]
+) -> str:
+    """Create the run and record it at once, so that a retry never makes a second one; then its params (the run's
+    own id among them) and ``plan.json``, sent by a Tracker that retries."""
     params = flatten_config(config)
     params.pop(keys.RUN_ID_PARAM, None)
-    run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, params=params, tags=tags)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
-    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+    run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)
+    write_text_atomically(run_dir / RUN_RECORD, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
     tracker = Tracker(tracking_uri, run_id, rank=0)
-    tracker.log_params({keys.RUN_ID_PARAM: run_id})
+    tracker.log_params({**params, keys.RUN_ID_PARAM: run_id})
     tracker.log_artifact(str(run_dir / "plan.json"))
     tracker.close()
     return run_id

@@ -1,7 +1,8 @@
 """The rank-0 MLflow tracker, and where a run's record is stored.
 
-A tracking failure never stops training (`Tracker`). ``mlflow`` is imported inside functions: the training loop and
-CLI ``--help`` import this module.
+A tracking failure never stops training (`Tracker`), nor does a run that does not exist yet: a Tracker given a
+pending run (`pending_run_ref`) buffers until the run folder's record names the run (docs/design.md, "Tracking at a
+job's start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--help`` import this module.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ _PERMANENT_ERROR_CODES = frozenset(
 )
 
 
+# A run the job's driver is still creating (tracking.runs.start_job_run): this prefix, then its run record's path.
+PENDING_RUN = "pending:"
+# How often a Tracker of a pending run reads the record: a small file, local or on the run's shared storage.
+PENDING_POLL_S = 2.0
+
+
 def default_tracking_uri(root: Path | str | None = None) -> str:
     """``MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db``; never ``./mlruns`` (MLflow >= 3.13 refuses it)."""
     env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
@@ -63,6 +70,30 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
         return None
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("_") or "experiment"
     return (db.parent / "mlartifacts" / slug).resolve().as_uri()
+
+
+def pending_run_ref(record: Path | str) -> str:
+    """What a Tracker gets for the run that ``record`` (a run folder's ``mlflow_run.json``) will name once created."""
+    return f"{PENDING_RUN}{Path(record).resolve()}"
+
+
+def read_run_record(record: Path | str, tracking_uri: str | None) -> dict[str, Any]:
+    """What ``record`` (``{"run_id", "tracking_uri"}``, or ``"refused"`` while MLflow refuses the job's credentials)
+    holds for ``tracking_uri``; {} when it is absent, unreadable or another store's."""
+    try:
+        saved = json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    if (saved.get("tracking_uri") or default_tracking_uri()) != (tracking_uri or default_tracking_uri()):
+        return {}
+    return saved
+
+
+def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
+    """The run id ``record`` holds for ``tracking_uri`` (`read_run_record`), or None."""
+    return read_run_record(record, tracking_uri).get("run_id") or None
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -128,7 +159,9 @@ class Tracker:
     Only rank 0 (``RANK`` env, or ``rank=``) with a ``run_id`` logs. ``log_*`` only buffers, for a sender thread that
     writes at most once per ``send_every_s`` (docs/performance.md, "The MLflow sender"). A failed send warns (rate
     limited), keeps the buffer (up to ``max_buffered`` metrics) and retries with a backoff doubling to
-    ``max_backoff_s``. A batch MLflow rejects as invalid is dropped.
+    ``max_backoff_s``. A batch MLflow rejects as invalid is dropped. A pending ``run_id`` (`pending_run_ref`) is
+    resolved from its record, read every `PENDING_POLL_S` until it names the run; a logged value equal to it (the
+    config's ``logging.mlflow_run_id``) is sent as the run's id.
     """
 
     def __init__(
@@ -147,6 +180,8 @@ class Tracker:
         self.enabled = bool(enabled and run_id and self.rank == 0)
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.run_id = run_id
+        # The pending reference while the run is created elsewhere; run_id becomes the real id once it exists.
+        self._placeholder = run_id if run_id and run_id.startswith(PENDING_RUN) else None
         self.max_buffered = max_buffered
         self.warn_interval_s = warn_interval_s
         self.max_backoff_s = max_backoff_s
@@ -162,6 +197,7 @@ class Tracker:
         self._once_prefixes: tuple[str, ...] = ()
         self._run_steps: dict[str, int] = {}
         self._said_skipping = False
+        self._said_pending = False
         self._buffer_lock = threading.Lock()
         # Guarded by _send_lock: one sender at a time (the thread or flush()).
         self._send_lock = threading.Lock()
@@ -177,6 +213,7 @@ class Tracker:
         self._hurry = threading.Event()  # sync(), close(): skip the coalescing wait
         self._attempted = threading.Event()  # set after each send attempt
         self._thread: threading.Thread | None = None
+        self._close_by = math.inf  # close()'s deadline for a pending run
         if self.enabled:  # here, not at import: importing has no side effects
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
             _track_for_exit(self)
@@ -256,7 +293,8 @@ class Tracker:
         with self._send_lock:
             _QUIET_FILTER.active.sending = True
             try:
-                self._get_client()
+                if self._run_exists():
+                    self._get_client()
             except Exception:  # noqa: BLE001 — the first send retries, and warns with the reason
                 pass
             finally:
@@ -269,7 +307,7 @@ class Tracker:
             return True
         deadline = time.monotonic() + timeout
         while self.pending:
-            if self._failures or time.monotonic() >= deadline:
+            if self._next_attempt or time.monotonic() >= deadline:  # failing, or the run does not exist yet
                 return False
             self._attempted.clear()
             self._hurry.set()
@@ -278,16 +316,23 @@ class Tracker:
         return True
 
     def close(self, timeout: float | None = 120.0) -> None:
-        """One last send, then stop the sender; ``timeout`` bounds the wait on a server that never answers."""
+        """One last send, then stop the sender; ``timeout`` bounds the wait on a server that never answers, or on a
+        pending run that is not created."""
         if not self.enabled:
             return
+        # A pending run is waited for at most this long, also without a timeout: its server may never come back.
+        self._close_by = time.monotonic() + (120.0 if timeout is None else timeout)
         self._closing.set()
         self._hurry.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
         if self.pending:
-            self._warn(f"closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
+            why = ""
+            if self.run_id == self._placeholder:
+                how = "refused the job's credentials" if self._refused() else "did not answer"
+                why = f" (the run was never created: MLflow {how})"
+            self._warn(f"closing with {self.pending} items not sent to MLflow run {self.run_id}{why}", force=True)
         self.enabled = False
         _OPEN_TRACKERS.discard(self)
 
@@ -313,7 +358,7 @@ class Tracker:
     def _run_sender(self) -> None:
         while not self._closing.is_set():
             wait = max(0.0, self._next_attempt - time.monotonic())
-            self._wake.wait(timeout=wait if self._failures else None)
+            self._wake.wait(timeout=wait if self._next_attempt else None)
             self._wake.clear()
             self._hurry.wait(self._last_send + self.send_every_s - time.monotonic())  # what else comes meanwhile
             self._hurry.clear()
@@ -324,12 +369,28 @@ class Tracker:
                 self._attempt()
                 self._last_send = time.monotonic()
             self._attempted.set()
-        with self._send_lock:  # close(): one last attempt regardless of the backoff
+        self._await_run(self._close_by - 1.0)  # close(): a pending run may be created while close() waits
+        with self._send_lock:  # one last attempt regardless of the backoff
             self._attempt()
+
+    def _await_run(self, deadline: float) -> None:
+        """Until ``deadline``, look for a pending run's record every `PENDING_POLL_S`; no wait for a run id, nor for
+        a run MLflow refuses to create (wrong credentials do not right themselves by the job's end)."""
+        while self.pending:
+            with self._send_lock:
+                if self._run_exists() or self._refused():
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(PENDING_POLL_S, left))
 
     def _attempt(self) -> None:
         """Send everything buffered; the caller holds _send_lock. Never raises."""
         if self.pending == 0:
+            return
+        if not self._run_exists():  # not a failure: no warning, no backoff, only a look at the record again soon
+            self._next_attempt = time.monotonic() + PENDING_POLL_S
             return
         _QUIET_FILTER.active.sending = True
         try:
@@ -362,7 +423,7 @@ class Tracker:
                     batch = dict(list(store.items())[:MAX_PARAMS_TAGS_PER_BATCH])
                 if not batch:
                     break
-                entities = [make(k, v) for k, v in batch.items()]
+                entities = [make(k, self._named(v)) for k, v in batch.items()]
                 self._send_batch(what, lambda e=entities, w=what: client.log_batch(self.run_id, **{w: e}))
                 with self._buffer_lock:
                     for key, value in batch.items():
@@ -409,6 +470,27 @@ class Tracker:
                 f"MLflow rejected {what} for run {self.run_id} ({error.error_code}): {error.message}; dropped",
                 force=True,
             )
+
+    def _run_exists(self) -> bool:
+        """True for a run id; for a pending run, once its record names the run, which becomes ``run_id``."""
+        if self._placeholder is None or self.run_id != self._placeholder:
+            return True
+        run_id = recorded_run_id(self._placeholder[len(PENDING_RUN) :], self.tracking_uri)
+        if run_id is None:
+            if not self._said_pending:
+                self._said_pending = True
+                logger.info(f"MLflow run not created yet ({self.tracking_uri}): its records stay buffered until then")
+            return False
+        logger.info(f"MLflow run {run_id} exists now: sending the {self.pending} items buffered for it")
+        self.run_id = run_id
+        return True
+
+    def _refused(self) -> bool:
+        return bool(read_run_record(self._placeholder[len(PENDING_RUN) :], self.tracking_uri).get("refused"))
+
+    def _named(self, value: str) -> str:
+        """A param or tag value, the pending reference replaced by the run's id."""
+        return self.run_id if self._placeholder is not None and value == self._placeholder else value
 
     def _upload(self, client, item: _Artifact) -> None:
         if Path(item.local_path).is_dir():

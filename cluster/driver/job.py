@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +22,7 @@ from cluster.driver.eval_scheduler import EvalScheduler
 from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
+from cluster.network import network_env
 from cluster.plan.planner import Plan, runtime_pip
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
 from data_pipeline.paths import write_text_atomically
@@ -33,7 +34,7 @@ from pretrain.config.train_config import TrainConfig
 from pretrain.loop import train_worker
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
 from tracking import keys
-from tracking.runs import open_job_run, run_tags
+from tracking.runs import JobRun, run_tags, start_job_run
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
@@ -107,15 +108,27 @@ def worker_env(profile: ClusterProfile) -> dict[str, str]:
     }
     if not profile.uses_gpus:
         env["DS_ACCELERATOR"] = "cpu"
+    else:
+        # Fewer, larger blocks: a long run's allocations fragment the caching allocator less (docs/network.md).
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    # Inductor compiles with as many threads as the machine has cores; a worker owns cpus_per_worker of them.
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(profile.workers.cpus_per_worker)
+    env.update(network_env(profile))
     return env
 
 
 def job_runtime_env(
-    profile: ClusterProfile, spec_json: str, working_dir: str, excludes: list[str] | None = None
+    profile: ClusterProfile,
+    spec_json: str,
+    working_dir: str,
+    excludes: list[str] | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The Ray job's runtime env: the job spec for the driver (`PLAN_ENV`), the workers' variables, the code
-    (``working_dir``, less ``excludes``) and pip installs of the plan's runtime extras (s3fs / gcsfs, transformers)."""
-    env = {PLAN_ENV: spec_json, **worker_env(profile)}
+    """The Ray job's runtime env: the job spec for the driver (`PLAN_ENV`), the workers' variables, MLflow's
+    ``credentials`` (`tracking.runs.tracking_credentials`), the code (``working_dir``, less ``excludes``) and pip
+    installs of the plan's runtime extras (s3fs / gcsfs, transformers)."""
+    # Beside the spec, never in it: the spec is the plan the job prints and logs. Ray hands these to every process.
+    env = {PLAN_ENV: spec_json, **worker_env(profile), **(credentials or {})}
     env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
     runtime: dict[str, Any] = {"working_dir": working_dir}
     if excludes is not None:
@@ -241,14 +254,13 @@ def run_job(
     import ray  # heavy: deferred
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    profile, config = spec.profile, spec.config
-    run_dir = Path(config.checkpoint.dir)
-    uri = config.logging.mlflow_tracking_uri
+    profile = spec.profile
+    run_dir = Path(spec.config.checkpoint.dir)
+    uri = spec.config.logging.mlflow_tracking_uri
     if not ray.is_initialized():
         ray.init(address=address or "auto")
-    run_id = open_job_run(run_dir, uri, config.recipe or "vitscale", config.to_dict(), spec.tags, spec.plan)
-    config = config.replace(logging=replace(config.logging, mlflow_run_id=run_id))
-    print(f"MLflow run {run_id} ({uri}); run folder {run_dir}", flush=True)
+    mlflow_run, config = open_tracking(spec)
+    run_id = mlflow_run.ref
     stale = release_pins(run_dir)  # one job per run folder: pins found now belong to a job that died
     if stale:
         print(f"released {len(stale)} checkpoint pins left by an earlier job of this run", flush=True)
@@ -289,8 +301,26 @@ def run_job(
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
-    finish_job(run_dir, config.checkpoint.keep_last, uri, run_id, end)
+    mlflow_run.stop()
+    if mlflow_run.run_id is None:  # waiting for it would only hold the job's end
+        print(
+            f"MLflow at {uri} never answered during the job: the records buffered for its run are not sent; the run "
+            f"folder {run_dir} keeps summary.json and the goodput ledger",
+            flush=True,
+        )
+    finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id, end)
     return 0 if status == "FINISHED" else 1
+
+
+def open_tracking(spec: JobSpec) -> tuple[JobRun, TrainConfig]:
+    """The job's MLflow run, never waited on past a short start (`tracking.runs.start_job_run`), and the config the
+    workers get, naming it: its id, or while MLflow does not answer a reference every Tracker resolves later."""
+    config = spec.config
+    run_dir, uri = Path(config.checkpoint.dir), config.logging.mlflow_tracking_uri
+    run = start_job_run(run_dir, uri, config.recipe or "vitscale", config.to_dict(), spec.tags, spec.plan)
+    named = run.ref if run.ref == run.run_id else "being created in the background"
+    print(f"MLflow run {named} ({uri}); run folder {run_dir}", flush=True)
+    return run, config.replace(logging=replace(config.logging, mlflow_run_id=run.ref))
 
 
 def job_hang(spec: JobSpec) -> HangSpec:

@@ -77,8 +77,9 @@ class JobEnd:
     plan: dict[str, Any] = field(default_factory=dict)  # for its predicted data wait
 
 
-def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd) -> None:
-    """Release pins and prune, print the summary, write `summary.json`, log the model and ledger, close the run."""
+def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end: JobEnd) -> None:
+    """Release pins and prune, print the summary, write `summary.json`, log the model and ledger, close the run.
+    ``run_id`` None: MLflow never answered during the job; the run folder keeps the summary and the ledger."""
     train_result = {}
     if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary
         train_result = json.loads((run_dir / "train_result.json").read_text())
@@ -111,7 +112,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd
     tracker = Tracker(uri, run_id, rank=0)
     tracker.set_tags({keys.RESTARTS: restarts})  # resizes and world sizes: tagged by train_worker at every start
     tracker.log_artifact(str(run_dir / "summary.json"))
-    if end.status == "FINISHED":
+    if end.status == "FINISHED" and run_id is not None:
         log_final_model(run_dir, uri, run_id)
     if end.clock is not None:  # last: the wall-clock ends when the ledger closes
         try:
@@ -121,7 +122,8 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str, end: JobEnd
         except Exception as error:  # noqa: BLE001 — bookkeeping; the job's outcome stays training's
             print(f"warning: no goodput ledger: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     tracker.close()
-    finish_run(uri, run_id, end.status)
+    if run_id is not None:
+        finish_run(uri, run_id, end.status)
 
 
 def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:

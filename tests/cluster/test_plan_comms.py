@@ -209,3 +209,17 @@ def test_two_cpu_ranks_train_bit_identically_with_the_explicit_reduction_keys(tm
         out = json.loads((tmp_path / f"out_{rank}.json").read_text())
         for key in (k for k in out if k.endswith("-now")):
             assert out[key] == out[re.sub("-now$", "-before", key)], key
+
+
+def test_the_workers_environment_carries_the_network_allocator_and_compile_pool():
+    """What reaches every training worker (`cluster.driver.job.worker_env`): the network's variables, the CUDA
+    allocator's expandable segments on GPUs, and Inductor's compile pool sized to the worker's CPUs."""
+    from cluster.driver.job import worker_env
+
+    gpu = worker_env(load_profile("a100x64"))
+    assert {name: gpu[name] for name, _, _ in EFA_ENV} == network_env(load_profile("a100x64"))
+    assert gpu["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "DS_ACCELERATOR" not in gpu
+    assert gpu["TORCHINDUCTOR_COMPILE_THREADS"] == "10"  # cpus_per_worker of a100x64
+    cpu = worker_env(load_profile("local"))
+    assert cpu["DS_ACCELERATOR"] == "cpu" and cpu["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert not any(name.startswith(("FI_", "NCCL_", "PYTORCH_CUDA")) for name in cpu)

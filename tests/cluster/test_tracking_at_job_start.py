@@ -1,0 +1,123 @@
+"""A Ray job started while its MLflow server is down trains at once, and every step reaches the run once the server
+answers (docs/design.md, "Tracking at a job's start").
+
+The driver (`run_job`) runs in this process against a one-node Ray cluster, the way `python -m cluster.driver` runs
+it; the server (tests/tracking/test_tracking_server.py) starts only once training has begun. The server
+(MLflow's basic-auth app) wants credentials, and the training workers get them only through the job's runtime
+env (`job_runtime_env`), as a submitted job does: the cluster's processes were started without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.driver.job import JobSpec, job_runtime_env, run_job
+from cluster.local_head import in_process_cluster, ray_auth_mode
+from cluster.plan.planner import build_plan, resolve_config
+from cluster.profiles import load_profile
+from tests.cluster.test_driver import _free_port
+from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
+from tracking import keys, runs
+from tracking.runs import CREDENTIAL_VARS, tracking_credentials
+
+
+def _start_when_training_began(server: MlflowServer, run_dir: Path, errors: list) -> threading.Thread:
+    """Start ``server`` once rank 0 has placed itself in the run folder (training is under way)."""
+
+    def start() -> None:
+        try:
+            deadline = time.monotonic() + 300
+            while not list((run_dir / "workers").glob("rank0-*.json")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            server.start()
+        except Exception as error:  # noqa: BLE001 — the test fails on it, in its own thread
+            errors.append(error)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_ray_job_started_with_the_server_down_trains_and_logs_every_step_once(tmp_path, monkeypatch, capsys):
+    from mlflow import MlflowClient
+
+    from cluster.local_data import prepare_local_data
+
+    for name in CREDENTIAL_VARS:
+        monkeypatch.delenv(name, raising=False)  # the cluster's processes start without them
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    server = MlflowServer(tmp_path / "server", auth=True)
+    server.root.mkdir()
+    base = load_profile("local")
+    profile = dataclasses.replace(
+        base,
+        storage=dataclasses.replace(
+            base.storage,
+            shards=str(tmp_path / "data"),
+            checkpoints=str(tmp_path / "runs"),
+            mlflow_tracking_uri=server.uri,
+        ),
+        max_failures=0,
+    )
+    sets = ["schedule.total=40", "schedule.warmup=3", "checkpoint.every_steps=20", "logging.log_every=1"]
+    sets += ["logging.progress_bar=false", "evals.suite=null", "data.streams=2"]
+    sets += ["data.builtin_options={num_classes: 8, images_per_class: 40, val_per_class: 2}"]
+    config = resolve_config(profile, "local_demo", sets, "down-at-start")
+    prepare_local_data(config, None)
+    spec = JobSpec.from_json(JobSpec.create(profile, config, build_plan(profile, config)).to_json())
+    # The driver's creation retries every 2 s, not MLflow's minutes of HTTP retries: the test's time, same path.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setattr(runs, "CREATE_RETRY_MAX_S", 2.0)
+    errors: list = []
+    try:
+        with ray_auth_mode("disabled"):
+            rc, job_s = _run_job_while_the_server_starts(spec, server, errors, tmp_path, monkeypatch)
+        printed = capsys.readouterr()
+        assert not errors, errors
+        assert rc == 0, printed.err[-4000:]
+        warnings = [line for line in printed.err.splitlines() if line.startswith(f"warning: MLflow at {server.uri}")]
+        assert len(warnings) == 1, printed.err[-4000:]
+        client = MlflowClient(tracking_uri=server.uri)
+        [run] = client.search_runs([client.get_experiment_by_name("local_demo").experiment_id])
+        # The workers got the pending reference, not an id: every step below reached the run through its record.
+        assert "MLflow run being created in the background" in printed.out and "created after" in printed.out
+        history = client.get_metric_history(run.info.run_id, keys.LOSS)
+        assert sorted(m.step for m in history) == list(range(1, 41))
+        assert run.data.params[keys.RUN_ID_PARAM] == run.info.run_id
+        assert run.info.status == "FINISHED" and run.data.tags[keys.STATUS] == "finished"
+        early = [m.step for m in history if m.timestamp < run.info.start_time]
+        print(f"job {job_s:.0f} s; steps logged before the run existed: {early}")
+    finally:
+        server.stop()
+
+
+def _run_job_while_the_server_starts(spec, server, errors, tmp_path, monkeypatch) -> tuple[int, float]:
+    """`run_job` on a one-node cluster started without credentials; the job's runtime env carries them."""
+    import ray
+
+    cluster = in_process_cluster(
+        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port(), num_cpus=2
+    )
+    try:
+        if server.auth:  # the driver's own environment, and the job's runtime env for every process Ray starts
+            monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+            monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+        credentials = tracking_credentials(os.environ)
+        runtime = job_runtime_env(spec.profile, spec.to_json(), str(tmp_path), credentials=credentials)
+        ray.init(address=cluster.address, runtime_env={"env_vars": runtime["env_vars"]})
+        starter = _start_when_training_began(server, Path(spec.config.checkpoint.dir), errors)
+        started = time.monotonic()
+        rc = run_job(spec, address=cluster.address, eval_timeout_s=30)
+        starter.join(timeout=120)
+        return rc, time.monotonic() - started
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

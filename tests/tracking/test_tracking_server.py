@@ -1,0 +1,336 @@
+"""Tracking at a job's start against a real `mlflow server` on 127.0.0.1 that the tests start, stop and restart.
+
+A server that is down, or refuses the credentials (401), when the job starts never stops the job: the driver's
+`open_tracking` returns at once with one warning, the Trackers buffer, and the run's records reach MLflow once it
+answers, each step once. MLflow's credentials travel in the job's runtime env and nowhere else. The server is
+MLflow's basic-auth app (`mlflow[auth]`, in the dev extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tracking import keys, runs, tracker
+from tracking.runs import CREDENTIAL_VARS, run_tags
+from tracking.tracker import PENDING_RUN, Tracker
+
+pytestmark = pytest.mark.timeout(300)
+
+ADMIN, PASSWORD = "admin", "vitscale-Test-pw-8842"  # the test server's admin: the "right credentials"
+TOKEN = "vitscale-token-3fd9"  # sent (as a bearer token) to a server without auth, which ignores it
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlflowServer:
+    """`python -m mlflow server` on 127.0.0.1 with its own SQLite store and artifact folder under ``root``; with
+    ``auth``, MLflow's basic-auth app whose one user is ``ADMIN``. Its process group is stopped by `stop`."""
+
+    def __init__(self, root: Path, auth: bool) -> None:
+        self.root, self.auth = root, auth
+        self.uri = f"http://127.0.0.1:{_free_port()}"
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        if self._process is not None:
+            return
+        port = self.uri.rsplit(":", 1)[1]
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port, "--workers", "1"]
+        command += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}"]
+        command += ["--artifacts-destination", str(self.root / "artifacts")]
+        env = {k: v for k, v in os.environ.items() if k not in CREDENTIAL_VARS}
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job runner processes on 2 cores
+        if self.auth:
+            command += ["--app-name", "basic-auth"]
+            env |= self._auth_env()
+        with open(self.root / "server.log", "a") as log:  # the server keeps its own copy of the descriptor
+            self._process = subprocess.Popen(
+                command, cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._wait_until_up(timeout_s)
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        process, self._process = self._process, None
+        os.killpg(process.pid, signal.SIGTERM)  # the CLI and the uvicorn it started
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        assert _wait_for(lambda: not self._answers(), 30), "the stopped server still accepts connections"
+
+    def _answers(self) -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", int(self.uri.rsplit(":", 1)[1]))) == 0
+
+    def _auth_env(self) -> dict[str, str]:
+        ini = self.root / "basic_auth.ini"
+        ini.write_text(
+            "[mlflow]\ndefault_permission = READ\n"
+            f"database_uri = sqlite:///{self.root / 'basic_auth.db'}\nadmin_username = {ADMIN}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        )
+        return {
+            "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": PASSWORD,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": "vitscale-tests",
+        }
+
+    def _wait_until_up(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self._process.poll() is None, (self.root / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"mlflow server at {self.uri} not up in {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module (a start takes ~15 s here); each test starts or stops it as it needs."""
+    mlflow_server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"), auth=True)
+    yield mlflow_server
+    mlflow_server.stop()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch, server):
+    """The right credentials (a token, for a server without auth); MLflow's HTTP client not retrying, so that an
+    attempt against a server that is down fails at once, and the job's retries and the Trackers' looks at the run
+    record come quickly."""
+    for name in CREDENTIAL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if server.auth:
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", TOKEN)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    monkeypatch.setattr(runs, "CREATE_RETRY_MAX_S", 1.0)
+    monkeypatch.setattr(tracker, "PENDING_POLL_S", 0.5)
+
+
+def _spec(tmp_path: Path, uri: str, name: str):
+    """A job spec as `cluster.launch` makes it, its run folder under ``tmp_path``, tracking to ``uri``."""
+    from cluster.driver.job import JobSpec
+    from cluster.profiles import load_profile
+    from pretrain.config.train_config import load_config
+
+    config = load_config("local_demo")
+    config = config.replace(
+        checkpoint=dataclasses.replace(config.checkpoint, dir=str(tmp_path / name)),
+        logging=dataclasses.replace(config.logging, mlflow_tracking_uri=uri),
+    )
+    tags = run_tags(config.recipe, config.model.name, 2, run_dir=config.checkpoint.dir)
+    return JobSpec(load_profile("local"), config, {"world_size": 2, "note": "the plan"}, None, tags)
+
+
+def _warnings(text: str, uri: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(f"warning: MLflow at {uri}")]
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _steps(uri: str, run_id: str, key: str = keys.LOSS) -> list[int]:
+    return sorted(m.step for m in _client(uri).get_metric_history(run_id, key))
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _worker_tracker(config, **kwargs) -> Tracker:
+    """Rank 0's Tracker as `pretrain.loop` makes it: the run named by the config the driver handed the workers."""
+    worker = Tracker(config.logging.mlflow_tracking_uri, config.logging.mlflow_run_id, rank=0, **kwargs)
+    worker.log_params({**config.to_dict(), "model.patch_size": 16})
+    worker.set_tags({keys.STATUS: "running"})
+    return worker
+
+
+@pytest.mark.timeout(120)
+def test_credentials_reach_the_runtime_env_and_nowhere_else(monkeypatch):
+    """Every credential of the launching shell is in the job's env_vars; none is in the rest of the runtime env, the
+    job spec ($VITSCALE_PLAN), the printed plan, or a runtime env rendered to a file (cluster.render)."""
+    from cluster import launch
+    from cluster.driver.job import PLAN_ENV, JobSpec, job_runtime_env
+    from cluster.plan.planner import build_plan, resolve_config
+    from cluster.plan.text import format_plan
+    from cluster.profiles import load_profile
+
+    secrets = {name: f"secret-{i}-Zq81x" for i, name in enumerate(CREDENTIAL_VARS)}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    profile = load_profile("local")
+    config = resolve_config(profile, "local_demo", [], "r")
+    plan = build_plan(profile, config)
+    spec = JobSpec.create(profile, config, plan)
+    runtime = launch.runtime_env(profile, spec)
+    env_vars = runtime["env_vars"]
+    assert {name: env_vars[name] for name in CREDENTIAL_VARS} == secrets
+    rest = json.dumps({**runtime, "env_vars": {k: v for k, v in env_vars.items() if k not in CREDENTIAL_VARS}})
+    rendered = json.dumps(job_runtime_env(profile, spec.to_json(), "/code"))
+    for text in (rest, env_vars[PLAN_ENV], spec.to_json(), format_plan(plan), rendered):
+        assert not any(value in text for value in secrets.values())
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_never_answers_holds_the_start_for_the_short_wait_only(monkeypatch, tmp_path, capsys):
+    """A server that accepts connections and never replies (slow, overloaded): the start gives it `START_WAIT_S`,
+    says so once, and the job's Trackers log without waiting."""
+    from cluster.driver.job import open_tracking
+
+    monkeypatch.setattr(runs, "START_WAIT_S", 2.0)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as hanging:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen(8)  # the kernel completes connections; nobody reads or replies
+        uri = f"http://127.0.0.1:{hanging.getsockname()[1]}"
+        started = time.monotonic()
+        job_run, config = open_tracking(_spec(tmp_path, uri, "slow"))
+        assert time.monotonic() - started < 8 and job_run.ref.startswith(PENDING_RUN)
+        worker = _worker_tracker(config)
+        started = time.monotonic()
+        for step in range(1, 101):
+            worker.log_metrics({keys.LOSS: 1.0}, step=step)
+        assert not worker.sync(timeout=10) and time.monotonic() - started < 5
+        job_run.stop()
+        worker.close(timeout=5)
+    [warning] = _warnings(capsys.readouterr().err, uri)
+    assert "did not answer within 2 s" in warning and "buffered" in warning
+
+
+@pytest.mark.slow
+def test_a_job_started_while_the_server_is_down_trains_and_every_step_arrives_once(
+    server, fast_retries, tmp_path, capsys
+):
+    """The driver's start does not wait for a server that is down: one warning, a pending run the workers log to.
+    Once the server answers, the run is created and all the buffered steps arrive once; a later outage (stop,
+    restart) loses none either; a relaunch continues the run without asking MLflow."""
+    from cluster.driver.job import open_tracking
+
+    server.stop()
+    spec = _spec(tmp_path, server.uri, "down-at-start")
+    started = time.monotonic()
+    job_run, config = open_tracking(spec)
+    assert time.monotonic() - started < 10, "the job's start waited for MLflow"
+    assert config.logging.mlflow_run_id == job_run.ref and job_run.ref.startswith(PENDING_RUN)
+    worker = _worker_tracker(config)
+    for step in range(1, 21):
+        worker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+    started = time.monotonic()
+    assert not worker.sync(timeout=30) and time.monotonic() - started < 5  # a checkpoint never waits for MLflow
+    time.sleep(3)  # the creation retries meanwhile, silently
+
+    server.start()
+    run_id = job_run.wait(120)
+    assert run_id is not None
+    for step in range(21, 31):
+        worker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+    assert _wait_for(lambda: worker.pending == 0 and _steps(server.uri, run_id) == list(range(1, 31)))
+
+    server.stop()  # an outage mid-run, then the same server back
+    for step in range(31, 41):
+        worker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+    server.start()
+    assert worker.flush(timeout=60) or _wait_for(lambda: worker.pending == 0)
+    worker.close()
+    assert _steps(server.uri, run_id) == list(range(1, 41))  # each step once
+
+    run = _client(server.uri).get_run(run_id)
+    assert run.data.params[keys.RUN_ID_PARAM] == run_id  # the pending reference was sent as the run's id
+    assert run.data.params["model.patch_size"] == "16" and run.data.params["model.name"] == config.model.name
+    assert run.data.tags[keys.RUN_DIR] == config.checkpoint.dir and run.info.run_name == "down-at-start"
+    assert [a.path for a in _client(server.uri).list_artifacts(run_id)] == ["plan.json"]
+    plan = Path(_client(server.uri).download_artifacts(run_id, "plan.json", str(tmp_path))).read_text()
+    printed = capsys.readouterr()
+    [warning] = _warnings(printed.err, server.uri)
+    assert "buffered" in warning and "reach MLflow once it answers" in warning
+    assert f"MLflow run {run_id} created after" in printed.out
+    secret = PASSWORD if server.auth else TOKEN
+    for text in (json.dumps(run.data.params), json.dumps(run.data.tags), plan, printed.out, printed.err):
+        assert secret not in text
+
+    again, config = open_tracking(spec)  # a relaunch of the run folder: the same run, MLflow not asked
+    assert again.ref == again.run_id == run_id == config.logging.mlflow_run_id
+    job_run.stop()
+
+
+@pytest.mark.slow
+def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_ones_deliver(
+    server, fast_retries, tmp_path, monkeypatch, capsys, caplog
+):
+    """401 at the job's start: no exception, one warning naming the fix, a bounded buffer, a close that says at once
+    what was not sent. With the right credentials from the environment the records arrive, and the password is in
+    none of them, nor in what the job printed or logged."""
+    from cluster.driver.job import open_tracking
+
+    server.start()
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong-password-Kx7")
+    with caplog.at_level(logging.INFO):
+        refused, config = open_tracking(_spec(tmp_path, server.uri, "refused"))
+        worker = _worker_tracker(config, max_buffered=10)
+        params_and_tag = worker.pending
+        for step in range(1, 26):
+            worker.log_metrics({keys.LOSS: 1.0}, step=step)
+        assert not worker.flush() and worker.pending == params_and_tag + 10  # bounded: the newest 10 values
+        time.sleep(3)  # refused again and again meanwhile, silently
+        started = time.monotonic()
+        worker.close(timeout=120)
+        assert time.monotonic() - started < 10  # a run MLflow refuses is not waited for (the record says so)
+        refused.stop(wait_s=30)
+    assert refused.run_id is None and refused.ref.startswith(PENDING_RUN)
+    [warning] = _warnings(capsys.readouterr().err, server.uri)
+    assert "401" in warning and "MLFLOW_TRACKING_PASSWORD" in warning and "buffered" in warning
+    assert "never created: MLflow refused the job's credentials" in caplog.text
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    with caplog.at_level(logging.INFO):
+        accepted, config = open_tracking(_spec(tmp_path, server.uri, "accepted"))
+        assert accepted.ref == accepted.run_id  # created within the start's wait
+        worker = _worker_tracker(config)
+        for step in range(1, 6):
+            worker.log_metrics({keys.LOSS: 1.0}, step=step)
+        assert worker.flush(timeout=60)
+        worker.close()
+    run_id = accepted.run_id
+    assert _steps(server.uri, run_id) == [1, 2, 3, 4, 5]
+    run = _client(server.uri).get_run(run_id)
+    plan = Path(_client(server.uri).download_artifacts(run_id, "plan.json", str(tmp_path))).read_text()
+    printed = capsys.readouterr()
+    assert not _warnings(printed.err, server.uri)
+    for text in (json.dumps(run.data.params), json.dumps(run.data.tags), plan, printed.out, printed.err, caplog.text):
+        assert PASSWORD not in text and "wrong-password-Kx7" not in text
