@@ -1,4 +1,5 @@
-"""Reading a whole eval split through ``EvalStream``: images in memory, or frozen pre-logits features.
+"""Reading an eval split through ``EvalStream``: batch by batch (`StreamedSplit`), only drawn samples (`load_drawn`),
+frozen pre-logits features (`extract_features`, one pass), or its first images in memory (`load_images`).
 
 Preprocessing: square resize to ``resize_size``, centre crop to ``image_size``, pixels in [-1, 1]; ``resize_size``
 None: no crop (the built-in sets' content touches the border). A label outside the declared classes raises.
@@ -8,6 +9,7 @@ A data root is a `data_location`: a local folder, or a remote fsspec URL read as
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +60,17 @@ def _check_labels(labels: np.ndarray, info: SplitInfo) -> None:
         )
 
 
-def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_size: int):
-    """Yield the split's (images, labels), then raise if the stream skipped bad labels (a changed test set)."""
+def _batches(
+    info: SplitInfo,
+    image_size: int,
+    resize_size: int | None,
+    batch_size: int,
+    *,
+    float_images: bool = True,
+    stop_after: int | None = None,
+):
+    """Yield the split's (images, labels) (uint8 pixels with ``float_images=False``), the first ``stop_after``
+    samples or more (None: all), then raise if the stream skipped bad labels (a changed test set) in what it read."""
     stream = EvalStream(
         str(info.path),
         batch_size=batch_size,
@@ -68,8 +79,14 @@ def _batches(info: SplitInfo, image_size: int, resize_size: int | None, batch_si
         rank=0,
         world_size=1,
         num_workers=0,
+        float_images=float_images,
     )
-    yield from stream
+    seen = 0
+    for batch in stream:
+        yield batch
+        seen += len(batch[1])
+        if stop_after is not None and seen >= stop_after:
+            break
     bad = stream.stats.get("label_out_of_range", 0) + stream.stats.get("bad_labels", 0)
     if bad:
         raise ValueError(
@@ -101,6 +118,67 @@ def load_images(
     if limit is not None:
         all_images, all_labels = all_images[:limit], all_labels[:limit]
     return all_images, all_labels, info
+
+
+def stream_split(
+    split_dir: str | Path, *, image_size: int, resize_size: int | None = None, batch_size: int = 256
+) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+    """The split's batches in stream order, one at a time: float32 images (B, 3, S, S) in [-1, 1], labels (B,).
+    ValueError (after the last batch) for an empty split or labels outside the declared classes."""
+    info = split_info(split_dir)
+    seen = 0
+    for images, labels in _batches(info, image_size, resize_size, batch_size):
+        seen += len(labels)
+        yield images, np.asarray(labels, dtype=np.int64)
+    if not seen:
+        _check_labels(np.zeros(0, np.int64), info)
+
+
+@dataclass(frozen=True)
+class StreamedSplit:
+    """A split read from its shards batch by batch each time it is iterated (`stream_split`): never whole in RAM."""
+
+    path: str | Path  # a `data_location`
+    image_size: int
+    resize_size: int | None = None
+    batch_size: int = 256
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+        return stream_split(
+            self.path, image_size=self.image_size, resize_size=self.resize_size, batch_size=self.batch_size
+        )
+
+
+def load_drawn(
+    split_dir: str | Path, indices, *, image_size: int, resize_size: int | None = None, batch_size: int = 256
+) -> tuple[torch.Tensor, np.ndarray, SplitInfo]:
+    """The samples at stream positions ``indices`` (distinct, below the manifest's ``num_samples``), in the order of
+    ``indices``: uint8 images (n, 3, S, S) (`to_float_images` converts them) and labels (n,). One pass that keeps
+    only the drawn images and stops after the last drawn position; ValueError if the stream ends before it."""
+    info = split_info(split_dir)
+    indices = np.asarray(indices, dtype=np.int64)
+    if len(indices) == 0 or indices.min() < 0 or indices.max() >= info.num_samples:
+        raise ValueError(f"{info.path}: positions to draw must lie in 0..{info.num_samples - 1} (its manifest's count)")
+    order = np.argsort(indices, kind="stable")
+    wanted = indices[order]  # sorted positions; order[j]: the output row of wanted[j]
+    assert not np.any(wanted[1:] == wanted[:-1]), "drawn positions must be distinct"
+    images = torch.empty((len(indices), 3, image_size, image_size), dtype=torch.uint8)
+    labels = np.empty(len(indices), np.int64)
+    start = 0  # stream position of the batch's first sample
+    last = int(wanted[-1]) + 1
+    batches = _batches(info, image_size, resize_size, batch_size, float_images=False, stop_after=last)
+    for pixels, batch_labels in batches:
+        lo, hi = np.searchsorted(wanted, [start, start + len(batch_labels)])
+        rows, slots = wanted[lo:hi] - start, order[lo:hi]
+        images[torch.from_numpy(slots)] = pixels[torch.from_numpy(rows)]
+        labels[slots] = np.asarray(batch_labels, dtype=np.int64)[rows]
+        start += len(batch_labels)
+    if start < last:
+        raise ValueError(
+            f"{info.path}: the stream read {start} of the {info.num_samples} samples its manifest lists, but the draw "
+            f"needs position {last - 1}; repair the split (`python -m data_pipeline.validate {info.path}`)"
+        )
+    return images, labels, info
 
 
 @torch.inference_mode()

@@ -2,8 +2,8 @@
 
 The protocol is docs/reference.md §4; the lr is chosen on a held-out part of train, then a final run on train +
 held-out is scored on test. A learning-curve point (``eval_steps``) at N steps is the final run N steps into its
-full schedule, not a run with a budget of N. Splits are held in memory. Memory on an accelerator (docs/vtab.md,
-"Fine-tuning memory"): gradient accumulation over micro-batches, bf16 autocast and activation checkpointing.
+full schedule, not a run with a budget of N. Host memory: only the drawn train images are kept, as uint8; the test
+split streams batch by batch (docs/vtab.md, "Fine-tuning memory", also for accumulation, bf16 and checkpointing).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -19,8 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data_pipeline.stream.augment import float_images_on, to_float_images
 from evals.evaluator import EvalOutput, ResultRow
-from evals.features import check_sizes, load_images, resolve_split
+from evals.features import StreamedSplit, check_sizes, load_drawn, resolve_split, split_info
 from tracking import keys
 
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, plain fp32 elsewhere
@@ -129,7 +130,22 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def _as_float(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels as float32 in [-1, 1] by the stream's own conversion; float images as they are."""
+    return to_float_images([images]) if images.dtype == torch.uint8 else images
+
+
+def _on_device(images: torch.Tensor, device: str) -> torch.Tensor:
+    """Float32 images on ``device``; uint8 pixels are converted there (`float_images_on`: the same numbers as
+    `to_float_images`, a quarter of the bytes moved)."""
+    return float_images_on(images, torch.device(device)) if images.dtype == torch.uint8 else images.to(device)
+
+
 def _augment(images: torch.Tensor, padding: int, flip: bool, gen: torch.Generator) -> torch.Tensor:
+    """Reflect-pad + random crop, random flips; float32 out unless neither is on (then ``images`` unchanged)."""
+    if not (padding or flip):
+        return images
+    images = _as_float(images)  # padding and flips copy values: converting first changes no number
     if padding:
         b, _, h, w = images.shape
         padded = F.pad(images, (padding,) * 4, mode="reflect")  # (B, 3, H+2p, W+2p)
@@ -192,9 +208,9 @@ def train_classifier(
     measure_at: Collection[int] = (),
     measure: Callable[[torch.nn.Module], float] | None = None,
 ) -> tuple[torch.nn.Module, dict[int, float]]:
-    """Fine-tune ``model`` in place on images (N, 3, S, S), labels (N,) with a fresh zero-initialised head, seeded by
-    ``opts.seed``. Returns it and ``{step: measure(model)}`` for ``measure_at`` (measuring does not change the run).
-    ``FloatingPointError`` on a non-finite loss."""
+    """Fine-tune ``model`` in place on images (N, 3, S, S) (float32, or uint8 pixels converted per batch), labels
+    (N,) with a fresh zero-initialised head, seeded by ``opts.seed``. Returns it and ``{step: measure(model)}`` for
+    ``measure_at`` (measuring does not change the run). ``FloatingPointError`` on a non-finite loss."""
     _prepare(model, num_classes, opts, device)
     dtype = autocast_dtype(opts.precision, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -211,7 +227,7 @@ def train_classifier(
         idx = order[cursor : cursor + batch]
         cursor += batch
         # The whole batch is drawn and augmented before it is split: micro-batching leaves the data stream unchanged.
-        x = _augment(images[idx], opts.crop_padding, opts.flip, gen).to(device)  # (B, 3, S, S)
+        x = _on_device(_augment(images[idx], opts.crop_padding, opts.flip, gen), device)  # (B, 3, S, S) float32
         optimizer.zero_grad(set_to_none=True)
         y = targets[idx].to(device)
         loss = _accumulate_gradients(model, x, y, opts.micro_batch_size, dtype, f"step {step} (lr={lr})")
@@ -230,6 +246,24 @@ def train_classifier(
 
 
 @torch.inference_mode()
+def accuracy_over(
+    model, batches: Iterable[tuple[torch.Tensor, np.ndarray]], *, device: str = "cpu", dtype: torch.dtype | None = None
+) -> float:
+    """Top-1 accuracy (fraction) of ``model``'s logits over ``(images, labels)`` batches (float32, or uint8 pixels),
+    one batch in memory at a time (a `StreamedSplit` reads its shards), without autograd; forwards autocast to
+    ``dtype`` (None: plain fp32)."""
+    model.eval()
+    correct = total = 0
+    for images, labels in batches:
+        with _autocast(device, dtype):
+            logits = model(_on_device(images, device))  # (B, K)
+        correct += int((logits.argmax(1).cpu().numpy() == np.asarray(labels)).sum())
+        total += len(labels)
+    if not total:
+        raise ValueError("accuracy over no images: the split is empty")
+    return correct / total
+
+
 def accuracy(
     model,
     images: torch.Tensor,
@@ -239,15 +273,9 @@ def accuracy(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> float:
-    """Top-1 accuracy (fraction) of ``model``'s logits on in-memory images, without autograd; forwards autocast to
-    ``dtype`` (None: plain fp32)."""
-    model.eval()
-    correct = 0
-    for i in range(0, len(images), batch_size):
-        with _autocast(device, dtype):
-            logits = model(images[i : i + batch_size].to(device))  # (B, K)
-        correct += int((logits.argmax(1).cpu().numpy() == labels[i : i + batch_size]).sum())
-    return correct / len(images)
+    """`accuracy_over` in-memory images (N, 3, S, S), labels (N,) in slices of ``batch_size``."""
+    slices = ((images[i : i + batch_size], labels[i : i + batch_size]) for i in range(0, len(images), batch_size))
+    return accuracy_over(model, slices, device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -264,15 +292,16 @@ def select_lr_and_evaluate(
     make_model: Callable[[], torch.nn.Module],
     train: tuple,
     val: tuple,
-    test: tuple,
+    test: Iterable[tuple[torch.Tensor, np.ndarray]],
     *,
     num_classes: int,
     opts: FinetuneOptions,
     device: str = "cpu",
     log=None,
 ) -> FinetuneResult:
-    """One run per lr on ``train``, scored on ``val``; the best lr (ties → smaller) re-run on ``train + val``, scored
-    on ``test`` (and after each of ``opts.eval_steps``). Every run starts from a fresh ``make_model()``."""
+    """One run per lr on ``train``, scored on ``val`` (each ``(images, labels)`` in memory); the best lr (ties →
+    smaller) re-run on ``train + val``, scored on ``test``'s batches (a `StreamedSplit`: read again for each of
+    ``opts.eval_steps``). Every run starts from a fresh ``make_model()``."""
     val_scores, dtype = {}, autocast_dtype(opts.precision, device)
     for lr in opts.lr_grid:
         steps = opts.selection_steps or opts.steps
@@ -287,7 +316,7 @@ def select_lr_and_evaluate(
     full_labels = np.concatenate([train[1], val[1]])
 
     def on_test(m) -> float:
-        return accuracy(m, *test, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
+        return accuracy_over(m, test, device=device, dtype=dtype)
 
     model, curve = train_classifier(
         make_model(),
@@ -371,31 +400,42 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
     return rows
 
 
+def drawn_splits(split_dir, keep, held, *, image_size: int, resize_size: int | None, batch_size: int):
+    """``((images, labels) at keep, (images, labels) at held)``: uint8 images of the split's drawn positions only,
+    read in one pass (`load_drawn`)."""
+    images, labels, _ = load_drawn(
+        split_dir, np.concatenate([keep, held]), image_size=image_size, resize_size=resize_size, batch_size=batch_size
+    )
+    n = len(keep)
+    return (images[:n], labels[:n]), (images[n:], labels[n:])
+
+
 def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
     """Suite entry: per dataset, test top-1, the chosen lr, the curve, each lr's held-out accuracy."""
     size = int(opts.image_size or ctx.model.config.image_size)
     out = EvalOutput()
     for name in opts.datasets:
-        kw = dict(image_size=size, resize_size=opts.resize_size, batch_size=opts.eval_batch_size)
-        images, labels, info = load_images(
-            resolve_split(ctx.data_root, name, opts.train_split), limit=opts.max_train_examples, **kw
-        )
-        test_images, test_labels, test_info = load_images(resolve_split(ctx.data_root, name, opts.test_split), **kw)
+        train_dir = resolve_split(ctx.data_root, name, opts.train_split)
+        test_dir = resolve_split(ctx.data_root, name, opts.test_split)
+        info, test_info = split_info(train_dir), split_info(test_dir)
         if test_info.num_classes != info.num_classes:
             raise ValueError(f"{name}: train declares {info.num_classes} classes, test {test_info.num_classes}")
-        keep, held = train_val_split(len(labels), opts)
+        # The draw is over the first max_train_examples of train (its manifest's count): only those drawn are read in.
+        keep, held = train_val_split(min(info.num_samples, opts.max_train_examples), opts)
+        sizes = dict(image_size=size, resize_size=opts.resize_size, batch_size=opts.eval_batch_size)
+        train, val = drawn_splits(train_dir, keep, held, **sizes)
         start = time.perf_counter()
         result = select_lr_and_evaluate(
             lambda: ctx.load_model(image_size=size),
-            (images[keep], labels[keep]),
-            (images[held], labels[held]),
-            (test_images, test_labels),
+            train,
+            val,
+            StreamedSplit(test_dir, **sizes),
             num_classes=info.num_classes,
             opts=opts,
             device=ctx.device,
             log=ctx.log,
         )
-        out.rows += _rows(name, result, opts, size, (len(keep), len(held), len(test_labels)))
+        out.rows += _rows(name, result, opts, size, (len(keep), len(held), test_info.num_samples))
         curve = ", ".join(f"{n}: {acc:.4f}" for n, acc in result.curve.items())
         ctx.log(
             f"finetune: {name} test accuracy {result.accuracy:.4f} (lr {result.lr:g}, "

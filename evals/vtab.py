@@ -16,9 +16,9 @@ from typing import Literal
 import numpy as np
 
 from evals.evaluator import EvalOutput, ResultRow
-from evals.features import check_sizes, load_images, resolve_split, split_info, suite_features
+from evals.features import StreamedSplit, check_sizes, resolve_split, split_info, suite_features
 from evals.fewshot import RidgeSolver
-from evals.finetune import FinetuneOptions, select_lr_and_evaluate, vtab_indices
+from evals.finetune import FinetuneOptions, drawn_splits, select_lr_and_evaluate, vtab_indices
 
 GROUPS = ("natural", "specialized", "structured")
 
@@ -161,18 +161,20 @@ def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int)
 
 
 def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
+    """train800/val200 drawn over the manifest's count and read in as uint8; test streamed at each scoring."""
     ft = opts.finetune
     size = int(opts.image_size or ctx.model.config.image_size)
-    kw = dict(image_size=size, resize_size=opts.resize_size, batch_size=opts.batch_size)
     need = opts.train_examples + opts.val_examples
-    images, labels, info = load_images(train_dir, **kw)
-    test_images, test_labels, _ = load_images(test_dir, **kw)
-    tr, va = vtab_indices(len(labels), opts.train_examples, opts.val_examples, opts.seed)
+    tr, va = vtab_indices(split_info(train_dir).num_samples, opts.train_examples, opts.val_examples, opts.seed)
+    sizes = dict(image_size=size, resize_size=opts.resize_size)
+    train800, val200 = drawn_splits(train_dir, tr, va, batch_size=opts.batch_size, **sizes)
+    # Scored in slices of eval_batch_size, as the in-memory test split was: the same forwards, the same numbers.
+    test = StreamedSplit(test_dir, batch_size=ft.eval_batch_size, **sizes)
     result = select_lr_and_evaluate(
         lambda: ctx.load_model(image_size=size),
-        (images[tr], labels[tr]),
-        (images[va], labels[va]),
-        (test_images, test_labels),
+        train800,
+        val200,
+        test,
         num_classes=num_classes,
         opts=ft,
         device=ctx.device,

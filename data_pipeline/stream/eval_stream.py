@@ -76,7 +76,8 @@ class EvalStream:
     """This rank's batches (float32 images, int64 labels[, keys with ``return_keys``]), the last one partial.
 
     Ranks may get different batch counts (evaluation needs no lockstep). ``num_samples``: this rank's share by the
-    manifest; ``stats``: what could not be read.
+    manifest; ``stats``: what could not be read. ``float_images=False`` yields the uint8 pixels (B, 3, S, S) instead,
+    for a caller that keeps images (a quarter of the bytes) and converts them with `to_float_images` when used.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class EvalStream:
         num_workers: int = 0,
         return_keys: bool = False,
         multiprocessing_context: str | None = "forkserver",
+        float_images: bool = True,
     ):
         info = dataset_info(source)
         if batch_size < 1 or image_size < 1:
@@ -105,7 +107,7 @@ class EvalStream:
         self._slices = balanced_split(mine, counts, max(1, num_workers))
         self.num_samples = sum(counts[s] for s in mine)
         self._dataset = _EvalShards(info, self._slices, batch_size, image_size, resize_size, return_keys)
-        self.num_workers, self.return_keys = num_workers, return_keys
+        self.num_workers, self.return_keys, self.float_images = num_workers, return_keys, float_images
         self.multiprocessing_context = multiprocessing_context if num_workers > 0 else None
         self.stats: Counter = Counter()
 
@@ -116,5 +118,6 @@ class EvalStream:
             self.stats.update(stats)
             if not labels:
                 continue
-            x, y = to_float_images([pixels]), torch.tensor(labels, dtype=torch.int64)  # (B, 3, S, S), (B,)
+            x = to_float_images([pixels]) if self.float_images else pixels  # (B, 3, S, S)
+            y = torch.tensor(labels, dtype=torch.int64)  # (B,)
             yield (x, y, keys) if self.return_keys else (x, y)

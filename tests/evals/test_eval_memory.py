@@ -1,0 +1,123 @@
+"""Fine-tuning evals hold only the drawn train images (uint8) and one test batch: the same numbers as a split held
+whole in memory as float32, and a peak memory set by the batch, not by the split's size."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline.builtin.sets import ensure
+from data_pipeline.stream.augment import to_float_images
+from evals.features import StreamedSplit, load_drawn, load_images
+from evals.finetune import FinetuneOptions, accuracy, accuracy_over, train_classifier, vtab_indices
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import save_pretrained
+
+PROJECT = Path(__file__).resolve().parents[2]
+MIB = 2**20
+
+
+def test_a_streamed_test_split_scores_as_the_split_in_memory(eval_data_root, one_torch_thread):
+    """Batch by batch, the streamed split gives the in-memory slices' pixels and logits bit for bit, so the same
+    accuracy; the last batch is partial (500 test images in batches of 64)."""
+    test = eval_data_root / "digits" / "test"
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", num_classes=10).eval()
+    images, labels, _ = load_images(test, image_size=32, batch_size=64)
+    streamed = StreamedSplit(test, image_size=32, batch_size=64)
+    start = 0
+    with torch.inference_mode():
+        for batch_images, batch_labels in streamed:
+            stop = start + len(batch_labels)
+            assert torch.equal(batch_images, images[start:stop]) and np.array_equal(batch_labels, labels[start:stop])
+            assert torch.equal(model(batch_images), model(images[start:stop]))
+            start = stop
+    assert start == len(labels) == 500
+    assert accuracy_over(model, streamed) == accuracy(model, images, labels, batch_size=64)
+
+
+def test_drawn_uint8_images_train_and_score_as_the_float_split(eval_data_root, one_torch_thread):
+    """The VTAB draw read in as uint8 converts to the float split's rows exactly; fine-tuning on it (crops and
+    flips on) ends in the same parameters, and the held-out accuracy is the same."""
+    train = eval_data_root / "digits" / "train"
+    images, labels, info = load_images(train, image_size=32)
+    tr, va = vtab_indices(info.num_samples, 80, 20, seed=0)
+    pixels, drawn_labels, _ = load_drawn(train, np.concatenate([tr, va]), image_size=32, batch_size=64)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (100, 3, 32, 32)
+    assert torch.equal(to_float_images([pixels]), images[np.concatenate([tr, va])])
+    assert np.array_equal(drawn_labels, labels[np.concatenate([tr, va])])
+
+    opts = FinetuneOptions(steps=3, batch_size=16, warmup_steps=1, crop_padding=2, flip=True)
+
+    def finetune(x, y):
+        torch.manual_seed(1)
+        model = build_model("vit_tiny_debug", num_classes=32)
+        return train_classifier(model, x, y, num_classes=10, lr=0.03, steps=3, opts=opts)[0]
+
+    on_uint8, on_float = finetune(pixels[:80], drawn_labels[:80]), finetune(images[tr], labels[tr])
+    assert all(torch.equal(a, b) for a, b in zip(on_uint8.state_dict().values(), on_float.state_dict().values()))
+    assert accuracy(on_uint8, pixels[80:], drawn_labels[80:]) == accuracy(on_float, images[va], labels[va])
+    with pytest.raises(ValueError, match=r"positions to draw must lie in 0\.\.1296"):
+        load_drawn(train, [0, info.num_samples], image_size=32)
+
+
+# The child: the suite (a VTAB-style fine-tune on dsprites_loc) through the runner, then its own peak RSS.
+CHILD = """
+import resource, sys
+from evals.runner import run_suite
+table = run_suite(sys.argv[1], sys.argv[2], data_root=sys.argv[3], out=sys.argv[4], num_threads=1, log=lambda m: None)
+print(next(r["count"] for r in table.to_pylist() if r["metric"] == "vtab/num_tasks"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+"""
+
+SUITE = """name: memory
+evaluators:
+  - type: vtab
+    benchmark: ci
+    tasks: [dsprites_loc]
+    protocol: finetune
+    train_examples: 80
+    val_examples: 20
+    batch_size: 64
+    finetune: {steps: 2, batch_size: 16, lr_grid: [0.01], warmup_steps: 1, eval_batch_size: 64}
+"""
+
+
+def _peak_rss(checkpoint: Path, suite: Path, data_root: Path, out: Path) -> int:
+    """Peak resident bytes of a fresh process that runs ``suite`` on ``data_root``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT)}
+    args = [sys.executable, "-c", CHILD, str(checkpoint), str(suite), str(data_root), str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=PROJECT, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    covered, peak_kib = done.stdout.split()[-2:]
+    assert covered == "1"  # the task was scored, not reported missing
+    return int(peak_kib) * 1024
+
+
+@pytest.mark.timeout(300)
+def test_peak_memory_of_a_finetune_eval_is_set_by_the_batch_not_the_split(tmp_path):
+    """Peak RSS (ru_maxrss of a fresh child per run; tracemalloc would miss torch's allocations, which bypass
+    Python's allocator) of a VTAB-style fine-tune whose test split is 1000, then 2000 images at 128 px: 197 MB per
+    1000 images as float32. Streamed, a run holds one test batch of 64 (12.6 MB float) and the 100 drawn train
+    images (4.9 MB uint8). Measured on a shared 2-core machine: 537 MiB for either split under pytest, 417-433 MiB
+    in repeated runs outside it (identical runs vary by ~16 MiB); the test split held whole as before (`load_images`
+    in the child) went 649 -> 1025 MiB. Asserted: doubling the split raises the peak by under a quarter of its
+    float size (49 MB)."""
+    size, num_test = 128, 1000
+    roots = {n: tmp_path / f"root_{n}" for n in (num_test, 2 * num_test)}
+    for n, root in roots.items():  # the same train split; the larger test split starts with the smaller one
+        ensure("dsprites_loc", root, resolution=size, num_train=200, num_test=n)
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "weights"  # 16-px patches: 64 tokens at 128 px keep the forwards cheap
+    save_pretrained(build_model("vit_tiny_debug", num_classes=16, patch_size=16, image_size=size, depth=1), checkpoint)
+    suite = tmp_path / "memory.yaml"
+    suite.write_text(SUITE)
+    peak = {n: _peak_rss(checkpoint, suite, root, tmp_path / f"out_{n}") for n, root in roots.items()}
+    split_bytes = num_test * 3 * size * size * 4  # the test images added, as float32
+    growth = peak[2 * num_test] - peak[num_test]
+    print(f"\npeak RSS {peak[num_test] / MIB:.0f} MiB -> {peak[2 * num_test] / MIB:.0f} MiB doubling the test split")
+    assert growth < split_bytes / 4, (growth / MIB, split_bytes / MIB)
