@@ -36,6 +36,9 @@ SHARED_FS = "/fsx"  # the checkpoint root's mount on every node (FSx for Lustre 
 REGION, ZONE = "us-east-1", "us-east-1a"
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where `ray get-auth-token --generate` writes and `ray start` reads it
 TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the Kubernetes secret holding the token
+# KubeRay: the optional secret holding MLflow's credentials, as keys named after MLflow's variables
+MLFLOW_SECRET = "vitscale-mlflow"
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 # vCPUs, GiB and GPUs of the instance types evals.instance_type may name: a profile declares its training nodes'
 # shape (hardware), not the eval node's.
 EVAL_INSTANCES = {
@@ -231,6 +234,16 @@ def _ray_auth_env() -> list[dict]:
     ]
 
 
+def _mlflow_env() -> list[dict]:
+    """MLflow's credentials from the namespace's secret, where it has them (optional): the driver and every worker
+    log to the tracking server; the job's runtime env and its logs never hold them (docs/design.md, "Tracking at a
+    job's start")."""
+    return [
+        {"name": key, "valueFrom": {"secretKeyRef": {"name": MLFLOW_SECRET, "key": key, "optional": True}}}
+        for key in MLFLOW_SECRET_KEYS
+    ]
+
+
 def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
     """A Ray pod on a node of (vCPUs, GiB, GPUs), asking for what the node can give it."""
     vcpus, memory_gb, gpus = node
@@ -246,7 +259,7 @@ def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
                 {
                     "name": "ray",
                     "image": image,
-                    "env": _ray_auth_env(),
+                    "env": _ray_auth_env() + _mlflow_env(),
                     "resources": {"limits": limits, "requests": dict(limits)},  # a copy: no YAML anchors
                     "volumeMounts": [
                         {"name": "fsx", "mountPath": SHARED_FS},
@@ -357,6 +370,8 @@ def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str)
         f"KubeRay RayJob for {recipe} on profile {profile.name}: `kubectl apply -f {path}`, once these exist:",
         f"  {_build_image(image)}  # the job runs the code of this image",
         f"  kubectl create secret generic {TOKEN_SECRET} --from-literal=token=$(uuidgen)",
+        f"  kubectl create secret generic {MLFLOW_SECRET} --from-literal=MLFLOW_TRACKING_TOKEN=...  # if MLflow "
+        "wants credentials (or _USERNAME and _PASSWORD)",
         f"and a PersistentVolumeClaim fsx-claim (FSx for Lustre) in the namespace, mounted at {SHARED_FS}.",
     ]
     return "".join(f"# {line}\n" for line in lines)

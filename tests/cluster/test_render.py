@@ -220,6 +220,10 @@ def test_every_node_gets_the_clusters_auth_token(rendered):
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token", role
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": render.TOKEN_SECRET, "key": "token"}
+        if role != "submitter":  # the driver and every worker log to MLflow, with the namespace's credentials
+            mlflow = {k: env[k]["valueFrom"]["secretKeyRef"] for k in render.MLFLOW_SECRET_KEYS}
+            assert all(ref == {"name": render.MLFLOW_SECRET, "key": k, "optional": True} for k, ref in mlflow.items())
+    assert f"kubectl create secret generic {render.MLFLOW_SECRET} " in rayjob_header
 
 
 @pytest.mark.timeout(120)
