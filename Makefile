@@ -19,7 +19,7 @@ SMOKE ?=
 
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup test test-fast test-shuffled lint launch elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision bench-gpu clean
+.PHONY: help setup test test-fast test-shuffled lint launch preflight elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision bench-gpu clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ lint: setup  ## ruff, and mypy over pretrain/ and data_pipeline/
 
 launch: setup  ## plan and run RECIPE on CLUSTER (default: the embedded local demo); DRY_RUN=1 prints the plan only
 	$(PY) -m cluster.launch --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
+
+preflight: setup  ## measure CLUSTER's nodes (GPUs, busbw, shard reads, loader, disk, MLflow, clocks) against RECIPE's plan
+	$(PY) -m cluster.preflight --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s))
 
 elastic-demo: setup  ## elastic job on a simulated 2-node Ray cluster: a node is removed mid-run and added back
 	$(PY) -m cluster.elastic_demo

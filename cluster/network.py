@@ -42,7 +42,7 @@ def describe_network(profile: ClusterProfile) -> str:
     if net.kind == "nvlink":
         return f"one node: NCCL over {nvlink} (no network between ranks)"
     if net.kind == "sockets":
-        rate = f"{net.gbps_per_node:g} Gb/s per node" if net.gbps_per_node else "no bandwidth in the profile"
+        rate = f"{net.gbps_per_node:.3g} Gb/s per node" if net.gbps_per_node else "no bandwidth in the profile"
         return f"sockets: {profile.comm_backend} over TCP, {rate}"
     fabric = {"efa": "EFA (libfabric, GPUDirect RDMA)", "infiniband": "InfiniBand (NCCL's IB transport)"}[net.kind]
     within = f"; {nvlink} within a node" if nvlink else ""

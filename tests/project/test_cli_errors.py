@@ -151,6 +151,10 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("cluster.env", ["--cluster", "{profile_nohead}"], [r"no Ray head", r"make launch"]),
     ("cluster.env", ["--cluster", "{profile_stalehead}"], [r"does not answer at http://127\.0\.0\.1", r"make launch"]),
     ("cluster.driver", ["--plan", "{missing}"], [r"nothere"]),
+    ("cluster.driver", ["--cluster", "no_such_profile", "--recipe", "local_demo"], [r"no_such_profile", r"a100x8"]),
+    ("cluster.driver", ["--cluster", "local"], [r"--cluster and --recipe go together"]),
+    ("cluster.preflight", ["--cluster", "no_such_profile"], [r"no_such_profile", r"a100x8"]),
+    ("cluster.preflight", ["--cluster", "local", "--recipe", "no_such_recipe"], [r"no_such_recipe"]),
     ("cluster.driver", ["--plan", "{plan_notjson}"], [r"plan_notjson\.json", r"line 1"]),
     ("cluster.driver", ["--plan", "{recipe_list}"], [r"recipe_list\.yaml", r"job spec"]),
     # bench: numbers that measure nothing, an output path that cannot be written (found before the timing)
@@ -195,7 +199,7 @@ def _run_warm(rows: list, env: dict[str, str], cwd: Path, tmp: Path) -> list[sub
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
-    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 17  # every `python -m` entry point of the project
+    assert len(TABLE) >= 30 and len({m for m, _, _ in TABLE}) == 18  # every `python -m` entry point of the project
     values = _bad_inputs(tmp_path)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"  # never the project's own store

@@ -97,6 +97,7 @@ def _invocations(tmp: Path, eval_data: Path, out: Path) -> dict[str, list[str] |
         "cluster.render": ["--cluster", "a100x64", "--out", str(out / "rendered")],
         "cluster.env": ["--cluster", "a100x64"],
         **dict.fromkeys(("tracking.compare", "cluster.jobs", "cluster.driver", "cluster.elastic_demo")),
+        "cluster.preflight": None,  # needs a Ray cluster: tests/cluster/test_preflight.py runs it on a local head
         **dict.fromkeys(("cluster.calibrate", "bench.train", "bench.gpu.train")),
         **dict.fromkeys(f"bench.{name}" for name in ("data", "gpu", "precision", "scale", "scaling")),
     }

@@ -1,0 +1,141 @@
+"""Measure a profile's Ray cluster against a recipe's plan, minutes before the paid run.
+
+    python -m cluster.preflight --cluster local                      # = `make preflight`
+    python -m cluster.preflight --cluster a100x64 --recipe vit_h14_i21k
+
+On every node: GPUs, the shards' read rate, the loader's images/s per core, checkpoint space, the tracking store and
+the clock; across the training ranks: the all-reduce bus bandwidth. One line per check and node, then the plan at the
+measured figures. `local` runs here against the embedded head (started or reused as `make launch` does); a remote
+profile's preflight is a Ray job, measuring from the head as the run's driver will. Exit status: 0 when every check
+passes, 1 when one fails, 2 on bad input (unknown profile or recipe, Ray unreachable). docs/preflight.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from cluster import jobs, local_head
+from cluster.driver.job import PLAN_ENV, JobSpec
+from cluster.launch import runtime_env
+from cluster.local_data import prepare_local_data
+from cluster.plan.planner import Plan, PlanError, build_plan, resolve_config
+from cluster.plan.text import format_plan
+from cluster.preflight_checks import Measurements, holds_a_worker, judge, measure
+from cluster.preflight_replan import LoaderFigure, measured_plan, side_by_side
+from cluster.profiles import ClusterProfile, load_profile
+from pretrain.config.train_config import TrainConfig
+
+RUN_NAME = "preflight"  # the run folder the plan is made for; nothing is written there
+IN_CLUSTER = "--in-cluster"  # the Ray job's own invocation: the spec comes in PLAN_ENV
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.preflight", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", default="local", help="profile: cluster/profiles/<name>.yaml (or a YAML path)")
+    parser.add_argument("--recipe", default="local_demo", help="recipe: configs/<name>.yaml (or a YAML path)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
+    parser.add_argument(IN_CLUSTER, action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        if args.in_cluster:
+            return _in_cluster()
+        profile = load_profile(args.cluster)
+        config = resolve_config(profile, args.recipe, args.set, RUN_NAME)
+        if profile.is_local:
+            prepare_local_data(config, None)  # the training set: the preflight reads it, the evals' sets it does not
+        plan = build_plan(profile, config)
+        if profile.is_local:
+            return _on_local_head(profile, config, plan)
+        return _as_job(profile, config, plan)
+    except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _on_local_head(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
+    """Start or reuse the embedded head, connect to it with its auth mode, run the checks here."""
+    import ray  # heavy import
+    from ray.exceptions import RayError
+
+    try:
+        info = local_head.ensure_head(profile)
+    except (RuntimeError, OSError, RayError) as exc:
+        raise jobs.RayUnreachableError(f"the local Ray head of profile {profile.name} is not ready: {exc}") from exc
+    with local_head.ray_auth_mode(info.auth_mode):
+        try:
+            ray.init(address=info.gcs_address, logging_level=logging.WARNING, log_to_driver=False)
+        except (ConnectionError, RuntimeError, RayError) as exc:
+            raise jobs.RayUnreachableError(f"cannot join the local Ray head at {info.gcs_address}: {exc}") from exc
+        try:
+            return _report(profile, config, plan)
+        finally:
+            ray.shutdown()
+
+
+def _in_cluster() -> int:
+    """The Ray job's side: the launching machine's spec, the plan re-made here (where the manifest is readable)."""
+    import ray  # heavy import
+
+    spec = JobSpec.from_json(os.environ[PLAN_ENV])
+    ray.init(address="auto", logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        return _report(spec.profile, spec.config, build_plan(spec.profile, spec.config))
+    finally:
+        ray.shutdown()
+
+
+def _as_job(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
+    """Submit the preflight as a Ray job with the launch's runtime env, stream its lines, return 0 if it passed."""
+    client = jobs.connect(profile)
+    spec = JobSpec.create(profile, config, plan)
+    entrypoint = f"python -m cluster.preflight {IN_CLUSTER}"
+    job_id = jobs.submit(
+        client, entrypoint, runtime_env(profile, spec), submission_id=f"vitscale-preflight-{int(time.time())}"
+    )
+    print(f"submitted the preflight as Ray job {job_id} to {jobs.cluster_address(profile)}", flush=True)
+    status = jobs.follow(client, job_id)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _report(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
+    """Measure, print a line per check, then the plan at the measured figures; 0 when every check passed."""
+    print(
+        f"preflight: recipe {plan.recipe} on profile {profile.name} (world size {plan.topology.world_size}); "
+        "measuring every node",
+        flush=True,
+    )
+    measured = measure(profile, config, plan)
+    checks = judge(measured, profile, config, plan)
+    for check in checks:
+        print(check.line(), flush=True)
+    replanned = measured_plan(profile, config, plan, _slowest_loader(measured, profile), measured.collective)
+    print("plan at the measured figures (the slowest node's loader rate per core, the measured bus bandwidth):")
+    print(format_plan(replanned))
+    print(side_by_side(plan, replanned, measured.collective))
+    failed = [c for c in checks if not c.passed]
+    verdict = "every check passed" if not failed else f"FAILED: {', '.join(sorted({c.name for c in failed}))}"
+    print(f"preflight: {len(checks) - len(failed)} of {len(checks)} checks passed; {verdict}", flush=True)
+    return 1 if failed else 0
+
+
+def _slowest_loader(measured: Measurements, profile: ClusterProfile) -> LoaderFigure | None:
+    """The slowest training node's loader rate (the slowest rank sets a synchronous step's pace); None if unmeasured."""
+    rates = [
+        (figures.loader_img_s_per_core.value, node.label)
+        for node in measured.nodes
+        if holds_a_worker(node, profile)
+        and (figures := measured.figures[node.node_id]) is not None
+        and figures.loader_img_s_per_core.value is not None
+    ]
+    if not rates:
+        return None
+    rate, where = min(rates)
+    return LoaderFigure(rate, f"{where}, the slowest of {len(rates)} node(s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""What `cluster.preflight` measures on each node, inside a Ray actor pinned to it (`NodeProbe`): the GPUs, the
+shards' read rate, the loader's decode rate per core, the checkpoint root's free space and the tracking store.
+
+Every measurement returns a `Figure`: the number, what it was measured on, or the error that stopped it, so one
+broken check never hides the others. The verdicts against the plan are `cluster.preflight_checks`'; why each is
+measured: docs/preflight.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_pipeline.builtin import sets as builtin
+from data_pipeline.paths import is_remote, resolve_location
+from data_pipeline.stream.loader_rate import loader_rate
+from pretrain.config.train_config import TrainConfig
+from tracking.runs import get_or_create_experiment
+
+EXPERIMENT = "vitscale-preflight"  # MLflow experiment of the probe runs (each deleted once written)
+READ_CHUNK_BYTES = 4 * 2**20
+# Other work on a node only slows a timing down: the faster of two loader timings is the nearer to the node's rate.
+LOADER_TRIES = 2
+# MLflow's client retries a refused connection with back-off for minutes (mlflow.environment_variables): one try,
+# a short timeout, so a tracking server that is down fails this check in seconds.
+TRACKING_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured number (None when it could not be measured), what it was measured on, or the error."""
+
+    value: float | None
+    detail: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    """The node's GPUs as the driver reports them; count 0 on a CPU node."""
+
+    count: int
+    names: tuple[str, ...] = ()
+    memory_gb: tuple[float, ...] = ()  # each, GB of 1e9 bytes (the profile's unit)
+    driver: str = ""
+    source: str = "no nvidia-smi and no CUDA device"
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What one node measures: ``shard_urls`` (read up to ``read_budget_bytes``), the run's config (its loader)."""
+
+    shard_urls: tuple[str, ...]
+    read_budget_bytes: int
+    config: TrainConfig
+    checkpoint_root: str
+    tracking_uri: str
+    label: str  # the node, for the probe run's name
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    gpus: GpuInventory
+    read_mb_per_s: Figure
+    loader_img_s_per_core: Figure
+    free_gb: Figure  # at the checkpoint root, after a probe file was written and removed there
+    tracking_s: Figure  # seconds to create, tag and delete a run
+
+
+class NodeProbe:
+    """The Ray actor (`ray.remote` is applied by the caller) that measures its node; ``now`` serves the clock check."""
+
+    def identity(self) -> tuple[str, str]:
+        import ray  # in the actor's process only
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def now(self) -> float:
+        return time.time()
+
+    def measure(self, request: ProbeRequest) -> NodeFigures:
+        """Each figure in turn: the read first, so that it meets the shards cold."""
+        return NodeFigures(
+            gpus=gpu_inventory(),
+            read_mb_per_s=_guarded(lambda: read_rate(request.shard_urls, request.read_budget_bytes)),
+            loader_img_s_per_core=_guarded(lambda: loader_rate_now(request.config)),
+            free_gb=_guarded(lambda: free_space(request.checkpoint_root)),
+            tracking_s=_guarded(lambda: tracking_round_trip(request.tracking_uri, request.label)),
+        )
+
+
+def _guarded(measure: Callable[[], Figure]) -> Figure:
+    """``measure()``, or a figure holding the error that stopped it."""
+    try:
+        return measure()
+    except Exception as exc:  # reported on the check's line, never raised out of the probe
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return Figure(None, "", f"{type(exc).__name__}: {first}"[:300])
+
+
+def gpu_inventory() -> GpuInventory:
+    """nvidia-smi's view (count, names, memory, driver) where it is installed, else torch.cuda's, else none."""
+    if shutil.which("nvidia-smi"):
+        return _nvidia_smi()
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return GpuInventory(0)
+        props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        return GpuInventory(
+            len(props),
+            tuple(p.name for p in props),
+            tuple(p.total_memory / 1e9 for p in props),
+            f"CUDA {torch.version.cuda} (torch)",
+            "torch.cuda",
+        )
+    except Exception as exc:  # a broken driver: reported as such
+        return GpuInventory(0, source="torch.cuda", error=f"{type(exc).__name__}: {exc}")
+
+
+def _nvidia_smi() -> GpuInventory:
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return GpuInventory(0, source="nvidia-smi", error=f"{type(exc).__name__}: {exc}"[:300])
+    return parse_nvidia_smi(out)
+
+
+def parse_nvidia_smi(text: str) -> GpuInventory:
+    """`nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader,nounits` → the inventory
+    (memory.total is in MiB)."""
+    rows = [[field.strip() for field in line.split(",")] for line in text.splitlines() if line.strip()]
+    names = tuple(row[0] for row in rows)
+    memory = tuple(float(row[1]) * 2**20 / 1e9 for row in rows)
+    drivers = sorted({row[2] for row in rows})
+    return GpuInventory(len(rows), names, memory, ", ".join(drivers), "nvidia-smi")
+
+
+def read_rate(urls: tuple[str, ...], budget_bytes: int) -> Figure:
+    """MB/s of reading ``urls`` whole, in turn, until ``budget_bytes`` are read; opening each file is timed too."""
+    if not urls:
+        raise ValueError("no shard to read: the training manifest lists none")
+    total, files = 0, 0
+    start = time.perf_counter()
+    for url in urls:
+        _drop_page_cache(url)
+        with _open(url) as stream:
+            while total < budget_bytes and (chunk := stream.read(READ_CHUNK_BYTES)):
+                total += len(chunk)
+        files += 1
+        if total >= budget_bytes:
+            break
+    seconds = max(time.perf_counter() - start, 1e-9)
+    return Figure(total / 1e6 / seconds, f"{files} shard(s), {total / 1e6:.3g} MB in {seconds:.2g} s")
+
+
+@contextmanager
+def _open(url: str) -> Iterator:
+    import fsspec  # the storage's filesystem (s3fs, gcsfs) where the runtime env installed it
+
+    with fsspec.open(url, "rb") as stream:
+        yield stream
+
+
+def _drop_page_cache(url: str) -> None:
+    """Ask the kernel to forget a local shard's cached pages: a shard read minutes ago (an earlier launch, this
+    node's loader check) would otherwise be timed from memory, and a run reads most shards cold."""
+    if is_remote(url) or not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(resolve_location(url), os.O_RDONLY)
+    except OSError:
+        return  # the read reports it
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def loader_rate_now(config: TrainConfig) -> Figure:
+    """Images/s one core loads for ``config`` on this node, measured now (`data_pipeline.stream.loader_rate` with a
+    cache of its own, so no figure measured earlier or elsewhere is taken), the faster of `LOADER_TRIES`."""
+    d = config.data
+    side = builtin.config(d.builtin, **d.builtin_options).resolution if d.builtin else None
+    rates = []
+    for _ in range(LOADER_TRIES):
+        with tempfile.TemporaryDirectory(prefix="vitscale-preflight-") as cache, _environ({"VITSCALE_CACHE": cache}):
+            rates.append(
+                loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, synthetic_side=side)
+            )
+    if "synthetic" in rates[0].source:  # loader_rate's fallback: the shards are not readable on this node
+        raise RuntimeError(f"{d.train} is not readable on this node (timed on synthetic JPEGs instead)")
+    where = "from its decoded cache" if "decoded cache" in rates[0].source else "from the shards"
+    best = max(r.img_s_per_core for r in rates)
+    return Figure(best, f"one core, {d.image_size}px {where}, best of {LOADER_TRIES}")
+
+
+def free_space(root: str) -> Figure:
+    """GB free at the checkpoint root once a probe file was written and removed there (made if absent, as a run
+    makes it); an object store has no limit to report."""
+    name = f".vitscale-preflight-{uuid.uuid4().hex[:8]}"
+    if is_remote(root):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(root)
+        fs.pipe_file(f"{path.rstrip('/')}/{name}", b"preflight")
+        fs.rm_file(f"{path.rstrip('/')}/{name}")
+        return Figure(math.inf, "object store: wrote and removed a probe object")
+    folder = Path(resolve_location(root))
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / name
+    probe.write_bytes(b"preflight")
+    probe.unlink()
+    return Figure(shutil.disk_usage(folder).free / 1e9, f"{folder}, writable")
+
+
+def tracking_round_trip(uri: str, label: str) -> Figure:
+    """Seconds to create a run in the `EXPERIMENT` experiment at ``uri``, set a tag on it and delete it."""
+    with _environ(TRACKING_ENV):
+        from mlflow import MlflowClient  # heavy import
+
+        start = time.perf_counter()
+        client = MlflowClient(tracking_uri=uri)
+        experiment = get_or_create_experiment(client, uri, EXPERIMENT)
+        run = client.create_run(experiment, run_name=f"preflight {label}")
+        client.set_tag(run.info.run_id, "vitscale.preflight", label)
+        client.delete_run(run.info.run_id)
+        seconds = time.perf_counter() - start
+    return Figure(seconds, f"created, tagged and deleted a run in experiment {EXPERIMENT}")
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in os.environ while the block runs: the actor's process outlives one measurement."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
