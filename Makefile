@@ -17,7 +17,12 @@ TEST_WORKERS ?= 3
 SEED ?=
 SMOKE ?=
 
-export DS_ACCELERATOR ?= cpu
+# DeepSpeed on the CPU unless this machine has an NVIDIA GPU (nvidia-smi lists one); DS_ACCELERATOR=... chooses.
+ifeq ($(origin DS_ACCELERATOR),undefined)
+ifeq ($(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU'),0)
+export DS_ACCELERATOR := cpu
+endif
+endif
 
 .PHONY: help setup test test-fast test-shuffled lint launch preflight elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision bench-gpu clean
 
