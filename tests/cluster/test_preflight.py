@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import local_head, preflight
+from cluster import local_head
 from cluster.plan.planner import build_plan, resolve_config
-from cluster.preflight_checks import (
+from cluster.preflight import __main__ as preflight
+from cluster.preflight.checks import (
     Check,
     Measurements,
     Node,
@@ -28,8 +29,8 @@ from cluster.preflight_checks import (
     judge,
     measure,
 )
-from cluster.preflight_collective import BusBandwidth, bus_gb_per_s
-from cluster.preflight_node import Figure, GpuInventory, parse_nvidia_smi
+from cluster.preflight.collective import BusBandwidth, bus_gb_per_s
+from cluster.preflight.node import Figure, GpuInventory, parse_nvidia_smi
 from cluster.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]

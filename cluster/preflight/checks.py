@@ -18,7 +18,7 @@ from cluster.network import network_env
 from cluster.plan import comms
 from cluster.plan.data_wait import INPUT_BOUND_WAIT
 from cluster.plan.planner import Plan
-from cluster.preflight_collective import (
+from cluster.preflight.collective import (
     BusBandwidth,
     measure_bus_bandwidth,
     start_ranks,
@@ -26,8 +26,8 @@ from cluster.preflight_collective import (
     wait_placed,
     worker_bundle,
 )
-from cluster.preflight_node import Figure, GpuInventory, NodeFigures, NodeProbe, ProbeRequest
-from cluster.preflight_replan import wait_at
+from cluster.preflight.node import Figure, GpuInventory, NodeFigures, NodeProbe, ProbeRequest
+from cluster.preflight.replan import wait_at
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location

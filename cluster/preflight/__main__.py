@@ -24,8 +24,8 @@ from cluster.launch import runtime_env
 from cluster.local_data import prepare_local_data
 from cluster.plan.planner import Plan, PlanError, build_plan, resolve_config
 from cluster.plan.text import format_plan
-from cluster.preflight_checks import Measurements, holds_a_worker, judge, measure
-from cluster.preflight_replan import LoaderFigure, measured_plan, side_by_side
+from cluster.preflight.checks import Measurements, holds_a_worker, judge, measure
+from cluster.preflight.replan import LoaderFigure, measured_plan, side_by_side
 from cluster.profiles import ClusterProfile, load_profile
 from pretrain.config.train_config import TrainConfig
 

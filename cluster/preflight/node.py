@@ -2,7 +2,7 @@
 shards' read rate, the loader's decode rate per core, the checkpoint root's free space and the tracking store.
 
 Every measurement returns a `Figure`: the number, what it was measured on, or the error that stopped it, so one
-broken check never hides the others. The verdicts against the plan are `cluster.preflight_checks`'; why each is
+broken check never hides the others. The verdicts against the plan are `cluster.preflight.checks`'; why each is
 measured: docs/preflight.md.
 """
 

@@ -9,7 +9,7 @@ import dataclasses
 
 from cluster.plan.data_wait import DataWait, data_wait
 from cluster.plan.planner import Plan, build_plan
-from cluster.preflight_collective import BusBandwidth
+from cluster.preflight.collective import BusBandwidth
 from cluster.profiles import ClusterProfile, NetworkSpec
 from pretrain.config.train_config import TrainConfig
 
