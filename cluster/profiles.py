@@ -94,11 +94,34 @@ class TrainDefaults:
 
 @dataclass(frozen=True)
 class EvalResources:
-    """Ray resources of one eval task, apart from the training workers' share."""
+    """Ray resources of one eval task, apart from the training workers' share, and the eval device the plan prices
+    the evals on (`cluster.plan.evals_cost`)."""
 
     num_cpus: float = 1
     num_gpus: float = 0
     instance_type: str = ""  # cluster.render: an eval node group of this type
+    gpu_type: str = ""  # the eval GPU's kind, e.g. "A10G": its peak comes from pretrain.telemetry.peak
+    gpu_memory_gb: float = 0  # per eval GPU, GB of 1e9 bytes
+    # Host memory an eval task reserves in Ray (its `memory=`): Ray places it only where that much is free. 0: none.
+    memory_gb: float = 0
+    # The eval device's dense peak, TFLOP/s, where pretrain.telemetry.peak does not know it (CPU evals on remote
+    # nodes); None: from gpu_type, or measured on this machine (local)
+    peak_tflops: float | None = None
+    assumed_mfu: float | None = None  # the evals' assumed MFU; None: the profile's assumed_mfu
+
+    def validate(self, where: str) -> None:
+        """ValueError naming the field and the fix."""
+        if self.memory_gb < 0 or self.gpu_memory_gb < 0:
+            raise ValueError(f"{where}: evals.memory_gb and evals.gpu_memory_gb must be >= 0 (0: not declared)")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"{where}: evals.peak_tflops={self.peak_tflops} must be > 0 (or absent)")
+        if self.assumed_mfu is not None and not 0 < self.assumed_mfu <= 1:
+            raise ValueError(f"{where}: evals.assumed_mfu={self.assumed_mfu} must be in (0, 1] (or absent)")
+        if self.num_gpus > 0 and not (self.gpu_memory_gb > 0 and (self.gpu_type or self.peak_tflops)):
+            raise ValueError(
+                f"{where}: evals on GPUs (evals.num_gpus={self.num_gpus:g}) need evals.gpu_memory_gb and "
+                "evals.gpu_type (or evals.peak_tflops): the plan prices and sizes the evals on that device"
+            )
 
 
 @dataclass(frozen=True)
@@ -246,6 +269,7 @@ class ClusterProfile:
         elif self.comm_backend == "nccl":
             raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
         self.hang.validate(f"profile {self.name}")
+        self.evals.validate(f"profile {self.name}")
         self.network.validate(f"profile {self.name}", hw.nodes, wk.gpus_per_worker > 0)
         if not 0 < self.assumed_mfu <= 1:
             raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")

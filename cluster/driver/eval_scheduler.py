@@ -1,22 +1,26 @@
-"""Evals after every COMPLETE checkpoint, as Ray tasks on their own resources, never blocking training.
+"""Evals after COMPLETE checkpoints, as Ray tasks on their own resources, never blocking training.
 
 `EvalScheduler`, a zero-CPU actor on the driver's node, gets each checkpoint from rank 0 fire-and-forget and starts
-one eval task per new step (a step reported again is evaluated once); each task logs to the job's MLflow run at
-step = the checkpoint step. The driver calls `drain` after training. At most `max_pinned` evals wait at once;
-beyond that an eval is skipped, so that pins cannot fill the disk. An eval that fails for good is recorded in the
-run (`_fail`). Design: docs/design.md, "Evals after every checkpoint" and "Checkpoint pins"; failures:
-docs/elastic.md, "Faults".
+one eval task per new step that a suite's cadence reaches (`cluster.plan.cadence`; a step reported again is
+evaluated once), running the suites due there; each task logs to the job's MLflow run at step = the checkpoint step.
+The driver calls `drain` after training. At most `max_pinned` evals wait at once; beyond that an eval is skipped, so
+that pins cannot fill the disk. An eval that fails for good is recorded in the run (`_fail`). Design: docs/design.md,
+"Evals after every checkpoint" and "Checkpoint pins"; failures: docs/elastic.md, "Faults".
 """
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
+import yaml
 
+from cluster.plan.cadence import EvalCadence
+from data_pipeline.paths import SUITES_DIR
 from pretrain.checkpoint.run_folder import unpin_checkpoint
 from tracking import keys
 from tracking.tracker import Tracker
@@ -26,21 +30,49 @@ MAX_PINNED = 8
 
 
 def run_suite_task(
-    checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
+    checkpoint_dir: str, suite: str | tuple[str, ...], data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """`eval_task.run_suite_task`, imported in the task's process: the actor never imports torch and the evals."""
+    """`eval_task.run_suite_task`, imported in the task's process: the actor never imports torch and the evals.
+    Several suites run as one (`merged_suite`): one task, one pin, one table per checkpoint."""
     from cluster.driver import eval_task  # deferred: docs/design.md, "Packages, what each owns, and the import rules"
 
-    return eval_task.run_suite_task(checkpoint_dir, suite, data_root, run_id, tracking_uri)
+    if isinstance(suite, str):
+        return eval_task.run_suite_task(checkpoint_dir, suite, data_root, run_id, tracking_uri)
+    with tempfile.TemporaryDirectory() as folder:
+        merged = merged_suite(suite, Path(folder))
+        return eval_task.run_suite_task(checkpoint_dir, str(merged), data_root, run_id, tracking_uri)
+
+
+def merged_suite(suites: tuple[str, ...], folder: Path) -> Path:
+    """A suite YAML in ``folder`` with the evaluators of ``suites`` (names in configs/evals, or YAML paths) in
+    order, named ``a+b``; the runner checks it as it checks any suite."""
+    evaluators = []
+    for name in suites:
+        path = Path(name) if Path(name).suffix in (".yaml", ".yml") else SUITES_DIR / f"{name}.yaml"
+        evaluators += yaml.safe_load(path.read_text()).get("evaluators") or []
+    name = "+".join(Path(s).stem for s in suites)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "evaluators": evaluators}, sort_keys=False))
+    return path
+
+
+def task_options(num_cpus: float, num_gpus: float, memory_gb: float) -> dict[str, Any]:
+    """Ray options of an eval task: its CPUs and GPUs, and ``memory`` (bytes) when the profile declares
+    `evals.memory_gb`, so Ray places it only where that much is free. A task whose process dies runs once more;
+    an exception is returned, not retried."""
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": 1}
+    if memory_gb > 0:
+        options["memory"] = int(memory_gb * 1e9)
+    return options
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class EvalScheduler:
-    """Receives (checkpoint folder, step, training metrics); launches one eval task per new step."""
+    """Receives (checkpoint folder, step, training metrics); launches one eval task per new step on the cadence."""
 
     def __init__(
         self,
-        suite: str | None,
+        suites: EvalCadence | str | None,  # a suite name: that suite at every checkpoint
         data_root: str,
         run_id: str | None,
         tracking_uri: str | None,
@@ -48,11 +80,13 @@ class EvalScheduler:
         num_gpus: float = 0,
         max_pinned: int = MAX_PINNED,
         task: Callable[..., dict[str, Any]] = run_suite_task,  # tests pass a stand-in
+        memory_gb: float = 0,
     ):
-        self.suite, self.data_root, self.run_id, self.tracking_uri = suite, data_root, run_id, tracking_uri
+        if not isinstance(suites, EvalCadence):
+            suites = EvalCadence(((suites, 1),) if suites else ())
+        self.cadence, self.data_root, self.run_id, self.tracking_uri = suites, data_root, run_id, tracking_uri
         self.max_pinned = max_pinned
-        # A task whose process dies runs once more; an exception is returned, not retried.
-        self._task = ray.remote(task).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)
+        self._task = ray.remote(task).options(**task_options(num_cpus, num_gpus, memory_gb))
         self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures and skips: the tasks log their metrics
         self._tracker.connect_in_background()  # the job's end, which flushes, should not wait for MLflow's setup
         self._failures = self._skips = 0
@@ -61,10 +95,11 @@ class EvalScheduler:
         self._results: dict[int, dict[str, Any]] = {}
         self._train: dict[int, dict[str, float]] = {}
         self._paths: dict[int, str] = {}
+        self._due: dict[int, tuple[str, ...]] = {}  # the suites each evaluated step runs
 
     def submit(self, checkpoint_dir: str, step: int, train_metrics: dict[str, float] | None = None) -> bool:
-        """Start the checkpoint's eval; False if this step was already submitted. The caller pinned the checkpoint;
-        the pin stays while its eval is pending, else is released at once."""
+        """Start the checkpoint's eval (the suites due at ``step``); False if this step was already submitted. The
+        caller pinned the checkpoint if a suite is due; the pin stays while its eval is pending, else is released."""
         with self._lock:
             self._collect(timeout_s=0)
             self._train[step] = dict(train_metrics or {})
@@ -73,7 +108,8 @@ class EvalScheduler:
                     unpin_checkpoint(checkpoint_dir)
                 return False
             self._paths[step] = checkpoint_dir
-            if not self.suite:
+            due = self._due[step] = self.cadence.due(step)
+            if not due:  # no suite, or off every suite's cadence
                 unpin_checkpoint(checkpoint_dir)
                 return True
             if len(self._pending) >= self.max_pinned:
@@ -83,14 +119,15 @@ class EvalScheduler:
                     {
                         "error": f"eval skipped: the evals of {len(self._pending)} checkpoints were still waiting or "
                         f"running (their checkpoints pinned; at most {self.max_pinned}). Evals are slower than "
-                        "checkpointing: give them more resources (the profile's evals section) or raise "
-                        "checkpoint.every_steps",
+                        "checkpointing: give them more resources (the profile's evals section), or raise their "
+                        "cadence (evals.every, evals.extra_suites[].every) or checkpoint.every_steps",
                         "skipped": True,
                     },
                 )
                 return True
+            suite = due[0] if len(due) == 1 else due
             self._pending[step] = self._task.remote(
-                checkpoint_dir, self.suite, self.data_root, self.run_id, self.tracking_uri
+                checkpoint_dir, suite, self.data_root, self.run_id, self.tracking_uri
             )
             return True
 
@@ -122,18 +159,18 @@ class EvalScheduler:
 
     def _fail(self, step: int, result: dict[str, Any]) -> None:
         """Record an eval that failed for good, or was skipped (``result["skipped"]``): metric `eval_failed/<suite>`
-        (or `eval_skipped/<suite>`) = 1 at its step, the reason in `eval_failures/step_XXXXXXXX.txt` (run folder and
-        artifact), the count of each as a tag; caller holds _lock."""
+        (or `eval_skipped/<suite>`) = 1 at its step for each suite due there, the reason in
+        `eval_failures/step_XXXXXXXX.txt` (run folder and artifact), the count of each as a tag; caller holds _lock."""
         self._results[step] = result
-        suite = Path(self.suite).stem if self.suite else "evals"  # a suite's YAML path: its file name
+        suites = [Path(s).stem for s in self._due.get(step, ())] or ["evals"]  # a suite's YAML path: its file name
         reason = f"step {step}: {result['error']}\n\n{result.get('traceback', '')}".rstrip() + "\n"
         if result.get("skipped"):
             self._skips += 1
-            self._tracker.log_metrics({keys.eval_skipped(suite): 1.0}, step=step)
+            self._tracker.log_metrics({keys.eval_skipped(suite): 1.0 for suite in suites}, step=step)
             self._tracker.set_tags({keys.EVAL_SKIPPED: self._skips})
         else:
             self._failures += 1
-            self._tracker.log_metrics({keys.eval_failed(suite): 1.0}, step=step)
+            self._tracker.log_metrics({keys.eval_failed(suite): 1.0 for suite in suites}, step=step)
             self._tracker.set_tags({keys.EVAL_FAILURES: self._failures})
         folder = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR  # <run_dir>/eval_failures
         try:

@@ -23,6 +23,7 @@ from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
 from cluster.network import network_env
+from cluster.plan.cadence import EvalCadence
 from cluster.plan.planner import Plan, runtime_pip
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
 from data_pipeline.paths import write_text_atomically
@@ -163,7 +164,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     # For the watchdog: a stack dump on SIGUSR1, registered before the first heartbeat names this pid.
     stacks = install_stack_dump(run_dir, rank)  # noqa: F841 (faulthandler writes to it until the process ends)
     heartbeat = Heartbeat(heartbeat_path(run_dir, rank), identity(rank, world_size))
-    scheduler = loop_config["scheduler"]
+    scheduler, cadence = loop_config["scheduler"], loop_config["eval_cadence"]
     fault = loop_config.get("fault")
     if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
         _fill_disk(fault["full_disk_after"])
@@ -173,9 +174,10 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         heartbeat.saved()
         if rank == 0:
-            if config.evals.suite:
+            due = cadence.due(int(step))
+            if due:  # a checkpoint off every suite's cadence is not evaluated, so not pinned
                 # Pinned synchronously, before the next save's prune; the scheduler unpins when the eval ends.
-                pin_checkpoint(checkpoint_dir, f"evals {config.evals.suite} pending on step {step}")
+                pin_checkpoint(checkpoint_dir, f"evals {'+'.join(due)} pending on step {step}")
             submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
             submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
         if fault and rank == fault["rank"] and step >= fault["after_step"]:
@@ -267,16 +269,18 @@ def run_job(
 
     # On the driver's node: a zero-CPU actor could land anywhere, and a lost node would take the eval bookkeeping.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    cadence = eval_cadence(spec)
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
-        config.evals.suite,
+        cadence,
         config.evals.data_root,
         run_id,
         uri,
         num_cpus=profile.evals.num_cpus,
         num_gpus=profile.evals.num_gpus,
+        memory_gb=profile.evals.memory_gb,
     )
     config.data.ensure_builtin()  # ranks never generate data; this node sees the run's storage
-    trainer = _torch_trainer(spec, config, scheduler)
+    trainer = _torch_trainer(spec, config, scheduler, cadence)
     watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0)).start()
     clock.fit_at = time.time()  # from here Ray Train places the worker group (docs/goodput.md)
     goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0)).start()
@@ -312,6 +316,13 @@ def run_job(
     return 0 if status == "FINISHED" else 1
 
 
+def eval_cadence(spec: JobSpec) -> EvalCadence:
+    """The run's suites and their cadence over its checkpoints, up to the plan's last step."""
+    config = spec.config
+    last_step = (spec.plan.get("compute") or {}).get("total_steps")
+    return EvalCadence(config.evals.schedule(), config.checkpoint.every_steps, last_step)
+
+
 def open_tracking(spec: JobSpec) -> tuple[JobRun, TrainConfig]:
     """The job's MLflow run, never waited on past a short start (`tracking.runs.start_job_run`), and the config the
     workers get, naming it: its id, or while MLflow does not answer a reference every Tracker resolves later."""
@@ -341,7 +352,7 @@ def failure_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
+def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: EvalCadence) -> Any:
     """Ray Train's TorchTrainer: the profile's workers, each running `_train_loop`."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -356,6 +367,7 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any) -> Any:
         train_loop_config={
             "config": config,
             "scheduler": scheduler,
+            "eval_cadence": cadence,
             "env": worker_env(profile),
             "fault": vars(spec.fault) if spec.fault else None,
         },

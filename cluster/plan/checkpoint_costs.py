@@ -45,7 +45,8 @@ def baseline_eval(config: TrainConfig, num_params: int) -> str:
     if not config.evals.baseline:
         return "off (evals.baseline=false): transfer curves have no step-0 point"
     size = num_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
+    suites = ", ".join(suite for suite, _ in config.evals.schedule())
     return (
         f"the step-0 weights are saved before the first update (a checkpoint of ~{size:.2g} GB) and evaluated with "
-        f"{config.evals.suite} like every checkpoint; evals.baseline=false skips both"
+        f"{suites} like a checkpoint on every cadence; evals.baseline=false skips both"
     )

@@ -110,7 +110,7 @@ def fits(total_bytes: float, capacity_bytes: float) -> bool:
 
 
 class StepTime(Protocol):
-    """What the memory part reads of the plan's compute part (`cluster.plan.planner.ComputePlan`)."""
+    """What the memory part reads of the plan's compute part (`cluster.plan.compute.ComputePlan`)."""
 
     @property
     def precision(self) -> str: ...  # "bf16" | "fp32"

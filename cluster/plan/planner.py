@@ -1,9 +1,10 @@
-"""The plan: a recipe joined with a profile — topology, batch split, model, compute, memory per device and data.
+"""The plan: a recipe joined with a profile — topology, batch split, model, compute, memory per device, data, evals.
 
 `resolve_config` layers the profile's defaults and the user's `--set` on the recipe, so that the plan shows exactly
 what the workers run. `build_plan` does the arithmetic, one builder per part of `Plan`, each number from its one
-owner (`pretrain.model.flops`, `pretrain.config.ds_config`, `cluster.plan.memory`, ...), and raises `PlanError` when
-the run cannot fit. `runtime_pip`: the extras the job's Ray runtime env installs.
+owner (`pretrain.model.flops`, `pretrain.config.ds_config`, `cluster.plan.compute`, `cluster.plan.memory`,
+`cluster.plan.evals_cost`, ...), and raises `PlanError` when the run cannot fit. `runtime_pip`: the extras the job's
+Ray runtime env installs.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from typing import Any
 from cluster.plan import comms, memory, mfu
 from cluster.plan.checkpoint_costs import baseline_eval, checkpoint_space_warning
 from cluster.plan.comms import CommPlan
+from cluster.plan.compute import ComputePlan, compute_plan, profile_peak, step_time
 from cluster.plan.data_wait import data_wait, loader_host_bytes
+from cluster.plan.errors import PlanError
+from cluster.plan.evals_cost import EvalsPlan, plan_evals
 from cluster.plan.memory import MemoryPlan
-from cluster.plan.mfu import Measured
 from cluster.plan.startup import StartupAllowance, startup_allowance
 from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_info, read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
-from pretrain.config import optim
 from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
-from pretrain.config.precision import StepShape, cpu_bf16_units, decide
 from pretrain.config.train_config import (
     TrainConfig,
     config_from_recipe,
@@ -39,7 +40,6 @@ from pretrain.config.train_config import (
 from pretrain.config.typed_yaml import parse_override
 from pretrain.model import flops, tasks
 from pretrain.model.vit import ViTConfig, model_config
-from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
 from pretrain.weights.hf import hf_config_dict
 
 # Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
@@ -50,10 +50,6 @@ ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k s
 # The data streams may fill this share of a node's memory; the rest holds the processes and the page cache.
 LOADER_MEMORY_SHARE = 0.5
 MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
-
-
-class PlanError(ValueError):
-    """The plan cannot run as configured; the message names the problem and the fix."""
 
 
 # The extra the driver needs to log the final model as an HF ViT folder; = pyproject.toml's hf extra (tested).
@@ -174,7 +170,7 @@ def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set
     vit, model = _model_size(config)
     batch = batch_plan(config.data, profile.workers.num_workers)
     measured = mfu.measured(config.model.name, profile.hardware.gpu_type)
-    precision, step_s = _step_time(profile, config, vit, batch, measured)
+    precision, step_s = step_time(profile, config, vit, batch, measured)
     ds = config.deepspeed
     r = comms.choose_reduction(
         profile, ds.zero_stage, precision, batch.world_size, batch.grad_accum_steps, model.num_params, step_s
@@ -229,26 +225,6 @@ class ModelSize:
     num_params_1k_head: int  # the paper's convention (Table 1 counts a 1000-class head)
     # No model.num_classes and no readable dataset.json: a 1000-class head is counted.
     head_classes_assumed: bool
-
-
-@dataclass(frozen=True)
-class ComputePlan:
-    """Precision, FLOPs and time: a step takes the training FLOPs of the global batch / (world x peak x MFU)."""
-
-    precision: str
-    precision_reason: str  # why (`pretrain.config.precision.decide` on the profile's hardware)
-    forward_gflops_per_image: float
-    train_gflops_per_image: float  # 3 x forward: the model FLOPs MFU counts
-    recompute_factor: float  # step time with activation checkpointing / without: one more forward, (3 + 1) / 3
-    total_steps: int
-    step_time_s: float  # with the recompute when the run checkpoints activations
-    days: float
-    total_exaflops: float
-    images_per_s: float
-    assumed_mfu: float  # the profile's, or the one measured for this model on this GPU kind
-    peak_tflops: float  # per device at the plan's precision; the run's MFU denominator too
-    peak_source: str
-    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)" (cluster/mfu.yaml)
 
 
 @dataclass(frozen=True)
@@ -320,6 +296,7 @@ class Plan:
     baseline_eval: str  # the step-0 baseline eval: what it costs, or why there is none
     startup: StartupAllowance  # the watchdog's allowances
     comms: CommPlan  # the interconnect, a step's collectives and their time (docs/network.md)
+    evals: EvalsPlan  # each suite's cost per checkpoint and share of the training FLOPs (`cluster.plan.evals_cost`)
     elastic_ends: tuple[ElasticEnd, ...] = ()  # (at workers.min, at workers.max); () when not elastic
     runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs
     final_model: str = ""  # whether the job's end logs the final model to MLflow, or why not
@@ -330,12 +307,12 @@ class Plan:
 
 def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     """The plan. PlanError when the run cannot fit: memory per device, the data streams' host memory, a stream
-    without shards, a peak the plan cannot know."""
+    without shards, a peak the plan cannot know, evals over their budget or their device."""
     batch = batch_plan(config.data, profile.workers.num_workers)
     stats = _data_stats(config)
     vit, model = _model_size(config)
     measured = mfu.measured(config.model.name, profile.hardware.gpu_type) if profile.uses_gpus else None
-    compute = _compute_plan(profile, config, vit, batch, stats.num_samples, measured)
+    compute = compute_plan(profile, config, vit, batch, stats.num_samples, measured)
     data = _data_plan(profile, config, batch, stats, model, compute.images_per_s)
     correction = (measured.activation_scale, measured.memory_source) if measured and measured.memory_corrected else None
     mem, does_not_fit = memory.plan_memory(
@@ -363,6 +340,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
             model.num_params,
             compute.step_time_s,
         ),
+        evals=plan_evals(profile, config, vit, compute),
         runtime_extras=_runtime_extras(profile, data, logs_model),
         final_model=final_model,
     )
@@ -394,62 +372,6 @@ def _model_size(config: TrainConfig) -> tuple[ViTConfig, ModelSize]:
         head_classes_assumed=num_classes is None and vit.num_classes > 0,  # a task that keeps a classifier
     )
     return vit, size
-
-
-def _compute_plan(
-    profile: ClusterProfile,
-    config: TrainConfig,
-    vit: ViTConfig,
-    batch: BatchPlan,
-    samples: int | None,
-    measured: Measured | None = None,
-) -> ComputePlan:
-    """Steps, step time, days and exaFLOPs at the peak x MFU (``measured``, else the profile's). ``samples``: the
-    manifest's count, for `"90ep"` durations without `data.epoch_images`."""
-    fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
-    total_steps = optim.duration_to_steps(
-        config.schedule.total, batch.global_batch_size, config.data.epoch_images or samples, field="schedule.total"
-    )
-    if config.schedule.stop_at_step:
-        total_steps = min(total_steps, config.schedule.stop_at_step)
-    precision, precision_reason = _precision(profile, config, vit)
-    peak = _peak(profile, precision)
-    # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
-    recompute_factor = (train + fwd) / train
-    mfu = measured.mfu if measured else profile.assumed_mfu
-    step_time = _seconds_per_step(vit, batch, peak.tflops, mfu)
-    return ComputePlan(
-        precision=precision,
-        precision_reason=precision_reason,
-        forward_gflops_per_image=fwd / 1e9,
-        train_gflops_per_image=train / 1e9,
-        recompute_factor=recompute_factor,
-        total_steps=total_steps,
-        step_time_s=step_time,
-        days=total_steps * step_time / 86400,
-        total_exaflops=train * batch.global_batch_size * total_steps / 1e18,
-        images_per_s=batch.global_batch_size / step_time,
-        assumed_mfu=mfu,
-        peak_tflops=peak.tflops,
-        peak_source=peak.source,
-        mfu_source=measured.mfu_source if measured else "assumed",
-    )
-
-
-def _seconds_per_step(vit: ViTConfig, batch: BatchPlan, peak_tflops: float, mfu: float) -> float:
-    """Training FLOPs of the global batch / (world x peak x MFU), x the recompute factor with checkpointing."""
-    fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
-    seconds = train * batch.global_batch_size / (batch.world_size * peak_tflops * 1e12 * mfu)
-    return seconds * (train + fwd) / train if vit.grad_checkpointing else seconds
-
-
-def _step_time(
-    profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, batch: BatchPlan, measured: Measured | None
-) -> tuple[str, float]:
-    """(precision, seconds per step) as `_compute_plan` reckons them."""
-    precision, _ = _precision(profile, config, vit)
-    mfu = measured.mfu if measured else profile.assumed_mfu
-    return precision, _seconds_per_step(vit, batch, _peak(profile, precision).tflops, mfu)
 
 
 @dataclass(frozen=True)
@@ -549,52 +471,6 @@ def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) ->
     except PlanError as error:
         raise PlanError(f"at workers.min={w.min_workers} (an elastic job may shrink to it): {error}") from None
     return ElasticEnd.of(at_min), ElasticEnd.of(at_max)
-
-
-def _precision(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
-    """(precision, why): the workers' own rule on the profile's hardware; fp32 for a remote CPU cluster, whose CPUs
-    are unknown here."""
-    requested = config.deepspeed.precision
-    if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
-        device = "cuda" if profile.uses_gpus else "cpu"
-        shape = StepShape.of(vit, config.data.micro_batch_size)
-        choice = decide(requested, device, shape, zero_stage=config.deepspeed.zero_stage)
-        reason = f"{choice.rule}: {choice.reason}"
-        if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
-            reason += "; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"
-        return choice.precision, reason
-    return "fp32", f"decided by the workers at start ({requested} on CPUs unknown here); the memory below assumes fp32"
-
-
-def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
-    """The per-device peak MFU divides by, where the profile knows it (``hardware.peak_tflops`` is a GPU's dense
-    bf16 peak; fp32 comes from `pretrain.telemetry.peak`); None: measured on the machine."""
-    hw = profile.hardware
-    if hw.peak_tflops is None:
-        return None
-    if not profile.uses_gpus:
-        return Peak(hw.peak_tflops, f"profile {profile.name}: hardware.peak_tflops")
-    if precision == "bf16":
-        return Peak(hw.peak_tflops, f"profile {profile.name}: {hw.gpu_type} dense bf16 peak")
-    known = gpu_peak(hw.gpu_type, "fp32")
-    if known is None:
-        raise PlanError(
-            f"profile {profile.name}: no fp32 peak is known for gpu_type {hw.gpu_type!r} (pretrain.telemetry.peak); "
-            "train in bf16 (--set deepspeed.precision=auto) or name a GPU the table lists"
-        )
-    return known
-
-
-def _peak(profile: ClusterProfile, precision: str) -> Peak:
-    peak = profile_peak(profile, precision)
-    if peak is not None:
-        return peak
-    if not profile.is_local:
-        raise PlanError(
-            f"profile {profile.name}: CPU workers without hardware.peak_tflops; only this machine's CPU can be "
-            "measured here: declare the workers' peak TFLOP/s in the profile"
-        )
-    return cpu_peak(precision, threads=profile.workers.cpus_per_worker)
 
 
 def _dataset_classes(config: TrainConfig) -> int | None:

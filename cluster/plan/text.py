@@ -7,6 +7,7 @@ import dataclasses
 
 from cluster.plan.comms import CommPlan
 from cluster.plan.data_wait import DataWait, data_wait_line
+from cluster.plan.evals_cost import evals_lines
 from cluster.plan.planner import EXTRAS, DataPlan, Plan
 from cluster.plan.storage import STORAGE_EXTRAS
 
@@ -46,10 +47,11 @@ def format_plan(plan: Plan) -> str:
         f"  storage       {d.storage}" + _storage_needs(d),
         f"  runtime env   {_runtime_env(plan)}",
         f"  baseline eval {plan.baseline_eval}",
+        *evals_lines(plan.evals),
         f"  hang watchdog {_startup(plan)}",
         *_elastic_lines(plan),
     ]
-    lines += [f"  WARNING       {w}" for w in d.warnings]
+    lines += [f"  WARNING       {w}" for w in (*d.warnings, *plan.evals.warnings)]
     return "\n".join(lines)
 
 

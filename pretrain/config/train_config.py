@@ -80,15 +80,50 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
-class EvalsConfig:
-    """Read by the cluster driver, which runs the suite after each checkpoint."""
+class SuiteCadence:
+    """One more suite of a run and the checkpoints it evaluates."""
 
-    suite: str | None = None  # an eval suite name or YAML path; None → no evals
-    data_root: str = "data"  # the suite's datasets
+    suite: str  # an eval suite name or YAML path
+    every: int = 1  # every N-th checkpoint (and always the baseline and the last)
+
+
+@dataclass(frozen=True)
+class EvalsConfig:
+    """Read by the planner, which prices the suites, and the cluster driver, which runs those due at each checkpoint
+    (`cluster.plan.cadence`: every N-th checkpoint, the step-0 baseline and the last step)."""
+
+    suite: str | None = None  # an eval suite name or YAML path; None → no evals (extra_suites neither)
+    every: int = 1  # `suite` evaluates every N-th checkpoint, and always the baseline and the last
+    # More suites, each on its own cadence; a checkpoint due for several runs them in one eval task, in this order
+    extra_suites: tuple[SuiteCadence, ...] = ()
+    data_root: str = "data"  # the suites' datasets
     # Also evaluate step_00000000, the weights before the first update
     baseline: bool = True
     # Seconds the job's end waits for pending evals; then they count as failed
     timeout_s: float = 3600.0
+    # The most the evals may cost, as a share of the training FLOPs at their cadence (0.1: a tenth; a demo whose point
+    # is its transfer curve may allow more than 1); the plan refuses more
+    budget_fraction: float = 0.10
+
+    def schedule(self) -> tuple[tuple[str, int], ...]:
+        """(suite, every) of each suite the run evaluates, `suite` first; () without `suite`."""
+        if not self.suite:
+            return ()
+        return ((self.suite, self.every), *((s.suite, s.every) for s in self.extra_suites))
+
+    def validate(self) -> None:
+        """ValueError naming the field and the fix."""
+        positive(self.timeout_s, "evals.timeout_s")
+        positive(self.every, "evals.every")
+        for i, extra in enumerate(self.extra_suites):
+            positive(extra.every, f"evals.extra_suites[{i}].every")
+        positive(self.budget_fraction, "evals.budget_fraction")
+        names = [suite for suite, _ in self.schedule()]
+        if len(set(names)) < len(names):
+            raise ValueError(
+                f"evals: suite(s) {sorted({n for n in names if names.count(n) > 1})} named twice (evals.suite and "
+                "evals.extra_suites); name each suite once, with the cadence it should have"
+            )
 
 
 SECTIONS = ("model", "data", "optim", "schedule", "loss", "task", "deepspeed", "checkpoint", "logging", "evals")
@@ -151,7 +186,7 @@ class TrainConfig:
         tasks.check_config(self.loss, self.task)
         ds_config.check_config(self.deepspeed)
         check_run_config(self.checkpoint, self.logging)
-        positive(self.evals.timeout_s, "evals.timeout_s")
+        self.evals.validate()
         if check_paths:
             check_paths_exist(here)
             check_compiler(self.model)

@@ -149,7 +149,8 @@ def test_elastic_growth_is_a_resize_not_a_restart_and_resizes_are_listed():
 def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off, capsys):
     """Real Ray tasks: an eval that fails still releases its checkpoint's pin; beyond max_pinned waiting evals a
     new checkpoint's eval is skipped, said, and unpinned; a step reported again after its eval ended is unpinned.
-    The scheduler actor itself never imports torch or the evals (only its tasks do)."""
+    The scheduler actor itself never imports torch or the evals (only its tasks do). Suites on their cadence:
+    `_check_cadence`, in the same Ray session."""
     import ray
 
     from cluster.driver.eval_scheduler import EvalScheduler
@@ -181,6 +182,7 @@ def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off, cap
         # The actor ran its evals (real tasks, which import the evals) without importing torch itself.
         imported = ray.get(scheduler.__ray_call__.remote(lambda _: sorted({"torch", "evals"} & set(sys.modules))))
         assert imported == [], imported
+        _check_cadence(ray, tmp_path / "cadence")
 
         # Rank 0 ends only once the scheduler has taken its submits: the driver drains it after the group ends, and
         # a submit still in flight then lost the final checkpoint's eval (seen in CI). Here a call that takes 1 s.
@@ -195,6 +197,38 @@ def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off, cap
         assert "did not take 1 checkpoint(s) within 0.5 s" in capsys.readouterr().out
     finally:
         ray.shutdown()
+
+
+def _check_cadence(ray, run_dir: Path) -> None:
+    """Suites on their cadence (`cluster.plan.cadence`), in the Ray session of the test above: checkpoints every 10
+    steps, the last at 35; "fast" every checkpoint, "slow" every 2nd. Step 0 and the last run both suites in one
+    task, step 20 both, steps 10 and 30 "fast" alone; with no suite due (a cadence of every 4th only) a checkpoint
+    is not evaluated, and its folder left unpinned. The task carries the profile's evals.memory_gb as Ray's memory."""
+    from cluster.driver.eval_scheduler import EvalScheduler
+    from cluster.plan.cadence import EvalCadence
+
+    def task(checkpoint_dir: str, suite, data_root: str, run_id, tracking_uri) -> dict:
+        import ray as task_ray
+
+        memory = task_ray.get_runtime_context().get_assigned_resources().get("memory", 0.0)
+        return {"metrics": {"memory": float(memory)}, "suites": [suite] if isinstance(suite, str) else list(suite)}
+
+    steps = (0, 10, 20, 30, 35)
+    folders = dict(zip(steps, _fake_checkpoints(run_dir, steps)))
+    cadence = EvalCadence((("fast", 1), ("slow", 2)), checkpoint_every=10, last_step=35)
+    scheduler = EvalScheduler.remote(cadence, str(run_dir), None, None, num_cpus=1, task=task, memory_gb=0.05)
+    for step, folder in folders.items():
+        assert ray.get(scheduler.submit.remote(str(folder), step, {}))
+    rows = ray.get(scheduler.drain.remote(120))
+    suites = {step: rows[step]["suites"] for step in steps}
+    assert suites == {0: ["fast", "slow"], 10: ["fast"], 20: ["fast", "slow"], 30: ["fast"], 35: ["fast", "slow"]}
+    assert {rows[step]["metrics"]["memory"] for step in steps} == {0.05e9}  # bytes, as Ray's memory= asks
+    rare = EvalScheduler.remote(EvalCadence((("rare", 4),), 10, 35), str(run_dir), None, None, task=task)
+    assert pin_checkpoint(folders[10], "a pin the scheduler must release")
+    assert ray.get(rare.submit.remote(str(folders[10]), 10, {"train/loss": 2.0}))
+    assert ray.get(rare.pending.remote()) == [] and not is_pinned(folders[10])
+    row = ray.get(rare.drain.remote(10))[10]
+    assert row["train"] == {"train/loss": 2.0} and "metrics" not in row and "error" not in row
 
 
 def _worker_output(cluster, pid: int) -> str:

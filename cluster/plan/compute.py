@@ -1,0 +1,142 @@
+"""The plan's compute part: precision, the per-device peak, step time, days and FLOPs (`ComputePlan`).
+
+A step takes the training FLOPs of the global batch / (world x peak x MFU); the MFU is the one measured for this
+model on this GPU kind (`cluster.plan.mfu`), else the profile's `assumed_mfu`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.plan.errors import PlanError
+from cluster.plan.mfu import Measured
+from cluster.profiles import ClusterProfile
+from pretrain.config import optim
+from pretrain.config.ds_config import BatchPlan
+from pretrain.config.precision import StepShape, cpu_bf16_units, decide
+from pretrain.config.train_config import TrainConfig
+from pretrain.model import flops
+from pretrain.model.vit import ViTConfig
+from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """Precision, FLOPs and time: a step takes the training FLOPs of the global batch / (world x peak x MFU)."""
+
+    precision: str
+    precision_reason: str  # why (`pretrain.config.precision.decide` on the profile's hardware)
+    forward_gflops_per_image: float
+    train_gflops_per_image: float  # 3 x forward: the model FLOPs MFU counts
+    recompute_factor: float  # step time with activation checkpointing / without: one more forward, (3 + 1) / 3
+    total_steps: int
+    step_time_s: float  # with the recompute when the run checkpoints activations
+    days: float
+    total_exaflops: float
+    images_per_s: float
+    assumed_mfu: float  # the profile's, or the one measured for this model on this GPU kind
+    peak_tflops: float  # per device at the plan's precision; the run's MFU denominator too
+    peak_source: str
+    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)" (cluster/mfu.yaml)
+
+
+def compute_plan(
+    profile: ClusterProfile,
+    config: TrainConfig,
+    vit: ViTConfig,
+    batch: BatchPlan,
+    samples: int | None,
+    measured: Measured | None = None,
+) -> ComputePlan:
+    """Steps, step time, days and exaFLOPs at the peak x MFU (``measured``, else the profile's). ``samples``: the
+    manifest's count, for `"90ep"` durations without `data.epoch_images`."""
+    fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
+    total_steps = optim.duration_to_steps(
+        config.schedule.total, batch.global_batch_size, config.data.epoch_images or samples, field="schedule.total"
+    )
+    if config.schedule.stop_at_step:
+        total_steps = min(total_steps, config.schedule.stop_at_step)
+    precision, precision_reason = precision_of(profile, config, vit)
+    peak = device_peak(profile, precision)
+    # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
+    recompute_factor = (train + fwd) / train
+    mfu = measured.mfu if measured else profile.assumed_mfu
+    seconds = seconds_per_step(vit, batch, peak.tflops, mfu)
+    return ComputePlan(
+        precision=precision,
+        precision_reason=precision_reason,
+        forward_gflops_per_image=fwd / 1e9,
+        train_gflops_per_image=train / 1e9,
+        recompute_factor=recompute_factor,
+        total_steps=total_steps,
+        step_time_s=seconds,
+        days=total_steps * seconds / 86400,
+        total_exaflops=train * batch.global_batch_size * total_steps / 1e18,
+        images_per_s=batch.global_batch_size / seconds,
+        assumed_mfu=mfu,
+        peak_tflops=peak.tflops,
+        peak_source=peak.source,
+        mfu_source=measured.mfu_source if measured else "assumed",
+    )
+
+
+def seconds_per_step(vit: ViTConfig, batch: BatchPlan, peak_tflops: float, mfu: float) -> float:
+    """Training FLOPs of the global batch / (world x peak x MFU), x the recompute factor with checkpointing."""
+    fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
+    seconds = train * batch.global_batch_size / (batch.world_size * peak_tflops * 1e12 * mfu)
+    return seconds * (train + fwd) / train if vit.grad_checkpointing else seconds
+
+
+def step_time(
+    profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, batch: BatchPlan, measured: Measured | None
+) -> tuple[str, float]:
+    """(precision, seconds per step) as `compute_plan` reckons them."""
+    precision, _ = precision_of(profile, config, vit)
+    mfu = measured.mfu if measured else profile.assumed_mfu
+    return precision, seconds_per_step(vit, batch, device_peak(profile, precision).tflops, mfu)
+
+
+def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
+    """(precision, why): the workers' own rule on the profile's hardware; fp32 for a remote CPU cluster, whose CPUs
+    are unknown here."""
+    requested = config.deepspeed.precision
+    if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
+        device = "cuda" if profile.uses_gpus else "cpu"
+        shape = StepShape.of(vit, config.data.micro_batch_size)
+        choice = decide(requested, device, shape, zero_stage=config.deepspeed.zero_stage)
+        reason = f"{choice.rule}: {choice.reason}"
+        if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
+            reason += "; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"
+        return choice.precision, reason
+    return "fp32", f"decided by the workers at start ({requested} on CPUs unknown here); the memory below assumes fp32"
+
+
+def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
+    """The per-device peak MFU divides by, where the profile knows it (``hardware.peak_tflops`` is a GPU's dense
+    bf16 peak; fp32 comes from `pretrain.telemetry.peak`); None: measured on the machine."""
+    hw = profile.hardware
+    if hw.peak_tflops is None:
+        return None
+    if not profile.uses_gpus:
+        return Peak(hw.peak_tflops, f"profile {profile.name}: hardware.peak_tflops")
+    if precision == "bf16":
+        return Peak(hw.peak_tflops, f"profile {profile.name}: {hw.gpu_type} dense bf16 peak")
+    known = gpu_peak(hw.gpu_type, "fp32")
+    if known is None:
+        raise PlanError(
+            f"profile {profile.name}: no fp32 peak is known for gpu_type {hw.gpu_type!r} (pretrain.telemetry.peak); "
+            "train in bf16 (--set deepspeed.precision=auto) or name a GPU the table lists"
+        )
+    return known
+
+
+def device_peak(profile: ClusterProfile, precision: str) -> Peak:
+    peak = profile_peak(profile, precision)
+    if peak is not None:
+        return peak
+    if not profile.is_local:
+        raise PlanError(
+            f"profile {profile.name}: CPU workers without hardware.peak_tflops; only this machine's CPU can be "
+            "measured here: declare the workers' peak TFLOP/s in the profile"
+        )
+    return cpu_peak(precision, threads=profile.workers.cpus_per_worker)

@@ -1,0 +1,509 @@
+"""The plan's evals part: what each suite costs per checkpoint and over the run, and whether it fits its device.
+
+An evaluator entry is priced from its own options (docs/vtab.md, "Eval cost in the plan"): few-shot and the VTAB
+linear probe run one forward pass per image of their train and test splits (features once per split); fine-tuning
+runs, per dataset, (lr grid + 1 final run) x steps x batch images through forward and backward (3 forward FLOPs,
+4 with activation checkpointing) at its resolution, plus the held-out and test forwards. FLOPs come from
+`pretrain.model.flops` at the entry's image size; device-hours divide them by the eval device's dense peak at the
+entry's precision x an assumed MFU. Memory per device: the fine-tune memory model (per-image activations of
+`cluster.plan.memory` x 1.3 x micro-batch + fp32 weights, gradients and momentum + the drawn batch + the CUDA
+context), or for inference the weights, a batch and one block's activations. All of them are estimates.
+`plan_evals` refuses (PlanError) evals over `evals.budget_fraction` of the training FLOPs, an eval that does not
+fit its device, and a GPU profile whose evals would take a training GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from cluster.plan import memory
+from cluster.plan.cadence import EvalCadence
+from cluster.plan.compute import ComputePlan
+from cluster.plan.errors import PlanError
+from cluster.plan.eval_splits import split_classes, split_size
+from cluster.profiles import ClusterProfile
+from evals import vtab
+from evals.fewshot import FewshotOptions
+from evals.finetune import FinetuneOptions, autocast_dtype
+from evals.inspection import InspectConfig
+from evals.suites import EvaluatorSpec, load_suite
+from evals.vtab import VtabOptions
+from pretrain.config.train_config import TrainConfig
+from pretrain.model import flops
+from pretrain.model.vit import ViTConfig
+from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
+
+GB = memory.GB
+# Allocator slack and the backward's transient buffers on top of the saved activations (docs/vtab.md).
+ACTIVATION_ALLOWANCE = 1.3
+# The CUDA context and library workspaces of an eval task: docs/vtab.md's 3 GiB fixed for ViT-B/16 less its weights,
+# gradients, momentum (0.97 GiB) and drawn batch (0.84 GiB).
+CUDA_CONTEXT_GB = 1.3
+# Evals over budget are refused only when they take at least this many eval device-hours in all; below, a smoke
+# run's or a demo's, the plan warns: they cost minutes whatever their share of a tiny training run.
+MIN_REFUSED_DEVICE_HOURS = 1.0
+
+
+@dataclass(frozen=True)
+class Work:
+    """One evaluator entry's arithmetic: its FLOPs, the precision they run at, and its memory."""
+
+    what: str  # e.g. "fewshot 2 datasets, 11,069 images at 224px"
+    model: ViTConfig  # the model it runs, at its resolution (fine-tuning: a fresh head, no pre-logits)
+    flops: float
+    train_images: float  # images through forward + backward (0: inference only)
+    precision: str  # of its matmuls: the peak it runs at
+    device_bytes: float  # peak on the eval device, without the CUDA context
+    host_bytes: float  # the data it holds on the host (features, drawn images)
+
+
+@dataclass(frozen=True)
+class SuiteCost:
+    """One suite of the run: its cadence, what one evaluation costs, and its share of the training FLOPs."""
+
+    suite: str
+    every: int
+    evaluations: int  # checkpoints it evaluates (the baseline and the last included)
+    pflops: float  # per evaluated checkpoint
+    device_hours: float  # per evaluated checkpoint, on one eval device
+    memory_gb: float  # peak per eval device (host memory for CPU evals)
+    share: float  # of the run's training FLOPs, over all its evaluations
+    detail: str  # what was priced, entry by entry
+
+
+@dataclass(frozen=True)
+class EvalsPlan:
+    """The evals part of the plan (all numbers are estimates)."""
+
+    device: str  # the eval device in words
+    capacity_gb: float  # its memory per device (GPU) or the eval's declared host memory (CPU)
+    mfu: float
+    peaks: str  # the dense peaks the device-hours divide by
+    budget_fraction: float
+    share: float  # all suites together
+    suites: tuple[SuiteCost, ...] = ()
+    baseline: bool = True  # the step-0 weights are evaluated too (evals.baseline)
+    note: str = ""  # why there are no evals
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalDevice:
+    """Where an eval task runs, as the plan prices it."""
+
+    kind: str  # "cuda" | "cpu"
+    capacity_bytes: float  # 0: not declared
+    host_bytes: float  # evals.memory_gb; 0: not declared
+    mfu: float
+    describe: str
+    peak_of: dict[str, Peak]  # by precision
+
+
+def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, compute: ComputePlan) -> EvalsPlan:
+    """The evals part of the run ``compute`` plans; PlanError when the evals would take a training GPU, do not fit
+    their device, or cost more than `evals.budget_fraction` of the training FLOPs (and MIN_REFUSED_DEVICE_HOURS)."""
+    e = config.evals
+    if not e.schedule():
+        extra = "; evals.extra_suites off too" if e.extra_suites else ""
+        return EvalsPlan("none", 0.0, 0.0, "", e.budget_fraction, 0.0, note=f"none (no evals.suite{extra})")
+    device = eval_device(profile)
+    cadence = EvalCadence(e.schedule(), config.checkpoint.every_steps, compute.total_steps)
+    train_flops = compute.total_exaflops * 1e18
+    costs = []
+    for suite, every in e.schedule():
+        cost = suite_cost(suite, vit, config, device)
+        n = cadence.evaluations(every, e.baseline)
+        costs.append(dataclasses.replace(cost, every=every, evaluations=n, share=n * cost.pflops * 1e15 / train_flops))
+    share = sum(c.share for c in costs)
+    part = EvalsPlan(
+        device=device.describe,
+        capacity_gb=(device.capacity_bytes or device.host_bytes) / GB,
+        mfu=device.mfu,
+        peaks=", ".join(f"{p} {peak.tflops:.3g}" for p, peak in device.peak_of.items()),
+        budget_fraction=e.budget_fraction,
+        share=share,
+        suites=tuple(costs),
+        baseline=e.baseline,
+    )
+    warnings = _pace_warnings(part, config, compute.step_time_s)
+    if share > e.budget_fraction:
+        hours = sum(c.device_hours * c.evaluations for c in costs)
+        if hours >= MIN_REFUSED_DEVICE_HOURS:
+            raise PlanError(_over_budget(part, cadence, e.baseline))
+        small = f" (not refused: ~{hours:.2g} eval device-hours in all, under {MIN_REFUSED_DEVICE_HOURS:g})"
+        warnings = (_over_budget(part, cadence, e.baseline) + small, *warnings)
+    return dataclasses.replace(part, warnings=warnings)
+
+
+def eval_device(profile: ClusterProfile) -> EvalDevice:
+    """The eval device of ``profile``; PlanError when its evals would take a training GPU, or run beside training
+    without declaring their memory."""
+    ev, name = profile.evals, profile.name
+    if ev.num_gpus > 0 and profile.uses_gpus and not ev.instance_type:
+        raise PlanError(
+            f"profile {name}: evals ask for a GPU (evals.num_gpus={ev.num_gpus:g}) but have no node group of their "
+            "own (evals.instance_type), so an eval would take a training GPU or wait for one; give evals an eval "
+            "node type (evals.instance_type, cluster.render) or run them on CPUs (evals.num_gpus: 0)"
+        )
+    if ev.num_gpus == 0 and not ev.instance_type and ev.memory_gb <= 0:
+        raise PlanError(
+            f"profile {name}: evals run on the training nodes' CPUs but declare no memory; set evals.memory_gb "
+            "(the host memory an eval may take: Ray places it only where that much is free)"
+        )
+    mfu = ev.assumed_mfu or profile.assumed_mfu
+    if ev.num_gpus > 0:
+        peaks = {p: _gpu_eval_peak(profile, p) for p in ("bf16", "fp32")}
+        where = f"{ev.instance_type} node group" if ev.instance_type else "own GPUs"
+        describe = f"1 x {ev.gpu_type or 'GPU'} ({ev.gpu_memory_gb:g} GB) per eval on the {where}"
+        return EvalDevice("cuda", ev.gpu_memory_gb * GB, ev.memory_gb * GB, mfu, describe, peaks)
+    peaks = {"fp32": _cpu_eval_peak(profile, "fp32")}
+    where = f"an {ev.instance_type} node" if ev.instance_type else "the training nodes, beside training"
+    describe = f"{ev.num_cpus:g} CPU(s) per eval on {where}, {ev.memory_gb:g} GB reserved in Ray"
+    return EvalDevice("cpu", 0.0, ev.memory_gb * GB, mfu, describe, peaks)
+
+
+def _gpu_eval_peak(profile: ClusterProfile, precision: str) -> Peak:
+    ev = profile.evals
+    known = gpu_peak(ev.gpu_type, precision) if ev.gpu_type else None
+    if known is not None:
+        return known
+    if ev.peak_tflops is not None:
+        return Peak(ev.peak_tflops, f"profile {profile.name}: evals.peak_tflops")
+    raise PlanError(
+        f"profile {profile.name}: no {precision} peak is known for evals.gpu_type={ev.gpu_type!r} "
+        "(pretrain.telemetry.peak); name a GPU its table lists or declare evals.peak_tflops"
+    )
+
+
+def _cpu_eval_peak(profile: ClusterProfile, precision: str) -> Peak:
+    ev = profile.evals
+    if ev.peak_tflops is not None:
+        return Peak(ev.peak_tflops, f"profile {profile.name}: evals.peak_tflops")
+    if profile.is_local:
+        return cpu_peak(precision, threads=max(1, int(ev.num_cpus)))
+    raise PlanError(
+        f"profile {profile.name}: CPU evals on remote nodes without evals.peak_tflops; declare the eval CPUs' "
+        "peak TFLOP/s in the profile's evals section so the plan can price the evals"
+    )
+
+
+# ---- one suite
+
+
+def suite_cost(suite: str, vit: ViTConfig, config: TrainConfig, device: EvalDevice) -> SuiteCost:
+    """What one evaluation of ``suite`` costs on ``device`` (cadence and share: the caller's); PlanError when an
+    entry cannot be priced or does not fit the device."""
+    loaded = load_suite(suite)
+    works = [_entry_work(spec, vit, config.evals.data_root, device.kind) for spec in loaded.evaluators]
+    hours = 0.0
+    for spec, work in zip(loaded.evaluators, works):
+        _check_fits(loaded.name, spec, work, device)
+        peak = device.peak_of.get(work.precision) or device.peak_of["fp32"]
+        hours += work.flops / (peak.tflops * 1e12 * device.mfu) / 3600
+    total = sum(w.flops for w in works)
+    peak_bytes = max(_work_memory(w, device) for w in works)
+    detail = "; ".join(w.what for w in works)
+    return SuiteCost(loaded.name, 1, 0, total / 1e15, hours, peak_bytes / GB, 0.0, detail)
+
+
+def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) -> Work:
+    o = spec.options
+    if isinstance(o, FewshotOptions):
+        size = _size(o.image_size, vit, spec)
+        images = [(split_size(data_root, d, o.train_split), split_size(data_root, d, o.test_split)) for d in o.datasets]
+        return _features_work(f"fewshot {len(images)} datasets", size, o.batch_size, images, vit, kind, keep_all=True)
+    if isinstance(o, VtabOptions):
+        root = o.data_root or data_root
+        tasks = list(o.tasks) if o.tasks is not None else list(vtab.BENCHMARKS[o.benchmark])
+        size = _size(o.image_size, vit, spec)
+        if o.protocol == "finetune":
+            return _vtab_finetune_work(o, tasks, root, size, vit, kind)
+        vtab_first = o.benchmark == "vtab1k"
+        images = [(split_size(root, t, "train", vtab_first), split_size(root, t, "test", vtab_first)) for t in tasks]
+        return _features_work(f"vtab linear probe {len(tasks)} tasks", size, o.batch_size, images, vit, kind)
+    if isinstance(o, FinetuneOptions):
+        return _finetune_work(o, data_root, _size(o.image_size, vit, spec), vit, kind)
+    if isinstance(o, InspectConfig):
+        images = [(o.num_images + o.num_rollout_images, 0)]
+        return _features_work(f"inspect {o.num_images} images", vit.image_size, o.batch_size, images, vit, kind)
+    return Work(f"{spec.name}: not priced (no cost model for type {spec.type})", vit, 0.0, 0.0, "fp32", 0.0, 0.0)
+
+
+def _features_model(vit: ViTConfig, size: int) -> ViTConfig:
+    return dataclasses.replace(vit, image_size=size, num_classes=0)  # pre-logits features: no head runs
+
+
+def _finetune_model(vit: ViTConfig, size: int, num_classes: int) -> ViTConfig:
+    """The fine-tuned model: a fresh head of ``num_classes``, pre-logits dropped (`evals.finetune._prepare`)."""
+    return dataclasses.replace(vit, image_size=size, num_classes=num_classes, representation_size=None)
+
+
+def _train_flops(model: ViTConfig, recompute: bool) -> float:
+    """FLOPs of one training image: 3 forwards, 4 when recomputing activations."""
+    return flops.forward_flops(model) * (4 if recompute else 3)
+
+
+def _size(image_size: int | None, vit: ViTConfig, spec: EvaluatorSpec) -> int:
+    size = int(image_size or vit.image_size)
+    if size % vit.stride:
+        near = max(vit.stride, round(size / vit.stride) * vit.stride)
+        raise PlanError(
+            f"eval entry {spec.name} ({spec.type}): image_size={size} is not a multiple of the model's patch stride "
+            f"{vit.stride}; the eval would fail at the first checkpoint. Set its image_size to a multiple, e.g. {near}"
+        )
+    return size
+
+
+def _features_work(
+    what: str, size: int, batch: int, images: list[tuple[int, int]], vit: ViTConfig, kind: str, keep_all=False
+) -> Work:
+    """Frozen features of each (train, test) pair: one fp32 forward per image, under inference mode. The host keeps
+    their float32 features (every dataset's with ``keep_all``) and a float64 copy of the largest pair."""
+    model = _features_model(vit, size)
+    total = sum(a + b for a, b in images)
+    largest = max(a + b for a, b in images)
+    host = (vit.representation_size or vit.width) * (4 * (total if keep_all else largest) + 8 * largest)
+    device = _weights(model, 4) + batch * (_image_bytes(size) + _block_bytes(model, kind))
+    what = f"{what}, {total:,} images at {size}px"
+    return Work(what, model, total * flops.forward_flops(model), 0.0, "fp32", device, host)
+
+
+def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, vit: ViTConfig, kind: str) -> Work:
+    """Per task: the lr-search runs on train800 and the final run on train1000, val200 scored per lr, test once;
+    each task's head has its classes (10 where the benchmark does not say)."""
+    ft, vtab_first = o.finetune, o.benchmark == "vtab1k"
+    search = ft.selection_steps or ft.steps
+    runs = ft.batch_size * (len(ft.lr_grid) * search + ft.steps)  # images through training steps, per task
+    total = forwards = 0.0
+    models = []
+    for task in tasks:
+        models.append(_finetune_model(vit, size, vtab.BENCHMARKS[o.benchmark][task].num_classes or 10))
+        scored = len(ft.lr_grid) * o.val_examples + split_size(root, task, "test", vtab_first)
+        total += runs * _train_flops(models[-1], ft.activation_checkpointing) + scored * flops.forward_flops(models[-1])
+        forwards += scored
+    model = max(models, key=lambda m: m.num_classes)
+    device, host = _finetune_memory(ft, model, kind, o.train_examples + o.val_examples)
+    what = (
+        f"vtab finetune {len(tasks)} tasks x ({len(ft.lr_grid)} lr x {search} + {ft.steps} steps) x batch "
+        f"{ft.batch_size} at {size}px, + {forwards:,.0f} test/val images"
+    )
+    return Work(what, model, total, len(tasks) * runs, _finetune_precision(ft, kind), device, host)
+
+
+def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kind: str) -> Work:
+    """Per dataset: lr-search runs on the kept part, the final run on kept + held-out, held-out scored per lr, test
+    scored at the end and at each learning-curve point; a head of the split's classes (10 where unreadable)."""
+    search = o.selection_steps or o.steps
+    train = forwards = total = pool_most = 0.0
+    models = []
+    for name in o.datasets:
+        models.append(_finetune_model(vit, size, split_classes(root, name, o.train_split)))
+        pool = min(split_size(root, name, o.train_split), o.max_train_examples)
+        held = o.val_examples if o.val_examples is not None else max(1, round(o.holdout_fraction * pool))
+        kept = o.train_examples if o.train_examples is not None else pool - held
+        images = len(o.lr_grid) * search * min(o.batch_size, kept) + o.steps * min(o.batch_size, kept + held)
+        points = 1 + len(set(o.eval_steps) - {o.steps})
+        scored = len(o.lr_grid) * held + points * split_size(root, name, o.test_split)
+        total += images * _train_flops(models[-1], o.activation_checkpointing) + scored * flops.forward_flops(
+            models[-1]
+        )
+        train, forwards, pool_most = train + images, forwards + scored, max(pool_most, kept + held)
+    model = max(models, key=lambda m: m.num_classes)
+    device, host = _finetune_memory(o, model, kind, pool_most)
+    what = (
+        f"finetune {len(o.datasets)} datasets x ({len(o.lr_grid)} lr x {search} + {o.steps} steps) x batch "
+        f"{o.batch_size} at {size}px, + {forwards:,.0f} test/held-out images"
+    )
+    return Work(what, model, total, train, _finetune_precision(o, kind), device, host)
+
+
+def _finetune_precision(o: FinetuneOptions, kind: str) -> str:
+    return "bf16" if autocast_dtype(o.precision, kind) is not None else "fp32"
+
+
+def _finetune_memory(o: FinetuneOptions, model: ViTConfig, kind: str, drawn: float) -> tuple[float, float]:
+    """(device, host) bytes of fine-tuning: fp32 weights, gradients and momentum, a micro-batch's activations x
+    ACTIVATION_ALLOWANCE, the drawn batch as float32 on the device; the drawn images as uint8 on the host."""
+    micro = min(o.micro_batch_size or o.batch_size, o.batch_size)
+    size = model.image_size
+    activations = micro * finetune_activation_bytes(o, model, kind)
+    return _weights(model, 12) + activations + o.batch_size * _image_bytes(size), drawn * 3 * size * size
+
+
+def finetune_activation_bytes(o: FinetuneOptions, model: ViTConfig, kind: str) -> float:
+    """Bytes one fine-tuning image keeps for backward, x ACTIVATION_ALLOWANCE (docs/vtab.md, "Fine-tuning
+    memory"); CUDA's fused attention recomputes the attention weights, the CPU path keeps them."""
+    per_image = memory.activation_bytes_per_image(
+        tokens=model.num_patches + (model.pool == "token"),
+        width=model.width,
+        mlp_dim=model.mlp_dim,
+        depth=model.depth,
+        num_heads=model.num_heads,
+        precision=_finetune_precision(o, kind),
+        dropout=model.dropout,
+        activation_checkpointing=o.activation_checkpointing,
+        sdpa=kind == "cuda",
+    )
+    return ACTIVATION_ALLOWANCE * per_image
+
+
+def _block_bytes(model: ViTConfig, kind: str) -> float:
+    """One encoder block's tensors for one image in an fp32 forward: the transient peak of inference."""
+    return memory.activation_bytes_per_image(
+        tokens=model.num_patches + (model.pool == "token"),
+        width=model.width,
+        mlp_dim=model.mlp_dim,
+        depth=1,
+        num_heads=model.num_heads,
+        precision="fp32",
+        sdpa=kind == "cuda",
+    )
+
+
+def _weights(vit: ViTConfig, bytes_per_param: int) -> float:
+    return bytes_per_param * flops.param_count(vit)
+
+
+def _image_bytes(size: int) -> float:
+    return 3 * size * size * 4  # a float32 image on the device
+
+
+def _work_memory(work: Work, device: EvalDevice) -> float:
+    """Peak bytes per eval device: GPU memory (+ the CUDA context), or on CPU the host's too (+ the resident
+    process, and the loaded state dict beside the model)."""
+    if device.kind == "cuda":
+        return work.device_bytes + CUDA_CONTEXT_GB * GB
+    return work.device_bytes + _host_bytes(work)
+
+
+def _host_bytes(work: Work) -> float:
+    """Host memory of an eval task beside its device's: its data, the loaded fp32 weights, the resident process."""
+    return work.host_bytes + _weights(work.model, 4) + memory.CPU_OVERHEAD_GB * GB
+
+
+# ---- refusals and warnings
+
+
+def _check_fits(suite: str, spec: EvaluatorSpec, work: Work, device: EvalDevice) -> None:
+    """PlanError when ``work`` does not fit its eval device (GPU memory, or the host memory the eval declares)."""
+    need = _work_memory(work, device)
+    if device.kind == "cuda":
+        host = _host_bytes(work)
+        if device.host_bytes and host > device.host_bytes:
+            raise PlanError(_host_fix(suite, spec, host, device))
+    capacity = device.capacity_bytes or device.host_bytes
+    if need <= capacity:
+        return
+    where = "GPU memory" if device.kind == "cuda" else "evals.memory_gb"
+    fixes = _memory_fixes(spec, work, device, need - capacity)
+    raise PlanError(
+        f"eval suite {suite}, entry {spec.name}: needs ~{need / GB:.3g} GB per eval device (an estimate), over the "
+        f"{capacity / GB:.3g} GB of {where}; the eval would fail at the first checkpoint. Fix: " + "; or ".join(fixes)
+    )
+
+
+def _memory_fixes(spec: EvaluatorSpec, work: Work, device: EvalDevice, over: float) -> list[str]:
+    o = spec.options.finetune if isinstance(spec.options, VtabOptions) else spec.options
+    fixes = []
+    if isinstance(o, FinetuneOptions) and work.train_images:
+        per_image = finetune_activation_bytes(o, work.model, device.kind)
+        micro = min(o.micro_batch_size or o.batch_size, o.batch_size)
+        room = micro - math.ceil(over / per_image)
+        fits = [d for d in range(1, max(room, 0) + 1) if o.batch_size % d == 0]
+        if fits:
+            fixes.append(f"micro_batch_size: {max(fits)} (a divisor of batch_size {o.batch_size})")
+        if not o.activation_checkpointing:
+            fixes.append("activation_checkpointing: true (each block's input only; one more forward per step)")
+    elif hasattr(spec.options, "batch_size"):
+        fixes.append(f"a smaller batch_size than {spec.options.batch_size}")
+    fixes.append("a bigger eval device (the profile's evals: gpu_type, gpu_memory_gb, instance_type; or memory_gb)")
+    return fixes
+
+
+def _host_fix(suite: str, spec: EvaluatorSpec, host: float, device: EvalDevice) -> str:
+    return (
+        f"eval suite {suite}, entry {spec.name}: needs ~{host / GB:.3g} GB of host memory (an estimate: features or "
+        f"drawn images, the loaded weights, the process), over the {device.host_bytes / GB:.3g} GB it reserves in "
+        "Ray (the profile's evals.memory_gb); raise evals.memory_gb within the eval node's memory, or evaluate "
+        "fewer or smaller datasets"
+    )
+
+
+def _over_budget(part: EvalsPlan, cadence: EvalCadence, baseline: bool) -> str:
+    """The refusal of evals over budget: each suite's share, and the cadence that would bring the costliest in."""
+    shares = ", ".join(f"{c.suite} {_percent(c.share)} ({c.evaluations} evals)" for c in part.suites)
+    worst = max(part.suites, key=lambda c: c.share)
+    room = part.budget_fraction - (part.share - worst.share)
+    per_eval = worst.share / worst.evaluations
+    every = next(
+        (n for n in range(worst.every, 10 * worst.every + 1000) if cadence.evaluations(n, baseline) * per_eval <= room),
+        None,
+    )
+    cadence_fix = (
+        f"raise its every to {every}"
+        if every
+        else "evaluate it less often (its baseline and last alone exceed the budget)"
+    )
+    return (
+        f"the evals would cost {_percent(part.share)} of the training FLOPs, over evals.budget_fraction="
+        f"{part.budget_fraction:g} ({shares}; estimates). Fix: for {worst.suite}, {cadence_fix} (evals.every or "
+        "evals.extra_suites[].every); or change its protocol (a linear probe or few-shot instead of fine-tuning, "
+        "fewer lr values, steps or tasks, a lower image_size); or give evals more of the budget "
+        "(evals.budget_fraction)"
+    )
+
+
+def _pace_warnings(part: EvalsPlan, config: TrainConfig, step_s: float) -> tuple[str, ...]:
+    """Evals that fall behind training (skipped beyond the scheduler's pins), and a last checkpoint whose evals
+    outlast the job's wait for them (evals.timeout_s)."""
+    warnings = []
+    load = sum(c.device_hours * 3600 / (c.every * config.checkpoint.every_steps * step_s) for c in part.suites)
+    if load > 1:
+        warnings.append(
+            f"evals need ~{load:.2g} eval devices to keep up with training (device-hours per hour of training, "
+            "estimated): they fall behind, and the scheduler skips evals beyond its pinned checkpoints; raise "
+            "their every, give evals more devices (a faster evals.gpu_type / instance_type), or a cheaper protocol"
+        )
+    last_s = sum(c.device_hours for c in part.suites) * 3600
+    if last_s > config.evals.timeout_s:
+        warnings.append(
+            f"the last checkpoint's evals take ~{last_s / 3600:.2g} h on one eval device (estimated), but the job's "
+            f"end waits evals.timeout_s={config.evals.timeout_s:g} s for them, then cancels them; raise "
+            "evals.timeout_s"
+        )
+    return tuple(warnings)
+
+
+# ---- the printout
+
+
+def evals_lines(p: EvalsPlan) -> list[str]:
+    """The plan's lines on the evals: the device, one per suite, the budget (the warnings go with the plan's)."""
+    if not p.suites:
+        return [f"  evals         {p.note}"]
+    lines = [f"  evals         on {p.device}; assumed MFU {p.mfu:.0%} of its dense peak ({p.peaks} TFLOP/s); estimates"]
+    for c in p.suites:
+        ends = "the baseline and the last" if p.baseline else "the last"
+        cadence = "every checkpoint" if c.every == 1 else f"every {_ordinal(c.every)} checkpoint, {ends}"
+        lines.append(
+            f"    {c.suite:<13} {cadence} ({c.evaluations} evals): {c.pflops:.3g} PFLOPs = {c.device_hours:.3g} "
+            f"device-hours, {c.memory_gb:.3g} GB of {p.capacity_gb:.3g} GB per device per checkpoint; "
+            f"{_percent(c.share)} of training ({c.detail})"
+        )
+    within = "within" if p.share <= p.budget_fraction else "OVER"
+    lines.append(
+        f"  evals budget  {_percent(p.share)} of the training FLOPs in all, {within} evals.budget_fraction "
+        f"{_percent(p.budget_fraction)}"
+    )
+    return lines
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.3g}%"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -1,0 +1,216 @@
+"""cluster.plan.evals_cost + cluster.plan.cadence: each suite's FLOPs, device-hours and memory by hand, the shipped
+i21k plan under its budget, the refusals (over budget, an eval that does not fit, an eval on a training GPU, CPU
+evals without memory), the cadence rule, the eval task's Ray memory and the merged suite of a checkpoint due for
+several. The scheduler honouring the cadence with real Ray: tests/cluster/test_driver.py (`_check_cadence`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from cluster.driver.eval_scheduler import merged_suite, task_options
+from cluster.plan import evals_cost, memory
+from cluster.plan.cadence import EvalCadence
+from cluster.plan.errors import PlanError
+from cluster.plan.evals_cost import EvalDevice, suite_cost
+from cluster.plan.planner import build_plan, resolve_config
+from cluster.plan.text import format_plan
+from cluster.profiles import load_profile
+from evals.suites import load_suite
+from pretrain.config.train_config import EvalsConfig, SuiteCadence, TrainConfig, load_config
+from pretrain.model import flops
+from pretrain.model.vit import model_config
+from pretrain.telemetry.peak import Peak
+
+SMALL_SUITE = """
+name: small
+evaluators:
+  - type: fewshot
+    datasets: [digits]
+    shots: [1]
+    batch_size: 16
+  - type: finetune
+    datasets: [digits]
+    train_examples: 80
+    val_examples: 20
+    steps: 10
+    batch_size: 8
+    micro_batch_size: 4
+    lr_grid: [0.1, 0.3]
+    warmup_steps: 2
+    eval_steps: [5, 10]
+  - type: vtab
+    benchmark: vtab1k
+    protocol: finetune
+    tasks: [dtd, kitti_dist]
+    image_size: 64
+    finetune:
+      steps: 5
+      batch_size: 4
+      lr_grid: [0.01, 0.03]
+      activation_checkpointing: true
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_small_suite_is_priced_by_hand(tmp_path):
+    """Built-in digits (1297 train, 500 test), and two VTAB-1k tasks (1000 train; 1880 and 711 test), on a GPU of
+    10 TFLOP/s at 50% MFU: every count below is the module docstring's formula written out."""
+    (tmp_path / "small.yaml").write_text(SMALL_SUITE)
+    vit = model_config("vit_tiny_debug", image_size=32, num_classes=10)
+    config = TrainConfig(evals=EvalsConfig(suite="small", data_root=str(tmp_path / "empty")))
+    peaks = {"bf16": Peak(20.0, "test"), "fp32": Peak(10.0, "test")}
+    device = EvalDevice("cuda", 24e9, 0.0, 0.5, "a test GPU", peaks)
+    cost = suite_cost(str(tmp_path / "small.yaml"), vit, config, device)
+
+    def fwd(size: int, classes: int) -> float:  # the features run no head (0 classes); a fine-tuned one its own
+        return flops.forward_flops(dataclasses.replace(vit, image_size=size, num_classes=classes))
+
+    fewshot = (1297 + 500) * fwd(32, 0)  # features once per split, fp32
+    # finetune: 2 lr x 10 steps x 8 on the 80 kept + 10 final steps x 8 on 100, 3 forwards each; the 20 held out
+    # scored per lr, test (500) at step 5 and at the end; a 10-class head (the split is not readable here).
+    finetune = (2 * 10 * 8 + 10 * 8) * 3 * fwd(32, 10) + (2 * 20 + 2 * 500) * fwd(32, 10)
+    # vtab: per task (2 lr + 1 final) x 5 steps x batch 4, 4 forwards with checkpointing; val200 per lr, test once;
+    # dtd has 47 classes, kitti_dist 4.
+    vtab = sum((3 * 5 * 4) * 4 * fwd(64, k) + (2 * 200 + test) * fwd(64, k) for k, test in ((47, 1880), (4, 711)))
+    assert cost.pflops * 1e15 == pytest.approx(fewshot + finetune + vtab)
+    # Fine-tuning runs under bf16 autocast (precision auto on cuda), the features in fp32.
+    assert cost.device_hours == pytest.approx((fewshot / 10e12 + (finetune + vtab) / 20e12) / 0.5 / 3600)
+    # Memory of the finetune entry at 32 px: fp32 weights, gradients, momentum + 4 images' activations x 1.3 + the
+    # drawn batch of 8 as float32 + the CUDA context.
+    per_image = memory.activation_bytes_per_image(
+        tokens=vit.num_patches + 1,
+        width=vit.width,
+        mlp_dim=vit.mlp_dim,
+        depth=vit.depth,
+        num_heads=vit.num_heads,
+        precision="bf16",
+    )
+    need = 12 * flops.param_count(vit) + 4 * 1.3 * per_image + 8 * 3 * 32 * 32 * 4 + 1.3e9
+    finetune_entry = load_suite(tmp_path / "small.yaml").evaluators[1]
+    work = evals_cost._entry_work(finetune_entry, vit, str(tmp_path / "empty"), "cuda")
+    assert work.device_bytes + 1.3e9 == pytest.approx(need) and cost.memory_gb * 1e9 >= need
+    assert "vtab finetune 2 tasks x (2 lr x 5 + 5 steps) x batch 4 at 64px" in cost.detail
+
+
+@pytest.mark.timeout(120)
+def test_the_h14_plan_prints_each_suite_under_budget():
+    profile = load_profile("a100x64")
+    plan = build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "h14-evals"))
+    e = plan.evals
+    assert [c.suite for c in e.suites] == ["i21k_fewshot", "vtab1k_probe"]
+    assert [(c.every, c.evaluations) for c in e.suites] == [(1, 138), (20, 8)]  # 272461 steps, a checkpoint per 2000
+    assert e.share == pytest.approx(sum(c.share for c in e.suites)) and e.share <= 0.10
+    train = plan.compute.total_exaflops * 1e18
+    for c in e.suites:
+        assert c.share == pytest.approx(c.evaluations * c.pflops * 1e15 / train)
+        assert c.memory_gb <= e.capacity_gb == 24
+    text = format_plan(plan)
+    for c in e.suites:
+        line = next(x for x in text.splitlines() if x.startswith(f"    {c.suite}"))
+        assert f"{c.device_hours:.3g} device-hours" in line and f"{100 * c.share:.3g}% of training" in line
+        assert f"{c.pflops:.3g} PFLOPs" in line and "GB of 24 GB per device per checkpoint" in line
+    assert "on 1 x A10G (24 GB) per eval on the g5.2xlarge node group" in text
+    assert f"evals budget  {100 * e.share:.3g}% of the training FLOPs in all, within evals.budget_fraction 10%" in text
+    assert not e.warnings  # the few-shot suite and the probe keep up with training on one A10G
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cluster", ["a100x8", "h100x8"])
+def test_b16_plans_on_cpu_eval_profiles_price_the_evals_on_their_cpus(cluster):
+    profile = load_profile(cluster)
+    plan = build_plan(profile, resolve_config(profile, "vit_b16_i21k", [], "b16-evals"))
+    assert plan.evals.share <= 0.10 and "beside training, 32 GB reserved in Ray" in plan.evals.device
+    assert all(c.memory_gb <= 32 for c in plan.evals.suites)
+
+
+@pytest.mark.timeout(120)
+def test_evals_over_budget_are_refused_with_the_cadence_that_fits():
+    profile = load_profile("a100x64")
+    sets = ["evals.budget_fraction=0.0012"]  # the few-shot suite takes 0.05%, the probe at every 20th 0.10%
+    with pytest.raises(PlanError, match=r"over evals.budget_fraction=0.0012 .*raise its every to (\d+)") as refused:
+        build_plan(profile, resolve_config(profile, "vit_h14_i21k", sets, "h"))
+    assert "change its protocol" in str(refused.value) and "evals.budget_fraction" in str(refused.value)
+    every = re.search(r"raise its every to (\d+)", str(refused.value)).group(1)
+    fixed = [*sets, f"evals.extra_suites=[{{suite: vtab1k_probe, every: {every}}}]"]
+    assert build_plan(profile, resolve_config(profile, "vit_h14_i21k", fixed, "h")).evals.share <= 0.0012
+    # The paper's VTAB-1k fine-tuning costs ~27% of B/16's training per evaluation: no cadence brings it in.
+    with pytest.raises(PlanError, match=r"vtab1k .*evaluate it less often .*a linear probe or few-shot instead"):
+        build_plan(profile, resolve_config(profile, "vit_b16_i21k", ["evals.suite=vtab1k"], "b"))
+
+
+@pytest.mark.timeout(120)
+def test_an_eval_that_cannot_fit_its_device_is_refused_with_the_fix():
+    a100x64 = load_profile("a100x64")
+    # vtab1k's micro-batch 32 at 384 px suits B/16 on the A10G; L/16 needs ~26 GB there.
+    with pytest.raises(PlanError, match=r"vtab1k, entry vtab: needs ~2\d\.\d GB .* over the 24 GB of GPU memory") as e:
+        build_plan(a100x64, resolve_config(a100x64, "vit_l16_i21k", ["evals.suite=vtab1k"], "l"))
+    assert "micro_batch_size: 16 (a divisor of batch_size 512)" in str(e.value)
+    assert "activation_checkpointing: true" in str(e.value) and "a bigger eval device" in str(e.value)
+    # A resolution the model's patches do not divide would fail at the first checkpoint.
+    with pytest.raises(PlanError, match=r"image_size=384 is not a multiple of the model's patch stride 14"):
+        build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", ["evals.suite=vtab1k"], "h"))
+    # CPU evals beside training: what they need against the memory they reserve in Ray.
+    a100x8 = load_profile("a100x8")
+    small = dataclasses.replace(a100x8, evals=dataclasses.replace(a100x8.evals, memory_gb=4))
+    with pytest.raises(PlanError, match=r"i21k_fewshot, entry fewshot: needs ~\d+\.\d+ GB .* over the 4 GB of evals"):
+        build_plan(small, resolve_config(small, "vit_h14_i21k", [], "h"))
+
+
+def test_evals_never_take_a_training_gpu_and_cpu_evals_declare_their_memory():
+    a100x64 = load_profile("a100x64")
+    assert a100x64.evals.num_gpus == 1 and a100x64.evals.instance_type  # a node group of its own
+    shared = dataclasses.replace(a100x64, evals=dataclasses.replace(a100x64.evals, instance_type=""))
+    with pytest.raises(PlanError, match=r"would take a training GPU .*evals.instance_type"):
+        evals_cost.eval_device(shared)
+    for name in ("a100x8", "h100x8", "local", "local_elastic"):  # CPU evals on the training nodes
+        profile = load_profile(name)
+        assert profile.evals.num_gpus == 0 and profile.evals.memory_gb > 0
+        bare = dataclasses.replace(profile, evals=dataclasses.replace(profile.evals, memory_gb=0))
+        with pytest.raises(PlanError, match=r"declare no memory; set evals.memory_gb"):
+            evals_cost.eval_device(bare)
+    # The eval task asks Ray for that memory, in bytes; without a declaration it asks for none.
+    assert task_options(12, 0, 32) == {"num_cpus": 12, "num_gpus": 0, "max_retries": 1, "memory": 32_000_000_000}
+    assert "memory" not in task_options(1, 0, 0)
+
+
+def test_the_cadence_evaluates_every_nth_checkpoint_the_baseline_and_the_last():
+    c = EvalCadence((("fewshot", 1), ("vtab", 3)), checkpoint_every=100, last_step=1050)
+    assert c.due(0) == ("fewshot", "vtab")  # the baseline
+    assert c.due(100) == c.due(200) == ("fewshot",) and c.due(300) == ("fewshot", "vtab")
+    assert c.due(1050) == ("fewshot", "vtab")  # the last step, off the grid
+    assert c.due(150) == ()  # a save off the cadence (none is planned) is not evaluated
+    # The plan's counts: the baseline + each multiple of the period up to the last step + the last.
+    assert c.evaluations(1, baseline=True) == 1 + 10 + 1
+    assert c.evaluations(3, baseline=False) == 3 + 1
+    assert EvalCadence((("s", 2),), 100, 1000).evaluations(2, baseline=True) == 1 + 5  # the last is on the grid
+
+
+def test_evals_settings_are_checked_and_null_suite_turns_every_suite_off():
+    config = load_config("vit_h14_i21k")
+    assert config.evals.schedule() == (("i21k_fewshot", 1), ("vtab1k_probe", 20))
+    off = load_config("vit_h14_i21k", ["evals.suite=null"])
+    assert off.evals.schedule() == ()
+    with pytest.raises(ValueError, match=r"evals.every=0 must be > 0"):
+        load_config("local_demo", ["evals.every=0"]).validate(2, check_paths=False)
+    with pytest.raises(ValueError, match=r"evals.budget_fraction=0.0 must be > 0"):
+        load_config("local_demo", ["evals.budget_fraction=0"]).validate(2, check_paths=False)
+    twice = EvalsConfig(suite="a", extra_suites=(SuiteCadence("a", 4),))
+    with pytest.raises(ValueError, match=r"suite\(s\) \['a'\] named twice"):
+        twice.validate()
+
+
+def test_a_checkpoint_due_for_several_suites_runs_them_as_one(tmp_path):
+    path = merged_suite(("local_fewshot", "inspect"), tmp_path)
+    suite = load_suite(path)
+    assert suite.name == "local_fewshot+inspect" and [s.type for s in suite.evaluators] == ["fewshot", "inspect"]
+
+
+def test_the_plan_knows_every_vtab1k_split_it_prices():
+    from cluster.plan.eval_splits import VTAB1K_TEST_IMAGES
+    from evals.vtab import VTAB1K_TASKS
+
+    assert set(VTAB1K_TEST_IMAGES) == set(VTAB1K_TASKS)
+    assert sum(VTAB1K_TEST_IMAGES.values()) == 387_904  # as docs/vtab.md and configs/evals/vtab1k_probe.yaml say
