@@ -95,7 +95,7 @@ class TrainDefaults:
 @dataclass(frozen=True)
 class EvalResources:
     """Ray resources of one eval task, apart from the training workers' share, and the eval device the plan prices
-    the evals on (`cluster.plan.evals_cost`)."""
+    the evals on (`cluster.plan.evals.cost`)."""
 
     num_cpus: float = 1
     num_gpus: float = 0

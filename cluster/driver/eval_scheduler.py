@@ -1,7 +1,7 @@
 """Evals after COMPLETE checkpoints, as Ray tasks on their own resources, never blocking training.
 
 `EvalScheduler`, a zero-CPU actor on the driver's node, gets each checkpoint from rank 0 fire-and-forget and starts
-one eval task per new step that a suite's cadence reaches (`cluster.plan.cadence`; a step reported again is
+one eval task per new step that a suite's cadence reaches (`cluster.plan.evals.cadence`; a step reported again is
 evaluated once), running the suites due there; each task logs to the job's MLflow run at step = the checkpoint step.
 The driver calls `drain` after training. At most `max_pinned` evals wait at once; beyond that an eval is skipped, so
 that pins cannot fill the disk. An eval that fails for good is recorded in the run (`_fail`). Design: docs/design.md,
@@ -19,7 +19,7 @@ from typing import Any
 import ray
 import yaml
 
-from cluster.plan.cadence import EvalCadence
+from cluster.plan.evals.cadence import EvalCadence
 from data_pipeline.paths import SUITES_DIR
 from pretrain.checkpoint.run_folder import unpin_checkpoint
 from tracking import keys

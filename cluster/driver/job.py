@@ -23,7 +23,7 @@ from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
 from cluster.network import network_env
-from cluster.plan.cadence import EvalCadence
+from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.planner import Plan, runtime_pip
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
 from data_pipeline.paths import write_text_atomically

@@ -3,7 +3,7 @@
 `resolve_config` layers the profile's defaults and the user's `--set` on the recipe, so that the plan shows exactly
 what the workers run. `build_plan` does the arithmetic, one builder per part of `Plan`, each number from its one
 owner (`pretrain.model.flops`, `pretrain.config.ds_config`, `cluster.plan.compute`, `cluster.plan.memory`,
-`cluster.plan.evals_cost`, ...), and raises `PlanError` when the run cannot fit. `runtime_pip`: the extras the job's
+`cluster.plan.evals.cost`, ...), and raises `PlanError` when the run cannot fit. `runtime_pip`: the extras the job's
 Ray runtime env installs.
 """
 
@@ -22,7 +22,7 @@ from cluster.plan.comms import CommPlan
 from cluster.plan.compute import ComputePlan, compute_plan, profile_peak, step_time
 from cluster.plan.data_wait import data_wait, loader_host_bytes
 from cluster.plan.errors import PlanError
-from cluster.plan.evals_cost import EvalsPlan, plan_evals
+from cluster.plan.evals.cost import EvalsPlan, plan_evals
 from cluster.plan.memory import MemoryPlan
 from cluster.plan.startup import StartupAllowance, startup_allowance
 from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
@@ -296,7 +296,7 @@ class Plan:
     baseline_eval: str  # the step-0 baseline eval: what it costs, or why there is none
     startup: StartupAllowance  # the watchdog's allowances
     comms: CommPlan  # the interconnect, a step's collectives and their time (docs/network.md)
-    evals: EvalsPlan  # each suite's cost per checkpoint and share of the training FLOPs (`cluster.plan.evals_cost`)
+    evals: EvalsPlan  # each suite's cost per checkpoint and share of the training FLOPs (`cluster.plan.evals.cost`)
     elastic_ends: tuple[ElasticEnd, ...] = ()  # (at workers.min, at workers.max); () when not elastic
     runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs
     final_model: str = ""  # whether the job's end logs the final model to MLflow, or why not

@@ -7,7 +7,7 @@ import dataclasses
 
 from cluster.plan.comms import CommPlan
 from cluster.plan.data_wait import DataWait, data_wait_line
-from cluster.plan.evals_cost import evals_lines
+from cluster.plan.evals.cost import evals_lines
 from cluster.plan.planner import EXTRAS, DataPlan, Plan
 from cluster.plan.storage import STORAGE_EXTRAS
 

@@ -90,7 +90,7 @@ class SuiteCadence:
 @dataclass(frozen=True)
 class EvalsConfig:
     """Read by the planner, which prices the suites, and the cluster driver, which runs those due at each checkpoint
-    (`cluster.plan.cadence`: every N-th checkpoint, the step-0 baseline and the last step)."""
+    (`cluster.plan.evals.cadence`: every N-th checkpoint, the step-0 baseline and the last step)."""
 
     suite: str | None = None  # an eval suite name or YAML path; None → no evals (extra_suites neither)
     every: int = 1  # `suite` evaluates every N-th checkpoint, and always the baseline and the last

@@ -200,12 +200,13 @@ def test_eval_scheduler_releases_pins_when_evals_end(tmp_path, ray_auth_off, cap
 
 
 def _check_cadence(ray, run_dir: Path) -> None:
-    """Suites on their cadence (`cluster.plan.cadence`), in the Ray session of the test above: checkpoints every 10
-    steps, the last at 35; "fast" every checkpoint, "slow" every 2nd. Step 0 and the last run both suites in one
-    task, step 20 both, steps 10 and 30 "fast" alone; with no suite due (a cadence of every 4th only) a checkpoint
-    is not evaluated, and its folder left unpinned. The task carries the profile's evals.memory_gb as Ray's memory."""
+    """Suites on their cadence (`cluster.plan.evals.cadence`), in the Ray session of the test above: checkpoints
+    every 10 steps, the last at 35; "fast" every checkpoint, "slow" every 2nd. Step 0 and the last run both suites
+    in one task, step 20 both, steps 10 and 30 "fast" alone; with no suite due (a cadence of every 4th only) a
+    checkpoint is not evaluated, and its folder left unpinned. The task carries the profile's evals.memory_gb as
+    Ray's memory."""
     from cluster.driver.eval_scheduler import EvalScheduler
-    from cluster.plan.cadence import EvalCadence
+    from cluster.plan.evals.cadence import EvalCadence
 
     def task(checkpoint_dir: str, suite, data_root: str, run_id, tracking_uri) -> dict:
         import ray as task_ray

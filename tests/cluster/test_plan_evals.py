@@ -1,5 +1,5 @@
-"""cluster.plan.evals_cost + cluster.plan.cadence: each suite's FLOPs, device-hours and memory by hand, the shipped
-i21k plan under its budget, the refusals (over budget, an eval that does not fit, an eval on a training GPU, CPU
+"""cluster.plan.evals.cost + cluster.plan.evals.cadence: each suite's FLOPs, device-hours and memory by hand, the
+shipped i21k plan under its budget, the refusals (over budget, an eval that does not fit, an eval on a training GPU, CPU
 evals without memory), the cadence rule, the eval task's Ray memory and the merged suite of a checkpoint due for
 several. The scheduler honouring the cadence with real Ray: tests/cluster/test_driver.py (`_check_cadence`)."""
 
@@ -11,10 +11,11 @@ import re
 import pytest
 
 from cluster.driver.eval_scheduler import merged_suite, task_options
-from cluster.plan import evals_cost, memory
-from cluster.plan.cadence import EvalCadence
+from cluster.plan import memory
 from cluster.plan.errors import PlanError
-from cluster.plan.evals_cost import EvalDevice, suite_cost
+from cluster.plan.evals import cost as evals_cost
+from cluster.plan.evals.cadence import EvalCadence
+from cluster.plan.evals.cost import EvalDevice, suite_cost
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
@@ -209,7 +210,7 @@ def test_a_checkpoint_due_for_several_suites_runs_them_as_one(tmp_path):
 
 
 def test_the_plan_knows_every_vtab1k_split_it_prices():
-    from cluster.plan.eval_splits import VTAB1K_TEST_IMAGES
+    from cluster.plan.evals.splits import VTAB1K_TEST_IMAGES
     from evals.vtab import VTAB1K_TASKS
 
     assert set(VTAB1K_TEST_IMAGES) == set(VTAB1K_TASKS)

@@ -1,4 +1,4 @@
-"""The split sizes and class counts the plan prices evals with (`cluster.plan.evals_cost`): a split's dataset.json
+"""The split sizes and class counts the plan prices evals with (`cluster.plan.evals.cost`): a split's dataset.json
 where the launching machine can read it, else the sizes of VTAB-1k's splits and of the built-in sets."""
 
 from __future__ import annotations

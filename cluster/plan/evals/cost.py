@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass
 
 from cluster.plan import memory
-from cluster.plan.cadence import EvalCadence
 from cluster.plan.compute import ComputePlan
 from cluster.plan.errors import PlanError
-from cluster.plan.eval_splits import split_classes, split_size
+from cluster.plan.evals.cadence import EvalCadence
+from cluster.plan.evals.splits import split_classes, split_size
 from cluster.profiles import ClusterProfile
 from evals import vtab
 from evals.fewshot import FewshotOptions
