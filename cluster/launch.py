@@ -20,7 +20,7 @@ from pathlib import Path
 from cluster import jobs
 from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
 from cluster.local_data import check_local_data, prepare_local_data
-from cluster.plan.planner import PlanError, build_plan, resolve_config
+from cluster.plan.planner import PlanError, build_plan, recipe_over_profile, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             prepare_local_data(config, suite)
         plan = build_plan(profile, config)
         print(format_plan(plan), flush=True)
+        for line in recipe_over_profile(profile, args.recipe, args.set):
+            print(f"note: {line}", flush=True)
         if args.dry_run:
             absent = [str(folder) for folder, complete in present.items() if not complete]
             if absent:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from cluster.driver.job import PLAN_ENV, JobSpec, run_job
-from cluster.plan.planner import PlanError, build_plan, resolve_config
+from cluster.plan.planner import PlanError, build_plan, recipe_over_profile, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
 from evals.suites import load_suite
@@ -94,10 +94,13 @@ def _plan_here(args: argparse.Namespace) -> JobSpec | None:
         if config.evals.suite:
             load_suite(config.evals.suite)  # fail now, not at the first eval
         plan = build_plan(profile, config)
+        notes = recipe_over_profile(profile, args.recipe, args.set)
     except (PlanError, ValueError) as error:
         print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
         return None
     print(format_plan(plan), flush=True)
+    for line in notes:
+        print(f"note: {line}", flush=True)
     return JobSpec.create(profile, config, plan)
 
 

@@ -107,6 +107,36 @@ def _given(written: dict, sets: list[str]) -> set[str]:
     return walk(written, "") | {".".join(parse_override(s)[0]) for s in sets}
 
 
+def _profile_defaults(profile: ClusterProfile) -> dict[str, Any]:
+    """The settings a profile suggests for its hardware, by dotted key; a recipe or `--set` that gives one wins."""
+    d = profile.defaults
+    return {
+        "deepspeed.zero_stage": d.zero_stage,
+        "deepspeed.precision": d.precision,
+        "data.micro_batch_size": d.micro_batch_size,
+        "data.num_workers": profile.workers.loader_workers,
+    }
+
+
+def recipe_over_profile(profile: ClusterProfile, recipe: str, sets: list[str]) -> list[str]:
+    """One line per profile default that the recipe as written replaces with another value, naming the `--set` that
+    takes the profile's. A `--set` is the user's choice and `precision: auto` picks per device: neither is listed."""
+    path = recipe_path(recipe)
+    written = read_recipe(path)
+    config = config_from_recipe(path, written, sets)
+    from_recipe, from_user = _given(written, []), _given({}, sets)
+    lines = []
+    for key, suggested in _profile_defaults(profile).items():
+        section, field = key.split(".")
+        value = getattr(getattr(config, section), field)
+        if key in from_recipe and key not in from_user and value != "auto" and str(value) != str(suggested):
+            lines.append(
+                f"the recipe's {key}={value} replaces profile {profile.name}'s {suggested}; "
+                f"--set {key}={suggested} takes the profile's"
+            )
+    return lines
+
+
 def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
     """`key=value` overrides that put a recipe (``written``, read from ``path``) on this profile's hardware.
     Storage, tracking, backend and a declared peak always come from the profile; its `defaults` fill only what the
@@ -126,13 +156,7 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         # Job logs are not a terminal: a line per log_every steps, no progress bar.
         "logging.progress_bar=false",
     ]
-    defaults = {
-        "deepspeed.zero_stage": d.zero_stage,
-        "deepspeed.precision": d.precision,
-        "data.micro_batch_size": d.micro_batch_size,
-        "data.num_workers": profile.workers.loader_workers,
-    }
-    out += [f"{k}={v}" for k, v in defaults.items() if k not in given]
+    out += [f"{k}={v}" for k, v in _profile_defaults(profile).items() if k not in given]
     # The MFU denominator at the run's precision (CUDA: auto and probe are bf16), where the profile knows it.
     requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
     peak = profile_peak(profile, "fp32" if requested == "fp32" or not profile.uses_gpus else "bf16")
