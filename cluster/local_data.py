@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from data_pipeline.builtin import sets as builtin
-from data_pipeline.paths import resolve_path
+from data_pipeline.paths import is_remote, resolve_path
 from evals.suites import SuiteConfig
 from evals.vtab import BENCHMARKS
 
@@ -32,15 +32,17 @@ def _suite_datasets(suite: SuiteConfig) -> list[tuple[str, str | None]]:
 
 
 def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, Path, dict]]:
-    """(name, root, options) of each built-in folder ``root/<name>`` the run reads; eval sets at their defaults, as
-    `evals.features.resolve_split` makes them."""
+    """(name, root, options) of each local built-in folder ``root/<name>`` the run reads; eval sets at their
+    defaults, as `evals.features.resolve_split` makes them. Sets under an ``s3://``/``gs://`` root are not listed."""
     found: list[tuple[str, Path, dict]] = []
     if config.data.builtin:
         name = builtin.ALIASES.get(config.data.builtin, config.data.builtin)
         found.append((name, config.data.builtin_root, dict(config.data.builtin_options)))
     if suite is not None:
         for name, root in _suite_datasets(suite):
-            found.append((name, resolve_path(root or config.evals.data_root), {}))
+            where = root or config.evals.data_root
+            if not is_remote(where):  # a bucket is read as it is: nothing here writes to object storage
+                found.append((name, resolve_path(where), {}))
     unique = {}
     for name, root, options in found:
         unique.setdefault((name, root, tuple(builtin.settings(name, **options).items())), (name, root, options))

@@ -15,7 +15,11 @@ import json
 import os
 import random
 import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -257,3 +261,54 @@ def train_cli(train_env):
         return json.loads((run_dir / "summary.json").read_text())
 
     return run
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_up(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"moto server exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"moto server did not answer at {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def s3_endpoint(tmp_path, monkeypatch):
+    """A real S3-compatible server of this test's own (moto's, on a free 127.0.0.1 port), and the environment that
+    points S3 clients at it with dummy credentials, as for any S3 client: ``AWS_ENDPOINT_URL`` (botocore, under
+    s3fs), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``. Processes started after it (a Ray node, a CLI) inherit
+    them. Stopped at the end."""
+    port, log = _free_loopback_port(), tmp_path / "moto.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    try:
+        _wait_until_up(url, server, log)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "FSSPEC_S3_ENDPOINT_URL"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))  # the user's files stay unread
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import sys
 import time
@@ -251,15 +252,18 @@ def test_eval_tasks_run_on_the_gpu_ray_gave_them():
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
-    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri
+    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri, s3_endpoint
 ):
     """The restarted group redoes steps 11..~15 (already logged to MLflow), and keep_last=1 would delete the
-    checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot."""
+    checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot. The evals read their task
+    from an S3-compatible server (`evals.data_root: s3://...`), as on a GPU profile."""
     import ray
+    import s3fs
     from mlflow import MlflowClient
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.local_data import prepare_local_data
+    from data_pipeline.builtin.sets import ensure
     from evals.suites import load_suite
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -294,9 +298,14 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
         "logging.progress_bar=false",
         "logging.log_every=1",
         "data.streams=2",  # the small set has 3 shards
+        "evals.data_root=s3://vitscale-evals/data",
     ]
+    bucket = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True)
+    bucket.mkdir("vitscale-evals")
+    bucket.put(str(ensure("digits", tmp_path / "eval_data")), "vitscale-evals/data/digits", recursive=True)
     config = resolve_config(profile, "local_demo", sets, "two-node")
-    prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: fractal + digits, in tmp_path
+    prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: the training set, in tmp_path
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["rcdb"]  # the digits are read from the bucket
     plan = build_plan(profile, config)
     # Rank 1 dies as soon as step 10's checkpoint is COMPLETE (on_checkpoint runs after it, on every rank), during
     # step 11. A delay would race the steps: at bf16 speed, 1 s was enough to COMPLETE step 20 first.
@@ -394,6 +403,8 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     # An eval at every checkpoint step and at step 0 (the weights before the first update, evals.baseline on by
     # default), each once: the restart resumed from step 10 and evaluated neither step 10 nor step 0 again.
     assert sorted(eval_steps) == [0, 10, 20, 30]
+    # ...read from the bucket by the eval tasks (this process only wrote there)
+    assert re.search(r"GET /vitscale-evals/data/digits/test/\S+\.tar HTTP", (tmp_path / "moto.log").read_text())
     assert {"0", "10", "20", "30"} <= set(summary["checkpoints"])
     assert all("metrics" in summary["checkpoints"][s] for s in ("0", "10", "20", "30"))
     # (step 0 was pinned for its eval and pruned like the others: the listing of checkpoints above is step 30 only)

@@ -183,3 +183,17 @@ def test_make_shards_writes_what_every_shipped_recipe_and_suite_reads():
     for where, name, root, options in needs:
         assert root == PROJECT_ROOT / "data", where  # where `make shards` writes them
         assert builtin.settings(name, **options) == builtin.settings(name), (where, name, options)
+
+
+def test_eval_sets_under_a_bucket_are_neither_checked_nor_generated_here():
+    """An `evals.data_root` of s3:// is read as it is by the eval tasks; before, the launch took it for a local
+    path and generated the sets into a folder named `s3:` in the project."""
+    from cluster.local_data import builtin_requirements, check_local_data
+    from evals.suites import load_suite
+    from pretrain.config.train_config import load_config
+
+    config = load_config("local_demo", ["evals.data_root=s3://vitscale-evals/data"])
+    suite = load_suite(config.evals.suite)
+    assert [name for name, _, _ in builtin_requirements(config, suite)] == ["rcdb"]  # the training set only
+    assert all("s3:" not in str(folder) for folder in check_local_data(config, suite))
+

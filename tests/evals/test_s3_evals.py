@@ -1,16 +1,13 @@
 """Eval data on a real S3-compatible server (moto's, on 127.0.0.1): ``--data-root s3://...`` through
 ``python -m evals.run`` scores as the local copy does, few-shot and fine-tuning alike.
 
-The endpoint comes from the environment, as for any S3 client: ``AWS_ENDPOINT_URL`` (botocore, under s3fs;
-``FSSPEC_S3_ENDPOINT_URL`` works too), with ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.
+The endpoint comes from the environment, as for any S3 client (the ``s3_endpoint`` fixture, tests/conftest.py).
 """
 
 import json
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -50,55 +47,6 @@ evaluators:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_until_up(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"moto server exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail(f"moto server did not answer at {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-@pytest.fixture
-def s3_endpoint(tmp_path, monkeypatch):
-    """A moto S3 server of this test's own on a free local port, and the environment that points S3 clients
-    (this process's children) at it with dummy credentials; stopped at the end."""
-    port, log = _free_port(), tmp_path / "moto.log"
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
-        )
-    try:
-        _wait_until_up(url, server, log)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "FSSPEC_S3_ENDPOINT_URL"):
-            monkeypatch.delenv(name, raising=False)
-        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))  # the user's files stay unread
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_suite_on_an_s3_data_root_scores_as_its_local_copy(s3_endpoint, eval_data_root, tmp_path):
@@ -131,3 +79,4 @@ def test_a_suite_on_an_s3_data_root_scores_as_its_local_copy(s3_endpoint, eval_d
     scored = {r["metric"] for r in remote if r["status"] == "ok"}
     assert {"fewshot/digits/5shot", "vtab/digits", "finetune/digits/accuracy_at_1steps"} <= scored
     assert json.dumps(remote) == json.dumps(local)  # every row, every value (NaN std too: compared as text)
+
