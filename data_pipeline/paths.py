@@ -1,4 +1,5 @@
-"""The project root, path resolution for recipes and profiles, the remote-URL rule and whole-file replacement.
+"""The project root, path resolution for recipes and profiles, the remote-URL rule, the user's cache folder and
+whole-file replacement.
 
 Relative paths in recipes, profiles and suites are taken from the project root, not the working directory, so a Ray
 job (in an uploaded copy of the project) and a shell in the checkout read the same files.
@@ -19,6 +20,11 @@ def is_remote(url: str | Path) -> bool:
     """``s3://``, ``gs://``, ``https://`` … are remote (read through fsspec); ``file://`` and plain paths are local."""
     url = str(url)
     return "://" in url and not url.startswith("file://")
+
+
+def cache_dir() -> Path:
+    """This user's vitscale cache (measured rates, fetched weights): ``$VITSCALE_CACHE``, else ~/.cache/vitscale."""
+    return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale")
 
 
 def resolve_path(path: str | Path) -> Path:

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from data_pipeline.paths import replace_atomically
+from data_pipeline.paths import is_remote, replace_atomically
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.features import data_location
 from evals.suites import EVALUATORS, load_suite
@@ -62,12 +62,14 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     `pretrain.weights.source` resolves. ``step``: for weights without one (default 0); a checkpoint refuses another."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
-    if not Path(checkpoint).exists():
+    if not is_remote(checkpoint) and not Path(checkpoint).exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist; {ACCEPTED}")
     try:
         path = weights_source.resolve(checkpoint)  # a run folder: its newest COMPLETE checkpoint, verified
     except (FileNotFoundError, weights_source.DamagedCheckpointError) as error:
         raise CheckpointError(str(error)) from None
+    except (OSError, ImportError) as error:  # object storage: credentials, network, its fsspec extra
+        raise CheckpointError(f"checkpoint {checkpoint} could not be fetched: {error}") from None
     if run_folder.looks_like_checkpoint(path):  # else exported weights: no COMPLETE, no step of their own
         try:
             own = run_folder.open_checkpoint(path).step

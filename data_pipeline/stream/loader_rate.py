@@ -13,7 +13,6 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 from PIL import Image
 
 from data_pipeline.manifest import DatasetInfo, dataset_info
-from data_pipeline.paths import write_text_atomically
+from data_pipeline.paths import cache_dir, write_text_atomically
 from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.decoded_cache import planned_bytes
@@ -47,7 +46,7 @@ class LoaderRate:
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale") / "loader_rate.json"
+    return cache_dir() / "loader_rate.json"
 
 
 def cpu_model() -> str:

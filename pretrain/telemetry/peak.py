@@ -8,13 +8,13 @@ in ``~/.cache/vitscale/gemm_peak.json`` (``$VITSCALE_CACHE``), so the plan and e
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from data_pipeline.paths import cache_dir
 from data_pipeline.stream.loader_rate import cpu_model, write_atomically  # shared per-machine cache helpers
 from pretrain.config.precision import cpu_bf16_units
 
@@ -37,7 +37,7 @@ class Peak:
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale") / "gemm_peak.json"
+    return cache_dir() / "gemm_peak.json"
 
 
 def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:

@@ -30,15 +30,14 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("out_dir", type=Path)
     convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
     info = sub.add_parser("info", help="print the architecture, size and compute of any weights vitscale reads")
-    info.add_argument("source", type=Path, help=".npz, checkpoint folder or save_pretrained folder")
+    info.add_argument("source", help=".npz, checkpoint folder or save_pretrained folder (a path, or s3:// / gs://)")
     info.add_argument("--image-size", type=int, default=None)
     out = sub.add_parser("export", help="any weights vitscale reads → a transformers folder (hf) or the official .npz")
     out.add_argument(
         "source",
-        type=Path,
         metavar="SOURCE",
         help="a checkpoint folder, a run folder (its newest "
-        "COMPLETE checkpoint), a save_pretrained / convert / HF folder, or an official .npz",
+        "COMPLETE checkpoint), a save_pretrained / convert / HF folder, or an official .npz; a path, or s3:// / gs://",
     )
     out.add_argument(
         "out",
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = load_model(args.source, image_size=args.image_size)
     # Bad input, named by the loaders and writers; anything else is a bug and keeps its traceback.
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ImportError) as error:  # ImportError: the s3/gs extra for a remote SOURCE
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     summary = {"config": model.config.to_dict(), **describe(model.config)}

@@ -80,3 +80,52 @@ def test_a_suite_on_an_s3_data_root_scores_as_its_local_copy(s3_endpoint, eval_d
     assert {"fewshot/digits/5shot", "vtab/digits", "finetune/digits/accuracy_at_1steps"} <= scored
     assert json.dumps(remote) == json.dumps(local)  # every row, every value (NaN std too: compared as text)
 
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(s3_endpoint, tmp_path, capsys):
+    """A run folder on s3:// means its newest COMPLETE checkpoint, as locally, for evals, load and export alike;
+    only the checkpoint's own files are copied (not `deepspeed/`), once per listing; a URL with nothing there, or a
+    damaged copy, is one line and exit 2."""
+    import s3fs
+
+    from evals import run as evals_run
+    from evals.runner import open_checkpoint
+    from pretrain.model.vit import model_config
+    from pretrain.weights.__main__ import main as weights_main
+    from pretrain.weights.formats import load_model
+    from pretrain.weights.source import FETCHED
+    from tests.pretrain.test_export import _checkpoint, _random
+
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        folder = _checkpoint(run, step, _random(model_config("vit_tiny_debug", num_classes=4, depth=step)), step < 3)
+        (folder / "deepspeed").mkdir()
+        (folder / "deepspeed" / "optim_states.pt").write_bytes(b"\0" * 4096)  # stands for the optimizer state
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True)
+    s3.mkdir(BUCKET)
+    s3.put(str(run), f"{BUCKET}/runs/r", recursive=True)
+    url = f"s3://{BUCKET}/runs/r"
+
+    load, step, out, path = open_checkpoint(url)
+    assert (step, path.name, out) == (2, "step_00000002", path / "evals")  # step 3 has no COMPLETE
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [FETCHED, "COMPLETE", "checksums.json", "model.json", "model.safetensors", "trainer_state.json"]
+    )
+    fetched_at = (path / FETCHED).stat().st_mtime_ns
+    assert load().config.depth == 2 and load_model(f"{url}/checkpoints").config.depth == 2
+    assert (path / FETCHED).stat().st_mtime_ns == fetched_at  # the same listing: the copy is reused
+    assert weights_main(["export", url, str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
+
+    # A new save in the bucket is a new listing: the run folder now means step 3
+    s3.put_file(
+        str(run / "checkpoints" / "step_00000002" / "COMPLETE"), f"{BUCKET}/runs/r/checkpoints/step_00000003/COMPLETE"
+    )
+    assert open_checkpoint(url)[1] == 3
+    capsys.readouterr()
+    suite = tmp_path / "s.yaml"
+    suite.write_text("name: s\nevaluators:\n  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n")
+    for bad in (f"s3://{BUCKET}/runs/nothing-here", f"s3://{BUCKET}/runs"):
+        assert evals_run.main(["--checkpoint", bad, "--suite", str(suite)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and bad in err, err
