@@ -20,7 +20,7 @@ from pathlib import Path
 from cluster import jobs
 from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
 from cluster.local_data import check_local_data, prepare_local_data
-from cluster.plan.planner import PlanError, build_plan, recipe_over_profile, resolve_config
+from cluster.plan.planner import PlanError, build_plan, resolve_with_notes
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.cluster)
         fault = _parse_fault(args.inject_worker_failure)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        config = resolve_config(profile, args.recipe, args.set, run_name)
+        config, notes = resolve_with_notes(profile, args.recipe, args.set, run_name)
         # Fail now, not at the first eval.
         suite = load_suite(config.evals.suite) if config.evals.suite else None
         present = check_local_data(config, suite) if profile.is_local else {}  # before the plan reads a manifest
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_local_data(config, suite)
         plan = build_plan(profile, config)
         print(format_plan(plan), flush=True)
-        for line in recipe_over_profile(profile, args.recipe, args.set):
+        for line in notes:
             print(f"note: {line}", flush=True)
         if args.dry_run:
             absent = [str(folder) for folder, complete in present.items() if not complete]

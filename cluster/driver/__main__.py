@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from cluster.driver.job import PLAN_ENV, JobSpec, run_job
-from cluster.plan.planner import PlanError, build_plan, recipe_over_profile, resolve_config
+from cluster.plan.planner import PlanError, build_plan, resolve_with_notes
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
 from evals.suites import load_suite
@@ -90,11 +90,10 @@ def _plan_here(args: argparse.Namespace) -> JobSpec | None:
     try:
         profile = load_profile(args.cluster)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        config = resolve_config(profile, args.recipe, args.set, run_name)
+        config, notes = resolve_with_notes(profile, args.recipe, args.set, run_name)
         if config.evals.suite:
             load_suite(config.evals.suite)  # fail now, not at the first eval
         plan = build_plan(profile, config)
-        notes = recipe_over_profile(profile, args.recipe, args.set)
     except (PlanError, ValueError) as error:
         print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
         return None

@@ -118,17 +118,15 @@ def _profile_defaults(profile: ClusterProfile) -> dict[str, Any]:
     }
 
 
-def recipe_over_profile(profile: ClusterProfile, recipe: str, sets: list[str]) -> list[str]:
-    """One line per profile default that the recipe as written replaces with another value, naming the `--set` that
-    takes the profile's. A `--set` is the user's choice and `precision: auto` picks per device: neither is listed."""
-    path = recipe_path(recipe)
-    written = read_recipe(path)
-    config = config_from_recipe(path, written, sets)
+def _recipe_over_profile(profile: ClusterProfile, written: dict, sets: list[str], recipe: TrainConfig) -> list[str]:
+    """One line per profile default that the recipe as written (``recipe``: it with the user's `--set`) replaces
+    with another value, naming the `--set` that takes the profile's. A `--set` is the user's choice and
+    `precision: auto` picks per device: neither is listed."""
     from_recipe, from_user = _given(written, []), _given({}, sets)
     lines = []
     for key, suggested in _profile_defaults(profile).items():
         section, field = key.split(".")
-        value = getattr(getattr(config, section), field)
+        value = getattr(getattr(recipe, section), field)
         if key in from_recipe and key not in from_user and value != "auto" and str(value) != str(suggested):
             lines.append(
                 f"the recipe's {key}={value} replaces profile {profile.name}'s {suggested}; "
@@ -173,8 +171,15 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
 
 
 def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
-    """Recipe → profile defaults → the user's `--set` (last wins), validated at the profile's world size. The recipe
-    is read here, once, for the whole launch; paths are checked only on a local profile."""
+    """Recipe → profile defaults → the user's `--set` (last wins), validated at the profile's world size."""
+    return resolve_with_notes(profile, recipe, sets, run_name)[0]
+
+
+def resolve_with_notes(
+    profile: ClusterProfile, recipe: str, sets: list[str], run_name: str
+) -> tuple[TrainConfig, list[str]]:
+    """`resolve_config`, and a line for each profile default the recipe replaces (printed after the plan). The
+    recipe is read here, once, for the whole launch; paths are checked only on a local profile."""
     path = recipe_path(recipe)
     written = read_recipe(path)
     overrides = profile_overrides(profile, path, written, sets, run_name)
@@ -185,7 +190,7 @@ def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_na
     if profile.workers.elastic:
         elastic_world_sizes(profile, config)
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
-    return config
+    return config, _recipe_over_profile(profile, written, sets, config_from_recipe(path, written, sets))
 
 
 def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set[str]) -> list[str]:

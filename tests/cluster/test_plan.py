@@ -14,7 +14,7 @@ import yaml
 
 from cluster import launch
 from cluster.plan.memory import GB, activation_bytes_per_image, model_state_bytes
-from cluster.plan.planner import PlanError, build_plan, recipe_over_profile, resolve_config
+from cluster.plan.planner import PlanError, build_plan, resolve_config, resolve_with_notes
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile, profile_names
 from pretrain.config.precision import StepShape, cpu_bf16_units, decide
@@ -156,7 +156,7 @@ def test_profile_defaults_fill_only_what_the_recipe_leaves_unset(tmp_path):
 @pytest.mark.timeout(60)
 def test_the_plan_names_each_profile_default_the_recipe_replaces(capsys):
     h100 = load_profile("h100x8")
-    lines = recipe_over_profile(h100, "vit_b16_i21k", [])
+    lines = resolve_with_notes(h100, "vit_b16_i21k", [], "r")[1]
     # the recipe's ZeRO-2, micro 64 and 8 loaders win over h100x8's ZeRO-1, 128 and 12; precision auto is not listed
     assert [line.split("=")[0].split()[-1] for line in lines] == [
         "deepspeed.zero_stage",
@@ -166,10 +166,10 @@ def test_the_plan_names_each_profile_default_the_recipe_replaces(capsys):
     assert "--set deepspeed.zero_stage=1 takes the profile's" in lines[0]
     # the user's own --set is a choice, not a surprise; and taking the profile's value silences its line
     sets = ["deepspeed.zero_stage=3", "data.num_workers=12"]
-    assert [line.split("=")[0].split()[-1] for line in recipe_over_profile(h100, "vit_b16_i21k", sets)] == [
+    assert [line.split("=")[0].split()[-1] for line in resolve_with_notes(h100, "vit_b16_i21k", sets, "r")[1]] == [
         "data.micro_batch_size"
     ]
-    assert recipe_over_profile(load_profile("a100x64"), "vit_h14_i21k", []) == []
+    assert resolve_with_notes(load_profile("a100x64"), "vit_h14_i21k", [], "r")[1] == []
     assert launch.main(["--cluster", "a100x8", "--recipe", "vit_b16_i21k", "--dry-run"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert notes == [
