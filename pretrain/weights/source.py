@@ -62,8 +62,19 @@ def resolve(source: str | Path) -> Path:
 def fetch(url: str) -> Path:
     """The local copy of remote weights source ``url``: a folder, or the file itself for a single-file source (an
     official ``.npz``). FileNotFoundError, naming the URL, for nothing there or a run without a COMPLETE checkpoint;
-    ImportError without the storage's filesystem (the `s3` / `gs` extras)."""
-    fs, root = fsspec.core.url_to_fs(url)
+    OSError naming it for the storage's refusals (credentials, network); ImportError without the storage's
+    filesystem (the `s3` / `gs` extras)."""
+    try:
+        return _fetch(url)
+    except (OSError, ImportError):  # FileNotFoundError included
+        raise
+    except Exception as error:  # the storage client's own (botocore's NoCredentialsError is no OSError)
+        raise OSError(f"{url}: {type(error).__name__}: {error}") from error
+
+
+def _fetch(url: str) -> Path:
+    # A client of its own: a cached one may hold the credentials and endpoint of an earlier environment
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     root = root.rstrip("/")
     protocol = url.split("://", 1)[0]
     if fs.isfile(root):

@@ -82,7 +82,9 @@ def test_a_suite_on_an_s3_data_root_scores_as_its_local_copy(s3_endpoint, eval_d
 
 
 @pytest.mark.timeout(180)
-def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(s3_endpoint, tmp_path, capsys):
+def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(
+    s3_endpoint, tmp_path, capsys, monkeypatch
+):
     """A run folder on s3:// means its newest COMPLETE checkpoint, as locally, for evals, load and export alike;
     only the checkpoint's own files are copied (not `deepspeed/`), once per listing; a URL with nothing there, or a
     damaged copy, is one line and exit 2."""
@@ -129,3 +131,10 @@ def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(s3
         assert evals_run.main(["--checkpoint", bad, "--suite", str(suite)]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and bad in err, err
+    # Without credentials: one line naming the URL and the storage's refusal, not botocore's traceback
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no wait on an instance-metadata endpoint
+    assert evals_run.main(["--checkpoint", f"{url}-elsewhere", "--suite", str(suite)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "NoCredentialsError" in err and f"{url}-elsewhere" in err, err
