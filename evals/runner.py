@@ -27,8 +27,9 @@ from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import load_model as load
 from pretrain.weights.formats import resize_model
-from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
+from tracking.tracker import PENDING_RUN, Tracker, default_tracking_uri, sqlite_path
 
+PENDING_CLOSE_S = 5.0  # an eval's last wait for a job's run that MLflow has not created yet
 ACCEPTED = (
     "pass a training checkpoint folder (with COMPLETE), a run folder, a folder written by save_pretrained / "
     "`python -m pretrain.weights convert` (model.safetensors + model.json) or an official .npz"
@@ -261,7 +262,9 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
         if not tracker.flush():
             log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
     finally:
-        tracker.close()
+        # A run not created yet: the job's driver sends these metrics once it is; holding the eval slot for the
+        # 120 s close bound would only delay the next eval.
+        tracker.close(timeout=PENDING_CLOSE_S if run_id.startswith(PENDING_RUN) else 120.0)
     log(f"evals: logged {len(metrics)} metrics to MLflow run {run_id} at step {step}")
 
 

@@ -291,6 +291,27 @@ def _create_job_run(
     return run_id
 
 
+def steps_missing(
+    tracking_uri: str | None, run_id: str, wanted: Mapping[int, Mapping[str, float]]
+) -> dict[int, dict[str, float]]:
+    """Of ``wanted`` (step -> metrics), the steps whose metrics the run lacks, judged by each step's first key
+    (one history read per distinct key). Used at a job's end for evals whose task ended before the run existed."""
+    from mlflow import MlflowClient  # heavy: only when a run is touched
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    logged: dict[str, set[int]] = {}
+    missing = {}
+    for step, metrics in wanted.items():
+        if not metrics:
+            continue
+        key = min(metrics)
+        if key not in logged:
+            logged[key] = {m.step for m in client.get_metric_history(run_id, key)}
+        if step not in logged[key]:
+            missing[step] = dict(metrics)
+    return missing
+
+
 def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> None:
     """End the run with MLflow's ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` (the trainer's
     finer word, e.g. "stopped") or ``status`` lower-cased."""

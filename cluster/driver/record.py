@@ -21,7 +21,7 @@ from pretrain.weights.export import checkpoint_step, class_names, save_hf
 from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
-from tracking.runs import finish_run
+from tracking.runs import finish_run, steps_missing
 from tracking.tracker import Tracker
 
 
@@ -112,6 +112,8 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
     tracker = Tracker(uri, run_id, rank=0)
     tracker.set_tags({keys.RESTARTS: restarts})  # resizes and world sizes: tagged by train_worker at every start
     tracker.log_artifact(str(run_dir / "summary.json"))
+    if run_id is not None:
+        _send_late_evals(uri, run_id, end.evals, tracker)
     if end.status == "FINISHED" and run_id is not None:
         log_final_model(run_dir, uri, run_id)
     if end.clock is not None:  # last: the wall-clock ends when the ledger closes
@@ -124,6 +126,20 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
     tracker.close()
     if run_id is not None:
         finish_run(uri, run_id, end.status)
+
+
+def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> None:
+    """Send the metrics of every eval the run lacks: an eval task that ended before the job's run existed could not
+    send its own (docs/design.md, "Tracking at a job's start"). Never raises."""
+    try:
+        late = steps_missing(uri, run_id, {int(s): r["metrics"] for s, r in evals.items() if r.get("metrics")})
+    except Exception as error:  # noqa: BLE001 — bookkeeping; the job's outcome stays training's
+        print(f"warning: could not check the run's eval metrics: {type(error).__name__}: {error}", file=sys.stderr)
+        return
+    for step, metrics in sorted(late.items()):
+        tracker.log_metrics(metrics, step=step)
+    if late:
+        print(f"evals of step(s) {sorted(late)}: metrics sent by the driver (their tasks ended before the run existed)")
 
 
 def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -21,19 +22,33 @@ from cluster.driver.job import JobSpec, job_runtime_env, run_job
 from cluster.local_head import in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
+from pretrain.checkpoint.run_folder import PINNED
 from tests.cluster.test_driver import _free_port
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, tracking_credentials
 
+SUITE = "tiny_fewshot"
+
+
+def _step0_eval_ended(run_dir: Path) -> bool:
+    """Training is under way (rank 0 placed itself in the run folder) and the step-0 eval task has ended: its table
+    is written and the checkpoint's pin, which the task releases last, is gone."""
+    step0 = run_dir / "checkpoints" / "step_00000000"
+    return (
+        bool(list((run_dir / "workers").glob("rank0-*.json")))
+        and (step0 / "evals" / f"{SUITE}.parquet").exists()
+        and not (step0 / PINNED).exists()
+    )
+
 
 def _start_when_training_began(server: MlflowServer, run_dir: Path, errors: list) -> threading.Thread:
-    """Start ``server`` once rank 0 has placed itself in the run folder (training is under way)."""
+    """Start ``server`` once the step-0 eval has ended while the run could not exist (`_step0_eval_ended`)."""
 
     def start() -> None:
         try:
             deadline = time.monotonic() + 300
-            while not list((run_dir / "workers").glob("rank0-*.json")) and time.monotonic() < deadline:
+            while not _step0_eval_ended(run_dir) and time.monotonic() < deadline:
                 time.sleep(0.2)
             server.start()
         except Exception as error:  # noqa: BLE001 — the test fails on it, in its own thread
@@ -46,10 +61,11 @@ def _start_when_training_began(server: MlflowServer, run_dir: Path, errors: list
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_a_ray_job_started_with_the_server_down_trains_and_logs_every_step_once(tmp_path, monkeypatch, capsys):
+def test_a_ray_job_started_with_the_server_down_trains_and_logs_every_step_and_eval_once(tmp_path, monkeypatch, capsys):
     from mlflow import MlflowClient
 
     from cluster.local_data import prepare_local_data
+    from evals.suites import load_suite
 
     for name in CREDENTIAL_VARS:
         monkeypatch.delenv(name, raising=False)  # the cluster's processes start without them
@@ -68,10 +84,12 @@ def test_a_ray_job_started_with_the_server_down_trains_and_logs_every_step_once(
         max_failures=0,
     )
     sets = ["schedule.total=40", "schedule.warmup=3", "checkpoint.every_steps=20", "logging.log_every=1"]
-    sets += ["logging.progress_bar=false", "evals.suite=null", "data.streams=2"]
+    suite = tmp_path / f"{SUITE}.yaml"
+    suite.write_text(f"name: {SUITE}\nevaluators:\n  - {{type: fewshot, datasets: [digits], shots: [1], seeds: [0]}}\n")
+    sets += ["logging.progress_bar=false", f"evals.suite={suite}", "data.streams=2"]
     sets += ["data.builtin_options={num_classes: 8, images_per_class: 40, val_per_class: 2}"]
     config = resolve_config(profile, "local_demo", sets, "down-at-start")
-    prepare_local_data(config, None)
+    prepare_local_data(config, load_suite(suite))
     spec = JobSpec.from_json(JobSpec.create(profile, config, build_plan(profile, config)).to_json())
     # The driver's creation retries every 2 s, not MLflow's minutes of HTTP retries: the test's time, same path.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -93,6 +111,11 @@ def test_a_ray_job_started_with_the_server_down_trains_and_logs_every_step_once(
         assert sorted(m.step for m in history) == list(range(1, 41))
         assert run.data.params[keys.RUN_ID_PARAM] == run.info.run_id
         assert run.info.status == "FINISHED" and run.data.tags[keys.STATUS] == "finished"
+        # The step-0 eval ended before the run existed (the server started only then): the driver sent its metrics
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "fewshot/digits/1shot")) == [0, 20, 40]
+        # (step 0's at least; a later one too when it also ended before the run existed)
+        sent = re.search(r"evals of step\(s\) \[0(, \d+)*\]: metrics sent by the driver", printed.out)
+        assert sent, printed.out[-3000:]
         early = [m.step for m in history if m.timestamp < run.info.start_time]
         print(f"job {job_s:.0f} s; steps logged before the run existed: {early}")
     finally:
@@ -103,8 +126,10 @@ def _run_job_while_the_server_starts(spec, server, errors, tmp_path, monkeypatch
     """`run_job` on a one-node cluster started without credentials; the job's runtime env carries them."""
     import ray
 
+    # A CPU beside the two ranks, as the local head has: the step-0 eval runs while training goes on, so the server
+    # (started once that eval has ended) is up before the job ends
     cluster = in_process_cluster(
-        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port(), num_cpus=2
+        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port(), num_cpus=3
     )
     try:
         if server.auth:  # the driver's own environment, and the job's runtime env for every process Ray starts
@@ -115,7 +140,7 @@ def _run_job_while_the_server_starts(spec, server, errors, tmp_path, monkeypatch
         ray.init(address=cluster.address, runtime_env={"env_vars": runtime["env_vars"]})
         starter = _start_when_training_began(server, Path(spec.config.checkpoint.dir), errors)
         started = time.monotonic()
-        rc = run_job(spec, address=cluster.address, eval_timeout_s=30)
+        rc = run_job(spec, address=cluster.address, eval_timeout_s=120)
         starter.join(timeout=120)
         return rc, time.monotonic() - started
     finally:
