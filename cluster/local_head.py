@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,6 +27,10 @@ from cluster.profiles import ClusterProfile
 
 STATE_FILE = "head.json"
 NOT_READY_EXIT = 3  # the agent check timed out (1 is a crash)
+PORTS_FROM = 20000  # Ray gives its workers ports 10002-19999 (ray start --max-worker-port)
+_DRAW = random.SystemRandom()  # ports drawn without touching the global random state
+PORT_TRIES = 3  # starts of the head when a port it was given is taken meanwhile
+PORT_TAKEN = ("already occupied", "already in use")  # Ray's words for it (dashboard; GCS and others)
 # Run in a child process by `_wait_for_job_agent`.
 _AGENT_CHECK = (
     "import sys; from cluster.local_head import NOT_READY_EXIT, _job_agent_ready as ready; "
@@ -45,10 +50,23 @@ class HeadInfo:
     started_by_us: bool
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, drawn between Ray's worker ports and the kernel's range for outgoing
+    connections (any process's connection may take a port there at any moment); the kernel's pick if none is free."""
+    for port in _DRAW.sample(range(PORTS_FROM, _outgoing_ports_start()), 64):
+        if _port_free(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _outgoing_ports_start() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return max(low, PORTS_FROM + 64)
 
 
 def _port_free(port: int) -> bool:
@@ -210,7 +228,8 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
 
 
 def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
-    """`ray start --head`, recorded in head.json."""
+    """`ray start --head` on free ports, recorded in head.json. A port seen free can be taken before Ray binds it
+    (by any process's outgoing connection): that start is cleared and made again on other ports, `PORT_TRIES` in all."""
     temp_dir = Path(profile.ray.temp_dir)
     temp_dir.mkdir(parents=True, exist_ok=True)
     mode = auth_mode_from_env()
@@ -222,33 +241,22 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
         subprocess.run(
             [_ray_executable(), "get-auth-token", "--generate"], env=env, check=True, stdout=subprocess.DEVNULL
         )
-    gcs_port = _free_port()
-    dash_port = profile.ray.dashboard_port if _port_free(profile.ray.dashboard_port) else _free_port()
-    cmd = [
-        _ray_executable(),
-        "start",
-        "--head",
-        "--node-ip-address=127.0.0.1",
-        f"--port={gcs_port}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash_port}",
-        "--include-dashboard=true",
-        # Free ports: another Ray may hold the defaults.
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--num-cpus={profile.ray.head_num_cpus}",
-        "--num-gpus=0",
-        f"--object-store-memory={profile.ray.head_object_store_mb * 1024 * 1024}",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-    ]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:  # what it started runs on, with no head.json
-        stop_head(profile)
-        raise RuntimeError(f"`ray start --head` did not return within {timeout_s:.0f} s (a busy machine?)") from exc
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    for attempt in range(1, PORT_TRIES + 1):
+        gcs_port = free_port()
+        dash_port = profile.ray.dashboard_port if _port_free(profile.ray.dashboard_port) else free_port()
+        cmd = _ray_start_command(profile, temp_dir, gcs_port, dash_port)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:  # what it started runs on, with no head.json
+            stop_head(profile)
+            raise RuntimeError(f"`ray start --head` did not return within {timeout_s:.0f} s (a busy machine?)") from exc
+        if proc.returncode == 0:
+            break
+        output = f"{proc.stdout}\n{proc.stderr}"
+        if attempt == PORT_TRIES or not any(text in output for text in PORT_TAKEN):
+            raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{output}")
+        _log.warning("`ray start --head`: a port was taken while Ray started; starting again on other ports")
+        stop_head(profile)  # what the failed start left running (it wrote no head.json)
     info = HeadInfo(
         gcs_address=f"127.0.0.1:{gcs_port}",
         dashboard_url=f"http://127.0.0.1:{dash_port}",
@@ -258,6 +266,27 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
     )
     _state_path(profile).write_text(json.dumps(asdict(info), indent=2))
     return info
+
+
+def _ray_start_command(profile: ClusterProfile, temp_dir: Path, gcs_port: int, dash_port: int) -> list[str]:
+    return [
+        _ray_executable(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash_port}",
+        "--include-dashboard=true",
+        # Free ports: another Ray may hold the defaults.
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--num-cpus={profile.ray.head_num_cpus}",
+        "--num-gpus=0",
+        f"--object-store-memory={profile.ray.head_object_store_mb * 1024 * 1024}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
 
 
 def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, started_here: bool) -> None:

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # directory).
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from cluster.local_head import free_port  # noqa: E402 — after the path is set
 
 # DeepSpeed picks its accelerator at import time; the suite runs on CPU unless a GPU test asks otherwise.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -263,12 +264,6 @@ def train_cli(train_env):
     return run
 
 
-def _free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_until_up(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -288,7 +283,7 @@ def s3_endpoint(tmp_path, monkeypatch):
     points S3 clients at it with dummy credentials, as for any S3 client: ``AWS_ENDPOINT_URL`` (botocore, under
     s3fs), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``. Processes started after it (a Ray node, a CLI) inherit
     them. Stopped at the end."""
-    port, log = _free_loopback_port(), tmp_path / "moto.log"
+    port, log = free_port(), tmp_path / "moto.log"
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         server = subprocess.Popen(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import yaml
 from cluster.driver.job import FaultInjection, JobSpec, _await_submits, run_job
 from cluster.driver.record import count_restarts
 from cluster.driver.summary import format_resizes, format_summary
-from cluster.local_head import in_process_cluster, ray_auth_mode
+from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
 from pretrain.checkpoint.run_folder import (
@@ -39,12 +38,6 @@ from pretrain.checkpoint.run_folder import (
     resize_events,
     unpin_checkpoint,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -319,11 +312,11 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     spec = JobSpec.from_json(spec.to_json())  # exactly what travels to the job
 
     node_args = dict(
-        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port()
+        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=free_port()
     )
     cluster = in_process_cluster(**node_args, num_cpus=2)
     try:
-        cluster.add_node(**{**node_args, "num_cpus": 1, "dashboard_agent_listen_port": _free_port()})
+        cluster.add_node(**{**node_args, "num_cpus": 1, "dashboard_agent_listen_port": free_port()})
         cluster.wait_for_nodes()
         run_dir = Path(config.checkpoint.dir)
         ray.init(address=cluster.address)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cluster import jobs, launch, local_head
+from cluster.local_head import free_port
 from cluster.profiles import load_profile
 from tests.support.load import cpu_burners
 
@@ -26,15 +27,19 @@ ROOT = Path(__file__).resolve().parents[2]
 RAY_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
-def _closed_port() -> int:
+def test_free_ports_are_drawn_below_the_kernels_range_for_outgoing_connections():
+    """Ports for Ray's head: free when drawn, and out of the range where any process's outgoing connection may take
+    one between the draw and Ray's bind (a head failed to start so in the suite)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(local_head.PORTS_FROM <= port < low for port in ports), ports
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens once the socket is closed
+        s.bind(("127.0.0.1", ports[0]))
 
 
 @pytest.mark.timeout(120)
 def test_unreachable_ray_address_says_how_to_start_the_cluster(monkeypatch, capsys):
-    monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(jobs.RayUnreachableError) as info:
         jobs.connect(load_profile("a100x64"))
     msg = str(info.value)
@@ -79,7 +84,7 @@ def _local_profile_file(path: Path, temp_dir: str) -> Path:
     text = (ROOT / "cluster/profiles/local.yaml").read_text()
     for pattern, value in [
         (r"temp_dir: .*", f'temp_dir: "{temp_dir}"'),
-        (r"dashboard_port: \d+", f"dashboard_port: {_closed_port()}"),
+        (r"dashboard_port: \d+", f"dashboard_port: {free_port()}"),
         (r"head_num_cpus: \d+", "head_num_cpus: 1"),
         (r"num_workers: \d+", "num_workers: 1"),
     ]:
@@ -274,15 +279,25 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
     profile_path = _local_profile_file(tmp_path / "local_test.yaml", temp_dir)
     profile = load_profile(profile_path)
     info = None
+    # The profile's dashboard port is taken between the check and Ray's bind (any process's connection can take a
+    # port): the failed start is cleared and the head started again on other ports.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", profile.ray.dashboard_port))
+    taken.listen()
+    checks = iter([True])
+    monkeypatch.setattr(local_head, "_port_free", lambda port: next(checks, False))
     try:
-        with cpu_burners(2, measuring=bool(FRESH)):  # the busy machine: the dashboard answered before the agent
+        with cpu_burners(2, measuring=bool(FRESH)), caplog.at_level(logging.WARNING, logger="cluster.local_head"):
             client = jobs.connect(profile, start_local=True)
             request = _job("vitscale-test-job")
             request["entrypoint"] = "python -c \"import sys; print('hello from', sys.executable)\""
             job_id, retries = jobs._submit_counting_retries(client, request, jobs.AGENT_WAIT_S)
+        taken.close()
+        assert [r for r in caplog.records if "a port was taken" in r.msg], "the head was not started again"
         assert retries == 0, "the readiness wait, not the submission's retry, must let the job in"
         info = local_head.read_state(profile)
         assert info.dashboard_url.startswith("http://127.0.0.1:") and info.auth_mode == "token"
+        assert not info.dashboard_url.endswith(f":{profile.ray.dashboard_port}")
         assert info.temp_dir == temp_dir
         assert local_head.ensure_head(profile) == info  # reused, not started twice
         with pytest.raises(AuthenticationError):
@@ -327,6 +342,7 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         proxies = local_head._processes_of("no-such-dir", info.gcs_address)  # the Ray Client proxy, by address
         assert proxies and set(proxies) <= set(ours)
     finally:
+        taken.close()
         assert jobs._stop(profile) == 0
         leftover = []
         if info is not None:

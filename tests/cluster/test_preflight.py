@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster import local_head
+from cluster.local_head import free_port
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.preflight import __main__ as preflight
 from cluster.preflight.checks import (
@@ -35,12 +35,6 @@ from cluster.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ("nodes", "gpus", "shard read", "loader", "checkpoint space", "tracking", "clock", "collective")
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
 def _profile_file(path: Path, replacements: dict[str, str]) -> Path:
@@ -109,7 +103,7 @@ def test_bad_input_exits_2_with_one_message(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith("error: unknown cluster profile 'no_such_profile'") and "Traceback" not in err
     remote = tmp_path / "remote.yaml"
-    address = f"http://127.0.0.1:{_closed_port()}"
+    address = f"http://127.0.0.1:{free_port()}"
     remote.write_text((ROOT / "cluster/profiles/a100x8.yaml").read_text().replace("http://127.0.0.1:8265", address))
     assert preflight.main(["--cluster", str(remote), "--recipe", "vit_b16_i21k"]) == 2
     err = capsys.readouterr().err
@@ -128,7 +122,7 @@ def local_head_profile(monkeypatch, tmp_path, local_demo_data, mlflow_uri):
     temp_dir = tempfile.mkdtemp(prefix="vsp", dir="/tmp")
     replacements = {
         "temp_dir": f'"{temp_dir}"',
-        "dashboard_port": str(_closed_port()),
+        "dashboard_port": str(free_port()),
         "shards": f'"{local_demo_data}"',
         "checkpoints": f'"{tmp_path / "runs"}"',
         "mlflow_tracking_uri": f'"{mlflow_uri}"',
@@ -161,7 +155,7 @@ def test_local_preflight_passes_then_names_the_failing_checks(local_head_profile
     assert lines[-1] == "preflight: 8 of 8 checks passed; every check passed"
     assert "Traceback" not in done.stderr
 
-    down = f"http://127.0.0.1:{_closed_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     failing = _profile_file(tmp_path / "down.yaml", {**replacements, "mlflow_tracking_uri": f'"{down}"'})
     argv = ["--cluster", str(failing), "--recipe", "local_demo", "--set", "checkpoint.keep_last=100000000"]
     assert preflight.main(argv) == 1

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
-from cluster.local_head import in_process_cluster, ray_auth_mode
+from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
 from pretrain.checkpoint.run_folder import PINNED
-from tests.cluster.test_driver import _free_port
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, tracking_credentials
@@ -129,7 +128,7 @@ def _run_job_while_the_server_starts(spec, server, errors, tmp_path, monkeypatch
     # A CPU beside the two ranks, as the local head has: the step-0 eval runs while training goes on, so the server
     # (started once that eval has ended) is up before the job ends
     cluster = in_process_cluster(
-        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=_free_port(), num_cpus=3
+        object_store_memory=100 * 1024**2, include_dashboard=False, dashboard_agent_listen_port=free_port(), num_cpus=3
     )
     try:
         if server.auth:  # the driver's own environment, and the job's runtime env for every process Ray starts

@@ -196,4 +196,3 @@ def test_eval_sets_under_a_bucket_are_neither_checked_nor_generated_here():
     suite = load_suite(config.evals.suite)
     assert [name for name, _, _ in builtin_requirements(config, suite)] == ["rcdb"]  # the training set only
     assert all("s3:" not in str(folder) for folder in check_local_data(config, suite))
-

@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cluster.local_head import free_port
 from pretrain import checkpointer as ckpt
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message, folder_bytes
 from pretrain.config.train_config import load_config
-from tests.pretrain.test_train_distributed import _free_port, _run, shared_torchrun, tiny_config, torchrun
+from tests.pretrain.test_train_distributed import _run, shared_torchrun, tiny_config, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTRA = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=2", "checkpoint.keep_last=4")
@@ -309,7 +310,7 @@ def test_a_full_disk_keeps_the_earlier_checkpoints_and_stops_with_one_message(
         "torch.distributed.run",
         "--nproc-per-node=2",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         "-m",
         "pretrain.train",
         "--config",

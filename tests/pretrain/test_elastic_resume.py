@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain.test_train_distributed import ROOT, _env, _free_port, reference_run, tiny_config, torchrun
+from cluster.local_head import free_port
+from tests.pretrain.test_train_distributed import ROOT, _env, reference_run, tiny_config, torchrun
 
 pytestmark = [pytest.mark.slow]
 
@@ -86,7 +87,7 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loadin
         "torch.distributed.run",
         "--nproc-per-node=3",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         "-m",
         "pretrain.train",
         "--config",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,16 +21,11 @@ from pathlib import Path
 import pytest
 
 from bench.scaling import communicate_or_end
+from cluster.local_head import free_port
 from pretrain.config.train_config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -83,7 +77,7 @@ def test_finished_ranks_leave_no_gloo_thread_and_exit_normally(tiny_fractal_shar
         "torch.distributed.run",
         "--nproc-per-node=2",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         str(ROOT / "tests" / "support" / "teardown_repro.py"),
         str(reports),
         "--config",
@@ -127,7 +121,7 @@ def test_finish_distributed_frees_a_group_that_default_arguments_captured(tmp_pa
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'support'}",
     }
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)

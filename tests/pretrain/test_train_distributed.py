@@ -28,7 +28,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ import pytest
 import torch
 
 from bench.scaling import communicate_or_end
+from cluster.local_head import free_port
 from pretrain.checkpoint.run_folder import TrainerState
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.optim import build_optimizer, build_schedule, set_lr
@@ -80,12 +80,6 @@ def tiny_config(shards: Path, run_dir: Path, *overrides: str) -> TrainConfig:
             *overrides,
         ],
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(accelerator: str = "cpu", **extra: str) -> dict[str, str]:
@@ -137,7 +131,7 @@ def torchrun(
             "torch.distributed.run",
             f"--nproc-per-node={nproc}",
             "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
+            f"--master-port={free_port()}",
             "-m",
             "pretrain.train",
             *args,
@@ -349,7 +343,7 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     path = tmp_path / "config.yaml"
     config.save(path)
     # The first attempt also meets a tracking outage (nothing listens at the MLflow URI): it warns and trains on.
-    dead_uri = f"http://127.0.0.1:{_free_port()}"
+    dead_uri = f"http://127.0.0.1:{free_port()}"
     outage = tmp_path / "outage.yaml"
     config.replace(logging=dataclasses.replace(config.logging, mlflow_tracking_uri=dead_uri)).save(outage)
     crashed = _run(

@@ -15,7 +15,6 @@ import json
 import os
 import pickle
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cluster.local_head import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
 def _bad_inputs(tmp: Path) -> dict[str, str]:
@@ -55,12 +50,12 @@ def _bad_inputs(tmp: Path) -> dict[str, str]:
     # ... and one whose head.json outlived its head (killed, rebooted): `cluster.env` must not point the CLI at it.
     (tmp / "ray-stale").mkdir()
     (tmp / "ray-stale" / "head.json").write_text(
-        f'{{"gcs_address": "127.0.0.1:{_closed_port()}", "dashboard_url": "http://127.0.0.1:{_closed_port()}", '
+        f'{{"gcs_address": "127.0.0.1:{free_port()}", "dashboard_url": "http://127.0.0.1:{free_port()}", '
         f'"temp_dir": "{tmp / "ray-stale"}", "auth_mode": "token", "started_by_us": true}}'
     )
     (tmp / "profile_stalehead.yaml").write_text(re.sub(r"temp_dir: .*", f"temp_dir: {tmp / 'ray-stale'}", local))
     remote = (ROOT / "cluster/profiles/a100x8.yaml").read_text()
-    address = f"http://127.0.0.1:{_closed_port()}"
+    address = f"http://127.0.0.1:{free_port()}"
     (tmp / "profile_remote.yaml").write_text(re.sub(r"address: .*", f'address: "{address}"', remote, count=1))
     (tmp / "garbage.npz").write_bytes(b"garbage, not a zip archive")
     buffer = io.BytesIO()

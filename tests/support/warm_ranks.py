@@ -24,7 +24,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -178,12 +177,6 @@ _zygotes: dict[tuple, _Zygote] = {}
 _lock = threading.Lock()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
     target: str,
     args: list[str],
@@ -201,7 +194,9 @@ def launch(
     with _lock:
         if key not in _zygotes:
             _zygotes[key] = _Zygote(env)
-        port = _free_port()
+        from cluster.local_head import free_port  # here: as a script (the zygote) this file starts off the path
+
+        port = free_port()
         request = dict(target=target, args=args, nproc=nproc, env=env, cwd=str(ROOT), log=str(log), port=port)
         statuses = _zygotes[key].launch({**request, "module": module, "ranks": ranks}, timeout)
     return 0 if all(status == 0 for status in statuses) else 1

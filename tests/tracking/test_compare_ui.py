@@ -11,15 +11,10 @@ import urllib.request
 import psutil
 import pytest
 
+from cluster.local_head import free_port
 from tracking.runs import create_run
 from tracking.tracker import PROJECT_ROOT
 from tracking.ui import build_command, check_port_free, main
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_command_binds_loopback_and_keeps_artifacts_next_to_the_store(tmp_path):
@@ -49,7 +44,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
 def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.warns(UserWarning, match="exposes the MLflow UI"):
-        assert main(["--host", "0.0.0.0", "--port", str(_free_port()), "--tracking-uri", uri, "--dry-run"]) == 0
+        assert main(["--host", "0.0.0.0", "--port", str(free_port()), "--tracking-uri", uri, "--dry-run"]) == 0
     assert "--host 0.0.0.0" in capsys.readouterr().out
 
 
@@ -58,7 +53,7 @@ def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
 def test_real_ui_serves_the_store_on_loopback_only(mlflow_uri):
     uri = mlflow_uri
     create_run(uri, "ui-check", "visible-run", {"model": {"name": "vit_tiny_debug"}}, {})
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracking.ui", "--port", str(port), "--tracking-uri", uri],
         cwd=PROJECT_ROOT,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.local_head import free_port
 from tracking import keys, runs, tracker
 from tracking.runs import CREDENTIAL_VARS, run_tags
 from tracking.tracker import PENDING_RUN, Tracker
@@ -33,19 +34,13 @@ ADMIN, PASSWORD = "admin", "vitscale-Test-pw-8842"  # the test server's admin: t
 TOKEN = "vitscale-token-3fd9"  # sent (as a bearer token) to a server without auth, which ignores it
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class MlflowServer:
     """`python -m mlflow server` on 127.0.0.1 with its own SQLite store and artifact folder under ``root``; with
     ``auth``, MLflow's basic-auth app whose one user is ``ADMIN``. Its process group is stopped by `stop`."""
 
     def __init__(self, root: Path, auth: bool) -> None:
         self.root, self.auth = root, auth
-        self.uri = f"http://127.0.0.1:{_free_port()}"
+        self.uri = f"http://127.0.0.1:{free_port()}"
         self._process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120.0) -> None:
