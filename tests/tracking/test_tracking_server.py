@@ -210,6 +210,9 @@ def test_a_server_that_never_answers_holds_the_start_for_the_short_wait_only(mon
 
     monkeypatch.setattr(runs, "START_WAIT_S", 2.0)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    # One 5 s attempt at a time, none of MLflow's own retries: the attempt in flight ends before this test does (an
+    # attempt left retrying drew urllib3's backoff jitter from `random` while later tests checked its state).
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with socket.socket() as hanging:
         hanging.bind(("127.0.0.1", 0))
         hanging.listen(8)  # the kernel completes connections; nobody reads or replies
@@ -222,8 +225,9 @@ def test_a_server_that_never_answers_holds_the_start_for_the_short_wait_only(mon
         for step in range(1, 101):
             worker.log_metrics({keys.LOSS: 1.0}, step=step)
         assert not worker.sync(timeout=10) and time.monotonic() - started < 5
-        job_run.stop()
+        job_run.stop(wait_s=15)
         worker.close(timeout=5)
+    assert not job_run._thread.is_alive(), "the run's creation outlived the test"
     [warning] = _warnings(capsys.readouterr().err, uri)
     assert "did not answer within 2 s" in warning and "buffered" in warning
 
