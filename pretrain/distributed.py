@@ -221,12 +221,14 @@ class Readback:
     __slots__ = ("_tensor", "_divisor", "_value")
 
     def __init__(self, value: torch.Tensor | float, divisor: int = 1):
-        self._tensor, self._divisor = value, divisor
+        self._tensor: torch.Tensor | float | None = value
+        self._divisor = divisor
         self._value: float | None = None
 
     def __float__(self) -> float:
         if self._value is None:
             value = self._tensor
+            assert value is not None  # dropped only once read
             self._value = (value.item() if isinstance(value, torch.Tensor) else float(value)) / self._divisor
             self._tensor = None
         return self._value

@@ -256,6 +256,10 @@ def _step_batch(
     return x, y, lams
 
 
+# A micro-batch: (images, targets), with the device's mixup as a third item where mixup is left to the device.
+Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, "MixRows | None"]
+
+
 def _mix_rows(images: torch.Tensor, lams: list[float], chunk: int, rows: range) -> MixRows:
     """The `MixRows` of the micro-batch ``rows`` of a step's uint8 ``images``, whose chunks of ``chunk`` rows have
     the mixup weights ``lams``."""
@@ -352,7 +356,7 @@ class TrainStream:
         self._epoch, self._step, self._draws, self.stats = rank_position(self.plan, state)
         self._micro = 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         self._micro = 0  # a new iterator starts at the last whole step
         while True:
             steps = self.plan.steps_in_epoch(self._epoch)
@@ -367,7 +371,7 @@ class TrainStream:
                     "batch or the streams"
                 )
 
-    def _epoch_batches(self, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _epoch_batches(self, steps: int) -> Iterator[Batch]:
         """The epoch's micro-batches from global batch ``self._step`` to ``steps``, advancing the position."""
         plan, m, A = self.plan, self.plan.micro_batch, self.plan.accumulation
         # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
