@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import fsspec
@@ -26,7 +25,6 @@ from pretrain.checkpoint.run_folder import CHECKPOINTS, COMPLETE, CONFIG_FILE, W
 HF_CONFIG = "config.json"  # transformers' config file, beside its model.safetensors
 FOLDER_FILES = (WEIGHTS_FILE, CONFIG_FILE, HF_CONFIG)  # a path to one of these stands for its folder
 FETCHED = ".fetched"  # written last into a complete copy of a remote source
-_STEP = re.compile(r"step_\d+")
 
 
 class DamagedCheckpointError(ValueError):
@@ -95,13 +93,10 @@ def _fetch(url: str) -> Path:
 
 
 def _newest_complete(fs, checkpoints: str, url: str) -> str:
-    steps = sorted(
-        (p.rstrip("/") for p in fs.ls(checkpoints, detail=False) if _STEP.fullmatch(Path(p.rstrip("/")).name)),
-        key=lambda p: int(Path(p).name.split("_")[1]),
-    )
-    for step in reversed(steps):
-        if fs.exists(f"{step}/{COMPLETE}"):
-            return step
+    folders = {run_folder.parse_step(Path(p.rstrip("/")).name): p.rstrip("/") for p in fs.ls(checkpoints, detail=False)}
+    for step in sorted((s for s in folders if s is not None), reverse=True):
+        if fs.exists(f"{folders[step]}/{COMPLETE}"):
+            return folders[step]
     raise FileNotFoundError(
         f"{url} is a run folder without a COMPLETE checkpoint; wait for its first save, or pass a checkpoint folder "
         "(<run>/checkpoints/step_XXXXXXXX)"
