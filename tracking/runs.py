@@ -8,10 +8,12 @@ takes along.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,10 @@ RUN_RECORD = "mlflow_run.json"
 START_WAIT_S = 10.0
 # The background creation's retries back off up to this.
 CREATE_RETRY_MAX_S = 60.0
+# While nothing accepts connections at the server's address, the creation looks again this often, and only then
+# asks MLflow: MLflow's own retries back off to minutes, so a run asked for while the server was down was created
+# 40 s after it came back (docs/benchmarks/2026-12-03-tracking-outage.md).
+DOWN_POLL_S = 5.0
 # What MLflow's client reads to reach a server (mlflow.environment_variables): the job gets them from the launching
 # environment, in its runtime env only, never in the job spec, the plan, a param or a tag.
 CREDENTIAL_VARS = (
@@ -215,7 +221,10 @@ class JobRun:
     def _create(self, create: Callable[[], str]) -> None:
         delay = 1.0
         while not self._stop.is_set():
+            refused = _refused_connection(self.tracking_uri)
             try:
+                if refused:
+                    raise ConnectionRefusedError(refused)
                 run_id = create()
             except Exception as error:  # noqa: BLE001 — MLflow down, slow or refusing: the job trains regardless
                 with self._lock:
@@ -223,8 +232,8 @@ class JobRun:
                 if getattr(error, "error_code", None) in _REFUSALS:
                     self._record_refusal(error)
                 self._settled.set()
-                self._stop.wait(delay)
-                delay = min(2 * delay, CREATE_RETRY_MAX_S)
+                self._stop.wait(DOWN_POLL_S if refused else delay)
+                delay = delay if refused else min(2 * delay, CREATE_RETRY_MAX_S)
                 continue
             with self._lock:
                 self.run_id = run_id
@@ -259,6 +268,23 @@ class JobRun:
 
 # MLflow's error codes of a 401 and a 403: credentials the job lacks, not an outage.
 _REFUSALS = frozenset({"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"})
+
+
+def _refused_connection(tracking_uri: str | None, timeout_s: float = 2.0) -> str:
+    """Why nothing takes a TCP connection at an HTTP(S) tracking server's address within ``timeout_s``; "" when
+    something does, or the store is not a server (a file, a database)."""
+    try:
+        url = urllib.parse.urlsplit(tracking_uri or "")
+        address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    except ValueError:  # not a URL this check can read: MLflow's own error says what is wrong with it
+        return ""
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return ""
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except OSError as error:
+        return f"nothing accepts connections at {address[0]}:{address[1]} ({error})"
+    return ""
 
 
 def _reason(error: BaseException) -> str:

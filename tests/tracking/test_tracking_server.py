@@ -233,6 +233,37 @@ def test_a_server_that_never_answers_holds_the_start_for_the_short_wait_only(mon
 
 
 @pytest.mark.slow
+def test_a_run_asked_for_during_a_long_outage_exists_seconds_after_the_server_answers(
+    server, monkeypatch, tmp_path, capsys
+):
+    """MLflow's own HTTP retries back off to minutes (2, 4, 8 ... 64 s): a creation left inside them was made 40 s
+    after the server came back (docs/benchmarks/2026-12-03-tracking-outage.md), and a job that had finished training
+    waited for it. The creation asks MLflow only once something accepts connections at the server's address, looking
+    every `DOWN_POLL_S`; here with MLflow's default retries, after 70 s of outage (without the look: ~45 s late)."""
+    from cluster.driver.job import open_tracking
+
+    for name in CREDENTIAL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    server.stop()
+    job_run, _ = open_tracking(_spec(tmp_path, server.uri, "late"))
+    try:
+        time.sleep(70)
+        server.start()
+        answered = time.monotonic()
+        run_id = job_run.wait(timeout_s=120)
+        lag = time.monotonic() - answered
+    finally:
+        job_run.stop(wait_s=15)
+    assert run_id is not None, "the run was not created within 120 s of the server answering"
+    assert lag < runs.DOWN_POLL_S + 10, f"the run was created {lag:.0f} s after the server answered"
+    [warning] = _warnings(capsys.readouterr().err, server.uri)
+    assert "nothing accepts connections at 127.0.0.1:" in warning and "Connection refused" in warning, warning
+
+
+@pytest.mark.slow
 def test_a_job_started_while_the_server_is_down_trains_and_every_step_arrives_once(
     server, fast_retries, tmp_path, capsys
 ):
