@@ -248,8 +248,8 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri, s3_endpoint
 ):
     """The restarted group redoes steps 11..~15 (already logged to MLflow), and keep_last=1 would delete the
-    checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot. The evals read their task
-    from an S3-compatible server (`evals.data_root: s3://...`), as on a GPU profile."""
+    checkpoints of steps 10 and 20 while their evals still wait for the (busy) eval slot. The evals, a VTAB-style
+    linear probe, read their task from an S3-compatible server (`evals.data_root: s3://...`), as on a GPU profile."""
     import ray
     import s3fs
     from mlflow import MlflowClient
@@ -271,16 +271,13 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
         workers=dataclasses.replace(base.workers, placement_strategy="SPREAD"),
         max_failures=1,
     )
-    suite = tmp_path / "tiny_fewshot.yaml"
-    suite.write_text(
-        yaml.safe_dump(
-            {
-                "name": "tiny_fewshot",
-                "description": "few-shot on digits, 2 shot counts, 1 seed (test)",
-                "evaluators": [{"type": "fewshot", "datasets": ["digits"], "shots": [1, 5], "seeds": [0]}],
-            }
-        )
-    )
+    # VTAB-1k's protocol (train800 -> val200 for the l2, refit, test top-1) on one of the offline tasks, shrunk to
+    # 80/20 examples: the linear probe of `ci_vtab`, its data read from the bucket.
+    vtab = {"type": "vtab", "benchmark": "ci", "tasks": ["digits"], "protocol": "linear_probe"}
+    vtab |= {"train_examples": 80, "val_examples": 20, "seed": 0}
+    suite = tmp_path / "tiny_vtab.yaml"
+    described = "VTAB-style linear probe on digits (test)"
+    suite.write_text(yaml.safe_dump({"name": "tiny_vtab", "description": described, "evaluators": [vtab]}))
     sets = [
         "schedule.total=30",
         "schedule.warmup=3",
@@ -392,7 +389,7 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     # deterministically by test_tracking.py::test_steps_redone_after_a_restart_are_logged_once.
     redone = [m.step for m in history if 10 < m.step and m.timestamp < restarted_ms]
     print(f"steps logged by the first attempt and redone after the restart: {redone}")
-    eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "fewshot/digits/5shot")]
+    eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "vtab/digits")]
     # An eval at every checkpoint step and at step 0 (the weights before the first update, evals.baseline on by
     # default), each once: the restart resumed from step 10 and evaluated neither step 10 nor step 0 again.
     assert sorted(eval_steps) == [0, 10, 20, 30]
@@ -403,9 +400,9 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     # (step 0 was pinned for its eval and pruned like the others: the listing of checkpoints above is step 30 only)
     # The printed summary shows each checkpoint's gain over step 0 in the headline metric.
     table = capsys.readouterr().out
-    assert "gain vs step 0 (fewshot/mean/1shot)" in table, table[-3000:]
+    assert "gain vs step 0 (vtab/mean)" in table, table[-3000:]
     rows = summary["checkpoints"]
-    gain = rows["30"]["metrics"]["fewshot/mean/1shot"] - rows["0"]["metrics"]["fewshot/mean/1shot"]
+    gain = rows["30"]["metrics"]["vtab/mean"] - rows["0"]["metrics"]["vtab/mean"]
     assert f"{gain:+.4f}" in table.split("gain vs step 0")[1]
     _check_goodput_ledger(run_dir, job_s, client, run.info.run_id, table)
 
