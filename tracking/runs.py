@@ -223,7 +223,7 @@ class JobRun:
         while not self._stop.is_set():
             refused = _refused_connection(self.tracking_uri)
             try:
-                if refused:
+                if refused:  # said and retried as MLflow's own failures are, but looked at again sooner
                     raise ConnectionRefusedError(refused)
                 run_id = create()
             except Exception as error:  # noqa: BLE001 — MLflow down, slow or refusing: the job trains regardless
@@ -233,7 +233,8 @@ class JobRun:
                     self._record_refusal(error)
                 self._settled.set()
                 self._stop.wait(DOWN_POLL_S if refused else delay)
-                delay = delay if refused else min(2 * delay, CREATE_RETRY_MAX_S)
+                if not refused:
+                    delay = min(2 * delay, CREATE_RETRY_MAX_S)
                 continue
             with self._lock:
                 self.run_id = run_id
