@@ -215,7 +215,7 @@ def run_suite(
 
     records = [{**asdict(r), "suite": config.name, "step": step} for r in rows]
     columns = {c: [rec[c] for rec in records] for c in RESULT_COLUMNS}
-    source = str(path)
+    source = weights_source.origin(path)  # an object store's URL, not the local copy's cache path
     if random_init_seed is not None:
         source = f"random init (seed {random_init_seed}) shaped as {source}"
     columns["checkpoint"] = [source] * len(records)

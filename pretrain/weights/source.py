@@ -119,5 +119,15 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
         partial = local / f"{name}.part{os.getpid()}"
         fs.get(f["name"], str(partial))
         os.replace(partial, local / name)
-    (local / FETCHED).write_text(json.dumps(listing) + "\n")
+    (local / FETCHED).write_text(json.dumps({"source": f"{protocol}://{folder}", "files": listing}) + "\n")
     return local
+
+
+def origin(path: Path) -> str:
+    """Where weights that `resolve` returned live: a remote source's URL for its local copy, else ``path`` itself."""
+    folder = path if path.is_dir() else path.parent
+    try:
+        source = json.loads((folder / FETCHED).read_text())["source"]
+    except (OSError, ValueError, TypeError, KeyError):  # not a copy (or one from before the URL was kept)
+        return str(path)
+    return source if folder == path else f"{source}/{path.name}"

@@ -95,7 +95,7 @@ def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(
     from pretrain.model.vit import model_config
     from pretrain.weights.__main__ import main as weights_main
     from pretrain.weights.formats import load_model
-    from pretrain.weights.source import FETCHED
+    from pretrain.weights.source import FETCHED, origin
     from tests.pretrain.test_export import _checkpoint, _random
 
     run = tmp_path / "run"
@@ -113,6 +113,7 @@ def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [FETCHED, "COMPLETE", "checksums.json", "model.json", "model.safetensors", "trainer_state.json"]
     )
+    assert origin(path) == f"{url}/checkpoints/step_00000002"  # what result rows name, not the cache path
     fetched_at = (path / FETCHED).stat().st_mtime_ns
     assert load().config.depth == 2 and load_model(f"{url}/checkpoints").config.depth == 2
     assert (path / FETCHED).stat().st_mtime_ns == fetched_at  # the same listing: the copy is reused
