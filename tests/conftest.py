@@ -10,6 +10,7 @@ four-minute end-to-end test no longer starts in the last minutes of the run and 
 What several tests only read (generated shards, tiny trainings whose summaries and checkpoints they compare) is made
 once per pytest run, however many pytest-xdist workers ask for it: ``shared_folder``."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -264,17 +265,31 @@ def train_cli(train_env):
     return run
 
 
-def _wait_until_up(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"moto server exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+@contextlib.contextmanager
+def _local_server(name: str, command: list[str], url: str, log: Path, timeout_s: float = 60.0):
+    """Run ``command`` (a storage server on 127.0.0.1) until it answers ``url``; stopped on leaving."""
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"{name} exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(url, timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{name} did not answer at {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+        yield
+    finally:
+        server.terminate()
         try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail(f"moto server did not answer at {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 @pytest.fixture
@@ -283,14 +298,10 @@ def s3_endpoint(tmp_path, monkeypatch):
     points S3 clients at it with dummy credentials, as for any S3 client: ``AWS_ENDPOINT_URL`` (botocore, under
     s3fs), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``. Processes started after it (a Ray node, a CLI) inherit
     them. Stopped at the end."""
-    port, log = free_port(), tmp_path / "moto.log"
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
-        )
-    try:
-        _wait_until_up(url, server, log)
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with _local_server("moto server", command, url, tmp_path / "moto.log"):
         for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "FSSPEC_S3_ENDPOINT_URL"):
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))  # the user's files stay unread
@@ -300,10 +311,34 @@ def s3_endpoint(tmp_path, monkeypatch):
         monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         monkeypatch.setenv("AWS_ENDPOINT_URL", url)
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+
+
+@pytest.fixture
+def gcs_endpoint(tmp_path, monkeypatch):
+    """A real GCS-compatible server of this test's own (gcp-storage-emulator's JSON API, in memory, on a free
+    127.0.0.1 port), and the environment that points Google Cloud Storage clients at it, as for any GCS client:
+    ``STORAGE_EMULATOR_HOST`` (gcsfs's endpoint), anonymous credentials (``NO_GCE_CHECK``: no metadata server asked;
+    no user gcloud config read). gcsfs's experimental default filesystem first asks the storage *control* API (gRPC,
+    which an emulator does not serve) for each bucket's layout and waits 60 s for it:
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` keeps its plain JSON-API filesystem, here and in the processes the test
+    starts. Stopped at the end."""
+    import fsspec
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "gcp_storage_emulator", "start", "-H", "127.0.0.1", "--port", str(port)]
+    command += ["--in-memory", "--quiet"]
+    with _local_server("GCS emulator", command, f"{url}/storage/v1/b", tmp_path / "gcs.log"):
+        monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+        monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud-config"))  # the user's files stay unread
+        monkeypatch.setenv("NO_GCE_CHECK", "true")
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+        import gcsfs.core
+
+        # This process: the plain filesystem even if gcsfs was imported before, and no instance of another endpoint.
+        monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "gs", gcsfs.core.GCSFileSystem)
+        gcsfs.core.GCSFileSystem.clear_instance_cache()
+        assert fsspec.filesystem("gs").__class__ is gcsfs.core.GCSFileSystem
+        yield url
+        gcsfs.core.GCSFileSystem.clear_instance_cache()
