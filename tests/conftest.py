@@ -41,6 +41,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # test files from 193 to 140 CPU-s (docs/benchmarks/2026-11-28-test-suite.md). Read when torch loads libgomp, so set
 # before any import of torch; the processes tests start inherit it. A scheduling policy: the numerics are unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# gcsfs's default filesystem asks Google's storage control API (gRPC) about each bucket first, waiting up to 60 s
+# where it cannot be reached; no test reaches Google. Read when gcsfs is imported (a plan imports it for gs://).
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 
 DURATIONS = ROOT / "tests" / "durations.json"
@@ -318,10 +321,8 @@ def gcs_endpoint(tmp_path, monkeypatch):
     """A real GCS-compatible server of this test's own (gcp-storage-emulator's JSON API, in memory, on a free
     127.0.0.1 port), and the environment that points Google Cloud Storage clients at it, as for any GCS client:
     ``STORAGE_EMULATOR_HOST`` (gcsfs's endpoint), anonymous credentials (``NO_GCE_CHECK``: no metadata server asked;
-    no user gcloud config read). gcsfs's experimental default filesystem first asks the storage *control* API (gRPC,
-    which an emulator does not serve) for each bucket's layout and waits 60 s for it:
-    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` keeps its plain JSON-API filesystem, here and in the processes the test
-    starts. Stopped at the end."""
+    no user gcloud config read); gcsfs's plain JSON-API filesystem (``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``, set above
+    for every test: an emulator serves no control API). Stopped at the end."""
     import fsspec
 
     port = free_port()
@@ -332,7 +333,6 @@ def gcs_endpoint(tmp_path, monkeypatch):
         monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
         monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud-config"))  # the user's files stay unread
         monkeypatch.setenv("NO_GCE_CHECK", "true")
-        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
         import gcsfs.core
 

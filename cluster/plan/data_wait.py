@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass
 
 from cluster.plan.memory import GB
+from cluster.plan.storage import read_manifest
 from cluster.profiles import ClusterProfile
 from data_pipeline.builtin import sets as builtin
-from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location
 from data_pipeline.stream.loader_rate import LoaderRate, cache_bytes, loader_rate
 from data_pipeline.stream.step_pool import decoded_bytes
@@ -157,7 +157,7 @@ def loader_host_bytes(
 def _cache_bytes(config: TrainConfig, image_size: int) -> int:
     """A rank's decoded cache in bytes; 0 where the set is not readable here."""
     try:
-        info = dataset_info(resolve_location(config.data.train))
+        info = read_manifest(resolve_location(config.data.train))
     except Exception:  # absent, remote, damaged: the plan's manifest line says why
         return 0
     return cache_bytes(info, image_size, config.data.cache_mb)

@@ -25,9 +25,17 @@ from cluster.plan.errors import PlanError
 from cluster.plan.evals.cost import EvalsPlan, plan_evals
 from cluster.plan.memory import MemoryPlan
 from cluster.plan.startup import StartupAllowance, startup_allowance
-from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra, missing_storage, storage_extras, storage_urls, url_scheme
+from cluster.plan.storage import (
+    STORAGE_EXTRAS,
+    StorageExtra,
+    missing_storage,
+    read_manifest,
+    storage_extras,
+    storage_urls,
+    url_scheme,
+)
 from cluster.profiles import ClusterProfile
-from data_pipeline.manifest import read_dataset_info, read_dataset_json
+from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
 from pretrain.config.train_config import (
@@ -419,7 +427,7 @@ def _data_stats(config: TrainConfig) -> DataStats:
             None, None, None, f"manifest not readable here: no {url_scheme(config.data.train)}:// filesystem"
         )
     try:
-        info = read_dataset_info(resolve_location(config.data.train))
+        info = read_manifest(resolve_location(config.data.train))
     except Exception as exc:  # absent, remote, offline → the assumptions
         return DataStats(None, None, None, f"manifest not readable here: {type(exc).__name__}: {str(exc)[:80]}")
     total_bytes = sum(s.bytes for s in info.shards)

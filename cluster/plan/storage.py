@@ -6,8 +6,12 @@ one to read the manifest (`missing_storage`).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 
+from data_pipeline.manifest import DatasetInfo, read_dataset_info
 from data_pipeline.paths import is_remote
 from pretrain.config.train_config import TrainConfig
 
@@ -34,8 +38,9 @@ def url_scheme(url: str) -> str | None:
 
 
 def storage_urls(config: TrainConfig) -> list[str]:
-    """Where the run reads data from: training shards and eval shard folders."""
-    return [config.data.train, config.evals.data_root]
+    """Where the run reads from: training shards, eval shard folders, and the ``init_from`` weights if any."""
+    init_from = config.checkpoint.init_from
+    return [config.data.train, config.evals.data_root, *([init_from] if init_from else [])]
 
 
 def storage_extras(urls: list[str]) -> list[StorageExtra]:
@@ -63,3 +68,51 @@ def missing_storage(urls: list[str]) -> list[str]:
         except ValueError:
             missing.append(f"{scheme}:// is not a storage scheme fsspec knows; use s3://, gs:// or a shared path")
     return missing
+
+
+# A plan waits no longer for a manifest in object storage: where the store cannot be reached (an offline laptop, no
+# route to it), its client retries for minutes (gcsfs: six tries, backing off up to 32 s) before it gives up.
+MANIFEST_WAIT_S = 30.0
+STORE_LOGGERS = ("gcsfs", "s3fs", "botocore", "aiobotocore")
+
+
+def read_manifest(location: str) -> DatasetInfo:
+    """`read_dataset_info`; for object storage, read once per process (a plan is built for several world sizes) and
+    TimeoutError once MANIFEST_WAIT_S have passed since that read began without an answer (it goes on in a daemon
+    thread, whose result nothing waits for). The store clients log each retry with a traceback while it reads; the
+    plan's one line says what failed, so they are quiet until the read ends."""
+    if not is_remote(location):
+        return read_dataset_info(location)
+    if location not in _REMOTE_READS:
+        _REMOTE_READS[location] = _start_read(location)
+    reader, deadline, outcome = _REMOTE_READS[location]
+    reader.join(max(0.0, deadline - time.monotonic()))
+    if not outcome:
+        raise TimeoutError(f"no answer from {location} in {MANIFEST_WAIT_S:g} s")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+_REMOTE_READS: dict[str, tuple[threading.Thread, float, list]] = {}  # location -> (reader, deadline, [outcome])
+
+
+def _start_read(location: str) -> tuple[threading.Thread, float, list]:
+    outcome: list = []
+    quiet = [logging.getLogger(name) for name in STORE_LOGGERS]
+    levels = [logger.level for logger in quiet]
+
+    def read() -> None:
+        try:
+            outcome.append(read_dataset_info(location))
+        except Exception as error:  # noqa: BLE001 — raised in the caller's thread
+            outcome.append(error)
+        finally:
+            for logger, level in zip(quiet, levels):
+                logger.setLevel(level)
+
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    reader = threading.Thread(target=read, name="plan-manifest-read", daemon=True)
+    reader.start()
+    return reader, time.monotonic() + MANIFEST_WAIT_S, outcome

@@ -434,12 +434,24 @@ def _profile_with_shards(tmp_path, base: str, shards: str):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("scheme", "extra", "module"), [("s3", "s3", "s3fs"), ("gs", "gcs", "gcsfs")])
-def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys, scheme, extra, module):
+def test_remote_storage_names_its_extra_and_the_job_installs_it(
+    tmp_path, capsys, monkeypatch, scheme, extra, module
+):
     import importlib.util
 
     from cluster.driver.job import JobSpec
+    from cluster.local_head import free_port
+    from cluster.plan import storage
     from cluster.plan.storage import STORAGE_EXTRAS
 
+    # Stores that do not answer (a closed loopback port, dummy credentials): the plan waits for the manifest only
+    # MANIFEST_WAIT_S (their clients would retry for minutes), then goes on with its assumptions.
+    closed = f"http://127.0.0.1:{free_port()}"
+    for name, value in [("AWS_ENDPOINT_URL", closed), ("STORAGE_EMULATOR_HOST", closed), ("NO_GCE_CHECK", "true")]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setattr(storage, "MANIFEST_WAIT_S", 3.0)
     path = _profile_with_shards(tmp_path, "h100x8", f"{scheme}://bucket/shards")
     assert launch.main(["--cluster", str(path), "--recipe", "vit_l16_i21k", "--dry-run"]) == 0  # never fails for it
     out = capsys.readouterr().out
@@ -449,7 +461,7 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
         assert f"pip install 'vitscale[{extra}]'" in storage and "manifest not readable here" in out
         assert "Install s3fs" not in out and "Please install gcsfs" not in out  # fsspec's raw message
     else:
-        assert "pip install" not in storage
+        assert "pip install" not in storage and "manifest not readable here" in out
     # The job's runtime env installs the extra on the cluster; a local run needs none.
     profile = load_profile(path)
     config = resolve_config(profile, "vit_l16_i21k", [], "r")
