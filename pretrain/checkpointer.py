@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
 import sys
 import time
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_pipeline.paths import is_remote
 from data_pipeline.stream.order import merge_stream_states
 from pretrain import randomness
 from pretrain.checkpoint import checksums, run_folder
@@ -31,6 +33,7 @@ from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.train_config import TrainConfig
 from pretrain.model.vit import VisionTransformer
+from pretrain.weights import source as weights_source
 from pretrain.weights.formats import load_npz, load_pretrained, save_pretrained
 from tracking.tracker import Tracker, flatten_config
 
@@ -58,11 +61,38 @@ def find_start(config: TrainConfig) -> StartPoint:
         folder = run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
         return StartPoint("resume_from", _intact(folder, "checkpoint.resume_from"))
     if c.init_from is not None:
+        if is_remote(c.init_from):
+            return StartPoint("init_from", _fetched(c.init_from))
         source = Path(c.init_from)
         if run_folder.is_complete(source):  # a training checkpoint: check the weight files
             _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
         return StartPoint("init_from", source)
     return StartPoint("scratch", None)
+
+
+def _fetched(url: str) -> Path:
+    """Collective: the local copy of ``checkpoint.init_from`` in object storage, read as evals and exports read a URL
+    (`pretrain.weights.source`: a run folder's newest COMPLETE checkpoint, checksums verified on the copy). Rank 0
+    picks the exact checkpoint (a run folder may save a newer one meanwhile); each node's first rank copies it into
+    that node's cache, and the node's other ranks then find it there."""
+    rank, _ = _rank_and_world()
+    first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    exact = _every_rank(lambda: weights_source.origin(weights_source.resolve(url)) if rank == 0 else None, url)[0]
+    _every_rank(lambda: weights_source.resolve(exact) if first_on_node and rank != 0 else None, url)
+    return weights_source.resolve(exact)
+
+
+def _every_rank(fetch: Callable[[], Any], url: str) -> list[Any]:
+    """Collective: each rank's result of ``fetch``; the same ValueError on every rank if one rank's fetch failed."""
+    try:
+        result, problem = fetch(), None
+    except (OSError, ImportError, weights_source.DamagedCheckpointError) as error:
+        result, problem = None, f"checkpoint.init_from={url!r}: {error}"
+    gathered = _gather((result, problem))
+    problems = [p for _, p in gathered if p]
+    if problems:
+        raise ValueError(problems[0])
+    return [r for r, _ in gathered]
 
 
 def newest_verified(run_dir: Path) -> Path | None:

@@ -291,6 +291,17 @@ def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:
     positive(c.keep_last, "checkpoint.keep_last")
     if not c.dir:
         raise ValueError("checkpoint.dir is empty; set it to the run folder, e.g. checkpoint.dir=runs/my_run")
+    if is_remote(c.dir):  # DeepSpeed writes and renames files in it: a filesystem, not an object store
+        raise ValueError(
+            f"checkpoint.dir={c.dir!r} is object storage; ranks write checkpoints to a filesystem path (a shared one "
+            "on a cluster, e.g. /fsx/runs/my_run); copy finished checkpoints to the bucket afterwards"
+        )
+    if c.resume_from is not None and is_remote(c.resume_from):
+        raise ValueError(
+            f"checkpoint.resume_from={c.resume_from!r} is object storage; a resume reads the whole engine state from "
+            "a filesystem path: copy the checkpoint folder there, or set checkpoint.init_from to the URL for its "
+            "weights only"
+        )
     positive(log.log_every, "logging.log_every")
     if log.peak_tflops is not None:
         positive(log.peak_tflops, "logging.peak_tflops")
@@ -315,7 +326,7 @@ def check_paths_exist(config: TrainConfig) -> None:
                 )
     if c.resume_from is not None:
         run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
-    if c.init_from is not None:
+    if c.init_from is not None and not is_remote(c.init_from):  # a URL is checked when it is fetched
         src = Path(c.init_from)
         if not (src.suffix == ".npz" and src.is_file()) and not (src / "model.safetensors").exists():
             raise ValueError(

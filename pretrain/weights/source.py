@@ -111,7 +111,10 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
     )
     key = hashlib.sha256(json.dumps([protocol, folder, listing]).encode()).hexdigest()[:16]
     local = cache_dir() / "weights" / key / Path(folder).name
+    marker = json.dumps({"source": f"{protocol}://{folder}", "files": listing}) + "\n"
     if (local / FETCHED).is_file():
+        if (local / FETCHED).read_text() != marker:  # a copy made before the marker named its source
+            (local / FETCHED).write_text(marker)
         return local
     local.mkdir(parents=True, exist_ok=True)
     for f in files:
@@ -119,7 +122,7 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
         partial = local / f"{name}.part{os.getpid()}"
         fs.get(f["name"], str(partial))
         os.replace(partial, local / name)
-    (local / FETCHED).write_text(json.dumps({"source": f"{protocol}://{folder}", "files": listing}) + "\n")
+    (local / FETCHED).write_text(marker)
     return local
 
 

@@ -131,6 +131,12 @@ def test_resume_and_init_paths_are_checked(tmp_path):
         load_config("local_demo", [f"checkpoint.resume_from={tmp_path}"]).validate(2)
     with pytest.raises(ValueError, match=r"checkpoint\.init_from=.*neither an \.npz"):
         load_config("local_demo", [f"checkpoint.init_from={tmp_path}"]).validate(2)
+    # Object storage: weights to start from are fetched (checked then); a run folder or a resume needs a filesystem.
+    load_config("local_demo", ["checkpoint.init_from=gs://bucket/runs/r"]).validate(2)
+    with pytest.raises(ValueError, match=r"checkpoint\.dir='s3://bucket/r' is object storage; .*filesystem path"):
+        load_config("local_demo", ["checkpoint.dir=s3://bucket/r"]).validate(2)
+    with pytest.raises(ValueError, match=r"checkpoint\.resume_from='gs://b/r/.*' is object storage; .*init_from"):
+        load_config("local_demo", ["checkpoint.resume_from=gs://b/r/checkpoints/step_00000002"]).validate(2)
 
 
 def test_deepspeed_config_is_generated_from_one_batch_plan():

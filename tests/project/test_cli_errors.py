@@ -94,6 +94,11 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ),
     (
         "pretrain.train",
+        ["--config", "local_demo", "--set", "checkpoint.dir=gs://bucket/runs/r", "--dry-run"],
+        [r"checkpoint\.dir='gs://bucket/runs/r' is object storage", r"filesystem path"],
+    ),
+    (
+        "pretrain.train",
         ["--config", "local_demo", "--set", "data.builtin=null", "--set", "data.train={notshards}", "--dry-run"],
         [r"data\.train", r"manifest\.parquet"],
     ),
