@@ -63,7 +63,10 @@ def find_start(config: TrainConfig) -> StartPoint:
     if c.init_from is not None:
         if is_remote(c.init_from):
             return StartPoint("init_from", _fetched(c.init_from))
-        source = Path(c.init_from)
+        try:  # the weights-source rule: a run folder means its newest COMPLETE checkpoint
+            source = weights_source.locate(c.init_from)
+        except FileNotFoundError as error:
+            raise ValueError(f"checkpoint.init_from={c.init_from!r}: {error}") from None
         if run_folder.is_complete(source):  # a training checkpoint: check the weight files
             _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
         return StartPoint("init_from", source)

@@ -33,6 +33,7 @@ from pretrain.config.optim import OptimConfig, ScheduleConfig
 from pretrain.model import tasks
 from pretrain.model.tasks import LossConfig, TaskConfig
 from pretrain.model.vit import MODEL_NAMES, ViTConfig, model_config
+from pretrain.weights import source as weights_source
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,11 @@ class ModelConfig:
 class CheckpointConfig:
     """The run folder, the save cadence, and where a run starts from."""
 
-    dir: str = "runs/default"  # the run folder; checkpoints go to <dir>/checkpoints/step_XXXXXXXX/
+    dir: str = "runs/default"  # the run folder (a filesystem path); checkpoints go to <dir>/checkpoints/step_XXXXXXXX/
     every_steps: int = 1000  # save every K optimizer steps (and at the end)
     keep_last: int = 3  # complete checkpoints kept
     resume_from: str | None = None  # a checkpoint to resume (when <dir> has none)
-    init_from: str | None = None  # weights only: a model.safetensors folder or an official .npz
+    init_from: str | None = None  # weights only: a weights source (.npz, weights/checkpoint/run folder, or a URL)
     # On a failed save: stop, or skip it and train on (the last step's save is never skipped)
     on_save_error: Literal["stop", "skip"] = "stop"
 
@@ -327,7 +328,10 @@ def check_paths_exist(config: TrainConfig) -> None:
     if c.resume_from is not None:
         run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
     if c.init_from is not None and not is_remote(c.init_from):  # a URL is checked when it is fetched
-        src = Path(c.init_from)
+        try:  # the weights-source rule: a run folder means its newest COMPLETE checkpoint
+            src = weights_source.locate(c.init_from)
+        except FileNotFoundError as error:
+            raise ValueError(f"checkpoint.init_from={c.init_from!r}: {error}") from None
         if not (src.suffix == ".npz" and src.is_file()) and not (src / "model.safetensors").exists():
             raise ValueError(
                 f"checkpoint.init_from={c.init_from!r} is neither an .npz file nor a folder with model.safetensors; "

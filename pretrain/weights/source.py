@@ -32,9 +32,21 @@ class DamagedCheckpointError(ValueError):
 
 
 def resolve(source: str | Path) -> Path:
-    """The file or folder whose weights ``source`` names; FileNotFoundError for a run without a COMPLETE
-    checkpoint, DamagedCheckpointError for failed checksums. Anything else is for the loader to judge. A remote
-    source resolves to its local copy (`fetch`)."""
+    """`locate`, and DamagedCheckpointError for a COMPLETE checkpoint whose weights fail their checksums."""
+    path = locate(source)
+    if run_folder.is_complete(path):
+        verdict = checksums.verify(path, only=checksums.WEIGHT_FILES)
+        if not verdict.ok:
+            raise DamagedCheckpointError(
+                f"checkpoint {path} is damaged: {verdict.problem}; use an intact one (`python -m pretrain.checkpoint "
+                "verify <run folder>` lists them)"
+            )
+    return path
+
+
+def locate(source: str | Path) -> Path:
+    """The file or folder whose weights ``source`` names, unverified; FileNotFoundError for a run without a COMPLETE
+    checkpoint. Anything else is for the loader to judge. A remote source is its local copy (`fetch`)."""
     path = fetch(str(source)) if is_remote(source) else Path(source)
     if path.is_file() and path.name in FOLDER_FILES:
         path = path.parent
@@ -47,13 +59,6 @@ def resolve(source: str | Path) -> Path:
                 "checkpoint folder (<run>/checkpoints/step_XXXXXXXX)"
             )
         path = latest
-    if run_folder.is_complete(path):
-        verdict = checksums.verify(path, only=checksums.WEIGHT_FILES)
-        if not verdict.ok:
-            raise DamagedCheckpointError(
-                f"checkpoint {path} is damaged: {verdict.problem}; use an intact one (`python -m pretrain.checkpoint "
-                "verify <run folder>` lists them)"
-            )
     return path
 
 

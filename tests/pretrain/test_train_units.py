@@ -147,6 +147,24 @@ def test_start_point_follows_the_resume_order(tmp_path):
     assert ckpt.find_start(both) == ckpt.StartPoint("run", own)
 
 
+def test_init_from_a_run_folder_is_its_newest_complete_checkpoint(tmp_path):
+    """The weights-source rule of evals and exports (`pretrain.weights.source`), at load and at the start."""
+    from pretrain.model.vit import model_config
+    from tests.pretrain.test_export import _checkpoint, _random
+
+    source = tmp_path / "source"
+    newest = _checkpoint(source, 2, _random(model_config("vit_tiny_debug", num_classes=4, depth=1)))
+    _checkpoint(source, 3, _random(model_config("vit_tiny_debug", num_classes=4, depth=1)), complete=False)
+    config = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}", f"checkpoint.init_from={source}"])
+    config.validate(2)
+    assert ckpt.find_start(config) == ckpt.StartPoint("init_from", newest)
+    (newest / COMPLETE).unlink()
+    with pytest.raises(ValueError, match=r"^checkpoint\.init_from='\S+source': \S+ is a run folder without a COMPLETE"):
+        config.validate(2)
+    with pytest.raises(ValueError, match=r"^checkpoint\.init_from='\S+source': \S+ is a run folder without a COMPLETE"):
+        ckpt.find_start(config)
+
+
 def test_rng_state_round_trips_through_json():
     random.seed(1)
     np.random.seed(2)
