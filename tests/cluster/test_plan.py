@@ -434,9 +434,7 @@ def _profile_with_shards(tmp_path, base: str, shards: str):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("scheme", "extra", "module"), [("s3", "s3", "s3fs"), ("gs", "gcs", "gcsfs")])
-def test_remote_storage_names_its_extra_and_the_job_installs_it(
-    tmp_path, capsys, monkeypatch, scheme, extra, module
-):
+def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys, monkeypatch, scheme, extra, module):
     import importlib.util
 
     from cluster.driver.job import JobSpec
