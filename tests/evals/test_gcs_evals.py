@@ -15,27 +15,23 @@ import pytest
 from evals.runner import run_suite
 from pretrain.model.vit import model_config
 from pretrain.weights.__main__ import main as weights_main
+from tests.evals.test_s3_evals import CURVE
 from tests.pretrain.test_export import _checkpoint, _random
 
 PROJECT = Path(__file__).resolve().parents[2]
 BUCKET = "vitscale-gcs"
 
 # Few-shot features, and a fine-tune whose test split is streamed from the bucket at each point of its curve.
-SUITE = """name: gcs_evals
+SUITE = (
+    """name: gcs_evals
 evaluators:
   - type: fewshot
     datasets: [digits]
     shots: [1, 5]
     seeds: [0]
-  - type: finetune
-    datasets: [digits]
-    steps: 2
-    batch_size: 16
-    lr_grid: [0.01]
-    warmup_steps: 1
-    max_train_examples: 40
-    eval_steps: [1, 2]
 """
+    + CURVE
+)
 
 
 @pytest.mark.slow

@@ -36,7 +36,8 @@ evaluators:
     train_examples: 80
     val_examples: 20
     finetune: {steps: 2, batch_size: 16, lr_grid: [0.01, 0.03], warmup_steps: 1}
-  - type: finetune
+"""
+CURVE = """  - type: finetune
     datasets: [digits]
     steps: 2
     batch_size: 16
@@ -45,6 +46,7 @@ evaluators:
     max_train_examples: 40
     eval_steps: [1, 2]
 """
+SUITE += CURVE
 
 
 @pytest.mark.slow
