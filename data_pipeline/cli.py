@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from data_pipeline.paths import is_remote
+
 
 def positive(value: float, name: str) -> None:
     """A config value that must be > 0 (NaN is not): ValueError ``name=value must be > 0``."""
@@ -21,6 +23,17 @@ def at_least(value: float, low: float, name: str) -> None:
     """A config value that must be >= ``low`` (NaN is not): ValueError ``name=value must be >= low``."""
     if not value >= low:
         raise ValueError(f"{name}={value} must be >= {low}")
+
+
+def local_path(path: str | Path, option: str) -> Path:
+    """``path`` as a ``Path`` for a command to write to; ValueError naming ``option`` for a URL, refused before
+    anything is created (``Path`` would make the local folder ``gs:/bucket`` of ``gs://bucket``)."""
+    if is_remote(str(path)):
+        raise ValueError(
+            f"{option} {path}: object storage; this command writes to a filesystem path: write to a local or shared "
+            "folder, then copy it to the bucket (e.g. `gcloud storage cp -r` or `aws s3 sync`)"
+        )
+    return Path(path)
 
 
 def _folder_problem(folder: Path) -> str | None:
@@ -36,7 +49,7 @@ def _folder_problem(folder: Path) -> str | None:
 
 def output_folder(path: str | Path, option: str) -> Path:
     """Create the output folder ``path``; ValueError naming ``option`` (e.g. ``--out``) when it cannot be one."""
-    path = Path(path)
+    path = local_path(path, option)
     problem = _folder_problem(path)
     if problem:
         raise ValueError(f"{option} {path}: {problem}; choose a writable folder path (it is created if absent)")
@@ -45,7 +58,7 @@ def output_folder(path: str | Path, option: str) -> Path:
 
 def output_file(path: str | Path, option: str) -> Path:
     """Check that the file ``path`` can be written later (its folder is created now); ValueError naming ``option``."""
-    path = Path(path)
+    path = local_path(path, option)
     problem = f"{path} is a folder" if path.is_dir() else _folder_problem(path.parent)
     if problem:
         raise ValueError(f"{option} {path}: {problem}; give the path of a file in a writable folder")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data_pipeline.cli import local_path
 from evals.runner import check_mlflow_run, format_gap, init_seed, run_suite
 
 
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             seed = init_seed(args.checkpoint)
         if args.mlflow_run_id:
             check_mlflow_run(args.mlflow_run_id, args.tracking_uri)
-        common = dict(out=args.out, num_threads=num_threads, device=args.device, step=step)
+        out = None if args.out is None else local_path(args.out, "--out")  # before any work is spent
+        common = dict(out=out, num_threads=num_threads, device=args.device, step=step)
         table = run_suite(args.checkpoint, args.suite, args.data_root, args.mlflow_run_id, args.tracking_uri, **common)
         if args.random_init:
             print(f"evals: the same suite on a random init of the same architecture (seed {seed})")

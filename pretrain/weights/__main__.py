@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from data_pipeline.cli import local_path
 from pretrain.model.flops import describe
 from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
@@ -27,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="official .npz → model.safetensors + model.json")
     convert.add_argument("npz", type=Path)
-    convert.add_argument("out_dir", type=Path)
+    convert.add_argument("out_dir")
     convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
     info = sub.add_parser("info", help="print the architecture, size and compute of any weights vitscale reads")
     info.add_argument("source", help=".npz, checkpoint folder or save_pretrained folder (a path, or s3:// / gs://)")
@@ -41,7 +42,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     out.add_argument(
         "out",
-        type=Path,
         metavar="OUT",
         help="hf: the folder to write config.json, model.safetensors "
         "and preprocessor_config.json into; npz: the file (a folder gets model.npz)",
@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.image_size is not None and args.image_size < 1:
         parser.error(f"--image-size must be a positive number of pixels, got {args.image_size}")
+    try:  # what this command writes: a filesystem path, never a URL (Path would turn gs://b into the folder gs:/b)
+        if args.command == "convert":
+            args.out_dir = local_path(args.out_dir, "OUT_DIR")
+        elif args.command == "export":
+            args.out = local_path(args.out, "OUT")
+    except ValueError as error:
+        parser.error(str(error))
     if args.command == "convert" and args.out_dir.exists() and not args.out_dir.is_dir():
         parser.error(f"OUT_DIR {args.out_dir} is a file; pass a folder to write model.safetensors and model.json into")
     if args.command == "export" and args.format == "hf" and args.out.exists() and not args.out.is_dir():

@@ -107,12 +107,14 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("pretrain.weights", ["info", "{truncated}"], [r"truncated\.npz"]),
     ("pretrain.weights", ["info", "{missing}"], [r"nothere"]),
     ("pretrain.weights", ["info", "{incomplete}"], [r"COMPLETE"]),
+    ("pretrain.weights", ["export", "{missing}", "gs://bucket/hf"], [r"OUT gs://bucket/hf: object storage"]),
     # data_pipeline
     ("data_pipeline.builtin", ["digits", "--out", "{afile}"], [r"--out", r"afile"]),
     ("data_pipeline.builtin", ["digits", "--out", "{tmp}/data", "--set", "resolution=abc"], [r"resolution"]),
     ("data_pipeline.validate", ["{notshards}"], [r"notshards", r"dataset\.json"]),
     ("data_pipeline.validate", ["{shards_badjson}"], [r"shards_badjson", r"dataset\.json"]),
     ("data_pipeline.write", ["--source", "{missing}", "--out", "{tmp}/w"], [r"--source", r"nothere"]),
+    ("data_pipeline.write", ["--source", "{tmp}/src", "--out", "s3://b/w"], [r"--out s3://b/w: object storage"]),
     (
         "data_pipeline.write",
         ["--source", "{tmp}/src", "--out", "{tmp}/w", "--class-names", "{missing}"],
@@ -123,6 +125,11 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_shape}"], [r"suite_shape\.yaml", r"type"]),
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_value}"], [r"suite_value\.yaml", r"shots must"]),
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "local_fewshot"], [r"COMPLETE"]),
+    (
+        "evals.run",
+        ["--checkpoint", "{incomplete}", "--suite", "local_fewshot", "--out", "gs://b/ev"],
+        [r"--out gs://b/ev: object storage"],
+    ),
     ("tracking.compare", ["--tracking-uri", "sqlite:///{tmp}/none.db", "--no-mlflow"], [r"none\.db"]),
     ("tracking.compare", ["--tracking-uri", "foo://bar", "--no-mlflow", "--out", "{tmp}/rep"], [r"foo://bar"]),
     ("tracking.ui", ["--port", "70000", "--dry-run"], [r"--port 70000"]),
