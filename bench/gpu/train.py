@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.cli import output_file
 from pretrain.checkpointer import StartPoint
 from pretrain.config.optim import build_optimizer
 from pretrain.config.train_config import TrainConfig, load_config, model_overrides
@@ -291,8 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print(usage, file=sys.stderr)
         return 2
-    spec = TrainSpec(**json.loads(Path(args[0]).read_text()))
-    out_path, out = Path(args[1]), {}
+    try:
+        out_path, out = output_file(args[1], "OUT.json"), {}
+    except ValueError as error:
+        print(f"bench.gpu.train: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        spec = TrainSpec(**json.loads(Path(args[0]).read_text()))
+    except (OSError, ValueError, TypeError) as error:  # unreadable, not JSON, not a spec's fields
+        print(f"bench.gpu.train: error: SPEC.json {args[0]}: {error}; python -m bench.gpu writes it", file=sys.stderr)
+        return 2
     parts = [part for part, on in ((real_path, True), (resume, spec.resume), (zero_stages, spec.zero)) if on]
     for part in parts:
         began = time.perf_counter()

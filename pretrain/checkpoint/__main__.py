@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_pipeline.paths import is_remote
 from pretrain.checkpoint import checksums
 
 
@@ -23,10 +24,15 @@ def main(argv: list[str] | None = None) -> int:
         "folder) against the size and CRC-32 its save recorded; one line per checkpoint, exit 2 "
         "on damage",
     )
-    verify.add_argument("dir", type=Path, metavar="DIR", help="a run folder or one checkpoint folder")
+    verify.add_argument("dir", metavar="DIR", help="a run folder or one checkpoint folder (a filesystem path)")
     args = parser.parse_args(argv)
     try:
-        return checksums.verify_command(args.dir)
+        if is_remote(args.dir):  # Path would fold gs://b into gs:/b and call it missing
+            raise ValueError(
+                f"{args.dir} is object storage; verify reads every file of each checkpoint: run it where the run "
+                "folder is (the shared filesystem), or on a copy"
+            )
+        return checksums.verify_command(Path(args.dir))
     except ValueError as error:  # no run folder or checkpoint there, or one without COMPLETE
         print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
         return 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from data_pipeline.cli import local_path
 from pretrain.model.flops import describe
@@ -27,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pretrain.weights", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="official .npz → model.safetensors + model.json")
-    convert.add_argument("npz", type=Path)
+    convert.add_argument("npz", help="an official .npz (a path, or s3:// / gs://)")
     convert.add_argument("out_dir")
     convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
     info = sub.add_parser("info", help="print the architecture, size and compute of any weights vitscale reads")
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--mlflow-run logs the HF folder: use it with --format hf")
     try:
         if args.command == "convert":
-            model = load_npz(args.npz, image_size=args.image_size)
+            model = load_npz(weights_source.locate(args.npz), image_size=args.image_size)
             save_pretrained(model, args.out_dir)
             print(f"wrote {args.out_dir}")
         elif args.command == "export":

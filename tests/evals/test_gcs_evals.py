@@ -11,6 +11,8 @@ from pathlib import Path
 import fsspec
 import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from evals.runner import run_suite
 from pretrain.model.vit import model_config
@@ -63,3 +65,10 @@ def test_a_run_folder_and_a_suite_in_a_gcs_bucket_score_as_their_local_copies(gc
     # The same rule for a weights source as locally: the newest COMPLETE checkpoint (step 2; step 3 is unfinished).
     assert weights_main(["export", f"gs://{BUCKET}/runs/r", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
+    # An official-layout .npz in the bucket converts as its local copy does.
+    assert weights_main(["export", str(run), str(tmp_path / "model.npz"), "--format", "npz"]) == 0
+    gcs.put_file(str(tmp_path / "model.npz"), f"{BUCKET}/weights/model.npz")
+    for name, npz in (("local", str(tmp_path / "model.npz")), ("bucket", f"gs://{BUCKET}/weights/model.npz")):
+        assert weights_main(["convert", npz, str(tmp_path / name)]) == 0
+    local, bucket = (load_file(tmp_path / name / "model.safetensors") for name in ("local", "bucket"))
+    assert local.keys() == bucket.keys() and all(torch.equal(local[k], bucket[k]) for k in local)
