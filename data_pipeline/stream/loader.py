@@ -5,6 +5,7 @@ fork server, and the workers' base seed, drawn from a private generator.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,8 +35,22 @@ def worker_items(
         multiprocessing_context=_start_method(start_method),
         prefetch_factor=prefetch_factor,
         generator=_loader_generator(*seed_key),
+        worker_init_fn=_Environment(dict(os.environ)) if start_method == "forkserver" else None,
     )
     return iter(loader)
+
+
+class _Environment:
+    """A forkserver worker's environment made this process's as the loader starts, as a fork or spawn worker's is.
+    Forked from the fork server, it would otherwise have the environment the server started with (at the process's
+    first forkserver loader): an object-store endpoint or credentials set since then would not reach the reads."""
+
+    def __init__(self, environ: dict[str, str]):
+        self.environ = environ
+
+    def __call__(self, worker_id: int) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
 
 
 def _start_method(method: str | None) -> str | None:
