@@ -97,10 +97,34 @@ def read_manifest(location: str) -> DatasetInfo:
 _REMOTE_READS: dict[str, tuple[threading.Thread, float, list]] = {}  # location -> (reader, deadline, [outcome])
 
 
+class _QuietStores:
+    """The store loggers at CRITICAL while any remote read runs, their own levels back after the last one."""
+
+    def __init__(self) -> None:
+        self.reads, self.lock = 0, threading.Lock()
+        self.levels: dict[str, int] = {}
+
+    def enter(self) -> None:
+        with self.lock:
+            self.reads += 1
+            if self.reads == 1:
+                self.levels = {name: logging.getLogger(name).level for name in STORE_LOGGERS}
+                for name in STORE_LOGGERS:
+                    logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.reads -= 1
+            if self.reads == 0:
+                for name, level in self.levels.items():
+                    logging.getLogger(name).setLevel(level)
+
+
+_QUIET = _QuietStores()
+
+
 def _start_read(location: str) -> tuple[threading.Thread, float, list]:
     outcome: list = []
-    quiet = [logging.getLogger(name) for name in STORE_LOGGERS]
-    levels = [logger.level for logger in quiet]
 
     def read() -> None:
         try:
@@ -108,11 +132,9 @@ def _start_read(location: str) -> tuple[threading.Thread, float, list]:
         except Exception as error:  # noqa: BLE001 — raised in the caller's thread
             outcome.append(error)
         finally:
-            for logger, level in zip(quiet, levels):
-                logger.setLevel(level)
+            _QUIET.leave()
 
-    for logger in quiet:
-        logger.setLevel(logging.CRITICAL)
+    _QUIET.enter()
     reader = threading.Thread(target=read, name="plan-manifest-read", daemon=True)
     reader.start()
     return reader, time.monotonic() + MANIFEST_WAIT_S, outcome
