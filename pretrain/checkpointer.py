@@ -63,10 +63,8 @@ def find_start(config: TrainConfig) -> StartPoint:
     if c.init_from is not None:
         if is_remote(c.init_from):
             return StartPoint("init_from", _fetched(c.init_from))
-        try:  # the weights-source rule: a run folder means its newest COMPLETE checkpoint
-            source = weights_source.locate(c.init_from)
-        except FileNotFoundError as error:
-            raise ValueError(f"checkpoint.init_from={c.init_from!r}: {error}") from None
+        # the weights-source rule: a run folder means its newest COMPLETE checkpoint
+        source = weights_source.locate_setting(c.init_from, "checkpoint.init_from")
         if run_folder.is_complete(source):  # a training checkpoint: check the weight files
             _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
         return StartPoint("init_from", source)
@@ -80,9 +78,15 @@ def _fetched(url: str) -> Path:
     that node's cache, and the node's other ranks then find it there."""
     rank, _ = _rank_and_world()
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    exact = _every_rank(lambda: weights_source.origin(weights_source.resolve(url)) if rank == 0 else None, url)[0]
-    _every_rank(lambda: weights_source.resolve(exact) if first_on_node and rank != 0 else None, url)
-    return weights_source.resolve(exact)
+    copy: list[Path] = []  # this rank's copy, once it has fetched and verified one
+
+    def fetch(source: str) -> str:
+        copy.append(weights_source.resolve(source))
+        return weights_source.origin(copy[0])
+
+    exact = _every_rank(lambda: fetch(url) if rank == 0 else None, url)[0]
+    _every_rank(lambda: fetch(exact) if first_on_node and rank != 0 else None, url)
+    return copy[0] if copy else weights_source.locate(exact)  # the node's copy, verified by its first rank
 
 
 def _every_rank(fetch: Callable[[], Any], url: str) -> list[Any]:

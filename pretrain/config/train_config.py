@@ -328,10 +328,8 @@ def check_paths_exist(config: TrainConfig) -> None:
     if c.resume_from is not None:
         run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
     if c.init_from is not None and not is_remote(c.init_from):  # a URL is checked when it is fetched
-        try:  # the weights-source rule: a run folder means its newest COMPLETE checkpoint
-            src = weights_source.locate(c.init_from)
-        except FileNotFoundError as error:
-            raise ValueError(f"checkpoint.init_from={c.init_from!r}: {error}") from None
+        # the weights-source rule: a run folder means its newest COMPLETE checkpoint
+        src = weights_source.locate_setting(c.init_from, "checkpoint.init_from")
         if not (src.suffix == ".npz" and src.is_file()) and not (src / "model.safetensors").exists():
             raise ValueError(
                 f"checkpoint.init_from={c.init_from!r} is neither an .npz file nor a folder with model.safetensors; "

@@ -44,6 +44,14 @@ def resolve(source: str | Path) -> Path:
     return path
 
 
+def locate_setting(source: str, setting: str) -> Path:
+    """`locate` for a config setting: its FileNotFoundError as a ValueError naming ``setting``."""
+    try:
+        return locate(source)
+    except FileNotFoundError as error:
+        raise ValueError(f"{setting}={source!r}: {error}") from None
+
+
 def locate(source: str | Path) -> Path:
     """The file or folder whose weights ``source`` names, unverified; FileNotFoundError for a run without a COMPLETE
     checkpoint. Anything else is for the loader to judge. A remote source is its local copy (`fetch`)."""
