@@ -31,14 +31,15 @@ help:  ## list the targets
 
 setup: $(STAMP)  ## create .venv: torch first (CPU wheel), then DeepSpeed from source, then vitscale[dev]
 
-# Re-runs only when pyproject.toml changes; each step also skips itself when its package is already present.
-$(STAMP): pyproject.toml
+# Re-runs only when pyproject.toml or constraints-dev.txt changes; each step also skips itself when its package is
+# already present. constraints-dev.txt spares pip's resolver its backtracking through the object-storage stack.
+$(STAMP): pyproject.toml constraints-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PY) -m pip install "torch==$(TORCH_VERSION)"
 	@$(PY) -c "import deepspeed" 2>/dev/null \
 		|| DS_BUILD_OPS=0 $(PY) -m pip install "deepspeed>=0.16,<0.20" --no-build-isolation
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev]" -c constraints-dev.txt
 	@# DeepSpeed's CPU communication op, built once here (about 35 s on 2 cores; torch keeps it in
 	@# ~/.cache/torch_extensions) rather than by the first training process, which would make every rank wait.
 	@$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
