@@ -12,9 +12,17 @@ from tests.project.test_imports import MODULES
 OWNER = "pretrain.randomness"
 # NumPy's seeded generators: each call builds a private one, the legacy global `RandomState` stays untouched.
 NUMPY_PRIVATE = {
-    "default_rng", "Generator", "SeedSequence", "BitGenerator", "PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64",
+    "default_rng",
+    "Generator",
+    "SeedSequence",
+    "BitGenerator",
     "RandomState",
-}  # fmt: skip
+    "PCG64",
+    "PCG64DXSM",
+    "MT19937",
+    "Philox",
+    "SFC64",
+}
 PYTHON_PRIVATE = {"Random", "SystemRandom"}
 
 
@@ -48,7 +56,7 @@ def test_the_rule_sees_a_global_draw():
 
 def test_only_the_randomness_module_touches_the_global_generators():
     offenders = [
-        f"{path.name}:{line}: {call}"
+        f"{module}:{line}: {call}"
         for module, path in MODULES.items()
         if module != OWNER
         for line, call in _draws(ast.parse(path.read_text(), str(path)))
