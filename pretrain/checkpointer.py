@@ -1,9 +1,4 @@
-"""Saving and resuming checkpoints (the layout is `pretrain.checkpoint.run_folder`'s).
-
-Entry points: `find_start` (resume order: the newest verified checkpoint of the run, ``checkpoint.resume_from``,
-``checkpoint.init_from``, scratch), `prepare_resume` and `resume`, `save_checkpoint`, and `Checkpointer`, which
-decides when the trainer saves. Faults: docs/contracts.md, "Checkpoints".
-"""
+"""Saving and resuming checkpoints (docs/contracts.md, "Checkpoints")."""
 
 from __future__ import annotations
 
@@ -40,19 +35,19 @@ from tracking.tracker import Tracker, flatten_config
 
 @dataclass(frozen=True)
 class StartPoint:
-    kind: str  # "run" (newest checkpoint of this run) | "resume_from" | "init_from" | "scratch"
+    kind: str  # "run" (this run's newest checkpoint) | "resume_from" | "init_from" | "scratch"
     path: Path | None
 
     @property
     def folder(self) -> Path:
-        """The checkpoint (or ``init_from`` weights) this start reads; ValueError for scratch."""
         if self.path is None:
             raise ValueError(f"a {self.kind} start reads no checkpoint")
         return self.path
 
 
 def find_start(config: TrainConfig) -> StartPoint:
-    """Collective: where training starts. A damaged ``resume_from`` or ``init_from`` raises ValueError, not a skip."""
+    """Collective: the run's newest intact checkpoint, else ``resume_from``, ``init_from`` (ValueError if damaged)
+    or scratch."""
     latest = newest_verified(Path(config.checkpoint.dir))
     if latest is not None:
         return StartPoint("run", latest)
@@ -63,22 +58,18 @@ def find_start(config: TrainConfig) -> StartPoint:
     if c.init_from is not None:
         if is_remote(c.init_from):
             return StartPoint("init_from", _fetched(c.init_from))
-        # the weights-source rule: a run folder means its newest COMPLETE checkpoint
         source = weights_source.locate_setting(c.init_from, "checkpoint.init_from")
-        if run_folder.is_complete(source):  # a training checkpoint: check the weight files
+        if run_folder.is_complete(source):
             _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
         return StartPoint("init_from", source)
     return StartPoint("scratch", None)
 
 
 def _fetched(url: str) -> Path:
-    """Collective: the local copy of ``checkpoint.init_from`` in object storage, read as evals and exports read a URL
-    (`pretrain.weights.source`: a run folder's newest COMPLETE checkpoint, checksums verified on the copy). Rank 0
-    picks the exact checkpoint (a run folder may save a newer one meanwhile); each node's first rank copies it into
-    that node's cache, and the node's other ranks then find it there."""
+    """Collective: the verified local copy of the URL ``checkpoint.init_from``, one per node."""
     rank, _ = _rank_and_world()
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    copy: list[Path] = []  # this rank's copy, once it has fetched and verified one
+    copy: list[Path] = []  # this rank's verified copy, if it fetched one
 
     def fetch(source: str) -> str:
         copy.append(weights_source.resolve(source))
@@ -86,11 +77,11 @@ def _fetched(url: str) -> Path:
 
     exact = _every_rank(lambda: fetch(url) if rank == 0 else None, url)[0]
     _every_rank(lambda: fetch(exact) if first_on_node and rank != 0 else None, url)
-    return copy[0] if copy else weights_source.locate(exact)  # the node's copy, verified by its first rank
+    return copy[0] if copy else weights_source.locate(exact)
 
 
 def _every_rank(fetch: Callable[[], Any], url: str) -> list[Any]:
-    """Collective: each rank's result of ``fetch``; the same ValueError on every rank if one rank's fetch failed."""
+    """Collective: each rank's ``fetch()``; ValueError on every rank if one failed."""
     try:
         result, problem = fetch(), None
     except (OSError, ImportError, weights_source.DamagedCheckpointError) as error:
@@ -103,10 +94,7 @@ def _every_rank(fetch: Callable[[], Any], url: str) -> list[Any]:
 
 
 def newest_verified(run_dir: Path) -> Path | None:
-    """Collective: the newest COMPLETE checkpoint of the run that verifies (or is unverified), or None.
-
-    Each rank checks its `checksums.share`. A damaged one is skipped with one line; ValueError if all are damaged.
-    """
+    """Collective: the run's newest COMPLETE checkpoint that is not damaged; None if none, ValueError if all are."""
     rank, world = _rank_and_world()
     candidates: list[Path] = _gather(run_folder.complete_checkpoints(run_dir))[0]
     damaged = []
@@ -114,18 +102,12 @@ def newest_verified(run_dir: Path) -> Path | None:
         verdict = checksums.combine(folder, _gather(checksums.verify(folder, part=(rank, world))))
         if verdict.ok:
             if rank == 0 and verdict.status == "unverified":
-                print(
-                    f"warning: resuming {folder} unverified: it records no checksums (written before checkpoints did)",
-                    file=sys.stderr,
-                    flush=True,
+                _warn(
+                    f"warning: resuming {folder} unverified: it records no checksums (written before checkpoints did)"
                 )
             return folder
         if rank == 0:
-            print(
-                f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one",
-                file=sys.stderr,
-                flush=True,
-            )
+            _warn(f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one")
         damaged.append(verdict)
     if damaged:
         raise ValueError(
@@ -136,7 +118,6 @@ def newest_verified(run_dir: Path) -> Path | None:
 
 
 def _intact(folder: Path, setting: str, only: tuple[str, ...] | None = None) -> Path:
-    """``folder`` if its files (``only`` these) verify, else ValueError naming ``setting`` and the file."""
     verdict = checksums.verify(folder, only=only)
     if not verdict.ok:
         raise ValueError(
@@ -147,9 +128,7 @@ def _intact(folder: Path, setting: str, only: tuple[str, ...] | None = None) -> 
 
 
 def _rank_and_world() -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -160,9 +139,8 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def save_checkpoint(
@@ -175,12 +153,8 @@ def save_checkpoint(
     stream_state: dict[str, Any],
     metrics: dict[str, float] | None = None,
 ) -> Path:
-    """Collective: save and publish; returns the COMPLETE folder. ``model``: the bare ViT inside the engine.
-
-    Writes go through a `SaveAttempt`; the ranks agree (`_agree`) after staging, writing and publishing, so a failed
-    write anywhere raises `CheckpointSaveError` on every rank (`pretrain.checkpoint.writes`).
-    """
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    """Collective: save and publish; returns the COMPLETE folder. A failed write raises on every rank."""
+    rank, _ = _rank_and_world()
     run_dir = Path(config.checkpoint.dir)
     tag = run_folder.step_name(step)
     tmp = run_folder.staging_dir(run_dir, step)
@@ -189,7 +163,7 @@ def save_checkpoint(
         attempt.write(tmp, lambda: run_folder.start_staging(tmp), record=False)
     _agree(attempt)
     with attempt.routing(engine):
-        # DeepSpeed writes "latest" outside the attempt, where a failure would raise on rank 0 alone: see below.
+        # DeepSpeed writes "latest" outside the attempt, where a failure would raise on rank 0 alone: see below
         engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=tag, client_state={"step": step}, save_latest=False)
     stream_states, rng_states = _gather(_jsonable(stream_state)), _gather(randomness.rng_state())
     _save_consolidated(engine, model, tmp, rank, attempt)
@@ -218,12 +192,12 @@ def save_checkpoint(
         attempt.write(final, lambda: run_folder.publish(tmp), record=False)
         if attempt.failure is None:
             run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last)
-    _agree(attempt)  # also: every rank waits until the checkpoint is COMPLETE
+    _agree(attempt)  # every rank waits until the checkpoint is COMPLETE
     return final
 
 
 def _agree(attempt: SaveAttempt) -> list[SaveAttempt]:
-    """Collective: every rank's attempt. On any failure rank 0 removes the partial files and all ranks raise."""
+    """Collective: every rank's attempt; on any failure rank 0 removes the partial files and all ranks raise."""
     attempts = _gather(attempt)
     failure = next((a.failure for a in attempts if a.failure is not None), None)
     if failure is None:
@@ -240,16 +214,11 @@ def _agree(attempt: SaveAttempt) -> list[SaveAttempt]:
 
 
 def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: int, attempt: SaveAttempt) -> None:
-    """Collective: rank 0 writes ``model`` into ``directory`` (`save_pretrained`) through ``attempt``.
-
-    A bf16 run writes the optimizer's fp32 masters, not the bf16 compute copy, so evals and exports start from what
-    training holds; frozen parameters and buffers are written as the module holds them.
-    """
+    """Collective: rank 0 writes ``model``'s weights; a bf16 run writes the fp32 masters, not the bf16 copy."""
     import deepspeed  # already imported by the engine
 
     masters = _fp32_masters(model, rank) if engine.bfloat16_enabled() else {}
     rest = [p for name, p in model.named_parameters() if name not in masters]
-    # Gathering is a collective under ZeRO-3.
     with deepspeed.zero.GatheredParameters(rest, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
         if rank == 0:
             held = {name: master for name, master in masters.items() if master is not None}
@@ -258,32 +227,29 @@ def _save_consolidated(engine, model: VisionTransformer, directory: Path, rank: 
 
 
 def _fp32_masters(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
-    """Collective: ``{name: fp32 master}`` of each trained parameter; on CPU on rank 0, None elsewhere."""
+    """Collective: ``{name: fp32 master}`` of the trained parameters; None off rank 0."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     masters = {}
     for name, param in model.named_parameters():
-        full = safe_get_full_fp32_param(param)  # a collective, in the same order on every rank
+        full = safe_get_full_fp32_param(param)  # a collective
         if full is not None:  # None: frozen
             masters[name] = full.cpu() if rank == 0 else None
     return masters
 
 
 def _holding(model: VisionTransformer, state: dict[str, torch.Tensor]) -> VisionTransformer:
-    """A model of ``model``'s class and config holding ``state`` (built on the meta device)."""
     with torch.device("meta"):
         copy = type(model)(model.config)
     copy.load_state_dict(state, assign=True)
     return copy
 
 
-UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: the engine state for any world size
+UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: engine state for any world size
 
 
 def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None:
-    """Collective, before the engine is built: the universal checkpoint to load when ``start`` was written at another
-    world size with rank-partitioned optimizer state (ZeRO 1-3, or bf16), else None. Rank 0 converts once and later
-    resizes reuse it (docs/elastic.md, "Checkpoints at another world size")."""
+    """Collective: the universal checkpoint to load, or None (docs/elastic.md, "Checkpoints at another world size")."""
     if start.kind not in ("run", "resume_from"):
         return None
     state = TrainerState.read(start.folder)
@@ -306,13 +272,13 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
             f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB",
             flush=True,
         )
-    _barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return target
 
 
 def _to_universal(engine_dir: Path, output: Path) -> None:
-    """DeepSpeed's ds_to_universal, in this process. ``inject_missing_state`` fills in the Megatron-only
-    ``universal_checkpoint_info``, which for pure data parallelism is just the format version."""
+    """DeepSpeed's ds_to_universal, in-process (``inject_missing_state``: Megatron's universal_checkpoint_info)."""
     from argparse import Namespace
 
     from deepspeed.checkpoint import ds_to_universal  # heavy; only a resize needs it
@@ -331,8 +297,7 @@ def _to_universal(engine_dir: Path, output: Path) -> None:
 
 
 def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None) -> TrainerState:
-    """Collective: restore the engine (weights-only loads) and return the trainer state; the caller restores RNG.
-    ``universal``: load that universal checkpoint instead (`prepare_resume`)."""
+    """Collective: restore the engine (from ``universal`` if given); returns the trainer state, not restoring RNG."""
     state = TrainerState.read(checkpoint_dir)
     load_weights_only(engine.checkpoint_engine)
     folder = universal if universal is not None else Path(checkpoint_dir) / DEEPSPEED_DIR
@@ -344,10 +309,7 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no engine state under {folder}")
     if universal is not None:
-        # Two bugs of ZeRO-3's universal load (DeepSpeed 0.19.8): (1) every param group gets group 0's
-        # hyperparameters, so the no-decay group would be decayed: restore the groups' own settings. (2) All groups
-        # share one Adam ``step`` tensor, which AdamW increments once per group, so the second group's bias
-        # correction runs ahead: give each its own copy.
+        # two ZeRO-3 universal-load bugs (docs/elastic.md)
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
         for param_state in optimizer.state.values():
@@ -357,12 +319,10 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
 
 
 def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[str]:
-    """Copy same-name, same-shape weights from a model.safetensors folder or an official .npz into ``model`` (position
-    embeddings resized to ``image_size``); returns the names left at their initialisation."""
+    """Copy same-name, same-shape weights from a model.safetensors folder or an .npz; returns the names not copied."""
     src = load_npz(source, image_size=image_size) if source.suffix == ".npz" else load_pretrained(source, image_size)
-    theirs = src.state_dict()
     mine = model.state_dict()
-    usable = {k: v for k, v in theirs.items() if k in mine and mine[k].shape == v.shape}
+    usable = {k: v for k, v in src.state_dict().items() if k in mine and mine[k].shape == v.shape}
     model.load_state_dict(usable, strict=False)
     skipped = sorted(set(mine) - set(usable))
     if skipped:
@@ -371,7 +331,6 @@ def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[
 
 
 def _jsonable(obj: Any) -> Any:
-    """``obj`` with numpy values and tuples made plain numbers and lists."""
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -383,10 +342,7 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-# --------------------------------------------------------------------------------------------- resume
-
-
-# Settings a resume may change without changing what it computes.
+# settings a resume may change without changing what it computes
 _RESUME_MAY_CHANGE = (
     "checkpoint.",
     "logging.",
@@ -399,7 +355,6 @@ _RESUME_MAY_CHANGE = (
 
 
 def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
-    """Warn about settings that differ from the checkpoint's config.yaml (the resume is then not exact)."""
     import yaml  # only resumes need it
 
     saved = flatten_config(yaml.safe_load((checkpoint_dir / CONFIG_YAML).read_text()))
@@ -409,18 +364,16 @@ def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
     )
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in changed)
-        print(
+        _warn(
             f"warning: resuming {checkpoint_dir} with changed settings ({diffs}); the run is no longer an exact "
-            "continuation",
-            file=sys.stderr,
-            flush=True,
+            "continuation"
         )
 
 
 def resume(
     engine, stream, start: StartPoint, rank: int, world_size: int, config: TrainConfig, universal: Path | None = None
 ) -> TrainerState | None:
-    """Restore the engine and the stream from a full checkpoint, at any world size; its trainer state, or None."""
+    """Restore engine and stream from a full checkpoint; its trainer state, or None."""
     if start.kind not in ("run", "resume_from"):
         return None
     state = load_checkpoint(engine, start.folder, universal)
@@ -439,16 +392,13 @@ def resume(
     return state
 
 
-# --------------------------------------------------------------------------------------------- the checkpointer
-
 CheckpointCallback = Callable[[Path, int, dict], None]
 
 
 class Checkpointer:
-    """When the trainer saves: every ``checkpoint.every_steps`` steps, at the last step, and step 0 of a fresh
-    evaluated run. ``on_checkpoint(folder, step, metrics)`` runs on every rank after each save. The ``tracker`` is
-    synced first, so a checkpoint is published only once its steps' metrics are logged (docs/performance.md, "Data
-    wait: predicted, and the decoded cache"). A failed save stops the run unless ``on_save_error: skip``."""
+    """Saves on the cadence, at the last step, and step 0 of a fresh evaluated run; then runs ``on_checkpoint`` on
+    every rank. The tracker is synced first, so a checkpoint is published only once its steps' metrics are logged. A
+    failed save stops the run unless ``on_save_error: skip``."""
 
     def __init__(
         self,
@@ -462,19 +412,18 @@ class Checkpointer:
         self.on_save_error = config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
         self.saved: list[str] = []  # this attempt's checkpoints
-        self.save_seconds = 0.0  # wall seconds spent saving (goodput ledger)
+        self.save_seconds = 0.0  # wall seconds spent saving (goodput)
 
     def save_baseline(self, trainer) -> None:
-        """Save a fresh run's step-0 weights (never on resume). Draws no random numbers."""
+        """Save a fresh run's step-0 weights; draws no random numbers."""
         if self.baseline and trainer.start_step == 0 and trainer.state is None:
             self._save(trainer, {})
 
     def due(self, step: int) -> bool:
-        """Whether `after_step` saves after ``step``: on the cadence, or the last step."""
         return step % self.every == 0 or step == self.last_step
 
     def after_step(self, trainer, metrics: Mapping[str, SupportsFloat]) -> None:
-        """Save if ``trainer.step`` is `due`; ``metrics`` are read (``float``) only then."""
+        """Save if ``trainer.step`` is `due`; only then are ``metrics`` read."""
         if self.due(trainer.step):
             self._save(trainer, {key: float(value) for key, value in metrics.items()})
 
@@ -507,11 +456,9 @@ class Checkpointer:
                 ) from None
             if trainer.place.rank == 0:
                 later = min(trainer.step - trainer.step % self.every + self.every, self.last_step)
-                print(
+                _warn(
                     f"warning: {error}; training goes on (checkpoint.on_save_error: skip) and saves again at step "
-                    f"{later}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{later}"
                 )
             return
         self.saved.append(str(folder))

@@ -1,10 +1,4 @@
-"""CPython's cyclic garbage collector over a training process's start: paused, then told to skip what the start made.
-
-A rank's start makes millions of objects that live as long as the process and next to no cyclic garbage, yet the
-collector walks them all each time the heap grows by a quarter (docs/performance.md, "A rank's start"). `pause()` at
-the entry point stops those passes; `resume()`, before the first step, collects once, freezes the survivors out of
-later passes (`gc.freeze`) and restarts the collector. The numerics are unaffected.
-"""
+"""The garbage collector paused over a rank's start (docs/performance.md, "A rank's start")."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ _paused = False
 
 
 def pause() -> None:
-    """Stop the collector until `resume`; a no-op where it is already off."""
+    """Stop the collector until `resume`, if it is on."""
     global _paused
     if gc.isenabled():
         gc.disable()
@@ -22,7 +16,7 @@ def pause() -> None:
 
 
 def resume() -> None:
-    """Collect once, freeze the survivors and restart the collector; only where `pause` stopped it."""
+    """Collect once, freeze the survivors and restart the collector, if `pause` stopped it."""
     global _paused
     if _paused:
         gc.collect()

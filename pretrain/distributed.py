@@ -1,9 +1,5 @@
-"""A training rank's process group: joining it (`init_distributed`), ending it (`finish_distributed`, `exit_rank`),
-and the DeepSpeed import and CPU build lock that come before (`import_deepspeed`, `remove_stale_build_lock`).
-
-The same code runs under torchrun, the DeepSpeed launcher and Ray Train (which creates the group itself).
-docs/reference.md §7, "Ending a rank".
-"""
+"""A training rank's process group: joining it, ending it (docs/reference.md §7, "Ending a rank"), and before it
+the DeepSpeed import."""
 
 from __future__ import annotations
 
@@ -34,29 +30,24 @@ class Placement:
 
 
 def training_device_type() -> str:
-    """``cuda`` where torch sees a GPU, unless ``DS_ACCELERATOR=cpu`` puts DeepSpeed, and so everything, on the CPU
-    (docs/reference.md §7)."""
-    if os.environ.get("DS_ACCELERATOR") == "cpu":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """``cuda`` where torch sees a GPU, unless ``DS_ACCELERATOR=cpu`` (docs/reference.md §7)."""
+    return "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available() else "cuda"
 
 
-# Imported by the ZeRO optimizers only for isinstance checks; they torch.compile at import, which imports Inductor.
+# imported by the ZeRO optimizers for isinstance checks; they import Inductor
 MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
 MUON_NAMES = ("MuonWithAuxAdam", "muon_update", "adam_update")
 
 
 def import_deepspeed() -> types.ModuleType:
-    """``import deepspeed`` without its imports for features never run here (docs/performance.md, "A rank's start"):
-    MLflow is hidden while it imports, and `MUON_MODULES` get a stand-in whose functions refuse to run (the optimizer
-    is always AdamW). Idempotent; set ``DS_ACCELERATOR`` before the first call."""
+    """``import deepspeed`` without MLflow or `MUON_MODULES` (docs/performance.md, "A rank's start")."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     for name in MUON_MODULES:
         sys.modules.setdefault(name, _muon_stand_in(name))
     hide_mlflow = "mlflow" not in sys.modules
     if hide_mlflow:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
     try:
         import deepspeed
     finally:
@@ -68,7 +59,7 @@ def import_deepspeed() -> types.ModuleType:
 def _muon_stand_in(name: str) -> types.ModuleType:
     module = types.ModuleType(name, f"vitscale's stand-in for {name}: pretrain.distributed.import_deepspeed.")
 
-    class MuonWithAuxAdam:  # never instantiated: isinstance() is False, as for the real class here
+    class MuonWithAuxAdam:  # isinstance() is False, as for the real class here
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise RuntimeError(_MUON_REFUSED)
 
@@ -87,16 +78,16 @@ _MUON_REFUSED = (
 
 
 def init_distributed(config: TrainConfig) -> Placement:
-    """Join (or create) the process group from RANK / WORLD_SIZE / LOCAL_RANK; gloo on CPU, nccl on CUDA."""
+    """Join (or create) the process group from RANK / WORLD_SIZE / LOCAL_RANK."""
     device_type = training_device_type()
     if device_type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine
             remove_stale_build_lock(SHM_COMM_OP)
-    deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import
+    deepspeed = import_deepspeed()
 
     if not dist.is_initialized():
-        _import_world_defaults()  # before the default group exists
+        _import_world_defaults()
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -114,17 +105,12 @@ def init_distributed(config: TrainConfig) -> Placement:
 
 
 def _import_world_defaults() -> None:
-    """Import `torch.distributed.nn.functional` while no default process group exists.
-
-    Its collectives take ``group=group.WORLD`` as a default argument, evaluated at import. Imported after the group
-    exists (torch does so lazily, at the first `add_param_group`), the defaults would keep the group and its gloo
-    threads alive until interpreter teardown (docs/reference.md §7). Imported first, the defaults are None."""
+    """Import it while no default group exists: its default arguments would hold the group (docs/reference.md §7)."""
     import torch.distributed.nn.functional  # noqa: F401
 
 
 def _release_destroyed_groups() -> None:
-    """Drop destroyed groups still held by `torch.distributed.nn.functional`'s default arguments (imported after a
-    caller made the group itself), so their gloo threads are joined now, not at interpreter teardown."""
+    """Drop destroyed groups held as default arguments, to join their threads now."""
     functional = sys.modules.get("torch.distributed.nn.functional")
     if functional is None:
         return
@@ -134,18 +120,13 @@ def _release_destroyed_groups() -> None:
             function.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
-# DeepSpeed's CPU communication op, JIT-built on the first CPU start (docs/reference.md §7)
-SHM_COMM_OP = "deepspeed_shm_comm"
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU communication op, JIT-built
 STALE_LOCK_S = 900  # longer than any build holds the lock
 ORPHAN_LOCK_S = 30  # a lock no process holds open, this old, was left by a killed one
 
 
 def remove_stale_build_lock(op: str) -> Path | None:
-    """Remove the build lock of torch JIT extension ``op`` if a killed process left it; return its path then.
-
-    Every process waits forever while ``<build dir>/lock`` exists, so a builder killed while holding it hangs every
-    later DeepSpeed start on the machine (docs/reference.md §7). Stale: no process here has it open and it is older
-    than ``ORPHAN_LOCK_S``, or, where /proc cannot tell, older than any build takes."""
+    """Remove the lock of JIT extension ``op`` if a killed process left it; its path then (docs/reference.md §7)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = Path(_get_build_directory(op, verbose=False)) / "lock"
@@ -166,7 +147,7 @@ def remove_stale_build_lock(op: str) -> Path | None:
 
 
 def _held_open(path: Path) -> bool | None:
-    """Whether a process here has ``path`` open (other users' processes are not visible); None without /proc."""
+    """Whether a process of ours has ``path`` open; None without /proc."""
     proc = Path("/proc")
     if not (proc / "self" / "fd").is_dir():
         return None
@@ -175,7 +156,7 @@ def _held_open(path: Path) -> bool | None:
         try:
             if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
                 return True
-        except OSError:  # the process ended, or is not ours
+        except OSError:  # ended, or not ours
             continue
     return False
 
@@ -187,8 +168,7 @@ def _free_port() -> int:
 
 
 def finish_distributed() -> None:
-    """Tear the process groups down once every rank is done; afterwards no gloo thread runs. The barrier comes first:
-    a rank exiting while a peer is in a collective makes the peer's gloo threads abort it."""
+    """Tear the process groups down once every rank is done (a barrier first); afterwards no gloo thread runs."""
     if not dist.is_initialized():
         return
     import deepspeed.comm
@@ -199,12 +179,7 @@ def finish_distributed() -> None:
 
 
 def exit_rank(code: int) -> NoReturn:
-    """End a training process with ``code`` once its results are written.
-
-    After `finish_distributed` the rank exits normally. With a group still alive (an error path; peers may be in a
-    collective, so no barrier) it runs the exit handlers, flushes stdout and stderr and leaves with ``os._exit``:
-    interpreter teardown would destroy the live gloo group, whose threads can abort the process.
-    """
+    """End a training process with ``code``; with a group alive, by ``os._exit`` (its teardown can abort)."""
     if dist.is_available() and dist.is_initialized():
         atexit._run_exitfuncs()
         sys.stdout.flush()
@@ -214,9 +189,7 @@ def exit_rank(code: int) -> NoReturn:
 
 
 class Readback:
-    """A scalar still on the device, read (which waits for the device) the first time ``float()`` asks, then kept as
-    a Python float and its tensor let go: the loop reads the loss and grad norm only at the logging cadence and
-    before a save, so a GPU step never waits for its own end (docs/performance.md, "Host to device")."""
+    """A device scalar, read at the first ``float()`` (docs/performance.md, "Host to device")."""
 
     __slots__ = ("_tensor", "_divisor", "_value")
 
@@ -228,7 +201,7 @@ class Readback:
     def __float__(self) -> float:
         if self._value is None:
             value = self._tensor
-            assert value is not None  # dropped only once read
+            assert value is not None
             self._value = (value.item() if isinstance(value, torch.Tensor) else float(value)) / self._divisor
             self._tensor = None
         return self._value
@@ -238,14 +211,14 @@ class Readback:
 
 
 def mean_over_ranks(value: torch.Tensor) -> Readback:
-    """The mean of a scalar tensor over all ranks (a collective), read back when asked."""
+    """Collective: the mean of a scalar tensor over all ranks."""
     value = value.detach().float().clone()
     dist.all_reduce(value)
     return Readback(value, dist.get_world_size())
 
 
 def broadcast(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (a collective)."""
+    """Collective: rank 0's ``value``."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -1,5 +1,4 @@
-"""A run's DeepSpeed engine: its precision (`decide_precision`) and the engine around model, task and optimizer
-(`build_engine`)."""
+"""A run's DeepSpeed engine and its precision."""
 
 from __future__ import annotations
 
@@ -23,28 +22,22 @@ from pretrain.randomness import seed_everything
 def decide_precision(
     config: TrainConfig, place: Placement, num_classes: int, start: ckpt.StartPoint
 ) -> PrecisionChoice:
-    """`deepspeed.precision` for this run, the same on every rank (`pretrain.config.precision`). A first `probe`
-    times on rank 0 and records the answer in the run folder."""
-    d, run_dir = config.data, Path(config.checkpoint.dir)
-    resumed = None
+    """`deepspeed.precision` for this run, the same on every rank; a first `probe` is recorded in the run folder."""
+    d, run_dir, overrides = config.data, Path(config.checkpoint.dir), model_overrides(config, num_classes)
+    resumed = recorded = None
     if start.kind in ("run", "resume_from"):
         kept = TrainerState.read(start.folder).precision
         resumed = None if kept is None else (kept, start.folder.name)
     record = run_folder.read_precision_record(run_dir) if config.deepspeed.precision == "probe" else None
-    recorded = (
-        None
-        if record is None
-        else PrecisionChoice(
-            record["precision"], "run-record", f"{run_dir / run_folder.PRECISION_RECORD}: {record['reason']}"
-        )
-    )
-    shape = StepShape.of(model_config(config.model.name, **model_overrides(config, num_classes)), d.micro_batch_size)
+    if record is not None:
+        why = f"{run_dir / run_folder.PRECISION_RECORD}: {record['reason']}"
+        recorded = PrecisionChoice(record["precision"], "run-record", why)
+    shape = StepShape.of(model_config(config.model.name, **overrides), d.micro_batch_size)
 
     def probe() -> tuple[float, float]:
-        def build():
-            return build_task(config, build_model(config.model.name, **model_overrides(config, num_classes)))
-
-        return probe_bf16_speedup(build, d.micro_batch_size, d.image_size)
+        return probe_bf16_speedup(
+            lambda: build_task(config, build_model(config.model.name, **overrides)), d.micro_batch_size, d.image_size
+        )
 
     def here() -> PrecisionChoice:
         choice = decide(
@@ -56,7 +49,7 @@ def decide_precision(
             probe=probe,
             zero_stage=config.deepspeed.zero_stage,
         )
-        if choice.rule == "probe":  # timed now; later starts repeat it
+        if choice.rule == "probe":  # timed now
             run_folder.write_precision_record(run_dir, choice.precision, choice.rule, choice.reason)
         return choice
 
@@ -71,27 +64,23 @@ def build_engine(
     precision: str,
     load_universal: bool = False,
 ):
-    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine; returns (engine, model).
-    ``load_universal``: the engine will load a universal checkpoint."""
-    deepspeed = import_deepspeed()  # DS_ACCELERATOR must be set before its first import
-
+    """Model (fresh or `init_from` weights) → task → torch AdamW → DeepSpeed engine; returns (engine, model)."""
+    deepspeed = import_deepspeed()
     seed_everything(config.seed)  # identical initialisation on every rank
     model = build_model(config.model.name, **model_overrides(config, num_classes))
     if start.kind == "init_from":
         ckpt.init_weights(model, start.folder, config.data.image_size)
     if config.model.compile:
-        # Compiles at the first step. A CPU rank builds kernels on its own threads, not Inductor's pool of a process
-        # per core in every rank (docs/performance.md, "Compiled blocks").
+        # a CPU rank builds kernels on its own threads (docs/performance.md, "Compiled blocks")
         model.compile_blocks(compile_threads=torch.get_num_threads() if place.device.type == "cpu" else None)
     task = build_task(config, model)
     external_parameters = getattr(task, "external_parameters", None)
     if config.deepspeed.zero_stage == 3 and external_parameters is not None:
-        # Parameters the task reads outside their module's forward: ZeRO-3 gathers them around the task's.
+        # read outside their module's forward: ZeRO-3 gathers them around the task's
         for param in external_parameters():
             deepspeed.zero.register_external_parameter(task, param)
     if config.deepspeed.zero_stage == 3 and config.model.compile:
-        # Leaf blocks: ZeRO-3 hooks the block alone, around its compiled forward; hooks on its children would be
-        # traced by Dynamo and recompiled per layer (docs/performance.md, "Compiled blocks").
+        # leaf blocks: hooks on their children would be traced and recompiled (docs/performance.md)
         deepspeed.utils.set_z3_leaf_modules(task, [Block])
     ds_config = engine_config(config, place.world_size, precision, load_universal)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)

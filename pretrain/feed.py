@@ -1,7 +1,4 @@
-"""Micro-batches onto the rank's device (`DeviceFeed`): float32 ones as the loader made them, or uint8 pixels that
-cross the bus (through pinned memory on a GPU) and become floats on the device (``data.normalize_on``; docs/
-performance.md, "Host to device"). Both give the model the same numbers.
-"""
+"""Micro-batches onto the rank's device (docs/performance.md, "Host to device")."""
 
 from __future__ import annotations
 
@@ -12,13 +9,12 @@ import torch
 from data_pipeline.stream.augment import float_images_on, mix
 from data_pipeline.stream.train_stream import MixRows
 
-STAGING_SLOTS = 2  # host buffers per kind: one being copied to the device while the next is filled
+STAGING_SLOTS = 2  # host buffers per kind: one copied while the next is filled
 
 
 class DeviceFeed:
-    """Turns the stream's micro-batches into (images in ``dtype``, labels) on ``device``. ``stage``: copy uint8 pixels
-    through reused host buffers, pinned on a GPU, so the copy is asynchronous; a buffer is written again only once
-    its previous copy has completed (its event). Default: on a GPU."""
+    """The stream's micro-batches as (images in ``dtype``, labels) on ``device``; ``stage``: copy uint8 pixels
+    through reused host buffers (default: on a GPU, pinned)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, stage: bool | None = None):
         self.device, self.dtype = device, dtype
@@ -27,25 +23,24 @@ class DeviceFeed:
         self._staging: dict[str, deque[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
 
     def __call__(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(batch) == 2:  # float32 from the loader
+        if len(batch) == 2:  # float32
             images, labels = batch
             images = images.to(self.device, dtype=self.dtype, non_blocking=True)
             return images, labels.to(self.device, non_blocking=True)
         pixels, labels, mix_rows = batch
-        images = float_images_on(self._host_to_device(pixels, "images"), self.device)  # (m, 3, S, S) float32
+        images = float_images_on(self._host_to_device(pixels, "images"), self.device)
         if mix_rows is not None:
             self._mix(images, mix_rows)
         return images.to(self.dtype), labels.to(self.device, non_blocking=True)
 
     def _mix(self, images: torch.Tensor, rows: MixRows) -> None:
-        """Mixup on the device, in place, as `augment.mixup` does it on the host."""
+        """Mixup on the device, in place, as `augment.mixup` on the host."""
         partners = float_images_on(self._host_to_device(rows.partners, "partners"), self.device)
         for start, stop, lam in rows.spans:
             images[start:stop] = mix(images[start:stop], partners[start:stop], lam)
 
     def _host_to_device(self, host: torch.Tensor, kind: str) -> torch.Tensor:
-        """``host`` on the device: through the oldest staging buffer of ``kind`` when staging (waiting for that
-        buffer's previous copy first), else as it is (`float_images_on` moves it)."""
+        """``host`` through the oldest staging buffer of ``kind`` once its last copy is done; unstaged, as it is."""
         if not self.stage:
             return host
         ring = self._staging.setdefault(kind, deque())
@@ -53,8 +48,8 @@ class DeviceFeed:
         if len(ring) == STAGING_SLOTS:
             buffer, done = ring.popleft()
             if done is not None:
-                done.synchronize()  # the previous copy out of this buffer has completed
-        if buffer is None or buffer.shape != host.shape:  # a new shape: a partial batch, a resolution switch
+                done.synchronize()
+        if buffer is None or buffer.shape != host.shape:  # a partial batch, a resolution switch
             buffer = torch.empty(host.shape, dtype=host.dtype, pin_memory=self.pin)
         buffer.copy_(host)
         on_device = buffer.to(self.device, non_blocking=True)
@@ -66,5 +61,5 @@ class DeviceFeed:
         return on_device
 
     def staged_buffers(self, kind: str) -> list[torch.Tensor]:
-        """The host buffers of ``kind`` (tests: they are reused, not made anew each batch)."""
+        """The host buffers of ``kind``."""
         return [buffer for buffer, _ in self._staging.get(kind, ())]

@@ -1,10 +1,5 @@
-"""The per-worker training loop: DeepSpeed ZeRO over a ViT classification (or other) task.
-
-`train_worker(config)` runs the same under `torchrun`, the DeepSpeed launcher and Ray Train (docs/design.md, "The
-training loop"): it reads RANK / WORLD_SIZE / LOCAL_RANK and creates the process group only when none exists. Per
-step: resolution switch, optimizer step (`pretrain.trainer.Trainer`), record, log, checkpoint. The command line is
-`pretrain.train`'s.
-"""
+"""The per-worker training loop, `train_worker`, the same under torchrun, the DeepSpeed launcher and Ray Train
+(docs/design.md, "The training loop")."""
 
 from __future__ import annotations
 
@@ -36,12 +31,11 @@ def train_worker(
     *,
     validated: bool = False,
 ) -> TrainSummary:
-    """Train per ``config`` on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on
-    every rank after each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch.
-    ``validated``: the caller ran ``config.validate`` at this world size (`pretrain.train` does, before any process
-    group); else it runs here, once the world size is known (under Ray it differs between attempts)."""
-    clock = AttemptClock()  # every second of this attempt is booked from here on
-    config = config.resolved()  # a no-op for a loaded config; one built in code gets its paths here
+    """Train on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on every rank after
+    each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch. ``validated``: the
+    caller ran ``config.validate`` at this world size, else it runs here (under Ray it differs between attempts)."""
+    clock = AttemptClock()  # books every second from here on
+    config = config.resolved()
     place = init_distributed(config)
     if not validated:
         config.validate(place.world_size)
@@ -76,7 +70,7 @@ def train_worker(
         while trainer.step < trainer.last_step:
             clock.lap("productive")
             trainer.maybe_switch_resolution(on_switch=beat.busy)
-            clock.lap("startup")  # a resolution switch rebuilds the engine: start-up work
+            clock.lap("startup")  # a resolution switch is start-up work
             result = trainer.train_step(recorder)
             step_s = clock.step_done(trainer.step, result.data_s)
             beat.step(trainer.step, result.data_s, trainer.stream.stats)
@@ -102,7 +96,7 @@ def train_worker(
         recorder.close()
         metrics.close()
         tracker.close()
-        # A stopped run ended well too: FINISHED, with vitscale.status "stopped".
+        # a stopped run ended well too: FINISHED, with vitscale.status "stopped"
         if created_run and tracker.run_id is not None:
             finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
     trainer.close()
@@ -110,8 +104,7 @@ def train_worker(
 
 
 def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer, starts: int) -> None:
-    """Rank 0's clock writes ``<run>/goodput/attempt_<n>.json``, n = ``starts``, the length of the run's history of
-    starts once `start_tracking` appended this one; everything until now was start-up."""
+    """Rank 0's clock writes ``<run>/goodput/attempt_<starts>.json``; everything until now was start-up."""
     place, path, attempt = trainer.place, None, 0
     if place.rank == 0:
         attempt = starts
@@ -128,17 +121,13 @@ def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer, start
 
 
 def open_recorder(config: TrainConfig, place: Placement, starts: int) -> Recorder:
-    """This attempt's recorder. Collective with sample keys: every rank gets rank 0's ``starts`` (the run's count of
-    starts, this one included)."""
-    attempt = 0
-    if config.logging.record_sample_keys:
-        attempt = broadcast(starts)
+    """This attempt's recorder; collective with sample keys (rank 0's ``starts`` numbers the attempt)."""
+    attempt = broadcast(starts) if config.logging.record_sample_keys else 0
     return Recorder.for_run(Path(config.checkpoint.dir), config.logging, place.rank, place.world_size, attempt)
 
 
 def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[Tracker, bool, int]:
-    """The run's tracker, its params and tags set; whether this process created the MLflow run; and on rank 0 the
-    run's count of starts once this one is recorded (0 on the other ranks)."""
+    """The tagged tracker; whether this process created the run; the run's count of starts (rank 0)."""
     place, choice = trainer.place, trainer.precision
     tracker, created = _tracker(config, place, trainer.model)
     starts, world_size_tags = record_world_size(config, place, trainer.step, trainer.plan)
@@ -156,7 +145,7 @@ def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[T
 
 
 def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, bool]:
-    """The MLflow tracker (rank 0 logs), and whether this process created the MLflow run, and so must end it."""
+    """The MLflow tracker, and whether this process created (and must end) the run."""
     lg = config.logging
     run_id, created = lg.mlflow_run_id, False
     if run_id is None and lg.mlflow_experiment and place.rank == 0:
@@ -166,15 +155,14 @@ def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, boo
         except Exception as error:  # tracking must never stop training
             print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
     tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
-    # The patch size is no recipe field; the comparison report reads it from here.
+    # the comparison report reads the patch size here
     tracker.log_params({**config.to_dict(), "model.patch_size": model.config.patch_size})
     tracker.set_tags(run_tags(config.recipe, config.model.name, place.world_size))
     return tracker, created
 
 
 def record_world_size(config: TrainConfig, place: Placement, step: int, plan) -> tuple[int, dict[str, str]]:
-    """Rank 0 appends this start to the run's world-size history; returns the history's length and the world-size
-    tags (current size, number of changes, the sizes in order: "2,1,2"). Other ranks: (0, {})."""
+    """Rank 0 records this start's world size; returns the run's count of starts and the world-size tags."""
     if place.rank != 0:
         return 0, {}
     run_dir = Path(config.checkpoint.dir)

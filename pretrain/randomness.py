@@ -1,5 +1,4 @@
-"""A run's random numbers: the global generators, seeded per rank and saved in checkpoints (`rng_state`), and the
-model's own randomness (dropout), seeded by its position in the run (`model_randomness`)."""
+"""A run's random numbers: the global generators (`rng_state`) and the model's own (`model_randomness`)."""
 
 from __future__ import annotations
 
@@ -21,15 +20,8 @@ def seed_everything(seed: int) -> None:
 
 @contextmanager
 def model_randomness(seed: int, step: int, micro_batch: int, device: torch.device) -> Iterator[None]:
-    """Run the enclosed forward/backward with torch's generators (CPU, this rank's GPU) seeded by (seed, optimizer
-    step, global micro-batch index); the global states are restored afterwards.
-
-    Seeded by position, the model's randomness depends on nothing outside the model: a DataLoader start, a
-    checkpoint write, an engine rebuild or a library drawing from the global generator cannot shift it, and a resume
-    continues it with no saved state. Global micro-batch u (rank × accumulation + micro) holds the same samples at
-    every world size, so its masks are the same too (docs/elastic.md, "Checkpoints at another world size").
-    Activation checkpointing replays the stashed state, so a recompute sees the same masks.
-    """
+    """Run the enclosed code with torch's generators seeded by (seed, step, global micro-batch), restored afterwards
+    (docs/elastic.md, "Checkpoints at another world size")."""
     key = int(np.random.SeedSequence([seed, step, micro_batch]).generate_state(1, np.uint64)[0])
     gpus = [device.index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=gpus):
@@ -40,9 +32,8 @@ def model_randomness(seed: int, step: int, micro_batch: int, device: torch.devic
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's global RNG states (python, numpy, torch CPU, every visible CUDA device) as JSON-safe values,
-    restored on resume so any code drawing from them continues exactly."""
-    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple (the default)
+    """This process's global RNG states (python, numpy, torch, each visible CUDA device), JSON-safe."""
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple
     state: dict[str, Any] = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
@@ -60,7 +51,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_bytes_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        # Device i's state goes to device i; a process seeing fewer devices restores those it has.
+        # a process seeing fewer devices restores those it has
         for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_bytes_tensor(saved), index)
 

@@ -1,16 +1,14 @@
 """Train a recipe: DeepSpeed ZeRO over a ViT classification (or other) task, one process or one per rank.
 
-    python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run] [--summary PATH]
-    torchrun --nproc-per-node 2 -m pretrain.train --config local_demo
-
-The loop itself is `pretrain.loop.train_worker`.
+python -m pretrain.train --config configs/local_demo.yaml [--set optim.lr=3e-4 ...] [--dry-run] [--summary PATH]
+torchrun --nproc-per-node 2 -m pretrain.train --config local_demo
 """
 
 from __future__ import annotations
 
 from pretrain import collector
 
-if __name__ == "__main__":  # before the imports below, most of a rank's start
+if __name__ == "__main__":  # before the imports below
     collector.pause()
 
 import argparse
@@ -36,7 +34,7 @@ def _env_world_size() -> int:
 def _summary_path(template: str, rank: int) -> str:
     try:
         return template.format(rank=rank)
-    except (KeyError, IndexError, ValueError):  # another {field} or a lone brace
+    except (KeyError, IndexError, ValueError):
         raise ValueError(
             f"--summary {template!r}: only {{rank}} may appear in braces, e.g. runs/summary_{{rank}}.json"
         ) from None
@@ -48,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
     parser.add_argument("--summary", metavar="PATH", help="write each rank's summary as JSON ('{rank}' is filled in)")
-    # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment is what counts.
+    # the DeepSpeed launcher appends --local_rank; LOCAL_RANK counts
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         world_size = _env_world_size()
         config = load_config(args.config, args.set)
-        config.validate(world_size)  # before any process group, data or model
+        config.validate(world_size)
         if args.summary:  # fail now, not after the run
             output_file(_summary_path(args.summary, 0), "--summary")
         if args.dry_run:
@@ -65,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{plan.grad_accum_steps} x world {world_size} = global batch {plan.global_batch_size}"
             )
             return 0
-        # ValueError is how the project reports bad input, also from the files read from here on.
         config.data.ensure_builtin()  # every process of a torchrun launch: one writes, the others wait
         summary = train_worker(config, validated=True)
     except ValueError as error:

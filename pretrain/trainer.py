@@ -1,9 +1,4 @@
-"""One rank's engine, data stream and position (step, images seen), and the optimizer step.
-
-`Trainer.start(config, place)` readies the data, the lr schedule, the precision, the engine and the stream, and
-resumes them (`pretrain.checkpointer.find_start`). The loop then calls `maybe_switch_resolution` and `train_step`
-once per step.
-"""
+"""One rank's engine, data stream and position, and the optimizer step."""
 
 from __future__ import annotations
 
@@ -32,8 +27,8 @@ from pretrain.telemetry.recorder import Recorder
 
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
-    """(num_classes, epoch size) of the training set. Ranks never generate it: a built-in set is written before
-    training starts (`pretrain.train`, `cluster.launch`)."""
+    """(num_classes, epoch size) of the training set. Ranks never generate it: `pretrain.train` and `cluster.launch`
+    write a built-in set before training starts."""
     d = config.data
     if d.builtin is not None and not is_shard_folder(Path(d.train)):
         raise ValueError(
@@ -71,15 +66,14 @@ def _next_batch(it: Iterator, feed: DeviceFeed) -> tuple[torch.Tensor, torch.Ten
 class StepResult:
     """One optimizer step; ``loss`` and ``grad_norm`` stay on the device until ``float()`` reads them."""
 
-    loss: Readback  # averaged over the step's micro-batches and the ranks
+    loss: Readback  # the mean over micro-batches and ranks
     lr: float
     data_s: float  # seconds this rank waited for batches
     grad_norm: Readback | None
 
 
 class Trainer:
-    """One rank's training. ``state``: the `TrainerState` it resumed from (None when fresh); ``current``: the config
-    in force (``data.image_size`` follows the resolution schedule)."""
+    """One rank's training; ``current``: the config in force (at this step's image size)."""
 
     def __init__(
         self,
@@ -97,7 +91,7 @@ class Trainer:
         self.config, self.place, self.num_classes, self.plan = config, place, num_classes, plan
         self.schedule, self.last_step, self.total_steps = schedule, last_step, total_steps
         self.start_point, self.current, self.precision = start, current, precision
-        # bf16: the compute copy; fp32 master weights and optimizer state live in ZeRO, the loss is fp32.
+        # bf16: the compute copy; fp32 master weights and optimizer state live in ZeRO, the loss is fp32
         self.dtype = torch.bfloat16 if precision.precision == "bf16" else torch.float32
         universal = ckpt.prepare_resume(start, place.world_size, place.rank)
         self.engine, self.model = build_engine(
@@ -114,13 +108,13 @@ class Trainer:
 
     @classmethod
     def start(cls, config: TrainConfig, place: Placement) -> Trainer:
-        """Everything before the first step; rank 0 prints the precision line."""
+        """Everything before the first step."""
         num_classes, epoch_images = prepare_data(config, place)
         plan = batch_plan(config.data, place.world_size)
         schedule = build_schedule(config.optim, config.schedule, plan.global_batch_size, epoch_images)
         last_step = min(schedule.total_steps, config.schedule.stop_at_step or schedule.total_steps)
         start = ckpt.find_start(config)
-        current = progressive.start_config(config, start)  # the data.image_size in force
+        current = progressive.start_config(config, start)
         precision = decide_precision(current, place, num_classes, start)
         if place.rank == 0:
             print(precision.line(config.deepspeed.precision), flush=True)
@@ -129,24 +123,23 @@ class Trainer:
         )
 
     def restore_randomness(self) -> None:
-        """The global generators as the checkpoint left them, or seeded per rank. The model's randomness does not
+        """The global generators as the checkpoint left them, or seeded per rank; the model's randomness does not
         depend on them (`pretrain.randomness.model_randomness`)."""
         state, rank, seed = self.state, self.place.rank, self.config.seed
         if state is not None and rank < len(state.rng_states):
             set_rng_state(state.rng_states[rank])
-        elif state is not None:  # a rank the checkpoint's smaller world lacked: seeded by its position
+        elif state is not None:  # a rank the checkpoint's smaller world lacked
             seed_everything(seed * 1000 + rank + 1 + state.step * 100_003)
         else:
-            seed_everything(seed * 1000 + rank + 1)  # different on every rank, reproducibly
+            seed_everything(seed * 1000 + rank + 1)
 
     @property
     def epoch(self) -> int:
-        """The stream's epoch; right after a step, that step's (it rolls over when the next step starts)."""
+        """The stream's epoch; right after a step, that step's."""
         return int(self.stream.state_dict()["epoch"])
 
     def maybe_switch_resolution(self, on_switch: Callable[[str], None] | None = None) -> None:
-        """Before each step: switch to this step's image size if it changed (`pretrain.config.progressive`); the new
-        stream continues from the old one's position. ``on_switch("switch")`` runs first (a rebuild is long)."""
+        """Switch to this step's image size if it changed, calling ``on_switch("switch")`` first."""
         target = progressive.config_at(self.config, self.step)
         if target.data.image_size == self.current.data.image_size:
             return
@@ -163,7 +156,7 @@ class Trainer:
         self.current, self.stream, self._batches = target, stream, None
 
     def train_step(self, recorder: Recorder | None = None) -> StepResult:
-        """One optimizer step over ``plan.grad_accum_steps`` micro-batches; ``recorder`` sees each if it asks."""
+        """One optimizer step over ``plan.grad_accum_steps`` micro-batches."""
         if self._batches is None:
             self._batches = iter(self.stream)
         lr = self.schedule(self.step)
@@ -178,7 +171,7 @@ class Trainer:
             with model_randomness(self.config.seed, self.step, place.rank * accum + micro, place.device):
                 loss, _ = self.engine(images, labels)
                 self.engine.backward(loss)  # scales by 1/accum_steps; reduces across ranks at the boundary
-            self.engine.step()  # the optimizer steps (with clipping) only at the accumulation boundary
+            self.engine.step()  # steps only at the accumulation boundary
             loss_sum += loss.detach().float()
         self.step += 1
         self.images_seen += self.plan.global_batch_size
@@ -187,18 +180,17 @@ class Trainer:
         return StepResult(mean_loss, lr, data_s, None if grad_norm is None else Readback(grad_norm))
 
     def close(self) -> None:
-        """Destroy the engine: its hooks form a cycle through autograd's C++ nodes that the collector cannot see, so
-        a process training more than once (a Ray worker) would keep every engine."""
+        """Destroy the engine: its hooks form a cycle the collector cannot see, so a process that trains more than
+        once (a Ray worker) would keep every engine."""
         self.engine.destroy()
 
     def describe(self) -> dict[str, Any]:
         """Where this attempt started and ended (`TrainSummary`'s position fields)."""
-        place = self.place
         return {
             "start": self.start_point.kind,
             "start_step": self.start_step,
             "steps": self.step,
             "images_seen": self.images_seen,
-            "rank": place.rank,
-            "world_size": place.world_size,
+            "rank": self.place.rank,
+            "world_size": self.place.world_size,
         }

@@ -15,7 +15,6 @@ from pretrain.checkpoint import checksums
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pretrain.checkpoint verify DIR`` (`pretrain.checkpoint.checksums.verify_command`)."""
     parser = argparse.ArgumentParser(prog="python -m pretrain.checkpoint", description="Check training checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser(
@@ -27,13 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("dir", metavar="DIR", help="a run folder or one checkpoint folder (a filesystem path)")
     args = parser.parse_args(argv)
     try:
-        if is_remote(args.dir):  # Path would fold gs://b into gs:/b and call it missing
+        if is_remote(args.dir):  # Path would make gs://b gs:/b
             raise ValueError(
                 f"{args.dir} is object storage; verify reads every file of each checkpoint: run it where the run "
                 "folder is (the shared filesystem), or on a copy"
             )
         return checksums.verify_command(Path(args.dir))
-    except ValueError as error:  # no run folder or checkpoint there, or one without COMPLETE
+    except ValueError as error:  # no run folder or COMPLETE checkpoint there
         print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
         return 2
 

@@ -1,12 +1,11 @@
 """Each checkpoint file's size and CRC-32, recorded at save and checked before load (`verify`). Torch-free.
 
-``checksums.json`` is the last file written into the staging folder, before the rename and ``COMPLETE``:
+``checksums.json``, the last file a save writes before the rename and ``COMPLETE``:
 
     {"algorithm": "crc32", "files": {"deepspeed/step_00000120/mp_rank_00_model_states.pt": [size, "1a2b3c4d"], ...}}
 
-Files added after the save (``COMPLETE``, ``PINNED``, ``evals/``, ``universal/``) are not covered; a checkpoint
-without the record is *unverified* and still loads. CRC-32 catches accidents, cheaply, not deliberate edits
-(docs/contracts.md, "Checkpoints").
+Files added later (``COMPLETE``, ``PINNED``, ``evals/``, ``universal/``) are not covered; a checkpoint without the
+record is *unverified* and still loads. CRC-32 catches accidents, not edits (docs/contracts.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -22,14 +21,14 @@ from pretrain.checkpoint.run_folder import CHECKSUMS, CONFIG_FILE, TRAINER_STATE
 
 ALGORITHM = "crc32"
 CHUNK_BYTES = 8 << 20
-# What an eval (or init_from) reads, checked alone so the optimizer state is not read.
+# What an eval (or init_from) reads, checked without reading the optimizer state
 WEIGHT_FILES = (WEIGHTS_FILE, CONFIG_FILE, TRAINER_STATE)
 
 Entries = dict[str, tuple[int, str]]  # relative path -> (size in bytes, checksum)
 
 
 def entry(path: Path) -> tuple[int, str]:
-    """(size, CRC-32 as 8 hex digits) of the file at ``path``."""
+    """(size, CRC-32 as 8 hex digits)."""
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
     crc, size = 0, 0
@@ -41,14 +40,13 @@ def entry(path: Path) -> tuple[int, str]:
 
 
 def write(folder: Path, entries: Mapping[str, tuple[int, str]]) -> None:
-    """Write ``folder/checksums.json`` (sorted: the same bytes give the same file)."""
+    """Write ``folder/checksums.json``, sorted."""
     files = {name: [size, crc] for name, (size, crc) in sorted(entries.items())}
     write_durably(folder / CHECKSUMS, json.dumps({"algorithm": ALGORITHM, "files": files}, indent=0) + "\n")
 
 
 def expected(folder: Path) -> Entries | None:
-    """The sizes and checksums ``folder`` recorded at its save; None without ``checksums.json``; ValueError, naming
-    the file, when the record is damaged."""
+    """What ``folder``'s save recorded; None without a record; ValueError naming the file if it is damaged."""
     path = folder / CHECKSUMS
     if not path.is_file():
         return None
@@ -63,7 +61,7 @@ def expected(folder: Path) -> Entries | None:
 
 
 def check(folder: Path, entries: Mapping[str, tuple[int, str]]) -> list[str]:
-    """One line per file of ``entries`` that is not as recorded: missing, another size, another checksum."""
+    """One line per file of ``entries`` that is missing or differs."""
     problems = []
     for name, (size, crc) in sorted(entries.items()):
         path = folder / name
@@ -71,7 +69,7 @@ def check(folder: Path, entries: Mapping[str, tuple[int, str]]) -> list[str]:
             problems.append(f"{name} is missing")
             continue
         actual = path.stat().st_size
-        if actual != size:  # the cheap test first
+        if actual != size:
             problems.append(f"{name} has {actual} bytes, {size} were written")
             continue
         try:
@@ -85,7 +83,7 @@ def check(folder: Path, entries: Mapping[str, tuple[int, str]]) -> list[str]:
 
 
 def share(entries: Mapping[str, tuple[int, str]], part: int, parts: int) -> Entries:
-    """The files rank ``part`` of ``parts`` checks: largest first, each to the least-loaded part. Deterministic."""
+    """Rank ``part`` of ``parts``'s files: largest first, each to the least-loaded part. Deterministic."""
     loads = [0] * parts
     mine: Entries = {}
     for name, (size, crc) in sorted(entries.items(), key=lambda item: (-item[1][0], item[0])):
@@ -98,8 +96,7 @@ def share(entries: Mapping[str, tuple[int, str]], part: int, parts: int) -> Entr
 
 @dataclass(frozen=True)
 class Verdict:
-    """What checking one checkpoint found: ``status`` "verified", "unverified" (no record; it loads) or "damaged"
-    (``problems`` names each file and what differs)."""
+    """One checkpoint's check: ``status`` "verified", "unverified" (no record; it loads) or "damaged" (``problems``)."""
 
     folder: Path
     status: str
@@ -113,12 +110,12 @@ class Verdict:
 
     @property
     def problem(self) -> str:
-        """The damage in one phrase: the first file's, and how many more."""
+        """The first file's damage, and how many more."""
         more = len(self.problems) - 1
         return self.problems[0] + (f" (and {more} more file{'s' * (more > 1)})" if more > 0 else "")
 
     def line(self) -> str:
-        """``<folder>: verified (12 files, 265.3 MB)``, ``: unverified (...)`` or ``: DAMAGED: <problem>``."""
+        """``<folder>: verified (12 files, 265.3 MB)``, ``unverified (...)`` or ``DAMAGED: <problem>``."""
         if self.status == "verified":
             return f"{self.folder}: verified ({self.files} files, {self.size / 1e6:.1f} MB)"
         if self.status == "unverified":
@@ -127,8 +124,8 @@ class Verdict:
 
 
 def verify(folder: Path, only: Iterable[str] | None = None, part: tuple[int, int] = (0, 1)) -> Verdict:
-    """Check ``folder``'s files against its ``checksums.json``. ``only``: just these files; ``part=(rank,
-    world_size)``: just this rank's `share` (`combine` joins the ranks' verdicts)."""
+    """Check ``folder`` against its record. ``only``: these files; ``part=(rank, world_size)``: this rank's `share`
+    (`combine` joins the ranks' verdicts)."""
     folder = Path(folder)
     try:
         entries = expected(folder)
@@ -146,20 +143,20 @@ def verify(folder: Path, only: Iterable[str] | None = None, part: tuple[int, int
 
 
 def combine(folder: Path, parts: Iterable[Verdict]) -> Verdict:
-    """One verdict from the ranks' shares: damaged if any is, else unverified if any is, else verified."""
+    """The ranks' verdicts as one: damaged if any is, else unverified if any is, else verified."""
     parts = list(parts)
-    problems = tuple(sorted({p for v in parts for p in v.problems}))  # deduplicated: a damaged record is everyone's
+    problems = tuple(sorted({p for v in parts for p in v.problems}))  # a damaged record is everyone's
     statuses = {v.status for v in parts}
     status = next(s for s in ("damaged", "unverified", "verified") if s in statuses)
     return Verdict(Path(folder), status, problems, sum(v.files for v in parts), sum(v.size for v in parts))
 
 
-# --------------------------------------------------------------------------------------------- the command
+# --- the command
 
 
 def checkpoints_to_verify(path: Path) -> list[Path]:
-    """One checkpoint folder, or every COMPLETE checkpoint of a run folder (or its ``checkpoints/``); ValueError when
-    ``path`` is neither or holds none."""
+    """One checkpoint, or every COMPLETE one of a run folder (or its ``checkpoints/``); ValueError for neither or
+    none."""
     accepted = f"pass a run folder (checkpoint.dir) or one checkpoint, <run>/{run_folder.CHECKPOINTS}/step_XXXXXXXX"
     if not path.exists():
         raise ValueError(f"{path} does not exist; {accepted}")
@@ -177,7 +174,7 @@ def checkpoints_to_verify(path: Path) -> list[Path]:
 
 
 def verify_command(path: Path) -> int:
-    """``verify DIR``: one line per checkpoint; exit status 0 when none is damaged, 2 otherwise."""
+    """``verify DIR``: one line per checkpoint; exit status 2 if any is damaged."""
     verdicts = []
     for folder in checkpoints_to_verify(path):
         verdicts.append(verify(folder))

@@ -4,9 +4,9 @@
       deepspeed/  model.safetensors  model.json  trainer_state.json  config.yaml  checksums.json  evals/  PINNED
       COMPLETE
 
-A checkpoint is written into ``step_XXXXXXXX.tmp/``, renamed, then marked ``COMPLETE`` (`publish`); nothing reads a
-folder without the marker. ``PINNED`` keeps it from pruning while evals need it. Also here: `TrainerState`, the
-world-size history and the `probe` precision record (docs/contracts.md, "Checkpoints").
+A save writes ``step_XXXXXXXX.tmp/``, renames it, then marks it ``COMPLETE`` (`publish`); nothing reads a folder
+without the marker. ``PINNED`` keeps it from pruning. Also: `TrainerState`, the world-size history, the `probe`
+precision record (docs/contracts.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -23,19 +23,18 @@ from typing import Any
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
-# A plain file: training rank 0 sets it, the eval scheduler or task (maybe on another node) clears it
-PINNED = "PINNED"
+PINNED = "PINNED"  # set by training rank 0, cleared by the eval scheduler or task (maybe on another node)
 TRAINER_STATE = "trainer_state.json"
-WEIGHTS_FILE = "model.safetensors"  # as in any save_pretrained folder
+WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model.json"  # the ViTConfig
-CONFIG_YAML = "config.yaml"  # the step's resolved TrainConfig
+CONFIG_YAML = "config.yaml"  # the resolved TrainConfig
 DEEPSPEED_DIR = "deepspeed"
-CHECKSUMS = "checksums.json"  # each file's size and CRC-32 (pretrain.checkpoint.checksums)
+CHECKSUMS = "checksums.json"  # pretrain.checkpoint.checksums
 STAGING_SUFFIX = ".tmp"
 _STEP_NAME = re.compile(r"step_(\d+)")
 
 
-# --------------------------------------------------------------------------------------------- names
+# --- names
 
 
 def step_name(step: int) -> str:
@@ -56,7 +55,7 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / step_name(step)
 
 
-# --------------------------------------------------------------------------------------------- listing
+# --- listing
 
 
 def is_complete(folder: str | Path) -> bool:
@@ -64,7 +63,7 @@ def is_complete(folder: str | Path) -> bool:
 
 
 def _complete_in(root: Path) -> list[Path]:
-    """COMPLETE ``step_N`` folders directly under ``root``, oldest first."""
+    """COMPLETE ``step_N`` folders in ``root``, oldest first."""
     if not root.is_dir():
         return []
     found = []
@@ -87,7 +86,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 class IncompleteCheckpointError(ValueError):
-    """A folder used as a checkpoint without a COMPLETE marker; its files may be half written, so nothing reads them."""
+    """A checkpoint folder without COMPLETE: its files may be half written."""
 
     def __init__(self, folder: str | Path, setting: str | None = None):
         folder = Path(folder)
@@ -108,11 +107,11 @@ def require_complete(folder: str | Path, setting: str | None = None) -> Path:
     return Path(folder)
 
 
-# --------------------------------------------------------------------------------------------- writing
+# --- writing
 
 
 def write_durably(path: Path, text: str) -> None:
-    """Write and fsync, so the file is on disk before anything that depends on it."""
+    """Write and fsync."""
     with open(path, "w") as f:
         f.write(text)
         f.flush()
@@ -125,37 +124,33 @@ def staging_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def start_staging(staging: Path) -> None:
-    """Create the staging folder, removing crashed saves' ``.tmp`` folders."""
+    """Create the staging folder, removing crashed saves' ones."""
     for stale in staging.parent.glob(f"step_*{STAGING_SUFFIX}"):
         shutil.rmtree(stale, ignore_errors=True)
     staging.mkdir(parents=True)
 
 
 def publish(staging: Path) -> Path:
-    """Rename a written staging folder to its final name, then mark it COMPLETE; returns the final folder."""
+    """Rename a written staging folder to its final name, mark it COMPLETE and return it."""
     final = staging.with_name(staging.name.removesuffix(STAGING_SUFFIX))
     step = parse_step(final.name)
     if step is None or final == staging:
         raise ValueError(f"{staging} is not a staging folder (step_XXXXXXXX{STAGING_SUFFIX})")
-    if final.exists():  # the same step saved again (e.g. after a crash): replace it
+    if final.exists():  # the same step saved again (e.g. after a crash)
         shutil.rmtree(final)
     os.replace(staging, final)
-    # After the rename, so no ".tmp" folder ever looks complete.
     write_durably(final / COMPLETE, f"{step}\n")
     return final
 
 
-# --------------------------------------------------------------------------------------------- trainer state
+# --- trainer state
 
 
 @dataclass(frozen=True)
 class TrainerState:
-    """``trainer_state.json``: where training stood at a checkpoint. Field order is the file's key order.
-
-    ``stream_state`` is the stream's global position, the same at any world size; ``rng_states[r]`` are rank r's RNG
-    states; ``world_size`` wrote it; ``deepspeed_tag`` names the engine state under ``deepspeed/``; ``saved_at`` is
-    a Unix time; ``precision`` ("fp32" | "bf16" | None if unrecorded) is what the engine trained in, kept on resume.
-    """
+    """``trainer_state.json``, keys in field order. ``stream_state``: the stream's global position (any world size);
+    ``rng_states[r]``: rank r's RNG states; ``deepspeed_tag``: the engine state under ``deepspeed/``; ``saved_at``:
+    Unix time; ``precision``: "fp32" | "bf16" | None (unrecorded), kept on resume."""
 
     step: int
     images_seen: int
@@ -168,7 +163,7 @@ class TrainerState:
     precision: str | None = None
 
     def to_json(self) -> str:
-        # Not dataclasses.asdict, which deep-copies every rank's state.
+        # not dataclasses.asdict: it deep-copies every rank's state
         return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @classmethod
@@ -177,7 +172,7 @@ class TrainerState:
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
-            old = "stream_states" in data  # per-rank positions: a pre-invariant checkpoint
+            old = "stream_states" in data  # per-rank positions
             if not old:
                 data["rng_states"] = tuple(data["rng_states"])
                 return cls(**data)
@@ -193,7 +188,7 @@ class TrainerState:
 
     @classmethod
     def read(cls, folder: str | Path) -> TrainerState:
-        """The state of a COMPLETE checkpoint; IncompleteCheckpointError otherwise."""
+        """IncompleteCheckpointError unless COMPLETE."""
         path = require_complete(folder) / TRAINER_STATE
         return cls.from_json(path.read_text(), path)
 
@@ -201,12 +196,12 @@ class TrainerState:
         write_durably(folder / TRAINER_STATE, self.to_json())
 
 
-# --------------------------------------------------------------------------------------------- opening for evals
+# --- opening for evals
 
 
 def looks_like_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is meant as a training checkpoint rather than exported weights: it holds COMPLETE or a trainer
-    state, or it is a ``step_N`` folder without weights yet."""
+    """Whether ``path`` is a training checkpoint, not exported weights: it holds COMPLETE or a trainer state, or is
+    a ``step_N`` folder without weights."""
     path = Path(path)
     if not path.is_dir():
         return False
@@ -228,13 +223,13 @@ class OpenCheckpoint:
 
 
 def open_checkpoint(folder: str | Path) -> OpenCheckpoint:
-    """A COMPLETE checkpoint and its step; ValueError (naming the file) when its trainer state records no step."""
+    """ValueError naming the file when its trainer state records no step."""
     folder = require_complete(folder)
     path = folder / TRAINER_STATE
     if not path.is_file():
         return OpenCheckpoint(folder, None)
     try:
-        # Only the step: evals must not depend on resume-only fields.
+        # only the step: evals must not depend on resume-only fields
         step = json.loads(path.read_text())["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} is not an integer >= 0")
@@ -243,11 +238,11 @@ def open_checkpoint(folder: str | Path) -> OpenCheckpoint:
     return OpenCheckpoint(folder, step)
 
 
-# --------------------------------------------------------------------------------------------- pins and pruning
+# --- pins and pruning
 
 
 def pin_checkpoint(folder: str | Path, reason: str) -> bool:
-    """Keep ``folder`` through `checkpoint.keep_last` pruning until `unpin_checkpoint`; False if it is gone."""
+    """Keep ``folder`` from pruning until `unpin_checkpoint`; False if it is gone."""
     try:
         (Path(folder) / PINNED).write_text(f"{reason}\n")
     except FileNotFoundError:  # already pruned
@@ -264,7 +259,7 @@ def is_pinned(folder: str | Path) -> bool:
 
 
 def release_pins(run_dir: str | Path) -> list[Path]:
-    """Clear every pin of a run (left by a job that died mid-eval); returns the unpinned folders."""
+    """Clear every pin of a run (left by a job that died mid-eval); returns the folders."""
     root = checkpoints_dir(run_dir)
     pinned = sorted(p.parent for p in root.glob(f"step_*/{PINNED}")) if root.is_dir() else []
     for folder in pinned:
@@ -276,7 +271,7 @@ WORLD_SIZES = "world_sizes.jsonl"  # one line per (re)start of training
 
 
 def record_world_size(run_dir: str | Path, step: int, world_size: int, accumulation: int) -> None:
-    """Append this (re)start of training (time, start step, world size, accumulation) to ``world_sizes.jsonl``."""
+    """Append this (re)start to ``world_sizes.jsonl``."""
     record = {"time": time.time(), "step": step, "world_size": world_size, "accumulation": accumulation}
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(run_dir) / WORLD_SIZES, "a") as f:
@@ -284,7 +279,7 @@ def record_world_size(run_dir: str | Path, step: int, world_size: int, accumulat
 
 
 def world_size_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of `record_world_size`, oldest first; a line cut short by a crash is skipped."""
+    """`record_world_size`'s records, oldest first; a line cut short by a crash is skipped."""
     path = Path(run_dir) / WORLD_SIZES
     if not path.exists():
         return []
@@ -299,41 +294,33 @@ def world_size_history(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One event per record of `world_size_history` whose world size differs from the one before."""
-    events = []
-    for before, after in zip(history, history[1:]):
-        if after.get("world_size") != before.get("world_size"):
-            events.append(
-                {
-                    "step": after.get("step"),
-                    "from": before["world_size"],
-                    "to": after["world_size"],
-                    "time": after.get("time"),
-                }
-            )
-    return events
+    return [
+        {"step": after.get("step"), "from": before["world_size"], "to": after["world_size"], "time": after.get("time")}
+        for before, after in zip(history, history[1:])
+        if after.get("world_size") != before.get("world_size")
+    ]
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete the COMPLETE checkpoints older than the newest ``keep_last``, except pinned ones; returns those deleted.
-    A pinned one goes at a later prune, after it is unpinned."""
+    """Delete COMPLETE checkpoints older than the newest ``keep_last``, except pinned ones; returns those deleted."""
     deleted = []
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         if is_pinned(old):
             continue
-        # Unmark first: an interrupted prune leaves a folder nothing reads.
+        # unmark first: an interrupted prune leaves a folder nothing reads
         (old / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(old, ignore_errors=True)
         deleted.append(old)
     return deleted
 
 
-# --------------------------------------------------------------------------------------------- precision record
+# --- precision record
 
-PRECISION_RECORD = "precision.json"  # a `precision: probe` run's decision, repeated by later starts
+PRECISION_RECORD = "precision.json"  # a `precision: probe` run's decision, kept by later starts
 
 
 def read_precision_record(run_dir: str | Path) -> dict[str, str] | None:
-    """``{"precision", "rule", "reason"}`` of the run's first start; None when absent."""
+    """``{"precision", "rule", "reason"}`` of the run's first start, or None."""
     path = Path(run_dir) / PRECISION_RECORD
     if not path.exists():
         return None
@@ -348,11 +335,10 @@ def read_precision_record(run_dir: str | Path) -> dict[str, str] | None:
 
 
 def write_precision_record(run_dir: str | Path, precision: str, rule: str, reason: str) -> None:
-    """Rank 0, once, at the run's first start."""
+    """Rank 0, at the run's first start."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     record = {"precision": precision, "rule": rule, "reason": reason, "decided_at": time.time()}
     write_durably(Path(run_dir) / PRECISION_RECORD, json.dumps(record) + "\n")
 
 
-# <run>/sample_keys/rank<r>.jsonl with logging.record_sample_keys (pretrain.telemetry.recorder)
-SAMPLE_KEYS_DIR = "sample_keys"
+SAMPLE_KEYS_DIR = "sample_keys"  # <run>/sample_keys/rank<r>.jsonl (pretrain.telemetry.recorder)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-# The only non-tensor objects in DeepSpeed's state files (checked at ZeRO 0-3, fp32 and bf16)
+# The only non-tensor objects in DeepSpeed's state files (ZeRO 0-3, fp32 and bf16)
 DEEPSPEED_SAFE_GLOBALS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -21,7 +21,7 @@ def allowed_globals() -> list:
 
 
 def load_weights_only(checkpoint_engine) -> None:
-    """Make the engine's checkpoint reader refuse arbitrary pickles (DeepSpeed itself loads weights_only=False)."""
+    """Make the engine's reader refuse arbitrary pickles (DeepSpeed loads weights_only=False)."""
     allowed = allowed_globals()
 
     def load(path: str, map_location=None):
@@ -32,8 +32,8 @@ def load_weights_only(checkpoint_engine) -> None:
 
 
 def check_weights_only(folder: Path) -> None:
-    """Open every engine file under ``folder`` weights-only, before DeepSpeed's universal-checkpoint code (the
-    converter, ZeRO-3's loader) unpickles them unguarded; ValueError naming a file that fails."""
+    """Open every engine file under ``folder`` weights-only, before DeepSpeed's universal-checkpoint code unpickles
+    them unguarded; ValueError naming a file that fails."""
     allowed = allowed_globals()
     for path in sorted(folder.rglob("*.pt")):
         try:

@@ -1,8 +1,7 @@
 """One rank's writes of one checkpoint save (`SaveAttempt`): each file's size and checksum, and the first failure.
 
-A failed write is recorded, not raised: a DeepSpeed save is collective, and a rank raising out of it would leave
-the others waiting until the process-group timeout. Every write of a save, DeepSpeed's included, goes through
-`SaveAttempt.write`; the ranks then exchange attempts and, if any failed, all raise `CheckpointSaveError`.
+A failed write is recorded, not raised: a rank raising out of a collective DeepSpeed save would leave the others
+waiting until the process-group timeout. The ranks exchange attempts; if any failed, all raise `CheckpointSaveError`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from safetensors import SafetensorError
 
 from pretrain.checkpoint import checksums, run_folder
 
-# A full disk or failing storage: OSError (Python), RuntimeError (torch's writers), SafetensorError (safetensors)
+# A full disk or failing storage, as Python, torch's writers and safetensors raise it
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("no space left", "disk quota exceeded", "storagefull", "os error 28")
@@ -26,28 +25,25 @@ _ALMOST_FULL_BYTES = 1 << 20
 
 
 class CheckpointSaveError(ValueError):
-    """A checkpoint save that failed on some rank; its staging folder is removed, earlier checkpoints are untouched.
-
-    A ValueError, as the user fixes it (free space): the CLI prints one line and exits 2. Not ``retryable``: a
-    restarted worker group would fail the same save again, so under Ray the job fails at once.
-    """
+    """A save that failed on some rank; its staging folder is removed. A ValueError: the user fixes it (the CLI exits
+    2). Not ``retryable``: a restarted worker group would fail again, so under Ray the job fails at once."""
 
     retryable = False
 
 
 @dataclass(frozen=True)
 class WriteFailure:
-    """The first write that failed on one rank."""
+    """A rank's first failed write."""
 
     rank: int
     path: str
     error: str  # "OSError: [Errno 28] No space left on device"
-    no_space: bool  # the error itself says the disk (or the quota) is full
+    no_space: bool  # the error says the disk (or the quota) is full
 
 
 @dataclass
 class SaveAttempt:
-    """One rank's part of one save into ``staging``: ``written`` (relative path → size, checksum) and ``failure``."""
+    """One rank's part of a save into ``staging``: ``written`` (relative path → size, checksum), ``failure``."""
 
     staging: Path
     rank: int
@@ -55,8 +51,8 @@ class SaveAttempt:
     failure: WriteFailure | None = None
 
     def write(self, path: Path, action: Callable[[], object], record: bool = True) -> None:
-        """Run ``action`` (which writes ``path``) unless an earlier write failed; record its failure, or (``record``)
-        the file's size and checksum, read back while in the page cache."""
+        """Run ``action`` (writing ``path``) unless a write failed; record its failure or (``record``) the file's
+        size and checksum, read back while in the page cache."""
         if self.failure is not None:
             return
         try:
@@ -71,7 +67,7 @@ class SaveAttempt:
 
     @contextlib.contextmanager
     def routing(self, engine) -> Iterator[None]:
-        """Route this engine's writes (state files, folders, recovery scripts) through `write` for the block."""
+        """Route the engine's writes (state files, folders, recovery scripts) through `write`."""
         ce = engine.checkpoint_engine
         save, makedirs, copy = ce.save, ce.makedirs, engine._copy_recovery_script
         ce.save = lambda state_dict, path: self.write(Path(path), lambda: save(state_dict, path))
@@ -85,7 +81,7 @@ class SaveAttempt:
             ce.save, ce.makedirs, engine._copy_recovery_script = save, makedirs, copy
 
     def record_rest(self) -> None:
-        """Rank 0, last: record every file in the staging folder that no rank recorded yet."""
+        """Rank 0, last: record the staging folder's files no rank recorded."""
         for path in sorted(self.staging.rglob("*")):
             name = path.relative_to(self.staging).as_posix()
             if path.is_file() and name not in self.written and name != run_folder.CHECKSUMS:
@@ -93,7 +89,7 @@ class SaveAttempt:
 
 
 def _says_no_space(error: BaseException) -> bool:
-    """Whether ``error`` (or what caused it) says the disk or the quota is full."""
+    """Whether ``error`` or its causes say the disk or quota is full."""
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in _NO_SPACE_ERRNOS:
@@ -105,7 +101,7 @@ def _says_no_space(error: BaseException) -> bool:
 
 
 def folder_bytes(folder: Path) -> int:
-    """A checkpoint's bytes as saved: ``checksums.json``'s total, else every file but ``evals/`` and ``universal/``."""
+    """A checkpoint's saved bytes: ``checksums.json``'s total, else all files but ``evals/`` and ``universal/``."""
     try:
         entries = checksums.expected(folder)
     except ValueError:
@@ -119,8 +115,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) -> str:
-    """One line: which save failed, where and why, the space a checkpoint needs against what is free, that nothing
-    else was lost, and the fix. ``written_bytes``: what the removed staging folder held."""
+    """One line: the failed save, where and why, the space needed and free, what is kept, the fix.
+    ``written_bytes``: what the removed staging folder held."""
     run_dir = staging.parent.parent
     final = staging.name.removesuffix(run_folder.STAGING_SUFFIX)
     newest = run_folder.latest_checkpoint(run_dir)
@@ -141,7 +137,7 @@ def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) ->
 
 
 def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the filesystem of ``path``'s nearest existing parent; None if unreadable."""
+    """Free bytes at ``path``'s nearest existing parent; None if unreadable."""
     for candidate in (path, *path.parents):
         try:
             if candidate.exists():

@@ -1,1 +1,1 @@
-"""The recipe: the typed training configuration and its sections (optimizer, schedule, DeepSpeed, precision)."""
+"""The recipe: the typed training configuration and its sections."""

@@ -1,10 +1,4 @@
-"""The recipe section ``deepspeed`` and the DeepSpeed JSON generated from it.
-
-Owns the batch arithmetic (global batch = micro-batch × accumulation steps × world size, `batch_plan`) and the
-backend choice (`resolve_backend`). The precision is decided elsewhere (`pretrain.config.precision`) and passed in.
-The config is read through protocols (`BatchSizes`, `EngineSettings`), so this module does not import
-`pretrain.config.train_config`.
-"""
+"""The recipe section ``deepspeed``, the DeepSpeed JSON made from it, and the batch arithmetic (`batch_plan`)."""
 
 from __future__ import annotations
 
@@ -14,30 +8,27 @@ from typing import Any, Literal, Protocol
 from data_pipeline.cli import positive
 from pretrain.config.optim import OptimConfig
 
-# deepspeed.precision; resolved by `pretrain.config.precision.decide`
-Precision = Literal["auto", "probe", "fp32", "bf16"]
-DistBackend = Literal["auto", "nccl", "gloo"]  # deepspeed.dist_backend; "auto" is resolved by `resolve_backend`
+Precision = Literal["auto", "probe", "fp32", "bf16"]  # resolved by `pretrain.config.precision.decide`
+DistBackend = Literal["auto", "nccl", "gloo"]  # "auto": `resolve_backend`
 
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
-    """Recipe section ``deepspeed``: the ZeRO engine; the DeepSpeed JSON is generated from it (`deepspeed_config`)."""
+    """Recipe section ``deepspeed``: the ZeRO engine."""
 
     zero_stage: int = 2  # 0 (plain DDP) … 3 (parameters partitioned too)
-    # auto | probe | fp32 | bf16 (pretrain.config.precision)
+    # auto | probe | fp32 | bf16
     precision: Precision = field(default="auto", metadata={"hint": "fp16 loss scaling is not supported; use bf16"})
     reduce_bucket_size: int = 50_000_000  # elements; the 5e8 default allocates two ~1 GB buffers
-    allgather_bucket_size: int = 50_000_000  # elements, as reduce_bucket_size
+    allgather_bucket_size: int = 50_000_000  # elements
     overlap_comm: bool = False  # overlap gradient reduction with backward (worth it on GPUs)
-    # dtype the gradients are reduced in: auto = the training precision (DeepSpeed's own default, written out); a
-    # GPU plan sets fp32 where its network carries it cheaply (cluster.plan.comms, docs/network.md)
-    communication_data_type: Literal["auto", "fp32", "bf16"] = "auto"
+    communication_data_type: Literal["auto", "fp32", "bf16"] = "auto"  # gradient reduction dtype (docs/network.md)
     dist_backend: DistBackend = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_minutes: int = 30  # collective timeout, when this worker creates the process group
 
 
 class BatchSizes(Protocol):
-    """What the batch arithmetic reads of the ``data`` section (`data_pipeline.stream.config.DataConfig`)."""
+    """What the batch arithmetic reads of ``DataConfig``."""
 
     @property
     def global_batch_size(self) -> int: ...
@@ -50,7 +41,7 @@ class BatchSizes(Protocol):
 
 
 class EngineSettings(Protocol):
-    """What `engine_config` reads of a training config (`pretrain.config.train_config.TrainConfig`)."""
+    """What `engine_config` reads of a ``TrainConfig``."""
 
     @property
     def data(self) -> BatchSizes: ...
@@ -67,7 +58,7 @@ class BatchPlan:
     global_batch_size: int  # images per optimizer step, all ranks
     micro_batch_size: int  # images per rank per forward/backward
     grad_accum_steps: int  # micro-batches per rank per optimizer step
-    world_size: int
+    world_size: int  # ranks
 
     @property
     def images_per_rank_step(self) -> int:
@@ -75,7 +66,7 @@ class BatchPlan:
 
 
 def valid_world_sizes(data: BatchSizes, upto: int) -> list[int]:
-    """World sizes in [1, upto] that divide `data.streams` and `global_batch_size / micro_batch_size`."""
+    """World sizes in [1, upto] that divide `data.streams` and the micro-batches of a global batch."""
     return [
         w
         for w in range(1, upto + 1)
@@ -84,11 +75,7 @@ def valid_world_sizes(data: BatchSizes, upto: int) -> list[int]:
 
 
 def batch_plan(data: BatchSizes, world_size: int) -> BatchPlan:
-    """Split `data.global_batch_size` over ranks and accumulation; ValueError with the valid choices otherwise.
-
-    The streams must divide the global batch and the world size the streams (docs/design.md, "The training stream
-    contract").
-    """
+    """Split the global batch over ranks and accumulation (docs/design.md, "The training stream contract")."""
     positive(data.streams, "data.streams")
     if data.global_batch_size % data.streams:
         raise ValueError(
@@ -119,7 +106,7 @@ def batch_plan(data: BatchSizes, world_size: int) -> BatchPlan:
 
 
 def check_config(ds: DeepSpeedConfig) -> None:
-    """Check the deepspeed section; precision and backend are Literals, checked when typed."""
+    """Check the deepspeed section (its Literals are checked when typed)."""
     if isinstance(ds.zero_stage, bool) or ds.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"deepspeed.zero_stage={ds.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3 (2 is usual)")
     if ds.precision == "bf16" and ds.zero_stage == 0:
@@ -140,7 +127,7 @@ def resolve_backend(ds: DeepSpeedConfig, device_type: str) -> str:
 
 
 def reduction_dtype(ds: DeepSpeedConfig, precision: str) -> str:
-    """The dtype gradients are reduced in (`communication_data_type`) for the decided ``precision``."""
+    """The dtype gradients are reduced in at the decided ``precision``."""
     if ds.communication_data_type == "auto":
         return precision
     if ds.communication_data_type == "bf16" and precision == "fp32":
@@ -158,20 +145,15 @@ def deepspeed_config(
     precision: str,
     steps_per_print: int = 10**9,
 ) -> dict[str, Any]:
-    """The dict for `deepspeed.initialize(config=...)`; the optimizer and lr schedule are ours, not DeepSpeed's.
-
-    ``precision``: the decided precision, "fp32" or "bf16".
-    """
+    """The dict for `deepspeed.initialize(config=...)` at the decided ``precision``; optimizer and lr are ours."""
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision={precision!r}: pass the decided precision (pretrain.config.precision.decide)")
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
         "overlap_comm": ds.overlap_comm,
         "contiguous_gradients": True,
-        # ZeRO-1/2 reduce each bucket's slices to the ranks that own them, (n-1)/n of its bytes per rank, rather than
-        # all-reduce it whole, 2(n-1)/n (docs/network.md). Two ranks sum a + b either way: CPU numbers are unchanged.
-        "use_multi_rank_bucket_allreduce": False,
-        # Explicit sizes: the defaults moved between releases and 5e8 allocates two ~1 GB buffers.
+        "use_multi_rank_bucket_allreduce": False,  # reduce to owners (docs/network.md)
+        # explicit: the defaults moved between releases
         "reduce_bucket_size": ds.reduce_bucket_size,
         "allgather_bucket_size": ds.allgather_bucket_size,
     }
@@ -179,8 +161,7 @@ def deepspeed_config(
         zero.update(
             stage3_prefetch_bucket_size=ds.allgather_bucket_size,
             stage3_param_persistence_threshold=10_000,
-            # pretrain.checkpointer gathers model.safetensors itself.
-            stage3_gather_16bit_weights_on_model_save=False,
+            stage3_gather_16bit_weights_on_model_save=False,  # pretrain.checkpointer gathers
         )
     return {
         "train_batch_size": plan.global_batch_size,
@@ -191,10 +172,8 @@ def deepspeed_config(
         "bf16": {"enabled": precision == "bf16"},
         "communication_data_type": reduction_dtype(ds, precision),
         "fp16": {"enabled": False},
-        # fp32 accumulation even for bf16 weights: a sum of many micro-batches loses bits otherwise.
-        "data_types": {"grad_accum_dtype": "fp32"},
-        # Our optimizer is a torch AdamW, not a DeepSpeed op.
-        "zero_allow_untested_optimizer": True,
+        "data_types": {"grad_accum_dtype": "fp32"},  # a bf16 sum of many micro-batches loses bits
+        "zero_allow_untested_optimizer": True,  # torch AdamW
         "steps_per_print": steps_per_print,
         "wall_clock_breakdown": False,
     }
@@ -203,7 +182,7 @@ def deepspeed_config(
 def engine_config(
     config: EngineSettings, world_size: int, precision: str, load_universal: bool = False
 ) -> dict[str, Any]:
-    """The engine's DeepSpeed JSON; ``load_universal`` to load a universal checkpoint (resume at another world size)."""
+    """The engine's DeepSpeed JSON; ``load_universal``: to load a universal checkpoint."""
     plan = batch_plan(config.data, world_size)
     ds = deepspeed_config(config.deepspeed, config.optim, plan, precision)
     if load_universal:

@@ -1,10 +1,5 @@
-"""The recipe sections ``optim`` and ``schedule``: AdamW, the learning-rate schedule, durations to steps.
-
-docs/reference.md §3: Adam β = (0.9, 0.999), decoupled weight decay on weight matrices only, linear warmup then
-linear (i21k) or cosine (AugReg) decay to `end_lr`. The training loop writes `LRSchedule(step)` into the param groups
-(`set_lr`), so DeepSpeed owns no scheduler and a resume needs only the step number. Every duration in a config goes
-through `duration_to_steps`.
-"""
+"""The recipe sections ``optim`` and ``schedule`` (docs/reference.md §3). The loop sets `LRSchedule(step)` itself
+(`set_lr`), so a resume needs only the step number."""
 
 from __future__ import annotations
 
@@ -19,34 +14,33 @@ from torch import nn
 
 from data_pipeline.cli import at_least, positive
 
-Decay = Literal["linear", "cosine", "constant"]  # the schedules LRSchedule implements (schedule.decay)
+Decay = Literal["linear", "cosine", "constant"]  # schedule.decay
 DECAYS: tuple[str, ...] = typing.get_args(Decay)
-# An int counts optimizer steps; a string has a unit: "90ep" (epochs), "1.2e6img" (images), "500st" (steps)
-Duration = int | str
+Duration = int | str  # optimizer steps, or with a unit: "90ep", "1.2e6img", "500st"
 _DURATION = re.compile(r"^\s*([0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Recipe section ``optim``: AdamW, weight decay on weight matrices only."""
+    """Recipe section ``optim``: AdamW."""
 
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
     beta1: float = 0.9  # Adam first-moment decay
     beta2: float = 0.999  # Adam second-moment decay
     eps: float = 1e-8  # Adam denominator epsilon
-    weight_decay: float = 0.1  # decoupled (torch AdamW: multiplied by the current lr)
+    weight_decay: float = 0.1  # decoupled, times the current lr; weight matrices only
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """Recipe section ``schedule``: linear warmup from 0 to `optim.lr`, then decay to `end_lr`."""
+    """Recipe section ``schedule``: linear warmup to `optim.lr`, then decay to `end_lr`."""
 
     total: Duration = "90ep"  # training length
     warmup: Duration = 10_000  # linear warmup length
     decay: Decay = "linear"  # linear (i21k) | cosine (AugReg) | constant
     end_lr: float = 1e-5  # lr at the last step (linear/cosine)
-    stop_at_step: int | None = None  # stop early (e.g. a time-boxed job); the schedule still spans `total`
+    stop_at_step: int | None = None  # stop early; the schedule still spans `total`
 
 
 def duration_to_steps(
@@ -57,7 +51,7 @@ def duration_to_steps(
     field: str = "duration",
     zero_ok: bool = False,
 ) -> int:
-    """Optimizer steps in a duration, rounded up; epochs need ``epoch_images``. ValueError naming ``field``."""
+    """Optimizer steps in a duration, rounded up; epochs need ``epoch_images``."""
     if isinstance(duration, bool):
         raise ValueError(f"{field}={duration!r} is not a duration; write steps (10000) or '90ep' / '1e6img'")
     if isinstance(duration, int):
@@ -88,7 +82,7 @@ def duration_to_steps(
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Learning rate for each optimizer step (0-based): warmup from 0 to `peak_lr`, then decay to `end_lr`."""
+    """Learning rate of each 0-based optimizer step: warmup to `peak_lr`, then decay to `end_lr`."""
 
     peak_lr: float
     warmup_steps: int
@@ -98,11 +92,11 @@ class LRSchedule:
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
-            # (step + 1): the first update already moves the weights, as upstream's step 1 does.
+            # the first update already moves the weights, as upstream's step 1 does
             return self.peak_lr * (step + 1) / self.warmup_steps
         if self.decay == "constant":
             return self.peak_lr
-        # progress reaches 1 at the last step, so the final update uses exactly end_lr.
+        # the last step uses exactly end_lr
         span = max(1, self.total_steps - self.warmup_steps - 1)
         progress = min(1.0, (step - self.warmup_steps) / span)
         if self.decay == "linear":
@@ -123,7 +117,6 @@ def build_schedule(
 def check_config(
     optim: OptimConfig, schedule: ScheduleConfig, global_batch_size: int, epoch_images: int | None
 ) -> None:
-    """Check the optim and schedule sections; ValueError naming the field and the fix."""
     if not optim.lr > 0:
         raise ValueError(f"optim.lr={optim.lr} must be > 0; the paper's i21k runs use optim.lr=1e-3")
     at_least(optim.weight_decay, 0.0, "optim.weight_decay")
@@ -134,7 +127,7 @@ def check_config(
     at_least(optim.grad_clip, 0.0, "optim.grad_clip")
     if not 0.0 <= schedule.end_lr <= optim.lr:
         raise ValueError(f"schedule.end_lr={schedule.end_lr} must be in [0, optim.lr={optim.lr}]")
-    lr = build_schedule(optim, schedule, global_batch_size, epoch_images)  # each duration is checked as it converts
+    lr = build_schedule(optim, schedule, global_batch_size, epoch_images)  # checks each duration
     if lr.warmup_steps >= lr.total_steps:
         raise ValueError(
             f"schedule.warmup ({lr.warmup_steps} steps) must be shorter than schedule.total ({lr.total_steps} steps)"
@@ -144,7 +137,7 @@ def check_config(
 
 
 def no_decay_names(module: nn.Module) -> set[str]:
-    """Full parameter names that skip weight decay: every submodule's `no_weight_decay()`, plus all 0-/1-D params."""
+    """Parameter names that skip weight decay: submodules' `no_weight_decay()` and all 0-/1-D params."""
     names = {name for name, p in module.named_parameters() if p.ndim < 2}
     for prefix, sub in module.named_modules():
         if hasattr(sub, "no_weight_decay"):
@@ -153,7 +146,7 @@ def no_decay_names(module: nn.Module) -> set[str]:
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: weight matrices (decayed) and everything else (not decayed). Frozen params are left out."""
+    """Two AdamW groups, decayed and not; frozen params are left out."""
     skip = no_decay_names(module)
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
@@ -167,7 +160,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 
 def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW (decay × lr); given to deepspeed.initialize, so no DeepSpeed optimizer op is compiled."""
+    """torch AdamW, so no DeepSpeed optimizer op is compiled."""
     return torch.optim.AdamW(
         param_groups(module, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
     )

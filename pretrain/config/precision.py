@@ -1,13 +1,5 @@
-"""`deepspeed.precision`: fp32 or bf16 for a run, decided from what the run is, never from a timing at start.
-
-- ``auto``: bf16 on CUDA; on a CPU, a fixed rule on its bf16 units and the model's GEMM shapes (`CPU_RULES`), so the
-  same recipe on the same kind of CPU always gets the same answer, which the plan can print before the run.
-- ``probe``: time one fp32 and one bf16 step at the run's first start, recorded in the run folder for later starts.
-- ``fp32`` / ``bf16``: as set.
-
-A resume keeps its checkpoint's precision. Entry point: `decide`; rules and thresholds: docs/performance.md,
-"Precision".
-"""
+"""`deepspeed.precision`: fp32 or bf16 for a run (`decide`), from what the run is, never from a timing at start
+(docs/performance.md, "Precision")."""
 
 from __future__ import annotations
 
@@ -21,20 +13,19 @@ import torch
 from pretrain.model import flops
 from pretrain.model.vit import ViTConfig
 
-# /proc/cpuinfo flags of native bf16 matmul units (x86)
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-PROBE_REPEATS = 2  # timed fwd+bwd per precision after a warm-up; the fastest counts
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 matmul units (x86)
+PROBE_REPEATS = 2  # timed steps per precision after a warm-up; the fastest counts
 PROBE_MIN_SPEEDUP = 1.05  # `probe`: bf16 must beat fp32 by this much
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What the CPU rule looks at: the shapes of one micro-batch's GEMMs."""
+    """The shapes of one micro-batch's GEMMs, which the CPU rule looks at."""
 
-    width: int  # D: the encoder's projection size (the MLP's are 4 D)
-    rows: int  # micro-batch x tokens: the M of every encoder GEMM
+    width: int  # D, the encoder's projection size
+    rows: int  # micro-batch x tokens: every encoder GEMM's M
     patch_embed_share: float  # the patch convolution's share of the forward multiply-adds
-    hybrid: bool  # a ResNet stem in front of the encoder
+    hybrid: bool  # a ResNet stem before the encoder
 
     @property
     def projection_macs(self) -> int:
@@ -44,8 +35,7 @@ class StepShape:
     def of(cls, model: ViTConfig, micro_batch_size: int) -> StepShape:
         grid = model.grid_size
         tokens = grid * grid + (model.pool == "token")
-        stem_channels = flops.stem_channels(model)
-        patch_embed = grid * grid * model.patch_size**2 * stem_channels * model.width
+        patch_embed = grid * grid * model.patch_size**2 * flops.stem_channels(model) * model.width
         return cls(
             width=model.width,
             rows=micro_batch_size * tokens,
@@ -56,19 +46,17 @@ class StepShape:
 
 @dataclass(frozen=True)
 class CpuBf16Rule:
-    """bf16 on a CPU with these units iff every condition holds. The thresholds keep a margin, so a shape near the
-    crossover gets fp32 on every run instead of flipping with noise."""
+    """bf16 on a CPU with these units iff every condition holds (with a margin against noise)."""
 
     units: str  # the /proc/cpuinfo flag that selects this rule
     min_width: int
-    # rows x width², one D x D projection's multiply-adds; below it fixed costs (casts, small tiles) eat the gain
-    min_projection_macs: int = 16_000_000
-    max_patch_embed_share: float = 0.15  # the patch convolution's bf16 weight gradient is slower than fp32's
+    min_projection_macs: int = 16_000_000  # rows x width²; below it fixed costs eat the gain
+    max_patch_embed_share: float = 0.15  # the patch convolution's bf16 weight gradient is slow
     hybrids: bool = True  # whether ResNet stems were measured to gain too
-    margin: float = 1.5  # least measured speedup of a shape the rule sends to bf16
+    margin: float = 1.5  # least measured speedup of a shape sent to bf16
 
     def check(self, shape: StepShape) -> str | None:
-        """None when bf16 pays for ``shape``; otherwise the first condition it misses, in words."""
+        """None when bf16 pays for ``shape``, else the first condition it misses."""
         if shape.width < self.min_width:
             return f"width {shape.width} < {self.min_width}"
         if shape.projection_macs < self.min_projection_macs:
@@ -89,8 +77,7 @@ class CpuBf16Rule:
         )
 
 
-# Fitted to one fwd+bwd of ViT shapes at 1 thread (docs/benchmarks/2026-11-26-precision.md). AVX512-BF16 without
-# AMX was measured only at the ends (and no hybrid), so its rule keeps what lies between in fp32.
+# fitted at 1 thread (docs/performance.md, "Precision")
 CPU_RULES: dict[str, CpuBf16Rule] = {
     "amx_bf16": CpuBf16Rule("amx_bf16", min_width=128),
     "avx512_bf16": CpuBf16Rule("avx512_bf16", min_width=384, min_projection_macs=64_000_000, hybrids=False),
@@ -108,7 +95,7 @@ class PrecisionChoice:
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
-    """The first processor's flags from /proc/cpuinfo; None without the file."""
+    """The first processor's flags; None without the file."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -120,16 +107,12 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
 
 
 def cpu_bf16_units(flags: set[str] | None = None) -> tuple[str, ...]:
-    """This CPU's native bf16 matmul units (a subset of `BF16_FLAGS`); without /proc/cpuinfo, PyTorch's detection."""
+    """This CPU's bf16 matmul units among `BF16_FLAGS`."""
     flags = cpu_flags() if flags is None else flags
     if flags is not None:
         return tuple(f for f in BF16_FLAGS if f in flags)
-    found = []
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        found.append("amx_bf16")
-    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
-        found.append("avx512_bf16")
-    return tuple(found)
+    checks = {"amx_bf16": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported"}
+    return tuple(f for f, check in checks.items() if getattr(torch.cpu, check, lambda: False)())
 
 
 def cpu_name() -> str:
@@ -138,7 +121,7 @@ def cpu_name() -> str:
 
 
 def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice:
-    """`auto` on a CPU: the rule of its best bf16 unit kind (AMX over AVX512-BF16) applied to ``shape``."""
+    """`auto` on a CPU: its best bf16 unit kind's rule applied to ``shape``."""
     units = cpu_bf16_units(flags)
     if not units:
         return PrecisionChoice(
@@ -157,8 +140,7 @@ def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice
 def probe_bf16_speedup(
     build: Callable[[], torch.nn.Module], batch: int, image_size: int, repeats: int = PROBE_REPEATS
 ) -> tuple[float, float]:
-    """(fp32 s, bf16 s) of one forward + backward of the task ``build()`` on ``batch`` random images. The global RNG
-    state is restored, so the probe changes nothing the run draws."""
+    """(fp32 s, bf16 s) of a forward + backward of ``build()``; the global RNG is kept."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         task = build()
@@ -202,9 +184,8 @@ def decide(
     probe: Callable[[], tuple[float, float]] | None = None,
     zero_stage: int | None = None,
 ) -> PrecisionChoice:
-    """The precision of a run. ``shape``: needed by `auto` on a CPU; ``resumed``: (precision, checkpoint name);
-    ``recorded``: the run folder's `probe` decision; ``probe`` (→ fp32 s, bf16 s): None in the plan, which times
-    nothing; ``zero_stage`` 0 has no bf16 with fp32 master weights, so auto and probe pick fp32 there."""
+    """The precision of a run. ``resumed``: (precision, checkpoint name); ``recorded``: the run folder's `probe`
+    answer; ``probe`` (→ fp32 s, bf16 s): None in the plan."""
     choice = _decide(requested, device_type, shape, flags, resumed, recorded, probe)
     if zero_stage == 0 and choice.precision == "bf16" and choice.rule not in ("recipe", "checkpoint"):
         return PrecisionChoice(
@@ -239,7 +220,7 @@ def _decide(requested, device_type, shape, flags, resumed, recorded, probe) -> P
 
 
 def decide_on_rank0(decide_here: Callable[[], PrecisionChoice]) -> PrecisionChoice:
-    """`decide_here()` on rank 0, broadcast, so every rank gets the same probe answer."""
+    """`decide_here()` on rank 0, broadcast."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -247,5 +228,5 @@ def decide_on_rank0(decide_here: Callable[[], PrecisionChoice]) -> PrecisionChoi
     box: list[PrecisionChoice | None] = [decide_here() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     choice = box[0]
-    assert choice is not None  # rank 0's, received
+    assert choice is not None
     return choice

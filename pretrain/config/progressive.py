@@ -1,13 +1,5 @@
-"""Progressive resolution: train on small images first, then at ``data.image_size``.
-
-``data.resolution_schedule: [[0, 16], [100, 32]]`` lists (first step, image size) pairs: steps strictly increasing
-from 0, sizes multiples of the patch stride, the last size equal to ``data.image_size``. Step s trains at the size of
-the last pair whose step is ≤ s (`resolution_at`); an empty schedule means ``data.image_size`` throughout.
-
-At each change `switch_resolution` rebuilds model and engine at the new size, carrying over the fp32 weights and
-the Adam state; the position embeddings and their moments get the official 2-D bilinear resize. A resumed engine is
-built at its checkpoint's size (`start_config`), so it switches where the uninterrupted run did.
-"""
+"""Progressive resolution, ``data.resolution_schedule: [[0, 16], [100, 32]]``: small images first, then
+``data.image_size`` (docs/contracts.md, "Tasks and the resolution schedule")."""
 
 from __future__ import annotations
 
@@ -22,12 +14,12 @@ from pretrain.weights.formats import resize_pos_embed
 __all__ = ["check_config", "check_schedule", "config_at", "resolution_at", "start_config", "switch_resolution"]
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
-# (working-copy groups, fp32 partitions) attribute names of DeepSpeed's ZeRO-1/2 and bf16 optimizers
+# (working-copy groups, fp32 partitions) of DeepSpeed's ZeRO-1/2 and bf16 optimizers
 _FRAGMENT_GROUPS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
 
 
 def check_schedule(schedule: Sequence, image_size: int, stride: int) -> tuple[tuple[int, int], ...]:
-    """Validate ``data.resolution_schedule`` and return it as ((step, size), ...); ValueError names the fix."""
+    """``data.resolution_schedule`` checked, as ((step, size), ...)."""
     pairs = []
     for i, entry in enumerate(schedule):
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not all(isinstance(v, int) for v in entry):
@@ -59,7 +51,6 @@ def check_schedule(schedule: Sequence, image_size: int, stride: int) -> tuple[tu
 
 
 def check_config(schedule: Sequence, image_size: int, stride: int, zero_stage: int) -> None:
-    """Check ``data.resolution_schedule`` and the ZeRO stage it needs; ValueError names the fix."""
     if schedule:
         check_schedule(schedule, image_size, stride)
         if zero_stage > 2:
@@ -70,7 +61,7 @@ def check_config(schedule: Sequence, image_size: int, stride: int, zero_stage: i
 
 
 def resolution_at(schedule: Sequence, step: int, image_size: int) -> int:
-    """Image size for optimizer step ``step`` (0-based: the step about to be taken)."""
+    """Image size for 0-based optimizer step ``step``."""
     size = image_size
     for start, s in schedule:
         if start <= step:
@@ -80,31 +71,29 @@ def resolution_at(schedule: Sequence, step: int, image_size: int) -> int:
 
 def config_at(config, step: int):
     """``config`` with ``data.image_size`` set to the resolution of ``step``."""
+    return _sized(config, resolution_at(config.data.resolution_schedule, step, config.data.image_size))
+
+
+def _sized(config, size: int):
     d = config.data
-    size = resolution_at(d.resolution_schedule, step, d.image_size)
     return config if size == d.image_size else config.replace(data=dataclasses.replace(d, image_size=size))
 
 
-# ------------------------------------------------------------------------------------------- engine switch
-
-
 def _full_fp32(param: nn.Parameter) -> torch.Tensor:
-    """The fp32 master copy of ``param``, gathered from the ZeRO partitions."""
-    from deepspeed.utils import safe_get_full_fp32_param  # heavy external
+    from deepspeed.utils import safe_get_full_fp32_param
 
     value = safe_get_full_fp32_param(param)
     return (param.detach() if value is None else value).float().clone()
 
 
 def _inner_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer holding the Adam state (ZeRO wraps it)."""
     opt = engine.optimizer
     return getattr(opt, "optimizer", opt)
 
 
 def _adam_state(engine, param: nn.Parameter) -> dict[str, torch.Tensor] | None:
-    """Full (unpartitioned) Adam moments of ``param``; None before the first optimizer step."""
-    from deepspeed.utils import safe_get_full_optimizer_state  # heavy external
+    """Full Adam moments of ``param``; None before the first optimizer step."""
+    from deepspeed.utils import safe_get_full_optimizer_state
 
     if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):  # ZeRO 1-3 / bf16 optimizer: collective
         out = {k: safe_get_full_optimizer_state(param, k) for k in ADAM_STATES}
@@ -121,26 +110,19 @@ def _adam_step(engine) -> torch.Tensor | None:
 
 
 def _seed_adam_state(engine, step: torch.Tensor) -> None:
-    """Create torch's lazy Adam state now, so the moments can be written before the first step."""
+    """Create torch's lazy Adam state now, to write the moments before the first step."""
     inner = _inner_optimizer(engine)
     for group in inner.param_groups:
         for p in group["params"]:
             if not inner.state.get(p):
-                inner.state[p] = {
-                    "step": step.clone(),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
+                zeros = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATES}
+                inner.state[p] = {"step": step.clone(), **zeros}
     _link_states(engine)
 
 
 def _link_states(engine) -> None:
-    """Point every parameter's ZeRO / bf16 fragment at its flat partition's Adam state. Idempotent.
-
-    DeepSpeed links them once, after the first parameter group's first step, before later groups' lazy state exists;
-    the no-decay group is then never linked and ``safe_get_full_optimizer_state`` fails for it.
-    """
-    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state  # heavy external
+    """Point every ZeRO / bf16 fragment at its partition's Adam state (DeepSpeed links the first group's only)."""
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
 
     opt = engine.optimizer
     state = _inner_optimizer(engine).state
@@ -152,7 +134,7 @@ def _link_states(engine) -> None:
 
 
 def _set_adam_state(engine, param: nn.Parameter, values: dict[str, torch.Tensor]) -> None:
-    from deepspeed.utils import safe_set_full_optimizer_state  # heavy external
+    from deepspeed.utils import safe_set_full_optimizer_state
 
     if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
         for key, value in values.items():
@@ -176,9 +158,8 @@ def _resize(name: str, value: torch.Tensor, target: torch.Tensor, num_prefix_tok
 
 
 def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> tuple:
-    """Collective, at the same step on every rank: move training from ``engine`` to ``build() -> (engine, model)``,
-    which it returns. Carries fp32 weights, buffers, Adam moments and step; RNG states survive ``build``; the old
-    engine is destroyed. ZeRO 0-2 only."""
+    """Collective: move fp32 weights, buffers and Adam state from ``engine`` (destroyed) to ``build() -> (engine,
+    model)``, returned; RNG states survive ``build``. ZeRO 0-2 only."""
     old_task = engine.module
     named = dict(old_task.named_parameters())
     weights = {name: _full_fp32(p) for name, p in named.items()}
@@ -197,7 +178,7 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
 
-    from deepspeed.utils import safe_set_full_fp32_param  # heavy external
+    from deepspeed.utils import safe_set_full_fp32_param
 
     new_named = dict(new_engine.module.named_parameters())
     if set(new_named) != set(named):
@@ -207,8 +188,8 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
     with torch.no_grad():
         for name, p in new_named.items():
             value = _resize(name, weights[name], p, prefix)
-            p.data.copy_(value.to(p.dtype))  # the module's (possibly bf16) working copy
-            safe_set_full_fp32_param(p, value)  # and the fp32 master the optimizer updates (ZeRO / bf16)
+            p.data.copy_(value.to(p.dtype))  # the working copy
+            safe_set_full_fp32_param(p, value)  # the fp32 master
             moment = moments[name]
             if moment is not None and adam_step is not None:
                 _set_adam_state(new_engine, p, {k: _resize(name, v, p, prefix) for k, v in moment.items()})
@@ -218,18 +199,11 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
     return new_engine, new_model
 
 
-# ------------------------------------------------------------------------------------------ trainer hooks
-
-
 def start_config(config, start):
-    """The config in force when a run starts from ``start``: the schedule's first size, or for a checkpoint of step k
-    the size step k − 1 trained at (its ``model.json``), so the DeepSpeed state loads."""
+    """The config in force when a run starts from ``start``: the schedule's first size, or a checkpoint's own."""
     if start.kind in ("run", "resume_from"):
         import json
         from pathlib import Path
 
-        size = int(json.loads((Path(start.path) / "model.json").read_text())["image_size"])
-        if size != config.data.image_size:
-            return config.replace(data=dataclasses.replace(config.data, image_size=size))
-        return config
+        return _sized(config, int(json.loads((Path(start.path) / "model.json").read_text())["image_size"]))
     return config_at(config, 0)

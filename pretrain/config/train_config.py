@@ -1,13 +1,4 @@
-"""The training recipe: `TrainConfig`, one frozen dataclass per section, loaded from YAML (`load_config`).
-
-Sections live with their owners (docs/design.md, "One owner per concern"); ``model``, ``data``, ``checkpoint``,
-``logging`` and ``evals`` live here. ``TrainConfig.validate(world_size)`` checks them all before work starts.
-
-Paths. Local paths are relative to the project root of the process that trains; remote URLs stay as written.
-`TrainConfig.resolved` makes them absolute, once, where the config is loaded for use (`load_config`, or a Ray job
-loading its JSON); downstream code uses them as they are. `config_from_recipe` keeps them as written, for a config
-shipped to another machine.
-"""
+"""The training recipe, `TrainConfig`, loaded from YAML (docs/design.md, "One owner per concern", "Recipe paths")."""
 
 from __future__ import annotations
 
@@ -38,16 +29,16 @@ from pretrain.weights import source as weights_source
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which ViT to build. ``None`` keeps the variant's default from `pretrain.model.vit`."""
+    """Which ViT to build; ``None`` keeps the variant's default."""
 
     name: str = "vit_b16"  # a name in pretrain.model.vit.MODEL_NAMES
-    num_classes: int | None = None  # None → the training set's num_classes (dataset.json)
+    num_classes: int | None = None  # None → the training set's (dataset.json)
     representation_size: int | None = None  # pre-logits Dense+tanh width
     head_bias_init: float | None = None  # −10 with sigmoid xent keeps the initial loss small
     dropout: float | None = None  # 0.1 for i21k pre-training of B and L
     attention_dropout: float | None = None  # on the attention weights
     pool: Literal["token", "gap"] | None = None  # class token, or the mean of all tokens
-    gelu_approximate: Literal["tanh", "none"] | None = None  # tanh (JAX checkpoints) | none (exact erf)
+    gelu_approximate: Literal["tanh", "none"] | None = None  # tanh (JAX checkpoints) | none (erf)
     grad_checkpointing: bool = False  # recompute each block in backward
     compile: bool = False  # torch.compile each encoder block (docs/performance.md, "Compiled blocks")
 
@@ -56,13 +47,12 @@ class ModelConfig:
 class CheckpointConfig:
     """The run folder, the save cadence, and where a run starts from."""
 
-    dir: str = "runs/default"  # the run folder (a filesystem path); checkpoints go to <dir>/checkpoints/step_XXXXXXXX/
+    dir: str = "runs/default"  # the run folder, a filesystem path
     every_steps: int = 1000  # save every K optimizer steps (and at the end)
     keep_last: int = 3  # complete checkpoints kept
     resume_from: str | None = None  # a checkpoint to resume (when <dir> has none)
-    init_from: str | None = None  # weights only: a weights source (.npz, weights/checkpoint/run folder, or a URL)
-    # On a failed save: stop, or skip it and train on (the last step's save is never skipped)
-    on_save_error: Literal["stop", "skip"] = "stop"
+    init_from: str | None = None  # weights only: .npz, weights/checkpoint/run folder, or a URL
+    on_save_error: Literal["stop", "skip"] = "stop"  # skip: train on (never at the last step)
 
 
 @dataclass(frozen=True)
@@ -70,50 +60,42 @@ class LoggingConfig:
     """MLflow and the console."""
 
     mlflow_tracking_uri: str | None = None  # None → the project's default store
-    mlflow_run_id: str | None = None  # the driver's run; None → no MLflow unless mlflow_experiment
+    mlflow_run_id: str | None = None  # the driver's run; None → none unless mlflow_experiment
     mlflow_experiment: str | None = None  # without a run id: create (and end) a run here
-    log_every: int = 10  # steps between metric logs and console updates
+    log_every: int = 10  # steps between logs
     peak_tflops: float | None = None  # per-device peak for MFU; None → pretrain.telemetry.peak
     progress_bar: bool = True  # tqdm on rank 0
     record_batch_digests: bool = False  # a hash of every batch in the summary
-    # Every step's sample keys in the summary and <run>/sample_keys/rank<r>.jsonl
-    record_sample_keys: bool = False
+    record_sample_keys: bool = False  # every step's sample keys, also in <run>/sample_keys/
 
 
 @dataclass(frozen=True)
 class SuiteCadence:
-    """One more suite of a run and the checkpoints it evaluates."""
+    """One more suite and its cadence."""
 
     suite: str  # an eval suite name or YAML path
-    every: int = 1  # every N-th checkpoint (and always the baseline and the last)
+    every: int = 1  # every N-th checkpoint (and the baseline and the last)
 
 
 @dataclass(frozen=True)
 class EvalsConfig:
-    """Read by the planner, which prices the suites, and the cluster driver, which runs those due at each checkpoint
-    (`cluster.plan.evals.cadence`: every N-th checkpoint, the step-0 baseline and the last step)."""
+    """Evals at checkpoints, run by the cluster driver (`cluster.plan.evals.cadence`)."""
 
-    suite: str | None = None  # an eval suite name or YAML path; None → no evals (extra_suites neither)
-    every: int = 1  # `suite` evaluates every N-th checkpoint, and always the baseline and the last
-    # More suites, each on its own cadence; a checkpoint due for several runs them in one eval task, in this order
-    extra_suites: tuple[SuiteCadence, ...] = ()
+    suite: str | None = None  # an eval suite name or YAML path; None → no evals
+    every: int = 1  # `suite` evaluates every N-th checkpoint, and the baseline and the last
+    extra_suites: tuple[SuiteCadence, ...] = ()  # more suites, run in this order
     data_root: str = "data"  # the suites' datasets
-    # Also evaluate step_00000000, the weights before the first update
-    baseline: bool = True
-    # Seconds the job's end waits for pending evals; then they count as failed
-    timeout_s: float = 3600.0
-    # The most the evals may cost, as a share of the training FLOPs at their cadence (0.1: a tenth; a demo whose point
-    # is its transfer curve may allow more than 1); the plan refuses more
-    budget_fraction: float = 0.10
+    baseline: bool = True  # also evaluate step_00000000
+    timeout_s: float = 3600.0  # the job's end waits this long for pending evals
+    budget_fraction: float = 0.10  # most eval cost as a share of the training FLOPs; the plan refuses more
 
     def schedule(self) -> tuple[tuple[str, int], ...]:
-        """(suite, every) of each suite the run evaluates, `suite` first; () without `suite`."""
+        """(suite, every) of each suite, `suite` first; () without `suite`."""
         if not self.suite:
             return ()
         return ((self.suite, self.every), *((s.suite, s.every) for s in self.extra_suites))
 
     def validate(self) -> None:
-        """ValueError naming the field and the fix."""
         positive(self.timeout_s, "evals.timeout_s")
         positive(self.every, "evals.every")
         for i, extra in enumerate(self.extra_suites):
@@ -132,9 +114,7 @@ SECTIONS = ("model", "data", "optim", "schedule", "loss", "task", "deepspeed", "
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A whole run: its sections, the recipe's name and the model seed."""
-
-    recipe: str = ""  # the recipe's name (tags and run names); set by load_config
+    recipe: str = ""  # the recipe's name (tags, run names); set by load_config
     seed: int = 0  # model initialisation and dropout
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -152,14 +132,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """Build from a nested mapping; unknown keys and wrongly typed values raise ValueError naming the key."""
+        """Build from a nested mapping; ValueError names a bad key."""
         return typed_yaml.build(cls, d)
 
     def replace(self, **sections: Any) -> TrainConfig:
         return dataclasses.replace(self, **sections)
 
     def resolved(self) -> TrainConfig:
-        """This config with its local paths absolute (module docstring, "Paths"). Idempotent."""
+        """This config with its local paths absolute; idempotent."""
         d, c, e = self.data, self.checkpoint, self.evals
         return dataclasses.replace(
             self,
@@ -174,13 +154,12 @@ class TrainConfig:
         )
 
     def validate(self, world_size: int, *, check_paths: bool = True) -> None:
-        """Raise ValueError (field + fix) for anything that would fail later. ``check_paths=False`` skips the local
-        files (e.g. a cluster recipe checked on a laptop); remote data is checked when the stream opens it."""
+        """ValueError (field + fix) for anything that would fail later; ``check_paths=False`` skips local files."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        typed_yaml.build(TrainConfig, self.to_dict())  # type checks for a config made in code
+        typed_yaml.build(TrainConfig, self.to_dict())  # a config made in code
         d, here = self.data, self.resolved()
-        ds_config.batch_plan(d, world_size)  # the batch split at this world size (ranges: DataConfig)
+        ds_config.batch_plan(d, world_size)
         vit = check_model(self)
         progressive.check_config(d.resolution_schedule, d.image_size, vit.stride, self.deepspeed.zero_stage)
         optim.check_config(self.optim, self.schedule, d.global_batch_size, _epoch_images(here.data, check_paths))
@@ -199,19 +178,13 @@ class TrainConfig:
         Path(path).write_text(self.to_yaml())
 
     def format(self) -> str:
-        """The resolved config as printed at start: one ``section.key: value`` per line."""
-        lines = [f"recipe: {self.recipe}", f"seed: {self.seed}"]
-        for name in SECTIONS:
-            for key, value in dataclasses.asdict(getattr(self, name)).items():
-                lines.append(f"{name}.{key}: {value}")
-        return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------- loading
+        """One ``section.key: value`` per line."""
+        lines = [f"{n}.{k}: {v}" for n in SECTIONS for k, v in dataclasses.asdict(getattr(self, n)).items()]
+        return "\n".join([f"recipe: {self.recipe}", f"seed: {self.seed}", *lines])
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
-    """A YAML file path, or the recipe name `configs/<name>.yaml`; ValueError listing the recipes if neither."""
+    """A YAML file path, or `configs/<name>.yaml`; ValueError listing the recipes if neither."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
@@ -225,7 +198,7 @@ def recipe_path(name_or_path: str | Path) -> Path:
 
 
 def read_recipe(path: Path) -> dict[str, Any]:
-    """The recipe file as a mapping, its ``base:`` chain merged in and ``recipe`` defaulting to the file's stem."""
+    """The recipe file, its ``base:`` chain merged in; ``recipe`` defaults to the file's stem."""
     fix = "see configs/local_demo.yaml (sections model:, data:, optim: ...) and local_mpp.yaml (base: local_demo)"
     data = typed_yaml.read_with_base(path, "recipe", fix, recipe_path)
     data.setdefault("recipe", path.stem)
@@ -233,13 +206,13 @@ def read_recipe(path: Path) -> dict[str, Any]:
 
 
 def load_config(path_or_recipe_name: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
-    """Load a recipe (path or name), apply ``key=value`` overrides, type-check it and resolve its paths."""
+    """Load a recipe (path or name) with ``key=value`` overrides, typed and resolved."""
     path = recipe_path(path_or_recipe_name)
     return config_from_recipe(path, read_recipe(path), overrides).resolved()
 
 
 def config_from_recipe(path: Path, written: dict[str, Any], overrides: Iterable[str] = ()) -> TrainConfig:
-    """`load_config` on a recipe already read, its paths as written. ValueError says where a bad key came from."""
+    """`load_config` on a recipe already read, its paths as written."""
     merged = typed_yaml.apply_overrides(written, list(overrides))
     try:
         return TrainConfig.from_dict(merged)
@@ -252,7 +225,7 @@ def config_from_recipe(path: Path, written: dict[str, Any], overrides: Iterable[
 
 
 def model_overrides(config: TrainConfig, num_classes: int) -> dict[str, Any]:
-    """The ViTConfig overrides the training config implies (None fields keep the variant's default)."""
+    """The ViTConfig overrides the training config implies."""
     m = config.model
     out: dict[str, Any] = {"image_size": config.data.image_size, "num_classes": num_classes}
     for name in ("representation_size", "head_bias_init", "dropout", "attention_dropout", "pool", "gelu_approximate"):
@@ -262,11 +235,8 @@ def model_overrides(config: TrainConfig, num_classes: int) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------------------------- checks
-
-
 def check_model(config: TrainConfig) -> ViTConfig:
-    """The ViTConfig the model and data sections make; ValueError naming the fix."""
+    """The ViTConfig the model and data sections make."""
     m = config.model
     if m.name not in MODEL_NAMES:
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")
@@ -277,7 +247,6 @@ def check_model(config: TrainConfig) -> ViTConfig:
 
 
 def check_compiler(m: ModelConfig) -> None:
-    """``model.compile`` needs a C++ compiler (torch.compile builds kernels with it)."""
     compiler = os.environ.get("CXX") or "g++"
     if m.compile and shutil.which(compiler) is None:
         raise ValueError(
@@ -287,12 +256,11 @@ def check_compiler(m: ModelConfig) -> None:
 
 
 def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:
-    """Checkpoint cadence and the run folder's name; the logging cadence."""
     positive(c.every_steps, "checkpoint.every_steps")
     positive(c.keep_last, "checkpoint.keep_last")
     if not c.dir:
         raise ValueError("checkpoint.dir is empty; set it to the run folder, e.g. checkpoint.dir=runs/my_run")
-    if is_remote(c.dir):  # DeepSpeed writes and renames files in it: a filesystem, not an object store
+    if is_remote(c.dir):  # DeepSpeed renames files in it
         raise ValueError(
             f"checkpoint.dir={c.dir!r} is object storage; ranks write checkpoints to a filesystem path (a shared one "
             "on a cluster, e.g. /fsx/runs/my_run); copy finished checkpoints to the bucket afterwards"
@@ -309,7 +277,7 @@ def check_run_config(c: CheckpointConfig, log: LoggingConfig) -> None:
 
 
 def check_paths_exist(config: TrainConfig) -> None:
-    """The local files a resolved config points at: shards (or a built-in set), resume_from, init_from."""
+    """The local files a resolved config points at."""
     d, c = config.data, config.checkpoint
     if not is_remote(d.train):
         shard_dir = Path(d.train)
@@ -327,16 +295,16 @@ def check_paths_exist(config: TrainConfig) -> None:
                 )
     if c.resume_from is not None:
         run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
-    if c.init_from is not None and not is_remote(c.init_from):  # a URL is checked when it is fetched
-        # the weights-source rule: a run folder means its newest COMPLETE checkpoint
+    if c.init_from is not None and not is_remote(c.init_from):  # a URL is checked when fetched
         src = weights_source.locate_setting(c.init_from, "checkpoint.init_from")
-        if not (src.suffix == ".npz" and src.is_file()) and not (src / "model.safetensors").exists():
+        npz = src.suffix == ".npz" and src.is_file()
+        if not npz and not (src / "model.safetensors").exists():
             raise ValueError(
                 f"checkpoint.init_from={c.init_from!r} is neither an .npz file nor a folder with model.safetensors; "
                 "point it at an official ViT .npz or a checkpoint folder"
             )
-        # An .npz is a zip with its directory at the end: a truncated download fails here.
-        if src.suffix == ".npz" and src.is_file() and not zipfile.is_zipfile(src):
+        # a zip's directory is at its end: a truncated download fails here
+        if npz and not zipfile.is_zipfile(src):
             raise ValueError(
                 f"checkpoint.init_from={c.init_from!r} is not an .npz archive (truncated, damaged or another format); "
                 "download the official checkpoint again or point at a model.safetensors folder"
@@ -344,7 +312,7 @@ def check_paths_exist(config: TrainConfig) -> None:
 
 
 def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:
-    """Images per epoch: the recipe's, else the local set's dataset.json (``d`` is resolved)."""
+    """Images per epoch: the recipe's, else the local dataset.json's."""
     if d.epoch_images is None and check_paths and not is_remote(d.train):
         meta = read_dataset_json(d.train)
         if meta is not None and "num_samples" in meta:
@@ -353,5 +321,4 @@ def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:
 
 
 def _resolve(path: str) -> str:
-    """A local path made absolute from this process's project root; a URL or "" as it is."""
     return resolve_location(path) if path else path

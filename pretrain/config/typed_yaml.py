@@ -1,9 +1,4 @@
-"""The typed-YAML loader of recipes, cluster profiles and eval suites.
-
-Reads a file (errors name the line), merges ``base:`` chains, applies dotted ``key=value`` overrides and builds
-frozen dataclasses (`build`), so an unknown, missing or mistyped key is a ValueError naming its source, the dotted
-key and the fix. Torch-free, so every package may import it.
-"""
+"""The typed-YAML loader of recipes, cluster profiles and eval suites; torch-free."""
 
 from __future__ import annotations
 
@@ -18,18 +13,16 @@ from typing import Any, Literal, Union
 
 import yaml
 
-# --------------------------------------------------------------------------------------------- reading
-
 
 def parse_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load(text)``; a syntax error becomes ValueError naming ``where``, the line and the column."""
+    """``yaml.safe_load(text)``; a syntax error is a ValueError naming ``where`` and the line."""
     try:
         return yaml.safe_load(text)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = error.problem or error.context or "syntax error"
-        # The context's earlier line ("while parsing a flow sequence") is often the mistake (an unclosed [).
+        # the context's earlier line is often the mistake (an unclosed [)
         context = ""
         if error.context and error.context_mark is not None and error.context_mark is not mark:
             context = f" ({error.context} that starts at line {error.context_mark.line + 1})"
@@ -37,7 +30,7 @@ def parse_yaml(text: str, where: str) -> Any:
             f"{where}{at}: invalid YAML: {problem}{context}; fix the syntax there (close brackets and quotes, "
             "indent nested keys, quote values that contain ': ' or start with [ { * & !)"
         ) from None
-    except yaml.YAMLError as error:  # a control character (ReaderError): a position, no line mark
+    except yaml.YAMLError as error:  # a control character: a position, no line mark
         position, at = getattr(error, "position", None), ""
         if isinstance(position, int):
             line = text[:position].count("\n") + 1
@@ -47,7 +40,7 @@ def parse_yaml(text: str, where: str) -> Any:
 
 
 def read_yaml(path: str | Path, what: str) -> Any:
-    """The parsed content of the YAML file ``path`` (None when empty); ``what`` names it in errors ("recipe")."""
+    """The YAML file ``path`` parsed (None when empty); ``what`` names it in errors."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -61,7 +54,7 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def read_mapping(path: str | Path, what: str, fix: str) -> dict[str, Any]:
-    """:func:`read_yaml` for a file that must hold a mapping ({} when empty); ``fix`` ends the error otherwise."""
+    """:func:`read_yaml` of a mapping ({} when empty); ``fix`` ends the error otherwise."""
     data = read_yaml(path, what)
     if data is None:
         return {}
@@ -71,7 +64,7 @@ def read_mapping(path: str | Path, what: str, fix: str) -> dict[str, Any]:
 
 
 def read_with_base(path: Path, what: str, fix: str, find: Callable[[str], Path], _seen: tuple = ()) -> dict[str, Any]:
-    """:func:`read_mapping` merged over the file its ``base: <name>`` names (``find``: name → path), recursively."""
+    """:func:`read_mapping` over its ``base:`` file (``find``: name → path), recursively."""
     if path in _seen:
         raise ValueError(f"{what} {path} inherits from itself via 'base:' ({' -> '.join(map(str, _seen))})")
     data = read_mapping(path, what, fix)
@@ -86,11 +79,7 @@ def read_with_base(path: Path, what: str, fix: str, find: Callable[[str], Path],
 def deep_merge(
     base: dict[str, Any], top: dict[str, Any], opaque: tuple[str, ...] = ("options", "builtin_options")
 ) -> dict[str, Any]:
-    """``top`` over ``base``, mapping by mapping; a key in ``opaque`` (free-form options) is replaced whole.
-
-    ``builtin_options`` belongs to one built-in dataset: a child recipe on another dataset must not inherit the
-    parent's sizes, so ``builtin_options: {}`` means the defaults.
-    """
+    """``top`` over ``base``, mapping by mapping; a key in ``opaque`` is replaced whole."""
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in opaque:
@@ -100,11 +89,8 @@ def deep_merge(
     return merged
 
 
-# --------------------------------------------------------------------------------------------- overrides
-
-
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"optim.lr=3e-4"`` → (["optim", "lr"], 0.0003); the value is a YAML scalar (null, true, 1e-3, [1, 2])."""
+    """``"optim.lr=3e-4"`` → (["optim", "lr"], 0.0003); the value is YAML."""
     key, sep, raw = text.partition("=")
     keys = key.strip().split(".")
     if not sep or not all(k.strip() for k in keys):
@@ -114,7 +100,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(d: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """A copy of ``d`` with each ``key=value`` set (missing mappings on the way are created); ``d`` is untouched."""
+    """A copy of ``d`` with each ``key=value`` set, creating missing mappings."""
     out = copy.deepcopy(d)
     for text in overrides:
         keys, value = parse_override(text)
@@ -127,17 +113,11 @@ def apply_overrides(d: dict[str, Any], overrides: Iterable[str]) -> dict[str, An
     return out
 
 
-# --------------------------------------------------------------------------------------------- typing
-
 T = typing.TypeVar("T")
 
 
 def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
-    """The frozen dataclass ``cls`` from a mapping, nested dataclasses included; every value :func:`coerce`\\ d.
-
-    ValueError for an unknown, missing or mistyped key names the dotted key (``prefix``: ``data``'s path in its
-    source) after ``where`` (e.g. "profile local"). A field's ``metadata={"hint": ...}`` is appended to its error.
-    """
+    """The frozen dataclass ``cls`` from a mapping; a bad key's ValueError names it, with the field's "hint"."""
     try:
         return _build(cls, data, prefix)
     except ValueError as error:
@@ -145,16 +125,13 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
 
 
 def coerce(value: Any, hint: Any, path: str) -> Any:
-    """``value`` checked against the field type ``hint`` and converted (list → tuple, "1e-3" → 0.001).
-
-    ValueError names ``path`` (the dotted key) and the expected type or allowed values.
-    """
+    """``value`` checked against the type ``hint`` and converted (list → tuple, "1e-3" → 0.001)."""
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path + ".")
     origin = typing.get_origin(hint)
     if origin is Literal:
         allowed = typing.get_args(hint)
-        # bool is an int in Python: True must not pass for 1, nor 1 for True
+        # True must not pass for 1, nor 1 for True
         if not any(value == a and type(value) is type(a) for a in allowed):
             raise ValueError(f"{path}={value!r} is unknown; use one of {', '.join(map(str, allowed))}")
         return value
@@ -162,7 +139,7 @@ def coerce(value: Any, hint: Any, path: str) -> Any:
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None and len(options) < len(typing.get_args(hint)):
             return None
-        if len(options) == 1:  # X | None: X's own message (e.g. the allowed values) says more than "wrong type"
+        if len(options) == 1:  # X | None: X's message says more
             return coerce(value, options[0], path)
         for option in options:
             try:
@@ -188,7 +165,7 @@ def coerce(value: Any, hint: Any, path: str) -> Any:
             raise ValueError(f"{path} must be true or false, got {value!r}")
         return value
     if hint in (int, float) and isinstance(value, str):
-        # YAML 1.1 reads "1e-3" (no dot) as a string
+        # YAML 1.1 reads "1e-3" as a string
         value = _number(value, path, "an integer" if hint is int else "a number")
     if hint is int:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -211,7 +188,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{section + ' must be' if section else 'expected'} a mapping of keys, got {data!r:.60}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(prefix + str(key) for key in set(data) - set(fields))  # YAML keys may be numbers or null
+    unknown = sorted(prefix + str(key) for key in set(data) - set(fields))  # keys may be numbers or null
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}{' in ' + section if section else ''}; valid keys: {list(fields)}")
     hints = typing.get_type_hints(cls)

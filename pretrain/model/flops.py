@@ -5,8 +5,8 @@ A multiply-add is 2 FLOPs. Per encoder layer with N tokens (class token included
     N·D·3D  (q, k, v)  +  2·N²·D  (q kᵀ and A v)  +  N·D²  (out)  +  2·N·D·M  (MLP)
 
 multiply-adds, plus embedding, stem and head; norms, softmax, GELU and biases are ignored, as by timm. Training is
-3 × forward. ``as_run=True`` counts the last layer at the class token alone, as `VisionTransformer` runs it;
-the default is the published count (docs/reference.md §5).
+3 × forward. ``as_run=True`` counts the last layer at the class token alone, as `VisionTransformer` runs it
+(docs/reference.md §5).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _conv_out(size: int, stride: int) -> int:
 
 
 def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int, int]:
-    """(MACs, parameters, output channels) of the hybrid's stem."""
+    """(MACs, parameters, output channels) of the stem."""
     if config.hybrid_stages is None:
         return 0, 0, config.in_chans
     width = root_width(config.hybrid_width)
@@ -38,7 +38,7 @@ def _stem_macs_and_params(config: ViTConfig, image_size: int) -> tuple[int, int,
         for u in range(num_units):
             stride = 2 if (s > 0 and u == 0) else 1
             out = _conv_out(size, stride)
-            macs += size * size * cin * features  # conv1 1x1 at the input resolution
+            macs += size * size * cin * features  # conv1 1x1, unstrided
             macs += out * out * 9 * features * features  # conv2 3x3, strided
             macs += out * out * features * cout  # conv3 1x1
             params += cin * features + 9 * features * features + features * cout + 2 * (2 * features + cout)
@@ -55,7 +55,7 @@ def stem_channels(config: ViTConfig) -> int:
 
 
 def forward_macs(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
-    """Multiply-adds of one image's forward pass at `image_size` (default: the config's)."""
+    """Multiply-adds of one image's forward pass (`image_size`: default the config's)."""
     image_size = image_size or config.image_size
     if image_size % config.stride:
         raise ValueError(f"image_size={image_size} is not a multiple of the model's patch stride {config.stride}")
@@ -80,7 +80,7 @@ def forward_flops(config: ViTConfig, image_size: int | None = None, *, as_run: b
 
 
 def train_flops(config: ViTConfig, image_size: int | None = None, *, as_run: bool = False) -> int:
-    """Training FLOPs per image: 3 × forward (no activation recomputation)."""
+    """3 × forward (no activation recomputation)."""
     return 3 * forward_flops(config, image_size, as_run=as_run)
 
 
@@ -99,7 +99,6 @@ def param_count(config: ViTConfig) -> int:
 
 
 def describe(config: ViTConfig, image_size: int | None = None) -> dict[str, float]:
-    """Headline numbers for logs and plans."""
     image_size = image_size or config.image_size
     return {
         "params_m": param_count(dataclasses.replace(config, image_size=image_size)) / 1e6,

@@ -1,10 +1,9 @@
 """Masked patch prediction, the paper's self-supervised pre-training task (§4.6, App. B.1.2): task ``mpp``.
 
-Corrupt 50% of each image's patch embeddings (80% of those become a learned [mask], 10% another patch's, 10% stay)
-after the patch projection, before position embeddings, and predict each corrupted patch's 3-bit mean colour (512
-classes) from its output token. Counts are exact per image. Training draws from torch's global generator, which the
-trainer seeds per micro-batch by position (`pretrain.randomness.model_randomness`), so a resume at any world size
-draws the same corruptions. Entry points: `build_mpp_task`, `MPPConfig.from_options`, `planned_model`.
+Corrupt 50% of each image's patch embeddings (of those, 80% become a learned [mask], 10% another patch's, 10% stay)
+before position embeddings, and predict each corrupted patch's 3-bit mean colour (512 classes) from its output token.
+Counts are exact per image. Training draws from torch's global generator, seeded per micro-batch by position
+(`pretrain.randomness.model_randomness`), so a resume at any world size draws the same corruptions.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ __all__ = [
 class MPPConfig:
     """``task.options`` of ``mpp``; defaults are the paper's."""
 
-    corrupt_fraction: float = 0.5  # share of each image's patches corrupted and predicted
+    corrupt_fraction: float = 0.5  # of each image's patches, corrupted and predicted
     mask_fraction: float = 0.8  # of those, replaced by [mask]
     random_fraction: float = 0.1  # of those, replaced by another patch; the rest stay
     color_bits: int = 3  # per channel of the predicted mean colour
@@ -56,7 +55,7 @@ class MPPConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any], task: str = "mpp", also: tuple[str, ...] = ()) -> MPPConfig:
-        """Parse ``task.options``; ValueError names a bad key. ``also``: ``task``'s other, already removed, keys."""
+        """ValueError names a bad key. ``also``: ``task``'s other, already removed, keys."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -66,8 +65,8 @@ class MPPConfig:
 
 
 def mean_color_targets(images: torch.Tensor, patch_pixels: int, bits: int = 3) -> torch.Tensor:
-    """Each patch's mean-colour class, (B, N) int64, N row-major: per channel floor((m + 1) / 2 · 2^bits), clipped;
-    then r·4^bits + g·2^bits + b."""
+    """Each patch's mean-colour class (B, N): per channel floor((m + 1) / 2 · 2^bits), clipped, then
+    (r·2^bits + g)·2^bits + b."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"mean_color_targets needs RGB images (B, 3, H, W), got {tuple(images.shape)}")
     means = F.avg_pool2d(images.float(), kernel_size=patch_pixels, stride=patch_pixels)  # (B, 3, gh, gw)
@@ -79,7 +78,7 @@ def mean_color_targets(images: torch.Tensor, patch_pixels: int, bits: int = 3) -
 
 @dataclass(frozen=True)
 class CorruptionPlan:
-    """Which patches are corrupted and how, all ``(B, N)``."""
+    """Which patches are corrupted and how, all (B, N)."""
 
     corrupted: torch.Tensor  # predicted: masked, randomised or kept
     masked: torch.Tensor  # replaced by [mask]
@@ -97,7 +96,7 @@ def corruption_plan(batch: int, num_patches: int, config: MPPConfig, generator: 
     n_corrupt = max(1, round(config.corrupt_fraction * num_patches))
     n_mask = round(config.mask_fraction * n_corrupt)
     n_random = min(round(config.random_fraction * n_corrupt), n_corrupt - n_mask)
-    # Per image, the first n_corrupt of a random permutation: mask | random | kept.
+    # per image, the first n_corrupt of a random permutation: mask | random | kept
     order = torch.rand(batch, num_patches, generator=generator).argsort(dim=1)  # (B, N)
     role = torch.full((batch, num_patches), 3, dtype=torch.long)  # 0 mask, 1 random, 2 kept, 3 clean
     rank_role = torch.full((num_patches,), 3, dtype=torch.long)
@@ -105,7 +104,7 @@ def corruption_plan(batch: int, num_patches: int, config: MPPConfig, generator: 
     rank_role[n_mask : n_mask + n_random] = 1
     rank_role[n_mask + n_random : n_corrupt] = 2
     role.scatter_(1, order, rank_role.expand(batch, -1).contiguous())
-    # Any other patch of the batch (offset 1..B·N−1).
+    # any other patch of the batch
     total = batch * num_patches
     flat = torch.arange(total).view(batch, num_patches)
     offset = torch.randint(1, total, (batch, num_patches), generator=generator)
@@ -114,9 +113,9 @@ def corruption_plan(batch: int, num_patches: int, config: MPPConfig, generator: 
 
 
 class MaskedPatchPrediction(nn.Module):
-    """The ``mpp`` task module: encoder, [mask] and colour head. Labels are ignored; metric ``accuracy``."""
+    """The ``mpp`` task: encoder, [mask] and colour head. Labels are ignored; metric ``accuracy``."""
 
-    draws: torch.Tensor  # a buffer: training forward calls so far
+    draws: torch.Tensor
 
     def __init__(self, model: VisionTransformer, config: MPPConfig = MPPConfig(), seed: int = 0):
         super().__init__()
@@ -130,19 +129,19 @@ class MaskedPatchPrediction(nn.Module):
         self.head = nn.Linear(width, config.num_colors)
         nn.init.zeros_(self.head.weight)  # uniform start: loss log(512)
         nn.init.zeros_(self.head.bias)
-        # Unused; kept so that checkpoints holding it still load.
+        # unused; checkpoints hold it
         self.register_buffer("draws", torch.zeros((), dtype=torch.long))
 
     def no_weight_decay(self) -> set[str]:
-        """The [mask] embedding; the model's own names come from the model."""
+        """The [mask] embedding; the model names its own."""
         return {"mask_token"}
 
     def external_parameters(self) -> list[nn.Parameter]:
-        """Model parameters `encode` uses outside the model's ``forward``; ZeRO-3 must gather them for this module."""
+        """Model parameters used outside the model's ``forward``, for ZeRO-3 to gather."""
         return [p for p in (self.model.cls_token, self.model.pos_embed) if isinstance(p, nn.Parameter)]
 
     def corrupt(self, tokens: torch.Tensor, plan: CorruptionPlan) -> torch.Tensor:
-        """Apply ``plan`` to (B, N, D) embeddings; a randomised patch takes its source's *uncorrupted* one."""
+        """Apply ``plan`` to (B, N, D); a randomised patch takes its source's *uncorrupted* embedding."""
         b, n, d = tokens.shape
         device = tokens.device
         masked = plan.masked.to(device).unsqueeze(-1)  # (B, N, 1)
@@ -153,20 +152,18 @@ class MaskedPatchPrediction(nn.Module):
         return torch.where(masked, self.mask_token.to(tokens.dtype).expand(b, n, d), x)
 
     def corrupted_pass(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Encode corrupted: (tokens (B, P+N, D), colour cross-entropy and accuracy over corrupted patches)."""
+        """(tokens (B, P+N, D), colour cross-entropy, accuracy over corrupted patches)."""
         tokens = self.model.embed_patches(images)  # (B, N, D)
         b, n, _ = tokens.shape
-        if self.training:
-            # seeded by the trainer (module docstring)
+        if self.training:  # seeded by the trainer
             plan = corruption_plan(b, n, self.config, torch.default_generator)
             self.draws += 1
-        else:
-            # the same corruption at every evaluation
+        else:  # the same at every evaluation
             plan = corruption_plan(b, n, self.config, torch.Generator().manual_seed(self.seed))
         encoded = self.model.encode(self.corrupt(tokens, plan))  # (B, P+N, D)
-        patch_out = encoded[:, encoded.shape[1] - n :]  # (B, N, D), drop the class token if any
+        patch_out = encoded[:, encoded.shape[1] - n :]  # (B, N, D)
         corrupted = plan.corrupted.to(images.device)
-        logits = self.head(patch_out[corrupted])  # (M, 512), M = corrupted patches in the batch
+        logits = self.head(patch_out[corrupted])  # (M, 512)
         targets = mean_color_targets(images, self.model.config.stride, self.config.color_bits).to(images.device)
         targets = targets[corrupted]  # (M,)
         loss = F.cross_entropy(logits.float(), targets)
@@ -182,14 +179,14 @@ class MaskedPatchPrediction(nn.Module):
 
 
 def build_mpp_task(model: VisionTransformer, options: dict[str, Any], seed: int) -> MaskedPatchPrediction:
-    """The ``mpp`` task around ``model``, whose classification head is dropped (it would get no gradient)."""
+    """The ``mpp`` task around ``model``, its head dropped (it would get no gradient)."""
     if model.config.num_classes:
         model.reset_classifier(0)
     return MaskedPatchPrediction(model, MPPConfig.from_options(dict(options)), seed=seed)
 
 
 def added_parameters(width: int, config: MPPConfig) -> int:
-    """Parameters the task adds: [mask] and the colour head."""
+    """[mask] and the colour head."""
     return width + width * config.num_colors + config.num_colors
 
 

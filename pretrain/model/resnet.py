@@ -1,8 +1,8 @@
 """The BiT ResNet stem of the ViT hybrids (paper §3.1; VT `vit_jax/models_resnet.py`): `ResNetStem`.
 
-A ResNet without pre-activation, weight-standardized convolutions and GroupNorm(32, eps 1e-6), as in BiT.
-Official weights reproduce official outputs only with TF "SAME" padding: stride-2 layers pad the odd row/column at
-the bottom/right, and the max-pool pads with −inf. Parameter names are the official keys.
+No pre-activation, weight-standardized convolutions, GroupNorm(32, eps 1e-6). Official weights need TF "SAME"
+padding: stride-2 layers pad the odd row/column at the bottom/right, the max-pool pads with −inf. Parameter names
+are the official keys.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ WS_EPS = 1e-5  # VT's: (w - mean) / (std + eps)
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
-    """TF "SAME" padding for one spatial dim: (before, after), the odd pixel after."""
+    """TF "SAME" padding of one dim: (before, after), the odd pixel after."""
     total = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
     return total // 2, total - total // 2
 
 
 def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> torch.Tensor:
-    """Pad an NCHW tensor so that a VALID conv/pool afterwards equals TensorFlow's SAME."""
+    """Pad NCHW so that a VALID conv/pool afterwards equals TF's SAME."""
     top, bottom = same_padding(x.shape[-2], kernel, stride)
     left, right = same_padding(x.shape[-1], kernel, stride)
     if top == bottom == left == right == 0:
@@ -35,7 +35,7 @@ def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> t
 
 
 class StdConv2d(nn.Conv2d):
-    """Bias-free, TF-SAME conv whose kernel is standardized per output channel (population std), as in JAX."""
+    """Bias-free TF-SAME conv, kernel standardized per output channel (population std)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0, bias=False)
@@ -69,7 +69,7 @@ class ResidualUnit(nn.Module):
         self.gn2 = group_norm(features)
         self.conv3 = StdConv2d(features, out_channels, 1)
         self.gn3 = group_norm(out_channels)
-        # Zero last GN scale: every unit starts as the identity on its residual (BiT / VT init).
+        # zero last GN scale: every unit starts as the identity (BiT / VT init)
         nn.init.zeros_(self.gn3.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ class ResidualUnit(nn.Module):
 class ResNetStage(nn.Module):
     def __init__(self, in_channels: int, features: int, num_units: int, first_stride: int):
         super().__init__()
-        # unit1..unitN, the official keys (a ModuleDict keeps the names in the state dict).
+        # unit1..unitN: the official keys
         self.units = nn.ModuleDict()
         for u in range(num_units):
             stride = first_stride if u == 0 else 1
@@ -98,7 +98,7 @@ class ResNetStage(nn.Module):
 
 class ResNetStem(nn.Module):
     """Root (StdConv 7x7/2, GN, ReLU, max-pool 3x3/2), then bottleneck stages, each after the first halving the
-    resolution; `stages=()` is the root alone."""
+    resolution; `stages=()`: the root alone."""
 
     def __init__(self, stages: tuple[int, ...], width_factor: float = 1, in_chans: int = 3):
         super().__init__()
@@ -123,12 +123,12 @@ class ResNetStem(nn.Module):
 
 
 def root_width(width_factor: float) -> int:
-    """`conv_root`'s channels as VT computes them; every stage width derives from this integer."""
+    """`conv_root`'s channels as VT computes them; stage widths derive from it."""
     return int(64 * width_factor)
 
 
 def check_width_factor(width_factor: float, field: str = "width_factor") -> None:
-    """ValueError naming `field` unless 32 GroupNorm groups divide the root width (0.5, 1, 1.5, 2 do)."""
+    """ValueError naming `field` unless 32 GroupNorm groups divide the root width."""
     real = isinstance(width_factor, numbers.Real) and not isinstance(width_factor, bool)
     if not real or not (0 < width_factor < math.inf):
         raise ValueError(
@@ -144,11 +144,11 @@ def check_width_factor(width_factor: float, field: str = "width_factor") -> None
 
 
 def stem_stride(stages: tuple[int, ...]) -> int:
-    """Total downsampling of a ResNetStem."""
+    """A ResNetStem's downsampling."""
     return 4 * 2 ** max(len(stages) - 1, 0)
 
 
 def stem_out_channels(stages: tuple[int, ...], width_factor: float = 1) -> int:
-    """Channels of the stem's output."""
+    """The stem's output channels."""
     width = root_width(width_factor)
     return 4 * width * 2 ** (len(stages) - 1) if stages else width

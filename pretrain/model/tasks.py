@@ -1,9 +1,6 @@
 """Training tasks: the module DeepSpeed wraps, `forward(images, labels) -> (loss, metrics)`, and the recipe sections
-``loss`` (`LossConfig`) and ``task`` (`TaskConfig`).
-
-A task owns the model and its loss, so checkpoints hold all that trains. `TASKS` maps ``task.name`` to a `Task`
-(``classification``, ``mpp``, ``classification_mpp``; ``@register_task`` adds more). Entry points: `build_task`,
-`check_config`, `planned_model`.
+``loss`` and ``task``. A task owns the model and its loss, so checkpoints hold all that trains. `TASKS` maps
+``task.name`` to a `Task` (``@register_task`` adds more).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ LossType = Literal["softmax_xent", "sigmoid_xent"]  # loss.type: the keys of LOS
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Recipe section ``loss``: the classification loss (`LOSSES`)."""
+    """Recipe section ``loss`` (`LOSSES`)."""
 
     type: LossType = "sigmoid_xent"  # softmax_xent | sigmoid_xent (summed over classes)
     label_smoothing: float = 0.0  # softmax_xent only
@@ -32,14 +29,14 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Recipe section ``task``: a name in `TASKS` and its options."""
+    """Recipe section ``task``."""
 
     name: str = "classification"  # "classification" | "mpp" | "classification_mpp"
     options: dict[str, Any] = field(default_factory=dict)  # checked by the task
 
 
 class TaskSettings(Protocol):
-    """What a task reads of `TrainConfig` (a protocol, so this module does not import it)."""
+    """What a task reads of `TrainConfig`."""
 
     @property
     def task(self) -> TaskConfig: ...
@@ -52,7 +49,7 @@ class TaskSettings(Protocol):
 
 
 def _as_targets(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
-    """Int labels (B,) → one-hot (B, K); soft or multi-hot (B, K) targets pass through."""
+    """Int labels (B,) → one-hot (B, K); (B, K) targets pass through."""
     if labels.ndim == 1:
         return F.one_hot(labels.long(), num_classes).to(dtype)
     if labels.shape[-1] != num_classes:
@@ -70,7 +67,7 @@ def softmax_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: fl
 
 
 def sigmoid_xent(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-class binary cross-entropy, summed over classes, mean over the batch (the i21k loss)."""
+    """Binary cross-entropy summed over classes, mean over the batch (the i21k loss)."""
     if label_smoothing:
         raise ValueError("label smoothing is defined for softmax_xent only; set loss.label_smoothing=0")
     targets = _as_targets(labels, logits.shape[-1], logits.dtype)  # (B, K)
@@ -88,7 +85,7 @@ def _check_loss(loss: str) -> None:
 def _labels_loss(
     logits: torch.Tensor, labels: torch.Tensor, loss: str, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`LOSSES[loss]` of fp32 logits (B, K), top-1 accuracy against the argmax target)."""
+    """(`LOSSES[loss]`, top-1 accuracy against the argmax target) of fp32 logits (B, K)."""
     value = LOSSES[loss](logits, labels, label_smoothing)
     with torch.no_grad():
         target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
@@ -97,7 +94,7 @@ def _labels_loss(
 
 
 class ClassificationTask(nn.Module):
-    """Image classification: a loss from `LOSSES` on model(images); metric ``accuracy``."""
+    """A loss from `LOSSES` on model(images); metric ``accuracy``."""
 
     def __init__(self, model: nn.Module, loss: str = "softmax_xent", label_smoothing: float = 0.0):
         super().__init__()
@@ -107,16 +104,14 @@ class ClassificationTask(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = self.model(images).float()  # (B, K); the loss in fp32 even under bf16
+        logits = self.model(images).float()  # (B, K)
         loss, accuracy = _labels_loss(logits, labels, self.loss_name, self.label_smoothing)
         return loss, {"accuracy": accuracy}
 
 
 class ClassificationWithMPP(mpp.MaskedPatchPrediction):
-    """Classification and ``mpp`` from one encoder pass over the corrupted patches; loss = labels' + ``mpp_weight``
-    × MPP's. It gives a small model's first layer local heads (docs/demo.md, "Locality"). Metrics: ``accuracy``
-    (labels), ``mpp_accuracy``. The model keeps its classifier.
-    """
+    """Classification and ``mpp`` from one pass over the corrupted patches; loss = labels' + ``mpp_weight`` × MPP's
+    (docs/demo.md, "Locality"). Metrics: ``accuracy``, ``mpp_accuracy``. The model keeps its classifier."""
 
     def __init__(
         self,
@@ -138,7 +133,7 @@ class ClassificationWithMPP(mpp.MaskedPatchPrediction):
     def forward(
         self, images: torch.Tensor, labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if labels is None:  # optional in the mpp signature this extends
+        if labels is None:
             raise ValueError("task classification_mpp trains on labels: call it with (images, labels)")
         encoded, patch_loss, patch_accuracy = self.corrupted_pass(images)
         logits = self.model.forward_head(self.model.pre_logits(self.model.pool(encoded))).float()  # (B, K)
@@ -150,7 +145,7 @@ MPP_WEIGHT = "mpp_weight"  # classification_mpp's non-MPP option
 
 
 def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, float]:
-    """``classification_mpp``'s options: (`mpp.MPPConfig`, ``mpp_weight``); ValueError names a bad one."""
+    """(`mpp.MPPConfig`, ``mpp_weight``); ValueError names a bad option."""
     rest = dict(options)
     weight = rest.pop(MPP_WEIGHT, 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
@@ -159,12 +154,11 @@ def classification_mpp_options(options: dict[str, Any]) -> tuple[mpp.MPPConfig, 
 
 
 def _plan_classification_mpp(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
-    """The model as configured, plus MPP's [mask] embedding and colour head."""
     return vit, mpp.added_parameters(vit.width, classification_mpp_options(options)[0])
 
 
 TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]
-OptionsCheck = Callable[[dict[str, Any]], object]  # ValueError naming a bad option
+OptionsCheck = Callable[[dict[str, Any]], object]
 ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]
 
 
@@ -174,10 +168,8 @@ def _as_configured(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, 
 
 @dataclass(frozen=True)
 class Task:
-    """A registered task (`register_task`)."""
-
     build: TaskBuilder
-    options: OptionsCheck | None  # run by `check_config` before workers start; None: the builder checks
+    options: OptionsCheck | None  # run by `check_config`; None: the builder checks
     plan: ModelPlan  # see `planned_model`
 
 
@@ -187,8 +179,8 @@ TASKS: dict[str, Task] = {}
 def register_task(
     name: str, options: OptionsCheck | None = None, plan: ModelPlan | None = None
 ) -> Callable[[TaskBuilder], TaskBuilder]:
-    """Decorator adding ``builder(config, model)`` to `TASKS`. ``options`` runs in `TrainConfig.validate`, before
-    workers start; ``plan``: see `planned_model` (default: ``vit``, nothing added)."""
+    """Decorator adding ``builder(config, model)`` to `TASKS`; ``options`` runs before workers start; ``plan``: see
+    `planned_model` (default: ``vit``, nothing added)."""
 
     def add(builder: TaskBuilder) -> TaskBuilder:
         if name in TASKS and TASKS[name].build is not builder:
@@ -231,7 +223,7 @@ def _registered(name: str) -> Task:
 
 
 def check_config(loss: LossConfig, task: TaskConfig) -> None:
-    """Check the loss and task sections; ValueError naming the field and the fix."""
+    """ValueError naming a bad field and the fix."""
     if not 0.0 <= loss.label_smoothing < 1.0:
         raise ValueError(f"loss.label_smoothing={loss.label_smoothing} must be in [0, 1)")
     if loss.label_smoothing and loss.type != "softmax_xent":
@@ -242,10 +234,10 @@ def check_config(loss: LossConfig, task: TaskConfig) -> None:
 
 
 def build_task(config: TaskSettings, model: VisionTransformer) -> nn.Module:
-    """The module DeepSpeed wraps: ``forward(images, labels) -> (loss, metrics dict of scalar tensors)``."""
+    """The module DeepSpeed wraps."""
     return _registered(config.task.name).build(config, model)
 
 
 def planned_model(config: TaskSettings, vit: ViTConfig) -> tuple[ViTConfig, int]:
-    """(the ViTConfig the task trains, the parameters it adds) from ``vit``, for the cluster planner."""
+    """(the ViTConfig the task trains, the parameters it adds), for the cluster planner."""
     return _registered(config.task.name).plan(dict(config.task.options), vit)

@@ -5,9 +5,8 @@
     z_l = MLP(LN(z'_l)) + z'_l                               (3)  Block.forward, line 2
     y = LN(z_L^0)                                            (4)  encode (final LN) + pool
 
-It matches the official JAX model (VT `models_vit.py`, docs/reference.md §1), so official checkpoints reproduce
-their logits. Images are float (B, 3, H, W) in [-1, 1]. Entry points: `build_model`, `VisionTransformer`. No
-training code lives here.
+It matches the official JAX model (VT `models_vit.py`, docs/reference.md §1): official checkpoints reproduce their
+logits. Images are float (B, 3, H, W) in [-1, 1]. Entry points: `build_model`, `VisionTransformer`.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ LN_EPS = 1e-6  # Flax's default; torch's 1e-5 changes official checkpoints' logi
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """The architecture; saved as `model.json` beside weights."""
+    """The architecture; saved as `model.json`."""
 
     image_size: int = 224  # square input side
     patch_size: int = 16  # 1 for hybrids (the ResNet stem downsamples)
@@ -41,19 +40,19 @@ class ViTConfig:
     pool: str = "token"  # "token" (class token) | "gap" (mean of all tokens)
     representation_size: int | None = None  # pre-logits Dense+tanh width; None: none
     head_bias_init: float = 0.0  # −10 for sigmoid i21k pre-training
-    dropout: float = 0.0  # after the position embedding, the attention output and both MLP layers
+    dropout: float = 0.0  # after the position embedding, attention output and both MLP layers
     attention_dropout: float = 0.0  # on the attention weights
     gelu_approximate: str = "tanh"  # "tanh" (JAX checkpoints) | "none" (exact erf, timm / HF)
     hybrid_stages: tuple[int, ...] | None = None  # hybrid ResNet units per stage; () = root only
-    hybrid_width: int | float = 1  # ResNet width factor: root has int(64 * factor) channels
+    hybrid_width: int | float = 1  # ResNet width factor: int(64 * factor) root channels
     grad_checkpointing: bool = False  # recompute each block in backward
     in_chans: int = 3
 
     def __post_init__(self) -> None:
         if self.hybrid_stages is not None and not isinstance(self.hybrid_stages, tuple):
-            # YAML/JSON give lists; a tuple keeps the dataclass hashable.
+            # YAML/JSON give lists; a tuple stays hashable
             object.__setattr__(self, "hybrid_stages", tuple(int(s) for s in self.hybrid_stages))
-        # A whole factor stays an int: model.json says 1, not 1.0.
+        # model.json says 1, not 1.0
         check_width_factor(self.hybrid_width, "ViTConfig.hybrid_width")
         factor = float(self.hybrid_width)
         object.__setattr__(self, "hybrid_width", int(factor) if factor.is_integer() else factor)
@@ -91,7 +90,7 @@ class ViTConfig:
 
     @property
     def stride(self) -> int:
-        """Input pixels per token side: patch size times the hybrid stem's downsampling."""
+        """Input pixels per token side."""
         return self.patch_size * (stem_stride(self.hybrid_stages) if self.hybrid_stages is not None else 1)
 
     @property
@@ -104,7 +103,7 @@ class ViTConfig:
 
     @property
     def num_features(self) -> int:
-        """Width of `forward_features`: the pre-logits size if there is one, else D."""
+        """Width of `forward_features`."""
         return self.representation_size or self.width
 
     def _stride_description(self) -> str:
@@ -130,7 +129,7 @@ class ViTConfig:
 # --- the encoder
 
 
-# CPU bf16 attention up to this many tokens beats SDPA as plain GEMMs (docs/performance.md, "Attention kernel
+# CPU bf16 attention up to this many tokens is faster as two GEMMs than SDPA (docs/performance.md, "Attention kernel
 # per device and precision").
 EXPLICIT_ATTENTION_MAX_TOKENS = 640
 
@@ -140,7 +139,7 @@ def use_explicit_attention(q: torch.Tensor) -> bool:
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(hd)) v as two GEMMs on (B, h, N, hd); weights rounded to q's dtype, as flash does."""
+    """softmax(q kᵀ / sqrt(hd)) v on (B, h, N, hd); weights rounded to q's dtype, as flash does."""
     weights = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, h, N, N)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
@@ -148,7 +147,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with eq. 2's output dropout; q, k, v share one (D, 3D) projection."""
+    """Multi-head self-attention with eq. 2's output dropout; one (D, 3D) qkv projection."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -161,9 +160,8 @@ class Attention(nn.Module):
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, N, D = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)  # (B, N, 3, h, hd)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, h, N, hd)
-        return q, k, v
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # q, k, v: each (B, h, N, hd)
 
     def _merge(self, y: torch.Tensor) -> torch.Tensor:
         B, h, N, hd = y.shape
@@ -194,8 +192,8 @@ _GELU_B = _GELU_A * 0.044715
 
 
 def gelu_tanh_as_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")`` as x · sigmoid(2u) in fp32, for compiled blocks: a fused tanh is slow on a
-    CPU (docs/performance.md, "Compiled blocks"). More accurate below x = -3."""
+    """``F.gelu(x, approximate="tanh")`` as x · sigmoid(2u) in fp32, for compiled blocks (docs/performance.md,
+    "Compiled blocks"). More accurate below x = -3."""
     xf = x.float()
     return (xf * torch.sigmoid(xf * (_GELU_A + _GELU_B * xf * xf))).to(x.dtype)
 
@@ -230,23 +228,21 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
-        """(B, N, D) → (B, N, D); with ``queries``, (B, queries, D): the first ``queries`` tokens' outputs."""
+        """As `Attention.forward`."""
         if queries is None:
             x = x + self.attn(self.norm1(x))  # eq. 2
         else:
             x = x[:, :queries] + self.attn(self.norm1(x), queries)
-        x = x + self.mlp(self.norm2(x))  # eq. 3
-        return x
+        return x + self.mlp(self.norm2(x))  # eq. 3
 
     def forward_with_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y, weights = self.attn.forward_with_weights(self.norm1(x))
         x = x + y
-        x = x + self.mlp(self.norm2(x))
-        return x, weights
+        return x + self.mlp(self.norm2(x)), weights
 
 
 class PatchEmbed(nn.Module):
-    """x_p E of eq. 1: a conv with kernel = stride = patch size, on pixels or the hybrid's features."""
+    """x_p E of eq. 1: a conv, kernel = stride = patch size, on pixels or the hybrid's features."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -266,8 +262,7 @@ class PatchEmbed(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """ViT and R+ViT hybrid with a timm-like API. Inputs must be `config.image_size` square; for another size,
-    load with `pretrain.weights.formats.load_pretrained(..., image_size=N)`."""
+    """ViT and R+ViT hybrid with a timm-like API, for `config.image_size` square inputs."""
 
     def __init__(self, config: ViTConfig):
         super().__init__()
@@ -282,7 +277,7 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(D, eps=LN_EPS)
         self.grad_checkpointing = config.grad_checkpointing
         self._build_head(config.num_classes, config.representation_size, config.head_bias_init)
-        if not self.pos_embed.is_meta:  # to be loaded into; meta `normal_` would import torch._dynamo
+        if not self.pos_embed.is_meta:  # meta `normal_` would import torch._dynamo
             self._init_weights()
 
     # --- construction
@@ -301,18 +296,18 @@ class VisionTransformer(nn.Module):
     def _build_classifier(self, num_classes: int, num_features: int, head_bias_init: float) -> None:
         self.head: nn.Module = nn.Linear(num_features, num_classes) if num_classes > 0 else nn.Identity()
         if isinstance(self.head, nn.Linear):
-            # Zero kernel: fine-tuning starts from the features' predictions, not from noise.
+            # Zero kernel: fine-tuning starts from the features, not from noise
             nn.init.zeros_(self.head.weight)
             nn.init.constant_(self.head.bias, head_bias_init)
 
     def _init_weights(self) -> None:
-        """The official initialization (docs/reference.md §1): xavier-uniform kernels; q, k, v each on a (D, D) fan."""
+        """The official init (docs/reference.md §1): xavier-uniform kernels; q, k, v each on a (D, D) fan."""
         nn.init.normal_(self.pos_embed, std=0.02)
         _lecun_normal_(self.patch_embed.proj.weight)
-        assert self.patch_embed.proj.bias is not None  # the patch conv is made with a bias
+        assert self.patch_embed.proj.bias is not None
         nn.init.zeros_(self.patch_embed.proj.bias)
         for block in self.blocks:
-            assert isinstance(block, Block)  # nn.ModuleList yields nn.Module to a type checker
+            assert isinstance(block, Block)  # for the type checker
             for w in block.attn.qkv.weight.chunk(3, dim=0):
                 nn.init.xavier_uniform_(w)
             nn.init.zeros_(block.attn.qkv.bias)
@@ -335,10 +330,10 @@ class VisionTransformer(nn.Module):
 
     def encode(self, patch_tokens: torch.Tensor) -> torch.Tensor:
         """Class token, position embeddings, blocks, final LN: (B, N, D) → (B, N+1, D) ((B, N, D) for "gap")."""
-        return self.norm(self._run_blocks(self._embed_tokens(patch_tokens)))  # eq. 4 LN, applied to every token
+        return self.norm(self._run_blocks(self._embed_tokens(patch_tokens)))  # eq. 4's LN, on every token
 
     def _run_blocks(self, x: torch.Tensor, last_queries: int | None = None) -> torch.Tensor:
-        """The blocks over (B, T, D); the last outputs only the first ``last_queries`` tokens, if given."""
+        """The blocks over (B, T, D); the last outputs only the first ``last_queries`` tokens if given."""
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             queries = last_queries if i == last else None
@@ -349,16 +344,15 @@ class VisionTransformer(nn.Module):
         return x
 
     def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """Final-LN output for all tokens, class token first. (B, C, H, W) → (B, N+1, D)."""
+        """Final-LN output, class token first: (B, C, H, W) → (B, N+1, D)."""
         return self.encode(self.embed_patches(images))
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, N+1, D) → (B, D)
         return tokens[:, 0] if self.config.pool == "token" else tokens.mean(dim=1)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The pre-logits features (B, D'). With a class token the last block computes that token alone: the same
-        function as pooling `forward_tokens`, cheaper (docs/performance.md, "The last block computes the class token
-        alone")."""
+        """The pre-logits features (B, D'): pooled `forward_tokens`, with a class token computed by the last block alone
+        (docs/performance.md, "The last block computes the class token alone")."""
         if self.cls_token is None:
             return self.pre_logits(self.pool(self.forward_tokens(images)))
         x = self._run_blocks(self._embed_tokens(self.embed_patches(images)), last_queries=1)  # (B, 1, D)
@@ -373,11 +367,11 @@ class VisionTransformer(nn.Module):
 
     @torch.no_grad()
     def forward_attention(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the softmax attention weights (B, heads, T, T), T = N+1 with the class token at index 0."""
+        """Per layer, the softmax weights (B, heads, T, T), T = N+1, class token at index 0."""
         x = self._embed_tokens(self.embed_patches(images))
         weights = []
         for block in self.blocks:
-            assert isinstance(block, Block)  # nn.ModuleList yields nn.Module to a type checker
+            assert isinstance(block, Block)  # for the type checker
             x, w = block.forward_with_weights(x)
             weights.append(w)
         return weights
@@ -425,31 +419,28 @@ class VisionTransformer(nn.Module):
     def reset_classifier(
         self, num_classes: int, representation_size: int | None = None, head_bias_init: float = 0.0
     ) -> None:
-        """Replace the head with a zero-initialized one (paper App. B.1.1); `config` follows. `representation_size`:
-        None drops pre-logits, the current size keeps them trained, another size builds them fresh."""
+        """A zero-initialized head (paper App. B.1.1); `config` follows. `representation_size`: None drops pre-logits,
+        the current size keeps them, another builds them fresh."""
         device = self.pos_embed.device
         keep_pre_logits = bool(representation_size) and representation_size == self.config.representation_size
         self.config = dataclasses.replace(
             self.config, num_classes=num_classes, representation_size=representation_size, head_bias_init=head_bias_init
         )
         if keep_pre_logits:
-            self._build_classifier(num_classes, self.config.num_features, head_bias_init)  # the kept pre-logits width
+            self._build_classifier(num_classes, self.config.num_features, head_bias_init)
         else:
             self._build_head(num_classes, representation_size, head_bias_init)
         self.pre_logits.to(device)
         self.head.to(device)
 
     def no_weight_decay(self) -> set[str]:
-        """Parameters excluded from weight decay: all but kernels."""
+        """All but kernels."""
         return {name for name, p in self.named_parameters() if p.ndim <= 1 or name in ("cls_token", "pos_embed")}
 
     def compile_blocks(self, compile_threads: int | None = None) -> None:
-        """torch.compile each block's ``forward`` in place; names and checkpoints are unchanged (docs/performance.md,
-        "Compiled blocks"). The ``forward``, not `nn.Module.compile`, so hooks on a block (ZeRO-3's gathering) run
-        eagerly around the compiled code instead of recompiling per layer.
-
-        ``compile_threads``: Inductor's kernel-build workers, process-wide (None: one per core), unless
-        ``TORCHINDUCTOR_COMPILE_THREADS`` is set. The kernels are the same either way."""
+        """torch.compile each block's ``forward`` in place, so hooks (ZeRO-3's gathering) run eagerly
+        (docs/performance.md, "Compiled blocks"). ``compile_threads``: Inductor's build workers, process-wide (None:
+        one per core), unless ``TORCHINDUCTOR_COMPILE_THREADS`` is set."""
         if compile_threads is not None and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
             import torch._inductor.config as inductor_config
 
@@ -464,15 +455,13 @@ class VisionTransformer(nn.Module):
 
 def _lecun_normal_(w: torch.Tensor) -> None:
     """Flax's default kernel init: truncated normal (±2σ) with variance 1/fan_in."""
-    fan_in = w[0].numel()
-    # 0.8796: the std of a unit normal truncated to ±2.
-    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+    std = math.sqrt(1.0 / w[0].numel()) / 0.87962566103423978  # the std of a unit normal truncated to ±2
     nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
 
 
 # --- variants
 
-# Paper Table 1 (+ VT configs): width D, depth (layers), MLP size, heads.
+# Paper Table 1 (+ VT configs)
 SIZES: dict[str, dict[str, int]] = {
     "debug": dict(width=64, depth=4, mlp_dim=256, num_heads=4),
     "Ti": dict(width=192, depth=12, mlp_dim=768, num_heads=3),
@@ -502,7 +491,7 @@ MODEL_NAMES: tuple[str, ...] = tuple(VARIANTS)
 
 
 def model_config(name: str, **overrides) -> ViTConfig:
-    """The ViTConfig of a registered variant, with fields overridden (e.g. image_size=384)."""
+    """A registered variant's ViTConfig, fields overridden (e.g. image_size=384)."""
     if name not in VARIANTS:
         raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(MODEL_NAMES)}")
     size, patch, stages, image_size = VARIANTS[name]
@@ -515,5 +504,5 @@ def model_config(name: str, **overrides) -> ViTConfig:
 
 
 def build_model(name: str, **overrides) -> VisionTransformer:
-    """A freshly initialized registered variant; unknown names raise ValueError listing MODEL_NAMES."""
+    """A freshly initialized registered variant."""
     return VisionTransformer(model_config(name, **overrides))

@@ -1,8 +1,7 @@
 """Where one attempt's seconds went, as training rank 0 saw them: the worker's half of the goodput ledger.
 
-`AttemptClock` books each second of one `train_worker` start into ``startup``, ``productive``, ``data_wait`` or
-``checkpoint``; rank 0 writes ``<run>/goodput/attempt_<n>.json`` and ``attempt_<n>.windows.jsonl``, which
-`read_attempts` reads back (docs/goodput.md, "How the ledger is built"). Timing only, no device sync.
+`AttemptClock` books each second of a `train_worker` start into `WORKER_BUCKETS`; rank 0 writes
+``<run>/goodput/attempt_<n>.json`` and ``.windows.jsonl`` (docs/goodput.md, "How the ledger is built"). No device sync.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 from data_pipeline.paths import write_text_atomically
 
 GOODPUT_DIR = "goodput"  # under the run folder
-WORKER_BUCKETS = ("startup", "productive", "data_wait", "checkpoint")  # what an attempt books itself
+WORKER_BUCKETS = ("startup", "productive", "data_wait", "checkpoint")
 
 
 def attempt_path(run_dir: str | Path, attempt: int) -> Path:
@@ -27,22 +26,22 @@ def windows_path(record: Path) -> Path:
 
 
 class AttemptClock:
-    """One attempt's stopwatch. Every rank keeps one for its step times; only one `open`ed with a path writes."""
+    """One attempt's stopwatch; only one `open`ed with a path writes."""
 
     def __init__(self) -> None:
-        self.started = time.time()  # Unix time, as the driver's timeline
+        self.started = time.time()  # as the driver's timeline
         self._mark = time.perf_counter()
         self.seconds = dict.fromkeys(WORKER_BUCKETS, 0.0)
         self.path: Path | None = None
         self.info: dict[str, Any] = {}
         self.checkpoints: list[list[float]] = []  # [step, productive_s, data_wait_s] per save
         self.step = 0
-        self._saved_s = 0.0  # Checkpointer save seconds already booked
+        self._saved_s = 0.0  # save seconds already booked
         self._window: dict[str, float] = {}
         self._warned = False
 
     def open(self, path: Path | None, **info: Any) -> None:
-        """Start writing to ``path`` (None: never); ``info`` goes into the record."""
+        """Write to ``path`` (None: never), ``info`` in the record."""
         self.path, self.info = path, info
         self.step = int(info.get("start_step", 0))
         if path is not None:
@@ -50,14 +49,14 @@ class AttemptClock:
         self._new_window()
 
     def lap(self, bucket: str) -> float:
-        """Book and return the seconds since the previous lap."""
+        """Book and return the seconds since the last lap."""
         now = time.perf_counter()
         seconds, self._mark = now - self._mark, now
         self.seconds[bucket] += seconds
         return seconds
 
     def step_done(self, step: int, data_s: float) -> float:
-        """Step ``step`` returned after waiting ``data_s``; returns its wall seconds (never a save)."""
+        """Step ``step`` returned after waiting ``data_s``; returns its seconds."""
         seconds = self.lap("productive")
         wait = min(max(data_s, 0.0), seconds)
         self.seconds["productive"] -= wait
@@ -83,7 +82,7 @@ class AttemptClock:
             self.write()
 
     def saved_before_loop(self, saved_s: float) -> None:
-        """The step-0 save is done: its time is checkpoint, the rest start-up."""
+        """The step-0 save is done: its time is checkpoint, the rest startup."""
         self.lap("startup")
         self.seconds["startup"] -= saved_s
         self.seconds["checkpoint"] += saved_s
@@ -95,7 +94,7 @@ class AttemptClock:
 
     def close(self, outcome: str) -> None:
         """The loop ended (``outcome``: finished, stopped or failed)."""
-        self.lap("productive")  # the loop's exit; after a failure, the part of a step it interrupted
+        self.lap("productive")  # after a failure, the interrupted step
         if self._window.get("steps"):
             self._append_window()
         self.write(ended=time.time(), outcome=outcome)
@@ -112,7 +111,7 @@ class AttemptClock:
         }
 
     def write(self, **extra: Any) -> None:
-        """Atomically replace the record. A write error warns once and never raises: training goes on."""
+        """Atomically replace the record; an error warns once, never raises."""
         if self.path is None:
             return
         try:
@@ -140,7 +139,7 @@ class AttemptClock:
 
 
 def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's attempt records, oldest first, with ``windows``; unreadable records and lines are skipped."""
+    """The run's attempt records with ``windows``, oldest first; unreadable ones skipped."""
     records = []
     for path in (Path(run_dir) / GOODPUT_DIR).glob("attempt_*.json"):
         try:

@@ -1,11 +1,10 @@
 """A rank's progress report, `<run_dir>/heartbeats/rank<r>.json`, read by the driver's hang watchdog
 (docs/elastic.md, "Faults"; docs/design.md, "Rank heartbeats").
 
-Writes are atomic, at most one a second but at once on a phase change, so the watchdog always knows which
-allowance applies. A record: the driver's identity, pid, ``started``, ``time``, ``step``, ``phase`` (``start`` |
-``step`` | ``checkpoint`` | ``switch`` | ``done``), ``step_s`` (median over the last `WINDOW` steps, saves
-excluded), ``data_s`` (mean batch wait, same steps), ``save_s`` (the attempt's longest save so far) and ``data``
-(the stream's counters).
+Atomic writes, at most one a second but at once on a phase change. A record: the driver's identity, pid,
+``started``, ``time``, ``step``, ``phase`` (``start`` | ``step`` | ``checkpoint`` | ``switch`` | ``done``),
+``step_s`` (median over the last `WINDOW` steps, saves excluded), ``data_s`` (mean batch wait), ``save_s`` (the
+longest save so far) and ``data`` (the stream's counters).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def heartbeat_path(run_dir: Path, rank: int) -> Path:
 
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
-    """Every rank's latest record; a file being replaced or damaged is skipped."""
+    """Every rank's latest record; unreadable ones skipped."""
     records = []
     for path in sorted((Path(run_dir) / HEARTBEAT_DIR).glob("rank*.json")):
         try:
@@ -42,7 +41,7 @@ def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class Heartbeat:
-    """Writes one rank's record; with ``path`` None every method is a no-op (a run without a watchdog)."""
+    """Writes one rank's record; with ``path`` None, nothing."""
 
     def __init__(self, path: Path | None, identity: Mapping[str, Any] | None = None, min_interval_s: float = 1.0):
         self.path, self.min_interval_s = path, min_interval_s
@@ -52,7 +51,7 @@ class Heartbeat:
         self._warned = False
         self._last_step_at: float | None = None  # previous step's end, unless a save or switch came since
         self._stepped = False  # before the first step, a save is part of the start
-        self._save_began: float | None = None  # when the save after the last step began
+        self._save_began: float | None = None
         self._steps: deque[float] = deque(maxlen=WINDOW)
         self._waits: deque[float] = deque(maxlen=WINDOW)
         if path is not None:
@@ -60,12 +59,12 @@ class Heartbeat:
         self._write("start", force=True)
 
     def for_run(self, last_step: int, every_steps: int) -> Heartbeat:
-        """Set the save cadence: a step followed by a save reports phase ``checkpoint``."""
+        """Set the save cadence: a step before a save reports ``checkpoint``."""
         self.last_step, self.every_steps = last_step, every_steps
         return self
 
     def step(self, step: int, data_s: float, data: Mapping[str, int]) -> None:
-        """Step ``step`` is done after waiting ``data_s`` for batches; ``data``: the stream's counters."""
+        """Step ``step`` is done after waiting ``data_s``; ``data``: the stream's counters."""
         now, self._stepped = time.monotonic(), True
         if self._last_step_at is not None:
             self._steps.append(now - self._last_step_at)
@@ -79,12 +78,12 @@ class Heartbeat:
         self._write("checkpoint" if saving else "step", force=saving)
 
     def busy(self, what: str) -> None:
-        """Something legitimately long starts (``switch``: a resolution switch)."""
+        """Something long starts (``switch``: a resolution switch)."""
         self._last_step_at = self._save_began = None
         self._write(what, force=True)
 
     def saved(self) -> None:
-        """The save ended: back to the step's allowance (before the first step, the start's)."""
+        """The save ended: back to the step's (or, before the first step, the start's) allowance."""
         now = time.monotonic()
         if self._save_began is not None:
             self.record["save_s"] = max(self.record.get("save_s", 0.0), now - self._save_began)
@@ -92,7 +91,7 @@ class Heartbeat:
         self._write("step" if self._stepped else "start", force=True)
 
     def end(self) -> None:
-        """The loop ended (finished, stopped or failed): what follows is no hang."""
+        """The loop ended: what follows is no hang."""
         self._write("done", force=True)
 
     def _write(self, phase: str, force: bool) -> None:
@@ -106,7 +105,7 @@ class Heartbeat:
             write_text_atomically(self.path, text)
             self._written = now
         except OSError:
-            # Disk full: rewriting in place needs no new block. A reader may see it half-written and skip it.
+            # disk full: rewriting in place needs no new block (a reader may skip it half-written)
             try:
                 with open(self.path, "r+") as out:
                     out.write(text)

@@ -1,7 +1,5 @@
-"""The training loop's metrics, `TrainMetrics`: every rank calls `step` each optimizer step; rank 0 prints and logs.
-
-Every `log_every` steps it logs the `train/` metrics of `tracking.keys`. A non-finite loss raises
-`NonFiniteLossError` on every rank (the loss is all-reduced, so all agree).
+"""The training loop's metrics, `TrainMetrics`: every rank calls `step` each optimizer step; rank 0 prints and logs
+the `train/` metrics of `tracking.keys`. A non-finite (all-reduced) loss raises `NonFiniteLossError` on every rank.
 """
 
 from __future__ import annotations
@@ -19,18 +17,18 @@ from tracking.tracker import Tracker
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The training loss is NaN or inf; the message names the step and what to try."""
+    """The training loss is NaN or inf."""
 
 
 def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    with open("/proc/self/statm") as f:  # resident pages of this process
+    with open("/proc/self/statm") as f:  # resident pages
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def percentile(values: list[float], p: float) -> float:
-    """The ``p``-th percentile, interpolated as numpy's default."""
+    """The ``p``-th percentile, interpolated as numpy's."""
     ordered = sorted(values)
     rank = (len(ordered) - 1) * p / 100
     low = math.floor(rank)
@@ -39,8 +37,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def tail_metrics(step_s: list[float], data_s: list[float]) -> dict[str, float]:
-    """Percentiles of a window's step times and data waits: a loader stalling one step in fifty moves p99, not
-    the mean."""
+    """Percentiles of a window's step times and data waits."""
     if not step_s:
         return {}
     out = {keys.step_time_percentile(p): percentile(step_s, p) for p in keys.TAIL_PERCENTILES}
@@ -54,7 +51,7 @@ class TrainMetrics:
     world_size: int
     total_steps: int
     flops_per_image: int  # training FLOPs per image
-    peak_tflops: float  # per device, at the run's precision (`pretrain.telemetry.peak`)
+    peak_tflops: float  # per device (`pretrain.telemetry.peak`)
     device: torch.device
     log_every: int = 10
     tracker: Tracker | None = None  # no-op off rank 0
@@ -62,15 +59,15 @@ class TrainMetrics:
     start_step: int = 0
     images_seen: int = 0
     _window: dict[str, float] = field(default_factory=dict)
-    _step_s: list[float] = field(default_factory=list)  # this window's step times; _data_s: data waits
+    _step_s: list[float] = field(default_factory=list)  # this window's step times and data waits
     _data_s: list[float] = field(default_factory=list)
     _bar: Any = None
-    _unread: list[tuple[int, SupportsFloat, float]] = field(default_factory=list)  # (step, loss, lr) not yet checked
+    _unread: list[tuple[int, SupportsFloat, float]] = field(default_factory=list)  # (step, loss, lr) unchecked
 
     def __post_init__(self) -> None:
         self._reset_window()
         if self.tracker is not None:
-            # A restarted group redoes steps after its checkpoint: keep each step's first value.
+            # a restarted group redoes steps: keep each step's first value
             self.tracker.log_once_per_step(keys.TRAIN_PREFIX)
         if self.rank == 0 and self.progress_bar:
             from tqdm import tqdm
@@ -80,7 +77,7 @@ class TrainMetrics:
             )
 
     def _check_losses(self) -> None:
-        """Read the losses since the last check; NonFiniteLossError at the first that is not finite."""
+        """NonFiniteLossError at the first non-finite loss since the last check."""
         unread, self._unread = self._unread, []
         for step, loss, lr in unread:
             if not math.isfinite(float(loss)):
@@ -106,9 +103,9 @@ class TrainMetrics:
         step_s: float | None = None,
         read: bool = False,
     ) -> dict:
-        """Record step ``step`` (1-based); returns the metrics logged, if any. ``images`` counts all ranks;
-        ``step_s`` excludes saves (None: the time since the previous call). The losses are read (``float``, a wait
-        for the device) and checked at the logging cadence, at the last step, and where ``read`` (before a save)."""
+        """Record step ``step`` (1-based); returns the metrics logged, if any. ``images``: all ranks'; ``step_s``:
+        without saves (None: since the last call). Losses are read (a device wait) and checked when logging, at the
+        last step, and if ``read``."""
         now = time.perf_counter()
         self._step_s.append(now - self._window["last"] if step_s is None else step_s)
         self._data_s.append(data_s)
@@ -122,7 +119,7 @@ class TrainMetrics:
         self._window["data_s"] += data_s
         if self._bar is not None:
             self._bar.update(1)
-        if self.rank == 0 and self.tracker is not None:  # every step (buffered): an elastic job changes it
+        if self.rank == 0 and self.tracker is not None:  # every step: an elastic job changes it
             self.tracker.log_metrics({keys.WORLD_SIZE_METRIC: self.world_size}, step=step)
         if not logs:
             return {}
@@ -161,6 +158,6 @@ class TrainMetrics:
             print(f"step {step}/{self.total_steps} {text}", flush=True)
 
     def close(self) -> None:
-        """Close the progress bar; the tracker is the caller's to close."""
+        """Close the progress bar, not the tracker."""
         if self._bar is not None:
             self._bar.close()

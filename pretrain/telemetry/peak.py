@@ -1,8 +1,7 @@
 """The MFU denominator, `device_peak`: one device's dense peak TFLOP/s at the run's precision.
 
-A declared ``logging.peak_tflops`` wins. CUDA: the datasheet peak (fp32 as TF32 only when torch allows TF32). CPU:
-a square GEMM at this process's thread count, measured once per CPU, torch version, threads and precision and cached
-in ``~/.cache/vitscale/gemm_peak.json`` (``$VITSCALE_CACHE``), so the plan and every run divide by the same number.
+A declared ``logging.peak_tflops`` wins. CUDA: the datasheet peak (TF32 only when torch allows it). CPU: a square
+GEMM, measured once per CPU, torch version, threads and precision, cached in ``$VITSCALE_CACHE/gemm_peak.json``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from data_pipeline.paths import cache_dir
 from data_pipeline.stream.loader_rate import cpu_model, write_atomically  # shared per-machine cache helpers
 from pretrain.config.precision import cpu_bf16_units
 
-# Dense (not 2:4 sparse) TFLOP/s by GPU name fragment, NVIDIA datasheets (SXM where there are two).
+# Dense TFLOP/s by GPU name fragment, NVIDIA datasheets (SXM where there are two)
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9},
     "H100": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9},
@@ -26,14 +25,14 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A10G": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
 }
-GEMM_SIZE = 2048  # measured GEMM side (emulated bf16: 512, it is slow)
+GEMM_SIZE = 2048  # measured GEMM side (emulated bf16: 512)
 MEASURE_SECONDS = 0.5  # per layout, after a warm-up
 
 
 @dataclass(frozen=True)
 class Peak:
     tflops: float  # per device
-    source: str  # one line: where the number comes from
+    source: str  # where the number comes from
 
 
 def cache_path() -> Path:
@@ -41,7 +40,7 @@ def cache_path() -> Path:
 
 
 def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
-    """The datasheet peak of a GPU whose name contains a known fragment; None for an unknown GPU."""
+    """The datasheet peak of a GPU by name; None for an unknown one."""
     kind = "bf16" if precision == "bf16" else ("tf32" if tf32 else "fp32")
     for fragment, peaks in GPU_PEAK_TFLOPS.items():
         if fragment in name:
@@ -52,16 +51,15 @@ def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
 def gemm_tflops(
     precision: str, size: int, device: torch.device | str = "cpu", seconds: float = 0.0, repeats: int = 3
 ) -> dict[str, float]:
-    """Best TFLOP/s of a square matmul per layout, "nn" (a @ b) and "nt" (a @ bᵀ, as ``F.linear``): emulated
-    bf16's speed depends on it."""
+    """Best TFLOP/s of a square matmul per layout, "nn" (a @ b) and "nt" (a @ bᵀ, as ``F.linear``)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    g = torch.Generator().manual_seed(0)  # private: must not shift the training RNG
+    g = torch.Generator().manual_seed(0)  # not the training RNG
     a = torch.randn(size, size, generator=g).to(device, dtype)
     b = torch.randn(size, size, generator=g).to(device, dtype)
     cuda = torch.device(device).type == "cuda"
     rates = {}
     for layout, right in (("nn", b), ("nt", b.t())):
-        torch.mm(a, right)  # warm-up: thread pool, caches, kernel selection
+        torch.mm(a, right)  # warm-up
         best, count, began = float("inf"), 0, time.perf_counter()
         while count < repeats or time.perf_counter() - began < seconds:
             if cuda:
@@ -76,7 +74,7 @@ def gemm_tflops(
 
 
 def cpu_peak(precision: str, threads: int | None = None) -> Peak:
-    """This CPU's cached GEMM rate at ``precision`` with ``threads`` torch threads (default: this process's)."""
+    """This CPU's cached GEMM rate with ``threads`` torch threads (default: this process's)."""
     threads = threads or torch.get_num_threads()
     units = cpu_bf16_units()
     size = GEMM_SIZE if precision == "fp32" or units else 512
@@ -102,7 +100,7 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
 
 
 def device_peak(declared: float | None, device: torch.device, precision: str) -> Peak:
-    """The peak a run on ``device`` in ``precision`` divides by."""
+    """The peak a run divides by."""
     if declared:
         return Peak(declared, "logging.peak_tflops (declared)")
     if device.type == "cuda":

@@ -1,7 +1,6 @@
-"""What a rank trained on and what it got: `Recorder` keeps per-step losses, and on request digests and sample keys.
+"""What a rank trained on and got: `Recorder` keeps per-step losses and, if asked, digests and sample keys.
 
-Digests hash each micro-batch's pixels and labels: two runs' step digests match only for the same bytes in the same
-order. Sample keys are also appended to ``<run>/sample_keys/rank<r>.jsonl``.
+Digests hash each micro-batch's pixels and labels in order; sample keys also go to ``<run>/sample_keys/rank<r>.jsonl``.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ class TrainSummary:
     start_step: int
     steps: int  # the last step
     images_seen: int
-    checkpoints: list[str] = field(default_factory=list)  # COMPLETE checkpoints this attempt saved
+    checkpoints: list[str] = field(default_factory=list)  # COMPLETE checkpoints saved
     losses: list[list[float]] = field(default_factory=list)  # [step, loss averaged over ranks]
     digests: list[list[Any]] = field(default_factory=list)  # [step, sha256 hex]: record_batch_digests
     sample_keys: list[dict[str, Any]] = field(default_factory=list)  # {step, epoch, keys}: record_sample_keys
@@ -42,8 +41,6 @@ class TrainSummary:
 
 
 class Recorder:
-    """One rank's record of one attempt."""
-
     def __init__(self, digests: bool, sample_keys: bool, keys_log: Path | None = None, where: dict | None = None):
         self.want_digests, self.want_keys = digests, sample_keys
         self.losses: list[list[Any]] = []  # [step, loss]: a float once read
@@ -51,11 +48,11 @@ class Recorder:
         self.sample_keys: list[dict[str, Any]] = []
         self._digest = hashlib.sha256()
         self._keys: list[str] = []
-        self._where = where or {}  # attempt, rank, world size: beside each step's keys
+        self._where = where or {}  # attempt, rank, world size
         self._log: TextIO | None = None
         if sample_keys and keys_log is not None:
             keys_log.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(keys_log, "a")  # noqa: SIM115 (kept open for the loop; `close` ends it)
+            self._log = open(keys_log, "a")  # noqa: SIM115 (`close` ends it)
 
     @classmethod
     def for_run(cls, run_dir: Path, logging, rank: int, world_size: int, attempt: int) -> Recorder:
@@ -69,15 +66,14 @@ class Recorder:
         return self.want_digests or self.want_keys
 
     def batch(self, images: torch.Tensor, labels: torch.Tensor, keys: list[str]) -> None:
-        """One micro-batch of the current step, as the model received it."""
+        """A micro-batch of the current step, as the model received it."""
         if self.want_digests:
             self._digest.update(images.float().cpu().numpy().tobytes() + labels.cpu().numpy().tobytes())
         if self.want_keys:
             self._keys.extend(keys)
 
     def end_step(self, step: int, loss: SupportsFloat, epoch: int) -> None:
-        """Step ``step`` (1-based) is done; ``epoch``: the stream's epoch of its batches. ``loss`` is read (``float``)
-        only for the summary: the loop's logging reads it first."""
+        """Step ``step`` (1-based) is done; ``epoch``: its batches' stream epoch. ``loss`` is read only in `summary`."""
         self.losses.append([step, loss])
         if self.want_digests:
             self.digests.append([step, self._digest.hexdigest()])
@@ -87,7 +83,7 @@ class Recorder:
             self.sample_keys.append(entry)
             if self._log is not None:
                 self._log.write(json.dumps({**entry, **self._where}) + "\n")
-                self._log.flush()  # a killed attempt keeps what it trained on
+                self._log.flush()  # kept by a killed attempt
             self._keys = []
 
     def close(self) -> None:

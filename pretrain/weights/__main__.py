@@ -1,10 +1,10 @@
 """The weights command line: convert an official .npz, describe any weights vitscale reads, export them.
 
     python -m pretrain.weights convert IN.npz OUT_DIR [--image-size N]    # npz → model.safetensors + model.json
-    python -m pretrain.weights info PATH [--image-size N]                 # inferred config, params, GMACs
+    python -m pretrain.weights info PATH [--image-size N]                 # config, params, GMACs
     python -m pretrain.weights export SOURCE OUT [--format hf|npz] [--image-size N] [--mlflow-run ID]
 
-Bad input exits 2 with one line naming the file and the fix.
+Bad input exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> VisionTransformer:
-    """Resolve SOURCE, load, write OUT, log it to MLflow if asked."""
     source = weights_source.resolve(args.source)
     model = load_model(source, image_size=args.image_size)
     written = export(model, args.out, args.format, labels=class_names(source, model.config.num_classes))
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.image_size is not None and args.image_size < 1:
         parser.error(f"--image-size must be a positive number of pixels, got {args.image_size}")
-    try:  # what this command writes: a filesystem path, never a URL (Path would turn gs://b into the folder gs:/b)
+    try:  # outputs are filesystem paths (Path would make gs://b gs:/b)
         if args.command == "convert":
             args.out_dir = local_path(args.out_dir, "OUT_DIR")
         elif args.command == "export":
@@ -107,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             model = _export(args)
         else:
             model = load_model(args.source, image_size=args.image_size)
-    # Bad input, named by the loaders and writers; anything else is a bug and keeps its traceback.
-    except (ValueError, OSError, ImportError) as error:  # ImportError: the s3/gs extra for a remote SOURCE
+    except (
+        ValueError,
+        OSError,
+        ImportError,
+    ) as error:  # bad input (ImportError: the s3/gs extra); bugs keep tracebacks
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     summary = {"config": model.config.to_dict(), **describe(model.config)}

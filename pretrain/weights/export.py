@@ -1,14 +1,9 @@
-"""Weights out to the tools labs already run: a Hugging Face `transformers` folder and the official JAX `.npz`.
+"""Weights out: a Hugging Face `transformers` folder or the official JAX `.npz` (`export`); HF folders read back.
 
-Entry point `export(model, out, fmt)`, CLI `python -m pretrain.weights export`; HF folders are read back here.
-
-- ``hf``: ``config.json``, ``model.safetensors`` (Hub key layout, loaded by transformers 4 and 5) and
+- ``hf``: ``config.json``, ``model.safetensors`` (Hub key layout, for transformers 4 and 5) and
   ``preprocessor_config.json``; `ViTForImageClassification.from_pretrained(OUT)` gives our logits. Pre-logits,
-  ``gap`` and hybrid models are refused.
-- ``npz``: the official layout (docs/reference.md §2). It holds every vitscale ViT but exact-erf GELU, which
-  the file cannot express.
-
-Nothing downloads; writing needs no transformers.
+  ``gap`` and hybrid models are refused. Writing needs no transformers.
+- ``npz``: the official layout (docs/reference.md §2); every vitscale ViT but exact-erf GELU.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from pretrain.weights.source import HF_CONFIG
 FORMATS = ("hf", "npz")
 HF_PREPROCESSOR = "preprocessor_config.json"
 NPZ_NAME = "model.npz"  # when OUT is a folder
-# VT's block names, in call order.
+# VT's block names, in call order
 _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
 
 
@@ -42,14 +37,14 @@ _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", 
 
 
 def checkpoint_step(source: Path) -> int | None:
-    """A checkpoint folder's training step, else None."""
+    """A checkpoint's training step, else None."""
     if not (source / run_folder.TRAINER_STATE).is_file():
         return None
     return run_folder.TrainerState.read(source).step
 
 
 def class_names(source: Path, num_classes: int) -> list[str] | None:
-    """The class names of a checkpoint's local ``data.train`` if one per logit, else None. Never raises."""
+    """The class names of a checkpoint's local ``data.train`` if one per logit, else None; never raises."""
     try:
         config = yaml.safe_load((source / CONFIG_YAML).read_text())
         train = (config.get("data") or {}).get("train")
@@ -75,7 +70,7 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
-    """Our config and our-keyed weights of an HF ViT folder, in either key layout."""
+    """Our config and weights of an HF ViT folder, either key layout."""
     try:
         fields = json.loads((path / HF_CONFIG).read_text())
         config = config_from_hf_dict(fields)
@@ -88,7 +83,7 @@ def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
 
 
 def preprocessor_config(config: ViTConfig) -> dict:
-    """HF ViTImageProcessor settings giving the training input: resize to the model's side, x / 127.5 - 1."""
+    """HF ViTImageProcessor settings for the training input: resize to the model's side, x / 127.5 - 1."""
     return {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,
@@ -103,8 +98,8 @@ def preprocessor_config(config: ViTConfig) -> dict:
 
 
 def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None) -> Path:
-    """Write the HF folder ``out`` and return it; ValueError, before writing, for a model HF cannot hold. A headless
-    model is a ViTModel, keys without ``vit.`` as on the Hub."""
+    """Write the HF folder ``out``; ValueError, before writing, for a model HF cannot hold. A headless model is a
+    ViTModel, keys without ``vit.``."""
     config = model.config
     fields = hf_config_dict(config, labels)  # refuses first
     state = to_hf_state_dict(model, layout="hub")
@@ -122,7 +117,7 @@ def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None
 
 
 def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
-    """``model``'s weights under the official names, float32 (the inverse of `load_npz`)."""
+    """Weights under the official names, float32 (the inverse of `load_npz`)."""
     config = model.config
     if config.gelu_approximate != "tanh":
         raise ValueError(
@@ -156,7 +151,7 @@ def _hwio(weight: np.ndarray) -> np.ndarray:
 
 
 def _block_arrays(sd: dict[str, np.ndarray], i: int, D: int, heads: int) -> dict[str, np.ndarray]:
-    """Block ``i``; our fused qkv (3D, D) split into (D, heads, head_dim) kernels."""
+    """Block ``i``; our qkv (3D, D) split into (D, heads, head_dim) kernels."""
     ours = f"blocks.{i}."
     ln1, attn, ln2, mlp = (f"Transformer/encoderblock_{i}/{name}" for name in _BLOCK_NAMES)
     hd = D // heads
@@ -175,7 +170,7 @@ def _block_arrays(sd: dict[str, np.ndarray], i: int, D: int, heads: int) -> dict
 
 
 def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A hybrid's stem under the official names (HWIO kernels, GroupNorm scale/bias)."""
+    """A hybrid's stem under the official names."""
     p = {}
     for key, value in sd.items():
         if not key.startswith("patch_embed.backbone."):
@@ -190,8 +185,7 @@ def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def save_npz(model: VisionTransformer, out: Path) -> Path:
-    """Write the official arrays to ``out`` (a folder: ``out/model.npz``) and return the path: np.savez's format,
-    named exactly ``out`` and never pickled."""
+    """Write the official arrays to ``out`` (a folder: ``out/model.npz``): np.savez's format, never pickled."""
     arrays = npz_arrays(model)  # refuses first
     path = out / NPZ_NAME if out.is_dir() else out
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,7 +197,7 @@ def save_npz(model: VisionTransformer, out: Path) -> Path:
 
 
 def export(model: VisionTransformer, out: Path, fmt: str, labels: list[str] | None = None) -> Path:
-    """Write ``model`` as ``fmt`` ("hf" | "npz") at ``out``; returns what was written."""
+    """Write ``model`` as ``fmt``; returns what was written."""
     model = model.eval()
     if fmt == "hf":
         return save_hf(model, out, labels)

@@ -1,7 +1,5 @@
 """Loading weights: official JAX `.npz`, safetensors + `model.json`, training checkpoints; `load_model` takes any.
-
-`load_npz` reads VT and big_vision (BV) releases, infers the architecture from the arrays, and reproduces the
-official logits (docs/reference.md §2).
+`load_npz` reads VT and big_vision (BV) releases and reproduces their logits (docs/reference.md §2).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ __all__ = [
 ]
 
 
-# Fields the weights determine; overrides must agree.
+# Fields the weights determine; overrides must agree
 _ARCHITECTURE_FIELDS = (
     "patch_size",
     "width",
@@ -60,7 +58,7 @@ _HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
 
 
 def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix_tokens: int = 1) -> torch.Tensor:
-    """Resize (1, P+N, D) position embeddings as VT does: prefix rows kept, grid bilinear, align_corners=True."""
+    """Resize (1, P+N, D) position embeddings as VT: prefix rows kept, grid bilinear, align_corners=True."""
     if posemb.ndim != 3 or posemb.shape[0] != 1:
         raise ValueError(f"position embeddings must be (1, P+N, D), got {tuple(posemb.shape)}")
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[0, num_prefix_tokens:]
@@ -123,7 +121,6 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
     if not arrays:
         raise ValueError(f"{path} is an .npz archive without any array, not a ViT checkpoint")
     for key, value in arrays.items():
-        # NpzFile returns raw bytes for a member that is not a .npy file.
         if not isinstance(value, np.ndarray):
             raise ValueError(f"{path} is a zip archive but not an .npz checkpoint: member {key!r} is not a NumPy array")
         if value.dtype.kind not in "biuf":
@@ -135,7 +132,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def _array(p: dict[str, np.ndarray], key: str, ndim: int) -> np.ndarray:
-    """`p[key]`, checked to have ``ndim`` dimensions (KeyError if missing)."""
+    """`p[key]` with ``ndim`` dimensions (KeyError if missing)."""
     value = p[key]
     if value.ndim != ndim:
         raise ValueError(f"array {key!r} has shape {value.shape}, but official checkpoints give it {ndim} dimensions")
@@ -158,8 +155,8 @@ def _strip_prefix(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.nda
 
 
 def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """Per block, its arrays keyed `ln1/…, attn/…, ln2/…, mlp/…`. VT and BV both number submodules in call order;
-    BV's `scan` layout (a leading depth axis) is unstacked."""
+    """Per block, its arrays keyed `ln1/…, attn/…, ln2/…, mlp/…` (submodules numbered in call order); BV's `scan`
+    layout (a leading depth axis) is unstacked."""
     per_block: dict[int, dict[str, np.ndarray]] = {}
     stacked = {
         k[len("Transformer/encoderblock/") :]: v for k, v in p.items() if k.startswith("Transformer/encoderblock/")
@@ -212,7 +209,7 @@ def _hybrid_stages(p: dict[str, np.ndarray]) -> tuple[int, ...] | None:
     return tuple(units[s] for s in range(1, len(units) + 1))
 
 
-# VT, older BV (with the class row), current BV (without; the row count tells).
+# VT, older BV (with the class row), current BV (without; the row count tells)
 _POSEMB_KEYS = ("Transformer/posembed_input/pos_embedding", "Transformer/pos_embedding", "pos_embedding")
 
 
@@ -231,8 +228,7 @@ def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -
     posemb = _array(p, posemb_key, 3)
     rows = posemb.shape[1]
     if pool == "token" and math.isqrt(rows) ** 2 == rows:
-        # No class row: equivalent to a zero row.
-        posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
+        posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)  # no class row: a zero one
     num_patches = posemb.shape[1] - (pool == "token")
     grid = math.isqrt(num_patches)
     if grid * grid != num_patches:
@@ -248,8 +244,7 @@ def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -
                 f"the {GN_GROUPS}-group GroupNorms of the official ResNet stem cannot divide, so no official model "
                 "has this root; the checkpoint is inconsistent"
             )
-        # root/64 is exact (`pretrain.model.resnet.root_width`).
-        hybrid_width = root_channels / 64
+        hybrid_width = root_channels / 64  # exact (`pretrain.model.resnet.root_width`)
         if stem_channels != stem_out_channels(stages, hybrid_width):
             raise ValueError(
                 f"embedding/kernel reads {stem_channels} channels but a ResNet stem with stages {stages} and a "
@@ -319,8 +314,8 @@ def _npz_state_dict(p: dict[str, np.ndarray], blocks, posemb: np.ndarray, config
 
 
 def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """The model of an official JAX checkpoint. Another `image_size` resizes the position embeddings; head
-    overrides reset the head (`reset_classifier`); architecture overrides must agree with the file."""
+    """An official JAX checkpoint's model. Another `image_size` resizes the position embeddings; head overrides
+    reset the head; architecture overrides must agree with the file."""
     path = Path(path)
     p = _strip_prefix(_read_npz(path), path)
     try:
@@ -337,7 +332,7 @@ def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> Vi
 
 
 def _finish(config: ViTConfig, state: dict, source, image_size: int | None, overrides: dict) -> VisionTransformer:
-    """Build, load `state` strictly, resize, apply overrides."""
+    """Build, load `state`, resize, apply overrides."""
     valid = {f.name for f in dataclasses.fields(ViTConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:
@@ -350,10 +345,9 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
             )
     head = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
     free = {k: v for k, v in overrides.items() if k not in _ARCHITECTURE_FIELDS}
-    with torch.device("meta"):  # every parameter comes from `state`: allocate once
+    with torch.device("meta"):  # every parameter comes from `state`
         model = VisionTransformer(dataclasses.replace(config, **free))
-    # Loaded models are fp32 (bf16 → fp32 is exact); callers cast.
-    state = {k: v.float().contiguous() for k, v in state.items()}
+    state = {k: v.float().contiguous() for k, v in state.items()}  # fp32 (exact from bf16); callers cast
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches
@@ -378,14 +372,13 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
 
 
 def _some(names: list[str], shown: int = 6) -> str:
-    """The first ``shown`` names and how many more."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{names[:shown]}{more}"
 
 
 @torch.no_grad()
 def resize_model(model: VisionTransformer, image_size: int) -> None:
-    """Make `model` run at `image_size`, interpolating its position embeddings in place."""
+    """Make `model` run at `image_size`: position embeddings interpolated in place."""
     config = dataclasses.replace(model.config, image_size=image_size)  # validates divisibility
     new = resize_pos_embed(model.pos_embed.data, (config.grid_size, config.grid_size), model.num_prefix_tokens)
     model.pos_embed = torch.nn.Parameter(new, requires_grad=model.pos_embed.requires_grad)
@@ -396,7 +389,7 @@ def resize_model(model: VisionTransformer, image_size: int) -> None:
 
 
 def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
-    """Write `model.safetensors` (in the model's dtype) and `model.json` (the ViTConfig)."""
+    """Write `model.safetensors` (in the model's dtype) and `model.json`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
@@ -423,7 +416,7 @@ def load_pretrained(directory: str | Path, image_size: int | None = None, **over
         if not isinstance(fields, dict):
             raise ValueError(f"it holds a JSON {type(fields).__name__}, not an object of ViTConfig fields")
         config = ViTConfig.from_dict(fields)
-    except (ValueError, TypeError) as e:  # JSON, Unicode and ViTConfig errors
+    except (ValueError, TypeError) as e:  # JSON, Unicode, ViTConfig
         raise ValueError(
             f"{config_path} is not a valid model config: {e}; it should be the {CONFIG_FILE} save_pretrained writes"
         ) from None
@@ -433,7 +426,7 @@ def load_pretrained(directory: str | Path, image_size: int | None = None, **over
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
-    except SafetensorError as e:  # a bad header or truncated file
+    except SafetensorError as e:
         raise ValueError(
             f"{path} is not a readable safetensors file ({e}); it is damaged or was not fully copied — write it again"
         ) from None

@@ -1,8 +1,7 @@
 """Conversion to and from Hugging Face `transformers` ViT state dicts and configs.
 
-HF's ViT has no pre-logits, ``gap`` or hybrid stem, so those do not convert. Two key layouts exist: the Hub's
-(transformers < 5 and every file, `vit.encoder.layer.N...`) and transformers ≥ 5's in memory (`vit.layers.N...`).
-`to_hf_state_dict` writes the installed one by default; `from_hf_state_dict` reads both.
+HF's ViT has no pre-logits, ``gap`` or hybrid stem. Key layouts: the Hub's (transformers < 5 and every file,
+`vit.encoder.layer.N...`) and transformers ≥ 5's in memory (`vit.layers.N...`); `from_hf_state_dict` reads both.
 """
 
 from __future__ import annotations
@@ -17,7 +16,16 @@ from pretrain.model.vit import LN_EPS, VisionTransformer, ViTConfig
 _GELU_TO_HF = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 _GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 
-# Per-block names: ours → (Hub, transformers ≥ 5); q, k, v split from our qkv.
+# ours → HF's
+_TOP_KEYS = {
+    "cls_token": "vit.embeddings.cls_token",
+    "pos_embed": "vit.embeddings.position_embeddings",
+    "patch_embed.proj.weight": "vit.embeddings.patch_embeddings.projection.weight",
+    "patch_embed.proj.bias": "vit.embeddings.patch_embeddings.projection.bias",
+    "norm.weight": "vit.layernorm.weight",
+    "norm.bias": "vit.layernorm.bias",
+}
+# Per block: ours → (Hub, transformers ≥ 5); q, k, v split from our qkv
 _BLOCK_KEYS = {
     "norm1": ("layernorm_before", "layernorm_before"),
     "q": ("attention.attention.query", "attention.q_proj"),
@@ -32,7 +40,7 @@ _LAYER_PREFIX = {"hub": "vit.encoder.layer.", "v5": "vit.layers."}
 
 
 def _check_convertible(config: ViTConfig) -> None:
-    """ValueError naming each part of ``config`` HF's ViT cannot hold."""
+    """ValueError naming each part HF's ViT cannot hold."""
     problems = []
     if config.pool != "token":
         problems.append("pool='gap' (HF ViT classifies from the class token)")
@@ -51,8 +59,8 @@ def _check_convertible(config: ViTConfig) -> None:
 
 
 def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None = None) -> dict:
-    """The HF `config.json` of ``config``, built without transformers. A headless model is a ViTModel whose
-    ``last_hidden_state[:, 0]`` is our ``forward`` (load with ``add_pooling_layer=False``)."""
+    """The HF `config.json`, without transformers. A headless model is a ViTModel whose ``last_hidden_state[:, 0]``
+    is our ``forward`` (load with ``add_pooling_layer=False``)."""
     _check_convertible(config)
     if labels is not None and len(labels) != config.num_classes:
         raise ValueError(f"{len(labels)} class names for a head of {config.num_classes} classes")
@@ -80,36 +88,29 @@ def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None
     }
 
 
+_HF_CONFIG_ARGS = (  # the `hf_config_dict` fields `hf_config` passes on
+    "hidden_size num_hidden_layers num_attention_heads intermediate_size hidden_act hidden_dropout_prob "
+    "attention_probs_dropout_prob layer_norm_eps image_size patch_size num_channels qkv_bias"
+).split()
+
+
 def hf_config(config: ViTConfig):
     """The `transformers.ViTConfig` of the same architecture."""
     from transformers import ViTConfig as HFViTConfig  # optional dependency
 
-    _check_convertible(config)
-    hf = HFViTConfig(
-        hidden_size=config.width,
-        num_hidden_layers=config.depth,
-        num_attention_heads=config.num_heads,
-        intermediate_size=config.mlp_dim,
-        hidden_act=_GELU_TO_HF[config.gelu_approximate],
-        hidden_dropout_prob=config.dropout,
-        attention_probs_dropout_prob=config.attention_dropout,
-        layer_norm_eps=LN_EPS,
-        image_size=config.image_size,
-        patch_size=config.patch_size,
-        num_channels=config.in_chans,
-        qkv_bias=True,
-    )
+    fields = hf_config_dict(config)
+    hf = HFViTConfig(**{k: fields[k] for k in _HF_CONFIG_ARGS})
     hf.num_labels = max(config.num_classes, 1)  # a property, not an __init__ argument in transformers 5
     return hf
 
 
 def config_from_hf(hf) -> ViTConfig:
-    """Our ViTConfig for a `transformers.ViTConfig`; non-GELU activations are refused."""
+    """Our ViTConfig for a `transformers.ViTConfig`."""
     return config_from_hf_dict({**hf.to_dict(), "num_labels": hf.num_labels})
 
 
 def config_from_hf_dict(hf: dict) -> ViTConfig:
-    """Our ViTConfig for an HF `config.json` (HF's defaults where absent)."""
+    """Our ViTConfig for an HF `config.json` (HF's defaults where absent); non-GELU activations are refused."""
     act = hf.get("hidden_act", "gelu")
     if act not in _GELU_FROM_HF:
         raise ValueError(f"HF hidden_act={act!r} has no ViT equivalent; expected one of {list(_GELU_FROM_HF)}")
@@ -138,7 +139,7 @@ def config_from_hf_dict(hf: dict) -> ViTConfig:
 
 @functools.lru_cache(maxsize=1)
 def installed_layout() -> str:
-    """The installed transformers' layout: "v5" (`vit.layers.*`) or "hub" (also without transformers)."""
+    """The installed transformers' layout: "v5" or "hub" (also without transformers)."""
     try:
         from transformers import ViTConfig as HFViTConfig
         from transformers import ViTForImageClassification
@@ -161,14 +162,7 @@ def to_hf_state_dict(model: VisionTransformer, layout: str = "auto") -> dict[str
         raise ValueError(f"layout must be 'auto', 'hub' or 'v5', got {layout!r}")
     column = 0 if layout == "hub" else 1
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = {
-        "vit.embeddings.cls_token": sd["cls_token"],
-        "vit.embeddings.position_embeddings": sd["pos_embed"],
-        "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
-        "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
-        "vit.layernorm.weight": sd["norm.weight"],
-        "vit.layernorm.bias": sd["norm.bias"],
-    }
+    out = {theirs: sd[ours] for ours, theirs in _TOP_KEYS.items()}
     if config.num_classes:
         out["classifier.weight"], out["classifier.bias"] = sd["head.weight"], sd["head.bias"]
     for i in range(config.depth):
@@ -182,7 +176,7 @@ def to_hf_state_dict(model: VisionTransformer, layout: str = "auto") -> dict[str
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTransformer:
-    """A VisionTransformer from HF weights (either layout, with or without `vit.`); a pooler is ignored."""
+    """A VisionTransformer from HF weights (either layout, with or without `vit.`)."""
     if not isinstance(config, ViTConfig):
         config = config_from_hf(config)
     model = VisionTransformer(config)
@@ -194,7 +188,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTra
 
 
 def state_dict_from_hf(state_dict: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
-    """HF ViT weights (either layout) under our parameter names."""
+    """HF ViT weights (either layout) under our names; a pooler is ignored."""
     _check_convertible(config)
     hf = {re.sub(r"^(?!vit\.|classifier\.)", "vit.", k): v for k, v in state_dict.items()}
     layout = "v5" if any(k.startswith("vit.layers.") for k in hf) else "hub"
@@ -208,14 +202,7 @@ def state_dict_from_hf(state_dict: dict[str, torch.Tensor], config: ViTConfig) -
             raise ValueError(f"HF state dict has no {key!r} (layout {layout!r}); is it a ViT of this config?")
         return hf[key]
 
-    sd = {
-        "cls_token": take("vit.embeddings.cls_token"),
-        "pos_embed": take("vit.embeddings.position_embeddings"),
-        "patch_embed.proj.weight": take("vit.embeddings.patch_embeddings.projection.weight"),
-        "patch_embed.proj.bias": take("vit.embeddings.patch_embeddings.projection.bias"),
-        "norm.weight": take("vit.layernorm.weight"),
-        "norm.bias": take("vit.layernorm.bias"),
-    }
+    sd = {ours: take(theirs) for ours, theirs in _TOP_KEYS.items()}
     if config.num_classes:
         sd["head.weight"], sd["head.bias"] = take("classifier.weight"), take("classifier.bias")
     for i in range(config.depth):

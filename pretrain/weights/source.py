@@ -1,12 +1,9 @@
-"""What a weights source is: the one rule that loading, export and evals share (no torch here).
+"""What a weights source is, for loading, export and evals alike (no torch here).
 
 A source is an official `.npz`, a checkpoint, a run folder or its `checkpoints/` (the newest COMPLETE checkpoint),
 a `save_pretrained` or HF folder, or one file of such a folder. A checkpoint is used only COMPLETE and intact.
-
-A source in object storage (``s3://``, ``gs://``: fsspec URLs) is copied to ``$VITSCALE_CACHE/weights/`` first
-(`fetch`), with only what loading reads: the files directly in the checkpoint or weights folder, never a
-checkpoint's `deepspeed/` optimizer state (several times the weights). A copy is named by the listing it was made
-from (names, sizes, modification times), so the same remote files are fetched once.
+A source in object storage (``s3://``, ``gs://``) is copied to ``$VITSCALE_CACHE/weights/`` first (`fetch`): only
+the files directly in the folder, never `deepspeed/`; a copy is named by its listing (names, sizes, mtimes).
 """
 
 from __future__ import annotations
@@ -22,17 +19,17 @@ from data_pipeline.paths import cache_dir, is_remote
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import CHECKPOINTS, COMPLETE, CONFIG_FILE, WEIGHTS_FILE
 
-HF_CONFIG = "config.json"  # transformers' config file, beside its model.safetensors
+HF_CONFIG = "config.json"  # transformers' config
 FOLDER_FILES = (WEIGHTS_FILE, CONFIG_FILE, HF_CONFIG)  # a path to one of these stands for its folder
-FETCHED = ".fetched"  # written last into a complete copy of a remote source
+FETCHED = ".fetched"  # written last into a complete remote copy
 
 
 class DamagedCheckpointError(ValueError):
-    """A COMPLETE checkpoint whose weights no longer match the checksums written at save."""
+    """A COMPLETE checkpoint whose weights fail their checksums."""
 
 
 def resolve(source: str | Path) -> Path:
-    """`locate`, and DamagedCheckpointError for a COMPLETE checkpoint whose weights fail their checksums."""
+    """`locate`, then DamagedCheckpointError if the checkpoint's weights fail their checksums."""
     path = locate(source)
     if run_folder.is_complete(path):
         verdict = checksums.verify(path, only=checksums.WEIGHT_FILES)
@@ -45,7 +42,7 @@ def resolve(source: str | Path) -> Path:
 
 
 def locate_setting(source: str, setting: str) -> Path:
-    """`locate` for a config setting: its FileNotFoundError as a ValueError naming ``setting``."""
+    """`locate`, FileNotFoundError as a ValueError naming ``setting``."""
     try:
         return locate(source)
     except FileNotFoundError as error:
@@ -53,8 +50,8 @@ def locate_setting(source: str, setting: str) -> Path:
 
 
 def locate(source: str | Path) -> Path:
-    """The file or folder whose weights ``source`` names, unverified; FileNotFoundError for a run without a COMPLETE
-    checkpoint. Anything else is for the loader to judge. A remote source is its local copy (`fetch`)."""
+    """The file or folder ``source`` names (a remote one's local copy), unverified; FileNotFoundError for a run
+    without a COMPLETE checkpoint."""
     path = fetch(str(source)) if is_remote(source) else Path(source)
     if path.is_file() and path.name in FOLDER_FILES:
         path = path.parent
@@ -71,20 +68,19 @@ def locate(source: str | Path) -> Path:
 
 
 def fetch(url: str) -> Path:
-    """The local copy of remote weights source ``url``: a folder, or the file itself for a single-file source (an
-    official ``.npz``). FileNotFoundError, naming the URL, for nothing there or a run without a COMPLETE checkpoint;
-    OSError naming it for the storage's refusals (credentials, network); ImportError without the storage's
-    filesystem (the `s3` / `gs` extras)."""
+    """The local copy of ``url``: a folder, or the file of a single-file source (an ``.npz``). FileNotFoundError
+    for nothing there or no COMPLETE checkpoint; OSError for the storage's refusals (credentials, network);
+    ImportError without its filesystem (the `s3` / `gs` extras)."""
     try:
         return _fetch(url)
     except (OSError, ImportError):  # FileNotFoundError included
         raise
-    except Exception as error:  # the storage client's own (botocore's NoCredentialsError is no OSError)
+    except Exception as error:  # e.g. botocore's NoCredentialsError
         raise OSError(f"{url}: {type(error).__name__}: {error}") from error
 
 
 def _fetch(url: str) -> Path:
-    # A client of its own: a cached one may hold the credentials and endpoint of an earlier environment
+    # a cached client may hold an earlier environment's credentials
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     root = root.rstrip("/")
     protocol = url.split("://", 1)[0]
@@ -117,7 +113,7 @@ def _newest_complete(fs, checkpoints: str, url: str) -> str:
 
 
 def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
-    """``files`` (fsspec `info` dicts, all in ``folder``) copied into a cache folder named after their listing."""
+    """``files`` (fsspec `info` dicts in ``folder``) copied to a cache folder named by their listing."""
     stamp = ("LastModified", "mtime", "updated")  # S3's, local's, GCS's
     listing = sorted(
         (Path(f["name"]).name, f.get("size"), str(next((f[k] for k in stamp if k in f), ""))) for f in files
@@ -126,7 +122,7 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
     local = cache_dir() / "weights" / key / Path(folder).name
     marker = json.dumps({"source": f"{protocol}://{folder}", "files": listing}) + "\n"
     if (local / FETCHED).is_file():
-        if (local / FETCHED).read_text() != marker:  # a copy made before the marker named its source
+        if (local / FETCHED).read_text() != marker:  # an older marker without the source
             (local / FETCHED).write_text(marker)
         return local
     local.mkdir(parents=True, exist_ok=True)
@@ -140,10 +136,10 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
 
 
 def origin(path: Path) -> str:
-    """Where weights that `resolve` returned live: a remote source's URL for its local copy, else ``path`` itself."""
+    """A remote source's URL for its local copy `resolve` returned, else ``path``."""
     folder = path if path.is_dir() else path.parent
     try:
         source = json.loads((folder / FETCHED).read_text())["source"]
-    except (OSError, ValueError, TypeError, KeyError):  # not a copy (or one from before the URL was kept)
+    except (OSError, ValueError, TypeError, KeyError):  # not a copy
         return str(path)
     return source if folder == path else f"{source}/{path.name}"
