@@ -1,18 +1,4 @@
-"""The shard-folder format: one dataset split, a local path or any fsspec URL (``file://``, ``s3://``, ``gs://``).
-
-  shard-000000.tar ...   WebDataset shards; members ``<key>.jpg``, ``<key>.cls``, ``<key>.json``
-  manifest.parquet       one row per shard: url (relative to the folder), samples, bytes, sha256
-  samples.parquet        one row per sample: key, shard, label, width, height, hashes, source, dedup flags
-  classes.parquet        label index -> name
-  shardindex.json        wids' index (``wids.ShardListDataset(path)``)
-  _info.json             timm's index (``ReaderWds(root=<folder>, split=<split>)``)
-  dataset.json           name, split, num_classes, num_samples, num_shards, write settings; written last
-  _write_settings.json   the writer's settings; a re-run with others is refused
-
-The reader indexes hold shard URLs relative to the folder, so it can move. A folder without them is a note for
-`check_reader_indexes`, repaired by ``python -m data_pipeline.validate DIR --write-index``.
-Entry points: `read_dataset_info`, `write_metadata`, `SamplesWriter`, `iter_samples`.
-"""
+"""The shard-folder format (docs/contracts.md, "Shard folders"): one split, a local path or any fsspec URL."""
 
 from __future__ import annotations
 
@@ -32,11 +18,11 @@ SAMPLES_FILE = "samples.parquet"
 CLASSES_FILE = "classes.parquet"
 DATASET_FILE = "dataset.json"
 WRITE_SETTINGS_FILE = "_write_settings.json"
-WIDS_INDEX_FILE = "shardindex.json"  # the name `widsindex create` gives
-TIMM_INFO_FILE = "_info.json"  # the first name timm's webdataset reader looks for
+WIDS_INDEX_FILE = "shardindex.json"
+TIMM_INFO_FILE = "_info.json"
 WIDS_KIND = "wids-shard-index-v1"
 SHARD_PATTERN = "shard-{index:06d}.tar"
-SHARD_GLOB = "shard-*.tar"  # every name SHARD_PATTERN makes
+SHARD_GLOB = "shard-*.tar"
 
 MANIFEST_SCHEMA = pa.schema(
     [("url", pa.string()), ("samples", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string())]
@@ -57,25 +43,23 @@ SAMPLES_SCHEMA = pa.schema(
         ("exact_duplicate", pa.bool_()),
     ]
 )
-SAMPLES_ROW_GROUP = 262_144  # a streamed reader holds about one row group at a time
+SAMPLES_ROW_GROUP = 262_144
 
 
 class ShardFormatError(ValueError):
-    """A shard folder is missing a file or contradicts itself; the message names the file and the fix."""
+    """A shard folder lacks a file or contradicts itself; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    url: str  # absolute URL (or local path) of the tar file
-    samples: int  # the stream checks what it reads against this
+    url: str  # absolute
+    samples: int
     bytes: int
     sha256: str
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """A split folder's metadata, read once."""
-
     root: str
     name: str
     split: str
@@ -99,24 +83,19 @@ def _fs_and_path(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def _read_parquet(fs: fsspec.AbstractFileSystem, file: str) -> list[dict[str, Any]]:
-    """The rows of a small Parquet file behind fsspec, read and decoded on the calling thread.
-
-    Arrow's pool threads must never hold bytes from a Python file object: at interpreter exit such a thread can
-    abort the process (exit 134; docs/reference.md §7, "Ending a process")."""
+    """On the calling thread: an Arrow pool thread holding a Python file's bytes can abort the process at exit
+    (docs/reference.md §7, "Ending a process")."""
     with fs.open(file, "rb") as f:
         return pq.ParquetFile(f, pre_buffer=False).read(use_threads=False).to_pylist()
 
 
 def join_url(root: str | Path, name: str) -> str:
-    """``name`` inside the folder ``root``, keeping a URL's scheme."""
     root = str(root)
-    if "://" in root:
-        return root.rstrip("/") + "/" + name
-    return str(Path(root) / name)
+    return root.rstrip("/") + "/" + name if "://" in root else str(Path(root) / name)
 
 
 def is_shard_folder(shard_dir: str | Path) -> bool:
-    """Whether ``shard_dir`` holds a ``manifest.parquet``: a shard folder, complete or being finished."""
+    """Whether ``shard_dir`` has a ``manifest.parquet`` (complete or being finished)."""
     fs, path = _fs_and_path(shard_dir)
     return bool(fs.isfile(posixpath.join(path, MANIFEST_FILE)))
 
@@ -136,15 +115,12 @@ def _damaged(root: str, name: str, error: Exception) -> ShardFormatError:
 
 
 def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
-    """The split's ``dataset.json`` (``num_classes``, ``num_samples`` as ints), None when absent.
-
-    ShardFormatError naming the file when it does not parse or lacks ``num_classes``."""
+    """The split's ``dataset.json``, None when absent; ShardFormatError when damaged."""
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
     file = posixpath.join(path, DATASET_FILE)
     if not fs.exists(file):
         return None
-    # The user's data: any way it fails to parse is one finding, "damaged", never a traceback.
     try:
         with fs.open(file, "r") as f:
             meta = json.load(f)
@@ -159,7 +135,7 @@ def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
 
 
 def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
-    """Read a split folder's metadata; ShardFormatError (a ValueError) names a missing or inconsistent file."""
+    """A split folder's metadata; ShardFormatError names a missing or inconsistent file."""
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
     if not fs.isdir(path):
@@ -171,18 +147,14 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
         if not fs.exists(posixpath.join(path, required)):
             raise _incomplete(root, required)
     meta = read_dataset_json(root)
-    if meta is None:  # removed since the check above
+    if meta is None:
         raise _incomplete(root, DATASET_FILE)
-    # As with dataset.json: any way a table fails to parse is "damaged", never a traceback.
     try:
         manifest = _read_parquet(fs, posixpath.join(path, MANIFEST_FILE))
         shards = tuple(
-            ShardInfo(
-                url=join_url(root, r["url"]), samples=int(r["samples"]), bytes=int(r["bytes"]), sha256=r["sha256"]
-            )
-            for r in manifest
+            ShardInfo(join_url(root, r["url"]), int(r["samples"]), int(r["bytes"]), r["sha256"]) for r in manifest
         )
-    except (OSError, ValueError, KeyError, TypeError) as error:  # pyarrow.ArrowInvalid is a ValueError
+    except (OSError, ValueError, KeyError, TypeError) as error:  # ArrowInvalid is a ValueError
         raise _damaged(root, MANIFEST_FILE, error) from None
     class_names: tuple[str, ...] = ()
     if fs.exists(posixpath.join(path, CLASSES_FILE)):
@@ -215,7 +187,6 @@ def dataset_info(source: str | Path | DatasetInfo) -> DatasetInfo:
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
-    """Write under a temporary name, then rename: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
@@ -228,10 +199,7 @@ def write_json_atomic(obj: dict, path: Path) -> None:
 
 
 class SamplesWriter:
-    """``samples.parquet`` written a row group at a time, in bounded memory.
-
-    The file is written under a temporary name and renamed by ``close()``: an interrupted writer leaves no half table.
-    """
+    """``samples.parquet`` a row group at a time, renamed into place by ``close()``."""
 
     def __init__(self, path: Path, schema: pa.Schema = SAMPLES_SCHEMA, row_group: int = SAMPLES_ROW_GROUP):
         self.path, self.schema, self.row_group = Path(path), schema, row_group
@@ -253,7 +221,6 @@ class SamplesWriter:
             self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
-        """Write whole row groups of ``row_group`` rows; keep the remainder pending unless ``final``."""
         table = pa.Table.from_batches(self._pending, self.schema)
         whole = table.num_rows if final else table.num_rows - table.num_rows % self.row_group
         if whole:
@@ -272,28 +239,24 @@ class SamplesWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # the next run starts the file again
+        else:
             self._writer.close()
             self._tmp.unlink(missing_ok=True)
 
 
 def iter_samples(shard_dir: str | Path, columns: list[str] | None = None, batch_rows: int = 65536):
-    """Stream ``samples.parquet`` (a folder's, or the file itself) as record batches of ``columns``.
-
-    Memory is about one row group of those columns, whatever the rows; ShardFormatError when missing or damaged.
-    """
+    """Record batches of ``columns`` of ``samples.parquet`` (a folder's, or the file), a row group in memory."""
     fs, path = _fs_and_path(shard_dir)
     file = path if path.endswith(".parquet") else posixpath.join(path, SAMPLES_FILE)
     try:
         with fs.open(file, "rb") as f:
-            # pre_buffer (pyarrow's default) caches what it read: memory would grow with the file
             parquet = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
             missing = set(columns or ()) - set(parquet.schema_arrow.names)
             if missing:
                 raise ShardFormatError(
                     f"{file} has no column(s) {sorted(missing)}; rewrite it with `python -m data_pipeline.write`"
                 )
-            yield from parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)  # _read_parquet
+            yield from parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
     except FileNotFoundError:
         raise ShardFormatError(f"{file} is missing; write the folder with `python -m data_pipeline.write`") from None
     except (OSError, pa.ArrowInvalid) as error:
@@ -301,9 +264,7 @@ def iter_samples(shard_dir: str | Path, columns: list[str] | None = None, batch_
 
 
 def int64_column(batch: pa.RecordBatch, name: str) -> np.ndarray:
-    """Column ``name`` as int64 numpy, straight from its Arrow buffer (pyarrow's ``to_numpy`` imports pandas).
-
-    ValueError on nulls, which no column the project writes holds."""
+    """Column ``name`` as int64 numpy from its Arrow buffer (``to_numpy`` imports pandas)."""
     column = batch.column(name).cast(pa.int64())
     if column.null_count:
         raise ValueError(f"column {name!r} holds {column.null_count} nulls")
@@ -311,17 +272,9 @@ def int64_column(batch: pa.RecordBatch, name: str) -> np.ndarray:
 
 
 def write_metadata(
-    out_dir: Path,
-    *,
-    shards: list[dict],
-    samples: pa.Table | None,
-    class_names: list[str],
-    dataset: dict,
+    out_dir: Path, *, shards: list[dict], samples: pa.Table | None, class_names: list[str], dataset: dict
 ) -> None:
-    """Write a split folder's metadata; ``dataset.json`` last, as the completion marker.
-
-    ``samples=None`` when a `SamplesWriter` already wrote ``samples.parquet``.
-    """
+    """A split folder's metadata, ``dataset.json`` last; ``samples=None``: already written."""
     out_dir = Path(out_dir)
     write_table_atomic(pa.Table.from_pylist(shards, schema=MANIFEST_SCHEMA), out_dir / MANIFEST_FILE)
     if samples is not None:
@@ -332,27 +285,16 @@ def write_metadata(
     )
     write_table_atomic(classes, out_dir / CLASSES_FILE)
     write_reader_indexes(out_dir, shards, dataset, len(class_names))
-    info = dict(dataset)
-    info["num_classes"] = len(class_names)
-    info["num_samples"] = sum(int(s["samples"]) for s in shards)
-    info["num_shards"] = len(shards)
-    write_json_atomic(info, out_dir / DATASET_FILE)
-
-
-def _index_names(out_dir: Path, dataset: dict) -> tuple[str, str]:
-    """(dataset, split) names: dataset.json's, else the folders'."""
-    out_dir = Path(out_dir)
-    return str(dataset.get("name") or out_dir.parent.name), str(dataset.get("split") or out_dir.name)
+    counts = dict(num_classes=len(class_names), num_samples=sum(int(s["samples"]) for s in shards))
+    write_json_atomic(dict(dataset, **counts, num_shards=len(shards)), out_dir / DATASET_FILE)
 
 
 def wids_index(shards: list[dict], name: str) -> dict:
-    """The wids shard index: each shard's relative URL and sample count."""
     shardlist = [dict(url=s["url"], nsamples=int(s["samples"]), filesize=int(s["bytes"])) for s in shards]
     return {"__kind__": WIDS_KIND, "wids_version": 1, "name": name, "shardlist": shardlist}
 
 
 def timm_info(shards: list[dict], name: str, split: str, num_classes: int) -> dict:
-    """timm's ``_info.json``: the split's sample count, relative shard names and per-shard lengths."""
     split_info = dict(
         name=split,
         num_samples=sum(int(s["samples"]) for s in shards),
@@ -363,22 +305,21 @@ def timm_info(shards: list[dict], name: str, split: str, num_classes: int) -> di
 
 
 def write_reader_indexes(out_dir: Path, shards: list[dict], dataset: dict, num_classes: int) -> None:
-    """Write ``shardindex.json`` (wids) and ``_info.json`` (timm) from the manifest rows ``shards``."""
-    name, split = _index_names(out_dir, dataset)
-    write_json_atomic(wids_index(shards, f"{name}-{split}"), Path(out_dir) / WIDS_INDEX_FILE)
-    write_json_atomic(timm_info(shards, name, split, num_classes), Path(out_dir) / TIMM_INFO_FILE)
+    out_dir = Path(out_dir)
+    name, split = str(dataset.get("name") or out_dir.parent.name), str(dataset.get("split") or out_dir.name)
+    write_json_atomic(wids_index(shards, f"{name}-{split}"), out_dir / WIDS_INDEX_FILE)
+    write_json_atomic(timm_info(shards, name, split, num_classes), out_dir / TIMM_INFO_FILE)
 
 
 def rewrite_reader_indexes(shard_dir: str | Path) -> None:
-    """(Re)write the reader indexes of a local split folder from its manifest."""
     info = read_dataset_info(shard_dir)
     root = Path(shard_dir)
-    rows = pq.ParquetFile(root / MANIFEST_FILE).read().to_pylist()  # a path: Arrow reads it without Python
+    rows = pq.ParquetFile(root / MANIFEST_FILE).read().to_pylist()
     write_reader_indexes(root, rows, dict(name=info.name, split=info.split), info.num_classes)
 
 
 def _read_index(root: str, name: str) -> tuple[dict | None, str | None]:
-    """(the index, None), (None, None) when absent, or (None, what is wrong with it)."""
+    """(the index, None), (None, None) when absent, or (None, what is wrong)."""
     fs, path = _fs_and_path(root)
     file = posixpath.join(path, name)
     if not fs.exists(file):
@@ -392,7 +333,6 @@ def _read_index(root: str, name: str) -> tuple[dict | None, str | None]:
 
 
 def _index_mismatch(name: str, root: str, info: DatasetInfo, urls: list, counts: list) -> str | None:
-    """How an index's shard URLs and counts differ from the manifest's, or None."""
     if any(not isinstance(u, str) or "://" in u or u.startswith("/") for u in urls):
         return f"{name} holds absolute shard URLs; they must be relative to the folder so that it can move"
     if [join_url(root, u) for u in urls] != info.shard_urls:
@@ -428,8 +368,7 @@ def _check_timm(root: str, info: DatasetInfo, index: dict) -> str | None:
 
 
 def check_reader_indexes(shard_dir: str | Path, info: DatasetInfo) -> tuple[list[str], list[str]]:
-    """(problems, notes) of the wids and timm indexes against the manifest: a damaged or contradicting index is a
-    problem, an absent one a note naming the fix."""
+    """(problems, notes) of the reader indexes: damaged or contradicting, or absent."""
     root = str(shard_dir)
     problems, notes = [], []
     for name, check in ((WIDS_INDEX_FILE, _check_wids), (TIMM_INFO_FILE, _check_timm)):

@@ -1,9 +1,5 @@
-"""Check a shard folder: checksums, counts, labels, a spot decode and the reader indexes (`validate`).
-
-    python -m data_pipeline.validate data/fractal/train [--spot 16] [--full] [--write-index]
-
-Missing reader indexes are a note, not damage; ``--write-index`` writes them from the manifest first.
-Exit status: 0 intact; 1 damaged (the report lists every problem); 2 not a shard folder, or bad arguments.
+"""Check a shard folder (`validate`): checksums, counts, labels, a spot decode and the reader indexes. Exit status:
+0 intact; 1 damaged; 2 not a shard folder, or bad arguments.
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ class ValidationReport:
     samples_read: int = 0
     decoded: int = 0
     problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # not damage (e.g. no reader index)
+    notes: list[str] = field(default_factory=list)  # not damage
     counters: dict = field(default_factory=dict)
 
     @property
@@ -75,7 +71,7 @@ def _check_shard(info: DatasetInfo, index: int, spot: int, full: bool, report: V
         return
     digest, size = hashlib.sha256(), 0
     with fs.open(path, "rb") as f:
-        while chunk := f.read(1 << 22):  # streamed: shards are hundreds of MB
+        while chunk := f.read(1 << 22):
             digest.update(chunk)
             size += len(chunk)
     if size != shard.bytes:
@@ -116,7 +112,7 @@ def _check_shard(info: DatasetInfo, index: int, spot: int, full: bool, report: V
 
 
 def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationReport:
-    """Validate a split folder; ShardFormatError when it is not one."""
+    """ShardFormatError when ``shard_dir`` is not a split folder."""
     info = read_dataset_info(shard_dir)
     report = ValidationReport(root=str(shard_dir), shards=len(info.shards), samples_expected=info.num_samples)
     for index in range(len(info.shards)):
@@ -139,7 +135,6 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
 
 
 def _write_index(shard_dir: str) -> None:
-    """``--write-index`` for a local folder; ShardFormatError otherwise."""
     if is_remote(shard_dir):
         raise ShardFormatError(f"--write-index writes local folders only; {shard_dir} is a URL")
     try:
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     except ShardFormatError as err:
         print(f"data_pipeline.validate: error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # a metadata file that does not parse
+    except ValueError as err:
         print(
             f"data_pipeline.validate: error: {args.shard_dir}: a metadata file is damaged ({err}); rewrite the "
             "folder with `python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",

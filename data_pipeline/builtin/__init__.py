@@ -1,1 +1,1 @@
-"""The built-in datasets, generated offline from a seed: formula-driven sets, digits, dSprites, counts."""
+"""Built-in datasets, generated offline from a seed."""

@@ -1,8 +1,6 @@
 """Generate the built-in datasets as shard folders, offline (`data_pipeline.builtin.sets`).
 
-python -m data_pipeline.builtin all --out data          # = `make shards`: what the shipped recipes and suites use
-python -m data_pipeline.builtin fractal --out data --set num_classes=64 --set images_per_class=500
-python -m data_pipeline.builtin rcdb --out data --set num_classes=21843 --set resolution=224 --workers 16
+python -m data_pipeline.builtin all --out data    # = `make shards`
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from data_pipeline.manifest import read_dataset_info
 
 
 def main(argv: list[str] | None = None) -> int:
+    known = ", ".join(f.name for f in fields(BuiltinConfig))
     p = argparse.ArgumentParser(
         prog="python -m data_pipeline.builtin",
         description="Generate built-in datasets as vitscale shard folders (offline).",
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FIELD=INT",
-        help=f"size override over the set's defaults, fields: {', '.join(f.name for f in fields(BuiltinConfig))}",
+        help=f"size override over the set's defaults, fields: {known}",
     )
     p.add_argument(
         "--workers",
@@ -60,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--set {item!r} must look like FIELD=INT, e.g. --set resolution=32")
             low = option_minimum(key)
             if low is None:
-                known = ", ".join(f.name for f in fields(BuiltinConfig))
                 raise ValueError(f"--set {item!r}: no field {key!r}; fields: {known}")
             if not value.strip().isdigit() or int(value) < low:
                 raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             check_sizes(name, config(name, **overrides))
         output_folder(args.out, "--out")
-        for name in names:  # a folder made with other settings stops `all` before it generates anything
+        for name in names:  # before `all` generates anything
             check_folder(name, args.out, **overrides)
         for name in names:
             start = time.perf_counter()

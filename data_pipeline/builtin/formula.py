@@ -1,8 +1,5 @@
-"""Formula-driven pre-training images: radial contours (RCDB) and fractals (FractalDB), docs/reference.md §9.
-
-Every image is a pure function of (seed, kind, split, class, instance, resolution): a class's formula comes from
-``(seed, class)`` alone, an instance's jitter from ``(seed, split, class, instance)``. So any subset is generated
-independently, in any order and any number of processes, with identical bytes. Entry point: `generate`.
+"""Formula-driven pre-training images (docs/reference.md §9): radial contours (RCDB) and fractals (FractalDB), each a
+pure function of (seed, kind, split, class, instance, resolution).
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from PIL import Image, ImageDraw
 
 JPEG_QUALITY = 95
 MAX_CLASSES = 21843  # ImageNet-21k's class count
-MIN_RESOLUTION = 16  # below this a contour or an attractor is a few pixels
+MIN_RESOLUTION = 16
 MAX_RESOLUTION = 224
 SPLIT_SALT = {"train": 1, "val": 2}
 
@@ -30,7 +27,6 @@ def encode_jpeg(img: Image.Image) -> bytes:
 
 
 def check_sizes(num_classes: int, images_per_class: int, val_per_class: int, resolution: int) -> None:
-    """ValueError for sizes no formula set can have."""
     if not 1 <= num_classes <= MAX_CLASSES:
         raise ValueError(f"num_classes={num_classes} is out of range; use 1..{MAX_CLASSES} (ImageNet-21k's count)")
     if images_per_class < 1 or val_per_class < 1:
@@ -41,14 +37,11 @@ def check_sizes(num_classes: int, images_per_class: int, val_per_class: int, res
         raise ValueError(f"resolution={resolution} is out of range; use {MIN_RESOLUTION}..{MAX_RESOLUTION} pixels")
 
 
-# ---- fractal (IFS)
-
-
 def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random contractive IFS of 2-4 affine maps; probabilities proportional to |det|, as in FractalDB."""
+    """A random contractive IFS of 2-4 affine maps, chosen in proportion to |det| (as FractalDB)."""
     n = int(rng.integers(2, 5))
     mats = rng.uniform(-1.0, 1.0, size=(n, 2, 2))
-    for k in range(n):  # contract each map so the attractor is bounded
+    for k in range(n):  # contract: a bounded attractor
         sigma = np.linalg.norm(mats[k], 2)
         mats[k] *= rng.uniform(0.45, 0.9) / max(float(sigma), 1e-6)
     shifts = rng.uniform(-1.0, 1.0, size=(n, 2))
@@ -57,29 +50,28 @@ def _random_ifs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def _chaos_game(mats, shifts, probs, rng, chains: int = 256, steps: int = 40, burn_in: int = 6) -> np.ndarray:
-    """Points on the attractor from many short chains, vectorised over chains."""
     cumulative = np.cumsum(probs)
-    picks = np.minimum(np.searchsorted(cumulative, rng.random((steps, chains))), len(probs) - 1)  # (T, C)
+    picks = np.minimum(np.searchsorted(cumulative, rng.random((steps, chains))), len(probs) - 1)
     x, y = rng.uniform(-1, 1, size=(2, chains))
     pts = np.empty((steps - burn_in, 2, chains))
     for step in range(steps):
-        m, t = mats[picks[step]], shifts[picks[step]]  # (C, 2, 2), (C, 2)
+        m, t = mats[picks[step]], shifts[picks[step]]
         x, y = m[:, 0, 0] * x + m[:, 0, 1] * y + t[:, 0], m[:, 1, 0] * x + m[:, 1, 1] * y + t[:, 1]
         if step >= burn_in:
             pts[step - burn_in, 0], pts[step - burn_in, 1] = x, y
-    return pts.transpose(0, 2, 1).reshape(-1, 2)  # (C * (steps - burn_in), 2)
+    return pts.transpose(0, 2, 1).reshape(-1, 2)
 
 
 def _render_points(pts: np.ndarray, res: int, rng: np.random.Generator) -> np.ndarray:
-    # Robust bounds: a few far-flung transient points must not shrink the figure.
+    # robust bounds
     sample = np.sort(pts[:: max(1, len(pts) // 512)], axis=0)
     lo, hi = sample[len(sample) // 100], sample[-1 - len(sample) // 100]
     margin = rng.uniform(0.05, 0.2)
     span = np.maximum(hi - lo, 1e-6)
-    uv = (pts - lo) / span * (1 - 2 * margin) + margin  # (P, 2) in [0, 1] for most points
+    uv = (pts - lo) / span * (1 - 2 * margin) + margin
     ij = np.clip((uv * res).astype(np.int64), 0, res - 1)
     counts = np.bincount(ij[:, 1] * res + ij[:, 0], minlength=res * res).reshape(res, res).astype(np.float32)
-    return 1.0 - np.exp(-counts / max(counts.mean() * 4, 1e-6))  # (res, res) intensity in [0, 1)
+    return 1.0 - np.exp(-counts / max(counts.mean() * 4, 1e-6))
 
 
 def _filling_rate(mats, shifts, probs, rng) -> float:
@@ -87,7 +79,7 @@ def _filling_rate(mats, shifts, probs, rng) -> float:
 
 
 def fractal_class(seed: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Class ``c``'s IFS from (seed, c) alone; degenerate ones (a dot, a line) rejected by filling rate."""
+    """Class ``c``'s IFS; degenerate ones (a dot, a line) rejected by filling rate."""
     rng = np.random.default_rng([seed, 7001, c])
     while True:
         ifs = _random_ifs(rng)
@@ -96,51 +88,42 @@ def fractal_class(seed: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def fractal_image(ifs, rng: np.random.Generator, res: int) -> Image.Image:
-    """One instance: jittered maps, a random colour, a random flip and 90-degree rotation."""
     mats, shifts, probs = ifs
     mats = mats * rng.uniform(0.9, 1.1, size=mats.shape)
     shifts = shifts + rng.normal(0.0, 0.05, size=shifts.shape)
-    chains = 256 * max(1, (res // 64) ** 2)  # constant point density per pixel
+    chains = 256 * max(1, (res // 64) ** 2)  # constant density per pixel
     intensity = _render_points(_chaos_game(mats, shifts, probs, rng, chains=chains), res, rng)
     colour = rng.uniform(0.3, 1.0, size=3)
     background = rng.uniform(0.0, 0.15, size=3)
-    rgb = background + intensity[..., None] * (colour - background)  # (res, res, 3)
+    rgb = background + intensity[..., None] * (colour - background)
     img = np.rot90(rgb, k=int(rng.integers(4)))
     if rng.random() < 0.5:
         img = img[:, ::-1]
     return Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8))
 
 
-# ---- radial contours (RCDB)
-
-
 def rcdb_class(seed: int, c: int, offset: float = 0.0, ramp: int = 0) -> dict:
-    """Class ``c``'s contour formula: vertices, nested contours, a radial sine perturbation and a radius profile.
-
-    Orientation is fixed per class, and with ``offset`` > 0 the centre too (up to ``offset`` half sides per axis), so
-    features keep them (docs/reference.md §9). ``ramp`` > 0: `ramp_background`. At 0, neither changes the bytes."""
+    """Class ``c``'s contour formula; with ``offset`` > 0 its centre is fixed (docs/reference.md §9)."""
     rng = np.random.default_rng([seed, 7005, c])
-    vertices = int(rng.integers(3, 13)) if rng.random() < 0.7 else 48  # polygons, or smooth closed curves
+    vertices = int(rng.integers(3, 13)) if rng.random() < 0.7 else 48  # polygons, or smooth curves
     return dict(
         vertices=vertices,
         contours=int(rng.integers(1, 5)),
         radius=float(rng.uniform(0.45, 0.9)),  # of the half side
-        spacing=float(rng.uniform(0.12, 0.3)),  # radius step between nested contours, relative
+        spacing=float(rng.uniform(0.12, 0.3)),  # relative radius step between contours
         freq=int(rng.integers(0, 7)),
         amplitude=float(rng.uniform(0.0, 0.3)),
         phase=float(rng.uniform(0, 2 * np.pi)),
         profile=rng.uniform(-0.15, 0.15, size=vertices),
         rotation=float(rng.uniform(0, 2 * np.pi)),
-        width=float(rng.uniform(0.5, 1.5)),  # line width in pixels per 32 px of resolution
-        offset=np.random.default_rng([seed, 9001, c]).uniform(-offset, offset, size=2),  # (x, y), of the half side
+        width=float(rng.uniform(0.5, 1.5)),  # pixels per 32 px of resolution
+        offset=np.random.default_rng([seed, 9001, c]).uniform(-offset, offset, size=2),  # (x, y), half sides
         ramp=int(ramp),
     )
 
 
 def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
-    """One instance: the contours with jittered width, scale, centre, radii, grey level and a small rotation.
-
-    Drawn at twice the resolution and reduced, so thin lines keep their shape at 32 px."""
+    """One instance, jittered; drawn at twice the resolution and reduced: thin lines keep their shape."""
     n, scale = spec["vertices"], 2 * res
     angles = spec["rotation"] + rng.normal(0.0, 0.05) + 2 * np.pi * np.arange(n) / n
     radial = 1 + spec["amplitude"] * np.sin(spec["freq"] * angles + spec["phase"]) + spec["profile"]
@@ -152,7 +135,7 @@ def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
     img = Image.new("L", (scale, scale), int(rng.integers(0, 40)))
     draw = ImageDraw.Draw(img)
     for k in range(spec["contours"]):
-        r = size * radial * (1 - k * spec["spacing"])  # (n,)
+        r = size * radial * (1 - k * spec["spacing"])
         if r.min() <= 0:
             break
         pts = np.stack([centre[0] + r * np.cos(angles), centre[1] + r * np.sin(angles)], 1)
@@ -161,28 +144,24 @@ def rcdb_image(spec: dict, rng: np.random.Generator, res: int) -> Image.Image:
     return ramp_background(rgb, rng, spec["ramp"]) if spec.get("ramp") else rgb
 
 
-RAMP_THRESHOLD = 40  # background: rcdb draws it below 40, lines at >= 160
+RAMP_THRESHOLD = 40  # rcdb draws the background below 40, lines at >= 160
 
 
 def ramp_background(img: Image.Image, rng: np.random.Generator, top: int) -> Image.Image:
-    """``img`` with its background (brightest channel <= RAMP_THRESHOLD) replaced by a linear blend of two random
-    colours (channels in [0, ``top``)) along a random direction: masked patch prediction must then read a patch's
-    colour from its neighbours (docs/demo.md, "Locality"). Drawn after the contour's draws: contours unchanged."""
+    """``img``'s background replaced by a random ramp, so a patch's colour comes from its neighbours
+    (docs/demo.md, "Locality")."""
     pixels = np.asarray(img)
     h, w, _ = pixels.shape
     start, end = rng.uniform(0, top, size=3), rng.uniform(0, top, size=3)
     angle = rng.uniform(0, 2 * np.pi)
     yy, xx = np.mgrid[0:h, 0:w] / np.array([max(h - 1, 1), max(w - 1, 1)])[:, None, None]
-    t = np.clip(np.cos(angle) * (xx - 0.5) + np.sin(angle) * (yy - 0.5) + 0.5, 0, 1)  # (h, w)
+    t = np.clip(np.cos(angle) * (xx - 0.5) + np.sin(angle) * (yy - 0.5) + 0.5, 0, 1)
     ramp = (start + t[..., None] * (end - start)).astype(np.uint8)
     foreground = pixels.max(axis=-1, keepdims=True) > RAMP_THRESHOLD
     return Image.fromarray(np.where(foreground, pixels, ramp))
 
 
-# ---- parallel driver
-
 CLASS_FORMULA: dict[str, Callable[..., object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
-# (the kind's class formula, rng, resolution) -> image
 RENDER: dict[str, Callable[[Any, np.random.Generator, int], Image.Image]] = {
     "fractal": fractal_image,
     "rcdb": rcdb_image,
@@ -190,7 +169,6 @@ RENDER: dict[str, Callable[[Any, np.random.Generator, int], Image.Image]] = {
 
 
 def _generate_classes(job: tuple) -> list[tuple[bytes, int, str]]:
-    """Every image of a block of classes of one split, as (jpeg bytes, label, source id)."""
     kind, seed, split, classes, per_class, res, class_options = job
     items = []
     for c in classes:
@@ -212,9 +190,7 @@ def generate(
     class_offset: float = 0.0,
     background_ramp: int = 0,
 ) -> list[tuple[bytes, int, str]]:
-    """All images of one split in class order, identical for any ``workers``.
-
-    ``class_offset`` (half sides) and ``background_ramp`` are rcdb's (`rcdb_class`'s ``offset`` and ``ramp``)."""
+    """All images of one split in class order, identical for any ``workers``."""
     if class_offset and kind != "rcdb":
         raise ValueError(f"class_offset={class_offset} applies to rcdb only; {kind} classes have no fixed position")
     if background_ramp and kind != "rcdb":
@@ -240,9 +216,7 @@ def generate(
 
 
 def measure_generation(kind: str, resolution: int, num_images: int) -> float:
-    """Images/s generated on one core in this process, JPEG encode included.
-
-    Cycles through 16 classes, so the class formula's cost (the fractal's rejection sampling) counts too."""
+    """Images/s generated on one core, JPEG encoding and 16 classes' formulas included."""
     if kind not in CLASS_FORMULA:
         raise ValueError(f"unknown formula kind {kind!r}; choose from {', '.join(CLASS_FORMULA)}")
     check_sizes(1, 1, 1, resolution)

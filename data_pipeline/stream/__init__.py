@@ -1,1 +1,1 @@
-"""Shards to batches: the order, shard reading, the training and eval streams, loader workers, augmentation."""
+"""Shards to batches: the order, shard reading, the streams, loader workers, augmentation."""

@@ -1,11 +1,4 @@
-"""Decode and augmentation of one image, packing into uint8 planes, float conversion, and batch mixup.
-
-Training (`decode_train_image`): Inception crop, flip, optional RandAugment; the crop, in whole pixels, is resized
-by PyTorch's antialiased bilinear kernel (`crop_resize`). Evaluation (`decode_eval_image`): square resize then
-centre crop, fused into one PIL ``Image.resize(box=...)``. Both may decode a JPEG at a reduced DCT scale
-(``AugmentConfig.scaled_decode``), and decode only the rows the resize reads (`decoded_pixels`, bit-identical to a
-full decode). Why: docs/reference.md §6. All randomness comes from the ``numpy.random.Generator`` passed in.
-"""
+"""Decode and augmentation of one image (docs/reference.md §6), packing, float conversion, and batch mixup."""
 
 from __future__ import annotations
 
@@ -20,11 +13,10 @@ import simplejpeg
 import torch
 from PIL import Image, ImageEnhance, ImageOps
 
-# What decoding a damaged or hostile image raises; the streams count that sample as corrupt and skip it.
+# What a damaged or hostile image raises (a corrupt sample)
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
-_BILINEAR = Image.Resampling.BILINEAR  # PIL's filter for the evaluation resize and RandAugment's geometric ops
-# A training image until `channels_first` packs it: uint8 (S, S, C), C = 1 grey, 3 RGB or 4 RGB + unread padding
-# (maybe a flipped view), or an RGB PIL image after RandAugment.
+_BILINEAR = Image.Resampling.BILINEAR
+# uint8 (S, S, C), C = 1 grey, 3 RGB or 4 RGB + padding, or an RGB PIL image (RandAugment)
 TrainImage = np.ndarray | Image.Image
 
 
@@ -38,8 +30,7 @@ class AugmentConfig:
     flip: bool = True  # horizontal flip with probability 1/2
     randaugment_n: int = 0  # number of RandAugment ops per image; 0 disables it
     randaugment_m: int = 0  # RandAugment magnitude, 0-30 (10 is the usual "full" strength)
-    # Decode a JPEG at 1/2, 1/4 or 1/8 DCT scale when the crop stays >= the output size (slightly different pixels).
-    scaled_decode: bool = True
+    scaled_decode: bool = True  # JPEG at 1/2-1/8 DCT scale while the crop stays >= the output size (other pixels)
 
     def validate(self) -> None:
         if not 0 < self.area_min <= self.area_max <= 1:
@@ -58,7 +49,7 @@ class AugmentConfig:
 
 
 def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: AugmentConfig) -> tuple:
-    """(left, top, right, bottom) of a random crop; after 10 failed draws, the largest centred crop in range."""
+    """A random crop box; after 10 failed draws, the largest centred crop in range."""
     area = width * height
     log_lo, log_hi = math.log(cfg.aspect_min), math.log(cfg.aspect_max)
     for _ in range(10):
@@ -81,16 +72,16 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
 
 
 def drafts(image_format: str | None, box: tuple, size: int) -> bool:
-    """Whether `drafted` reduces the DCT scale: a JPEG whose crop's short side is >= 2 x ``size``."""
+    """Whether `drafted` reduces the DCT scale: a JPEG crop's short side >= 2 x ``size``."""
     return image_format == "JPEG" and min(box[2] - box[0], box[3] - box[1]) >= 2 * size
 
 
 def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
-    """Draft a JPEG to the smallest DCT scale that leaves the crop >= ``size``; returns (image, box rescaled)."""
+    """(image drafted to the smallest DCT scale leaving the crop >= ``size``, box rescaled)."""
     width, height = img.size
     crop_short = min(box[2] - box[0], box[3] - box[1])
     if drafts(img.format, box, size):
-        factor = crop_short / size  # draft never reduces below the requested size
+        factor = crop_short / size
         img.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
         sx, sy = img.size[0] / width, img.size[1] / height
         box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
@@ -98,8 +89,6 @@ def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple
 
 
 def _segments(data: bytes):
-    """(marker, offset) of a JPEG's marker segments up to and including the first scan header (SOS) or the end
-    (EOI); stops early at anything that does not parse as markers."""
     if data[:2] != b"\xff\xd8":
         return
     i = 2
@@ -107,7 +96,7 @@ def _segments(data: bytes):
         if data[i] != 0xFF:
             return
         marker = data[i + 1]
-        if marker == 0xFF:  # fill byte before a marker
+        if marker == 0xFF:
             i += 1
             continue
         yield marker, i
@@ -117,31 +106,27 @@ def _segments(data: bytes):
 
 
 def jpeg_height_offset(data: bytes) -> int | None:
-    """Byte offset of the 2-byte big-endian frame height of a sequential Huffman JPEG (SOF0/SOF1), whose scan runs
-    top to bottom once, so a smaller height stops the decode there. None for anything else or a DNL height (0)."""
+    """Offset of the frame height of a sequential Huffman JPEG (SOF0/SOF1), else None."""
     for marker, i in _segments(data):
         if marker in (0xC0, 0xC1):
             return i + 5 if i + 7 <= len(data) and data[i + 5 : i + 7] != b"\0\0" else None
         if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xCC) or marker in (0xD9, 0xDA):
-            return None  # another frame type, or the scan / the end before any frame header
+            return None
     return None
 
 
 def jpeg_truncated(data: bytes) -> bool:
-    """Whether a JPEG ends before its end-of-image marker (FF D9), which a decoder told to stop early would miss.
-    In scan data FF is followed only by 00 or a restart marker, so an FF D9 after the first scan header is the end."""
+    """Whether a JPEG has no FF D9 after its first scan header (missed by a decoder told to stop early)."""
     scan = next((i for marker, i in _segments(data) if marker == 0xDA), None)
-    return scan is not None and data.rfind(b"\xff\xd9") < scan  # rfind: the marker is near the end
+    return scan is not None and data.rfind(b"\xff\xd9") < scan
 
 
 def decoded_rows(img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]) -> Image.Image:
-    """`decoded_pixels` as a PIL image (RGB, L or whatever PIL decoded), for PIL's resize."""
     pixels = decoded_pixels(img, data, box, size, full_size)
     return pixels if isinstance(pixels, Image.Image) else pixels_image(pixels)
 
 
 def pixels_image(pixels: np.ndarray) -> Image.Image:
-    """uint8 (H, W, C) -> a PIL image: RGBX (C = 4) as RGB without a copy (`rgbx_image`), RGB (3), grayscale (1)."""
     if pixels.shape[2] == 4:
         return rgbx_image(pixels)
     return Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
@@ -150,14 +135,12 @@ def pixels_image(pixels: np.ndarray) -> Image.Image:
 def decoded_pixels(
     img: Image.Image, data: bytes, box: tuple, size: int, full_size: tuple[int, int]
 ) -> np.ndarray | Image.Image:
-    """``img`` (opened lazily from ``data``, frame ``full_size``, maybe drafted) decoded, bit-identical to a full
-    decode, down to the last row that resizing ``box`` to ``size`` reads: the frame height is rewritten so that
-    libjpeg stops there. Undrafted RGB/grey JPEGs come from simplejpeg as uint8 (H, W, 4) RGB + padding or
-    (H, W, 1); the rest from PIL, as a loaded image."""
+    """``img`` decoded down to the last row resizing ``box`` to ``size`` reads, bit-identical to a full decode:
+    uint8 (H, W, 4 or 1) for undrafted RGB/grey JPEGs, else a PIL image."""
     if img.format != "JPEG":
         img.load()
         return img
-    if jpeg_truncated(data):  # worded as PIL's own error
+    if jpeg_truncated(data):
         raise OSError("image file is truncated: no end-of-image marker after the scan data")
     width, height = img.size
     full_width, full_height = full_size
@@ -165,22 +148,21 @@ def decoded_pixels(
     scale = next((s for s in (1, 2, 4, 8) if -(-full_width // s) == width), None)  # the draft's DCT scale
     rows = full_height
     if offset is not None and scale is not None:
-        # The resize reads to bottom + support + 0.5, support = max(box height / size, 1); the last decoded rows
-        # differ from a full decode (chroma upsampling), so keep one iMCU row (16 px) more.
+        # The resize reads to bottom + max(box height / size, 1) + 0.5; one iMCU row more (chroma upsampling).
         last = box[3] + max((box[3] - box[1]) / size, 1.0) + 1
         if height - size > 2 * (width - size) and height > size:
-            # Pillow resizes such a tall image vertical pass first (the other order rounds differently): keep it so.
+            # Pillow resizes such a tall image vertical pass first (the other order rounds differently).
             last = max(last, size + 2 * (width - size) + 1)
         rows = min(math.ceil(last * scale) + 16, full_height)
-    if offset is not None and rows < full_height:  # rows < full_height only where the header gave the offset
+    if offset is not None and rows < full_height:
         data = data[:offset] + rows.to_bytes(2, "big") + data[offset + 2 :]
     if scale == 1 and img.mode in ("RGB", "L"):
-        # strict=False: the scan data past the new height is skipped with libjpeg's "extraneous bytes" warning
+        # strict=False: scan data past the new height only warns
         return simplejpeg.decode_jpeg(data, colorspace="GRAY" if img.mode == "L" else "RGBX", strict=False)
     if rows < full_height:
         cut = Image.open(io.BytesIO(data))
         if scale is not None and scale > 1:
-            cut.draft("RGB", (full_width // scale, rows // scale))  # the same scale: W // (W // scale) == scale
+            cut.draft("RGB", (full_width // scale, rows // scale))
         if cut.size[0] == width and cut.mode == img.mode:
             img = cut
     img.load()
@@ -188,14 +170,14 @@ def decoded_pixels(
 
 
 def rgbx_image(pixels: np.ndarray) -> Image.Image:
-    """An RGB image over a C-contiguous uint8 (H, W, 4) RGB + padding array, without a copy (PIL's own layout)."""
+    """An RGB image over a C-contiguous uint8 (H, W, 4) RGB + padding array, without a copy."""
     height, width, _ = pixels.shape
     values = pa.Array.from_buffers(pa.uint8(), pixels.size, [None, pa.py_buffer(pixels)])
     return Image.fromarrow(pa.FixedSizeListArray.from_arrays(values, 4), "RGB", (width, height))
 
 
 def pixel_box(box: tuple, width: int, height: int) -> tuple[int, int, int, int]:
-    """Fractional ``box`` rounded to whole pixels inside the image, at least one pixel wide and high."""
+    """``box`` in whole pixels inside the image, at least one pixel wide and high."""
     left = min(max(round(box[0]), 0), width - 1)
     top = min(max(round(box[1]), 0), height - 1)
     right = min(max(round(box[2]), left + 1), width)
@@ -204,33 +186,29 @@ def pixel_box(box: tuple, width: int, height: int) -> tuple[int, int, int, int]:
 
 
 def pixel_array(pixels: np.ndarray | Image.Image) -> np.ndarray:
-    """`decoded_pixels`' output as uint8 (H, W, C): an array as is (2-D gets C = 1), a PIL image as RGB or L."""
     if isinstance(pixels, Image.Image):
         pixels = np.array(pixels.convert("RGB") if pixels.mode not in ("RGB", "L") else pixels)
     return pixels[:, :, None] if pixels.ndim == 2 else pixels
 
 
 def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.ndarray:
-    """The whole pixels of ``box`` (`pixel_box`) resized to C-contiguous uint8 (size, size, C) by PyTorch's
-    antialiased bilinear kernel: PIL's BILINEAR filter within 1 (tested), reading no pixel outside the crop.
-    ``pixels``: uint8 (H, W, C), C = 1, 3 or 4, or an RGB/L PIL image. Runs on torch's intra-op threads."""
+    """`pixel_box` of ``box`` resized by torch's antialiased bilinear kernel (PIL's within 1); uint8 (size, size, C)."""
     pixels = pixel_array(pixels)
     left, top, right, bottom = pixel_box(box, pixels.shape[1], pixels.shape[0])
-    crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]  # (1, C, h, w), a view
-    # The kernel's fast path wants a contiguous channels-last crop; its output then stays channels-last.
+    crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]
+    # channels-last: the kernel's fast path
     crop = crop.contiguous(memory_format=torch.channels_last)
     out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)
-    return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())  # channels-last out: a view, no copy
+    return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())
 
 
 def decode_train(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> np.ndarray:
-    """JPEG bytes -> augmented uint8 array (size, size, 3). Raises OSError/ValueError on a corrupt image."""
+    """JPEG bytes -> augmented uint8 (size, size, 3); one of ``DECODE_ERRORS`` on a corrupt image."""
     return rgb_array(decode_train_image(data, size, cfg, rng))
 
 
 def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> TrainImage:
-    """`decode_train` as the loader keeps it until `channels_first` (`TrainImage`)."""
-    img: Image.Image = Image.open(io.BytesIO(data))  # lazy: only the header is parsed until resize() decodes
+    img: Image.Image = Image.open(io.BytesIO(data))  # lazy
     width, height = img.size
     box = train_box(width, height, cfg, rng)
     if cfg is None or cfg.scaled_decode:
@@ -239,7 +217,6 @@ def decode_train_image(data: bytes, size: int, cfg: AugmentConfig | None, rng: n
 
 
 def train_box(width: int, height: int, cfg: AugmentConfig | None, rng: np.random.Generator) -> tuple:
-    """The training crop of a ``width`` x ``height`` image: an Inception crop, or the whole image."""
     if cfg is not None and cfg.inception_crop:
         return inception_crop_box(width, height, rng, cfg)
     return (0, 0, width, height)
@@ -248,8 +225,7 @@ def train_box(width: int, height: int, cfg: AugmentConfig | None, rng: np.random
 def augmented(
     pixels: np.ndarray | Image.Image, box: tuple, size: int, cfg: AugmentConfig | None, rng: np.random.Generator
 ) -> TrainImage:
-    """Decoded pixels -> the training image: ``box`` resized to ``size``, then the flip and RandAugment drawn from
-    ``rng``. Without RandAugment no PIL image is made (docs/performance.md, "No PIL image on the way")."""
+    """``box`` resized to ``size``, flipped, RandAugment (docs/performance.md, "No PIL image on the way")."""
     resized = crop_resize(pixels, box, size)
     flip = cfg is not None and cfg.flip and rng.random() < 0.5
     if cfg is None or cfg.randaugment_n == 0:
@@ -261,8 +237,7 @@ def augmented(
 
 
 def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
-    """Encoded image -> (all its pixels, uint8 (H, W, C); PIL's format name). Raises one of ``DECODE_ERRORS``
-    where `decode_train_image` would on any crop."""
+    """(all pixels, uint8 (H, W, C); PIL's format); raises where `decode_train_image` would."""
     img: Image.Image = Image.open(io.BytesIO(data))
     width, height = img.size
     image_format = img.format
@@ -277,37 +252,34 @@ def decoded_train_image(
     cfg: AugmentConfig | None,
     rng: np.random.Generator,
 ) -> TrainImage:
-    """`decode_train_image` of an image decoded whole (`decode_whole`): the same draws, bit-identical pixels. A crop
-    that decodes at a reduced DCT scale (`drafts`) is decoded from ``data``, which must then be given."""
+    """`decode_train_image` of a `decode_whole` image, bit-identical; a crop that `drafts` needs ``data``."""
     height, width = pixels.shape[:2]
     may_draft = (cfg is None or cfg.scaled_decode) and drafts(image_format, (0, 0, width, height), size)
-    state = rng.bit_generator.state if may_draft else None  # the crop's draws, replayed by the decode from bytes
+    state = rng.bit_generator.state if may_draft else None  # replayed by the decode from bytes
     box = train_box(width, height, cfg, rng)
     if may_draft and drafts(image_format, box, size):
         if data is None:
             raise ValueError(f"a {width}x{height} crop to {size} px decodes at a reduced scale: pass its bytes")
-        assert state is not None  # may_draft held, so the draws were saved
+        assert state is not None
         rng.bit_generator.state = state
         return decode_train_image(data, size, cfg, rng)
     return augmented(pixels, box, size, cfg, rng)
 
 
 def decode_eval(data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True) -> np.ndarray:
-    """Square resize to ``resize_size`` (None: ``size``) then centre crop ``size``, fused; uint8 (size, size, 3).
-    ``scaled_decode`` as in `AugmentConfig`."""
+    """Square resize to ``resize_size`` (None: ``size``) and centre crop ``size``; uint8 (size, size, 3)."""
     return np.asarray(decode_eval_image(data, size, resize_size, scaled_decode))
 
 
 def decode_eval_image(
     data: bytes, size: int, resize_size: int | None = None, scaled_decode: bool = True
 ) -> Image.Image:
-    """`decode_eval` as an RGB PIL image, for `channels_first`."""
     resize_size = resize_size or size
     if resize_size < size:
         raise ValueError(f"resize_size {resize_size} must be >= image_size {size}")
     img: Image.Image = Image.open(io.BytesIO(data))
     width, height = img.size
-    keep = size / resize_size  # the centre fraction kept on each axis
+    keep = size / resize_size
     w, h = width * keep, height * keep
     box = ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
     if scaled_decode:
@@ -320,30 +292,24 @@ def decode_eval_image(
 
 
 def planes(rows: int, size: int) -> np.ndarray:
-    """A fresh uint8 (rows, 3, size, size) for `channels_first`."""
     return np.empty((rows, 3, size, size), np.uint8)
 
 
 def rgb_array(image: TrainImage) -> np.ndarray:
-    """A `TrainImage` as a C-contiguous uint8 (S, S, 3) RGB array."""
     if isinstance(image, Image.Image):
         return np.asarray(image.convert("RGB") if image.mode != "RGB" else image)
-    return np.ascontiguousarray(np.broadcast_to(image[:, :, :3], (*image.shape[:2], 3)))  # grey: one plane thrice
+    return np.ascontiguousarray(np.broadcast_to(image[:, :, :3], (*image.shape[:2], 3)))
 
 
 def channels_first(images: Sequence[TrainImage], out: np.ndarray) -> np.ndarray:
-    """Images (S, S) (`TrainImage`) -> their rows of ``out``, uint8 (>= len(images), 3, S, S); returns those rows.
-    A grey plane is repeated thrice, as PIL's RGB conversion does."""
+    """Images -> their rows of uint8 ``out`` (>= len(images), 3, S, S), returned; grey as PIL's RGB."""
     for row, img in zip(out, images):
         if isinstance(img, np.ndarray):
-            row[...] = img[:, :, :3].transpose(2, 0, 1)  # (C, S, S), C = 1 broadcast
+            row[...] = img[:, :, :3].transpose(2, 0, 1)
             continue
         for plane, band in zip(row, "RGB"):
             plane[...] = np.frombuffer(img.tobytes("raw", band), np.uint8).reshape(plane.shape)
     return out[: len(images)]
-
-
-# ---- RandAugment
 
 
 def _level(m: int, high: float) -> float:
@@ -358,6 +324,10 @@ def _affine(img: Image.Image, matrix: tuple) -> Image.Image:
     return img.transform(img.size, Image.Transform.AFFINE, matrix, resample=_BILINEAR, fillcolor=(128, 128, 128))
 
 
+def _enhance(kind):
+    return lambda img, m, rng: kind(img).enhance(1 + _signed(_level(m, 0.9), rng))
+
+
 _OPS = {
     "identity": lambda img, m, rng: img,
     "autocontrast": lambda img, m, rng: ImageOps.autocontrast(img),
@@ -365,10 +335,10 @@ _OPS = {
     "rotate": lambda img, m, rng: img.rotate(_signed(_level(m, 30), rng), _BILINEAR, fillcolor=(128,) * 3),
     "solarize": lambda img, m, rng: ImageOps.solarize(img, max(0, 256 - int(_level(m, 256)))),
     "posterize": lambda img, m, rng: ImageOps.posterize(img, max(1, 8 - int(_level(m, 4)))),
-    "color": lambda img, m, rng: ImageEnhance.Color(img).enhance(1 + _signed(_level(m, 0.9), rng)),
-    "contrast": lambda img, m, rng: ImageEnhance.Contrast(img).enhance(1 + _signed(_level(m, 0.9), rng)),
-    "brightness": lambda img, m, rng: ImageEnhance.Brightness(img).enhance(1 + _signed(_level(m, 0.9), rng)),
-    "sharpness": lambda img, m, rng: ImageEnhance.Sharpness(img).enhance(1 + _signed(_level(m, 0.9), rng)),
+    "color": _enhance(ImageEnhance.Color),
+    "contrast": _enhance(ImageEnhance.Contrast),
+    "brightness": _enhance(ImageEnhance.Brightness),
+    "sharpness": _enhance(ImageEnhance.Sharpness),
     "shear_x": lambda img, m, rng: _affine(img, (1, _signed(_level(m, 0.3), rng), 0, 0, 1, 0)),
     "shear_y": lambda img, m, rng: _affine(img, (1, 0, 0, _signed(_level(m, 0.3), rng), 1, 0)),
     "translate_x": lambda img, m, rng: _affine(img, (1, 0, _signed(_level(m, 0.45) * img.size[0], rng), 0, 1, 0)),
@@ -378,62 +348,52 @@ RANDAUGMENT_OPS = tuple(_OPS)
 
 
 def randaugment(img: Image.Image, n: int, m: int, rng: np.random.Generator) -> Image.Image:
-    """RandAugment (Cubuk et al. 2020): ``n`` ops drawn uniformly with replacement, each at magnitude ``m``."""
+    """RandAugment (Cubuk et al. 2020): ``n`` ops drawn with replacement, at magnitude ``m``."""
     for k in rng.integers(len(RANDAUGMENT_OPS), size=n):
         img = _OPS[RANDAUGMENT_OPS[int(k)]](img, m, rng)
     return img
 
 
-# ---- batch
-
-
 def to_float_images(batch: np.ndarray | list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """uint8 images -> float32 (B, 3, S, S) in [-1, 1], the scaling the official ViT checkpoints expect.
-
-    ``batch``: one (B, S, S, 3) array, or uint8 tensors (b_i, 3, S, S), B = sum b_i, each converted straight into
-    its rows. ``out``: a contiguous float32 (B, 3, S, S) to overwrite.
-    """
+    """uint8 (B, S, S, 3) array, or tensors (b_i, 3, S, S) -> float32 (B, 3, S, S) in [-1, 1] (as the ViT
+    checkpoints expect), into ``out`` if given."""
     if isinstance(batch, np.ndarray):
-        batch = [torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)]  # (B, 3, S, S) view of uint8
+        batch = [torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)]
     rows = sum(len(piece) for piece in batch)
     if out is None:
         out = torch.empty((rows, *batch[0].shape[1:]), dtype=torch.float32)
     elif out.shape != (rows, *batch[0].shape[1:]) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor {(rows, *batch[0].shape[1:])}; got {out.shape}")
     start = 0
-    for piece in batch:  # one converting copy, cheaper than .float().contiguous()
+    for piece in batch:  # one converting copy: cheaper than .float()
         out[start : start + len(piece)].copy_(piece)
         start += len(piece)
     return _scale(out)
 
 
 def _scale(floats: torch.Tensor) -> torch.Tensor:
-    """Pixel values 0..255 (float32, in place) -> [-1, 1]; the one formula, on the host or on the device."""
+    """0..255 -> [-1, 1] in place; the one formula, on the host or the device."""
     return floats.mul_(1 / 127.5).sub_(1.0)
 
 
 def float_images_on(pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """uint8 (B, 3, S, S) -> float32 in [-1, 1] on ``device``: the numbers `to_float_images` gives, converted where
-    the batch is used (a GPU: a quarter of the bytes cross the bus). ``pixels`` may already be on ``device``."""
     return _scale(pixels.to(device, non_blocking=True).to(torch.float32))
 
 
 def mixup_lambda(alpha: float, rng: np.random.Generator) -> float:
-    """One mixup weight ~ Beta(alpha, alpha), folded so that the original image always dominates (its label stays
-    the argmax)."""
+    """A weight ~ Beta(alpha, alpha), folded to >= 0.5: the original's label stays the argmax."""
     lam = float(rng.beta(alpha, alpha))
     return max(lam, 1.0 - lam)
 
 
 def mix(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
-    """lam a + (1 - lam) b, as three separate operations in a's dtype, so the host and a GPU give the same bits."""
+    """lam a + (1 - lam) b, three operations in a's dtype: the host and a GPU give the same bits."""
     return lam * a + (1.0 - lam) * b
 
 
 def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
-    """Mixup, one lambda ~ Beta(alpha, alpha) per batch, of each image with its neighbour (the batch rolled by one).
-    ``targets``: float (B, K). Returns (images, targets, lam)."""
+    """(images, targets (B, K), lam) each mixed with the batch rolled by one."""
     lam = mixup_lambda(alpha, rng)
-    images = mix(images, images.roll(1, dims=0), lam)  # (B, 3, S, S)
-    targets = mix(targets, targets.roll(1, dims=0), lam)  # (B, K)
+    images = mix(images, images.roll(1, dims=0), lam)
+    targets = mix(targets, targets.roll(1, dims=0), lam)
     return images, targets, lam

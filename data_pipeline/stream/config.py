@@ -1,4 +1,4 @@
-"""`DataConfig`: the recipe's ``data:`` section, which is also the training stream's own configuration."""
+"""`DataConfig`: the recipe's ``data:`` section."""
 
 from __future__ import annotations
 
@@ -18,37 +18,29 @@ START_METHODS = ("fork", "forkserver", "spawn")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The recipe's ``data:`` section: what the training stream reads and how it batches it, the same on every rank
-    (`TrainStream` takes it whole), plus the built-in set, the resolution schedule and the epoch size for training.
-    Each field's own range is checked when the config is made (`check`, from `__post_init__`: a DataConfig that
-    exists is in range); what the fields must satisfy with the dataset and the world size is checked when a
-    `TrainStream` is made."""
+    """The same on every rank; each field's range is checked when it is made."""
 
     train: str = "data/imagenet21k/train"  # shard folder: a local path or an fsspec URL
     builtin: str | None = None  # a built-in set, generated at `train` when absent
     builtin_options: dict[str, Any] = field(default_factory=dict)  # BuiltinConfig sizes
     image_size: int = 224  # final training resolution
-    # [[step, size], ...] from step 0, ending at image_size (pretrain.config.progressive); () = off
+    # [[step, size], ...] from step 0 to image_size (pretrain.config.progressive); () = off
     resolution_schedule: tuple[tuple[int, int], ...] = ()
     global_batch_size: int = 4096  # images per optimizer step, all ranks
     micro_batch_size: int = 32  # images per rank per forward/backward
     epoch_images: int | None = None  # images per epoch for "ep" durations; None → dataset.json
     num_workers: int = 0  # DataLoader worker processes per rank
-    # Not fork by default: forking a training process, which runs threads, can hang the child
+    # not fork: forking a threaded training process can hang the child
     loader_start_method: Literal["fork", "forkserver", "spawn"] = "forkserver"
-    # Fixed streams of the data order (docs/design.md, "The training stream contract"); world sizes divide it
-    streams: int = 8
+    streams: int = 8  # the data order's streams (docs/design.md, "The training stream contract"); R divides it
     shuffle_buffer: int = 1000  # sample shuffle buffer per stream
     seed: int = 0  # stream seed: shard order, shuffle, augmentation
     mixup_alpha: float = 0.0  # mixup Beta(α, α); 0 disables
-    # Inception crop, flip, RandAugment (data_pipeline.stream.augment); null → resize only
+    # Inception crop, flip, RandAugment; null → resize only
     augment: AugmentConfig | None = field(default_factory=AugmentConfig)
-    # Retries of a failed shard read (backoff 0.1, 0.4, 1.6 s, ...) before it counts as damaged
-    read_retries: int = 3
-    # MiB per rank to hold the whole set decoded, used only if it all fits; 0: never
-    cache_mb: float = 256.0
-    # Where pixels become floats in [-1, 1]: "loader" (its workers, float32 to the device), "device" (uint8 to the
-    # device, a quarter of the bytes, through pinned memory on a GPU), "auto" (device on a GPU, else loader)
+    read_retries: int = 3  # of a failed shard read before it counts as damaged
+    cache_mb: float = 256.0  # MiB per rank for the whole set decoded, if it fits; 0: off
+    # where pixels become floats: "loader", "device" (uint8 sent), "auto" (device on a GPU)
     normalize_on: Literal["auto", "loader", "device"] = "auto"
 
     def __post_init__(self) -> None:
@@ -58,10 +50,8 @@ class DataConfig:
     def for_stream(
         cls, train: Any, *, micro_batch_size: int, image_size: int, world_size: int = 1, **fields: Any
     ) -> DataConfig:
-        """A config for a stream outside a recipe (benchmarks, tests): ``train`` may also be a Path or a
-        `DatasetInfo`; one micro-batch per step on each of ``world_size`` ranks (G = m × world_size); P =
-        world_size × max(1, num_workers) streams when that divides G, else world_size; no augmentation, no cache.
-        ``fields`` override any of these."""
+        """A config outside a recipe: G = m × world_size, P = world_size × max(1, num_workers) if that
+        divides G else world_size, no augmentation, no cache."""
         workers = fields.get("num_workers", 0)
         G = fields.pop("global_batch_size", micro_batch_size * world_size)
         P = world_size * max(1, workers)
@@ -71,25 +61,20 @@ class DataConfig:
         return cls(train=train, micro_batch_size=micro_batch_size, image_size=image_size, global_batch_size=G, **fields)
 
     def pixels_for(self, device_type: str) -> Literal["float", "uint8"]:
-        """What the stream hands a rank on ``device_type`` (`TrainStream`'s ``pixels``): uint8 where the device
-        normalizes."""
         on_device = self.normalize_on == "device" or (self.normalize_on == "auto" and device_type == "cuda")
         return "uint8" if on_device else "float"
 
     @property
     def builtin_root(self) -> Path:
-        """The local data root a built-in set is written under: ``train`` is ``<root>/<set>/train``."""
         return resolve_path(self.train).parent.parent
 
     def ensure_builtin(self) -> None:
-        """Write the built-in training set where ``train`` says, unless it is there. Called before training starts
-        (`pretrain.train`, the cluster driver, `cluster.launch`), never by a rank; `ensure` holds a file lock, so
-        processes that call it at once write it once."""
+        """Write the built-in training set at ``train`` unless there; before training, never by a rank."""
         if self.builtin is not None and not is_shard_folder(Path(self.train)):
             ensure(self.builtin, self.builtin_root, **self.builtin_options)
 
     def check(self) -> None:
-        """Raise ValueError naming ``data.<field>``, its value and the fix, for a value out of its own range."""
+        """ValueError naming ``data.<field>``, its value and the fix."""
         for name in ("image_size", "global_batch_size", "micro_batch_size"):
             positive(getattr(self, name), f"data.{name}")
         if self.epoch_images is not None:
@@ -112,7 +97,6 @@ class DataConfig:
 
 
 def _check_builtin(builtin: str, options: dict[str, Any]) -> None:
-    """A known set, known options, and the generator's own ranges: here, before anything is generated."""
     if ALIASES.get(builtin, builtin) not in BUILTIN_NAMES:
         raise ValueError(f"data.builtin={builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it")
     for key, value in options.items():

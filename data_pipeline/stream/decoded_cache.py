@@ -1,10 +1,5 @@
-"""The decoded cache (``data.cache_mb``): a training set that fits, held decoded in memory (all or nothing).
-
-`DecodedCache.build` reads every shard once, decoding each image whole (`decode_whole`); `DecodedCache.read` then
-stands in for `read_shard`. The batches are bit-identical with and without it: a shard read with damage is not
-cached, and an image that does not decode whole, or whose crops may decode at a reduced DCT scale (`drafts`), keeps
-its bytes. The pixels sit in one uint8 tensor, shared with loader workers by handle, not copied
-(docs/performance.md, "Data wait: predicted, and the decoded cache").
+"""The decoded cache (``data.cache_mb``), bit-identical batches (docs/performance.md, "Data wait: predicted, and the
+decoded cache").
 """
 
 from __future__ import annotations
@@ -25,13 +20,13 @@ from data_pipeline.stream.step_pool import shm_free
 
 log = logging.getLogger(__name__)
 
-PIXEL_BYTES = 4  # RGBX, as `decoded_pixels` decodes an RGB JPEG
-DECODED_KEY = "__decoded__"  # the sample's `Decoded` in what `DecodedCache.read` yields
+PIXEL_BYTES = 4  # RGBX
+DECODED_KEY = "__decoded__"  # a sample's `Decoded` from `DecodedCache.read`
 
 
 @dataclass(frozen=True)
 class Decoded:
-    """A cached sample's image: its whole pixels (uint8 (H, W, C)) and PIL's name of its format."""
+    """A cached sample's pixels (uint8 (H, W, C)) and PIL's format name."""
 
     pixels: np.ndarray
     image_format: str | None
@@ -39,19 +34,17 @@ class Decoded:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One cached sample: `read_shard`'s fields, the JPEG bytes only where a crop may need them, and its pixels at
-    ``offset`` of the cache's tensor with ``shape`` (H, W, C), or none."""
+    """One cached sample; its pixels at ``offset`` of the cache's tensor (``shape`` None: none)."""
 
-    fields: dict  # __key__, __url__, cls (bytes), any other member read_shard yielded
-    jpg: bytes | None
+    fields: dict  # `read_shard`'s, but jpg
+    jpg: bytes | None  # only where a crop may need them
     offset: int
     shape: tuple[int, int, int] | None
     image_format: str | None
 
 
 def planned_bytes(info: DatasetInfo, image_size: int, stop_above: float | None = None) -> int | None:
-    """Host bytes a cache of ``info`` would hold: RGBX pixels, plus the encoded bytes (an upper bound) where crops
-    may decode at a reduced scale. None where ``samples.parquet`` is unreadable; stops past ``stop_above``."""
+    """Host bytes of a cache of ``info`` (an upper bound; stops past ``stop_above``), None if unsized."""
     per_sample = sum(s.bytes for s in info.shards) / max(1, info.num_samples)
     total = 0
     try:
@@ -67,13 +60,13 @@ def planned_bytes(info: DatasetInfo, image_size: int, stop_above: float | None =
 
 
 class DecodedCache:
-    """The decoded samples of a training set's cleanly read shards; `read` replaces `read_shard`."""
+    """The decoded samples of a training set's cleanly read shards."""
 
     def __init__(self, shards: dict[str, list[_Entry]], pixels: torch.Tensor):
         self.shards, self.pixels = shards, pixels
         self._array: np.ndarray | None = None
 
-    def __getstate__(self) -> dict:  # to a loader worker: the tensor goes by its shared-memory handle
+    def __getstate__(self) -> dict:  # the tensor goes by its shared-memory handle
         return dict(shards=self.shards, pixels=self.pixels)
 
     def __setstate__(self, state: dict) -> None:
@@ -89,14 +82,13 @@ class DecodedCache:
         return sum(len(entries) for entries in self.shards.values())
 
     def read(self, url: str, expected: int | None, stats: Counter, retries: int | None = None) -> Iterator[dict]:
-        """`read_shard`'s samples of ``url``: from the cache when it holds the shard (each with its `Decoded` image
-        under ``DECODED_KEY`` and ``jpg`` None unless kept), else from storage."""
+        """`read_shard`'s samples, from the cache where it holds the shard (`Decoded` under ``DECODED_KEY``)."""
         entries = self.shards.get(url)
         if entries is None:
             yield from read_shard(url, expected, stats, retries)
             return
         if self._array is None:
-            self._array = self.pixels.numpy()  # once per process: a worker's view of the shared storage
+            self._array = self.pixels.numpy()
         for e in entries:
             sample = dict(e.fields, jpg=e.jpg)
             if e.shape is not None:
@@ -109,8 +101,7 @@ class DecodedCache:
     def build(
         cls, info: DatasetInfo, image_size: int, limit_mb: float, shared: bool, reserve_bytes: int = 0
     ) -> tuple[DecodedCache | None, str]:
-        """(the cache or None, a line saying why). None unless the set fits in ``limit_mb`` and, when ``shared``,
-        in /dev/shm beside ``reserve_bytes``."""
+        """(the cache, or None unless it fits ``limit_mb`` and, if ``shared``, /dev/shm; why)."""
         if limit_mb <= 0:
             return None, "decoded cache off (data.cache_mb=0)"
         need = planned_bytes(info, image_size, stop_above=limit_mb * 2**20)
@@ -138,7 +129,6 @@ class DecodedCache:
 
     @classmethod
     def _read_all(cls, info: DatasetInfo, image_size: int) -> DecodedCache:
-        """Every shard read once and every image decoded whole; shards whose read counted anything are left out."""
         shards: dict[str, list[_Entry]] = {}
         arrays: list[np.ndarray] = []
         offset = 0
@@ -153,14 +143,14 @@ class DecodedCache:
                     try:
                         pixels, image_format = decode_whole(jpg)
                     except DECODE_ERRORS:
-                        pixels = None  # decoded per crop from its bytes, and counted there
+                        pixels = None  # counted when decoded per crop
                     if pixels is not None:
                         keep = drafts(image_format, (0, 0, pixels.shape[1], pixels.shape[0]), image_size)
                         entry = _Entry(fields, jpg if keep else None, offset, pixels.shape, image_format)
                         pieces.append(pixels.reshape(-1))
                         offset += pixels.size
                 entries.append(entry)
-            if stats:  # damage counted: read from storage every time
+            if stats:
                 offset = start
                 continue
             shards[shard.url] = entries

@@ -1,7 +1,4 @@
-"""The evaluation stream (`EvalStream`): every sample of a split exactly once across all ranks, no augmentation.
-
-Shards are dealt to ranks, then loader workers, by ``balanced_split`` in manifest order; nothing is shuffled or seeded.
-"""
+"""`EvalStream`: every sample of a split once across all ranks, unaugmented, in manifest order."""
 
 from __future__ import annotations
 
@@ -19,12 +16,12 @@ from data_pipeline.stream.loader import worker_items
 from data_pipeline.stream.order import balanced_split
 from data_pipeline.stream.shards import read_shard, sample_label
 
-# (uint8 pixels (B, 3, S, S), labels, keys, counters): one worker item
+# (uint8 pixels, labels, keys, counters)
 _EvalItem = tuple[torch.Tensor, list[int], list[str], dict[str, int]]
 
 
 class _EvalShards(IterableDataset):
-    """The shards of one rank, ``slices[w]`` read by worker w, as batches of uint8 pixels (the last one partial)."""
+    """One rank's shards, ``slices[w]`` read by worker w, as uint8 batches."""
 
     def __init__(
         self,
@@ -61,11 +58,10 @@ class _EvalShards(IterableDataset):
                 if len(images) == self.batch_size:
                     yield self._batch(images, labels, keys, stats)
                     images, labels, keys = [], [], []
-        if images or stats:  # the last partial batch is kept; an empty one still carries the counters
+        if images or stats:  # an empty batch still carries the counters
             yield self._batch(images, labels, keys, stats)
 
     def _batch(self, images: list[Image.Image], labels: list[int], keys: list[str], stats: Counter) -> _EvalItem:
-        """One `_EvalItem`; the consumer converts to float, so a worker hands over a quarter of the bytes."""
         pixels = torch.from_numpy(channels_first(images, out=planes(len(images), self.image_size)))
         out = (pixels, list(labels), list(keys), dict(stats))
         stats.clear()
@@ -73,12 +69,8 @@ class _EvalShards(IterableDataset):
 
 
 class EvalStream:
-    """This rank's batches (float32 images, int64 labels[, keys with ``return_keys``]), the last one partial.
-
-    Ranks may get different batch counts (evaluation needs no lockstep). ``num_samples``: this rank's share by the
-    manifest; ``stats``: what could not be read. ``float_images=False`` yields the uint8 pixels (B, 3, S, S) instead,
-    for a caller that keeps images (a quarter of the bytes) and converts them with `to_float_images` when used.
-    """
+    """This rank's batches (float32 images, int64 labels[, keys]); ``float_images=False``: uint8 pixels.
+    ``num_samples``: this rank's share; ``stats``: what could not be read."""
 
     def __init__(
         self,
@@ -112,12 +104,11 @@ class EvalStream:
         self.stats: Counter = Counter()
 
     def __iter__(self) -> Iterator[tuple]:
-        # evaluation draws nothing: any fixed seed will do for the workers
         batches = worker_items(self._dataset, self.num_workers, self.multiprocessing_context, seed_key=(0,))
         for pixels, labels, keys, stats in batches:
             self.stats.update(stats)
             if not labels:
                 continue
-            x = to_float_images([pixels]) if self.float_images else pixels  # (B, 3, S, S)
-            y = torch.tensor(labels, dtype=torch.int64)  # (B,)
+            x = to_float_images([pixels]) if self.float_images else pixels
+            y = torch.tensor(labels, dtype=torch.int64)
             yield (x, y, keys) if self.return_keys else (x, y)

@@ -1,6 +1,4 @@
-"""DataLoader workers for both streams (`worker_items`): the start method, with the stream modules preloaded in the
-fork server, and the workers' base seed, drawn from a private generator.
-"""
+"""DataLoader workers for both streams (`worker_items`)."""
 
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-# The modules whose datasets the workers unpickle (TrainStream's epochs, EvalStream's shards), with all they import.
 _WORKER_MODULES = ("data_pipeline.stream.train_stream", "data_pipeline.stream.eval_stream")
 
 
@@ -24,8 +21,7 @@ def worker_items(
     seed_key: tuple[int, ...],
     prefetch_factor: int | None = None,
 ) -> Iterator[Any]:
-    """``dataset``'s items: read in this process with ``num_workers=0``, else by that many DataLoader workers
-    (``start_method`` None: the platform's default), interleaved round-robin in worker order."""
+    """``dataset``'s items, read here (``num_workers=0``) or by DataLoader workers round-robin."""
     if num_workers == 0:
         return iter(dataset)
     loader = DataLoader(
@@ -41,9 +37,7 @@ def worker_items(
 
 
 class _Environment:
-    """A forkserver worker's environment made this process's as the loader starts, as a fork or spawn worker's is.
-    Forked from the fork server, it would otherwise have the environment the server started with (at the process's
-    first forkserver loader): an object-store endpoint or credentials set since then would not reach the reads."""
+    """A forkserver worker gets this process's environment, not the fork server's from its start."""
 
     def __init__(self, environ: dict[str, str]):
         self.environ = environ
@@ -54,21 +48,13 @@ class _Environment:
 
 
 def _start_method(method: str | None) -> str | None:
-    """``method``, with the stream modules preloaded in the fork server when it is ``forkserver``.
-
-    forkserver, the default, never forks the threaded training process, which can hang the child
-    (docs/reference.md §6, "DataLoader workers"). Preloaded, a new epoch's workers need not import torch again.
-    Effective only before the process's fork server starts (its first forkserver loader).
-    """
+    """Preloads the stream modules in the fork server (forkserver never forks the threaded training process:
+    docs/reference.md §6, "DataLoader workers")."""
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(list(_WORKER_MODULES))
     return method
 
 
 def _loader_generator(*key: int) -> torch.Generator:
-    """A generator seeded by ``key``, from which a DataLoader draws its workers' base seed.
-
-    Without it that draw comes from the global torch generator, which dropout uses, so making a loader would shift
-    the model's random stream. Workers seed every choice by position, so the base seed need only be reproducible.
-    """
+    """The DataLoader's base seed, from a private generator: not the global one dropout uses."""
     return torch.Generator().manual_seed(int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0]))

@@ -1,10 +1,5 @@
-"""The loader's images/s on one core (`loader_rate`), from which the planner predicts a step's data wait
-(docs/performance.md, "Data wait: predicted, and the decoded cache").
-
-It times the training stream itself (no loader workers, one torch thread) on the run's shards, from a decoded
-cache when the run will have one, or on synthetic JPEGs where the set is not readable here. The clock is process
-CPU time, so the rate is per core; the first step (the shuffle buffer's fill) is not timed. Measured once per CPU,
-library versions, data, resolution, augmentation and cache use, and cached in ``cache_path()``.
+"""The loader's images/s on one core (`loader_rate`), for the planner's data wait (docs/performance.md, "Data wait:
+predicted, and the decoded cache").
 """
 
 from __future__ import annotations
@@ -33,16 +28,16 @@ from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 MEASURE_SECONDS = 0.5  # timed CPU seconds, after the first step
-MEASURE_SAMPLES = 320  # at least this many samples' shards are read (10 batches of 32)
+MEASURE_SAMPLES = 320  # at least this many samples' shards are read
 BATCH = 32
-SYNTHETIC_IMAGES = 128  # JPEGs written when the training set is not readable here
-VERSION = 2  # of the measurement: a change to what is timed makes the cached rates stale
+SYNTHETIC_IMAGES = 128  # JPEGs timed when the training set is not readable here
+VERSION = 2  # bumped when what is timed changes: cached rates go stale
 
 
 @dataclass(frozen=True)
 class LoaderRate:
     img_s_per_core: float
-    source: str  # one line: where the number comes from
+    source: str  # where the number comes from
 
 
 def cache_path() -> Path:
@@ -50,7 +45,6 @@ def cache_path() -> Path:
 
 
 def cpu_model() -> str:
-    """This machine's CPU model name (/proc/cpuinfo), or torch's name for its vector units where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -61,12 +55,11 @@ def cpu_model() -> str:
 
 
 def cache_fits(info: DatasetInfo, image_size: int, cache_mb: float) -> bool:
-    """Whether a run with ``data.cache_mb`` = ``cache_mb`` holds ``info`` decoded (`DecodedCache.build`'s rule)."""
     return cache_bytes(info, image_size, cache_mb) > 0
 
 
 def cache_bytes(info: DatasetInfo, image_size: int, cache_mb: float) -> int:
-    """Host bytes of a rank's decoded cache: `planned_bytes`, or 0 where the set does not fit (or is unsized)."""
+    """`planned_bytes`, or 0 where the cache does not fit (or is unsized)."""
     limit = cache_mb * 2**20
     need = planned_bytes(info, image_size, stop_above=limit) if cache_mb > 0 else None
     return need if need is not None and need <= limit else 0
@@ -79,11 +72,10 @@ def loader_rate(
     cache_mb: float = 0.0,
     synthetic_side: int | None = None,
 ) -> LoaderRate:
-    """Images/s one core loads for a run reading ``location`` (None or unreadable: synthetic JPEGs of short side
-    ``synthetic_side``, default 1.15 x ``image_size``); measured on first use, then cached."""
+    """Images/s one core loads for a run reading ``location`` (None or unreadable: synthetic JPEGs)."""
     try:
         info = dataset_info(location) if location is not None else None
-    except Exception:  # absent, remote without its filesystem, damaged: timed on synthetic shards instead
+    except Exception:  # absent, unreachable or damaged
         info = None
     cached = info is not None and cache_fits(info, image_size, cache_mb)
     side = synthetic_side or round(image_size * 1.15)
@@ -120,7 +112,6 @@ def _measure(
 
 
 def _first_shards(info: DatasetInfo) -> DatasetInfo:
-    """``info`` cut to its first shards holding >= ``MEASURE_SAMPLES`` samples: the timed reads, and nothing more."""
     count, shards = 0, []
     for shard in info.shards:
         shards.append(shard)
@@ -131,7 +122,6 @@ def _first_shards(info: DatasetInfo) -> DatasetInfo:
 
 
 def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | None, cached: bool) -> float:
-    """Images per CPU second of a one-stream `TrainStream` over ``info``, after its first step."""
     batch = min(BATCH, max(1, info.num_samples // 2))
     spec = DataConfig.for_stream(
         info,
@@ -143,8 +133,8 @@ def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | No
         cache_mb=float(2**20) if cached else 0.0,
     )
     threads, stream_log = torch.get_num_threads(), logging.getLogger("data_pipeline.stream.train_stream")
-    torch.set_num_threads(1)  # per core, as in a loader worker
-    stream_log.disabled = True  # its decoded-cache line is about a run's stream
+    torch.set_num_threads(1)  # as in a loader worker
+    stream_log.disabled = True  # its decoded-cache line
     try:
         batches = iter(TrainStream(spec))
         next(batches)
@@ -159,8 +149,6 @@ def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | No
 
 
 def _synthetic_shards(root: Path, side: int) -> Path:
-    """Shards of ``SYNTHETIC_IMAGES`` photo-like JPEGs (quality 90, smooth colour fields plus grain, short side
-    ``side``, 4:3) written by the project's shard writer."""
     rng = np.random.default_rng(0)
     items = []
     for i in range(SYNTHETIC_IMAGES):
@@ -178,9 +166,9 @@ def _synthetic_shards(root: Path, side: int) -> Path:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Replace a per-machine cache file whole, so a reader never sees half of one (also `pretrain.telemetry.peak`'s)."""
+    """Replace a per-machine cache file whole (also `pretrain.telemetry.peak`'s); a read-only home is skipped."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, text)
-    except OSError:  # a read-only home: the number is still used, only measured again next time
+    except OSError:
         pass

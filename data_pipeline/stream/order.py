@@ -1,9 +1,5 @@
-"""The training order (docs/elastic.md, "Data order"): which sample every rank reads at every step, and the position
-that resumes it exactly at any world size.
-
-Notation: G global batch, m micro-batch, P canonical streams, R ranks, c = G / P, A = G / (R m). `TrainPlan` is a
-rank's share, with every random choice seeded by its position; `stream_draws` reads one stream; `stream_state`,
-`merge_stream_states` and `rank_position` save, join and split the position.
+"""The training order (docs/elastic.md, "Data order") and the position that resumes it at any world size. G global
+batch, m micro-batch, P streams, R ranks, c = G / P, A = G / (R m).
 """
 
 from __future__ import annotations
@@ -21,21 +17,17 @@ from data_pipeline.manifest import DatasetInfo, ShardFormatError
 from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.shards import read_shard
 
-STATE_VERSION = 2  # version 1 held per-rank positions, meaningless in the canonical streams
-# Seed keys of the buffers and of mixup are 6 words ending in a tag, so they differ from each other and from the 5-word
-# augmentation keys. Nonzero tags: numpy's SeedSequence reads a trailing 0 as no word in short keys.
+STATE_VERSION = 2
+# 6-word seed keys ending in a tag: unlike each other and the 5-word augmentation keys (a trailing 0 counts as none)
 _BUFFER_TAG, _MIXUP_TAG = 1, 2
 
-Draw = tuple[int, int, int, dict]  # (shard, member, repeat, sample): one draw from a stream's shuffle buffer
+Draw = tuple[int, int, int, dict]  # (shard, member, repeat, sample)
 
 
 def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list[int]]:
-    """Deal items (in ``order``) to ``parts`` bins, each to the bin with the smallest total so far (ties: lowest bin).
-
-    A heap of (total, bin) makes the same choices as a scan of every bin, in O(log parts) per item.
-    """
+    """Deal items (in ``order``) to ``parts`` bins, each to the least full so far (ties: the lowest)."""
     bins: list[list[int]] = [[] for _ in range(parts)]
-    heap = [(0, b) for b in range(parts)]  # already a heap: sorted
+    heap = [(0, b) for b in range(parts)]
     for item in order:
         total, k = heap[0]
         bins[k].append(item)
@@ -45,7 +37,7 @@ def balanced_split(order: list[int], counts: list[int], parts: int) -> list[list
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """One rank's share of the order (picklable, for its workers): a `DataConfig` resolved and checked."""
+    """One rank's share of the order (picklable): a `DataConfig` resolved and checked."""
 
     info: DatasetInfo
     micro_batch: int  # m
@@ -54,7 +46,7 @@ class TrainPlan:
     image_size: int
     rank: int
     world_size: int
-    workers: int  # logical workers of this rank: min(max(1, num_workers), P / R)
+    workers: int  # logical workers of this rank
     seed: int
     shuffle_buffer: int
     augment: AugmentConfig | None
@@ -65,12 +57,12 @@ class TrainPlan:
 
     @property
     def chunk(self) -> int:
-        """c: samples each stream gives every global batch."""
+        """c: samples each stream gives a global batch."""
         return self.global_batch // self.streams
 
     @property
     def accumulation(self) -> int:
-        """A: micro-batches of this rank per global batch."""
+        """A: this rank's micro-batches per global batch."""
         return self.global_batch // (self.world_size * self.micro_batch)
 
     @property
@@ -79,12 +71,11 @@ class TrainPlan:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
     def worker_streams(self, logical: int) -> list[int]:
-        """The contiguous group of this rank's streams that logical worker ``logical`` reads."""
         mine = self.rank_streams
         return list(mine[logical * len(mine) // self.workers : (logical + 1) * len(mine) // self.workers])
 
     def stream_shards(self, epoch: int) -> list[list[int]]:
-        """Shard indices of every stream in ``epoch``, in reading order (the same at every R and W)."""
+        """Every stream's shards in ``epoch``, in reading order (the same at every R and W)."""
         live = [i for i, c in enumerate(self.info.shard_counts) if c > 0]
         order = [live[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(live))]
         return balanced_split(order, self.info.shard_counts, self.streams)
@@ -97,19 +88,15 @@ class TrainPlan:
         return min(self.capacities(epoch)) // self.chunk
 
     def buffer_rng(self, epoch: int, stream: int) -> np.random.Generator:
-        """The shuffle buffer of ``stream`` in ``epoch``."""
         return np.random.default_rng([self.seed, epoch, stream, 0, 0, _BUFFER_TAG])
 
     def augment_rng(self, epoch: int, shard: int, member: int, repeat: int) -> np.random.Generator:
-        """The augmentation of one sample: member ``member`` of shard ``shard``, read in pass ``repeat``."""
         return np.random.default_rng([self.seed, epoch, shard, member, repeat])
 
     def mixup_rng(self, epoch: int, stream: int, step: int) -> np.random.Generator:
-        """Mixup of ``stream``'s chunk of global batch ``step``."""
         return np.random.default_rng([self.seed, epoch, stream, step, 0, _MIXUP_TAG])
 
     def fingerprint(self) -> dict[str, int]:
-        """What a saved position is only valid for: the same data, seed, global batch, streams and buffer."""
         return dict(
             seed=self.seed,
             global_batch_size=self.global_batch,
@@ -121,7 +108,7 @@ class TrainPlan:
 
 
 def check_split(info: DatasetInfo, G: int, m: int, P: int, R: int, mixup_alpha: float) -> None:
-    """The divisibility the stream split needs (pretrain.config.ds_config.batch_plan checks the same for a config)."""
+    """The divisibility the stream split needs (as pretrain.config.ds_config.batch_plan)."""
     if G < 1 or P < 1:
         raise ValueError(f"global_batch_size and streams must be >= 1, got {G} and {P}")
     if G % P:
@@ -151,7 +138,6 @@ def check_split(info: DatasetInfo, G: int, m: int, P: int, R: int, mixup_alpha: 
 
 
 def _shuffled(items: Iterator[Draw], size: int, rng: np.random.Generator) -> Iterator[Draw]:
-    """Seeded shuffle buffer over a finite iterator; at its end the buffer drains in a seeded random order."""
     if size <= 1:
         yield from items
         return
@@ -170,9 +156,7 @@ def _shuffled(items: Iterator[Draw], size: int, rng: np.random.Generator) -> Ite
 def stream_draws(
     plan: TrainPlan, epoch: int, stream: int, shards: list[int], stats: Counter, read: Callable = read_shard
 ) -> Iterator[Draw]:
-    """Endless buffer draws of ``stream`` in ``epoch``, reading ``shards`` through ``read`` (`read_shard` or
-    `DecodedCache.read`). ``repeat`` counts passes; each pass drains the buffer before the next, so a pass 1 (only
-    when damage left the stream short) never mixes with pass 0."""
+    """Endless buffer draws of ``stream`` in ``epoch``; each pass (``repeat``) drains the buffer first."""
     size = min(plan.shuffle_buffer, sum(plan.info.shards[s].samples for s in shards))
     rng = plan.buffer_rng(epoch, stream)
 
@@ -192,8 +176,7 @@ def stream_draws(
 
 
 def stream_state(plan: TrainPlan, epoch: int, step: int, draws: dict[int, int], stats: Counter) -> dict[str, Any]:
-    """A rank's position (plain ints: JSON-serialisable): ``step`` global batches of ``epoch`` done, ``draws`` of
-    each of its streams, and its counters."""
+    """A rank's position (JSON-serialisable) after ``step`` global batches of ``epoch``."""
     return dict(
         version=STATE_VERSION,
         epoch=epoch,
@@ -205,8 +188,7 @@ def stream_state(plan: TrainPlan, epoch: int, step: int, draws: dict[int, int], 
 
 
 def merge_stream_states(states: list[dict]) -> dict[str, Any]:
-    """The ranks' states joined into the global position: the draws of all P streams, stats summed. Raises
-    ValueError when they disagree on epoch, step or fingerprint, or a stream is missing or held twice."""
+    """The ranks' states joined (all P streams' draws, stats summed); ValueError when they do not fit."""
     if not states:
         raise ValueError("merge_stream_states needs at least one stream state")
     for state in states:
@@ -240,8 +222,7 @@ def merge_stream_states(states: list[dict]) -> dict[str, Any]:
 
 
 def rank_position(plan: TrainPlan, state: dict) -> tuple[int, int, dict[int, int], Counter]:
-    """(epoch, step, draws of this rank's streams, counters) from any state holding them, merged or not. Raises
-    ValueError naming what does not match."""
+    """(epoch, step, this rank's draws, counters) from any state holding them; ValueError on a mismatch."""
     _check_version(state)
     saved, now = state["fingerprint"], plan.fingerprint()
     diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
@@ -258,8 +239,7 @@ def rank_position(plan: TrainPlan, state: dict) -> tuple[int, int, dict[int, int
             f"{plan.world_size} reads streams {list(plan.rank_streams)}; load the merged state "
             "(merge_stream_states over every rank's state)"
         )
-    # Counters are sums over ranks: only the rank reading the state's first stream takes them, so that merging the
-    # states again counts each event once.
+    # only the rank reading the state's first stream takes the counters: merged again, each counts once
     stats = Counter(state.get("stats", {})) if min(draws) in plan.rank_streams else Counter()
     return int(state["epoch"]), int(state["step"]), {s: draws[s] for s in plan.rank_streams}, stats
 

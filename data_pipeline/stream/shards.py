@@ -1,8 +1,4 @@
-"""Reading one shard (`read_shard`): webdataset's tar iteration over fsspec, into memory only, transient errors
-retried (docs/elastic.md#faults), every failure counted without sleeping, and the count checked against the
-manifest so a truncated shard cannot quietly shorten the epoch (docs/reference.md §6, "Errors"). `sample_label`
-checks what a sample holds.
-"""
+"""Reading one shard (`read_shard`; docs/elastic.md#faults, docs/reference.md §6, "Errors")."""
 
 from __future__ import annotations
 
@@ -20,10 +16,9 @@ log = logging.getLogger(__name__)
 
 WANTED_SUFFIXES = ("jpg", "cls")
 _last_warning = [0.0]
-# Transient read errors (`is_transient`): retried data.read_retries times, after RETRY_FIRST_S x RETRY_FACTOR^i.
 RETRY_FIRST_S, RETRY_FACTOR = 0.1, 4.0
-_retries = [3]  # this process's data.read_retries (`set_read_retries`)
-# Remote-store client errors meaning "the connection broke mid-answer"; a store's 5xx is recognised by its status.
+_retries = [3]  # this process's data.read_retries
+# Remote-store client errors for a connection broken mid-answer
 _TRANSIENT_NAMES = frozenset(
     (
         "ClientPayloadError",
@@ -38,7 +33,7 @@ _TRANSIENT_NAMES = frozenset(
 
 
 def _warn(message: str) -> None:
-    """Log at most one warning per 10 s per process: a damaged shard must not flood the training log."""
+    """At most one warning per 10 s per process: a damaged shard must not flood the log."""
     now = time.monotonic()
     if now - _last_warning[0] > 10.0:
         _last_warning[0] = now
@@ -46,21 +41,18 @@ def _warn(message: str) -> None:
 
 
 def set_read_retries(retries: int) -> None:
-    """This process's retries of a failed shard read (``data.read_retries``). Each loader worker sets its own: it
-    does not inherit the training process's module state."""
+    """This process's ``data.read_retries`` (each loader worker sets its own)."""
     if retries < 0:
         raise ValueError(f"read retries must be >= 0, got {retries}")
     _retries[0] = retries
 
 
 def retry_delay_s(attempt: int) -> float:
-    """Backoff before retry ``attempt`` (0-based): 0.1, 0.4, 1.6, 6.4 s, ..."""
     return RETRY_FIRST_S * RETRY_FACTOR**attempt
 
 
 def is_transient(error: BaseException) -> bool:
-    """Whether a read error is worth retrying: an OSError (EIO, a reset connection, a timeout) or a remote store's
-    "later" (HTTP 5xx, 408, 429, a broken connection), but not a missing file or a permission error."""
+    """Whether a read error is worth retrying: an OSError but a missing file or no permission, HTTP 5xx/408/429."""
     if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
         return False
     if isinstance(error, OSError):
@@ -73,18 +65,13 @@ def is_transient(error: BaseException) -> bool:
 
 
 def read_shard(url: str, expected: int | None, stats: Counter, retries: int | None = None) -> Iterator[dict]:
-    """Yield samples (``__key__``, ``jpg``, ``cls`` bytes) of the tar shard at ``url`` (a path or fsspec URL).
-
-    A transient failure is retried up to ``retries`` times (None: `set_read_retries`'s) from the shard's start,
-    skipping samples already yielded. ``stats`` counts ``read_retries``, ``read_failures`` (retries exhausted),
-    ``read_errors``, ``unsafe_members``, ``missing_shards``, and ``truncated_shards`` and ``missing_samples`` when
-    the shard ends short of ``expected``.
-    """
+    """Samples (``__key__``, ``jpg``, ``cls`` bytes) of the shard at ``url``; transient failures retried
+    ``retries`` times (None: `set_read_retries`'s), damage and a shard short of ``expected`` counted in ``stats``."""
     retries = _retries[0] if retries is None else retries
     count, failures = 0, 0
     while True:
         try:
-            # A retry re-reads what was yielded: what it finds there again is counted in a scratch counter.
+            # a retry counts what it re-reads in a scratch counter
             sink = [stats if count == 0 else Counter()]
             for index, sample in enumerate(_tar_samples(url, sink)):
                 if index < count:
@@ -115,14 +102,13 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
 
 
 def _tar_samples(url: str, sink: list[Counter]) -> Iterator[dict]:
-    """One pass over the shard; damage counted in ``sink[0]`` and skipped, a transient error raised."""
 
     def handler(exn: Exception) -> bool:
         if is_transient(exn):
             raise exn
         sink[0]["read_errors"] += 1
         _warn(f"error reading shard {url}: {exn!r}; continuing without it")
-        return True  # continue: the sample count check in read_shard reports what was lost
+        return True
 
     def select(name: str) -> bool:
         if not is_safe_member(name):
@@ -139,9 +125,7 @@ def _tar_samples(url: str, sink: list[Counter]) -> Iterator[dict]:
 
 
 def sample_label(sample: dict, num_classes: int, stats: Counter) -> int | None:
-    """The label of a sample from `read_shard`, or None when it cannot be used: no image or label member
-    (``incomplete_samples``), a label that is no integer (``bad_labels``) or outside [0, num_classes)
-    (``label_out_of_range``), each counted in ``stats``."""
+    """A sample's label, or None (counted in ``stats``) for a missing member or an invalid label."""
     if "jpg" not in sample or "cls" not in sample:
         stats["incomplete_samples"] += 1
         return None

@@ -1,8 +1,4 @@
-"""The training stream's step buffers (`StepPool`): images that loader workers write straight into, in shared
-memory (docs/elastic.md, "Assembly"): float32 in [-1, 1], or uint8 pixels where the device converts them
-(``data.normalize_on``). ``step_pool_bytes`` and ``decoded_bytes`` are what the planner budgets for
-them; ``check_shared_memory`` refuses a pool that ``/dev/shm`` cannot hold.
-"""
+"""The training stream's step buffers (`StepPool`) in shared memory (docs/elastic.md, "Assembly") and their sizes."""
 
 from __future__ import annotations
 
@@ -14,14 +10,13 @@ import torch
 
 from data_pipeline.stream.augment import TrainImage, channels_first, to_float_images
 
-Pixels = Literal["float", "uint8"]  # what a step buffer holds: float32 in [-1, 1], or the pixels as decoded
-PREFETCH_FACTOR = 2  # TrainStream's default: items each loader worker may have ready ahead of the training process
-CONVERSION_BYTES = 512 * 1024  # float rows converted at once: they and their uint8 planes stay in a core's L2 cache
+Pixels = Literal["float", "uint8"]  # float32 in [-1, 1], or the pixels as decoded
+PREFETCH_FACTOR = 2  # steps a loader worker may be ahead
+CONVERSION_BYTES = 512 * 1024  # float rows converted at once: they stay in a core's L2
 
 
 def step_slots(num_workers: int, prefetch_factor: int = PREFETCH_FACTOR) -> int:
-    """Buffers in a rank's `StepPool`: ``prefetch_factor`` steps written ahead (with workers), the step handed over,
-    the one before (the consumer still holds its last micro-batch while it asks for the next) and a spare."""
+    """Steps written ahead (with workers), the one handed over, the one before (still held) and a spare."""
     return prefetch_factor + 3 if num_workers > 0 else 3
 
 
@@ -32,28 +27,25 @@ def step_pool_bytes(
     prefetch_factor: int = PREFETCH_FACTOR,
     pixels: Pixels = "float",
 ) -> int:
-    """Bytes of a rank's `StepPool` (shared memory with loader workers); ``images_per_step`` = G / R."""
     value_bytes = 4 if pixels == "float" else 1
     return step_slots(num_workers, prefetch_factor) * images_per_step * 3 * image_size**2 * value_bytes
 
 
 def conversion_rows(image_size: int) -> int:
-    """Images that `StepPool.write` packs and converts together: as many as fit ``CONVERSION_BYTES`` of float rows,
-    at least one (42 at 32 px, 1 at 224)."""
     return max(1, CONVERSION_BYTES // (3 * image_size**2 * 4))
 
 
 def decoded_bytes(
     images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR
 ) -> int:
-    """Host bytes of one rank's decoded images: its step pool and each worker's uint8 planes (`conversion_rows`)."""
+    """Host bytes of a rank's decoded images: its step pool and each worker's planes."""
     planes = conversion_rows(image_size) * 3 * image_size**2
     return step_pool_bytes(images_per_step, image_size, num_workers, prefetch_factor) + num_workers * planes
 
 
 def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
-    """Refuse a step pool that ``where`` cannot hold (``free`` bytes; None: unknown), naming the fixes: past a full
-    ``/dev/shm`` a worker dies of SIGBUS mid-write instead of raising, and Docker gives containers 64 MB."""
+    """ValueError naming the fixes when ``where`` cannot hold ``needed`` bytes (past a full ``/dev/shm`` a
+    worker dies of SIGBUS)."""
     if free is not None and needed > free:
         raise ValueError(
             f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
@@ -64,7 +56,7 @@ def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") 
 
 
 def shm_free(where: str = "/dev/shm") -> int | None:
-    """Free bytes of ``where``; None where there is no such folder (not Linux: torch shares memory another way)."""
+    """Free bytes of ``where``; None where there is none (not Linux)."""
     try:
         return shutil.disk_usage(where).free
     except OSError:
@@ -72,19 +64,13 @@ def shm_free(where: str = "/dev/shm") -> int | None:
 
 
 def _storage_uses(t: torch.Tensor) -> int | None:
-    """References to ``t``'s storage (torch's own count); None where this torch has no such count."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     return None if count is None else count(t.untyped_storage()._cdata)
 
 
 class StepPool:
-    """A rank's step buffers, each one step's share of the global batch, (A m, 3, S, S): float32 in [-1, 1], or
-    uint8 pixels with ``pixels="uint8"``.
-
-    `grant` gives a step a buffer that no step in flight owns and no view of which is alive (its storage's use count
-    is back to its start), so kept micro-batches are never overwritten; with none free it grants -1 and workers send
-    uint8 pixels. ``stamps[buffer, worker]`` (the step a worker's rows hold, -1 while it writes) is checked by `take`.
-    """
+    """A rank's step buffers (A m, 3, S, S). `grant` gives a step only a buffer with no live view (-1 when none
+    is free: workers send pixels); `take` checks ``stamps[buffer, worker]``, the step a worker's rows hold."""
 
     def __init__(
         self,
@@ -103,16 +89,16 @@ class StepPool:
         self.buffers = [made(torch.empty((rows, 3, image_size, image_size), dtype=dtype)) for _ in range(slots)]
         self.stamps = made(torch.full((slots, workers), -1, dtype=torch.int64))
         self.grants = made(torch.full((lookahead + 2, 2), -1, dtype=torch.int64))
-        self.owner: list[int | None] = [None] * slots  # training process only: the step in flight in each buffer
+        self.owner: list[int | None] = [None] * slots  # the step in flight in each buffer
         self.unshared = [_storage_uses(b) for b in self.buffers]
 
-    def __getstate__(self) -> dict:  # what a worker needs; the bookkeeping stays in the training process
+    def __getstate__(self) -> dict:
         return dict(buffers=self.buffers, stamps=self.stamps, grants=self.grants)
 
     def grant(self, step: int) -> None:
-        """Give ``step`` a free buffer, or -1 where none is free, before the loader can ask for its items."""
+        """Give ``step`` a free buffer, or -1, before the loader can ask for its items."""
         free = [j for j, b in enumerate(self.buffers) if self.owner[j] is None and _storage_uses(b) == self.unshared[j]]
-        slot = free[0] if free and self.unshared[0] is not None else -1  # without a use count: never reuse one
+        slot = free[0] if free and self.unshared[0] is not None else -1  # no use count: no reuse
         if slot >= 0:
             self.owner[slot] = step
         self.grants[step % len(self.grants)] = torch.tensor([step, slot])
@@ -127,9 +113,7 @@ class StepPool:
     def write(
         self, step: int, slot: int, worker: int, start: int, images: list[TrainImage], scratch: np.ndarray
     ) -> None:
-        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``: uint8 as they are, float
-        converted through uint8 ``scratch`` (k, 3, S, S), k = `conversion_rows` images at a time, so they stay in a
-        core's L2 cache."""
+        """A worker's images of ``step`` -> rows [start, start + len) of buffer ``slot``, through uint8 ``scratch``."""
         self.stamps[slot, worker] = -1
         rows = self.buffers[slot][start : start + len(images)]
         if rows.dtype == torch.uint8:
@@ -142,9 +126,9 @@ class StepPool:
         self.stamps[slot, worker] = step
 
     def take(self, step: int, slot: int) -> torch.Tensor:
-        """Buffer ``slot`` once every worker's stamp says that its rows hold ``step``; it is no longer in flight."""
+        """Buffer ``slot`` once every worker's stamp says its rows hold ``step``; no longer in flight."""
         stamps = self.stamps[slot].tolist()
         if any(s != step for s in stamps):
             raise RuntimeError(f"loader buffer {slot} holds steps {stamps} of the workers' rows, not step {step}")
-        self.owner[slot] = None  # from here on, the views handed out keep it from being granted again
+        self.owner[slot] = None  # from here, live views keep it from a grant
         return self.buffers[slot]

@@ -1,7 +1,4 @@
-"""The training stream: `TrainStream`, one rank's endless micro-batches in the order of `data_pipeline.stream.order`,
-made from the recipe's `DataConfig`. Loader workers read their streams (`_StreamReader`) and write float rows (or
-uint8 pixels, ``pixels="uint8"``) into the step's `StepPool` buffer; the training process applies mixup
-(`_step_batch`) and yields A micro-batches a step. Every faster path yields the same batches (docs/design.md, "What
+"""`TrainStream`: one rank's endless micro-batches; every faster path yields the same batches (docs/design.md, "What
 the data stream keeps bit-identical").
 """
 
@@ -48,15 +45,14 @@ from data_pipeline.stream.step_pool import (
 
 log = logging.getLogger(__name__)
 
-_clamp_warned: set[tuple[int, int]] = set()  # (num_workers, streams per rank) already warned about
-# A worker's item per global batch: (pool buffer, or uint8 (k c, 3, S, S) pixels; labels; position, counters, keys)
+_clamp_warned: set[tuple[int, int]] = set()  # (num_workers, streams per rank) warned about
+# A worker's item per global batch: (pool buffer or uint8 pixels, labels, position and counters)
 _Item = tuple[int | torch.Tensor, list[int], dict[str, Any]]
 
 
 def _plan(
     config: DataConfig, rank: int, world_size: int, num_classes: int | None, label_format: str, record_keys: bool
 ) -> TrainPlan:
-    """``config`` resolved and checked for ``rank`` of ``world_size`` against its dataset."""
     info = dataset_info(config.train)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -104,8 +100,6 @@ def _plan(
 
 
 class _StreamReader:
-    """One canonical stream within an epoch: its draws so far, and chunks of c decoded samples."""
-
     def __init__(
         self, plan: TrainPlan, epoch: int, stream: int, shards: list[int], draws: int, cache: DecodedCache | None = None
     ):
@@ -114,23 +108,22 @@ class _StreamReader:
         self.capacity = sum(plan.info.shards[s].samples for s in shards)
         read = read_shard if cache is None else cache.read
         self.draws_iter = stream_draws(plan, epoch, stream, shards, self.stats, read)
-        for _ in range(draws):  # resume: replay the buffer without decoding
+        for _ in range(draws):  # resume: replay without decoding
             next(self.draws_iter)
         self.draws = draws
         if draws == 0:
             self.stats["dropped_samples"] += self.capacity - plan.steps_in_epoch(epoch) * plan.chunk
         else:
-            self.stats.clear()  # counts from the replayed part were reported before the interruption
+            self.stats.clear()  # reported before the interruption
 
     def chunk(self) -> tuple[list[TrainImage], list[int], list[str]]:
-        """The next c usable samples: training images (S, S) (`TrainImage`), labels, keys."""
         plan, stats = self.plan, self.stats
         images: list[TrainImage] = []
         labels: list[int] = []
         keys: list[str] = []
         failures_in_row = 0
         while len(images) < plan.chunk:
-            if failures_in_row > 2 * self.capacity + 10:  # a whole pass and more without one usable sample
+            if failures_in_row > 2 * self.capacity + 10:  # a pass without a usable sample
                 urls = [plan.info.shards[s].url for s in self.shards]
                 raise ShardFormatError(f"no usable sample in {urls}: {dict(stats)}; run data_pipeline.validate")
             s, member, repeat, sample = next(self.draws_iter)
@@ -140,16 +133,13 @@ class _StreamReader:
             if label is None:
                 continue
             rng = plan.augment_rng(self.epoch, s, member, repeat)
-            decoded = sample.get(DECODED_KEY)  # set by a decoded cache
+            decoded = sample.get(DECODED_KEY)
+            args = (sample["jpg"], plan.image_size, plan.augment, rng)
             try:
                 if decoded is None:
-                    images.append(decode_train_image(sample["jpg"], plan.image_size, plan.augment, rng))
+                    images.append(decode_train_image(*args))
                 else:
-                    images.append(
-                        decoded_train_image(
-                            decoded.pixels, decoded.image_format, sample["jpg"], plan.image_size, plan.augment, rng
-                        )
-                    )
+                    images.append(decoded_train_image(decoded.pixels, decoded.image_format, *args))
             except DECODE_ERRORS:
                 stats["corrupt_samples"] += 1
                 continue
@@ -162,7 +152,7 @@ class _StreamReader:
 
 
 class _TrainEpoch(IterableDataset):
-    """One rank's epoch from global batch ``start`` and ``draws[stream]``: one `_Item` per worker and global batch."""
+    """One rank's epoch from global batch ``start`` and ``draws[stream]``: an `_Item` per worker and step."""
 
     def __init__(
         self,
@@ -178,7 +168,7 @@ class _TrainEpoch(IterableDataset):
         self.read_retries, self.cache = read_retries, cache
 
     def __iter__(self) -> Iterator[_Item]:
-        set_read_retries(self.read_retries)  # in the process that reads: a loader worker has its own module state
+        set_read_retries(self.read_retries)  # a loader worker has its own module state
         info = get_worker_info()
         yield from self._logical(0 if info is None else info.id)
 
@@ -187,8 +177,8 @@ class _TrainEpoch(IterableDataset):
         shards = plan.stream_shards(epoch)
         group = plan.worker_streams(logical)
         readers = [_StreamReader(plan, epoch, s, shards[s], self.draws[s], self.cache) for s in group]
-        first_row = (group[0] - plan.rank_streams[0]) * plan.chunk  # of this worker's rows in the step's batch
-        scratch = planes(conversion_rows(plan.image_size), plan.image_size)  # reused: uint8 planes to convert
+        first_row = (group[0] - plan.rank_streams[0]) * plan.chunk
+        scratch = planes(conversion_rows(plan.image_size), plan.image_size)
         for step in range(self.start, plan.steps_in_epoch(epoch)):
             images: list[TrainImage] = []
             labels: list[int] = []
@@ -219,9 +209,7 @@ class _TrainEpoch(IterableDataset):
 
 @dataclass(frozen=True)
 class MixRows:
-    """Mixup left to the device, for one micro-batch of uint8 pixels: row i becomes ``mix(row i, partners[i], lam)``
-    (`augment.mix`, both converted by `augment.float_images_on`) for each (start, stop, lam) span: the rows of one
-    stream's chunk. ``partners``: uint8 (m, 3, S, S), each row's neighbour in its chunk (the chunk rolled by one)."""
+    """Mixup left to the device: in each (start, stop, lam) span row i becomes ``mix(row i, partners[i], lam)``."""
 
     partners: torch.Tensor
     spans: tuple[tuple[int, int, float], ...]
@@ -230,40 +218,37 @@ class MixRows:
 def _step_batch(
     plan: TrainPlan, epoch: int, step: int, parts: list[_Item], pool: StepPool, pixels: Pixels = "float"
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-    """This rank's share of global batch ``step``: images (A m, 3, S, S), float (mixup applied) or uint8 (mixup
-    left to the device), labels (A m,) or (A m, K) targets (mixup applied), and each chunk's mixup weight."""
+    """This rank's share of global batch ``step``: images, labels or targets, and each chunk's mixup weight."""
     slots = {p for p, _, _ in parts if isinstance(p, int)}
     pieces = [p for p, _, _ in parts if isinstance(p, torch.Tensor)]
-    if slots:  # every worker read the same grant
+    if slots:
         if len(slots) > 1 or pieces:
             raise RuntimeError(f"step {step}: the workers' items disagree on its buffer: {[p for p, _, _ in parts]}")
-        x = pool.take(step, slots.pop())  # (A m, 3, S, S)
+        x = pool.take(step, slots.pop())
     else:
         x = to_float_images(pieces) if pixels == "float" else torch.cat(pieces)
-    y = torch.tensor([label for _, labels, _ in parts for label in labels], dtype=torch.int64)  # (A m,)
+    y = torch.tensor([label for _, labels, _ in parts for label in labels], dtype=torch.int64)
     if plan.label_format == "multihot" or plan.mixup_alpha > 0:
-        y = torch.nn.functional.one_hot(y, plan.num_classes).float()  # (A m, K)
+        y = torch.nn.functional.one_hot(y, plan.num_classes).float()
     lams: list[float] = []
     c = plan.chunk
     for i, stream in enumerate(plan.rank_streams if plan.mixup_alpha > 0 else ()):
         rows, rng = slice(i * c, (i + 1) * c), plan.mixup_rng(epoch, stream, step)
         if pixels == "float":
             x[rows], y[rows], lam = mixup(x[rows], y[rows], plan.mixup_alpha, rng)
-        else:  # the same draw and targets; the images are mixed on the device (`MixRows`)
+        else:  # the images are mixed on the device (`MixRows`)
             lam = mixup_lambda(plan.mixup_alpha, rng)
             y[rows] = mix(y[rows], y[rows].roll(1, dims=0), lam)
         lams.append(lam)
     return x, y, lams
 
 
-# A micro-batch: (images, targets), with the device's mixup as a third item where mixup is left to the device.
+# A micro-batch: (images, targets), with `MixRows` (or None) third where the device normalizes.
 Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, "MixRows | None"]
 
 
 def _mix_rows(images: torch.Tensor, lams: list[float], chunk: int, rows: range) -> MixRows:
-    """The `MixRows` of the micro-batch ``rows`` of a step's uint8 ``images``, whose chunks of ``chunk`` rows have
-    the mixup weights ``lams``."""
-    partner = [r - 1 if r % chunk else r + chunk - 1 for r in rows]  # the previous row of the chunk, cyclically
+    partner = [r - 1 if r % chunk else r + chunk - 1 for r in rows]  # cyclically
     spans, start = [], rows.start
     while start < rows.stop:
         stop = min(rows.stop, (start // chunk + 1) * chunk)
@@ -273,13 +258,8 @@ def _mix_rows(images: torch.Tensor, lams: list[float], chunk: int, rows: range) 
 
 
 class TrainStream:
-    """Endless micro-batches (float32 images (m, 3, S, S) in [-1, 1], labels) of rank ``rank``: its share of the
-    order ``config`` gives at ``world_size`` ranks (docs/elastic.md, "Data order"), A of them per optimizer step.
-
-    A micro-batch is a view of a step buffer that is rewritten only once no view of it is alive, so keeping one (in
-    a list, in an autograd graph) is safe, and so is modifying one in place. Keeping more than one step's alive costs
-    a copy (``unpooled_steps``).
-    """
+    """Endless micro-batches (float32 images (m, 3, S, S) in [-1, 1], labels) of rank ``rank``, A per optimizer
+    step (docs/elastic.md, "Data order"). Views kept over a step cost copies (``unpooled_steps``)."""
 
     def __init__(
         self,
@@ -293,10 +273,9 @@ class TrainStream:
         prefetch_factor: int = PREFETCH_FACTOR,
         pixels: Pixels = "float",
     ):
-        """``num_classes``: K, None → the dataset's. ``label_format``: "int" int64 (m,), "multihot" float32 (m, K);
-        with mixup always float32 (m, K) soft targets. ``record_keys``: fill `last_keys`. ``prefetch_factor``: steps
-        a loader worker may be ahead of the training process. ``pixels="uint8"``: yield (uint8 images, labels,
-        `MixRows` or None) for the device to convert (`augment.float_images_on`) and mix (`augment.mix`)."""
+        """``num_classes``: None → the dataset's. ``label_format``: "int" int64 (m,), "multihot" float32 (m, K),
+        always the latter with mixup. ``record_keys``: fill `last_keys`. ``pixels="uint8"``: yield (uint8 images,
+        labels, `MixRows` or None) for the device."""
         if label_format not in ("int", "multihot"):
             raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
         if pixels not in ("float", "uint8"):
@@ -310,11 +289,11 @@ class TrainStream:
         self.plan = _plan(config, rank, world_size, num_classes, label_format, record_keys)
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None
-        self.unpooled_steps = 0  # steps that found no free step buffer: copied, not pooled
-        self._processes = self.plan.workers if config.num_workers > 0 else 0  # loader worker processes
+        self.unpooled_steps = 0
+        self._processes = self.plan.workers if config.num_workers > 0 else 0
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
-        # Built before the first batch, so that its one read of the set is not counted as waiting for data.
+        # now: its read of the set is not waiting for data
         pool = step_pool_bytes(
             self.plan.global_batch // world_size, config.image_size, self._processes, prefetch_factor, pixels
         )
@@ -335,15 +314,14 @@ class TrainStream:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global batches in the current epoch (it varies a little between epochs)."""
+        """Global batches in the current epoch (they vary a little)."""
         return self.plan.steps_in_epoch(self._epoch)
 
     def steps_in_epoch(self, epoch: int) -> int:
-        """Global batches in ``epoch``: the smallest stream's manifest count over c (shards are re-dealt per epoch)."""
         return self.plan.steps_in_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position (plain ints), only between optimizer steps; `merge_stream_states` joins the ranks'."""
+        """This rank's position (plain ints), only between optimizer steps."""
         if self._micro:
             raise ValueError(
                 f"state_dict() after {self._micro} of the {self.plan.accumulation} micro-batches of a step: a stream "
@@ -352,7 +330,7 @@ class TrainStream:
         return stream_state(self.plan, self._epoch, self._step, self._draws, self.stats)
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``: a merged state (any world size) or any state holding this rank's streams."""
+        """Continue from a merged state (any world size) or any state holding this rank's streams."""
         self._epoch, self._step, self._draws, self.stats = rank_position(self.plan, state)
         self._micro = 0
 
@@ -372,9 +350,8 @@ class TrainStream:
                 )
 
     def _epoch_batches(self, steps: int) -> Iterator[Batch]:
-        """The epoch's micro-batches from global batch ``self._step`` to ``steps``, advancing the position."""
         plan, m, A = self.plan, self.plan.micro_batch, self.plan.accumulation
-        # The loader asks for step s + prefetch_factor as it hands over step s: a step's buffer is granted before.
+        # the loader asks for step s + prefetch_factor as it hands over step s
         lookahead = self.prefetch_factor if self._processes > 0 else 0
         pool = self._step_pool(steps, lookahead)
         epoch = _TrainEpoch(
@@ -385,16 +362,16 @@ class TrainStream:
         for step in range(self._step, steps):
             if step + lookahead < steps:
                 pool.grant(step + lookahead)
-            parts = list(itertools.islice(items, plan.workers))  # worker 0, 1, ...: stream order
-            if len(parts) < plan.workers:  # the workers ended early: never silently shorten an epoch
+            parts = list(itertools.islice(items, plan.workers))  # in stream order
+            if len(parts) < plan.workers:  # never silently shorten an epoch
                 raise RuntimeError(f"epoch {self._epoch} ended after {step} of {steps} global batches")
             assert all(p[2]["step"] == step and p[2]["epoch"] == self._epoch for p in parts), (step, self._epoch)
             keys = [k for p in parts for k in p[2]["keys"]] if plan.record_keys else None
             images, targets, lams = _step_batch(plan, self._epoch, step, parts, pool, self.pixels)
             self.unpooled_steps += not isinstance(parts[0][0], int)
             for i in range(A):
-                x, y = images[i * m : (i + 1) * m], targets[i * m : (i + 1) * m]  # views: (m, 3, S, S), labels
-                if i == A - 1:  # the step is done once its last micro-batch is handed out
+                x, y = images[i * m : (i + 1) * m], targets[i * m : (i + 1) * m]
+                if i == A - 1:
                     self._step = step + 1
                     for p in parts:
                         self._draws.update(p[2]["draws"])
@@ -408,7 +385,6 @@ class TrainStream:
                     yield x, y
 
     def _step_pool(self, steps: int, lookahead: int) -> StepPool:
-        """This epoch's step buffers, the next ``lookahead`` steps granted theirs; new, so no older worker writes it."""
         plan, processes, prefetch = self.plan, self._processes, self.prefetch_factor
         rows = plan.global_batch // plan.world_size
         if processes > 0:

@@ -1,1 +1,1 @@
-"""Raw image collections to shards: readers (folders, ImageNet-21k tars, Parquet, TFDS), dedup, the writer."""
+"""Raw image collections to shards: readers, dedup, the writer."""

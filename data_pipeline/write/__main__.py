@@ -1,9 +1,6 @@
 """Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest.
 
-    python -m data_pipeline.write --source /data/imagenet21k --out /shards/i21k/train [--samples-per-shard 3000]
-    python -m data_pipeline.write --source tfds:DIR --vtab cifar100 --split train --out /shards/vtab/cifar100/train
-
-What is stored and how a re-run resumes: `data_pipeline.write.writer`.
+python -m data_pipeline.write --source tfds:DIR --vtab cifar100 --split train --out /shards/vtab/cifar100/train
 """
 
 from __future__ import annotations
@@ -66,7 +63,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
-    """(the source, its default dataset name, what dataset.json records about it)."""
     if args.class_names is not None and not Path(args.class_names).is_file():
         raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
     folder = tfds_path(args.source)
@@ -117,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 exclude = more
             else:
                 exclude.merge(more)
-        output_folder(args.out, "--out")  # after the inputs are checked: no empty folder left behind
+        output_folder(args.out, "--out")  # after the inputs are checked
         report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
     except ValueError as err:
         print(f"data_pipeline.write: error: {err}", file=sys.stderr)

@@ -1,8 +1,4 @@
-"""Exact and near-duplicate detection: sha256 of the bytes and a 64-bit DCT perceptual hash of the pixels.
-
-`NearDuplicateIndex` finds near pairs; `ExclusionSet` holds an evaluation set's hashes for the writer's
-``--exclude-like``, as the paper de-duplicated against the downstream test sets (docs/reference.md §6).
-"""
+"""Exact and near-duplicate detection by sha256 and a 64-bit DCT perceptual hash (docs/reference.md §6)."""
 
 from __future__ import annotations
 
@@ -23,12 +19,12 @@ def sha256_hex(data: bytes) -> str:
 
 
 def perceptual_hash(image: Image.Image) -> int:
-    """pHash: the 8x8 lowest DCT frequencies of a 32x32 grey image against their median, as a signed int64."""
-    import scipy.fft  # slow to import; readers that import this module never hash
+    """pHash: the 8x8 lowest DCT frequencies of a 32x32 grey image against their median, as int64."""
+    import scipy.fft  # slow to import
 
     grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
-    coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()  # (64,)
-    median = np.median(coeffs[1:])  # the DC term only measures brightness
+    coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()
+    median = np.median(coeffs[1:])  # without the DC term
     bits = coeffs > median
     value = 0
     for bit in bits:
@@ -37,12 +33,7 @@ def perceptual_hash(image: Image.Image) -> int:
 
 
 class NearDuplicateIndex:
-    """Multi-index hashing over 64-bit pHashes: all pairs within ``max_distance`` bits, exactly, without a scan.
-
-    The bits are cut into ``m`` chunks. Hashes within ``r`` bits differ in at most ``r // m`` bits in some chunk
-    (pigeonhole), so probing every chunk value that close finds every pair; popcount then verifies each candidate.
-    Sorted chunk arrays answer probes by ``searchsorted``: 16 bytes per hash per chunk.
-    """
+    """Multi-index hashing: all pairs of 64-bit pHashes within ``max_distance`` bits, exactly."""
 
     def __init__(self, hashes=(), max_distance: int = 3, chunks: int | None = None):
         if not 0 <= max_distance <= 15:
@@ -55,7 +46,7 @@ class NearDuplicateIndex:
         edges = np.linspace(0, 64, self.chunks + 1).astype(int)
         self._bands = [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:])]
         self._masks = [_flip_masks(hi - lo, max_distance // self.chunks) for lo, hi in self._bands]
-        self._sorted = []  # per chunk: (sorted chunk values, the hash slots in that order)
+        self._sorted = []
         for lo, hi in self._bands:
             values = _chunk(self.hashes, lo, hi)
             order = np.argsort(values, kind="stable")
@@ -65,21 +56,20 @@ class NearDuplicateIndex:
         return len(self.hashes)
 
     def pairs(self, queries, batch: int = 65536) -> tuple[np.ndarray, np.ndarray]:
-        """Every (query position, stored slot) pair within ``max_distance`` bits, sorted, each pair once."""
+        """Every (query position, stored slot) pair within ``max_distance`` bits, sorted, once."""
         queries = _as_u64(queries)
         found_q, found_s = [], []
         for first in range(0, len(queries), batch):
             q = queries[first : first + batch]
             cand_q, cand_s = [], []
             for (lo, hi), masks, (values, slots) in zip(self._bands, self._masks, self._sorted):
-                probes = (_chunk(q, lo, hi)[:, None] ^ masks[None, :]).ravel()  # (Q * probes_per_chunk,)
+                probes = (_chunk(q, lo, hi)[:, None] ^ masks[None, :]).ravel()
                 left = np.searchsorted(values, probes, side="left")
                 count = np.searchsorted(values, probes, side="right") - left
                 hit = np.nonzero(count)[0]
                 if len(hit) == 0:
                     continue
                 count, left = count[hit], left[hit]
-                # every [left, left + count) range as positions, without a Python loop
                 starts = np.repeat(left - np.cumsum(count) + count, count)
                 positions = starts + np.arange(int(count.sum()))
                 cand_q.append(np.repeat(hit // len(masks), count))
@@ -96,26 +86,22 @@ class NearDuplicateIndex:
         return np.concatenate(found_q), np.concatenate(found_s)
 
     def contains_near(self, queries) -> np.ndarray:
-        """Per query, whether a stored hash is within ``max_distance`` bits."""
         qi, _ = self.pairs(queries)
         hit = np.zeros(len(_as_u64(queries)), dtype=bool)
         hit[qi] = True
         return hit
 
     def find(self, h: int) -> int | None:
-        """The earliest stored slot within ``max_distance`` bits of one hash ``h``, or None."""
+        """The earliest stored slot within ``max_distance`` bits of ``h``, or None."""
         _, slots = self.pairs([h])
         return int(slots.min()) if len(slots) else None
 
 
 def near_duplicates_of_earlier(hashes, max_distance: int) -> np.ndarray:
-    """Per hash, whether an *earlier* one is within ``max_distance`` bits, by one self-join.
-
-    Equal hashes are joined once (a thousand blank images are one value, not a million pairs).
-    """
+    """Per hash, whether an earlier one is within ``max_distance`` bits (equal hashes joined once)."""
     hashes = _as_u64(hashes)
     values, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-    flags = np.arange(len(hashes)) != first[inverse]  # repeats of an earlier equal hash
+    flags = np.arange(len(hashes)) != first[inverse]
     index = NearDuplicateIndex(values, max_distance)
     qi, si = index.pairs(values)
     earlier = first[si] < first[qi]
@@ -124,8 +110,7 @@ def near_duplicates_of_earlier(hashes, max_distance: int) -> np.ndarray:
 
 
 def choose_chunks(n: int, max_distance: int) -> int:
-    """Chunks for multi-index hashing: of 1..``max_distance + 1`` with <= 2,000 probes per query, the cheapest
-    (probes plus expected candidates); ``max_distance + 1`` (radius 0) when none is."""
+    """The cheapest chunk count of 1..``max_distance + 1`` with <= 2,000 probes per query."""
     best, best_cost = max_distance + 1, float("inf")
     for m in range(1, max_distance + 2):
         bits = 64 // m
@@ -139,7 +124,6 @@ def choose_chunks(n: int, max_distance: int) -> int:
 
 
 def _as_u64(hashes) -> np.ndarray:
-    """Hashes (int64 as in Parquet, or Python ints) as uint64 bit patterns."""
     arr = np.asarray(hashes)
     if arr.dtype == np.uint64:
         return np.ascontiguousarray(arr).ravel()
@@ -153,7 +137,6 @@ def _chunk(hashes: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _flip_masks(bits: int, radius: int) -> np.ndarray:
-    """Every ``bits``-bit mask with at most ``radius`` bits set, 0 first."""
     masks = [0]
     for k in range(1, radius + 1):
         masks += [sum(1 << b for b in combo) for combo in itertools.combinations(range(bits), k)]
@@ -161,12 +144,11 @@ def _flip_masks(bits: int, radius: int) -> np.ndarray:
 
 
 class ExclusionSet:
-    """Hashes of an evaluation set that pre-training data must not contain (exact bytes or near pixels)."""
+    """An evaluation set's hashes, which ``--exclude-like`` keeps out."""
 
     def __init__(self, sha256s: set[str], phashes, max_distance: int):
         self.sha256s = set(sha256s)
         self.max_distance = max_distance
-        # equal hashes are one entry: the index answers "is there one", not "which"
         self.index = NearDuplicateIndex(np.unique(_as_u64(phashes)), max_distance)
 
     def __len__(self) -> int:
@@ -181,7 +163,6 @@ class ExclusionSet:
         return sha256 in self.sha256s or self.index.find(phash) is not None
 
     def matches_many(self, sha256s: list[str], phashes) -> np.ndarray:
-        """``matches`` for a batch, in one vectorised lookup."""
         exact = np.fromiter((s in self.sha256s for s in sha256s), dtype=bool, count=len(sha256s))
         return exact | self.index.contains_near(phashes)
 
@@ -190,7 +171,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 
 def load_exclusion(path: str | Path, max_distance: int = 3) -> ExclusionSet:
-    """An ExclusionSet from a shard folder, its samples.parquet or an image folder; ValueError for anything else."""
+    """From a shard folder, its samples.parquet or an image folder; ValueError otherwise."""
     path = Path(path)
     table_path = path / SAMPLES_FILE if path.is_dir() else path
     if table_path.suffix == ".parquet" and table_path.exists():
@@ -201,7 +182,6 @@ def load_exclusion(path: str | Path, max_distance: int = 3) -> ExclusionSet:
 
 
 def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
-    """The hashes of a samples table: stored and source sha256, pHash."""
     try:
         cols = set(pq.read_schema(table_path).names)
     except (OSError, ValueError) as error:
@@ -223,7 +203,6 @@ def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
 
 
 def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
-    """The hashes of every image file under ``folder``."""
     sha: set[str] = set()
     phashes: list[int] = []
     for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
@@ -232,7 +211,7 @@ def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
             with Image.open(file) as img:
                 phashes.append(perceptual_hash(img))
         except OSError:
-            continue  # no pHash; its sha256 still counts
+            continue  # its sha256 still counts
         finally:
             sha.add(sha256_hex(data))
     if not sha:

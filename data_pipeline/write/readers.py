@@ -1,10 +1,4 @@
-"""Readers of raw image collections: a class-per-folder tree, ImageNet-21k's per-class tars, Parquet bytes + label.
-
-A `Source` is split into units (a class folder, a class tar, a Parquet file) that the writer scans in parallel.
-An `ItemRef` addresses each image so the writer can re-read it in shuffled order without holding the collection in
-memory: tar members by byte offset (never extracted), Parquet rows by index. Entry points: `open_source`,
-`iter_unit`, `read_ref`.
-"""
+"""Readers of raw image collections: class-per-folder trees, ImageNet-21k's per-class tars, Parquet bytes + label."""
 
 from __future__ import annotations
 
@@ -21,7 +15,7 @@ from data_pipeline.write.dedup import IMAGE_SUFFIXES
 
 @dataclass(frozen=True)
 class ItemRef:
-    """Where one raw image lives; ``source`` is a readable id (folder/file, tar:member, file#row)."""
+    """Where one raw image lives; ``source``: a readable id (folder/file, tar:member, file#row)."""
 
     kind: str  # "file" | "tar" | "parquet"
     path: str
@@ -48,14 +42,13 @@ class Source:
 
 
 def is_safe_member(name: str) -> bool:
-    """Whether a tar member name is relative, without parent references or drive letters."""
+    """Whether a tar member name is relative, without ``..`` or a drive letter."""
     parts = name.replace("\\", "/").split("/")
     return bool(name) and not name.startswith(("/", "\\")) and ".." not in parts and ":" not in parts[0]
 
 
 def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
-    """Names for class ids from an optional file of ``id<TAB>name`` lines (ImageNet's words.txt), ``id name`` lines
-    or one name per line in label order."""
+    """Class names from a file of ``id<TAB>name`` lines, ``id name`` lines or names in label order."""
     if path is None:
         return list(ids)
     lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
@@ -84,10 +77,8 @@ def open_source(
     image_column: str = "image",
     label_column: str = "label",
 ) -> Source:
-    """Describe a raw collection of ``kind`` "folder", "imagenet21k", "parquet" or "auto" (detected).
-
-    ValueError for a missing or empty source, naming what was expected.
-    """
+    """A raw collection of ``kind`` "folder", "imagenet21k", "parquet" or "auto"; ValueError naming what was
+    expected."""
     root = Path(path)
     if not root.exists():
         raise ValueError(f"--source {root} does not exist")
@@ -134,7 +125,6 @@ def open_source(
                 raise ValueError(f"{f}: column '{label_column}' holds a negative or missing label")
             max_label = max([max_label, *map(int, labels)])
         ids = [str(i) for i in range(max_label + 1)]
-        # With a name file, the file decides the number of classes.
         names = _read_class_names(class_names_file, [] if class_names_file else ids)
         if len(names) <= max_label:
             raise ValueError(
@@ -147,10 +137,7 @@ def open_source(
 
 
 def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[ItemRef, bytes, int]]:
-    """Yield (ref, raw bytes, label) of every candidate image of one unit, in a deterministic order.
-
-    Tar members with unsafe names (``../x``, absolute) are skipped and counted in ``stats['unsafe_member']``.
-    """
+    """(ref, raw bytes, label) of every candidate image of one unit; skips counted in ``stats``."""
     if unit.kind == "folder":
         for file in sorted(Path(unit.path).rglob("*")):
             if file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
@@ -167,16 +154,10 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
                     stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
                     continue
                 member_file = tar.extractfile(member)
-                assert member_file is not None  # a regular member always has one
+                assert member_file is not None
                 data = member_file.read()
-                ref = ItemRef(
-                    "tar",
-                    unit.path,
-                    source=f"{Path(unit.path).stem}:{member.name}",
-                    offset=member.offset_data,
-                    size=member.size,
-                )
-                yield ref, data, unit.label
+                where = f"{Path(unit.path).stem}:{member.name}"
+                yield ItemRef("tar", unit.path, where, offset=member.offset_data, size=member.size), data, unit.label
     elif unit.kind == "parquet":
         table = pq.read_table(unit.path, columns=[source.image_column, source.label_column])
         images = table.column(source.image_column).to_pylist()
@@ -194,7 +175,6 @@ def _parquet_images(path: str, column: str) -> list:
 
 
 def read_ref(ref: ItemRef, image_column: str = "image") -> bytes:
-    """The raw bytes ``ref`` points at."""
     if ref.kind == "file":
         return Path(ref.path).read_bytes()
     if ref.kind == "tar":

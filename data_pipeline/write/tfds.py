@@ -1,9 +1,5 @@
-"""A TensorFlow Datasets folder as a writer source (``--source tfds:DIR``), read without TensorFlow.
-
-Records are selected by position with TFDS's split syntax (``train[:800]+test[:50%]``), as TFDS reads them
-unshuffled, or by a VTAB-1k task's splits and labels (`vtab_tfds`). The files: docs/vtab.md, "The formats". The
-scan keeps only where each record is, so any split is written in bounded memory. Entry points: `open_tfds_source`,
-`iter_tfds_unit`.
+"""A TensorFlow Datasets folder as a writer source (``--source tfds:DIR``), read without TensorFlow (docs/vtab.md,
+"The formats").
 """
 
 from __future__ import annotations
@@ -31,13 +27,11 @@ from data_pipeline.write.vtab_tfds import (
 TFDS_PREFIX = "tfds:"
 INFO_FILE = "dataset_info.json"
 FEATURES_FILE = "features.json"
-REF_KIND = "tfrecord"  # ItemRef.kind of a record (offset and size of its data)
+REF_KIND = "tfrecord"  # ItemRef.kind of a record
 
 
 @dataclass(frozen=True)
 class TfdsUnit(SourceUnit):
-    """The records ``start <= i < stop`` of one TFRecord file (a scan job)."""
-
     start: int = 0
     stop: int = 0
     split: str = ""  # the file's TFDS split
@@ -46,7 +40,7 @@ class TfdsUnit(SourceUnit):
 
 @dataclass(frozen=True)
 class TfdsSource(Source):
-    """A TFDS selection; ``image_column`` / ``label_column`` name features, ``task`` a VTAB-1k task ("" for none)."""
+    """``image_column`` / ``label_column`` name features, ``task`` a VTAB-1k task or ""."""
 
     task: str = ""
     tfds_name: str = ""
@@ -56,16 +50,14 @@ class TfdsSource(Source):
 
 @dataclass(frozen=True)
 class TfdsFolder:
-    """What a TFDS folder's metadata says."""
-
     path: Path
     name: str
     config: str
     version: str
     shard_lengths: dict[str, list[int]]  # split -> records per file, in file order
     files: dict[str, list[Path]]
-    features: dict[str, dict]  # flat name ("objects/size") -> {"kind", "dtype", "num_classes"}
-    supervised: tuple[str, str] | None  # (input, output) feature names, if given
+    features: dict[str, dict]  # "objects/size" -> {"kind", "dtype", "num_classes"}
+    supervised: tuple[str, str] | None  # (input, output) feature names
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -73,7 +65,6 @@ class TfdsFolder:
 
 
 def tfds_path(source: str) -> str | None:
-    """The folder of a ``tfds:DIR`` source (``~`` expanded), None for any other source."""
     return str(Path(source[len(TFDS_PREFIX) :]).expanduser()) if source.startswith(TFDS_PREFIX) else None
 
 
@@ -103,7 +94,6 @@ def _read_json(root: Path, name: str) -> dict:
 
 
 def _feature_kind(node: dict) -> str:
-    """A feature's kind (Image, ClassLabel, ...) in either features.json format (``pythonClassName`` or ``type``)."""
     class_name = node.get("pythonClassName") or node.get("type") or ""
     if class_name:
         return class_name.rsplit(".", 1)[-1]
@@ -121,7 +111,7 @@ def _feature_kind(node: dict) -> str:
 
 
 def _flatten(node: dict, prefix: str, out: dict[str, dict]) -> None:
-    """Record every leaf feature under its Example key (nested names joined with ``/``, as TFDS does)."""
+    """Every leaf feature under its Example key (nested names joined with ``/``) into ``out``."""
     kind = _feature_kind(node)
     body = node.get("content", node)  # the old format's details
     if kind == "FeaturesDict":
@@ -155,7 +145,7 @@ def _split_files(root: Path, name: str, split: str, lengths: list[int] | None) -
     files = sorted(root.glob(f"{name}-{split}.tfrecord-*")) or sorted(root.glob(f"*-{split}.tfrecord-*"))
     if not files:
         raise _not_tfds(root, f"no {name}-{split}.tfrecord-* files for split {split!r}")
-    if lengths is None:  # an old dataset_info.json without per-file counts
+    if lengths is None:  # an old dataset_info.json
         lengths = [count_records(f) for f in files]
     if len(files) != len(lengths):
         raise ValueError(
@@ -166,7 +156,6 @@ def _split_files(root: Path, name: str, split: str, lengths: list[int] | None) -
 
 
 def read_folder(path: str | Path) -> TfdsFolder:
-    """Read a TFDS folder's metadata; ValueError naming the file and the fix."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise _not_tfds(root, "it is not a folder")
@@ -187,16 +176,8 @@ def read_folder(path: str | Path) -> TfdsFolder:
         raise _not_tfds(root, f"{INFO_FILE} lists no splits")
     features: dict[str, dict] = {}
     _flatten(features_json, "", features)
-    return TfdsFolder(
-        root,
-        name,
-        str(info.get("configName", "")),
-        str(info.get("version", "")),
-        shard_lengths,
-        files,
-        features,
-        _supervised(info),
-    )
+    config, version = str(info.get("configName", "")), str(info.get("version", ""))
+    return TfdsFolder(root, name, config, version, shard_lengths, files, features, _supervised(info))
 
 
 _PART = re.compile(r"(?P<split>[\w.-]+)(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?")
@@ -206,12 +187,12 @@ def _bound(text: str | None, n: int) -> int | None:
     if not text:
         return None
     if text.endswith("%"):
-        return round(int(text[:-1]) * n / 100)  # TFDS's default: the closest record
+        return round(int(text[:-1]) * n / 100)  # TFDS's default rounding
     return int(text)
 
 
 def resolve_split(expression: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
-    """(split, start, stop) record positions of each ``+`` part of a TFDS split expression."""
+    """(split, start, stop) of each ``+`` part of a TFDS split expression."""
     parts = []
     for part in expression.split("+"):
         match = _PART.fullmatch(part.strip())
@@ -294,8 +275,7 @@ def open_tfds_source(
     label_feature: str | None = None,
     class_names_file: str | None = None,
 ) -> TfdsSource:
-    """The records to write: ``tfds_split`` (TFDS syntax), else VTAB split ``split`` of task ``vtab``, else the
-    TFDS split ``split``. ValueError names any problem and its fix."""
+    """``tfds_split`` (TFDS syntax), else VTAB split ``split`` of task ``vtab``, else TFDS split ``split``."""
     folder = read_folder(path)
     task = None
     if vtab is not None:
@@ -336,7 +316,6 @@ def open_tfds_source(
 
 
 def describe(source: TfdsSource) -> dict:
-    """What dataset.json records about the source."""
     return dict(
         name=source.tfds_name,
         version=source.version,
@@ -348,7 +327,6 @@ def describe(source: TfdsSource) -> dict:
 
 
 def unit_ids(source: TfdsSource) -> list[str]:
-    """The records each unit reads: a re-run must select the same ones."""
     return [f"{u.path}[{getattr(u, 'start', 0)}:{getattr(u, 'stop', 0)}]" for u in source.units]
 
 
@@ -374,10 +352,7 @@ def _image(example: dict[str, FeatureValues], source: TfdsSource) -> bytes:
 
 
 def iter_tfds_unit(unit: SourceUnit, source: Source, stats: Counter) -> Iterator[tuple[ItemRef, bytes, int]]:
-    """Yield (ref, image bytes, label) of every usable record of ``unit``.
-
-    Skipped and counted in ``stats``: `scan_records`'s counters, ``bad_examples``, ``bad_labels`` and
-    ``label_out_of_range``."""
+    """(ref, image bytes, label) of every usable record of ``unit``; the rest counted in ``stats``."""
     assert isinstance(unit, TfdsUnit) and isinstance(source, TfdsSource)
     label_of = _label_function(source)
     with open(unit.path, "rb") as f:
@@ -389,7 +364,7 @@ def iter_tfds_unit(unit: SourceUnit, source: Source, stats: Counter) -> Iterator
             except LabelError:
                 stats["bad_labels"] += 1
                 continue
-            except (ExampleError, OSError, ValueError):  # also a dSprites image that will not decode
+            except (ExampleError, OSError, ValueError):
                 stats["bad_examples"] += 1
                 continue
             if not 0 <= label < len(source.class_names):
@@ -400,7 +375,6 @@ def iter_tfds_unit(unit: SourceUnit, source: Source, stats: Counter) -> Iterator
 
 
 def read_tfds_ref(ref: ItemRef, source: Source) -> bytes:
-    """The image bytes of the record at ``ref`` (the scan checked its CRC)."""
     assert isinstance(source, TfdsSource)
     with open(ref.path, "rb") as f:
         f.seek(ref.offset)

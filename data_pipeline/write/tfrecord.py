@@ -1,11 +1,4 @@
-"""TFRecord files of ``tf.train.Example`` records in pure Python/numpy, so vitscale never needs TensorFlow.
-
-- CRC-32C (`crc32c`), vectorised over lanes: a byte loop is too slow for gigabyte splits;
-- the framing (`scan_records`, `write_records`): ``uint64 length | masked crc(length) | data | masked crc(data)``;
-- the protobuf wire format of ``Example`` (`decode_example`, `encode_example`): ``{name: [values]}``.
-
-The formats: docs/vtab.md, "The formats".
-"""
+"""TFRecord files of ``tf.train.Example`` records without TensorFlow (docs/vtab.md, "The formats")."""
 
 from __future__ import annotations
 
@@ -20,8 +13,8 @@ import numpy as np
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 _MASK_DELTA = 0xA282EAD8
-_VECTOR_MIN = 1024  # below this many bytes the plain loop is as fast
-_MAX_LANES = 32768  # faster than fewer lanes on large buffers
+_VECTOR_MIN = 1024  # bytes: below, the plain loop is as fast
+_MAX_LANES = 32768
 
 
 def _byte_table() -> np.ndarray:
@@ -43,7 +36,6 @@ def _crc_loop(data: bytes | memoryview, register: int) -> int:
 
 
 def _apply(operator: np.ndarray, registers: np.ndarray) -> np.ndarray:
-    """A linear map of CRC registers, given as 4 byte tables (one per register byte)."""
     return (
         operator[0][registers & 0xFF]
         ^ operator[1][(registers >> 8) & 0xFF]
@@ -54,14 +46,14 @@ def _apply(operator: np.ndarray, registers: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _zeros_operator(log2_bytes: int) -> np.ndarray:
-    """The map "feed 2^log2_bytes zero bytes" on a register, as 4 x 256 tables, by squaring the one-byte map."""
+    """The map "feed 2^log2_bytes zero bytes" as 4 x 256 tables."""
     basis = np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32))
     if log2_bytes == 0:
         columns = _TABLE[basis & 0xFF] ^ (basis >> 8)
     else:
         half = _zeros_operator(log2_bytes - 1)
         columns = _apply(half, _apply(half, basis))
-    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1  # (byte value, bit)
+    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
     tables = np.zeros((4, 256), dtype=np.uint32)
     for byte in range(4):
         for bit in range(8):
@@ -70,11 +62,8 @@ def _zeros_operator(log2_bytes: int) -> np.ndarray:
 
 
 def crc32c(data: bytes | memoryview) -> int:
-    """CRC-32C of ``data``: ``crc32c(b"123456789") == 0xE3069283``.
-
-    Long buffers use linearity: the initial register is folded into the data, which is zero-padded in front to
-    lanes x width bytes; all lanes advance together, then merge pairwise with the zero-byte operator of their width.
-    """
+    """CRC-32C of ``data``: ``crc32c(b"123456789") == 0xE3069283``. Long buffers run as lanes, merged by CRC
+    linearity."""
     n = len(data)
     if n < _VECTOR_MIN:
         return _crc_loop(data, 0xFFFFFFFF) ^ 0xFFFFFFFF
@@ -83,12 +72,12 @@ def crc32c(data: bytes | memoryview) -> int:
     width = size // lanes
     padded = np.zeros(size, dtype=np.uint8)
     padded[size - n :] = np.frombuffer(data, dtype=np.uint8)
-    padded[size - n : size - n + 4] ^= 0xFF  # the initial register 0xFFFFFFFF, as data
-    columns = padded.reshape(lanes, width).T.copy()  # (width, lanes): byte j of every lane is one row
+    padded[size - n : size - n + 4] ^= 0xFF  # the initial register, as data
+    columns = padded.reshape(lanes, width).T.copy()
     registers = np.zeros(lanes, dtype=np.uint32)
     for column in columns:
         registers = _TABLE[(registers ^ column) & 0xFF] ^ (registers >> 8)
-    level = width.bit_length() - 1  # log2 of the bytes each register covers
+    level = width.bit_length() - 1
     while registers.size > 1:
         registers = _apply(_zeros_operator(level), registers[0::2]) ^ registers[1::2]
         level += 1
@@ -96,33 +85,23 @@ def crc32c(data: bytes | memoryview) -> int:
 
 
 def masked_crc32c(data: bytes | memoryview) -> int:
-    """TFRecord's masked CRC: rotated right by 15 bits plus a constant."""
     crc = crc32c(data)
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
 
 
-# ---- Record framing
-
-
 def frame_record(data: bytes) -> bytes:
-    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
     length = struct.pack("<Q", len(data))
     return length + struct.pack("<I", masked_crc32c(length)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 def write_records(path: str | Path, records: Sequence[bytes]) -> None:
-    """Write ``records`` as one uncompressed TFRecord file."""
     with open(path, "wb") as f:
         for record in records:
             f.write(frame_record(record))
 
 
 def scan_records(f: BinaryIO, start: int, stop: int | None, stats: Counter) -> Iterator[tuple[int, int, bytes]]:
-    """Yield (index, data offset, data) of the records ``start <= index < stop`` of an open file.
-
-    Earlier records are skipped by seeking, their length CRC still checked. Counted in ``stats``: ``corrupt_records``
-    (skipped), ``broken_files`` (nothing after can be located), ``missing_records`` (wanted, never reached).
-    """
+    """(index, data offset, data) of the records ``start <= index < stop``; damage counted in ``stats``."""
     index = 0
     while stop is None or index < stop:
         header = f.read(12)
@@ -158,7 +137,6 @@ def scan_records(f: BinaryIO, start: int, stop: int | None, stats: Counter) -> I
 
 
 def count_records(path: str | Path) -> int:
-    """Records in a TFRecord file, by walking the length headers."""
     count = 0
     with open(path, "rb") as f:
         while header := f.read(12):
@@ -168,8 +146,6 @@ def count_records(path: str | Path) -> int:
             count += 1
     return count
 
-
-# ---- tf.train.Example in the protobuf wire format
 
 FeatureValues = list[bytes] | list[float] | list[int]
 
@@ -192,8 +168,7 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview]]:
-    """(field, wire type, number, bytes) of each field of a message: ``number`` a varint or fixed64, ``bytes`` a
-    length-delimited payload or a fixed32 (views of ``buf``)."""
+    """(field, wire type, varint or fixed64, payload or fixed32) of each field of a message."""
     empty = memoryview(b"")
     pos = 0
     while pos < len(buf):
@@ -219,7 +194,6 @@ def _signed64(value: int) -> int:
 
 
 def _list_values(kind: int, body: memoryview) -> FeatureValues:
-    """The values of a BytesList (kind 1), FloatList (2) or Int64List (3), packed or not."""
     values: list = []
     for field, wire, number, item in _fields(body):
         if field != 1:
@@ -255,7 +229,7 @@ def decode_example(data: bytes) -> dict[str, FeatureValues]:
     for field, wire, _, body in _fields(memoryview(data)):
         if field != 1 or wire != 2:
             continue
-        for entry_field, entry_wire, _, entry in _fields(body):  # map<string, Feature>: repeated {key=1, value=2}
+        for entry_field, entry_wire, _, entry in _fields(body):  # map<string, Feature>: {key=1, value=2}
             if entry_field != 1 or entry_wire != 2:
                 continue
             key, value = b"", memoryview(b"")
@@ -272,7 +246,7 @@ def decode_example(data: bytes) -> dict[str, FeatureValues]:
 
 
 def _encode_varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int64: ten bytes of two's complement, as protobuf
+    value &= (1 << 64) - 1  # negative: two's complement, as protobuf
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -286,7 +260,7 @@ def _delimited(number: int, payload: bytes) -> bytes:
 
 
 def _encode_feature(values: Sequence) -> bytes:
-    """Bytes → BytesList, floats → packed FloatList, ints and bools (or nothing) → packed Int64List."""
+    """Bytes → BytesList, floats → FloatList, ints, bools or nothing → Int64List."""
     items = list(values.tolist() if isinstance(values, np.ndarray) else values)
     if items and all(isinstance(v, (bytes, bytearray)) for v in items):
         return _delimited(1, b"".join(_delimited(1, bytes(v)) for v in items))
@@ -298,7 +272,6 @@ def _encode_feature(values: Sequence) -> bytes:
 
 
 def encode_example(features: Mapping[str, Sequence]) -> bytes:
-    """Serialize ``{name: values}`` as a ``tf.train.Example``; the inverse of `decode_example`."""
     entries = b"".join(
         _delimited(1, _delimited(1, name.encode()) + _delimited(2, _encode_feature(values)))
         for name, values in features.items()

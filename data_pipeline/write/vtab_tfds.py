@@ -1,10 +1,4 @@
-"""VTAB-1k's 19 tasks over TFDS folders: the TFDS dataset, the records of each split and the label (`TASKS`).
-
-As VTAB's data classes define them (docs/vtab.md): each task's ``train``, ``val`` and ``test`` come from the TFDS
-splits by one of ``SCHEMES``; ``train800`` and ``val200`` are the first 800 of ``train`` and 200 of ``val``. Our
-``train`` is ``train800val200``, the 1000 images the VTAB evaluator reads. Seven tasks derive their label from other
-features (`LABEL_FUNCTIONS`).
-"""
+"""VTAB-1k's 19 tasks over TFDS folders (docs/vtab.md): each task's TFDS dataset, split records and label (`TASKS`)."""
 
 from __future__ import annotations
 
@@ -17,11 +11,6 @@ from PIL import Image
 
 from data_pipeline.write.tfrecord import FeatureValues
 
-# How a task's train / val / test come out of the TFDS splits:
-#   holdout:   train = train[:p% of n], val = train[p% of n:], test = <test_split>
-#   tfds_val:  train = train, val = validation, test = test
-#   three_way: train = train[:p%], val = train[p%:(p+q)%], test = train[(p+q)%:] (TFDS has one split)
-#   half_test: train = train, val = test[:50%], test = test[50%:]
 SCHEMES = ("holdout", "tfds_val", "three_way", "half_test")
 SPLITS = ("train", "test", "train800", "val200", "train800val200", "val", "trainval")
 
@@ -55,6 +44,7 @@ def _task(name: str, tfds_name: str, num_classes: int, scheme: str, **kw) -> tup
     return name, VtabTfdsTask(name, tfds_name, num_classes, scheme, **kw)
 
 
+_DSPRITES = dict(train_percent=80, val_percent=10, binary_image=True)
 TASKS: dict[str, VtabTfdsTask] = dict(
     [
         _task("caltech101", "caltech101", 102, "holdout", train_percent=90),
@@ -72,26 +62,8 @@ TASKS: dict[str, VtabTfdsTask] = dict(
         _task("clevr_dist", "clevr", 6, "holdout", train_percent=90, test_split="validation", label="clevr_dist"),
         _task("dmlab", "dmlab", 6, "tfds_val"),
         _task("kitti_dist", "kitti", 4, "tfds_val", label="kitti_dist"),
-        _task(
-            "dsprites_loc",
-            "dsprites",
-            16,
-            "three_way",
-            train_percent=80,
-            val_percent=10,
-            label="dsprites_loc",
-            binary_image=True,
-        ),
-        _task(
-            "dsprites_ori",
-            "dsprites",
-            16,
-            "three_way",
-            train_percent=80,
-            val_percent=10,
-            label="dsprites_ori",
-            binary_image=True,
-        ),
+        _task("dsprites_loc", "dsprites", 16, "three_way", label="dsprites_loc", **_DSPRITES),
+        _task("dsprites_ori", "dsprites", 16, "three_way", label="dsprites_ori", **_DSPRITES),
         _task("smallnorb_azim", "smallnorb", 18, "half_test", label="label_azimuth"),
         _task("smallnorb_elev", "smallnorb", 9, "half_test", label="label_elevation"),
     ]
@@ -99,9 +71,7 @@ TASKS: dict[str, VtabTfdsTask] = dict(
 
 
 def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> str:
-    """The TFDS split expression (``train[:800]+validation[:200]``) of VTAB split ``split`` of ``task``.
-
-    ``sizes``: the record count of each TFDS split."""
+    """The TFDS split expression (``train[:800]+validation[:200]``) of VTAB split ``split``."""
     if split not in SPLITS:
         raise ValueError(f"--split {split!r} is not a VTAB split; use one of {', '.join(SPLITS)}")
 
@@ -145,9 +115,6 @@ def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> s
     return parts["train800val200" if split == "train" else split]
 
 
-# ---- Derived labels
-
-
 def _values(example: dict[str, FeatureValues], key: str) -> list:
     if key not in example:
         raise LabelError(f"no feature {key!r}")
@@ -167,7 +134,7 @@ def _clevr_count(example: dict[str, FeatureValues]) -> int:
 
 
 def _clevr_dist(example: dict[str, FeatureValues]) -> int:
-    depth = _values(example, "objects/pixel_coords")[2::3]  # (x, y, depth) per object
+    depth = _values(example, "objects/pixel_coords")[2::3]
     if not depth:
         raise LabelError("no objects")
     return _bin(min(depth), (0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0))
@@ -175,7 +142,7 @@ def _clevr_dist(example: dict[str, FeatureValues]) -> int:
 
 def _kitti_dist(example: dict[str, FeatureValues]) -> int:
     types = _values(example, "objects/type")
-    z = _values(example, "objects/location")[2::3]  # (x, y, z) in metres per object
+    z = _values(example, "objects/location")[2::3]  # metres
     vehicles = [depth for depth, kind in zip(z, types) if kind < 3]  # Car, Van, Truck
     return _bin(min([*vehicles, 1000.0]), (-100.0, 8.0, 20.0, 999.0))  # 3 distances + "no vehicle"
 
@@ -202,7 +169,6 @@ LABEL_FUNCTIONS: dict[str, Callable[[dict[str, FeatureValues]], int]] = {
     "label_azimuth": _feature("label_azimuth"),
     "label_elevation": _feature("label_elevation"),
 }
-# The features each derived label reads, checked before any record is read.
 LABEL_FEATURES = {
     "clevr_count": ("objects/size",),
     "clevr_dist": ("objects/pixel_coords",),
@@ -215,7 +181,6 @@ LABEL_FEATURES = {
 
 
 def class_names(task: VtabTfdsTask) -> list[str]:
-    """Readable class names of a derived label."""
     if task.label == "clevr_count":
         return [f"{k} objects" for k in range(3, 3 + task.num_classes)]
     if task.label == "clevr_dist":
@@ -226,7 +191,6 @@ def class_names(task: VtabTfdsTask) -> list[str]:
 
 
 def scale_binary_image(data: bytes) -> bytes:
-    """dSprites' 0/1 pixels times 255, as VTAB does; PNG, lossless (the writer re-encodes as JPEG)."""
     with Image.open(io.BytesIO(data)) as img:
         pixels = np.asarray(img.convert("L"), dtype=np.uint16) * 255
     out = io.BytesIO()

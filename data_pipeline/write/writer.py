@@ -1,11 +1,5 @@
-"""Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest (`write_dataset`).
-
-Two passes over a `readers` or `tfds` source, both parallel over cores. The scan decodes each image once to validate
-and hash it (invalid files are skipped and counted). The write drops exact duplicates and ``--exclude-like`` matches,
-flags near duplicates and writes the survivors in one seeded global permutation (docs/reference.md §6).
-A JPEG whose short side is <= ``--max-short-side`` keeps its bytes; a larger one is downscaled and re-encoded at
-q90, other formats at q95. Shards are renamed into place when complete, with fixed tar headers: a re-run after an
-interruption keeps the finished shards and is byte-identical to an uninterrupted run.
+"""Write a raw image collection as globally pre-shuffled WebDataset shards with a Parquet manifest (docs/reference.md
+§6); a re-run after an interruption keeps the finished shards.
 """
 
 from __future__ import annotations
@@ -29,22 +23,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from data_pipeline import manifest
-from data_pipeline.write.dedup import (
-    ExclusionSet,
-    near_duplicates_of_earlier,
-    perceptual_hash,
-    sha256_hex,
-)
+from data_pipeline.write.dedup import ExclusionSet, near_duplicates_of_earlier, perceptual_hash, sha256_hex
 from data_pipeline.write.readers import ItemRef, Source, SourceUnit, iter_unit, read_ref
-from data_pipeline.write.tfds import (
-    REF_KIND,
-    TfdsSource,
-    iter_tfds_unit,
-    read_tfds_ref,
-    unit_ids,
-)
+from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_tfds_ref, unit_ids
 
-# Fixed header fields keep re-runs byte-identical. An int: a float mtime makes tarfile add a PAX header per member.
+# Fixed tar headers; an int: a float mtime makes tarfile add a PAX header per member.
 TAR_MTIME = 0
 TAR_OWNER = "vitscale"
 
@@ -72,10 +55,8 @@ class WriteConfig:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One validated image: where it is, its label and hashes (the bytes stay at the source)."""
-
     ref: ItemRef | None
-    data: bytes | None  # in-memory sources carry their bytes
+    data: bytes | None  # of in-memory sources
     label: int
     source: str
     sha256: str
@@ -83,16 +64,16 @@ class Candidate:
     width: int
     height: int
     needs_reencode: bool
-    near_duplicate: bool = False  # within near_duplicate_distance bits of an earlier kept image
-    exact_duplicate: bool = False  # same bytes as an earlier image
+    near_duplicate: bool = False
+    exact_duplicate: bool = False
 
 
 def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str, dict]:
-    """Decode once: ("ok", facts) or (reason, {}), reason one of corrupt / not_image / too_small."""
+    """("ok", facts) or (corrupt / not_image / too_small, {})."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt, mode = img.format, img.mode
-            img.load()  # the full decode: a truncated JPEG raises here
+            img.load()  # a truncated JPEG raises here
             width, height = img.size
             if min(width, height) < min_size:
                 return "too_small", {}
@@ -106,7 +87,7 @@ def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str,
 
 
 def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> tuple[bytes, int, int]:
-    """(bytes, width, height) to store: the original JPEG or a deterministic RGB re-encode (q90 resized, else q95)."""
+    """(bytes, width, height) to store: the JPEG as it is, or an RGB re-encode (q90 downscaled, else q95)."""
     with Image.open(io.BytesIO(data)) as opened:
         if not needs_reencode:
             return data, opened.size[0], opened.size[1]
@@ -125,16 +106,13 @@ def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> 
 
 @dataclass(frozen=True)
 class _ScanJob:
-    """A scan job: a unit of a raw source, or a chunk of in-memory items."""
-
     config: WriteConfig
     unit: SourceUnit | None = None
-    source: Source | None = None  # without its units, so a job pickles only its own
+    source: Source | None = None  # without its units: a job pickles only its own
     items: tuple[tuple[bytes, int, str], ...] = ()  # (bytes, label, source id)
 
 
 def _scan_items(job: _ScanJob, stats: Counter) -> Iterator[tuple[ItemRef | None, bytes, int, str]]:
-    """(ref, bytes, label, source id) of every image of the job, in a deterministic order."""
     if job.unit is None or job.source is None:
         return ((None, data, label, source) for data, label, source in job.items)
     read = iter_tfds_unit if isinstance(job.source, TfdsSource) else iter_unit
@@ -142,14 +120,12 @@ def _scan_items(job: _ScanJob, stats: Counter) -> Iterator[tuple[ItemRef | None,
 
 
 def _read_raw(ref: ItemRef, source: Source | None) -> bytes:
-    """The raw bytes ``ref`` points at, re-read for the write pass (a TFDS record: its image feature)."""
     if ref.kind == REF_KIND and source is not None:
         return read_tfds_ref(ref, source)
     return read_ref(ref, source.image_column if source is not None else "image")
 
 
 def _scan_unit(job: _ScanJob) -> tuple[list[Candidate], Counter]:
-    """Scan one job: (the valid images, skip counts)."""
     stats: Counter = Counter()
     kept: list[Candidate] = []
     for ref, data, label, source in _scan_items(job, stats):
@@ -163,7 +139,6 @@ def _scan_unit(job: _ScanJob) -> tuple[list[Candidate], Counter]:
 
 
 def _imap(fn, jobs: list, processes: int, desc: str):
-    """Ordered parallel map with a progress bar; in-process for one process or one job."""
     bar = tqdm(total=len(jobs), desc=desc, unit="job", disable=None, file=sys.stderr)
     if processes == 1 or len(jobs) <= 1:
         for job in jobs:
@@ -178,7 +153,7 @@ def _imap(fn, jobs: list, processes: int, desc: str):
 
 
 def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
-    """Write one shard atomically (or keep the finished one); (its manifest row, its sample rows)."""
+    """Write one shard atomically (or keep it); (its manifest row, its sample rows)."""
     out_dir, index, entries, class_names, source, max_short_side = job
     name = manifest.SHARD_PATTERN.format(index=index)
     final = Path(out_dir) / name
@@ -207,13 +182,13 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
                     }
                 )
         os.replace(tmp, final)
-    # Read back from the tar, so a shard kept from an interrupted run reports the same rows.
+    # read back: a shard kept from an interrupted run reports the same rows
     metas = {}
     with tarfile.open(final, "r:") as tar:
         for member in tar:
             if member.name.endswith(".json"):
                 member_file = tar.extractfile(member)
-                assert member_file is not None  # this writer writes regular files only
+                assert member_file is not None
                 metas[member.name[: -len(".json")]] = json.loads(member_file.read())
     for key, cand in entries:
         meta = metas[key]
@@ -234,7 +209,7 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
         )
     digest = hashlib.sha256()
     with open(final, "rb") as f:
-        while chunk := f.read(1 << 22):  # streamed: shards are hundreds of MB
+        while chunk := f.read(1 << 22):
             digest.update(chunk)
     return dict(url=name, samples=len(entries), bytes=final.stat().st_size, sha256=digest.hexdigest()), rows
 
@@ -264,10 +239,7 @@ class WriteReport:
 def dedup_candidates(
     candidates: list[Candidate], config: WriteConfig, exclude: ExclusionSet | None, report: WriteReport
 ) -> list[Candidate]:
-    """Drop excluded images and exact duplicates, flag near duplicates; counts go to ``report``.
-
-    In the sources' canonical order, so which copy survives never depends on scheduling.
-    """
+    """Drop excluded images and exact duplicates, flag near duplicates, in the sources' order."""
     if exclude is not None:
         excluded = exclude.matches_many([c.sha256 for c in candidates], [c.phash for c in candidates])
     else:
@@ -300,10 +272,7 @@ def write_dataset(
     exclude: ExclusionSet | None = None,
     extra_meta: dict | None = None,
 ) -> WriteReport:
-    """Write a split folder from a raw ``source`` or in-memory ``items`` of (bytes, label, source id).
-
-    ValueError when nothing valid remains or the folder holds shards written with other settings.
-    """
+    """A split folder from a ``source`` or ``items``; ValueError when none is valid or settings differ."""
     config.validate()
     if (source is None) == (items is None):
         raise ValueError("write_dataset needs exactly one of source= or items=")
@@ -317,7 +286,7 @@ def write_dataset(
     survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
-    light = replace(source, units=()) if source is not None else None  # enough to re-read
+    light = replace(source, units=()) if source is not None else None
     shard_rows, report.written = _write_shards(out, survivors, names, light, config)
     manifest.write_metadata(
         out,
@@ -333,7 +302,7 @@ def write_dataset(
             **(extra_meta or {}),
         ),
     )
-    for stale in out.glob(manifest.SHARD_GLOB + ".tmp"):  # left by an interrupted run
+    for stale in out.glob(manifest.SHARD_GLOB + ".tmp"):
         stale.unlink()
     report.shards, report.bytes = len(shard_rows), sum(r["bytes"] for r in shard_rows)
     report.seconds = time.perf_counter() - start
@@ -341,9 +310,9 @@ def write_dataset(
 
 
 def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None:
-    """Record the write's settings in ``out``; ValueError when it holds shards written with other settings."""
+    """Record the write's settings in ``out``; ValueError when it holds others."""
     units: list[str] | None = None
-    if isinstance(source, TfdsSource):  # the same files with other records are another dataset
+    if isinstance(source, TfdsSource):
         units = [*unit_ids(source), source.task, source.label_column]
     elif source is not None:
         units = [u.path for u in source.units]
@@ -357,7 +326,6 @@ def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None
 def _scan_jobs(
     config: WriteConfig, source: Source | None, items: list[tuple[bytes, int, str]], names: list[str]
 ) -> list[_ScanJob]:
-    """One scan job per unit of ``source``, else per 256 ``items`` (their labels checked)."""
     if source is not None:
         light = replace(source, units=())
         return [_ScanJob(config, unit=u, source=light) for u in source.units]
@@ -368,7 +336,6 @@ def _scan_jobs(
 
 
 def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Candidate]:
-    """Pass 1: the valid images of all jobs, in the jobs' order; skip counts go to ``report``."""
     candidates: list[Candidate] = []
     skipped: Counter = Counter()
     for kept, stats in _imap(_scan_unit, jobs, processes, "scan"):
@@ -382,8 +349,7 @@ def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Can
 def _write_shards(
     out: Path, survivors: list[Candidate], names: list[str], source: Source | None, config: WriteConfig
 ) -> tuple[list[dict], int]:
-    """Pass 2: ``survivors`` in one seeded permutation, ``samples_per_shard`` to a shard, and samples.parquet;
-    (the manifest rows, the samples written)."""
+    """Pass 2: (the manifest rows, the samples written)."""
     order = np.random.default_rng(config.seed).permutation(len(survivors))
     keyed = [(f"{i:09d}", survivors[j]) for i, j in enumerate(order)]  # digits only: WebDataset splits keys at dots
     per = config.samples_per_shard
