@@ -1,1 +1,1 @@
-"""The Ray job: the driver (`python -m cluster.driver`), its watchdog, evals after each checkpoint, records."""
+"""The Ray job: the driver, its watchdog, evals after each checkpoint, records."""

@@ -4,9 +4,7 @@ run the job.
 python -m cluster.driver [--plan SPEC.json] [--address ADDR]     # the plan defaults to $VITSCALE_PLAN
 python -m cluster.driver --cluster a100x64 --recipe vit_h14_i21k [--set KEY=VALUE] [--run-name NAME] [--dry-run]
 
-The second form is for Ray's own job submission on a cluster that is already up (README, "Quick start"):
-`ray job submit --working-dir . -- python -m cluster.driver --cluster a100x64 --recipe vit_h14_i21k`. It plans
-inside the job exactly as `cluster.launch` plans on the launching machine, prints the plan, and runs the same job.
+The second form is for `ray job submit` on a cluster already up (README, "Quick start").
 """
 
 from __future__ import annotations
@@ -49,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if spec is None:
         return 2
-    import ray  # heavy: deferred
+    import ray
 
-    try:  # here, not in run_job: no cluster is the user's to fix, not a crash
+    try:
         ray.init(address=args.address or "auto")
     except ConnectionError as error:
         print(
@@ -60,22 +58,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    import psutil  # a Ray dependency; the driver process's start begins the goodput ledger
+    import psutil  # a Ray dependency
 
     return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
 
 
 def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | None:
-    """The job spec from ``--plan`` or ``$VITSCALE_PLAN``; None (said) when it is not one."""
+    """None (said) when it is not a job spec."""
     if not plan and not os.environ.get(PLAN_ENV):
         parser.error(
             f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does), or plan here with "
             "--cluster and --recipe"
         )
     source = f"--plan {plan}" if plan else f"${PLAN_ENV}"
-    try:  # unreadable, not JSON, JSON of another shape, an invalid profile or config
+    try:
         text = Path(plan).read_text() if plan else os.environ[PLAN_ENV]
-        return JobSpec.from_json(text)  # the job's one build of the config, before Ray and MLflow start
+        return JobSpec.from_json(text)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         print(
             f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
@@ -86,7 +84,7 @@ def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | N
 
 
 def _plan_here(args: argparse.Namespace) -> JobSpec | None:
-    """Plan ``args.recipe`` on ``args.cluster`` as `cluster.launch` does, print the plan; None (said) on bad input."""
+    """Plan and print as `cluster.launch` does; None (said) on bad input."""
     try:
         profile = load_profile(args.cluster)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -1,12 +1,5 @@
-"""Evals after COMPLETE checkpoints, as Ray tasks on their own resources, never blocking training.
-
-`EvalScheduler`, a zero-CPU actor on the driver's node, gets each checkpoint from rank 0 fire-and-forget and starts
-one eval task per new step that a suite's cadence reaches (`cluster.plan.evals.cadence`; a step reported again is
-evaluated once), running the suites due there; each task logs to the job's MLflow run at step = the checkpoint step.
-The driver calls `drain` after training. At most `max_pinned` evals wait at once; beyond that an eval is skipped, so
-that pins cannot fill the disk. An eval that fails for good is recorded in the run (`_fail`). Design: docs/design.md,
-"Evals after every checkpoint" and "Checkpoint pins"; failures: docs/elastic.md, "Faults".
-"""
+"""Evals after COMPLETE checkpoints, as Ray tasks on their own resources, never blocking training (docs/design.md,
+"Evals after every checkpoint" and "Checkpoint pins")."""
 
 from __future__ import annotations
 
@@ -25,16 +18,14 @@ from pretrain.checkpoint.run_folder import unpin_checkpoint
 from tracking import keys
 from tracking.tracker import Tracker
 
-# Checkpoints pinned for evals that have not ended, at most: beyond this, evals are skipped.
-MAX_PINNED = 8
+MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped
 
 
 def run_suite_task(
     checkpoint_dir: str, suite: str | tuple[str, ...], data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """`eval_task.run_suite_task`, imported in the task's process: the actor never imports torch and the evals.
-    Several suites run as one (`merged_suite`): one task, one pin, one table per checkpoint."""
-    from cluster.driver import eval_task  # deferred: docs/design.md, "Packages, what each owns, and the import rules"
+    """`eval_task.run_suite_task`; several suites run as one (`merged_suite`)."""
+    from cluster.driver import eval_task  # in the task's process only
 
     if isinstance(suite, str):
         return eval_task.run_suite_task(checkpoint_dir, suite, data_root, run_id, tracking_uri)
@@ -44,8 +35,7 @@ def run_suite_task(
 
 
 def merged_suite(suites: tuple[str, ...], folder: Path) -> Path:
-    """A suite YAML in ``folder`` with the evaluators of ``suites`` (names in configs/evals, or YAML paths) in
-    order, named ``a+b``; the runner checks it as it checks any suite."""
+    """A suite YAML in ``folder`` named ``a+b`` with the evaluators of ``suites`` (names or YAML paths) in order."""
     evaluators = []
     for name in suites:
         path = Path(name) if Path(name).suffix in (".yaml", ".yml") else SUITES_DIR / f"{name}.yaml"
@@ -57,9 +47,7 @@ def merged_suite(suites: tuple[str, ...], folder: Path) -> Path:
 
 
 def task_options(num_cpus: float, num_gpus: float, memory_gb: float) -> dict[str, Any]:
-    """Ray options of an eval task: its CPUs and GPUs, and ``memory`` (bytes) when the profile declares
-    `evals.memory_gb`, so Ray places it only where that much is free. A task whose process dies runs once more;
-    an exception is returned, not retried."""
+    """A task whose process dies runs once more."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": 1}
     if memory_gb > 0:
         options["memory"] = int(memory_gb * 1e9)
@@ -68,7 +56,7 @@ def task_options(num_cpus: float, num_gpus: float, memory_gb: float) -> dict[str
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class EvalScheduler:
-    """Receives (checkpoint folder, step, training metrics); launches one eval task per new step on the cadence."""
+    """A zero-CPU actor on the driver's node; rank 0 submits each checkpoint fire-and-forget."""
 
     def __init__(
         self,
@@ -87,29 +75,28 @@ class EvalScheduler:
         self.cadence, self.data_root, self.run_id, self.tracking_uri = suites, data_root, run_id, tracking_uri
         self.max_pinned = max_pinned
         self._task = ray.remote(task).options(**task_options(num_cpus, num_gpus, memory_gb))
-        self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures and skips: the tasks log their metrics
-        self._tracker.connect_in_background()  # the job's end, which flushes, should not wait for MLflow's setup
+        self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures and skips
+        self._tracker.connect_in_background()
         self._failures = self._skips = 0
-        self._lock = threading.Lock()  # a threaded actor: submit / drain / pending may run concurrently
-        self._pending: dict[int, ray.ObjectRef] = {}  # steps whose eval has not ended (pinned)
+        self._lock = threading.Lock()  # a threaded actor
+        self._pending: dict[int, ray.ObjectRef] = {}  # pinned
         self._results: dict[int, dict[str, Any]] = {}
         self._train: dict[int, dict[str, float]] = {}
         self._paths: dict[int, str] = {}
-        self._due: dict[int, tuple[str, ...]] = {}  # the suites each evaluated step runs
+        self._due: dict[int, tuple[str, ...]] = {}
 
     def submit(self, checkpoint_dir: str, step: int, train_metrics: dict[str, float] | None = None) -> bool:
-        """Start the checkpoint's eval (the suites due at ``step``); False if this step was already submitted. The
-        caller pinned the checkpoint if a suite is due; the pin stays while its eval is pending, else is released."""
+        """False if this step was already submitted. The caller's pin stays while the eval is pending."""
         with self._lock:
             self._collect(timeout_s=0)
             self._train[step] = dict(train_metrics or {})
             if step in self._paths:
-                if step not in self._pending:  # its eval already ended
+                if step not in self._pending:
                     unpin_checkpoint(checkpoint_dir)
                 return False
             self._paths[step] = checkpoint_dir
             due = self._due[step] = self.cadence.due(step)
-            if not due:  # no suite, or off every suite's cadence
+            if not due:
                 unpin_checkpoint(checkpoint_dir)
                 return True
             if len(self._pending) >= self.max_pinned:
@@ -132,14 +119,12 @@ class EvalScheduler:
             return True
 
     def pending(self) -> list[int]:
-        """Steps whose eval has not ended (their checkpoints are pinned)."""
         with self._lock:
             self._collect(timeout_s=0)
             return sorted(self._pending)
 
     def _collect(self, timeout_s: float | None) -> None:
-        """Move finished evals (waiting up to timeout_s) to the results and unpin them (for a task that died before
-        its own `finally`); caller holds _lock."""
+        """Move finished evals to the results and unpin them; caller holds _lock."""
         refs = list(self._pending.values())
         if not refs:
             return
@@ -150,7 +135,7 @@ class EvalScheduler:
                 continue
             try:
                 self._results[step] = ray.get(ref)
-            except Exception as exc:  # the task died twice, beyond Ray's one retry
+            except Exception as exc:
                 self._results[step] = {"error": f"eval task failed: {type(exc).__name__}: {exc}"}
             del self._pending[step]
             unpin_checkpoint(self._paths[step])
@@ -158,11 +143,9 @@ class EvalScheduler:
                 self._fail(step, self._results[step])
 
     def _fail(self, step: int, result: dict[str, Any]) -> None:
-        """Record an eval that failed for good, or was skipped (``result["skipped"]``): metric `eval_failed/<suite>`
-        (or `eval_skipped/<suite>`) = 1 at its step for each suite due there, the reason in
-        `eval_failures/step_XXXXXXXX.txt` (run folder and artifact), the count of each as a tag; caller holds _lock."""
+        """Record an eval that failed for good or was skipped; caller holds _lock."""
         self._results[step] = result
-        suites = [Path(s).stem for s in self._due.get(step, ())] or ["evals"]  # a suite's YAML path: its file name
+        suites = [Path(s).stem for s in self._due.get(step, ())] or ["evals"]
         reason = f"step {step}: {result['error']}\n\n{result.get('traceback', '')}".rstrip() + "\n"
         if result.get("skipped"):
             self._skips += 1
@@ -172,25 +155,24 @@ class EvalScheduler:
             self._failures += 1
             self._tracker.log_metrics({keys.eval_failed(suite): 1.0 for suite in suites}, step=step)
             self._tracker.set_tags({keys.EVAL_FAILURES: self._failures})
-        folder = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR  # <run_dir>/eval_failures
+        folder = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR
         try:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"step_{step:08d}.txt").write_text(reason)
             self._tracker.log_artifact(str(folder / f"step_{step:08d}.txt"), keys.EVAL_FAILURES_DIR)
-        except OSError as error:  # a full disk: the metric and the summary still say it
+        except OSError as error:
             print(f"eval scheduler: could not write the reason of step {step}'s failure: {error}", flush=True)
 
     def drain(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
-        """Wait up to timeout_s for the pending evals; cancel those still running and record them as failed.
-        Returns {step: {checkpoint, train, metrics | error}}."""
+        """Wait up to timeout_s, then cancel; {step: {checkpoint, train, metrics | error}}."""
         with self._lock:
             refs = list(self._pending.values())
-        if refs:  # outside the lock: a late submit from training must not block behind the wait
+        if refs:  # outside the lock: a late submit must not block behind the wait
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         with self._lock:
             self._collect(timeout_s=0)
             for step, ref in list(self._pending.items()):
-                ray.cancel(ref, force=True)  # its worker process goes now, not with the job
+                ray.cancel(ref, force=True)  # its process goes now, not with the job
                 del self._pending[step]
                 unpin_checkpoint(self._paths[step])
                 self._fail(

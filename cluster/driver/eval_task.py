@@ -1,7 +1,4 @@
-"""The body of one eval task: run the suite on one checkpoint, on the resources Ray gave the task.
-
-Imported only in the task's process, never by the scheduler actor.
-"""
+"""One eval task: run the suite on one checkpoint; imported only in the task's process."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from pretrain.checkpoint.run_folder import is_complete, unpin_checkpoint
 
 
 def task_device(assigned: dict[str, float], cuda_available: bool) -> str:
-    """``cuda`` when Ray gave the task a GPU (its only visible one), else ``cpu``. RuntimeError when torch cannot
-    use that GPU: the task would hold it idle and take hours on the CPU."""
+    """``cuda`` when Ray gave the task a GPU, else ``cpu``; RuntimeError when torch cannot use that GPU."""
     if assigned.get("GPU", 0) <= 0:
         return "cpu"
     if not cuda_available:
@@ -34,7 +30,7 @@ def run_suite_task(
     checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
     """{metrics | error (+ traceback), seconds, started}; never raises. Unpins the checkpoint however it ends."""
-    started, began = time.monotonic(), time.time()  # "started" (Unix time): the goodput ledger's clock
+    started, began = time.monotonic(), time.time()
     try:
         if not is_complete(checkpoint_dir):
             return {
@@ -43,21 +39,19 @@ def run_suite_task(
                 "seconds": 0.0,
                 "started": began,
             }
-        # Stay within the CPUs Ray gave this task: it may share them with training.
         resources = ray.get_runtime_context().get_assigned_resources()
         torch.set_num_threads(max(1, int(resources.get("CPU", 1))))
         device = task_device(resources, torch.cuda.is_available())
         table = run_suite(
             checkpoint_dir, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=tracking_uri, device=device
         )
-        # What MLflow got (ok rows, finite values): a missing dataset shows as "-".
         return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started, "started": began}
-    except Exception as exc:  # reported in the summary; it never fails the training job
+    except Exception as exc:
         return {
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
             "seconds": time.monotonic() - started,
             "started": began,
         }
-    finally:  # done, failed or interrupted
+    finally:
         unpin_checkpoint(checkpoint_dir)

@@ -1,9 +1,5 @@
-"""The Ray job: one MLflow run, Ray Train workers running `train_worker`, evals after each checkpoint.
-
-`run_job` runs a `JobSpec`; each worker runs `_train_loop`, whose rank 0 hands every COMPLETE checkpoint to the
-eval scheduler without waiting. Order of work: docs/design.md, "The Ray job"; restarts, resizes, hangs and final
-failures: docs/elastic.md, "Elastic jobs on Ray" and "Faults".
-"""
+"""The Ray job: one MLflow run, Ray Train workers running `train_worker`, evals after each checkpoint (docs/design.md,
+"The Ray job"; docs/elastic.md, "Faults")."""
 
 from __future__ import annotations
 
@@ -39,13 +35,13 @@ from tracking.runs import JobRun, run_tags, start_job_run
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
-SUBMIT_WAIT_S = 60.0  # rank 0's wait at its end for the eval scheduler to take its checkpoints
+SUBMIT_WAIT_S = 60.0  # rank 0's wait for the eval scheduler to take its checkpoints
 
 
 @dataclass(frozen=True)
 class FaultInjection:
     """Chaos hook: `delay_s` after checkpoint step >= `after_step`, rank `rank` exits ("exit": a lost worker) or
-    SIGSTOPs itself ("stop": a hung rank), once per run folder. `full_disk_after`: its later saves fail (ENOSPC)."""
+    SIGSTOPs itself ("stop": a hung rank), once per run folder; `full_disk_after`: its later saves fail (ENOSPC)."""
 
     rank: int
     after_step: int
@@ -60,11 +56,11 @@ class FaultInjection:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What `cluster.launch` submits, as JSON; the job builds the config once, in `from_json`."""
+    """What `cluster.launch` submits, as JSON."""
 
     profile: ClusterProfile
-    config: TrainConfig  # the resolved config
-    plan: dict[str, Any]  # cluster.plan.planner.Plan.to_dict()
+    config: TrainConfig
+    plan: dict[str, Any]
     fault: FaultInjection | None = None
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -72,7 +68,7 @@ class JobSpec:
     def create(
         cls, profile: ClusterProfile, config: TrainConfig, plan: Plan, fault: FaultInjection | None = None
     ) -> JobSpec:
-        """The job of `plan`, tagged on this (the launching) machine: the job's copy of the code has no git."""
+        """Tagged here: the job's copy of the code has no git."""
         world = plan.topology.world_size
         tags = run_tags(config.recipe, config.model.name, world, profile=profile.name, run_dir=config.checkpoint.dir)
         return cls(profile, config, plan.to_dict(), fault, tags)
@@ -97,22 +93,16 @@ class JobSpec:
 
 
 def worker_env(profile: ClusterProfile) -> dict[str, str]:
-    """Environment every training worker sets before importing torch/DeepSpeed."""
     env = {
         "OMP_NUM_THREADS": str(profile.workers.cpus_per_worker),
         "PYTHONUNBUFFERED": "1",
-        # Ray Train V2's print patch printed every worker line twice; off, print() writes once, to the job log.
-        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-        # Ray starts its workers at nice 15, where a rank starves beside any work at nice 0
-        # (docs/benchmarks/2026-12-02-first-launch.md). Ranks run at the job's priority; evals stay at 15 and yield.
-        "RAY_worker_niceness": "0",
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # it printed every line twice
+        "RAY_worker_niceness": "0",  # Ray's 15 starves a rank; evals stay at 15
     }
     if not profile.uses_gpus:
         env["DS_ACCELERATOR"] = "cpu"
     else:
-        # Fewer, larger blocks: a long run's allocations fragment the caching allocator less (docs/network.md).
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    # Inductor compiles with as many threads as the machine has cores; a worker owns cpus_per_worker of them.
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(profile.workers.cpus_per_worker)
     env.update(network_env(profile))
     return env
@@ -125,12 +115,9 @@ def job_runtime_env(
     excludes: list[str] | None = None,
     credentials: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The Ray job's runtime env: the job spec for the driver (`PLAN_ENV`), the workers' variables, MLflow's
-    ``credentials`` (`tracking.runs.tracking_credentials`), the code (``working_dir``, less ``excludes``) and pip
-    installs of the plan's runtime extras (s3fs / gcsfs, transformers)."""
-    # Beside the spec, never in it: the spec is the plan the job prints and logs. Ray hands these to every process.
+    """MLflow's ``credentials`` go beside the spec, never in it: the job prints and logs the spec."""
     env = {PLAN_ENV: spec_json, **worker_env(profile), **(credentials or {})}
-    env.pop("OMP_NUM_THREADS")  # the driver is light; workers set their own
+    env.pop("OMP_NUM_THREADS")  # workers set their own
     runtime: dict[str, Any] = {"working_dir": working_dir}
     if excludes is not None:
         runtime["excludes"] = excludes
@@ -142,9 +129,8 @@ def job_runtime_env(
 
 
 def _train_loop(loop_config: dict[str, Any]) -> None:
-    """Runs in each Ray Train worker (Ray created the process group and set RANK / WORLD_SIZE / LOCAL_RANK)."""
-    collector.pause()  # no GC passes during the start; `train_worker` resumes it before the first step
-    try:  # a start that fails must not leave the worker without it
+    collector.pause()  # no GC during the start; `train_worker` resumes it
+    try:
         _train_rank(loop_config)
     finally:
         collector.resume()
@@ -152,16 +138,16 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
 def _train_rank(loop_config: dict[str, Any]) -> None:
     os.environ.update(loop_config["env"])
-    import ray.train  # heavy: deferred
+    import ray.train
     import torch
 
     torch.set_num_threads(int(loop_config["env"]["OMP_NUM_THREADS"]))
-    config = loop_config["config"]  # the driver's TrainConfig, as Ray pickled it: not rebuilt here
+    config = loop_config["config"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(config.checkpoint.dir)
     record_placement(run_dir, rank, world_size)
-    # For the watchdog: a stack dump on SIGUSR1, registered before the first heartbeat names this pid.
+    # before the first heartbeat names this pid
     stacks = install_stack_dump(run_dir, rank)  # noqa: F841 (faulthandler writes to it until the process ends)
     heartbeat = Heartbeat(heartbeat_path(run_dir, rank), identity(rank, world_size))
     scheduler, cadence = loop_config["scheduler"], loop_config["eval_cadence"]
@@ -169,14 +155,13 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
         _fill_disk(fault["full_disk_after"])
 
-    submits: list = []  # rank 0's submit calls not yet seen done: awaited before this rank ends
+    submits: list = []
 
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         heartbeat.saved()
         if rank == 0:
             due = cadence.due(int(step))
-            if due:  # a checkpoint off every suite's cadence is not evaluated, so not pinned
-                # Pinned synchronously, before the next save's prune; the scheduler unpins when the eval ends.
+            if due:  # pinned before the next save's prune; the scheduler unpins
                 pin_checkpoint(checkpoint_dir, f"evals {'+'.join(due)} pending on step {step}")
             submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
             submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
@@ -185,14 +170,14 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
 
     summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=heartbeat)
     _await_submits(submits)
-    if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints: hand the summary over in the run folder
+    if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
         result = json.dumps({k: summary.to_dict()[k] for k in keep}, default=str)
         write_text_atomically(Path(config.checkpoint.dir) / "train_result.json", result)
 
 
 def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
-    """Wait until the eval scheduler has taken rank 0's checkpoints: a submit in flight at the drain is lost."""
+    """A submit still in flight at the drain would be lost."""
     import ray
 
     if not refs:
@@ -207,7 +192,7 @@ def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
 
 
 def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
-    """The fault, once per run folder; the marker says what happened and when (Unix time)."""
+    """Once per run folder."""
     if marker.exists():
         return
     kind = fault.get("kind", "exit")
@@ -217,18 +202,17 @@ def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
         marker.write_text(
             f"rank {rank} {verb} {fault['delay_s']} s after checkpoint step {step} at {time.time():.3f}\n"
         )
-        if kind == "stop":  # a stuck rank: alive, silent, holding the others in their next collective
+        if kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
-        else:  # a lost node: no exception, no cleanup
+        else:
             os._exit(1)
 
-    marker.write_text(f"rank {rank}: {kind} pending\n")  # at once: a restarted group must not strike again
+    marker.write_text(f"rank {rank}: {kind} pending\n")  # a restarted group must not strike again
     threading.Timer(fault["delay_s"], strike).start()
 
 
 def _fill_disk(after_step: int) -> None:
-    """Saves after step ``after_step`` fail as on a full disk: each `SaveAttempt.write` writes to /dev/full
-    (ENOSPC). Patched in this process only; the save's agreement makes every rank fail alike."""
+    """Saves after step ``after_step`` write to /dev/full (ENOSPC), in this process only."""
 
     def full() -> None:
         with open("/dev/full", "wb") as out:
@@ -251,9 +235,9 @@ def _floats(d: dict) -> dict[str, float]:
 def run_job(
     spec: JobSpec, address: str | None = None, eval_timeout_s: float | None = None, started_at: float | None = None
 ) -> int:
-    """The job's exit code (0 = training succeeded). ``started_at``: its start (Unix time) for the goodput ledger."""
+    """The exit code (0 = training succeeded). ``started_at``: the job's start, for the goodput ledger."""
     clock = JobClock(time.time() if started_at is None else started_at)
-    import ray  # heavy: deferred
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     profile = spec.profile
@@ -263,11 +247,11 @@ def run_job(
         ray.init(address=address or "auto")
     mlflow_run, config = open_tracking(spec)
     run_id = mlflow_run.ref
-    stale = release_pins(run_dir)  # one job per run folder: pins found now belong to a job that died
+    stale = release_pins(run_dir)  # one job per run folder
     if stale:
         print(f"released {len(stale)} checkpoint pins left by an earlier job of this run", flush=True)
 
-    # On the driver's node: a zero-CPU actor could land anywhere, and a lost node would take the eval bookkeeping.
+    # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cadence = eval_cadence(spec)
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
@@ -279,17 +263,17 @@ def run_job(
         num_gpus=profile.evals.num_gpus,
         memory_gb=profile.evals.memory_gb,
     )
-    config.data.ensure_builtin()  # ranks never generate data; this node sees the run's storage
+    config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)
     watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0)).start()
-    clock.fit_at = time.time()  # from here Ray Train places the worker group (docs/goodput.md)
+    clock.fit_at = time.time()
     goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0)).start()
     started = time.monotonic()
     status, error = "FINISHED", None
     try:
         result = trainer.fit()
         error = getattr(result, "error", None)
-    except Exception as exc:  # TrainingFailedError after max_failures restarts, or a setup error
+    except Exception as exc:
         error = exc
     finally:
         watchdog.stop()
@@ -306,7 +290,7 @@ def run_job(
     evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
     mlflow_run.stop()
-    if mlflow_run.run_id is None:  # waiting for it would only hold the job's end
+    if mlflow_run.run_id is None:
         print(
             f"MLflow at {uri} never answered during the job: the records buffered for its run are not sent; the run "
             f"folder {run_dir} keeps summary.json and the goodput ledger",
@@ -317,15 +301,13 @@ def run_job(
 
 
 def eval_cadence(spec: JobSpec) -> EvalCadence:
-    """The run's suites and their cadence over its checkpoints, up to the plan's last step."""
     config = spec.config
     last_step = (spec.plan.get("compute") or {}).get("total_steps")
     return EvalCadence(config.evals.schedule(), config.checkpoint.every_steps, last_step)
 
 
 def open_tracking(spec: JobSpec) -> tuple[JobRun, TrainConfig]:
-    """The job's MLflow run, never waited on past a short start (`tracking.runs.start_job_run`), and the config the
-    workers get, naming it: its id, or while MLflow does not answer a reference every Tracker resolves later."""
+    """The job's MLflow run, and the config naming it (while MLflow does not answer, by a reference)."""
     config = spec.config
     run_dir, uri = Path(config.checkpoint.dir), config.logging.mlflow_tracking_uri
     run = start_job_run(run_dir, uri, config.recipe or "vitscale", config.to_dict(), spec.tags, spec.plan)
@@ -335,7 +317,6 @@ def open_tracking(spec: JobSpec) -> tuple[JobRun, TrainConfig]:
 
 
 def job_hang(spec: JobSpec) -> HangSpec:
-    """The profile's `hang` section with the plan's start and first-save allowances, where the plan has them."""
     hang, startup = spec.profile.hang, spec.plan.get("startup") or {}
     return replace(
         hang,
@@ -345,7 +326,7 @@ def job_hang(spec: JobSpec) -> HangSpec:
 
 
 def failure_line(error: BaseException) -> str:
-    """Why training failed: a `FinalFailure`'s own message (inside Ray's `ControllerError`), else the error."""
+    """A `FinalFailure`'s own message (inside Ray's `ControllerError`), else the error."""
     cause = getattr(error, "controller_failure", None)
     if isinstance(cause, FinalFailure):
         return str(cause)
@@ -353,14 +334,12 @@ def failure_line(error: BaseException) -> str:
 
 
 def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: EvalCadence) -> Any:
-    """Ray Train's TorchTrainer: the profile's workers, each running `_train_loop`."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     profile, run_dir = spec.profile, Path(config.checkpoint.dir)
     w = profile.workers
     resources = {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.gpus_per_worker else {}), **w.resources}
-    # Elastic: Ray Train may run at any count in min..max (the plan checked each keeps the global batch).
     elastic = {"elastic_resize_monitor_interval_s": w.elastic_resize_monitor_interval_s} if w.elastic else {}
     return TorchTrainer(
         _train_loop,
@@ -384,7 +363,6 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: 
             storage_path=str(run_dir.parent),
             failure_config=FailureConfig(max_failures=profile.max_failures),
             callbacks=[final_failures_callback()],
-            # Set before the worker process imports anything.
             worker_runtime_env={"env_vars": worker_env(profile)},
         ),
     )

@@ -1,13 +1,5 @@
-"""The job's goodput ledger: every second of its wall-clock in exactly one bucket, per attempt and in total.
-
-The driver's half of docs/goodput.md, "How the ledger is built". `build_ledger` is pure: a cursor walks the job's
-timeline, so that no second is booked twice or skipped:
-
-    job start ─ startup ─▶ fit() ─ resource_wait (first attempt) | restart (later ones) ─▶ worker process start
-      ─ startup ─▶ train_worker ─ the attempt's own buckets ─▶ its last record ─ ... ─▶ other ─▶ ledger closed
-
-`GoodputMonitor` logs the ledger so far while training runs; `finish_ledger` writes, prints and logs the final one.
-"""
+"""The job's goodput ledger: every second of its wall-clock in exactly one bucket, per attempt and in total
+(docs/goodput.md, "How the ledger is built")."""
 
 from __future__ import annotations
 
@@ -20,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.driver.summary import aligned
 from cluster.profiles import ClusterProfile
 from pretrain.telemetry.attempt_clock import GOODPUT_DIR, read_attempts
 from tracking import keys
@@ -30,32 +23,27 @@ BUCKETS = keys.GOODPUT_BUCKETS
 
 @dataclass
 class JobClock:
-    """The driver's timestamps (Unix time): the job's start and when it asked Ray Train for the worker group."""
-
     started: float
     fit_at: float | None = None
 
 
 @dataclass(frozen=True)
 class EvalSpan:
-    """When one eval task ran (Unix time)."""
-
     start: float
     end: float
 
 
 @dataclass
 class Ledger:
-    """Seconds per bucket in total and per row (``job start``, ``attempt <n>``, ``job end``); each sums to
-    ``wall_s`` exactly."""
+    """Seconds per bucket in total and per row; each sums to ``wall_s``."""
 
     wall_s: float
     total: dict[str, float]
     rows: list[tuple[str, dict[str, float]]]
     notes: list[str] = field(default_factory=list)
-    data_wait_measured: float | None = None  # data wait / (step compute + data wait), over every attempt
+    data_wait_measured: float | None = None  # data wait / (step compute + data wait)
     step: int = 0  # the newest step trained
-    started: float | None = None  # the job's start and the ledger's close (Unix time)
+    started: float | None = None
     ended: float | None = None
 
     @property
@@ -82,8 +70,7 @@ class Ledger:
 
 
 def evals_share_training_cores(profile: ClusterProfile) -> bool:
-    """Whether evals run on the training cores: no GPU or node group of their own, and a node's workers plus one
-    eval ask for more CPUs than it has."""
+    """A node's workers plus one eval ask for more CPUs than it has."""
     e, w, hw = profile.evals, profile.workers, profile.hardware
     if e.num_gpus > 0 or e.instance_type:
         return False
@@ -92,7 +79,6 @@ def evals_share_training_cores(profile: ClusterProfile) -> bool:
 
 
 def eval_spans(evals: dict[int, dict[str, Any]]) -> list[EvalSpan]:
-    """The spans of the eval results (`EvalScheduler.drain`) that have them."""
     spans = []
     for row in evals.values():
         start, seconds = row.get("started"), row.get("seconds")
@@ -102,7 +88,7 @@ def eval_spans(evals: dict[int, dict[str, Any]]) -> list[EvalSpan]:
 
 
 class _Cursor:
-    """Each `take` books the seconds from the cursor to ``until`` (clipped to the end, never negative) and moves on."""
+    """`take` books the seconds from the cursor to ``until`` (clipped to the end, never negative)."""
 
     def __init__(self, start: float, end: float):
         self.at, self.end = start, end
@@ -127,9 +113,7 @@ def build_ledger(
     evals: list[EvalSpan] | None = None,
     evals_shared: bool = False,
 ) -> Ledger:
-    """The ledger from ``clock.started`` to ``end``. ``attempts``: this job's records, oldest first;
-    ``process_starts``: {pid: when that worker process started}. Lost work moves to ``restart``, eval interference
-    to ``eval_interference``; ``other`` is what no record explains, never negative."""
+    """From ``clock.started`` to ``end``; ``attempts`` oldest first. ``other`` is never negative."""
     cursor, notes = _Cursor(clock.started, end), []
     head = _row()
     head["startup"] = cursor.take(clock.fit_at if clock.fit_at is not None else end)
@@ -138,15 +122,15 @@ def build_ledger(
         row = _row()
         process_start = (process_starts or {}).get(int(attempt.get("pid") or 0), attempt["started"])
         if i > 0 and process_start <= cursor.at:
-            # A worker process Ray Train kept across the restart or resize: all until train_worker is the restart.
+            # a worker process kept across the restart
             row["restart"] += cursor.take(attempt["started"])
         else:
             row["resource_wait" if i == 0 else "restart"] += cursor.take(min(process_start, attempt["started"]))
-            row["startup"] += cursor.take(attempt["started"])  # imports, Ray Train's setup
+            row["startup"] += cursor.take(attempt["started"])
         span = cursor.take(attempt.get("ended") or attempt.get("updated"))
         booked = {b: max(0.0, float(attempt.get("seconds", {}).get(b, 0.0))) for b in row if b in attempt["seconds"]}
         scale, total_booked = 1.0, sum(booked.values())
-        if total_booked > span:  # clocks of two machines, or a record written after the driver's end
+        if total_booked > span:
             scale = span / total_booked
             notes.append(
                 f"attempt {attempt.get('attempt', i + 1)}: its booked seconds exceed its span on the "
@@ -154,7 +138,7 @@ def build_ledger(
             )
         for bucket, seconds in booked.items():
             row[bucket] += seconds * scale
-        row["other"] += max(0.0, span - total_booked * scale)  # never below zero (rounding)
+        row["other"] += max(0.0, span - total_booked * scale)
         later = attempts[i + 1] if i + 1 < len(attempts) else None
         _move_lost_work(row, attempt, later, scale, notes)
         if evals_shared and evals:
@@ -183,8 +167,7 @@ def build_ledger(
 
 
 def _move_lost_work(row: dict[str, float], attempt: dict, later: dict | None, scale: float, notes: list[str]) -> None:
-    """Move a failed (or resized) attempt's step seconds after the checkpoint the next one resumed from to
-    ``restart``: that work was lost."""
+    """Step seconds after the checkpoint the next attempt resumed from go to ``restart``."""
     if later is None:
         return
     resumed = int(later.get("start_step", 0))
@@ -203,8 +186,7 @@ def _move_lost_work(row: dict[str, float], attempt: dict, later: dict | None, sc
 
 
 def _kept_at(attempt: dict, step: int) -> tuple[float, float]:
-    """(productive, data wait) seconds of ``attempt`` up to ``step``: as recorded at that checkpoint, else
-    interpolated by steps."""
+    """(productive, data wait) seconds up to ``step``, else interpolated."""
     start = int(attempt.get("start_step", 0))
     for saved_step, productive, data_wait in attempt.get("checkpoints", []):
         if int(saved_step) == step:
@@ -216,9 +198,7 @@ def _kept_at(attempt: dict, step: int) -> tuple[float, float]:
 
 
 def interference(attempt: dict[str, Any], evals: list[EvalSpan], later: dict | None = None) -> float:
-    """The step seconds evals cost ``attempt`` (an estimate, docs/goodput.md): per log window an eval overlapped,
-    the productive seconds beyond the clean windows' median per step, times the share overlapped. Windows a later
-    attempt redid are skipped; 0 without a clean window."""
+    """The step seconds evals cost ``attempt`` (an estimate, docs/goodput.md); 0 without a clean window."""
     limit = int(later["start_step"]) if later is not None else None
     clean: list[tuple[dict[str, Any], float]] = []
     touched: list[tuple[dict[str, Any], float]] = []
@@ -235,7 +215,6 @@ def interference(attempt: dict[str, Any], evals: list[EvalSpan], later: dict | N
 
 
 def format_ledger(ledger: Ledger) -> str:
-    """The table printed at the job's end (``goodput/ledger.txt``): seconds per bucket and row, total, share."""
     names = [name for name, _ in ledger.rows]
     header = ["bucket", *names, "total", "share"]
     table = []
@@ -245,20 +224,15 @@ def format_ledger(ledger: Ledger) -> str:
         table.append([bucket, *cells, f"{ledger.total[bucket]:.1f}", f"{share:.1%}"])
     sums = [f"{sum(row.values()):.1f}" for _, row in ledger.rows]
     table.append(["sum", *sums, f"{sum(ledger.total.values()):.1f}", f"{ledger.wall_s:.1f} s wall"])
-    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     lines = [
         f"goodput {ledger.fraction:.1%}: {ledger.total['productive']:.1f} s productive of {ledger.wall_s:.1f} s "
         "wall-clock (seconds per bucket; docs/goodput.md):",
-        fmt.format(*header),
-        fmt.format(*("-" * w for w in widths)),
-        *(fmt.format(*r) for r in table),
+        *aligned(header, table),
     ]
     return "\n".join(lines + [f"  note: {n}" for n in ledger.notes])
 
 
 def data_wait_line(plan: dict[str, Any], ledger: Ledger) -> str | None:
-    """ "data wait: predicted X%, measured Y%" when the plan predicted it, else None."""
     predicted = (plan.get("data") or {}).get("predicted_data_wait")
     if not isinstance(predicted, (int, float)) or ledger.data_wait_measured is None:
         return None
@@ -266,12 +240,10 @@ def data_wait_line(plan: dict[str, Any], ledger: Ledger) -> str | None:
 
 
 def job_attempts(run_dir: Path, since: float) -> list[dict[str, Any]]:
-    """The attempt records that started after ``since`` (the job's start)."""
     return [a for a in read_attempts(run_dir) if a.get("started", 0.0) >= since and isinstance(a.get("seconds"), dict)]
 
 
 def process_starts(workers: list[dict[str, Any]]) -> dict[int, float]:
-    """{pid: its process start} from the placement records."""
     return {int(w["pid"]): float(w["process_started"]) for w in workers if w.get("process_started") is not None}
 
 
@@ -280,7 +252,7 @@ def read_workers(run_dir: Path) -> list[dict[str, Any]]:
     for path in sorted((run_dir / "workers").glob("*.json")):
         try:
             workers.append(json.loads(path.read_text()))
-        except (OSError, ValueError):  # being written
+        except (OSError, ValueError):
             continue
     return workers
 
@@ -288,14 +260,12 @@ def read_workers(run_dir: Path) -> list[dict[str, Any]]:
 def current_ledger(
     run_dir: Path, clock: JobClock, end: float, evals: list[EvalSpan] | None = None, evals_shared: bool = False
 ) -> Ledger:
-    """The ledger from what the run folder holds now."""
     attempts = job_attempts(run_dir, clock.started)
     return build_ledger(clock, end, attempts, process_starts(read_workers(run_dir)), evals, evals_shared)
 
 
 def finish_ledger(run_dir: Path, ledger: Ledger, plan: dict[str, Any], tracker: Tracker, step: int) -> str:
-    """Write ``<run>/goodput/ledger.json`` and ``ledger.txt``, log the totals at ``step`` (the job's last) and both
-    files; returns the text to print."""
+    """Write and log ``<run>/goodput/ledger.json`` and ``ledger.txt``; the text to print."""
     folder = run_dir / GOODPUT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     text = format_ledger(ledger)
@@ -317,8 +287,7 @@ def finish_ledger(run_dir: Path, ledger: Ledger, plan: dict[str, Any], tracker: 
 
 
 class GoodputMonitor:
-    """Logs the ledger so far every ``interval_s`` at the newest step, when it advanced; never at the run's last
-    step, which holds the final ledger. Eval spans are unknown until the end: ``eval_interference`` stays 0."""
+    """Logs the ledger so far every ``interval_s`` when the step advanced, never at the run's last step."""
 
     def __init__(self, run_dir: Path, clock: JobClock, tracker: Tracker, interval_s: float = 5.0):
         self.run_dir, self.clock, self.tracker, self.interval_s = run_dir, clock, tracker, interval_s
@@ -332,14 +301,13 @@ class GoodputMonitor:
         return self
 
     def stop(self) -> None:
-        """Stop polling and send what was logged (the tracker is the monitor's own)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.tracker.close(timeout=30)
 
     def poll(self) -> bool:
-        """Log the ledger so far if training advanced; whether it did."""
+        """Whether training advanced."""
         attempts = job_attempts(self.run_dir, self.clock.started)
         if not attempts:
             return False
@@ -356,5 +324,5 @@ class GoodputMonitor:
         while not self._stop.wait(self.interval_s):
             try:
                 self.poll()
-            except Exception as error:  # noqa: BLE001 — bookkeeping never stops a job
+            except Exception as error:  # noqa: BLE001
                 print(f"warning: goodput monitor: {type(error).__name__}: {error}", flush=True)

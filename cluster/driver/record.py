@@ -1,5 +1,5 @@
-"""What a job records beyond its checkpoints: where each worker ran (`record_placement`, `workers/*.json`), and at
-the end (`finish_job`) `summary.json`, the summary table, the final model in MLflow and the goodput ledger."""
+"""What a job records beyond its checkpoints: where each worker ran, and at the end `summary.json`, the summary table,
+the final model in MLflow and the goodput ledger."""
 
 from __future__ import annotations
 
@@ -26,11 +26,10 @@ from tracking.tracker import Tracker
 
 
 def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
-    """Write `<run_dir>/workers/rank<r>-pid<pid>.json`: where this attempt of this rank runs."""
     import socket
 
     import psutil  # a Ray dependency
-    import ray  # heavy: deferred
+    import ray
 
     folder = run_dir / "workers"
     folder.mkdir(parents=True, exist_ok=True)
@@ -44,14 +43,13 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
         "process_started": psutil.Process().create_time(),  # for the goodput ledger
         "job_id": ctx.get_job_id(),
         "world_size": world_size,
-        "niceness": os.getpriority(os.PRIO_PROCESS, 0),  # 0 expected: `cluster.driver.job.worker_env`
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }
     (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
 
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:
-    """Restarts after a failure: each Ray job's rank-0 attempts beyond its first, less those at a larger world size
-    than the attempt before (an elastic group growing)."""
+    """Rank-0 attempts beyond each Ray job's first, less an elastic group growing."""
     attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
     grown = 0
     for job in attempts:
@@ -67,23 +65,19 @@ def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> lis
 
 @dataclass(frozen=True)
 class JobEnd:
-    """How training ended, as the driver saw it, and what its goodput ledger needs."""
-
     status: str  # FINISHED or FAILED
     train_seconds: float
-    evals: dict[int, dict[str, Any]]  # the eval scheduler's results by checkpoint step
+    evals: dict[int, dict[str, Any]]  # by checkpoint step
     clock: JobClock | None = None  # None: no ledger
-    evals_shared: bool = False  # evals ran on the training cores
-    plan: dict[str, Any] = field(default_factory=dict)  # for its predicted data wait
+    evals_shared: bool = False
+    plan: dict[str, Any] = field(default_factory=dict)
 
 
 def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end: JobEnd) -> None:
-    """Release pins and prune, print the summary, write `summary.json`, log the model and ledger, close the run.
-    ``run_id`` None: MLflow never answered during the job; the run folder keeps the summary and the ledger."""
+    """``run_id`` None: MLflow never answered."""
     train_result = {}
-    if (run_dir / "train_result.json").exists():  # rank 0's train_worker summary
+    if (run_dir / "train_result.json").exists():
         train_result = json.loads((run_dir / "train_result.json").read_text())
-    # Evals drained: release every pin and prune what pins kept beyond keep_last.
     release_pins(run_dir)
     pruned = prune_checkpoints(run_dir, keep_last)
     print(format_summary(end.evals), flush=True)
@@ -110,7 +104,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     tracker = Tracker(uri, run_id, rank=0)
-    tracker.set_tags({keys.RESTARTS: restarts})  # resizes and world sizes: tagged by train_worker at every start
+    tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     if run_id is not None:
         _send_late_evals(uri, run_id, end.evals, tracker)
@@ -119,9 +113,9 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
     if end.clock is not None:  # last: the wall-clock ends when the ledger closes
         try:
             ledger = current_ledger(run_dir, end.clock, time.time(), eval_spans(end.evals), end.evals_shared)
-            step = ledger.step or int(train_result.get("steps") or 0)  # the job's own newest step
+            step = ledger.step or int(train_result.get("steps") or 0)
             print(finish_ledger(run_dir, ledger, end.plan, tracker, step), flush=True)
-        except Exception as error:  # noqa: BLE001 — bookkeeping; the job's outcome stays training's
+        except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
             print(f"warning: no goodput ledger: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     tracker.close()
     if run_id is not None:
@@ -129,11 +123,10 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
 
 
 def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> None:
-    """Send the metrics of every eval the run lacks: an eval task that ended before the job's run existed could not
-    send its own (docs/design.md, "Tracking at a job's start"). Never raises."""
+    """Metrics of evals that ended before the run existed (docs/design.md, "Tracking at a job's start")."""
     try:
         late = steps_missing(uri, run_id, {int(s): r["metrics"] for s, r in evals.items() if r.get("metrics")})
-    except Exception as error:  # noqa: BLE001 — bookkeeping; the job's outcome stays training's
+    except Exception as error:  # noqa: BLE001
         print(f"warning: could not check the run's eval metrics: {type(error).__name__}: {error}", file=sys.stderr)
         return
     for step, metrics in sorted(late.items()):
@@ -143,7 +136,7 @@ def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> No
 
 
 def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
-    """Log the newest checkpoint as the run's MLflow model (an HF folder); its URI, or None. Never raises."""
+    """The newest checkpoint as the run's MLflow model (HF); its URI or None. Never raises."""
     checkpoint = run_folder.latest_checkpoint(run_dir)
     if checkpoint is None:
         return None
@@ -152,7 +145,7 @@ def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
         with tempfile.TemporaryDirectory(prefix="vitscale-model-") as tmp:
             folder = save_hf(model, Path(tmp) / "hf", class_names(checkpoint, model.config.num_classes))
             model_uri = log_hf_model(folder, run_id, uri, step=checkpoint_step(checkpoint), source=checkpoint)
-    except Exception as error:  # noqa: BLE001 — the model in MLflow is a convenience; it never fails the job
+    except Exception as error:  # noqa: BLE001 — it never fails the job
         reason = " ".join(str(error).split())[:400]
         print(
             f"warning: final model not logged to MLflow ({checkpoint.name}): {type(error).__name__}: {reason}",

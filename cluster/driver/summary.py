@@ -1,5 +1,4 @@
-"""The end-of-job table: a row per checkpoint step with its training loss, eval metrics and the headline metric's
-gain over step 0 (the random-initialisation baseline)."""
+"""The end-of-job table: a row per checkpoint step with its loss, eval metrics and the headline's gain over step 0."""
 
 from __future__ import annotations
 
@@ -8,10 +7,8 @@ from typing import Any
 
 from tracking import keys
 
-# Columns shown when present, in this order; other eval metrics follow alphabetically up to MAX_EVAL_COLUMNS.
 PREFERRED = (*map(keys.fewshot_mean, (1, 5, 10, 25)), keys.VTAB_MEAN, keys.finetune_accuracy("digits"))
 MAX_EVAL_COLUMNS = 8
-# The metric whose gain over step 0 is shown: the first of these the evals logged (else the first eval column).
 HEADLINE = (keys.FEWSHOT_MEAN_10SHOT, keys.VTAB_MEAN, keys.finetune_accuracy("digits"))
 BASELINE_STEP = 0
 
@@ -19,7 +16,7 @@ BASELINE_STEP = 0
 def _eval_columns(rows: dict[int, dict[str, Any]]) -> list[str]:
     names = sorted({k for r in rows.values() for k in r.get("metrics", {})})
     cols = [k for k in PREFERRED if k in names]
-    cols += [k for k in names if k.endswith("/10shot") and k not in cols]  # the paper's headline shot count
+    cols += [k for k in names if k.endswith("/10shot") and k not in cols]  # the paper's headline
     cols += [k for k in names if k not in cols]
     return cols[:MAX_EVAL_COLUMNS]
 
@@ -29,7 +26,7 @@ def headline_metric(cols: list[str]) -> str | None:
 
 
 def gains_over_baseline(rows: dict[int, dict[str, Any]], metric: str) -> dict[int, float]:
-    """{step: value - step-0 value} of ``metric`` for the evaluated steps; {} without a step-0 value."""
+    """{} without a step-0 value."""
     base = rows.get(BASELINE_STEP, {}).get("metrics", {}).get(metric)
     if base is None:
         return {}
@@ -37,7 +34,7 @@ def gains_over_baseline(rows: dict[int, dict[str, Any]], metric: str) -> dict[in
 
 
 def format_summary(rows: dict[int, dict[str, Any]]) -> str:
-    """The table; ``rows`` is `EvalScheduler.drain`'s result: {step: {train: {...}, metrics: {...} | error: str}}."""
+    """``rows``: `EvalScheduler.drain`'s result."""
     if not rows:
         return "summary: no checkpoint was completed"
     cols = _eval_columns(rows)
@@ -57,14 +54,8 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
         table.append(cells)
         if r.get("error"):
             notes.append(f"  step {step}: eval error: {r['error'].splitlines()[0]}")
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    lines = [
-        "summary (fractions in 0-1; every metric is also in the MLflow run at its checkpoint step):",
-        fmt.format(*header),
-        fmt.format(*("-" * w for w in widths)),
-    ]
-    lines += [fmt.format(*row) for row in table]
+    lines = ["summary (fractions in 0-1; every metric is also in the MLflow run at its checkpoint step):"]
+    lines += aligned(header, table)
     if headline and not gains:
         notes.append(
             f"  no step-0 baseline of {headline} in this job (evals.baseline=false, a resumed run, or its eval "
@@ -73,8 +64,15 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines + notes)
 
 
+def aligned(header: list[str], table: list[list[str]]) -> list[str]:
+    """The header, a rule and the rows, each column right-aligned to its widest cell."""
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return [fmt.format(*row) for row in (header, ["-" * w for w in widths], *table)]
+
+
 def format_resizes(events: list[dict[str, Any]]) -> list[str]:
-    """One line per resize: "step 40: world size 2 -> 1 (at 2026-11-23 20:41:07 UTC)"."""
+    """ "step 40: world size 2 -> 1 (at 2026-11-23 20:41:07 UTC)" per resize."""
     lines = []
     for e in events:
         when = f" (at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(e['time']))})" if e.get("time") else ""

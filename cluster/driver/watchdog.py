@@ -1,11 +1,5 @@
 """The driver's watchdog: a worker group that stops making progress without dying is restarted in minutes, not at
-the collective timeout. Design and guarantees: docs/elastic.md, "Faults".
-
-`Watchdog`, a driver thread around `TorchTrainer.fit()`, reads the ranks' heartbeats every `hang.poll_s`. When no
-rank has reported for longer than the longest allowance among their phases (`assess`: a rank in a long save holds
-the others), it dumps every rank's stack and kills the culprit, so that Ray Train restarts the group as after any
-worker failure. It also logs stragglers and data counters. `final_failures_callback` ends the job at once on an
-error a restart would repeat. Reports of a process that is gone, acted on, or there at its start are ignored.
+the collective timeout; it also logs stragglers and data counters (docs/elastic.md, "Faults").
 """
 
 from __future__ import annotations
@@ -28,9 +22,8 @@ from pretrain.telemetry.heartbeat import read_heartbeats
 from tracking import keys
 from tracking.tracker import Tracker
 
-STACKS_DIR = "stacks"  # under the run folder: one file per rank
+STACKS_DIR = "stacks"  # under the run folder
 EVENTS_FILE = "watchdog.jsonl"
-# The stream counters logged as data/<name>: what went wrong reading.
 DATA_COUNTERS = (
     "read_retries",
     "read_failures",
@@ -44,36 +37,31 @@ DATA_COUNTERS = (
     "label_out_of_range",
     "unsafe_members",
 )
-_STOPPED_STATES = ("T", "t")  # stopped (SIGSTOP, job control) or traced
-_STUCK_STATES = ("D",)  # uninterruptible sleep: e.g. a read from a hung network filesystem
+_STOPPED_STATES = ("T", "t")  # stopped or traced
+_STUCK_STATES = ("D",)  # uninterruptible sleep
 
 
 def install_stack_dump(run_dir: Path, rank: int) -> IO[str]:
-    """In a training worker: SIGUSR1 appends every thread's Python stack to `<run_dir>/stacks/rank<r>.txt`, from C,
-    so a process stuck in C code dumps too. Returns the file, which must stay open while the handler is registered."""
+    """SIGUSR1 appends every thread's stack to `<run_dir>/stacks/rank<r>.txt`, even from C code. Returns the file,
+    which must stay open."""
     folder = Path(run_dir) / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    out = open(folder / f"rank{rank}.txt", "a")  # noqa: SIM115 (kept open: faulthandler writes to its descriptor)
+    out = open(folder / f"rank{rank}.txt", "a")  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=out, all_threads=True, chain=False)
     return out
 
 
-# --- pure decisions
-
-
 def step_bound(spec: HangSpec, step_s: float | None) -> float:
-    """The allowance while training: max(floor, factor x the median step time)."""
     return max(spec.floor_s, spec.factor * step_s) if step_s else spec.floor_s
 
 
 def save_bound(spec: HangSpec, save_s: float | None) -> float:
-    """The allowance of a save: max(save floor, factor x the longest save of this attempt), else ``checkpoint_s``."""
+    """``checkpoint_s`` until a save is measured."""
     return max(spec.save_floor_s, spec.factor * save_s) if save_s else spec.checkpoint_s
 
 
 def allowance(spec: HangSpec, phase: str, step_s: float | None, save_s: float | None = None) -> float:
-    """Seconds a rank in ``phase`` may go without a report (``step_s``: the median step; ``save_s``: the longest
-    save measured); never shorter in a save or a switch than in a step."""
+    """Seconds a rank in ``phase`` may go without a report; never shorter in a save or a switch than in a step."""
     if phase == "start":
         return spec.startup_s
     if phase == "checkpoint":
@@ -84,7 +72,6 @@ def allowance(spec: HangSpec, phase: str, step_s: float | None, save_s: float | 
 
 
 def explain(spec: HangSpec, phase: str, step_s: float | None, save_s: float | None = None) -> str:
-    """Where `allowance` comes from, in words."""
     training = f"max(floor {spec.floor_s:g} s, {spec.factor:g} x median step {step_s or 0:.2f} s)"
     if phase == "start":
         return f"phase start: the start allowance {spec.startup_s:g} s (the plan's, at least hang.startup_s)"
@@ -99,33 +86,24 @@ def explain(spec: HangSpec, phase: str, step_s: float | None, save_s: float | No
 
 @dataclass(frozen=True)
 class Verdict:
-    """The group's state at one poll."""
-
     hung: bool
     idle_s: float
     bound_s: float
-    ranks: list[dict[str, Any]]  # the reports judged (this attempt's ranks, not done)
+    ranks: list[dict[str, Any]]
     why: str = ""
 
 
 def active_reports(beats: list[dict[str, Any]], retired: set[tuple[str, int]]) -> list[dict[str, Any]]:
-    """The current attempt's reports: not of a retired process, within the newest report's world size."""
-    live = [b for b in beats if (b.get("host", ""), b.get("pid", -1)) not in retired]
+    """Reports not of a retired process, within the newest report's world size."""
+    live = [b for b in beats if _process(b) not in retired]
     if not live:
         return []
     world = max(live, key=lambda b: b.get("started", 0)).get("world_size", len(live))
     return [b for b in live if b.get("rank", 0) < world]
 
 
-def median_step_s(reports: list[dict[str, Any]]) -> float | None:
-    times = [b["step_s"] for b in reports if b.get("step_s")]
-    return statistics.median(times) if times else None
-
-
-def longest_save_s(reports: list[dict[str, Any]]) -> float | None:
-    """The longest save any rank measured in this attempt, or None."""
-    times = [b["save_s"] for b in reports if b.get("save_s")]
-    return max(times) if times else None
+def _process(b: dict[str, Any]) -> tuple[str, int]:
+    return b.get("host", ""), b.get("pid", -1)
 
 
 def assess(reports: list[dict[str, Any]], now: float, spec: HangSpec) -> Verdict:
@@ -133,7 +111,8 @@ def assess(reports: list[dict[str, Any]], now: float, spec: HangSpec) -> Verdict
     ranks = [b for b in reports if b.get("phase") != "done"]
     if not ranks:
         return Verdict(False, 0.0, 0.0, [])
-    step_s, save_s = median_step_s(ranks), longest_save_s(ranks)
+    steps, saves = [b["step_s"] for b in ranks if b.get("step_s")], [b["save_s"] for b in ranks if b.get("save_s")]
+    step_s, save_s = statistics.median(steps) if steps else None, max(saves) if saves else None
     phases = {b.get("phase", "step") for b in ranks}
     longest = max(sorted(phases), key=lambda p: allowance(spec, p, step_s, save_s))
     bound = allowance(spec, longest, step_s, save_s)
@@ -142,7 +121,7 @@ def assess(reports: list[dict[str, Any]], now: float, spec: HangSpec) -> Verdict
 
 
 def pick_culprit(ranks: list[dict[str, Any]], states: dict[int, str]) -> dict[str, Any]:
-    """The rank to kill: a stopped process, else one stuck in the kernel, else the one whose report is oldest."""
+    """A stopped process, else one stuck in the kernel, else the one whose report is oldest."""
 
     def order(b: dict[str, Any]) -> tuple:
         state = states.get(b["rank"], "")
@@ -152,7 +131,7 @@ def pick_culprit(ranks: list[dict[str, Any]], states: dict[int, str]) -> dict[st
 
 
 def stragglers(reports: list[dict[str, Any]], fraction: float) -> dict[int, str]:
-    """{rank: why} for ranks whose data wait per step exceeds the median rank's by ``fraction`` of a step."""
+    """{rank: why} for ranks waiting for data ``fraction`` of a step longer than the median rank."""
     timed = [b for b in reports if b.get("phase") == "step" and b.get("step_s") and "data_s" in b]
     if len(timed) < 2:
         return {}
@@ -167,7 +146,6 @@ def stragglers(reports: list[dict[str, Any]], fraction: float) -> dict[int, str]
 
 
 def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
-    """The `DATA_COUNTERS` of ``reports``, summed over ranks."""
     totals = dict.fromkeys(DATA_COUNTERS, 0)
     for b in reports:
         for name, value in (b.get("data") or {}).items():
@@ -177,7 +155,7 @@ def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseException] | None:
-    """(rank, error) of the first worker error whose class says ``retryable = False`` (a failed save), or None."""
+    """(rank, error) of the first worker error with ``retryable = False``, or None."""
     for rank in sorted(errors):
         if getattr(errors[rank], "retryable", True) is False:
             return rank, errors[rank]
@@ -185,15 +163,12 @@ def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseExcepti
 
 
 class FinalFailure(RuntimeError):
-    """Raised in Ray Train's controller to fail the job with the worker's message (the driver's
-    `ControllerError.controller_failure`)."""
+    """Fails the job with the worker's message (as `ControllerError.controller_failure`)."""
 
 
 def final_failures_callback() -> Any:
-    """A Ray Train callback that ends the job at once on an error `final_failure` finds, whatever `max_failures`
-    allows. Ray Train V2 retries every worker error, so the callback keeps the latest poll's final error and raises
-    it before the failure decision, as a `ControllerError` the policy never retries. Made here, not at import, to
-    keep Ray out of this module's import; Ray sends it to the controller by value."""
+    """A Ray Train callback that ends the job on an error `final_failure` finds, whatever `max_failures` allows
+    (Ray Train V2 retries every worker error)."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
     class FinalFailures(ControllerCallback, WorkerGroupCallback):
@@ -210,27 +185,22 @@ def final_failures_callback() -> Any:
     return FinalFailures()
 
 
-# --- processes
-
-
 def process_state(pid: int) -> str:
-    """The state letter of ``pid`` in /proc (R, S, D, T, Z, ...), or "gone"."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return "gone"
-    state = text.rsplit(")", 1)[-1].split()[0]  # after "(comm)", which may hold spaces
+    state = text.rsplit(")", 1)[-1].split()[0]  # "(comm)" may hold spaces
     return "gone" if state in ("Z", "X") else state
 
 
 def dump_and_state(pid: int, stack_file: str, header: str, wait_s: float = 3.0) -> str:
-    """Have ``pid`` append its stacks to ``stack_file`` after ``header``; its state before. A stopped process is
-    continued so that its handler runs; the caller kills it next."""
+    """Have ``pid`` append its stacks to ``stack_file``; its state before. A stopped process is continued."""
     state = process_state(pid)
     if state == "gone":
         return state
     path = Path(stack_file)
-    try:  # a full disk must not keep the watchdog from killing the culprit
+    try:  # a full disk must not stop the kill
         with open(path, "a") as out:
             out.write(f"\n{header} (process state {state})\n")
         size = path.stat().st_size
@@ -264,33 +234,27 @@ def kill(pid: int) -> bool:
 
 
 def on_node(report: dict[str, Any], fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` where the process of ``report`` runs: here, or as a Ray task pinned to its node; None when that
-    node cannot be reached (Ray's node-loss path has it)."""
+    """``fn(*args)`` on the node of ``report``'s process; None when that node cannot be reached."""
     if report.get("host") in (None, socket.gethostname()) or report.get("node_id") is None:
         return fn(*args)
-    import ray  # heavy: deferred
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0, max_retries=0)(fn)
     where = NodeAffinitySchedulingStrategy(report["node_id"], soft=False)
     try:
         return ray.get(task.options(scheduling_strategy=where).remote(*args), timeout=30)
-    except Exception as error:  # the node is gone or does not answer
+    except Exception as error:
         print(f"watchdog: cannot reach rank {report.get('rank')}'s node {report['node_id']}: {error}", flush=True)
         return None
 
 
-# --- the thread
-
-
 @dataclass
 class _Seen:
-    """What the watchdog remembers between polls."""
-
     retired: set[tuple[str, int]] = field(default_factory=set)  # processes whose reports no longer count
     hangs: int = 0
-    hang_at: float | None = None  # when the last hang was acted on, until training resumed
-    slow: dict[int, int] = field(default_factory=dict)  # rank: successive polls it was slow in
+    hang_at: float | None = None  # until training resumed
+    slow: dict[int, int] = field(default_factory=dict)  # rank: successive slow polls
     reported_slow: frozenset[int] = frozenset()
     last_step: int = -1
     data: dict[str, int] = field(default_factory=dict)
@@ -302,7 +266,7 @@ class Watchdog:
     def __init__(self, run_dir: Path, spec: HangSpec, tracker: Tracker):
         self.run_dir, self.spec, self.tracker = Path(run_dir), spec, tracker
         self.events: list[dict[str, Any]] = []
-        self._seen = _Seen(retired={(b.get("host", ""), b.get("pid", -1)) for b in read_heartbeats(self.run_dir)})
+        self._seen = _Seen(retired={_process(b) for b in read_heartbeats(self.run_dir)})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vitscale-watchdog", daemon=True)
 
@@ -323,7 +287,6 @@ class Watchdog:
                 print(f"watchdog: error while checking progress: {type(error).__name__}: {error}", flush=True)
 
     def poll(self, now: float) -> Verdict:
-        """One look at the heartbeats: act on a hang, note a resume, report stragglers and data counters."""
         reports = active_reports(read_heartbeats(self.run_dir), self._seen.retired)
         verdict = assess(reports, now, self.spec)
         self._note_resume(verdict.ranks, now)
@@ -346,7 +309,7 @@ class Watchdog:
         self._seen.hang_at = None
 
     def _act(self, verdict: Verdict, now: float) -> None:
-        """Dump every rank's stacks and kill the culprit; leave it to Ray when a process is gone already."""
+        """Dump every rank's stacks and kill the culprit, unless a process is gone already."""
         ranks = verdict.ranks
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now))
         states: dict[int, str] = {}
@@ -356,9 +319,9 @@ class Watchdog:
             )
             stack_file = str(self.run_dir / STACKS_DIR / f"rank{b['rank']}.txt")
             states[b["rank"]] = on_node(b, dump_and_state, b["pid"], stack_file, header) or "gone"
-        self._seen.retired |= {(b.get("host", ""), b.get("pid", -1)) for b in ranks}
+        self._seen.retired |= {_process(b) for b in ranks}
         gone = sorted(r for r, s in states.items() if s == "gone")
-        if gone:  # a worker already died: Ray Train's failure path restarts the group
+        if gone:
             self._event("gone", f"ranks {gone} are gone (a worker failure Ray Train handles); not a hang")
             return
         culprit = pick_culprit(ranks, states)
@@ -386,10 +349,9 @@ class Watchdog:
         self.tracker.log_metrics({keys.HANGS_METRIC: self._seen.hangs}, step=int(culprit.get("step", 0)))
 
     def _report_progress(self, reports: list[dict[str, Any]]) -> None:
-        """Stragglers and data counters, at the group's step, when they change."""
         seen = self._seen
         step = min(b.get("step", 0) for b in reports)
-        if step != seen.last_step:  # a poll with new steps (or a restart, which goes back)
+        if step != seen.last_step:
             slow = stragglers(reports, self.spec.straggler_fraction)
             seen.slow = {r: seen.slow.get(r, 0) + 1 for r in slow}
             persistent = frozenset(r for r, n in seen.slow.items() if n >= self.spec.straggler_polls)
@@ -419,8 +381,7 @@ class Watchdog:
 
 
 def identity(rank: int, world_size: int) -> dict[str, Any]:
-    """What a worker's heartbeat says about where it runs (the watchdog signals it there)."""
-    import ray  # heavy: deferred
+    import ray
 
     return {
         "rank": rank,

@@ -1,5 +1,4 @@
-"""What a run's checkpoints cost the plan: disk space and the step-0 baseline save (the watchdog's allowances:
-`cluster.plan.startup`)."""
+"""What a run's checkpoints cost the plan: disk space and the step-0 baseline save."""
 
 from __future__ import annotations
 
@@ -10,25 +9,24 @@ from data_pipeline.paths import is_remote, resolve_location
 from pretrain.checkpoint import run_folder
 from pretrain.config.train_config import TrainConfig
 
-# Bytes per parameter of one checkpoint: fp32 master weights and Adam's moments (12), the engine's working copy (at
-# most 4) and model.safetensors (4).
+# fp32 master weights and Adam's moments (12), the engine's copy (at most 4) and model.safetensors (4).
 CHECKPOINT_BYTES_PER_PARAM = 20
 
 
 def checkpoint_space_warning(config: TrainConfig, num_params: int) -> list[str]:
-    """A warning when a local run folder's filesystem cannot take ``keep_last + 1`` checkpoints (a save writes
-    before it prunes), less those already there."""
+    """A warning when a local run folder cannot take ``keep_last + 1`` checkpoints (a save writes before it prunes),
+    less those there."""
     c = config.checkpoint
     if is_remote(c.dir):
         return []
     run_dir = Path(resolve_location(c.dir))
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())  # the filesystem it will be made on
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     size = num_params * CHECKPOINT_BYTES_PER_PARAM
     held = len(run_folder.complete_checkpoints(run_dir))
     need = max(1, c.keep_last + 1 - held) * size
     try:
         free = shutil.disk_usage(existing).free
-    except OSError:  # the workers' filesystem may differ anyway
+    except OSError:
         return []
     if free >= need:
         return []

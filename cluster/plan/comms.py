@@ -1,12 +1,5 @@
 """What a training step sends between ranks, its time on the profile's network, and the DeepSpeed reduction settings
-chosen from that arithmetic (docs/network.md states and derives every formula).
-
-Per GPU and optimizer step, with P parameters, n ranks, A micro-batches a step, f = (n - 1) / n, g the bytes of a
-reduced gradient element and w of a weight element (what DeepSpeed 0.19 does with `ds_config`'s settings):
-ZeRO-0 and ZeRO-1 in bf16 (DeepSpeed's bf16 optimizer) all-reduce the gradients once, 2·f·P·g; ZeRO-1 in fp32
-reduces each bucket to its owners once, f·P·g, ZeRO-2 every micro-batch, A·f·P·g; ZeRO-1/2 then all-gather the
-updated weights, f·P·w. ZeRO-3 reduce-scatters every micro-batch, A·f·P·g, and all-gathers the weights in forward
-and backward, 2·A·f·P·w. Time = bytes / bus bandwidth + collectives x latency.
+chosen from that arithmetic (docs/network.md, "A step's bytes" and "Their time", states every formula).
 """
 
 from __future__ import annotations
@@ -19,39 +12,35 @@ from cluster.profiles import ClusterProfile
 from pretrain.config.ds_config import BatchPlan
 
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
-# Bucket sizes in elements, within docs/reference.md §7's 5e7-2e8 (DeepSpeed's 5e8 default allocates ~1 GB buffers).
+# Bucket sizes in elements, within docs/reference.md §7's 5e7-2e8.
 MIN_BUCKET = 50_000_000
 MAX_BUCKET = 200_000_000
 # A bucket is large enough when a collective's start-up costs at most this share of its transfer.
 LATENCY_SHARE = 0.1
 BUCKET_REASON = f"each rank's share of a bucket takes >= {1 / LATENCY_SHARE:g} x the latency, within 5e7..2e8"
-# fp32 gradient reductions are worth at most this share of the planned step over bf16 ones; beyond, bf16.
+# fp32 gradient reductions may cost at most this share of the step over bf16 ones.
 FP32_REDUCTION_BUDGET = 0.10
-# DeepSpeed's engine all-reduces ZeRO-0 and bf16 ZeRO-1 gradients in buckets of this many (MEMORY_OPT_ALLREDUCE_SIZE).
+# DeepSpeed's engine all-reduce bucket (MEMORY_OPT_ALLREDUCE_SIZE): ZeRO-0 and bf16 ZeRO-1.
 ENGINE_ALLREDUCE_ELEMENTS = 500_000_000
 
 
 @dataclass(frozen=True)
 class Collective:
-    """One kind of collective of a training step."""
-
     what: str  # "reduce to owners", "all-gather", ...
-    tensor: str  # what it moves, e.g. "fp32 gradients x 8 micro-batches"
-    bytes_per_gpu: float  # sent by each GPU per optimizer step
-    calls: int  # collectives per optimizer step (each pays the latency)
+    tensor: str
+    bytes_per_gpu: float  # per optimizer step
+    calls: int  # per optimizer step
 
 
 @dataclass(frozen=True)
 class Bandwidth:
-    """The bus bandwidth a ring gets on the profile: a ring across nodes crosses each node's NICs once."""
-
-    gb_per_s: float | None  # achievable, GB/s; None: the profile gives none
+    gb_per_s: float | None  # None: the profile gives none
     latency_s: float
     source: str
 
 
 def bandwidth(profile: ClusterProfile) -> Bandwidth:
-    """Between nodes: the network per node x efficiency; on one node: NVLink per GPU x efficiency."""
+    """Between nodes the network per node, on one node NVLink per GPU, x efficiency."""
     net = profile.network
     latency = net.latency_us * 1e-6
     if profile.hardware.nodes == 1 and net.nvlink_gb_per_s > 0:
@@ -64,7 +53,7 @@ def bandwidth(profile: ClusterProfile) -> Bandwidth:
 
 
 def seconds(collectives: tuple[Collective, ...], bw: Bandwidth) -> float | None:
-    """Time of ``collectives`` at ``bw``; None without a bandwidth."""
+    """None without a bandwidth."""
     if bw.gb_per_s is None:
         return None
     return sum(c.bytes_per_gpu / (bw.gb_per_s * 1e9) + c.calls * bw.latency_s for c in collectives)
@@ -79,7 +68,7 @@ def step_collectives(
     num_params: int,
     buckets: tuple[int, int],
 ) -> tuple[Collective, ...]:
-    """The collectives of one optimizer step (module docstring); ``buckets``: (reduce, all-gather) elements."""
+    """One optimizer step's collectives; ``buckets``: (reduce, all-gather) elements."""
     if world == 1:
         return ()
     f, P, A = (world - 1) / world, num_params, accumulation
@@ -102,8 +91,8 @@ def step_collectives(
 
 
 def bucket_elements(world: int, element_bytes: int, bw: Bandwidth) -> int:
-    """The smallest bucket whose per-rank share (bucket x bytes / n) takes latency / LATENCY_SHARE to send, rounded
-    up to a million elements and kept in [MIN_BUCKET, MAX_BUCKET]."""
+    """The smallest bucket whose per-rank share takes latency / LATENCY_SHARE to send, rounded up to a million
+    elements, in [MIN_BUCKET, MAX_BUCKET]."""
     if bw.gb_per_s is None:
         return MIN_BUCKET
     need = world * bw.latency_s * bw.gb_per_s * 1e9 / (element_bytes * LATENCY_SHARE)
@@ -111,15 +100,13 @@ def bucket_elements(world: int, element_bytes: int, bw: Bandwidth) -> int:
 
 
 def buckets(profile: ClusterProfile, world: int, reduce_dtype: str, precision: str) -> tuple[int, int]:
-    """(reduce_bucket_size, allgather_bucket_size) by `bucket_elements` for the reduced and the gathered dtype."""
+    """(reduce_bucket_size, allgather_bucket_size)."""
     bw = bandwidth(profile)
     return bucket_elements(world, ELEMENT_BYTES[reduce_dtype], bw), bucket_elements(world, ELEMENT_BYTES[precision], bw)
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """DeepSpeed's reduction settings as the arithmetic chooses them, and why."""
-
     communication_data_type: str  # "fp32", or "auto": the training precision
     reduce_bucket_size: int
     allgather_bucket_size: int
@@ -136,8 +123,7 @@ def choose_reduction(
     num_params: int,
     step_s: float,
 ) -> Reduction:
-    """fp32 gradient reductions when they cost at most FP32_REDUCTION_BUDGET of the step more than bf16 ones;
-    the buckets of `buckets` for the dtype chosen."""
+    """fp32 gradient reductions when they cost at most FP32_REDUCTION_BUDGET of the step more than bf16 ones."""
     bw = bandwidth(profile)
 
     def made(dtype: str, why: str) -> Reduction:
@@ -164,10 +150,8 @@ def choose_reduction(
 
 @dataclass(frozen=True)
 class CommPlan:
-    """The plan's communication part: the interconnect, a step's collectives and their time against compute."""
-
     interconnect: str
-    env: tuple[str, ...]  # `network_env`'s NAME=value pairs
+    env: tuple[str, ...]  # NAME=value
     bandwidth_gb_per_s: float | None
     bandwidth_source: str
     latency_us: float
@@ -175,12 +159,11 @@ class CommPlan:
     bytes_per_gpu: float
     comm_s: float | None
     compute_s: float
-    verdict: str  # communication-bound or not, and whether it hides behind compute
-    settings: tuple[tuple[str, str], ...]  # DeepSpeed's reduction keys as the workers get them, with why
+    verdict: str
+    settings: tuple[tuple[str, str], ...]  # DeepSpeed's reduction keys, with why
 
 
 def comm_plan(profile: ClusterProfile, ds_json: dict, batch: BatchPlan, num_params: int, compute_s: float) -> CommPlan:
-    """The communication part for the DeepSpeed JSON the workers get (``ds_json``, `ds_config.deepspeed_config`)."""
     zero, bw = ds_json["zero_optimization"], bandwidth(profile)
     zero_stage, world, accumulation = zero["stage"], batch.world_size, batch.grad_accum_steps
     precision = "bf16" if ds_json["bf16"]["enabled"] else "fp32"
@@ -205,7 +188,7 @@ def comm_plan(profile: ClusterProfile, ds_json: dict, batch: BatchPlan, num_para
 
 
 def _verdict(comm_s: float | None, compute_s: float, colls: tuple[Collective, ...], overlap: bool) -> str:
-    """Communication-bound or not; hidden behind compute or exposed, and why (docs/network.md, "Overlap")."""
+    """docs/network.md, "Overlap"."""
     if not colls:
         return "one rank: no collectives"
     if comm_s is None:
@@ -227,8 +210,7 @@ def _verdict(comm_s: float | None, compute_s: float, colls: tuple[Collective, ..
 def _settings(
     ds_json: dict, chosen: Reduction, planned_buckets: tuple[int, int], gpus: bool
 ) -> tuple[tuple[str, str], ...]:
-    """DeepSpeed's reduction keys as the workers get them, with the plan's reason where it chose the value
-    (``planned_buckets``: `buckets` for the dtype in force)."""
+    """The keys with the plan's reason where it chose the value (``planned_buckets``: for the dtype in force)."""
     zero, dtype = ds_json["zero_optimization"], ds_json["communication_data_type"]
     sizes = (zero["reduce_bucket_size"], zero["allgather_bucket_size"])
     if gpus:
@@ -236,7 +218,7 @@ def _settings(
         planned = precision if chosen.communication_data_type == "auto" else chosen.communication_data_type
         dtype_why = _why(dtype == planned, chosen.dtype_reason)
         bucket_why = _why(sizes == planned_buckets, chosen.bucket_reason)
-    else:  # CPU runs keep the configured values, and so their numbers
+    else:
         dtype_why, bucket_why = " (the training precision)", ""
     multi = str(zero["use_multi_rank_bucket_allreduce"]).lower()
     return (

@@ -1,8 +1,4 @@
-"""The plan's compute part: precision, the per-device peak, step time, days and FLOPs (`ComputePlan`).
-
-A step takes the training FLOPs of the global batch / (world x peak x MFU); the MFU is the one measured for this
-model on this GPU kind (`cluster.plan.mfu`), else the profile's `assumed_mfu`.
-"""
+"""The plan's compute part: precision, the per-device peak, step time, days and FLOPs."""
 
 from __future__ import annotations
 
@@ -22,22 +18,22 @@ from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
 
 @dataclass(frozen=True)
 class ComputePlan:
-    """Precision, FLOPs and time: a step takes the training FLOPs of the global batch / (world x peak x MFU)."""
+    """A step takes the training FLOPs of the global batch / (world x peak x MFU)."""
 
     precision: str
-    precision_reason: str  # why (`pretrain.config.precision.decide` on the profile's hardware)
+    precision_reason: str
     forward_gflops_per_image: float
     train_gflops_per_image: float  # 3 x forward: the model FLOPs MFU counts
-    recompute_factor: float  # step time with activation checkpointing / without: one more forward, (3 + 1) / 3
+    recompute_factor: float  # step time with activation checkpointing / without: (3 + 1) / 3
     total_steps: int
-    step_time_s: float  # with the recompute when the run checkpoints activations
+    step_time_s: float  # with the recompute
     days: float
     total_exaflops: float
     images_per_s: float
-    assumed_mfu: float  # the profile's, or the one measured for this model on this GPU kind
-    peak_tflops: float  # per device at the plan's precision; the run's MFU denominator too
+    assumed_mfu: float  # or the one measured for this model on this GPU kind (`cluster.plan.mfu`)
+    peak_tflops: float  # per device; the run's MFU denominator too
     peak_source: str
-    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)" (cluster/mfu.yaml)
+    mfu_source: str = "assumed"  # or "measured on H200 <date> (...)"
 
 
 def compute_plan(
@@ -48,8 +44,7 @@ def compute_plan(
     samples: int | None,
     measured: Measured | None = None,
 ) -> ComputePlan:
-    """Steps, step time, days and exaFLOPs at the peak x MFU (``measured``, else the profile's). ``samples``: the
-    manifest's count, for `"90ep"` durations without `data.epoch_images`."""
+    """``samples``: the manifest's count, for `"90ep"` durations without `data.epoch_images`."""
     fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
     total_steps = optim.duration_to_steps(
         config.schedule.total, batch.global_batch_size, config.data.epoch_images or samples, field="schedule.total"
@@ -58,7 +53,6 @@ def compute_plan(
         total_steps = min(total_steps, config.schedule.stop_at_step)
     precision, precision_reason = precision_of(profile, config, vit)
     peak = device_peak(profile, precision)
-    # MFU counts model FLOPs (3 x forward); recomputing activations runs one more forward per step on top.
     recompute_factor = (train + fwd) / train
     mfu = measured.mfu if measured else profile.assumed_mfu
     seconds = seconds_per_step(vit, batch, peak.tflops, mfu)
@@ -81,7 +75,6 @@ def compute_plan(
 
 
 def seconds_per_step(vit: ViTConfig, batch: BatchPlan, peak_tflops: float, mfu: float) -> float:
-    """Training FLOPs of the global batch / (world x peak x MFU), x the recompute factor with checkpointing."""
     fwd, train = flops.forward_flops(vit), flops.train_flops(vit)
     seconds = train * batch.global_batch_size / (batch.world_size * peak_tflops * 1e12 * mfu)
     return seconds * (train + fwd) / train if vit.grad_checkpointing else seconds
@@ -90,15 +83,13 @@ def seconds_per_step(vit: ViTConfig, batch: BatchPlan, peak_tflops: float, mfu: 
 def step_time(
     profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, batch: BatchPlan, measured: Measured | None
 ) -> tuple[str, float]:
-    """(precision, seconds per step) as `compute_plan` reckons them."""
     precision, _ = precision_of(profile, config, vit)
     mfu = measured.mfu if measured else profile.assumed_mfu
     return precision, seconds_per_step(vit, batch, device_peak(profile, precision).tflops, mfu)
 
 
 def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
-    """(precision, why): the workers' own rule on the profile's hardware; fp32 for a remote CPU cluster, whose CPUs
-    are unknown here."""
+    """(precision, why): the workers' own rule; fp32 for a remote CPU cluster, whose CPUs are unknown here."""
     requested = config.deepspeed.precision
     if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
         device = "cuda" if profile.uses_gpus else "cpu"
@@ -112,8 +103,8 @@ def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -
 
 
 def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
-    """The per-device peak MFU divides by, where the profile knows it (``hardware.peak_tflops`` is a GPU's dense
-    bf16 peak; fp32 comes from `pretrain.telemetry.peak`); None: measured on the machine."""
+    """The per-device peak MFU divides by (``hardware.peak_tflops`` is a GPU's dense bf16 peak); None: measured on
+    the machine."""
     hw = profile.hardware
     if hw.peak_tflops is None:
         return None

@@ -1,9 +1,7 @@
 """The plan's data-wait prediction: will the run wait for its batches, and how many loader workers does it need?
 
-Each rank loads ``n = G / R`` images per step at the loader's ``r`` images/s per core: ``d = n / r`` core-seconds
-beside the compute plan's step of ``c`` seconds (`step_with_data`). The predicted data wait is the waited share of a
-step, what a run logs as ``train/data_wait``; above ``INPUT_BOUND_WAIT`` the run is input-bound. Design:
-docs/performance.md, "Data wait: predicted, and the decoded cache".
+A rank loads ``d`` core-seconds per step beside a compute step of ``c`` seconds (docs/performance.md, "Data wait:
+predicted, and the decoded cache").
 """
 
 from __future__ import annotations
@@ -21,33 +19,29 @@ from data_pipeline.stream.step_pool import decoded_bytes
 from pretrain.config.ds_config import BatchPlan
 from pretrain.config.train_config import TrainConfig
 
-INPUT_BOUND_WAIT = 0.05  # a predicted data wait above this share of a step is input-bound
+INPUT_BOUND_WAIT = 0.05  # share of a step: above it the run is input-bound
 
 
 @dataclass(frozen=True)
 class DataWait:
-    """The data-wait prediction's numbers (flat: `cluster.plan.planner.DataPlan` carries them into plan.json)."""
+    """Flat: `DataPlan` carries the fields into plan.json."""
 
     loader_img_s_per_core: float  # r
-    loader_rate_source: str  # "declared: ..." or where it was measured
-    loader_workers: int  # W: loader processes per rank that will run
-    loader_cores_per_rank: float  # k: the node's cores over its ranks
-    load_s_per_step: float  # d: core-seconds of loading per rank per step
-    predicted_step_time_s: float  # compute and data together
-    predicted_data_wait: float  # 0..1: the share of a step spent waiting for data
+    loader_rate_source: str
+    loader_workers: int  # W per rank
+    loader_cores_per_rank: float  # k
+    load_s_per_step: float  # d, per rank
+    predicted_step_time_s: float
+    predicted_data_wait: float  # 0..1
     input_bound: bool
     loader_workers_needed: int | None  # fewest W under INPUT_BOUND_WAIT (at most the rank's streams); None: none
-    loader_cores_needed: float  # d / c: cores loading needs to keep up with the compute
+    loader_cores_needed: float  # d / c
 
 
 def step_with_data(c: float, d: float, workers: int, cores: float, threads: float) -> tuple[float, float]:
-    """(seconds per step, seconds of it waiting) for compute ``c``, ``d`` core-seconds of loading, W ``workers``,
-    k ``cores`` per rank and t ``threads`` computing (a GPU rank's host work counts as one):
-
-    - W = 0: the rank loads, then computes: ``c + d``, waiting ``d``.
-    - t + W <= k: each process has its own core: ``max(c, d / W)``, waiting the excess over c.
-    - t + W > k: all share the cores per thread. While the rank computes (slowed to ``c (t + W) / k``) its workers
-      load at ``W k / (t + W)`` cores, the rest at ``min(W, k)`` while it waits; no step is under ``(c t + d) / k``.
+    """(seconds per step, seconds of it waiting) for W ``workers``, k ``cores`` per rank, t ``threads`` computing
+    (a GPU rank's host work counts as one). W = 0: ``c + d``; t + W <= k: ``max(c, d / W)``; t + W > k: all share
+    the cores per thread, and no step is under ``(c t + d) / k``.
     """
     if workers == 0 or d == 0:
         return c + d, d
@@ -65,7 +59,7 @@ def step_with_data(c: float, d: float, workers: int, cores: float, threads: floa
 def predict(
     c: float, images_per_rank: int, rate: LoaderRate, workers: int, max_workers: int, cores: float, threads: float
 ) -> DataWait:
-    """The prediction at ``workers``; every count up to ``max_workers`` is tried for the workers needed."""
+    """Counts up to ``max_workers`` are tried for the workers needed."""
     d = images_per_rank / rate.img_s_per_core
     step, wait = step_with_data(c, d, workers, cores, threads)
     needed = next(
@@ -91,7 +85,7 @@ def _share(step: float, wait: float) -> float:
 
 
 def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderRate:
-    """The loader's images/s per core: measured here for a local profile, declared by a remote one."""
+    """Measured here for a local profile."""
     d = config.data
     if not profile.is_local:
         rate = profile.hardware.loader_img_s_per_core
@@ -101,11 +95,10 @@ def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderR
 
 
 def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, images_per_s: float) -> DataWait:
-    """The prediction for ``config`` on ``profile``; the step time is the global batch over ``images_per_s``."""
     d, hw, w = config.data, profile.hardware, profile.workers
     ranks_per_node = math.ceil(batch.world_size / hw.nodes)
     streams_per_rank = max(1, d.streams // batch.world_size)
-    workers = min(d.num_workers, streams_per_rank)  # a worker reads whole streams: no more run
+    workers = min(d.num_workers, streams_per_rank)  # a worker reads whole streams
     threads = w.cpus_per_worker if not profile.uses_gpus else 1
     return predict(
         c=batch.global_batch_size / images_per_s,
@@ -119,7 +112,6 @@ def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, im
 
 
 def data_wait_line(wait: DataWait, images_per_rank: int) -> str:
-    """One line for the printed plan: input-bound or not, and the loader workers the run needs."""
     w = wait
     verdict = "input-bound" if w.input_bound else "not input-bound"
     if w.loader_workers_needed is None:
@@ -139,10 +131,10 @@ def data_wait_line(wait: DataWait, images_per_rank: int) -> str:
 def loader_host_bytes(
     config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
 ) -> tuple[float, str]:
-    """(bytes, what they are) of host memory one rank's TrainStream holds: its P/R streams' shuffle buffers, its
-    decoded step buffers and, where the set fits ``data.cache_mb``, its decoded cache."""
+    """(bytes, what they are) of one rank's TrainStream: its streams' shuffle buffers, its decoded step buffers and,
+    where the set fits ``data.cache_mb``, its decoded cache."""
     d = config.data
-    streams, share = d.streams // world, d.global_batch_size // world  # streams and images per step of a rank
+    streams, share = d.streams // world, d.global_batch_size // world
     held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
     buffers = streams * held * bytes_per_image
     decoded = decoded_bytes(share, image_size, d.num_workers)
@@ -155,9 +147,9 @@ def loader_host_bytes(
 
 
 def _cache_bytes(config: TrainConfig, image_size: int) -> int:
-    """A rank's decoded cache in bytes; 0 where the set is not readable here."""
+    """0 where the set is not readable here."""
     try:
         info = read_manifest(resolve_location(config.data.train))
-    except Exception:  # absent, remote, damaged: the plan's manifest line says why
+    except Exception:  # the plan's manifest line says why
         return 0
     return cache_bytes(info, image_size, config.data.cache_mb)

@@ -8,8 +8,6 @@ Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020) for m
 | gradients (bf16)              | 2           | stage 2           | 4                              |
 | fp32 gradient partition       | 4           | (stage >= 2 only) | none: the gradients are fp32   |
 | optimizer: fp32 master + m, v | 12          | stage 1           | m, v only: 8                   |
-ViT-H/14 on 64 GPUs: 10.1, 2.65, 1.44 and 0.20 GB at ZeRO-0 to 3 (docs/reference.md §7; the tests check it).
-`plan_memory` sets a run's memory per device against capacity, with activation checkpointing on and off.
 """
 
 from __future__ import annotations
@@ -23,23 +21,18 @@ from cluster.profiles import ClusterProfile
 from pretrain.config.ds_config import BatchPlan
 from pretrain.model.vit import ViTConfig
 
-GB = 1e9  # decimal gigabytes, as GPU data sheets and docs/reference.md §7 count them
-# Memory no formula accounts for: CUDA context, NCCL buffers, DeepSpeed buckets, fragmentation (GPU); the resident
-# size of Python, torch and DeepSpeed (CPU).
+GB = 1e9  # decimal, as GPU data sheets count
+# What no formula accounts for: CUDA context, NCCL buffers, buckets, fragmentation; the processes on CPU.
 GPU_OVERHEAD_GB = 3.0
 CPU_OVERHEAD_GB = 1.5
-# Share of device memory a plan may fill before it calls it tight: the estimate leaves out allocator peaks in
-# backward (a block's recomputation beside its gradients).
+# Beyond this share of device memory the plan is tight (allocator peaks in backward are left out).
 COMFORTABLE_FRACTION = 0.85
-# Smallest micro-batch the checkpointing advice trades recomputation for: below it (≈ 16 x 197 tokens at 224 px)
-# the GEMMs shrink enough that the GPU loses more than recomputing costs.
+# The checkpointing advice's smallest micro-batch: below it smaller GEMMs cost more than recomputing.
 MIN_EFFICIENT_MICRO_BATCH = 16
 
 
 @dataclass(frozen=True)
 class ModelStateMemory:
-    """Bytes per GPU for parameters, gradients and optimizer states."""
-
     params: float
     grads: float
     optimizer: float
@@ -50,7 +43,7 @@ class ModelStateMemory:
 
 
 def model_state_bytes(num_params: int, zero_stage: int, world_size: int, precision: str) -> ModelStateMemory:
-    """Per-GPU model-state memory for Adam at ZeRO stage 0-3 (the module docstring's table)."""
+    """Per-GPU model states for Adam at ZeRO stage 0-3 (the table above)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}; use 0, 1, 2 or 3")
     if precision not in ("bf16", "fp32"):
@@ -60,11 +53,10 @@ def model_state_bytes(num_params: int, zero_stage: int, world_size: int, precisi
     P, N = float(num_params), float(world_size)
     if precision == "bf16":
         weight_b, grad_b, opt_b = 2.0, 2.0, 12.0
-        # ZeRO-2/3 with bf16 keep an fp32 partition of the reduced gradients for the fp32 optimizer step.
-        grad_partition_b = 4.0
+        grad_partition_b = 4.0  # ZeRO-2/3's fp32 partition of the reduced gradients
     else:
         weight_b, grad_b, opt_b = 4.0, 4.0, 8.0
-        grad_partition_b = 0.0  # the fp32 gradients are the optimizer's input already
+        grad_partition_b = 0.0
     params = P * weight_b / (N if zero_stage >= 3 else 1.0)
     if zero_stage >= 2:
         grads = P * (grad_b + grad_partition_b) / N
@@ -86,40 +78,43 @@ def activation_bytes_per_image(
     activation_checkpointing: bool = False,
     sdpa: bool = True,
 ) -> float:
-    """Bytes of activations one image keeps for the backward pass (transformer encoder only).
+    """Bytes of activations one image keeps for backward (encoder only).
 
     Per token per layer (Korthikanti et al., 2022, §4.1, re-derived): the inputs of LN1, qkv, SDPA (q, k, v), proj,
-    LN2 and fc1 (8·D elements), of GELU and fc2 (2·m, m the MLP width); eager attention adds the softmax (heads · N),
-    dropout one-byte masks (2·D). ViT-H/14 at 224, bf16: 40,960 B × 257 × 32 = 337 MB, as measured
-    (docs/reference.md §7). Checkpointing keeps each block's input (D), plus one block's activations in recompute.
+    LN2 and fc1 (8·D elements), of GELU and fc2 (2·m); eager attention adds the softmax (heads · N), dropout one-byte
+    masks (2·D). Checkpointing keeps each block's input (D), plus one block's activations (docs/reference.md §7).
     """
     elem = 2.0 if precision == "bf16" else 4.0
-    per_token_layer = elem * (8 * width + 2 * mlp_dim)  # (N, D)-shaped saves + the two (N, m) MLP tensors
+    per_token_layer = elem * (8 * width + 2 * mlp_dim)
     if not sdpa:
-        per_token_layer += elem * num_heads * tokens  # the (h, N, N) softmax output, one row per token
+        per_token_layer += elem * num_heads * tokens
     if dropout > 0:
-        per_token_layer += 2 * width  # one-byte masks after attention-out and MLP
+        per_token_layer += 2 * width
     one_layer = per_token_layer * tokens
     if activation_checkpointing:
         return elem * width * tokens * depth + one_layer
     return one_layer * depth
 
 
-def fits(total_bytes: float, capacity_bytes: float) -> bool:
-    return total_bytes <= capacity_bytes
+def vit_activation_bytes(vit: ViTConfig, precision: str, **options) -> float:
+    """`activation_bytes_per_image` of ``vit``; ``options`` may set depth and the other keywords."""
+    shape = {"depth": vit.depth, "width": vit.width, "mlp_dim": vit.mlp_dim, "num_heads": vit.num_heads}
+    return activation_bytes_per_image(
+        tokens=vit.num_patches + (vit.pool == "token"), precision=precision, **shape | options
+    )
 
 
 class StepTime(Protocol):
-    """What the memory part reads of the plan's compute part (`cluster.plan.compute.ComputePlan`)."""
+    """What the memory part reads of `cluster.plan.compute.ComputePlan`."""
 
     @property
-    def precision(self) -> str: ...  # "bf16" | "fp32"
+    def precision(self) -> str: ...
 
     @property
-    def recompute_factor(self) -> float: ...  # step time with activation checkpointing / without
+    def recompute_factor(self) -> float: ...
 
     @property
-    def step_time_s(self) -> float: ...  # with the recompute when the run checkpoints activations
+    def step_time_s(self) -> float: ...
 
     @property
     def days(self) -> float: ...
@@ -127,7 +122,7 @@ class StepTime(Protocol):
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Memory per device in decimal GB, and whether activation checkpointing pays for its recompute."""
+    """Memory per device in GB, and whether activation checkpointing pays for its recompute."""
 
     zero_stage: int
     activation_checkpointing: bool
@@ -139,13 +134,11 @@ class MemoryPlan:
     overhead_gb: float
     total_gb: float
     capacity_gb: float
-    # Both settings of activation checkpointing at this micro-batch, whichever the run uses.
     activations_gb_checkpointed: float
     activations_gb_not_checkpointed: float
     total_gb_not_checkpointed: float
     checkpointing_advice: str  # "" when the run does not fit
-    # "": the model as it is; else the measured correction of its activations
-    memory_source: str = ""
+    memory_source: str = ""  # else the measured correction of the activations
 
 
 def plan_memory(
@@ -157,21 +150,11 @@ def plan_memory(
     num_params: int,
     correction: tuple[float, str] | None = None,
 ) -> tuple[MemoryPlan, str | None]:
-    """(the memory part with its checkpointing advice, None) when the run fits; else (the part, why not and the
-    fixes). ``correction``: (factor, source) for the activations, the estimated part."""
+    """(part, None) when the run fits, else (part, why not and the fixes). ``correction``: (factor, source) for the
+    activations."""
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
-    per_image = functools.partial(
-        activation_bytes_per_image,
-        tokens=vit.num_patches + (vit.pool == "token"),
-        width=vit.width,
-        mlp_dim=vit.mlp_dim,
-        depth=vit.depth,
-        num_heads=vit.num_heads,
-        precision=compute.precision,
-        dropout=vit.dropout,
-    )
-    # Both settings, for the advice; the plan's own numbers follow the configured one.
+    per_image = functools.partial(vit_activation_bytes, vit, compute.precision, dropout=vit.dropout)
     scale, source = correction or (1.0, "")
     act_on = scale * per_image(activation_checkpointing=True)
     act_off = scale * per_image(activation_checkpointing=False)
@@ -197,7 +180,7 @@ def plan_memory(
         memory_source=source,
     )
     fixed = states.total + overhead
-    if not fits(total, capacity):
+    if not total <= capacity:
         at = f" (at world size {batch.world_size}, the elastic group's largest)" if profile.workers.elastic else ""
         return part, _does_not_fit(part, batch, compute, act_per_image, fixed, capacity) + at
     return replace(
@@ -206,7 +189,7 @@ def plan_memory(
 
 
 def _device_memory(profile: ClusterProfile, world: int) -> tuple[float, float]:
-    """(capacity, overhead) in bytes per device: a GPU's memory, or a CPU worker's share of its node's."""
+    """(capacity, overhead) in bytes; a CPU worker has its share of its node's."""
     if profile.uses_gpus:
         return profile.hardware.gpu_memory_gb * GB, GPU_OVERHEAD_GB * GB
     per_node = math.ceil(world / profile.hardware.nodes)
@@ -216,7 +199,6 @@ def _device_memory(profile: ClusterProfile, world: int) -> tuple[float, float]:
 def _checkpointing_advice(
     m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_off: float, fixed: float, capacity: float
 ) -> str:
-    """Whether activation checkpointing pays for its recompute here, and the faster setting that fits."""
     comfortable = COMFORTABLE_FRACTION * capacity
     recompute = compute.recompute_factor
     slower = f"one more forward per step: step time x {recompute:.2f}"

@@ -1,7 +1,5 @@
-"""The planner's measured MFU and memory table, cluster/mfu.yaml (written by ``python -m cluster.calibrate``):
-model -> GPU kind (`gpu_kind`) -> entry. `measured` reads one entry as a `Measured`, which `cluster.plan.planner`
-takes instead of a profile's assumed MFU, and whose activation scale it applies where the memory model was off by
-more than `MEMORY_TOLERANCE`. ``$VITSCALE_MFU_FILE`` (`MFU_FILE_ENV`) selects another table.
+"""The planner's measured MFU and memory table, cluster/mfu.yaml (``python -m cluster.calibrate`` writes it): model ->
+GPU kind -> entry, taken instead of a profile's assumed MFU; ``$VITSCALE_MFU_FILE`` selects another table.
 """
 
 from __future__ import annotations
@@ -16,9 +14,9 @@ import yaml
 
 from pretrain.telemetry.peak import GPU_PEAK_TFLOPS
 
-MFU_FILE = Path(__file__).resolve().parents[1] / "mfu.yaml"  # cluster/mfu.yaml
+MFU_FILE = Path(__file__).resolve().parents[1] / "mfu.yaml"
 MFU_FILE_ENV = "VITSCALE_MFU_FILE"
-MEMORY_TOLERANCE = 0.15  # beyond this relative memory error the plan takes the activation scale
+MEMORY_TOLERANCE = 0.15  # beyond this relative memory error the plan scales the activations
 
 
 def mfu_file() -> Path:
@@ -26,14 +24,12 @@ def mfu_file() -> Path:
 
 
 def gpu_kind(name: str) -> str:
-    """The `GPU_PEAK_TFLOPS` fragment in ``name`` ("NVIDIA H200" -> "H200"), else the name itself."""
+    """ "NVIDIA H200" -> "H200" (a `GPU_PEAK_TFLOPS` key), else the name itself."""
     return next((fragment for fragment in GPU_PEAK_TFLOPS if fragment in name), name.strip())
 
 
 @dataclass(frozen=True)
 class Measured:
-    """One table entry: a model on a GPU kind."""
-
     model: str
     gpu_kind: str
     mfu: float
@@ -60,7 +56,7 @@ class Measured:
 
 
 def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """The table; {} when the file is absent or empty. ValueError when it is not a mapping."""
+    """{} when the file is absent or empty; ValueError when it is not a mapping."""
     path = path or mfu_file()
     if not path.is_file():
         return {}
@@ -74,7 +70,6 @@ def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]
 
 
 def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | None:
-    """The entry for ``model`` on ``gpu_type``'s kind, or None."""
     kind = gpu_kind(gpu_type)
     entry = read_table(path).get(model, {}).get(kind)
     if not isinstance(entry, dict) or not _is_fraction(entry.get("mfu")):

@@ -1,10 +1,6 @@
 """The plan: a recipe joined with a profile — topology, batch split, model, compute, memory per device, data, evals.
 
-`resolve_config` layers the profile's defaults and the user's `--set` on the recipe, so that the plan shows exactly
-what the workers run. `build_plan` does the arithmetic, one builder per part of `Plan`, each number from its one
-owner (`pretrain.model.flops`, `pretrain.config.ds_config`, `cluster.plan.compute`, `cluster.plan.memory`,
-`cluster.plan.evals.cost`, ...), and raises `PlanError` when the run cannot fit. `runtime_pip`: the extras the job's
-Ray runtime env installs.
+Each number comes from its one owner; the plan shows exactly what the workers run.
 """
 
 from __future__ import annotations
@@ -38,40 +34,30 @@ from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
-from pretrain.config.train_config import (
-    TrainConfig,
-    config_from_recipe,
-    model_overrides,
-    read_recipe,
-    recipe_path,
-)
+from pretrain.config.train_config import TrainConfig, config_from_recipe, model_overrides, read_recipe, recipe_path
 from pretrain.config.typed_yaml import parse_override
 from pretrain.model import flops, tasks
 from pretrain.model.vit import ViTConfig, model_config
 from pretrain.weights.hf import hf_config_dict
 
-# Recipes name shard folders under this root (e.g. data/fractal/train); a profile relocates it to its storage.
-RECIPE_DATA_ROOT = "data"
-# Assumed only when the training manifest cannot be read from here (e.g. s3:// on a laptop).
-ASSUMED_BYTES_PER_IMAGE = 92_000  # ImageNet-21k originals average ~92 KB (docs/reference.md §6)
-ASSUMED_SAMPLES_PER_SHARD = 3_300  # timm's i21k release: 4096 shards of ~3.3k samples
-# The data streams may fill this share of a node's memory; the rest holds the processes and the page cache.
-LOADER_MEMORY_SHARE = 0.5
+RECIPE_DATA_ROOT = "data"  # a profile relocates it to its storage
+# Assumed where the training manifest is not readable here (docs/reference.md §6).
+ASSUMED_BYTES_PER_IMAGE = 92_000
+ASSUMED_SAMPLES_PER_SHARD = 3_300
+LOADER_MEMORY_SHARE = 0.5  # of a node's memory, for the data streams
 MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
 
-
-# The extra the driver needs to log the final model as an HF ViT folder; = pyproject.toml's hf extra (tested).
+# To log the final model as an HF ViT folder; = pyproject.toml's (tested).
 HF_EXTRA = StorageExtra("hf", "transformers>=4.45,<6", "transformers")
-EXTRAS = {**STORAGE_EXTRAS, HF_EXTRA.name: HF_EXTRA}  # every extra a job's runtime env may install, by name
+EXTRAS = {**STORAGE_EXTRAS, HF_EXTRA.name: HF_EXTRA}
 
 
 def runtime_pip(plan: dict) -> list[str]:
-    """The runtime env's `pip` list for ``plan`` (`Plan.to_dict()`)."""
+    """The runtime env's `pip` list for `Plan.to_dict()`."""
     return [EXTRAS[name].requirement for name in plan.get("runtime_extras", ())]
 
 
 def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
-    """(whether the job logs its final model, the plan's line on it): a model HF's ViT holds, with transformers."""
     try:
         hf_config_dict(vit)
     except ValueError:
@@ -82,8 +68,7 @@ def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
 
 
 def _runtime_extras(profile: ClusterProfile, data: DataPlan, logs_model: bool) -> tuple[str, ...]:
-    """The storage's extras, and hf when the job logs its final model. A `local` job runs in this environment: only
-    a storage extra it lacks, never hf (a runtime-env pip install needs the network)."""
+    """A `local` job gets only a storage extra it lacks."""
     if profile.is_local:
         return tuple(n for n in data.storage_extras if importlib.util.find_spec(EXTRAS[n].module) is None)
     return (*data.storage_extras, *((HF_EXTRA.name,) if logs_model else ()))
@@ -99,12 +84,7 @@ def _relocate(path: str, root: str) -> str:
     return path
 
 
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-
 def _given(written: dict, sets: list[str]) -> set[str]:
-    """Dotted keys the recipe as written (with its `base:` chain) or the user's `--set` gives a value."""
 
     def walk(d: dict, prefix: str) -> set[str]:
         keys = set()
@@ -116,7 +96,6 @@ def _given(written: dict, sets: list[str]) -> set[str]:
 
 
 def _profile_defaults(profile: ClusterProfile) -> dict[str, Any]:
-    """The settings a profile suggests for its hardware, by dotted key; a recipe or `--set` that gives one wins."""
     d = profile.defaults
     return {
         "deepspeed.zero_stage": d.zero_stage,
@@ -127,9 +106,7 @@ def _profile_defaults(profile: ClusterProfile) -> dict[str, Any]:
 
 
 def _recipe_over_profile(profile: ClusterProfile, written: dict, sets: list[str], recipe: TrainConfig) -> list[str]:
-    """One line per profile default that the recipe as written (``recipe``: it with the user's `--set`) replaces
-    with another value, naming the `--set` that takes the profile's. A `--set` is the user's choice and
-    `precision: auto` picks per device: neither is listed."""
+    """A line per profile default the recipe as written replaces."""
     from_recipe, from_user = _given(written, []), _given({}, sets)
     lines = []
     for key, suggested in _profile_defaults(profile).items():
@@ -144,9 +121,7 @@ def _recipe_over_profile(profile: ClusterProfile, written: dict, sets: list[str]
 
 
 def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
-    """`key=value` overrides that put a recipe (``written``, read from ``path``) on this profile's hardware.
-    Storage, tracking, backend and a declared peak always come from the profile; its `defaults` fill only what the
-    recipe leaves unset; the micro-batch is lowered, if needed, to split the global batch."""
+    """`key=value` overrides that put a recipe on this profile; its `defaults` only where the recipe is silent."""
     base = config_from_recipe(path, written, sets)
     given = _given(written, sets)
     d = profile.defaults
@@ -157,24 +132,24 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         f"logging.mlflow_tracking_uri={profile.storage.mlflow_tracking_uri}",
         f"checkpoint.dir={profile.storage.checkpoints.rstrip('/')}/{run_name}",
         f"evals.data_root={_relocate(base.evals.data_root, shards)}",
-        # Ray Train workers are actors with threads: forking them for loader workers is unsafe (docs/reference.md §6).
+        # forking Ray Train's threaded actors is unsafe (docs/reference.md §6)
         "data.loader_start_method=forkserver",
-        # Job logs are not a terminal: a line per log_every steps, no progress bar.
         "logging.progress_bar=false",
     ]
     out += [f"{k}={v}" for k, v in _profile_defaults(profile).items() if k not in given]
-    # The MFU denominator at the run's precision (CUDA: auto and probe are bf16), where the profile knows it.
+    # CUDA: auto and probe are bf16
     requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
     peak = profile_peak(profile, "fp32" if requested == "fp32" or not profile.uses_gpus else "bf16")
     if peak is not None:
         out.append(f"logging.peak_tflops={peak.tflops}")
     micro = base.data.micro_batch_size if "data.micro_batch_size" in given else d.micro_batch_size
-    # Elastic: one micro-batch for every world size Ray may pick, so the global batch never changes on a resize.
+    # one micro-batch for every world size Ray may pick
     span = math.lcm(*range(profile.workers.min_workers, profile.workers.max_workers + 1))
     per_rank = base.data.global_batch_size // span
     user_micro = any(parse_override(s)[0] == ["data", "micro_batch_size"] for s in sets)
     if not user_micro and per_rank and base.data.global_batch_size % span == 0 and per_rank % micro:
-        out.append(f"data.micro_batch_size={_largest_divisor_at_most(per_rank, micro)}")
+        fitting = max(d for d in range(1, min(per_rank, micro) + 1) if per_rank % d == 0)
+        out.append(f"data.micro_batch_size={fitting}")
     return out
 
 
@@ -186,13 +161,12 @@ def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_na
 def resolve_with_notes(
     profile: ClusterProfile, recipe: str, sets: list[str], run_name: str
 ) -> tuple[TrainConfig, list[str]]:
-    """`resolve_config`, and a line for each profile default the recipe replaces (printed after the plan). The
-    recipe is read here, once, for the whole launch; paths are checked only on a local profile."""
+    """`resolve_config`, and `_recipe_over_profile`'s lines."""
     path = recipe_path(recipe)
     written = read_recipe(path)
     overrides = profile_overrides(profile, path, written, sets, run_name)
     config = config_from_recipe(path, written, [*overrides, *sets])
-    if profile.uses_gpus:  # CPU runs keep their settings, and so their numbers
+    if profile.uses_gpus:  # CPU runs keep their settings
         chosen = reduction_overrides(profile, config, _given(written, sets))
         config = config_from_recipe(path, written, [*overrides, *chosen, *sets])
     if profile.workers.elastic:
@@ -202,8 +176,7 @@ def resolve_with_notes(
 
 
 def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set[str]) -> list[str]:
-    """DeepSpeed's reduction settings as `cluster.plan.comms.choose_reduction` picks them for this run's step, for
-    the keys the recipe and `--set` leave unset (docs/network.md)."""
+    """`comms.choose_reduction`'s, for the keys the recipe and `--set` leave unset (docs/network.md)."""
     vit, model = _model_size(config)
     batch = batch_plan(config.data, profile.workers.num_workers)
     measured = mfu.measured(config.model.name, profile.hardware.gpu_type)
@@ -212,7 +185,7 @@ def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set
     r = comms.choose_reduction(
         profile, ds.zero_stage, precision, batch.world_size, batch.grad_accum_steps, model.num_params, step_s
     )
-    # The buckets fit the dtype in force, which may be the recipe's
+    # the buckets fit the dtype in force, which may be the recipe's
     dtype = ds.communication_data_type if "deepspeed.communication_data_type" in given else r.communication_data_type
     reduce, gather = comms.buckets(profile, batch.world_size, precision if dtype == "auto" else dtype, precision)
     chosen = {
@@ -224,7 +197,7 @@ def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set
 
 
 def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[int]:
-    """workers.min..max: Ray Train may pick any, so each must keep the global batch; else PlanError."""
+    """workers.min..max; PlanError unless each keeps the global batch."""
     w = profile.workers
     sizes = list(range(w.min_workers, w.max_workers + 1))
     valid = valid_world_sizes(config.data, max(w.max_workers, config.data.streams))
@@ -244,42 +217,35 @@ def elastic_world_sizes(profile: ClusterProfile, config: TrainConfig) -> list[in
 
 @dataclass(frozen=True)
 class Topology:
-    """The profile's machines and the world size the plan's numbers are for."""
-
     profile: str
     nodes: int
     world_size: int
-    device: str  # "8 x A100-SXM4-80GB per node" or "CPU (1 core per worker)"
+    device: str
 
 
 @dataclass(frozen=True)
 class ModelSize:
-    """The model the task trains and its parameter counts."""
-
     name: str
     image_size: int
     num_params: int  # with what the task adds (MPP: a [mask] embedding and a colour head)
-    num_params_1k_head: int  # the paper's convention (Table 1 counts a 1000-class head)
-    # No model.num_classes and no readable dataset.json: a 1000-class head is counted.
+    num_params_1k_head: int  # the paper's Table 1 convention
     head_classes_assumed: bool
 
 
 @dataclass(frozen=True)
 class DataPlan:
-    """What the run reads, where from, the host memory it takes, and the data wait."""
-
     num_shards: int
     shards_per_loader: float
     bytes_per_image: float
     read_mb_per_s: float
-    note: str  # where the numbers come from: the manifest, or the assumptions made without it
-    loader_gb_per_node: float  # host memory of the data streams on the fullest node (docs/elastic.md, "Costs")
-    loader_detail: str  # what it is made of
-    storage: str  # the training shards' location
-    storage_extras: tuple[str, ...]  # vitscale extras the run's storage needs
-    storage_missing_here: tuple[str, ...]  # what this machine lacks to read that storage (the dry run goes on)
+    note: str
+    loader_gb_per_node: float  # on the fullest node (docs/elastic.md, "Costs")
+    loader_detail: str
+    storage: str
+    storage_extras: tuple[str, ...]
+    storage_missing_here: tuple[str, ...]
     warnings: tuple[str, ...]
-    # The data-wait prediction: `cluster.plan.data_wait.DataWait`'s fields, by name.
+    # `cluster.plan.data_wait.DataWait`'s fields:
     loader_img_s_per_core: float
     loader_rate_source: str
     loader_workers: int
@@ -294,8 +260,6 @@ class DataPlan:
 
 @dataclass(frozen=True)
 class ElasticEnd:
-    """An elastic plan's numbers at one end of the world sizes Ray may pick."""
-
     world_size: int
     grad_accum_steps: int
     step_time_s: float
@@ -320,31 +284,30 @@ class ElasticEnd:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything `cluster.launch` prints; `to_dict()` travels with the job and is its `plan.json`."""
+    """Everything `cluster.launch` prints; `to_dict()` is the job's `plan.json`."""
 
     recipe: str
     run_name: str
     topology: Topology
-    batch: BatchPlan  # `pretrain.config.ds_config.batch_plan`: global = micro x accumulation x world
+    batch: BatchPlan  # global = micro x accumulation x world
     model: ModelSize
     compute: ComputePlan
     memory: MemoryPlan
     data: DataPlan
-    baseline_eval: str  # the step-0 baseline eval: what it costs, or why there is none
-    startup: StartupAllowance  # the watchdog's allowances
-    comms: CommPlan  # the interconnect, a step's collectives and their time (docs/network.md)
-    evals: EvalsPlan  # each suite's cost per checkpoint and share of the training FLOPs (`cluster.plan.evals.cost`)
+    baseline_eval: str
+    startup: StartupAllowance
+    comms: CommPlan
+    evals: EvalsPlan
     elastic_ends: tuple[ElasticEnd, ...] = ()  # (at workers.min, at workers.max); () when not elastic
-    runtime_extras: tuple[str, ...] = ()  # vitscale extras the job's Ray runtime env pip-installs
-    final_model: str = ""  # whether the job's end logs the final model to MLflow, or why not
+    runtime_extras: tuple[str, ...] = ()
+    final_model: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
-    """The plan. PlanError when the run cannot fit: memory per device, the data streams' host memory, a stream
-    without shards, a peak the plan cannot know, evals over their budget or their device."""
+    """PlanError when the run cannot fit."""
     batch = batch_plan(config.data, profile.workers.num_workers)
     stats = _data_stats(config)
     vit, model = _model_size(config)
@@ -369,7 +332,6 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         data=data,
         baseline_eval=baseline_eval(config, model.num_params),
         startup=startup_allowance(profile, model.num_params, data.num_shards),
-        # for the DeepSpeed JSON the workers will build
         comms=comms.comm_plan(
             profile,
             deepspeed_config(config.deepspeed, config.optim, batch, compute.precision),
@@ -396,7 +358,7 @@ def _topology(profile: ClusterProfile) -> Topology:
 
 
 def _model_size(config: TrainConfig) -> tuple[ViTConfig, ModelSize]:
-    """(the ViTConfig the task trains, its size); the head has `model.num_classes`, else the dataset's, else 1000."""
+    """The head has `model.num_classes`, else the dataset's, else 1000."""
     num_classes = config.model.num_classes or _dataset_classes(config)
     configured = model_config(config.model.name, **model_overrides(config, num_classes=num_classes or 1000))
     vit, task_params = tasks.planned_model(config, configured)
@@ -406,15 +368,13 @@ def _model_size(config: TrainConfig) -> tuple[ViTConfig, ModelSize]:
         image_size=vit.image_size,
         num_params=flops.param_count(vit) + task_params,
         num_params_1k_head=flops.param_count(vit_1k),
-        head_classes_assumed=num_classes is None and vit.num_classes > 0,  # a task that keeps a classifier
+        head_classes_assumed=num_classes is None and vit.num_classes > 0,
     )
     return vit, size
 
 
 @dataclass(frozen=True)
 class DataStats:
-    """The training manifest's numbers (None where not readable here) and their source."""
-
     num_shards: int | None
     num_samples: int | None
     bytes_per_image: float | None
@@ -422,13 +382,13 @@ class DataStats:
 
 
 def _data_stats(config: TrainConfig) -> DataStats:
-    if missing_storage([config.data.train]):  # the storage line says what to install
+    if missing_storage([config.data.train]):
         return DataStats(
             None, None, None, f"manifest not readable here: no {url_scheme(config.data.train)}:// filesystem"
         )
     try:
         info = read_manifest(resolve_location(config.data.train))
-    except Exception as exc:  # absent, remote, offline → the assumptions
+    except Exception as exc:
         return DataStats(None, None, None, f"manifest not readable here: {type(exc).__name__}: {str(exc)[:80]}")
     total_bytes = sum(s.bytes for s in info.shards)
     per_image = total_bytes / max(info.num_samples, 1)
@@ -443,13 +403,12 @@ def _data_plan(
     model: ModelSize,
     images_per_s: float,
 ) -> DataPlan:
-    """The data part. PlanError when a stream would have no shard of its own or the data streams would fill more
-    than LOADER_MEMORY_SHARE of a node."""
+    """PlanError when a stream has no shard of its own or the streams fill over LOADER_MEMORY_SHARE of a node."""
     d, world = config.data, batch.world_size
     shards, bytes_per_image, note = stats.num_shards, stats.bytes_per_image, stats.note
     if model.head_classes_assumed:
         note += "; head size unknown here, 1000 classes assumed (set model.num_classes)"
-    if shards is not None and shards < d.streams:  # each stream reads shards of its own (docs/elastic.md)
+    if shards is not None and shards < d.streams:
         raise PlanError(
             f"{d.train} has {shards} shards but data.streams={d.streams} needs at least one per "
             "stream; lower data.streams (a divisor of the global batch) or re-shard with a smaller --samples-per-shard"
@@ -496,7 +455,6 @@ def _data_plan(
 
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[ElasticEnd, ElasticEnd]:
-    """The plan's numbers at workers.min and workers.max, each planned as a fixed world size."""
     w = profile.workers
     fixed = dataclasses.replace(w, num_workers=w.min_workers, min=None, max=None)
     try:
@@ -511,7 +469,6 @@ def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) ->
 
 
 def _dataset_classes(config: TrainConfig) -> int | None:
-    """The training split's class count from its dataset.json, when it is local and written (else None)."""
     if is_remote(config.data.train):
         return None
     info = read_dataset_json(config.resolved().data.train)

@@ -1,8 +1,5 @@
-"""The hang watchdog's allowances before the first step and in the first save, from the plan's own numbers.
-
-Start: ALLOWANCE_MARGIN x (process start + the manifest's read and the epoch plan + the model and engine + one
-checkpoint's write or load at the profile's storage rate + for an elastic job the universal conversion), never below
-the profile's `hang.startup_s`. First save: the margin x one checkpoint's write, never below `hang.checkpoint_s`.
+"""The hang watchdog's allowances before the first step and in the first save, from the plan's own numbers: the
+margin x the estimate, never below the profile's `hang.startup_s` / `hang.checkpoint_s`.
 """
 
 from __future__ import annotations
@@ -12,41 +9,37 @@ from dataclasses import dataclass
 from cluster.plan.checkpoint_costs import CHECKPOINT_BYTES_PER_PARAM
 from cluster.profiles import ClusterProfile
 
-# The terms' constants: estimates, so the allowance is ALLOWANCE_MARGIN times their sum.
 PROCESS_START_S = 60.0  # Ray starting a worker, its imports (docs/performance.md, "A rank's start"), the group
 ENGINE_S_PER_GPARAM = 60.0  # the model and DeepSpeed's engine, per 1e9 parameters
-# A rank reads only manifest.parquet, one row per shard (url, samples, bytes, sha256: ~100 bytes, rounded up), and
-# deals the shards to its streams: 0.10 s for 4,700 shards at 512 ranks (docs/benchmarks/2026-11-23-i21k-scale.md).
-MANIFEST_BYTES_PER_SHARD = 128
-EPOCH_PLAN_S_PER_SHARD = 0.10 / 4_700
+MANIFEST_BYTES_PER_SHARD = 128  # a manifest.parquet row, rounded up
+EPOCH_PLAN_S_PER_SHARD = 0.10 / 4_700  # docs/benchmarks/2026-11-23-i21k-scale.md
 ALLOWANCE_MARGIN = 2.0  # an allowance too short kills a healthy group
 
 
 @dataclass(frozen=True)
 class StartupAllowance:
-    """How long the watchdog lets a group go without a report before its first step, and in an unmeasured save."""
+    """How long a group may go without a report before its first step and in an unmeasured save."""
 
-    terms: tuple[tuple[str, float], ...]  # (what, estimated seconds), in order
+    terms: tuple[tuple[str, float], ...]  # (what, estimated seconds)
     estimate_s: float  # their sum
-    floor_s: float  # the profile's hang.startup_s
+    floor_s: float  # hang.startup_s
     startup_s: float  # max(floor_s, margin x estimate_s)
-    checkpoint_gb: float  # one checkpoint: parameters and optimizer states
-    write_mb_per_s: float  # the storage's assumed write rate (the profile's hang.write_mb_per_s)
-    save_floor_s: float  # the profile's hang.checkpoint_s
+    checkpoint_gb: float
+    write_mb_per_s: float  # hang.write_mb_per_s
+    save_floor_s: float  # hang.checkpoint_s
     first_save_s: float  # max(save_floor_s, margin x the checkpoint's write)
-    manifest_mb: float = 0.0  # the training manifest a rank reads
-    read_mb_per_s: float = 0.0  # the profile's storage.read_mb_per_s
+    manifest_mb: float = 0.0
+    read_mb_per_s: float = 0.0  # storage.read_mb_per_s
     num_shards: int = 0
     margin: float = ALLOWANCE_MARGIN
 
 
 def manifest_seconds(num_shards: int, read_mb_per_s: float) -> float:
-    """Reading the manifest of ``num_shards`` shards at ``read_mb_per_s`` and planning the epoch from it."""
+    """Reading the manifest and planning the epoch from it."""
     return num_shards * MANIFEST_BYTES_PER_SHARD / (read_mb_per_s * 1e6) + num_shards * EPOCH_PLAN_S_PER_SHARD
 
 
 def startup_allowance(profile: ClusterProfile, num_params: int, num_shards: int) -> StartupAllowance:
-    """The module docstring's allowances for a model of ``num_params`` reading ``num_shards`` shards."""
     hang = profile.hang
     checkpoint_gb = num_params * CHECKPOINT_BYTES_PER_PARAM / 1e9
     write_s = checkpoint_gb * 1e3 / hang.write_mb_per_s

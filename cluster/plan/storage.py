@@ -1,8 +1,4 @@
-"""What a run's storage needs: the vitscale extra that gives fsspec each remote scheme, and whether this machine has it.
-
-The job's runtime env installs the extras on the cluster (`storage_extras`); the plan says when this machine lacks
-one to read the manifest (`missing_storage`).
-"""
+"""What a run's storage needs: the vitscale extra that gives fsspec each remote scheme, and whether it is here."""
 
 from __future__ import annotations
 
@@ -18,11 +14,9 @@ from pretrain.config.train_config import TrainConfig
 
 @dataclass(frozen=True)
 class StorageExtra:
-    """An optional dependency group of vitscale that gives fsspec one more storage scheme."""
-
     name: str  # `pip install 'vitscale[<name>]'`
-    requirement: str  # = pyproject.toml [project.optional-dependencies] (a test keeps them equal)
-    module: str  # the module fsspec imports for the scheme
+    requirement: str  # = pyproject.toml's (tested)
+    module: str
 
 
 STORAGE_EXTRAS = {
@@ -38,19 +32,17 @@ def url_scheme(url: str) -> str | None:
 
 
 def storage_urls(config: TrainConfig) -> list[str]:
-    """Where the run reads from: training shards, eval shard folders, and the ``init_from`` weights if any."""
     init_from = config.checkpoint.init_from
     return [config.data.train, config.evals.data_root, *([init_from] if init_from else [])]
 
 
 def storage_extras(urls: list[str]) -> list[StorageExtra]:
-    """The vitscale extras the remote schemes among `urls` need."""
     names = [SCHEME_EXTRAS[s] for s in map(url_scheme, urls) if s in SCHEME_EXTRAS]
     return [STORAGE_EXTRAS[n] for n in dict.fromkeys(names)]
 
 
 def missing_storage(urls: list[str]) -> list[str]:
-    """One sentence per remote scheme among `urls` whose fsspec filesystem cannot be imported on this machine."""
+    """A sentence per remote scheme among `urls` whose fsspec filesystem cannot be imported here."""
     import fsspec
 
     missing = []
@@ -63,24 +55,21 @@ def missing_storage(urls: list[str]) -> list[str]:
                 missing.append(
                     f"{scheme}:// needs {extra.module}, not installed here: pip install 'vitscale[{extra.name}]'"
                 )
-            else:  # a scheme vitscale has no extra for: fsspec's own message names the package
+            else:  # fsspec's own message names the package
                 missing.append(f"{scheme}:// is not readable here: {exc}")
         except ValueError:
             missing.append(f"{scheme}:// is not a storage scheme fsspec knows; use s3://, gs:// or a shared path")
     return missing
 
 
-# A plan waits no longer for a manifest in object storage: where the store cannot be reached (an offline laptop, no
-# route to it), its client retries for minutes (gcsfs: six tries, backing off up to 32 s) before it gives up.
+# An unreachable store's client retries for minutes.
 MANIFEST_WAIT_S = 30.0
 STORE_LOGGERS = ("gcsfs", "s3fs", "botocore", "aiobotocore")
 
 
 def read_manifest(location: str) -> DatasetInfo:
-    """`read_dataset_info`; for object storage, read once per process (a plan is built for several world sizes) and
-    TimeoutError once MANIFEST_WAIT_S have passed since that read began without an answer (it goes on in a daemon
-    thread, whose result nothing waits for). The store clients log each retry with a traceback while it reads; the
-    plan's one line says what failed, so they are quiet until the read ends."""
+    """`read_dataset_info`; object storage is read once per process, in a daemon thread, with TimeoutError once
+    MANIFEST_WAIT_S have passed since that read began. The store clients' loggers are quiet while it reads."""
     if not is_remote(location):
         return read_dataset_info(location)
     if location not in _REMOTE_READS:
@@ -98,7 +87,7 @@ _REMOTE_READS: dict[str, tuple[threading.Thread, float, list]] = {}  # location 
 
 
 class _QuietStores:
-    """The store loggers at CRITICAL while any remote read runs, their own levels back after the last one."""
+    """The store loggers at CRITICAL while any remote read runs."""
 
     def __init__(self) -> None:
         self.reads, self.lock = 0, threading.Lock()

@@ -1,5 +1,4 @@
-"""The plan as `cluster.launch` prints it: a line per part of `cluster.plan.planner.Plan`, the numbers at both ends
-of an elastic job's world sizes, then the warnings."""
+"""The plan as `cluster.launch` prints it: a line per part of `Plan`, an elastic job's ends, then the warnings."""
 
 from __future__ import annotations
 
@@ -9,11 +8,9 @@ from cluster.plan.comms import CommPlan
 from cluster.plan.data_wait import DataWait, data_wait_line
 from cluster.plan.evals.cost import evals_lines
 from cluster.plan.planner import EXTRAS, DataPlan, Plan
-from cluster.plan.storage import STORAGE_EXTRAS
 
 
 def format_plan(plan: Plan) -> str:
-    """The plan's text."""
     topo, batch, model, c, m, d = plan.topology, plan.batch, plan.model, plan.compute, plan.memory, plan.data
     micro = batch.micro_batch_size
     recompute = f", + recompute x {c.recompute_factor:.2f}" if m.activation_checkpointing else ""
@@ -56,7 +53,6 @@ def format_plan(plan: Plan) -> str:
 
 
 def _startup(plan: Plan) -> str:
-    """The watchdog's allowances before the first step and in a first save, each term named."""
     a = plan.startup
     terms = " + ".join(f"{name} {seconds:.3g}" for name, seconds in a.terms)
     write_s = a.checkpoint_gb * 1e3 / a.write_mb_per_s
@@ -70,13 +66,11 @@ def _startup(plan: Plan) -> str:
 
 
 def _interconnect(c: CommPlan) -> str:
-    """The network in words and the environment `cluster.network.network_env` gives the workers."""
     env = ", ".join(c.env) if c.env else "none needed"
     return f"{c.interconnect}; worker env: {env} (docs/network.md)"
 
 
 def _communication(c: CommPlan) -> str:
-    """A step's bytes per GPU, collective by collective, their time and the verdict against compute."""
     if not c.collectives:
         return c.verdict
     parts = " + ".join(f"{x.what} {_bytes(x.bytes_per_gpu)} ({x.tensor})" for x in c.collectives)
@@ -95,7 +89,6 @@ def _bytes(n: float) -> str:
 
 
 def _mfu(mfu: float, source: str) -> str:
-    """ "assumed MFU 40%", or "MFU 43% measured on ..."."""
     return f"assumed MFU {mfu:.0%}" if source == "assumed" else f"MFU {mfu:.0%} {source}"
 
 
@@ -118,13 +111,11 @@ def _elastic_lines(plan: Plan) -> list[str]:
 
 
 def _data_wait(d: DataPlan, images_per_rank: int) -> str:
-    """The data-wait line, from the `DataWait` fields the data plan carries."""
     wait = DataWait(**{f.name: getattr(d, f.name) for f in dataclasses.fields(DataWait)})
     return data_wait_line(wait, images_per_rank)
 
 
 def _runtime_env(plan: Plan) -> str:
-    """What the job's Ray runtime env installs, and whether the final model reaches MLflow."""
     if plan.runtime_extras:
         extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in plan.runtime_extras)
         installs = f"pip installs {extras} on the cluster"
@@ -136,7 +127,7 @@ def _runtime_env(plan: Plan) -> str:
 def _storage_needs(d: DataPlan) -> str:
     needs = ""
     if d.storage_extras:
-        extras = ", ".join(f"vitscale[{n}] ({STORAGE_EXTRAS[n].module})" for n in d.storage_extras)
+        extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in d.storage_extras)
         needs = f"; needs {extras}"
     if d.storage_missing_here:
         needs += "; " + "; ".join(d.storage_missing_here) + " (only to read the manifest from this machine)"

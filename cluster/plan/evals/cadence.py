@@ -1,8 +1,6 @@
 """Which checkpoints each eval suite evaluates: every N-th checkpoint, the step-0 baseline and the last step.
 
-The one rule for the plan (how many evals it prices), training rank 0 (which checkpoints it pins) and the eval
-scheduler (which suites it runs); docs/design.md, "Evals after every checkpoint". Torch-free and Ray-free: the
-scheduler actor imports it.
+The one rule for the plan, rank 0 and the eval scheduler (docs/design.md, "Evals after every checkpoint").
 """
 
 from __future__ import annotations
@@ -12,23 +10,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EvalCadence:
-    """The suites of a run, each with its cadence, over its checkpoints."""
-
     suites: tuple[tuple[str, int], ...]  # (suite, every N-th checkpoint), in the order they run
     checkpoint_every: int = 1  # checkpoint.every_steps
-    last_step: int | None = None  # the run's last step, evaluated by every suite; None: not known
+    last_step: int | None = None  # evaluated by every suite; None: not known
 
     def due(self, step: int) -> tuple[str, ...]:
-        """The suites that evaluate the checkpoint of ``step``, in order: those whose period (every x
-        checkpoint.every_steps) divides it, which includes step 0, and all of them at the last step."""
+        """The suites whose period (every x checkpoint.every_steps) divides ``step``, all at the last step."""
         return tuple(suite for suite, every in self.suites if self._on(step, every))
 
     def _on(self, step: int, every: int) -> bool:
         return step == self.last_step or step % (every * self.checkpoint_every) == 0
 
     def evaluations(self, every: int, baseline: bool) -> int:
-        """How many checkpoints a suite of cadence ``every`` evaluates in the run: the baseline when saved, each
-        multiple of its period up to the last step, and the last step."""
+        """Checkpoints a suite evaluates: the baseline when saved, each multiple of its period, the last step."""
         if self.last_step is None:
             raise ValueError("counting a suite's evaluations needs the run's last step")
         period = every * self.checkpoint_every

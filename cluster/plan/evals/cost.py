@@ -1,15 +1,7 @@
 """The plan's evals part: what each suite costs per checkpoint and over the run, and whether it fits its device.
 
-An evaluator entry is priced from its own options (docs/vtab.md, "Eval cost in the plan"): few-shot and the VTAB
-linear probe run one forward pass per image of their train and test splits (features once per split); fine-tuning
-runs, per dataset, (lr grid + 1 final run) x steps x batch images through forward and backward (3 forward FLOPs,
-4 with activation checkpointing) at its resolution, plus the held-out and test forwards. FLOPs come from
-`pretrain.model.flops` at the entry's image size; device-hours divide them by the eval device's dense peak at the
-entry's precision x an assumed MFU. Memory per device: the fine-tune memory model (per-image activations of
-`cluster.plan.memory` x 1.3 x micro-batch + fp32 weights, gradients and momentum + the drawn batch + the CUDA
-context), or for inference the weights, a batch and one block's activations. All of them are estimates.
-`plan_evals` refuses (PlanError) evals over `evals.budget_fraction` of the training FLOPs, an eval that does not
-fit its device, and a GPU profile whose evals would take a training GPU.
+Each evaluator entry is priced from its own options: FLOPs, device-hours and memory per device, all estimates
+(docs/vtab.md, "Eval cost in the plan").
 """
 
 from __future__ import annotations
@@ -38,61 +30,53 @@ from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
 GB = memory.GB
 # Allocator slack and the backward's transient buffers on top of the saved activations (docs/vtab.md).
 ACTIVATION_ALLOWANCE = 1.3
-# The CUDA context and library workspaces of an eval task: docs/vtab.md's 3 GiB fixed for ViT-B/16 less its weights,
-# gradients, momentum (0.97 GiB) and drawn batch (0.84 GiB).
+# An eval task's CUDA context and workspaces (docs/vtab.md).
 CUDA_CONTEXT_GB = 1.3
-# Evals over budget are refused only when they take at least this many eval device-hours in all; below, a smoke
-# run's or a demo's, the plan warns: they cost minutes whatever their share of a tiny training run.
+# Below this many eval device-hours in all, evals over budget only warn.
 MIN_REFUSED_DEVICE_HOURS = 1.0
 
 
 @dataclass(frozen=True)
 class Work:
-    """One evaluator entry's arithmetic: its FLOPs, the precision they run at, and its memory."""
-
-    what: str  # e.g. "fewshot 2 datasets, 11,069 images at 224px"
-    model: ViTConfig  # the model it runs, at its resolution (fine-tuning: a fresh head, no pre-logits)
+    what: str
+    model: ViTConfig  # at its resolution (fine-tuning: a fresh head, no pre-logits)
     flops: float
-    train_images: float  # images through forward + backward (0: inference only)
-    precision: str  # of its matmuls: the peak it runs at
-    device_bytes: float  # peak on the eval device, without the CUDA context
-    host_bytes: float  # the data it holds on the host (features, drawn images)
+    train_images: float  # 0: inference only
+    precision: str  # of its matmuls
+    device_bytes: float  # peak, without the CUDA context
+    host_bytes: float  # its data on the host
 
 
 @dataclass(frozen=True)
 class SuiteCost:
-    """One suite of the run: its cadence, what one evaluation costs, and its share of the training FLOPs."""
-
     suite: str
     every: int
-    evaluations: int  # checkpoints it evaluates (the baseline and the last included)
+    evaluations: int  # the baseline and the last included
     pflops: float  # per evaluated checkpoint
     device_hours: float  # per evaluated checkpoint, on one eval device
     memory_gb: float  # peak per eval device (host memory for CPU evals)
     share: float  # of the run's training FLOPs, over all its evaluations
-    detail: str  # what was priced, entry by entry
+    detail: str
 
 
 @dataclass(frozen=True)
 class EvalsPlan:
-    """The evals part of the plan (all numbers are estimates)."""
+    """All numbers are estimates."""
 
-    device: str  # the eval device in words
-    capacity_gb: float  # its memory per device (GPU) or the eval's declared host memory (CPU)
+    device: str
+    capacity_gb: float  # GPU memory, or the eval's declared host memory
     mfu: float
-    peaks: str  # the dense peaks the device-hours divide by
+    peaks: str
     budget_fraction: float
     share: float  # all suites together
     suites: tuple[SuiteCost, ...] = ()
-    baseline: bool = True  # the step-0 weights are evaluated too (evals.baseline)
+    baseline: bool = True  # evals.baseline
     note: str = ""  # why there are no evals
     warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class EvalDevice:
-    """Where an eval task runs, as the plan prices it."""
-
     kind: str  # "cuda" | "cpu"
     capacity_bytes: float  # 0: not declared
     host_bytes: float  # evals.memory_gb; 0: not declared
@@ -102,8 +86,8 @@ class EvalDevice:
 
 
 def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, compute: ComputePlan) -> EvalsPlan:
-    """The evals part of the run ``compute`` plans; PlanError when the evals would take a training GPU, do not fit
-    their device, or cost more than `evals.budget_fraction` of the training FLOPs (and MIN_REFUSED_DEVICE_HOURS)."""
+    """PlanError when the evals would take a training GPU, do not fit their device, or cost more than
+    `evals.budget_fraction` of the training FLOPs (and MIN_REFUSED_DEVICE_HOURS)."""
     e = config.evals
     if not e.schedule():
         extra = "; evals.extra_suites off too" if e.extra_suites else ""
@@ -138,8 +122,8 @@ def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, com
 
 
 def eval_device(profile: ClusterProfile) -> EvalDevice:
-    """The eval device of ``profile``; PlanError when its evals would take a training GPU, or run beside training
-    without declaring their memory."""
+    """PlanError when the profile's evals would take a training GPU, or run beside training without declaring
+    their memory."""
     ev, name = profile.evals, profile.name
     if ev.num_gpus > 0 and profile.uses_gpus and not ev.instance_type:
         raise PlanError(
@@ -189,12 +173,8 @@ def _cpu_eval_peak(profile: ClusterProfile, precision: str) -> Peak:
     )
 
 
-# ---- one suite
-
-
 def suite_cost(suite: str, vit: ViTConfig, config: TrainConfig, device: EvalDevice) -> SuiteCost:
-    """What one evaluation of ``suite`` costs on ``device`` (cadence and share: the caller's); PlanError when an
-    entry cannot be priced or does not fit the device."""
+    """One evaluation of ``suite`` (cadence and share: the caller's); PlanError when an entry does not fit."""
     loaded = load_suite(suite)
     works = [_entry_work(spec, vit, config.evals.data_root, device.kind) for spec in loaded.evaluators]
     hours = 0.0
@@ -232,16 +212,14 @@ def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) 
 
 
 def _features_model(vit: ViTConfig, size: int) -> ViTConfig:
-    return dataclasses.replace(vit, image_size=size, num_classes=0)  # pre-logits features: no head runs
+    return dataclasses.replace(vit, image_size=size, num_classes=0)  # no head runs
 
 
 def _finetune_model(vit: ViTConfig, size: int, num_classes: int) -> ViTConfig:
-    """The fine-tuned model: a fresh head of ``num_classes``, pre-logits dropped (`evals.finetune._prepare`)."""
     return dataclasses.replace(vit, image_size=size, num_classes=num_classes, representation_size=None)
 
 
 def _train_flops(model: ViTConfig, recompute: bool) -> float:
-    """FLOPs of one training image: 3 forwards, 4 when recomputing activations."""
     return flops.forward_flops(model) * (4 if recompute else 3)
 
 
@@ -259,8 +237,7 @@ def _size(image_size: int | None, vit: ViTConfig, spec: EvaluatorSpec) -> int:
 def _features_work(
     what: str, size: int, batch: int, images: list[tuple[int, int]], vit: ViTConfig, kind: str, keep_all=False
 ) -> Work:
-    """Frozen features of each (train, test) pair: one fp32 forward per image, under inference mode. The host keeps
-    their float32 features (every dataset's with ``keep_all``) and a float64 copy of the largest pair."""
+    """The host keeps float32 features (every dataset's with ``keep_all``) and a float64 copy of the largest pair."""
     model = _features_model(vit, size)
     total = sum(a + b for a, b in images)
     largest = max(a + b for a, b in images)
@@ -271,11 +248,10 @@ def _features_work(
 
 
 def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, vit: ViTConfig, kind: str) -> Work:
-    """Per task: the lr-search runs on train800 and the final run on train1000, val200 scored per lr, test once;
-    each task's head has its classes (10 where the benchmark does not say)."""
+    """A head of the task's classes (10 where the benchmark does not say)."""
     ft, vtab_first = o.finetune, o.benchmark == "vtab1k"
     search = ft.selection_steps or ft.steps
-    runs = ft.batch_size * (len(ft.lr_grid) * search + ft.steps)  # images through training steps, per task
+    runs = ft.batch_size * (len(ft.lr_grid) * search + ft.steps)  # per task
     total = forwards = 0.0
     models = []
     for task in tasks:
@@ -294,21 +270,19 @@ def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, 
 
 def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kind: str) -> Work:
     """Per dataset: lr-search runs on the kept part, the final run on kept + held-out, held-out scored per lr, test
-    scored at the end and at each learning-curve point; a head of the split's classes (10 where unreadable)."""
+    at the end and at each learning-curve point."""
     search = o.selection_steps or o.steps
     train = forwards = total = pool_most = 0.0
     models = []
     for name in o.datasets:
-        models.append(_finetune_model(vit, size, split_classes(root, name, o.train_split)))
+        models.append(model := _finetune_model(vit, size, split_classes(root, name, o.train_split)))
         pool = min(split_size(root, name, o.train_split), o.max_train_examples)
         held = o.val_examples if o.val_examples is not None else max(1, round(o.holdout_fraction * pool))
         kept = o.train_examples if o.train_examples is not None else pool - held
         images = len(o.lr_grid) * search * min(o.batch_size, kept) + o.steps * min(o.batch_size, kept + held)
         points = 1 + len(set(o.eval_steps) - {o.steps})
         scored = len(o.lr_grid) * held + points * split_size(root, name, o.test_split)
-        total += images * _train_flops(models[-1], o.activation_checkpointing) + scored * flops.forward_flops(
-            models[-1]
-        )
+        total += images * _train_flops(model, o.activation_checkpointing) + scored * flops.forward_flops(model)
         train, forwards, pool_most = train + images, forwards + scored, max(pool_most, kept + held)
     model = max(models, key=lambda m: m.num_classes)
     device, host = _finetune_memory(o, model, kind, pool_most)
@@ -324,8 +298,7 @@ def _finetune_precision(o: FinetuneOptions, kind: str) -> str:
 
 
 def _finetune_memory(o: FinetuneOptions, model: ViTConfig, kind: str, drawn: float) -> tuple[float, float]:
-    """(device, host) bytes of fine-tuning: fp32 weights, gradients and momentum, a micro-batch's activations x
-    ACTIVATION_ALLOWANCE, the drawn batch as float32 on the device; the drawn images as uint8 on the host."""
+    """(device, host) bytes; the drawn images are uint8 on the host, float32 on the device."""
     micro = min(o.micro_batch_size or o.batch_size, o.batch_size)
     size = model.image_size
     activations = micro * finetune_activation_bytes(o, model, kind)
@@ -334,32 +307,17 @@ def _finetune_memory(o: FinetuneOptions, model: ViTConfig, kind: str, drawn: flo
 
 def finetune_activation_bytes(o: FinetuneOptions, model: ViTConfig, kind: str) -> float:
     """Bytes one fine-tuning image keeps for backward, x ACTIVATION_ALLOWANCE (docs/vtab.md, "Fine-tuning
-    memory"); CUDA's fused attention recomputes the attention weights, the CPU path keeps them."""
-    per_image = memory.activation_bytes_per_image(
-        tokens=model.num_patches + (model.pool == "token"),
-        width=model.width,
-        mlp_dim=model.mlp_dim,
-        depth=model.depth,
-        num_heads=model.num_heads,
-        precision=_finetune_precision(o, kind),
-        dropout=model.dropout,
-        activation_checkpointing=o.activation_checkpointing,
-        sdpa=kind == "cuda",
+    memory")."""
+    precision, checkpointing = _finetune_precision(o, kind), o.activation_checkpointing
+    per_image = memory.vit_activation_bytes(
+        model, precision, dropout=model.dropout, activation_checkpointing=checkpointing, sdpa=kind == "cuda"
     )
     return ACTIVATION_ALLOWANCE * per_image
 
 
 def _block_bytes(model: ViTConfig, kind: str) -> float:
-    """One encoder block's tensors for one image in an fp32 forward: the transient peak of inference."""
-    return memory.activation_bytes_per_image(
-        tokens=model.num_patches + (model.pool == "token"),
-        width=model.width,
-        mlp_dim=model.mlp_dim,
-        depth=1,
-        num_heads=model.num_heads,
-        precision="fp32",
-        sdpa=kind == "cuda",
-    )
+    """The transient peak of inference, per image."""
+    return memory.vit_activation_bytes(model, "fp32", depth=1, sdpa=kind == "cuda")
 
 
 def _weights(vit: ViTConfig, bytes_per_param: int) -> float:
@@ -371,23 +329,18 @@ def _image_bytes(size: int) -> float:
 
 
 def _work_memory(work: Work, device: EvalDevice) -> float:
-    """Peak bytes per eval device: GPU memory (+ the CUDA context), or on CPU the host's too (+ the resident
-    process, and the loaded state dict beside the model)."""
     if device.kind == "cuda":
         return work.device_bytes + CUDA_CONTEXT_GB * GB
     return work.device_bytes + _host_bytes(work)
 
 
 def _host_bytes(work: Work) -> float:
-    """Host memory of an eval task beside its device's: its data, the loaded fp32 weights, the resident process."""
+    """Beside the device's: its data, the loaded fp32 weights, the process."""
     return work.host_bytes + _weights(work.model, 4) + memory.CPU_OVERHEAD_GB * GB
 
 
-# ---- refusals and warnings
-
-
 def _check_fits(suite: str, spec: EvaluatorSpec, work: Work, device: EvalDevice) -> None:
-    """PlanError when ``work`` does not fit its eval device (GPU memory, or the host memory the eval declares)."""
+    """PlanError when ``work`` does not fit its eval device or the host memory the eval declares."""
     need = _work_memory(work, device)
     if device.kind == "cuda":
         host = _host_bytes(work)
@@ -432,7 +385,6 @@ def _host_fix(suite: str, spec: EvaluatorSpec, host: float, device: EvalDevice) 
 
 
 def _over_budget(part: EvalsPlan, cadence: EvalCadence, baseline: bool) -> str:
-    """The refusal of evals over budget: each suite's share, and the cadence that would bring the costliest in."""
     shares = ", ".join(f"{c.suite} {_percent(c.share)} ({c.evaluations} evals)" for c in part.suites)
     worst = max(part.suites, key=lambda c: c.share)
     room = part.budget_fraction - (part.share - worst.share)
@@ -456,8 +408,6 @@ def _over_budget(part: EvalsPlan, cadence: EvalCadence, baseline: bool) -> str:
 
 
 def _pace_warnings(part: EvalsPlan, config: TrainConfig, step_s: float) -> tuple[str, ...]:
-    """Evals that fall behind training (skipped beyond the scheduler's pins), and a last checkpoint whose evals
-    outlast the job's wait for them (evals.timeout_s)."""
     warnings = []
     load = sum(c.device_hours * 3600 / (c.every * config.checkpoint.every_steps * step_s) for c in part.suites)
     if load > 1:
@@ -476,11 +426,7 @@ def _pace_warnings(part: EvalsPlan, config: TrainConfig, step_s: float) -> tuple
     return tuple(warnings)
 
 
-# ---- the printout
-
-
 def evals_lines(p: EvalsPlan) -> list[str]:
-    """The plan's lines on the evals: the device, one per suite, the budget (the warnings go with the plan's)."""
     if not p.suites:
         return [f"  evals         {p.note}"]
     lines = [f"  evals         on {p.device}; assumed MFU {p.mfu:.0%} of its dense peak ({p.peaks} TFLOP/s); estimates"]

@@ -1,5 +1,5 @@
-"""The split sizes and class counts the plan prices evals with (`cluster.plan.evals.cost`): a split's dataset.json
-where the launching machine can read it, else the sizes of VTAB-1k's splits and of the built-in sets."""
+"""The split sizes and class counts the plan prices evals with: a split's readable dataset.json, else VTAB-1k's and
+the built-in sets' sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from data_pipeline.builtin import sets as builtin_sets
 from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 
-# VTAB-1k's test splits (docs/vtab.md, "Eval cost in the plan"); every task's train folder holds train800val200.
+# VTAB-1k's test splits (docs/vtab.md, "Eval cost in the plan"); each train folder holds train800val200.
 VTAB1K_TRAIN_IMAGES = 1000
 VTAB1K_TEST_IMAGES = {
     "caltech101": 6084,
@@ -34,9 +34,8 @@ VTAB1K_TEST_IMAGES = {
 
 
 def split_size(root: str, dataset: str, split: str, vtab_first: bool = False) -> int:
-    """Images of ``<root>/<dataset>/<split>``: its dataset.json when local and written, else a built-in set's or
-    VTAB-1k's known size (names in both: the VTAB task for ``vtab_first``, else the built-in the evaluators generate);
-    PlanError when none is known."""
+    """Images of ``<root>/<dataset>/<split>``: its local dataset.json, else a built-in set's or VTAB-1k's size
+    (names in both: the VTAB task for ``vtab_first``); PlanError when none is known."""
     meta = _meta(root, dataset, split)
     if meta is not None and "num_samples" in meta:
         return int(meta["num_samples"])
@@ -55,23 +54,23 @@ def split_size(root: str, dataset: str, split: str, vtab_first: bool = False) ->
 
 
 def _meta(root: str, dataset: str, split: str) -> dict | None:
-    """The split's dataset.json under a local root (a remote one is not read at plan time); None if absent."""
+    """The split's dataset.json under a local root, else None."""
     return None if is_remote(root) else read_dataset_json(f"{resolve_location(root)}/{dataset}/{split}")
 
 
 def split_classes(root: str, dataset: str, split: str) -> int:
-    """The split's classes for a fine-tuned head; 10 where unreadable (a head is a sliver of a ViT's FLOPs)."""
+    """10 where unreadable (a head is a sliver of a ViT's FLOPs)."""
     meta = _meta(root, dataset, split)
     return int(meta["num_classes"]) if meta is not None else 10
 
 
 def _builtin_count(name: str, split: str) -> int | None:
-    """A built-in set's split size at its default settings (`data_pipeline.builtin.sets`); None if unknown."""
+    """At the set's default settings; None if unknown."""
     if name not in builtin_sets.BUILTIN_NAMES:
         return None
     c = builtin_sets.config(name)
     if name == "digits":
-        test = min(c.num_test, 1797 - 1000)  # scikit-learn's 1797 digits, >= 1000 kept for train
+        test = min(c.num_test, 1797 - 1000)  # scikit-learn's 1797 digits, >= 1000 for train
         return {"train": 1797 - test, "test": test}.get(split)
     if name in ("fractal", "rcdb"):
         return {"train": c.images_per_class, "val": c.val_per_class}.get(split, 0) * c.num_classes or None
