@@ -2,9 +2,8 @@
 
     python -m cluster.calibrate bench-results/gpu.json [--mfu-file cluster/mfu.yaml]
 
-`cluster/mfu.yaml` maps model -> GPU kind -> entry (`entries_from`); `cluster.plan.mfu` reads it for
-`cluster.plan.planner`. ``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table.
-See docs/benchmarks/gpu.md, "The device call".
+`cluster/mfu.yaml` maps model -> GPU kind -> entry (`entries_from`), read by `cluster.plan.mfu`;
+``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table. See docs/benchmarks/gpu.md, "The device call".
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ def _number(result: dict, key: str) -> float | None:
 
 
 def entries_from(result: dict) -> dict[str, dict[str, Any]]:
-    """model -> table entry: ``pretrain.train``'s MFU where the campaign ran it, else the eager step benchmark's
-    (``pretrain.train`` without ``model.compile``); memory fields where measured."""
+    """model -> table entry: ``pretrain.train``'s MFU where the campaign ran it, else the eager step benchmark's;
+    memory fields where measured."""
     entries = {}
     for model in MODELS:
         train_mfu, step_mfu = _number(result, f"train_path_mfu_{model}"), _number(result, f"mfu_eager_{model}")

@@ -2,24 +2,21 @@
 
     python -m cluster.elastic_demo  # = `make elastic-demo`; output in runs/elastic-demo-<time>
 
-`run_demo` starts an in-process `ray.cluster_utils.Cluster` with token authentication off, runs `local_demo` on
-`local_elastic` through the real driver while `run_scenario` removes a worker node and adds it back, then reports
-(docs/elastic.md, "Elastic jobs on Ray").
+`run_demo` runs `local_demo` on `local_elastic` through the real driver on an in-process `ray.cluster_utils.Cluster`
+(auth off) while `run_scenario` removes a worker node and adds it back (docs/elastic.md, "Elastic jobs on Ray").
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +35,9 @@ from tracking import keys
 
 PROFILE = "local_elastic"
 TRAINER_RESOURCE = "vitscale_trainer"  # worker nodes only; 1 per training worker
-# No node_ip_address: a worker node swaps 127.0.0.1 for the machine's IP and misses a head bound to it.
+# No node_ip_address: a worker node would swap 127.0.0.1 for the machine's IP and miss a head bound to it.
 NODE_ARGS = {"object_store_memory": 100 * 1024**2, "include_dashboard": False}
-# A killed node is dead in ~3 s; a slow one gets 10 s per check (docs/elastic.md, "Health checks").
-NODE_HEALTH = {
+NODE_HEALTH = {  # docs/elastic.md, "Health checks"
     "health_check_initial_delay_ms": 1000,
     "health_check_period_ms": 1000,
     "health_check_timeout_ms": 10000,
@@ -74,32 +70,16 @@ class DemoResult:
 def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> JobSpec:
     """`local_demo` on local_elastic, storage under ``out``, a tiny few-shot suite."""
     base = load_profile(PROFILE)
-    profile: ClusterProfile = dataclasses.replace(
-        base,
-        storage=dataclasses.replace(
-            base.storage,
-            shards=str(out / "data"),
-            checkpoints=str(out / "runs"),
-            mlflow_tracking_uri=f"sqlite:///{out}/mlflow.db",
-        ),
-        workers=dataclasses.replace(
-            base.workers,
-            elastic_resize_monitor_interval_s=settings.interval_s,
-            resources={TRAINER_RESOURCE: 1},
-        ),
-        # The node loss is one failure; one more is allowed.
-        max_failures=2,
+    storage = replace(base.storage, shards=str(out / "data"), checkpoints=str(out / "runs"))
+    storage = replace(storage, mlflow_tracking_uri=f"sqlite:///{out}/mlflow.db")
+    workers = replace(
+        base.workers, elastic_resize_monitor_interval_s=settings.interval_s, resources={TRAINER_RESOURCE: 1}
     )
+    profile: ClusterProfile = replace(base, storage=storage, workers=workers, max_failures=2)  # the node loss is one
     suite = out / "tiny_fewshot.yaml"
-    suite.write_text(
-        yaml.safe_dump(
-            {
-                "name": "tiny_fewshot",
-                "description": "few-shot on digits, 2 shot counts, 1 seed (elastic demo)",
-                "evaluators": [{"type": "fewshot", "datasets": ["digits"], "shots": [1, 5], "seeds": [0]}],
-            }
-        )
-    )
+    evaluator = {"type": "fewshot", "datasets": ["digits"], "shots": [1, 5], "seeds": [0]}
+    about = "few-shot on digits, 2 shot counts, 1 seed (elastic demo)"
+    suite.write_text(yaml.safe_dump({"name": "tiny_fewshot", "description": about, "evaluators": [evaluator]}))
     sets = [
         f"schedule.total={settings.steps}",
         f"schedule.warmup={max(1, settings.steps // 10)}",
@@ -136,9 +116,7 @@ def add_worker_node(cluster, temp_dir: Path):
 
 
 def refresh_ray_train_view(job: threading.Thread, log: Callable[[str], None] = print) -> None:
-    """While ``job`` runs, have Ray's AutoscalingCoordinator re-read the nodes every `COORDINATOR_TICK_S`: Ray Train's
-    elastic policy sizes the group from its view, which Ray refreshes only every 20 s (docs/elastic.md, "Elastic jobs
-    on Ray")."""
+    """While ``job`` runs, have the coordinator re-read the nodes every `COORDINATOR_TICK_S` (docs/elastic.md)."""
     import ray
 
     while job.is_alive():
@@ -147,7 +125,7 @@ def refresh_ray_train_view(job: threading.Thread, log: Callable[[str], None] = p
             ray.get(coordinator._tick.remote(), timeout=30)
         except ValueError:  # Ray Train has not created it yet
             pass
-        except Exception as error:  # Ray's internals: without the refresh the demo waits for Ray's own ticks
+        except Exception as error:  # Ray's internals: the demo then waits for Ray's own ticks
             log(f"stopped refreshing Ray Train's view of the nodes ({type(error).__name__}: {error})")
             return
         time.sleep(COORDINATOR_TICK_S)
@@ -160,7 +138,7 @@ def _attempts(run_dir: Path) -> list[dict[str, Any]]:
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):  # being written
-            continue
+            pass
     return sorted(records, key=lambda r: r["started"])
 
 
@@ -192,6 +170,12 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         result.events.append(line)
         log(line)
 
+    def wait(what: str, done: Callable[[], bool]) -> None:
+        _wait(what, done, settings.timeout_s, thread)
+
+    def attempt_since(world_size: int, since: float) -> bool:
+        return any(a["world_size"] == world_size and a["started"] > since for a in _attempts(run_dir))
+
     def job() -> None:
         started = time.time()
         try:
@@ -207,38 +191,23 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
     thread.start()
     threading.Thread(target=refresh_ray_train_view, args=(thread, log), name="coordinator-ticks", daemon=True).start()
     try:
-        _wait(
-            "first checkpoint past step 0",
-            lambda: any(s > 0 for s in _checkpoint_steps(run_dir)),
-            settings.timeout_s,
-            thread,
-        )
+        wait("first checkpoint past step 0", lambda: any(s > 0 for s in _checkpoint_steps(run_dir)))
         at = max(_checkpoint_steps(run_dir))
-        # Never this driver's node (all nodes share one IP: it may be a worker node).
+        # Never this driver's node (all nodes share one IP: it may be a worker node)
         driver_node = ray.get_runtime_context().get_node_id()
         victim = next(n for n in reversed(nodes) if n.node_id != driver_node)
         note(f"checkpoint step {at} is complete; removing worker node {victim.node_id[:8]}")
         removed_at = time.time()
         removed.add(victim.node_id)
         cluster.remove_node(victim, allow_graceful=False)  # like a lost machine
-        _wait(
-            "restart at world size 1",
-            lambda: any(a["world_size"] == 1 and a["started"] > removed_at for a in _attempts(run_dir)),
-            settings.timeout_s,
-            thread,
-        )
+        wait("restart at world size 1", lambda: attempt_since(1, removed_at))
         note("the worker group restarted at world size 1; waiting for a checkpoint written at world size 1")
-        _wait("checkpoint at world size 1", lambda: max(_checkpoint_steps(run_dir)) > at, settings.timeout_s, thread)
+        wait("checkpoint at world size 1", lambda: max(_checkpoint_steps(run_dir)) > at)
         at = max(_checkpoint_steps(run_dir))
         note(f"checkpoint step {at} written at world size 1; adding a worker node back")
         added_at = time.time()
         nodes[nodes.index(victim)] = add_worker_node(cluster, Path(cluster.head_node.get_temp_dir_path()))
-        _wait(
-            "regrowth to world size 2",
-            lambda: any(a["world_size"] == 2 and a["started"] > added_at for a in _attempts(run_dir)),
-            settings.timeout_s,
-            thread,
-        )
+        wait("regrowth to world size 2", lambda: attempt_since(2, added_at))
         note("Ray Train grew the worker group back to world size 2; letting the job finish")
     except (TimeoutError, RuntimeError) as exc:
         result.error = "; ".join(filter(None, (result.error, str(exc))))
@@ -340,13 +309,9 @@ def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = pri
 
     spec = demo_spec(out, settings)
     temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths stay under 107 bytes
-    # The Train controller inherits the timeout; restored afterwards.
-    saved = {k: os.environ.get(k) for k in (*DEMO_ENV, "RAY_ADDRESS")}
-    os.environ.update(DEMO_ENV)
-    os.environ.pop("RAY_ADDRESS", None)
     cluster = None
-    try:
-        with local_head.ray_auth_mode("disabled"):
+    try:  # the Train controller inherits DEMO_ENV
+        with local_head.environ({**DEMO_ENV, "RAY_ADDRESS": None}), local_head.ray_auth_mode("disabled"):
             try:
                 cluster, nodes = start_cluster(temp_dir)
                 result = run_scenario(cluster, nodes, spec, settings, log)
@@ -356,11 +321,6 @@ def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = pri
                     cluster.shutdown()
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return result, describe(result)
 
 

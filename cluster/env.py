@@ -1,7 +1,7 @@
 """Shell exports that point Ray's own CLI (`ray job list|logs|submit|stop`) at a profile's cluster.
 
-`python -m cluster.env [--cluster P]` backs `make env`: `eval "$(make -s env)"`. On `local` it exports the running
-head's address and RAY_AUTH_MODE (without it Ray's CLI sends no token), never the token; no head: exit 2.
+`python -m cluster.env [--cluster P]` backs `make env`: `eval "$(make -s env)"`. On `local`: the running head's
+address and RAY_AUTH_MODE (else Ray's CLI sends no token), never the token; no head: exit 2.
 """
 
 from __future__ import annotations
@@ -35,22 +35,21 @@ def exports(profile: ClusterProfile) -> dict[str, str]:
             f"no Ray head of this project is running for profile {profile.name} (no {local_head.STATE_FILE} in "
             f"{profile.ray.temp_dir}); " + jobs._how_to_start(profile, "")
         )
-    # head.json outlives a killed head or a reboot.
-    if not local_head._dashboard_alive(state.dashboard_url):
+    if not local_head._dashboard_alive(state.dashboard_url):  # head.json outlives a killed head or a reboot
         raise jobs.RayUnreachableError(
             f"the Ray head of profile {profile.name} recorded in {profile.ray.temp_dir}/{local_head.STATE_FILE} does "
             f"not answer at {state.dashboard_url}; " + jobs._how_to_start(profile, state.dashboard_url)
         )
     found = {"RAY_ADDRESS": state.dashboard_url, "RAY_AUTH_MODE": state.auth_mode}
-    token_path = _custom_token_path()
-    if state.auth_mode == "token" and token_path:
-        found["RAY_AUTH_TOKEN_PATH"] = token_path
-    if state.auth_mode == "token" and local_head.read_auth_token() is None:
-        print(
-            "warning: token authentication is on but no Ray token was found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
-            "~/.ray/auth_token): the head will refuse the CLI",
-            file=sys.stderr,
-        )
+    if state.auth_mode == "token":
+        if token_path := _custom_token_path():
+            found["RAY_AUTH_TOKEN_PATH"] = token_path
+        if local_head.read_auth_token() is None:
+            print(
+                "warning: token authentication is on but no Ray token was found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
+                "~/.ray/auth_token): the head will refuse the CLI",
+                file=sys.stderr,
+            )
     return found
 
 

@@ -53,8 +53,7 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
     from ray.job_submission import JobSubmissionClient  # heavy import
 
     if profile.is_local:
-        # They would override the address given to JobSubmissionClient.
-        for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):  # they would override the address given below
             if os.environ.pop(var, None):
                 print(f"note: {var} is ignored for the local profile", file=sys.stderr)
         if start_local:
@@ -73,12 +72,12 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
         ) from exc
 
 
-def _ensure_local_head(profile: ClusterProfile) -> None:
+def _ensure_local_head(profile: ClusterProfile) -> local_head.HeadInfo:
     """`local_head.ensure_head`, its failures as RayUnreachableError."""
     from ray.exceptions import RayError  # e.g. AuthenticationError
 
     try:
-        local_head.ensure_head(profile)
+        return local_head.ensure_head(profile)
     except (RuntimeError, OSError, RayError) as exc:
         raise RayUnreachableError(f"the local Ray head of profile {profile.name} is not ready: {exc}") from exc
 
@@ -137,11 +136,9 @@ def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:
         asyncio.run(_tail())
     except Exception as exc:  # fall back to polling: never lose the status
         print(f"(log streaming stopped: {exc}; polling the job status)", file=sys.stderr)
-    while True:
-        status = client.get_job_status(job_id)
-        if status.is_terminal():
-            return str(status.value)
+    while not (status := client.get_job_status(job_id)).is_terminal():
         time.sleep(2.0)
+    return str(status.value)
 
 
 def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:
@@ -149,16 +146,8 @@ def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:
     return sorted(jobs, key=lambda j: j.start_time or 0)
 
 
-def _newest(client: JobSubmissionClient, profile: ClusterProfile) -> JobDetails:
-    jobs = project_jobs(client)
-    if not jobs:
-        raise RayUnreachableError(f"no vitscale job on profile {profile.name}'s cluster yet; `make launch` submits one")
-    return jobs[-1]
-
-
 def _status(profile: ClusterProfile) -> int:
-    client = connect(profile)
-    jobs = project_jobs(client)
+    jobs = project_jobs(connect(profile))
     print(f"profile {profile.name}: Ray Jobs API {cluster_address(profile)}")
     if not jobs:
         print("no vitscale jobs")
@@ -170,12 +159,13 @@ def _status(profile: ClusterProfile) -> int:
 
 def _logs(profile: ClusterProfile, follow_logs: bool) -> int:
     client = connect(profile)
-    job = _newest(client, profile)
+    if not (jobs := project_jobs(client)):
+        raise RayUnreachableError(f"no vitscale job on profile {profile.name}'s cluster yet; `make launch` submits one")
+    job_id = jobs[-1].submission_id
     if follow_logs:
-        status = follow(client, job.submission_id)
-        print(f"job {job.submission_id}: {status}")
+        print(f"job {job_id}: {follow(client, job_id)}")
     else:
-        sys.stdout.write(client.get_job_logs(job.submission_id))
+        sys.stdout.write(client.get_job_logs(job_id))
     return 0
 
 
@@ -212,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             return _status(profile)
         if args.verb == "logs":
             return _logs(profile, args.follow)
-        if not profile.is_local:
-            # An unreachable remote cluster exits 2; on `local`, nothing to stop is no error.
+        if not profile.is_local:  # an unreachable remote cluster exits 2; on `local`, nothing to stop is no error
             connect(profile)
         return _stop(profile)
     except (ValueError, RayUnreachableError) as exc:

@@ -28,23 +28,13 @@ from evals.suites import load_suite
 from tracking.runs import tracking_credentials
 
 # Kept out of the job's working dir (Ray also honours .gitignore).
-WORKING_DIR_EXCLUDES = [
-    ".venv/",
-    "data/",
-    "runs/",
-    "reports/",
-    "bench-results/",
-    ".ray-local/",
-    ".git/",
-    "mlflow.db",
-    "*.egg-info/",
-    "__pycache__/",
-]
+WORKING_DIR_EXCLUDES = (
+    ".venv/ data/ runs/ reports/ bench-results/ .ray-local/ .git/ mlflow.db *.egg-info/ __pycache__/".split()
+)
 
 
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
-    """The job's runtime env with this checkout as its code and this shell's MLflow credentials; a local job uses
-    this venv for the rest."""
+    """The job's runtime env: this checkout as its code, this shell's MLflow credentials."""
     credentials = tracking_credentials(os.environ)
     return job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES, credentials)
 
@@ -79,16 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         help="fault drill: that rank exits abruptly DELAY_S after checkpoint STEP, once",
     )
     args = parser.parse_args(argv)
+    # The run name names the run folder and the Ray submission id.
     if args.run_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.run_name):
-        # It names the run folder and the Ray submission id.
         parser.error(f"--run-name {args.run_name!r}: use letters, digits, '.', '_' and '-' only, e.g. vit-b16-try2")
     try:
         profile = load_profile(args.cluster)
         fault = _parse_fault(args.inject_worker_failure)
         run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         config, notes = resolve_with_notes(profile, args.recipe, args.set, run_name)
-        # Fail now, not at the first eval.
-        suite = load_suite(config.evals.suite) if config.evals.suite else None
+        suite = load_suite(config.evals.suite) if config.evals.suite else None  # fails now, not at the first eval
         present = check_local_data(config, suite) if profile.is_local else {}  # before the plan reads a manifest
         if profile.is_local and not args.dry_run:
             prepare_local_data(config, suite)
@@ -103,13 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             print("dry run: nothing submitted")
             return 0
         client = jobs.connect(profile, start_local=True)
-        spec = JobSpec.create(profile, config, plan, fault)
-        job_id = jobs.submit(
-            client,
-            "python -m cluster.driver",
-            runtime_env(profile, spec),
-            submission_id=f"vitscale-{run_name}-{int(time.time())}",
-        )
+        env = runtime_env(profile, JobSpec.create(profile, config, plan, fault))
+        job_id = jobs.submit(client, "python -m cluster.driver", env, f"vitscale-{run_name}-{int(time.time())}")
     except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,6 @@
 """The built-in datasets a run reads, and their folders on the `local` profile: which ones (`builtin_requirements`,
 `builtin_datasets`), whether each is complete (`check_local_data`), and generating the absent ones
-(`prepare_local_data`). `cluster.launch` checks them before it plans a local job and generates them before it
-submits one; `cluster.elastic_demo` generates them for its run.
+(`prepare_local_data`).
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ def _suite_datasets(suite: SuiteConfig) -> list[tuple[str, str | None]]:
 
 
 def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, Path, dict]]:
-    """(name, root, options) of each local built-in folder ``root/<name>`` the run reads; eval sets at their
-    defaults, as `evals.features.resolve_split` makes them. Sets under an ``s3://``/``gs://`` root are not listed."""
+    """(name, root, options) of each local built-in folder ``root/<name>`` the run reads, eval sets at their
+    defaults; none under an ``s3://``/``gs://`` root."""
     found: list[tuple[str, Path, dict]] = []
     if config.data.builtin:
         name = builtin.ALIASES.get(config.data.builtin, config.data.builtin)
@@ -41,7 +40,7 @@ def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, P
     if suite is not None:
         for name, root in _suite_datasets(suite):
             where = root or config.evals.data_root
-            if not is_remote(where):  # a bucket is read as it is: nothing here writes to object storage
+            if not is_remote(where):  # a bucket is read as it is
                 found.append((name, resolve_path(where), {}))
     unique = {}
     for name, root, options in found:
@@ -56,7 +55,7 @@ def builtin_datasets(config, suite: SuiteConfig | None) -> list[str]:
 
 def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:
     """Each folder of `builtin_requirements` -> whether it is complete; generates nothing. ValueError when one was
-    generated at other settings, or training and the eval suite read one folder at two settings."""
+    generated at other settings, or is read at two settings."""
     needs = builtin_requirements(config, suite)
     wanted: dict[Path, dict] = {}
     for name, root, options in needs:

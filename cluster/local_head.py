@@ -1,8 +1,8 @@
 """The embedded Ray head of the `local` profile: start or reuse it (`ensure_head`), stop it (`stop_head`).
 
-It runs this venv's `ray` on 127.0.0.1 with token authentication (unless RAY_AUTH_MODE=disabled), is ready once its
-job agent has registered, and owns `profile.ray.temp_dir` (with `head.json`), whose processes `stop_head` kills by
-PID. Why: docs/design.md, "The local Ray head".
+This venv's `ray` on 127.0.0.1 with token authentication (unless RAY_AUTH_MODE=disabled), ready once its job agent
+has registered; it owns `profile.ray.temp_dir` (with `head.json`), whose processes `stop_head` kills by PID.
+Why: docs/design.md, "The local Ray head".
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ PORTS_FROM = 20000  # Ray gives its workers ports 10002-19999 (ray start --max-w
 _DRAW = random.SystemRandom()  # ports drawn without touching the global random state
 PORT_TRIES = 3  # starts of the head when a port it was given is taken meanwhile
 PORT_TAKEN = ("already occupied", "already in use")  # Ray's words for it (dashboard; GCS and others)
-# Run in a child process by `_wait_for_job_agent`.
-_AGENT_CHECK = (
+_AGENT_CHECK = (  # run in a child process by `_wait_for_job_agent`
     "import sys; from cluster.local_head import NOT_READY_EXIT, _job_agent_ready as ready; "
     "sys.exit(0 if ready(sys.argv[1], float(sys.argv[2])) else NOT_READY_EXIT)"
 )
@@ -51,8 +50,8 @@ class HeadInfo:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, drawn between Ray's worker ports and the kernel's range for outgoing
-    connections (any process's connection may take a port there at any moment); the kernel's pick if none is free."""
+    """A TCP port free on 127.0.0.1 now, below the kernel's range for outgoing connections and above Ray's worker
+    ports; the kernel's pick if none is free."""
     for port in _DRAW.sample(range(PORTS_FROM, _outgoing_ports_start()), 64):
         if _port_free(port):
             return port
@@ -79,9 +78,8 @@ def _port_free(port: int) -> bool:
 
 
 def in_process_cluster(**head_args):
-    """A `ray.cluster_utils.Cluster` with its head started (tests and the elastic demo). Ray writes the head's address
-    to ``<system temp>/ray/ray_current_cluster`` whatever ``temp_dir`` says, and fails where no Ray ran before on the
-    machine and that folder is missing; it is made first."""
+    """A `ray.cluster_utils.Cluster` with its head started, once the folder Ray writes `ray_current_cluster` to
+    (whatever ``temp_dir`` says) exists."""
     from ray._common.utils import get_default_ray_temp_dir  # heavy import
     from ray.cluster_utils import Cluster
 
@@ -99,20 +97,15 @@ def auth_mode_from_env() -> str:
 
 def read_auth_token() -> str | None:
     """The token Ray would use: RAY_AUTH_TOKEN, else the RAY_AUTH_TOKEN_PATH file, else ~/.ray/auth_token."""
-    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
-    if token:
+    if token := os.environ.get("RAY_AUTH_TOKEN", "").strip():
         return token
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip() or Path.home() / ".ray" / "auth_token").expanduser()
-    if path.is_file():
-        return path.read_text().strip() or None
-    return None
+    return (path.read_text().strip() or None) if path.is_file() else None
 
 
 def auth_headers() -> dict[str, str]:
     """The Jobs API's Authorization header; empty with auth disabled or no token."""
-    if auth_mode_from_env() == "disabled":
-        return {}
-    token = read_auth_token()
+    token = read_auth_token() if auth_mode_from_env() != "disabled" else None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
@@ -134,7 +127,6 @@ def _answers(url: str, timeout: float = 2.0) -> bool:
 
 
 def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
-    """The Jobs API answers /api/version."""
     return _answers(f"{url}/api/version", timeout)
 
 
@@ -175,21 +167,22 @@ def _job_agent_ready(gcs_address: str, timeout_s: float) -> bool:
 
 
 def _wait_for_job_agent(info: HeadInfo, deadline: float) -> float:
-    """Block until the job agent can take a job; return the seconds waited. RuntimeError at `deadline` (monotonic).
-    A child process checks: this one would keep the auth mode in Ray's process-wide state."""
+    """Seconds waited until the job agent can take a job; RuntimeError at `deadline` (monotonic). A child process
+    checks: this one would keep the auth mode in Ray's process-wide state."""
     start = time.monotonic()
     left = max(deadline - start, 1.0)
     cmd = [sys.executable, "-c", _AGENT_CHECK, info.gcs_address, f"{left:.1f}"]
+    what = f"`{' '.join(cmd)}` (the wait for the Ray head's job agent)"
     env = dict(os.environ, RAY_AUTH_MODE=info.auth_mode)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left + 60)
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"`{' '.join(cmd)}` (the wait for the Ray head's job agent) hung; killed") from exc
+        raise RuntimeError(f"{what} hung; killed") from exc
     if proc.returncode == 0:
         return time.monotonic() - start
     if proc.returncode != NOT_READY_EXIT:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]  # the exception alone
-        raise RuntimeError(f"`{' '.join(cmd)}` (the wait for the Ray head's job agent) failed: {last}")
+        raise RuntimeError(f"{what} failed: {last}")
     raise RuntimeError(
         f"the Ray head's dashboard answers at {info.dashboard_url}, but its job agent did not register in GCS "
         f"({info.gcs_address}) and answer within {time.monotonic() - start:.0f} s, so Ray's Jobs API would refuse jobs "
@@ -203,17 +196,15 @@ def _state_path(profile: ClusterProfile) -> Path:
 
 def read_state(profile: ClusterProfile) -> HeadInfo | None:
     path = _state_path(profile)
-    if not path.is_file():
-        return None
     try:
-        return HeadInfo(**json.loads(path.read_text()))
+        return HeadInfo(**json.loads(path.read_text())) if path.is_file() else None
     except (ValueError, TypeError):
         return None
 
 
 def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
-    """Reuse our running head or start one; return it once it can run a job. RuntimeError after `timeout_s`, having
-    stopped a head started here (a reused one is left alone)."""
+    """Our running head, or a new one, once it can run a job; RuntimeError after `timeout_s` (a head started here is
+    stopped)."""
     if not profile.is_local:
         raise ValueError(f"profile {profile.name} has ray.address={profile.ray.address!r}: only 'local' starts a head")
     existing = read_state(profile)
@@ -228,15 +219,13 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
 
 
 def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
-    """`ray start --head` on free ports, recorded in head.json. A port seen free can be taken before Ray binds it
-    (by any process's outgoing connection): that start is cleared and made again on other ports, `PORT_TRIES` in all."""
+    """`ray start --head` on free ports (`PORT_TRIES` tries: one may be taken before Ray binds it), in head.json."""
     temp_dir = Path(profile.ray.temp_dir)
     temp_dir.mkdir(parents=True, exist_ok=True)
     mode = auth_mode_from_env()
     env = dict(os.environ, RAY_AUTH_MODE=mode, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)  # `ray start --head` must not join another cluster
-    # A job's `python` is the first on the head's PATH.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # a job's `python` is ours
     if mode == "token" and read_auth_token() is None:
         subprocess.run(
             [_ray_executable(), "get-auth-token", "--generate"], env=env, check=True, stdout=subprocess.DEVNULL
@@ -257,13 +246,7 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
             raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{output}")
         _log.warning("`ray start --head`: a port was taken while Ray started; starting again on other ports")
         stop_head(profile)  # what the failed start left running (it wrote no head.json)
-    info = HeadInfo(
-        gcs_address=f"127.0.0.1:{gcs_port}",
-        dashboard_url=f"http://127.0.0.1:{dash_port}",
-        temp_dir=str(temp_dir),
-        auth_mode=mode,
-        started_by_us=True,
-    )
+    info = HeadInfo(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", str(temp_dir), mode, started_by_us=True)
     _state_path(profile).write_text(json.dumps(asdict(info), indent=2))
     return info
 
@@ -278,8 +261,7 @@ def _ray_start_command(profile: ClusterProfile, temp_dir: Path, gcs_port: int, d
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash_port}",
         "--include-dashboard=true",
-        # Free ports: another Ray may hold the defaults.
-        f"--ray-client-server-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",  # free ports: another Ray may hold the defaults
         f"--dashboard-agent-listen-port={free_port()}",
         f"--num-cpus={profile.ray.head_num_cpus}",
         "--num-gpus=0",
@@ -290,36 +272,29 @@ def _ray_start_command(profile: ClusterProfile, temp_dir: Path, gcs_port: int, d
 
 
 def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, started_here: bool) -> None:
-    """Wait for the dashboard, then the job agent; RuntimeError at `deadline`."""
+    """Wait for the dashboard, then the job agent; RuntimeError at `deadline` (a head started here is stopped)."""
     start = time.monotonic()
-    while not _dashboard_alive(info.dashboard_url):
-        if time.monotonic() > deadline:
-            raise _not_ready(
-                profile, started_here, f"Ray head started but its dashboard {info.dashboard_url} never answered"
-            )
-        time.sleep(1.0)
-    dashboard_s = time.monotonic() - start
     try:
+        while not _dashboard_alive(info.dashboard_url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray head started but its dashboard {info.dashboard_url} never answered")
+            time.sleep(1.0)
+        dashboard_s = time.monotonic() - start
         agent_s = _wait_for_job_agent(info, deadline)
-    except RuntimeError as exc:
-        raise _not_ready(profile, started_here, str(exc)) from exc
+    except RuntimeError:
+        if started_here:
+            stop_head(profile)
+        raise
     _log.info(
         "Ray head %s: dashboard answered in %.1f s, job agent %.1f s after that", info.gcs_address, dashboard_s, agent_s
     )
-
-
-def _not_ready(profile: ClusterProfile, started_here: bool, message: str) -> RuntimeError:
-    """The error for a head that did not come up; one started here is stopped first."""
-    if started_here:
-        stop_head(profile)
-    return RuntimeError(message)
 
 
 def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
     """PIDs naming our temp dir, their descendants (workers rename themselves), and the head's Ray Client proxy,
     found by our GCS port: it names no temp dir and outlives the head."""
     parents: dict[int, int] = {}
-    roots: set[int] = set()
+    found: set[int] = set()
     gcs_port = None if gcs_address is None else gcs_address.rsplit(":", 1)[-1]
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -335,24 +310,15 @@ def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
             gcs_port is not None and "ray.util.client.server" in cmdline and _address_port(cmdline) == gcs_port
         )
         if ours and pid != os.getpid():
-            roots.add(pid)
-    found = set(roots)
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parents.items():
-            if ppid in found and pid not in found and pid != os.getpid():
-                found.add(pid)
-                changed = True
+            found.add(pid)
+    while grown := {p for p, pp in parents.items() if pp in found and p not in found and p != os.getpid()}:
+        found |= grown
     return sorted(found)
 
 
 def _address_port(cmdline: str) -> str | None:
-    """The port of ``--address=host:port``; the host is the node's IP, not 127.0.0.1."""
-    for arg in cmdline.split():
-        if arg.startswith("--address="):
-            return arg.rsplit(":", 1)[-1]
-    return None
+    """The port of ``--address=host:port`` (the host is the node's IP, not 127.0.0.1)."""
+    return next((arg.rsplit(":", 1)[-1] for arg in cmdline.split() if arg.startswith("--address=")), None)
 
 
 def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
@@ -364,16 +330,11 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
     stopped: list[int] = []
     deadline = time.monotonic() + grace_s
     # Re-scan until nothing is left: a raylet shutting down can still spawn a worker after a scan.
-    while True:
-        alive = [p for p in _processes_of(temp_dir, state.gcs_address if state else None) if not _is_zombie(p)]
-        if not alive:
-            break
+    while alive := [p for p in _processes_of(temp_dir, state.gcs_address if state else None) if not _is_zombie(p)]:
         hard = time.monotonic() >= deadline
         for pid in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL if hard else signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         stopped.extend(p for p in alive if p not in stopped)
         if hard and time.monotonic() >= deadline + grace_s:
             break  # unkillable (stuck in the kernel): do not hang `make stop`
@@ -396,8 +357,7 @@ def ray_auth_mode(mode: str) -> Iterator[None]:
     import ray  # heavy import
     from ray._raylet import AuthenticationTokenLoader, Config
 
-    def follow_environment() -> None:
-        # As Ray's tests do: the config first, so nothing reloads the old token in between.
+    def follow_environment() -> None:  # as Ray's tests do: the config first, so nothing reloads the old token
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
 
@@ -409,8 +369,24 @@ def ray_auth_mode(mode: str) -> Iterator[None]:
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
+        _set_environ({"RAY_AUTH_MODE": saved})
         follow_environment()
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str | None]) -> Iterator[None]:
+    """``values`` in os.environ while the block runs (None: unset), the old values back after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    _set_environ(values)
+    try:
+        yield
+    finally:
+        _set_environ(saved)
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,33 +1,25 @@
 """The environment a profile's network needs in every training worker, and the network in words (docs/network.md).
 
-`network_env` returns only what is needed and justified, each variable with its reason in `EFA_ENV`; NCCL's own
-defaults (protocol choice aside) already suit InfiniBand and NVLink, and gloo on one machine needs nothing.
+`network_env` sets only what is needed; NCCL's defaults (protocol aside) already suit InfiniBand and NVLink, and
+gloo on one machine needs nothing.
 """
 
 from __future__ import annotations
 
 from cluster.profiles import ClusterProfile
 
-# EFA through libfabric and the aws-ofi-nccl plugin (docs/network.md, "EFA"): (variable, value, why).
+# EFA through libfabric and aws-ofi-nccl: (variable, value, why); docs/network.md, "The workers' environment".
 EFA_ENV = (
-    # libfabric would otherwise take the first provider that works, the TCP one included: a 64-GPU job would then
-    # run its collectives over sockets at a fraction of the bandwidth, slowly rather than with an error.
     ("FI_PROVIDER", "efa", "use the EFA provider, never a silent fallback to TCP"),
-    # p4d/p4de EFA devices read and write GPU memory directly (GPUDirect RDMA); without it every transfer is staged
-    # through host memory.
     ("FI_EFA_USE_DEVICE_RDMA", "1", "GPUDirect RDMA: NIC to GPU memory without a host copy"),
-    # EFA's transport (SRD) may deliver packets out of order; NCCL's LL and LL128 protocols assume ordered 8- and
-    # 128-byte stores, Simple does not. Our collectives are megabytes, where Simple loses nothing.
     ("NCCL_PROTO", "simple", "EFA delivers out of order; LL/LL128 rely on ordered stores"),
-    # A process that forks after registering memory with the NIC (a subprocess, a DataLoader not started by
-    # forkserver) would otherwise share the registered pages copy-on-write and corrupt transfers.
     ("RDMAV_FORK_SAFE", "1", "registered memory stays correct across a fork"),
 )
 
 
 def network_env(profile: ClusterProfile) -> dict[str, str]:
-    """Environment variables the profile's network needs in each training worker, set before torch is imported;
-    {} where NCCL's or gloo's defaults are right. `network.socket_ifname` pins the bootstrap interface."""
+    """What each training worker needs set before torch is imported; {} where NCCL's or gloo's defaults are right.
+    `network.socket_ifname` pins the bootstrap interface."""
     net = profile.network
     env = {name: value for name, value, _ in EFA_ENV} if net.kind == "efa" else {}
     if net.socket_ifname:

@@ -1,13 +1,12 @@
 """Cluster profiles (`cluster/profiles/<name>.yaml`): the hardware, storage, Ray address and defaults a recipe runs on.
 
-Every field and default is declared here, once (docs/design.md, "Profiles and recipes"). `load_profile` reads and
-validates one; `{project}` in a string expands to the project root.
+Every field and default is declared here, once (docs/design.md, "Profiles and recipes"); `load_profile` reads and
+validates one, expanding `{project}` to the project root.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,8 +26,8 @@ class HardwareSpec:
     memory_gb_per_node: float
     peak_tflops: float | None = None  # MFU denominator: the GPU's dense bf16 peak; None on CPU (measured there)
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
-    # Images/s one core decodes and augments, for the plan's data wait on remote hardware (local: measured).
-    # Default: `make bench-data` at 224 px, rounded down (docs/benchmarks/2026-11-26-data-loader.md).
+    # Images/s one core decodes and augments, for the plan's data wait on remote hardware (local: measured);
+    # `make bench-data` at 224 px, rounded down (docs/benchmarks/2026-11-26-data-loader.md)
     loader_img_s_per_core: float = 700.0
 
 
@@ -46,14 +45,12 @@ class StorageSpec:
     shards: str  # root of the recipes' shard folders (path or fsspec URL)
     checkpoints: str  # run folders, on a filesystem every node mounts
     mlflow_tracking_uri: str
-    # One rank's read rate from `shards`, MB/s: the start allowance reads the manifest at it. Assumed.
-    read_mb_per_s: float = 100.0
+    read_mb_per_s: float = 100.0  # one rank's read rate from `shards` (the start allowance); assumed
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A fixed world size (`num_workers`) or an elastic one (`min` .. `max`; docs/elastic.md, "Elastic jobs on
-    Ray"), where `num_workers` is `max`."""
+    """A fixed world size (`num_workers`) or an elastic one (`min` .. `max`, `num_workers` = `max`; docs/elastic.md)."""
 
     cpus_per_worker: int
     gpus_per_worker: int
@@ -63,7 +60,7 @@ class WorkerSpec:
     max: int | None = None  # elastic: most workers
     elastic_resize_monitor_interval_s: float = 60.0  # elastic: how often Ray looks for capacity
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # SPREAD: one per node
-    # Custom Ray resources per worker, e.g. {trainer: 1}, so an elastic group never grows onto the eval slot
+    # Custom Ray resources per worker, e.g. {trainer: 1}: an elastic group never grows onto the eval slot
     resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,18 +91,15 @@ class TrainDefaults:
 
 @dataclass(frozen=True)
 class EvalResources:
-    """Ray resources of one eval task, apart from the training workers' share, and the eval device the plan prices
-    the evals on (`cluster.plan.evals.cost`)."""
+    """One eval task's Ray resources, beside the workers' share, and the device the plan prices evals on."""
 
     num_cpus: float = 1
     num_gpus: float = 0
     instance_type: str = ""  # cluster.render: an eval node group of this type
     gpu_type: str = ""  # the eval GPU's kind, e.g. "A10G": its peak comes from pretrain.telemetry.peak
     gpu_memory_gb: float = 0  # per eval GPU, GB of 1e9 bytes
-    # Host memory an eval task reserves in Ray (its `memory=`): Ray places it only where that much is free. 0: none.
-    memory_gb: float = 0
-    # The eval device's dense peak, TFLOP/s, where pretrain.telemetry.peak does not know it (CPU evals on remote
-    # nodes); None: from gpu_type, or measured on this machine (local)
+    memory_gb: float = 0  # host memory an eval task reserves in Ray (its `memory=`); 0: none
+    # Dense peak TFLOP/s where pretrain.telemetry.peak lacks it (remote CPU evals); None: from gpu_type, or measured
     peak_tflops: float | None = None
     assumed_mfu: float | None = None  # the evals' assumed MFU; None: the profile's assumed_mfu
 
@@ -134,26 +128,15 @@ class HangSpec:
     startup_s: float = 600.0  # floor of the plan's start allowance
     checkpoint_s: float = 300.0  # floor of the plan's first-save allowance
     save_floor_s: float = 60.0  # a save once one was measured: never sooner
-    # storage write rate the allowances assume; low: too short an allowance kills a healthy group
-    write_mb_per_s: float = 100.0
+    write_mb_per_s: float = 100.0  # storage write rate the allowances assume; too high kills a healthy group
     poll_s: float = 2.0  # how often the watchdog reads the heartbeats
-    # Straggler (reported, not restarted): data wait above the median rank's by this fraction of the median step,
-    # in `straggler_polls` polls in a row
+    # Straggler (reported, not restarted): data wait above the median rank's by this share of the median step ...
     straggler_fraction: float = 0.2
-    straggler_polls: int = 3
+    straggler_polls: int = 3  # ... in this many polls in a row
 
     def validate(self, where: str) -> None:
-        positive = (
-            "floor_s",
-            "factor",
-            "startup_s",
-            "checkpoint_s",
-            "save_floor_s",
-            "write_mb_per_s",
-            "poll_s",
-            "straggler_fraction",
-        )
-        for key in positive:
+        positive = "floor_s factor startup_s checkpoint_s save_floor_s write_mb_per_s poll_s straggler_fraction"
+        for key in positive.split():
             if not getattr(self, key) > 0:
                 raise ValueError(f"{where}: hang.{key}={getattr(self, key)} must be > 0")
         if self.straggler_polls < 1:
@@ -162,12 +145,7 @@ class HangSpec:
 
 @dataclass(frozen=True)
 class NetworkSpec:
-    """How the workers' collectives travel (docs/network.md): the fabric between nodes, NVLink within one.
-
-    The plan's communication time divides each collective's bytes by the achievable bus bandwidth: between nodes
-    `gbps_per_node` / 8 x `efficiency` (a ring crosses each node's NICs once), on one node `nvlink_gb_per_s` x
-    `efficiency`; each collective also pays `latency_us`. `cluster.network.network_env` gives the environment.
-    """
+    """How the workers' collectives travel: the fabric between nodes, NVLink within one (docs/network.md)."""
 
     kind: Literal["efa", "infiniband", "nvlink", "sockets"] = "sockets"  # nvlink: one node, no network in the way
     gbps_per_node: float = 0.0  # line rate of all of a node's NICs, Gb/s; 0: unknown or one node
@@ -222,7 +200,7 @@ class ClusterProfile:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix when the profile contradicts itself."""
-        hw, wk = self.hardware, self.workers
+        hw, wk, where = self.hardware, self.workers, f"profile {self.name}"
         counts = (
             ("hardware.nodes", hw.nodes, 1),
             ("hardware.gpus_per_node", hw.gpus_per_node, 0),
@@ -237,83 +215,78 @@ class ClusterProfile:
         )
         for key, value, low in counts:
             if value < low:
-                raise ValueError(f"profile {self.name}: {key}={value} must be >= {low}")
+                raise ValueError(f"{where}: {key}={value} must be >= {low}")
         if not hw.loader_img_s_per_core > 0:  # the data-wait prediction divides by it
             raise ValueError(
-                f"profile {self.name}: hardware.loader_img_s_per_core={hw.loader_img_s_per_core} must be > 0 "
+                f"{where}: hardware.loader_img_s_per_core={hw.loader_img_s_per_core} must be > 0 "
                 "(images/s one core decodes; `make bench-data` measures it)"
             )
         if not hw.memory_gb_per_node > 0:  # the plan divides by it
-            raise ValueError(f"profile {self.name}: hardware.memory_gb_per_node={hw.memory_gb_per_node} must be > 0")
+            raise ValueError(f"{where}: hardware.memory_gb_per_node={hw.memory_gb_per_node} must be > 0")
         if not self.storage.read_mb_per_s > 0:  # the start allowance divides by it
-            raise ValueError(f"profile {self.name}: storage.read_mb_per_s={self.storage.read_mb_per_s} must be > 0")
+            raise ValueError(f"{where}: storage.read_mb_per_s={self.storage.read_mb_per_s} must be > 0")
         if hw.peak_tflops is not None and not hw.peak_tflops > 0:
-            raise ValueError(
-                f"profile {self.name}: hardware.peak_tflops={hw.peak_tflops} must be > 0 (or absent on CPU)"
-            )
+            raise ValueError(f"{where}: hardware.peak_tflops={hw.peak_tflops} must be > 0 (or absent on CPU)")
         if wk.gpus_per_worker > 0 and hw.peak_tflops is None:
-            raise ValueError(f"profile {self.name}: GPU workers need hardware.peak_tflops (their dense bf16 peak)")
+            raise ValueError(f"{where}: GPU workers need hardware.peak_tflops (their dense bf16 peak)")
         self._validate_worker_counts()
         if wk.gpus_per_worker > 0:
             if self.comm_backend != "nccl":
-                raise ValueError(f"profile {self.name}: GPU workers need comm_backend: nccl")
+                raise ValueError(f"{where}: GPU workers need comm_backend: nccl")
             capacity = hw.nodes * hw.gpus_per_node // wk.gpus_per_worker
             if wk.max_workers > capacity:
                 key = "workers.max" if wk.elastic else "workers.num_workers"
                 raise ValueError(
-                    f"profile {self.name}: {key}={wk.max_workers} exceeds nodes x gpus_per_node / "
+                    f"{where}: {key}={wk.max_workers} exceeds nodes x gpus_per_node / "
                     f"gpus_per_worker = {capacity}; lower {key.split('.')[1]} or add nodes"
                 )
             if hw.gpu_memory_gb <= 0:
-                raise ValueError(f"profile {self.name}: hardware.gpu_memory_gb must be > 0 for GPU workers")
+                raise ValueError(f"{where}: hardware.gpu_memory_gb must be > 0 for GPU workers")
         elif self.comm_backend == "nccl":
-            raise ValueError(f"profile {self.name}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
-        self.hang.validate(f"profile {self.name}")
-        self.evals.validate(f"profile {self.name}")
-        self.network.validate(f"profile {self.name}", hw.nodes, wk.gpus_per_worker > 0)
+            raise ValueError(f"{where}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
+        self.hang.validate(where)
+        self.evals.validate(where)
+        self.network.validate(where, hw.nodes, wk.gpus_per_worker > 0)
         if not 0 < self.assumed_mfu <= 1:
-            raise ValueError(f"profile {self.name}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
+            raise ValueError(f"{where}: assumed_mfu={self.assumed_mfu} must be in (0, 1]")
         if self.max_failures < 0:
-            raise ValueError(f"profile {self.name}: max_failures must be >= 0 (-1 is not supported: be explicit)")
+            raise ValueError(f"{where}: max_failures must be >= 0 (-1 is not supported: be explicit)")
         if self.is_local and self.ray.head_num_cpus < wk.max_workers * wk.cpus_per_worker:
             raise ValueError(
-                f"profile {self.name}: ray.head_num_cpus={self.ray.head_num_cpus} cannot hold "
+                f"{where}: ray.head_num_cpus={self.ray.head_num_cpus} cannot hold "
                 f"{wk.max_workers} workers x {wk.cpus_per_worker} CPUs; raise head_num_cpus"
             )
 
     def _validate_worker_counts(self) -> None:
-        wk = self.workers
+        wk, where = self.workers, f"profile {self.name}"
         if not wk.elastic:
             if wk.num_workers is None or wk.num_workers < 1:
                 raise ValueError(
-                    f"profile {self.name}: workers.num_workers must be >= 1 (a fixed world size), or give "
+                    f"{where}: workers.num_workers must be >= 1 (a fixed world size), or give "
                     "workers.min and workers.max (an elastic one)"
                 )
         else:
             if wk.min is None or wk.max is None:
                 missing = "workers.min" if wk.min is None else "workers.max"
                 raise ValueError(
-                    f"profile {self.name}: an elastic worker group needs both workers.min and "
-                    f"workers.max; add {missing}"
+                    f"{where}: an elastic worker group needs both workers.min and workers.max; add {missing}"
                 )
             if wk.min < 1 or wk.max < wk.min:
-                raise ValueError(
-                    f"profile {self.name}: workers.min={wk.min}, workers.max={wk.max}: need 1 <= min <= max"
-                )
+                raise ValueError(f"{where}: workers.min={wk.min}, workers.max={wk.max}: need 1 <= min <= max")
             if wk.num_workers != wk.max:
                 raise ValueError(
-                    f"profile {self.name}: workers.num_workers={wk.num_workers} beside workers.min/max: give either "
+                    f"{where}: workers.num_workers={wk.num_workers} beside workers.min/max: give either "
                     "num_workers (a fixed world size) or min and max (elastic), not both"
                 )
         if not wk.elastic_resize_monitor_interval_s > 0:
             raise ValueError(
-                f"profile {self.name}: workers.elastic_resize_monitor_interval_s="
+                f"{where}: workers.elastic_resize_monitor_interval_s="
                 f"{wk.elastic_resize_monitor_interval_s} must be > 0 (Ray's default is 60)"
             )
         bad = {k: v for k, v in wk.resources.items() if not (isinstance(v, (int, float)) and v > 0)}
         if bad or {"CPU", "GPU"} & set(wk.resources):
             raise ValueError(
-                f"profile {self.name}: workers.resources={wk.resources}: custom Ray resources with amounts > 0 only "
+                f"{where}: workers.resources={wk.resources}: custom Ray resources with amounts > 0 only "
                 "(CPUs and GPUs are cpus_per_worker and gpus_per_worker)"
             )
 
@@ -345,10 +318,11 @@ def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> Clus
             f"unknown cluster profile {str(name_or_path)!r}; valid profiles: {', '.join(profile_names())} "
             f"(files in {PROFILES_DIR})"
         )
-    data = typed_yaml.read_mapping(path, "cluster profile", f"start from a copy of {PROFILES_DIR / 'local.yaml'}")
+    hint = f"start from a copy of {PROFILES_DIR / 'local.yaml'}"
+    data = typed_yaml.read_mapping(path, "cluster profile", hint)
     where = f"profile {path.stem}" if path.parent == PROFILES_DIR else f"cluster profile {path}"
     if not data:
-        raise ValueError(f"{where} is empty; start from a copy of {PROFILES_DIR / 'local.yaml'}")
+        raise ValueError(f"{where} is empty; {hint}")
     profile = typed_yaml.build(ClusterProfile, _expand(data, project), where)
     try:
         profile.validate()
@@ -360,7 +334,7 @@ def load_profile(name_or_path: str | Path, project: Path = PROJECT_ROOT) -> Clus
 
 
 def profile_to_dict(profile: ClusterProfile) -> dict:
-    return dataclasses.asdict(profile)
+    return asdict(profile)
 
 
 def profile_from_dict(data: dict) -> ClusterProfile:

@@ -3,11 +3,8 @@
     python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--out rendered]
         [--image REGISTRY/vitscale:TAG] [--fsx-dns fs-ID.fsx.us-east-1.amazonaws.com --fsx-mount-name NAME]
 
-writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `<out>/<profile>/rayjob.yaml` (`kubectl apply -f` it); the
-header of each lists what must exist first. Every node and pod runs the image ./Dockerfile builds (Ray's CUDA image
-with vitscale's dependencies); the code comes with each job (Ray's working_dir). Without `--image` the files name a
-placeholder registry; without the FSx flags `ray up` stops at the mount, saying so. The Jobs API is bound to
-127.0.0.1 (launcher) or kept inside the namespace (KubeRay), with token authentication on every node.
+writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `rayjob.yaml` (`kubectl apply -f` it), each headed by what
+must exist first. Every node runs ./Dockerfile's image; the Jobs API stays on 127.0.0.1 or in the namespace, tokens on.
 """
 
 from __future__ import annotations
@@ -27,20 +24,18 @@ from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.cli import output_folder
 from data_pipeline.paths import PROJECT_ROOT
 
-RAY_VERSION = "2.60.0"  # = the Ray this venv plans and submits with (a test holds them equal)
+RAY_VERSION = "2.60.0"  # = this venv's Ray (a test holds them equal)
 BASE_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311-gpu"  # ./Dockerfile's base; Ray published ray-ml up to 2.49 only
 DOCKERFILE = PROJECT_ROOT / "Dockerfile"
 IMAGE = f"registry.example.com/vitscale:ray{RAY_VERSION}"  # placeholder: where you push ./Dockerfile's image
 IMAGE_CODE_DIR = "/home/ray/vitscale"  # the Dockerfile's WORKDIR: the code a KubeRay job runs
 SHARED_FS = "/fsx"  # the checkpoint root's mount on every node (FSx for Lustre / a PVC)
 REGION, ZONE = "us-east-1", "us-east-1a"
-AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where `ray get-auth-token --generate` writes and `ray start` reads it
-TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the Kubernetes secret holding the token
-# KubeRay: the optional secret holding MLflow's credentials, as keys named after MLflow's variables
-MLFLOW_SECRET = "vitscale-mlflow"
+AUTH_TOKEN_FILE = "~/.ray/auth_token"  # `ray get-auth-token --generate` writes it, `ray start` reads it
+TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the secret holding the token
+MLFLOW_SECRET = "vitscale-mlflow"  # KubeRay: the optional secret of MLflow's credentials, one key per variable
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-# vCPUs, GiB and GPUs of the instance types evals.instance_type may name: a profile declares its training nodes'
-# shape (hardware), not the eval node's.
+# (vCPUs, GiB, GPUs) of each type evals.instance_type may name: a profile declares only its training nodes' shape.
 EVAL_INSTANCES = {
     "g5.xlarge": (4, 16, 1),
     "g5.2xlarge": (8, 32, 1),
@@ -64,8 +59,7 @@ class FsxMount:
 
 
 def fsx_mount(dns_name: str | None, mount_name: str | None) -> FsxMount | None:
-    """The file system of `--fsx-dns` and `--fsx-mount-name` (None when neither is given); both go into a shell
-    command on every node, so each must be a plain name."""
+    """The file system of `--fsx-dns` and `--fsx-mount-name`, None without either; plain names (a shell runs them)."""
     if not dns_name and not mount_name:
         return None
     if not dns_name or not mount_name:
@@ -80,14 +74,8 @@ def fsx_mount(dns_name: str | None, mount_name: str | None) -> FsxMount | None:
     return FsxMount(dns_name, mount_name)
 
 
-def _gpus(profile: ClusterProfile) -> int:
-    return profile.hardware.gpus_per_node
-
-
 def _allocatable(vcpus: int, memory_gb: float) -> tuple[int, float]:
-    """What a pod may ask of a node: the kubelet, the OS and the daemonsets (CNI, device plugins, FSx CSI) keep
-    some of it, so a pod asking for the whole node is never scheduled. 2% of the vCPUs (at least one), 10% of
-    the memory: more than EKS reserves on these sizes."""
+    """(CPUs, GiB) a pod may ask of a node: the kubelet, the OS and the daemonsets keep more than EKS reserves."""
     return vcpus - max(1, round(vcpus * 0.02)), memory_gb * 0.9
 
 
@@ -96,7 +84,7 @@ def _eval_instance(profile: ClusterProfile) -> tuple[int, int, int]:
 
 
 def _check_fits(profile: ClusterProfile) -> None:
-    """A training node's pod holds its workers (and the evals when they share it); the eval pod holds an eval."""
+    """A training node's pod holds its workers (and evals sharing it); the eval pod holds an eval."""
     hw, wk, ev = profile.hardware, profile.workers, profile.evals
     cpus, _ = _allocatable(hw.cpus_per_node, hw.memory_gb_per_node)
     per_node = math.ceil(wk.max_workers / hw.nodes) * wk.cpus_per_worker + (0 if ev.instance_type else ev.num_cpus)
@@ -138,14 +126,12 @@ def _check_renderable(profile: ClusterProfile) -> None:
 
 
 def placement_group(profile: ClusterProfile) -> str | None:
-    """The EC2 cluster placement group of the training nodes (one EFA spine for NCCL); None on one node. Ray's AWS
-    provider passes `Placement` to EC2 as it is, so the group must exist before `ray up` (the file's header)."""
+    """The training nodes' EC2 placement group (one EFA spine for NCCL), None on one node; made before `ray up`."""
     return f"vitscale-{profile.name}" if profile.hardware.nodes > 1 else None
 
 
 def _mount_fsx(fsx: FsxMount | None) -> str:
-    """The host command (before docker starts, so the container's `-v /fsx:/fsx` sees the mount) that mounts FSx,
-    or one that stops `ray up` with the reason."""
+    """The host command mounting FSx before docker starts (for `-v /fsx:/fsx`), or stopping `ray up` with the reason."""
     if fsx is None:
         return (
             f"echo 'cluster.yaml names no FSx file system to mount at {SHARED_FS}: render it with --fsx-dns and "
@@ -163,9 +149,14 @@ def _training_node(profile: ClusterProfile) -> dict:
         "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
     }
     group = placement_group(profile)
-    if group:  # the head trains too: it joins the workers' group
+    if group:  # the head trains too
         node["Placement"] = {"GroupName": group}
     return node
+
+
+def _node_type(workers: int | None, cpus: int, gpus: int, node_config: dict) -> dict:
+    counts = {} if workers is None else {"min_workers": workers, "max_workers": workers}
+    return {**counts, "resources": {"CPU": cpus, "GPU": gpus}, "node_config": node_config}
 
 
 def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount | None = None) -> dict:
@@ -173,31 +164,19 @@ def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount |
     _check_renderable(profile)
     hw = profile.hardware
     node_types = {
-        "head": {"resources": {"CPU": hw.cpus_per_node, "GPU": _gpus(profile)}, "node_config": _training_node(profile)},
-        "gpu_worker": {
-            "min_workers": hw.nodes - 1,
-            "max_workers": hw.nodes - 1,
-            "resources": {"CPU": hw.cpus_per_node, "GPU": _gpus(profile)},
-            "node_config": _training_node(profile),
-        },
+        "head": _node_type(None, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile)),
+        "gpu_worker": _node_type(hw.nodes - 1, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile)),
     }
-    max_workers = hw.nodes - 1
     if profile.evals.instance_type:
         vcpus, _, gpus = _eval_instance(profile)
-        node_types["eval_worker"] = {
-            "min_workers": 1,
-            "max_workers": 1,
-            "resources": {"CPU": vcpus, "GPU": gpus},
-            "node_config": {"InstanceType": profile.evals.instance_type},
-        }
-        max_workers += 1
+        node_types["eval_worker"] = _node_type(1, vcpus, gpus, {"InstanceType": profile.evals.instance_type})
     return {
         "cluster_name": f"vitscale-{profile.name}",
-        "max_workers": max_workers,
+        "max_workers": sum(t.get("max_workers", 0) for t in node_types.values()),
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": 30,
         "docker": {
-            "image": image,  # vitscale's dependencies on Ray's CUDA image; the code comes with each job
+            "image": image,  # the code comes with each job
             "container_name": "ray_container",
             "pull_before_run": True,
             "run_options": ["--ulimit nofile=65536:65536", "--shm-size=64g", f"-v {SHARED_FS}:{SHARED_FS}"],
@@ -206,8 +185,7 @@ def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount |
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": node_types,
         "head_node_type": "head",
-        # The token made here before `ray up`: the client's, bind-mounted into every node's container (the head's
-        # autoscaler passes its file_mounts on to the workers), so head and workers share one.
+        # The client's token, in every node's container (the autoscaler passes file_mounts on to workers).
         "file_mounts": {AUTH_TOKEN_FILE: AUTH_TOKEN_FILE},
         "initialization_commands": [_mount_fsx(fsx)],
         "setup_commands": [],
@@ -227,7 +205,7 @@ def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount |
 
 
 def _ray_auth_env() -> list[dict]:
-    """Token authentication with the namespace's secret: every pod that starts Ray or talks to it."""
+    """Token authentication with the namespace's secret, for every pod that starts Ray or talks to it."""
     return [
         {"name": "RAY_AUTH_MODE", "value": "token"},
         {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}},
@@ -235,9 +213,8 @@ def _ray_auth_env() -> list[dict]:
 
 
 def _mlflow_env() -> list[dict]:
-    """MLflow's credentials from the namespace's secret, where it has them (optional): the driver and every worker
-    log to the tracking server; the job's runtime env and its logs never hold them (docs/design.md, "Tracking at a
-    job's start")."""
+    """MLflow's credentials from the namespace's optional secret, never in the job's runtime env or logs
+    (docs/design.md, "Tracking at a job's start")."""
     return [
         {"name": key, "valueFrom": {"secretKeyRef": {"name": MLFLOW_SECRET, "key": key, "optional": True}}}
         for key in MLFLOW_SECRET_KEYS
@@ -245,7 +222,7 @@ def _mlflow_env() -> list[dict]:
 
 
 def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
-    """A Ray pod on a node of (vCPUs, GiB, GPUs), asking for what the node can give it."""
+    """A Ray pod asking for what a node of (vCPUs, GiB, GPUs) can give it."""
     vcpus, memory_gb, gpus = node
     cpus, memory_gb = _allocatable(vcpus, memory_gb)
     limits = {"cpu": str(cpus), "memory": f"{int(memory_gb)}Gi"}
@@ -277,43 +254,29 @@ def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
 
 def _training_pod(profile: ClusterProfile, image: str) -> dict:
     hw = profile.hardware
-    return _pod(image, (hw.cpus_per_node, hw.memory_gb_per_node, _gpus(profile)), 4 if _gpus(profile) >= 8 else 1)
+    return _pod(image, (hw.cpus_per_node, hw.memory_gb_per_node, hw.gpus_per_node), 4 if hw.gpus_per_node >= 8 else 1)
 
 
 def _submitter(image: str) -> dict:
-    """The pod that runs `ray job submit`: KubeRay's default one has no token, and the head refuses it. It uploads
-    the job's working_dir from this image."""
+    """The pod running `ray job submit` (working_dir from this image): KubeRay's own has no token."""
     limits = {"cpu": "1", "memory": "1Gi"}
     container = {"name": "ray-job-submitter", "image": image, "env": _ray_auth_env()}
     container["resources"] = {"limits": limits, "requests": dict(limits)}
     return {"spec": {"restartPolicy": "Never", "containers": [container]}}
 
 
+def _worker_group(name: str, replicas: int, template: dict) -> dict:
+    counts = {"replicas": replicas, "minReplicas": replicas, "maxReplicas": replicas}
+    return {"groupName": name, **counts, "rayStartParams": {}, "template": template}
+
+
 def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, image: str = IMAGE) -> list[dict]:
     """A KubeRay RayJob and a NetworkPolicy keeping the Jobs API inside the namespace."""
     _check_renderable(profile)
     hw = profile.hardware
-    worker_groups = [
-        {
-            "groupName": "gpu",
-            "replicas": hw.nodes - 1,
-            "minReplicas": hw.nodes - 1,
-            "maxReplicas": hw.nodes - 1,
-            "rayStartParams": {},
-            "template": _training_pod(profile, image),
-        }
-    ]
-    if profile.evals.instance_type:
-        worker_groups.append(
-            {
-                "groupName": "eval",
-                "replicas": 1,
-                "minReplicas": 1,
-                "maxReplicas": 1,
-                "rayStartParams": {},
-                "template": _pod(image, _eval_instance(profile)),  # no EFA: evals need none, small types have none
-            }
-        )
+    worker_groups = [_worker_group("gpu", hw.nodes - 1, _training_pod(profile, image))]
+    if profile.evals.instance_type:  # no EFA: evals need none, small types have none
+        worker_groups.append(_worker_group("eval", 1, _pod(image, _eval_instance(profile))))
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -328,7 +291,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
                 "rayVersion": RAY_VERSION,
                 "headGroupSpec": {
                     # Open to the pod network; the NetworkPolicy and the token keep others out.
-                    "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(_gpus(profile))},
+                    "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(hw.gpus_per_node)},
                     "template": _training_pod(profile, image),
                 },
                 "workerGroupSpecs": worker_groups,
@@ -362,7 +325,7 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     if group:
         lines.append(f"  aws ec2 create-placement-group --region {REGION} --group-name {group} --strategy cluster")
     lines.append(f"and an FSx for Lustre file system in {ZONE}, mounted at {SHARED_FS} (--fsx-dns, --fsx-mount-name).")
-    return "".join(f"# {line}\n" for line in lines)
+    return _comment(lines)
 
 
 def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str) -> str:
@@ -374,6 +337,10 @@ def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str)
         "wants credentials (or _USERNAME and _PASSWORD)",
         f"and a PersistentVolumeClaim fsx-claim (FSx for Lustre) in the namespace, mounted at {SHARED_FS}.",
     ]
+    return _comment(lines)
+
+
+def _comment(lines: list[str]) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 

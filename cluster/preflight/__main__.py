@@ -3,11 +3,9 @@
     python -m cluster.preflight --cluster local                      # = `make preflight`
     python -m cluster.preflight --cluster a100x64 --recipe vit_h14_i21k
 
-On every node: GPUs, the shards' read rate, the loader's images/s per core, checkpoint space, the tracking store and
-the clock; across the training ranks: the all-reduce bus bandwidth. One line per check and node, then the plan at the
-measured figures. `local` runs here against the embedded head (started or reused as `make launch` does); a remote
-profile's preflight is a Ray job, measuring from the head as the run's driver will. Exit status: 0 when every check
-passes, 1 when one fails, 2 on bad input (unknown profile or recipe, Ray unreachable). docs/preflight.md.
+One line per check and node, then the plan at the measured figures. `local` runs here against the embedded head
+(started or reused as `make launch` does); a remote profile's preflight is a Ray job, measuring from the head as the
+run's driver will. Exit status: 0 when every check passes, 1 when one fails, 2 on bad input. docs/preflight.md.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.cluster)
         config = resolve_config(profile, args.recipe, args.set, RUN_NAME)
         if profile.is_local:
-            prepare_local_data(config, None)  # the training set: the preflight reads it, the evals' sets it does not
+            prepare_local_data(config, None)  # the training set only: the evals' sets are not read
         plan = build_plan(profile, config)
         if profile.is_local:
             return _on_local_head(profile, config, plan)
@@ -61,10 +59,7 @@ def _on_local_head(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> 
     import ray  # heavy import
     from ray.exceptions import RayError
 
-    try:
-        info = local_head.ensure_head(profile)
-    except (RuntimeError, OSError, RayError) as exc:
-        raise jobs.RayUnreachableError(f"the local Ray head of profile {profile.name} is not ready: {exc}") from exc
+    info = jobs._ensure_local_head(profile)
     with local_head.ray_auth_mode(info.auth_mode):
         try:
             ray.init(address=info.gcs_address, logging_level=logging.WARNING, log_to_driver=False)
@@ -91,14 +86,12 @@ def _in_cluster() -> int:
 def _as_job(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
     """Submit the preflight as a Ray job with the launch's runtime env, stream its lines, return 0 if it passed."""
     client = jobs.connect(profile)
-    spec = JobSpec.create(profile, config, plan)
-    entrypoint = f"python -m cluster.preflight {IN_CLUSTER}"
+    env = runtime_env(profile, JobSpec.create(profile, config, plan))
     job_id = jobs.submit(
-        client, entrypoint, runtime_env(profile, spec), submission_id=f"vitscale-preflight-{int(time.time())}"
+        client, f"python -m cluster.preflight {IN_CLUSTER}", env, f"vitscale-preflight-{int(time.time())}"
     )
     print(f"submitted the preflight as Ray job {job_id} to {jobs.cluster_address(profile)}", flush=True)
-    status = jobs.follow(client, job_id)
-    return 0 if status == "SUCCEEDED" else 1
+    return 0 if jobs.follow(client, job_id) == "SUCCEEDED" else 1
 
 
 def _report(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
@@ -123,7 +116,7 @@ def _report(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
 
 
 def _slowest_loader(measured: Measurements, profile: ClusterProfile) -> LoaderFigure | None:
-    """The slowest training node's loader rate (the slowest rank sets a synchronous step's pace); None if unmeasured."""
+    """The slowest training node's loader rate (it sets a synchronous step's pace); None if unmeasured."""
     rates = [
         (figures.loader_img_s_per_core.value, node.label)
         for node in measured.nodes

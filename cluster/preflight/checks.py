@@ -1,13 +1,13 @@
 """The preflight's checks: measure every node of the connected Ray cluster and the collective (`measure`), then judge
 each figure against what the plan needs (`judge`): one `Check`, one printed line, per check and node.
 
-A `NodeProbe` actor pinned to each node (NodeAffinitySchedulingStrategy, no CPU of its own, so it never waits for
-the workers' resources) answers the driver's clock and measures its node; the collective's ranks start beside the
-probes and are timed once the probes are gone. Thresholds and why: docs/preflight.md.
+A `NodeProbe` actor pinned to each node, with no CPU of its own, answers the driver's clock and measures its node.
+Thresholds and why: docs/preflight.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -20,6 +20,7 @@ from cluster.plan.data_wait import INPUT_BOUND_WAIT
 from cluster.plan.planner import Plan
 from cluster.preflight.collective import (
     BusBandwidth,
+    kill_actors,
     measure_bus_bandwidth,
     start_ranks,
     stop_ranks,
@@ -40,13 +41,9 @@ READ_BUDGET_BYTES = 512 * 10**6  # ... or fewer, once this much is read (a large
 START_TIMEOUT_S = 180.0  # for the probes to start on every node
 MEASURE_TIMEOUT_S = 600.0  # for a node's measurements, and for the collective
 CLOCK_SAMPLES = 5  # round trips per node; the shortest one is kept
-# The watchdog compares the ranks' heartbeat times with the driver's clock and the goodput ledger joins both
-# timelines (cluster/driver/watchdog.py, docs/goodput.md): a second off distorts both; NTP keeps nodes within ms.
-MAX_CLOCK_SKEW_S = 1.0
-# A bandwidth within this share of the plan's is one short measurement's noise on a busy node, not a slower fabric.
-RATE_TOLERANCE = 0.8
-# A loader may add this share of a step to the plan's data wait (at least the input-bound share) before it fails.
-WAIT_SLACK = 0.05
+MAX_CLOCK_SKEW_S = 1.0  # the watchdog and the goodput ledger compare the nodes' clocks; NTP keeps them within ms
+RATE_TOLERANCE = 0.8  # a bandwidth this near the plan's is a short measurement's noise, not a slower fabric
+WAIT_SLACK = 0.05  # share of a step a loader may add to the plan's data wait (at least the input-bound share)
 
 
 @dataclass(frozen=True)
@@ -102,14 +99,13 @@ def holds_a_worker(node: Node, profile: ClusterProfile) -> bool:
 
 
 def probe_env(profile: ClusterProfile) -> dict[str, str]:
-    """The training workers' environment (threads, niceness, network) and this shell's MLflow credentials."""
+    """The training workers' environment and this shell's MLflow credentials."""
     return {**worker_env(profile), **network_env(profile), **tracking_credentials(os.environ)}
 
 
 def measure(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Measurements:
-    """Probe every live node, then the collective; the caller has connected to the cluster. The ranks start beside
-    the probes (their start-ups overlap) and are all up before the nodes are timed, so no start-up disturbs a
-    measurement; they are timed once the probes are gone."""
+    """Probe every live node, then the collective, on the connected cluster; the ranks start beside the probes, so no
+    start-up disturbs a measurement, and are timed once the probes are gone."""
     nodes = alive_nodes()
     env = probe_env(profile)
     urls = _shard_urls(config)
@@ -121,7 +117,7 @@ def measure(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Measure
             placed = wait_placed(ranks, START_TIMEOUT_S) if ranks is not None else None
             skews, figures = _probe(nodes, probes, started, config, profile, urls)
         finally:
-            _kill(probes)
+            kill_actors(probes)
         elements = min(config.deepspeed.reduce_bucket_size, plan.model.num_params)
         dtype = reduction_dtype(config.deepspeed, plan.compute.precision)
         collective = measure_bus_bandwidth(ranks, placed, profile, elements, dtype, MEASURE_TIMEOUT_S)
@@ -156,33 +152,23 @@ def _start_probes(nodes: tuple[Node, ...], env: dict[str, str]) -> list:
     ]
 
 
-def _kill(actors: list) -> None:
-    import ray
-
-    for actor in actors:
-        ray.kill(actor)
-
-
 def _answers(refs: dict[str, object], timeout_s: float) -> dict[str, object]:
     """Each ref's value by key, None where it did not answer within ``timeout_s`` or raised."""
     import ray
 
     if not refs:
         return {}
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    done = set(ready)
-    out: dict[str, object] = {}
+    done = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)[0])
+    out: dict[str, object] = dict.fromkeys(refs)
     for key, ref in refs.items():
-        try:
+        with contextlib.suppress(Exception):  # the actor died (a lost node): no figures from it
             out[key] = ray.get(ref) if ref in done else None
-        except Exception:  # the actor died (a lost node): no figures from it
-            out[key] = None
     return out
 
 
 def _clock_skew(probe) -> tuple[float, float] | None:
-    """(the node's clock minus the driver's at the midpoint of a round trip, half that round trip): the shortest of
-    `CLOCK_SAMPLES` round trips, where queueing blurs the midpoint least; None when the probe stops answering."""
+    """(the node's clock minus the driver's at a round trip's midpoint, half that round trip) of the shortest of
+    `CLOCK_SAMPLES` round trips; None when the probe stops answering."""
     import ray
 
     best = (0.0, math.inf)
@@ -190,7 +176,7 @@ def _clock_skew(probe) -> tuple[float, float] | None:
         before = time.time()
         try:
             remote = ray.get(probe.now.remote(), timeout=START_TIMEOUT_S)
-        except Exception:  # the node was lost since it started: its clock line says "no answer"
+        except Exception:  # the node was lost: its clock line says "no answer"
             return None
         after = time.time()
         if (after - before) / 2 < best[1]:
@@ -202,7 +188,7 @@ def _shard_urls(config: TrainConfig) -> tuple[str, ...]:
     """Every training shard's URL from the manifest; () where it is not readable (each node's read check fails)."""
     try:
         return tuple(s.url for s in dataset_info(resolve_location(config.data.train)).shards)
-    except Exception:  # absent, damaged, no filesystem for the scheme: the nodes' reads say which
+    except Exception:  # the nodes' reads say why
         return ()
 
 
@@ -226,38 +212,23 @@ def judge(measured: Measurements, profile: ClusterProfile, config: TrainConfig, 
     for name, check in NODE_CHECKS:
         for node in measured.nodes:
             figures = measured.figures[node.node_id]
-            if figures is None:
-                checks.append(_silent(name, node))
-            else:
-                checks.append(check(node, figures, profile, config, plan))
+            checks.append(_silent(name, node) if figures is None else check(node, figures, profile, config, plan))
     checks += [_clock_check(node, measured.skews[node.node_id]) for node in measured.nodes]
     checks.append(_collective_check(measured.collective, profile))
     return checks
 
 
 def _silent(name: str, node: Node) -> Check:
-    """The check's line for a node whose probe did not answer."""
-    return Check(
-        name,
-        node.label,
-        "no answer",
-        f"the node's probe within {MEASURE_TIMEOUT_S:.0f} s",
-        False,
-        "the node is lost or overloaded: `ray status` and the node's Ray logs (<temp dir>/session_latest/logs)",
-    )
+    """The check of a node whose probe did not answer."""
+    fix = "the node is lost or overloaded: `ray status` and the node's Ray logs (<temp dir>/session_latest/logs)"
+    return Check(name, node.label, "no answer", f"the node's probe within {MEASURE_TIMEOUT_S:.0f} s", False, fix)
 
 
 def _nodes_check(nodes: tuple[Node, ...], profile: ClusterProfile) -> Check:
-    hw = profile.hardware
-    hold = sum(holds_a_worker(n, profile) for n in nodes)
-    return Check(
-        "nodes",
-        "cluster",
-        f"{hold} node(s) that can hold a worker ({worker_bundle(profile)}), {len(nodes)} in all",
-        f"hardware.nodes={hw.nodes}",
-        hold >= hw.nodes,
-        "start the missing nodes (`ray status` on the head lists those up) or lower hardware.nodes",
-    )
+    want, hold = profile.hardware.nodes, sum(holds_a_worker(n, profile) for n in nodes)
+    measured = f"{hold} node(s) that can hold a worker ({worker_bundle(profile)}), {len(nodes)} in all"
+    fix = "start the missing nodes (`ray status` on the head lists those up) or lower hardware.nodes"
+    return Check("nodes", "cluster", measured, f"hardware.nodes={want}", hold >= want, fix)
 
 
 def _describe_gpus(inv: GpuInventory) -> str:
@@ -270,12 +241,12 @@ def _describe_gpus(inv: GpuInventory) -> str:
 
 
 def _gpu_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
-    hw, inv = profile.hardware, figures.gpus
+    hw, inv, seen = profile.hardware, figures.gpus, _describe_gpus(figures.gpus)
     fix = "check the node's driver (`nvidia-smi`) and Ray's GPU count (`ray status`), or correct hardware.gpu_*"
     if not holds_a_worker(node, profile):
-        return Check("gpus", node.label, _describe_gpus(inv), "none (no training worker fits here)", not inv.error, fix)
+        return Check("gpus", node.label, seen, "none (no training worker fits here)", not inv.error, fix)
     if hw.gpus_per_node == 0:
-        return Check("gpus", node.label, _describe_gpus(inv), "none (CPU workers)", True)
+        return Check("gpus", node.label, seen, "none (CPU workers)", True)
     kind = hw.gpu_type.split("-")[0].upper()  # "A100" of "A100-SXM4-80GB"; nvidia-smi says "NVIDIA A100-SXM4-80GB"
     ok = (
         not inv.error
@@ -284,14 +255,15 @@ def _gpu_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config
         and all(gb >= hw.gpu_memory_gb for gb in inv.memory_gb)
     )
     needs = f"{hw.gpus_per_node} x {hw.gpu_type} (>= {hw.gpu_memory_gb:g} GB each)"
-    return Check("gpus", node.label, _describe_gpus(inv), needs, ok, fix)
+    return Check("gpus", node.label, seen, needs, ok, fix)
 
 
-def _figure_failed(name: str, node: Node, figure: Figure, needs: str, fix: str) -> Check | None:
-    """The failed check when ``figure`` could not be measured; None when it was."""
-    if figure.value is not None:
-        return None
-    return Check(name, node.label, f"not measured: {figure.error}", needs, False, fix)
+def _judged(name: str, node: Node, figure: Figure, needs: str, fix: str, verdict) -> Check:
+    """The check of ``verdict(value)``'s (measured, passed); failed when ``figure`` could not be measured."""
+    if figure.value is None:
+        return Check(name, node.label, f"not measured: {figure.error}", needs, False, fix)
+    measured, passed = verdict(figure.value)
+    return Check(name, node.label, measured, needs, passed, fix)
 
 
 def _read_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
@@ -302,17 +274,11 @@ def _read_check(node: Node, figures: NodeFigures, profile: ClusterProfile, confi
         "shards nearer the nodes (same region/filesystem)"
     )
     figure = figures.read_mb_per_s
-    failed = _figure_failed("shard read", node, figure, needs, fix)
-    if failed:
-        return failed
-    return Check(
-        "shard read", node.label, f"{figure.value:,.1f} MB/s ({figure.detail})", needs, figure.value >= need, fix
-    )
+    return _judged("shard read", node, figure, needs, fix, lambda v: (f"{v:,.1f} MB/s ({figure.detail})", v >= need))
 
 
 def _loader_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
-    """A slower loader than planned fails only where it makes the run wait for data beyond the plan's allowance: a
-    rate off by noise, on a run whose loading is a small part of a step, changes nothing."""
+    """A slower loader than planned fails only where the run would wait for data beyond the plan's allowance."""
     d = plan.data
     limit = max(d.predicted_data_wait, INPUT_BOUND_WAIT) + WAIT_SLACK
     needs = (
@@ -324,12 +290,12 @@ def _loader_check(node: Node, figures: NodeFigures, profile: ClusterProfile, con
         "run fed; set hardware.loader_img_s_per_core to the measured rate so the plan says so"
     )
     figure = figures.loader_img_s_per_core
-    failed = _figure_failed("loader", node, figure, needs, fix)
-    if failed:
-        return failed
-    wait = wait_at(profile, config, plan, figure.value).predicted_data_wait
-    measured = f"{figure.value:,.0f} images/s per core ({figure.detail}): data wait {wait:.0%}"
-    return Check("loader", node.label, measured, needs, wait <= limit, fix)
+
+    def verdict(rate: float) -> tuple[str, bool]:
+        wait = wait_at(profile, config, plan, rate).predicted_data_wait
+        return f"{rate:,.0f} images/s per core ({figure.detail}): data wait {wait:.0%}", wait <= limit
+
+    return _judged("loader", node, figure, needs, fix, verdict)
 
 
 def _space_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
@@ -338,11 +304,11 @@ def _space_check(node: Node, figures: NodeFigures, profile: ClusterProfile, conf
     needs = f"{need:,.3g} GB (checkpoint.keep_last + 1 = {keep + 1} checkpoints of {size:.3g} GB)"
     fix = f"free space at {profile.storage.checkpoints}, lower checkpoint.keep_last or move storage.checkpoints"
     figure = figures.free_gb
-    failed = _figure_failed("checkpoint space", node, figure, needs, fix)
-    if failed:
-        return failed
-    free = "no limit" if math.isinf(figure.value) else f"{figure.value:,.1f} GB free"
-    return Check("checkpoint space", node.label, f"{free} ({figure.detail})", needs, figure.value >= need, fix)
+
+    def verdict(free: float) -> tuple[str, bool]:
+        return f"{'no limit' if math.isinf(free) else f'{free:,.1f} GB free'} ({figure.detail})", free >= need
+
+    return _judged("checkpoint space", node, figure, needs, fix, verdict)
 
 
 def _tracking_check(
@@ -355,10 +321,7 @@ def _tracking_check(
         "_PASSWORD) before the preflight, or correct storage.mlflow_tracking_uri"
     )
     figure = figures.tracking_s
-    failed = _figure_failed("tracking", node, figure, needs, fix)
-    if failed:
-        return failed
-    return Check("tracking", node.label, f"{figure.detail} in {figure.value:.2g} s", needs, True)
+    return _judged("tracking", node, figure, needs, fix, lambda s: (f"{figure.detail} in {s:.2g} s", True))
 
 
 def _clock_check(node: Node, skew: tuple[float, float] | None) -> Check:
@@ -386,15 +349,12 @@ def _collective_check(bus: BusBandwidth, profile: ClusterProfile) -> Check:
         return Check("collective", "cluster", f"{where}: {bus.error}", needs, False, fix)
     if bus.gb_per_s is None:
         return Check("collective", "cluster", "one rank: nothing is reduced", "no collective", True)
-    measured = (
-        f"busbw {bus.gb_per_s:.3g} GB/s ({bus.backend} all-reduce of {bus.nbytes / 1e6:.3g} MB in "
-        f"{bus.seconds * 1e3:.3g} ms, {where})"
-    )
+    took = f"{bus.backend} all-reduce of {bus.nbytes / 1e6:.3g} MB in {bus.seconds * 1e3:.3g} ms, {where}"
     ok = declared.gb_per_s is None or bus.gb_per_s >= RATE_TOLERANCE * declared.gb_per_s
-    return Check("collective", "cluster", measured, needs, ok, fix)
+    return Check("collective", "cluster", f"busbw {bus.gb_per_s:.3g} GB/s ({took})", needs, ok, fix)
 
 
-# Each node check's printed name and function, in the order the lines are printed.
+# Each node check's printed name and function, in printing order.
 NODE_CHECKS = (
     ("gpus", _gpu_check),
     ("shard read", _read_check),

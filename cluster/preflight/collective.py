@@ -1,9 +1,8 @@
 """The collective's bus bandwidth across all training ranks, as nccl-tests' all_reduce_perf reports it.
 
 One Ray actor per rank, placed as Ray Train places the workers (a placement group of the profile's worker bundles
-and strategy), joins a torch.distributed group on the profile's backend (NCCL on GPUs, gloo on CPUs) and
-all-reduces one bucket of the plan's size and dtype. busbw = algbw x 2(n - 1)/n with algbw = bytes / time: the
-ring's traffic per rank, comparable across world sizes and with the profile's network figure (docs/network.md).
+and strategy), joins a torch.distributed group on the profile's backend and all-reduces one bucket of the plan's
+size and dtype (docs/network.md).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class BusBandwidth:
 
 
 def bus_gb_per_s(nbytes: int, seconds: float, world: int) -> float:
-    """nccl-tests' busbw for all-reduce: algbw x 2(n - 1)/n, GB/s."""
+    """nccl-tests' busbw for all-reduce, GB/s: algbw (bytes / time) x 2(n - 1)/n, comparable across world sizes."""
     return nbytes / seconds / 1e9 * 2 * (world - 1) / world
 
 
@@ -69,8 +68,8 @@ class CollectiveRank:
         return ray.get_runtime_context().get_node_id()
 
     def all_reduce(self, rank: int, world: int, init_method: str, backend: str, elements: int, dtype: str) -> float:
-        """Seconds per all-reduce of ``elements`` of ``dtype``, after `WARMUP`; the count of timed ones is agreed
-        between the ranks (the slowest rank's first time sets it)."""
+        """Seconds per all-reduce of ``elements`` of ``dtype``, after `WARMUP`; the slowest rank's first time sets
+        the count of timed ones for all."""
         import torch
         import torch.distributed as dist
 
@@ -106,7 +105,7 @@ def _timed(bucket, iters: int, device) -> float:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The ranks' placement group and actors, started (`start_ranks`) before they are measured."""
+    """The ranks' placement group and actors (`start_ranks`)."""
 
     group: Any
     actors: tuple
@@ -115,8 +114,7 @@ class Ranks:
 
 
 def start_ranks(profile: ClusterProfile, env: dict[str, str]) -> Ranks | None:
-    """Ask Ray for the ranks, without waiting: their processes start (and import torch) while the caller does other
-    work. None with one rank: nothing is reduced."""
+    """Ask Ray for the ranks without waiting (they start while the caller works on); None with one rank."""
     from ray.util.placement_group import placement_group  # heavy import
 
     world = profile.workers.num_workers
@@ -128,14 +126,18 @@ def start_ranks(profile: ClusterProfile, env: dict[str, str]) -> Ranks | None:
 
 
 def stop_ranks(ranks: Ranks | None) -> None:
-    import ray
     from ray.util.placement_group import remove_placement_group
 
-    if ranks is None:
-        return
-    for actor in ranks.actors:
+    if ranks is not None:
+        kill_actors(ranks.actors)
+        remove_placement_group(ranks.group)
+
+
+def kill_actors(actors) -> None:
+    import ray
+
+    for actor in actors:
         ray.kill(actor)
-    remove_placement_group(ranks.group)
 
 
 def wait_placed(ranks: Ranks, timeout_s: float) -> tuple[str, ...] | None:

@@ -1,9 +1,8 @@
 """What `cluster.preflight` measures on each node, inside a Ray actor pinned to it (`NodeProbe`): the GPUs, the
 shards' read rate, the loader's decode rate per core, the checkpoint root's free space and the tracking store.
 
-Every measurement returns a `Figure`: the number, what it was measured on, or the error that stopped it, so one
-broken check never hides the others. The verdicts against the plan are `cluster.preflight.checks`'; why each is
-measured: docs/preflight.md.
+Each measurement returns a `Figure` (the number and what it was measured on, or the error that stopped it), so one
+broken check never hides the others. Why each is measured: docs/preflight.md.
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.local_head import environ
 from data_pipeline.builtin import sets as builtin
 from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.stream.loader_rate import loader_rate
@@ -28,10 +27,8 @@ from tracking.runs import get_or_create_experiment
 
 EXPERIMENT = "vitscale-preflight"  # MLflow experiment of the probe runs (each deleted once written)
 READ_CHUNK_BYTES = 4 * 2**20
-# Other work on a node only slows a timing down: the faster of two loader timings is the nearer to the node's rate.
-LOADER_TRIES = 2
-# MLflow's client retries a refused connection with back-off for minutes (mlflow.environment_variables): one try,
-# a short timeout, so a tracking server that is down fails this check in seconds.
+LOADER_TRIES = 2  # other work only slows a timing down: the fastest is the nearest to the node's rate
+# One try, a short timeout (MLflow's client retries for minutes): a tracking server that is down fails in seconds.
 TRACKING_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
@@ -109,7 +106,7 @@ def _guarded(measure: Callable[[], Figure]) -> Figure:
 
 
 def gpu_inventory() -> GpuInventory:
-    """nvidia-smi's view (count, names, memory, driver) where it is installed, else torch.cuda's, else none."""
+    """nvidia-smi's view where it is installed, else torch.cuda's, else none."""
     if shutil.which("nvidia-smi"):
         return _nvidia_smi()
     try:
@@ -139,8 +136,7 @@ def _nvidia_smi() -> GpuInventory:
 
 
 def parse_nvidia_smi(text: str) -> GpuInventory:
-    """`nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader,nounits` → the inventory
-    (memory.total is in MiB)."""
+    """The inventory from `_nvidia_smi`'s query (memory.total in MiB)."""
     rows = [[field.strip() for field in line.split(",")] for line in text.splitlines() if line.strip()]
     names = tuple(row[0] for row in rows)
     memory = tuple(float(row[1]) * 2**20 / 1e9 for row in rows)
@@ -152,11 +148,13 @@ def read_rate(urls: tuple[str, ...], budget_bytes: int) -> Figure:
     """MB/s of reading ``urls`` whole, in turn, until ``budget_bytes`` are read; opening each file is timed too."""
     if not urls:
         raise ValueError("no shard to read: the training manifest lists none")
+    import fsspec  # the storage's filesystem (s3fs, gcsfs) where the runtime env installed it
+
     total, files = 0, 0
     start = time.perf_counter()
     for url in urls:
         _drop_page_cache(url)
-        with _open(url) as stream:
+        with fsspec.open(url, "rb") as stream:
             while total < budget_bytes and (chunk := stream.read(READ_CHUNK_BYTES)):
                 total += len(chunk)
         files += 1
@@ -166,17 +164,8 @@ def read_rate(urls: tuple[str, ...], budget_bytes: int) -> Figure:
     return Figure(total / 1e6 / seconds, f"{files} shard(s), {total / 1e6:.3g} MB in {seconds:.2g} s")
 
 
-@contextmanager
-def _open(url: str) -> Iterator:
-    import fsspec  # the storage's filesystem (s3fs, gcsfs) where the runtime env installed it
-
-    with fsspec.open(url, "rb") as stream:
-        yield stream
-
-
 def _drop_page_cache(url: str) -> None:
-    """Ask the kernel to forget a local shard's cached pages: a shard read minutes ago (an earlier launch, this
-    node's loader check) would otherwise be timed from memory, and a run reads most shards cold."""
+    """Ask the kernel to forget a local shard's cached pages: a run reads most shards cold, not from memory."""
     if is_remote(url) or not hasattr(os, "posix_fadvise"):
         return
     try:
@@ -190,13 +179,12 @@ def _drop_page_cache(url: str) -> None:
 
 
 def loader_rate_now(config: TrainConfig) -> Figure:
-    """Images/s one core loads for ``config`` on this node, measured now (`data_pipeline.stream.loader_rate` with a
-    cache of its own, so no figure measured earlier or elsewhere is taken), the faster of `LOADER_TRIES`."""
+    """Images/s one core loads for ``config`` here, now (own cache: no earlier figure), the best of `LOADER_TRIES`."""
     d = config.data
     side = builtin.config(d.builtin, **d.builtin_options).resolution if d.builtin else None
     rates = []
     for _ in range(LOADER_TRIES):
-        with tempfile.TemporaryDirectory(prefix="vitscale-preflight-") as cache, _environ({"VITSCALE_CACHE": cache}):
+        with tempfile.TemporaryDirectory(prefix="vitscale-preflight-") as cache, environ({"VITSCALE_CACHE": cache}):
             rates.append(
                 loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, synthetic_side=side)
             )
@@ -208,8 +196,8 @@ def loader_rate_now(config: TrainConfig) -> Figure:
 
 
 def free_space(root: str) -> Figure:
-    """GB free at the checkpoint root once a probe file was written and removed there (made if absent, as a run
-    makes it); an object store has no limit to report."""
+    """GB free at the checkpoint root (made if absent) once a probe file was written and removed there; inf on an
+    object store."""
     name = f".vitscale-preflight-{uuid.uuid4().hex[:8]}"
     if is_remote(root):
         import fsspec
@@ -228,7 +216,7 @@ def free_space(root: str) -> Figure:
 
 def tracking_round_trip(uri: str, label: str) -> Figure:
     """Seconds to create a run in the `EXPERIMENT` experiment at ``uri``, set a tag on it and delete it."""
-    with _environ(TRACKING_ENV):
+    with environ(TRACKING_ENV):
         from mlflow import MlflowClient  # heavy import
 
         start = time.perf_counter()
@@ -239,18 +227,3 @@ def tracking_round_trip(uri: str, label: str) -> Figure:
         client.delete_run(run.info.run_id)
         seconds = time.perf_counter() - start
     return Figure(seconds, f"created, tagged and deleted a run in experiment {EXPERIMENT}")
-
-
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in os.environ while the block runs: the actor's process outlives one measurement."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -1,11 +1,10 @@
-"""The plan at the preflight's measured figures: `build_plan` again, on a copy of the profile that declares the
-slowest training node's loader rate (`hardware.loader_img_s_per_core`) and the measured bus bandwidth (its
-`network` section, at efficiency 1), and one line with the measured figures beside the plan's.
+"""The plan at the preflight's measured figures (`build_plan` on a copy of the profile declaring the slowest training
+node's loader rate and the measured bus bandwidth), and one line with the measured figures beside the plan's.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import asdict, dataclass, replace
 
 from cluster.plan.data_wait import DataWait, data_wait
 from cluster.plan.planner import Plan, build_plan
@@ -13,13 +12,11 @@ from cluster.preflight.collective import BusBandwidth
 from cluster.profiles import ClusterProfile, NetworkSpec
 from pretrain.config.train_config import TrainConfig
 
-# The planner measures a local profile's loader rate on this machine instead of reading its declaration
-# (`cluster.plan.data_wait.profile_loader_rate`); a copy with this Ray address makes it read the declared figure.
-# Nothing connects to it.
+# A Ray address nothing connects to: the planner reads the declared loader rate, not this machine's, of a copy with it.
 DECLARING_ADDRESS = "preflight-measured"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class LoaderFigure:
     """The slowest training node's loader rate and where it was measured."""
 
@@ -28,10 +25,10 @@ class LoaderFigure:
 
 
 def declaring(profile: ClusterProfile, img_s_per_core: float) -> ClusterProfile:
-    """A copy of ``profile`` whose hardware declares ``img_s_per_core`` and which the planner reads it from."""
-    hardware = dataclasses.replace(profile.hardware, loader_img_s_per_core=img_s_per_core)
-    ray = dataclasses.replace(profile.ray, address=DECLARING_ADDRESS)
-    return dataclasses.replace(profile, hardware=hardware, ray=ray)
+    """A copy of ``profile`` declaring ``img_s_per_core``, which the planner reads."""
+    hardware = replace(profile.hardware, loader_img_s_per_core=img_s_per_core)
+    ray = replace(profile.ray, address=DECLARING_ADDRESS)
+    return replace(profile, hardware=hardware, ray=ray)
 
 
 def wait_at(profile: ClusterProfile, config: TrainConfig, plan: Plan, img_s_per_core: float) -> DataWait:
@@ -40,12 +37,11 @@ def wait_at(profile: ClusterProfile, config: TrainConfig, plan: Plan, img_s_per_
 
 
 def carrying(profile: ClusterProfile, gb_per_s: float) -> NetworkSpec:
-    """The profile's network section with `cluster.plan.comms.bandwidth` giving ``gb_per_s``: NVLink's figure where
-    the planner reads NVLink (one node), else the per-node line rate in Gb/s; efficiency 1, as measured."""
+    """The profile's network section for which `cluster.plan.comms.bandwidth` gives ``gb_per_s``, at efficiency 1."""
     net = profile.network
     if profile.hardware.nodes == 1 and net.nvlink_gb_per_s > 0:
-        return dataclasses.replace(net, nvlink_gb_per_s=gb_per_s, efficiency=1.0)
-    return dataclasses.replace(net, gbps_per_node=gb_per_s * 8, efficiency=1.0)
+        return replace(net, nvlink_gb_per_s=gb_per_s, efficiency=1.0)
+    return replace(net, gbps_per_node=gb_per_s * 8, efficiency=1.0)
 
 
 def measured_plan(
@@ -54,18 +50,17 @@ def measured_plan(
     """``plan`` made again with the measured figures in the profile; a figure not measured stays declared."""
     copy = profile
     if bus.gb_per_s:
-        copy = dataclasses.replace(copy, network=carrying(profile, bus.gb_per_s))
+        copy = replace(copy, network=carrying(profile, bus.gb_per_s))
     if loader is not None:
-        hardware = dataclasses.replace(copy.hardware, loader_img_s_per_core=loader.img_s_per_core)
-        copy = dataclasses.replace(copy, hardware=hardware)
+        copy = replace(copy, hardware=replace(copy.hardware, loader_img_s_per_core=loader.img_s_per_core))
     replanned = build_plan(copy, config)
     if bus.gb_per_s:
         source = f"measured by the preflight: {bus.backend} all-reduce busbw over {bus.world} ranks"
-        replanned = dataclasses.replace(replanned, comms=dataclasses.replace(replanned.comms, bandwidth_source=source))
+        replanned = replace(replanned, comms=replace(replanned.comms, bandwidth_source=source))
     if loader is not None:
         wait = wait_at(copy, config, replanned, loader.img_s_per_core)
-        wait = dataclasses.replace(wait, loader_rate_source=f"measured by the preflight on {loader.where}")
-        replanned = dataclasses.replace(replanned, data=dataclasses.replace(replanned.data, **dataclasses.asdict(wait)))
+        wait = replace(wait, loader_rate_source=f"measured by the preflight on {loader.where}")
+        replanned = replace(replanned, data=replace(replanned.data, **asdict(wait)))
     return replanned
 
 
