@@ -1,7 +1,5 @@
-"""The evaluator contract: `EvalContext` and parsed options in, `ResultRow`s out.
-
-The rows are the record; ``mlflow_metrics(rows)`` is the only source of MLflow metrics. Types: ``evals.suites``.
-"""
+"""The evaluator contract: `EvalContext` and parsed options in, `ResultRow`s out; ``mlflow_metrics(rows)`` is the
+only source of MLflow metrics. Types: ``evals.suites``."""
 
 from __future__ import annotations
 
@@ -17,12 +15,8 @@ RESULT_COLUMNS = ("suite", "evaluator", "dataset", "metric", "value", "std", "co
 
 @dataclass(frozen=True)
 class ResultRow:
-    """One reported number; ``metric`` is its MLflow key (``fewshot/digits/10shot``).
-
-    ``status``: ``ok`` (logged if finite), ``missing`` (no data: NaN, ``detail`` says why) or ``sweep`` (a point of a
-    hyperparameter search: table only, as MLflow keeps one value per key and step). ``count``: how many values
-    (seeds, tasks) it averages.
-    """
+    """One reported number; ``metric``: its MLflow key. ``status``: ``ok`` (logged if finite), ``missing`` (NaN,
+    ``detail`` says why) or ``sweep`` (a search point: table only). ``count``: values (seeds, tasks) averaged."""
 
     evaluator: str
     dataset: str
@@ -35,8 +29,7 @@ class ResultRow:
 
 
 def mlflow_metrics(rows: Iterable[ResultRow | Mapping[str, Any]]) -> dict[str, float]:
-    """``{metric: value}`` of the ``ok`` rows with a finite value (`ResultRow`s or parquet records); a repeated key
-    takes the later row's value, as MLflow would."""
+    """``{metric: value}`` of the finite ``ok`` rows (`ResultRow`s or records); a repeated key keeps the later value."""
     metrics = {}
     for row in rows:
         row = row if isinstance(row, Mapping) else vars(row)
@@ -55,17 +48,14 @@ class EvalOutput:
 
 @dataclass
 class EvalContext:
-    """What an evaluator gets for one checkpoint.
-
-    ``model`` is shared and in eval mode: do not modify it. ``load_model(image_size=None)`` returns a fresh copy
-    (position embeddings resized) for evaluators that train. ``feature_cache`` lives for one ``run_suite`` call.
-    """
+    """``model`` is shared, in eval mode: do not modify it; ``load_model(image_size=None)`` returns a fresh copy to
+    train. ``feature_cache`` lives for one ``run_suite``."""
 
     model: Any
     load_model: Callable[..., Any]
-    data_root: str | Path  # a local folder, or a remote URL as a string (`evals.features.data_location`)
+    data_root: str | Path  # a `evals.features.data_location`
     step: int
-    out_dir: Path  # for files (figures): the checkpoint's ``evals/`` folder
+    out_dir: Path  # for figures: the checkpoint's ``evals/`` folder
     num_threads: int | None = None
     device: str = "cpu"
     log: Callable[[str], None] = print

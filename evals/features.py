@@ -1,9 +1,6 @@
-"""Reading an eval split through ``EvalStream``: batch by batch (`StreamedSplit`), only drawn samples (`load_drawn`),
-frozen pre-logits features (`extract_features`, one pass), or its first images in memory (`load_images`).
-
-Preprocessing: square resize to ``resize_size``, centre crop to ``image_size``, pixels in [-1, 1]; ``resize_size``
-None: no crop (the built-in sets' content touches the border). A label outside the declared classes raises.
-A data root is a `data_location`: a local folder, or a remote fsspec URL read as one.
+"""Reading an eval split through ``EvalStream``: streamed (`StreamedSplit`), only drawn samples (`load_drawn`), frozen
+features (`extract_features`) or its first images (`load_images`). Square resize to ``resize_size`` (None: no crop),
+centre crop to ``image_size``, pixels in [-1, 1]; a label outside the declared classes raises.
 """
 
 from __future__ import annotations
@@ -30,15 +27,14 @@ class SplitInfo:
 
 
 def data_location(root: str | Path) -> str | Path:
-    """A folder of shards: a remote URL (``s3://``, ``memory://`` …) as a string, else a local `Path` (``file://``
-    stripped, relative to the working directory)."""
+    """A remote URL (``s3://``, ``memory://`` …) as a string, else a local `Path` (``file://`` stripped)."""
     if is_remote(root):
         return str(root).rstrip("/")
     return Path(str(root).removeprefix("file://"))
 
 
 def split_info(split_dir: str | Path) -> SplitInfo:
-    """The split's declared class and sample counts; ValueError naming the fix for a non-shard folder."""
+    """ValueError naming the fix for a non-shard folder."""
     path = data_location(split_dir)
     if not is_shard_folder(path):
         raise ValueError(
@@ -69,8 +65,8 @@ def _batches(
     float_images: bool = True,
     stop_after: int | None = None,
 ):
-    """Yield the split's (images, labels) (uint8 pixels with ``float_images=False``), the first ``stop_after``
-    samples or more (None: all), then raise if the stream skipped bad labels (a changed test set) in what it read."""
+    """The split's batches, at least the first ``stop_after`` samples (None: all); then raise if the stream skipped bad
+    labels."""
     stream = EvalStream(
         str(info.path),
         batch_size=batch_size,
@@ -103,7 +99,7 @@ def _batches(
 def load_images(
     split_dir: str | Path, *, image_size: int, resize_size: int | None = None, batch_size: int = 256, limit=None
 ) -> tuple[torch.Tensor, np.ndarray, SplitInfo]:
-    """The split (or its first ``limit`` samples) in memory: images (N, 3, S, S) float32 in [-1, 1], labels (N,)."""
+    """The split (or its first ``limit`` samples) in memory: float32 images (N, 3, S, S), labels (N,)."""
     info = split_info(split_dir)
     images, labels, seen = [], [], 0
     for batch_images, batch_labels in _batches(info, image_size, resize_size, batch_size):
@@ -111,7 +107,7 @@ def load_images(
         labels.append(np.asarray(batch_labels, dtype=np.int64))
         seen += len(labels[-1])
         if limit is not None and seen >= limit:
-            break  # the label check below still covers what was read
+            break  # _check_labels still covers what was read
     all_labels = np.concatenate(labels) if labels else np.zeros(0, np.int64)
     _check_labels(all_labels, info)
     all_images = torch.cat(images)
@@ -123,8 +119,7 @@ def load_images(
 def stream_split(
     split_dir: str | Path, *, image_size: int, resize_size: int | None = None, batch_size: int = 256
 ) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
-    """The split's batches in stream order, one at a time: float32 images (B, 3, S, S) in [-1, 1], labels (B,).
-    ValueError (after the last batch) for an empty split or labels outside the declared classes."""
+    """The split's float32 (images, labels) batches; ValueError after the last for an empty split or bad labels."""
     info = split_info(split_dir)
     seen = 0
     for images, labels in _batches(info, image_size, resize_size, batch_size):
@@ -136,7 +131,7 @@ def stream_split(
 
 @dataclass(frozen=True)
 class StreamedSplit:
-    """A split read from its shards batch by batch each time it is iterated (`stream_split`): never whole in RAM."""
+    """A split streamed from its shards at each iteration: never whole in RAM."""
 
     path: str | Path  # a `data_location`
     image_size: int
@@ -152,9 +147,7 @@ class StreamedSplit:
 def load_drawn(
     split_dir: str | Path, indices, *, image_size: int, resize_size: int | None = None, batch_size: int = 256
 ) -> tuple[torch.Tensor, np.ndarray, SplitInfo]:
-    """The samples at stream positions ``indices`` (distinct, below the manifest's ``num_samples``), in the order of
-    ``indices``: uint8 images (n, 3, S, S) (`to_float_images` converts them) and labels (n,). One pass that keeps
-    only the drawn images and stops after the last drawn position; ValueError if the stream ends before it."""
+    """uint8 images and labels at the distinct stream positions ``indices``, in their order, read in one pass."""
     info = split_info(split_dir)
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0 or indices.min() < 0 or indices.max() >= info.num_samples:
@@ -192,8 +185,7 @@ def extract_features(
     device: str = "cpu",
     cache: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
-    """Frozen pre-logits features (N, D') float32 and labels (N,) of a split, in stream order; ``cache`` (the
-    caller's) reuses them for the same split, preprocessing and model."""
+    """Pre-logits features (N, D') float32 and labels (N,); ``cache`` reuses them for the same split, sizes, model."""
     size = int(image_size or model.config.image_size)
     where = data_location(split_dir)
     key = (str(where if is_remote(where) else where.resolve()), size, resize_size, id(model))
@@ -219,7 +211,7 @@ def extract_features(
 
 
 def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None:
-    """Check a suite entry's size options when it loads."""
+    """ValueError for a size option < 1."""
     for name in names:
         value = getattr(opts, name)
         if value is not None and value < 1:
@@ -227,7 +219,7 @@ def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None
 
 
 def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
-    """`extract_features` with the context's model, device and cache and the entry's size options."""
+    """`extract_features` with the context's model, device and cache and the entry's sizes."""
     return extract_features(
         ctx.model,
         split_dir,
@@ -240,8 +232,7 @@ def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.nda
 
 
 def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_builtin: bool = True) -> str | Path:
-    """``<data_root>/<dataset>/<split>`` (a `data_location`); a missing built-in dataset is generated first when
-    allowed, under a local root only."""
+    """``<data_root>/<dataset>/<split>`` (a `data_location`); a missing built-in is generated if allowed (locally)."""
     root = data_location(data_root)
     if is_remote(root):
         return _remote_split(root, dataset, split)
@@ -259,7 +250,7 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
 
 
 def _remote_split(root: str, dataset: str, split: str) -> str:
-    """``<root>/<dataset>/<split>`` under a remote root; ValueError naming the URL when it holds no shard folder."""
+    """``<root>/<dataset>/<split>``; ValueError naming the URL when it holds no shard folder."""
     url = f"{root}/{dataset}/{split}"
     if is_shard_folder(url):
         return url

@@ -1,8 +1,4 @@
-"""Few-shot linear regression on frozen features (ViT paper §4.1; big_vision `evaluators/fewshot_lsr.py`).
-
-The closed form, step by step: docs/reference.md §4. One eigendecomposition per subset serves every l2. Pure
-numpy; the suite entry is ``evaluate``.
-"""
+"""Few-shot linear regression on frozen features (ViT paper §4.1, big_vision `fewshot_lsr.py`; docs/reference.md §4)."""
 
 from __future__ import annotations
 
@@ -16,9 +12,6 @@ from evals.features import check_sizes, resolve_split, suite_features
 BIAS_CONSTANT = 100.0  # large, so the l2 penalty barely shrinks the bias weight
 STD_EPS = 1e-5  # added to the std, not the variance (big_vision)
 L2_SWEEP = tuple(2.0**e for e in range(-10, 20))  # 2^-10 .. 2^19, the paper's sweep variant
-
-
-# ---- input checks
 
 
 def _as_features(x, name: str) -> np.ndarray:
@@ -49,7 +42,7 @@ def _as_labels(y, name: str, num_examples: int) -> np.ndarray:
 
 
 def resolve_num_classes(train_y: np.ndarray, test_y: np.ndarray, num_classes: int | None) -> int:
-    """K of the one-hot targets: as given, else ``max label + 1`` over both splits; a label >= a given K raises."""
+    """K: as given, else ``max label + 1`` over both splits; a label >= a given K raises."""
     largest = max(int(train_y.max(initial=-1)), int(test_y.max(initial=-1)))
     if num_classes is None:
         return largest + 1
@@ -63,16 +56,10 @@ def resolve_num_classes(train_y: np.ndarray, test_y: np.ndarray, num_classes: in
     return int(num_classes)
 
 
-# ---- the closed form
-
-
 @dataclass(frozen=True)
 class RidgeSolver:
-    """One few-shot subset, decomposed once; each l2 then costs one matmul.
-
-    X: the standardised, bias-padded (N, D) design, Y: the (N, K) ±1 targets. ``W = lhs · diag(1 / (eigs + l2)) · rhs``;
-    N ≥ D: ``XᵀX = Q Λ Qᵀ``, lhs = Q, rhs = Qᵀ Xᵀ Y; D > N: ``XXᵀ = Q Λ Qᵀ``, lhs = Xᵀ Q, rhs = Qᵀ Y (push-through).
-    """
+    """One few-shot subset decomposed once; each l2 then costs one matmul: ``W = lhs · diag(1 / (eigs + l2)) · rhs``
+    (N ≥ D: eigh of XᵀX; D > N: of XXᵀ, by push-through)."""
 
     mean: np.ndarray  # (1, D-1) mean of the subset's raw features
     std: np.ndarray  # (1, D-1) population std + STD_EPS
@@ -96,11 +83,11 @@ class RidgeSolver:
         return cls(mean=mean, std=std, eigs=eigs, lhs=lhs, rhs=rhs)
 
     def weights(self, l2_reg: float) -> np.ndarray:
-        """(D, K) ridge weights for one l2 strength."""
+        """(D, K)."""
         return (self.lhs / (self.eigs + l2_reg)[None, :]) @ self.rhs
 
     def predict(self, test_x: np.ndarray, l2_reg: float) -> np.ndarray:
-        """(N_test,) predicted class ids."""
+        """(N_test,) class ids."""
         design = _pad_bias((test_x - self.mean) / self.std)  # (N_test, D)
         return np.argmax(design @ self.weights(l2_reg), axis=1)
 
@@ -120,7 +107,7 @@ def _check_l2(l2_reg: float) -> float:
 
 
 def fit_ridge(train_x, train_y, *, test_y=None, num_classes: int | None = None) -> tuple[RidgeSolver, int]:
-    """Validate and decompose a few-shot subset; returns the solver and K."""
+    """Validate and decompose a few-shot subset: ``(solver, K)``."""
     x = _as_features(train_x, "train_x")
     y = _as_labels(train_y, "train_y", len(x))
     if len(x) == 0:
@@ -130,10 +117,7 @@ def fit_ridge(train_x, train_y, *, test_y=None, num_classes: int | None = None) 
 
 
 def fewshot_accuracy(train_x, train_y, test_x, test_y, l2_reg: float = 1024.0, *, num_classes: int | None = None):
-    """Top-1 accuracy (fraction) of the paper's few-shot ridge regression on features (N, D) and (M, D).
-
-    ``num_classes`` K: see `resolve_num_classes`. Classes absent from ``train_y`` get all −1 targets (big_vision).
-    """
+    """Top-1 accuracy (fraction) of the few-shot ridge regression on features; K: `resolve_num_classes`."""
     l2 = _check_l2(l2_reg)
     test_features = _as_features(test_x, "test_x")
     labels = _as_labels(test_y, "test_y", len(test_features))
@@ -148,12 +132,9 @@ def fewshot_accuracy(train_x, train_y, test_x, test_y, l2_reg: float = 1024.0, *
     return solver.accuracy(test_features, labels, l2)
 
 
-# ---- sampling and the l2 choice
-
-
 def sample_fewshot_indices(labels, shots: list[int] | tuple[int, ...], seed: int, num_classes: int):
-    """Class-balanced subsets ``{shots: indices}``, nested across shot counts (big_vision): one seeded permutation
-    per class, of which a k-shot subset takes the first k. ValueError for shots < 1 or a class too small."""
+    """Class-balanced subsets ``{shots: indices}``, nested: a k-shot subset takes the first k of a seeded permutation
+    per class."""
     labels = np.asarray(labels)
     for k in shots:
         if int(k) != k or k < 1:
@@ -177,8 +158,7 @@ def sample_fewshot_indices(labels, shots: list[int] | tuple[int, ...], seed: int
 
 
 def choose_l2_by_mean_rank(accuracy: dict[str, dict[float, float]]) -> tuple[float, dict[float, float]]:
-    """``(l2, {l2: mean rank})`` from ``{dataset: {l2: accuracy}}``: the l2 of lowest mean rank across datasets (ties:
-    the smaller); equal accuracies share their average rank."""
+    """``(l2, {l2: mean rank})`` from ``{dataset: {l2: accuracy}}``: the lowest mean rank (ties: the smaller l2)."""
     from scipy.stats import rankdata  # heavy: only the l2 sweep needs it
 
     if not accuracy:
@@ -189,16 +169,13 @@ def choose_l2_by_mean_rank(accuracy: dict[str, dict[float, float]]) -> tuple[flo
     grid = list(grids.pop())
     ranks = np.stack([rankdata([-per_l2[l2] for l2 in grid]) for per_l2 in accuracy.values()])  # (datasets, L)
     mean_rank = ranks.mean(axis=0)
-    best = grid[int(np.argmin(mean_rank))]  # argmin returns the first (smallest l2) among ties
+    best = grid[int(np.argmin(mean_rank))]  # the first (smallest l2) among ties
     return best, dict(zip(grid, mean_rank.tolist()))
-
-
-# ---- the suite evaluator
 
 
 @dataclass(frozen=True)
 class FewshotOptions:
-    """Options of a ``type: fewshot`` suite entry (defaults: the paper's)."""
+    """A ``type: fewshot`` suite entry (defaults: the paper's)."""
 
     datasets: tuple[str, ...] = ("digits",)  # folders under the data root, each with train/ and test/
     shots: tuple[int, ...] = (1, 5, 10, 25)  # images per class; 10-shot is the headline number
@@ -239,7 +216,7 @@ def fewshot_table(features: dict, shots, seeds, l2_grid) -> dict:
 
 
 def evaluate(ctx, opts: FewshotOptions) -> EvalOutput:
-    """Suite entry: few-shot accuracy (fraction) per dataset and shot, and the mean over datasets."""
+    """Suite entry: accuracy (fraction) per dataset and shot, and the mean over datasets."""
     features = {}
     for name in opts.datasets:
         train_x, train_y, info = suite_features(ctx, resolve_split(ctx.data_root, name, opts.train_split), opts)

@@ -1,9 +1,6 @@
-"""Fine-tuning transfer (ViT paper App. B.1.1, Table 4) in plain PyTorch: a head swap needs no DeepSpeed.
-
-The protocol is docs/reference.md §4; the lr is chosen on a held-out part of train, then a final run on train +
-held-out is scored on test. A learning-curve point (``eval_steps``) at N steps is the final run N steps into its
-full schedule, not a run with a budget of N. Host memory: only the drawn train images are kept, as uint8; the test
-split streams batch by batch (docs/vtab.md, "Fine-tuning memory", also for accumulation, bf16 and checkpointing).
+"""Fine-tuning transfer (ViT paper App. B.1.1; docs/reference.md §4) in plain PyTorch: a head swap needs no DeepSpeed.
+A learning-curve point at N steps (``eval_steps``) is the final run N steps into its full schedule. Only the drawn
+train images are kept, as uint8; test streams (docs/vtab.md, "Fine-tuning memory").
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, plai
 
 @dataclass(frozen=True)
 class FinetuneOptions:
-    """Options of a ``type: finetune`` suite entry; VTAB's ``finetune`` protocol uses its schedule."""
+    """A ``type: finetune`` suite entry; VTAB's ``finetune`` protocol uses its schedule."""
 
     datasets: tuple[str, ...] = ("digits",)
     train_split: str = "train"
@@ -43,9 +40,8 @@ class FinetuneOptions:
     momentum: float = 0.9
     grad_clip: float = 1.0
     holdout_fraction: float = 0.1  # held out of train to choose the lr (without train_examples)
-    # VTAB-1k's budget (800 and 200), one seeded draw from train; None: all of train.
-    train_examples: int | None = None
-    val_examples: int | None = None
+    train_examples: int | None = None  # VTAB-1k: 800, one seeded draw with val; None: all of train
+    val_examples: int | None = None  # VTAB-1k: 200
     eval_steps: tuple[int, ...] = ()  # learning curve: the final run's test accuracy after these steps
     selection_steps: int | None = None  # steps of each lr-search run; None: ``steps``
     crop_padding: int = 0  # random crop: reflect-pad by this many pixels, crop back; 0 = off
@@ -53,9 +49,7 @@ class FinetuneOptions:
     seed: int = 0
     max_train_examples: int = 50_000
     eval_batch_size: int = 256
-    # Images per forward/backward; an optimizer step accumulates batch_size / micro_batch_size of them, the same
-    # batches and the same step as one pass. None: the whole batch in one pass.
-    micro_batch_size: int | None = None
+    micro_batch_size: int | None = None  # images per forward/backward, accumulated into one step; None: one pass
     precision: Precision = "auto"  # autocast of training and evaluation forwards; fp32 weights and optimizer
     activation_checkpointing: bool = False  # recompute each block in backward (the model's set_grad_checkpointing)
 
@@ -84,16 +78,8 @@ class FinetuneOptions:
             raise ValueError(f"eval_steps must be distinct steps in 1..steps={self.steps}; got {list(self.eval_steps)}")
         check_sizes(
             self,
-            (
-                "image_size",
-                "resize_size",
-                "batch_size",
-                "max_train_examples",
-                "eval_batch_size",
-                "train_examples",
-                "val_examples",
-                "micro_batch_size",
-            ),
+            "image_size resize_size batch_size max_train_examples eval_batch_size train_examples val_examples "
+            "micro_batch_size".split(),
         )
         self._check_micro_batch()
         if self.precision not in get_args(Precision):
@@ -110,14 +96,14 @@ class FinetuneOptions:
 
 
 def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
-    """The dtype forwards autocast to: bf16 for ``bf16``, and for ``auto`` on CUDA; None (plain fp32) otherwise."""
+    """bf16 for ``bf16``, and for ``auto`` on CUDA; None (plain fp32) otherwise."""
     if precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda"):
         return torch.bfloat16
     return None
 
 
 def _autocast(device: str, dtype: torch.dtype | None):
-    # No autocast context at all for fp32: the plain path stays the one that ran before these options existed.
+    # fp32: no autocast context at all.
     return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
@@ -131,18 +117,17 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
 
 
 def _as_float(images: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels as float32 in [-1, 1] by the stream's own conversion; float images as they are."""
+    """uint8 pixels as float32 in [-1, 1] (the stream's conversion); float images as they are."""
     return to_float_images([images]) if images.dtype == torch.uint8 else images
 
 
 def _on_device(images: torch.Tensor, device: str) -> torch.Tensor:
-    """Float32 images on ``device``; uint8 pixels are converted there (`float_images_on`: the same numbers as
-    `to_float_images`, a quarter of the bytes moved)."""
+    """Float32 images on ``device``; uint8 pixels are converted there (`float_images_on`: a quarter of the bytes)."""
     return float_images_on(images, torch.device(device)) if images.dtype == torch.uint8 else images.to(device)
 
 
 def _augment(images: torch.Tensor, padding: int, flip: bool, gen: torch.Generator) -> torch.Tensor:
-    """Reflect-pad + random crop, random flips; float32 out unless neither is on (then ``images`` unchanged)."""
+    """Reflect-pad + random crop, random flips; ``images`` unchanged if neither is on."""
     if not (padding or flip):
         return images
     images = _as_float(images)  # padding and flips copy values: converting first changes no number
@@ -159,23 +144,21 @@ def _augment(images: torch.Tensor, padding: int, flip: bool, gen: torch.Generato
 
 
 def _micro_batches(x: torch.Tensor, y: torch.Tensor, micro: int | None) -> list[tuple]:
-    """``(images, labels, weight)`` per micro-batch of the drawn batch; ``weight`` is its share of the batch, so
-    the weighted mean losses sum to the batch's mean loss. One pass (weight None) when ``micro`` covers the batch."""
+    """``(images, labels, share of the batch)`` per micro-batch; share None for one pass."""
     if micro is None or micro >= len(y):
         return [(x, y, None)]
     return [(xs, ys, len(ys) / len(y)) for xs, ys in zip(x.split(micro), y.split(micro))]
 
 
 def _accumulate_gradients(model, x, y, micro: int | None, dtype, where: str) -> torch.Tensor:
-    """Backward of the batch's mean cross-entropy, in micro-batches of ``micro`` images; returns that loss
-    (detached). ``FloatingPointError`` naming ``where`` on a non-finite loss, before its backward."""
+    """Backward of the batch's mean cross-entropy; returns it detached. ``FloatingPointError`` on a non-finite loss."""
     total = None
     for xs, ys, weight in _micro_batches(x, y, micro):
         with _autocast(x.device.type, dtype):
             loss = F.cross_entropy(model(xs), ys)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"fine-tuning loss is {loss.item()} at {where}; lower the lr")
-        if weight is None:  # one pass: exactly the unscaled loss, as before micro-batching existed
+        if weight is None:  # one pass: exactly the unscaled loss
             loss.backward()
             return loss.detach()
         (loss * weight).backward()  # the gradients sum to the batch mean's
@@ -184,10 +167,9 @@ def _accumulate_gradients(model, x, y, micro: int | None, dtype, where: str) -> 
 
 
 def _prepare(model, num_classes: int, opts: FinetuneOptions, device: str) -> None:
-    """Fresh zero-initialised head, activation checkpointing as ``opts`` asks, on ``device`` in train mode."""
+    """Fresh zero-initialised head, ``opts``' activation checkpointing, on ``device`` in train mode."""
     model.reset_classifier(num_classes)  # drops pre-logits too (representation_size=None): paper App. B.1.1
-    if hasattr(model, "set_grad_checkpointing"):  # timm's name, which pretrain/model/vit.py follows
-        # Set either way: a checkpoint pre-trained with it on keeps it in model.json, not a fine-tuning choice.
+    if hasattr(model, "set_grad_checkpointing"):  # timm's name; set either way (model.json may carry it on)
         model.set_grad_checkpointing(opts.activation_checkpointing)
     elif opts.activation_checkpointing:
         raise ValueError(f"{type(model).__name__} has no set_grad_checkpointing; set activation_checkpointing: false")
@@ -208,9 +190,8 @@ def train_classifier(
     measure_at: Collection[int] = (),
     measure: Callable[[torch.nn.Module], float] | None = None,
 ) -> tuple[torch.nn.Module, dict[int, float]]:
-    """Fine-tune ``model`` in place on images (N, 3, S, S) (float32, or uint8 pixels converted per batch), labels
-    (N,) with a fresh zero-initialised head, seeded by ``opts.seed``. Returns it and ``{step: measure(model)}`` for
-    ``measure_at`` (measuring does not change the run). ``FloatingPointError`` on a non-finite loss."""
+    """Fine-tune ``model`` in place (fresh zero head, seeded by ``opts.seed``) on float32 or uint8 images; returns it
+    and ``{step: measure(model)}`` for ``measure_at`` (which does not change the run)."""
     _prepare(model, num_classes, opts, device)
     dtype = autocast_dtype(opts.precision, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -226,7 +207,7 @@ def train_classifier(
             order, cursor = torch.randperm(len(targets), generator=gen), 0
         idx = order[cursor : cursor + batch]
         cursor += batch
-        # The whole batch is drawn and augmented before it is split: micro-batching leaves the data stream unchanged.
+        # Drawn and augmented whole before the micro-batch split: the data stream does not depend on it.
         x = _on_device(_augment(images[idx], opts.crop_padding, opts.flip, gen), device)  # (B, 3, S, S) float32
         optimizer.zero_grad(set_to_none=True)
         y = targets[idx].to(device)
@@ -249,9 +230,7 @@ def train_classifier(
 def accuracy_over(
     model, batches: Iterable[tuple[torch.Tensor, np.ndarray]], *, device: str = "cpu", dtype: torch.dtype | None = None
 ) -> float:
-    """Top-1 accuracy (fraction) of ``model``'s logits over ``(images, labels)`` batches (float32, or uint8 pixels),
-    one batch in memory at a time (a `StreamedSplit` reads its shards), without autograd; forwards autocast to
-    ``dtype`` (None: plain fp32)."""
+    """Top-1 accuracy (fraction) over ``(images, labels)`` batches, one in memory at a time."""
     model.eval()
     correct = total = 0
     for images, labels in batches:
@@ -273,14 +252,14 @@ def accuracy(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> float:
-    """`accuracy_over` in-memory images (N, 3, S, S), labels (N,) in slices of ``batch_size``."""
+    """`accuracy_over` in-memory images and labels, in slices of ``batch_size``."""
     slices = ((images[i : i + batch_size], labels[i : i + batch_size]) for i in range(0, len(images), batch_size))
     return accuracy_over(model, slices, device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)
 class FinetuneResult:
-    """Test top-1 of the final run, the chosen lr, each lr's held-out accuracy, the curve ``{step: test top-1}``."""
+    """``val_scores``: each lr's held-out accuracy; ``curve``: ``{step: test top-1}``."""
 
     accuracy: float
     lr: float
@@ -299,37 +278,24 @@ def select_lr_and_evaluate(
     device: str = "cpu",
     log=None,
 ) -> FinetuneResult:
-    """One run per lr on ``train``, scored on ``val`` (each ``(images, labels)`` in memory); the best lr (ties →
-    smaller) re-run on ``train + val``, scored on ``test``'s batches (a `StreamedSplit`: read again for each of
-    ``opts.eval_steps``). Every run starts from a fresh ``make_model()``."""
+    """One run per lr on ``train`` scored on ``val``; the best lr (ties → smaller) re-run on ``train + val``, scored on
+    ``test``'s batches. Every run starts from a fresh ``make_model()``."""
     val_scores, dtype = {}, autocast_dtype(opts.precision, device)
+    run = dict(num_classes=num_classes, opts=opts, device=device, log=log)
     for lr in opts.lr_grid:
-        steps = opts.selection_steps or opts.steps
-        model, _ = train_classifier(
-            make_model(), *train, num_classes=num_classes, lr=lr, steps=steps, opts=opts, device=device, log=log
-        )
+        model, _ = train_classifier(make_model(), *train, lr=lr, steps=opts.selection_steps or opts.steps, **run)
         val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
         if log is not None:
             log(f"finetune: lr={lr:g} held-out accuracy {val_scores[float(lr)]:.4f}")
     best_lr = max(sorted(val_scores), key=lambda lr: val_scores[lr])  # max keeps the first (smallest) of ties
-    full_images = torch.cat([train[0], val[0]])
-    full_labels = np.concatenate([train[1], val[1]])
+    full = torch.cat([train[0], val[0]]), np.concatenate([train[1], val[1]])
 
     def on_test(m) -> float:
         return accuracy_over(m, test, device=device, dtype=dtype)
 
+    at = set(opts.eval_steps) - {opts.steps}  # the last step is the final score, measured once below
     model, curve = train_classifier(
-        make_model(),
-        full_images,
-        full_labels,
-        num_classes=num_classes,
-        lr=best_lr,
-        steps=opts.steps,
-        opts=opts,
-        device=device,
-        log=log,
-        measure_at=set(opts.eval_steps) - {opts.steps},  # the last step is the final score, measured once below
-        measure=on_test,
+        make_model(), *full, lr=best_lr, steps=opts.steps, measure_at=at, measure=on_test, **run
     )
     final = on_test(model)
     if opts.steps in opts.eval_steps:
@@ -370,39 +336,32 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
     grid = list(opts.lr_grid)
     trained_on = f"{num_train} + {num_held}" if opts.train_examples is not None else f"{num_train + num_held}"
     detail = f"lr={result.lr:g} from {grid} on {num_held} held-out; {opts.steps} steps at {size}px on {trained_on}"
+
+    def row(metric: str, value: float, count: int, detail: str, status: str = "ok") -> ResultRow:
+        return ResultRow("finetune", name, metric, value, count=count, status=status, detail=detail)
+
     rows = [
-        ResultRow("finetune", name, keys.finetune_accuracy(name), result.accuracy, count=num_test, detail=detail),
-        ResultRow("finetune", name, f"finetune/{name}/lr", result.lr, count=num_held, detail=f"chosen from {grid}"),
+        row(keys.finetune_accuracy(name), result.accuracy, num_test, detail),
+        row(f"finetune/{name}/lr", result.lr, num_held, f"chosen from {grid}"),
     ]
     rows += [
-        ResultRow(
-            "finetune",
-            name,
+        row(
             keys.finetune_accuracy_at(name, steps),
             acc,
-            count=num_test,
-            detail=f"test top-1 after {steps} of {opts.steps} steps (lr={result.lr:g})",
+            num_test,
+            f"test top-1 after {steps} of {opts.steps} steps (lr={result.lr:g})",
         )
         for steps, acc in result.curve.items()
     ]
     rows += [
-        ResultRow(
-            "finetune",
-            name,
-            f"finetune/{name}/holdout_accuracy",
-            score,
-            count=num_held,
-            status="sweep",
-            detail=f"lr={grid_lr:g}",
-        )
+        row(f"finetune/{name}/holdout_accuracy", score, num_held, f"lr={grid_lr:g}", "sweep")
         for grid_lr, score in result.val_scores.items()
     ]
     return rows
 
 
 def drawn_splits(split_dir, keep, held, *, image_size: int, resize_size: int | None, batch_size: int):
-    """``((images, labels) at keep, (images, labels) at held)``: uint8 images of the split's drawn positions only,
-    read in one pass (`load_drawn`)."""
+    """``((images, labels) at keep, (images, labels) at held)``, uint8, read in one pass."""
     images, labels, _ = load_drawn(
         split_dir, np.concatenate([keep, held]), image_size=image_size, resize_size=resize_size, batch_size=batch_size
     )
@@ -420,7 +379,7 @@ def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
         info, test_info = split_info(train_dir), split_info(test_dir)
         if test_info.num_classes != info.num_classes:
             raise ValueError(f"{name}: train declares {info.num_classes} classes, test {test_info.num_classes}")
-        # The draw is over the first max_train_examples of train (its manifest's count): only those drawn are read in.
+        # A draw over the first max_train_examples of train (its manifest's count); only the drawn are read.
         keep, held = train_val_split(min(info.num_samples, opts.max_train_examples), opts)
         sizes = dict(image_size=size, resize_size=opts.resize_size, batch_size=opts.eval_batch_size)
         train, val = drawn_splits(train_dir, keep, held, **sizes)

@@ -1,13 +1,6 @@
-"""Inspecting a Vision Transformer (paper §4.5, Fig. 6, 7, 10, 11; definitions in docs/reference.md §4).
-
-Four analyses, each a pure function on arrays plus a figure; the suite entry: ``evaluate``. Conventions:
-
-- Attention is ``(B, heads, T, T)`` softmax weights: ``num_prefix_tokens`` leading tokens, then the patch grid
-  row-major (`VisionTransformer.forward_attention`).
-- Attention distance drops the class token (it has no position) and renormalises each patch query's weights to sum
-  to 1, so a head that also attends to it stays comparable.
-- Distances are between patch centres in input pixels; a cell is ``image_size / grid`` (patch size or stem stride).
-- Rollout keeps every token: the class token is what it reads out.
+"""Inspecting a Vision Transformer (paper §4.5, Fig. 6, 7, 10, 11; the analyses: docs/reference.md §4): each a pure
+function on arrays plus a figure; the suite entry is ``evaluate``. Attention is ``(B, heads, T, T)``:
+``num_prefix_tokens`` leading tokens, then the patch grid row-major. Distances are between patch centres, in pixels.
 """
 
 from __future__ import annotations
@@ -39,11 +32,8 @@ __all__ = [
 ]
 
 
-# ---- pure functions
-
-
 def patch_distances(grid: tuple[int, int], cell_pixels: float) -> np.ndarray:
-    """Pixel distance between the centres of every pair of cells (row-major) → ``(N, N)``, N = gh·gw."""
+    """Pixel distance between every pair of cell centres (row-major) → ``(N, N)``, N = gh·gw."""
     gh, gw = grid
     if gh < 1 or gw < 1 or cell_pixels <= 0:
         raise ValueError(f"grid must be positive and cell_pixels > 0, got grid={grid}, cell_pixels={cell_pixels}")
@@ -62,8 +52,8 @@ def _as_numpy(x) -> np.ndarray:
 def mean_attention_distance(
     attentions: Sequence, grid: tuple[int, int], cell_pixels: float, num_prefix_tokens: int = 1
 ) -> np.ndarray:
-    """Mean attention distance in pixels → ``(layers, heads)``: Σ_j Ã_ij · d_ij over patch keys, averaged over patch
-    queries and images (Ã: patch attention renormalised per row). ``attentions``: a ``(B, heads, T, T)`` per layer."""
+    """Mean attention distance in pixels → ``(layers, heads)``; ``attentions``: a ``(B, heads, T, T)`` per layer.
+    Patch queries' weights on patch keys are renormalised (the class token has no position)."""
     n = grid[0] * grid[1]
     dist = patch_distances(grid, cell_pixels)  # (N, N)
     out = []
@@ -76,16 +66,14 @@ def mean_attention_distance(
             )
         patch = a[:, :, num_prefix_tokens:, num_prefix_tokens:]  # (B, H, N, N)
         mass = patch.sum(-1, keepdims=True)
-        # A query with all its weight on the class token has no spatial extent: distance 0.
-        patch = np.divide(patch, mass, out=np.zeros_like(patch), where=mass > 0)
+        patch = np.divide(patch, mass, out=np.zeros_like(patch), where=mass > 0)  # all on the class token: 0
         per_query = (patch * dist).sum(-1)  # (B, H, N)
         out.append(per_query.mean(axis=(0, 2)))
     return np.stack(out)  # (L, H)
 
 
 def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tensor:
-    """Attention rollout (Abnar & Zuidema 2020) → ``(B, T, T)``; row t: how token t's output mixes the inputs.
-    Per layer: mean over heads, plus the identity (residual), rows renormalised; R = Ā_L · … · Ā_1, rows sum to 1."""
+    """Attention rollout (Abnar & Zuidema 2020) → ``(B, T, T)``, rows summing to 1."""
     if len(attentions) == 0:
         raise ValueError("attention_rollout needs at least one layer of attention weights")
     rollout = None
@@ -99,8 +87,7 @@ def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tens
 
 
 def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
-    """Class-token rollout over the patch grid → ``(B, gh, gw)``, each map summing to 1 (``pool="gap"``: the mean
-    row, as the representation is the mean of all tokens)."""
+    """Class-token rollout (``pool="gap"``: the mean row) over the patch grid → ``(B, gh, gw)``, each summing to 1."""
     rollout = attention_rollout(attentions)  # (B, T, T)
     r = rollout[:, 0, num_prefix_tokens:] if num_prefix_tokens else rollout.mean(dim=1)  # (B, N)
     if r.shape[-1] != grid[0] * grid[1]:
@@ -110,7 +97,7 @@ def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens:
 
 
 def position_similarity(pos_embed, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
-    """Cosine similarity of every pair of patch position embeddings (prefix slots dropped) → ``(gh, gw, gh, gw)``."""
+    """Cosine similarity of every pair of patch position embeddings → ``(gh, gw, gh, gw)``."""
     p = _as_numpy(pos_embed).astype(np.float64)
     p = p.reshape(-1, p.shape[-1])[num_prefix_tokens:]  # (N, D)
     if p.shape[0] != grid[0] * grid[1]:
@@ -120,8 +107,8 @@ def position_similarity(pos_embed, grid: tuple[int, int], num_prefix_tokens: int
 
 
 def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.ndarray, np.ndarray]:
-    """Top principal components of the patch-embedding kernel ``(D, C, p, p)``: ``(components (k, C, p, p),
-    explained_variance_ratio (k,))``, k <= num_components, each of unit norm (sign arbitrary)."""
+    """``(components (k, C, p, p), explained_variance_ratio (k,))`` of the kernel ``(D, C, p, p)``, k <= num_components,
+    unit norm, sign arbitrary."""
     w = _as_numpy(kernel).astype(np.float64)
     if w.ndim != 4:
         raise ValueError(f"patch-embedding kernel must be (D, C, p, p), got shape {w.shape}")
@@ -135,12 +122,9 @@ def embedding_filter_components(kernel, num_components: int = 28) -> tuple[np.nd
     return vt[:k].reshape(k, c, ph, pw), ratio
 
 
-# ---- figures
-
-
 def _figure(width: float, height: float):
-    """An object-API Figure, never pyplot: no global backend state, no display needed."""
-    from matplotlib.figure import Figure  # heavy: only when a figure is drawn
+    """Never pyplot: no global backend state, no display."""
+    from matplotlib.figure import Figure  # heavy
 
     return Figure(figsize=(width, height), dpi=120, layout="constrained")
 
@@ -148,15 +132,14 @@ def _figure(width: float, height: float):
 def plot_attention_distance(
     distances: np.ndarray, image_size: int, path: Path, title: str = "", uniform: float | None = None
 ) -> Path:
-    """Fig. 7 right / Fig. 11: mean attention distance per head against depth; ``uniform``: a dashed reference."""
+    """Fig. 7 right / Fig. 11: mean attention distance per head vs depth; ``uniform``: a dashed reference."""
     layers, heads = distances.shape
-    from matplotlib import colormaps  # heavy: see _figure
+    from matplotlib import colormaps  # heavy
 
     fig = _figure(4.8, 4.0)
     ax = fig.subplots()
     colors = colormaps.get_cmap("tab20" if heads > 10 else "tab10")
-    # A per-head x offset keeps heads with equal distances visible.
-    jitter = np.linspace(-0.15, 0.15, heads) if heads > 1 else np.zeros(1)
+    jitter = np.linspace(-0.15, 0.15, heads) if heads > 1 else np.zeros(1)  # equal distances stay visible
     for h in range(heads):
         x = np.arange(1, layers + 1) + jitter[h]
         ax.scatter(x, distances[:, h], s=14, color=colors(h % colors.N), label=f"Head {h + 1}")
@@ -165,7 +148,6 @@ def plot_attention_distance(
     ax.set_xlabel("Network depth (layer)")
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_xlim(0, layers + 1)
-    # Uniform attention sits near half the side.
     ax.set_ylim(0, max(image_size * 0.6, float(distances.max()) * 1.1))
     ax.set_xticks(np.arange(0, layers + 1, max(1, layers // 6 or 1)))
     if heads <= 16 or uniform is not None:
@@ -185,16 +167,14 @@ def plot_position_similarity(similarity: np.ndarray, path: Path, title: str = ""
             y, x = r * (gh + gap), c * (gw + gap)
             mosaic[y : y + gh, x : x + gw] = similarity[r, c]
     side = min(7.0, 2.0 + 0.35 * max(gh, gw))
-    from matplotlib import colormaps  # heavy: see _figure
+    from matplotlib import colormaps  # heavy
 
     fig = _figure(side + 1.0, side)
     ax = fig.subplots()
     cmap = colormaps["viridis"].with_extremes(bad="white")  # the gaps between tiles are NaN
     im = ax.imshow(mosaic, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
-    ticks_x = np.arange(gw) * (gw + gap) + (gw - 1) / 2
-    ticks_y = np.arange(gh) * (gh + gap) + (gh - 1) / 2
-    ax.set_xticks(ticks_x, [str(i + 1) for i in range(gw)], fontsize=7)
-    ax.set_yticks(ticks_y, [str(i + 1) for i in range(gh)], fontsize=7)
+    ax.set_xticks(np.arange(gw) * (gw + gap) + (gw - 1) / 2, [str(i + 1) for i in range(gw)], fontsize=7)
+    ax.set_yticks(np.arange(gh) * (gh + gap) + (gh - 1) / 2, [str(i + 1) for i in range(gh)], fontsize=7)
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
@@ -206,7 +186,7 @@ def plot_position_similarity(similarity: np.ndarray, path: Path, title: str = ""
 
 
 def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") -> Path:
-    """Fig. 7 left: principal components of the RGB patch-embedding filters, each tile min-max scaled."""
+    """Fig. 7 left: the RGB patch-embedding filters' components, each tile min-max scaled."""
     k = components.shape[0]
     cols = min(7, k)
     rows = math.ceil(k / cols)
@@ -226,7 +206,7 @@ def plot_embedding_filters(components: np.ndarray, path: Path, title: str = "") 
 
 
 def plot_rollout(images: np.ndarray, maps: np.ndarray, path: Path, title: str = "") -> Path:
-    """Fig. 6, a row per sample: input, rollout over it, input weighted by it; images (B, 3, H, W) in [-1, 1]."""
+    """Fig. 6, a row per image (B, 3, H, W) in [-1, 1]: input, rollout over it, input weighted by it."""
     b = images.shape[0]
     fig = _figure(6.0, 2.0 * b + 0.5)
     axes = fig.subplots(b, 3, squeeze=False)
@@ -259,16 +239,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-# ---- model → figures
-
-
 @dataclass(frozen=True)
 class InspectConfig:
     """One ``type: inspect`` entry of an eval suite."""
 
     dataset: str = "digits"  # the shard folder <data_root>/<dataset>/<split>
     split: str = "test"
-    num_images: int = 32  # the split's first images are the fixed set (the paper: 128)
+    num_images: int = 32  # the split's first (the paper: 128)
     num_rollout_images: int = 4  # rows of the Fig. 6 panel
     num_components: int = 28  # filter components drawn (fewer for a tiny model)
     batch_size: int = 16  # images per forward pass
@@ -282,7 +259,7 @@ class InspectConfig:
 
 
 def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
-    """Patch grid (gh, gw) for ``num_patches`` tokens on an H×W input (cells are square)."""
+    """Patch grid (gh, gw) of ``num_patches`` square cells on an H×W input."""
     gh = round(math.sqrt(num_patches * height / width))
     if gh < 1 or num_patches % gh:
         raise ValueError(f"{num_patches} patch tokens do not tile a {height}x{width} image with square cells")
@@ -293,8 +270,7 @@ def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
 def run_inspection(
     model, images: torch.Tensor, out_dir: Path, config: InspectConfig = InspectConfig(), label: str = ""
 ) -> tuple[dict[str, float], list[Path]]:
-    """Every analysis of ``model`` on ``images`` (B, 3, H, W) in [-1, 1] → (``inspect/...`` metrics, PNG paths in
-    ``out_dir``). ``label`` names the model in titles."""
+    """Every analysis on ``images`` (B, 3, H, W) in [-1, 1] → (``inspect/...`` metrics, PNGs in ``out_dir``)."""
     out_dir = Path(out_dir)
     was_training = model.training
     model.eval()
@@ -302,8 +278,7 @@ def run_inspection(
         layers: list[list[torch.Tensor]] = []
         for start in range(0, images.shape[0], config.batch_size):
             batch = images[start : start + config.batch_size]
-            attn = model.forward_attention(batch)  # list over layers of (b, heads, T, T)
-            layers.append([a.float().cpu() for a in attn])
+            layers.append([a.float().cpu() for a in model.forward_attention(batch)])  # per layer (b, heads, T, T)
         attentions = [torch.cat([chunk[i] for chunk in layers]) for i in range(len(layers[0]))]
     finally:
         model.train(was_training)
@@ -321,14 +296,9 @@ def run_inspection(
         metrics[f"inspect/mean_attention_distance/layer_{i + 1}"] = float(row.mean())
     metrics["inspect/mean_attention_distance/min_head"] = float(distances.min())
     metrics["inspect/mean_attention_distance/max_head"] = float(distances.max())
+    uniform, title = float(patch_distances(grid, cell).mean()), f"{name}: mean attention distance"
     figures.append(
-        plot_attention_distance(
-            distances,
-            height,
-            out_dir / "attention_distance.png",
-            f"{name}: mean attention distance",
-            uniform=float(patch_distances(grid, cell).mean()),
-        )
+        plot_attention_distance(distances, height, out_dir / "attention_distance.png", title, uniform=uniform)
     )
     np.save(out_dir / "attention_distance.npy", distances)
 
@@ -355,7 +325,7 @@ def run_inspection(
 
 
 def _neighbour_similarity(sim: np.ndarray) -> float:
-    """Mean similarity of adjacent patches: high when the embedding learned 2-D structure."""
+    """Mean similarity of adjacent patches: high for a learned 2-D structure."""
     gh, gw = sim.shape[:2]
     values = [sim[r, c, r, c + 1] for r in range(gh) for c in range(gw - 1)]
     values += [sim[r, c, r + 1, c] for r in range(gh - 1) for c in range(gw)]
@@ -363,12 +333,12 @@ def _neighbour_similarity(sim: np.ndarray) -> float:
 
 
 def position_embedding_of(model) -> torch.Tensor:
-    """The learned position embedding ``(1, P+N, D)`` of a ``VisionTransformer`` (P prefix tokens)."""
+    """``(1, P+N, D)``, P prefix tokens."""
     return model.pos_embed.detach().float().cpu()
 
 
 def patch_kernel_of(model) -> torch.Tensor | None:
-    """The RGB patch-embedding kernel ``(D, 3, p, p)``; None for hybrids, whose 1x1 patches see features, not pixels."""
+    """``(D, 3, p, p)``; None for hybrids, whose 1x1 patches see features, not pixels."""
     if getattr(model.config, "hybrid_stages", None) is not None:  # () = root conv only: still not pixels
         return None
     return model.patch_embed.proj.weight.detach().float().cpu()
@@ -377,8 +347,7 @@ def patch_kernel_of(model) -> torch.Tensor | None:
 def evaluate(ctx, config: InspectConfig) -> EvalOutput:
     """Suite entry: the figures in ``<ctx.out_dir>/inspect/``, the scalars as rows."""
     split = resolve_split(ctx.data_root, config.dataset, config.split)
-    # No centre crop: resized whole.
-    images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)
+    images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)  # no crop
     images = images.to(ctx.device)
     label = f"step {ctx.step}" if ctx.step is not None else ""
     metrics, figures = run_inspection(ctx.model, images, Path(ctx.out_dir) / "inspect", config, label=label)

@@ -1,8 +1,6 @@
 """Run an eval suite on any weights: ``python -m evals.run --checkpoint PATH --suite NAME [--step N]``.
 
-The suite is checked before any weights load. A checkpoint must be ``COMPLETE`` with verified checksums and logs at
-its own step; exported weights log at ``--step``. ``--random-init`` also evaluates a random initialisation of the same
-architecture and prints the gap; that table is never logged. The work is `evals.runner.run_suite`'s.
+The work, and what is checked and logged, is `evals.runner.run_suite`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from evals.runner import check_mlflow_run, format_gap, init_seed, run_suite
 
 
 def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
-    """An integer flag checked here: a bad value is one line, without argparse's usage block."""
+    """An integer flag: a bad value is one line, without argparse's usage block."""
     if text is None:
         return None
     try:

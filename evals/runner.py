@@ -1,8 +1,6 @@
-"""Run an eval suite on any weights: `run_suite`, called by the cluster's eval tasks and by ``python -m evals.run``.
-
-Made to run after every checkpoint: the suite is checked before any weights load, nothing is kept between calls, and
-``num_threads`` holds it beside training. A checkpoint must be ``COMPLETE`` with verified checksums and logs at its
-own step; exported weights log at the step given. A random-init baseline (``random_init_seed``) is never logged.
+"""Run an eval suite on any weights (`run_suite`), after every checkpoint (the cluster's eval tasks) or by
+``python -m evals.run``: the suite is checked before any weights load, nothing is kept between calls, ``num_threads``
+holds it beside training.
 """
 
 from __future__ import annotations
@@ -34,24 +32,9 @@ ACCEPTED = (
     "pass a training checkpoint folder (with COMPLETE), a run folder, a folder written by save_pretrained / "
     "`python -m pretrain.weights convert` (model.safetensors + model.json) or an official .npz"
 )
-
-
+_NUMERIC = {"value": pa.float64(), "std": pa.float64(), "count": pa.int64(), "step": pa.int64()}
 # RESULT_COLUMNS and the weights evaluated.
-SCHEMA = pa.schema(
-    [
-        ("suite", pa.string()),
-        ("evaluator", pa.string()),
-        ("dataset", pa.string()),
-        ("metric", pa.string()),
-        ("value", pa.float64()),
-        ("std", pa.float64()),
-        ("count", pa.int64()),
-        ("status", pa.string()),
-        ("detail", pa.string()),
-        ("step", pa.int64()),
-        ("checkpoint", pa.string()),
-    ]
-)
+SCHEMA = pa.schema([(c, _NUMERIC.get(c, pa.string())) for c in (*RESULT_COLUMNS, "checkpoint")])
 
 
 class CheckpointError(ValueError):
@@ -59,8 +42,8 @@ class CheckpointError(ValueError):
 
 
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
-    """``(load_model(image_size=None), step, default_out_dir, path)`` without loading; ``path`` is what
-    `pretrain.weights.source` resolves. ``step``: for weights without one (default 0); a checkpoint refuses another."""
+    """``(load_model(image_size=None), step, default_out_dir, path)`` without loading. A checkpoint must be
+    ``COMPLETE`` with verified checksums and has its own step; ``step`` is for weights without one (default 0)."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
     if not is_remote(checkpoint) and not Path(checkpoint).exists():
@@ -71,7 +54,7 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
         raise CheckpointError(str(error)) from None
     except (OSError, ImportError) as error:  # object storage: credentials, network, its fsspec extra
         raise CheckpointError(f"checkpoint {checkpoint} could not be fetched: {error}") from None
-    if run_folder.looks_like_checkpoint(path):  # else exported weights: no COMPLETE, no step of their own
+    if run_folder.looks_like_checkpoint(path):  # else exported weights: no step of their own
         try:
             own = run_folder.open_checkpoint(path).step
         except ValueError as error:  # no COMPLETE marker, or a trainer state without a step
@@ -86,7 +69,6 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
                 "drop --step (a training checkpoint logs at its own step)"
             )
         step = own if own is not None else step
-    # Results go inside a folder of weights, beside a file.
     default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
 
     def load_model(image_size: int | None = None):
@@ -96,7 +78,7 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
 
 
 def init_seed(checkpoint: str | Path) -> int:
-    """The seed of a checkpoint's step-0 model: its saved recipe's ``seed``, else 0 (the default)."""
+    """The seed of a checkpoint's step-0 model: its saved recipe's ``seed``, else 0."""
     try:
         path = weights_source.resolve(checkpoint)
     except (OSError, ValueError):  # the suite's own load says it
@@ -114,8 +96,7 @@ def init_seed(checkpoint: str | Path) -> int:
 
 
 def random_init(config, seed: int):
-    """``load_model(image_size=None)`` for a fresh ``config`` model seeded as the trainer's step-0 model, leaving the
-    caller's random state alone."""
+    """``load_model(image_size=None)`` of a ``config`` model seeded as the trainer's step 0 (global state untouched)."""
 
     def load_model(image_size: int | None = None):
         with torch.random.fork_rng(devices=[]):
@@ -129,7 +110,7 @@ def random_init(config, seed: int):
 
 
 def check_resolution(setting: str, value: int, patch_size: int) -> None:
-    """ValueError naming ``setting`` and the nearest valid sizes when ``value`` is not a multiple of ``patch_size``."""
+    """ValueError naming the nearest valid sizes when ``value`` is not a multiple of ``patch_size``."""
     if value % patch_size == 0:
         return
     below, above = value // patch_size * patch_size, (value // patch_size + 1) * patch_size
@@ -138,8 +119,7 @@ def check_resolution(setting: str, value: int, patch_size: int) -> None:
 
 
 def check_resolutions(config, patch_size: int) -> None:
-    """`check_resolution` for every option of the suite ``config`` that resizes the model; ``patch_size``: the
-    model's patch stride (a hybrid's stem stride x patch)."""
+    """`check_resolution` for every suite option that resizes the model (``patch_size``: its stride)."""
     for i, spec in enumerate(config.evaluators):
         for option in EVALUATORS[spec.type].resolutions:
             value = getattr(spec.options, option)
@@ -148,7 +128,7 @@ def check_resolutions(config, patch_size: int) -> None:
 
 
 def _load(load_model, checkpoint):
-    """First load: an unreadable or non-ViT file is the user's error."""
+    """An unreadable or non-ViT file is the user's error."""
     try:
         return load_model()
     except (ValueError, OSError, SafetensorError) as error:
@@ -169,10 +149,9 @@ def run_suite(
     random_init_seed: int | None = None,
     log=print,
 ):
-    """Evaluate weights on a suite: write ``<out>/<suite>.parquet``, log its metrics, return the ``pyarrow.Table``.
-
-    ``random_init_seed``: evaluate `random_init` instead, at step 0, into ``<suite>_random_init.parquet``, unlogged."""
-    config = load_suite(suite)  # a bad suite fails before any weights load
+    """Write ``<out>/<suite>.parquet``, log its metrics, return the table. ``random_init_seed``: evaluate `random_init`
+    instead, at step 0, into ``<suite>_random_init.parquet``, never logged."""
+    config = load_suite(suite)
     if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
         raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
     if random_init_seed is not None and mlflow_run_id:
@@ -222,7 +201,7 @@ def run_suite(
     table = pa.table(columns, schema=SCHEMA)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{config.name}{'' if random_init_seed is None else '_random_init'}.parquet"
-    replace_atomically(target, lambda tmp: pq.write_table(table, tmp))  # readers never see a half-written table
+    replace_atomically(target, lambda tmp: pq.write_table(table, tmp))
     log(format_table(table))
     log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
     if mlflow_run_id:
@@ -231,7 +210,7 @@ def run_suite(
 
 
 def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
-    """Rows (named after their entry) and artifacts of every entry, in order."""
+    """Rows (named after their entry) and artifacts of every entry."""
     rows, artifacts, logged = [], [], set()
     for spec in config.evaluators:
         t0 = time.perf_counter()
@@ -252,18 +231,15 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
 
 
 def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log):
-    # rank=0: log even when this process has RANK set.
     tracker = Tracker(tracking_uri or default_tracking_uri(), run_id, rank=0)
     try:
         tracker.log_metrics(metrics, step=step)
-        tracker.log_artifact(table_path, f"evals/step_{step:08d}")
-        for artifact in artifacts:
+        for artifact in [table_path, *artifacts]:
             tracker.log_artifact(artifact, f"evals/step_{step:08d}")
         if not tracker.flush():
             log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
     finally:
-        # A run not created yet: the job's driver sends these metrics once it is; holding the eval slot for the
-        # 120 s close bound would only delay the next eval.
+        # A run not created yet: the job's driver sends these metrics once it is.
         tracker.close(timeout=PENDING_CLOSE_S if run_id.startswith(PENDING_RUN) else 120.0)
     log(f"evals: logged {len(metrics)} metrics to MLflow run {run_id} at step {step}")
 
@@ -284,7 +260,7 @@ def format_table(table) -> str:
 
 
 def format_gap(table, baseline) -> str:
-    """Every metric both tables log, side by side, with the gap (accuracies are fractions: 0.061 is 6.1 points)."""
+    """Every metric both tables log, side by side, with the gap."""
     ours, theirs = mlflow_metrics(table.to_pylist()), mlflow_metrics(baseline.to_pylist())
     lines = [f"{'metric':<40} {'checkpoint':>10} {'random init':>11} {'gap':>9}"]
     for metric in (m for m in ours if m in theirs):
@@ -294,15 +270,14 @@ def format_gap(table, baseline) -> str:
 
 
 def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
-    """Refuse a run an embedded store lacks (its metrics would be lost). A server is not asked: MLflow would retry for
-    minutes if it is down."""
+    """Refuse a run an embedded store lacks; a server is not asked (MLflow retries for minutes if it is down)."""
     uri = tracking_uri or default_tracking_uri()
     db = sqlite_path(uri)
     if db is None:
         return
     if not db.is_file():
         raise ValueError(f"no MLflow store at {db} (tracking URI {uri}); check --tracking-uri")
-    from mlflow import MlflowClient  # heavy: only when a run is touched
+    from mlflow import MlflowClient  # heavy
     from mlflow.exceptions import MlflowException
 
     try:

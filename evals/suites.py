@@ -1,15 +1,6 @@
-"""Eval suites: the YAML format, and the registry of evaluator types and their options.
-
-A suite is ``configs/evals/<name>.yaml``, big_vision style::
-
-    name: local_fewshot
-    evaluators:
-      - type: fewshot            # a key of EVALUATORS
-        datasets: [digits, dsprites_loc]
-        shots: [1, 5, 10]
-
-Keys other than ``type`` and ``name`` are the type's options; ``load_suite`` checks them, so a bad suite fails when
-read (before a job is submitted), not after the first checkpoint. A plug-in: ``register_evaluator``.
+"""Eval suites: the registry of evaluator types, and the YAML format (``configs/evals/<name>.yaml``, big_vision style:
+``name``, ``description``, ``evaluators``: a list of ``type: <EVALUATORS key>`` plus the type's options). ``load_suite``
+checks a suite when read, before a job is submitted. A plug-in: ``register_evaluator``.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from pretrain.config import typed_yaml
 class EvaluatorType:
     options: type
     evaluate: Callable[[EvalContext, Any], EvalOutput]
-    # Options that resize the model (None: its own size); the runner checks them against its patch size.
+    # Options that resize the model (None: its own size), checked against its patch size.
     resolutions: tuple[str, ...] = ()
 
 
@@ -104,7 +95,6 @@ def load_suite(name_or_path: str | Path) -> SuiteConfig:
         options = {k: v for k, v in entry.items() if k not in ("type", "name")}
         if not isinstance(entry["type"], str) or entry["type"] not in EVALUATORS:
             raise ValueError(f"{path}: evaluators[{i}] has unknown type {entry['type']!r}; known: {sorted(EVALUATORS)}")
-        # Unknown keys, types (Literal and nested options too) and the class's own checks.
         parsed = typed_yaml.build(
             EVALUATORS[entry["type"]].options, options, f"{path} ({entry['type']})", f"evaluators[{i}]."
         )

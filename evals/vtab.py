@@ -1,10 +1,6 @@
-"""VTAB-1k (Zhai et al. 2019) as the ViT paper runs it, and an offline stand-in over the built-in datasets.
-
-A task is ``<root>/<task>/{train,test}`` shard folders; train800 and val200 come from one seeded permutation of
-train (docs/reference.md §4). Protocols: ``finetune`` (the paper's, `evals.finetune`; hours on a CPU) and
-``linear_probe`` (default: the few-shot ridge on frozen features; seconds, and not comparable with the paper's
-fine-tuned scores). A task without data is a ``missing`` row; each mean is logged with its task count, so 4 of 19
-tasks is never presented as a 19-task number.
+"""VTAB-1k (Zhai et al. 2019; docs/reference.md §4) as the ViT paper runs it, and an offline stand-in over the built-in
+datasets. Protocols: ``finetune`` (the paper's) and ``linear_probe`` (default: the few-shot ridge on frozen features,
+not comparable with the paper's scores). A task without data is a ``missing`` row; each mean has its task count.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ def _tasks(*tasks: VtabTask) -> dict[str, VtabTask]:
     return {t.name: t for t in tasks}
 
 
-# docs/reference.md §4: the 19 tasks, their groups and class counts.
 VTAB1K_TASKS = _tasks(
     VtabTask("caltech101", "natural", 102, "tfds caltech101"),
     VtabTask("cifar100", "natural", 100, "tfds cifar100"),
@@ -58,7 +53,7 @@ VTAB1K_TASKS = _tasks(
     VtabTask("smallnorb_elev", "structured", 9, "tfds smallnorb: elevation"),
 )
 
-# Offline: built-ins standing in for one Natural and three Structured tasks.
+# Offline built-ins standing in for one Natural and three Structured tasks.
 CI_TASKS = _tasks(
     VtabTask("digits", "natural", None, "built-in rendered digits (an SVHN-like stand-in)"),
     VtabTask("dsprites_loc", "structured", None, "built-in dSprites-like shapes: x position bins"),
@@ -69,12 +64,8 @@ CI_TASKS = _tasks(
 BENCHMARKS = {"vtab1k": VTAB1K_TASKS, "ci": CI_TASKS}
 
 
-# ---- aggregation
-
-
 def aggregate(scores: dict[str, float | None], tasks: dict[str, VtabTask], prefix: str = "vtab") -> list[dict]:
-    """Means over the tasks with a score (None or absent: missing), as dicts of ``metric``, ``value`` (NaN if none
-    is covered), ``count`` (tasks covered), ``count_metric``, ``expected`` (tasks in the group) and ``detail``."""
+    """The mean and group means over the tasks with a score (None or absent: missing; ``value`` NaN if none)."""
     unknown = set(scores) - set(tasks)
     if unknown:
         raise ValueError(f"scores for tasks outside the benchmark: {sorted(unknown)}; known: {sorted(tasks)}")
@@ -104,9 +95,6 @@ def aggregate(scores: dict[str, float | None], tasks: dict[str, VtabTask], prefi
         names = [n for n, t in tasks.items() if t.group == group]
         summary(f"{prefix}/{group}", f"{prefix}/{group}_num_tasks", f"{group.capitalize()} mean", names)
     return out
-
-
-# ---- the suite evaluator
 
 
 @dataclass(frozen=True)
@@ -161,14 +149,13 @@ def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int)
 
 
 def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
-    """train800/val200 drawn over the manifest's count and read in as uint8; test streamed at each scoring."""
+    """Only the drawn train800/val200 are read in, as uint8; test streams."""
     ft = opts.finetune
     size = int(opts.image_size or ctx.model.config.image_size)
     need = opts.train_examples + opts.val_examples
     tr, va = vtab_indices(split_info(train_dir).num_samples, opts.train_examples, opts.val_examples, opts.seed)
     sizes = dict(image_size=size, resize_size=opts.resize_size)
     train800, val200 = drawn_splits(train_dir, tr, va, batch_size=opts.batch_size, **sizes)
-    # Scored in slices of eval_batch_size, as the in-memory test split was: the same forwards, the same numbers.
     test = StreamedSplit(test_dir, batch_size=ft.eval_batch_size, **sizes)
     result = select_lr_and_evaluate(
         lambda: ctx.load_model(image_size=size),
@@ -224,7 +211,7 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
         out.rows.append(
             ResultRow("vtab", bench, metric, agg["value"], count=covered, status=status, detail=agg["detail"])
         )
-        # Coverage is its own row, logged even when 0: a mean is never read without its task count.
+        # Coverage is its own row, logged even when 0: no mean without its task count.
         coverage = f"tasks covered by {metric} (of {agg['expected']})"
         out.rows.append(ResultRow("vtab", bench, agg["count_metric"], float(covered), detail=coverage))
     out.rows.append(ResultRow("vtab", bench, "vtab/num_tasks_expected", float(len(tasks)), detail=f"tasks in {bench}"))

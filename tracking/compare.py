@@ -1,7 +1,6 @@
 """Side-by-side comparison of pre-training runs, read back from MLflow: ``python -m tracking.compare``.
 
-Which model or recipe transfers best per exaFLOP (paper Fig. 5)? Writes ``reports/<name>/`` (index.html, PNGs,
-runs.csv) and logs it to a comparison run of its own (docs/design.md, "The comparison report").
+Writes ``reports/<name>/`` and logs it to a comparison run of its own (docs/design.md, "The comparison report").
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from tracking.tracker import default_tracking_uri, sqlite_path
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
-    """Log the report folder to a new comparison run, tagged with the runs it read; returns its id."""
+    """A new comparison run, tagged with the runs read, holding the report; returns its id."""
     target = comparison.experiments[0] if len(comparison.experiments) == 1 else COMPARISONS_EXPERIMENT
     experiment_id = get_or_create_experiment(client, tracking_uri, target)
     tags = {
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         client = MlflowClient(tracking_uri=uri)
         comparison = collect(client, uri, args.experiment, run_ids)
         output_folder(args.out, "--out")
-    except (MlflowException, SQLAlchemyError) as error:  # the store itself: an unsupported URI, not a database
+    except (MlflowException, SQLAlchemyError) as error:  # an unsupported URI, not a database
         reason = (str(error).strip() or "no details").splitlines()[0].split(". ")[0][:200]  # MLflow writes paragraphs
         print(
             f"tracking.compare: error: cannot read the tracking store {uri} ({type(error).__name__}: {reason}); pass "

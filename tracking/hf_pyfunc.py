@@ -1,9 +1,5 @@
-"""The model code MLflow stores with every vitscale model ("models from code", `tracking.models`).
-
-It imports no vitscale, so the model loads wherever torch, numpy, transformers and mlflow are installed.
-``predict``: pixels (B, C, H, W) float32 in [-1, 1] → logits (B, num_classes), or a headless model's class-token
-features (B, D). The weights are the model's artifact ``hf``.
-"""
+"""The model code MLflow stores with every vitscale model (`tracking.models`); imports no vitscale. ``predict``:
+pixels (B, C, H, W) float32 in [-1, 1] → logits (B, K), or a headless model's class-token features (B, D)."""
 
 import mlflow
 import numpy as np

@@ -1,8 +1,5 @@
-"""Every MLflow metric and tag name of a run, spelled once.
-
-Training metrics are logged per optimizer step, eval metrics at the checkpoint's step (step 0: the weights before the
-first update); tags describe the whole run.
-"""
+"""Every MLflow metric and tag name of a run, spelled once. Training metrics are logged per optimizer step, eval
+metrics at the checkpoint's step (step 0: the weights before the first update); tags describe the whole run."""
 
 # Training metrics, rank 0, every `logging.log_every` steps.
 TRAIN_PREFIX = "train/"
@@ -15,14 +12,14 @@ MFU = "train/mfu"  # tflops ÷ the device's peak
 DATA_WAIT = "train/data_wait"  # fraction of the window waiting for batches
 MEMORY_GB = "train/memory_gb"  # max allocated on CUDA, RSS on CPU
 IMAGES_SEEN = "train/images_seen"  # cumulative
-EXAFLOPS = "train/exaflops"  # cumulative: images seen × training FLOPs per image
+EXAFLOPS = "train/exaflops"  # cumulative
 WORLD_SIZE_METRIC = "train/world_size"  # data-parallel ranks at this step
 
 # Eval metrics (evals): `<family>/<dataset>/<measure>`.
 EVAL_PREFIXES = ("fewshot/", "finetune/", "vtab/")
 
 
-def fewshot_mean(shots: int) -> str:  # few-shot accuracy, mean over the datasets
+def fewshot_mean(shots: int) -> str:  # mean over the datasets
     return f"fewshot/mean/{shots}shot"
 
 
@@ -30,12 +27,12 @@ def finetune_accuracy(dataset: str) -> str:  # test top-1 after fine-tuning
     return f"finetune/{dataset}/accuracy"
 
 
-FEWSHOT_MEAN_10SHOT = fewshot_mean(10)  # the paper's headline few-shot number
+FEWSHOT_MEAN_10SHOT = fewshot_mean(10)  # the paper's headline number
 VTAB_MEAN = "vtab/mean"
 VTAB_NUM_TASKS = "vtab/num_tasks"
 VTAB_NUM_TASKS_EXPECTED = "vtab/num_tasks_expected"
 
-# Params are the flattened resolved config; the run's id is logged once the run exists.
+# Params: the flattened resolved config; the run's id is logged once the run exists.
 RUN_ID_PARAM = "logging.mlflow_run_id"
 
 # Tags.
@@ -54,7 +51,7 @@ PRECISION_RULE = "vitscale.precision_rule"  # which rule decided it
 PRECISION_REASON = "vitscale.precision_reason"  # the rule's one-line why
 PEAK_TFLOPS = "vitscale.peak_tflops"  # the per-device peak train/mfu divides by
 PEAK_SOURCE = "vitscale.peak_source"  # datasheet, declared or measured GEMM
-KIND = "vitscale.kind"  # "comparison" on the runs comparison reports are logged to
+KIND = "vitscale.kind"  # "comparison" on a comparison report's run
 COMPARED_RUNS = "vitscale.compared_runs"
 
 # Faults (docs/elastic.md#faults), from the driver's watchdog.
@@ -62,26 +59,26 @@ HANGS = "vitscale.hangs"  # tag: hung worker groups found and restarted
 LAST_HANG = "vitscale.last_hang"  # tag: the watchdog's line about the last one
 HANGS_METRIC = "cluster/hangs"  # the same count, at the group's step
 FAILURE = "vitscale.failure"  # tag: why training failed, in one line
-STRAGGLERS = "vitscale.stragglers"  # tag: ranks persistently slower to get data than the median, or "none"
+STRAGGLERS = "vitscale.stragglers"  # tag: ranks persistently slower to get data, or "none"
 STRAGGLERS_METRIC = "cluster/stragglers"  # their count, logged when it changes
 # The training stream's counters (read_retries, read_failures, shard damage), summed over ranks.
 DATA_PREFIX = "data/"
 
 
-def data_count(counter: str) -> str:  # e.g. data/read_retries
+def data_count(counter: str) -> str:
     return f"{DATA_PREFIX}{counter}"
 
 
 # 1 at the step of a checkpoint whose eval failed for good; the reason is a file in EVAL_FAILURES_DIR.
-def eval_failed(suite: str) -> str:  # e.g. eval_failed/local_fewshot
+def eval_failed(suite: str) -> str:
     return f"eval_failed/{suite}"
 
 
 EVAL_FAILURES = "vitscale.eval_failures"  # tag: checkpoints whose eval failed for good
 
 
-# 1 at the step of a checkpoint whose eval was skipped (too many evals waiting); the reason is in EVAL_FAILURES_DIR.
-def eval_skipped(suite: str) -> str:  # e.g. eval_skipped/vtab1k
+# 1 at the step of a checkpoint whose eval was skipped (too many waiting); the reason is in EVAL_FAILURES_DIR.
+def eval_skipped(suite: str) -> str:
     return f"eval_skipped/{suite}"
 
 
@@ -111,7 +108,7 @@ GOODPUT_FRACTION = "goodput/fraction"  # productive_s / wall_s
 GOODPUT_ARTIFACT = "goodput"  # artifact folder: ledger.json and ledger.txt
 
 
-def goodput_bucket(bucket: str) -> str:  # e.g. goodput/data_wait_s
+def goodput_bucket(bucket: str) -> str:
     if bucket not in GOODPUT_BUCKETS:
         raise KeyError(f"unknown goodput bucket {bucket!r}; known: {', '.join(GOODPUT_BUCKETS)}")
     return f"{GOODPUT_PREFIX}{bucket}_s"
@@ -121,11 +118,11 @@ def goodput_bucket(bucket: str) -> str:  # e.g. goodput/data_wait_s
 TAIL_PERCENTILES = (50, 90, 99)
 
 
-def step_time_percentile(p: int) -> str:  # e.g. train/step_s_p99: seconds per optimizer step
+def step_time_percentile(p: int) -> str:  # seconds per optimizer step
     return f"train/step_s_p{p}"
 
 
-def data_wait_percentile(p: int) -> str:  # e.g. train/data_wait_s_p99: seconds a step waited for its batches
+def data_wait_percentile(p: int) -> str:  # seconds a step waited for its batches
     return f"train/data_wait_s_p{p}"
 
 
@@ -134,6 +131,5 @@ GOODPUT_DATA_WAIT_PREDICTED = "goodput/data_wait_predicted"
 GOODPUT_DATA_WAIT_MEASURED = "goodput/data_wait_measured"
 
 
-def finetune_accuracy_at(dataset: str, steps: int) -> str:  # e.g. finetune/digits/accuracy_at_100steps
-    # The final fine-tuning run's test top-1 after `steps` of its schedule.
+def finetune_accuracy_at(dataset: str, steps: int) -> str:  # the final run's test top-1 after `steps`
     return f"finetune/{dataset}/accuracy_at_{steps}steps"

@@ -1,8 +1,5 @@
-"""A run's model in MLflow: an HF ViT folder (`pretrain.weights.export.save_hf`) logged as a model of the run.
-
-What is logged, and why a pyfunc (`tracking/hf_pyfunc.py`): docs/contracts.md, "The run's model in MLflow".
-``mlflow`` is imported inside functions: the weights CLI imports this module.
-"""
+"""A run's model in MLflow: an HF ViT folder logged as a model of the run (docs/contracts.md, "The run's model in
+MLflow"). ``mlflow`` is imported inside functions: the weights CLI imports this module."""
 
 from __future__ import annotations
 
@@ -29,8 +26,8 @@ def log_hf_model(
     hf_dir: str | Path, run_id: str, tracking_uri: str | None = None, *, step: int | None, source: Any = None
 ) -> str:
     """Log ``hf_dir`` as a model of ``run_id`` at checkpoint ``step``; returns its URI (``models:/m-…``). ValueError
-    naming the fix: no such run, no HF ViT folder, ``step`` None (not a checkpoint), transformers missing."""
-    import mlflow  # heavy: only when a model is logged
+    naming the fix: no such run, no HF ViT folder, ``step`` None, transformers missing."""
+    import mlflow  # heavy
     from mlflow.exceptions import MlflowException
 
     hf_dir = Path(hf_dir)
@@ -49,11 +46,11 @@ def log_hf_model(
             f"MLflow run {run_id!r} is not in {uri}; pass a run id `make ui` lists, and --tracking-uri "
             "for a store other than the project's"
         ) from None
-    spec, example = signature(hf_dir), input_example(hf_dir)  # a folder that is no HF ViT export is refused here
+    spec, example = signature(hf_dir), input_example(hf_dir)  # refuses a folder that is no HF ViT export
     means = eval_means(client, run_id, step)
     tags = {keys.MODEL_TAG_STEP: str(step), keys.MODEL_TAG_SOURCE: str(source or hf_dir)}
     tags |= {keys.MODEL_TAG_EVAL_PREFIX + key: repr(value) for key, value in means.items()}
-    # In the run's experiment: log_model would use the process's active one (artifacts in ./mlruns).
+    # In the run's experiment (log_model would use the process's active one).
     model = client.create_logged_model(
         run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags, params=dict(run.data.params)
     )
@@ -89,9 +86,8 @@ def _require_transformers() -> None:
 
 @contextlib.contextmanager
 def _tracking_uri(uri: str):
-    """Set MLflow's process-wide tracking URI for the call, then restore it and ``MLFLOW_TRACKING_URI``. Progress
-    bars are off meanwhile (the input-example check downloads the model): a job's log stays readable."""
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri  # restores MLflow's setting as it was
+    """MLflow's process-wide tracking URI (and no progress bars) for the call; all restored after."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     saved = {name: os.environ.get(name) for name in (_PROGRESS_BAR, _URI_VARIABLE)}
     os.environ[_PROGRESS_BAR] = "false"
@@ -116,7 +112,7 @@ def _tag_run(client, run_id: str, model_uri: str, step: int) -> None:
 
 
 def eval_means(client, run_id: str, step: int) -> dict[str, float]:
-    """The run's eval metrics with ``/mean`` in their key at ``step``, each the value logged last."""
+    """The run's eval metrics with ``/mean`` in their key at ``step``, each logged last."""
     means = {}
     for key in client.get_run(run_id).data.metrics:
         if not key.startswith(keys.EVAL_PREFIXES) or "/mean" not in key:
@@ -128,7 +124,7 @@ def eval_means(client, run_id: str, step: int) -> dict[str, float]:
 
 
 def _hf_shape(hf_dir: Path) -> tuple[int, int, int]:
-    """(channels, side, outputs) of an HF ViT folder's config.json."""
+    """(channels, side, outputs) from config.json."""
     path = hf_dir / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -162,5 +158,5 @@ def input_example(hf_dir: Path):
 
 
 def requirements() -> list[str]:
-    """Pinned to what wrote the model, local labels dropped (``2.13.0+cpu`` → ``2.13.0``, on PyPI)."""
+    """Pinned to what wrote the model, local labels dropped (``2.13.0+cpu`` → ``2.13.0``)."""
     return [f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in _REQUIREMENTS]

@@ -10,6 +10,7 @@ import numpy as np
 
 from tracking import keys
 from tracking.report_goodput import Goodput, read_goodput, read_tails
+from tracking.report_goodput import _finite as _latest
 
 COMPARISON_KIND = "comparison"  # keys.KIND of the runs reports are logged to
 COMPARISONS_EXPERIMENT = "comparisons"
@@ -39,7 +40,7 @@ class RunSummary:
     vtab_num_tasks: int | None
     vtab_num_tasks_expected: int | None
     start_time_ms: int
-    # Figure curves: (images_seen, loss) per step; (exaFLOPs, accuracy, step) per checkpoint after step 0.
+    # Curves: (images_seen, loss) per step; (exaFLOPs, accuracy, step) per checkpoint after step 0.
     loss_curve: tuple[tuple[float, float], ...] = ()
     fewshot_curve: tuple[tuple[float, float, int], ...] = ()
     notes: tuple[str, ...] = field(default=())
@@ -80,13 +81,8 @@ class Comparison:
     notes: tuple[str, ...] = ()
 
 
-def _latest(metrics: dict, key: str) -> float | None:
-    value = metrics.get(key)
-    return None if value is None or not math.isfinite(value) else float(value)
-
-
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    """(step, value) sorted by step; for a step logged twice (a resumed run) the later value wins."""
+    """(step, value) sorted by step; a step logged twice (a resumed run) keeps the later value."""
     by_step: dict[int, tuple[int, float]] = {}
     for m in client.get_metric_history(run_id, key):
         if math.isfinite(m.value) and (m.step not in by_step or m.timestamp >= by_step[m.step][0]):
@@ -101,8 +97,8 @@ def _interp(step: int, table: list[tuple[int, float]]) -> float:
 
 
 def _patch_size(model: str | None, params: dict) -> int | None:
-    """Param ``model.patch_size``, else the model name's trailing digits (no model registry import): ``vit_b16``,
-    ``r50_vit_b16`` → 16, ``vit_tiny_debug`` → None."""
+    """Param ``model.patch_size``, else the model name's trailing digits (``r50_vit_b16`` → 16, ``vit_tiny_debug``
+    → None)."""
     if "model.patch_size" in params:
         return int(params["model.patch_size"])
     match = re.search(r"(\d+)$", model or "")
@@ -110,7 +106,7 @@ def _patch_size(model: str | None, params: dict) -> int | None:
 
 
 def _effective_status(mlflow_status: str, vitscale_status: str) -> str:
-    """MLflow's status, except that a RUNNING run whose ``vitscale.status`` says it ended takes that status."""
+    """MLflow's, except a RUNNING run whose ``vitscale.status`` says it ended takes that."""
     if mlflow_status != "RUNNING":
         return mlflow_status
     return {"finished": "FINISHED", "failed": "FAILED", "stopped": "STOPPED"}.get(vitscale_status.lower(), "RUNNING")
@@ -200,7 +196,7 @@ def _int_tag(value: str | None) -> int | None:
 
 def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: tuple[str, ...] = ()) -> Comparison:
     """Summarize runs by id, by experiment, or all; ValueError on a bad name."""
-    from mlflow.exceptions import MlflowException  # heavy: only once a store is read
+    from mlflow.exceptions import MlflowException  # heavy
 
     names = {e.experiment_id: e.name for e in client.search_experiments()}
     notes: list[str] = []
@@ -225,7 +221,7 @@ def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: t
     else:
         runs = client.search_runs(list(names), max_results=MAX_RUNS + 1, order_by=["start_time DESC"]) if names else []
         title = "all experiments"
-    runs = [r for r in runs if r.data.tags.get(keys.KIND) != COMPARISON_KIND]  # reports are never compared
+    runs = [r for r in runs if r.data.tags.get(keys.KIND) != COMPARISON_KIND]
     if len(runs) > MAX_RUNS and not run_ids:
         notes.append(f"only the newest {MAX_RUNS} runs are shown; select runs with --runs or --experiment")
         runs = runs[:MAX_RUNS]

@@ -1,8 +1,5 @@
-"""The goodput ledger (docs/goodput.md) in the cross-run report: read, format and draw it.
-
-A run without ``goodput/`` metrics has no `Goodput`: "—", no bar, and no section when no run has one. Imports no
-other report module: collect and render both use it.
-"""
+"""The goodput ledger (docs/goodput.md) in the cross-run report: read, format and draw it. A run without ``goodput/``
+metrics has no `Goodput`: "—", no bar, no section when no run has one. Imports no other report module."""
 
 from __future__ import annotations
 
@@ -25,10 +22,8 @@ BUCKET_COLORS = {
     "resource_wait": "#00838f",
     "other": "#9e9e9e",
 }
-# Narrower segments (share of the wall-clock) get no seconds label.
-LABEL_MIN_SHARE = 0.07
-# Buckets summing further (relative) from the wall-clock get a note under the figure.
-SUM_TOLERANCE = 0.01
+LABEL_MIN_SHARE = 0.07  # narrower segments (share of the wall-clock) get no label
+SUM_TOLERANCE = 0.01  # buckets summing further (relative) from the wall-clock get a note
 
 
 @dataclass(frozen=True)
@@ -41,11 +36,11 @@ class Goodput:
 
     @property
     def accounted_s(self) -> float:
-        """The logged buckets' sum (the wall-clock, if consistent)."""
+        """The logged buckets' sum."""
         return sum(s for _, s in self.seconds if s is not None)
 
     def share(self, bucket: str) -> float | None:
-        """The bucket's fraction of the wall-clock; None without both."""
+        """Of the wall-clock; None without both."""
         value = dict(self.seconds).get(bucket)
         return None if value is None or not self.wall_s else value / self.wall_s
 
@@ -56,7 +51,7 @@ def _finite(metrics: dict, key: str) -> float | None:
 
 
 def read_goodput(metrics: dict) -> Goodput | None:
-    """The ledger from a run's latest metrics; None without any ``goodput/`` metric."""
+    """From a run's latest metrics; None without any ``goodput/`` metric."""
     if not any(k.startswith(keys.GOODPUT_PREFIX) for k in metrics):
         return None
     seconds = tuple((b, _finite(metrics, keys.goodput_bucket(b))) for b in keys.GOODPUT_BUCKETS)
@@ -77,22 +72,19 @@ def read_tails(metrics: dict, key_of) -> tuple[tuple[int, float], ...]:
     return tuple((p, v) for p, v in found if v is not None)
 
 
-# ---- text
-
-
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
 def seconds_text(value: float | None) -> str:
-    """Seconds with thousands separators, e.g. "1,234 s" (fractions below 10 s: "2.5 s")."""
+    """e.g. "1,234 s", "2.5 s" below 10 s."""
     if value is None:
         return "—"
     return f"{value:.1f} s" if abs(value) < 10 else f"{value:,.0f} s"
 
 
 def duration_text(value: float) -> str:
-    """A short duration for a bar label: "45 s", "12.5 min", "3.4 h"."""
+    """For a bar label: "45 s", "12.5 min", "3.4 h"."""
     if value < 120:
         return f"{value:.0f} s"
     return f"{value / 60:.1f} min" if value < 7200 else f"{value / 3600:.1f} h"
@@ -139,9 +131,6 @@ def ledger_notes(rows) -> list[str]:
     return notes
 
 
-# ---- figure
-
-
 def bucket_color(bucket: str) -> str:
     return BUCKET_COLORS.get(bucket) or f"C{keys.GOODPUT_BUCKETS.index(bucket) % 10}"
 
@@ -154,8 +143,7 @@ def _text_color(color: str) -> str:
 
 
 def draw_goodput(ax, rows) -> list[str]:
-    """A stacked bar per ``(name, Goodput)`` with a wall-clock, first on top, of each bucket's share (%); returns
-    the `ledger_notes`."""
+    """A stacked bar of bucket shares (%) per ``(name, Goodput)`` with a wall-clock; returns the `ledger_notes`."""
     from matplotlib.patches import Patch
 
     drawn = [(name, g) for name, g in rows if g is not None and g.wall_s]
@@ -169,15 +157,8 @@ def draw_goodput(ax, rows) -> list[str]:
             color = bucket_color(bucket)
             ax.barh(y, width, left=left, height=0.6, color=color, edgecolor="white", linewidth=0.5)
             if seconds / goodput.wall_s >= LABEL_MIN_SHARE:
-                ax.text(
-                    left + width / 2,
-                    y,
-                    duration_text(seconds),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color=_text_color(color),
-                )
+                label = dict(ha="center", va="center", fontsize=7, color=_text_color(color))
+                ax.text(left + width / 2, y, duration_text(seconds), **label)
             left += width
         widest = max(widest, left)
     ax.set_yticks(range(len(drawn)))
@@ -194,9 +175,9 @@ def draw_goodput(ax, rows) -> list[str]:
 
 
 def plot_goodput(rows, path: Path) -> list[str]:
-    import matplotlib  # heavy: only when a report is drawn
+    import matplotlib  # heavy
 
-    matplotlib.use("Agg")  # headless: never needs a display
+    matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
     bars = sum(1 for _, g in rows if g is not None and g.wall_s)
@@ -207,9 +188,6 @@ def plot_goodput(rows, path: Path) -> list[str]:
     fig.savefig(path)
     plt.close(fig)
     return notes
-
-
-# ---- HTML
 
 
 def _bucket_cell(goodput: Goodput, bucket: str) -> str:

@@ -1,7 +1,5 @@
-"""Render step of the cross-run report: runs.csv, the figures and index.html.
-
-The HTML links only the PNGs beside it: the folder works anywhere. Every gap in the data is said in words.
-"""
+"""Render step of the cross-run report: runs.csv, the figures and index.html (linking only the PNGs beside it, so
+the folder works anywhere). Every gap in the data is said in words."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from pathlib import Path
 
 from tracking import keys
 from tracking.report_collect import Comparison, RunSummary
-from tracking.report_goodput import GOODPUT_PNG, goodput_cell, goodput_line, goodput_section_html, plot_goodput
+from tracking.report_goodput import GOODPUT_PNG, _pct, goodput_cell, goodput_line, goodput_section_html, plot_goodput
 
 LOSS_PNG = "loss_vs_images.png"
 FEWSHOT_PNG = "fewshot_vs_exaflops.png"
@@ -39,10 +37,6 @@ def _count(value: float | None) -> str:
 
 def _sig(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}g}"
-
-
-def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:.1f}%"
 
 
 def _points(value: float | None) -> str:
@@ -101,7 +95,7 @@ def format_table(comparison: Comparison) -> str:
 
 
 def gains_line(run: RunSummary) -> str:
-    """Each checkpoint's 10-shot mean gain over step 0, e.g. "10-shot mean over step 0 (17.2%): step 50 +1.3 pp"."""
+    """e.g. "10-shot mean over step 0 (17.2%): step 50 +1.3 pp"."""
     if not run.fewshot_gains:
         return ""
     steps = ", ".join(f"step {step} {_points(gain)}" for step, gain in run.fewshot_gains)
@@ -134,37 +128,13 @@ def write_csv(comparison: Comparison, path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for r in comparison.runs:
+            names = [r.run_id, r.run_name, r.experiment, r.status, r.model or "", r.patch or "", r.recipe or ""]
+            numbers = [r.images_seen, r.exaflops, r.final_loss, r.fewshot_10shot, r.fewshot_baseline, r.fewshot_gain]
+            vtab = [r.vtab_mean, r.vtab_num_tasks, r.vtab_num_tasks_expected]
             writer.writerow(
-                [
-                    r.run_id,
-                    r.run_name,
-                    r.experiment,
-                    r.status,
-                    r.model or "",
-                    r.patch or "",
-                    r.recipe or "",
-                    r.steps if r.steps is not None else "",
-                    *(
-                        _raw(v)
-                        for v in (
-                            r.images_seen,
-                            r.exaflops,
-                            r.final_loss,
-                            r.fewshot_10shot,
-                            r.fewshot_baseline,
-                            r.fewshot_gain,
-                            r.finetune_accuracy,
-                        )
-                    ),
-                    ";".join(r.finetune_datasets),
-                    _raw(r.vtab_mean),
-                    _raw(r.vtab_num_tasks),
-                    _raw(r.vtab_num_tasks_expected),
-                    " | ".join(r.notes),
-                    r.model_uri or "",
-                    _raw(r.model_step),
-                    *_goodput_csv(r),
-                ]
+                [*names, r.steps if r.steps is not None else "", *map(_raw, [*numbers, r.finetune_accuracy])]
+                + [";".join(r.finetune_datasets), *map(_raw, vtab), " | ".join(r.notes), r.model_uri or ""]
+                + [_raw(r.model_step), *_goodput_csv(r)]
             )
 
 
@@ -176,9 +146,9 @@ def _raw(value) -> str:
 
 
 def _figure():
-    import matplotlib  # heavy: only when a report is drawn
+    import matplotlib  # heavy
 
-    matplotlib.use("Agg")  # headless: never needs a display
+    matplotlib.use("Agg")  # headless
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110)
@@ -187,7 +157,7 @@ def _figure():
 
 
 def _color(runs: tuple[RunSummary, ...], run: RunSummary) -> str:
-    """One colour per run, the same in both figures."""
+    """The same in both figures."""
     return f"C{runs.index(run) % 10}"
 
 
@@ -207,7 +177,7 @@ def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
         crashed = run.status != "FINISHED"
         color = _color(runs, run)
         ax.plot(x, y, linestyle="--" if crashed else "-", linewidth=1.6, label=run.label, color=color)
-        if crashed:  # mark where an unfinished run stopped
+        if crashed:
             ax.plot(x[-1], y[-1], marker="x", markersize=9, color=color)
     if drawn:
         ax.set_xlabel("images seen")
@@ -224,7 +194,7 @@ def plot_loss(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
 
 
 def plot_fewshot(runs: tuple[RunSummary, ...], path: Path) -> list[str]:
-    """10-shot accuracy vs exaFLOPs (paper Fig. 5, log x) per run, with a dashed line at its step-0 value."""
+    """10-shot accuracy vs exaFLOPs (paper Fig. 5) per run, a dashed line at its step-0 value; returns its notes."""
     plt, fig, ax = _figure()
     notes = draw_fewshot(ax, runs)
     fig.tight_layout()
@@ -384,7 +354,7 @@ def write_report(comparison: Comparison, out_dir: Path) -> Path:
     goodput_notes: list[str] = []
     if any(r.goodput is not None for r in comparison.runs):
         goodput_notes = plot_goodput([(r.run_name, r.goodput) for r in comparison.runs], out_dir / GOODPUT_PNG)
-    else:  # no ledger: remove an earlier report's goodput.png (it would be logged)
+    else:  # an earlier report's goodput.png would be logged
         (out_dir / GOODPUT_PNG).unlink(missing_ok=True)
     index = out_dir / "index.html"
     index.write_text(render_html(comparison, loss_notes, fewshot_notes, goodput_notes), encoding="utf-8")

@@ -1,9 +1,6 @@
-"""A run's life in MLflow: creation (once per pre-training job), its tags, its final status; the credentials a job
-takes along.
-
-`create_run` and `open_job_run` raise (the caller decides whether to go on untracked); `start_job_run` and
-`finish_run` never do: tracking never decides a job's fate (docs/design.md, "Tracking at a job's start").
-"""
+"""A run's life in MLflow: creation (once per pre-training job), tags, final status, the credentials a job takes.
+`create_run` and `open_job_run` raise; `start_job_run` and `finish_run` never do (docs/design.md, "Tracking at a job's
+start")."""
 
 from __future__ import annotations
 
@@ -30,19 +27,14 @@ from tracking.tracker import (
     recorded_run_id,
 )
 
-# In the run folder: the MLflow run a relaunch continues.
-RUN_RECORD = "mlflow_run.json"
-# A job's start waits this long for MLflow to create its run, then trains without it: a healthy server answers well
-# within it, and MLflow's own retries against one that is down last minutes.
+RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch continues
+# A job's start waits this long for MLflow to create its run, then trains without it (MLflow's retries last minutes).
 START_WAIT_S = 10.0
-# The background creation's retries back off up to this.
-CREATE_RETRY_MAX_S = 60.0
-# While nothing accepts connections at the server's address, the creation looks again this often, and only then
-# asks MLflow: MLflow's own retries back off to minutes, so a run asked for while the server was down was created
-# 40 s after it came back (docs/benchmarks/2026-12-03-tracking-outage.md).
+CREATE_RETRY_MAX_S = 60.0  # the background creation's backoff cap
+# While nothing accepts connections at the server's address, look again this often before asking MLflow, whose own
+# retries back off to minutes (docs/benchmarks/2026-12-03-tracking-outage.md).
 DOWN_POLL_S = 5.0
-# What MLflow's client reads to reach a server (mlflow.environment_variables): the job gets them from the launching
-# environment, in its runtime env only, never in the job spec, the plan, a param or a tag.
+# What MLflow's client reads to reach a server: only in the job's runtime env, never a spec, plan, param or tag.
 CREDENTIAL_VARS = (
     "MLFLOW_TRACKING_TOKEN",
     "MLFLOW_TRACKING_USERNAME",
@@ -53,20 +45,15 @@ CREDENTIAL_VARS = (
 
 
 def git_commit(root: Path | str | None = None) -> str:
-    """The project's current commit (``<sha>`` or ``<sha>-dirty``), or ``"unknown"`` outside a git checkout."""
+    """``<sha>`` or ``<sha>-dirty``, or ``"unknown"`` outside a git checkout."""
     cwd = Path(root) if root is not None else PROJECT_ROOT
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        sha = git("rev-parse", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{sha}-dirty" if dirty else sha
@@ -75,8 +62,7 @@ def git_commit(root: Path | str | None = None) -> str:
 def run_tags(
     recipe: str, model: str, world_size: int, *, profile: str | None = None, run_dir: str | None = None
 ) -> dict[str, str]:
-    """The run's tags: what is trained, at which world size, ``running``. A profile's job also gets the profile and
-    the commit, computed here on the launching machine: the job's copy of the code has no ``.git``."""
+    """A profile's job also gets the profile and the commit, read here: the job's copy of the code has no ``.git``."""
     tags = {keys.RECIPE: recipe, keys.MODEL: model, keys.WORLD_SIZE: str(world_size), keys.STATUS: "running"}
     if profile is not None:
         tags |= {keys.PROFILE: profile, keys.GIT_COMMIT: git_commit()}
@@ -86,7 +72,7 @@ def run_tags(
 
 
 def get_or_create_experiment(client, tracking_uri: str, experiment: str) -> str:
-    from mlflow.exceptions import MlflowException  # heavy: only when a run is touched
+    from mlflow.exceptions import MlflowException  # heavy
 
     found = client.get_experiment_by_name(experiment)
     if found is not None:
@@ -94,8 +80,7 @@ def get_or_create_experiment(client, tracking_uri: str, experiment: str) -> str:
     try:
         location = default_artifact_location(tracking_uri, experiment)
         return client.create_experiment(experiment, artifact_location=location)
-    except MlflowException:
-        # Another process created it since the lookup.
+    except MlflowException:  # another process created it since the lookup
         found = client.get_experiment_by_name(experiment)
         if found is None:
             raise
@@ -109,8 +94,8 @@ def create_run(
     params: Mapping[str, Any] | None = None,
     tags: Mapping[str, Any] | None = None,
 ) -> str:
-    """Create the run of one pre-training job; returns its id. Nested ``params`` are flattened (`flatten_config`)."""
-    from mlflow import MlflowClient  # heavy: only when a run is created
+    """Create the run of one pre-training job; returns its id. ``params`` are flattened (`flatten_config`)."""
+    from mlflow import MlflowClient  # heavy
     from mlflow.entities import Param
 
     if not experiment:
@@ -128,7 +113,7 @@ def create_run(
 
 
 def tracking_credentials(environ: Mapping[str, str]) -> dict[str, str]:
-    """The `CREDENTIAL_VARS` set in ``environ``, for the job's runtime env."""
+    """The `CREDENTIAL_VARS` set in ``environ``."""
     return {name: environ[name] for name in CREDENTIAL_VARS if environ.get(name)}
 
 
@@ -140,8 +125,7 @@ def open_job_run(
     tags: Mapping[str, Any],
     plan: Mapping[str, Any],
 ) -> str:
-    """The run ``<run_dir>/mlflow_run.json`` records, else a new one (``config`` as params, ``tags``, ``plan.json``);
-    its id, a config field, is logged once it exists. Waits on MLflow and raises: `start_job_run` does neither."""
+    """The run ``<run_dir>/mlflow_run.json`` records, else a new one (``config`` as params, ``tags``, ``plan.json``)."""
     run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
     if run_id is not None:
         print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
@@ -159,10 +143,9 @@ def start_job_run(
     plan: Mapping[str, Any],
     wait_s: float | None = None,
 ) -> JobRun:
-    """`open_job_run` that never stops the job: MLflow gets ``wait_s`` (default `START_WAIT_S`), then the run is
-    created on a thread, retried until MLflow answers, while the job trains; see `JobRun`."""
+    """`open_job_run` that never stops the job: after ``wait_s``, the creation goes on on a thread (`JobRun`)."""
     run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
-    if run_id is not None:  # a relaunch: nothing to ask MLflow
+    if run_id is not None:  # a relaunch
         print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
         return JobRun(run_dir / RUN_RECORD, tracking_uri, run_id)
     _write_plan(run_dir, plan)
@@ -173,22 +156,18 @@ def start_job_run(
 
 
 class JobRun:
-    """A job's MLflow run, which may not exist yet: ``ref`` names it to every Tracker from the job's start.
-
-    ``ref`` is the run's id when the run existed, or was created, within the start's wait; else `pending_run_ref` of
-    the run record, which Trackers resolve once the record names the run. Until then they buffer. The creation
-    retries, backing off to `CREATE_RETRY_MAX_S`, until MLflow answers or `stop`; its first failure, or the end of
-    the start's wait, is said in one warning line. ``run_id``: the id, once the run exists.
-    """
+    """A job's MLflow run, which may not exist yet. ``ref`` names it to every Tracker: the run's id if it existed
+    within the start's wait, else `pending_run_ref` of the record. The creation retries until MLflow answers or `stop`;
+    its first failure, or the end of the start's wait, is one warning line. ``run_id``: once the run exists."""
 
     def __init__(self, record: Path, tracking_uri: str | None, run_id: str | None = None) -> None:
         self.record = record
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.ref = run_id or pending_run_ref(record)
-        self._lock = threading.Lock()  # run_id and ref: the creation thread and the job's start
+        self._lock = threading.Lock()  # run_id and ref
         self._created = threading.Event()
-        self._settled = threading.Event()  # created, or failed once: the start waits no longer
+        self._settled = threading.Event()  # created, or failed once
         self._stop = threading.Event()
         self._warned = False
         self._started = time.monotonic()
@@ -199,7 +178,7 @@ class JobRun:
         self._thread.start()
 
     def wait_for_start(self, timeout_s: float) -> None:
-        """Wait for the run, a failure or ``timeout_s``; ``ref`` is then fixed: the run's id, or the pending one."""
+        """Wait for the run, a failure or ``timeout_s``; then ``ref`` is fixed."""
         self._settled.wait(timeout_s)
         with self._lock:
             self.ref = self.run_id or self.ref
@@ -207,13 +186,13 @@ class JobRun:
                 self._warn_once(f"it did not answer within {timeout_s:g} s")
 
     def wait(self, timeout_s: float | None = None) -> str | None:
-        """The run's id once it exists, within ``timeout_s``; else None."""
+        """The run's id if it exists within ``timeout_s``, else None."""
         if self.run_id is None:
             self._created.wait(timeout_s)
         return self.run_id
 
     def stop(self, wait_s: float = 0.0) -> None:
-        """No further attempt to create the run (the job ends); waits up to ``wait_s`` for one in flight."""
+        """No further attempt (the job ends); waits up to ``wait_s`` for one in flight."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(wait_s)
@@ -223,7 +202,7 @@ class JobRun:
         while not self._stop.is_set():
             refused = _refused_connection(self.tracking_uri)
             try:
-                if refused:  # said and retried as MLflow's own failures are, but looked at again sooner
+                if refused:  # said and retried as MLflow's failures are, but sooner
                     raise ConnectionRefusedError(refused)
                 run_id = create()
             except Exception as error:  # noqa: BLE001 — MLflow down, slow or refusing: the job trains regardless
@@ -247,15 +226,15 @@ class JobRun:
             return
 
     def _record_refusal(self, error: BaseException) -> None:
-        """Say in the run record that MLflow refuses the job: closing Trackers then give up their records at once."""
+        """Record that MLflow refuses the job: closing Trackers then give up at once."""
         refused = {"run_id": None, "tracking_uri": self.tracking_uri, "refused": _reason(error)}
         try:
             write_text_atomically(self.record, json.dumps(refused))
-        except OSError:  # a full disk: the Trackers wait out their close timeout instead
+        except OSError:  # the Trackers wait out their close timeout instead
             pass
 
     def _warn_once(self, what: str) -> None:
-        """The one warning of a run not created at the job's start; the caller holds _lock."""
+        """The caller holds _lock."""
         if self._warned:
             return
         self._warned = True
@@ -267,17 +246,16 @@ class JobRun:
         )
 
 
-# MLflow's error codes of a 401 and a 403: credentials the job lacks, not an outage.
+# MLflow's codes of a 401 and a 403: credentials the job lacks, not an outage.
 _REFUSALS = frozenset({"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"})
 
 
 def _refused_connection(tracking_uri: str | None, timeout_s: float = 2.0) -> str:
-    """Why nothing takes a TCP connection at an HTTP(S) tracking server's address within ``timeout_s``; "" when
-    something does, or the store is not a server (a file, a database)."""
+    """Why nothing takes a TCP connection at an HTTP(S) server's address; "" when something does, or for no server."""
     try:
         url = urllib.parse.urlsplit(tracking_uri or "")
         address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
-    except ValueError:  # not a URL this check can read: MLflow's own error says what is wrong with it
+    except ValueError:  # MLflow's own error says what is wrong with it
         return ""
     if url.scheme not in ("http", "https") or not url.hostname:
         return ""
@@ -292,7 +270,7 @@ def _reason(error: BaseException) -> str:
     """One line on why MLflow failed, with the fix for a refusal (401/403)."""
     summary = " ".join(str(error).split())[:300]
     hint = ""
-    if getattr(error, "error_code", None) in _REFUSALS:  # credentials, not an outage
+    if getattr(error, "error_code", None) in _REFUSALS:
         hint = "; check MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN where you launch"
     return f"{type(error).__name__}: {summary}{hint}"
 
@@ -305,8 +283,7 @@ def _write_plan(run_dir: Path, plan: Mapping[str, Any]) -> None:
 def _create_job_run(
     run_dir: Path, tracking_uri: str | None, experiment: str, config: Mapping[str, Any], tags: Mapping[str, Any]
 ) -> str:
-    """Create the run and record it at once, so that a retry never makes a second one; then its params (the run's
-    own id among them) and ``plan.json``, sent by a Tracker that retries."""
+    """Create the run and record it at once (a retry never makes a second one); a Tracker sends the rest."""
     params = flatten_config(config)
     params.pop(keys.RUN_ID_PARAM, None)
     run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)
@@ -321,9 +298,8 @@ def _create_job_run(
 def steps_missing(
     tracking_uri: str | None, run_id: str, wanted: Mapping[int, Mapping[str, float]]
 ) -> dict[int, dict[str, float]]:
-    """Of ``wanted`` (step -> metrics), the steps whose metrics the run lacks, judged by each step's first key
-    (one history read per distinct key). Used at a job's end for evals whose task ended before the run existed."""
-    from mlflow import MlflowClient  # heavy: only when a run is touched
+    """Of ``wanted`` (step -> metrics), the steps the run lacks, judged by each step's first key."""
+    from mlflow import MlflowClient  # heavy
 
     client = MlflowClient(tracking_uri=tracking_uri)
     logged: dict[str, set[int]] = {}
@@ -340,13 +316,12 @@ def steps_missing(
 
 
 def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> None:
-    """End the run with MLflow's ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` (the trainer's
-    finer word, e.g. "stopped") or ``status`` lower-cased."""
-    from mlflow import MlflowClient  # heavy: only when a run is touched
+    """End the run with ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` or ``status.lower()``."""
+    from mlflow import MlflowClient  # heavy
 
     try:
         client = MlflowClient(tracking_uri=tracking_uri)
         client.set_tag(run_id, keys.STATUS, outcome or status.lower())
         client.set_terminated(run_id, status=status)
-    except Exception as exc:  # tracking never decides the job's fate
+    except Exception as exc:
         print(f"warning: could not mark MLflow run {run_id} {status}: {exc}", file=sys.stderr)

@@ -1,8 +1,6 @@
-"""The rank-0 MLflow tracker, and where a run's record is stored.
-
-A tracking failure never stops training (`Tracker`), nor does a run that does not exist yet: a Tracker given a
-pending run (`pending_run_ref`) buffers until the run folder's record names the run (docs/design.md, "Tracking at a
-job's start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--help`` import this module.
+"""The rank-0 MLflow `Tracker`, which never stops training, and where a run's record is stored (docs/design.md,
+"Tracking at a job's start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--help`` import
+this module.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ _PERMANENT_ERROR_CODES = frozenset(
     {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
 )
 
-
-# A run the job's driver is still creating (tracking.runs.start_job_run): this prefix, then its run record's path.
-PENDING_RUN = "pending:"
-# How often a Tracker of a pending run reads the record: a small file, local or on the run's shared storage.
-PENDING_POLL_S = 2.0
+PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
+PENDING_POLL_S = 2.0  # how often a Tracker of a pending run reads the record
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:
@@ -63,8 +58,7 @@ def sqlite_path(tracking_uri: str) -> Path | None:
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
-    """An embedded store's artifact folder: next to the database, not the current directory's ``./mlruns``; None for
-    a server."""
+    """An embedded store's artifact folder, next to the database (not ``./mlruns``); None for a server."""
     db = sqlite_path(tracking_uri)
     if db is None:
         return None
@@ -73,13 +67,13 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
 
 def pending_run_ref(record: Path | str) -> str:
-    """What a Tracker gets for the run that ``record`` (a run folder's ``mlflow_run.json``) will name once created."""
+    """A Tracker's ``run_id`` for the run ``record`` (``mlflow_run.json``) will name."""
     return f"{PENDING_RUN}{Path(record).resolve()}"
 
 
 def read_run_record(record: Path | str, tracking_uri: str | None) -> dict[str, Any]:
-    """What ``record`` (``{"run_id", "tracking_uri"}``, or ``"refused"`` while MLflow refuses the job's credentials)
-    holds for ``tracking_uri``; {} when it is absent, unreadable or another store's."""
+    """``record``'s ``{"run_id", "tracking_uri"}`` (``"refused"``: MLflow refuses the job's credentials); {} when
+    absent, unreadable or another store's."""
     try:
         saved = json.loads(Path(record).read_text())
     except (OSError, ValueError):
@@ -92,7 +86,7 @@ def read_run_record(record: Path | str, tracking_uri: str | None) -> dict[str, A
 
 
 def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
-    """The run id ``record`` holds for ``tracking_uri`` (`read_run_record`), or None."""
+    """The run id of `read_run_record`, or None."""
     return read_run_record(record, tracking_uri).get("run_id") or None
 
 
@@ -127,7 +121,7 @@ class _Artifact:
 
 @dataclass(frozen=True)
 class _PendingMetric:
-    seq: int  # to remove exactly what was sent
+    seq: int  # removes exactly what was sent
     key: str
     value: float
     timestamp_ms: int
@@ -135,7 +129,7 @@ class _PendingMetric:
 
 
 class _QuietMlflowDbErrors(logging.Filter):
-    """Drops MLflow's per-retry traceback of failed SQL while a Tracker sends from this thread (it warns itself)."""
+    """Drops MLflow's per-retry SQL tracebacks while a Tracker sends from this thread (it warns itself)."""
 
     active = threading.local()
 
@@ -154,15 +148,11 @@ def _rank_from_env() -> int:
 
 
 class Tracker:
-    """Rank-aware MLflow logger that never raises into, and never blocks, the training loop.
-
-    Only rank 0 (``RANK`` env, or ``rank=``) with a ``run_id`` logs. ``log_*`` only buffers, for a sender thread that
-    writes at most once per ``send_every_s`` (docs/performance.md, "The MLflow sender"). A failed send warns (rate
-    limited), keeps the buffer (up to ``max_buffered`` metrics) and retries with a backoff doubling to
-    ``max_backoff_s``. A batch MLflow rejects as invalid is dropped. A pending ``run_id`` (`pending_run_ref`) is
-    resolved from its record, read every `PENDING_POLL_S` until it names the run; a logged value equal to it (the
-    config's ``logging.mlflow_run_id``) is sent as the run's id.
-    """
+    """MLflow logger that never raises into, nor blocks, the training loop; only rank 0 (``RANK`` or ``rank=``) with a
+    ``run_id`` logs. A sender thread writes the buffer at most once per ``send_every_s`` (docs/performance.md, "The
+    MLflow sender"); a failed send warns (rate limited), keeps up to ``max_buffered`` metrics and retries, backing off
+    to ``max_backoff_s``. A pending ``run_id`` is resolved from its record; a logged value equal to it is sent as the
+    run's id."""
 
     def __init__(
         self,
@@ -180,8 +170,7 @@ class Tracker:
         self.enabled = bool(enabled and run_id and self.rank == 0)
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.run_id = run_id
-        # The pending reference while the run is created elsewhere; run_id becomes the real id once it exists.
-        self._placeholder = run_id if run_id and run_id.startswith(PENDING_RUN) else None
+        self._placeholder = run_id if run_id and run_id.startswith(PENDING_RUN) else None  # until run_id is real
         self.max_buffered = max_buffered
         self.warn_interval_s = warn_interval_s
         self.max_backoff_s = max_backoff_s
@@ -193,7 +182,6 @@ class Tracker:
         self._artifacts: list[_Artifact] = []
         self._next_seq = 0
         self._dropped = 0
-        # log_once_per_step
         self._once_prefixes: tuple[str, ...] = ()
         self._run_steps: dict[str, int] = {}
         self._said_skipping = False
@@ -214,16 +202,14 @@ class Tracker:
         self._attempted = threading.Event()  # set after each send attempt
         self._thread: threading.Thread | None = None
         self._close_by = math.inf  # close()'s deadline for a pending run
-        if self.enabled:  # here, not at import: importing has no side effects
+        if self.enabled:  # not at import: importing has no side effects
             logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
             _track_for_exit(self)
-            # Now, not in the sender: slow to import, it would time out an early checkpoint's sync().
+            # Now, not in the sender: a slow import there would time out an early checkpoint's sync().
             import mlflow  # noqa: F401
 
-    # ---- public API
-
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Buffer ``metrics`` at ``step``; non-numeric values are skipped with a warning."""
+        """Buffer ``metrics`` at ``step``; a non-numeric value is skipped with a warning."""
         if not self.enabled:
             return
         now_ms = int(time.time() * 1000)
@@ -242,12 +228,12 @@ class Tracker:
         self._kick()
 
     def log_once_per_step(self, *prefixes: str) -> None:
-        """Skip values of keys under ``prefixes`` at steps the run held when we connected (a restart redoes steps)."""
+        """Skip keys under ``prefixes`` at steps the run held when we connected (a restart redoes steps)."""
         with self._buffer_lock:
             self._once_prefixes = tuple(dict.fromkeys((*self._once_prefixes, *prefixes)))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log params, flattened like `flatten_config`."""
+        """Flattened like `flatten_config`."""
         if not self.enabled:
             return
         flat = flatten_config(params)
@@ -283,9 +269,7 @@ class Tracker:
         return self.pending == 0
 
     def connect_in_background(self) -> None:
-        """Open the MLflow client now, on a thread, so that the first send does not pay for it: a fresh process's
-        first touch of the store imports and sets up its backend, seconds on a quiet machine and tens of seconds on a
-        loaded one. A store that is down is only found out (and warned about) by the first send, as without this."""
+        """Open the MLflow client on a thread now (up to tens of seconds), so the first send does not pay for it."""
         if self.enabled:
             threading.Thread(target=self._connect_quietly, name="vitscale-mlflow-connect", daemon=True).start()
 
@@ -295,14 +279,14 @@ class Tracker:
             try:
                 if self._run_exists():
                     self._get_client()
-            except Exception:  # noqa: BLE001 — the first send retries, and warns with the reason
+            except Exception:  # noqa: BLE001 — the first send retries and warns
                 pass
             finally:
                 _QUIET_FILTER.active.sending = False
 
     def sync(self, timeout: float = 5.0) -> bool:
-        """Have the sender deliver now; True when nothing is left. Called before a checkpoint is published: its steps
-        are never redone, so their metrics must not die buffered. False at once while the store is failing."""
+        """Have the sender deliver now (before a checkpoint is published); True when nothing is left, False at once
+        while the store is failing."""
         if not self.enabled:
             return True
         deadline = time.monotonic() + timeout
@@ -316,11 +300,10 @@ class Tracker:
         return True
 
     def close(self, timeout: float | None = 120.0) -> None:
-        """One last send, then stop the sender; ``timeout`` bounds the wait on a server that never answers, or on a
-        pending run that is not created."""
+        """One last send, then stop the sender; ``timeout`` bounds the wait."""
         if not self.enabled:
             return
-        # A pending run is waited for at most this long, also without a timeout: its server may never come back.
+        # Bounded even without a timeout: a pending run's server may never come back.
         self._close_by = time.monotonic() + (120.0 if timeout is None else timeout)
         self._closing.set()
         self._hurry.set()
@@ -360,7 +343,7 @@ class Tracker:
             wait = max(0.0, self._next_attempt - time.monotonic())
             self._wake.wait(timeout=wait if self._next_attempt else None)
             self._wake.clear()
-            self._hurry.wait(self._last_send + self.send_every_s - time.monotonic())  # what else comes meanwhile
+            self._hurry.wait(self._last_send + self.send_every_s - time.monotonic())  # coalesce
             self._hurry.clear()
             if self._closing.is_set() or time.monotonic() < self._next_attempt or self.pending == 0:
                 self._attempted.set()
@@ -369,13 +352,12 @@ class Tracker:
                 self._attempt()
                 self._last_send = time.monotonic()
             self._attempted.set()
-        self._await_run(self._close_by - 1.0)  # close(): a pending run may be created while close() waits
+        self._await_run(self._close_by - 1.0)  # a pending run may be created while close() waits
         with self._send_lock:  # one last attempt regardless of the backoff
             self._attempt()
 
     def _await_run(self, deadline: float) -> None:
-        """Until ``deadline``, look for a pending run's record every `PENDING_POLL_S`; no wait for a run id, nor for
-        a run MLflow refuses to create (wrong credentials do not right themselves by the job's end)."""
+        """Until ``deadline``, wait for a pending run's record to name the run (or a refusal)."""
         while self.pending:
             with self._send_lock:
                 if self._run_exists() or self._refused():
@@ -389,7 +371,7 @@ class Tracker:
         """Send everything buffered; the caller holds _send_lock. Never raises."""
         if self.pending == 0:
             return
-        if not self._run_exists():  # not a failure: no warning, no backoff, only a look at the record again soon
+        if not self._run_exists():  # not a failure: no warning, no backoff
             self._next_attempt = time.monotonic() + PENDING_POLL_S
             return
         _QUIET_FILTER.active.sending = True
@@ -413,10 +395,10 @@ class Tracker:
             _QUIET_FILTER.active.sending = False
 
     def _send_all(self) -> None:
-        from mlflow.entities import Metric, Param, RunTag  # heavy: only when a run is touched
+        from mlflow.entities import Metric, Param, RunTag  # heavy
 
         client = self._get_client()
-        # Params and tags first: metrics without their config are hard to read.
+        # Params and tags first: metrics need their config.
         for store, make, what in ((self._params, Param, "params"), (self._tags, RunTag, "tags")):
             while True:
                 with self._buffer_lock:
@@ -438,7 +420,7 @@ class Tracker:
             if sent:
                 self._send_batch("metrics", lambda e=sent: client.log_batch(self.run_id, metrics=e))
             with self._buffer_lock:
-                # By sequence number: log_metrics may have dropped the oldest meanwhile.
+                # By seq: log_metrics may have dropped the oldest meanwhile.
                 while self._metrics and self._metrics[0].seq <= metrics[-1].seq:
                     self._metrics.popleft()
         while True:
@@ -458,8 +440,8 @@ class Tracker:
             self._warn(f"{dropped} metric values were dropped while MLflow was unreachable (buffer full)", force=True)
 
     def _send_batch(self, what: str, send) -> None:
-        """Run ``send``; warn about permanent rejections, re-raise the rest for a retry."""
-        from mlflow.exceptions import MlflowException  # heavy: only when a run is touched
+        """Run ``send``; a permanent rejection warns, the rest re-raise for a retry."""
+        from mlflow.exceptions import MlflowException  # heavy
 
         try:
             send()
@@ -472,7 +454,7 @@ class Tracker:
             )
 
     def _run_exists(self) -> bool:
-        """True for a run id; for a pending run, once its record names the run, which becomes ``run_id``."""
+        """True for a run id; for a pending run, once its record names the run (then ``run_id``)."""
         if self._placeholder is None or self.run_id != self._placeholder:
             return True
         run_id = recorded_run_id(self._placeholder[len(PENDING_RUN) :], self.tracking_uri)
@@ -489,7 +471,7 @@ class Tracker:
         return bool(read_run_record(self._placeholder[len(PENDING_RUN) :], self.tracking_uri).get("refused"))
 
     def _named(self, value: str) -> str:
-        """A param or tag value, the pending reference replaced by the run's id."""
+        """The pending reference replaced by the run's id."""
         return self.run_id if self._placeholder is not None and value == self._placeholder else value
 
     def _upload(self, client, item: _Artifact) -> None:
@@ -500,10 +482,10 @@ class Tracker:
 
     def _get_client(self):
         if self._client is None:
-            from mlflow import MlflowClient  # heavy: only when a run is touched
+            from mlflow import MlflowClient  # heavy
 
             client = MlflowClient(tracking_uri=self.tracking_uri)
-            # Touch the store inside the retries; nothing is sent yet, so these steps are earlier processes'.
+            # Inside the retries; nothing is sent yet, so these steps are earlier processes'.
             run = client.get_run(self.run_id)
             self._run_steps = {m.key: m.step for m in run.data.to_proto().metrics}
             self._client = client
@@ -522,7 +504,7 @@ class Tracker:
         return True
 
     def _warn(self, message: str, force: bool = False) -> None:
-        """Log a warning; unforced ones at most once per warn_interval_s."""
+        """Unforced warnings at most once per warn_interval_s."""
         with self._warn_lock:
             now = time.monotonic()
             if not force and now - self._last_warning < self.warn_interval_s:
@@ -536,7 +518,7 @@ class Tracker:
         logger.warning(message)
 
 
-# Trackers still open at exit get a bounded close(); registered by the first enabled Tracker.
+# Trackers still open at exit get a bounded close().
 _OPEN_TRACKERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
 _exit_hook_registered = False
 

@@ -1,7 +1,6 @@
 """The MLflow UI over the project's tracking store, on 127.0.0.1: ``python -m tracking.ui [--port 5000]``.
 
-Runs ``mlflow server`` on the embedded SQLite store, on loopback: the UI has no authentication and can delete
-runs, so another ``--host`` is warned about.
+The UI has no authentication and can delete runs: another ``--host`` is warned about.
 """
 
 from __future__ import annotations
@@ -51,23 +50,9 @@ def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, wor
         raise ValueError(f"folder of the tracking store {db} does not exist; run training first or fix the URI")
     if port <= 0 or port > 65535:
         raise ValueError(f"--port {port} is not a TCP port (1-65535)")
-    return [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        tracking_uri,
-        # UI-created experiments keep artifacts next to the database too.
-        "--artifacts-destination",
-        str(db.parent / "mlartifacts"),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-    ]
+    server = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri]
+    artifacts = ["--artifacts-destination", str(db.parent / "mlartifacts")]  # UI-created experiments' too
+    return [*server, *artifacts, "--host", host, "--port", str(port), "--workers", str(workers)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         command = build_command(uri, args.host, args.port, args.workers)
         try:
             socket.getaddrinfo(args.host, args.port)
-        except (socket.gaierror, UnicodeError) as error:  # a name nothing resolves: say so, not "port taken"
+        except (socket.gaierror, UnicodeError) as error:  # say so, not "port taken"
             raise ValueError(
                 f"--host {args.host!r} is not an address of this machine ({error}); omit it for 127.0.0.1"
             ) from None
@@ -106,11 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(" ".join(command))
         return 0
-    # exec: Ctrl-C and `kill <pid>` reach the server directly.
-    # MLflow 3's server also starts a job runner with seven consumer processes for its GenAI jobs (judges, prompt
-    # optimisation), which this project never submits: off unless asked for, the UI answers in half the CPU.
+    # MLflow 3's job runner (seven processes for GenAI jobs, never submitted here) is off unless asked for.
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    os.execv(command[0], command)
+    os.execv(command[0], command)  # Ctrl-C and `kill <pid>` reach the server directly
     return 0  # not reached
 
 
