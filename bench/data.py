@@ -1,15 +1,11 @@
 """Data benchmark: the training decode+augment path beside bare PIL decode+resize, loader worker scaling, and shard
 reading speed.
 
-    python -m bench.data [--images 320] [--size 224] [--out bench-results/data.json]     (make bench-data)
-
-The JPEGs are generated (``bench.images``): no data, no network. Decoder rates are images per CPU second of
-this one process (per core, so other jobs distort them less), best of interleaved rounds. ``ratio`` = ``pipeline``
-(``decode_train`` + the worker's float conversion) / ``pil`` (whole-image decode + resize, uint8 out);
-``ratio_uint8`` leaves the conversion out; ``ratio_full_decode``, ``ratio_randaugment`` and ``ratio_dali``
-(``--dali``, an outside anchor for ``ratio_uint8``) vary the pipeline. ``workers_2_over_1``: the loader's images per
-wall-clock second at 2 workers over 1, best rounds (``_paired_median``: the median of per-round ratios); it needs 2
-idle cores. Other keys: where they are measured.
+Rates are images per CPU second of this process on generated JPEGs, best of interleaved rounds. ``ratio`` =
+``pipeline`` (``decode_train`` + the worker's float conversion) / ``pil`` (decode + resize, uint8 out);
+``ratio_uint8`` leaves the conversion out; ``ratio_full_decode``, ``ratio_randaugment`` and ``ratio_dali`` (``--dali``)
+vary the pipeline. ``workers_2_over_1``: the loader's wall-clock images/s at 2 workers over 1, best rounds
+(``_paired_median``: the median of per-round ratios); it needs 2 idle cores. Other keys: where they are measured.
 """
 
 from __future__ import annotations
@@ -30,18 +26,15 @@ import torch
 from PIL import Image
 
 from bench.images import imagenet_like_jpegs
-from bench.shard_rates import read_speed, stream_rate
+from bench.shard_rates import read_speed, stream_rate, train_stream, write_shards
 from data_pipeline.cli import output_file
 from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
-from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.step_pool import StepPool, conversion_rows
-from data_pipeline.stream.train_stream import TrainStream
-from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
 def bare_pil(images: list[bytes], size: int) -> float:
-    """Images per CPU second of PIL's decode + bilinear resize of the whole image to ``size``, uint8 out. Resized
-    before ``convert("RGB")``, which would copy the full-size image."""
+    """Images per CPU second of PIL's decode + bilinear resize to ``size``, uint8 out; resized before
+    ``convert("RGB")``, which would copy the full-size image."""
     start = time.process_time()
     for data in images:
         with Image.open(io.BytesIO(data)) as img:
@@ -51,14 +44,12 @@ def bare_pil(images: list[bytes], size: int) -> float:
 
 
 def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32, convert: bool = True) -> float:
-    """Images per CPU second of decode + augment and a worker's conversion into the step's float buffer (the
-    stream's `StepPool`); ``convert=False``: decode + augment only, uint8 out."""
-    if convert:  # made before the clock starts, as the loader makes them once
-        pool, scratch = (
-            StepPool(2, batch, size, workers=1, lookahead=0, shared=True),
-            planes(conversion_rows(size), size),  # the planes a worker converts at a time
-        )
-    decode = decode_train_image if convert else decode_train  # a worker keeps the training image until it packs it
+    """Images per CPU second of decode + augment and a worker's conversion into the stream's `StepPool`;
+    ``convert=False``: decode + augment only, uint8 out."""
+    if convert:  # before the clock, as the loader makes them once
+        pool = StepPool(2, batch, size, workers=1, lookahead=0, shared=True)
+        scratch = planes(conversion_rows(size), size)
+    decode = decode_train_image if convert else decode_train
     start = time.process_time()
     for step, first in enumerate(range(0, len(images), batch)):
         arrays = [
@@ -84,8 +75,8 @@ def scaled_decode_fraction(images: list[bytes], size: int, augment: AugmentConfi
 
 
 def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
-    """``decode_us_scale_<n>_8``: µs per image of libjpeg-turbo's decode alone at DCT scale n/8, n = 8..4. Why the
-    loader scales only by 1/2, 1/4, 1/8: the scales between run plain-C IDCTs, slower than the SIMD full-size one."""
+    """``decode_us_scale_<n>_8``: µs per image of libjpeg-turbo's decode alone at DCT scale n/8, n = 8..4 (why the
+    loader scales only by powers of 2: docs/benchmarks/2026-11-26-data-loader.md)."""
     import simplejpeg
 
     sizes = [simplejpeg.decode_jpeg_header(data)[:2] for data in images]
@@ -102,8 +93,8 @@ def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
 
 
 def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32) -> float:
-    """Images per CPU second of DALI's CPU random-crop decoder (``augment``'s area and aspect ranges), antialiased
-    bilinear resize to ``size`` and random flip; one thread, uint8 out."""
+    """Images per CPU second of DALI's CPU random-crop decoder (``augment``'s ranges), antialiased bilinear resize
+    and random flip; one thread, uint8 out."""
     from nvidia.dali import fn, pipeline_def, types
 
     encoded = [np.frombuffer(data, dtype=np.uint8) for data in images]
@@ -138,22 +129,12 @@ def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int
     return done / (time.process_time() - start)
 
 
-def loader_rate(shards: Path, size: int, workers: int, batch: int = 32) -> tuple[float, float]:
+def loader_rate(shards: Path, size: int, workers: int, batch: int = 32, streams: int = 2) -> tuple[float, float]:
     """(images per wall-clock second after the first batch, training-process CPU µs per image) of a TrainStream
-    with ``workers`` loader processes."""
-    # 2 streams at every worker count: the same samples in the same order
-    spec = DataConfig.for_stream(
-        shards,
-        micro_batch_size=batch,
-        image_size=size,
-        streams=2,
-        shuffle_buffer=64,
-        augment=AugmentConfig(),
-        num_workers=workers,
-    )
-    stream = TrainStream(spec)
+    with ``workers`` loader processes (2 streams: the same samples in the same order at any worker count)."""
+    stream = train_stream(shards, size, batch, streams=streams, num_workers=workers)
     it = iter(stream)
-    next(it)  # worker start-up and the first batch are not counted
+    next(it)  # worker start-up and the first batch
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(stream.steps_per_epoch - 1):
         next(it)
@@ -171,7 +152,7 @@ def _dali_importable() -> bool:
 
 @dataclass(frozen=True)
 class LoaderRates:
-    """What ``measure_loader`` measured on shards written from the benchmark's JPEGs."""
+    """What ``measure_loader`` measured."""
 
     read_mb_s: float  # the tar reader alone, page cache, best round
     stream_img_s: float  # TrainStream without workers
@@ -185,7 +166,7 @@ class LoaderRates:
 
 
 def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) -> dict[str, list[float]]:
-    """Images per CPU second of bare PIL and of each pipeline variant (and DALI), ``rounds`` interleaved rounds."""
+    """Images per CPU second of bare PIL and each pipeline variant (and DALI), per interleaved round."""
     variants = {
         "pipeline": AugmentConfig(),
         "pipeline_full_decode": AugmentConfig(scaled_decode=False),
@@ -199,24 +180,16 @@ def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) ->
         runs["pipeline_uint8"].append(pipeline(images, size, AugmentConfig(), convert=False))
         if dali:
             runs.setdefault("dali", []).append(dali_rate(images, size, AugmentConfig()))
-        print(
-            f"round {i + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()),
-            file=sys.stderr,
-            flush=True,
-        )
+        line = ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items())
+        print(f"round {i + 1}/{rounds}: {line}", file=sys.stderr, flush=True)
     return runs
 
 
 def measure_loader(images: list[bytes], size: int, rounds: int, loader_rounds: int, copies: int) -> LoaderRates:
     """Shard reading, a TrainStream without workers, and the loader at 1 and 2 workers (rounds interleaved) on
-    shards holding every image ``copies`` times, so the timed window lasts seconds. The training process runs beside
-    one worker on the second core, or shares both cores with 2 workers."""
+    shards holding every image ``copies`` times, so the timed window lasts seconds."""
     with tempfile.TemporaryDirectory() as tmp:
-        n = len(images)
-        items = [(images[i % n], i % 10, f"bench/{i}") for i in range(n * copies)]
-        config = WriteConfig(name="bench", samples_per_shard=40, processes=1, keep_exact_duplicates=True)
-        shards = Path(tmp) / "shards"
-        write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
+        shards = write_shards(Path(tmp) / "shards", images * copies, 40)
         read_mb_s = max(read_speed(shards) for _ in range(rounds))
         stream_img_s = stream_rate(shards, size)
         workers: dict[int, list[float]] = {count: [] for count in (1, 2)}
@@ -233,7 +206,7 @@ def measure_loader(images: list[bytes], size: int, rounds: int, loader_rounds: i
 def _rate_keys(
     rate: dict[str, float], decode_us: dict[int, float], loader: LoaderRates, images: list[bytes], size: int
 ) -> dict:
-    """The result's ratios and rates; ``rate``: the best round of each decoder."""
+    """``rate``: the best round of each decoder."""
     worker_rate = loader.best
     dali = (
         {"ratio_dali": round(rate["dali"] / rate["pil"], 3), "dali_img_s_per_core": round(rate["dali"], 1)}
@@ -264,7 +237,6 @@ def _rate_keys(
 
 
 def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, float], loader: LoaderRates) -> None:
-    """The headline numbers, one line each, from the unrounded rates and the result's ratios."""
     worker_rate = loader.best
     print(f"bare PIL decode+resize : {rate['pil']:7.1f} images/s per core")
     print(
@@ -298,23 +270,18 @@ def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, fl
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s")
-    p.add_argument("--images", type=int, default=320)
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--loader-rounds", type=int, default=5, help="rounds of the 1- and 2-worker loader, interleaved")
-    p.add_argument("--loader-copies", type=int, default=4, help="each image this many times in the loader's shards")
-    p.add_argument("--out", default="bench-results/data.json")
-    p.add_argument("--dali", action="store_true", help="also time NVIDIA DALI's CPU random-crop decoder (the anchor)")
+    add = p.add_argument
+    add("--images", type=int, default=320)
+    add("--size", type=int, default=224)
+    add("--rounds", type=int, default=3)
+    add("--loader-rounds", type=int, default=5, help="rounds of the 1- and 2-worker loader, interleaved")
+    add("--loader-copies", type=int, default=4, help="each image this many times in the loader's shards")
+    add("--out", default="bench-results/data.json")
+    add("--dali", action="store_true", help="also time NVIDIA DALI's CPU random-crop decoder (the anchor)")
     args = p.parse_args(argv)
-    # 40-image shards, batches of 32 and 2 loader workers: at least 2 shards and 2 batches per epoch.
-    checks = (
-        ("--images", args.images, 80),
-        ("--size", args.size, 1),
-        ("--rounds", args.rounds, 1),
-        ("--loader-rounds", args.loader_rounds, 1),
-        ("--loader-copies", args.loader_copies, 1),
-    )
-    for flag, value, low in checks:
+    # 40-image shards, batches of 32, 2 workers: >= 2 shards and 2 batches per epoch
+    for flag, low in (("--images", 80), ("--size", 1), ("--rounds", 1), ("--loader-rounds", 1), ("--loader-copies", 1)):
+        value = getattr(args, flag[2:].replace("-", "_"))
         if value < low:
             p.error(f"{flag} {value}: must be >= {low}")
     return args

@@ -1,7 +1,4 @@
-"""Hugging Face's ViT beside vitscale's, for the step benchmarks (`bench.train`, `bench.gpu.step`): `hf_model`, a
-``transformers`` ViT of a vitscale `ViTConfig`'s shape; `compile_hf_layers`, its encoder layers torch.compile'd as
-vitscale compiles its blocks; `logits_of`, a model's images -> logits call, either implementation.
-"""
+"""Hugging Face's ViT in a vitscale `ViTConfig`'s shape, for the step benchmarks (`bench.train`, `bench.gpu.step`)."""
 
 from __future__ import annotations
 
@@ -34,14 +31,16 @@ def hf_model(config: ViTConfig, attn: str) -> torch.nn.Module:
     return ViTForImageClassification(hf_config)
 
 
-def compile_hf_layers(model: torch.nn.Module) -> None:
-    """torch.compile each of HF's encoder layers in place, as vitscale's ``compile_blocks`` does its blocks."""
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))  # ViTModel's encoder layers
-    for layer in layers:
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile a model's blocks in place: vitscale's ``compile_blocks``, or each of HF's encoder layers."""
+    if isinstance(model, VisionTransformer):
+        return model.compile_blocks()
+    for layer in next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):  # ViTModel's encoder layers
         layer.compile()
 
 
 def logits_of(model: torch.nn.Module) -> Callable:
+    """images -> logits, for either implementation."""
     if isinstance(model, VisionTransformer):
         return model
     return lambda x: model(pixel_values=x).logits

@@ -1,6 +1,4 @@
-"""Generated photo-like JPEGs for the benchmarks: no data, no network. `imagenet_like_jpegs` shapes and compresses
-them like ImageNet's after ``data_pipeline.write``; `photo_like` makes the pixels (smooth colour fields plus grain).
-"""
+"""Generated photo-like JPEGs for the benchmarks: no data, no network."""
 
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ def imagenet_like_jpegs(count: int, seed: int = 0, max_short: int = 512) -> list
 
 
 def photo_like(width: int, height: int, cells: tuple[int, int], grain: float, rng: np.random.Generator) -> np.ndarray:
-    """uint8 (height, width, 3): smooth random colour fields plus grain (std ``grain``): compresses like a photo."""
+    """uint8 (height, width, 3): smooth random colour fields plus grain of std ``grain``; compresses like a photo."""
     base = rng.integers(0, 256, size=(*cells, 3), dtype=np.uint8)
     img = np.asarray(Image.fromarray(base).resize((width, height), Image.BICUBIC), dtype=np.float32)
     return np.clip(img + rng.normal(0, grain, size=img.shape), 0, 255).astype(np.uint8)

@@ -1,13 +1,8 @@
 """bf16 against fp32 per model shape on this CPU: the measurements `deepspeed.precision: auto`'s CPU rule is fitted to.
 
-    python -m bench.precision [--shapes default|quick] [--trials 3] [--out bench-results/precision.json]
-    (make bench-precision)
-
-Per (model, image size, micro-batch) it times one forward + backward in fp32 and in bf16 on one thread (a rank's share
-of the local profile), best of ``--trials``, with `pretrain.config.precision.probe_bf16_speedup` (what
-`precision: probe` times), beside what `cpu_rule` picks: ``speedup_<shape>``, ``rule_<shape>``. Two keys check the
-rule's margin here: ``min_speedup_ruled_bf16`` (the slowest shape sent to bf16; the rule promises >= its margin) and
-``max_speedup_ruled_fp32`` (the fastest kept in fp32). Without bf16 units bf16 is emulated: only the quick shapes run.
+Per shape: one forward + backward per precision on one thread, best of ``--trials`` (`probe_bf16_speedup`), beside
+`cpu_rule`'s pick: ``speedup_<shape>``, ``rule_<shape>``. ``min_speedup_ruled_bf16`` (the slowest shape sent to bf16)
+and ``max_speedup_ruled_fp32`` (the fastest kept in fp32) check the rule. Without bf16 units only the quick shapes run.
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ from pretrain.config.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_
 from pretrain.model.vit import build_model, model_config
 from pretrain.telemetry.peak import cpu_model
 
-# (model, image size, micro-batch, overrides): local_demo's model around its micro-batch, the paper's variants at
-# small micro-batches (the rule's boundary in tokens x width²), a /32 whose patch convolution weighs, a hybrid.
+# (model, image size, micro-batch, overrides): local_demo's model, the paper's variants at small micro-batches (the
+# rule's boundary in tokens x width²), a /32 whose patch convolution weighs, a hybrid
 SHAPES = {
     "quick": [("vit_tiny_debug", 32, 8, {}), ("vit_tiny_debug", 32, 32, {}), ("vit_ti16", 224, 2, {})],
     "default": [
@@ -75,9 +70,10 @@ def measure(name: str, image_size: int, batch: int, overrides: dict, trials: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default="default", help="which shape list to time")
-    parser.add_argument("--trials", type=int, default=3, help="probes per shape; the best counts (>= 1)")
-    parser.add_argument("--out", default="bench-results/precision.json", help="JSON file to write")
+    add = parser.add_argument
+    add("--shapes", choices=sorted(SHAPES), default="default", help="which shape list to time")
+    add("--trials", type=int, default=3, help="probes per shape; the best counts (>= 1)")
+    add("--out", default="bench-results/precision.json", help="JSON file to write")
     args = parser.parse_args(argv)
     try:
         if args.trials < 1:
@@ -106,14 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         fp32, bf16 = measure(name, image_size, batch, overrides, args.trials)
         pick = cpu_rule(StepShape.of(model_config(name, image_size=image_size, **overrides), batch)).precision
         ruled[pick].append(fp32 / bf16)
-        result.update(
-            {
-                f"fp32_ms_{label}": fp32 * 1e3,
-                f"bf16_ms_{label}": bf16 * 1e3,
-                f"speedup_{label}": fp32 / bf16,
-                f"rule_{label}": pick,
-            }
-        )
+        result |= {f"fp32_ms_{label}": fp32 * 1e3, f"bf16_ms_{label}": bf16 * 1e3}
+        result |= {f"speedup_{label}": fp32 / bf16, f"rule_{label}": pick}
         print(
             f"{label}: fp32 {fp32 * 1e3:.1f} ms, bf16 {bf16 * 1e3:.1f} ms = {fp32 / bf16:.2f}x; rule: {pick}",
             flush=True,

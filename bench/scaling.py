@@ -1,14 +1,9 @@
 """Two-process scaling of the real training loop: images/s at world size 1 and 2 on this machine, same global batch.
 
-    python -m bench.scaling [--model vit_s16] [--image-size 96] [--out bench-results/scaling.json]  (make bench-scaling)
-
-Each world size is one ``torchrun ... -m pretrain.train`` of ``configs/local_demo.yaml`` (ZeRO-2 over gloo; model and
-size from the flags). Runs alternate and the best of ``--rounds`` counts; a run's rate is the loop's logged images/s,
-the median of the windows after the first. Every rank gets ``--threads`` / 2 pinned cores, whole physical cores first
-(with SMT keep ``--threads`` <= physical cores). ``scaling_2_over_1`` is what a second worker adds (ideally 2.0);
-``scaling_2_over_1_same_cores`` is world 2 over world 1 on the same cores (ideally 1.0). The default ViT-S/16 at 96 px
-keeps compute most of a step in a short run. ``notes`` splits the gap to 2.0 into data wait, the gradient exchange
-timed alone (``exchange_seconds``) and compute.
+Each world size is one ``torchrun ... -m pretrain.train`` of ``configs/local_demo.yaml`` (ZeRO-2 over gloo), each rank
+on ``--threads`` / 2 pinned cores; the best of ``--rounds`` alternated runs counts, a run's rate the median logged
+images/s after the first window. ``scaling_2_over_1``: ideally 2.0; ``scaling_2_over_1_same_cores``: world 2 over
+world 1 on the same cores, ideally 1.0; ``notes`` splits the gap into data wait, exchange and compute.
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.train import log
 from data_pipeline.cli import output_file
 from data_pipeline.paths import PROJECT_ROOT
 from pretrain.model.vit import MODEL_NAMES, build_model
@@ -47,19 +43,19 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
         "schedule.total": args.steps,
         "schedule.warmup": 1,
         "deepspeed.zero_stage": 2,
-        "deepspeed.precision": "fp32",  # the same arithmetic at both sizes; no start-up probe
+        "deepspeed.precision": "fp32",  # the same arithmetic at both sizes
         "checkpoint.dir": str(run_dir),
         "checkpoint.every_steps": args.steps,
         "logging.mlflow_experiment": "null",
         "logging.progress_bar": "false",
         "logging.log_every": args.log_every,
-        "logging.peak_tflops": 1.0,  # MFU is not used here; skips the start-up GEMM measurement
-        # Plain classification, the step docs/benchmarks/ recorded: local_demo's own task adds masked patch prediction.
+        "logging.peak_tflops": 1.0,  # skips the start-up GEMM measurement
+        # plain classification (local_demo's task adds masked patch prediction)
         "task.name": "classification",
         "task.options": "{}",
     }
     if args.data is not None:
-        # Two data streams, one per rank at world size 2: any folder of >= 2 shards will do.
+        # one stream per rank at world size 2
         sets.update({"data.train": args.data, "data.builtin": "null", "data.streams": 2})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     command += ["-m", "pretrain.train", "--config", str(PROJECT_ROOT / "configs" / "local_demo.yaml")]
@@ -69,9 +65,8 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
 
 
 def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
-    """``proc.communicate()`` of a torchrun within ``timeout`` s; past it, end torchrun and its ranks and raise
-    ``subprocess.TimeoutExpired`` with their output. Each rank runs in its own session, out of reach of a kill to
-    torchrun: SIGTERM makes torchrun end them first; SIGKILL follows after 60 s."""
+    """``proc.communicate()`` of a torchrun within ``timeout`` s; past it, SIGTERM (torchrun then ends its ranks, which
+    run in sessions of their own), SIGKILL 60 s later, and ``subprocess.TimeoutExpired`` with their output."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -94,8 +89,7 @@ def cpu_list(text: str) -> list[int]:
 
 
 def physical_first(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> list[int]:
-    """``cpus`` with one hardware thread of every physical core before any core's second, so the first N are N whole
-    cores (sysfs topology; CPU order where it is missing)."""
+    """``cpus`` with one hardware thread of every physical core before any core's second (sysfs topology)."""
 
     def key(cpu: int) -> tuple[int, int]:
         path = sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list"
@@ -108,29 +102,19 @@ def physical_first(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")
 
 
 def pinned(cores: list[int]):
-    """A ``preexec_fn`` that limits the child, and the ranks torchrun starts, to ``cores``."""
+    """A ``preexec_fn`` that limits the child and the ranks torchrun starts to ``cores``."""
     return lambda: os.sched_setaffinity(0, cores)
 
 
 def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
     threads = len(cores) // world
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
-    command = train_command(world, args, tmp)
     label = f"world {world} on cores {','.join(map(str, cores))}"
-    print(
-        f"{label}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...",
-        file=sys.stderr,
-        flush=True,
-    )
+    log(f"{label}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...")
+    command, pipe = train_command(world, args, tmp), subprocess.PIPE
     start = time.perf_counter()
     proc = subprocess.Popen(
-        command,
-        env=env,
-        cwd=PROJECT_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=pinned(cores),
+        command, env=env, cwd=PROJECT_ROOT, stdout=pipe, stderr=pipe, text=True, preexec_fn=pinned(cores)
     )
     stdout, stderr = communicate_or_end(proc, args.timeout)
     wall = time.perf_counter() - start
@@ -144,11 +128,7 @@ def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
     img_s = statistics.median(rate for _, rate, _ in timed)
     wait = statistics.median(w for _, _, w in timed)
     step_s = args.global_batch / img_s
-    print(
-        f"{label}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall",
-        file=sys.stderr,
-        flush=True,
-    )
+    log(f"{label}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall")
     return {
         "img_s": img_s,
         "step_s": step_s,
@@ -182,7 +162,7 @@ def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int,
 
 def exchange_seconds(numel: int, cores: list[int], repeats: int = 3) -> float:
     """Seconds of one ZeRO-2 step's exchange alone: gradient all-reduce + parameter all-gather of ``numel`` fp32
-    values, 2 gloo ranks, each pinned to its half of ``cores``."""
+    values between 2 gloo ranks, each on its half of ``cores``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -194,12 +174,12 @@ def exchange_seconds(numel: int, cores: list[int], repeats: int = 3) -> float:
 
 def run(args) -> dict:
     params = sum(p.numel() for p in build_model(args.model, num_classes=32, image_size=args.image_size).parameters())
-    share = args.threads // 2  # cores per rank; an odd last core stays unused, so "all cores" are world 2's
+    share = args.threads // 2  # cores per rank; an odd last one stays unused
     cores = physical_first(os.sched_getaffinity(0))[: 2 * share]
     settings = {"world1": (1, cores[:share]), "world2": (2, cores), "world1_all": (1, cores)}
     runs: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):  # alternated, so a change in the machine's load hits every setting
+        for i in range(args.rounds):  # alternated: a change in the machine's load hits every setting
             for name, (world, its_cores) in settings.items():
                 runs[name].append(run_world(world, its_cores, args, Path(tmp) / f"round{i}_{name}"))
     one, two, whole = (max(runs[name], key=lambda run: run["img_s"]) for name in settings)  # least disturbed runs
@@ -270,28 +250,26 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     usable = len(os.sched_getaffinity(0))
     parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="vit_s16", choices=MODEL_NAMES)
-    parser.add_argument("--image-size", type=int, default=96)
-    parser.add_argument("--global-batch", type=int, default=64, help="images per step at both world sizes (even)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--log-every", type=int, default=5, help="steps per timing window")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per setting, alternated; the best counts")
-    parser.add_argument(
-        "--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank (an odd one is unused)"
-    )
-    parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per training run")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--model", default="vit_s16", choices=MODEL_NAMES)
+    add("--image-size", type=int, default=96)
+    add("--global-batch", type=int, default=64, help="images per step at both world sizes (even)")
+    add("--steps", type=int, default=20)
+    add("--log-every", type=int, default=5, help="steps per timing window")
+    add("--rounds", type=int, default=2, help="runs per setting, alternated; the best counts")
+    add("--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank (an odd one is unused)")
+    add("--timeout", type=int, default=600, help="seconds allowed per training run")
+    add(
         "--data",
         default=None,
         metavar="SHARDS",
         help="shard folder to train on (default: local_demo's rcdb set, made under data/)",
     )
-    parser.add_argument("--out", default="bench-results/scaling.json")
+    add("--out", default="bench-results/scaling.json")
     args = parser.parse_args(argv)
     if args.global_batch < 2 or args.global_batch % 2:
         parser.error(f"--global-batch {args.global_batch}: must be even and >= 2 (split over 2 ranks)")
-    positives = (("--image-size", args.image_size), ("--timeout", args.timeout), ("--rounds", args.rounds))
-    for flag, value in positives:
+    for flag, value in (("--image-size", args.image_size), ("--timeout", args.timeout), ("--rounds", args.rounds)):
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
     if usable < 2:

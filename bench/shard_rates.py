@@ -1,7 +1,5 @@
-"""Rates on a shard folder, per CPU second of this process: `read_speed`, the tar reader alone (MiB/s), and
-`stream_rate`, a TrainStream without loader workers (images/s). `bench.data`, the GPU campaign's loader part and
-the ImageNet-21k rehearsal measure with them.
-"""
+"""Shard folders of the benchmarks' JPEGs, and rates on them per CPU second of this process: `read_speed`, the tar
+reader alone (MiB/s), and `stream_rate`, a TrainStream without loader workers over one epoch (images/s)."""
 
 from __future__ import annotations
 
@@ -14,6 +12,24 @@ from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.shards import read_shard
 from data_pipeline.stream.train_stream import TrainStream
+from data_pipeline.write.writer import WriteConfig, write_dataset
+
+
+def write_shards(shards: Path, images: list[bytes], per_shard: int) -> Path:
+    """``images`` written to ``shards`` in 10 classes (image i in class i % 10), exact duplicates kept."""
+    items = [(data, i % 10, f"bench/{i}") for i, data in enumerate(images)]
+    config = WriteConfig(name="bench", samples_per_shard=per_shard, processes=1, keep_exact_duplicates=True)
+    write_dataset(shards, config, items=items, class_names=[str(c) for c in range(10)])
+    return shards
+
+
+def train_stream(shards: Path, size: int, batch: int, **options) -> TrainStream:
+    """A training stream with the default augmentation and a 64-sample shuffle buffer; ``options``: `DataConfig`'s."""
+    return TrainStream(
+        DataConfig.for_stream(
+            shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig(), **options
+        )
+    )
 
 
 def read_speed(shard_dir: Path) -> float:
@@ -28,11 +44,7 @@ def read_speed(shard_dir: Path) -> float:
 
 
 def stream_rate(shards: Path, size: int, batch: int = 32) -> float:
-    """``stream_img_s``: images per CPU second of a TrainStream without loader workers, one epoch."""
-    spec = DataConfig.for_stream(
-        shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig()
-    )
-    stream = TrainStream(spec)
+    stream = train_stream(shards, size, batch)
     it = iter(stream)
     start = time.process_time()
     for _ in range(stream.steps_per_epoch):

@@ -1,15 +1,10 @@
 """Benchmark vitscale's training step (ViT-S/16 and ViT-B/16 at 224) against Hugging Face transformers and this
 machine's GEMM rate, at fp32 and at bf16.
 
-    python -m bench.train [--models vit_s16,vit_b16] [--out bench-results/train.json]      (make bench-train)
-
-Both models share one configuration and step (forward, cross-entropy, backward, AdamW; bf16: autocast around forward
-and loss). Rounds alternate the implementations' order; a rate is the median over rounds of the best of ``repeats``.
-Keys per precision p (suffix ``_b16`` for ViT-B/16): ``speedup_vs_hf_<p>`` against HF with SDPA and, at bf16, where
-vitscale's CPU attention is HF's eager kernel (docs/performance.md, "Attention kernel per device and precision"),
-``speedup_vs_hf_best_<p>`` against HF's faster one; ``gemm_fraction_<p>``: images/s x the FLOPs vitscale runs
-(``train_flops(as_run=True)``) / a square GEMM's rate in the same rounds. Without native bf16 (``cpu_bf16_native``)
-bf16 is emulated and runs a small setting. ``--compile`` adds ``*_compiled_*`` keys (blocks torch.compile'd).
+A rate is the median over rounds (alternating the order) of the best of ``repeats`` steps. Keys per precision p
+(suffix ``_b16`` for B/16): ``speedup_vs_hf_<p>`` against HF with SDPA, at bf16 ``speedup_vs_hf_best_<p>`` against
+HF's faster kernel (docs/performance.md); ``gemm_fraction_<p>``: images/s x ``train_flops(as_run=True)`` / a square
+GEMM's rate. Emulated bf16 runs a small setting. ``--compile`` adds ``*_compiled_*`` keys.
 """
 
 from __future__ import annotations
@@ -27,32 +22,32 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.hf_models import compile_hf_layers, hf_model, logits_of
+from bench.hf_models import compile_layers, hf_model, logits_of
 from data_pipeline.cli import output_file
 from pretrain.model.flops import train_flops
-from pretrain.model.vit import VisionTransformer, ViTConfig, build_model, model_config
+from pretrain.model.vit import ViTConfig, build_model, model_config
 from pretrain.telemetry.peak import gemm_tflops
 
-# JSON key suffix per model; ViT-Ti/16 is for quick checks (tests).
+# JSON key suffix per model; ViT-Ti/16 for the tests
 SUFFIX = {"vit_s16": "", "vit_b16": "_b16", "vit_ti16": "_ti16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
 
 def cpu_bf16_native() -> bool:
-    """True where the CPU has AMX-BF16 or AVX512-BF16, so bf16 GEMMs are not emulated."""
+    """AMX-BF16 or AVX512-BF16: bf16 GEMMs are not emulated."""
     return any(f in cpu_flags() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def bf16_native(device: torch.device) -> bool:
-    """True on a GPU of compute capability >= 8.0 (bf16 tensor cores) or a CPU with AMX-BF16 or AVX512-BF16."""
+    """A GPU of compute capability >= 8.0 or a CPU with native bf16."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     return cpu_bf16_native()
 
 
 def cpu_flags() -> list[str]:
-    """This CPU's flags among those that decide the GEMM paths; [] where unreadable."""
+    """This CPU's flags among those that decide the GEMM paths; [] if unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -67,8 +62,8 @@ def _autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
-def _sync(device: torch.device) -> None:
-    """Wait for queued CUDA kernels, so a timer reads finished work."""
+def sync(device: torch.device) -> None:
+    """Wait for queued CUDA kernels, so that a timer reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -76,7 +71,7 @@ def _sync(device: torch.device) -> None:
 def make_step(
     model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str, device: torch.device
 ) -> Callable[[], None]:
-    """One training step: forward + loss under autocast, backward and torch's default AdamW outside it."""
+    """Forward + loss under autocast, backward and AdamW outside it."""
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
@@ -102,11 +97,10 @@ def build_steps(
     device: torch.device,
     compiled: bool = False,
 ) -> tuple[dict, ViTConfig]:
-    """The steps to time, by label, and vitscale's model config. ``compiled`` adds ``<label>_compiled`` twins (same
-    weights), which compile in their first (warm-up) step."""
+    """The steps by label, and vitscale's config; ``compiled`` adds ``<label>_compiled`` twins of the same weights."""
     config = model_config(name, num_classes=1000)
     builders = {"vitscale": lambda: build_model(name, num_classes=1000), "hf": lambda: hf_model(config, attn)}
-    if with_eager and attn != "eager":  # context: the HF default before SDPA
+    if with_eager and attn != "eager":  # HF's default before SDPA
         builders["hf_eager"] = lambda: hf_model(config, "eager")
     torch.manual_seed(0)
     models = {label: build() for label, build in builders.items()}  # built in this order from one seed
@@ -114,25 +108,22 @@ def build_steps(
         for label, build in builders.items():
             twin = build()
             twin.load_state_dict(models[label].state_dict())  # the eager one's weights
-            if isinstance(twin, VisionTransformer):
-                twin.compile_blocks()
-            else:
-                compile_hf_layers(twin)
+            compile_layers(twin)
             models[f"{label}_compiled"] = twin
     steps = {label: make_step(m, logits_of(m), batch_size, precision, device) for label, m in models.items()}
     return steps, config
 
 
-def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """Seconds per step, the best of ``repeats`` (the least disturbed by other processes)."""
+def time_steps(step: Callable[[], None], repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``repeats`` synchronized steps."""
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
 _PROFILE_GROUPS = {  # operator families, by substring of the profiler's op name
@@ -144,8 +135,8 @@ _PROFILE_GROUPS = {  # operator families, by substring of the profiler's op name
 
 
 def profile_step(step: Callable[[], None], device: torch.device, top: int = 10) -> dict:
-    """One step under torch.profiler: the top operators by self time as [[name, share], ...] and each
-    ``_PROFILE_GROUPS`` family's share. On a GPU only operator rows count: kernel rows would count kernels twice."""
+    """One profiled step: the top operators by self time as [[name, share], ...] and each ``_PROFILE_GROUPS``
+    family's share (operator rows only: on a GPU kernel rows would count kernels twice)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -153,7 +144,7 @@ def profile_step(step: Callable[[], None], device: torch.device, top: int = 10) 
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        sync(device)
 
     def self_time(event) -> float:
         return event.self_device_time_total if on_gpu else event.self_cpu_time_total
@@ -173,40 +164,37 @@ def log(text: str) -> None:
 
 
 def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: int, args) -> dict:
-    """Interleaved rounds of one model at one precision; the flat keys for it."""
+    """Interleaved rounds of one model at one precision; its keys."""
     tag = f"{precision}{SUFFIX[name]}"
-    # HF's eager attention too: for fp32 ViT-S/16 as context, and at bf16 because vitscale's CPU bf16 attention is
-    # that kernel (`speedup_vs_hf_best_<tag>`).
+    # HF's eager attention: context for fp32 ViT-S/16, and at bf16 vitscale's CPU attention is that kernel
     with_eager = not args.no_eager and (tag == "fp32" or precision == "bf16")
     device = torch.device(args.device)
     steps, config = build_steps(name, batch_size, precision, args.hf_attn, with_eager, device, args.compile)
-    flops_per_image = train_flops(config, as_run=True)  # what vitscale's step computes
+    flops_per_image = train_flops(config, as_run=True)
     gemm_size = args.gemm_size if precision == "fp32" else args.bf16_gemm_size or args.gemm_size
     out: dict = {}
     if precision == "bf16" and args.profile and name == args.models[0]:
         log(f"{name} {precision}: profiling one vitscale step (batch {batch_size}) ...")
         out["bf16_profile_model"] = name
-        # A first step creates oneDNN's primitives on a CPU and loads a GPU's kernels: either would lead the profile.
+        # a first step creates oneDNN's primitives or loads a GPU's kernels, which would lead the profile
         steps["vitscale"]()
         profiled = profile_step(steps["vitscale"], device)
         out["bf16_profile_vitscale"] = profiled.pop("top")
-        out.update({f"bf16_profile_{key}": value for key, value in profiled.items()})
+        out |= {f"bf16_profile_{key}": value for key, value in profiled.items()}
         for label, step in steps.items():
             if label != "vitscale":
                 step()
-    elif precision == "fp32" or args.bf16_warmup or bf16_native(device):
-        for step in steps.values():  # warm-up: allocator, thread pool, optimizer state
-            step()
-    else:  # emulated bf16, no warm-up, except that compiled blocks compile in their first step
+    else:  # warm-up: allocator, thread pool, optimizer state; emulated bf16: only the compiles
+        warm = precision == "fp32" or args.bf16_warmup or bf16_native(device)
         for label, step in steps.items():
-            if label.endswith("_compiled"):
+            if warm or label.endswith("_compiled"):
                 step()
     seconds: dict[str, list[float]] = {label: [] for label in steps}
     gemm: dict[str, list[float]] = {"nn": [], "nt": []}
     for i in range(rounds):
         order = list(steps.items())
-        for label, step in order if i % 2 == 0 else order[::-1]:  # alternating: no implementation always goes first
-            seconds[label].append(time_steps(step, repeats, device))
+        for label, step in order if i % 2 == 0 else order[::-1]:
+            seconds[label].append(min(time_steps(step, repeats, device)))  # the least disturbed
         for layout, rate in gemm_tflops(precision, gemm_size, device).items():
             gemm[layout].append(rate)
         rates = ", ".join(f"{label} {batch_size / s[-1]:.3g} img/s" for label, s in seconds.items())
@@ -218,24 +206,22 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     gemm_layout = {layout: statistics.median(r) for layout, r in gemm.items()}
     gemm_tf = max(gemm_layout.values())
     achieved_tf = img_s["vitscale"] * flops_per_image / 1e12
-    out.update(
-        {
-            f"speedup_vs_hf_{tag}": img_s["vitscale"] / img_s["hf"],
-            f"gemm_fraction_{tag}": achieved_tf / gemm_tf,
-            f"vitscale_img_s_{tag}": img_s["vitscale"],
-            f"hf_img_s_{tag}": img_s["hf"],
-            f"achieved_tflops_{tag}": achieved_tf,
-            f"gemm_tflops_{tag}": gemm_tf,
-            f"gemm_tflops_nn_{tag}": gemm_layout["nn"],
-            f"gemm_tflops_nt_{tag}": gemm_layout["nt"],
-            f"gemm_size_{tag}": gemm_size,
-            f"batch_size_{tag}": batch_size,
-            f"rounds_{tag}": rounds,
-            f"repeats_{tag}": repeats,
-            f"train_gflops_per_image{SUFFIX[name]}": train_flops(config) / 1e9,  # the published convention
-            f"train_gflops_per_image_as_run{SUFFIX[name]}": flops_per_image / 1e9,
-        }
-    )
+    out |= {
+        f"speedup_vs_hf_{tag}": img_s["vitscale"] / img_s["hf"],
+        f"gemm_fraction_{tag}": achieved_tf / gemm_tf,
+        f"vitscale_img_s_{tag}": img_s["vitscale"],
+        f"hf_img_s_{tag}": img_s["hf"],
+        f"achieved_tflops_{tag}": achieved_tf,
+        f"gemm_tflops_{tag}": gemm_tf,
+        f"gemm_tflops_nn_{tag}": gemm_layout["nn"],
+        f"gemm_tflops_nt_{tag}": gemm_layout["nt"],
+        f"gemm_size_{tag}": gemm_size,
+        f"batch_size_{tag}": batch_size,
+        f"rounds_{tag}": rounds,
+        f"repeats_{tag}": repeats,
+        f"train_gflops_per_image{SUFFIX[name]}": train_flops(config) / 1e9,  # the published convention
+        f"train_gflops_per_image_as_run{SUFFIX[name]}": flops_per_image / 1e9,
+    }
     if "hf_eager" in img_s:
         out[f"hf_eager_img_s_{tag}"] = img_s["hf_eager"]
         out[f"speedup_vs_hf_eager_{tag}"] = img_s["vitscale"] / img_s["hf_eager"]
@@ -243,7 +229,7 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
     if "vitscale_compiled" in img_s:
         compiled = img_s["vitscale_compiled"]
         hf_compiled = max(img_s[label] for label in ("hf_compiled", "hf_eager_compiled") if label in img_s)
-        out.update({f"{label}_img_s_{tag}": rate for label, rate in img_s.items() if label.endswith("_compiled")})
+        out |= {f"{label}_img_s_{tag}": rate for label, rate in img_s.items() if label.endswith("_compiled")}
         out[f"speedup_compiled_vs_hf_{tag}"] = compiled / img_s["hf"]
         out[f"speedup_compiled_vs_hf_compiled_{tag}"] = compiled / hf_compiled
         out[f"gemm_fraction_compiled_{tag}"] = compiled * flops_per_image / 1e12 / gemm_tf
@@ -251,10 +237,9 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
 
 
 def run(args) -> dict:
-    flags = cpu_flags()
     result: dict = {
         "cpu_bf16_native": cpu_bf16_native(),
-        "cpu_flags": flags,
+        "cpu_flags": cpu_flags(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -268,19 +253,18 @@ def run(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(device)
-        result["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32  # fp32 GEMMs in TF32 when True
+        result["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     native = bf16_native(device)
-    if not native:  # emulated bf16: a step takes tens of seconds, so a small run
-        defaults = {"bf16_batch_size": 1, "bf16_rounds": 1, "bf16_gemm_size": 512}
-        for key, value in defaults.items():
+    if not native:  # an emulated bf16 step takes tens of seconds
+        for key, value in {"bf16_batch_size": 1, "bf16_rounds": 1, "bf16_gemm_size": 512}.items():
             setattr(args, key, getattr(args, key) or value)
     for name in args.models:
         for precision in args.precisions:
-            emulated = precision == "bf16" and not native
-            batch_size = args.bf16_batch_size or args.batch_size if precision == "bf16" else args.batch_size
-            rounds = args.bf16_rounds or args.rounds if precision == "bf16" else args.rounds
-            repeats = 1 if emulated else args.repeats
-            result.update(bench_one(name, precision, batch_size, rounds, repeats, args))
+            bf16 = precision == "bf16"
+            batch_size = args.bf16_batch_size or args.batch_size if bf16 else args.batch_size
+            rounds = args.bf16_rounds or args.rounds if bf16 else args.rounds
+            repeats = 1 if bf16 and not native else args.repeats
+            result |= bench_one(name, precision, batch_size, rounds, repeats, args)
     result["load_average_1min_end"] = os.getloadavg()[0]
     return result
 
@@ -318,38 +302,39 @@ def _names(text: str, allowed: tuple, flag: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="vit_s16,vit_b16", type=lambda t: _names(t, tuple(SUFFIX), "--models"))
-    parser.add_argument("--precisions", default="fp32,bf16", type=lambda t: _names(t, tuple(DTYPES), "--precisions"))
-    parser.add_argument("--batch-size", type=int, default=16, help="fp32 batch")
-    parser.add_argument("--rounds", type=int, default=3, help="fp32 rounds")
-    parser.add_argument("--repeats", type=int, default=2, help="fp32 steps per model per round (the best one counts)")
+    add = parser.add_argument
+    add("--models", default="vit_s16,vit_b16", type=lambda t: _names(t, tuple(SUFFIX), "--models"))
+    add("--precisions", default="fp32,bf16", type=lambda t: _names(t, tuple(DTYPES), "--precisions"))
+    add("--batch-size", type=int, default=16, help="fp32 batch")
+    add("--rounds", type=int, default=3, help="fp32 rounds")
+    add("--repeats", type=int, default=2, help="fp32 steps per model per round (the best one counts)")
     native = "default: as fp32 on a CPU with AMX/AVX512-BF16, else"
-    parser.add_argument("--bf16-batch-size", type=int, default=None, help=f"{native} 1")
-    parser.add_argument("--bf16-rounds", type=int, default=None, help=f"{native} 1")
-    parser.add_argument(
+    add("--bf16-batch-size", type=int, default=None, help=f"{native} 1")
+    add("--bf16-rounds", type=int, default=None, help=f"{native} 1")
+    add(
         "--bf16-warmup",
         action="store_true",
         help="an untimed emulated-bf16 step first (always on with AMX/AVX512-BF16)",
     )
-    parser.add_argument("--gemm-size", type=int, default=2048, help="fp32 GEMM side")
-    parser.add_argument("--bf16-gemm-size", type=int, default=None, help=f"bf16 GEMM side ({native} 512)")
-    parser.add_argument(
+    add("--gemm-size", type=int, default=2048, help="fp32 GEMM side")
+    add("--bf16-gemm-size", type=int, default=None, help=f"bf16 GEMM side ({native} 512)")
+    add(
         "--profile",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="profile one bf16 vitscale step of the first model, after a warm-up step",
     )
-    parser.add_argument(
+    add(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time both models with their blocks torch.compile'd (model.compile)",
     )
-    parser.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
-    parser.add_argument("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
+    add("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
+    add("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
     on_gpu = "cuda: both models and the GEMMs on GPU 0, autocast on CUDA, timers after a synchronize"
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=on_gpu)
-    parser.add_argument("--out", default="bench-results/train.json")
+    add("--device", default="cpu", choices=["cpu", "cuda"], help=on_gpu)
+    add("--out", default="bench-results/train.json")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (a CPU build, or no GPU); leave --device out")

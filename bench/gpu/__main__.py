@@ -1,7 +1,4 @@
-"""The GPU campaign's command line (`bench.gpu.campaign`; docs/benchmarks/gpu.md).
-
-python -m bench.gpu [--budget-s 480] [--out bench-results/gpu.json] [--smoke]        (make bench-gpu [SMOKE=1])
-"""
+"""The GPU campaign's command line (`bench.gpu.campaign`; docs/benchmarks/gpu.md)."""
 
 from __future__ import annotations
 
@@ -18,22 +15,23 @@ from data_pipeline.cli import output_file
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds the whole campaign may take")
-    parser.add_argument("--out", default="bench-results/gpu.json")
-    parser.add_argument("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--budget-s", type=float, default=480.0, help="seconds the whole campaign may take")
+    add("--out", default="bench-results/gpu.json")
+    add("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
+    add(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time compiled blocks (vitscale's and HF's); off with --smoke",
     )
-    parser.add_argument(
+    add(
         "--peak-tflops",
         type=float,
         default=None,
         help="the MFU denominator per device (default: pretrain.telemetry.peak's; --smoke: 1.0)",
     )
-    parser.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one, removed after)")
+    add("--work-dir", default=None, help="scratch folder (default: a temporary one, removed after)")
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
         parser.error("--budget-s and --peak-tflops must be > 0")

@@ -1,10 +1,6 @@
-"""The campaign's plan part (`bench.gpu.campaign`): `cluster.plan.planner`'s prediction for the real path's
-configuration against what it measured; the one module of ``bench`` that imports ``cluster`` (docs/design.md,
-"Packages, what each owns, and the import rules").
-
-The profile is ``h100x8``'s reduced to one GPU of this device. Errors are (planned - measured) / measured, positive
-when the plan expects more: memory against ``torch.cuda.max_memory_reserved`` (fragmentation included; a CPU smoke
-run: peak RSS), step time (at the plan's MFU, ``plan_mfu_source``) against the real path's steady-state step.
+"""The campaign's plan part: `cluster.plan.planner`'s prediction for the real path's configuration on ``h100x8``'s
+profile cut to one GPU of this device; errors are (planned - measured) / measured (memory: ``max_memory_reserved``,
+a CPU run's peak RSS). The one module of ``bench`` that imports ``cluster`` (docs/design.md).
 """
 
 from __future__ import annotations
@@ -18,15 +14,11 @@ from cluster.plan.planner import build_plan
 from cluster.profiles import load_profile
 
 BASE_PROFILE = "h100x8"
-
-
-def device_kind(name: str) -> str:
-    """The GPU kind cluster/mfu.yaml files a device's numbers under ("NVIDIA H200" → "H200": `cluster.plan.mfu`)."""
-    return gpu_kind(name)
+device_kind = gpu_kind  # the kind cluster/mfu.yaml files a device under ("NVIDIA H200" → "H200")
 
 
 def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, loader_workers: int):
-    """``BASE_PROFILE`` reduced to one node, one GPU of this device and one worker."""
+    """``BASE_PROFILE`` on one node, one GPU of this device and one worker."""
     base = load_profile(BASE_PROFILE)
     hardware = dataclasses.replace(
         base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name, gpu_memory_gb=memory_gb, peak_tflops=peak_tflops
@@ -38,7 +30,7 @@ def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, load
 
 
 def compare(spec: TrainSpec, result: dict, model: str) -> dict:
-    """The plan's numbers for the real path's configuration and their errors against ``result``'s measurements."""
+    """The plan's numbers for the real path's configuration and their errors against ``result``'s."""
     memory_gb = result.get("gpu_memory_gb") or 80.0
     peak = result.get("train_path_peak_tflops") or 989.0
     profile = one_gpu_profile(result.get("device", "GPU"), memory_gb, peak, spec.num_workers)

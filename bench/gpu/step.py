@@ -1,13 +1,10 @@
-"""The campaign's step part (`bench.gpu.campaign`): vitscale's training step against Hugging Face's ViT on one device,
-per model.
+"""The campaign's step part: vitscale's training step against Hugging Face's ViT on one device, per model.
 
-Per model (ViT-B/16, L/16, H/14; ``bench.train``'s step, bf16 autocast) the tasks, in priority order (``_tasks``) and
-one model in memory at a time, are ``eager`` (vitscale at the largest micro-batch that fits), ``hf`` (default HF,
-SDPA, at that micro-batch or below), ``ckpt`` (activation checkpointing, up to the model's cap), ``compiled`` and
-``hf_compiled`` (blocks torch.compile'd). Keys are ``<key>_<model>``; a rate is the median of ``repeats`` synchronized
-steps after ``warmup``. MFU = images/s x ``train_flops`` (6 x forward MACs, the published count) / the dense peak:
-recomputation is not model FLOPs, so checkpointing lowers MFU by its cost. A task that would end past the deadline
-is skipped (``skipped_<variant>_<model>``), one that fails records ``error_<variant>_<model>``; the others go on.
+Tasks per model, in priority order (``_tasks``): ``eager`` (vitscale at the largest micro-batch that fits), ``hf``
+(SDPA, at that micro-batch or below), ``ckpt`` (activation checkpointing), ``compiled`` and ``hf_compiled``. Keys are
+``<key>_<model>``; a rate is the median of ``repeats`` steps; MFU = images/s x ``train_flops`` / the dense peak.
+A task that would end past the deadline is skipped (``skipped_<variant>_<model>``), one that fails records
+``error_<variant>_<model>``.
 """
 
 from __future__ import annotations
@@ -21,15 +18,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from bench.hf_models import compile_hf_layers, hf_model, logits_of
+from bench.hf_models import compile_layers, hf_model, logits_of
+from bench.train import sync, time_steps
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 
-# name → (first micro-batch tried, cap): H200-sized caps; a cap says "at least this many fit" in the JSON.
+# name → (first micro-batch tried, cap): H200-sized caps; at a cap "at least this many fit"
 MODELS = {"vit_h14": (32, 256), "vit_l16": (64, 512), "vit_b16": (128, 1024)}
 SMOKE_SIZE = dict(width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=10)  # a tiny ViT of each name's patch
-COMPILE_ESTIMATE_S = 60.0  # what a compile of one model's block (forward + backward) is allowed before it starts
-VARIANTS = ("eager", "hf", "ckpt", "compiled", "hf_compiled")
+COMPILE_ESTIMATE_S = 60.0  # a compile's allowance when deciding to start it
 
 
 @dataclass(frozen=True)
@@ -49,11 +46,6 @@ def config_of(name: str, smoke: bool) -> ViTConfig:
     return model_config(name, image_size=2 * patch, **SMOKE_SIZE)  # a 2 x 2 grid of the model's own patch
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -69,7 +61,7 @@ class Stepper:
 
     def __init__(self, config: ViTConfig, impl: str, device: torch.device):
         self.config, self.device = config, device
-        with device:  # initialised on the device: an H/14 built on the CPU takes longer than its timing
+        with device:  # an H/14 built on the CPU takes longer than its timing
             self.model = VisionTransformer(config) if impl == "vitscale" else hf_model(config, "sdpa")
         self.model.train()
         self.logits_of = logits_of(self.model)
@@ -95,16 +87,15 @@ class Stepper:
         self.optimizer.step()
 
     def release(self) -> None:
-        """Drop the model, optimizer state and inputs, so that their device memory can be freed."""
+        """Drop the model, optimizer state and inputs, so that their memory can be freed."""
         self.model = self.optimizer = self.logits_of = self._inputs = None  # type: ignore[assignment]
 
     def fits(self, batch: int) -> bool:
-        """Two steps at ``batch`` (the second with Adam's state allocated) run without running out of memory; other
-        errors raise."""
+        """Whether two steps (the second with Adam's state) run at ``batch`` without running out of memory."""
         try:
             self.step(batch)
             self.step(batch)
-            _sync(self.device)
+            sync(self.device)
             return True
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_oom(error):
@@ -114,22 +105,9 @@ class Stepper:
         _free(self.device)
         return False
 
-    def seconds_per_step(self, batch: int, warmup: int, repeats: int) -> float:
-        for _ in range(warmup):
-            self.step(batch)
-        times = []
-        for _ in range(repeats):
-            _sync(self.device)
-            start = time.perf_counter()
-            self.step(batch)
-            _sync(self.device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
 
 def largest_batch(stepper: Stepper, start: int, cap: int) -> int | None:
-    """The largest micro-batch in start·2^k ≤ cap that fits (halving below ``start`` if it does not); None if 1
-    does not fit."""
+    """The largest micro-batch in start·2^k ≤ cap that fits (halving below ``start``); None if 1 does not."""
     batch = start
     while not stepper.fits(batch):
         if batch == 1:
@@ -152,14 +130,13 @@ _KERNELS = (  # profiler op name fragment → the attention kernel it is, most s
 
 
 def attention_kernel(step: Callable[[], None], device: torch.device) -> str:
-    """``attention_kernel_*``: SDPA's backend in one profiled step, or "explicit (bmm + softmax)" (vitscale's CPU
-    bf16 path, HF's eager)."""
+    """SDPA's backend in one profiled step, or "explicit (bmm + softmax)" (vitscale's CPU bf16 path, HF's eager)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        sync(device)
     names = {event.key for event in prof.key_averages()}
     for fragment, kernel in _KERNELS:
         if any(fragment in name for name in names):
@@ -173,10 +150,9 @@ def _timed(stepper: Stepper, batch: int, s: StepSettings, flops: int, label: str
     device = stepper.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    # Compiled: one more warm-up step, so that a recompilation on the second call is not timed.
-    warmup = s.warmup + label.endswith("compiled")
-    step_s = stepper.seconds_per_step(batch, warmup, s.repeats)
-    img_s = batch / step_s
+    for _ in range(s.warmup + label.endswith("compiled")):  # compiled: one more, so a recompilation is not timed
+        stepper.step(batch)
+    img_s = batch / statistics.median(time_steps(lambda: stepper.step(batch), s.repeats, device))
     out = {f"{label}_img_s": img_s, f"{label}_batch": batch, f"mfu_{label}": img_s * flops / (s.peak_tflops * 1e12)}
     if device.type == "cuda":
         out[f"{label}_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
@@ -184,7 +160,7 @@ def _timed(stepper: Stepper, batch: int, s: StepSettings, flops: int, label: str
 
 
 def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
-    """One variant of one model (module docstring); ``found`` holds what earlier tasks of the model measured."""
+    """One variant of one model; ``found``: what the model's earlier tasks measured."""
     device = torch.device(s.device)
     config = config_of(name, s.smoke)
     start, cap = (2, 4) if s.smoke else MODELS[name]
@@ -194,43 +170,38 @@ def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
     try:
         if variant == "eager":
             out = {"attention_kernel_vitscale": attention_kernel(lambda: stepper.step(2), device)}
-            batch = largest_batch(stepper, start, cap)
-            if batch is None:
-                raise RuntimeError("not even a micro-batch of 1 fits")
+            batch = _fitted(largest_batch(stepper, start, cap))
             return {**out, **_timed(stepper, batch, s, flops, "eager"), "eager_batch_capped": batch * 2 > cap}
         eager_batch = found.get("eager_batch")
         if eager_batch is None:
             raise RuntimeError("no eager micro-batch was measured for this model")
         if variant == "ckpt":
             stepper.model.set_grad_checkpointing(True)
-            # Where eager reached the cap, the same micro-batch (the ratio is checkpointing's cost); else the larger
-            # micro-batch checkpointing makes room for.
+            # at eager's micro-batch where it reached the cap (the ratio is the cost), else the larger one that fits
             batch = largest_batch(stepper, eager_batch, max(cap, eager_batch))
         elif variant.endswith("compiled"):
-            if impl == "vitscale":
-                stepper.model.compile_blocks()
-            else:
-                compile_hf_layers(stepper.model)
+            compile_layers(stepper.model)
             batch = eager_batch
         else:  # HF as it runs by default, at vitscale's micro-batch or the largest below it that fits
             batch = largest_batch(stepper, eager_batch, eager_batch)
             kernel = attention_kernel(lambda: stepper.step(2), device)
-            if batch is None:
-                raise RuntimeError("not even a micro-batch of 1 fits")
-            return {**_timed(stepper, batch, s, flops, variant), "attention_kernel_hf": kernel}
-        if batch is None:
-            raise RuntimeError("not even a micro-batch of 1 fits")
-        return _timed(stepper, batch, s, flops, variant)
+            return {**_timed(stepper, _fitted(batch), s, flops, variant), "attention_kernel_hf": kernel}
+        return _timed(stepper, _fitted(batch), s, flops, variant)
     finally:
         stepper.release()
         if variant.endswith("compiled"):
-            torch._dynamo.reset()  # its caches hold the compiled blocks' graphs (and so their memory) otherwise
+            torch._dynamo.reset()  # its caches hold the compiled blocks' graphs and their memory
         _free(device)
 
 
+def _fitted(batch: int | None) -> int:
+    if batch is None:
+        raise RuntimeError("not even a micro-batch of 1 fits")
+    return batch
+
+
 def _tasks(s: StepSettings) -> list[tuple[str, str]]:
-    """(model, variant) in priority order: eager pairs, checkpointing, then compiled (tens of seconds each; H/14 and
-    B/16 first, as the goals name them)."""
+    """(model, variant) in priority order: eager pairs, checkpointing, then compiled (H/14 and B/16 first)."""
     groups = [(("eager", "hf"), MODELS), (("ckpt",), MODELS)]
     if s.compile:
         groups.append((("compiled", "hf_compiled"), ("vit_h14", "vit_b16", "vit_l16")))
@@ -238,13 +209,13 @@ def _tasks(s: StepSettings) -> list[tuple[str, str]]:
 
 
 def _estimate_s(variant: str, found: dict) -> float:
-    """What a task is expected to take, from the eager step of its model (compiles: a fixed allowance)."""
+    """A task's expected seconds, from its model's eager step."""
     step_s = found.get("eager_batch", 1) / max(found.get("eager_img_s", 1e9), 1e-9)
     return (COMPILE_ESTIMATE_S if variant.endswith("compiled") else 5.0) + 20 * step_s
 
 
 def run(s: StepSettings, deadline: float, log: Callable[[str], None]) -> dict:
-    """Every task that fits before ``deadline`` (time.monotonic); the flat keys, ``<key>_<model>``."""
+    """Every task that fits before ``deadline`` (time.monotonic); the flat keys."""
     results: dict = {}
     found: dict[str, dict] = {name: {} for name in MODELS}
     for name, variant in _tasks(s):
@@ -271,14 +242,11 @@ def _line(got: dict, variant: str) -> str:
 
 
 def _ratios(name: str, got: dict, config: ViTConfig) -> dict:
-    """The headline keys of one model: speedups against HF, the best MFU and which configuration gave it."""
+    """One model's speedups against HF, its best MFU and which configuration gave it."""
     out: dict = {f"train_gflops_per_image_{name}": train_flops(config) / 1e9}
-    if "eager_img_s" in got and "hf_img_s" in got:
-        out[f"speedup_vs_hf_{name}"] = got["eager_img_s"] / got["hf_img_s"]
-    if "compiled_img_s" in got and "hf_img_s" in got:
-        out[f"speedup_compiled_vs_hf_{name}"] = got["compiled_img_s"] / got["hf_img_s"]
-    if "compiled_img_s" in got and "hf_compiled_img_s" in got:
-        out[f"speedup_compiled_vs_hf_compiled_{name}"] = got["compiled_img_s"] / got["hf_compiled_img_s"]
+    for key, a, b in (("", "eager", "hf"), ("compiled_", "compiled", "hf"), ("compiled_", "compiled", "hf_compiled")):
+        if f"{a}_img_s" in got and f"{b}_img_s" in got:
+            out[f"speedup_{key}vs_{b}_{name}"] = got[f"{a}_img_s"] / got[f"{b}_img_s"]
     mfus = {v: got[f"mfu_{v}"] for v in ("eager", "ckpt", "compiled") if f"mfu_{v}" in got}
     if mfus:
         best = max(mfus, key=mfus.__getitem__)

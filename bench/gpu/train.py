@@ -1,16 +1,7 @@
-"""The campaign's real-path part (`bench.gpu.campaign`), run in a child process of its own: `pretrain.train` through
-DeepSpeed on one device, a resume from its checkpoint, and the same step at ZeRO-0 (plain PyTorch), ZeRO-1 and ZeRO-2.
+"""The campaign's real-path part, in a child process of its own: `pretrain.train` through DeepSpeed on one device, a
+resume from its checkpoint, and the same step at ZeRO-0 (plain PyTorch), ZeRO-1 and ZeRO-2 (docs/benchmarks/gpu.md).
 
     python -m bench.gpu.train SPEC.json OUT.json       (bench.gpu.campaign starts it; SPEC is a `TrainSpec` as JSON)
-
-1. ``real_path``: ``train_worker`` of ``vit_h14_i21k`` at its micro-batch, accumulation 1, loader workers on,
-   checkpoints at ``checkpoint_at`` and the end; the lr stays in the warm-up, so the few steps stay finite. Steady
-   state: the median step after ``warmup_steps``, leaving out steps that followed a save.
-2. ``resume``: a new run resumed from the first checkpoint; its losses against the first run's.
-3. ``zero_stages``: the trainer's step at ZeRO-1 and ZeRO-2, and plain PyTorch as ZeRO-0 (DeepSpeed refuses bf16
-   without ZeRO), each only if it can end by ``deadline``.
-
-The output JSON is rewritten after each part, so a timeout keeps what was measured.
 """
 
 from __future__ import annotations
@@ -28,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench.train import time_steps
 from data_pipeline.cli import output_file
 from pretrain.checkpointer import StartPoint
 from pretrain.config.optim import build_optimizer
@@ -47,8 +39,8 @@ RECIPE = "vit_h14_i21k"
 
 @dataclass(frozen=True)
 class TrainSpec:
-    data: str  # shard folder (a formula set bench.gpu.campaign generated)
-    run_root: str  # scratch folder for the run folders
+    data: str  # shard folder (the campaign's formula set)
+    run_root: str  # scratch folder for the runs
     smoke: bool = False
     steps: int = 24
     checkpoint_at: int = 12
@@ -58,10 +50,10 @@ class TrainSpec:
     num_workers: int = 8
     resume: bool = True  # run part 2
     zero: bool = True  # run part 3
-    deadline: float = 0.0  # time.time() the part must end by: a ZeRO setting that would end later is skipped; 0: none
+    deadline: float = 0.0  # time.time() to end by: a ZeRO setting that would end later is skipped; 0: none
 
     def sets(self, run_dir: Path) -> list[str]:
-        """Overrides of the recipe: this data, accumulation 1, a short stop, no MLflow, no evals."""
+        """The recipe's overrides: this data, accumulation 1, a short stop, no MLflow, no evals."""
         sets = [
             f"data.train={self.data}",
             "data.builtin=null",
@@ -77,7 +69,7 @@ class TrainSpec:
             f"logging.log_every={max(1, self.steps // 4)}",
             "evals.suite=null",
         ]
-        if self.smoke:  # a tiny ViT at 32 px, one worker forked (forkserver's start-up is seconds on 2 cores)
+        if self.smoke:  # a tiny ViT at 32 px; fork: forkserver's start-up is seconds on 2 cores
             sets += [
                 "model.name=vit_tiny_debug",
                 "data.image_size=32",
@@ -98,7 +90,7 @@ class TrainSpec:
 
 
 class TimedBeat(Heartbeat):
-    """A heartbeat without a file that keeps every step's end time and data wait (`pretrain.telemetry.heartbeat`)."""
+    """A heartbeat without a file that keeps every step's end time and data wait."""
 
     def __init__(self) -> None:
         super().__init__(None)
@@ -117,8 +109,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def _memory(device: torch.device, prefix: str) -> dict:
-    """Peak device memory in GB: what tensors held and what the allocator reserved; on a CPU (a smoke run) both are
-    the process's peak resident size."""
+    """Peak GB that tensors held and that the allocator reserved; on a CPU both are the peak RSS."""
     if device.type != "cuda":
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
         return {f"{prefix}_peak_memory_allocated_gb": peak, f"{prefix}_peak_memory_reserved_gb": peak}
@@ -133,7 +124,9 @@ def _flops_per_image(config: TrainConfig) -> int:
 
 
 def real_path(spec: TrainSpec, out: dict) -> None:
-    """Part 1: the keys ``train_path_*``; a save's time runs from its step's end to its COMPLETE."""
+    """``train_path_*``: the recipe at its micro-batch, accumulation 1, checkpoints at ``checkpoint_at`` and the end
+    (the lr stays in the warm-up, so the few steps stay finite). Steady state: the median step after ``warmup_steps``,
+    leaving out steps after a save; a save's time runs from its step's end to its COMPLETE."""
     run_dir = Path(spec.run_root) / "run"
     config = spec.config(run_dir)
     beat, saves = TimedBeat(), {}
@@ -152,35 +145,33 @@ def real_path(spec: TrainSpec, out: dict) -> None:
     peak = device_peak(config.logging.peak_tflops, device, "bf16" if device.type == "cuda" else "fp32")
     img_s = batch / step_s
     save_s, save_bytes = saves[spec.checkpoint_at]
-    out.update(
-        {
-            "train_path_model": config.model.name,
-            "train_path_micro_batch": config.data.micro_batch_size,
-            "train_path_global_batch": batch,
-            "train_path_zero_stage": config.deepspeed.zero_stage,
-            "train_path_num_workers": config.data.num_workers,
-            "train_path_steps": summary.steps,
-            "train_path_steady_steps": len(steady),
-            "train_path_step_s": step_s,
-            "train_path_img_s": img_s,
-            "train_path_mfu": img_s * _flops_per_image(config) / (peak.tflops * 1e12),
-            "train_path_peak_tflops": peak.tflops,
-            "train_path_peak_source": peak.source,
-            "train_path_data_wait": wait,
-            "train_path_start_s": beat.ends[steps[0]] - beat.started,
-            "train_path_checkpoint_save_s": save_s,
-            "train_path_checkpoint_gb": save_bytes / 1e9,
-            "train_path_losses": summary.losses,
-            "train_path_step_times_s": [round(durations[s], 4) for s in sorted(durations)],
-            **_memory(device, "train_path"),
-        }
-    )
-    for step in list(saves)[1:]:  # only the first checkpoint is resumed from: the disk holds one H/14 save less
+    out |= {
+        "train_path_model": config.model.name,
+        "train_path_micro_batch": config.data.micro_batch_size,
+        "train_path_global_batch": batch,
+        "train_path_zero_stage": config.deepspeed.zero_stage,
+        "train_path_num_workers": config.data.num_workers,
+        "train_path_steps": summary.steps,
+        "train_path_steady_steps": len(steady),
+        "train_path_step_s": step_s,
+        "train_path_img_s": img_s,
+        "train_path_mfu": img_s * _flops_per_image(config) / (peak.tflops * 1e12),
+        "train_path_peak_tflops": peak.tflops,
+        "train_path_peak_source": peak.source,
+        "train_path_data_wait": wait,
+        "train_path_start_s": beat.ends[steps[0]] - beat.started,
+        "train_path_checkpoint_save_s": save_s,
+        "train_path_checkpoint_gb": save_bytes / 1e9,
+        "train_path_losses": summary.losses,
+        "train_path_step_times_s": [round(durations[s], 4) for s in sorted(durations)],
+        **_memory(device, "train_path"),
+    }
+    for step in list(saves)[1:]:  # only the first is resumed from: one H/14 save less on the disk
         shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
 
 
 def resume(spec: TrainSpec, out: dict) -> None:
-    """Part 2: the keys ``resume_*``."""
+    """``resume_*``: a new run resumed from the first checkpoint, its losses against the first run's."""
     source = Path(spec.run_root) / "run" / "checkpoints" / f"step_{spec.checkpoint_at:08d}"
     stop = spec.checkpoint_at + spec.resume_steps
     config = spec.config(
@@ -188,20 +179,17 @@ def resume(spec: TrainSpec, out: dict) -> None:
     )
     beat = TimedBeat()
     summary = train_worker(config, heartbeat=beat)
-    first = dict((int(s), loss) for s, loss in out["train_path_losses"])
-    again = [(int(s), loss) for s, loss in summary.losses]
-    diffs = [abs(loss - first[s]) for s, loss in again if s in first]
-    out.update(
-        {
-            "resume_start": summary.start,
-            "resume_start_step": summary.start_step,
-            "resume_losses": summary.losses,
-            "resume_compared_steps": len(diffs),
-            "resume_max_abs_loss_diff": max(diffs) if diffs else None,
-            "resume_losses_equal": bool(diffs) and max(diffs) == 0.0,
-            "resume_start_s": beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
-        }
-    )
+    first = {int(s): loss for s, loss in out["train_path_losses"]}
+    diffs = [abs(loss - first[int(s)]) for s, loss in summary.losses if int(s) in first]
+    out |= {
+        "resume_start": summary.start,
+        "resume_start_step": summary.start_step,
+        "resume_losses": summary.losses,
+        "resume_compared_steps": len(diffs),
+        "resume_max_abs_loss_diff": max(diffs) if diffs else None,
+        "resume_losses_equal": bool(diffs) and max(diffs) == 0.0,
+        "resume_start_s": beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
+    }
     shutil.rmtree(Path(spec.run_root) / "run", ignore_errors=True)
     shutil.rmtree(Path(spec.run_root) / "resumed", ignore_errors=True)
 
@@ -209,16 +197,7 @@ def resume(spec: TrainSpec, out: dict) -> None:
 def _median_step(step, device: torch.device, steps: int) -> float:
     for _ in range(2):
         step()
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(time_steps(step, steps, device))
 
 
 def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: torch.dtype):
@@ -226,7 +205,7 @@ def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: tor
     config = trainer_config
     with place.device:
         model = build_model(config.model.name, **model_overrides(config, num_classes))
-    task = build_task(config, model).to(place.device)  # what a task adds to the model (none for classification)
+    task = build_task(config, model).to(place.device)
     optimizer = build_optimizer(task, config.optim)
     batches = iter(build_stream(config, place, num_classes))
 
@@ -244,19 +223,20 @@ def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: tor
 
 
 def zero_stages(spec: TrainSpec, out: dict) -> None:
-    """Part 3: ``zero<stage>_step_s`` / ``_img_s`` / peak memory for ZeRO-1, ZeRO-2 and ZeRO-0 (plain PyTorch)."""
-    # A setting costs about the real path's start-up (imports already done) plus its steps.
+    """``zero<stage>_step_s`` / ``_img_s`` / peak memory at ZeRO-1, ZeRO-2 and ZeRO-0 (plain PyTorch: DeepSpeed
+    refuses bf16 without ZeRO)."""
+    # about the real path's start-up (imports done) plus the steps
     estimate = 0.8 * out.get("train_path_start_s", 0.0) + (spec.zero_steps + 3) * out.get("train_path_step_s", 0.0)
     for stage in (1, 2, 0):
         if spec.deadline and time.time() + estimate > spec.deadline:
             out[f"zero{stage}_skipped"] = f"~{estimate:.0f} s needed, {spec.deadline - time.time():.0f} s left"
             continue
-        more = ["data.num_workers=0"] if spec.smoke else []  # smoke: the real path has run its loader workers
+        more = ["data.num_workers=0"] if spec.smoke else []  # the real path has run the loader workers
         config = spec.config(Path(spec.run_root) / f"zero{stage}", f"deepspeed.zero_stage={max(stage, 1)}", *more)
         place = init_distributed(config)
         if place.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(place.device)
-        if stage == 0:  # the run's classes and precision, as the trainer decides them; no engine
+        if stage == 0:  # the classes and precision the trainer would decide; no engine
             classes, _ = prepare_data(config, place)
             choice = decide_precision(config, place, classes, StartPoint("scratch", None))
             dtype = torch.bfloat16 if choice.precision == "bf16" else torch.float32
@@ -269,13 +249,11 @@ def zero_stages(spec: TrainSpec, out: dict) -> None:
                 trainer.close()
             del trainer
         gc.collect()
-        out.update(
-            {
-                f"zero{stage}_step_s": step_s,
-                f"zero{stage}_img_s": config.data.global_batch_size / step_s,
-                **_memory(place.device, f"zero{stage}"),
-            }
-        )
+        out |= {
+            f"zero{stage}_step_s": step_s,
+            f"zero{stage}_img_s": config.data.global_batch_size / step_s,
+            **_memory(place.device, f"zero{stage}"),
+        }
         if place.device.type == "cuda":
             torch.cuda.empty_cache()
         shutil.rmtree(Path(spec.run_root) / f"zero{stage}", ignore_errors=True)

@@ -1,7 +1,4 @@
-"""ImageNet-21k scale rehearsed without the images: the command line (`bench.scale.campaign`).
-
-python -m bench.scale [--out bench-results/scale.json] [--tiny]                    (make bench-scale)
-"""
+"""ImageNet-21k scale rehearsed without the images: the command line (`bench.scale.campaign`)."""
 
 from __future__ import annotations
 
@@ -19,17 +16,13 @@ from bench.scale.writer import measure_writer
 from data_pipeline.cli import output_file
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.scale", description="ImageNet-21k-scale rehearsal: tables, planning, dedup, writer"
     )
     p.add_argument("--out", default="bench-results/scale.json")
     p.add_argument("--tiny", action="store_true", help="small sizes throughout (a smoke test; numbers mean little)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
+    args = p.parse_args(argv)
     try:
         out = output_file(args.out, "--out")
     except ValueError as error:
@@ -43,10 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         result.update(measure_tables(tmp / "i21k", sizes.samples, sizes.shards, sizes.classes, sizes.worlds))
         photos = imagenet_like_jpegs(sizes.photos, seed=1)
-        result.update(
-            measure_writer(tmp, photos, sizes.reencoded, sizes.serial_candidates, sizes.serial_exclude_hashes)
-        )
-        # the writer's shards stand in for i21k's under the first batch's full-size manifest
+        result |= measure_writer(tmp, photos, sizes.reencoded, sizes.serial_candidates, sizes.serial_exclude_hashes)
+        # the writer's shards stand in for i21k's
         result.update(measure_first_batch(tmp / "clean-realistic", tmp / "first-batch", sizes.shards, sizes.worlds[1]))
         result.update(measure_dedup(sizes.dedup_train, sizes.dedup_evals, sizes.dedup_sample, photos[:100]))
     result.update(measure_generation(sizes.generated_per_kind))

@@ -1,37 +1,28 @@
 """ImageNet-21k scale rehearsed without the images: the sizes each part runs at, and the generation part.
 
-    python -m bench.scale [--out bench-results/scale.json] [--tiny]                    (make bench-scale)
-
-The parts: tables, reading, planning and the first batch (``bench.scale.tables``), near duplicates
-(``bench.scale.dedup``), the writer (``bench.scale.writer``), the formula generators (``measure_generation``).
-CPU rates are per CPU second of the measured process (``time.process_time`` / ``RUSAGE_CHILDREN``), so other jobs
-distort them little; planning and first-batch times are wall times. Every projection to i21k writes its formula and
-inputs beside it.
+The parts: ``bench.scale.tables``, ``.dedup``, ``.writer`` and ``measure_generation``. CPU rates are per CPU second of
+the measured process; planning and first-batch times are wall times. Every projection to i21k writes its inputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.scale.tables import (
-    I21K_CLASSES,
-    I21K_SAMPLES,
-    I21K_SHARDS,
-)
+from bench.scale.tables import I21K_CLASSES, I21K_SAMPLES, I21K_SHARDS
 from data_pipeline.builtin import formula
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """What each part runs at: i21k's own sizes (``FULL``) or ``--tiny``'s (``TINY``)."""
+    """i21k's own sizes (``FULL``) or ``--tiny``'s (``TINY``)."""
 
     samples: int  # rows of the synthetic tables
-    shards: int  # manifest rows (the first batch's stand-in manifest too)
+    shards: int  # manifest rows (the first batch's stand-in's too)
     classes: int
-    worlds: tuple[int, int]  # ranks planned for; the first batch is the larger world's last rank's
-    photos: int  # realistic JPEGs for the writer (the first 100 also for the pHash check)
+    worlds: tuple[int, int]  # ranks planned for; the first batch is the larger's last rank's
+    photos: int  # realistic JPEGs for the writer (the first 100 for the pHash check too)
     reencoded: int  # of them, re-encoded at 800x600 for the writer
-    serial_candidates: int  # writer Candidates held, pickled and deduped by main_process_costs
+    serial_candidates: int  # Candidates main_process_costs holds, pickles and dedups
     serial_exclude_hashes: int  # its --exclude-like set
     dedup_train: int  # training hashes looked up in the near-duplicate index
     dedup_evals: int  # evaluation hashes in the index
@@ -70,7 +61,7 @@ TINY = Sizes(  # a smoke test: its numbers mean little
 
 
 def measure_generation(num_images: int) -> dict:
-    """Images per CPU second of each formula kind at 224 px, the slowest projected to 21,843 classes x 1,000."""
+    """Images per CPU second of each formula kind at 224 px, the slowest projected to i21k's classes x 1,000."""
     rates = {kind: formula.measure_generation(kind, 224, num_images) for kind in formula.CLASS_FORMULA}
     slowest = min(rates.values())
     total = I21K_CLASSES * 1000

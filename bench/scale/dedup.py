@@ -1,9 +1,5 @@
-"""Near duplicates at ImageNet-21k scale (part 2 of ``bench.scale.campaign``).
-
-Uniform synthetic training hashes with planted near and exact (sha256) copies of evaluation hashes, looked up as
-``--exclude-like`` does (``ExclusionSet.matches_many``): recall and precision against brute force on a sample, the
-per-core rate projected to i21k on 16 cores, the writer's in-set self-join, and the pHash's own robustness to
-re-encoding, which no index can improve.
+"""Near duplicates at ImageNet-21k scale: synthetic training hashes with planted near and exact copies of evaluation
+hashes looked up as ``--exclude-like`` does, against brute force; the writer's self-join; the pHash's robustness.
 """
 
 from __future__ import annotations
@@ -22,14 +18,14 @@ from data_pipeline.write.dedup import ExclusionSet, NearDuplicateIndex, near_dup
 def _plant_near_copies(
     rng: np.random.Generator, train: int, evals: int, max_distance: int, planted_fraction: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(eval hashes, train hashes, planted train indices): uniform uint64 hashes, ``planted_fraction`` of the training
-    ones replaced by an evaluation hash with 0..``max_distance`` distinct bits flipped."""
+    """(eval hashes, train hashes, planted train indices): ``planted_fraction`` of the training hashes replaced by an
+    evaluation hash with 0..``max_distance`` distinct bits flipped."""
     eval_hashes = rng.integers(0, 2**64, evals, dtype=np.uint64)
     train_hashes = rng.integers(0, 2**64, train, dtype=np.uint64)
     planted = rng.choice(train, int(train * planted_fraction), replace=False)
     sources = rng.integers(0, evals, len(planted))
     flips = np.zeros(len(planted), dtype=np.uint64)
-    for i, k in enumerate(rng.integers(0, max_distance + 1, len(planted))):  # flip 0..max_distance distinct bits
+    for i, k in enumerate(rng.integers(0, max_distance + 1, len(planted))):
         for bit in rng.choice(64, int(k), replace=False):
             flips[i] |= np.uint64(1) << np.uint64(bit)
     train_hashes[planted] = eval_hashes[sources] ^ flips
@@ -39,8 +35,7 @@ def _plant_near_copies(
 def _bruteforce_pairs(
     index: NearDuplicateIndex, train_hashes: np.ndarray, pick: np.ndarray, max_distance: int
 ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
-    """(true pairs, pairs the index found) of (training index in ``pick``, evaluation slot) within ``max_distance``
-    bits; the truth from every pair's popcount."""
+    """(true pairs, pairs the index found) of (training index in ``pick``, evaluation slot) within ``max_distance``."""
     truth: set[tuple[int, int]] = set()
     for lo in range(0, len(pick), 256):
         q = train_hashes[pick[lo : lo + 256]]
@@ -55,8 +50,7 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
     rng = np.random.default_rng(seed)
     eval_hashes, train_hashes, planted = _plant_near_copies(rng, train, evals, max_distance, planted_fraction)
 
-    # --exclude-like: the eval set's sha256s and pHashes, asked about every training image in one batch; as many
-    # training sha256s as planted near copies are exact eval copies
+    # --exclude-like over every training image at once; as many exact sha256 copies as planted near ones
     eval_sha = hex_digests(rng, evals).to_pylist()
     train_sha = hex_digests(rng, train).to_pylist()
     exact = rng.choice(np.setdiff1d(np.arange(train), planted), len(planted), replace=False)
@@ -71,15 +65,9 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
     index = exclusion.index
     recall_planted = float(hit[np.concatenate([planted, exact])].mean()) if len(planted) else 1.0
 
-    # brute force on a sample (planted and random queries alike): every pair within max_distance
-    pick = np.unique(
-        np.concatenate(
-            [
-                rng.choice(planted, min(len(planted), sample // 2), replace=False),
-                rng.choice(train, sample // 2, replace=False),
-            ]
-        )
-    )
+    # brute force on a sample of planted and random queries
+    near = rng.choice(planted, min(len(planted), sample // 2), replace=False)
+    pick = np.unique(np.concatenate([near, rng.choice(train, sample // 2, replace=False)]))
     truth, found = _bruteforce_pairs(index, train_hashes, pick, max_distance)
     both = len(found & truth)
 
@@ -124,7 +112,7 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
 
 
 def bench_phash_robustness(images: list[bytes], max_distance: int) -> float:
-    """Share of 0.8x-resized, quality-60 copies whose pHash stays within ``max_distance`` bits: the hash's recall."""
+    """Share of 0.8x-resized, quality-60 copies whose pHash stays within ``max_distance`` bits."""
     within = 0
     for data in images:
         with Image.open(io.BytesIO(data)) as img:

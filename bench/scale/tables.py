@@ -1,7 +1,5 @@
-"""ImageNet-21k's tables without the images, and what one rank does with them (part 1 of ``bench.scale.campaign``).
-
-Reading, planning and the first batch each run in a fresh interpreter (``_run_probe``) that does what one rank does,
-so its peak RSS is one rank's.
+"""ImageNet-21k's tables without the images, and what one rank does with them; reading, planning and the first batch
+each run in a fresh interpreter (``_run_probe``), so its peak RSS is one rank's.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from data_pipeline.manifest import SamplesWriter, iter_samples, read_dataset_inf
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.train_stream import TrainStream
 
-# ImageNet-21k (fall 2011), what every projection of bench.scale.campaign scales to
+# ImageNet-21k (fall 2011), what every projection scales to
 I21K_SAMPLES = 14_197_122
 I21K_CLASSES = 21_843
 I21K_SHARDS = 4_700
@@ -30,9 +28,7 @@ I21K_MEAN_JPEG_KB = 92  # 1.31 TB / 14.2M images, docs/reference.md §6
 LOADER_WORKERS = 8
 GLOBAL_BATCH = 4096
 STREAMS = 512  # data.streams of the i21k recipes
-PROBE = "import sys, bench.scale.tables as s; s._probe(sys.argv[1:])"  # a fresh interpreter: its peak RSS is one rank's
-
-# --- synthetic tables
+PROBE = "import sys, bench.scale.tables as s; s._probe(sys.argv[1:])"
 
 
 def _digits(values: np.ndarray, width: int) -> np.ndarray:
@@ -75,7 +71,7 @@ def shard_sizes(samples: int, shards: int) -> np.ndarray:
 
 def build_tables(root: Path, samples: int, shards: int, classes: int, seed: int = 0) -> dict:
     """Write the three tables and dataset.json of an i21k-sized split folder (no tar files) with the project's
-    writers; the samples table streamed in chunks so memory stays at one chunk."""
+    writers, the samples table a chunk at a time."""
     root.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     sizes = shard_sizes(samples, shards)
@@ -118,12 +114,8 @@ def build_tables(root: Path, samples: int, shards: int, classes: int, seed: int 
     return dict(tables_write_s=round(time.perf_counter() - start, 1), tables_mb=sizes_mb)
 
 
-# --- probes (fresh subprocesses)
-
-
 def _peak_mb() -> float:
-    """This process's peak RSS (VmHWM). Not ru_maxrss: a child started by fork+exec inherits the parent's RSS at the
-    fork in it, so a probe run after the 14M-row table build would report the bench's memory, not its own."""
+    """This process's peak RSS (VmHWM); not ru_maxrss, which a fork+exec child inherits from its parent."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmHWM:"):
@@ -134,43 +126,27 @@ def _peak_mb() -> float:
 def _probe(args: list[str]) -> None:
     """Run in a fresh interpreter by ``_run_probe``; prints one JSON line."""
     what, root = args[0], args[1]
-    # the module's imports (the stream, torch) are what a rank imports too: the baseline is taken after them
-    baseline = _peak_mb()
+    baseline = _peak_mb()  # after the imports a rank makes too (the stream, torch)
     start = time.perf_counter()
     out: dict = {}
     if what == "samples":
-        rows = 0
-        for batch in iter_samples(root):
-            rows += batch.num_rows
-        out["rows"] = rows
-    elif what == "plan":
-        world = int(args[2])
-        info = read_dataset_info(root)
+        out["rows"] = sum(batch.num_rows for batch in iter_samples(root))
+    else:  # "plan" or "first_batch", as the last of args[2] ranks
+        world, plan = int(args[2]), what == "plan"
         spec = DataConfig.for_stream(
-            info,
-            micro_batch_size=max(1, GLOBAL_BATCH // world),
+            read_dataset_info(root) if plan else root,
+            micro_batch_size=max(1, GLOBAL_BATCH // world) if plan else 64,
             image_size=224,
-            global_batch_size=GLOBAL_BATCH,
+            global_batch_size=GLOBAL_BATCH if plan else 64 * world,  # first batch: 64 per rank per step
             streams=STREAMS,
             num_workers=LOADER_WORKERS,
         )
         stream = TrainStream(spec, rank=world - 1, world_size=world)
-        dealt = stream.plan.stream_shards(0)  # all streams' shards: every rank deals the whole epoch
-        out["shards_this_rank"] = sum(len(dealt[s]) for s in stream.plan.rank_streams)
-        out["steps_per_epoch"] = stream.steps_per_epoch
-    elif what == "first_batch":
-        world = int(args[2])
-        spec = DataConfig.for_stream(
-            root,
-            micro_batch_size=64,
-            image_size=224,
-            global_batch_size=64 * world,  # one micro-batch of 64 per rank per step
-            streams=STREAMS,
-            num_workers=LOADER_WORKERS,
-        )
-        stream = TrainStream(spec, rank=world - 1, world_size=world)
-        x, _ = next(iter(stream))
-        out["batch_shape"] = list(x.shape)
+        if plan:
+            dealt = stream.plan.stream_shards(0)  # all streams' shards: every rank deals the whole epoch
+            out["shards_this_rank"] = sum(len(dealt[s]) for s in stream.plan.rank_streams)
+        else:
+            out["batch_shape"] = list(next(iter(stream))[0].shape)
         out["steps_per_epoch"] = stream.steps_per_epoch
     out["seconds"] = time.perf_counter() - start
     out["peak_mb"], out["baseline_mb"] = _peak_mb(), baseline
@@ -189,12 +165,9 @@ def _run_probe(*args: object) -> dict:
     return result
 
 
-# --- measurements
-
-
 def measure_tables(root: Path, samples: int, shards: int, classes: int, worlds: tuple[int, int]) -> dict:
-    """Write the tables into ``root``; time reading the manifest (here) and streaming ``samples.parquet`` and
-    planning epoch 0 at each of ``worlds`` ranks (probes: seconds and peak RSS of one rank)."""
+    """Write the tables into ``root``; time reading the manifest, and (probes) streaming ``samples.parquet`` and
+    planning epoch 0 at each of ``worlds`` ranks."""
     result = build_tables(root, samples, shards, classes)
     print(f"tables written in {result['tables_write_s']} s: {result['tables_mb']} MB")
     start = time.perf_counter()
@@ -224,8 +197,8 @@ def measure_tables(root: Path, samples: int, shards: int, classes: int, worlds: 
 
 
 def measure_first_batch(written: Path, stand_in: Path, shards: int, world: int) -> dict:
-    """The last of ``world`` ranks' first batch (probe), from a ``shards``-row manifest written into ``stand_in``
-    whose rows point at the real shards in ``written``; and the shuffle buffer's fill time at i21k's JPEG size."""
+    """The last of ``world`` ranks' first batch (probe) from a ``shards``-row manifest in ``stand_in`` pointing at
+    the shards in ``written``; and the shuffle buffer's fill time at i21k's JPEG size."""
     info = read_dataset_info(written)
     stand_in.mkdir()
     rows = [

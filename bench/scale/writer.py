@@ -1,6 +1,5 @@
-"""The shard writer at ImageNet-21k scale (part 3 of ``bench.scale.campaign``): images per CPU second of one process
-on generated JPEGs, a killed and re-run write that must be byte-identical, the main process's serial work, and their
-projection to i21k.
+"""The shard writer at ImageNet-21k scale: images per CPU second of one process, a killed and re-run write that must
+be byte-identical, the main process's serial work, and their projection to i21k.
 """
 
 from __future__ import annotations
@@ -41,21 +40,8 @@ def write_class_tars(root: Path, images: list[bytes], classes: int) -> Path:
 
 
 def _writer(source: Path, out: Path, per_shard: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "data_pipeline.write",
-        "--source",
-        str(source),
-        "--out",
-        str(out),
-        "--samples-per-shard",
-        str(per_shard),
-        "--processes",
-        "1",
-        "--name",
-        "bench",
-    ]
+    args = ["--source", str(source), "--out", str(out), "--samples-per-shard", str(per_shard)]
+    return [sys.executable, "-m", "data_pipeline.write", *args, "--processes", "1", "--name", "bench"]
 
 
 def _children_cpu() -> float:
@@ -63,16 +49,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed_write(source: Path, out: Path, per_shard: int) -> float:
-    """Run the writer CLI (one process) to the end; its CPU seconds."""
-    cpu = _children_cpu()
-    subprocess.run(_writer(source, out, per_shard), check=True, capture_output=True, timeout=600)
-    return _children_cpu() - cpu
-
-
 def bench_writer(tmp: Path, images: list[bytes], classes: int, per_shard: int, label: str) -> dict:
-    """Images per CPU second of the writer in this process (``--processes 1``): tars in ``tmp/tars-<label>``, shards
-    in ``tmp/clean-<label>``."""
+    """Images per CPU second of the writer in this process: tars in ``tmp/tars-<label>``, shards in
+    ``tmp/clean-<label>``."""
     source = write_class_tars(tmp / f"tars-{label}", images, classes)
     config = WriteConfig(name="bench", samples_per_shard=per_shard, processes=1)
     cpu = time.process_time()
@@ -93,8 +72,9 @@ def bench_resume(source: Path, clean: Path, out: Path, per_shard: int, shards: i
         proc.send_signal(signal.SIGKILL)
     proc.wait()
     kept = len(list(out.glob("shard-*.tar")))
-    first_cpu = _children_cpu() - cpu
-    rerun_cpu = timed_write(source, out, per_shard)
+    first_cpu, cpu = _children_cpu() - cpu, _children_cpu()
+    subprocess.run(_writer(source, out, per_shard), check=True, capture_output=True, timeout=600)
+    rerun_cpu = _children_cpu() - cpu
     names = sorted(p.name for p in clean.iterdir())
     identical = names == sorted(p.name for p in out.iterdir()) and all(
         (clean / n).read_bytes() == (out / n).read_bytes() for n in names
@@ -117,7 +97,7 @@ def _resize(data: bytes, size: tuple[int, int]) -> bytes:
 def _write_projection(runs: dict) -> dict:
     """i21k write time on one 96-core node (and 8), from the per-core rate scaled to i21k's mean JPEG size."""
     real = runs["realistic"]
-    # decode (scan pass) dominates and grows with the JPEG's bytes: scale the rate by measured KB / i21k KB
+    # decode (the scan pass) dominates and grows with the JPEG's bytes
     rate = real["img_s_per_core"] * min(1.0, real["mean_jpeg_kb"] / I21K_MEAN_JPEG_KB)
     reencode_rate = runs["reencode"]["img_s_per_core"]
     out = {
@@ -152,7 +132,7 @@ def _write_projection(runs: dict) -> dict:
 
 def main_process_costs(count: int, evals: int) -> dict:
     """The writer's serial main-process work per image, projected to i21k: hold a Candidate, unpickle it from a scan
-    worker and pickle it into a shard job, dedup it against an ``--exclude-like`` set of ``evals`` hashes."""
+    worker and pickle it into a shard job, dedup it against ``evals`` ``--exclude-like`` hashes."""
     rng = np.random.default_rng(2)
     phashes = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, count, dtype=np.int64).tolist()
     tracemalloc.start()
@@ -199,8 +179,8 @@ def main_process_costs(count: int, evals: int) -> dict:
 
 
 def measure_writer(tmp: Path, realistic: list[bytes], reencoded: int, serial_count: int, serial_evals: int) -> dict:
-    """The writer on ``realistic`` JPEGs, their 64x48 copies and ``reencoded`` of them at 800x600; the resume check;
-    the projections; ``main_process_costs``. Leaves the realistic shards in ``tmp/clean-realistic``."""
+    """The writer on ``realistic`` JPEGs, their 64x48 copies and ``reencoded`` of them at 800x600, the resume check,
+    the projections and ``main_process_costs``; leaves the realistic shards in ``tmp/clean-realistic``."""
     small = [_resize(d, (64, 48)) for d in realistic]
     big = [_resize(d, (800, 600)) for d in realistic[:reencoded]]
     runs = {
