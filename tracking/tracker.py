@@ -39,6 +39,7 @@ _PERMANENT_ERROR_CODES = frozenset(
 
 PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
 PENDING_POLL_S = 2.0  # how often a Tracker of a pending run reads the record
+CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this often (1, 2, 4 s apart)
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:
@@ -353,8 +354,20 @@ class Tracker:
                 self._last_send = time.monotonic()
             self._attempted.set()
         self._await_run(self._close_by - 1.0)  # a pending run may be created while close() waits
-        with self._send_lock:  # one last attempt regardless of the backoff
-            self._attempt()
+        self._last_sends()
+
+    def _last_sends(self) -> None:
+        """close()'s last send, regardless of the backoff, tried again `CLOSE_RETRIES` times within its deadline when
+        it fails: a run created as training ends gets its first send then, which can race the driver's params."""
+        for retry in range(CLOSE_RETRIES + 1):
+            with self._send_lock:
+                self._attempt()
+            wait = 2.0**retry
+            if not self.pending or not self._failures or self.run_id == self._placeholder:
+                return
+            if retry == CLOSE_RETRIES or time.monotonic() + wait > self._close_by - 1.0:
+                return
+            time.sleep(wait)
 
     def _await_run(self, deadline: float) -> None:
         """Until ``deadline``, wait for a pending run's record to name the run (or a refusal)."""

@@ -295,6 +295,37 @@ def test_rejected_param_is_dropped_and_the_rest_still_arrives(store, caplog):
     assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(7, 1.5)]
 
 
+def test_a_last_send_that_fails_at_close_is_tried_again(store, monkeypatch, caplog):
+    """A job whose run was created as training ended: rank 0's first send raced the driver's params into SQLite
+    (`BAD_REQUEST: UNIQUE constraint failed: params.key`), and close() gave its 777 items up after that one try.
+    Here the real store refuses the first two batches so: close() tries again and everything arrives once."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import BAD_REQUEST
+
+    uri, _ = store
+    run_id = create_run(uri, "close-retry", "r", {}, {})
+    log_batch, refused = MlflowClient.log_batch, []
+
+    def refuse_twice(self, *args, **kwargs):
+        if len(refused) < 2:
+            refused.append(kwargs)
+            raise MlflowException("UNIQUE constraint failed: params.key, params.run_uuid", error_code=BAD_REQUEST)
+        return log_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", refuse_twice)
+    tracker = Tracker(uri, run_id, rank=0, send_every_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        tracker.log_params({"recipe": "local_demo"})
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+        tracker.close(timeout=30)
+    assert len(refused) == 2 and "UNIQUE constraint" in caplog.text, caplog.text
+    assert "not sent" not in caplog.text, caplog.text
+    run = _client(uri).get_run(run_id)
+    assert run.data.params["recipe"] == "local_demo"
+    assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(1, 1.0)]
+
+
 def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
     """A writer holding an exclusive lock on the SQLite file is a real outage (MLflow waits 20 s, then fails)."""
     uri, root = store
