@@ -363,13 +363,11 @@ def ray_auth_mode(mode: str) -> Iterator[None]:
 
     if ray.is_initialized():
         raise RuntimeError("ray_auth_mode: a Ray session is connected in this process; call ray.shutdown() first")
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = mode
-    follow_environment()
     try:
-        yield
+        with environ({"RAY_AUTH_MODE": mode}):
+            follow_environment()
+            yield
     finally:
-        _set_environ({"RAY_AUTH_MODE": saved})
         follow_environment()
 
 
