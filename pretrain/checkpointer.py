@@ -9,6 +9,7 @@ import shutil
 import sys
 import time
 import warnings
+from argparse import Namespace
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, SupportsFloat
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
 from data_pipeline.paths import is_remote
 from data_pipeline.stream.order import merge_stream_states
@@ -66,7 +68,7 @@ def find_start(config: TrainConfig) -> StartPoint:
 
 
 def _fetched(url: str) -> Path:
-    """Collective: the verified local copy of the URL ``checkpoint.init_from``, one per node."""
+    """Collective: a verified local copy of the ``checkpoint.init_from`` URL, one per node."""
     rank, _ = _rank_and_world()
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     copy: list[Path] = []  # this rank's verified copy, if it fetched one
@@ -279,8 +281,6 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
 
 def _to_universal(engine_dir: Path, output: Path) -> None:
     """DeepSpeed's ds_to_universal, in-process (``inject_missing_state``: Megatron's universal_checkpoint_info)."""
-    from argparse import Namespace
-
     from deepspeed.checkpoint import ds_to_universal  # heavy; only a resize needs it
 
     args = Namespace(
@@ -335,10 +335,8 @@ def _jsonable(obj: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, (np.ndarray, np.generic)):  # a numpy scalar's tolist() is item()
         return obj.tolist()
-    if isinstance(obj, np.generic):
-        return obj.item()
     return obj
 
 
@@ -355,8 +353,6 @@ _RESUME_MAY_CHANGE = (
 
 
 def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
-    import yaml  # only resumes need it
-
     saved = flatten_config(yaml.safe_load((checkpoint_dir / CONFIG_YAML).read_text()))
     now = flatten_config(config.to_dict())
     changed = sorted(
@@ -408,8 +404,7 @@ class Checkpointer:
         tracker: Tracker | None = None,
     ):
         self.every, self.last_step, self.on_checkpoint = config.checkpoint.every_steps, last_step, on_checkpoint
-        self.tracker = tracker
-        self.on_save_error = config.checkpoint.on_save_error
+        self.tracker, self.on_save_error = tracker, config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
         self.saved: list[str] = []  # this attempt's checkpoints
         self.save_seconds = 0.0  # wall seconds spent saving (goodput)

@@ -59,12 +59,11 @@ def import_deepspeed() -> types.ModuleType:
 def _muon_stand_in(name: str) -> types.ModuleType:
     module = types.ModuleType(name, f"vitscale's stand-in for {name}: pretrain.distributed.import_deepspeed.")
 
-    class MuonWithAuxAdam:  # isinstance() is False, as for the real class here
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise RuntimeError(_MUON_REFUSED)
-
     def refuse(*args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError(_MUON_REFUSED)
+
+    class MuonWithAuxAdam:  # isinstance() is False, as for the real class here
+        __init__ = refuse
 
     module.MuonWithAuxAdam = MuonWithAuxAdam  # type: ignore[attr-defined]
     module.muon_update = module.adam_update = refuse  # type: ignore[attr-defined]

@@ -61,5 +61,4 @@ class DeviceFeed:
         return on_device
 
     def staged_buffers(self, kind: str) -> list[torch.Tensor]:
-        """The host buffers of ``kind``."""
         return [buffer for buffer, _ in self._staging.get(kind, ())]

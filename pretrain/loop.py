@@ -105,13 +105,10 @@ def train_worker(
 
 def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer, starts: int) -> None:
     """Rank 0's clock writes ``<run>/goodput/attempt_<starts>.json``; everything until now was start-up."""
-    place, path, attempt = trainer.place, None, 0
-    if place.rank == 0:
-        attempt = starts
-        path = attempt_path(config.checkpoint.dir, attempt)
+    place, rank0 = trainer.place, trainer.place.rank == 0
     clock.open(
-        path,
-        attempt=attempt,
+        attempt_path(config.checkpoint.dir, starts) if rank0 else None,
+        attempt=starts if rank0 else 0,
         world_size=place.world_size,
         start_step=trainer.step,
         last_step=trainer.last_step,

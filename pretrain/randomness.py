@@ -33,9 +33,9 @@ def model_randomness(seed: int, step: int, micro_batch: int, device: torch.devic
 
 def rng_state() -> dict[str, Any]:
     """This process's global RNG states (python, numpy, torch, each visible CUDA device), JSON-safe."""
-    np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy tuple
+    py, np_state = random.getstate(), cast(tuple[Any, ...], np.random.get_state())  # numpy's: the legacy tuple
     state: dict[str, Any] = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                 "folder is (the shared filesystem), or on a copy"
             )
         return checksums.verify_command(Path(args.dir))
-    except ValueError as error:  # no run folder or COMPLETE checkpoint there
+    except ValueError as error:
         print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
         return 2
 

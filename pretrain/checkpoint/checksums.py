@@ -46,7 +46,7 @@ def write(folder: Path, entries: Mapping[str, tuple[int, str]]) -> None:
 
 
 def expected(folder: Path) -> Entries | None:
-    """What ``folder``'s save recorded; None without a record; ValueError naming the file if it is damaged."""
+    """What ``folder``'s save recorded; None without a record; ValueError if the record is damaged."""
     path = folder / CHECKSUMS
     if not path.is_file():
         return None
@@ -68,8 +68,7 @@ def check(folder: Path, entries: Mapping[str, tuple[int, str]]) -> list[str]:
         if not path.is_file():
             problems.append(f"{name} is missing")
             continue
-        actual = path.stat().st_size
-        if actual != size:
+        if (actual := path.stat().st_size) != size:
             problems.append(f"{name} has {actual} bytes, {size} were written")
             continue
         try:
@@ -143,7 +142,7 @@ def verify(folder: Path, only: Iterable[str] | None = None, part: tuple[int, int
 
 
 def combine(folder: Path, parts: Iterable[Verdict]) -> Verdict:
-    """The ranks' verdicts as one: damaged if any is, else unverified if any is, else verified."""
+    """Damaged if any is, else unverified if any is, else verified."""
     parts = list(parts)
     problems = tuple(sorted({p for v in parts for p in v.problems}))  # a damaged record is everyone's
     statuses = {v.status for v in parts}
@@ -151,12 +150,8 @@ def combine(folder: Path, parts: Iterable[Verdict]) -> Verdict:
     return Verdict(Path(folder), status, problems, sum(v.files for v in parts), sum(v.size for v in parts))
 
 
-# --- the command
-
-
 def checkpoints_to_verify(path: Path) -> list[Path]:
-    """One checkpoint, or every COMPLETE one of a run folder (or its ``checkpoints/``); ValueError for neither or
-    none."""
+    """One checkpoint, or every COMPLETE one of a run folder (or its ``checkpoints/``); ValueError for none."""
     accepted = f"pass a run folder (checkpoint.dir) or one checkpoint, <run>/{run_folder.CHECKPOINTS}/step_XXXXXXXX"
     if not path.exists():
         raise ValueError(f"{path} does not exist; {accepted}")
@@ -174,7 +169,7 @@ def checkpoints_to_verify(path: Path) -> list[Path]:
 
 
 def verify_command(path: Path) -> int:
-    """``verify DIR``: one line per checkpoint; exit status 2 if any is damaged."""
+    """``verify DIR``: one line per checkpoint; 2 if any is damaged."""
     verdicts = []
     for folder in checkpoints_to_verify(path):
         verdicts.append(verify(folder))

@@ -1,4 +1,4 @@
-"""The run folder's layout: where a run keeps its checkpoints and what makes one usable. Torch-free.
+"""Where a run keeps its checkpoints and what makes one usable. Torch-free.
 
     <run>/checkpoints/step_XXXXXXXX/     the step, zero-padded to 8 digits
       deepspeed/  model.safetensors  model.json  trainer_state.json  config.yaml  checksums.json  evals/  PINNED
@@ -34,9 +34,6 @@ STAGING_SUFFIX = ".tmp"
 _STEP_NAME = re.compile(r"step_(\d+)")
 
 
-# --- names
-
-
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -55,32 +52,25 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / step_name(step)
 
 
-# --- listing
-
-
 def is_complete(folder: str | Path) -> bool:
     return (Path(folder) / COMPLETE).is_file()
 
 
 def _complete_in(root: Path) -> list[Path]:
-    """COMPLETE ``step_N`` folders in ``root``, oldest first."""
+    """Oldest first."""
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        step = parse_step(path.name)
-        if step is not None and path.is_dir() and is_complete(path):
-            found.append((step, path))
+    found = [(s, p) for p in root.iterdir() if (s := parse_step(p.name)) is not None and p.is_dir() and is_complete(p)]
     return [path for _, path in sorted(found)]
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """COMPLETE checkpoint folders of a run, oldest first."""
+    """Oldest first."""
     return _complete_in(checkpoints_dir(run_dir))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest COMPLETE checkpoint of a run, or None."""
+    """The newest COMPLETE checkpoint, or None."""
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
@@ -107,9 +97,6 @@ def require_complete(folder: str | Path, setting: str | None = None) -> Path:
     return Path(folder)
 
 
-# --- writing
-
-
 def write_durably(path: Path, text: str) -> None:
     """Write and fsync."""
     with open(path, "w") as f:
@@ -131,7 +118,7 @@ def start_staging(staging: Path) -> None:
 
 
 def publish(staging: Path) -> Path:
-    """Rename a written staging folder to its final name, mark it COMPLETE and return it."""
+    """Rename a written staging folder to its final name and mark it COMPLETE."""
     final = staging.with_name(staging.name.removesuffix(STAGING_SUFFIX))
     step = parse_step(final.name)
     if step is None or final == staging:
@@ -141,9 +128,6 @@ def publish(staging: Path) -> Path:
     os.replace(staging, final)
     write_durably(final / COMPLETE, f"{step}\n")
     return final
-
-
-# --- trainer state
 
 
 @dataclass(frozen=True)
@@ -196,9 +180,6 @@ class TrainerState:
         write_durably(folder / TRAINER_STATE, self.to_json())
 
 
-# --- opening for evals
-
-
 def looks_like_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a training checkpoint, not exported weights: it holds COMPLETE or a trainer state, or is
     a ``step_N`` folder without weights."""
@@ -238,9 +219,6 @@ def open_checkpoint(folder: str | Path) -> OpenCheckpoint:
     return OpenCheckpoint(folder, step)
 
 
-# --- pins and pruning
-
-
 def pin_checkpoint(folder: str | Path, reason: str) -> bool:
     """Keep ``folder`` from pruning until `unpin_checkpoint`; False if it is gone."""
     try:
@@ -259,7 +237,7 @@ def is_pinned(folder: str | Path) -> bool:
 
 
 def release_pins(run_dir: str | Path) -> list[Path]:
-    """Clear every pin of a run (left by a job that died mid-eval); returns the folders."""
+    """Clear a run's pins (left by a job that died mid-eval); returns the folders."""
     root = checkpoints_dir(run_dir)
     pinned = sorted(p.parent for p in root.glob(f"step_*/{PINNED}")) if root.is_dir() else []
     for folder in pinned:
@@ -293,7 +271,7 @@ def world_size_history(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One event per record of `world_size_history` whose world size differs from the one before."""
+    """One per `world_size_history` record whose world size differs from the one before."""
     return [
         {"step": after.get("step"), "from": before["world_size"], "to": after["world_size"], "time": after.get("time")}
         for before, after in zip(history, history[1:])
@@ -302,7 +280,7 @@ def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete COMPLETE checkpoints older than the newest ``keep_last``, except pinned ones; returns those deleted."""
+    """Delete unpinned COMPLETE checkpoints older than the newest ``keep_last``; returns them."""
     deleted = []
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         if is_pinned(old):
@@ -313,8 +291,6 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
         deleted.append(old)
     return deleted
 
-
-# --- precision record
 
 PRECISION_RECORD = "precision.json"  # a `precision: probe` run's decision, kept by later starts
 

@@ -38,7 +38,7 @@ class WriteFailure:
     rank: int
     path: str
     error: str  # "OSError: [Errno 28] No space left on device"
-    no_space: bool  # the error says the disk (or the quota) is full
+    no_space: bool  # the disk (or the quota) is full
 
 
 @dataclass
@@ -89,7 +89,7 @@ class SaveAttempt:
 
 
 def _says_no_space(error: BaseException) -> bool:
-    """Whether ``error`` or its causes say the disk or quota is full."""
+    """Whether ``error`` or its causes say so."""
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in _NO_SPACE_ERRNOS:
@@ -102,12 +102,9 @@ def _says_no_space(error: BaseException) -> bool:
 
 def folder_bytes(folder: Path) -> int:
     """A checkpoint's saved bytes: ``checksums.json``'s total, else all files but ``evals/`` and ``universal/``."""
-    try:
-        entries = checksums.expected(folder)
-    except ValueError:
-        entries = None
-    if entries is not None:
-        return sum(size for size, _ in entries.values())
+    with contextlib.suppress(ValueError):  # a damaged record: count the files
+        if (entries := checksums.expected(folder)) is not None:
+            return sum(size for size, _ in entries.values())
     later = (folder / "evals", folder / "universal")
     return sum(
         p.stat().st_size for p in folder.rglob("*") if p.is_file() and not any(p.is_relative_to(d) for d in later)
@@ -115,8 +112,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) -> str:
-    """One line: the failed save, where and why, the space needed and free, what is kept, the fix.
-    ``written_bytes``: what the removed staging folder held."""
+    """One line: the failed save, where and why, space needed and free, what is kept, the fix. ``written_bytes``:
+    what the removed staging folder held."""
     run_dir = staging.parent.parent
     final = staging.name.removesuffix(run_folder.STAGING_SUFFIX)
     newest = run_folder.latest_checkpoint(run_dir)
@@ -137,7 +134,7 @@ def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) ->
 
 
 def _free_bytes(path: Path) -> int | None:
-    """Free bytes at ``path``'s nearest existing parent; None if unreadable."""
+    """At ``path``'s nearest existing parent; None if unreadable."""
     for candidate in (path, *path.parents):
         try:
             if candidate.exists():

@@ -139,11 +139,7 @@ def reduction_dtype(ds: DeepSpeedConfig, precision: str) -> str:
 
 
 def deepspeed_config(
-    ds: DeepSpeedConfig,
-    optim: OptimConfig,
-    plan: BatchPlan,
-    precision: str,
-    steps_per_print: int = 10**9,
+    ds: DeepSpeedConfig, optim: OptimConfig, plan: BatchPlan, precision: str, steps_per_print: int = 10**9
 ) -> dict[str, Any]:
     """The dict for `deepspeed.initialize(config=...)` at the decided ``precision``; optimizer and lr are ours."""
     if precision not in ("fp32", "bf16"):

@@ -71,7 +71,7 @@ def duration_to_steps(
                     "(images per epoch) or point data.train at a shard folder with dataset.json"
                 )
             steps = math.ceil(amount * epoch_images / global_batch_size)
-        elif unit.startswith("img") or unit.startswith("image"):
+        elif unit.startswith(("img", "image")):
             steps = math.ceil(amount / global_batch_size)
         else:
             steps = math.ceil(amount)

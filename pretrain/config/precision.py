@@ -115,11 +115,6 @@ def cpu_bf16_units(flags: set[str] | None = None) -> tuple[str, ...]:
     return tuple(f for f, check in checks.items() if getattr(torch.cpu, check, lambda: False)())
 
 
-def cpu_name() -> str:
-    """PyTorch's kernel level (AVX2, AVX512, ...)."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
 def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice:
     """`auto` on a CPU: its best bf16 unit kind's rule applied to ``shape``."""
     units = cpu_bf16_units(flags)
@@ -127,8 +122,8 @@ def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice
         return PrecisionChoice(
             "fp32",
             "cpu:none",
-            f"this CPU ({cpu_name() if flags is None else 'flags given'}) has no AMX/AVX512-BF16; bf16 matmul would "
-            "be emulated (many times slower than fp32)",
+            f"this CPU ({torch.backends.cpu.get_cpu_capability() if flags is None else 'flags given'}) has no "
+            "AMX/AVX512-BF16; bf16 matmul would be emulated (many times slower than fp32)",
         )
     rule = CPU_RULES[units[0]]
     missed = rule.check(shape)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -115,7 +117,7 @@ def _seed_adam_state(engine, step: torch.Tensor) -> None:
     for group in inner.param_groups:
         for p in group["params"]:
             if not inner.state.get(p):
-                zeros = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATES}
+                zeros = {k: torch.zeros_like(p) for k in ADAM_STATES}
                 inner.state[p] = {"step": step.clone(), **zeros}
     _link_states(engine)
 
@@ -202,8 +204,5 @@ def switch_resolution(engine, model: nn.Module, build: Callable[[], tuple]) -> t
 def start_config(config, start):
     """The config in force when a run starts from ``start``: the schedule's first size, or a checkpoint's own."""
     if start.kind in ("run", "resume_from"):
-        import json
-        from pathlib import Path
-
         return _sized(config, int(json.loads((Path(start.path) / "model.json").read_text())["image_size"]))
     return config_at(config, 0)

@@ -172,7 +172,7 @@ class TrainConfig:
             check_compiler(self.model)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())

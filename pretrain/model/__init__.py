@@ -1,1 +1,1 @@
-"""The network: the paper's ViT, its ResNet stem (the hybrid), masked patch prediction, the task wrappers, FLOPs."""
+"""The network: the paper's ViT, its ResNet stem (the hybrid), masked patch prediction, tasks, FLOPs."""

@@ -61,8 +61,7 @@ def forward_macs(config: ViTConfig, image_size: int | None = None, *, as_run: bo
         raise ValueError(f"image_size={image_size} is not a multiple of the model's patch stride {config.stride}")
     D, M = config.width, config.mlp_dim
     stem_macs, _, stem_channels = _stem_macs_and_params(config, image_size)
-    grid = image_size // config.stride
-    num_patches = grid * grid
+    num_patches = (image_size // config.stride) ** 2
     N = num_patches + (config.pool == "token")
     patch_embed = num_patches * config.patch_size**2 * stem_channels * D
     layer = N * D * 3 * D + 2 * N * N * D + N * D * D + 2 * N * D * M
@@ -93,8 +92,7 @@ def param_count(config: ViTConfig) -> int:
     embeddings = tokens * D + (D if config.pool == "token" else 0)  # position embeddings + class token
     layer = 2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D) + (D * M + M) + (M * D + D)
     pre_logits = D * config.representation_size + config.representation_size if config.representation_size else 0
-    head_in = config.representation_size or D
-    head = head_in * config.num_classes + config.num_classes
+    head = (config.representation_size or D) * config.num_classes + config.num_classes
     return stem_params + patch_embed + embeddings + config.depth * layer + 2 * D + pre_logits + head
 
 

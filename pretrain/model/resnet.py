@@ -144,11 +144,9 @@ def check_width_factor(width_factor: float, field: str = "width_factor") -> None
 
 
 def stem_stride(stages: tuple[int, ...]) -> int:
-    """A ResNetStem's downsampling."""
     return 4 * 2 ** max(len(stages) - 1, 0)
 
 
 def stem_out_channels(stages: tuple[int, ...], width_factor: float = 1) -> int:
-    """The stem's output channels."""
     width = root_width(width_factor)
     return 4 * width * 2 ** (len(stages) - 1) if stages else width

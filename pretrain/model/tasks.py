@@ -85,7 +85,7 @@ def _check_loss(loss: str) -> None:
 def _labels_loss(
     logits: torch.Tensor, labels: torch.Tensor, loss: str, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`LOSSES[loss]`, top-1 accuracy against the argmax target) of fp32 logits (B, K)."""
+    """(`LOSSES[loss]`, top-1 accuracy vs. the argmax target) of fp32 logits (B, K)."""
     value = LOSSES[loss](logits, labels, label_smoothing)
     with torch.no_grad():
         target = labels if labels.ndim == 1 else labels.argmax(dim=-1)
@@ -162,10 +162,6 @@ OptionsCheck = Callable[[dict[str, Any]], object]
 ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]
 
 
-def _as_configured(options: dict[str, Any], vit: ViTConfig) -> tuple[ViTConfig, int]:
-    return vit, 0
-
-
 @dataclass(frozen=True)
 class Task:
     build: TaskBuilder
@@ -185,7 +181,7 @@ def register_task(
     def add(builder: TaskBuilder) -> TaskBuilder:
         if name in TASKS and TASKS[name].build is not builder:
             raise ValueError(f"task {name!r} is registered twice")
-        TASKS[name] = Task(builder, options, plan or _as_configured)
+        TASKS[name] = Task(builder, options, plan or (lambda _, vit: (vit, 0)))
         return builder
 
     return add

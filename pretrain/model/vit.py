@@ -6,7 +6,7 @@
     y = LN(z_L^0)                                            (4)  encode (final LN) + pool
 
 It matches the official JAX model (VT `models_vit.py`, docs/reference.md §1): official checkpoints reproduce their
-logits. Images are float (B, 3, H, W) in [-1, 1]. Entry points: `build_model`, `VisionTransformer`.
+logits. Images: float (B, C, H, W) in [-1, 1].
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ViTConfig:
     image_size: int = 224  # square input side
     patch_size: int = 16  # 1 for hybrids (the ResNet stem downsamples)
     width: int = 768  # D, "hidden size"
-    depth: int = 12  # number of encoder blocks
+    depth: int = 12  # encoder blocks
     num_heads: int = 12
     mlp_dim: int = 3072
     num_classes: int = 1000  # 0: no head (forward returns the features)
@@ -307,7 +307,7 @@ class VisionTransformer(nn.Module):
         assert self.patch_embed.proj.bias is not None
         nn.init.zeros_(self.patch_embed.proj.bias)
         for block in self.blocks:
-            assert isinstance(block, Block)  # for the type checker
+            assert isinstance(block, Block)
             for w in block.attn.qkv.weight.chunk(3, dim=0):
                 nn.init.xavier_uniform_(w)
             nn.init.zeros_(block.attn.qkv.bias)
@@ -351,7 +351,7 @@ class VisionTransformer(nn.Module):
         return tokens[:, 0] if self.config.pool == "token" else tokens.mean(dim=1)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The pre-logits features (B, D'): pooled `forward_tokens`, with a class token computed by the last block alone
+        """Pre-logits features (B, D'): pooled `forward_tokens`, the class token from the last block alone
         (docs/performance.md, "The last block computes the class token alone")."""
         if self.cls_token is None:
             return self.pre_logits(self.pool(self.forward_tokens(images)))
@@ -371,7 +371,7 @@ class VisionTransformer(nn.Module):
         x = self._embed_tokens(self.embed_patches(images))
         weights = []
         for block in self.blocks:
-            assert isinstance(block, Block)  # for the type checker
+            assert isinstance(block, Block)
             x, w = block.forward_with_weights(x)
             weights.append(w)
         return weights

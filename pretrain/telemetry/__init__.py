@@ -1,1 +1,1 @@
-"""What a rank reports: step metrics, the recorder, the attempt clock, heartbeats, the MFU peak."""
+"""What a training rank reports."""

@@ -1,11 +1,10 @@
-"""Where one attempt's seconds went, as training rank 0 saw them: the worker's half of the goodput ledger.
-
-`AttemptClock` books each second of a `train_worker` start into `WORKER_BUCKETS`; rank 0 writes
-``<run>/goodput/attempt_<n>.json`` and ``.windows.jsonl`` (docs/goodput.md, "How the ledger is built"). No device sync.
-"""
+"""The worker's half of the goodput ledger: `AttemptClock` books each second of a `train_worker` start into
+`WORKER_BUCKETS`, as training rank 0 saw it, and rank 0 writes ``<run>/goodput/attempt_<n>.json`` and
+``.windows.jsonl`` (docs/goodput.md, "How the ledger is built"). No device sync."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -147,13 +146,9 @@ def read_attempts(run_dir: str | Path) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         windows = []
-        try:
+        with contextlib.suppress(OSError):
             for line in windows_path(path).read_text().splitlines():
-                try:
+                with contextlib.suppress(ValueError):
                     windows.append(json.loads(line))
-                except ValueError:
-                    continue
-        except OSError:
-            pass
         records.append({**record, "windows": windows})
     return sorted(records, key=lambda r: r.get("started", 0.0))

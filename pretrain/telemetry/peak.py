@@ -85,6 +85,7 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
+    how = "measured earlier"
     if not isinstance(cache.get(key), float):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -94,8 +95,6 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
             torch.set_num_threads(before)
         write_atomically(path, json.dumps(cache, indent=1, sort_keys=True))
         how = "measured now"
-    else:
-        how = "measured earlier"
     return Peak(cache[key], f"{precision} {size}x{size} GEMM on this CPU, {threads} thread(s) ({how}; {path})")
 
 

@@ -28,10 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="official .npz → model.safetensors + model.json")
     convert.add_argument("npz", help="an official .npz (a path, or s3:// / gs://)")
     convert.add_argument("out_dir")
-    convert.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
+    convert.add_argument("--image-size", type=int, help="resize position embeddings to this input side")
     info = sub.add_parser("info", help="print the architecture, size and compute of any weights vitscale reads")
     info.add_argument("source", help=".npz, checkpoint folder or save_pretrained folder (a path, or s3:// / gs://)")
-    info.add_argument("--image-size", type=int, default=None)
+    info.add_argument("--image-size", type=int)
     out = sub.add_parser("export", help="any weights vitscale reads → a transformers folder (hf) or the official .npz")
     out.add_argument(
         "source",
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         "(ViTModel without a head); npz: the official big_vision / vision_transformer layout "
         "(default: hf)",
     )
-    out.add_argument("--image-size", type=int, default=None, help="resize position embeddings to this input side")
+    out.add_argument("--image-size", type=int, help="resize position embeddings to this input side")
     out.add_argument(
         "--mlflow-run",
         metavar="ID",
@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             model = _export(args)
         else:
             model = load_model(args.source, image_size=args.image_size)
-    except (
-        ValueError,
-        OSError,
-        ImportError,
-    ) as error:  # bad input (ImportError: the s3/gs extra); bugs keep tracebacks
+    except (ValueError, OSError, ImportError) as error:  # bad input (ImportError: s3/gs extra); bugs keep tracebacks
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     summary = {"config": model.config.to_dict(), **describe(model.config)}

@@ -1,8 +1,8 @@
 """Weights out: a Hugging Face `transformers` folder or the official JAX `.npz` (`export`); HF folders read back.
 
 - ``hf``: ``config.json``, ``model.safetensors`` (Hub key layout, for transformers 4 and 5) and
-  ``preprocessor_config.json``; `ViTForImageClassification.from_pretrained(OUT)` gives our logits. Pre-logits,
-  ``gap`` and hybrid models are refused. Writing needs no transformers.
+  ``preprocessor_config.json``; `ViTForImageClassification.from_pretrained(OUT)` gives our logits. No pre-logits,
+  ``gap`` or hybrid models. Writing needs no transformers.
 - ``npz``: the official layout (docs/reference.md §2); every vitscale ViT but exact-erf GELU.
 """
 
@@ -33,9 +33,6 @@ NPZ_NAME = "model.npz"  # when OUT is a folder
 _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
 
 
-# --- the source
-
-
 def checkpoint_step(source: Path) -> int | None:
     """A checkpoint's training step, else None."""
     if not (source / run_folder.TRAINER_STATE).is_file():
@@ -56,9 +53,6 @@ def class_names(source: Path, num_classes: int) -> list[str] | None:
     return list(names) if len(names) == num_classes and len(set(names)) == num_classes else None
 
 
-# --- Hugging Face
-
-
 def is_hf_folder(path: Path) -> bool:
     """A folder with ``config.json`` (model_type "vit") beside ``model.safetensors``."""
     if not (path / HF_CONFIG).is_file() or not (path / WEIGHTS_FILE).is_file():
@@ -70,7 +64,7 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
-    """Our config and weights of an HF ViT folder, either key layout."""
+    """Our config and weights of an HF ViT folder (either key layout)."""
     try:
         fields = json.loads((path / HF_CONFIG).read_text())
         config = config_from_hf_dict(fields)
@@ -111,9 +105,6 @@ def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None
     (out / HF_CONFIG).write_text(json.dumps(fields, indent=2) + "\n")
     (out / HF_PREPROCESSOR).write_text(json.dumps(preprocessor_config(config), indent=2) + "\n")
     return out
-
-
-# --- official .npz
 
 
 def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
@@ -197,7 +188,7 @@ def save_npz(model: VisionTransformer, out: Path) -> Path:
 
 
 def export(model: VisionTransformer, out: Path, fmt: str, labels: list[str] | None = None) -> Path:
-    """Write ``model`` as ``fmt``; returns what was written."""
+    """Returns what was written."""
     model = model.eval()
     if fmt == "hf":
         return save_hf(model, out, labels)

@@ -40,21 +40,10 @@ __all__ = [
 
 
 # Fields the weights determine; overrides must agree
-_ARCHITECTURE_FIELDS = (
-    "patch_size",
-    "width",
-    "depth",
-    "num_heads",
-    "mlp_dim",
-    "pool",
-    "hybrid_stages",
-    "hybrid_width",
-    "in_chans",
+_ARCHITECTURE_FIELDS = tuple(
+    "patch_size width depth num_heads mlp_dim pool hybrid_stages hybrid_width in_chans".split()
 )
 _HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
-
-
-# --- position embeddings
 
 
 def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -80,7 +69,7 @@ def resize_pos_embed(posemb: torch.Tensor, new_grid: tuple[int, int], num_prefix
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """All arrays of an npz, read eagerly so bad files fail here."""
+    """Read eagerly, so bad files fail here."""
     if path.is_dir():
         raise ValueError(f"{path} is a folder, not an .npz file; pass the path of an official .npz checkpoint")
     if not path.is_file():
@@ -132,7 +121,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def _array(p: dict[str, np.ndarray], key: str, ndim: int) -> np.ndarray:
-    """`p[key]` with ``ndim`` dimensions (KeyError if missing)."""
+    """KeyError if missing."""
     value = p[key]
     if value.ndim != ndim:
         raise ValueError(f"array {key!r} has shape {value.shape}, but official checkpoints give it {ndim} dimensions")
@@ -156,7 +145,7 @@ def _strip_prefix(arrays: dict[str, np.ndarray], path: Path) -> dict[str, np.nda
 
 def _encoder_blocks(p: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     """Per block, its arrays keyed `ln1/…, attn/…, ln2/…, mlp/…` (submodules numbered in call order); BV's `scan`
-    layout (a leading depth axis) is unstacked."""
+    layout (a leading depth axis) unstacked."""
     per_block: dict[int, dict[str, np.ndarray]] = {}
     stacked = {
         k[len("Transformer/encoderblock/") :]: v for k, v in p.items() if k.startswith("Transformer/encoderblock/")
@@ -214,7 +203,7 @@ _POSEMB_KEYS = ("Transformer/posembed_input/pos_embedding", "Transformer/pos_emb
 
 
 def _npz_config(p: dict[str, np.ndarray], blocks: list[dict[str, np.ndarray]]) -> tuple[ViTConfig, np.ndarray]:
-    """The architecture the arrays describe, and the position embeddings with the class slot (1, P+N, D)."""
+    """The arrays' architecture, and the position embeddings with the class slot (1, P+N, D)."""
     patch, _, in_chans, width = _array(p, "embedding/kernel", 4).shape
     pool = "token" if "cls" in p else "gap"
     if "MAPHead_0/probe" in p or any(k.startswith("MAPHead_0/") for k in p):
@@ -332,7 +321,6 @@ def load_npz(path: str | Path, image_size: int | None = None, **overrides) -> Vi
 
 
 def _finish(config: ViTConfig, state: dict, source, image_size: int | None, overrides: dict) -> VisionTransformer:
-    """Build, load `state`, resize, apply overrides."""
     valid = {f.name for f in dataclasses.fields(ViTConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:

@@ -1,4 +1,4 @@
-"""Conversion to and from Hugging Face `transformers` ViT state dicts and configs.
+"""Hugging Face `transformers` ViT state dicts and configs, both ways.
 
 HF's ViT has no pre-logits, ``gap`` or hybrid stem. Key layouts: the Hub's (transformers < 5 and every file,
 `vit.encoder.layer.N...`) and transformers ≥ 5's in memory (`vit.layers.N...`); `from_hf_state_dict` reads both.

@@ -1,4 +1,4 @@
-"""What a weights source is, for loading, export and evals alike (no torch here).
+"""What a weights source is, for loading, export and evals alike. Torch-free.
 
 A source is an official `.npz`, a checkpoint, a run folder or its `checkpoints/` (the newest COMPLETE checkpoint),
 a `save_pretrained` or HF folder, or one file of such a folder. A checkpoint is used only COMPLETE and intact.
@@ -136,7 +136,7 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
 
 
 def origin(path: Path) -> str:
-    """A remote source's URL for its local copy `resolve` returned, else ``path``."""
+    """A remote source's URL for its local copy, else ``path``."""
     folder = path if path.is_dir() else path.parent
     try:
         source = json.loads((folder / FETCHED).read_text())["source"]
