@@ -44,6 +44,7 @@ SAMPLES_SCHEMA = pa.schema(
     ]
 )
 SAMPLES_ROW_GROUP = 262_144
+_DAMAGE = (OSError, ValueError, KeyError, TypeError)  # ArrowInvalid is a ValueError
 
 
 class ShardFormatError(ValueError):
@@ -129,7 +130,7 @@ def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
         meta["num_classes"] = int(meta["num_classes"])
         if "num_samples" in meta:
             meta["num_samples"] = int(meta["num_samples"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except _DAMAGE as error:
         raise _damaged(root, DATASET_FILE, error) from None
     return meta
 
@@ -154,14 +155,14 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
         shards = tuple(
             ShardInfo(join_url(root, r["url"]), int(r["samples"]), int(r["bytes"]), r["sha256"]) for r in manifest
         )
-    except (OSError, ValueError, KeyError, TypeError) as error:  # ArrowInvalid is a ValueError
+    except _DAMAGE as error:
         raise _damaged(root, MANIFEST_FILE, error) from None
     class_names: tuple[str, ...] = ()
     if fs.exists(posixpath.join(path, CLASSES_FILE)):
         try:
             rows = sorted(_read_parquet(fs, posixpath.join(path, CLASSES_FILE)), key=lambda r: r["label"])
             class_names = tuple(str(r["name"]) for r in rows)
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except _DAMAGE as error:
             raise _damaged(root, CLASSES_FILE, error) from None
     num_samples = sum(s.samples for s in shards)
     if meta.get("num_samples", num_samples) != num_samples:
@@ -279,36 +280,22 @@ def write_metadata(
     write_table_atomic(pa.Table.from_pylist(shards, schema=MANIFEST_SCHEMA), out_dir / MANIFEST_FILE)
     if samples is not None:
         write_table_atomic(samples, out_dir / SAMPLES_FILE)
-    classes = pa.table(
-        {"label": pa.array(range(len(class_names)), pa.int64()), "name": pa.array(class_names, pa.string())},
-        schema=CLASSES_SCHEMA,
-    )
+    classes = pa.Table.from_pylist([dict(label=i, name=n) for i, n in enumerate(class_names)], schema=CLASSES_SCHEMA)
     write_table_atomic(classes, out_dir / CLASSES_FILE)
     write_reader_indexes(out_dir, shards, dataset, len(class_names))
     counts = dict(num_classes=len(class_names), num_samples=sum(int(s["samples"]) for s in shards))
     write_json_atomic(dict(dataset, **counts, num_shards=len(shards)), out_dir / DATASET_FILE)
 
 
-def wids_index(shards: list[dict], name: str) -> dict:
-    shardlist = [dict(url=s["url"], nsamples=int(s["samples"]), filesize=int(s["bytes"])) for s in shards]
-    return {"__kind__": WIDS_KIND, "wids_version": 1, "name": name, "shardlist": shardlist}
-
-
-def timm_info(shards: list[dict], name: str, split: str, num_classes: int) -> dict:
-    split_info = dict(
-        name=split,
-        num_samples=sum(int(s["samples"]) for s in shards),
-        filenames=[s["url"] for s in shards],
-        shard_lengths=[int(s["samples"]) for s in shards],
-    )
-    return dict(name=name, num_classes=num_classes, splits={split: split_info})
-
-
 def write_reader_indexes(out_dir: Path, shards: list[dict], dataset: dict, num_classes: int) -> None:
     out_dir = Path(out_dir)
     name, split = str(dataset.get("name") or out_dir.parent.name), str(dataset.get("split") or out_dir.name)
-    write_json_atomic(wids_index(shards, f"{name}-{split}"), out_dir / WIDS_INDEX_FILE)
-    write_json_atomic(timm_info(shards, name, split, num_classes), out_dir / TIMM_INFO_FILE)
+    counts = [int(s["samples"]) for s in shards]
+    shardlist = [dict(url=s["url"], nsamples=n, filesize=int(s["bytes"])) for s, n in zip(shards, counts)]
+    wids = {"__kind__": WIDS_KIND, "wids_version": 1, "name": f"{name}-{split}", "shardlist": shardlist}
+    write_json_atomic(wids, out_dir / WIDS_INDEX_FILE)
+    timm = dict(name=split, num_samples=sum(counts), filenames=[s["url"] for s in shards], shard_lengths=counts)
+    write_json_atomic(dict(name=name, num_classes=num_classes, splits={split: timm}), out_dir / TIMM_INFO_FILE)
 
 
 def rewrite_reader_indexes(shard_dir: str | Path) -> None:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -74,16 +73,12 @@ def _render_points(pts: np.ndarray, res: int, rng: np.random.Generator) -> np.nd
     return 1.0 - np.exp(-counts / max(counts.mean() * 4, 1e-6))
 
 
-def _filling_rate(mats, shifts, probs, rng) -> float:
-    return float((_render_points(_chaos_game(mats, shifts, probs, rng), 32, rng) > 0.05).mean())
-
-
 def fractal_class(seed: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Class ``c``'s IFS; degenerate ones (a dot, a line) rejected by filling rate."""
     rng = np.random.default_rng([seed, 7001, c])
     while True:
         ifs = _random_ifs(rng)
-        if 0.08 <= _filling_rate(*ifs, rng) <= 0.7:
+        if 0.08 <= (_render_points(_chaos_game(*ifs, rng), 32, rng) > 0.05).mean() <= 0.7:
             return ifs
 
 
@@ -162,10 +157,7 @@ def ramp_background(img: Image.Image, rng: np.random.Generator, top: int) -> Ima
 
 
 CLASS_FORMULA: dict[str, Callable[..., object]] = {"fractal": fractal_class, "rcdb": rcdb_class}
-RENDER: dict[str, Callable[[Any, np.random.Generator, int], Image.Image]] = {
-    "fractal": fractal_image,
-    "rcdb": rcdb_image,
-}
+RENDER: dict[str, Callable[..., Image.Image]] = {"fractal": fractal_image, "rcdb": rcdb_image}
 
 
 def _generate_classes(job: tuple) -> list[tuple[bytes, int, str]]:
@@ -201,18 +193,14 @@ def generate(
         (kind, seed, split, range(lo, min(lo + block, num_classes)), per_class, res, class_options)
         for lo in range(0, num_classes, block)
     ]
-    parts: Iterator[list[tuple[bytes, int, str]]]
     if workers <= 1:
-        parts = map(_generate_classes, jobs)
-    else:
-        pool = multiprocessing.get_context("spawn").Pool(workers)
-        parts = pool.imap(_generate_classes, jobs)
+        return [item for part in map(_generate_classes, jobs) for item in part]
+    pool = multiprocessing.get_context("spawn").Pool(workers)
     try:
-        return [item for part in parts for item in part]
+        return [item for part in pool.imap(_generate_classes, jobs) for item in part]
     finally:
-        if workers > 1:
-            pool.close()
-            pool.join()
+        pool.close()
+        pool.join()
 
 
 def measure_generation(kind: str, resolution: int, num_images: int) -> float:

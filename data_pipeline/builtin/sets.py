@@ -37,29 +37,21 @@ class BuiltinConfig:
 
 # Each set's defaults over BuiltinConfig's; rcdb's are those configs/local_demo.yaml was tuned on.
 DEFAULTS: dict[str, dict[str, int]] = {
-    "rcdb": {
-        "resolution": 32,
-        "num_classes": 64,
-        "images_per_class": 60,
-        "val_per_class": 10,
-        "class_offset": 30,
-        "background_ramp": 160,
-    }
+    "rcdb": dict(
+        resolution=32, num_classes=64, images_per_class=60, val_per_class=10, class_offset=30, background_ramp=160
+    )
 }
 # A setting's value in folders that do not record it
 UNRECORDED = {"class_offset": 0, "background_ramp": 0}
 
 
 def _formula_set(kind: str, cfg: BuiltinConfig) -> Splits:
-    prefix = {"fractal": "ifs", "rcdb": "contour"}[kind]
-    names = [f"{prefix}_{c:05d}" if cfg.num_classes > 1000 else f"{prefix}_{c:03d}" for c in range(cfg.num_classes)]
+    prefix, digits = {"fractal": "ifs", "rcdb": "contour"}[kind], 5 if cfg.num_classes > 1000 else 3
+    names = [f"{prefix}_{c:0{digits}d}" for c in range(cfg.num_classes)]
+    options = (cfg.class_offset / 100, cfg.background_ramp) if kind == "rcdb" else (0.0, 0)
     splits = {}
-    offset = cfg.class_offset / 100 if kind == "rcdb" else 0.0
-    ramp = cfg.background_ramp if kind == "rcdb" else 0
-    for split, per_class in (("train", cfg.images_per_class), ("val", cfg.val_per_class)):
-        items = formula.generate(
-            kind, cfg.seed, split, cfg.num_classes, per_class, cfg.resolution, cfg.processes, offset, ramp
-        )
+    for split, n in (("train", cfg.images_per_class), ("val", cfg.val_per_class)):
+        items = formula.generate(kind, cfg.seed, split, cfg.num_classes, n, cfg.resolution, cfg.processes, *options)
         splits[split] = (items, names)
     return splits
 
@@ -72,16 +64,15 @@ def gen_digits(cfg: BuiltinConfig) -> Splits:
     order = np.random.default_rng([cfg.seed, 7002]).permutation(len(labels))
     num_test = min(cfg.num_test, len(labels) - 1000)
     parts = {"train": order[num_test:], "test": order[:num_test]}
-    names = [str(d) for d in range(10)]
-    splits = {}
-    for split, idx in parts.items():
-        items = []
-        for i in sorted(idx.tolist()):
-            grey = Image.fromarray((images[i] * (255.0 / 16.0)).astype(np.uint8))
-            img = grey.resize((cfg.resolution, cfg.resolution), Image.Resampling.BICUBIC).convert("RGB")
-            items.append((encode_jpeg(img), int(labels[i]), f"digits/{i}"))
-        splits[split] = (items, names)
-    return splits
+
+    def item(i: int) -> tuple[bytes, int, str]:
+        grey = Image.fromarray((images[i] * (255.0 / 16.0)).astype(np.uint8))
+        img = grey.resize((cfg.resolution, cfg.resolution), Image.Resampling.BICUBIC).convert("RGB")
+        return encode_jpeg(img), int(labels[i]), f"digits/{i}"
+
+    return {
+        split: ([item(i) for i in sorted(idx.tolist())], [str(d) for d in range(10)]) for split, idx in parts.items()
+    }
 
 
 def _shape_outline(shape: int) -> np.ndarray:
@@ -95,59 +86,59 @@ def _shape_outline(shape: int) -> np.ndarray:
     return np.stack([x, y], 1) / 16.0
 
 
+def _drawn(cfg: BuiltinConfig, salt: int, prefix: str, names: list[str], draw: Callable) -> Splits:
+    """Train and test images ``draw(rng, resolution) -> (image, label)``, image i seeded by (seed, salt, split, i)."""
+    splits = {}
+    for split, count, split_salt in (("train", cfg.num_train, 1), ("test", cfg.num_test, 2)):
+        items = []
+        for i in range(count):
+            img, label = draw(np.random.default_rng([cfg.seed, salt, split_salt, i]), cfg.resolution)
+            items.append((encode_jpeg(img), label, f"{prefix}/{split}/{i}"))
+        splits[split] = (items, names)
+    return splits
+
+
 def _dsprites(cfg: BuiltinConfig, target: str) -> Splits:
-    res, bins = cfg.resolution, 16
+    bins = 16
+
+    def draw(rng: np.random.Generator, res: int) -> tuple[Image.Image, int]:
+        shape, scale = int(rng.integers(3)), rng.uniform(0.5, 1.0)
+        angle, x, y = rng.uniform(0, 2 * np.pi), rng.uniform(0, 1), rng.uniform(0, 1)
+        rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+        pts = _shape_outline(shape) @ rot.T * scale * res * 0.1
+        centre = np.array([0.15 + 0.7 * x, 0.15 + 0.7 * y]) * res
+        img = Image.new("RGB", (res, res))
+        ImageDraw.Draw(img).polygon([tuple(p) for p in pts + centre], fill=(255, 255, 255))
+        value = x if target == "loc" else angle / (2 * np.pi)
+        return img, min(int(value * bins), bins - 1)
+
     names = [f"{'x' if target == 'loc' else 'angle'}_bin_{b:02d}" for b in range(bins)]
-    splits = {}
-    for split, count, salt in (("train", cfg.num_train, 1), ("test", cfg.num_test, 2)):
-        items = []
-        for i in range(count):
-            rng = np.random.default_rng([cfg.seed, 7003, salt, i])  # loc and ori: the same images
-            shape, scale = int(rng.integers(3)), rng.uniform(0.5, 1.0)
-            angle, x, y = rng.uniform(0, 2 * np.pi), rng.uniform(0, 1), rng.uniform(0, 1)
-            rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
-            pts = _shape_outline(shape) @ rot.T * scale * res * 0.1
-            centre = np.array([0.15 + 0.7 * x, 0.15 + 0.7 * y]) * res
-            img = Image.new("RGB", (res, res))
-            ImageDraw.Draw(img).polygon([tuple(p) for p in pts + centre], fill=(255, 255, 255))
-            value = x if target == "loc" else angle / (2 * np.pi)
-            items.append((encode_jpeg(img), min(int(value * bins), bins - 1), f"dsprites/{split}/{i}"))
-        splits[split] = (items, names)
-    return splits
+    return _drawn(cfg, 7003, "dsprites", names, draw)  # loc and ori: the same images
 
 
-def gen_shapes_count(cfg: BuiltinConfig) -> Splits:
+def _shapes_count(rng: np.random.Generator, res: int) -> tuple[Image.Image, int]:
     """3-10 coloured circles, squares and triangles; label = count - 3."""
-    res = cfg.resolution
-    names = [f"count_{n}" for n in range(3, 11)]
-    splits = {}
-    for split, count, salt in (("train", cfg.num_train, 1), ("test", cfg.num_test, 2)):
-        items = []
-        for i in range(count):
-            rng = np.random.default_rng([cfg.seed, 7004, salt, i])
-            n = int(rng.integers(3, 11))
-            img = Image.new("RGB", (res, res), tuple(int(v) for v in rng.integers(90, 140, size=3)))
-            draw = ImageDraw.Draw(img)
-            radius = res * 0.06
-            centres: list[np.ndarray] = []
-            while len(centres) < n:  # apart, countable
-                c = rng.uniform(radius * 1.3, res - radius * 1.3, size=2)
-                if all(np.linalg.norm(c - o) > 2.3 * radius for o in centres):
-                    centres.append(c)
-            for c in centres:
-                colour = tuple(int(v) for v in rng.integers(0, 256, size=3))
-                r = radius * rng.uniform(0.8, 1.2)
-                kind = int(rng.integers(3))
-                box = [c[0] - r, c[1] - r, c[0] + r, c[1] + r]
-                if kind == 0:
-                    draw.ellipse(box, fill=colour)
-                elif kind == 1:
-                    draw.rectangle(box, fill=colour)
-                else:
-                    draw.polygon([(c[0], c[1] - r), (c[0] - r, c[1] + r), (c[0] + r, c[1] + r)], fill=colour)
-            items.append((encode_jpeg(img), n - 3, f"shapes_count/{split}/{i}"))
-        splits[split] = (items, names)
-    return splits
+    n = int(rng.integers(3, 11))
+    img = Image.new("RGB", (res, res), tuple(int(v) for v in rng.integers(90, 140, size=3)))
+    draw = ImageDraw.Draw(img)
+    radius = res * 0.06
+    centres: list[np.ndarray] = []
+    while len(centres) < n:  # apart, countable
+        c = rng.uniform(radius * 1.3, res - radius * 1.3, size=2)
+        if all(np.linalg.norm(c - o) > 2.3 * radius for o in centres):
+            centres.append(c)
+    for c in centres:
+        colour = tuple(int(v) for v in rng.integers(0, 256, size=3))
+        r = radius * rng.uniform(0.8, 1.2)
+        kind = int(rng.integers(3))
+        box = [c[0] - r, c[1] - r, c[0] + r, c[1] + r]
+        if kind == 0:
+            draw.ellipse(box, fill=colour)
+        elif kind == 1:
+            draw.rectangle(box, fill=colour)
+        else:
+            draw.polygon([(c[0], c[1] - r), (c[0] - r, c[1] + r), (c[0] + r, c[1] + r)], fill=colour)
+    return img, n - 3
 
 
 GENERATORS: dict[str, Callable[[BuiltinConfig], dict]] = {
@@ -156,7 +147,7 @@ GENERATORS: dict[str, Callable[[BuiltinConfig], dict]] = {
     "digits": gen_digits,
     "dsprites_loc": lambda cfg: _dsprites(cfg, "loc"),
     "dsprites_ori": lambda cfg: _dsprites(cfg, "ori"),
-    "shapes_count": gen_shapes_count,
+    "shapes_count": lambda cfg: _drawn(cfg, 7004, "shapes_count", [f"count_{n}" for n in range(3, 11)], _shapes_count),
 }
 MAX_CLASS_OFFSET = 50
 MAX_BACKGROUND_RAMP = 256  # channels are drawn below it

@@ -1,1 +1,1 @@
-"""Shards to batches: the order, shard reading, the streams, loader workers, augmentation."""
+"""The online stream: shards to batches."""

@@ -23,12 +23,12 @@ TrainImage = np.ndarray | Image.Image
 @dataclass(frozen=True)
 class AugmentConfig:
     inception_crop: bool = True  # False: resize the whole image to the output size
-    area_min: float = 0.05  # crop area as a fraction of the image, lower bound (ViT/BiT use 5%)
+    area_min: float = 0.05  # lower bound of the crop's share of the image area (ViT/BiT: 5%)
     area_max: float = 1.0
     aspect_min: float = 0.75  # crop aspect ratio w/h, sampled log-uniformly
     aspect_max: float = 4 / 3
     flip: bool = True  # horizontal flip with probability 1/2
-    randaugment_n: int = 0  # number of RandAugment ops per image; 0 disables it
+    randaugment_n: int = 0  # RandAugment ops per image; 0: off
     randaugment_m: int = 0  # RandAugment magnitude, 0-30 (10 is the usual "full" strength)
     scaled_decode: bool = True  # JPEG at 1/2-1/8 DCT scale while the crop stays >= the output size (other pixels)
 
@@ -55,11 +55,9 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
     for _ in range(10):
         target = area * rng.uniform(cfg.area_min, cfg.area_max)
         aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = math.sqrt(target * aspect)
-        h = math.sqrt(target / aspect)
+        w, h = math.sqrt(target * aspect), math.sqrt(target / aspect)
         if w <= width and h <= height:
-            left = rng.uniform(0, width - w)
-            top = rng.uniform(0, height - h)
+            left, top = rng.uniform(0, width - w), rng.uniform(0, height - h)
             return (left, top, left + w, top + h)
     ratio = width / height
     if ratio < cfg.aspect_min:
@@ -72,16 +70,15 @@ def inception_crop_box(width: int, height: int, rng: np.random.Generator, cfg: A
 
 
 def drafts(image_format: str | None, box: tuple, size: int) -> bool:
-    """Whether `drafted` reduces the DCT scale: a JPEG crop's short side >= 2 x ``size``."""
+    """Whether `drafted` reduces the DCT scale."""
     return image_format == "JPEG" and min(box[2] - box[0], box[3] - box[1]) >= 2 * size
 
 
 def drafted(img: Image.Image, box: tuple, size: int) -> tuple[Image.Image, tuple]:
     """(image drafted to the smallest DCT scale leaving the crop >= ``size``, box rescaled)."""
-    width, height = img.size
-    crop_short = min(box[2] - box[0], box[3] - box[1])
     if drafts(img.format, box, size):
-        factor = crop_short / size
+        width, height = img.size
+        factor = min(box[2] - box[0], box[3] - box[1]) / size
         img.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
         sx, sy = img.size[0] / width, img.size[1] / height
         box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
@@ -110,7 +107,7 @@ def jpeg_height_offset(data: bytes) -> int | None:
     for marker, i in _segments(data):
         if marker in (0xC0, 0xC1):
             return i + 5 if i + 7 <= len(data) and data[i + 5 : i + 7] != b"\0\0" else None
-        if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xCC) or marker in (0xD9, 0xDA):
+        if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xCC):
             return None
     return None
 
@@ -196,8 +193,7 @@ def crop_resize(pixels: np.ndarray | Image.Image, box: tuple, size: int) -> np.n
     pixels = pixel_array(pixels)
     left, top, right, bottom = pixel_box(box, pixels.shape[1], pixels.shape[0])
     crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]
-    # channels-last: the kernel's fast path
-    crop = crop.contiguous(memory_format=torch.channels_last)
+    crop = crop.contiguous(memory_format=torch.channels_last)  # the kernel's fast path
     out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)
     return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())
 
@@ -240,8 +236,7 @@ def decode_whole(data: bytes) -> tuple[np.ndarray, str | None]:
     """(all pixels, uint8 (H, W, C); PIL's format); raises where `decode_train_image` would."""
     img: Image.Image = Image.open(io.BytesIO(data))
     width, height = img.size
-    image_format = img.format
-    return pixel_array(decoded_pixels(img, data, (0, 0, width, height), 1, (width, height))), image_format
+    return pixel_array(decoded_pixels(img, data, (0, 0, width, height), 1, (width, height))), img.format
 
 
 def decoded_train_image(
@@ -359,11 +354,11 @@ def to_float_images(batch: np.ndarray | list[torch.Tensor], out: torch.Tensor | 
     checkpoints expect), into ``out`` if given."""
     if isinstance(batch, np.ndarray):
         batch = [torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2)]
-    rows = sum(len(piece) for piece in batch)
+    shape = (sum(len(piece) for piece in batch), *batch[0].shape[1:])
     if out is None:
-        out = torch.empty((rows, *batch[0].shape[1:]), dtype=torch.float32)
-    elif out.shape != (rows, *batch[0].shape[1:]) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor {(rows, *batch[0].shape[1:])}; got {out.shape}")
+        out = torch.empty(shape, dtype=torch.float32)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor {shape}; got {out.shape}")
     start = 0
     for piece in batch:  # one converting copy: cheaper than .float()
         out[start : start + len(piece)].copy_(piece)
@@ -394,6 +389,4 @@ def mix(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
 def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
     """(images, targets (B, K), lam) each mixed with the batch rolled by one."""
     lam = mixup_lambda(alpha, rng)
-    images = mix(images, images.roll(1, dims=0), lam)
-    targets = mix(targets, targets.roll(1, dims=0), lam)
-    return images, targets, lam
+    return mix(images, images.roll(1, dims=0), lam), mix(targets, targets.roll(1, dims=0), lam), lam

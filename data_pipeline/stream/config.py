@@ -52,9 +52,8 @@ class DataConfig:
     ) -> DataConfig:
         """A config outside a recipe: G = m × world_size, P = world_size × max(1, num_workers) if that
         divides G else world_size, no augmentation, no cache."""
-        workers = fields.get("num_workers", 0)
         G = fields.pop("global_batch_size", micro_batch_size * world_size)
-        P = world_size * max(1, workers)
+        P = world_size * max(1, fields.get("num_workers", 0))
         fields.setdefault("streams", P if G % P == 0 else world_size)
         fields.setdefault("augment", None)
         fields.setdefault("cache_mb", 0.0)
@@ -97,7 +96,8 @@ class DataConfig:
 
 
 def _check_builtin(builtin: str, options: dict[str, Any]) -> None:
-    if ALIASES.get(builtin, builtin) not in BUILTIN_NAMES:
+    name = ALIASES.get(builtin, builtin)
+    if name not in BUILTIN_NAMES:
         raise ValueError(f"data.builtin={builtin!r} is unknown; use one of {', '.join(BUILTIN_NAMES)} or unset it")
     for key, value in options.items():
         low = option_minimum(key)
@@ -107,6 +107,6 @@ def _check_builtin(builtin: str, options: dict[str, Any]) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
     try:
-        check_sizes(ALIASES.get(builtin, builtin), BuiltinConfig(**options))
+        check_sizes(name, BuiltinConfig(**options))
     except ValueError as error:
         raise ValueError(f"data.builtin_options: {error}") from None

@@ -1,6 +1,5 @@
 """The decoded cache (``data.cache_mb``), bit-identical batches (docs/performance.md, "Data wait: predicted, and the
-decoded cache").
-"""
+decoded cache")."""
 
 from __future__ import annotations
 
@@ -136,17 +135,16 @@ class DecodedCache:
             stats: Counter = Counter()
             entries, start, pieces = [], offset, []
             for sample in read_shard(shard.url, shard.samples, stats):
-                fields = {k: v for k, v in sample.items() if k != "jpg"}
-                jpg = sample.get("jpg")
-                entry = _Entry(fields, jpg, 0, None, None)
+                jpg = sample.pop("jpg", None)
+                entry = _Entry(sample, jpg, 0, None, None)
                 if jpg is not None:
                     try:
                         pixels, image_format = decode_whole(jpg)
                     except DECODE_ERRORS:
-                        pixels = None  # counted when decoded per crop
-                    if pixels is not None:
+                        pass  # counted when decoded per crop
+                    else:
                         keep = drafts(image_format, (0, 0, pixels.shape[1], pixels.shape[0]), image_size)
-                        entry = _Entry(fields, jpg if keep else None, offset, pixels.shape, image_format)
+                        entry = _Entry(sample, jpg if keep else None, offset, pixels.shape, image_format)
                         pieces.append(pixels.reshape(-1))
                         offset += pixels.size
                 entries.append(entry)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,20 +21,15 @@ from data_pipeline.stream.shards import read_shard, sample_label
 _EvalItem = tuple[torch.Tensor, list[int], list[str], dict[str, int]]
 
 
+@dataclass(eq=False)
 class _EvalShards(IterableDataset):
     """One rank's shards, ``slices[w]`` read by worker w, as uint8 batches."""
 
-    def __init__(
-        self,
-        info: DatasetInfo,
-        slices: list[list[int]],
-        batch_size: int,
-        image_size: int,
-        resize_size: int | None,
-        return_keys: bool,
-    ):
-        self.info, self.slices, self.batch_size = info, slices, batch_size
-        self.image_size, self.resize_size, self.return_keys = image_size, resize_size, return_keys
+    info: DatasetInfo
+    slices: list[list[int]]
+    batch_size: int
+    image_size: int
+    resize_size: int | None
 
     def __iter__(self) -> Iterator[_EvalItem]:
         info = get_worker_info()
@@ -63,7 +59,7 @@ class _EvalShards(IterableDataset):
 
     def _batch(self, images: list[Image.Image], labels: list[int], keys: list[str], stats: Counter) -> _EvalItem:
         pixels = torch.from_numpy(channels_first(images, out=planes(len(images), self.image_size)))
-        out = (pixels, list(labels), list(keys), dict(stats))
+        out = (pixels, labels, keys, dict(stats))
         stats.clear()
         return out
 
@@ -96,9 +92,9 @@ class EvalStream:
         self.info = info
         counts = info.shard_counts
         mine = balanced_split(list(range(len(counts))), counts, world_size)[rank]
-        self._slices = balanced_split(mine, counts, max(1, num_workers))
+        slices = balanced_split(mine, counts, max(1, num_workers))
         self.num_samples = sum(counts[s] for s in mine)
-        self._dataset = _EvalShards(info, self._slices, batch_size, image_size, resize_size, return_keys)
+        self._dataset = _EvalShards(info, slices, batch_size, image_size, resize_size)
         self.num_workers, self.return_keys, self.float_images = num_workers, return_keys, float_images
         self.multiprocessing_context = multiprocessing_context if num_workers > 0 else None
         self.stats: Counter = Counter()

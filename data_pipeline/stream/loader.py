@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,11 +25,13 @@ def worker_items(
     """``dataset``'s items, read here (``num_workers=0``) or by DataLoader workers round-robin."""
     if num_workers == 0:
         return iter(dataset)
+    if start_method == "forkserver":  # never forks the threaded trainer (docs/reference.md §6, "DataLoader workers")
+        multiprocessing.set_forkserver_preload(list(_WORKER_MODULES))
     loader = DataLoader(
         dataset,
         batch_size=None,
         num_workers=num_workers,
-        multiprocessing_context=_start_method(start_method),
+        multiprocessing_context=start_method,
         prefetch_factor=prefetch_factor,
         generator=_loader_generator(*seed_key),
         worker_init_fn=_Environment(dict(os.environ)) if start_method == "forkserver" else None,
@@ -36,23 +39,15 @@ def worker_items(
     return iter(loader)
 
 
+@dataclass(eq=False)
 class _Environment:
     """A forkserver worker gets this process's environment, not the fork server's from its start."""
 
-    def __init__(self, environ: dict[str, str]):
-        self.environ = environ
+    environ: dict[str, str]
 
     def __call__(self, worker_id: int) -> None:
         os.environ.clear()
         os.environ.update(self.environ)
-
-
-def _start_method(method: str | None) -> str | None:
-    """Preloads the stream modules in the fork server (forkserver never forks the threaded training process:
-    docs/reference.md §6, "DataLoader workers")."""
-    if method == "forkserver":
-        multiprocessing.set_forkserver_preload(list(_WORKER_MODULES))
-    return method
 
 
 def _loader_generator(*key: int) -> torch.Generator:

@@ -1,6 +1,5 @@
 """The loader's images/s on one core (`loader_rate`), for the planner's data wait (docs/performance.md, "Data wait:
-predicted, and the decoded cache").
-"""
+predicted, and the decoded cache")."""
 
 from __future__ import annotations
 
@@ -95,20 +94,16 @@ def loader_rate(
         store = {}
     how = "measured earlier"
     if not isinstance(store.get(key), float):
-        store[key] = _measure(info, image_size, augment, cached, side)
+        if info is not None:
+            store[key] = _time_stream(_first_shards(info), image_size, augment, cached)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                synthetic = dataset_info(_synthetic_shards(Path(tmp), side))
+                store[key] = _time_stream(synthetic, image_size, augment, cached)
         write_atomically(path, json.dumps(store, indent=1, sort_keys=True))
         how = "measured now"
     where = "from its decoded cache" if cached else ("from its shards" if info is not None else data)
     return LoaderRate(store[key], f"this CPU, one core, {image_size}px {where} ({how}; {path})")
-
-
-def _measure(
-    info: DatasetInfo | None, image_size: int, augment: AugmentConfig | None, cached: bool, side: int
-) -> float:
-    if info is not None:
-        return _time_stream(_first_shards(info), image_size, augment, cached)
-    with tempfile.TemporaryDirectory() as tmp:
-        return _time_stream(dataset_info(_synthetic_shards(Path(tmp), side)), image_size, augment, cached)
 
 
 def _first_shards(info: DatasetInfo) -> DatasetInfo:

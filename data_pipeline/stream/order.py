@@ -1,6 +1,5 @@
 """The training order (docs/elastic.md, "Data order") and the position that resumes it at any world size. G global
-batch, m micro-batch, P streams, R ranks, c = G / P, A = G / (R m).
-"""
+batch, m micro-batch, P streams, R ranks, c = G / P, A = G / (R m)."""
 
 from __future__ import annotations
 

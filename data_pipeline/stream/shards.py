@@ -102,7 +102,6 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
 
 
 def _tar_samples(url: str, sink: list[Counter]) -> Iterator[dict]:
-
     def handler(exn: Exception) -> bool:
         if is_transient(exn):
             raise exn

@@ -44,8 +44,7 @@ def decoded_bytes(
 
 
 def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
-    """ValueError naming the fixes when ``where`` cannot hold ``needed`` bytes (past a full ``/dev/shm`` a
-    worker dies of SIGBUS)."""
+    """ValueError naming the fixes if ``where`` lacks ``needed`` bytes (past a full /dev/shm workers die of SIGBUS)."""
     if free is not None and needed > free:
         raise ValueError(
             f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
@@ -118,11 +117,10 @@ class StepPool:
         rows = self.buffers[slot][start : start + len(images)]
         if rows.dtype == torch.uint8:
             channels_first(images, out=rows.numpy())
-            self.stamps[slot, worker] = step
-            return
-        for i in range(0, len(images), len(scratch)):
-            group = images[i : i + len(scratch)]
-            to_float_images([torch.from_numpy(channels_first(group, out=scratch))], out=rows[i : i + len(group)])
+        else:
+            for i in range(0, len(images), len(scratch)):
+                group = images[i : i + len(scratch)]
+                to_float_images([torch.from_numpy(channels_first(group, out=scratch))], out=rows[i : i + len(group)])
         self.stamps[slot, worker] = step
 
     def take(self, step: int, slot: int) -> torch.Tensor:

@@ -1,6 +1,5 @@
 """`TrainStream`: one rank's endless micro-batches; every faster path yields the same batches (docs/design.md, "What
-the data stream keeps bit-identical").
-"""
+the data stream keeps bit-identical")."""
 
 from __future__ import annotations
 
@@ -64,13 +63,13 @@ def _plan(
         )
     m, G, P = config.micro_batch_size, config.global_batch_size, config.streams
     check_split(info, G, m, P, world_size, config.mixup_alpha)
+    clamp = (config.num_workers, P // world_size)
     workers = min(max(1, config.num_workers), P // world_size)
-    if config.num_workers > workers and (config.num_workers, P // world_size) not in _clamp_warned:
-        _clamp_warned.add((config.num_workers, P // world_size))
+    if config.num_workers > workers and clamp not in _clamp_warned:
+        _clamp_warned.add(clamp)
         log.warning(
             "num_workers=%d but each rank reads %d streams: %d loader workers run (a worker reads whole streams)",
-            config.num_workers,
-            P // world_size,
+            *clamp,
             workers,
         )
     plan = TrainPlan(
@@ -132,9 +131,8 @@ class _StreamReader:
             label = sample_label(sample, plan.info.num_classes, stats)
             if label is None:
                 continue
-            rng = plan.augment_rng(self.epoch, s, member, repeat)
             decoded = sample.get(DECODED_KEY)
-            args = (sample["jpg"], plan.image_size, plan.augment, rng)
+            args = (sample["jpg"], plan.image_size, plan.augment, plan.augment_rng(self.epoch, s, member, repeat))
             try:
                 if decoded is None:
                     images.append(decode_train_image(*args))
@@ -151,28 +149,22 @@ class _StreamReader:
         return images, labels, keys
 
 
+@dataclass(eq=False)
 class _TrainEpoch(IterableDataset):
     """One rank's epoch from global batch ``start`` and ``draws[stream]``: an `_Item` per worker and step."""
 
-    def __init__(
-        self,
-        plan: TrainPlan,
-        epoch: int,
-        start: int,
-        draws: dict[int, int],
-        pool: StepPool,
-        read_retries: int = 3,
-        cache: DecodedCache | None = None,
-    ):
-        self.plan, self.epoch, self.start, self.draws, self.pool = plan, epoch, start, draws, pool
-        self.read_retries, self.cache = read_retries, cache
+    plan: TrainPlan
+    epoch: int
+    start: int
+    draws: dict[int, int]
+    pool: StepPool
+    read_retries: int = 3
+    cache: DecodedCache | None = None
 
     def __iter__(self) -> Iterator[_Item]:
         set_read_retries(self.read_retries)  # a loader worker has its own module state
         info = get_worker_info()
-        yield from self._logical(0 if info is None else info.id)
-
-    def _logical(self, logical: int) -> Iterator[_Item]:
+        logical = 0 if info is None else info.id
         plan, epoch = self.plan, self.epoch
         shards = plan.stream_shards(epoch)
         group = plan.worker_streams(logical)
@@ -197,13 +189,8 @@ class _TrainEpoch(IterableDataset):
                 self.pool.write(step, slot, logical, first_row, images, scratch)
             else:
                 pixels = torch.from_numpy(channels_first(images, out=planes(len(images), plan.image_size)))
-            meta = dict(
-                epoch=epoch,
-                step=step,
-                draws={r.stream: r.draws for r in readers},
-                stats=dict(stats),
-                keys=keys if plan.record_keys else None,
-            )
+            draws = {r.stream: r.draws for r in readers}
+            meta = dict(epoch=epoch, step=step, draws=draws, stats=dict(stats), keys=keys if plan.record_keys else None)
             yield pixels, labels, meta
 
 
@@ -280,12 +267,11 @@ class TrainStream:
             raise ValueError(f"label_format must be 'int' or 'multihot', got {label_format!r}")
         if pixels not in ("float", "uint8"):
             raise ValueError(f"pixels must be 'float' or 'uint8', got {pixels!r}")
-        self.pixels = pixels
         if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
             raise ValueError(
                 f"prefetch_factor must be an int >= 1 (steps a loader worker may be ahead), got {prefetch_factor!r}"
             )
-        self.config, self.prefetch_factor = config, prefetch_factor
+        self.config, self.prefetch_factor, self.pixels = config, prefetch_factor, pixels
         self.plan = _plan(config, rank, world_size, num_classes, label_format, record_keys)
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None

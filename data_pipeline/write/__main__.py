@@ -95,24 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         source, name, extra_meta = _open_source(args)
+        as_is = ("samples_per_shard", "max_short_side", "min_size", "seed", "processes", "near_duplicate_distance")
         config = WriteConfig(
             name=args.name or name,
             split=args.split,
-            samples_per_shard=args.samples_per_shard,
-            max_short_side=args.max_short_side,
-            min_size=args.min_size,
-            seed=args.seed,
-            processes=args.processes,
             keep_exact_duplicates=args.keep_exact_duplicates or isinstance(source, TfdsSource),
-            near_duplicate_distance=args.near_duplicate_distance,
+            **{k: getattr(args, k) for k in as_is},
         )
-        exclude = None
-        for path in args.exclude_like:
-            more = load_exclusion(path, args.near_duplicate_distance)
-            if exclude is None:
-                exclude = more
-            else:
-                exclude.merge(more)
+        exclusions = [load_exclusion(path, args.near_duplicate_distance) for path in args.exclude_like]
+        for more in exclusions[1:]:
+            exclusions[0].merge(more)
+        exclude = exclusions[0] if exclusions else None
         output_folder(args.out, "--out")  # after the inputs are checked
         report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
     except ValueError as err:

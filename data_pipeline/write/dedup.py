@@ -25,11 +25,7 @@ def perceptual_hash(image: Image.Image) -> int:
     grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
     coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()
     median = np.median(coeffs[1:])  # without the DC term
-    bits = coeffs > median
-    value = 0
-    for bit in bits:
-        value = (value << 1) | int(bit)
-    return int(np.array(value, dtype=np.uint64).view(np.int64))
+    return int(np.packbits(coeffs > median).view(">i8")[0])  # the first coefficient's bit highest
 
 
 class NearDuplicateIndex:
@@ -190,13 +186,12 @@ def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
         raise ValueError(
             f"--exclude-like {table_path} has no 'phash'/'sha256' columns; point it at a vitscale shard folder"
         )
-    wanted = ["sha256", "phash"] + (["source_sha256"] if "source_sha256" in cols else [])
+    wanted = ["phash", "sha256"] + (["source_sha256"] if "source_sha256" in cols else [])
     sha: set[str] = set()
     phash_parts = []
     for batch in iter_samples(table_path, columns=wanted):
-        sha.update(batch.column("sha256").to_pylist())
-        if "source_sha256" in cols:
-            sha.update(batch.column("source_sha256").to_pylist())
+        for column in wanted[1:]:
+            sha.update(batch.column(column).to_pylist())
         phash_parts.append(batch.column("phash").to_numpy(zero_copy_only=False).astype(np.int64))
     phashes = np.concatenate(phash_parts) if phash_parts else np.zeros(0, np.int64)
     return ExclusionSet(sha, phashes, max_distance)

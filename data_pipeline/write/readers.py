@@ -94,20 +94,16 @@ def open_source(
                 f"--source {root} is empty: expected class sub-folders of images, per-class .tar files "
                 "(ImageNet-21k layout) or .parquet files with image bytes and a label column"
             )
-    if kind == "folder":
-        dirs = sorted(p for p in root.iterdir() if p.is_dir())
-        if not dirs:
-            raise ValueError(f"--source {root} has no class sub-folders")
-        names = _read_class_names(class_names_file, [d.name for d in dirs])
-        units = tuple(SourceUnit("folder", str(d), i) for i, d in enumerate(dirs))
-        return Source("folder", units, tuple(names))
-    if kind == "imagenet21k":
-        tars = sorted(root.glob("*.tar"))
-        if not tars:
-            raise ValueError(f"--source {root} has no per-class .tar files")
-        names = _read_class_names(class_names_file, [t.stem for t in tars])
-        units = tuple(SourceUnit("tar", str(t), i) for i, t in enumerate(tars))
-        return Source("imagenet21k", units, tuple(names))
+    if kind in ("folder", "imagenet21k"):  # one class per sub-folder or .tar
+        tar = kind == "imagenet21k"
+        paths = sorted(root.glob("*.tar")) if tar else sorted(p for p in root.iterdir() if p.is_dir())
+        if not paths:
+            raise ValueError(
+                f"--source {root} has no per-class .tar files" if tar else f"--source {root} has no class sub-folders"
+            )
+        names = _read_class_names(class_names_file, [p.stem if tar else p.name for p in paths])
+        units = tuple(SourceUnit("tar" if tar else "folder", str(p), i) for i, p in enumerate(paths))
+        return Source(kind, units, tuple(names))
     if kind == "parquet":
         files = [root] if root.is_file() else sorted(root.glob("*.parquet"))
         if not files:

@@ -1,6 +1,4 @@
-"""A TensorFlow Datasets folder as a writer source (``--source tfds:DIR``), read without TensorFlow (docs/vtab.md,
-"The formats").
-"""
+"""A TFDS folder as a writer source (``--source tfds:DIR``), read without TensorFlow (docs/vtab.md, "The formats")."""
 
 from __future__ import annotations
 
@@ -97,16 +95,9 @@ def _feature_kind(node: dict) -> str:
     class_name = node.get("pythonClassName") or node.get("type") or ""
     if class_name:
         return class_name.rsplit(".", 1)[-1]
-    for key, kind in (
-        ("featuresDict", "FeaturesDict"),
-        ("sequence", "Sequence"),
-        ("image", "Image"),
-        ("classLabel", "ClassLabel"),
-        ("tensor", "Tensor"),
-        ("text", "Text"),
-    ):
+    for key in ("featuresDict", "sequence", "image", "classLabel", "tensor", "text"):
         if key in node:
-            return kind
+            return key[0].upper() + key[1:]
     return "unknown"
 
 
@@ -126,9 +117,9 @@ def _flatten(node: dict, prefix: str, out: dict[str, dict]) -> None:
             _flatten(inner, prefix, out)
         return
     details = body.get({"Image": "image", "ClassLabel": "classLabel", "Tensor": "tensor"}.get(kind, ""), body)
-    classes = details.get("numClasses", details.get("num_classes")) if isinstance(details, dict) else None
-    dtype = details.get("dtype") if isinstance(details, dict) else None
-    out[prefix] = dict(kind=kind, dtype=dtype, num_classes=int(classes) if classes is not None else None)
+    details = details if isinstance(details, dict) else {}
+    classes = details.get("numClasses", details.get("num_classes"))
+    out[prefix] = dict(kind=kind, dtype=details.get("dtype"), num_classes=None if classes is None else int(classes))
 
 
 def _supervised(info: dict) -> tuple[str, str] | None:
@@ -186,9 +177,7 @@ _PART = re.compile(r"(?P<split>[\w.-]+)(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?
 def _bound(text: str | None, n: int) -> int | None:
     if not text:
         return None
-    if text.endswith("%"):
-        return round(int(text[:-1]) * n / 100)  # TFDS's default rounding
-    return int(text)
+    return round(int(text[:-1]) * n / 100) if text.endswith("%") else int(text)  # TFDS's default rounding
 
 
 def resolve_split(expression: str, sizes: dict[str, int]) -> list[tuple[str, int, int]]:
@@ -253,8 +242,7 @@ def _class_names(folder: TfdsFolder, label: str, names_file: str | None) -> list
 
 
 def _task_checks(folder: TfdsFolder, task: VtabTfdsTask) -> None:
-    name_ok = folder.name == task.base_name and (not task.config or folder.config in ("", task.config))
-    if not name_ok:
+    if folder.name != task.base_name or task.config and folder.config not in ("", task.config):
         found = folder.name + (f"/{folder.config}" if folder.config else "")
         raise ValueError(
             f"VTAB task {task.name} reads the TFDS dataset {task.tfds_name}, but {folder.path} holds {found}; "

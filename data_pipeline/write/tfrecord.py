@@ -53,12 +53,8 @@ def _zeros_operator(log2_bytes: int) -> np.ndarray:
     else:
         half = _zeros_operator(log2_bytes - 1)
         columns = _apply(half, _apply(half, basis))
-    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    tables = np.zeros((4, 256), dtype=np.uint32)
-    for byte in range(4):
-        for bit in range(8):
-            tables[byte] ^= np.where(bits[:, bit] == 1, columns[8 * byte + bit], 0).astype(np.uint32)
-    return tables
+    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1  # table[byte][v]: XOR of the columns of v's bits
+    return np.bitwise_xor.reduce(np.where(bits == 1, columns.reshape(4, 1, 8), 0).astype(np.uint32), axis=2)
 
 
 def crc32c(data: bytes | memoryview) -> int:

@@ -82,33 +82,19 @@ def split_expression(task: VtabTfdsTask, split: str, sizes: dict[str, int]) -> s
 
     if task.scheme == "holdout":
         cut = task.train_percent * size("train") // 100
-        parts = dict(
-            train=f"train[:{cut}]",
-            val=f"train[{cut}:]",
-            trainval="train",
-            test=task.test_split,
-            val200=f"train[{cut}:{cut + 200}]",
-        )
+        named = (f"train[:{cut}]", f"train[{cut}:]", "train", task.test_split, f"train[{cut}:{cut + 200}]")
     elif task.scheme == "tfds_val":
         size("validation")
-        parts = dict(
-            train="train", val="validation", trainval="train+validation", test="test", val200="validation[:200]"
-        )
+        named = ("train", "validation", "train+validation", "test", "validation[:200]")
     elif task.scheme == "three_way":
         n = size("train")
         cut, val_end = task.train_percent * n // 100, task.train_percent * n // 100 + task.val_percent * n // 100
-        parts = dict(
-            train=f"train[:{cut}]",
-            val=f"train[{cut}:{val_end}]",
-            trainval=f"train[:{val_end}]",
-            test=f"train[{val_end}:]",
-            val200=f"train[{cut}:{cut + 200}]",
-        )
+        val200 = f"train[{cut}:{cut + 200}]"
+        named = (f"train[:{cut}]", f"train[{cut}:{val_end}]", f"train[:{val_end}]", f"train[{val_end}:]", val200)
     else:  # half_test
         size("test")
-        parts = dict(
-            train="train", val="test[:50%]", trainval="train+test[:50%]", test="test[50%:]", val200="test[:200]"
-        )
+        named = ("train", "test[:50%]", "train+test[:50%]", "test[50%:]", "test[:200]")
+    parts = dict(zip(("train", "val", "trainval", "test", "val200"), named))
     size(parts["test"].split("[")[0])
     parts["train800"] = "train[:800]"
     parts["train800val200"] = f"train[:800]+{parts['val200']}"

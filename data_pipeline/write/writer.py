@@ -90,7 +90,7 @@ def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> 
     """(bytes, width, height) to store: the JPEG as it is, or an RGB re-encode (q90 downscaled, else q95)."""
     with Image.open(io.BytesIO(data)) as opened:
         if not needs_reencode:
-            return data, opened.size[0], opened.size[1]
+            return data, *opened.size
         img = opened.convert("RGB")
         width, height = img.size
         quality = 95
@@ -157,11 +157,10 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
     out_dir, index, entries, class_names, source, max_short_side = job
     name = manifest.SHARD_PATTERN.format(index=index)
     final = Path(out_dir) / name
-    rows: list[dict] = []
     if not final.exists():
         tmp = final.with_name(name + ".tmp")
-        writer = dict(encoder=False, user=TAR_OWNER, group=TAR_OWNER, mtime=TAR_MTIME)
-        with open(tmp, "wb") as out, wds.TarWriter(out, **writer) as w:
+        tar_args = dict(encoder=False, user=TAR_OWNER, group=TAR_OWNER, mtime=TAR_MTIME)
+        with open(tmp, "wb") as out, wds.TarWriter(out, **tar_args) as w:
             for key, cand in entries:
                 raw = cand.data if cand.ref is None else _read_raw(cand.ref, source)
                 data, width, height = encode_for_shard(raw, cand.needs_reencode, max_short_side)
@@ -190,23 +189,20 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
                 member_file = tar.extractfile(member)
                 assert member_file is not None
                 metas[member.name[: -len(".json")]] = json.loads(member_file.read())
-    for key, cand in entries:
-        meta = metas[key]
-        rows.append(
-            dict(
-                key=key,
-                shard=name,
-                label=cand.label,
-                width=meta["width"],
-                height=meta["height"],
-                sha256=meta["sha256"],
-                source_sha256=cand.sha256,
-                phash=cand.phash,
-                source=cand.source,
-                near_duplicate=cand.near_duplicate,
-                exact_duplicate=cand.exact_duplicate,
-            )
+    rows = [
+        dict(
+            key=key,
+            shard=name,
+            label=cand.label,
+            **{k: metas[key][k] for k in ("width", "height", "sha256")},
+            source_sha256=cand.sha256,
+            phash=cand.phash,
+            source=cand.source,
+            near_duplicate=cand.near_duplicate,
+            exact_duplicate=cand.exact_duplicate,
         )
+        for key, cand in entries
+    ]
     digest = hashlib.sha256()
     with open(final, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -240,10 +236,11 @@ def dedup_candidates(
     candidates: list[Candidate], config: WriteConfig, exclude: ExclusionSet | None, report: WriteReport
 ) -> list[Candidate]:
     """Drop excluded images and exact duplicates, flag near duplicates, in the sources' order."""
-    if exclude is not None:
-        excluded = exclude.matches_many([c.sha256 for c in candidates], [c.phash for c in candidates])
-    else:
-        excluded = np.zeros(len(candidates), dtype=bool)
+    excluded = (
+        np.zeros(len(candidates), dtype=bool)
+        if exclude is None
+        else exclude.matches_many([c.sha256 for c in candidates], [c.phash for c in candidates])
+    )
     seen: set[str] = set()
     survivors: list[Candidate] = []
     for cand, is_excluded in zip(candidates, excluded):
@@ -288,19 +285,9 @@ def write_dataset(
         raise ValueError(f"no valid images to write (report: {report.summary()})")
     light = replace(source, units=()) if source is not None else None
     shard_rows, report.written = _write_shards(out, survivors, names, light, config)
+    dataset = {k: getattr(config, k) for k in ("name", "split", "max_short_side", "seed", "samples_per_shard")}
     manifest.write_metadata(
-        out,
-        shards=shard_rows,
-        samples=None,
-        class_names=names,
-        dataset=dict(
-            name=config.name,
-            split=config.split,
-            max_short_side=config.max_short_side,
-            seed=config.seed,
-            samples_per_shard=config.samples_per_shard,
-            **(extra_meta or {}),
-        ),
+        out, shards=shard_rows, samples=None, class_names=names, dataset=dataset | (extra_meta or {})
     )
     for stale in out.glob(manifest.SHARD_GLOB + ".tmp"):
         stale.unlink()
