@@ -45,7 +45,9 @@ def split_info(split_dir: str | Path) -> SplitInfo:
     return SplitInfo(path=path, num_classes=int(info.num_classes), num_samples=int(info.num_samples))
 
 
-def _check_labels(labels: np.ndarray, info: SplitInfo) -> None:
+def _labels(parts: list, info: SplitInfo) -> np.ndarray:
+    """The label batches read, concatenated; ValueError for none or one outside the declared classes."""
+    labels = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if labels.size == 0:
         raise ValueError(f"{info.path} yielded no samples; the split is empty")
     if labels.min() < 0 or labels.max() >= info.num_classes:
@@ -54,6 +56,7 @@ def _check_labels(labels: np.ndarray, info: SplitInfo) -> None:
             f"{info.path}: label {bad} is outside the declared classes 0..{info.num_classes - 1} "
             f"(dataset.json num_classes={info.num_classes}); fix the labels or the declared class count"
         )
+    return labels
 
 
 def _batches(
@@ -68,14 +71,7 @@ def _batches(
     """The split's batches, at least the first ``stop_after`` samples (None: all); then raise if the stream skipped bad
     labels."""
     stream = EvalStream(
-        str(info.path),
-        batch_size=batch_size,
-        image_size=image_size,
-        resize_size=resize_size,
-        rank=0,
-        world_size=1,
-        num_workers=0,
-        float_images=float_images,
+        str(info.path), batch_size=batch_size, image_size=image_size, resize_size=resize_size, float_images=float_images
     )
     seen = 0
     for batch in stream:
@@ -107,13 +103,9 @@ def load_images(
         labels.append(np.asarray(batch_labels, dtype=np.int64))
         seen += len(labels[-1])
         if limit is not None and seen >= limit:
-            break  # _check_labels still covers what was read
-    all_labels = np.concatenate(labels) if labels else np.zeros(0, np.int64)
-    _check_labels(all_labels, info)
-    all_images = torch.cat(images)
-    if limit is not None:
-        all_images, all_labels = all_images[:limit], all_labels[:limit]
-    return all_images, all_labels, info
+            break  # _labels still checks what was read
+    labels = _labels(labels, info)[:limit]  # first: it raises for an empty split
+    return torch.cat(images)[:limit], labels, info
 
 
 def stream_split(
@@ -126,7 +118,7 @@ def stream_split(
         seen += len(labels)
         yield images, np.asarray(labels, dtype=np.int64)
     if not seen:
-        _check_labels(np.zeros(0, np.int64), info)
+        _labels([], info)
 
 
 @dataclass(frozen=True)
@@ -202,9 +194,8 @@ def extract_features(
             labels.append(np.asarray(batch_labels, dtype=np.int64))
     finally:
         model.train(was_training)
-    all_labels = np.concatenate(labels) if labels else np.zeros(0, np.int64)
-    _check_labels(all_labels, info)
-    result = (np.concatenate(features), all_labels, info)
+    labels = _labels(labels, info)  # first: it raises for an empty split
+    result = (np.concatenate(features), labels, info)
     if cache is not None:
         cache[key] = result
     return result
@@ -235,7 +226,14 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
     """``<data_root>/<dataset>/<split>`` (a `data_location`); a missing built-in is generated if allowed (locally)."""
     root = data_location(data_root)
     if is_remote(root):
-        return _remote_split(root, dataset, split)
+        url = f"{root}/{dataset}/{split}"
+        if is_shard_folder(url):
+            return url
+        raise ValueError(
+            f"no shard folder at {url}; built-in sets are generated only under a local data root: write it to a "
+            f"local folder (`python -m data_pipeline.builtin {dataset} --out DIR` for a built-in) and copy {dataset}/ "
+            f"to {root}, or pass --data-root pointing at the root that holds it"
+        )
     path = root / dataset / split
     if is_shard_folder(path):
         return path
@@ -246,16 +244,4 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
     raise ValueError(
         f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {root}`) "
         "or pass --data-root pointing at the folder that holds it"
-    )
-
-
-def _remote_split(root: str, dataset: str, split: str) -> str:
-    """``<root>/<dataset>/<split>``; ValueError naming the URL when it holds no shard folder."""
-    url = f"{root}/{dataset}/{split}"
-    if is_shard_folder(url):
-        return url
-    raise ValueError(
-        f"no shard folder at {url}; built-in sets are generated only under a local data root: write it to a local "
-        f"folder (`python -m data_pipeline.builtin {dataset} --out DIR` for a built-in) and copy {dataset}/ to {root}, "
-        "or pass --data-root pointing at the root that holds it"
     )

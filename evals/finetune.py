@@ -81,11 +81,6 @@ class FinetuneOptions:
             "image_size resize_size batch_size max_train_examples eval_batch_size train_examples val_examples "
             "micro_batch_size".split(),
         )
-        self._check_micro_batch()
-        if self.precision not in get_args(Precision):
-            raise ValueError(f"precision={self.precision!r} is unknown; use one of {list(get_args(Precision))}")
-
-    def _check_micro_batch(self) -> None:
         micro, batch = self.micro_batch_size, self.batch_size
         if micro is not None and batch % micro:
             divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
@@ -93,6 +88,8 @@ class FinetuneOptions:
                 f"micro_batch_size={micro} does not divide batch_size={batch}; use a divisor of batch_size "
                 f"(e.g. micro_batch_size={divisor}) or null for one pass over the whole batch"
             )
+        if self.precision not in get_args(Precision):
+            raise ValueError(f"precision={self.precision!r} is unknown; use one of {list(get_args(Precision))}")
 
 
 def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
@@ -103,7 +100,6 @@ def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
 
 
 def _autocast(device: str, dtype: torch.dtype | None):
-    # fp32: no autocast context at all.
     return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
@@ -116,11 +112,6 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _as_float(images: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels as float32 in [-1, 1] (the stream's conversion); float images as they are."""
-    return to_float_images([images]) if images.dtype == torch.uint8 else images
-
-
 def _on_device(images: torch.Tensor, device: str) -> torch.Tensor:
     """Float32 images on ``device``; uint8 pixels are converted there (`float_images_on`: a quarter of the bytes)."""
     return float_images_on(images, torch.device(device)) if images.dtype == torch.uint8 else images.to(device)
@@ -130,7 +121,8 @@ def _augment(images: torch.Tensor, padding: int, flip: bool, gen: torch.Generato
     """Reflect-pad + random crop, random flips; ``images`` unchanged if neither is on."""
     if not (padding or flip):
         return images
-    images = _as_float(images)  # padding and flips copy values: converting first changes no number
+    if images.dtype == torch.uint8:  # to [-1, 1] as the stream does; first is the same: padding and flips copy values
+        images = to_float_images([images])
     if padding:
         b, _, h, w = images.shape
         padded = F.pad(images, (padding,) * 4, mode="reflect")  # (B, 3, H+2p, W+2p)
@@ -335,7 +327,8 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
     num_train, num_held, num_test = counts
     grid = list(opts.lr_grid)
     trained_on = f"{num_train} + {num_held}" if opts.train_examples is not None else f"{num_train + num_held}"
-    detail = f"lr={result.lr:g} from {grid} on {num_held} held-out; {opts.steps} steps at {size}px on {trained_on}"
+    lr = f"lr={result.lr:g}"
+    detail = f"{lr} from {grid} on {num_held} held-out; {opts.steps} steps at {size}px on {trained_on}"
 
     def row(metric: str, value: float, count: int, detail: str, status: str = "ok") -> ResultRow:
         return ResultRow("finetune", name, metric, value, count=count, status=status, detail=detail)
@@ -345,13 +338,8 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
         row(f"finetune/{name}/lr", result.lr, num_held, f"chosen from {grid}"),
     ]
     rows += [
-        row(
-            keys.finetune_accuracy_at(name, steps),
-            acc,
-            num_test,
-            f"test top-1 after {steps} of {opts.steps} steps (lr={result.lr:g})",
-        )
-        for steps, acc in result.curve.items()
+        row(keys.finetune_accuracy_at(name, n), acc, num_test, f"test top-1 after {n} of {opts.steps} steps ({lr})")
+        for n, acc in result.curve.items()
     ]
     rows += [
         row(f"finetune/{name}/holdout_accuracy", score, num_held, f"lr={grid_lr:g}", "sweep")

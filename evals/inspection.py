@@ -302,7 +302,7 @@ def run_inspection(
     )
     np.save(out_dir / "attention_distance.npy", distances)
 
-    pos = position_embedding_of(model)
+    pos = model.pos_embed.detach().float().cpu()  # (1, P+N, D), P prefix tokens
     pos_grid = _grid_of(pos.reshape(-1, pos.shape[-1]).shape[0] - num_prefix, height, width)
     sim = position_similarity(pos, pos_grid, num_prefix)
     metrics["inspect/pos_embed_similarity/neighbour"] = _neighbour_similarity(sim)
@@ -310,9 +310,8 @@ def run_inspection(
         plot_position_similarity(sim, out_dir / "position_embedding_similarity.png", f"{name}: position embedding")
     )
 
-    kernel = patch_kernel_of(model)
-    if kernel is not None:
-        components, ratio = embedding_filter_components(kernel, config.num_components)
+    if getattr(model.config, "hybrid_stages", None) is None:  # a hybrid's 1x1 patches see features, not pixels
+        components, ratio = embedding_filter_components(model.patch_embed.proj.weight, config.num_components)
         metrics["inspect/embedding_filters/explained_variance"] = float(ratio.sum())
         figures.append(plot_embedding_filters(components, out_dir / "embedding_filters.png"))
 
@@ -330,18 +329,6 @@ def _neighbour_similarity(sim: np.ndarray) -> float:
     values = [sim[r, c, r, c + 1] for r in range(gh) for c in range(gw - 1)]
     values += [sim[r, c, r + 1, c] for r in range(gh - 1) for c in range(gw)]
     return float(np.mean(values)) if values else float("nan")
-
-
-def position_embedding_of(model) -> torch.Tensor:
-    """``(1, P+N, D)``, P prefix tokens."""
-    return model.pos_embed.detach().float().cpu()
-
-
-def patch_kernel_of(model) -> torch.Tensor | None:
-    """``(D, 3, p, p)``; None for hybrids, whose 1x1 patches see features, not pixels."""
-    if getattr(model.config, "hybrid_stages", None) is not None:  # () = root conv only: still not pixels
-        return None
-    return model.patch_embed.proj.weight.detach().float().cpu()
 
 
 def evaluate(ctx, config: InspectConfig) -> EvalOutput:

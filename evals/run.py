@@ -43,23 +43,21 @@ def main(argv: list[str] | None = None) -> int:
         help="folder or fsspec URL (s3://...) holding <dataset>/<split>/ shard folders; built-in sets missing from a "
         "folder are generated there",
     )
-    parser.add_argument("--mlflow-run-id", default=None, help="log metrics to this MLflow run (at the step below)")
-    parser.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite project db)")
+    parser.add_argument("--mlflow-run-id", help="log metrics to this MLflow run (at the step below)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite project db)")
     parser.add_argument(
         "--step",
-        default=None,
         metavar="N",
         help="MLflow step for weights that carry none (.npz, exported folder; default 0); a training checkpoint "
         "logs at its trainer_state.json step and refuses a different one",
     )
     parser.add_argument(
         "--out",
-        default=None,
         help="folder for <suite>.parquet (default: evals/ inside a checkpoint or exported folder, <stem>_evals/ "
         "beside an .npz)",
     )
-    parser.add_argument("--num-threads", default=None, help="torch threads (keep low beside training)")
-    parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--num-threads", help="torch threads (keep low beside training)")
+    parser.add_argument("--device", help="cpu (default) or cuda")
     parser.add_argument(
         "--random-init",
         action="store_true",
@@ -68,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--init-seed",
-        default=None,
         metavar="N",
         help="with --random-init: the initialisation seed (default: the checkpoint recipe's seed, else 0)",
     )

@@ -5,6 +5,7 @@ holds it beside training.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, replace
@@ -70,11 +71,7 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
             )
         step = own if own is not None else step
     default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
-
-    def load_model(image_size: int | None = None):
-        return load(path, image_size=image_size)
-
-    return load_model, 0 if step is None else step, default_out, path
+    return functools.partial(load, path), 0 if step is None else step, default_out, path
 
 
 def init_seed(checkpoint: str | Path) -> int:

@@ -208,19 +208,18 @@ def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: t
             except MlflowException as error:
                 raise ValueError(f"run {run_id!r} not found in {tracking_uri}: check the id in `make ui`") from error
         title = f"{len(runs)} selected runs"
-    elif experiment:
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            listing = ", ".join(sorted(names.values())) or "(none: the store is empty)"
-            raise ValueError(
-                f"experiment {experiment!r} not found in {tracking_uri}; existing experiments: {listing}. "
-                "Pass one of them with --experiment (make compare EXPERIMENT=...), or omit it to compare all runs."
-            )
-        runs = client.search_runs([found.experiment_id], max_results=MAX_RUNS + 1, order_by=["start_time DESC"])
-        title = f"experiment {experiment}"
     else:
-        runs = client.search_runs(list(names), max_results=MAX_RUNS + 1, order_by=["start_time DESC"]) if names else []
-        title = "all experiments"
+        ids, title = list(names), "all experiments"
+        if experiment:
+            found = client.get_experiment_by_name(experiment)
+            if found is None:
+                listing = ", ".join(sorted(names.values())) or "(none: the store is empty)"
+                raise ValueError(
+                    f"experiment {experiment!r} not found in {tracking_uri}; existing experiments: {listing}. "
+                    "Pass one of them with --experiment (make compare EXPERIMENT=...), or omit it to compare all runs."
+                )
+            ids, title = [found.experiment_id], f"experiment {experiment}"
+        runs = client.search_runs(ids, max_results=MAX_RUNS + 1, order_by=["start_time DESC"]) if ids else []
     runs = [r for r in runs if r.data.tags.get(keys.KIND) != COMPARISON_KIND]
     if len(runs) > MAX_RUNS and not run_ids:
         notes.append(f"only the newest {MAX_RUNS} runs are shown; select runs with --runs or --experiment")

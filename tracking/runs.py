@@ -105,8 +105,7 @@ def create_run(
     experiment_id = get_or_create_experiment(client, uri, experiment)
     run = client.create_run(experiment_id, run_name=run_name, tags={str(k): str(v) for k, v in (tags or {}).items()})
     run_id = run.info.run_id
-    flat = flatten_config(params or {})
-    items = [Param(k, v) for k, v in flat.items()]
+    items = [Param(k, v) for k, v in flatten_config(params or {}).items()]
     for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
         client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
     return run_id
@@ -126,12 +125,7 @@ def open_job_run(
     plan: Mapping[str, Any],
 ) -> str:
     """The run ``<run_dir>/mlflow_run.json`` records, else a new one (``config`` as params, ``tags``, ``plan.json``)."""
-    run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
-    if run_id is not None:
-        print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
-        return run_id
-    _write_plan(run_dir, plan)
-    return _create_job_run(run_dir, tracking_uri, experiment, config, tags)
+    return _recorded(run_dir, tracking_uri, plan) or _create_job_run(run_dir, tracking_uri, experiment, config, tags)
 
 
 def start_job_run(
@@ -144,12 +138,10 @@ def start_job_run(
     wait_s: float | None = None,
 ) -> JobRun:
     """`open_job_run` that never stops the job: after ``wait_s``, the creation goes on on a thread (`JobRun`)."""
-    run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+    run_id = _recorded(run_dir, tracking_uri, plan)
+    run = JobRun(run_dir / RUN_RECORD, tracking_uri, run_id)
     if run_id is not None:  # a relaunch
-        print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
-        return JobRun(run_dir / RUN_RECORD, tracking_uri, run_id)
-    _write_plan(run_dir, plan)
-    run = JobRun(run_dir / RUN_RECORD, tracking_uri)
+        return run
     run.create_in_background(lambda: _create_job_run(run_dir, tracking_uri, experiment, config, tags))
     run.wait_for_start(START_WAIT_S if wait_s is None else wait_s)
     return run
@@ -275,9 +267,15 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {summary}{hint}"
 
 
-def _write_plan(run_dir: Path, plan: Mapping[str, Any]) -> None:
+def _recorded(run_dir: Path, tracking_uri: str | None, plan: Mapping[str, Any]) -> str | None:
+    """The recorded run a relaunch continues, else None once ``plan.json`` is written."""
+    run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+    if run_id is not None:
+        print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
+        return run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
+    return None
 
 
 def _create_job_run(
