@@ -3,7 +3,7 @@
     python -m cluster.calibrate bench-results/gpu.json [--mfu-file cluster/mfu.yaml]
 
 `cluster/mfu.yaml` maps model -> GPU kind -> entry (`entries_from`), read by `cluster.plan.mfu`;
-``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table. See docs/benchmarks/gpu.md, "The device call".
+``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table (docs/benchmarks/gpu.md, "The device call").
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ def entries_from(result: dict) -> dict[str, dict[str, Any]]:
 
 
 def _memory_entry(result: dict, model: str) -> dict[str, Any]:
-    error = _number(result, f"plan_memory_error_{model}")
-    planned, measured_gb = _number(result, f"plan_memory_gb_{model}"), _number(result, f"measured_memory_gb_{model}")
-    activations = _number(result, f"plan_activations_gb_{model}")
+    keys = ("plan_memory_error", "plan_memory_gb", "measured_memory_gb", "plan_activations_gb")
+    error, planned, measured_gb, activations = (_number(result, f"{key}_{model}") for key in keys)
     if error is None or planned is None or measured_gb is None:
         return {}
     scale = 1.0
@@ -97,8 +96,7 @@ def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("gpu_json", metavar="GPU_JSON", help="what python -m bench.gpu wrote (bench-results/gpu.json)")
-    default = f"${MFU_FILE_ENV} or {MFU_FILE}"
-    parser.add_argument("--mfu-file", default=None, help=f"the table to update (default: {default})")
+    parser.add_argument("--mfu-file", help=f"the table to update (default: ${MFU_FILE_ENV} or {MFU_FILE})")
     args = parser.parse_args(argv)
     path = Path(args.mfu_file) if args.mfu_file else mfu_file()
     try:

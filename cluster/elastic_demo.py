@@ -2,8 +2,8 @@
 
     python -m cluster.elastic_demo  # = `make elastic-demo`; output in runs/elastic-demo-<time>
 
-`run_demo` runs `local_demo` on `local_elastic` through the real driver on an in-process `ray.cluster_utils.Cluster`
-(auth off) while `run_scenario` removes a worker node and adds it back (docs/elastic.md, "Elastic jobs on Ray").
+`run_demo` runs `local_demo` on `local_elastic` through the real driver on an in-process Ray cluster (auth off) while
+`run_scenario` removes a worker node and adds it back (docs/elastic.md, "Elastic jobs on Ray").
 """
 
 from __future__ import annotations
@@ -146,19 +146,9 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
     return [run_folder.parse_step(p.name) for p in run_folder.complete_checkpoints(run_dir)]
 
 
-def _wait(what: str, done: Callable[[], bool], timeout_s: float, job: threading.Thread) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if not job.is_alive():
-            raise RuntimeError(f"the job ended while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
-        time.sleep(0.5)
-
-
 def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Callable[[str], None] = print):
     """Run the job in a thread and drive the scenario; the job always runs to its end."""
-    import ray  # heavy import
+    import ray
 
     run_dir = Path(spec.config.checkpoint.dir)
     result = DemoResult(rc=1, run_dir=run_dir, tracking_uri=spec.config.logging.mlflow_tracking_uri)
@@ -171,7 +161,13 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         log(line)
 
     def wait(what: str, done: Callable[[], bool]) -> None:
-        _wait(what, done, settings.timeout_s, thread)
+        deadline = time.monotonic() + settings.timeout_s
+        while not done():
+            if not thread.is_alive():
+                raise RuntimeError(f"the job ended while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {settings.timeout_s:.0f} s")
+            time.sleep(0.5)
 
     def attempt_since(world_size: int, since: float) -> bool:
         return any(a["world_size"] == world_size and a["started"] > since for a in _attempts(run_dir))
@@ -245,7 +241,7 @@ def _unplanned_node_deaths(removed: set[str]) -> str:
 
 def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
     """(first step, last step, world size) runs of `train/world_size`, in step order."""
-    from mlflow import MlflowClient  # heavy import
+    from mlflow import MlflowClient
 
     history = sorted(
         (m.step, int(m.value)) for m in MlflowClient(uri).get_metric_history(run_id, keys.WORLD_SIZE_METRIC)
@@ -260,8 +256,7 @@ def world_size_ranges(run_id: str, uri: str) -> list[tuple[int, int, int]]:
 
 
 def describe(result: DemoResult) -> dict[str, Any]:
-    """What happened, from the run folder and the MLflow run."""
-    from mlflow import MlflowClient  # heavy import
+    from mlflow import MlflowClient
 
     summary_path = result.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -305,7 +300,7 @@ def format_report(result: DemoResult, report: dict[str, Any]) -> str:
 
 def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = print) -> tuple[DemoResult, dict]:
     """The whole demo in ``out``; the cluster and its temp folder are gone when it returns."""
-    import ray  # heavy import
+    import ray
 
     spec = demo_spec(out, settings)
     temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths stay under 107 bytes
@@ -326,7 +321,7 @@ def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = pri
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.elastic_demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/elastic-demo-<time>)")
+    parser.add_argument("--out", type=Path, help="output folder (default runs/elastic-demo-<time>)")
     parser.add_argument("--steps", type=int, default=DemoSettings.steps, help="training steps")
     parser.add_argument("--every", type=int, default=DemoSettings.every, help="checkpoint interval in steps")
     parser.add_argument(

@@ -50,7 +50,7 @@ def cluster_address(profile: ClusterProfile) -> str:
 
 def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmissionClient:
     """A client for the profile's cluster, with Ray's token; `start_local` starts or reuses the `local` head."""
-    from ray.job_submission import JobSubmissionClient  # heavy import
+    from ray.job_submission import JobSubmissionClient
 
     if profile.is_local:
         for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):  # they would override the address given below
@@ -173,9 +173,8 @@ def _stop(profile: ClusterProfile) -> int:
     try:
         client = connect(profile)
     except RayUnreachableError as exc:
-        client = None
         print(f"no job to stop: {exc}")
-    if client is not None:
+    else:
         running = [j for j in project_jobs(client) if not j.status.is_terminal()]
         for job in running:
             client.stop_job(job.submission_id)

@@ -57,14 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     parser.add_argument(
         "--run-name",
-        default=None,
         help="run folder name under the profile's checkpoints (default <recipe>-<time>); "
         "reusing a name resumes that run and its MLflow run",
     )
     parser.add_argument("--no-follow", action="store_true", help="submit and return without streaming the logs")
     parser.add_argument(
         "--inject-worker-failure",
-        default=None,
         metavar="RANK:STEP[:DELAY_S]",
         help="fault drill: that rank exits abruptly DELAY_S after checkpoint STEP, once",
     )

@@ -1,7 +1,5 @@
-"""The built-in datasets a run reads, and their folders on the `local` profile: which ones (`builtin_requirements`,
-`builtin_datasets`), whether each is complete (`check_local_data`), and generating the absent ones
-(`prepare_local_data`).
-"""
+"""The built-in datasets a run reads and their folders on the `local` profile: which (`builtin_requirements`), whether
+each is complete (`check_local_data`), and generating the absent ones (`prepare_local_data`)."""
 
 from __future__ import annotations
 
@@ -46,11 +44,6 @@ def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, P
     for name, root, options in found:
         unique.setdefault((name, root, tuple(builtin.settings(name, **options).items())), (name, root, options))
     return list(unique.values())
-
-
-def builtin_datasets(config, suite: SuiteConfig | None) -> list[str]:
-    """Names of the built-in datasets the run reads."""
-    return list(dict.fromkeys(name for name, _, _ in builtin_requirements(config, suite)))
 
 
 def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:

@@ -1,8 +1,8 @@
 """The embedded Ray head of the `local` profile: start or reuse it (`ensure_head`), stop it (`stop_head`).
 
 This venv's `ray` on 127.0.0.1 with token authentication (unless RAY_AUTH_MODE=disabled), ready once its job agent
-has registered; it owns `profile.ray.temp_dir` (with `head.json`), whose processes `stop_head` kills by PID.
-Why: docs/design.md, "The local Ray head".
+has registered; it owns `profile.ray.temp_dir` (with `head.json`), whose processes `stop_head` kills by PID
+(docs/design.md, "The local Ray head").
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _port_free(port: int) -> bool:
 def in_process_cluster(**head_args):
     """A `ray.cluster_utils.Cluster` with its head started, once the folder Ray writes `ray_current_cluster` to
     (whatever ``temp_dir`` says) exists."""
-    from ray._common.utils import get_default_ray_temp_dir  # heavy import
+    from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
     Path(get_default_ray_temp_dir()).mkdir(parents=True, exist_ok=True)
@@ -354,7 +354,7 @@ def _is_zombie(pid: int) -> bool:
 def ray_auth_mode(mode: str) -> Iterator[None]:
     """RAY_AUTH_MODE=``mode`` in the environment and in Ray's process-wide state while the block runs, for clusters
     started in this process (docs/elastic.md, "Health checks"). No Ray session may be connected on entry."""
-    import ray  # heavy import
+    import ray
     from ray._raylet import AuthenticationTokenLoader, Config
 
     def follow_environment() -> None:  # as Ray's tests do: the config first, so nothing reloads the old token

@@ -1,8 +1,4 @@
-"""The environment a profile's network needs in every training worker, and the network in words (docs/network.md).
-
-`network_env` sets only what is needed; NCCL's defaults (protocol aside) already suit InfiniBand and NVLink, and
-gloo on one machine needs nothing.
-"""
+"""The environment a profile's network needs in every training worker, and the network in words (docs/network.md)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ class HardwareSpec:
     memory_gb_per_node: float
     peak_tflops: float | None = None  # MFU denominator: the GPU's dense bf16 peak; None on CPU (measured there)
     instance_type: str = ""  # cloud machine type for cluster.render, e.g. "p4de.24xlarge"
-    # Images/s one core decodes and augments, for the plan's data wait on remote hardware (local: measured);
-    # `make bench-data` at 224 px, rounded down (docs/benchmarks/2026-11-26-data-loader.md)
+    # Images/s one core decodes and augments at 224 px (local: measured); docs/benchmarks/2026-11-26-data-loader.md
     loader_img_s_per_core: float = 700.0
 
 
@@ -155,7 +154,7 @@ class NetworkSpec:
     socket_ifname: str = ""  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, only where the default interface is wrong
 
     def validate(self, where: str, nodes: int, gpus: bool) -> None:
-        """ValueError naming the field and the fix when the network cannot carry the profile's workers."""
+        """ValueError naming the field and the fix."""
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"{where}: network.efficiency={self.efficiency} must be in (0, 1]")
         for key in ("gbps_per_node", "nvlink_gb_per_s", "latency_us"):
@@ -265,19 +264,16 @@ class ClusterProfile:
                     f"{where}: workers.num_workers must be >= 1 (a fixed world size), or give "
                     "workers.min and workers.max (an elastic one)"
                 )
-        else:
-            if wk.min is None or wk.max is None:
-                missing = "workers.min" if wk.min is None else "workers.max"
-                raise ValueError(
-                    f"{where}: an elastic worker group needs both workers.min and workers.max; add {missing}"
-                )
-            if wk.min < 1 or wk.max < wk.min:
-                raise ValueError(f"{where}: workers.min={wk.min}, workers.max={wk.max}: need 1 <= min <= max")
-            if wk.num_workers != wk.max:
-                raise ValueError(
-                    f"{where}: workers.num_workers={wk.num_workers} beside workers.min/max: give either "
-                    "num_workers (a fixed world size) or min and max (elastic), not both"
-                )
+        elif wk.min is None or wk.max is None:
+            missing = "workers.min" if wk.min is None else "workers.max"
+            raise ValueError(f"{where}: an elastic worker group needs both workers.min and workers.max; add {missing}")
+        elif wk.min < 1 or wk.max < wk.min:
+            raise ValueError(f"{where}: workers.min={wk.min}, workers.max={wk.max}: need 1 <= min <= max")
+        elif wk.num_workers != wk.max:
+            raise ValueError(
+                f"{where}: workers.num_workers={wk.num_workers} beside workers.min/max: give either "
+                "num_workers (a fixed world size) or min and max (elastic), not both"
+            )
         if not wk.elastic_resize_monitor_interval_s > 0:
             raise ValueError(
                 f"{where}: workers.elastic_resize_monitor_interval_s="

@@ -79,10 +79,6 @@ def _allocatable(vcpus: int, memory_gb: float) -> tuple[int, float]:
     return vcpus - max(1, round(vcpus * 0.02)), memory_gb * 0.9
 
 
-def _eval_instance(profile: ClusterProfile) -> tuple[int, int, int]:
-    return EVAL_INSTANCES[profile.evals.instance_type]
-
-
 def _check_fits(profile: ClusterProfile) -> None:
     """A training node's pod holds its workers (and evals sharing it); the eval pod holds an eval."""
     hw, wk, ev = profile.hardware, profile.workers, profile.evals
@@ -100,7 +96,7 @@ def _check_fits(profile: ClusterProfile) -> None:
             f"profile {profile.name}: evals.instance_type={ev.instance_type!r} is not one cluster.render knows "
             f"({', '.join(EVAL_INSTANCES)}); pick one or add its vCPUs, GiB and GPUs to cluster.render.EVAL_INSTANCES"
         )
-    vcpus, memory_gb, gpus = _eval_instance(profile)
+    vcpus, memory_gb, gpus = EVAL_INSTANCES[ev.instance_type]
     pod_cpus, _ = _allocatable(vcpus, memory_gb)
     if ev.num_cpus > pod_cpus or ev.num_gpus > gpus:
         raise ValueError(
@@ -148,8 +144,7 @@ def _training_node(profile: ClusterProfile) -> dict:
         "InstanceType": profile.hardware.instance_type,
         "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
     }
-    group = placement_group(profile)
-    if group:  # the head trains too
+    if group := placement_group(profile):  # the head trains too
         node["Placement"] = {"GroupName": group}
     return node
 
@@ -168,7 +163,7 @@ def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount |
         "gpu_worker": _node_type(hw.nodes - 1, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile)),
     }
     if profile.evals.instance_type:
-        vcpus, _, gpus = _eval_instance(profile)
+        vcpus, _, gpus = EVAL_INSTANCES[profile.evals.instance_type]
         node_types["eval_worker"] = _node_type(1, vcpus, gpus, {"InstanceType": profile.evals.instance_type})
     return {
         "cluster_name": f"vitscale-{profile.name}",
@@ -213,8 +208,7 @@ def _ray_auth_env() -> list[dict]:
 
 
 def _mlflow_env() -> list[dict]:
-    """MLflow's credentials from the namespace's optional secret, never in the job's runtime env or logs
-    (docs/design.md, "Tracking at a job's start")."""
+    """MLflow's credentials from the namespace's optional secret, never in the runtime env or logs (docs/design.md)."""
     return [
         {"name": key, "valueFrom": {"secretKeyRef": {"name": MLFLOW_SECRET, "key": key, "optional": True}}}
         for key in MLFLOW_SECRET_KEYS
@@ -276,7 +270,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
     hw = profile.hardware
     worker_groups = [_worker_group("gpu", hw.nodes - 1, _training_pod(profile, image))]
     if profile.evals.instance_type:  # no EFA: evals need none, small types have none
-        worker_groups.append(_worker_group("eval", 1, _pod(image, _eval_instance(profile))))
+        worker_groups.append(_worker_group("eval", 1, _pod(image, EVAL_INSTANCES[profile.evals.instance_type])))
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -321,8 +315,7 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
         f"  {_build_image(image)}",
         f"  ray get-auth-token --generate  # {AUTH_TOKEN_FILE} here, copied to every node",
     ]
-    group = placement_group(profile)
-    if group:
+    if group := placement_group(profile):
         lines.append(f"  aws ec2 create-placement-group --region {REGION} --group-name {group} --strategy cluster")
     lines.append(f"and an FSx for Lustre file system in {ZONE}, mounted at {SHARED_FS} (--fsx-dns, --fsx-mount-name).")
     return _comment(lines)
@@ -348,8 +341,7 @@ def render(profile_name: str, recipe: str, out: Path, image: str = IMAGE, fsx: F
     profile = load_profile(profile_name)
     run_name = f"{Path(recipe).stem}-{profile.name}"
     config = resolve_config(profile, recipe, [], run_name)
-    plan = build_plan(profile, config)
-    spec = JobSpec.create(profile, config, plan)
+    spec = JobSpec.create(profile, config, build_plan(profile, config))
     folder = out / profile.name
     folder.mkdir(parents=True, exist_ok=True)
     launcher = folder / "cluster.yaml"

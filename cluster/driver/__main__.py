@@ -25,11 +25,11 @@ from evals.suites import load_suite
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.driver", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
-    parser.add_argument("--address", default=None, help="Ray address (default: the job's cluster)")
+    parser.add_argument("--address", help="Ray address (default: the job's cluster)")
     parser.add_argument("--cluster", help="plan here: the profile (cluster/profiles/<name>.yaml); needs --recipe")
     parser.add_argument("--recipe", help="plan here: the recipe (configs/<name>.yaml or a YAML path)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
-    parser.add_argument("--run-name", default=None, help="run folder name (default <recipe>-<time>); reuse resumes")
+    parser.add_argument("--run-name", help="run folder name (default <recipe>-<time>); reuse resumes")
     parser.add_argument("--dry-run", action="store_true", help="with --cluster/--recipe: print the plan and stop")
     args = parser.parse_args(argv)
     if bool(args.cluster) != bool(args.recipe):
@@ -72,8 +72,7 @@ def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | N
         )
     source = f"--plan {plan}" if plan else f"${PLAN_ENV}"
     try:
-        text = Path(plan).read_text() if plan else os.environ[PLAN_ENV]
-        return JobSpec.from_json(text)
+        return JobSpec.from_json(Path(plan).read_text() if plan else os.environ[PLAN_ENV])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         print(
             f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "

@@ -30,8 +30,8 @@ def run_suite_task(
     if isinstance(suite, str):
         return eval_task.run_suite_task(checkpoint_dir, suite, data_root, run_id, tracking_uri)
     with tempfile.TemporaryDirectory() as folder:
-        merged = merged_suite(suite, Path(folder))
-        return eval_task.run_suite_task(checkpoint_dir, str(merged), data_root, run_id, tracking_uri)
+        merged = str(merged_suite(suite, Path(folder)))
+        return eval_task.run_suite_task(checkpoint_dir, merged, data_root, run_id, tracking_uri)
 
 
 def merged_suite(suites: tuple[str, ...], folder: Path) -> Path:
@@ -128,11 +128,8 @@ class EvalScheduler:
         refs = list(self._pending.values())
         if not refs:
             return
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        done = set(done)
-        for step, ref in list(self._pending.items()):
-            if ref not in done:
-                continue
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        for step, ref in [(s, r) for s, r in self._pending.items() if r in done]:
             try:
                 self._results[step] = ray.get(ref)
             except Exception as exc:
@@ -155,11 +152,11 @@ class EvalScheduler:
             self._failures += 1
             self._tracker.log_metrics({keys.eval_failed(suite): 1.0 for suite in suites}, step=step)
             self._tracker.set_tags({keys.EVAL_FAILURES: self._failures})
-        folder = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR
+        path = Path(self._paths[step]).parent.parent / keys.EVAL_FAILURES_DIR / f"step_{step:08d}.txt"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"step_{step:08d}.txt").write_text(reason)
-            self._tracker.log_artifact(str(folder / f"step_{step:08d}.txt"), keys.EVAL_FAILURES_DIR)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(reason)
+            self._tracker.log_artifact(str(path), keys.EVAL_FAILURES_DIR)
         except OSError as error:
             print(f"eval scheduler: could not write the reason of step {step}'s failure: {error}", flush=True)
 
@@ -184,8 +181,7 @@ class EvalScheduler:
                     },
                 )
             self._tracker.flush(timeout=60)
-            summary = {}
-            for step in sorted(self._paths):
-                result = self._results.get(step, {})
-                summary[step] = {"checkpoint": self._paths[step], "train": self._train.get(step, {}), **result}
-            return summary
+            return {
+                step: {"checkpoint": path, "train": self._train.get(step, {}), **self._results.get(step, {})}
+                for step, path in sorted(self._paths.items())
+            }

@@ -173,7 +173,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
         result = json.dumps({k: summary.to_dict()[k] for k in keep}, default=str)
-        write_text_atomically(Path(config.checkpoint.dir) / "train_result.json", result)
+        write_text_atomically(run_dir / "train_result.json", result)
 
 
 def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
@@ -254,14 +254,9 @@ def run_job(
     # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cadence = eval_cadence(spec)
+    ev = profile.evals
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
-        cadence,
-        config.evals.data_root,
-        run_id,
-        uri,
-        num_cpus=profile.evals.num_cpus,
-        num_gpus=profile.evals.num_gpus,
-        memory_gb=profile.evals.memory_gb,
+        cadence, config.evals.data_root, run_id, uri, num_cpus=ev.num_cpus, num_gpus=ev.num_gpus, memory_gb=ev.memory_gb
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)

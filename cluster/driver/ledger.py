@@ -101,8 +101,8 @@ class _Cursor:
         return seconds
 
 
-def _row() -> dict[str, float]:
-    return dict.fromkeys(BUCKETS, 0.0)
+def _row(**seconds: float) -> dict[str, float]:
+    return dict.fromkeys(BUCKETS, 0.0) | seconds
 
 
 def build_ledger(
@@ -115,9 +115,7 @@ def build_ledger(
 ) -> Ledger:
     """From ``clock.started`` to ``end``; ``attempts`` oldest first. ``other`` is never negative."""
     cursor, notes = _Cursor(clock.started, end), []
-    head = _row()
-    head["startup"] = cursor.take(clock.fit_at if clock.fit_at is not None else end)
-    rows = [("job start", head)]
+    rows = [("job start", _row(startup=cursor.take(clock.fit_at if clock.fit_at is not None else end)))]
     for i, attempt in enumerate(attempts):
         row = _row()
         process_start = (process_starts or {}).get(int(attempt.get("pid") or 0), attempt["started"])
@@ -146,9 +144,7 @@ def build_ledger(
             row["productive"] -= moved
             row["eval_interference"] += moved
         rows.append((f"attempt {attempt.get('attempt', i + 1)}", row))
-    tail = _row()
-    tail["other"] = cursor.take(end)
-    rows.append(("job end", tail))
+    rows.append(("job end", _row(other=cursor.take(end))))
     if evals_shared and not evals:
         notes.append("evals share the training cores, but no eval span is known yet: eval_interference is 0")
     total = {b: sum(r[b] for _, r in rows) for b in BUCKETS}
@@ -200,8 +196,7 @@ def _kept_at(attempt: dict, step: int) -> tuple[float, float]:
 def interference(attempt: dict[str, Any], evals: list[EvalSpan], later: dict | None = None) -> float:
     """The step seconds evals cost ``attempt`` (an estimate, docs/goodput.md); 0 without a clean window."""
     limit = int(later["start_step"]) if later is not None else None
-    clean: list[tuple[dict[str, Any], float]] = []
-    touched: list[tuple[dict[str, Any], float]] = []
+    clean, touched = [], []
     for w in attempt.get("windows", []):
         if not w.get("steps") or (limit is not None and int(w.get("step", 0)) > limit):
             continue
@@ -215,8 +210,7 @@ def interference(attempt: dict[str, Any], evals: list[EvalSpan], later: dict | N
 
 
 def format_ledger(ledger: Ledger) -> str:
-    names = [name for name, _ in ledger.rows]
-    header = ["bucket", *names, "total", "share"]
+    header = ["bucket", *(name for name, _ in ledger.rows), "total", "share"]
     table = []
     for bucket in BUCKETS:
         cells = [f"{row[bucket]:.1f}" for _, row in ledger.rows]
@@ -268,10 +262,8 @@ def finish_ledger(run_dir: Path, ledger: Ledger, plan: dict[str, Any], tracker: 
     """Write and log ``<run>/goodput/ledger.json`` and ``ledger.txt``; the text to print."""
     folder = run_dir / GOODPUT_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    text = format_ledger(ledger)
     line = data_wait_line(plan, ledger)
-    if line:
-        text += "\n" + line
+    text = format_ledger(ledger) + ("\n" + line if line else "")
     (folder / "ledger.json").write_text(json.dumps({**ledger.to_dict(), "data_wait_line": line}, indent=2))
     (folder / "ledger.txt").write_text(text + "\n")
     metrics = ledger.metrics()

@@ -50,17 +50,13 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:
     """Rank-0 attempts beyond each Ray job's first, less an elastic group growing."""
-    attempts = Counter(p.get("job_id") for p in placements if p.get("rank") == 0)
+    rank0 = sorted((p for p in placements if p.get("rank") == 0), key=lambda p: p.get("started", 0))
+    attempts = Counter(p.get("job_id") for p in rank0)
     grown = 0
     for job in attempts:
-        sizes = [p.get("world_size") for p in _rank0_attempts(placements, job)]
+        sizes = [p.get("world_size") for p in rank0 if p.get("job_id") == job]
         grown += sum(1 for a, b in zip(sizes, sizes[1:]) if a is not None and b is not None and b > a)
     return sum(n - 1 for n in attempts.values()) - grown
-
-
-def _rank0_attempts(placements: list[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
-    rank0 = [p for p in placements if p.get("rank") == 0 and p.get("job_id") == job_id]
-    return sorted(rank0, key=lambda p: p.get("started", 0))
 
 
 @dataclass(frozen=True)
@@ -75,9 +71,8 @@ class JobEnd:
 
 def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end: JobEnd) -> None:
     """``run_id`` None: MLflow never answered."""
-    train_result = {}
-    if (run_dir / "train_result.json").exists():
-        train_result = json.loads((run_dir / "train_result.json").read_text())
+    result_file = run_dir / "train_result.json"
+    train_result = json.loads(result_file.read_text()) if result_file.exists() else {}
     release_pins(run_dir)
     pruned = prune_checkpoints(run_dir, keep_last)
     print(format_summary(end.evals), flush=True)

@@ -40,10 +40,8 @@ def format_summary(rows: dict[int, dict[str, Any]]) -> str:
     cols = _eval_columns(rows)
     headline = headline_metric(cols)
     gains = gains_over_baseline(rows, headline) if headline else {}
-    gain_col = f"gain vs step 0 ({headline})"
-    header = ["step", keys.LOSS, *cols, *([gain_col] if gains else [])]
-    table = []
-    notes = []
+    header = ["step", keys.LOSS, *cols, *([f"gain vs step 0 ({headline})"] if gains else [])]
+    table, notes = [], []
     for step in sorted(rows):
         r = rows[step]
         loss = r.get("train", {}).get(keys.LOSS, r.get("train", {}).get("loss"))

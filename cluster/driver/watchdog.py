@@ -42,8 +42,7 @@ _STUCK_STATES = ("D",)  # uninterruptible sleep
 
 
 def install_stack_dump(run_dir: Path, rank: int) -> IO[str]:
-    """SIGUSR1 appends every thread's stack to `<run_dir>/stacks/rank<r>.txt`, even from C code. Returns the file,
-    which must stay open."""
+    """SIGUSR1 appends all threads' stacks (even in C code) to `<run_dir>/stacks/rank<r>.txt`; keep the file open."""
     folder = Path(run_dir) / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     out = open(folder / f"rank{rank}.txt", "a")  # noqa: SIM115 (kept open for faulthandler)
@@ -146,20 +145,12 @@ def stragglers(reports: list[dict[str, Any]], fraction: float) -> dict[int, str]
 
 
 def data_totals(reports: list[dict[str, Any]]) -> dict[str, int]:
-    totals = dict.fromkeys(DATA_COUNTERS, 0)
-    for b in reports:
-        for name, value in (b.get("data") or {}).items():
-            if name in totals:
-                totals[name] += int(value)
-    return totals
+    return {name: sum(int((b.get("data") or {}).get(name, 0)) for b in reports) for name in DATA_COUNTERS}
 
 
 def final_failure(errors: Mapping[int, BaseException]) -> tuple[int, BaseException] | None:
     """(rank, error) of the first worker error with ``retryable = False``, or None."""
-    for rank in sorted(errors):
-        if getattr(errors[rank], "retryable", True) is False:
-            return rank, errors[rank]
-    return None
+    return next(((r, errors[r]) for r in sorted(errors) if getattr(errors[r], "retryable", True) is False), None)
 
 
 class FinalFailure(RuntimeError):
@@ -325,28 +316,22 @@ class Watchdog:
             self._event("gone", f"ranks {gone} are gone (a worker failure Ray Train handles); not a hang")
             return
         culprit = pick_culprit(ranks, states)
-        state = states[culprit["rank"]]
+        rank, pid, step = culprit["rank"], culprit["pid"], culprit.get("step", 0)
+        state = states[rank]
         what = "stopped (SIGSTOP or a debugger)" if state in _STOPPED_STATES else f"state {state}"
         line = (
-            f"rank {culprit['rank']} (pid {culprit['pid']} on {culprit.get('host', '?')}) hung at step "
-            f"{culprit.get('step', 0)}: no progress from any rank for {verdict.idle_s:.0f} s > {verdict.bound_s:.0f} s "
-            f"({verdict.why}); process {what}; stacks in {self.run_dir / STACKS_DIR}; killing it so that Ray Train "
-            "restarts the group from the newest complete checkpoint"
+            f"rank {rank} (pid {pid} on {culprit.get('host', '?')}) hung at step {step}: no progress from any rank "
+            f"for {verdict.idle_s:.0f} s > {verdict.bound_s:.0f} s ({verdict.why}); process {what}; stacks in "
+            f"{self.run_dir / STACKS_DIR}; killing it so that Ray Train restarts the group from the newest complete "
+            "checkpoint"
         )
-        killed = on_node(culprit, kill, culprit["pid"])
+        killed = on_node(culprit, kill, pid)
         self._seen.hangs += 1
         self._seen.hang_at = now
-        self._event(
-            "hung",
-            line if killed else line + " (it was gone already)",
-            rank=culprit["rank"],
-            pid=culprit["pid"],
-            step=culprit.get("step", 0),
-            state=state,
-            idle_s=verdict.idle_s,
-        )
+        text = line if killed else line + " (it was gone already)"
+        self._event("hung", text, rank=rank, pid=pid, step=step, state=state, idle_s=verdict.idle_s)
         self.tracker.set_tags({keys.HANGS: self._seen.hangs, keys.LAST_HANG: line[:4000]})
-        self.tracker.log_metrics({keys.HANGS_METRIC: self._seen.hangs}, step=int(culprit.get("step", 0)))
+        self.tracker.log_metrics({keys.HANGS_METRIC: self._seen.hangs}, step=int(step))
 
     def _report_progress(self, reports: list[dict[str, Any]]) -> None:
         seen = self._seen

@@ -12,16 +12,11 @@ from cluster.profiles import ClusterProfile
 from pretrain.config.ds_config import BatchPlan
 
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
-# Bucket sizes in elements, within docs/reference.md §7's 5e7-2e8.
-MIN_BUCKET = 50_000_000
-MAX_BUCKET = 200_000_000
-# A bucket is large enough when a collective's start-up costs at most this share of its transfer.
-LATENCY_SHARE = 0.1
+MIN_BUCKET, MAX_BUCKET = 50_000_000, 200_000_000  # elements, within docs/reference.md §7's 5e7-2e8
+LATENCY_SHARE = 0.1  # a bucket is large enough when a collective's start-up costs at most this share of its transfer
 BUCKET_REASON = f"each rank's share of a bucket takes >= {1 / LATENCY_SHARE:g} x the latency, within 5e7..2e8"
-# fp32 gradient reductions may cost at most this share of the step over bf16 ones.
-FP32_REDUCTION_BUDGET = 0.10
-# DeepSpeed's engine all-reduce bucket (MEMORY_OPT_ALLREDUCE_SIZE): ZeRO-0 and bf16 ZeRO-1.
-ENGINE_ALLREDUCE_ELEMENTS = 500_000_000
+FP32_REDUCTION_BUDGET = 0.10  # the most fp32 gradient reductions may add to the step over bf16 ones, as a share
+ENGINE_ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE bucket: ZeRO-0 and bf16 ZeRO-1
 
 
 @dataclass(frozen=True)
@@ -86,8 +81,7 @@ def step_collectives(
         return scatter, Collective("all-gather", weights, 2 * A * f * P * w, 2 * A * gather_calls)
     if zero_stage == 1:
         return Collective("reduce to owners", grads, f * P * g, world * reduce_calls), gather
-    owners = Collective("reduce to owners", grads + each, A * f * P * g, A * world * reduce_calls)
-    return owners, gather
+    return Collective("reduce to owners", grads + each, A * f * P * g, A * world * reduce_calls), gather
 
 
 def bucket_elements(world: int, element_bytes: int, bw: Bandwidth) -> int:
@@ -131,10 +125,8 @@ def choose_reduction(
         return Reduction(dtype, reduce, gather, why, BUCKET_REASON)
 
     def cost(dtype: str) -> float | None:
-        colls = step_collectives(
-            zero_stage, precision, dtype, world, accumulation, num_params, buckets(profile, world, dtype, precision)
-        )
-        return seconds(colls, bw)
+        sizes = buckets(profile, world, dtype, precision)
+        return seconds(step_collectives(zero_stage, precision, dtype, world, accumulation, num_params, sizes), bw)
 
     if precision == "fp32" or world == 1:
         return made("auto", "the gradients are fp32" if precision == "fp32" else "one rank: nothing is reduced")

@@ -53,7 +53,6 @@ def compute_plan(
         total_steps = min(total_steps, config.schedule.stop_at_step)
     precision, precision_reason = precision_of(profile, config, vit)
     peak = device_peak(profile, precision)
-    recompute_factor = (train + fwd) / train
     mfu = measured.mfu if measured else profile.assumed_mfu
     seconds = seconds_per_step(vit, batch, peak.tflops, mfu)
     return ComputePlan(
@@ -61,7 +60,7 @@ def compute_plan(
         precision_reason=precision_reason,
         forward_gflops_per_image=fwd / 1e9,
         train_gflops_per_image=train / 1e9,
-        recompute_factor=recompute_factor,
+        recompute_factor=(train + fwd) / train,
         total_steps=total_steps,
         step_time_s=seconds,
         days=total_steps * seconds / 86400,
@@ -103,8 +102,7 @@ def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -
 
 
 def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
-    """The per-device peak MFU divides by (``hardware.peak_tflops`` is a GPU's dense bf16 peak); None: measured on
-    the machine."""
+    """The MFU's per-device peak (``hardware.peak_tflops``: a GPU's dense bf16 peak); None: measured on the machine."""
     hw = profile.hardware
     if hw.peak_tflops is None:
         return None

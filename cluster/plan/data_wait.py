@@ -95,11 +95,10 @@ def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderR
 
 
 def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, images_per_s: float) -> DataWait:
-    d, hw, w = config.data, profile.hardware, profile.workers
+    d, hw = config.data, profile.hardware
     ranks_per_node = math.ceil(batch.world_size / hw.nodes)
     streams_per_rank = max(1, d.streams // batch.world_size)
     workers = min(d.num_workers, streams_per_rank)  # a worker reads whole streams
-    threads = w.cpus_per_worker if not profile.uses_gpus else 1
     return predict(
         c=batch.global_batch_size / images_per_s,
         images_per_rank=batch.global_batch_size // batch.world_size,
@@ -107,7 +106,7 @@ def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, im
         workers=workers,
         max_workers=streams_per_rank,
         cores=hw.cpus_per_node / ranks_per_node,
-        threads=threads,
+        threads=1 if profile.uses_gpus else profile.workers.cpus_per_worker,
     )
 
 
@@ -147,7 +146,6 @@ def loader_host_bytes(
 
 
 def _cache_bytes(config: TrainConfig, image_size: int) -> int:
-    """0 where the set is not readable here."""
     try:
         info = read_manifest(resolve_location(config.data.train))
     except Exception:  # the plan's manifest line says why

@@ -22,13 +22,10 @@ from pretrain.config.ds_config import BatchPlan
 from pretrain.model.vit import ViTConfig
 
 GB = 1e9  # decimal, as GPU data sheets count
-# What no formula accounts for: CUDA context, NCCL buffers, buckets, fragmentation; the processes on CPU.
-GPU_OVERHEAD_GB = 3.0
-CPU_OVERHEAD_GB = 1.5
-# Beyond this share of device memory the plan is tight (allocator peaks in backward are left out).
-COMFORTABLE_FRACTION = 0.85
-# The checkpointing advice's smallest micro-batch: below it smaller GEMMs cost more than recomputing.
-MIN_EFFICIENT_MICRO_BATCH = 16
+GPU_OVERHEAD_GB = 3.0  # what no formula counts: CUDA context, NCCL buffers, buckets, fragmentation
+CPU_OVERHEAD_GB = 1.5  # the same on CPU, the processes
+COMFORTABLE_FRACTION = 0.85  # of device memory: beyond, the plan is tight (allocator peaks in backward left out)
+MIN_EFFICIENT_MICRO_BATCH = 16  # the checkpointing advice's least: below, smaller GEMMs cost more than recomputing
 
 
 @dataclass(frozen=True)
@@ -51,19 +48,13 @@ def model_state_bytes(num_params: int, zero_stage: int, world_size: int, precisi
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     P, N = float(num_params), float(world_size)
-    if precision == "bf16":
-        weight_b, grad_b, opt_b = 2.0, 2.0, 12.0
-        grad_partition_b = 4.0  # ZeRO-2/3's fp32 partition of the reduced gradients
-    else:
-        weight_b, grad_b, opt_b = 4.0, 4.0, 8.0
-        grad_partition_b = 0.0
-    params = P * weight_b / (N if zero_stage >= 3 else 1.0)
-    if zero_stage >= 2:
-        grads = P * (grad_b + grad_partition_b) / N
-    else:
-        grads = P * grad_b
-    optimizer = P * opt_b / (N if zero_stage >= 1 else 1.0)
-    return ModelStateMemory(params=params, grads=grads, optimizer=optimizer)
+    # bytes/param: weights, gradients, ZeRO-2/3's fp32 partition of the reduced gradients, optimizer
+    weight_b, grad_b, partition_b, opt_b = (2.0, 2.0, 4.0, 12.0) if precision == "bf16" else (4.0, 4.0, 0.0, 8.0)
+    return ModelStateMemory(
+        params=P * weight_b / (N if zero_stage >= 3 else 1.0),
+        grads=P * (grad_b + partition_b) / N if zero_stage >= 2 else P * grad_b,
+        optimizer=P * opt_b / (N if zero_stage >= 1 else 1.0),
+    )
 
 
 def activation_bytes_per_image(
@@ -150,8 +141,7 @@ def plan_memory(
     num_params: int,
     correction: tuple[float, str] | None = None,
 ) -> tuple[MemoryPlan, str | None]:
-    """(part, None) when the run fits, else (part, why not and the fixes). ``correction``: (factor, source) for the
-    activations."""
+    """(part, None) if it fits, else (part, why not, the fixes); ``correction``: the activations' (factor, source)."""
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
     per_image = functools.partial(vit_activation_bytes, vit, compute.precision, dropout=vit.dropout)

@@ -5,14 +5,13 @@ Each number comes from its one owner; the plan shows exactly what the workers ru
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.plan import comms, memory, mfu
+from cluster.plan import comms, memory, mfu, storage
 from cluster.plan.checkpoint_costs import baseline_eval, checkpoint_space_warning
 from cluster.plan.comms import CommPlan
 from cluster.plan.compute import ComputePlan, compute_plan, profile_peak, step_time
@@ -21,15 +20,7 @@ from cluster.plan.errors import PlanError
 from cluster.plan.evals.cost import EvalsPlan, plan_evals
 from cluster.plan.memory import MemoryPlan
 from cluster.plan.startup import StartupAllowance, startup_allowance
-from cluster.plan.storage import (
-    STORAGE_EXTRAS,
-    StorageExtra,
-    missing_storage,
-    read_manifest,
-    storage_extras,
-    storage_urls,
-    url_scheme,
-)
+from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
@@ -85,12 +76,8 @@ def _relocate(path: str, root: str) -> str:
 
 
 def _given(written: dict, sets: list[str]) -> set[str]:
-
-    def walk(d: dict, prefix: str) -> set[str]:
-        keys = set()
-        for k, v in d.items():
-            keys |= walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
-        return keys
+    def walk(d: dict, at: str) -> set[str]:
+        return set().union(*(walk(v, f"{at}{k}.") if isinstance(v, dict) else {f"{at}{k}"} for k, v in d.items()))
 
     return walk(written, "") | {".".join(parse_override(s)[0]) for s in sets}
 
@@ -122,10 +109,8 @@ def _recipe_over_profile(profile: ClusterProfile, written: dict, sets: list[str]
 
 def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
     """`key=value` overrides that put a recipe on this profile; its `defaults` only where the recipe is silent."""
-    base = config_from_recipe(path, written, sets)
-    given = _given(written, sets)
-    d = profile.defaults
-    shards = profile.storage.shards
+    base, given = config_from_recipe(path, written, sets), _given(written, sets)
+    d, shards = profile.defaults, profile.storage.shards
     out = [
         f"deepspeed.dist_backend={profile.comm_backend}",
         f"data.train={_relocate(base.data.train, shards)}",
@@ -303,7 +288,7 @@ class Plan:
     final_model: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
 
 def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
@@ -344,7 +329,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
         final_model=final_model,
     )
     if profile.workers.elastic:
-        plan = dataclasses.replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
+        plan = replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
     return plan
 
 
@@ -363,14 +348,13 @@ def _model_size(config: TrainConfig) -> tuple[ViTConfig, ModelSize]:
     configured = model_config(config.model.name, **model_overrides(config, num_classes=num_classes or 1000))
     vit, task_params = tasks.planned_model(config, configured)
     vit_1k = model_config(config.model.name, image_size=vit.image_size, num_classes=1000)
-    size = ModelSize(
+    return vit, ModelSize(
         name=config.model.name,
         image_size=vit.image_size,
         num_params=flops.param_count(vit) + task_params,
         num_params_1k_head=flops.param_count(vit_1k),
         head_classes_assumed=num_classes is None and vit.num_classes > 0,
     )
-    return vit, size
 
 
 @dataclass(frozen=True)
@@ -382,16 +366,14 @@ class DataStats:
 
 
 def _data_stats(config: TrainConfig) -> DataStats:
-    if missing_storage([config.data.train]):
-        return DataStats(
-            None, None, None, f"manifest not readable here: no {url_scheme(config.data.train)}:// filesystem"
-        )
+    if storage.missing_storage([config.data.train]):
+        scheme = storage.url_scheme(config.data.train)
+        return DataStats(None, None, None, f"manifest not readable here: no {scheme}:// filesystem")
     try:
-        info = read_manifest(resolve_location(config.data.train))
+        info = storage.read_manifest(resolve_location(config.data.train))
     except Exception as exc:
         return DataStats(None, None, None, f"manifest not readable here: {type(exc).__name__}: {str(exc)[:80]}")
-    total_bytes = sum(s.bytes for s in info.shards)
-    per_image = total_bytes / max(info.num_samples, 1)
+    per_image = sum(s.bytes for s in info.shards) / max(info.num_samples, 1)
     return DataStats(len(info.shards), info.num_samples, per_image, "from manifest.parquet")
 
 
@@ -437,7 +419,7 @@ def _data_plan(
             f"use >= {MIN_SHARDS_PER_LOADER}: re-shard into more, smaller tar files or lower data.num_workers"
         )
     warnings += checkpoint_space_warning(config, model.num_params)
-    urls = storage_urls(config)
+    urls = storage.storage_urls(config)
     return DataPlan(
         num_shards=shards,
         shards_per_loader=shards_per_loader,
@@ -447,22 +429,18 @@ def _data_plan(
         loader_gb_per_node=loader_node / memory.GB,
         loader_detail=f"{ranks_per_node} rank(s) x ({loader_detail})",
         storage=d.train,
-        storage_extras=tuple(e.name for e in storage_extras(urls)),
-        storage_missing_here=tuple(missing_storage(urls)),
+        storage_extras=tuple(e.name for e in storage.storage_extras(urls)),
+        storage_missing_here=tuple(storage.missing_storage(urls)),
         warnings=tuple(warnings),
-        **dataclasses.asdict(data_wait(profile, config, batch, images_per_s)),
+        **asdict(data_wait(profile, config, batch, images_per_s)),
     )
 
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[ElasticEnd, ElasticEnd]:
     w = profile.workers
-    fixed = dataclasses.replace(w, num_workers=w.min_workers, min=None, max=None)
+    fixed = replace(w, num_workers=w.min_workers, min=None, max=None)
     try:
-        at_min = (
-            at_max
-            if w.min_workers == w.max_workers
-            else build_plan(dataclasses.replace(profile, workers=fixed), config)
-        )
+        at_min = at_max if w.min_workers == w.max_workers else build_plan(replace(profile, workers=fixed), config)
     except PlanError as error:
         raise PlanError(f"at workers.min={w.min_workers} (an elastic job may shrink to it): {error}") from None
     return ElasticEnd.of(at_min), ElasticEnd.of(at_max)

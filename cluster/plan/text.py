@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import fields
 
 from cluster.plan.comms import CommPlan
 from cluster.plan.data_wait import DataWait, data_wait_line
@@ -14,6 +14,7 @@ def format_plan(plan: Plan) -> str:
     topo, batch, model, c, m, d = plan.topology, plan.batch, plan.model, plan.compute, plan.memory, plan.data
     micro = batch.micro_batch_size
     recompute = f", + recompute x {c.recompute_factor:.2f}" if m.activation_checkpointing else ""
+    wait = DataWait(**{f.name: getattr(d, f.name) for f in fields(DataWait)})
     lines = [
         f"plan: recipe {plan.recipe} on profile {topo.profile} (run {plan.run_name})",
         f"  topology      {topo.nodes} node(s), {topo.device}; world size {topo.world_size}",
@@ -34,13 +35,14 @@ def format_plan(plan: Plan) -> str:
         f"  compute       {c.total_steps} steps x {c.step_time_s:.3g} s/step ({_mfu(c.assumed_mfu, c.mfu_source)} of "
         f"{c.peak_tflops:.4g} TFLOP/s per device: {c.peak_source}{recompute}) = "
         f"{c.days:.3g} days; {c.images_per_s:,.0f} images/s; {c.total_exaflops:.4g} exaFLOPs total",
-        f"  interconnect  {_interconnect(plan.comms)}",
+        f"  interconnect  {plan.comms.interconnect}; worker env: {', '.join(plan.comms.env) or 'none needed'} "
+        "(docs/network.md)",
         f"  communication {_communication(plan.comms)}",
         f"  reduction     DeepSpeed {'; '.join(f'{k} {v}' for k, v in plan.comms.settings)}",
         f"  data          {d.num_shards or 'unknown number of'} shards, {d.shards_per_loader:.1f} per (rank x loader "
         f"worker); {d.bytes_per_image / 1e3:.0f} KB/image -> read {d.read_mb_per_s:,.1f} MB/s ({d.note})",
         f"  loader memory {d.loader_gb_per_node:.3g} GB per node: {d.loader_detail}",
-        f"  data wait     {_data_wait(d, batch.global_batch_size // batch.world_size)}",
+        f"  data wait     {data_wait_line(wait, batch.global_batch_size // batch.world_size)}",
         f"  storage       {d.storage}" + _storage_needs(d),
         f"  runtime env   {_runtime_env(plan)}",
         f"  baseline eval {plan.baseline_eval}",
@@ -63,11 +65,6 @@ def _startup(plan: Plan) -> str:
         f"(hang.write_mb_per_s); a manifest of {a.num_shards} shards, {a.manifest_mb:.2g} MB at {a.read_mb_per_s:g} "
         "MB/s (storage.read_mb_per_s)"
     )
-
-
-def _interconnect(c: CommPlan) -> str:
-    env = ", ".join(c.env) if c.env else "none needed"
-    return f"{c.interconnect}; worker env: {env} (docs/network.md)"
 
 
 def _communication(c: CommPlan) -> str:
@@ -110,25 +107,18 @@ def _elastic_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _data_wait(d: DataPlan, images_per_rank: int) -> str:
-    wait = DataWait(**{f.name: getattr(d, f.name) for f in dataclasses.fields(DataWait)})
-    return data_wait_line(wait, images_per_rank)
+def _extras(names: tuple[str, ...]) -> str:
+    return ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in names)
 
 
 def _runtime_env(plan: Plan) -> str:
-    if plan.runtime_extras:
-        extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in plan.runtime_extras)
-        installs = f"pip installs {extras} on the cluster"
-    else:
-        installs = "installs no extras"
+    extras = plan.runtime_extras
+    installs = f"pip installs {_extras(extras)} on the cluster" if extras else "installs no extras"
     return f"{installs}; {plan.final_model}"
 
 
 def _storage_needs(d: DataPlan) -> str:
-    needs = ""
-    if d.storage_extras:
-        extras = ", ".join(f"vitscale[{n}] ({EXTRAS[n].module})" for n in d.storage_extras)
-        needs = f"; needs {extras}"
+    needs = f"; needs {_extras(d.storage_extras)}" if d.storage_extras else ""
     if d.storage_missing_here:
         needs += "; " + "; ".join(d.storage_missing_here) + " (only to read the manifest from this machine)"
     return needs

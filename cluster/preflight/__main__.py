@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _on_local_head(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
-    """Start or reuse the embedded head, connect to it with its auth mode, run the checks here."""
-    import ray  # heavy import
+    import ray
     from ray.exceptions import RayError
 
     info = jobs._ensure_local_head(profile)
@@ -73,7 +72,7 @@ def _on_local_head(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> 
 
 def _in_cluster() -> int:
     """The Ray job's side: the launching machine's spec, the plan re-made here (where the manifest is readable)."""
-    import ray  # heavy import
+    import ray
 
     spec = JobSpec.from_json(os.environ[PLAN_ENV])
     ray.init(address="auto", logging_level=logging.WARNING, log_to_driver=False)
@@ -84,7 +83,6 @@ def _in_cluster() -> int:
 
 
 def _as_job(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
-    """Submit the preflight as a Ray job with the launch's runtime env, stream its lines, return 0 if it passed."""
     client = jobs.connect(profile)
     env = runtime_env(profile, JobSpec.create(profile, config, plan))
     job_id = jobs.submit(
@@ -95,7 +93,7 @@ def _as_job(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
 
 
 def _report(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:
-    """Measure, print a line per check, then the plan at the measured figures; 0 when every check passed."""
+    """0 when every check passed, else 1."""
     print(
         f"preflight: recipe {plan.recipe} on profile {profile.name} (world size {plan.topology.world_size}); "
         "measuring every node",

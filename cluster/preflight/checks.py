@@ -1,8 +1,7 @@
 """The preflight's checks: measure every node of the connected Ray cluster and the collective (`measure`), then judge
 each figure against what the plan needs (`judge`): one `Check`, one printed line, per check and node.
 
-A `NodeProbe` actor pinned to each node, with no CPU of its own, answers the driver's clock and measures its node.
-Thresholds and why: docs/preflight.md.
+A zero-CPU `NodeProbe` actor pinned to each node measures it and answers the clock check. Why: docs/preflight.md.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ READ_BUDGET_BYTES = 512 * 10**6  # ... or fewer, once this much is read (a large
 START_TIMEOUT_S = 180.0  # for the probes to start on every node
 MEASURE_TIMEOUT_S = 600.0  # for a node's measurements, and for the collective
 CLOCK_SAMPLES = 5  # round trips per node; the shortest one is kept
-MAX_CLOCK_SKEW_S = 1.0  # the watchdog and the goodput ledger compare the nodes' clocks; NTP keeps them within ms
+MAX_CLOCK_SKEW_S = 1.0  # the watchdog and goodput ledger compare nodes' clocks; NTP keeps them within ms
 RATE_TOLERANCE = 0.8  # a bandwidth this near the plan's is a short measurement's noise, not a slower fabric
 WAIT_SLACK = 0.05  # share of a step a loader may add to the plan's data wait (at least the input-bound share)
 
@@ -99,7 +98,6 @@ def holds_a_worker(node: Node, profile: ClusterProfile) -> bool:
 
 
 def probe_env(profile: ClusterProfile) -> dict[str, str]:
-    """The training workers' environment and this shell's MLflow credentials."""
     return {**worker_env(profile), **network_env(profile), **tracking_credentials(os.environ)}
 
 
@@ -219,7 +217,6 @@ def judge(measured: Measurements, profile: ClusterProfile, config: TrainConfig, 
 
 
 def _silent(name: str, node: Node) -> Check:
-    """The check of a node whose probe did not answer."""
     fix = "the node is lost or overloaded: `ray status` and the node's Ray logs (<temp dir>/session_latest/logs)"
     return Check(name, node.label, "no answer", f"the node's probe within {MEASURE_TIMEOUT_S:.0f} s", False, fix)
 
@@ -354,7 +351,7 @@ def _collective_check(bus: BusBandwidth, profile: ClusterProfile) -> Check:
     return Check("collective", "cluster", f"busbw {bus.gb_per_s:.3g} GB/s ({took})", needs, ok, fix)
 
 
-# Each node check's printed name and function, in printing order.
+# (printed name, check) of each node check, in printing order.
 NODE_CHECKS = (
     ("gpus", _gpu_check),
     ("shard read", _read_check),

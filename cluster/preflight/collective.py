@@ -105,8 +105,6 @@ def _timed(bucket, iters: int, device) -> float:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The ranks' placement group and actors (`start_ranks`)."""
-
     group: Any
     actors: tuple
     world: int
@@ -115,7 +113,7 @@ class Ranks:
 
 def start_ranks(profile: ClusterProfile, env: dict[str, str]) -> Ranks | None:
     """Ask Ray for the ranks without waiting (they start while the caller works on); None with one rank."""
-    from ray.util.placement_group import placement_group  # heavy import
+    from ray.util.placement_group import placement_group
 
     world = profile.workers.num_workers
     if world == 1:
@@ -187,7 +185,6 @@ def measure_bus_bandwidth(
 
 
 def _start_actors(group, bundle: dict[str, float], world: int, env: dict[str, str]) -> list:
-    """One `CollectiveRank` actor in each bundle of ``group``, with the training workers' environment."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

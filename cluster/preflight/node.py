@@ -89,17 +89,17 @@ class NodeProbe:
         """Each figure in turn: the read first, so that it meets the shards cold."""
         return NodeFigures(
             gpus=gpu_inventory(),
-            read_mb_per_s=_guarded(lambda: read_rate(request.shard_urls, request.read_budget_bytes)),
-            loader_img_s_per_core=_guarded(lambda: loader_rate_now(request.config)),
-            free_gb=_guarded(lambda: free_space(request.checkpoint_root)),
-            tracking_s=_guarded(lambda: tracking_round_trip(request.tracking_uri, request.label)),
+            read_mb_per_s=_guarded(read_rate, request.shard_urls, request.read_budget_bytes),
+            loader_img_s_per_core=_guarded(loader_rate_now, request.config),
+            free_gb=_guarded(free_space, request.checkpoint_root),
+            tracking_s=_guarded(tracking_round_trip, request.tracking_uri, request.label),
         )
 
 
-def _guarded(measure: Callable[[], Figure]) -> Figure:
-    """``measure()``, or a figure holding the error that stopped it."""
+def _guarded(measure: Callable[..., Figure], *args) -> Figure:
+    """``measure(*args)``, or a figure holding the error that stopped it."""
     try:
-        return measure()
+        return measure(*args)
     except Exception as exc:  # reported on the check's line, never raised out of the probe
         first = (str(exc).strip().splitlines() or [""])[0]
         return Figure(None, "", f"{type(exc).__name__}: {first}"[:300])
@@ -196,8 +196,7 @@ def loader_rate_now(config: TrainConfig) -> Figure:
 
 
 def free_space(root: str) -> Figure:
-    """GB free at the checkpoint root (made if absent) once a probe file was written and removed there; inf on an
-    object store."""
+    """GB free at the checkpoint root (made if absent) after writing and removing a probe file; inf on object stores."""
     name = f".vitscale-preflight-{uuid.uuid4().hex[:8]}"
     if is_remote(root):
         import fsspec
@@ -215,9 +214,9 @@ def free_space(root: str) -> Figure:
 
 
 def tracking_round_trip(uri: str, label: str) -> Figure:
-    """Seconds to create a run in the `EXPERIMENT` experiment at ``uri``, set a tag on it and delete it."""
+    """Seconds to create, tag and delete a run at ``uri``."""
     with environ(TRACKING_ENV):
-        from mlflow import MlflowClient  # heavy import
+        from mlflow import MlflowClient
 
         start = time.perf_counter()
         client = MlflowClient(tracking_uri=uri)

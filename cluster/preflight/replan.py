@@ -1,6 +1,4 @@
-"""The plan at the preflight's measured figures (`build_plan` on a copy of the profile declaring the slowest training
-node's loader rate and the measured bus bandwidth), and one line with the measured figures beside the plan's.
-"""
+"""The plan re-made at the preflight's measured figures, and one line with those beside the plan's."""
 
 from __future__ import annotations
 

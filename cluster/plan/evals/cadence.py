@@ -16,10 +16,9 @@ class EvalCadence:
 
     def due(self, step: int) -> tuple[str, ...]:
         """The suites whose period (every x checkpoint.every_steps) divides ``step``, all at the last step."""
-        return tuple(suite for suite, every in self.suites if self._on(step, every))
-
-    def _on(self, step: int, every: int) -> bool:
-        return step == self.last_step or step % (every * self.checkpoint_every) == 0
+        return tuple(
+            s for s, every in self.suites if step == self.last_step or step % (every * self.checkpoint_every) == 0
+        )
 
     def evaluations(self, every: int, baseline: bool) -> int:
         """Checkpoints a suite evaluates: the baseline when saved, each multiple of its period, the last step."""

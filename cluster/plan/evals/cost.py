@@ -1,8 +1,5 @@
-"""The plan's evals part: what each suite costs per checkpoint and over the run, and whether it fits its device.
-
-Each evaluator entry is priced from its own options: FLOPs, device-hours and memory per device, all estimates
-(docs/vtab.md, "Eval cost in the plan").
-"""
+"""The plan's evals part: each suite's FLOPs, device-hours and memory per device, per checkpoint and over the run,
+priced per evaluator entry from its options; all estimates (docs/vtab.md, "Eval cost in the plan")."""
 
 from __future__ import annotations
 
@@ -28,12 +25,9 @@ from pretrain.model.vit import ViTConfig
 from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
 
 GB = memory.GB
-# Allocator slack and the backward's transient buffers on top of the saved activations (docs/vtab.md).
-ACTIVATION_ALLOWANCE = 1.3
-# An eval task's CUDA context and workspaces (docs/vtab.md).
-CUDA_CONTEXT_GB = 1.3
-# Below this many eval device-hours in all, evals over budget only warn.
-MIN_REFUSED_DEVICE_HOURS = 1.0
+ACTIVATION_ALLOWANCE = 1.3  # allocator slack and backward's transient buffers over the saved activations (docs/vtab.md)
+CUDA_CONTEXT_GB = 1.3  # an eval task's CUDA context and workspaces (docs/vtab.md)
+MIN_REFUSED_DEVICE_HOURS = 1.0  # below this many eval device-hours in all, evals over budget only warn
 
 
 @dataclass(frozen=True)
@@ -122,8 +116,7 @@ def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, com
 
 
 def eval_device(profile: ClusterProfile) -> EvalDevice:
-    """PlanError when the profile's evals would take a training GPU, or run beside training without declaring
-    their memory."""
+    """PlanError when the profile's evals would take a training GPU or run beside training without declaring memory."""
     ev, name = profile.evals, profile.name
     if ev.num_gpus > 0 and profile.uses_gpus and not ev.instance_type:
         raise PlanError(
@@ -211,10 +204,6 @@ def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) 
     return Work(f"{spec.name}: not priced (no cost model for type {spec.type})", vit, 0.0, 0.0, "fp32", 0.0, 0.0)
 
 
-def _features_model(vit: ViTConfig, size: int) -> ViTConfig:
-    return dataclasses.replace(vit, image_size=size, num_classes=0)  # no head runs
-
-
 def _finetune_model(vit: ViTConfig, size: int, num_classes: int) -> ViTConfig:
     return dataclasses.replace(vit, image_size=size, num_classes=num_classes, representation_size=None)
 
@@ -238,11 +227,12 @@ def _features_work(
     what: str, size: int, batch: int, images: list[tuple[int, int]], vit: ViTConfig, kind: str, keep_all=False
 ) -> Work:
     """The host keeps float32 features (every dataset's with ``keep_all``) and a float64 copy of the largest pair."""
-    model = _features_model(vit, size)
+    model = dataclasses.replace(vit, image_size=size, num_classes=0)  # no head runs
     total = sum(a + b for a, b in images)
     largest = max(a + b for a, b in images)
     host = (vit.representation_size or vit.width) * (4 * (total if keep_all else largest) + 8 * largest)
-    device = _weights(model, 4) + batch * (_image_bytes(size) + _block_bytes(model, kind))
+    block = memory.vit_activation_bytes(model, "fp32", depth=1, sdpa=kind == "cuda")  # inference's transient peak
+    device = _weights(model, 4) + batch * (_image_bytes(size) + block)
     what = f"{what}, {total:,} images at {size}px"
     return Work(what, model, total * flops.forward_flops(model), 0.0, "fp32", device, host)
 
@@ -259,13 +249,11 @@ def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, 
         scored = len(ft.lr_grid) * o.val_examples + split_size(root, task, "test", vtab_first)
         total += runs * _train_flops(models[-1], ft.activation_checkpointing) + scored * flops.forward_flops(models[-1])
         forwards += scored
-    model = max(models, key=lambda m: m.num_classes)
-    device, host = _finetune_memory(ft, model, kind, o.train_examples + o.val_examples)
     what = (
         f"vtab finetune {len(tasks)} tasks x ({len(ft.lr_grid)} lr x {search} + {ft.steps} steps) x batch "
         f"{ft.batch_size} at {size}px, + {forwards:,.0f} test/val images"
     )
-    return Work(what, model, total, len(tasks) * runs, _finetune_precision(ft, kind), device, host)
+    return _finetune_result(what, ft, models, total, len(tasks) * runs, kind, o.train_examples + o.val_examples)
 
 
 def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kind: str) -> Work:
@@ -284,40 +272,34 @@ def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kin
         scored = len(o.lr_grid) * held + points * split_size(root, name, o.test_split)
         total += images * _train_flops(model, o.activation_checkpointing) + scored * flops.forward_flops(model)
         train, forwards, pool_most = train + images, forwards + scored, max(pool_most, kept + held)
-    model = max(models, key=lambda m: m.num_classes)
-    device, host = _finetune_memory(o, model, kind, pool_most)
     what = (
         f"finetune {len(o.datasets)} datasets x ({len(o.lr_grid)} lr x {search} + {o.steps} steps) x batch "
         f"{o.batch_size} at {size}px, + {forwards:,.0f} test/held-out images"
     )
-    return Work(what, model, total, train, _finetune_precision(o, kind), device, host)
+    return _finetune_result(what, o, models, total, train, kind, pool_most)
 
 
 def _finetune_precision(o: FinetuneOptions, kind: str) -> str:
     return "bf16" if autocast_dtype(o.precision, kind) is not None else "fp32"
 
 
-def _finetune_memory(o: FinetuneOptions, model: ViTConfig, kind: str, drawn: float) -> tuple[float, float]:
-    """(device, host) bytes; the drawn images are uint8 on the host, float32 on the device."""
-    micro = min(o.micro_batch_size or o.batch_size, o.batch_size)
-    size = model.image_size
-    activations = micro * finetune_activation_bytes(o, model, kind)
-    return _weights(model, 12) + activations + o.batch_size * _image_bytes(size), drawn * 3 * size * size
+def _finetune_result(
+    what: str, o: FinetuneOptions, models: list[ViTConfig], total: float, train: float, kind: str, drawn: float
+) -> Work:
+    """At the widest head; the ``drawn`` images are uint8 on the host, float32 on the device."""
+    model = max(models, key=lambda m: m.num_classes)
+    micro, size = min(o.micro_batch_size or o.batch_size, o.batch_size), model.image_size
+    device = _weights(model, 12) + micro * finetune_activation_bytes(o, model, kind) + o.batch_size * _image_bytes(size)
+    return Work(what, model, total, train, _finetune_precision(o, kind), device, drawn * 3 * size * size)
 
 
 def finetune_activation_bytes(o: FinetuneOptions, model: ViTConfig, kind: str) -> float:
-    """Bytes one fine-tuning image keeps for backward, x ACTIVATION_ALLOWANCE (docs/vtab.md, "Fine-tuning
-    memory")."""
+    """Bytes one fine-tuning image keeps for backward, x ACTIVATION_ALLOWANCE (docs/vtab.md, "Fine-tuning memory")."""
     precision, checkpointing = _finetune_precision(o, kind), o.activation_checkpointing
     per_image = memory.vit_activation_bytes(
         model, precision, dropout=model.dropout, activation_checkpointing=checkpointing, sdpa=kind == "cuda"
     )
     return ACTIVATION_ALLOWANCE * per_image
-
-
-def _block_bytes(model: ViTConfig, kind: str) -> float:
-    """The transient peak of inference, per image."""
-    return memory.vit_activation_bytes(model, "fp32", depth=1, sdpa=kind == "cuda")
 
 
 def _weights(vit: ViTConfig, bytes_per_param: int) -> float:
@@ -341,12 +323,15 @@ def _host_bytes(work: Work) -> float:
 
 def _check_fits(suite: str, spec: EvaluatorSpec, work: Work, device: EvalDevice) -> None:
     """PlanError when ``work`` does not fit its eval device or the host memory the eval declares."""
-    need = _work_memory(work, device)
-    if device.kind == "cuda":
-        host = _host_bytes(work)
-        if device.host_bytes and host > device.host_bytes:
-            raise PlanError(_host_fix(suite, spec, host, device))
-    capacity = device.capacity_bytes or device.host_bytes
+    host = _host_bytes(work)
+    if device.kind == "cuda" and device.host_bytes and host > device.host_bytes:
+        raise PlanError(
+            f"eval suite {suite}, entry {spec.name}: needs ~{host / GB:.3g} GB of host memory (an estimate: features "
+            f"or drawn images, the loaded weights, the process), over the {device.host_bytes / GB:.3g} GB it reserves "
+            "in Ray (the profile's evals.memory_gb); raise evals.memory_gb within the eval node's memory, or evaluate "
+            "fewer or smaller datasets"
+        )
+    need, capacity = _work_memory(work, device), device.capacity_bytes or device.host_bytes
     if need <= capacity:
         return
     where = "GPU memory" if device.kind == "cuda" else "evals.memory_gb"
@@ -373,15 +358,6 @@ def _memory_fixes(spec: EvaluatorSpec, work: Work, device: EvalDevice, over: flo
         fixes.append(f"a smaller batch_size than {spec.options.batch_size}")
     fixes.append("a bigger eval device (the profile's evals: gpu_type, gpu_memory_gb, instance_type; or memory_gb)")
     return fixes
-
-
-def _host_fix(suite: str, spec: EvaluatorSpec, host: float, device: EvalDevice) -> str:
-    return (
-        f"eval suite {suite}, entry {spec.name}: needs ~{host / GB:.3g} GB of host memory (an estimate: features or "
-        f"drawn images, the loaded weights, the process), over the {device.host_bytes / GB:.3g} GB it reserves in "
-        "Ray (the profile's evals.memory_gb); raise evals.memory_gb within the eval node's memory, or evaluate "
-        "fewer or smaller datasets"
-    )
 
 
 def _over_budget(part: EvalsPlan, cadence: EvalCadence, baseline: bool) -> str:

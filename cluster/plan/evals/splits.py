@@ -1,5 +1,4 @@
-"""The split sizes and class counts the plan prices evals with: a split's readable dataset.json, else VTAB-1k's and
-the built-in sets' sizes."""
+"""Split sizes and class counts to price evals: a readable dataset.json, else VTAB-1k's or a built-in set's size."""
 
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ def split_size(root: str, dataset: str, split: str, vtab_first: bool = False) ->
 
 
 def _meta(root: str, dataset: str, split: str) -> dict | None:
-    """The split's dataset.json under a local root, else None."""
     return None if is_remote(root) else read_dataset_json(f"{resolve_location(root)}/{dataset}/{split}")
 
 
