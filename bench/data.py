@@ -1,11 +1,6 @@
-"""Data benchmark: the training decode+augment path beside bare PIL decode+resize, loader worker scaling, and shard
-reading speed.
-
-Rates are images per CPU second of this process on generated JPEGs, best of interleaved rounds. ``ratio`` =
-``pipeline`` (``decode_train`` + the worker's float conversion) / ``pil`` (decode + resize, uint8 out);
-``ratio_uint8`` leaves the conversion out; ``ratio_full_decode``, ``ratio_randaugment`` and ``ratio_dali`` (``--dali``)
-vary the pipeline. ``workers_2_over_1``: the loader's wall-clock images/s at 2 workers over 1, best rounds
-(``_paired_median``: the median of per-round ratios); it needs 2 idle cores. Other keys: where they are measured.
+"""Data benchmark: the training decode+augment path beside bare PIL decode+resize, loader worker scaling, shard
+reading speed (keys: docs/benchmarks/2026-11-26-data-loader.md). Rates are images per CPU second of this process on
+generated JPEGs, best of interleaved rounds; the loader's are wall-clock (2 workers need 2 idle cores).
 """
 
 from __future__ import annotations
@@ -25,9 +20,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench import out_file
 from bench.images import imagenet_like_jpegs
 from bench.shard_rates import read_speed, stream_rate, train_stream, write_shards
-from data_pipeline.cli import output_file
 from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
 from data_pipeline.stream.step_pool import StepPool, conversion_rows
 
@@ -44,8 +39,8 @@ def bare_pil(images: list[bytes], size: int) -> float:
 
 
 def pipeline(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32, convert: bool = True) -> float:
-    """Images per CPU second of decode + augment and a worker's conversion into the stream's `StepPool`;
-    ``convert=False``: decode + augment only, uint8 out."""
+    """Images per CPU second of decode + augment + a worker's conversion into a `StepPool`; ``convert=False``: uint8
+    out, no conversion."""
     if convert:  # before the clock, as the loader makes them once
         pool = StepPool(2, batch, size, workers=1, lookahead=0, shared=True)
         scratch = planes(conversion_rows(size), size)
@@ -75,8 +70,8 @@ def scaled_decode_fraction(images: list[bytes], size: int, augment: AugmentConfi
 
 
 def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
-    """``decode_us_scale_<n>_8``: µs per image of libjpeg-turbo's decode alone at DCT scale n/8, n = 8..4 (why the
-    loader scales only by powers of 2: docs/benchmarks/2026-11-26-data-loader.md)."""
+    """{n: µs per image of libjpeg-turbo's decode alone at DCT scale n/8}, n = 8..4 (why the loader scales only by
+    powers of 2: docs/benchmarks/2026-11-26-data-loader.md)."""
     import simplejpeg
 
     sizes = [simplejpeg.decode_jpeg_header(data)[:2] for data in images]
@@ -93,8 +88,8 @@ def decode_us_by_scale(images: list[bytes], rounds: int) -> dict[int, float]:
 
 
 def dali_rate(images: list[bytes], size: int, augment: AugmentConfig, batch: int = 32) -> float:
-    """Images per CPU second of DALI's CPU random-crop decoder (``augment``'s ranges), antialiased bilinear resize
-    and random flip; one thread, uint8 out."""
+    """Images per CPU second of DALI's CPU random-crop decoder (``augment``'s ranges), antialiased bilinear resize,
+    random flip; one thread, uint8 out."""
     from nvidia.dali import fn, pipeline_def, types
 
     encoded = [np.frombuffer(data, dtype=np.uint8) for data in images]
@@ -142,18 +137,8 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int = 32, streams:
     return images / (time.perf_counter() - start), (time.process_time() - cpu) / images * 1e6
 
 
-def _dali_importable() -> bool:
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class LoaderRates:
-    """What ``measure_loader`` measured."""
-
     read_mb_s: float  # the tar reader alone, page cache, best round
     stream_img_s: float  # TrainStream without workers
     workers: dict[int, list[float]]  # loader worker count -> images per wall-clock second, one per round
@@ -161,17 +146,16 @@ class LoaderRates:
 
     @property
     def best(self) -> dict[int, float]:
-        """Images per second at each worker count, best round."""
         return {n: max(r) for n, r in self.workers.items()}
 
 
 def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) -> dict[str, list[float]]:
-    """Images per CPU second of bare PIL and each pipeline variant (and DALI), per interleaved round."""
-    variants = {
-        "pipeline": AugmentConfig(),
-        "pipeline_full_decode": AugmentConfig(scaled_decode=False),
-        "pipeline_randaugment": AugmentConfig(randaugment_n=2, randaugment_m=10),
-    }
+    """Images per CPU second of bare PIL, each pipeline variant (and DALI): one per interleaved round."""
+    variants = dict(
+        pipeline=AugmentConfig(),
+        pipeline_full_decode=AugmentConfig(scaled_decode=False),
+        pipeline_randaugment=AugmentConfig(randaugment_n=2, randaugment_m=10),
+    )
     runs: dict[str, list[float]] = {"pil": [], **{name: [] for name in variants}, "pipeline_uint8": []}
     for i in range(rounds):
         runs["pil"].append(bare_pil(images, size))
@@ -186,8 +170,8 @@ def measure_decoders(images: list[bytes], size: int, rounds: int, dali: bool) ->
 
 
 def measure_loader(images: list[bytes], size: int, rounds: int, loader_rounds: int, copies: int) -> LoaderRates:
-    """Shard reading, a TrainStream without workers, and the loader at 1 and 2 workers (rounds interleaved) on
-    shards holding every image ``copies`` times, so the timed window lasts seconds."""
+    """Shard reading, a TrainStream without workers, the loader at 1 and 2 workers (rounds interleaved), on shards
+    holding every image ``copies`` times so that the timed window lasts seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_shards(Path(tmp) / "shards", images * copies, 40)
         read_mb_s = max(read_speed(shards) for _ in range(rounds))
@@ -207,33 +191,30 @@ def _rate_keys(
     rate: dict[str, float], decode_us: dict[int, float], loader: LoaderRates, images: list[bytes], size: int
 ) -> dict:
     """``rate``: the best round of each decoder."""
+
+    def ratio(name: str) -> float:
+        return round(rate[name] / rate["pil"], 3)
+
     worker_rate = loader.best
-    dali = (
-        {"ratio_dali": round(rate["dali"] / rate["pil"], 3), "dali_img_s_per_core": round(rate["dali"], 1)}
-        if "dali" in rate
-        else {}
-    )
-    return {
-        "ratio": round(rate["pipeline"] / rate["pil"], 3),
-        "ratio_uint8": round(rate["pipeline_uint8"] / rate["pil"], 3),
-        "ratio_randaugment": round(rate["pipeline_randaugment"] / rate["pil"], 3),
+    dali = {"ratio_dali": ratio("dali"), "dali_img_s_per_core": round(rate["dali"], 1)} if "dali" in rate else {}
+    variants = ("pipeline", "pipeline_uint8", "pipeline_full_decode", "pipeline_randaugment", "pil")
+    return dict(
+        ratio=ratio("pipeline"),
+        ratio_uint8=ratio("pipeline_uint8"),
+        ratio_randaugment=ratio("pipeline_randaugment"),
         **dali,
-        "ratio_full_decode": round(rate["pipeline_full_decode"] / rate["pil"], 3),
-        "workers_2_over_1": round(worker_rate[2] / worker_rate[1], 3),
-        "workers_2_over_1_paired_median": round(float(np.median(np.divide(loader.workers[2], loader.workers[1]))), 3),
-        "pipeline_img_s_per_core": round(rate["pipeline"], 1),
-        "pipeline_uint8_img_s_per_core": round(rate["pipeline_uint8"], 1),
-        "pipeline_full_decode_img_s_per_core": round(rate["pipeline_full_decode"], 1),
-        "pipeline_randaugment_img_s_per_core": round(rate["pipeline_randaugment"], 1),
-        "pil_img_s_per_core": round(rate["pil"], 1),
-        "scaled_decode_fraction": round(scaled_decode_fraction(images, size, AugmentConfig()), 3),
+        ratio_full_decode=ratio("pipeline_full_decode"),
+        workers_2_over_1=round(worker_rate[2] / worker_rate[1], 3),
+        workers_2_over_1_paired_median=round(float(np.median(np.divide(loader.workers[2], loader.workers[1]))), 3),
+        **{f"{name}_img_s_per_core": round(rate[name], 1) for name in variants},
+        scaled_decode_fraction=round(scaled_decode_fraction(images, size, AugmentConfig()), 3),
         **{f"decode_us_scale_{n}_8": round(us, 1) for n, us in decode_us.items()},
-        "loader_img_s_workers1": round(worker_rate[1], 1),
-        "loader_img_s_workers2": round(worker_rate[2], 1),
-        "loader_main_cpu_us_per_image_workers2": round(float(np.median(loader.main_cpu_us)), 1),
-        "read_mb_s": round(loader.read_mb_s, 1),
-        "stream_img_s": round(loader.stream_img_s, 1),
-    }
+        loader_img_s_workers1=round(worker_rate[1], 1),
+        loader_img_s_workers2=round(worker_rate[2], 1),
+        loader_main_cpu_us_per_image_workers2=round(float(np.median(loader.main_cpu_us)), 1),
+        read_mb_s=round(loader.read_mb_s, 1),
+        stream_img_s=round(loader.stream_img_s, 1),
+    )
 
 
 def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, float], loader: LoaderRates) -> None:
@@ -289,12 +270,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    try:
-        out = output_file(args.out, "--out")  # before minutes of timing
-    except ValueError as error:
-        print(f"bench.data: error: {error}", file=sys.stderr)
+    if (out := out_file(args.out, "bench.data")) is None:  # before minutes of timing
         return 2
-    if args.dali and not _dali_importable():
+    try:
+        if args.dali:
+            import nvidia.dali  # noqa: F401
+    except ImportError:
         print(
             "bench.data: error: --dali needs NVIDIA DALI, which is not a vitscale dependency: pip install "
             "nvidia-dali-cuda120 (its CPU decoders need no GPU), or leave --dali out",
@@ -313,20 +294,19 @@ def main(argv: list[str] | None = None) -> int:
     decode_us = decode_us_by_scale(images, args.rounds)
     loader = measure_loader(images, args.size, args.rounds, args.loader_rounds, args.loader_copies)
     rate = {name: max(r) for name, r in runs.items()}
-    result = {
+    result = dict(
         **_rate_keys(rate, decode_us, loader, images, args.size),
-        "images": len(images),
-        "loader_samples": len(images) * args.loader_copies,
-        "image_size": args.size,
-        "mean_jpeg_kib": round(mean_kb, 1),
-        "short_side_median": shorts[len(shorts) // 2],
-        "short_side_max": shorts[-1],
-        "load_average_1min": os.getloadavg()[0],
-        "cpu_count": os.cpu_count(),
+        images=len(images),
+        loader_samples=len(images) * args.loader_copies,
+        image_size=args.size,
+        mean_jpeg_kib=round(mean_kb, 1),
+        short_side_median=shorts[len(shorts) // 2],
+        short_side_max=shorts[-1],
+        load_average_1min=os.getloadavg()[0],
+        cpu_count=os.cpu_count(),
         **{f"rounds_{name}": [round(r, 1) for r in values] for name, values in runs.items()},
-        "rounds_loader_workers1": [round(r, 1) for r in loader.workers[1]],
-        "rounds_loader_workers2": [round(r, 1) for r in loader.workers[2]],
-    }
+        **{f"rounds_loader_workers{n}": [round(r, 1) for r in loader.workers[n]] for n in (1, 2)},
+    )
     _print_summary(result, rate, decode_us, loader)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -43,11 +43,6 @@ SHAPES = {
 }
 
 
-def _label(name: str, image_size: int, batch: int, overrides: dict) -> str:
-    extra = "".join(f"_{k}{v}" for k, v in overrides.items())
-    return f"{name}_{image_size}px_b{batch}{extra}"
-
-
 def measure(name: str, image_size: int, batch: int, overrides: dict, trials: int) -> tuple[float, float]:
     """(fp32 s, bf16 s), best of ``trials`` probes of a 64-class classification step."""
 
@@ -87,18 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES[args.shapes if units else "quick"]
     if not units:
         print("this CPU has no AMX/AVX512-BF16: bf16 is emulated; timing the quick shapes only", flush=True)
-    result: dict = {
-        "cpu": cpu_model(),
-        "bf16_units": "+".join(units) or "none",
-        "torch": torch.__version__,
-        "threads": 1,
-        "trials": args.trials,
-        "rule": CPU_RULES[units[0]].describe() if units else "fp32 (no bf16 units)",
-    }
+    result: dict = dict(
+        cpu=cpu_model(),
+        bf16_units="+".join(units) or "none",
+        torch=torch.__version__,
+        threads=1,
+        trials=args.trials,
+        rule=CPU_RULES[units[0]].describe() if units else "fp32 (no bf16 units)",
+    )
     ruled: dict[str, list[float]] = {"bf16": [], "fp32": []}
     start = time.time()
     for name, image_size, batch, overrides in shapes:
-        label = _label(name, image_size, batch, overrides)
+        label = f"{name}_{image_size}px_b{batch}" + "".join(f"_{k}{v}" for k, v in overrides.items())
         fp32, bf16 = measure(name, image_size, batch, overrides, args.trials)
         pick = cpu_rule(StepShape.of(model_config(name, image_size=image_size, **overrides), batch)).precision
         ruled[pick].append(fp32 / bf16)

@@ -2,8 +2,8 @@
 
 Each world size is one ``torchrun ... -m pretrain.train`` of ``configs/local_demo.yaml`` (ZeRO-2 over gloo), each rank
 on ``--threads`` / 2 pinned cores; the best of ``--rounds`` alternated runs counts, a run's rate the median logged
-images/s after the first window. ``scaling_2_over_1``: ideally 2.0; ``scaling_2_over_1_same_cores``: world 2 over
-world 1 on the same cores, ideally 1.0; ``notes`` splits the gap into data wait, exchange and compute.
+images/s after the first window. Keys: docs/benchmarks/2026-11-26-scaling.md; ``notes`` splits the gap to the ideal
+into data wait, exchange and compute.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench import out_file
 from bench.train import log
-from data_pipeline.cli import output_file
 from data_pipeline.paths import PROJECT_ROOT
 from pretrain.model.vit import MODEL_NAMES, build_model
 
@@ -33,12 +33,11 @@ LOG_LINE = re.compile(r"^step (\d+)/\d+ loss \S+ lr \S+ ([\d.]+) img/s mfu \S+ w
 
 
 def train_command(world: int, args, run_dir: Path) -> list[str]:
-    micro = args.global_batch // world
     sets = {
         "model.name": args.model,
         "data.image_size": args.image_size,
         "data.global_batch_size": args.global_batch,
-        "data.micro_batch_size": micro,
+        "data.micro_batch_size": args.global_batch // world,
         "data.num_workers": 0,
         "schedule.total": args.steps,
         "schedule.warmup": 1,
@@ -54,9 +53,8 @@ def train_command(world: int, args, run_dir: Path) -> list[str]:
         "task.name": "classification",
         "task.options": "{}",
     }
-    if args.data is not None:
-        # one stream per rank at world size 2
-        sets.update({"data.train": args.data, "data.builtin": "null", "data.streams": 2})
+    if args.data is not None:  # one stream per rank at world size 2
+        sets |= {"data.train": args.data, "data.builtin": "null", "data.streams": 2}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     command += ["-m", "pretrain.train", "--config", str(PROJECT_ROOT / "configs" / "local_demo.yaml")]
     for key, value in sets.items():
@@ -129,15 +127,15 @@ def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
     wait = statistics.median(w for _, _, w in timed)
     step_s = args.global_batch / img_s
     log(f"{label}: {img_s:.1f} img/s ({step_s:.3f} s/step, data wait {wait:.0%}), {wall:.0f} s wall")
-    return {
-        "img_s": img_s,
-        "step_s": step_s,
-        "data_wait": wait,
-        "threads": threads,
-        "cores": cores,
-        "wall_s": wall,
-        "windows": [[s, round(r, 2)] for s, r, _ in windows],
-    }
+    return dict(
+        img_s=img_s,
+        step_s=step_s,
+        data_wait=wait,
+        threads=threads,
+        cores=cores,
+        wall_s=wall,
+        windows=[[s, round(r, 2)] for s, r, _ in windows],
+    )
 
 
 def _exchange_worker(rank: int, world: int, port: int, numel: int, repeats: int, cores: list[int], out) -> None:
@@ -203,48 +201,48 @@ def run(args) -> dict:
         f"uses its {len(whole['cores'])} threads less well than two processes use {share} each). Load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end."
     )
-    return {
-        "scaling_2_over_1": ratio,
-        "img_s_world1": one["img_s"],
-        "img_s_world2": two["img_s"],
-        "scaling_2_over_1_same_cores": two["img_s"] / whole["img_s"],
-        "img_s_world1_all_cores": whole["img_s"],
-        "step_s_world1": one["step_s"],
-        "step_s_world2": two["step_s"],
-        "step_s_world1_all_cores": whole["step_s"],
-        "data_wait_world1": one["data_wait"],
-        "data_wait_world2": two["data_wait"],
-        "exchange_s_world2": exchange,
-        "exchange_fraction_world2": exchange / two["step_s"],
-        "compute_s_world2": compute_s,
-        "threads_per_rank_world1": one["threads"],
-        "threads_per_rank_world2": two["threads"],
-        "threads_world1_all_cores": whole["threads"],
-        "cores_world1": len(one["cores"]),
-        "cores_world2": len(two["cores"]),
-        "wall_s_world1": one["wall_s"],
-        "wall_s_world2": two["wall_s"],
-        "model": args.model,
-        "image_size": args.image_size,
-        "params": params,
-        "global_batch_size": args.global_batch,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "img_s_world1_rounds": [r["img_s"] for r in runs["world1"]],
-        "img_s_world2_rounds": [r["img_s"] for r in runs["world2"]],
-        "img_s_world1_all_cores_rounds": [r["img_s"] for r in runs["world1_all"]],
-        "log_every": args.log_every,
-        "zero_stage": 2,
-        "backend": "gloo",
-        "precision": "fp32",
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "load_average_1min": os.getloadavg()[0],
-        "windows_world1": one["windows"],
-        "windows_world2": two["windows"],
-        "windows_world1_all_cores": whole["windows"],
-        "notes": notes,
-    }
+    return dict(
+        scaling_2_over_1=ratio,
+        img_s_world1=one["img_s"],
+        img_s_world2=two["img_s"],
+        scaling_2_over_1_same_cores=two["img_s"] / whole["img_s"],
+        img_s_world1_all_cores=whole["img_s"],
+        step_s_world1=one["step_s"],
+        step_s_world2=two["step_s"],
+        step_s_world1_all_cores=whole["step_s"],
+        data_wait_world1=one["data_wait"],
+        data_wait_world2=two["data_wait"],
+        exchange_s_world2=exchange,
+        exchange_fraction_world2=exchange / two["step_s"],
+        compute_s_world2=compute_s,
+        threads_per_rank_world1=one["threads"],
+        threads_per_rank_world2=two["threads"],
+        threads_world1_all_cores=whole["threads"],
+        cores_world1=len(one["cores"]),
+        cores_world2=len(two["cores"]),
+        wall_s_world1=one["wall_s"],
+        wall_s_world2=two["wall_s"],
+        model=args.model,
+        image_size=args.image_size,
+        params=params,
+        global_batch_size=args.global_batch,
+        steps=args.steps,
+        rounds=args.rounds,
+        img_s_world1_rounds=[r["img_s"] for r in runs["world1"]],
+        img_s_world2_rounds=[r["img_s"] for r in runs["world2"]],
+        img_s_world1_all_cores_rounds=[r["img_s"] for r in runs["world1_all"]],
+        log_every=args.log_every,
+        zero_stage=2,
+        backend="gloo",
+        precision="fp32",
+        torch=torch.__version__,
+        cpu_count=os.cpu_count(),
+        load_average_1min=os.getloadavg()[0],
+        windows_world1=one["windows"],
+        windows_world2=two["windows"],
+        windows_world1_all_cores=whole["windows"],
+        notes=notes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,12 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--rounds", type=int, default=2, help="runs per setting, alternated; the best counts")
     add("--threads", type=int, default=min(2, usable), help="cores to use in all, half per rank (an odd one is unused)")
     add("--timeout", type=int, default=600, help="seconds allowed per training run")
-    add(
-        "--data",
-        default=None,
-        metavar="SHARDS",
-        help="shard folder to train on (default: local_demo's rcdb set, made under data/)",
-    )
+    add("--data", metavar="SHARDS", help="shard folder to train on (default: local_demo's rcdb set, made under data/)")
     add("--out", default="bench-results/scaling.json")
     args = parser.parse_args(argv)
     if args.global_batch < 2 or args.global_batch % 2:
@@ -278,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads {args.threads}: must be 2 to {usable}, the cores this process may use (half per rank)")
     if args.log_every < 1 or args.steps < 2 * args.log_every:
         parser.error(f"--steps {args.steps} / --log-every {args.log_every}: need >= 1 and steps >= 2 x log-every")
-    try:
-        out = output_file(args.out, "--out")  # before minutes of training
-    except ValueError as error:
-        print(f"bench.scaling: error: {error}", file=sys.stderr)
+    if (out := out_file(args.out, "bench.scaling")) is None:  # before minutes of training
         return 2
     try:
         result = run(args)

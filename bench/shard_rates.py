@@ -24,7 +24,7 @@ def write_shards(shards: Path, images: list[bytes], per_shard: int) -> Path:
 
 
 def train_stream(shards: Path, size: int, batch: int, **options) -> TrainStream:
-    """A training stream with the default augmentation and a 64-sample shuffle buffer; ``options``: `DataConfig`'s."""
+    """Default augmentation, a 64-sample shuffle buffer; ``options``: `DataConfig`'s."""
     return TrainStream(
         DataConfig.for_stream(
             shards, micro_batch_size=batch, image_size=size, shuffle_buffer=64, augment=AugmentConfig(), **options

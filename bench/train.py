@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench import out_file
 from bench.hf_models import compile_layers, hf_model, logits_of
-from data_pipeline.cli import output_file
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import ViTConfig, build_model, model_config
 from pretrain.telemetry.peak import gemm_tflops
@@ -40,7 +40,6 @@ def cpu_bf16_native() -> bool:
 
 
 def bf16_native(device: torch.device) -> bool:
-    """A GPU of compute capability >= 8.0 or a CPU with native bf16."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     return cpu_bf16_native()
@@ -71,7 +70,6 @@ def sync(device: torch.device) -> None:
 def make_step(
     model: torch.nn.Module, logits_of: Callable, batch_size: int, precision: str, device: torch.device
 ) -> Callable[[], None]:
-    """Forward + loss under autocast, backward and AdamW outside it."""
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
@@ -134,22 +132,28 @@ _PROFILE_GROUPS = {  # operator families, by substring of the profiler's op name
 }
 
 
+def profiled(step: Callable[[], None], device: torch.device):
+    """The profiler's per-operator averages over one synchronized ``step`` (CPU, and CUDA on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    return prof.key_averages()
+
+
 def profile_step(step: Callable[[], None], device: torch.device, top: int = 10) -> dict:
     """One profiled step: the top operators by self time as [[name, share], ...] and each ``_PROFILE_GROUPS``
     family's share (operator rows only: on a GPU kernel rows would count kernels twice)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        step()
-        sync(device)
 
     def self_time(event) -> float:
         return event.self_device_time_total if on_gpu else event.self_cpu_time_total
 
-    events = [e for e in prof.key_averages() if self_time(e) > 0 and e.device_type == DeviceType.CPU]
+    events = [e for e in profiled(step, device) if self_time(e) > 0 and e.device_type == DeviceType.CPU]
     total = sum(map(self_time, events))
     events.sort(key=self_time, reverse=True)
     groups = {
@@ -237,26 +241,26 @@ def bench_one(name: str, precision: str, batch_size: int, rounds: int, repeats: 
 
 
 def run(args) -> dict:
-    result: dict = {
-        "cpu_bf16_native": cpu_bf16_native(),
-        "cpu_flags": cpu_flags(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "image_size": 224,
-        "hf_attn_implementation": args.hf_attn,
-        "load_average_1min_start": os.getloadavg()[0],
-        "device": args.device,
-    }
+    result: dict = dict(
+        cpu_bf16_native=cpu_bf16_native(),
+        cpu_flags=cpu_flags(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        machine=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        image_size=224,
+        hf_attn_implementation=args.hf_attn,
+        load_average_1min_start=os.getloadavg()[0],
+        device=args.device,
+    )
     device = torch.device(args.device)
     if device.type == "cuda":
         result["device_name"] = torch.cuda.get_device_name(device)
         result["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     native = bf16_native(device)
     if not native:  # an emulated bf16 step takes tens of seconds
-        for key, value in {"bf16_batch_size": 1, "bf16_rounds": 1, "bf16_gemm_size": 512}.items():
+        for key, value in dict(bf16_batch_size=1, bf16_rounds=1, bf16_gemm_size=512).items():
             setattr(args, key, getattr(args, key) or value)
     for name in args.models:
         for precision in args.precisions:
@@ -309,27 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     add("--rounds", type=int, default=3, help="fp32 rounds")
     add("--repeats", type=int, default=2, help="fp32 steps per model per round (the best one counts)")
     native = "default: as fp32 on a CPU with AMX/AVX512-BF16, else"
-    add("--bf16-batch-size", type=int, default=None, help=f"{native} 1")
-    add("--bf16-rounds", type=int, default=None, help=f"{native} 1")
+    add("--bf16-batch-size", type=int, help=f"{native} 1")
+    add("--bf16-rounds", type=int, help=f"{native} 1")
     add(
         "--bf16-warmup",
         action="store_true",
         help="an untimed emulated-bf16 step first (always on with AMX/AVX512-BF16)",
     )
     add("--gemm-size", type=int, default=2048, help="fp32 GEMM side")
-    add("--bf16-gemm-size", type=int, default=None, help=f"bf16 GEMM side ({native} 512)")
-    add(
-        "--profile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="profile one bf16 vitscale step of the first model, after a warm-up step",
-    )
-    add(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time both models with their blocks torch.compile'd (model.compile)",
-    )
+    add("--bf16-gemm-size", type=int, help=f"bf16 GEMM side ({native} 512)")
+    on = dict(action=argparse.BooleanOptionalAction, default=True)
+    add("--profile", **on, help="profile one bf16 vitscale step of the first model, after a warm-up step")
+    add("--compile", **on, help="also time both models with their blocks torch.compile'd (model.compile)")
     add("--hf-attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention implementation")
     add("--no-eager", action="store_true", help="skip the extra HF eager-attention timing")
     on_gpu = "cuda: both models and the GEMMs on GPU 0, autocast on CUDA, timers after a synchronize"
@@ -338,14 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (a CPU build, or no GPU); leave --device out")
-    numbers = ("batch_size", "rounds", "repeats", "bf16_batch_size", "bf16_rounds", "gemm_size", "bf16_gemm_size")
-    for key in numbers:
+    for key in ("batch_size", "rounds", "repeats", "bf16_batch_size", "bf16_rounds", "gemm_size", "bf16_gemm_size"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
-    try:
-        out = output_file(args.out, "--out")  # before minutes of timing
-    except ValueError as error:
-        print(f"bench.train: error: {error}", file=sys.stderr)
+    if (out := out_file(args.out, "bench.train")) is None:  # before minutes of timing
         return 2
     start = time.perf_counter()
     result = run(args)

@@ -1,1 +1,1 @@
-"""The GPU campaign (`python -m bench.gpu`): the step, the real path, the loader and the plan, on a lent GPU."""
+"""The GPU campaign on a lent GPU (`python -m bench.gpu`)."""

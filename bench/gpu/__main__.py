@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from bench import out_file
 from bench.gpu.campaign import Campaign, summary_lines
-from data_pipeline.cli import output_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     add(
         "--peak-tflops",
         type=float,
-        default=None,
         help="the MFU denominator per device (default: pretrain.telemetry.peak's; --smoke: 1.0)",
     )
-    add("--work-dir", default=None, help="scratch folder (default: a temporary one, removed after)")
+    add("--work-dir", help="scratch folder (default: a temporary one, removed after)")
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
         parser.error("--budget-s and --peak-tflops must be > 0")
@@ -39,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here (a CPU build of torch, or no GPU); --smoke runs the campaign on the CPU")
     if args.smoke:
         args.compile, args.peak_tflops = False, args.peak_tflops or 1.0
-    try:
-        out = output_file(args.out, "--out")
-    except ValueError as error:
-        print(f"bench.gpu: error: {error}", file=sys.stderr)
+    if (out := out_file(args.out, "bench.gpu")) is None:
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
         result = Campaign(args, out).run(Path(tmp))

@@ -1,8 +1,8 @@
 """The campaign's loader part: the training stream alone on this machine's CPU cores, at 224 px.
 
 Images per CPU second of a workerless `TrainStream` on one thread: ``loader_img_s_per_core`` on ImageNet-like JPEGs,
-``loader_formula_img_s_per_core`` on the real path's formula set (small JPEGs, decoded several times faster);
-``loader_img_s_workers<n>``: wall-clock images/s through ``n`` workers, to check that the per-core rate scales.
+``loader_formula_img_s_per_core`` on the real path's formula set; ``loader_img_s_workers<n>``: wall-clock images/s
+through ``n`` workers, to check that the per-core rate scales.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bench.shard_rates import stream_rate, write_shards
 
 
 def run(formula_shards: Path | None, smoke: bool, workers: int) -> dict:
-    """The module docstring's keys; ``workers``: loader processes for the wall-clock check (0 skips it)."""
+    """``workers``: loader processes for the wall-clock check (0 skips it)."""
     count, size, batch = (16, 32, 8) if smoke else (512, 224, 32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -42,8 +42,8 @@ def run(formula_shards: Path | None, smoke: bool, workers: int) -> dict:
 
 
 def cores_needed(result: dict, models: tuple[str, ...]) -> dict:
-    """``loader_cores_needed_<model>``: the model's fastest training rate (the step part's eager and compiled, the
-    real path's) over the per-core loader rate."""
+    """``loader_cores_needed_<model>``: the model's fastest training rate (eager, compiled, the real path) over the
+    per-core loader rate."""
     per_core = result.get("loader_img_s_per_core")
     out: dict = {}
     for name in models:

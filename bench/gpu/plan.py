@@ -18,7 +18,6 @@ device_kind = gpu_kind  # the kind cluster/mfu.yaml files a device under ("NVIDI
 
 
 def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, loader_workers: int):
-    """``BASE_PROFILE`` on one node, one GPU of this device and one worker."""
     base = load_profile(BASE_PROFILE)
     hardware = dataclasses.replace(
         base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name, gpu_memory_gb=memory_gb, peak_tflops=peak_tflops
@@ -30,12 +29,11 @@ def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, load
 
 
 def compare(spec: TrainSpec, result: dict, model: str) -> dict:
-    """The plan's numbers for the real path's configuration and their errors against ``result``'s."""
+    """The plan for the real path's configuration, and its errors against ``result``'s measurements."""
     memory_gb = result.get("gpu_memory_gb") or 80.0
     peak = result.get("train_path_peak_tflops") or 989.0
     profile = one_gpu_profile(result.get("device", "GPU"), memory_gb, peak, spec.num_workers)
-    config = spec.config(Path(spec.run_root) / "plan")
-    plan = build_plan(profile, config)
+    plan = build_plan(profile, spec.config(Path(spec.run_root) / "plan"))
     m, c = plan.memory, plan.compute
     out = {
         f"plan_memory_gb_{model}": m.total_gb,

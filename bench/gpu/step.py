@@ -2,9 +2,8 @@
 
 Tasks per model, in priority order (``_tasks``): ``eager`` (vitscale at the largest micro-batch that fits), ``hf``
 (SDPA, at that micro-batch or below), ``ckpt`` (activation checkpointing), ``compiled`` and ``hf_compiled``. Keys are
-``<key>_<model>``; a rate is the median of ``repeats`` steps; MFU = images/s x ``train_flops`` / the dense peak.
-A task that would end past the deadline is skipped (``skipped_<variant>_<model>``), one that fails records
-``error_<variant>_<model>``.
+``<key>_<model>``; a rate is the median of ``repeats`` steps. A task that would end past the deadline is skipped
+(``skipped_<variant>_<model>``), one that fails records ``error_<variant>_<model>``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.hf_models import compile_layers, hf_model, logits_of
-from bench.train import sync, time_steps
+from bench.train import profiled, sync, time_steps
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 
@@ -50,10 +49,6 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 class Stepper:
@@ -87,7 +82,6 @@ class Stepper:
         self.optimizer.step()
 
     def release(self) -> None:
-        """Drop the model, optimizer state and inputs, so that their memory can be freed."""
         self.model = self.optimizer = self.logits_of = self._inputs = None  # type: ignore[assignment]
 
     def fits(self, batch: int) -> bool:
@@ -98,7 +92,7 @@ class Stepper:
             sync(self.device)
             return True
         except (torch.OutOfMemoryError, RuntimeError) as error:
-            if not is_oom(error):
+            if not (isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()):
                 raise
         self._inputs = None
         self.optimizer.zero_grad(set_to_none=True)
@@ -131,13 +125,7 @@ _KERNELS = (  # profiler op name fragment → the attention kernel it is, most s
 
 def attention_kernel(step: Callable[[], None], device: torch.device) -> str:
     """SDPA's backend in one profiled step, or "explicit (bmm + softmax)" (vitscale's CPU bf16 path, HF's eager)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        sync(device)
-    names = {event.key for event in prof.key_averages()}
+    names = {event.key for event in profiled(step, device)}
     for fragment, kernel in _KERNELS:
         if any(fragment in name for name in names):
             return kernel
@@ -165,8 +153,7 @@ def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
     config = config_of(name, s.smoke)
     start, cap = (2, 4) if s.smoke else MODELS[name]
     flops = train_flops(config)
-    impl = "hf" if variant.startswith("hf") else "vitscale"
-    stepper = Stepper(config, impl, device)
+    stepper = Stepper(config, "hf" if variant.startswith("hf") else "vitscale", device)
     try:
         if variant == "eager":
             out = {"attention_kernel_vitscale": attention_kernel(lambda: stepper.step(2), device)}

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from bench import out_file
 from bench.train import time_steps
-from data_pipeline.cli import output_file
 from pretrain.checkpointer import StartPoint
 from pretrain.config.optim import build_optimizer
 from pretrain.config.train_config import TrainConfig, load_config, model_overrides
@@ -145,27 +145,27 @@ def real_path(spec: TrainSpec, out: dict) -> None:
     peak = device_peak(config.logging.peak_tflops, device, "bf16" if device.type == "cuda" else "fp32")
     img_s = batch / step_s
     save_s, save_bytes = saves[spec.checkpoint_at]
-    out |= {
-        "train_path_model": config.model.name,
-        "train_path_micro_batch": config.data.micro_batch_size,
-        "train_path_global_batch": batch,
-        "train_path_zero_stage": config.deepspeed.zero_stage,
-        "train_path_num_workers": config.data.num_workers,
-        "train_path_steps": summary.steps,
-        "train_path_steady_steps": len(steady),
-        "train_path_step_s": step_s,
-        "train_path_img_s": img_s,
-        "train_path_mfu": img_s * _flops_per_image(config) / (peak.tflops * 1e12),
-        "train_path_peak_tflops": peak.tflops,
-        "train_path_peak_source": peak.source,
-        "train_path_data_wait": wait,
-        "train_path_start_s": beat.ends[steps[0]] - beat.started,
-        "train_path_checkpoint_save_s": save_s,
-        "train_path_checkpoint_gb": save_bytes / 1e9,
-        "train_path_losses": summary.losses,
-        "train_path_step_times_s": [round(durations[s], 4) for s in sorted(durations)],
+    out |= dict(
+        train_path_model=config.model.name,
+        train_path_micro_batch=config.data.micro_batch_size,
+        train_path_global_batch=batch,
+        train_path_zero_stage=config.deepspeed.zero_stage,
+        train_path_num_workers=config.data.num_workers,
+        train_path_steps=summary.steps,
+        train_path_steady_steps=len(steady),
+        train_path_step_s=step_s,
+        train_path_img_s=img_s,
+        train_path_mfu=img_s * _flops_per_image(config) / (peak.tflops * 1e12),
+        train_path_peak_tflops=peak.tflops,
+        train_path_peak_source=peak.source,
+        train_path_data_wait=wait,
+        train_path_start_s=beat.ends[steps[0]] - beat.started,
+        train_path_checkpoint_save_s=save_s,
+        train_path_checkpoint_gb=save_bytes / 1e9,
+        train_path_losses=summary.losses,
+        train_path_step_times_s=[round(durations[s], 4) for s in sorted(durations)],
         **_memory(device, "train_path"),
-    }
+    )
     for step in list(saves)[1:]:  # only the first is resumed from: one H/14 save less on the disk
         shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
 
@@ -181,15 +181,15 @@ def resume(spec: TrainSpec, out: dict) -> None:
     summary = train_worker(config, heartbeat=beat)
     first = {int(s): loss for s, loss in out["train_path_losses"]}
     diffs = [abs(loss - first[int(s)]) for s, loss in summary.losses if int(s) in first]
-    out |= {
-        "resume_start": summary.start,
-        "resume_start_step": summary.start_step,
-        "resume_losses": summary.losses,
-        "resume_compared_steps": len(diffs),
-        "resume_max_abs_loss_diff": max(diffs) if diffs else None,
-        "resume_losses_equal": bool(diffs) and max(diffs) == 0.0,
-        "resume_start_s": beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
-    }
+    out |= dict(
+        resume_start=summary.start,
+        resume_start_step=summary.start_step,
+        resume_losses=summary.losses,
+        resume_compared_steps=len(diffs),
+        resume_max_abs_loss_diff=max(diffs) if diffs else None,
+        resume_losses_equal=bool(diffs) and max(diffs) == 0.0,
+        resume_start_s=beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
+    )
     shutil.rmtree(Path(spec.run_root) / "run", ignore_errors=True)
     shutil.rmtree(Path(spec.run_root) / "resumed", ignore_errors=True)
 
@@ -200,9 +200,8 @@ def _median_step(step, device: torch.device, steps: int) -> float:
     return statistics.median(time_steps(step, steps, device))
 
 
-def _plain_step(trainer_config: TrainConfig, place, num_classes: int, dtype: torch.dtype):
+def _plain_step(config: TrainConfig, place, num_classes: int, dtype: torch.dtype):
     """ZeRO-0 at world size 1 in plain PyTorch: the run's model, task, optimizer and batches, autocast, clipping."""
-    config = trainer_config
     with place.device:
         model = build_model(config.model.name, **model_overrides(config, num_classes))
     task = build_task(config, model).to(place.device)
@@ -270,16 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print(usage, file=sys.stderr)
         return 2
-    try:
-        out_path, out = output_file(args[1], "OUT.json"), {}
-    except ValueError as error:
-        print(f"bench.gpu.train: error: {error}", file=sys.stderr)
+    if (out_path := out_file(args[1], "bench.gpu.train", "OUT.json")) is None:
         return 2
     try:
         spec = TrainSpec(**json.loads(Path(args[0]).read_text()))
     except (OSError, ValueError, TypeError) as error:  # unreadable, not JSON, not a spec's fields
         print(f"bench.gpu.train: error: SPEC.json {args[0]}: {error}; python -m bench.gpu writes it", file=sys.stderr)
         return 2
+    out: dict = {}
     parts = [part for part, on in ((real_path, True), (resume, spec.resume), (zero_stages, spec.zero)) if on]
     for part in parts:
         began = time.perf_counter()

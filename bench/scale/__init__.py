@@ -1,1 +1,1 @@
-"""ImageNet-21k scale without the images (`python -m bench.scale`): tables, dedup, the writer, generation."""
+"""ImageNet-21k scale without the images (`python -m bench.scale`)."""

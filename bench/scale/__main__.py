@@ -8,12 +8,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import out_file
 from bench.images import imagenet_like_jpegs
 from bench.scale.campaign import FULL, TINY, measure_generation
 from bench.scale.dedup import measure_dedup
 from bench.scale.tables import LOADER_WORKERS, measure_first_batch, measure_tables
 from bench.scale.writer import measure_writer
-from data_pipeline.cli import output_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,10 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results/scale.json")
     p.add_argument("--tiny", action="store_true", help="small sizes throughout (a smoke test; numbers mean little)")
     args = p.parse_args(argv)
-    try:
-        out = output_file(args.out, "--out")
-    except ValueError as error:
-        print(f"bench.scale: error: {error}", file=sys.stderr)
+    if (out := out_file(args.out, "bench.scale")) is None:
         return 2
     sizes = TINY if args.tiny else FULL
     result: dict = dict(

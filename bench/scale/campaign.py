@@ -14,8 +14,6 @@ from data_pipeline.builtin import formula
 
 @dataclass(frozen=True)
 class Sizes:
-    """i21k's own sizes (``FULL``) or ``--tiny``'s (``TINY``)."""
-
     samples: int  # rows of the synthetic tables
     shards: int  # manifest rows (the first batch's stand-in's too)
     classes: int
@@ -65,16 +63,16 @@ def measure_generation(num_images: int) -> dict:
     rates = {kind: formula.measure_generation(kind, 224, num_images) for kind in formula.CLASS_FORMULA}
     slowest = min(rates.values())
     total = I21K_CLASSES * 1000
-    return {
-        "generate_img_s_per_core": round(slowest, 1),
-        "generate_img_s_per_core_by_kind": {k: round(v, 1) for k, v in rates.items()},
-        "generate_projected_hours_96_cores": round(total / (slowest * 96) / 3600, 3),
-        "generate_projected_hours_1_core": round(total / slowest / 3600, 2),
-        "generate_projected_inputs": dict(
+    return dict(
+        generate_img_s_per_core=round(slowest, 1),
+        generate_img_s_per_core_by_kind={k: round(v, 1) for k, v in rates.items()},
+        generate_projected_hours_96_cores=round(total / (slowest * 96) / 3600, 3),
+        generate_projected_hours_1_core=round(total / slowest / 3600, 2),
+        generate_projected_inputs=dict(
             formula="classes * images_per_class / (img_s_per_core of the slowest kind * cores) / 3600",
             classes=I21K_CLASSES,
             images_per_class=1000,
             resolution=224,
             measured_images_per_kind=num_images,
         ),
-    }
+    )

@@ -79,18 +79,18 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
     cores = 16
     hours = (I21K_SAMPLES / rate) / cores / 3600
     log_ratio = math.log2(I21K_SAMPLES) / math.log2(train)
-    return {
-        "neardup_recall": round(both / len(truth), 4) if truth else 1.0,
-        "neardup_precision": round(both / len(found), 4) if found else 1.0,
-        "neardup_recall_planted": round(recall_planted, 4),  # near and exact copies
-        "neardup_bruteforce_sample": dict(queries=len(pick), true_pairs=len(truth), found_pairs=len(found)),
-        "neardup_query_per_s_per_core": round(rate, 1),
-        "neardup_index_build_s": round(build_s, 3),
-        "neardup_projected_hours_16_cores": round(hours, 4),
-        "neardup_projected_seconds_16_cores": round(hours * 3600, 1),
-        "neardup_projected_hours_16_cores_formula": "i21k_samples / query_per_s_per_core / cores / 3600 (a query is "
+    return dict(
+        neardup_recall=round(both / len(truth), 4) if truth else 1.0,
+        neardup_precision=round(both / len(found), 4) if found else 1.0,
+        neardup_recall_planted=round(recall_planted, 4),  # near and exact copies
+        neardup_bruteforce_sample=dict(queries=len(pick), true_pairs=len(truth), found_pairs=len(found)),
+        neardup_query_per_s_per_core=round(rate, 1),
+        neardup_index_build_s=round(build_s, 3),
+        neardup_projected_hours_16_cores=round(hours, 4),
+        neardup_projected_seconds_16_cores=round(hours * 3600, 1),
+        neardup_projected_hours_16_cores_formula="i21k_samples / query_per_s_per_core / cores / 3600 (a query is "
         "one training image checked for an exact sha256 and a near pHash match: ExclusionSet.matches_many)",
-        "neardup_projected_hours_16_cores_inputs": dict(
+        neardup_projected_hours_16_cores_inputs=dict(
             i21k_samples=I21K_SAMPLES,
             query_per_s_per_core=round(rate, 1),
             cores=cores,
@@ -103,12 +103,12 @@ def bench_dedup(train: int, evals: int, max_distance: int, planted_fraction: flo
             note="queries are independent: split them over processes; the index (eval hashes) is the same size "
             "as measured. Uniform synthetic hashes: real pHashes cluster, so buckets and candidates grow",
         ),
-        "neardup_selfjoin_s_1_core": round(self_join_s, 2),
-        "neardup_selfjoin_flagged": int(flags.sum()),
-        "neardup_selfjoin_projected_hours_1_core": round(self_join_s * I21K_SAMPLES / train * log_ratio / 3600, 3),
-        "neardup_selfjoin_projected_formula": "selfjoin_s_1_core * i21k_samples / measured * log2(i21k)/log2(measured)"
+        neardup_selfjoin_s_1_core=round(self_join_s, 2),
+        neardup_selfjoin_flagged=int(flags.sum()),
+        neardup_selfjoin_projected_hours_1_core=round(self_join_s * I21K_SAMPLES / train * log_ratio / 3600, 3),
+        neardup_selfjoin_projected_formula="selfjoin_s_1_core * i21k_samples / measured * log2(i21k)/log2(measured)"
         " / 3600 (the writer's in-set near-duplicate flag, one process)",
-    }
+    )
 
 
 def bench_phash_robustness(images: list[bytes], max_distance: int) -> float:

@@ -44,12 +44,6 @@ def _const(text: str, n: int) -> np.ndarray:
     return np.broadcast_to(np.frombuffer(text.encode(), dtype=np.uint8), (n, len(text)))
 
 
-def _hex(rng: np.random.Generator, n: int) -> np.ndarray:
-    table = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-    raw = rng.integers(0, 256, size=(n, 32), dtype=np.uint8)
-    return np.stack([table[raw >> 4], table[raw & 15]], axis=2).reshape(n, 64)
-
-
 def _strings(*parts: np.ndarray) -> pa.Array:
     """A string column from fixed-width byte rows, built from buffers (no Python string per row)."""
     data = np.ascontiguousarray(np.concatenate(parts, axis=1))
@@ -60,13 +54,9 @@ def _strings(*parts: np.ndarray) -> pa.Array:
 
 def hex_digests(rng: np.random.Generator, n: int) -> pa.Array:
     """``n`` random sha256-like digests (64 lowercase hex characters) as a string column."""
-    return _strings(_hex(rng, n))
-
-
-def shard_sizes(samples: int, shards: int) -> np.ndarray:
-    sizes = np.full(shards, samples // shards, dtype=np.int64)
-    sizes[: samples % shards] += 1
-    return sizes
+    table = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(n, 32), dtype=np.uint8)
+    return _strings(np.stack([table[raw >> 4], table[raw & 15]], axis=2).reshape(n, 64))
 
 
 def build_tables(root: Path, samples: int, shards: int, classes: int, seed: int = 0) -> dict:
@@ -74,7 +64,8 @@ def build_tables(root: Path, samples: int, shards: int, classes: int, seed: int 
     writers, the samples table a chunk at a time."""
     root.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    sizes = shard_sizes(samples, shards)
+    sizes = np.full(shards, samples // shards, dtype=np.int64)
+    sizes[: samples % shards] += 1
     shard_of = np.repeat(np.arange(shards), sizes)
     start = time.perf_counter()
     with SamplesWriter(root / manifest.SAMPLES_FILE) as writer:
@@ -83,21 +74,21 @@ def build_tables(root: Path, samples: int, shards: int, classes: int, seed: int 
             n = len(idx)
             label = rng.integers(0, classes, n)
             wnid = _digits(label, 8)
-            columns = {
-                "key": _strings(_digits(idx, 9)),
-                "shard": _strings(_const("shard-", n), _digits(shard_of[idx], 6), _const(".tar", n)),
-                "label": pa.array(label),
-                "width": pa.array(rng.integers(200, 513, n)),
-                "height": pa.array(rng.integers(200, 513, n)),
-                "sha256": hex_digests(rng, n),
-                "source_sha256": hex_digests(rng, n),
-                "phash": pa.array(rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, n, dtype=np.int64)),
-                "source": _strings(
+            columns = dict(
+                key=_strings(_digits(idx, 9)),
+                shard=_strings(_const("shard-", n), _digits(shard_of[idx], 6), _const(".tar", n)),
+                label=pa.array(label),
+                width=pa.array(rng.integers(200, 513, n)),
+                height=pa.array(rng.integers(200, 513, n)),
+                sha256=hex_digests(rng, n),
+                source_sha256=hex_digests(rng, n),
+                phash=pa.array(rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, n, dtype=np.int64)),
+                source=_strings(
                     _const("n", n), wnid, _const(".tar:n", n), wnid, _const("_", n), _digits(idx, 9), _const(".JPEG", n)
                 ),
-                "near_duplicate": pa.array(np.zeros(n, dtype=bool)),
-                "exact_duplicate": pa.array(np.zeros(n, dtype=bool)),
-            }
+                near_duplicate=pa.array(np.zeros(n, dtype=bool)),
+                exact_duplicate=pa.array(np.zeros(n, dtype=bool)),
+            )
             writer.write_batch(pa.RecordBatch.from_pydict(columns, schema=manifest.SAMPLES_SCHEMA))
     shard_rows = [
         dict(
@@ -155,9 +146,7 @@ def _probe(args: list[str]) -> None:
 
 def _run_probe(*args: object) -> dict:
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, check=False, timeout=600
-    )
+    done = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"probe {args} failed: {done.stderr.strip()[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -100,11 +100,11 @@ def _write_projection(runs: dict) -> dict:
     # decode (the scan pass) dominates and grows with the JPEG's bytes
     rate = real["img_s_per_core"] * min(1.0, real["mean_jpeg_kb"] / I21K_MEAN_JPEG_KB)
     reencode_rate = runs["reencode"]["img_s_per_core"]
-    out = {
-        "write_img_s_per_core": round(real["img_s_per_core"], 1),
-        "write_img_s_per_core_small": round(runs["small"]["img_s_per_core"], 1),
-        "write_img_s_per_core_reencode_800x600": round(reencode_rate, 1),
-    }
+    out = dict(
+        write_img_s_per_core=round(real["img_s_per_core"], 1),
+        write_img_s_per_core_small=round(runs["small"]["img_s_per_core"], 1),
+        write_img_s_per_core_reencode_800x600=round(reencode_rate, 1),
+    )
     for nodes, key in ((1, "write_projected_hours_96_cores"), (8, "write_projected_hours_8_nodes")):
         cores = 96 * nodes
         out[key] = round(I21K_SAMPLES / (rate * cores) / 3600, 3)
@@ -183,11 +183,11 @@ def measure_writer(tmp: Path, realistic: list[bytes], reencoded: int, serial_cou
     the projections and ``main_process_costs``; leaves the realistic shards in ``tmp/clean-realistic``."""
     small = [_resize(d, (64, 48)) for d in realistic]
     big = [_resize(d, (800, 600)) for d in realistic[:reencoded]]
-    runs = {
-        "realistic": bench_writer(tmp, realistic, 8, SAMPLES_PER_SHARD, "realistic"),
-        "small": bench_writer(tmp, small, 8, SAMPLES_PER_SHARD, "small"),
-        "reencode": bench_writer(tmp, big, 4, SAMPLES_PER_SHARD, "reencode"),
-    }
+    runs = dict(
+        realistic=bench_writer(tmp, realistic, 8, SAMPLES_PER_SHARD, "realistic"),
+        small=bench_writer(tmp, small, 8, SAMPLES_PER_SHARD, "small"),
+        reencode=bench_writer(tmp, big, 4, SAMPLES_PER_SHARD, "reencode"),
+    )
     for label, run in runs.items():
         print(f"writer, {label} JPEGs ({run['mean_jpeg_kb']:.0f} KB): {run['img_s_per_core']:.1f} images/s per core")
     source, shards = runs["realistic"]["source"], len(realistic) // SAMPLES_PER_SHARD
@@ -195,6 +195,6 @@ def measure_writer(tmp: Path, realistic: list[bytes], reencoded: int, serial_cou
     print(f"writer killed and re-run: identical output {result['write_resume_identical']}")
     result.update(_write_projection(runs))
     result.update(main_process_costs(serial_count, serial_evals))
-    for key in ("write_projected_hours_96_cores", "write_projected_hours_8_nodes"):  # + the serial part
+    for key in ("write_projected_hours_96_cores", "write_projected_hours_8_nodes"):
         result[key + "_with_serial"] = round(result[key] + result["write_serial_hours_i21k"], 3)
     return result
