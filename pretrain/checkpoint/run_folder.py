@@ -318,3 +318,4 @@ def write_precision_record(run_dir: str | Path, precision: str, rule: str, reaso
 
 
 SAMPLE_KEYS_DIR = "sample_keys"  # <run>/sample_keys/rank<r>.jsonl (pretrain.telemetry.recorder)
+BATCH_DIGESTS_DIR = "batch_digests"  # <run>/batch_digests/rank<r>.jsonl (pretrain.telemetry.recorder)

@@ -65,7 +65,7 @@ class LoggingConfig:
     log_every: int = 10  # steps between logs
     peak_tflops: float | None = None  # per-device peak for MFU; None → pretrain.telemetry.peak
     progress_bar: bool = True  # tqdm on rank 0
-    record_batch_digests: bool = False  # a hash of every batch in the summary
+    record_batch_digests: bool = False  # a hash of every batch in the summary, also in <run>/batch_digests/
     record_sample_keys: bool = False  # every step's sample keys, also in <run>/sample_keys/
 
 

@@ -1,6 +1,7 @@
 """What a rank trained on and got: `Recorder` keeps per-step losses and, if asked, digests and sample keys.
 
-Digests hash each micro-batch's pixels and labels in order; sample keys also go to ``<run>/sample_keys/rank<r>.jsonl``.
+Digests hash each micro-batch's pixels and labels in order. Both also go, a line per step, to
+``<run>/batch_digests/rank<r>.jsonl`` and ``<run>/sample_keys/rank<r>.jsonl``: under Ray no summary is returned.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, SupportsFloat, TextIO
 
 import torch
 
-from pretrain.checkpoint.run_folder import SAMPLE_KEYS_DIR
+from pretrain.checkpoint.run_folder import BATCH_DIGESTS_DIR, SAMPLE_KEYS_DIR
 
 
 @dataclass
@@ -41,7 +42,10 @@ class TrainSummary:
 
 
 class Recorder:
-    def __init__(self, digests: bool, sample_keys: bool, keys_log: Path | None = None, where: dict | None = None):
+    def __init__(
+        self, digests: bool, sample_keys: bool, logs: dict[str, Path] | None = None, where: dict | None = None
+    ):
+        """``logs``: where each step's ``"digest"`` and ``"keys"`` lines go (appended), for what is recorded."""
         self.want_digests, self.want_keys = digests, sample_keys
         self.losses: list[list[Any]] = []  # [step, loss]: a float once read
         self.digests: list[list[Any]] = []
@@ -49,17 +53,19 @@ class Recorder:
         self._digest = hashlib.sha256()
         self._keys: list[str] = []
         self._where = where or {}  # attempt, rank, world size
-        self._log: TextIO | None = None
-        if sample_keys and keys_log is not None:
-            keys_log.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(keys_log, "a")  # noqa: SIM115 (`close` ends it)
+        self._logs: dict[str, TextIO] = {}
+        for name, path in (logs or {}).items():
+            if {"digest": digests, "keys": sample_keys}[name]:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._logs[name] = open(path, "a")  # noqa: SIM115 (`close` ends it)
 
     @classmethod
     def for_run(cls, run_dir: Path, logging, rank: int, world_size: int, attempt: int) -> Recorder:
         """The recorder ``logging`` (a `LoggingConfig`) asks for."""
-        log = run_dir / SAMPLE_KEYS_DIR / f"rank{rank}.jsonl"
+        logs = {"digest": run_dir / BATCH_DIGESTS_DIR, "keys": run_dir / SAMPLE_KEYS_DIR}
+        logs = {name: folder / f"rank{rank}.jsonl" for name, folder in logs.items()}
         where = {"attempt": attempt, "rank": rank, "world_size": world_size}
-        return cls(logging.record_batch_digests, logging.record_sample_keys, log, where)
+        return cls(logging.record_batch_digests, logging.record_sample_keys, logs, where)
 
     @property
     def wants_batches(self) -> bool:
@@ -77,19 +83,23 @@ class Recorder:
         self.losses.append([step, loss])
         if self.want_digests:
             self.digests.append([step, self._digest.hexdigest()])
+            self._write("digest", {"step": step, "digest": self.digests[-1][1]})
             self._digest = hashlib.sha256()
         if self.want_keys:
             entry = {"step": step, "epoch": epoch, "keys": self._keys}
             self.sample_keys.append(entry)
-            if self._log is not None:
-                self._log.write(json.dumps({**entry, **self._where}) + "\n")
-                self._log.flush()  # kept by a killed attempt
+            self._write("keys", entry)
             self._keys = []
 
+    def _write(self, name: str, entry: dict[str, Any]) -> None:
+        if log := self._logs.get(name):
+            log.write(json.dumps({**entry, **self._where}) + "\n")
+            log.flush()  # kept by a killed attempt
+
     def close(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        for log in self._logs.values():
+            log.close()
+        self._logs = {}
 
     def summary(self, **fields: Any) -> TrainSummary:
         losses = [[step, float(loss)] for step, loss in self.losses]

@@ -1,5 +1,6 @@
 """Fast tests of the training pieces that need no process group: schedules, durations, AdamW groups, losses,
-the resume order, RNG state, and the metrics interface; and one start of `pretrain.train` past a stale build lock."""
+the resume order, RNG state, the metrics interface and the recorder's logs; and one start of `pretrain.train` past a
+stale build lock."""
 
 import json
 import math
@@ -18,10 +19,10 @@ import torch.nn.functional as F
 
 from pretrain import checkpointer as ckpt
 from pretrain import randomness
-from pretrain.checkpoint.run_folder import COMPLETE, IncompleteCheckpointError
+from pretrain.checkpoint.run_folder import BATCH_DIGESTS_DIR, COMPLETE, SAMPLE_KEYS_DIR, IncompleteCheckpointError
 from pretrain.checkpoint.safe_load import load_weights_only
 from pretrain.config.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
-from pretrain.config.train_config import CheckpointConfig, load_config
+from pretrain.config.train_config import CheckpointConfig, LoggingConfig, load_config
 from pretrain.distributed import Readback
 from pretrain.model.tasks import (
     TASKS,
@@ -34,6 +35,7 @@ from pretrain.model.tasks import (
 )
 from pretrain.model.vit import build_model
 from pretrain.telemetry.metrics import NonFiniteLossError, TrainMetrics
+from pretrain.telemetry.recorder import Recorder
 from tracking import keys
 
 
@@ -576,3 +578,29 @@ def test_a_rank_never_generates_data_the_command_line_does(tmp_path):
     config.data.ensure_builtin()
     config.data.ensure_builtin()  # present: nothing to do
     assert prepare_data(config, place) == (4, 32)
+
+
+def test_the_recorder_writes_each_steps_digest_and_keys_where_a_ray_job_leaves_them(tmp_path):
+    """Under Ray no summary comes back: a rank's digests and keys must be in the run folder, a line per step, an
+    attempt's lines after the one before."""
+
+    def attempt(number: int, steps: range, logging: LoggingConfig) -> list:
+        recorder = Recorder.for_run(tmp_path, logging, rank=1, world_size=2, attempt=number)
+        for step in steps:
+            recorder.batch(torch.full((2, 3, 4, 4), float(step)), torch.tensor([step, 0]), [f"k{step}a", f"k{step}b"])
+            recorder.end_step(step, loss=1.0 / step, epoch=0)
+        recorder.close()
+        return recorder.summary(rank=1, world_size=2, start="run", start_step=0, steps=0, images_seen=0).digests
+
+    both = LoggingConfig(record_batch_digests=True, record_sample_keys=True)
+    digests = attempt(0, range(1, 3), both) + attempt(1, range(3, 4), both)
+    lines = [json.loads(line) for line in (tmp_path / BATCH_DIGESTS_DIR / "rank1.jsonl").read_text().splitlines()]
+    assert [[entry["step"], entry["digest"]] for entry in lines] == digests and len(set(d for _, d in digests)) == 3
+    assert [(entry["attempt"], entry["rank"], entry["world_size"]) for entry in lines] == [(0, 1, 2)] * 2 + [(1, 1, 2)]
+    keys = [json.loads(line) for line in (tmp_path / SAMPLE_KEYS_DIR / "rank1.jsonl").read_text().splitlines()]
+    assert [entry["keys"] for entry in keys] == [["k1a", "k1b"], ["k2a", "k2b"], ["k3a", "k3b"]]
+
+    shutil.rmtree(tmp_path / SAMPLE_KEYS_DIR)
+    attempt(2, range(4, 5), LoggingConfig(record_batch_digests=True))  # keys not asked for: no keys folder
+    assert not (tmp_path / SAMPLE_KEYS_DIR).exists()
+    assert len((tmp_path / BATCH_DIGESTS_DIR / "rank1.jsonl").read_text().splitlines()) == 4
