@@ -267,6 +267,24 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {summary}{hint}"
 
 
+def await_job_run(
+    run_dir: Path,
+    tracking_uri: str | None,
+    experiment: str,
+    config: Mapping[str, Any],
+    tags: Mapping[str, Any],
+    deadline_s: float,
+) -> str | None:
+    """The run ``run_dir``'s record names, else one created as soon as MLflow answers within ``deadline_s`` (a job's
+    courier, once the job's own creation stopped); None if it never did."""
+    run = JobRun(run_dir / RUN_RECORD, tracking_uri, recorded_run_id(run_dir / RUN_RECORD, tracking_uri))
+    if run.run_id is None:
+        run.create_in_background(lambda: _create_job_run(run_dir, tracking_uri, experiment, config, tags))
+        run.wait(deadline_s)
+        run.stop()
+    return run.run_id
+
+
 def _recorded(run_dir: Path, tracking_uri: str | None, plan: Mapping[str, Any]) -> str | None:
     """The recorded run a relaunch continues, else None once ``plan.json`` is written."""
     run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
@@ -282,6 +300,9 @@ def _create_job_run(
     run_dir: Path, tracking_uri: str | None, experiment: str, config: Mapping[str, Any], tags: Mapping[str, Any]
 ) -> str:
     """Create the run and record it at once (a retry never makes a second one); a Tracker sends the rest."""
+    recorded = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+    if recorded is not None:  # another process of the job created it meanwhile
+        return recorded
     params = flatten_config(config)
     params.pop(keys.RUN_ID_PARAM, None)
     run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)

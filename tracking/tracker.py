@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.paths import PROJECT_ROOT
+from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ _PERMANENT_ERROR_CODES = frozenset(
 PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
 PENDING_POLL_S = 2.0  # how often a Tracker of a pending run reads the record
 CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this often (1, 2, 4 s apart)
+# A Tracker of a run still pending at close waits this long for it, then leaves its records in the spool, beside the
+# run record, for the job's end or its courier to send (docs/design.md, "Tracking at a job's start").
+PENDING_CLOSE_S = 3.0
+SPOOL_DIR = "mlflow_spool"
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:
@@ -89,6 +93,28 @@ def read_run_record(record: Path | str, tracking_uri: str | None) -> dict[str, A
 def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
     """The run id of `read_run_record`, or None."""
     return read_run_record(record, tracking_uri).get("run_id") or None
+
+
+def spool_dir(record: Path | str) -> Path:
+    """Where the Trackers of the run ``record`` will name leave what they hold when they close before it exists."""
+    return Path(record).parent / SPOOL_DIR
+
+
+def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
+    """Send each spool file's records, oldest first, to the run ``record`` names by now; a file sent in full is
+    removed. Returns (items sent, files left)."""
+    sent, left = 0, 0
+    for path in sorted(spool_dir(record).glob("*.json")):
+        payload = json.loads(path.read_text())
+        tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0)
+        count = tracker._restore(payload)
+        tracker.close(timeout_s)
+        if tracker.pending:
+            left += 1
+        else:
+            sent += count
+            path.unlink()
+    return sent, left
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -184,7 +210,8 @@ class Tracker:
         self._next_seq = 0
         self._dropped = 0
         self._once_prefixes: tuple[str, ...] = ()
-        self._run_steps: dict[str, int] = {}
+        self._run_steps: dict[str, range | set[int]] = {}  # the steps of once-per-step keys the run held
+        self._exact_steps = False  # a spool's records: look each step up, they may come after later steps
         self._said_skipping = False
         self._said_pending = False
         self._buffer_lock = threading.Lock()
@@ -305,18 +332,19 @@ class Tracker:
         if not self.enabled:
             return
         # Bounded even without a timeout: a pending run's server may never come back.
-        self._close_by = time.monotonic() + (120.0 if timeout is None else timeout)
+        wait = 120.0 if timeout is None else timeout
+        if self.run_id == self._placeholder:  # its records go to the spool rather than wait for the run
+            wait = min(wait, PENDING_CLOSE_S)
+        self._close_by = time.monotonic() + wait
         self._closing.set()
         self._hurry.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-        if self.pending:
-            why = ""
-            if self.run_id == self._placeholder:
-                how = "refused the job's credentials" if self._refused() else "did not answer"
-                why = f" (the run was never created: MLflow {how})"
-            self._warn(f"closing with {self.pending} items not sent to MLflow run {self.run_id}{why}", force=True)
+        if self.pending and self.run_id == self._placeholder:
+            self._spool()
+        elif self.pending:
+            self._warn(f"closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
         self.enabled = False
         _OPEN_TRACKERS.discard(self)
 
@@ -330,6 +358,49 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _spool(self) -> None:
+        """Move what is buffered for a run not created yet to a file of `spool_dir`."""
+        with self._buffer_lock:
+            payload = {
+                "tracking_uri": self.tracking_uri,
+                "ref": self._placeholder,
+                "once_prefixes": list(self._once_prefixes),
+                "params": dict(self._params),
+                "tags": dict(self._tags),
+                "metrics": [[m.key, m.value, m.timestamp_ms, m.step] for m in self._metrics],
+                "artifacts": [[a.local_path, a.artifact_path] for a in self._artifacts],
+            }
+            count = len(self._metrics) + len(self._params) + len(self._tags) + len(self._artifacts)
+        folder = spool_dir(self._placeholder[len(PENDING_RUN) :])
+        path = folder / f"{time.time_ns():020d}-{os.getpid()}-{id(self):x}.json"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(payload))
+        except OSError as error:
+            self._warn(f"closing with {count} items not sent to MLflow and not spooled ({error})", force=True)
+            return
+        with self._buffer_lock:
+            self._metrics.clear()
+            self._params.clear()
+            self._tags.clear()
+            self._artifacts.clear()
+        how = "refuses the job's credentials" if self._refused() else "has not answered"
+        logger.warning(f"MLflow {how}; the run's {count} items from this process wait in {path} until it exists")
+
+    def _restore(self, payload: Mapping[str, Any]) -> int:
+        """Buffer a spool file's records again, with their own times and steps; returns how many."""
+        with self._buffer_lock:
+            self._once_prefixes = tuple(payload["once_prefixes"])
+            self._params.update(payload["params"])
+            self._tags.update(payload["tags"])
+            for key, value, timestamp_ms, step in payload["metrics"]:
+                self._metrics.append(_PendingMetric(self._next_seq, key, float(value), int(timestamp_ms), int(step)))
+                self._next_seq += 1
+            self._artifacts += [_Artifact(path, artifact_path) for path, artifact_path in payload["artifacts"]]
+            self._exact_steps = True
+        self._kick()
+        return len(payload["metrics"]) + len(payload["params"]) + len(payload["tags"]) + len(payload["artifacts"])
 
     # ---- delivery (sender thread, or flush)
 
@@ -500,18 +571,23 @@ class Tracker:
             client = MlflowClient(tracking_uri=self.tracking_uri)
             # Inside the retries; nothing is sent yet, so these steps are earlier processes'.
             run = client.get_run(self.run_id)
-            self._run_steps = {m.key: m.step for m in run.data.to_proto().metrics}
+            self._run_steps = {m.key: range(m.step + 1) for m in run.data.to_proto().metrics}
+            if self._exact_steps:
+                with self._buffer_lock:
+                    once = {m.key for m in self._metrics if m.key.startswith(self._once_prefixes)}
+                for key in once & set(self._run_steps):
+                    self._run_steps[key] = {m.step for m in client.get_metric_history(self.run_id, key)}
             self._client = client
         return self._client
 
     def _already_logged(self, metric: _PendingMetric) -> bool:
         """True for a log_once_per_step value at a step the run already held."""
-        if not metric.key.startswith(self._once_prefixes) or metric.step > self._run_steps.get(metric.key, -1):
+        if not metric.key.startswith(self._once_prefixes) or metric.step not in self._run_steps.get(metric.key, ()):
             return False
         if not self._said_skipping:
             self._said_skipping = True
             logger.info(
-                f"MLflow run {self.run_id} already holds {metric.key} up to step {self._run_steps[metric.key]}: "
+                f"MLflow run {self.run_id} already holds {metric.key} up to step {max(self._run_steps[metric.key])}: "
                 "the redone steps are not logged again (training resumed from an earlier checkpoint)"
             )
         return True

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from cluster.driver.courier import hand_over
 from cluster.driver.eval_scheduler import EvalScheduler
 from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.driver.record import JobEnd, finish_job, record_placement
@@ -35,6 +36,7 @@ from tracking.runs import JobRun, run_tags, start_job_run
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
+STOP_WAIT_S = 30.0  # the job's end waits this long for a run creation in flight
 SUBMIT_WAIT_S = 60.0  # rank 0's wait for the eval scheduler to take its checkpoints
 
 
@@ -284,14 +286,10 @@ def run_job(
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
-    mlflow_run.stop()
+    mlflow_run.stop(STOP_WAIT_S)  # an attempt in flight ends first: the courier must not make a second run
+    finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end)
     if mlflow_run.run_id is None:
-        print(
-            f"MLflow at {uri} never answered during the job: the records buffered for its run are not sent; the run "
-            f"folder {run_dir} keeps summary.json and the goodput ledger",
-            flush=True,
-        )
-    finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id, end)
+        print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
     return 0 if status == "FINISHED" else 1
 
 
@@ -305,10 +303,16 @@ def open_tracking(spec: JobSpec) -> tuple[JobRun, TrainConfig]:
     """The job's MLflow run, and the config naming it (while MLflow does not answer, by a reference)."""
     config = spec.config
     run_dir, uri = Path(config.checkpoint.dir), config.logging.mlflow_tracking_uri
-    run = start_job_run(run_dir, uri, config.recipe or "vitscale", config.to_dict(), spec.tags, spec.plan)
+    args = job_run_args(spec)
+    run = start_job_run(run_dir, uri, args["experiment"], args["config"], args["tags"], spec.plan)
     named = run.ref if run.ref == run.run_id else "being created in the background"
     print(f"MLflow run {named} ({uri}); run folder {run_dir}", flush=True)
     return run, config.replace(logging=replace(config.logging, mlflow_run_id=run.ref))
+
+
+def job_run_args(spec: JobSpec) -> dict[str, Any]:
+    """What creating the job's MLflow run takes, at the job's start or by its courier."""
+    return {"experiment": spec.config.recipe or "vitscale", "config": spec.config.to_dict(), "tags": spec.tags}
 
 
 def job_hang(spec: JobSpec) -> HangSpec:

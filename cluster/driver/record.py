@@ -21,8 +21,8 @@ from pretrain.weights.export import checkpoint_step, class_names, save_hf
 from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
-from tracking.runs import finish_run, steps_missing
-from tracking.tracker import Tracker
+from tracking.runs import RUN_RECORD, finish_run, steps_missing
+from tracking.tracker import PENDING_RUN, Tracker, send_spooled
 
 
 def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
@@ -69,8 +69,10 @@ class JobEnd:
     plan: dict[str, Any] = field(default_factory=dict)
 
 
-def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end: JobEnd) -> None:
-    """``run_id`` None: MLflow never answered."""
+def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -> None:
+    """``run``: the MLflow run's id, or its pending reference while MLflow has not answered (what is logged here then
+    waits in the spool for the job's courier, cluster.driver.courier)."""
+    run_id = None if run.startswith(PENDING_RUN) else run
     result_file = run_dir / "train_result.json"
     train_result = json.loads(result_file.read_text()) if result_file.exists() else {}
     release_pins(run_dir)
@@ -98,13 +100,11 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
         "pruned_after_evals": [p.name for p in pruned],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    tracker = Tracker(uri, run_id, rank=0)
+    tracker = Tracker(uri, run, rank=0)
     tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     if run_id is not None:
-        _send_late_evals(uri, run_id, end.evals, tracker)
-    if end.status == "FINISHED" and run_id is not None:
-        log_final_model(run_dir, uri, run_id)
+        send_the_rest(run_dir, uri, run_id, end.evals, end.status, tracker)
     if end.clock is not None:  # last: the wall-clock ends when the ledger closes
         try:
             ledger = current_ledger(run_dir, end.clock, time.time(), eval_spans(end.evals), end.evals_shared)
@@ -115,6 +115,18 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run_id: str | None, end:
     tracker.close()
     if run_id is not None:
         finish_run(uri, run_id, end.status)
+
+
+def send_the_rest(run_dir: Path, uri: str, run_id: str, evals: dict, status: str, tracker: Tracker) -> None:
+    """What the job's processes left in the spool, the eval metrics the run still lacks and, after a success, the
+    final model: the job's end, or its courier once MLflow answers."""
+    sent, left = send_spooled(run_dir / RUN_RECORD)
+    if sent or left:
+        unsent = f"; {left} spool file(s) not sent, kept in {run_dir}" if left else ""
+        print(f"MLflow run {run_id}: {sent} records sent that the job's processes had spooled{unsent}", flush=True)
+    _send_late_evals(uri, run_id, evals, tracker)
+    if status == "FINISHED":
+        log_final_model(run_dir, uri, run_id)
 
 
 def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> None:

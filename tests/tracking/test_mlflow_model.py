@@ -176,7 +176,7 @@ def test_bad_requests_are_one_line_errors(uri, tmp_path, capsys):
 
 
 def _finish(uri: str, run_dir: Path, run_id: str, status: str = "FINISHED") -> None:
-    finish_job(run_dir, keep_last=5, uri=uri, run_id=run_id, end=JobEnd(status, 12.0, {}))
+    finish_job(run_dir, keep_last=5, uri=uri, run=run_id, end=JobEnd(status, 12.0, {}))
 
 
 def test_the_end_of_a_job_logs_its_newest_checkpoint_and_compare_links_it(uri, tmp_path, capsys, load):

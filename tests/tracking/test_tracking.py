@@ -1,5 +1,6 @@
 """The tracking package against a real MLflow SQLite store: run creation, rank-0 logging, and real outages."""
 
+import json
 import logging
 import socket
 import sqlite3
@@ -11,8 +12,18 @@ from pathlib import Path
 import pytest
 
 from tracking import keys
-from tracking.runs import create_run, finish_run, open_job_run, run_tags
-from tracking.tracker import MAX_PARAM_VALUE_LENGTH, PROJECT_ROOT, Tracker, default_tracking_uri, flatten_config
+from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags
+from tracking.tracker import (
+    MAX_PARAM_VALUE_LENGTH,
+    PENDING_CLOSE_S,
+    PROJECT_ROOT,
+    Tracker,
+    default_tracking_uri,
+    flatten_config,
+    pending_run_ref,
+    send_spooled,
+    spool_dir,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,6 +279,45 @@ def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
     assert [m.step for m in _client(uri).get_metric_history(run_id, "fewshot/mean/10shot")] == [12]
     assert caplog.text.count("the redone steps are not logged again") == 1
     assert "up to step 14" in caplog.text
+
+
+def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists(store, tmp_path, caplog):
+    """A Tracker whose run does not exist yet closes within seconds, its records left in the spool beside the run
+    record (the job ends when training does). Once the run exists, `send_spooled` sends each file with its own times
+    and removes it: the steps a later attempt already logged are not sent again, the earlier ones are."""
+    uri, _ = store
+    record = tmp_path / "run" / RUN_RECORD
+    record.parent.mkdir()
+    ref = pending_run_ref(record)
+    first = Tracker(uri, ref, rank=0)  # attempt 1: steps 1-7, its last checkpoint at step 4
+    first.log_once_per_step("train/")
+    first.log_params({"model.name": "vit", keys.RUN_ID_PARAM: ref})
+    for step in range(1, 8):
+        first.log_metrics({keys.LOSS: 3.0}, step=step)
+    first.log_metrics({"fewshot/mean/5shot": 0.5}, step=4)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        first.close()
+    assert time.monotonic() - started < PENDING_CLOSE_S + 2 and first.pending == 0
+    [spooled] = spool_dir(record).glob("*.json")
+    assert f"has not answered; the run's 10 items from this process wait in {spooled}" in caplog.text
+
+    run_id = create_run(uri, "spool", "s", {}, {})
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    second = Tracker(uri, run_id, rank=0)  # attempt 2, from step 4, with MLflow up: steps 5-10 live
+    second.log_once_per_step("train/")
+    for step in range(5, 11):
+        second.log_metrics({keys.LOSS: 2.0}, step=step)
+    assert second.flush()
+    second.close()
+    assert send_spooled(record) == (10, 0) and not spooled.exists()
+    client = _client(uri)
+    history = sorted(client.get_metric_history(run_id, keys.LOSS), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(s, 3.0) for s in range(1, 5)] + [(s, 2.0) for s in range(5, 11)]
+    assert history[3].timestamp <= history[4].timestamp  # the spooled values keep the time they were logged
+    assert [m.step for m in client.get_metric_history(run_id, "fewshot/mean/5shot")] == [4]
+    assert client.get_run(run_id).data.params == {"model.name": "vit", keys.RUN_ID_PARAM: run_id}
+    assert send_spooled(record) == (0, 0)
 
 
 def test_tracker_is_a_noop_off_rank0_or_without_run(store, monkeypatch):

@@ -31,7 +31,7 @@ import pytest
 from cluster.local_head import free_port
 from tracking import keys, runs, tracker
 from tracking.runs import CREDENTIAL_VARS, run_tags
-from tracking.tracker import PENDING_RUN, Tracker
+from tracking.tracker import PENDING_RUN, Tracker, spool_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -378,7 +378,8 @@ def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_one
     assert refused.run_id is None and refused.ref.startswith(PENDING_RUN)
     [warning] = _warnings(capsys.readouterr().err, server.uri)
     assert "401" in warning and "MLFLOW_TRACKING_PASSWORD" in warning and "buffered" in warning
-    assert "never created: MLflow refused the job's credentials" in caplog.text
+    assert "MLflow refuses the job's credentials; the run's" in caplog.text  # its records wait in the spool
+    assert len(list(spool_dir(refused.record).glob("*.json"))) == 1
 
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
     with caplog.at_level(logging.INFO):

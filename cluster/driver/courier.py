@@ -1,0 +1,70 @@
+"""A job's courier: when MLflow has not answered by the job's end, a detached Ray actor creates the run once it does,
+sends what the job's processes left in the spool, the late eval metrics and the final model, marks the run's status
+and exits; the job ends when training does (docs/design.md, "Tracking at a job's start").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cluster.driver.record import send_the_rest
+from tracking.runs import RUN_RECORD, await_job_run, finish_run
+from tracking.tracker import Tracker, read_run_record, spool_dir
+
+COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
+NAMESPACE = "vitscale"
+
+
+def deliver(
+    run_dir: Path,
+    uri: str,
+    run: Mapping[str, Any],
+    evals: dict,
+    status: str,
+    deadline_s: float = COURIER_DEADLINE_S,
+) -> str | None:
+    """The run's id once everything is sent; None when MLflow did not answer within ``deadline_s``. ``run``: the
+    creation's ``experiment``, ``config`` and ``tags``, as the job's start had them."""
+    run_id = await_job_run(run_dir, uri, run["experiment"], run["config"], run["tags"], deadline_s)
+    if run_id is None:
+        spool = spool_dir(run_dir / RUN_RECORD)
+        print(f"courier: MLflow at {uri} did not answer in {deadline_s:g} s; the records stay in {spool}", flush=True)
+        return None
+    tracker = Tracker(uri, run_id, rank=0)
+    send_the_rest(run_dir, uri, run_id, evals, status, tracker)
+    tracker.close()
+    finish_run(uri, run_id, status)
+    print(f"courier: MLflow run {run_id} holds the job's records, marked {status}", flush=True)
+    return run_id
+
+
+class Courier:
+    """The Ray actor around `deliver`: it ends itself when done."""
+
+    def deliver(self, *args: Any) -> str | None:
+        import ray
+
+        try:
+            return deliver(*args)
+        finally:
+            ray.actor.exit_actor()
+
+
+def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, status: str) -> str:
+    """Start the courier, detached from the job (it outlives it), on no CPU; the line to print about it."""
+    import ray
+
+    spool = spool_dir(run_dir / RUN_RECORD)
+    if read_run_record(run_dir / RUN_RECORD, uri).get("refused"):
+        return f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}"
+    name = f"vitscale-courier-{run_dir.name}-{time.time_ns()}"
+    actor = ray.remote(num_cpus=0)(Courier).options(name=name, namespace=NAMESPACE, lifetime="detached").remote()
+    actor.deliver.remote(run_dir, uri, dict(run), evals, status)
+    return (
+        f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) creates "
+        f"the run and sends its records, kept in {spool} meanwhile, once MLflow answers (for up to "
+        f"{COURIER_DEADLINE_S / 3600:g} h)"
+    )
