@@ -26,9 +26,8 @@ from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import load_model as load
 from pretrain.weights.formats import resize_model
-from tracking.tracker import PENDING_RUN, Tracker, default_tracking_uri, sqlite_path
+from tracking.tracker import Tracker, default_tracking_uri, sqlite_path
 
-PENDING_CLOSE_S = 5.0  # an eval's last wait for a job's run that MLflow has not created yet
 ACCEPTED = (
     "pass a training checkpoint folder (with COMPLETE), a run folder, a folder written by save_pretrained / "
     "`python -m pretrain.weights convert` (model.safetensors + model.json) or an official .npz"
@@ -236,8 +235,7 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
         if not tracker.flush():
             log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
     finally:
-        # A run not created yet: the job's driver sends these metrics once it is.
-        tracker.close(timeout=PENDING_CLOSE_S if run_id.startswith(PENDING_RUN) else 120.0)
+        tracker.close()  # a run not created yet: they wait in the job's spool (tracking.tracker.spool_dir)
     log(f"evals: logged {len(metrics)} metrics to MLflow run {run_id} at step {step}")
 
 

@@ -5,6 +5,7 @@ and exits; the job ends when training does (docs/design.md, "Tracking at a job's
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,7 @@ from tracking.tracker import Tracker, read_run_record, spool_dir
 
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
 NAMESPACE = "vitscale"
+START_TIMEOUT_S = 120.0  # the courier's process start, on a busy node
 
 
 def deliver(
@@ -42,15 +44,19 @@ def deliver(
 
 
 class Courier:
-    """The Ray actor around `deliver`: it ends itself when done."""
+    """The Ray actor around `deliver`. `start` returns at once, so the job's driver knows the work was taken before
+    it exits (a call it leaves in flight dies with it); the work runs on a thread, and the actor then ends itself."""
 
-    def deliver(self, *args: Any) -> str | None:
+    def start(self, *args: Any) -> None:
+        threading.Thread(target=self._deliver, args=args, name="vitscale-courier", daemon=True).start()
+
+    def _deliver(self, *args: Any) -> None:
         import ray
 
         try:
-            return deliver(*args)
+            deliver(*args)
         finally:
-            ray.actor.exit_actor()
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
 def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, status: str) -> str:
@@ -61,8 +67,14 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     if read_run_record(run_dir / RUN_RECORD, uri).get("refused"):
         return f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}"
     name = f"vitscale-courier-{run_dir.name}-{time.time_ns()}"
-    actor = ray.remote(num_cpus=0)(Courier).options(name=name, namespace=NAMESPACE, lifetime="detached").remote()
-    actor.deliver.remote(run_dir, uri, dict(run), evals, status)
+    try:
+        actor = ray.remote(num_cpus=0)(Courier).options(name=name, namespace=NAMESPACE, lifetime="detached").remote()
+        ray.get(actor.start.remote(run_dir, uri, dict(run), evals, status), timeout=START_TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
+        return (
+            f"warning: MLflow at {uri} has not answered and its courier did not start ({type(error).__name__}: "
+            f"{error}): the run's records stay in {spool}, and the end of a later job of this run folder sends them"
+        )
     return (
         f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) creates "
         f"the run and sends its records, kept in {spool} meanwhile, once MLflow answers (for up to "

@@ -113,6 +113,7 @@ def _run_job_then_start_the_server(spec, server, tmp_path, monkeypatch):
         )
         ray.init(address=cluster.address, runtime_env={"env_vars": runtime["env_vars"]})
         rc = run_job(spec, address=cluster.address, eval_timeout_s=120)
+        ray.shutdown()  # the job's driver ends: a call it left in flight to the courier would die with it
         server.start()
         client = MlflowClient(tracking_uri=server.uri)
         deadline = time.monotonic() + 180
@@ -123,6 +124,7 @@ def _run_job_then_start_the_server(spec, server, tmp_path, monkeypatch):
                 break
             time.sleep(1.0)
         assert len(found) == 1 and found[0].info.status == "FINISHED", f"the courier did not finish the run: {found}"
+        ray.init(address=cluster.address)
         couriers = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
         assert not couriers, couriers  # it ended itself
         return rc, found[0]
