@@ -279,6 +279,7 @@ def await_job_run(
     courier, once the job's own creation stopped); None if it never did."""
     run = JobRun(run_dir / RUN_RECORD, tracking_uri, recorded_run_id(run_dir / RUN_RECORD, tracking_uri))
     if run.run_id is None:
+        run._warned = True  # the job's start said it: MLflow does not answer
         run.create_in_background(lambda: _create_job_run(run_dir, tracking_uri, experiment, config, tags))
         run.wait(deadline_s)
         run.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.driver.courier import NAMESPACE
+from cluster.driver.courier import NAMESPACE, deliver, hand_over
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
@@ -25,7 +25,7 @@ from cluster.profiles import load_profile
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
-from tracking.tracker import spool_dir
+from tracking.tracker import SPOOL_DIR, spool_dir
 
 SUITE = "tiny_fewshot"
 
@@ -131,3 +131,20 @@ def _run_job_then_start_the_server(spec, server, tmp_path, monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_path, capsys):
+    """No courier for a server that refuses the job's credentials (the record says so); one whose server never
+    answers within its deadline says where the records stay, and returns no run."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    (refused / RUN_RECORD).write_text(json.dumps({"run_id": None, "tracking_uri": closed, "refused": "401"}))
+    line = hand_over(refused, closed, {}, {}, "FINISHED")
+    assert line == f"MLflow at {closed} refuses the job's credentials: the run's records stay in {refused / SPOOL_DIR}"
+
+    down = tmp_path / "down"
+    run = {"experiment": "e", "config": {"model": {"name": "vit_tiny_debug"}}, "tags": {}}
+    assert deliver(down, closed, run, {}, "FINISHED", deadline_s=1.0) is None
+    assert f"did not answer in 1 s; the records stay in {down / SPOOL_DIR}" in capsys.readouterr().out
+    assert not (down / RUN_RECORD).exists()
