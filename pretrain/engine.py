@@ -83,5 +83,6 @@ def build_engine(
         # leaf blocks: hooks on their children would be traced and recompiled (docs/performance.md)
         deepspeed.utils.set_z3_leaf_modules(task, [Block])
     ds_config = engine_config(config, place.world_size, precision, load_universal)
-    engine, _, _, _ = deepspeed.initialize(model=task, optimizer=build_optimizer(task, config.optim), config=ds_config)
+    optimizer = build_optimizer(task, config.optim, place.device.type)
+    engine, _, _, _ = deepspeed.initialize(model=task, optimizer=optimizer, config=ds_config)
     return engine, model

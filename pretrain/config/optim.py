@@ -159,10 +159,15 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW, so no DeepSpeed optimizer op is compiled."""
+def build_optimizer(module: nn.Module, optim: OptimConfig, device_type: str = "cpu") -> torch.optim.AdamW:
+    """torch AdamW, so no DeepSpeed optimizer op is compiled; on a GPU its fused kernel (one launch for all
+    tensors; docs/performance.md, "The GPU step"), elsewhere torch's default, whose CPU numerics the tests pin."""
     return torch.optim.AdamW(
-        param_groups(module, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps
+        param_groups(module, optim.weight_decay),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        fused=True if device_type == "cuda" else None,
     )
 
 
