@@ -5,12 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench import out_file
-from bench.gpu.campaign import Campaign, summary_lines
+from bench.gpu.campaign import SHARES, Campaign, summary_lines
+from bench.gpu.step import MODELS, VARIANTS
+
+
+def _names(known) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        if unknown := [n for n in names if n not in known] or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: {unknown or 'nothing'} is not one of {', '.join(known)}")
+        return names
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +43,26 @@ def main(argv: list[str] | None = None) -> int:
         help="the MFU denominator per device (default: pretrain.telemetry.peak's; --smoke: 1.0)",
     )
     add("--work-dir", help="scratch folder (default: a temporary one, removed after)")
+    rerun = parser.add_argument_group("a rerun of some of it, after a change")
+    rerun.add_argument("--parts", type=_names(SHARES), default=list(SHARES), help="comma-separated (default: all)")
+    rerun.add_argument("--models", type=_names(MODELS), default=list(MODELS), help="the step part's (default: all)")
+    rerun.add_argument(
+        "--variants",
+        type=_names(VARIANTS),
+        default=list(VARIANTS),
+        help="the step part's (default: all; without eager, the others run at the model's cap)",
+    )
+    rerun.add_argument(
+        "--train-set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for the train part"
+    )
+    rerun.add_argument("--train-steps", type=int, help="the real path's steps (one checkpoint at the end, no resume)")
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
         parser.error("--budget-s and --peak-tflops must be > 0")
+    if args.train_steps is not None and args.train_steps < 2:
+        parser.error("--train-steps must be at least 2 (a step time needs two step ends)")
+    if bad := [s for s in args.train_set if "=" not in s]:
+        parser.error(f"--train-set {bad[0]!r} is not KEY=VALUE (e.g. --train-set model.compile=true)")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device here (a CPU build of torch, or no GPU); --smoke runs the campaign on the CPU")
     if args.smoke:

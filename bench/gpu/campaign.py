@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,10 +105,18 @@ def make_data(root: Path, smoke: bool) -> Path:
     return ensure("rcdb", root, **sets, **sizes) / "train"
 
 
-def train_spec(data: Path, work: Path, smoke: bool, deadline_s: float) -> TrainSpec:
-    spec = TrainSpec(data=str(data), run_root=str(work / "runs"), smoke=smoke, deadline=time.time() + deadline_s)
-    if smoke:
-        return replace(spec, steps=3, checkpoint_at=2, resume_steps=1, warmup_steps=0, zero_steps=1, num_workers=1)
+def train_spec(data: Path, work: Path, args: argparse.Namespace, deadline_s: float) -> TrainSpec:
+    spec = TrainSpec(
+        data=str(data),
+        run_root=str(work / "runs"),
+        smoke=args.smoke,
+        deadline=time.time() + deadline_s,
+        more=tuple(args.train_set),
+    )
+    if args.smoke:
+        spec = replace(spec, steps=3, checkpoint_at=2, resume_steps=1, warmup_steps=0, zero_steps=1, num_workers=1)
+    if args.train_steps:  # one checkpoint, at the end; no resume
+        spec = replace(spec, steps=args.train_steps, checkpoint_at=args.train_steps, resume=False)
     return spec
 
 
@@ -133,6 +142,8 @@ def run_train(spec: TrainSpec, work: Path, timeout_s: float, device: torch.devic
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         result["error_train"] = f"stopped at the part's budget of {timeout_s:.0f} s; what it measured is kept"
+    finally:
+        shutil.rmtree(spec.run_root, ignore_errors=True)  # a killed run's checkpoints (~12 GB for H/14) too
     if out_path.is_file():
         result.update(json.loads(out_path.read_text()))
     if isinstance(result.get("train_path_mfu"), float):
@@ -152,7 +163,8 @@ class Campaign:
     def share_s(self, part: str) -> float:
         """The part's share of the budget left among the parts still to run (unused time goes to later parts)."""
         left = self.args.budget_s * (1 - SLACK) - (time.monotonic() - self.start)
-        later = list(SHARES)[list(SHARES).index(part) :]
+        chosen = [p for p in SHARES if p in self.args.parts or p == "data"]
+        later = chosen[chosen.index(part) :]
         return max(0.0, left * SHARES[part] / sum(SHARES[p] for p in later))
 
     def part(self, name: str, work: Callable[[float], dict]) -> None:
@@ -182,12 +194,19 @@ class Campaign:
 
         def step(budget: float) -> dict:
             peak = self.args.peak_tflops or device_peak(None, self.device, "bf16").tflops
-            settings = gpu_step.StepSettings(self.device.type, smoke, compile=self.args.compile, peak_tflops=peak)
+            settings = gpu_step.StepSettings(
+                self.device.type,
+                smoke,
+                compile=self.args.compile,
+                peak_tflops=peak,
+                models=tuple(self.args.models),
+                variants=tuple(self.args.variants),
+            )
             settings = gpu_step.smoke_settings(settings) if smoke else settings
             return {"step_peak_tflops": peak, **gpu_step.run(settings, time.monotonic() + budget, log)}
 
         def train(budget: float) -> dict:
-            self.spec = train_spec(paths["data"], work, smoke, budget - 10)  # 10 s to write what it measured
+            self.spec = train_spec(paths["data"], work, self.args, budget - 10)  # 10 s to write what it measured
             return run_train(self.spec, work, budget, self.device)
 
         def loader(_: float) -> dict:
@@ -200,7 +219,8 @@ class Campaign:
             return gpu_plan.compare(self.spec, self.result, TRAIN_MODEL)
 
         for work_fn in (data, step, train, loader, plan):
-            self.part(work_fn.__name__, work_fn)
+            if work_fn.__name__ in self.args.parts or (work_fn is data and {"train", "loader"} & set(self.args.parts)):
+                self.part(work_fn.__name__, work_fn)
         self.result.update(gpu_loader.cores_needed(self.result, MODELS))
         for key in HEADLINE:
             self.result.setdefault(key, None)

@@ -5,11 +5,14 @@
 #                                     image lacks: DeepSpeed (built from source, pure Python with its ops unbuilt),
 #                                     its hjson and pydantic, webdataset, simplejpeg and Pillow 13, for Python 3.12.
 #   bash bench/gpu/device.sh          ON THE DEVICE (its tool's `run`, carry [".whl"], timeout_s 600): installs
-#                                     .whl/ into the image's python3, runs the gpu-marked tests, then the campaign
-#                                     (python -m bench.gpu) with what is left of LIMIT_S; everything lands in $OUT.
+#                                     .whl/ into the image's python3 and runs the campaign alone (python -m bench.gpu,
+#                                     CAMPAIGN_MAX_S): a first call of ~7 minutes with the machine's start, so that a
+#                                     rerun fits in the same ~15 minutes of device time; everything lands in $OUT.
+#   bash bench/gpu/device.sh tests    ON THE DEVICE, a second call: the gpu-marked tests (TESTS_MAX_S).
+#   CAMPAIGN_MAX_S=N bash bench/gpu/device.sh --parts step,train ...   a rerun of some of it (python -m bench.gpu -h)
 #
-# Knobs (environment): LIMIT_S (570: the tool's 600 s per command less a margin), CAMPAIGN_MAX_S (480), GPU_TESTS
-# (1; 0 skips the tests and gives the campaign the time), TESTS_MAX_S (240).
+# Knobs (environment): LIMIT_S (570: the tool's 600 s per command less a margin), CAMPAIGN_MAX_S (360),
+# TESTS_MAX_S (300).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -33,9 +36,8 @@ fi
 OUT=${OUT:-bench-results/device}
 mkdir -p "$OUT"
 LIMIT_S=${LIMIT_S:-570}
-CAMPAIGN_MAX_S=${CAMPAIGN_MAX_S:-480}
-GPU_TESTS=${GPU_TESTS:-1}
-TESTS_MAX_S=${TESTS_MAX_S:-240}
+CAMPAIGN_MAX_S=${CAMPAIGN_MAX_S:-360}
+TESTS_MAX_S=${TESTS_MAX_S:-300}
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
 unset DS_ACCELERATOR  # the GPU: DeepSpeed picks CUDA
@@ -52,25 +54,30 @@ torch.version.cuda, 'deepspeed', deepspeed.__version__, 'transformers', transfor
 } >"$OUT/versions.txt" 2>&1
 cat "$OUT/versions.txt"
 
-if [ "$GPU_TESTS" = 1 ]; then
+if [ "${1:-}" = tests ]; then
     # Only the files that hold gpu-marked tests are collected: the others may import Ray or MLflow, not installed there.
     mapfile -t files < <(grep -rl --include="test_*.py" "mark.gpu" tests)
     timeout "$TESTS_MAX_S" python3 -m pytest -m gpu -q -p no:cacheprovider -ra --continue-on-collection-errors \
         "${files[@]}" >"$OUT/gpu-tests.log" 2>&1
-    echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log"))"
+    code=$?
+    echo "gpu tests: exit $code ($(tail -1 "$OUT/gpu-tests.log"))"
+    exit $code
 fi
 
 elapsed=$(($(date +%s) - start))
 budget=$((LIMIT_S - elapsed - 20))
 [ "$budget" -gt "$CAMPAIGN_MAX_S" ] && budget=$CAMPAIGN_MAX_S
 if [ "$budget" -lt 120 ]; then
-    echo "bench/gpu/device.sh: only ${budget} s left for the campaign; rerun with GPU_TESTS=0" | tee -a "$OUT/campaign.log"
+    echo "bench/gpu/device.sh: only ${budget} s left for the campaign" | tee -a "$OUT/campaign.log"
     exit 1
 fi
 echo "campaign: ${budget} s"
 timeout --kill-after=10 $((budget + 15)) python3 -m bench.gpu --budget-s "$budget" --out "$OUT/gpu.json" \
-    --work-dir /tmp >"$OUT/campaign.log" 2>&1
+    --work-dir /tmp "$@" >"$OUT/campaign.log" 2>&1
 code=$?
+# a campaign killed in its train part leaves the part's own JSON (written after every step) and its scratch folder
+for partial in /tmp/bench-gpu-*/train_out.json; do [ -f "$partial" ] && cp "$partial" "$OUT/"; done
+rm -rf /tmp/bench-gpu-*
 tail -12 "$OUT/campaign.log"
-echo "campaign: exit $code after $(($(date +%s) - start)) s in all; results in $OUT (gpu.json, campaign.log, gpu-tests.log)"
+echo "campaign: exit $code after $(($(date +%s) - start)) s in all; results in $OUT (gpu.json, campaign.log)"
 exit $code

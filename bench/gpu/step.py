@@ -25,6 +25,7 @@ from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 # name → (first micro-batch tried, cap): H200-sized caps; at a cap "at least this many fit"
 MODELS = {"vit_h14": (32, 256), "vit_l16": (64, 512), "vit_b16": (128, 1024)}
 SMOKE_SIZE = dict(width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=10)  # a tiny ViT of each name's patch
+VARIANTS = ("eager", "hf", "ckpt", "compiled", "hf_compiled")
 COMPILE_ESTIMATE_S = 60.0  # a compile's allowance when deciding to start it
 
 
@@ -36,6 +37,8 @@ class StepSettings:
     repeats: int = 5
     compile: bool = True
     peak_tflops: float = 989.0  # dense bf16 peak of the device (pretrain.telemetry.peak)
+    models: tuple[str, ...] = tuple(MODELS)
+    variants: tuple[str, ...] = VARIANTS  # a rerun's subset; a variant other than eager takes eager's micro-batch
 
 
 def config_of(name: str, smoke: bool) -> ViTConfig:
@@ -159,7 +162,7 @@ def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
             out = {"attention_kernel_vitscale": attention_kernel(lambda: stepper.step(2), device)}
             batch = _fitted(largest_batch(stepper, start, cap))
             return {**out, **_timed(stepper, batch, s, flops, "eager"), "eager_batch_capped": batch * 2 > cap}
-        eager_batch = found.get("eager_batch")
+        eager_batch = found.get("eager_batch") or (cap if "eager" not in s.variants else None)
         if eager_batch is None:
             raise RuntimeError("no eager micro-batch was measured for this model")
         if variant == "ckpt":
@@ -192,7 +195,8 @@ def _tasks(s: StepSettings) -> list[tuple[str, str]]:
     groups = [(("eager", "hf"), MODELS), (("ckpt",), MODELS)]
     if s.compile:
         groups.append((("compiled", "hf_compiled"), ("vit_h14", "vit_b16", "vit_l16")))
-    return [(name, variant) for variants, names in groups for name in names for variant in variants]
+    tasks = [(name, variant) for variants, names in groups for name in names for variant in variants]
+    return [(name, variant) for name, variant in tasks if name in s.models and variant in s.variants]
 
 
 def _estimate_s(variant: str, found: dict) -> float:
@@ -204,7 +208,7 @@ def _estimate_s(variant: str, found: dict) -> float:
 def run(s: StepSettings, deadline: float, log: Callable[[str], None]) -> dict:
     """Every task that fits before ``deadline`` (time.monotonic); the flat keys."""
     results: dict = {}
-    found: dict[str, dict] = {name: {} for name in MODELS}
+    found: dict[str, dict] = {name: {} for name in s.models}
     for name, variant in _tasks(s):
         left = deadline - time.monotonic()
         if _estimate_s(variant, found[name]) > left:

@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from pretrain.config.optim import build_optimizer
 from pretrain.config.train_config import TrainConfig, load_config, model_overrides
 from pretrain.distributed import finish_distributed, init_distributed, training_device_type
 from pretrain.engine import decide_precision
+from pretrain.feed import DeviceFeed
 from pretrain.loop import train_worker
 from pretrain.model.flops import train_flops
 from pretrain.model.tasks import build_task
@@ -51,6 +53,7 @@ class TrainSpec:
     resume: bool = True  # run part 2
     zero: bool = True  # run part 3
     deadline: float = 0.0  # time.time() to end by: a ZeRO setting that would end later is skipped; 0: none
+    more: tuple[str, ...] = ()  # further recipe overrides (`python -m bench.gpu --train-set`), e.g. model.compile=true
 
     def sets(self, run_dir: Path) -> list[str]:
         """The recipe's overrides: this data, accumulation 1, a short stop, no MLflow, no evals."""
@@ -79,7 +82,7 @@ class TrainSpec:
                 "data.loader_start_method=fork",
                 "logging.peak_tflops=1.0",
             ]
-        return sets
+        return [*sets, *self.more]
 
     def config(self, run_dir: Path, *more: str) -> TrainConfig:
         config = load_config(RECIPE, self.sets(run_dir))
@@ -89,19 +92,35 @@ class TrainSpec:
         )
 
 
-class TimedBeat(Heartbeat):
-    """A heartbeat without a file that keeps every step's end time and data wait."""
+class Results(dict):
+    """The part's keys, written to ``path`` whenever ``save`` is called: a kill keeps what was measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self, indent=1))
+        tmp.replace(self.path)
+
+
+class TimedBeat(Heartbeat):
+    """A heartbeat without a file that keeps every step's end time and data wait; ``on_step`` hears of each."""
+
+    def __init__(self, on_step: Callable[[int], None] | None = None) -> None:
         super().__init__(None)
         self.ends: dict[int, float] = {}
         self.waits: dict[int, float] = {}
         self.started = time.perf_counter()
+        self.on_step = on_step
 
     def step(self, step, data_s, data) -> None:
         self.ends[step] = time.perf_counter()
         self.waits[step] = data_s
         super().step(step, data_s, data)
+        if self.on_step is not None:
+            self.on_step(step)
 
 
 def folder_bytes(folder: Path) -> int:
@@ -123,54 +142,69 @@ def _flops_per_image(config: TrainConfig) -> int:
     return train_flops(model_config(config.model.name, **model_overrides(config, config.model.num_classes or 1000)))
 
 
-def real_path(spec: TrainSpec, out: dict) -> None:
-    """``train_path_*``: the recipe at its micro-batch, accumulation 1, checkpoints at ``checkpoint_at`` and the end
-    (the lr stays in the warm-up, so the few steps stay finite). Steady state: the median step after ``warmup_steps``,
-    leaving out steps after a save; a save's time runs from its step's end to its COMPLETE."""
-    run_dir = Path(spec.run_root) / "run"
-    config = spec.config(run_dir)
-    beat, saves = TimedBeat(), {}
-
-    def on_checkpoint(folder: Path, step: int, metrics: dict) -> None:
-        saves[step] = (time.perf_counter() - beat.ends[step], folder_bytes(Path(folder)))
-
-    summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=beat)
-    device = torch.device("cuda", 0) if training_device_type() == "cuda" else torch.device("cpu")
+def _steady_state(spec: TrainSpec, config: TrainConfig, beat: TimedBeat, saves: dict, device: torch.device) -> dict:
+    """``train_path_*`` from the steps so far: the median step after ``warmup_steps``, saves' steps left out."""
     steps = sorted(beat.ends)
     durations = {s: beat.ends[s] - beat.ends[p] for p, s in zip(steps, steps[1:]) if p not in saves}
     steady = [s for s in durations if s > spec.warmup_steps] or list(durations)
+    if not steady:
+        return {}
     step_s = statistics.median(durations[s] for s in steady)
-    wait = statistics.fmean(beat.waits[s] for s in steady) / step_s
     batch = config.data.global_batch_size
     peak = device_peak(config.logging.peak_tflops, device, "bf16" if device.type == "cuda" else "fp32")
     img_s = batch / step_s
-    save_s, save_bytes = saves[spec.checkpoint_at]
-    out |= dict(
-        train_path_model=config.model.name,
-        train_path_micro_batch=config.data.micro_batch_size,
-        train_path_global_batch=batch,
-        train_path_zero_stage=config.deepspeed.zero_stage,
-        train_path_num_workers=config.data.num_workers,
-        train_path_steps=summary.steps,
+    out = dict(
+        train_path_steps_done=steps[-1],
         train_path_steady_steps=len(steady),
         train_path_step_s=step_s,
         train_path_img_s=img_s,
         train_path_mfu=img_s * _flops_per_image(config) / (peak.tflops * 1e12),
         train_path_peak_tflops=peak.tflops,
         train_path_peak_source=peak.source,
-        train_path_data_wait=wait,
+        train_path_data_wait=statistics.fmean(beat.waits[s] for s in steady) / step_s,
         train_path_start_s=beat.ends[steps[0]] - beat.started,
-        train_path_checkpoint_save_s=save_s,
-        train_path_checkpoint_gb=save_bytes / 1e9,
-        train_path_losses=summary.losses,
         train_path_step_times_s=[round(durations[s], 4) for s in sorted(durations)],
         **_memory(device, "train_path"),
     )
+    if spec.checkpoint_at in saves:
+        save_s, save_bytes = saves[spec.checkpoint_at]
+        out |= dict(train_path_checkpoint_save_s=save_s, train_path_checkpoint_gb=save_bytes / 1e9)
+    return out
+
+
+def real_path(spec: TrainSpec, out: Results) -> None:
+    """``train_path_*``: the recipe at its micro-batch, accumulation 1, checkpoints at ``checkpoint_at`` and the end
+    (the lr stays in the warm-up, so the few steps stay finite); a save's time runs from its step's end to its
+    COMPLETE. Written after every step from the second on, so a kill keeps the steps measured."""
+    run_dir = Path(spec.run_root) / "run"
+    config = spec.config(run_dir)
+    device = torch.device("cuda", 0) if training_device_type() == "cuda" else torch.device("cpu")
+    saves: dict[int, tuple[float, int]] = {}
+    out |= dict(
+        train_path_model=config.model.name,
+        train_path_micro_batch=config.data.micro_batch_size,
+        train_path_global_batch=config.data.global_batch_size,
+        train_path_zero_stage=config.deepspeed.zero_stage,
+        train_path_num_workers=config.data.num_workers,
+    )
+
+    def on_step(step: int) -> None:
+        out.update(_steady_state(spec, config, beat, saves, device))
+        out.save()
+
+    def on_checkpoint(folder: Path, step: int, metrics: dict) -> None:
+        saves[step] = (time.perf_counter() - beat.ends[step], folder_bytes(Path(folder)))
+        on_step(step)
+
+    beat = TimedBeat(on_step)
+    summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=beat)
+    out |= dict(train_path_steps=summary.steps, train_path_losses=summary.losses)
+    out.update(_steady_state(spec, config, beat, saves, device))
     for step in list(saves)[1:]:  # only the first is resumed from: one H/14 save less on the disk
         shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
 
 
-def resume(spec: TrainSpec, out: dict) -> None:
+def resume(spec: TrainSpec, out: Results) -> None:
     """``resume_*``: a new run resumed from the first checkpoint, its losses against the first run's."""
     source = Path(spec.run_root) / "run" / "checkpoints" / f"step_{spec.checkpoint_at:08d}"
     stop = spec.checkpoint_at + spec.resume_steps
@@ -205,12 +239,12 @@ def _plain_step(config: TrainConfig, place, num_classes: int, dtype: torch.dtype
     with place.device:
         model = build_model(config.model.name, **model_overrides(config, num_classes))
     task = build_task(config, model).to(place.device)
-    optimizer = build_optimizer(task, config.optim)
+    optimizer = build_optimizer(task, config.optim, place.device.type)
     batches = iter(build_stream(config, place, num_classes))
+    feed = DeviceFeed(place.device, torch.float32)  # the trainer's: uint8 pixels normalized on the device
 
     def step() -> None:
-        images, labels = next(batches)
-        images, labels = images.to(place.device, non_blocking=True), labels.to(place.device, non_blocking=True)
+        images, labels = feed(next(batches))
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(place.device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss, _ = task(images, labels)
@@ -221,7 +255,7 @@ def _plain_step(config: TrainConfig, place, num_classes: int, dtype: torch.dtype
     return step
 
 
-def zero_stages(spec: TrainSpec, out: dict) -> None:
+def zero_stages(spec: TrainSpec, out: Results) -> None:
     """``zero<stage>_step_s`` / ``_img_s`` / peak memory at ZeRO-1, ZeRO-2 and ZeRO-0 (plain PyTorch: DeepSpeed
     refuses bf16 without ZeRO)."""
     # about the real path's start-up (imports done) plus the steps
@@ -230,7 +264,8 @@ def zero_stages(spec: TrainSpec, out: dict) -> None:
         if spec.deadline and time.time() + estimate > spec.deadline:
             out[f"zero{stage}_skipped"] = f"~{estimate:.0f} s needed, {spec.deadline - time.time():.0f} s left"
             continue
-        more = ["data.num_workers=0"] if spec.smoke else []  # the real path has run the loader workers
+        # smoke: the real path has run the loader workers; uint8 pixels normalized on the device, as on a GPU
+        more = ["data.num_workers=0", "data.normalize_on=device"] if spec.smoke else []
         config = spec.config(Path(spec.run_root) / f"zero{stage}", f"deepspeed.zero_stage={max(stage, 1)}", *more)
         place = init_distributed(config)
         if place.device.type == "cuda":
@@ -253,6 +288,7 @@ def zero_stages(spec: TrainSpec, out: dict) -> None:
             f"zero{stage}_img_s": config.data.global_batch_size / step_s,
             **_memory(place.device, f"zero{stage}"),
         }
+        out.save()
         if place.device.type == "cuda":
             torch.cuda.empty_cache()
         shutil.rmtree(Path(spec.run_root) / f"zero{stage}", ignore_errors=True)
@@ -272,11 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     if (out_path := out_file(args[1], "bench.gpu.train", "OUT.json")) is None:
         return 2
     try:
-        spec = TrainSpec(**json.loads(Path(args[0]).read_text()))
+        fields = json.loads(Path(args[0]).read_text())
+        spec = TrainSpec(**{**fields, "more": tuple(fields.get("more", ()))})
     except (OSError, ValueError, TypeError) as error:  # unreadable, not JSON, not a spec's fields
         print(f"bench.gpu.train: error: SPEC.json {args[0]}: {error}; python -m bench.gpu writes it", file=sys.stderr)
         return 2
-    out: dict = {}
+    out = Results(out_path)
     parts = [part for part, on in ((real_path, True), (resume, spec.resume), (zero_stages, spec.zero)) if on]
     for part in parts:
         began = time.perf_counter()
@@ -286,9 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             out[f"error_{part.__name__}"] = f"{type(error).__name__}: {str(error)[:300]}"
             traceback.print_exc()
         out[f"seconds_{part.__name__}"] = round(time.perf_counter() - began, 1)
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(out_path)
+        out.save()
     finish_distributed()
     return 0
 

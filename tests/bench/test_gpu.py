@@ -5,13 +5,22 @@ test."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
 
 import pytest
 
 from bench.gpu.__main__ import main
-from bench.gpu.campaign import HEADLINE, MODELS
+from bench.gpu.campaign import HEADLINE, MODELS, make_data, train_spec
+from data_pipeline.paths import PROJECT_ROOT
 
 pytestmark = [pytest.mark.slow]
 
@@ -26,6 +35,10 @@ def _run_smoke(folder) -> None:
 def smoke(shared_folder) -> dict:
     """One smoke run per pytest run, whichever xdist workers this file's tests land on (`shared_folder`)."""
     return json.loads((shared_folder("bench_gpu_smoke", _run_smoke) / "gpu.json").read_text())
+
+
+def _smoke_args() -> argparse.Namespace:
+    return argparse.Namespace(smoke=True, train_set=[], train_steps=None)
 
 
 def _number(value) -> bool:
@@ -93,3 +106,30 @@ def test_bad_arguments_and_no_gpu_exit_2_before_any_work(args, capsys, tmp_path)
         main([*args, "--out", str(tmp_path / "gpu.json")])
     assert stop.value.code == 2 and "error:" in capsys.readouterr().err
     assert not (tmp_path / "gpu.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_train_part_killed_mid_run_keeps_the_steps_it_measured(tmp_path):
+    """The device script's timeout or the campaign's share may kill the real path: its JSON is written after every
+    step, so the steps before the kill are on record."""
+    data = make_data(tmp_path / "data", smoke=True)
+    spec = replace(train_spec(data, tmp_path, _smoke_args(), 60.0), steps=40, checkpoint_at=40, resume=False)
+    spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "bench.gpu.train", str(spec_path), str(out)]
+    proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.is_file() and json.loads(out.read_text()).get("train_path_steps_done", 0) >= 4:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it was killed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kept = json.loads(out.read_text())
+    assert 4 <= kept["train_path_steps_done"] < 40 and "train_path_steps" not in kept  # cut short, measured
+    assert kept["train_path_step_s"] > 0 and len(kept["train_path_step_times_s"]) == kept["train_path_steps_done"] - 1
+    assert kept["train_path_img_s"] == pytest.approx(kept["train_path_global_batch"] / kept["train_path_step_s"])
