@@ -109,7 +109,7 @@ def _check_renderable(profile: ClusterProfile) -> None:
     if profile.is_local:
         raise ValueError(
             "profile local runs on this machine and needs no cluster files; pick a GPU profile "
-            "(a100x8, a100x64, h100x8)"
+            "(a100x8, a100x64, h100x8, h200x8)"
         )
     if not profile.hardware.instance_type:
         raise ValueError(f"profile {profile.name}: hardware.instance_type is empty; set e.g. p4de.24xlarge")
@@ -359,7 +359,7 @@ def render(profile_name: str, recipe: str, out: Path, image: str = IMAGE, fsx: F
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.render", description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", required=True, help="a GPU profile: a100x8, a100x64, h100x8")
+    parser.add_argument("--cluster", required=True, help="a GPU profile: a100x8, a100x64, h100x8, h200x8")
     parser.add_argument("--recipe", default="vit_b16_i21k", help="recipe the RayJob runs (default vit_b16_i21k)")
     parser.add_argument("--out", default="rendered", help="output folder (default ./rendered)")
     parser.add_argument("--image", default=IMAGE, help=f"the image ./Dockerfile builds, pushed (default {IMAGE})")

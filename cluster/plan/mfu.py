@@ -28,20 +28,33 @@ def gpu_kind(name: str) -> str:
     return next((fragment for fragment in GPU_PEAK_TFLOPS if fragment in name), name.strip())
 
 
+def same_peak_kinds(kind: str) -> list[str]:
+    """The other GPU kinds with ``kind``'s datasheet peaks (H100 and H200: the same Hopper die, only the memory
+    differs), whose measurements stand in for ``kind``'s."""
+    peaks = GPU_PEAK_TFLOPS.get(kind)
+    return [other for other, p in GPU_PEAK_TFLOPS.items() if other != kind and peaks is not None and p == peaks]
+
+
 @dataclass(frozen=True)
 class Measured:
     model: str
-    gpu_kind: str
+    gpu_kind: str  # the plan's
     mfu: float
     mfu_from: str
     device: str
     date: str
     memory_error: float | None = None
     activation_scale: float = 1.0
+    measured_on: str = ""  # the kind that ran it, where another kind with the same peaks did; "" = gpu_kind
+
+    @property
+    def _where(self) -> str:
+        return self.measured_on or self.gpu_kind
 
     @property
     def mfu_source(self) -> str:
-        return f"measured on {self.gpu_kind} {self.date} ({self.mfu_from})"
+        applied = f", applied to {self.gpu_kind} (same dense peak)" if self.measured_on else ""
+        return f"measured on {self._where} {self.date} ({self.mfu_from}){applied}"
 
     @property
     def memory_corrected(self) -> bool:
@@ -51,7 +64,7 @@ class Measured:
     def memory_source(self) -> str:
         return (
             f"activations x {self.activation_scale:.2f}: the model was {self.memory_error:+.0%} off what "
-            f"{self.gpu_kind} measured on {self.date}"
+            f"{self._where} measured on {self.date}"
         )
 
 
@@ -70,10 +83,13 @@ def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]
 
 
 def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | None:
+    """The table's entry for ``model`` on ``gpu_type``'s kind, else on a kind with the same peaks (marked so)."""
     kind = gpu_kind(gpu_type)
-    entry = read_table(path).get(model, {}).get(kind)
-    if not isinstance(entry, dict) or not _is_fraction(entry.get("mfu")):
+    row = read_table(path).get(model, {})
+    on = next((k for k in (kind, *same_peak_kinds(kind)) if _is_entry(row.get(k))), None)
+    if on is None:
         return None
+    entry = row[on]
     return Measured(
         model=model,
         gpu_kind=kind,
@@ -83,7 +99,12 @@ def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | 
         date=str(entry.get("date", "?")),
         memory_error=entry.get("memory_error"),
         activation_scale=float(entry.get("activation_scale", 1.0)),
+        measured_on="" if on == kind else on,
     )
+
+
+def _is_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and _is_fraction(entry.get("mfu"))
 
 
 def _is_fraction(value: Any) -> bool:

@@ -26,7 +26,7 @@ H14_PARAMS_1K = 632_050_000  # paper Table 1 / docs/reference.md §1, with a 100
 
 @pytest.mark.timeout(60)
 def test_every_shipped_profile_loads_and_validates():
-    assert {"local", "a100x8", "a100x64", "h100x8"} <= set(profile_names())
+    assert {"local", "a100x8", "a100x64", "h100x8", "h200x8"} <= set(profile_names())
     for name in profile_names():
         profile = load_profile(name)
         assert profile.name == name
@@ -180,7 +180,7 @@ def test_the_plan_names_each_profile_default_the_recipe_replaces(capsys):
 
 @pytest.mark.timeout(60)
 def test_bad_profiles_and_recipes_are_clear_errors(tmp_path, capsys):
-    with pytest.raises(ValueError, match="valid profiles: a100x64, a100x8, h100x8, local"):
+    with pytest.raises(ValueError, match="valid profiles: a100x64, a100x8, h100x8, h200x8, local"):
         load_profile("a100x65")
     data = yaml.safe_load(open(load_profile.__globals__["PROFILES_DIR"] / "local.yaml"))
     bad = dict(data, comm_backend="nccl")

@@ -15,7 +15,7 @@ from cluster import render
 from cluster.plan.storage import storage_extras
 from data_pipeline.paths import PROJECT_ROOT
 
-GPU_PROFILES = ["a100x8", "a100x64", "h100x8"]
+GPU_PROFILES = ["a100x8", "a100x64", "h100x8", "h200x8"]
 PYPROJECT = PROJECT_ROOT / "pyproject.toml"
 FSX = render.FsxMount("fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", "abcdefgh")
 
