@@ -113,7 +113,7 @@ bench-scaling: setup  ## images/s of the real training loop (DeepSpeed ZeRO-2, g
 bench-precision: setup  ## bf16 vs fp32 step per model shape on this CPU, beside what precision auto's rule picks
 	$(PY) -m bench.precision
 
-bench-gpu: setup  ## the GPU campaign on one GPU (docs/benchmarks/gpu.md) -> bench-results/gpu.json; SMOKE=1: tiny, on the CPU
+bench-gpu: setup  ## the GPU campaign on one GPU (docs/benchmarks/gpu.md) -> bench-results/gpu.json; SMOKE=1: tiny, on the CPU (gpu-smoke.json)
 	$(PY) -m bench.gpu $(if $(SMOKE),--smoke)
 
 bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--budget-s", type=float, default=480.0, help="seconds the whole campaign may take")
-    add("--out", default="bench-results/gpu.json")
+    add("--out", help="default: bench-results/gpu.json, the committed record; --smoke: bench-results/gpu-smoke.json")
     add("--smoke", action="store_true", help="every part end to end on the CPU with tiny shapes")
     add(
         "--compile",
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here (a CPU build of torch, or no GPU); --smoke runs the campaign on the CPU")
     if args.smoke:
         args.compile, args.peak_tflops = False, args.peak_tflops or 1.0
+    args.out = args.out or f"bench-results/gpu{'-smoke' if args.smoke else ''}.json"
     if (out := out_file(args.out, "bench.gpu")) is None:
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
