@@ -6,18 +6,18 @@ scale where the memory model was off by more than 15%; everything else stays ass
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster.calibrate import main
+from cluster.calibrate import HEADER, entries_from, main
 from cluster.plan import mfu
 from cluster.plan.mfu import MFU_FILE, gpu_kind
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
+from data_pipeline.paths import PROJECT_ROOT
 
 
 def campaign(**changes) -> dict:
@@ -48,9 +48,9 @@ def campaign(**changes) -> dict:
 
 @pytest.fixture
 def table(tmp_path, monkeypatch) -> Path:
-    """A copy of the shipped (empty) table, which the plan reads through $VITSCALE_MFU_FILE."""
+    """An empty table, which the plan reads through $VITSCALE_MFU_FILE."""
     path = tmp_path / "mfu.yaml"
-    shutil.copy(MFU_FILE, path)
+    path.write_text(HEADER + "{}\n")
     monkeypatch.setenv(mfu.MFU_FILE_ENV, str(path))
     return path
 
@@ -66,10 +66,31 @@ def h14_plan(profile_name: str = "h100x8"):
     return build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "calibrate-test"))
 
 
-def test_the_shipped_table_is_empty_and_the_kinds_are_the_datasheet_names():
-    assert mfu.read_table(MFU_FILE) == {}
+def test_the_shipped_table_is_the_committed_campaigns_and_the_kinds_are_the_datasheet_names():
+    record = json.loads((PROJECT_ROOT / "bench-results" / "gpu.json").read_text())  # docs/benchmarks/gpu.md
+    shipped = mfu.read_table(MFU_FILE)
+    assert {model: kinds["H200"] for model, kinds in shipped.items()} == entries_from(record)
+    assert all(set(kinds) == {"H200"} for kinds in shipped.values())
     assert [gpu_kind(n) for n in ("NVIDIA H200", "H100-SXM5-80GB", "A100-SXM4-80GB")] == ["H200", "H100", "A100"]
     assert gpu_kind(" Some New GPU ") == "Some New GPU"
+    assert mfu.same_peak_kinds("H100") == ["H200"] and mfu.same_peak_kinds("A100") == []
+
+
+@pytest.mark.timeout(120)
+def test_an_h200_measurement_calibrates_h200_and_marked_so_h100_but_not_a100(tmp_path, table):
+    on_h200 = campaign(device="NVIDIA H200", device_kind="H200", date="2026-12-04T10:41:22+00:00")
+    assert main([str(write(tmp_path, on_h200))]) == 0
+    assert set(yaml.safe_load(table.read_text())["vit_h14"]) == {"H200"}  # filed under the kind that ran it
+    h200, h100 = h14_plan("h200x8").compute, h14_plan("h100x8").compute
+    assert h200.assumed_mfu == h100.assumed_mfu == 0.42
+    assert h200.mfu_source == "measured on H200 2026-12-04 (pretrain.train)"
+    assert h100.mfu_source == "measured on H200 2026-12-04 (pretrain.train), applied to H100 (same dense peak)"
+    assert "MFU 42% measured on H200 2026-12-04 (pretrain.train), applied to H100" in format_plan(h14_plan("h100x8"))
+    assert h14_plan("a100x64").compute.mfu_source == "assumed"
+    # a measurement of the plan's own kind wins over one of a kind with the same peaks
+    assert main([str(write(tmp_path, campaign(train_path_mfu_vit_h14=0.40)))]) == 0
+    assert h14_plan("h100x8").compute.mfu_source == "measured on H100 2026-11-28 (pretrain.train)"
+    assert h14_plan("h200x8").compute.assumed_mfu == 0.42
 
 
 @pytest.mark.timeout(120)
