@@ -1,10 +1,16 @@
 """A job's courier: when MLflow has not answered by the job's end, a detached Ray actor creates the run once it does,
 sends what the job's processes left in the spool, the late eval metrics and the final model, marks the run's status
 and exits; the job ends when training does (docs/design.md, "Tracking at a job's start").
+
+``python -m cluster.driver.courier RUN_FOLDER`` does the same in the foreground, once no courier runs any more (a
+`make stop`, its 24 h, credentials MLflow refused).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -13,10 +19,12 @@ from typing import Any
 
 from cluster.driver.record import send_the_rest
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.tracker import Tracker, read_run_record, spool_dir
+from tracking.tracker import Tracker, read_run_record, recorded_run_id, send_spooled, spool_dir
 
+COURIER_FILE = "mlflow_courier.json"  # in the run folder: the courier's work, until it is done
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
 NAMESPACE = "vitscale"
+PROG = "python -m cluster.driver.courier"
 START_TIMEOUT_S = 120.0  # the courier's process start, on a busy node
 
 
@@ -36,9 +44,10 @@ def deliver(
         print(f"courier: MLflow at {uri} did not answer in {deadline_s:g} s; the records stay in {spool}", flush=True)
         return None
     tracker = Tracker(uri, run_id, rank=0)
-    send_the_rest(run_dir, uri, run_id, evals, status, tracker)
+    send_the_rest(run_dir, uri, run_id, {int(step): e for step, e in evals.items()}, status, tracker)
     tracker.close()
     finish_run(uri, run_id, status)
+    (run_dir / COURIER_FILE).unlink(missing_ok=True)
     print(f"courier: MLflow run {run_id} holds the job's records, marked {status}", flush=True)
     return run_id
 
@@ -64,8 +73,13 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     import ray
 
     spool = spool_dir(run_dir / RUN_RECORD)
+    work = {"tracking_uri": uri, "run": dict(run), "evals": evals, "status": status}
+    (run_dir / COURIER_FILE).write_text(json.dumps(work, default=str))
     if read_run_record(run_dir / RUN_RECORD, uri).get("refused"):
-        return f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}"
+        return (
+            f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}; with the right "
+            f"ones, `python -m cluster.driver.courier {run_dir}` sends them"
+        )
     name = f"vitscale-courier-{run_dir.name}-{time.time_ns()}"
     try:
         actor = ray.remote(num_cpus=0)(Courier).options(name=name, namespace=NAMESPACE, lifetime="detached").remote()
@@ -73,10 +87,48 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
         return (
             f"warning: MLflow at {uri} has not answered and its courier did not start ({type(error).__name__}: "
-            f"{error}): the run's records stay in {spool}, and the end of a later job of this run folder sends them"
+            f"{error}): the run's records stay in {spool}; `python -m cluster.driver.courier {run_dir}` sends them"
         )
     return (
         f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) creates "
         f"the run and sends its records, kept in {spool} meanwhile, once MLflow answers (for up to "
         f"{COURIER_DEADLINE_S / 3600:g} h)"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
+    parser.add_argument("run_folder", help="the job's run folder (checkpoint.dir), e.g. runs/local_demo-20261204-0526")
+    parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for MLflow to answer (default 60)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_folder).resolve()
+    record, state = run_dir / RUN_RECORD, run_dir / COURIER_FILE
+    spooled = sorted(spool_dir(record).glob("*.json"))
+    problem = None
+    if not args.wait > 0:
+        problem = f"--wait {args.wait:g}: give a positive number of seconds"
+    elif not run_dir.is_dir():
+        problem = f"{run_dir} is not a folder; pass a job's run folder (checkpoint.dir)"
+    elif spooled and not state.exists():
+        run_id = recorded_run_id(record, json.loads(spooled[0].read_text())["tracking_uri"])
+        if run_id is None:
+            problem = (
+                f"{run_dir} holds {len(spooled)} spool file(s) but its job never reached its end (no {COURIER_FILE})"
+                ", so no run exists for them; launch the same run folder again: its end sends them"
+            )
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    if state.exists():
+        work = json.loads(state.read_text())
+        return 0 if deliver(run_dir, work["tracking_uri"], work["run"], work["evals"], work["status"], args.wait) else 1
+    if not spooled:
+        print(f"nothing in {run_dir} waits for MLflow")
+        return 0
+    sent, left = send_spooled(record, args.wait)
+    print(f"MLflow run {run_id}: {sent} records sent, {left} spool file(s) left in {spool_dir(record)}")
+    return 0 if not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,9 +15,11 @@ import os
 import time
 from pathlib import Path
 
+import mlflow
 import pytest
 
-from cluster.driver.courier import NAMESPACE, deliver, hand_over
+from cluster.driver.courier import COURIER_FILE, NAMESPACE, deliver, hand_over
+from cluster.driver.courier import main as courier_main
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
@@ -25,7 +27,7 @@ from cluster.profiles import load_profile
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
-from tracking.tracker import SPOOL_DIR, spool_dir
+from tracking.tracker import SPOOL_DIR, Tracker, pending_run_ref, spool_dir
 
 SUITE = "tiny_fewshot"
 
@@ -141,10 +143,41 @@ def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_pa
     refused.mkdir()
     (refused / RUN_RECORD).write_text(json.dumps({"run_id": None, "tracking_uri": closed, "refused": "401"}))
     line = hand_over(refused, closed, {}, {}, "FINISHED")
-    assert line == f"MLflow at {closed} refuses the job's credentials: the run's records stay in {refused / SPOOL_DIR}"
+    assert line == (
+        f"MLflow at {closed} refuses the job's credentials: the run's records stay in {refused / SPOOL_DIR}; with the "
+        f"right ones, `python -m cluster.driver.courier {refused}` sends them"
+    )
+    assert json.loads((refused / COURIER_FILE).read_text())["status"] == "FINISHED"  # the work, for the command
 
     down = tmp_path / "down"
     run = {"experiment": "e", "config": {"model": {"name": "vit_tiny_debug"}}, "tags": {}}
     assert deliver(down, closed, run, {}, "FINISHED", deadline_s=1.0) is None
     assert f"did not answer in 1 s; the records stay in {down / SPOOL_DIR}" in capsys.readouterr().out
     assert not (down / RUN_RECORD).exists()
+
+
+def test_the_courier_command_sends_what_no_courier_did(tmp_path, mlflow_uri, capsys):
+    """After a refusal (or a `make stop` that ended the courier), `python -m cluster.driver.courier RUN_FOLDER` does
+    the courier's work in the foreground: it creates the run, sends the spool, marks the status and clears both."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = run_dir / RUN_RECORD
+    record.write_text(json.dumps({"run_id": None, "tracking_uri": mlflow_uri, "refused": "401"}))
+    tracker = Tracker(mlflow_uri, pending_run_ref(record), rank=0)
+    tracker.log_once_per_step("train/")
+    for step in range(1, 6):
+        tracker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+    tracker.close()
+    assert len(list(spool_dir(record).glob("*.json"))) == 1
+    run = {"experiment": "courier-cli", "config": {"model": {"name": "vit_tiny_debug"}}, "tags": {}}
+    assert "refuses the job's credentials" in hand_over(run_dir, mlflow_uri, run, {}, "FINISHED")
+    record.write_text(json.dumps({"run_id": None, "tracking_uri": mlflow_uri}))  # the credentials fixed
+
+    assert courier_main([str(run_dir), "--wait", "60"]) == 0
+    run_id = runs.recorded_run_id(record, mlflow_uri)
+    client = mlflow.tracking.MlflowClient(mlflow_uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, keys.LOSS)] == [1, 2, 3, 4, 5]
+    assert not (run_dir / COURIER_FILE).exists() and not list(spool_dir(record).glob("*.json"))
+    assert f"MLflow run {run_id} holds the job's records, marked FINISHED" in capsys.readouterr().out
+    assert courier_main([str(run_dir)]) == 0 and "nothing in" in capsys.readouterr().out  # again: nothing to do

@@ -139,6 +139,8 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("pretrain.checkpoint", ["verify", "gs://b/runs/r"], [r"gs://b/runs/r is object storage"]),
     ("cluster.elastic_demo", ["--steps", "-3"], [r"--steps -3"]),
     ("cluster.calibrate", ["{missing}"], [r"nothere", r"bench\.gpu"]),
+    ("cluster.driver.courier", ["{missing}"], [r"nothere is not a folder", r"checkpoint\.dir"]),
+    ("cluster.driver.courier", ["{tmp}", "--wait", "0"], [r"--wait 0: give a positive number"]),
     ("bench.precision", ["--trials", "0"], [r"--trials 0"]),
     ("bench.gpu", ["--budget-s", "-1"], [r"--budget-s"]),
     ("bench.gpu", ["--smoke", "--parts", "step,nope"], [r"--parts", r"'nope'\] is not one of data, step"]),
