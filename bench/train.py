@@ -129,6 +129,7 @@ _PROFILE_GROUPS = {  # operator families, by substring of the profiler's op name
     "attention": ("flash_attention", "scaled_dot_product", "_efficient_attention", "_cudnn_attention"),
     "gelu": ("gelu",),
     "copy": ("aten::copy_", "aten::_to_copy"),
+    "optimizer": ("Adam", "adam", "aten::_foreach_"),
 }
 
 

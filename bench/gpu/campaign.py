@@ -256,6 +256,12 @@ def summary_lines(r: dict) -> list[str]:
         f"{pct('plan_step_time_error_vit_h14')}; loader {num('loader_img_s_per_core')} img/s per core, B/16 "
         f"needs {num('loader_cores_needed_vit_b16')} cores"
     )
+    for prefix in [f"profile_{v}_" for v in ("eager", "compiled")] + ["zero1_profile_", "zero2_profile_"]:
+        for m in (*MODELS, "") if prefix.startswith("profile") else ("",):
+            key = f"{prefix}share_gemm{'_' + m if m else ''}"
+            if key in r:
+                shares = (f"{g} {r[key.replace('gemm', g)]:.0%}" for g in ("gemm", "attention", "copy", "optimizer"))
+                lines.append(f"{prefix.rstrip('_')} {m}: self time {', '.join(shares)}".replace(" :", ":"))
     errors = sorted(k for k in r if k.startswith("error_"))
     if errors:
         lines.append("errors: " + "; ".join(f"{k}: {r[k]}" for k in errors))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.hf_models import compile_layers, hf_model, logits_of
-from bench.train import profiled, sync, time_steps
+from bench.train import profile_step, profiled, sync, time_steps
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 
@@ -27,6 +27,7 @@ MODELS = {"vit_h14": (32, 256), "vit_l16": (64, 512), "vit_b16": (128, 1024)}
 SMOKE_SIZE = dict(width=32, depth=2, mlp_dim=64, num_heads=2, num_classes=10)  # a tiny ViT of each name's patch
 VARIANTS = ("eager", "hf", "ckpt", "compiled", "hf_compiled")
 COMPILE_ESTIMATE_S = 60.0  # a compile's allowance when deciding to start it
+PROFILED = ("eager", "compiled")  # the variants whose step is also profiled, once, after its timing
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,16 @@ def _timed(stepper: Stepper, batch: int, s: StepSettings, flops: int, label: str
     out = {f"{label}_img_s": img_s, f"{label}_batch": batch, f"mfu_{label}": img_s * flops / (s.peak_tflops * 1e12)}
     if device.type == "cuda":
         out[f"{label}_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    if label in PROFILED:
+        out |= profile_keys(lambda: stepper.step(batch), device, f"profile_{label}")
     return out
+
+
+def profile_keys(step: Callable[[], None], device: torch.device, prefix: str) -> dict:
+    """One profiled ``step``: ``<prefix>_top`` ([[operator, share of self time], ...]) and ``<prefix>_share_<family>``
+    (GEMM, attention, GELU, copies, optimizer), what "act on it" starts from."""
+    profile = profile_step(step, device, top=8)
+    return {f"{prefix}_top": profile.pop("top"), **{f"{prefix}_{key}": value for key, value in profile.items()}}
 
 
 def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench import out_file
+from bench.gpu.step import profile_keys
 from bench.train import time_steps
 from pretrain.checkpointer import StartPoint
 from pretrain.config.optim import build_optimizer
@@ -279,6 +280,8 @@ def zero_stages(spec: TrainSpec, out: Results) -> None:
             trainer = Trainer.start(config, place)
             try:
                 step_s = _median_step(lambda t=trainer: t.train_step(None), place.device, spec.zero_steps)
+                # the engine's own work (gradient hooks, buckets, copies) beside the model's
+                out |= profile_keys(lambda t=trainer: t.train_step(None), place.device, f"zero{stage}_profile")
             finally:
                 trainer.close()
             del trainer

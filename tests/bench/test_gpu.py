@@ -68,6 +68,10 @@ def test_step_part_measures_vitscale_and_hf_per_model(smoke):
         # bf16 on a CPU: vitscale's attention is two GEMMs and a softmax, HF's SDPA runs torch's CPU flash kernel
         assert smoke[f"attention_kernel_vitscale_{name}"] == "explicit (bmm + softmax)"
         assert smoke[f"attention_kernel_hf_{name}"] == "flash (CPU)"
+        # the profile that says what to act on: the GEMMs and the optimizer are among the families it sums
+        shares = {f: smoke[f"profile_eager_share_{f}_{name}"] for f in ("gemm", "attention", "copy", "optimizer")}
+        assert all(0 <= v <= 1 for v in shares.values()) and shares["gemm"] > 0 and shares["optimizer"] > 0, shares
+        assert any(op.startswith("aten::") for op, _ in smoke[f"profile_eager_top_{name}"])
 
 
 @pytest.mark.timeout(300)
@@ -82,6 +86,7 @@ def test_train_part_trains_saves_resumes_with_equal_losses_and_compares_zero_sta
     assert smoke["resume_losses"][0] == smoke["train_path_losses"][2]
     for stage in (0, 1, 2):
         assert smoke[f"zero{stage}_step_s"] > 0 and smoke[f"zero{stage}_peak_memory_reserved_gb"] > 0, stage
+    assert smoke["zero1_profile_share_gemm"] > 0 and smoke["zero2_profile_top"]  # the engine's step, profiled
 
 
 @pytest.mark.timeout(300)
