@@ -85,6 +85,9 @@ def test_weight_decay_only_on_weight_matrices():
     assert decay_group["weight_decay"] == 0.03 and plain_group["weight_decay"] == 0.0
     assert opt.defaults["betas"] == (0.9, 0.999)
     assert len(decay_group["params"]) + len(plain_group["params"]) == len(names)
+    # a GPU rank's optimizer runs AdamW's fused kernel; a CPU rank keeps torch's default (its pinned losses)
+    assert opt.defaults["fused"] is None and opt.defaults["foreach"] is None
+    assert build_optimizer(task, load_config("vit_b16_i21k").optim, "cuda").defaults["fused"] is True
 
 
 def test_softmax_xent_matches_torch_with_label_smoothing():
