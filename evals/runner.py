@@ -26,7 +26,8 @@ from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import load_model as load
 from pretrain.weights.formats import resize_model
-from tracking.tracker import PENDING_RUN, Tracker, default_tracking_uri, sqlite_path
+from tracking.store import PENDING_RUN, default_tracking_uri, sqlite_path
+from tracking.tracker import Tracker
 
 ACCEPTED = (
     "pass a training checkpoint folder (with COMPLETE), a run folder, a folder written by save_pretrained / "
@@ -235,7 +236,7 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
         if not tracker.flush() and not run_id.startswith(PENDING_RUN):
             log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
     finally:
-        tracker.close()  # a run not created yet: they wait in the job's spool (tracking.tracker.spool_dir)
+        tracker.close()  # a run not created yet: they wait in the job's spool (tracking.store.spool_dir)
     where = "the job's spool" if tracker.run_id.startswith(PENDING_RUN) else f"MLflow run {tracker.run_id}"
     log(f"evals: logged {len(metrics)} metrics to {where} at step {step}")
 

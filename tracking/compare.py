@@ -15,7 +15,7 @@ from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
-from tracking.tracker import default_tracking_uri, sqlite_path
+from tracking.store import default_tracking_uri, sqlite_path
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:

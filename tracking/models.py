@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tracking import keys
-from tracking.tracker import default_tracking_uri
+from tracking.store import default_tracking_uri
 
 MODEL_NAME = "model"
 HF_ARTIFACT = "hf"  # the folder's name among the model's artifacts

@@ -17,15 +17,8 @@ from typing import Any
 
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 from tracking import keys
-from tracking.tracker import (
-    MAX_PARAMS_TAGS_PER_BATCH,
-    Tracker,
-    default_artifact_location,
-    default_tracking_uri,
-    flatten_config,
-    pending_run_ref,
-    recorded_run_id,
-)
+from tracking.store import default_artifact_location, default_tracking_uri, pending_run_ref, recorded_run_id
+from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker, flatten_config
 
 RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch continues
 # A job's start waits this long for MLflow to create its run, then trains without it (MLflow's retries last minutes).

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 import time
 import weakref
@@ -21,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
+from data_pipeline.paths import write_text_atomically
+from tracking.store import PENDING_RUN, default_tracking_uri, read_run_record, recorded_run_id, spool_dir
 
 logger = logging.getLogger(__name__)
 
@@ -37,67 +37,11 @@ _PERMANENT_ERROR_CODES = frozenset(
     {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
 )
 
-PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
 PENDING_POLL_S = 2.0  # how often a Tracker of a pending run reads the record
 CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this often (1, 2, 4 s apart)
 # A Tracker of a run still pending at close waits this long for it, then leaves its records in the spool, beside the
 # run record, for the job's end or its courier to send (docs/design.md, "Tracking at a job's start").
 PENDING_CLOSE_S = 3.0
-SPOOL_DIR = "mlflow_spool"
-
-
-def default_tracking_uri(root: Path | str | None = None) -> str:
-    """``MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db``; never ``./mlruns`` (MLflow >= 3.13 refuses it)."""
-    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if env:
-        return env
-    base = Path(root) if root is not None else PROJECT_ROOT
-    return f"sqlite:///{(base / 'mlflow.db').resolve()}"
-
-
-def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI, or None for any other store."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    return Path(tracking_uri[len("sqlite:///") :])
-
-
-def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
-    """An embedded store's artifact folder, next to the database (not ``./mlruns``); None for a server."""
-    db = sqlite_path(tracking_uri)
-    if db is None:
-        return None
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("_") or "experiment"
-    return (db.parent / "mlartifacts" / slug).resolve().as_uri()
-
-
-def pending_run_ref(record: Path | str) -> str:
-    """A Tracker's ``run_id`` for the run ``record`` (``mlflow_run.json``) will name."""
-    return f"{PENDING_RUN}{Path(record).resolve()}"
-
-
-def read_run_record(record: Path | str, tracking_uri: str | None) -> dict[str, Any]:
-    """``record``'s ``{"run_id", "tracking_uri"}`` (``"refused"``: MLflow refuses the job's credentials); {} when
-    absent, unreadable or another store's."""
-    try:
-        saved = json.loads(Path(record).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(saved, dict):
-        return {}
-    if (saved.get("tracking_uri") or default_tracking_uri()) != (tracking_uri or default_tracking_uri()):
-        return {}
-    return saved
-
-
-def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
-    """The run id of `read_run_record`, or None."""
-    return read_run_record(record, tracking_uri).get("run_id") or None
-
-
-def spool_dir(record: Path | str) -> Path:
-    """Where the Trackers of the run ``record`` will name leave what they hold when they close before it exists."""
-    return Path(record).parent / SPOOL_DIR
 
 
 def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:

@@ -12,7 +12,7 @@ import socket
 import sys
 import warnings
 
-from tracking.tracker import default_tracking_uri, sqlite_path
+from tracking.store import default_tracking_uri, sqlite_path
 
 LOOPBACK = "127.0.0.1"
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from cluster.driver.record import send_the_rest
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.tracker import Tracker, read_run_record, recorded_run_id, send_spooled, spool_dir
+from tracking.store import read_run_record, recorded_run_id, spool_dir
+from tracking.tracker import Tracker, send_spooled
 
 COURIER_FILE = "mlflow_courier.json"  # in the run folder: the courier's work, until it is done
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool

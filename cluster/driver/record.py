@@ -22,7 +22,8 @@ from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
 from tracking.runs import RUN_RECORD, finish_run, steps_missing
-from tracking.tracker import PENDING_RUN, Tracker, send_spooled
+from tracking.store import PENDING_RUN
+from tracking.tracker import Tracker, send_spooled
 
 
 def record_placement(run_dir: Path, rank: int, world_size: int) -> None:

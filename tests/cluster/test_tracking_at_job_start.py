@@ -27,7 +27,8 @@ from cluster.profiles import load_profile
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
-from tracking.tracker import SPOOL_DIR, Tracker, pending_run_ref, spool_dir
+from tracking.store import SPOOL_DIR, pending_run_ref, spool_dir
+from tracking.tracker import Tracker
 
 SUITE = "tiny_fewshot"
 

@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from cluster.local_head import free_port
+from data_pipeline.paths import PROJECT_ROOT
 from tracking.runs import create_run
-from tracking.tracker import PROJECT_ROOT
 from tracking.ui import build_command, check_port_free, main
 
 

@@ -11,19 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from data_pipeline.paths import PROJECT_ROOT
 from tracking import keys
 from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags
-from tracking.tracker import (
-    MAX_PARAM_VALUE_LENGTH,
-    PENDING_CLOSE_S,
-    PROJECT_ROOT,
-    Tracker,
-    default_tracking_uri,
-    flatten_config,
-    pending_run_ref,
-    send_spooled,
-    spool_dir,
-)
+from tracking.store import default_tracking_uri, pending_run_ref, spool_dir
+from tracking.tracker import MAX_PARAM_VALUE_LENGTH, PENDING_CLOSE_S, Tracker, flatten_config, send_spooled
 
 pytestmark = pytest.mark.timeout(120)
 

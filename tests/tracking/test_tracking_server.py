@@ -31,7 +31,8 @@ import pytest
 from cluster.local_head import free_port
 from tracking import keys, runs, tracker
 from tracking.runs import CREDENTIAL_VARS, run_tags
-from tracking.tracker import PENDING_RUN, Tracker, spool_dir
+from tracking.store import PENDING_RUN, spool_dir
+from tracking.tracker import Tracker
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,70 @@
+"""Where a run's records live: the tracking URI's defaults, and the run record (``mlflow_run.json``) and spool that a
+job's processes share while MLflow has not created the run (docs/design.md, "Tracking at a job's start").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from data_pipeline.paths import PROJECT_ROOT
+
+PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
+SPOOL_DIR = "mlflow_spool"
+
+
+def default_tracking_uri(root: Path | str | None = None) -> str:
+    """``MLFLOW_TRACKING_URI``, else ``sqlite:///<root>/mlflow.db``; never ``./mlruns`` (MLflow >= 3.13 refuses it)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if env:
+        return env
+    base = Path(root) if root is not None else PROJECT_ROOT
+    return f"sqlite:///{(base / 'mlflow.db').resolve()}"
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, or None for any other store."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri[len("sqlite:///") :])
+
+
+def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """An embedded store's artifact folder, next to the database (not ``./mlruns``); None for a server."""
+    db = sqlite_path(tracking_uri)
+    if db is None:
+        return None
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("_") or "experiment"
+    return (db.parent / "mlartifacts" / slug).resolve().as_uri()
+
+
+def pending_run_ref(record: Path | str) -> str:
+    """A Tracker's ``run_id`` for the run ``record`` (``mlflow_run.json``) will name."""
+    return f"{PENDING_RUN}{Path(record).resolve()}"
+
+
+def read_run_record(record: Path | str, tracking_uri: str | None) -> dict[str, Any]:
+    """``record``'s ``{"run_id", "tracking_uri"}`` (``"refused"``: MLflow refuses the job's credentials); {} when
+    absent, unreadable or another store's."""
+    try:
+        saved = json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    if (saved.get("tracking_uri") or default_tracking_uri()) != (tracking_uri or default_tracking_uri()):
+        return {}
+    return saved
+
+
+def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
+    """The run id of `read_run_record`, or None."""
+    return read_run_record(record, tracking_uri).get("run_id") or None
+
+
+def spool_dir(record: Path | str) -> Path:
+    """Where the Trackers of the run ``record`` will name leave what they hold when they close before it exists."""
+    return Path(record).parent / SPOOL_DIR
