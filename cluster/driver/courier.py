@@ -1,16 +1,12 @@
 """A job's courier: when MLflow has not answered by the job's end, a detached Ray actor creates the run once it does,
 sends what the job's processes left in the spool, the late eval metrics and the final model, marks the run's status
 and exits; the job ends when training does (docs/design.md, "Tracking at a job's start").
-
-``python -m cluster.driver.courier RUN_FOLDER`` does the same in the foreground, once no courier runs any more (a
-`make stop`, its 24 h, credentials MLflow refused).
+`cluster.driver.deliver` (``python -m cluster.driver.deliver RUN_FOLDER``) does the same in the foreground.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -18,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.record import send_the_rest
+from data_pipeline.paths import write_text_atomically
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.store import read_run_record, recorded_run_id, spool_dir
-from tracking.tracker import Tracker, send_spooled
+from tracking.store import read_run_record, spool_dir
+from tracking.tracker import Tracker
 
 COURIER_FILE = "mlflow_courier.json"  # in the run folder: the courier's work, until it is done
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
 NAMESPACE = "vitscale"
-PROG = "python -m cluster.driver.courier"
+COMMAND = "python -m cluster.driver.deliver"  # the courier's work in the foreground
 START_TIMEOUT_S = 120.0  # the courier's process start, on a busy node
 
 
@@ -75,11 +72,11 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
 
     spool = spool_dir(run_dir / RUN_RECORD)
     work = {"tracking_uri": uri, "run": dict(run), "evals": evals, "status": status}
-    (run_dir / COURIER_FILE).write_text(json.dumps(work, default=str))
+    write_text_atomically(run_dir / COURIER_FILE, json.dumps(work, default=str))
     if read_run_record(run_dir / RUN_RECORD, uri).get("refused"):
         return (
             f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}; with the right "
-            f"ones, `python -m cluster.driver.courier {run_dir}` sends them"
+            f"ones, `{COMMAND} {run_dir}` sends them"
         )
     name = f"vitscale-courier-{run_dir.name}-{time.time_ns()}"
     try:
@@ -88,48 +85,10 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
         return (
             f"warning: MLflow at {uri} has not answered and its courier did not start ({type(error).__name__}: "
-            f"{error}): the run's records stay in {spool}; `python -m cluster.driver.courier {run_dir}` sends them"
+            f"{error}): the run's records stay in {spool}; `{COMMAND} {run_dir}` sends them"
         )
     return (
         f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) creates "
         f"the run and sends its records, kept in {spool} meanwhile, once MLflow answers (for up to "
         f"{COURIER_DEADLINE_S / 3600:g} h)"
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
-    parser.add_argument("run_folder", help="the job's run folder (checkpoint.dir), e.g. runs/local_demo-20261204-0526")
-    parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for MLflow to answer (default 60)")
-    args = parser.parse_args(argv)
-    run_dir = Path(args.run_folder).resolve()
-    record, state = run_dir / RUN_RECORD, run_dir / COURIER_FILE
-    spooled = sorted(spool_dir(record).glob("*.json"))
-    problem = None
-    if not args.wait > 0:
-        problem = f"--wait {args.wait:g}: give a positive number of seconds"
-    elif not run_dir.is_dir():
-        problem = f"{run_dir} is not a folder; pass a job's run folder (checkpoint.dir)"
-    elif spooled and not state.exists():
-        run_id = recorded_run_id(record, json.loads(spooled[0].read_text())["tracking_uri"])
-        if run_id is None:
-            problem = (
-                f"{run_dir} holds {len(spooled)} spool file(s) but its job never reached its end (no {COURIER_FILE})"
-                ", so no run exists for them; launch the same run folder again: its end sends them"
-            )
-    if problem:
-        print(f"{PROG}: error: {problem}", file=sys.stderr)
-        return 2
-    if state.exists():
-        work = json.loads(state.read_text())
-        return 0 if deliver(run_dir, work["tracking_uri"], work["run"], work["evals"], work["status"], args.wait) else 1
-    if not spooled:
-        print(f"nothing in {run_dir} waits for MLflow")
-        return 0
-    sent, left = send_spooled(record, args.wait)
-    print(f"MLflow run {run_id}: {sent} records sent, {left} spool file(s) left in {spool_dir(record)}")
-    return 0 if not left else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

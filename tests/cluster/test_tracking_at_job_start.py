@@ -19,7 +19,7 @@ import mlflow
 import pytest
 
 from cluster.driver.courier import COURIER_FILE, NAMESPACE, deliver, hand_over
-from cluster.driver.courier import main as courier_main
+from cluster.driver.deliver import main as deliver_main
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
@@ -146,7 +146,7 @@ def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_pa
     line = hand_over(refused, closed, {}, {}, "FINISHED")
     assert line == (
         f"MLflow at {closed} refuses the job's credentials: the run's records stay in {refused / SPOOL_DIR}; with the "
-        f"right ones, `python -m cluster.driver.courier {refused}` sends them"
+        f"right ones, `python -m cluster.driver.deliver {refused}` sends them"
     )
     assert json.loads((refused / COURIER_FILE).read_text())["status"] == "FINISHED"  # the work, for the command
 
@@ -158,7 +158,7 @@ def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_pa
 
 
 def test_the_courier_command_sends_what_no_courier_did(tmp_path, mlflow_uri, capsys):
-    """After a refusal (or a `make stop` that ended the courier), `python -m cluster.driver.courier RUN_FOLDER` does
+    """After a refusal (or a `make stop` that ended the courier), `python -m cluster.driver.deliver RUN_FOLDER` does
     the courier's work in the foreground: it creates the run, sends the spool, marks the status and clears both."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -174,11 +174,14 @@ def test_the_courier_command_sends_what_no_courier_did(tmp_path, mlflow_uri, cap
     assert "refuses the job's credentials" in hand_over(run_dir, mlflow_uri, run, {}, "FINISHED")
     record.write_text(json.dumps({"run_id": None, "tracking_uri": mlflow_uri}))  # the credentials fixed
 
-    assert courier_main([str(run_dir), "--wait", "60"]) == 0
+    assert deliver_main([str(run_dir), "--wait", "60"]) == 0
     run_id = runs.recorded_run_id(record, mlflow_uri)
     client = mlflow.tracking.MlflowClient(mlflow_uri)
     assert client.get_run(run_id).info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run_id, keys.LOSS)] == [1, 2, 3, 4, 5]
     assert not (run_dir / COURIER_FILE).exists() and not list(spool_dir(record).glob("*.json"))
     assert f"MLflow run {run_id} holds the job's records, marked FINISHED" in capsys.readouterr().out
-    assert courier_main([str(run_dir)]) == 0 and "nothing in" in capsys.readouterr().out  # again: nothing to do
+    assert deliver_main([str(run_dir)]) == 0 and "nothing in" in capsys.readouterr().out  # again: nothing to do
+    (run_dir / COURIER_FILE).write_text("{truncated")  # a damaged work file: a clear error, and it stays
+    assert deliver_main([str(run_dir)]) == 2 and (run_dir / COURIER_FILE).read_text() == "{truncated"
+    assert "cannot be read" in capsys.readouterr().err

@@ -71,11 +71,13 @@ def _bad_inputs(tmp: Path) -> dict[str, str]:
     incomplete.mkdir()
     (incomplete / "trainer_state.json").write_text('{"step": 10}')
     (tmp / "src" / "cat").mkdir(parents=True)
+    (tmp / "run_badcourier").mkdir()
+    (tmp / "run_badcourier" / "mlflow_courier.json").write_text("{truncated")  # a job's end cut short
     return {"tmp": str(tmp), "missing": str(tmp / "nothere"), "incomplete": str(incomplete)} | {
         Path(name).stem: str(tmp / name)
         for name in [*files, "profile_types.yaml", "profile_nohead.yaml", "profile_stalehead.yaml"]
         + ["profile_remote.yaml", "garbage.npz"]
-        + ["truncated.npz", "weights.pkl", "notshards", "shards_badjson"]
+        + ["truncated.npz", "weights.pkl", "notshards", "shards_badjson", "run_badcourier"]
     }
 
 
@@ -139,8 +141,9 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("pretrain.checkpoint", ["verify", "gs://b/runs/r"], [r"gs://b/runs/r is object storage"]),
     ("cluster.elastic_demo", ["--steps", "-3"], [r"--steps -3"]),
     ("cluster.calibrate", ["{missing}"], [r"nothere", r"bench\.gpu"]),
-    ("cluster.driver.courier", ["{missing}"], [r"nothere is not a folder", r"checkpoint\.dir"]),
-    ("cluster.driver.courier", ["{tmp}", "--wait", "0"], [r"--wait 0: give a positive number"]),
+    ("cluster.driver.deliver", ["{missing}"], [r"nothere is not a folder", r"checkpoint\.dir"]),
+    ("cluster.driver.deliver", ["{tmp}", "--wait", "0"], [r"--wait 0: give a positive number"]),
+    ("cluster.driver.deliver", ["{run_badcourier}"], [r"mlflow_courier\.json cannot be read", r"delete it only"]),
     ("bench.precision", ["--trials", "0"], [r"--trials 0"]),
     ("bench.gpu", ["--budget-s", "-1"], [r"--budget-s"]),
     ("bench.gpu", ["--smoke", "--parts", "step,nope"], [r"--parts", r"'nope'\] is not one of data, step"]),

@@ -96,7 +96,7 @@ def _invocations(tmp: Path, eval_data: Path, out: Path) -> dict[str, list[str] |
         "cluster.launch": ["--cluster", "a100x64", "--recipe", "vit_h14_i21k", "--dry-run"],
         "cluster.render": ["--cluster", "a100x64", "--out", str(out / "rendered")],
         "cluster.env": ["--cluster", "a100x64"],
-        "cluster.driver.courier": [str(tmp)],  # a run folder with nothing for MLflow
+        "cluster.driver.deliver": [str(tmp)],  # a run folder with nothing for MLflow
         **dict.fromkeys(("tracking.compare", "cluster.jobs", "cluster.driver", "cluster.elastic_demo")),
         "cluster.preflight": None,  # needs a Ray cluster: tests/cluster/test_preflight.py runs it on a local head
         **dict.fromkeys(("cluster.calibrate", "bench.train", "bench.gpu.train")),
