@@ -18,8 +18,10 @@ from bench.gpu.step import MODELS, VARIANTS
 def _names(known) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [name for name in text.split(",") if name]
-        if unknown := [n for n in names if n not in known] or not names:
-            raise argparse.ArgumentTypeError(f"{text!r}: {unknown or 'nothing'} is not one of {', '.join(known)}")
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {', '.join(known)}")
+        if unknown := [n for n in names if n not in known]:
+            raise argparse.ArgumentTypeError(f"{text!r}: {unknown} is not one of {', '.join(known)}")
         return names
 
     return parse

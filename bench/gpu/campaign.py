@@ -29,7 +29,7 @@ from bench.gpu import plan as gpu_plan
 from bench.gpu import step as gpu_step
 from bench.gpu.train import TrainSpec
 from data_pipeline.builtin.sets import ensure
-from data_pipeline.paths import PROJECT_ROOT
+from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 from pretrain.telemetry.peak import device_peak
 
 MODELS = tuple(gpu_step.MODELS)
@@ -159,12 +159,13 @@ class Campaign:
         self.spec: TrainSpec | None = None  # the real path's, once the train part made it
         self.start = time.monotonic()
         self.result = environment(self.device, args.smoke, args.budget_s)
+        needs_data = {"train", "loader"} & set(args.parts)
+        self.parts = [p for p in SHARES if p in args.parts or (p == "data" and needs_data)]  # in run order
 
     def share_s(self, part: str) -> float:
         """The part's share of the budget left among the parts still to run (unused time goes to later parts)."""
         left = self.args.budget_s * (1 - SLACK) - (time.monotonic() - self.start)
-        chosen = [p for p in SHARES if p in self.args.parts or p == "data"]
-        later = chosen[chosen.index(part) :]
+        later = self.parts[self.parts.index(part) :]
         return max(0.0, left * SHARES[part] / sum(SHARES[p] for p in later))
 
     def part(self, name: str, work: Callable[[float], dict]) -> None:
@@ -179,9 +180,7 @@ class Campaign:
         self.write()
 
     def write(self) -> None:
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text(json.dumps(self.result, indent=2, default=str) + "\n")
-        tmp.replace(self.out)
+        write_text_atomically(self.out, json.dumps(self.result, indent=2, default=str) + "\n")
 
     def run(self, work: Path) -> dict:
         smoke = self.args.smoke
@@ -219,7 +218,7 @@ class Campaign:
             return gpu_plan.compare(self.spec, self.result, TRAIN_MODEL)
 
         for work_fn in (data, step, train, loader, plan):
-            if work_fn.__name__ in self.args.parts or (work_fn is data and {"train", "loader"} & set(self.args.parts)):
+            if work_fn.__name__ in self.parts:
                 self.part(work_fn.__name__, work_fn)
         self.result.update(gpu_loader.cores_needed(self.result, MODELS))
         for key in HEADLINE:
@@ -256,12 +255,13 @@ def summary_lines(r: dict) -> list[str]:
         f"{pct('plan_step_time_error_vit_h14')}; loader {num('loader_img_s_per_core')} img/s per core, B/16 "
         f"needs {num('loader_cores_needed_vit_b16')} cores"
     )
-    for prefix in [f"profile_{v}_" for v in ("eager", "compiled")] + ["zero1_profile_", "zero2_profile_"]:
-        for m in (*MODELS, "") if prefix.startswith("profile") else ("",):
-            key = f"{prefix}share_gemm{'_' + m if m else ''}"
-            if key in r:
-                shares = (f"{g} {r[key.replace('gemm', g)]:.0%}" for g in ("gemm", "attention", "copy", "optimizer"))
-                lines.append(f"{prefix.rstrip('_')} {m}: self time {', '.join(shares)}".replace(" :", ":"))
+    profiles = [(f"profile_{v}", f"_{m}") for v in ("eager", "compiled") for m in MODELS]
+    for prefix, suffix in [*profiles, ("zero1_profile", ""), ("zero2_profile", "")]:
+        if f"{prefix}_share_gemm{suffix}" in r:
+            shares = ", ".join(
+                f"{g} {r[f'{prefix}_share_{g}{suffix}']:.0%}" for g in ("gemm", "attention", "copy", "optimizer")
+            )
+            lines.append(f"{prefix}{suffix}: self time {shares}")
     errors = sorted(k for k in r if k.startswith("error_"))
     if errors:
         lines.append("errors: " + "; ".join(f"{k}: {r[k]}" for k in errors))

@@ -23,6 +23,7 @@ import torch
 from bench import out_file
 from bench.gpu.step import profile_keys
 from bench.train import time_steps
+from data_pipeline.paths import write_text_atomically
 from pretrain.checkpointer import StartPoint
 from pretrain.config.optim import build_optimizer
 from pretrain.config.train_config import TrainConfig, load_config, model_overrides
@@ -101,9 +102,7 @@ class Results(dict):
         self.path = path
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self, indent=1))
-        tmp.replace(self.path)
+        write_text_atomically(self.path, json.dumps(self, indent=1))
 
 
 class TimedBeat(Heartbeat):

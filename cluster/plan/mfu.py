@@ -32,7 +32,9 @@ def same_peak_kinds(kind: str) -> list[str]:
     """The other GPU kinds with ``kind``'s datasheet peaks (H100 and H200: the same Hopper die, only the memory
     differs), whose measurements stand in for ``kind``'s."""
     peaks = GPU_PEAK_TFLOPS.get(kind)
-    return [other for other, p in GPU_PEAK_TFLOPS.items() if other != kind and peaks is not None and p == peaks]
+    if peaks is None:
+        return []
+    return [other for other, p in GPU_PEAK_TFLOPS.items() if other != kind and p == peaks]
 
 
 @dataclass(frozen=True)

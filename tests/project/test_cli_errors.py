@@ -147,6 +147,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("bench.precision", ["--trials", "0"], [r"--trials 0"]),
     ("bench.gpu", ["--budget-s", "-1"], [r"--budget-s"]),
     ("bench.gpu", ["--smoke", "--parts", "step,nope"], [r"--parts", r"'nope'\] is not one of data, step"]),
+    ("bench.gpu", ["--smoke", "--models", ","], [r"--models", r"',' names nothing; choose from vit_h14"]),
     ("bench.gpu", ["--smoke", "--train-set", "model.compile"], [r"--train-set 'model\.compile' is not KEY=VALUE"]),
     ("bench.gpu.train", ["{missing}", "{tmp}/o.json"], [r"SPEC\.json \S+nothere"]),
     # cluster: profiles (syntax, types, unknown), the recipe's eval suite, flags, absent clusters, job specs
