@@ -106,10 +106,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """The measured GEMM peaks (pretrain.telemetry.peak) go to a cache of this session's own: tests neither read nor
-    write the user's ~/.cache/vitscale, and concurrent test workers never race on one file."""
+    """The measured GEMM peaks (pretrain.telemetry.peak) go to a cache of this pytest run's own, shared by its xdist
+    workers (each peak measured once per run, not once per worker; the cache file is replaced atomically): tests
+    neither read nor write the user's ~/.cache/vitscale."""
     previous = os.environ.get("VITSCALE_CACHE")
-    os.environ["VITSCALE_CACHE"] = str(tmp_path_factory.mktemp("vitscale_cache"))
+    cache = _run_root(tmp_path_factory) / "vitscale_cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["VITSCALE_CACHE"] = str(cache)
     yield
     if previous is None:
         os.environ.pop("VITSCALE_CACHE", None)
