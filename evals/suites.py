@@ -59,18 +59,14 @@ class SuiteConfig:
 def suite_path(name_or_path: str | Path) -> Path:
     """``local_fewshot`` → ``configs/evals/local_fewshot.yaml``; an existing ``.yaml`` path is used as is."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            known = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
-            raise ValueError(
-                f"eval suite file {path} does not exist or is not a file; give a YAML path or one of {known}"
-            )
-        return path
-    candidate = SUITES_DIR / f"{name_or_path}.yaml"
-    if not candidate.is_file():
-        known = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
-        raise ValueError(f"unknown eval suite {str(name_or_path)!r}; known suites in {SUITES_DIR}: {known}")
-    return candidate
+    explicit = path.suffix in (".yaml", ".yml")
+    candidate = path if explicit else SUITES_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+    if explicit:
+        raise ValueError(f"eval suite file {path} does not exist or is not a file; give a YAML path or one of {known}")
+    raise ValueError(f"unknown eval suite {str(name_or_path)!r}; known suites in {SUITES_DIR}: {known}")
 
 
 def load_suite(name_or_path: str | Path) -> SuiteConfig:

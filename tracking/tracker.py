@@ -1,7 +1,5 @@
-"""The rank-0 MLflow `Tracker`, which never stops training, and where a run's record is stored (docs/design.md,
-"Tracking at a job's start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--help`` import
-this module.
-"""
+"""The rank-0 MLflow `Tracker`, which never stops training, and `send_spooled` (docs/design.md, "Tracking at a job's
+start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--help`` import this module."""
 
 from __future__ import annotations
 

@@ -60,10 +60,6 @@ class BatchPlan:
     grad_accum_steps: int  # micro-batches per rank per optimizer step
     world_size: int  # ranks
 
-    @property
-    def images_per_rank_step(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps
-
 
 def valid_world_sizes(data: BatchSizes, upto: int) -> list[int]:
     """World sizes in [1, upto] that divide `data.streams` and the micro-batches of a global batch."""

@@ -59,10 +59,7 @@ def locate(source: str | Path) -> Path:
     if path.is_dir() and not run_folder.looks_like_checkpoint(path) and (run / CHECKPOINTS).is_dir():
         latest = run_folder.latest_checkpoint(run)
         if latest is None:
-            raise FileNotFoundError(
-                f"{source} is a run folder without a COMPLETE checkpoint; wait for its first save, or pass a "
-                "checkpoint folder (<run>/checkpoints/step_XXXXXXXX)"
-            )
+            raise _no_checkpoint(source)
         path = latest
     return path
 
@@ -106,8 +103,12 @@ def _newest_complete(fs, checkpoints: str, url: str) -> str:
     for step in sorted((s for s in folders if s is not None), reverse=True):
         if fs.exists(f"{folders[step]}/{COMPLETE}"):
             return folders[step]
-    raise FileNotFoundError(
-        f"{url} is a run folder without a COMPLETE checkpoint; wait for its first save, or pass a checkpoint folder "
+    raise _no_checkpoint(url)
+
+
+def _no_checkpoint(run: str | Path) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{run} is a run folder without a COMPLETE checkpoint; wait for its first save, or pass a checkpoint folder "
         "(<run>/checkpoints/step_XXXXXXXX)"
     )
 
