@@ -4,6 +4,7 @@ start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -44,9 +45,9 @@ PENDING_CLOSE_S = 3.0
 
 def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
     """Send each spool file's records, oldest first, to the run ``record`` names by now; a file sent in full is
-    removed. Returns (items sent, files left)."""
-    sent, left = 0, 0
-    for path in sorted(spool_dir(record).glob("*.json")):
+    removed, and the spool folder once it is empty. Returns (items sent, files left)."""
+    sent, left, folder = 0, 0, spool_dir(record)
+    for path in sorted(folder.glob("*.json")):
         payload = json.loads(path.read_text())
         tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0)
         count = tracker._restore(payload)
@@ -56,6 +57,9 @@ def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int
         else:
             sent += count
             path.unlink()
+    if not left:
+        with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
+            folder.rmdir()
     return sent, left
 
 

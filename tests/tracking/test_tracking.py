@@ -303,6 +303,7 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
     assert second.flush()
     second.close()
     assert send_spooled(record) == (10, 0) and not spooled.exists()
+    assert not spool_dir(record).exists()  # no empty folder left in the run folder
     client = _client(uri)
     history = sorted(client.get_metric_history(run_id, keys.LOSS), key=lambda m: m.step)
     assert [(m.step, m.value) for m in history] == [(s, 3.0) for s in range(1, 5)] + [(s, 2.0) for s in range(5, 11)]
