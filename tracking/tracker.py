@@ -321,8 +321,14 @@ class Tracker:
         folder = spool_dir(self._placeholder[len(PENDING_RUN) :])
         path = folder / f"{time.time_ns():020d}-{os.getpid()}-{id(self):x}.json"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, json.dumps(payload))
+            for last in (False, True):
+                folder.mkdir(parents=True, exist_ok=True)
+                try:
+                    write_text_atomically(path, json.dumps(payload))
+                    break
+                except FileNotFoundError:  # send_spooled removed the emptied folder between the two lines
+                    if last:
+                        raise
         except OSError as error:
             self._warn(f"closing with {count} items not sent to MLflow and not spooled ({error})", force=True)
             return

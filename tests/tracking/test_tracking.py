@@ -273,6 +273,30 @@ def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
     assert "up to step 14" in caplog.text
 
 
+def test_a_spool_folder_removed_while_a_tracker_spools_is_made_again(store, tmp_path, monkeypatch):
+    """`send_spooled` removes a spool folder it emptied; a Tracker spooling at that moment (the folder made, then
+    gone before the file is written) makes it again and keeps its records rather than dropping them."""
+    import tracking.tracker as tracker_module
+
+    uri, _ = store
+    record = tmp_path / "run" / RUN_RECORD
+    record.parent.mkdir()
+    write, removed = tracker_module.write_text_atomically, []
+
+    def remove_folder_first(path, text):
+        if not removed:
+            removed.append(path.parent)
+            path.parent.rmdir()  # what send_spooled does to an emptied folder
+        write(path, text)
+
+    monkeypatch.setattr(tracker_module, "write_text_atomically", remove_folder_first)
+    pending = Tracker(uri, pending_run_ref(record), rank=0)
+    pending.log_metrics({keys.LOSS: 3.0}, step=1)
+    pending.close()
+    assert removed and pending.pending == 0
+    assert len(list(spool_dir(record).glob("*.json"))) == 1
+
+
 def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists(store, tmp_path, caplog):
     """A Tracker whose run does not exist yet closes within seconds, its records left in the spool beside the run
     record (the job ends when training does). Once the run exists, `send_spooled` sends each file with its own times
