@@ -2,11 +2,12 @@
 
 `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(<checkpoint>/deepspeed)` — the plain call,
 the tag read from the ``latest`` file vitscale writes — and the ``zero_to_fp32.py`` script DeepSpeed copies into
-``deepspeed/`` give exactly the tensors of the checkpoint's ``model.safetensors`` (under the names of the task module
-the engine wraps: ``model.`` + the ViT's). The one exception is DeepSpeed's: at ZeRO-1 in bf16, vitscale's fp32
-gradient accumulation makes DeepSpeed train with its BF16_Optimizer, whose state zero_to_fp32 does not read ("not a
-zero checkpoint"); DeepSpeed's universal-checkpoint converter does, and gives the same tensors (docs/contracts.md,
-"Checkpoints"). The same runs' folders export to transformers with vitscale's logits.
+``deepspeed/`` (that module's copy, run on its own at ZeRO-3 in each precision) give exactly the tensors of the
+checkpoint's ``model.safetensors`` (under the names of the task module the engine wraps: ``model.`` + the ViT's). The
+one exception is DeepSpeed's: at ZeRO-1 in bf16, vitscale's fp32 gradient accumulation makes DeepSpeed train with its
+BF16_Optimizer, whose state zero_to_fp32 does not read ("not a zero checkpoint"); DeepSpeed's universal-checkpoint
+converter does, and gives the same tensors (docs/contracts.md, "Checkpoints"). The same runs' folders export to
+transformers with vitscale's logits.
 
 The runs are the ones other tests train (once per pytest run, read only here): fp32 the 8-step reference runs of
 tests/pretrain/test_train_distributed.py (accumulation 2, checkpoint at step 8), bf16 the runs of
@@ -101,6 +102,7 @@ def _hf_logits_match(run_dir: Path, checkpoint: Path, out: Path, shards: Path) -
 def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(
     stage, precision, tiny_fractal_shards, tmp_path, one_torch_thread, shared_folder
 ):
+    from deepspeed.utils import zero_to_fp32
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     shared_run = reference_run if precision == "fp32" else bf16_run
@@ -120,6 +122,8 @@ def test_deepspeeds_zero_to_fp32_gives_the_checkpoints_weights(
         _assert_same(_bare(_universal_fp32(engine_dir, state.deepspeed_tag, tmp_path / "universal")), saved)
     else:
         _assert_same(_bare(get_fp32_state_dict_from_zero_checkpoint(str(engine_dir))), saved)
+    assert (engine_dir / "zero_to_fp32.py").read_bytes() == Path(zero_to_fp32.__file__).read_bytes()
+    if stage == 3:  # the module above, as a script: once per precision shows that it runs on its own
         # The script DeepSpeed wrote into the checkpoint, run as its header says, from inside the folder.
         _run("zero_to_fp32.py", ".", str(tmp_path / "fp32"), "--safe_serialization", cwd=engine_dir, home=tmp_path)
         _assert_same(_bare(load_file(str(tmp_path / "fp32" / WEIGHTS_FILE))), saved)
