@@ -37,6 +37,8 @@ class RaySpec:
     head_object_store_mb: int = 256
     dashboard_port: int = 8265  # embedded head: preferred port; a free one when taken
     temp_dir: str = ""  # embedded head: Ray's temp folder, ours alone
+    # Ray Train's actor that watches for nodes being drained (spot preemption): off where no node is ever drained
+    preemption_watcher: bool = True
 
 
 @dataclass(frozen=True)

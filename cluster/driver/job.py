@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -268,7 +269,8 @@ def run_job(
     started = time.monotonic()
     status, error = "FINISHED", None
     try:
-        result = trainer.fit()
+        with ray_train_env(profile):
+            result = trainer.fit()
         error = getattr(result, "error", None)
     except Exception as exc:
         error = exc
@@ -291,6 +293,24 @@ def run_job(
     if mlflow_run.run_id is None:
         print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
     return 0 if status == "FINISHED" else 1
+
+
+PREEMPTION_WATCHER_VAR = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # read by Ray Train's controller, from the driver
+
+
+@contextlib.contextmanager
+def ray_train_env(profile: ClusterProfile) -> Iterator[None]:
+    """The driver's environment while Ray Train starts the controller, which takes Ray Train's variables from it."""
+    before = os.environ.get(PREEMPTION_WATCHER_VAR)
+    if not profile.ray.preemption_watcher:
+        os.environ[PREEMPTION_WATCHER_VAR] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PREEMPTION_WATCHER_VAR, None)
+        else:
+            os.environ[PREEMPTION_WATCHER_VAR] = before
 
 
 def eval_cadence(spec: JobSpec) -> EvalCadence:

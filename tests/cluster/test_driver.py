@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.driver.job import FaultInjection, JobSpec, _await_submits, run_job
+from cluster.driver.job import PREEMPTION_WATCHER_VAR, FaultInjection, JobSpec, _await_submits, ray_train_env, run_job
 from cluster.driver.record import count_restarts
 from cluster.driver.summary import format_resizes, format_summary
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
@@ -231,6 +232,25 @@ def _worker_output(cluster, pid: int) -> str:
     folders = {Path(node.get_logs_dir_path()).resolve() for node in cluster.list_all_nodes()}  # often one shared
     paths = sorted(p for folder in folders for p in folder.glob(f"worker-*-{pid}.*") if p.suffix in (".out", ".err"))
     return "".join(path.read_text(errors="replace") for path in paths)
+
+
+def test_one_machine_profiles_start_ray_train_without_its_preemption_watcher(monkeypatch):
+    """No node of one machine is ever drained: local and local_elastic leave out the watcher Ray Train starts with each
+    worker group (an actor, ~2 CPU-s); a cluster profile keeps Ray's default. What the controller gets is what Ray
+    Train's own function takes from the driver's environment while `fit` starts it."""
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    monkeypatch.delenv(PREEMPTION_WATCHER_VAR, raising=False)
+    for name in ("local", "local_elastic"):
+        with ray_train_env(load_profile(name)):
+            assert get_env_vars_to_propagate()[PREEMPTION_WATCHER_VAR] == "0", name
+        assert PREEMPTION_WATCHER_VAR not in os.environ  # the driver's environment as it was
+    with ray_train_env(load_profile("a100x64")):
+        assert PREEMPTION_WATCHER_VAR not in get_env_vars_to_propagate()
+    monkeypatch.setenv(PREEMPTION_WATCHER_VAR, "1")  # a user's own setting comes back after the job
+    with ray_train_env(load_profile("local")):
+        assert os.environ[PREEMPTION_WATCHER_VAR] == "0"
+    assert os.environ[PREEMPTION_WATCHER_VAR] == "1"
 
 
 def test_eval_tasks_run_on_the_gpu_ray_gave_them():
