@@ -41,6 +41,10 @@ CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this oft
 # A Tracker of a run still pending at close waits this long for it, then leaves its records in the spool, beside the
 # run record, for the job's end or its courier to send (docs/design.md, "Tracking at a job's start").
 PENDING_CLOSE_S = 3.0
+# A Tracker closing while a send to its URI has failed in this process, and none has succeeded since, waits this long
+# at most: MLflow's own retries of a server that does not answer last minutes, and a job's end closes several.
+UNANSWERED_CLOSE_S = 10.0
+_FAILING_SINCE: dict[str, float] = {}  # tracking URI -> when a send to it failed (monotonic), until one succeeds
 
 
 def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
@@ -279,18 +283,22 @@ class Tracker:
             return
         # Bounded even without a timeout: a pending run's server may never come back.
         wait = 120.0 if timeout is None else timeout
+        failing_since = _FAILING_SINCE.get(self.tracking_uri)
         if self.run_id == self._placeholder:  # its records go to the spool rather than wait for the run
             wait = min(wait, PENDING_CLOSE_S)
+        elif failing_since is not None:  # a send in flight may be MLflow retrying for minutes: not waited out
+            wait = min(wait, UNANSWERED_CLOSE_S)
         self._close_by = time.monotonic() + wait
         self._closing.set()
         self._hurry.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=timeout)
+            self._thread.join(timeout=timeout if failing_since is None else wait)
         if self.pending and self.run_id == self._placeholder:
             self._spool()
         elif self.pending:
-            self._warn(f"closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
+            why = "" if failing_since is None else f"MLflow has failed for {time.monotonic() - failing_since:.0f} s: "
+            self._warn(f"{why}closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
         self.enabled = False
         _OPEN_TRACKERS.discard(self)
 
@@ -414,6 +422,7 @@ class Tracker:
         try:
             self._send_all()
         except Exception as error:  # noqa: BLE001 — any failure of the store must stay out of training
+            _FAILING_SINCE.setdefault(self.tracking_uri, time.monotonic())
             self._failures += 1
             backoff = min(self.max_backoff_s, 2.0 ** (self._failures - 1))
             self._next_attempt = time.monotonic() + backoff
@@ -423,6 +432,7 @@ class Tracker:
                 f"{self.pending} items buffered, retrying in {backoff:.0f}s. Training continues."
             )
         else:
+            _FAILING_SINCE.pop(self.tracking_uri, None)
             if self._failures:
                 self._warn(f"MLflow tracking recovered after {self._failures} failed attempt(s)", force=True)
             self._failures = 0

@@ -13,9 +13,17 @@ import pytest
 
 from data_pipeline.paths import PROJECT_ROOT
 from tracking import keys
+from tracking import tracker as tracker_module
 from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags
 from tracking.store import default_tracking_uri, pending_run_ref, spool_dir
-from tracking.tracker import MAX_PARAM_VALUE_LENGTH, PENDING_CLOSE_S, Tracker, flatten_config, send_spooled
+from tracking.tracker import (
+    MAX_PARAM_VALUE_LENGTH,
+    PENDING_CLOSE_S,
+    UNANSWERED_CLOSE_S,
+    Tracker,
+    flatten_config,
+    send_spooled,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -413,11 +421,38 @@ def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
         lock.execute("ROLLBACK")
         lock.close()
     assert "Training continues" in caplog.text and tracker.pending == 20
+    assert uri in tracker_module._FAILING_SINCE  # what a closing Tracker of this process goes by
     assert tracker.flush()
+    assert uri not in tracker_module._FAILING_SINCE
     tracker.close()
     history = _client(uri).get_metric_history(run_id, "train/loss")
     assert [m.step for m in history] == list(range(21))
     assert history[-1].value == pytest.approx(1.0 / 20)
+
+
+def test_trackers_closing_after_a_failed_send_do_not_wait_out_mlflows_request(monkeypatch, caplog):
+    """A job's end closes several Trackers (rank 0's, the driver's ledger and summary). Once a send to their URI has
+    failed in the process, each waits at most `UNANSWERED_CLOSE_S` for its last send, which a server that stopped
+    answering holds for MLflow's whole request timeout (before: up to the close's 120 s, each), and says so."""
+    monkeypatch.setattr(tracker_module, "_FAILING_SINCE", {})  # this test's URI only
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # one request per send
+    with socket.socket() as hanging:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen(8)  # the kernel completes connections; nobody ever reads or replies
+        uri = f"http://127.0.0.1:{hanging.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+        during = Tracker(uri, "0123456789abcdef", rank=0)  # rank 0's, while the job trains
+        during.log_metrics({"train/loss": 1.0}, step=1)
+        assert not during.flush(timeout=30)  # a send failed after its request's 2 s
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")  # from now, a last send would wait a minute
+        at_end = Tracker(uri, "0123456789abcdef", rank=0)  # made at the end, as the job's summary's is
+        at_end.log_metrics({"train/loss": 2.0}, step=2)
+        with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+            for closing in (during, at_end):
+                started = time.monotonic()
+                closing.close(timeout=120)
+                assert time.monotonic() - started < UNANSWERED_CLOSE_S + 2
+    assert caplog.text.count("closing with 1 items not sent") == 2 and "MLflow has failed for" in caplog.text
 
 
 def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
