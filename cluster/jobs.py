@@ -1,7 +1,8 @@
 """Ray Job Submission API: connect to a profile's cluster, submit, follow, and the `status/logs/stop` verbs.
 
 `python -m cluster.jobs {status,logs,stop} --cluster P` backs `make status`, `make logs` and `make stop`.
-Only this project's jobs (metadata `vitscale=1`) count. `stop` also stops the local head if we started it.
+Only this project's jobs (metadata `vitscale=1`) count. `stop` also stops the local head if we started it, and names
+the run folders whose MLflow courier it ended with work left.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import asyncio
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster import local_head
 from cluster.profiles import ClusterProfile, load_profile
+from tracking.store import COURIER_FILE
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -23,6 +26,7 @@ JOB_METADATA = {"vitscale": "1"}
 # The Jobs API's 500 while the head's job agent is unregistered (docs/design.md, "The local Ray head").
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 60.0
+DELIVER = "python -m cluster.driver.deliver"  # `cluster.driver.courier.COMMAND`, without its imports (torch)
 
 
 class RayUnreachableError(RuntimeError):
@@ -186,7 +190,18 @@ def _stop(profile: ClusterProfile) -> int:
         if state is not None and state.started_by_us:
             pids = local_head.stop_head(profile)
             print(f"stopped the local Ray head ({len(pids)} processes under {profile.ray.temp_dir})")
+            for line in undelivered_runs(profile):
+                print(line)
     return 0
+
+
+def undelivered_runs(profile: ClusterProfile) -> list[str]:
+    """A line per run folder whose MLflow courier had work left (its work file): the head's end ended the courier."""
+    root = Path(profile.storage.checkpoints)
+    return [
+        f"run folder {work.parent} holds MLflow records its courier had not sent; `{DELIVER} {work.parent}` sends them"
+        for work in sorted(root.glob(f"*/{COURIER_FILE}"))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from data_pipeline.paths import PROJECT_ROOT
 
 PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
 SPOOL_DIR = "mlflow_spool"
+COURIER_FILE = "mlflow_courier.json"  # the work a job left its courier, until the courier is done
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:

@@ -16,10 +16,9 @@ from typing import Any
 from cluster.driver.record import send_the_rest
 from data_pipeline.paths import write_text_atomically
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.store import read_run_record, spool_dir
+from tracking.store import COURIER_FILE, read_run_record, spool_dir
 from tracking.tracker import Tracker
 
-COURIER_FILE = "mlflow_courier.json"  # in the run folder: the courier's work, until it is done
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
 NAMESPACE = "vitscale"
 COMMAND = "python -m cluster.driver.deliver"  # the courier's work in the foreground

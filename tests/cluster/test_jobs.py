@@ -52,6 +52,29 @@ def test_unreachable_ray_address_says_how_to_start_the_cluster(monkeypatch, caps
 
 
 @pytest.mark.timeout(60)
+def test_stop_names_the_run_folders_whose_courier_had_work_left(tmp_path):
+    """`make stop` ends the local head and with it a job's MLflow courier (a detached actor there): each run folder
+    still holding the courier's work file gets a line with the command that sends its records."""
+    import dataclasses
+
+    from cluster.driver.courier import COMMAND, COURIER_FILE
+
+    def at(root: Path):
+        base = load_profile("local")
+        return dataclasses.replace(base, storage=dataclasses.replace(base.storage, checkpoints=str(root)))
+
+    for run in ("a-run", "b-run", "delivered"):
+        (tmp_path / run).mkdir()
+    for run in ("b-run", "a-run"):
+        (tmp_path / run / COURIER_FILE).write_text("{}")  # the courier deletes it once everything is sent
+    assert jobs.undelivered_runs(at(tmp_path)) == [
+        f"run folder {tmp_path / run} holds MLflow records its courier had not sent; `{COMMAND} {tmp_path / run}` "
+        "sends them"
+        for run in ("a-run", "b-run")
+    ]
+    assert jobs.undelivered_runs(at(tmp_path / "no-runs-yet")) == []
+
+
 def test_auth_headers_follow_rays_token_lookup(monkeypatch, tmp_path):
     token = tmp_path / "token"
     token.write_text("abc123\n")
