@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +20,7 @@ from cluster.driver.eval_scheduler import EvalScheduler
 from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
+from cluster.local_head import environ
 from cluster.network import network_env
 from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.planner import Plan, runtime_pip
@@ -298,19 +299,9 @@ def run_job(
 PREEMPTION_WATCHER_VAR = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # read by Ray Train's controller, from the driver
 
 
-@contextlib.contextmanager
-def ray_train_env(profile: ClusterProfile) -> Iterator[None]:
+def ray_train_env(profile: ClusterProfile) -> AbstractContextManager[None]:
     """The driver's environment while Ray Train starts the controller, which takes Ray Train's variables from it."""
-    before = os.environ.get(PREEMPTION_WATCHER_VAR)
-    if not profile.ray.preemption_watcher:
-        os.environ[PREEMPTION_WATCHER_VAR] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(PREEMPTION_WATCHER_VAR, None)
-        else:
-            os.environ[PREEMPTION_WATCHER_VAR] = before
+    return environ({} if profile.ray.preemption_watcher else {PREEMPTION_WATCHER_VAR: "0"})
 
 
 def eval_cadence(spec: JobSpec) -> EvalCadence:

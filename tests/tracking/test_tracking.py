@@ -284,8 +284,6 @@ def test_steps_redone_after_a_restart_are_logged_once(store, caplog):
 def test_a_spool_folder_removed_while_a_tracker_spools_is_made_again(store, tmp_path, monkeypatch):
     """`send_spooled` removes a spool folder it emptied; a Tracker spooling at that moment (the folder made, then
     gone before the file is written) makes it again and keeps its records rather than dropping them."""
-    import tracking.tracker as tracker_module
-
     uri, _ = store
     record = tmp_path / "run" / RUN_RECORD
     record.parent.mkdir()
