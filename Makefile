@@ -48,8 +48,10 @@ $(STAMP): pyproject.toml constraints-dev.txt
 # pytest exits 5 when it collected no tests: that is a failure, said in words. TEST_WORKERS pytest-xdist workers
 # share the tests: 3 on 2 cores, because the end-to-end tests wait on process start-up and Ray much of their time.
 # `--dist load --maxschedchunk 1` hands each worker the next test as it frees up, in the suite's order: longest
-# first (tests/durations.json, tests/conftest.py), so no long test starts late and becomes the run's tail
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1
+# first (tests/durations.json, tests/conftest.py), so no long test starts late and becomes the run's tail.
+# The suite writes Python's bytecode cache even where PYTHONDONTWRITEBYTECODE is set (container images set it): its
+# hundreds of processes (ranks, Ray workers, CLIs) import the project, and without the cache each compiles it again
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 define run_pytest
 	@$(PYTEST) $(1) $(PYTEST_ARGS); rc=$$?; \
 		if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; exit 1; fi; exit $$rc
