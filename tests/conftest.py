@@ -4,8 +4,9 @@ in reverse order. Every test must pass alone, in the suite, and in either order.
 
 Without either option the longest tests start first: ``tests/durations.json`` holds each test's seconds from a
 measured run (``--write-durations`` rewrites it), and the tests run longest first, the rest in collection order
-after them. With `make test`'s ``--dist load``, xdist hands each worker the next test as it frees up, so a
-four-minute end-to-end test no longer starts in the last minutes of the run and becomes its tail.
+after them; those marked ``waits`` are kept apart (``tests/support/order.py``). With `make test`'s ``--dist load``,
+xdist hands each worker the next test as it frees up, so a four-minute end-to-end test no longer starts in the last
+minutes of the run and becomes its tail.
 
 What several tests only read (generated shards, tiny trainings whose summaries and checkpoints they compare) is made
 once per pytest run, however many pytest-xdist workers ask for it: ``shared_folder``."""
@@ -33,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cluster.local_head import free_port  # noqa: E402 — after the path is set
+from tests.support.order import order  # noqa: E402
 
 # DeepSpeed picks its accelerator at import time; the suite runs on CPU unless a GPU test asks otherwise.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -80,7 +82,10 @@ def pytest_collection_modifyitems(config, items):
         items.reverse()
     if config.getoption("--shuffle") is None and not config.getoption("--reverse"):
         seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-        items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))  # stable: the rest keep collection order
+        waiting = {item.nodeid for item in items if "waits" in item.keywords}
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        by_name = {item.nodeid: item for item in items}
+        items[:] = [by_name[name] for name in order([item.nodeid for item in items], seconds, waiting, workers)]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none on this machine); runs on the GPU box")

@@ -120,6 +120,7 @@ def test_node_lost_and_regained_job_goes_on_in_one_run(tmp_path):
     assert ledger["total"]["productive"] > 0 and ledger["total"]["eval_interference"] >= 0
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stalled_node_is_not_declared_dead(monkeypatch):

@@ -209,6 +209,7 @@ def _agent_key(info: local_head.HeadInfo) -> bytes:
     return f"{consts.DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX}{node_id.decode()}".encode()
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_submit_retries_only_while_no_job_agent_is_registered(monkeypatch, tmp_path, capsys):

@@ -104,6 +104,7 @@ def test_an_enabled_tracker_imports_mlflow_when_made_and_a_disabled_one_never(tm
     subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, timeout=120)
 
 
+@pytest.mark.waits
 def test_connect_in_background_sets_up_the_store_before_anything_is_logged(store, monkeypatch, caplog):
     """The eval scheduler connects when it starts, so that the job's end, which flushes its failures, does not wait
     for MLflow's first touch of the store (measured: a 39 s flush in a fresh actor on the loaded 2-core machine). A
@@ -399,6 +400,7 @@ def test_a_last_send_that_fails_at_close_is_tried_again(store, monkeypatch, capl
     assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(1, 1.0)]
 
 
+@pytest.mark.waits
 def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
     """A writer holding an exclusive lock on the SQLite file is a real outage (MLflow waits 20 s, then fails)."""
     uri, root = store
@@ -428,6 +430,7 @@ def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
     assert history[-1].value == pytest.approx(1.0 / 20)
 
 
+@pytest.mark.waits
 def test_trackers_closing_after_a_failed_send_do_not_wait_out_mlflows_request(monkeypatch, caplog):
     """A job's end closes several Trackers (rank 0's, the driver's ledger and summary). Once a send to their URI has
     failed in the process, each waits at most `UNANSWERED_CLOSE_S` for its last send, which a server that stopped

@@ -266,6 +266,7 @@ def test_a_server_that_never_answers_holds_the_start_for_the_short_wait_only(mon
     assert "did not answer within 2 s" in warning and "buffered" in warning
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_a_run_asked_for_during_a_long_outage_exists_seconds_after_the_server_answers(
     server, monkeypatch, tmp_path, capsys
