@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from cluster import render
-from cluster.plan import storage
 from cluster.plan.storage import storage_extras
 from data_pipeline.paths import PROJECT_ROOT
 
@@ -301,7 +300,7 @@ def test_gcs_shards_install_the_gcs_extra(tmp_path, monkeypatch):
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     # No bucket answers here: the plan goes on with its assumptions after MANIFEST_WAIT_S (tests/cluster/test_plan.py)
-    monkeypatch.setattr(storage, "MANIFEST_WAIT_S", 1.0)
+    monkeypatch.setattr("cluster.plan.storage.MANIFEST_WAIT_S", 1.0)
 
     data = yaml.safe_load((render.load_profile.__globals__["PROFILES_DIR"] / "a100x8.yaml").read_text())
     data["storage"]["shards"] = "gs://vitscale-datasets"
