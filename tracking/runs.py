@@ -5,19 +5,23 @@ start")."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 from tracking import keys
-from tracking.store import default_artifact_location, default_tracking_uri, pending_run_ref, recorded_run_id
+from tracking.store import (
+    default_artifact_location,
+    default_tracking_uri,
+    pending_run_ref,
+    recorded_run_id,
+    refused_connection,
+)
 from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker, flatten_config
 
 RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch continues
@@ -185,7 +189,7 @@ class JobRun:
     def _create(self, create: Callable[[], str]) -> None:
         delay = 1.0
         while not self._stop.is_set():
-            refused = _refused_connection(self.tracking_uri)
+            refused = refused_connection(self.tracking_uri)
             try:
                 if refused:  # said and retried as MLflow's failures are, but sooner
                     raise ConnectionRefusedError(refused)
@@ -233,22 +237,6 @@ class JobRun:
 
 # MLflow's codes of a 401 and a 403: credentials the job lacks, not an outage.
 _REFUSALS = frozenset({"UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED", "PERMISSION_DENIED"})
-
-
-def _refused_connection(tracking_uri: str | None, timeout_s: float = 2.0) -> str:
-    """Why nothing takes a TCP connection at an HTTP(S) server's address; "" when something does, or for no server."""
-    try:
-        url = urllib.parse.urlsplit(tracking_uri or "")
-        address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
-    except ValueError:  # MLflow's own error says what is wrong with it
-        return ""
-    if url.scheme not in ("http", "https") or not url.hostname:
-        return ""
-    try:
-        socket.create_connection(address, timeout=timeout_s).close()
-    except OSError as error:
-        return f"nothing accepts connections at {address[0]}:{address[1]} ({error})"
-    return ""
 
 
 def _reason(error: BaseException) -> str:

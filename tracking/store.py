@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +71,19 @@ def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
 def spool_dir(record: Path | str) -> Path:
     """Where the Trackers of the run ``record`` will name leave what they hold when they close before it exists."""
     return Path(record).parent / SPOOL_DIR
+
+
+def refused_connection(tracking_uri: str | None, timeout_s: float = 2.0) -> str:
+    """Why nothing takes a TCP connection at an HTTP(S) server's address; "" when something does, or for no server."""
+    try:
+        url = urllib.parse.urlsplit(tracking_uri or "")
+        address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    except ValueError:  # MLflow's own error says what is wrong with it
+        return ""
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return ""
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except OSError as error:
+        return f"nothing accepts connections at {address[0]}:{address[1]} ({error})"
+    return ""

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.paths import write_text_atomically
-from tracking.store import PENDING_RUN, default_tracking_uri, read_run_record, recorded_run_id, spool_dir
+from tracking.store import (
+    PENDING_RUN,
+    default_tracking_uri,
+    read_run_record,
+    recorded_run_id,
+    refused_connection,
+    spool_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +48,9 @@ CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this oft
 # A Tracker of a run still pending at close waits this long for it, then leaves its records in the spool, beside the
 # run record, for the job's end or its courier to send (docs/design.md, "Tracking at a job's start").
 PENDING_CLOSE_S = 3.0
-# A Tracker closing while a send to its URI has failed in this process, and none has succeeded since, waits this long
-# at most: MLflow's own retries of a server that does not answer last minutes, and a job's end closes several.
+# A Tracker closing while a send to its URI has failed in this process, and none has succeeded since, or while its
+# server accepts no connections, waits this long at most: MLflow's own retries of a server that does not answer last
+# minutes, and a job's end closes several.
 UNANSWERED_CLOSE_S = 10.0
 _FAILING_SINCE: dict[str, float] = {}  # tracking URI -> when a send to it failed (monotonic), until one succeeds
 
@@ -281,8 +289,7 @@ class Tracker:
         """One last send, then stop the sender; ``timeout`` bounds the wait."""
         if not self.enabled:
             return
-        # Bounded even without a timeout: a pending run's server may never come back.
-        wait = 120.0 if timeout is None else timeout
+        wait = 120.0 if timeout is None else timeout  # bounded: a pending run's server may never come back
         failing_since = _FAILING_SINCE.get(self.tracking_uri)
         if self.run_id == self._placeholder:  # its records go to the spool rather than wait for the run
             wait = min(wait, PENDING_CLOSE_S)
@@ -292,12 +299,18 @@ class Tracker:
         self._closing.set()
         self._hurry.set()
         self._wake.set()
+        limit = wait if failing_since is not None else math.inf if timeout is None else timeout
+        down, first = "", min(limit, UNANSWERED_CLOSE_S)
         if self._thread is not None:
-            self._thread.join(timeout=timeout if failing_since is None else wait)
+            self._thread.join(first)
+            if self._thread.is_alive() and limit > first and not (down := refused_connection(self.tracking_uri)):
+                self._thread.join(None if limit == math.inf else limit - first)
         if self.pending and self.run_id == self._placeholder:
             self._spool()
         elif self.pending:
-            why = "" if failing_since is None else f"MLflow has failed for {time.monotonic() - failing_since:.0f} s: "
+            why = down and f"{down}: "
+            if failing_since is not None:
+                why = f"MLflow has failed for {time.monotonic() - failing_since:.0f} s: "
             self._warn(f"{why}closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
         self.enabled = False
         _OPEN_TRACKERS.discard(self)

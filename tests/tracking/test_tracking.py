@@ -456,6 +456,28 @@ def test_trackers_closing_after_a_failed_send_do_not_wait_out_mlflows_request(mo
     assert caplog.text.count("closing with 1 items not sent") == 2 and "MLflow has failed for" in caplog.text
 
 
+def test_a_tracker_closing_as_its_server_goes_down_waits_only_the_unanswered_allowance(monkeypatch, caplog):
+    """The server went down after the last successful send: the close's send is MLflow retrying a refused connection
+    for about two minutes, and no send has failed yet in this process. Once `UNANSWERED_CLOSE_S` have passed and
+    nothing accepts connections at the server's address, close() stops waiting and names why (before: the whole
+    timeout, up to 120 s per Tracker at a job's end)."""
+    monkeypatch.setattr(tracker_module, "_FAILING_SINCE", {})
+    monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
+    uri = _server_that_is_down(monkeypatch)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES")  # MLflow's default: 7 retries, 2 s x 2^n apart
+    tracker = Tracker(uri, "0123456789abcdef", rank=0)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    time.sleep(0.5)  # the sender is in its first send
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        started = time.monotonic()
+        tracker.close(timeout=60)
+        assert time.monotonic() - started < 2.0 + 3  # the allowance, then one refused connection
+    assert uri not in tracker_module._FAILING_SINCE  # no send had failed: MLflow was still retrying
+    port = uri.rsplit(":", 1)[1]
+    assert f"nothing accepts connections at 127.0.0.1:{port}" in caplog.text
+    assert "closing with 1 items not sent" in caplog.text
+
+
 def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
     """A tracking URI at a closed localhost port (a server that is down): warnings, no exception, bounded close."""
     tracker = Tracker(_server_that_is_down(monkeypatch), "0123456789abcdef", rank=0, max_buffered=5)
