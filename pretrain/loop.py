@@ -20,7 +20,7 @@ from pretrain.telemetry.peak import Peak, device_peak
 from pretrain.telemetry.recorder import Recorder, TrainSummary
 from pretrain.trainer import Trainer
 from tracking import keys
-from tracking.runs import create_run, finish_run, run_tags
+from tracking.runs import RUN_RECORD, create_run, finish_run, run_tags
 from tracking.tracker import Tracker
 
 
@@ -151,7 +151,8 @@ def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, boo
             created = True
         except Exception as error:  # tracking must never stop training
             print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
-    tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank)
+    record = Path(config.checkpoint.dir) / RUN_RECORD  # a job's: what close() cannot send waits in its spool
+    tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank, record=record)
     # the comparison report reads the patch size here
     tracker.log_params({**config.to_dict(), "model.patch_size": model.config.patch_size})
     tracker.set_tags(run_tags(config.recipe, config.model.name, place.world_size))

@@ -4,6 +4,7 @@ start")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tracking.store import (
     pending_run_ref,
     recorded_run_id,
     refused_connection,
+    spool_dir,
 )
 from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker, flatten_config
 
@@ -106,6 +108,26 @@ def create_run(
     for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
         client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
     return run_id
+
+
+def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
+    """Send each spool file's records, oldest first, to the run ``record`` names by now; a file sent in full is
+    removed, and the spool folder once it is empty. Returns (items sent, files left)."""
+    sent, left, folder = 0, 0, spool_dir(record)
+    for path in sorted(folder.glob("*.json")):
+        payload = json.loads(path.read_text())
+        tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0)
+        count = tracker.restore(payload)
+        tracker.close(timeout_s)
+        if tracker.pending:
+            left += 1
+        else:
+            sent += count
+            path.unlink()
+    if not left:
+        with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
+            folder.rmdir()
+    return sent, left
 
 
 def tracking_credentials(environ: Mapping[str, str]) -> dict[str, str]:

@@ -1,10 +1,9 @@
-"""The rank-0 MLflow `Tracker`, which never stops training, and `send_spooled` (docs/design.md, "Tracking at a job's
-start"). ``mlflow`` is imported inside functions: the training loop and CLI ``--help`` import this module."""
+"""The rank-0 MLflow `Tracker`, which never stops training (docs/design.md, "Tracking at a job's start"). ``mlflow``
+is imported inside functions: the training loop and CLI ``--help`` import this module."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import json
 import logging
@@ -53,26 +52,6 @@ PENDING_CLOSE_S = 3.0
 # minutes, and a job's end closes several.
 UNANSWERED_CLOSE_S = 10.0
 _FAILING_SINCE: dict[str, float] = {}  # tracking URI -> when a send to it failed (monotonic), until one succeeds
-
-
-def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
-    """Send each spool file's records, oldest first, to the run ``record`` names by now; a file sent in full is
-    removed, and the spool folder once it is empty. Returns (items sent, files left)."""
-    sent, left, folder = 0, 0, spool_dir(record)
-    for path in sorted(folder.glob("*.json")):
-        payload = json.loads(path.read_text())
-        tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0)
-        count = tracker._restore(payload)
-        tracker.close(timeout_s)
-        if tracker.pending:
-            left += 1
-        else:
-            sent += count
-            path.unlink()
-    if not left:
-        with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
-            folder.rmdir()
-    return sent, left
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -137,7 +116,8 @@ class Tracker:
     ``run_id`` logs. A sender thread writes the buffer at most once per ``send_every_s`` (docs/performance.md, "The
     MLflow sender"); a failed send warns (rate limited), keeps up to ``max_buffered`` metrics and retries, backing off
     to ``max_backoff_s``. A pending ``run_id`` is resolved from its record; a logged value equal to it is sent as the
-    run's id."""
+    run's id. What close() cannot send waits in the spool of the run's record (a pending run's, or ``record`` where it
+    names the run) for `tracking.runs.send_spooled`."""
 
     def __init__(
         self,
@@ -150,12 +130,14 @@ class Tracker:
         warn_interval_s: float = 60.0,
         max_backoff_s: float = 60.0,
         send_every_s: float = 1.0,
+        record: Path | str | None = None,
     ) -> None:
         self.rank = _rank_from_env() if rank is None else rank
         self.enabled = bool(enabled and run_id and self.rank == 0)
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.run_id = run_id
         self._placeholder = run_id if run_id and run_id.startswith(PENDING_RUN) else None  # until run_id is real
+        self._record = self._placeholder[len(PENDING_RUN) :] if self._placeholder else record
         self.max_buffered = max_buffered
         self.warn_interval_s = warn_interval_s
         self.max_backoff_s = max_backoff_s
@@ -305,13 +287,14 @@ class Tracker:
             self._thread.join(first)
             if self._thread.is_alive() and limit > first and not (down := refused_connection(self.tracking_uri)):
                 self._thread.join(None if limit == math.inf else limit - first)
-        if self.pending and self.run_id == self._placeholder:
-            self._spool()
-        elif self.pending:
+        if self.pending:
             why = down and f"{down}: "
             if failing_since is not None:
                 why = f"MLflow has failed for {time.monotonic() - failing_since:.0f} s: "
-            self._warn(f"{why}closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
+            if self.run_id in (self._placeholder, recorded_run_id(self._record or "", self.tracking_uri)):
+                self._spool(why)
+            else:
+                self._warn(f"{why}closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)
         self.enabled = False
         _OPEN_TRACKERS.discard(self)
 
@@ -326,20 +309,20 @@ class Tracker:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _spool(self) -> None:
-        """Move what is buffered for a run not created yet to a file of `spool_dir`."""
+    def _spool(self, why: str) -> None:
+        """Move what is buffered to a file of the record's `spool_dir`: for a run not created yet, or not answering."""
         with self._buffer_lock:
             payload = {
                 "tracking_uri": self.tracking_uri,
-                "ref": self._placeholder,
+                "ref": self.run_id,
                 "once_prefixes": list(self._once_prefixes),
-                "params": dict(self._params),
-                "tags": dict(self._tags),
+                "params": {k: self._named(v) for k, v in self._params.items()},  # a resolved pending run: its id
+                "tags": {k: self._named(v) for k, v in self._tags.items()},
                 "metrics": [[m.key, m.value, m.timestamp_ms, m.step] for m in self._metrics],
                 "artifacts": [[a.local_path, a.artifact_path] for a in self._artifacts],
             }
             count = len(self._metrics) + len(self._params) + len(self._tags) + len(self._artifacts)
-        folder = spool_dir(self._placeholder[len(PENDING_RUN) :])
+        folder = spool_dir(self._record)
         path = folder / f"{time.time_ns():020d}-{os.getpid()}-{id(self):x}.json"
         try:
             for last in (False, True):
@@ -358,10 +341,16 @@ class Tracker:
             self._params.clear()
             self._tags.clear()
             self._artifacts.clear()
+        if self.run_id != self._placeholder:
+            sends = f"`python -m cluster.driver.deliver {path.parent.parent}`, or the run folder's next job end, sends"
+            logger.warning(
+                f"{why}MLflow run {self.run_id}'s {count} items from this process wait in {path}: {sends} them"
+            )
+            return
         how = "refuses the job's credentials" if self._refused() else "has not answered"
         logger.warning(f"MLflow {how}; the run's {count} items from this process wait in {path} until it exists")
 
-    def _restore(self, payload: Mapping[str, Any]) -> int:
+    def restore(self, payload: Mapping[str, Any]) -> int:
         """Buffer a spool file's records again, with their own times and steps; returns how many."""
         with self._buffer_lock:
             self._once_prefixes = tuple(payload["once_prefixes"])
@@ -516,7 +505,7 @@ class Tracker:
         """True for a run id; for a pending run, once its record names the run (then ``run_id``)."""
         if self._placeholder is None or self.run_id != self._placeholder:
             return True
-        run_id = recorded_run_id(self._placeholder[len(PENDING_RUN) :], self.tracking_uri)
+        run_id = recorded_run_id(self._record, self.tracking_uri)
         if run_id is None:
             if not self._said_pending:
                 self._said_pending = True
@@ -527,7 +516,7 @@ class Tracker:
         return True
 
     def _refused(self) -> bool:
-        return bool(read_run_record(self._placeholder[len(PENDING_RUN) :], self.tracking_uri).get("refused"))
+        return bool(read_run_record(self._record, self.tracking_uri).get("refused"))
 
     def _named(self, value: str) -> str:
         """The pending reference replaced by the run's id."""

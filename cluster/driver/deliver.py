@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.courier import COMMAND, COURIER_FILE, deliver
-from tracking.runs import RUN_RECORD
+from tracking.runs import RUN_RECORD, send_spooled
 from tracking.store import recorded_run_id, spool_dir
-from tracking.tracker import send_spooled
 
 
 def _read(path: Path) -> dict[str, Any]:

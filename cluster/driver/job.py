@@ -34,7 +34,7 @@ from pretrain.config.train_config import TrainConfig
 from pretrain.loop import train_worker
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
 from tracking import keys
-from tracking.runs import JobRun, run_tags, start_job_run
+from tracking.runs import RUN_RECORD, JobRun, run_tags, start_job_run
 from tracking.tracker import Tracker
 
 PLAN_ENV = "VITSCALE_PLAN"
@@ -264,9 +264,9 @@ def run_job(
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)
-    watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0)).start()
+    watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0, record=run_dir / RUN_RECORD)).start()
     clock.fit_at = time.time()
-    goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0)).start()
+    goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0, record=run_dir / RUN_RECORD)).start()
     started = time.monotonic()
     status, error = "FINISHED", None
     try:
@@ -282,7 +282,7 @@ def run_job(
         status = "FAILED"
         why = failure_line(error)
         print(f"training failed: {why}", file=sys.stderr, flush=True)
-        tracker = Tracker(uri, run_id, rank=0)
+        tracker = Tracker(uri, run_id, rank=0, record=run_dir / RUN_RECORD)
         tracker.set_tags({keys.FAILURE: why[:4000]})
         tracker.close()
     train_s = time.monotonic() - started

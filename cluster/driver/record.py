@@ -21,9 +21,9 @@ from pretrain.weights.export import checkpoint_step, class_names, save_hf
 from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
-from tracking.runs import RUN_RECORD, finish_run, steps_missing
+from tracking.runs import RUN_RECORD, finish_run, send_spooled, steps_missing
 from tracking.store import PENDING_RUN
-from tracking.tracker import Tracker, send_spooled
+from tracking.tracker import Tracker
 
 
 def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
@@ -101,7 +101,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
         "pruned_after_evals": [p.name for p in pruned],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    tracker = Tracker(uri, run, rank=0)
+    tracker = Tracker(uri, run, rank=0, record=run_dir / RUN_RECORD)
     tracker.set_tags({keys.RESTARTS: restarts})
     tracker.log_artifact(str(run_dir / "summary.json"))
     if run_id is not None:

@@ -14,7 +14,7 @@ import pytest
 from data_pipeline.paths import PROJECT_ROOT
 from tracking import keys
 from tracking import tracker as tracker_module
-from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags
+from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags, send_spooled
 from tracking.store import default_tracking_uri, pending_run_ref, spool_dir
 from tracking.tracker import (
     MAX_PARAM_VALUE_LENGTH,
@@ -22,7 +22,6 @@ from tracking.tracker import (
     UNANSWERED_CLOSE_S,
     Tracker,
     flatten_config,
-    send_spooled,
 )
 
 pytestmark = pytest.mark.timeout(120)

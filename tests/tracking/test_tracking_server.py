@@ -21,6 +21,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.driver import deliver
 from cluster.local_head import free_port
 from tracking import keys, runs, tracker
 from tracking.runs import CREDENTIAL_VARS, run_tags
@@ -300,7 +302,7 @@ def test_a_run_asked_for_during_a_long_outage_exists_seconds_after_the_server_an
 
 @pytest.mark.slow
 def test_a_job_started_while_the_server_is_down_trains_and_every_step_arrives_once(
-    server, fast_retries, tmp_path, capsys
+    server, fast_retries, tmp_path, capsys, caplog
 ):
     """The driver's start does not wait for a server that is down: one warning, a pending run the workers log to.
     Once the server answers, the run is created and all the buffered steps arrive once; a later outage (stop,
@@ -330,10 +332,32 @@ def test_a_job_started_while_the_server_is_down_trains_and_every_step_arrives_on
     server.stop()  # an outage mid-run, then the same server back
     for step in range(31, 41):
         worker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+    # A process of the job that ends during the outage (a restarted rank 0's, the driver's end): its records wait in
+    # the spool of the run folder, and `python -m cluster.driver.deliver` sends them once the server is back.
+    # One Tracker holds the run's id (a rank started after the run existed), one the pending reference of the start.
+    record = Path(config.checkpoint.dir) / runs.RUN_RECORD
+    ending = Tracker(server.uri, run_id, rank=0, record=record)
+    ending.log_once_per_step("train/")
+    ending.log_metrics({keys.LOSS: 1.0 / 40, "train/lr": 0.1}, step=40)  # step 40 again: it must not arrive twice
+    ending.log_metrics({keys.LOSS: 1.0 / 41}, step=41)
+    pending = Tracker(server.uri, config.logging.mlflow_run_id, rank=0)
+    pending.log_params({keys.RUN_ID_PARAM: config.logging.mlflow_run_id, "late.param": "x"})
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        closing = [threading.Thread(target=t.close, kwargs={"timeout": 60}) for t in (ending, pending)]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()
+    assert len(list(spool_dir(record).glob("*.json"))) == 2 and "not sent" not in caplog.text
+    assert f"python -m cluster.driver.deliver {record.parent}" in caplog.text
     server.start()
     assert worker.flush(timeout=60) or _wait_for(lambda: worker.pending == 0)
     worker.close()
     assert _steps(server.uri, run_id) == list(range(1, 41))  # each step once
+    assert deliver.main([str(record.parent), "--wait", "60"]) == 0 and not spool_dir(record).exists()
+    assert _steps(server.uri, run_id) == list(range(1, 42)) and _steps(server.uri, run_id, "train/lr") == [40]
+    params = _client(server.uri).get_run(run_id).data.params
+    assert params["late.param"] == "x" and params[keys.RUN_ID_PARAM] == run_id  # the reference, spooled as the id
 
     run = _client(server.uri).get_run(run_id)
     assert run.data.params[keys.RUN_ID_PARAM] == run_id  # the pending reference was sent as the run's id
