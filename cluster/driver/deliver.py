@@ -1,6 +1,7 @@
 """A courier's work in the foreground, where no courier will do it (a `make stop` ended it, its 24 h passed, MLflow
 refused the job's credentials): create the job's run, send its spool, late evals and final model, mark its status
-(`cluster.driver.courier`; docs/design.md, "Tracking at a job's start").
+(`cluster.driver.courier`; docs/design.md, "Tracking at a job's start"). Without a courier's work, the spool that
+Trackers left for a run that exists (its server down as they closed) is sent.
 
     python -m cluster.driver.deliver RUN_FOLDER [--wait SECONDS]
 """
