@@ -112,18 +112,20 @@ def create_run(
 
 def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
     """Send each spool file's records, oldest first, to the run ``record`` names by now; a file sent in full is
-    removed, and the spool folder once it is empty. Returns (items sent, files left)."""
+    removed, and the spool folder once it is empty. The first file not sent in full ends the work, so that a server
+    that is down costs one close, not one per file. Returns (items sent, files left)."""
     sent, left, folder = 0, 0, spool_dir(record)
-    for path in sorted(folder.glob("*.json")):
+    paths = sorted(folder.glob("*.json"))
+    for index, path in enumerate(paths):
         payload = json.loads(path.read_text())
         tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0)
         count = tracker.restore(payload)
         tracker.close(timeout_s)
         if tracker.pending:
-            left += 1
-        else:
-            sent += count
-            path.unlink()
+            left = len(paths) - index
+            break
+        sent += count
+        path.unlink()
     if not left:
         with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
             folder.rmdir()

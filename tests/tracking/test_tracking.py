@@ -343,6 +343,26 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
     assert send_spooled(record) == (0, 0)
 
 
+def test_sending_the_spool_to_a_server_that_is_down_stops_at_its_first_file(monkeypatch, tmp_path, caplog):
+    """Each spool file is a Tracker's close: against a server that is down, the first one that fails ends the work (at
+    a job's end, the driver's Trackers may have spooled several), and every file stays for a later send."""
+    monkeypatch.setattr(tracker_module, "_FAILING_SINCE", {})
+    monkeypatch.setattr(tracker_module, "CLOSE_RETRIES", 0)  # one last send per close: seconds, not 7 s each
+    uri = _server_that_is_down(monkeypatch)
+    record = tmp_path / RUN_RECORD
+    record.write_text(json.dumps({"run_id": "0123456789abcdef", "tracking_uri": uri}))
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        for step in (1, 2):  # two processes of the job, each closing while the server is down
+            tracker = Tracker(uri, "0123456789abcdef", rank=0, record=record)
+            tracker.log_metrics({keys.LOSS: 1.0}, step=step)
+            tracker.close(timeout=30)
+        assert len(list(spool_dir(record).glob("*.json"))) == 2
+        caplog.clear()
+        assert send_spooled(record, timeout_s=30) == (0, 2)
+    assert caplog.text.count("closing with 1 items not sent") == 1  # the second file was not tried
+    assert len(list(spool_dir(record).glob("*.json"))) == 2
+
+
 def test_tracker_is_a_noop_off_rank0_or_without_run(store, monkeypatch):
     uri, _ = store
     run_id = create_run(uri, "ranks", "r", {}, {})
