@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from cluster import local_head
 from cluster.profiles import ClusterProfile, load_profile
-from tracking.store import COURIER_FILE
+from tracking.store import COURIER_FILE, DELIVER_COMMAND
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -26,7 +26,6 @@ JOB_METADATA = {"vitscale": "1"}
 # The Jobs API's 500 while the head's job agent is unregistered (docs/design.md, "The local Ray head").
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 60.0
-DELIVER = "python -m cluster.driver.deliver"  # `cluster.driver.courier.COMMAND`, without its imports (torch)
 
 
 class RayUnreachableError(RuntimeError):
@@ -199,7 +198,8 @@ def undelivered_runs(profile: ClusterProfile) -> list[str]:
     """A line per run folder whose MLflow courier had work left (its work file): the head's end ended the courier."""
     root = Path(profile.storage.checkpoints)
     return [
-        f"run folder {work.parent} holds MLflow records its courier had not sent; `{DELIVER} {work.parent}` sends them"
+        f"run folder {work.parent} holds MLflow records its courier had not sent; "
+        f"`{DELIVER_COMMAND} {work.parent}` sends them"
         for work in sorted(root.glob(f"*/{COURIER_FILE}"))
     ]
 

@@ -18,6 +18,8 @@ from data_pipeline.paths import PROJECT_ROOT
 PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
 SPOOL_DIR = "mlflow_spool"
 COURIER_FILE = "mlflow_courier.json"  # the work a job left its courier, until the courier is done
+# Sends a run folder's spool and its courier's work in the foreground (`cluster.driver.deliver`, named, not imported)
+DELIVER_COMMAND = "python -m cluster.driver.deliver"
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:

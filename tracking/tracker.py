@@ -20,6 +20,7 @@ from typing import Any
 
 from data_pipeline.paths import write_text_atomically
 from tracking.store import (
+    DELIVER_COMMAND,
     PENDING_RUN,
     default_tracking_uri,
     read_run_record,
@@ -342,7 +343,7 @@ class Tracker:
             self._tags.clear()
             self._artifacts.clear()
         if self.run_id != self._placeholder:
-            sends = f"`python -m cluster.driver.deliver {path.parent.parent}`, or the run folder's next job end, sends"
+            sends = f"`{DELIVER_COMMAND} {Path(self._record).parent}`, or the run folder's next job end, sends"
             logger.warning(
                 f"{why}MLflow run {self.run_id}'s {count} items from this process wait in {path}: {sends} them"
             )

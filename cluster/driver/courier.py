@@ -16,12 +16,11 @@ from typing import Any
 from cluster.driver.record import send_the_rest
 from data_pipeline.paths import write_text_atomically
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.store import COURIER_FILE, read_run_record, spool_dir
+from tracking.store import COURIER_FILE, DELIVER_COMMAND, read_run_record, spool_dir
 from tracking.tracker import Tracker
 
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
 NAMESPACE = "vitscale"
-COMMAND = "python -m cluster.driver.deliver"  # the courier's work in the foreground
 START_TIMEOUT_S = 120.0  # the courier's process start, on a busy node
 
 
@@ -75,7 +74,7 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     if read_run_record(run_dir / RUN_RECORD, uri).get("refused"):
         return (
             f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}; with the right "
-            f"ones, `{COMMAND} {run_dir}` sends them"
+            f"ones, `{DELIVER_COMMAND} {run_dir}` sends them"
         )
     name = f"vitscale-courier-{run_dir.name}-{time.time_ns()}"
     try:
@@ -84,7 +83,7 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
         return (
             f"warning: MLflow at {uri} has not answered and its courier did not start ({type(error).__name__}: "
-            f"{error}): the run's records stay in {spool}; `{COMMAND} {run_dir}` sends them"
+            f"{error}): the run's records stay in {spool}; `{DELIVER_COMMAND} {run_dir}` sends them"
         )
     return (
         f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) creates "

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.driver.courier import COMMAND, COURIER_FILE, deliver
+from cluster.driver.courier import deliver
 from tracking.runs import RUN_RECORD, send_spooled
-from tracking.store import recorded_run_id, spool_dir
+from tracking.store import COURIER_FILE, DELIVER_COMMAND, recorded_run_id, spool_dir
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=DELIVER_COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("run_folder", help="the job's run folder (checkpoint.dir), e.g. runs/local_demo-20261204-0526")
     parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for MLflow to answer (default 60)")
     args = parser.parse_args(argv)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             problem = f"{error}; the job wrote it: delete it only to give up what it holds"
     if problem:
-        print(f"{COMMAND}: error: {problem}", file=sys.stderr)
+        print(f"{DELIVER_COMMAND}: error: {problem}", file=sys.stderr)
         return 2
     if work is not None:
         run_id = deliver(run_dir, work["tracking_uri"], work["run"], work["evals"], work["status"], args.wait)

@@ -57,7 +57,7 @@ def test_stop_names_the_run_folders_whose_courier_had_work_left(tmp_path):
     still holding the courier's work file gets a line with the command that sends its records."""
     import dataclasses
 
-    from cluster.driver.courier import COMMAND, COURIER_FILE
+    from tracking.store import COURIER_FILE, DELIVER_COMMAND
 
     def at(root: Path):
         base = load_profile("local")
@@ -68,8 +68,8 @@ def test_stop_names_the_run_folders_whose_courier_had_work_left(tmp_path):
     for run in ("b-run", "a-run"):
         (tmp_path / run / COURIER_FILE).write_text("{}")  # the courier deletes it once everything is sent
     assert jobs.undelivered_runs(at(tmp_path)) == [
-        f"run folder {tmp_path / run} holds MLflow records its courier had not sent; `{COMMAND} {tmp_path / run}` "
-        "sends them"
+        f"run folder {tmp_path / run} holds MLflow records its courier had not sent; "
+        f"`{DELIVER_COMMAND} {tmp_path / run}` sends them"
         for run in ("a-run", "b-run")
     ]
     assert jobs.undelivered_runs(at(tmp_path / "no-runs-yet")) == []
