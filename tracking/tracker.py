@@ -292,7 +292,8 @@ class Tracker:
             why = down and f"{down}: "
             if failing_since is not None:
                 why = f"MLflow has failed for {time.monotonic() - failing_since:.0f} s: "
-            if self.run_id in (self._placeholder, recorded_run_id(self._record or "", self.tracking_uri)):
+            named = self._record is not None and recorded_run_id(self._record, self.tracking_uri) == self.run_id
+            if self.run_id == self._placeholder or named:
                 self._spool(why)
             else:
                 self._warn(f"{why}closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)

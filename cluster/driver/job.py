@@ -264,9 +264,10 @@ def run_job(
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)
-    watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0, record=run_dir / RUN_RECORD)).start()
+    record = run_dir / RUN_RECORD  # the driver's Trackers spool there what MLflow did not take
+    watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0, record=record)).start()
     clock.fit_at = time.time()
-    goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0, record=run_dir / RUN_RECORD)).start()
+    goodput = GoodputMonitor(run_dir, clock, Tracker(uri, run_id, rank=0, record=record)).start()
     started = time.monotonic()
     status, error = "FINISHED", None
     try:
@@ -282,7 +283,7 @@ def run_job(
         status = "FAILED"
         why = failure_line(error)
         print(f"training failed: {why}", file=sys.stderr, flush=True)
-        tracker = Tracker(uri, run_id, rank=0, record=run_dir / RUN_RECORD)
+        tracker = Tracker(uri, run_id, rank=0, record=record)
         tracker.set_tags({keys.FAILURE: why[:4000]})
         tracker.close()
     train_s = time.monotonic() - started
