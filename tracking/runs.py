@@ -280,15 +280,31 @@ def await_job_run(
     tags: Mapping[str, Any],
     deadline_s: float,
 ) -> str | None:
-    """The run ``run_dir``'s record names, else one created as soon as MLflow answers within ``deadline_s`` (a job's
-    courier, once the job's own creation stopped); None if it never did."""
-    run = JobRun(run_dir / RUN_RECORD, tracking_uri, recorded_run_id(run_dir / RUN_RECORD, tracking_uri))
-    if run.run_id is None:
-        run._warned = True  # the job's start said it: MLflow does not answer
-        run.create_in_background(lambda: _create_job_run(run_dir, tracking_uri, experiment, config, tags))
-        run.wait(deadline_s)
-        run.stop()
+    """The run ``run_dir``'s record names once MLflow answers for it, else one created as soon as MLflow answers (a
+    job's courier, once the job's own creation stopped), within ``deadline_s``; None if MLflow never answered."""
+    recorded = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+    if recorded is not None:
+        return recorded if _answers_for(tracking_uri, recorded, time.monotonic() + deadline_s) else None
+    run = JobRun(run_dir / RUN_RECORD, tracking_uri)
+    run._warned = True  # the job's start said it: MLflow does not answer
+    run.create_in_background(lambda: _create_job_run(run_dir, tracking_uri, experiment, config, tags))
+    run.wait(deadline_s)
+    run.stop()
     return run.run_id
+
+
+def _answers_for(tracking_uri: str | None, run_id: str, deadline: float) -> bool:
+    """Whether MLflow answers for ``run_id`` before ``deadline`` (monotonic), asked every `DOWN_POLL_S`."""
+    from mlflow import MlflowClient  # heavy
+
+    while True:
+        if not refused_connection(tracking_uri):
+            with contextlib.suppress(Exception):  # down, slow or failing: asked again
+                MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+                return True
+        if time.monotonic() + DOWN_POLL_S > deadline:
+            return False
+        time.sleep(DOWN_POLL_S)
 
 
 def _recorded(run_dir: Path, tracking_uri: str | None, plan: Mapping[str, Any]) -> str | None:
@@ -340,8 +356,9 @@ def steps_missing(
     return missing
 
 
-def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> None:
-    """End the run with ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` or ``status.lower()``."""
+def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> bool:
+    """End the run with ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` or ``status.lower()``.
+    Whether MLflow took it (else a warning)."""
     from mlflow import MlflowClient  # heavy
 
     try:
@@ -350,3 +367,5 @@ def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str 
         client.set_terminated(run_id, status=status)
     except Exception as exc:
         print(f"warning: could not mark MLflow run {run_id} {status}: {exc}", file=sys.stderr)
+        return False
+    return True

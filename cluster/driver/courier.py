@@ -1,6 +1,6 @@
-"""A job's courier: when MLflow has not answered by the job's end, a detached Ray actor creates the run once it does,
-sends what the job's processes left in the spool, the late eval metrics and the final model, marks the run's status
-and exits; the job ends when training does (docs/design.md, "Tracking at a job's start").
+"""A job's courier: when MLflow does not answer at the job's end, a detached Ray actor creates the run (unless it
+exists) once it does, sends what the job's processes left in the spool, the late eval metrics and the final model,
+marks the run's status and exits; the job ends when training does (docs/design.md, "Tracking at a job's start").
 `cluster.driver.deliver` (``python -m cluster.driver.deliver RUN_FOLDER``) does the same in the foreground.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from cluster.driver.record import send_the_rest
 from data_pipeline.paths import write_text_atomically
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.store import COURIER_FILE, DELIVER_COMMAND, read_run_record, spool_dir
+from tracking.store import COURIER_FILE, DELIVER_COMMAND, read_run_record, recorded_run_id, spool_dir
 from tracking.tracker import Tracker
 
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
@@ -85,8 +85,9 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
             f"warning: MLflow at {uri} has not answered and its courier did not start ({type(error).__name__}: "
             f"{error}): the run's records stay in {spool}; `{DELIVER_COMMAND} {run_dir}` sends them"
         )
+    creates = "" if recorded_run_id(run_dir / RUN_RECORD, uri) else "creates the run and "
     return (
-        f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) creates "
-        f"the run and sends its records, kept in {spool} meanwhile, once MLflow answers (for up to "
+        f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) {creates}"
+        f"sends the run's records, kept in {spool} meanwhile, and marks it {status} once MLflow answers (for up to "
         f"{COURIER_DEADLINE_S / 3600:g} h)"
     )

@@ -291,8 +291,7 @@ def run_job(
     evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
     mlflow_run.stop(STOP_WAIT_S)  # an attempt in flight ends first: the courier must not make a second run
-    finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end)
-    if mlflow_run.run_id is None:
+    if not finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end):
         print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
     return 0 if status == "FINISHED" else 1
 

@@ -22,7 +22,7 @@ from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
 from tracking.runs import RUN_RECORD, finish_run, send_spooled, steps_missing
-from tracking.store import PENDING_RUN
+from tracking.store import PENDING_RUN, refused_connection
 from tracking.tracker import Tracker
 
 
@@ -70,10 +70,15 @@ class JobEnd:
     plan: dict[str, Any] = field(default_factory=dict)
 
 
-def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -> None:
-    """``run``: the MLflow run's id, or its pending reference while MLflow has not answered (what is logged here then
-    waits in the spool for the job's courier, cluster.driver.courier)."""
+def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -> bool:
+    """Whether the MLflow run holds the job's end and is marked with its status. ``run``: the run's id, or its pending
+    reference while MLflow has not answered. Where it does not answer, what is logged here waits in the spool for the
+    job's courier (cluster.driver.courier)."""
     run_id = None if run.startswith(PENDING_RUN) else run
+    down = refused_connection(uri) if run_id else ""
+    if down:  # MLflow's own retries would hold the job's end for minutes a call
+        print(f"MLflow run {run_id} is not reachable at the job's end: {down}", flush=True)
+        run_id = None
     result_file = run_dir / "train_result.json"
     train_result = json.loads(result_file.read_text()) if result_file.exists() else {}
     release_pins(run_dir)
@@ -114,8 +119,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
         except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
             print(f"warning: no goodput ledger: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     tracker.close()
-    if run_id is not None:
-        finish_run(uri, run_id, end.status)
+    return run_id is not None and finish_run(uri, run_id, end.status)
 
 
 def send_the_rest(run_dir: Path, uri: str, run_id: str, evals: dict, status: str, tracker: Tracker) -> None:
@@ -144,11 +148,18 @@ def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> No
 
 
 def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
-    """The newest checkpoint as the run's MLflow model (HF); its URI or None. Never raises."""
+    """The newest checkpoint as the run's MLflow model (HF), unless the run holds it already; its URI or None. Never
+    raises."""
     checkpoint = run_folder.latest_checkpoint(run_dir)
     if checkpoint is None:
         return None
     try:
+        from mlflow import MlflowClient  # heavy
+
+        tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
+        if tags.get(keys.MODEL_STEP) == str(checkpoint_step(checkpoint)) and keys.MODEL_URI in tags:
+            print(f"final model: {tags[keys.MODEL_URI]} ({checkpoint.name}), already in MLflow run {run_id}")
+            return tags[keys.MODEL_URI]
         model = load_checkpoint_model(checkpoint).eval()
         with tempfile.TemporaryDirectory(prefix="vitscale-model-") as tmp:
             folder = save_hf(model, Path(tmp) / "hf", class_names(checkpoint, model.config.num_classes))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 from cluster.driver.courier import COURIER_FILE, NAMESPACE, deliver, hand_over
 from cluster.driver.deliver import main as deliver_main
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
+from cluster.driver.record import JobEnd, finish_job
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
@@ -155,6 +157,52 @@ def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_pa
     assert deliver(down, closed, run, {}, "FINISHED", deadline_s=1.0) is None
     assert f"did not answer in 1 s; the records stay in {down / SPOOL_DIR}" in capsys.readouterr().out
     assert not (down / RUN_RECORD).exists()
+    down.mkdir()
+    (down / RUN_RECORD).write_text(json.dumps({"run_id": "0" * 32, "tracking_uri": closed}))  # a run that exists
+    assert deliver(down, closed, run, {}, "FINISHED", deadline_s=1.0) is None
+    assert f"did not answer in 1 s; the records stay in {down / SPOOL_DIR}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_whose_server_is_down_at_its_end_leaves_the_run_to_its_courier(tmp_path, capsys):
+    """The run exists, and its server goes down before the job's end: the end does not wait out MLflow's retries (it
+    took 751 s), and the courier's work, started while the server is still down, waits for it, then sends the summary,
+    the late evals and the final model and marks the run; a second delivery logs no second model."""
+    from tests.tracking.test_mlflow_model import _checkpoint, _random, _run
+
+    server = MlflowServer(tmp_path / "server", auth=False)
+    server.root.mkdir()
+    server.start()
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 10, _random(num_classes=4))
+    run_id = _run(server.uri, "down-at-end", {10: 0.5})
+    (run_dir / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": server.uri}))
+    server.stop()
+    evals = {20: {"metrics": {"fewshot/digits/5shot": 0.25}}}  # an eval that ended while the server was down
+    started = time.monotonic()
+    assert not finish_job(run_dir, 5, server.uri, run_id, JobEnd("FINISHED", 12.0, evals))
+    assert time.monotonic() - started < 60  # the summary's Tracker waits UNANSWERED_CLOSE_S, then spools
+    assert f"MLflow run {run_id} is not reachable at the job's end: nothing accepts" in capsys.readouterr().out
+    assert len(list(spool_dir(run_dir / RUN_RECORD).glob("*.json"))) == 1
+
+    work = {"experiment": "down-at-end", "config": {}, "tags": {}}
+    starting = threading.Thread(target=server.start)
+    starting.start()
+    try:
+        assert deliver(run_dir, server.uri, work, evals, "FINISHED", deadline_s=400) == run_id
+        assert deliver(run_dir, server.uri, work, evals, "FINISHED", deadline_s=60) == run_id  # again: nothing new
+        client = mlflow.tracking.MlflowClient(server.uri)
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.tags[keys.MODEL_STEP] == "10"
+        assert run.data.tags[keys.RESTARTS] == "0"  # the summary's Tracker, spooled and sent
+        assert [a.path for a in client.list_artifacts(run_id)] == ["summary.json"]
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, "fewshot/digits/5shot")] == [(20, 0.25)]
+        assert len(client.search_logged_models(experiment_ids=[run.info.experiment_id])) == 1
+        assert "already in MLflow run" in capsys.readouterr().out
+    finally:
+        starting.join()
+        server.stop()
 
 
 def test_the_courier_command_sends_what_no_courier_did(tmp_path, mlflow_uri, capsys):
