@@ -21,8 +21,8 @@ from tracking.store import (
     default_tracking_uri,
     pending_run_ref,
     recorded_run_id,
-    refused_connection,
     spool_dir,
+    unanswered,
 )
 from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker, flatten_config
 
@@ -30,7 +30,7 @@ RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch c
 # A job's start waits this long for MLflow to create its run, then trains without it (MLflow's retries last minutes).
 START_WAIT_S = 10.0
 CREATE_RETRY_MAX_S = 60.0  # the background creation's backoff cap
-# While nothing accepts connections at the server's address, look again this often before asking MLflow, whose own
+# While the server does not answer (tracking.store.unanswered), look again this often before asking MLflow, whose own
 # retries back off to minutes (docs/benchmarks/2026-12-03-tracking-outage.md).
 DOWN_POLL_S = 5.0
 # What MLflow's client reads to reach a server: only in the job's runtime env, never a spec, plan, param or tag.
@@ -213,7 +213,7 @@ class JobRun:
     def _create(self, create: Callable[[], str]) -> None:
         delay = 1.0
         while not self._stop.is_set():
-            refused = refused_connection(self.tracking_uri)
+            refused = unanswered(self.tracking_uri)
             try:
                 if refused:  # said and retried as MLflow's failures are, but sooner
                     raise ConnectionRefusedError(refused)
@@ -298,7 +298,7 @@ def _answers_for(tracking_uri: str | None, run_id: str, deadline: float) -> bool
     from mlflow import MlflowClient  # heavy
 
     while True:
-        if not refused_connection(tracking_uri):
+        if not unanswered(tracking_uri):
             with contextlib.suppress(Exception):  # down, slow or failing: asked again
                 MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
                 return True

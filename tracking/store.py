@@ -1,14 +1,15 @@
-"""Where a run's records live: the tracking URI's defaults and whether its server takes connections, and the run
+"""Where a run's records live: the tracking URI's defaults and whether its server answers, and the run
 record (``mlflow_run.json``) and spool that a job's processes share while MLflow has not created the run
 (docs/design.md, "Tracking at a job's start").
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
-import socket
+import ssl
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,11 @@ def spool_dir(record: Path | str) -> Path:
     return Path(record).parent / SPOOL_DIR
 
 
-def refused_connection(tracking_uri: str | None, timeout_s: float = 2.0) -> str:
-    """Why nothing takes a TCP connection at an HTTP(S) server's address; "" when something does, or for no server."""
+def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
+    """Why an HTTP(S) tracking server does not answer: nothing accepts connections at its address, or no HTTP response
+    (of any status) comes within ``timeout_s``; "" when one does, and for no server. A server that hangs would hold
+    each of MLflow's calls for its 120 s timeout times its 7 retries. The probe sends no credentials, so its TLS
+    check is left to MLflow's own calls."""
     try:
         url = urllib.parse.urlsplit(tracking_uri or "")
         address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
@@ -85,8 +89,24 @@ def refused_connection(tracking_uri: str | None, timeout_s: float = 2.0) -> str:
         return ""
     if url.scheme not in ("http", "https") or not url.hostname:
         return ""
+    if url.scheme == "https":
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        connection = http.client.HTTPSConnection(*address, timeout=timeout_s, context=context)
+    else:
+        connection = http.client.HTTPConnection(*address, timeout=timeout_s)
     try:
-        socket.create_connection(address, timeout=timeout_s).close()
-    except OSError as error:
-        return f"nothing accepts connections at {address[0]}:{address[1]} ({error})"
-    return ""
+        try:
+            connection.connect()
+        except OSError as error:
+            return f"nothing accepts connections at {address[0]}:{address[1]} ({error})"
+        try:
+            connection.request("GET", url.path.rstrip("/") + "/health")
+            connection.getresponse()
+        except TimeoutError:
+            return f"{address[0]}:{address[1]} accepts connections but sends no answer within {timeout_s:g} s"
+        except (OSError, http.client.HTTPException):  # it answered, if not as HTTP: MLflow's calls will say how
+            return ""
+        return ""
+    finally:
+        connection.close()

@@ -25,8 +25,8 @@ from tracking.store import (
     default_tracking_uri,
     read_run_record,
     recorded_run_id,
-    refused_connection,
     spool_dir,
+    unanswered,
 )
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class Tracker:
         down, first = "", min(limit, UNANSWERED_CLOSE_S)
         if self._thread is not None:
             self._thread.join(first)
-            if self._thread.is_alive() and limit > first and not (down := refused_connection(self.tracking_uri)):
+            if self._thread.is_alive() and limit > first and not (down := unanswered(self.tracking_uri)):
                 self._thread.join(None if limit == math.inf else limit - first)
         if self.pending:
             why = down and f"{down}: "

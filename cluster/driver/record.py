@@ -22,7 +22,7 @@ from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
 from tracking.runs import RUN_RECORD, finish_run, send_spooled, steps_missing
-from tracking.store import PENDING_RUN, refused_connection
+from tracking.store import PENDING_RUN, unanswered
 from tracking.tracker import Tracker
 
 
@@ -75,7 +75,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
     reference while MLflow has not answered. Where it does not answer, what is logged here waits in the spool for the
     job's courier (cluster.driver.courier)."""
     run_id = None if run.startswith(PENDING_RUN) else run
-    down = refused_connection(uri) if run_id else ""
+    down = unanswered(uri) if run_id else ""
     if down:  # MLflow's own retries would hold the job's end for minutes a call
         print(f"MLflow run {run_id} is not reachable at the job's end: {down}", flush=True)
         run_id = None

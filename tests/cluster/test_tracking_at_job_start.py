@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -161,6 +162,27 @@ def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_pa
     (down / RUN_RECORD).write_text(json.dumps({"run_id": "0" * 32, "tracking_uri": closed}))  # a run that exists
     assert deliver(down, closed, run, {}, "FINISHED", deadline_s=1.0) is None
     assert f"did not answer in 1 s; the records stay in {down / SPOOL_DIR}" in capsys.readouterr().out
+
+
+def test_the_end_of_a_job_whose_server_hangs_leaves_the_run_to_its_courier(tmp_path, monkeypatch, capsys):
+    """A server that accepts connections and never answers: each of MLflow's calls would wait 120 s, 7 retries over
+    (some 20 minutes a call). The job's end looks once, spools the summary's records, and says so."""
+    from tracking import tracker
+
+    monkeypatch.setattr(tracker, "UNANSWERED_CLOSE_S", 2.0)
+    with socket.socket() as hanging:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen(8)  # the kernel completes connections; nobody ever reads or replies
+        uri, run_id = f"http://127.0.0.1:{hanging.getsockname()[1]}", "0" * 32
+        (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+        started = time.monotonic()
+        assert not finish_job(tmp_path, 5, uri, run_id, JobEnd("FINISHED", 12.0, {}))
+        assert time.monotonic() - started < 5.0 + 2.0 + 5.0 + 5  # two looks (the end's, the close's), the allowance
+    assert f"MLflow run {run_id} is not reachable at the job's end: {uri[7:]} accepts connections but sends no" in (
+        capsys.readouterr().out
+    )
+    [spooled] = spool_dir(tmp_path / RUN_RECORD).glob("*.json")
+    assert json.loads(spooled.read_text())["tags"] == {keys.RESTARTS: "0"}
 
 
 @pytest.mark.slow

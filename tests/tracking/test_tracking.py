@@ -15,7 +15,7 @@ from data_pipeline.paths import PROJECT_ROOT
 from tracking import keys
 from tracking import tracker as tracker_module
 from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags, send_spooled
-from tracking.store import default_tracking_uri, pending_run_ref, spool_dir
+from tracking.store import default_tracking_uri, pending_run_ref, spool_dir, unanswered
 from tracking.tracker import (
     MAX_PARAM_VALUE_LENGTH,
     PENDING_CLOSE_S,
@@ -513,9 +513,12 @@ def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
 
 
 def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
-    """A server that accepts connections but never answers: logging stays instant, close() gives up in time."""
+    """A server that accepts connections but never answers: logging stays instant, and close() waits the
+    `UNANSWERED_CLOSE_S` allowance and one look at the server, not its timeout (MLflow's send waits 60 s here, 120 s
+    by default, and retries 7 times)."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
     with socket.socket() as hanging:
         hanging.bind(("127.0.0.1", 0))
         hanging.listen(8)  # the kernel completes connections; nobody ever reads or replies
@@ -526,6 +529,37 @@ def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
         assert time.monotonic() - started < 1.0
         with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
             started = time.monotonic()
-            tracker.close(timeout=2)
-            assert time.monotonic() - started < 10
-        assert "200 items not sent" in caplog.text
+            tracker.close(timeout=60)
+            assert time.monotonic() - started < 2.0 + 5.0 + 3  # the allowance, then a look of at most 5 s
+        assert "200 items not sent" in caplog.text and "accepts connections but sends no answer" in caplog.text
+
+
+def test_a_server_answers_with_any_http_status_and_not_when_it_hangs_or_is_down(monkeypatch):
+    """`unanswered`, the look a closing Tracker, a job's end and a courier take before they wait on MLflow."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    answering = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=answering.serve_forever, daemon=True).start()
+    try:
+        assert unanswered(f"http://127.0.0.1:{answering.server_address[1]}/prefix", timeout_s=5) == ""
+    finally:
+        answering.shutdown()
+        answering.server_close()
+    with socket.socket() as hanging:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen(8)
+        port = hanging.getsockname()[1]
+        assert unanswered(f"http://127.0.0.1:{port}", timeout_s=0.5) == (
+            f"127.0.0.1:{port} accepts connections but sends no answer within 0.5 s"
+        )
+    down = _server_that_is_down(monkeypatch)
+    assert unanswered(down).startswith(f"nothing accepts connections at 127.0.0.1:{down.rsplit(':', 1)[1]} (")
+    assert unanswered("sqlite:///tmp/mlflow.db") == unanswered(None) == ""  # no server to ask
