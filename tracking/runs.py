@@ -213,10 +213,10 @@ class JobRun:
     def _create(self, create: Callable[[], str]) -> None:
         delay = 1.0
         while not self._stop.is_set():
-            refused = unanswered(self.tracking_uri)
+            silent = unanswered(self.tracking_uri)
             try:
-                if refused:  # said and retried as MLflow's failures are, but sooner
-                    raise ConnectionRefusedError(refused)
+                if silent:  # said and retried as MLflow's failures are, but sooner
+                    raise ConnectionError(silent)
                 run_id = create()
             except Exception as error:  # noqa: BLE001 — MLflow down, slow or refusing: the job trains regardless
                 with self._lock:
@@ -224,8 +224,8 @@ class JobRun:
                 if getattr(error, "error_code", None) in _REFUSALS:
                     self._record_refusal(error)
                 self._settled.set()
-                self._stop.wait(DOWN_POLL_S if refused else delay)
-                if not refused:
+                self._stop.wait(DOWN_POLL_S if silent else delay)
+                if not silent:
                     delay = min(2 * delay, CREATE_RETRY_MAX_S)
                 continue
             with self._lock:

@@ -30,7 +30,7 @@ from cluster.profiles import load_profile
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
-from tracking.store import SPOOL_DIR, pending_run_ref, spool_dir
+from tracking.store import PENDING_RUN, SPOOL_DIR, pending_run_ref, spool_dir
 from tracking.tracker import Tracker
 
 SUITE = "tiny_fewshot"
@@ -164,9 +164,10 @@ def test_a_courier_leaves_the_spool_where_mlflow_refuses_or_never_answers(tmp_pa
     assert f"did not answer in 1 s; the records stay in {down / SPOOL_DIR}" in capsys.readouterr().out
 
 
-def test_the_end_of_a_job_whose_server_hangs_leaves_the_run_to_its_courier(tmp_path, monkeypatch, capsys):
+def test_a_job_whose_server_hangs_starts_and_ends_without_waiting_on_it(tmp_path, monkeypatch, capsys):
     """A server that accepts connections and never answers: each of MLflow's calls would wait 120 s, 7 retries over
-    (some 20 minutes a call). The job's end looks once, spools the summary's records, and says so."""
+    (some 20 minutes a call). The job's start says why within its wait; its end looks once, spools the summary's
+    records and leaves the run to the courier."""
     from tracking import tracker
 
     monkeypatch.setattr(tracker, "UNANSWERED_CLOSE_S", 2.0)
@@ -174,6 +175,12 @@ def test_the_end_of_a_job_whose_server_hangs_leaves_the_run_to_its_courier(tmp_p
         hanging.bind(("127.0.0.1", 0))
         hanging.listen(8)  # the kernel completes connections; nobody ever reads or replies
         uri, run_id = f"http://127.0.0.1:{hanging.getsockname()[1]}", "0" * 32
+        starting = runs.start_job_run(tmp_path / "start", uri, "e", {}, {}, {}, wait_s=6.0)
+        starting.stop()
+        assert starting.run_id is None and starting.ref.startswith(PENDING_RUN)
+        assert f"ConnectionError: {uri[7:]} accepts connections but sends no answer within 5 s" in (
+            capsys.readouterr().err
+        )
         (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
         started = time.monotonic()
         assert not finish_job(tmp_path, 5, uri, run_id, JobEnd("FINISHED", 12.0, {}))
