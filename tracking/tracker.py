@@ -232,7 +232,7 @@ class Tracker:
         if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
             return False
         try:
-            self._attempt()
+            self._attempt(look=True)
         finally:
             self._send_lock.release()
         return self.pending == 0
@@ -415,8 +415,10 @@ class Tracker:
                 return
             time.sleep(min(PENDING_POLL_S, left))
 
-    def _attempt(self) -> None:
-        """Send everything buffered; the caller holds _send_lock. Never raises."""
+    def _attempt(self, look: bool = False) -> None:
+        """Send everything buffered; the caller holds _send_lock. Never raises. ``look`` (a caller that waits), or a
+        failed send to the URI: first ask whether the server answers (`unanswered`), not MLflow, whose retries of a
+        server that is down last minutes."""
         if self.pending == 0:
             return
         if not self._run_exists():  # not a failure: no warning, no backoff
@@ -424,6 +426,8 @@ class Tracker:
             return
         _QUIET_FILTER.active.sending = True
         try:
+            if (look or self.tracking_uri in _FAILING_SINCE) and (silent := unanswered(self.tracking_uri)):
+                raise ConnectionError(silent)
             self._send_all()
         except Exception as error:  # noqa: BLE001 — any failure of the store must stay out of training
             _FAILING_SINCE.setdefault(self.tracking_uri, time.monotonic())

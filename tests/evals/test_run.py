@@ -5,6 +5,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -107,6 +108,30 @@ def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path,
 
 
 @pytest.mark.timeout(300)
+def test_an_eval_whose_tracking_server_is_down_ends_in_seconds(data_root, checkpoint, tmp_path, monkeypatch):
+    """An eval task ends with a flush of its metrics. With the server down (here from the task's start, as at a job's
+    end) and MLflow's default 7 retries, that flush waited out ~4 minutes of retries per call, which held the job's
+    end (`EvalScheduler.drain`). It now asks the server first, and the table is still written."""
+    from cluster.local_head import free_port
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setattr("tracking.tracker._FAILING_SINCE", {})  # a fresh process: no send has failed yet
+    lines: list[str] = []
+    started = time.monotonic()
+    table = run_suite(
+        checkpoint,
+        write_suite(tmp_path, "tiny_fewshot", FEWSHOT),
+        data_root=data_root,
+        mlflow_run_id="0" * 32,
+        tracking_uri=f"http://127.0.0.1:{free_port()}",
+        num_threads=2,
+        log=lines.append,
+    )
+    assert time.monotonic() - started < 60
+    assert table.num_rows and (checkpoint / "evals" / "tiny_fewshot.parquet").exists()
+    assert any("did not take all metrics yet (tracking server down?)" in line for line in lines), lines
+
+
 def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, checkpoint, tmp_path):
     from evals.fewshot import L2_SWEEP
 
