@@ -16,7 +16,7 @@ from typing import Any
 from cluster.driver.record import send_the_rest
 from data_pipeline.paths import write_text_atomically
 from tracking.runs import RUN_RECORD, await_job_run, finish_run
-from tracking.store import COURIER_FILE, DELIVER_COMMAND, read_run_record, recorded_run_id, spool_dir
+from tracking.store import COURIER_FILE, DELIVER_COMMAND, read_run_record, spool_dir
 from tracking.tracker import Tracker
 
 COURIER_DEADLINE_S = 24 * 3600.0  # how long a courier waits for MLflow; its records then stay in the spool
@@ -71,7 +71,8 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
     spool = spool_dir(run_dir / RUN_RECORD)
     work = {"tracking_uri": uri, "run": dict(run), "evals": evals, "status": status}
     write_text_atomically(run_dir / COURIER_FILE, json.dumps(work, default=str))
-    if read_run_record(run_dir / RUN_RECORD, uri).get("refused"):
+    record = read_run_record(run_dir / RUN_RECORD, uri)
+    if record.get("refused"):
         return (
             f"MLflow at {uri} refuses the job's credentials: the run's records stay in {spool}; with the right "
             f"ones, `{DELIVER_COMMAND} {run_dir}` sends them"
@@ -85,7 +86,7 @@ def hand_over(run_dir: Path, uri: str, run: Mapping[str, Any], evals: dict, stat
             f"warning: MLflow at {uri} has not answered and its courier did not start ({type(error).__name__}: "
             f"{error}): the run's records stay in {spool}; `{DELIVER_COMMAND} {run_dir}` sends them"
         )
-    creates = "" if recorded_run_id(run_dir / RUN_RECORD, uri) else "creates the run and "
+    creates = "" if record.get("run_id") else "creates the run and "
     return (
         f"MLflow at {uri} has not answered: the job ends now, and Ray actor {name} (namespace {NAMESPACE}) {creates}"
         f"sends the run's records, kept in {spool} meanwhile, and marks it {status} once MLflow answers (for up to "
