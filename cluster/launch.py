@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--inject-worker-failure",
         metavar="RANK:STEP[:DELAY_S]",
-        help="fault drill: that rank exits abruptly DELAY_S after checkpoint STEP, once",
+        help="fault drill: that rank exits abruptly DELAY_S after checkpoint STEP is COMPLETE, once "
+        "(0, the default: at once, before rank 0 hands that checkpoint to its evals)",
     )
     args = parser.parse_args(argv)
     # The run name names the run folder and the Ray submission id.

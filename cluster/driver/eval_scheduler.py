@@ -14,7 +14,13 @@ import yaml
 
 from cluster.plan.evals.cadence import EvalCadence
 from data_pipeline.paths import SUITES_DIR
-from pretrain.checkpoint.run_folder import unpin_checkpoint
+from pretrain.checkpoint.run_folder import (
+    TrainerState,
+    complete_checkpoints,
+    parse_step,
+    pin_checkpoint,
+    unpin_checkpoint,
+)
 from tracking import keys
 from tracking.tracker import Tracker
 
@@ -69,6 +75,8 @@ class EvalScheduler:
         max_pinned: int = MAX_PINNED,
         task: Callable[..., dict[str, Any]] = run_suite_task,  # tests pass a stand-in
         memory_gb: float = 0,
+        run_dir: str | None = None,  # where `catch_up` looks; None: it finds nothing
+        saved_before: int = -1,  # the run folder's newest step when the job started: an earlier job evaluated it
     ):
         if not isinstance(suites, EvalCadence):
             suites = EvalCadence(((suites, 1),) if suites else ())
@@ -84,6 +92,7 @@ class EvalScheduler:
         self._train: dict[int, dict[str, float]] = {}
         self._paths: dict[int, str] = {}
         self._due: dict[int, tuple[str, ...]] = {}
+        self._run_dir, self._saved_before = run_dir, saved_before
 
     def submit(self, checkpoint_dir: str, step: int, train_metrics: dict[str, float] | None = None) -> bool:
         """False if this step was already submitted. The caller's pin stays while the eval is pending."""
@@ -117,6 +126,30 @@ class EvalScheduler:
                 checkpoint_dir, suite, self.data_root, self.run_id, self.tracking_uri
             )
             return True
+
+    def catch_up(self) -> list[int]:
+        """Submit this job's COMPLETE checkpoints that were never submitted; returns their steps. Rank 0 calls it at
+        every start of the worker group: a group stopped between a save's COMPLETE and rank 0's `submit` (Ray Train
+        regrowing it, a lost node) lost that submit, and the next group resumes from the checkpoint without saving
+        it again."""
+        if self._run_dir is None:
+            return []
+        caught = []
+        for folder in complete_checkpoints(self._run_dir):
+            step = parse_step(folder.name)
+            with self._lock:
+                if step is None or step <= self._saved_before or step in self._paths:
+                    continue
+            due = self.cadence.due(step)
+            if due and not pin_checkpoint(folder, f"evals {'+'.join(due)} pending on step {step}"):
+                continue  # pruned meanwhile
+            try:
+                metrics = TrainerState.read(folder).metrics
+            except (OSError, ValueError):
+                metrics = {}
+            if self.submit(str(folder), step, metrics):
+                caught.append(step)
+        return caught
 
     def pending(self) -> list[int]:
         with self._lock:

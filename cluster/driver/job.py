@@ -44,8 +44,9 @@ SUBMIT_WAIT_S = 60.0  # rank 0's wait for the eval scheduler to take its checkpo
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Chaos hook: `delay_s` after checkpoint step >= `after_step`, rank `rank` exits ("exit": a lost worker) or
-    SIGSTOPs itself ("stop": a hung rank), once per run folder; `full_disk_after`: its later saves fail (ENOSPC)."""
+    """Chaos hook: `delay_s` after checkpoint step >= `after_step` is COMPLETE, rank `rank` exits ("exit": a lost
+    worker) or SIGSTOPs itself ("stop": a hung rank), once per run folder; at 0 s before rank 0 submits that step's
+    evals. `full_disk_after`: its later saves fail (ENOSPC)."""
 
     rank: int
     after_step: int
@@ -159,18 +160,20 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
         _fill_disk(fault["full_disk_after"])
 
+    if rank == 0:  # pinned before this group's saves prune
+        _catch_up(scheduler)
     submits: list = []
 
     def on_checkpoint(checkpoint_dir: Path, step: int, metrics: dict) -> None:
         heartbeat.saved()
+        if fault and rank == fault["rank"] and step >= fault["after_step"]:
+            _inject(fault, run_dir / ".fault_injected", rank, step)
         if rank == 0:
             due = cadence.due(int(step))
             if due:  # pinned before the next save's prune; the scheduler unpins
                 pin_checkpoint(checkpoint_dir, f"evals {'+'.join(due)} pending on step {step}")
             submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
             submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
-        if fault and rank == fault["rank"] and step >= fault["after_step"]:
-            _inject(fault, run_dir / ".fault_injected", rank, step)
 
     summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=heartbeat)
     _await_submits(submits)
@@ -178,6 +181,21 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
         result = json.dumps({k: summary.to_dict()[k] for k in keep}, default=str)
         write_text_atomically(run_dir / "train_result.json", result)
+
+
+def _catch_up(scheduler: Any) -> None:
+    """Evals of the checkpoints a stopped worker group saved but never submitted (`EvalScheduler.catch_up`)."""
+    import ray
+
+    ref = scheduler.catch_up.remote()
+    _await_submits([ref])
+    caught = ray.get(ref) if ray.wait([ref], timeout=0)[0] else []
+    if caught:
+        print(
+            f"evals of checkpoint step(s) {', '.join(map(str, caught))} submitted now: the previous worker group "
+            "stopped after saving them and before handing them to the eval scheduler",
+            flush=True,
+        )
 
 
 def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
@@ -212,7 +230,10 @@ def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
             os._exit(1)
 
     marker.write_text(f"rank {rank}: {kind} pending\n")  # a restarted group must not strike again
-    threading.Timer(fault["delay_s"], strike).start()
+    if fault["delay_s"] > 0:
+        threading.Timer(fault["delay_s"], strike).start()
+    else:  # before rank 0 submits this checkpoint's evals
+        strike()
 
 
 def _fill_disk(after_step: int) -> None:
@@ -259,8 +280,17 @@ def run_job(
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cadence = eval_cadence(spec)
     ev = profile.evals
+    newest = run_folder.latest_checkpoint(run_dir)
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
-        cadence, config.evals.data_root, run_id, uri, num_cpus=ev.num_cpus, num_gpus=ev.num_gpus, memory_gb=ev.memory_gb
+        cadence,
+        config.evals.data_root,
+        run_id,
+        uri,
+        num_cpus=ev.num_cpus,
+        num_gpus=ev.num_gpus,
+        memory_gb=ev.memory_gb,
+        run_dir=str(run_dir),
+        saved_before=run_folder.parse_step(newest.name) if newest else -1,
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)

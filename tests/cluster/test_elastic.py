@@ -91,7 +91,9 @@ def test_node_lost_and_regained_job_goes_on_in_one_run(tmp_path):
     # An eval at every checkpoint step (each checkpoint step exists once, redone steps saved again in place).
     summary = json.loads((result.run_dir / "summary.json").read_text())
     errors = {step: entry["error"] for step, entry in summary["checkpoints"].items() if "error" in entry}
-    assert report["eval_steps"] == list(range(0, STEPS + 1, EVERY)), f"eval errors by step: {errors}"
+    assert report["eval_steps"] == list(range(0, STEPS + 1, EVERY)), (
+        f"eval errors by step: {errors}; checkpoints the scheduler saw: {report['checkpoint_steps']}; {result.events}"
+    )
     assert report["checkpoint_steps"] == list(range(0, STEPS + 1, EVERY))
 
     # Over the whole run (each step as its last attempt trained it): full global batches at every step and world
