@@ -76,7 +76,7 @@ class EvalScheduler:
         task: Callable[..., dict[str, Any]] = run_suite_task,  # tests pass a stand-in
         memory_gb: float = 0,
         run_dir: str | None = None,  # where `catch_up` looks; None: it finds nothing
-        saved_before: int = -1,  # the run folder's newest step when the job started: an earlier job evaluated it
+        settled: tuple[int, ...] = (),  # steps saved before the job whose evals `catch_up` leaves alone
     ):
         if not isinstance(suites, EvalCadence):
             suites = EvalCadence(((suites, 1),) if suites else ())
@@ -92,7 +92,7 @@ class EvalScheduler:
         self._train: dict[int, dict[str, float]] = {}
         self._paths: dict[int, str] = {}
         self._due: dict[int, tuple[str, ...]] = {}
-        self._run_dir, self._saved_before = run_dir, saved_before
+        self._run_dir, self._settled = run_dir, frozenset(settled)
 
     def submit(self, checkpoint_dir: str, step: int, train_metrics: dict[str, float] | None = None) -> bool:
         """False if this step was already submitted. The caller's pin stays while the eval is pending."""
@@ -128,7 +128,7 @@ class EvalScheduler:
             return True
 
     def catch_up(self) -> list[int]:
-        """Submit this job's COMPLETE checkpoints that were never submitted; returns their steps. Rank 0 calls it at
+        """Submit the COMPLETE checkpoints not yet submitted and not `settled`; returns their steps. Rank 0 calls it at
         every start of the worker group: a group stopped between a save's COMPLETE and rank 0's `submit` (Ray Train
         regrowing it, a lost node) lost that submit, and the next group resumes from the checkpoint without saving
         it again."""
@@ -138,7 +138,7 @@ class EvalScheduler:
         for folder in complete_checkpoints(self._run_dir):
             step = parse_step(folder.name)
             with self._lock:
-                if step is None or step <= self._saved_before or step in self._paths:
+                if step is None or step in self._settled or step in self._paths:
                     continue
             due = self.cadence.due(step)
             if due and not pin_checkpoint(folder, f"evals {'+'.join(due)} pending on step {step}"):

@@ -272,15 +272,17 @@ def run_job(
         ray.init(address=address or "auto")
     mlflow_run, config = open_tracking(spec)
     run_id = mlflow_run.ref
-    stale = release_pins(run_dir)  # one job per run folder
-    if stale:
-        print(f"released {len(stale)} checkpoint pins left by an earlier job of this run", flush=True)
+    # One job per run folder: a pin left behind marks evals an earlier job never ended; this job runs them.
+    unended = {run_folder.parse_step(folder.name) for folder in release_pins(run_dir)}
+    if unended:
+        steps = ", ".join(str(step) for step in sorted(unended))
+        print(f"an earlier job of this run ended before the evals of step(s) {steps}: this job runs them", flush=True)
+    settled = [run_folder.parse_step(folder.name) for folder in run_folder.complete_checkpoints(run_dir)]
 
     # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cadence = eval_cadence(spec)
     ev = profile.evals
-    newest = run_folder.latest_checkpoint(run_dir)
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
         cadence,
         config.evals.data_root,
@@ -290,7 +292,7 @@ def run_job(
         num_gpus=ev.num_gpus,
         memory_gb=ev.memory_gb,
         run_dir=str(run_dir),
-        saved_before=run_folder.parse_step(newest.name) if newest else -1,
+        settled=tuple(step for step in settled if step not in unended),
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)

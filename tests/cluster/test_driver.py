@@ -227,17 +227,19 @@ def _check_cadence(ray, run_dir: Path) -> None:
     row = ray.get(rare.drain.remote(10))[10]
     assert row["train"] == {"train/loss": 2.0} and "metrics" not in row and "error" not in row
 
-    # A job that started with step 0 saved (by an earlier job, which evaluated it) and whose worker group stopped
-    # after saving step 10 and before submitting it: the next group's rank 0 calls catch_up, which submits step 10
-    # once, pinned until its eval ends, and neither step 0 nor step 20 (submitted as usual).
-    folders = dict(zip((0, 10, 20), _fake_checkpoints(run_dir.parent / "caught_up", (0, 10, 20))))
+    # catch_up, at each start of a job's worker group: step 0 was evaluated by an earlier job (settled), step 10's
+    # evals never ended in it (its pin was left behind, so not settled), this job saved step 20 but its group stopped
+    # before submitting it, and step 30 was submitted as usual. Steps 10 and 20 are submitted once, pinned until
+    # their evals end.
+    folders = dict(zip((0, 10, 20, 30), _fake_checkpoints(run_dir.parent / "caught_up", (0, 10, 20, 30))))
     job = EvalScheduler.remote(
-        cadence, str(run_dir), None, None, task=task, run_dir=str(run_dir.parent / "caught_up"), saved_before=0
+        cadence, str(run_dir), None, None, task=task, run_dir=str(run_dir.parent / "caught_up"), settled=(0,)
     )
-    assert ray.get(job.submit.remote(str(folders[20]), 20, {}))
-    assert ray.get(job.catch_up.remote()) == [10] and ray.get(job.catch_up.remote()) == []
+    assert ray.get(job.submit.remote(str(folders[30]), 30, {}))
+    assert ray.get(job.catch_up.remote()) == [10, 20] and ray.get(job.catch_up.remote()) == []
     rows = ray.get(job.drain.remote(60))
-    assert sorted(rows) == [10, 20] and rows[10]["suites"] == ["fast"] and not is_pinned(folders[10])
+    assert sorted(rows) == [10, 20, 30] and rows[20]["suites"] == ["fast", "slow"]
+    assert not any(is_pinned(folder) for folder in folders.values())
 
 
 def _worker_output(cluster, pid: int) -> str:
