@@ -192,8 +192,8 @@ def _catch_up(scheduler: Any) -> None:
     caught = ray.get(ref) if ray.wait([ref], timeout=0)[0] else []
     if caught:
         print(
-            f"evals of checkpoint step(s) {', '.join(map(str, caught))} submitted now: the previous worker group "
-            "stopped after saving them and before handing them to the eval scheduler",
+            f"evals of checkpoint step(s) {', '.join(map(str, caught))} submitted now: saved, but a worker group or "
+            "a job stopped before their evals ran",
             flush=True,
         )
 
