@@ -26,6 +26,7 @@ JOB_METADATA = {"vitscale": "1"}
 # The Jobs API's 500 while the head's job agent is unregistered (docs/design.md, "The local Ray head").
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 60.0
+FOLLOW_LOST_S = 60.0  # `follow` gives up on a Jobs API silent this long
 
 
 class RayUnreachableError(RuntimeError):
@@ -126,8 +127,9 @@ def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_w
             time.sleep(1.0)  # each refusal already took Ray's 10 s wait
 
 
-def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:
-    """Stream a job's logs to `out` (stdout) until it ends; return its final status."""
+def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = FOLLOW_LOST_S) -> str:
+    """Stream a job's logs to `out` (stdout) until it ends; return its final status. RayUnreachableError once the
+    Jobs API has not answered for ``lost_s``."""
     out = out or sys.stdout
 
     async def _tail() -> None:
@@ -139,9 +141,23 @@ def follow(client: JobSubmissionClient, job_id: str, out=None) -> str:
         asyncio.run(_tail())
     except Exception as exc:  # fall back to polling: never lose the status
         print(f"(log streaming stopped: {exc}; polling the job status)", file=sys.stderr)
-    while not (status := client.get_job_status(job_id)).is_terminal():
-        time.sleep(2.0)
-    return str(status.value)
+    silent_since = None
+    while True:
+        try:
+            status = client.get_job_status(job_id)
+        except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since >= lost_s:
+                raise RayUnreachableError(
+                    f"lost the Ray Jobs API at {client.get_address()} while following job {job_id}: no answer for "
+                    f"{lost_s:g} s ({type(exc).__name__}); its head stopped or the network dropped. The job may "
+                    "still run: once the head answers, `make status` shows it and `make logs` follows it"
+                ) from None
+        else:
+            if status.is_terminal():
+                return str(status.value)
+            silent_since = None
+        time.sleep(min(2.0, lost_s))
 
 
 def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:

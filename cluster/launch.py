@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nstopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)")
         return 130
+    except jobs.RayUnreachableError as exc:
+        print(f"error: {exc}" + ("" if profile.is_local else f" (CLUSTER={profile.name})"), file=sys.stderr)
+        return 1
     print(f"job {job_id}: {status}")
     if profile.is_local:
         print(

@@ -385,3 +385,8 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert "stopped the local Ray head" in capsys.readouterr().out
     assert leftover == []
+    # A head stopped while `make launch` follows its job (`make stop` in another shell): one error, not a traceback.
+    started = time.monotonic()
+    with pytest.raises(jobs.RayUnreachableError, match=rf"lost the Ray Jobs API at .* while following job {job_id}"):
+        jobs.follow(client, job_id, lost_s=1.0)
+    assert time.monotonic() - started < 30
