@@ -128,10 +128,10 @@ class EvalScheduler:
             return True
 
     def catch_up(self) -> list[int]:
-        """Submit the COMPLETE checkpoints not yet submitted and not `settled`; returns their steps. Rank 0 calls it at
-        every start of the worker group: a group stopped between a save's COMPLETE and rank 0's `submit` (Ray Train
-        regrowing it, a lost node) lost that submit, and the next group resumes from the checkpoint without saving
-        it again."""
+        """Submit the COMPLETE checkpoints not yet submitted and not `settled`; returns the steps due for evals. Rank 0
+        calls it at every start of the worker group: a group stopped between a save's COMPLETE and rank 0's `submit`
+        (Ray Train regrowing it, a lost node) lost that submit, and the next group resumes from the checkpoint without
+        saving it again."""
         if self._run_dir is None:
             return []
         caught = []
@@ -147,7 +147,7 @@ class EvalScheduler:
                 metrics = TrainerState.read(folder).metrics
             except (OSError, ValueError):
                 metrics = {}
-            if self.submit(str(folder), step, metrics):
+            if self.submit(str(folder), step, metrics) and due:
                 caught.append(step)
         return caught
 

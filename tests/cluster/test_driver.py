@@ -220,7 +220,8 @@ def _check_cadence(ray, run_dir: Path) -> None:
     suites = {step: rows[step]["suites"] for step in steps}
     assert suites == {0: ["fast", "slow"], 10: ["fast"], 20: ["fast", "slow"], 30: ["fast"], 35: ["fast", "slow"]}
     assert {rows[step]["metrics"]["memory"] for step in steps} == {0.05e9}  # bytes, as Ray's memory= asks
-    rare = EvalScheduler.remote(EvalCadence((("rare", 4),), 10, 35), str(run_dir), None, None, task=task)
+    rare_cadence = EvalCadence((("rare", 4),), 10, 35)
+    rare = EvalScheduler.remote(rare_cadence, str(run_dir), None, None, task=task)
     assert pin_checkpoint(folders[10], "a pin the scheduler must release")
     assert ray.get(rare.submit.remote(str(folders[10]), 10, {"train/loss": 2.0}))
     assert ray.get(rare.pending.remote()) == [] and not is_pinned(folders[10])
@@ -240,6 +241,11 @@ def _check_cadence(ray, run_dir: Path) -> None:
     rows = ray.get(job.drain.remote(60))
     assert sorted(rows) == [10, 20, 30] and rows[20]["suites"] == ["fast", "slow"]
     assert not any(is_pinned(folder) for folder in folders.values())
+    caught_up = str(run_dir.parent / "caught_up")  # where no suite is due (step 20 under "rare"), nothing is caught
+    quiet = EvalScheduler.remote(
+        rare_cadence, str(run_dir), None, None, task=task, run_dir=caught_up, settled=(0, 10, 30)
+    )
+    assert ray.get(quiet.catch_up.remote()) == [] and "metrics" not in ray.get(quiet.drain.remote(10))[20]
 
 
 def _worker_output(cluster, pid: int) -> str:
