@@ -146,7 +146,8 @@ def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = F
         try:
             status = client.get_job_status(job_id)
         except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
-            silent_since = silent_since or time.monotonic()
+            if silent_since is None:
+                silent_since = time.monotonic()
             if time.monotonic() - silent_since >= lost_s:
                 raise RayUnreachableError(
                     f"lost the Ray Jobs API at {client.get_address()} while following job {job_id}: no answer for "

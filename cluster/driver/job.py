@@ -184,7 +184,8 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
 
 
 def _catch_up(scheduler: Any) -> None:
-    """Evals of the checkpoints a stopped worker group saved but never submitted (`EvalScheduler.catch_up`)."""
+    """Evals of checkpoints saved but never evaluated, a worker group or a job having stopped first
+    (`EvalScheduler.catch_up`)."""
     import ray
 
     ref = scheduler.catch_up.remote()
@@ -273,7 +274,7 @@ def run_job(
     mlflow_run, config = open_tracking(spec)
     run_id = mlflow_run.ref
     # One job per run folder: a pin left behind marks evals an earlier job never ended; this job runs them.
-    unended = {run_folder.parse_step(folder.name) for folder in release_pins(run_dir)}
+    unended = {step for folder in release_pins(run_dir) if (step := run_folder.parse_step(folder.name)) is not None}
     if unended:
         steps = ", ".join(str(step) for step in sorted(unended))
         print(f"an earlier job of this run ended before the evals of step(s) {steps}: this job runs them", flush=True)
