@@ -27,6 +27,11 @@ from tracking.tracker import Tracker
 MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped
 
 
+def pin_for_evals(folder: str | Path, step: int, due: tuple[str, ...]) -> bool:
+    """`pin_checkpoint` with the suites waiting on it; False if the folder is gone."""
+    return pin_checkpoint(folder, f"evals {'+'.join(due)} pending on step {step}")
+
+
 def run_suite_task(
     checkpoint_dir: str, suite: str | tuple[str, ...], data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
@@ -141,7 +146,7 @@ class EvalScheduler:
                 if step is None or step in self._settled or step in self._paths:
                     continue
             due = self.cadence.due(step)
-            if due and not pin_checkpoint(folder, f"evals {'+'.join(due)} pending on step {step}"):
+            if due and not pin_for_evals(folder, step, due):
                 continue  # pruned meanwhile
             try:
                 metrics = TrainerState.read(folder).metrics

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cluster.driver.courier import hand_over
-from cluster.driver.eval_scheduler import EvalScheduler
+from cluster.driver.eval_scheduler import EvalScheduler, pin_for_evals
 from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
@@ -28,7 +28,7 @@ from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profil
 from data_pipeline.paths import write_text_atomically
 from pretrain import collector
 from pretrain.checkpoint import run_folder
-from pretrain.checkpoint.run_folder import pin_checkpoint, release_pins
+from pretrain.checkpoint.run_folder import release_pins
 from pretrain.checkpoint.writes import SaveAttempt
 from pretrain.config.train_config import TrainConfig
 from pretrain.loop import train_worker
@@ -171,7 +171,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
         if rank == 0:
             due = cadence.due(int(step))
             if due:  # pinned before the next save's prune; the scheduler unpins
-                pin_checkpoint(checkpoint_dir, f"evals {'+'.join(due)} pending on step {step}")
+                pin_for_evals(checkpoint_dir, int(step), due)
             submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
             submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
 
@@ -189,8 +189,7 @@ def _catch_up(scheduler: Any) -> None:
     import ray
 
     ref = scheduler.catch_up.remote()
-    _await_submits([ref])
-    caught = ray.get(ref) if ray.wait([ref], timeout=0)[0] else []
+    caught = [] if _await_submits([ref]) else ray.get(ref)
     if caught:
         print(
             f"evals of checkpoint step(s) {', '.join(map(str, caught))} submitted now: saved, but a worker group or "
@@ -199,12 +198,12 @@ def _catch_up(scheduler: Any) -> None:
         )
 
 
-def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
-    """A submit still in flight at the drain would be lost."""
+def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> list:
+    """A submit still in flight at the drain would be lost; returns those not taken in time."""
     import ray
 
     if not refs:
-        return
+        return []
     _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if late:
         print(
@@ -212,6 +211,7 @@ def _await_submits(refs: list, timeout_s: float = SUBMIT_WAIT_S) -> None:
             "their evals may be missing from the run",
             flush=True,
         )
+    return late
 
 
 def _inject(fault: dict[str, Any], marker: Path, rank: int, step: int) -> None:
@@ -278,7 +278,8 @@ def run_job(
     if unended:
         steps = ", ".join(str(step) for step in sorted(unended))
         print(f"an earlier job of this run ended before the evals of step(s) {steps}: this job runs them", flush=True)
-    settled = [run_folder.parse_step(folder.name) for folder in run_folder.complete_checkpoints(run_dir)]
+    complete = (run_folder.parse_step(folder.name) for folder in run_folder.complete_checkpoints(run_dir))
+    settled = tuple(step for step in complete if step not in unended)  # their evals ran, or were let go
 
     # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -293,7 +294,7 @@ def run_job(
         num_gpus=ev.num_gpus,
         memory_gb=ev.memory_gb,
         run_dir=str(run_dir),
-        settled=tuple(step for step in settled if step not in unended),
+        settled=settled,
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)
