@@ -154,8 +154,10 @@ def save_checkpoint(
     images_seen: int,
     stream_state: dict[str, Any],
     metrics: dict[str, float] | None = None,
+    pin: str | None = None,
 ) -> Path:
-    """Collective: save and publish; returns the COMPLETE folder. A failed write raises on every rank."""
+    """Collective: save and publish; returns the COMPLETE folder. A failed write raises on every rank. ``pin``: the
+    folder is pinned with this reason before it is COMPLETE, so no stop between the two leaves it unpinned."""
     rank, _ = _rank_and_world()
     run_dir = Path(config.checkpoint.dir)
     tag = run_folder.step_name(step)
@@ -191,6 +193,8 @@ def save_checkpoint(
     if rank == 0:
         attempt.record_rest()
         attempt.write(tmp / run_folder.CHECKSUMS, lambda: checksums.write(tmp, attempt.written), record=False)
+        if pin is not None:
+            attempt.write(tmp / run_folder.PINNED, lambda: run_folder.pin_checkpoint(tmp, pin), record=False)
         attempt.write(final, lambda: run_folder.publish(tmp), record=False)
         if attempt.failure is None:
             run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last)
@@ -389,6 +393,7 @@ def resume(
 
 
 CheckpointCallback = Callable[[Path, int, dict], None]
+PinReason = Callable[[int], str | None]  # a step's pin reason (`save_checkpoint`'s ``pin``), None: no pin
 
 
 class Checkpointer:
@@ -402,8 +407,10 @@ class Checkpointer:
         last_step: int,
         on_checkpoint: CheckpointCallback | None = None,
         tracker: Tracker | None = None,
+        pin: PinReason | None = None,
     ):
         self.every, self.last_step, self.on_checkpoint = config.checkpoint.every_steps, last_step, on_checkpoint
+        self.pin = pin
         self.tracker, self.on_save_error = tracker, config.checkpoint.on_save_error
         self.baseline = on_checkpoint is not None and bool(config.evals.suite) and config.evals.baseline
         self.saved: list[str] = []  # this attempt's checkpoints
@@ -441,6 +448,7 @@ class Checkpointer:
                 images_seen=trainer.images_seen,
                 stream_state=trainer.stream.state_dict(),
                 metrics=metrics,
+                pin=self.pin(trainer.step) if self.pin is not None else None,
             )
         except CheckpointSaveError as error:
             if self.on_save_error == "stop" or trainer.step >= self.last_step:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pretrain import collector
 from pretrain.checkpoint import run_folder
-from pretrain.checkpointer import CheckpointCallback, Checkpointer
+from pretrain.checkpointer import CheckpointCallback, Checkpointer, PinReason
 from pretrain.config.train_config import TrainConfig
 from pretrain.distributed import Placement, broadcast, init_distributed
 from pretrain.model.flops import train_flops
@@ -30,10 +30,12 @@ def train_worker(
     heartbeat: Heartbeat | None = None,
     *,
     validated: bool = False,
+    pin: PinReason | None = None,
 ) -> TrainSummary:
     """Train on this rank and return what it did. ``on_checkpoint(folder, step, metrics)`` runs on every rank after
     each COMPLETE checkpoint, step 0 included; ``heartbeat`` hears of every step, save and switch. ``validated``: the
-    caller ran ``config.validate`` at this world size, else it runs here (under Ray it differs between attempts)."""
+    caller ran ``config.validate`` at this world size, else it runs here (under Ray it differs between attempts).
+    ``pin(step)``: the reason rank 0 pins that step's checkpoint as it saves it, or None."""
     clock = AttemptClock()  # books every second from here on
     config = config.resolved()
     place = init_distributed(config)
@@ -57,7 +59,7 @@ def train_worker(
         start_step=trainer.step,
         images_seen=trainer.images_seen,
     )
-    checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker)
+    checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker, pin)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after it draws from the global generators
     recorder, outcome = open_recorder(config, place, starts), "failed"

@@ -14,22 +14,11 @@ import yaml
 
 from cluster.plan.evals.cadence import EvalCadence
 from data_pipeline.paths import SUITES_DIR
-from pretrain.checkpoint.run_folder import (
-    TrainerState,
-    complete_checkpoints,
-    parse_step,
-    pin_checkpoint,
-    unpin_checkpoint,
-)
+from pretrain.checkpoint.run_folder import TrainerState, is_complete, parse_step, pinned_checkpoints, unpin_checkpoint
 from tracking import keys
 from tracking.tracker import Tracker
 
 MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped
-
-
-def pin_for_evals(folder: str | Path, step: int, due: tuple[str, ...]) -> bool:
-    """`pin_checkpoint` with the suites waiting on it; False if the folder is gone."""
-    return pin_checkpoint(folder, f"evals {'+'.join(due)} pending on step {step}")
 
 
 def run_suite_task(
@@ -81,7 +70,6 @@ class EvalScheduler:
         task: Callable[..., dict[str, Any]] = run_suite_task,  # tests pass a stand-in
         memory_gb: float = 0,
         run_dir: str | None = None,  # where `catch_up` looks; None: it finds nothing
-        settled: tuple[int, ...] = (),  # steps saved before the job whose evals `catch_up` leaves alone
     ):
         if not isinstance(suites, EvalCadence):
             suites = EvalCadence(((suites, 1),) if suites else ())
@@ -97,7 +85,7 @@ class EvalScheduler:
         self._train: dict[int, dict[str, float]] = {}
         self._paths: dict[int, str] = {}
         self._due: dict[int, tuple[str, ...]] = {}
-        self._run_dir, self._settled = run_dir, frozenset(settled)
+        self._run_dir = run_dir
 
     def submit(self, checkpoint_dir: str, step: int, train_metrics: dict[str, float] | None = None) -> bool:
         """False if this step was already submitted. The caller's pin stays while the eval is pending."""
@@ -133,26 +121,24 @@ class EvalScheduler:
             return True
 
     def catch_up(self) -> list[int]:
-        """Submit the COMPLETE checkpoints not yet submitted and not `settled`; returns the steps due for evals. Rank 0
-        calls it at every start of the worker group: a group stopped between a save's COMPLETE and rank 0's `submit`
-        (Ray Train regrowing it, a lost node) lost that submit, and the next group resumes from the checkpoint without
-        saving it again."""
+        """Submit the pinned COMPLETE checkpoints not yet submitted; returns the steps due for evals. Rank 0 calls it
+        at every start of the worker group. A save pins its checkpoint before COMPLETE when evals are due on it, so a
+        pin nobody submitted is a hand-over lost: a worker group (Ray Train regrowing it, a lost node) or a whole job
+        stopped between the save and rank 0's `submit`, and training resumes from that checkpoint without saving it
+        again."""
         if self._run_dir is None:
             return []
         caught = []
-        for folder in complete_checkpoints(self._run_dir):
+        for folder in pinned_checkpoints(self._run_dir):
             step = parse_step(folder.name)
             with self._lock:
-                if step is None or step in self._settled or step in self._paths:
+                if step is None or step in self._paths or not is_complete(folder):
                     continue
-            due = self.cadence.due(step)
-            if due and not pin_for_evals(folder, step, due):
-                continue  # pruned meanwhile
             try:
                 metrics = TrainerState.read(folder).metrics
             except (OSError, ValueError):
                 metrics = {}
-            if self.submit(str(folder), step, metrics) and due:
+            if self.submit(str(folder), step, metrics) and self._due.get(step):
                 caught.append(step)
         return caught
 

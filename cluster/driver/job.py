@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cluster.driver.courier import hand_over
-from cluster.driver.eval_scheduler import EvalScheduler, pin_for_evals
+from cluster.driver.eval_scheduler import EvalScheduler
 from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training_cores
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
@@ -28,7 +28,6 @@ from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profil
 from data_pipeline.paths import write_text_atomically
 from pretrain import collector
 from pretrain.checkpoint import run_folder
-from pretrain.checkpoint.run_folder import release_pins
 from pretrain.checkpoint.writes import SaveAttempt
 from pretrain.config.train_config import TrainConfig
 from pretrain.loop import train_worker
@@ -160,7 +159,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     if fault and fault.get("full_disk_after") is not None and rank == fault["rank"]:
         _fill_disk(fault["full_disk_after"])
 
-    if rank == 0:  # pinned before this group's saves prune
+    if rank == 0:  # before this group saves
         _catch_up(scheduler)
     submits: list = []
 
@@ -168,14 +167,11 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
         heartbeat.saved()
         if fault and rank == fault["rank"] and step >= fault["after_step"]:
             _inject(fault, run_dir / ".fault_injected", rank, step)
-        if rank == 0:
-            due = cadence.due(int(step))
-            if due:  # pinned before the next save's prune; the scheduler unpins
-                pin_for_evals(checkpoint_dir, int(step), due)
+        if rank == 0:  # the save pinned it where evals are due; the scheduler unpins
             submits.append(scheduler.submit.remote(str(checkpoint_dir), int(step), _floats(metrics)))
             submits[:] = ray.wait(submits, num_returns=len(submits), timeout=0)[1]
 
-    summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=heartbeat)
+    summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=heartbeat, pin=cadence.pin_reason)
     _await_submits(submits)
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
@@ -273,17 +269,16 @@ def run_job(
         ray.init(address=address or "auto")
     mlflow_run, config = open_tracking(spec)
     run_id = mlflow_run.ref
+    cadence = eval_cadence(spec)
     # One job per run folder: a pin left behind marks evals an earlier job never ended; this job runs them.
-    unended = {step for folder in release_pins(run_dir) if (step := run_folder.parse_step(folder.name)) is not None}
+    pinned = (run_folder.parse_step(folder.name) for folder in run_folder.pinned_checkpoints(run_dir))
+    unended = [step for step in pinned if step is not None and cadence.due(step)]
     if unended:
-        steps = ", ".join(str(step) for step in sorted(unended))
+        steps = ", ".join(map(str, unended))
         print(f"an earlier job of this run ended before the evals of step(s) {steps}: this job runs them", flush=True)
-    complete = (run_folder.parse_step(folder.name) for folder in run_folder.complete_checkpoints(run_dir))
-    settled = tuple(step for step in complete if step not in unended)  # their evals ran, or were let go
 
     # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    cadence = eval_cadence(spec)
     ev = profile.evals
     scheduler = EvalScheduler.options(scheduling_strategy=here).remote(
         cadence,
@@ -294,7 +289,6 @@ def run_job(
         num_gpus=ev.num_gpus,
         memory_gb=ev.memory_gb,
         run_dir=str(run_dir),
-        settled=settled,
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence)

@@ -16,7 +16,7 @@ from typing import Any
 from cluster.driver.ledger import JobClock, current_ledger, eval_spans, finish_ledger
 from cluster.driver.summary import format_resizes, format_summary
 from pretrain.checkpoint import run_folder
-from pretrain.checkpoint.run_folder import prune_checkpoints, release_pins
+from pretrain.checkpoint.run_folder import pinned_checkpoints, prune_checkpoints
 from pretrain.weights.export import checkpoint_step, class_names, save_hf
 from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
@@ -81,9 +81,14 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
         run_id = None
     result_file = run_dir / "train_result.json"
     train_result = json.loads(result_file.read_text()) if result_file.exists() else {}
-    release_pins(run_dir)
     pruned = prune_checkpoints(run_dir, keep_last)
     print(format_summary(end.evals), flush=True)
+    unended = [folder.name for folder in pinned_checkpoints(run_dir)]
+    if unended:  # saved, but the job ended before rank 0 handed them to the eval scheduler
+        print(
+            f"checkpoint(s) {', '.join(unended)} stay pinned: their evals did not run; the run's next job runs them",
+            flush=True,
+        )
     workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
     restarts = count_restarts(workers)
     if restarts:

@@ -5,8 +5,8 @@
       COMPLETE
 
 A save writes ``step_XXXXXXXX.tmp/``, renames it, then marks it ``COMPLETE`` (`publish`); nothing reads a folder
-without the marker. ``PINNED`` keeps it from pruning. Also: `TrainerState`, the world-size history, the `probe`
-precision record (docs/contracts.md, "Checkpoints").
+without the marker. ``PINNED`` keeps it from pruning; a save that evals wait on writes it before the rename. Also:
+`TrainerState`, the world-size history, the `probe` precision record (docs/contracts.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
-PINNED = "PINNED"  # set by training rank 0, cleared by the eval scheduler or task (maybe on another node)
+PINNED = "PINNED"  # written by the save before COMPLETE, cleared by the eval scheduler or task (maybe on another node)
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model.json"  # the ViTConfig
@@ -236,13 +236,10 @@ def is_pinned(folder: str | Path) -> bool:
     return (Path(folder) / PINNED).is_file()
 
 
-def release_pins(run_dir: str | Path) -> list[Path]:
-    """Clear a run's pins (left by a job that died mid-eval); returns the folders."""
+def pinned_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's pinned checkpoints, oldest first: a pin a job left behind marks evals that never ended."""
     root = checkpoints_dir(run_dir)
-    pinned = sorted(p.parent for p in root.glob(f"step_*/{PINNED}")) if root.is_dir() else []
-    for folder in pinned:
-        unpin_checkpoint(folder)
-    return pinned
+    return sorted(p.parent for p in root.glob(f"step_*/{PINNED}")) if root.is_dir() else []
 
 
 WORLD_SIZES = "world_sizes.jsonl"  # one line per (re)start of training

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from cluster.driver.job import PREEMPTION_WATCHER_VAR, FaultInjection, JobSpec, _await_submits, ray_train_env, run_job
-from cluster.driver.record import count_restarts
+from cluster.driver.record import JobEnd, count_restarts, finish_job
 from cluster.driver.summary import format_resizes, format_summary
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
@@ -35,8 +35,8 @@ from pretrain.checkpoint.run_folder import (
     complete_checkpoints,
     is_pinned,
     pin_checkpoint,
+    pinned_checkpoints,
     prune_checkpoints,
-    release_pins,
     resize_events,
     unpin_checkpoint,
 )
@@ -89,6 +89,22 @@ def _fake_checkpoints(run_dir: Path, steps) -> list[Path]:
     return folders
 
 
+def test_the_end_of_a_job_keeps_the_pin_of_a_checkpoint_whose_evals_never_started(tmp_path, mlflow_uri, capsys):
+    """Step 20 was saved (pinned before COMPLETE), then the job ended before rank 0 handed it to the eval scheduler:
+    its pin stays through the end's prune, for the run's next job (`EvalScheduler.catch_up`), and the end says so."""
+    from tracking.runs import create_run
+
+    s10, s20, s30 = _fake_checkpoints(tmp_path, (10, 20, 30))
+    assert pin_checkpoint(s20, "evals fast pending on step 20")
+    run_id = create_run(mlflow_uri, "ended", "local_demo", {}, {})
+    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FAILED", 1.0, {}))
+    assert complete_checkpoints(tmp_path) == [s20, s30] and pinned_checkpoints(tmp_path) == [s20] and not s10.exists()
+    assert (
+        "checkpoint(s) step_00000020 stay pinned: their evals did not run; the run's next job runs them"
+        in capsys.readouterr().out
+    )
+
+
 def test_keep_last_spares_pinned_checkpoints_until_unpinned(tmp_path):
     s10, s20, s30, s40 = _fake_checkpoints(tmp_path, (10, 20, 30, 40))
     assert pin_checkpoint(s10, "evals pending") and pin_checkpoint(s30, "evals pending") and is_pinned(s10)
@@ -97,7 +113,8 @@ def test_keep_last_spares_pinned_checkpoints_until_unpinned(tmp_path):
     unpin_checkpoint(s10)
     unpin_checkpoint(s10)  # idempotent: the eval task and the scheduler may both release it
     assert prune_checkpoints(tmp_path, keep_last=1) == [s10]
-    assert release_pins(tmp_path) == [s30]  # what a dead job left behind
+    assert pinned_checkpoints(tmp_path) == [s30]  # what a dead job left behind: the next job runs its evals
+    unpin_checkpoint(s30)
     assert prune_checkpoints(tmp_path, keep_last=1) == [s30] and complete_checkpoints(tmp_path) == [s40]
     assert not pin_checkpoint(s20, "evals pending")  # already pruned: nothing to keep, nothing recreated
     assert not s20.exists()
@@ -228,24 +245,26 @@ def _check_cadence(ray, run_dir: Path) -> None:
     row = ray.get(rare.drain.remote(10))[10]
     assert row["train"] == {"train/loss": 2.0} and "metrics" not in row and "error" not in row
 
-    # catch_up, at each start of a job's worker group: step 0 was evaluated by an earlier job (settled), step 10's
-    # evals never ended in it (its pin was left behind, so not settled), this job saved step 20 but its group stopped
-    # before submitting it, and step 30 was submitted as usual. Steps 10 and 20 are submitted once, pinned until
-    # their evals end.
-    folders = dict(zip((0, 10, 20, 30), _fake_checkpoints(run_dir.parent / "caught_up", (0, 10, 20, 30))))
-    job = EvalScheduler.remote(
-        cadence, str(run_dir), None, None, task=task, run_dir=str(run_dir.parent / "caught_up"), settled=(0,)
-    )
+    # catch_up, at each start of a job's worker group. A save pins a checkpoint that evals are due on before marking
+    # it COMPLETE (pretrain.checkpointer.save_checkpoint). Step 0 was evaluated by an earlier job (unpinned), step
+    # 10's evals never ended in it (its pin was left behind), this job saved step 20 but its group stopped before
+    # submitting it, and step 30 was submitted as usual. Steps 10 and 20 are submitted once, pinned until their evals
+    # end.
+    caught_up = run_dir.parent / "caught_up"
+    folders = dict(zip((0, 10, 20, 30), _fake_checkpoints(caught_up, (0, 10, 20, 30))))
+    for step in (10, 20, 30):
+        assert pin_checkpoint(folders[step], cadence.pin_reason(step))
+    job = EvalScheduler.remote(cadence, str(run_dir), None, None, task=task, run_dir=str(caught_up))
     assert ray.get(job.submit.remote(str(folders[30]), 30, {}))
     assert ray.get(job.catch_up.remote()) == [10, 20] and ray.get(job.catch_up.remote()) == []
     rows = ray.get(job.drain.remote(60))
     assert sorted(rows) == [10, 20, 30] and rows[20]["suites"] == ["fast", "slow"]
     assert not any(is_pinned(folder) for folder in folders.values())
-    caught_up = str(run_dir.parent / "caught_up")  # where no suite is due (step 20 under "rare"), nothing is caught
-    quiet = EvalScheduler.remote(
-        rare_cadence, str(run_dir), None, None, task=task, run_dir=caught_up, settled=(0, 10, 30)
-    )
-    assert ray.get(quiet.catch_up.remote()) == [] and "metrics" not in ray.get(quiet.drain.remote(10))[20]
+    # where no suite is due now (step 20 under "rare"), nothing is caught and the pin goes
+    assert pin_checkpoint(folders[20], "evals fast+slow pending on step 20") and rare_cadence.pin_reason(20) is None
+    quiet = EvalScheduler.remote(rare_cadence, str(run_dir), None, None, task=task, run_dir=str(caught_up))
+    assert ray.get(quiet.catch_up.remote()) == [] and not is_pinned(folders[20])
+    assert "metrics" not in ray.get(quiet.drain.remote(10))[20]
 
 
 def _worker_output(cluster, pid: int) -> str:

@@ -175,7 +175,9 @@ def test_prune_keeps_the_newest_and_pinned_ones(tmp_path):
     assert rf.pin_checkpoint(f[10], "evals pending")
     assert rf.prune_checkpoints(tmp_path, keep_last=2) == [f[20]]
     assert rf.complete_checkpoints(tmp_path) == [f[10], f[30], f[40]] and f[50].is_dir()  # unmarked: not ours
-    assert rf.release_pins(tmp_path) == [f[10]] and not rf.is_pinned(f[10])
+    assert rf.pinned_checkpoints(tmp_path) == [f[10]]
+    rf.unpin_checkpoint(f[10])
     rf.unpin_checkpoint(f[10])  # idempotent
+    assert rf.pinned_checkpoints(tmp_path) == []
     assert rf.prune_checkpoints(tmp_path, keep_last=2) == [f[10]]
     assert not rf.pin_checkpoint(f[20], "evals pending") and not f[20].exists()  # pruned: nothing recreated

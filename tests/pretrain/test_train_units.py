@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pretrain import checkpointer as ckpt
 from pretrain import randomness
+from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import BATCH_DIGESTS_DIR, COMPLETE, SAMPLE_KEYS_DIR, IncompleteCheckpointError
 from pretrain.checkpoint.safe_load import load_weights_only
 from pretrain.config.optim import LRSchedule, build_optimizer, duration_to_steps, no_decay_names
@@ -468,6 +469,8 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
     # MLflow run (Tracker.sync before the save). The process dies the moment the checkpoint is COMPLETE (os._exit: no
     # exit handlers, no last flush), like a worker lost with its node; the group would resume from step 3 and never
     # train steps 1-3 again, so the run must already hold them. (A CI run once lost step 20 of the elastic demo so.)
+    # Step 3's pin for its evals was written with the checkpoint, so it outlives the process too: the next job's
+    # eval scheduler finds it (cluster.driver.eval_scheduler.EvalScheduler.catch_up).
     from mlflow import MlflowClient
 
     from tracking.runs import create_run
@@ -498,7 +501,8 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
     code = (
         "import os, sys\nfrom pretrain.config.train_config import load_config\n"
         "from pretrain.loop import train_worker\n"
-        "train_worker(load_config(sys.argv[1]), on_checkpoint=lambda folder, step, m: step == 3 and os._exit(17))"
+        "train_worker(load_config(sys.argv[1]), on_checkpoint=lambda folder, step, m: step == 3 and os._exit(17),\n"
+        "             pin=lambda step: f'evals fast pending on step {step}' if step == 3 else None)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "recipe.yaml")],
@@ -511,6 +515,10 @@ def test_a_worker_lost_right_after_a_checkpoint_has_sent_the_metrics_of_its_step
     client = MlflowClient(tracking_uri=uri)
     assert [m.step for m in client.get_metric_history(run_id, keys.WORLD_SIZE_METRIC)] == [1, 2, 3]
     assert [m.step for m in client.get_metric_history(run_id, keys.LOSS)] == [1, 2, 3]
+    step3 = run_folder.checkpoint_dir(tmp_path / "run", 3)
+    assert run_folder.pinned_checkpoints(tmp_path / "run") == [step3] and run_folder.is_complete(step3)
+    assert (step3 / run_folder.PINNED).read_text() == "evals fast pending on step 3\n"
+    assert checksums.verify(step3).status == "verified"  # the pin is not among the recorded files
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,11 @@ class EvalCadence:
             s for s, every in self.suites if step == self.last_step or step % (every * self.checkpoint_every) == 0
         )
 
+    def pin_reason(self, step: int) -> str | None:
+        """What a checkpoint's ``PINNED`` says while its evals wait; None where no suite is `due`."""
+        due = self.due(step)
+        return f"evals {'+'.join(due)} pending on step {step}" if due else None
+
     def evaluations(self, every: int, baseline: bool) -> int:
         """Checkpoints a suite evaluates: the baseline when saved, each multiple of its period, the last step."""
         if self.last_step is None:
