@@ -293,15 +293,42 @@ def await_job_run(
     return run.run_id
 
 
-def _answers_for(tracking_uri: str | None, run_id: str, deadline: float) -> bool:
-    """Whether MLflow answers for ``run_id`` before ``deadline`` (monotonic), asked every `DOWN_POLL_S`."""
-    from mlflow import MlflowClient  # heavy
+class RunGoneError(ValueError):
+    """MLflow answers, but the run a run folder records is deleted, or gone for good."""
 
+
+def missing_run(tracking_uri: str | None, run_id: str) -> str | None:
+    """Why MLflow has no active run ``run_id``; "" when it has one; None when it does not answer."""
+    from mlflow import MlflowClient  # heavy
+    from mlflow.exceptions import MlflowException
+
+    if unanswered(tracking_uri):  # MLflow's own retries would take minutes
+        return None
+    try:
+        run = MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            return None
+        return f"MLflow at {tracking_uri} has no run {run_id}: it was deleted for good (`mlflow gc`)"
+    except Exception:  # noqa: BLE001 — down, slow or failing: not an answer
+        return None
+    if run.info.lifecycle_stage == "deleted":
+        return (
+            f"MLflow run {run_id} is deleted (`MLFLOW_TRACKING_URI={tracking_uri} mlflow runs restore --run-id "
+            f"{run_id}` brings it back)"
+        )
+    return ""
+
+
+def _answers_for(tracking_uri: str | None, run_id: str, deadline: float) -> bool:
+    """Whether MLflow answers for ``run_id`` before ``deadline`` (monotonic), asked every `DOWN_POLL_S`;
+    `RunGoneError` when it answers that the run is deleted or gone."""
     while True:
-        if not unanswered(tracking_uri):
-            with contextlib.suppress(Exception):  # down, slow or failing: asked again
-                MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
-                return True
+        why = missing_run(tracking_uri, run_id)
+        if why:
+            raise RunGoneError(why)
+        if why is not None:
+            return True
         if time.monotonic() + DOWN_POLL_S > deadline:
             return False
         time.sleep(DOWN_POLL_S)
@@ -310,9 +337,13 @@ def _answers_for(tracking_uri: str | None, run_id: str, deadline: float) -> bool
 def _recorded(run_dir: Path, tracking_uri: str | None, plan: Mapping[str, Any]) -> str | None:
     """The recorded run a relaunch continues, else None once ``plan.json`` is written."""
     run_id = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
-    if run_id is not None:
+    why = None if run_id is None else missing_run(tracking_uri, run_id)
+    if run_id is not None and not why:
         print(f"continuing MLflow run {run_id} recorded in {run_dir / RUN_RECORD}")
         return run_id
+    if why:  # the steps it holds stay there; this job's go to a new run
+        print(f"warning: {why}; this job logs to a new MLflow run, which {run_dir / RUN_RECORD} now names", flush=True)
+        (run_dir / RUN_RECORD).unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
     return None

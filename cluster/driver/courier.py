@@ -15,7 +15,7 @@ from typing import Any
 
 from cluster.driver.record import send_the_rest
 from data_pipeline.paths import write_text_atomically
-from tracking.runs import RUN_RECORD, await_job_run, finish_run
+from tracking.runs import RUN_RECORD, RunGoneError, await_job_run, finish_run
 from tracking.store import COURIER_FILE, DELIVER_COMMAND, read_run_record, spool_dir
 from tracking.tracker import Tracker
 
@@ -32,11 +32,16 @@ def deliver(
     status: str,
     deadline_s: float = COURIER_DEADLINE_S,
 ) -> str | None:
-    """The run's id once everything is sent; None when MLflow did not answer within ``deadline_s``. ``run``: the
-    creation's ``experiment``, ``config`` and ``tags``, as the job's start had them."""
-    run_id = await_job_run(run_dir, uri, run["experiment"], run["config"], run["tags"], deadline_s)
+    """The run's id once everything is sent; None when MLflow did not answer within ``deadline_s``, or answered that
+    the run is deleted (the records and the work stay, for `cluster.driver.deliver`). ``run``: the creation's
+    ``experiment``, ``config`` and ``tags``, as the job's start had them."""
+    spool = spool_dir(run_dir / RUN_RECORD)
+    try:
+        run_id = await_job_run(run_dir, uri, run["experiment"], run["config"], run["tags"], deadline_s)
+    except RunGoneError as error:
+        print(f"courier: {error}; the records stay in {spool}", flush=True)
+        return None
     if run_id is None:
-        spool = spool_dir(run_dir / RUN_RECORD)
         print(f"courier: MLflow at {uri} did not answer in {deadline_s:g} s; the records stay in {spool}", flush=True)
         return None
     tracker = Tracker(uri, run_id, rank=0)

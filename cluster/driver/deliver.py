@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.courier import deliver
-from tracking.runs import RUN_RECORD, send_spooled
+from tracking.runs import RUN_RECORD, missing_run, send_spooled
 from tracking.store import COURIER_FILE, DELIVER_COMMAND, recorded_run_id, spool_dir
 
 
@@ -47,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if state.exists():
                 work = _read(state)
-            elif spooled and (run_id := recorded_run_id(record, _read(spooled[0]).get("tracking_uri"))) is None:
+            elif spooled and (run_id := recorded_run_id(record, uri := _read(spooled[0]).get("tracking_uri"))) is None:
                 problem = (
                     f"{run_dir} holds {len(spooled)} spool file(s) but its job never reached its end (no "
                     f"{COURIER_FILE}), so no run exists for them; launch the same run folder again: its end sends them"
                 )
+            elif spooled and run_id and (why := missing_run(uri, run_id)):
+                problem = f"{why}; its {len(spooled)} spool file(s) stay in {spool_dir(record)}"
         except ValueError as error:
             problem = f"{error}; the job wrote it: delete it only to give up what it holds"
     if problem:

@@ -262,3 +262,59 @@ def test_the_courier_command_sends_what_no_courier_did(tmp_path, mlflow_uri, cap
     (run_dir / COURIER_FILE).write_text("{truncated")  # a damaged work file: a clear error, and it stays
     assert deliver_main([str(run_dir)]) == 2 and (run_dir / COURIER_FILE).read_text() == "{truncated"
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_a_run_deleted_in_mlflow_is_named_at_once_and_its_records_kept(tmp_path, mlflow_uri, capsys):
+    """The run a run folder records was deleted in MLflow. The courier's work and the courier command stop at once,
+    naming the run and how to restore it, and keep the work and the spool (before: a run deleted for good held a
+    courier for its 24 h, and a deleted one got the records to drop them); once it is restored, everything is sent.
+    A relaunch of the run folder logs to a new run and says so."""
+    client = mlflow.tracking.MlflowClient(mlflow_uri)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = run_dir / RUN_RECORD
+    record.write_text(json.dumps({"run_id": None, "tracking_uri": mlflow_uri, "refused": "401"}))
+    tracker = Tracker(mlflow_uri, pending_run_ref(record), rank=0)  # a spool file, as a job's rank leaves it
+    for step in range(1, 4):
+        tracker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+    tracker.close()
+    run_id = runs.create_run(mlflow_uri, "deleted", "run")
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_uri}))
+    client.delete_run(run_id)
+
+    started = time.monotonic()
+    assert deliver_main([str(run_dir), "--wait", "60"]) == 2  # the spool alone
+    assert f"mlflow runs restore --run-id {run_id}` brings it back); its 1 spool file(s) stay" in (
+        capsys.readouterr().err
+    )
+    work = {
+        "tracking_uri": mlflow_uri,
+        "run": {"experiment": "deleted", "config": {}, "tags": {}},
+        "status": "FINISHED",
+    }
+    (run_dir / COURIER_FILE).write_text(json.dumps({**work, "evals": {"20": {"metrics": {"fewshot/mean/5shot": 0.5}}}}))
+    assert deliver_main([str(run_dir), "--wait", "60"]) == 1  # the courier's work
+    assert f"courier: MLflow run {run_id} is deleted" in capsys.readouterr().out
+    assert time.monotonic() - started < 30 and (run_dir / COURIER_FILE).exists()
+    assert len(list(spool_dir(record).glob("*.json"))) == 1
+
+    client.restore_run(run_id)
+    assert deliver_main([str(run_dir), "--wait", "60"]) == 0
+    assert [m.step for m in client.get_metric_history(run_id, keys.LOSS)] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run_id, "fewshot/mean/5shot")] == [20]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+    gone = "0" * 32  # deleted for good (`mlflow gc`)
+    record.write_text(json.dumps({"run_id": gone, "tracking_uri": mlflow_uri}))
+    (run_dir / COURIER_FILE).write_text(json.dumps({**work, "evals": {}}))
+    started = time.monotonic()
+    assert deliver(run_dir, mlflow_uri, work["run"], {}, "FINISHED", deadline_s=600) is None
+    assert time.monotonic() - started < 30
+    assert f"has no run {gone}: it was deleted for good" in capsys.readouterr().out
+    relaunch = runs.start_job_run(run_dir, mlflow_uri, "deleted", {}, {}, {}, wait_s=60)
+    relaunch.stop()
+    assert relaunch.run_id not in (None, gone) and runs.recorded_run_id(record, mlflow_uri) == relaunch.run_id
+    assert (
+        f"warning: MLflow at {mlflow_uri} has no run {gone}: it was deleted for good (`mlflow gc`); this job logs"
+        in (capsys.readouterr().out)
+    )
