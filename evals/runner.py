@@ -26,7 +26,8 @@ from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import load_model as load
 from pretrain.weights.formats import resize_model
-from tracking.store import PENDING_RUN, default_tracking_uri, sqlite_path
+from tracking.runs import RUN_RECORD
+from tracking.store import PENDING_RUN, default_tracking_uri, recorded_run_id, sqlite_path
 from tracking.tracker import Tracker
 
 ACCEPTED = (
@@ -202,7 +203,7 @@ def run_suite(
     log(format_table(table))
     log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
     if mlflow_run_id:
-        _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log)
+        _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log, path)
     return table
 
 
@@ -227,8 +228,11 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
     return rows, artifacts
 
 
-def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log):
-    tracker = Tracker(tracking_uri or default_tracking_uri(), run_id, rank=0)
+def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log, path):
+    """What MLflow does not take waits in the spool of the checkpoint's run folder, where its record names the run."""
+    uri = tracking_uri or default_tracking_uri()
+    record = Path(path).parent.parent / RUN_RECORD
+    tracker = Tracker(uri, run_id, rank=0, record=record if recorded_run_id(record, uri) == run_id else None)
     try:
         tracker.log_metrics(metrics, step=step)
         for artifact in [table_path, *artifacts]:

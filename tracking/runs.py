@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -126,6 +127,7 @@ def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int
             break
         sent += count
         path.unlink()
+        shutil.rmtree(path.with_suffix(".files"), ignore_errors=True)  # `spool_copies`
     if not left:
         with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
             folder.rmdir()

@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import ssl
 import urllib.parse
 from pathlib import Path
@@ -75,6 +76,23 @@ def recorded_run_id(record: Path | str, tracking_uri: str | None) -> str | None:
 def spool_dir(record: Path | str) -> Path:
     """Where the Trackers of the run ``record`` will name leave what they hold when they close before it exists."""
     return Path(record).parent / SPOOL_DIR
+
+
+def spool_copies(spool_file: Path, artifacts: list[list[Any]]) -> list[list[Any]]:
+    """``[[local_path, artifact_path]]`` with each file or folder copied beside ``spool_file`` (its ``.files``): the
+    original may be gone when the spool is sent, e.g. an eval table in a checkpoint that keep_last pruned. One that
+    cannot be copied keeps its path."""
+    copies = []
+    for n, (local, artifact_path) in enumerate(artifacts):
+        target = spool_file.with_suffix(".files") / str(n) / Path(local).name
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if Path(local).is_dir() else shutil.copy2)(local, target)
+            local = str(target)
+        except OSError:
+            pass
+        copies.append([local, artifact_path])
+    return copies
 
 
 def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:

@@ -25,6 +25,7 @@ from tracking.store import (
     default_tracking_uri,
     read_run_record,
     recorded_run_id,
+    spool_copies,
     spool_dir,
     unanswered,
 )
@@ -327,6 +328,7 @@ class Tracker:
         folder = spool_dir(self._record)
         path = folder / f"{time.time_ns():020d}-{os.getpid()}-{id(self):x}.json"
         try:
+            payload["artifacts"] = spool_copies(path, payload["artifacts"])
             for last in (False, True):
                 folder.mkdir(parents=True, exist_ok=True)
                 try:

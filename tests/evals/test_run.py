@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -111,25 +112,43 @@ def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path,
 def test_an_eval_whose_tracking_server_is_down_ends_in_seconds(data_root, checkpoint, tmp_path, monkeypatch):
     """An eval task ends with a flush of its metrics. With the server down (here from the task's start, as at a job's
     end) and MLflow's default 7 retries, that flush waited out ~4 minutes of retries per call, which held the job's
-    end (`EvalScheduler.drain`). It now asks the server first, and the table is still written."""
+    end (`EvalScheduler.drain`). It now asks the server first, and the table is still written. What MLflow did not
+    take waits in the run folder's spool, the table copied there (keep_last may prune the checkpoint before the
+    spool is sent); it used to be dropped."""
     from cluster.local_head import free_port
+    from tracking.runs import RUN_RECORD
+    from tracking.store import spool_dir
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.setattr("tracking.tracker._FAILING_SINCE", {})  # a fresh process: no send has failed yet
+    monkeypatch.setattr("tracking.tracker.UNANSWERED_CLOSE_S", 2.0)
+    uri, run_id = f"http://127.0.0.1:{free_port()}", "0" * 32
+    record = checkpoint.parent.parent / RUN_RECORD
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
     lines: list[str] = []
     started = time.monotonic()
-    table = run_suite(
-        checkpoint,
-        write_suite(tmp_path, "tiny_fewshot", FEWSHOT),
-        data_root=data_root,
-        mlflow_run_id="0" * 32,
-        tracking_uri=f"http://127.0.0.1:{free_port()}",
-        num_threads=2,
-        log=lines.append,
-    )
-    assert time.monotonic() - started < 60
-    assert table.num_rows and (checkpoint / "evals" / "tiny_fewshot.parquet").exists()
-    assert any("did not take all metrics yet (tracking server down?)" in line for line in lines), lines
+    try:
+        table = run_suite(
+            checkpoint,
+            write_suite(tmp_path, "tiny_fewshot", FEWSHOT),
+            data_root=data_root,
+            mlflow_run_id=run_id,
+            tracking_uri=uri,
+            num_threads=2,
+            log=lines.append,
+        )
+        assert time.monotonic() - started < 60
+        assert table.num_rows and (checkpoint / "evals" / "tiny_fewshot.parquet").exists()
+        assert any("did not take all metrics yet (tracking server down?)" in line for line in lines), lines
+        [spooled] = spool_dir(record).glob("*.json")
+        payload = json.loads(spooled.read_text())
+        assert payload["ref"] == run_id and {m[0] for m in payload["metrics"]} >= {"fewshot/digits/5shot"}
+        [[copy, where]] = payload["artifacts"]
+        assert where == "evals/step_00000120" and Path(copy).parent.parent == spooled.with_suffix(".files")
+        assert Path(copy).read_bytes() == (checkpoint / "evals" / "tiny_fewshot.parquet").read_bytes()
+    finally:
+        record.unlink()
+        shutil.rmtree(spool_dir(record), ignore_errors=True)
 
 
 def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, checkpoint, tmp_path):

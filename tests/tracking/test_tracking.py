@@ -2,6 +2,7 @@
 
 import json
 import logging
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -317,12 +318,17 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
     for step in range(1, 8):
         first.log_metrics({keys.LOSS: 3.0}, step=step)
     first.log_metrics({"fewshot/mean/5shot": 0.5}, step=4)
+    table = tmp_path / "run" / "checkpoints" / "step_00000004" / "evals" / "fewshot.parquet"
+    table.parent.mkdir(parents=True)
+    table.write_bytes(b"the eval table")
+    first.log_artifact(table, "evals/step_00000004")
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
         first.close()
     assert time.monotonic() - started < PENDING_CLOSE_S + 2 and first.pending == 0
     [spooled] = spool_dir(record).glob("*.json")
-    assert f"has not answered; the run's 10 items from this process wait in {spooled}" in caplog.text
+    assert f"has not answered; the run's 11 items from this process wait in {spooled}" in caplog.text
+    shutil.rmtree(table.parent.parent)  # keep_last pruned the checkpoint: the spool holds its own copy
 
     run_id = create_run(uri, "spool", "s", {}, {})
     record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
@@ -332,13 +338,16 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
         second.log_metrics({keys.LOSS: 2.0}, step=step)
     assert second.flush()
     second.close()
-    assert send_spooled(record) == (10, 0) and not spooled.exists()
-    assert not spool_dir(record).exists()  # no empty folder left in the run folder
+    assert send_spooled(record) == (11, 0) and not spooled.exists()
+    assert not spool_dir(record).exists()  # no empty folder, nor the copy, left in the run folder
     client = _client(uri)
     history = sorted(client.get_metric_history(run_id, keys.LOSS), key=lambda m: m.step)
     assert [(m.step, m.value) for m in history] == [(s, 3.0) for s in range(1, 5)] + [(s, 2.0) for s in range(5, 11)]
     assert history[3].timestamp <= history[4].timestamp  # the spooled values keep the time they were logged
     assert [m.step for m in client.get_metric_history(run_id, "fewshot/mean/5shot")] == [4]
+    assert [a.path for a in client.list_artifacts(run_id, "evals/step_00000004")] == [
+        "evals/step_00000004/fewshot.parquet"
+    ]
     assert client.get_run(run_id).data.params == {"model.name": "vit", keys.RUN_ID_PARAM: run_id}
     assert send_spooled(record) == (0, 0)
 
