@@ -13,7 +13,8 @@ from cluster.plan.memory import GB
 from cluster.plan.storage import read_manifest
 from cluster.profiles import ClusterProfile
 from data_pipeline.builtin import sets as builtin
-from data_pipeline.paths import resolve_location
+from data_pipeline.manifest import DatasetInfo
+from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.stream.loader_rate import LoaderRate, cache_bytes, loader_rate
 from data_pipeline.stream.step_pool import decoded_bytes
 from pretrain.config.ds_config import BatchPlan
@@ -91,7 +92,13 @@ def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderR
         rate = profile.hardware.loader_img_s_per_core
         return LoaderRate(rate, f"declared: profile {profile.name} hardware.loader_img_s_per_core")
     side = builtin.config(d.builtin, **d.builtin_options).resolution if d.builtin else None
-    return loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, synthetic_side=side)
+    source: str | DatasetInfo | None = resolve_location(d.train)
+    if is_remote(source):  # the plan's one read, bounded and quiet: an unreachable store's client retries for minutes
+        try:
+            source = read_manifest(str(source))
+        except Exception:  # the plan's data line says why
+            source = None
+    return loader_rate(source, d.image_size, d.augment, d.cache_mb, synthetic_side=side)
 
 
 def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, images_per_s: float) -> DataWait:

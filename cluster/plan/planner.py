@@ -157,7 +157,20 @@ def resolve_with_notes(
     if profile.workers.elastic:
         elastic_world_sizes(profile, config)
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
-    return config, _recipe_over_profile(profile, written, sets, config_from_recipe(path, written, sets))
+    notes = _recipe_over_profile(profile, written, sets, config_from_recipe(path, written, sets))
+    return config, notes + _remote_builtin(config)
+
+
+def _remote_builtin(config: TrainConfig) -> list[str]:
+    """The line for a built-in training set in object storage, which nothing generates."""
+    d = config.data
+    if not d.builtin or not is_remote(d.train):
+        return []
+    sets = "".join(f" --set {key}={value}" for key, value in d.builtin_options.items())
+    return [
+        f"data.builtin={d.builtin} is generated only for a local data.train; {d.train} must hold it already "
+        f"(`python -m data_pipeline.builtin {d.builtin} --out DIR{sets}`, then copy DIR/{d.builtin}/train there)"
+    ]
 
 
 def reduction_overrides(profile: ClusterProfile, config: TrainConfig, given: set[str]) -> list[str]:

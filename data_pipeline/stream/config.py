@@ -10,7 +10,7 @@ from typing import Any, Literal
 from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, ensure, option_minimum
 from data_pipeline.cli import at_least, positive
 from data_pipeline.manifest import is_shard_folder
-from data_pipeline.paths import resolve_path
+from data_pipeline.paths import is_remote, resolve_path
 from data_pipeline.stream.augment import AugmentConfig
 
 START_METHODS = ("fork", "forkserver", "spawn")
@@ -68,8 +68,9 @@ class DataConfig:
         return resolve_path(self.train).parent.parent
 
     def ensure_builtin(self) -> None:
-        """Write the built-in training set at ``train`` unless there; before training, never by a rank."""
-        if self.builtin is not None and not is_shard_folder(Path(self.train)):
+        """Write the built-in training set at a local ``train`` unless there (object storage is read as it is); before
+        training, never by a rank."""
+        if self.builtin is not None and not is_remote(self.train) and not is_shard_folder(Path(self.train)):
             ensure(self.builtin, self.builtin_root, **self.builtin_options)
 
     def check(self) -> None:

@@ -65,13 +65,13 @@ def cache_bytes(info: DatasetInfo, image_size: int, cache_mb: float) -> int:
 
 
 def loader_rate(
-    location: str | Path | None,
+    location: str | Path | DatasetInfo | None,
     image_size: int,
     augment: AugmentConfig | None,
     cache_mb: float = 0.0,
     synthetic_side: int | None = None,
 ) -> LoaderRate:
-    """Images/s one core loads for a run reading ``location`` (None or unreadable: synthetic JPEGs)."""
+    """Images/s one core loads for a run reading ``location`` or its manifest (None or unreadable: synthetic JPEGs)."""
     try:
         info = dataset_info(location) if location is not None else None
     except Exception:  # absent, unreachable or damaged

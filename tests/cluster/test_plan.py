@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -470,6 +471,38 @@ def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys
     local_config = resolve_config(local, "local_demo", [], "r")
     local_spec = JobSpec.create(local, local_config, build_plan(local, local_config))
     assert "pip" not in launch.runtime_env(local, local_spec)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_the_demo_on_object_storage_plans_within_the_manifest_wait_and_generates_nothing(
+    tmp_path, capsys, monkeypatch, scheme
+):
+    """`make launch` of the demo with data.train in a bucket that does not answer, on `local` and on a cloud profile.
+    The loader-rate measurement read the manifest itself, past the plan's bounded wait: 65 s and a gcsfs traceback
+    for gs:// without network. The built-in set (data.builtin) was then to be generated at a mangled local path
+    (`<project>/gs:/rcdb`), here by the launch and on a cloud profile by the job's driver; now the plan says the
+    bucket must hold it."""
+    from cluster.local_head import free_port
+    from cluster.plan import storage
+    from data_pipeline.paths import PROJECT_ROOT
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    for name, value in [("AWS_ENDPOINT_URL", closed), ("STORAGE_EMULATOR_HOST", closed), ("NO_GCE_CHECK", "true")]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setattr(storage, "MANIFEST_WAIT_S", 3.0)
+    train = f"{scheme}://bucket-{tmp_path.name}/rcdb/train"  # a location of its own: reads are cached per process
+    started = time.monotonic()
+    assert launch.main(["--dry-run", "--set", f"data.train={train}"]) == 0
+    assert time.monotonic() - started < 30
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "absent: the launch generates" not in out
+    assert f"note: data.builtin=rcdb is generated only for a local data.train; {train} must hold it already" in out
+    cloud = resolve_config(load_profile("a100x8"), "local_demo", [], "r")
+    cloud.data.ensure_builtin()  # what the job's driver calls: nothing to generate for a bucket
+    assert not (PROJECT_ROOT / f"{scheme}:").exists() and not (Path.cwd() / f"{scheme}:").exists()
 
 
 @pytest.mark.timeout(60)
