@@ -1,11 +1,14 @@
-"""The project root (relative paths start there, for a Ray job and a shell alike), the remote-URL rule, the user's
-cache folder and whole-file replacement.
+"""The project root (relative paths start there, for a Ray job and a shell alike), the remote-URL rule and its
+clients' quiet, the user's cache folder and whole-file replacement.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -17,6 +20,44 @@ def is_remote(url: str | Path) -> bool:
     """``s3://``, ``gs://``, ``https://`` … are remote; ``file://`` and plain paths are local."""
     url = str(url)
     return "://" in url and not url.startswith("file://")
+
+
+STORE_LOGGERS = ("gcsfs", "s3fs", "botocore", "aiobotocore")  # they log each retry, with a traceback
+
+
+class _QuietStores:
+    """The store clients' loggers at CRITICAL while any remote read runs: its caller's one error says what failed."""
+
+    def __init__(self) -> None:
+        self.reads, self.lock = 0, threading.Lock()
+        self.levels: dict[str, int] = {}
+
+    def enter(self) -> None:
+        with self.lock:
+            self.reads += 1
+            if self.reads == 1:
+                self.levels = {name: logging.getLogger(name).level for name in STORE_LOGGERS}
+                for name in STORE_LOGGERS:
+                    logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.reads -= 1
+            if self.reads == 0:
+                for name, level in self.levels.items():
+                    logging.getLogger(name).setLevel(level)
+
+
+QUIET_STORES = _QuietStores()
+
+
+@contextlib.contextmanager
+def quiet_stores() -> Iterator[None]:
+    QUIET_STORES.enter()
+    try:
+        yield
+    finally:
+        QUIET_STORES.leave()
 
 
 def cache_dir() -> Path:

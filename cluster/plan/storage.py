@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from data_pipeline.manifest import DatasetInfo, read_dataset_info
-from data_pipeline.paths import is_remote
+from data_pipeline.paths import QUIET_STORES, is_remote
 from pretrain.config.train_config import TrainConfig
 
 
@@ -64,7 +63,6 @@ def missing_storage(urls: list[str]) -> list[str]:
 
 # An unreachable store's client retries for minutes.
 MANIFEST_WAIT_S = 30.0
-STORE_LOGGERS = ("gcsfs", "s3fs", "botocore", "aiobotocore")
 
 
 def read_manifest(location: str) -> DatasetInfo:
@@ -86,32 +84,6 @@ def read_manifest(location: str) -> DatasetInfo:
 _REMOTE_READS: dict[str, tuple[threading.Thread, float, list]] = {}  # location -> (reader, deadline, [outcome])
 
 
-class _QuietStores:
-    """The store loggers at CRITICAL while any remote read runs."""
-
-    def __init__(self) -> None:
-        self.reads, self.lock = 0, threading.Lock()
-        self.levels: dict[str, int] = {}
-
-    def enter(self) -> None:
-        with self.lock:
-            self.reads += 1
-            if self.reads == 1:
-                self.levels = {name: logging.getLogger(name).level for name in STORE_LOGGERS}
-                for name in STORE_LOGGERS:
-                    logging.getLogger(name).setLevel(logging.CRITICAL)
-
-    def leave(self) -> None:
-        with self.lock:
-            self.reads -= 1
-            if self.reads == 0:
-                for name, level in self.levels.items():
-                    logging.getLogger(name).setLevel(level)
-
-
-_QUIET = _QuietStores()
-
-
 def _start_read(location: str) -> tuple[threading.Thread, float, list]:
     outcome: list = []
 
@@ -121,9 +93,9 @@ def _start_read(location: str) -> tuple[threading.Thread, float, list]:
         except Exception as error:  # noqa: BLE001 — raised in the caller's thread
             outcome.append(error)
         finally:
-            _QUIET.leave()
+            QUIET_STORES.leave()
 
-    _QUIET.enter()
+    QUIET_STORES.enter()
     reader = threading.Thread(target=read, name="plan-manifest-read", daemon=True)
     reader.start()
     return reader, time.monotonic() + MANIFEST_WAIT_S, outcome

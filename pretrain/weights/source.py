@@ -15,7 +15,7 @@ from pathlib import Path
 
 import fsspec
 
-from data_pipeline.paths import cache_dir, is_remote
+from data_pipeline.paths import cache_dir, is_remote, quiet_stores
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import CHECKPOINTS, COMPLETE, CONFIG_FILE, WEIGHTS_FILE
 
@@ -69,11 +69,12 @@ def fetch(url: str) -> Path:
     for nothing there or no COMPLETE checkpoint; OSError for the storage's refusals (credentials, network);
     ImportError without its filesystem (the `s3` / `gs` extras)."""
     try:
-        return _fetch(url)
-    except (OSError, ImportError):  # FileNotFoundError included
+        with quiet_stores():
+            return _fetch(url)
+    except (FileNotFoundError, ImportError):
         raise
-    except Exception as error:  # e.g. botocore's NoCredentialsError
-        raise OSError(f"{url}: {type(error).__name__}: {error}") from error
+    except Exception as error:  # e.g. botocore's NoCredentialsError, gcsfs's "Forbidden" on two lines
+        raise OSError(f"{url}: {type(error).__name__}: {' '.join(str(error).split())}") from error
 
 
 def _fetch(url: str) -> Path:
@@ -81,12 +82,16 @@ def _fetch(url: str) -> Path:
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     root = root.rstrip("/")
     protocol = url.split("://", 1)[0]
-    if fs.isfile(root):
+    try:  # not isfile/isdir: they answer False for a store that cannot be reached
+        info = fs.info(root)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{url}: nothing there; pass a checkpoint, run or weights folder, or an .npz file"
+        ) from None
+    if info["type"] == "file":
         if Path(root).name not in FOLDER_FILES:
-            return _copy(fs, protocol, Path(root).parent.as_posix(), [fs.info(root)]) / Path(root).name
+            return _copy(fs, protocol, Path(root).parent.as_posix(), [info]) / Path(root).name
         root = Path(root).parent.as_posix()
-    if not fs.isdir(root):
-        raise FileNotFoundError(f"{url}: nothing there; pass a checkpoint, run or weights folder, or an .npz file")
     entries = fs.ls(root, detail=True)
     names = {Path(e["name"]).name for e in entries}
     if COMPLETE not in names and (Path(root).name == CHECKPOINTS or CHECKPOINTS in names):
