@@ -83,6 +83,16 @@ def _fs_and_path(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path.rstrip("/")
 
 
+def _exists(fs: fsspec.AbstractFileSystem, path: str, kind: str | None = None) -> bool:
+    """``fs.exists`` (of a ``kind``: "file", "directory") that raises where the store refuses or cannot be reached:
+    fsspec's own exists/isfile/isdir answer False there, which would read as "no such folder"."""
+    try:
+        info = fs.info(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return kind is None or info["type"] == kind
+
+
 def _read_parquet(fs: fsspec.AbstractFileSystem, file: str) -> list[dict[str, Any]]:
     """On the calling thread: an Arrow pool thread holding a Python file's bytes can abort the process at exit
     (docs/reference.md §7, "Ending a process")."""
@@ -98,7 +108,7 @@ def join_url(root: str | Path, name: str) -> str:
 def is_shard_folder(shard_dir: str | Path) -> bool:
     """Whether ``shard_dir`` has a ``manifest.parquet`` (complete or being finished)."""
     fs, path = _fs_and_path(shard_dir)
-    return bool(fs.isfile(posixpath.join(path, MANIFEST_FILE)))
+    return _exists(fs, posixpath.join(path, MANIFEST_FILE), "file")
 
 
 def _incomplete(root: str, missing: str) -> ShardFormatError:
@@ -120,7 +130,7 @@ def read_dataset_json(shard_dir: str | Path) -> dict[str, Any] | None:
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
     file = posixpath.join(path, DATASET_FILE)
-    if not fs.exists(file):
+    if not _exists(fs, file):
         return None
     try:
         with fs.open(file, "r") as f:
@@ -139,13 +149,13 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     """A split folder's metadata; ShardFormatError names a missing or inconsistent file."""
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
-    if not fs.isdir(path):
+    if not _exists(fs, path, "directory"):
         raise ShardFormatError(
             f"{root} is not a shard folder (it does not exist); write one with "
             "`python -m data_pipeline.write --source ... --out DIR` or `python -m data_pipeline.builtin NAME --out DIR`"
         )
     for required in (DATASET_FILE, MANIFEST_FILE):
-        if not fs.exists(posixpath.join(path, required)):
+        if not _exists(fs, posixpath.join(path, required)):
             raise _incomplete(root, required)
     meta = read_dataset_json(root)
     if meta is None:

@@ -350,3 +350,45 @@ def gcs_endpoint(tmp_path, monkeypatch):
         assert fsspec.filesystem("gs").__class__ is gcsfs.core.GCSFileSystem
         yield url
         gcsfs.core.GCSFileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def refusing_store(monkeypatch):
+    """An HTTP server answering 403 to every request, as S3 and GCS do to wrong credentials, and the environment
+    that points both clients at it (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``); no cached client of another
+    endpoint is reused. Yields its URL; stopped at the end."""
+    import http.server
+    import threading
+
+    import gcsfs.core
+    import s3fs
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def refuse(self) -> None:
+            body = b'{"error": {"code": 403, "message": "denied"}}'
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_HEAD = do_POST = refuse
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    for name, value in [("AWS_ENDPOINT_URL", url), ("STORAGE_EMULATOR_HOST", url), ("NO_GCE_CHECK", "true")]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    for cls in (gcsfs.core.GCSFileSystem, s3fs.S3FileSystem):
+        cls.clear_instance_cache()
+    try:
+        yield url
+    finally:
+        server.shutdown()
+        for cls in (gcsfs.core.GCSFileSystem, s3fs.S3FileSystem):
+            cls.clear_instance_cache()

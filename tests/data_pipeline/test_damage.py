@@ -164,3 +164,16 @@ def test_shards_without_one_decodable_image_fail_loudly_instead_of_spinning(tmp_
     root = make_shards(tmp_path / "bad", sizes=[4], member=lambda key, i, s: {**s, "jpg": b"garbage"})
     with pytest.raises(ShardFormatError, match="no usable sample"):
         next(iter(TrainStream(DataConfig.for_stream(root, micro_batch_size=2, image_size=16))))
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_shards_in_a_store_that_refuses_are_said_to_be_refused_not_absent(refusing_store, scheme):
+    """fsspec's exists/isdir answer False for a store that refuses (wrong credentials on a cluster's workers), so a
+    bucket's shard folder read as "does not exist; write one"; the store's own error now comes through."""
+    from data_pipeline.manifest import is_shard_folder
+
+    url = f"{scheme}://vitscale-denied/rcdb/train"
+    with pytest.raises(OSError, match="Forbidden"):
+        read_dataset_info(url)
+    with pytest.raises(OSError, match="Forbidden"):
+        is_shard_folder(url)

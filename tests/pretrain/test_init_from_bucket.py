@@ -48,45 +48,20 @@ def test_weights_missing_from_the_bucket_are_one_message_naming_the_setting(gcs_
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
-def test_a_store_that_refuses_is_said_to_refuse_not_to_hold_nothing(tmp_path, monkeypatch, capfd, scheme):
+def test_a_store_that_refuses_is_said_to_refuse_not_to_hold_nothing(
+    refusing_store, tmp_path, monkeypatch, capfd, scheme
+):
     """A store answering 403 to everything (wrong credentials). fsspec's isfile/isdir answer False for it, so a fetch
     said "nothing there" (and gcsfs printed a warning per call); it now names the refusal, in one line."""
-    import http.server
-    import threading
-
     from evals import run as evals_run
     from pretrain.weights import source
 
-    class Refusing(http.server.BaseHTTPRequestHandler):
-        def refuse(self) -> None:
-            body = b'{"error": {"code": 403, "message": "denied"}}'
-            self.send_response(403)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_GET = do_HEAD = do_POST = refuse
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    for name, value in [("AWS_ENDPOINT_URL", endpoint), ("STORAGE_EMULATOR_HOST", endpoint), ("NO_GCE_CHECK", "true")]:
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("VITSCALE_CACHE", str(tmp_path / "cache"))
     url = f"{scheme}://vitscale-denied/runs/r"
-    try:
-        with pytest.raises(OSError, match=rf"^{url}: \w+: Forbidden") as raised:
-            source.fetch(url)
-        assert not isinstance(raised.value, FileNotFoundError)
-        assert evals_run.main(["--checkpoint", url, "--suite", "local_fewshot"]) == 2
-    finally:
-        server.shutdown()
+    with pytest.raises(OSError, match=rf"^{url}: \w+: Forbidden") as raised:
+        source.fetch(url)
+    assert not isinstance(raised.value, FileNotFoundError)
+    assert evals_run.main(["--checkpoint", url, "--suite", "local_fewshot"]) == 2
     out, err = capfd.readouterr()
     assert err.count("\n") == 1 and f"evals.run: error: checkpoint {url} could not be fetched: {url}: " in err, err
     assert "nothing there" not in err
