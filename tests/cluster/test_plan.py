@@ -433,24 +433,31 @@ def _profile_with_shards(tmp_path, base: str, shards: str):
     return path
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("scheme", "extra", "module"), [("s3", "s3", "s3fs"), ("gs", "gcs", "gcsfs")])
-def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys, monkeypatch, scheme, extra, module):
-    import importlib.util
-
-    from cluster.driver.job import JobSpec
+def _unanswering_stores(monkeypatch) -> None:
+    """S3 and GCS clients pointed at a closed loopback port, with dummy credentials; the plan waits 3 s for a
+    manifest."""
     from cluster.local_head import free_port
     from cluster.plan import storage
-    from cluster.plan.storage import STORAGE_EXTRAS
 
-    # Stores that do not answer (a closed loopback port, dummy credentials): the plan waits for the manifest only
-    # MANIFEST_WAIT_S (their clients would retry for minutes), then goes on with its assumptions.
     closed = f"http://127.0.0.1:{free_port()}"
     for name, value in [("AWS_ENDPOINT_URL", closed), ("STORAGE_EMULATOR_HOST", closed), ("NO_GCE_CHECK", "true")]:
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setattr(storage, "MANIFEST_WAIT_S", 3.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("scheme", "extra", "module"), [("s3", "s3", "s3fs"), ("gs", "gcs", "gcsfs")])
+def test_remote_storage_names_its_extra_and_the_job_installs_it(tmp_path, capsys, monkeypatch, scheme, extra, module):
+    import importlib.util
+
+    from cluster.driver.job import JobSpec
+    from cluster.plan.storage import STORAGE_EXTRAS
+
+    # Stores that do not answer (a closed loopback port, dummy credentials): the plan waits for the manifest only
+    # MANIFEST_WAIT_S (their clients would retry for minutes), then goes on with its assumptions.
+    _unanswering_stores(monkeypatch)
     path = _profile_with_shards(tmp_path, "h100x8", f"{scheme}://bucket/shards")
     assert launch.main(["--cluster", str(path), "--recipe", "vit_l16_i21k", "--dry-run"]) == 0  # never fails for it
     out = capsys.readouterr().out
@@ -483,16 +490,9 @@ def test_the_demo_on_object_storage_plans_within_the_manifest_wait_and_generates
     for gs:// without network. The built-in set (data.builtin) was then to be generated at a mangled local path
     (`<project>/gs:/rcdb`), here by the launch and on a cloud profile by the job's driver; now the plan says the
     bucket must hold it."""
-    from cluster.local_head import free_port
-    from cluster.plan import storage
     from data_pipeline.paths import PROJECT_ROOT
 
-    closed = f"http://127.0.0.1:{free_port()}"
-    for name, value in [("AWS_ENDPOINT_URL", closed), ("STORAGE_EMULATOR_HOST", closed), ("NO_GCE_CHECK", "true")]:
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setattr(storage, "MANIFEST_WAIT_S", 3.0)
+    _unanswering_stores(monkeypatch)
     train = f"{scheme}://bucket-{tmp_path.name}/rcdb/train"  # a location of its own: reads are cached per process
     started = time.monotonic()
     assert launch.main(["--dry-run", "--set", f"data.train={train}"]) == 0
