@@ -83,14 +83,19 @@ def _fs_and_path(url: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path.rstrip("/")
 
 
-def _exists(fs: fsspec.AbstractFileSystem, path: str, kind: str | None = None) -> bool:
-    """``fs.exists`` (of a ``kind``: "file", "directory") that raises where the store refuses or cannot be reached:
-    fsspec's own exists/isfile/isdir answer False there, which would read as "no such folder"."""
+def store_info(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
+    """``fs.info(path)``, None where nothing is there; it raises where the store refuses or cannot be reached, where
+    fsspec's own exists/isfile/isdir answer False, which would read as "no such folder"."""
     try:
-        info = fs.info(path)
+        return fs.info(path)
     except (FileNotFoundError, NotADirectoryError):
-        return False
-    return kind is None or info["type"] == kind
+        return None
+
+
+def _exists(fs: fsspec.AbstractFileSystem, path: str, kind: str | None = None) -> bool:
+    """`store_info`'s answer as ``fs.exists`` would give it, of a ``kind`` ("file", "directory") if given."""
+    info = store_info(fs, path)
+    return info is not None and (kind is None or info["type"] == kind)
 
 
 def _read_parquet(fs: fsspec.AbstractFileSystem, file: str) -> list[dict[str, Any]]:
@@ -168,7 +173,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     except _DAMAGE as error:
         raise _damaged(root, MANIFEST_FILE, error) from None
     class_names: tuple[str, ...] = ()
-    if fs.exists(posixpath.join(path, CLASSES_FILE)):
+    if _exists(fs, posixpath.join(path, CLASSES_FILE)):
         try:
             rows = sorted(_read_parquet(fs, posixpath.join(path, CLASSES_FILE)), key=lambda r: r["label"])
             class_names = tuple(str(r["name"]) for r in rows)
@@ -319,7 +324,7 @@ def _read_index(root: str, name: str) -> tuple[dict | None, str | None]:
     """(the index, None), (None, None) when absent, or (None, what is wrong)."""
     fs, path = _fs_and_path(root)
     file = posixpath.join(path, name)
-    if not fs.exists(file):
+    if not _exists(fs, file):
         return None, None
     try:
         with fs.open(file, "r") as f:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import fsspec
 
+from data_pipeline.manifest import store_info
 from data_pipeline.paths import cache_dir, is_remote, quiet_stores
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import CHECKPOINTS, COMPLETE, CONFIG_FILE, WEIGHTS_FILE
@@ -82,12 +83,9 @@ def _fetch(url: str) -> Path:
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     root = root.rstrip("/")
     protocol = url.split("://", 1)[0]
-    try:  # not isfile/isdir: they answer False for a store that cannot be reached
-        info = fs.info(root)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{url}: nothing there; pass a checkpoint, run or weights folder, or an .npz file"
-        ) from None
+    info = store_info(fs, root)
+    if info is None:
+        raise FileNotFoundError(f"{url}: nothing there; pass a checkpoint, run or weights folder, or an .npz file")
     if info["type"] == "file":
         if Path(root).name not in FOLDER_FILES:
             return _copy(fs, protocol, Path(root).parent.as_posix(), [info]) / Path(root).name
@@ -106,7 +104,7 @@ def _fetch(url: str) -> Path:
 def _newest_complete(fs, checkpoints: str, url: str) -> str:
     folders = {run_folder.parse_step(Path(p.rstrip("/")).name): p.rstrip("/") for p in fs.ls(checkpoints, detail=False)}
     for step in sorted((s for s in folders if s is not None), reverse=True):
-        if fs.exists(f"{folders[step]}/{COMPLETE}"):
+        if store_info(fs, f"{folders[step]}/{COMPLETE}") is not None:
             return folders[step]
     raise _no_checkpoint(url)
 
