@@ -22,6 +22,7 @@ from tracking.store import (
     default_tracking_uri,
     pending_run_ref,
     recorded_run_id,
+    spool_copies_dir,
     spool_dir,
     unanswered,
 )
@@ -127,7 +128,7 @@ def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int
             break
         sent += count
         path.unlink()
-        shutil.rmtree(path.with_suffix(".files"), ignore_errors=True)  # `spool_copies`
+        shutil.rmtree(spool_copies_dir(path), ignore_errors=True)
     if not left:
         with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
             folder.rmdir()

@@ -78,13 +78,18 @@ def spool_dir(record: Path | str) -> Path:
     return Path(record).parent / SPOOL_DIR
 
 
+def spool_copies_dir(spool_file: Path) -> Path:
+    """Where `spool_copies` keeps a spool file's artifacts; removed with the file once it is sent."""
+    return spool_file.with_suffix(".files")
+
+
 def spool_copies(spool_file: Path, artifacts: list[list[Any]]) -> list[list[Any]]:
-    """``[[local_path, artifact_path]]`` with each file or folder copied beside ``spool_file`` (its ``.files``): the
-    original may be gone when the spool is sent, e.g. an eval table in a checkpoint that keep_last pruned. One that
-    cannot be copied keeps its path."""
+    """``[[local_path, artifact_path]]`` with each file or folder copied to `spool_copies_dir`: the original may be
+    gone when the spool is sent, e.g. an eval table in a checkpoint that keep_last pruned. One that cannot be copied
+    keeps its path."""
     copies = []
     for n, (local, artifact_path) in enumerate(artifacts):
-        target = spool_file.with_suffix(".files") / str(n) / Path(local).name
+        target = spool_copies_dir(spool_file) / str(n) / Path(local).name
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             (shutil.copytree if Path(local).is_dir() else shutil.copy2)(local, target)
