@@ -101,10 +101,10 @@ def spool_copies(spool_file: Path, artifacts: list[list[Any]]) -> list[list[Any]
 
 
 def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
-    """Why an HTTP(S) tracking server does not answer: nothing accepts connections at its address, or no HTTP response
-    (of any status) comes within ``timeout_s``; "" when one does, and for no server. A server that hangs would hold
-    each of MLflow's calls for its 120 s timeout times its 7 retries. The probe sends no credentials, so its TLS
-    check is left to MLflow's own calls."""
+    """Why an HTTP(S) tracking server does not answer: nothing accepts connections at its address, no HTTP response
+    comes within ``timeout_s``, or its ``/health`` answers 5xx (a proxy whose server is down); "" when any other status
+    comes, and for no server. MLflow retries each call 7 times over ~4 minutes, each up to its 120 s timeout. The probe
+    sends no credentials, so its TLS check is left to MLflow's own calls."""
     try:
         url = urllib.parse.urlsplit(tracking_uri or "")
         address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
@@ -125,11 +125,13 @@ def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
             return f"nothing accepts connections at {address[0]}:{address[1]} ({error})"
         try:
             connection.request("GET", url.path.rstrip("/") + "/health")
-            connection.getresponse()
+            response = connection.getresponse()
         except TimeoutError:
             return f"{address[0]}:{address[1]} accepts connections but sends no answer within {timeout_s:g} s"
         except (OSError, http.client.HTTPException):  # it answered, if not as HTTP: MLflow's calls will say how
             return ""
+        if response.status >= 500:
+            return f"{address[0]}:{address[1]} answers /health with HTTP {response.status} {response.reason}"
         return ""
     finally:
         connection.close()

@@ -543,22 +543,30 @@ def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
         assert "200 items not sent" in caplog.text and "accepts connections but sends no answer" in caplog.text
 
 
-def test_a_server_answers_with_any_http_status_and_not_when_it_hangs_or_is_down(monkeypatch):
-    """`unanswered`, the look a closing Tracker, a job's end and a courier take before they wait on MLflow."""
+def test_a_server_answers_with_any_status_below_500_and_not_when_it_hangs_or_is_down(monkeypatch):
+    """`unanswered`, the look a closing Tracker, a job's start and end and a courier take before they wait on MLflow.
+    A 5xx from /health is a proxy whose server is down, or a failing server: MLflow retries each call for minutes."""
     import http.server
     import threading
 
-    class NotFound(http.server.BaseHTTPRequestHandler):
+    class Status(http.server.BaseHTTPRequestHandler):
+        status = 404
+
         def do_GET(self):
-            self.send_error(404)
+            self.send_error(self.status)
 
         def log_message(self, *args):
             pass
 
-    answering = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    answering = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
     threading.Thread(target=answering.serve_forever, daemon=True).start()
+    port = answering.server_address[1]
     try:
-        assert unanswered(f"http://127.0.0.1:{answering.server_address[1]}/prefix", timeout_s=5) == ""
+        assert unanswered(f"http://127.0.0.1:{port}/prefix", timeout_s=5) == ""
+        Status.status = 502
+        assert unanswered(f"http://127.0.0.1:{port}", timeout_s=5) == (
+            f"127.0.0.1:{port} answers /health with HTTP 502 Bad Gateway"
+        )
     finally:
         answering.shutdown()
         answering.server_close()
