@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.vitscale-installed
 
 CLUSTER ?= local
-RECIPE ?= local_demo
+RECIPE ?=
 SET ?=
 DRY_RUN ?=
 EXPERIMENT ?=
@@ -71,11 +71,11 @@ lint: setup  ## ruff, and mypy over pretrain/ and data_pipeline/
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-launch: setup  ## plan and run RECIPE on CLUSTER (default: the embedded local demo); DRY_RUN=1 prints the plan only
-	$(PY) -m cluster.launch --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
+launch: setup  ## plan and run RECIPE (default: the profile's) on CLUSTER (default: local, the CPU demo); DRY_RUN=1: plan only
+	$(PY) -m cluster.launch --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
 
 preflight: setup  ## measure CLUSTER's nodes (GPUs, busbw, shard reads, loader, disk, MLflow, clocks) against RECIPE's plan
-	$(PY) -m cluster.preflight --cluster $(CLUSTER) --recipe $(RECIPE) $(foreach s,$(SET),--set $(s))
+	$(PY) -m cluster.preflight --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s))
 
 elastic-demo: setup  ## elastic job on a simulated 2-node Ray cluster: a node is removed mid-run and added back
 	$(PY) -m cluster.elastic_demo

@@ -52,7 +52,7 @@ def _parse_fault(text: str | None) -> FaultInjection | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", default="local", help="profile: cluster/profiles/<name>.yaml")
-    parser.add_argument("--recipe", default="local_demo", help="recipe: configs/<name>.yaml (or a YAML path)")
+    parser.add_argument("--recipe", help="recipe: configs/<name>.yaml (or a YAML path); default: the profile's recipe")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     parser.add_argument(
@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--run-name {args.run_name!r}: use letters, digits, '.', '_' and '-' only, e.g. vit-b16-try2")
     try:
         profile = load_profile(args.cluster)
+        recipe = profile.pick_recipe(args.recipe)
         fault = _parse_fault(args.inject_worker_failure)
-        run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        config, notes = resolve_with_notes(profile, args.recipe, args.set, run_name)
+        run_name = args.run_name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config, notes = resolve_with_notes(profile, recipe, args.set, run_name)
         suite = load_suite(config.evals.suite) if config.evals.suite else None  # fails now, not at the first eval
         present = check_local_data(config, suite) if profile.is_local else {}  # before the plan reads a manifest
         if profile.is_local and not args.dry_run:

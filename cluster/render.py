@@ -360,16 +360,18 @@ def render(profile_name: str, recipe: str, out: Path, image: str = IMAGE, fsx: F
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.render", description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", required=True, help="a GPU profile: a100x8, a100x64, h100x8, h200x8")
-    parser.add_argument("--recipe", default="vit_b16_i21k", help="recipe the RayJob runs (default vit_b16_i21k)")
+    parser.add_argument("--recipe", help="recipe the RayJob runs (default: the profile's recipe)")
     parser.add_argument("--out", default="rendered", help="output folder (default ./rendered)")
     parser.add_argument("--image", default=IMAGE, help=f"the image ./Dockerfile builds, pushed (default {IMAGE})")
     parser.add_argument("--fsx-dns", help="the FSx for Lustre file system's DNS name (launcher: mounted at /fsx)")
     parser.add_argument("--fsx-mount-name", help="the FSx for Lustre file system's mount name")
     args = parser.parse_args(argv)
     try:
-        _check_renderable(load_profile(args.cluster))  # before planning: its errors would mislead
+        profile = load_profile(args.cluster)
+        _check_renderable(profile)  # before planning: its errors would mislead
         fsx = fsx_mount(args.fsx_dns, args.fsx_mount_name)
-        for path in render(args.cluster, args.recipe, output_folder(args.out, "--out"), args.image, fsx):
+        recipe = profile.pick_recipe(args.recipe)
+        for path in render(args.cluster, recipe, output_folder(args.out, "--out"), args.image, fsx):
             print(f"wrote {path}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

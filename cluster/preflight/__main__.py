@@ -34,7 +34,7 @@ IN_CLUSTER = "--in-cluster"  # the Ray job's own invocation: the spec comes in P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", default="local", help="profile: cluster/profiles/<name>.yaml (or a YAML path)")
-    parser.add_argument("--recipe", default="local_demo", help="recipe: configs/<name>.yaml (or a YAML path)")
+    parser.add_argument("--recipe", help="recipe: configs/<name>.yaml (or a YAML path); default: the profile's recipe")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     parser.add_argument(IN_CLUSTER, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_cluster:
             return _in_cluster()
         profile = load_profile(args.cluster)
-        config = resolve_config(profile, args.recipe, args.set, RUN_NAME)
+        config = resolve_config(profile, profile.pick_recipe(args.recipe), args.set, RUN_NAME)
         if profile.is_local:
             prepare_local_data(config, None)  # the training set only: the evals' sets are not read
         plan = build_plan(profile, config)

@@ -19,6 +19,7 @@ from cluster.plan.planner import PlanError, build_plan, resolve_config, resolve_
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile, profile_names
 from pretrain.config.precision import StepShape, cpu_bf16_units, decide
+from pretrain.config.train_config import recipe_path
 from pretrain.model.vit import model_config
 from pretrain.telemetry.peak import cpu_peak
 
@@ -207,6 +208,25 @@ def test_dry_run_prints_plan_and_submits_nothing(capsys):
     assert out.startswith("plan: recipe vit_h14_i21k on profile a100x64")
     assert "dry run: nothing submitted" in out
     assert "per (rank x loader worker)" in out and "WARNING" in out  # 512 loaders over ~3.8k assumed shards
+
+
+@pytest.mark.timeout(60)
+def test_a_profile_runs_its_own_recipe_when_none_is_named(tmp_path, capsys):
+    """`make launch CLUSTER=a100x64` plans the profile's recipe (before: the CPU demo's, refused at world size 64 for
+    its 8 data streams); a profile that names none asks for one, in one line."""
+    for name in profile_names():
+        assert recipe_path(load_profile(name).recipe).is_file()
+    assert launch.main(["--cluster", "a100x64", "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("plan: recipe vit_h14_i21k on profile a100x64")
+    data = yaml.safe_load(open(load_profile.__globals__["PROFILES_DIR"] / "a100x8.yaml"))
+    del data["recipe"]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
+    assert launch.main(["--cluster", str(tmp_path / "mine.yaml"), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "error: profile a100x8 names no recipe to run: name one, RECIPE=NAME (make) or --recipe NAME "
+        "(configs/<name>.yaml or a YAML path), or add `recipe: NAME` to the profile\n"
+    )
+    assert launch.main(["--cluster", str(tmp_path / "mine.yaml"), "--recipe", "vit_b16_i21k", "--dry-run"]) == 0
 
 
 @pytest.mark.timeout(300)
