@@ -31,7 +31,7 @@ from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
 from tracking.store import PENDING_RUN, SPOOL_DIR, pending_run_ref, spool_dir
-from tracking.tracker import Tracker
+from tracking.tracker import UNANSWERED_CLOSE_S, Tracker
 
 SUITE = "tiny_fewshot"
 
@@ -186,6 +186,40 @@ def test_a_job_whose_server_hangs_starts_and_ends_without_waiting_on_it(tmp_path
         assert not finish_job(tmp_path, 5, uri, run_id, JobEnd("FINISHED", 12.0, {}))
         assert time.monotonic() - started < 5.0 + 2.0 + 5.0 + 5  # two looks (the end's, the close's), the allowance
     assert f"MLflow run {run_id} is not reachable at the job's end: {uri[7:]} accepts connections but sends no" in (
+        capsys.readouterr().out
+    )
+    [spooled] = spool_dir(tmp_path / RUN_RECORD).glob("*.json")
+    assert json.loads(spooled.read_text())["tags"] == {keys.RESTARTS: "0"}
+
+
+def test_a_job_whose_server_fails_its_calls_ends_without_waiting_on_it(tmp_path, monkeypatch, capsys):
+    """A server whose /health answers while every call fails (its database down): MLflow's default retries would
+    hold each of the job's end's calls ~4 min. The end asks for the run once, spools the summary's records and leaves
+    the run to the courier."""
+    import http.server
+
+    class DatabaseDown(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(200 if self.path == "/health" else 500)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
+    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    uri, run_id = f"http://127.0.0.1:{failing.server_address[1]}", "0" * 32
+    (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    try:
+        started = time.monotonic()
+        assert not finish_job(tmp_path, 5, uri, run_id, JobEnd("FINISHED", 12.0, {}))
+        assert time.monotonic() - started < runs.PROBE_TIMEOUT_S + UNANSWERED_CLOSE_S + 10
+    finally:
+        failing.shutdown()
+        failing.server_close()
+    assert f"MLflow run {run_id} is not reachable at the job's end: it answers /health but fails a request" in (
         capsys.readouterr().out
     )
     [spooled] = spool_dir(tmp_path / RUN_RECORD).glob("*.json")
