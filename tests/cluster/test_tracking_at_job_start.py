@@ -20,6 +20,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from cluster.driver import record
 from cluster.driver.courier import COURIER_FILE, NAMESPACE, deliver, hand_over
 from cluster.driver.deliver import main as deliver_main
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
@@ -31,7 +32,7 @@ from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
 from tracking import keys, runs
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
 from tracking.store import PENDING_RUN, SPOOL_DIR, pending_run_ref, spool_dir
-from tracking.tracker import UNANSWERED_CLOSE_S, Tracker
+from tracking.tracker import Tracker
 
 SUITE = "tiny_fewshot"
 
@@ -208,6 +209,7 @@ def test_a_job_whose_server_fails_its_calls_ends_without_waiting_on_it(tmp_path,
             pass
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setattr(record, "UNANSWERED_CLOSE_S", 2.0)
     failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
     threading.Thread(target=failing.serve_forever, daemon=True).start()
     uri, run_id = f"http://127.0.0.1:{failing.server_address[1]}", "0" * 32
@@ -215,7 +217,7 @@ def test_a_job_whose_server_fails_its_calls_ends_without_waiting_on_it(tmp_path,
     try:
         started = time.monotonic()
         assert not finish_job(tmp_path, 5, uri, run_id, JobEnd("FINISHED", 12.0, {}))
-        assert time.monotonic() - started < runs.PROBE_TIMEOUT_S + UNANSWERED_CLOSE_S + 10
+        assert time.monotonic() - started < runs.PROBE_TIMEOUT_S + 2.0 + 10
     finally:
         failing.shutdown()
         failing.server_close()
