@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import fsspec
@@ -130,12 +131,16 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
             (local / FETCHED).write_text(marker)
         return local
     local.mkdir(parents=True, exist_ok=True)
+    total, started = sum(f.get("size") or 0 for f in files), time.monotonic()
+    print(f"fetching {protocol}://{folder}: {len(files)} file(s), {total / 1e9:.3g} GB, to {local}", flush=True)
     for f in files:
         name = Path(f["name"]).name
         partial = local / f"{name}.part{os.getpid()}"
         fs.get(f["name"], str(partial))
         os.replace(partial, local / name)
     (local / FETCHED).write_text(marker)
+    seconds = time.monotonic() - started
+    print(f"fetched {protocol}://{folder} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-3):.3g} MB/s)", flush=True)
     return local
 
 

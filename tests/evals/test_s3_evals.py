@@ -116,9 +116,13 @@ def test_a_checkpoint_in_a_bucket_is_fetched_once_without_its_optimizer_state(
         [FETCHED, "COMPLETE", "checksums.json", "model.json", "model.safetensors", "trainer_state.json"]
     )
     assert origin(path) == f"{url}/checkpoints/step_00000002"  # what result rows name, not the cache path
+    fetching, fetched = capsys.readouterr().out.splitlines()  # a copy of gigabytes says what it copies, and its rate
+    assert fetching.startswith(f"fetching {url}/checkpoints/step_00000002: 5 file(s), ") and str(path) in fetching
+    assert fetched.startswith(f"fetched {url}/checkpoints/step_00000002 in ") and fetched.endswith(" MB/s)")
     fetched_at = (path / FETCHED).stat().st_mtime_ns
     assert load().config.depth == 2 and load_model(f"{url}/checkpoints").config.depth == 2
     assert (path / FETCHED).stat().st_mtime_ns == fetched_at  # the same listing: the copy is reused
+    assert "fetch" not in capsys.readouterr().out
     assert weights_main(["export", url, str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
 
