@@ -39,8 +39,8 @@ def _how_to_start(profile: ClusterProfile, address: str) -> str:
     return (
         f"start the cluster first: `python -m cluster.render --cluster {profile.name}` then "
         f"`ray up rendered/{profile.name}/cluster.yaml` (or apply the KubeRay manifest), and make sure {address} "
-        "is reachable from here (e.g. `ray dashboard rendered/.../cluster.yaml` forwards it to 127.0.0.1:8265, "
-        "then set RAY_ADDRESS=http://127.0.0.1:8265)"
+        f"is reachable from here (e.g. `ray dashboard rendered/{profile.name}/cluster.yaml` forwards it to "
+        "127.0.0.1:8265, then set RAY_ADDRESS=http://127.0.0.1:8265)"
     )
 
 
