@@ -26,18 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.driver", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
     parser.add_argument("--address", help="Ray address (default: the job's cluster)")
-    parser.add_argument("--cluster", help="plan here: the profile (cluster/profiles/<name>.yaml); needs --recipe")
-    parser.add_argument("--recipe", help="plan here: the recipe (configs/<name>.yaml or a YAML path)")
+    parser.add_argument("--cluster", help="plan here: the profile (cluster/profiles/<name>.yaml)")
+    parser.add_argument("--recipe", help="with --cluster: the recipe (configs/<name>.yaml, a YAML path; the profile's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     parser.add_argument("--run-name", help="run folder name (default <recipe>-<time>); reuse resumes")
-    parser.add_argument("--dry-run", action="store_true", help="with --cluster/--recipe: print the plan and stop")
+    parser.add_argument("--dry-run", action="store_true", help="with --cluster: print the plan and stop")
     args = parser.parse_args(argv)
-    if bool(args.cluster) != bool(args.recipe):
-        parser.error("--cluster and --recipe go together: the job plans that recipe on that profile")
+    if args.recipe and not args.cluster:
+        parser.error("--recipe needs --cluster: the job plans that recipe on that profile")
     if args.cluster and args.plan:
         parser.error("pass either --plan (a spec cluster.launch wrote) or --cluster/--recipe (plan here), not both")
     if args.dry_run and not args.cluster:
-        parser.error("--dry-run plans a recipe: pass --cluster and --recipe")
+        parser.error("--dry-run plans a recipe: pass --cluster (and --recipe)")
     if not args.cluster:
         spec = _read_spec(parser, args.plan)
     else:
@@ -68,7 +68,7 @@ def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | N
     if not plan and not os.environ.get(PLAN_ENV):
         parser.error(
             f"no plan: pass --plan FILE or set ${PLAN_ENV} (python -m cluster.launch does), or plan here with "
-            "--cluster and --recipe"
+            "--cluster [--recipe]"
         )
     source = f"--plan {plan}" if plan else f"${PLAN_ENV}"
     try:
@@ -86,8 +86,9 @@ def _plan_here(args: argparse.Namespace) -> JobSpec | None:
     """Plan and print as `cluster.launch` does; None (said) on bad input."""
     try:
         profile = load_profile(args.cluster)
-        run_name = args.run_name or f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        config, notes = resolve_with_notes(profile, args.recipe, args.set, run_name)
+        recipe = profile.pick_recipe(args.recipe)
+        run_name = args.run_name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config, notes = resolve_with_notes(profile, recipe, args.set, run_name)
         if config.evals.suite:
             load_suite(config.evals.suite)  # fail now, not at the first eval
         plan = build_plan(profile, config)

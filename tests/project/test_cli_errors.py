@@ -175,7 +175,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("cluster.env", ["--cluster", "{profile_stalehead}"], [r"does not answer at http://127\.0\.0\.1", r"make launch"]),
     ("cluster.driver", ["--plan", "{missing}"], [r"nothere"]),
     ("cluster.driver", ["--cluster", "no_such_profile", "--recipe", "local_demo"], [r"no_such_profile", r"a100x8"]),
-    ("cluster.driver", ["--cluster", "local"], [r"--cluster and --recipe go together"]),
+    ("cluster.driver", ["--recipe", "local_demo"], [r"--recipe needs --cluster"]),
     ("cluster.preflight", ["--cluster", "no_such_profile"], [r"no_such_profile", r"a100x8"]),
     ("cluster.preflight", ["--cluster", "local", "--recipe", "no_such_recipe"], [r"no_such_recipe"]),
     ("cluster.driver", ["--plan", "{plan_notjson}"], [r"plan_notjson\.json", r"line 1"]),
