@@ -384,7 +384,8 @@ def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_one
 ):
     """401 at the job's start: no exception, one warning naming the fix, a bounded buffer, a close that says at once
     what was not sent. With the right credentials from the environment the records arrive, and the password is in
-    none of them, nor in what the job printed or logged."""
+    none of them, nor in what the job printed or logged. A relaunch's one question about its recorded run (no
+    retries, `runs.missing_run`) carries them too: the run is there, deleted, or gone."""
     from cluster.driver.job import open_tracking
 
     server.start()
@@ -424,47 +425,7 @@ def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_one
     assert not _warnings(printed.err, server.uri)
     for text in (json.dumps(run.data.params), json.dumps(run.data.tags), plan, printed.out, printed.err, caplog.text):
         assert PASSWORD not in text and "wrong-password-Kx7" not in text
-
-
-@pytest.mark.slow
-def test_a_relaunch_asks_the_server_once_about_its_recorded_run(server, monkeypatch, tmp_path, capsys):
-    """A relaunch's start asks about the run its folder records once, for at most `PROBE_TIMEOUT_S`, with MLflow's
-    default retries set: the real server answers for a run it holds, a deleted one and one gone. A server whose
-    /health answers but whose calls fail (its database down) holds the start for seconds, and the job continues the
-    recorded run (before: MLflow's 7 retries, ~4 min before training)."""
-    import http.server
-
-    for name in CREDENTIAL_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
-    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
-    server.start()
-    run_id = runs.create_run(server.uri, "relaunch", "run")
     assert runs.missing_run(server.uri, run_id) == ""
     _client(server.uri).delete_run(run_id)
     assert f"MLflow run {run_id} is deleted" in runs.missing_run(server.uri, run_id)
-    _client(server.uri).restore_run(run_id)
     assert "it was deleted for good" in runs.missing_run(server.uri, "0" * 32)
-
-    class DatabaseDown(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_error(200 if self.path == "/health" else 500)
-
-        def log_message(self, *args):
-            pass
-
-    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
-    threading.Thread(target=failing.serve_forever, daemon=True).start()
-    uri = f"http://127.0.0.1:{failing.server_address[1]}"
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / runs.RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
-    try:
-        started = time.monotonic()
-        relaunch = runs.start_job_run(run_dir, uri, "relaunch", {}, {}, {})
-        assert time.monotonic() - started < 15 and relaunch.run_id == run_id
-    finally:
-        failing.shutdown()
-        failing.server_close()
-    assert f"continuing MLflow run {run_id}" in capsys.readouterr().out
