@@ -393,3 +393,29 @@ def refusing_store(monkeypatch):
         server.shutdown()
         for cls in (gcsfs.core.GCSFileSystem, s3fs.S3FileSystem):
             cls.clear_instance_cache()
+
+
+@pytest.fixture
+def failing_mlflow(monkeypatch):
+    """An HTTP server whose ``/health`` answers 200 while every other request gets 500, as an MLflow server whose
+    database is down does, with MLflow's default retries set (7 over ~4 min). Yields its URI; stopped at the end."""
+    import http.server
+    import threading
+
+    class DatabaseDown(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            self.send_error(200 if self.path == "/health" else 500)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

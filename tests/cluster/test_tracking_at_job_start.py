@@ -193,34 +193,16 @@ def test_a_job_whose_server_hangs_starts_and_ends_without_waiting_on_it(tmp_path
     assert json.loads(spooled.read_text())["tags"] == {keys.RESTARTS: "0"}
 
 
-def test_a_job_whose_server_fails_its_calls_ends_without_waiting_on_it(tmp_path, monkeypatch, capsys):
+def test_a_job_whose_server_fails_its_calls_ends_without_waiting_on_it(failing_mlflow, tmp_path, monkeypatch, capsys):
     """A server whose /health answers while every call fails (its database down): MLflow's default retries would
     hold each of the job's end's calls ~4 min. The end asks for the run once, spools the summary's records and leaves
     the run to the courier."""
-    import http.server
-
-    class DatabaseDown(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_error(200 if self.path == "/health" else 500)
-
-        do_POST = do_GET
-
-        def log_message(self, *args):
-            pass
-
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.setattr(record, "UNANSWERED_CLOSE_S", 2.0)
-    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
-    threading.Thread(target=failing.serve_forever, daemon=True).start()
-    uri, run_id = f"http://127.0.0.1:{failing.server_address[1]}", "0" * 32
-    (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
-    try:
-        started = time.monotonic()
-        assert not finish_job(tmp_path, 5, uri, run_id, JobEnd("FINISHED", 12.0, {}))
-        assert time.monotonic() - started < runs.PROBE_TIMEOUT_S + 2.0 + 10
-    finally:
-        failing.shutdown()
-        failing.server_close()
+    run_id = "0" * 32
+    (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": failing_mlflow}))
+    started = time.monotonic()
+    assert not finish_job(tmp_path, 5, failing_mlflow, run_id, JobEnd("FINISHED", 12.0, {}))
+    assert time.monotonic() - started < runs.PROBE_TIMEOUT_S + 2.0 + 10
     assert f"MLflow run {run_id} is not reachable at the job's end: it answers /health but fails a request" in (
         capsys.readouterr().out
     )

@@ -543,32 +543,15 @@ def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
         assert "200 items not sent" in caplog.text and "accepts connections but sends no answer" in caplog.text
 
 
-def test_a_relaunch_whose_server_fails_its_calls_continues_its_run_at_once(monkeypatch, tmp_path, capsys):
+def test_a_relaunch_whose_server_fails_its_calls_continues_its_run_at_once(failing_mlflow, tmp_path, capsys):
     """A server whose /health answers while every call fails (its database down), MLflow's default retries set: the
     relaunch asks about its recorded run once and continues it within seconds (before: 7 retries, ~4 min before
     training). The real server's answers to that question: tests/tracking/test_tracking_server.py."""
-    import http.server
-    import threading
-
-    class DatabaseDown(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_error(200 if self.path == "/health" else 500)
-
-        def log_message(self, *args):
-            pass
-
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
-    failing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
-    threading.Thread(target=failing.serve_forever, daemon=True).start()
-    uri, run_id = f"http://127.0.0.1:{failing.server_address[1]}", "a" * 32
-    (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
-    try:
-        started = time.monotonic()
-        relaunch = runs.start_job_run(tmp_path, uri, "relaunch", {}, {}, {})
-        assert time.monotonic() - started < runs.PROBE_TIMEOUT_S and relaunch.run_id == run_id
-    finally:
-        failing.shutdown()
-        failing.server_close()
+    run_id = "a" * 32
+    (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": failing_mlflow}))
+    started = time.monotonic()
+    relaunch = runs.start_job_run(tmp_path, failing_mlflow, "relaunch", {}, {}, {})
+    assert time.monotonic() - started < runs.PROBE_TIMEOUT_S and relaunch.run_id == run_id
     assert f"continuing MLflow run {run_id}" in capsys.readouterr().out
 
 
