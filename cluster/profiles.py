@@ -190,16 +190,17 @@ class ClusterProfile:
     assumed_mfu: float = 0.4  # the plan's MFU where none was measured (cluster.calibrate)
     hang: HangSpec = HangSpec()  # hung-rank watchdog
     network: NetworkSpec = NetworkSpec()  # the collectives' fabric (docs/network.md)
-    recipe: str = ""  # what launch, preflight and render run when no recipe is named (`make launch CLUSTER=...`)
+    recipe: str = ""  # what launch, preflight, render and the driver run when no recipe is named
 
     def pick_recipe(self, named: str | None) -> str:
         """``named``, else the profile's recipe; ValueError with the fix when neither is given."""
-        if named or self.recipe:
-            return named or self.recipe
-        raise ValueError(
-            f"profile {self.name} names no recipe to run: name one, RECIPE=NAME (make) or --recipe NAME "
-            "(configs/<name>.yaml or a YAML path), or add `recipe: NAME` to the profile"
-        )
+        recipe = named or self.recipe
+        if not recipe:
+            raise ValueError(
+                f"profile {self.name} names no recipe to run: name one, RECIPE=NAME (make) or --recipe NAME "
+                "(configs/<name>.yaml or a YAML path), or add `recipe: NAME` to the profile"
+            )
+        return recipe
 
     @property
     def is_local(self) -> bool:
