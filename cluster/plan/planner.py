@@ -24,6 +24,7 @@ from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra
 from cluster.profiles import ClusterProfile
 from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
+from data_pipeline.write.writer import WriteConfig
 from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
 from pretrain.config.train_config import TrainConfig, config_from_recipe, model_overrides, read_recipe, recipe_path
 from pretrain.config.typed_yaml import parse_override
@@ -32,9 +33,10 @@ from pretrain.model.vit import ViTConfig, model_config
 from pretrain.weights.hf import hf_config_dict
 
 RECIPE_DATA_ROOT = "data"  # a profile relocates it to its storage
-# Assumed where the training manifest is not readable here (docs/reference.md §6).
+# Assumed where the training manifest is not readable here: i21k's bytes per image (docs/reference.md §6), and shards
+# as this project's writer makes them by default.
 ASSUMED_BYTES_PER_IMAGE = 92_000
-ASSUMED_SAMPLES_PER_SHARD = 3_300
+ASSUMED_SAMPLES_PER_SHARD = WriteConfig.samples_per_shard
 LOADER_MEMORY_SHARE = 0.5  # of a node's memory, for the data streams
 MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
 
@@ -410,7 +412,8 @@ def _data_plan(
         )
     if shards is None or bytes_per_image is None:
         shards = math.ceil((d.epoch_images or stats.num_samples or 0) / ASSUMED_SAMPLES_PER_SHARD) or 0
-        note += f"; assumed ~{ASSUMED_SAMPLES_PER_SHARD} samples/shard, {ASSUMED_BYTES_PER_IMAGE // 1000} KB/image"
+        per_image = f"{ASSUMED_BYTES_PER_IMAGE // 1000} KB/image"
+        note += f"; assumed {ASSUMED_SAMPLES_PER_SHARD} samples/shard (the writer's default), {per_image}"
         bytes_per_image = float(ASSUMED_BYTES_PER_IMAGE)
     loaders = world * max(1, d.num_workers)
     shards_per_loader = shards / loaders if shards else 0.0

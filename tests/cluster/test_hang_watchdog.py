@@ -120,9 +120,9 @@ def test_the_plan_gives_the_start_and_first_save_allowances_term_by_term(tmp_pat
     assert a.estimate_s == pytest.approx(60 + manifest_s + 60 * params / 1e9 + write_s) and a.estimate_s < 300
     assert (a.startup_s, a.first_save_s) == (600, 300)  # the profile's floors
     assert (
-        "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + manifest 0.0848 + model and "
+        "  hang watchdog start 600 s = max(hang.startup_s 600, 2 x (process start 60 + manifest 0.0932 + model and "
         "engine 39.6 + checkpoint 132 = 232 s)); first save 300 s = max(hang.checkpoint_s 300, 2 x 132 s); a "
-        "checkpoint of 13.2 GB at 100 MB/s (hang.write_mb_per_s); a manifest of 3758 shards, 0.48 MB at 100 MB/s "
+        "checkpoint of 13.2 GB at 100 MB/s (hang.write_mb_per_s); a manifest of 4134 shards, 0.53 MB at 100 MB/s "
         "(storage.read_mb_per_s)"
     ) in format_plan(plan).splitlines()
     slow = dataclasses.replace(big, hang=dataclasses.replace(big.hang, write_mb_per_s=20.0))

@@ -207,7 +207,13 @@ def test_dry_run_prints_plan_and_submits_nothing(capsys):
     out = capsys.readouterr().out
     assert out.startswith("plan: recipe vit_h14_i21k on profile a100x64")
     assert "dry run: nothing submitted" in out
-    assert "per (rank x loader worker)" in out and "WARNING" in out  # 512 loaders over ~3.8k assumed shards
+    # No manifest here: shards as this project's writer makes them, 12.4M images / 3000 = 4134 over 512 loaders.
+    assert "data          4134 shards, 8.1 per (rank x loader worker)" in out and "WARNING" not in out
+    assert launch.main(["--cluster", "a100x64", "--dry-run", "--set", "data.num_workers=16"]) == 0
+    assert (
+        "  WARNING       only 4.0 shards per (rank x loader worker) (4134 shards / 1024); use >= 8: re-shard into "
+        "more, smaller tar files or lower data.num_workers"
+    ) in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.timeout(60)
