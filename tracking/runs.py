@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from tracking import keys
 from tracking.store import (
     default_artifact_location,
     default_tracking_uri,
+    missing_run,
     pending_run_ref,
     recorded_run_id,
     spool_copies_dir,
@@ -36,7 +36,6 @@ CREATE_RETRY_MAX_S = 60.0  # the background creation's backoff cap
 # While the server does not answer (tracking.store.unanswered), look again this often before asking MLflow, whose own
 # retries back off to minutes (docs/benchmarks/2026-12-03-tracking-outage.md).
 DOWN_POLL_S = 5.0
-PROBE_TIMEOUT_S = 10  # `missing_run`'s one request to a server
 # What MLflow's client reads to reach a server: only in the job's runtime env, never a spec, plan, param or tag.
 CREDENTIAL_VARS = (
     "MLFLOW_TRACKING_TOKEN",
@@ -300,44 +299,6 @@ def await_job_run(
 
 class RunGoneError(ValueError):
     """MLflow answers, but the run a run folder records is deleted, or gone for good."""
-
-
-def missing_run(tracking_uri: str | None, run_id: str) -> str | None:
-    """Why MLflow has no active run ``run_id``; "" when it has one; None when it does not answer. A server is asked
-    once, for at most `PROBE_TIMEOUT_S`: a job's start waits on this, and MLflow's own retries last minutes."""
-    from mlflow.exceptions import MlflowException
-
-    if unanswered(tracking_uri):
-        return None
-    try:
-        stage = _lifecycle_stage(tracking_uri, run_id)
-    except MlflowException as error:
-        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
-            return None
-        return f"MLflow at {tracking_uri} has no run {run_id}: it was deleted for good (`mlflow gc`)"
-    except Exception:  # noqa: BLE001 — down, slow or failing: not an answer
-        return None
-    if stage == "deleted":
-        return (
-            f"MLflow run {run_id} is deleted (`MLFLOW_TRACKING_URI={tracking_uri} mlflow runs restore --run-id "
-            f"{run_id}` brings it back)"
-        )
-    return ""
-
-
-def _lifecycle_stage(tracking_uri: str | None, run_id: str) -> str:
-    """``run_id``'s lifecycle stage; a server is sent one ``runs/get`` (MLflow's REST API) without retries."""
-    if urllib.parse.urlsplit(tracking_uri or "").scheme not in ("http", "https"):
-        from mlflow import MlflowClient  # heavy
-
-        return MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.lifecycle_stage
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request, verify_rest_response
-
-    endpoint = "/api/2.0/mlflow/runs/get"
-    creds = get_default_host_creds(tracking_uri)
-    response = http_request(creds, endpoint, "GET", max_retries=0, timeout=PROBE_TIMEOUT_S, params={"run_id": run_id})
-    return verify_rest_response(response, endpoint).json()["run"]["info"]["lifecycle_stage"]
 
 
 def _answers_for(tracking_uri: str | None, run_id: str, deadline: float) -> bool:

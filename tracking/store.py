@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import ssl
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ SPOOL_DIR = "mlflow_spool"
 COURIER_FILE = "mlflow_courier.json"  # the work a job left its courier, until the courier is done
 # Sends a run folder's spool and its courier's work in the foreground (`cluster.driver.deliver`, named, not imported)
 DELIVER_COMMAND = "python -m cluster.driver.deliver"
+PROBE_TIMEOUT_S = 10  # `missing_run`'s one request to a server
+# Tracking URI -> when a call to it failed in this process (monotonic), until a send succeeds: a closing Tracker of
+# this process then waits no longer than `tracking.tracker.UNANSWERED_CLOSE_S` (MLflow's own retries last minutes).
+FAILING_SINCE: dict[str, float] = {}
 
 
 def default_tracking_uri(root: Path | str | None = None) -> str:
@@ -135,3 +140,52 @@ def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
         return ""
     finally:
         connection.close()
+
+
+def unserved(tracking_uri: str | None, run_id: str) -> str:
+    """Why MLflow cannot take ``run_id``'s records now: `unanswered`'s reasons, or it answers ``/health`` but fails a
+    request for the run (its database down, say); "" when it answers for the run, or for a run still pending. Either
+    counts as a failed call."""
+    why = unanswered(tracking_uri)
+    if why:
+        FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+    elif not run_id.startswith(PENDING_RUN) and missing_run(tracking_uri, run_id) is None:  # which counts it
+        why = f"it answers /health but fails a request for run {run_id}, or takes over {PROBE_TIMEOUT_S} s"
+    return why
+
+
+def missing_run(tracking_uri: str | None, run_id: str) -> str | None:
+    """Why MLflow has no active run ``run_id``; "" when it has one; None when it does not answer (a failed call, in
+    `FAILING_SINCE`). A server is asked once, for at most `PROBE_TIMEOUT_S`: MLflow's own retries last minutes."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if silent := unanswered(tracking_uri):
+            raise ConnectionError(silent)
+        stage = lifecycle_stage(tracking_uri, run_id)
+    except Exception as error:  # noqa: BLE001 — down, slow or failing: not an answer
+        if isinstance(error, MlflowException) and error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return f"MLflow at {tracking_uri} has no run {run_id}: it was deleted for good (`mlflow gc`)"
+        FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+        return None
+    if stage == "deleted":
+        return (
+            f"MLflow run {run_id} is deleted (`MLFLOW_TRACKING_URI={tracking_uri} mlflow runs restore --run-id "
+            f"{run_id}` brings it back)"
+        )
+    return ""
+
+
+def lifecycle_stage(tracking_uri: str | None, run_id: str) -> str:
+    """``run_id``'s lifecycle stage; a server is sent one ``runs/get`` (MLflow's REST API) without retries."""
+    if urllib.parse.urlsplit(tracking_uri or "").scheme not in ("http", "https"):
+        from mlflow import MlflowClient  # heavy
+
+        return MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.lifecycle_stage
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+    endpoint = "/api/2.0/mlflow/runs/get"
+    creds = get_default_host_creds(tracking_uri)
+    response = http_request(creds, endpoint, "GET", max_retries=0, timeout=PROBE_TIMEOUT_S, params={"run_id": run_id})
+    return verify_rest_response(response, endpoint).json()["run"]["info"]["lifecycle_stage"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.paths import write_text_atomically
+from tracking import store
 from tracking.store import (
     DELIVER_COMMAND,
     PENDING_RUN,
@@ -28,6 +29,7 @@ from tracking.store import (
     spool_copies,
     spool_dir,
     unanswered,
+    unserved,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,11 +51,10 @@ CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this oft
 # A Tracker of a run still pending at close waits this long for it, then leaves its records in the spool, beside the
 # run record, for the job's end or its courier to send (docs/design.md, "Tracking at a job's start").
 PENDING_CLOSE_S = 3.0
-# A Tracker closing while a send to its URI has failed in this process, and none has succeeded since, or while its
-# server accepts no connections, waits this long at most: MLflow's own retries of a server that does not answer last
-# minutes, and a job's end closes several.
+# A Tracker closing while a call to its URI has failed in this process and no send has succeeded since, or while its
+# server does not answer or fails a request for the run, waits this long at most: MLflow's own retries of such a
+# server last minutes, and a job's end closes several.
 UNANSWERED_CLOSE_S = 10.0
-_FAILING_SINCE: dict[str, float] = {}  # tracking URI -> when a send to it failed (monotonic), until one succeeds
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -274,7 +275,7 @@ class Tracker:
         if not self.enabled:
             return
         wait = 120.0 if timeout is None else timeout  # bounded: a pending run's server may never come back
-        failing_since = _FAILING_SINCE.get(self.tracking_uri)
+        failing_since = store.FAILING_SINCE.get(self.tracking_uri)
         if self.run_id == self._placeholder:  # its records go to the spool rather than wait for the run
             wait = min(wait, PENDING_CLOSE_S)
         elif failing_since is not None:  # a send in flight may be MLflow retrying for minutes: not waited out
@@ -287,7 +288,7 @@ class Tracker:
         down, first = "", min(limit, UNANSWERED_CLOSE_S)
         if self._thread is not None:
             self._thread.join(first)
-            if self._thread.is_alive() and limit > first and not (down := unanswered(self.tracking_uri)):
+            if self._thread.is_alive() and limit > first and not (down := unserved(self.tracking_uri, self.run_id)):
                 self._thread.join(None if limit == math.inf else limit - first)
         if self.pending:
             why = down and f"{down}: "
@@ -428,11 +429,11 @@ class Tracker:
             return
         _QUIET_FILTER.active.sending = True
         try:
-            if (look or self.tracking_uri in _FAILING_SINCE) and (silent := unanswered(self.tracking_uri)):
+            if (look or self.tracking_uri in store.FAILING_SINCE) and (silent := unanswered(self.tracking_uri)):
                 raise ConnectionError(silent)
             self._send_all()
         except Exception as error:  # noqa: BLE001 — any failure of the store must stay out of training
-            _FAILING_SINCE.setdefault(self.tracking_uri, time.monotonic())
+            store.FAILING_SINCE.setdefault(self.tracking_uri, time.monotonic())
             self._failures += 1
             backoff = min(self.max_backoff_s, 2.0 ** (self._failures - 1))
             self._next_attempt = time.monotonic() + backoff
@@ -442,7 +443,7 @@ class Tracker:
                 f"{self.pending} items buffered, retrying in {backoff:.0f}s. Training continues."
             )
         else:
-            _FAILING_SINCE.pop(self.tracking_uri, None)
+            store.FAILING_SINCE.pop(self.tracking_uri, None)
             if self._failures:
                 self._warn(f"MLflow tracking recovered after {self._failures} failed attempt(s)", force=True)
             self._failures = 0
@@ -455,18 +456,18 @@ class Tracker:
 
         client = self._get_client()
         # Params and tags first: metrics need their config.
-        for store, make, what in ((self._params, Param, "params"), (self._tags, RunTag, "tags")):
+        for queued, make, what in ((self._params, Param, "params"), (self._tags, RunTag, "tags")):
             while True:
                 with self._buffer_lock:
-                    batch = dict(list(store.items())[:MAX_PARAMS_TAGS_PER_BATCH])
+                    batch = dict(list(queued.items())[:MAX_PARAMS_TAGS_PER_BATCH])
                 if not batch:
                     break
                 entities = [make(k, self._named(v)) for k, v in batch.items()]
                 self._send_batch(what, lambda e=entities, w=what: client.log_batch(self.run_id, **{w: e}))
                 with self._buffer_lock:
                     for key, value in batch.items():
-                        if store.get(key) == value:  # a newer value logged meanwhile stays queued
-                            del store[key]
+                        if queued.get(key) == value:  # a newer value logged meanwhile stays queued
+                            del queued[key]
         while True:
             with self._buffer_lock:
                 metrics = list(itertools.islice(self._metrics, _MAX_METRICS_PER_BATCH))

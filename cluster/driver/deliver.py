@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.courier import deliver
-from tracking.runs import RUN_RECORD, missing_run, send_spooled
-from tracking.store import COURIER_FILE, DELIVER_COMMAND, recorded_run_id, spool_dir
+from tracking.runs import RUN_RECORD, send_spooled
+from tracking.store import COURIER_FILE, DELIVER_COMMAND, missing_run, recorded_run_id, spool_dir
 
 
 def _read(path: Path) -> dict[str, Any]:

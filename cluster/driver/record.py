@@ -21,9 +21,9 @@ from pretrain.weights.export import checkpoint_step, class_names, save_hf
 from pretrain.weights.formats import load_checkpoint_model
 from tracking import keys
 from tracking.models import log_hf_model
-from tracking.runs import PROBE_TIMEOUT_S, RUN_RECORD, finish_run, missing_run, send_spooled, steps_missing
-from tracking.store import PENDING_RUN, unanswered
-from tracking.tracker import UNANSWERED_CLOSE_S, Tracker
+from tracking.runs import RUN_RECORD, finish_run, send_spooled, steps_missing
+from tracking.store import PENDING_RUN, unserved
+from tracking.tracker import Tracker
 
 
 def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
@@ -75,9 +75,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
     reference while MLflow has not answered. Where it does not answer, what is logged here waits in the spool for the
     job's courier (cluster.driver.courier)."""
     run_id = None if run.startswith(PENDING_RUN) else run
-    down = unanswered(uri) if run_id else ""
-    if run_id and not down and missing_run(uri, run_id) is None:  # its database down, say
-        down = f"it answers /health but fails a request for the run, or takes over {PROBE_TIMEOUT_S} s"
+    down = unserved(uri, run_id) if run_id else ""
     if down:  # MLflow's own retries would hold the job's end for minutes a call
         print(f"MLflow run {run_id} is not reachable at the job's end: {down}", flush=True)
         run_id = None
@@ -125,7 +123,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
             print(finish_ledger(run_dir, ledger, end.plan, tracker, step), flush=True)
         except Exception as error:  # noqa: BLE001 — the job's outcome stays training's
             print(f"warning: no goodput ledger: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-    tracker.close(UNANSWERED_CLOSE_S if down else 120.0)  # its first send may be in MLflow's retries
+    tracker.close()  # where `down`, within tracking.tracker.UNANSWERED_CLOSE_S: the call that failed counts
     return run_id is not None and finish_run(uri, run_id, end.status)
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from cluster.driver import record
 from cluster.driver.courier import COURIER_FILE, NAMESPACE, deliver, hand_over
 from cluster.driver.deliver import main as deliver_main
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
@@ -29,7 +28,8 @@ from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
 from tests.tracking.test_tracking_server import ADMIN, PASSWORD, MlflowServer
-from tracking import keys, runs
+from tracking import keys, runs, store
+from tracking import tracker as tracker_module
 from tracking.runs import CREDENTIAL_VARS, RUN_RECORD, tracking_credentials
 from tracking.store import PENDING_RUN, SPOOL_DIR, pending_run_ref, spool_dir
 from tracking.tracker import Tracker
@@ -169,9 +169,8 @@ def test_a_job_whose_server_hangs_starts_and_ends_without_waiting_on_it(tmp_path
     """A server that accepts connections and never answers: each of MLflow's calls would wait 120 s, 7 retries over
     (some 20 minutes a call). The job's start says why within its wait; its end looks once, spools the summary's
     records and leaves the run to the courier."""
-    from tracking import tracker
-
-    monkeypatch.setattr(tracker, "UNANSWERED_CLOSE_S", 2.0)
+    monkeypatch.setattr(store, "FAILING_SINCE", {})
+    monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
     with socket.socket() as hanging:
         hanging.bind(("127.0.0.1", 0))
         hanging.listen(8)  # the kernel completes connections; nobody ever reads or replies
@@ -197,12 +196,13 @@ def test_a_job_whose_server_fails_its_calls_ends_without_waiting_on_it(failing_m
     """A server whose /health answers while every call fails (its database down): MLflow's default retries would
     hold each of the job's end's calls ~4 min. The end asks for the run once, spools the summary's records and leaves
     the run to the courier."""
-    monkeypatch.setattr(record, "UNANSWERED_CLOSE_S", 2.0)
+    monkeypatch.setattr(store, "FAILING_SINCE", {})  # no call has failed yet in this process
+    monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
     run_id = "0" * 32
     (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": failing_mlflow}))
     started = time.monotonic()
     assert not finish_job(tmp_path, 5, failing_mlflow, run_id, JobEnd("FINISHED", 12.0, {}))
-    assert time.monotonic() - started < runs.PROBE_TIMEOUT_S + 2.0 + 10
+    assert time.monotonic() - started < store.PROBE_TIMEOUT_S + 2.0 + 10
     assert f"MLflow run {run_id} is not reachable at the job's end: it answers /health but fails a request" in (
         capsys.readouterr().out
     )

@@ -120,7 +120,7 @@ def test_an_eval_whose_tracking_server_is_down_ends_in_seconds(data_root, checkp
     from tracking.store import spool_dir
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
-    monkeypatch.setattr("tracking.tracker._FAILING_SINCE", {})  # a fresh process: no send has failed yet
+    monkeypatch.setattr("tracking.store.FAILING_SINCE", {})  # a fresh process: no send has failed yet
     monkeypatch.setattr("tracking.tracker.UNANSWERED_CLOSE_S", 2.0)
     uri, run_id = f"http://127.0.0.1:{free_port()}", "0" * 32
     record = checkpoint.parent.parent / RUN_RECORD

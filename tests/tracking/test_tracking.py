@@ -14,6 +14,7 @@ import pytest
 
 from data_pipeline.paths import PROJECT_ROOT
 from tracking import keys, runs
+from tracking import store as store_module
 from tracking import tracker as tracker_module
 from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags, send_spooled
 from tracking.store import default_tracking_uri, pending_run_ref, spool_dir, unanswered
@@ -355,7 +356,7 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
 def test_sending_the_spool_to_a_server_that_is_down_stops_at_its_first_file(monkeypatch, tmp_path, caplog):
     """Each spool file is a Tracker's close: against a server that is down, the first one that fails ends the work (at
     a job's end, the driver's Trackers may have spooled several), and every file stays for a later send."""
-    monkeypatch.setattr(tracker_module, "_FAILING_SINCE", {})
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})
     monkeypatch.setattr(tracker_module, "CLOSE_RETRIES", 0)  # one last send per close: seconds, not 7 s each
     uri = _server_that_is_down(monkeypatch)
     record = tmp_path / RUN_RECORD
@@ -449,9 +450,9 @@ def test_locked_sqlite_outage_warns_buffers_and_recovers(store, caplog):
         lock.execute("ROLLBACK")
         lock.close()
     assert "Training continues" in caplog.text and tracker.pending == 20
-    assert uri in tracker_module._FAILING_SINCE  # what a closing Tracker of this process goes by
+    assert uri in store_module.FAILING_SINCE  # what a closing Tracker of this process goes by
     assert tracker.flush()
-    assert uri not in tracker_module._FAILING_SINCE
+    assert uri not in store_module.FAILING_SINCE
     tracker.close()
     history = _client(uri).get_metric_history(run_id, "train/loss")
     assert [m.step for m in history] == list(range(21))
@@ -463,7 +464,7 @@ def test_trackers_closing_after_a_failed_send_do_not_wait_out_mlflows_request(mo
     """A job's end closes several Trackers (rank 0's, the driver's ledger and summary). Once a send to their URI has
     failed in the process, each waits at most `UNANSWERED_CLOSE_S` for its last send, which a server that stopped
     answering holds for MLflow's whole request timeout (before: up to the close's 120 s, each), and says so."""
-    monkeypatch.setattr(tracker_module, "_FAILING_SINCE", {})  # this test's URI only
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})  # this test's URI only
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # one request per send
     with socket.socket() as hanging:
         hanging.bind(("127.0.0.1", 0))
@@ -489,7 +490,7 @@ def test_a_tracker_closing_as_its_server_goes_down_waits_only_the_unanswered_all
     for about two minutes, and no send has failed yet in this process. Once `UNANSWERED_CLOSE_S` have passed and
     nothing accepts connections at the server's address, close() stops waiting and names why (before: the whole
     timeout, up to 120 s per Tracker at a job's end)."""
-    monkeypatch.setattr(tracker_module, "_FAILING_SINCE", {})
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})
     monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
     uri = _server_that_is_down(monkeypatch)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES")  # MLflow's default: 7 retries, 2 s x 2^n apart
@@ -500,10 +501,31 @@ def test_a_tracker_closing_as_its_server_goes_down_waits_only_the_unanswered_all
         started = time.monotonic()
         tracker.close(timeout=60)
         assert time.monotonic() - started < 2.0 + 3  # the allowance, then one refused connection
-    assert uri not in tracker_module._FAILING_SINCE  # no send had failed: MLflow was still retrying
+    assert uri in store_module.FAILING_SINCE  # no send had failed (MLflow was still retrying); the close's look did
     port = uri.rsplit(":", 1)[1]
     assert f"nothing accepts connections at 127.0.0.1:{port}" in caplog.text
     assert "closing with 1 items not sent" in caplog.text
+
+
+def test_a_tracker_closing_as_its_servers_database_goes_down_asks_once_and_stops_waiting(
+    failing_mlflow, monkeypatch, caplog
+):
+    """The server answers `/health` but fails every call (its database is down) from just after the last successful
+    send: the close's send is MLflow retrying 500s for minutes. Once `UNANSWERED_CLOSE_S` have passed, close() asks
+    for the run once, stops waiting and names why (before: the whole timeout, 120 s at a job's end); the failed
+    request counts as a failed send for this process's other Trackers."""
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})
+    monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
+    tracker = Tracker(failing_mlflow, "0123456789abcdef", rank=0)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    time.sleep(0.5)  # the sender is in its first send
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        started = time.monotonic()
+        tracker.close(timeout=60)
+        assert time.monotonic() - started < 2.0 + 3  # the allowance, then one failed request
+    assert "answers /health but fails a request for run 0123456789abcdef" in caplog.text
+    assert "closing with 1 items not sent" in caplog.text
+    assert failing_mlflow in store_module.FAILING_SINCE
 
 
 def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
@@ -551,7 +573,7 @@ def test_a_relaunch_whose_server_fails_its_calls_continues_its_run_at_once(faili
     (tmp_path / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": failing_mlflow}))
     started = time.monotonic()
     relaunch = runs.start_job_run(tmp_path, failing_mlflow, "relaunch", {}, {}, {})
-    assert time.monotonic() - started < runs.PROBE_TIMEOUT_S and relaunch.run_id == run_id
+    assert time.monotonic() - started < store_module.PROBE_TIMEOUT_S and relaunch.run_id == run_id
     assert f"continuing MLflow run {run_id}" in capsys.readouterr().out
 
 

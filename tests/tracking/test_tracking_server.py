@@ -31,7 +31,7 @@ import pytest
 
 from cluster.driver import deliver
 from cluster.local_head import free_port
-from tracking import keys, runs, tracker
+from tracking import keys, runs, store, tracker
 from tracking.runs import CREDENTIAL_VARS, run_tags
 from tracking.store import PENDING_RUN, spool_dir
 from tracking.tracker import Tracker
@@ -385,7 +385,7 @@ def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_one
     """401 at the job's start: no exception, one warning naming the fix, a bounded buffer, a close that says at once
     what was not sent. With the right credentials from the environment the records arrive, and the password is in
     none of them, nor in what the job printed or logged. A relaunch's one question about its recorded run (no
-    retries, `runs.missing_run`) carries them too: the run is there, deleted, or gone."""
+    retries, `store.missing_run`) carries them too: the run is there, deleted, or gone."""
     from cluster.driver.job import open_tracking
 
     server.start()
@@ -425,7 +425,7 @@ def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_one
     assert not _warnings(printed.err, server.uri)
     for text in (json.dumps(run.data.params), json.dumps(run.data.tags), plan, printed.out, printed.err, caplog.text):
         assert PASSWORD not in text and "wrong-password-Kx7" not in text
-    assert runs.missing_run(server.uri, run_id) == ""
+    assert store.missing_run(server.uri, run_id) == ""
     _client(server.uri).delete_run(run_id)
-    assert f"MLflow run {run_id} is deleted" in runs.missing_run(server.uri, run_id)
-    assert "it was deleted for good" in runs.missing_run(server.uri, "0" * 32)
+    assert f"MLflow run {run_id} is deleted" in store.missing_run(server.uri, run_id)
+    assert "it was deleted for good" in store.missing_run(server.uri, "0" * 32)
