@@ -485,47 +485,33 @@ def test_trackers_closing_after_a_failed_send_do_not_wait_out_mlflows_request(mo
     assert caplog.text.count("closing with 1 items not sent") == 2 and "MLflow has failed for" in caplog.text
 
 
-def test_a_tracker_closing_as_its_server_goes_down_waits_only_the_unanswered_allowance(monkeypatch, caplog):
-    """The server went down after the last successful send: the close's send is MLflow retrying a refused connection
-    for about two minutes, and no send has failed yet in this process. Once `UNANSWERED_CLOSE_S` have passed and
-    nothing accepts connections at the server's address, close() stops waiting and names why (before: the whole
-    timeout, up to 120 s per Tracker at a job's end)."""
+@pytest.mark.parametrize("outage", ["server down", "database down"])
+def test_a_tracker_closing_as_its_server_fails_waits_only_the_unanswered_allowance(
+    outage, monkeypatch, caplog, request
+):
+    """The server went down, or its database did (`/health` answers, every call 500), after the last successful
+    send: the close's send is MLflow retrying for minutes, and no send has failed yet in this process. Once
+    `UNANSWERED_CLOSE_S` have passed, close() looks at the server (and asks for the run once), stops waiting and
+    names why (before: the whole timeout, up to 120 s per Tracker at a job's end); the look counts as a failed call
+    for this process's other Trackers."""
     monkeypatch.setattr(store_module, "FAILING_SINCE", {})
     monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
-    uri = _server_that_is_down(monkeypatch)
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES")  # MLflow's default: 7 retries, 2 s x 2^n apart
+    if outage == "server down":
+        uri = _server_that_is_down(monkeypatch)
+        monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES")  # MLflow's default: 7 retries, 2 s x 2^n apart
+        why = f"nothing accepts connections at 127.0.0.1:{uri.rsplit(':', 1)[1]}"
+    else:
+        uri = request.getfixturevalue("failing_mlflow")
+        why = "it answers /health but fails a request for run 0123456789abcdef"
     tracker = Tracker(uri, "0123456789abcdef", rank=0)
     tracker.log_metrics({"train/loss": 1.0}, step=1)
     time.sleep(0.5)  # the sender is in its first send
     with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
         started = time.monotonic()
         tracker.close(timeout=60)
-        assert time.monotonic() - started < 2.0 + 3  # the allowance, then one refused connection
-    assert uri in store_module.FAILING_SINCE  # no send had failed (MLflow was still retrying); the close's look did
-    port = uri.rsplit(":", 1)[1]
-    assert f"nothing accepts connections at 127.0.0.1:{port}" in caplog.text
-    assert "closing with 1 items not sent" in caplog.text
-
-
-def test_a_tracker_closing_as_its_servers_database_goes_down_asks_once_and_stops_waiting(
-    failing_mlflow, monkeypatch, caplog
-):
-    """The server answers `/health` but fails every call (its database is down) from just after the last successful
-    send: the close's send is MLflow retrying 500s for minutes. Once `UNANSWERED_CLOSE_S` have passed, close() asks
-    for the run once, stops waiting and names why (before: the whole timeout, 120 s at a job's end); the failed
-    request counts as a failed send for this process's other Trackers."""
-    monkeypatch.setattr(store_module, "FAILING_SINCE", {})
-    monkeypatch.setattr(tracker_module, "UNANSWERED_CLOSE_S", 2.0)
-    tracker = Tracker(failing_mlflow, "0123456789abcdef", rank=0)
-    tracker.log_metrics({"train/loss": 1.0}, step=1)
-    time.sleep(0.5)  # the sender is in its first send
-    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
-        started = time.monotonic()
-        tracker.close(timeout=60)
-        assert time.monotonic() - started < 2.0 + 3  # the allowance, then one failed request
-    assert "answers /health but fails a request for run 0123456789abcdef" in caplog.text
-    assert "closing with 1 items not sent" in caplog.text
-    assert failing_mlflow in store_module.FAILING_SINCE
+        assert time.monotonic() - started < 2.0 + 3  # the allowance, then one look
+    assert why in caplog.text and "closing with 1 items not sent" in caplog.text
+    assert uri in store_module.FAILING_SINCE
 
 
 def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
