@@ -50,6 +50,7 @@ class TrainSpec:
     checkpoint_at: int = 12
     resume_steps: int = 4
     warmup_steps: int = 4  # steps left out of the steady state
+    lr_warmup: int = 100  # the schedule's: the lr stays in it (finite losses) yet moves them from the first steps
     zero_steps: int = 8  # timed steps per ZeRO setting (after 2 warm-up steps)
     num_workers: int = 8
     resume: bool = True  # run part 2
@@ -66,6 +67,9 @@ class TrainSpec:
             "data.shuffle_buffer=256",
             f"data.num_workers={self.num_workers}",
             "schedule.total=20000",
+            # Within the recipe's 10k-step warm-up the lr (~1e-6) moves no logit off the head's -10 by bf16's step
+            # there (0.06): every loss was the same, and a resume that restored nothing would have matched it.
+            f"schedule.warmup={self.lr_warmup}",
             f"schedule.stop_at_step={self.steps}",
             f"checkpoint.dir={run_dir}",
             f"checkpoint.every_steps={self.checkpoint_at}",
@@ -198,7 +202,8 @@ def real_path(spec: TrainSpec, out: Results) -> None:
 
     beat = TimedBeat(on_step)
     summary = train_worker(config, on_checkpoint=on_checkpoint, heartbeat=beat)
-    out |= dict(train_path_steps=summary.steps, train_path_losses=summary.losses)
+    distinct = len({loss for _, loss in summary.losses})
+    out |= dict(train_path_steps=summary.steps, train_path_losses=summary.losses, train_path_distinct_losses=distinct)
     out.update(_steady_state(spec, config, beat, saves, device))
     for step in list(saves)[1:]:  # only the first is resumed from: one H/14 save less on the disk
         shutil.rmtree(run_dir / "checkpoints" / f"step_{step:08d}", ignore_errors=True)
@@ -221,7 +226,8 @@ def resume(spec: TrainSpec, out: Results) -> None:
         resume_losses=summary.losses,
         resume_compared_steps=len(diffs),
         resume_max_abs_loss_diff=max(diffs) if diffs else None,
-        resume_losses_equal=bool(diffs) and max(diffs) == 0.0,
+        # Equal losses say something only where they move.
+        resume_losses_equal=bool(diffs) and max(diffs) == 0.0 and out["train_path_distinct_losses"] > 1,
         resume_start_s=beat.ends[min(beat.ends)] - beat.started if beat.ends else None,
     )
     shutil.rmtree(Path(spec.run_root) / "run", ignore_errors=True)

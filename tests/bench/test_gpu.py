@@ -82,6 +82,7 @@ def test_train_part_trains_saves_resumes_with_equal_losses_and_compares_zero_sta
     assert 0 <= smoke["train_path_data_wait"] <= 1 and smoke["train_path_num_workers"] == 1
     assert smoke["train_path_checkpoint_gb"] > 0 and smoke["train_path_checkpoint_save_s"] > 0
     assert smoke["resume_start"] == "resume_from" and smoke["resume_start_step"] == 2
+    assert smoke["train_path_distinct_losses"] == 3  # the lr moves them: equal losses after a resume mean something
     assert smoke["resume_compared_steps"] == 1 and smoke["resume_losses_equal"] is True
     assert smoke["resume_losses"][0] == smoke["train_path_losses"][2]
     for stage in (0, 1, 2):
