@@ -1,6 +1,6 @@
-"""Where a run's records live: the tracking URI's defaults and whether its server answers, and the run
-record (``mlflow_run.json``) and spool that a job's processes share while MLflow has not created the run
-(docs/design.md, "Tracking at a job's start").
+"""Where a run's records live: the tracking URI's defaults, whether its server answers (and for a run), which URIs
+failed a call in this process, and the run record (``mlflow_run.json``) and spool that a job's processes share while
+MLflow has not created the run (docs/design.md, "Tracking at a job's start").
 """
 
 from __future__ import annotations
