@@ -174,8 +174,18 @@ def comm_plan(profile: ClusterProfile, ds_json: dict, batch: BatchPlan, num_para
         bytes_per_gpu=sum(c.bytes_per_gpu for c in colls),
         comm_s=comm_s,
         compute_s=compute_s,
-        verdict=_verdict(comm_s, compute_s, colls, zero["overlap_comm"]),
+        verdict=_verdict(comm_s, compute_s, colls, zero["overlap_comm"]) + _one_rank_zero(zero_stage, world, profile),
         settings=_settings(ds_json, chosen, buckets(profile, world, reduce_dtype, precision), profile.uses_gpus),
+    )
+
+
+def _one_rank_zero(zero_stage: int, world: int, profile: ClusterProfile) -> str:
+    """Advice where ZeRO-2/3 partition over one GPU: the gradient hooks still run (docs/benchmarks/gpu.md)."""
+    if world > 1 or zero_stage < 2 or not profile.uses_gpus:
+        return ""
+    return (
+        f"; ZeRO-{zero_stage} partitions nothing at one rank and still costs its step (ZeRO-2 measured 30-46% over "
+        "ZeRO-1 on one H200, docs/benchmarks/gpu.md): --set deepspeed.zero_stage=1"
     )
 
 

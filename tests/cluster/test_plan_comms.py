@@ -63,6 +63,27 @@ def test_h100x8_b16_plan_uses_nvlink_and_counts_every_micro_batch_of_zero2():
     assert c.env == () and "one node: NCCL over NVLink 450 GB/s per GPU" in format_plan(plan)
 
 
+def test_one_gpu_at_zero2_or_3_is_advised_zero1_and_nothing_else_is():
+    """ZeRO-2 over one rank partitions nothing, yet its gradient hooks cost the step (measured on one H200)."""
+    big = load_profile("h200x8")
+    one = dataclasses.replace(
+        big,
+        hardware=dataclasses.replace(big.hardware, gpus_per_node=1),
+        workers=dataclasses.replace(big.workers, num_workers=1),
+    )
+    no_evals = ["evals.suite=null", "evals.extra_suites=[]"]
+    for profile, stage, advised in ((one, 2, True), (one, 3, True), (one, 1, False), (big, 2, False)):
+        config = resolve_config(profile, "vit_h14_i21k", [*no_evals, f"deepspeed.zero_stage={stage}"], "one")
+        verdict = build_plan(profile, config).comms.verdict
+        advice = f"; ZeRO-{stage} partitions nothing at one rank and still costs its step"
+        assert (advice in verdict) is advised, (profile.workers.num_workers, stage, verdict)
+        assert verdict.endswith("--set deepspeed.zero_stage=1") is advised
+    local = load_profile("local")
+    cpu = dataclasses.replace(local, workers=dataclasses.replace(local.workers, num_workers=1))  # nothing measured
+    config = resolve_config(cpu, "local_demo", ["deepspeed.zero_stage=2"], "r")
+    assert build_plan(cpu, config).comms.verdict == "one rank: no collectives"
+
+
 def test_step_collectives_by_hand_for_every_zero_stage():
     """4 ranks, 1000 parameters, 2 micro-batches, buckets of 300 / 400 elements: f = 3/4."""
     P, n, A, buckets = 1000, 4, 2, (300, 400)
