@@ -149,7 +149,7 @@ def unserved(tracking_uri: str | None, run_id: str) -> str:
     why = unanswered(tracking_uri)
     if why:
         FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
-    elif not run_id.startswith(PENDING_RUN) and missing_run(tracking_uri, run_id) is None:  # which counts it
+    elif not run_id.startswith(PENDING_RUN) and _asked_for(tracking_uri, run_id) is None:  # which counts it
         why = f"it answers /health but fails a request for run {run_id}, or takes over {PROBE_TIMEOUT_S} s"
     return why
 
@@ -157,11 +157,17 @@ def unserved(tracking_uri: str | None, run_id: str) -> str:
 def missing_run(tracking_uri: str | None, run_id: str) -> str | None:
     """Why MLflow has no active run ``run_id``; "" when it has one; None when it does not answer (a failed call, in
     `FAILING_SINCE`). A server is asked once, for at most `PROBE_TIMEOUT_S`: MLflow's own retries last minutes."""
+    if unanswered(tracking_uri):
+        FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+        return None
+    return _asked_for(tracking_uri, run_id)
+
+
+def _asked_for(tracking_uri: str | None, run_id: str) -> str | None:
+    """`missing_run` of a server known to answer ``/health``: one request for the run."""
     from mlflow.exceptions import MlflowException
 
     try:
-        if silent := unanswered(tracking_uri):
-            raise ConnectionError(silent)
         stage = lifecycle_stage(tracking_uri, run_id)
     except Exception as error:  # noqa: BLE001 — down, slow or failing: not an answer
         if isinstance(error, MlflowException) and error.error_code == "RESOURCE_DOES_NOT_EXIST":
