@@ -240,10 +240,14 @@ def check_model(config: TrainConfig) -> ViTConfig:
     m = config.model
     if m.name not in MODEL_NAMES:
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")
+    overrides = model_overrides(config, num_classes=m.num_classes or 1)
     try:
-        return model_config(m.name, **model_overrides(config, num_classes=m.num_classes or 1))
+        return model_config(m.name, **overrides)
     except ValueError as error:
-        raise ValueError(f"model/data settings do not make a valid {m.name}: {error}") from None
+        text = str(error)
+        for name in overrides:  # the recipe's keys, not the ViTConfig fields they set
+            text = text.replace(f"ViTConfig.{name}", "data.image_size" if name == "image_size" else f"model.{name}")
+        raise ValueError(f"model/data settings do not make a valid {m.name}: {text}") from None
 
 
 def check_compiler(m: ModelConfig) -> None:

@@ -93,7 +93,6 @@ BAD = [
     (["loss.type=sigmoid_xent", "loss.label_smoothing=0.1"], r"label_smoothing applies to softmax_xent only"),
     (["schedule.warmup=5000"], r"schedule\.warmup \(5000 steps\) must be shorter than schedule\.total"),
     (["schedule.total=3ep", "data.epoch_images=null", "data.train=s3://bucket/x"], r"set data\.epoch_images"),
-    (["data.image_size=30"], r"not a multiple of the patch stride"),
     (["task.name=jigsaw"], r"task\.name='jigsaw' is not registered"),
     (["task.name=mpp", "task.options={corrupt_fraction: 2}"], r"task\.options\.corrupt_fraction must be in \(0, 1\]"),
     (["task.options.corrupt_fraction=0"], r"task\.options\.corrupt_fraction must be in \(0, 1\]"),
@@ -103,6 +102,22 @@ BAD = [
     (["data.builtin_options.background_ramp=257"], r"data\.builtin_options: background_ramp=257 is out of range"),
     (["data.builtin_options.class_offset=51"], r"data\.builtin_options: class_offset=51 is out of range"),
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
+    (["checkpoint.dir="], r"checkpoint\.dir is empty; set it to the run folder"),
+    (["schedule.decay=exponential"], r"schedule\.decay='exponential' is unknown; use one of linear, cosine"),
+    (["schedule.total=90days"], r"schedule\.total='90days' is not a duration; write steps"),
+    (["schedule.end_lr=1.0"], r"schedule\.end_lr=1\.0 must be in \[0, optim\.lr=0\.003\]"),
+    (["optim.beta2=1.0"], r"optim\.beta2=1\.0 must be in \[0, 1\); the paper uses 0\.9 / 0\.999"),
+    (["optim.lr=nan"], r"optim\.lr must be a finite number, got nan"),
+    (["loss.type=softmax_xent", "loss.label_smoothing=1.0"], r"loss\.label_smoothing=1\.0 must be in \[0, 1\)"),
+    # The ViT's own checks, named by the recipe key that set the field.
+    (["model.dropout=1.0"], r"valid vit_tiny_debug: model\.dropout must be in \[0, 1\), got 1\.0"),
+    (["model.num_classes=-1"], r"valid vit_tiny_debug: model\.num_classes must be an int >= 0"),
+    (["data.image_size=30"], r"valid vit_tiny_debug: data\.image_size=30 is not a multiple of the patch stride"),
+    (["data.normalize_on=gpu"], r"data\.normalize_on='gpu' is unknown; use one of auto, loader, device"),
+    (["data.num_workers=-1"], r"data\.num_workers=-1 must be >= 0"),
+    (["data.builtin=imagenet"], r"data\.builtin='imagenet' is unknown; use one of fractal, rcdb, .* or unset it"),
+    (["data.builtin_options.nope=1"], r"data\.builtin_options\.nope is unknown; valid options: resolution, seed"),
+    (["data.builtin_options.background_ramp=x"], r"data\.builtin_options\.background_ramp='x' must be an integer >= 0"),
 ]
 
 
