@@ -84,6 +84,14 @@ def test_bad_suite_files_raise(tmp_path):
     bad.write_text("name: x\nevaluators: [{type: fewshot}]\nextra: 1\n")
     with pytest.raises(ValueError, match=r"unknown top-level keys \['extra'\]"):
         load_suite(bad)
+    bad.write_text("name: [x]\nevaluators: [{type: fewshot}]\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: name must be a string, got \['x'\]"):
+        load_suite(bad)
+    bad.write_text("name: x\nevaluators: [{shots: [1]}]\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: evaluators\[0\] needs a 'type' \(one of \[.*'fewshot'"):
+        load_suite(bad)
+    with pytest.raises(ValueError, match=r"eval suite file .*missing\.yaml does not exist.*local_fewshot"):
+        load_suite(tmp_path / "missing.yaml")
 
 
 def test_mlflow_metrics_are_the_ok_rows_with_a_finite_value():

@@ -164,6 +164,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
         [r"suite_option\.yaml", r"unknown key.*shot"],
     ),
     ("cluster.launch", ["--run-name", "../elsewhere", "--dry-run"], [r"--run-name"]),
+    ("cluster.launch", ["--inject-worker-failure", "1", "--dry-run"], [r"'1'; write RANK:STEP\[:DELAY_S\]"]),
     ("cluster.render", ["--cluster", "local", "--out", "{tmp}/rendered"], [r"profile local", r"GPU profile"]),
     ("cluster.render", ["--cluster", "a100x8", "--out", "{afile}/sub"], [r"--out", r"afile"]),
     ("cluster.jobs", ["status", "--cluster", "{profile_nohead}"], [r"no Ray head", r"make launch"]),
