@@ -89,6 +89,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("pretrain.train", ["--config", "local_demo", "--set", "optim.lr", "--dry-run"], [r"optim\.lr", r"key=value"]),
     ("pretrain.train", ["--config", "local_demo", "--set", "optim.lr=[1,", "--dry-run"], [r"optim\.lr", r"YAML"]),
     ("pretrain.train", ["--config", "local_demo", "--set", "optim.lr=fast", "--dry-run"], [r"optim\.lr.*number"]),
+    ("pretrain.train", ["--config", "local_demo", "--summary", "s{{node}}.json", "--dry-run"], [r"only \{rank\} may"]),
     (
         "pretrain.train",
         ["--config", "local_demo", "--set", "checkpoint.init_from={garbage}", "--dry-run"],
