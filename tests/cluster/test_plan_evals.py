@@ -18,7 +18,7 @@ from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.evals.cost import EvalDevice, suite_cost
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.plan.text import format_plan
-from cluster.profiles import load_profile
+from cluster.profiles import ClusterProfile, load_profile
 from evals.suites import load_suite
 from pretrain.config.train_config import EvalsConfig, SuiteCadence, TrainConfig, load_config
 from pretrain.model import flops
@@ -215,3 +215,55 @@ def test_the_plan_knows_every_vtab1k_split_it_prices():
 
     assert set(VTAB1K_TEST_IMAGES) == set(VTAB1K_TASKS)
     assert sum(VTAB1K_TEST_IMAGES.values()) == 387_904  # as docs/vtab.md and configs/evals/vtab1k_probe.yaml say
+
+
+def _priced_without(profile: str, part: str, **fields) -> ClusterProfile:
+    """``profile`` with the fields of its ``part`` (``hardware`` or ``evals``) replaced."""
+    p = load_profile(profile)
+    return dataclasses.replace(p, **{part: dataclasses.replace(getattr(p, part), **fields)})
+
+
+REMOTE_CPU_WORKERS = {"gpus_per_node": 0, "peak_tflops": None, "gpu_memory_gb": 0}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "profile,sets,message",
+    [
+        (
+            _priced_without("a100x64", "hardware", gpu_type="MI300X"),
+            ["deepspeed.precision=fp32"],
+            r"no fp32 peak is known for gpu_type 'MI300X' .*train in bf16 \(--set deepspeed\.precision=auto\)",
+        ),
+        (
+            dataclasses.replace(
+                _priced_without("a100x8", "hardware", **REMOTE_CPU_WORKERS),
+                workers=dataclasses.replace(load_profile("a100x8").workers, gpus_per_worker=0),
+                comm_backend="gloo",
+            ),
+            [],
+            r"CPU workers without hardware\.peak_tflops; .*declare the workers' peak TFLOP/s in the profile",
+        ),
+        (
+            _priced_without("a100x64", "evals", gpu_type="X99", peak_tflops=None),
+            [],
+            r"no bf16 peak is known for evals\.gpu_type='X99' .*or declare evals\.peak_tflops",
+        ),
+        (
+            _priced_without("a100x8", "evals", peak_tflops=None),
+            [],
+            r"CPU evals on remote nodes without evals\.peak_tflops; declare the eval CPUs' peak",
+        ),
+        (
+            _priced_without("a100x64", "evals", memory_gb=1),
+            [],
+            r"i21k_fewshot, entry fewshot: needs ~\d\.\d+ GB of host memory .* over the 1 GB it reserves in Ray .*"
+            r"raise evals\.memory_gb",
+        ),
+    ],
+    ids=["fp32-peak-unknown", "remote-cpu-workers", "eval-gpu-unknown", "remote-cpu-evals", "eval-host-memory"],
+)
+def test_a_device_the_plan_cannot_price_or_fit_is_refused_with_the_fix(profile, sets, message):
+    """Paths only a cluster's profile takes (a GPU the peak table lacks, remote CPUs, an eval node's host memory)."""
+    with pytest.raises(PlanError, match=message):
+        build_plan(profile, resolve_config(profile, "vit_b16_i21k", sets, "b"))
