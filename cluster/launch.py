@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -68,9 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         "(0, the default: at once, before rank 0 hands that checkpoint to its evals)",
     )
     args = parser.parse_args(argv)
-    # The run name names the run folder and the Ray submission id.
-    if args.run_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.run_name):
-        parser.error(f"--run-name {args.run_name!r}: use letters, digits, '.', '_' and '-' only, e.g. vit-b16-try2")
     try:
         profile = load_profile(args.cluster)
         recipe = profile.pick_recipe(args.recipe)
