@@ -51,7 +51,13 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
     """Class names from a file of ``id<TAB>name`` lines, ``id name`` lines or names in label order."""
     if path is None:
         return list(ids)
-    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"class-name file {path} is not UTF-8 text (byte {error.start}); give 'id name' lines or one name per line"
+        ) from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     known = set(ids)
     if all("\t" in line for line in lines):
         pairs = [line.split("\t", 1) for line in lines]

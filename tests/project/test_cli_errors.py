@@ -114,6 +114,7 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     # data_pipeline
     ("data_pipeline.builtin", ["digits", "--out", "{afile}"], [r"--out", r"afile"]),
     ("data_pipeline.builtin", ["digits", "--out", "{tmp}/data", "--set", "resolution=abc"], [r"resolution"]),
+    ("data_pipeline.builtin", ["digits", "--out", "{tmp}/data", "--set", "bogus=1"], [r"no field 'bogus'; fields: "]),
     ("data_pipeline.validate", ["{notshards}"], [r"notshards", r"dataset\.json"]),
     ("data_pipeline.validate", ["{shards_badjson}"], [r"shards_badjson", r"dataset\.json"]),
     ("data_pipeline.write", ["--source", "{missing}", "--out", "{tmp}/w"], [r"--source", r"nothere"]),
@@ -122,6 +123,22 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
         "data_pipeline.write",
         ["--source", "{tmp}/src", "--out", "{tmp}/w", "--class-names", "{missing}"],
         [r"--class-names", r"nothere"],
+    ),
+    (
+        "data_pipeline.write",
+        ["--source", "{tmp}/src", "--out", "{tmp}/w", "--class-names", "{weights}"],
+        [r"class-name file \S+weights\.pkl is not UTF-8 text \(byte 0\)"],
+    ),
+    ("data_pipeline.write", ["--source", "{notshards}", "--kind", "parquet", "--out", "{tmp}/w"], [r"no \.parquet"]),
+    (
+        "data_pipeline.write",
+        ["--source", "{tmp}/src", "--out", "{tmp}/w", "--max-short-side", "10", "--min-size", "20"],
+        [r"--max-short-side 10 is below --min-size 20"],
+    ),
+    (
+        "data_pipeline.write",
+        ["--source", "{tmp}/src", "--out", "{tmp}/w", "--exclude-like", "{notshards}"],
+        [r"--exclude-like \S+notshards holds no images and no samples\.parquet"],
     ),
     # evals: suites (a suite is read before any weights), weights, tracking stores, the UI's flags
     ("evals.run", ["--checkpoint", "{incomplete}", "--suite", "{suite_syntax}"], [r"suite_syntax\.yaml, line \d"]),
