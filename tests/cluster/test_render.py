@@ -287,6 +287,30 @@ def test_render_refuses_an_eval_that_cannot_fit_its_pod(tmp_path, capsys):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "section,key,value,message",
+    [
+        ("hardware", "instance_type", None, r"hardware\.instance_type is empty; set e\.g\. p4de\.24xlarge"),
+        ("storage", "checkpoints", "s3://bucket/runs", r"storage\.checkpoints='s3://bucket/runs' must live on .* /fsx"),
+        ("workers", "cpus_per_worker", 20, r"need 160 CPUs, its pod has 94 of hardware\.cpus_per_node=96; lower"),
+    ],
+    ids=["no-instance-type", "checkpoints-off-fsx", "workers-over-the-pod"],
+)
+def test_render_refuses_a_profile_its_nodes_cannot_run(tmp_path, capsys, section, key, value, message):
+    """A lab's own profile: what `ray up` or KubeRay would fail on later is refused here, in one line."""
+    data = yaml.safe_load((render.load_profile.__globals__["PROFILES_DIR"] / "a100x64.yaml").read_text())
+    if value is None:
+        del data[section][key]
+    else:
+        data[section][key] = value
+    (tmp_path / "lab.yaml").write_text(yaml.safe_dump(data))
+    assert render.main(["--cluster", str(tmp_path / "lab.yaml"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
 def test_render_refuses_the_local_profile(capsys):
     with pytest.raises(ValueError, match="needs no cluster files"):
         render.launcher_config(render.load_profile("local"))
