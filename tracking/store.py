@@ -142,13 +142,18 @@ def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
         connection.close()
 
 
+def mark_failing(tracking_uri: str | None) -> None:
+    """A call to ``tracking_uri`` failed in this process: kept from the first failure until a send succeeds."""
+    FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+
+
 def unserved(tracking_uri: str | None, run_id: str) -> str:
     """Why MLflow cannot take ``run_id``'s records now: `unanswered`'s reasons, or it answers ``/health`` but fails a
     request for the run (its database down, say); "" when it answers for the run, or for a run still pending. Either
     counts as a failed call."""
     why = unanswered(tracking_uri)
     if why:
-        FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+        mark_failing(tracking_uri)
     elif not run_id.startswith(PENDING_RUN) and _asked_for(tracking_uri, run_id) is None:  # which counts it
         why = f"it answers /health but fails a request for run {run_id}, or takes over {PROBE_TIMEOUT_S} s"
     return why
@@ -158,7 +163,7 @@ def missing_run(tracking_uri: str | None, run_id: str) -> str | None:
     """Why MLflow has no active run ``run_id``; "" when it has one; None when it does not answer (a failed call, in
     `FAILING_SINCE`). A server is asked once, for at most `PROBE_TIMEOUT_S`: MLflow's own retries last minutes."""
     if unanswered(tracking_uri):
-        FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+        mark_failing(tracking_uri)
         return None
     return _asked_for(tracking_uri, run_id)
 
@@ -172,7 +177,7 @@ def _asked_for(tracking_uri: str | None, run_id: str) -> str | None:
     except Exception as error:  # noqa: BLE001 — down, slow or failing: not an answer
         if isinstance(error, MlflowException) and error.error_code == "RESOURCE_DOES_NOT_EXIST":
             return f"MLflow at {tracking_uri} has no run {run_id}: it was deleted for good (`mlflow gc`)"
-        FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
+        mark_failing(tracking_uri)
         return None
     if stage == "deleted":
         return (

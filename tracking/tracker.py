@@ -433,7 +433,7 @@ class Tracker:
                 raise ConnectionError(silent)
             self._send_all()
         except Exception as error:  # noqa: BLE001 — any failure of the store must stay out of training
-            store.FAILING_SINCE.setdefault(self.tracking_uri, time.monotonic())
+            store.mark_failing(self.tracking_uri)
             self._failures += 1
             backoff = min(self.max_backoff_s, 2.0 ** (self._failures - 1))
             self._next_attempt = time.monotonic() + backoff
