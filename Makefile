@@ -71,8 +71,8 @@ lint: setup  ## ruff, and mypy over pretrain/ and data_pipeline/
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-launch: setup  ## plan and run RECIPE (default: the profile's) on CLUSTER (default: local, the CPU demo); DRY_RUN=1: plan only
-	$(PY) -m cluster.launch --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s)) $(if $(DRY_RUN),--dry-run)
+launch: setup  ## plan and run RECIPE (default: the profile's) on CLUSTER (default: local, the CPU demo); DRY_RUN=1: plan only; RUN_NAME=n: the run's name (a used one resumes)
+	$(PY) -m cluster.launch --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s)) $(if $(RUN_NAME),--run-name $(RUN_NAME)) $(if $(DRY_RUN),--dry-run)
 
 preflight: setup  ## measure CLUSTER's nodes (GPUs, busbw, shard reads, loader, disk, MLflow, clocks) against RECIPE's plan
 	$(PY) -m cluster.preflight --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s))

@@ -6,12 +6,16 @@ validates one, expanding `{project}` to the project root.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from data_pipeline.paths import PROJECT_ROOT
 from pretrain.config import typed_yaml
+
+# A profile's and a run's name: they name folders (run folders, `cluster.render`'s output) and Ray submission ids.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -213,6 +217,8 @@ class ClusterProfile:
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix when the profile contradicts itself."""
         hw, wk, where = self.hardware, self.workers, f"profile {self.name}"
+        if not SAFE_NAME.fullmatch(self.name):  # a run folder `<recipe>-<name>` (cluster.render), a folder of its own
+            raise ValueError(f"{where}: name {self.name!r}: use letters, digits, '.', '_' and '-' only")
         counts = (
             ("hardware.nodes", hw.nodes, 1),
             ("hardware.gpus_per_node", hw.gpus_per_node, 0),

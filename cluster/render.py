@@ -1,6 +1,6 @@
 """Cluster files for a GPU profile: a Ray cluster-launcher YAML (AWS) and a KubeRay RayJob manifest.
 
-    python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--out rendered]
+    python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--run-name NAME] [--out rendered]
         [--image REGISTRY/vitscale:TAG] [--fsx-dns fs-ID.fsx.us-east-1.amazonaws.com --fsx-mount-name NAME]
 
 writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `rayjob.yaml` (`kubectl apply -f` it), each headed by what
@@ -34,6 +34,7 @@ REGION, ZONE = "us-east-1", "us-east-1a"
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # `ray get-auth-token --generate` writes it, `ray start` reads it
 TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the secret holding the token
 MLFLOW_SECRET = "vitscale-mlflow"  # KubeRay: the optional secret of MLflow's credentials, one key per variable
+MAX_RAYJOB_NAME = 47  # KubeRay: its RayCluster's 53, less the 6 characters of the cluster's suffix
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 # (vCPUs, GiB, GPUs) of each type evals.instance_type may name: a profile declares only its training nodes' shape.
 EVAL_INSTANCES = {
@@ -119,6 +120,18 @@ def _check_renderable(profile: ClusterProfile) -> None:
             f"the shared filesystem mounted at {SHARED_FS} so every node resumes from the same folder"
         )
     _check_fits(profile)
+
+
+def rayjob_name(run_name: str) -> str:
+    """``run_name`` as KubeRay takes a RayJob's name (a DNS-1035 label): lowercase, '-' for '_' and '.'."""
+    name = re.sub(r"[._]", "-", run_name.lower())
+    if len(name) > MAX_RAYJOB_NAME or not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        raise ValueError(
+            f"RayJob name {name!r} (the run name {run_name!r}, {len(name)} characters): KubeRay takes at most "
+            f"{MAX_RAYJOB_NAME} letters, digits and '-', a letter first and a letter or digit last; give --run-name, "
+            "e.g. vit-b16-try2"
+        )
+    return name
 
 
 def placement_group(profile: ClusterProfile) -> str | None:
@@ -321,9 +334,10 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     return _comment(lines)
 
 
-def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str) -> str:
+def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str, run_dir: str) -> str:
     lines = [
-        f"KubeRay RayJob for {recipe} on profile {profile.name}: `kubectl apply -f {path}`, once these exist:",
+        f"KubeRay RayJob for {recipe} on profile {profile.name}, run folder {run_dir} (a later apply resumes it;",
+        f"--run-name renders another run): `kubectl apply -f {path}`, once these exist:",
         f"  {_build_image(image)}  # the job runs the code of this image",
         f"  kubectl create secret generic {TOKEN_SECRET} --from-literal=token=$(uuidgen)",
         f"  kubectl create secret generic {MLFLOW_SECRET} --from-literal=MLFLOW_TRACKING_TOKEN=...  # if MLflow "
@@ -337,9 +351,23 @@ def _comment(lines: list[str]) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
-def render(profile_name: str, recipe: str, out: Path, image: str = IMAGE, fsx: FsxMount | None = None) -> list[Path]:
+def _names(profile: ClusterProfile, recipe: str, run_name: str | None) -> tuple[str, str]:
+    """The run's name (default ``<recipe>-<profile>``) and its RayJob's; ValueError where KubeRay refuses it."""
+    run_name = run_name or f"{Path(recipe).stem}-{profile.name}"
+    return run_name, rayjob_name(run_name)
+
+
+def render(
+    profile_name: str,
+    recipe: str,
+    out: Path,
+    image: str = IMAGE,
+    fsx: FsxMount | None = None,
+    run_name: str | None = None,
+) -> list[Path]:
+    """Write ``out/<profile>/cluster.yaml`` and ``rayjob.yaml``; the run is named ``<recipe>-<profile>`` by default."""
     profile = load_profile(profile_name)
-    run_name = f"{Path(recipe).stem}-{profile.name}"
+    run_name, job_name = _names(profile, recipe, run_name)
     config = resolve_config(profile, recipe, [], run_name)
     spec = JobSpec.create(profile, config, build_plan(profile, config))
     folder = out / profile.name
@@ -350,10 +378,9 @@ def render(profile_name: str, recipe: str, out: Path, image: str = IMAGE, fsx: F
         + yaml.safe_dump(launcher_config(profile, image, fsx), sort_keys=False, width=120)
     )
     rayjob = folder / "rayjob.yaml"
-    manifest = rayjob_manifest(profile, spec.to_json(), run_name.replace("_", "-"), image)
-    rayjob.write_text(
-        _rayjob_header(profile, rayjob, recipe, image) + yaml.safe_dump_all(manifest, sort_keys=False, width=120)
-    )
+    manifest = rayjob_manifest(profile, spec.to_json(), job_name, image)
+    header = _rayjob_header(profile, rayjob, recipe, image, config.checkpoint.dir)
+    rayjob.write_text(header + yaml.safe_dump_all(manifest, sort_keys=False, width=120))
     return [launcher, rayjob]
 
 
@@ -361,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.render", description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", required=True, help="a GPU profile: a100x8, a100x64, h100x8, h200x8")
     parser.add_argument("--recipe", help="recipe the RayJob runs (default: the profile's recipe)")
+    parser.add_argument(
+        "--run-name",
+        help="run folder under the profile's checkpoints (default <recipe>-<profile>); a used name resumes that run",
+    )
     parser.add_argument("--out", default="rendered", help="output folder (default ./rendered)")
     parser.add_argument("--image", default=IMAGE, help=f"the image ./Dockerfile builds, pushed (default {IMAGE})")
     parser.add_argument("--fsx-dns", help="the FSx for Lustre file system's DNS name (launcher: mounted at /fsx)")
@@ -371,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_renderable(profile)  # before planning: its errors would mislead
         fsx = fsx_mount(args.fsx_dns, args.fsx_mount_name)
         recipe = profile.pick_recipe(args.recipe)
-        for path in render(args.cluster, recipe, output_folder(args.out, "--out"), args.image, fsx):
+        _names(profile, recipe, args.run_name)  # before --out is created
+        out = output_folder(args.out, "--out")
+        for path in render(args.cluster, recipe, out, args.image, fsx, args.run_name):
             print(f"wrote {path}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from cluster.plan.evals.cost import EvalsPlan, plan_evals
 from cluster.plan.memory import MemoryPlan
 from cluster.plan.startup import StartupAllowance, startup_allowance
 from cluster.plan.storage import STORAGE_EXTRAS, StorageExtra
-from cluster.profiles import ClusterProfile
+from cluster.profiles import SAFE_NAME, ClusterProfile
 from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.write.writer import WriteConfig
@@ -141,9 +140,6 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
     return out
 
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # also a Ray submission id's part
-
-
 def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
     """Recipe → profile defaults → the user's `--set` (last wins), validated at the profile's world size."""
     return resolve_with_notes(profile, recipe, sets, run_name)[0]
@@ -153,7 +149,7 @@ def resolve_with_notes(
     profile: ClusterProfile, recipe: str, sets: list[str], run_name: str
 ) -> tuple[TrainConfig, list[str]]:
     """`resolve_config`, and `_recipe_over_profile`'s lines."""
-    if not RUN_NAME.fullmatch(run_name):  # it names the run folder under the profile's checkpoints
+    if not SAFE_NAME.fullmatch(run_name):  # it names the run folder under the profile's checkpoints
         raise ValueError(
             f"run name {run_name!r}: use letters, digits, '.', '_' and '-' only (--run-name, e.g. vit-b16-try2)"
         )

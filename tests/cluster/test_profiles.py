@@ -10,6 +10,7 @@ from cluster.profiles import PROFILES_DIR, load_profile
 
 # (shipped profile, {dotted key: new value, or None to delete it}, the message's expected text)
 BAD_EDITS = [
+    ("a100x64", {"name": "my lab"}, "name 'my lab': use letters, digits, '.', '_' and '-' only"),
     ("a100x64", {"workers.num_workers": 80}, "workers.num_workers=80 exceeds nodes x gpus_per_node / gpus_per_worker"),
     ("a100x64", {"hardware.peak_tflops": None}, "GPU workers need hardware.peak_tflops (their dense bf16 peak)"),
     ("a100x64", {"hardware.peak_tflops": 0}, "hardware.peak_tflops=0.0 must be > 0 (or absent on CPU)"),

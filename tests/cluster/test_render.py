@@ -310,6 +310,29 @@ def test_render_refuses_a_profile_its_nodes_cannot_run(tmp_path, capsys, section
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.timeout(120)
+def test_run_name_names_the_run_folder_and_a_rayjob_kuberay_takes(tmp_path, capsys):
+    """`--run-name` renders a second run of a profile; the RayJob's name is the run's as KubeRay takes it (a DNS-1035
+    label of at most 47 characters), and a name it would refuse at `kubectl apply` is refused here, nothing written."""
+    assert render.main(["--cluster", "a100x8", "--run-name", "ViT.B16_try2", "--out", str(tmp_path / "out")]) == 0
+    header = (tmp_path / "out" / "a100x8" / "rayjob.yaml").read_text()
+    rayjob, policy = yaml.safe_load_all(header)
+    assert rayjob["metadata"]["name"] == "vit-b16-try2" and policy["metadata"]["name"] == "vit-b16-try2-jobs-api"
+    spec = json.loads(yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]["VITSCALE_PLAN"])
+    run_dir = spec["config"]["checkpoint"]["dir"]
+    assert run_dir.endswith("/ViT.B16_try2") and f"run folder {run_dir}" in header
+    capsys.readouterr()
+    for name, message in (
+        ("9lives", r"RayJob name '9lives' .*a letter first"),
+        ("vit-b16-" + "x" * 40, r"48 characters\): KubeRay takes at most 47"),
+        ("my run", r"RayJob name 'my run' .*letters, digits and '-'"),
+    ):
+        assert render.main(["--cluster", "a100x8", "--run-name", name, "--out", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and err.count("\n") == 1 and "--run-name" in err, err
+        assert not (tmp_path / name).exists()
+
+
 @pytest.mark.timeout(60)
 def test_render_refuses_the_local_profile(capsys):
     with pytest.raises(ValueError, match="needs no cluster files"):
