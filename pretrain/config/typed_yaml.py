@@ -140,6 +140,8 @@ def coerce(value: Any, hint: Any, path: str) -> Any:
         if value is None and len(options) < len(typing.get_args(hint)):
             return None
         if len(options) == 1:  # X | None: X's message says more
+            if value in ("None", "none") and options[0] is not str:
+                raise ValueError(f"{path}={value!r} is a string to YAML; write null for no value")
             return coerce(value, options[0], path)
         for option in options:
             try:

@@ -72,7 +72,10 @@ class ViTConfig:
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"ViTConfig.gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
         if self.representation_size is not None and self.representation_size < 1:
-            raise ValueError(f"ViTConfig.representation_size must be None or >= 1, got {self.representation_size}")
+            raise ValueError(
+                "ViTConfig.representation_size must be >= 1, or absent for no pre-logits layer; "
+                f"got {self.representation_size}"
+            )
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
