@@ -14,16 +14,14 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from cluster import jobs
 from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
 from cluster.local_data import check_local_data, prepare_local_data
-from cluster.plan.planner import PlanError, build_plan, resolve_with_notes
+from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
-from evals.suites import load_suite
 from tracking.runs import tracking_credentials
 
 # Kept out of the job's working dir (Ray also honours .gitignore).
@@ -71,16 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.cluster)
         recipe = profile.pick_recipe(args.recipe)
         fault = _parse_fault(args.inject_worker_failure)
-        run_name = args.run_name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        config, notes = resolve_with_notes(profile, recipe, args.set, run_name)
-        suite = load_suite(config.evals.suite) if config.evals.suite else None  # fails now, not at the first eval
+        config, notes, suite = resolve_run(profile, recipe, args.set, args.run_name)
         present = check_local_data(config, suite) if profile.is_local else {}  # before the plan reads a manifest
         if profile.is_local and not args.dry_run:
             prepare_local_data(config, suite)
         plan = build_plan(profile, config)
-        print(format_plan(plan), flush=True)
-        for line in notes:
-            print(f"note: {line}", flush=True)
+        print(format_plan(plan, notes), flush=True)
         if args.dry_run:
             absent = [str(folder) for folder, complete in present.items() if not complete]
             if absent:
@@ -89,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         client = jobs.connect(profile, start_local=True)
         env = runtime_env(profile, JobSpec.create(profile, config, plan, fault))
-        job_id = jobs.submit(client, "python -m cluster.driver", env, f"vitscale-{run_name}-{int(time.time())}")
+        job_id = jobs.submit(client, "python -m cluster.driver", env, f"vitscale-{plan.run_name}-{int(time.time())}")
     except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

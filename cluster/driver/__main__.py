@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from cluster.driver.job import PLAN_ENV, JobSpec, run_job
-from cluster.plan.planner import PlanError, build_plan, resolve_with_notes
+from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
-from evals.suites import load_suite
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,18 +84,12 @@ def _plan_here(args: argparse.Namespace) -> JobSpec | None:
     """Plan and print as `cluster.launch` does; None (said) on bad input."""
     try:
         profile = load_profile(args.cluster)
-        recipe = profile.pick_recipe(args.recipe)
-        run_name = args.run_name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        config, notes = resolve_with_notes(profile, recipe, args.set, run_name)
-        if config.evals.suite:
-            load_suite(config.evals.suite)  # fail now, not at the first eval
+        config, notes, _ = resolve_run(profile, profile.pick_recipe(args.recipe), args.set, args.run_name)
         plan = build_plan(profile, config)
     except (PlanError, ValueError) as error:
         print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
         return None
-    print(format_plan(plan), flush=True)
-    for line in notes:
-        print(f"note: {line}", flush=True)
+    print(format_plan(plan, notes), flush=True)
     return JobSpec.create(profile, config, plan)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from cluster.profiles import SAFE_NAME, ClusterProfile
 from data_pipeline.manifest import read_dataset_json
 from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.write.writer import WriteConfig
+from evals.suites import SuiteConfig, load_suite
 from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
 from pretrain.config.train_config import TrainConfig, config_from_recipe, model_overrides, read_recipe, recipe_path
 from pretrain.config.typed_yaml import parse_override
@@ -143,6 +145,16 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
 def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
     """Recipe → profile defaults → the user's `--set` (last wins), validated at the profile's world size."""
     return resolve_with_notes(profile, recipe, sets, run_name)[0]
+
+
+def resolve_run(
+    profile: ClusterProfile, recipe: str, sets: list[str], run_name: str | None
+) -> tuple[TrainConfig, list[str], SuiteConfig | None]:
+    """What `cluster.launch` and `cluster.driver --cluster` run: `resolve_with_notes` of the run (named
+    ``<recipe>-<time>`` by default) and its eval suite, read now rather than at the first eval."""
+    run_name = run_name or f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config, notes = resolve_with_notes(profile, recipe, sets, run_name)
+    return config, notes, load_suite(config.evals.suite) if config.evals.suite else None
 
 
 def resolve_with_notes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
 
 from cluster.plan.comms import CommPlan
@@ -10,7 +11,8 @@ from cluster.plan.evals.cost import evals_lines
 from cluster.plan.planner import EXTRAS, DataPlan, Plan
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, notes: Sequence[str] = ()) -> str:
+    """The plan's printout, then ``notes`` (`cluster.plan.planner.resolve_with_notes`), one ``note:`` line each."""
     topo, batch, model, c, m, d = plan.topology, plan.batch, plan.model, plan.compute, plan.memory, plan.data
     micro = batch.micro_batch_size
     recompute = f", + recompute x {c.recompute_factor:.2f}" if m.activation_checkpointing else ""
@@ -51,7 +53,7 @@ def format_plan(plan: Plan) -> str:
         *_elastic_lines(plan),
     ]
     lines += [f"  WARNING       {w}" for w in (*d.warnings, *plan.evals.warnings)]
-    return "\n".join(lines)
+    return "\n".join([*lines, *(f"note: {line}" for line in notes)])
 
 
 def _startup(plan: Plan) -> str:
