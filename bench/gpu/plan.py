@@ -6,6 +6,7 @@ a CPU run's peak RSS). The one module of ``bench`` that imports ``cluster`` (doc
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from bench.gpu.train import TrainSpec
@@ -23,7 +24,8 @@ def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, load
         base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name, gpu_memory_gb=memory_gb, peak_tflops=peak_tflops
     )
     workers = dataclasses.replace(base.workers, num_workers=1, loader_workers=loader_workers)
-    profile = dataclasses.replace(base, name=f"bench-{device_name}", hardware=hardware, workers=workers)
+    name = "bench-" + re.sub(r"[^A-Za-z0-9._-]+", "-", device_name).strip("-")  # cluster.profiles.SAFE_NAME
+    profile = dataclasses.replace(base, name=name, hardware=hardware, workers=workers)
     profile.validate()
     return profile
 

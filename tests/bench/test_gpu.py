@@ -90,6 +90,15 @@ def test_train_part_trains_saves_resumes_with_equal_losses_and_compares_zero_sta
     assert smoke["zero1_profile_share_gemm"] > 0 and smoke["zero2_profile_top"]  # the engine's step, profiled
 
 
+@pytest.mark.timeout(60)
+def test_the_plan_part_profiles_a_device_by_its_own_name():
+    """A device's name ("NVIDIA H100 80GB HBM3", "CPU (x86_64)") names the one-GPU profile, as profile names may be."""
+    from bench.gpu.plan import one_gpu_profile
+
+    assert one_gpu_profile("NVIDIA H100 80GB HBM3", 80.0, 989.0, 8).name == "bench-NVIDIA-H100-80GB-HBM3"
+    assert one_gpu_profile("CPU (x86_64)", 24.0, 1.0, 2).name == "bench-CPU-x86_64"
+
+
 @pytest.mark.timeout(300)
 def test_plan_and_loader_parts_relate_their_numbers(smoke):
     step_s, planned = smoke["train_path_step_s"], smoke["plan_step_time_s_vit_h14"]
