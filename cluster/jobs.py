@@ -38,9 +38,10 @@ def _how_to_start(profile: ClusterProfile, address: str) -> str:
         return "start it with `make launch` (CLUSTER=local starts the embedded head itself)"
     return (
         f"start the cluster first: `python -m cluster.render --cluster {profile.name}` then "
-        f"`ray up rendered/{profile.name}/cluster.yaml` (or apply the KubeRay manifest), and make sure {address} "
-        f"is reachable from here (e.g. `ray dashboard rendered/{profile.name}/cluster.yaml` forwards it to "
-        "127.0.0.1:8265, then set RAY_ADDRESS=http://127.0.0.1:8265)"
+        f"`ray up rendered/{profile.name}/cluster.yaml`, and make sure {address} is reachable from here (e.g. "
+        f"`ray dashboard rendered/{profile.name}/cluster.yaml` forwards it to 127.0.0.1:8265, then set "
+        f"RAY_ADDRESS=http://127.0.0.1:8265); on Kubernetes, `kubectl apply -f rendered/{profile.name}/rayjob.yaml` "
+        "runs the job itself, without a launch"
     )
 
 

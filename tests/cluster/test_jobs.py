@@ -45,6 +45,7 @@ def test_unreachable_ray_address_says_how_to_start_the_cluster(monkeypatch, caps
     msg = str(info.value)
     assert "cannot reach the Ray Jobs API of profile a100x64" in msg and "RAY_ADDRESS" in msg
     assert "`ray up rendered/a100x64/cluster.yaml`" in msg and "`ray dashboard rendered/a100x64/cluster.yaml`" in msg
+    assert "`kubectl apply -f rendered/a100x64/rayjob.yaml` runs the job itself, without a launch" in msg
     # The launcher prints the plan, then fails before submitting anything.
     assert launch.main(["--cluster", "a100x64", "--recipe", "vit_b16_i21k"]) == 2
     captured = capsys.readouterr()
