@@ -1,5 +1,5 @@
 """The project root (relative paths start there, for a Ray job and a shell alike), the remote-URL rule and its
-clients' quiet, the user's cache folder and whole-file replacement.
+clients' quiet, the user's cache folder, whole-file replacement and names made safe for folders.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,12 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RECIPE_DIR = PROJECT_ROOT / "configs"  # experiment recipes (pretrain.config.train_config)
 SUITES_DIR = RECIPE_DIR / "evals"  # eval suites (evals.suites)
+
+
+def safe_name(text: str, fill: str = "-") -> str:
+    """``text`` with each run of characters other than letters, digits, '.', '_' and '-' as ``fill``, none at the
+    ends: a folder's, a run's or a profile's name (cluster.profiles.SAFE_NAME); "" when nothing is left."""
+    return re.sub(r"[^A-Za-z0-9._-]+", fill, text).strip(fill)
 
 
 def is_remote(url: str | Path) -> bool:

@@ -6,11 +6,11 @@ Writes ``reports/<name>/`` and logs it to a comparison run of its own (docs/desi
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 from data_pipeline.cli import output_folder
+from data_pipeline.paths import safe_name
 from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
@@ -37,10 +37,6 @@ def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Pa
     return run.info.run_id
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "comparison"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tracking.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", help="compare the runs of this MLflow experiment (default: all experiments)")
@@ -52,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     uri = args.tracking_uri or default_tracking_uri()
     run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
-    name = _slug(args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all"))
+    name = args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all")
+    name = safe_name(name) or "comparison"
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         print(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import shutil
 import ssl
 import time
@@ -16,7 +15,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.paths import PROJECT_ROOT
+from data_pipeline.paths import PROJECT_ROOT, safe_name
 
 PENDING_RUN = "pending:"  # + the run record's path: a run the job's driver is still creating
 SPOOL_DIR = "mlflow_spool"
@@ -50,8 +49,7 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     db = sqlite_path(tracking_uri)
     if db is None:
         return None
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("_") or "experiment"
-    return (db.parent / "mlartifacts" / slug).resolve().as_uri()
+    return (db.parent / "mlartifacts" / (safe_name(experiment, fill="_") or "experiment")).resolve().as_uri()
 
 
 def pending_run_ref(record: Path | str) -> str:

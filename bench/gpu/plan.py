@@ -6,13 +6,13 @@ a CPU run's peak RSS). The one module of ``bench`` that imports ``cluster`` (doc
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 from bench.gpu.train import TrainSpec
 from cluster.plan.mfu import gpu_kind
 from cluster.plan.planner import build_plan
 from cluster.profiles import load_profile
+from data_pipeline.paths import safe_name
 
 BASE_PROFILE = "h100x8"
 device_kind = gpu_kind  # the kind cluster/mfu.yaml files a device under ("NVIDIA H200" → "H200")
@@ -24,7 +24,7 @@ def one_gpu_profile(device_name: str, memory_gb: float, peak_tflops: float, load
         base.hardware, nodes=1, gpus_per_node=1, gpu_type=device_name, gpu_memory_gb=memory_gb, peak_tflops=peak_tflops
     )
     workers = dataclasses.replace(base.workers, num_workers=1, loader_workers=loader_workers)
-    name = "bench-" + re.sub(r"[^A-Za-z0-9._-]+", "-", device_name).strip("-")  # cluster.profiles.SAFE_NAME
+    name = f"bench-{safe_name(device_name)}"
     profile = dataclasses.replace(base, name=name, hardware=hardware, workers=workers)
     profile.validate()
     return profile
