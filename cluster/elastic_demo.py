@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -46,6 +47,9 @@ NODE_HEALTH = {  # docs/elastic.md, "Health checks"
 DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's default: 60 s
 COORDINATOR = "AutoscalingCoordinator"  # Ray's actor (name and namespace) that Ray Train's elastic policy asks
 COORDINATOR_TICK_S = 1.0  # how often the demo has it re-read the nodes (Ray: every 20 s)
+# Without a dashboard there is no state API: Ray Train's PlacementGroupCleaner, which asks it whether the controller
+# lives, would warn every second of the run. Its cleanup matters only to a cluster that outlives the job.
+PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,7 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
             log(f"the job raised {type(exc).__name__}: {exc}")
 
     if not ray.is_initialized():
-        ray.init(address=cluster.address)
+        ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": quiet_pg_cleaner})
     thread = threading.Thread(target=job, name="elastic-demo-job", daemon=True)
     thread.start()
     threading.Thread(target=refresh_ray_train_view, args=(thread, log), name="coordinator-ticks", daemon=True).start()
@@ -215,6 +219,11 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
         result.error += _unplanned_node_deaths(removed)
     note(f"job ended with exit code {result.rc}")
     return result
+
+
+def quiet_pg_cleaner() -> None:
+    """Every Ray worker's setup hook on the demo's cluster: `PG_CLEANER_LOGGER` to errors only."""
+    logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
 
 
 def _alive(node_id: str) -> bool:
