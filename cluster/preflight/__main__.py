@@ -20,7 +20,7 @@ from cluster import jobs, local_head
 from cluster.driver.job import PLAN_ENV, JobSpec
 from cluster.launch import runtime_env
 from cluster.local_data import prepare_local_data
-from cluster.plan.planner import Plan, PlanError, build_plan, resolve_config
+from cluster.plan.planner import Plan, PlanError, build_plan, resolve_with_notes
 from cluster.plan.text import format_plan
 from cluster.preflight.checks import Measurements, holds_a_worker, judge, measure
 from cluster.preflight.replan import LoaderFigure, measured_plan, side_by_side
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_cluster:
             return _in_cluster()
         profile = load_profile(args.cluster)
-        config = resolve_config(profile, profile.pick_recipe(args.recipe), args.set, RUN_NAME)
+        config, notes = resolve_with_notes(profile, profile.pick_recipe(args.recipe), args.set, RUN_NAME)
+        for line in notes:  # as `make launch` prints them: what the checks measure against
+            print(f"note: {line}", flush=True)
         if profile.is_local:
             prepare_local_data(config, None)  # the training set only: the evals' sets are not read
         plan = build_plan(profile, config)

@@ -20,6 +20,7 @@ import pytest
 
 from cluster import jobs, launch, local_head
 from cluster.local_head import free_port
+from cluster.preflight import __main__ as preflight
 from cluster.profiles import load_profile
 from tests.support.load import cpu_burners
 
@@ -51,6 +52,13 @@ def test_unreachable_ray_address_says_how_to_start_the_cluster(monkeypatch, caps
     captured = capsys.readouterr()
     assert captured.out.startswith("plan: recipe vit_b16_i21k") and "submitted" not in captured.out
     assert "cannot reach" in captured.err
+    # So does the preflight, after the recipe's settings that replace the profile's (as the launch prints them).
+    assert preflight.main(["--cluster", "h100x8"]) == 2
+    captured = capsys.readouterr()
+    assert "note: the recipe's deepspeed.zero_stage=2 replaces profile h100x8's 1; --set deepspeed.zero_stage=1" in (
+        captured.out
+    )
+    assert "cannot reach the Ray Jobs API of profile h100x8" in captured.err
 
 
 @pytest.mark.timeout(60)
