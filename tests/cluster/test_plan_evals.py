@@ -125,6 +125,12 @@ def test_b16_plans_on_cpu_eval_profiles_price_the_evals_on_their_cpus(cluster):
     plan = build_plan(profile, resolve_config(profile, "vit_b16_i21k", [], "b16-evals"))
     assert plan.evals.share <= 0.10 and "beside training, 32 GB reserved in Ray" in plan.evals.device
     assert all(c.memory_gb <= 32 for c in plan.evals.suites)
+    # On 16 CPUs the evals fall behind and outlast the job's end (the recipe's comment); each warning's --set fixes it.
+    pace, last = plan.evals.warnings
+    assert "eval devices to keep up with training" in pace and "evals.timeout_s=7200 s" in last
+    sets = [quoted or bare for quoted, bare in re.findall(r"--set (?:'([^']*)'|([^\s)']+))", pace + last)]
+    assert [s.split("=")[0] for s in sets] == ["evals.every", "evals.extra_suites", "evals.timeout_s"]
+    assert not build_plan(profile, resolve_config(profile, "vit_b16_i21k", sets, "b16-evals")).evals.warnings
 
 
 @pytest.mark.timeout(120)

@@ -387,19 +387,32 @@ def _pace_warnings(part: EvalsPlan, config: TrainConfig, step_s: float) -> tuple
     warnings = []
     load = sum(c.device_hours * 3600 / (c.every * config.checkpoint.every_steps * step_s) for c in part.suites)
     if load > 1:
+        times = math.ceil(load)
         warnings.append(
             f"evals need ~{load:.2g} eval devices to keep up with training (device-hours per hour of training, "
             "estimated): they fall behind, and the scheduler skips evals beyond its pinned checkpoints; raise "
-            "their every, give evals more devices (a faster evals.gpu_type / instance_type), or a cheaper protocol"
+            f"their every ({times}x: {_every_times(config, times)}), give evals more devices (a faster "
+            "evals.gpu_type / instance_type), or a cheaper protocol"
         )
     last_s = sum(c.device_hours for c in part.suites) * 3600
     if last_s > config.evals.timeout_s:
         warnings.append(
             f"the last checkpoint's evals take ~{last_s / 3600:.2g} h on one eval device (estimated), but the job's "
             f"end waits evals.timeout_s={config.evals.timeout_s:g} s for them, then cancels them; raise "
-            "evals.timeout_s"
+            f"evals.timeout_s (--set evals.timeout_s={math.ceil(1.25 * last_s / 3600) * 3600} with a quarter's "
+            "margin)"
         )
     return tuple(warnings)
+
+
+def _every_times(config: TrainConfig, times: int) -> str:
+    """The `--set`s that evaluate every suite ``times`` as far apart."""
+    e = config.evals
+    sets = [f"--set evals.every={e.every * times}"]
+    if e.extra_suites:
+        extras = ", ".join(f"{{suite: {s.suite}, every: {s.every * times}}}" for s in e.extra_suites)
+        sets.append(f"--set 'evals.extra_suites=[{extras}]'")
+    return " ".join(sets)
 
 
 def evals_lines(p: EvalsPlan) -> list[str]:
