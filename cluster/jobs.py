@@ -191,6 +191,9 @@ def _logs(profile: ClusterProfile, follow_logs: bool) -> int:
 
 
 def _stop(profile: ClusterProfile) -> int:
+    if profile.is_local and not cluster_address(profile):
+        print(f"nothing to stop: no Ray head of this project is running for profile {profile.name}")
+        return 0
     try:
         client = connect(profile)
     except RayUnreachableError as exc:

@@ -85,6 +85,15 @@ def test_stop_names_the_run_folders_whose_courier_had_work_left(tmp_path):
     assert jobs.undelivered_runs(at(tmp_path / "no-runs-yet")) == []
 
 
+def test_stop_without_a_local_head_says_nothing_is_running(tmp_path, capsys):
+    import dataclasses
+
+    base = load_profile("local")
+    profile = dataclasses.replace(base, ray=dataclasses.replace(base.ray, temp_dir=str(tmp_path)))  # no head.json
+    assert jobs._stop(profile) == 0
+    assert capsys.readouterr().out == "nothing to stop: no Ray head of this project is running for profile local\n"
+
+
 def test_auth_headers_follow_rays_token_lookup(monkeypatch, tmp_path):
     token = tmp_path / "token"
     token.write_text("abc123\n")
