@@ -297,6 +297,9 @@ def check_paths_exist(config: TrainConfig) -> None:
                     f"data.train={d.train!r} cannot hold built-in dataset {d.builtin!r}: it is generated as "
                     f"<root>/{d.builtin}/<split>; set data.train=data/{d.builtin}/train"
                 )
+    run = Path(c.dir)
+    if file := next((p for p in (run, *run.parents) if p.exists() and not p.is_dir()), None):
+        raise ValueError(f"checkpoint.dir={c.dir!r}: {file} is a file; set checkpoint.dir to a folder (new or a run's)")
     if c.resume_from is not None:
         run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
     if c.init_from is not None and not is_remote(c.init_from):  # a URL is checked when fetched

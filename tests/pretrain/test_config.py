@@ -154,6 +154,11 @@ def test_resume_and_init_paths_are_checked(tmp_path):
         load_config("local_demo", ["checkpoint.dir=s3://bucket/r"]).validate(2)
     with pytest.raises(ValueError, match=r"checkpoint\.resume_from='gs://b/r/.*' is object storage; .*init_from"):
         load_config("local_demo", ["checkpoint.resume_from=gs://b/r/checkpoints/step_00000002"]).validate(2)
+    # A run folder where a file is: the ranks' first save failed with a traceback.
+    (tmp_path / "notes.txt").write_text("not a folder")
+    for run in ("notes.txt", "notes.txt/run"):
+        with pytest.raises(ValueError, match=rf"checkpoint\.dir='.*{run}': .*notes.txt is a file; set checkpoint"):
+            load_config("local_demo", [f"checkpoint.dir={tmp_path / run}"]).validate(2)
 
 
 def test_deepspeed_config_is_generated_from_one_batch_plan():
