@@ -25,8 +25,18 @@ def load_weights_only(checkpoint_engine) -> None:
     allowed = allowed_globals()
 
     def load(path: str, map_location=None):
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except torch.OutOfMemoryError:
+            raise
+        # A checkpoint without checksums.json reaches here unchecked: a cut or foreign file is bad input, not a bug.
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+            reason = str(error).strip().split("\n")[0].split(". ")[0] or type(error).__name__
+            raise ValueError(
+                f"{path} cannot be loaded ({reason}): resume from another checkpoint (checkpoint.resume_from, "
+                "`python -m pretrain.checkpoint verify <run folder>` lists them) or move this one away"
+            ) from None
 
     checkpoint_engine.load = load  # this engine only; DeepSpeed's class is left alone
 

@@ -281,7 +281,6 @@ class _Exploit:
 
 
 def test_engine_files_are_read_weights_only(tmp_path, capsys):
-    import pickle
     import types
 
     engine = types.SimpleNamespace()
@@ -291,9 +290,14 @@ def test_engine_files_are_read_weights_only(tmp_path, capsys):
     assert torch.equal(engine.load(str(good))["module"]["w"], torch.ones(2))
     bad = tmp_path / "bad.pt"
     torch.save({"payload": _Exploit()}, bad)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    # Refused as bad input in one line (a checkpoint without checksums.json reaches the load unchecked).
+    with pytest.raises(ValueError, match=r"bad.pt cannot be loaded \(Weights only load failed.*resume from another"):
         engine.load(str(bad))
     assert "this must never run" not in capsys.readouterr().out
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut.pt cannot be loaded \(PytorchStreamReader failed .*\): resume from"):
+        engine.load(str(cut))
 
 
 def test_only_a_build_lock_that_a_killed_process_left_is_removed(tmp_path, monkeypatch, capsys):
