@@ -15,6 +15,15 @@ ARG TORCH_VERSION=2.13.0
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 # Without its ops (built on first use) and against the torch above rather than an isolated build's own.
 RUN DS_BUILD_OPS=0 pip install --no-cache-dir "deepspeed>=0.16,<0.20" --no-build-isolation
+# EFA's user space for NCCL between nodes (`network.kind: efa`, docs/network.md "EFA in the container"): libfabric and
+# the aws-ofi-nccl plugin, without the kernel module (the host's). Where NCCL cannot load the plugin it trains over TCP
+# sockets without an error; a worker of such a profile refuses to start instead (cluster.network.efa_missing).
+ARG EFA_INSTALLER_VERSION=latest
+RUN cd /tmp && sudo apt-get update \
+    && curl -fsSL "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" | tar xz \
+    && cd aws-efa-installer && sudo ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify \
+    && cd /tmp && sudo rm -rf aws-efa-installer /var/lib/apt/lists/*
+ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH}
 
 WORKDIR /home/ray/vitscale
 COPY --chown=ray:users pyproject.toml README.md .gitignore ./

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 from cluster.profiles import ClusterProfile
 
 # EFA through libfabric and aws-ofi-nccl: (variable, value, why); docs/network.md, "The workers' environment".
@@ -11,6 +14,30 @@ EFA_ENV = (
     ("NCCL_PROTO", "simple", "EFA delivers out of order; LL/LL128 rely on ordered stores"),
     ("RDMAV_FORK_SAFE", "1", "registered memory stays correct across a fork"),
 )
+
+
+EFA_DEVICES = Path("/dev/infiniband")  # the uverbs devices: the EFA device plugin's (KubeRay), `docker --device`'s
+NCCL_NET_PLUGIN = "libnccl-net.so"  # the network plugin NCCL loads by this name: aws-ofi-nccl's, on EFA
+
+
+def needs_efa(profile: ClusterProfile) -> bool:
+    """Ranks on several nodes talk over EFA: without it NCCL falls back to TCP sockets, without an error."""
+    return profile.network.kind == "efa" and profile.hardware.nodes > 1
+
+
+def efa_missing(devices: Path = EFA_DEVICES) -> str | None:
+    """Why NCCL in this process would not reach EFA (no device, or no plugin that loads); None where it would."""
+    fix = (
+        "run the image ./Dockerfile builds (libfabric, aws-ofi-nccl) with the nodes' EFA devices, as cluster.render's "
+        "files do, or set network.kind: sockets to train over TCP knowingly (docs/network.md)"
+    )
+    if not any(devices.glob("uverbs*")):
+        return f"no EFA device in this container ({devices}/uverbs* missing); {fix}"
+    try:
+        ctypes.CDLL(NCCL_NET_PLUGIN)
+    except OSError as error:
+        return f"NCCL's network plugin {NCCL_NET_PLUGIN} does not load ({error}); {fix}"
+    return None
 
 
 def network_env(profile: ClusterProfile) -> dict[str, str]:

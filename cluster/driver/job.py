@@ -21,7 +21,7 @@ from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
 from cluster.local_head import environ
-from cluster.network import network_env
+from cluster.network import efa_missing, needs_efa, network_env
 from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.planner import Plan, runtime_pip
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
@@ -142,6 +142,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
 def _train_rank(loop_config: dict[str, Any]) -> None:
     os.environ.update(loop_config["env"])
+    if loop_config.get("needs_efa") and (problem := efa_missing()):  # before NCCL picks TCP instead, silently
+        raise RuntimeError(f"the profile's network is EFA, but {problem}")
     import ray.train
     import torch
 
@@ -387,6 +389,7 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: 
             "eval_cadence": cadence,
             "env": worker_env(profile),
             "fault": vars(spec.fault) if spec.fault else None,
+            "needs_efa": needs_efa(profile),
         },
         torch_config=TorchConfig(backend=profile.comm_backend, timeout_s=config.deepspeed.timeout_minutes * 60),
         scaling_config=ScalingConfig(

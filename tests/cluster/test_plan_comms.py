@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster.network import EFA_ENV, network_env
+from cluster.network import EFA_ENV, efa_missing, needs_efa, network_env
 from cluster.plan import comms
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.plan.text import format_plan
@@ -161,6 +164,35 @@ def test_network_env_gives_efa_its_documented_variables_and_nothing_elsewhere():
     big = load_profile("a100x64")
     pinned = dataclasses.replace(big, network=dataclasses.replace(big.network, socket_ifname="ens32"))
     assert network_env(pinned)["NCCL_SOCKET_IFNAME"] == "ens32"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_of_a_multi_node_efa_profile_finds_the_device_and_nccls_plugin(tmp_path):
+    """Without either NCCL trains over TCP sockets, slowly and without an error: the worker refuses to start."""
+    import torch
+
+    assert needs_efa(load_profile("a100x64")) and not needs_efa(load_profile("h100x8"))
+    assert not needs_efa(load_profile("local"))
+    devices = tmp_path / "infiniband"
+    devices.mkdir()
+    assert "no EFA device in this container" in efa_missing(devices)
+    (devices / "uverbs0").touch()
+    lib = tmp_path / "lib"
+    lib.mkdir()
+
+    def in_a_new_process() -> str:  # the loader reads LD_LIBRARY_PATH when a process starts
+        code = "import sys, pathlib, cluster.network as n; print(n.efa_missing(pathlib.Path(sys.argv[1])))"
+        env = {**os.environ, "LD_LIBRARY_PATH": str(lib)}
+        done = subprocess.run([sys.executable, "-c", code, str(devices)], env=env, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    assert "NCCL's network plugin libnccl-net.so does not load" in in_a_new_process()
+    (lib / "libnccl-net.so").symlink_to(Path(torch.__file__).parent / "lib" / "libc10.so")  # any shared library
+    assert in_a_new_process() == "None"
+    # The image holds the plugin and libfabric (AWS's installer, without the kernel module), on the loader's path.
+    dockerfile = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    assert re.search(r"^RUN .*efa_installer\.sh -y --skip-kmod ", dockerfile, re.M)
+    assert re.search(r"^ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:", dockerfile, re.M)
 
 
 @pytest.mark.timeout(60)
