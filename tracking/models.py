@@ -26,26 +26,14 @@ def log_hf_model(
     hf_dir: str | Path, run_id: str, tracking_uri: str | None = None, *, step: int | None, source: Any = None
 ) -> str:
     """Log ``hf_dir`` as a model of ``run_id`` at checkpoint ``step``; returns its URI (``models:/m-…``). ValueError
-    naming the fix: no such run, no HF ViT folder, ``step`` None, transformers missing."""
+    naming the fix: those of `loggable_run`, no HF ViT folder."""
     import mlflow  # heavy
-    from mlflow.exceptions import MlflowException
 
     hf_dir = Path(hf_dir)
-    if step is None:
-        raise ValueError(
-            f"{source or hf_dir} is no training checkpoint: only a checkpoint (or a run folder: its "
-            "newest one) is logged into a run, at its step"
-        )
-    _require_transformers()
     uri = tracking_uri or default_tracking_uri()
+    run = loggable_run(run_id, uri, step=step, source=source or hf_dir)
+    assert step is not None  # refused by loggable_run
     client = mlflow.MlflowClient(tracking_uri=uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        raise ValueError(
-            f"MLflow run {run_id!r} is not in {uri}; pass a run id `make ui` lists, and --tracking-uri "
-            "for a store other than the project's"
-        ) from None
     spec, example = signature(hf_dir), input_example(hf_dir)  # refuses a folder that is no HF ViT export
     means = eval_means(client, run_id, step)
     tags = {keys.MODEL_TAG_STEP: str(step), keys.MODEL_TAG_SOURCE: str(source or hf_dir)}
@@ -72,6 +60,28 @@ def log_hf_model(
         )
     _tag_run(client, run_id, info.model_uri, step)
     return info.model_uri
+
+
+def loggable_run(run_id: str, tracking_uri: str | None = None, *, step: int | None, source: Any):
+    """The MLflow run a model of checkpoint ``source`` (at ``step``) is logged into, checked before anything is
+    written; ValueError naming the fix: ``step`` None (no training checkpoint), transformers missing, no such run."""
+    import mlflow  # heavy
+    from mlflow.exceptions import MlflowException
+
+    if step is None:
+        raise ValueError(
+            f"{source} is no training checkpoint: only a checkpoint (or a run folder: its newest one) is logged into "
+            "a run, at its step"
+        )
+    _require_transformers()
+    uri = tracking_uri or default_tracking_uri()
+    try:
+        return mlflow.MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException:
+        raise ValueError(
+            f"MLflow run {run_id!r} is not in {uri}; pass a run id `make ui` lists, and --tracking-uri "
+            "for a store other than the project's"
+        ) from None
 
 
 def _require_transformers() -> None:

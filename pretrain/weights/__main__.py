@@ -14,12 +14,21 @@ import json
 import sys
 
 from data_pipeline.cli import local_path
+from pretrain.checkpoint.run_folder import CONFIG_FILE, WEIGHTS_FILE
 from pretrain.model.flops import describe
 from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
-from pretrain.weights.export import FORMATS, checkpoint_step, class_names, export
+from pretrain.weights.export import (
+    FORMATS,
+    HF_FILES,
+    check_folder_out,
+    check_npz_out,
+    checkpoint_step,
+    class_names,
+    export,
+)
 from pretrain.weights.formats import load_model, load_npz, save_pretrained
-from tracking.models import log_hf_model
+from tracking.models import log_hf_model, loggable_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,42 +79,59 @@ def _parser() -> argparse.ArgumentParser:
 
 def _export(args: argparse.Namespace) -> VisionTransformer:
     source = weights_source.resolve(args.source)
+    if args.format == "hf":
+        check_folder_out(args.out, HF_FILES, source)
+    else:
+        check_npz_out(args.out, source)
+    step = checkpoint_step(source)
+    if args.mlflow_run:  # before anything is written
+        loggable_run(args.mlflow_run, args.tracking_uri, step=step, source=source)
     model = load_model(source, image_size=args.image_size)
     written = export(model, args.out, args.format, labels=class_names(source, model.config.num_classes))
     print(f"wrote {written}")
     if args.mlflow_run:
-        uri = log_hf_model(written, args.mlflow_run, args.tracking_uri, step=checkpoint_step(source), source=source)
+        uri = log_hf_model(written, args.mlflow_run, args.tracking_uri, step=step, source=source)
         print(f"logged to MLflow run {args.mlflow_run} as {uri}")
     return model
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """ValueError for arguments that cannot work, before anything is read; outputs become filesystem paths (Path
+    would make gs://b gs:/b)."""
+    if args.image_size is not None and args.image_size < 1:
+        raise ValueError(f"--image-size must be a positive number of pixels, got {args.image_size}")
+    if args.command == "convert":
+        args.out_dir = local_path(args.out_dir, "OUT_DIR")
+        if args.out_dir.exists() and not args.out_dir.is_dir():
+            raise ValueError(
+                f"OUT_DIR {args.out_dir} is a file; pass a folder to write model.safetensors and model.json into"
+            )
+    elif args.command == "export":
+        args.out = local_path(args.out, "OUT")
+        if args.format == "hf" and args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"OUT {args.out} is a file; --format hf writes a folder (config.json + model.safetensors)")
+        if args.mlflow_run and args.format != "hf":
+            raise ValueError("--mlflow-run logs the HF folder: use it with --format hf")
+
+
+def _run(args: argparse.Namespace) -> VisionTransformer:
+    _check_arguments(args)
+    if args.command == "convert":
+        check_folder_out(args.out_dir, (WEIGHTS_FILE, CONFIG_FILE))  # what save_pretrained writes
+        model = load_npz(weights_source.locate(args.npz), image_size=args.image_size)
+        save_pretrained(model, args.out_dir)
+        print(f"wrote {args.out_dir}")
+        return model
+    if args.command == "export":
+        return _export(args)
+    return load_model(args.source, image_size=args.image_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    if args.image_size is not None and args.image_size < 1:
-        parser.error(f"--image-size must be a positive number of pixels, got {args.image_size}")
-    try:  # outputs are filesystem paths (Path would make gs://b gs:/b)
-        if args.command == "convert":
-            args.out_dir = local_path(args.out_dir, "OUT_DIR")
-        elif args.command == "export":
-            args.out = local_path(args.out, "OUT")
-    except ValueError as error:
-        parser.error(str(error))
-    if args.command == "convert" and args.out_dir.exists() and not args.out_dir.is_dir():
-        parser.error(f"OUT_DIR {args.out_dir} is a file; pass a folder to write model.safetensors and model.json into")
-    if args.command == "export" and args.format == "hf" and args.out.exists() and not args.out.is_dir():
-        parser.error(f"OUT {args.out} is a file; --format hf writes a folder (config.json + model.safetensors)")
-    if args.command == "export" and args.mlflow_run and args.format != "hf":
-        parser.error("--mlflow-run logs the HF folder: use it with --format hf")
+    args = parser.parse_args(argv)  # argparse's own usage errors (flags, values) exit 2 as argparse prints them
     try:
-        if args.command == "convert":
-            model = load_npz(weights_source.locate(args.npz), image_size=args.image_size)
-            save_pretrained(model, args.out_dir)
-            print(f"wrote {args.out_dir}")
-        elif args.command == "export":
-            model = _export(args)
-        else:
-            model = load_model(args.source, image_size=args.image_size)
+        model = _run(args)
     except (ValueError, OSError, ImportError) as error:  # bad input (ImportError: s3/gs extra); bugs keep tracebacks
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

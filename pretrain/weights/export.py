@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from data_pipeline.manifest import read_dataset_info
+from data_pipeline.paths import replace_atomically, write_text_atomically
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import CONFIG_YAML, WEIGHTS_FILE
 from pretrain.model.vit import VisionTransformer, ViTConfig
@@ -29,6 +30,7 @@ from pretrain.weights.source import HF_CONFIG
 FORMATS = ("hf", "npz")
 HF_PREPROCESSOR = "preprocessor_config.json"
 NPZ_NAME = "model.npz"  # when OUT is a folder
+HF_FILES = (HF_CONFIG, WEIGHTS_FILE, HF_PREPROCESSOR)  # what `save_hf` writes
 # VT's block names, in call order
 _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
 
@@ -51,6 +53,43 @@ def class_names(source: Path, num_classes: int) -> list[str] | None:
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return None
     return list(names) if len(names) == num_classes and len(set(names)) == num_classes else None
+
+
+def check_folder_out(out: Path, names: tuple[str, ...], source: Path | None = None) -> None:
+    """ValueError, before anything is written, unless the folder ``out`` may get the files ``names``: it is not
+    ``source`` and holds nothing else (new, empty, or what an earlier export wrote, its leftover temporaries too)."""
+    _check_not_source(out, source)
+    others = sorted(p.name for p in out.iterdir() if p.name.partition(".tmp")[0] not in names) if out.is_dir() else []
+    if others:
+        raise ValueError(
+            f"OUT {out} holds {others[0]}, which this command does not write (a checkpoint, run or other weights "
+            "folder?), so it would mix with or replace what is there; pass a new or empty folder"
+        )
+
+
+def check_npz_out(out: Path, source: Path) -> None:
+    """ValueError, before anything is written, unless the .npz `save_npz` writes for ``out`` is not ``source`` and
+    is either absent or an .npz archive (an earlier export)."""
+    path = npz_path(out)
+    _check_not_source(path, source)
+    if path.exists() and not _is_npz(path):
+        raise ValueError(
+            f"OUT {path} exists and is not an .npz archive, so it is not replaced; pass a new file path, or a folder "
+            f"(it gets {NPZ_NAME})"
+        )
+
+
+def _check_not_source(out: Path, source: Path | None) -> None:
+    if source is not None and out.exists() and source.exists() and out.samefile(source):
+        raise ValueError(f"OUT {out} is SOURCE itself: writing it would destroy what is read; pass a new path")
+
+
+def _is_npz(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return all(name.endswith(".npy") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -92,8 +131,8 @@ def preprocessor_config(config: ViTConfig) -> dict:
 
 
 def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None) -> Path:
-    """Write the HF folder ``out``; ValueError, before writing, for a model HF cannot hold. A headless model is a
-    ViTModel, keys without ``vit.``."""
+    """Write the HF folder ``out``, each file whole or not at all; ValueError, before writing, for a model HF cannot
+    hold. A headless model is a ViTModel, keys without ``vit.``."""
     config = model.config
     fields = hf_config_dict(config, labels)  # refuses first
     state = to_hf_state_dict(model, layout="hub")
@@ -101,9 +140,10 @@ def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None
         state = {k.removeprefix("vit."): v for k, v in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", "producer": "vitscale"})
-    (out / HF_CONFIG).write_text(json.dumps(fields, indent=2) + "\n")
-    (out / HF_PREPROCESSOR).write_text(json.dumps(preprocessor_config(config), indent=2) + "\n")
+    metadata = {"format": "pt", "producer": "vitscale"}
+    replace_atomically(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    write_text_atomically(out / HF_CONFIG, json.dumps(fields, indent=2) + "\n")
+    write_text_atomically(out / HF_PREPROCESSOR, json.dumps(preprocessor_config(config), indent=2) + "\n")
     return out
 
 
@@ -175,16 +215,26 @@ def _stem_arrays(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return p
 
 
+def npz_path(out: Path) -> Path:
+    """The file `save_npz` writes for ``out``."""
+    return out / NPZ_NAME if out.is_dir() else out
+
+
 def save_npz(model: VisionTransformer, out: Path) -> Path:
-    """Write the official arrays to ``out`` (a folder: ``out/model.npz``): np.savez's format, never pickled."""
+    """Write the official arrays to ``out`` (a folder: ``out/model.npz``), whole or not at all: np.savez's format,
+    never pickled."""
     arrays = npz_arrays(model)  # refuses first
-    path = out / NPZ_NAME if out.is_dir() else out
+    path = npz_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(path, lambda tmp: _write_npz(arrays, tmp))
+    return path
+
+
+def _write_npz(arrays: dict[str, np.ndarray], path: Path) -> None:
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
         for key, value in arrays.items():
             with archive.open(key + ".npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, value, allow_pickle=False)
-    return path
 
 
 def export(model: VisionTransformer, out: Path, fmt: str, labels: list[str] | None = None) -> Path:

@@ -241,6 +241,90 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and "is damaged" in err and "model.safetensors" in err
 
 
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_error_line(capsys, *expected: str) -> str:
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "Traceback" not in err, out + err
+    assert err.startswith("python -m pretrain.weights: error: ") and all(re.search(e, err) for e in expected), err
+    return err
+
+
+def test_export_never_writes_over_a_checkpoint_run_weights_folder_or_its_source(tmp_path, capsys):
+    model = _random(model_config("vit_tiny_debug", num_classes=4))
+    newest = _checkpoint(tmp_path / "run", 2, model)
+    save_pretrained(model, tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys) == 0
+    before = {name: _contents(tmp_path / name) for name in ("run", "ours", "hf")}
+    cases = {  # (SOURCE, OUT) → what the one line names
+        ("run", "run/checkpoints/step_00000002"): r"step_00000002 is SOURCE itself",
+        ("ours", "run/checkpoints/step_00000002"): r"step_00000002 holds COMPLETE, .*pass a new or empty folder",
+        ("hf", "run"): r"run holds checkpoints, .*pass a new or empty folder",
+        ("hf", "ours"): r"ours holds model.json, .*pass a new or empty folder",
+        ("hf", "hf"): r"hf is SOURCE itself",
+    }
+    for (source, out), expected in cases.items():
+        assert _export(tmp_path / source, tmp_path / out) == 2, (source, out)
+        _one_error_line(capsys, expected)
+    assert {name: _contents(tmp_path / name) for name in before} == before
+    assert checksums.verify(newest).ok
+    (tmp_path / "empty").mkdir()
+    for out in ("hf", "empty"):  # an earlier export's folder is written again; an empty one is fine
+        assert _export(tmp_path / "run", tmp_path / out, capsys=capsys) == 0
+        assert transformers.ViTConfig.from_pretrained(tmp_path / out).num_labels == 4
+
+
+def test_npz_export_refuses_a_file_that_is_no_npz_and_its_source(tmp_path, capsys):
+    save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4)), tmp_path / "ours")
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    assert _export(tmp_path / "ours", tmp_path / "notes.txt", "--format", "npz") == 2
+    _one_error_line(capsys, r"notes.txt exists and is not an .npz archive")
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+    assert _export(tmp_path / "ours", tmp_path / "ours.npz", "--format", "npz", capsys=capsys) == 0
+    assert _export(tmp_path / "ours.npz", tmp_path / "ours.npz", "--format", "npz") == 2
+    _one_error_line(capsys, r"ours.npz is SOURCE itself")
+    assert _export(tmp_path / "ours", tmp_path / "ours.npz", "--format", "npz", capsys=capsys) == 0  # written again
+
+
+@pytest.mark.parametrize("fmt", ["hf", "npz"])
+def test_export_replaces_a_file_whole_never_rewriting_it_in_place(fmt, tmp_path, capsys):
+    """Written beside and renamed over: a hard link to the old file keeps the old bytes, so a write cut short
+    leaves the old file, never half of a new one."""
+    for name, classes in (("first", 4), ("second", 3)):
+        save_pretrained(_random(model_config("vit_tiny_debug", num_classes=classes)), tmp_path / name)
+    out = tmp_path / ("out" if fmt == "hf" else "out.npz")
+    assert _export(tmp_path / "first", out, "--format", fmt, capsys=capsys) == 0
+    written = [out / "model.safetensors", out / "config.json"] if fmt == "hf" else [out]
+    first = {}
+    for i, path in enumerate(written):
+        (tmp_path / f"link{i}").hardlink_to(path)
+        first[path] = path.read_bytes()
+    assert _export(tmp_path / "second", out, "--format", fmt, capsys=capsys) == 0
+    for i, path in enumerate(written):
+        assert (tmp_path / f"link{i}").read_bytes() == first[path] != path.read_bytes(), path
+    assert [p.name for p in written[0].parent.iterdir() if ".tmp" in p.name] == []
+
+
+def test_mlflow_run_and_checkpoint_are_checked_before_anything_is_written(tmp_path, capsys):
+    pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4)), tmp_path / "ours")
+    checkpoint = _checkpoint(tmp_path / "run", 2, _random(model_config("vit_tiny_debug", num_classes=4)))
+    cases = {
+        (tmp_path / "ours", "abc"): r"ours is no training checkpoint: only a checkpoint",
+        (checkpoint, "0" * 32): r"MLflow run '0{32}' is not in sqlite:",
+    }
+    for (source, run), expected in cases.items():
+        assert _export(source, tmp_path / "hf", "--mlflow-run", run, "--tracking-uri", uri) == 2
+        out, err = capsys.readouterr()
+        assert not out, out  # no "wrote ..."
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and re.search(expected, errors[0]) and "Traceback" not in err, err
+        assert not (tmp_path / "hf").exists()
+
+
 def test_empty_run_folder_file_out_and_npz_with_mlflow_are_clear_errors(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     save_pretrained(_random(model_config("vit_tiny_debug")), tmp_path / "ours")

@@ -342,6 +342,24 @@ def test_convert_cli_writes_loadable_weights(tmp_path, capsys):
         assert torch.equal(converted.state_dict()[key], value)
 
 
+def test_convert_never_writes_over_a_folder_it_did_not_write(tmp_path, capsys):
+    npz = _write(tmp_path / "ckpt.npz", official_arrays())
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    save_pretrained(build_model("vit_tiny_debug"), checkpoint)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    (checkpoint / "COMPLETE").write_text("")
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    cases = {checkpoint: r"step_00000002 holds COMPLETE, ", tmp_path: r"holds ckpt.npz, "}  # tmp_path: IN's folder
+    for out_dir, expected in cases.items():
+        assert main(["convert", str(npz), str(out_dir)]) == 2
+        out, err = capsys.readouterr()
+        assert not out and err.count("\n") == 1 and re.search(expected + ".*pass a new or empty folder", err), err
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    for _ in range(2):  # its own folder is written again
+        assert main(["convert", str(npz), str(tmp_path / "out")]) == 0
+    assert "wrote" in capsys.readouterr().out and load_pretrained(tmp_path / "out").config.num_classes > 0
+
+
 # --------------------------------------------------------------------------------------------- Hugging Face
 
 
@@ -496,6 +514,27 @@ def test_cli_bad_input_exits_2_with_one_message_and_no_traceback(tmp_path, capsy
     for run in ("run", "run/checkpoints"):  # a run folder: its newest COMPLETE checkpoint, as export and evals read it
         assert main(["info", str(tmp_path / run)]) == 0
         assert json.loads(capsys.readouterr().out)["config"]["width"] == 64
+
+
+def test_the_clis_own_checks_print_one_line_without_a_usage_line(tmp_path, capsys):
+    cases = {name: argv for name, (argv, _) in _bad_inputs(tmp_path).items()}
+    del cases["image_size_not_a_number"], cases["unknown_command"]  # argparse's own usage errors
+    save_pretrained(build_model("vit_tiny_debug"), tmp_path / "ours")
+    export = ["export", str(tmp_path / "ours")]
+    cases |= {
+        "hf_out_is_a_file": export + [str(tmp_path / "a_file")],
+        "mlflow_with_npz": export + [str(tmp_path / "o.npz"), "--format", "npz", "--mlflow-run", "abc"],
+        "out_in_a_bucket": export + ["gs://bucket/hf"],
+        "export_image_size_zero": export + [str(tmp_path / "hf"), "--image-size", "0"],
+    }
+    for name, argv in cases.items():
+        try:
+            status = main(argv)
+        except SystemExit as e:
+            status = e.code
+        out, err = capsys.readouterr()
+        assert status == 2 and not out and err.count("\n") == 1, f"{name}: {err}"
+        assert err.startswith("python -m pretrain.weights: error: "), f"{name}: {err}"
 
 
 def test_python_m_entry_point_exits_2_without_traceback(tmp_path):
