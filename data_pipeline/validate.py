@@ -11,6 +11,7 @@ import posixpath
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -155,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.spot < 0:
         p.error(f"--spot {args.spot}: give the number of samples to decode per shard (>= 0)")
     try:
+        if not is_remote(args.shard_dir) and Path(args.shard_dir.removeprefix("file://")).is_file():
+            raise ShardFormatError(
+                f"{args.shard_dir} is a file, not a shard folder; give the folder that holds {DATASET_FILE} and "
+                "the shards"
+            )
         if args.write_index:
             _write_index(args.shard_dir)
         report = validate(args.shard_dir, spot=args.spot, full=args.full)

@@ -10,10 +10,11 @@ import os
 import sys
 from pathlib import Path
 
-from data_pipeline.cli import output_folder
+from data_pipeline.cli import local_path, output_folder
+from data_pipeline.paths import is_remote
 from data_pipeline.write.dedup import load_exclusion
 from data_pipeline.write.readers import Source, open_source
-from data_pipeline.write.tfds import TfdsSource, describe, is_tfds_folder, open_tfds_source, tfds_path
+from data_pipeline.write.tfds import TFDS_PREFIX, TfdsSource, describe, is_tfds_folder, open_tfds_source, tfds_path
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
@@ -65,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
 def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
     if args.class_names is not None and not Path(args.class_names).is_file():
         raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
+    if is_remote(args.source.removeprefix(TFDS_PREFIX)):
+        raise ValueError(
+            f"--source {args.source}: object storage is not a --source; copy it to a local or shared folder first "
+            "(e.g. `gcloud storage cp -r` or `aws s3 sync`) and give that folder"
+        )
     folder = tfds_path(args.source)
     if folder is None and (args.kind == "tfds" or args.kind == "auto" and is_tfds_folder(args.source)):
         folder = args.source
@@ -91,6 +97,16 @@ def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
     return source, Path(args.source).name, {}
 
 
+def _check_not_inside(out: Path, source: str) -> None:
+    """ValueError when ``out`` is ``source`` or inside it: the next run would read the shards as a class."""
+    root = Path(source).expanduser().resolve()
+    if root.is_dir() and (out.resolve() == root or root in out.resolve().parents):
+        raise ValueError(
+            f"--out {out} is the --source folder {source} or inside it, so the next run would read the shards as a "
+            "class; choose an --out outside the source"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -102,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             keep_exact_duplicates=args.keep_exact_duplicates or isinstance(source, TfdsSource),
             **{k: getattr(args, k) for k in as_is},
         )
+        config.validate()
         exclusions = [load_exclusion(path, args.near_duplicate_distance) for path in args.exclude_like]
         for more in exclusions[1:]:
             exclusions[0].merge(more)
         exclude = exclusions[0] if exclusions else None
+        _check_not_inside(local_path(args.out, "--out"), tfds_path(args.source) or args.source)
         output_folder(args.out, "--out")  # after the inputs are checked
         report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
     except ValueError as err:

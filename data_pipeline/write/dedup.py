@@ -200,7 +200,7 @@ def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
 def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
     sha: set[str] = set()
     phashes: list[int] = []
-    for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
+    for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
         data = file.read_bytes()
         try:
             with Image.open(file) as img:

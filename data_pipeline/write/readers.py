@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from data_pipeline.write.dedup import IMAGE_SUFFIXES
@@ -75,6 +77,25 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
     return lines
 
 
+def _max_label(file: Path, column: str) -> int:
+    """The largest label of a Parquet file; ValueError unless every label is a whole number >= 0."""
+    labels = pq.read_table(file, columns=[column]).column(column)
+    where = f"{file}: column '{column}'"
+    fix = "give integer class ids 0..N-1 (their names with --class-names) or name another --label-column"
+    if not (pa.types.is_integer(labels.type) or pa.types.is_floating(labels.type)):
+        given = labels.drop_null()
+        example = f" (e.g. {given[0].as_py()!r})" if len(given) else ""
+        raise ValueError(f"{where} holds {labels.type} labels{example}, not class ids; {fix}")
+    if labels.null_count or len(labels) and pc.min(labels).as_py() < 0:
+        raise ValueError(f"{where} holds a negative or missing label; {fix}")
+    if pa.types.is_floating(labels.type):
+        whole = pc.and_(pc.is_finite(labels), pc.equal(pc.floor(labels), labels))
+        if not pc.all(whole).as_py():
+            bad = labels.filter(pc.invert(whole))[0].as_py()
+            raise ValueError(f"{where} holds label {bad}, not a whole number; {fix}")
+    return int(pc.max(labels).as_py()) if len(labels) else -1
+
+
 def open_source(
     path: str | Path,
     *,
@@ -122,10 +143,7 @@ def open_source(
                     raise ValueError(
                         f"{f} has no column '{col}' (columns: {schema.names}); pass --image-column/--label-column"
                     )
-            labels = pq.read_table(f, columns=[label_column]).column(label_column).to_pylist()
-            if any(label is None or int(label) < 0 for label in labels):
-                raise ValueError(f"{f}: column '{label_column}' holds a negative or missing label")
-            max_label = max([max_label, *map(int, labels)])
+            max_label = max(max_label, _max_label(f, label_column))
         ids = [str(i) for i in range(max_label + 1)]
         names = _read_class_names(class_names_file, [] if class_names_file else ids)
         if len(names) <= max_label:
@@ -148,18 +166,10 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
             elif file.is_file():
                 stats["not_image"] = stats.get("not_image", 0) + 1
     elif unit.kind == "tar":
-        with open(unit.path, "rb") as fileobj, tarfile.open(fileobj=fileobj, mode="r|*") as tar:
-            for member in tar:
-                if not member.isreg():
-                    continue
-                if not is_safe_member(member.name):
-                    stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
-                    continue
-                member_file = tar.extractfile(member)
-                assert member_file is not None
-                data = member_file.read()
-                where = f"{Path(unit.path).stem}:{member.name}"
-                yield ItemRef("tar", unit.path, where, offset=member.offset_data, size=member.size), data, unit.label
+        try:
+            yield from _iter_tar(unit, stats)
+        except (tarfile.TarError, OSError):  # truncated, corrupt or empty: the members read before it are kept
+            stats["broken_files"] = stats.get("broken_files", 0) + 1
     elif unit.kind == "parquet":
         table = pq.read_table(unit.path, columns=[source.image_column, source.label_column])
         images = table.column(source.image_column).to_pylist()
@@ -169,6 +179,25 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
             yield ItemRef("parquet", unit.path, source=f"{Path(unit.path).name}#{row}", row=row), data, int(label)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+def _iter_tar(unit: SourceUnit, stats: dict) -> Iterator[tuple[ItemRef, bytes, int]]:
+    # "r|": a plain tar only, as read_ref reads members at their byte offsets in the file
+    with open(unit.path, "rb") as fileobj, tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for member in tar:
+            if not member.isreg():
+                continue
+            if not is_safe_member(member.name):
+                stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
+                continue
+            member_file = tar.extractfile(member)
+            assert member_file is not None
+            data = member_file.read()
+            where = f"{Path(unit.path).stem}:{member.name}"
+            yield ItemRef("tar", unit.path, where, offset=member.offset_data, size=member.size), data, unit.label
+        fileobj.seek(tar.offset)
+        if fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):  # tarfile ends quietly at a cut header
+            raise tarfile.ReadError(f"{unit.path} ends before its end-of-archive block")
 
 
 @lru_cache(maxsize=2)

@@ -47,10 +47,16 @@ class WriteConfig:
     def validate(self) -> None:
         if self.samples_per_shard < 1:
             raise ValueError(f"--samples-per-shard must be >= 1, got {self.samples_per_shard}")
+        if self.min_size < 1:
+            raise ValueError(f"--min-size must be >= 1, got {self.min_size}")
         if self.max_short_side < self.min_size:
             raise ValueError(f"--max-short-side {self.max_short_side} is below --min-size {self.min_size}")
         if self.processes < 1:
             raise ValueError(f"--processes must be >= 1, got {self.processes}")
+        if not 0 <= self.near_duplicate_distance <= 15:
+            raise ValueError(f"--near-duplicate-distance must be in [0, 15], got {self.near_duplicate_distance}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -269,20 +275,25 @@ def write_dataset(
     exclude: ExclusionSet | None = None,
     extra_meta: dict | None = None,
 ) -> WriteReport:
-    """A split folder from a ``source`` or ``items``; ValueError when none is valid or settings differ."""
+    """A split folder from a ``source`` or ``items``; ValueError when none is valid or ``out_dir`` holds shards of
+    other settings or input."""
     config.validate()
     if (source is None) == (items is None):
         raise ValueError("write_dataset needs exactly one of source= or items=")
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _claim_folder(out, config, source)
+    settings = _settings(config, source)
+    _check_folder(out, settings)  # before the scan: other settings are refused at once
     names = list(source.class_names if source is not None else class_names or [])
     report = WriteReport()
     candidates = _scan(_scan_jobs(config, source, items or [], names), config.processes, report)
     survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
+    settings["input"] = input_digest(survivors, names)
+    _check_folder(out, settings)
+    manifest.write_json_atomic(settings, out / manifest.WRITE_SETTINGS_FILE)  # before the first shard
     light = replace(source, units=()) if source is not None else None
     shard_rows, report.written = _write_shards(out, survivors, names, light, config)
     dataset = {k: getattr(config, k) for k in ("name", "split", "max_short_side", "seed", "samples_per_shard")}
@@ -296,18 +307,40 @@ def write_dataset(
     return report
 
 
-def _claim_folder(out: Path, config: WriteConfig, source: Source | None) -> None:
-    """Record the write's settings in ``out``; ValueError when it holds others."""
+def _settings(config: WriteConfig, source: Source | None) -> dict:
     units: list[str] | None = None
     if isinstance(source, TfdsSource):
         units = [*unit_ids(source), source.task, source.label_column]
     elif source is not None:
         units = [u.path for u in source.units]
-    settings = dict(asdict(config), processes=None, source=units)
-    settings_file = out / manifest.WRITE_SETTINGS_FILE
-    if settings_file.exists() and json.loads(settings_file.read_text()) != json.loads(json.dumps(settings)):
-        raise ValueError(f"{out} holds shards written with different settings; choose a new --out or delete it")
-    manifest.write_json_atomic(settings, settings_file)
+    return json.loads(json.dumps(dict(asdict(config), processes=None, source=units)))
+
+
+def input_digest(survivors: list[Candidate], names: list[str]) -> str:
+    """A digest of what the shards will hold, in the sources' order (the shuffle follows from it and the seed)."""
+    digest = hashlib.sha256(repr(list(names)).encode())
+    for c in survivors:  # repr escapes what could blur the fields (quotes, newlines, surrogates)
+        digest.update(repr((c.source, c.sha256, c.label, c.exact_duplicate, c.near_duplicate)).encode())
+    return digest.hexdigest()
+
+
+def _check_folder(out: Path, settings: dict) -> None:
+    """ValueError when ``out`` holds shards written with other settings or (once known) from other input: a re-run
+    keeps the finished shards, so they must be the ones this run would write."""
+    if not any(out.glob(manifest.SHARD_GLOB)) and not any(out.glob(manifest.SHARD_GLOB + ".tmp")):
+        return  # no shard to keep (a failed run may have left its settings)
+    fix = "choose a new --out or delete it"
+    try:
+        recorded = json.loads((out / manifest.WRITE_SETTINGS_FILE).read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{out} holds shards without a readable {manifest.WRITE_SETTINGS_FILE}; {fix}")
+    recorded_input = recorded.pop("input", None)  # absent in folders of older versions: accepted
+    if recorded != {k: v for k, v in settings.items() if k != "input"}:
+        raise ValueError(f"{out} holds shards written with different settings or class folders; {fix}")
+    if recorded_input is not None and settings.get("input", recorded_input) != recorded_input:
+        raise ValueError(f"{out} holds shards of other input (images added, removed, changed or excluded since); {fix}")
 
 
 def _scan_jobs(

@@ -6,6 +6,7 @@ import io
 import tarfile
 from collections import Counter
 
+import pyarrow.parquet as pq
 import pytest
 
 from data_pipeline import validate as validate_cli
@@ -177,3 +178,55 @@ def test_shards_in_a_store_that_refuses_are_said_to_be_refused_not_absent(refusi
         read_dataset_info(url)
     with pytest.raises(OSError, match="Forbidden"):
         is_shard_folder(url)
+
+
+def _class_tar(path, images):
+    with tarfile.open(path, "w") as tar:
+        for i, data in enumerate(images):
+            info = tarfile.TarInfo(f"{path.stem}_{i}.JPEG")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_broken_source_tars_are_skipped_and_counted(tmp_path, processes):
+    """A truncated, cut, corrupt or empty per-class tar costs only what cannot be read: the job goes on."""
+    src = tmp_path / "i21k"
+    src.mkdir()
+    for c, name in enumerate(["n01", "n02", "n03"]):
+        _class_tar(src / f"{name}.tar", [jpeg_bytes(10 * c + i) for i in range(4)])
+    for name, cut_at in (("n02", "offset_data"), ("n03", "offset")):  # in the third image's data, in its header
+        with tarfile.open(src / f"{name}.tar") as tar:
+            cut = getattr(tar.getmembers()[2], cut_at) + 100
+        (src / f"{name}.tar").write_bytes((src / f"{name}.tar").read_bytes()[:cut])
+    (src / "n04.tar").write_bytes(b"")
+    (src / "n05.tar").write_bytes(b"not a tar archive" * 40)
+    report = writer.write_dataset(tmp_path / "out", writer.WriteConfig(processes=processes), source=open_source(src))
+    assert report.skipped == {"broken_files": 4}
+    sources = sorted(pq.read_table(tmp_path / "out" / "samples.parquet").column("source").to_pylist())
+    kept = [f"n01:n01_{i}.JPEG" for i in range(4)] + [f"n0{c}:n0{c}_{i}.JPEG" for c in (2, 3) for i in (0, 1)]
+    assert sources == kept  # the images before the damage are written
+
+
+def test_bad_paths_and_sources_are_named_with_the_fix(tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a folder")
+    assert validate_cli.main([str(tmp_path / "afile")]) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a shard folder" in capsys.readouterr().err
+    assert write_cli.main(["--source", "s3://nobucket/foo", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--source s3://nobucket/foo: object storage is not a --source; copy it" in err and "\n" not in err.strip()
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (["cat", "dog"], r"column 'y' holds string labels \(e.g. 'cat'\), not class ids; give integer class ids"),
+        ([0.0, 1.5], r"column 'y' holds label 1.5, not a whole number"),
+    ],
+)
+def test_parquet_labels_that_are_not_class_ids_are_refused(tmp_path, labels, message):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"image": [jpeg_bytes(0), jpeg_bytes(1)], "y": labels}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'd.parquet'}: {message}"):
+        open_source(tmp_path / "d.parquet", label_column="y")

@@ -283,3 +283,86 @@ def test_samples_table_is_streamed_in_row_groups(tmp_path):
         writer.write_rows(rows[:3])
         raise RuntimeError("interrupted")
     assert list(tmp_path.glob("b.parquet*")) == []  # an interrupted table leaves nothing behind
+
+
+def _mutate(source, tmp_path, change: str) -> list[str]:
+    """Change the source folder as ``change`` says; the extra CLI arguments it needs."""
+    if change == "added":
+        (source / "class1" / "new.jpg").write_bytes(encoded(smooth_image(301), quality=92))
+    elif change == "removed":
+        (source / "class1" / "img2.jpg").unlink()
+    elif change == "moved":
+        (source / "class0" / "img3.jpg").rename(source / "class1" / "moved.jpg")
+    elif change == "replaced":
+        (source / "class2" / "img0.jpg").write_bytes(encoded(smooth_image(302), quality=92))
+    elif change == "excluded":
+        (tmp_path / "eval").mkdir()
+        (tmp_path / "eval" / "e.jpg").write_bytes((source / "class2" / "img4.jpg").read_bytes())
+        return ["--exclude-like", str(tmp_path / "eval")]
+    return []
+
+
+@pytest.mark.parametrize("change", ["added", "removed", "moved", "replaced", "excluded"])
+def test_rerun_into_a_folder_of_other_input_is_refused(folder_source, tmp_path, capsys, change):
+    """The finished shards a re-run keeps must hold this run's images: other input is refused, nothing is lost."""
+    out = tmp_path / "out"
+    args = ["--source", str(folder_source), "--out", str(out), "--samples-per-shard", "4", "--processes", "1"]
+    assert write_cli.main(args) == 0
+    settings_file = out / manifest.WRITE_SETTINGS_FILE
+    settings = json.loads(settings_file.read_text())
+    settings.pop("input", None)  # as older versions wrote it: accepted
+    settings_file.write_text(json.dumps(settings))
+    shards = {p.name: p.read_bytes() for p in out.glob("shard-*.tar")}
+    assert write_cli.main(args) == 0  # an unchanged re-run keeps every shard (and records the input)
+    assert {n: (out / n).read_bytes() for n in shards} == shards
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert write_cli.main([*args, *_mutate(folder_source, tmp_path, change)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith(
+        f"{out} holds shards of other input (images added, removed, changed or "
+        "excluded since); choose a new --out or delete it"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written, nothing lost
+
+
+def test_failed_run_leaves_nothing_that_refuses_the_corrected_one(tmp_path, capsys):
+    """Every option is checked before --out is written; a run that fails later leaves no settings that refuse the
+    next run, since settings are compared only where shards exist."""
+    src = tmp_path / "src"
+    for c in range(2):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            (src / f"c{c}" / f"{i}.jpg").write_bytes(encoded(smooth_image(10 * c + i)))
+    out = tmp_path / "out"
+    base = ["--source", str(src), "--out", str(out), "--processes", "1"]
+    for bad, message in [
+        (["--near-duplicate-distance", "-1"], "--near-duplicate-distance must be in [0, 15], got -1"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--min-size", "0", "--max-short-side", "0"], "--min-size must be >= 1, got 0"),
+    ]:
+        assert write_cli.main([*base, *bad]) == 2
+        assert capsys.readouterr().err.strip().endswith(message)
+        assert not out.exists()
+    assert write_cli.main([*base, "--seed", "4"]) == 0
+    items = [(b"not an image", 0, "bad")]
+    with pytest.raises(ValueError, match="no valid images"):
+        writer.write_dataset(tmp_path / "x", writer.WriteConfig(processes=1, seed=5), items=items, class_names=["a"])
+    items = [(encoded(smooth_image(i)), 0, f"m{i}") for i in range(3)]
+    report = writer.write_dataset(tmp_path / "x", writer.WriteConfig(processes=1), items=items, class_names=["a"])
+    assert report.written == 3
+
+
+def test_out_inside_the_source_is_refused(folder_source, capsys):
+    for out in (folder_source / "shards", folder_source):
+        assert write_cli.main(["--source", str(folder_source), "--out", str(out), "--processes", "1"]) == 2
+        assert f"--out {out} is the --source folder {folder_source} or inside it" in capsys.readouterr().err
+    assert not (folder_source / "shards").exists() and not list(folder_source.glob("shard-*"))
+
+
+def test_exclude_like_skips_folders_named_like_images(folder_source, tmp_path):
+    eval_dir = tmp_path / "eval_images"
+    (eval_dir / "weird.jpg").mkdir(parents=True)
+    (eval_dir / "weird.jpg" / "inner.jpg").write_bytes((folder_source / "class1" / "img4.jpg").read_bytes())
+    exclude = load_exclusion(eval_dir)
+    assert exclude.sha256s == {sha256_hex((folder_source / "class1" / "img4.jpg").read_bytes())}
