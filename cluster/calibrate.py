@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from cluster.plan.mfu import MEMORY_TOLERANCE, MFU_FILE, MFU_FILE_ENV, gpu_kind, mfu_file, read_table
+from data_pipeline.paths import write_text_atomically
 
 MODELS = ("vit_b16", "vit_l16", "vit_h14")
 ACTIVATION_SCALE_RANGE = (0.1, 10.0)  # beyond it the model is wrong, not its activations
@@ -89,8 +91,20 @@ def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:
     kind = gpu_kind(result["device"])
     for model, entry in entries.items():
         table.setdefault(model, {})[kind] = entry
-    path.write_text(HEADER + yaml.safe_dump(table, sort_keys=True))
+    try:
+        write_text_atomically(path, HEADER + yaml.safe_dump(table, sort_keys=True))
+    except OSError as error:
+        raise ValueError(f"cannot write MFU table {path} ({error.strerror}); give --mfu-file a writable file") from None
     return entries
+
+
+def _check_table_file(path: Path, named: str) -> None:
+    """ValueError unless ``path`` (``named`` in the message) is a table to update or a new file in a folder."""
+    if path.is_dir():
+        raise ValueError(f"{named} {path} is a folder; name the YAML file to write, e.g. {path / 'mfu.yaml'}")
+    if not path.parent.is_dir():
+        raise ValueError(f"{named} {path}: the folder {path.parent} does not exist; create it or name another file")
+    read_table(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mfu-file", help=f"the table to update (default: ${MFU_FILE_ENV} or {MFU_FILE})")
     args = parser.parse_args(argv)
     path = Path(args.mfu_file) if args.mfu_file else mfu_file()
+    try:  # before any work
+        named = "--mfu-file" if args.mfu_file else f"${MFU_FILE_ENV}" if os.environ.get(MFU_FILE_ENV) else "MFU table"
+        _check_table_file(path, named)
+    except ValueError as error:
+        print(f"cluster.calibrate: error: {error}", file=sys.stderr)
+        return 2
     try:
         try:
             result = json.loads(Path(args.gpu_json).read_text())

@@ -1,7 +1,8 @@
 """Shell exports that point Ray's own CLI (`ray job list|logs|submit|stop`) at a profile's cluster.
 
-`python -m cluster.env [--cluster P]` backs `make env`: `eval "$(make -s env)"`. On `local`: the running head's
-address and RAY_AUTH_MODE (else Ray's CLI sends no token), never the token; no head: exit 2.
+`python -m cluster.env [--cluster P]` backs `make env`: `eval "$(make -s env)"`. The Jobs API's address (on `local`
+the running head's; no head: exit 2) and RAY_AUTH_MODE (else Ray's CLI sends no token; a remote cluster's head runs
+with token auth, `cluster.render`), with RAY_AUTH_TOKEN_PATH where the token is in another file; never the token.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def _custom_token_path() -> str | None:
 
 def exports(profile: ClusterProfile) -> dict[str, str]:
     """The variables Ray's CLI needs; RayUnreachableError when no local head answers."""
-    if not profile.is_local:
-        return {"RAY_ADDRESS": jobs.cluster_address(profile)}
+    if not profile.is_local:  # cluster.render starts every remote head with RAY_AUTH_MODE=token
+        return {"RAY_ADDRESS": jobs.cluster_address(profile), **_token_exports("token")}
     state = local_head.read_state(profile)
     if state is None:
         raise jobs.RayUnreachableError(
@@ -40,8 +41,13 @@ def exports(profile: ClusterProfile) -> dict[str, str]:
             f"the Ray head of profile {profile.name} recorded in {profile.ray.temp_dir}/{local_head.STATE_FILE} does "
             f"not answer at {state.dashboard_url}; " + jobs._how_to_start(profile, state.dashboard_url)
         )
-    found = {"RAY_ADDRESS": state.dashboard_url, "RAY_AUTH_MODE": state.auth_mode}
-    if state.auth_mode == "token":
+    return {"RAY_ADDRESS": state.dashboard_url, **_token_exports(state.auth_mode)}
+
+
+def _token_exports(auth_mode: str) -> dict[str, str]:
+    """RAY_AUTH_MODE, and where the token is when not in RAY_AUTH_TOKEN or Ray's default file; a warning without one."""
+    found = {"RAY_AUTH_MODE": auth_mode}
+    if auth_mode == "token":
         if token_path := _custom_token_path():
             found["RAY_AUTH_TOKEN_PATH"] = token_path
         if local_head.read_auth_token() is None:

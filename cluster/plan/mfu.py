@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from pretrain.config.typed_yaml import read_yaml
 from pretrain.telemetry.peak import GPU_PEAK_TFLOPS
 
 MFU_FILE = Path(__file__).resolve().parents[1] / "mfu.yaml"
@@ -71,24 +70,43 @@ class Measured:
 
 
 def read_table(path: Path | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """{} when the file is absent or empty; ValueError when it is not a mapping."""
+    """The table at ``path`` (default: `mfu_file`); {} when that file is absent or empty, except one that
+    ``$VITSCALE_MFU_FILE`` names: set, it must be used. ValueError, in one line, when it is not such a table."""
+    if path is None and os.environ.get(MFU_FILE_ENV) and not mfu_file().is_file():
+        raise ValueError(
+            f"{MFU_FILE_ENV}={os.environ[MFU_FILE_ENV]} is not a file; unset it (the plan then reads {MFU_FILE}) "
+            "or point it at a table python -m cluster.calibrate wrote"
+        )
     path = path or mfu_file()
     if not path.is_file():
         return {}
-    try:
-        table = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML ({error}); run python -m cluster.calibrate again") from None
+    table = read_yaml(path, "MFU table") or {}
+    fix = f"fix it, or write another: python -m cluster.calibrate GPU_JSON --mfu-file NEW.yaml, {MFU_FILE_ENV}=NEW.yaml"
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError(f"{path} must map model -> GPU kind -> numbers; run python -m cluster.calibrate again")
+        raise ValueError(f"MFU table {path} must map model -> GPU kind -> entry; {fix}")
+    for model, row in table.items():
+        for kind, entry in row.items():
+            if problem := _entry_problem(entry):
+                raise ValueError(f"MFU table {path}: {model} -> {kind}: {problem}; {fix}")
     return table
+
+
+def _entry_problem(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return f"{entry!r} is not a mapping with an mfu"
+    if not _is_fraction(entry.get("mfu")):
+        return f"mfu is {entry.get('mfu')!r}, not a number in (0, 1]"
+    for key in ("memory_error", "activation_scale"):
+        if key in entry and not (_is_number(entry[key]) and (key == "memory_error" or entry[key] > 0)):
+            return f"{key} is {entry[key]!r}, not a{' positive' if key == 'activation_scale' else ''} number"
+    return None
 
 
 def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | None:
     """The table's entry for ``model`` on ``gpu_type``'s kind, else on a kind with the same peaks (marked so)."""
     kind = gpu_kind(gpu_type)
     row = read_table(path).get(model, {})
-    on = next((k for k in (kind, *same_peak_kinds(kind)) if _is_entry(row.get(k))), None)
+    on = next((k for k in (kind, *same_peak_kinds(kind)) if k in row), None)
     if on is None:
         return None
     entry = row[on]
@@ -105,9 +123,9 @@ def measured(model: str, gpu_type: str, path: Path | None = None) -> Measured | 
     )
 
 
-def _is_entry(entry: Any) -> bool:
-    return isinstance(entry, dict) and _is_fraction(entry.get("mfu"))
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_fraction(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 < value <= 1
+    return _is_number(value) and 0 < value <= 1

@@ -6,6 +6,7 @@ scale where the memory model was off by more than 15%; everything else stays ass
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,48 @@ def test_a_damaged_table_is_a_clear_error(tmp_path, table, capsys):
     table.write_text("- a list\n")
     assert main([str(write(tmp_path, campaign()))]) == 2
     assert "must map model -> GPU kind" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["missing/mfu.yaml", ".", "env:."])
+def test_an_mfu_file_that_cannot_be_written_is_refused_before_any_work(tmp_path, table, monkeypatch, capsys, where):
+    """A folder, or a file in a missing folder: one line naming it, exit 2, even before the GPU JSON is read."""
+    target = tmp_path / where.removeprefix("env:")
+    args = [str(tmp_path / "absent.json")]
+    if where.startswith("env:"):
+        monkeypatch.setenv(mfu.MFU_FILE_ENV, str(target))
+    else:
+        args += ["--mfu-file", str(target)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(target) in err and "absent.json" not in err
+    assert ("--mfu-file" if "env" not in where else "$VITSCALE_MFU_FILE") in err
+    assert main([str(write(tmp_path, campaign())), *args[1:]]) == 2  # and with a campaign to write: no traceback
+    assert mfu.read_table(table) == {} and not (tmp_path / "missing").exists()
+
+
+BROKEN_TABLES = [
+    ("vit_h14: [1\n", r"line 2, column 1: invalid YAML"),
+    ("vit_h14:\n  H100: {mfu: fast}\n", r"vit_h14 -> H100: mfu is 'fast'"),
+    ("vit_h14:\n  H100: {mfu: 0.4, memory_error: big}\n", r"vit_h14 -> H100: memory_error is 'big'"),
+    ("vit_h14:\n  H100: {mfu: 0.4, activation_scale: [2]}\n", r"vit_h14 -> H100: activation_scale is \[2\]"),
+]
+
+
+@pytest.mark.parametrize("text, says", BROKEN_TABLES)
+def test_a_broken_table_is_one_line_naming_it_in_calibrate_and_in_the_plan(tmp_path, table, capsys, text, says):
+    table.write_text(text)
+    assert main([str(write(tmp_path, campaign()))]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(f"MFU table {re.escape(str(table))}.*{says}", err)
+    assert table.read_text() == text  # nothing written over it
+    with pytest.raises(ValueError) as info:  # `cluster.launch` prints it as its one error line
+        h14_plan()
+    assert len(str(info.value).splitlines()) == 1 and re.search(says, str(info.value))
+
+
+def test_vitscale_mfu_file_naming_no_file_is_refused_not_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv(mfu.MFU_FILE_ENV, str(tmp_path / "typo.yaml"))
+    with pytest.raises(ValueError, match=rf"VITSCALE_MFU_FILE={tmp_path}/typo\.yaml is not a file; unset it"):
+        h14_plan()
+    monkeypatch.delenv(mfu.MFU_FILE_ENV)
+    assert h14_plan().compute.mfu_source.startswith("measured on H200")  # unset: the shipped table

@@ -149,6 +149,26 @@ def _parse_exports(text: str) -> dict[str, str]:
     return found
 
 
+def test_env_of_a_remote_profile_turns_on_the_token_its_head_requires(monkeypatch, tmp_path, capsys):
+    """A rendered cluster's head runs with RAY_AUTH_MODE=token (cluster.render): `make env CLUSTER=a100x64` exports
+    it, and the token's file as the local profile does; never the token itself."""
+    from cluster import env
+
+    _token_auth(monkeypatch, tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert env.main(["--cluster", "a100x64"]) == 0
+    assert _parse_exports(capsys.readouterr().out) == {
+        "RAY_ADDRESS": "http://127.0.0.1:8265",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str((tmp_path / "token").resolve()),
+    }
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")  # no token anywhere: said, as for a local head
+    assert env.main(["--cluster", "a100x64"]) == 0
+    captured = capsys.readouterr()
+    assert _parse_exports(captured.out) == {"RAY_ADDRESS": "http://127.0.0.1:8265", "RAY_AUTH_MODE": "token"}
+    assert "no Ray token was found" in captured.err
+
+
 def _ray_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """The venv's own `ray` executable: the Ray CLI a user of this project runs."""
     ray = str(Path(sys.executable).with_name("ray"))
