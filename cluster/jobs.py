@@ -68,11 +68,14 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
         raise RayUnreachableError(
             f"no Ray head of this project is running for profile {profile.name}; " + _how_to_start(profile, address)
         )
+    from ray.exceptions import RayError  # RpcError: an address without http:// is taken for a GCS one
+
     try:
         return JobSubmissionClient(address, headers=local_head.auth_headers())
-    except (ConnectionError, RuntimeError, OSError) as exc:
+    except (ConnectionError, RuntimeError, OSError, RayError) as exc:
+        reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
         raise RayUnreachableError(
-            f"cannot reach the Ray Jobs API of profile {profile.name} at {address}: {exc}\n"
+            f"cannot reach the Ray Jobs API of profile {profile.name} at {address}: {reason}; "
             + _how_to_start(profile, address)
         ) from exc
 

@@ -11,6 +11,7 @@ dry run included); a real launch then generates what is absent and starts or reu
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ import time
 from cluster import jobs
 from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
 from cluster.local_data import check_local_data, prepare_local_data
-from cluster.plan.planner import PlanError, build_plan, resolve_run
+from cluster.plan.planner import Plan, PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
 from data_pipeline.paths import PROJECT_ROOT
@@ -44,6 +45,25 @@ def _parse_fault(text: str | None) -> FaultInjection | None:
         return FaultInjection(rank=int(rank), after_step=int(step), delay_s=float(delay[0]) if delay else 0.0)
     except ValueError:
         raise ValueError(f"--inject-worker-failure={text!r}; write RANK:STEP[:DELAY_S], e.g. 1:50:2") from None
+
+
+def _check_fault(fault: FaultInjection | None, plan: Plan) -> None:
+    """ValueError unless the plan has the rank and a checkpoint at or after the step (the last step saves one)."""
+    if fault is None:
+        return
+    world, steps = plan.topology.world_size, plan.compute.total_steps
+    if not 0 <= fault.rank < world:
+        raise ValueError(
+            f"--inject-worker-failure: rank {fault.rank} is not in this run (world size {world}); give a rank "
+            f"0..{world - 1}"
+        )
+    if not 0 <= fault.after_step <= steps:
+        raise ValueError(
+            f"--inject-worker-failure: step {fault.after_step} is not in this run (steps 0..{steps}, a checkpoint at "
+            f"the last); give a step in 0..{steps}"
+        )
+    if not 0 <= fault.delay_s < math.inf:
+        raise ValueError(f"--inject-worker-failure: DELAY_S {fault.delay_s} must be >= 0 seconds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if profile.is_local and not args.dry_run:
             prepare_local_data(config, suite)
         plan = build_plan(profile, config)
+        _check_fault(fault, plan)
         print(format_plan(plan, notes), flush=True)
         if args.dry_run:
             absent = [str(folder) for folder, complete in present.items() if not complete]

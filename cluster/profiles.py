@@ -6,6 +6,7 @@ validates one, expanding `{project}` to the project root.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +19,16 @@ from pretrain.config import typed_yaml
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+JOBS_API_SCHEMES = ("http://", "https://")  # a remote profile's ray.address: the Jobs API (dashboard) URL
+# (vCPUs, GiB, GPUs) of each type evals.instance_type may name: a profile declares only its training nodes' shape.
+EVAL_INSTANCES = {
+    "g5.xlarge": (4, 16, 1),
+    "g5.2xlarge": (8, 32, 1),
+    "g5.4xlarge": (16, 64, 1),
+    "g6.xlarge": (4, 16, 1),
+    "g6.2xlarge": (8, 32, 1),
+    "g6.4xlarge": (16, 64, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,22 @@ class StorageSpec:
     checkpoints: str  # run folders, on a filesystem every node mounts
     mlflow_tracking_uri: str
     read_mb_per_s: float = 100.0  # one rank's read rate from `shards` (the start allowance); assumed
+
+    def validate(self, where: str) -> None:
+        """ValueError naming the key and the fix for an empty location or a URL with one slash (`s3:/bucket`)."""
+        examples = {
+            "shards": "the root of the shard folders, e.g. s3://vitscale-datasets or {project}/data",
+            "checkpoints": "a folder every node mounts for the run folders, e.g. /fsx/vitscale/runs",
+            "mlflow_tracking_uri": "the MLflow server, e.g. http://mlflow.example.com:5000",
+        }
+        for key, example in examples.items():
+            value = getattr(self, key)
+            if not value.strip():
+                raise ValueError(f"{where}: storage.{key} is empty; give {example}")
+            url = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):(?!//)/*(.*)", value)
+            if url and url.group(1).lower() not in ("file", "sqlite"):  # a path or `scheme:/x` read as one
+                fixed = f"{url.group(1)}://{url.group(2)}"
+                raise ValueError(f"{where}: storage.{key}={value!r} is no URL (a URL is SCHEME://...); write {fixed!r}")
 
 
 @dataclass(frozen=True)
@@ -251,17 +278,21 @@ class ClusterProfile:
         if wk.gpus_per_worker > 0:
             if self.comm_backend != "nccl":
                 raise ValueError(f"{where}: GPU workers need comm_backend: nccl")
-            capacity = hw.nodes * hw.gpus_per_node // wk.gpus_per_worker
-            if wk.max_workers > capacity:
-                key = "workers.max" if wk.elastic else "workers.num_workers"
-                raise ValueError(
-                    f"{where}: {key}={wk.max_workers} exceeds nodes x gpus_per_node / "
-                    f"gpus_per_worker = {capacity}; lower {key.split('.')[1]} or add nodes"
-                )
+            self._validate_gpu_count()
             if hw.gpu_memory_gb <= 0:
                 raise ValueError(f"{where}: hardware.gpu_memory_gb must be > 0 for GPU workers")
         elif self.comm_backend == "nccl":
             raise ValueError(f"{where}: CPU workers (gpus_per_worker: 0) need comm_backend: gloo")
+        self.storage.validate(where)
+        if not self.is_local and not self.ray.address.startswith(JOBS_API_SCHEMES):
+            given = self.ray.address
+            fix = f"http://{given}" if given and "://" not in given else "http://HEAD:8265 (the head's dashboard port)"
+            raise ValueError(
+                f"{where}: ray.address={given!r} is not the Jobs API's URL (http:// or https://); write {fix}, "
+                "or `local` for the embedded head"
+            )
+        if not self.is_local:  # `local` runs on this machine: ray.head_num_cpus holds its workers
+            check_fits(self)
         self.hang.validate(where)
         self.evals.validate(where)
         self.network.validate(where, hw.nodes, wk.gpus_per_worker > 0)
@@ -273,6 +304,34 @@ class ClusterProfile:
             raise ValueError(
                 f"{where}: ray.head_num_cpus={self.ray.head_num_cpus} cannot hold "
                 f"{wk.max_workers} workers x {wk.cpus_per_worker} CPUs; raise head_num_cpus"
+            )
+
+    def _validate_gpu_count(self) -> None:
+        """Every GPU of every node runs a worker: the plan's topology is the profile's (evals have a node group)."""
+        hw, wk, where = self.hardware, self.workers, f"profile {self.name}"
+        per, key = wk.gpus_per_worker, "workers.max" if wk.elastic else "workers.num_workers"
+        if hw.gpus_per_node == 0:
+            raise ValueError(
+                f"{where}: workers.gpus_per_worker={per} but hardware.gpus_per_node=0; set hardware.gpus_per_node to "
+                "the GPUs a node has, or run CPU workers (workers.gpus_per_worker: 0, comm_backend: gloo)"
+            )
+        if hw.gpus_per_node % per:
+            raise ValueError(
+                f"{where}: workers.gpus_per_worker={per} does not divide hardware.gpus_per_node={hw.gpus_per_node} "
+                f"(a worker's GPUs are on one node, so {hw.gpus_per_node % per} per node would sit idle); "
+                f"use a divisor of {hw.gpus_per_node}"
+            )
+        used, gpus = wk.max_workers * per, hw.nodes * hw.gpus_per_node
+        if used != gpus:
+            fit = gpus // per
+            fixes = [f"{key}: {fit}" + (f" (and workers.min <= {fit})" if wk.elastic and wk.min_workers > fit else "")]
+            if used % hw.gpus_per_node == 0:
+                fixes.append(f"hardware.nodes: {used // hw.gpus_per_node}")
+            raise ValueError(
+                f"{where}: {key}={wk.max_workers} x workers.gpus_per_worker={per} = {used} GPUs, but hardware.nodes="
+                f"{hw.nodes} x gpus_per_node={hw.gpus_per_node} = {gpus}: "
+                f"{f'{gpus - used} GPU(s) would sit idle' if used < gpus else 'the workers do not fit'}; "
+                f"set {' or '.join(fixes)}"
             )
 
     def _validate_worker_counts(self) -> None:
@@ -304,6 +363,48 @@ class ClusterProfile:
                 f"{where}: workers.resources={wk.resources}: custom Ray resources with amounts > 0 only "
                 "(CPUs and GPUs are cpus_per_worker and gpus_per_worker)"
             )
+
+
+def allocatable(vcpus: int, memory_gb: float) -> tuple[int, float]:
+    """(CPUs, GiB) a pod may ask of a node: the kubelet, the OS and the daemonsets keep more than EKS reserves."""
+    return vcpus - max(1, round(vcpus * 0.02)), memory_gb * 0.9
+
+
+def check_fits(profile: ClusterProfile) -> None:
+    """A training node's pod holds its workers (and evals sharing it); the eval pod holds an eval (cluster.render's
+    pods; a remote profile is checked at load, so the plan, launch, preflight, driver and render agree)."""
+    hw, wk, ev, where = profile.hardware, profile.workers, profile.evals, f"profile {profile.name}"
+    cpus, _ = allocatable(hw.cpus_per_node, hw.memory_gb_per_node)
+    workers, shared = math.ceil(wk.max_workers / hw.nodes), 0 if ev.instance_type else ev.num_cpus
+    per_node = workers * wk.cpus_per_worker + shared
+    if per_node > cpus:
+        fixes = [f"workers.cpus_per_worker to {int(cpus - shared) // workers}"] if cpus - shared >= workers else []
+        if shared and cpus > workers * wk.cpus_per_worker:
+            fixes.append(f"evals.num_cpus to {cpus - workers * wk.cpus_per_worker}")
+        raise ValueError(
+            f"{where}: a node's workers (and evals) need {per_node:g} CPUs, its pod has {cpus} of "
+            f"hardware.cpus_per_node={hw.cpus_per_node}; "
+            + (f"lower {' or '.join(fixes)} (or less)" if fixes else "use nodes with more CPUs")
+        )
+    if not ev.instance_type:
+        return
+    if ev.instance_type not in EVAL_INSTANCES:
+        raise ValueError(
+            f"{where}: evals.instance_type={ev.instance_type!r} is not one cluster.render knows "
+            f"({', '.join(EVAL_INSTANCES)}); pick one or add its vCPUs, GiB and GPUs to cluster.profiles.EVAL_INSTANCES"
+        )
+    vcpus, memory_gb, gpus = EVAL_INSTANCES[ev.instance_type]
+    pod_cpus, _ = allocatable(vcpus, memory_gb)
+    if ev.num_cpus > pod_cpus or ev.num_gpus > gpus:
+        holds = {t: allocatable(c, m)[0] >= ev.num_cpus and g >= ev.num_gpus for t, (c, m, g) in EVAL_INSTANCES.items()}
+        bigger = [t for t, fits in holds.items() if fits]
+        lowered = (("num_cpus", pod_cpus, ev.num_cpus > pod_cpus), ("num_gpus", gpus, ev.num_gpus > gpus))
+        raise ValueError(
+            f"{where}: an eval (evals.num_cpus={ev.num_cpus:g}, num_gpus={ev.num_gpus:g}) does not fit the "
+            f"{ev.instance_type} pod ({pod_cpus} of its {vcpus} vCPUs, {gpus} GPU); lower "
+            + " and ".join(f"evals.{k} to {n:g}" for k, n, over in lowered if over)
+            + (f", or use {' or '.join(bigger)}" if bigger else "")
+        )
 
 
 def profile_names() -> list[str]:

@@ -10,7 +10,6 @@ must exist first. Every node runs ./Dockerfile's image; the Jobs API stays on 12
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import yaml
 
 from cluster.driver.job import JobSpec, job_runtime_env
 from cluster.plan.planner import build_plan, resolve_config
-from cluster.profiles import ClusterProfile, load_profile
+from cluster.profiles import EVAL_INSTANCES, ClusterProfile, allocatable, load_profile
 from data_pipeline.cli import output_folder
 from data_pipeline.paths import PROJECT_ROOT
 
@@ -36,15 +35,6 @@ TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the secret holding the token
 MLFLOW_SECRET = "vitscale-mlflow"  # KubeRay: the optional secret of MLflow's credentials, one key per variable
 MAX_RAYJOB_NAME = 47  # KubeRay: its RayCluster's 53, less the 6 characters of the cluster's suffix
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-# (vCPUs, GiB, GPUs) of each type evals.instance_type may name: a profile declares only its training nodes' shape.
-EVAL_INSTANCES = {
-    "g5.xlarge": (4, 16, 1),
-    "g5.2xlarge": (8, 32, 1),
-    "g5.4xlarge": (16, 64, 1),
-    "g6.xlarge": (4, 16, 1),
-    "g6.2xlarge": (8, 32, 1),
-    "g6.4xlarge": (16, 64, 1),
-}
 
 
 @dataclass(frozen=True)
@@ -75,41 +65,19 @@ def fsx_mount(dns_name: str | None, mount_name: str | None) -> FsxMount | None:
     return FsxMount(dns_name, mount_name)
 
 
-def _allocatable(vcpus: int, memory_gb: float) -> tuple[int, float]:
-    """(CPUs, GiB) a pod may ask of a node: the kubelet, the OS and the daemonsets keep more than EKS reserves."""
-    return vcpus - max(1, round(vcpus * 0.02)), memory_gb * 0.9
-
-
-def _check_fits(profile: ClusterProfile) -> None:
-    """A training node's pod holds its workers (and evals sharing it); the eval pod holds an eval."""
-    hw, wk, ev = profile.hardware, profile.workers, profile.evals
-    cpus, _ = _allocatable(hw.cpus_per_node, hw.memory_gb_per_node)
-    per_node = math.ceil(wk.max_workers / hw.nodes) * wk.cpus_per_worker + (0 if ev.instance_type else ev.num_cpus)
-    if per_node > cpus:
+def _check_image(image: str) -> None:
+    """ValueError where `--image` is no image reference: the headers' shell commands name it."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*", image):
         raise ValueError(
-            f"profile {profile.name}: a node's workers (and evals) need {per_node:g} CPUs, its pod has {cpus} of "
-            f"hardware.cpus_per_node={hw.cpus_per_node}; lower workers.cpus_per_worker or evals.num_cpus"
-        )
-    if not ev.instance_type:
-        return
-    if ev.instance_type not in EVAL_INSTANCES:
-        raise ValueError(
-            f"profile {profile.name}: evals.instance_type={ev.instance_type!r} is not one cluster.render knows "
-            f"({', '.join(EVAL_INSTANCES)}); pick one or add its vCPUs, GiB and GPUs to cluster.render.EVAL_INSTANCES"
-        )
-    vcpus, memory_gb, gpus = EVAL_INSTANCES[ev.instance_type]
-    pod_cpus, _ = _allocatable(vcpus, memory_gb)
-    if ev.num_cpus > pod_cpus or ev.num_gpus > gpus:
-        raise ValueError(
-            f"profile {profile.name}: an eval (evals.num_cpus={ev.num_cpus:g}, num_gpus={ev.num_gpus:g}) does not fit "
-            f"the {ev.instance_type} pod ({pod_cpus} of its {vcpus} vCPUs, {gpus} GPU); lower them or use a bigger type"
+            f"--image {image!r} is no image reference: letters, digits and . _ / : @ - only, no spaces; "
+            f"give REGISTRY/NAME:TAG, e.g. {IMAGE}"
         )
 
 
 def _check_renderable(profile: ClusterProfile) -> None:
     if profile.is_local:
         raise ValueError(
-            "profile local runs on this machine and needs no cluster files; pick a GPU profile "
+            f"profile {profile.name} runs on this machine and needs no cluster files; pick a GPU profile "
             "(a100x8, a100x64, h100x8, h200x8)"
         )
     if not profile.hardware.instance_type:
@@ -119,7 +87,6 @@ def _check_renderable(profile: ClusterProfile) -> None:
             f"profile {profile.name}: storage.checkpoints={profile.storage.checkpoints!r} must live on "
             f"the shared filesystem mounted at {SHARED_FS} so every node resumes from the same folder"
         )
-    _check_fits(profile)
 
 
 def rayjob_name(run_name: str) -> str:
@@ -231,7 +198,7 @@ def _mlflow_env() -> list[dict]:
 def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
     """A Ray pod asking for what a node of (vCPUs, GiB, GPUs) can give it."""
     vcpus, memory_gb, gpus = node
-    cpus, memory_gb = _allocatable(vcpus, memory_gb)
+    cpus, memory_gb = allocatable(vcpus, memory_gb)
     limits = {"cpu": str(cpus), "memory": f"{int(memory_gb)}Gi"}
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
@@ -401,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.cluster)
         _check_renderable(profile)  # before planning: its errors would mislead
         fsx = fsx_mount(args.fsx_dns, args.fsx_mount_name)
+        _check_image(args.image)
         recipe = profile.pick_recipe(args.recipe)
         _names(profile, recipe, args.run_name)  # before --out is created
         out = output_folder(args.out, "--out")

@@ -140,8 +140,10 @@ def plan_memory(
     zero_stage: int,
     num_params: int,
     correction: tuple[float, str] | None = None,
+    per_rank: int | None = None,
 ) -> tuple[MemoryPlan, str | None]:
-    """(part, None) if it fits, else (part, why not, the fixes); ``correction``: the activations' (factor, source)."""
+    """(part, None) if it fits, else (part, why not, the fixes); ``correction``: the activations' (factor, source);
+    ``per_rank``: what a micro-batch must divide at every world size the run may take (default: this one's)."""
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
     per_image = functools.partial(vit_activation_bytes, vit, compute.precision, dropout=vit.dropout)
@@ -172,7 +174,8 @@ def plan_memory(
     fixed = states.total + overhead
     if not total <= capacity:
         at = f" (at world size {batch.world_size}, the elastic group's largest)" if profile.workers.elastic else ""
-        return part, _does_not_fit(part, batch, compute, act_per_image, fixed, capacity) + at
+        per_rank = per_rank or batch.global_batch_size // batch.world_size
+        return part, _does_not_fit(part, batch, compute, act_per_image, fixed, capacity, per_rank) + at
     return replace(
         part, checkpointing_advice=_checkpointing_advice(part, batch, compute, act_off, fixed, capacity)
     ), None
@@ -232,15 +235,22 @@ def _checkpointing_advice(
 
 
 def _does_not_fit(
-    m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_per_image: float, fixed: float, capacity: float
+    m: MemoryPlan,
+    batch: BatchPlan,
+    compute: StepTime,
+    act_per_image: float,
+    fixed: float,
+    capacity: float,
+    per_rank: int,
 ) -> str:
     room = capacity - fixed
     max_micro = int(room // act_per_image) if room > 0 else 0
     fixes = []
     if max_micro >= 1:
+        fitting = max(n for n in range(1, min(max_micro, per_rank) + 1) if per_rank % n == 0)
         fixes.append(
-            f"lower the micro-batch: --set data.micro_batch_size={max_micro} or less (a divisor of "
-            f"{batch.global_batch_size // batch.world_size})"
+            f"lower the micro-batch: --set data.micro_batch_size={fitting} (the largest divisor of {per_rank} that "
+            "fits)"
         )
     if not m.activation_checkpointing:
         fixes.append(

@@ -96,19 +96,38 @@ def _profile_defaults(profile: ClusterProfile) -> dict[str, Any]:
     }
 
 
-def _recipe_over_profile(profile: ClusterProfile, written: dict, sets: list[str], recipe: TrainConfig) -> list[str]:
-    """A line per profile default the recipe as written replaces."""
+def _recipe_over_profile(
+    profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str, config: TrainConfig
+) -> list[str]:
+    """A line per profile default the recipe as written replaces: the value the plan uses, and the profile's as this
+    run would use it (the recipe silent there), or why the profile's cannot apply."""
     from_recipe, from_user = _given(written, []), _given({}, sets)
     lines = []
-    for key, suggested in _profile_defaults(profile).items():
+    for key, default in _profile_defaults(profile).items():
         section, field = key.split(".")
-        value = getattr(getattr(recipe, section), field)
-        if key in from_recipe and key not in from_user and value != "auto" and str(value) != str(suggested):
+        value = getattr(getattr(config, section), field)
+        if key not in from_recipe or key in from_user or value == "auto":
+            continue
+        try:
+            silent = _resolve(profile, path, _without(written, key), sets, run_name)
+        except ValueError as error:  # PlanError too
+            named = f"the recipe's {key}={value} replaces profile {profile.name}'s {default}"
+            lines.append(f"{named}, which cannot apply here: {error}")
+            continue
+        theirs = getattr(getattr(silent, section), field)
+        if str(theirs) != str(value):
+            lowered = "" if str(theirs) == str(default) else f" (lowered to {theirs} here)"
             lines.append(
-                f"the recipe's {key}={value} replaces profile {profile.name}'s {suggested}; "
-                f"--set {key}={suggested} takes the profile's"
+                f"the recipe's {key}={value} replaces profile {profile.name}'s {default}{lowered}; "
+                f"--set {key}={theirs} takes the profile's"
             )
     return lines
+
+
+def _without(written: dict, key: str) -> dict:
+    """``written`` without the dotted ``key``."""
+    section, field = key.split(".")
+    return {**written, section: {k: v for k, v in written[section].items() if k != field}}
 
 
 def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> list[str]:
@@ -132,14 +151,18 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
     if peak is not None:
         out.append(f"logging.peak_tflops={peak.tflops}")
     micro = base.data.micro_batch_size if "data.micro_batch_size" in given else d.micro_batch_size
-    # one micro-batch for every world size Ray may pick
-    span = math.lcm(*range(profile.workers.min_workers, profile.workers.max_workers + 1))
+    span = _span(profile)
     per_rank = base.data.global_batch_size // span
     user_micro = any(parse_override(s)[0] == ["data", "micro_batch_size"] for s in sets)
     if not user_micro and per_rank and base.data.global_batch_size % span == 0 and per_rank % micro:
         fitting = max(d for d in range(1, min(per_rank, micro) + 1) if per_rank % d == 0)
         out.append(f"data.micro_batch_size={fitting}")
     return out
+
+
+def _span(profile: ClusterProfile) -> int:
+    """What the global batch is split by: one micro-batch for every world size Ray may pick."""
+    return math.lcm(*range(profile.workers.min_workers, profile.workers.max_workers + 1))
 
 
 def resolve_config(profile: ClusterProfile, recipe: str, sets: list[str], run_name: str) -> TrainConfig:
@@ -167,6 +190,12 @@ def resolve_with_notes(
         )
     path = recipe_path(recipe)
     written = read_recipe(path)
+    config = _resolve(profile, path, written, sets, run_name)
+    return config, _recipe_over_profile(profile, path, written, sets, run_name, config) + _remote_builtin(config)
+
+
+def _resolve(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> TrainConfig:
+    """The recipe as read, on this profile, with the user's `--set`; validated at its world size(s)."""
     overrides = profile_overrides(profile, path, written, sets, run_name)
     config = config_from_recipe(path, written, [*overrides, *sets])
     if profile.uses_gpus:  # CPU runs keep their settings
@@ -175,8 +204,7 @@ def resolve_with_notes(
     if profile.workers.elastic:
         elastic_world_sizes(profile, config)
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)
-    notes = _recipe_over_profile(profile, written, sets, config_from_recipe(path, written, sets))
-    return config, notes + _remote_builtin(config)
+    return config
 
 
 def _remote_builtin(config: TrainConfig) -> list[str]:
@@ -322,8 +350,8 @@ class Plan:
         return asdict(self)
 
 
-def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
-    """PlanError when the run cannot fit."""
+def build_plan(profile: ClusterProfile, config: TrainConfig, span: int | None = None) -> Plan:
+    """PlanError when the run cannot fit; ``span``: `_span` of the elastic profile a fixed one stands for."""
     batch = batch_plan(config.data, profile.workers.num_workers)
     stats = _data_stats(config)
     vit, model = _model_size(config)
@@ -332,7 +360,14 @@ def build_plan(profile: ClusterProfile, config: TrainConfig) -> Plan:
     data = _data_plan(profile, config, batch, stats, model, compute.images_per_s)
     correction = (measured.activation_scale, measured.memory_source) if measured and measured.memory_corrected else None
     mem, does_not_fit = memory.plan_memory(
-        profile, batch, vit, compute, config.deepspeed.zero_stage, model.num_params, correction
+        profile,
+        batch,
+        vit,
+        compute,
+        config.deepspeed.zero_stage,
+        model.num_params,
+        correction,
+        config.data.global_batch_size // (span or _span(profile)),
     )
     if does_not_fit:
         raise PlanError(does_not_fit)
@@ -470,9 +505,9 @@ def _data_plan(
 
 def _elastic_ends(profile: ClusterProfile, config: TrainConfig, at_max: Plan) -> tuple[ElasticEnd, ElasticEnd]:
     w = profile.workers
-    fixed = replace(w, num_workers=w.min_workers, min=None, max=None)
+    fixed = replace(profile, workers=replace(w, num_workers=w.min_workers, min=None, max=None))
     try:
-        at_min = at_max if w.min_workers == w.max_workers else build_plan(replace(profile, workers=fixed), config)
+        at_min = at_max if w.min_workers == w.max_workers else build_plan(fixed, config, _span(profile))
     except PlanError as error:
         raise PlanError(f"at workers.min={w.min_workers} (an elastic job may shrink to it): {error}") from None
     return ElasticEnd.of(at_min), ElasticEnd.of(at_max)

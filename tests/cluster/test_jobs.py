@@ -429,3 +429,21 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
     with pytest.raises(jobs.RayUnreachableError, match=rf"lost the Ray Jobs API at .* while following job {job_id}"):
         jobs.follow(client, job_id, lost_s=1.0)
     assert time.monotonic() - started < 30
+
+
+def test_connect_turns_rays_rpc_error_into_the_unreachable_line(monkeypatch):
+    """An address without http:// (RAY_ADDRESS=127.0.0.1:8265) is taken by Ray for a GCS one: after its wait, an
+    RpcError, not one of the errors of an HTTP client; `make status` says so in one line, not a traceback."""
+    import ray.job_submission
+    from ray.exceptions import RpcError
+
+    def refuse(address, headers=None):
+        raise RpcError("Timed out while waiting for GCS to become available.\nGCS address: " + address)
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:8265")
+    with pytest.raises(jobs.RayUnreachableError) as info:
+        jobs.connect(load_profile("a100x64"))
+    message = str(info.value)
+    assert message.startswith("cannot reach the Ray Jobs API of profile a100x64 at 127.0.0.1:8265: Timed out")
+    assert "\n" not in message and "RAY_ADDRESS=http://127.0.0.1:8265" in message

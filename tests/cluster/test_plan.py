@@ -726,3 +726,60 @@ def test_the_local_plan_predicts_the_data_wait_from_this_cpu_and_a_remote_one_fr
     assert remote.data.loader_rate_source == "declared: profile a100x64 hardware.loader_img_s_per_core"
     assert remote.data.loader_img_s_per_core == big.hardware.loader_img_s_per_core == 700.0
     assert remote.data.loader_workers == 8 and remote.data.loader_cores_per_rank == 12.0  # 96 cores / 8 ranks
+
+
+@pytest.mark.timeout(120)
+def test_recipe_over_profile_notes_give_the_plans_numbers_and_a_set_that_validates(tmp_path):
+    """A note names the value the plan uses and the profile's as this run would use it; its --set resolves, and a
+    profile value that cannot apply says why instead."""
+    # local_mpp's micro-batch 16 and a100x8's 64 (local's 32) are both cut to what the ranks' share allows: no note
+    for name in ("a100x8", "local"):
+        notes = resolve_with_notes(load_profile(name), "local_mpp", [], "r")[1]
+        assert not [n for n in notes if "micro_batch_size" in n], notes
+    profile, recipe = load_profile("a100x8"), tmp_path / "r.yaml"
+    written = {"global_batch_size": 96, "streams": 8, "micro_batch_size": 4}  # 12 images per rank at world size 8
+    recipe.write_text(
+        yaml.safe_dump({"base": "vit_b16_i21k", "data": written, "deepspeed": {"precision": "fp32", "zero_stage": 0}})
+    )
+    config, notes = resolve_with_notes(profile, str(recipe), [], "r")
+    assert config.data.micro_batch_size == 4
+    assert [n for n in notes if n.startswith("the recipe's")] == [
+        "the recipe's deepspeed.zero_stage=0 replaces profile a100x8's 1; --set deepspeed.zero_stage=1 takes the "
+        "profile's",
+        "the recipe's deepspeed.precision=fp32 replaces profile a100x8's bf16, which cannot apply here: "
+        + notes[1].split("which cannot apply here: ")[1],
+        "the recipe's data.micro_batch_size=4 replaces profile a100x8's 64 (lowered to 12 here); "
+        "--set data.micro_batch_size=12 takes the profile's",
+    ]
+    assert "deepspeed.precision=bf16 needs deepspeed.zero_stage >= 1" in notes[1]
+    for note in (notes[0], notes[2]):
+        key, value = note.split("--set ")[1].split()[0].split("=")
+        taken = resolve_config(profile, str(recipe), [f"{key}={value}"], "r")
+        section, field = key.split(".")
+        assert str(getattr(getattr(taken, section), field)) == value
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_that_does_not_fit_suggests_a_micro_batch_that_divides_and_fits():
+    profile = load_profile("a100x64")
+    sets = ["model.grad_checkpointing=false", "data.global_batch_size=16384", "data.micro_batch_size=256"]
+    with pytest.raises(PlanError) as info:
+        build_plan(profile, resolve_config(profile, "vit_h14_i21k", sets, "too-big"))
+    micro = int(str(info.value).split("--set data.micro_batch_size=")[1].split()[0])
+    assert 16384 // 64 % micro == 0 and micro >= 64
+    build_plan(profile, resolve_config(profile, "vit_h14_i21k", [*sets, f"data.micro_batch_size={micro}"], "fits"))
+
+
+@pytest.mark.timeout(120)
+def test_launch_refuses_a_worker_failure_the_run_never_reaches(capsys):
+    """--inject-worker-failure RANK:STEP: a rank beyond the world size or a step past the last never strikes."""
+    run = ["--cluster", "local", "--recipe", "local_demo", "--dry-run", "--run-name", "fault"]
+    for flag, message in (
+        ("99:50", "--inject-worker-failure: rank 99 is not in this run (world size 2); give a rank 0..1"),
+        ("1:5000000", "--inject-worker-failure: step 5000000 is not in this run (steps 0.."),
+        ("1:5:-1", "--inject-worker-failure: DELAY_S -1.0 must be >= 0 seconds"),
+    ):
+        assert launch.main([*run, "--inject-worker-failure", flag]) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.err.count("\n") == 1 and "plan:" not in captured.out, captured
+    assert launch.main([*run, "--inject-worker-failure", "1:50:2"]) == 0

@@ -11,7 +11,7 @@ from cluster.profiles import PROFILES_DIR, load_profile
 # (shipped profile, {dotted key: new value, or None to delete it}, the message's expected text)
 BAD_EDITS = [
     ("a100x64", {"name": "my lab"}, "name 'my lab': use letters, digits, '.', '_' and '-' only"),
-    ("a100x64", {"workers.num_workers": 80}, "workers.num_workers=80 exceeds nodes x gpus_per_node / gpus_per_worker"),
+    ("a100x64", {"workers.num_workers": 80}, "= 80 GPUs, but hardware.nodes=8 x gpus_per_node=8 = 64: the workers do"),
     ("a100x64", {"hardware.peak_tflops": None}, "GPU workers need hardware.peak_tflops (their dense bf16 peak)"),
     ("a100x64", {"hardware.peak_tflops": 0}, "hardware.peak_tflops=0.0 must be > 0 (or absent on CPU)"),
     ("a100x64", {"comm_backend": "gloo"}, "GPU workers need comm_backend: nccl"),
@@ -66,3 +66,105 @@ def test_a_bad_edit_of_a_shipped_profile_names_its_field_and_the_fix(tmp_path, b
         load_profile(path)
     text = str(raised.value)
     assert text.startswith(f"cluster profile {path}: ") and message in text and "\n" not in text, text
+
+
+# (shipped profile, a bad edit, the message's expected text, the edit that message names as the fix)
+BAD_EDITS_AND_FIXES = [
+    # cluster.render's pods, checked at load: the launch, preflight and driver refuse what render refuses
+    (
+        "a100x64",
+        {"workers.cpus_per_worker": 20},
+        "need 160 CPUs, its pod has 94 of hardware.cpus_per_node=96; lower workers.cpus_per_worker to 11 (or less)",
+        {"workers.cpus_per_worker": 11},
+    ),
+    (
+        "a100x64",
+        {"evals.num_gpus": 2},
+        "an eval (evals.num_cpus=7, num_gpus=2) does not fit the g5.2xlarge pod (7 of its 8 vCPUs, 1 GPU); lower "
+        "evals.num_gpus to 1",
+        {"evals.num_gpus": 1},
+    ),
+    (
+        "a100x8",
+        {"evals.num_cpus": 20},
+        "need 100 CPUs, its pod has 94 of hardware.cpus_per_node=96; lower workers.cpus_per_worker to 9 or "
+        "evals.num_cpus to 14 (or less)",
+        {"evals.num_cpus": 14},
+    ),
+    # every GPU runs a worker
+    (
+        "a100x64",
+        {"hardware.nodes": 16},
+        "workers.num_workers=64 x workers.gpus_per_worker=1 = 64 GPUs, but hardware.nodes=16 x gpus_per_node=8 = 128: "
+        "64 GPU(s) would sit idle; set workers.num_workers: 128 or hardware.nodes: 8",
+        {"hardware.nodes": 8},
+    ),
+    (
+        "a100x64",
+        {"workers.num_workers": 63},
+        "= 63 GPUs, but hardware.nodes=8 x gpus_per_node=8 = 64: 1 GPU(s) would sit idle; set workers.num_workers: 64",
+        {"workers.num_workers": 64},
+    ),
+    (
+        "a100x64",
+        {"workers.num_workers": None, "workers.min": 56, "workers.max": 72},
+        "workers.max=72 x workers.gpus_per_worker=1 = 72 GPUs, but hardware.nodes=8 x gpus_per_node=8 = 64: the "
+        "workers do not fit; set workers.max: 64 or hardware.nodes: 9",
+        {"hardware.nodes": 9},
+    ),
+    (
+        "a100x64",
+        {"hardware.gpus_per_node": 0},
+        "workers.gpus_per_worker=1 but hardware.gpus_per_node=0; set hardware.gpus_per_node to the GPUs a node has",
+        {"hardware.gpus_per_node": 8},
+    ),
+    (
+        "a100x64",
+        {"workers.gpus_per_worker": 3, "workers.num_workers": 16},
+        "workers.gpus_per_worker=3 does not divide hardware.gpus_per_node=8 (a worker's GPUs are on one node, so 2 "
+        "per node would sit idle); use a divisor of 8",
+        {"workers.gpus_per_worker": 4},
+    ),
+    # storage: no empty location, no URL with one slash
+    (
+        "a100x64",
+        {"storage.checkpoints": ""},
+        "storage.checkpoints is empty; give a folder",
+        {"storage.checkpoints": "/fsx/r"},
+    ),
+    (
+        "a100x64",
+        {"storage.shards": " "},
+        "storage.shards is empty; give the root of the shard folders",
+        {"storage.shards": "s3://b"},
+    ),
+    (
+        "a100x64",
+        {"storage.shards": "s3:/vitscale-datasets"},
+        "storage.shards='s3:/vitscale-datasets' is no URL (a URL is SCHEME://...); write 's3://vitscale-datasets'",
+        {"storage.shards": "s3://vitscale-datasets"},
+    ),
+    (
+        "local",
+        {"storage.mlflow_tracking_uri": ""},
+        "storage.mlflow_tracking_uri is empty; give the MLflow server",
+        {"storage.mlflow_tracking_uri": "http://mlflow.example.com:5000"},
+    ),
+    # a remote profile's Ray address is the Jobs API's URL (without http:// Ray takes it for a GCS address)
+    (
+        "a100x64",
+        {"ray.address": "127.0.0.1:8265"},
+        "ray.address='127.0.0.1:8265' is not the Jobs API's URL (http:// or https://); write http://127.0.0.1:8265",
+        {"ray.address": "http://127.0.0.1:8265"},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "base,edits,message,fix", BAD_EDITS_AND_FIXES, ids=[",".join(e) for _, e, _, _ in BAD_EDITS_AND_FIXES]
+)
+def test_a_bad_edit_is_refused_in_one_line_and_the_fix_it_names_loads(tmp_path, base, edits, message, fix):
+    test_a_bad_edit_of_a_shipped_profile_names_its_field_and_the_fix(tmp_path, base, edits, message)
+    fixed = tmp_path / f"{base}_fixed.yaml"
+    fixed.write_text(yaml.safe_dump(_edited(base, {**edits, **fix})))
+    load_profile(fixed)

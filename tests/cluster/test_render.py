@@ -360,3 +360,40 @@ def test_gcs_shards_install_the_gcs_extra(tmp_path, monkeypatch):
     runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
     assert runtime_env["pip"] == ["gcsfs>=2024.2"]  # the image holds s3 only: the job installs gcs
     assert json.loads(runtime_env["env_vars"]["VITSCALE_PLAN"])["config"]["data"]["train"].startswith("gs://")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("workers.cpus_per_worker", 20, "need 160 CPUs, its pod has 94 of hardware.cpus_per_node=96"),
+        ("evals.num_gpus", 2, "num_gpus=2) does not fit the g5.2xlarge pod (7 of its 8 vCPUs, 1 GPU)"),
+    ],
+)
+def test_launch_and_preflight_refuse_what_render_refuses(tmp_path, capsys, key, value, message):
+    """A node or an eval pod that cannot hold its work: the dry run, the preflight and render say the same line."""
+    from cluster import launch
+    from cluster.preflight import __main__ as preflight
+
+    data = yaml.safe_load((render.load_profile.__globals__["PROFILES_DIR"] / "a100x64.yaml").read_text())
+    section, field = key.split(".")
+    data[section][field] = value
+    (tmp_path / "lab.yaml").write_text(yaml.safe_dump(data))
+    lab = str(tmp_path / "lab.yaml")
+    assert render.main(["--cluster", lab, "--out", str(tmp_path / "out")]) == 2
+    refused = capsys.readouterr().err
+    assert message in refused and refused.count("\n") == 1, refused
+    assert launch.main(["--cluster", lab, "--dry-run"]) == 2
+    assert capsys.readouterr().err == refused
+    assert preflight.main(["--cluster", lab]) == 2
+    assert capsys.readouterr().err == refused
+
+
+@pytest.mark.timeout(60)
+def test_render_names_the_local_profile_given_and_refuses_an_image_with_spaces(tmp_path, capsys):
+    assert render.main(["--cluster", "local_elastic"]) == 2
+    assert "profile local_elastic runs on this machine" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert render.main(["--cluster", "a100x8", "--image", "bad image", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--image 'bad image' is no image reference" in err and err.count("\n") == 1 and not out.exists(), err
