@@ -20,6 +20,24 @@ EFA_DEVICES = Path("/dev/infiniband")  # the uverbs devices: the EFA device plug
 NCCL_NET_PLUGIN = "libnccl-net.so"  # the network plugin NCCL loads by this name: aws-ofi-nccl's, on EFA
 
 
+# EFA interfaces a training node attaches (one per network card): what cluster.render asks EC2 and Kubernetes for.
+EFA_INTERFACES = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32, "p5en.48xlarge": 16}
+
+
+def efa_interfaces(profile: ClusterProfile) -> int:
+    """A training node's EFA interfaces; 0 where its ranks need none (`needs_efa`)."""
+    if not needs_efa(profile):
+        return 0
+    count = EFA_INTERFACES.get(profile.hardware.instance_type)
+    if count is None:
+        raise ValueError(
+            f"profile {profile.name}: network.kind efa on hardware.instance_type={profile.hardware.instance_type!r}, "
+            f"whose EFA interfaces cluster.render does not know ({', '.join(EFA_INTERFACES)}); add its count to "
+            "cluster.network.EFA_INTERFACES"
+        )
+    return count
+
+
 def needs_efa(profile: ClusterProfile) -> bool:
     """Ranks on several nodes talk over EFA: without it NCCL falls back to TCP sockets, without an error."""
     return profile.network.kind == "efa" and profile.hardware.nodes > 1

@@ -2,6 +2,7 @@
 
     python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--run-name NAME] [--out rendered]
         [--image REGISTRY/vitscale:TAG] [--fsx-dns fs-ID.fsx.us-east-1.amazonaws.com --fsx-mount-name NAME]
+        [--subnet-id subnet-ID --security-group-id sg-ID]    # EFA profiles (a100x64): their nodes' EFA interfaces
 
 writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `rayjob.yaml` (`kubectl apply -f` it), each headed by what
 must exist first. Every node runs ./Dockerfile's image; the Jobs API stays on 127.0.0.1 or in the namespace, tokens on.
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from cluster.driver.job import JobSpec, job_runtime_env
+from cluster.network import EFA_DEVICES, efa_interfaces
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import EVAL_INSTANCES, ClusterProfile, allocatable, load_profile
 from data_pipeline.cli import output_folder
@@ -119,13 +121,64 @@ def _mount_fsx(fsx: FsxMount | None) -> str:
     )
 
 
-def _training_node(profile: ClusterProfile) -> dict:
-    node = {
+@dataclass(frozen=True)
+class EfaSubnet:
+    """Where a training node's EFA interfaces go: EC2 takes the subnet and security group per interface."""
+
+    subnet_id: str
+    security_group_id: str  # must allow all traffic from itself (EFA's own requirement)
+
+
+def efa_subnet(subnet_id: str | None, security_group_id: str | None) -> EfaSubnet | None:
+    """`--subnet-id` and `--security-group-id`, both or neither; ValueError naming the bad one."""
+    if subnet_id is None and security_group_id is None:
+        return None
+    if subnet_id is None or security_group_id is None:
+        raise ValueError("--subnet-id and --security-group-id go together: EC2 takes both for each EFA interface")
+    for flag, value, prefix in (("--subnet-id", subnet_id, "subnet"), ("--security-group-id", security_group_id, "sg")):
+        if not re.fullmatch(rf"{prefix}-([0-9a-f]{{8}}|[0-9a-f]{{17}})", value):
+            raise ValueError(f"{flag} {value!r}: give an EC2 id, {prefix}- and 8 or 17 hex digits")
+    return EfaSubnet(subnet_id, security_group_id)
+
+
+def _efa_interfaces(count: int, efa: EfaSubnet) -> list[dict]:
+    """One EFA interface per network card, the first the node's primary interface (device index 0)."""
+    return [
+        {
+            "NetworkCardIndex": card,
+            "DeviceIndex": 0 if card == 0 else 1,
+            "InterfaceType": "efa",
+            "SubnetId": efa.subnet_id,
+            "Groups": [efa.security_group_id],
+        }
+        for card in range(count)
+    ]
+
+
+def _efa_run_options(count: int) -> list[str]:
+    """What docker needs to hand a container the node's EFA: its devices, and unlimited locked memory for the NIC."""
+    if not count:
+        return []
+    return ["--ulimit memlock=-1:-1", *(f"--device={EFA_DEVICES}/uverbs{i}" for i in range(count))]
+
+
+def _no_efa(profile: ClusterProfile) -> str:
+    """The host command stopping `ray up` of an EFA profile rendered without its subnet: its ranks would use TCP."""
+    return (
+        f"echo 'profile {profile.name} trains over EFA, and cluster.yaml gives its nodes no EFA interface: render it "
+        "with --subnet-id and --security-group-id' >&2; exit 1"
+    )
+
+
+def _training_node(profile: ClusterProfile, efa: EfaSubnet | None) -> dict:
+    node: dict = {
         "InstanceType": profile.hardware.instance_type,
         "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
     }
     if group := placement_group(profile):  # the head trains too
         node["Placement"] = {"GroupName": group}
+    if (count := efa_interfaces(profile)) and efa is not None:
+        node["NetworkInterfaces"] = _efa_interfaces(count, efa)
     return node
 
 
@@ -134,14 +187,19 @@ def _node_type(workers: int | None, cpus: int, gpus: int, node_config: dict) -> 
     return {**counts, "resources": {"CPU": cpus, "GPU": gpus}, "node_config": node_config}
 
 
-def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount | None = None) -> dict:
+def launcher_config(
+    profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount | None = None, efa: EfaSubnet | None = None
+) -> dict:
     """The `ray up` YAML; validated by Ray's own schema in tests."""
     _check_renderable(profile)
     hw = profile.hardware
+    devices = _efa_run_options(efa_interfaces(profile))  # the training nodes': an eval node has no EFA device
     node_types = {
-        "head": _node_type(None, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile)),
-        "gpu_worker": _node_type(hw.nodes - 1, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile)),
+        "head": _node_type(None, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile, efa)),
+        "gpu_worker": _node_type(hw.nodes - 1, hw.cpus_per_node, hw.gpus_per_node, _training_node(profile, efa)),
     }
+    if devices:
+        node_types["gpu_worker"]["docker"] = {"worker_run_options": list(devices)}  # a copy: no YAML anchors
     if profile.evals.instance_type:
         vcpus, _, gpus = EVAL_INSTANCES[profile.evals.instance_type]
         node_types["eval_worker"] = _node_type(1, vcpus, gpus, {"InstanceType": profile.evals.instance_type})
@@ -155,6 +213,7 @@ def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount |
             "container_name": "ray_container",
             "pull_before_run": True,
             "run_options": ["--ulimit nofile=65536:65536", "--shm-size=64g", f"-v {SHARED_FS}:{SHARED_FS}"],
+            **({"head_run_options": devices} if devices else {}),  # the head trains too
         },
         "provider": {"type": "aws", "region": REGION, "availability_zone": ZONE, "cache_stopped_nodes": False},
         "auth": {"ssh_user": "ubuntu"},
@@ -162,7 +221,7 @@ def launcher_config(profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount |
         "head_node_type": "head",
         # The client's token, in every node's container (the autoscaler passes file_mounts on to workers).
         "file_mounts": {AUTH_TOKEN_FILE: AUTH_TOKEN_FILE},
-        "initialization_commands": [_mount_fsx(fsx)],
+        "initialization_commands": [_mount_fsx(fsx), *([_no_efa(profile)] if devices and efa is None else [])],
         "setup_commands": [],
         "head_setup_commands": [],
         "worker_setup_commands": [],
@@ -228,7 +287,7 @@ def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
 
 def _training_pod(profile: ClusterProfile, image: str) -> dict:
     hw = profile.hardware
-    return _pod(image, (hw.cpus_per_node, hw.memory_gb_per_node, hw.gpus_per_node), 4 if hw.gpus_per_node >= 8 else 1)
+    return _pod(image, (hw.cpus_per_node, hw.memory_gb_per_node, hw.gpus_per_node), efa_interfaces(profile))
 
 
 def _submitter(image: str) -> dict:
@@ -298,6 +357,11 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     if group := placement_group(profile):
         lines.append(f"  aws ec2 create-placement-group --region {REGION} --group-name {group} --strategy cluster")
     lines.append(f"and an FSx for Lustre file system in {ZONE}, mounted at {SHARED_FS} (--fsx-dns, --fsx-mount-name).")
+    if efa_interfaces(profile):
+        lines.append(
+            f"Its nodes' {efa_interfaces(profile)} EFA interfaces each need a subnet in {ZONE} and a security group "
+            "letting in all traffic from itself (--subnet-id, --security-group-id; docs/network.md)."
+        )
     return _comment(lines)
 
 
@@ -331,6 +395,7 @@ def render(
     image: str = IMAGE,
     fsx: FsxMount | None = None,
     run_name: str | None = None,
+    efa: EfaSubnet | None = None,
 ) -> list[Path]:
     """Write ``out/<profile>/cluster.yaml`` and ``rayjob.yaml``; the run is named ``<recipe>-<profile>`` by default."""
     profile = load_profile(profile_name)
@@ -342,7 +407,7 @@ def render(
     launcher = folder / "cluster.yaml"
     launcher.write_text(
         _launcher_header(profile, launcher, image)
-        + yaml.safe_dump(launcher_config(profile, image, fsx), sort_keys=False, width=120)
+        + yaml.safe_dump(launcher_config(profile, image, fsx, efa), sort_keys=False, width=120)
     )
     rayjob = folder / "rayjob.yaml"
     manifest = rayjob_manifest(profile, spec.to_json(), job_name, image)
@@ -363,16 +428,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", default=IMAGE, help=f"the image ./Dockerfile builds, pushed (default {IMAGE})")
     parser.add_argument("--fsx-dns", help="the FSx for Lustre file system's DNS name (launcher: mounted at /fsx)")
     parser.add_argument("--fsx-mount-name", help="the FSx for Lustre file system's mount name")
+    parser.add_argument("--subnet-id", help="launcher, EFA profiles: the subnet of the nodes' EFA interfaces")
+    parser.add_argument(
+        "--security-group-id", help="launcher, EFA profiles: their security group (all traffic from itself)"
+    )
     args = parser.parse_args(argv)
     try:
         profile = load_profile(args.cluster)
         _check_renderable(profile)  # before planning: its errors would mislead
         fsx = fsx_mount(args.fsx_dns, args.fsx_mount_name)
+        efa = efa_subnet(args.subnet_id, args.security_group_id)
+        needs = efa_interfaces(profile)  # before --out: an instance type without a known count is refused
         _check_image(args.image)
         recipe = profile.pick_recipe(args.recipe)
         _names(profile, recipe, args.run_name)  # before --out is created
         out = output_folder(args.out, "--out")
-        for path in render(args.cluster, recipe, out, args.image, fsx, args.run_name):
+        for path in render(args.cluster, recipe, out, args.image, fsx, args.run_name, efa):
             print(f"wrote {path}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -381,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {IMAGE} is a placeholder: push ./Dockerfile's image and pass --image")
     if fsx is None:
         print("note: no --fsx-dns/--fsx-mount-name: `ray up` of cluster.yaml stops before the FSx mount")
+    if needs and efa is None:
+        print("note: no --subnet-id/--security-group-id: `ray up` of cluster.yaml stops; its nodes would have no EFA")
     return 0
 
 

@@ -397,3 +397,51 @@ def test_render_names_the_local_profile_given_and_refuses_an_image_with_spaces(t
     assert render.main(["--cluster", "a100x8", "--image", "bad image", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--image 'bad image' is no image reference" in err and err.count("\n") == 1 and not out.exists(), err
+
+
+@pytest.mark.timeout(120)
+def test_efa_reaches_the_training_containers_of_a_multi_node_efa_profile(tmp_path, capsys):
+    """EFA interfaces on every training node (as Ray's AWS bootstrap reads them), their devices in the container;
+    none for evals or one-node profiles; without a subnet `ray up` stops rather than train over TCP."""
+    import copy
+
+    from ray.autoscaler._private.aws.config import _configure_subnets_and_groups_from_network_interfaces
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    subnet, group = "subnet-0123456789abcdef0", "sg-0123456789abcdef0"
+    launcher, rayjob = render.render("a100x64", "vit_h14_i21k", tmp_path, fsx=FSX, efa=render.efa_subnet(subnet, group))
+    config = yaml.safe_load(launcher.read_text())
+    validate_config(prepare_config(config))
+    types = config["available_node_types"]
+    for name in ("head", "gpu_worker"):
+        node = types[name]["node_config"]
+        cards = [(i["NetworkCardIndex"], i["DeviceIndex"], i["InterfaceType"]) for i in node["NetworkInterfaces"]]
+        assert cards == [(0, 0, "efa"), (1, 1, "efa"), (2, 1, "efa"), (3, 1, "efa")]  # p4de.24xlarge: 4 x 100 Gb/s
+        ec2 = _configure_subnets_and_groups_from_network_interfaces(copy.deepcopy(node))
+        assert ec2["SubnetIds"] == [subnet] * 4 and ec2["SecurityGroupIds"] == [group] * 4
+    devices = ["--ulimit memlock=-1:-1", *(f"--device=/dev/infiniband/uverbs{i}" for i in range(4))]
+    assert config["docker"]["head_run_options"] == types["gpu_worker"]["docker"]["worker_run_options"] == devices
+    assert "docker" not in types["eval_worker"] and "NetworkInterfaces" not in types["eval_worker"]["node_config"]
+    assert not any("EFA interface" in c for c in config["initialization_commands"])
+    pods = _pods(list(yaml.safe_load_all(rayjob.read_text()))[0])
+    assert [p["spec"]["containers"][0]["resources"]["limits"].get("vpc.amazonaws.com/efa") for p in pods.values()] == [
+        "4",
+        "4",
+        None,
+        None,
+    ]  # head, gpu, eval, submitter
+
+    assert render.main(["--cluster", "a100x64", "--out", str(tmp_path / "bare")]) == 0
+    assert "note: no --subnet-id/--security-group-id: `ray up` of cluster.yaml stops" in capsys.readouterr().out
+    bare = yaml.safe_load((tmp_path / "bare" / "a100x64" / "cluster.yaml").read_text())
+    assert "NetworkInterfaces" not in bare["available_node_types"]["head"]["node_config"]
+    assert bare["initialization_commands"][-1].endswith("--subnet-id and --security-group-id' >&2; exit 1")
+    for bad, message in (
+        (["--subnet-id", subnet], "go together"),
+        (["--subnet-id", "subnet-12", "--security-group-id", group], "--subnet-id 'subnet-12': give an EC2 id"),
+    ):
+        assert render.main(["--cluster", "a100x64", "--out", str(tmp_path / "x"), *bad]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "x").exists()
+    one_node = render.render("h100x8", "vit_b16_i21k", tmp_path / "one", fsx=FSX)
+    assert "head_run_options" not in yaml.safe_load(one_node[0].read_text())["docker"]
+    assert "vpc.amazonaws.com/efa" not in one_node[1].read_text()  # NVLink within the node: no EFA to wait for
