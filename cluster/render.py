@@ -254,8 +254,9 @@ def _mlflow_env() -> list[dict]:
     ]
 
 
-def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
-    """A Ray pod asking for what a node of (vCPUs, GiB, GPUs) can give it."""
+def _pod(image: str, instance_type: str, node: tuple[int, float, int], efa: int = 0) -> dict:
+    """A Ray pod asking for what a node of (vCPUs, GiB, GPUs) can give it, on a node of that type only: an eval pod
+    on a training node would take a GPU a training pod waits for."""
     vcpus, memory_gb, gpus = node
     cpus, memory_gb = allocatable(vcpus, memory_gb)
     limits = {"cpu": str(cpus), "memory": f"{int(memory_gb)}Gi"}
@@ -265,6 +266,7 @@ def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
         limits["vpc.amazonaws.com/efa"] = str(efa)
     return {
         "spec": {
+            "nodeSelector": {"node.kubernetes.io/instance-type": instance_type},  # the kubelet's well-known label
             "containers": [
                 {
                     "name": "ray",
@@ -287,7 +289,8 @@ def _pod(image: str, node: tuple[int, float, int], efa: int = 0) -> dict:
 
 def _training_pod(profile: ClusterProfile, image: str) -> dict:
     hw = profile.hardware
-    return _pod(image, (hw.cpus_per_node, hw.memory_gb_per_node, hw.gpus_per_node), efa_interfaces(profile))
+    node = (hw.cpus_per_node, hw.memory_gb_per_node, hw.gpus_per_node)
+    return _pod(image, hw.instance_type, node, efa_interfaces(profile))
 
 
 def _submitter(image: str) -> dict:
@@ -309,7 +312,8 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
     hw = profile.hardware
     worker_groups = [_worker_group("gpu", hw.nodes - 1, _training_pod(profile, image))]
     if profile.evals.instance_type:  # no EFA: evals need none, small types have none
-        worker_groups.append(_worker_group("eval", 1, _pod(image, EVAL_INSTANCES[profile.evals.instance_type])))
+        eval_type = profile.evals.instance_type
+        worker_groups.append(_worker_group("eval", 1, _pod(image, eval_type, EVAL_INSTANCES[eval_type])))
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",

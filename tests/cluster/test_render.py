@@ -430,6 +430,9 @@ def test_efa_reaches_the_training_containers_of_a_multi_node_efa_profile(tmp_pat
         None,
         None,
     ]  # head, gpu, eval, submitter
+    # Each Ray pod on its own instance type: an eval pod on a p4de node would hold a GPU a training pod waits for.
+    selectors = [p["spec"].get("nodeSelector", {}).get("node.kubernetes.io/instance-type") for p in pods.values()]
+    assert selectors == ["p4de.24xlarge", "p4de.24xlarge", "g5.2xlarge", None]
 
     assert render.main(["--cluster", "a100x64", "--out", str(tmp_path / "bare")]) == 0
     assert "note: no --subnet-id/--security-group-id: `ray up` of cluster.yaml stops" in capsys.readouterr().out
