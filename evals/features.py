@@ -10,13 +10,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import torch
 
 from data_pipeline.builtin import sets as builtin
-from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_info
-from data_pipeline.paths import is_remote
+from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_info, store_info
+from data_pipeline.paths import is_remote, quiet_stores
 from data_pipeline.stream.eval_stream import EvalStream
+from data_pipeline.write.vtab_tfds import TASKS as VTAB_TFDS_TASKS
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,40 @@ def data_location(root: str | Path) -> str | Path:
     if is_remote(root):
         return str(root).rstrip("/")
     return Path(str(root).removeprefix("file://"))
+
+
+# docs/vtab.md, "Data on object storage, streamed": each client's own environment
+_CREDENTIALS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a store other than AWS)",
+    "gs": "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS (STORAGE_EMULATOR_HOST "
+    "for another endpoint)",
+}
+
+
+def check_data_root(root: str | Path) -> None:
+    """ValueError naming --data-root for a root that cannot hold shard folders: a file, or a path under one; a store
+    that refuses or cannot be reached (credentials, network), or whose fsspec extra is missing. Asked once, quietly."""
+    where = data_location(root)
+    if isinstance(where, Path):
+        folder = next((p for p in (where, *where.parents) if p.exists()), None)
+        if folder is not None and not folder.is_dir():
+            raise ValueError(
+                f"--data-root {root}: {folder} is a file, not a folder; pass the folder that holds the "
+                "<dataset>/<split>/ shard folders (built-in sets missing there are generated in it)"
+            )
+        return
+    try:
+        with quiet_stores():
+            fs, path = fsspec.core.url_to_fs(where)
+            store_info(fs, path)
+    except ImportError as error:  # no s3fs / gcsfs: the vitscale[s3] / vitscale[gcs] extra
+        raise ValueError(f"--data-root {root}: {error}") from None
+    except Exception as error:  # noqa: BLE001 — botocore's NoCredentialsError, gcsfs's refusals, a network error
+        reason = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        fix = _CREDENTIALS.get(where.split("://")[0], "give its fsspec client credentials")
+        raise ValueError(
+            f"--data-root {root} cannot be read ({reason}); {fix}, or check the URL and the network"
+        ) from None
 
 
 def split_info(split_dir: str | Path) -> SplitInfo:
@@ -229,11 +265,7 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
         url = f"{root}/{dataset}/{split}"
         if is_shard_folder(url):
             return url
-        raise ValueError(
-            f"no shard folder at {url}; built-in sets are generated only under a local data root: write it to a "
-            f"local folder (`python -m data_pipeline.builtin {dataset} --out DIR` for a built-in) and copy {dataset}/ "
-            f"to {root}, or pass --data-root pointing at the root that holds it"
-        )
+        raise _no_split(url, root, dataset, split, generate_builtin)
     path = root / dataset / split
     if is_shard_folder(path):
         return path
@@ -241,7 +273,29 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
         builtin.ensure(dataset, root)
         if is_shard_folder(path):
             return path
-    raise ValueError(
-        f"no shard folder at {path}; generate it (`python -m data_pipeline.builtin {dataset} --out {root}`) "
-        "or pass --data-root pointing at the folder that holds it"
+    raise _no_split(path, root, dataset, split, generate_builtin)
+
+
+def _no_split(where: str | Path, root: str | Path, dataset: str, split: str, builtin_first: bool) -> ValueError:
+    """The missing split ``where`` and the command that writes it: a built-in's generator, a VTAB-1k task's TFDS
+    writer (docs/vtab.md), else the writer of any images, for a name this project does not know. A remote root is
+    written locally, then copied (built-ins are never generated in a bucket)."""
+    out = "DIR" if is_remote(root) else str(root)
+    unknown = ""
+    if dataset in builtin.BUILTIN_NAMES and (builtin_first or dataset not in VTAB_TFDS_TASKS):
+        command = f"`python -m data_pipeline.builtin {dataset} --out {out}`"
+    elif dataset in VTAB_TFDS_TASKS:
+        command = (
+            f"`python -m data_pipeline.write --source tfds:TFDS_DIR --vtab {dataset} --split {split} --out "
+            f"{out}/{dataset}/{split}` from the task's TFDS folder, docs/vtab.md"
+        )
+    else:
+        unknown = (
+            f"{dataset!r} is an unknown dataset (not built in: {', '.join(builtin.BUILTIN_NAMES)}; not a VTAB-1k "
+            "task): fix the name, or "
+        )
+        command = f"`python -m data_pipeline.write --source IMAGES --split {split} --out {out}/{dataset}/{split}`"
+    how = f"to a local folder DIR ({command}) and copy {dataset}/ to {root}" if is_remote(root) else f"({command})"
+    return ValueError(
+        f"no shard folder at {where}; {unknown}write it {how}, or pass --data-root pointing at the root that holds it"
     )

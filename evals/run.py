@@ -1,6 +1,8 @@
 """Run an eval suite on any weights: ``python -m evals.run --checkpoint PATH --suite NAME [--step N]``.
 
-The work, and what is checked and logged, is `evals.runner.run_suite`'s.
+The work, and what is checked and logged, is `evals.runner.run_suite`'s. Exit status: 0 when the table is written
+(and MLflow took its metrics); 1 when the table is written but MLflow did not take all of it (the last line says how
+many, and where they wait); 2 for bad input, one line, before any work.
 """
 
 from __future__ import annotations
@@ -8,8 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_pipeline.cli import local_path
-from evals.runner import check_mlflow_run, format_gap, init_seed, run_suite
+from data_pipeline.cli import output_folder
+from evals.features import check_data_root
+from evals.runner import NotDelivered, check_mlflow_run, format_gap, init_seed, run_suite
 
 
 def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
@@ -78,11 +81,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--init-seed is the seed of --random-init's model; add --random-init or drop it")
         if args.random_init and seed is None:  # read before any work: a bad recipe fails first
             seed = init_seed(args.checkpoint)
-        if args.mlflow_run_id:
-            check_mlflow_run(args.mlflow_run_id, args.tracking_uri)
-        out = None if args.out is None else local_path(args.out, "--out")  # before any work is spent
-        common = dict(out=out, num_threads=num_threads, device=args.device, step=step)
-        table = run_suite(args.checkpoint, args.suite, args.data_root, args.mlflow_run_id, args.tracking_uri, **common)
+        check_data_root(args.data_root)
+        down = args.mlflow_run_id and check_mlflow_run(args.mlflow_run_id, args.tracking_uri)
+        out = None if args.out is None else output_folder(args.out, "--out")  # before any work is spent
+        if down:
+            print(f"evals.run: warning: {down}; evaluating anyway: the metrics are sent at the end if it answers then")
+        common = dict(out=out, num_threads=num_threads, device=args.device, step=step, require_delivery=True)
+        mlflow, shortfall = (args.mlflow_run_id, args.tracking_uri), ""
+        try:
+            table = run_suite(args.checkpoint, args.suite, args.data_root, *mlflow, **common)
+        except NotDelivered as error:  # written: the baseline still runs, the last line says what MLflow lacks
+            table, shortfall = error.table, str(error)
         if args.random_init:
             print(f"evals: the same suite on a random init of the same architecture (seed {seed})")
             baseline = run_suite(args.checkpoint, args.suite, args.data_root, random_init_seed=seed, **common)
@@ -90,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:  # user errors: one line
         print(f"evals.run: error: {error}", file=sys.stderr)
         return 2
+    if shortfall:
+        print(f"evals.run: error: {shortfall}", file=sys.stderr)
+        return 1
     return 0
 
 

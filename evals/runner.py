@@ -6,6 +6,7 @@ holds it beside training.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from dataclasses import asdict, replace
@@ -27,7 +28,16 @@ from pretrain.weights import source as weights_source
 from pretrain.weights.formats import load_model as load
 from pretrain.weights.formats import resize_model
 from tracking.runs import RUN_RECORD
-from tracking.store import PENDING_RUN, default_tracking_uri, recorded_run_id, sqlite_path
+from tracking.store import (
+    DELIVER_COMMAND,
+    PENDING_RUN,
+    default_tracking_uri,
+    lifecycle_stage,
+    recorded_run_id,
+    spool_dir,
+    sqlite_path,
+    unanswered,
+)
 from tracking.tracker import Tracker
 
 ACCEPTED = (
@@ -41,6 +51,14 @@ SCHEMA = pa.schema([(c, _NUMERIC.get(c, pa.string())) for c in (*RESULT_COLUMNS,
 
 class CheckpointError(ValueError):
     """Weights that cannot be evaluated (missing, unfinished, unknown format, a contradicting step)."""
+
+
+class NotDelivered(RuntimeError):
+    """The table is written (``table``), but MLflow did not take all of it; the message says what is where."""
+
+    def __init__(self, message: str, table: pa.Table) -> None:
+        super().__init__(message)
+        self.table = table
 
 
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
@@ -146,9 +164,11 @@ def run_suite(
     step: int | None = None,
     random_init_seed: int | None = None,
     log=print,
+    require_delivery: bool = False,
 ):
     """Write ``<out>/<suite>.parquet``, log its metrics, return the table. ``random_init_seed``: evaluate `random_init`
-    instead, at step 0, into ``<suite>_random_init.parquet``, never logged."""
+    instead, at step 0, into ``<suite>_random_init.parquet``, never logged. What MLflow did not take is a warning, or
+    with ``require_delivery`` `NotDelivered` (raised after the table is written)."""
     config = load_suite(suite)
     if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
         raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
@@ -203,7 +223,13 @@ def run_suite(
     log(format_table(table))
     log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
     if mlflow_run_id:
-        _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log, path)
+        shortfall = _log_to_mlflow(
+            mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log, path
+        )
+        if shortfall and require_delivery:
+            raise NotDelivered(shortfall, table)
+        if shortfall:
+            log(f"evals: warning: {shortfall}")
     return table
 
 
@@ -229,20 +255,43 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
 
 
 def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log, path):
-    """What MLflow does not take waits in the spool of the checkpoint's run folder, where its record names the run."""
+    """What MLflow does not take waits in the spool of the checkpoint's run folder, where its record names the run (a
+    pending run's: the job's spool). Returns "" when MLflow took everything, or the job's spool holds a pending run's
+    items, else what was not sent and where it is."""
     uri = tracking_uri or default_tracking_uri()
     record = Path(path).parent.parent / RUN_RECORD
-    tracker = Tracker(uri, run_id, rank=0, record=record if recorded_run_id(record, uri) == run_id else None)
+    named = recorded_run_id(record, uri) == run_id
+    pending = run_id.startswith(PENDING_RUN)
+    spool = spool_dir(run_id[len(PENDING_RUN) :] if pending else record)
+    before = set(spool.glob("*.json"))
+    tracker = Tracker(uri, run_id, rank=0, record=record if named else None)
     try:
         tracker.log_metrics(metrics, step=step)
         for artifact in [table_path, *artifacts]:
             tracker.log_artifact(artifact, f"evals/step_{step:08d}")
-        if not tracker.flush() and not run_id.startswith(PENDING_RUN):
-            log(f"evals: warning: MLflow run {run_id} did not take all metrics yet (tracking server down?)")
+        tracker.flush()
     finally:
-        tracker.close()  # a run not created yet: they wait in the job's spool (tracking.store.spool_dir)
-    where = "the job's spool" if tracker.run_id.startswith(PENDING_RUN) else f"MLflow run {tracker.run_id}"
-    log(f"evals: logged {len(metrics)} metrics to {where} at step {step}")
+        tracker.close()  # a run not created yet, or one its record names: what is left waits in the spool
+    spooled = sorted(set(spool.glob("*.json")) - before) if pending or named else []
+    waiting = sum(len(p["metrics"]) + len(p["artifacts"]) for p in (json.loads(f.read_text()) for f in spooled))
+    if not waiting and not tracker.pending:
+        log(f"evals: logged {len(metrics)} metrics to MLflow run {tracker.run_id} at step {step}")
+        return ""
+    if pending and not tracker.pending:  # the job's driver creates the run, then sends its spool
+        log(f"evals: {waiting} items ({len(metrics)} metrics at step {step}) wait in {spooled[0]} until the run exists")
+        return ""
+    files = 1 + len(artifacts)
+    total = f"{len(metrics) + files} items ({len(metrics)} metrics, {files} file{'s' * (files > 1)})"
+    why = unanswered(uri) or "MLflow failed the calls (the warnings above say how)"
+    if tracker.pending:
+        return (
+            f"{tracker.pending} of the {total} at step {step} did not reach MLflow run {run_id} ({why}) and are not "
+            f"kept; the table is in {table_path}: run the evaluation again once MLflow answers"
+        )
+    return (
+        f"{waiting} of the {total} at step {step} did not reach MLflow run {run_id} yet ({why}); they wait in "
+        f"{spooled[0]}: `{DELIVER_COMMAND} {record.parent}` sends them"
+    )
 
 
 def format_table(table) -> str:
@@ -270,20 +319,30 @@ def format_gap(table, baseline) -> str:
     return "\n".join(lines)
 
 
-def check_mlflow_run(run_id: str, tracking_uri: str | None) -> None:
-    """Refuse a run an embedded store lacks; a server is not asked (MLflow retries for minutes if it is down)."""
+def check_mlflow_run(run_id: str, tracking_uri: str | None) -> str:
+    """Refuse a run that the store, where it answers, lacks or holds deleted; returns why a server does not answer
+    ("" when it does). A server is asked once, briefly: MLflow's own retries last minutes."""
     uri = tracking_uri or default_tracking_uri()
     db = sqlite_path(uri)
-    if db is None:
-        return
-    if not db.is_file():
+    if db is not None and not db.is_file():
         raise ValueError(f"no MLflow store at {db} (tracking URI {uri}); check --tracking-uri")
-    from mlflow import MlflowClient  # heavy
-    from mlflow.exceptions import MlflowException
+    down = unanswered(uri)
+    if down:
+        return down
+    from mlflow.exceptions import MlflowException  # heavy
 
     try:
-        MlflowClient(tracking_uri=uri).get_run(run_id)
-    except MlflowException as error:
-        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+        stage = lifecycle_stage(uri, run_id)
+    except Exception as error:  # noqa: BLE001 — a missing run is the user's; a failing server is not an answer
+        if isinstance(error, MlflowException) and error.error_code == "RESOURCE_DOES_NOT_EXIST":
             raise ValueError(f"MLflow run {run_id!r} does not exist in {uri}; check --mlflow-run-id") from None
-        raise
+        reason = f"{type(error).__name__}: {(str(error).strip() or 'no details').splitlines()[0][:200]}"
+        if db is not None:
+            raise ValueError(f"cannot read the MLflow store {uri} ({reason}); check --tracking-uri") from None
+        return f"MLflow at {uri} fails a request for run {run_id} ({reason})"
+    if stage == "deleted":
+        raise ValueError(
+            f"MLflow run {run_id!r} is deleted in {uri}; restore it (`MLFLOW_TRACKING_URI={uri} mlflow runs restore "
+            f"--run-id {run_id}`) or pass another --mlflow-run-id"
+        )
+    return ""

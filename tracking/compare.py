@@ -15,7 +15,7 @@ from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
-from tracking.store import default_tracking_uri, sqlite_path
+from tracking.store import default_tracking_uri, sqlite_path, unanswered
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if db is not None and not db.is_file():
         print(
             f"tracking.compare: error: no tracking store at {db}; run `make launch` or pass --tracking-uri",
+            file=sys.stderr,
+        )
+        return 2
+    down = unanswered(uri)  # in seconds: MLflow's own retries last minutes
+    if down:
+        print(
+            f"tracking.compare: error: no MLflow server answers at {uri} ({down}); start it or fix --tracking-uri",
             file=sys.stderr,
         )
         return 2

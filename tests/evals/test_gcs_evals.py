@@ -69,6 +69,6 @@ def test_a_run_folder_and_a_suite_in_a_gcs_bucket_score_as_their_local_copies(gc
     assert weights_main(["export", str(run), str(tmp_path / "model.npz"), "--format", "npz"]) == 0
     gcs.put_file(str(tmp_path / "model.npz"), f"{BUCKET}/weights/model.npz")
     for name, npz in (("local", str(tmp_path / "model.npz")), ("bucket", f"gs://{BUCKET}/weights/model.npz")):
-        assert weights_main(["convert", npz, str(tmp_path / name)]) == 0
-    local, bucket = (load_file(tmp_path / name / "model.safetensors") for name in ("local", "bucket"))
+        assert weights_main(["convert", npz, str(tmp_path / f"{name}_weights")]) == 0  # "local" holds a suite table
+    local, bucket = (load_file(tmp_path / f"{name}_weights" / "model.safetensors") for name in ("local", "bucket"))
     assert local.keys() == bucket.keys() and all(torch.equal(local[k], bucket[k]) for k in local)

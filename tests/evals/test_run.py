@@ -139,8 +139,15 @@ def test_an_eval_whose_tracking_server_is_down_ends_in_seconds(data_root, checkp
         )
         assert time.monotonic() - started < 60
         assert table.num_rows and (checkpoint / "evals" / "tiny_fewshot.parquet").exists()
-        assert any("did not take all metrics yet (tracking server down?)" in line for line in lines), lines
         [spooled] = spool_dir(record).glob("*.json")
+        # The last line says what MLflow lacks and where it waits (it used to say "logged 4 metrics to MLflow run").
+        assert lines[-1].startswith(
+            f"evals: warning: 5 of the 5 items (4 metrics, 1 file) at step 120 did not reach "
+            f"MLflow run {run_id} yet (nothing accepts connections at 127.0.0.1:"
+        ), lines
+        assert lines[-1].endswith(
+            f"they wait in {spooled}: `python -m cluster.driver.deliver {record.parent}` sends them"
+        ) and not any("logged" in line for line in lines), lines
         payload = json.loads(spooled.read_text())
         assert payload["ref"] == run_id and {m[0] for m in payload["metrics"]} >= {"fewshot/digits/5shot"}
         [[copy, where]] = payload["artifacts"]
@@ -149,6 +156,142 @@ def test_an_eval_whose_tracking_server_is_down_ends_in_seconds(data_root, checkp
     finally:
         record.unlink()
         shutil.rmtree(spool_dir(record), ignore_errors=True)
+
+
+ONE_SHOT = "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n    seeds: [0]\n"
+
+
+@pytest.mark.timeout(300)
+def test_cli_exits_1_and_says_so_when_mlflow_did_not_take_the_metrics(
+    data_root, checkpoint, tmp_path, capsys, monkeypatch
+):
+    """No server at the tracking URI: the table is written, and the command used to end with "logged 2 metrics to
+    MLflow run ..." and exit 0. Its last line now says how many items did not reach the run and that they are not
+    kept (the checkpoint's run folder does not record this run, so there is no spool), and it exits 1."""
+    from cluster.local_head import free_port
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setattr("tracking.store.FAILING_SINCE", {})  # a fresh process: no send has failed yet
+    monkeypatch.setattr("tracking.tracker.UNANSWERED_CLOSE_S", 2.0)
+    uri, run_id, table = f"http://127.0.0.1:{free_port()}", "0" * 32, tmp_path / "out" / "one_shot.parquet"
+    argv = ["--checkpoint", str(checkpoint), "--suite", str(write_suite(tmp_path, "one_shot", ONE_SHOT))]
+    argv += ["--data-root", str(data_root), "--out", str(table.parent), "--num-threads", "1"]
+    capsys.readouterr()
+    assert main([*argv, "--mlflow-run-id", run_id, "--tracking-uri", uri]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith(f"evals.run: warning: nothing accepts connections at {uri.removeprefix('http://')} ")
+    assert "logged" not in out and pq.read_table(table).num_rows == 2
+    assert err.endswith(
+        f"and are not kept; the table is in {table}: run the evaluation again once MLflow answers\n"
+    ) and err.splitlines()[-1].startswith(
+        f"evals.run: error: 3 of the 3 items (2 metrics, 1 file) at step 120 did not reach MLflow run {run_id} ("
+    ), err
+
+
+@pytest.mark.timeout(300)
+def test_a_run_the_tracking_server_lacks_is_refused_before_any_work(checkpoint, tmp_path, capsys):
+    """A server that answers is asked for the run first, as an SQLite store is: an unknown or deleted run id used to
+    be found out only after the evaluation, when MLflow refused its metrics."""
+    from mlflow import MlflowClient
+
+    from tests.tracking.test_tracking_server import MlflowServer
+    from tracking.runs import create_run
+
+    server = MlflowServer(tmp_path / "server", auth=False)
+    server.start()
+    try:
+        deleted = create_run(server.uri, "evals-deleted", "run", params={})
+        MlflowClient(tracking_uri=server.uri).delete_run(deleted)
+        empty = tmp_path / "empty"  # the few-shot suite would generate its built-in sets here
+        argv = ["--checkpoint", str(checkpoint), "--suite", "local_fewshot", "--data-root", str(empty)]
+        cases = [
+            ("0123abcd", f"MLflow run '0123abcd' does not exist in {server.uri}; check --mlflow-run-id"),
+            (deleted, f"mlflow runs restore --run-id {deleted}`) or pass another --mlflow-run-id"),
+        ]
+        capsys.readouterr()
+        for run_id, needle in cases:
+            assert main([*argv, "--mlflow-run-id", run_id, "--tracking-uri", server.uri]) == 2, run_id
+            err = capsys.readouterr().err
+            assert err.startswith("evals.run: error: ") and err.count("\n") == 1 and needle in err, err
+        assert not empty.exists() and not (checkpoint / "evals" / "local_fewshot.parquet").exists()
+    finally:
+        server.stop()
+
+
+def test_a_data_root_or_out_that_cannot_be_one_is_refused_before_any_work(checkpoint, tmp_path, capsys, monkeypatch):
+    """A --data-root that is a file (or under one), --out under a file, an S3 root without credentials: one line
+    naming the option, before the few-shot suite generates its built-in sets under the empty root. --out under a file
+    was found only after every feature was computed, as a bare "[Errno 20] Not a directory"; an S3 root without
+    credentials was a 77-line botocore traceback."""
+    import s3fs
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))  # the user's files stay unread
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role asked for either
+    s3fs.S3FileSystem.clear_instance_cache()  # a client of an earlier test's credentials
+    a_file, empty = tmp_path / "a_file", tmp_path / "empty"
+    a_file.write_text("")
+    argv = ["--checkpoint", str(checkpoint), "--suite", "local_fewshot"]
+    cases = [
+        (
+            ["--data-root", str(empty), "--out", str(a_file / "sub")],
+            f"--out {a_file / 'sub'}: cannot create the folder",
+        ),
+        (["--data-root", str(a_file)], f"--data-root {a_file}: {a_file} is a file, not a folder"),
+        (["--data-root", str(a_file / "sub")], f"--data-root {a_file / 'sub'}: {a_file} is a file, not a folder"),
+        (
+            ["--data-root", "s3://vitscale-no-bucket/vtab"],
+            "--data-root s3://vitscale-no-bucket/vtab cannot be read (NoCredentialsError: Unable to locate credentials)"
+            "; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+        ),
+    ]
+    capsys.readouterr()
+    for args, needle in cases:
+        assert main([*argv, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith(f"evals.run: error: {needle}") and err.count("\n") == 1, err
+    assert not empty.exists() and not (checkpoint / "evals" / "local_fewshot.parquet").exists()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_refusing_store_as_data_root_is_one_line(checkpoint, refusing_store):
+    """A store that refuses the credentials, as the entry point itself prints it: one line naming --data-root and
+    the fix, none of the store clients' retry logs (gcsfs logs each retry with a traceback)."""
+    for url, fix in [("s3://bucket/vtab", "set AWS_ACCESS_KEY_ID"), ("gs://bucket/vtab", "gcloud auth")]:
+        done = subprocess.run(
+            [sys.executable, "-m", "evals.run", "--checkpoint", str(checkpoint), "--suite", "local_fewshot"]
+            + ["--data-root", url],
+            cwd=PROJECT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"evals.run: error: --data-root {url} cannot be read (") and fix in done.stderr
+
+
+def test_a_missing_split_names_the_command_that_writes_it(tmp_path):
+    """Every VTAB task used to get `python -m data_pipeline.builtin <task>`, which refuses a name it does not build."""
+    from evals.features import resolve_split
+
+    def message(root, dataset, generate=False):
+        with pytest.raises(ValueError) as caught:
+            resolve_split(root, dataset, "test", generate_builtin=generate)
+        return str(caught.value)
+
+    local, remote = tmp_path / "root", "memory://vitscale-missing/root"
+    tfds = "`python -m data_pipeline.write --source tfds:TFDS_DIR --vtab caltech101 --split test --out "
+    assert tfds + f"{local}/caltech101/test` from the task's TFDS folder, docs/vtab.md" in message(local, "caltech101")
+    assert "data_pipeline.builtin" not in message(local, "caltech101")
+    # dsprites_loc is a VTAB-1k task and a built-in stand-in: the TFDS folder for vtab1k, the built-in where allowed.
+    assert "--vtab dsprites_loc --split test" in message(local, "dsprites_loc")
+    built = message(remote, "dsprites_loc", generate=True)
+    assert "`python -m data_pipeline.builtin dsprites_loc --out DIR`) and copy dsprites_loc/ to " + remote in built
+    unknown = message(local, "cifar1000", generate=True)
+    assert "'cifar1000' is an unknown dataset (not built in: fractal, rcdb, digits," in unknown
+    assert "data_pipeline.builtin" not in unknown and "--vtab" not in unknown and not local.exists()
 
 
 def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, checkpoint, tmp_path):

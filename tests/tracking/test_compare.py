@@ -304,3 +304,21 @@ def test_default_compares_every_experiment_but_never_comparison_runs(store, two_
     assert {"b16-run", "tiny-run"} <= names
     assert not any(name.startswith("compare-") for name in names)  # the report run logged by two_run_report
     assert comparison.title == "all experiments"
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_does_not_answer_is_one_line_in_seconds(tmp_path, capsys, monkeypatch):
+    """Nothing listening at the URL: MLflow's own retries kept the command silent for ~274 s, and its error then
+    suggested passing a server URL, which the user had. The server is asked first, briefly."""
+    import time
+
+    from cluster.local_head import free_port
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)  # MLflow's default retries, as a user has
+    uri = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    assert main(["--tracking-uri", uri, "--out", str(tmp_path / "reports")]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - started < 20
+    assert err.startswith(f"tracking.compare: error: no MLflow server answers at {uri} (") and err.count("\n") == 1
+    assert err.endswith("; start it or fix --tracking-uri\n") and not (tmp_path / "reports").exists()
