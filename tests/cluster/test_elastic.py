@@ -21,9 +21,10 @@ from cluster import elastic_demo
 from cluster.elastic_demo import DemoSettings, format_report, run_demo
 from pretrain.checkpoint.run_folder import SAMPLE_KEYS_DIR
 
-# The node returns after the checkpoint at step 40 and Ray Train regrows the group from checkpoint 60 when the test
-# runs alone: 100 steps leave two more checkpoint intervals for a loaded machine.
-STEPS, EVERY = 100, 20
+# The node returns after the checkpoint at step 40; Ray Train regrows the group ~10 s later, from checkpoint 60 or 80
+# when the test runs alone. 160 steps leave five more intervals for a loaded machine (at 100, a suite run trained
+# the last 60 steps at world size 1 in 10 s and ended before the regrowth).
+STEPS, EVERY = 160, 20
 
 
 @pytest.mark.timeout(60)
