@@ -14,10 +14,34 @@ from typing import Any, Literal, Union
 import yaml
 
 
+class _DuplicateKey(yaml.MarkedYAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (it would keep the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen and key != "<<":
+                raise _DuplicateKey(problem=f"key {key!r} appears twice", problem_mark=key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def parse_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load(text)``; a syntax error is a ValueError naming ``where`` and the line."""
+    """``yaml.safe_load(text)``, a key given twice refused; a syntax error is a ValueError naming ``where`` and the
+    line."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except _DuplicateKey as error:
+        mark = error.problem_mark
+        raise ValueError(
+            f"{where}, line {mark.line + 1}: {error.problem} in one mapping (YAML would keep the last silently); "
+            "keep one"
+        ) from None
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
