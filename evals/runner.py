@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -183,7 +184,9 @@ def run_suite(
         raise ValueError(f"output folder {out_dir} is a file; pass --out a folder (it is created if absent)")
     if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
         raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
-    if device not in (None, "cpu") and not (str(device).startswith("cuda") and torch.cuda.is_available()):
+    if device not in (None, "cpu") and not re.fullmatch(r"cuda(:\d+)?", str(device)):
+        raise ValueError(f"device={device!r} is not a device name; use cpu or cuda (cuda:N for one GPU of several)")
+    if device not in (None, "cpu") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} is not available here; use cpu (or cuda on a machine with a GPU)")
     previous_threads = torch.get_num_threads()
     if num_threads:

@@ -240,6 +240,7 @@ def test_a_data_root_or_out_that_cannot_be_one_is_refused_before_any_work(checkp
             f"--out {a_file / 'sub'}: cannot create the folder",
         ),
         (["--data-root", str(a_file)], f"--data-root {a_file}: {a_file} is a file, not a folder"),
+        (["--data-root", str(empty), "--device", "gpu"], "device='gpu' is not a device name; use cpu or cuda"),
         (["--data-root", str(a_file / "sub")], f"--data-root {a_file / 'sub'}: {a_file} is a file, not a folder"),
         (
             ["--data-root", "s3://vitscale-no-bucket/vtab"],
