@@ -196,6 +196,22 @@ def test_a_worker_of_a_multi_node_efa_profile_finds_the_device_and_nccls_plugin(
 
 
 @pytest.mark.timeout(60)
+def test_the_docs_plan_lines_are_the_plans_own():
+    """docs/network.md quotes two plans' network lines; they stay what the planner prints (one had drifted)."""
+    docs = (ROOT / "docs" / "network.md").read_text()
+    quoted = re.findall(r"`make launch CLUSTER=(\S+) RECIPE=(\S+) DRY_RUN=1`:\n\n```\n(.*?)```", docs, re.S)
+    assert [(cluster, recipe) for cluster, recipe, _ in quoted] == [
+        ("a100x64", "vit_h14_i21k"),
+        ("h100x8", "vit_b16_i21k"),
+    ]
+    for cluster, recipe, lines in quoted:
+        profile = load_profile(cluster)
+        printed = format_plan(build_plan(profile, resolve_config(profile, recipe, [], "docs"))).splitlines()
+        for line in lines.splitlines():
+            assert line in printed, (cluster, line)
+
+
+@pytest.mark.timeout(60)
 def test_a_network_that_cannot_carry_the_workers_is_a_clear_error(tmp_path):
     data = yaml.safe_load((ROOT / "cluster" / "profiles" / "a100x64.yaml").read_text())
     cases = {
