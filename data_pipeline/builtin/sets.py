@@ -41,6 +41,8 @@ DEFAULTS: dict[str, dict[str, int]] = {
         resolution=32, num_classes=64, images_per_class=60, val_per_class=10, class_offset=30, background_ramp=160
     )
 }
+DIGITS_IMAGES = 1797  # scikit-learn's digits, split into train and test here
+MIN_EVAL_TRAIN = 1000  # an eval set's train split holds at least this many images
 # A setting's value in folders that do not record it
 UNRECORDED = {"class_offset": 0, "background_ramp": 0}
 
@@ -62,8 +64,7 @@ def gen_digits(cfg: BuiltinConfig) -> Splits:
     digits = load_digits()
     images, labels = digits.images, digits.target
     order = np.random.default_rng([cfg.seed, 7002]).permutation(len(labels))
-    num_test = min(cfg.num_test, len(labels) - 1000)
-    parts = {"train": order[num_test:], "test": order[:num_test]}
+    parts = {"train": order[cfg.num_test :], "test": order[: cfg.num_test]}
 
     def item(i: int) -> tuple[bytes, int, str]:
         grey = Image.fromarray((images[i] * (255.0 / 16.0)).astype(np.uint8))
@@ -205,6 +206,11 @@ def settings(name: str, **options) -> dict:
 def check_sizes(name: str, cfg: BuiltinConfig) -> None:
     if name in FORMULA_SETS:
         formula.check_sizes(cfg.num_classes, cfg.images_per_class, cfg.val_per_class, cfg.resolution)
+    if name == "digits" and not 1 <= cfg.num_test <= DIGITS_IMAGES - MIN_EVAL_TRAIN:
+        raise ValueError(
+            f"num_test={cfg.num_test} is out of range for digits; use 1..{DIGITS_IMAGES - MIN_EVAL_TRAIN} (its "
+            f"{DIGITS_IMAGES} images keep at least {MIN_EVAL_TRAIN} for train)"
+        )
     if name == "rcdb" and not 0 <= cfg.class_offset <= MAX_CLASS_OFFSET:
         raise ValueError(
             f"class_offset={cfg.class_offset} is out of range; use 0..{MAX_CLASS_OFFSET} (percent of the half side: "

@@ -66,6 +66,16 @@ def test_dsprites_loc_and_ori_share_images_with_different_labels(tmp_path):
     assert np.array_equal(xl.numpy(), xo.numpy()) and not np.array_equal(yl.numpy(), yo.numpy())
 
 
+def test_a_digits_test_split_the_set_cannot_hold_is_refused(tmp_path, capsys):
+    """scikit-learn's 1797 digits keep 1000 for train: num_test=1000 wrote 797 test images without a word."""
+    with pytest.raises(ValueError, match=r"num_test=1000 is out of range for digits; use 1\.\.797"):
+        builtin.ensure("digits", tmp_path, num_test=1000)
+    assert builtin_cli.main(["digits", "--out", str(tmp_path), "--set", "num_test=900"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("data_pipeline.builtin: error: num_test=900 is out of range") and err.count("\n") == 1
+    assert not (tmp_path / "digits").exists()
+
+
 def test_ensure_reuses_and_refuses_mismatched_sizes(tmp_path):
     sizes = dict(num_train=20, num_test=10, resolution=16, samples_per_shard=8)
     folder = builtin.ensure("shapes_count", tmp_path, **sizes)
