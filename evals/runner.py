@@ -171,23 +171,11 @@ def run_suite(
     instead, at step 0, into ``<suite>_random_init.parquet``, never logged. What MLflow did not take is a warning, or
     with ``require_delivery`` `NotDelivered` (raised after the table is written)."""
     config = load_suite(suite)
-    if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
-        raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
-    if random_init_seed is not None and mlflow_run_id:
-        raise ValueError(
-            "random-init results are not logged to MLflow (a run's random-init baseline is its step 0); "
-            "drop the MLflow run id for the random-init evaluation"
-        )
+    _check_options(random_init_seed, mlflow_run_id, num_threads, device)
     load_model, step, default_out, path = open_checkpoint(checkpoint, step)
     out_dir = Path(out) if out is not None else default_out
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"output folder {out_dir} is a file; pass --out a folder (it is created if absent)")
-    if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
-        raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
-    if device not in (None, "cpu") and not re.fullmatch(r"cuda(:\d+)?", str(device)):
-        raise ValueError(f"device={device!r} is not a device name; use cpu or cuda (cuda:N for one GPU of several)")
-    if device not in (None, "cpu") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} is not available here; use cpu (or cuda on a machine with a GPU)")
     previous_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(int(num_threads))
@@ -234,6 +222,23 @@ def run_suite(
         if shortfall:
             log(f"evals: warning: {shortfall}")
     return table
+
+
+def _check_options(random_init_seed: int | None, mlflow_run_id: str | None, num_threads, device) -> None:
+    """`run_suite`'s settings that need no checkpoint; ValueError naming the fix."""
+    if random_init_seed is not None and (isinstance(random_init_seed, bool) or not isinstance(random_init_seed, int)):
+        raise ValueError(f"random_init_seed={random_init_seed!r} must be an integer")
+    if random_init_seed is not None and mlflow_run_id:
+        raise ValueError(
+            "random-init results are not logged to MLflow (a run's random-init baseline is its step 0); "
+            "drop the MLflow run id for the random-init evaluation"
+        )
+    if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
+        raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
+    if device not in (None, "cpu") and not re.fullmatch(r"cuda(:\d+)?", str(device)):
+        raise ValueError(f"device={device!r} is not a device name; use cpu or cuda (cuda:N for one GPU of several)")
+    if device not in (None, "cpu") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} is not available here; use cpu (or cuda on a machine with a GPU)")
 
 
 def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:

@@ -250,16 +250,15 @@ def test_typed_yaml_builds_any_dataclass_naming_the_source_and_key(tmp_path):
     path.write_text("- a list\n")
     with pytest.raises(ValueError, match=r"suite .*s\.yaml must be a YAML mapping, got a list; see the docs"):
         read_mapping(path, "suite", "see the docs")
-    path.write_text("name: x\nshape: [1, 2\n")
-    with pytest.raises(ValueError, match=r"suite .*s\.yaml, line \d+, column \d+: invalid YAML"):
-        read_mapping(path, "suite", "see the docs")
-    # A key given twice: YAML keeps the last without a word (a recipe's second `schedule:` replaced the first).
-    path.write_text("name: x\nschedule:\n  total: 10\n  warmup: 2\n  total: 20\n")
-    with pytest.raises(ValueError, match=r"suite .*s\.yaml, line 5: key 'total' appears twice in one mapping"):
-        read_mapping(path, "suite", "see the docs")
-    path.write_text("name: x\nschedule: {total: 10}\nname: y\n")
-    with pytest.raises(ValueError, match=r"line 3: key 'name' appears twice"):
-        read_mapping(path, "suite", "see the docs")
+    # A key given twice: YAML keeps the last without a word (a recipe's second `total:` replaced the first).
+    for text, message in (
+        ("name: x\nshape: [1, 2\n", r"suite .*s\.yaml, line \d+, column \d+: invalid YAML"),
+        ("name: x\nschedule:\n  total: 10\n  warmup: 2\n  total: 20\n", r"s\.yaml, line 5: key 'total' appears twice"),
+        ("name: x\nschedule: {total: 10}\nname: y\n", r"line 3: key 'name' appears twice in one mapping"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_mapping(path, "suite", "see the docs")
 
 
 def test_step0_baseline_eval_is_on_by_default_and_can_be_turned_off():
