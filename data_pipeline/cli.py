@@ -29,6 +29,12 @@ def local_path(path: str | Path, option: str) -> Path:
     return Path(path)
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The file at ``path``, or at the nearest of its parents that exists, where a folder must go; else None."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def _folder_problem(folder: Path) -> str | None:
     if folder.exists() and not folder.is_dir():
         return f"{folder} is a file, not a folder"

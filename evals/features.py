@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from data_pipeline.builtin import sets as builtin
+from data_pipeline.cli import file_in_the_way
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_info, store_info
 from data_pipeline.paths import is_remote, quiet_stores
 from data_pipeline.stream.eval_stream import EvalStream
@@ -48,10 +49,9 @@ def check_data_root(root: str | Path) -> None:
     that refuses or cannot be reached (credentials, network), or whose fsspec extra is missing. Asked once, quietly."""
     where = data_location(root)
     if isinstance(where, Path):
-        folder = next((p for p in (where, *where.parents) if p.exists()), None)
-        if folder is not None and not folder.is_dir():
+        if file := file_in_the_way(where):
             raise ValueError(
-                f"--data-root {root}: {folder} is a file, not a folder; pass the folder that holds the "
+                f"--data-root {root}: {file} is a file, not a folder; pass the folder that holds the "
                 "<dataset>/<split>/ shard folders (built-in sets missing there are generated in it)"
             )
         return

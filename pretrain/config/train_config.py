@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
-from data_pipeline.cli import positive
+from data_pipeline.cli import file_in_the_way, positive
 from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
 from data_pipeline.stream.config import DataConfig
@@ -297,8 +297,7 @@ def check_paths_exist(config: TrainConfig) -> None:
                     f"data.train={d.train!r} cannot hold built-in dataset {d.builtin!r}: it is generated as "
                     f"<root>/{d.builtin}/<split>; set data.train=data/{d.builtin}/train"
                 )
-    run = Path(c.dir)
-    if file := next((p for p in (run, *run.parents) if p.exists() and not p.is_dir()), None):
+    if file := file_in_the_way(Path(c.dir)):
         raise ValueError(f"checkpoint.dir={c.dir!r}: {file} is a file; set checkpoint.dir to a folder (new or a run's)")
     if c.resume_from is not None:
         run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
