@@ -361,9 +361,9 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     if group := placement_group(profile):
         lines.append(f"  aws ec2 create-placement-group --region {REGION} --group-name {group} --strategy cluster")
     lines.append(f"and an FSx for Lustre file system in {ZONE}, mounted at {SHARED_FS} (--fsx-dns, --fsx-mount-name).")
-    if efa_interfaces(profile):
+    if count := efa_interfaces(profile):
         lines.append(
-            f"Its nodes' {efa_interfaces(profile)} EFA interfaces each need a subnet in {ZONE} and a security group "
+            f"Its nodes' {count} EFA interfaces each need a subnet in {ZONE} and a security group "
             "letting in all traffic from itself (--subnet-id, --security-group-id; docs/network.md)."
         )
     return _comment(lines)
