@@ -33,7 +33,12 @@ IMAGE_CODE_DIR = "/home/ray/vitscale"  # the Dockerfile's WORKDIR: the code a Ku
 SHARED_FS = "/fsx"  # the checkpoint root's mount on every node (FSx for Lustre / a PVC)
 REGION, ZONE = "us-east-1", "us-east-1a"
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # `ray get-auth-token --generate` writes it, `ray start` reads it
-TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the secret holding the token
+TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the secret holding the token, under the key KubeRay reads
+TOKEN_KEY = "auth_token"
+# The KubeRay operator polls the head's Jobs API for the job's state: with the token it reads from authOptions (KubeRay
+# 1.6+), from its own namespace, whose pods both install routes (Helm, kustomize) label so.
+OPERATOR_LABELS = {"app.kubernetes.io/component": "kuberay-operator"}
+DASHBOARD_PORT = 8265  # Ray's, which the head keeps
 MLFLOW_SECRET = "vitscale-mlflow"  # KubeRay: the optional secret of MLflow's credentials, one key per variable
 MAX_RAYJOB_NAME = 47  # KubeRay: its RayCluster's 53, less the 6 characters of the cluster's suffix
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
@@ -242,7 +247,7 @@ def _ray_auth_env() -> list[dict]:
     """Token authentication with the namespace's secret, for every pod that starts Ray or talks to it."""
     return [
         {"name": "RAY_AUTH_MODE", "value": "token"},
-        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}},
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": TOKEN_KEY}}},
     ]
 
 
@@ -326,6 +331,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
             "submitterPodTemplate": _submitter(image),
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
+                "authOptions": {"mode": "token", "secretName": TOKEN_SECRET},  # the operator's requests carry it
                 "headGroupSpec": {
                     # Open to the pod network; the NetworkPolicy and the token keep others out.
                     "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(hw.gpus_per_node)},
@@ -342,7 +348,13 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
         "spec": {
             "podSelector": {"matchLabels": {"ray.io/node-type": "head"}},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {}}]}],  # same namespace only
+            "ingress": [
+                {"from": [{"podSelector": {}}]},  # the namespace's pods
+                {  # the operator, wherever it runs, to the Jobs API only
+                    "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_LABELS}}],
+                    "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}],
+                },
+            ],
         },
     }
     return [rayjob, policy]
@@ -374,7 +386,8 @@ def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str,
         f"KubeRay RayJob for {recipe} on profile {profile.name}, run folder {run_dir} (a later apply resumes it;",
         f"--run-name renders another run): `kubectl apply -f {path}`, once these exist:",
         f"  {_build_image(image)}  # the job runs the code of this image",
-        f"  kubectl create secret generic {TOKEN_SECRET} --from-literal=token=$(uuidgen)",
+        f"  kubectl create secret generic {TOKEN_SECRET} --from-literal={TOKEN_KEY}=$(uuidgen)",
+        "  the KubeRay operator 1.6 or later (authOptions.secretName)",
         f"  kubectl create secret generic {MLFLOW_SECRET} --from-literal=MLFLOW_TRACKING_TOKEN=...  # if MLflow "
         "wants credentials (or _USERNAME and _PASSWORD)",
         f"and a PersistentVolumeClaim fsx-claim (FSx for Lustre) in the namespace, mounted at {SHARED_FS}.",

@@ -219,11 +219,30 @@ def test_every_node_gets_the_clusters_auth_token(rendered):
     for role, pod in pods.items():
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token", role
-        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": render.TOKEN_SECRET, "key": "token"}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": render.TOKEN_SECRET, "key": "auth_token"}
         if role != "submitter":  # the driver and every worker log to MLflow, with the namespace's credentials
             mlflow = {k: env[k]["valueFrom"]["secretKeyRef"] for k in render.MLFLOW_SECRET_KEYS}
             assert all(ref == {"name": render.MLFLOW_SECRET, "key": k, "optional": True} for k, ref in mlflow.items())
     assert f"kubectl create secret generic {render.MLFLOW_SECRET} " in rayjob_header
+
+
+@pytest.mark.timeout(120)
+def test_the_kuberay_operator_can_poll_the_jobs_state(rendered):
+    """KubeRay's operator polls the head's Jobs API for the job's state, from its own namespace, with the token only
+    where the RayCluster's authOptions name it (its dashboard client sends none otherwise: the head refuses every poll
+    and the RayJob never finishes)."""
+    _, _, rayjob_header, (job, policy) = rendered["a100x64"]
+    assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token", "secretName": render.TOKEN_SECRET}
+    assert "--from-literal=auth_token=" in rayjob_header and "KubeRay operator 1.6 or later" in rayjob_header
+    namespace, operator = policy["spec"]["ingress"]
+    assert namespace == {"from": [{"podSelector": {}}]}
+    # Helm's chart and the kustomize manifests both label the operator's pod so, in whatever namespace it runs
+    assert operator["from"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}}}
+    ]
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
+    assert "dashboard-port" not in head  # Ray's 8265, the port the policy opens
 
 
 @pytest.mark.timeout(120)
