@@ -18,11 +18,14 @@ RUN DS_BUILD_OPS=0 pip install --no-cache-dir "deepspeed>=0.16,<0.20" --no-build
 # EFA's user space for NCCL between nodes (`network.kind: efa`, docs/network.md "EFA in the container"): libfabric and
 # the aws-ofi-nccl plugin, without the kernel module (the host's). Where NCCL cannot load the plugin it trains over TCP
 # sockets without an error; a worker of such a profile refuses to start instead (cluster.network.efa_missing).
-ARG EFA_INSTALLER_VERSION=latest
+# Pinned, with the checksum AWS publishes for it, so two builds install the same plugin; another version: pass both.
+ARG EFA_INSTALLER_VERSION=1.41.0
+ARG EFA_INSTALLER_SHA256=3506354cdfbe31ff552fe75f5d0d9bb7efd29cf79bd99457347d29c751c38f9f
 RUN cd /tmp && sudo apt-get update \
-    && curl -fsSL "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" | tar xz \
-    && cd aws-efa-installer && sudo ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify \
-    && cd /tmp && sudo rm -rf aws-efa-installer /var/lib/apt/lists/*
+    && curl -fsSLO "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+    && echo "${EFA_INSTALLER_SHA256}  aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" | sha256sum -c - \
+    && tar xzf "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" && cd aws-efa-installer && sudo ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify \
+    && cd /tmp && sudo rm -rf aws-efa-installer* /var/lib/apt/lists/*
 ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH}
 
 WORKDIR /home/ray/vitscale

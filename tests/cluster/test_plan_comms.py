@@ -192,6 +192,10 @@ def test_a_worker_of_a_multi_node_efa_profile_finds_the_device_and_nccls_plugin(
     # The image holds the plugin and libfabric (AWS's installer, without the kernel module), on the loader's path.
     dockerfile = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
     assert re.search(r"^RUN .*efa_installer\.sh -y --skip-kmod ", dockerfile, re.M)
+    # one installer, checked, whenever the image is built (not "latest": a rebuild would change the plugin)
+    assert re.search(r"^ARG EFA_INSTALLER_VERSION=\d+\.\d+\.\d+$", dockerfile, re.M)
+    assert re.search(r"^ARG EFA_INSTALLER_SHA256=[0-9a-f]{64}$", dockerfile, re.M)
+    assert re.search(r"^RUN .*\| sha256sum -c - .*&& tar xzf", dockerfile, re.M)
     assert re.search(r"^ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:", dockerfile, re.M)
 
 
