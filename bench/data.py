@@ -250,7 +250,10 @@ def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, fl
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.data",
+        description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s",
+    )
     add = p.add_argument
     add("--images", type=int, default=320)
     add("--size", type=int, default=224)
