@@ -43,19 +43,29 @@ def needs_efa(profile: ClusterProfile) -> bool:
     return profile.network.kind == "efa" and profile.hardware.nodes > 1
 
 
+EFA_FIX = (
+    "run the image ./Dockerfile builds (libfabric, aws-ofi-nccl) with the nodes' EFA devices, as cluster.render's "
+    "files do, or set network.kind: sockets to train over TCP knowingly (docs/network.md)"
+)
+
+
 def efa_missing(devices: Path = EFA_DEVICES) -> str | None:
-    """Why NCCL in this process would not reach EFA (no device, or no plugin that loads); None where it would."""
-    fix = (
-        "run the image ./Dockerfile builds (libfabric, aws-ofi-nccl) with the nodes' EFA devices, as cluster.render's "
-        "files do, or set network.kind: sockets to train over TCP knowingly (docs/network.md)"
-    )
+    """Why NCCL in this process would not reach EFA (no device, or no plugin that loads); None where it would. The
+    fix: `EFA_FIX`."""
     if not any(devices.glob("uverbs*")):
-        return f"no EFA device in this container ({devices}/uverbs* missing); {fix}"
+        return f"no EFA device in this container ({devices}/uverbs* missing)"
     try:
         ctypes.CDLL(NCCL_NET_PLUGIN)
     except OSError as error:
-        return f"NCCL's network plugin {NCCL_NET_PLUGIN} does not load ({error}); {fix}"
+        return f"NCCL's network plugin {NCCL_NET_PLUGIN} does not load ({error})"
     return None
+
+
+class EfaMissingError(RuntimeError):
+    """A training worker of a multi-node EFA profile without EFA. Not ``retryable``: a restarted worker group starts
+    from the same image with the same devices, so under Ray the job fails at once (`cluster.driver.watchdog`)."""
+
+    retryable = False
 
 
 def network_env(profile: ClusterProfile) -> dict[str, str]:

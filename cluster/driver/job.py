@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from cluster.driver.ledger import GoodputMonitor, JobClock, evals_share_training
 from cluster.driver.record import JobEnd, finish_job, record_placement
 from cluster.driver.watchdog import FinalFailure, Watchdog, final_failures_callback, identity, install_stack_dump
 from cluster.local_head import environ
-from cluster.network import efa_missing, needs_efa, network_env
+from cluster.network import EFA_DEVICES, EFA_FIX, EfaMissingError, efa_missing, needs_efa, network_env
 from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.planner import Plan, runtime_pip
 from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
@@ -140,10 +141,14 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         collector.resume()
 
 
+def refuse_without_efa(devices: Path = EFA_DEVICES) -> None:
+    """A multi-node EFA profile's worker stops where NCCL would silently pick TCP instead (`efa_missing`)."""
+    if problem := efa_missing(devices):
+        raise EfaMissingError(f"the profile's network is EFA, but on {socket.gethostname()}: {problem}; {EFA_FIX}")
+
+
 def _train_rank(loop_config: dict[str, Any]) -> None:
     os.environ.update(loop_config["env"])
-    if loop_config.get("needs_efa") and (problem := efa_missing()):  # before NCCL picks TCP instead, silently
-        raise RuntimeError(f"the profile's network is EFA, but {problem}")
     import ray.train
     import torch
 
@@ -152,7 +157,9 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(config.checkpoint.dir)
-    record_placement(run_dir, rank, world_size)
+    record_placement(run_dir, rank, world_size)  # first: the summary names the node of a worker refused below
+    if loop_config.get("needs_efa"):
+        refuse_without_efa()
     # before the first heartbeat names this pid
     stacks = install_stack_dump(run_dir, rank)  # noqa: F841 (faulthandler writes to it until the process ends)
     heartbeat = Heartbeat(heartbeat_path(run_dir, rank), identity(rank, world_size))

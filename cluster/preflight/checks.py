@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.driver.job import worker_env
-from cluster.network import network_env
+from cluster.network import EFA_DEVICES, EFA_FIX, NCCL_NET_PLUGIN, needs_efa, network_env
 from cluster.plan import comms
 from cluster.plan.data_wait import INPUT_BOUND_WAIT
 from cluster.plan.planner import Plan
@@ -128,7 +128,7 @@ def _probe(nodes: tuple[Node, ...], probes: list, started: dict, config: TrainCo
     """(clock skews, figures) by node id, of the probes that ``started``: the clocks first, while they are idle."""
     skews = {n.node_id: _clock_skew(p) if started[n.node_id] else None for n, p in zip(nodes, probes)}
     requests = {
-        n.node_id: p.measure.remote(_request(config, profile, urls, k, n.label))
+        n.node_id: p.measure.remote(_request(config, profile, urls, k, n))
         for k, (n, p) in enumerate(zip(nodes, probes))
         if started[n.node_id]
     }
@@ -190,7 +190,7 @@ def _shard_urls(config: TrainConfig) -> tuple[str, ...]:
         return ()
 
 
-def _request(config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...], k: int, label: str) -> ProbeRequest:
+def _request(config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...], k: int, node: Node) -> ProbeRequest:
     """Node ``k`` reads shards of its own where there are enough: a shared filesystem's cache then serves none."""
     count = min(READ_SHARDS, len(urls))
     mine = tuple(urls[(k * count + i) % len(urls)] for i in range(count)) if urls else ()
@@ -200,7 +200,8 @@ def _request(config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...]
         config=config,
         checkpoint_root=profile.storage.checkpoints,
         tracking_uri=profile.storage.mlflow_tracking_uri,
-        label=label,
+        label=node.label,
+        check_efa=needs_efa(profile) and holds_a_worker(node, profile),
     )
 
 
@@ -253,6 +254,20 @@ def _gpu_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config
     )
     needs = f"{hw.gpus_per_node} x {hw.gpu_type} (>= {hw.gpu_memory_gb:g} GB each)"
     return Check("gpus", node.label, seen, needs, ok, fix)
+
+
+def _efa_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
+    """What a training worker checks before NCCL starts (`cluster.network.efa_missing`), where it would refuse to."""
+    net, nodes = profile.network, profile.hardware.nodes
+    if not needs_efa(profile):
+        why = f"network.kind {net.kind}" if net.kind != "efa" else "one node: no rank reaches another node"
+        return Check("efa", node.label, "not checked", f"none ({why})", True)
+    if not holds_a_worker(node, profile):
+        return Check("efa", node.label, "not checked", "none (no training worker fits here)", True)
+    problem = figures.efa_missing
+    needs = f"{EFA_DEVICES}/uverbs* and {NCCL_NET_PLUGIN} loading (network.kind efa on {nodes} nodes)"
+    measured = problem or f"{EFA_DEVICES}/uverbs* present, {NCCL_NET_PLUGIN} loads"
+    return Check("efa", node.label, measured, needs, problem is None, EFA_FIX)
 
 
 def _judged(name: str, node: Node, figure: Figure, needs: str, fix: str, verdict) -> Check:
@@ -354,6 +369,7 @@ def _collective_check(bus: BusBandwidth, profile: ClusterProfile) -> Check:
 # (printed name, check) of each node check, in printing order.
 NODE_CHECKS = (
     ("gpus", _gpu_check),
+    ("efa", _efa_check),
     ("shard read", _read_check),
     ("loader", _loader_check),
     ("checkpoint space", _space_check),

@@ -1,4 +1,4 @@
-"""What `cluster.preflight` measures on each node, inside a Ray actor pinned to it (`NodeProbe`): the GPUs, the
+"""What `cluster.preflight` measures on each node, inside a Ray actor pinned to it (`NodeProbe`): the GPUs, EFA, the
 shards' read rate, the loader's decode rate per core, the checkpoint root's free space and the tracking store.
 
 Each measurement returns a `Figure` (the number and what it was measured on, or the error that stopped it), so one
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.local_head import environ
+from cluster.network import efa_missing
 from data_pipeline.builtin import sets as builtin
 from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.stream.loader_rate import loader_rate
@@ -63,6 +64,7 @@ class ProbeRequest:
     checkpoint_root: str
     tracking_uri: str
     label: str  # the node, for the probe run's name
+    check_efa: bool = False  # a training node of a multi-node EFA profile (`cluster.network.needs_efa`)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class NodeFigures:
     loader_img_s_per_core: Figure
     free_gb: Figure  # at the checkpoint root, after a probe file was written and removed there
     tracking_s: Figure  # seconds to create, tag and delete a run
+    efa_missing: str | None = None  # why NCCL would not reach EFA here; None: it would, or it was not asked
 
 
 class NodeProbe:
@@ -93,6 +96,7 @@ class NodeProbe:
             loader_img_s_per_core=_guarded(loader_rate_now, request.config),
             free_gb=_guarded(free_space, request.checkpoint_root),
             tracking_s=_guarded(tracking_round_trip, request.tracking_uri, request.label),
+            efa_missing=efa_missing() if request.check_efa else None,  # as a training worker checks it
         )
 
 

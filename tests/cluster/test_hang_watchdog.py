@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.driver.job import refuse_without_efa
 from cluster.driver.watchdog import (
     EVENTS_FILE,
     Watchdog,
@@ -39,6 +40,7 @@ from cluster.driver.watchdog import (
     step_bound,
     stragglers,
 )
+from cluster.network import EfaMissingError
 from cluster.profiles import HangSpec, load_profile
 from pretrain.checkpoint.writes import CheckpointSaveError
 from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path, read_heartbeats
@@ -94,6 +96,18 @@ def test_a_failed_save_is_the_final_worker_error_others_are_retried():
     assert final_failure({0: RuntimeError("gloo: connection reset"), 1: full}) == (1, full)
     assert final_failure({0: RuntimeError("a worker died"), 1: OSError("EIO")}) is None
     assert final_failure({}) is None
+
+
+def test_a_worker_without_efa_stops_with_a_final_error(tmp_path):
+    """A multi-node EFA profile's worker where NCCL would silently train over TCP: the reason, the node and the fix,
+    in an error no restart is spent on (the same image and devices would fail again)."""
+    (tmp_path / "infiniband").mkdir()
+    with pytest.raises(EfaMissingError) as refused:
+        refuse_without_efa(tmp_path / "infiniband")
+    why = str(refused.value)
+    assert why.startswith(f"the profile's network is EFA, but on {socket.gethostname()}: no EFA device in this ")
+    assert why.endswith("or set network.kind: sockets to train over TCP knowingly (docs/network.md)"), why
+    assert final_failure({0: RuntimeError("a worker died"), 1: refused.value}) == (1, refused.value)
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """cluster.preflight: the verdicts and the bus-bandwidth formula on their own; then the real preflight on a local Ray
 head of the test's own (token auth, every check real, gloo on CPU) passing, failing with the check and its fix
-named, and refusing bad input; and the node checks on both nodes of a simulated 2-node cluster."""
+named, and refusing bad input; and the node checks on both nodes of a simulated 2-node cluster, EFA's included."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import pytest
 
 from cluster import local_head
 from cluster.local_head import free_port
+from cluster.network import efa_missing, needs_efa
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.preflight import __main__ as preflight
 from cluster.preflight.checks import (
+    NODE_CHECKS,
     Check,
     Measurements,
     Node,
@@ -29,12 +31,12 @@ from cluster.preflight.checks import (
     judge,
     measure,
 )
-from cluster.preflight.collective import BusBandwidth, bus_gb_per_s
+from cluster.preflight.collective import BusBandwidth, bus_gb_per_s, worker_bundle
 from cluster.preflight.node import Figure, GpuInventory, parse_nvidia_smi
 from cluster.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ("nodes", "gpus", "shard read", "loader", "checkpoint space", "tracking", "clock", "collective")
+CHECKS = ("nodes", "gpus", "efa", "shard read", "loader", "checkpoint space", "tracking", "clock", "collective")
 
 
 def _profile_file(path: Path, replacements: dict[str, str]) -> Path:
@@ -77,6 +79,38 @@ def test_nvidia_smi_inventory_and_the_gpu_verdicts():
     line = verdict(GpuInventory(0)).line()
     assert line.startswith("gpus") and "0 GPUs vs 8 x A100-SXM4-80GB" in line and "FAIL; fix: " in line
     assert verdict(GpuInventory(0), load_profile("local")).passed  # CPU workers need none
+
+
+def test_efa_is_checked_on_each_training_node_of_a_multi_node_efa_profile(tmp_path):
+    """On a100x64 (EFA between 8 nodes) a training node fails without a uverbs device, with the reason a worker would
+    refuse to start for and the fix, and passes where the probe found EFA; a node no worker fits on, and profiles whose
+    ranks reach no other node over EFA (local: sockets; EFA on one node), need none."""
+    efa = load_profile("a100x64")
+    assert needs_efa(efa)
+    training = Node("n" * 32, "10.0.0.1", {**worker_bundle(efa), "CPU": 96})
+    evals_only = Node("e" * 32, "10.0.0.9", {"CPU": 8})
+    check = dict(NODE_CHECKS)["efa"]  # what judge() runs on each node
+
+    def verdict(problem: str | None, profile=efa, node=training) -> Check:
+        figures = NodeFigures(GpuInventory(0), *(Figure(1.0, ""),) * 4, efa_missing=problem)
+        return check(node, figures, profile, None, None)
+
+    devices = tmp_path / "infiniband"
+    devices.mkdir()
+    missing = verdict(efa_missing(devices))
+    assert not missing.passed
+    assert missing.line() == (
+        f"efa               10.0.0.1/nnnnnn   no EFA device in this container ({devices}/uverbs* missing) vs "
+        "/dev/infiniband/uverbs* and libnccl-net.so loading (network.kind efa on 8 nodes): FAIL; fix: run the image "
+        "./Dockerfile builds (libfabric, aws-ofi-nccl) with the nodes' EFA devices, as cluster.render's files do, or "
+        "set network.kind: sockets to train over TCP knowingly (docs/network.md)"
+    )
+    assert verdict(None).passed and "/dev/infiniband/uverbs* present, libnccl-net.so loads vs" in verdict(None).line()
+    elsewhere = verdict("no EFA device", node=evals_only).line()
+    assert elsewhere.endswith("not checked vs none (no training worker fits here): PASS")
+    assert verdict(None, load_profile("local")).line().endswith("not checked vs none (network.kind sockets): PASS")
+    one_node = dataclasses.replace(efa, hardware=dataclasses.replace(efa.hardware, nodes=1))
+    assert verdict(None, one_node).passed and "one node" in verdict(None, one_node).line()
 
 
 def test_a_slower_loader_fails_only_where_the_run_would_wait_for_data():
@@ -152,7 +186,8 @@ def test_local_preflight_passes_then_names_the_failing_checks(local_head_profile
     assert "busbw" in checks[-1] and "gloo all-reduce" in checks[-1] and "2 ranks on 1 node(s)" in checks[-1]
     assert "measured by the preflight on" in done.stdout  # the data wait at the measured loader rate
     assert "measured by the preflight: gloo all-reduce busbw" in done.stdout  # the communication at the measured busbw
-    assert lines[-1] == "preflight: 8 of 8 checks passed; every check passed"
+    assert "efa " in checks[2] and "not checked vs none (network.kind sockets): PASS" in checks[2]
+    assert lines[-1] == "preflight: 9 of 9 checks passed; every check passed"
     assert "Traceback" not in done.stderr
 
     down = f"http://127.0.0.1:{free_port()}"
@@ -164,14 +199,16 @@ def test_local_preflight_passes_then_names_the_failing_checks(local_head_profile
     assert set(failed) == {"checkpoint space", "tracking"}, out
     assert "lower checkpoint.keep_last" in failed["checkpoint space"]
     assert down in failed["tracking"] and "start the tracking server" in failed["tracking"]
-    assert out.splitlines()[-1] == "preflight: 6 of 8 checks passed; FAILED: checkpoint space, tracking"
+    assert out.splitlines()[-1] == "preflight: 7 of 9 checks passed; FAILED: checkpoint space, tracking"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_node_checks_run_on_both_nodes_of_a_two_node_cluster(monkeypatch, tmp_path, local_demo_data, mlflow_uri):
     """A simulated 2-node cluster (`local_head.in_process_cluster`, one CPU per node): every node check runs once on
-    each node (the probes are pinned), the clocks agree, and the two ranks all-reduce across both nodes."""
+    each node (the probes are pinned), the clocks agree, and the two ranks all-reduce across both nodes. The profile
+    says EFA between the nodes: each node's probe finds what a training worker there would (on this machine no
+    uverbs device: FAIL, with the fix), and every other check passes."""
     import ray
 
     from cluster.elastic_demo import NODE_ARGS
@@ -188,6 +225,9 @@ def test_node_checks_run_on_both_nodes_of_a_two_node_cluster(monkeypatch, tmp_pa
         },
     )
     profile = load_profile(path)
+    # load_profile refuses EFA for gloo (CPU) ranks, which ignore it: set here, as on a GPU profile of 2 nodes
+    profile = dataclasses.replace(profile, network=dataclasses.replace(profile.network, kind="efa"))
+    assert needs_efa(profile)
     config = resolve_config(profile, "local_demo", [], "preflight")
     plan = build_plan(profile, config)
     temp_dir = tempfile.mkdtemp(prefix="vsp2", dir="/tmp")
@@ -207,7 +247,11 @@ def test_node_checks_run_on_both_nodes_of_a_two_node_cluster(monkeypatch, tmp_pa
     assert len(set(labels)) == 2
     for name in CHECKS[1:-1]:
         assert [c.node for c in checks if c.name == name] == labels, name
-    assert all(c.passed for c in checks), "\n".join(c.line() for c in checks)
+    efa, others = [c for c in checks if c.name == "efa"], [c for c in checks if c.name != "efa"]
+    problem = efa_missing()  # both "nodes" are this machine
+    assert all(c.passed == (problem is None) for c in efa), "\n".join(c.line() for c in efa)
+    assert problem is None or all(c.measured == problem and "set network.kind: sockets" in c.fix for c in efa)
+    assert all(c.passed for c in others), "\n".join(c.line() for c in others)
     assert measured.collective.nodes == 2 and measured.collective.gb_per_s > 0
     _assert_measurements_typed(measured)
 
