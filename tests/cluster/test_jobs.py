@@ -3,6 +3,7 @@ its life: submit, status, logs, Ray's own CLI (`ray job list|logs|submit` with t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -14,6 +15,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -373,6 +376,13 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         with pytest.raises(AuthenticationError):
             JobSubmissionClient(info.dashboard_url).list_jobs()  # no token, no access
         assert jobs.follow(client, job_id) == "SUCCEEDED"
+        # KubeRay's operator polls a job's state with the token in this header (render names it in authOptions)
+        job_url = f"{info.dashboard_url}/api/jobs/{job_id}"
+        bearer = {"x-ray-authorization": "Bearer vitscale-test-token"}
+        with urllib.request.urlopen(urllib.request.Request(job_url, headers=bearer), timeout=30) as polled:
+            assert json.loads(polled.read())["status"] == "SUCCEEDED"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(job_url, timeout=30)  # without it (KubeRay without authOptions): refused
         out = capsys.readouterr().out
         assert f"hello from {Path(sys.executable).parent}" in out  # the job's python is this venv's
         assert jobs._status(profile) == 0
