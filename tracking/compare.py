@@ -15,7 +15,7 @@ from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
-from tracking.store import default_tracking_uri, sqlite_path, unanswered
+from tracking.store import command_line_uri, sqlite_path, unanswered
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="report folder name (default: the experiment name, or 'all')")
     parser.add_argument("--no-mlflow", action="store_true", help="write the report only; do not log it to MLflow")
     args = parser.parse_args(argv)
-    uri = args.tracking_uri or default_tracking_uri()
+    try:
+        uri = command_line_uri(args.tracking_uri)
+    except ValueError as error:
+        print(f"tracking.compare: error: {error}", file=sys.stderr)
+        return 2
     run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
     name = args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all")
     name = safe_name(name) or "comparison"

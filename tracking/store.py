@@ -44,6 +44,46 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     return Path(tracking_uri[len("sqlite:///") :])
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first bytes of every SQLite database file
+
+
+def command_line_uri(given: str | None) -> str:
+    """A command's store: ``given`` (``--tracking-uri``), else `default_tracking_uri`. The path of an SQLite database
+    file, which MLflow would read as a folder store (./mlruns, refused), is taken as its ``sqlite:///`` URI; another
+    plain path is a ValueError naming the exact URI to pass."""
+    uri = given or default_tracking_uri()
+    try:
+        url = urllib.parse.urlsplit(uri)
+    except ValueError:  # a malformed URL: MLflow's own error says what is wrong with it
+        return uri
+    if url.scheme not in ("", "file") or uri.startswith("databricks"):  # databricks[-uc]: MLflow's, not a path
+        return uri
+    path = Path(url.path if url.scheme else uri).expanduser().resolve()
+    if path.is_file() and _is_sqlite(path):
+        return f"sqlite:///{path}"
+    source = f"--tracking-uri {uri}" if given else f"MLFLOW_TRACKING_URI={uri}"
+    if path.is_file():
+        raise ValueError(
+            f"{source} is a file but not an SQLite database; give the project's store "
+            "(sqlite:///<path>/mlflow.db) or an MLflow server's URL"
+        )
+    problem = "it is a folder (MLflow's old file store, no longer read)" if path.is_dir() else "no file is there"
+    db = path / "mlflow.db" if path.is_dir() else path
+    fix = f"--tracking-uri sqlite:///{db}" if given else f"MLFLOW_TRACKING_URI=sqlite:///{db}"
+    raise ValueError(
+        f"{source} is a path, not a tracking URI, and {problem}; pass {fix} (an SQLite store) or a server's URL"
+    )
+
+
+def _is_sqlite(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError:
+        return False
+    return head in (SQLITE_HEADER, b"")  # an empty file is an empty database to SQLite
+
+
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     """An embedded store's artifact folder, next to the database (not ``./mlruns``); None for a server."""
     db = sqlite_path(tracking_uri)

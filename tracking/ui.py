@@ -12,7 +12,7 @@ import socket
 import sys
 import warnings
 
-from tracking.store import default_tracking_uri, sqlite_path
+from tracking.store import command_line_uri, sqlite_path
 
 LOOPBACK = "127.0.0.1"
 
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: give the number of server processes (>= 1)")
 
-    uri = args.tracking_uri or default_tracking_uri()
     try:
+        uri = command_line_uri(args.tracking_uri)
         command = build_command(uri, args.host, args.port, args.workers)
         try:
             socket.getaddrinfo(args.host, args.port)

@@ -236,6 +236,26 @@ def test_empty_experiment_and_unknown_experiment(store, tmp_path, capsys):
     assert "no tracking store" in capsys.readouterr().err and not missing.exists()
 
 
+def test_the_path_of_the_sqlite_store_is_taken_as_its_uri(store, tmp_path, capsys, monkeypatch):
+    """`--tracking-uri mlflow.db`: MLflow reads a plain path as its old ./mlruns folder store and refuses it ("in
+    maintenance mode"), which compare passed on with a generic hint. The database's path is its sqlite:/// URI; a
+    path where no file is gives the exact URI to pass."""
+    uri, _, _ = store
+    db = Path(uri.removeprefix("sqlite:///")).resolve()
+    monkeypatch.chdir(db.parent)
+    for given in (db.name, str(db)):
+        argv = ["--experiment", "scaling", "--tracking-uri", given, "--out", str(tmp_path / "r"), "--no-mlflow"]
+        assert main(argv) == 0, capsys.readouterr().err
+        assert "tiny-run" in capsys.readouterr().out
+    assert main(["--tracking-uri", "mlfow.db", "--out", str(tmp_path / "r")]) == 2
+    fix = f"--tracking-uri sqlite:///{db.parent / 'mlfow.db'}"
+    assert capsys.readouterr().err == (
+        "tracking.compare: error: --tracking-uri mlfow.db is a path, not a tracking URI, and no file is there; "
+        f"pass {fix} (an SQLite store) or a server's URL\n"
+    )
+    assert not (db.parent / "mlfow.db").exists()
+
+
 CHECK_SCRIPT = """<script>
 window.addEventListener("load", () => {
   const imgs = Array.from(document.images);

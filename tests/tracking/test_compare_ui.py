@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -46,6 +47,32 @@ def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
     with pytest.warns(UserWarning, match="exposes the MLflow UI"):
         assert main(["--host", "0.0.0.0", "--port", str(free_port()), "--tracking-uri", uri, "--dry-run"]) == 0
     assert "--host 0.0.0.0" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_the_path_of_the_sqlite_store_is_taken_as_its_uri(mlflow_uri, tmp_path, monkeypatch, capsys):
+    """A plain path was "not an embedded SQLite store; if it is an MLflow server, open it in a browser": the path of
+    the database is its sqlite:/// URI; a path that is none gives the exact URI to pass, in one line."""
+    db = Path(mlflow_uri.removeprefix("sqlite:///")).resolve()
+    create_run(mlflow_uri, "ui-path", "run", {}, {})
+    monkeypatch.chdir(db.parent)
+    port = str(free_port())
+    for given in (db.name, f"./{db.name}", str(db), f"file://{db}"):
+        assert main(["--tracking-uri", given, "--port", port, "--dry-run"]) == 0, capsys.readouterr().err
+        assert f" --backend-store-uri sqlite:///{db} " in capsys.readouterr().out
+    (db.parent / "mlruns").mkdir()
+    (db.parent / "notes.txt").write_text("not a database")
+    refused = {
+        "mlfow.db": f"and no file is there; pass --tracking-uri sqlite:///{db.parent / 'mlfow.db'} (an SQLite store)",
+        "mlruns": f"no longer read); pass --tracking-uri sqlite:///{db.parent / 'mlruns' / 'mlflow.db'} (an SQLite",
+        "notes.txt": "is a file but not an SQLite database; give the project's store (sqlite:///<path>/mlflow.db)",
+    }
+    for given, needle in refused.items():
+        assert main(["--tracking-uri", given, "--port", port, "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tracking.ui: error: --tracking-uri {given} ") and err.count("\n") == 1, err
+        assert needle in err, err
+    assert not (db.parent / "mlfow.db").exists()
 
 
 @pytest.mark.slow
