@@ -1,12 +1,30 @@
 """Bad input as one ValueError naming the path or field, the value and the fix; ``main()`` prints it and exits 2.
-Every package may import it (docs/design.md, "Packages, what each owns, and the import rules").
+Ctrl-C as one line saying what is kept, exit 130. Every package may import it (docs/design.md, "Packages, what each
+owns, and the import rules").
 """
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 from data_pipeline.paths import is_remote
+
+INTERRUPTED = 130  # the shell's status for a command stopped by Ctrl-C (128 + SIGINT)
+
+
+def interrupted(prog: str, kept: str) -> int:
+    """Print Ctrl-C's one line, ``prog``, what is ``kept`` and how to go on, instead of a traceback; the exit status."""
+    start = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C and any progress bar
+    print(f"{start}{prog}: interrupted; {kept}", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def ignore_interrupt() -> None:
+    """Pool initializer: Ctrl-C reaches the whole process group; a worker ignores it and its parent stops the pool
+    (``terminate``), so there is one line, not a traceback per worker, nor a pool waiting for a task that died."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def positive(value: float, name: str) -> None:

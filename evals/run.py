@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_pipeline.cli import output_folder
+from data_pipeline.cli import interrupted, output_folder
 from evals.features import check_data_root
 from evals.runner import NotDelivered, check_mlflow_run, format_gap, init_seed, run_suite
+from tracking.store import command_line_uri
 
 
 def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
@@ -26,6 +27,16 @@ def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
     if value < low:
         raise ValueError(f"{flag} {text!r} is not an integer >= {low} ({what})")
     return value
+
+
+def _kept(table_written: bool) -> str:
+    """What Ctrl-C leaves: a suite's table is written, then logged to MLflow, once all its entries are done."""
+    if not table_written:
+        return (
+            "the suite did not finish: its table is written, then logged to MLflow, only at the end; the same "
+            "command starts over"
+        )
+    return "the checkpoint's table is written (above), the random-init baseline's is not; the same command runs both"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --random-init: the initialisation seed (default: the checkpoint recipe's seed, else 0)",
     )
     args = parser.parse_args(argv)
+    table = None
     try:
         step = _count(args.step, "--step", 0, "the MLflow step to log the metrics at")
         num_threads = _count(args.num_threads, "--num-threads", 1, "torch threads")
@@ -82,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.random_init and seed is None:  # read before any work: a bad recipe fails first
             seed = init_seed(args.checkpoint)
         check_data_root(args.data_root)
-        down = args.mlflow_run_id and check_mlflow_run(args.mlflow_run_id, args.tracking_uri)
+        uri = command_line_uri(args.tracking_uri) if args.mlflow_run_id else None  # a database path → its URI
+        down = args.mlflow_run_id and check_mlflow_run(args.mlflow_run_id, uri)
         out = None if args.out is None else output_folder(args.out, "--out")  # before any work is spent
         if down:
             print(f"evals.run: warning: {down}; evaluating anyway: the metrics are sent at the end if it answers then")
         common = dict(out=out, num_threads=num_threads, device=args.device, step=step, require_delivery=True)
-        mlflow, shortfall = (args.mlflow_run_id, args.tracking_uri), ""
+        mlflow, shortfall = (args.mlflow_run_id, uri), ""
         try:
             table = run_suite(args.checkpoint, args.suite, args.data_root, *mlflow, **common)
         except NotDelivered as error:  # written: the baseline still runs, the last line says what MLflow lacks
@@ -99,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:  # user errors: one line
         print(f"evals.run: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted("evals.run", _kept(table is not None))
     if shortfall:
         print(f"evals.run: error: {shortfall}", file=sys.stderr)
         return 1

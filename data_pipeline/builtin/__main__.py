@@ -21,7 +21,7 @@ from data_pipeline.builtin.sets import (
     ensure,
     option_minimum,
 )
-from data_pipeline.cli import output_folder
+from data_pipeline.cli import interrupted, output_folder
 from data_pipeline.manifest import read_dataset_info
 
 
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"data_pipeline.builtin: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a re-run skips the finished sets, and keeps the finished shards of the one begun
+        kept = f"the sets and shards finished under {args.out} are kept; the same command goes on from them"
+        return interrupted("data_pipeline.builtin", kept)
     return 0
 
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image, ImageDraw
 
+from data_pipeline.cli import ignore_interrupt
+
 JPEG_QUALITY = 95
 MAX_CLASSES = 21843  # ImageNet-21k's class count
 MIN_RESOLUTION = 16
@@ -195,12 +197,15 @@ def generate(
     ]
     if workers <= 1:
         return [item for part in map(_generate_classes, jobs) for item in part]
-    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pool = multiprocessing.get_context("spawn").Pool(workers, ignore_interrupt)
     try:
-        return [item for part in pool.imap(_generate_classes, jobs) for item in part]
-    finally:
-        pool.close()
-        pool.join()
+        items = [item for part in pool.imap(_generate_classes, jobs) for item in part]
+    except BaseException:  # Ctrl-C: close + join would wait for the queue's remaining work
+        pool.terminate()
+        raise
+    pool.close()
+    pool.join()
+    return items
 
 
 def measure_generation(kind: str, resolution: int, num_images: int) -> float:

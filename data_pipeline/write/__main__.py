@@ -10,7 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from data_pipeline.cli import local_path, output_folder
+from data_pipeline import manifest
+from data_pipeline.cli import interrupted, local_path, output_folder
 from data_pipeline.paths import is_remote
 from data_pipeline.write.dedup import load_exclusion
 from data_pipeline.write.readers import Source, open_source
@@ -107,6 +108,14 @@ def _check_not_inside(out: Path, source: str) -> None:
         )
 
 
+def _kept(out: Path) -> str:
+    """What an interrupted write leaves: its finished shards, which a re-run keeps (`writer._check_folder`)."""
+    done = sum(1 for _ in out.glob(manifest.SHARD_GLOB)) if out.is_dir() else 0
+    if not done:
+        return "no shard was finished; the same command starts over"
+    return f"the {done} finished shards in {out} are kept; the same command goes on from them"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"data_pipeline.write: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted("data_pipeline.write", _kept(Path(args.out)))
     print(report.summary())
     return 0
 

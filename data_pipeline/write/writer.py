@@ -23,6 +23,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from data_pipeline import manifest
+from data_pipeline.cli import ignore_interrupt
 from data_pipeline.write.dedup import ExclusionSet, near_duplicates_of_earlier, perceptual_hash, sha256_hex
 from data_pipeline.write.readers import ItemRef, Source, SourceUnit, iter_unit, read_ref
 from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_tfds_ref, unit_ids
@@ -151,7 +152,7 @@ def _imap(fn, jobs: list, processes: int, desc: str):
             yield fn(job)
             bar.update()
     else:
-        with multiprocessing.get_context().Pool(min(processes, len(jobs))) as pool:
+        with multiprocessing.get_context().Pool(min(processes, len(jobs)), ignore_interrupt) as pool:
             for result in pool.imap(fn, jobs, chunksize=1):
                 yield result
                 bar.update()

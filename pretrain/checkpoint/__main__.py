@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_pipeline.cli import interrupted
 from data_pipeline.paths import is_remote
 from pretrain.checkpoint import checksums
 
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # verify only reads: nothing to clean up
+        listed = "the checkpoints listed above were checked"
+        return interrupted(f"{parser.prog} verify", f"nothing changed; {listed}, the same command checks them all")
 
 
 if __name__ == "__main__":

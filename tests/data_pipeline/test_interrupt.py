@@ -1,0 +1,90 @@
+"""Ctrl-C in the long-running `python -m data_pipeline.*` commands: real processes sent SIGINT while they work, as a
+terminal sends it to its whole foreground process group (the command and its worker processes): exit 130, one line
+on stderr saying what is kept and how to go on, no traceback, no process left behind; and what the line says holds."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data_pipeline import manifest
+from data_pipeline.builtin import sets as builtin
+from data_pipeline.write import __main__ as write_cli
+from tests.support.interrupt import PROJECT, assert_one_line, ctrl_c
+
+
+def _big_jpegs(root: Path, per_class: int) -> Path:
+    """3 classes of large JPEGs: each is decoded, downscaled and re-encoded, so a shard takes a while to write."""
+    for c in range(3):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(per_class):
+            small = np.random.default_rng([c, i]).integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+            out = io.BytesIO()
+            Image.fromarray(small).resize((1200, 900), Image.Resampling.BICUBIC).save(out, "JPEG", quality=95)
+            (root / f"class{c}" / f"{i}.jpg").write_bytes(out.getvalue())
+    return root
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_the_writer_keeps_its_finished_shards_and_the_same_command_finishes_the_folder(tmp_path):
+    """Ctrl-C with 2 worker processes writing: one line (not a traceback per process) that says how many finished
+    shards are kept; the same command then writes the rest, and the folder equals an uninterrupted write's."""
+    source = _big_jpegs(tmp_path / "src", per_class=30)
+    args = ["--source", str(source), "--samples-per-shard", "2", "--max-short-side", "32", "--processes", "2"]
+    assert write_cli.main([*args, "--out", str(tmp_path / "clean")]) == 0
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "data_pipeline.write", *args, "--out", str(out)]
+    done = ctrl_c(command, lambda _: any(out.glob(manifest.SHARD_GLOB)), tmp_path)
+
+    line = assert_one_line(done, "data_pipeline.write")
+    assert done.processes >= 3  # the command and its pool's workers all got the signal
+    kept = sorted(p.name for p in out.glob(manifest.SHARD_GLOB))
+    assert 1 <= len(kept) < 45 and not (out / "manifest.parquet").exists()
+    said = f"the {len(kept)} finished shards in {out} are kept; the same command goes on from them"
+    assert line == f"data_pipeline.write: interrupted; {said}\n"
+    stamps = {name: (out / name).stat().st_mtime_ns for name in kept}
+
+    again = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=90)
+    assert again.returncode == 0, again.stderr
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == stamps  # kept, not written again
+    clean = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert clean == sorted(p.name for p in out.iterdir())
+    for name in clean:  # the manifest and every shard, byte for byte
+        assert (tmp_path / "clean" / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def _generating(root: Path) -> Callable[[Path], bool]:
+    """Ready once both generator processes (spawned, so Python processes of their own) are at work."""
+    since: list[float] = []
+
+    def ready(_: Path) -> bool:
+        if not since and (root / "rcdb" / ".generate.lock").exists():
+            since.append(time.monotonic())
+        return bool(since) and time.monotonic() - since[0] > 1.5  # past the workers' start: at work on images
+
+    return ready
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_built_in_images_are_generated_stops_the_workers_at_once(tmp_path):
+    """Ctrl-C while `--workers 2` generate images: the pool used to wait for the task its dying worker had taken, so
+    the command hung (a second Ctrl-C then printed tracebacks). Now one line, exit 130, and the same command writes
+    the whole set."""
+    root = tmp_path / "data"
+    command = [sys.executable, "-m", "data_pipeline.builtin", "rcdb", "--out", str(root), "--workers", "2"]
+    done = ctrl_c(command, _generating(root), tmp_path, wait_s=20)
+
+    line = assert_one_line(done, "data_pipeline.builtin")
+    assert done.processes >= 3 and not (root / "rcdb" / "train" / "dataset.json").exists()
+    assert line.endswith(f"the sets and shards finished under {root} are kept; the same command goes on from them\n")
+    again = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=90)
+    assert again.returncode == 0, again.stderr
+    assert builtin.check_folder("rcdb", root)

@@ -1,0 +1,85 @@
+"""`python -m evals.run` as a user runs it: Ctrl-C in the middle of a suite, and the path of the SQLite database given
+as --tracking-uri; real shards, a real checkpoint folder, real MLflow on SQLite."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evals.run import main
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import save_pretrained
+from tests.support.interrupt import assert_one_line, ctrl_c
+
+FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n    shots: [1]\n    seeds: [0]\n"
+# Far more steps than the test waits for: Ctrl-C lands while it trains.
+LONG_FINETUNE = (
+    "  - type: finetune\n    datasets: [digits]\n    steps: 5000\n    batch_size: 16\n    lr_grid: [0.01]\n"
+    "    warmup_steps: 1\n    max_train_examples: 400\n"
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("run") / "checkpoints" / "step_00000120"
+    save_pretrained(build_model("vit_tiny_debug", num_classes=32), folder)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 120, "images_seen": 7680}))
+    (folder / "COMPLETE").write_text("")
+    return folder
+
+
+def _metrics(uri: str, run_id: str) -> dict:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).get_run(run_id).data.metrics
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_suite_is_one_line_that_says_nothing_of_it_is_kept(
+    eval_data_root, checkpoint, tmp_path, mlflow_uri
+):
+    from tracking.runs import create_run
+
+    run_id = create_run(mlflow_uri, "evals-ctrl-c", "tiny", params={})
+    suite = tmp_path / "cut_short.yaml"
+    suite.write_text(f"name: cut_short\nevaluators:\n{FEWSHOT}{LONG_FINETUNE}")
+    command = [sys.executable, "-m", "evals.run", "--checkpoint", str(checkpoint), "--suite", str(suite)]
+    command += ["--data-root", str(eval_data_root), "--mlflow-run-id", run_id, "--tracking-uri", mlflow_uri]
+    done = ctrl_c(command, lambda out: "evals: fewshot done" in out.read_text(), tmp_path)
+
+    line = assert_one_line(done, "evals.run")
+    assert "its table is written, then logged to MLflow, only at the end; the same command starts over" in line
+    assert not (checkpoint / "evals" / "cut_short.parquet").exists() and _metrics(mlflow_uri, run_id) == {}
+
+
+@pytest.mark.timeout(180)
+def test_the_path_of_the_sqlite_store_is_its_uri_and_a_path_to_nothing_is_refused_before_any_work(
+    eval_data_root, checkpoint, tmp_path, mlflow_uri, monkeypatch, capsys
+):
+    """MLflow reads a plain path as its old ./mlruns folder store, which it refuses: the suite used to run to the end
+    and then fail to log (exit 1). The database's path is taken as its sqlite:/// URI; a path where no file is
+    gives the exact URI to pass."""
+    from tracking.runs import create_run
+
+    run_id = create_run(mlflow_uri, "evals-path", "tiny", params={})
+    db = Path(mlflow_uri.removeprefix("sqlite:///"))
+    suite = tmp_path / "by_path.yaml"
+    suite.write_text(f"name: by_path\nevaluators:\n{FEWSHOT}")
+    argv = ["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(eval_data_root)]
+    argv += ["--out", str(tmp_path / "evals"), "--mlflow-run-id", run_id]
+    monkeypatch.chdir(db.parent)
+    assert main([*argv, "--tracking-uri", db.name]) == 0, capsys.readouterr().err
+    assert set(_metrics(mlflow_uri, run_id)) == {"fewshot/digits/1shot", "fewshot/mean/1shot"}
+
+    (tmp_path / "evals" / "by_path.parquet").unlink()
+    capsys.readouterr()
+    assert main([*argv, "--tracking-uri", "mlfow.db"]) == 2
+    err = capsys.readouterr().err
+    fix = f"pass --tracking-uri sqlite:///{db.parent / 'mlfow.db'} (an SQLite store) or a server's URL"
+    assert err.startswith("evals.run: error: --tracking-uri mlfow.db is a path, not a tracking URI") and fix in err
+    assert err.count("\n") == 1 and not (tmp_path / "evals" / "by_path.parquet").exists()
