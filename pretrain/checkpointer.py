@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import is_remote
 from data_pipeline.stream.order import merge_stream_states
 from pretrain import randomness
@@ -28,6 +29,7 @@ from pretrain.checkpoint.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_F
 from pretrain.checkpoint.safe_load import check_weights_only, load_weights_only
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message
 from pretrain.config.ds_config import batch_plan
+from pretrain.config.optim import build_schedule
 from pretrain.config.train_config import TrainConfig
 from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
@@ -65,6 +67,65 @@ def find_start(config: TrainConfig) -> StartPoint:
             _intact(source, "checkpoint.init_from", only=checksums.WEIGHT_FILES)
         return StartPoint("init_from", source)
     return StartPoint("scratch", None)
+
+
+def nothing_to_train(config: TrainConfig) -> str | None:
+    """Before any rank starts: the line saying that the checkpoint a start would resume from already reaches where
+    this run stops, else None; ValueError if it lies past ``schedule.total``, where a resume cannot follow the run's
+    lr schedule. Reads the newest COMPLETE checkpoint's step; a done one is verified first, since a start skips a
+    damaged one and trains again from an older one."""
+    found = _resume_candidate(config)
+    if found is None:
+        return None
+    folder, named, fix = found
+    try:
+        step = run_folder.open_checkpoint(folder).step
+    except ValueError:  # a damaged trainer state: the start skips this checkpoint, or says why it cannot
+        return None
+    if step is None:
+        return None
+    s, d = config.schedule, config.data
+    epoch_images = d.epoch_images or read_dataset_info(d.train).num_samples  # as `pretrain.trainer.prepare_data`
+    total = build_schedule(config.optim, s, d.global_batch_size, epoch_images).total_steps
+    total_text = f"schedule.total={s.total}" + ("" if str(s.total) == str(total) else f" ({total} steps)")
+    if step > total:
+        saved = _saved_total(folder)
+        back = f"back to the run's own, {saved}," if saved is not None else f"to at least {step} steps"
+        raise ValueError(
+            f"{named} is at step {step}, past {total_text}: resuming at a lower total would follow another lr "
+            f"schedule; set schedule.total {back} or {fix}"
+        )
+    if step < min(total, s.stop_at_step or total) or not checksums.verify(folder).ok:
+        return None
+    if step < total:
+        return (
+            f"nothing to train: {named} is at step {step}, which reaches schedule.stop_at_step={s.stop_at_step}; "
+            f"to train on towards {total_text}, raise schedule.stop_at_step or remove it "
+            "(--set schedule.stop_at_step=null)"
+        )
+    return (
+        f"nothing to train: {named} is at step {step}, which reaches {total_text}: the run is done; to train "
+        f"further, raise schedule.total (--set schedule.total=N: the lr schedule changes from here on), or {fix}"
+    )
+
+
+def _resume_candidate(config: TrainConfig) -> tuple[Path, str, str] | None:
+    """The checkpoint `find_start` tries first, unverified: (folder, its name in a message, how to train afresh)."""
+    c = config.checkpoint
+    newest = run_folder.latest_checkpoint(c.dir)
+    if newest is not None:
+        return newest, f"the run folder's newest checkpoint {newest}", "set another checkpoint.dir to train a new run"
+    if c.resume_from is not None and run_folder.is_complete(c.resume_from):
+        return Path(c.resume_from), f"checkpoint.resume_from={c.resume_from}", "drop checkpoint.resume_from"
+    return None
+
+
+def _saved_total(folder: Path) -> Any:
+    """The ``schedule.total`` the checkpoint was saved under, or None if unreadable."""
+    try:
+        return yaml.safe_load((folder / CONFIG_YAML).read_text())["schedule"]["total"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
 
 
 def _fetched(url: str) -> Path:

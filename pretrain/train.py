@@ -17,11 +17,15 @@ import os
 import sys
 from pathlib import Path
 
-from data_pipeline.cli import output_file
+from data_pipeline.cli import INTERRUPTED, interrupted, output_file
+from pretrain.checkpoint import run_folder
+from pretrain.checkpointer import nothing_to_train
 from pretrain.config.ds_config import batch_plan
-from pretrain.config.train_config import load_config
+from pretrain.config.train_config import TrainConfig, load_config
 from pretrain.distributed import exit_rank, finish_distributed
 from pretrain.loop import train_worker
+
+PROG = "python -m pretrain.train"
 
 
 def _env_world_size() -> int:
@@ -40,8 +44,18 @@ def _summary_path(template: str, rank: int) -> str:
         ) from None
 
 
+def _kept(config: TrainConfig | None) -> str:
+    """What a Ctrl-C leaves: the newest COMPLETE checkpoint (a save cut short never is one) and how to go on."""
+    if config is None:
+        return "nothing was started"
+    newest = run_folder.latest_checkpoint(config.checkpoint.dir)
+    if newest is None:
+        return f"{config.checkpoint.dir} holds no complete checkpoint yet: the same command starts the run over"
+    return f"kept {newest}, the newest complete checkpoint: the same command resumes from it"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a recipe YAML path or a name under configs/")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then stop")
@@ -49,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     # the DeepSpeed launcher appends --local_rank; LOCAL_RANK counts
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    config: TrainConfig | None = None
+    rank0 = os.environ.get("RANK", "0") == "0"  # every rank of a torchrun launch runs this
     try:
         world_size = _env_world_size()
         config = load_config(args.config, args.set)
@@ -64,10 +80,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         config.data.ensure_builtin()  # every process of a torchrun launch: one writes, the others wait
+        done = nothing_to_train(config)  # before any rank starts DeepSpeed, a run, an attempt
+        if done is not None:
+            if rank0:
+                print(done)
+            return 0
         summary = train_worker(config, validated=True)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # train_worker closed the run's records on its way out
+        return interrupted(PROG, _kept(config)) if rank0 else INTERRUPTED
     if args.summary:
         Path(_summary_path(args.summary, summary.rank)).write_text(json.dumps(summary.to_dict()))
     if summary.rank == 0:

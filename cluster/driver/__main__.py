@@ -18,6 +18,7 @@ from cluster.driver.job import PLAN_ENV, JobSpec, run_job
 from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
+from pretrain.checkpointer import nothing_to_train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if spec is None:
         return 2
+    try:
+        done = nothing_to_train(spec.config)  # a finished run launched again: no Ray Train, no MLflow run
+    except ValueError as error:
+        print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
+        return 2
+    if done is not None:
+        print(done)
+        return 0
     import ray
 
     try:

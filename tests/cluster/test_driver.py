@@ -31,7 +31,11 @@ from cluster.driver.summary import format_resizes, format_summary
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
+from pretrain.checkpoint import checksums
 from pretrain.checkpoint.run_folder import (
+    COMPLETE,
+    TrainerState,
+    checkpoint_dir,
     complete_checkpoints,
     is_pinned,
     pin_checkpoint,
@@ -40,6 +44,8 @@ from pretrain.checkpoint.run_folder import (
     resize_events,
     unpin_checkpoint,
 )
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import save_pretrained
 
 
 @pytest.fixture
@@ -291,6 +297,47 @@ def test_one_machine_profiles_start_ray_train_without_its_preemption_watcher(mon
     with ray_train_env(load_profile("local")):
         assert os.environ[PREEMPTION_WATCHER_VAR] == "0"
     assert os.environ[PREEMPTION_WATCHER_VAR] == "1"
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_run_launched_again_trains_nothing(tmp_path, capsys, local_demo_data):
+    """`make launch RUN_NAME=<a finished run>`: the driver says so in one line before Ray Train or MLflow start; a
+    total below the run's checkpoint is refused (its lr schedule would be another's)."""
+    from cluster.driver.__main__ import main as driver
+
+    base = load_profile("local")
+    storage = dataclasses.replace(base.storage, shards=str(local_demo_data), checkpoints=str(tmp_path / "runs"))
+    profile = dataclasses.replace(base, storage=storage)
+
+    def launched(total: int) -> tuple[int, str, str]:
+        sets = [f"schedule.total={total}", "schedule.warmup=1"]
+        config = resolve_config(profile, "local_demo", sets, "done")
+        spec = tmp_path / "spec.json"
+        spec.write_text(JobSpec(profile, config, build_plan(profile, config).to_dict()).to_json())
+        rc = driver(["--plan", str(spec)])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    folder = checkpoint_dir(tmp_path / "runs" / "done", 4)
+    save_pretrained(build_model("vit_tiny_debug", num_classes=3), folder)
+    state = TrainerState(
+        step=4, images_seen=32, world_size=1, deepspeed_tag=folder.name, stream_state={}, rng_states=()
+    )
+    state.write(folder)
+    files = ("model.safetensors", "model.json", "trainer_state.json")
+    checksums.write(folder, {name: checksums.entry(folder / name) for name in files})
+    (folder / COMPLETE).write_text("")
+    rc, out, err = launched(4)
+    assert (rc, err) == (0, "")
+    assert out == (
+        f"nothing to train: the run folder's newest checkpoint {folder} is at step 4, which reaches "
+        "schedule.total=4: the run is done; to train further, raise schedule.total (--set schedule.total=N: the lr "
+        "schedule changes from here on), or set another checkpoint.dir to train a new run\n"
+    )
+    assert sorted(p.name for p in (tmp_path / "runs" / "done").iterdir()) == ["checkpoints"]  # no record, no summary
+    rc, out, err = launched(2)
+    assert rc == 2 and out == "" and err.startswith("python -m cluster.driver: error: the run folder's newest ")
+    assert "past schedule.total=2: resuming at a lower total would follow another lr schedule" in err
 
 
 def test_eval_tasks_run_on_the_gpu_ray_gave_them():

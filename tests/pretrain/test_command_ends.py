@@ -1,0 +1,125 @@
+"""How the `python -m pretrain.*` commands end when there is nothing to do or the user presses Ctrl-C, as real
+processes on real DeepSpeed and real run folders:
+
+- a finished run launched again says in one line that its checkpoint already reaches ``schedule.total`` (exit 0),
+  the same for ``schedule.stop_at_step`` and for ``checkpoint.resume_from``, and starts nothing (no attempt, no
+  world-size record); a ``schedule.total`` below the checkpoint's step is refused in one line (exit 2);
+- SIGINT in training (after a checkpoint) and in ``verify`` ends with one line saying what is kept and how to go on,
+  exit 130 and no traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.checkpoint import checksums, run_folder
+from pretrain.config.train_config import load_config
+from tests.support.interrupt import ctrl_c
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        f"data.train={shards}",
+        "data.builtin=null",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=8",
+        "data.streams=4",
+        "schedule.warmup=1",
+        f"checkpoint.dir={run_dir}",
+        "logging.progress_bar=false",
+        "deepspeed.precision=fp32",
+        "evals.suite=null",
+        *overrides,
+    ]
+
+
+def _train(recipe: Path, env: dict[str, str], *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(recipe), *(a for s in sets for a in ("--set", s))]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_finished_run_launched_again_says_so_in_one_line_and_a_lower_total_is_refused(
+    tiny_fractal_shards, train_cli, train_env, tmp_path
+):
+    run = tmp_path / "run"
+    train_cli(load_config("local_demo", _tiny(tiny_fractal_shards, run, "schedule.total=3")), run, timeout=300)
+    final = run_folder.checkpoint_dir(run, 3)
+    recipe, starts = run / "recipe.yaml", (run / run_folder.WORLD_SIZES).read_text()
+    done = _train(recipe, train_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        f"nothing to train: the run folder's newest checkpoint {final} is at step 3, which reaches schedule.total=3: "
+        "the run is done; to train further, raise schedule.total (--set schedule.total=N: the lr schedule changes "
+        "from here on), or set another checkpoint.dir to train a new run"
+    ]
+    assert "Traceback" not in done.stderr and "None" not in done.stdout + done.stderr
+    # At stop_at_step: done too (it may change between starts). Neither started an attempt.
+    stopped = _train(recipe, train_env(), "schedule.total=4", "schedule.stop_at_step=3")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.stdout.startswith(f"nothing to train: the run folder's newest checkpoint {final} is at step 3, ")
+    assert "schedule.stop_at_step=3; to train on towards schedule.total=4, raise" in stopped.stdout
+    assert (run / run_folder.WORLD_SIZES).read_text() == starts
+    # Past a lower total: refused, the run's own total named.
+    lower = _train(recipe, train_env(), "schedule.total=2")
+    assert lower.returncode == 2 and lower.stdout == "", lower.stderr[-3000:]
+    assert lower.stderr.splitlines() == [
+        f"error: the run folder's newest checkpoint {final} is at step 3, past schedule.total=2: resuming at a lower "
+        "total would follow another lr schedule; set schedule.total back to the run's own, 3, or set another "
+        "checkpoint.dir to train a new run"
+    ]
+    # The same from another run's checkpoint (checkpoint.resume_from), in an empty run folder that stays empty.
+    other = tmp_path / "other"
+    elsewhere = _train(recipe, train_env(), f"checkpoint.dir={other}", f"checkpoint.resume_from={final}")
+    assert elsewhere.returncode == 0, elsewhere.stderr[-3000:]
+    assert elsewhere.stdout.startswith(f"nothing to train: checkpoint.resume_from={final} is at step 3, which ")
+    assert elsewhere.stdout.rstrip().endswith("or drop checkpoint.resume_from") and not other.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_training_keeps_the_newest_complete_checkpoint_and_exits_130(
+    tiny_fractal_shards, train_env, tmp_path
+):
+    run = tmp_path / "run"
+    sets = _tiny(tiny_fractal_shards, run, "schedule.total=10000", "checkpoint.every_steps=2", "logging.log_every=1")
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", "local_demo", *(a for s in sets for a in ("--set", s))]
+    # step 3's line comes after step 2's checkpoint is COMPLETE
+    done = ctrl_c(cmd, lambda out: "\nstep 3/" in f"\n{out.read_text()}", tmp_path, env=train_env())
+    code, out, err = done.returncode, done.stdout, done.stderr
+    newest = run_folder.latest_checkpoint(run)
+    assert newest is not None and checksums.verify(newest).ok, (out[-2000:], err[-3000:])
+    assert code == 130 and "Traceback" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        f"python -m pretrain.train: interrupted; kept {newest}, the newest complete checkpoint: the same command "
+        "resumes from it"
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_verify_says_nothing_changed_and_exits_130(tmp_path):
+    # Two checkpoints: a small one, listed at once, then one of a 2 GiB file (sparse: no disk) that takes seconds.
+    for step, size in ((1, 1000), (2, 2 << 30)):
+        folder = run_folder.checkpoint_dir(tmp_path, step)
+        folder.mkdir(parents=True)
+        with open(folder / "weights.bin", "wb") as f:
+            f.truncate(size)
+        checksums.write(folder, {"weights.bin": (size, "00000000")})  # never read to the end
+        (folder / run_folder.COMPLETE).write_text(f"{step}\n")
+    cmd = [sys.executable, "-m", "pretrain.checkpoint", "verify", str(tmp_path)]
+    first = str(run_folder.checkpoint_dir(tmp_path, 1))
+    (logs := tmp_path / "logs").mkdir()
+    done = ctrl_c(cmd, lambda out: first in out.read_text(), logs)
+    code, out, err = done.returncode, done.stdout, done.stderr
+    assert code == 130 and "Traceback" not in err, err[-3000:]
+    assert len(out.splitlines()) == 1 and err.splitlines() == [
+        "python -m pretrain.checkpoint verify: interrupted; nothing changed; the checkpoints listed above were "
+        "checked, the same command checks them all"
+    ]
