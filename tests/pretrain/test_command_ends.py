@@ -10,7 +10,6 @@ processes on real DeepSpeed and real run folders:
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.config.train_config import load_config
+from pretrain.train import main as train_main
 from tests.support.interrupt import ctrl_c
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,48 +39,50 @@ def _tiny(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
-def _train(recipe: Path, env: dict[str, str], *sets: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(recipe), *(a for s in sets for a in ("--set", s))]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def _launched(recipe: Path, capsys, *sets: str) -> tuple[int, str, str]:
+    """`python -m pretrain.train --config RECIPE --set ...` in this process: it ends before DeepSpeed starts."""
+    code = train_main(["--config", str(recipe), *(a for s in sets for a in ("--set", s))])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_finished_run_launched_again_says_so_in_one_line_and_a_lower_total_is_refused(
-    tiny_fractal_shards, train_cli, train_env, tmp_path
+    tiny_fractal_shards, train_cli, tmp_path, capsys
 ):
     run = tmp_path / "run"
     train_cli(load_config("local_demo", _tiny(tiny_fractal_shards, run, "schedule.total=3")), run, timeout=300)
     final = run_folder.checkpoint_dir(run, 3)
     recipe, starts = run / "recipe.yaml", (run / run_folder.WORLD_SIZES).read_text()
-    done = _train(recipe, train_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == [
+    code, out, err = _launched(recipe, capsys)
+    assert code == 0, err[-3000:]
+    assert out.splitlines() == [
         f"nothing to train: the run folder's newest checkpoint {final} is at step 3, which reaches schedule.total=3: "
         "the run is done; to train further, raise schedule.total (--set schedule.total=N: the lr schedule changes "
         "from here on), or set another checkpoint.dir to train a new run"
     ]
-    assert "Traceback" not in done.stderr and "None" not in done.stdout + done.stderr
+    assert "None" not in out + err
     # At stop_at_step: done too (it may change between starts). Neither started an attempt.
-    stopped = _train(recipe, train_env(), "schedule.total=4", "schedule.stop_at_step=3")
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert stopped.stdout.startswith(f"nothing to train: the run folder's newest checkpoint {final} is at step 3, ")
-    assert "schedule.stop_at_step=3; to train on towards schedule.total=4, raise" in stopped.stdout
+    code, out, err = _launched(recipe, capsys, "schedule.total=4", "schedule.stop_at_step=3")
+    assert code == 0, err[-3000:]
+    assert out.startswith(f"nothing to train: the run folder's newest checkpoint {final} is at step 3, ")
+    assert "schedule.stop_at_step=3; to train on towards schedule.total=4, raise" in out
     assert (run / run_folder.WORLD_SIZES).read_text() == starts
     # Past a lower total: refused, the run's own total named.
-    lower = _train(recipe, train_env(), "schedule.total=2")
-    assert lower.returncode == 2 and lower.stdout == "", lower.stderr[-3000:]
-    assert lower.stderr.splitlines() == [
+    code, out, err = _launched(recipe, capsys, "schedule.total=2")
+    assert code == 2 and out == "", err[-3000:]
+    assert err.splitlines() == [
         f"error: the run folder's newest checkpoint {final} is at step 3, past schedule.total=2: resuming at a lower "
         "total would follow another lr schedule; set schedule.total back to the run's own, 3, or set another "
         "checkpoint.dir to train a new run"
     ]
     # The same from another run's checkpoint (checkpoint.resume_from), in an empty run folder that stays empty.
     other = tmp_path / "other"
-    elsewhere = _train(recipe, train_env(), f"checkpoint.dir={other}", f"checkpoint.resume_from={final}")
-    assert elsewhere.returncode == 0, elsewhere.stderr[-3000:]
-    assert elsewhere.stdout.startswith(f"nothing to train: checkpoint.resume_from={final} is at step 3, which ")
-    assert elsewhere.stdout.rstrip().endswith("or drop checkpoint.resume_from") and not other.exists()
+    code, out, err = _launched(recipe, capsys, f"checkpoint.dir={other}", f"checkpoint.resume_from={final}")
+    assert code == 0, err[-3000:]
+    assert out.startswith(f"nothing to train: checkpoint.resume_from={final} is at step 3, which ")
+    assert out.rstrip().endswith("or drop checkpoint.resume_from") and not other.exists()
 
 
 @pytest.mark.slow
