@@ -12,7 +12,7 @@ import sys
 
 from data_pipeline.cli import interrupted, output_folder
 from evals.features import check_data_root
-from evals.runner import NotDelivered, check_mlflow_run, format_gap, init_seed, run_suite
+from evals.runner import NotDelivered, check_local_inputs, check_mlflow_run, format_gap, init_seed, run_suite
 from tracking.store import command_line_uri
 
 
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--init-seed is the seed of --random-init's model; add --random-init or drop it")
         if args.random_init and seed is None:  # read before any work: a bad recipe fails first
             seed = init_seed(args.checkpoint)
+        check_local_inputs(args.checkpoint, args.suite)  # before a remote --data-root's network (retries: a minute)
         check_data_root(args.data_root)
         uri = command_line_uri(args.tracking_uri) if args.mlflow_run_id else None  # a database path → its URI
         down = args.mlflow_run_id and check_mlflow_run(args.mlflow_run_id, uri)

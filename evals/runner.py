@@ -62,6 +62,15 @@ class NotDelivered(RuntimeError):
         self.table = table
 
 
+def check_local_inputs(checkpoint: str | Path, suite: str | Path | None = None) -> None:
+    """The checks that cost nothing, before a remote data root's or checkpoint's network: a local checkpoint that is
+    not there, a suite that does not load (ValueError)."""
+    if not is_remote(checkpoint) and not Path(checkpoint).exists():
+        raise CheckpointError(f"checkpoint {checkpoint} does not exist; {ACCEPTED}")
+    if suite is not None:
+        load_suite(suite)
+
+
 def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     """``(load_model(image_size=None), step, default_out_dir, path)`` without loading. A checkpoint must be
     ``COMPLETE`` with verified checksums and has its own step; ``step`` is for weights without one (default 0)."""

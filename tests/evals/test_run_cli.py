@@ -83,3 +83,17 @@ def test_the_path_of_the_sqlite_store_is_its_uri_and_a_path_to_nothing_is_refuse
     fix = f"pass --tracking-uri sqlite:///{db.parent / 'mlfow.db'} (an SQLite store) or a server's URL"
     assert err.startswith("evals.run: error: --tracking-uri mlfow.db is a path, not a tracking URI") and fix in err
     assert err.count("\n") == 1 and not (tmp_path / "evals" / "by_path.parquet").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_checkpoint_or_suite_is_named_before_the_data_root_is_asked(checkpoint, tmp_path, capsys):
+    """The free checks first: a remote --data-root can spend a minute in its client's retries before it fails (gcsfs
+    without a network: 50 s here), only to be followed by "checkpoint ... does not exist". A data root under a file
+    fails at once, and stands in for it."""
+    (tmp_path / "file").write_text("")
+    root = str(tmp_path / "file" / "evals")
+    missing = ["--checkpoint", str(tmp_path / "nothing"), "--suite", "local_fewshot", "--data-root", root]
+    assert main(missing) == 2
+    assert capsys.readouterr().err.startswith(f"evals.run: error: checkpoint {tmp_path / 'nothing'} does not exist; ")
+    assert main(["--checkpoint", str(checkpoint), "--suite", "nope", "--data-root", root]) == 2
+    assert capsys.readouterr().err.startswith("evals.run: error: unknown eval suite 'nope'; known suites in ")
