@@ -95,7 +95,7 @@ def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
         image_column=args.image_column or "image",
         label_column=args.label_column or "label",
     )
-    return source, Path(args.source).name, {}
+    return source, Path(os.path.abspath(args.source)).name, {}  # `.` and `..` name the folder they mean
 
 
 def _check_not_inside(out: Path, source: str) -> None:

@@ -314,8 +314,9 @@ def describe(source: TfdsSource) -> dict:
     )
 
 
-def unit_ids(source: TfdsSource) -> list[str]:
-    return [f"{u.path}[{getattr(u, 'start', 0)}:{getattr(u, 'stop', 0)}]" for u in source.units]
+def unit_ids(source: TfdsSource, spell: Callable[[str], str] = str) -> list[str]:
+    """Each unit as its file (``spell``: how to name it) and record range."""
+    return [f"{spell(u.path)}[{getattr(u, 'start', 0)}:{getattr(u, 'stop', 0)}]" for u in source.units]
 
 
 def _label_function(source: TfdsSource) -> Callable[[dict[str, FeatureValues]], int]:

@@ -31,6 +31,8 @@ from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_
 # Fixed tar headers; an int: a float mtime makes tarfile add a PAX header per member.
 TAR_MTIME = 0
 TAR_OWNER = "vitscale"
+# _write_settings.json: 2 names the source's units as they are named in it (1: as the paths given, no class names)
+SETTINGS_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -284,16 +286,16 @@ def write_dataset(
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    settings = _settings(config, source)
-    _check_folder(out, settings)  # before the scan: other settings are refused at once
     names = list(source.class_names if source is not None else class_names or [])
+    settings, given = _settings(config, source, names), _units(source, named=False)
+    _check_folder(out, settings, given)  # before the scan: other settings are refused at once
     report = WriteReport()
     candidates = _scan(_scan_jobs(config, source, items or [], names), config.processes, report)
     survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
     settings["input"] = input_digest(survivors, names)
-    _check_folder(out, settings)
+    _check_folder(out, settings, given)
     manifest.write_json_atomic(settings, out / manifest.WRITE_SETTINGS_FILE)  # before the first shard
     light = replace(source, units=()) if source is not None else None
     shard_rows, report.written = _write_shards(out, survivors, names, light, config)
@@ -308,13 +310,24 @@ def write_dataset(
     return report
 
 
-def _settings(config: WriteConfig, source: Source | None) -> dict:
-    units: list[str] | None = None
+def _settings(config: WriteConfig, source: Source | None, names: list[str]) -> dict:
+    """What the folder records: the settings its output depends on (not --processes: the bytes are the same for
+    any), the class names' digest, and the source's units by their names in it, so that the same input given by
+    another path or from another cwd is the same run."""
+    recorded = {k: v for k, v in asdict(config).items() if k != "processes"}
+    units = _units(source, named=True)
+    class_names = hashlib.sha256(json.dumps(names).encode()).hexdigest()
+    return json.loads(json.dumps(dict(recorded, format=SETTINGS_FORMAT, source=units, class_names=class_names)))
+
+
+def _units(source: Source | None, *, named: bool) -> list[str] | None:
+    """The source's class folders, tars, Parquet files or record ranges: by name, or by path as given (format 1)."""
+    if source is None:
+        return None
+    spell = (lambda path: Path(path).name) if named else str
     if isinstance(source, TfdsSource):
-        units = [*unit_ids(source), source.task, source.label_column]
-    elif source is not None:
-        units = [u.path for u in source.units]
-    return json.loads(json.dumps(dict(asdict(config), processes=None, source=units)))
+        return [*unit_ids(source, spell), source.task, source.label_column]
+    return [spell(u.path) for u in source.units]
 
 
 def input_digest(survivors: list[Candidate], names: list[str]) -> str:
@@ -325,9 +338,53 @@ def input_digest(survivors: list[Candidate], names: list[str]) -> str:
     return digest.hexdigest()
 
 
-def _check_folder(out: Path, settings: dict) -> None:
+def _readable_units(units: object) -> bool:
+    return units is None or isinstance(units, list) and all(isinstance(u, str) for u in units)
+
+
+def _few(values: list | None) -> str:
+    values = values or []
+    shown = ", ".join(str(v) for v in values[:3])
+    return shown + (f" and {len(values) - 3} more" if len(values) > 3 else "") if values else "none"
+
+
+def _source_difference(then: list | None, now: list | None) -> str | None:
+    if then == now:
+        return None
+    gone, new = [u for u in then or [] if u not in set(now or [])], [u for u in now or [] if u not in set(then or [])]
+    if not gone and not new:
+        return "the source's class folders or files in another order"
+    return f"the source's class folders or files ({_few(gone)} then only; {_few(new)} now only)"
+
+
+def _differences(recorded: dict, settings: dict, given: list[str] | None) -> list[str]:
+    """What differs between the recorded settings and this run's, one phrase each (old value, then new)."""
+    legacy = "format" not in recorded  # format 1 recorded the units as the paths given, and no class names
+    then, now = recorded.get("source"), settings["source"]
+    if legacy and "input" not in recorded:  # no digest either: only the very paths keep its guarantee
+        paths = f"--source's paths ({_few(then)} then; {_few(given)} now), as an older version recorded them"
+        found = [None if then == given else paths]
+    else:  # the input digest checks the content: compare names, not spellings
+        if legacy:
+            then, now = [Path(u).name for u in then or []], [Path(u).name for u in given or []]
+        found = [_source_difference(then, now)]
+    for key in sorted((recorded.keys() | settings.keys()) - {"format", "input", "processes", "source"}):
+        old, new = recorded.get(key), settings.get(key)
+        if old == new or legacy and key not in recorded:
+            continue
+        if key == "class_names":
+            if found[0]:  # other class folders or files: other names follow
+                continue
+            found.append("the class names (--class-names, a labels file or the class folders' names)")
+        else:
+            found.append(f"--{key.replace('_', '-')} {json.dumps(old)} then, {json.dumps(new)} now")
+    return [f for f in found if f]
+
+
+def _check_folder(out: Path, settings: dict, given: list[str] | None) -> None:
     """ValueError when ``out`` holds shards written with other settings or (once known) from other input: a re-run
-    keeps the finished shards, so they must be the ones this run would write."""
+    keeps the finished shards, so they must be the ones this run would write. ``given``: the units as the paths
+    given, which a folder of format 1 recorded."""
     if not any(out.glob(manifest.SHARD_GLOB)) and not any(out.glob(manifest.SHARD_GLOB + ".tmp")):
         return  # no shard to keep (a failed run may have left its settings)
     fix = "choose a new --out or delete it"
@@ -335,11 +392,15 @@ def _check_folder(out: Path, settings: dict) -> None:
         recorded = json.loads((out / manifest.WRITE_SETTINGS_FILE).read_text())
     except (OSError, ValueError):
         recorded = None
-    if not isinstance(recorded, dict):
+    if not isinstance(recorded, dict) or not _readable_units(recorded.get("source")):
         raise ValueError(f"{out} holds shards without a readable {manifest.WRITE_SETTINGS_FILE}; {fix}")
-    recorded_input = recorded.pop("input", None)  # absent in folders of older versions: accepted
-    if recorded != {k: v for k, v in settings.items() if k != "input"}:
-        raise ValueError(f"{out} holds shards written with different settings or class folders; {fix}")
+    differ = _differences(recorded, settings, given)
+    if differ:
+        raise ValueError(
+            f"{out} holds shards written with other settings or input: {'; '.join(differ)}. Run with what it was "
+            f"written with to go on from them, or {fix}"
+        )
+    recorded_input = recorded.get("input")  # absent in folders of older versions: accepted
     if recorded_input is not None and settings.get("input", recorded_input) != recorded_input:
         raise ValueError(f"{out} holds shards of other input (images added, removed, changed or excluded since); {fix}")
 
