@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import sys
@@ -25,15 +26,21 @@ from data_pipeline.paths import is_remote
 from data_pipeline.stream.order import merge_stream_states
 from pretrain import randomness
 from pretrain.checkpoint import checksums, run_folder
-from pretrain.checkpoint.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.checkpoint.run_folder import CONFIG_FILE, CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.checkpoint.safe_load import check_weights_only, load_weights_only
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.optim import build_schedule
-from pretrain.config.train_config import TrainConfig
-from pretrain.model.vit import VisionTransformer
+from pretrain.config.train_config import TrainConfig, check_model
+from pretrain.model.vit import VisionTransformer, ViTConfig
 from pretrain.weights import source as weights_source
-from pretrain.weights.formats import load_npz, load_pretrained, save_pretrained
+from pretrain.weights.formats import (
+    ARCHITECTURE_FIELDS,
+    architecture_differences,
+    load_npz,
+    load_pretrained,
+    save_pretrained,
+)
 from tracking.tracker import Tracker, flatten_config
 
 
@@ -78,6 +85,7 @@ def nothing_to_train(config: TrainConfig) -> str | None:
     if found is None:
         return None
     folder, named, fix = found
+    _check_same_model(config, folder, named, fix)
     try:
         step = run_folder.open_checkpoint(folder).step
     except ValueError:  # a damaged trainer state: the start skips this checkpoint, or says why it cannot
@@ -122,10 +130,32 @@ def _resume_candidate(config: TrainConfig) -> tuple[Path, str, str] | None:
 
 def _saved_total(folder: Path) -> Any:
     """The ``schedule.total`` the checkpoint was saved under, or None if unreadable."""
+    return _saved_setting(folder, "schedule", "total")
+
+
+def _saved_setting(folder: Path, section: str, key: str) -> Any:
+    """The checkpoint's recipe setting ``section.key``, or None if unreadable."""
     try:
-        return yaml.safe_load((folder / CONFIG_YAML).read_text())["schedule"]["total"]
+        return yaml.safe_load((folder / CONFIG_YAML).read_text())[section][key]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return None
+
+
+def _check_same_model(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
+    """ValueError if the checkpoint a resume would load holds another architecture than the recipe's model: its
+    engine state cannot load (DeepSpeed's size mismatches). An unreadable ``model.json`` is left to the start."""
+    try:
+        saved = ViTConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    differ = architecture_differences(saved, check_model(config))
+    if differ:
+        name = _saved_setting(folder, "model", "name")
+        back = f"model.name={name}" if isinstance(name, str) else "its architecture"
+        raise ValueError(
+            f"{named} holds another model than model.name={config.model.name} builds ({'; '.join(differ)}): a "
+            f"resume cannot load it; set the model back to the checkpoint's ({back}), or {fix}"
+        )
 
 
 def _fetched(url: str) -> Path:
@@ -383,9 +413,21 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
     return state
 
 
-def init_weights(model: torch.nn.Module, source: Path, image_size: int) -> list[str]:
+# Architecture fields ``init_from`` weights must share with the model; another head, pool or resolution is a fine-tune
+INIT_FIELDS = tuple(f for f in ARCHITECTURE_FIELDS if f != "pool")
+
+
+def init_weights(model: VisionTransformer, source: Path, image_size: int) -> list[str]:
     """Copy same-name, same-shape weights from a model.safetensors folder or an .npz; returns the names not copied."""
     src = load_npz(source, image_size=image_size) if source.suffix == ".npz" else load_pretrained(source, image_size)
+    differ = architecture_differences(src.config, model.config, INIT_FIELDS)
+    if differ:  # a few same-shape tensors would be copied and the rest trained from scratch
+        raise ValueError(
+            f"checkpoint.init_from={weights_source.origin(source)}: its weights are of another architecture than the "
+            f"recipe's model ({'; '.join(differ)}), so the run would train from a fresh initialisation; set "
+            "model.name to the weights' model (and model.* to match), or point checkpoint.init_from at weights of "
+            "this architecture"
+        )
     mine = model.state_dict()
     usable = {k: v for k, v in src.state_dict().items() if k in mine and mine[k].shape == v.shape}
     model.load_state_dict(usable, strict=False)

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         summary = train_worker(config, validated=True)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # train_worker closed the run's records on its way out
         return interrupted(PROG, _kept(config)) if rank0 else INTERRUPTED

@@ -40,9 +40,7 @@ __all__ = [
 
 
 # Fields the weights determine; overrides must agree
-_ARCHITECTURE_FIELDS = tuple(
-    "patch_size width depth num_heads mlp_dim pool hybrid_stages hybrid_width in_chans".split()
-)
+ARCHITECTURE_FIELDS = tuple("patch_size width depth num_heads mlp_dim pool hybrid_stages hybrid_width in_chans".split())
 _HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
 
 
@@ -325,14 +323,14 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
     unknown = sorted(set(overrides) - valid)
     if unknown:
         raise ValueError(f"unknown ViTConfig overrides {unknown}; valid fields: {sorted(valid)}")
-    for name in _ARCHITECTURE_FIELDS:
+    for name in ARCHITECTURE_FIELDS:
         if name in overrides and overrides[name] != getattr(config, name):
             raise ValueError(
                 f"{name}={overrides[name]!r} contradicts the weights in {source} ({name}={getattr(config, name)!r}); "
                 "architecture fields are read from the weights — drop this override"
             )
     head = {k: overrides.pop(k) for k in _HEAD_FIELDS if k in overrides}
-    free = {k: v for k, v in overrides.items() if k not in _ARCHITECTURE_FIELDS}
+    free = {k: v for k, v in overrides.items() if k not in ARCHITECTURE_FIELDS}
     with torch.device("meta"):  # every parameter comes from `state`
         model = VisionTransformer(dataclasses.replace(config, **free))
     state = {k: v.float().contiguous() for k, v in state.items()}  # fp32 (exact from bf16); callers cast
@@ -357,6 +355,18 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
             head_bias_init=head.get("head_bias_init", 0.0),
         )
     return model
+
+
+def architecture_differences(
+    have: ViTConfig, want: ViTConfig, fields: tuple[str, ...] = ARCHITECTURE_FIELDS
+) -> list[str]:
+    """``"width 64, not 384"`` for each of ``fields`` in which ``have`` differs from ``want``."""
+    same = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731 — JSON reads tuples as lists
+    return [
+        f"{name} {getattr(have, name)}, not {getattr(want, name)}"
+        for name in fields
+        if same(getattr(have, name)) != same(getattr(want, name))
+    ]
 
 
 def _some(names: list[str], shown: int = 6) -> str:

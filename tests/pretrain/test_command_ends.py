@@ -4,20 +4,27 @@ processes on real DeepSpeed and real run folders:
 - a finished run launched again says in one line that its checkpoint already reaches ``schedule.total`` (exit 0),
   the same for ``schedule.stop_at_step`` and for ``checkpoint.resume_from``, and starts nothing (no attempt, no
   world-size record); a ``schedule.total`` below the checkpoint's step is refused in one line (exit 2);
+- bad input, a checkpoint of another model among them (a changed ``model.name`` in a run folder, a
+  ``checkpoint.resume_from`` of another model), is one ``python -m pretrain.train: error:`` line, exit 2, before
+  anything starts;
 - SIGINT in training (after a checkpoint) and in ``verify`` ends with one line saying what is kept and how to go on,
   exit 130 and no traceback.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from pretrain.checkpoint import checksums, run_folder
+from pretrain.checkpointer import nothing_to_train
 from pretrain.config.train_config import load_config
+from pretrain.model.vit import build_model
 from pretrain.train import main as train_main
+from pretrain.weights.formats import save_pretrained
 from tests.support.interrupt import ctrl_c
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +80,8 @@ def test_a_finished_run_launched_again_says_so_in_one_line_and_a_lower_total_is_
     code, out, err = _launched(recipe, capsys, "schedule.total=2")
     assert code == 2 and out == "", err[-3000:]
     assert err.splitlines() == [
-        f"error: the run folder's newest checkpoint {final} is at step 3, past schedule.total=2: resuming at a lower "
+        f"python -m pretrain.train: error: the run folder's newest checkpoint {final} is at step 3, past "
+        "schedule.total=2: resuming at a lower "
         "total would follow another lr schedule; set schedule.total back to the run's own, 3, or set another "
         "checkpoint.dir to train a new run"
     ]
@@ -83,6 +91,46 @@ def test_a_finished_run_launched_again_says_so_in_one_line_and_a_lower_total_is_
     assert code == 0, err[-3000:]
     assert out.startswith(f"nothing to train: checkpoint.resume_from={final} is at step 3, which ")
     assert out.rstrip().endswith("or drop checkpoint.resume_from") and not other.exists()
+
+
+def test_bad_input_is_one_error_line_that_names_the_command(capsys):
+    for sets, says in (
+        (["optim.lrr=3e-4"], r"unknown key\(s\) \['optim.lrr'\]"),
+        (["optim.lr"], r"'optim.lr' is not key=value"),
+        (["model.name=vit_x"], r"model.name='vit_x' is unknown"),
+    ):
+        code, out, err = _launched(ROOT / "configs" / "local_demo.yaml", capsys, *sets, "logging.log_every=1")
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+        assert err.startswith("python -m pretrain.train: error: ") and re.search(says, err), err
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_before_anything_starts(
+    tiny_fractal_shards, tmp_path, capsys
+):
+    """A changed model.name in a run folder, or a resume_from of another model: before, DeepSpeed started and its
+    size mismatches ended the rank in a traceback."""
+    run, recipe = tmp_path / "run", ROOT / "configs" / "local_demo.yaml"
+    config = load_config(recipe, _tiny(tiny_fractal_shards, run))
+    folder = run_folder.checkpoint_dir(run, 2)
+    save_pretrained(build_model("vit_tiny_debug", num_classes=4), folder)
+    config.save(folder / run_folder.CONFIG_YAML)
+    (folder / run_folder.COMPLETE).write_text("2\n")
+    assert nothing_to_train(config) is None  # the same model: no step recorded, so the start goes on
+    code, out, err = _launched(recipe, capsys, *_tiny(tiny_fractal_shards, run), "model.name=vit_s16")
+    assert code == 2 and out == "", err[-3000:]
+    assert err.splitlines() == [
+        f"python -m pretrain.train: error: the run folder's newest checkpoint {folder} holds another model than "
+        "model.name=vit_s16 builds (patch_size 4, not 16; width 64, not 384; depth 4, not 12; num_heads 4, not 6; "
+        "mlp_dim 256, not 1536): a resume cannot load it; set the model back to the checkpoint's "
+        "(model.name=vit_tiny_debug), or set another checkpoint.dir to train a new run"
+    ]
+    assert [p.name for p in run.iterdir()] == ["checkpoints"]  # no attempt, no world-size record
+    other = tmp_path / "other"
+    sets = (*_tiny(tiny_fractal_shards, other), "model.name=vit_s16", f"checkpoint.resume_from={folder}")
+    code, out, err = _launched(recipe, capsys, *sets)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err[-3000:]
+    assert err.startswith(f"python -m pretrain.train: error: checkpoint.resume_from={folder} holds another model ")
+    assert err.rstrip().endswith("or drop checkpoint.resume_from") and not other.exists()
 
 
 @pytest.mark.slow

@@ -275,6 +275,26 @@ def test_init_from_copies_matching_weights_and_reports_the_rest(tmp_path):
     assert torch.equal(dst["pos_embed"][:, 0], src["pos_embed"][:, 0])  # the class-token slot is kept as is
 
 
+def test_init_from_weights_of_another_architecture_is_refused(tmp_path):
+    """Before, a few same-shape tensors were copied, a warning listed the rest and the run trained from scratch."""
+    from pretrain.weights.formats import save_pretrained
+
+    save_pretrained(build_model("vit_tiny_debug", num_classes=10), tmp_path / "src")
+    target = build_model("vit_tiny_debug", depth=2, mlp_dim=128, num_classes=4)
+    fresh = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError) as refused:
+        ckpt.init_weights(target, tmp_path / "src", image_size=32)
+    assert str(refused.value) == (
+        f"checkpoint.init_from={tmp_path / 'src'}: its weights are of another architecture than the recipe's model "
+        "(depth 4, not 2; mlp_dim 256, not 128), so the run would train from a fresh initialisation; set model.name "
+        "to the weights' model (and model.* to match), or point checkpoint.init_from at weights of this architecture"
+    )
+    assert all(torch.equal(v, fresh[k]) for k, v in target.state_dict().items())  # nothing copied
+    gap = build_model("vit_tiny_debug", pool="gap", num_classes=4)  # another pool is a fine-tune: still copied
+    with pytest.warns(UserWarning, match="kept the fresh initialisation"):
+        assert ckpt.init_weights(gap, tmp_path / "src", image_size=32) == ["head.bias", "head.weight", "pos_embed"]
+
+
 class _Exploit:
     def __reduce__(self):
         return (print, ("this must never run",))
