@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image
 
+from data_pipeline.cli import interrupted
 from data_pipeline.manifest import (
     CLASSES_FILE,
     DATASET_FILE,
@@ -145,7 +146,10 @@ def _write_index(shard_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Validate a vitscale shard folder (checksums, counts, spot decode).")
+    p = argparse.ArgumentParser(
+        prog="python -m data_pipeline.validate",
+        description="Validate a vitscale shard folder (checksums, counts, spot decode).",
+    )
     p.add_argument("shard_dir")
     p.add_argument("--spot", type=int, default=16, help="samples decoded per shard (default 16)")
     p.add_argument("--full", action="store_true", help="decode every sample")
@@ -174,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except KeyboardInterrupt:  # it only reads (--write-index replaces each index whole): nothing is half-written
+        return interrupted(
+            "data_pipeline.validate", f"nothing in {args.shard_dir} is half-written; the same command checks it again"
+        )
     print(report.render())
     return 0 if report.ok else 1
 

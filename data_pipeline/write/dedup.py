@@ -18,11 +18,20 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def eight_bit(image: Image.Image) -> Image.Image:
+    """``image``, with 16-bit grey samples (modes I;16*, and I as 16-bit PNGs load in older Pillow) scaled to 8-bit
+    grey: Pillow's ``convert`` clips them at 255, so nearly every pixel of such an image would turn white."""
+    if not (image.mode.startswith("I;16") or image.mode == "I"):
+        return image
+    wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
+    return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))
+
+
 def perceptual_hash(image: Image.Image) -> int:
     """pHash: the 8x8 lowest DCT frequencies of a 32x32 grey image against their median, as int64."""
     import scipy.fft  # slow to import
 
-    grey = np.asarray(image.convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
+    grey = np.asarray(eight_bit(image).convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
     coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()
     median = np.median(coeffs[1:])  # without the DC term
     return int(np.packbits(coeffs > median).view(">i8")[0])  # the first coefficient's bit highest

@@ -77,6 +77,16 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
     return lines
 
 
+def _parquet_schema(file: Path) -> pa.Schema:
+    """The schema of ``file``; ValueError naming it when it is no Parquet file (cut short, or another format)."""
+    try:
+        return pq.read_schema(file)
+    except (OSError, pa.ArrowException) as error:
+        raise ValueError(
+            f"{file} is not a readable Parquet file ({error}); copy it again whole, or move it out of --source"
+        ) from None
+
+
 def _max_label(file: Path, column: str) -> int:
     """The largest label of a Parquet file; ValueError unless every label is a whole number >= 0."""
     labels = pq.read_table(file, columns=[column]).column(column)
@@ -96,6 +106,33 @@ def _max_label(file: Path, column: str) -> int:
     return int(pc.max(labels).as_py()) if len(labels) else -1
 
 
+def is_hidden(name: str) -> bool:
+    """A dot-file or dot-folder: .ipynb_checkpoints, .git, macOS's .DS_Store and ._ copies; never a class or image."""
+    return name.startswith(".")
+
+
+def _visible(root: Path, pattern: str) -> list[Path]:
+    """The entries of ``root`` matching ``pattern``, sorted, without hidden ones."""
+    return sorted(p for p in root.glob(pattern) if not is_hidden(p.name))
+
+
+def _no_layout(root: Path) -> str:
+    """Why ``root`` is no collection the writer reads, and what to give instead."""
+    layouts = (
+        "class sub-folders of images, per-class .tar files (ImageNet-21k layout) or .parquet files with image "
+        "bytes and a label column"
+    )
+    if root.is_file():
+        return f"--source {root} is a file, not a folder or a .parquet file; give a folder of {layouts}"
+    images = sum(1 for p in _visible(root, "*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if images:
+        return (
+            f"--source {root} holds {images} images but no class sub-folders; put each class's images in a "
+            f"sub-folder named after the class ({root}/CLASS/IMAGE) and give {root} again"
+        )
+    return f"--source {root} is empty: expected {layouts}"
+
+
 def open_source(
     path: str | Path,
     *,
@@ -110,34 +147,29 @@ def open_source(
     if not root.exists():
         raise ValueError(f"--source {root} does not exist")
     if kind == "auto":
-        if root.is_file() and root.suffix == ".parquet" or root.is_dir() and any(root.glob("*.parquet")):
+        if root.is_file() and root.suffix == ".parquet" or root.is_dir() and _visible(root, "*.parquet"):
             kind = "parquet"
-        elif root.is_dir() and any(root.glob("*.tar")):
+        elif root.is_dir() and _visible(root, "*.tar"):
             kind = "imagenet21k"
-        elif root.is_dir() and any(p.is_dir() for p in root.iterdir()):
+        elif root.is_dir() and any(p.is_dir() for p in _visible(root, "*")):
             kind = "folder"
         else:
-            raise ValueError(
-                f"--source {root} is empty: expected class sub-folders of images, per-class .tar files "
-                "(ImageNet-21k layout) or .parquet files with image bytes and a label column"
-            )
+            raise ValueError(_no_layout(root))
     if kind in ("folder", "imagenet21k"):  # one class per sub-folder or .tar
         tar = kind == "imagenet21k"
-        paths = sorted(root.glob("*.tar")) if tar else sorted(p for p in root.iterdir() if p.is_dir())
+        paths = _visible(root, "*.tar") if tar else [p for p in _visible(root, "*") if p.is_dir()]
         if not paths:
-            raise ValueError(
-                f"--source {root} has no per-class .tar files" if tar else f"--source {root} has no class sub-folders"
-            )
+            raise ValueError(f"--source {root} has no per-class .tar files" if tar else _no_layout(root))
         names = _read_class_names(class_names_file, [p.stem if tar else p.name for p in paths])
         units = tuple(SourceUnit("tar" if tar else "folder", str(p), i) for i, p in enumerate(paths))
         return Source(kind, units, tuple(names))
     if kind == "parquet":
-        files = [root] if root.is_file() else sorted(root.glob("*.parquet"))
+        files = [root] if root.is_file() else _visible(root, "*.parquet")
         if not files:
             raise ValueError(f"--source {root} has no .parquet files")
         max_label = -1
         for f in files:
-            schema = pq.read_schema(f)
+            schema = _parquet_schema(f)
             for col in (image_column, label_column):
                 if col not in schema.names:
                     raise ValueError(
@@ -160,7 +192,9 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
     """(ref, raw bytes, label) of every candidate image of one unit; skips counted in ``stats``."""
     if unit.kind == "folder":
         for file in sorted(Path(unit.path).rglob("*")):
-            if file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
+            if file.is_file() and any(is_hidden(part) for part in file.relative_to(unit.path).parts):
+                stats["hidden"] = stats.get("hidden", 0) + 1  # .DS_Store, ._x.jpg, .ipynb_checkpoints/…
+            elif file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
                 ref = ItemRef("file", str(file), source=f"{Path(unit.path).name}/{file.relative_to(unit.path)}")
                 yield ref, file.read_bytes(), unit.label
             elif file.is_file():

@@ -24,7 +24,13 @@ from tqdm import tqdm
 
 from data_pipeline import manifest
 from data_pipeline.cli import ignore_interrupt
-from data_pipeline.write.dedup import ExclusionSet, near_duplicates_of_earlier, perceptual_hash, sha256_hex
+from data_pipeline.write.dedup import (
+    ExclusionSet,
+    eight_bit,
+    near_duplicates_of_earlier,
+    perceptual_hash,
+    sha256_hex,
+)
 from data_pipeline.write.readers import ItemRef, Source, SourceUnit, iter_unit, read_ref
 from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_tfds_ref, unit_ids
 
@@ -100,7 +106,7 @@ def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> 
     with Image.open(io.BytesIO(data)) as opened:
         if not needs_reencode:
             return data, *opened.size
-        img = opened.convert("RGB")
+        img = eight_bit(opened).convert("RGB")  # 16-bit grey scaled, not clipped white
         width, height = img.size
         quality = 95
         if min(width, height) > max_short_side:
@@ -225,7 +231,7 @@ class WriteReport:
     written: int = 0
     shards: int = 0
     bytes: int = 0
-    skipped: dict = field(default_factory=dict)  # corrupt / not_image / too_small / unsafe_member
+    skipped: dict = field(default_factory=dict)  # corrupt / hidden / not_image / too_small / unsafe_member
     exact_duplicates: int = 0
     near_duplicates: int = 0
     excluded: int = 0

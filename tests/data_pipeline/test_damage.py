@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
 import tarfile
+import threading
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -119,6 +122,33 @@ def test_empty_source_folder_is_a_clear_error(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
 
 
+def test_a_source_that_is_no_collection_says_what_it_is_and_how_to_lay_it_out(tmp_path, capsys):
+    """A folder of loose images, or one image given as --source, used to be called "empty"; a cut Parquet file was
+    refused without its name."""
+    (tmp_path / "loose").mkdir()
+    for i in range(3):
+        (tmp_path / "loose" / f"IMG_{i}.JPG").write_bytes(jpeg_bytes(i))
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1" + bytes(40))
+    a_file = "is a file, not a folder or a .parquet file; give a folder of class sub-folders"
+    wanted = [
+        (
+            "loose",
+            "auto",
+            f"holds 3 images but no class sub-folders; put each class's images in a sub-folder named "
+            f"after the class ({tmp_path / 'loose'}/CLASS/IMAGE)",
+        ),
+        ("loose/IMG_0.JPG", "auto", a_file),
+        ("loose/IMG_0.JPG", "folder", a_file),  # was a NotADirectoryError traceback
+        ("cut.parquet", "auto", "is not a readable Parquet file ("),
+    ]
+    for source, kind, says in wanted:
+        argv = ["--source", str(tmp_path / source), "--kind", kind, "--out", str(tmp_path / "o")]
+        assert write_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("data_pipeline.write: error: ") and f"{tmp_path / source} {says}" in err, err
+        assert err.count("\n") == 1
+
+
 def test_label_out_of_range_is_skipped_and_counted(tmp_path):
     def bad_label(key, index, sample):
         if index in (4, 50):
@@ -129,6 +159,31 @@ def test_label_out_of_range_is_skipped_and_counted(tmp_path):
     keys, stream = eval_keys(root)
     assert stream.stats["label_out_of_range"] == 2 and len(keys) == sum(UNEVEN) - 2
     assert validate_cli.main([str(root), "--full"]) == 1
+
+
+def test_ctrl_c_in_validate_is_one_line_and_exit_130(tmp_path, capsys):
+    """Ctrl-C while validate waits on a shard (here a stalled one: a FIFO no one writes, as a hung mount) used to
+    print a traceback. A real SIGINT to the main thread; the writer end opens after 5 s, so no run can hang."""
+    root = make_shards(tmp_path / "s")
+    stalled = root / "shard-000001.tar"
+    stalled.unlink()
+    os.mkfifo(stalled)
+    main_thread = threading.main_thread().ident
+    ctrl_c = threading.Timer(0.2, signal.pthread_kill, (main_thread, signal.SIGINT))
+    unblock = threading.Timer(5, lambda: os.close(os.open(stalled, os.O_WRONLY)))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        ctrl_c.start(), unblock.start()
+        try:
+            code = validate_cli.main([str(root)])
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C escaped validate as a traceback")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        ctrl_c.cancel(), unblock.cancel()
+    assert code == 130
+    said = f"data_pipeline.validate: interrupted; nothing in {root} is half-written; the same command checks it again\n"
+    assert capsys.readouterr().err == said
 
 
 def test_parquet_label_beyond_class_names_is_a_clear_error(tmp_path):

@@ -366,3 +366,39 @@ def test_exclude_like_skips_folders_named_like_images(folder_source, tmp_path):
     (eval_dir / "weird.jpg" / "inner.jpg").write_bytes((folder_source / "class1" / "img4.jpg").read_bytes())
     exclude = load_exclusion(eval_dir)
     assert exclude.sha256s == {sha256_hex((folder_source / "class1" / "img4.jpg").read_bytes())}
+
+
+def test_16_bit_grey_images_keep_their_tones_instead_of_turning_white(tmp_path, capsys):
+    """A 16-bit grey PNG or TIFF (microscopy, medical, satellite) used to be clipped at 255: a white image."""
+    ramp = np.linspace(0, 65535, 48 * 64).reshape(48, 64).astype(np.uint16)
+    grey8 = Image.fromarray(((ramp.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8))
+    (tmp_path / "src" / "scans").mkdir(parents=True)
+    Image.fromarray(ramp).save(tmp_path / "src" / "scans" / "a.png")
+    Image.frombytes("I;16B", (64, 48), ramp.astype(">u2").tobytes()).save(tmp_path / "src" / "scans" / "b.tif")
+    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]) == 0
+    assert "wrote 2 in 1 shards" in capsys.readouterr().out
+    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
+        stored = [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
+    for data in stored:
+        pixels = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64)
+        assert abs(pixels.mean() - np.asarray(grey8).mean()) < 2 and pixels.std() > 60  # a ramp, not all white
+    phashes = pq.read_table(tmp_path / "out" / "samples.parquet").column("phash").to_pylist()
+    assert phashes == [writer.perceptual_hash(grey8)] * 2  # near-duplicate search sees the ramp too
+
+
+def test_hidden_folders_and_files_are_neither_classes_nor_images(folder_source, tmp_path, capsys):
+    """Jupyter's .ipynb_checkpoints and macOS's .DS_Store and ._ copies: a hidden folder used to become class 0,
+    shifting every label; hidden files are now skipped and counted as `hidden`."""
+    (folder_source / ".ipynb_checkpoints").mkdir()
+    (folder_source / ".ipynb_checkpoints" / "x.jpg").write_bytes(encoded(smooth_image(200)))
+    (folder_source / "class1" / ".ipynb_checkpoints").mkdir()
+    (folder_source / "class1" / ".ipynb_checkpoints" / "img1-checkpoint.jpg").write_bytes(encoded(smooth_image(201)))
+    (folder_source / "class0" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (folder_source / "class0" / "._img0.jpg").write_bytes(b"\0\5\26\7AppleDouble")
+    argv = ["--source", str(folder_source), "--out", str(tmp_path / "out"), "--processes", "1"]
+    assert write_cli.main([*argv, "--max-short-side", "32"]) == 0
+    assert "skipped {'corrupt': 1, 'hidden': 3, 'not_image': 2, 'too_small': 1}" in capsys.readouterr().out
+    info = read_dataset_info(tmp_path / "out")
+    assert info.class_names == ("class0", "class1", "class2") and info.num_samples == 21
+    sources = pq.read_table(tmp_path / "out" / "samples.parquet").column("source").to_pylist()
+    assert not [s for s in sources if "/." in s or s.startswith(".")]
