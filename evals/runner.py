@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import time
 from dataclasses import asdict, replace
@@ -153,6 +154,24 @@ def check_resolutions(config, patch_size: int) -> None:
                 check_resolution(f"eval suite {config.name}: evaluators[{i}].{option} ({spec.name})", value, patch_size)
 
 
+def check_out_dir(out_dir: Path, default: bool) -> None:
+    """ValueError naming the fix when the folder of the table cannot be made or written (``default``: not given, the
+    weights' own ``evals/`` or ``<stem>_evals/``); nothing is created."""
+    existing = next(p for p in (out_dir, *out_dir.parents) if os.path.lexists(p))
+    if existing.is_symlink() and not existing.exists():
+        problem = f"cannot be created: {existing} is a broken symbolic link (to {os.readlink(existing)})"
+    elif not existing.is_dir():
+        problem = "is a file" if existing == out_dir else f"cannot be created: {existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"cannot be written: {existing} is read-only (or not yours)"
+    else:
+        return
+    given = " (the default for these weights)" if default else ""
+    raise ValueError(
+        f"output folder {out_dir}{given} {problem}; pass --out a writable folder (it is created if absent)"
+    )
+
+
 def _load(load_model, checkpoint):
     """An unreadable or non-ViT file is the user's error."""
     try:
@@ -183,8 +202,7 @@ def run_suite(
     _check_options(random_init_seed, mlflow_run_id, num_threads, device)
     load_model, step, default_out, path = open_checkpoint(checkpoint, step)
     out_dir = Path(out) if out is not None else default_out
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"output folder {out_dir} is a file; pass --out a folder (it is created if absent)")
+    check_out_dir(out_dir, default=out is None)  # before any work: the table is written only at the end
     previous_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(int(num_threads))

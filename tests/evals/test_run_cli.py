@@ -4,6 +4,7 @@ as --tracking-uri; real shards, a real checkpoint folder, real MLflow on SQLite.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -97,3 +98,21 @@ def test_a_missing_checkpoint_or_suite_is_named_before_the_data_root_is_asked(ch
     assert capsys.readouterr().err.startswith(f"evals.run: error: checkpoint {tmp_path / 'nothing'} does not exist; ")
     assert main(["--checkpoint", str(checkpoint), "--suite", "nope", "--data-root", root]) == 2
     assert capsys.readouterr().err.startswith("evals.run: error: unknown eval suite 'nope'; known suites in ")
+
+
+def test_a_default_output_folder_that_cannot_be_made_is_refused_before_any_work(checkpoint, tmp_path, capsys):
+    """Without --out the table goes to evals/ inside the weights folder. Where that cannot be made (a link to a disk
+    that is gone here; a read-only share of weights alike) the whole suite ran first and then ended in a bare
+    "[Errno 17] File exists" that named no fix."""
+    weights = shutil.copytree(checkpoint, tmp_path / "step_00000120", ignore=shutil.ignore_patterns("evals"))
+    (weights / "evals").symlink_to(tmp_path / "unmounted" / "evals")
+    suite, empty = tmp_path / "one.yaml", tmp_path / "empty"
+    suite.write_text(f"name: one\nevaluators:\n{FEWSHOT}")
+    assert main(["--checkpoint", str(weights), "--suite", str(suite), "--data-root", str(empty)]) == 2
+    out, err = capsys.readouterr()
+    assert err == (
+        f"evals.run: error: output folder {weights / 'evals'} (the default for these weights) cannot be created: "
+        f"{weights / 'evals'} is a broken symbolic link (to {tmp_path / 'unmounted' / 'evals'}); pass --out a "
+        "writable folder (it is created if absent)\n"
+    )
+    assert "fewshot" not in out and not empty.exists()  # nothing evaluated, no built-in set generated
