@@ -6,10 +6,11 @@ Writes ``reports/<name>/`` and logs it to a comparison run of its own (docs/desi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from data_pipeline.cli import output_folder
+from data_pipeline.cli import interrupted, output_folder
 from data_pipeline.paths import safe_name
 from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
@@ -30,8 +31,8 @@ def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Pa
     run = client.create_run(experiment_id, run_name=f"compare-{name}", tags=tags)
     try:
         client.log_artifacts(run.info.run_id, str(out_dir), "report")
-    except Exception:
-        client.set_terminated(run.info.run_id, status="FAILED")
+    except BaseException as error:  # Ctrl-C too: no run left RUNNING
+        client.set_terminated(run.info.run_id, status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
         raise
     client.set_terminated(run.info.run_id, status="FINISHED")
     return run.info.run_id
@@ -46,6 +47,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="report folder name (default: the experiment name, or 'all')")
     parser.add_argument("--no-mlflow", action="store_true", help="write the report only; do not log it to MLflow")
     args = parser.parse_args(argv)
+    kept = ["no report is written; the same command starts over"]  # what Ctrl-C leaves, as the work goes on
+    try:
+        return _compare(args, kept)
+    except KeyboardInterrupt:
+        return interrupted("tracking.compare", kept[-1])
+
+
+def _report_folder(out: str, name: str) -> Path:
+    """``<out>/<name>``, created; ValueError naming the fix when it cannot be written."""
+    folder = output_folder(out, "--out") / name
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise ValueError(f"the report folder {folder} is a file; pass another --name, or another --out")
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"cannot create the report folder {folder} ({error.strerror or error}); pass another --out"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"the report folder {folder} is read-only; pass another --out (or another --name)")
+    return folder
+
+
+def _compare(args: argparse.Namespace, kept: list[str]) -> int:
+    """`main` after its arguments: the report, then its MLflow run; ``kept`` gets what each stage leaves."""
     try:
         uri = command_line_uri(args.tracking_uri)
     except ValueError as error:
@@ -75,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = MlflowClient(tracking_uri=uri)
         comparison = collect(client, uri, args.experiment, run_ids)
-        output_folder(args.out, "--out")
+        out_dir = _report_folder(args.out, name)
     except (MlflowException, SQLAlchemyError) as error:  # an unsupported URI, not a database
         reason = (str(error).strip() or "no details").splitlines()[0].split(". ")[0][:200]  # MLflow writes paragraphs
         print(
@@ -87,12 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"tracking.compare: error: {error}", file=sys.stderr)
         return 2
-    out_dir = Path(args.out) / name
+    kept.append(f"the report in {out_dir} is not complete; the same command writes it again")
     index = write_report(comparison, out_dir)
     print(format_table(comparison))
     print(f"report: {index.resolve()}")
     if args.no_mlflow or not comparison.runs:
         return 0
+    kept.append(
+        f"the report is written ({index.resolve()}), not (fully) logged to MLflow; the same command logs it again"
+    )
     try:
         run_id = log_to_mlflow(client, uri, comparison, out_dir, name)
     except Exception as error:  # noqa: BLE001 — the report on disk is the product

@@ -59,7 +59,7 @@ def command_line_uri(given: str | None) -> str:
     if url.scheme not in ("", "file") or uri.startswith("databricks"):  # databricks[-uc]: MLflow's, not a path
         return uri
     path = Path(url.path if url.scheme else uri).expanduser().resolve()
-    if path.is_file() and _is_sqlite(path):
+    if path.is_file() and is_sqlite(path):
         return f"sqlite:///{path}"
     source = f"--tracking-uri {uri}" if given else f"MLFLOW_TRACKING_URI={uri}"
     if path.is_file():
@@ -75,7 +75,7 @@ def command_line_uri(given: str | None) -> str:
     )
 
 
-def _is_sqlite(path: Path) -> bool:
+def is_sqlite(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
             head = f.read(len(SQLITE_HEADER))

@@ -12,7 +12,7 @@ import socket
 import sys
 import warnings
 
-from tracking.store import command_line_uri, sqlite_path
+from tracking.store import command_line_uri, is_sqlite, sqlite_path
 
 LOOPBACK = "127.0.0.1"
 
@@ -48,6 +48,11 @@ def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, wor
         )
     if not db.parent.is_dir():
         raise ValueError(f"folder of the tracking store {db} does not exist; run training first or fix the URI")
+    if db.is_dir() or (db.is_file() and not is_sqlite(db)):  # else the server's 60-line traceback, exit 1
+        what = "a folder" if db.is_dir() else "a file but not an SQLite database"
+        raise ValueError(
+            f"tracking store {db} is {what}; pass --tracking-uri sqlite:///<path>/mlflow.db (the project's store)"
+        )
     if port <= 0 or port > 65535:
         raise ValueError(f"--port {port} is not a TCP port (1-65535)")
     server = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri]

@@ -256,6 +256,53 @@ def test_the_path_of_the_sqlite_store_is_taken_as_its_uri(store, tmp_path, capsy
     assert not (db.parent / "mlfow.db").exists()
 
 
+def test_a_report_folder_that_is_a_file_is_one_line(mlflow_uri, tmp_path, capsys):
+    """`<out>/<name>` a file (--out itself was checked, not the report's folder in it): a FileExistsError traceback,
+    exit 1, after the whole store was read."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "all").write_text("notes")
+    assert main(["--tracking-uri", mlflow_uri, "--out", str(out), "--no-mlflow"]) == 2
+    assert capsys.readouterr().err == (
+        f"tracking.compare: error: the report folder {out / 'all'} is a file; pass another --name, or another --out\n"
+    )
+    assert (out / "all").read_text() == "notes"
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys):
+    """Ctrl-C while the tracking server is slow to answer: a traceback of whatever it interrupted, killed by the
+    signal. A server that takes Ctrl-C's place: the command's main thread gets SIGINT when its first request comes."""
+    import http.server
+    import signal
+    import threading
+
+    main_thread = threading.main_thread().ident
+
+    class CtrlC(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            signal.pthread_kill(main_thread, signal.SIGINT)  # as a terminal's Ctrl-C, while the command waits
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CtrlC)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as in a terminal
+    try:
+        code = main(["--tracking-uri", f"http://127.0.0.1:{server.server_port}", "--out", str(tmp_path / "r")])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped tracking.compare's main() as a traceback")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        server.shutdown()
+        server.server_close()
+    assert code == 130
+    assert (
+        capsys.readouterr().err == "tracking.compare: interrupted; no report is written; the same command starts over\n"
+    )
+    assert not (tmp_path / "r").exists()
+
+
 CHECK_SCRIPT = """<script>
 window.addEventListener("load", () => {
   const imgs = Array.from(document.images);

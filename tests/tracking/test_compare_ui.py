@@ -42,6 +42,20 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
     assert "another server uses it" in capsys.readouterr().err
 
 
+def test_a_sqlite_uri_to_a_file_or_folder_that_is_no_database_is_one_line(tmp_path, capsys):
+    """`--tracking-uri sqlite:///notes.txt` was started as the server (--dry-run: printed as fine), which died with a
+    60-line traceback, exit 1."""
+    (tmp_path / "notes.txt").write_text("not a database")
+    port = str(free_port())
+    for given, what in (("notes.txt", "a file but not an SQLite database"), ("", "a folder")):
+        db = tmp_path / given if given else tmp_path
+        assert main(["--tracking-uri", f"sqlite:///{db}", "--port", port, "--dry-run"]) == 2
+        assert capsys.readouterr().err == (
+            f"tracking.ui: error: tracking store {db} is {what}; pass --tracking-uri sqlite:///<path>/mlflow.db "
+            "(the project's store)\n"
+        )
+
+
 def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.warns(UserWarning, match="exposes the MLflow UI"):
