@@ -16,7 +16,7 @@ from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
-from tracking.store import command_line_uri, sqlite_path, unanswered
+from tracking.store import command_line_uri, default_store_help, sqlite_path, unanswered
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tracking.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", help="compare the runs of this MLflow experiment (default: all experiments)")
     parser.add_argument("--runs", help="comma-separated run ids to compare (overrides --experiment)")
-    parser.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    parser.add_argument("--tracking-uri", help=f"MLflow store ({default_store_help()})")
     parser.add_argument("--out", default="reports", help="parent folder of the report (default: reports)")
     parser.add_argument("--name", help="report folder name (default: the experiment name, or 'all')")
     parser.add_argument("--no-mlflow", action="store_true", help="write the report only; do not log it to MLflow")

@@ -37,6 +37,11 @@ def default_tracking_uri(root: Path | str | None = None) -> str:
     return f"sqlite:///{(base / 'mlflow.db').resolve()}"
 
 
+def default_store_help() -> str:
+    """What a command's ``--tracking-uri`` help says of its default (`default_tracking_uri`)."""
+    return f"default: MLFLOW_TRACKING_URI, else {PROJECT_ROOT / 'mlflow.db'}, the project's store"
+
+
 def sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI, or None for any other store."""
     if not tracking_uri.startswith("sqlite:///"):

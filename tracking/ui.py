@@ -12,7 +12,7 @@ import socket
 import sys
 import warnings
 
-from tracking.store import command_line_uri, is_sqlite, sqlite_path
+from tracking.store import command_line_uri, default_store_help, is_sqlite, sqlite_path
 
 LOOPBACK = "127.0.0.1"
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tracking.ui", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=5000, help="TCP port (default 5000)")
     parser.add_argument("--host", default=LOOPBACK, help="interface to bind (default 127.0.0.1, loopback only)")
-    parser.add_argument("--tracking-uri", help="store to show (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    parser.add_argument("--tracking-uri", help=f"store to show ({default_store_help()})")
     parser.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the server command and exit")
     args = parser.parse_args(argv)

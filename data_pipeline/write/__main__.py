@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="split folder to write (shards + manifest)")
     p.add_argument("--kind", default="auto", choices=["auto", "folder", "imagenet21k", "parquet", "tfds"])
     p.add_argument("--class-names", default=None, help="file of 'id name' lines (or one name per line)")
-    p.add_argument("--image-column", default=None, help="image column (parquet) or feature (tfds); default image")
+    p.add_argument(
+        "--image-column",
+        default=None,
+        help="image column (parquet; default image) or feature (tfds; default its supervised image, else image)",
+    )
     p.add_argument("--label-column", default=None, help="label column (parquet) or ClassLabel feature (tfds)")
     p.add_argument("--name", default=None, help="dataset name (default: the source folder's, or the TFDS/VTAB name)")
     p.add_argument(

@@ -246,7 +246,8 @@ def check_model(config: TrainConfig) -> ViTConfig:
     except ValueError as error:
         text = str(error)
         for name in overrides:  # the recipe's keys, not the ViTConfig fields they set
-            text = text.replace(f"ViTConfig.{name}", "data.image_size" if name == "image_size" else f"model.{name}")
+            key = "data.image_size" if name == "image_size" else f"model.{name}"
+            text = text.replace(f"ViTConfig.{name}", key).replace(f"e.g. {name}=", f"e.g. {key}=")
         raise ValueError(f"model/data settings do not make a valid {m.name}: {text}") from None
 
 

@@ -211,9 +211,11 @@ def coerce(value: Any, hint: Any, path: str) -> Any:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     section = prefix.rstrip(".")
-    if not isinstance(data, dict):
-        raise ValueError(f"{section + ' must be' if section else 'expected'} a mapping of keys, got {data!r:.60}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(data, dict):
+        keys = ", ".join(prefix + name for name in list(fields)[:3])
+        fix = f"; set its keys one by one ({keys}, ...)" if section else ""
+        raise ValueError(f"{section + ' must be' if section else 'expected'} a mapping of keys, got {data!r:.60}{fix}")
     unknown = sorted(prefix + str(key) for key in set(data) - set(fields))  # keys may be numbers or null
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}{' in ' + section if section else ''}; valid keys: {list(fields)}")

@@ -114,7 +114,12 @@ BAD = [
     (["model.representation_size=0"], r"model\.representation_size must be >= 1, or absent for no pre-logits"),
     (["model.representation_size=None"], r"model\.representation_size='None' is a string to YAML; write null"),
     (["model.num_classes=-1"], r"valid vit_tiny_debug: model\.num_classes must be an int >= 0"),
-    (["data.image_size=30"], r"valid vit_tiny_debug: data\.image_size=30 is not a multiple of the patch stride"),
+    (
+        ["data.image_size=30"],
+        r"valid vit_tiny_debug: data\.image_size=30 is not a multiple of the patch stride .*"
+        r"use e\.g\. data\.image_size=32$",
+    ),
+    (["model=vit_b16"], r"model must be a mapping of keys, got 'vit_b16'; set its keys one by one \(model\.name, "),
     (["data.normalize_on=gpu"], r"data\.normalize_on='gpu' is unknown; use one of auto, loader, device"),
     (["data.num_workers=-1"], r"data\.num_workers=-1 must be >= 0"),
     (["data.builtin=imagenet"], r"data\.builtin='imagenet' is unknown; use one of fractal, rcdb, .* or unset it"),
@@ -239,7 +244,10 @@ def test_typed_yaml_builds_any_dataclass_naming_the_source_and_key(tmp_path):
         ({"name": 3}, r"^suite s: name must be a string, got 3; quote it$"),
         ({"name": "x", "shape": [1, "two"]}, r"shape\[1\] must be an integer, got 'two'"),
         ({"name": "x", "rate": "fast"}, r"rate must be a number, got 'fast'"),
-        ({"name": "x", "inner": [1]}, r"inner must be a mapping of keys, got \[1\]"),
+        (
+            {"name": "x", "inner": [1]},
+            r"inner must be a mapping of keys, got \[1\]; set its keys one by one \(inner\.size, ",
+        ),
         # YAML's true is not 1, for an integer or a closed set of them (pydantic's lax mode takes it: docs/design.md)
         ({"name": "x", "inner": {"size": True}}, r"inner\.size must be an integer, got True"),
         ({"name": "x", "stage": True}, r"^suite s: stage=True is unknown; use one of 0, 1, 2, 3$"),

@@ -56,6 +56,18 @@ def test_a_sqlite_uri_to_a_file_or_folder_that_is_no_database_is_one_line(tmp_pa
         )
 
 
+def test_help_names_the_store_used_by_default(capsys):
+    """Both commands take the project's mlflow.db (tracking.store.default_tracking_uri), not ./mlflow.db: their help
+    said ./mlflow.db, another file when run from another folder."""
+    from tracking.compare import main as compare_main
+
+    for command in (main, compare_main):
+        with pytest.raises(SystemExit):
+            command(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"default: MLFLOW_TRACKING_URI, else {PROJECT_ROOT / 'mlflow.db'}, the project's store" in text, text
+
+
 def test_exposing_the_ui_needs_an_explicit_host_and_warns(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.warns(UserWarning, match="exposes the MLflow UI"):
