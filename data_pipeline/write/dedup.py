@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 from data_pipeline.manifest import SAMPLES_FILE, iter_samples
 
@@ -27,11 +27,27 @@ def eight_bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))
 
 
+def turned(image: Image.Image) -> bool:
+    """Whether the image's EXIF orientation (2-8: a camera held sideways or upside down) asks to turn its pixels."""
+    try:
+        return image.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9)
+    except Exception:  # noqa: BLE001 — a damaged EXIF block: the pixels as decoded, as before
+        return False
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """``image`` as it is meant to be seen: Pillow decodes the sensor's layout and leaves the EXIF orientation to the
+    viewer, and a re-encode drops the tag, so a phone's portrait photo would be stored on its side."""
+    return ImageOps.exif_transpose(image) if turned(image) else image
+
+
 def perceptual_hash(image: Image.Image) -> int:
     """pHash: the 8x8 lowest DCT frequencies of a 32x32 grey image against their median, as int64."""
     import scipy.fft  # slow to import
 
-    grey = np.asarray(eight_bit(image).convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32)
+    grey = np.asarray(
+        eight_bit(upright(image)).convert("L").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float32
+    )
     coeffs = scipy.fft.dctn(grey, norm="ortho")[:8, :8].ravel()
     median = np.median(coeffs[1:])  # without the DC term
     return int(np.packbits(coeffs > median).view(">i8")[0])  # the first coefficient's bit highest

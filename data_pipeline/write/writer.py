@@ -30,6 +30,8 @@ from data_pipeline.write.dedup import (
     near_duplicates_of_earlier,
     perceptual_hash,
     sha256_hex,
+    turned,
+    upright,
 )
 from data_pipeline.write.readers import ItemRef, Source, SourceUnit, iter_unit, read_ref
 from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_tfds_ref, unit_ids
@@ -92,12 +94,12 @@ def inspect_image(data: bytes, min_size: int, max_short_side: int) -> tuple[str,
             width, height = img.size
             if min(width, height) < min_size:
                 return "too_small", {}
-            phash = perceptual_hash(img)
+            phash, sideways = perceptual_hash(img), turned(img)
     except Image.UnidentifiedImageError:
         return "not_image", {}
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
         return "corrupt", {}
-    reencode = fmt != "JPEG" or mode not in ("RGB", "L") or min(width, height) > max_short_side
+    reencode = fmt != "JPEG" or mode not in ("RGB", "L") or min(width, height) > max_short_side or sideways
     return "ok", dict(width=width, height=height, phash=phash, needs_reencode=reencode)
 
 
@@ -106,7 +108,7 @@ def encode_for_shard(data: bytes, needs_reencode: bool, max_short_side: int) -> 
     with Image.open(io.BytesIO(data)) as opened:
         if not needs_reencode:
             return data, *opened.size
-        img = eight_bit(opened).convert("RGB")  # 16-bit grey scaled, not clipped white
+        img = eight_bit(upright(opened)).convert("RGB")  # turned as the camera meant; 16-bit grey scaled, not clipped
         width, height = img.size
         quality = 95
         if min(width, height) > max_short_side:

@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 
 from data_pipeline import manifest
 from data_pipeline.manifest import read_dataset_info
@@ -384,6 +385,29 @@ def test_16_bit_grey_images_keep_their_tones_instead_of_turning_white(tmp_path, 
         assert abs(pixels.mean() - np.asarray(grey8).mean()) < 2 and pixels.std() > 60  # a ramp, not all white
     phashes = pq.read_table(tmp_path / "out" / "samples.parquet").column("phash").to_pylist()
     assert phashes == [writer.perceptual_hash(grey8)] * 2  # near-duplicate search sees the ramp too
+
+
+def test_a_photo_taken_sideways_is_stored_upright(tmp_path, capsys):
+    """A phone's portrait photo is a landscape sensor image with EXIF orientation 6: Pillow decodes it on its side and
+    a re-encode dropped the tag, so it used to be stored (and trained on) sideways."""
+    sensor = np.zeros((48, 64, 3), np.uint8)
+    sensor[:, :32] = (255, 0, 0)  # the sensor's left half red: on top once turned 90 degrees clockwise
+    (tmp_path / "src" / "photos").mkdir(parents=True)
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    Image.fromarray(sensor).save(tmp_path / "src" / "photos" / "portrait.jpg", exif=exif, quality=95)
+    Image.fromarray(sensor).save(tmp_path / "src" / "photos" / "landscape.jpg", quality=95)
+    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]) == 0
+    capsys.readouterr()
+    samples = pq.read_table(tmp_path / "out" / "samples.parquet").to_pylist()
+    by_source = {Path(row["source"]).name: row for row in samples}
+    assert (by_source["portrait.jpg"]["width"], by_source["portrait.jpg"]["height"]) == (48, 64)
+    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
+        stored = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")}
+    portrait = np.asarray(Image.open(io.BytesIO(stored[by_source["portrait.jpg"]["key"] + ".jpg"])).convert("RGB"))
+    assert portrait.shape == (64, 48, 3) and portrait[:32, :, 0].mean() > 200 and portrait[32:, :, 0].mean() < 50
+    landscape = (tmp_path / "src" / "photos" / "landscape.jpg").read_bytes()
+    assert stored[by_source["landscape.jpg"]["key"] + ".jpg"] == landscape  # no orientation: stored as it is
 
 
 def test_hidden_folders_and_files_are_neither_classes_nor_images(folder_source, tmp_path, capsys):
