@@ -238,14 +238,17 @@ class WriteReport:
     near_duplicates: int = 0
     excluded: int = 0
     seconds: float = 0.0
+    empty_classes: list = field(default_factory=list)  # class names with no image written (kept: labels stay)
 
     def summary(self) -> str:
         rate = self.scanned / self.seconds if self.seconds else 0.0
+        empty = self.empty_classes
         return (
             f"scanned {self.scanned} images, wrote {self.written} in {self.shards} shards "
             f"({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f}s ({rate:.0f} images/s); skipped "
             f"{dict(sorted(self.skipped.items())) or 'none'}; exact duplicates {self.exact_duplicates} "
             f"(dropped), near duplicates {self.near_duplicates} (flagged), excluded {self.excluded}"
+            + (f"; no image in {len(empty)} of the classes (kept, so labels stay): {_few(empty)}" if empty else "")
         )
 
 
@@ -303,6 +306,8 @@ def write_dataset(
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
     settings["input"] = input_digest(survivors, names)
+    present = {c.label for c in survivors}
+    report.empty_classes = [name for label, name in enumerate(names) if label not in present]
     _check_folder(out, settings, given)
     manifest.write_json_atomic(settings, out / manifest.WRITE_SETTINGS_FILE)  # before the first shard
     light = replace(source, units=()) if source is not None else None

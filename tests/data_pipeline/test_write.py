@@ -410,6 +410,16 @@ def test_a_photo_taken_sideways_is_stored_upright(tmp_path, capsys):
     assert stored[by_source["landscape.jpg"]["key"] + ".jpg"] == landscape  # no orientation: stored as it is
 
 
+def test_a_class_folder_without_images_is_kept_and_named_in_the_summary(folder_source, tmp_path, capsys):
+    """Its label stays (the folder order gives the labels, the same in every split), and the summary names it."""
+    (folder_source / "class3_empty").mkdir()
+    (folder_source / "class3_empty" / "notes.txt").write_text("to do")
+    argv = ["--source", str(folder_source), "--out", str(tmp_path / "out"), "--processes", "1"]
+    assert write_cli.main([*argv, "--max-short-side", "32"]) == 0
+    assert "; no image in 1 of the classes (kept, so labels stay): class3_empty\n" in capsys.readouterr().out
+    assert read_dataset_info(tmp_path / "out").class_names == ("class0", "class1", "class2", "class3_empty")
+
+
 def test_hidden_folders_and_files_are_neither_classes_nor_images(folder_source, tmp_path, capsys):
     """Jupyter's .ipynb_checkpoints and macOS's .DS_Store and ._ copies: a hidden folder used to become class 0,
     shifting every label; hidden files are now skipped and counted as `hidden`."""
@@ -421,7 +431,9 @@ def test_hidden_folders_and_files_are_neither_classes_nor_images(folder_source, 
     (folder_source / "class0" / "._img0.jpg").write_bytes(b"\0\5\26\7AppleDouble")
     argv = ["--source", str(folder_source), "--out", str(tmp_path / "out"), "--processes", "1"]
     assert write_cli.main([*argv, "--max-short-side", "32"]) == 0
-    assert "skipped {'corrupt': 1, 'hidden': 3, 'not_image': 2, 'too_small': 1}" in capsys.readouterr().out
+    summary = capsys.readouterr().out
+    assert "skipped {'corrupt': 1, 'hidden': 3, 'not_image': 2, 'too_small': 1}" in summary
+    assert "no image in" not in summary
     info = read_dataset_info(tmp_path / "out")
     assert info.class_names == ("class0", "class1", "class2") and info.num_samples == 21
     sources = pq.read_table(tmp_path / "out" / "samples.parquet").column("source").to_pylist()
