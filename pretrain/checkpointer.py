@@ -35,8 +35,8 @@ from pretrain.config.train_config import TrainConfig, check_model
 from pretrain.model.vit import VisionTransformer, ViTConfig
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import (
-    ARCHITECTURE_FIELDS,
     architecture_differences,
+    check_init_architecture,
     load_npz,
     load_pretrained,
     save_pretrained,
@@ -413,21 +413,10 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
     return state
 
 
-# Architecture fields ``init_from`` weights must share with the model; another head, pool or resolution is a fine-tune
-INIT_FIELDS = tuple(f for f in ARCHITECTURE_FIELDS if f != "pool")
-
-
 def init_weights(model: VisionTransformer, source: Path, image_size: int) -> list[str]:
     """Copy same-name, same-shape weights from a model.safetensors folder or an .npz; returns the names not copied."""
     src = load_npz(source, image_size=image_size) if source.suffix == ".npz" else load_pretrained(source, image_size)
-    differ = architecture_differences(src.config, model.config, INIT_FIELDS)
-    if differ:  # a few same-shape tensors would be copied and the rest trained from scratch
-        raise ValueError(
-            f"checkpoint.init_from={weights_source.origin(source)}: its weights are of another architecture than the "
-            f"recipe's model ({'; '.join(differ)}), so the run would train from a fresh initialisation; set "
-            "model.name to the weights' model (and model.* to match), or point checkpoint.init_from at weights of "
-            "this architecture"
-        )
+    check_init_architecture(src.config, model.config, weights_source.origin(source))
     mine = model.state_dict()
     usable = {k: v for k, v in src.state_dict().items() if k in mine and mine[k].shape == v.shape}
     model.load_state_dict(usable, strict=False)

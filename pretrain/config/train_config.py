@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import zipfile
@@ -24,6 +25,7 @@ from pretrain.config.optim import OptimConfig, ScheduleConfig
 from pretrain.model import tasks
 from pretrain.model.tasks import LossConfig, TaskConfig
 from pretrain.model.vit import MODEL_NAMES, ViTConfig, model_config
+from pretrain.weights import formats
 from pretrain.weights import source as weights_source
 
 
@@ -316,6 +318,18 @@ def check_paths_exist(config: TrainConfig) -> None:
                 f"checkpoint.init_from={c.init_from!r} is not an .npz archive (truncated, damaged or another format); "
                 "download the official checkpoint again or point at a model.safetensors folder"
             )
+        if not npz:  # a folder says its architecture in a small file: refused here, not in every rank
+            _check_init_folder(src, config)
+
+
+def _check_init_folder(folder: Path, config: TrainConfig) -> None:
+    """ValueError if the ``init_from`` folder's ``model.json`` is another architecture than the recipe's model; an
+    unreadable one is left to the ranks, which load the weights."""
+    try:
+        saved = ViTConfig.from_dict(json.loads((folder / run_folder.CONFIG_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    formats.check_init_architecture(saved, check_model(config), str(folder))
 
 
 def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:

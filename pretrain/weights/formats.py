@@ -41,6 +41,8 @@ __all__ = [
 
 # Fields the weights determine; overrides must agree
 ARCHITECTURE_FIELDS = tuple("patch_size width depth num_heads mlp_dim pool hybrid_stages hybrid_width in_chans".split())
+# Fields ``checkpoint.init_from`` weights must share with the model: another head, pool or resolution is a fine-tune
+INIT_FIELDS = tuple(f for f in ARCHITECTURE_FIELDS if f != "pool")
 _HEAD_FIELDS = ("num_classes", "representation_size", "head_bias_init")
 
 
@@ -367,6 +369,18 @@ def architecture_differences(
         for name in fields
         if same(getattr(have, name)) != same(getattr(want, name))
     ]
+
+
+def check_init_architecture(have: ViTConfig, want: ViTConfig, origin: str) -> None:
+    """ValueError if ``checkpoint.init_from`` weights (``have``) are of another architecture than the model: a few
+    same-shape tensors would be copied and the rest trained from scratch."""
+    differ = architecture_differences(have, want, INIT_FIELDS)
+    if differ:
+        raise ValueError(
+            f"checkpoint.init_from={origin}: its weights are of another architecture than the recipe's model "
+            f"({'; '.join(differ)}), so the run would train from a fresh initialisation; set model.name to the "
+            "weights' model (and model.* to match), or point checkpoint.init_from at weights of this architecture"
+        )
 
 
 def _some(names: list[str], shown: int = 6) -> str:

@@ -134,6 +134,21 @@ def test_bad_configs_fail_naming_field_and_fix(overrides, message):
         load_config("local_demo", overrides).validate(2)
 
 
+def test_init_from_a_folder_of_another_architecture_is_refused_at_load(tmp_path):
+    """Its model.json says so: refused where the recipe is checked (`make launch`, every start), not in each rank
+    after the process group starts, where a Ray job's workers were restarted on it."""
+    from pretrain.model.vit import build_model
+    from pretrain.weights.formats import save_pretrained
+
+    save_pretrained(build_model("vit_tiny_debug", num_classes=4), tmp_path / "w")
+    config = load_config("local_demo", [f"checkpoint.init_from={tmp_path / 'w'}", "model.name=vit_s16"])
+    with pytest.raises(
+        ValueError, match=r"init_from=.*w: its weights are of another architecture .*patch_size 4, not 16"
+    ):
+        config.validate(2)
+    load_config("local_demo", [f"checkpoint.init_from={tmp_path / 'w'}", "model.pool=gap"]).validate(2)  # a fine-tune
+
+
 def test_missing_shards_fail_before_work(tmp_path):
     missing = tmp_path / "nowhere" / "train"
     config = load_config("local_demo", [f"data.train={missing}", "data.builtin=null"])

@@ -159,8 +159,8 @@ def test_init_from_a_run_folder_is_its_newest_complete_checkpoint(tmp_path):
     from tests.pretrain.test_export import _checkpoint, _random
 
     source = tmp_path / "source"
-    newest = _checkpoint(source, 2, _random(model_config("vit_tiny_debug", num_classes=4, depth=1)))
-    _checkpoint(source, 3, _random(model_config("vit_tiny_debug", num_classes=4, depth=1)), complete=False)
+    newest = _checkpoint(source, 2, _random(model_config("vit_tiny_debug", num_classes=4)))
+    _checkpoint(source, 3, _random(model_config("vit_tiny_debug", num_classes=4)), complete=False)
     config = load_config("local_demo", [f"checkpoint.dir={tmp_path / 'run'}", f"checkpoint.init_from={source}"])
     config.validate(2)
     assert ckpt.find_start(config) == ckpt.StartPoint("init_from", newest)
