@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import shutil
 import sys
@@ -26,19 +25,20 @@ from data_pipeline.paths import is_remote
 from data_pipeline.stream.order import merge_stream_states
 from pretrain import randomness
 from pretrain.checkpoint import checksums, run_folder
-from pretrain.checkpoint.run_folder import CONFIG_FILE, CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
+from pretrain.checkpoint.run_folder import CONFIG_YAML, DEEPSPEED_DIR, WEIGHTS_FILE, TrainerState
 from pretrain.checkpoint.safe_load import check_weights_only, load_weights_only
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.optim import build_schedule
 from pretrain.config.train_config import TrainConfig, check_model
-from pretrain.model.vit import VisionTransformer, ViTConfig
+from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import (
     architecture_differences,
     check_init_architecture,
     load_npz,
     load_pretrained,
+    recorded_config,
     save_pretrained,
 )
 from tracking.tracker import Tracker, flatten_config
@@ -144,9 +144,8 @@ def _saved_setting(folder: Path, section: str, key: str) -> Any:
 def _check_same_model(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
     """ValueError if the checkpoint a resume would load holds another architecture than the recipe's model: its
     engine state cannot load (DeepSpeed's size mismatches). An unreadable ``model.json`` is left to the start."""
-    try:
-        saved = ViTConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
+    saved = recorded_config(folder)
+    if saved is None:
         return
     differ = architecture_differences(saved, check_model(config))
     if differ:

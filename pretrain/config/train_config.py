@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import zipfile
@@ -325,11 +324,9 @@ def check_paths_exist(config: TrainConfig) -> None:
 def _check_init_folder(folder: Path, config: TrainConfig) -> None:
     """ValueError if the ``init_from`` folder's ``model.json`` is another architecture than the recipe's model; an
     unreadable one is left to the ranks, which load the weights."""
-    try:
-        saved = ViTConfig.from_dict(json.loads((folder / run_folder.CONFIG_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return
-    formats.check_init_architecture(saved, check_model(config), str(folder))
+    saved = formats.recorded_config(folder)
+    if saved is not None:
+        formats.check_init_architecture(saved, check_model(config), str(folder))
 
 
 def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:

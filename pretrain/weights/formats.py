@@ -359,6 +359,15 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
     return model
 
 
+def recorded_config(folder: Path) -> ViTConfig | None:
+    """The architecture a weights or checkpoint folder's ``model.json`` records; None when absent or unreadable (the
+    load that follows says what is wrong)."""
+    try:
+        return ViTConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def architecture_differences(
     have: ViTConfig, want: ViTConfig, fields: tuple[str, ...] = ARCHITECTURE_FIELDS
 ) -> list[str]:

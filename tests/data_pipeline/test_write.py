@@ -39,6 +39,19 @@ def encoded(img: Image.Image, fmt="JPEG", **kw) -> bytes:
     return out.getvalue()
 
 
+def class_tars(root: Path, wnids: list[str], per_class: int) -> Path:
+    """``root`` in the ImageNet-21k layout: one plain tar per class, ``<wnid>.tar`` of ``<wnid>_<i>.JPEG``."""
+    root.mkdir(parents=True)
+    for c, wnid in enumerate(wnids):
+        with tarfile.open(root / f"{wnid}.tar", "w") as tar:
+            for i in range(per_class):
+                data = encoded(smooth_image(50 + 10 * c + i))
+                info = tarfile.TarInfo(f"{wnid}_{i}.JPEG")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return root
+
+
 @pytest.fixture()
 def folder_source(tmp_path):
     """3 classes x 6 good JPEGs, plus one of each kind of trouble, with known counts."""
@@ -151,15 +164,7 @@ def test_exclude_like_drops_images_of_an_eval_set(folder_source, tmp_path):
 
 
 def test_imagenet21k_tars_and_parquet_sources_through_the_cli(tmp_path, capsys):
-    i21k = tmp_path / "i21k"
-    i21k.mkdir()
-    for c, wnid in enumerate(["n01440764", "n01443537"]):
-        with tarfile.open(i21k / f"{wnid}.tar", "w") as tar:
-            for i in range(5):
-                data = encoded(smooth_image(50 + 10 * c + i))
-                info = tarfile.TarInfo(f"{wnid}_{i}.JPEG")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    i21k = class_tars(tmp_path / "i21k", ["n01440764", "n01443537"], per_class=5)
     words = tmp_path / "words.txt"
     words.write_text("n01440764\ttench, Tinca tinca\nn01443537\tgoldfish\n")
     out = tmp_path / "i21k_shards"

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-import tarfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +14,7 @@ import pytest
 from data_pipeline import manifest
 from data_pipeline.write import __main__ as write_cli
 from tests.data_pipeline.test_tfds import IMAGE, class_label, jpeg, make_tfds
-from tests.data_pipeline.test_write import encoded, smooth_image
+from tests.data_pipeline.test_write import class_tars, encoded, smooth_image
 
 FIX = "Run with what it was written with to go on from them, or choose a new --out or delete it"
 
@@ -30,15 +28,7 @@ def folder_tree(root: Path, classes=("cat", "dog"), per_class: int = 6) -> Path:
 
 
 def tar_tree(root: Path) -> Path:
-    root.mkdir(parents=True)
-    for c, wnid in enumerate(["n01", "n02"]):
-        with tarfile.open(root / f"{wnid}.tar", "w") as tar:
-            for i in range(6):
-                data = encoded(smooth_image(50 + 10 * c + i))
-                info = tarfile.TarInfo(f"{wnid}_{i}.JPEG")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return root
+    return class_tars(root, ["n01", "n02"], per_class=6)
 
 
 def parquet_tree(root: Path) -> Path:
