@@ -29,7 +29,8 @@ def _custom_token_path() -> str | None:
 def exports(profile: ClusterProfile) -> dict[str, str]:
     """The variables Ray's CLI needs; RayUnreachableError when no local head answers."""
     if not profile.is_local:  # cluster.render starts every remote head with RAY_AUTH_MODE=token
-        return {"RAY_ADDRESS": jobs.cluster_address(profile), **_token_exports("token")}
+        jobs.refuse_local_head(profile, address := jobs.cluster_address(profile))
+        return {"RAY_ADDRESS": address, **_token_exports("token")}
     state = local_head.read_state(profile)
     if state is None:
         raise jobs.RayUnreachableError(

@@ -14,9 +14,11 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from cluster import local_head
-from cluster.profiles import ClusterProfile, load_profile
+from cluster.profiles import ClusterProfile, load_profile, profile_names
+from data_pipeline.cli import interrupted
 from tracking.store import COURIER_FILE, DELIVER_COMMAND
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
         raise RayUnreachableError(
             f"no Ray head of this project is running for profile {profile.name}; " + _how_to_start(profile, address)
         )
+    refuse_local_head(profile, address)
     from ray.exceptions import RayError  # RpcError: an address without http:// is taken for a GCS one
 
     try:
@@ -78,6 +81,29 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
             f"cannot reach the Ray Jobs API of profile {profile.name} at {address}: {reason}; "
             + _how_to_start(profile, address)
         ) from exc
+
+
+def refuse_local_head(profile: ClusterProfile, address: str) -> None:
+    """RayUnreachableError where a remote profile's ``address`` is this project's running local head: it took the
+    port the cluster's dashboard was to be forwarded to (`ray dashboard`), and its jobs are not the cluster's."""
+    url = urlsplit(address)
+    for name in profile_names() if not profile.is_local and url.hostname in ("127.0.0.1", "localhost") else ():
+        try:
+            local = load_profile(name)
+        except ValueError:
+            continue
+        head = local_head.read_state(local) if local.is_local else None
+        if head and urlsplit(head.dashboard_url).port == url.port and local_head._dashboard_alive(head.dashboard_url):
+            fix = (
+                "unset RAY_ADDRESS and RAY_API_SERVER_ADDRESS (`make env` exports the local head's)"
+                if address != profile.ray.address
+                else f"`make stop` stops it, or forward the cluster's dashboard to another port (`ray dashboard -p "
+                f"8266 rendered/{profile.name}/cluster.yaml`, then RAY_ADDRESS=http://127.0.0.1:8266)"
+            )
+            raise RayUnreachableError(
+                f"{address} is this project's local Ray head (profile {name}), not profile {profile.name}'s "
+                f"cluster; {fix}"
+            )
 
 
 def _ensure_local_head(profile: ClusterProfile) -> local_head.HeadInfo:
@@ -202,12 +228,16 @@ def _stop(profile: ClusterProfile) -> int:
     except RayUnreachableError as exc:
         print(f"no job to stop: {exc}")
     else:
-        running = [j for j in project_jobs(client) if not j.status.is_terminal()]
-        for job in running:
-            client.stop_job(job.submission_id)
-            print(f"stopped job {job.submission_id}")
+        running = [j.submission_id for j in project_jobs(client) if not j.status.is_terminal()]
+        # the newest only on a cluster, where the others may be a colleague's; the local head's end ends them all
+        stopping = running if profile.is_local else running[-1:]
+        for job_id in stopping:
+            client.stop_job(job_id)
+            print(f"stopped job {job_id}")
         if not running:
             print("no running vitscale job")
+        if older := running[: len(running) - len(stopping)]:
+            print(f"still running: {', '.join(older)} (`ray job stop ID` stops one; `make env` sets its address)")
     if profile.is_local:
         state = local_head.read_state(profile)
         if state is not None and state.started_by_us:
@@ -246,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RayUnreachableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted(f"cluster.jobs {args.verb}", f"`make status CLUSTER={args.cluster}` shows the jobs")
 
 
 if __name__ == "__main__":

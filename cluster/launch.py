@@ -22,6 +22,7 @@ from cluster.local_data import check_local_data, prepare_local_data
 from cluster.plan.planner import Plan, PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
+from data_pipeline.cli import interrupted
 from data_pipeline.paths import PROJECT_ROOT
 from tracking.runs import tracking_credentials
 
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # planning, generating the local data, starting the local head or submitting
+        return interrupted("cluster.launch", f"no job submitted (`make status CLUSTER={args.cluster}` lists any)")
     print(
         f"submitted Ray job {job_id} to {jobs.cluster_address(profile)}; "
         f"`make logs CLUSTER={profile.name}` to follow, `make stop CLUSTER={profile.name}` to stop",

@@ -236,8 +236,10 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
         cmd = _ray_start_command(profile, temp_dir, gcs_port, dash_port)
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as exc:  # what it started runs on, with no head.json
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # what it started runs on, with no head.json
             stop_head(profile)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             raise RuntimeError(f"`ray start --head` did not return within {timeout_s:.0f} s (a busy machine?)") from exc
         if proc.returncode == 0:
             break

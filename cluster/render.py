@@ -22,8 +22,8 @@ from cluster.driver.job import JobSpec, job_runtime_env
 from cluster.network import EFA_DEVICES, efa_interfaces
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import EVAL_INSTANCES, ClusterProfile, allocatable, load_profile
-from data_pipeline.cli import output_folder
-from data_pipeline.paths import PROJECT_ROOT
+from data_pipeline.cli import interrupted, output_folder
+from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 
 RAY_VERSION = "2.60.0"  # = this venv's Ray (a test holds them equal)
 BASE_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311-gpu"  # ./Dockerfile's base; Ray published ray-ml up to 2.49 only
@@ -422,14 +422,15 @@ def render(
     folder = out / profile.name
     folder.mkdir(parents=True, exist_ok=True)
     launcher = folder / "cluster.yaml"
-    launcher.write_text(
+    write_text_atomically(
+        launcher,
         _launcher_header(profile, launcher, image)
-        + yaml.safe_dump(launcher_config(profile, image, fsx, efa), sort_keys=False, width=120)
+        + yaml.safe_dump(launcher_config(profile, image, fsx, efa), sort_keys=False, width=120),
     )
     rayjob = folder / "rayjob.yaml"
     manifest = rayjob_manifest(profile, spec.to_json(), job_name, image)
     header = _rayjob_header(profile, rayjob, recipe, image, config.checkpoint.dir)
-    rayjob.write_text(header + yaml.safe_dump_all(manifest, sort_keys=False, width=120))
+    write_text_atomically(rayjob, header + yaml.safe_dump_all(manifest, sort_keys=False, width=120))
     return [launcher, rayjob]
 
 
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted("cluster.render", "each file it wrote is whole; run it again")
     if args.image == IMAGE:
         print(f"note: {IMAGE} is a placeholder: push ./Dockerfile's image and pass --image")
     if fsx is None:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import jobs, launch, local_head
+from cluster import env as cluster_env
+from cluster import jobs, launch, local_head, profiles, render
 from cluster.local_head import free_port
 from cluster.preflight import __main__ as preflight
 from cluster.profiles import load_profile
@@ -159,6 +160,7 @@ def test_env_of_a_remote_profile_turns_on_the_token_its_head_requires(monkeypatc
 
     _token_auth(monkeypatch, tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(local_head, "read_state", lambda profile: None)  # a local head on 8265 would be refused
     assert env.main(["--cluster", "a100x64"]) == 0
     assert _parse_exports(capsys.readouterr().out) == {
         "RAY_ADDRESS": "http://127.0.0.1:8265",
@@ -389,6 +391,21 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         assert "vitscale-test-job" in capsys.readouterr().out
         assert jobs._logs(profile, follow_logs=False) == 0
         assert "hello from" in capsys.readouterr().out
+        # `make stop CLUSTER=a100x64` (this head standing in for the cluster) stops the newest job, not all of them
+        remote = load_profile("a100x64")
+        monkeypatch.setenv("RAY_ADDRESS", info.dashboard_url)
+        for name in ("vitscale-test-older", "vitscale-test-newest"):
+            client.submit_job(**{**_job(name), "entrypoint": "python -c 'import time; time.sleep(600)'"})
+            time.sleep(0.1)
+        assert jobs._stop(remote) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("stopped job vitscale-test-newest\nstill running: vitscale-test-older ("), out
+        # A GPU profile's address that is this head (its `ray dashboard` port, taken by it): refused, never its jobs
+        monkeypatch.setattr(profiles, "PROFILES_DIR", profile_path.parent)  # where `local_test` lives
+        with pytest.raises(jobs.RayUnreachableError, match="is this project's local Ray head .profile local_test."):
+            jobs.connect(remote)
+        with pytest.raises(jobs.RayUnreachableError, match="is this project's local Ray head"):
+            cluster_env.exports(remote)  # `make env CLUSTER=a100x64`: Ray's CLI would list and stop this head's jobs
 
         # Ray's own CLI, in the shell of a user who ran `eval "$(make -s env)"`: no other Ray variable.
         env_cmd = [sys.executable, "-m", "cluster.env", "--cluster", str(profile_path)]
@@ -457,3 +474,53 @@ def test_connect_turns_rays_rpc_error_into_the_unreachable_line(monkeypatch):
     message = str(info.value)
     assert message.startswith("cannot reach the Ray Jobs API of profile a100x64 at 127.0.0.1:8265: Timed out")
     assert "\n" not in message and "RAY_ADDRESS=http://127.0.0.1:8265" in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "main, argv, kept",
+    [
+        (launch.main, ["--cluster", "a100x64"], "cluster.launch: interrupted; no job submitted"),
+        (preflight.main, ["--cluster", "a100x8"], "cluster.preflight: interrupted; no verdict"),
+        (jobs.main, ["status", "--cluster", "a100x64"], "cluster.jobs status: interrupted;"),
+        (render.main, ["--cluster", "h100x8"], "cluster.render: interrupted; each file it wrote is whole"),
+    ],
+)
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys, main, argv, kept):
+    """Ctrl-C while the entry point connects (or starts the local head), or plans the render: one line, status 130."""
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jobs, "connect", interrupt)
+    monkeypatch.setattr(render, "build_plan", interrupt)
+    monkeypatch.chdir(tmp_path)  # render's ./rendered
+    try:
+        assert main(argv) == 130
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended in a traceback")
+    assert capsys.readouterr().err.startswith(kept)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_local_head_starts_leaves_no_ray_process(monkeypatch, tmp_path):
+    """`ray start --head` leaves its daemons running when interrupted, before head.json names them: they are stopped
+    (before, they ran on unseen, and `make stop` found nothing to stop)."""
+    import dataclasses
+    import signal
+
+    base = load_profile("local")
+    profile = dataclasses.replace(base, ray=dataclasses.replace(base.ray, temp_dir=str(tmp_path)))
+    # `ray start`: a daemon in a session of its own, output to its logs, as Ray's; then it waits
+    daemon = [sys.executable, "-c", "import time; time.sleep(120)", f"--temp-dir={tmp_path}"]
+    start = f"import subprocess, time; subprocess.Popen({daemon!r}, start_new_session=True, stdout=-3, stderr=-3)"
+    monkeypatch.setattr(
+        local_head, "_ray_start_command", lambda *args: [sys.executable, "-c", f"{start}; time.sleep(120)"]
+    )
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ctrl_c = threading.Timer(3.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    ctrl_c.start()
+    with pytest.raises(KeyboardInterrupt):
+        local_head.ensure_head(profile)
+    ctrl_c.cancel()
+    assert local_head.stop_head(profile) == []  # it signals what it finds
