@@ -28,6 +28,7 @@ from cluster.driver.job import JobSpec, run_job
 from cluster.local_data import prepare_local_data
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
+from data_pipeline.cli import file_in_the_way, interrupted
 from data_pipeline.paths import PROJECT_ROOT
 from evals.suites import load_suite
 from pretrain.checkpoint import run_folder
@@ -346,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif not args.interval > 0:
         problem = f"--interval {args.interval}: give a positive number of seconds, e.g. 3"
+    elif (blocker := file_in_the_way(out)) is not None:
+        problem = f"--out {out}: {blocker} is a file; give a new or empty folder"
     elif out.exists() and any(out.iterdir()):
         problem = f"--out {out} is not empty; give a new or empty folder"
     if problem:
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # a recipe or plan the profile cannot run
         print(f"python -m cluster.elastic_demo: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # `run_demo` stopped the simulated cluster on its way out
+        return interrupted("python -m cluster.elastic_demo", f"what the job wrote stays in {out}")
     print(format_report(result, report), flush=True)
     return 0 if result.rc == 0 and result.error is None else 1
 

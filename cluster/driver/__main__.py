@@ -18,11 +18,25 @@ from cluster.driver.job import PLAN_ENV, JobSpec, run_job
 from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
+from data_pipeline.cli import interrupted
+from pretrain.checkpoint.run_folder import pinned_checkpoints
 from pretrain.checkpointer import nothing_to_train
+from pretrain.config.train_config import TrainConfig
+from tracking.runs import RUN_RECORD, finish_run
+from tracking.store import recorded_run_id, unserved
+
+PROG = "python -m cluster.driver"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.driver", description=__doc__.splitlines()[0])
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the job started; `_main` says what a started one keeps
+        return interrupted(PROG, "nothing was started")
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", help=f"job spec JSON written by cluster.launch (default: ${PLAN_ENV})")
     parser.add_argument("--address", help="Ray address (default: the job's cluster)")
     parser.add_argument("--cluster", help="plan here: the profile (cluster/profiles/<name>.yaml)")
@@ -47,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec is None:
         return 2
     try:
-        done = nothing_to_train(spec.config)  # a finished run launched again: no Ray Train, no MLflow run
+        done = nothing_left(spec.config)  # a finished run launched again: no Ray Train, no MLflow run
     except ValueError as error:
         print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
         return 2
@@ -67,7 +81,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import psutil  # a Ray dependency
 
-    return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
+    try:
+        return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: `ray job stop`'s SIGTERM, through `ray.init`'s handler
+        return _interrupted(spec)
+
+
+def _interrupted(spec: JobSpec) -> int:
+    """Ctrl-C or a stop in the job: its MLflow run marked KILLED where MLflow answers (it stayed RUNNING), then one
+    line."""
+    uri, run_dir = spec.config.logging.mlflow_tracking_uri, Path(spec.config.checkpoint.dir)
+    run_id = recorded_run_id(run_dir / RUN_RECORD, uri)
+    if run_id and not unserved(uri, run_id):
+        finish_run(uri, run_id, "KILLED")
+    return interrupted(PROG, f"{run_dir} keeps its complete checkpoints; the run name {run_dir.name} resumes the run")
+
+
+def nothing_left(config: TrainConfig) -> str | None:
+    """`nothing_to_train`'s line, unless a job of the run left evals that never ran (pinned checkpoints): the job
+    then goes on, for its rank 0 to run them (with no step to train), and this says so."""
+    done = nothing_to_train(config)
+    left = [folder.name for folder in pinned_checkpoints(Path(config.checkpoint.dir))] if done else []
+    if not left:
+        return done
+    print(f"the run is done, but the evals of {', '.join(left)} never ran: this job runs them", flush=True)
+    return None
 
 
 def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | None:

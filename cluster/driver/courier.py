@@ -32,9 +32,9 @@ def deliver(
     status: str,
     deadline_s: float = COURIER_DEADLINE_S,
 ) -> str | None:
-    """The run's id once everything is sent; None when MLflow did not answer within ``deadline_s``, or answered that
-    the run is deleted (the records and the work stay, for `cluster.driver.deliver`). ``run``: the creation's
-    ``experiment``, ``config`` and ``tags``, as the job's start had them."""
+    """The run's id once everything is sent; None when MLflow did not answer within ``deadline_s``, answered that
+    the run is deleted or did not take its status (the records and the work stay, for `cluster.driver.deliver`).
+    ``run``: the creation's ``experiment``, ``config`` and ``tags``, as the job's start had them."""
     spool = spool_dir(run_dir / RUN_RECORD)
     try:
         run_id = await_job_run(run_dir, uri, run["experiment"], run["config"], run["tags"], deadline_s)
@@ -47,7 +47,9 @@ def deliver(
     tracker = Tracker(uri, run_id, rank=0)
     send_the_rest(run_dir, uri, run_id, {int(step): e for step, e in evals.items()}, status, tracker)
     tracker.close()
-    finish_run(uri, run_id, status)
+    if not finish_run(uri, run_id, status):  # the work stays: sent again, nothing logs twice
+        print(f"courier: MLflow run {run_id} is not marked {status}; `{DELIVER_COMMAND} {run_dir}` does it", flush=True)
+        return None
     (run_dir / COURIER_FILE).unlink(missing_ok=True)
     print(f"courier: MLflow run {run_id} holds the job's records, marked {status}", flush=True)
     return run_id

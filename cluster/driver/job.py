@@ -309,7 +309,7 @@ def run_job(
     status, error = "FINISHED", None
     try:
         with ray_train_env(profile):
-            result = trainer.fit()
+            result = fit(trainer)
         error = getattr(result, "error", None)
     except Exception as exc:
         error = exc
@@ -331,6 +331,19 @@ def run_job(
     if not finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end):
         print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
     return 0 if status == "FINISHED" else 1
+
+
+def fit(trainer: Any) -> Any:
+    """``trainer.fit()``, Ctrl-C raising KeyboardInterrupt. Ray Train's SIGINT handler aborts the run, then exits the
+    process (SystemExit) without a word, and stays installed after the fit, where it ignored Ctrl-C."""
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    except SystemExit:
+        raise KeyboardInterrupt from None
+    finally:
+        if before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, before)
 
 
 PREEMPTION_WATCHER_VAR = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # read by Ray Train's controller, from the driver

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.driver.ledger import JobClock, current_ledger, eval_spans, finish_ledger
+from cluster.driver.ledger import JobClock, current_ledger, eval_spans, finish_ledger, read_workers
 from cluster.driver.summary import format_resizes, format_summary
+from data_pipeline.paths import write_text_atomically
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import pinned_checkpoints, prune_checkpoints
 from pretrain.weights.export import checkpoint_step, class_names, save_hf
@@ -46,7 +47,7 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
         "world_size": world_size,
         "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }
-    (folder / f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(record))
+    write_text_atomically(folder / f"rank{rank}-pid{os.getpid()}.json", json.dumps(record))
 
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:
@@ -80,7 +81,8 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
         print(f"MLflow run {run_id} is not reachable at the job's end: {down}", flush=True)
         run_id = None
     result_file = run_dir / "train_result.json"
-    train_result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    fresh = result_file.exists() and result_file.stat().st_mtime >= (end.clock.started if end.clock else 0.0)
+    train_result = json.loads(result_file.read_text()) if fresh else {}  # not an earlier job's of the run
     pruned = prune_checkpoints(run_dir, keep_last)
     print(format_summary(end.evals), flush=True)
     unended = [folder.name for folder in pinned_checkpoints(run_dir)]
@@ -89,7 +91,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
             f"checkpoint(s) {', '.join(unended)} stay pinned: their evals did not run; the run's next job runs them",
             flush=True,
         )
-    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))]
+    workers = read_workers(run_dir)  # a worker killed in its write (a full disk) left one unreadable
     restarts = count_restarts(workers)
     if restarts:
         print(f"the worker group was restarted {restarts} time(s) after a worker failed", flush=True)
@@ -110,10 +112,13 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
         "checkpoints": {str(k): v for k, v in end.evals.items()},
         "pruned_after_evals": [p.name for p in pruned],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     tracker = Tracker(uri, run, rank=0, record=run_dir / RUN_RECORD)
     tracker.set_tags({keys.RESTARTS: restarts})
-    tracker.log_artifact(str(run_dir / "summary.json"))
+    try:  # a full disk must not keep the run from its status
+        write_text_atomically(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+        tracker.log_artifact(str(run_dir / "summary.json"))
+    except OSError as error:
+        print(f"warning: {run_dir / 'summary.json'} not written: {error}", file=sys.stderr, flush=True)
     if run_id is not None:
         send_the_rest(run_dir, uri, run_id, end.evals, end.status, tracker)
     if end.clock is not None:  # last: the wall-clock ends when the ledger closes

@@ -18,14 +18,24 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster.driver.job import PREEMPTION_WATCHER_VAR, FaultInjection, JobSpec, _await_submits, ray_train_env, run_job
+from cluster.driver.job import (
+    PREEMPTION_WATCHER_VAR,
+    FaultInjection,
+    JobSpec,
+    _await_submits,
+    fit,
+    ray_train_env,
+    run_job,
+)
 from cluster.driver.record import JobEnd, count_restarts, finish_job
 from cluster.driver.summary import format_resizes, format_summary
 from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
@@ -109,6 +119,40 @@ def test_the_end_of_a_job_keeps_the_pin_of_a_checkpoint_whose_evals_never_starte
         "checkpoint(s) step_00000020 stay pinned: their evals did not run; the run's next job runs them"
         in capsys.readouterr().out
     )
+
+
+def test_the_end_of_a_job_on_a_full_disk_still_counts_restarts_and_marks_its_run(tmp_path, mlflow_uri, capsys):
+    """A worker killed in its placement write left half a record, and summary.json cannot be written: the job's
+    end used to raise there, leaving the MLflow run RUNNING."""
+    from mlflow import MlflowClient
+
+    from tracking.runs import create_run
+
+    workers = tmp_path / "workers"
+    workers.mkdir()
+    for pid in (1, 2):
+        (workers / f"rank0-pid{pid}.json").write_text(json.dumps({"rank": 0, "job_id": "01", "started": pid}))
+    (workers / "rank0-pid3.json").write_text('{"rank": 0, "job_')
+    (tmp_path / "summary.json").mkdir()  # its write fails, as on a full disk
+    run_id = create_run(mlflow_uri, "full-disk", "local_demo", {}, {})
+    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FAILED", 1.0, {}))
+    captured = capsys.readouterr()
+    assert "restarted 1 time(s)" in captured.out and "summary.json not written" in captured.err
+    assert MlflowClient(mlflow_uri).get_run(run_id).info.status == "FAILED"
+
+
+def test_a_failed_job_of_a_resumed_run_does_not_report_the_earlier_jobs_training(tmp_path, mlflow_uri):
+    """The run's earlier job wrote train_result.json (steps 0-1200); this one, resumed with a higher total, failed
+    before its rank 0 wrote one: its summary.json reported the earlier job's steps and loss as its own."""
+    from cluster.driver.ledger import JobClock
+    from tracking.runs import create_run
+
+    earlier = tmp_path / "train_result.json"
+    earlier.write_text(json.dumps({"start_step": 0, "steps": 1200, "final_loss": 5.8}))
+    os.utime(earlier, (time.time() - 3600, time.time() - 3600))
+    run_id = create_run(mlflow_uri, "resumed", "local_demo", {}, {})
+    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FAILED", 1.0, {}, JobClock(time.time() - 60)))
+    assert json.loads((tmp_path / "summary.json").read_text())["train_result"] == {}
 
 
 def test_keep_last_spares_pinned_checkpoints_until_unpinned(tmp_path):
@@ -280,6 +324,64 @@ def _worker_output(cluster, pid: int) -> str:
     return "".join(path.read_text(errors="replace") for path in paths)
 
 
+def _wait_then_interrupt(started: Path) -> None:
+    deadline = time.monotonic() + 150
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_in_the_fit_is_a_keyboard_interrupt_and_leaves_no_ray_train_handler(tmp_path, ray_auth_off):
+    """Ray Train's SIGINT handler aborted the run, then exited the driver without a word (SystemExit: 1), the MLflow
+    run left RUNNING; and it stayed installed after a fit, so a Ctrl-C in the eval drain was ignored."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def loop(config: dict) -> None:
+        Path(config["started"]).touch()
+        time.sleep(150)
+
+    started, before = tmp_path / "started", signal.getsignal(signal.SIGINT)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+    try:
+        trainer = TorchTrainer(
+            loop,
+            train_loop_config={"started": str(started)},
+            scaling_config=ScalingConfig(num_workers=1),
+            run_config=RunConfig(name="ctrl-c", storage_path=str(tmp_path)),
+        )
+        threading.Thread(target=_wait_then_interrupt, args=(started,), daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            fit(trainer)
+        assert started.exists() and signal.getsignal(signal.SIGINT) is before
+    finally:
+        ray.shutdown()
+
+
+def test_a_stopped_job_marks_its_run_killed_and_says_so_in_one_line(tmp_path, mlflow_uri, capsys):
+    """Ctrl-C, or `ray job stop` (Ray's SIGTERM handler raises SystemExit), left the MLflow run RUNNING."""
+    from mlflow import MlflowClient
+
+    from cluster.driver.__main__ import _interrupted
+    from tracking.runs import RUN_RECORD, create_run
+
+    base = load_profile("local")
+    storage = dataclasses.replace(base.storage, checkpoints=str(tmp_path / "runs"), mlflow_tracking_uri=mlflow_uri)
+    config = resolve_config(dataclasses.replace(base, storage=storage), "local_demo", [], "stopped")
+    run_dir, run_id = Path(config.checkpoint.dir), create_run(mlflow_uri, "stopped", "stopped", {}, {})
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_uri}))
+    assert _interrupted(JobSpec(base, config, {})) == 130
+    assert MlflowClient(mlflow_uri).get_run(run_id).info.status == "KILLED"
+    assert capsys.readouterr().err == (
+        f"python -m cluster.driver: interrupted; {run_dir} keeps its complete checkpoints; the run name stopped "
+        "resumes the run\n"
+    )
+
+
 def test_one_machine_profiles_start_ray_train_without_its_preemption_watcher(monkeypatch):
     """No node of one machine is ever drained: local and local_elastic leave out the watcher Ray Train starts with each
     worker group (an actor, ~2 CPU-s); a cluster profile keeps Ray's default. What the controller gets is what Ray
@@ -302,8 +404,10 @@ def test_one_machine_profiles_start_ray_train_without_its_preemption_watcher(mon
 @pytest.mark.timeout(120)
 def test_a_finished_run_launched_again_trains_nothing(tmp_path, capsys, local_demo_data):
     """`make launch RUN_NAME=<a finished run>`: the driver says so in one line before Ray Train or MLflow start; a
-    total below the run's checkpoint is refused (its lr schedule would be another's)."""
+    total below the run's checkpoint is refused (its lr schedule would be another's). Evals left pinned by the run's
+    last job used to stay so: the run was done, so no job ran them."""
     from cluster.driver.__main__ import main as driver
+    from cluster.driver.__main__ import nothing_left
 
     base = load_profile("local")
     storage = dataclasses.replace(base.storage, shards=str(local_demo_data), checkpoints=str(tmp_path / "runs"))
@@ -338,6 +442,11 @@ def test_a_finished_run_launched_again_trains_nothing(tmp_path, capsys, local_de
     rc, out, err = launched(2)
     assert rc == 2 and out == "" and err.startswith("python -m cluster.driver: error: the run folder's newest ")
     assert "past schedule.total=2: resuming at a lower total would follow another lr schedule" in err
+    # A job of the run ended before the evals of its last checkpoint ran: the next job goes on, to run them.
+    assert pin_checkpoint(folder, "evals local_fewshot pending on step 4")
+    config = resolve_config(profile, "local_demo", ["schedule.total=4", "schedule.warmup=1"], "done")
+    assert nothing_left(config) is None
+    assert capsys.readouterr().out == f"the run is done, but the evals of {folder.name} never ran: this job runs them\n"
 
 
 def test_eval_tasks_run_on_the_gpu_ray_gave_them():

@@ -28,19 +28,30 @@ STEPS, EVERY = 160, 20
 
 
 @pytest.mark.timeout(60)
-def test_demo_refuses_bad_input_in_one_line(tmp_path, capsys):
+def test_demo_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     for argv, message in (
         (["--steps", "50", "--every", "20"], "--steps >= 3 x --every"),
         (["--interval", "0"], "positive number of seconds"),
         (["--out", str(tmp_path / "full")], "is not empty"),
+        (["--out", str(tmp_path / "full" / "x" / "out")], "x is a file"),  # was a NotADirectoryError traceback
     ):
         assert elastic_demo.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert (
             len(err.splitlines()) == 1 and err.startswith("python -m cluster.elastic_demo: error: ") and message in err
         )
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(elastic_demo, "run_demo", ctrl_c)
+    assert elastic_demo.main(["--out", str(tmp_path / "new")]) == 130
+    assert (
+        capsys.readouterr().err.strip()
+        == f"python -m cluster.elastic_demo: interrupted; what the job wrote stays in {tmp_path / 'new'}"
+    )
 
 
 def run_keys(run_dir) -> dict[int, dict]:

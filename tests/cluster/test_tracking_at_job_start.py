@@ -282,6 +282,30 @@ def test_the_courier_command_sends_what_no_courier_did(tmp_path, mlflow_uri, cap
     assert "cannot be read" in capsys.readouterr().err
 
 
+def test_a_courier_whose_status_mark_fails_keeps_its_work(tmp_path, mlflow_uri, capsys):
+    """MLflow took the records but not the status (here its store refuses to change a run's row): the courier said
+    the run was marked, dropped its work, and the run stayed RUNNING."""
+    import sqlite3
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_id = runs.create_run(mlflow_uri, "refused", "run")
+    (run_dir / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_uri}))
+    run = {"experiment": "refused", "config": {}, "tags": {}}
+    work = {"tracking_uri": mlflow_uri, "run": run, "evals": {}, "status": "FINISHED"}
+    (run_dir / COURIER_FILE).write_text(json.dumps(work))  # as `hand_over` leaves it
+    store = sqlite3.connect(mlflow_uri.removeprefix("sqlite:///"), isolation_level=None)
+    store.execute("CREATE TRIGGER refuse BEFORE UPDATE ON runs BEGIN SELECT RAISE(ABORT, 'refused'); END")
+    try:
+        assert deliver(run_dir, mlflow_uri, run, {}, "FINISHED") is None
+    finally:
+        store.execute("DROP TRIGGER refuse")
+        store.close()
+    assert (run_dir / COURIER_FILE).exists() and "is not marked FINISHED" in capsys.readouterr().out
+    assert deliver_main([str(run_dir)]) == 0 and not (run_dir / COURIER_FILE).exists()
+    assert mlflow.tracking.MlflowClient(mlflow_uri).get_run(run_id).info.status == "FINISHED"
+
+
 def test_a_run_deleted_in_mlflow_is_named_at_once_and_its_records_kept(tmp_path, mlflow_uri, capsys):
     """The run a run folder records was deleted in MLflow. The courier's work and the courier command stop at once,
     naming the run and how to restore it, and keep the work and the spool (before: a run deleted for good held a
