@@ -101,9 +101,11 @@ compare: setup  ## side-by-side report of MLflow runs: reports/<name>/index.html
 shards: setup  ## write the built-in datasets as shards under data/
 	$(PY) -m data_pipeline.builtin all --out data
 
-bench: bench-data bench-train bench-scaling bench-scale  ## all benchmarks, results in bench-results/
+# one at a time, whatever -j says (MAKEFLAGS too): each times this machine, and would time the others' load
+.NOTPARALLEL: bench
+bench: bench-data bench-train bench-scaling bench-scale  ## the four CPU benchmarks (data, train, scaling, scale), results in bench-results/
 
-bench-data: setup  ## decode+augment images/s vs bare PIL, shard read MB/s
+bench-data: setup  ## decode+augment images/s vs bare PIL, shard read MiB/s
 	$(PY) -m bench.data
 
 bench-train: setup  ## ViT-S/16 and B/16 training steps (fp32, bf16) vs Hugging Face transformers and the GEMM rate
@@ -121,5 +123,7 @@ bench-gpu: setup  ## the GPU campaign on one GPU (docs/benchmarks/gpu.md) -> ben
 bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer
 	$(PY) -m bench.scale
 
-clean:  ## remove generated data, runs and reports (keeps .venv)
-	rm -rf data runs reports bench-results mlflow.db mlartifacts .ray-local
+# bench-results/gpu*.json are committed GPU campaigns (docs/benchmarks/gpu.md): only what the CPU benchmarks wrote goes
+clean:  ## remove generated data, runs and reports (keeps .venv and the committed GPU results)
+	rm -rf data runs reports mlflow.db mlartifacts .ray-local
+	rm -f $(addprefix bench-results/,data.json train.json scaling.json scale.json precision.json gpu-smoke.json)

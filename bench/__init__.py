@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from pathlib import Path
 
-from data_pipeline.cli import output_file
+from data_pipeline.cli import interrupted, output_file
+from data_pipeline.paths import write_text_atomically
 
 
 def out_file(path: str, prog: str, option: str = "--out") -> Path | None:
-    """`output_file`'s path, or None once its error is printed as ``<prog>: error: ...``."""
+    """`output_file`'s path once a file could be made beside it (before the minutes of measuring, not after), or None
+    once its error is printed as ``<prog>: error: ...``."""
     try:
-        return output_file(path, option)
+        out = output_file(path, option)
+        try:
+            tempfile.NamedTemporaryFile(dir=out.parent, prefix=f"{out.name}.").close()
+        except OSError as error:
+            problem = f"cannot write in {out.parent} ({error.strerror or error})"
+            raise ValueError(f"{option} {path}: {problem}; give the path of a file in a writable folder") from None
     except ValueError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return None
+    return out
+
+
+def write_json(out: Path, result: dict) -> None:
+    """``result`` as ``out``, whole or not at all: a kill or a full disk leaves the previous file."""
+    write_text_atomically(out, json.dumps(result, indent=2, default=float) + "\n")
+
+
+def stopped(prog: str, out: Path) -> int:
+    """Ctrl-C's one line (exit 130) for a benchmark that writes ``out`` at its end."""
+    return interrupted(prog, f"nothing was written to {out}; the same command starts over")

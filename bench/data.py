@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench import out_file
+from bench import out_file, stopped, write_json
 from bench.images import imagenet_like_jpegs
 from bench.shard_rates import read_speed, stream_rate, train_stream, write_shards
 from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
@@ -285,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        return _measure(args, out)
+    except KeyboardInterrupt:
+        return stopped("bench.data", out)
+
+
+def _measure(args: argparse.Namespace, out: Path) -> int:
     torch.set_num_threads(1)  # per core, as in a loader worker: the resize and the float conversion use one thread
     images = imagenet_like_jpegs(args.images)
     mean_kb = sum(map(len, images)) / len(images) / 1024
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         **{f"rounds_loader_workers{n}": [round(r, 1) for r in loader.workers[n]] for n in (1, 2)},
     )
     _print_summary(result, rate, decode_us, loader)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     print(f"wrote {out}")
     return 0
 

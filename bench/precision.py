@@ -8,13 +8,13 @@ and ``max_speedup_ruled_fp32`` (the fastest kept in fp32) check the rule. Withou
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from data_pipeline.cli import output_file
+from bench import out_file, stopped, write_json
 from pretrain.config.precision import CPU_RULES, StepShape, cpu_bf16_units, cpu_rule, probe_bf16_speedup
 from pretrain.model.vit import build_model, model_config
 from pretrain.telemetry.peak import cpu_model
@@ -70,13 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     add("--trials", type=int, default=3, help="probes per shape; the best counts (>= 1)")
     add("--out", default="bench-results/precision.json", help="JSON file to write")
     args = parser.parse_args(argv)
-    try:
-        if args.trials < 1:
-            raise ValueError(f"--trials {args.trials}: give at least 1")
-        out = output_file(args.out, "--out")
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    if args.trials < 1:
+        parser.error(f"--trials {args.trials}: give at least 1")
+    if (out := out_file(args.out, "bench.precision")) is None:
         return 2
+    try:
+        return _measure(args, out)
+    except KeyboardInterrupt:
+        return stopped("bench.precision", out)
+
+
+def _measure(args: argparse.Namespace, out: Path) -> int:
     torch.set_num_threads(1)
     units = cpu_bf16_units()
     shapes = SHAPES[args.shapes if units else "quick"]
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     result["min_speedup_ruled_bf16"] = min(ruled["bf16"], default=None)
     result["max_speedup_ruled_fp32"] = max(ruled["fp32"], default=None)
     result["seconds"] = time.time() - start
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result)
     print(
         f"wrote {out}: bf16 picks >= {result['min_speedup_ruled_bf16']}, fp32 picks <= "
         f"{result['max_speedup_ruled_fp32']}",

@@ -9,7 +9,6 @@ into data wait, exchange and compute.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -24,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import out_file
+from bench import out_file, stopped, write_json
 from bench.train import log
+from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import PROJECT_ROOT
-from pretrain.model.vit import MODEL_NAMES, build_model
+from pretrain.model.vit import MODEL_NAMES, build_model, model_config
 
 LOG_LINE = re.compile(r"^step (\d+)/\d+ loss \S+ lr \S+ ([\d.]+) img/s mfu \S+ wait (\d+)%", re.MULTILINE)
 
@@ -271,6 +271,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads {args.threads}: must be 2 to {usable}, the cores this process may use (half per rank)")
     if args.log_every < 1 or args.steps < 2 * args.log_every:
         parser.error(f"--steps {args.steps} / --log-every {args.log_every}: need >= 1 and steps >= 2 x log-every")
+    try:  # what each training run would refuse, said before any starts
+        model_config(args.model, image_size=args.image_size)
+    except ValueError as error:
+        parser.error(f"--image-size {args.image_size}: {error}")
+    if args.data is not None:
+        try:
+            read_dataset_info(args.data)
+        except ValueError as error:
+            parser.error(f"--data: {error}")
     if (out := out_file(args.out, "bench.scaling")) is None:  # before minutes of training
         return 2
     try:
@@ -278,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         print(f"bench.scaling: error: {error}", file=sys.stderr)
         return 1
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    except KeyboardInterrupt:
+        return stopped("bench.scaling", out)
+    write_json(out, result)
     print(
         f"world 1 {result['img_s_world1']:.1f} img/s, world 2 {result['img_s_world2']:.1f} img/s: "
         f"{result['scaling_2_over_1']:.2f}x (goal >= 1.7x) -> {out}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -22,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench import out_file
+from bench import out_file, stopped, write_json
 from bench.hf_models import compile_layers, hf_model, logits_of
 from pretrain.model.flops import train_flops
 from pretrain.model.vit import ViTConfig, build_model, model_config
@@ -340,9 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     if (out := out_file(args.out, "bench.train")) is None:  # before minutes of timing
         return 2
     start = time.perf_counter()
-    result = run(args)
+    try:
+        result = run(args)
+    except KeyboardInterrupt:
+        return stopped("bench.train", out)
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     for line in summary_lines(result):
         print(line)
     if "bf16_profile_vitscale" in result:

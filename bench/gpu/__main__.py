@@ -13,6 +13,8 @@ import torch
 from bench import out_file
 from bench.gpu.campaign import SHARES, Campaign, summary_lines
 from bench.gpu.step import MODELS, VARIANTS
+from bench.gpu.train import TrainSpec
+from data_pipeline.cli import interrupted, output_folder
 
 
 def _names(known) -> Callable[[str], list[str]]:
@@ -61,10 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
         parser.error("--budget-s and --peak-tflops must be > 0")
-    if args.train_steps is not None and args.train_steps < 2:
-        parser.error("--train-steps must be at least 2 (a step time needs two step ends)")
+    least = TrainSpec.warmup_steps + 2  # the steady state's steps come after the warm-up's
+    if args.train_steps is not None and args.train_steps < least:
+        parser.error(f"--train-steps must be at least {least}: {TrainSpec.warmup_steps} warm-up steps, then timed ones")
     if bad := [s for s in args.train_set if "=" not in s]:
         parser.error(f"--train-set {bad[0]!r} is not KEY=VALUE (e.g. --train-set model.compile=true)")
+    if args.work_dir is not None:
+        try:
+            output_folder(args.work_dir, "--work-dir")
+        except ValueError as error:
+            parser.error(str(error))
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device here (a CPU build of torch, or no GPU); --smoke runs the campaign on the CPU")
     if args.smoke:
@@ -72,8 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or f"bench-results/gpu{'-smoke' if args.smoke else ''}.json"
     if (out := out_file(args.out, "bench.gpu")) is None:
         return 2
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
-        result = Campaign(args, out).run(Path(tmp))
+    campaign = Campaign(args, out)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
+            result = campaign.run(Path(tmp))
+    except KeyboardInterrupt:
+        if done := [part for part in SHARES if f"seconds_{part}" in campaign.result]:
+            return interrupted("bench.gpu", f"the finished parts ({', '.join(done)}) are in {out}")
+        return interrupted("bench.gpu", f"nothing was written to {out}")
     for line in summary_lines(result):
         print(line)
     print(f"{result['wall_s']:.0f} s -> {out}")

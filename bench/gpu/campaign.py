@@ -111,7 +111,8 @@ def train_spec(data: Path, work: Path, args: argparse.Namespace, deadline_s: flo
         run_root=str(work / "runs"),
         smoke=args.smoke,
         deadline=time.time() + deadline_s,
-        more=tuple(args.train_set),
+        # the step part's MFU denominator; the user's overrides after it
+        more=(*([f"logging.peak_tflops={args.peak_tflops}"] if args.peak_tflops else []), *args.train_set),
     )
     if args.smoke:
         spec = replace(spec, steps=3, checkpoint_at=2, resume_steps=1, warmup_steps=0, zero_steps=1, num_workers=1)
@@ -139,10 +140,11 @@ def run_train(spec: TrainSpec, work: Path, timeout_s: float, device: torch.devic
         if code:
             result["error_train"] = f"bench.gpu.train exited {code} (its output is above)"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
         result["error_train"] = f"stopped at the part's budget of {timeout_s:.0f} s; what it measured is kept"
-    finally:
+    finally:  # a timeout, or Ctrl-C, which does not reach its session
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         shutil.rmtree(spec.run_root, ignore_errors=True)  # a killed run's checkpoints (~12 GB for H/14) too
     if out_path.is_file():
         result.update(json.loads(out_path.read_text()))

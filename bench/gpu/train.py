@@ -150,8 +150,8 @@ def _steady_state(spec: TrainSpec, config: TrainConfig, beat: TimedBeat, saves: 
     """``train_path_*`` from the steps so far: the median step after ``warmup_steps``, saves' steps left out."""
     steps = sorted(beat.ends)
     durations = {s: beat.ends[s] - beat.ends[p] for p, s in zip(steps, steps[1:]) if p not in saves}
-    steady = [s for s in durations if s > spec.warmup_steps] or list(durations)
-    if not steady:
+    steady = [s for s in durations if s > spec.warmup_steps]
+    if not steady:  # warm-up only (the first steps, compiles): no rate rather than a wrong one
         return {}
     step_s = statistics.median(durations[s] for s in steady)
     batch = config.data.global_batch_size

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
-from bench import out_file
+from bench import out_file, stopped, write_json
 from bench.images import imagenet_like_jpegs
-from bench.scale.campaign import FULL, TINY, measure_generation
+from bench.scale.campaign import FULL, TINY, Sizes, measure_generation
 from bench.scale.dedup import measure_dedup
 from bench.scale.tables import LOADER_WORKERS, measure_first_batch, measure_tables
 from bench.scale.writer import measure_writer
@@ -25,9 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (out := out_file(args.out, "bench.scale")) is None:
         return 2
-    sizes = TINY if args.tiny else FULL
+    try:
+        result = measure(TINY if args.tiny else FULL, args.tiny)
+    except KeyboardInterrupt:
+        return stopped("bench.scale", out)
+    write_json(out, result)
+    print(f"wrote {out}")
+    return 0
+
+
+def measure(sizes: Sizes, tiny: bool) -> dict:
     result: dict = dict(
-        tiny=args.tiny, samples=sizes.samples, shards=sizes.shards, classes=sizes.classes, loader_workers=LOADER_WORKERS
+        tiny=tiny, samples=sizes.samples, shards=sizes.shards, classes=sizes.classes, loader_workers=LOADER_WORKERS
     )
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp_name:
         tmp = Path(tmp_name)
@@ -38,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(measure_first_batch(tmp / "clean-realistic", tmp / "first-batch", sizes.shards, sizes.worlds[1]))
         result.update(measure_dedup(sizes.dedup_train, sizes.dedup_evals, sizes.dedup_sample, photos[:100]))
     result.update(measure_generation(sizes.generated_per_kind))
-    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

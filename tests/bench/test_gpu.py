@@ -16,11 +16,13 @@ import sys
 import time
 from dataclasses import replace
 
+import psutil
 import pytest
 
 from bench.gpu.__main__ import main
 from bench.gpu.campaign import HEADLINE, MODELS, make_data, train_spec
 from data_pipeline.paths import PROJECT_ROOT
+from tests.support.interrupt import ctrl_c
 
 pytestmark = [pytest.mark.slow]
 
@@ -37,8 +39,8 @@ def smoke(shared_folder) -> dict:
     return json.loads((shared_folder("bench_gpu_smoke", _run_smoke) / "gpu.json").read_text())
 
 
-def _smoke_args() -> argparse.Namespace:
-    return argparse.Namespace(smoke=True, train_set=[], train_steps=None)
+def _smoke_args(**changes) -> argparse.Namespace:
+    return argparse.Namespace(**{"smoke": True, "train_set": [], "train_steps": None, "peak_tflops": 1.0, **changes})
 
 
 def _number(value) -> bool:
@@ -121,6 +123,56 @@ def test_bad_arguments_and_no_gpu_exit_2_before_any_work(args, capsys, tmp_path)
         main([*args, "--out", str(tmp_path / "gpu.json")])
     assert stop.value.code == 2 and "error:" in capsys.readouterr().err
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_train_part_divides_by_the_peak_the_step_part_does(tmp_path):
+    """--peak-tflops is the MFU denominator of both parts (`train_path_mfu` as `mfu_<model>`); --train-set wins."""
+    spec = train_spec(tmp_path / "data", tmp_path, _smoke_args(peak_tflops=2.5), 60.0)
+    assert spec.config(tmp_path / "run").logging.peak_tflops == 2.5
+    spec = train_spec(tmp_path, tmp_path, _smoke_args(train_set=["logging.peak_tflops=3"]), 60.0)
+    assert spec.config(tmp_path / "run").logging.peak_tflops == 3.0
+
+
+def test_no_train_path_rate_is_made_of_warm_up_steps(tmp_path, capsys):
+    """`train_path_step_s` is the median after `warmup_steps`: a run too short for one (`--train-steps 4`) is refused,
+    and a run killed in its warm-up records no rate, not the warm-up's."""
+    from bench.gpu.train import TimedBeat, TrainSpec, _steady_state
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--smoke", "--train-steps", "4", "--out", str(tmp_path / "gpu.json")])
+    assert stop.value.code == 2 and "--train-steps must be at least 6" in capsys.readouterr().err
+    beat = TimedBeat()
+    beat.ends, beat.waits = {1: 0.0, 2: 9.0, 3: 9.5, 4: 10.0}, dict.fromkeys(range(1, 5), 0.0)  # a compile in step 2
+    assert _steady_state(TrainSpec(data="", run_root=""), None, beat, {}, None) == {}
+
+
+def test_a_work_dir_that_cannot_be_one_exits_2(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        main(["--smoke", "--work-dir", str(tmp_path / "afile"), "--out", str(tmp_path / "gpu.json")])
+    assert stop.value.code == 2 and f"--work-dir {tmp_path / 'afile'}: " in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_in_the_train_part_ends_its_child_too(tmp_path):
+    """The real path runs in a session of its own (so that a timeout can end its loader workers), which the
+    terminal's Ctrl-C does not reach: the campaign ends it, and says so in one line."""
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def children() -> list:
+        commands = [(p, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])]
+        return [p for p, line in commands if "bench.gpu.train" in line and str(work) in line]
+
+    out = tmp_path / "gpu.json"
+    command = [sys.executable, "-m", "bench.gpu", "--smoke", "--parts", "train", "--work-dir", str(work), "--out"]
+    done = ctrl_c([*command, str(out)], lambda _: bool(children()), tmp_path)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]  # after its log lines:
+    assert done.stderr.endswith(f"\nbench.gpu: interrupted; the finished parts (data) are in {out}\n")
+    deadline = time.monotonic() + 10
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not children() and not list(work.iterdir())
 
 
 @pytest.mark.timeout(300)

@@ -68,6 +68,22 @@ def test_bench_scaling_rejects_bad_sizes_before_training(args, capsys):
     assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--image-size", "100"], "--image-size 100: ViTConfig.image_size=100 is not a multiple"),
+        (["--data", "nope"], "--data: nope is not a shard folder"),
+    ],
+)
+def test_bench_scaling_says_what_training_would_refuse_before_starting_it(args, said, capsys):
+    """Found in the ranks' output, the cause was cut from the error by torchrun's failure box (or a traceback)."""
+    from bench.scaling import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_cores_are_taken_one_per_physical_core_first(tmp_path):
     from bench.scaling import physical_first
 

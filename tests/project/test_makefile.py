@@ -37,3 +37,40 @@ def test_deepspeed_runs_on_the_cpu_only_without_a_gpu(tmp_path, script, expected
     assert subprocess.run(SHOW, cwd=ROOT, env=env, capture_output=True, text=True).stdout.strip() == expected
     chosen = subprocess.run(SHOW, cwd=ROOT, env={**env, "DS_ACCELERATOR": "cuda"}, capture_output=True, text=True)
     assert chosen.stdout.strip() == "DS=cuda"  # the user's choice wins
+
+
+def test_clean_keeps_the_committed_gpu_results(tmp_path):
+    """bench-results/gpu*.json are committed campaigns (a GPU run, not rerunnable here): `make clean` removes only
+    what the CPU benchmarks and the smoke campaign wrote."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    results = tmp_path / "bench-results"
+    results.mkdir()
+    for name in ("gpu.json", "gpu-2026-12-04-rerun.json", "data.json", "precision.json", "gpu-smoke.json"):
+        (results / name).write_text("{}\n")
+    done = subprocess.run(["make", "-s", "clean"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in results.iterdir()) == ["gpu-2026-12-04-rerun.json", "gpu.json"]
+
+
+def test_the_bench_help_names_what_it_runs():
+    """`make bench` runs four of the six benchmark targets; its help line says which, not "all"."""
+    line = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("bench:"))
+    targets, help_text = line.split("##")
+    runs = [name.removeprefix("bench-") for name in targets.split(":")[1].split()]
+    assert all(name in help_text for name in runs) and "all" not in help_text, line
+
+
+def test_make_bench_runs_its_benchmarks_one_at_a_time_under_j(tmp_path):
+    """Each benchmark times this machine: under `make -j` (or MAKEFLAGS) the four would time each other's load."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "log"
+    # a stand-in python that logs when each benchmark starts and ends
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "start $2" >> {log}; sleep 0.3; echo "end $2" >> {log}\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".vitscale-installed").touch()  # `setup` is done
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL")}
+    done = subprocess.run(["make", "-s", "-j4", "bench", f"VENV={venv}"], cwd=ROOT, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    names = ("data", "train", "scaling", "scale")
+    assert log.read_text().split("\n")[:-1] == [f"{what} bench.{name}" for name in names for what in ("start", "end")]
