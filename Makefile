@@ -16,6 +16,9 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 SEED ?=
 SMOKE ?=
+# DRY_RUN / SMOKE: 1 (true, yes) turns the flag on, 0 (false, no) or nothing leaves it off; anything else stops make
+# before the command runs (`DRY_RUN=ture` must not submit a 64-GPU job)
+flag = $(if $(filter-out 0 1 true false yes no,$($(1))),$(error $(1)=$($(1)): give $(1)=1 or $(1)=0),$(filter 1 true yes,$($(1))))
 
 # DeepSpeed on the CPU unless this machine has an NVIDIA GPU (nvidia-smi lists one); DS_ACCELERATOR=... chooses.
 ifeq ($(origin DS_ACCELERATOR),undefined)
@@ -72,7 +75,7 @@ lint: setup  ## ruff, and mypy over pretrain/ and data_pipeline/
 	$(PY) -m mypy
 
 launch: setup  ## plan and run RECIPE (default: the profile's) on CLUSTER (default: local, the CPU demo); DRY_RUN=1: plan only; RUN_NAME=n: the run's name (a used one resumes)
-	$(PY) -m cluster.launch --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s)) $(if $(RUN_NAME),--run-name $(RUN_NAME)) $(if $(DRY_RUN),--dry-run)
+	$(PY) -m cluster.launch --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s)) $(if $(RUN_NAME),--run-name $(RUN_NAME)) $(if $(call flag,DRY_RUN),--dry-run)
 
 preflight: setup  ## measure CLUSTER's nodes (GPUs, busbw, shard reads, loader, disk, MLflow, clocks) against RECIPE's plan
 	$(PY) -m cluster.preflight --cluster $(CLUSTER) $(if $(RECIPE),--recipe $(RECIPE)) $(foreach s,$(SET),--set $(s))
@@ -118,7 +121,7 @@ bench-precision: setup  ## bf16 vs fp32 step per model shape on this CPU, beside
 	$(PY) -m bench.precision
 
 bench-gpu: setup  ## the GPU campaign on one GPU (docs/benchmarks/gpu.md) -> bench-results/gpu.json; SMOKE=1: tiny, on the CPU (gpu-smoke.json)
-	$(PY) -m bench.gpu $(if $(SMOKE),--smoke)
+	$(PY) -m bench.gpu $(if $(call flag,SMOKE),--smoke)
 
 bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-rank planning, near-dup index, writer
 	$(PY) -m bench.scale

@@ -74,3 +74,23 @@ def test_make_bench_runs_its_benchmarks_one_at_a_time_under_j(tmp_path):
     assert done.returncode == 0, done.stderr
     names = ("data", "train", "scaling", "scale")
     assert log.read_text().split("\n")[:-1] == [f"{what} bench.{name}" for name in names for what in ("start", "end")]
+
+
+@pytest.mark.parametrize(
+    ("setting", "runs"),
+    [
+        ("DRY_RUN=1", "--dry-run"),
+        ("DRY_RUN=0", ""),  # was a dry run: any value counted
+        ("DRY_RUN=ture", "error"),  # was a dry run; a value read as "off" would submit the job
+        ("SMOKE=0", ""),
+        ("SMOKE=yes", "--smoke"),
+    ],
+)
+def test_a_flag_is_on_for_1_off_for_0_and_refused_otherwise(tmp_path, setting, runs):
+    target = "launch" if setting.startswith("DRY_RUN") else "bench-gpu"
+    done = subprocess.run(["make", "-n", target, setting, "VENV=/nonexistent"], cwd=ROOT, capture_output=True, text=True)
+    if runs == "error":
+        assert done.returncode != 0 and "DRY_RUN=ture: give DRY_RUN=1 or DRY_RUN=0" in done.stderr, done.stderr
+        return
+    line = next(line for line in done.stdout.splitlines() if " -m cluster.launch " in line or " -m bench.gpu" in line)
+    assert (runs in line) if runs else ("--dry-run" not in line and "--smoke" not in line), line
