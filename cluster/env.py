@@ -37,7 +37,7 @@ def exports(profile: ClusterProfile) -> dict[str, str]:
             f"no Ray head of this project is running for profile {profile.name} (no {local_head.STATE_FILE} in "
             f"{profile.ray.temp_dir}); " + jobs._how_to_start(profile, "")
         )
-    if not local_head._dashboard_alive(state.dashboard_url):  # head.json outlives a killed head or a reboot
+    if not local_head.serves(state, state.dashboard_url):  # head.json outlives a killed head or a reboot
         raise jobs.RayUnreachableError(
             f"the Ray head of profile {profile.name} recorded in {profile.ray.temp_dir}/{local_head.STATE_FILE} does "
             f"not answer at {state.dashboard_url}; " + jobs._how_to_start(profile, state.dashboard_url)

@@ -66,6 +66,9 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
         if start_local:
             _ensure_local_head(profile)
     address = cluster_address(profile)
+    head = local_head.read_state(profile) if profile.is_local and not start_local else None
+    if head and not local_head.serves(head, address):  # stale: what answers there now is not our head
+        address = ""
     if not address:
         raise RayUnreachableError(
             f"no Ray head of this project is running for profile {profile.name}; " + _how_to_start(profile, address)
@@ -86,14 +89,15 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
 def refuse_local_head(profile: ClusterProfile, address: str) -> None:
     """RayUnreachableError where a remote profile's ``address`` is this project's running local head: it took the
     port the cluster's dashboard was to be forwarded to (`ray dashboard`), and its jobs are not the cluster's."""
-    url = urlsplit(address)
-    for name in profile_names() if not profile.is_local and url.hostname in ("127.0.0.1", "localhost") else ():
+    if profile.is_local or urlsplit(address).hostname not in ("127.0.0.1", "localhost", "::1"):
+        return
+    for name in profile_names():
         try:
             local = load_profile(name)
         except ValueError:
             continue
         head = local_head.read_state(local) if local.is_local else None
-        if head and urlsplit(head.dashboard_url).port == url.port and local_head._dashboard_alive(head.dashboard_url):
+        if head and local_head.serves(head, address):
             fix = (
                 "unset RAY_ADDRESS and RAY_API_SERVER_ADDRESS (`make env` exports the local head's)"
                 if address != profile.ray.address
@@ -229,15 +233,18 @@ def _stop(profile: ClusterProfile) -> int:
         print(f"no job to stop: {exc}")
     else:
         running = [j.submission_id for j in project_jobs(client) if not j.status.is_terminal()]
-        # the newest only on a cluster, where the others may be a colleague's; the local head's end ends them all
-        stopping = running if profile.is_local else running[-1:]
-        for job_id in stopping:
+        if len(running) > 1 and not profile.is_local:  # which is yours? a colleague's may be the newest
+            print(
+                f"error: {len(running)} vitscale jobs run on profile {profile.name}'s cluster ({', '.join(running)}); "
+                f'stop yours with `ray job stop ID` after `eval "$(make -s env CLUSTER={profile.name})"`',
+                file=sys.stderr,
+            )
+            return 2
+        for job_id in running:  # on `local`, the head's end would end them all anyway
             client.stop_job(job_id)
             print(f"stopped job {job_id}")
         if not running:
             print("no running vitscale job")
-        if older := running[: len(running) - len(stopping)]:
-            print(f"still running: {', '.join(older)} (`ray job stop ID` stops one; `make env` sets its address)")
     if profile.is_local:
         state = local_head.read_state(profile)
         if state is not None and state.started_by_us:

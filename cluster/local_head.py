@@ -130,6 +130,18 @@ def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
     return _answers(f"{url}/api/version", timeout)
 
 
+def serves(info: HeadInfo, url: str, timeout: float = 2.0) -> bool:
+    """Whether the Ray head answering at ``url`` is ``info``'s (its session), not what took the port since: head.json
+    outlives a reboot or a killed head, and a `ray dashboard` tunnel to a cluster may sit on its port."""
+    req = urllib.request.Request(f"{url}/api/version", headers=auth_headers())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - a loopback address
+            session = json.loads(resp.read()).get("session_name")
+    except (urllib.error.URLError, OSError, TimeoutError, ValueError, AttributeError):
+        return False
+    return session == Path(info.temp_dir, "session_latest").resolve().name
+
+
 def _registered_job_agent(gcs) -> str | None:
     """The head's job agent URL, None until registered; the GCS reads of Ray 2.60's `_get_head_node_agent_once`."""
     from ray._private import ray_constants
@@ -208,7 +220,7 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
     if not profile.is_local:
         raise ValueError(f"profile {profile.name} has ray.address={profile.ray.address!r}: only 'local' starts a head")
     existing = read_state(profile)
-    if existing and _dashboard_alive(existing.dashboard_url):
+    if existing and serves(existing, existing.dashboard_url):
         _wait_until_ready(profile, existing, time.monotonic() + timeout_s, started_here=False)
         return existing
     if existing:  # stale (reboot, killed head): clear what is left

@@ -19,7 +19,7 @@ from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
 from data_pipeline.cli import interrupted
-from pretrain.checkpoint.run_folder import pinned_checkpoints
+from pretrain.checkpoint.run_folder import is_complete, pinned_checkpoints
 from pretrain.checkpointer import nothing_to_train
 from pretrain.config.train_config import TrainConfig
 from tracking.runs import RUN_RECORD, finish_run
@@ -101,10 +101,10 @@ def nothing_left(config: TrainConfig) -> str | None:
     """`nothing_to_train`'s line, unless a job of the run left evals that never ran (pinned checkpoints): the job
     then goes on, for its rank 0 to run them (with no step to train), and this says so."""
     done = nothing_to_train(config)
-    left = [folder.name for folder in pinned_checkpoints(Path(config.checkpoint.dir))] if done else []
-    if not left:
+    pinned = pinned_checkpoints(Path(config.checkpoint.dir)) if done else []
+    if not (left := [folder.name for folder in pinned if is_complete(folder)]):  # as the job's `catch_up` takes them
         return done
-    print(f"the run is done, but the evals of {', '.join(left)} never ran: this job runs them", flush=True)
+    print(f"the run is done, but the evals of {', '.join(left)} never ran: this job runs those still due", flush=True)
     return None
 
 

@@ -324,11 +324,11 @@ def _worker_output(cluster, pid: int) -> str:
     return "".join(path.read_text(errors="replace") for path in paths)
 
 
-def _wait_then_interrupt(started: Path) -> None:
-    deadline = time.monotonic() + 150
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.kill(os.getpid(), signal.SIGINT)
+def _interrupt_once_started(started: Path, done: threading.Event) -> None:
+    while not started.exists() and not done.wait(0.2):
+        pass
+    if not done.is_set():  # never into another test of this worker
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 @pytest.mark.slow
@@ -353,9 +353,13 @@ def test_ctrl_c_in_the_fit_is_a_keyboard_interrupt_and_leaves_no_ray_train_handl
             scaling_config=ScalingConfig(num_workers=1),
             run_config=RunConfig(name="ctrl-c", storage_path=str(tmp_path)),
         )
-        threading.Thread(target=_wait_then_interrupt, args=(started,), daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            fit(trainer)
+        done = threading.Event()
+        threading.Thread(target=_interrupt_once_started, args=(started, done), daemon=True).start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                fit(trainer)
+        finally:
+            done.set()
         assert started.exists() and signal.getsignal(signal.SIGINT) is before
     finally:
         ray.shutdown()
@@ -446,7 +450,14 @@ def test_a_finished_run_launched_again_trains_nothing(tmp_path, capsys, local_de
     assert pin_checkpoint(folder, "evals local_fewshot pending on step 4")
     config = resolve_config(profile, "local_demo", ["schedule.total=4", "schedule.warmup=1"], "done")
     assert nothing_left(config) is None
-    assert capsys.readouterr().out == f"the run is done, but the evals of {folder.name} never ran: this job runs them\n"
+    assert (
+        capsys.readouterr().out
+        == f"the run is done, but the evals of {folder.name} never ran: this job runs those still due\n"
+    )
+    unpin_checkpoint(folder)  # a save cut short keeps its pin (no COMPLETE): no job could run its evals, so none starts
+    torn = folder.with_name("step_00000003")
+    torn.mkdir()
+    assert pin_checkpoint(torn, "evals local_fewshot pending on step 3") and nothing_left(config) is not None
 
 
 def test_eval_tasks_run_on_the_gpu_ray_gave_them():

@@ -391,15 +391,16 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         assert "vitscale-test-job" in capsys.readouterr().out
         assert jobs._logs(profile, follow_logs=False) == 0
         assert "hello from" in capsys.readouterr().out
-        # `make stop CLUSTER=a100x64` (this head standing in for the cluster) stops the newest job, not all of them
+        # `make stop CLUSTER=a100x64` (this head standing in for the cluster) with two jobs running: which is the
+        # user's? Neither is stopped (it stopped all of them), both are named.
         remote = load_profile("a100x64")
         monkeypatch.setenv("RAY_ADDRESS", info.dashboard_url)
         for name in ("vitscale-test-older", "vitscale-test-newest"):
             client.submit_job(**{**_job(name), "entrypoint": "python -c 'import time; time.sleep(600)'"})
-            time.sleep(0.1)
-        assert jobs._stop(remote) == 0
-        out = capsys.readouterr().out
-        assert out.startswith("stopped job vitscale-test-newest\nstill running: vitscale-test-older ("), out
+        assert jobs._stop(remote) == 2
+        err = capsys.readouterr().err
+        assert "2 vitscale jobs run on profile a100x64's cluster (vitscale-test-" in err and "ray job stop ID" in err
+        assert all(not client.get_job_status(n).is_terminal() for n in ("vitscale-test-older", "vitscale-test-newest"))
         # A GPU profile's address that is this head (its `ray dashboard` port, taken by it): refused, never its jobs
         monkeypatch.setattr(profiles, "PROFILES_DIR", profile_path.parent)  # where `local_test` lives
         with pytest.raises(jobs.RayUnreachableError, match="is this project's local Ray head .profile local_test."):
@@ -512,15 +513,66 @@ def test_ctrl_c_while_the_local_head_starts_leaves_no_ray_process(monkeypatch, t
     base = load_profile("local")
     profile = dataclasses.replace(base, ray=dataclasses.replace(base.ray, temp_dir=str(tmp_path)))
     # `ray start`: a daemon in a session of its own, output to its logs, as Ray's; then it waits
-    daemon = [sys.executable, "-c", "import time; time.sleep(120)", f"--temp-dir={tmp_path}"]
+    started = tmp_path / "daemon-started"
+    wait = f"open({str(started)!r}, 'w'); import time; time.sleep(120)"
+    daemon = [sys.executable, "-c", wait, f"--temp-dir={tmp_path}"]
     start = f"import subprocess, time; subprocess.Popen({daemon!r}, start_new_session=True, stdout=-3, stderr=-3)"
     monkeypatch.setattr(
         local_head, "_ray_start_command", lambda *args: [sys.executable, "-c", f"{start}; time.sleep(120)"]
     )
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ctrl_c = threading.Timer(3.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-    ctrl_c.start()
-    with pytest.raises(KeyboardInterrupt):
-        local_head.ensure_head(profile)
-    ctrl_c.cancel()
-    assert local_head.stop_head(profile) == []  # it signals what it finds
+    done = threading.Event()
+
+    def ctrl_c_once_the_daemon_runs() -> None:
+        while not started.exists() and not done.wait(0.1):
+            pass
+        if not done.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_the_daemon_runs, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            local_head.ensure_head(profile)
+    finally:
+        done.set()
+    assert started.exists() and local_head.stop_head(profile) == []  # it signals what it finds
+
+
+def test_a_stale_head_json_never_takes_a_tunnel_for_the_local_head(monkeypatch, tmp_path, capsys):
+    """head.json outlives a reboot or a killed head, and a `ray dashboard` tunnel to a GPU cluster may hold its port
+    since: that cluster is not refused as the local head (it was, by its port), and `make status/stop` on `local` no
+    longer reach it (`make stop` would have stopped every job there)."""
+    import dataclasses
+    import http.server
+
+    class Cluster(http.server.BaseHTTPRequestHandler):  # the tunnel's far end: a Ray head of another session
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"session_name": "session_of_the_cluster"}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Cluster)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        profile_path = _local_profile_file(tmp_path / "local_test.yaml", str(tmp_path))
+        (tmp_path / "session_before_the_reboot").mkdir()
+        (tmp_path / "session_latest").symlink_to(tmp_path / "session_before_the_reboot")
+        stale = local_head.HeadInfo("127.0.0.1:1", url, str(tmp_path), "disabled", started_by_us=True)
+        (tmp_path / local_head.STATE_FILE).write_text(json.dumps(dataclasses.asdict(stale)))
+        remote = load_profile("a100x64")
+        monkeypatch.setattr(profiles, "PROFILES_DIR", tmp_path)  # where `local_test` lives
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+        jobs.refuse_local_head(remote, url)  # the cluster, reached through its tunnel: no refusal
+        with pytest.raises(jobs.RayUnreachableError, match="no Ray head of this project is running"):
+            jobs.connect(load_profile(profile_path))
+        assert local_head.serves(stale, url) is False
+        (tmp_path / "session_latest").unlink()
+        (tmp_path / "session_latest").symlink_to(tmp_path / "session_of_the_cluster")  # were it ours: refused
+        with pytest.raises(jobs.RayUnreachableError, match="is this project's local Ray head"):
+            jobs.refuse_local_head(remote, url)
+    finally:
+        server.shutdown()
