@@ -19,6 +19,7 @@ SMOKE ?=
 # DRY_RUN / SMOKE: 1 (true, yes) turns the flag on, 0 (false, no) or nothing leaves it off; anything else stops make
 # before the command runs (`DRY_RUN=ture` must not submit a 64-GPU job)
 flag = $(if $(filter-out 0 1 true false yes no,$($(1))),$(error $(1)=$($(1)): give $(1)=1 or $(1)=0),$(filter 1 true yes,$($(1))))
+checked_flags := $(foreach v,DRY_RUN SMOKE,$(call flag,$(v)))
 
 # DeepSpeed on the CPU unless this machine has an NVIDIA GPU (nvidia-smi lists one); DS_ACCELERATOR=... chooses.
 ifeq ($(origin DS_ACCELERATOR),undefined)
@@ -104,7 +105,8 @@ compare: setup  ## side-by-side report of MLflow runs: reports/<name>/index.html
 shards: setup  ## write the built-in datasets as shards under data/
 	$(PY) -m data_pipeline.builtin all --out data
 
-# one at a time, whatever -j says (MAKEFLAGS too): each times this machine, and would time the others' load
+# one at a time, whatever -j says (MAKEFLAGS too): each times this machine, and would time the others' load (GNU Make
+# before 4.4 reads this as: every target one at a time)
 .NOTPARALLEL: bench
 bench: bench-data bench-train bench-scaling bench-scale  ## the four CPU benchmarks (data, train, scaling, scale), results in bench-results/
 

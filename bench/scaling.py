@@ -67,6 +67,9 @@ def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
     run in sessions of their own), SIGKILL 60 s later, and ``subprocess.TimeoutExpired`` with their output."""
     try:
         return proc.communicate(timeout=timeout)
+    except KeyboardInterrupt:  # the terminal's Ctrl-C reached torchrun too: it ends its ranks before we go
+        _end(proc, grace_s=30)
+        raise
     except subprocess.TimeoutExpired:
         proc.terminate()
         try:
@@ -75,6 +78,17 @@ def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
             proc.kill()
             out, err = proc.communicate()
         raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+
+
+def _end(proc: subprocess.Popen, grace_s: float) -> None:
+    """Wait ``grace_s`` for ``proc`` to end, then SIGTERM it, then SIGKILL."""
+    for stop in (lambda: None, proc.terminate, proc.kill):
+        stop()
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def cpu_list(text: str) -> list[int]:

@@ -88,7 +88,9 @@ def test_make_bench_runs_its_benchmarks_one_at_a_time_under_j(tmp_path):
 )
 def test_a_flag_is_on_for_1_off_for_0_and_refused_otherwise(tmp_path, setting, runs):
     target = "launch" if setting.startswith("DRY_RUN") else "bench-gpu"
-    done = subprocess.run(["make", "-n", target, setting, "VENV=/nonexistent"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        ["make", "-n", target, setting, "VENV=/nonexistent"], cwd=ROOT, capture_output=True, text=True
+    )
     if runs == "error":
         assert done.returncode != 0 and "DRY_RUN=ture: give DRY_RUN=1 or DRY_RUN=0" in done.stderr, done.stderr
         return
