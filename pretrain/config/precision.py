@@ -193,7 +193,7 @@ def decide(
 
 def _decide(requested, device_type, shape, flags, resumed, recorded, probe) -> PrecisionChoice:
     if requested in ("fp32", "bf16"):
-        return PrecisionChoice(requested, "recipe", "set in the recipe")
+        return PrecisionChoice(requested, "recipe", f"deepspeed.precision={requested}, in the recipe or --set")
     if resumed is not None:
         kept, checkpoint = resumed
         return PrecisionChoice(kept, "checkpoint", f"kept from {checkpoint}, which trained in {kept}")
