@@ -16,9 +16,11 @@ from cluster.plan.evals.cadence import EvalCadence
 from data_pipeline.paths import SUITES_DIR
 from pretrain.checkpoint.run_folder import TrainerState, is_complete, parse_step, pinned_checkpoints, unpin_checkpoint
 from tracking import keys
+from tracking.runs import RUN_RECORD
 from tracking.tracker import Tracker
 
 MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped
+CLOSE_TIMEOUT_S = 60.0  # the drain's close of the scheduler's Tracker, at most (less while MLflow fails)
 
 
 def run_suite_task(
@@ -76,7 +78,10 @@ class EvalScheduler:
         self.cadence, self.data_root, self.run_id, self.tracking_uri = suites, data_root, run_id, tracking_uri
         self.max_pinned = max_pinned
         self._task = ray.remote(task).options(**task_options(num_cpus, num_gpus, memory_gb))
-        self._tracker = Tracker(tracking_uri, run_id, rank=0)  # failures and skips
+        # Failures and skips. What MLflow has not taken when `drain` closes it waits in the run folder's spool (a
+        # pending run's, or the one its record names), for the job's end or its courier to send.
+        record = Path(run_dir) / RUN_RECORD if run_dir else None
+        self._tracker = Tracker(tracking_uri, run_id, rank=0, record=record)
         self._tracker.connect_in_background()
         self._failures = self._skips = 0
         self._lock = threading.Lock()  # a threaded actor
@@ -185,7 +190,8 @@ class EvalScheduler:
             print(f"eval scheduler: could not write the reason of step {step}'s failure: {error}", flush=True)
 
     def drain(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
-        """Wait up to timeout_s, then cancel; {step: {checkpoint, train, metrics | error}}."""
+        """Wait up to timeout_s, then cancel; {step: {checkpoint, train, metrics | error}}. The job's end: the
+        scheduler's Tracker is closed, what MLflow did not take left in the spool; later failures reach no run."""
         with self._lock:
             refs = list(self._pending.values())
         if refs:  # outside the lock: a late submit must not block behind the wait
@@ -204,7 +210,7 @@ class EvalScheduler:
                         "resources (the profile's evals section)"
                     },
                 )
-            self._tracker.flush(timeout=60)
+            self._tracker.close(timeout=CLOSE_TIMEOUT_S)  # the actor dies with the job: no atexit close
             return {
                 step: {"checkpoint": path, "train": self._train.get(step, {}), **self._results.get(step, {})}
                 for step, path in sorted(self._paths.items())

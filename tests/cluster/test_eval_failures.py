@@ -1,15 +1,17 @@
 """Evals never take training down: a killed eval task is run again by Ray's task retry; an eval that fails for good
 (an exception in the suite, a task killed twice, one still running when the job's end has waited `evals.timeout_s`)
 is recorded in the MLflow run as failed for that checkpoint, with the reason, and never holds the job's end longer.
+Where MLflow does not take those records by the job's end, they wait in the run folder's spool and arrive once.
 
 Real Ray (a local head in this process), the real eval scheduler actor, real MLflow on SQLite. The eval task's body
 is the real `run_suite_task` where its outcome is the point (a suite that fails), and a stand-in that sleeps where a
 task must run long enough to be killed or outlast the timeout (a real suite on CPU is either too quick or too slow
-for that).
+for that). The spool's tests run the scheduler's actor class in this process, without Ray: its recording needs none.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -19,7 +21,13 @@ import pytest
 
 from cluster.local_head import ray_auth_mode
 from pretrain.checkpoint.run_folder import is_pinned, pin_checkpoint
+from tests.tracking.test_tracking import _server_that_is_down
 from tracking import keys
+from tracking import store as store_module
+from tracking import tracker as tracker_module
+from tracking.runs import RUN_RECORD, create_run, send_spooled
+from tracking.store import pending_run_ref, spool_dir
+from tracking.tracker import PENDING_CLOSE_S, UNANSWERED_CLOSE_S
 
 
 @pytest.fixture
@@ -144,7 +152,7 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
     started = time.monotonic()
     rows = ray_local.get(slow.drain.remote(3.0))  # what the driver passes: evals.timeout_s
     waited = time.monotonic() - started
-    # The eval would sleep 600 s; the drain waits 3 s, then flushes the failure to MLflow (up to 60 s).
+    # The eval would sleep 600 s; the drain waits 3 s, then closes the scheduler's Tracker (up to 60 s).
     assert waited < 120, waited
     assert "evals.timeout_s" in rows[20]["error"] and not is_pinned(s20)
     assert rows[30]["skipped"] and rows[30]["error"].startswith("eval skipped")
@@ -161,6 +169,87 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
     assert "evals.timeout_s" in reasons["step_00000020.txt"]
     tags = client.get_run(run_id).data.tags
     assert tags[keys.EVAL_FAILURES] == "1" and tags[keys.EVAL_SKIPPED] == "1"  # counted per scheduler: one per job
+
+
+def _failed_and_skipped(run_dir: Path, run_id: str, uri: str):
+    """The eval scheduler (its actor class, in this process: recording needs no Ray) of the job in ``run_dir``, with
+    step 10's eval skipped (no pin left: ``max_pinned=0``) and step 20's failed for good (what `_collect` does with a
+    task's error, which takes a Ray task to make)."""
+    from cluster.driver.eval_scheduler import EvalScheduler
+
+    s10, s20 = _checkpoints(run_dir, (10, 20))
+    scheduler = EvalScheduler.__ray_metadata__.modified_class(
+        "local_fewshot", str(run_dir), run_id, uri, max_pinned=0, run_dir=str(run_dir)
+    )
+    assert scheduler.submit(str(s10), 10, {})
+    with scheduler._lock:
+        scheduler._paths[20], scheduler._due[20] = str(s20), ("local_fewshot",)
+        scheduler._fail(20, {"error": "eval task failed: WorkerCrashedError: killed twice"})
+    return scheduler
+
+
+@pytest.mark.timeout(120)
+def test_failed_and_skipped_evals_of_a_run_not_created_by_the_end_arrive_once_when_it_exists(tmp_path, mlflow_uri):
+    """MLflow down since the job's start: its run is still pending when the job's end drains the evals. The drain
+    closes the scheduler's Tracker within seconds and leaves its records of a failed and a skipped eval in the run
+    folder's spool (before: kept in the actor's memory, which dies with the job); once the run exists, the job's end
+    or its courier (`send_spooled`) sends them, each once."""
+    run_dir = tmp_path / "run"
+    record = run_dir / RUN_RECORD
+    scheduler = _failed_and_skipped(run_dir, pending_run_ref(record), mlflow_uri)
+    started = time.monotonic()
+    rows = scheduler.drain(5)
+    assert time.monotonic() - started < PENDING_CLOSE_S + 5
+    assert rows[10]["skipped"] and "killed twice" in rows[20]["error"]
+    assert len(list(spool_dir(record).glob("*.json"))) == 1
+
+    run_id = create_run(mlflow_uri, "evals", "test", {}, {})  # MLflow answers: the courier creates the run
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_uri}))
+    assert send_spooled(record) == (6, 0)  # 2 metrics, 2 tags, 2 reasons
+    assert send_spooled(record) == (0, 0)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_failed("local_fewshot"))] == [
+        (20, 1.0)
+    ]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, keys.eval_skipped("local_fewshot"))] == [
+        (10, 1.0)
+    ]
+    tags = client.get_run(run_id).data.tags
+    assert tags[keys.EVAL_FAILURES] == "1" and tags[keys.EVAL_SKIPPED] == "1"
+    assert sorted(a.path for a in client.list_artifacts(run_id, keys.EVAL_FAILURES_DIR)) == [
+        f"{keys.EVAL_FAILURES_DIR}/step_00000010.txt",
+        f"{keys.EVAL_FAILURES_DIR}/step_00000020.txt",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_failed_and_skipped_evals_wait_in_the_spool_when_the_server_is_down_at_the_end(tmp_path, monkeypatch):
+    """The run exists and its record names it, but its server is down at the job's end: the drain waits at most
+    `UNANSWERED_CLOSE_S` for it, then leaves the records in the run folder's spool, which the job's courier (or
+    `python -m cluster.driver.deliver`) sends (before: dropped with the actor)."""
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})  # this test's URI only
+    monkeypatch.setattr(tracker_module, "CLOSE_RETRIES", 0)  # one last send: seconds
+    uri, run_id = _server_that_is_down(monkeypatch), "0123456789abcdef"
+    run_dir = tmp_path / "run"
+    record = run_dir / RUN_RECORD
+    record.parent.mkdir()
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    scheduler = _failed_and_skipped(run_dir, run_id, uri)
+    started = time.monotonic()
+    scheduler.drain(5)
+    assert time.monotonic() - started < UNANSWERED_CLOSE_S + 5
+    [spooled] = spool_dir(record).glob("*.json")
+    payload = json.loads(spooled.read_text())
+    assert (payload["tracking_uri"], payload["ref"]) == (uri, run_id)
+    assert sorted((key, value, step) for key, value, _, step in payload["metrics"]) == [
+        (keys.eval_failed("local_fewshot"), 1.0, 20),
+        (keys.eval_skipped("local_fewshot"), 1.0, 10),
+    ]
+    assert payload["tags"] == {keys.EVAL_SKIPPED: "1", keys.EVAL_FAILURES: "1"}
+    assert sorted(Path(local).name for local, _ in payload["artifacts"]) == ["step_00000010.txt", "step_00000020.txt"]
+    assert all(Path(local).is_relative_to(spool_dir(record)) for local, _ in payload["artifacts"])  # the spool's copies
 
 
 def test_evals_timeout_is_a_checked_setting():
