@@ -113,9 +113,15 @@ def physical_first(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")
     return sorted(cpus, key=key)
 
 
-def pinned(cores: list[int]):
-    """A ``preexec_fn`` that limits the child and the ranks torchrun starts to ``cores``."""
-    return lambda: os.sched_setaffinity(0, cores)
+def start_pinned(command: list[str], cores: list[int], **popen) -> subprocess.Popen:
+    """``command`` started on ``cores`` (the ranks torchrun starts inherit them): this process's own affinity around
+    the start, not a ``preexec_fn``, whose fork hooks lose a Ctrl-C that arrives in them."""
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        return subprocess.Popen(command, **popen)
+    finally:
+        os.sched_setaffinity(0, previous)
 
 
 def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
@@ -125,9 +131,7 @@ def run_world(world: int, cores: list[int], args, tmp: Path) -> dict:
     log(f"{label}: {threads} thread(s) per rank, micro-batch {args.global_batch // world} ...")
     command, pipe = train_command(world, args, tmp), subprocess.PIPE
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        command, env=env, cwd=PROJECT_ROOT, stdout=pipe, stderr=pipe, text=True, preexec_fn=pinned(cores)
-    )
+    proc = start_pinned(command, cores, env=env, cwd=PROJECT_ROOT, stdout=pipe, stderr=pipe, text=True)
     stdout, stderr = communicate_or_end(proc, args.timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:

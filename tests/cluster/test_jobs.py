@@ -529,12 +529,15 @@ def test_ctrl_c_while_the_local_head_starts_leaves_no_ray_process(monkeypatch, t
         if not done.is_set():
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
+    # Python's own handler: a suite started in the background (`make test &`) inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=ctrl_c_once_the_daemon_runs, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
             local_head.ensure_head(profile)
     finally:
         done.set()
+        signal.signal(signal.SIGINT, previous)
     assert started.exists() and local_head.stop_head(profile) == []  # it signals what it finds
 
 
