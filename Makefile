@@ -90,7 +90,7 @@ status: setup  ## Ray jobs of the local/profile cluster
 logs: setup  ## logs of the newest job
 	$(PY) -m cluster.jobs logs --cluster $(CLUSTER)
 
-stop: setup  ## stop the newest job, and the local Ray head if this project started it
+stop: setup  ## stop the running job (on a cluster: the one; several are named), and the local head we started
 	$(PY) -m cluster.jobs stop --cluster $(CLUSTER)
 
 env: setup  ## exports for Ray's own CLI (ray job list/logs) on CLUSTER: eval "$(make -s env)"
