@@ -132,3 +132,4 @@ bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-ra
 clean:  ## remove generated data, runs and reports (keeps .venv and the committed GPU results)
 	rm -rf data runs reports mlflow.db mlartifacts .ray-local
 	rm -f $(addprefix bench-results/,data.json train.json scaling.json scale.json precision.json gpu-smoke.json)
+	rm -rf bench-results/device

@@ -111,11 +111,10 @@ def _measure(args: argparse.Namespace, out: Path) -> int:
     result["max_speedup_ruled_fp32"] = max(ruled["fp32"], default=None)
     result["seconds"] = time.time() - start
     write_json(out, result)
-    print(
-        f"wrote {out}: bf16 picks >= {result['min_speedup_ruled_bf16']}, fp32 picks <= "
-        f"{result['max_speedup_ruled_fp32']}",
-        flush=True,
-    )
+    low, high = result["min_speedup_ruled_bf16"], result["max_speedup_ruled_fp32"]
+    said = [f"bf16 picked at speedups >= {low}" if low is not None else "bf16 picked for no shape"]
+    said.append(f"fp32 at <= {high}" if high is not None else "fp32 for no shape")
+    print(f"wrote {out}: {', '.join(said)}", flush=True)
     return 0
 
 

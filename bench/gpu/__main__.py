@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
         parser.error("--budget-s and --peak-tflops must be > 0")
-    least = TrainSpec.warmup_steps + 2  # the steady state's steps come after the warm-up's
-    if args.train_steps is not None and args.train_steps < least:
-        parser.error(f"--train-steps must be at least {least}: {TrainSpec.warmup_steps} warm-up steps, then timed ones")
+    warmup = 0 if args.smoke else TrainSpec.warmup_steps  # the timed steps come after these (smoke: none)
+    if args.train_steps is not None and args.train_steps < warmup + 2:
+        parser.error(f"--train-steps must be at least {warmup + 2}: {warmup} warm-up steps, then two timed ones")
     if bad := [s for s in args.train_set if "=" not in s]:
         parser.error(f"--train-set {bad[0]!r} is not KEY=VALUE (e.g. --train-set model.compile=true)")
     if args.work_dir is not None:

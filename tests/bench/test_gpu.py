@@ -138,9 +138,10 @@ def test_no_train_path_rate_is_made_of_warm_up_steps(tmp_path, capsys):
     and a run killed in its warm-up records no rate, not the warm-up's."""
     from bench.gpu.train import TimedBeat, TrainSpec, _steady_state
 
-    with pytest.raises(SystemExit) as stop:
-        main(["--smoke", "--train-steps", "4", "--out", str(tmp_path / "gpu.json")])
-    assert stop.value.code == 2 and "--train-steps must be at least 6" in capsys.readouterr().err
+    for argv, least in ((["--train-steps", "4"], 6), (["--smoke", "--train-steps", "1"], 2)):  # smoke: no warm-up
+        with pytest.raises(SystemExit) as stop:
+            main([*argv, "--out", str(tmp_path / "gpu.json")])
+        assert stop.value.code == 2 and f"--train-steps must be at least {least}" in capsys.readouterr().err
     beat = TimedBeat()
     beat.ends, beat.waits = {1: 0.0, 2: 9.0, 3: 9.5, 4: 10.0}, dict.fromkeys(range(1, 5), 0.0)  # a compile in step 2
     assert _steady_state(TrainSpec(data="", run_root=""), None, beat, {}, None) == {}

@@ -47,6 +47,7 @@ def test_clean_keeps_the_committed_gpu_results(tmp_path):
     results.mkdir()
     for name in ("gpu.json", "gpu-2026-12-04-rerun.json", "data.json", "precision.json", "gpu-smoke.json"):
         (results / name).write_text("{}\n")
+    (results / "device").mkdir()  # what bench/gpu/device.sh leaves when run here
     done = subprocess.run(["make", "-s", "clean"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in results.iterdir()) == ["gpu-2026-12-04-rerun.json", "gpu.json"]
