@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from data_pipeline.cli import interrupted, output_file
@@ -12,19 +11,13 @@ from data_pipeline.paths import write_text_atomically
 
 
 def out_file(path: str, prog: str, option: str = "--out") -> Path | None:
-    """`output_file`'s path once a file could be made beside it (before the minutes of measuring, not after), or None
-    once its error is printed as ``<prog>: error: ...``."""
+    """`output_file`'s path (checked before the minutes of measuring, not after), or None once its error is printed
+    as ``<prog>: error: ...``."""
     try:
-        out = output_file(path, option)
-        try:
-            tempfile.NamedTemporaryFile(dir=out.parent, prefix=f"{out.name}.").close()
-        except OSError as error:
-            problem = f"cannot write in {out.parent} ({error.strerror or error})"
-            raise ValueError(f"{option} {path}: {problem}; give the path of a file in a writable folder") from None
+        return output_file(path, option)
     except ValueError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return None
-    return out
 
 
 def write_json(out: Path, result: dict) -> None:

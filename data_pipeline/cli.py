@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from data_pipeline.paths import is_remote
@@ -73,9 +74,15 @@ def output_folder(path: str | Path, option: str) -> Path:
 
 
 def output_file(path: str | Path, option: str) -> Path:
-    """Check that the file ``path`` can be written (its folder is created); ValueError naming ``option``."""
+    """Check that the file ``path`` can be written (its folder is created, a scratch file made there and removed),
+    before the work whose end writes it; ValueError naming ``option``."""
     path = local_path(path, option)
     problem = f"{path} is a folder" if path.is_dir() else _folder_problem(path.parent)
+    if problem is None:
+        try:
+            tempfile.NamedTemporaryFile(dir=path.parent, prefix=f"{path.name}.").close()
+        except OSError as error:
+            problem = f"cannot write in {path.parent} ({error.strerror or error})"
     if problem:
         raise ValueError(f"{option} {path}: {problem}; give the path of a file in a writable folder")
     return path

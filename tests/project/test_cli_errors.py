@@ -92,6 +92,11 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("pretrain.train", ["--config", "local_demo", "--summary", "s{{node}}.json", "--dry-run"], [r"only \{rank\} may"]),
     (
         "pretrain.train",
+        ["--config", "local_demo", "--summary", "/proc/s.json", "--dry-run"],
+        [r"cannot write in /proc"],
+    ),
+    (
+        "pretrain.train",
         ["--config", "local_demo", "--set", "checkpoint.init_from={garbage}", "--dry-run"],
         [r"checkpoint\.init_from", r"garbage\.npz"],
     ),
