@@ -116,14 +116,19 @@ def _ray_executable() -> str:
     return str(exe)
 
 
-def _answers(url: str, timeout: float = 2.0) -> bool:
-    """Whether GET `url`, with our auth header, returns 200."""
+def _get(url: str, timeout: float = 2.0) -> bytes | None:
+    """The body of GET `url` with our auth header where it returns 200; else None."""
     req = urllib.request.Request(url, headers=auth_headers())
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our own head only
-            return resp.status == 200
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our own head, or a loopback address
+            return resp.read() if resp.status == 200 else None
     except (urllib.error.URLError, OSError, TimeoutError):
-        return False
+        return None
+
+
+def _answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether GET `url`, with our auth header, returns 200."""
+    return _get(url, timeout) is not None
 
 
 def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
@@ -133,13 +138,11 @@ def _dashboard_alive(url: str, timeout: float = 2.0) -> bool:
 def serves(info: HeadInfo, url: str, timeout: float = 2.0) -> bool:
     """Whether the Ray head answering at ``url`` is ``info``'s (its session), not what took the port since: head.json
     outlives a reboot or a killed head, and a `ray dashboard` tunnel to a cluster may sit on its port."""
-    req = urllib.request.Request(f"{url}/api/version", headers=auth_headers())
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - a loopback address
-            session = json.loads(resp.read()).get("session_name")
-    except (urllib.error.URLError, OSError, TimeoutError, ValueError, AttributeError):
+        session = json.loads(_get(f"{url}/api/version", timeout) or "{}").get("session_name")
+    except (ValueError, AttributeError):
         return False
-    return session == Path(info.temp_dir, "session_latest").resolve().name
+    return session is not None and session == Path(info.temp_dir, "session_latest").resolve().name
 
 
 def _registered_job_agent(gcs) -> str | None:
