@@ -68,27 +68,23 @@ def communicate_or_end(proc: subprocess.Popen, timeout: float) -> tuple:
     try:
         return proc.communicate(timeout=timeout)
     except KeyboardInterrupt:  # the terminal's Ctrl-C reached torchrun too: it ends its ranks before we go
-        _end(proc, grace_s=30)
+        _end(proc, 30, (lambda: None, proc.terminate, proc.kill))
         raise
     except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+        out, err = _end(proc, 60, (proc.terminate, proc.kill))
         raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
 
 
-def _end(proc: subprocess.Popen, grace_s: float) -> None:
-    """Wait ``grace_s`` for ``proc`` to end, then SIGTERM it, then SIGKILL."""
-    for stop in (lambda: None, proc.terminate, proc.kill):
+def _end(proc: subprocess.Popen, grace_s: float, stops: tuple) -> tuple:
+    """``proc``'s remaining output once it ended: each of ``stops`` in turn, given ``grace_s`` to work (reading its
+    pipes meanwhile, which a bare wait would leave full), then at last waited for."""
+    for stop in stops:
         stop()
         try:
-            proc.wait(timeout=grace_s)
-            return
+            return proc.communicate(timeout=grace_s)
         except subprocess.TimeoutExpired:
             continue
+    return proc.communicate()
 
 
 def cpu_list(text: str) -> list[int]:
