@@ -380,12 +380,19 @@ def architecture_differences(
     ]
 
 
+class ArchitectureMismatchError(ValueError):
+    """``checkpoint.init_from`` weights of another architecture than the recipe's model. Not ``retryable``: an
+    ``.npz`` or URL is only read in the ranks, and a restarted worker group would read the same weights."""
+
+    retryable = False
+
+
 def check_init_architecture(have: ViTConfig, want: ViTConfig, origin: str) -> None:
-    """ValueError if ``checkpoint.init_from`` weights (``have``) are of another architecture than the model: a few
-    same-shape tensors would be copied and the rest trained from scratch."""
+    """`ArchitectureMismatchError` if ``checkpoint.init_from`` weights (``have``) are of another architecture than the
+    model: a few same-shape tensors would be copied and the rest trained from scratch."""
     differ = architecture_differences(have, want, INIT_FIELDS)
     if differ:
-        raise ValueError(
+        raise ArchitectureMismatchError(
             f"checkpoint.init_from={origin}: its weights are of another architecture than the recipe's model "
             f"({'; '.join(differ)}), so the run would train from a fresh initialisation; set model.name to the "
             "weights' model (and model.* to match), or point checkpoint.init_from at weights of this architecture"

@@ -290,6 +290,10 @@ def test_init_from_weights_of_another_architecture_is_refused(tmp_path):
         "to the weights' model (and model.* to match), or point checkpoint.init_from at weights of this architecture"
     )
     assert all(torch.equal(v, fresh[k]) for k, v in target.state_dict().items())  # nothing copied
+    # Under Ray the job fails at once, no worker-group restart spent (an .npz or URL is only read in the ranks).
+    from cluster.driver.watchdog import final_failure
+
+    assert final_failure({0: RuntimeError("a worker died"), 1: refused.value}) == (1, refused.value)
     gap = build_model("vit_tiny_debug", pool="gap", num_classes=4)  # another pool is a fine-tune: still copied
     with pytest.warns(UserWarning, match="kept the fresh initialisation"):
         assert ckpt.init_weights(gap, tmp_path / "src", image_size=32) == ["head.bias", "head.weight", "pos_embed"]
