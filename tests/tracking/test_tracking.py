@@ -339,7 +339,11 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
         second.log_metrics({keys.LOSS: 2.0}, step=step)
     assert second.flush()
     second.close()
+    copy = spooled.read_bytes()
     assert send_spooled(record) == (11, 0) and not spooled.exists()
+    spooled.parent.mkdir()
+    spooled.write_bytes(copy)  # a send that MLflow took but whose process died before removing the file
+    assert send_spooled(record)[1] == 0  # sent whole again: the same rows (times kept), one value per step still
     assert not spool_dir(record).exists()  # no empty folder, nor the copy, left in the run folder
     client = _client(uri)
     history = sorted(client.get_metric_history(run_id, keys.LOSS), key=lambda m: m.step)
