@@ -404,7 +404,8 @@ def _topology(profile: ClusterProfile) -> Topology:
     if profile.uses_gpus:
         device = f"{hw.gpus_per_node} x {hw.gpu_type} per node"
     else:
-        device = f"CPU ({profile.workers.cpus_per_worker} core per worker)"
+        cores = profile.workers.cpus_per_worker
+        device = f"CPU ({cores} core{'s' if cores != 1 else ''} per worker)"
     return Topology(profile.name, hw.nodes, profile.workers.num_workers, device)
 
 

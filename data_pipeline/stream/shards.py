@@ -1,4 +1,4 @@
-"""Reading one shard (`read_shard`; docs/elastic.md#faults, docs/reference.md §6, "Errors")."""
+"""Reading one shard (`read_shard`; docs/elastic.md, "Faults"; docs/reference.md §6, "Errors")."""
 
 from __future__ import annotations
 

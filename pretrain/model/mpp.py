@@ -127,7 +127,7 @@ class MaskedPatchPrediction(nn.Module):
         width = model.config.width
         self.mask_token = nn.Parameter(torch.empty(1, 1, width).normal_(std=0.02))
         self.head = nn.Linear(width, config.num_colors)
-        nn.init.zeros_(self.head.weight)  # uniform start: loss log(512)
+        nn.init.zeros_(self.head.weight)  # uniform start: loss log(num_colors)
         nn.init.zeros_(self.head.bias)
         # unused; checkpoints hold it
         self.register_buffer("draws", torch.zeros((), dtype=torch.long))
@@ -163,7 +163,7 @@ class MaskedPatchPrediction(nn.Module):
         encoded = self.model.encode(self.corrupt(tokens, plan))  # (B, P+N, D)
         patch_out = encoded[:, encoded.shape[1] - n :]  # (B, N, D)
         corrupted = plan.corrupted.to(images.device)
-        logits = self.head(patch_out[corrupted])  # (M, 512)
+        logits = self.head(patch_out[corrupted])  # (M, num_colors): 512 at color_bits=3
         targets = mean_color_targets(images, self.model.config.stride, self.config.color_bits).to(images.device)
         targets = targets[corrupted]  # (M,)
         loss = F.cross_entropy(logits.float(), targets)

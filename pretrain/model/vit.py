@@ -1,8 +1,8 @@
 """The Vision Transformer of Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021), equations 1-4:
 
     z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos          (1)  embed_patches + encode
-    z'_l = MSA(LN(z_{l-1})) + z_{l-1}                        (2)  Block.forward, line 1
-    z_l = MLP(LN(z'_l)) + z'_l                               (3)  Block.forward, line 2
+    z'_l = MSA(LN(z_{l-1})) + z_{l-1}                        (2)  Block.forward (`# eq. 2`)
+    z_l = MLP(LN(z'_l)) + z'_l                               (3)  Block.forward (`# eq. 3`)
     y = LN(z_L^0)                                            (4)  encode (final LN) + pool
 
 It matches the official JAX model (VT `models_vit.py`, docs/reference.md §1): official checkpoints reproduce their
@@ -347,10 +347,10 @@ class VisionTransformer(nn.Module):
         return x
 
     def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """Final-LN output, class token first: (B, C, H, W) → (B, N+1, D)."""
+        """Final-LN output, class token first where there is one: (B, C, H, W) → (B, T, D), T = N+1 (N with gap)."""
         return self.encode(self.embed_patches(images))
 
-    def pool(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, N+1, D) → (B, D)
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T, D) → (B, D)
         return tokens[:, 0] if self.config.pool == "token" else tokens.mean(dim=1)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
@@ -370,7 +370,7 @@ class VisionTransformer(nn.Module):
 
     @torch.no_grad()
     def forward_attention(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the softmax weights (B, heads, T, T), T = N+1, class token at index 0."""
+        """Per layer, the softmax weights (B, heads, T, T): T = N+1 with the class token at index 0, N with gap."""
         x = self._embed_tokens(self.embed_patches(images))
         weights = []
         for block in self.blocks:
