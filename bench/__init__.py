@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from data_pipeline.cli import interrupted, output_file
+from data_pipeline.cli import fail, interrupted, output_file
 from data_pipeline.paths import write_text_atomically
 
 
 def out_file(path: str, prog: str, option: str = "--out") -> Path | None:
     """`output_file`'s path (checked before the minutes of measuring, not after), or None once its error is printed
-    as ``<prog>: error: ...``."""
+    as ``<prog>: error: ...`` (``prog``: ``python -m <module>``)."""
     try:
         return output_file(path, option)
     except ValueError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        fail(prog, error)
         return None
 
 

@@ -22,8 +22,11 @@ from PIL import Image
 from bench import out_file, stopped, write_json
 from bench.images import imagenet_like_jpegs
 from bench.shard_rates import read_speed, stream_rate, train_stream, write_shards
+from data_pipeline.cli import fail
 from data_pipeline.stream.augment import AugmentConfig, decode_train, decode_train_image, inception_crop_box, planes
 from data_pipeline.stream.step_pool import StepPool, conversion_rows
+
+PROG = "python -m bench.data"
 
 
 def bare_pil(images: list[bytes], size: int) -> float:
@@ -250,7 +253,7 @@ def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, fl
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.data",
+        prog=PROG,
         description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s",
     )
     add = p.add_argument
@@ -272,22 +275,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    if (out := out_file(args.out, "bench.data")) is None:  # before minutes of timing
+    if (out := out_file(args.out, PROG)) is None:  # before minutes of timing
         return 2
     try:
         if args.dali:
             import nvidia.dali  # noqa: F401
     except ImportError:
-        print(
-            "bench.data: error: --dali needs NVIDIA DALI, which is not a vitscale dependency: pip install "
-            "nvidia-dali-cuda120 (its CPU decoders need no GPU), or leave --dali out",
-            file=sys.stderr,
+        return fail(
+            PROG,
+            "--dali needs NVIDIA DALI, which is not a vitscale dependency: pip install nvidia-dali-cuda120 (its CPU "
+            "decoders need no GPU), or leave --dali out",
         )
-        return 2
     try:
         return _measure(args, out)
     except KeyboardInterrupt:
-        return stopped("bench.data", out)
+        return stopped(PROG, out)
 
 
 def _measure(args: argparse.Namespace, out: Path) -> int:

@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.trials < 1:
         parser.error(f"--trials {args.trials}: give at least 1")
-    if (out := out_file(args.out, "bench.precision")) is None:
+    if (out := out_file(args.out, parser.prog)) is None:
         return 2
     try:
         return _measure(args, out)
     except KeyboardInterrupt:
-        return stopped("bench.precision", out)
+        return stopped(parser.prog, out)
 
 
 def _measure(args: argparse.Namespace, out: Path) -> int:

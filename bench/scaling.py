@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from bench import out_file, stopped, write_json
 from bench.train import log
+from data_pipeline.cli import fail
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import PROJECT_ROOT
 from pretrain.model.vit import MODEL_NAMES, build_model, model_config
@@ -294,15 +295,14 @@ def main(argv: list[str] | None = None) -> int:
             read_dataset_info(args.data)
         except ValueError as error:
             parser.error(f"--data: {error}")
-    if (out := out_file(args.out, "bench.scaling")) is None:  # before minutes of training
+    if (out := out_file(args.out, parser.prog)) is None:  # before minutes of training
         return 2
     try:
         result = run(args)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
-        print(f"bench.scaling: error: {error}", file=sys.stderr)
-        return 1
+        return fail(parser.prog, error, status=1)
     except KeyboardInterrupt:
-        return stopped("bench.scaling", out)
+        return stopped(parser.prog, out)
     write_json(out, result)
     print(
         f"world 1 {result['img_s_world1']:.1f} img/s, world 2 {result['img_s_world2']:.1f} img/s: "

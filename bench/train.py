@@ -336,13 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("batch_size", "rounds", "repeats", "bf16_batch_size", "bf16_rounds", "gemm_size", "bf16_gemm_size"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
-    if (out := out_file(args.out, "bench.train")) is None:  # before minutes of timing
+    if (out := out_file(args.out, parser.prog)) is None:  # before minutes of timing
         return 2
     start = time.perf_counter()
     try:
         result = run(args)
     except KeyboardInterrupt:
-        return stopped("bench.train", out)
+        return stopped(parser.prog, out)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     write_json(out, result)
     for line in summary_lines(result):

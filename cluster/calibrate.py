@@ -12,13 +12,13 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from cluster.plan.mfu import MEMORY_TOLERANCE, MFU_FILE, MFU_FILE_ENV, gpu_kind, mfu_file, read_table
+from data_pipeline.cli import fail
 from data_pipeline.paths import write_text_atomically
 
 MODELS = ("vit_b16", "vit_l16", "vit_h14")
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         named = "--mfu-file" if args.mfu_file else f"${MFU_FILE_ENV}" if os.environ.get(MFU_FILE_ENV) else "MFU table"
         _check_table_file(path, named)
     except ValueError as error:
-        print(f"cluster.calibrate: error: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, error)
     try:
         try:
             result = json.loads(Path(args.gpu_json).read_text())
@@ -128,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"it is not JSON ({error.msg} at line {error.lineno})") from None
         entries = calibrate(result, path)
     except ValueError as error:
-        print(f"cluster.calibrate: error: {args.gpu_json}: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, f"{args.gpu_json}: {error}")
     for model, e in entries.items():
         memory = f", memory off by {e['memory_error']:+.0%}" if "memory_error" in e else ""
         print(f"{model} on {gpu_kind(result['device'])}: MFU {e['mfu']:.1%} ({e['mfu_from']}){memory}")

@@ -28,7 +28,7 @@ from cluster.driver.job import JobSpec, run_job
 from cluster.local_data import prepare_local_data
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
-from data_pipeline.cli import file_in_the_way, interrupted
+from data_pipeline.cli import fail, file_in_the_way, interrupted
 from data_pipeline.paths import PROJECT_ROOT
 from evals.suites import load_suite
 from pretrain.checkpoint import run_folder
@@ -352,17 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     elif out.exists() and any(out.iterdir()):
         problem = f"--out {out} is not empty; give a new or empty folder"
     if problem:
-        print(f"python -m cluster.elastic_demo: error: {problem}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, problem)
     out.mkdir(parents=True, exist_ok=True)
     settings = DemoSettings(steps=args.steps, every=args.every, interval_s=args.interval)
     try:
         result, report = run_demo(out.resolve(), settings)
     except ValueError as error:  # a recipe or plan the profile cannot run
-        print(f"python -m cluster.elastic_demo: error: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, error)
     except KeyboardInterrupt:  # `run_demo` stopped the simulated cluster on its way out
-        return interrupted("python -m cluster.elastic_demo", f"what the job wrote stays in {out}")
+        return interrupted(parser.prog, f"what the job wrote stays in {out}")
     print(format_report(result, report), flush=True)
     return 0 if result.rc == 0 and result.error is None else 1
 

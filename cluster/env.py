@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cluster import jobs, local_head
 from cluster.profiles import ClusterProfile, load_profile
+from data_pipeline.cli import fail
 
 
 def _custom_token_path() -> str | None:
@@ -67,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         found = exports(load_profile(args.cluster))
     except (ValueError, jobs.RayUnreachableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, exc)
     for name, value in found.items():
         print(f"export {name}={shlex.quote(value)}")
     return 0

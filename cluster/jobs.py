@@ -18,12 +18,13 @@ from urllib.parse import urlsplit
 
 from cluster import local_head
 from cluster.profiles import ClusterProfile, load_profile, profile_names
-from data_pipeline.cli import interrupted
+from data_pipeline.cli import fail, interrupted
 from tracking.store import COURIER_FILE, DELIVER_COMMAND
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
 
+PROG = "python -m cluster.jobs"  # `make status`, `make logs`, `make stop`
 JOB_METADATA = {"vitscale": "1"}
 # The Jobs API's 500 while the head's job agent is unregistered (docs/design.md, "The local Ray head").
 NO_AGENT = "No available agent to submit job"
@@ -234,12 +235,11 @@ def _stop(profile: ClusterProfile) -> int:
     else:
         running = [j.submission_id for j in project_jobs(client) if not j.status.is_terminal()]
         if len(running) > 1 and not profile.is_local:  # which is yours? a colleague's may be the newest
-            print(
-                f"error: {len(running)} vitscale jobs run on profile {profile.name}'s cluster ({', '.join(running)}); "
+            return fail(
+                PROG,
+                f"{len(running)} vitscale jobs run on profile {profile.name}'s cluster ({', '.join(running)}); "
                 f'stop yours with `ray job stop ID` after `eval "$(make -s env CLUSTER={profile.name})"`',
-                file=sys.stderr,
             )
-            return 2
         for job_id in running:  # on `local`, the head's end would end them all anyway
             client.stop_job(job_id)
             print(f"stopped job {job_id}")
@@ -266,7 +266,7 @@ def undelivered_runs(profile: ClusterProfile) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.jobs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("verb", choices=("status", "logs", "stop"))
     parser.add_argument("--cluster", default="local", help="profile name (cluster/profiles/<name>.yaml)")
     parser.add_argument("--follow", action="store_true", help="logs: stream until the job ends")
@@ -281,10 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             connect(profile)
         return _stop(profile)
     except (ValueError, RayUnreachableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROG, exc)
     except KeyboardInterrupt:
-        return interrupted(f"cluster.jobs {args.verb}", f"`make status CLUSTER={args.cluster}` shows the jobs")
+        return interrupted(PROG, f"`make status CLUSTER={args.cluster}` shows the jobs")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from cluster.local_data import check_local_data, prepare_local_data
 from cluster.plan.planner import Plan, PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
-from data_pipeline.cli import interrupted
+from data_pipeline.cli import fail, interrupted
 from data_pipeline.paths import PROJECT_ROOT
 from tracking.runs import tracking_credentials
 
@@ -107,10 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         env = runtime_env(profile, JobSpec.create(profile, config, plan, fault))
         job_id = jobs.submit(client, "python -m cluster.driver", env, f"vitscale-{plan.run_name}-{int(time.time())}")
     except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, exc)
     except KeyboardInterrupt:  # planning, generating the local data, starting the local head or submitting
-        return interrupted("cluster.launch", f"no job submitted (`make status CLUSTER={args.cluster}` lists any)")
+        return interrupted(parser.prog, f"no job submitted (`make status CLUSTER={args.cluster}` lists any)")
     print(
         f"submitted Ray job {job_id} to {jobs.cluster_address(profile)}; "
         f"`make logs CLUSTER={profile.name}` to follow, `make stop CLUSTER={profile.name}` to stop",
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nstopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)")
         return 130
     except jobs.RayUnreachableError as exc:
-        print(f"error: {exc}" + ("" if profile.is_local else f" (CLUSTER={profile.name})"), file=sys.stderr)
-        return 1
+        return fail(parser.prog, f"{exc}" + ("" if profile.is_local else f" (CLUSTER={profile.name})"), status=1)
     print(f"job {job_id}: {status}")
     if profile.is_local:
         print(

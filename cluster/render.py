@@ -22,7 +22,7 @@ from cluster.driver.job import JobSpec, job_runtime_env
 from cluster.network import EFA_DEVICES, efa_interfaces
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import EVAL_INSTANCES, ClusterProfile, allocatable, load_profile
-from data_pipeline.cli import interrupted, output_folder
+from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 
 RAY_VERSION = "2.60.0"  # = this venv's Ray (a test holds them equal)
@@ -464,10 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in render(args.cluster, recipe, out, args.image, fsx, args.run_name, efa):
             print(f"wrote {path}")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, exc)
     except KeyboardInterrupt:
-        return interrupted("cluster.render", "each file it wrote is whole; run it again")
+        return interrupted(parser.prog, "each file it wrote is whole; run it again")
     if args.image == IMAGE:
         print(f"note: {IMAGE} is a placeholder: push ./Dockerfile's image and pass --image")
     if fsx is None:

@@ -15,8 +15,16 @@ from data_pipeline.paths import is_remote
 INTERRUPTED = 130  # the shell's status for a command stopped by Ctrl-C (128 + SIGINT)
 
 
+def fail(prog: str, message: object, status: int = 2) -> int:
+    """Print bad input's one line as argparse prints its own errors, ``<prog>: error: <message>`` (``prog`` is
+    ``python -m <module>``, the parser's); the exit status (2, as argparse's)."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
 def interrupted(prog: str, kept: str) -> int:
-    """Print Ctrl-C's one line, ``prog``, what is ``kept`` and how to go on, instead of a traceback; the exit status."""
+    """Print Ctrl-C's one line, ``prog`` (``python -m <module>``), what is ``kept`` and how to go on, instead of a
+    traceback; the exit status."""
     start = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C and any progress bar
     print(f"{start}{prog}: interrupted; {kept}", file=sys.stderr, flush=True)
     return INTERRUPTED

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image
 
-from data_pipeline.cli import interrupted
+from data_pipeline.cli import fail, interrupted
 from data_pipeline.manifest import (
     CLASSES_FILE,
     DATASET_FILE,
@@ -169,19 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             _write_index(args.shard_dir)
         report = validate(args.shard_dir, spot=args.spot, full=args.full)
     except ShardFormatError as err:
-        print(f"data_pipeline.validate: error: {err}", file=sys.stderr)
-        return 2
+        return fail(p.prog, err)
     except ValueError as err:
-        print(
-            f"data_pipeline.validate: error: {args.shard_dir}: a metadata file is damaged ({err}); rewrite the "
-            "folder with `python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",
-            file=sys.stderr,
+        return fail(
+            p.prog,
+            f"{args.shard_dir}: a metadata file is damaged ({err}); rewrite the folder with "
+            "`python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",
         )
-        return 2
     except KeyboardInterrupt:  # it only reads (--write-index replaces each index whole): nothing is half-written
-        return interrupted(
-            "data_pipeline.validate", f"nothing in {args.shard_dir} is half-written; the same command checks it again"
-        )
+        return interrupted(p.prog, f"nothing in {args.shard_dir} is half-written; the same command checks it again")
     print(report.render())
     return 0 if report.ok else 1
 

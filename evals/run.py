@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_pipeline.cli import interrupted, output_folder
+from data_pipeline.cli import fail, interrupted, output_folder
 from evals.features import check_data_root
 from evals.runner import NotDelivered, check_local_inputs, check_mlflow_run, format_gap, init_seed, run_suite
 from tracking.store import command_line_uri
@@ -111,13 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             baseline = run_suite(args.checkpoint, args.suite, args.data_root, random_init_seed=seed, **common)
             print(format_gap(table, baseline))
     except (ValueError, OSError) as error:  # user errors: one line
-        print(f"evals.run: error: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, error)
     except KeyboardInterrupt:
-        return interrupted("evals.run", _kept(table is not None))
+        return interrupted(parser.prog, _kept(table is not None))
     if shortfall:
-        print(f"evals.run: error: {shortfall}", file=sys.stderr)
-        return 1
+        return fail(parser.prog, shortfall, status=1)
     return 0
 
 

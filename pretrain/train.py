@@ -14,10 +14,9 @@ if __name__ == "__main__":  # before the imports below
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-from data_pipeline.cli import INTERRUPTED, interrupted, output_file
+from data_pipeline.cli import INTERRUPTED, fail, interrupted, output_file
 from pretrain.checkpoint import run_folder
 from pretrain.checkpointer import nothing_to_train
 from pretrain.config.ds_config import batch_plan
@@ -87,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         summary = train_worker(config, validated=True)
     except ValueError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return fail(PROG, error)
     except KeyboardInterrupt:  # train_worker closed the run's records on its way out
         return interrupted(PROG, _kept(config)) if rank0 else INTERRUPTED
     if args.summary:

@@ -10,13 +10,15 @@ import os
 import sys
 from pathlib import Path
 
-from data_pipeline.cli import interrupted, output_folder
+from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.paths import safe_name
 from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
 from tracking.store import command_line_uri, default_store_help, sqlite_path, unanswered
+
+PROG = "python -m tracking.compare"
 
 
 def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Path, name: str) -> str:
@@ -39,7 +41,7 @@ def log_to_mlflow(client, tracking_uri: str, comparison: Comparison, out_dir: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tracking.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", help="compare the runs of this MLflow experiment (default: all experiments)")
     parser.add_argument("--runs", help="comma-separated run ids to compare (overrides --experiment)")
     parser.add_argument("--tracking-uri", help=f"MLflow store ({default_store_help()})")
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _compare(args, kept)
     except KeyboardInterrupt:
-        return interrupted("tracking.compare", kept[-1])
+        return interrupted(PROG, kept[-1])
 
 
 def _report_folder(out: str, name: str) -> Path:
@@ -75,25 +77,16 @@ def _compare(args: argparse.Namespace, kept: list[str]) -> int:
     try:
         uri = command_line_uri(args.tracking_uri)
     except ValueError as error:
-        print(f"tracking.compare: error: {error}", file=sys.stderr)
-        return 2
+        return fail(PROG, error)
     run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
     name = args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all")
     name = safe_name(name) or "comparison"
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
-        print(
-            f"tracking.compare: error: no tracking store at {db}; run `make launch` or pass --tracking-uri",
-            file=sys.stderr,
-        )
-        return 2
+        return fail(PROG, f"no tracking store at {db}; run `make launch` or pass --tracking-uri")
     down = unanswered(uri)  # in seconds: MLflow's own retries last minutes
     if down:
-        print(
-            f"tracking.compare: error: no MLflow server answers at {uri} ({down}); start it or fix --tracking-uri",
-            file=sys.stderr,
-        )
-        return 2
+        return fail(PROG, f"no MLflow server answers at {uri} ({down}); start it or fix --tracking-uri")
     from mlflow import MlflowClient  # heavy: only after the checks above
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
@@ -104,15 +97,13 @@ def _compare(args: argparse.Namespace, kept: list[str]) -> int:
         out_dir = _report_folder(args.out, name)
     except (MlflowException, SQLAlchemyError) as error:  # an unsupported URI, not a database
         reason = (str(error).strip() or "no details").splitlines()[0].split(". ")[0][:200]  # MLflow writes paragraphs
-        print(
-            f"tracking.compare: error: cannot read the tracking store {uri} ({type(error).__name__}: {reason}); pass "
-            "--tracking-uri sqlite:///<path>/mlflow.db (the project's store) or the URL of an MLflow server",
-            file=sys.stderr,
+        return fail(
+            PROG,
+            f"cannot read the tracking store {uri} ({type(error).__name__}: {reason}); pass --tracking-uri "
+            "sqlite:///<path>/mlflow.db (the project's store) or the URL of an MLflow server",
         )
-        return 2
     except ValueError as error:
-        print(f"tracking.compare: error: {error}", file=sys.stderr)
-        return 2
+        return fail(PROG, error)
     kept.append(f"the report in {out_dir} is not complete; the same command writes it again")
     index = write_report(comparison, out_dir)
     print(format_table(comparison))

@@ -12,6 +12,7 @@ import socket
 import sys
 import warnings
 
+from data_pipeline.cli import fail
 from tracking.store import command_line_uri, default_store_help, is_sqlite, sqlite_path
 
 LOOPBACK = "127.0.0.1"
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             ) from None
         check_port_free(args.host, args.port)
     except ValueError as error:
-        print(f"tracking.ui: error: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, error)
     if not _is_loopback(args.host):
         warnings.warn(
             f"--host {args.host} exposes the MLflow UI (no authentication; it can delete runs) beyond this "

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.compile, args.peak_tflops = False, args.peak_tflops or 1.0
     args.out = args.out or f"bench-results/gpu{'-smoke' if args.smoke else ''}.json"
-    if (out := out_file(args.out, "bench.gpu")) is None:
+    if (out := out_file(args.out, parser.prog)) is None:
         return 2
     campaign = Campaign(args, out)
     try:
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             result = campaign.run(Path(tmp))
     except KeyboardInterrupt:
         if done := [part for part in SHARES if f"seconds_{part}" in campaign.result]:
-            return interrupted("bench.gpu", f"the finished parts ({', '.join(done)}) are in {out}")
-        return interrupted("bench.gpu", f"nothing was written to {out}")
+            return interrupted(parser.prog, f"the finished parts ({', '.join(done)}) are in {out}")
+        return interrupted(parser.prog, f"nothing was written to {out}")
     for line in summary_lines(result):
         print(line)
     print(f"{result['wall_s']:.0f} s -> {out}")

@@ -23,6 +23,7 @@ import torch
 from bench import out_file
 from bench.gpu.step import profile_keys
 from bench.train import time_steps
+from data_pipeline.cli import fail
 from data_pipeline.paths import write_text_atomically
 from pretrain.checkpointer import StartPoint
 from pretrain.config.optim import build_optimizer
@@ -304,6 +305,9 @@ def zero_stages(spec: TrainSpec, out: Results) -> None:
         out["zero2_over_zero0_step_time"] = out["zero2_step_s"] / out["zero0_step_s"]
 
 
+PROG = "python -m bench.gpu.train"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     usage = "usage: python -m bench.gpu.train SPEC.json OUT.json (started by python -m bench.gpu)"
@@ -313,14 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print(usage, file=sys.stderr)
         return 2
-    if (out_path := out_file(args[1], "bench.gpu.train", "OUT.json")) is None:
+    if (out_path := out_file(args[1], PROG, "OUT.json")) is None:
         return 2
     try:
         fields = json.loads(Path(args[0]).read_text())
         spec = TrainSpec(**{**fields, "more": tuple(fields.get("more", ()))})
     except (OSError, ValueError, TypeError) as error:  # unreadable, not JSON, not a spec's fields
-        print(f"bench.gpu.train: error: SPEC.json {args[0]}: {error}; python -m bench.gpu writes it", file=sys.stderr)
-        return 2
+        return fail(PROG, f"SPEC.json {args[0]}: {error}; python -m bench.gpu writes it")
     out = Results(out_path)
     parts = [part for part, on in ((real_path, True), (resume, spec.resume), (zero_stages, spec.zero)) if on]
     for part in parts:

@@ -22,12 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results/scale.json")
     p.add_argument("--tiny", action="store_true", help="small sizes throughout (a smoke test; numbers mean little)")
     args = p.parse_args(argv)
-    if (out := out_file(args.out, "bench.scale")) is None:
+    if (out := out_file(args.out, p.prog)) is None:
         return 2
     try:
         result = measure(TINY if args.tiny else FULL, args.tiny)
     except KeyboardInterrupt:
-        return stopped("bench.scale", out)
+        return stopped(p.prog, out)
     write_json(out, result)
     print(f"wrote {out}")
     return 0

@@ -18,7 +18,7 @@ from cluster.driver.job import PLAN_ENV, JobSpec, run_job
 from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile
-from data_pipeline.cli import interrupted
+from data_pipeline.cli import fail, interrupted
 from pretrain.checkpoint.run_folder import is_complete, pinned_checkpoints
 from pretrain.checkpointer import nothing_to_train
 from pretrain.config.train_config import TrainConfig
@@ -63,8 +63,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         done = nothing_left(spec.config)  # a finished run launched again: no Ray Train, no MLflow run
     except ValueError as error:
-        print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
-        return 2
+        return fail(PROG, error)
     if done is not None:
         print(done)
         return 0
@@ -73,12 +72,11 @@ def _main(argv: list[str] | None) -> int:
     try:
         ray.init(address=args.address or "auto")
     except ConnectionError as error:
-        print(
-            f"python -m cluster.driver: error: no Ray cluster at {args.address or 'auto'} ({error}); the driver runs "
-            "as a Ray job: start it with `python -m cluster.launch` (make launch), or pass --address of a running head",
-            file=sys.stderr,
+        return fail(
+            PROG,
+            f"no Ray cluster at {args.address or 'auto'} ({error}); the driver runs as a Ray job: start it with "
+            "`python -m cluster.launch` (make launch), or pass --address of a running head",
         )
-        return 2
     import psutil  # a Ray dependency
 
     try:
@@ -119,10 +117,10 @@ def _read_spec(parser: argparse.ArgumentParser, plan: str | None) -> JobSpec | N
     try:
         return JobSpec.from_json(Path(plan).read_text() if plan else os.environ[PLAN_ENV])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        print(
-            f"python -m cluster.driver: error: {source} is not a job spec ({type(error).__name__}: {error}); the spec "
-            f"is the JSON that `python -m cluster.launch` writes into ${PLAN_ENV} of the Ray job it submits",
-            file=sys.stderr,
+        fail(
+            PROG,
+            f"{source} is not a job spec ({type(error).__name__}: {error}); the spec is the JSON that "
+            f"`python -m cluster.launch` writes into ${PLAN_ENV} of the Ray job it submits",
         )
         return None
 
@@ -134,7 +132,7 @@ def _plan_here(args: argparse.Namespace) -> JobSpec | None:
         config, notes, _ = resolve_run(profile, profile.pick_recipe(args.recipe), args.set, args.run_name)
         plan = build_plan(profile, config)
     except (PlanError, ValueError) as error:
-        print(f"python -m cluster.driver: error: {error}", file=sys.stderr)
+        fail(PROG, error)
         return None
     print(format_plan(plan, notes), flush=True)
     return JobSpec.create(profile, config, plan)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.courier import deliver
+from data_pipeline.cli import fail
 from tracking.runs import RUN_RECORD, send_spooled
 from tracking.store import COURIER_FILE, DELIVER_COMMAND, missing_run, recorded_run_id, spool_dir
 
@@ -57,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             problem = f"{error}; the job wrote it: delete it only to give up what it holds"
     if problem:
-        print(f"{DELIVER_COMMAND}: error: {problem}", file=sys.stderr)
-        return 2
+        return fail(DELIVER_COMMAND, problem)
     if work is not None:
         run_id = deliver(run_dir, work["tracking_uri"], work["run"], work["evals"], work["status"], args.wait)
         return 0 if run_id else 1

@@ -25,7 +25,7 @@ from cluster.plan.text import format_plan
 from cluster.preflight.checks import Measurements, holds_a_worker, judge, measure
 from cluster.preflight.replan import LoaderFigure, measured_plan, side_by_side
 from cluster.profiles import ClusterProfile, load_profile
-from data_pipeline.cli import interrupted
+from data_pipeline.cli import fail, interrupted
 from pretrain.config.train_config import TrainConfig
 
 RUN_NAME = "preflight"  # the run folder the plan is made for; nothing is written there
@@ -53,11 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             return _on_local_head(profile, config, plan)
         return _as_job(profile, config, plan)
     except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, exc)
     except KeyboardInterrupt:
         kept = f"no verdict; a preflight job submitted runs on (`make stop CLUSTER={args.cluster}` stops it)"
-        return interrupted("cluster.preflight", kept)
+        return interrupted(parser.prog, kept)
 
 
 def _on_local_head(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> int:

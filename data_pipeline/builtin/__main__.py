@@ -21,7 +21,7 @@ from data_pipeline.builtin.sets import (
     ensure,
     option_minimum,
 )
-from data_pipeline.cli import interrupted, output_folder
+from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.manifest import read_dataset_info
 
 
@@ -75,11 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             counts = {s: read_dataset_info(folder / s).num_samples for s in SPLITS[name]}
             print(f"{name}: {counts} in {folder} ({time.perf_counter() - start:.1f}s)")
     except ValueError as err:
-        print(f"data_pipeline.builtin: error: {err}", file=sys.stderr)
-        return 2
+        return fail(p.prog, err)
     except KeyboardInterrupt:  # a re-run skips the finished sets, and keeps the finished shards of the one begun
         kept = f"the sets and shards finished under {args.out} are kept; the same command goes on from them"
-        return interrupted("data_pipeline.builtin", kept)
+        return interrupted(p.prog, kept)
     return 0
 
 

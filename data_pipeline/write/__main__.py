@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline import manifest
-from data_pipeline.cli import interrupted, local_path, output_folder
+from data_pipeline.cli import fail, interrupted, local_path, output_folder
 from data_pipeline.paths import is_remote
 from data_pipeline.write.dedup import load_exclusion
 from data_pipeline.write.readers import Source, open_source
@@ -121,7 +121,8 @@ def _kept(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         source, name, extra_meta = _open_source(args)
         as_is = ("samples_per_shard", "max_short_side", "min_size", "seed", "processes", "near_duplicate_distance")
@@ -140,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         output_folder(args.out, "--out")  # after the inputs are checked
         report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
     except ValueError as err:
-        print(f"data_pipeline.write: error: {err}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, err)
     except KeyboardInterrupt:
-        return interrupted("data_pipeline.write", _kept(Path(args.out)))
+        return interrupted(parser.prog, _kept(Path(args.out)))
     print(report.summary())
     return 0
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from data_pipeline.cli import interrupted
+from data_pipeline.cli import fail, interrupted
 from data_pipeline.paths import is_remote
 from pretrain.checkpoint import checksums
 
@@ -34,12 +34,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         return checksums.verify_command(Path(args.dir))
     except ValueError as error:
-        print(f"{parser.prog} verify: error: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, error)
     except KeyboardInterrupt:
         # verify only reads: nothing to clean up
         listed = "the checkpoints listed above were checked"
-        return interrupted(f"{parser.prog} verify", f"nothing changed; {listed}, the same command checks them all")
+        return interrupted(parser.prog, f"nothing changed; {listed}, the same command checks them all")
 
 
 if __name__ == "__main__":

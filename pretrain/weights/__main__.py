@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from data_pipeline.cli import interrupted, local_path
+from data_pipeline.cli import fail, interrupted, local_path
 from pretrain.checkpoint.run_folder import CONFIG_FILE, WEIGHTS_FILE
 from pretrain.model.flops import describe
 from pretrain.model.vit import VisionTransformer
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = _run(args)
     except (ValueError, OSError, ImportError) as error:  # bad input (ImportError: s3/gs extra); bugs keep tracebacks
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+        return fail(parser.prog, error)
     except KeyboardInterrupt:
         out = getattr(args, "out_dir", getattr(args, "out", None))  # info writes nothing
         kept = "nothing was written" if out is None else f"{out} may be partly written: the same command writes it anew"

@@ -21,7 +21,9 @@ QUICK = [sys.executable, "-m", "bench.precision", "--shapes", "quick", "--trials
 def test_an_out_that_cannot_be_written_is_refused_before_measuring(capsys):
     assert main(["--shapes", "quick", "--out", "/proc/bench-precision.json"]) == 2  # /proc takes no new file
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("bench.precision: error: --out /proc/bench-precision.json: ")
+    assert err.count("\n") == 1 and err.startswith(
+        "python -m bench.precision: error: --out /proc/bench-precision.json: "
+    )
     assert "cannot write in /proc" in err and "writable folder" in err
 
 
@@ -29,8 +31,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_measuring(capsys):
 def test_ctrl_c_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "precision.json"
     done = ctrl_c([*QUICK, "--out", str(out)], lambda stdout: "ms" in stdout.read_text(), tmp_path)
-    assert assert_one_line(done, "bench.precision") == (
-        f"bench.precision: interrupted; nothing was written to {out}; the same command starts over\n"
+    assert assert_one_line(done, "python -m bench.precision") == (
+        f"python -m bench.precision: interrupted; nothing was written to {out}; the same command starts over\n"
     )
     assert not list(tmp_path.glob("precision.json*"))
 
@@ -78,7 +80,9 @@ def test_ctrl_c_in_every_benchmark_is_its_last_line_and_leaves_no_process(tmp_pa
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "OMP_NUM_THREADS": "1"}
     done = ctrl_c([sys.executable, "-m", module, *args.split(), "--out", str(out)], ready, tmp_path, env=env)
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert done.stderr.endswith(f"{module}: interrupted; nothing was written to {out}; the same command starts over\n")
+    assert done.stderr.endswith(
+        f"python -m {module}: interrupted; nothing was written to {out}; the same command starts over\n"
+    )
     time.sleep(1)
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not out.exists() and not list((tmp_path / "tmp").glob("bench-*"))

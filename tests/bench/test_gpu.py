@@ -169,7 +169,7 @@ def test_ctrl_c_in_the_train_part_ends_its_child_too(tmp_path):
     command = [sys.executable, "-m", "bench.gpu", "--smoke", "--parts", "train", "--work-dir", str(work), "--out"]
     done = ctrl_c([*command, str(out)], lambda _: bool(children()), tmp_path)
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-3000:]  # after its log lines:
-    assert done.stderr.endswith(f"\nbench.gpu: interrupted; the finished parts (data) are in {out}\n")
+    assert done.stderr.endswith(f"\npython -m bench.gpu: interrupted; the finished parts (data) are in {out}\n")
     deadline = time.monotonic() + 10
     while children() and time.monotonic() < deadline:
         time.sleep(0.1)

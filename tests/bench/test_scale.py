@@ -55,7 +55,7 @@ def test_tiny_bench_writes_every_key(tmp_path, monkeypatch):
 def test_bad_output_path_is_one_error_line(tmp_path, capsys):
     assert scale.main(["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("bench.scale: error: --out")
+    assert len(err) == 1 and err[0].startswith("python -m bench.scale: error: --out")
 
 
 def test_synthetic_tables_have_the_i21k_shape(tmp_path):

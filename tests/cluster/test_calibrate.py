@@ -146,7 +146,7 @@ def test_bad_input_exits_2_with_one_message(tmp_path, table, capsys, content, sa
         path.write_text(content)
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cluster.calibrate: error: ") and says in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("python -m cluster.calibrate: error: ") and says in err and len(err.strip().splitlines()) == 1
     assert mfu.read_table(table) == {}  # nothing written
 
 

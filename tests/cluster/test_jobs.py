@@ -481,10 +481,10 @@ def test_connect_turns_rays_rpc_error_into_the_unreachable_line(monkeypatch):
 @pytest.mark.parametrize(
     "main, argv, kept",
     [
-        (launch.main, ["--cluster", "a100x64"], "cluster.launch: interrupted; no job submitted"),
-        (preflight.main, ["--cluster", "a100x8"], "cluster.preflight: interrupted; no verdict"),
-        (jobs.main, ["status", "--cluster", "a100x64"], "cluster.jobs status: interrupted;"),
-        (render.main, ["--cluster", "h100x8"], "cluster.render: interrupted; each file it wrote is whole"),
+        (launch.main, ["--cluster", "a100x64"], "python -m cluster.launch: interrupted; no job submitted"),
+        (preflight.main, ["--cluster", "a100x8"], "python -m cluster.preflight: interrupted; no verdict"),
+        (jobs.main, ["status", "--cluster", "a100x64"], "python -m cluster.jobs: interrupted;"),
+        (render.main, ["--cluster", "h100x8"], "python -m cluster.render: interrupted; each file it wrote is whole"),
     ],
 )
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys, main, argv, kept):

@@ -231,7 +231,8 @@ def test_a_profile_runs_its_own_recipe_when_none_is_named(tmp_path, capsys):
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(data))
     assert launch.main(["--cluster", str(tmp_path / "mine.yaml"), "--dry-run"]) == 2
     assert capsys.readouterr().err == (
-        "error: profile a100x8 names no recipe to run: name one, RECIPE=NAME (make) or --recipe NAME "
+        "python -m cluster.launch: error: "
+        "profile a100x8 names no recipe to run: name one, RECIPE=NAME (make) or --recipe NAME "
         "(configs/<name>.yaml or a YAML path), or add `recipe: NAME` to the profile\n"
     )
     assert launch.main(["--cluster", str(tmp_path / "mine.yaml"), "--recipe", "vit_b16_i21k", "--dry-run"]) == 0
@@ -257,7 +258,8 @@ def test_a_stale_builtin_folder_stops_the_dry_run_with_one_line(tmp_path, local_
     lines = done.stderr.strip().splitlines()
     folder = re.escape(str(data / "rcdb"))
     assert len(lines) == 1 and re.fullmatch(
-        rf"error: {folder}/train was generated with num_classes=4 \(wanted 64\), images_per_class=4 \(wanted 60\), "
+        r"python -m cluster\.launch: error: "
+        rf"{folder}/train was generated with num_classes=4 \(wanted 64\), images_per_class=4 \(wanted 60\), "
         rf"val_per_class=1 \(wanted 10\), samples_per_shard=4 \(wanted 128\); delete it \(rm -r {folder}\) to "
         "generate it again, or use another data root",
         lines[0],

@@ -135,7 +135,10 @@ def test_bad_input_exits_2_with_one_message(capsys, tmp_path):
     """An unknown profile, and a remote profile whose Ray cluster does not answer: exit 2, one error, no traceback."""
     assert preflight.main(["--cluster", "no_such_profile"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: unknown cluster profile 'no_such_profile'") and "Traceback" not in err
+    assert (
+        err.startswith("python -m cluster.preflight: error: unknown cluster profile 'no_such_profile'")
+        and "Traceback" not in err
+    )
     remote = tmp_path / "remote.yaml"
     address = f"http://127.0.0.1:{free_port()}"
     remote.write_text((ROOT / "cluster/profiles/a100x8.yaml").read_text().replace("http://127.0.0.1:8265", address))

@@ -187,7 +187,7 @@ def test_fsx_is_mounted_on_the_host_before_the_container_starts(rendered, tmp_pa
     for flags in bad:
         assert render.main(["--cluster", "a100x8", "--out", str(tmp_path / "bad"), *flags]) == 2, flags
         err = capsys.readouterr().err
-        assert err.startswith("error: --fsx") and err.count("\n") == 1, err
+        assert err.startswith("python -m cluster.render: error: --fsx") and err.count("\n") == 1, err
 
 
 @pytest.mark.timeout(120)
@@ -402,10 +402,11 @@ def test_launch_and_preflight_refuse_what_render_refuses(tmp_path, capsys, key, 
     assert render.main(["--cluster", lab, "--out", str(tmp_path / "out")]) == 2
     refused = capsys.readouterr().err
     assert message in refused and refused.count("\n") == 1, refused
+    said = refused.removeprefix("python -m cluster.render: error: ")  # each names itself
     assert launch.main(["--cluster", lab, "--dry-run"]) == 2
-    assert capsys.readouterr().err == refused
+    assert capsys.readouterr().err == f"python -m cluster.launch: error: {said}"
     assert preflight.main(["--cluster", lab]) == 2
-    assert capsys.readouterr().err == refused
+    assert capsys.readouterr().err == f"python -m cluster.preflight: error: {said}"
 
 
 @pytest.mark.timeout(60)

@@ -72,7 +72,9 @@ def test_a_digits_test_split_the_set_cannot_hold_is_refused(tmp_path, capsys):
         builtin.ensure("digits", tmp_path, num_test=1000)
     assert builtin_cli.main(["digits", "--out", str(tmp_path), "--set", "num_test=900"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("data_pipeline.builtin: error: num_test=900 is out of range") and err.count("\n") == 1
+    assert (
+        err.startswith("python -m data_pipeline.builtin: error: num_test=900 is out of range") and err.count("\n") == 1
+    )
     assert not (tmp_path / "digits").exists()
 
 

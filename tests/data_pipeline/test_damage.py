@@ -145,7 +145,7 @@ def test_a_source_that_is_no_collection_says_what_it_is_and_how_to_lay_it_out(tm
         argv = ["--source", str(tmp_path / source), "--kind", kind, "--out", str(tmp_path / "o")]
         assert write_cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert err.startswith("data_pipeline.write: error: ") and f"{tmp_path / source} {says}" in err, err
+        assert err.startswith("python -m data_pipeline.write: error: ") and f"{tmp_path / source} {says}" in err, err
         assert err.count("\n") == 1
 
 
@@ -182,7 +182,10 @@ def test_ctrl_c_in_validate_is_one_line_and_exit_130(tmp_path, capsys):
         signal.signal(signal.SIGINT, previous)
         ctrl_c.cancel(), unblock.cancel()
     assert code == 130
-    said = f"data_pipeline.validate: interrupted; nothing in {root} is half-written; the same command checks it again\n"
+    said = (
+        "python -m data_pipeline.validate: interrupted; "
+        f"nothing in {root} is half-written; the same command checks it again\n"
+    )
     assert capsys.readouterr().err == said
 
 

@@ -148,7 +148,7 @@ def test_impossible_sizes_fail_before_writing(tmp_path, capsys, kind, argv, mess
     out = tmp_path / "out"
     assert builtin_cli.main([kind, "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("data_pipeline.builtin: error:") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("python -m data_pipeline.builtin: error:") and message in err[0]
     assert not out.exists()  # nothing written, not even the folder
     with pytest.raises(ValueError, match="out of range"):
         builtin.ensure(kind, tmp_path / "direct", num_classes=formula.MAX_CLASSES + 1)

@@ -44,12 +44,12 @@ def test_ctrl_c_in_the_writer_keeps_its_finished_shards_and_the_same_command_fin
     command = [sys.executable, "-m", "data_pipeline.write", *args, "--out", str(out)]
     done = ctrl_c(command, lambda _: any(out.glob(manifest.SHARD_GLOB)), tmp_path)
 
-    line = assert_one_line(done, "data_pipeline.write")
+    line = assert_one_line(done, "python -m data_pipeline.write")
     assert done.processes >= 3  # the command and its pool's workers all got the signal
     kept = sorted(p.name for p in out.glob(manifest.SHARD_GLOB))
     assert 1 <= len(kept) < 45 and not (out / "manifest.parquet").exists()
     said = f"the {len(kept)} finished shards in {out} are kept; the same command goes on from them"
-    assert line == f"data_pipeline.write: interrupted; {said}\n"
+    assert line == f"python -m data_pipeline.write: interrupted; {said}\n"
     stamps = {name: (out / name).stat().st_mtime_ns for name in kept}
 
     again = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=90)
@@ -82,7 +82,7 @@ def test_ctrl_c_while_built_in_images_are_generated_stops_the_workers_at_once(tm
     command = [sys.executable, "-m", "data_pipeline.builtin", "rcdb", "--out", str(root), "--workers", "2"]
     done = ctrl_c(command, _generating(root), tmp_path, wait_s=20)
 
-    line = assert_one_line(done, "data_pipeline.builtin")
+    line = assert_one_line(done, "python -m data_pipeline.builtin")
     assert done.processes >= 3 and not (root / "rcdb" / "train" / "dataset.json").exists()
     assert line.endswith(f"the sets and shards finished under {root} are kept; the same command goes on from them\n")
     again = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=90)

@@ -138,7 +138,8 @@ def test_a_refusal_names_what_differs_and_the_fix(tmp_path, capsys):
         assert write(str(src), str(out), *more) == 2
         err = capsys.readouterr().err.strip()
         assert (
-            err == f"data_pipeline.write: error: {out} holds shards written with other settings or input: {what}. {FIX}"
+            err == "python -m data_pipeline.write: error: "
+            f"{out} holds shards written with other settings or input: {what}. {FIX}"
         )
         assert files(out) == before  # nothing written, nothing lost
 

@@ -184,7 +184,8 @@ def test_cli_exits_1_and_says_so_when_mlflow_did_not_take_the_metrics(
     assert err.endswith(
         f"and are not kept; the table is in {table}: run the evaluation again once MLflow answers\n"
     ) and err.splitlines()[-1].startswith(
-        f"evals.run: error: 3 of the 3 items (2 metrics, 1 file) at step 120 did not reach MLflow run {run_id} ("
+        "python -m evals.run: error: "
+        f"3 of the 3 items (2 metrics, 1 file) at step 120 did not reach MLflow run {run_id} ("
     ), err
 
 
@@ -212,7 +213,7 @@ def test_a_run_the_tracking_server_lacks_is_refused_before_any_work(checkpoint, 
         for run_id, needle in cases:
             assert main([*argv, "--mlflow-run-id", run_id, "--tracking-uri", server.uri]) == 2, run_id
             err = capsys.readouterr().err
-            assert err.startswith("evals.run: error: ") and err.count("\n") == 1 and needle in err, err
+            assert err.startswith("python -m evals.run: error: ") and err.count("\n") == 1 and needle in err, err
         assert not empty.exists() and not (checkpoint / "evals" / "local_fewshot.parquet").exists()
     finally:
         server.stop()
@@ -252,7 +253,7 @@ def test_a_data_root_or_out_that_cannot_be_one_is_refused_before_any_work(checkp
     for args, needle in cases:
         assert main([*argv, *args]) == 2, args
         err = capsys.readouterr().err
-        assert err.startswith(f"evals.run: error: {needle}") and err.count("\n") == 1, err
+        assert err.startswith(f"python -m evals.run: error: {needle}") and err.count("\n") == 1, err
     assert not empty.exists() and not (checkpoint / "evals" / "local_fewshot.parquet").exists()
     s3fs.S3FileSystem.clear_instance_cache()
 
@@ -270,7 +271,10 @@ def test_a_refusing_store_as_data_root_is_one_line(checkpoint, refusing_store):
             timeout=120,
         )
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-        assert done.stderr.startswith(f"evals.run: error: --data-root {url} cannot be read (") and fix in done.stderr
+        assert (
+            done.stderr.startswith(f"python -m evals.run: error: --data-root {url} cannot be read (")
+            and fix in done.stderr
+        )
 
 
 def test_a_missing_split_names_the_command_that_writes_it(tmp_path):
@@ -415,7 +419,7 @@ def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys,
     for argv, needle in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith("evals.run: error: ") and err.count("\n") == 1 and needle in err, (argv, err)
+        assert err.startswith("python -m evals.run: error: ") and err.count("\n") == 1 and needle in err, (argv, err)
     assert not (checkpoint / "evals" / "local_fewshot.parquet").exists()  # nothing was evaluated
     # The entry point itself: exit 2, the message, no traceback.
     done = subprocess.run(
@@ -727,5 +731,5 @@ def test_a_resolution_off_the_patch_grid_is_refused_before_any_work(checkpoint, 
     assert lines == [] and not empty.exists() and not out.exists()
     capsys.readouterr()
     assert main(["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(empty)]) == 2
-    assert capsys.readouterr().err == f"evals.run: error: {expected}\n"
+    assert capsys.readouterr().err == f"python -m evals.run: error: {expected}\n"
     assert not empty.exists()

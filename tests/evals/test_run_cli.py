@@ -53,7 +53,7 @@ def test_ctrl_c_in_a_suite_is_one_line_that_says_nothing_of_it_is_kept(
     command += ["--data-root", str(eval_data_root), "--mlflow-run-id", run_id, "--tracking-uri", mlflow_uri]
     done = ctrl_c(command, lambda out: "evals: fewshot done" in out.read_text(), tmp_path)
 
-    line = assert_one_line(done, "evals.run")
+    line = assert_one_line(done, "python -m evals.run")
     assert "its table is written, then logged to MLflow, only at the end; the same command starts over" in line
     assert not (checkpoint / "evals" / "cut_short.parquet").exists() and _metrics(mlflow_uri, run_id) == {}
 
@@ -82,7 +82,10 @@ def test_the_path_of_the_sqlite_store_is_its_uri_and_a_path_to_nothing_is_refuse
     assert main([*argv, "--tracking-uri", "mlfow.db"]) == 2
     err = capsys.readouterr().err
     fix = f"pass --tracking-uri sqlite:///{db.parent / 'mlfow.db'} (an SQLite store) or a server's URL"
-    assert err.startswith("evals.run: error: --tracking-uri mlfow.db is a path, not a tracking URI") and fix in err
+    assert (
+        err.startswith("python -m evals.run: error: --tracking-uri mlfow.db is a path, not a tracking URI")
+        and fix in err
+    )
     assert err.count("\n") == 1 and not (tmp_path / "evals" / "by_path.parquet").exists()
 
 
@@ -95,9 +98,11 @@ def test_a_missing_checkpoint_or_suite_is_named_before_the_data_root_is_asked(ch
     root = str(tmp_path / "file" / "evals")
     missing = ["--checkpoint", str(tmp_path / "nothing"), "--suite", "local_fewshot", "--data-root", root]
     assert main(missing) == 2
-    assert capsys.readouterr().err.startswith(f"evals.run: error: checkpoint {tmp_path / 'nothing'} does not exist; ")
+    assert capsys.readouterr().err.startswith(
+        f"python -m evals.run: error: checkpoint {tmp_path / 'nothing'} does not exist; "
+    )
     assert main(["--checkpoint", str(checkpoint), "--suite", "nope", "--data-root", root]) == 2
-    assert capsys.readouterr().err.startswith("evals.run: error: unknown eval suite 'nope'; known suites in ")
+    assert capsys.readouterr().err.startswith("python -m evals.run: error: unknown eval suite 'nope'; known suites in ")
 
 
 def test_a_default_output_folder_that_cannot_be_made_is_refused_before_any_work(checkpoint, tmp_path, capsys):
@@ -111,7 +116,8 @@ def test_a_default_output_folder_that_cannot_be_made_is_refused_before_any_work(
     assert main(["--checkpoint", str(weights), "--suite", str(suite), "--data-root", str(empty)]) == 2
     out, err = capsys.readouterr()
     assert err == (
-        f"evals.run: error: output folder {weights / 'evals'} (the default for these weights) cannot be created: "
+        "python -m evals.run: error: "
+        f"output folder {weights / 'evals'} (the default for these weights) cannot be created: "
         f"{weights / 'evals'} is a broken symbolic link (to {tmp_path / 'unmounted' / 'evals'}); pass --out a "
         "writable folder (it is created if absent)\n"
     )

@@ -252,7 +252,7 @@ def test_a_flipped_byte_is_found_skipped_and_refused_by_evals_and_verify(uninter
     for nothing in (tmp_path / "absent", tmp_path / "flipped" / "workers", ROOT / "configs"):
         bad = _verify_cli(nothing)
         assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad
-        assert bad.stderr.startswith("python -m pretrain.checkpoint verify: error: ") and "Traceback" not in bad.stderr
+        assert bad.stderr.startswith("python -m pretrain.checkpoint: error: ") and "Traceback" not in bad.stderr
     # An eval reads only the weights: a damaged optimizer state does not stop it, changed weights do.
     load_model, step, *_ = open_checkpoint(run_folder.checkpoint_dir(flipped, 8))
     assert step == 8

@@ -170,6 +170,6 @@ def test_ctrl_c_in_verify_says_nothing_changed_and_exits_130(tmp_path):
     code, out, err = done.returncode, done.stdout, done.stderr
     assert code == 130 and "Traceback" not in err, err[-3000:]
     assert len(out.splitlines()) == 1 and err.splitlines() == [
-        "python -m pretrain.checkpoint verify: interrupted; nothing changed; the checkpoints listed above were "
+        "python -m pretrain.checkpoint: interrupted; nothing changed; the checkpoints listed above were "
         "checked, the same command checks them all"
     ]

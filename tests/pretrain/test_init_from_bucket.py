@@ -63,5 +63,7 @@ def test_a_store_that_refuses_is_said_to_refuse_not_to_hold_nothing(
     assert not isinstance(raised.value, FileNotFoundError)
     assert evals_run.main(["--checkpoint", url, "--suite", "local_fewshot"]) == 2
     out, err = capfd.readouterr()
-    assert err.count("\n") == 1 and f"evals.run: error: checkpoint {url} could not be fetched: {url}: " in err, err
+    assert (
+        err.count("\n") == 1 and f"python -m evals.run: error: checkpoint {url} could not be fetched: {url}: " in err
+    ), err
     assert "nothing there" not in err

@@ -2,7 +2,8 @@
 
 One table of broken and mis-shaped YAML (recipes, cluster profiles, eval suites), bad `--set` overrides, missing or
 damaged files and folders, unknown names, bad flags, and Ray clusters that are not there. Each row lists regular
-expressions its stderr must match: the file (and line) or the field at fault. Each row runs in its own process, as
+expressions its stderr must match: the file (and line) or the field at fault; its last line starts
+`python -m <module>: error: `, as argparse's own errors do. Each row runs in its own process, as
 `python -m` runs it, forked two at a time from one interpreter that imported torch and the other heavy libraries
 once (tests/support/warm_python.py): importing torch in every process was most of the table's cost. Two rows also run as
 plain `python -m` processes and must give the same status and stderr.
@@ -286,6 +287,9 @@ def test_every_entry_point_rejects_bad_input_with_one_message(tmp_path):
             problems.append("a traceback")
         if "error" not in done.stderr:
             problems.append("no 'error' message on stderr")
+        prefix = f"python -m {module}: error: "  # argparse's own form: one prefix for every entry point
+        if not (done.stderr.rstrip().splitlines() or [""])[-1].startswith(prefix):
+            problems.append(f"the last line of stderr does not start with {prefix!r}")
         problems += [f"stderr does not match {p!r}" for p in patterns if not re.search(p, done.stderr)]
         if problems:
             output = (done.stderr.strip() or done.stdout.strip())[-1500:]

@@ -250,7 +250,8 @@ def test_the_path_of_the_sqlite_store_is_taken_as_its_uri(store, tmp_path, capsy
     assert main(["--tracking-uri", "mlfow.db", "--out", str(tmp_path / "r")]) == 2
     fix = f"--tracking-uri sqlite:///{db.parent / 'mlfow.db'}"
     assert capsys.readouterr().err == (
-        "tracking.compare: error: --tracking-uri mlfow.db is a path, not a tracking URI, and no file is there; "
+        "python -m tracking.compare: error: "
+        "--tracking-uri mlfow.db is a path, not a tracking URI, and no file is there; "
         f"pass {fix} (an SQLite store) or a server's URL\n"
     )
     assert not (db.parent / "mlfow.db").exists()
@@ -264,7 +265,8 @@ def test_a_report_folder_that_is_a_file_is_one_line(mlflow_uri, tmp_path, capsys
     (out / "all").write_text("notes")
     assert main(["--tracking-uri", mlflow_uri, "--out", str(out), "--no-mlflow"]) == 2
     assert capsys.readouterr().err == (
-        f"tracking.compare: error: the report folder {out / 'all'} is a file; pass another --name, or another --out\n"
+        "python -m tracking.compare: error: "
+        f"the report folder {out / 'all'} is a file; pass another --name, or another --out\n"
     )
     assert (out / "all").read_text() == "notes"
 
@@ -298,7 +300,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys):
         server.server_close()
     assert code == 130
     assert (
-        capsys.readouterr().err == "tracking.compare: interrupted; no report is written; the same command starts over\n"
+        capsys.readouterr().err
+        == "python -m tracking.compare: interrupted; no report is written; the same command starts over\n"
     )
     assert not (tmp_path / "r").exists()
 
@@ -387,5 +390,8 @@ def test_a_server_that_does_not_answer_is_one_line_in_seconds(tmp_path, capsys, 
     assert main(["--tracking-uri", uri, "--out", str(tmp_path / "reports")]) == 2
     err = capsys.readouterr().err
     assert time.monotonic() - started < 20
-    assert err.startswith(f"tracking.compare: error: no MLflow server answers at {uri} (") and err.count("\n") == 1
+    assert (
+        err.startswith(f"python -m tracking.compare: error: no MLflow server answers at {uri} (")
+        and err.count("\n") == 1
+    )
     assert err.endswith("; start it or fix --tracking-uri\n") and not (tmp_path / "reports").exists()

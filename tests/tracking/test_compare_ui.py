@@ -51,7 +51,8 @@ def test_a_sqlite_uri_to_a_file_or_folder_that_is_no_database_is_one_line(tmp_pa
         db = tmp_path / given if given else tmp_path
         assert main(["--tracking-uri", f"sqlite:///{db}", "--port", port, "--dry-run"]) == 2
         assert capsys.readouterr().err == (
-            f"tracking.ui: error: tracking store {db} is {what}; pass --tracking-uri sqlite:///<path>/mlflow.db "
+            "python -m tracking.ui: error: "
+            f"tracking store {db} is {what}; pass --tracking-uri sqlite:///<path>/mlflow.db "
             "(the project's store)\n"
         )
 
@@ -96,7 +97,7 @@ def test_the_path_of_the_sqlite_store_is_taken_as_its_uri(mlflow_uri, tmp_path, 
     for given, needle in refused.items():
         assert main(["--tracking-uri", given, "--port", port, "--dry-run"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"tracking.ui: error: --tracking-uri {given} ") and err.count("\n") == 1, err
+        assert err.startswith(f"python -m tracking.ui: error: --tracking-uri {given} ") and err.count("\n") == 1, err
         assert needle in err, err
     assert not (db.parent / "mlfow.db").exists()
 
