@@ -166,7 +166,7 @@ def _steady_state(spec: TrainSpec, config: TrainConfig, beat: TimedBeat, saves: 
         train_path_mfu=img_s * _flops_per_image(config) / (peak.tflops * 1e12),
         train_path_peak_tflops=peak.tflops,
         train_path_peak_source=peak.source,
-        train_path_data_wait=statistics.fmean(beat.waits[s] for s in steady) / step_s,
+        train_path_data_wait=sum(beat.waits[s] for s in steady) / sum(durations[s] for s in steady),
         train_path_start_s=beat.ends[steps[0]] - beat.started,
         train_path_step_times_s=[round(durations[s], 4) for s in sorted(durations)],
         **_memory(device, "train_path"),

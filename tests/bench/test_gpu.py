@@ -147,6 +147,21 @@ def test_no_train_path_rate_is_made_of_warm_up_steps(tmp_path, capsys):
     assert _steady_state(TrainSpec(data="", run_root=""), None, beat, {}, None) == {}
 
 
+def test_the_train_paths_data_wait_is_the_share_of_the_steady_steps_time(tmp_path):
+    """Waits over the steps' time: a mean wait over the median step read one 2 s stall in three steps (1, 1, 3 s) as
+    67% of the time, not 40%."""
+    import torch
+
+    from bench.gpu.train import TimedBeat, TrainSpec, _steady_state
+
+    beat = TimedBeat()
+    beat.ends = {0: 0.0, 1: 1.0, 2: 2.0, 3: 5.0}
+    beat.waits = {0: 0.0, 1: 0.0, 2: 0.0, 3: 2.0}
+    config = train_spec(tmp_path, tmp_path, _smoke_args(peak_tflops=1.0), 60.0).config(tmp_path / "run")
+    out = _steady_state(TrainSpec(data="", run_root="", warmup_steps=0), config, beat, {}, torch.device("cpu"))
+    assert out["train_path_step_s"] == 1.0 and out["train_path_data_wait"] == 2.0 / 5.0
+
+
 def test_a_work_dir_that_cannot_be_one_exits_2(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit) as stop:
