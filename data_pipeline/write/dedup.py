@@ -20,7 +20,14 @@ def sha256_hex(data: bytes) -> str:
 
 def eight_bit(image: Image.Image) -> Image.Image:
     """``image``, with 16-bit grey samples (modes I;16*, and I as 16-bit PNGs load in older Pillow) scaled to 8-bit
-    grey: Pillow's ``convert`` clips them at 255, so nearly every pixel of such an image would turn white."""
+    grey: Pillow's ``convert`` clips them at 255, so nearly every pixel of such an image would turn white. Float grey
+    (mode F, a 32-bit float TIFF) is read on the float convention's 0-1 scale where every sample lies in it, else on
+    0-255 (clipped; NaN as 0): ``convert`` would round 0-1 samples to 0 or 1, a black image."""
+    if image.mode == "F":
+        pixels = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+        if pixels.size and pixels.min() >= 0 and pixels.max() <= 1:
+            pixels = pixels * 255
+        return Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8))
     if not (image.mode.startswith("I;16") or image.mode == "I"):
         return image
     wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)

@@ -392,6 +392,22 @@ def test_16_bit_grey_images_keep_their_tones_instead_of_turning_white(tmp_path, 
     assert phashes == [writer.perceptual_hash(grey8)] * 2  # near-duplicate search sees the ramp too
 
 
+def test_float_grey_tiffs_keep_their_tones_instead_of_turning_black(tmp_path, capsys):
+    """A 32-bit float TIFF (mode F) on the 0-1 scale used to be rounded to 0 or 1 by Pillow's convert: a black image.
+    On the 0-255 scale it is read as it is."""
+    ramp = np.linspace(0, 1, 48 * 64).reshape(48, 64).astype(np.float32)
+    (tmp_path / "src" / "scans").mkdir(parents=True)
+    Image.fromarray(ramp, mode="F").save(tmp_path / "src" / "scans" / "unit.tif")
+    Image.fromarray(ramp * 255, mode="F").save(tmp_path / "src" / "scans" / "byte.tif")
+    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]) == 0
+    assert "wrote 2 in 1 shards" in capsys.readouterr().out
+    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
+        stored = [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
+    for data in stored:
+        pixels = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64)
+        assert abs(pixels.mean() - 127.5) < 2 and pixels.std() > 60  # a ramp, not all black
+
+
 def test_a_photo_taken_sideways_is_stored_upright(tmp_path, capsys):
     """A phone's portrait photo is a landscape sensor image with EXIF orientation 6: Pillow decodes it on its side and
     a re-encode dropped the tag, so it used to be stored (and trained on) sideways."""
