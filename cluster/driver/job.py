@@ -184,7 +184,7 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     _await_submits(submits)
     if rank == 0:  # Ray Train V2 keeps metrics only with checkpoints
         keep = ("start", "start_step", "steps", "final_loss", "images_seen", "world_size", "checkpoints")
-        result = json.dumps({k: summary.to_dict()[k] for k in keep}, default=str)
+        result = json.dumps({"job": loop_config["job"]} | {k: summary.to_dict()[k] for k in keep}, default=str)
         write_text_atomically(run_dir / "train_result.json", result)
 
 
@@ -300,7 +300,7 @@ def run_job(
         run_dir=str(run_dir),
     )
     config.data.ensure_builtin()  # ranks never generate data
-    trainer = _torch_trainer(spec, config, scheduler, cadence)
+    trainer = _torch_trainer(spec, config, scheduler, cadence, clock.started)
     record = run_dir / RUN_RECORD  # the driver's Trackers spool there what MLflow did not take
     watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0, record=record)).start()
     clock.fit_at = time.time()
@@ -393,7 +393,8 @@ def failure_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: EvalCadence) -> Any:
+def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: EvalCadence, job: float) -> Any:
+    """``job``: the job's start, which rank 0 writes into ``train_result.json`` as the job's mark."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -410,6 +411,7 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: 
             "env": worker_env(profile),
             "fault": vars(spec.fault) if spec.fault else None,
             "needs_efa": needs_efa(profile),
+            "job": job,
         },
         torch_config=TorchConfig(backend=profile.comm_backend, timeout_s=config.deepspeed.timeout_minutes * 60),
         scaling_config=ScalingConfig(

@@ -80,9 +80,7 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
     if down:  # MLflow's own retries would hold the job's end for minutes a call
         print(f"MLflow run {run_id} is not reachable at the job's end: {down}", flush=True)
         run_id = None
-    result_file = run_dir / "train_result.json"
-    fresh = result_file.exists() and result_file.stat().st_mtime >= (end.clock.started if end.clock else 0.0)
-    train_result = json.loads(result_file.read_text()) if fresh else {}  # not an earlier job's of the run
+    train_result = _train_result(run_dir / "train_result.json", end.clock.started if end.clock else None)
     pruned = prune_checkpoints(run_dir, keep_last)
     print(format_summary(end.evals), flush=True)
     unended = [folder.name for folder in pinned_checkpoints(run_dir)]
@@ -142,6 +140,16 @@ def send_the_rest(run_dir: Path, uri: str, run_id: str, evals: dict, status: str
     _send_late_evals(uri, run_id, evals, tracker)
     if status == "FINISHED":
         log_final_model(run_dir, uri, run_id)
+
+
+def _train_result(path: Path, job: float | None) -> dict[str, Any]:
+    """What rank 0 of the job started at ``job`` wrote; {} for an earlier job's of the run (a resumed run whose job
+    failed first). Known by the mark the rank writes, not by the file's time: shared storage's clock is not ours."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in result.items() if k != "job"} if job is None or result.get("job") == job else {}
 
 
 def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> None:

@@ -148,11 +148,17 @@ def test_a_failed_job_of_a_resumed_run_does_not_report_the_earlier_jobs_training
     from tracking.runs import create_run
 
     earlier = tmp_path / "train_result.json"
-    earlier.write_text(json.dumps({"start_step": 0, "steps": 1200, "final_loss": 5.8}))
-    os.utime(earlier, (time.time() - 3600, time.time() - 3600))
+    earlier.write_text(json.dumps({"job": time.time() - 3600, "start_step": 0, "steps": 1200, "final_loss": 5.8}))
     run_id = create_run(mlflow_uri, "resumed", "local_demo", {}, {})
-    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FAILED", 1.0, {}, JobClock(time.time() - 60)))
+    clock = JobClock(time.time() - 60)  # the file is newer than the job's start: only its mark says it is older
+    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FAILED", 1.0, {}, clock))
     assert json.loads((tmp_path / "summary.json").read_text())["train_result"] == {}
+    # This job's, written on a node whose clock is an hour behind the driver's (shared storage): reported.
+    earlier.write_text(json.dumps({"job": clock.started, "start_step": 1200, "steps": 1300, "final_loss": 5.1}))
+    os.utime(earlier, (time.time() - 3600, time.time() - 3600))
+    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FINISHED", 1.0, {}, clock))
+    result = json.loads((tmp_path / "summary.json").read_text())["train_result"]
+    assert result == {"start_step": 1200, "steps": 1300, "final_loss": 5.1}
 
 
 def test_keep_last_spares_pinned_checkpoints_until_unpinned(tmp_path):
