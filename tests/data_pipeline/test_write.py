@@ -374,6 +374,15 @@ def test_exclude_like_skips_folders_named_like_images(folder_source, tmp_path):
     assert exclude.sha256s == {sha256_hex((folder_source / "class1" / "img4.jpg").read_bytes())}
 
 
+def _stored_grey(tmp_path, capsys, images: int) -> list[np.ndarray]:
+    """Write ``tmp_path/src`` to ``tmp_path/out``: each stored image's grey pixels."""
+    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]) == 0
+    assert f"wrote {images} in 1 shards" in capsys.readouterr().out
+    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
+        stored = [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
+    return [np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64) for data in stored]
+
+
 def test_16_bit_grey_images_keep_their_tones_instead_of_turning_white(tmp_path, capsys):
     """A 16-bit grey PNG or TIFF (microscopy, medical, satellite) used to be clipped at 255: a white image."""
     ramp = np.linspace(0, 65535, 48 * 64).reshape(48, 64).astype(np.uint16)
@@ -381,12 +390,7 @@ def test_16_bit_grey_images_keep_their_tones_instead_of_turning_white(tmp_path, 
     (tmp_path / "src" / "scans").mkdir(parents=True)
     Image.fromarray(ramp).save(tmp_path / "src" / "scans" / "a.png")
     Image.frombytes("I;16B", (64, 48), ramp.astype(">u2").tobytes()).save(tmp_path / "src" / "scans" / "b.tif")
-    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]) == 0
-    assert "wrote 2 in 1 shards" in capsys.readouterr().out
-    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
-        stored = [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
-    for data in stored:
-        pixels = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64)
+    for pixels in _stored_grey(tmp_path, capsys, images=2):
         assert abs(pixels.mean() - np.asarray(grey8).mean()) < 2 and pixels.std() > 60  # a ramp, not all white
     phashes = pq.read_table(tmp_path / "out" / "samples.parquet").column("phash").to_pylist()
     assert phashes == [writer.perceptual_hash(grey8)] * 2  # near-duplicate search sees the ramp too
@@ -399,12 +403,7 @@ def test_float_grey_tiffs_keep_their_tones_instead_of_turning_black(tmp_path, ca
     (tmp_path / "src" / "scans").mkdir(parents=True)
     Image.fromarray(ramp, mode="F").save(tmp_path / "src" / "scans" / "unit.tif")
     Image.fromarray(ramp * 255, mode="F").save(tmp_path / "src" / "scans" / "byte.tif")
-    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]) == 0
-    assert "wrote 2 in 1 shards" in capsys.readouterr().out
-    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
-        stored = [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".jpg")]
-    for data in stored:
-        pixels = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64)
+    for pixels in _stored_grey(tmp_path, capsys, images=2):
         assert abs(pixels.mean() - 127.5) < 2 and pixels.std() > 60  # a ramp, not all black
 
 
