@@ -135,15 +135,16 @@ def data_wait_line(wait: DataWait, images_per_rank: int) -> str:
 
 
 def loader_host_bytes(
-    config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None
+    config: TrainConfig, world: int, bytes_per_image: float, image_size: int, samples: int | None, device_type: str
 ) -> tuple[float, str]:
-    """(bytes, what they are) of one rank's TrainStream: its streams' shuffle buffers, its decoded step buffers and,
-    where the set fits ``data.cache_mb``, its decoded cache."""
+    """(bytes, what they are) of one rank's TrainStream: its streams' shuffle buffers, its decoded step buffers (uint8
+    where the ranks' device normalizes, ``data.normalize_on``) and, where the set fits ``data.cache_mb``, its decoded
+    cache."""
     d = config.data
     streams, share = d.streams // world, d.global_batch_size // world
     held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
     buffers = streams * held * bytes_per_image
-    decoded = decoded_bytes(share, image_size, d.num_workers)
+    decoded = decoded_bytes(share, image_size, d.num_workers, pixels=d.pixels_for(device_type))
     cache = _cache_bytes(config, image_size)
     detail = (
         f"{streams} streams x {held} buffered samples x {bytes_per_image / 1e3:.0f} KB = "

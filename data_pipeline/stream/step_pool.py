@@ -36,11 +36,15 @@ def conversion_rows(image_size: int) -> int:
 
 
 def decoded_bytes(
-    images_per_step: int, image_size: int, num_workers: int, prefetch_factor: int = PREFETCH_FACTOR
+    images_per_step: int,
+    image_size: int,
+    num_workers: int,
+    prefetch_factor: int = PREFETCH_FACTOR,
+    pixels: Pixels = "float",
 ) -> int:
-    """Host bytes of a rank's decoded images: its step pool and each worker's planes."""
+    """Host bytes of a rank's decoded images: its step pool (of ``pixels``) and each worker's planes."""
     planes = conversion_rows(image_size) * 3 * image_size**2
-    return step_pool_bytes(images_per_step, image_size, num_workers, prefetch_factor) + num_workers * planes
+    return step_pool_bytes(images_per_step, image_size, num_workers, prefetch_factor, pixels) + num_workers * planes
 
 
 def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:

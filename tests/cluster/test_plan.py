@@ -662,9 +662,13 @@ def test_plan_counts_the_loader_memory_per_node_and_refuses_what_a_node_cannot_h
     small = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, memory_gb_per_node=0.01))
     with pytest.raises(PlanError, match=r"data streams would hold 0\.0\d+ GB per node at world size 2 .* over 50% of "):
         build_plan(small, config)
-    i21k = build_plan(load_profile("a100x64"), resolve_config(load_profile("a100x64"), "vit_b16_i21k", [], "r"))
-    # 8 workers per rank: 5 float step buffers (prefetch 2 + 3) in shared memory + each worker's uint8 image planes
-    assert i21k.data.loader_gb_per_node == pytest.approx(8 * (8 * 1000 * 92_000 + (5 * 64 * 4 + 8) * 3 * 224**2) / GB)
+    # 8 workers per rank: 5 step buffers (prefetch 2 + 3) in shared memory + each worker's uint8 image planes; the
+    # buffers hold uint8 where the GPU normalizes (data.normalize_on: auto), float32 where the loader does
+    a100x64 = load_profile("a100x64")
+    for normalize_on, value_bytes in (("auto", 1), ("loader", 4)):
+        config = resolve_config(a100x64, "vit_b16_i21k", [f"data.normalize_on={normalize_on}"], "r")
+        per_rank = 8 * 1000 * 92_000 + (5 * 64 * value_bytes + 8) * 3 * 224**2
+        assert build_plan(a100x64, config).data.loader_gb_per_node == pytest.approx(8 * per_rank / GB), normalize_on
 
 
 # ------------------------------------------------------------------------------------- data wait
