@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = jobs.follow(client, job_id)
     except KeyboardInterrupt:
-        print(f"\nstopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)")
-        return 130
+        return interrupted(
+            parser.prog, f"stopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)"
+        )
     except jobs.RayUnreachableError as exc:
         return fail(parser.prog, f"{exc}" + ("" if profile.is_local else f" (CLUSTER={profile.name})"), status=1)
     print(f"job {job_id}: {status}")
