@@ -3,7 +3,7 @@
     python -m cluster.calibrate bench-results/gpu.json [--mfu-file cluster/mfu.yaml]
 
 `cluster/mfu.yaml` maps model -> GPU kind -> entry (`entries_from`), read by `cluster.plan.mfu`;
-``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table (docs/benchmarks/gpu.md, "The device call").
+``$VITSCALE_MFU_FILE`` or ``--mfu-file`` selects another table (docs/benchmarks/gpu.md, "The device calls").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #   bash bench/gpu/device.sh wheels   HERE, once: build and download into .whl/ (git-ignored) the packages the device
 #                                     image lacks: DeepSpeed (built from source, pure Python with its ops unbuilt),
 #                                     its hjson and pydantic, webdataset, simplejpeg and Pillow 13, for Python 3.12.
-#   bash bench/gpu/device.sh          ON THE DEVICE (its tool's `run`, carry [".whl"], timeout_s 600): installs
+#   bash bench/gpu/device.sh          ON THE DEVICE (its tool's `run`, carry [".whl"], timeout_s 480): installs
 #                                     .whl/ into the image's python3 and runs the campaign alone (python -m bench.gpu,
 #                                     CAMPAIGN_MAX_S): a first call of ~7 minutes with the machine's start, so that a
 #                                     rerun fits in the same ~15 minutes of device time; everything lands in $OUT.
