@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# PyTorch's CPU wheel index for a machine whose pip has no CPU wheel of its own: PyPI's Linux torch is the CUDA build
+# (GBs of nvidia-* packages). e.g. make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 STAMP := $(VENV)/.vitscale-installed
 
 CLUSTER ?= local
@@ -40,7 +43,7 @@ setup: $(STAMP)  ## create .venv: torch first (CPU wheel), then DeepSpeed from s
 $(STAMP): pyproject.toml constraints-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
-		|| $(PY) -m pip install "torch==$(TORCH_VERSION)"
+		|| $(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	@$(PY) -c "import deepspeed" 2>/dev/null \
 		|| DS_BUILD_OPS=0 $(PY) -m pip install "deepspeed>=0.16,<0.20" --no-build-isolation
 	$(PY) -m pip install -e ".[dev]" -c constraints-dev.txt
