@@ -13,7 +13,7 @@ import sys
 from data_pipeline.cli import fail, interrupted, output_folder
 from evals.features import check_data_root
 from evals.runner import NotDelivered, check_local_inputs, check_mlflow_run, format_gap, init_seed, run_suite
-from tracking.store import command_line_uri
+from tracking.store import command_line_uri, default_store_help
 
 
 def _count(text: str | None, flag: str, low: int, what: str) -> int | None:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "folder are generated there",
     )
     parser.add_argument("--mlflow-run-id", help="log metrics to this MLflow run (at the step below)")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite project db)")
+    parser.add_argument("--tracking-uri", help=f"MLflow store ({default_store_help()})")
     parser.add_argument(
         "--step",
         metavar="N",

@@ -13,7 +13,7 @@ import numpy as np
 
 from evals.evaluator import EvalOutput, ResultRow
 from evals.features import StreamedSplit, check_sizes, resolve_split, split_info, suite_features
-from evals.fewshot import RidgeSolver
+from evals.fewshot import L2_SWEEP, RidgeSolver
 from evals.finetune import FinetuneOptions, drawn_splits, select_lr_and_evaluate, vtab_indices
 
 GROUPS = ("natural", "specialized", "structured")
@@ -109,7 +109,7 @@ class VtabOptions:
     image_size: int | None = None  # None: the model's (finetune: else pos-embed interpolation)
     resize_size: int | None = None
     batch_size: int = 256
-    l2_grid: tuple[float, ...] = tuple(2.0**e for e in range(-10, 20))  # linear_probe's choice
+    l2_grid: tuple[float, ...] = L2_SWEEP  # linear_probe's choice
     finetune: FinetuneOptions = FinetuneOptions()  # protocol finetune's schedule (datasets unused)
 
     def __post_init__(self):
