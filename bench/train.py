@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--batch-size", type=int, default=16, help="fp32 batch")
     add("--rounds", type=int, default=3, help="fp32 rounds")
     add("--repeats", type=int, default=2, help="fp32 steps per model per round (the best one counts)")
-    native = "default: as fp32 on a CPU with AMX/AVX512-BF16, else"
+    native = "default: as fp32 where bf16 is native (AMX/AVX512-BF16, CUDA compute capability 8+), else"
     add("--bf16-batch-size", type=int, help=f"{native} 1")
     add("--bf16-rounds", type=int, help=f"{native} 1")
     add(

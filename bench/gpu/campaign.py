@@ -246,15 +246,15 @@ def summary_lines(r: dict) -> list[str]:
             f"{kernels}"
         )
     lines.append(
-        f"pretrain.train {TRAIN_MODEL}: MFU {pct('train_path_mfu_vit_h14')}, {num('train_path_img_s')} img/s, "
+        f"pretrain.train {TRAIN_MODEL}: MFU {pct(f'train_path_mfu_{TRAIN_MODEL}')}, {num('train_path_img_s')} img/s, "
         f"data wait {pct('train_path_data_wait')}, peak {num('train_path_peak_memory_reserved_gb')} GB, "
         f"checkpoint {num('train_path_checkpoint_gb')} GB in {num('train_path_checkpoint_save_s')} s; resume "
         f"equal losses: {r.get('resume_losses_equal', '-')}"
     )
     lines.append(
         f"ZeRO-0/1/2 step: {num('zero0_step_s')} / {num('zero1_step_s')} / {num('zero2_step_s')} s; plan "
-        f"memory error {pct('plan_memory_error_vit_h14')}, step time error "
-        f"{pct('plan_step_time_error_vit_h14')}; loader {num('loader_img_s_per_core')} img/s per core, B/16 "
+        f"memory error {pct(f'plan_memory_error_{TRAIN_MODEL}')}, step time error "
+        f"{pct(f'plan_step_time_error_{TRAIN_MODEL}')}; loader {num('loader_img_s_per_core')} img/s per core, B/16 "
         f"needs {num('loader_cores_needed_vit_b16')} cores"
     )
     profiles = [(f"profile_{v}", f"_{m}") for v in ("eager", "compiled") for m in MODELS]
