@@ -241,6 +241,11 @@ class ClusterProfile:
     def uses_gpus(self) -> bool:
         return self.workers.gpus_per_worker > 0
 
+    @property
+    def device_type(self) -> str:
+        """The workers' torch device type: "cuda" or "cpu"."""
+        return "cuda" if self.uses_gpus else "cpu"
+
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix when the profile contradicts itself."""
         hw, wk, where = self.hardware, self.workers, f"profile {self.name}"

@@ -91,9 +91,8 @@ def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -
     """(precision, why): the workers' own rule; fp32 for a remote CPU cluster, whose CPUs are unknown here."""
     requested = config.deepspeed.precision
     if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
-        device = "cuda" if profile.uses_gpus else "cpu"
         shape = StepShape.of(vit, config.data.micro_batch_size)
-        choice = decide(requested, device, shape, zero_stage=config.deepspeed.zero_stage)
+        choice = decide(requested, profile.device_type, shape, zero_stage=config.deepspeed.zero_stage)
         reason = f"{choice.rule}: {choice.reason}"
         if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
             reason += "; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"

@@ -470,9 +470,8 @@ def _data_plan(
     loaders = world * max(1, d.num_workers)
     shards_per_loader = shards / loaders if shards else 0.0
     ranks_per_node = math.ceil(world / profile.hardware.nodes)
-    device_type = "cuda" if profile.uses_gpus else "cpu"
     loader_bytes, loader_detail = loader_host_bytes(
-        config, world, bytes_per_image, model.image_size, stats.num_samples, device_type
+        config, world, bytes_per_image, model.image_size, stats.num_samples, profile.device_type
     )
     loader_node = loader_bytes * ranks_per_node
     node_memory = profile.hardware.memory_gb_per_node * memory.GB
