@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -237,6 +238,23 @@ def _iter_tar(unit: SourceUnit, stats: dict) -> Iterator[tuple[ItemRef, bytes, i
 @lru_cache(maxsize=2)
 def _parquet_images(path: str, column: str) -> list:
     return pq.read_table(path, columns=[column]).column(column).to_pylist()
+
+
+def read_parquet_rows(path: str, column: str, rows: list[int]) -> dict[int, bytes]:
+    """The images of ``rows`` of one Parquet file, reading only the row groups that hold them: a shuffled write
+    asks each file for a few rows per shard, and the whole column per row would read the source over and over."""
+    file = pq.ParquetFile(path)
+    sizes = [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups)]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    groups = sorted({bisect.bisect_right(starts, row) - 1 for row in rows})
+    column = file.read_row_groups(groups, columns=[column], use_threads=False).column(0)
+    shift, at = {}, 0  # a row group's first row in the table read
+    for g in groups:
+        shift[g], at = at - starts[g], at + sizes[g]
+    picked = column.take([row + shift[bisect.bisect_right(starts, row) - 1] for row in rows]).to_pylist()
+    return {row: image["bytes"] if isinstance(image, dict) else image for row, image in zip(rows, picked)}
 
 
 def read_ref(ref: ItemRef, image_column: str = "image") -> bytes:

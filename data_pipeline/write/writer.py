@@ -33,7 +33,7 @@ from data_pipeline.write.dedup import (
     turned,
     upright,
 )
-from data_pipeline.write.readers import ItemRef, Source, SourceUnit, iter_unit, read_ref
+from data_pipeline.write.readers import ItemRef, Source, SourceUnit, iter_unit, read_parquet_rows, read_ref
 from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_tfds_ref, unit_ids
 
 # Fixed tar headers; an int: a float mtime makes tarfile add a PAX header per member.
@@ -169,6 +169,16 @@ def _imap(fn, jobs: list, processes: int, desc: str):
     bar.close()
 
 
+def _parquet_rows(entries: list, source: Source | None) -> dict[str, dict[int, bytes]]:
+    """A shard's images from Parquet files, each file read once (the shuffle spreads every file over every shard)."""
+    wanted: dict[str, list[int]] = {}
+    for _key, cand in entries:
+        if cand.ref is not None and cand.ref.kind == "parquet":
+            wanted.setdefault(cand.ref.path, []).append(cand.ref.row)
+    column = source.image_column if source is not None else "image"
+    return {path: read_parquet_rows(path, column, rows) for path, rows in wanted.items()}
+
+
 def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
     """Write one shard atomically (or keep it); (its manifest row, its sample rows)."""
     out_dir, index, entries, class_names, source, max_short_side = job
@@ -177,9 +187,15 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
     if not final.exists():
         tmp = final.with_name(name + ".tmp")
         tar_args = dict(encoder=False, user=TAR_OWNER, group=TAR_OWNER, mtime=TAR_MTIME)
+        parquet = _parquet_rows(entries, source)
         with open(tmp, "wb") as out, wds.TarWriter(out, **tar_args) as w:
             for key, cand in entries:
-                raw = cand.data if cand.ref is None else _read_raw(cand.ref, source)
+                if cand.ref is None:
+                    raw = cand.data
+                elif cand.ref.kind == "parquet":
+                    raw = parquet[cand.ref.path][cand.ref.row]
+                else:
+                    raw = _read_raw(cand.ref, source)
                 data, width, height = encode_for_shard(raw, cand.needs_reencode, max_short_side)
                 meta = dict(
                     label=cand.label,

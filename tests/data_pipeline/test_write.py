@@ -458,3 +458,28 @@ def test_hidden_folders_and_files_are_neither_classes_nor_images(folder_source, 
     assert info.class_names == ("class0", "class1", "class2") and info.num_samples == 21
     sources = pq.read_table(tmp_path / "out" / "samples.parquet").column("source").to_pylist()
     assert not [s for s in sources if "/." in s or s.startswith(".")]
+
+
+def test_a_parquet_source_of_many_files_is_read_once_per_file_and_shard_not_once_per_image(tmp_path, monkeypatch):
+    """The pre-shuffle scatters every file's rows over every shard: reading a whole file's image column per image
+    (two files cached) would read a collection of F files about N times over instead of at most S x F times."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    for f in range(6):
+        images = [{"bytes": encoded(smooth_image(300 + 20 * f + i)), "path": None} for i in range(20)]
+        # several row groups a file: only those holding a shard's rows are read
+        pq.write_table(pa.table({"image": images, "label": [i % 3 for i in range(20)]}), src / f"{f}.parquet", 7)
+    reads = []
+    read_table, read_row_groups = pq.read_table, pq.ParquetFile.read_row_groups
+    monkeypatch.setattr(pq, "read_table", lambda *a, **kw: reads.append(a[0]) or read_table(*a, **kw))
+    monkeypatch.setattr(
+        pq.ParquetFile, "read_row_groups", lambda self, *a, **kw: reads.append(self) or read_row_groups(self, *a, **kw)
+    )
+    report = writer.write_dataset(
+        tmp_path / "out", writer.WriteConfig(samples_per_shard=40, processes=1), source=open_source(src)
+    )
+    assert report.written == 120 and report.shards == 3
+    assert len(reads) <= 2 * 6 + 3 * 6  # the scan's two reads of each file, then one per file and shard
+    stored = {s["sha256"] for s in pq.read_table(tmp_path / "out" / "samples.parquet").to_pylist()}
+    assert stored == {sha256_hex(encoded(smooth_image(300 + 20 * f + i))) for f in range(6) for i in range(20)}
+    assert validate(str(tmp_path / "out"), full=True).ok
