@@ -1,5 +1,5 @@
 """Check a shard folder (`validate`): checksums, counts, labels, a spot decode and the reader indexes. Exit status:
-0 intact; 1 damaged; 2 not a shard folder, or bad arguments.
+0 intact; 1 damaged; 2 not a shard folder, a store that cannot be read, or bad arguments.
 """
 
 from __future__ import annotations
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.shard_dir}: a metadata file is damaged ({err}); rewrite the folder with "
             "`python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",
         )
+    except OSError as err:  # a store that refuses (credentials) or cannot be reached; its message may span lines
+        return fail(p.prog, f"{args.shard_dir}: cannot read it ({type(err).__name__}: {' '.join(str(err).split())})")
     except KeyboardInterrupt:  # it only reads (--write-index replaces each index whole): nothing is half-written
         return interrupted(p.prog, f"nothing in {args.shard_dir} is half-written; the same command checks it again")
     print(report.render())

@@ -238,6 +238,16 @@ def test_shards_in_a_store_that_refuses_are_said_to_be_refused_not_absent(refusi
         is_shard_folder(url)
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_validate_of_a_bucket_that_refuses_is_one_line_and_exit_2(refusing_store, scheme, capsys):
+    """Wrong credentials for the bucket escaped `python -m data_pipeline.validate` as an OSError traceback."""
+    url = f"{scheme}://vitscale-denied/rcdb/train"
+    assert validate_cli.main([url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m data_pipeline.validate: error: {url}: ") and "Forbidden" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
 def _class_tar(path, images):
     with tarfile.open(path, "w") as tar:
         for i, data in enumerate(images):
