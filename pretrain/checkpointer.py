@@ -287,7 +287,7 @@ def save_checkpoint(
             attempt.write(tmp / run_folder.PINNED, lambda: run_folder.pin_checkpoint(tmp, pin), record=False)
         attempt.write(final, lambda: run_folder.publish(tmp), record=False)
         if attempt.failure is None:
-            run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last)
+            run_folder.prune_checkpoints(run_dir, config.checkpoint.keep_last, upto=step)
     _agree(attempt)  # every rank waits until the checkpoint is COMPLETE
     return final
 

@@ -81,7 +81,8 @@ def finish_job(run_dir: Path, keep_last: int, uri: str, run: str, end: JobEnd) -
         print(f"MLflow run {run_id} is not reachable at the job's end: {down}", flush=True)
         run_id = None
     train_result = _train_result(run_dir / "train_result.json", end.clock.started if end.clock else None)
-    pruned = prune_checkpoints(run_dir, keep_last)
+    # up to the step the job ended at: a newer checkpoint is a damaged one its resume skipped, not one to count
+    pruned = prune_checkpoints(run_dir, keep_last, upto=train_result.get("steps"))
     print(format_summary(end.evals), flush=True)
     unended = [folder.name for folder in pinned_checkpoints(run_dir)]
     if unended:  # saved, but the job ended before rank 0 handed them to the eval scheduler

@@ -276,10 +276,14 @@ def resize_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete unpinned COMPLETE checkpoints older than the newest ``keep_last``; returns them."""
+def prune_checkpoints(run_dir: str | Path, keep_last: int, upto: int | None = None) -> list[Path]:
+    """Delete unpinned COMPLETE checkpoints older than the newest ``keep_last``; returns them. ``upto``: the step a
+    save just published; later ones (a damaged checkpoint the resume skipped) neither count nor go."""
+    found = complete_checkpoints(run_dir)
+    if upto is not None:
+        found = [p for p in found if (parse_step(p.name) or 0) <= upto]
     deleted = []
-    for old in complete_checkpoints(run_dir)[:-keep_last]:
+    for old in found[:-keep_last]:
         if is_pinned(old):
             continue
         # unmark first: an interrupted prune leaves a folder nothing reads

@@ -161,6 +161,20 @@ def test_a_failed_job_of_a_resumed_run_does_not_report_the_earlier_jobs_training
     assert result == {"start_step": 1200, "steps": 1300, "final_loss": 5.1}
 
 
+def test_the_job_end_prunes_up_to_the_step_the_job_ended_at(tmp_path, mlflow_uri):
+    # The job resumed at 1200 past a damaged step-1400 checkpoint and stopped at 1300: keep_last=1 counted the damaged
+    # one as the newest and deleted step 1300's, leaving nothing intact to resume from.
+    from cluster.driver.ledger import JobClock
+    from tracking.runs import create_run
+
+    s1200, s1300, s1400 = _fake_checkpoints(tmp_path, (1200, 1300, 1400))
+    clock = JobClock(time.time() - 60)
+    (tmp_path / "train_result.json").write_text(json.dumps({"job": clock.started, "start_step": 1200, "steps": 1300}))
+    run_id = create_run(mlflow_uri, "resumed", "local_demo", {}, {})
+    assert finish_job(tmp_path, 1, mlflow_uri, run_id, JobEnd("FINISHED", 1.0, {}, clock))
+    assert complete_checkpoints(tmp_path) == [s1300, s1400] and not s1200.exists()
+
+
 def test_keep_last_spares_pinned_checkpoints_until_unpinned(tmp_path):
     s10, s20, s30, s40 = _fake_checkpoints(tmp_path, (10, 20, 30, 40))
     assert pin_checkpoint(s10, "evals pending") and pin_checkpoint(s30, "evals pending") and is_pinned(s10)

@@ -181,3 +181,10 @@ def test_prune_keeps_the_newest_and_pinned_ones(tmp_path):
     assert rf.pinned_checkpoints(tmp_path) == []
     assert rf.prune_checkpoints(tmp_path, keep_last=2) == [f[10]]
     assert not rf.pin_checkpoint(f[20], "evals pending") and not f[20].exists()  # pruned: nothing recreated
+
+
+def test_prune_after_a_save_counts_only_the_checkpoints_up_to_its_step(tmp_path):
+    # A resume that skipped a damaged step-40 checkpoint saves step 20: that save is the newest of its run.
+    f = _folders(tmp_path, complete=(10, 20, 40))
+    assert rf.prune_checkpoints(tmp_path, keep_last=1, upto=20) == [f[10]]
+    assert rf.complete_checkpoints(tmp_path) == [f[20], f[40]]
