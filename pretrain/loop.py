@@ -13,6 +13,7 @@ from pretrain.checkpointer import CheckpointCallback, Checkpointer, PinReason
 from pretrain.config.train_config import TrainConfig
 from pretrain.distributed import Placement, broadcast, init_distributed
 from pretrain.model.flops import train_flops
+from pretrain.model.vit import ViTConfig
 from pretrain.telemetry.attempt_clock import AttemptClock, attempt_path
 from pretrain.telemetry.heartbeat import Heartbeat
 from pretrain.telemetry.metrics import TrainMetrics
@@ -46,19 +47,7 @@ def train_worker(
     trainer = Trainer.start(config, place)
     peak = device_peak(config.logging.peak_tflops, place.device, trainer.precision.precision)
     tracker, created_run, starts = start_tracking(config, trainer, peak)
-    metrics = TrainMetrics(
-        rank=place.rank,
-        world_size=place.world_size,
-        total_steps=trainer.last_step,
-        flops_per_image=train_flops(trainer.model.config),
-        peak_tflops=peak.tflops,
-        device=place.device,
-        log_every=config.logging.log_every,
-        tracker=tracker,
-        progress_bar=config.logging.progress_bar,
-        start_step=trainer.step,
-        images_seen=trainer.images_seen,
-    )
+    metrics = open_metrics(config, trainer, peak.tflops, tracker)
     checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker, pin)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after it draws from the global generators
@@ -71,7 +60,8 @@ def train_worker(
         logged: dict[str, float] = {}
         while trainer.step < trainer.last_step:
             clock.lap("productive")
-            trainer.maybe_switch_resolution(on_switch=beat.busy)
+            if trainer.maybe_switch_resolution(on_switch=beat.busy):
+                metrics.flops_per_image = train_flops(trainer.model.config)
             clock.lap("startup")  # a resolution switch is start-up work
             result = trainer.train_step(recorder)
             step_s = clock.step_done(trainer.step, result.data_s)
@@ -103,6 +93,34 @@ def train_worker(
             finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
     trainer.close()
     return recorder.summary(**trainer.describe(), checkpoints=checkpointer.saved)
+
+
+def open_metrics(config: TrainConfig, trainer: Trainer, peak_tflops: float, tracker: Tracker) -> TrainMetrics:
+    place = trainer.place
+    return TrainMetrics(
+        rank=place.rank,
+        world_size=place.world_size,
+        total_steps=trainer.last_step,
+        flops_per_image=train_flops(trainer.model.config),
+        flops_seen=flops_before(config, trainer.model.config, trainer.step, trainer.plan.global_batch_size),
+        peak_tflops=peak_tflops,
+        device=place.device,
+        log_every=config.logging.log_every,
+        tracker=tracker,
+        progress_bar=config.logging.progress_bar,
+        start_step=trainer.step,
+        images_seen=trainer.images_seen,
+    )
+
+
+def flops_before(config: TrainConfig, model: ViTConfig, step: int, global_batch: int) -> int:
+    """The training FLOPs of steps 0 to ``step`` - 1, each at its resolution (`data.resolution_schedule`)."""
+    sizes = config.data.resolution_schedule or [[0, config.data.image_size]]
+    ends = [start for start, _ in sizes[1:]] + [step]
+    return sum(
+        max(0, min(end, step) - start) * global_batch * train_flops(model, size)
+        for (start, size), end in zip(sizes, ends)
+    )
 
 
 def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer, starts: int) -> None:

@@ -138,11 +138,11 @@ class Trainer:
         """The stream's epoch; right after a step, that step's."""
         return int(self.stream.state_dict()["epoch"])
 
-    def maybe_switch_resolution(self, on_switch: Callable[[str], None] | None = None) -> None:
-        """Switch to this step's image size if it changed, calling ``on_switch("switch")`` first."""
+    def maybe_switch_resolution(self, on_switch: Callable[[str], None] | None = None) -> bool:
+        """Switch to this step's image size if it changed, calling ``on_switch("switch")`` first; whether it did."""
         target = progressive.config_at(self.config, self.step)
         if target.data.image_size == self.current.data.image_size:
-            return
+            return False
         if on_switch is not None:
             on_switch("switch")
         scratch = ckpt.StartPoint("scratch", None)
@@ -154,6 +154,7 @@ class Trainer:
         stream = build_stream(target, self.place, self.num_classes)
         stream.load_state_dict(self.stream.state_dict())
         self.current, self.stream, self._batches = target, stream, None
+        return True
 
     def train_step(self, recorder: Recorder | None = None) -> StepResult:
         """One optimizer step over ``plan.grad_accum_steps`` micro-batches."""

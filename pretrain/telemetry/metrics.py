@@ -50,7 +50,7 @@ class TrainMetrics:
     rank: int
     world_size: int
     total_steps: int
-    flops_per_image: int  # training FLOPs per image
+    flops_per_image: int  # training FLOPs per image at the current resolution (the loop updates it at a switch)
     peak_tflops: float  # per device (`pretrain.telemetry.peak`)
     device: torch.device
     log_every: int = 10
@@ -58,6 +58,8 @@ class TrainMetrics:
     progress_bar: bool = True
     start_step: int = 0
     images_seen: int = 0
+    flops_seen: int | None = None  # training FLOPs before start_step; None: images_seen at flops_per_image
+    _flops: int = 0  # training FLOPs so far
     _window: dict[str, float] = field(default_factory=dict)
     _step_s: list[float] = field(default_factory=list)  # this window's step times and data waits
     _data_s: list[float] = field(default_factory=list)
@@ -65,6 +67,7 @@ class TrainMetrics:
     _unread: list[tuple[int, SupportsFloat, float]] = field(default_factory=list)  # (step, loss, lr) unchecked
 
     def __post_init__(self) -> None:
+        self._flops = self.images_seen * self.flops_per_image if self.flops_seen is None else self.flops_seen
         self._reset_window()
         if self.tracker is not None:
             # a restarted group redoes steps: keep each step's first value
@@ -89,7 +92,7 @@ class TrainMetrics:
 
     def _reset_window(self) -> None:
         now = time.perf_counter()
-        self._window = {"start": now, "images": 0, "data_s": 0.0, "last": now}
+        self._window = {"start": now, "images": 0, "flops": 0.0, "data_s": 0.0, "last": now}
         self._step_s, self._data_s = [], []
 
     def step(
@@ -115,7 +118,9 @@ class TrainMetrics:
         if logs or read:
             self._check_losses()
         self.images_seen += images
+        self._flops += images * self.flops_per_image
         self._window["images"] += images
+        self._window["flops"] += images * self.flops_per_image
         self._window["data_s"] += data_s
         if self._bar is not None:
             self._bar.update(1)
@@ -125,7 +130,7 @@ class TrainMetrics:
             return {}
         elapsed = max(time.perf_counter() - self._window["start"], 1e-9)
         images_per_s = self._window["images"] / elapsed
-        tflops = images_per_s * self.flops_per_image / self.world_size / 1e12  # per device
+        tflops = self._window["flops"] / elapsed / self.world_size / 1e12  # per device
         metrics = {
             keys.LOSS: float(loss),
             keys.LR: lr,
@@ -135,7 +140,7 @@ class TrainMetrics:
             keys.DATA_WAIT: min(1.0, self._window["data_s"] / elapsed),
             keys.MEMORY_GB: memory_gb(self.device),
             keys.IMAGES_SEEN: float(self.images_seen),
-            keys.EXAFLOPS: self.images_seen * self.flops_per_image / 1e18,
+            keys.EXAFLOPS: self._flops / 1e18,
         }
         if grad_norm is not None and math.isfinite(float(grad_norm)):
             metrics[keys.GRAD_NORM] = float(grad_norm)
