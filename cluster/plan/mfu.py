@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config.typed_yaml import read_yaml
-from pretrain.telemetry.peak import GPU_PEAK_TFLOPS
+from pretrain.telemetry.peak import GPU_PEAK_TFLOPS, known_gpu
 
 MFU_FILE = Path(__file__).resolve().parents[1] / "mfu.yaml"
 MFU_FILE_ENV = "VITSCALE_MFU_FILE"
@@ -24,7 +24,7 @@ def mfu_file() -> Path:
 
 def gpu_kind(name: str) -> str:
     """ "NVIDIA H200" -> "H200" (a `GPU_PEAK_TFLOPS` key), else the name itself."""
-    return next((fragment for fragment in GPU_PEAK_TFLOPS if fragment in name), name.strip())
+    return known_gpu(name) or name.strip()
 
 
 def same_peak_kinds(kind: str) -> list[str]:

@@ -7,6 +7,7 @@ GEMM, measured once per CPU, torch version, threads and precision, cached in ``$
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +40,17 @@ def cache_path() -> Path:
     return cache_dir() / "gemm_peak.json"
 
 
+def known_gpu(name: str) -> str | None:
+    """The `GPU_PEAK_TFLOPS` key a device name holds ("NVIDIA H100 80GB HBM3" -> "H100"), None for an unknown one;
+    a key followed by a letter or digit is another GPU ("L4" is not "NVIDIA L40S")."""
+    return next((k for k in GPU_PEAK_TFLOPS if re.search(re.escape(k) + r"(?![0-9A-Za-z])", name)), None)
+
+
 def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
     """The datasheet peak of a GPU by name; None for an unknown one."""
     kind = "bf16" if precision == "bf16" else ("tf32" if tf32 else "fp32")
-    for fragment, peaks in GPU_PEAK_TFLOPS.items():
-        if fragment in name:
-            return Peak(peaks[kind], f"{fragment} dense {kind} peak (datasheet)")
-    return None
+    fragment = known_gpu(name)
+    return Peak(GPU_PEAK_TFLOPS[fragment][kind], f"{fragment} dense {kind} peak (datasheet)") if fragment else None
 
 
 def gemm_tflops(

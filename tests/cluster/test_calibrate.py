@@ -74,6 +74,7 @@ def test_the_shipped_table_is_the_committed_campaigns_and_the_kinds_are_the_data
     assert all(set(kinds) == {"H200"} for kinds in shipped.values())
     assert [gpu_kind(n) for n in ("NVIDIA H200", "H100-SXM5-80GB", "A100-SXM4-80GB")] == ["H200", "H100", "A100"]
     assert gpu_kind(" Some New GPU ") == "Some New GPU"
+    assert gpu_kind("NVIDIA L40S") == "NVIDIA L40S"  # not the L4's measurements
     assert mfu.same_peak_kinds("H100") == ["H200"] and mfu.same_peak_kinds("A100") == []
 
 

@@ -22,6 +22,13 @@ def test_gpu_peaks_follow_the_precision():
     assert all(p["bf16"] > p["tf32"] > p["fp32"] for p in GPU_PEAK_TFLOPS.values())
 
 
+def test_a_gpu_named_after_a_shorter_one_is_not_given_its_peak():
+    # "L4" is in "NVIDIA L40S" (362 dense bf16 TFLOP/s, not the L4's 121): its MFU read 3x too high
+    assert gpu_peak("NVIDIA L40S", "bf16") is None and gpu_peak("NVIDIA L40", "fp32") is None
+    assert gpu_peak("NVIDIA L4", "bf16").tflops == 121.0
+    assert gpu_peak("NVIDIA GH200 480GB", "bf16").tflops == 989.0  # a Hopper GPU: the H100's and H200's peak
+
+
 def test_cpu_peak_is_measured_once_per_precision_and_cached(tmp_path, monkeypatch, one_torch_thread):
     monkeypatch.setenv("VITSCALE_CACHE", str(tmp_path))
     first = cpu_peak("fp32", threads=1)
