@@ -23,7 +23,8 @@ from pretrain.model.resnet import GN_GROUPS, stem_out_channels, stem_stride
 from pretrain.model.vit import VisionTransformer, ViTConfig
 from pretrain.weights import source as weights_source
 from pretrain.weights.export import is_hf_folder, read_hf_folder
-from pretrain.weights.hf import from_hf_state_dict, hf_config, to_hf_state_dict
+from pretrain.weights.hf import config_from_hf_dict, from_hf_state_dict, hf_config, to_hf_state_dict
+from pretrain.weights.source import HF_CONFIG
 
 __all__ = [
     "from_hf_state_dict",
@@ -360,9 +361,11 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
 
 
 def recorded_config(folder: Path) -> ViTConfig | None:
-    """The architecture a weights or checkpoint folder's ``model.json`` records; None when absent or unreadable (the
-    load that follows says what is wrong)."""
+    """The architecture a weights or checkpoint folder's ``model.json`` (an HF folder's ``config.json``) records; None
+    when absent or unreadable (the load that follows says what is wrong)."""
     try:
+        if is_hf_folder(folder) and not (folder / CONFIG_FILE).exists():
+            return config_from_hf_dict(json.loads((folder / HF_CONFIG).read_text()))
         return ViTConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
     except (OSError, ValueError, TypeError):
         return None
@@ -426,12 +429,15 @@ def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
 
 
 def load_pretrained(directory: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:
-    """Load what `save_pretrained` wrote; `image_size` and overrides as in `load_npz`."""
+    """Load what `save_pretrained` wrote, or an HF ViT folder; `image_size` and overrides as in `load_npz`."""
     directory = Path(directory)
     if not directory.is_dir():
         if directory.exists():
             raise ValueError(f"{directory} is a file, not a folder; pass the folder that holds {WEIGHTS_FILE}")
         raise FileNotFoundError(f"no weights folder at {directory}; check the path")
+    if is_hf_folder(directory) and not (directory / CONFIG_FILE).exists():  # an export, as `checkpoint.init_from`
+        config, state = read_hf_folder(directory)
+        return _finish(config, state, directory, image_size, overrides)
     for name in (WEIGHTS_FILE, CONFIG_FILE):
         if not (directory / name).is_file():
             raise FileNotFoundError(

@@ -300,3 +300,28 @@ def test_model_compile_without_a_compiler_is_refused_before_any_work(monkeypatch
     monkeypatch.delenv("CXX")
     if shutil.which("g++"):
         config.validate(2)
+
+
+def test_init_from_a_transformers_folder_loads_and_its_architecture_is_checked_at_load(tmp_path):
+    """An exported HF folder is a weights source like the others (docs/contracts.md, "Resume"): validation accepted
+    it, and then every rank failed on its missing model.json."""
+    import torch
+
+    from pretrain.checkpointer import init_weights
+    from pretrain.model.vit import build_model
+    from pretrain.weights.export import save_hf
+
+    torch.manual_seed(0)
+    trained = build_model("vit_tiny_debug", num_classes=4).eval()
+    for p in trained.parameters():
+        p.data.normal_(std=0.1)
+    save_hf(trained, tmp_path / "hf")
+    config = load_config("local_demo", [f"checkpoint.init_from={tmp_path / 'hf'}", "model.name=vit_s16"])
+    with pytest.raises(ValueError, match=r"init_from=.*hf: its weights are of another architecture .*patch_size 4"):
+        config.validate(2)
+    load_config("local_demo", [f"checkpoint.init_from={tmp_path / 'hf'}"]).validate(2)
+
+    model = build_model("vit_tiny_debug", num_classes=4).eval()
+    assert init_weights(model, tmp_path / "hf", 32) == []  # every tensor copied
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model(images), trained(images), rtol=0, atol=0)
