@@ -17,7 +17,9 @@ from data_pipeline.cli import at_least, positive
 Decay = Literal["linear", "cosine", "constant"]  # schedule.decay
 DECAYS: tuple[str, ...] = typing.get_args(Decay)
 Duration = int | str  # optimizer steps, or with a unit: "90ep", "1.2e6img", "500st"
-_DURATION = re.compile(r"^\s*([0-9][0-9_.]*(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$")
+_DURATION = re.compile(
+    r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][+-]?[0-9]+)?)\s*(st|steps?|ep|epochs?|img|images?)?\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ def duration_to_steps(
                 "or images ('1.2e6img')"
             )
         amount, unit = float(match.group(1).replace("_", "")), (match.group(2) or "st")
+        if not math.isfinite(amount):
+            raise ValueError(f"{field}={duration!r} is not a finite duration; write steps, epochs or images")
         if unit.startswith("ep"):
             if not epoch_images:
                 raise ValueError(

@@ -39,6 +39,13 @@ class MPPConfig:
     color_bits: int = 3  # per channel of the predicted mean colour
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # task.options are untyped YAML: 5e-1 is a string there
+            value, integer = getattr(self, f.name), f.type == "int"
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                hint = "; YAML reads numbers like 5e-1 as text: write 0.5" if isinstance(value, str) else ""
+                raise ValueError(
+                    f"task.options.{f.name}={value!r} must be {'an integer' if integer else 'a number'}{hint}"
+                )
         if not 0.0 < self.corrupt_fraction <= 1.0:
             raise ValueError(f"task.options.corrupt_fraction must be in (0, 1], got {self.corrupt_fraction}")
         if self.mask_fraction < 0 or self.random_fraction < 0 or self.mask_fraction + self.random_fraction > 1:

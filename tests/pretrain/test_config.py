@@ -105,6 +105,8 @@ BAD = [
     (["checkpoint.dir="], r"checkpoint\.dir is empty; set it to the run folder"),
     (["schedule.decay=exponential"], r"schedule\.decay='exponential' is unknown; use one of linear, cosine"),
     (["schedule.total=90days"], r"schedule\.total='90days' is not a duration; write steps"),
+    (["schedule.total=1.2.3ep"], r"schedule\.total='1\.2\.3ep' is not a duration; write steps"),
+    (["schedule.total=1e400"], r"schedule\.total='1e400' is not a finite duration"),
     (["schedule.end_lr=1.0"], r"schedule\.end_lr=1\.0 must be in \[0, optim\.lr=0\.003\]"),
     (["optim.beta2=1.0"], r"optim\.beta2=1\.0 must be in \[0, 1\); the paper uses 0\.9 / 0\.999"),
     (["optim.lr=nan"], r"optim\.lr must be a finite number, got nan"),

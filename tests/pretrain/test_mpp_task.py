@@ -182,3 +182,17 @@ def test_classification_mpp_options_and_model():
         check_config(LossConfig(), TaskConfig("classification_mpp", {"weight": 1.0}))
     with pytest.raises(ValueError, match="needs a head"):
         ClassificationWithMPP(build_model("vit_tiny_debug", num_classes=0), MPPConfig())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"corrupt_fraction": "5e-1"}, {"mask_fraction": None}, {"random_fraction": "x"}, {"color_bits": 2.5}],
+    ids=["yaml-string-exponent", "null", "text", "fractional-bits"],
+)
+def test_mpp_options_of_the_wrong_type_are_refused_naming_the_option(options):
+    """YAML reads ``5e-1`` as a string: a recipe's option of the wrong type is one clear error before any work, not a
+    TypeError in every rank's task build."""
+    (name,) = options
+    for task in ("mpp", "classification_mpp"):
+        with pytest.raises(ValueError, match=rf"task\.options\.{name}=.* must be"):
+            check_config(LossConfig(), TaskConfig(task, dict(options)))
