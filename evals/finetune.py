@@ -38,7 +38,7 @@ class FinetuneOptions:
     lr_grid: tuple[float, ...] = (0.003, 0.01, 0.03)
     warmup_steps: int = 50
     momentum: float = 0.9
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global-norm clip; 0: none (as the recipe's optim.grad_clip)
     holdout_fraction: float = 0.1  # held out of train to choose the lr (without train_examples)
     train_examples: int | None = None  # VTAB-1k: 800, one seeded draw with val; None: all of train
     val_examples: int | None = None  # VTAB-1k: 200
@@ -64,6 +64,8 @@ class FinetuneOptions:
             raise ValueError(f"holdout_fraction must be in (0, 1); got {self.holdout_fraction}")
         if self.warmup_steps < 0 or self.crop_padding < 0:
             raise ValueError("warmup_steps and crop_padding must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0: no clipping); got {self.grad_clip}")
         if (self.train_examples is None) != (self.val_examples is None):
             raise ValueError(
                 f"set train_examples and val_examples together (VTAB-1k: 800 and 200), or neither; got "
@@ -204,7 +206,8 @@ def train_classifier(
         optimizer.zero_grad(set_to_none=True)
         y = targets[idx].to(device)
         loss = _accumulate_gradients(model, x, y, opts.micro_batch_size, dtype, f"step {step} (lr={lr})")
-        torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
+        if opts.grad_clip:  # max_norm 0 would zero every gradient
+            torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
         optimizer.step()
         schedule.step()
         if measure is not None and step + 1 in measure_at:
@@ -279,6 +282,7 @@ def select_lr_and_evaluate(
         val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
         if log is not None:
             log(f"finetune: lr={lr:g} held-out accuracy {val_scores[float(lr)]:.4f}")
+        del model  # with its gradients, before the next run's: one fine-tuned model on the device at a time
     best_lr = max(sorted(val_scores), key=lambda lr: val_scores[lr])  # max keeps the first (smallest) of ties
     full = torch.cat([train[0], val[0]]), np.concatenate([train[1], val[1]])
 

@@ -40,6 +40,31 @@ def test_a_streamed_test_split_scores_as_the_split_in_memory(eval_data_root, one
     assert accuracy_over(model, streamed) == accuracy(model, images, labels, batch_size=64)
 
 
+def test_one_fine_tuned_model_is_alive_at_a_time():
+    """Each lr run's model, with its gradients, is gone before the next run makes its own: on a GPU two would hold
+    8 bytes per parameter more than the plan's 12 (weights, gradients, momentum: docs/vtab.md)."""
+    import gc
+    import weakref
+
+    from evals.finetune import select_lr_and_evaluate
+
+    gen = torch.Generator().manual_seed(0)
+    pixels, labels = torch.randint(0, 256, (24, 3, 32, 32), dtype=torch.uint8, generator=gen), np.arange(24) % 3
+    made, alive_at_make = [], []
+
+    def make_model():
+        gc.collect()  # what stays alive is referenced, not merely uncollected
+        alive_at_make.append(sum(ref() is not None for ref in made))
+        model = build_model("vit_tiny_debug")
+        made.append(weakref.ref(model))
+        return model
+
+    opts = FinetuneOptions(steps=2, batch_size=8, warmup_steps=1, lr_grid=(0.01, 0.03, 0.1))
+    train, val = (pixels[:16], labels[:16]), (pixels[16:], labels[16:])
+    select_lr_and_evaluate(make_model, train, val, [(pixels, labels)], num_classes=3, opts=opts)
+    assert alive_at_make == [0, 0, 0, 0]  # three lr runs and the final one
+
+
 def test_drawn_uint8_images_train_and_score_as_the_float_split(eval_data_root, one_torch_thread):
     """The VTAB draw read in as uint8 converts to the float split's rows exactly; fine-tuning on it (crops and
     flips on) ends in the same parameters, and the held-out accuracy is the same."""

@@ -124,3 +124,14 @@ def test_the_options_load_from_suite_yaml(tmp_path):
     assert spec.options == FinetuneOptions(
         batch_size=64, micro_batch_size=16, precision="fp32", activation_checkpointing=True
     )
+
+
+def test_grad_clip_zero_disables_clipping_and_a_negative_one_is_refused():
+    # As the recipe's optim.grad_clip (and DeepSpeed's gradient_clipping): 0 means no clipping. clip_grad_norm_ with
+    # max_norm 0 zeroes every gradient (the model never moves from its zero head), a negative one reverses them.
+    unclipped = _finetune(replace(OPTS, grad_clip=1e9))
+    off = _finetune(replace(OPTS, grad_clip=0.0))
+    assert _max_diff(off[0], unclipped[0]) == 0.0 and off[3] == unclipped[3]
+    assert _max_diff(off[0], _finetune(OPTS)[0]) > 0  # the default clip at 1 does act on this run
+    with pytest.raises(ValueError, match=r"grad_clip must be >= 0 \(0: no clipping\); got -1.0"):
+        FinetuneOptions(grad_clip=-1.0)
