@@ -246,9 +246,16 @@ def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None
 
 
 def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
-    """`extract_features` with the context's model, device and cache and the entry's sizes."""
+    """`extract_features` with the context's model, device and cache and the entry's sizes; at another
+    ``image_size``, a copy resized to it (position embeddings interpolated), loaded once per size."""
+    model = ctx.model
+    if opts.image_size is not None and opts.image_size != model.config.image_size:
+        key = ("resized model", int(opts.image_size))
+        if key not in ctx.feature_cache:
+            ctx.feature_cache[key] = ctx.load_model(image_size=int(opts.image_size)).eval().to(ctx.device)
+        model = ctx.feature_cache[key]
     return extract_features(
-        ctx.model,
+        model,
         split_dir,
         image_size=opts.image_size,
         resize_size=opts.resize_size,

@@ -266,6 +266,9 @@ def _check_options(random_init_seed: int | None, mlflow_run_id: str | None, num_
         raise ValueError(f"device={device!r} is not a device name; use cpu or cuda (cuda:N for one GPU of several)")
     if device not in (None, "cpu") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} is not available here; use cpu (or cuda on a machine with a GPU)")
+    if device not in (None, "cpu") and int(str(device).partition(":")[2] or 0) >= (count := torch.cuda.device_count()):
+        gpus = f"{count} GPU{'s' * (count > 1)} (cuda:0{f'..cuda:{count - 1}' if count > 1 else ''})"
+        raise ValueError(f"device={device!r} is not available here: this machine has {gpus}; use one of them, or cpu")
 
 
 def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:

@@ -25,7 +25,7 @@ class EvaluatorType:
 
 
 EVALUATORS: dict[str, EvaluatorType] = {
-    "fewshot": EvaluatorType(fewshot.FewshotOptions, fewshot.evaluate),
+    "fewshot": EvaluatorType(fewshot.FewshotOptions, fewshot.evaluate, resolutions=("image_size",)),
     "finetune": EvaluatorType(finetune.FinetuneOptions, finetune.evaluate, resolutions=("image_size",)),
     "vtab": EvaluatorType(vtab.VtabOptions, vtab.evaluate, resolutions=("image_size",)),
     "inspect": EvaluatorType(inspection.InspectConfig, inspection.evaluate),

@@ -97,6 +97,22 @@ def aggregate(scores: dict[str, float | None], tasks: dict[str, VtabTask], prefi
     return out
 
 
+# FinetuneOptions that type: vtab does not read, and what it reads instead.
+_DRAW = "its own train_examples and val_examples draw train800/val200"
+_UNUSED_FINETUNE = {
+    "datasets": "it fine-tunes on its tasks",
+    "train_split": "it reads <task>/train and <task>/test",
+    "test_split": "it reads <task>/train and <task>/test",
+    "image_size": "set the entry's own image_size",
+    "resize_size": "set the entry's own resize_size",
+    "train_examples": _DRAW,
+    "val_examples": _DRAW,
+    "holdout_fraction": _DRAW,
+    "max_train_examples": _DRAW,
+    "eval_steps": "use type: finetune for a learning curve",
+}
+
+
 @dataclass(frozen=True)
 class VtabOptions:
     benchmark: str = "vtab1k"  # vtab1k (the 19 real tasks) | ci (offline built-ins)
@@ -127,11 +143,11 @@ class VtabOptions:
         if not self.l2_grid or any(l2 <= 0 for l2 in self.l2_grid):
             raise ValueError(f"l2_grid must be non-empty positive l2 strengths; got {list(self.l2_grid)}")
         check_sizes(self)
-        ft = self.finetune
-        if ft.train_examples is not None or ft.eval_steps:
+        unused = [name for name in _UNUSED_FINETUNE if getattr(self.finetune, name) != getattr(FinetuneOptions, name)]
+        if unused:
             raise ValueError(
-                "finetune.train_examples/val_examples/eval_steps are not used by type: vtab (its own train_examples "
-                "and val_examples draw train800/val200); drop them, or use type: finetune for a learning curve"
+                f"finetune.{unused[0]} is not used by type: vtab ({_UNUSED_FINETUNE[unused[0]]}); drop it from the "
+                "finetune block"
             )
 
 

@@ -316,6 +316,29 @@ def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, checkpoint, tmp_path)
 
 
 @pytest.mark.timeout(300)
+def test_fewshot_and_the_linear_probe_at_another_resolution_use_the_resized_model(data_root, checkpoint, tmp_path):
+    # image_size resizes the model for frozen features too (position embeddings interpolated, docs/contracts.md), as
+    # the plan prices them; it was fed 48 px images into the 32 px model, which refused them mid-suite.
+    from evals.features import extract_features
+    from evals.fewshot import fewshot_table
+    from pretrain.weights.formats import load_model
+
+    body = (
+        "  - type: fewshot\n    datasets: [digits]\n    shots: [2]\n    seeds: [0]\n    image_size: 48\n"
+        "  - type: vtab\n    benchmark: ci\n    tasks: [digits]\n    image_size: 48\n"
+        "    train_examples: 80\n    val_examples: 20\n"
+    )
+    suite = write_suite(tmp_path, "resized", body)
+    rows = {r["metric"]: r for r in run_suite(checkpoint, suite, data_root=data_root, out=tmp_path).to_pylist()}
+    assert rows["vtab/digits"]["status"] == "ok" and 0.0 <= rows["vtab/digits"]["value"] <= 1.0
+    resized = load_model(checkpoint, image_size=48)
+    train = extract_features(resized, data_root / "digits" / "train")
+    test = extract_features(resized, data_root / "digits" / "test")
+    table = fewshot_table({"digits": (*train[:2], *test[:2], 10)}, [2], [0], [1024.0])
+    assert rows["fewshot/digits/2shot"]["value"] == table["digits"][2][1024.0][0]
+
+
+@pytest.mark.timeout(300)
 def test_vtab_over_present_and_missing_tasks(data_root, checkpoint, tmp_path):
     # A VTAB root holding two of the 19 tasks: the built-in digits stands in for SVHN (10 classes) and the
     # built-in dsprites_loc has VTAB's 16 x-position bins. Everything else must be reported missing.
@@ -366,6 +389,21 @@ def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
     many = write_suite(tmp_path, "many", "  - type: fewshot\n    datasets: [digits]\n    shots: [500]\n")
     with pytest.raises(ValueError, match="500-shot needs 500 training examples per class"):
         run_suite(checkpoint, many, data_root=data_root, out=tmp_path / "o")
+
+
+def test_a_gpu_index_the_machine_lacks_is_refused_before_any_work(checkpoint, tmp_path, capsys, monkeypatch):
+    # --device cuda:N past the last visible GPU passed the check and failed later in model.to() with torch's
+    # "invalid device ordinal" traceback. Here: a one-GPU machine as torch reports it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    lines, out = [], tmp_path / "out"
+    expected = "device='cuda:1' is not available here: this machine has 1 GPU (cuda:0); use one of them, or cpu"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        run_suite(checkpoint, "local_fewshot", data_root=tmp_path / "data", out=out, device="cuda:1", log=lines.append)
+    assert lines == [] and not out.exists()
+    args = ["--checkpoint", str(checkpoint), "--suite", "local_fewshot", "--data-root", str(tmp_path / "data")]
+    assert main([*args, "--device", "cuda:1"]) == 2
+    assert capsys.readouterr().err == f"python -m evals.run: error: {expected}\n"
 
 
 def test_cli_reports_errors_in_one_line(checkpoint, data_root, tmp_path, capsys, mlflow_uri):
@@ -716,8 +754,9 @@ def test_resolution_must_be_a_multiple_of_the_patch_size():
     [
         "  - type: finetune\n    name: ft\n    datasets: [digits]\n    image_size: 30\n",
         "  - type: vtab\n    name: ft\n    benchmark: ci\n    protocol: finetune\n    image_size: 30\n",
+        "  - type: fewshot\n    name: ft\n    datasets: [digits]\n    image_size: 30\n",
     ],
-    ids=["finetune", "vtab"],
+    ids=["finetune", "vtab", "fewshot"],
 )
 def test_a_resolution_off_the_patch_grid_is_refused_before_any_work(checkpoint, tmp_path, capsys, entry):
     # vit_tiny_debug has 4-pixel patches. The few-shot entry first would generate digits under the empty root.

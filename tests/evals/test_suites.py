@@ -63,6 +63,12 @@ FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n"
         ),
         ("  - type: finetune\n    eval_steps: [5, 5]\n", r"eval_steps must be distinct steps"),
         ("  - type: vtab\n    finetune: {eval_steps: [5]}\n", r"not used by type: vtab"),
+        # The fine-tuning block's sizes and data were silently ignored: the run went at the checkpoint's resolution.
+        (
+            "  - type: vtab\n    protocol: finetune\n    finetune: {image_size: 384}\n",
+            r"finetune\.image_size is not used by type: vtab .*entry's own image_size",
+        ),
+        ("  - type: vtab\n    finetune: {datasets: [dtd]}\n", r"finetune\.datasets is not used by type: vtab"),
         ("  - type: inspect\n    num_images: 2\n    num_rollout_images: 3\n", r"num_rollout_images \(3\) must be ≤"),
     ],
 )
