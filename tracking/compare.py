@@ -16,7 +16,7 @@ from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
-from tracking.store import command_line_uri, default_store_help, sqlite_path, unanswered
+from tracking.store import command_line_uri, default_store_help, failing_calls, sqlite_path, unanswered
 
 PROG = "python -m tracking.compare"
 
@@ -90,6 +90,10 @@ def _compare(args: argparse.Namespace, kept: list[str]) -> int:
     from mlflow import MlflowClient  # heavy: only after the checks above
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
+
+    failing = failing_calls(uri)  # one call: MLflow retries a 5xx for minutes
+    if failing:
+        return fail(PROG, f"the MLflow server at {uri} answers /health but {failing}; check its database and its log")
 
     try:
         client = MlflowClient(tracking_uri=uri)

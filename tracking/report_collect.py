@@ -194,6 +194,20 @@ def _int_tag(value: str | None) -> int | None:
     return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
 
+def _newest_runs(client, experiment_ids: list[str]) -> list:
+    """The newest `MAX_RUNS` + 1 runs that are not comparison runs, which each `make compare` adds: read page by page,
+    so that they do not take the places of the runs compared."""
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            experiment_ids, max_results=MAX_RUNS + 1, order_by=["start_time DESC"], page_token=token
+        )
+        runs += [r for r in page if r.data.tags.get(keys.KIND) != COMPARISON_KIND]
+        token = page.token
+        if len(runs) > MAX_RUNS or not token:
+            return runs
+
+
 def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: tuple[str, ...] = ()) -> Comparison:
     """Summarize runs by id, by experiment, or all; ValueError on a bad name."""
     from mlflow.exceptions import MlflowException  # heavy
@@ -219,7 +233,7 @@ def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: t
                     "Pass one of them with --experiment (make compare EXPERIMENT=...), or omit it to compare all runs."
                 )
             ids, title = [found.experiment_id], f"experiment {experiment}"
-        runs = client.search_runs(ids, max_results=MAX_RUNS + 1, order_by=["start_time DESC"]) if ids else []
+        runs = _newest_runs(client, ids) if ids else []
     runs = [r for r in runs if r.data.tags.get(keys.KIND) != COMPARISON_KIND]
     if len(runs) > MAX_RUNS and not run_ids:
         notes.append(f"only the newest {MAX_RUNS} runs are shown; select runs with --runs or --experiment")

@@ -185,6 +185,38 @@ def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
         connection.close()
 
 
+def failing_calls(tracking_uri: str | None) -> str:
+    """Why a server that answers ``/health`` fails MLflow's calls (HTTP 5xx, as when its database is down) or sends
+    no answer to one within `PROBE_TIMEOUT_S`; "" when the call succeeds or is refused otherwise (MLflow's own calls
+    say how), and for no server. One call, without MLflow's retries of a 5xx, which last minutes."""
+    if urllib.parse.urlsplit(tracking_uri or "").scheme not in ("http", "https"):
+        return ""
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    endpoint = "/api/2.0/mlflow/experiments/search"
+    try:
+        response = http_request(
+            get_default_host_creds(tracking_uri),
+            endpoint,
+            "POST",
+            max_retries=0,
+            timeout=PROBE_TIMEOUT_S,
+            raise_on_status=False,
+            json={"max_results": 1},
+        )
+    except Exception as error:  # noqa: BLE001 — no answer in time, or the connection failed
+        return f"fails a call to {endpoint} ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+    if response.status_code < 500:
+        return ""
+    try:
+        message = str(response.json().get("message", ""))
+    except ValueError:
+        message = response.text
+    message = " ".join(message.split())[:200]
+    return f"fails its calls (HTTP {response.status_code} {response.reason}{': ' + message if message else ''})"
+
+
 def mark_failing(tracking_uri: str | None) -> None:
     """A call to ``tracking_uri`` failed in this process: kept from the first failure until a send succeeds."""
     FAILING_SINCE.setdefault(tracking_uri or "", time.monotonic())
@@ -243,3 +275,4 @@ def lifecycle_stage(tracking_uri: str | None, run_id: str) -> str:
     creds = get_default_host_creds(tracking_uri)
     response = http_request(creds, endpoint, "GET", max_retries=0, timeout=PROBE_TIMEOUT_S, params={"run_id": run_id})
     return verify_rest_response(response, endpoint).json()["run"]["info"]["lifecycle_stage"]
+

@@ -395,3 +395,64 @@ def test_a_server_that_does_not_answer_is_one_line_in_seconds(tmp_path, capsys, 
         and err.count("\n") == 1
     )
     assert err.endswith("; start it or fix --tracking-uri\n") and not (tmp_path / "reports").exists()
+
+
+def test_comparison_runs_do_not_crowd_out_the_runs_compared(store, monkeypatch):
+    """Each `make compare` adds a comparison run to the experiment. The newest MAX_RUNS + 1 runs were read and the
+    comparison runs dropped after: newer comparison runs pushed training runs out of the report, without the note
+    that runs were left out (here, every training run)."""
+    from tracking import report_collect
+
+    uri, _, _ = store
+    monkeypatch.setattr(report_collect, "MAX_RUNS", 2)
+    trained = [create_run(uri, "crowded", f"train-{n}", {}, run_tags("r", "vit_s16", 2)) for n in range(3)]
+    for n in range(3):
+        create_run(uri, "crowded", f"compare-{n}", {}, {keys.KIND: report_collect.COMPARISON_KIND})
+    comparison = collect(_client(uri), uri, experiment="crowded")
+    assert [r.run_id for r in comparison.runs] == trained[1:]  # the newest two, oldest first
+    assert comparison.notes == ("only the newest 2 runs are shown; select runs with --runs or --experiment",)
+
+
+@pytest.mark.timeout(90)
+def test_a_server_whose_calls_fail_is_one_line_in_seconds(tmp_path, capsys, monkeypatch):
+    """A server that answers /health while every call fails (its database down: MLflow answers 500): MLflow's own
+    retries of each call kept the command silent for ~250 s, and its error then suggested another --tracking-uri.
+    One call is tried first, without retries."""
+    import http.server
+    import threading
+    import time
+
+    class DatabaseDown(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.endswith("/health"):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"OK")
+                return
+            body = b'{"error_code": "INTERNAL_ERROR", "message": "(sqlite3.OperationalError) unable to open database"}'
+            self.send_response(500)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)  # MLflow's default retries, as a user has
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DatabaseDown)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_port}"
+    started = time.monotonic()
+    try:
+        assert main(["--tracking-uri", uri, "--out", str(tmp_path / "reports")]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m tracking.compare: error: the MLflow server at {uri} answers /health but ")
+    assert "HTTP 500" in err and "unable to open database" in err and err.count("\n") == 1
+    assert not (tmp_path / "reports").exists()
