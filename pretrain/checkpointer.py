@@ -41,7 +41,8 @@ from pretrain.weights.formats import (
     recorded_config,
     save_pretrained,
 )
-from tracking.tracker import Tracker, flatten_config
+from tracking.store import flatten_config
+from tracking.tracker import Tracker
 
 
 @dataclass(frozen=True)

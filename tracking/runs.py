@@ -20,6 +20,7 @@ from tracking import keys
 from tracking.store import (
     default_artifact_location,
     default_tracking_uri,
+    flatten_config,
     missing_run,
     pending_run_ref,
     recorded_run_id,
@@ -27,7 +28,7 @@ from tracking.store import (
     spool_dir,
     unanswered,
 )
-from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker, flatten_config
+from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker
 
 RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch continues
 # A job's start waits this long for MLflow to create its run, then trains without it (MLflow's retries last minutes).
@@ -121,7 +122,8 @@ def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int
     paths = sorted(folder.glob("*.json"))
     for index, path in enumerate(paths):
         payload = json.loads(path.read_text())
-        tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0)
+        # Not spooled again on failure: the file stays, and says what was not sent.
+        tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0, spool=False)
         count = tracker.restore(payload)
         tracker.close(timeout_s)
         if tracker.pending:

@@ -1,6 +1,6 @@
 """Where a run's records live: the tracking URI's defaults, whether its server answers (and for a run), which URIs
 failed a call in this process, and the run record (``mlflow_run.json``) and spool that a job's processes share while
-MLflow has not created the run (docs/design.md, "Tracking at a job's start").
+MLflow has not created the run (docs/design.md, "Tracking at a job's start"); a config as MLflow's params take it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import shutil
 import ssl
 import time
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +277,30 @@ def lifecycle_stage(tracking_uri: str | None, run_id: str) -> str:
     response = http_request(creds, endpoint, "GET", max_retries=0, timeout=PROBE_TIMEOUT_S, params={"run_id": run_id})
     return verify_rest_response(response, endpoint).json()["run"]["info"]["lifecycle_stage"]
 
+
+# MLflow's limits of a param (mlflow.utils.validation): one over fails the whole batch.
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_KEY_LENGTH = 250
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"optim": {"lr": 1e-3}} -> {"optim.lr": "0.001"}``; long values truncated, a too-long key ``ValueError``."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_config(value, prefix=f"{name}."))
+            continue
+        if isinstance(value, (list, tuple)):
+            text = json.dumps(list(value), default=str)
+        elif isinstance(value, Mapping):
+            text = "{}"
+        else:
+            text = str(value)
+        if len(name) > MAX_KEY_LENGTH:
+            raise ValueError(f"config key {name!r} is longer than MLflow's {MAX_KEY_LENGTH}-character limit")
+        if len(text) > MAX_PARAM_VALUE_LENGTH:
+            marker = f"...[truncated, {len(text)} chars]"
+            text = text[: MAX_PARAM_VALUE_LENGTH - len(marker)] + marker
+        flat[name] = text
+    return flat

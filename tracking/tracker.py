@@ -24,6 +24,7 @@ from tracking.store import (
     DELIVER_COMMAND,
     PENDING_RUN,
     default_tracking_uri,
+    flatten_config,
     read_run_record,
     recorded_run_id,
     spool_copies,
@@ -35,9 +36,7 @@ from tracking.store import (
 logger = logging.getLogger(__name__)
 
 
-# MLflow's limits (mlflow.utils.validation): one value over fails the whole batch.
-MAX_PARAM_VALUE_LENGTH = 6000
-MAX_KEY_LENGTH = 250
+# MLflow's limits (mlflow.utils.validation; a param's: tracking.store): one over fails the whole batch.
 MAX_PARAMS_TAGS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 
@@ -55,29 +54,6 @@ PENDING_CLOSE_S = 3.0
 # server does not answer or fails a request for the run, waits this long at most: MLflow's own retries of such a
 # server last minutes, and a job's end closes several.
 UNANSWERED_CLOSE_S = 10.0
-
-
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"optim": {"lr": 1e-3}} -> {"optim.lr": "0.001"}``; long values truncated, a too-long key ``ValueError``."""
-    flat: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_config(value, prefix=f"{name}."))
-            continue
-        if isinstance(value, (list, tuple)):
-            text = json.dumps(list(value), default=str)
-        elif isinstance(value, Mapping):
-            text = "{}"
-        else:
-            text = str(value)
-        if len(name) > MAX_KEY_LENGTH:
-            raise ValueError(f"config key {name!r} is longer than MLflow's {MAX_KEY_LENGTH}-character limit")
-        if len(text) > MAX_PARAM_VALUE_LENGTH:
-            marker = f"...[truncated, {len(text)} chars]"
-            text = text[: MAX_PARAM_VALUE_LENGTH - len(marker)] + marker
-        flat[name] = text
-    return flat
 
 
 @dataclass(frozen=True)
@@ -120,7 +96,7 @@ class Tracker:
     MLflow sender"); a failed send warns (rate limited), keeps up to ``max_buffered`` metrics and retries, backing off
     to ``max_backoff_s``. A pending ``run_id`` is resolved from its record; a logged value equal to it is sent as the
     run's id. What close() cannot send waits in the spool of the run's record (a pending run's, or ``record`` where it
-    names the run) for `tracking.runs.send_spooled`."""
+    names the run) for `tracking.runs.send_spooled`; ``spool=False`` (a spool file's sender) keeps it buffered."""
 
     def __init__(
         self,
@@ -134,6 +110,7 @@ class Tracker:
         max_backoff_s: float = 60.0,
         send_every_s: float = 1.0,
         record: Path | str | None = None,
+        spool: bool = True,
     ) -> None:
         self.rank = _rank_from_env() if rank is None else rank
         self.enabled = bool(enabled and run_id and self.rank == 0)
@@ -141,6 +118,7 @@ class Tracker:
         self.run_id = run_id
         self._placeholder = run_id if run_id and run_id.startswith(PENDING_RUN) else None  # until run_id is real
         self._record = self._placeholder[len(PENDING_RUN) :] if self._placeholder else record
+        self._may_spool = spool
         self.max_buffered = max_buffered
         self.warn_interval_s = warn_interval_s
         self.max_backoff_s = max_backoff_s
@@ -290,12 +268,16 @@ class Tracker:
             self._thread.join(first)
             if self._thread.is_alive() and limit > first and not (down := unserved(self.tracking_uri, self.run_id)):
                 self._thread.join(None if limit == math.inf else limit - first)
+        with self._buffer_lock:
+            dropped, self._dropped = self._dropped, 0
+        if dropped:  # else only a send that succeeds says so
+            self._warn(f"{dropped} metric values were dropped while MLflow was unreachable (buffer full)", force=True)
         if self.pending:
             why = down and f"{down}: "
             if failing_since is not None:
                 why = f"MLflow has failed for {time.monotonic() - failing_since:.0f} s: "
             named = self._record is not None and recorded_run_id(self._record, self.tracking_uri) == self.run_id
-            if self.run_id == self._placeholder or named:
+            if self._may_spool and (self.run_id == self._placeholder or named):
                 self._spool(why)
             else:
                 self._warn(f"{why}closing with {self.pending} items not sent to MLflow run {self.run_id}", force=True)

@@ -17,14 +17,15 @@ from tracking import keys, runs
 from tracking import store as store_module
 from tracking import tracker as tracker_module
 from tracking.runs import RUN_RECORD, create_run, finish_run, open_job_run, run_tags, send_spooled
-from tracking.store import default_tracking_uri, pending_run_ref, spool_dir, unanswered
-from tracking.tracker import (
+from tracking.store import (
     MAX_PARAM_VALUE_LENGTH,
-    PENDING_CLOSE_S,
-    UNANSWERED_CLOSE_S,
-    Tracker,
+    default_tracking_uri,
     flatten_config,
+    pending_run_ref,
+    spool_dir,
+    unanswered,
 )
+from tracking.tracker import PENDING_CLOSE_S, UNANSWERED_CLOSE_S, Tracker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -377,6 +378,24 @@ def test_sending_the_spool_to_a_server_that_is_down_stops_at_its_first_file(monk
     assert len(list(spool_dir(record).glob("*.json"))) == 2
 
 
+def test_spool_files_of_a_pending_run_are_not_counted_sent_to_a_server_that_is_down(monkeypatch, tmp_path):
+    """Files spooled while the run was pending, sent once the record names it but its server is down, stay as they
+    are and count as left: their Tracker once spooled them again under a new name, counted them sent (`deliver`
+    said "2 records sent, 0 spool file(s) left", exit 0) and paid one close per file."""
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})
+    monkeypatch.setattr(tracker_module, "CLOSE_RETRIES", 0)
+    uri = _server_that_is_down(monkeypatch)
+    record = tmp_path / RUN_RECORD
+    for step in (1, 2):  # two processes of the job close before the run exists
+        tracker = Tracker(uri, pending_run_ref(record), rank=0)
+        tracker.log_metrics({keys.LOSS: 1.0}, step=step)
+        tracker.close(timeout=30)
+    spooled = sorted(spool_dir(record).glob("*.json"))
+    record.write_text(json.dumps({"run_id": "0123456789abcdef", "tracking_uri": uri}))  # created; then down again
+    assert send_spooled(record, timeout_s=30) == (0, 2)
+    assert sorted(spool_dir(record).glob("*.json")) == spooled
+
+
 def test_tracker_is_a_noop_off_rank0_or_without_run(store, monkeypatch):
     uri, _ = store
     run_id = create_run(uri, "ranks", "r", {}, {})
@@ -531,6 +550,22 @@ def test_unreachable_server_never_raises_or_hangs(monkeypatch, caplog):
         assert time.monotonic() - started < 30
     assert "failed" in caplog.text and "Training continues" in caplog.text
     assert "not sent" in caplog.text
+    assert "5 metric values were dropped" in caplog.text
+
+
+def test_a_tracker_closing_with_a_full_buffer_counts_the_values_it_dropped(tmp_path, caplog):
+    """A run that never exists while the job trains: the buffer keeps the newest ``max_buffered`` values for the
+    spool. The values dropped to keep it bounded were only counted by a send that succeeded, so the close, whose
+    line says the run's items wait in the spool, said nothing of the others."""
+    record = tmp_path / RUN_RECORD
+    tracker = Tracker("sqlite:///unused.db", pending_run_ref(record), rank=0, max_buffered=2)
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        for step in range(1, 6):
+            tracker.log_metrics({keys.LOSS: 1.0}, step=step)
+        tracker.close()
+    [spooled] = spool_dir(record).glob("*.json")
+    assert [m[3] for m in json.loads(spooled.read_text())["metrics"]] == [4, 5]
+    assert "3 metric values were dropped" in caplog.text
 
 
 def test_hanging_server_does_not_block_logging_or_close(monkeypatch, caplog):
