@@ -57,6 +57,7 @@ def train_worker(
         checkpointer.save_baseline(trainer)
         clock.saved_before_loop(checkpointer.save_seconds)
         collector.resume()  # the start is over
+        metrics.start(clock.overhead_s)
         logged: dict[str, float] = {}
         while trainer.step < trainer.last_step:
             clock.lap("productive")
@@ -76,6 +77,7 @@ def train_worker(
                 result.data_s,
                 step_s=step_s,
                 read=checkpointer.due(trainer.step),  # a save must not keep a diverged model
+                overhead_s=clock.overhead_s,
             )
             logged = new or logged
             checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})

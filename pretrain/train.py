@@ -23,6 +23,7 @@ from pretrain.config.ds_config import batch_plan
 from pretrain.config.train_config import TrainConfig, load_config
 from pretrain.distributed import exit_rank, finish_distributed
 from pretrain.loop import train_worker
+from pretrain.telemetry.metrics import NonFiniteLossError
 
 PROG = "python -m pretrain.train"
 
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = train_worker(config, validated=True)
     except ValueError as error:
         return fail(PROG, error)
+    except NonFiniteLossError as error:  # a failed run, not bad input; every rank ends so, with the same loss
+        local0 = os.environ.get("LOCAL_RANK", "0") == "0"  # one line per machine
+        return fail(PROG, error, status=1) if local0 else 1
     except KeyboardInterrupt:  # train_worker closed the run's records on its way out
         return interrupted(PROG, _kept(config)) if rank0 else INTERRUPTED
     if args.summary:

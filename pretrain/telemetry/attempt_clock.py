@@ -54,6 +54,11 @@ class AttemptClock:
         self.seconds[bucket] += seconds
         return seconds
 
+    @property
+    def overhead_s(self) -> float:
+        """The seconds booked so far to start-up (resolution switches included) and saves: not training."""
+        return self.seconds["startup"] + self.seconds["checkpoint"]
+
     def step_done(self, step: int, data_s: float) -> float:
         """Step ``step`` returned after waiting ``data_s``; returns its seconds."""
         seconds = self.lap("productive")

@@ -90,10 +90,15 @@ class TrainMetrics:
                     "is intact."
                 )
 
-    def _reset_window(self) -> None:
+    def _reset_window(self, overhead_s: float = 0.0) -> None:
         now = time.perf_counter()
-        self._window = {"start": now, "images": 0, "flops": 0.0, "data_s": 0.0, "last": now}
+        self._window = {"start": now, "overhead_s": overhead_s, "images": 0, "flops": 0.0, "data_s": 0.0, "last": now}
         self._step_s, self._data_s = [], []
+
+    def start(self, overhead_s: float = 0.0) -> None:
+        """The loop begins: the first window starts here, after the start-up and the baseline save (``overhead_s``:
+        as `step`'s)."""
+        self._reset_window(overhead_s)
 
     def step(
         self,
@@ -105,10 +110,12 @@ class TrainMetrics:
         data_s: float,
         step_s: float | None = None,
         read: bool = False,
+        overhead_s: float = 0.0,
     ) -> dict:
         """Record step ``step`` (1-based); returns the metrics logged, if any. ``images``: all ranks'; ``step_s``:
-        without saves (None: since the last call). Losses are read (a device wait) and checked when logging, at the
-        last step, and if ``read``."""
+        without saves (None: since the last call); ``overhead_s``: the seconds so far that were not training (start-up,
+        resolution switches, saves: `AttemptClock.overhead_s`), which the window's throughput leaves out. Losses are
+        read (a device wait) and checked when logging, at the last step, and if ``read``."""
         now = time.perf_counter()
         self._step_s.append(now - self._window["last"] if step_s is None else step_s)
         self._data_s.append(data_s)
@@ -128,7 +135,9 @@ class TrainMetrics:
             self.tracker.log_metrics({keys.WORLD_SIZE_METRIC: self.world_size}, step=step)
         if not logs:
             return {}
-        elapsed = max(time.perf_counter() - self._window["start"], 1e-9)
+        # the window's wall time, its last loss read included (a GPU's queued work ends there), less saves and switches
+        overhead = overhead_s - self._window["overhead_s"]
+        elapsed = max(time.perf_counter() - self._window["start"] - overhead, 1e-9)
         images_per_s = self._window["images"] / elapsed
         tflops = self._window["flops"] / elapsed / self.world_size / 1e12  # per device
         metrics = {
@@ -145,7 +154,7 @@ class TrainMetrics:
         if grad_norm is not None and math.isfinite(float(grad_norm)):
             metrics[keys.GRAD_NORM] = float(grad_norm)
         metrics.update(tail_metrics(self._step_s, self._data_s))
-        self._reset_window()
+        self._reset_window(overhead_s)
         if self.rank == 0:
             if self.tracker is not None:
                 self.tracker.log_metrics(metrics, step=step)

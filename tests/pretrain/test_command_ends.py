@@ -14,6 +14,7 @@ processes on real DeepSpeed and real run folders:
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -173,3 +174,36 @@ def test_ctrl_c_in_verify_says_nothing_changed_and_exits_130(tmp_path):
         "python -m pretrain.checkpoint: interrupted; nothing changed; the checkpoints listed above were "
         "checked, the same command checks them all"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_diverged_run_ends_every_rank_with_one_line_and_exit_1(tiny_fractal_shards, train_env, tmp_path):
+    # Before, NonFiniteLossError reached each rank as a traceback. A diverged run failed (exit 1, not bad input's 2)
+    # on every rank, so torchrun and Ray see each end; one line per machine says why and what to try.
+    from cluster.local_head import free_port
+
+    sets = _tiny(
+        tiny_fractal_shards,
+        tmp_path / "run",
+        "data.micro_batch_size=4",
+        "schedule.total=4",
+        "logging.log_every=1",
+        "optim.lr=1e30",
+    )
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", "local_demo"]
+    cmd += [a for s in (*sets, "optim.grad_clip=0") for a in ("--set", s)]
+    world = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = []
+    for rank in range(2):
+        env = {**train_env(), **world, "RANK": str(rank), "LOCAL_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
+        err = open(tmp_path / f"stderr_{rank}.txt", "w")
+        ranks.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err))
+        err.close()
+    codes = [rank.wait(timeout=240) for rank in ranks]
+    errs = [(tmp_path / f"stderr_{rank}.txt").read_text() for rank in range(2)]
+    assert codes == [1, 1], errs[0][-3000:]
+    assert not any("Traceback" in err for err in errs), errs[0][-3000:]
+    (line,) = [line for line in errs[0].splitlines() if "error:" in line]
+    assert line.startswith("python -m pretrain.train: error: loss is nan at step 2 (lr 1e+30); training stopped. ")
+    assert "error:" not in errs[1]  # the same line for each machine, not for each rank
