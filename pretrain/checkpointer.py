@@ -414,11 +414,15 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
 
 
 def init_weights(model: VisionTransformer, source: Path, image_size: int) -> list[str]:
-    """Copy same-name, same-shape weights from a model.safetensors folder or an .npz; returns the names not copied."""
+    """Copy same-name, same-shape weights from a model.safetensors folder or an .npz; returns the names not copied.
+    Across pools the position embeddings' patch rows are copied; a class row the source lacks stays fresh."""
     src = load_npz(source, image_size=image_size) if source.suffix == ".npz" else load_pretrained(source, image_size)
     check_init_architecture(src.config, model.config, weights_source.origin(source))
-    mine = model.state_dict()
-    usable = {k: v for k, v in src.state_dict().items() if k in mine and mine[k].shape == v.shape}
+    mine, theirs = model.state_dict(), src.state_dict()
+    if src.num_prefix_tokens != model.num_prefix_tokens:  # another pool: the patch rows carry over, the class row not
+        mine_prefix = mine["pos_embed"][:, : model.num_prefix_tokens]
+        theirs["pos_embed"] = torch.cat([mine_prefix, theirs["pos_embed"][:, src.num_prefix_tokens :]], dim=1)
+    usable = {k: v for k, v in theirs.items() if k in mine and mine[k].shape == v.shape}
     model.load_state_dict(usable, strict=False)
     skipped = sorted(set(mine) - set(usable))
     if skipped:

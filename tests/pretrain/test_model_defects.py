@@ -1,0 +1,45 @@
+"""Defects found in the model area: `checkpoint.init_from` across pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain import checkpointer as ckpt
+from pretrain.model.vit import build_model
+from pretrain.weights.formats import resize_pos_embed, save_pretrained
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.mark.parametrize("image_size", [32, 48])  # the source's 8x8 grid, and a 12x12 one
+def test_init_from_a_class_token_model_keeps_the_patch_position_embeddings_of_a_gap_model(tmp_path, image_size):
+    """Before, the class row made `pos_embed` one row too long: all of it stayed fresh (a warning said so), and the
+    fine-tune lost every learned position; as in big_vision, whose position embeddings have no class row."""
+    torch.manual_seed(0)
+    source = build_model("vit_tiny_debug", num_classes=10)
+    save_pretrained(source, tmp_path / "src")
+    torch.manual_seed(1)
+    gap = build_model("vit_tiny_debug", image_size=image_size, pool="gap", num_classes=4)
+    with pytest.warns(UserWarning, match="kept the fresh initialisation"):
+        skipped = ckpt.init_weights(gap, tmp_path / "src", image_size=image_size)
+    assert skipped == ["head.bias", "head.weight"]
+    grid = image_size // 4
+    expected = resize_pos_embed(source.pos_embed.detach(), (grid, grid))[:, 1:]  # the patch rows, class row dropped
+    assert gap.pos_embed.shape == (1, grid * grid, 64)
+    assert torch.equal(gap.pos_embed.detach(), expected)
+
+
+def test_init_from_a_gap_model_keeps_its_patch_rows_and_a_fresh_class_row(tmp_path):
+    torch.manual_seed(0)
+    source = build_model("vit_tiny_debug", pool="gap", num_classes=10)
+    save_pretrained(source, tmp_path / "src")
+    torch.manual_seed(1)
+    token = build_model("vit_tiny_debug", num_classes=4)
+    fresh = token.pos_embed.detach().clone()
+    with pytest.warns(UserWarning, match="kept the fresh initialisation"):
+        skipped = ckpt.init_weights(token, tmp_path / "src", image_size=32)
+    assert skipped == ["cls_token", "head.bias", "head.weight"]
+    assert torch.equal(token.pos_embed[:, 1:].detach(), source.pos_embed.detach())
+    assert torch.equal(token.pos_embed[:, :1].detach(), fresh[:, :1])  # the source has no class token to place
+
