@@ -115,6 +115,14 @@ def cpu_bf16_units(flags: set[str] | None = None) -> tuple[str, ...]:
     return tuple(f for f, check in checks.items() if getattr(torch.cpu, check, lambda: False)())
 
 
+def cuda_bf16_units() -> bool:
+    """Whether this process's GPU has bf16 tensor cores (compute capability >= 8.0, or ROCm). True in a process that
+    has not set up CUDA (a planner: asking would hold a CUDA context on a GPU a worker may use); a rank has."""
+    if torch.version.hip or not torch.cuda.is_initialized():
+        return True
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
 def cpu_rule(shape: StepShape, flags: set[str] | None = None) -> PrecisionChoice:
     """`auto` on a CPU: its best bf16 unit kind's rule applied to ``shape``."""
     units = cpu_bf16_units(flags)
@@ -178,10 +186,11 @@ def decide(
     recorded: PrecisionChoice | None = None,
     probe: Callable[[], tuple[float, float]] | None = None,
     zero_stage: int | None = None,
+    cuda_bf16: bool | None = None,
 ) -> PrecisionChoice:
     """The precision of a run. ``resumed``: (precision, checkpoint name); ``recorded``: the run folder's `probe`
-    answer; ``probe`` (→ fp32 s, bf16 s): None in the plan."""
-    choice = _decide(requested, device_type, shape, flags, resumed, recorded, probe)
+    answer; ``probe`` (→ fp32 s, bf16 s): None in the plan; ``cuda_bf16``: None → `cuda_bf16_units`."""
+    choice = _decide(requested, device_type, shape, flags, resumed, recorded, probe, cuda_bf16)
     if zero_stage == 0 and choice.precision == "bf16" and choice.rule not in ("recipe", "checkpoint"):
         return PrecisionChoice(
             "fp32",
@@ -191,7 +200,7 @@ def decide(
     return choice
 
 
-def _decide(requested, device_type, shape, flags, resumed, recorded, probe) -> PrecisionChoice:
+def _decide(requested, device_type, shape, flags, resumed, recorded, probe, cuda_bf16) -> PrecisionChoice:
     if requested in ("fp32", "bf16"):
         return PrecisionChoice(requested, "recipe", f"deepspeed.precision={requested}, in the recipe or --set")
     if resumed is not None:
@@ -200,6 +209,10 @@ def _decide(requested, device_type, shape, flags, resumed, recorded, probe) -> P
     if requested not in ("auto", "probe"):
         raise ValueError(f"deepspeed.precision={requested!r}; use auto, probe, fp32 or bf16")
     if device_type == "cuda":
+        if not (cuda_bf16_units() if cuda_bf16 is None else cuda_bf16):
+            return PrecisionChoice(
+                "fp32", "cuda", "this GPU (compute capability < 8.0) has no bf16 tensor cores: bf16 would be emulated"
+            )
         return PrecisionChoice("bf16", "cuda", "CUDA: bf16 tensor cores")
     if requested == "probe":
         if recorded is not None:

@@ -1,4 +1,4 @@
-"""Defects found in the model area: `checkpoint.init_from` across pools."""
+"""Defects found in the model area: `checkpoint.init_from` across pools, `auto` precision on GPUs without bf16."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pretrain import checkpointer as ckpt
+from pretrain.config.precision import decide
 from pretrain.model.vit import build_model
 from pretrain.weights.formats import resize_pos_embed, save_pretrained
 
@@ -43,3 +44,14 @@ def test_init_from_a_gap_model_keeps_its_patch_rows_and_a_fresh_class_row(tmp_pa
     assert torch.equal(token.pos_embed[:, 1:].detach(), source.pos_embed.detach())
     assert torch.equal(token.pos_embed[:, :1].detach(), fresh[:, :1])  # the source has no class token to place
 
+
+def test_auto_precision_is_fp32_on_a_gpu_without_bf16_tensor_cores():
+    """Before, `auto` took bf16 on every CUDA GPU: on a V100 or T4 (compute capability 7.x) bf16 is emulated, many
+    times slower. docs/performance.md: no fp16, so fp32 there."""
+    old = decide("auto", "cuda", cuda_bf16=False)
+    assert (old.precision, old.rule) == ("fp32", "cuda")
+    assert "no bf16 tensor cores" in old.reason
+    assert decide("probe", "cuda", cuda_bf16=False).precision == "fp32"
+    assert decide("auto", "cuda", cuda_bf16=True).precision == "bf16"
+    assert decide("bf16", "cuda", cuda_bf16=False).precision == "bf16"  # as the recipe says
+    assert decide("auto", "cuda", cuda_bf16=False, resumed=("bf16", "step_00000300")).precision == "bf16"
