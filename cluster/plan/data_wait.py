@@ -144,7 +144,8 @@ def loader_host_bytes(
     streams, share = d.streams // world, d.global_batch_size // world
     held = min(d.shuffle_buffer, math.ceil(samples / d.streams)) if samples else d.shuffle_buffer
     buffers = streams * held * bytes_per_image
-    decoded = decoded_bytes(share, image_size, d.num_workers, pixels=d.pixels_for(device_type))
+    workers = min(d.num_workers, streams)  # as TrainStream runs them: a worker reads whole streams
+    decoded = decoded_bytes(share, image_size, workers, pixels=d.pixels_for(device_type))
     cache = _cache_bytes(config, image_size)
     detail = (
         f"{streams} streams x {held} buffered samples x {bytes_per_image / 1e3:.0f} KB = "

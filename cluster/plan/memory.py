@@ -2,14 +2,16 @@
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al., 2020) for mixed precision with Adam, but for
 DeepSpeed's ZeRO-1 in bf16: with our `grad_accum_dtype: fp32` it trains with its `BF16_Optimizer`, which sums the
-gradients into a full-size fp32 buffer on every rank (the paper's ZeRO-1 keeps none).
+gradients into a full-size fp32 buffer on every rank (the paper's ZeRO-1 keeps none). In fp32, DeepSpeed's ZeRO
+optimizers still clone their partition of the weights as the fp32 master (stage 3's alias of it compares a device with
+a string, never equal); only ZeRO-0, plain AdamW, keeps m and v alone.
 
 | state                         | bytes/param | replicated until           | fp32 training                  |
 |-------------------------------|-------------|----------------------------|--------------------------------|
-| training weights (bf16)       | 2           | stage 3                    | 4, and no separate master copy |
+| training weights (bf16)       | 2           | stage 3                    | 4                              |
 | gradients (bf16)              | 2           | stage 2                    | 4                              |
 | fp32 gradients                | 4           | stage 2 (none at stage 0)  | none: the gradients are fp32   |
-| optimizer: fp32 master + m, v | 12          | stage 1                    | m, v only: 8                   |
+| optimizer: fp32 master + m, v | 12          | stage 1                    | 12; at stage 0 m, v only: 8    |
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def model_state_bytes(num_params: int, zero_stage: int, world_size: int, precisi
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     P, N = float(num_params), float(world_size)
-    # bytes/param: weights, gradients, their fp32 copy (a partition at ZeRO-2/3, whole at ZeRO-1), optimizer
-    weight_b, grad_b, fp32_grad_b, opt_b = (2.0, 2.0, 4.0, 12.0) if precision == "bf16" else (4.0, 4.0, 0.0, 8.0)
+    # bytes/param: weights, gradients, their fp32 copy (a partition at ZeRO-2/3, whole at ZeRO-1), optimizer (fp32
+    # master + m, v; in fp32 without ZeRO, plain AdamW's m and v)
+    fp32_opt_b = 12.0 if zero_stage else 8.0
+    weight_b, grad_b, fp32_grad_b, opt_b = (2.0, 2.0, 4.0, 12.0) if precision == "bf16" else (4.0, 4.0, 0.0, fp32_opt_b)
     return ModelStateMemory(
         params=P * weight_b / (N if zero_stage >= 3 else 1.0),
         grads=P * (grad_b + fp32_grad_b) / (N if zero_stage >= 2 else 1.0) if zero_stage else P * grad_b,

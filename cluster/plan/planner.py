@@ -28,6 +28,7 @@ from data_pipeline.paths import is_remote, resolve_location
 from data_pipeline.write.writer import WriteConfig
 from evals.suites import SuiteConfig, load_suite
 from pretrain.config.ds_config import BatchPlan, batch_plan, deepspeed_config, valid_world_sizes
+from pretrain.config.precision import decide
 from pretrain.config.train_config import TrainConfig, config_from_recipe, model_overrides, read_recipe, recipe_path
 from pretrain.config.typed_yaml import parse_override
 from pretrain.model import flops, tasks
@@ -145,9 +146,11 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         "logging.progress_bar=false",
     ]
     out += [f"{k}={v}" for k, v in _profile_defaults(profile).items() if k not in given]
-    # CUDA: auto and probe are bf16
+    # the workers' own rule (`decide`): on CUDA auto and probe are bf16, but fp32 at ZeRO-0
     requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
-    peak = profile_peak(profile, "fp32" if requested == "fp32" or not profile.uses_gpus else "bf16")
+    zero_stage = base.deepspeed.zero_stage if "deepspeed.zero_stage" in given else d.zero_stage
+    gpu_precision = decide(requested, profile.device_type, zero_stage=zero_stage).precision if profile.uses_gpus else ""
+    peak = profile_peak(profile, gpu_precision or "fp32")
     if peak is not None:
         out.append(f"logging.peak_tflops={peak.tflops}")
     micro = base.data.micro_batch_size if "data.micro_batch_size" in given else d.micro_batch_size
@@ -467,7 +470,7 @@ def _data_plan(
         per_image = f"{ASSUMED_BYTES_PER_IMAGE // 1000} KB/image"
         note += f"; assumed {ASSUMED_SAMPLES_PER_SHARD} samples/shard (the writer's default), {per_image}"
         bytes_per_image = float(ASSUMED_BYTES_PER_IMAGE)
-    loaders = world * max(1, d.num_workers)
+    loaders = world * max(1, min(d.num_workers, d.streams // world))  # a worker reads whole streams
     shards_per_loader = shards / loaders if shards else 0.0
     ranks_per_node = math.ceil(world / profile.hardware.nodes)
     loader_bytes, loader_detail = loader_host_bytes(

@@ -211,9 +211,10 @@ def test_dry_run_prints_plan_and_submits_nothing(capsys):
     assert "dry run: nothing submitted" in out
     # No manifest here: shards as this project's writer makes them, 12.4M images / 3000 = 4134 over 512 loaders.
     assert "data          4134 shards, 8.1 per (rank x loader worker)" in out and "WARNING" not in out
-    assert launch.main(["--cluster", "a100x64", "--dry-run", "--set", "data.num_workers=16"]) == 0
+    # Half the images, half the shards: 2067 over the same 512 loaders.
+    assert launch.main(["--cluster", "a100x64", "--dry-run", "--set", "data.epoch_images=6200000"]) == 0
     assert (
-        "  WARNING       only 4.0 shards per (rank x loader worker) (4134 shards / 1024); use >= 8: re-shard into "
+        "  WARNING       only 4.0 shards per (rank x loader worker) (2067 shards / 512); use >= 8: re-shard into "
         "more, smaller tar files or lower data.num_workers"
     ) in capsys.readouterr().out.splitlines()
 
@@ -832,3 +833,73 @@ def test_zero_1_in_bf16_holds_the_fp32_gradients_the_plan_counts(tmp_path):
     assert held["optimizer"] == "BF16_Optimizer" and held["fp32_grad_bytes"] == 4 * held["params"]  # whole
     P = held["params"]
     assert model_state_bytes(P, 1, 64, "bf16").grads == (2 + 4) * P  # at one rank or 64
+
+
+@pytest.mark.timeout(120)
+def test_loader_workers_beyond_a_ranks_streams_are_not_counted():
+    """A rank runs min(data.num_workers, its streams) loader workers (a worker reads whole streams): at a100x64's 8
+    streams per rank, 16 asked for are 8, so the shards per (rank x worker) are 4134 / 512, not / 1024."""
+    profile = load_profile("a100x64")
+    at8, at16 = (
+        build_plan(profile, resolve_config(profile, "vit_h14_i21k", [f"data.num_workers={n}"], "r")) for n in (8, 16)
+    )
+    assert at16.data.shards_per_loader == at8.data.shards_per_loader == pytest.approx(4134 / (64 * 8))
+    assert at16.data.warnings == () and at16.data.loader_workers == 8
+    assert at16.data.loader_gb_per_node == at8.data.loader_gb_per_node  # 8 workers' planes, not 16
+
+
+@pytest.mark.timeout(120)
+def test_the_runs_mfu_denominator_is_the_plans_at_zero_0():
+    """`auto` trains fp32 at ZeRO-0 (DeepSpeed's bf16 needs stage >= 1): the run's logging.peak_tflops is then the
+    fp32 peak the plan divides by, not the bf16 one (the logged MFU would be 16x too low on A100s)."""
+    profile = load_profile("a100x64")
+    for sets, precision, peak in (([], "bf16", 312.0), (["deepspeed.zero_stage=0"], "fp32", 19.5)):
+        config = resolve_config(profile, "vit_h14_i21k", sets, "r")
+        plan = build_plan(profile, config)
+        assert plan.compute.precision == precision and config.logging.peak_tflops == plan.compute.peak_tflops == peak
+
+
+FP32_MASTER_SCRIPT = """
+import json, sys
+import torch, deepspeed
+from pretrain.config.ds_config import BatchPlan, DeepSpeedConfig, deepspeed_config
+from pretrain.config.optim import OptimConfig
+
+deepspeed.init_distributed("gloo")
+out = {}
+for stage in (1, 2, 3):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.GELU(), torch.nn.Linear(300, 10))
+    config = deepspeed_config(DeepSpeedConfig(zero_stage=stage), OptimConfig(), BatchPlan(4, 4, 1, 1), "fp32")
+    engine, optimizer, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config
+    )
+    engine.backward(engine(torch.randn(4, 64)).square().mean())
+    engine.step()
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_partitioned_groups_flat
+    weights = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, getattr(p, "ds_tensor", p))}
+    moments = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    out[stage] = {
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+        "master_bytes": sum(t.nbytes for t in masters if t.untyped_storage().data_ptr() not in weights),
+        "moment_bytes": sum(t.nbytes for t in moments),
+    }
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_zero_in_fp32_keeps_a_master_copy_the_plan_counts(tmp_path):
+    """DeepSpeed's ZeRO-1/2/3 clone their partition of the weights as the fp32 master even when the weights are fp32:
+    12 bytes per parameter of optimizer state as in bf16, not Adam's m and v alone (8); ZeRO-0 has no wrapper."""
+    from tests.pretrain.test_train_distributed import _env
+    from tests.support import warm_ranks
+
+    script, log = tmp_path / "rank.py", tmp_path / "rank.log"
+    script.write_text(FP32_MASTER_SCRIPT)
+    status = warm_ranks.launch(str(script), [str(tmp_path / "out.json")], 1, _env(), log, 150, module=False)
+    assert status == 0, log.read_text()[-4000:]
+    for stage, held in json.loads((tmp_path / "out.json").read_text()).items():
+        P = held["params"]
+        assert (held["master_bytes"], held["moment_bytes"]) == (4 * P, 8 * P), stage
+        assert model_state_bytes(P, int(stage), 1, "fp32").optimizer == 12 * P, stage
+    assert model_state_bytes(1000, 0, 1, "fp32").optimizer == 8 * 1000  # plain AdamW: m and v
