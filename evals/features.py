@@ -5,6 +5,7 @@ centre crop to ``image_size``, pixels in [-1, 1]; a label outside the declared c
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -245,12 +246,29 @@ def check_sizes(opts, names=("image_size", "resize_size", "batch_size")) -> None
             raise ValueError(f"{name} must be >= 1 (or null for the default); got {value}")
 
 
+RESIZED_MODEL = "resized model"  # ctx.feature_cache key (with the size) of a resized copy of the shared model
+
+
+@contextlib.contextmanager
+def shared_models_on_host(ctx):
+    """The shared model and its resized copies on the host while an evaluator trains its own on ``ctx.device``:
+    fine-tuning's memory there is the fine-tuned model's alone (docs/vtab.md); back on the device afterwards."""
+    models = [ctx.model, *(m for k, m in ctx.feature_cache.items() if isinstance(k, tuple) and k[0] == RESIZED_MODEL)]
+    for model in models:
+        model.to("cpu")  # in place: the same parameters, so the features cached under id(model) stay valid
+    try:
+        yield
+    finally:
+        for model in models:
+            model.to(ctx.device)
+
+
 def suite_features(ctx, split_dir: str | Path, opts) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
     """`extract_features` with the context's model, device and cache and the entry's sizes; at another
     ``image_size``, a copy resized to it (position embeddings interpolated), loaded once per size."""
     model = ctx.model
     if opts.image_size is not None and opts.image_size != model.config.image_size:
-        key = ("resized model", int(opts.image_size))
+        key = (RESIZED_MODEL, int(opts.image_size))
         if key not in ctx.feature_cache:
             ctx.feature_cache[key] = ctx.load_model(image_size=int(opts.image_size)).eval().to(ctx.device)
         model = ctx.feature_cache[key]

@@ -146,6 +146,14 @@ def sample_fewshot_indices(labels, shots: list[int] | tuple[int, ...], seed: int
         )
     rng = np.random.default_rng(seed)
     per_class = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
+    empty = [c for c, idx in enumerate(per_class) if not len(idx)]
+    if empty:  # no shot count samples these
+        listed = ", ".join(map(str, empty[:8])) + (", ..." if len(empty) > 8 else "")
+        raise ValueError(
+            f"{len(empty)} of the {num_classes} declared classes have no training examples (class {listed}); "
+            "use a train split that holds every class, or remap the labels and the declared class count "
+            "(dataset.json num_classes) to the classes present"
+        )
     most = max(shots)
     short = [(c, len(idx)) for c, idx in enumerate(per_class) if len(idx) < most]
     if short:

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 from data_pipeline.stream.augment import float_images_on, to_float_images
 from evals.evaluator import EvalOutput, ResultRow
-from evals.features import StreamedSplit, check_sizes, load_drawn, resolve_split, split_info
+from evals.features import (
+    StreamedSplit,
+    check_sizes,
+    load_drawn,
+    resolve_split,
+    shared_models_on_host,
+    split_info,
+)
 from tracking import keys
 
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, plain fp32 elsewhere
@@ -92,6 +99,17 @@ class FinetuneOptions:
             )
         if self.precision not in get_args(Precision):
             raise ValueError(f"precision={self.precision!r} is unknown; use one of {list(get_args(Precision))}")
+        if self.image_size is not None:  # else the checkpoint's, checked when it loads (evals.runner)
+            check_crop_padding(self.crop_padding, self.image_size, "crop_padding")
+
+
+def check_crop_padding(padding: int, size: int, setting: str) -> None:
+    """ValueError unless reflect padding can pad ``size``-pixel images by ``padding``: at most ``size - 1``."""
+    if padding >= size:
+        raise ValueError(
+            f"{setting}: {padding} must be smaller than the image size {size} (reflect padding mirrors at most "
+            f"{size - 1} pixels); use at most {size - 1}"
+        )
 
 
 def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
@@ -376,16 +394,17 @@ def evaluate(ctx, opts: FinetuneOptions) -> EvalOutput:
         sizes = dict(image_size=size, resize_size=opts.resize_size, batch_size=opts.eval_batch_size)
         train, val = drawn_splits(train_dir, keep, held, **sizes)
         start = time.perf_counter()
-        result = select_lr_and_evaluate(
-            lambda: ctx.load_model(image_size=size),
-            train,
-            val,
-            StreamedSplit(test_dir, **sizes),
-            num_classes=info.num_classes,
-            opts=opts,
-            device=ctx.device,
-            log=ctx.log,
-        )
+        with shared_models_on_host(ctx):
+            result = select_lr_and_evaluate(
+                lambda: ctx.load_model(image_size=size),
+                train,
+                val,
+                StreamedSplit(test_dir, **sizes),
+                num_classes=info.num_classes,
+                opts=opts,
+                device=ctx.device,
+                log=ctx.log,
+            )
         out.rows += _rows(name, result, opts, size, (len(keep), len(held), test_info.num_samples))
         curve = ", ".join(f"{n}: {acc:.4f}" for n, acc in result.curve.items())
         ctx.log(

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "--random-init",
         action="store_true",
         help="also evaluate a random initialisation of the same architecture (the trainer's seed rule) and print "
-        "both and the gap; its table is <suite>_random_init.parquet, not logged to MLflow",
+        "both and the gap; its table is <suite>_random_init.parquet (figures: random_init/), not logged to MLflow",
     )
     parser.add_argument(
         "--init-seed",

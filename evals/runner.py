@@ -23,7 +23,9 @@ from safetensors import SafetensorError
 from data_pipeline.paths import is_remote, replace_atomically
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.features import data_location
+from evals.finetune import FinetuneOptions, check_crop_padding
 from evals.suites import EVALUATORS, load_suite
+from evals.vtab import VtabOptions
 from pretrain.checkpoint import run_folder
 from pretrain.model.vit import VisionTransformer
 from pretrain.weights import source as weights_source
@@ -154,6 +156,17 @@ def check_resolutions(config, patch_size: int) -> None:
                 check_resolution(f"eval suite {config.name}: evaluators[{i}].{option} ({spec.name})", value, patch_size)
 
 
+def check_crop_paddings(config, image_size: int) -> None:
+    """`check_crop_padding` of the fine-tuning entries at the model's own ``image_size`` (theirs unset)."""
+    for i, spec in enumerate(config.evaluators):
+        options, setting = spec.options, "crop_padding"
+        if isinstance(options, VtabOptions) and options.protocol == "finetune":
+            options, setting = options.finetune, "finetune.crop_padding"
+        if isinstance(options, FinetuneOptions) and spec.options.image_size is None:
+            where = f"eval suite {config.name}: evaluators[{i}].{setting} ({spec.name})"
+            check_crop_padding(options.crop_padding, image_size, where)
+
+
 def check_out_dir(out_dir: Path, default: bool) -> None:
     """ValueError naming the fix when the folder of the table cannot be made or written (``default``: not given, the
     weights' own ``evals/`` or ``<stem>_evals/``); nothing is created."""
@@ -209,6 +222,7 @@ def run_suite(
     try:
         model = _load(load_model, checkpoint)
         check_resolutions(config, model.config.stride)  # before any evaluator works
+        check_crop_paddings(config, model.config.image_size)
         if random_init_seed is not None:  # the checkpoint's architecture, fresh weights
             load_model, step = random_init(model.config, random_init_seed), 0
             model = load_model()
@@ -218,7 +232,7 @@ def run_suite(
             load_model=load_model,
             data_root=data_location(data_root),
             step=step,
-            out_dir=out_dir,
+            out_dir=out_dir if random_init_seed is None else out_dir / "random_init",  # figures apart
             num_threads=num_threads,
             device=device or "cpu",
             log=log,

@@ -12,9 +12,22 @@ from typing import Literal
 import numpy as np
 
 from evals.evaluator import EvalOutput, ResultRow
-from evals.features import StreamedSplit, check_sizes, resolve_split, split_info, suite_features
+from evals.features import (
+    StreamedSplit,
+    check_sizes,
+    resolve_split,
+    shared_models_on_host,
+    split_info,
+    suite_features,
+)
 from evals.fewshot import L2_SWEEP, RidgeSolver
-from evals.finetune import FinetuneOptions, drawn_splits, select_lr_and_evaluate, vtab_indices
+from evals.finetune import (
+    FinetuneOptions,
+    check_crop_padding,
+    drawn_splits,
+    select_lr_and_evaluate,
+    vtab_indices,
+)
 
 GROUPS = ("natural", "specialized", "structured")
 
@@ -143,6 +156,8 @@ class VtabOptions:
         if not self.l2_grid or any(l2 <= 0 for l2 in self.l2_grid):
             raise ValueError(f"l2_grid must be non-empty positive l2 strengths; got {list(self.l2_grid)}")
         check_sizes(self)
+        if self.protocol == "finetune" and self.image_size is not None:  # else the checkpoint's (evals.runner)
+            check_crop_padding(self.finetune.crop_padding, self.image_size, "finetune.crop_padding")
         unused = [name for name in _UNUSED_FINETUNE if getattr(self.finetune, name) != getattr(FinetuneOptions, name)]
         if unused:
             raise ValueError(
@@ -173,16 +188,17 @@ def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> 
     sizes = dict(image_size=size, resize_size=opts.resize_size)
     train800, val200 = drawn_splits(train_dir, tr, va, batch_size=opts.batch_size, **sizes)
     test = StreamedSplit(test_dir, batch_size=ft.eval_batch_size, **sizes)
-    result = select_lr_and_evaluate(
-        lambda: ctx.load_model(image_size=size),
-        train800,
-        val200,
-        test,
-        num_classes=num_classes,
-        opts=ft,
-        device=ctx.device,
-        log=ctx.log,
-    )
+    with shared_models_on_host(ctx):
+        result = select_lr_and_evaluate(
+            lambda: ctx.load_model(image_size=size),
+            train800,
+            val200,
+            test,
+            num_classes=num_classes,
+            opts=ft,
+            device=ctx.device,
+            log=ctx.log,
+        )
     lr, val = result.lr, result.val_scores[result.lr]
     return result.accuracy, f"finetune lr={lr:g} (val200 {val:.3f}), {ft.steps} steps at {size}px on {need}"
 

@@ -146,3 +146,51 @@ def test_peak_memory_of_a_finetune_eval_is_set_by_the_batch_not_the_split(tmp_pa
     growth = peak[2 * num_test] - peak[num_test]
     print(f"\npeak RSS {peak[num_test] / MIB:.0f} MiB -> {peak[2 * num_test] / MIB:.0f} MiB doubling the test split")
     assert growth < split_bytes / 4, (growth / MIB, split_bytes / MIB)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_shared_models_wait_on_the_host_while_a_finetune_trains(eval_data_root, one_torch_thread, device, tmp_path):
+    """While `type: finetune` or VTAB's finetune protocol trains on the device, the shared model and its resized copy
+    (frozen features at another size) are on the host: the plan counts only the fine-tuned model's 12 bytes per
+    parameter there (docs/vtab.md, "Fine-tuning memory"), not 4 more per shared copy. Afterwards they are back on the
+    device, the same parameters, and a later entry still reuses the features extracted before. On CPU the host is
+    the device; the cuda case is the one that failed before."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from evals import fewshot, finetune, vtab
+    from evals.evaluator import EvalContext
+    from evals.features import RESIZED_MODEL
+    from evals.runner import random_init
+
+    seeded = random_init(build_model("vit_tiny_debug", num_classes=32).config, seed=0)
+    where = []  # per model the fine-tunes made: the devices the shared models' parameters were on meanwhile
+
+    def shared():
+        return [ctx.model, *(m for k, m in ctx.feature_cache.items() if isinstance(k, tuple) and k[0] == RESIZED_MODEL)]
+
+    def load_model(image_size=None):
+        where.append({p.device.type for m in shared() for p in m.parameters()})
+        return seeded(image_size)
+
+    quiet = dict(data_root=eval_data_root, step=0, out_dir=tmp_path, log=lambda _: None)
+    ctx = EvalContext(model=seeded().eval().to(device), load_model=load_model, device=device, **quiet)
+    probe = fewshot.FewshotOptions(datasets=("digits",), shots=(2,), seeds=(0,), image_size=48)
+    first = [r.value for r in fewshot.evaluate(ctx, probe).rows]  # makes the 48 px copy, on the device
+    models = shared()
+    params, values = [list(m.parameters()) for m in models], [m.state_dict() for m in models]
+    assert len(models) == 2 and {p.device.type for m in models for p in m.parameters()} == {device}
+    cached, where[:] = len(ctx.feature_cache), []
+
+    tune = dict(steps=1, batch_size=8, lr_grid=(0.01,), warmup_steps=0, eval_batch_size=250)
+    finetune.evaluate(ctx, finetune.FinetuneOptions(datasets=("digits",), max_train_examples=40, **tune))
+    ci = dict(benchmark="ci", tasks=("digits",), train_examples=30, val_examples=10, protocol="finetune")
+    vtab.evaluate(ctx, vtab.VtabOptions(finetune=finetune.FinetuneOptions(**tune), **ci))
+    assert where == [{"cpu"}] * 4  # (one lr + the final run) x two entries
+
+    assert shared() == models and [list(m.parameters()) for m in models] == params
+    assert {p.device.type for m in models for p in m.parameters()} == {device}
+    assert all(not m.training for m in models)
+    for model, before in zip(models, values):
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    again = [r.value for r in fewshot.evaluate(ctx, probe).rows]
+    assert again == first and len(ctx.feature_cache) == cached  # the features extracted before are reused

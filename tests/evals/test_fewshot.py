@@ -112,6 +112,18 @@ def test_sampling_bad_shots():
         sample_fewshot_indices(labels, [1], seed=0, num_classes=1)
 
 
+EMPTY = r"^1 of the 4 declared classes have no training examples \(class 2\)"
+
+
+def test_a_class_without_train_images_names_the_split_not_the_shots():
+    """No shot count samples a class the split lacks: the fix is the split or its declared classes."""
+    labels = np.array([0, 0, 1, 1, 3, 3, 3])
+    for shots in ([1], [2, 3]):
+        with pytest.raises(ValueError, match=EMPTY) as e:
+            sample_fewshot_indices(labels, shots, seed=0, num_classes=4)
+        assert "lower the shots" not in str(e.value) and "every class" in str(e.value)
+
+
 def test_l2_choice_by_mean_rank():
     acc = {
         "a": {1.0: 0.5, 2.0: 0.7, 4.0: 0.6},

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evals.finetune import FinetuneOptions, accuracy, autocast_dtype, train_classifier
+from evals.finetune import FinetuneOptions, _augment, accuracy, autocast_dtype, train_classifier
 from evals.suites import load_suite
 from pretrain.model.vit import build_model
 
@@ -135,3 +135,18 @@ def test_grad_clip_zero_disables_clipping_and_a_negative_one_is_refused():
     assert _max_diff(off[0], _finetune(OPTS)[0]) > 0  # the default clip at 1 does act on this run
     with pytest.raises(ValueError, match=r"grad_clip must be >= 0 \(0: no clipping\); got -1.0"):
         FinetuneOptions(grad_clip=-1.0)
+
+
+def test_a_crop_padding_reflect_padding_cannot_make_is_refused_when_the_suite_loads(tmp_path):
+    # Reflect padding mirrors at most size - 1 pixels: crop_padding >= the image size was a torch RuntimeError
+    # traceback at the first fine-tuning step, after the images were read.
+    assert _augment(IMAGES[:2], 31, False, torch.Generator()).shape == (2, 3, 32, 32)  # the limit itself works
+    with pytest.raises(ValueError, match=r"^crop_padding: 32 must be smaller than the image size 32 .*at most 31"):
+        FinetuneOptions(image_size=32, crop_padding=32)
+    suite = tmp_path / "pad.yaml"
+    suite.write_text(
+        "name: pad\nevaluators:\n  - type: vtab\n    benchmark: ci\n    protocol: finetune\n    image_size: 32\n"
+        "    finetune: {crop_padding: 40}\n"
+    )
+    with pytest.raises(ValueError, match=r"finetune\.crop_padding: 40 must be smaller than the image size 32"):
+        load_suite(suite)

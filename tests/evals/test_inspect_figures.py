@@ -85,3 +85,32 @@ def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(t
     assert set(pngs) <= logged
     history = client.get_metric_history(run_id, "inspect/mean_attention_distance/layer_1")
     assert [m.step for m in history] == [50]
+
+
+@pytest.mark.timeout(300)
+def test_the_random_init_baselines_figures_do_not_replace_the_checkpoints(tmp_path):
+    """`evals.run --random-init` keeps the baseline's table apart (<suite>_random_init.parquet); its figures were
+    written over the checkpoint's in <out>/inspect/, so the folder showed the random init's attention."""
+    import json
+
+    from data_pipeline.builtin.sets import ensure
+    from evals.runner import run_suite
+    from pretrain.weights.formats import save_pretrained
+
+    data_root, out = tmp_path / "data", tmp_path / "out"
+    ensure("digits", data_root, num_test=40, samples_per_shard=20)
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000050"
+    save_pretrained(build_model("vit_tiny_debug", num_classes=10), checkpoint)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 50, "images_seen": 3200}))
+    (checkpoint / "COMPLETE").write_text("")
+    quiet = dict(data_root=data_root, out=out, log=lambda _: None)
+
+    run_suite(checkpoint, "inspect", **quiet)
+    ours = {p.name: p.read_bytes() for p in (out / "inspect").iterdir()}
+    run_suite(checkpoint, "inspect", random_init_seed=1, **quiet)
+    assert {p.name: p.read_bytes() for p in (out / "inspect").iterdir()} == ours
+    baseline = out / "random_init" / "inspect"
+    assert sorted(p.name for p in baseline.iterdir()) == sorted(ours)
+    random, trained = (np.load(d / "attention_distance.npy") for d in (baseline, out / "inspect"))
+    assert not np.array_equal(random, trained)

@@ -750,6 +750,37 @@ def test_resolution_must_be_a_multiple_of_the_patch_size():
 
 
 @pytest.mark.parametrize(
+    "entry, setting",
+    [
+        ("  - type: finetune\n    name: ft\n    datasets: [digits]\n    crop_padding: 32\n", "crop_padding"),
+        (
+            "  - type: vtab\n    name: ft\n    benchmark: ci\n    protocol: finetune\n"
+            "    finetune: {crop_padding: 32}\n",
+            "finetune.crop_padding",
+        ),
+    ],
+    ids=["finetune", "vtab"],
+)
+def test_a_crop_padding_as_large_as_the_models_images_is_refused_before_any_work(
+    checkpoint, tmp_path, capsys, entry, setting
+):
+    # At the checkpoint's own size (32 px here) the limit is known once the weights load: reflect padding fails at
+    # the first fine-tuning step, a traceback after the few-shot entry and the image reads.
+    suite = write_suite(tmp_path, "pad", FEWSHOT + entry)
+    empty, out, lines = tmp_path / "empty", tmp_path / "out", []
+    expected = (
+        f"eval suite pad: evaluators[1].{setting} (ft): 32 must be smaller than the image size 32 (reflect padding "
+        "mirrors at most 31 pixels); use at most 31"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        run_suite(checkpoint, suite, data_root=empty, out=out, log=lines.append)
+    assert lines == [] and not empty.exists() and not out.exists()
+    capsys.readouterr()
+    assert main(["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(empty)]) == 2
+    assert capsys.readouterr().err == f"python -m evals.run: error: {expected}\n"
+
+
+@pytest.mark.parametrize(
     "entry",
     [
         "  - type: finetune\n    name: ft\n    datasets: [digits]\n    image_size: 30\n",
