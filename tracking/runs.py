@@ -18,6 +18,7 @@ from typing import Any
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 from tracking import keys
 from tracking.store import (
+    PENDING_RUN,
     default_artifact_location,
     default_tracking_uri,
     flatten_config,
@@ -121,7 +122,7 @@ def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int
     sent, left, folder = 0, 0, spool_dir(record)
     paths = sorted(folder.glob("*.json"))
     for index, path in enumerate(paths):
-        payload = json.loads(path.read_text())
+        payload = _where_now(json.loads(path.read_text()), record, path)
         # Not spooled again on failure: the file stays, and says what was not sent.
         tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0, spool=False)
         count = tracker.restore(payload)
@@ -136,6 +137,20 @@ def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int
         with contextlib.suppress(OSError):  # absent, or a file another process spooled meanwhile
             folder.rmdir()
     return sent, left
+
+
+def _where_now(payload: dict[str, Any], record: Path | str, path: Path) -> dict[str, Any]:
+    """A spool file's paths, made where its run folder is now (moved, or seen under another mount): the pending run's
+    record (every file of a record's spool is that record's), and its artifacts' copies."""
+    if payload["ref"].startswith(PENDING_RUN):
+        old, payload["ref"] = payload["ref"], pending_run_ref(record)
+        for named in (payload["params"], payload["tags"]):
+            named.update({key: payload["ref"] for key, value in named.items() if value == old})
+    for n, artifact in enumerate(payload["artifacts"]):
+        copy = spool_copies_dir(path) / str(n) / Path(artifact[0]).name  # as `spool_copies` names it
+        if copy.exists():
+            artifact[0] = str(copy)
+    return payload
 
 
 def tracking_credentials(environ: Mapping[str, str]) -> dict[str, str]:
@@ -343,7 +358,7 @@ def _create_job_run(
     params.pop(keys.RUN_ID_PARAM, None)
     run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)
     write_text_atomically(run_dir / RUN_RECORD, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
-    tracker = Tracker(tracking_uri, run_id, rank=0)
+    tracker = Tracker(tracking_uri, run_id, rank=0, record=run_dir / RUN_RECORD)  # a server failing now: the spool
     tracker.log_params({**params, keys.RUN_ID_PARAM: run_id})
     tracker.log_artifact(str(run_dir / "plan.json"))
     tracker.close()

@@ -1,6 +1,6 @@
 """Where a run's records live: the tracking URI's defaults, whether its server answers (and for a run), which URIs
 failed a call in this process, and the run record (``mlflow_run.json``) and spool that a job's processes share while
-MLflow has not created the run (docs/design.md, "Tracking at a job's start"); a config as MLflow's params take it.
+MLflow has not created the run (docs/design.md, "Tracking at a job's start"); the names and params MLflow takes.
 """
 
 from __future__ import annotations
@@ -304,3 +304,16 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
             text = text[: MAX_PARAM_VALUE_LENGTH - len(marker)] + marker
         flat[name] = text
     return flat
+
+
+def refused_name(name: str) -> str:
+    """Why MLflow refuses a metric, param or tag named ``name`` (`mlflow.utils.validation`); "" if it takes it."""
+    from mlflow.utils import validation  # heavy
+
+    if not validation.validate_param_and_metric_name(name):
+        return validation.bad_character_message()
+    if validation.path_not_unique(name):
+        return validation.bad_path_message(name)
+    if len(name) > validation.MAX_ENTITY_KEY_LENGTH:
+        return f"Names may be at most {validation.MAX_ENTITY_KEY_LENGTH} characters long."
+    return ""

@@ -27,6 +27,7 @@ from tracking.store import (
     flatten_config,
     read_run_record,
     recorded_run_id,
+    refused_name,
     spool_copies,
     spool_dir,
     unanswered,
@@ -134,6 +135,7 @@ class Tracker:
         self._run_steps: dict[str, range | set[int]] = {}  # the steps of once-per-step keys the run held
         self._exact_steps = False  # a spool's records: look each step up, they may come after later steps
         self._said_skipping = False
+        self._names: dict[str, bool] = {}  # name -> whether MLflow takes it (`_takes`)
         self._said_pending = False
         self._buffer_lock = threading.Lock()
         # Guarded by _send_lock: one sender at a time (the thread or flush()).
@@ -444,8 +446,9 @@ class Tracker:
                     batch = dict(list(queued.items())[:MAX_PARAMS_TAGS_PER_BATCH])
                 if not batch:
                     break
-                entities = [make(k, self._named(v)) for k, v in batch.items()]
-                self._send_batch(what, lambda e=entities, w=what: client.log_batch(self.run_id, **{w: e}))
+                entities = [make(k, self._named(v)) for k, v in batch.items() if self._takes(k, what)]
+                if entities:
+                    self._send_batch(what, lambda e=entities, w=what: client.log_batch(self.run_id, **{w: e}))
                 with self._buffer_lock:
                     for key, value in batch.items():
                         if queued.get(key) == value:  # a newer value logged meanwhile stays queued
@@ -455,7 +458,11 @@ class Tracker:
                 metrics = list(itertools.islice(self._metrics, _MAX_METRICS_PER_BATCH))
             if not metrics:
                 break
-            sent = [Metric(m.key, m.value, m.timestamp_ms, m.step) for m in metrics if not self._already_logged(m)]
+            sent = [
+                Metric(m.key, m.value, m.timestamp_ms, m.step)
+                for m in metrics
+                if self._takes(m.key, "metrics") and not self._already_logged(m)
+            ]
             if sent:
                 self._send_batch("metrics", lambda e=sent: client.log_batch(self.run_id, metrics=e))
             with self._buffer_lock:
@@ -472,7 +479,8 @@ class Tracker:
             else:
                 self._warn(f"artifact {item.local_path} no longer exists; not uploaded", force=True)
             with self._buffer_lock:
-                self._artifacts.remove(item)
+                if item in self._artifacts:  # else close() spooled it during the upload
+                    self._artifacts.remove(item)
         with self._buffer_lock:
             dropped, self._dropped = self._dropped, 0
         if dropped:
@@ -491,6 +499,15 @@ class Tracker:
                 f"MLflow rejected {what} for run {self.run_id} ({error.error_code}): {error.message}; dropped",
                 force=True,
             )
+
+    def _takes(self, name: str, what: str) -> bool:
+        """Whether MLflow takes ``name``: one it refuses fails the whole batch, so it is skipped, with one warning."""
+        if name not in self._names:
+            why = refused_name(name)
+            self._names[name] = not why
+            if why:
+                self._warn(f"MLflow refuses {what} named {name!r} ({why}); not sent", force=True)
+        return self._names[name]
 
     def _run_exists(self) -> bool:
         """True for a run id; for a pending run, once its record names the run (then ``run_id``)."""

@@ -7,6 +7,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -358,6 +359,34 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
     assert send_spooled(record) == (0, 0)
 
 
+def test_a_spool_is_sent_from_wherever_its_run_folder_is_now(store, tmp_path, monkeypatch):
+    """A spool file names its pending run's record and its artifacts' copies by absolute path: a run folder moved, or
+    mounted elsewhere on the node that runs `deliver`, left the file unsent ("not sent", no reason why) and a spooled
+    artifact "no longer exists". Both are read where the record `send_spooled` is given is now."""
+    monkeypatch.setattr(tracker_module, "PENDING_CLOSE_S", 1.0)
+    uri, _ = store
+    old = tmp_path / "old" / "run"
+    old.mkdir(parents=True)
+    table = old / "table.txt"
+    table.write_text("the eval table")
+    ref = pending_run_ref(old / RUN_RECORD)
+    pending = Tracker(uri, ref, rank=0)
+    pending.log_params({keys.RUN_ID_PARAM: ref})
+    pending.log_metrics({keys.LOSS: 1.0}, step=1)
+    pending.log_artifact(table, "evals")
+    pending.close()
+    new = tmp_path / "new" / "run"
+    new.parent.mkdir()
+    old.rename(new)
+    run_id = create_run(uri, "moved", "r", {}, {})
+    (new / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    assert send_spooled(new / RUN_RECORD, timeout_s=30) == (3, 0)
+    client = _client(uri)
+    assert [m.step for m in client.get_metric_history(run_id, keys.LOSS)] == [1]
+    assert client.get_run(run_id).data.params == {keys.RUN_ID_PARAM: run_id}
+    assert [a.path for a in client.list_artifacts(run_id, "evals")] == ["evals/table.txt"]
+
+
 def test_sending_the_spool_to_a_server_that_is_down_stops_at_its_first_file(monkeypatch, tmp_path, caplog):
     """Each spool file is a Tracker's close: against a server that is down, the first one that fails ends the work (at
     a job's end, the driver's Trackers may have spooled several), and every file stays for a later send."""
@@ -419,6 +448,64 @@ def test_rejected_param_is_dropped_and_the_rest_still_arrives(store, caplog):
     tracker.close()
     assert "INVALID_PARAMETER_VALUE" in caplog.text and "dropped" in caplog.text
     assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(7, 1.5)]
+
+
+def test_a_name_mlflow_refuses_is_skipped_and_the_rest_of_its_batch_arrives(store, caplog):
+    """MLflow refuses a whole batch (up to 1000 metrics, 100 params or tags) for one name it does not take: a dataset
+    named "a+b" dropped train/loss at every step sent with it. Such a name is skipped, with one warning naming it."""
+    uri, _ = store
+    run_id = create_run(uri, "bad-names", "r", {}, {})
+    tracker = Tracker(uri, run_id, rank=0, send_every_s=60.0)
+    bad = ["fewshot/a+b/accuracy", "x" * 251, "fewshot//accuracy", "../loss"]
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        for step in (1, 2, 3):
+            tracker.log_metrics({keys.LOSS: 1.0 / step, **dict.fromkeys(bad, 0.5)}, step=step)
+        tracker.log_params({"model.name": "vit", "eval.a+b": "x"})
+        tracker.set_tags({keys.STATUS: "running", "vitscale.a+b": "x"})
+        assert tracker.flush()
+    tracker.close()
+    assert [m.step for m in _client(uri).get_metric_history(run_id, keys.LOSS)] == [1, 2, 3]
+    run = _client(uri).get_run(run_id)
+    assert run.data.params == {"model.name": "vit"} and run.data.tags[keys.STATUS] == "running"
+    assert "vitscale.a+b" not in run.data.tags
+    for name in [*bad, "eval.a+b", "vitscale.a+b"]:
+        assert caplog.text.count(f"named {name!r}") == 1, caplog.text
+    assert "rejected" not in caplog.text, caplog.text
+
+
+def test_an_upload_ending_after_close_spooled_it_is_no_failure(store, tmp_path, monkeypatch, caplog):
+    """close() spools what is still buffered when its wait ends, an artifact whose upload is in flight included. The
+    upload ending afterwards raised ValueError in the sender: a "tracking failed" warning, and the store marked as
+    failing, so that this process's later Trackers waited only the short allowance for it."""
+    from mlflow import MlflowClient
+
+    uri, _ = store
+    monkeypatch.setattr(store_module, "FAILING_SINCE", {})
+    run_id = create_run(uri, "slow-upload", "r", {}, {})
+    record = tmp_path / RUN_RECORD
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    table = tmp_path / "table.txt"
+    table.write_text("the eval table")
+    upload, started, done = MlflowClient.log_artifact, threading.Event(), threading.Event()
+
+    def slow_upload(self, *args, **kwargs):
+        started.set()
+        done.wait(30)
+        return upload(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", slow_upload)
+    tracker = Tracker(uri, run_id, rank=0, record=record)
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        tracker.log_artifact(table)
+        assert started.wait(30)
+        tracker.close(timeout=1)
+        done.set()
+        tracker._thread.join(30)
+    assert len(list(spool_dir(record).glob("*.json"))) == 1 and "wait in" in caplog.text, caplog.text
+    assert "failed" not in caplog.text and uri not in store_module.FAILING_SINCE, caplog.text
+    assert [a.path for a in _client(uri).list_artifacts(run_id)] == ["table.txt"]
+    assert send_spooled(record) == (1, 0)  # the same file again, to the same path
+    assert [a.path for a in _client(uri).list_artifacts(run_id)] == ["table.txt"]
 
 
 def test_a_last_send_that_fails_at_close_is_tried_again(store, monkeypatch, caplog):

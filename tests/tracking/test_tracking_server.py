@@ -429,3 +429,31 @@ def test_a_server_refusing_the_credentials_never_fails_the_job_and_the_right_one
     _client(server.uri).delete_run(run_id)
     assert f"MLflow run {run_id} is deleted" in store.missing_run(server.uri, run_id)
     assert "it was deleted for good" in store.missing_run(server.uri, "0" * 32)
+
+
+@pytest.mark.slow
+def test_the_runs_first_records_wait_in_the_spool_when_the_server_fails_right_after_creating_it(
+    server, fast_retries, tmp_path, monkeypatch, caplog
+):
+    """The driver creates the run, records it, then sends the config, the run-id param and plan.json with a Tracker
+    of its own: a server failing in that moment had them dropped with a warning ("not sent"). They wait in the run
+    folder's spool, as its other Trackers' records do, and reach the run once the server answers."""
+    create, run_dir = runs.create_run, tmp_path / "down-after-creation"
+
+    def create_then_stop(*args, **kwargs) -> str:
+        run_id = create(*args, **kwargs)
+        server.stop()
+        return run_id
+
+    monkeypatch.setattr(store, "FAILING_SINCE", {})
+    monkeypatch.setattr(tracker, "CLOSE_RETRIES", 0)  # one last send: seconds
+    monkeypatch.setattr(runs, "create_run", create_then_stop)
+    server.start()
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        run_id = runs.open_job_run(run_dir, server.uri, "created-then-down", {"model": {"name": "vit"}}, {}, {})
+    record = run_dir / runs.RUN_RECORD
+    assert "not sent" not in caplog.text and len(list(spool_dir(record).glob("*.json"))) == 1, caplog.text
+    server.start()
+    assert runs.send_spooled(record, timeout_s=60) == (3, 0)
+    assert _client(server.uri).get_run(run_id).data.params == {"model.name": "vit", keys.RUN_ID_PARAM: run_id}
+    assert [a.path for a in _client(server.uri).list_artifacts(run_id)] == ["plan.json"]
