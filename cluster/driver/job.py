@@ -157,7 +157,8 @@ def _train_rank(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     run_dir = Path(config.checkpoint.dir)
-    record_placement(run_dir, rank, world_size)  # first: the summary names the node of a worker refused below
+    # first: the summary names the node of a worker refused below
+    record_placement(run_dir, rank, world_size, loop_config["job"])
     if loop_config.get("needs_efa"):
         refuse_without_efa()
     # before the first heartbeat names this pid

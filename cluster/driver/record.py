@@ -27,7 +27,8 @@ from tracking.store import PENDING_RUN, unserved
 from tracking.tracker import Tracker
 
 
-def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
+def record_placement(run_dir: Path, rank: int, world_size: int, job: float | None = None) -> None:
+    """``job``: the job's start (its driver's mark); Ray's job id alone repeats on each fresh cluster."""
     import socket
 
     import psutil  # a Ray dependency
@@ -44,6 +45,7 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
         "started": time.time(),
         "process_started": psutil.Process().create_time(),  # for the goodput ledger
         "job_id": ctx.get_job_id(),
+        "job": job,
         "world_size": world_size,
         "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }
@@ -51,14 +53,20 @@ def record_placement(run_dir: Path, rank: int, world_size: int) -> None:
 
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:
-    """Rank-0 attempts beyond each Ray job's first, less an elastic group growing."""
+    """Rank-0 attempts beyond each job's first, less an elastic group growing."""
     rank0 = sorted((p for p in placements if p.get("rank") == 0), key=lambda p: p.get("started", 0))
-    attempts = Counter(p.get("job_id") for p in rank0)
+    attempts = Counter(_job(p) for p in rank0)
     grown = 0
     for job in attempts:
-        sizes = [p.get("world_size") for p in rank0 if p.get("job_id") == job]
+        sizes = [p.get("world_size") for p in rank0 if _job(p) == job]
         grown += sum(1 for a, b in zip(sizes, sizes[1:]) if a is not None and b is not None and b > a)
     return sum(n - 1 for n in attempts.values()) - grown
+
+
+def _job(placement: dict[str, Any]) -> tuple[Any, Any]:
+    """A job of the run: Ray numbers jobs from 1 on every new cluster, so a run launched again after its cluster
+    was brought up anew has the job id of its earlier job."""
+    return placement.get("job_id"), placement.get("job")
 
 
 @dataclass(frozen=True)
