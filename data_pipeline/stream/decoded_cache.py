@@ -89,7 +89,8 @@ class DecodedCache:
         if self._array is None:
             self._array = self.pixels.numpy()
         for e in entries:
-            sample = dict(e.fields, jpg=e.jpg)
+            # no pixels and no bytes: the sample had no .jpg (`sample_label` counts it incomplete)
+            sample = dict(e.fields) if e.jpg is None and e.shape is None else dict(e.fields, jpg=e.jpg)
             if e.shape is not None:
                 n = e.shape[0] * e.shape[1] * e.shape[2]
                 pixels = self._array[e.offset : e.offset + n].reshape(e.shape)
@@ -118,7 +119,10 @@ class DecodedCache:
         began = time.perf_counter()
         cache = cls._read_all(info, image_size)
         if shared:
-            cache.pixels.share_memory_()
+            try:  # the node's other ranks found room for theirs at the same time
+                cache.pixels.share_memory_()
+            except RuntimeError as error:
+                return None, f"decoded cache off: {where}: /dev/shm filled up before it could hold it ({error})"
         skipped = len(info.shards) - len(cache.shards)
         note = f"; {skipped} shard(s) with read damage read from storage each time" if skipped else ""
         return cache, (

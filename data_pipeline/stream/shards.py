@@ -18,10 +18,12 @@ WANTED_SUFFIXES = ("jpg", "cls")
 _last_warning = [0.0]
 RETRY_FIRST_S, RETRY_FACTOR = 0.1, 4.0
 _retries = [3]  # this process's data.read_retries
-# Remote-store client errors for a connection broken mid-answer
+# Remote-store client errors for a connection broken mid-answer, or not made (botocore's are not OSErrors)
 _TRANSIENT_NAMES = frozenset(
     (
         "ClientPayloadError",
+        "ConnectionClosedError",
+        "EndpointConnectionError",
         "ServerDisconnectedError",
         "ProtocolError",
         "IncompleteRead",

@@ -170,3 +170,54 @@ def test_read_retries_is_a_checked_setting(tmp_path):
     with pytest.raises(ValueError, match=r"^--set override: data\.read_retries=-1 must be >= 0"):
         load_config("local_demo", ["data.read_retries=-1"])
     assert load_config("local_demo").data.read_retries == 3
+
+
+@pytest.fixture
+def dropping_s3(monkeypatch):
+    """S3 clients (s3fs, as for any ``s3://`` data root) pointed at a 127.0.0.1 port that accepts each connection
+    and closes it unanswered, as a load balancer dropping connections does; ``refused`` is a port nothing listens
+    on. s3fs and botocore retry once each (their defaults retry the same errors, only slower)."""
+    import socket
+    import threading
+
+    import s3fs
+
+    server = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    refused = closed.getsockname()[1]
+    closed.close()
+
+    def drop() -> None:
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            connection.recv(65536)
+            connection.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "FSSPEC_S3_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", f"http://127.0.0.1:{refused}"
+    finally:
+        server.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize("endpoint", ["dropping", "refused"])
+def test_an_s3_connection_closed_or_refused_is_retried_and_counted_not_raised(dropping_s3, monkeypatch, endpoint):
+    """botocore's errors for a connection closed before the answer (ConnectionClosedError) or not made
+    (EndpointConnectionError) are not OSErrors: a shard read that meets them is retried, and then counted as
+    damaged, like any reset connection, rather than ending the run."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dropping_s3[endpoint == "refused"])
+    stats: Counter = Counter()
+    assert list(read_shard("s3://bucket/train/shard-000000.tar", 5, stats, retries=1)) == []
+    assert stats == Counter(read_retries=1, read_failures=1, truncated_shards=1, missing_samples=5)
