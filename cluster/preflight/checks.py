@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import posixpath
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location
 from pretrain.config.ds_config import reduction_dtype
 from pretrain.config.train_config import TrainConfig
+from pretrain.telemetry.peak import known_gpu
 from tracking.runs import tracking_credentials
 
 READ_SHARDS = 8  # shard files each node reads ...
@@ -198,11 +200,21 @@ def _request(config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...]
         shard_urls=mine or (config.data.train,),
         read_budget_bytes=READ_BUDGET_BYTES,
         config=config,
-        checkpoint_root=profile.storage.checkpoints,
-        tracking_uri=profile.storage.mlflow_tracking_uri,
+        checkpoint_root=_checkpoint_root(config),
+        tracking_uri=_tracking_uri(config, profile),
         label=node.label,
         check_efa=needs_efa(profile) and holds_a_worker(node, profile),
     )
+
+
+def _checkpoint_root(config: TrainConfig) -> str:
+    """The folder the run folder goes in: the profile's storage.checkpoints, or where `--set checkpoint.dir` puts it."""
+    return posixpath.dirname(config.checkpoint.dir.rstrip("/"))
+
+
+def _tracking_uri(config: TrainConfig, profile: ClusterProfile) -> str:
+    """The store the run logs to: the profile's, or the `--set logging.mlflow_tracking_uri` one."""
+    return config.logging.mlflow_tracking_uri or profile.storage.mlflow_tracking_uri
 
 
 def judge(measured: Measurements, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> list[Check]:
@@ -238,6 +250,14 @@ def _describe_gpus(inv: GpuInventory) -> str:
     return f"{inv.count} x {kinds} ({min(inv.memory_gb):.1f} GB), driver {inv.driver or 'unknown'}"
 
 
+def _same_kind(gpu_type: str, name: str) -> bool:
+    """Whether the driver's ``name`` ("NVIDIA A100-SXM4-80GB") is a ``gpu_type``: a kind the planner prices by its
+    own rule ("L4" is not "NVIDIA L40S"), else the type's first part ("A100" of "A100-SXM4-80GB"), spaces aside."""
+    if known := known_gpu(gpu_type):
+        return known_gpu(name) == known
+    return gpu_type.split("-")[0].upper().replace(" ", "") in name.upper().replace(" ", "")
+
+
 def _gpu_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
     hw, inv, seen = profile.hardware, figures.gpus, _describe_gpus(figures.gpus)
     fix = "check the node's driver (`nvidia-smi`) and Ray's GPU count (`ray status`), or correct hardware.gpu_*"
@@ -245,11 +265,10 @@ def _gpu_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config
         return Check("gpus", node.label, seen, "none (no training worker fits here)", not inv.error, fix)
     if hw.gpus_per_node == 0:
         return Check("gpus", node.label, seen, "none (CPU workers)", True)
-    kind = hw.gpu_type.split("-")[0].upper()  # "A100" of "A100-SXM4-80GB"; nvidia-smi says "NVIDIA A100-SXM4-80GB"
     ok = (
         not inv.error
         and inv.count >= hw.gpus_per_node
-        and all(kind in name.upper().replace(" ", "") for name in inv.names)
+        and all(_same_kind(hw.gpu_type, name) for name in inv.names)
         and all(gb >= hw.gpu_memory_gb for gb in inv.memory_gb)
     )
     needs = f"{hw.gpus_per_node} x {hw.gpu_type} (>= {hw.gpu_memory_gb:g} GB each)"
@@ -314,7 +333,7 @@ def _space_check(node: Node, figures: NodeFigures, profile: ClusterProfile, conf
     keep, size = config.checkpoint.keep_last, plan.startup.checkpoint_gb
     need = (keep + 1) * size
     needs = f"{need:,.3g} GB (checkpoint.keep_last + 1 = {keep + 1} checkpoints of {size:.3g} GB)"
-    fix = f"free space at {profile.storage.checkpoints}, lower checkpoint.keep_last or move storage.checkpoints"
+    fix = f"free space at {_checkpoint_root(config)}, lower checkpoint.keep_last or move storage.checkpoints"
     figure = figures.free_gb
 
     def verdict(free: float) -> tuple[str, bool]:
@@ -326,7 +345,7 @@ def _space_check(node: Node, figures: NodeFigures, profile: ClusterProfile, conf
 def _tracking_check(
     node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan
 ) -> Check:
-    uri = profile.storage.mlflow_tracking_uri
+    uri = _tracking_uri(config, profile)
     needs = f"a store this node can write ({uri})"
     fix = (
         "start the tracking server or make it reachable from the nodes, export MLFLOW_TRACKING_TOKEN (or _USERNAME/"

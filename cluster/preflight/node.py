@@ -140,12 +140,24 @@ def _nvidia_smi() -> GpuInventory:
 
 
 def parse_nvidia_smi(text: str) -> GpuInventory:
-    """The inventory from `_nvidia_smi`'s query (memory.total in MiB)."""
+    """The inventory from `_nvidia_smi`'s query (memory.total in MiB); an error where a row is unreadable (a failing
+    GPU's fields read `[Unknown Error]`, and nvidia-smi still exits 0)."""
     rows = [[field.strip() for field in line.split(",")] for line in text.splitlines() if line.strip()]
+    for row in rows:
+        if len(row) != 3 or not _is_number(row[1]):
+            return GpuInventory(len(rows), source="nvidia-smi", error=f"unreadable row {', '.join(row)!r}"[:300])
     names = tuple(row[0] for row in rows)
     memory = tuple(float(row[1]) * 2**20 / 1e9 for row in rows)
     drivers = sorted({row[2] for row in rows})
     return GpuInventory(len(rows), names, memory, ", ".join(drivers), "nvidia-smi")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_rate(urls: tuple[str, ...], budget_bytes: int) -> Figure:
