@@ -3,6 +3,7 @@
     python -m cluster.render --cluster a100x64 [--recipe vit_h14_i21k] [--run-name NAME] [--out rendered]
         [--image REGISTRY/vitscale:TAG] [--fsx-dns fs-ID.fsx.us-east-1.amazonaws.com --fsx-mount-name NAME]
         [--subnet-id subnet-ID --security-group-id sg-ID]    # EFA profiles (a100x64): their nodes' EFA interfaces
+        [--ami-id ami-ID]                                    # the nodes' AMI: an NVIDIA driver for the image's CUDA
 
 writes `<out>/<profile>/cluster.yaml` (`ray up` it) and `rayjob.yaml` (`kubectl apply -f` it), each headed by what
 must exist first. Every node runs ./Dockerfile's image; the Jobs API stays on 127.0.0.1 or in the namespace, tokens on.
@@ -70,6 +71,22 @@ def fsx_mount(dns_name: str | None, mount_name: str | None) -> FsxMount | None:
     if region and region.group(1) != REGION:
         raise ValueError(f"--fsx-dns {dns_name}: the file system is in {region.group(1)}, the cluster in {REGION}")
     return FsxMount(dns_name, mount_name)
+
+
+def ami_id(value: str | None) -> str | None:
+    """`--ami-id`, checked: an EC2 AMI id (the headers' shell commands name it), None without it."""
+    if value is not None and not re.fullmatch(r"ami-([0-9a-f]{8}|[0-9a-f]{17})", value):
+        raise ValueError(f"--ami-id {value!r}: give an EC2 AMI id in {REGION}, ami- and 8 or 17 hex digits")
+    return value
+
+
+def _no_ami() -> str:
+    """The host command stopping `ray up` rendered without `--ami-id`: Ray's AWS default AMI is the deprecated Deep
+    Learning AMI (Ubuntu 18.04) V71, whose CUDA 11 driver knows no H100 or H200 and runs no CUDA 12 image."""
+    return (
+        "echo 'cluster.yaml names no AMI, and the one Ray picks has a CUDA 11 driver: render it with --ami-id (an "
+        "Ubuntu Deep Learning Base OSS Nvidia Driver GPU AMI)' >&2; exit 1"
+    )
 
 
 def _check_image(image: str) -> None:
@@ -193,7 +210,11 @@ def _node_type(workers: int | None, cpus: int, gpus: int, node_config: dict) -> 
 
 
 def launcher_config(
-    profile: ClusterProfile, image: str = IMAGE, fsx: FsxMount | None = None, efa: EfaSubnet | None = None
+    profile: ClusterProfile,
+    image: str = IMAGE,
+    fsx: FsxMount | None = None,
+    efa: EfaSubnet | None = None,
+    ami: str | None = None,
 ) -> dict:
     """The `ray up` YAML; validated by Ray's own schema in tests."""
     _check_renderable(profile)
@@ -208,6 +229,9 @@ def launcher_config(
     if profile.evals.instance_type:
         vcpus, _, gpus = EVAL_INSTANCES[profile.evals.instance_type]
         node_types["eval_worker"] = _node_type(1, vcpus, gpus, {"InstanceType": profile.evals.instance_type})
+    if ami:  # every node type: Ray gives one without ImageId its own default AMI (`_no_ami`)
+        for node_type in node_types.values():
+            node_type["node_config"]["ImageId"] = ami
     return {
         "cluster_name": f"vitscale-{profile.name}",
         "max_workers": sum(t.get("max_workers", 0) for t in node_types.values()),
@@ -226,7 +250,11 @@ def launcher_config(
         "head_node_type": "head",
         # The client's token, in every node's container (the autoscaler passes file_mounts on to workers).
         "file_mounts": {AUTH_TOKEN_FILE: AUTH_TOKEN_FILE},
-        "initialization_commands": [_mount_fsx(fsx), *([_no_efa(profile)] if devices and efa is None else [])],
+        "initialization_commands": [
+            *([] if ami else [_no_ami()]),
+            _mount_fsx(fsx),
+            *([_no_efa(profile)] if devices and efa is None else []),
+        ],
         "setup_commands": [],
         "head_setup_commands": [],
         "worker_setup_commands": [],
@@ -373,6 +401,10 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     if group := placement_group(profile):
         lines.append(f"  aws ec2 create-placement-group --region {REGION} --group-name {group} --strategy cluster")
     lines.append(f"and an FSx for Lustre file system in {ZONE}, mounted at {SHARED_FS} (--fsx-dns, --fsx-mount-name).")
+    lines.append(
+        f"Every node boots an Ubuntu AMI in {REGION} with an NVIDIA driver for the image's CUDA, Docker, the NVIDIA "
+        "container toolkit and the Lustre client, e.g. a Deep Learning Base OSS Nvidia Driver GPU AMI (--ami-id)."
+    )
     if count := efa_interfaces(profile):
         lines.append(
             f"Its nodes' {count} EFA interfaces each need a subnet in {ZONE} and a security group "
@@ -413,6 +445,7 @@ def render(
     fsx: FsxMount | None = None,
     run_name: str | None = None,
     efa: EfaSubnet | None = None,
+    ami: str | None = None,
 ) -> list[Path]:
     """Write ``out/<profile>/cluster.yaml`` and ``rayjob.yaml``; the run is named ``<recipe>-<profile>`` by default."""
     profile = load_profile(profile_name)
@@ -425,7 +458,7 @@ def render(
     write_text_atomically(
         launcher,
         _launcher_header(profile, launcher, image)
-        + yaml.safe_dump(launcher_config(profile, image, fsx, efa), sort_keys=False, width=120),
+        + yaml.safe_dump(launcher_config(profile, image, fsx, efa, ami), sort_keys=False, width=120),
     )
     rayjob = folder / "rayjob.yaml"
     manifest = rayjob_manifest(profile, spec.to_json(), job_name, image)
@@ -450,18 +483,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--security-group-id", help="launcher, EFA profiles: their security group (all traffic from itself)"
     )
+    parser.add_argument(
+        "--ami-id", help=f"launcher: the nodes' Ubuntu AMI in {REGION}, its NVIDIA driver new enough for the image"
+    )
     args = parser.parse_args(argv)
     try:
         profile = load_profile(args.cluster)
         _check_renderable(profile)  # before planning: its errors would mislead
         fsx = fsx_mount(args.fsx_dns, args.fsx_mount_name)
         efa = efa_subnet(args.subnet_id, args.security_group_id)
+        ami = ami_id(args.ami_id)
         needs = efa_interfaces(profile)  # before --out: an instance type without a known count is refused
         _check_image(args.image)
         recipe = profile.pick_recipe(args.recipe)
         _names(profile, recipe, args.run_name)  # before --out is created
         out = output_folder(args.out, "--out")
-        for path in render(args.cluster, recipe, out, args.image, fsx, args.run_name, efa):
+        for path in render(args.cluster, recipe, out, args.image, fsx, args.run_name, efa, ami):
             print(f"wrote {path}")
     except ValueError as exc:
         return fail(parser.prog, exc)
@@ -469,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         return interrupted(parser.prog, "each file it wrote is whole; run it again")
     if args.image == IMAGE:
         print(f"note: {IMAGE} is a placeholder: push ./Dockerfile's image and pass --image")
+    if ami is None:
+        print("note: no --ami-id: `ray up` of cluster.yaml stops; Ray's default AMI cannot run the image's CUDA")
     if fsx is None:
         print("note: no --fsx-dns/--fsx-mount-name: `ray up` of cluster.yaml stops before the FSx mount")
     if needs and efa is None:

@@ -173,7 +173,7 @@ def test_fsx_is_mounted_on_the_host_before_the_container_starts(rendered, tmp_pa
 
     # Without the file system's names: the files are written, and `ray up` stops at the mount, saying why.
     profile = render.load_profile("a100x8")
-    (command,) = render.launcher_config(profile)["initialization_commands"]
+    (command,) = render.launcher_config(profile, ami="ami-0123456789abcdef0")["initialization_commands"]
     assert "--fsx-dns" in command and command.endswith("exit 1")
     assert render.main(["--cluster", "a100x8", "--out", str(tmp_path)]) == 0
     assert "--fsx-dns" in capsys.readouterr().out
