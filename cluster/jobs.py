@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,11 @@ FOLLOW_LOST_S = 60.0  # `follow` gives up on a Jobs API silent this long
 
 class RayUnreachableError(RuntimeError):
     """The profile's Ray cluster does not answer; the message says how to start it."""
+
+
+class JobRefusedError(RuntimeError):
+    """The Jobs API did not take a job: an HTTP error (a proxy's too), or the connection dropped; the message says
+    which, in one line."""
 
 
 def _how_to_start(profile: ClusterProfile, address: str) -> str:
@@ -129,7 +135,7 @@ def submit(
     agent_wait_s: float = AGENT_WAIT_S,
 ) -> str:
     """Submit with metadata vitscale=1; return the submission id. Only NO_AGENT is retried, for `agent_wait_s`, then
-    RayUnreachableError."""
+    RayUnreachableError; any other failure is JobRefusedError at once (a package too large for Ray: ValueError)."""
     request = dict(
         entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=dict(JOB_METADATA)
     )
@@ -143,9 +149,11 @@ def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_w
     while True:
         try:
             return client.submit_job(**request), retries
+        except OSError as exc:  # requests' ConnectionError: the connection dropped, e.g. while uploading the code
+            raise _refused(client, request, exc) from exc
         except RuntimeError as exc:
             if "status code 500" not in str(exc) or NO_AGENT not in str(exc):
-                raise
+                raise _refused(client, request, exc) from exc
             if time.monotonic() >= deadline:
                 raise RayUnreachableError(
                     f"Ray's job agent on the head did not register within {agent_wait_s:.0f} s, so the Jobs API "
@@ -160,6 +168,25 @@ def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_w
                 )
             retries += 1
             time.sleep(1.0)  # each refusal already took Ray's 10 s wait
+
+
+def _refused(client: JobSubmissionClient, request: dict, exc: Exception) -> JobRefusedError:
+    """``exc`` of a submission in one line: the head's traceback as its last line, an HTML error page as its text, the
+    cure for a proxy's body limit."""
+    text = str(exc)
+    if "Traceback (most recent call last)" in text:  # the Jobs API's 500: the error is the traceback's last line
+        error = [line for line in text.splitlines() if line.strip(" .")][-1]
+        text = f"{text.split(':', 1)[0]}: {error}"
+    reason = " ".join(re.sub(r"<[^>]*>", " ", text).split()).rstrip(". ")[:300] or type(exc).__name__
+    if "status code 413" in reason:  # the working_dir upload: the checkout, a few MiB
+        reason += (
+            "; a proxy in front of the Jobs API limits the size of a request, and the job uploads its code: raise the "
+            "limit (ingress-nginx: nginx.ingress.kubernetes.io/proxy-body-size) or forward the head's dashboard port "
+            "(`ray dashboard`)"
+        )
+    return JobRefusedError(
+        f"submitting job {request['submission_id']} to the Ray Jobs API at {client.get_address()} failed: {reason}"
+    )
 
 
 def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = FOLLOW_LOST_S) -> str:

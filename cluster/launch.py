@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         client = jobs.connect(profile, start_local=True)
         env = runtime_env(profile, JobSpec.create(profile, config, plan, fault))
         job_id = jobs.submit(client, "python -m cluster.driver", env, f"vitscale-{plan.run_name}-{int(time.time())}")
-    except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
+    except (PlanError, ValueError, jobs.RayUnreachableError, jobs.JobRefusedError) as exc:
         return fail(parser.prog, exc)
     except KeyboardInterrupt:  # planning, generating the local data, starting the local head or submitting
         return interrupted(parser.prog, f"no job submitted (`make status CLUSTER={args.cluster}` lists any)")

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if profile.is_local:
             return _on_local_head(profile, config, plan)
         return _as_job(profile, config, plan)
-    except (PlanError, ValueError, jobs.RayUnreachableError) as exc:
+    except (PlanError, ValueError, jobs.RayUnreachableError, jobs.JobRefusedError) as exc:
         return fail(parser.prog, exc)
     except KeyboardInterrupt:
         kept = f"no verdict; a preflight job submitted runs on (`make stop CLUSTER={args.cluster}` stops it)"

@@ -1,0 +1,120 @@
+"""The path from `make launch CLUSTER=<gpu profile>` to the first GPU step that no CPU run takes: the files
+`cluster.render` writes for `ray up`, checked with Ray's own code."""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+import yaml
+
+from cluster import launch, render
+
+FSX = render.FsxMount("fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", "abcdefgh")
+AMI = "ami-0123456789abcdef0"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["a100x64", "h100x8"])
+def test_every_node_boots_the_ami_given_never_rays_default(tmp_path, capsys, name):
+    """Ray's AWS provider gives a node_config without ImageId its DEFAULT_AMI, a Deep Learning AMI (Ubuntu 18.04) of
+    2023 with a CUDA 11 driver: no H100/H200, no CUDA 12 image. Every node type (evals too) boots --ami-id; without it
+    `ray up` stops, saying why, before any container starts."""
+    from ray.autoscaler._private.aws.config import DEFAULT_AMI, _check_ami
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    out = tmp_path / "given"
+    assert render.main(["--cluster", name, "--out", str(out), "--ami-id", AMI]) == 0
+    config = yaml.safe_load((out / name / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    _check_ami(checked := copy.deepcopy(config))
+    images = {key: t["node_config"].get("ImageId") for key, t in checked["available_node_types"].items()}
+    assert set(images.values()) == {AMI} and DEFAULT_AMI[render.REGION] not in images.values(), images
+    assert not any("--ami-id" in c for c in config["initialization_commands"])
+    assert "--ami-id" not in capsys.readouterr().out
+
+    assert render.main(["--cluster", name, "--out", str(tmp_path / "bare")]) == 0
+    assert "note: no --ami-id: `ray up` of cluster.yaml stops" in capsys.readouterr().out
+    bare = yaml.safe_load((tmp_path / "bare" / name / "cluster.yaml").read_text())
+    stop = bare["initialization_commands"][0]  # before the FSx mount: the default AMI may lack the Lustre client
+    assert "--ami-id" in stop and stop.endswith("exit 1")
+    assert "ImageId" not in bare["available_node_types"]["head"]["node_config"]
+    header = (tmp_path / "bare" / name / "cluster.yaml").read_text().split("\n\n")[0]
+    assert "--ami-id" in header
+
+    for bad in ("ami-12", "ami-0123456789ABCDEF0", "latest_dlami", "ami-01234567; rm -rf /"):
+        assert render.main(["--cluster", name, "--out", str(tmp_path / "x"), "--ami-id", bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("python -m cluster.render: error: --ami-id") and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
+
+
+def test_launcher_config_with_every_host_need_given_stops_nothing():
+    config = render.launcher_config(
+        render.load_profile("a100x64"),
+        fsx=FSX,
+        efa=render.efa_subnet("subnet-0123456789abcdef0", "sg-0123456789abcdef0"),
+        ami=render.ami_id(AMI),
+    )
+    assert not any("exit 1" in c for c in config["initialization_commands"])
+
+
+class _Ingress(http.server.BaseHTTPRequestHandler):
+    """A proxy in front of a cluster's Jobs API: it passes Ray's version check and refuses the working_dir upload, as
+    ingress-nginx does with its 1 MiB default body limit (413), or drops the connection (a `ray dashboard` tunnel that
+    closed)."""
+
+    drop = False
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path.startswith("/api/packages/"):  # Ray asks whether the package is there before uploading it
+            return self._answer(404, b"")
+        self._answer(200, json.dumps({"version": "4", "ray_version": "2.60.0", "ray_commit": "x"}).encode())
+
+    def do_PUT(self):  # noqa: N802
+        if self.drop:
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        title = b"413 Request Entity Too Large"  # nginx's page
+        page = b"<html>\r\n<head><title>%s</title></head>\r\n<body><center><h1>%s</h1></center>\r\n" % (title, title)
+        self._answer(413, page + b"<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("drop", [False, True], ids=["body-limit", "dropped"])
+def test_a_jobs_api_that_refuses_the_upload_is_one_line_not_a_traceback(monkeypatch, capsys, drop):
+    """`make launch CLUSTER=a100x64` through a proxy that refuses the job's upload (the checkout, a few MiB) or a
+    connection that drops during it: one line saying what failed, exit 2, nothing said to be submitted."""
+    handler = type("Ingress", (_Ingress,), {"drop": drop})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        status = launch.main(["--cluster", "a100x64", "--recipe", "vit_b16_i21k", "--no-follow"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    captured = capsys.readouterr()
+    assert status == 2 and "submitted Ray job" not in captured.out
+    (line,) = [line for line in captured.err.splitlines() if line.startswith("python -m cluster.launch")]
+    assert line.startswith("python -m cluster.launch: error: submitting job vitscale-vit_b16_i21k-"), line
+    assert "Traceback" not in captured.err and "<" not in line
+    if drop:
+        assert "ConnectionError" in line or "Connection" in line, line
+    else:
+        assert "status code 413: 413 Request Entity Too Large" in line and "nginx; a proxy" in line, line
+        assert "proxy-body-size" in line, line
