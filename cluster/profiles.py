@@ -29,6 +29,10 @@ EVAL_INSTANCES = {
     "g6.2xlarge": (8, 32, 1),
     "g6.4xlarge": (16, 64, 1),
 }
+# The Ray resource the eval node group's nodes declare (cluster.render) and eval tasks ask for: with GPUs free on the
+# training nodes (a worker group restarting, an elastic group at its minimum), an eval must not take one there.
+EVAL_NODE_RESOURCE = "vitscale_eval"
+EVAL_NODE_UNITS = 1000  # on each eval node: a label more than a count (CPUs and GPUs bound the tasks there)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,11 @@ class EvalResources:
     # Dense peak TFLOP/s where pretrain.telemetry.peak lacks it (remote CPU evals); None: from gpu_type, or measured
     peak_tflops: float | None = None
     assumed_mfu: float | None = None  # the evals' assumed MFU; None: the profile's assumed_mfu
+
+    @property
+    def node_resources(self) -> dict[str, float]:
+        """The custom resources an eval task asks for: its node group's, where the profile has one."""
+        return {EVAL_NODE_RESOURCE: 1} if self.instance_type else {}
 
     def validate(self, where: str) -> None:
         """ValueError naming the field and the fix."""

@@ -12,6 +12,7 @@ must exist first. Every node runs ./Dockerfile's image; the Jobs API stays on 12
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -22,7 +23,14 @@ import yaml
 from cluster.driver.job import JobSpec, job_runtime_env
 from cluster.network import EFA_DEVICES, efa_interfaces
 from cluster.plan.planner import build_plan, resolve_config
-from cluster.profiles import EVAL_INSTANCES, ClusterProfile, allocatable, load_profile
+from cluster.profiles import (
+    EVAL_INSTANCES,
+    EVAL_NODE_RESOURCE,
+    EVAL_NODE_UNITS,
+    ClusterProfile,
+    allocatable,
+    load_profile,
+)
 from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 
@@ -204,9 +212,9 @@ def _training_node(profile: ClusterProfile, efa: EfaSubnet | None) -> dict:
     return node
 
 
-def _node_type(workers: int | None, cpus: int, gpus: int, node_config: dict) -> dict:
+def _node_type(workers: int | None, cpus: int, gpus: int, node_config: dict, **custom: int) -> dict:
     counts = {} if workers is None else {"min_workers": workers, "max_workers": workers}
-    return {**counts, "resources": {"CPU": cpus, "GPU": gpus}, "node_config": node_config}
+    return {**counts, "resources": {"CPU": cpus, "GPU": gpus, **custom}, "node_config": node_config}
 
 
 def launcher_config(
@@ -228,7 +236,8 @@ def launcher_config(
         node_types["gpu_worker"]["docker"] = {"worker_run_options": list(devices)}  # a copy: no YAML anchors
     if profile.evals.instance_type:
         vcpus, _, gpus = EVAL_INSTANCES[profile.evals.instance_type]
-        node_types["eval_worker"] = _node_type(1, vcpus, gpus, {"InstanceType": profile.evals.instance_type})
+        eval_node = {"InstanceType": profile.evals.instance_type}
+        node_types["eval_worker"] = _node_type(1, vcpus, gpus, eval_node, **{EVAL_NODE_RESOURCE: EVAL_NODE_UNITS})
     if ami:  # every node type: Ray gives one without ImageId its own default AMI (`_no_ami`)
         for node_type in node_types.values():
             node_type["node_config"]["ImageId"] = ami
@@ -334,9 +343,10 @@ def _submitter(image: str) -> dict:
     return {"spec": {"restartPolicy": "Never", "containers": [container]}}
 
 
-def _worker_group(name: str, replicas: int, template: dict) -> dict:
+def _worker_group(name: str, replicas: int, template: dict, **custom: int) -> dict:
     counts = {"replicas": replicas, "minReplicas": replicas, "maxReplicas": replicas}
-    return {"groupName": name, **counts, "rayStartParams": {}, "template": template}
+    params = {"resources": json.dumps(json.dumps(custom))} if custom else {}  # `ray start --resources` takes JSON
+    return {"groupName": name, **counts, "rayStartParams": params, "template": template}
 
 
 def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, image: str = IMAGE) -> list[dict]:
@@ -346,7 +356,8 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
     worker_groups = [_worker_group("gpu", hw.nodes - 1, _training_pod(profile, image))]
     if profile.evals.instance_type:  # no EFA: evals need none, small types have none
         eval_type = profile.evals.instance_type
-        worker_groups.append(_worker_group("eval", 1, _pod(image, eval_type, EVAL_INSTANCES[eval_type])))
+        eval_pod = _pod(image, eval_type, EVAL_INSTANCES[eval_type])
+        worker_groups.append(_worker_group("eval", 1, eval_pod, **{EVAL_NODE_RESOURCE: EVAL_NODE_UNITS}))
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",

@@ -48,11 +48,16 @@ def merged_suite(suites: tuple[str, ...], folder: Path) -> Path:
     return path
 
 
-def task_options(num_cpus: float, num_gpus: float, memory_gb: float) -> dict[str, Any]:
-    """A task whose process dies runs once more."""
+def task_options(
+    num_cpus: float, num_gpus: float, memory_gb: float, resources: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """A task whose process dies runs once more; ``resources``: the eval node group's (`EvalResources.node_resources`),
+    so that it never takes a training node's GPU."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_retries": 1}
     if memory_gb > 0:
         options["memory"] = int(memory_gb * 1e9)
+    if resources:
+        options["resources"] = dict(resources)
     return options
 
 
@@ -72,12 +77,13 @@ class EvalScheduler:
         task: Callable[..., dict[str, Any]] = run_suite_task,  # tests pass a stand-in
         memory_gb: float = 0,
         run_dir: str | None = None,  # where `catch_up` looks; None: it finds nothing
+        resources: dict[str, float] | None = None,  # the eval node group's custom resource, where there is one
     ):
         if not isinstance(suites, EvalCadence):
             suites = EvalCadence(((suites, 1),) if suites else ())
         self.cadence, self.data_root, self.run_id, self.tracking_uri = suites, data_root, run_id, tracking_uri
         self.max_pinned = max_pinned
-        self._task = ray.remote(task).options(**task_options(num_cpus, num_gpus, memory_gb))
+        self._task = ray.remote(task).options(**task_options(num_cpus, num_gpus, memory_gb, resources))
         # Failures and skips. What MLflow has not taken when `drain` closes it waits in the run folder's spool (a
         # pending run's, or the one its record names), for the job's end or its courier to send.
         record = Path(run_dir) / RUN_RECORD if run_dir else None

@@ -299,6 +299,7 @@ def run_job(
         num_gpus=ev.num_gpus,
         memory_gb=ev.memory_gb,
         run_dir=str(run_dir),
+        resources=ev.node_resources,
     )
     config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence, clock.started)

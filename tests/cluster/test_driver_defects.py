@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+from cluster.driver.eval_scheduler import task_options
 from cluster.driver.record import count_restarts, record_placement
+from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
+from cluster.profiles import load_profile
 
 
 def test_a_run_launched_again_on_a_new_cluster_is_a_new_job_not_a_restart(tmp_path):
@@ -14,11 +17,12 @@ def test_a_run_launched_again_on_a_new_cluster_is_a_new_job_not_a_restart(tmp_pa
     failed"). The job's own start tells the jobs apart."""
     import ray
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
-    try:
-        record_placement(tmp_path, 0, 1, job=1000.0)
-    finally:
-        ray.shutdown()
+    with ray_auth_mode("disabled"):
+        ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+        try:
+            record_placement(tmp_path, 0, 1, job=1000.0)
+        finally:
+            ray.shutdown()
     [written] = [json.loads(p.read_text()) for p in (tmp_path / "workers").glob("rank0-*.json")]
     assert written["job"] == 1000.0 and written["job_id"]
 
@@ -27,3 +31,36 @@ def test_a_run_launched_again_on_a_new_cluster_is_a_new_job_not_a_restart(tmp_pa
     again = {**first, "job": 5000.0, "started": 3.0}  # the run launched again on a new cluster: same job id
     assert count_restarts([{**first, "started": 1.0}, restarted, again]) == 1
     assert count_restarts([{**first, "started": 1.0}, again]) == 0
+
+
+def test_an_eval_task_runs_on_the_eval_node_never_on_a_training_node_with_a_free_gpu(monkeypatch):
+    """A profile with an eval node group (a100x64's g5.2xlarge): while Ray Train restarted the worker group, the
+    training nodes' GPUs were free, and a waiting eval (1 GPU, 7 CPUs) fitted there; the new group then waited for it.
+    Eval tasks ask for the resource only the eval nodes declare (cluster.render). Two nodes of real Ray: a "training"
+    head with a GPU and CPUs to spare, an "eval" node with the resource."""
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    resources = load_profile("a100x64").evals.node_resources
+    assert resources == {"vitscale_eval": 1} and load_profile("local").evals.node_resources == {}
+    node_args = dict(object_store_memory=100 * 1024**2, include_dashboard=False)
+    with ray_auth_mode("disabled"):
+        cluster = in_process_cluster(**node_args, num_cpus=2, num_gpus=1, dashboard_agent_listen_port=free_port())
+        try:
+            eval_node = cluster.add_node(
+                **node_args, num_cpus=1, resources={"vitscale_eval": 1000}, dashboard_agent_listen_port=free_port()
+            )
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address)
+
+            def where() -> str:
+                return ray.get_runtime_context().get_node_id()
+
+            options = task_options(1, 0, 0, resources)
+            assert {ray.get(ray.remote(where).options(**options).remote()) for _ in range(4)} == {eval_node.node_id}
+            # without it, the head's free CPUs (and GPU) would take it: what a training node offered
+            head = cluster.head_node.node_id
+            assert ray.get(ray.remote(where).options(**task_options(1, 1, 0)).remote()) == head
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

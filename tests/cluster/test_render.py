@@ -66,7 +66,10 @@ def test_a100x64_launcher_yaml_validates_with_rays_schema(tmp_path):
     assert types["head"]["node_config"]["InstanceType"] == "p4de.24xlarge"  # the 80 GB A100 part
     assert types["gpu_worker"]["min_workers"] == types["gpu_worker"]["max_workers"] == 7  # head + 7 = 8 nodes
     assert types["head"]["resources"]["GPU"] == types["gpu_worker"]["resources"]["GPU"] == 8
-    assert types["eval_worker"]["resources"]["GPU"] == 1  # evals never take a training GPU
+    assert types["eval_worker"]["resources"]["GPU"] == 1  # evals never take a training GPU:
+    # their tasks ask for a resource only the eval nodes declare (a restarting worker group leaves GPUs free)
+    assert types["eval_worker"]["resources"]["vitscale_eval"] == 1000
+    assert "vitscale_eval" not in types["head"]["resources"] | types["gpu_worker"]["resources"]
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start and "RAY_AUTH_MODE=token" in head_start
 
@@ -76,6 +79,9 @@ def test_a100x64_launcher_yaml_validates_with_rays_schema(tmp_path):
     assert job["spec"]["entrypoint"] == "python -m cluster.driver"
     groups = {g["groupName"]: g for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
     assert groups["gpu"]["replicas"] == 7
+    # `ray start --resources=` through KubeRay's shell: a JSON object, quoted
+    assert json.loads(json.loads(groups["eval"]["rayStartParams"]["resources"])) == {"vitscale_eval": 1000}
+    assert groups["gpu"]["rayStartParams"] == {}
     head_limits = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
     assert head_limits["limits"]["nvidia.com/gpu"] == "8"
     runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
