@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -27,6 +28,10 @@ def _names(known) -> Callable[[str], list[str]]:
         return names
 
     return parse
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         type=_names(VARIANTS),
         default=list(VARIANTS),
-        help="the step part's (default: all; without eager, the others run at the model's cap)",
+        help="the step part's (default: all; without eager, the others start at the model's cap)",
     )
     rerun.add_argument(
         "--train-set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for the train part"
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if (out := out_file(args.out, parser.prog)) is None:
         return 2
     campaign = Campaign(args, out)
+    # device.sh's `timeout` ends the campaign with SIGTERM, which must end the train part's child (a session of its
+    # own, out of the signal's reach) as Ctrl-C does, or it trains on, holding the GPU, after the device call
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
             result = campaign.run(Path(tmp))
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if done := [part for part in SHARES if f"seconds_{part}" in campaign.result]:
             return interrupted(parser.prog, f"the finished parts ({', '.join(done)}) are in {out}")
         return interrupted(parser.prog, f"nothing was written to {out}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for line in summary_lines(result):
         print(line)
     print(f"{result['wall_s']:.0f} s -> {out}")

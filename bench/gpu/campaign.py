@@ -135,13 +135,17 @@ def run_train(spec: TrainSpec, work: Path, timeout_s: float, device: torch.devic
     command = [sys.executable, "-m", "bench.gpu.train", str(spec_path), str(out_path)]
     proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, start_new_session=True)
     result: dict = {}
+    stopped = False
     try:
         code = proc.wait(timeout=timeout_s)
         if code:
             result["error_train"] = f"bench.gpu.train exited {code} (its output is above)"
     except subprocess.TimeoutExpired:
         result["error_train"] = f"stopped at the part's budget of {timeout_s:.0f} s; what it measured is kept"
-    finally:  # a timeout, or Ctrl-C, which does not reach its session
+    except KeyboardInterrupt:
+        stopped = True
+        result["error_train"] = "interrupted; what it measured is kept"
+    finally:  # a timeout, or Ctrl-C and SIGTERM, which do not reach its session
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -151,7 +155,17 @@ def run_train(spec: TrainSpec, work: Path, timeout_s: float, device: torch.devic
     if isinstance(result.get("train_path_mfu"), float):
         result[f"train_path_mfu_{TRAIN_MODEL}"] = result["train_path_mfu"]
     result["train_path_model_recipe"] = TRAIN_MODEL
+    if stopped:
+        raise Interrupted(result)
     return result
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM in a part, with what the part measured until then (``kept``)."""
+
+    def __init__(self, kept: dict):
+        super().__init__()
+        self.kept = kept
 
 
 class Campaign:
@@ -175,6 +189,10 @@ class Campaign:
         log(f"{name}: up to {self.share_s(name):.0f} s")
         try:
             self.result.update(work(self.share_s(name)))
+        except Interrupted as stop:  # in the JSON before the scratch folder, and the part's own JSON, go
+            self.result.update(stop.kept)
+            self.write()
+            raise
         except Exception as error:  # recorded; the campaign goes on
             self.result[f"error_{name}"] = f"{type(error).__name__}: {str(error)[:400]}"
             log(f"{name} failed: {self.result[f'error_{name}']}")

@@ -19,6 +19,7 @@ cd "$(dirname "$0")/../.."
 if [ "${1:-}" = wheels ]; then
     set -e
     mkdir -p .whl
+    rm -f .whl/*.whl  # a version left from an earlier pin would make the device's pip refuse the set
     PY=${PY:-.venv/bin/python}  # the project's venv: building DeepSpeed imports torch
     # DeepSpeed has no wheel on PyPI: build one here. DS_BUILD_OPS=0 leaves its C++/CUDA ops unbuilt (the runs use
     # torch's AdamW), so the wheel is pure Python and installs on the device's Python 3.12.

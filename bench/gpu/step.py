@@ -1,9 +1,9 @@
 """The campaign's step part: vitscale's training step against Hugging Face's ViT on one device, per model.
 
 Tasks per model, in priority order (``_tasks``): ``eager`` (vitscale at the largest micro-batch that fits), ``hf``
-(SDPA, at that micro-batch or below), ``ckpt`` (activation checkpointing), ``compiled`` and ``hf_compiled``. Keys are
-``<key>_<model>``; a rate is the median of ``repeats`` steps. A task that would end past the deadline is skipped
-(``skipped_<variant>_<model>``), one that fails records ``error_<variant>_<model>``.
+(SDPA, at that micro-batch or below), ``ckpt`` (activation checkpointing), ``compiled`` and ``hf_compiled`` (as
+``hf``). Keys are ``<key>_<model>``; a rate is the median of ``repeats`` steps. A task that would end past the deadline
+is skipped (``skipped_<variant>_<model>``), one that fails records ``error_<variant>_<model>``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class StepSettings:
     compile: bool = True
     peak_tflops: float = 989.0  # dense bf16 peak of the device (pretrain.telemetry.peak)
     models: tuple[str, ...] = tuple(MODELS)
-    variants: tuple[str, ...] = VARIANTS  # a rerun's subset; a variant other than eager takes eager's micro-batch
+    variants: tuple[str, ...] = VARIANTS  # a rerun's subset; the others start from eager's micro-batch
 
 
 def config_of(name: str, smoke: bool) -> ViTConfig:
@@ -155,8 +155,12 @@ def _timed(stepper: Stepper, batch: int, s: StepSettings, flops: int, label: str
 
 def profile_keys(step: Callable[[], None], device: torch.device, prefix: str) -> dict:
     """One profiled ``step``: ``<prefix>_top`` ([[operator, share of self time], ...]) and ``<prefix>_share_<family>``
-    (GEMM, attention, GELU, copies, optimizer), what "act on it" starts from."""
-    profile = profile_step(step, device, top=8)
+    (GEMM, attention, GELU, copies, optimizer), what "act on it" starts from; ``<prefix>_failed`` where the profiler
+    failed or timed nothing (CUPTI handing back no kernels, say), so that the timing it follows is kept."""
+    try:
+        profile = profile_step(step, device, top=8)
+    except Exception as error:
+        return {f"{prefix}_failed": f"{type(error).__name__}: {str(error)[:300]}"}
     return {f"{prefix}_top": profile.pop("top"), **{f"{prefix}_{key}": value for key, value in profile.items()}}
 
 
@@ -180,8 +184,10 @@ def run_task(name: str, variant: str, s: StepSettings, found: dict) -> dict:
             # at eager's micro-batch where it reached the cap (the ratio is the cost), else the larger one that fits
             batch = largest_batch(stepper, eager_batch, max(cap, eager_batch))
         elif variant.endswith("compiled"):
+            # eager's micro-batch, or less where this one does not fit it (HF; a rerun without eager starts at the
+            # cap, sized for an H200); found before compiling, as each new size would compile again
+            batch = largest_batch(stepper, eager_batch, eager_batch)
             compile_layers(stepper.model)
-            batch = eager_batch
         else:  # HF as it runs by default, at vitscale's micro-batch or the largest below it that fits
             batch = largest_batch(stepper, eager_batch, eager_batch)
             kernel = attention_kernel(lambda: stepper.step(2), device)

@@ -275,7 +275,9 @@ def zero_stages(spec: TrainSpec, out: Results) -> None:
         more = ["data.num_workers=0", "data.normalize_on=device"] if spec.smoke else []
         config = spec.config(Path(spec.run_root) / f"zero{stage}", f"deepspeed.zero_stage={max(stage, 1)}", *more)
         place = init_distributed(config)
-        if place.device.type == "cuda":
+        if place.device.type == "cuda":  # the earlier runs' cached blocks first, or the peak counted them
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(place.device)
         if stage == 0:  # the classes and precision the trainer would decide; no engine
             classes, _ = prepare_data(config, place)

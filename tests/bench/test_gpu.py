@@ -216,3 +216,87 @@ def test_a_train_part_killed_mid_run_keeps_the_steps_it_measured(tmp_path):
     assert 4 <= kept["train_path_steps_done"] < 40 and "train_path_steps" not in kept  # cut short, measured
     assert kept["train_path_step_s"] > 0 and len(kept["train_path_step_times_s"]) == kept["train_path_steps_done"] - 1
     assert kept["train_path_img_s"] == pytest.approx(kept["train_path_global_batch"] / kept["train_path_step_s"])
+
+
+@pytest.mark.timeout(180)
+def test_the_device_scripts_timeout_ends_the_train_child_too(tmp_path):
+    """`bench/gpu/device.sh` runs the campaign under `timeout`, whose SIGTERM reaches the campaign's process group but
+    not the train part's child (a session of its own): the campaign ends it, as on Ctrl-C. Else it trained on after the
+    call, holding the GPU and the disk (the device tool leaves a process of its own session running), while the script
+    deleted its folder."""
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def children() -> list:
+        commands = [(p, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])]
+        return [p for p, line in commands if "bench.gpu.train" in line and str(work) in line]
+
+    out, log = tmp_path / "gpu.json", tmp_path / "campaign.log"
+    command = [sys.executable, "-m", "bench.gpu", "--smoke", "--parts", "train", "--work-dir", str(work), "--out"]
+    with open(log, "w") as logged:  # a file, as the script's: a pipe closed with the campaign would end the child
+        proc = subprocess.Popen(
+            [*command, str(out)], cwd=PROJECT_ROOT, start_new_session=True, stdout=logged, stderr=subprocess.STDOUT
+        )
+
+    def measured() -> bool:  # the real path's steps, in the part's own JSON
+        return any("train_path_steps_done" in p.read_text() for p in work.glob("bench-gpu-*/train_out.json"))
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (children() and measured()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the train part measured no step"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does: the command's process group
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not children() and not list(work.iterdir()), log.read_text()[-3000:]
+        assert proc.returncode == 130, log.read_text()[-3000:]
+        assert "python -m bench.gpu: interrupted; the finished parts (data)" in log.read_text()
+        kept = json.loads(out.read_text())  # what the train part measured, though its folder is gone
+        assert kept["train_path_steps_done"] >= 2 and kept["error_train"].startswith("interrupted"), kept
+    finally:
+        for child in children():
+            child.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_profile_that_fails_keeps_the_timing_it_follows():
+    """A profiled step is read after its timing: a profiler that records no time (CUPTI handing back no kernels, say)
+    or fails records ``<prefix>_failed`` instead of raising, which lost the model's timed steps with it (and with them
+    every later task of the model, which takes eager's micro-batch)."""
+    import torch
+
+    from bench.gpu.step import profile_keys
+
+    out = profile_keys(lambda: None, torch.device("cpu"), "profile_eager")  # a step that runs no operator
+    assert list(out) == ["profile_eager_failed"] and "ZeroDivisionError" in out["profile_eager_failed"]
+
+
+@pytest.mark.timeout(120)
+def test_a_compiled_task_fits_its_micro_batch_to_the_device(monkeypatch):
+    """The compiled variants took eager's micro-batch unchecked, or the model's cap in a rerun without eager
+    (`--variants compiled,hf_compiled`, docs/benchmarks/gpu.md): caps sized for an H200, so on an 80 GB H100 ViT-H/14
+    compiled at 256 (~100 GB) ran out of memory. Here a device that holds two images (a larger step raises CUDA's
+    out-of-memory error); the compile itself is not what is tested."""
+    import torch
+
+    from bench.gpu import step as gpu_step
+
+    real_step = gpu_step.Stepper.step
+
+    def step(self, batch: int) -> None:
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+        real_step(self, batch)
+
+    monkeypatch.setattr(gpu_step.Stepper, "step", step)
+    monkeypatch.setattr(gpu_step, "compile_layers", lambda model: None)
+    settings = gpu_step.smoke_settings(gpu_step.StepSettings("cpu", True, variants=("compiled", "hf_compiled")))
+    for variant in ("compiled", "hf_compiled"):
+        assert gpu_step.run_task("vit_b16", variant, settings, {})[f"{variant}_batch"] == 2, variant
+    # HF holding fewer images than vitscale's eager micro-batch: its compiled step at the size that fits
+    assert gpu_step.run_task("vit_b16", "hf_compiled", settings, {"eager_batch": 4})["hf_compiled_batch"] == 2
