@@ -766,18 +766,11 @@ def test_a_crop_padding_as_large_as_the_models_images_is_refused_before_any_work
 ):
     # At the checkpoint's own size (32 px here) the limit is known once the weights load: reflect padding fails at
     # the first fine-tuning step, a traceback after the few-shot entry and the image reads.
-    suite = write_suite(tmp_path, "pad", FEWSHOT + entry)
-    empty, out, lines = tmp_path / "empty", tmp_path / "out", []
     expected = (
         f"eval suite pad: evaluators[1].{setting} (ft): 32 must be smaller than the image size 32 (reflect padding "
         "mirrors at most 31 pixels); use at most 31"
     )
-    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
-        run_suite(checkpoint, suite, data_root=empty, out=out, log=lines.append)
-    assert lines == [] and not empty.exists() and not out.exists()
-    capsys.readouterr()
-    assert main(["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(empty)]) == 2
-    assert capsys.readouterr().err == f"python -m evals.run: error: {expected}\n"
+    _refused_before_any_work(checkpoint, write_suite(tmp_path, "pad", FEWSHOT + entry), tmp_path, capsys, expected)
 
 
 @pytest.mark.parametrize(
@@ -791,11 +784,16 @@ def test_a_crop_padding_as_large_as_the_models_images_is_refused_before_any_work
 )
 def test_a_resolution_off_the_patch_grid_is_refused_before_any_work(checkpoint, tmp_path, capsys, entry):
     # vit_tiny_debug has 4-pixel patches. The few-shot entry first would generate digits under the empty root.
-    suite = write_suite(tmp_path, "off_grid", FEWSHOT + entry)
-    empty, out, lines = tmp_path / "empty", tmp_path / "out", []
     expected = (
         "eval suite off_grid: evaluators[1].image_size (ft): 30 is not a multiple of the patch size 4: use 28 or 32"
     )
+    suite = write_suite(tmp_path, "off_grid", FEWSHOT + entry)
+    _refused_before_any_work(checkpoint, suite, tmp_path, capsys, expected)
+
+
+def _refused_before_any_work(checkpoint, suite, tmp_path, capsys, expected: str) -> None:
+    """``run_suite`` raises ``expected`` and ``evals.run`` prints it, exit 2, before any data or output exists."""
+    empty, out, lines = tmp_path / "empty", tmp_path / "out", []
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         run_suite(checkpoint, suite, data_root=empty, out=out, log=lines.append)
     assert lines == [] and not empty.exists() and not out.exists()
