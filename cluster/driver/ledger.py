@@ -238,7 +238,12 @@ def job_attempts(run_dir: Path, since: float) -> list[dict[str, Any]]:
 
 
 def process_starts(workers: list[dict[str, Any]]) -> dict[int, float]:
-    return {int(w["pid"]): float(w["process_started"]) for w in workers if w.get("process_started") is not None}
+    """By pid, of rank 0's processes: they write the attempts; other nodes' processes may have the same pids."""
+    return {
+        int(w["pid"]): float(w["process_started"])
+        for w in workers
+        if w.get("rank") == 0 and w.get("process_started") is not None
+    }
 
 
 def read_workers(run_dir: Path) -> list[dict[str, Any]]:

@@ -245,6 +245,7 @@ class _Seen:
     retired: set[tuple[str, int]] = field(default_factory=set)  # processes whose reports no longer count
     hangs: int = 0
     hang_at: float | None = None  # until training resumed
+    gone_at: float | None = None  # a process was found gone: Ray Train's restart may be ending the others
     slow: dict[int, int] = field(default_factory=dict)  # rank: successive slow polls
     reported_slow: frozenset[int] = frozenset()
     last_step: int = -1
@@ -282,7 +283,8 @@ class Watchdog:
         verdict = assess(reports, now, self.spec)
         self._note_resume(verdict.ranks, now)
         if verdict.hung and self.spec.enabled:
-            self._act(verdict, now)
+            if self._seen.gone_at is None or now - self._seen.gone_at >= self.spec.floor_s:
+                self._act(verdict, now)
         elif verdict.ranks:
             self._report_progress(reports)
         return verdict
@@ -300,7 +302,9 @@ class Watchdog:
         self._seen.hang_at = None
 
     def _act(self, verdict: Verdict, now: float) -> None:
-        """Dump every rank's stacks and kill the culprit, unless a process is gone already."""
+        """Dump every rank's stacks and kill the culprit, unless a process is gone already: then retire only what is
+        gone (its record may be a previous group's, next to a live rank of the new one) and judge the others again
+        after ``floor_s``, time for Ray Train's restart to end them (it kills a group seconds after a worker died)."""
         ranks = verdict.ranks
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now))
         states: dict[int, str] = {}
@@ -310,11 +314,13 @@ class Watchdog:
             )
             stack_file = str(self.run_dir / STACKS_DIR / f"rank{b['rank']}.txt")
             states[b["rank"]] = on_node(b, dump_and_state, b["pid"], stack_file, header) or "gone"
-        self._seen.retired |= {_process(b) for b in ranks}
         gone = sorted(r for r, s in states.items() if s == "gone")
         if gone:
+            self._seen.retired |= {_process(b) for b in ranks if states[b["rank"]] == "gone"}
+            self._seen.gone_at = now
             self._event("gone", f"ranks {gone} are gone (a worker failure Ray Train handles); not a hang")
             return
+        self._seen.retired |= {_process(b) for b in ranks}
         culprit = pick_culprit(ranks, states)
         rank, pid, step = culprit["rank"], culprit["pid"], culprit.get("step", 0)
         state = states[rank]

@@ -24,6 +24,8 @@ from cluster.driver.ledger import (
     finish_ledger,
     format_ledger,
     interference,
+    process_starts,
+    read_workers,
 )
 from cluster.profiles import load_profile
 from pretrain.telemetry.attempt_clock import AttemptClock, attempt_path, read_attempts
@@ -99,6 +101,20 @@ def test_a_worker_process_kept_across_a_resize_books_the_gap_as_restart_not_star
     assert rows["attempt 2"]["restart"] == 52.0 - 40.0  # the whole gap 40 → 52 (attempt 1 books its own lost work)
     assert rows["attempt 2"]["startup"] == 5.0  # only what train_worker itself booked
     assert rows["attempt 1"]["startup"] == 2.0 + 6.0  # the first attempt's process start still counts as start-up
+
+
+def test_the_attempts_process_start_is_its_rank_0s_not_another_nodes_process_of_the_same_pid(tmp_path):
+    """Identical containers number their processes alike: attempt 1's rank 1 on node b had pid 102, the pid attempt
+    2's rank 0 gets on node c. The attempt (rank 0's record) started its process at 50 s, not at rank 1's 7.5 s."""
+    first, second, _ = _two_attempts()
+    folder = tmp_path / "workers"
+    folder.mkdir()
+    for rank, pid, host, started in ((0, 101, "a", 8.0), (1, 102, "b", 7.5), (0, 102, "c", 50.0), (1, 103, "d", 50.0)):
+        record = {"rank": rank, "pid": pid, "hostname": host, "process_started": started}
+        (folder / f"rank{rank}-pid{pid}.json").write_text(json.dumps(record))
+    assert process_starts(read_workers(tmp_path)) == {101: 8.0, 102: 50.0}
+    rows = dict(build_ledger(JobClock(0.0, 5.0), 100.0, [first, second], process_starts(read_workers(tmp_path))).rows)
+    assert rows["attempt 2"]["restart"] == 10.0 and rows["attempt 2"]["startup"] == 2.0 + 5.0  # not a kept process
 
 
 def test_a_resume_from_a_step_it_did_not_save_is_interpolated_and_overlong_records_are_scaled():
