@@ -98,7 +98,7 @@ def profile_loader_rate(profile: ClusterProfile, config: TrainConfig) -> LoaderR
             source = read_manifest(str(source))
         except Exception:  # the plan's data line says why
             source = None
-    return loader_rate(source, d.image_size, d.augment, d.cache_mb, synthetic_side=side)
+    return loader_rate(source, d.image_size, d.augment, d.cache_mb, side, d.pixels_for(profile.device_type))
 
 
 def data_wait(profile: ClusterProfile, config: TrainConfig, batch: BatchPlan, images_per_s: float) -> DataWait:

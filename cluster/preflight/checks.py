@@ -204,6 +204,7 @@ def _request(config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...]
         tracking_uri=_tracking_uri(config, profile),
         label=node.label,
         check_efa=needs_efa(profile) and holds_a_worker(node, profile),
+        device_type=profile.device_type,
     )
 
 

@@ -65,6 +65,7 @@ class ProbeRequest:
     tracking_uri: str
     label: str  # the node, for the probe run's name
     check_efa: bool = False  # a training node of a multi-node EFA profile (`cluster.network.needs_efa`)
+    device_type: str = "cpu"  # the workers': on "cuda" the loader sends uint8 pixels (`DataConfig.pixels_for`)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class NodeProbe:
         return NodeFigures(
             gpus=gpu_inventory(),
             read_mb_per_s=_guarded(read_rate, request.shard_urls, request.read_budget_bytes),
-            loader_img_s_per_core=_guarded(loader_rate_now, request.config),
+            loader_img_s_per_core=_guarded(loader_rate_now, request.config, request.device_type),
             free_gb=_guarded(free_space, request.checkpoint_root),
             tracking_s=_guarded(tracking_round_trip, request.tracking_uri, request.label),
             efa_missing=efa_missing() if request.check_efa else None,  # as a training worker checks it
@@ -194,16 +195,15 @@ def _drop_page_cache(url: str) -> None:
         os.close(fd)
 
 
-def loader_rate_now(config: TrainConfig) -> Figure:
-    """Images/s one core loads for ``config`` here, now (own cache: no earlier figure), the best of `LOADER_TRIES`."""
-    d = config.data
+def loader_rate_now(config: TrainConfig, device_type: str = "cpu") -> Figure:
+    """Images/s one core loads for ``config`` here, now (own cache: no earlier figure), the best of `LOADER_TRIES`,
+    in the pixels the workers of ``device_type`` get."""
+    d, pixels = config.data, config.data.pixels_for(device_type)
     side = builtin.config(d.builtin, **d.builtin_options).resolution if d.builtin else None
     rates = []
     for _ in range(LOADER_TRIES):
         with tempfile.TemporaryDirectory(prefix="vitscale-preflight-") as cache, environ({"VITSCALE_CACHE": cache}):
-            rates.append(
-                loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, synthetic_side=side)
-            )
+            rates.append(loader_rate(resolve_location(d.train), d.image_size, d.augment, d.cache_mb, side, pixels))
     if "synthetic" in rates[0].source:  # loader_rate's fallback: the shards are not readable on this node
         raise RuntimeError(f"{d.train} is not readable on this node (timed on synthetic JPEGs instead)")
     where = "from its decoded cache" if "decoded cache" in rates[0].source else "from the shards"

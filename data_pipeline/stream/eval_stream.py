@@ -30,6 +30,7 @@ class _EvalShards(IterableDataset):
     batch_size: int
     image_size: int
     resize_size: int | None
+    read_retries: int
 
     def __iter__(self) -> Iterator[_EvalItem]:
         info = get_worker_info()
@@ -40,7 +41,7 @@ class _EvalShards(IterableDataset):
         keys: list[str] = []
         for s in self.slices[worker]:
             shard = self.info.shards[s]
-            for sample in read_shard(shard.url, shard.samples, stats):
+            for sample in read_shard(shard.url, shard.samples, stats, self.read_retries):
                 label = sample_label(sample, self.info.num_classes, stats)
                 if label is None:
                     continue
@@ -66,7 +67,7 @@ class _EvalShards(IterableDataset):
 
 class EvalStream:
     """This rank's batches (float32 images, int64 labels[, keys]); ``float_images=False``: uint8 pixels.
-    ``num_samples``: this rank's share; ``stats``: what could not be read."""
+    ``num_samples``: this rank's share; ``stats``: what could not be read; ``read_retries``: of a failed shard read."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class EvalStream:
         return_keys: bool = False,
         multiprocessing_context: str | None = "forkserver",
         float_images: bool = True,
+        read_retries: int = 3,
     ):
         info = dataset_info(source)
         if batch_size < 1 or image_size < 1:
@@ -89,12 +91,14 @@ class EvalStream:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if resize_size is not None and resize_size < image_size:
             raise ValueError(f"resize_size {resize_size} must be >= image_size {image_size}")
+        if read_retries < 0:
+            raise ValueError(f"read_retries must be >= 0, got {read_retries}")
         self.info = info
         counts = info.shard_counts
         mine = balanced_split(list(range(len(counts))), counts, world_size)[rank]
         slices = balanced_split(mine, counts, max(1, num_workers))
         self.num_samples = sum(counts[s] for s in mine)
-        self._dataset = _EvalShards(info, slices, batch_size, image_size, resize_size)
+        self._dataset = _EvalShards(info, slices, batch_size, image_size, resize_size, read_retries)
         self.num_workers, self.return_keys, self.float_images = num_workers, return_keys, float_images
         self.multiprocessing_context = multiprocessing_context if num_workers > 0 else None
         self.stats: Counter = Counter()

@@ -23,6 +23,7 @@ from data_pipeline.paths import cache_dir, write_text_atomically
 from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.decoded_cache import planned_bytes
+from data_pipeline.stream.step_pool import Pixels
 from data_pipeline.stream.train_stream import TrainStream
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
@@ -70,8 +71,10 @@ def loader_rate(
     augment: AugmentConfig | None,
     cache_mb: float = 0.0,
     synthetic_side: int | None = None,
+    pixels: Pixels = "float",
 ) -> LoaderRate:
-    """Images/s one core loads for a run reading ``location`` or its manifest (None or unreadable: synthetic JPEGs)."""
+    """Images/s one core loads for a run reading ``location`` or its manifest (None or unreadable: synthetic JPEGs),
+    sending ``pixels`` (`DataConfig.pixels_for`: uint8 where the device normalizes)."""
     try:
         info = dataset_info(location) if location is not None else None
     except Exception:  # absent, unreachable or damaged
@@ -86,7 +89,7 @@ def loader_rate(
     key = (
         f"{cpu_model()} | v{VERSION} torch {torch.__version__} pillow {PIL.__version__} simplejpeg "
         f"{simplejpeg.__version__} | {data} | {image_size}px | {augment} | {'decoded cache' if cached else 'shards'}"
-    )
+    ) + (" | uint8 pixels" if pixels == "uint8" else "")
     path = cache_path()
     try:
         store = json.loads(path.read_text())
@@ -95,11 +98,11 @@ def loader_rate(
     how = "measured earlier"
     if not isinstance(store.get(key), float):
         if info is not None:
-            store[key] = _time_stream(_first_shards(info), image_size, augment, cached)
+            store[key] = _time_stream(_first_shards(info), image_size, augment, cached, pixels)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 synthetic = dataset_info(_synthetic_shards(Path(tmp), side))
-                store[key] = _time_stream(synthetic, image_size, augment, cached)
+                store[key] = _time_stream(synthetic, image_size, augment, cached, pixels)
         write_atomically(path, json.dumps(store, indent=1, sort_keys=True))
         how = "measured now"
     where = "from its decoded cache" if cached else ("from its shards" if info is not None else data)
@@ -116,7 +119,9 @@ def _first_shards(info: DatasetInfo) -> DatasetInfo:
     return dataclasses.replace(info, shards=tuple(shards), num_samples=count)
 
 
-def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | None, cached: bool) -> float:
+def _time_stream(
+    info: DatasetInfo, image_size: int, augment: AugmentConfig | None, cached: bool, pixels: Pixels
+) -> float:
     batch = min(BATCH, max(1, info.num_samples // 2))
     spec = DataConfig.for_stream(
         info,
@@ -131,7 +136,7 @@ def _time_stream(info: DatasetInfo, image_size: int, augment: AugmentConfig | No
     torch.set_num_threads(1)  # as in a loader worker
     stream_log.disabled = True  # its decoded-cache line
     try:
-        batches = iter(TrainStream(spec))
+        batches = iter(TrainStream(spec, pixels=pixels))
         next(batches)
         images, start = 0, time.process_time()
         while images < 2 * batch or time.process_time() - start < MEASURE_SECONDS:

@@ -71,14 +71,12 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
     ``retries`` times (None: `set_read_retries`'s), damage and a shard short of ``expected`` counted in ``stats``."""
     retries = _retries[0] if retries is None else retries
     count, failures = 0, 0
+    counted: Counter = Counter()  # damage counted so far: a retry re-reads the shard from its start
     while True:
         try:
-            # a retry counts what it re-reads in a scratch counter
-            sink = [stats if count == 0 else Counter()]
-            for index, sample in enumerate(_tar_samples(url, sink)):
+            for index, sample in enumerate(_tar_samples(url, _DamageCount(stats, counted))):
                 if index < count:
                     continue
-                sink[0] = stats
                 count += 1
                 yield sample
             break
@@ -103,17 +101,30 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
         _warn(f"shard {url} yielded {count} of the {expected} samples its manifest lists (truncated or damaged)")
 
 
-def _tar_samples(url: str, sink: list[Counter]) -> Iterator[dict]:
+class _DamageCount:
+    """One read's damage, counted in ``stats`` past what an earlier read of the same shard (``counted``) met."""
+
+    def __init__(self, stats: Counter, counted: Counter):
+        self.stats, self.counted, self.seen = stats, counted, Counter()
+
+    def __call__(self, name: str) -> None:
+        self.seen[name] += 1
+        if self.seen[name] > self.counted[name]:
+            self.counted[name] += 1
+            self.stats[name] += 1
+
+
+def _tar_samples(url: str, damage: _DamageCount) -> Iterator[dict]:
     def handler(exn: Exception) -> bool:
         if is_transient(exn):
             raise exn
-        sink[0]["read_errors"] += 1
+        damage("read_errors")
         _warn(f"error reading shard {url}: {exn!r}; continuing without it")
         return True
 
     def select(name: str) -> bool:
         if not is_safe_member(name):
-            sink[0]["unsafe_members"] += 1
+            damage("unsafe_members")
             _warn(f"shard {url}: skipped tar member with unsafe name {name!r}")
             return False
         return name.rsplit(".", 1)[-1].lower() in WANTED_SUFFIXES

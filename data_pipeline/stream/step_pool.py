@@ -50,12 +50,17 @@ def decoded_bytes(
 def check_shared_memory(needed: int, free: int | None, where: str = "/dev/shm") -> None:
     """ValueError naming the fixes if ``where`` lacks ``needed`` bytes (past a full /dev/shm workers die of SIGBUS)."""
     if free is not None and needed > free:
-        raise ValueError(
-            f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
-            f"{free / 2**20:.0f} MiB free: give it more (docker run --shm-size=..., a memory-backed emptyDir on "
-            "/dev/shm in Kubernetes), or lower the per-rank batch (global batch / world size) or the image size, or "
-            "set data.num_workers=0 (no shared memory)"
-        )
+        raise shared_memory_error(needed, free, where)
+
+
+def shared_memory_error(needed: int, free: int | None, where: str = "/dev/shm") -> ValueError:
+    has = "too little" if free is None else f"{free / 2**20:.0f} MiB"
+    return ValueError(
+        f"the loader's step buffers need {needed / 2**20:.0f} MiB of shared memory but {where} has "
+        f"{has} free: give it more (docker run --shm-size=..., a memory-backed emptyDir on "
+        "/dev/shm in Kubernetes), or lower the per-rank batch (global batch / world size) or the image size, or "
+        "set data.num_workers=0 (no shared memory)"
+    )
 
 
 def shm_free(where: str = "/dev/shm") -> int | None:
@@ -89,9 +94,14 @@ class StepPool:
             return t.share_memory_() if shared else t
 
         dtype = torch.float32 if pixels == "float" else torch.uint8
-        self.buffers = [made(torch.empty((rows, 3, image_size, image_size), dtype=dtype)) for _ in range(slots)]
-        self.stamps = made(torch.full((slots, workers), -1, dtype=torch.int64))
-        self.grants = made(torch.full((lookahead + 2, 2), -1, dtype=torch.int64))
+        try:
+            self.buffers = [made(torch.empty((rows, 3, image_size, image_size), dtype=dtype)) for _ in range(slots)]
+            self.stamps = made(torch.full((slots, workers), -1, dtype=torch.int64))
+            self.grants = made(torch.full((lookahead + 2, 2), -1, dtype=torch.int64))
+        except RuntimeError as error:  # the node's other ranks filled /dev/shm after `check_shared_memory`
+            if not shared:
+                raise
+            raise shared_memory_error(slots * rows * 3 * image_size**2 * dtype.itemsize, shm_free()) from error
         self.owner: list[int | None] = [None] * slots  # the step in flight in each buffer
         self.unshared = [_storage_uses(b) for b in self.buffers]
 
