@@ -54,22 +54,28 @@ def mean_attention_distance(
 ) -> np.ndarray:
     """Mean attention distance in pixels → ``(layers, heads)``; ``attentions``: a ``(B, heads, T, T)`` per layer.
     Patch queries' weights on patch keys are renormalised (the class token has no position)."""
-    n = grid[0] * grid[1]
     dist = patch_distances(grid, cell_pixels)  # (N, N)
     out = []
     for layer, attn in enumerate(attentions):
-        a = _as_numpy(attn).astype(np.float64)
-        if a.ndim != 4 or a.shape[-1] != a.shape[-2] or a.shape[-1] != n + num_prefix_tokens:
-            raise ValueError(
-                f"layer {layer}: attention must be (B, heads, T, T) with T = {num_prefix_tokens} + {grid[0]}x"
-                f"{grid[1]} = {n + num_prefix_tokens}, got {a.shape}; pass the grid the model was run at"
-            )
-        patch = a[:, :, num_prefix_tokens:, num_prefix_tokens:]  # (B, H, N, N)
-        mass = patch.sum(-1, keepdims=True)
-        patch = np.divide(patch, mass, out=np.zeros_like(patch), where=mass > 0)  # all on the class token: 0
-        per_query = (patch * dist).sum(-1)  # (B, H, N)
-        out.append(per_query.mean(axis=(0, 2)))
+        out.append(_attention_distance_sum(attn, dist, grid, num_prefix_tokens, layer) / (len(attn) * dist.shape[0]))
     return np.stack(out)  # (L, H)
+
+
+def _attention_distance_sum(attn, dist: np.ndarray, grid: tuple[int, int], num_prefix_tokens: int, layer: int):
+    """Per head, the sum over images and patch queries of the mean distance a query attends at → ``(heads,)``; on
+    ``attn``'s device, one layer of one batch at a time, so the memory is bounded by the batch."""
+    a = attn.detach() if isinstance(attn, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(attn, np.float64))
+    n = dist.shape[0]
+    if a.ndim != 4 or a.shape[-1] != a.shape[-2] or a.shape[-1] != n + num_prefix_tokens:
+        raise ValueError(
+            f"layer {layer}: attention must be (B, heads, T, T) with T = {num_prefix_tokens} + {grid[0]}x"
+            f"{grid[1]} = {n + num_prefix_tokens}, got {tuple(a.shape)}; pass the grid the model was run at"
+        )
+    patch = a[:, :, num_prefix_tokens:, num_prefix_tokens:].to(torch.float64)  # (B, H, N, N)
+    mass = patch.sum(-1)
+    weighted = (patch * torch.as_tensor(dist, device=patch.device)).sum(-1)  # (B, H, N)
+    per_query = torch.where(mass > 0, weighted / mass, 0.0)  # the weights renormalised; all on the class token: 0
+    return per_query.sum(dim=(0, 2)).cpu().numpy()
 
 
 def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tensor:
@@ -80,7 +86,7 @@ def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tens
     for attn in attentions:
         a = torch.as_tensor(attn).detach().to(torch.float64).mean(dim=1)  # (B, T, T)
         if residual:
-            a = a + torch.eye(a.shape[-1], dtype=a.dtype)
+            a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
         a = a / a.sum(dim=-1, keepdim=True)
         rollout = a if rollout is None else a @ rollout
     return rollout
@@ -272,31 +278,37 @@ def run_inspection(
 ) -> tuple[dict[str, float], list[Path]]:
     """Every analysis on ``images`` (B, 3, H, W) in [-1, 1] → (``inspect/...`` metrics, PNGs in ``out_dir``)."""
     out_dir = Path(out_dir)
+    height, width = images.shape[-2:]
+    num_prefix = model.num_prefix_tokens  # 1 with a class token, 0 for pool="gap"
+    n = min(config.num_rollout_images, images.shape[0])
+    sums, maps, grid = None, [], None
     was_training = model.training
     model.eval()
-    try:
-        layers: list[list[torch.Tensor]] = []
+    try:  # one batch's attention at a time: all of it would be ~65 GB for ViT-L/16 at 384px on 128 images
         for start in range(0, images.shape[0], config.batch_size):
-            batch = images[start : start + config.batch_size]
-            layers.append([a.float().cpu() for a in model.forward_attention(batch)])  # per layer (b, heads, T, T)
-        attentions = [torch.cat([chunk[i] for chunk in layers]) for i in range(len(layers[0]))]
+            weights = model.forward_attention(images[start : start + config.batch_size])  # per layer (b, heads, T, T)
+            if grid is None:
+                grid = _grid_of(weights[0].shape[-1] - num_prefix, height, width)
+                cell = height / grid[0]
+                dist = patch_distances(grid, cell)
+            batch = [_attention_distance_sum(w, dist, grid, num_prefix, i) for i, w in enumerate(weights)]
+            sums = np.stack(batch) if sums is None else sums + np.stack(batch)
+            if start < n:
+                maps.append(rollout_maps([w[: n - start].float().cpu() for w in weights], grid, num_prefix))
+            del weights, batch
     finally:
         model.train(was_training)
 
-    height, width = images.shape[-2:]
-    num_prefix = model.num_prefix_tokens  # 1 with a class token, 0 for pool="gap"
-    grid = _grid_of(attentions[0].shape[-1] - num_prefix, height, width)
-    cell = height / grid[0]
     name = label or f"ViT {model.config.width}d x {model.config.depth}L"
     metrics: dict[str, float] = {}
     figures: list[Path] = []
 
-    distances = mean_attention_distance(attentions, grid, cell, num_prefix)  # (L, H)
+    distances = sums / (images.shape[0] * dist.shape[0])  # (L, H)
     for i, row in enumerate(distances):
         metrics[f"inspect/mean_attention_distance/layer_{i + 1}"] = float(row.mean())
     metrics["inspect/mean_attention_distance/min_head"] = float(distances.min())
     metrics["inspect/mean_attention_distance/max_head"] = float(distances.max())
-    uniform, title = float(patch_distances(grid, cell).mean()), f"{name}: mean attention distance"
+    uniform, title = float(dist.mean()), f"{name}: mean attention distance"
     figures.append(
         plot_attention_distance(distances, height, out_dir / "attention_distance.png", title, uniform=uniform)
     )
@@ -315,11 +327,8 @@ def run_inspection(
         metrics["inspect/embedding_filters/explained_variance"] = float(ratio.sum())
         figures.append(plot_embedding_filters(components, out_dir / "embedding_filters.png"))
 
-    n = min(config.num_rollout_images, images.shape[0])
-    maps = rollout_maps([a[:n] for a in attentions], grid, num_prefix)
-    figures.append(
-        plot_rollout(images[:n].float().cpu().numpy(), maps, out_dir / "attention_rollout.png", f"{name}: rollout")
-    )
+    rollout = out_dir / "attention_rollout.png"
+    figures.append(plot_rollout(images[:n].float().cpu().numpy(), np.concatenate(maps), rollout, f"{name}: rollout"))
     return metrics, figures
 
 
@@ -332,12 +341,13 @@ def _neighbour_similarity(sim: np.ndarray) -> float:
 
 
 def evaluate(ctx, config: InspectConfig) -> EvalOutput:
-    """Suite entry: the figures in ``<ctx.out_dir>/inspect/``, the scalars as rows."""
+    """Suite entry: the figures and ``attention_distance.npy`` in ``<ctx.out_dir>/inspect/``, the scalars as rows."""
     split = resolve_split(ctx.data_root, config.dataset, config.split)
     images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)  # no crop
     images = images.to(ctx.device)
     label = f"step {ctx.step}" if ctx.step is not None else ""
-    metrics, figures = run_inspection(ctx.model, images, Path(ctx.out_dir) / "inspect", config, label=label)
+    out_dir = Path(ctx.out_dir) / "inspect"
+    metrics, figures = run_inspection(ctx.model, images, out_dir, config, label=label)
     ctx.log(f"inspect: {len(figures)} figures from {images.shape[0]} {config.dataset}/{config.split} images")
     rows = [ResultRow("inspect", config.dataset, key, value, count=images.shape[0]) for key, value in metrics.items()]
-    return EvalOutput(rows=rows, artifacts=figures)
+    return EvalOutput(rows=rows, artifacts=[*figures, out_dir / "attention_distance.npy"])

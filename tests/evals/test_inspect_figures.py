@@ -82,7 +82,7 @@ def test_inspect_suite_writes_pngs_into_the_checkpoint_and_logs_them_to_mlflow(t
         _assert_nonblank_png(checkpoint / "evals" / "inspect" / name)
     client = MlflowClient(tracking_uri=uri)
     logged = {Path(a.path).name for a in client.list_artifacts(run_id, "evals/step_00000050")}
-    assert set(pngs) <= logged
+    assert {*pngs, "attention_distance.npy"} <= logged  # the header of configs/evals/inspect.yaml says so
     history = client.get_metric_history(run_id, "inspect/mean_attention_distance/layer_1")
     assert [m.step for m in history] == [50]
 
@@ -114,3 +114,31 @@ def test_the_random_init_baselines_figures_do_not_replace_the_checkpoints(tmp_pa
     assert sorted(p.name for p in baseline.iterdir()) == sorted(ours)
     random, trained = (np.load(d / "attention_distance.npy") for d in (baseline, out / "inspect"))
     assert not np.array_equal(random, trained)
+
+
+@pytest.mark.timeout(60)
+def test_run_inspection_holds_one_batch_of_attention_at_a_time(tmp_path):
+    """Every image's attention of every layer was kept on the host (~65 GB for ViT-L/16 at 384px on 128 images): when
+    each forward pass starts, no attention map of a batch before the last may be alive, copies included."""
+    import gc
+
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", num_classes=10)
+    images = torch.rand(12, 3, 32, 32) * 2 - 1
+    config = insp.InspectConfig(num_images=12, num_rollout_images=3, batch_size=2)
+    tokens = model.pos_embed.shape[1]
+    forward, alive = model.forward_attention, []
+
+    def forward_attention(batch):
+        gc.collect()
+        maps = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.shape[-2:] == (tokens, tokens)]
+        alive.append(sum(t.numel() for t in maps))
+        return forward(batch)
+
+    model.forward_attention = forward_attention
+    insp.run_inspection(model, images, tmp_path, config)
+    one_batch = model.config.depth * config.batch_size * model.config.num_heads * tokens * tokens
+    assert len(alive) == 6 and max(alive) <= one_batch, f"attention values alive per forward pass: {alive}"
+    with torch.no_grad():  # the batches' sums give the mean over all images at once
+        everything = insp.mean_attention_distance(forward(images), grid=(8, 8), cell_pixels=4)
+    np.testing.assert_allclose(np.load(tmp_path / "attention_distance.npy"), everything, rtol=1e-12)
