@@ -105,7 +105,8 @@ class _DamageCount:
     """One read's damage, counted in ``stats`` past what an earlier read of the same shard (``counted``) met."""
 
     def __init__(self, stats: Counter, counted: Counter):
-        self.stats, self.counted, self.seen = stats, counted, Counter()
+        self.stats, self.counted = stats, counted
+        self.seen: Counter = Counter()
 
     def __call__(self, name: str) -> None:
         self.seen[name] += 1

@@ -249,11 +249,11 @@ def read_parquet_rows(path: str, column: str, rows: list[int]) -> dict[int, byte
     for size in sizes:
         starts.append(starts[-1] + size)
     groups = sorted({bisect.bisect_right(starts, row) - 1 for row in rows})
-    column = file.read_row_groups(groups, columns=[column], use_threads=False).column(0)
+    images = file.read_row_groups(groups, columns=[column], use_threads=False).column(0)
     shift, at = {}, 0  # a row group's first row in the table read
     for g in groups:
         shift[g], at = at - starts[g], at + sizes[g]
-    picked = column.take([row + shift[bisect.bisect_right(starts, row) - 1] for row in rows]).to_pylist()
+    picked = images.take([row + shift[bisect.bisect_right(starts, row) - 1] for row in rows]).to_pylist()
     return {row: image["bytes"] if isinstance(image, dict) else image for row, image in zip(rows, picked)}
 
 
