@@ -49,7 +49,9 @@ def record_placement(run_dir: Path, rank: int, world_size: int, job: float | Non
         "world_size": world_size,
         "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }
-    write_text_atomically(folder / f"rank{rank}-pid{os.getpid()}.json", json.dumps(record))
+    # the node too: identical containers number their processes alike, and a rank moved to another node may repeat a pid
+    name = f"rank{rank}-pid{os.getpid()}-{record['node_id'][:12]}.json"
+    write_text_atomically(folder / name, json.dumps(record))
 
 
 def count_restarts(placements: list[dict[str, Any]]) -> int:

@@ -18,13 +18,17 @@ def test_a_run_launched_again_on_a_new_cluster_is_a_new_job_not_a_restart(tmp_pa
     import ray
 
     with ray_auth_mode("disabled"):
-        ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
-        try:
-            record_placement(tmp_path, 0, 1, job=1000.0)
-        finally:
-            ray.shutdown()
-    [written] = [json.loads(p.read_text()) for p in (tmp_path / "workers").glob("rank0-*.json")]
-    assert written["job"] == 1000.0 and written["job_id"]
+        for job in (1000.0, 5000.0):  # two clusters: the same job id, and here the same pid on another node
+            ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+            try:
+                record_placement(tmp_path, 0, 1, job=job)
+            finally:
+                ray.shutdown()
+    records = [json.loads(p.read_text()) for p in sorted((tmp_path / "workers").glob("rank0-*.json"))]
+    # neither overwrote the other (the record's name holds the node as well as the rank and pid)
+    assert sorted(r["job"] for r in records) == [1000.0, 5000.0] and len({r["node_id"] for r in records}) == 2
+    written = records[0]
+    assert written["job_id"] == records[1]["job_id"]
 
     first = {"rank": 0, "job_id": written["job_id"], "job": 1000.0, "world_size": 2}
     restarted = {**first, "started": 2.0}  # the first job lost a worker once
