@@ -70,8 +70,15 @@ def test_a_decoded_cache_that_dev_shm_cannot_hold_after_all_is_left_off(tmp_path
     if not _can_mount_tmpfs(tmp_path / "probe"):
         pytest.skip("cannot mount a tmpfs here (needs root or user namespaces)")
     root = _write(tmp_path / "train", count=150, side=100)  # 6.1 MiB decoded
-    (tmp_path / "code.py").write_text(RACED_CACHE)
-    script = f"mount -t tmpfs -o size=9m tmpfs /dev/shm && exec {sys.executable} {tmp_path / 'code.py'} {root}"
+    line, same = run_with_small_shm(tmp_path, RACED_CACHE, "9m", root).splitlines()[-2:]
+    assert line.startswith("decoded cache off: cached (150 images): /dev/shm") and same == "same batches", line
+
+
+def run_with_small_shm(tmp_path: Path, code: str, size: str, *args) -> str:
+    """``code`` run as a script (``args`` its arguments) where /dev/shm is a tmpfs of ``size``; its stdout."""
+    (tmp_path / "code.py").write_text(code)
+    argv = " ".join(map(str, args))
+    script = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} {tmp_path / 'code.py'} {argv}"
     done = subprocess.run(
         ["unshare", "--mount", "sh", "-c", script],
         capture_output=True,
@@ -81,5 +88,4 @@ def test_a_decoded_cache_that_dev_shm_cannot_hold_after_all_is_left_off(tmp_path
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2])),
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    line, same = done.stdout.strip().splitlines()[-2:]
-    assert line.startswith("decoded cache off: cached (150 images): /dev/shm") and same == "same batches", line
+    return done.stdout.strip()

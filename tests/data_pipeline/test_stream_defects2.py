@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -135,18 +132,10 @@ def test_step_buffers_that_dev_shm_cannot_hold_after_all_say_what_to_do(tmp_path
     if not _can_mount_tmpfs(tmp_path / "probe"):
         pytest.skip("cannot mount a tmpfs here (needs root or user namespaces)")
     root = make_shards(tmp_path / "train")
-    (tmp_path / "code.py").write_text(RACED_POOL)  # 16 x 3 x 64 x 64 float32 x 5 buffers: 3.75 MiB
-    script = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} {tmp_path / 'code.py'} {root}"
-    done = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parents[2],
-        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2])),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    line = done.stdout.strip().splitlines()[-1]
+    from tests.data_pipeline.test_stream_defects import run_with_small_shm
+
+    # 16 x 3 x 64 x 64 float32 x 5 buffers: 3.75 MiB
+    line = run_with_small_shm(tmp_path, RACED_POOL, "4m", root).splitlines()[-1]
     assert line.startswith("the loader's step buffers need 4 MiB of shared memory but /dev/shm has "), line
     assert "--shm-size" in line and "data.num_workers=0" in line
 
