@@ -44,6 +44,15 @@ class Source:
     label_column: str = "label"
 
 
+def readable(name: str) -> str:
+    """``name`` as text that UTF-8 can hold: a Linux name's bytes that are not UTF-8 (a file named in Latin-1), which
+    Python reads as surrogates that no Parquet string takes, written as ``\\xNN``."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no byte was read as
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def is_safe_member(name: str) -> bool:
     """Whether a tar member name is relative, without ``..`` or a drive letter."""
     parts = name.replace("\\", "/").split("/")
@@ -62,16 +71,27 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
         ) from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     known = set(ids)
+    numbered = not ids  # Parquet: the ids are the labels, and the file may name classes that hold no image
+
+    def is_label(text: str) -> bool:
+        return text.isascii() and text.isdigit()
+
     if all("\t" in line for line in lines):
         pairs = [line.split("\t", 1) for line in lines]
-    elif ids and all(line.split(None, 1)[0] in known for line in lines):
+    elif all(line.split(None, 1)[0] in known or numbered and is_label(line.split(None, 1)[0]) for line in lines):
         pairs = [line.split(None, 1) + [""] for line in lines]
     else:
         pairs = None
     if pairs is not None:
         table = {p[0].strip(): (p[1].strip() or p[0].strip()) for p in pairs}
-        if not ids:
-            ids = [str(i) for i in range(len(table))]
+        if numbered:
+            if not all(is_label(key) for key in table):
+                raise ValueError(
+                    f"class-name file {path}: ids such as {next(k for k in table if not is_label(k))!r} are not "
+                    "labels; a Parquet source's ids are its labels: give 'label name' lines or one name per line"
+                )
+            table = {str(int(key)): name for key, name in table.items()}
+            ids = [str(i) for i in range(max(map(int, table), default=-1) + 1)]
         return [table.get(i, i) for i in ids]
     if ids and len(lines) < len(ids):
         raise ValueError(f"class-name file {path} has {len(lines)} names but the source has {len(ids)} classes")
@@ -161,7 +181,7 @@ def open_source(
         paths = _visible(root, "*.tar") if tar else [p for p in _visible(root, "*") if p.is_dir()]
         if not paths:
             raise ValueError(f"--source {root} has no per-class .tar files" if tar else _no_layout(root))
-        names = _read_class_names(class_names_file, [p.stem if tar else p.name for p in paths])
+        names = _read_class_names(class_names_file, [readable(p.stem if tar else p.name) for p in paths])
         units = tuple(SourceUnit("tar" if tar else "folder", str(p), i) for i, p in enumerate(paths))
         return Source(kind, units, tuple(names))
     if kind == "parquet":
@@ -196,10 +216,14 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
             if file.is_file() and any(is_hidden(part) for part in file.relative_to(unit.path).parts):
                 stats["hidden"] = stats.get("hidden", 0) + 1  # .DS_Store, ._x.jpg, .ipynb_checkpoints/…
             elif file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
-                ref = ItemRef("file", str(file), source=f"{Path(unit.path).name}/{file.relative_to(unit.path)}")
-                yield ref, file.read_bytes(), unit.label
+                where = readable(f"{Path(unit.path).name}/{file.relative_to(unit.path)}")
+                yield ItemRef("file", str(file), source=where), file.read_bytes(), unit.label
             elif file.is_file():
                 stats["not_image"] = stats.get("not_image", 0) + 1
+            elif file.is_symlink() and not file.exists():  # into a store not mounted here, or moved
+                stats["broken_links"] = stats.get("broken_links", 0) + 1
+            elif file.is_symlink() and file.is_dir():  # rglob does not follow it (a loop would never end)
+                stats["linked_folders"] = stats.get("linked_folders", 0) + 1
     elif unit.kind == "tar":
         try:
             yield from _iter_tar(unit, stats)
@@ -211,7 +235,8 @@ def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[I
         labels = table.column(source.label_column).to_pylist()
         for row, (image, label) in enumerate(zip(images, labels)):
             data = image["bytes"] if isinstance(image, dict) else image  # HF datasets store {bytes, path}
-            yield ItemRef("parquet", unit.path, source=f"{Path(unit.path).name}#{row}", row=row), data, int(label)
+            where = readable(f"{Path(unit.path).name}#{row}")
+            yield ItemRef("parquet", unit.path, source=where, row=row), data, int(label)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
 
@@ -228,7 +253,7 @@ def _iter_tar(unit: SourceUnit, stats: dict) -> Iterator[tuple[ItemRef, bytes, i
             member_file = tar.extractfile(member)
             assert member_file is not None
             data = member_file.read()
-            where = f"{Path(unit.path).stem}:{member.name}"
+            where = readable(f"{Path(unit.path).stem}:{member.name}")
             yield ItemRef("tar", unit.path, where, offset=member.offset_data, size=member.size), data, unit.label
         fileobj.seek(tar.offset)
         if fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):  # tarfile ends quietly at a cut header

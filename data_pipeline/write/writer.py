@@ -249,8 +249,9 @@ class WriteReport:
     written: int = 0
     shards: int = 0
     bytes: int = 0
-    skipped: dict = field(default_factory=dict)  # corrupt / hidden / not_image / too_small / unsafe_member
+    skipped: dict = field(default_factory=dict)  # corrupt / hidden / not_image / too_small / broken_links / …
     exact_duplicates: int = 0
+    exact_duplicates_kept: bool = False  # --keep-exact-duplicates, or a TFDS source: written, flagged
     near_duplicates: int = 0
     excluded: int = 0
     seconds: float = 0.0
@@ -263,7 +264,8 @@ class WriteReport:
             f"scanned {self.scanned} images, wrote {self.written} in {self.shards} shards "
             f"({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f}s ({rate:.0f} images/s); skipped "
             f"{dict(sorted(self.skipped.items())) or 'none'}; exact duplicates {self.exact_duplicates} "
-            f"(dropped), near duplicates {self.near_duplicates} (flagged), excluded {self.excluded}"
+            f"({'kept, flagged' if self.exact_duplicates_kept else 'dropped'}), near duplicates "
+            f"{self.near_duplicates} (flagged), excluded {self.excluded}"
             + (f"; no image in {len(empty)} of the classes (kept, so labels stay): {_few(empty)}" if empty else "")
         )
 
@@ -277,6 +279,7 @@ def dedup_candidates(
         if exclude is None
         else exclude.matches_many([c.sha256 for c in candidates], [c.phash for c in candidates])
     )
+    report.exact_duplicates_kept = config.keep_exact_duplicates
     seen: set[str] = set()
     survivors: list[Candidate] = []
     for cand, is_excluded in zip(candidates, excluded):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -483,3 +484,82 @@ def test_a_parquet_source_of_many_files_is_read_once_per_file_and_shard_not_once
     stored = {s["sha256"] for s in pq.read_table(tmp_path / "out" / "samples.parquet").to_pylist()}
     assert stored == {sha256_hex(encoded(smooth_image(300 + 20 * f + i))) for f in range(6) for i in range(20)}
     assert validate(str(tmp_path / "out"), full=True).ok
+
+
+def test_names_that_are_not_utf8_are_written_readably_instead_of_failing_after_the_scan(tmp_path, capsys):
+    """Linux names are bytes: a folder or file named in Latin-1 decodes to surrogates, which samples.parquet and
+    classes.parquet cannot hold, so the write failed after the whole scan with a line naming no file."""
+    src = os.fsencode(tmp_path / "src")
+    os.makedirs(src + b"/caf\xe9")
+    os.makedirs(src + b"/plain")
+    with open(src + b"/caf\xe9/cr\xe8me.jpg", "wb") as f:
+        f.write(encoded(smooth_image(1)))
+    (tmp_path / "src" / "plain" / "a.jpg").write_bytes(encoded(smooth_image(2)))
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    with tarfile.open(tars / "n01.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        data = encoded(smooth_image(3))
+        info = tarfile.TarInfo("na\udcefve.JPEG")  # tarfile's reading of the byte 0xef
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    for source, want in ((tmp_path / "src", {"caf\\xe9/cr\\xe8me.jpg", "plain/a.jpg"}), (tars, {"n01:na\\xefve.JPEG"})):
+        out = tmp_path / f"out_{source.name}"
+        argv = ["--source", str(source), "--out", str(out), "--processes", "1"]
+        assert write_cli.main(argv) == 0, capsys.readouterr()
+        assert set(pq.read_table(out / "samples.parquet").column("source").to_pylist()) == want
+        assert validate(str(out), full=True).ok
+    assert read_dataset_info(tmp_path / "out_src").class_names == ("caf\\xe9", "plain")
+
+
+def test_broken_links_are_counted_not_silently_dropped(tmp_path, capsys):
+    """A class of symlinks into a store this node has not mounted: its images vanished from the summary's counts, as
+    did a linked folder's inside a class."""
+    (tmp_path / "src" / "here").mkdir(parents=True)
+    (tmp_path / "src" / "here" / "a.jpg").write_bytes(encoded(smooth_image(1)))
+    (tmp_path / "src" / "mounted").mkdir()
+    (tmp_path / "src" / "mounted" / "b.jpg").symlink_to(tmp_path / "src" / "here" / "a.jpg")  # a link that works
+    (tmp_path / "src" / "unmounted").mkdir()
+    for name in ("c.jpg", "d.jpg"):
+        (tmp_path / "src" / "unmounted" / name).symlink_to(tmp_path / "gone" / name)
+    (tmp_path / "src" / "here" / "more").symlink_to(tmp_path / "src" / "mounted")  # not followed: counted
+    argv = ["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--processes", "1"]
+    assert write_cli.main([*argv, "--keep-exact-duplicates"]) == 0
+    summary = capsys.readouterr().out
+    assert "scanned 2 images, wrote 2" in summary and "skipped {'broken_links': 2, 'linked_folders': 1}" in summary
+
+
+@pytest.mark.parametrize(
+    ("lines", "names"),
+    [
+        ("0 cat\n1 cow\n2 dog\n", ("cat", "cow", "dog")),  # 'id name' lines, as --class-names says
+        ("2\tdog\n0\tcat\n5\tbird\n", ("cat", "1", "dog", "3", "4", "bird")),  # a label map with gaps
+        ("cat\ncow\ndog\n", ("cat", "cow", "dog")),
+    ],
+)
+def test_parquet_class_names_by_label_id(tmp_path, lines, names):
+    """A Parquet source's ids are its labels: 'id name' lines used to become the names "0 cat", ..., and an
+    'id<TAB>name' map with gaps was refused as too short."""
+    labels = [0, 2, 0, 2] if "5" not in lines else [0, 2, 5, 5]
+    images = [encoded(smooth_image(i)) for i in range(4)]
+    pq.write_table(pa.table({"image": images, "label": labels}), tmp_path / "d.parquet")
+    (tmp_path / "names.txt").write_text(lines)
+    assert open_source(tmp_path / "d.parquet", class_names_file=tmp_path / "names.txt").class_names == names
+
+
+def test_parquet_class_names_keyed_by_other_ids_are_refused(tmp_path):
+    """wnid<TAB>name lines name no Parquet label: the names used to be replaced by "0", "1", ... without a word."""
+    pq.write_table(pa.table({"image": [encoded(smooth_image(0))], "label": [1]}), tmp_path / "d.parquet")
+    (tmp_path / "names.txt").write_text("n01440764\ttench\nn01443537\tgoldfish\n")
+    with pytest.raises(ValueError, match="names.txt.*label"):
+        open_source(tmp_path / "d.parquet", class_names_file=tmp_path / "names.txt")
+
+
+def test_the_summary_says_kept_duplicates_were_kept(folder_source, tmp_path, capsys):
+    """With --keep-exact-duplicates (always for a TFDS split) they are written; the summary said "(dropped)"."""
+    argv = ["--source", str(folder_source), "--out", str(tmp_path / "out"), "--processes", "1"]
+    assert write_cli.main([*argv, "--max-short-side", "32", "--keep-exact-duplicates"]) == 0
+    summary = capsys.readouterr().out
+    assert "wrote 22 in" in summary and "exact duplicates 1 (kept, flagged)" in summary
+    assert write_cli.main([*argv[:3], str(tmp_path / "out2"), *argv[4:], "--max-short-side", "32"]) == 0
+    summary = capsys.readouterr().out
+    assert "wrote 21 in" in summary and "exact duplicates 1 (dropped)" in summary
