@@ -118,7 +118,9 @@ def build_ledger(
     rows = [("job start", _row(startup=cursor.take(clock.fit_at if clock.fit_at is not None else end)))]
     for i, attempt in enumerate(attempts):
         row = _row()
-        process_start = (process_starts or {}).get(int(attempt.get("pid") or 0), attempt["started"])
+        process_start = attempt.get("process_started") or (process_starts or {}).get(
+            int(attempt.get("pid") or 0), attempt["started"]
+        )
         if i > 0 and process_start <= cursor.at:
             # a worker process kept across the restart
             row["restart"] += cursor.take(attempt["started"])

@@ -37,8 +37,9 @@ from pretrain.config.train_config import TrainConfig
 from pretrain.telemetry.peak import known_gpu
 from tracking.runs import tracking_credentials
 
-READ_SHARDS = 8  # shard files each node reads ...
-READ_BUDGET_BYTES = 512 * 10**6  # ... or fewer, once this much is read (a large shard is read in part)
+READ_SHARDS = 8  # shard files each node reads (at least one per parallel stream) ...
+READ_BUDGET_BYTES = 512 * 10**6  # ... or fewer, once this much is read (a large shard is read in part) ...
+READ_STREAM_BYTES = 32 * 10**6  # ... or this much per stream, where more: a stream's first bytes come slower
 START_TIMEOUT_S = 180.0  # for the probes to start on every node
 MEASURE_TIMEOUT_S = 600.0  # for a node's measurements, and for the collective
 CLOCK_SAMPLES = 5  # round trips per node; the shortest one is kept
@@ -115,7 +116,7 @@ def measure(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Measure
         try:
             started = _answers({n.node_id: p.identity.remote() for n, p in zip(nodes, probes)}, START_TIMEOUT_S)
             placed = wait_placed(ranks, START_TIMEOUT_S) if ranks is not None else None
-            skews, figures = _probe(nodes, probes, started, config, profile, urls)
+            skews, figures = _probe(nodes, probes, started, config, profile, plan, urls)
         finally:
             kill_actors(probes)
         elements = min(config.deepspeed.reduce_bucket_size, plan.model.num_params)
@@ -126,11 +127,13 @@ def measure(profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Measure
     return Measurements(nodes, {n.node_id: figures.get(n.node_id) for n in nodes}, skews, collective)
 
 
-def _probe(nodes: tuple[Node, ...], probes: list, started: dict, config: TrainConfig, profile: ClusterProfile, urls):
+def _probe(
+    nodes: tuple[Node, ...], probes: list, started: dict, config: TrainConfig, profile: ClusterProfile, plan: Plan, urls
+):
     """(clock skews, figures) by node id, of the probes that ``started``: the clocks first, while they are idle."""
     skews = {n.node_id: _clock_skew(p) if started[n.node_id] else None for n, p in zip(nodes, probes)}
     requests = {
-        n.node_id: p.measure.remote(_request(config, profile, urls, k, n))
+        n.node_id: p.measure.remote(_request(config, profile, urls, k, n, read_streams(plan)))
         for k, (n, p) in enumerate(zip(nodes, probes))
         if started[n.node_id]
     }
@@ -192,19 +195,30 @@ def _shard_urls(config: TrainConfig) -> tuple[str, ...]:
         return ()
 
 
-def _request(config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...], k: int, node: Node) -> ProbeRequest:
-    """Node ``k`` reads shards of its own where there are enough: a shared filesystem's cache then serves none."""
-    count = min(READ_SHARDS, len(urls))
+def read_streams(plan: Plan) -> int:
+    """The shards a training node reads at once: a stream per loader worker (the rank itself without any)."""
+    ranks = math.ceil(plan.topology.world_size / plan.topology.nodes)
+    return ranks * max(1, plan.data.loader_workers)
+
+
+def _request(
+    config: TrainConfig, profile: ClusterProfile, urls: tuple[str, ...], k: int, node: Node, streams: int = 1
+) -> ProbeRequest:
+    """Node ``k`` reads shards of its own where there are enough: a shared filesystem's cache then serves none.
+    ``streams``: a training node's parallel readers (`read_streams`); a node that holds no worker reads one."""
+    streams = streams if holds_a_worker(node, profile) else 1
+    count = min(max(READ_SHARDS, streams), len(urls))
     mine = tuple(urls[(k * count + i) % len(urls)] for i in range(count)) if urls else ()
     return ProbeRequest(
         shard_urls=mine or (config.data.train,),
-        read_budget_bytes=READ_BUDGET_BYTES,
+        read_budget_bytes=max(READ_BUDGET_BYTES, streams * READ_STREAM_BYTES),
         config=config,
         checkpoint_root=_checkpoint_root(config),
         tracking_uri=_tracking_uri(config, profile),
         label=node.label,
         check_efa=needs_efa(profile) and holds_a_worker(node, profile),
         device_type=profile.device_type,
+        read_streams=streams,
     )
 
 
@@ -306,6 +320,9 @@ def _read_check(node: Node, figures: NodeFigures, profile: ClusterProfile, confi
         "shards nearer the nodes (same region/filesystem)"
     )
     figure = figures.read_mb_per_s
+    if not holds_a_worker(node, profile):  # an eval or head-only node reads no training shard
+        measured = f"{figure.value:,.1f} MB/s ({figure.detail})" if figure.value is not None else figure.error
+        return Check("shard read", node.label, measured, "none (no training worker reads here)", True)
     return _judged("shard read", node, figure, needs, fix, lambda v: (f"{v:,.1f} MB/s ({figure.detail})", v >= need))
 
 

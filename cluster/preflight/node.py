@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from tracking.runs import get_or_create_experiment
 
 EXPERIMENT = "vitscale-preflight"  # MLflow experiment of the probe runs (each deleted once written)
 READ_CHUNK_BYTES = 4 * 2**20
+READ_MAX_S = 60.0  # a read stops here: a slow store's rate is known by then
 LOADER_TRIES = 2  # other work only slows a timing down: the fastest is the nearest to the node's rate
 # One try, a short timeout (MLflow's client retries for minutes): a tracking server that is down fails in seconds.
 TRACKING_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -56,7 +58,8 @@ class GpuInventory:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    """What one node measures: ``shard_urls`` (read up to ``read_budget_bytes``), the run's config (its loader)."""
+    """What one node measures: ``shard_urls`` (read up to ``read_budget_bytes`` by ``read_streams`` parallel readers),
+    the run's config (its loader)."""
 
     shard_urls: tuple[str, ...]
     read_budget_bytes: int
@@ -66,6 +69,7 @@ class ProbeRequest:
     label: str  # the node, for the probe run's name
     check_efa: bool = False  # a training node of a multi-node EFA profile (`cluster.network.needs_efa`)
     device_type: str = "cpu"  # the workers': on "cuda" the loader sends uint8 pixels (`DataConfig.pixels_for`)
+    read_streams: int = 1  # the loader workers of the ranks the node holds, each reading a shard at a time
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class NodeProbe:
         """Each figure in turn: the read first, so that it meets the shards cold."""
         return NodeFigures(
             gpus=gpu_inventory(),
-            read_mb_per_s=_guarded(read_rate, request.shard_urls, request.read_budget_bytes),
+            read_mb_per_s=_guarded(read_rate, request.shard_urls, request.read_budget_bytes, request.read_streams),
             loader_img_s_per_core=_guarded(loader_rate_now, request.config, request.device_type),
             free_gb=_guarded(free_space, request.checkpoint_root),
             tracking_s=_guarded(tracking_round_trip, request.tracking_uri, request.label),
@@ -161,24 +165,36 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def read_rate(urls: tuple[str, ...], budget_bytes: int) -> Figure:
-    """MB/s of reading ``urls`` whole, in turn, until ``budget_bytes`` are read; opening each file is timed too."""
+def read_rate(urls: tuple[str, ...], budget_bytes: int, streams: int = 1) -> Figure:
+    """MB/s of ``streams`` parallel readers, as many loader workers (an object store serves each stream at a fraction
+    of a node's rate), each reading its share of ``urls`` whole, in turn, until ``budget_bytes`` are read in all or
+    `READ_MAX_S` passed; opening each file is timed too."""
     if not urls:
         raise ValueError("no shard to read: the training manifest lists none")
     import fsspec  # the storage's filesystem (s3fs, gcsfs) where the runtime env installed it
 
-    total, files = 0, 0
+    streams = max(1, min(streams, len(urls)))
+    read, files = [0] * streams, [0] * streams
     start = time.perf_counter()
-    for url in urls:
-        _drop_page_cache(url)
-        with fsspec.open(url, "rb") as stream:
-            while total < budget_bytes and (chunk := stream.read(READ_CHUNK_BYTES)):
-                total += len(chunk)
-        files += 1
-        if total >= budget_bytes:
-            break
-    seconds = max(time.perf_counter() - start, 1e-9)
-    return Figure(total / 1e6 / seconds, f"{files} shard(s), {total / 1e6:.3g} MB in {seconds:.2g} s")
+
+    def more() -> bool:
+        return sum(read) < budget_bytes and time.perf_counter() - start < READ_MAX_S
+
+    def reader(k: int) -> None:
+        for url in urls[k::streams]:
+            _drop_page_cache(url)
+            with fsspec.open(url, "rb") as stream:
+                while more() and (chunk := stream.read(READ_CHUNK_BYTES)):
+                    read[k] += len(chunk)
+            files[k] += 1
+            if not more():
+                return
+
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(reader, range(streams)))  # the first reader's error is the figure's
+    seconds, total = max(time.perf_counter() - start, 1e-9), sum(read)
+    shards = f"{sum(files)} shard(s), {total / 1e6:.3g} MB in {seconds:.2g} s"
+    return Figure(total / 1e6 / seconds, f"{streams} parallel stream(s), {shards}")
 
 
 def _drop_page_cache(url: str) -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil  # a Ray dependency
 
 from data_pipeline.paths import write_text_atomically
 
@@ -29,6 +32,8 @@ class AttemptClock:
 
     def __init__(self) -> None:
         self.started = time.time()  # as the driver's timeline
+        # the ledger's own: a placement record matched by pid may be another node's process of the same pid
+        self.process = {"host": socket.gethostname(), "process_started": psutil.Process().create_time()}
         self._mark = time.perf_counter()
         self.seconds = dict.fromkeys(WORKER_BUCKETS, 0.0)
         self.path: Path | None = None
@@ -106,6 +111,7 @@ class AttemptClock:
     def record(self, **extra: Any) -> dict[str, Any]:
         return {
             **self.info,
+            **self.process,
             "started": self.started,
             "updated": time.time(),
             "step": self.step,

@@ -8,8 +8,11 @@ test_cluster_elastic.py, on their existing runs; here the bookkeeping itself, on
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -115,6 +118,30 @@ def test_the_attempts_process_start_is_its_rank_0s_not_another_nodes_process_of_
     assert process_starts(read_workers(tmp_path)) == {101: 8.0, 102: 50.0}
     rows = dict(build_ledger(JobClock(0.0, 5.0), 100.0, [first, second], process_starts(read_workers(tmp_path))).rows)
     assert rows["attempt 2"]["restart"] == 10.0 and rows["attempt 2"]["startup"] == 2.0 + 5.0  # not a kept process
+
+
+def test_two_attempts_whose_rank_0_had_the_same_pid_on_different_nodes_keep_their_own_process_starts(tmp_path):
+    """Identical containers number their processes alike: attempt 2's rank 0, on node c after node a was lost, got
+    pid 101 as attempt 1's rank 0 had. The placement records keep both (named by node), but a lookup by pid finds one
+    of them for both attempts; each attempt's record names its own process start and host."""
+    first, second, _ = _two_attempts()
+    second["pid"] = 101
+    first.update(host="a", process_started=8.0)
+    second.update(host="c", process_started=50.0)
+    folder = tmp_path / "workers"
+    folder.mkdir()
+    for node, started in (("cccc", 50.0), ("aaaa", 8.0)):  # named as cluster.driver.record names them
+        record = {"rank": 0, "pid": 101, "node_id": node * 8, "hostname": node[0], "process_started": started}
+        (folder / f"rank0-pid101-{node * 3}.json").write_text(json.dumps(record))
+    starts = process_starts(read_workers(tmp_path))
+    rows = dict(build_ledger(JobClock(0.0, 5.0), 100.0, [first, second], starts).rows)
+    assert rows["attempt 1"]["resource_wait"] == 3.0 and rows["attempt 1"]["startup"] == 2.0 + 6.0
+    assert rows["attempt 2"]["restart"] == 10.0 and rows["attempt 2"]["startup"] == 2.0 + 5.0  # not a kept process
+    clock = AttemptClock()  # the worker's side: its record carries them
+    clock.open(attempt_path(tmp_path, 1), pid=os.getpid())
+    clock.write()
+    [record] = read_attempts(tmp_path)
+    assert record["process_started"] == psutil.Process().create_time() and record["host"] == socket.gethostname()
 
 
 def test_a_resume_from_a_step_it_did_not_save_is_interpolated_and_overlong_records_are_scaled():

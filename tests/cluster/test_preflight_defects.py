@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+
+import pytest
 
 from cluster.local_head import free_port
 from cluster.plan.planner import build_plan, resolve_config
-from cluster.preflight.checks import NODE_CHECKS, Node, _request
+from cluster.preflight.checks import NODE_CHECKS, Node, _request, read_streams
 from cluster.preflight.node import (
     Figure,
+    GpuInventory,
     NodeFigures,
     NodeProbe,
     _guarded,
     free_space,
     parse_nvidia_smi,
+    read_rate,
     tracking_round_trip,
 )
 from cluster.profiles import load_profile
@@ -99,3 +104,70 @@ def test_a_gpu_nvidia_smi_cannot_read_fails_the_gpus_check_alone(monkeypatch, tm
     gpu = load_profile("a100x8")
     check = dict(NODE_CHECKS)["gpus"](Node("n" * 32, "10.0.0.1", {"CPU": 96, "GPU": 8}), figures, gpu, None, None)
     assert not check.passed and "GPU query failed (nvidia-smi: " in check.line()
+
+
+@pytest.fixture
+def per_stream_store(tmp_path):
+    """A real HTTP object store on 127.0.0.1 serving 8 shards of 2 MB, each request (a stream) at most 1.5 MB/s, as
+    an object store serves one GET a fraction of what a node reads over many: yields their URLs."""
+    import http.server
+    import threading
+
+    rate, body = 1.5e6, os.urandom(2 * 10**6)
+
+    class Throttled(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_HEAD(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            first, last = 0, len(body) - 1
+            if spec := self.headers.get("Range"):
+                start, _, end = spec.removeprefix("bytes=").partition("-")
+                first, last = int(start), min(int(end or last), last)
+            part = body[first : last + 1]
+            self.send_response(206 if spec else 200)
+            self.send_header("Content-Length", str(len(part)))
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(body)}")
+            self.end_headers()
+            for i in range(0, len(part), 2**16):
+                self.wfile.write(part[i : i + 2**16])
+                time.sleep(2**16 / rate)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Throttled)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield tuple(f"http://127.0.0.1:{server.server_address[1]}/shard-{i:06d}.tar" for i in range(8))
+    finally:
+        server.shutdown()
+
+
+def test_the_read_check_reads_as_many_streams_at_once_as_the_nodes_loader_workers(per_stream_store):
+    """An a100x8 node runs 8 ranks x 8 loader workers, each reading its own shard: a store that serves each stream
+    1.5 MB/s but many at once feeds a node needing 5 MB/s, and the check measures it so (one sequential stream would
+    read 1.5 MB/s and fail a good cluster). A node that holds no training worker reads no shard: no need there."""
+    profile = load_profile("a100x8")
+    config = resolve_config(profile, "vit_b16_i21k", [], "preflight")
+    plan = build_plan(profile, config)
+    plan = dataclasses.replace(plan, data=dataclasses.replace(plan.data, read_mb_per_s=5.0))
+    assert read_streams(plan) == 8 * 8
+    trainer = Node("n" * 32, "10.0.0.1", {"CPU": 96, "GPU": 8})
+    request = _request(config, profile, per_stream_store, 0, trainer, read_streams(plan))
+    figure = read_rate(request.shard_urls, request.read_budget_bytes, request.read_streams)
+    check = dict(NODE_CHECKS)["shard read"](
+        trainer, NodeFigures(GpuInventory(8), figure, *(Figure(1.0, ""),) * 3), profile, config, plan
+    )
+    assert check.passed and "8 parallel stream(s), 8 shard(s), 16 MB" in check.line(), check.line()
+    assert figure.value > 5.0
+    evals = Node("e" * 32, "10.0.0.2", {"CPU": 8, "GPU": 1})
+    assert _request(config, profile, per_stream_store, 1, evals, read_streams(plan)).read_streams == 1
+    slow = NodeFigures(GpuInventory(1), Figure(1.5, "1 parallel stream(s)"), *(Figure(1.0, ""),) * 3)
+    check = dict(NODE_CHECKS)["shard read"](evals, slow, profile, config, plan)
+    assert check.passed and "none (no training worker reads here)" in check.line()
