@@ -69,7 +69,9 @@ def check_folder_out(out: Path, names: tuple[str, ...], source: Path | None = No
 
 def check_npz_out(out: Path, source: Path) -> None:
     """ValueError, before anything is written, unless the .npz `save_npz` writes for ``out`` is not ``source`` and
-    is either absent or an .npz archive (an earlier export)."""
+    is either absent or an .npz archive (an earlier export); a folder ``out`` as in `check_folder_out`."""
+    if out.is_dir():
+        check_folder_out(out, (NPZ_NAME,), source)
     path = npz_path(out)
     _check_not_source(path, source)
     if path.exists() and not _is_npz(path):

@@ -288,6 +288,26 @@ def test_npz_export_refuses_a_file_that_is_no_npz_and_its_source(tmp_path, capsy
     assert _export(tmp_path / "ours", tmp_path / "ours.npz", "--format", "npz", capsys=capsys) == 0  # written again
 
 
+def test_npz_export_never_puts_its_file_into_a_checkpoint_run_or_source_folder(tmp_path, capsys):
+    """A folder OUT gets model.npz: the source checkpoint, its run or ``checkpoints/`` would keep a stray file that
+    checkpoint retention deletes with the folder, so they are refused as for --format hf."""
+    newest = _checkpoint(tmp_path / "run", 2, _random(model_config("vit_tiny_debug", num_classes=4)))
+    before = _contents(tmp_path / "run")
+    cases = {
+        newest: r"step_00000002 is SOURCE itself",
+        tmp_path / "run": r"run holds checkpoints, .*pass a new or empty folder",
+        tmp_path / "run" / "checkpoints": r"checkpoints holds step_00000002, .*pass a new or empty folder",
+    }
+    for out, expected in cases.items():
+        assert _export(newest, out, "--format", "npz") == 2, out
+        _one_error_line(capsys, expected)
+    assert _contents(tmp_path / "run") == before
+    (tmp_path / "exports").mkdir()
+    for _ in range(2):  # an empty folder, then the folder of an earlier export
+        assert _export(newest, tmp_path / "exports", "--format", "npz", capsys=capsys) == 0
+    assert [p.name for p in (tmp_path / "exports").iterdir()] == ["model.npz"]
+
+
 @pytest.mark.parametrize("fmt", ["hf", "npz"])
 def test_export_replaces_a_file_whole_never_rewriting_it_in_place(fmt, tmp_path, capsys):
     """Written beside and renamed over: a hard link to the old file keeps the old bytes, so a write cut short
