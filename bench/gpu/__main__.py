@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.work_dir) as tmp:
             result = campaign.run(Path(tmp))
     except KeyboardInterrupt:
-        if done := [part for part in SHARES if f"seconds_{part}" in campaign.result]:
+        done = [part for part in SHARES if f"seconds_{part}" in campaign.result]
+        if campaign.cut is not None:  # its keys so far were written, beside the finished parts'
+            cut = f"what the {campaign.cut} part measured"
+            return interrupted(parser.prog, f"the finished parts ({', '.join(done) or 'none'}) and {cut} are in {out}")
+        if done:
             return interrupted(parser.prog, f"the finished parts ({', '.join(done)}) are in {out}")
         return interrupted(parser.prog, f"nothing was written to {out}")
     finally:

@@ -173,6 +173,7 @@ class Campaign:
         self.args, self.out = args, out
         self.device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
         self.spec: TrainSpec | None = None  # the real path's, once the train part made it
+        self.cut: str | None = None  # the part Ctrl-C or SIGTERM cut short, what it measured until then written
         self.start = time.monotonic()
         self.result = environment(self.device, args.smoke, args.budget_s)
         needs_data = {"train", "loader"} & set(args.parts)
@@ -189,8 +190,10 @@ class Campaign:
         log(f"{name}: up to {self.share_s(name):.0f} s")
         try:
             self.result.update(work(self.share_s(name)))
-        except Interrupted as stop:  # in the JSON before the scratch folder, and the part's own JSON, go
-            self.result.update(stop.kept)
+        except KeyboardInterrupt as stop:  # in the JSON before the scratch folder, and the part's own JSON, go
+            self.result.update(stop.kept if isinstance(stop, Interrupted) else {})
+            self.result.setdefault(f"error_{name}", "interrupted; what it measured is kept")
+            self.cut = name
             self.write()
             raise
         except Exception as error:  # recorded; the campaign goes on
@@ -222,7 +225,13 @@ class Campaign:
                 variants=tuple(self.args.variants),
             )
             settings = gpu_step.smoke_settings(settings) if smoke else settings
-            return {"step_peak_tflops": peak, **gpu_step.run(settings, time.monotonic() + budget, log)}
+            self.result["step_peak_tflops"] = peak
+
+            def save(measured: dict) -> None:  # after each task: a kill in the part keeps the finished tasks
+                self.result.update(measured)
+                self.write()
+
+            return gpu_step.run(settings, time.monotonic() + budget, log, save)
 
         def train(budget: float) -> dict:
             self.spec = train_spec(paths["data"], work, self.args, budget - 10)  # 10 s to write what it measured
@@ -267,7 +276,8 @@ def summary_lines(r: dict) -> list[str]:
         f"pretrain.train {TRAIN_MODEL}: MFU {pct(f'train_path_mfu_{TRAIN_MODEL}')}, {num('train_path_img_s')} img/s, "
         f"data wait {pct('train_path_data_wait')}, peak {num('train_path_peak_memory_reserved_gb')} GB, "
         f"checkpoint {num('train_path_checkpoint_gb')} GB in {num('train_path_checkpoint_save_s')} s; resume "
-        f"equal losses: {r.get('resume_losses_equal', '-')}"
+        f"losses match: {r.get('resume_losses_match', '-')} (bit for bit: {r.get('resume_losses_equal', '-')}, the "
+        f"first: {r.get('resume_first_loss_equal', '-')}; max difference {num('resume_max_abs_loss_diff')})"
     )
     lines.append(
         f"ZeRO-0/1/2 step: {num('zero0_step_s')} / {num('zero1_step_s')} / {num('zero2_step_s')} s; plan "

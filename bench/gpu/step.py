@@ -155,8 +155,12 @@ _KERNELS = (  # profiler op name fragment → the attention kernel it is, most s
 
 
 def attention_kernel(step: Callable[[], None], device: torch.device) -> str:
-    """SDPA's backend in one profiled step, or "explicit (bmm + softmax)" (vitscale's CPU bf16 path, HF's eager)."""
-    names = {event.key for event in profiled(step, device)}
+    """SDPA's backend in one profiled step, or "explicit (bmm + softmax)" (vitscale's CPU bf16 path, HF's eager);
+    "unknown (...)" where the profiler fails (CUPTI, say), which lost the model's timing and every later task of it."""
+    try:
+        names = {event.key for event in profiled(step, device)}
+    except Exception as error:
+        return f"unknown (the profiler failed: {type(error).__name__}: {str(error)[:200]})"
     for fragment, kernel in _KERNELS:
         if any(fragment in name for name in names):
             return kernel
@@ -245,8 +249,11 @@ def _estimate_s(variant: str, found: dict) -> float:
     return (COMPILE_ESTIMATE_S if variant.endswith("compiled") else 5.0) + 20 * step_s
 
 
-def run(s: StepSettings, deadline: float, log: Callable[[str], None]) -> dict:
-    """Every task that fits before ``deadline`` (time.monotonic); the flat keys."""
+def run(
+    s: StepSettings, deadline: float, log: Callable[[str], None], save: Callable[[dict], None] | None = None
+) -> dict:
+    """Every task that fits before ``deadline`` (time.monotonic); the flat keys, also handed to ``save`` after each
+    task, so that a kill in the part keeps the tasks it finished."""
     results: dict = {}
     found: dict[str, dict] = {name: {} for name in s.models}
     for name, variant in _tasks(s):
@@ -261,10 +268,17 @@ def run(s: StepSettings, deadline: float, log: Callable[[str], None]) -> dict:
             results[f"error_{variant}_{name}"] = f"{type(error).__name__}: {str(error)[:300]}"
         results[f"seconds_{variant}_{name}"] = round(time.monotonic() - began, 1)  # what the next budget is made of
         log(f"step {name} {variant}: {time.monotonic() - began:.0f} s; " + _line(found[name], variant))
+        if save is not None:
+            save(_flat(results, found, s))
+    return _flat(results, found, s)
+
+
+def _flat(results: dict, found: dict[str, dict], s: StepSettings) -> dict:
+    out = dict(results)
     for name, got in found.items():
-        results.update({f"{key}_{name}": value for key, value in got.items()})
-        results.update(_ratios(name, got, config_of(name, s.smoke)))
-    return results
+        out.update({f"{key}_{name}": value for key, value in got.items()})
+        out.update(_ratios(name, got, config_of(name, s.smoke)))
+    return out
 
 
 def _line(got: dict, variant: str) -> str:
