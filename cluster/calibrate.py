@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cluster.plan.mfu import MEMORY_TOLERANCE, MFU_FILE, MFU_FILE_ENV, gpu_kind, mfu_file, read_table
+from cluster.plan.mfu import MEMORY_TOLERANCE, MFU_FILE, MFU_FILE_ENV, gpu_kind, measured, mfu_file, read_table
 from data_pipeline.cli import fail
 from data_pipeline.paths import write_text_atomically
 
@@ -36,9 +36,9 @@ def _number(result: dict, key: str) -> float | None:
     return float(value) if ok else None
 
 
-def entries_from(result: dict) -> dict[str, dict[str, Any]]:
+def entries_from(result: dict, path: Path | None = None) -> dict[str, dict[str, Any]]:
     """model -> table entry: ``pretrain.train``'s MFU where the campaign ran it, else the eager step benchmark's;
-    memory fields where measured."""
+    memory fields where measured. ``path``: the table the campaign's plan read (`_applied_scale`)."""
     entries = {}
     for model in MODELS:
         train_mfu, step_mfu = _number(result, f"train_path_mfu_{model}"), _number(result, f"mfu_eager_{model}")
@@ -50,18 +50,22 @@ def entries_from(result: dict) -> dict[str, dict[str, Any]]:
             entry["micro_batch_size"] = result.get(f"eager_batch_{model}")
         else:
             continue
-        entry.update(_memory_entry(result, model))
+        entry.update(_memory_entry(result, model, path))
         entry.update({"device": result["device"], "date": str(result["date"])[:10]})
         entry.update({k: result.get(k) for k in ("torch", "cuda", "deepspeed", "driver") if result.get(k)})
         entries[model] = entry
     return entries
 
 
-def _memory_entry(result: dict, model: str) -> dict[str, Any]:
+def _memory_entry(result: dict, model: str, path: Path | None) -> dict[str, Any]:
     keys = ("plan_memory_error", "plan_memory_gb", "measured_memory_gb", "plan_activations_gb")
     error, planned, measured_gb, activations = (_number(result, f"{key}_{model}") for key in keys)
     if error is None or planned is None or measured_gb is None:
         return {}
+    applied = _applied_scale(result, model, path)
+    if applied != 1.0 and activations:  # the error and scale are the model's, not those of the plan it corrected
+        planned, activations = planned - activations + activations / applied, activations / applied
+        error = (planned - measured_gb) / measured_gb
     scale = 1.0
     if abs(error) > MEMORY_TOLERANCE and activations:
         # Model states are exact (ZeRO's accounting): the error goes on the activations, the estimated part.
@@ -75,6 +79,20 @@ def _memory_entry(result: dict, model: str) -> dict[str, Any]:
     }
 
 
+def _applied_scale(result: dict, model: str, path: Path | None) -> float:
+    """The activation scale the campaign's plan took from the table (1.0: none), which its memory numbers include."""
+    source = result.get(f"plan_memory_source_{model}")
+    if source in (None, "model"):
+        return 1.0
+    known = measured(model, result["device"], path) if path else None
+    if known is None or not known.memory_corrected or known.memory_source != source:
+        raise ValueError(
+            f"its {model} plan scaled the activations ({source}), which this table does not hold; update the "
+            "table the campaign read (--mfu-file)"
+        )
+    return known.activation_scale
+
+
 def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:
     """Merge a campaign's entries into the table at ``path``; return them. ValueError when there are none."""
     if not isinstance(result, dict):
@@ -83,7 +101,7 @@ def calibrate(result: dict, path: Path) -> dict[str, dict[str, Any]]:
         raise ValueError("it is a --smoke run (tiny models on a CPU): it measured nothing to calibrate with")
     if not isinstance(result.get("device"), str) or not result.get("date"):
         raise ValueError("it has no 'device' and 'date', which python -m bench.gpu writes: is it that campaign's JSON?")
-    entries = entries_from(result)
+    entries = entries_from(result, path)
     if not entries:
         keys = ", ".join(f"train_path_mfu_{m} / mfu_eager_{m}" for m in MODELS)
         raise ValueError(f"it holds no MFU in (0, 1] for any model ({keys}); the campaign's parts failed")

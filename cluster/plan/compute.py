@@ -13,7 +13,7 @@ from pretrain.config.precision import StepShape, cpu_bf16_units, decide
 from pretrain.config.train_config import TrainConfig
 from pretrain.model import flops
 from pretrain.model.vit import ViTConfig
-from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
+from pretrain.telemetry.peak import Peak, cpu_peak, gpu_bf16, gpu_peak
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,23 @@ def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -
     requested = config.deepspeed.precision
     if profile.uses_gpus or profile.is_local or requested in ("fp32", "bf16"):
         shape = StepShape.of(vit, config.data.micro_batch_size)
-        choice = decide(requested, profile.device_type, shape, zero_stage=config.deepspeed.zero_stage)
+        choice = decide(
+            requested,
+            profile.device_type,
+            shape,
+            zero_stage=config.deepspeed.zero_stage,
+            cuda_bf16=gpu_bf16_of(profile),
+        )
         reason = f"{choice.rule}: {choice.reason}"
         if choice.precision == "bf16" and not profile.uses_gpus and not cpu_bf16_units():
             reason += "; this CPU has no AMX/AVX512-BF16: bf16 is emulated, many times slower"
         return choice.precision, reason
     return "fp32", f"decided by the workers at start ({requested} on CPUs unknown here); the memory below assumes fp32"
+
+
+def gpu_bf16_of(profile: ClusterProfile) -> bool | None:
+    """Whether the workers' GPUs have bf16 tensor cores, from ``gpu_type``: the plan's process has no GPU to ask."""
+    return gpu_bf16(profile.hardware.gpu_type) if profile.uses_gpus else None
 
 
 def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from cluster.profiles import ClusterProfile
 from pretrain.config.ds_config import BatchPlan
+from pretrain.model.resnet import root_width, same_padding
 from pretrain.model.vit import ViTConfig
 
 GB = 1e9  # decimal, as GPU data sheets count
@@ -101,6 +102,37 @@ def vit_activation_bytes(vit: ViTConfig, precision: str, **options) -> float:
     )
 
 
+def stem_activation_bytes(vit: ViTConfig, precision: str) -> float:
+    """Bytes of activations one image keeps for backward in a hybrid's ResNet stem (0 without one), as `ResNetStem`
+    runs: each StdConv's padded input, each GroupNorm's input, each ReLU's output (the next conv's input where it is
+    unpadded), the max-pool's padded input and int64 indices. Activation checkpointing recomputes the blocks alone."""
+    if vit.hybrid_stages is None:
+        return 0.0
+    elem = 2.0 if precision == "bf16" else 4.0
+    width, size = root_width(vit.hybrid_width), vit.image_size
+    elements = vit.in_chans * _padded(size, 7, 2) ** 2  # conv_root's input
+    size = math.ceil(size / 2)
+    elements += 2 * width * size**2 + width * _padded(size, 3, 2) ** 2  # GN and ReLU; the max-pool's input
+    size = math.ceil(size / 2)
+    indices, elements = width * size**2, elements + width * size**2  # the max-pool's indices and output
+    cin = width
+    for s, units in enumerate(vit.hybrid_stages):
+        features, cout = width * 2**s, 4 * width * 2**s
+        for u in range(units):
+            stride = 2 if s > 0 and u == 0 else 1
+            out = math.ceil(size / stride)
+            projected = cin != cout or stride != 1
+            # GN1, ReLU1, conv2's padded input, GN2, ReLU2 (conv3's input); GN3, GN_proj, the unit's ReLU
+            elements += features * (2 * size**2 + _padded(size, 3, stride) ** 2 + 2 * out**2)
+            elements += cout * out**2 * (2 + projected)
+            cin, size = cout, out
+    return elem * elements + 8.0 * indices
+
+
+def _padded(size: int, kernel: int, stride: int) -> int:
+    return size + sum(same_padding(size, kernel, stride))
+
+
 class StepTime(Protocol):
     """What the memory part reads of `cluster.plan.compute.ComputePlan`."""
 
@@ -153,9 +185,10 @@ def plan_memory(
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
     per_image = functools.partial(vit_activation_bytes, vit, compute.precision, dropout=vit.dropout)
+    stem = stem_activation_bytes(vit, compute.precision)
     scale, source = correction or (1.0, "")
-    act_on = scale * per_image(activation_checkpointing=True)
-    act_off = scale * per_image(activation_checkpointing=False)
+    act_on = scale * (per_image(activation_checkpointing=True) + stem)
+    act_off = scale * (per_image(activation_checkpointing=False) + stem)
     act_per_image = act_on if vit.grad_checkpointing else act_off
     activations = act_per_image * micro
     capacity, overhead = _device_memory(profile, batch.world_size)
@@ -178,12 +211,12 @@ def plan_memory(
         memory_source=source,
     )
     fixed = states.total + overhead
+    per_rank = per_rank or batch.global_batch_size // batch.world_size
     if not total <= capacity:
         at = f" (at world size {batch.world_size}, the elastic group's largest)" if profile.workers.elastic else ""
-        per_rank = per_rank or batch.global_batch_size // batch.world_size
         return part, _does_not_fit(part, batch, compute, act_per_image, fixed, capacity, per_rank) + at
     return replace(
-        part, checkpointing_advice=_checkpointing_advice(part, batch, compute, act_off, fixed, capacity)
+        part, checkpointing_advice=_checkpointing_advice(part, batch, compute, act_off, fixed, capacity, per_rank)
     ), None
 
 
@@ -196,7 +229,7 @@ def _device_memory(profile: ClusterProfile, world: int) -> tuple[float, float]:
 
 
 def _checkpointing_advice(
-    m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_off: float, fixed: float, capacity: float
+    m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_off: float, fixed: float, capacity: float, per_rank: int
 ) -> str:
     comfortable = COMFORTABLE_FRACTION * capacity
     recompute = compute.recompute_factor
@@ -213,7 +246,7 @@ def _checkpointing_advice(
             f"of memory, --set model.grad_checkpointing=true cuts activations to {m.activations_gb_checkpointed:.2f} "
             f"GB at {slower}"
         )
-    micro, per_rank = batch.micro_batch_size, batch.global_batch_size // batch.world_size
+    micro, here = batch.micro_batch_size, batch.global_batch_size // batch.world_size
     step_time, days = compute.step_time_s, compute.days
     faster = (
         f"{step_time / recompute:.3g} s/step instead of {step_time:.3g}, {days / recompute:.3g} days instead of "
@@ -230,7 +263,7 @@ def _checkpointing_advice(
         n = max(fitting)
         return (
             f"needed at micro-batch {micro} (without it {m.total_gb_not_checkpointed:.1f} GB of "
-            f"{m.capacity_gb:.0f} GB), but micro-batch {n} x accumulation {per_rank // n} fits without it "
+            f"{m.capacity_gb:.0f} GB), but micro-batch {n} x accumulation {here // n} fits without it "
             f"({(fixed + act_off * n) / GB:.1f} GB) and skips the recompute ({slower}). Faster: "
             f"--set model.grad_checkpointing=false --set data.micro_batch_size={n}: {faster}"
         )

@@ -15,7 +15,7 @@ from typing import Any
 from cluster.plan import comms, memory, mfu, storage
 from cluster.plan.checkpoint_costs import baseline_eval, checkpoint_space_warning
 from cluster.plan.comms import CommPlan
-from cluster.plan.compute import ComputePlan, compute_plan, profile_peak, step_time
+from cluster.plan.compute import ComputePlan, compute_plan, gpu_bf16_of, profile_peak, step_time
 from cluster.plan.data_wait import data_wait, loader_host_bytes
 from cluster.plan.errors import PlanError
 from cluster.plan.evals.cost import EvalsPlan, plan_evals
@@ -41,7 +41,7 @@ RECIPE_DATA_ROOT = "data"  # a profile relocates it to its storage
 ASSUMED_BYTES_PER_IMAGE = 92_000
 ASSUMED_SAMPLES_PER_SHARD = WriteConfig.samples_per_shard
 LOADER_MEMORY_SHARE = 0.5  # of a node's memory, for the data streams
-MIN_SHARDS_PER_LOADER = 8  # below this, streams of different ranks/workers become correlated (docs/reference.md §6)
+MIN_SHARDS_PER_STREAM = 8  # below this, streams cycle over a few shards and become correlated (docs/reference.md §6)
 
 # To log the final model as an HF ViT folder; = pyproject.toml's (tested).
 HF_EXTRA = StorageExtra("hf", "transformers>=4.45,<6", "transformers")
@@ -146,10 +146,14 @@ def profile_overrides(profile: ClusterProfile, path: Path, written: dict, sets: 
         "logging.progress_bar=false",
     ]
     out += [f"{k}={v}" for k, v in _profile_defaults(profile).items() if k not in given]
-    # the workers' own rule (`decide`): on CUDA auto and probe are bf16, but fp32 at ZeRO-0
+    # the workers' own rule (`decide`): on CUDA auto and probe are bf16, but fp32 at ZeRO-0 or without bf16 tensor cores
     requested = base.deepspeed.precision if "deepspeed.precision" in given else d.precision
     zero_stage = base.deepspeed.zero_stage if "deepspeed.zero_stage" in given else d.zero_stage
-    gpu_precision = decide(requested, profile.device_type, zero_stage=zero_stage).precision if profile.uses_gpus else ""
+    gpu_precision = (
+        decide(requested, profile.device_type, zero_stage=zero_stage, cuda_bf16=gpu_bf16_of(profile)).precision
+        if profile.uses_gpus
+        else ""
+    )
     peak = profile_peak(profile, gpu_precision or "fp32")
     if peak is not None:
         out.append(f"logging.peak_tflops={peak.tflops}")
@@ -282,7 +286,7 @@ class ModelSize:
 @dataclass(frozen=True)
 class DataPlan:
     num_shards: int
-    shards_per_loader: float
+    shards_per_stream: float  # the order deals the shards to data.streams streams, whatever the loader workers
     bytes_per_image: float
     read_mb_per_s: float
     note: str
@@ -470,8 +474,7 @@ def _data_plan(
         per_image = f"{ASSUMED_BYTES_PER_IMAGE // 1000} KB/image"
         note += f"; assumed {ASSUMED_SAMPLES_PER_SHARD} samples/shard (the writer's default), {per_image}"
         bytes_per_image = float(ASSUMED_BYTES_PER_IMAGE)
-    loaders = world * max(1, min(d.num_workers, d.streams // world))  # a worker reads whole streams
-    shards_per_loader = shards / loaders if shards else 0.0
+    shards_per_stream = shards / d.streams if shards else 0.0
     ranks_per_node = math.ceil(world / profile.hardware.nodes)
     loader_bytes, loader_detail = loader_host_bytes(
         config, world, bytes_per_image, model.image_size, stats.num_samples, profile.device_type
@@ -486,16 +489,17 @@ def _data_plan(
             "data.streams, or run at a world size that spreads the streams over more nodes (docs/elastic.md)"
         )
     warnings = []
-    if shards and shards_per_loader < MIN_SHARDS_PER_LOADER:
+    if shards and shards_per_stream < MIN_SHARDS_PER_STREAM:
         warnings.append(
-            f"only {shards_per_loader:.1f} shards per (rank x loader worker) ({shards} shards / {loaders}); "
-            f"use >= {MIN_SHARDS_PER_LOADER}: re-shard into more, smaller tar files or lower data.num_workers"
+            f"only {shards_per_stream:.1f} shards per stream ({shards} shards / data.streams={d.streams}); use >= "
+            f"{MIN_SHARDS_PER_STREAM}: re-shard into more, smaller tar files (--samples-per-shard) or lower "
+            "data.streams (a new data order)"
         )
     warnings += checkpoint_space_warning(config, model.num_params)
     urls = storage.storage_urls(config)
     return DataPlan(
         num_shards=shards,
-        shards_per_loader=shards_per_loader,
+        shards_per_stream=shards_per_stream,
         bytes_per_image=bytes_per_image,
         read_mb_per_s=images_per_s * bytes_per_image / 1e6,
         note=note,

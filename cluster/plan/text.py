@@ -41,8 +41,8 @@ def format_plan(plan: Plan, notes: Sequence[str] = ()) -> str:
         "(docs/network.md)",
         f"  communication {_communication(plan.comms)}",
         f"  reduction     DeepSpeed {'; '.join(f'{k} {v}' for k, v in plan.comms.settings)}",
-        f"  data          {d.num_shards or 'unknown number of'} shards, {d.shards_per_loader:.1f} per (rank x loader "
-        f"worker); {d.bytes_per_image / 1e3:.0f} KB/image -> read {d.read_mb_per_s:,.1f} MB/s ({d.note})",
+        f"  data          {d.num_shards or 'unknown number of'} shards, {d.shards_per_stream:.1f} per stream; "
+        f"{d.bytes_per_image / 1e3:.0f} KB/image -> read {d.read_mb_per_s:,.1f} MB/s ({d.note})",
         f"  loader memory {d.loader_gb_per_node:.3g} GB per node: {d.loader_detail}",
         f"  data wait     {data_wait_line(wait, batch.global_batch_size // batch.world_size)}",
         f"  storage       {d.storage}" + _storage_needs(d),

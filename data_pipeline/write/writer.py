@@ -47,7 +47,7 @@ SETTINGS_FORMAT = 2
 class WriteConfig:
     name: str = "dataset"  # recorded in dataset.json
     split: str = "train"
-    samples_per_shard: int = 3000  # keep >= 8 shards per (rank x worker); docs/reference.md §6
+    samples_per_shard: int = 3000  # keep >= 8 shards per stream; docs/reference.md §6
     max_short_side: int = 512  # larger JPEGs are downscaled and re-encoded at quality 90
     min_size: int = 8  # a smaller short side is skipped as "too_small"
     seed: int = 0  # seeds the global pre-shuffle

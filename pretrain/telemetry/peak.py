@@ -18,13 +18,21 @@ from data_pipeline.paths import cache_dir
 from data_pipeline.stream.loader_rate import cpu_model, write_atomically  # shared per-machine cache helpers
 from pretrain.config.precision import cpu_bf16_units
 
-# Dense TFLOP/s by GPU name fragment, NVIDIA datasheets (SXM where there are two)
+# Dense TFLOP/s by GPU name fragment, NVIDIA datasheets; "H100 PCIe": a name with H100 and PCIe, checked before H100
+# (the SXM's). Pre-Ampere GPUs have no bf16 or TF32 tensor cores: fp32 only.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
     "H200": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9},
+    "H100 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
     "H100": {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9},
     "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "A10G": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "V100 PCIe": {"fp32": 14.0},
+    "V100": {"fp32": 15.7},
+    "V100S": {"fp32": 16.4},
+    "T4": {"fp32": 8.1},
 }
 GEMM_SIZE = 2048  # measured GEMM side (emulated bf16: 512)
 MEASURE_SECONDS = 0.5  # per layout, after a warm-up
@@ -41,16 +49,35 @@ def cache_path() -> Path:
 
 
 def known_gpu(name: str) -> str | None:
-    """The `GPU_PEAK_TFLOPS` key a device name holds ("NVIDIA H100 80GB HBM3" -> "H100"), None for an unknown one;
-    a key followed by a letter or digit is another GPU ("L4" is not "NVIDIA L40S")."""
-    return next((k for k in GPU_PEAK_TFLOPS if re.search(re.escape(k) + r"(?![0-9A-Za-z])", name)), None)
+    """The `GPU_PEAK_TFLOPS` key a device name holds ("NVIDIA H100 80GB HBM3" -> "H100", "H100-PCIE-80GB" -> "H100
+    PCIe"), None for an unknown one; a key followed by a letter or digit is another GPU ("L4" is not "NVIDIA L40S")."""
+    return next((k for k in GPU_PEAK_TFLOPS if _holds(name, k)), None)
+
+
+def _holds(name: str, key: str) -> bool:
+    gpu, _, variant = key.partition(" ")
+    if not re.search(re.escape(gpu) + r"(?![0-9A-Za-z])", name):
+        return False
+    return not variant or bool(re.search(rf"(?<![0-9A-Za-z]){variant}(?![0-9A-Za-z])", name, re.IGNORECASE))
+
+
+def gpu_bf16(name: str) -> bool:
+    """Whether a GPU by name has bf16 tensor cores: not one the table lists without (V100, T4: compute capability
+    < 8.0); an unknown one is assumed to, as `cuda_bf16_units` assumes in a process without CUDA."""
+    known = known_gpu(name)
+    return known is None or "bf16" in GPU_PEAK_TFLOPS[known]
 
 
 def gpu_peak(name: str, precision: str, tf32: bool = False) -> Peak | None:
-    """The datasheet peak of a GPU by name; None for an unknown one."""
+    """The datasheet peak of a GPU by name; None for an unknown one, or bf16 on one without bf16 tensor cores."""
     kind = "bf16" if precision == "bf16" else ("tf32" if tf32 else "fp32")
     fragment = known_gpu(name)
-    return Peak(GPU_PEAK_TFLOPS[fragment][kind], f"{fragment} dense {kind} peak (datasheet)") if fragment else None
+    if fragment is None:
+        return None
+    peaks = GPU_PEAK_TFLOPS[fragment]
+    if kind == "tf32" and kind not in peaks:  # no TF32 units: allowing TF32 leaves fp32 matmuls fp32
+        kind = "fp32"
+    return Peak(peaks[kind], f"{fragment} dense {kind} peak (datasheet)") if kind in peaks else None
 
 
 def gemm_tflops(

@@ -200,3 +200,27 @@ def test_vitscale_mfu_file_naming_no_file_is_refused_not_ignored(tmp_path, monke
         h14_plan()
     monkeypatch.delenv(mfu.MFU_FILE_ENV)
     assert h14_plan().compute.mfu_source.startswith("measured on H200")  # unset: the shipped table
+
+
+def test_a_campaign_planned_with_a_correction_keeps_it_rather_than_undoing_it(tmp_path, table, capsys):
+    """The campaign's plan reads the table: once it holds a correction, the next campaign's plan includes it, so its
+    error was ~0 and calibrate wrote scale 1.0, undoing the correction (the next plan off by 30% again). The error
+    and the scale are now the model's, the applied scale taken out."""
+    assert main([str(write(tmp_path, campaign())), "--mfu-file", str(table)]) == 0
+    first = mfu.measured("vit_h14", "NVIDIA H100 80GB HBM3")
+    assert first.memory_corrected and first.activation_scale == pytest.approx((30.0 - 16.0) / 23.0, abs=1e-4)
+    activations = 23.0 * first.activation_scale  # what the next campaign's plan holds: 16 GB + these = 30 GB
+    again = campaign(
+        plan_memory_gb_vit_h14=16.0 + activations,
+        plan_activations_gb_vit_h14=activations,
+        plan_memory_error_vit_h14=(16.0 + activations - 30.0) / 30.0,
+        plan_memory_source_vit_h14=first.memory_source,
+    )
+    assert main([str(write(tmp_path, again)), "--mfu-file", str(table)]) == 0
+    entry = mfu.read_table(table)["vit_h14"]["H100"]
+    assert entry["memory_error"] == pytest.approx(0.3, abs=1e-3) and entry["memory_gb_planned"] == 39.0
+    assert mfu.measured("vit_h14", "NVIDIA H100 80GB HBM3").activation_scale == pytest.approx(first.activation_scale)
+    capsys.readouterr()
+    stranger = campaign(plan_memory_source_vit_h14="activations x 0.50: the model was +45% off what H200 measured")
+    assert main([str(write(tmp_path, stranger)), "--mfu-file", str(table)]) == 2
+    assert "which this table does not hold" in capsys.readouterr().err

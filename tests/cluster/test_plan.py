@@ -4,6 +4,7 @@ dry run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -12,15 +13,23 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from cluster import launch
-from cluster.plan.memory import GB, activation_bytes_per_image, model_state_bytes
-from cluster.plan.planner import PlanError, build_plan, resolve_config, resolve_with_notes
+from cluster.plan.memory import (
+    GB,
+    activation_bytes_per_image,
+    model_state_bytes,
+    stem_activation_bytes,
+    vit_activation_bytes,
+)
+from cluster.plan.planner import PlanError, _model_size, build_plan, resolve_config, resolve_with_notes
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile, profile_names
 from pretrain.config.precision import StepShape, cpu_bf16_units, decide
 from pretrain.config.train_config import recipe_path
+from pretrain.model.resnet import ResNetStem
 from pretrain.model.vit import model_config
 from pretrain.telemetry.peak import cpu_peak
 
@@ -209,13 +218,13 @@ def test_dry_run_prints_plan_and_submits_nothing(capsys):
     out = capsys.readouterr().out
     assert out.startswith("plan: recipe vit_h14_i21k on profile a100x64")
     assert "dry run: nothing submitted" in out
-    # No manifest here: shards as this project's writer makes them, 12.4M images / 3000 = 4134 over 512 loaders.
-    assert "data          4134 shards, 8.1 per (rank x loader worker)" in out and "WARNING" not in out
-    # Half the images, half the shards: 2067 over the same 512 loaders.
+    # No manifest here: shards as this project's writer makes them, 12.4M images / 3000 = 4134 over 512 streams.
+    assert "data          4134 shards, 8.1 per stream;" in out and "WARNING" not in out
+    # Half the images, half the shards: 2067 over the same 512 streams.
     assert launch.main(["--cluster", "a100x64", "--dry-run", "--set", "data.epoch_images=6200000"]) == 0
     assert (
-        "  WARNING       only 4.0 shards per (rank x loader worker) (2067 shards / 512); use >= 8: re-shard into "
-        "more, smaller tar files or lower data.num_workers"
+        "  WARNING       only 4.0 shards per stream (2067 shards / data.streams=512); use >= 8: re-shard into "
+        "more, smaller tar files (--samples-per-shard) or lower data.streams (a new data order)"
     ) in capsys.readouterr().out.splitlines()
 
 
@@ -838,12 +847,12 @@ def test_zero_1_in_bf16_holds_the_fp32_gradients_the_plan_counts(tmp_path):
 @pytest.mark.timeout(120)
 def test_loader_workers_beyond_a_ranks_streams_are_not_counted():
     """A rank runs min(data.num_workers, its streams) loader workers (a worker reads whole streams): at a100x64's 8
-    streams per rank, 16 asked for are 8, so the shards per (rank x worker) are 4134 / 512, not / 1024."""
+    streams per rank, 16 asked for are 8."""
     profile = load_profile("a100x64")
     at8, at16 = (
         build_plan(profile, resolve_config(profile, "vit_h14_i21k", [f"data.num_workers={n}"], "r")) for n in (8, 16)
     )
-    assert at16.data.shards_per_loader == at8.data.shards_per_loader == pytest.approx(4134 / (64 * 8))
+    assert at16.data.shards_per_stream == at8.data.shards_per_stream == pytest.approx(4134 / 512)
     assert at16.data.warnings == () and at16.data.loader_workers == 8
     assert at16.data.loader_gb_per_node == at8.data.loader_gb_per_node  # 8 workers' planes, not 16
 
@@ -903,3 +912,103 @@ def test_zero_in_fp32_keeps_a_master_copy_the_plan_counts(tmp_path):
         assert (held["master_bytes"], held["moment_bytes"]) == (4 * P, 8 * P), stage
         assert model_state_bytes(P, int(stage), 1, "fp32").optimizer == 12 * P, stage
     assert model_state_bytes(1000, 0, 1, "fp32").optimizer == 8 * 1000  # plain AdamW: m and v
+
+
+@pytest.mark.timeout(120)
+def test_a_pre_ampere_gpu_is_planned_in_the_fp32_its_workers_pick():
+    """`auto` trains fp32 on a GPU without bf16 tensor cores (V100, T4: compute capability < 8.0), by the workers'
+    own rule; the plan, in a process without CUDA, took bf16: half the activation bytes a V100 holds, and the MFU over
+    a bf16 peak it does not have."""
+    base = load_profile("a100x8")
+    v100 = dataclasses.replace(base.hardware, gpu_type="Tesla V100-SXM2-32GB", gpu_memory_gb=32, peak_tflops=125)
+    profile = dataclasses.replace(base, hardware=v100)
+    config = resolve_config(profile, "vit_b16_i21k", [], "v100")
+    assert config.deepspeed.precision == "auto"
+    workers = decide("auto", "cuda", zero_stage=config.deepspeed.zero_stage, cuda_bf16=False)
+    plan = build_plan(profile, config)
+    assert plan.compute.precision == workers.precision == "fp32"
+    assert "compute capability < 8.0" in plan.compute.precision_reason
+    assert config.logging.peak_tflops == plan.compute.peak_tflops == 15.7  # V100 SXM2's dense fp32
+    vit, _ = _model_size(config)
+    fp32 = vit_activation_bytes(vit, "fp32", dropout=vit.dropout)
+    assert plan.memory.activation_mb_per_image == pytest.approx(fp32 / 1e6)
+    assert plan.memory.params_gb == pytest.approx(4 * plan.model.num_params / 1e9)  # fp32 weights
+    a100 = build_plan(base, resolve_config(base, "vit_b16_i21k", [], "a100"))  # an Ampere GPU keeps bf16
+    assert a100.compute.precision == "bf16" and a100.compute.peak_tflops == 312.0
+
+
+def _saved_bytes_per_image(module, image_size: int, dtype) -> float:
+    """What a forward keeps for backward per image (saved tensors, each storage once: batch 2 less batch 1), and
+    the backward it serves runs."""
+    held = []
+    for batch in (1, 2):
+        storages: dict[int, int] = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(torch.randn(batch, 3, image_size, image_size, dtype=dtype))
+        out.float().square().mean().backward()
+        held.append(sum(storages.values()))
+    return held[1] - held[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_hybrid_plan_counts_its_resnet_stems_activations():
+    """R50+ViT-B/16's stem keeps ~51 MB per image for backward in bf16 (measured here with a real forward and
+    backward), as much as its 12 encoder blocks, and no checkpointing recomputes it; the plan counted the encoder
+    alone, so a hybrid that does not fit planned as fitting."""
+    vit = model_config("r50_vit_b16")
+    stem = ResNetStem(vit.hybrid_stages, vit.hybrid_width, vit.in_chans).to(torch.bfloat16)
+    measured = _saved_bytes_per_image(stem, vit.image_size, torch.bfloat16)
+    assert measured / 1e6 == pytest.approx(51.0, rel=0.02)
+    assert stem_activation_bytes(vit, "bf16") == pytest.approx(measured, rel=0.001)
+    assert stem_activation_bytes(model_config("vit_b16"), "bf16") == 0.0
+    base = load_profile("a100x8")
+    config = resolve_config(base, "r50_vit_b16_i21k", [], "r50")
+    plan, (hybrid, _), micro = build_plan(base, config), _model_size(config), config.data.micro_batch_size
+    encoder = functools.partial(vit_activation_bytes, hybrid, "bf16", dropout=hybrid.dropout)
+    assert plan.memory.activation_mb_per_image == pytest.approx((encoder() + measured) / 1e6, rel=0.001)
+    with_it = (encoder(activation_checkpointing=True) + measured) * micro / 1e9  # checkpointing keeps the stem's
+    assert plan.memory.activations_gb_checkpointed == pytest.approx(with_it, rel=0.001)
+    # On 40 GB A100s at micro-batch 512 the encoder alone left room (35 GB); with the stem it needs 62 GB
+    a40 = dataclasses.replace(base, hardware=dataclasses.replace(base.hardware, gpu_memory_gb=40))
+    with pytest.raises(PlanError, match="does not fit"):
+        build_plan(a40, resolve_config(a40, "r50_vit_b16_i21k", ["data.micro_batch_size=512"], "r50"))
+
+
+@pytest.mark.timeout(120)
+def test_too_few_shards_per_stream_is_not_fixed_by_fewer_loader_workers():
+    """The order deals the shards to data.streams streams whatever the loader workers (docs/elastic.md, "Data order"):
+    2067 shards over 512 streams are 4 per stream at any data.num_workers. Before, the plan counted shards per
+    (rank x worker) and advised lowering data.num_workers, which silenced the warning and changed no stream."""
+    profile = load_profile("a100x64")
+    for workers in (8, 4, 1):
+        sets = ["data.epoch_images=6200000", f"data.num_workers={workers}"]
+        plan = build_plan(profile, resolve_config(profile, "vit_h14_i21k", sets, "r"))
+        assert plan.data.shards_per_stream == pytest.approx(2067 / 512)
+        (warning,) = [w for w in plan.data.warnings if "shards per stream" in w]
+        assert "data.num_workers" not in warning and "data.streams" in warning and "re-shard" in warning
+    more_streams = build_plan(profile, resolve_config(profile, "vit_h14_i21k", ["data.streams=256"], "r"))
+    assert more_streams.data.shards_per_stream == pytest.approx(4134 / 256) and more_streams.data.warnings == ()
+
+
+@pytest.mark.timeout(120)
+def test_the_checkpointing_advice_names_a_micro_batch_every_elastic_world_size_keeps():
+    """An elastic group of 7..8 A100s: the advice to drop checkpointing at a smaller micro-batch picked 112, a divisor
+    of 896 images per rank at world size 8 but not of 1024 at 7, and the plan then refused its own advice."""
+    base = load_profile("a100x8")
+    profile = dataclasses.replace(
+        base,
+        workers=dataclasses.replace(base.workers, num_workers=None, min=7, max=8),
+        hardware=dataclasses.replace(base.hardware, gpu_memory_gb=60),
+    )
+    sets = ["data.global_batch_size=7168", "data.streams=56", "data.micro_batch_size=128"]
+    sets += ["model.grad_checkpointing=true"]
+    advice = build_plan(profile, resolve_config(profile, "vit_h14_i21k", sets, "r")).memory.checkpointing_advice
+    assert "--set model.grad_checkpointing=false --set data.micro_batch_size=64:" in advice
+    assert "micro-batch 64 x accumulation 14 fits without it" in advice  # at world size 8
+    taken = sets + ["model.grad_checkpointing=false", "data.micro_batch_size=64"]
+    assert build_plan(profile, resolve_config(profile, "vit_h14_i21k", taken, "r")).memory.total_gb < 60
