@@ -283,13 +283,14 @@ MAX_PARAM_VALUE_LENGTH = 6000
 MAX_KEY_LENGTH = 250
 
 
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"optim": {"lr": 1e-3}} -> {"optim.lr": "0.001"}``; long values truncated, a too-long key ``ValueError``."""
+def flatten_config(config: Mapping[str, Any], prefix: str = "", *, long_keys: bool = False) -> dict[str, str]:
+    """``{"optim": {"lr": 1e-3}} -> {"optim.lr": "0.001"}``; long values truncated, a too-long key ``ValueError``
+    unless ``long_keys`` (kept: a Tracker skips it with a warning)."""
     flat: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
-            flat.update(flatten_config(value, prefix=f"{name}."))
+            flat.update(flatten_config(value, prefix=f"{name}.", long_keys=long_keys))
             continue
         if isinstance(value, (list, tuple)):
             text = json.dumps(list(value), default=str)
@@ -297,7 +298,7 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
             text = "{}"
         else:
             text = str(value)
-        if len(name) > MAX_KEY_LENGTH:
+        if len(name) > MAX_KEY_LENGTH and not long_keys:
             raise ValueError(f"config key {name!r} is longer than MLflow's {MAX_KEY_LENGTH}-character limit")
         if len(text) > MAX_PARAM_VALUE_LENGTH:
             marker = f"...[truncated, {len(text)} chars]"

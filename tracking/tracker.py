@@ -135,7 +135,9 @@ class Tracker:
         self._run_steps: dict[str, range | set[int]] = {}  # the steps of once-per-step keys the run held
         self._exact_steps = False  # a spool's records: look each step up, they may come after later steps
         self._said_skipping = False
+        self._said_infinite: set[str] = set()  # keys logged +-inf, warned about once
         self._names: dict[str, bool] = {}  # name -> whether MLflow takes it (`_takes`)
+        self._rejections: set[str] = set()  # `_send_batch`'s warnings, each given once
         self._said_pending = False
         self._buffer_lock = threading.Lock()
         # Guarded by _send_lock: one sender at a time (the thread or flush()).
@@ -160,7 +162,8 @@ class Tracker:
             import mlflow  # noqa: F401
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Buffer ``metrics`` at ``step``; a non-numeric value is skipped with a warning."""
+        """Buffer ``metrics`` at ``step``; a non-numeric value is skipped with a warning. +-inf is logged as NaN, with
+        one warning per key: MLflow's SQL stores keep it as +-1.8e308, a finite number to every reader."""
         if not self.enabled:
             return
         now_ms = int(time.time() * 1000)
@@ -171,6 +174,11 @@ class Tracker:
                 except (TypeError, ValueError):
                     self._warn(f"metric {key!r} has non-numeric value {value!r}; skipped", force=True)
                     continue
+                if math.isinf(number):
+                    if key not in self._said_infinite:
+                        self._said_infinite.add(key)
+                        self._warn(f"metric {key!r} is {number} at step {step}: logged as NaN", force=True)
+                    number = math.nan
                 if len(self._metrics) >= self.max_buffered:
                     self._metrics.popleft()
                     self._dropped += 1
@@ -184,10 +192,10 @@ class Tracker:
             self._once_prefixes = tuple(dict.fromkeys((*self._once_prefixes, *prefixes)))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """Flattened like `flatten_config`."""
+        """Flattened like `flatten_config`; a key MLflow refuses (e.g. too long) is skipped with a warning."""
         if not self.enabled:
             return
-        flat = flatten_config(params)
+        flat = flatten_config(params, long_keys=True)
         with self._buffer_lock:
             self._params.update(flat)
         self._kick()
@@ -495,10 +503,10 @@ class Tracker:
         except MlflowException as error:
             if error.error_code not in _PERMANENT_ERROR_CODES:
                 raise
-            self._warn(
-                f"MLflow rejected {what} for run {self.run_id} ({error.error_code}): {error.message}; dropped",
-                force=True,
-            )
+            message = f"MLflow rejected {what} for run {self.run_id} ({error.error_code}): {error.message}; dropped"
+            if message not in self._rejections:  # a run deleted while training refuses every send alike
+                self._rejections.add(message)
+                self._warn(f"{message} (the same rejection again: without a warning)", force=True)
 
     def _takes(self, name: str, what: str) -> bool:
         """Whether MLflow takes ``name``: one it refuses fails the whole batch, so it is skipped, with one warning."""

@@ -450,6 +450,23 @@ def test_rejected_param_is_dropped_and_the_rest_still_arrives(store, caplog):
     assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(7, 1.5)]
 
 
+def test_a_run_deleted_while_it_trains_is_one_warning_not_one_a_second(store, caplog):
+    """Deleted in the UI while training ran, the run refused each send, and each refusal was a forced warning: one
+    line a second (the sender's pace) in the job's log for the rest of training. The same refusal warns once."""
+    uri, _ = store
+    run_id = create_run(uri, "deleted-while-training", "r", {}, {})
+    tracker = Tracker(uri, run_id, rank=0)
+    tracker.log_metrics({keys.LOSS: 1.0}, step=1)
+    assert tracker.flush()
+    _client(uri).delete_run(run_id)
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        for step in range(2, 7):
+            tracker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
+            assert tracker.flush()  # rejected for good: dropped, not retried
+    tracker.close()
+    assert caplog.text.count("must be in the 'active' state") == 1, caplog.text
+
+
 def test_a_name_mlflow_refuses_is_skipped_and_the_rest_of_its_batch_arrives(store, caplog):
     """MLflow refuses a whole batch (up to 1000 metrics, 100 params or tags) for one name it does not take: a dataset
     named "a+b" dropped train/loss at every step sent with it. Such a name is skipped, with one warning naming it."""
@@ -471,6 +488,41 @@ def test_a_name_mlflow_refuses_is_skipped_and_the_rest_of_its_batch_arrives(stor
     for name in [*bad, "eval.a+b", "vitscale.a+b"]:
         assert caplog.text.count(f"named {name!r}") == 1, caplog.text
     assert "rejected" not in caplog.text, caplog.text
+
+
+def test_a_param_key_longer_than_mlflow_takes_is_skipped_not_raised_into_training(store, caplog):
+    """Tracker.log_params raised flatten_config's ValueError for a key over MLflow's 250 characters, into the loop
+    that called it; such a key is skipped with one warning, as a name MLflow refuses is, and the rest arrives."""
+    uri, _ = store
+    run_id = create_run(uri, "long-param", "r", {}, {})
+    tracker = Tracker(uri, run_id, rank=0)
+    long = "k" * 251
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        tracker.log_params({"model": {"name": "vit"}, long: 1})
+        tracker.log_params({long: 2})
+        assert tracker.flush()
+    tracker.close()
+    assert _client(uri).get_run(run_id).data.params == {"model.name": "vit"}
+    assert caplog.text.count(f"named {long!r}") == 1, caplog.text
+
+
+def test_an_infinite_metric_reaches_mlflow_as_nan_not_as_the_largest_float(store, caplog):
+    """MLflow's SQL stores keep +-inf as +-1.8e308, a finite number to every reader: `make compare` showed a final
+    loss of 1.798e+308, and an infinite goodput bucket stopped it with matplotlib's traceback. It is logged as NaN,
+    which readers skip, with one warning per key."""
+    uri, _ = store
+    run_id = create_run(uri, "infinite", "r", {}, {})
+    tracker = Tracker(uri, run_id, rank=0)
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        for step in (1, 2, 3):
+            tracker.log_metrics({keys.LOSS: 2.0 if step == 1 else float("inf"), keys.GRAD_NORM: -float("inf")}, step)
+        assert tracker.flush()
+    tracker.close()
+    client = _client(uri)
+    losses = [m.value for m in client.get_metric_history(run_id, keys.LOSS)]
+    assert losses[0] == 2.0 and len(losses) == 3 and all(v != v for v in losses[1:]), losses
+    assert all(m.value != m.value for m in client.get_metric_history(run_id, keys.GRAD_NORM))
+    assert caplog.text.count(repr(keys.LOSS)) == 1 and caplog.text.count(repr(keys.GRAD_NORM)) == 1, caplog.text
 
 
 def test_an_upload_ending_after_close_spooled_it_is_no_failure(store, tmp_path, monkeypatch, caplog):
