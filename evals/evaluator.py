@@ -60,3 +60,4 @@ class EvalContext:
     device: str = "cpu"
     log: Callable[[str], None] = print
     feature_cache: dict = field(default_factory=dict)
+    entry: str = ""  # the suite entry's (unique) name; "": its type's. Outputs of a non-default entry carry it.

@@ -84,17 +84,25 @@ def attention_rollout(attentions: Sequence, residual: bool = True) -> torch.Tens
         raise ValueError("attention_rollout needs at least one layer of attention weights")
     rollout = None
     for attn in attentions:
-        a = torch.as_tensor(attn).detach().to(torch.float64).mean(dim=1)  # (B, T, T)
-        if residual:
-            a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-        a = a / a.sum(dim=-1, keepdim=True)
-        rollout = a if rollout is None else a @ rollout
+        rollout = _rollout_step(rollout, attn, residual)
     return rollout
+
+
+def _rollout_step(rollout: torch.Tensor | None, attn, residual: bool = True) -> torch.Tensor:
+    """The rollout through one more layer of attention ``(B, heads, T, T)``."""
+    a = torch.as_tensor(attn).detach().to(torch.float64).mean(dim=1)  # (B, T, T)
+    if residual:
+        a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    a = a / a.sum(dim=-1, keepdim=True)
+    return a if rollout is None else a @ rollout
 
 
 def rollout_maps(attentions: Sequence, grid: tuple[int, int], num_prefix_tokens: int = 1) -> np.ndarray:
     """Class-token rollout (``pool="gap"``: the mean row) over the patch grid → ``(B, gh, gw)``, each summing to 1."""
-    rollout = attention_rollout(attentions)  # (B, T, T)
+    return _rollout_map(attention_rollout(attentions), grid, num_prefix_tokens)
+
+
+def _rollout_map(rollout: torch.Tensor, grid: tuple[int, int], num_prefix_tokens: int) -> np.ndarray:
     r = rollout[:, 0, num_prefix_tokens:] if num_prefix_tokens else rollout.mean(dim=1)  # (B, N)
     if r.shape[-1] != grid[0] * grid[1]:
         raise ValueError(f"rollout has {r.shape[-1]} patch tokens, grid {grid} needs {grid[0] * grid[1]}")
@@ -274,28 +282,38 @@ def _grid_of(num_patches: int, height: int, width: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def run_inspection(
-    model, images: torch.Tensor, out_dir: Path, config: InspectConfig = InspectConfig(), label: str = ""
+    model,
+    images: torch.Tensor,
+    out_dir: Path,
+    config: InspectConfig = InspectConfig(),
+    label: str = "",
+    prefix: str = "inspect",
 ) -> tuple[dict[str, float], list[Path]]:
-    """Every analysis on ``images`` (B, 3, H, W) in [-1, 1] → (``inspect/...`` metrics, PNGs in ``out_dir``)."""
+    """Every analysis on ``images`` (B, 3, H, W) in [-1, 1] → (``<prefix>/...`` metrics, PNGs in ``out_dir``)."""
     out_dir = Path(out_dir)
     height, width = images.shape[-2:]
     num_prefix = model.num_prefix_tokens  # 1 with a class token, 0 for pool="gap"
     n = min(config.num_rollout_images, images.shape[0])
-    sums, maps, grid = None, [], None
+    sums, maps, grid, dist, keep, product = None, [], None, None, 0, None
+
+    def reduce(layer: int, weights: torch.Tensor) -> np.ndarray:  # (b, heads, T, T) → (heads,), rollout of ``keep``
+        nonlocal grid, dist, product
+        if grid is None:
+            grid = _grid_of(weights.shape[-1] - num_prefix, height, width)
+            dist = patch_distances(grid, height / grid[0])
+        if keep:
+            product = _rollout_step(product, weights[:keep].float().cpu())  # the rollout so far
+        return _attention_distance_sum(weights, dist, grid, num_prefix, layer)
+
     was_training = model.training
     model.eval()
-    try:  # one batch's attention at a time: all of it would be ~65 GB for ViT-L/16 at 384px on 128 images
+    try:  # one layer of one batch's attention at a time: a batch's every layer is ~16 GB for ViT-L/16 at 384px
         for start in range(0, images.shape[0], config.batch_size):
-            weights = model.forward_attention(images[start : start + config.batch_size])  # per layer (b, heads, T, T)
-            if grid is None:
-                grid = _grid_of(weights[0].shape[-1] - num_prefix, height, width)
-                cell = height / grid[0]
-                dist = patch_distances(grid, cell)
-            batch = [_attention_distance_sum(w, dist, grid, num_prefix, i) for i, w in enumerate(weights)]
+            keep, product = max(0, n - start), None  # the batch's images in the rollout figure
+            batch = model.forward_attention(images[start : start + config.batch_size], reduce=reduce)
             sums = np.stack(batch) if sums is None else sums + np.stack(batch)
-            if start < n:
-                maps.append(rollout_maps([w[: n - start].float().cpu() for w in weights], grid, num_prefix))
-            del weights, batch
+            if keep:
+                maps.append(_rollout_map(product, grid, num_prefix))
     finally:
         model.train(was_training)
 
@@ -305,9 +323,9 @@ def run_inspection(
 
     distances = sums / (images.shape[0] * dist.shape[0])  # (L, H)
     for i, row in enumerate(distances):
-        metrics[f"inspect/mean_attention_distance/layer_{i + 1}"] = float(row.mean())
-    metrics["inspect/mean_attention_distance/min_head"] = float(distances.min())
-    metrics["inspect/mean_attention_distance/max_head"] = float(distances.max())
+        metrics[f"{prefix}/mean_attention_distance/layer_{i + 1}"] = float(row.mean())
+    metrics[f"{prefix}/mean_attention_distance/min_head"] = float(distances.min())
+    metrics[f"{prefix}/mean_attention_distance/max_head"] = float(distances.max())
     uniform, title = float(dist.mean()), f"{name}: mean attention distance"
     figures.append(
         plot_attention_distance(distances, height, out_dir / "attention_distance.png", title, uniform=uniform)
@@ -317,14 +335,14 @@ def run_inspection(
     pos = model.pos_embed.detach().float().cpu()  # (1, P+N, D), P prefix tokens
     pos_grid = _grid_of(pos.reshape(-1, pos.shape[-1]).shape[0] - num_prefix, height, width)
     sim = position_similarity(pos, pos_grid, num_prefix)
-    metrics["inspect/pos_embed_similarity/neighbour"] = _neighbour_similarity(sim)
+    metrics[f"{prefix}/pos_embed_similarity/neighbour"] = _neighbour_similarity(sim)
     figures.append(
         plot_position_similarity(sim, out_dir / "position_embedding_similarity.png", f"{name}: position embedding")
     )
 
     if getattr(model.config, "hybrid_stages", None) is None:  # a hybrid's 1x1 patches see features, not pixels
         components, ratio = embedding_filter_components(model.patch_embed.proj.weight, config.num_components)
-        metrics["inspect/embedding_filters/explained_variance"] = float(ratio.sum())
+        metrics[f"{prefix}/embedding_filters/explained_variance"] = float(ratio.sum())
         figures.append(plot_embedding_filters(components, out_dir / "embedding_filters.png"))
 
     rollout = out_dir / "attention_rollout.png"
@@ -341,13 +359,15 @@ def _neighbour_similarity(sim: np.ndarray) -> float:
 
 
 def evaluate(ctx, config: InspectConfig) -> EvalOutput:
-    """Suite entry: the figures and ``attention_distance.npy`` in ``<ctx.out_dir>/inspect/``, the scalars as rows."""
+    """Suite entry: the figures and ``attention_distance.npy`` in ``<ctx.out_dir>/<entry>/``, the scalars as rows
+    ``<entry>/...``; the entry is ``inspect`` unless it is named (or repeats in its suite)."""
     split = resolve_split(ctx.data_root, config.dataset, config.split)
     images, _, _ = load_images(split, image_size=ctx.model.config.image_size, limit=config.num_images)  # no crop
     images = images.to(ctx.device)
     label = f"step {ctx.step}" if ctx.step is not None else ""
-    out_dir = Path(ctx.out_dir) / "inspect"
-    metrics, figures = run_inspection(ctx.model, images, out_dir, config, label=label)
-    ctx.log(f"inspect: {len(figures)} figures from {images.shape[0]} {config.dataset}/{config.split} images")
+    entry = ctx.entry or "inspect"
+    out_dir = Path(ctx.out_dir) / entry
+    metrics, figures = run_inspection(ctx.model, images, out_dir, config, label=label, prefix=entry)
+    ctx.log(f"{entry}: {len(figures)} figures from {images.shape[0]} {config.dataset}/{config.split} images")
     rows = [ResultRow("inspect", config.dataset, key, value, count=images.shape[0]) for key, value in metrics.items()]
     return EvalOutput(rows=rows, artifacts=[*figures, out_dir / "attention_distance.npy"])

@@ -286,11 +286,11 @@ def _check_options(random_init_seed: int | None, mlflow_run_id: str | None, num_
 
 
 def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
-    """Rows (named after their entry) and artifacts of every entry."""
+    """Rows (named after their entry) and ``(artifact, folder under evals/step_N/)`` of every entry."""
     rows, artifacts, logged = [], [], set()
     for spec in config.evaluators:
         t0 = time.perf_counter()
-        produced = EVALUATORS[spec.type].evaluate(ctx, spec.options)
+        produced = EVALUATORS[spec.type].evaluate(replace(ctx, entry=spec.name), spec.options)
         entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
         keys = set(mlflow_metrics(entry_rows))
         clash = sorted(keys & logged)
@@ -301,7 +301,7 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
             )
         logged |= keys
         rows += entry_rows
-        artifacts += produced.artifacts
+        artifacts += [(a, "" if spec.name == spec.type else spec.name) for a in produced.artifacts]  # files apart
         log(f"evals: {spec.name} done in {time.perf_counter() - t0:.1f}s")
     return rows, artifacts
 
@@ -319,8 +319,8 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
     tracker = Tracker(uri, run_id, rank=0, record=record if named else None)
     try:
         tracker.log_metrics(metrics, step=step)
-        for artifact in [table_path, *artifacts]:
-            tracker.log_artifact(artifact, f"evals/step_{step:08d}")
+        for artifact, folder in [(table_path, ""), *artifacts]:
+            tracker.log_artifact(artifact, f"evals/step_{step:08d}/{folder}".rstrip("/"))
         tracker.flush()
     finally:
         tracker.close()  # a run not created yet, or one its record names: what is left waits in the spool

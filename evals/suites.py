@@ -69,6 +69,12 @@ def suite_path(name_or_path: str | Path) -> Path:
     raise ValueError(f"unknown eval suite {str(name_or_path)!r}; known suites in {SUITES_DIR}: {known}")
 
 
+def _check_name(name: str, setting: str, names: str) -> None:
+    """A name that becomes a file or folder name: one path component."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"{setting} {name!r} must be a non-empty name without '/' (it names {names})")
+
+
 def load_suite(name_or_path: str | Path) -> SuiteConfig:
     """Read and check a suite; ValueError naming the fix."""
     path = suite_path(name_or_path)
@@ -84,7 +90,8 @@ def load_suite(name_or_path: str | Path) -> SuiteConfig:
     for key in ("name", "description"):
         if key in raw and not isinstance(raw[key], str):
             raise ValueError(f"{path}: {key} must be a string, got {raw[key]!r}")
-    specs = []
+    _check_name(raw.get("name", path.stem), f"{path}: name", "the table <name>.parquet")  # before any work
+    specs, names = [], set()
     for i, entry in enumerate(raw["evaluators"]):
         if not isinstance(entry, dict) or "type" not in entry:
             raise ValueError(f"{path}: evaluators[{i}] needs a 'type' (one of {sorted(EVALUATORS)})")
@@ -94,5 +101,13 @@ def load_suite(name_or_path: str | Path) -> SuiteConfig:
         parsed = typed_yaml.build(
             EVALUATORS[entry["type"]].options, options, f"{path} ({entry['type']})", f"evaluators[{i}]."
         )
-        specs.append(EvaluatorSpec(type=entry["type"], name=str(entry.get("name", entry["type"])), options=parsed))
+        name = str(entry.get("name", entry["type"]))
+        _check_name(name, f"{path}: evaluators[{i}].name", "the entry's rows, an inspect entry's folder and metrics")
+        # A repeat (two suites merged into one run: both entries named after their type) gets a suffix, so that each
+        # entry keeps its own figures and metric keys.
+        unique, k = name, 2
+        while unique in names:
+            unique, k = f"{name}_{k}", k + 1
+        names.add(unique)
+        specs.append(EvaluatorSpec(type=entry["type"], name=unique, options=parsed))
     return SuiteConfig(name=raw.get("name", path.stem), evaluators=tuple(specs), description=raw.get("description", ""))

@@ -369,15 +369,18 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(images))
 
     @torch.no_grad()
-    def forward_attention(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the softmax weights (B, heads, T, T): T = N+1 with the class token at index 0, N with gap."""
+    def forward_attention(self, images: torch.Tensor, reduce=None) -> list:
+        """Per layer, the softmax weights (B, heads, T, T): T = N+1 with the class token at index 0, N with gap. With
+        ``reduce``, ``reduce(layer, weights)`` instead, each layer's weights freed before the next layer runs: all of
+        them at once are ~16 GB for ViT-L/16 at 384 px on 32 images."""
         x = self._embed_tokens(self.embed_patches(images))
-        weights = []
-        for block in self.blocks:
+        out = []
+        for layer, block in enumerate(self.blocks):
             assert isinstance(block, Block)
             x, w = block.forward_with_weights(x)
-            weights.append(w)
-        return weights
+            out.append(w if reduce is None else reduce(layer, w))
+            del w
+        return out
 
     def _embed_tokens(self, patch_tokens: torch.Tensor) -> torch.Tensor:
         B, N, D = patch_tokens.shape

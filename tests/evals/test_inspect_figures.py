@@ -130,13 +130,13 @@ def test_run_inspection_holds_one_batch_of_attention_at_a_time(tmp_path):
     tokens = model.pos_embed.shape[1]
     forward, alive = model.forward_attention, []
 
-    def forward_attention(batch):
+    def forward_attention(batch, **reduction):
         gc.collect()
         with warnings.catch_warnings():  # isinstance reads every object's __class__, deprecated ones' too
             warnings.simplefilter("ignore")
             maps = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.shape[-2:] == (tokens, tokens)]
         alive.append(sum(t.numel() for t in maps))
-        return forward(batch)
+        return forward(batch, **reduction)
 
     model.forward_attention = forward_attention
     insp.run_inspection(model, images, tmp_path, config)

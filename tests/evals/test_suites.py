@@ -135,3 +135,18 @@ def test_register_evaluator_is_a_plug_in(monkeypatch, tmp_path):
     path.write_text("evaluators:\n  - type: constant\n    value: three\n")
     with pytest.raises(ValueError, match=r"evaluators\[0\]\.value must be a number, got .three."):
         load_suite(path)
+
+
+def test_a_suite_name_that_is_no_file_name_is_refused_before_any_work(tmp_path, capsys):
+    """The table is <out>/<suite name>.parquet, written once every entry has run: `name: lab/inspect` failed then,
+    after all the work (hours for vtab1k)."""
+    from evals.run import main
+
+    bad = tmp_path / "bad.yaml"
+    for name in ("lab/inspect", "..", '""'):
+        bad.write_text(f"name: {name}\nevaluators: [{{type: inspect}}]\n")
+        with pytest.raises(ValueError, match=r"bad\.yaml: name .* must be a non-empty name without '/'"):
+            load_suite(bad)
+    assert main(["--checkpoint", str(tmp_path), "--suite", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "name '' must be a non-empty name" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
