@@ -346,7 +346,8 @@ UNIVERSAL_DIR = "universal"  # <checkpoint>/universal/<tag>/: engine state for a
 
 
 def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None:
-    """Collective: the universal checkpoint to load, or None (docs/elastic.md, "Checkpoints at another world size")."""
+    """Collective: the universal checkpoint to load, or None (docs/elastic.md, "Checkpoints at another world size");
+    ValueError on every rank if rank 0 cannot convert it."""
     if start.kind not in ("run", "resume_from"):
         return None
     state = TrainerState.read(start.folder)
@@ -356,22 +357,41 @@ def prepare_resume(start: StartPoint, world_size: int, rank: int) -> Path | None
     if not any(engine_dir.glob("*optim_states.pt")):
         return None
     target = start.folder / UNIVERSAL_DIR
+    problem = None
     if rank == 0 and not target.is_dir():
-        check_weights_only(engine_dir)  # the converter unpickles unguarded
-        started = time.perf_counter()
-        staging = target.with_name(UNIVERSAL_DIR + run_folder.STAGING_SUFFIX)
-        shutil.rmtree(staging, ignore_errors=True)
-        _to_universal(engine_dir, staging / state.deepspeed_tag)
-        staging.rename(target)
-        size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
-        print(
-            f"converted {start.folder.name} (world size {state.world_size}) to a universal checkpoint for world size "
-            f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB",
-            flush=True,
-        )
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            _convert(start.folder, engine_dir, target, state, world_size)
+        except ValueError as error:  # the others wait in `_gather`: a raise here would leave them to the timeout
+            problem = str(error)
+    problems = [p for p in _gather(problem) if p is not None]
+    if problems:
+        raise ValueError(problems[0])
     return target
+
+
+def _convert(folder: Path, engine_dir: Path, target: Path, state: TrainerState, world_size: int) -> None:
+    """Rank 0: ``engine_dir`` as a universal checkpoint at ``target``; ValueError if it cannot be read or converted."""
+    check_weights_only(engine_dir)  # the converter unpickles unguarded
+    started = time.perf_counter()
+    staging = target.with_name(UNIVERSAL_DIR + run_folder.STAGING_SUFFIX)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _to_universal(engine_dir, staging / state.deepspeed_tag)
+    except Exception as error:  # e.g. a partition file missing from a checkpoint without checksums.json
+        shutil.rmtree(staging, ignore_errors=True)
+        cause = " ".join(f"{type(error).__name__}: {error}".split())
+        raise ValueError(
+            f"{engine_dir} cannot be converted for world size {world_size} ({cause}): resume it at the world size "
+            f"that saved it ({state.world_size}), or resume from another checkpoint (checkpoint.resume_from, "
+            "`python -m pretrain.checkpoint verify <run folder>` lists them)"
+        ) from error
+    staging.rename(target)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    print(
+        f"converted {folder.name} (world size {state.world_size}) to a universal checkpoint for world size "
+        f"{world_size}: {time.perf_counter() - started:.1f} s, {size / 1e6:.1f} MB",
+        flush=True,
+    )
 
 
 def _to_universal(engine_dir: Path, output: Path) -> None:
@@ -477,11 +497,14 @@ def resume(
     if rank == 0:
         print(f"resumed from {start.folder} at step {state.step} ({start.kind})", flush=True)
         if state.world_size != world_size:
-            before = batch_plan(config.data, state.world_size).grad_accum_steps
+            # the saved run's micro-batch: the one in force now may not split the batch at the old world size
+            saved = _saved_setting(start.folder, "data", "micro_batch_size")
+            per_step, G = state.world_size * saved if isinstance(saved, int) else 0, config.data.global_batch_size
+            before = f"{G // per_step} -> " if per_step > 0 and G % per_step == 0 else ""
             after = batch_plan(config.data, world_size).grad_accum_steps
             print(
                 f"resuming step {state.step} at world size {world_size} (was {state.world_size}): accumulation "
-                f"{before} -> {after}, global batch {config.data.global_batch_size}",
+                f"{before}{after}, global batch {config.data.global_batch_size}",
                 flush=True,
             )
         _warn_config_changes(start.folder, config)

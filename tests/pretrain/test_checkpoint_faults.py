@@ -29,7 +29,8 @@ from pretrain import checkpointer as ckpt
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message, folder_bytes
 from pretrain.config.train_config import load_config
-from tests.pretrain.test_train_distributed import _run, shared_torchrun, tiny_config, torchrun
+from tests.pretrain.test_train_distributed import _env, _run, shared_torchrun, tiny_config, torchrun
+from tests.support import warm_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTRA = ("deepspeed.zero_stage=2", "model.dropout=0.1", "checkpoint.every_steps=2", "checkpoint.keep_last=4")
@@ -344,3 +345,50 @@ def test_a_full_disk_keeps_the_earlier_checkpoints_and_stops_with_one_message(
     # Resumed with room to spare, it continues exactly where the uninterrupted run was.
     resumed = torchrun(tiny_config(tiny_fractal_shards, snapshot, *EXTRA), tmp_path / "r")
     _assert_continues(resumed, whole, start=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_damaged_checkpoint_at_another_world_size_stops_every_rank_with_one_line(
+    uninterrupted, tiny_fractal_shards, tmp_path
+):
+    """A checkpoint without checksums.json (written before checkpoints recorded them) whose optimizer file is cut
+    short, or missing, resumed at another world size: rank 0 finds the damage while converting it, and every rank
+    stops with the same line. The others waited in a barrier for rank 0: they died of its exit with gloo's
+    "Connection closed by peer" (a traceback), and on NCCL, or under Ray Train where a failed worker's process lives
+    on, they waited for the collective timeout (30 minutes)."""
+    run, _ = uninterrupted
+    old = _copy_run(run, tmp_path / "old", drop=(6, 8))
+    for step in (2, 4):
+        (run_folder.checkpoint_dir(old, step) / run_folder.CHECKSUMS).unlink()
+    work = tmp_path / "w"
+    work.mkdir()
+    tiny_config(tiny_fractal_shards, old, *EXTRA).save(work / "config.yaml")
+
+    def errors_at_world_size_4() -> list[str]:
+        log = work / "output.log"
+        log.write_text("")
+        status = warm_ranks.launch("pretrain.train", ["--config", str(work / "config.yaml")], 4, _env(), log, 240)
+        printed = log.read_text()
+        assert status == 1 and "Traceback" not in printed, printed[-4000:]
+        return [line for line in printed.splitlines() if line.startswith("python -m pretrain.train: error: ")]
+
+    step4 = run_folder.checkpoint_dir(old, 4)
+    cut = step4 / OPTIM_FILE.replace("08", "04")
+    with open(cut, "r+b") as f:
+        f.truncate(cut.stat().st_size // 2)
+    lines = errors_at_world_size_4()
+    assert len(lines) == 4 and len(set(lines)) == 1, lines
+    assert lines[0].startswith(f"python -m pretrain.train: error: {cut} cannot be loaded (")
+    assert not (step4 / "universal").exists()
+    # A partition file missing: the converter's own error, as one line naming the checkpoint and the way on.
+    shutil.rmtree(step4)
+    step2 = run_folder.checkpoint_dir(old, 2)
+    (step2 / "deepspeed/step_00000002/zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    lines = errors_at_world_size_4()
+    assert len(lines) == 4 and len(set(lines)) == 1, lines
+    assert lines[0].startswith(
+        f"python -m pretrain.train: error: {step2}/deepspeed/step_00000002 cannot be converted for world size 4 ("
+    )
+    assert "resume it at the world size that saved it (2)" in lines[0]
+    assert sorted(p.name for p in step2.iterdir() if p.name.startswith("universal")) == []

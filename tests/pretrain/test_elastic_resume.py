@@ -98,3 +98,17 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loadin
     assert "world size 3 does not divide data.streams=4" in result.stderr and "[1, 2, 4]" in result.stderr
     assert not (checkpoint / "universal").exists()
     shutil.rmtree(tmp_path / "other", ignore_errors=True)
+
+
+def test_a_resume_at_another_world_size_and_micro_batch_starts(tiny_fractal_shards, tmp_path, shared_folder):
+    """A world-size-2 checkpoint (micro-batch 4, accumulation 2) resumed at world size 1 with micro-batch 16
+    (accumulation 1), a valid split of the same global batch: rank 0's line on the resize computed the old
+    accumulation with the new micro-batch (16 x 2 does not divide 16) and stopped the run with "not divisible by world
+    size 2" after the engine loaded (with more ranks, the others went on without it)."""
+    run, _ = reference_run(shared_folder, tiny_fractal_shards, stage=2)
+    checkpoint = shutil.copytree(Path(run) / "checkpoints" / "step_00000008", tmp_path / "step_00000008")
+    sets = (f"checkpoint.resume_from={checkpoint}", "schedule.total=9", "data.micro_batch_size=16")
+    resumed = torchrun(tiny_config(tiny_fractal_shards, tmp_path / "run", *sets), tmp_path / "w", nproc=1)
+    assert resumed[0]["start_step"] == 8 and resumed[0]["steps"] == 9
+    printed = (tmp_path / "w" / "output.log").read_text()
+    assert "resuming step 8 at world size 1 (was 2): accumulation 2 -> 1, global batch 16" in printed, printed[-3000:]
