@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from cluster.driver.job import JobSpec, job_runtime_env
+from cluster.jobs import JOB_METADATA
 from cluster.network import EFA_DEVICES, efa_interfaces
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import (
@@ -40,12 +41,15 @@ DOCKERFILE = PROJECT_ROOT / "Dockerfile"
 IMAGE = f"registry.example.com/vitscale:ray{RAY_VERSION}"  # placeholder: where you push ./Dockerfile's image
 IMAGE_CODE_DIR = "/home/ray/vitscale"  # the Dockerfile's WORKDIR: the code a KubeRay job runs
 SHARED_FS = "/fsx"  # the checkpoint root's mount on every node (FSx for Lustre / a PVC)
+ROOT_DEVICE, ROOT_GB = "/dev/sda1", 500  # an Ubuntu AMI's root device, and the training nodes' root disk (the image)
+IMDS = "http://169.254.169.254/latest"  # EC2's instance metadata, from the host
 REGION, ZONE = "us-east-1", "us-east-1a"
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # `ray get-auth-token --generate` writes it, `ray start` reads it
 TOKEN_SECRET = "vitscale-ray-token"  # KubeRay: the secret holding the token, under the key KubeRay reads
 TOKEN_KEY = "auth_token"
 # The KubeRay operator polls the head's Jobs API for the job's state: with the token it reads from authOptions (KubeRay
 # 1.6+), from its own namespace, whose pods both install routes (Helm, kustomize) label so.
+KUBERAY_VERSION = "1.6.0"  # the first with authOptions.secretName
 OPERATOR_LABELS = {"app.kubernetes.io/component": "kuberay-operator"}
 DASHBOARD_PORT = 8265  # Ray's, which the head keeps
 MLFLOW_SECRET = "vitscale-mlflow"  # KubeRay: the optional secret of MLflow's credentials, one key per variable
@@ -200,10 +204,23 @@ def _no_efa(profile: ClusterProfile) -> str:
     )
 
 
+def _root_device_check() -> str:
+    """The host command stopping `ray up` where the AMI's root device is not the one the training nodes' 500 GB go to:
+    EC2 then attaches them as a second, unused volume and the image, logs and spills fill the AMI's small root."""
+    token = f"curl -sf -m 5 -X PUT {IMDS}/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 60'"
+    root = 'curl -sf -m 5 -H "X-aws-ec2-metadata-token: $(' + token + f')" {IMDS}/meta-data/block-device-mapping/root'
+    return (
+        f'root=$({root}); [ -z "$root" ] || [ "$root" = {ROOT_DEVICE} ] || {{ echo "the AMI boots from $root, and '
+        f"cluster.yaml gives {ROOT_DEVICE} (an Ubuntu AMI's root) its {ROOT_GB} GB: render it for an Ubuntu AMI\" "
+        ">&2; false; }"
+    )
+
+
 def _training_node(profile: ClusterProfile, efa: EfaSubnet | None) -> dict:
+    ebs = {"VolumeSize": ROOT_GB, "VolumeType": "gp3"}
     node: dict = {
         "InstanceType": profile.hardware.instance_type,
-        "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 500, "VolumeType": "gp3"}}],
+        "BlockDeviceMappings": [{"DeviceName": ROOT_DEVICE, "Ebs": ebs}],
     }
     if group := placement_group(profile):  # the head trains too
         node["Placement"] = {"GroupName": group}
@@ -261,6 +278,7 @@ def launcher_config(
         "file_mounts": {AUTH_TOKEN_FILE: AUTH_TOKEN_FILE},
         "initialization_commands": [
             *([] if ami else [_no_ami()]),
+            _root_device_check(),
             _mount_fsx(fsx),
             *([_no_efa(profile)] if devices and efa is None else []),
         ],
@@ -365,6 +383,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
         "spec": {
             "entrypoint": "python -m cluster.driver",
             "runtimeEnvYAML": yaml.safe_dump(job_runtime_env(profile, job_spec_json, IMAGE_CODE_DIR), width=10**9),
+            "metadata": dict(JOB_METADATA),  # `ray job submit --metadata-json`: `make status/logs/stop` count the job
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,
             "submitterPodTemplate": _submitter(image),
@@ -430,7 +449,9 @@ def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str,
         f"--run-name renders another run): `kubectl apply -f {path}`, once these exist:",
         f"  {_build_image(image)}  # the job runs the code of this image",
         f"  kubectl create secret generic {TOKEN_SECRET} --from-literal={TOKEN_KEY}=$(uuidgen)",
-        "  the KubeRay operator 1.6 or later (authOptions.secretName)",
+        "  the KubeRay operator 1.6 or later and its CRDs (authOptions.secretName; `helm upgrade` keeps the old "
+        "CRDs, and kubectl refuses this file: unknown field ...authOptions.secretName)",
+        f'  kubectl replace -k "github.com/ray-project/kuberay/ray-operator/config/crd?ref=v{KUBERAY_VERSION}"  # CRDs',
         f"  kubectl create secret generic {MLFLOW_SECRET} --from-literal=MLFLOW_TRACKING_TOKEN=...  # if MLflow "
         "wants credentials (or _USERNAME and _PASSWORD)",
         f"and a PersistentVolumeClaim fsx-claim (FSx for Lustre) in the namespace, mounted at {SHARED_FS}.",

@@ -10,10 +10,12 @@ The second form is for `ray job submit` on a cluster already up (README, "Quick 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
 
+from cluster import local_head
 from cluster.driver.job import PLAN_ENV, JobSpec, run_job
 from cluster.plan.planner import PlanError, build_plan, resolve_run
 from cluster.plan.text import format_plan
@@ -70,19 +72,46 @@ def _main(argv: list[str] | None) -> int:
     import ray
 
     try:
-        ray.init(address=args.address or "auto")
+        address, auth_mode = ray_address(args.address, spec)
     except ConnectionError as error:
-        return fail(
-            PROG,
-            f"no Ray cluster at {args.address or 'auto'} ({error}); the driver runs as a Ray job: start it with "
-            "`python -m cluster.launch` (make launch), or pass --address of a running head",
-        )
-    import psutil  # a Ray dependency
+        return _no_cluster(args.address, error)
+    with local_head.ray_auth_mode(auth_mode) if auth_mode else contextlib.nullcontext():
+        try:
+            ray.init(address=address)
+        except ConnectionError as error:
+            return _no_cluster(args.address, error)
+        import psutil  # a Ray dependency
 
-    try:
-        return run_job(spec, address=args.address, started_at=psutil.Process().create_time())
-    except (KeyboardInterrupt, SystemExit):  # SystemExit: `ray job stop`'s SIGTERM, through `ray.init`'s handler
-        return _interrupted(spec)
+        try:
+            return run_job(spec, address=address, started_at=psutil.Process().create_time())
+        except (KeyboardInterrupt, SystemExit):  # SystemExit: `ray job stop`'s SIGTERM, through `ray.init`'s handler
+            return _interrupted(spec)
+        finally:
+            ray.shutdown()  # in the head's auth mode
+
+
+def _no_cluster(address: str | None, error: ConnectionError) -> int:
+    return fail(
+        PROG,
+        f"no Ray cluster{f' at {address}' if address else ''} ({error}); the driver runs as a Ray job: start it with "
+        "`python -m cluster.launch` (make launch), or pass --address of a running head",
+    )
+
+
+def ray_address(given: str | None, spec: JobSpec) -> tuple[str, str | None]:
+    """(address, auth mode to connect in; None: this process's): --address, else the Ray job's own (RAY_ADDRESS), else
+    on a local profile its running head's GCS in the head's auth mode (by hand: Ray's "auto" takes any Ray running on
+    this machine). ConnectionError where that head is not running."""
+    profile = spec.profile
+    if given or os.environ.get("RAY_ADDRESS") or not profile.is_local:
+        return given or "auto", None
+    head = local_head.read_state(profile)
+    if head is None or not local_head.serves(head, head.dashboard_url):
+        raise ConnectionError(
+            f"no Ray head of this project is running for profile {profile.name} (none recorded in "
+            f"{profile.ray.temp_dir}/{local_head.STATE_FILE}, or it does not answer)"
+        )
+    return head.gcs_address, head.auth_mode
 
 
 def _interrupted(spec: JobSpec) -> int:

@@ -8,6 +8,7 @@ import http.server
 import json
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import yaml
@@ -118,3 +119,136 @@ def test_a_jobs_api_that_refuses_the_upload_is_one_line_not_a_traceback(monkeypa
     else:
         assert "status code 413: 413 Request Entity Too Large" in line and "nginx; a proxy" in line, line
         assert "proxy-body-size" in line, line
+
+
+class _Imds(http.server.BaseHTTPRequestHandler):
+    """EC2's instance metadata service (IMDSv2: a token first) of a node booted from an AMI whose root is `root`."""
+
+    root = "/dev/sda1"
+
+    def do_PUT(self):  # noqa: N802 (http.server's name)
+        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        self._answer(200 if ok else 400, b"tok")
+
+    def do_GET(self):  # noqa: N802
+        ok = self.path == "/latest/meta-data/block-device-mapping/root" and self.headers["X-aws-ec2-metadata-token"]
+        self._answer(200 if ok == "tok" else 401, self.root.encode())
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("root", ["/dev/sda1", "/dev/xvda"])
+def test_ray_up_stops_where_the_amis_root_is_not_the_device_given_500_gb(root):
+    """`--ami-id` takes any AMI, and the training nodes' 500 GB root go to /dev/sda1, an Ubuntu AMI's root device: an
+    AMI booting from /dev/xvda (Amazon Linux, many custom AMIs) keeps its small root, which the image, Ray's logs and
+    spills fill, beside an unused 500 GB volume. The host command before the FSx mount stops `ray up`, saying why."""
+    import subprocess
+
+    config = render.launcher_config(
+        render.load_profile("a100x64"),
+        fsx=FSX,
+        efa=render.efa_subnet("subnet-0123456789abcdef0", "sg-0123456789abcdef0"),
+        ami=render.ami_id(AMI),
+    )
+    for node_type in ("head", "gpu_worker"):
+        (mapping,) = config["available_node_types"][node_type]["node_config"]["BlockDeviceMappings"]
+        assert mapping["DeviceName"] == "/dev/sda1" and mapping["Ebs"]["VolumeSize"] == 500
+    (check,) = [c for c in config["initialization_commands"] if render.IMDS in c]
+    assert (
+        config["initialization_commands"].index(check)
+        < [i for i, c in enumerate(config["initialization_commands"]) if "mount -t lustre" in c][0]
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Imds", (_Imds,), {"root": root}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        command = check.replace(render.IMDS, f"http://127.0.0.1:{server.server_address[1]}/latest")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    if root == "/dev/sda1":
+        assert done.returncode == 0 and not done.stderr, done.stderr
+    else:
+        assert done.returncode != 0
+        assert "the AMI boots from /dev/xvda, and cluster.yaml gives /dev/sda1" in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1
+
+
+def _local_profile(tmp_path) -> Path:
+    """local.yaml with a Ray temp dir and run folders of the test's own."""
+    text = (render.PROJECT_ROOT / "cluster" / "profiles" / "local.yaml").read_text()
+    text = text.replace("{project}/.ray-local", str(tmp_path / "ray")).replace("{project}/runs", str(tmp_path / "runs"))
+    (tmp_path / "ray").mkdir()
+    path = tmp_path / "local_by_hand.yaml"
+    path.write_text(text.replace("name: local\n", "name: local_by_hand\n"))
+    return path
+
+
+class _Dashboard(http.server.BaseHTTPRequestHandler):
+    """A Ray head's dashboard: /api/version names its session."""
+
+    session = ""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = json.dumps({"version": "4", "ray_version": "2.60.0", "session_name": self.session}).encode()
+        self.send_response(200 if self.path == "/api/version" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_the_driver_run_by_hand_joins_the_profiles_local_head_not_any_ray(tmp_path, monkeypatch, capsys):
+    """`python -m cluster.driver --cluster local` by hand: Ray's "auto" finds no address file for a head started with
+    its own temp dir and takes whatever Ray runs on the machine (another project's head, a colleague's), and it would
+    connect without the head's token. The driver joins the head recorded in the profile's head.json, in its auth mode;
+    none running is one line naming it."""
+    from cluster.driver import __main__ as driver
+    from cluster.driver.job import JobSpec
+    from cluster.local_head import STATE_FILE, HeadInfo
+    from cluster.plan.planner import build_plan, resolve_run
+    from cluster.profiles import load_profile
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = _local_profile(tmp_path)
+    assert driver.main(["--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(
+            "python -m cluster.driver: error: no Ray cluster (no Ray head of this project is running "
+            "for profile local_by_hand"
+        )
+        and err.count("\n") == 1
+    ), err
+
+    profile = load_profile(path)
+    config, _, _ = resolve_run(profile, "local_demo", [], "by-hand")
+    spec = JobSpec.create(profile, config, build_plan(profile, config))
+    session = tmp_path / "ray" / "session_2026-12-07_00-00-00_000000_1"
+    session.mkdir()
+    (tmp_path / "ray" / "session_latest").symlink_to(session)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("D", (_Dashboard,), {"session": session.name}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    head = HeadInfo(
+        "127.0.0.1:40123", f"http://127.0.0.1:{server.server_address[1]}", str(tmp_path / "ray"), "token", True
+    )
+    (tmp_path / "ray" / STATE_FILE).write_text(json.dumps(head.__dict__))
+    try:
+        assert driver.ray_address(None, spec) == ("127.0.0.1:40123", "token")
+        assert driver.ray_address("10.0.0.1:6379", spec) == ("10.0.0.1:6379", None)
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # a Ray job's: Ray resolves it
+        assert driver.ray_address(None, spec) == ("auto", None)
+    finally:
+        server.shutdown()
+        server.server_close()

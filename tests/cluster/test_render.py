@@ -179,7 +179,8 @@ def test_fsx_is_mounted_on_the_host_before_the_container_starts(rendered, tmp_pa
 
     # Without the file system's names: the files are written, and `ray up` stops at the mount, saying why.
     profile = render.load_profile("a100x8")
-    (command,) = render.launcher_config(profile, ami="ami-0123456789abcdef0")["initialization_commands"]
+    commands = render.launcher_config(profile, ami="ami-0123456789abcdef0")["initialization_commands"]
+    (command,) = [c for c in commands if render.IMDS not in c]  # beside the AMI's root device check
     assert "--fsx-dns" in command and command.endswith("exit 1")
     assert render.main(["--cluster", "a100x8", "--out", str(tmp_path)]) == 0
     assert "--fsx-dns" in capsys.readouterr().out
@@ -240,6 +241,9 @@ def test_the_kuberay_operator_can_poll_the_jobs_state(rendered):
     _, _, rayjob_header, (job, policy) = rendered["a100x64"]
     assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token", "secretName": render.TOKEN_SECRET}
     assert "--from-literal=auth_token=" in rayjob_header and "KubeRay operator 1.6 or later" in rayjob_header
+    # An operator upgraded with `helm upgrade` keeps the CRDs it had: kubectl then refuses the file's secretName
+    assert "KubeRay operator 1.6 or later and its CRDs" in rayjob_header
+    assert 'kubectl replace -k "github.com/ray-project/kuberay/ray-operator/config/crd?ref=v1.6.0"' in rayjob_header
     namespace, operator = policy["spec"]["ingress"]
     assert namespace == {"from": [{"podSelector": {}}]}
     # Helm's chart and the kustomize manifests both label the operator's pod so, in whatever namespace it runs
@@ -474,3 +478,16 @@ def test_efa_reaches_the_training_containers_of_a_multi_node_efa_profile(tmp_pat
     one_node = render.render("h100x8", "vit_b16_i21k", tmp_path / "one", fsx=FSX)
     assert "head_run_options" not in yaml.safe_load(one_node[0].read_text())["docker"]
     assert "vpc.amazonaws.com/efa" not in one_node[1].read_text()  # NVLink within the node: no EFA to wait for
+
+
+@pytest.mark.timeout(120)
+def test_the_rayjobs_job_is_one_make_status_logs_and_stop_count(rendered):
+    """KubeRay's submitter passes the RayJob's spec.metadata to `ray job submit --metadata-json`; `make status`, `make
+    logs` and `make stop` (port-forwarded to the head) count only jobs with this project's metadata, so a RayJob
+    without it ran a job they listed as "no vitscale jobs" and could not stop."""
+    from cluster import jobs
+
+    for name, (_, _, _, (job, _)) in rendered.items():
+        metadata = job["spec"]["metadata"]
+        assert metadata == jobs.JOB_METADATA, name
+        assert all(isinstance(v, str) for v in metadata.values()), name  # KubeRay's map[string]string
