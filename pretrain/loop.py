@@ -140,8 +140,9 @@ def open_clock(clock: AttemptClock, config: TrainConfig, trainer: Trainer, start
 
 
 def open_recorder(config: TrainConfig, place: Placement, starts: int) -> Recorder:
-    """This attempt's recorder; collective with sample keys (rank 0's ``starts`` numbers the attempt)."""
-    attempt = broadcast(starts) if config.logging.record_sample_keys else 0
+    """This attempt's recorder; collective when it records (rank 0's ``starts`` numbers the attempt)."""
+    lg = config.logging
+    attempt = broadcast(starts) if lg.record_batch_digests or lg.record_sample_keys else 0
     return Recorder.for_run(Path(config.checkpoint.dir), config.logging, place.rank, place.world_size, attempt)
 
 

@@ -102,6 +102,9 @@ BAD = [
     (["data.builtin_options.background_ramp=257"], r"data\.builtin_options: background_ramp=257 is out of range"),
     (["data.builtin_options.class_offset=51"], r"data\.builtin_options: class_offset=51 is out of range"),
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
+    # passed, then every rank's first step failed after the whole start: "error: expected non-negative integer"
+    # from numpy's SeedSequence (`model_randomness`), naming no field
+    (["seed=-1"], r"seed=-1 must be an integer in \[0, 2\*\*53\), e\.g\. seed=0"),
     (["checkpoint.dir="], r"checkpoint\.dir is empty; set it to the run folder"),
     (["schedule.decay=exponential"], r"schedule\.decay='exponential' is unknown; use one of linear, cosine"),
     (["schedule.total=90days"], r"schedule\.total='90days' is not a duration; write steps"),

@@ -59,3 +59,35 @@ def test_throughput_counts_the_steps_not_the_start_the_switches_or_the_saves(mon
         assert logged[keys.MFU] == pytest.approx(0.25)
         assert logged[keys.DATA_WAIT] == pytest.approx(0.25)
         assert logged[keys.step_time_percentile(99)] == pytest.approx(2.0)
+
+
+def test_digest_lines_name_the_attempt_without_sample_keys(tmp_path, monkeypatch):
+    # `open_recorder` asked rank 0 for the attempt number only with logging.record_sample_keys: with digests alone
+    # (the documented way to compare runs) every line of <run>/batch_digests/rank<r>.jsonl said attempt 0, so a
+    # restarted job's redone steps could not be told from the lines they replace.
+    import json
+    import socket
+
+    import torch.distributed as dist
+
+    from pretrain.checkpoint.run_folder import BATCH_DIGESTS_DIR
+    from pretrain.config.train_config import CheckpointConfig, LoggingConfig, TrainConfig
+    from pretrain.distributed import Placement
+    from pretrain.loop import open_recorder
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        config = TrainConfig(
+            checkpoint=CheckpointConfig(dir=str(tmp_path)), logging=LoggingConfig(record_batch_digests=True)
+        )
+        recorder = open_recorder(config, Placement(0, 1, 0, torch.device("cpu")), starts=3)
+        recorder.batch(torch.zeros(2, 3, 4, 4), torch.tensor([0, 1]), [])
+        recorder.end_step(1, loss=1.0, epoch=0)
+        recorder.close()
+    finally:
+        dist.destroy_process_group()
+    (line,) = (tmp_path / BATCH_DIGESTS_DIR / "rank0.jsonl").read_text().splitlines()
+    assert json.loads(line)["attempt"] == 3
