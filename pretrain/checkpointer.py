@@ -427,10 +427,20 @@ def load_checkpoint(engine, checkpoint_dir: Path, universal: Path | None = None)
         # two ZeRO-3 universal-load bugs (docs/elastic.md)
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
-        for param_state in optimizer.state.values():
-            if torch.is_tensor(param_state.get("step")):
-                param_state["step"] = param_state["step"].clone()
+        place_steps(optimizer)
     return state
+
+
+def place_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Each Adam ``step`` as torch's own ``load_state_dict`` leaves it, which DeepSpeed's universal loader skips: a
+    copy of its own (ZeRO-3 shares one tensor), on its parameter's device (its moments') as float32 for a fused or
+    capturable optimizer (the CUDA AdamW `build_optimizer` makes is fused: its kernel reads the step on the GPU)."""
+    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+    for param_state in optimizer.state.values():  # ZeRO-3's universal load empties the groups' params
+        step = param_state.get("step")
+        if torch.is_tensor(step):
+            where = param_state.get("exp_avg", step).device
+            param_state["step"] = step.to(where, torch.float32, copy=True) if on_device else step.clone()
 
 
 def init_weights(model: VisionTransformer, source: Path, image_size: int) -> list[str]:

@@ -392,3 +392,23 @@ def test_a_damaged_checkpoint_at_another_world_size_stops_every_rank_with_one_li
     )
     assert "resume it at the world size that saved it (2)" in lines[0]
     assert sorted(p.name for p in step2.iterdir() if p.name.startswith("universal")) == []
+
+
+def test_a_universal_loads_steps_go_where_a_fused_adamw_reads_them():
+    """DeepSpeed's universal loader leaves each Adam step on the host as it was saved; a fused AdamW (a GPU's) reads
+    it on the parameter's device as float32, where torch's load_state_dict puts it. "meta" stands in for the GPU."""
+    from pretrain.checkpointer import place_steps
+
+    params = [torch.nn.Parameter(torch.empty(3, device="meta")) for _ in range(2)]
+    shared = torch.tensor(7.0, dtype=torch.float64)  # ZeRO-3's one step tensor for every group
+    for fused in (False, True):
+        optimizer = torch.optim.AdamW([{"params": [params[0]]}, {"params": [params[1]]}])
+        for group in optimizer.param_groups:
+            group["fused"] = fused  # AdamW refuses fused=True for a meta tensor at construction
+        for p in params:
+            optimizer.state[p].update(step=shared, exp_avg=torch.empty(3, device="meta"))
+        place_steps(optimizer)
+        steps = [optimizer.state[p]["step"] for p in params]
+        kind = ("meta", torch.float32) if fused else ("cpu", torch.float64)
+        assert all((s.device.type, s.dtype) == kind for s in steps)
+        assert len({id(s) for s in [shared, *steps]}) == 3  # the groups no longer count one tensor up twice a step
