@@ -110,6 +110,17 @@ def join_url(root: str | Path, name: str) -> str:
     return root.rstrip("/") + "/" + name if "://" in root else str(Path(root) / name)
 
 
+def _inside(url: object) -> bool:
+    """Whether a manifest's shard URL names a file inside its folder."""
+    return (
+        isinstance(url, str)
+        and url not in ("", ".")
+        and "://" not in url
+        and not url.startswith(("/", "\\"))
+        and ".." not in url.replace("\\", "/").split("/")
+    )
+
+
 def is_shard_folder(shard_dir: str | Path) -> bool:
     """Whether ``shard_dir`` has a ``manifest.parquet`` (complete or being finished)."""
     fs, path = _fs_and_path(shard_dir)
@@ -167,11 +178,18 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
         raise _incomplete(root, DATASET_FILE)
     try:
         manifest = _read_parquet(fs, posixpath.join(path, MANIFEST_FILE))
+        outside = [r["url"] for r in manifest if not _inside(r["url"])]
         shards = tuple(
             ShardInfo(join_url(root, r["url"]), int(r["samples"]), int(r["bytes"]), r["sha256"]) for r in manifest
         )
     except _DAMAGE as error:
         raise _damaged(root, MANIFEST_FILE, error) from None
+    if outside:
+        raise ShardFormatError(
+            f"{join_url(root, MANIFEST_FILE)} lists the shard {outside[0]!r}, which is not a path inside the folder "
+            "(absolute, in another store or through '..'): shard URLs are relative to it and nothing is read outside "
+            "it; rewrite the folder with `python -m data_pipeline.write`"
+        )
     class_names: tuple[str, ...] = ()
     if _exists(fs, posixpath.join(path, CLASSES_FILE)):
         try:

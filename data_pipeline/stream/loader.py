@@ -36,7 +36,21 @@ def worker_items(
         generator=_loader_generator(*seed_key),
         worker_init_fn=_Environment(dict(os.environ)) if start_method == "forkserver" else None,
     )
-    return iter(loader)
+    return _worker_errors_as_raised(iter(loader))
+
+
+def _worker_errors_as_raised(items: Iterator[Any]) -> Iterator[Any]:
+    """``items``, a ValueError a worker raised (a damaged set, bad input) with its own one-line message: DataLoader
+    raises it again with the worker's traceback in the message, which entry points print as their one line."""
+    try:
+        yield from items
+    except ValueError as error:
+        kind, text = type(error), str(error)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        marker = f"\n{name}: "
+        if not text.startswith("Caught ") or marker not in text:
+            raise
+        raise kind(text.rsplit(marker, 1)[1].strip()) from error
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import fsspec
 from webdataset import tariterators
 
+from data_pipeline.manifest import ShardFormatError
 from data_pipeline.write.readers import is_safe_member
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,11 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
             _warn(f"shard {url} is missing: {err}")
             break
         except Exception as err:
+            if isinstance(err, OSError) and not is_transient(err):  # no read permission, a folder: not the data's
+                raise ShardFormatError(
+                    f"shard {url} cannot be read ({type(err).__name__}: {err}); give this process read access to "
+                    "the shard folder's files"
+                ) from err
             if not is_transient(err):
                 raise
             if failures >= retries:

@@ -237,8 +237,8 @@ def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
         try:
             with Image.open(file) as img:
                 phashes.append(perceptual_hash(img))
-        except OSError:
-            continue  # its sha256 still counts
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+            continue  # its sha256 still counts (the writer skips such an image as corrupt)
         finally:
             sha.add(sha256_hex(data))
     if not sha:

@@ -39,6 +39,9 @@ from data_pipeline.write.tfds import REF_KIND, TfdsSource, iter_tfds_unit, read_
 # Fixed tar headers; an int: a float mtime makes tarfile add a PAX header per member.
 TAR_MTIME = 0
 TAR_OWNER = "vitscale"
+# A source file's read failing in the write pass: removed, cut or rewritten since the scan (ArrowInvalid and
+# ExampleError are ValueErrors, ArrowIndexError an IndexError).
+_GONE = (OSError, ValueError, IndexError, KeyError)
 # _write_settings.json: 2 names the source's units as they are named in it (1: as the paths given, no class names)
 SETTINGS_FORMAT = 2
 
@@ -176,7 +179,25 @@ def _parquet_rows(entries: list, source: Source | None) -> dict[str, dict[int, b
         if cand.ref is not None and cand.ref.kind == "parquet":
             wanted.setdefault(cand.ref.path, []).append(cand.ref.row)
     column = source.image_column if source is not None else "image"
-    return {path: read_parquet_rows(path, column, rows) for path, rows in wanted.items()}
+    found = {}
+    for path, rows in wanted.items():
+        try:
+            found[path] = read_parquet_rows(path, column, rows)
+        except _GONE:  # removed or rewritten since the scan: its images are skipped (`_scanned_bytes`)
+            found[path] = {}
+    return found
+
+
+def _scanned_bytes(cand: Candidate, parquet: dict[str, dict[int, bytes]], source: Source | None) -> bytes | None:
+    """The image's bytes as the scan read them; None where its file was removed or changed since: what the scan
+    checked (dedup, --exclude-like, size) and the manifest's source_sha256 hold for those bytes only."""
+    if cand.ref is None:
+        return cand.data
+    try:
+        raw = parquet[cand.ref.path].get(cand.ref.row) if cand.ref.kind == "parquet" else _read_raw(cand.ref, source)
+    except _GONE:
+        return None
+    return raw if raw is not None and sha256_hex(raw) == cand.sha256 else None
 
 
 def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
@@ -190,12 +211,9 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
         parquet = _parquet_rows(entries, source)
         with open(tmp, "wb") as out, wds.TarWriter(out, **tar_args) as w:
             for key, cand in entries:
-                if cand.ref is None:
-                    raw = cand.data
-                elif cand.ref.kind == "parquet":
-                    raw = parquet[cand.ref.path][cand.ref.row]
-                else:
-                    raw = _read_raw(cand.ref, source)
+                raw = _scanned_bytes(cand, parquet, source)
+                if raw is None:
+                    continue  # counted by write_dataset as removed_or_changed_since_scan
                 data, width, height = encode_for_shard(raw, cand.needs_reencode, max_short_side)
                 meta = dict(
                     label=cand.label,
@@ -235,12 +253,13 @@ def _write_shard(job: tuple) -> tuple[dict, list[dict]]:
             exact_duplicate=cand.exact_duplicate,
         )
         for key, cand in entries
+        if key in metas
     ]
     digest = hashlib.sha256()
     with open(final, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
-    return dict(url=name, samples=len(entries), bytes=final.stat().st_size, sha256=digest.hexdigest()), rows
+    return dict(url=name, samples=len(rows), bytes=final.stat().st_size, sha256=digest.hexdigest()), rows
 
 
 @dataclass
@@ -331,6 +350,10 @@ def write_dataset(
     manifest.write_json_atomic(settings, out / manifest.WRITE_SETTINGS_FILE)  # before the first shard
     light = replace(source, units=()) if source is not None else None
     shard_rows, report.written = _write_shards(out, survivors, names, light, config)
+    if report.written < len(survivors):  # source files removed or changed between the scan and the write
+        report.skipped["removed_or_changed_since_scan"] = len(survivors) - report.written
+    if not report.written:
+        raise ValueError(f"no image could be written: every source file was removed or changed since the scan ({out})")
     dataset = {k: getattr(config, k) for k in ("name", "split", "max_short_side", "seed", "samples_per_shard")}
     manifest.write_metadata(
         out, shards=shard_rows, samples=None, class_names=names, dataset=dataset | (extra_meta or {})

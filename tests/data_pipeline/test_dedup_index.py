@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import numpy as np
 import pytest
+from PIL import Image
 
-from data_pipeline.write.dedup import ExclusionSet, NearDuplicateIndex, choose_chunks, near_duplicates_of_earlier
+from data_pipeline.write.dedup import (
+    ExclusionSet,
+    NearDuplicateIndex,
+    choose_chunks,
+    load_exclusion,
+    near_duplicates_of_earlier,
+    sha256_hex,
+)
 
 
 def planted(rng: np.random.Generator, stored: np.ndarray, count: int, max_flips: int) -> np.ndarray:
@@ -74,3 +85,23 @@ def test_chunks_follow_the_index_size():
     assert choose_chunks(10, 0) == 1
     with pytest.raises(ValueError, match="max_distance"):
         NearDuplicateIndex([], 16)
+
+
+def bomb_png(width: int = 20000, height: int = 10000) -> bytes:
+    """A valid PNG header of a 200-megapixel image, past Pillow's decompression-bomb limit (~179 MP)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_an_eval_image_past_the_decompression_bomb_limit_counts_by_its_sha256(tmp_path):
+    """--exclude-like on a folder with an image over ~179 MP ended in PIL's DecompressionBombError traceback; it now
+    counts by its sha256, as an unreadable image does (the writer skips such an image as corrupt)."""
+    (tmp_path / "big.png").write_bytes(bomb_png())
+    Image.new("RGB", (16, 16), (3, 4, 5)).save(tmp_path / "ok.png")
+    exclusion = load_exclusion(tmp_path)
+    assert exclusion.sha256s == {sha256_hex(p.read_bytes()) for p in tmp_path.iterdir()}
+    assert len(exclusion) == 1  # the readable image's pHash

@@ -221,3 +221,22 @@ def test_an_s3_connection_closed_or_refused_is_retried_and_counted_not_raised(dr
     stats: Counter = Counter()
     assert list(read_shard("s3://bucket/train/shard-000000.tar", 5, stats, retries=1)) == []
     assert stats == Counter(read_retries=1, read_failures=1, truncated_shards=1, missing_samples=5)
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_that_cannot_be_read_for_good_is_one_line_naming_it(tmp_path):
+    """A read refused for good (no permission, or a folder where the shard should be: not retried) ended the train
+    and eval streams in an OSError traceback; it is now one line naming the shard and the fix."""
+    root = make_shards(tmp_path / "s")
+    shard = root / "shard-000002.tar"
+    shard.unlink()
+    shard.mkdir()
+    config = DataConfig.for_stream(root, micro_batch_size=8, image_size=16, num_workers=2, streams=2)
+    with pytest.raises(ValueError) as raised:
+        for _ in TrainStream(config):
+            pass
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"shard {shard} cannot be read (IsADirectoryError")
+    assert message.endswith("give this process read access to the shard folder's files")
+    with pytest.raises(ValueError, match=f"^shard {shard} cannot be read"):
+        list(EvalStream(root, batch_size=8, image_size=16))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from data_pipeline.manifest import ShardFormatError
 from data_pipeline.stream import shards
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.eval_stream import EvalStream
@@ -150,3 +151,19 @@ def test_the_loader_rate_of_a_run_sending_uint8_pixels_is_timed_and_kept_apart(t
     keys = sorted(json.loads(own_cache.read_text()))
     assert len(keys) == 2 and sum("uint8 pixels" in k for k in keys) == 1
     assert loader_rate(tiny_fractal_shards, 32, AUGMENT, pixels="uint8").img_s_per_core == pixels.img_s_per_core
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_set_a_loader_worker_finds_unreadable_is_one_line_as_without_workers(tmp_path, num_workers):
+    """With loader workers (as every GPU run has them), a damaged set's ShardFormatError reached the entry points
+    with the worker's whole traceback in its message (DataLoader's "Caught ... Original Traceback"), printed as their
+    "one line"; it is now the worker's own message, as without workers."""
+    root = make_shards(tmp_path / "s", sizes=[5, 6, 7, 8])
+    for shard in root.glob("shard-*.tar"):
+        shard.unlink()
+    config = DataConfig.for_stream(root, micro_batch_size=2, image_size=16, num_workers=num_workers, streams=2)
+    with pytest.raises(ShardFormatError) as raised:
+        next(iter(TrainStream(config)))
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("shards [") and message.endswith("hold no readable sample")

@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import wids
@@ -134,3 +135,23 @@ def test_write_metadata_callers_without_names_get_folder_names(tmp_path):
     manifest.write_metadata(root, shards=rows, samples=None, class_names=["x"], dataset={})
     assert json.loads((root / WIDS_INDEX_FILE).read_text())["name"] == "bare-val"
     assert list(json.loads((root / TIMM_INFO_FILE).read_text())["splits"]) == ["val"]
+
+
+@pytest.mark.parametrize("url", ["/etc/passwd", "OUTSIDE", "../other/shard-000000.tar", "a/../../x.tar", "s3://b/x"])
+def test_a_manifest_naming_a_shard_outside_its_folder_is_refused(folder, url, capsys):
+    """The manifest's shard URLs were joined to the folder unchecked: an absolute path or one through '..' made
+    validate (and the streams) read files outside the folder. Such a manifest is now refused with one line."""
+    other = folder.parent / "other"
+    other.mkdir()
+    shutil.copy(folder / "shard-000000.tar", other / "shard-000000.tar")
+    url = str(other / "shard-000000.tar") if url == "OUTSIDE" else url
+    table = pq.read_table(folder / manifest.MANIFEST_FILE)
+    rows = table.to_pylist()
+    rows[0]["url"] = url
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), folder / manifest.MANIFEST_FILE)
+    with pytest.raises(manifest.ShardFormatError, match="not a path inside the folder") as raised:
+        read_dataset_info(folder)
+    assert repr(url) in str(raised.value) and "\n" not in str(raised.value)
+    assert validate_cli.main([str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is damaged" not in err and repr(url) in err

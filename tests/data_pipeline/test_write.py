@@ -563,3 +563,65 @@ def test_the_summary_says_kept_duplicates_were_kept(folder_source, tmp_path, cap
     assert write_cli.main([*argv[:3], str(tmp_path / "out2"), *argv[4:], "--max-short-side", "32"]) == 0
     summary = capsys.readouterr().out
     assert "wrote 21 in" in summary and "exact duplicates 1 (dropped)" in summary
+
+
+@pytest.mark.parametrize("kind", ["folder", "tars"])
+def test_source_files_removed_or_changed_after_the_scan_are_skipped_and_counted(
+    folder_source, tmp_path, monkeypatch, capsys, kind
+):
+    """A source file removed between the scan and the write pass ended the write in a FileNotFoundError traceback;
+    one rewritten was stored, under the source_sha256 (and the dedup and --exclude-like checks) of the bytes the scan
+    read. Both are now skipped and counted, and the manifest and samples.parquet hold what the shards hold."""
+    if kind == "tars":
+        source = class_tars(tmp_path / "tars", ["n00", "n01", "n02"], per_class=5)
+        gone, changed = source / "n01.tar", source / "n02.tar"
+        lost = 10
+    else:
+        source = folder_source
+        gone, changed = source / "class0" / "img1.jpg", source / "class1" / "img2.jpg"
+        lost = 2
+    real = writer.dedup_candidates
+
+    def then_change_the_source(*args):
+        survivors = real(*args)
+        gone.unlink()
+        if kind == "tars":  # the same members at the same offsets, other images
+            changed.write_bytes((class_tars(tmp_path / "other", ["x", "y", "z", "n02"], 5) / "n02.tar").read_bytes())
+        else:
+            changed.write_bytes(encoded(smooth_image(999), quality=92))
+        return survivors
+
+    monkeypatch.setattr(writer, "dedup_candidates", then_change_the_source)
+    out = tmp_path / "out"
+    assert write_cli.main(["--source", str(source), "--out", str(out), "--samples-per-shard", "4"]) == 0
+    assert "'removed_or_changed_since_scan': " + str(lost) in capsys.readouterr().out
+    samples = pq.read_table(out / "samples.parquet").to_pylist()
+    info = read_dataset_info(out)
+    assert info.num_samples == len(samples) == (21 if kind == "folder" else 15) - lost
+    assert not {r["source"] for r in samples} & {"class0/img1.jpg", "class1/img2.jpg"}
+    for shard in info.shards:
+        with tarfile.open(shard.url) as tar:
+            stored = {m.name.split(".")[0]: tar.extractfile(m).read() for m in tar if m.name.endswith(".jpg")}
+        rows = [r for r in samples if r["shard"] == Path(shard.url).name]
+        assert shard.samples == len(rows) == len(stored)
+        assert all(sha256_hex(stored[r["key"]]) == r["sha256"] for r in rows)
+    assert all(r["sha256"] == r["source_sha256"] for r in samples if r["source"] != "class0/png.png")
+    assert validate(str(out), full=True).ok
+
+
+def test_a_source_removed_whole_after_the_scan_is_one_error_line(tmp_path, monkeypatch, capsys):
+    source = tmp_path / "src" / "only"
+    source.mkdir(parents=True)
+    (source / "a.jpg").write_bytes(encoded(smooth_image(1)))
+    real = writer.dedup_candidates
+
+    def then_remove_it(*args):
+        survivors = real(*args)
+        (source / "a.jpg").unlink()
+        return survivors
+
+    monkeypatch.setattr(writer, "dedup_candidates", then_remove_it)
+    assert write_cli.main(["--source", str(tmp_path / "src"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "every source file was removed or changed since the scan" in err
+    assert not (tmp_path / "out" / manifest.MANIFEST_FILE).exists()
