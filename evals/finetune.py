@@ -296,12 +296,21 @@ def select_lr_and_evaluate(
     val_scores, dtype = {}, autocast_dtype(opts.precision, device)
     run = dict(num_classes=num_classes, opts=opts, device=device, log=log)
     for lr in opts.lr_grid:
-        model, _ = train_classifier(make_model(), *train, lr=lr, steps=opts.selection_steps or opts.steps, **run)
+        try:
+            model, _ = train_classifier(make_model(), *train, lr=lr, steps=opts.selection_steps or opts.steps, **run)
+        except FloatingPointError as error:  # a diverged lr loses the search; it does not end the evaluation
+            val_scores[float(lr)] = math.nan
+            if log is not None:
+                log(f"finetune: lr={lr:g} diverged, not chosen ({error})")
+            continue
         val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
         if log is not None:
             log(f"finetune: lr={lr:g} held-out accuracy {val_scores[float(lr)]:.4f}")
         del model  # with its gradients, before the next run's: one fine-tuned model on the device at a time
-    best_lr = max(sorted(val_scores), key=lambda lr: val_scores[lr])  # max keeps the first (smallest) of ties
+    finite = [lr for lr in sorted(val_scores) if not math.isnan(val_scores[lr])]
+    if not finite:
+        raise FloatingPointError(f"fine-tuning diverged at every lr of the grid {list(opts.lr_grid)}; use lower lrs")
+    best_lr = max(finite, key=lambda lr: val_scores[lr])  # max keeps the first (smallest) of ties
     full = torch.cat([train[0], val[0]]), np.concatenate([train[1], val[1]])
 
     def on_test(m) -> float:
@@ -364,7 +373,7 @@ def _rows(name: str, result: FinetuneResult, opts: FinetuneOptions, size: int, c
         for n, acc in result.curve.items()
     ]
     rows += [
-        row(f"finetune/{name}/holdout_accuracy", score, num_held, f"lr={grid_lr:g}", "sweep")
+        row(f"finetune/{name}/holdout_accuracy", score, num_held, f"lr={grid_lr:g}", "sweep")  # NaN: diverged
         for grid_lr, score in result.val_scores.items()
     ]
     return rows

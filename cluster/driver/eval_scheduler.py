@@ -19,7 +19,7 @@ from tracking import keys
 from tracking.runs import RUN_RECORD
 from tracking.tracker import Tracker
 
-MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped
+MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped (not the last step's)
 CLOSE_TIMEOUT_S = 60.0  # the drain's close of the scheduler's Tracker, at most (less while MLflow fails)
 
 
@@ -112,7 +112,8 @@ class EvalScheduler:
             if not due:
                 unpin_checkpoint(checkpoint_dir)
                 return True
-            if len(self._pending) >= self.max_pinned:
+            # The last step is never skipped: every suite evaluates it, and no checkpoint comes after its pin.
+            if len(self._pending) >= self.max_pinned and step != self.cadence.last_step:
                 unpin_checkpoint(checkpoint_dir)
                 self._fail(
                     step,

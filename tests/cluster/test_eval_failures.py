@@ -258,3 +258,29 @@ def test_evals_timeout_is_a_checked_setting():
     assert load_config("local_demo").evals.timeout_s == 3600
     with pytest.raises(ValueError, match=r"evals\.timeout_s=0.0 must be > 0"):
         load_config("local_demo", ["evals.timeout_s=0"]).validate(2, check_paths=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_last_checkpoints_eval_is_not_skipped_when_the_pins_are_taken(tmp_path, ray_local, mlflow_run):
+    """Evals behind checkpoints skip new ones beyond max_pinned, but never the last step's, which every suite
+    evaluates (the cadence's rule): no checkpoint comes after it, so its pin is the last (before: skipped, and the
+    final model had no eval)."""
+    from cluster.driver.eval_scheduler import EvalScheduler
+    from cluster.plan.evals.cadence import EvalCadence
+
+    uri, run_id = mlflow_run
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    cadence = EvalCadence((("forever", 1),), checkpoint_every=10, last_step=40)
+    scheduler = EvalScheduler.remote(
+        cadence, str(tmp_path), run_id, uri, num_cpus=1, max_pinned=1, task=_sleeper(str(marks))
+    )
+    s10, s20, s40 = _checkpoints(tmp_path / "run", (10, 20, 40))
+    assert ray_local.get(scheduler.submit.remote(str(s10), 10, {}))
+    assert ray_local.get(scheduler.submit.remote(str(s20), 20, {}))  # step 10's eval holds the one pin: skipped
+    assert ray_local.get(scheduler.submit.remote(str(s40), 40, {}))
+    assert not is_pinned(s20) and is_pinned(s40)
+    assert ray_local.get(scheduler.pending.remote()) == [10, 40]
+    rows = ray_local.get(scheduler.drain.remote(1.0))
+    assert rows[20]["skipped"] and not rows[40].get("skipped") and "evals.timeout_s" in rows[40]["error"]

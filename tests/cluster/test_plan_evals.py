@@ -273,3 +273,18 @@ def test_a_device_the_plan_cannot_price_or_fit_is_refused_with_the_fix(profile, 
     """Paths only a cluster's profile takes (a GPU the peak table lacks, remote CPUs, an eval node's host memory)."""
     with pytest.raises(PlanError, match=message):
         build_plan(profile, resolve_config(profile, "vit_b16_i21k", sets, "b"))
+
+
+@pytest.mark.timeout(60)
+def test_the_linear_probe_host_memory_counts_every_tasks_features(tmp_path):
+    """The VTAB linear probe keeps each task's float32 features in the suite's feature cache until the suite ends
+    (`evals.features.suite_features`), so its host memory holds every task's, plus a float64 copy of the largest task's
+    (before: the largest task's alone, ~1 GB short for ViT-H/14 over the 19 tasks' 406,904 images)."""
+    (tmp_path / "probe.yaml").write_text(
+        "name: probe\nevaluators:\n  - type: vtab\n    benchmark: vtab1k\n    protocol: linear_probe\n"
+        "    tasks: [dtd, kitti_dist]\n"
+    )
+    vit = model_config("vit_tiny_debug", image_size=32, num_classes=10)
+    work = evals_cost._entry_work(load_suite(tmp_path / "probe.yaml").evaluators[0], vit, str(tmp_path), "cuda")
+    features = vit.representation_size or vit.width
+    assert work.host_bytes == features * (4 * (1000 + 1880 + 1000 + 711) + 8 * (1000 + 1880))

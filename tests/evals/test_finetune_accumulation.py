@@ -150,3 +150,22 @@ def test_a_crop_padding_reflect_padding_cannot_make_is_refused_when_the_suite_lo
     )
     with pytest.raises(ValueError, match=r"finetune\.crop_padding: 40 must be smaller than the image size 32"):
         load_suite(suite)
+
+
+def test_an_lr_of_the_grid_that_diverges_loses_the_search_instead_of_ending_the_evaluation():
+    """A grid is there to try lrs that may be too high: one whose loss turns NaN scores NaN on the held-out images
+    and is not chosen (before: FloatingPointError ended the whole suite, every task of a VTAB-1k run with it)."""
+    from evals.finetune import select_lr_and_evaluate
+
+    def fresh():
+        torch.manual_seed(1)
+        return build_model("vit_tiny_debug")
+
+    opts = replace(OPTS, steps=6, lr_grid=(0.03, 100.0), grad_clip=0.0, crop_padding=0, flip=False)
+    train, val = (IMAGES[:16], LABELS[:16]), (IMAGES[16:], LABELS[16:])
+    result = select_lr_and_evaluate(fresh, train, val, [(IMAGES, LABELS)], num_classes=3, opts=opts)
+    assert result.lr == 0.03 and np.isnan(result.val_scores[100.0]) and 0.0 <= result.accuracy <= 1.0
+    with pytest.raises(FloatingPointError, match=r"diverged at every lr of the grid \[100.0\]"):
+        select_lr_and_evaluate(
+            fresh, train, val, [(IMAGES, LABELS)], num_classes=3, opts=replace(opts, lr_grid=(100.0,))
+        )

@@ -195,7 +195,8 @@ def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) 
             return _vtab_finetune_work(o, tasks, root, size, vit, kind)
         vtab_first = o.benchmark == "vtab1k"
         images = [(split_size(root, t, "train", vtab_first), split_size(root, t, "test", vtab_first)) for t in tasks]
-        return _features_work(f"vtab linear probe {len(tasks)} tasks", size, o.batch_size, images, vit, kind)
+        what = f"vtab linear probe {len(tasks)} tasks"  # every task's features stay in the suite's cache
+        return _features_work(what, size, o.batch_size, images, vit, kind, keep_all=True)
     if isinstance(o, FinetuneOptions):
         return _finetune_work(o, data_root, _size(o.image_size, vit, spec), vit, kind)
     if isinstance(o, InspectConfig):
