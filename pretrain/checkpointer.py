@@ -170,7 +170,8 @@ def _fetched(url: str) -> Path:
 
     exact = _every_rank(lambda: fetch(url) if rank == 0 else None, url)[0]
     _every_rank(lambda: fetch(exact) if first_on_node and rank != 0 else None, url)
-    return copy[0] if copy else weights_source.locate(exact)
+    # the others find the node's copy by listing the store again, which may fail on one rank
+    return _every_rank(lambda: copy[0] if copy else weights_source.locate(exact), url)[rank]
 
 
 def _every_rank(fetch: Callable[[], Any], url: str) -> list[Any]:
@@ -407,7 +408,8 @@ def _to_universal(engine_dir: Path, output: Path) -> None:
         strict=True,
         inject_missing_state=True,
     )
-    with contextlib.redirect_stdout(io.StringIO()):  # errors still raise
+    # its lines and progress bars (stderr), each resize; errors still raise
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal.main(args)
 
 

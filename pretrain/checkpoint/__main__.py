@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                 "folder is (the shared filesystem), or on a copy"
             )
         return checksums.verify_command(Path(args.dir))
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # OSError: a folder it may not list, failing storage
         return fail(parser.prog, error)
     except KeyboardInterrupt:
         # verify only reads: nothing to clean up

@@ -46,7 +46,7 @@ def write(folder: Path, entries: Mapping[str, tuple[int, str]]) -> None:
 
 
 def expected(folder: Path) -> Entries | None:
-    """What ``folder``'s save recorded; None without a record; ValueError if the record is damaged."""
+    """What ``folder``'s save recorded; None without a record; ValueError if the record is damaged or unreadable."""
     path = folder / CHECKSUMS
     if not path.is_file():
         return None
@@ -55,6 +55,8 @@ def expected(folder: Path) -> Entries | None:
         if data["algorithm"] != ALGORITHM:
             raise ValueError(f"algorithm {data['algorithm']!r} is not {ALGORITHM!r}")
         entries = {str(name): (int(size), str(crc)) for name, (size, crc) in data["files"].items()}
+    except OSError as error:  # failing storage: as for the files it lists (`check`)
+        raise ValueError(f"{CHECKSUMS} cannot be read ({error.strerror or error})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as error:  # JSONDecodeError and UnicodeError included
         raise ValueError(f"{CHECKSUMS} is unreadable ({type(error).__name__}: {error})") from None
     return entries

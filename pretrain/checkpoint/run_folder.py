@@ -111,9 +111,13 @@ def staging_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def start_staging(staging: Path) -> None:
-    """Create the staging folder, removing crashed saves' ones."""
-    for stale in staging.parent.glob(f"step_*{STAGING_SUFFIX}"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Create the staging folder, removing crashed saves' ones and the unmarked folders that a kill during `publish`
+    or `prune_checkpoints` left (a save of their step would replace them, but an old step's is never saved again)."""
+    if staging.parent.is_dir():
+        for stale in staging.parent.iterdir():
+            unmarked = parse_step(stale.name) is not None and stale.is_dir() and not is_complete(stale)
+            if unmarked or (stale.name.endswith(STAGING_SUFFIX) and stale.name.startswith("step_")):
+                shutil.rmtree(stale, ignore_errors=True)
     staging.mkdir(parents=True)
 
 
@@ -124,10 +128,16 @@ def publish(staging: Path) -> Path:
     if step is None or final == staging:
         raise ValueError(f"{staging} is not a staging folder (step_XXXXXXXX{STAGING_SUFFIX})")
     if final.exists():  # the same step saved again (e.g. after a crash)
-        shutil.rmtree(final)
+        _delete(final)
     os.replace(staging, final)
     write_durably(final / COMPLETE, f"{step}\n")
     return final
+
+
+def _delete(folder: Path, ignore_errors: bool = False) -> None:
+    """Unmarked first: an interrupted delete leaves a folder nothing reads."""
+    (folder / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=ignore_errors)
 
 
 @dataclass(frozen=True)
@@ -286,9 +296,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, upto: int | None = No
     for old in found[:-keep_last]:
         if is_pinned(old):
             continue
-        # unmark first: an interrupted prune leaves a folder nothing reads
-        (old / COMPLETE).unlink(missing_ok=True)
-        shutil.rmtree(old, ignore_errors=True)
+        _delete(old, ignore_errors=True)
         deleted.append(old)
     return deleted
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -131,17 +132,42 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
             (local / FETCHED).write_text(marker)
         return local
     local.mkdir(parents=True, exist_ok=True)
+    _remove_killed_parts(local)
     total, started = sum(f.get("size") or 0 for f in files), time.monotonic()
     print(f"fetching {protocol}://{folder}: {len(files)} file(s), {total / 1e9:.3g} GB, to {local}", flush=True)
     for f in files:
         name = Path(f["name"]).name
-        partial = local / f"{name}.part{os.getpid()}"
+        partial = local / f"{name}{_part_suffix()}{os.getpid()}"
         fs.get(f["name"], str(partial))
         os.replace(partial, local / name)
     (local / FETCHED).write_text(marker)
     seconds = time.monotonic() - started
     print(f"fetched {protocol}://{folder} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-3):.3g} MB/s)", flush=True)
     return local
+
+
+def _part_suffix() -> str:
+    """A file being fetched is ``<name>.part-<host>-<pid>``: a cache on a shared filesystem has other hosts' too."""
+    return f".part-{socket.gethostname()}-"
+
+
+def _remove_killed_parts(local: Path) -> None:
+    """Delete the partial files of this host's killed fetches: each as big as its file, and the fetch that follows
+    writes its own."""
+    for partial in local.glob(f"*{_part_suffix()}*"):
+        pid = partial.name.rpartition("-")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def origin(path: Path) -> str:

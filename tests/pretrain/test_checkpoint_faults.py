@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,6 +75,39 @@ def test_checksums_find_a_missing_a_short_and_a_changed_file(tmp_path):
     assert "checksums.json is unreadable (JSONDecodeError" in checksums.verify(tmp_path).problem
     (tmp_path / run_folder.CHECKSUMS).unlink()
     assert checksums.verify(tmp_path).status == "unverified"  # an older checkpoint: it loads
+
+
+def test_a_checksum_record_that_cannot_be_read_is_one_line_of_verify_not_a_traceback(tmp_path):
+    """A read error (EIO from failing storage): /proc/self/mem is a regular file whose first page no process maps, so
+    reading it fails with the kernel's EIO."""
+    folder = run_folder.checkpoint_dir(tmp_path, 2)
+    folder.mkdir(parents=True)
+    (folder / run_folder.COMPLETE).write_text("2\n")
+    (folder / run_folder.CHECKSUMS).symlink_to("/proc/self/mem")
+    verdict = checksums.verify(folder)
+    assert verdict.status == "damaged" and verdict.problem == "checksums.json cannot be read (Input/output error)"
+    done = _verify_cli(tmp_path)
+    assert done.returncode == 2 and done.stderr == "", done.stderr
+    assert done.stdout == f"{folder}: DAMAGED: checksums.json cannot be read (Input/output error)\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs verify as another user")
+def test_a_run_folder_verify_may_not_list_is_one_line_not_a_traceback():
+    """Another user's run folder, its checkpoints/ not listable by whoever runs verify."""
+    with tempfile.TemporaryDirectory() as top:  # not under tmp_path: /tmp/pytest-of-root is root's alone
+        os.chmod(top, 0o711)
+        run = Path(top) / "run"
+        folder = run_folder.checkpoint_dir(run, 2)
+        folder.mkdir(parents=True)
+        (folder / run_folder.COMPLETE).write_text("2\n")
+        os.chmod(run_folder.checkpoints_dir(run), 0o700)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        command = [*as_nobody, sys.executable, "-m", "pretrain.checkpoint", "verify", str(run)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr == (
+        f"python -m pretrain.checkpoint: error: [Errno 13] Permission denied: '{run_folder.checkpoints_dir(run)}'\n"
+    )
 
 
 def test_the_ranks_shares_cover_every_file_once_and_balance_the_bytes():

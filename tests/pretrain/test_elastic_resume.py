@@ -112,3 +112,5 @@ def test_a_resume_at_another_world_size_and_micro_batch_starts(tiny_fractal_shar
     assert resumed[0]["start_step"] == 8 and resumed[0]["steps"] == 9
     printed = (tmp_path / "w" / "output.log").read_text()
     assert "resuming step 8 at world size 1 (was 2): accumulation 2 -> 1, global batch 16" in printed, printed[-3000:]
+    assert "converted step_00000008 (world size 2) to a universal checkpoint for world size 1" in printed
+    assert "it/s]" not in printed, printed[-3000:]  # DeepSpeed's converter's progress bars, on every resize

@@ -158,10 +158,11 @@ def test_what_looks_like_a_training_checkpoint(tmp_path):
 
 
 def test_publish_renames_then_marks_and_replaces_an_unmarked_folder(tmp_path):
-    _folders(tmp_path, unmarked=(8,), staging=(4,))
+    _folders(tmp_path, staging=(4,))
     staging = rf.staging_dir(tmp_path, 8)
     rf.start_staging(staging)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000008", "step_00000008.tmp"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000008.tmp"]
+    _folders(tmp_path, unmarked=(8,))
     (staging / "payload").write_text("new")
     final = rf.publish(staging)
     assert final == rf.checkpoint_dir(tmp_path, 8) and not staging.exists()
@@ -188,3 +189,75 @@ def test_prune_after_a_save_counts_only_the_checkpoints_up_to_its_step(tmp_path)
     f = _folders(tmp_path, complete=(10, 20, 40))
     assert rf.prune_checkpoints(tmp_path, keep_last=1, upto=20) == [f[10]]
     assert rf.complete_checkpoints(tmp_path) == [f[20], f[40]]
+
+
+# A run_folder function (a folder, then integers) in a fresh interpreter, killed (os._exit, as by SIGKILL) at its
+# Nth removal of a file or folder.
+KILLED_AT_REMOVAL = """
+import os, sys
+from pathlib import Path
+from pretrain.checkpoint import run_folder
+removals = 0
+def kill_at_removal(event, args):
+    global removals
+    if event in ("os.remove", "os.rmdir"):
+        removals += 1
+        if removals == int(sys.argv[1]):
+            os._exit(9)
+sys.addaudithook(kill_at_removal)
+getattr(run_folder, sys.argv[2])(Path(sys.argv[3]), *map(int, sys.argv[4:]))
+"""
+
+
+def _killed_at_removal(n: int, function: str, *args: str) -> bool:
+    """Whether the kill came before ``function`` returned."""
+    command = [sys.executable, "-c", KILLED_AT_REMOVAL, str(n), function, *args]
+    done = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=60)
+    assert done.returncode in (0, 9), done.stderr
+    return done.returncode == 9
+
+
+FILES = ["checksums.json", "deepspeed/optim_states.pt", "model.safetensors", "trainer_state.json"]
+
+
+def _checkpoint_files(folder: Path, text: str) -> None:
+    (folder / "deepspeed").mkdir(parents=True)
+    for name in FILES:
+        (folder / name).write_text(text)
+
+
+def test_a_save_of_the_same_step_killed_while_it_deletes_the_old_folder_leaves_no_complete_partial_one(tmp_path):
+    """A resume that skipped a damaged step-8 checkpoint saves step 8 again: the old folder is deleted first. Killed
+    during that delete, it must not be left COMPLETE with files missing (without checksums.json, loaded unverified)."""
+    for n in range(1, 20):
+        run = tmp_path / str(n)
+        old = _folders(run, complete=(8,))[8]
+        _checkpoint_files(old, "old")
+        staging = rf.staging_dir(run, 8)
+        _checkpoint_files(staging, "new")
+        if not _killed_at_removal(n, "publish", str(staging)):
+            break
+        for folder in rf.complete_checkpoints(run):
+            kept = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+            assert kept == sorted([*FILES, "COMPLETE", "deepspeed"]), (n, kept)
+    else:
+        pytest.fail("publish was killed at every removal")
+    assert (rf.checkpoint_dir(run, 8) / "model.safetensors").read_text() == "new"
+
+
+def test_the_next_save_removes_what_an_interrupted_prune_or_publish_left(tmp_path):
+    """A prune killed while it deletes leaves an unmarked folder of an old step, which no save writes again; each
+    was a whole checkpoint's disk (12 GB for an H/14) for the rest of the run."""
+    f = _folders(tmp_path, complete=(10, 20, 30))
+    _checkpoint_files(f[10], "old")
+    assert _killed_at_removal(2, "prune_checkpoints", str(tmp_path), "2")
+    assert f[10].is_dir() and rf.complete_checkpoints(tmp_path) == [f[20], f[30]]
+    renamed = _folders(tmp_path, unmarked=(40,))[40]  # killed between publish's rename and its COMPLETE
+    staging = rf.staging_dir(tmp_path, 50)
+    rf.start_staging(staging)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000020",
+        "step_00000030",
+        "step_00000050.tmp",
+    ]
+    assert not renamed.exists()
