@@ -12,14 +12,13 @@ from typing import Any
 import ray
 import yaml
 
-from cluster.plan.evals.cadence import EvalCadence
+from cluster.plan.evals.cadence import MAX_PINNED, EvalCadence
 from data_pipeline.paths import SUITES_DIR
 from pretrain.checkpoint.run_folder import TrainerState, is_complete, parse_step, pinned_checkpoints, unpin_checkpoint
 from tracking import keys
 from tracking.runs import RUN_RECORD
 from tracking.tracker import Tracker
 
-MAX_PINNED = 8  # checkpoints pinned for pending evals, at most: beyond, evals are skipped (not the last step's)
 CLOSE_TIMEOUT_S = 60.0  # the drain's close of the scheduler's Tracker, at most (less while MLflow fails)
 
 

@@ -124,7 +124,8 @@ def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
     if known is None:
         raise PlanError(
             f"profile {profile.name}: no fp32 peak is known for gpu_type {hw.gpu_type!r} (pretrain.telemetry.peak); "
-            "train in bf16 (--set deepspeed.precision=auto) or name a GPU the table lists"
+            "train in bf16 (--set deepspeed.precision=auto, and --set deepspeed.zero_stage=1 if it is 0: DeepSpeed's "
+            "bf16 needs ZeRO, so auto trains fp32 at ZeRO-0) or name a GPU the table lists"
         )
     return known
 

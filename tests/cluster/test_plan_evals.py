@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from cluster.driver.eval_scheduler import merged_suite, task_options
+from cluster.driver.eval_scheduler import MAX_PINNED, merged_suite, task_options
 from cluster.plan import memory
 from cluster.plan.errors import PlanError
 from cluster.plan.evals import cost as evals_cost
@@ -19,10 +23,11 @@ from cluster.plan.evals.cost import EvalDevice, suite_cost
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.plan.text import format_plan
 from cluster.profiles import ClusterProfile, load_profile
+from evals.inspection import run_inspection
 from evals.suites import load_suite
-from pretrain.config.train_config import EvalsConfig, SuiteCadence, TrainConfig, load_config
+from pretrain.config.train_config import CheckpointConfig, EvalsConfig, SuiteCadence, TrainConfig, load_config
 from pretrain.model import flops
-from pretrain.model.vit import model_config
+from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 from pretrain.telemetry.peak import Peak
 
 SMALL_SUITE = """
@@ -239,7 +244,8 @@ REMOTE_CPU_WORKERS = {"gpus_per_node": 0, "peak_tflops": None, "gpu_memory_gb": 
         (
             _priced_without("a100x64", "hardware", gpu_type="MI300X"),
             ["deepspeed.precision=fp32"],
-            r"no fp32 peak is known for gpu_type 'MI300X' .*train in bf16 \(--set deepspeed\.precision=auto\)",
+            r"no fp32 peak is known for gpu_type 'MI300X' .*train in bf16 \(--set deepspeed\.precision=auto, and "
+            r"--set deepspeed\.zero_stage=1 if it is 0",
         ),
         (
             dataclasses.replace(
@@ -288,3 +294,130 @@ def test_the_linear_probe_host_memory_counts_every_tasks_features(tmp_path):
     work = evals_cost._entry_work(load_suite(tmp_path / "probe.yaml").evaluators[0], vit, str(tmp_path), "cuda")
     features = vit.representation_size or vit.width
     assert work.host_bytes == features * (4 * (1000 + 1880 + 1000 + 711) + 8 * (1000 + 1880))
+
+
+def _saved_bytes_per_image(model, image_size: int) -> float:
+    """What a training forward keeps for backward per image (saved tensors, each storage once: batch 2 less 1)."""
+    held = []
+    for batch in (1, 2):
+        storages: dict[int, int] = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randn(batch, 3, image_size, image_size))
+        held.append(sum(storages.values()))
+    return held[1] - held[0]
+
+
+@pytest.mark.timeout(60)
+def test_fine_tuning_a_hybrid_counts_its_resnet_stems_activations(tmp_path):
+    """R26+ViT-S/32 at 64 px keeps ~6.9 MB per image for backward in fp32, ~5.4 MB of it in its ResNet stem, which no
+    checkpointing recomputes; the fine-tuning memory counted the encoder alone (~1.5 MB), so a hybrid's fine-tuning
+    could be planned to fit and run out of memory at the first checkpoint."""
+    (tmp_path / "ft.yaml").write_text(
+        "name: ft\nevaluators:\n  - type: finetune\n    datasets: [digits]\n    train_examples: 80\n"
+        "    val_examples: 20\n    steps: 10\n    batch_size: 8\n    lr_grid: [0.1]\n    warmup_steps: 2\n"
+    )
+    spec = load_suite(tmp_path / "ft.yaml").evaluators[0]
+    vit = model_config("r26_vit_s32", image_size=64, num_classes=10, representation_size=None)
+    work = evals_cost._entry_work(spec, vit, str(tmp_path / "empty"), "cpu")  # fp32, explicit attention
+    per_image = evals_cost.finetune_activation_bytes(spec.options, work.model, "cpu") / evals_cost.ACTIVATION_ALLOWANCE
+    measured = _saved_bytes_per_image(VisionTransformer(work.model).train(), 64)
+    assert per_image == pytest.approx(measured, rel=0.03)
+    assert memory.stem_activation_bytes(work.model, "fp32") == pytest.approx(5.4e6, rel=0.01)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of the CPU tensors that ops create while it is on (each storage once, until its last tensor
+    goes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages: dict[int, tuple[int, int]] = {}  # data_ptr -> (bytes, live tensors on it)
+
+    def _release(self, ptr: int) -> None:
+        size, tensors = self.storages.pop(ptr)
+        if tensors > 1:
+            self.storages[ptr] = (size, tensors - 1)
+        else:
+            self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().nbytes():
+                ptr = t.untyped_storage().data_ptr()
+                size, tensors = self.storages.get(ptr, (t.untyped_storage().nbytes(), 0))
+                if not tensors:
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                self.storages[ptr] = (size, tensors + 1)
+                weakref.finalize(t, self._release, ptr)
+        return out
+
+
+@pytest.mark.timeout(120)
+def test_the_inspect_memory_counts_the_attention_weights_it_materialises(tmp_path):
+    """Inspection materialises each layer's attention weights (b, heads, T, T) in fp32 and two float64 copies of them
+    (`evals.inspection._attention_distance_sum`): ~5x one layer's weights per image at its peak. The plan priced one
+    block's activations with SDPA, ~48x short here; for ViT-H/14 at 518 px a batch of 32 needs ~26 GB, planned as ~6."""
+    (tmp_path / "inspect.yaml").write_text(
+        "name: inspect\nevaluators:\n  - type: inspect\n    num_images: 8\n    num_rollout_images: 2\n"
+        "    num_components: 4\n    batch_size: 4\n"
+    )
+    spec = load_suite(tmp_path / "inspect.yaml").evaluators[0]
+    vit = ViTConfig(image_size=96, patch_size=4, width=64, depth=2, num_heads=16, mlp_dim=256, num_classes=0)
+    work = evals_cost._entry_work(spec, vit, str(tmp_path), "cuda")
+    images = torch.rand(8, 3, 96, 96) * 2 - 1
+    with _LiveBytes() as tracked:  # the images and the weights are made before it, the plan counts them apart
+        run_inspection(VisionTransformer(vit), images, tmp_path, spec.options)
+    planned = work.device_bytes - 4 * flops.param_count(vit) - images.numel() * 4
+    assert planned == pytest.approx(tracked.peak, rel=0.05)
+    assert work.host_bytes == images.numel() * 4 and "inspect 8 images at 96px" in work.what
+
+
+@pytest.mark.timeout(120)
+def test_the_advice_for_a_gpu_without_a_known_fp32_peak_plans_at_zero_0():
+    """At ZeRO-0 `auto` trains fp32 too (DeepSpeed's bf16 needs ZeRO): advising `--set deepspeed.precision=auto` alone
+    led back to the same refusal; the advice's `--set`s, all applied, now plan the run in bf16."""
+    profile = _priced_without("a100x64", "hardware", gpu_type="MI300X")
+    for sets in (["deepspeed.zero_stage=0"], ["deepspeed.zero_stage=0", "deepspeed.precision=fp32"]):
+        with pytest.raises(PlanError, match="no fp32 peak is known") as refused:
+            build_plan(profile, resolve_config(profile, "vit_b16_i21k", sets, "b"))
+        advised = re.findall(r"--set (\S+?)[,:)]? ", str(refused.value))
+        assert [s.split("=")[0] for s in advised] == ["deepspeed.precision", "deepspeed.zero_stage"]
+        plan = build_plan(profile, resolve_config(profile, "vit_b16_i21k", [*sets, *advised], "b"))
+        assert plan.compute.precision == "bf16" and plan.memory.zero_stage == 1
+
+
+def _paced(hours: float, timeout_h: float, last_step: int) -> tuple[str, ...]:
+    """The plan's pace warnings for one suite of ``hours`` per checkpoint, a checkpoint an hour (100 steps of 36 s),
+    no baseline."""
+    config = TrainConfig(
+        checkpoint=CheckpointConfig(every_steps=100), evals=EvalsConfig(suite="s", timeout_s=timeout_h * 3600)
+    )
+    suite = evals_cost.SuiteCost("s", 1, 0, 1.0, hours, 1.0, 0.0, "")
+    part = evals_cost.EvalsPlan("a GPU", 24.0, 0.4, "", 0.1, 0.0, suites=(suite,), baseline=False)
+    return evals_cost._pace_warnings(part, config, EvalCadence((("s", 1),), 100, last_step), 36.0)
+
+
+def test_the_timeout_warning_counts_the_evals_queued_before_the_last_checkpoints():
+    """Evals of 3 h a checkpoint, a checkpoint an hour: they fall behind, and at the last of 10 checkpoints six earlier
+    ones still wait on the one eval device (their evals end at 13, 16, ..., 28 h), so the last's end at 31 h, 21 h
+    after training's: the job's end, waiting 4 h, cancels it. The warning counted the last checkpoint's own 3 h."""
+    pace, last = _paced(3.0, 4.0, 1000)
+    assert "~3 eval devices to keep up" in pace
+    assert "take ~3 h on one eval device, behind ~18 h of earlier checkpoints' still queued" in last
+    assert f"--set evals.timeout_s={27 * 3600} " in last  # 21 h and a quarter, in whole hours
+    assert not _paced(3.0, 27.0, 1000)[1:]
+    # The scheduler pins at most MAX_PINNED checkpoints and skips the rest (never the last): the queue stays bounded.
+    (_, long_run) = _paced(3.0, 4.0, 100_000)
+    queued = float(re.search(r"behind ~(\d+) h", long_run).group(1))
+    assert 18 <= queued <= MAX_PINNED * 3
+    # Evals that keep up queue nothing: the last's own hours are all the job's end waits.
+    (alone,) = _paced(0.7, 0.5, 1000)
+    assert "take ~0.7 h on one eval device (estimated)" in alone and "timeout_s=3600 " in alone

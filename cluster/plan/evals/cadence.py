@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Checkpoints the eval scheduler pins for pending evals, at most: beyond, a due one is skipped (never the last step's)
+MAX_PINNED = 8
+
 
 @dataclass(frozen=True)
 class EvalCadence:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from cluster.plan import memory
 from cluster.plan.compute import ComputePlan
 from cluster.plan.errors import PlanError
-from cluster.plan.evals.cadence import EvalCadence
+from cluster.plan.evals.cadence import MAX_PINNED, EvalCadence
 from cluster.plan.evals.splits import split_classes, split_size
 from cluster.profiles import ClusterProfile
 from evals import vtab
@@ -27,6 +27,7 @@ from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
 GB = memory.GB
 ACTIVATION_ALLOWANCE = 1.3  # allocator slack and backward's transient buffers over the saved activations (docs/vtab.md)
 CUDA_CONTEXT_GB = 1.3  # an eval task's CUDA context and workspaces (docs/vtab.md)
+INSPECT_ATTENTION_COPIES = 5  # a layer's fp32 attention weights + two float64 copies, at inspection's peak
 MIN_REFUSED_DEVICE_HOURS = 1.0  # below this many eval device-hours in all, evals over budget only warn
 
 
@@ -105,7 +106,7 @@ def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, com
         suites=tuple(costs),
         baseline=e.baseline,
     )
-    warnings = _pace_warnings(part, config, compute.step_time_s)
+    warnings = _pace_warnings(part, config, cadence, compute.step_time_s)
     if share > e.budget_fraction:
         hours = sum(c.device_hours * c.evaluations for c in costs)
         if hours >= MIN_REFUSED_DEVICE_HOURS:
@@ -200,8 +201,7 @@ def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) 
     if isinstance(o, FinetuneOptions):
         return _finetune_work(o, data_root, _size(o.image_size, vit, spec), vit, kind)
     if isinstance(o, InspectConfig):
-        images = [(o.num_images + o.num_rollout_images, 0)]
-        return _features_work(f"inspect {o.num_images} images", vit.image_size, o.batch_size, images, vit, kind)
+        return _inspect_work(o, vit)
     return Work(f"{spec.name}: not priced (no cost model for type {spec.type})", vit, 0.0, 0.0, "fp32", 0.0, 0.0)
 
 
@@ -236,6 +236,19 @@ def _features_work(
     device = _weights(model, 4) + batch * (_image_bytes(size) + block)
     what = f"{what}, {total:,} images at {size}px"
     return Work(what, model, total * flops.forward_flops(model), 0.0, "fp32", device, host)
+
+
+def _inspect_work(o: InspectConfig, vit: ViTConfig) -> Work:
+    """One forward per image, all of them on the device; a layer of a batch at a time, its attention weights (heads,
+    T, T) per image in fp32 and, at the peak, two float64 copies of them (`evals.inspection.run_inspection`)."""
+    model, size = dataclasses.replace(vit, num_classes=0), vit.image_size
+    tokens = model.num_patches + (model.pool == "token")
+    attention = INSPECT_ATTENTION_COPIES * 4 * model.num_heads * tokens**2
+    block = memory.vit_activation_bytes(model, "fp32", depth=1)  # the explicit weights counted apart
+    device = _weights(model, 4) + min(o.batch_size, o.num_images) * (block + attention)
+    images = o.num_images * _image_bytes(size)  # loaded as float32 on the host
+    what = f"inspect {o.num_images} images at {size}px"
+    return Work(what, model, o.num_images * flops.forward_flops(model), 0.0, "fp32", device + images, images)
 
 
 def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, vit: ViTConfig, kind: str) -> Work:
@@ -295,12 +308,13 @@ def _finetune_result(
 
 
 def finetune_activation_bytes(o: FinetuneOptions, model: ViTConfig, kind: str) -> float:
-    """Bytes one fine-tuning image keeps for backward, x ACTIVATION_ALLOWANCE (docs/vtab.md, "Fine-tuning memory")."""
+    """Bytes one fine-tuning image keeps for backward, a hybrid's ResNet stem included, x ACTIVATION_ALLOWANCE
+    (docs/vtab.md, "Fine-tuning memory")."""
     precision, checkpointing = _finetune_precision(o, kind), o.activation_checkpointing
     per_image = memory.vit_activation_bytes(
         model, precision, dropout=model.dropout, activation_checkpointing=checkpointing, sdpa=kind == "cuda"
     )
-    return ACTIVATION_ALLOWANCE * per_image
+    return ACTIVATION_ALLOWANCE * (per_image + memory.stem_activation_bytes(model, precision))  # no recompute there
 
 
 def _weights(vit: ViTConfig, bytes_per_param: int) -> float:
@@ -384,7 +398,7 @@ def _over_budget(part: EvalsPlan, cadence: EvalCadence, baseline: bool) -> str:
     )
 
 
-def _pace_warnings(part: EvalsPlan, config: TrainConfig, step_s: float) -> tuple[str, ...]:
+def _pace_warnings(part: EvalsPlan, config: TrainConfig, cadence: EvalCadence, step_s: float) -> tuple[str, ...]:
     warnings = []
     load = sum(c.device_hours * 3600 / (c.every * config.checkpoint.every_steps * step_s) for c in part.suites)
     if load > 1:
@@ -396,14 +410,32 @@ def _pace_warnings(part: EvalsPlan, config: TrainConfig, step_s: float) -> tuple
             "evals.gpu_type / instance_type), or a cheaper protocol"
         )
     last_s = sum(c.device_hours for c in part.suites) * 3600
-    if last_s > config.evals.timeout_s:
+    wait_s = _last_wait_s(part, cadence, step_s)
+    if wait_s > config.evals.timeout_s:
+        behind = wait_s - last_s
+        queued = f", behind ~{behind / 3600:.2g} h of earlier checkpoints' still queued" if behind > 0 else ""
         warnings.append(
-            f"the last checkpoint's evals take ~{last_s / 3600:.2g} h on one eval device (estimated), but the job's "
-            f"end waits evals.timeout_s={config.evals.timeout_s:g} s for them, then cancels them; raise "
-            f"evals.timeout_s (--set evals.timeout_s={math.ceil(1.25 * last_s / 3600) * 3600} with a quarter's "
+            f"the last checkpoint's evals take ~{last_s / 3600:.2g} h on one eval device{queued} (estimated), but the "
+            f"job's end waits evals.timeout_s={config.evals.timeout_s:g} s for them, then cancels them; raise "
+            f"evals.timeout_s (--set evals.timeout_s={math.ceil(1.25 * wait_s / 3600) * 3600} with a quarter's "
             "margin)"
         )
     return tuple(warnings)
+
+
+def _last_wait_s(part: EvalsPlan, cadence: EvalCadence, step_s: float) -> float:
+    """Seconds from the last save to the end of its evals on one eval device taking the checkpoints in turn, as the
+    scheduler holds them: a due one waits pinned, or is skipped while MAX_PINNED wait (never the last)."""
+    seconds = {suite: c.device_hours * 3600 for (suite, _), c in zip(cadence.suites, part.suites)}
+    last, period = cadence.last_step, cadence.checkpoint_every
+    free_at, pending = 0.0, []  # when the device is free; when each pinned checkpoint's evals end
+    for step in [*([0] if part.baseline else []), *range(period, last, period), last]:
+        now, due = step * step_s, cadence.due(step)
+        pending = [end for end in pending if end > now]
+        if due and (len(pending) < MAX_PINNED or step == last):
+            free_at = max(free_at, now) + sum(seconds[suite] for suite in due)
+            pending.append(free_at)
+    return free_at - last * step_s
 
 
 def _every_times(config: TrainConfig, times: int) -> str:
