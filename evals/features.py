@@ -214,10 +214,11 @@ def extract_features(
     device: str = "cpu",
     cache: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray, SplitInfo]:
-    """Pre-logits features (N, D') float32 and labels (N,); ``cache`` reuses them for the same split, sizes, model."""
+    """Pre-logits features (N, D') float32 and labels (N,); ``cache`` reuses them for the same split, sizes, model and
+    batch size (another batch size rounds other bits: an entry's scores must not depend on the entries before it)."""
     size = int(image_size or model.config.image_size)
     where = data_location(split_dir)
-    key = (str(where if is_remote(where) else where.resolve()), size, resize_size, id(model))
+    key = (str(where if is_remote(where) else where.resolve()), size, resize_size, batch_size, id(model))
     if cache is not None and key in cache:
         return cache[key]
     info = split_info(split_dir)

@@ -178,6 +178,29 @@ def _accumulate_gradients(model, x, y, micro: int | None, dtype, where: str) -> 
     return total
 
 
+DROPOUT_STREAM = 1  # the dropout seed: (opts.seed, this), another stream than the data order's
+
+
+@contextlib.contextmanager
+def _seeded_dropout(seed: int, device: str):
+    """torch's host generator, and ``device``'s, seeded from ``seed`` for the body, then restored: the dropout masks
+    of a run do not depend on what ran before it in the process, and the caller's random state is untouched."""
+    seed = int(np.random.SeedSequence((seed, DROPOUT_STREAM)).generate_state(1)[0])
+    where = torch.device(device)
+    if where.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+        return
+    backend = torch.get_device_module(where.type)
+    index = backend.current_device() if where.index is None else where.index
+    with torch.random.fork_rng(devices=[index], device_type=where.type):
+        torch.default_generator.manual_seed(seed)
+        with backend.device(index):
+            backend.manual_seed(seed)  # the current device's generator: ``index``'s
+        yield
+
+
 def _prepare(model, num_classes: int, opts: FinetuneOptions, device: str) -> None:
     """Fresh zero-initialised head, ``opts``' activation checkpointing, on ``device`` in train mode."""
     model.reset_classifier(num_classes)  # drops pre-logits too (representation_size=None): paper App. B.1.1
@@ -202,41 +225,43 @@ def train_classifier(
     measure_at: Collection[int] = (),
     measure: Callable[[torch.nn.Module], float] | None = None,
 ) -> tuple[torch.nn.Module, dict[int, float]]:
-    """Fine-tune ``model`` in place (fresh zero head, seeded by ``opts.seed``) on float32 or uint8 images; returns it
-    and ``{step: measure(model)}`` for ``measure_at`` (which does not change the run)."""
-    _prepare(model, num_classes, opts, device)
-    dtype = autocast_dtype(opts.precision, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=opts.momentum, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, opts.warmup_steps))
-    targets = torch.as_tensor(labels, dtype=torch.long)
-    gen = torch.Generator().manual_seed(opts.seed)
-    order, cursor = torch.randperm(len(targets), generator=gen), 0
-    batch = min(opts.batch_size, len(targets))
-    curve, start = {}, time.perf_counter()
-    for step in range(steps):
-        if cursor + batch > len(order):  # next epoch: a fresh permutation, the tail of the last one dropped
-            order, cursor = torch.randperm(len(targets), generator=gen), 0
-        idx = order[cursor : cursor + batch]
-        cursor += batch
-        # Drawn and augmented whole before the micro-batch split: the data stream does not depend on it.
-        x = _on_device(_augment(images[idx], opts.crop_padding, opts.flip, gen), device)  # (B, 3, S, S) float32
-        optimizer.zero_grad(set_to_none=True)
-        y = targets[idx].to(device)
-        loss = _accumulate_gradients(model, x, y, opts.micro_batch_size, dtype, f"step {step} (lr={lr})")
-        if opts.grad_clip:  # max_norm 0 would zero every gradient
-            torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
-        optimizer.step()
-        schedule.step()
-        if measure is not None and step + 1 in measure_at:
-            curve[step + 1] = measure(model)
-            model.train()  # measure() leaves the model in eval mode
-        if log is not None and (step + 1) % max(1, steps // 4) == 0:
-            log(
-                f"finetune: lr={lr:g} step {step + 1}/{steps} loss {loss.item():.4f} "
-                f"({time.perf_counter() - start:.1f}s)"
-            )
-    return model, curve
+    """Fine-tune ``model`` in place (fresh zero head; data order, augmentation and dropout seeded by ``opts.seed``) on
+    float32 or uint8 images; returns it and ``{step: measure(model)}`` for ``measure_at`` (which does not change the
+    run)."""
+    with _seeded_dropout(opts.seed, device):
+        _prepare(model, num_classes, opts, device)
+        dtype = autocast_dtype(opts.precision, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=opts.momentum, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, opts.warmup_steps))
+        targets = torch.as_tensor(labels, dtype=torch.long)
+        gen = torch.Generator().manual_seed(opts.seed)
+        order, cursor = torch.randperm(len(targets), generator=gen), 0
+        batch = min(opts.batch_size, len(targets))
+        curve, start = {}, time.perf_counter()
+        for step in range(steps):
+            if cursor + batch > len(order):  # next epoch: a fresh permutation, the tail of the last one dropped
+                order, cursor = torch.randperm(len(targets), generator=gen), 0
+            idx = order[cursor : cursor + batch]
+            cursor += batch
+            # Drawn and augmented whole before the micro-batch split: the data stream does not depend on it.
+            x = _on_device(_augment(images[idx], opts.crop_padding, opts.flip, gen), device)  # (B, 3, S, S) float32
+            optimizer.zero_grad(set_to_none=True)
+            y = targets[idx].to(device)
+            loss = _accumulate_gradients(model, x, y, opts.micro_batch_size, dtype, f"step {step} (lr={lr})")
+            if opts.grad_clip:  # max_norm 0 would zero every gradient
+                torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
+            optimizer.step()
+            schedule.step()
+            if measure is not None and step + 1 in measure_at:
+                curve[step + 1] = measure(model)
+                model.train()  # measure() leaves the model in eval mode
+            if log is not None and (step + 1) % max(1, steps // 4) == 0:
+                log(
+                    f"finetune: lr={lr:g} step {step + 1}/{steps} loss {loss.item():.4f} "
+                    f"({time.perf_counter() - start:.1f}s)"
+                )
+        return model, curve
 
 
 @torch.inference_mode()

@@ -232,6 +232,12 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
                 f"vtab task {name} has {task.num_classes} classes but {train_dir} declares {declared}; "
                 "the folder does not hold this task (or its labels were remapped)"
             )
+        test_declared = split_info(test_dir).num_classes
+        if test_declared != declared:
+            raise ValueError(
+                f"vtab task {name}: {train_dir} declares {declared} classes but {test_dir} declares {test_declared}; "
+                "both splits must share one label space"
+            )
         run = _finetune if opts.protocol == "finetune" else _linear_probe
         acc, detail = run(ctx, opts, train_dir, test_dir, declared)
         scores[name] = acc

@@ -372,15 +372,20 @@ class VisionTransformer(nn.Module):
     def forward_attention(self, images: torch.Tensor, reduce=None) -> list:
         """Per layer, the softmax weights (B, heads, T, T): T = N+1 with the class token at index 0, N with gap. With
         ``reduce``, ``reduce(layer, weights)`` instead, each layer's weights freed before the next layer runs: all of
-        them at once are ~16 GB for ViT-L/16 at 384 px on 32 images."""
-        x = self._embed_tokens(self.embed_patches(images))
-        out = []
-        for layer, block in enumerate(self.blocks):
-            assert isinstance(block, Block)
-            x, w = block.forward_with_weights(x)
-            out.append(w if reduce is None else reduce(layer, w))
-            del w
-        return out
+        them at once are ~16 GB for ViT-L/16 at 384 px on 32 images. Always in eval mode: no dropout."""
+        was_training = self.training
+        self.eval()
+        try:
+            x = self._embed_tokens(self.embed_patches(images))
+            out = []
+            for layer, block in enumerate(self.blocks):
+                assert isinstance(block, Block)
+                x, w = block.forward_with_weights(x)
+                out.append(w if reduce is None else reduce(layer, w))
+                del w
+            return out
+        finally:
+            self.train(was_training)
 
     def _embed_tokens(self, patch_tokens: torch.Tensor) -> torch.Tensor:
         B, N, D = patch_tokens.shape
@@ -427,7 +432,7 @@ class VisionTransformer(nn.Module):
     ) -> None:
         """A zero-initialized head (paper App. B.1.1); `config` follows. `representation_size`: None drops pre-logits,
         the current size keeps them, another builds them fresh."""
-        device = self.pos_embed.device
+        device, dtype = self.pos_embed.device, self.pos_embed.dtype  # a bf16 or CUDA model gets a bf16 or CUDA head
         keep_pre_logits = bool(representation_size) and representation_size == self.config.representation_size
         self.config = dataclasses.replace(
             self.config, num_classes=num_classes, representation_size=representation_size, head_bias_init=head_bias_init
@@ -436,8 +441,8 @@ class VisionTransformer(nn.Module):
             self._build_classifier(num_classes, self.config.num_features, head_bias_init)
         else:
             self._build_head(num_classes, representation_size, head_bias_init)
-        self.pre_logits.to(device)
-        self.head.to(device)
+        self.pre_logits.to(device, dtype)
+        self.head.to(device, dtype)
 
     def no_weight_decay(self) -> set[str]:
         """All but kernels."""

@@ -194,3 +194,19 @@ def test_the_shared_models_wait_on_the_host_while_a_finetune_trains(eval_data_ro
         assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     again = [r.value for r in fewshot.evaluate(ctx, probe).rows]
     assert again == first and len(ctx.feature_cache) == cached  # the features extracted before are reused
+
+
+def test_features_cached_at_another_batch_size_are_not_reused(eval_data_root, one_torch_thread):
+    """Features of another batch size differ in their last bits. Before, the cache ignored it: a suite's linear probe
+    at batch_size 32 scored the features a fewshot entry had extracted at 256 before it, and other numbers alone."""
+    from evals.features import extract_features
+
+    test = eval_data_root / "digits" / "test"
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", num_classes=0).eval()
+    cache = {}
+    other, _, _ = extract_features(model, test, batch_size=7, cache=cache)
+    alone, _, _ = extract_features(model, test, batch_size=256)
+    after, _, _ = extract_features(model, test, batch_size=256, cache=cache)
+    assert after is not other and np.array_equal(after, alone)  # here 7 and 256 differ by ~5e-7
+    assert extract_features(model, test, batch_size=256, cache=cache)[0] is after  # still cached per batch size

@@ -70,3 +70,35 @@ def test_finetune_at_the_vtab1k_budget_draws_the_same_800_and_200():
     assert not np.array_equal(va, train_val_split(1297, replace(opts, seed=1))[1])
     keep, held = train_val_split(1297, FinetuneOptions())  # without a budget: all of train, 10% held out
     assert (len(keep), len(held)) == (1167, 130) and not set(keep) & set(held)
+
+
+@pytest.mark.parametrize("protocol", ["linear_probe", "finetune"])
+def test_a_test_split_declaring_other_classes_than_train_is_refused(
+    eval_data_root, one_torch_thread, tmp_path, protocol
+):
+    """Before, a task folder whose test split declares another label space (here dsprites_loc's 16 classes beside
+    digits' 10 in train) was scored: the head or ridge knows 10 classes, so every test image of class 10..15 counted
+    as wrong, silently. type: fewshot and type: finetune refuse it; so does type: vtab now, before any work."""
+    import shutil
+
+    from evals.evaluator import EvalContext
+    from evals.vtab import VtabOptions, evaluate
+    from pretrain.model.vit import build_model
+
+    shutil.copytree(eval_data_root / "digits" / "train", tmp_path / "data" / "digits" / "train")
+    shutil.copytree(eval_data_root / "dsprites_loc" / "test", tmp_path / "data" / "digits" / "test")
+    model = build_model("vit_tiny_debug").eval()
+    ctx = EvalContext(
+        model=model,
+        load_model=lambda image_size=None: build_model("vit_tiny_debug"),
+        data_root=tmp_path / "data",
+        step=0,
+        out_dir=tmp_path / "out",
+        log=lambda _: None,
+    )
+    finetune = FinetuneOptions(steps=1, batch_size=8, lr_grid=(0.01,), warmup_steps=0)
+    opts = VtabOptions(
+        benchmark="ci", tasks=("digits",), train_examples=30, val_examples=10, protocol=protocol, finetune=finetune
+    )
+    with pytest.raises(ValueError, match=r"vtab task digits: .*declares 10 classes but .*declares 16; both splits"):
+        evaluate(ctx, opts)

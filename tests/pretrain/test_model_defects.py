@@ -55,3 +55,27 @@ def test_auto_precision_is_fp32_on_a_gpu_without_bf16_tensor_cores():
     assert decide("auto", "cuda", cuda_bf16=True).precision == "bf16"
     assert decide("bf16", "cuda", cuda_bf16=False).precision == "bf16"  # as the recipe says
     assert decide("auto", "cuda", cuda_bf16=False, resumed=("bf16", "step_00000300")).precision == "bf16"
+
+
+@pytest.mark.parametrize("representation_size", [None, 16])  # fresh pre-logits too
+def test_reset_classifier_follows_the_models_dtype(representation_size):
+    """Before, the new head (and fresh pre-logits) were fp32 whatever the model's dtype: a bf16 model's next forward
+    failed with "mat1 and mat2 must have the same dtype"."""
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", num_classes=10).to(torch.bfloat16).eval()
+    model.reset_classifier(5, representation_size=representation_size)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    logits = model(torch.rand(2, 3, 32, 32, dtype=torch.bfloat16))
+    assert logits.shape == (2, 5) and logits.dtype == torch.bfloat16
+
+
+def test_forward_attention_runs_in_eval_mode_whatever_the_models_mode():
+    """Before, a model left in train mode (every fresh model is) applied its dropout after the position embedding and
+    in each block: the weights differed call to call and from the eval-mode ones."""
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_debug", dropout=0.3)
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    training = model.forward_attention(images)
+    assert model.training  # its mode is the caller's
+    expected = model.eval().forward_attention(images)
+    assert all(torch.equal(a, b) for a, b in zip(training, expected))
