@@ -228,6 +228,24 @@ def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:
     return sorted(jobs, key=lambda j: j.start_time or 0)
 
 
+def submission_id(run_name: str) -> str:
+    """A launched job's id: it names the run, so that `unfinished_jobs_of` finds the job still writing its folder."""
+    return f"vitscale-{run_name}-{int(time.time())}"
+
+
+def unfinished_jobs_of(client: JobSubmissionClient, run_name: str) -> list[str]:
+    """The ids of the jobs `cluster.launch` submitted for run ``run_name`` that have not ended; JobRefusedError where
+    the Jobs API does not list its jobs."""
+    own = re.compile(rf"vitscale-{re.escape(run_name)}-\d+")
+    try:
+        listed = project_jobs(client)
+    except (OSError, RuntimeError) as exc:  # an HTTP error (a proxy's too), or the connection dropped
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        address = client.get_address()
+        raise JobRefusedError(f"listing the jobs of the Ray Jobs API at {address} failed: {reason}") from exc
+    return [j.submission_id for j in listed if own.fullmatch(j.submission_id or "") and not j.status.is_terminal()]
+
+
 def _status(profile: ClusterProfile) -> int:
     jobs = project_jobs(connect(profile))
     print(f"profile {profile.name}: Ray Jobs API {cluster_address(profile)}")

@@ -14,7 +14,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 from cluster import jobs
 from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
@@ -104,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
             print("dry run: nothing submitted")
             return 0
         client = jobs.connect(profile, start_local=True)
+        if running := jobs.unfinished_jobs_of(client, plan.run_name):  # two jobs would save the same checkpoints
+            raise ValueError(
+                f"run {plan.run_name} is still being trained by Ray job {', '.join(running)}: a second job would "
+                f"write the same run folder; wait for it to end (`make status CLUSTER={profile.name}`) or stop "
+                f"it (`make stop CLUSTER={profile.name}`), then launch the run name again to resume it"
+            )
         env = runtime_env(profile, JobSpec.create(profile, config, plan, fault))
-        job_id = jobs.submit(client, "python -m cluster.driver", env, f"vitscale-{plan.run_name}-{int(time.time())}")
+        job_id = jobs.submit(client, "python -m cluster.driver", env, jobs.submission_id(plan.run_name))
     except (PlanError, ValueError, jobs.RayUnreachableError, jobs.JobRefusedError) as exc:
         return fail(parser.prog, exc)
     except KeyboardInterrupt:  # planning, generating the local data, starting the local head or submitting

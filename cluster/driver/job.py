@@ -287,6 +287,9 @@ def run_job(
         steps = ", ".join(map(str, unended))
         print(f"an earlier job of this run ended before the evals of step(s) {steps}: this job runs them", flush=True)
 
+    for line in resource_shortfall(profile, ray.nodes(), evals=bool(config.evals.schedule())):
+        print(f"warning: {line}", flush=True)
+
     # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     ev = profile.evals
@@ -327,12 +330,70 @@ def run_job(
         tracker.close()
     train_s = time.monotonic() - started
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
-    evals = ray.get(scheduler.drain.remote(config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s))
+    wait_s = config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s
+    pending = ray.get(scheduler.pending.remote())
+    if pending and (short := _evals_short(profile, _live(ray.nodes()))):
+        print(
+            f"warning: the evals of step(s) {', '.join(map(str, pending))} may never start: {short}. The job's end "
+            f"waits up to {wait_s:g} s for them (evals.timeout_s); `make stop` ends it now, their checkpoints stay "
+            "pinned and the run's next job runs them",
+            flush=True,
+        )
+    evals = ray.get(scheduler.drain.remote(wait_s))
     end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
     mlflow_run.stop(STOP_WAIT_S)  # an attempt in flight ends first: the courier must not make a second run
     if not finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end):
         print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
     return 0 if status == "FINISHED" else 1
+
+
+def resource_shortfall(profile: ClusterProfile, nodes: list[dict[str, Any]], evals: bool) -> list[str]:
+    """A line per part of the job that the cluster's live nodes (``ray.nodes()``) cannot hold now: Ray waits for the
+    resources without end and says little (Ray Train that its worker group's start timed out, every minute; an eval
+    task nothing at all)."""
+    live = _live(nodes)
+    return [line for line in (_workers_short(profile, live), _evals_short(profile, live) if evals else None) if line]
+
+
+def _live(nodes: list[dict[str, Any]]) -> list[dict[str, float]]:
+    return [node.get("Resources") or {} for node in nodes if node.get("Alive")]
+
+
+def _workers_short(profile: ClusterProfile, live: list[dict[str, float]]) -> str | None:
+    w = profile.workers
+    worker = {"CPU": w.cpus_per_worker, "GPU": w.gpus_per_worker, **w.resources}
+    held = sum(_holds(node, worker) for node in live)
+    if held >= w.min_workers:
+        return None
+    return (
+        f"the cluster's {len(live)} live nodes hold {held} of the {w.min_workers} training workers ({_amounts(worker)} "
+        "each): Ray Train waits for nodes with these resources to join, saying that its worker group's start timed "
+        "out every minute meanwhile"
+    )
+
+
+def _evals_short(profile: ClusterProfile, live: list[dict[str, float]]) -> str | None:
+    ev = profile.evals
+    task = {"CPU": ev.num_cpus, "GPU": ev.num_gpus, "memory": ev.memory_gb * 1e9, **ev.node_resources}
+    if any(_holds(node, task) for node in live):
+        return None
+    return (
+        f"no live node of the cluster can run an eval task ({_amounts(task)}): the evals wait for one to join (the "
+        "profile's evals section)"
+    )
+
+
+def _holds(node: dict[str, float], needs: dict[str, float]) -> int:
+    """How many sets of ``needs`` a node's resources hold."""
+    return min((int(node.get(name, 0) // amount) for name, amount in needs.items() if amount > 0), default=sys.maxsize)
+
+
+def _amounts(needs: dict[str, float]) -> str:
+    return ", ".join(
+        f"memory {amount / 1e9:g} GB" if name == "memory" else f"{name} {amount:g}"
+        for name, amount in needs.items()
+        if amount > 0
+    )
 
 
 def fit(trainer: Any) -> Any:

@@ -68,3 +68,46 @@ def test_an_eval_task_runs_on_the_eval_node_never_on_a_training_node_with_a_free
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def test_a_job_says_which_part_of_it_the_clusters_nodes_cannot_hold(monkeypatch):
+    """A node group with no node up (no capacity for its instance type) left the job waiting without its word: Ray
+    Train retries the worker group's start every minute for ever, and an eval task waits for an eval node; the job's
+    end waited `evals.timeout_s` (an hour) for evals that could not start. Real Ray: two "training" nodes of 2 GPUs, an
+    eval node added later."""
+    import ray
+
+    from cluster.driver.job import resource_shortfall
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    node_args = dict(object_store_memory=100 * 1024**2, include_dashboard=False)
+    profile = load_profile("a100x64")  # 64 workers of 10 CPUs and 1 GPU; evals: 7 CPUs, 1 GPU, 12 GB, the eval node
+    with ray_auth_mode("disabled"):
+        cluster = in_process_cluster(**node_args, num_cpus=20, num_gpus=2, dashboard_agent_listen_port=free_port())
+        try:
+            cluster.add_node(**node_args, num_cpus=25, num_gpus=2, dashboard_agent_listen_port=free_port())
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address)
+            workers, evals = resource_shortfall(profile, ray.nodes(), evals=True)
+            assert workers.startswith(
+                "the cluster's 2 live nodes hold 4 of the 64 training workers (CPU 10, GPU 1 each): Ray Train waits "
+                "for nodes with these resources to join"
+            ), workers
+            assert evals.startswith(
+                "no live node of the cluster can run an eval task (CPU 7, GPU 1, memory 12 GB, vitscale_eval 1): "
+            ), evals
+            assert resource_shortfall(profile, ray.nodes(), evals=False) == [workers]
+            assert resource_shortfall(load_profile("local"), ray.nodes(), evals=True) == []  # 2 x 1 CPU; 1 CPU
+            cluster.add_node(
+                **node_args,
+                num_cpus=8,
+                num_gpus=1,
+                memory=16 * 10**9,
+                resources={"vitscale_eval": 1000},
+                dashboard_agent_listen_port=free_port(),
+            )
+            cluster.wait_for_nodes()
+            assert resource_shortfall(profile, ray.nodes(), evals=True) == [workers.replace("2 live", "3 live")]
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

@@ -579,3 +579,41 @@ def test_a_stale_head_json_never_takes_a_tunnel_for_the_local_head(monkeypatch, 
             jobs.refuse_local_head(remote, url)
     finally:
         server.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launch_refuses_a_run_name_whose_job_still_runs(monkeypatch, tmp_path, capsys, local_demo_data):
+    """`make launch RUN_NAME=r` while a job of run r still runs (its launch Ctrl-C'd: "the job keeps running") started
+    a second job on the same run folder: two trainings saving the same checkpoint steps, one MLflow run. Refused in
+    one line now; a run whose name merely begins the same is no conflict, and an ended job none either."""
+    _token_auth(monkeypatch, tmp_path)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    temp_dir = _ray_temp_dir()
+    path = _local_profile_file(tmp_path / "local_test.yaml", temp_dir)
+    text = path.read_text()
+    for key, value in (("shards", local_demo_data), ("checkpoints", tmp_path / "runs")):
+        text, n = re.subn(rf"{key}: .*", f'{key}: "{value}"', text, count=1)
+        assert n == 1, key
+    path.write_text(text)
+    profile = load_profile(path)
+    sleeper = "python -c 'import time; time.sleep(600)'"
+    try:
+        client = jobs.connect(profile, start_local=True)
+        for job_id in ("vitscale-busy-1700000000", "vitscale-busy-2-1700000001"):
+            client.submit_job(**{**_job(job_id), "entrypoint": sleeper})
+        argv = ["--cluster", str(path), "--run-name", "busy", "--no-follow", "--set", "evals.suite=null"]
+        assert launch.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            "python -m cluster.launch: error: run busy is still being trained by Ray job vitscale-busy-1700000000: "
+        ), err
+        assert err.count("\n") == 1 and "make stop" in err
+        assert not (tmp_path / "runs" / "busy").exists()
+        assert jobs.unfinished_jobs_of(client, "busy-2") == ["vitscale-busy-2-1700000001"]
+        client.stop_job("vitscale-busy-1700000000")
+        _job_end(client, "vitscale-busy-1700000000")
+        assert jobs.unfinished_jobs_of(client, "busy") == []
+    finally:
+        leftover = _stop_our_head(profile, temp_dir)
+    assert leftover == []
