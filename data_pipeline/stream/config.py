@@ -75,12 +75,19 @@ class DataConfig:
 
     def check(self) -> None:
         """ValueError naming ``data.<field>``, its value and the fix."""
-        for name in ("image_size", "global_batch_size", "micro_batch_size"):
+        for name in ("image_size", "global_batch_size", "micro_batch_size", "streams"):
             positive(getattr(self, name), f"data.{name}")
         if self.epoch_images is not None:
             positive(self.epoch_images, "data.epoch_images")
-        for name in ("num_workers", "read_retries", "cache_mb", "shuffle_buffer", "mixup_alpha"):
+        for name in ("num_workers", "read_retries", "cache_mb", "shuffle_buffer", "mixup_alpha", "seed"):
             at_least(getattr(self, name), 0, f"data.{name}")
+        chunk = self.global_batch_size // self.streams
+        if self.mixup_alpha > 0 and chunk < 2:
+            raise ValueError(
+                f"data.mixup_alpha={self.mixup_alpha} mixes samples within each stream's chunk of "
+                f"data.global_batch_size / data.streams = {chunk}; it needs >= 2: set data.streams to at most "
+                "data.global_batch_size / 2, or data.mixup_alpha=0"
+            )
         if self.normalize_on not in ("auto", "loader", "device"):
             raise ValueError(f"data.normalize_on={self.normalize_on!r} must be one of auto, loader, device")
         if self.loader_start_method not in START_METHODS:

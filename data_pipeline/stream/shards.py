@@ -11,6 +11,7 @@ import fsspec
 from webdataset import tariterators
 
 from data_pipeline.manifest import ShardFormatError
+from data_pipeline.paths import is_remote
 from data_pipeline.write.readers import is_safe_member
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,15 @@ _TRANSIENT_NAMES = frozenset(
         "ReadTimeoutError",
     )
 )
+# A store's refusal, or no credentials to show it (botocore's, google-auth's after gcsfs's retries): the fix is the
+# credentials of every process that reads, not a retry
+_NO_CREDENTIALS = frozenset(
+    ("NoCredentialsError", "PartialCredentialsError", "RefreshError", "DefaultCredentialsError")
+)
+_CREDENTIALS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, which expires) on every node",
+    "gs": "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS on every node",
+}
 
 
 def _warn(message: str) -> None:
@@ -54,24 +64,68 @@ def retry_delay_s(attempt: int) -> float:
     return RETRY_FIRST_S * RETRY_FACTOR**attempt
 
 
+def _status(error: BaseException) -> int | None:
+    """The HTTP status a store client's error carries (aiohttp, gcsfs, requests, botocore), if any."""
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        status = status or response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    status = status or getattr(response, "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def _refusal(error: BaseException) -> BaseException | None:
+    """``error``, or the error it was raised from, that refuses this process access: a PermissionError, HTTP 401 or
+    403 (s3fs raises an unknown code's as an OSError, fsspec's HTTP store a FileNotFoundError, gcsfs a 403 as a plain
+    ``OSError("Forbidden: ...")``), no credentials; None if none does."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, PermissionError) or _status(cause) in (401, 403):
+            return cause
+        if type(cause).__name__ in _NO_CREDENTIALS:
+            return cause
+        if type(cause) is OSError and str(cause).startswith("Forbidden"):
+            return cause
+        cause = cause.__cause__
+    return None
+
+
+def refused(error: BaseException) -> bool:
+    return _refusal(error) is not None
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether a read error is worth retrying: an OSError but a missing file or no permission, HTTP 5xx/408/429."""
-    if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+    if refused(error) or isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(error, OSError):
         return True
-    status = getattr(error, "status", None) or getattr(error, "code", None)
-    status = status or getattr(getattr(error, "response", None), "status_code", None)
+    status = _status(error)
     if isinstance(status, int) and (500 <= status < 600 or status in (408, 429)):
         return True
     return type(error).__name__ in _TRANSIENT_NAMES
+
+
+def _unreadable(url: str, error: BaseException) -> ShardFormatError:
+    """One line naming the shard and the fix for a read that no retry mends."""
+    refusal = _refusal(error) or error
+    reason = f"{type(refusal).__name__}: {' '.join(str(refusal).split())}"
+    if is_remote(url) and refused(error):
+        fix = _CREDENTIALS.get(url.split("://")[0], "give every node credentials that can read the shard folder")
+        return ShardFormatError(
+            f"shard {url} cannot be read ({reason}): the store refused this process's credentials, or it has none; "
+            f"{fix}"
+        )
+    return ShardFormatError(
+        f"shard {url} cannot be read ({reason}); give this process read access to the shard folder's files"
+    )
 
 
 def read_shard(url: str, expected: int | None, stats: Counter, retries: int | None = None) -> Iterator[dict]:
     """Samples (``__key__``, ``jpg``, ``cls`` bytes) of the shard at ``url``; transient failures retried
     ``retries`` times (None: `set_read_retries`'s), damage and a shard short of ``expected`` counted in ``stats``."""
     retries = _retries[0] if retries is None else retries
-    count, failures = 0, 0
+    count, failures, got_to = 0, 0, 0  # got_to: samples delivered when the last failure came
     counted: Counter = Counter()  # damage counted so far: a retry re-reads the shard from its start
     while True:
         try:
@@ -81,18 +135,17 @@ def read_shard(url: str, expected: int | None, stats: Counter, retries: int | No
                 count += 1
                 yield sample
             break
-        except FileNotFoundError as err:
-            stats["missing_shards"] += 1
-            _warn(f"shard {url} is missing: {err}")
-            break
         except Exception as err:
-            if isinstance(err, OSError) and not is_transient(err):  # no read permission, a folder: not the data's
-                raise ShardFormatError(
-                    f"shard {url} cannot be read ({type(err).__name__}: {err}); give this process read access to "
-                    "the shard folder's files"
-                ) from err
+            if isinstance(err, FileNotFoundError) and not refused(err):
+                stats["missing_shards"] += 1
+                _warn(f"shard {url} is missing: {err}")
+                break
+            if refused(err) or (isinstance(err, OSError) and not is_transient(err)):  # not the data's: no retry mends
+                raise _unreadable(url, err) from err
             if not is_transient(err):
                 raise
+            if count > got_to:  # this read got further than the last: a new failure, with the whole budget
+                failures, got_to = 0, count
             if failures >= retries:
                 stats["read_failures"] += 1
                 _warn(f"shard {url}: read failed {failures + 1} times ({err!r}); counting the rest of it as damaged")
@@ -123,7 +176,7 @@ class _DamageCount:
 
 def _tar_samples(url: str, damage: _DamageCount) -> Iterator[dict]:
     def handler(exn: Exception) -> bool:
-        if is_transient(exn):
+        if is_transient(exn) or refused(exn):
             raise exn
         damage("read_errors")
         _warn(f"error reading shard {url}: {exn!r}; continuing without it")

@@ -233,7 +233,13 @@ def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
     sha: set[str] = set()
     phashes: list[int] = []
     for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
-        data = file.read_bytes()
+        try:
+            data = file.read_bytes()
+        except OSError as error:  # skipped, the image would pass into the training set unchecked
+            raise ValueError(
+                f"--exclude-like {folder}: cannot read {file} ({error.strerror or error}); make it readable by this "
+                "process, or move it out of the folder"
+            ) from None
         try:
             with Image.open(file) as img:
                 phashes.append(perceptual_hash(img))

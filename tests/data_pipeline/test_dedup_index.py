@@ -105,3 +105,13 @@ def test_an_eval_image_past_the_decompression_bomb_limit_counts_by_its_sha256(tm
     exclusion = load_exclusion(tmp_path)
     assert exclusion.sha256s == {sha256_hex(p.read_bytes()) for p in tmp_path.iterdir()}
     assert len(exclusion) == 1  # the readable image's pHash
+
+
+def test_an_eval_image_that_cannot_be_read_is_one_line_naming_it(tmp_path):
+    """--exclude-like on a folder with a file that cannot be read (here a read that fails with EIO, as a damaged disk
+    or a lost network mount gives) ended in an OSError traceback; skipping it would let the image into the training
+    set unchecked, so it is one line naming the file and the fix."""
+    Image.new("RGB", (16, 16), (3, 4, 5)).save(tmp_path / "ok.png")
+    (tmp_path / "bad.jpg").symlink_to("/proc/self/mem")  # a regular file whose read at offset 0 fails with EIO
+    with pytest.raises(ValueError, match=rf"^--exclude-like {tmp_path}: cannot read {tmp_path / 'bad.jpg'} \("):
+        load_exclusion(tmp_path)

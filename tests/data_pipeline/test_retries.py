@@ -18,10 +18,10 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from data_pipeline.manifest import read_dataset_info
+from data_pipeline.manifest import ShardFormatError, read_dataset_info
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.eval_stream import EvalStream
-from data_pipeline.stream.shards import is_transient, read_shard, retry_delay_s
+from data_pipeline.stream.shards import is_transient, read_shard, refused, retry_delay_s
 from data_pipeline.stream.train_stream import TrainStream
 from pretrain.config.train_config import load_config
 from tests.data_pipeline.test_stream import UNEVEN, make_shards
@@ -30,12 +30,13 @@ from tests.data_pipeline.test_stream import UNEVEN, make_shards
 class _FailingReader:
     """A file that raises EIO once ``limit`` bytes have been read from it (a connection reset mid-read)."""
 
-    def __init__(self, f: Any, limit: int):
+    def __init__(self, f: Any, limit: int, error: OSError | None = None):
         self.f, self.limit, self.done = f, limit, 0
+        self.error = error or OSError(errno.EIO, "Input/output error (flaky:// test storage, mid-read)")
 
     def read(self, n: int = -1) -> bytes:
         if self.done >= self.limit:
-            raise OSError(errno.EIO, "Input/output error (flaky:// test storage, mid-read)")
+            raise self.error
         data = self.f.read(n if n is not None and n >= 0 and n < self.limit - self.done else self.limit - self.done)
         self.done += len(data)
         return data
@@ -57,17 +58,20 @@ class FlakyFileSystem(LocalFileSystem):
     state_dir = ""
     fail_opens = 0
     fail_after_bytes: int | None = None
+    mid_read_error: OSError | None = None  # raised after fail_after_bytes; None: EIO
+    further_each_open = False  # the n-th open fails after n × fail_after_bytes
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         f = super()._open(path, mode, **kwargs)
         if not str(path).endswith(".tar"):
             return f
-        if opens(path) > self.fail_opens:
+        if (n := opens(path)) > self.fail_opens:
             return f
         if self.fail_after_bytes is None:
             f.close()
             raise OSError(errno.EIO, "Input/output error (flaky:// test storage)", str(path))
-        return _FailingReader(f, self.fail_after_bytes)
+        limit = self.fail_after_bytes * (n if self.further_each_open else 1)
+        return _FailingReader(f, limit, self.mid_read_error)
 
 
 def opens(path: str) -> int:
@@ -240,3 +244,100 @@ def test_a_shard_that_cannot_be_read_for_good_is_one_line_naming_it(tmp_path):
     assert message.endswith("give this process read access to the shard folder's files")
     with pytest.raises(ValueError, match=f"^shard {shard} cannot be read"):
         list(EvalStream(root, batch_size=8, image_size=16))
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "http"])
+def test_a_store_that_refuses_this_process_ends_the_read_in_one_line_naming_the_fix(refusing_store, scheme):
+    """A store's 403 (wrong or expired credentials) was, from gcsfs, a plain OSError("Forbidden"): retried, then
+    counted as a damaged shard; from fsspec's HTTP store a FileNotFoundError: counted as a missing shard. A job whose
+    credentials were wrong lost shard after shard, quietly, until a stream had none. Now it is one line naming the
+    fix, with no retry."""
+    where = refusing_store if scheme == "http" else f"{scheme}://vitscale-denied"
+    url = f"{where}/train/shard-000000.tar"
+    stats: Counter = Counter()
+    with pytest.raises(ShardFormatError) as raised:
+        list(read_shard(url, 5, stats, retries=3))
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"shard {url} cannot be read (")
+    assert "the store refused this process's credentials, or it has none; " in message and not stats
+    if scheme != "http":
+        assert ("AWS_ACCESS_KEY_ID" if scheme == "s3" else "GOOGLE_APPLICATION_CREDENTIALS") in message
+
+
+def test_a_401_is_a_refusal_as_a_403_is():
+    """gcsfs raises a 401 as its HttpError, s3fs as an OSError(EIO) from botocore's ClientError (an unknown code):
+    the first ended the run in a traceback, the second was retried and counted as damage."""
+    import botocore.exceptions
+    from gcsfs.retry import HttpError
+    from s3fs.errors import translate_boto_error
+
+    gcs = HttpError({"code": 401, "message": "Invalid Credentials"})
+    answer = {"Error": {"Code": "401", "Message": "Unauthorized"}, "ResponseMetadata": {"HTTPStatusCode": 401}}
+    s3 = translate_boto_error(botocore.exceptions.ClientError(answer, "GetObject"))
+    assert type(s3) is OSError
+    for error in (gcs, s3):
+        assert refused(error) and not is_transient(error)
+    s3_503 = translate_boto_error(
+        botocore.exceptions.ClientError({**answer, "ResponseMetadata": {"HTTPStatusCode": 503}}, "GetObject")
+    )
+    assert is_transient(s3_503) and not refused(s3_503)
+
+
+def test_access_refused_mid_shard_ends_the_read_instead_of_dropping_the_rest(tmp_path, flaky, monkeypatch):
+    """An S3 session token that expires between two range reads of a shard (AccessDenied: PermissionError) was
+    counted as damage in the tar and the rest of the shard dropped, quietly, shard after shard."""
+    root = make_shards(tmp_path / "s")
+    url = read_dataset_info(f"flaky://{root}").shards[3].url
+    monkeypatch.setattr(flaky, "fail_opens", 1)
+    monkeypatch.setattr(flaky, "fail_after_bytes", (root / "shard-000003.tar").stat().st_size // 2)
+    monkeypatch.setattr(flaky, "mid_read_error", PermissionError(errno.EACCES, "Access Denied (token expired)"))
+    stats: Counter = Counter()
+    with pytest.raises(ShardFormatError, match=r"^shard .* cannot be read \(PermissionError: .*Access Denied"):
+        list(read_shard(url, 40, stats))
+    assert not stats["read_errors"] and not stats["truncated_shards"]
+
+
+def test_failures_far_apart_in_one_shard_each_get_the_whole_retry_budget(tmp_path, flaky, monkeypatch):
+    """The retries were a budget per shard, not per failure: a long shard (ImageNet-21k's ~280 MB, read over
+    minutes as the stream consumes it) whose read broke more than data.read_retries times, each time further on and
+    each mended by one retry, was given up and the rest of it counted as damaged. A retry that got further starts
+    the count again; a read that keeps failing at the same place still gives up."""
+    root = make_shards(tmp_path / "s")
+    url = read_dataset_info(f"flaky://{root}").shards[3].url  # 40 samples
+    clean = [s["__key__"] for s in read_shard(str(root / "shard-000003.tar"), 40, Counter())]
+    size = (root / "shard-000003.tar").stat().st_size
+    monkeypatch.setattr(flaky, "fail_opens", 5)  # 5 breaks, at 1/6, 2/6, ... 5/6 of the shard
+    monkeypatch.setattr(flaky, "fail_after_bytes", size // 6)
+    monkeypatch.setattr(flaky, "further_each_open", True)
+    stats: Counter = Counter()
+    assert [s["__key__"] for s in read_shard(url, 40, stats, retries=3)] == clean
+    assert stats == Counter(read_retries=5)
+    for p in Path(flaky.state_dir).iterdir():
+        p.unlink()
+    monkeypatch.setattr(flaky, "further_each_open", False)  # 5 breaks at 1/6: the same failure, again and again
+    stats = Counter()
+    got = [s["__key__"] for s in read_shard(url, 40, stats, retries=3)]
+    assert 0 < len(got) < 40 // 5 and got == clean[: len(got)]
+    assert stats == Counter(read_retries=3, read_failures=1, truncated_shards=1, missing_samples=40 - len(got))
+
+
+def test_no_credentials_at_all_is_the_same_one_line(tmp_path, monkeypatch):
+    """botocore's NoCredentialsError (a node without keys, or an instance role it could not fetch) is no OSError: it
+    ended the train stream in a traceback (a loader worker's, in its message)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: no credentials to sign with
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = "s3://vitscale-shards/train/shard-000000.tar"
+    stats: Counter = Counter()
+    try:
+        with pytest.raises(ShardFormatError, match=r"\(NoCredentialsError: .*it has none; set AWS_ACCESS_KEY_ID"):
+            list(read_shard(url, 5, stats))
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert not stats

@@ -127,6 +127,10 @@ BAD = [
     (["model=vit_b16"], r"model must be a mapping of keys, got 'vit_b16'; set its keys one by one \(model\.name, "),
     (["data.normalize_on=gpu"], r"data\.normalize_on='gpu' is unknown; use one of auto, loader, device"),
     (["data.num_workers=-1"], r"data\.num_workers=-1 must be >= 0"),
+    # passed, then the stream's first shard order failed in numpy ("expected non-negative integer"), naming no field
+    (["data.seed=-1"], r"data\.seed=-1 must be >= 0"),
+    # passed, then every rank failed at its stream, after the engine's build, naming no field
+    (["data.mixup_alpha=0.2", "data.streams=64"], r"data\.mixup_alpha=0\.2 mixes .* = 1; it needs >= 2: set data\.str"),
     (["data.builtin=imagenet"], r"data\.builtin='imagenet' is unknown; use one of fractal, rcdb, .* or unset it"),
     (["data.builtin_options.nope=1"], r"data\.builtin_options\.nope is unknown; valid options: resolution, seed"),
     (["data.builtin_options.background_ramp=x"], r"data\.builtin_options\.background_ramp='x' must be an integer >= 0"),
