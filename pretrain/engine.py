@@ -85,4 +85,27 @@ def build_engine(
     ds_config = engine_config(config, place.world_size, precision, load_universal)
     optimizer = build_optimizer(task, config.optim, place.device.type)
     engine, _, _, _ = deepspeed.initialize(model=task, optimizer=optimizer, config=ds_config)
+    keep_grad_norm(engine)
     return engine, model
+
+
+def keep_grad_norm(engine) -> None:
+    """Without a ZeRO or bf16 optimizer (ZeRO-0 fp32) DeepSpeed drops the norm its clip computes, and
+    `get_global_grad_norm` stays None (no `train/grad_norm`): keep it, from DeepSpeed's own clip (the same numerics), or
+    measured before the step where nothing is clipped (the gradients are all-reduced by then)."""
+    if hasattr(engine.optimizer, "_global_grad_norm"):
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        parameters, max_norm = engine.module.parameters(), engine.gradient_clipping()
+        engine._global_grad_norm = clip_grad_norm_(parameters, max_norm, mpu=engine.mpu)
+
+    def measure(*_) -> None:
+        norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+        engine._global_grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+
+    if engine.gradient_clipping() > 0:
+        engine.clip_fp32_gradients = clip
+    else:
+        engine.optimizer.register_step_pre_hook(measure)

@@ -239,7 +239,18 @@ def compare_resumed(first: list, resumed: list, distinct: int) -> dict:
 
 
 def resume(spec: TrainSpec, out: Results) -> None:
-    """``resume_*``: a new run resumed from the first checkpoint, its losses against the first run's."""
+    """``resume_*``: a new run resumed from the first checkpoint, its losses against the first run's; skipped
+    (``resume_skipped``) if it would end past the deadline, so that the ZeRO settings still run in what is left."""
+    # about the real path's start-up (the checkpoint's read included), the steps and the save at the resume's end
+    estimate = (
+        out.get("train_path_start_s", 0.0)
+        + (spec.resume_steps + 1) * out.get("train_path_step_s", 0.0)
+        + out.get("train_path_checkpoint_save_s", 0.0)
+    )
+    if spec.deadline and time.time() + estimate > spec.deadline:
+        out["resume_skipped"] = f"~{estimate:.0f} s needed, {spec.deadline - time.time():.0f} s left"
+        shutil.rmtree(Path(spec.run_root) / "run", ignore_errors=True)
+        return
     source = Path(spec.run_root) / "run" / "checkpoints" / f"step_{spec.checkpoint_at:08d}"
     stop = spec.checkpoint_at + spec.resume_steps
     config = spec.config(

@@ -3,6 +3,7 @@ the run (or the piece) that showed it."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -100,3 +101,35 @@ def test_mfu_and_exaflops_follow_the_resolution_of_each_step(tiny_fractal_shards
         assert flops == pytest.approx(per_image[32], rel=1e-6), step
         assert metrics[keys.MFU] == pytest.approx(metrics[keys.TFLOPS], rel=1e-9)  # peak 1.0
         assert metrics[keys.EXAFLOPS] == pytest.approx(8 * done / 1e18, rel=1e-9), step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grad_norm_is_logged_at_zero0(tiny_fractal_shards, train_cli, tmp_path):
+    # DeepSpeed keeps the gradient norm only from a ZeRO or bf16 optimizer: at ZeRO-0 (fp32) train/grad_norm was
+    # never logged, with or without clipping.
+    from tracking import keys
+
+    def norms(stage: int, clip: float) -> list[float]:
+        run_dir = tmp_path / f"zero{stage}_clip{clip}"
+        tiny = _tiny(
+            tiny_fractal_shards,
+            run_dir,
+            f"deepspeed.zero_stage={stage}",
+            f"optim.grad_clip={clip}",
+            "schedule.stop_at_step=2",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=4",
+            "logging.log_every=1",
+        )
+        train_cli(tiny, run_dir)
+        return [
+            run_folder.TrainerState.read(run_folder.checkpoint_dir(run_dir, step)).metrics.get(keys.GRAD_NORM)
+            for step in (1, 2)
+        ]
+
+    clipped, unclipped, zero1 = norms(0, 1.0), norms(0, 0.0), norms(1, 1.0)
+    assert None not in zero1
+    # the same weights and batch at step 1: DeepSpeed's norm at ZeRO-1, before any clip
+    assert clipped[0] == pytest.approx(zero1[0], rel=1e-5) and unclipped[0] == pytest.approx(zero1[0], rel=1e-5)
+    assert clipped[1] == pytest.approx(zero1[1], rel=1e-4) and 0 < unclipped[1] < math.inf

@@ -28,8 +28,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,13 +92,23 @@ def _env(accelerator: str = "cpu", **extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], timeout: int, accelerator: str = "cpu", **env: str) -> subprocess.CompletedProcess:
-    """Run in its own session; on a timeout, end torchrun and its ranks (`communicate_or_end`), never leaking them."""
+    """Run in pytest's process group, which a signal to the group (`timeout` in bench/gpu/device.sh, Ctrl-C) reaches:
+    torchrun then ends its ranks (sessions of their own). On a timeout, or the test's own (pytest-timeout), end torchrun
+    and its ranks (`communicate_or_end`), never leaking them."""
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator, **env), start_new_session=True, **pipes)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(accelerator, **env), **pipes)
     try:
         out, _ = communicate_or_end(proc, timeout)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"{cmd[:6]} timed out after {timeout}s:\n{(expired.output or '')[-4000:]}")
+    finally:
+        if proc.poll() is None:  # the test ended some other way: torchrun ends its ranks on SIGTERM
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
@@ -654,3 +666,74 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
     for launch in ("w", "r"):
         traced = dynamo_traced((tmp_path / launch / "output.log").read_text())
         assert traced == [(rank, "forward", ("model", "vit.py")) for rank in "01"], (launch, traced)
+
+
+SLEEPING_RANK = """
+import os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+TEST_UNDER_TORCHRUN = """
+import sys
+from cluster.local_head import free_port
+from tests.pretrain.test_train_distributed import _run
+
+
+def test_ranks(tmp_path):
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1"]
+    _run([*torchrun, f"--master-port={{port}}", {script!r}, {pid!r}], timeout=600)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["its own timeout", "a signal to its group"])
+def test_a_test_ended_while_torchrun_trains_leaves_no_rank(how, tmp_path):
+    """A test whose torchrun (a GPU test's) was still training when the test ended: by its pytest-timeout (SIGALRM),
+    or by a SIGTERM to pytest's group (`timeout` in `bench/gpu/device.sh tests`, which then SIGKILLs that group).
+    torchrun ran in a session of its own, out of the signal's reach, and nothing ended it: it and its ranks trained on,
+    holding the GPU, into the next tests."""
+    import psutil
+
+    script, pid_file = tmp_path / "rank.py", tmp_path / "rank.pid"
+    script.write_text(SLEEPING_RANK)
+    test = tmp_path / "test_inner.py"
+    test.write_text(TEST_UNDER_TORCHRUN.format(script=str(script), pid=str(pid_file)))
+    command = [sys.executable, "-m", "pytest", str(test), "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    command += ["--rootdir", str(tmp_path), "-o", "addopts=", "--timeout=600"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "pytest.log"
+    with open(log, "w") as out:  # its own group, as `timeout` makes one
+        pytest_proc = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, stdout=out, stderr=out)
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    rank = None
+    try:
+        while not pid_file.is_file():
+            assert pytest_proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        rank = int(pid_file.read_text())
+        if how == "its own timeout":  # pytest-timeout's signal: the test fails where it waits
+            pytest_proc.send_signal(signal.SIGALRM)
+        else:
+            os.killpg(pytest_proc.pid, signal.SIGTERM)
+        pytest_proc.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(rank), f"the rank outlived the test ({how}):\n{log.read_text()[-3000:]}"
+    finally:
+        if pytest_proc.poll() is None:
+            os.killpg(pytest_proc.pid, signal.SIGKILL)
+            pytest_proc.wait()
+        for p in psutil.process_iter(["cmdline"]):  # what a failure leaves: torchrun and its rank
+            if str(script) in " ".join(p.info["cmdline"] or []):
+                p.kill()
