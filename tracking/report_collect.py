@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tracking import keys
-from tracking.report_goodput import Goodput, read_goodput, read_tails
+from tracking.report_goodput import Goodput, is_finite, read_goodput, read_tails
 from tracking.report_goodput import _finite as _latest
 
 COMPARISON_KIND = "comparison"  # keys.KIND of the runs reports are logged to
@@ -54,8 +53,8 @@ class RunSummary:
 
     @property
     def fewshot_gain(self) -> float | None:
-        """The latest 10-shot mean minus its step-0 value (None without both)."""
-        if self.fewshot_baseline is None or self.fewshot_10shot is None:
+        """The latest 10-shot mean minus its step-0 value (None without both, or with no checkpoint after step 0)."""
+        if self.fewshot_baseline is None or self.fewshot_10shot is None or not self.fewshot_last_step:
             return None
         return self.fewshot_10shot - self.fewshot_baseline
 
@@ -85,9 +84,27 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) sorted by step; a step logged twice (a resumed run) keeps the later value."""
     by_step: dict[int, tuple[int, float]] = {}
     for m in client.get_metric_history(run_id, key):
-        if math.isfinite(m.value) and (m.step not in by_step or m.timestamp >= by_step[m.step][0]):
+        if is_finite(m.value) and (m.step not in by_step or m.timestamp >= by_step[m.step][0]):
             by_step[m.step] = (m.timestamp, m.value)
     return [(step, by_step[step][1]) for step in sorted(by_step)]
+
+
+def _newest_ledger(client, run_id: str, metrics: dict) -> dict:
+    """``metrics`` with the `goodput/` values of the newest ledger logged. Each job logs its own, at its steps; MLflow's
+    latest value is the highest step's: an earlier job's, while a relaunch that resumed from an earlier checkpoint has
+    not passed that step (or ended below it)."""
+    if keys.GOODPUT_WALL_S not in metrics:
+        return metrics
+    wall = client.get_metric_history(run_id, keys.GOODPUT_WALL_S)
+    newest = max(wall, key=lambda m: (m.timestamp, m.step), default=None)
+    if newest is None or newest.step == max(m.step for m in wall):
+        return metrics
+    ledger = {k: v for k, v in metrics.items() if not k.startswith(keys.GOODPUT_PREFIX)}
+    for key in (k for k in metrics if k.startswith(keys.GOODPUT_PREFIX)):
+        at = [m for m in client.get_metric_history(run_id, key) if m.step == newest.step]
+        if at:
+            ledger[key] = max(at, key=lambda m: m.timestamp).value
+    return ledger
 
 
 def _interp(step: int, table: list[tuple[int, float]]) -> float:
@@ -97,16 +114,19 @@ def _interp(step: int, table: list[tuple[int, float]]) -> float:
 
 
 def _patch_size(model: str | None, params: dict) -> int | None:
-    """Param ``model.patch_size``, else the model name's trailing digits (``r50_vit_b16`` → 16, ``vit_tiny_debug``
-    → None)."""
-    if "model.patch_size" in params:
-        return int(params["model.patch_size"])
+    """Pixels per token side: the model name's trailing digits (``r50_vit_b16`` → 16, where param
+    ``model.patch_size`` is 1: its ViT's patch on the ResNet's features), else that param (``vit_tiny_debug``)."""
     match = re.search(r"(\d+)$", model or "")
-    return int(match.group(1)) if match else None
+    if match:
+        return int(match.group(1))
+    return int(params["model.patch_size"]) if "model.patch_size" in params else None
 
 
 def _effective_status(mlflow_status: str, vitscale_status: str) -> str:
-    """MLflow's, except a RUNNING run whose ``vitscale.status`` says it ended takes that."""
+    """MLflow's, except a RUNNING run whose ``vitscale.status`` says it ended takes that, and a FINISHED one that says
+    it stopped (``schedule.stop_at_step``; a standalone run ends its MLflow run FINISHED then) is STOPPED."""
+    if mlflow_status == "FINISHED" and vitscale_status.lower() == "stopped":
+        return "STOPPED"
     if mlflow_status != "RUNNING":
         return mlflow_status
     return {"finished": "FINISHED", "failed": "FAILED", "stopped": "STOPPED"}.get(vitscale_status.lower(), "RUNNING")
@@ -130,7 +150,7 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
     if fewshot and flops:
         fewshot_curve = tuple((_interp(step, flops), value, step) for step, value in fewshot if step > 0)
 
-    finetune = {m.group(1): v for k, v in metrics.items() if (m := _FINETUNE_KEY.match(k)) and math.isfinite(v)}
+    finetune = {m.group(1): v for k, v in metrics.items() if (m := _FINETUNE_KEY.match(k)) and is_finite(v)}
     vtab_count = _latest(metrics, keys.VTAB_NUM_TASKS)
     vtab_expected = _latest(metrics, keys.VTAB_NUM_TASKS_EXPECTED)
 
@@ -184,7 +204,7 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         fewshot_last_step=fewshot[-1][0] if fewshot else None,
         model_uri=tags.get(keys.MODEL_URI),
         model_step=_int_tag(tags.get(keys.MODEL_STEP)),
-        goodput=read_goodput(metrics),
+        goodput=read_goodput(_newest_ledger(client, info.run_id, metrics)),
         step_tails=read_tails(metrics, keys.step_time_percentile),
         data_wait_tails=read_tails(metrics, keys.data_wait_percentile),
     )

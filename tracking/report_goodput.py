@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +46,15 @@ class Goodput:
         return None if value is None or not self.wall_s else value / self.wall_s
 
 
+def is_finite(value: float) -> bool:
+    """Neither NaN nor +-inf, nor +-`sys.float_info.max`: MLflow's SQL stores keep +-inf so (runs logged before the
+    Tracker sent NaN instead)."""
+    return math.isfinite(value) and abs(value) != sys.float_info.max
+
+
 def _finite(metrics: dict, key: str) -> float | None:
     value = metrics.get(key)
-    return None if value is None or not math.isfinite(value) else float(value)
+    return None if value is None or not is_finite(value) else float(value)
 
 
 def read_goodput(metrics: dict) -> Goodput | None:

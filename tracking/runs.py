@@ -79,6 +79,13 @@ def get_or_create_experiment(client, tracking_uri: str, experiment: str) -> str:
     from mlflow.exceptions import MlflowException  # heavy
 
     found = client.get_experiment_by_name(experiment)
+    if found is not None and found.lifecycle_stage == "deleted":  # MLflow refuses its runs, and keeps its name
+        number = found.experiment_id
+        raise MlflowException(
+            f"experiment {experiment!r} (id {number}) is deleted: restore it with `mlflow experiments restore "
+            f"--experiment-id {number}`, or delete it for good with `mlflow gc --experiment-ids {number}` "
+            f"(MLFLOW_TRACKING_URI={tracking_uri})"
+        )
     if found is not None:
         return found.experiment_id
     try:
@@ -354,7 +361,7 @@ def _create_job_run(
     recorded = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
     if recorded is not None:  # another process of the job created it meanwhile
         return recorded
-    params = flatten_config(config)
+    params = flatten_config(config, long_keys=True)  # a key MLflow refuses: the Tracker skips it with a warning
     params.pop(keys.RUN_ID_PARAM, None)
     run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)
     write_text_atomically(run_dir / RUN_RECORD, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))

@@ -14,7 +14,7 @@ from tracking import keys
 from tracking.compare import main
 from tracking.report_collect import collect
 from tracking.report_render import CSV_NAME, FEWSHOT_PNG, LOSS_PNG, draw_fewshot, format_table
-from tracking.runs import create_run, run_tags
+from tracking.runs import create_run, finish_run, run_tags
 from tracking.tracker import Tracker
 
 pytestmark = pytest.mark.timeout(180)
@@ -215,7 +215,61 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     assert "No run has few-shot 10-shot results" not in page  # the placeholder text lives in the PNG
     assert "no-evals: no few-shot eval logged" in page
     assert "only-step0: only step 0 evaluated so far (no checkpoint after it)" in page
+    # Its latest 10-shot mean is step 0's own: no gain yet, not "+0.0 pp" beside the runs that gained something.
+    [step0] = collect(_client(uri), uri, run_ids=(only0,)).runs
+    assert step0.fewshot_10shot == step0.fewshot_baseline == pytest.approx(0.18) and step0.fewshot_gain is None
     assert Image.open(out / "m" / FEWSHOT_PNG).size[0] > 100
+
+
+def test_a_run_stopped_at_its_stop_step_is_stopped_not_finished(mlflow_uri, tmp_path):
+    """A standalone run that reached `schedule.stop_at_step` ends its MLflow run FINISHED, tagged vitscale.status
+    'stopped' (pretrain.loop): the report took MLflow's FINISHED and ranked it with the runs that trained to the end
+    of their schedules, its line solid and no note."""
+    run_id, _ = _log_run(mlflow_uri, "stop", "half", model="vit_s16", recipe="r", steps=6, gflops=1, status="RUNNING")
+    assert finish_run(mlflow_uri, run_id, "FINISHED", "stopped")  # as pretrain.loop ends it
+    [run] = collect(_client(mlflow_uri), mlflow_uri, experiment="stop").runs
+    assert run.status == "STOPPED" and "run stopped before the end of its schedule, at step 6" in run.notes
+
+
+def test_a_hybrids_patch_is_its_names_not_its_vits_patch_on_the_resnet_features(mlflow_uri):
+    """pretrain.loop logs `model.patch_size` as the ViT's patch on its input: 1 for a hybrid, whose ResNet stem does
+    the downsampling. R50+ViT-B/16 showed as Patch 1 beside ViT-B/16's 16; its tokens are 16x16 pixels, as its name
+    says."""
+    client = _client(mlflow_uri)
+    for model, patch in (("r50_vit_b16", 1), ("vit_b16", 16), ("vit_tiny_debug", 4)):
+        run_id = create_run(mlflow_uri, "hybrid", model, {"model": {"name": model}}, run_tags("r", model, 2))
+        client.log_param(run_id, "model.patch_size", patch)  # as pretrain.loop logs it
+    runs = collect(client, mlflow_uri, experiment="hybrid").runs
+    assert {r.model: r.patch for r in runs} == {"r50_vit_b16": 16, "vit_b16": 16, "vit_tiny_debug": 4}
+
+
+def test_infinities_an_sql_store_kept_as_the_largest_float_are_no_numbers(mlflow_uri, tmp_path, capsys):
+    """MLflow's SQL stores keep +-inf as +-1.797e308, which runs logged before the Tracker sent NaN hold: a finite
+    number to every reader. The report showed it as a loss, and stopped in matplotlib on the loss plot."""
+    from mlflow.entities import Metric
+
+    client = _client(mlflow_uri)
+    run_id = create_run(mlflow_uri, "old", "inf-run", {}, run_tags("r", "vit_s16", 2))
+    inf = float("inf")
+    points = {1: 3.0, 2: 2.5, 3: inf, 4: -inf}
+    metrics = [Metric(keys.LOSS, v, 1000 + s, s) for s, v in points.items()]
+    metrics += [Metric(keys.IMAGES_SEEN, 64.0 * s, 1000 + s, s) for s in points]
+    metrics += [Metric(keys.EXAFLOPS, 1e-6 * s, 1000 + s, s) for s in points]
+    metrics += [Metric(keys.FEWSHOT_MEAN_10SHOT, v, 1000 + s, s) for s, v in ((0, 0.1), (2, 0.3), (4, inf))]
+    metrics += [Metric(keys.GOODPUT_WALL_S, inf, 2000, 4), Metric(keys.goodput_bucket("productive"), 3.0, 2000, 4)]
+    metrics += [Metric(keys.finetune_accuracy("digits"), -inf, 2000, 4), Metric(keys.VTAB_MEAN, inf, 2000, 4)]
+    client.log_batch(run_id, metrics=metrics)
+    assert client.get_run(run_id).data.metrics[keys.VTAB_MEAN] == 1.7976931348623157e308  # as the store keeps it
+    client.set_terminated(run_id)
+    [run] = collect(client, mlflow_uri, experiment="old").runs
+    assert (run.final_loss, [loss for _, loss in run.loss_curve]) == (2.5, [3.0, 2.5])
+    assert (run.fewshot_10shot, run.finetune_accuracy, run.vtab_mean) == (None, None, None)
+    assert [(step, acc) for _, acc, step in run.fewshot_curve] == [(2, 0.3)]
+    assert run.goodput.wall_s == 3.0  # the buckets' sum, as without a logged wall-clock
+    out = tmp_path / "reports"
+    assert main(["--experiment", "old", "--tracking-uri", mlflow_uri, "--out", str(out), "--no-mlflow"]) == 0
+    printed = capsys.readouterr().out + (out / "old" / CSV_NAME).read_text() + (out / "old" / "index.html").read_text()
+    assert "e+308" not in printed and "1.797" not in printed and "1.798" not in printed
 
 
 def test_empty_experiment_and_unknown_experiment(store, tmp_path, capsys):

@@ -216,3 +216,25 @@ def test_partial_and_inconsistent_ledgers():
         "empty: no wall-clock in its goodput ledger yet",
     ]
     assert goodput_line(empty) == "— of 0.0 s wall-clock: no time"
+
+
+def test_a_relaunch_that_ended_below_the_first_jobs_step_shows_its_own_ledger(store):
+    """Each job logs its own ledger at its steps. A relaunch resuming the run from an earlier checkpoint, failed (or
+    still running) below the first job's last step, was shown the first job's ledger: MLflow's latest value is the
+    highest step's. The newest job's ledger is the run's."""
+    from mlflow.entities import Metric
+
+    uri, _ = store
+    client = _client(uri)
+    experiment = client.create_experiment("relaunched")
+    run_id = client.create_run(experiment, run_name="relaunched").info.run_id
+    first, second = 1_000_000, 2_000_000  # ms: the relaunch's ledger is the newer one, at lower steps
+    monitor = {"productive": 50.0, "startup": 20.0}  # the relaunch's, while it trained
+    logged = [(first, 500, STEADY), (second, 420, monitor), (second + 1, 450, RESTARTED)]
+    batch = [Metric(keys.LOSS, 2.0, first, 500)]
+    for ms, step, seconds in logged:
+        batch += [Metric(k, v, ms, step) for k, v in _ledger_metrics(seconds).items()]
+    client.log_batch(run_id, metrics=batch)
+    [run] = collect(client, uri, experiment="relaunched").runs
+    assert dict(run.goodput.seconds) == {b: RESTARTED.get(b, 0.0) for b in keys.GOODPUT_BUCKETS}
+    assert (run.goodput.wall_s, run.goodput.fraction) == (500.0, pytest.approx(0.6))

@@ -457,3 +457,41 @@ def test_the_runs_first_records_wait_in_the_spool_when_the_server_fails_right_af
     assert runs.send_spooled(record, timeout_s=60) == (3, 0)
     assert _client(server.uri).get_run(run_id).data.params == {"model.name": "vit", keys.RUN_ID_PARAM: run_id}
     assert [a.path for a in _client(server.uri).list_artifacts(run_id)] == ["plan.json"]
+
+
+@pytest.mark.timeout(120)
+def test_a_deleted_experiment_is_one_warning_naming_the_fix_and_a_restore_creates_the_run(
+    mlflow_uri, monkeypatch, tmp_path, capsys
+):
+    """Deleting a recipe's experiment in the MLflow UI keeps its name, and MLflow refuses new runs in it: every later
+    launch's creation failed with MLflow's "must be in the 'active' state", retried for good and never said the fix.
+    The warning says it; once restored, the retry creates the run."""
+    monkeypatch.setattr(runs, "CREATE_RETRY_MAX_S", 0.5)
+    client = _client(mlflow_uri)
+    runs.create_run(mlflow_uri, "deleted-recipe", "first", {}, {})
+    experiment_id = client.get_experiment_by_name("deleted-recipe").experiment_id
+    client.delete_experiment(experiment_id)
+    job_run = runs.start_job_run(tmp_path / "relaunch", mlflow_uri, "deleted-recipe", {"seed": 1}, {}, {}, wait_s=30)
+    try:
+        [warning] = _warnings(capsys.readouterr().err, mlflow_uri)
+        assert f"`mlflow experiments restore --experiment-id {experiment_id}`" in warning, warning
+        assert f"`mlflow gc --experiment-ids {experiment_id}`" in warning and job_run.run_id is None
+        client.restore_experiment(experiment_id)
+        run_id = job_run.wait(timeout_s=30)
+    finally:
+        job_run.stop(wait_s=15)
+    assert run_id is not None and client.get_run(run_id).info.experiment_id == experiment_id
+
+
+@pytest.mark.timeout(120)
+def test_a_config_key_longer_than_mlflows_limit_is_skipped_not_retried_for_good(mlflow_uri, tmp_path, caplog):
+    """A task's options are the task's to check: a registered task taking a mapping with long names made a config key
+    over MLflow's 250 characters, and the job's run creation raised on it, retried until the job ended. The run is
+    created and that one param skipped with a warning, as the Trackers' params are."""
+    long_key = "k" * 260
+    config = {"seed": 1, "task": {"name": "custom", "options": {long_key: 1}}}
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        run_id = runs.open_job_run(tmp_path / "long", mlflow_uri, "long-keys", config, {}, {})
+    params = _client(mlflow_uri).get_run(run_id).data.params
+    assert params == {"seed": "1", "task.name": "custom", keys.RUN_ID_PARAM: run_id}
+    assert f"MLflow refuses params named 'task.options.{long_key}'" in caplog.text
