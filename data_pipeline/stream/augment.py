@@ -320,7 +320,8 @@ def _affine(img: Image.Image, matrix: tuple) -> Image.Image:
 
 
 def _enhance(kind):
-    return lambda img, m, rng: kind(img).enhance(1 + _signed(_level(m, 0.9), rng))
+    # floored as timm's: past magnitude 10 a factor below 0 blackens (brightness) or inverts the image
+    return lambda img, m, rng: kind(img).enhance(max(0.1, 1 + _signed(_level(m, 0.9), rng)))
 
 
 _OPS = {

@@ -73,12 +73,18 @@ class MPPConfig:
 
 def mean_color_targets(images: torch.Tensor, patch_pixels: int, bits: int = 3) -> torch.Tensor:
     """Each patch's mean-colour class (B, N): per channel floor((m + 1) / 2 · 2^bits), clipped, then
-    (r·2^bits + g)·2^bits + b."""
+    (r·2^bits + g)·2^bits + b. Exact for 8-bit pixels in [-1, 1] in any float dtype."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"mean_color_targets needs RGB images (B, 3, H, W), got {tuple(images.shape)}")
-    means = F.avg_pool2d(images.float(), kernel_size=patch_pixels, stride=patch_pixels)  # (B, 3, gh, gw)
+    # Back to 0..255: bf16 moves a pixel's level by up to 1/4 and float32 by ~1e-5, which would shift the patches
+    # whose mean sits at or near a class boundary; a level within that of a whole one is taken to be it.
+    pixels = images.float().add(1.0).mul_(127.5)
+    whole = pixels.round()
+    pixels = torch.where((pixels - whole).abs_() < (0.3 if images.element_size() < 4 else 1e-3), whole, pixels)
+    # float32 sums of whole levels are exact (< 2^24), and so is the floor of their correctly rounded quotient
+    sums = F.avg_pool2d(pixels, kernel_size=patch_pixels, stride=patch_pixels, divisor_override=1)  # (B, 3, gh, gw)
     levels = 2**bits
-    q = torch.floor((means.clamp(-1.0, 1.0) + 1.0) / 2.0 * levels).clamp(0, levels - 1).long()
+    q = torch.floor(sums * levels / (255 * patch_pixels**2)).clamp(0, levels - 1).long()
     index = (q[:, 0] * levels + q[:, 1]) * levels + q[:, 2]  # (B, gh, gw)
     return index.flatten(1)  # (B, N)
 
@@ -160,6 +166,8 @@ class MaskedPatchPrediction(nn.Module):
 
     def corrupted_pass(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens (B, P+N, D), colour cross-entropy, accuracy over corrupted patches)."""
+        # before the encoder's activations: its float32 temporaries are a few images' size
+        targets = mean_color_targets(images, self.model.config.stride, self.config.color_bits).to(images.device)
         tokens = self.model.embed_patches(images)  # (B, N, D)
         b, n, _ = tokens.shape
         if self.training:  # seeded by the trainer
@@ -171,7 +179,6 @@ class MaskedPatchPrediction(nn.Module):
         patch_out = encoded[:, encoded.shape[1] - n :]  # (B, N, D)
         corrupted = plan.corrupted.to(images.device)
         logits = self.head(patch_out[corrupted])  # (M, num_colors): 512 at color_bits=3
-        targets = mean_color_targets(images, self.model.config.stride, self.config.color_bits).to(images.device)
         targets = targets[corrupted]  # (M,)
         loss = F.cross_entropy(logits.float(), targets)
         with torch.no_grad():

@@ -350,3 +350,22 @@ def test_a_truncated_jpeg_is_an_error_even_where_the_decoder_stops_early_and_tra
     padded = data + b"\0" * 100  # bytes after the end-of-image marker: PIL decodes such files; so do we
     assert not jpeg_truncated(padded)
     assert np.array_equal(decode_eval(padded, 224), decode_eval(data, 224))
+
+
+@pytest.mark.parametrize("m", [15, 30])
+def test_randaugment_past_magnitude_10_never_inverts_or_blackens_an_image(m):
+    """AugReg's L/16 recipe is RandAugment(2, 15): a colour, contrast, brightness or sharpness factor 1 - 0.09 m
+    below 0 turned an image black (brightness) or inverted it; timm floors the factor at 0.1."""
+    img = Image.fromarray(np.random.default_rng(0).integers(30, 226, (24, 24, 3), dtype=np.uint8))
+    before = np.asarray(img, dtype=np.float64).ravel()
+    weakened = set()
+    for seed in range(400):
+        rng = np.random.default_rng(seed)
+        op = RANDAUGMENT_OPS[int(rng.integers(len(RANDAUGMENT_OPS), size=1)[0])]
+        if op not in ("color", "contrast", "brightness", "sharpness"):
+            continue
+        after = np.asarray(randaugment(img, 1, m, np.random.default_rng(seed)), dtype=np.float64).ravel()
+        assert np.corrcoef(before, after)[0, 1] > 0, (op, seed)
+        if after.std() < before.std() or after.mean() < before.mean():
+            weakened.add(op)
+    assert {"contrast", "brightness"} <= weakened  # the negative draws were among them

@@ -196,3 +196,38 @@ def test_mpp_options_of_the_wrong_type_are_refused_naming_the_option(options):
     for task in ("mpp", "classification_mpp"):
         with pytest.raises(ValueError, match=rf"task\.options\.{name}=.* must be"):
             check_config(LossConfig(), TaskConfig(task, dict(options)))
+
+
+def _eight_bit_targets(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """The targets by integer arithmetic: floor(patch sum · 8 / (255 · patch²)) per channel."""
+    sums = torch.nn.functional.avg_pool2d(pixels.double(), patch, divisor_override=1).long()
+    q = torch.div(sums * 8, 255 * patch * patch, rounding_mode="floor").clamp(0, 7)
+    return ((q[:, 0] * 8 + q[:, 1]) * 8 + q[:, 2]).flatten(1)
+
+
+def test_mean_color_targets_of_bf16_images_are_those_of_their_8_bit_pixels():
+    """bf16 training hands the task bf16 images: their targets must still be the pixels' (a channel at 223 rounds
+    to 0.75 in bf16, level 7 instead of 6)."""
+    g = torch.Generator().manual_seed(0)
+    smooth = torch.nn.functional.interpolate(torch.rand(8, 3, 7, 7, generator=g) * 255, size=112, mode="bilinear")
+    pixels = (smooth + 8 * torch.randn(smooth.shape, generator=g)).clamp(0, 255).round()
+    pixels[0, :, :16, :16] = 223  # a flat patch just under a level boundary
+    images = pixels.mul(1 / 127.5).sub(1.0)  # the loader's normalisation
+    expected = _eight_bit_targets(pixels, 16)
+    assert expected[0, 0] == (6 * 8 + 6) * 8 + 6
+    assert torch.equal(mean_color_targets(images, 16), expected)
+    assert torch.equal(mean_color_targets(images.bfloat16(), 16), expected)
+    assert torch.equal(mean_color_targets(images.half(), 16), expected)
+
+
+def test_a_patch_mean_exactly_on_a_level_boundary_takes_the_upper_level():
+    """floor is exact: a 16 px patch summing to 255 · 32 · k has mean colour k / 8 of the range, level k."""
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.empty(7, 3, 16, 16)
+    for k in range(1, 8):
+        total = 255 * 32 * k
+        flat = torch.full((256,), total // 256, dtype=torch.float32)
+        flat[: total % 256] += 1
+        pixels[k - 1] = flat[torch.randperm(256, generator=g)].view(1, 16, 16)
+    targets = mean_color_targets(pixels.mul(1 / 127.5).sub(1.0), 16)
+    assert targets.flatten().tolist() == [(k * 8 + k) * 8 + k for k in range(1, 8)]
