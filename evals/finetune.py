@@ -26,9 +26,10 @@ from evals.features import (
     shared_models_on_host,
     split_info,
 )
+from pretrain.config.precision import decide
 from tracking import keys
 
-Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on CUDA, plain fp32 elsewhere
+Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 autocast on a GPU with bf16 tensor cores, else plain fp32
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,13 @@ def check_crop_padding(padding: int, size: int, setting: str) -> None:
         )
 
 
-def autocast_dtype(precision: str, device: str) -> torch.dtype | None:
-    """bf16 for ``bf16``, and for ``auto`` on CUDA; None (plain fp32) otherwise."""
-    if precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda"):
-        return torch.bfloat16
-    return None
+def autocast_dtype(precision: str, device: str, cuda_bf16: bool | None = None) -> torch.dtype | None:
+    """bf16 for ``bf16``, and for ``auto`` on CUDA where pre-training's rule (`decide`) picks it: not on a GPU without
+    bf16 tensor cores, which emulates it. ``cuda_bf16``: None → `cuda_bf16_units` (True until CUDA is set up: a plan).
+    None (plain fp32) otherwise."""
+    if precision == "auto" and torch.device(device).type == "cuda":
+        return torch.bfloat16 if decide("auto", "cuda", cuda_bf16=cuda_bf16).precision == "bf16" else None
+    return torch.bfloat16 if precision == "bf16" else None
 
 
 def _autocast(device: str, dtype: torch.dtype | None):
@@ -318,7 +321,7 @@ def select_lr_and_evaluate(
 ) -> FinetuneResult:
     """One run per lr on ``train`` scored on ``val``; the best lr (ties → smaller) re-run on ``train + val``, scored on
     ``test``'s batches. Every run starts from a fresh ``make_model()``."""
-    val_scores, dtype = {}, autocast_dtype(opts.precision, device)
+    val_scores = {}
     run = dict(num_classes=num_classes, opts=opts, device=device, log=log)
     for lr in opts.lr_grid:
         try:
@@ -328,6 +331,7 @@ def select_lr_and_evaluate(
             if log is not None:
                 log(f"finetune: lr={lr:g} diverged, not chosen ({error})")
             continue
+        dtype = autocast_dtype(opts.precision, device)  # as the run's: asked once a model is there (CUDA set up)
         val_scores[float(lr)] = accuracy(model, *val, batch_size=opts.eval_batch_size, device=device, dtype=dtype)
         if log is not None:
             log(f"finetune: lr={lr:g} held-out accuracy {val_scores[float(lr)]:.4f}")
@@ -339,7 +343,7 @@ def select_lr_and_evaluate(
     full = torch.cat([train[0], val[0]]), np.concatenate([train[1], val[1]])
 
     def on_test(m) -> float:
-        return accuracy_over(m, test, device=device, dtype=dtype)
+        return accuracy_over(m, test, device=device, dtype=autocast_dtype(opts.precision, device))
 
     at = set(opts.eval_steps) - {opts.steps}  # the last step is the final score, measured once below
     model, curve = train_classifier(

@@ -167,9 +167,16 @@ class VtabOptions:
 
 
 def _linear_probe(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> tuple[float, str]:
-    x, y, _ = suite_features(ctx, train_dir, opts)
+    x, y, info = suite_features(ctx, train_dir, opts)
     test_x, test_y, _ = suite_features(ctx, test_dir, opts)
-    tr, va = vtab_indices(len(y), opts.train_examples, opts.val_examples, opts.seed)
+    # _finetune's draw: over the manifest's count, at stream positions (a skipped damaged sample does not redraw)
+    tr, va = vtab_indices(info.num_samples, opts.train_examples, opts.val_examples, opts.seed)
+    last = int(max(tr.max(), va.max()))
+    if last >= len(y):
+        raise ValueError(
+            f"{info.path}: the stream read {len(y)} of the {info.num_samples} samples its manifest lists, but the draw "
+            f"needs position {last}; repair the split (`python -m data_pipeline.validate {info.path}`)"
+        )
     x, test_x = x.astype(np.float64), test_x.astype(np.float64)
     solver = RidgeSolver.fit(x[tr], y[tr], num_classes)
     val = {float(l2): solver.accuracy(x[va], y[va], l2) for l2 in opts.l2_grid}

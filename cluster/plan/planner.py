@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from cluster.plan import comms, memory, mfu, storage
-from cluster.plan.checkpoint_costs import baseline_eval, checkpoint_space_warning
+from cluster.plan.checkpoint_costs import baseline_eval, checkpoint_space_warning, pinned_beyond_kept
 from cluster.plan.comms import CommPlan
 from cluster.plan.compute import ComputePlan, compute_plan, gpu_bf16_of, profile_peak, step_time
 from cluster.plan.data_wait import data_wait, loader_host_bytes
 from cluster.plan.errors import PlanError
+from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.evals.cost import EvalsPlan, plan_evals
 from cluster.plan.memory import MemoryPlan
 from cluster.plan.startup import StartupAllowance, startup_allowance
@@ -401,6 +402,11 @@ def build_plan(profile: ClusterProfile, config: TrainConfig, span: int | None = 
         runtime_extras=_runtime_extras(profile, data, logs_model),
         final_model=final_model,
     )
+    # The disk holds what the evals keep pinned too: known once they are priced.
+    cadence = EvalCadence(config.evals.schedule(), config.checkpoint.every_steps, compute.total_steps)
+    pinned = pinned_beyond_kept(plan.evals, cadence, compute.step_time_s, config.checkpoint.keep_last)
+    space = checkpoint_space_warning(config, model.num_params, pinned, runs_here=profile.is_local)
+    plan = replace(plan, data=replace(data, warnings=(*data.warnings, *space)))
     if profile.workers.elastic:
         plan = replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
     return plan
@@ -495,7 +501,6 @@ def _data_plan(
             f"{MIN_SHARDS_PER_STREAM}: re-shard into more, smaller tar files (--samples-per-shard) or lower "
             "data.streams (a new data order)"
         )
-    warnings += checkpoint_space_warning(config, model.num_params)
     urls = storage.storage_urls(config)
     return DataPlan(
         num_shards=shards,

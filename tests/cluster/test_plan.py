@@ -1012,3 +1012,63 @@ def test_the_checkpointing_advice_names_a_micro_batch_every_elastic_world_size_k
     assert "micro-batch 64 x accumulation 14 fits without it" in advice  # at world size 8
     taken = sets + ["model.grad_checkpointing=false", "data.micro_batch_size=64"]
     assert build_plan(profile, resolve_config(profile, "vit_h14_i21k", taken, "r")).memory.total_gb < 60
+
+
+@pytest.mark.timeout(120)
+def test_the_disk_warning_counts_the_checkpoints_pinned_for_pending_evals(tmp_path, monkeypatch):
+    """Before, the plan sized the run folder for keep_last + 1 checkpoints, but a checkpoint pinned for its pending
+    evals survives pruning: evals that fall behind keep up to MAX_PINNED more, and a slow suite every N-th checkpoint
+    holds the others' evals queued behind it (H/14 on a100x64: its VTAB probe every 20th takes ~10 checkpoints'
+    time, so 8 more checkpoints of 13 GB wait, though the evals keep pace on average)."""
+    import shutil
+
+    from cluster.plan import checkpoint_costs
+    from cluster.plan.checkpoint_costs import CHECKPOINT_BYTES_PER_PARAM, pinned_beyond_kept
+    from cluster.plan.evals.cadence import MAX_PINNED, EvalCadence
+
+    def pins(profile, config, plan) -> int:
+        cadence = EvalCadence(config.evals.schedule(), config.checkpoint.every_steps, plan.compute.total_steps)
+        return pinned_beyond_kept(plan.evals, cadence, plan.compute.step_time_s, config.checkpoint.keep_last)
+
+    a100 = load_profile("a100x64")
+    h14 = resolve_config(a100, "vit_h14_i21k", [], "h14")
+    plan = build_plan(a100, h14)
+    assert not plan.evals.warnings and pins(a100, h14, plan) == MAX_PINNED
+    profile = load_profile("local")
+    storage = dataclasses.replace(profile.storage, shards=str(tmp_path / "data"), checkpoints=str(tmp_path / "runs"))
+    profile = dataclasses.replace(profile, storage=storage)
+    config = resolve_config(profile, "local_demo", [], "demo")
+    assert pins(profile, config, build_plan(profile, config)) == 0  # the demo's evals keep up
+    config = resolve_config(profile, "local_demo", ["checkpoint.every_steps=10"], "demo")  # the evals fall behind
+    plan = build_plan(profile, config)
+    assert any("keep up with training" in w for w in plan.evals.warnings) and pins(profile, config, plan) == MAX_PINNED
+    size, keep = plan.model.num_params * CHECKPOINT_BYTES_PER_PARAM, config.checkpoint.keep_last
+    free = (keep + 1 + MAX_PINNED // 2) * size  # keep_last + 1 fit, not the pinned ones too
+    monkeypatch.setattr(checkpoint_costs.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    (warning,) = [w for w in build_plan(profile, config).data.warnings if "checkpoint.keep_last" in w]
+    assert f"keep_last + 1 = {keep + 1} + {MAX_PINNED} pinned for pending evals" in warning
+    assert f"= {keep + 1 + MAX_PINNED} checkpoints of" in warning
+
+
+@pytest.mark.timeout(120)
+def test_a_clusters_checkpoint_folder_not_mounted_here_is_not_measured_on_this_hosts_disk(tmp_path, monkeypatch):
+    """Before, a cluster plan made where storage.checkpoints (/fsx/...) is not mounted measured the nearest folder that
+    exists (this host's /) and printed its free space as the run folder's, warning or not by the launching host's disk.
+    Now a cluster's run folder is measured only where the folder of run folders is here."""
+    import shutil
+
+    from cluster.plan import checkpoint_costs
+
+    monkeypatch.setattr(checkpoint_costs.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1e9, 0, 1e9))
+    profile = load_profile("a100x64")
+    runs = tmp_path / "fsx" / "runs"  # the cluster's shared file system, not mounted on this host
+    profile = dataclasses.replace(profile, storage=dataclasses.replace(profile.storage, checkpoints=str(runs)))
+
+    def space_warnings() -> list[str]:
+        plan = build_plan(profile, resolve_config(profile, "vit_b16_i21k", [], "b16"))
+        return [w for w in plan.data.warnings if "checkpoint.keep_last" in w]
+
+    assert space_warnings() == []
+    runs.mkdir(parents=True)  # mounted here: its space is the run's
+    (warning,) = space_warnings()
+    assert warning.startswith(f"{runs / 'b16'} has 1 GB free but needs")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from evals.finetune import FinetuneOptions, _augment, accuracy, autocast_dtype, train_classifier
 from evals.suites import load_suite
+from pretrain.config.precision import decide
 from pretrain.model.vit import build_model
 
 STEPS = 4  # 24 images in batches of 8: step 4 starts a second epoch (a fresh permutation)
@@ -93,6 +94,16 @@ def test_precision_auto_is_bf16_on_cuda_only():
     assert autocast_dtype("auto", "cpu") is None and autocast_dtype("fp32", "cpu") is None
     assert autocast_dtype("auto", "cuda") == torch.bfloat16 and autocast_dtype("auto", "cuda:1") == torch.bfloat16
     assert autocast_dtype("fp32", "cuda") is None and autocast_dtype("bf16", "cpu") == torch.bfloat16
+
+
+def test_precision_auto_follows_pretrainings_rule_on_gpus_without_bf16_tensor_cores():
+    # A V100 or T4 (compute capability < 8.0) emulates bf16: pre-training's `decide` trains there in fp32, so do evals.
+    for has_units in (False, True):
+        trains_in = decide("auto", "cuda", cuda_bf16=has_units).precision
+        assert autocast_dtype("auto", "cuda:0", cuda_bf16=has_units) == (torch.bfloat16 if has_units else None)
+        assert trains_in == ("bf16" if has_units else "fp32")
+        assert autocast_dtype("bf16", "cuda", cuda_bf16=has_units) == torch.bfloat16  # asked for: kept
+        assert autocast_dtype("auto", "cpu", cuda_bf16=has_units) is None
 
 
 def test_micro_batch_size_must_divide_batch_size(tmp_path):

@@ -102,3 +102,48 @@ def test_a_test_split_declaring_other_classes_than_train_is_refused(
     )
     with pytest.raises(ValueError, match=r"vtab task digits: .*declares 10 classes but .*declares 16; both splits"):
         evaluate(ctx, opts)
+
+
+def test_the_linear_probe_draws_over_the_manifests_count_as_finetune_does(tmp_path, one_torch_thread):
+    """Before, the linear probe drew train/val over the samples the stream read: one damaged JPEG in the split, never
+    drawn, gave it another draw altogether, and another score, while type: vtab finetune kept its draw over the
+    manifest's count (docs/vtab.md). Now both draw over the manifest's count, at stream positions."""
+    import contextlib
+
+    import torch
+
+    from evals.evaluator import EvalContext
+    from evals.vtab import VtabOptions, evaluate
+    from pretrain.model.vit import build_model
+    from tests.data_pipeline.test_stream import jpeg_bytes, make_shards
+
+    def images(corrupt_key: str | None):
+        def member(key, index, sample):
+            sample["jpg"] = jpeg_bytes(index, (32, 32))
+            if key == corrupt_key:
+                sample["jpg"] = sample["jpg"][: len(sample["jpg"]) // 3]  # truncated: the stream skips it
+            return sample
+
+        return member
+
+    opts = VtabOptions(benchmark="ci", tasks=("digits",), train_examples=30, val_examples=10, batch_size=32)
+    tr, va = vtab_indices(128, 30, 10, opts.seed)
+    assert 127 not in {*tr, *va}  # the last of the 128 samples is not drawn: damaging it changes nothing drawn
+    scores = []
+    for root, corrupt in ((tmp_path / "clean", None), (tmp_path / "damaged", "000127")):
+        make_shards(root / "digits" / "train", member=images(corrupt))
+        make_shards(root / "digits" / "test", member=images(None))
+        torch.manual_seed(0)
+        model = build_model("vit_tiny_debug").eval()
+        ctx = EvalContext(
+            model=model,
+            load_model=lambda image_size=None, model=model: model,
+            data_root=root,
+            step=0,
+            out_dir=tmp_path / "out",
+            log=lambda _: None,
+        )
+        with pytest.warns(UserWarning, match="could not read every sample") if corrupt else contextlib.nullcontext():
+            rows = {r.metric: r for r in evaluate(ctx, opts).rows}
+        scores.append(rows["vtab/digits"].value)
+    assert scores[0] == scores[1]
