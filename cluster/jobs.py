@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 PROG = "python -m cluster.jobs"  # `make status`, `make logs`, `make stop`
 JOB_METADATA = {"vitscale": "1"}
+PLAN_ENV = "VITSCALE_PLAN"  # = cluster.driver.job.PLAN_ENV (a slow import): the job's spec, in its runtime env
 # The Jobs API's 500 while the head's job agent is unregistered (docs/design.md, "The local Ray head").
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 60.0
@@ -257,11 +259,43 @@ def _status(profile: ClusterProfile) -> int:
     return 0
 
 
-def _logs(profile: ClusterProfile, follow_logs: bool) -> int:
+def pick_job(jobs: list[JobDetails], profile: ClusterProfile, job_id: str | None) -> tuple[str, str]:
+    """(the id, a line naming the job) of ``job_id`` among ``jobs`` (`project_jobs`), the newest without it: a
+    colleague's job or a finished one may be the newest. ValueError where no such job is listed."""
+    if job_id is None:
+        job = jobs[-1]
+    elif not (job := next((j for j in jobs if j.submission_id == job_id), None)):
+        raise ValueError(
+            f"no vitscale job {job_id} on profile {profile.name}'s cluster; `make status CLUSTER={profile.name}` "
+            "lists them"
+        )
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((job.start_time or 0) / 1000))
+    line = f"job {job.submission_id}: {job.status.value}, started {started}"
+    if run_dir := _run_folder(job):
+        line += f", run folder {run_dir}"
+    if job_id is None and len(jobs) > 1:
+        line += (
+            f" (the newest of {len(jobs)} vitscale jobs: `make status CLUSTER={profile.name}` lists them, `{PROG} "
+            f"logs --cluster {profile.name} --job ID` shows another)"
+        )
+    return job.submission_id, line
+
+
+def _run_folder(job: JobDetails) -> str | None:
+    """The run folder in the job's spec (`cluster.driver.job.JobSpec`), None where it holds none."""
+    try:
+        spec = json.loads(((job.runtime_env or {}).get("env_vars") or {})[PLAN_ENV])
+        return str(spec["config"]["checkpoint"]["dir"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _logs(profile: ClusterProfile, follow_logs: bool, job_id: str | None = None) -> int:
     client = connect(profile)
     if not (jobs := project_jobs(client)):
         raise RayUnreachableError(f"no vitscale job on profile {profile.name}'s cluster yet; `make launch` submits one")
-    job_id = jobs[-1].submission_id
+    job_id, line = pick_job(jobs, profile, job_id)
+    print(line, flush=True)
     if follow_logs:
         print(f"job {job_id}: {follow(client, job_id)}")
     else:
@@ -315,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("verb", choices=("status", "logs", "stop"))
     parser.add_argument("--cluster", default="local", help="profile name (cluster/profiles/<name>.yaml)")
     parser.add_argument("--follow", action="store_true", help="logs: stream until the job ends")
+    parser.add_argument("--job", help="logs: the job's id (`make status` lists them; default: the newest)")
     args = parser.parse_args(argv)
     try:
         profile = load_profile(args.cluster)
         if args.verb == "status":
             return _status(profile)
         if args.verb == "logs":
-            return _logs(profile, args.follow)
+            return _logs(profile, args.follow, args.job)
         if not profile.is_local:  # an unreachable remote cluster exits 2; on `local`, nothing to stop is no error
             connect(profile)
         return _stop(profile)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from cluster.driver.courier import CLUSTER_TTL_ENV
 from cluster.driver.job import JobSpec, job_runtime_env
 from cluster.jobs import JOB_METADATA
 from cluster.network import EFA_DEVICES, efa_interfaces
@@ -34,6 +35,7 @@ from cluster.profiles import (
 )
 from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
+from tracking.store import DELIVER_COMMAND
 
 RAY_VERSION = "2.60.0"  # = this venv's Ray (a test holds them equal)
 BASE_IMAGE = f"rayproject/ray:{RAY_VERSION}-py311-gpu"  # ./Dockerfile's base; Ray published ray-ml up to 2.49 only
@@ -55,6 +57,7 @@ DASHBOARD_PORT = 8265  # Ray's, which the head keeps
 MLFLOW_SECRET = "vitscale-mlflow"  # KubeRay: the optional secret of MLflow's credentials, one key per variable
 MAX_RAYJOB_NAME = 47  # KubeRay: its RayCluster's 53, less the 6 characters of the cluster's suffix
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+CLUSTER_TTL_S = 3600  # KubeRay deletes the RayJob's cluster this long after the job ends
 
 
 @dataclass(frozen=True)
@@ -331,7 +334,8 @@ def _pod(image: str, instance_type: str, node: tuple[int, float, int], efa: int 
                 {
                     "name": "ray",
                     "image": image,
-                    "env": _ray_auth_env() + _mlflow_env(),
+                    # the job's end tells a courier's reader that it dies with the cluster
+                    "env": [*_ray_auth_env(), *_mlflow_env(), {"name": CLUSTER_TTL_ENV, "value": str(CLUSTER_TTL_S)}],
                     "resources": {"limits": limits, "requests": dict(limits)},  # a copy: no YAML anchors
                     "volumeMounts": [
                         {"name": "fsx", "mountPath": SHARED_FS},
@@ -385,7 +389,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
             "runtimeEnvYAML": yaml.safe_dump(job_runtime_env(profile, job_spec_json, IMAGE_CODE_DIR), width=10**9),
             "metadata": dict(JOB_METADATA),  # `ray job submit --metadata-json`: `make status/logs/stop` count the job
             "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": 3600,
+            "ttlSecondsAfterFinished": CLUSTER_TTL_S,
             "submitterPodTemplate": _submitter(image),
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
@@ -455,6 +459,11 @@ def _rayjob_header(profile: ClusterProfile, path: Path, recipe: str, image: str,
         f"  kubectl create secret generic {MLFLOW_SECRET} --from-literal=MLFLOW_TRACKING_TOKEN=...  # if MLflow "
         "wants credentials (or _USERNAME and _PASSWORD)",
         f"and a PersistentVolumeClaim fsx-claim (FSx for Lustre) in the namespace, mounted at {SHARED_FS}.",
+        f"KubeRay deletes the RayCluster {CLUSTER_TTL_S // 60} min after the job ends, and with it the courier that "
+        "sends the run's MLflow",
+        "records where MLflow was down at the job's end; if it stays down that long, once it is back, in a pod of the "
+        "image mounting fsx-claim:",
+        f"  {DELIVER_COMMAND} {run_dir}",
     ]
     return _comment(lines)
 

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         return fail(DELIVER_COMMAND, problem)
     if work is not None:
-        run_id = deliver(run_dir, work["tracking_uri"], work["run"], work["evals"], work["status"], args.wait)
+        since = work.get("handed_over")
+        run_id = deliver(run_dir, work["tracking_uri"], work["run"], work["evals"], work["status"], args.wait, since)
         return 0 if run_id else 1
     if not spooled:
         print(f"nothing in {run_dir} waits for MLflow")

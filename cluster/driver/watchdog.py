@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -186,27 +187,47 @@ def process_state(pid: int) -> str:
 
 
 def dump_and_state(pid: int, stack_file: str, header: str, wait_s: float = 3.0) -> str:
-    """Have ``pid`` append its stacks to ``stack_file``; its state before. A stopped process is continued."""
+    """Have ``pid`` append its stacks to ``stack_file``; its state before. A stopped process is continued. Each use of
+    the file waits at most ``wait_s``: a full disk or a stalled shared filesystem must not stop the kill."""
     state = process_state(pid)
     if state == "gone":
         return state
     path = Path(stack_file)
-    try:  # a full disk must not stop the kill
-        with open(path, "a") as out:
-            out.write(f"\n{header} (process state {state})\n")
-        size = path.stat().st_size
-    except OSError:
-        size = -1
+    size = _within(wait_s, _mark, path, f"\n{header} (process state {state})\n")
     try:
         os.kill(pid, signal.SIGUSR1)
         if state in _STOPPED_STATES:
             os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         return "gone"
-    deadline = time.monotonic() + wait_s
-    while size >= 0 and time.monotonic() < deadline and _size(path) == size:
-        time.sleep(0.05)
+    if size is not None:
+        _within(wait_s, _grown, path, size, wait_s)
     return state
+
+
+def _within(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or None after ``timeout_s``; its thread is left where a filesystem blocks it."""
+    result: list[Any] = [None]
+    thread = threading.Thread(target=lambda: result.__setitem__(0, fn(*args)), name="vitscale-dump", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return result[0]
+
+
+def _mark(path: Path, text: str) -> int | None:
+    """The file's size once ``text`` is appended; None where it cannot be."""
+    try:
+        with open(path, "a") as out:
+            out.write(text)
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _grown(path: Path, size: int, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and _size(path) == size:
+        time.sleep(0.05)
 
 
 def _size(path: Path) -> int:
@@ -307,13 +328,17 @@ class Watchdog:
         after ``floor_s``, time for Ray Train's restart to end them (it kills a group seconds after a worker died)."""
         ranks = verdict.ranks
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now))
-        states: dict[int, str] = {}
-        for b in ranks:
+
+        def dump(b: dict[str, Any]) -> str:
             header = (
                 f"=== {stamp} UTC watchdog: no progress for {verdict.idle_s:.0f} s; rank {b['rank']} pid {b['pid']}"
             )
             stack_file = str(self.run_dir / STACKS_DIR / f"rank{b['rank']}.txt")
-            states[b["rank"]] = on_node(b, dump_and_state, b["pid"], stack_file, header) or "gone"
+            return on_node(b, dump_and_state, b["pid"], stack_file, header) or "gone"
+
+        # a wait per rank, all at once
+        with ThreadPoolExecutor(max(1, len(ranks)), thread_name_prefix="vitscale-dump") as pool:
+            states = dict(zip((b["rank"] for b in ranks), pool.map(dump, ranks)))
         gone = sorted(r for r, s in states.items() if s == "gone")
         if gone:
             self._seen.retired |= {_process(b) for b in ranks if states[b["rank"]] == "gone"}

@@ -390,7 +390,8 @@ def test_local_head_with_token_auth_submit_status_logs_ray_cli_stop(monkeypatch,
         assert jobs._status(profile) == 0
         assert "vitscale-test-job" in capsys.readouterr().out
         assert jobs._logs(profile, follow_logs=False) == 0
-        assert "hello from" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert out.startswith(f"job {job_id}: SUCCEEDED, started ") and "hello from" in out  # named: which job
         # `make stop CLUSTER=a100x64` (this head standing in for the cluster) with two jobs running: which is the
         # user's? Neither is stopped (it stopped all of them), both are named.
         remote = load_profile("a100x64")
@@ -617,3 +618,37 @@ def test_launch_refuses_a_run_name_whose_job_still_runs(monkeypatch, tmp_path, c
     finally:
         leftover = _stop_our_head(profile, temp_dir)
     assert leftover == []
+
+
+def test_logs_names_the_job_it_shows_and_another_can_be_picked(tmp_path):
+    """`make logs` shows the newest vitscale job: with a colleague's or a finished one beside it, its first line
+    names the job (id, status, run folder) and how to show another; `--job ID` picks one, an unknown id is one line."""
+    from ray.job_submission import JobDetails, JobStatus, JobType
+
+    from cluster.driver.job import PLAN_ENV
+
+    assert jobs.PLAN_ENV == PLAN_ENV
+
+    def job(name: str, status: JobStatus, started_ms: int) -> JobDetails:
+        spec = {"config": {"checkpoint": {"dir": f"/fsx/checkpoints/{name}"}}}
+        env = {"env_vars": {PLAN_ENV: json.dumps(spec)}}
+        return JobDetails(
+            type=JobType.SUBMISSION, submission_id=f"vitscale-{name}-{started_ms}", status=status,
+            entrypoint="python -m cluster.driver", start_time=started_ms, metadata=dict(jobs.JOB_METADATA),
+            runtime_env=env,
+        )  # fmt: skip
+
+    listed = [job("mine", JobStatus.RUNNING, 1_000), job("colleague", JobStatus.SUCCEEDED, 2_000)]
+    remote = load_profile("a100x64")
+    job_id, line = jobs.pick_job(listed, remote, None)
+    assert job_id == "vitscale-colleague-2000"
+    assert line.startswith("job vitscale-colleague-2000: SUCCEEDED, started ")
+    assert "run folder /fsx/checkpoints/colleague (the newest of 2 vitscale jobs" in line
+    assert "python -m cluster.jobs logs --cluster a100x64 --job ID` shows another" in line
+    job_id, line = jobs.pick_job(listed, remote, "vitscale-mine-1000")
+    assert job_id == "vitscale-mine-1000" and line.startswith("job vitscale-mine-1000: RUNNING")
+    assert line.endswith("run folder /fsx/checkpoints/mine")  # asked for: no note of the others
+    with pytest.raises(ValueError, match="no vitscale job vitscale-nope on profile a100x64's cluster; `make status"):
+        jobs.pick_job(listed, remote, "vitscale-nope")
+    lab = JobDetails(type=JobType.SUBMISSION, submission_id="raysubmit_1", status=JobStatus.PENDING, entrypoint="x")
+    assert jobs.pick_job([lab], remote, None)[1].startswith("job raysubmit_1: PENDING, started ")  # no spec: no folder

@@ -491,3 +491,20 @@ def test_the_rayjobs_job_is_one_make_status_logs_and_stop_count(rendered):
         metadata = job["spec"]["metadata"]
         assert metadata == jobs.JOB_METADATA, name
         assert all(isinstance(v, str) for v in metadata.values()), name  # KubeRay's map[string]string
+
+
+@pytest.mark.timeout(120)
+def test_the_rayjob_says_its_courier_dies_with_the_cluster_and_what_sends_its_records_then(rendered):
+    """KubeRay deletes the RayJob's cluster an hour after the job, and the MLflow courier (which waits up to 24 h for
+    a server down at the job's end) with it: every pod tells the job's end so, and the header names the command."""
+    from cluster.driver.courier import CLUSTER_TTL_ENV
+
+    _, _, rayjob_header, (job, _) = rendered["a100x64"]
+    ttl = job["spec"]["ttlSecondsAfterFinished"]
+    assert job["spec"]["shutdownAfterJobFinishes"] and ttl == render.CLUSTER_TTL_S
+    for role, pod in _pods(job).items():
+        if role != "submitter":  # the driver runs on the head, a courier on any Ray node
+            env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+            assert env[CLUSTER_TTL_ENV] == str(ttl), role
+    run_dir = re.search(r"run folder (\S+) ", rayjob_header).group(1)
+    assert f"#   python -m cluster.driver.deliver {run_dir}\n" in rayjob_header

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from cluster.driver import courier
 from cluster.driver.courier import COURIER_FILE, NAMESPACE, deliver, hand_over
 from cluster.driver.deliver import main as deliver_main
 from cluster.driver.job import JobSpec, job_runtime_env, run_job
@@ -360,3 +361,69 @@ def test_a_run_deleted_in_mlflow_is_named_at_once_and_its_records_kept(tmp_path,
         f"warning: MLflow at {mlflow_uri} has no run {gone}: it was deleted for good (`mlflow gc`); this job logs"
         in (capsys.readouterr().out)
     )
+
+
+@pytest.mark.timeout(180)
+def test_a_courier_on_a_cluster_kuberay_deletes_says_so_and_names_the_command(tmp_path, monkeypatch):
+    """On the rendered RayJob's cluster (KubeRay deletes it an hour after the job, the courier with it), the job's end
+    does not promise 24 h: it says until when the courier lives and which command sends the records after that."""
+    import ray
+
+    from cluster.render import CLUSTER_TTL_S
+
+    monkeypatch.setenv(courier.CLUSTER_TTL_ENV, str(CLUSTER_TTL_S))  # as the rendered pods set it
+    closed = f"http://127.0.0.1:{free_port()}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run = {"experiment": "e", "config": {}, "tags": {}}
+    with ray_auth_mode("disabled"):
+        cluster = in_process_cluster(include_dashboard=False, dashboard_agent_listen_port=free_port(), num_cpus=1)
+        try:
+            ray.init(address=cluster.address)
+            line = hand_over(run_dir, closed, run, {}, "FINISHED")
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    assert "the job ends now, and Ray actor vitscale-courier-run-" in line and "24 h" not in line, line
+    assert line.endswith(
+        f"until KubeRay deletes the RayCluster, 60 min after the job's end; if MLflow answers later, "
+        f"`python -m cluster.driver.deliver {run_dir}` sends them)"
+    )
+    assert (run_dir / COURIER_FILE).exists()  # what that command sends
+
+
+def test_a_courier_leaves_the_status_to_a_later_job_of_the_run_folder(tmp_path, mlflow_uri, capsys):
+    """MLflow down at a job's end, the run folder relaunched before it returns: the old job's work (its courier, or
+    the command) sends its records, but marks no FAILED on the run the later job trains, logs none of that job's
+    checkpoints as the final model, and leaves the later job's own work file alone."""
+    from pretrain.telemetry.heartbeat import Heartbeat, heartbeat_path
+    from tests.tracking.test_mlflow_model import _checkpoint, _random
+
+    client = mlflow.tracking.MlflowClient(mlflow_uri)
+    run_dir = tmp_path / "run"
+    run_id = runs.create_run(mlflow_uri, "relaunched", "run")
+    _checkpoint(run_dir, 10, _random(num_classes=4))  # the later job's newest checkpoint
+    (run_dir / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_uri}))
+    run = {"experiment": "relaunched", "config": {}, "tags": {}}
+    evals = {"20": {"metrics": {"fewshot/mean/5shot": 0.5}}}  # the old job's, never logged
+    handed_over = time.time() - 60
+    work = {"tracking_uri": mlflow_uri, "run": run, "evals": evals, "status": "FAILED", "handed_over": handed_over}
+    (run_dir / COURIER_FILE).write_text(json.dumps(work))  # as `hand_over` leaves it
+    Heartbeat(heartbeat_path(run_dir, 0), {"rank": 0, "world_size": 1}).step(3, 0.1, {})  # the later job trains
+
+    assert deliver_main([str(run_dir), "--wait", "60"]) == 0
+    found = client.get_run(run_id)
+    assert found.info.status == "RUNNING" and keys.MODEL_URI not in found.data.tags
+    assert [m.step for m in client.get_metric_history(run_id, "fewshot/mean/5shot")] == [20]
+    assert "a later job of the run folder trains" in capsys.readouterr().out
+    assert not (run_dir / COURIER_FILE).exists()
+
+    # the later job's end handed its own work over meanwhile: an earlier courier finishing late keeps it
+    later = {**work, "status": "FINISHED", "handed_over": time.time()}
+    (run_dir / COURIER_FILE).write_text(json.dumps(later))
+    assert deliver(run_dir, mlflow_uri, run, evals, "FAILED", 60, since=handed_over) == run_id
+    assert json.loads((run_dir / COURIER_FILE).read_text()) == later
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert deliver_main([str(run_dir), "--wait", "60"]) == 0  # the later job's work: its status, its model
+    found = client.get_run(run_id)
+    assert found.info.status == "FINISHED" and found.data.tags[keys.MODEL_STEP] == "10"

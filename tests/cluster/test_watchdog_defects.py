@@ -8,10 +8,13 @@ the watchdog's poll driven with a given clock: no waits of minutes.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +129,75 @@ def test_survivors_that_ray_trains_restart_ends_are_no_hang_and_the_next_group_i
         if survivor.poll() is None:
             survivor.kill()
             survivor.wait()
+
+
+DEAF = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # no stacks come: a process in the kernel (D state) takes no signal
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _deaf() -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", DEAF], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _poll_within(watchdog: Watchdog, now: float, limit_s: float) -> float:
+    """Seconds `poll` took; it fails the test past ``limit_s`` instead of hanging it."""
+    started = time.monotonic()
+    thread = threading.Thread(target=watchdog.poll, args=(now,), daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"the watchdog's poll still runs after {limit_s} s"
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_stacks_file_does_not_hold_up_the_kill(tmp_path):
+    """The shared filesystem stalls on rank 0's stacks file (a FIFO without a reader: its open blocks, as on a stuck
+    Lustre target): the watchdog still kills the hung rank within seconds instead of blocking on the dump forever."""
+    watchdog = _watchdog(tmp_path)
+    (tmp_path / "stacks").mkdir()
+    os.mkfifo(tmp_path / "stacks" / "rank0.txt")
+    hung, waiting = _waiter(tmp_path / "own", 0), _waiter(tmp_path, 1)
+    try:
+        now = 100_000.0
+        _write(tmp_path, 0, hung.pid, started=now - 900, t=now - 100, phase="step")
+        _write(tmp_path, 1, waiting.pid, started=now - 900, t=now - 90, phase="step")
+        _poll_within(watchdog, now, 20)
+        assert [(e["event"], e.get("rank")) for e in watchdog.events] == [("hung", 0)]
+        assert hung.wait(timeout=30) == -signal.SIGKILL and waiting.poll() is None
+        assert "watchdog: no progress" in (tmp_path / "stacks" / "rank1.txt").read_text()
+    finally:
+        os.close(os.open(tmp_path / "stacks" / "rank0.txt", os.O_RDONLY | os.O_NONBLOCK))  # frees the blocked open
+        for proc in (hung, waiting):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_whose_stacks_do_not_come_are_waited_for_together(tmp_path):
+    """Eight hung ranks none of which writes its stacks (each dump waits its 3 s): the kill comes after one wait, not
+    after eight in a row (64 ranks: over 3 minutes)."""
+    watchdog = _watchdog(tmp_path)
+    (tmp_path / "stacks").mkdir()  # the ranks' stacks files, as `install_stack_dump` leaves them
+    procs = [_deaf() for _ in range(8)]
+    try:
+        now = 100_000.0
+        for rank, proc in enumerate(procs):
+            record = {"rank": rank, "world_size": 8, "host": socket.gethostname(), "pid": proc.pid, "started": 1.0}
+            record.update(time=now - 100 + rank, phase="step", step=10, step_s=0.5)
+            (tmp_path / HEARTBEAT_DIR / f"rank{rank}.json").write_text(json.dumps(record))
+        took = _poll_within(watchdog, now, 60)
+        assert [(e["event"], e.get("rank")) for e in watchdog.events] == [("hung", 0)]
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        assert took < 12, f"the dumps took {took:.1f} s before the kill"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
