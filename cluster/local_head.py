@@ -8,6 +8,8 @@ has registered; it owns `profile.ray.temp_dir` (with `head.json`), whose process
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +28,11 @@ from pathlib import Path
 from cluster.profiles import ClusterProfile
 
 STATE_FILE = "head.json"
+LOCK_FILE = "head.lock"  # held while a head is started or reused: one head however many launches at once
+# Ray's longest Unix socket under its temp dir (a dashboard module's, Ray 2.60; a 7-digit PID): a socket's path may
+# not exceed 107 bytes on Linux, so a longer temp dir is given to Ray as a link to it (`_ray_temp_dir`)
+RAY_SOCKET = "/session_2026-01-01_00-00-00_000000_4194304/sockets/dash_TaskEventsHead"
+MAX_TEMP_DIR_BYTES = 107 - len(RAY_SOCKET)
 NOT_READY_EXIT = 3  # the agent check timed out (1 is a crash)
 PORTS_FROM = 20000  # Ray gives its workers ports 10002-19999 (ray start --max-worker-port)
 _DRAW = random.SystemRandom()  # ports drawn without touching the global random state
@@ -222,15 +229,19 @@ def ensure_head(profile: ClusterProfile, timeout_s: float = 120.0) -> HeadInfo:
     stopped)."""
     if not profile.is_local:
         raise ValueError(f"profile {profile.name} has ray.address={profile.ray.address!r}: only 'local' starts a head")
-    existing = read_state(profile)
-    if existing and serves(existing, existing.dashboard_url):
-        _wait_until_ready(profile, existing, time.monotonic() + timeout_s, started_here=False)
-        return existing
-    if existing:  # stale (reboot, killed head): clear what is left
-        stop_head(profile)
-    info = _start_head(profile, timeout_s)
-    _wait_until_ready(profile, info, time.monotonic() + timeout_s, started_here=True)
-    return info
+    temp_dir = Path(profile.ray.temp_dir)
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    with open(temp_dir / LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second launch waits for the first's head, then reuses it
+        existing = read_state(profile)
+        if existing and serves(existing, existing.dashboard_url):
+            _wait_until_ready(profile, existing, time.monotonic() + timeout_s, started_here=False)
+            return existing
+        if existing:  # stale (reboot, killed head): clear what is left
+            stop_head(profile)
+        info = _start_head(profile, timeout_s)
+        _wait_until_ready(profile, info, time.monotonic() + timeout_s, started_here=True)
+        return info
 
 
 def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
@@ -248,7 +259,7 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
     for attempt in range(1, PORT_TRIES + 1):
         gcs_port = free_port()
         dash_port = profile.ray.dashboard_port if _port_free(profile.ray.dashboard_port) else free_port()
-        cmd = _ray_start_command(profile, temp_dir, gcs_port, dash_port)
+        cmd = _ray_start_command(profile, _ray_temp_dir(temp_dir), gcs_port, dash_port)
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # what it started runs on, with no head.json
@@ -266,6 +277,32 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
     info = HeadInfo(f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", str(temp_dir), mode, started_by_us=True)
     _state_path(profile).write_text(json.dumps(asdict(info), indent=2))
     return info
+
+
+def _short_link(temp_dir: Path) -> Path | None:
+    """The link in /tmp that Ray is given for ``temp_dir`` where that is too long for Ray's Unix sockets (a checkout
+    path over about 25 bytes); None where it is short enough."""
+    real = Path(temp_dir).resolve()
+    if len(bytes(real)) <= MAX_TEMP_DIR_BYTES:
+        return None
+    return Path(f"/tmp/vsray-{os.getuid()}-{hashlib.sha256(bytes(real)).hexdigest()[:8]}")  # 30 bytes at most
+
+
+def _ray_temp_dir(temp_dir: Path) -> Path:
+    """``temp_dir``, or its `_short_link`, made here (`stop_head` removes it): a link of ours to it, or RuntimeError."""
+    link = _short_link(temp_dir)
+    if link is None:
+        return temp_dir
+    real = temp_dir.resolve()
+    with contextlib.suppress(FileExistsError):
+        link.symlink_to(real, target_is_directory=True)
+    if not link.is_symlink() or link.lstat().st_uid != os.getuid() or link.resolve() != real:
+        raise RuntimeError(
+            f"Ray's temp dir {real} is too long for Ray's Unix sockets (<temp dir>{RAY_SOCKET} may not exceed 107 "
+            f"bytes), and {link}, the link to it Ray would be given, is something else; remove {link}, or set "
+            f"ray.temp_dir in the profile to a folder of your own of at most {MAX_TEMP_DIR_BYTES} bytes"
+        )
+    return link
 
 
 def _ray_start_command(profile: ClusterProfile, temp_dir: Path, gcs_port: int, dash_port: int) -> list[str]:
@@ -307,9 +344,9 @@ def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, 
     )
 
 
-def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
-    """PIDs naming our temp dir, their descendants (workers rename themselves), and the head's Ray Client proxy,
-    found by our GCS port: it names no temp dir and outlives the head."""
+def _processes_of(temp_dir: str, gcs_address: str | None = None, link: str | None = None) -> list[int]:
+    """PIDs naming our temp dir (or the `_short_link` to it Ray was given), their descendants (workers rename
+    themselves), and the head's Ray Client proxy, found by our GCS port: it names no temp dir and outlives the head."""
     parents: dict[int, int] = {}
     found: set[int] = set()
     gcs_port = None if gcs_address is None else gcs_address.rsplit(":", 1)[-1]
@@ -323,8 +360,10 @@ def _processes_of(temp_dir: str, gcs_address: str | None = None) -> list[int]:
         except OSError:
             continue
         parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-        ours = temp_dir in cmdline or (
-            gcs_port is not None and "ray.util.client.server" in cmdline and _address_port(cmdline) == gcs_port
+        ours = (
+            temp_dir in cmdline
+            or (link is not None and link in cmdline)
+            or (gcs_port is not None and "ray.util.client.server" in cmdline and _address_port(cmdline) == gcs_port)
         )
         if ours and pid != os.getpid():
             found.add(pid)
@@ -344,10 +383,12 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
     if state is not None and not state.started_by_us:
         return []
     temp_dir = str(Path(profile.ray.temp_dir).resolve())
+    link = _short_link(Path(temp_dir))
+    gcs_address = state.gcs_address if state else None
     stopped: list[int] = []
     deadline = time.monotonic() + grace_s
     # Re-scan until nothing is left: a raylet shutting down can still spawn a worker after a scan.
-    while alive := [p for p in _processes_of(temp_dir, state.gcs_address if state else None) if not _is_zombie(p)]:
+    while alive := [p for p in _processes_of(temp_dir, gcs_address, link and str(link)) if not _is_zombie(p)]:
         hard = time.monotonic() >= deadline
         for pid in alive:
             with contextlib.suppress(ProcessLookupError):
@@ -357,6 +398,8 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
             break  # unkillable (stuck in the kernel): do not hang `make stop`
         time.sleep(0.25)
     _state_path(profile).unlink(missing_ok=True)
+    if link is not None and link.is_symlink() and link.resolve() == Path(temp_dir):
+        link.unlink(missing_ok=True)
     return stopped
 
 
