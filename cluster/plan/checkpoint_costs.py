@@ -19,7 +19,7 @@ CHECKPOINT_BYTES_PER_PARAM = 20
 def pinned_beyond_kept(evals: EvalsPlan, cadence: EvalCadence, step_s: float, keep_last: int) -> int:
     """The most checkpoints older than the newest ``keep_last`` that pins for pending evals keep on disk at a save,
     with the evals taking the checkpoints in turn on one eval device, at most MAX_PINNED waiting (as the plan's
-    `_last_wait_s` has them). The scheduler unpins finished evals at a save's submit, after that save's prune: a
+    `_queue` has them). The scheduler unpins finished evals at a save's submit, after that save's prune: a
     checkpoint goes at the prune after the first save at or after its evals' end."""
     if not evals.suites or cadence.last_step is None:
         return 0

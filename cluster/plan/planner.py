@@ -353,6 +353,7 @@ class Plan:
     elastic_ends: tuple[ElasticEnd, ...] = ()  # (at workers.min, at workers.max); () when not elastic
     runtime_extras: tuple[str, ...] = ()
     final_model: str = ""
+    checkpoints_pinned: int = 0  # the most older than checkpoint.keep_last that pins for pending evals keep (estimated)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -406,7 +407,7 @@ def build_plan(profile: ClusterProfile, config: TrainConfig, span: int | None = 
     cadence = EvalCadence(config.evals.schedule(), config.checkpoint.every_steps, compute.total_steps)
     pinned = pinned_beyond_kept(plan.evals, cadence, compute.step_time_s, config.checkpoint.keep_last)
     space = checkpoint_space_warning(config, model.num_params, pinned, runs_here=profile.is_local)
-    plan = replace(plan, data=replace(data, warnings=(*data.warnings, *space)))
+    plan = replace(plan, data=replace(data, warnings=(*data.warnings, *space)), checkpoints_pinned=pinned)
     if profile.workers.elastic:
         plan = replace(plan, elastic_ends=_elastic_ends(profile, config, plan))
     return plan

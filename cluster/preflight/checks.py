@@ -348,10 +348,15 @@ def _loader_check(node: Node, figures: NodeFigures, profile: ClusterProfile, con
 
 
 def _space_check(node: Node, figures: NodeFigures, profile: ClusterProfile, config: TrainConfig, plan: Plan) -> Check:
-    keep, size = config.checkpoint.keep_last, plan.startup.checkpoint_gb
-    need = (keep + 1) * size
-    needs = f"{need:,.3g} GB (checkpoint.keep_last + 1 = {keep + 1} checkpoints of {size:.3g} GB)"
-    fix = f"free space at {_checkpoint_root(config)}, lower checkpoint.keep_last or move storage.checkpoints"
+    keep, size, pinned = config.checkpoint.keep_last, plan.startup.checkpoint_gb, plan.checkpoints_pinned
+    need = (keep + 1 + pinned) * size
+    count = f"checkpoint.keep_last + 1 = {keep + 1}"
+    if pinned:  # as the plan counts them (`pinned_beyond_kept`)
+        count = f"{count} + {pinned} pinned for pending evals (the plan's estimate) = {keep + 1 + pinned}"
+    needs = f"{need:,.3g} GB ({count} checkpoints of {size:.3g} GB)"
+    fix = f"free space at {_checkpoint_root(config)}, lower checkpoint.keep_last or move storage.checkpoints" + (
+        "; or pin fewer: evals that keep up (a faster eval device, a cheaper or rarer suite)" if pinned else ""
+    )
     figure = figures.free_gb
 
     def verdict(free: float) -> tuple[str, bool]:

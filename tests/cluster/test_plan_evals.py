@@ -107,7 +107,7 @@ def test_the_h14_plan_prints_each_suite_under_budget():
     plan = build_plan(profile, resolve_config(profile, "vit_h14_i21k", [], "h14-evals"))
     e = plan.evals
     assert [c.suite for c in e.suites] == ["i21k_fewshot", "vtab1k_probe"]
-    assert [(c.every, c.evaluations) for c in e.suites] == [(1, 138), (20, 8)]  # 272461 steps, a checkpoint per 2000
+    assert [(c.every, c.evaluations) for c in e.suites] == [(2, 70), (20, 8)]  # 272461 steps, a checkpoint per 2000
     assert e.share == pytest.approx(sum(c.share for c in e.suites)) and e.share <= 0.10
     train = plan.compute.total_exaflops * 1e18
     for c in e.suites:
@@ -120,7 +120,8 @@ def test_the_h14_plan_prints_each_suite_under_budget():
         assert f"{c.pflops:.3g} PFLOPs" in line and "GB of 24 GB per device per checkpoint" in line
     assert "on 1 x A10G (24 GB) per eval on the g5.2xlarge node group" in text
     assert f"evals budget  {100 * e.share:.3g}% of the training FLOPs in all, within evals.budget_fraction 10%" in text
-    assert not e.warnings  # the few-shot suite and the probe keep up with training on one A10G
+    # the few-shot suite (every 2nd checkpoint) and the probe keep up on one A10G, none skipped behind the probe
+    assert not e.warnings
 
 
 @pytest.mark.timeout(120)
@@ -421,3 +422,56 @@ def test_the_timeout_warning_counts_the_evals_queued_before_the_last_checkpoints
     # Evals that keep up queue nothing: the last's own hours are all the job's end waits.
     (alone,) = _paced(0.7, 0.5, 1000)
     assert "take ~0.7 h on one eval device (estimated)" in alone and "timeout_s=3600 " in alone
+
+
+def test_evals_that_keep_up_on_average_but_skip_checkpoints_behind_a_slow_suite_are_warned():
+    """One eval device, a checkpoint an hour (100 steps of 36 s): a 0.1 h suite at every checkpoint and a 10 h one at
+    every 50th use ~0.3 eval devices on average, but while the slow one runs ten checkpoints come due, and the
+    scheduler pins at most MAX_PINNED: it skips the evals of three of them each time, which the plan did not say."""
+    config = TrainConfig(
+        checkpoint=CheckpointConfig(every_steps=100),
+        evals=EvalsConfig(suite="fast", extra_suites=(SuiteCadence("slow", 50),), timeout_s=20 * 3600),
+    )
+    suites = (
+        evals_cost.SuiteCost("fast", 1, 0, 1.0, 0.1, 1.0, 0.0, ""),
+        evals_cost.SuiteCost("slow", 50, 0, 1.0, 10.0, 1.0, 0.0, ""),
+    )
+    part = evals_cost.EvalsPlan("a GPU", 24.0, 0.4, "", 0.1, 0.0, suites=suites, baseline=False)
+    cadence = EvalCadence(config.evals.schedule(), 100, 20_000)  # 200 checkpoints, the slow suite at 4 of them
+    (skips,) = evals_cost._pace_warnings(part, config, cadence, 36.0)
+    assert "would skip the evals of ~9 of the 200 checkpoints due for them" in skips
+    assert "behind slow's ~10 h" in skips and f"at most {MAX_PINNED}" in skips
+    sets = re.search(r"\((\d+)x: (--set .*?)\)", skips)
+    times = int(sets.group(1))
+    assert "--set evals.every=" in sets.group(2) and "evals.extra_suites=[{suite: slow, every: " in sets.group(2)
+    fixed = EvalCadence((("fast", times), ("slow", 50 * times)), 100, 20_000)
+    assert not evals_cost._pace_warnings(part, config, fixed, 36.0)
+    # The slow suite alone keeps up: nothing waits behind it beyond the pins.
+    alone = dataclasses.replace(part, suites=suites[1:])
+    assert not evals_cost._pace_warnings(alone, config, EvalCadence((("slow", 50),), 100, 20_000), 36.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gpu,fp32_tflops", [("V100", 15.7), ("T4", 8.1)])
+def test_evals_on_a_gpu_without_bf16_are_priced_in_fp32(gpu, fp32_tflops):
+    """`precision: auto` fine-tunes in fp32 on a GPU without bf16 tensor cores (`evals.finetune.autocast_dtype`): the
+    plan refused such an eval GPU ("no bf16 peak") unless evals.peak_tflops was declared, and then priced its
+    fine-tuning at that peak with bf16 activations, half the memory the eval takes."""
+    profile = _priced_without("a100x64", "evals", gpu_type=gpu, peak_tflops=None, gpu_memory_gb=80)
+    device = evals_cost.eval_device(profile)
+    assert list(device.peak_of) == ["fp32"] and device.peak_of["fp32"].tflops == fp32_tflops
+    declared = evals_cost.eval_device(_priced_without("a100x64", "evals", gpu_type=gpu, peak_tflops=125.0))
+    assert list(declared.peak_of) == ["fp32"]  # the tensor cores' fp16 peak is not the fp32 the evals run at
+    spec = load_suite("vtab1k").evaluators[0]
+    vit = model_config("vit_b16")
+    work = evals_cost._entry_work(spec, vit, "/nonexistent", "cuda", device.cuda_bf16)
+    assert work.precision == "fp32"
+    checkpointing = spec.options.finetune.activation_checkpointing
+    fp32 = memory.vit_activation_bytes(
+        work.model, "fp32", dropout=work.model.dropout, activation_checkpointing=checkpointing, sdpa=True
+    )
+    per_image = evals_cost.finetune_activation_bytes(spec.options.finetune, work.model, "cuda", device.cuda_bf16)
+    assert per_image == pytest.approx(evals_cost.ACTIVATION_ALLOWANCE * fp32)
+    config = TrainConfig(evals=EvalsConfig(suite="vtab1k", data_root="/nonexistent"))
+    cost = suite_cost("vtab1k", vit, config, device)
+    assert cost.device_hours == pytest.approx(cost.pflops * 1e15 / (fp32_tflops * 1e12 * device.mfu) / 3600)

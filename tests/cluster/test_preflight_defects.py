@@ -9,6 +9,8 @@ import time
 import pytest
 
 from cluster.local_head import free_port
+from cluster.plan.checkpoint_costs import pinned_beyond_kept
+from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.preflight.checks import NODE_CHECKS, Node, _request, read_streams
 from cluster.preflight.node import (
@@ -171,3 +173,27 @@ def test_the_read_check_reads_as_many_streams_at_once_as_the_nodes_loader_worker
     slow = NodeFigures(GpuInventory(1), Figure(1.5, "1 parallel stream(s)"), *(Figure(1.0, ""),) * 3)
     check = dict(NODE_CHECKS)["shard read"](evals, slow, profile, config, plan)
     assert check.passed and "none (no training worker reads here)" in check.line()
+
+
+@pytest.mark.timeout(120)
+def test_the_space_check_counts_the_checkpoints_the_plan_expects_pinned_for_evals():
+    """H/14 on a100x64 saves checkpoints of ~13 GB; while the evals queue on the eval GPU, pins keep up to 8 more than
+    checkpoint.keep_last + 1 on disk (the plan's `pinned_beyond_kept`). The check asked for keep_last + 1 alone, so
+    a filesystem with room for 4 passed and the run stopped at a save that filled it."""
+    profile = load_profile("a100x64")
+    config = resolve_config(profile, "vit_h14_i21k", [], "preflight")
+    plan = build_plan(profile, config)
+    keep, size = config.checkpoint.keep_last, plan.startup.checkpoint_gb
+    cadence = EvalCadence(config.evals.schedule(), config.checkpoint.every_steps, plan.compute.total_steps)
+    pinned = pinned_beyond_kept(plan.evals, cadence, plan.compute.step_time_s, keep)
+    assert pinned == 8
+    node = Node("n" * 32, "10.0.0.1", {"CPU": 96, "GPU": 8})
+
+    def space(free_gb: float):
+        figures = NodeFigures(GpuInventory(8), *(Figure(1.0, ""),) * 2, Figure(free_gb, "/fsx"), Figure(1.0, ""))
+        return dict(NODE_CHECKS)["checkpoint space"](node, figures, profile, config, plan)
+
+    short = space((keep + 1) * size + 1)
+    assert not short.passed and f"+ {pinned} pinned for pending evals" in short.line()
+    assert f"{(keep + 1 + pinned) * size:,.3g} GB" in short.line()
+    assert space((keep + 1 + pinned) * size + 1).passed

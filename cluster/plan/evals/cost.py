@@ -4,6 +4,7 @@ priced per evaluator entry from its options; all estimates (docs/vtab.md, "Eval 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from evals.vtab import VtabOptions
 from pretrain.config.train_config import TrainConfig
 from pretrain.model import flops
 from pretrain.model.vit import ViTConfig
-from pretrain.telemetry.peak import Peak, cpu_peak, gpu_peak
+from pretrain.telemetry.peak import Peak, cpu_peak, gpu_bf16, gpu_peak
 
 GB = memory.GB
 ACTIVATION_ALLOWANCE = 1.3  # allocator slack and backward's transient buffers over the saved activations (docs/vtab.md)
@@ -78,6 +79,7 @@ class EvalDevice:
     mfu: float
     describe: str
     peak_of: dict[str, Peak]  # by precision
+    cuda_bf16: bool = True  # a GPU with bf16 tensor cores: `precision: auto` fine-tunes in bf16 there, else in fp32
 
 
 def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, compute: ComputePlan) -> EvalsPlan:
@@ -132,10 +134,11 @@ def eval_device(profile: ClusterProfile) -> EvalDevice:
         )
     mfu = ev.assumed_mfu or profile.assumed_mfu
     if ev.num_gpus > 0:
-        peaks = {p: _gpu_eval_peak(profile, p) for p in ("bf16", "fp32")}
+        bf16 = gpu_bf16(ev.gpu_type)  # one the peak table lists without (V100, T4) emulates bf16: priced at fp32
+        peaks = {p: _gpu_eval_peak(profile, p) for p in (("bf16", "fp32") if bf16 else ("fp32",))}
         where = f"{ev.instance_type} node group" if ev.instance_type else "own GPUs"
         describe = f"1 x {ev.gpu_type or 'GPU'} ({ev.gpu_memory_gb:g} GB) per eval on the {where}"
-        return EvalDevice("cuda", ev.gpu_memory_gb * GB, ev.memory_gb * GB, mfu, describe, peaks)
+        return EvalDevice("cuda", ev.gpu_memory_gb * GB, ev.memory_gb * GB, mfu, describe, peaks, bf16)
     peaks = {"fp32": _cpu_eval_peak(profile, "fp32")}
     where = f"an {ev.instance_type} node" if ev.instance_type else "the training nodes, beside training"
     describe = f"{ev.num_cpus:g} CPU(s) per eval on {where}, {ev.memory_gb:g} GB reserved in Ray"
@@ -170,7 +173,9 @@ def _cpu_eval_peak(profile: ClusterProfile, precision: str) -> Peak:
 def suite_cost(suite: str, vit: ViTConfig, config: TrainConfig, device: EvalDevice) -> SuiteCost:
     """One evaluation of ``suite`` (cadence and share: the caller's); PlanError when an entry does not fit."""
     loaded = load_suite(suite)
-    works = [_entry_work(spec, vit, config.evals.data_root, device.kind) for spec in loaded.evaluators]
+    works = [
+        _entry_work(spec, vit, config.evals.data_root, device.kind, device.cuda_bf16) for spec in loaded.evaluators
+    ]
     hours = 0.0
     for spec, work in zip(loaded.evaluators, works):
         _check_fits(loaded.name, spec, work, device)
@@ -182,7 +187,7 @@ def suite_cost(suite: str, vit: ViTConfig, config: TrainConfig, device: EvalDevi
     return SuiteCost(loaded.name, 1, 0, total / 1e15, hours, peak_bytes / GB, 0.0, detail)
 
 
-def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) -> Work:
+def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str, cuda_bf16: bool = True) -> Work:
     o = spec.options
     if isinstance(o, FewshotOptions):
         size = _size(o.image_size, vit, spec)
@@ -193,13 +198,13 @@ def _entry_work(spec: EvaluatorSpec, vit: ViTConfig, data_root: str, kind: str) 
         tasks = list(o.tasks) if o.tasks is not None else list(vtab.BENCHMARKS[o.benchmark])
         size = _size(o.image_size, vit, spec)
         if o.protocol == "finetune":
-            return _vtab_finetune_work(o, tasks, root, size, vit, kind)
+            return _vtab_finetune_work(o, tasks, root, size, vit, kind, cuda_bf16)
         vtab_first = o.benchmark == "vtab1k"
         images = [(split_size(root, t, "train", vtab_first), split_size(root, t, "test", vtab_first)) for t in tasks]
         what = f"vtab linear probe {len(tasks)} tasks"  # every task's features stay in the suite's cache
         return _features_work(what, size, o.batch_size, images, vit, kind, keep_all=True)
     if isinstance(o, FinetuneOptions):
-        return _finetune_work(o, data_root, _size(o.image_size, vit, spec), vit, kind)
+        return _finetune_work(o, data_root, _size(o.image_size, vit, spec), vit, kind, cuda_bf16)
     if isinstance(o, InspectConfig):
         return _inspect_work(o, vit)
     return Work(f"{spec.name}: not priced (no cost model for type {spec.type})", vit, 0.0, 0.0, "fp32", 0.0, 0.0)
@@ -251,7 +256,9 @@ def _inspect_work(o: InspectConfig, vit: ViTConfig) -> Work:
     return Work(what, model, o.num_images * flops.forward_flops(model), 0.0, "fp32", device + images, images)
 
 
-def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, vit: ViTConfig, kind: str) -> Work:
+def _vtab_finetune_work(
+    o: VtabOptions, tasks: list[str], root: str, size: int, vit: ViTConfig, kind: str, cuda_bf16: bool
+) -> Work:
     """A head of the task's classes (10 where the benchmark does not say)."""
     ft, vtab_first = o.finetune, o.benchmark == "vtab1k"
     search = ft.selection_steps or ft.steps
@@ -267,10 +274,11 @@ def _vtab_finetune_work(o: VtabOptions, tasks: list[str], root: str, size: int, 
         f"vtab finetune {len(tasks)} tasks x ({len(ft.lr_grid)} lr x {search} + {ft.steps} steps) x batch "
         f"{ft.batch_size} at {size}px, + {forwards:,.0f} test/val images"
     )
-    return _finetune_result(what, ft, models, total, len(tasks) * runs, kind, o.train_examples + o.val_examples)
+    drawn = o.train_examples + o.val_examples
+    return _finetune_result(what, ft, models, total, len(tasks) * runs, kind, drawn, cuda_bf16)
 
 
-def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kind: str) -> Work:
+def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kind: str, cuda_bf16: bool) -> Work:
     """Per dataset: lr-search runs on the kept part, the final run on kept + held-out, held-out scored per lr, test
     at the end and at each learning-curve point."""
     search = o.selection_steps or o.steps
@@ -290,27 +298,35 @@ def _finetune_work(o: FinetuneOptions, root: str, size: int, vit: ViTConfig, kin
         f"finetune {len(o.datasets)} datasets x ({len(o.lr_grid)} lr x {search} + {o.steps} steps) x batch "
         f"{o.batch_size} at {size}px, + {forwards:,.0f} test/held-out images"
     )
-    return _finetune_result(what, o, models, total, train, kind, pool_most)
+    return _finetune_result(what, o, models, total, train, kind, pool_most, cuda_bf16)
 
 
-def _finetune_precision(o: FinetuneOptions, kind: str) -> str:
-    return "bf16" if autocast_dtype(o.precision, kind) is not None else "fp32"
+def _finetune_precision(o: FinetuneOptions, kind: str, cuda_bf16: bool = True) -> str:
+    return "bf16" if autocast_dtype(o.precision, kind, cuda_bf16=cuda_bf16) is not None else "fp32"
 
 
 def _finetune_result(
-    what: str, o: FinetuneOptions, models: list[ViTConfig], total: float, train: float, kind: str, drawn: float
+    what: str,
+    o: FinetuneOptions,
+    models: list[ViTConfig],
+    total: float,
+    train: float,
+    kind: str,
+    drawn: float,
+    cuda_bf16: bool,
 ) -> Work:
     """At the widest head; the ``drawn`` images are uint8 on the host, float32 on the device."""
     model = max(models, key=lambda m: m.num_classes)
     micro, size = min(o.micro_batch_size or o.batch_size, o.batch_size), model.image_size
-    device = _weights(model, 12) + micro * finetune_activation_bytes(o, model, kind) + o.batch_size * _image_bytes(size)
-    return Work(what, model, total, train, _finetune_precision(o, kind), device, drawn * 3 * size * size)
+    per_image = finetune_activation_bytes(o, model, kind, cuda_bf16)
+    device = _weights(model, 12) + micro * per_image + o.batch_size * _image_bytes(size)
+    return Work(what, model, total, train, _finetune_precision(o, kind, cuda_bf16), device, drawn * 3 * size * size)
 
 
-def finetune_activation_bytes(o: FinetuneOptions, model: ViTConfig, kind: str) -> float:
+def finetune_activation_bytes(o: FinetuneOptions, model: ViTConfig, kind: str, cuda_bf16: bool = True) -> float:
     """Bytes one fine-tuning image keeps for backward, a hybrid's ResNet stem included, x ACTIVATION_ALLOWANCE
     (docs/vtab.md, "Fine-tuning memory")."""
-    precision, checkpointing = _finetune_precision(o, kind), o.activation_checkpointing
+    precision, checkpointing = _finetune_precision(o, kind, cuda_bf16), o.activation_checkpointing
     per_image = memory.vit_activation_bytes(
         model, precision, dropout=model.dropout, activation_checkpointing=checkpointing, sdpa=kind == "cuda"
     )
@@ -361,7 +377,7 @@ def _memory_fixes(spec: EvaluatorSpec, work: Work, device: EvalDevice, over: flo
     o = spec.options.finetune if isinstance(spec.options, VtabOptions) else spec.options
     fixes = []
     if isinstance(o, FinetuneOptions) and work.train_images:
-        per_image = finetune_activation_bytes(o, work.model, device.kind)
+        per_image = finetune_activation_bytes(o, work.model, device.kind, device.cuda_bf16)
         micro = min(o.micro_batch_size or o.batch_size, o.batch_size)
         room = micro - math.ceil(over / per_image)
         fits = [d for d in range(1, max(room, 0) + 1) if o.batch_size % d == 0]
@@ -401,16 +417,33 @@ def _over_budget(part: EvalsPlan, cadence: EvalCadence, baseline: bool) -> str:
 def _pace_warnings(part: EvalsPlan, config: TrainConfig, cadence: EvalCadence, step_s: float) -> tuple[str, ...]:
     warnings = []
     load = sum(c.device_hours * 3600 / (c.every * config.checkpoint.every_steps * step_s) for c in part.suites)
-    if load > 1:
-        times = math.ceil(load)
+    wait_s, skipped, due = _queue(part, cadence, step_s)
+    if load > 1 or skipped:
+        # Evals that keep up on average still skip checkpoints that come due while a slow suite holds the device.
+        times = next(
+            t for t in itertools.count(max(2, math.ceil(load))) if not _queue(part, _every(cadence, t), step_s)[1]
+        )
+        if load > 1:
+            why, cheaper = (
+                f"evals need ~{load:.2g} eval devices to keep up with training (device-hours per hour of training, "
+                "estimated): they fall behind",
+                "",
+            )
+        else:
+            slow = max(part.suites, key=lambda c: c.device_hours)
+            why = f"evals queue behind {slow.suite}'s ~{slow.device_hours:.2g} h per checkpoint on one eval device"
+            cheaper = f" for {slow.suite}"
+        skips = (
+            f", and the scheduler, which pins at most {MAX_PINNED} checkpoints for pending evals, would skip the "
+            f"evals of ~{skipped} of the {due} checkpoints due for them (estimated)"
+            if skipped
+            else ", and the scheduler skips evals beyond its pinned checkpoints"
+        )
         warnings.append(
-            f"evals need ~{load:.2g} eval devices to keep up with training (device-hours per hour of training, "
-            "estimated): they fall behind, and the scheduler skips evals beyond its pinned checkpoints; raise "
-            f"their every ({times}x: {_every_times(config, times)}), give evals more devices (a faster "
-            "evals.gpu_type / instance_type), or a cheaper protocol"
+            f"{why}{skips}; raise their every ({times}x: {_every_times(config, times)}), give evals more devices (a "
+            f"faster evals.gpu_type / instance_type), or a cheaper protocol{cheaper}"
         )
     last_s = sum(c.device_hours for c in part.suites) * 3600
-    wait_s = _last_wait_s(part, cadence, step_s)
     if wait_s > config.evals.timeout_s:
         behind = wait_s - last_s
         queued = f", behind ~{behind / 3600:.2g} h of earlier checkpoints' still queued" if behind > 0 else ""
@@ -423,19 +456,29 @@ def _pace_warnings(part: EvalsPlan, config: TrainConfig, cadence: EvalCadence, s
     return tuple(warnings)
 
 
-def _last_wait_s(part: EvalsPlan, cadence: EvalCadence, step_s: float) -> float:
-    """Seconds from the last save to the end of its evals on one eval device taking the checkpoints in turn, as the
-    scheduler holds them: a due one waits pinned, or is skipped while MAX_PINNED wait (never the last)."""
+def _queue(part: EvalsPlan, cadence: EvalCadence, step_s: float) -> tuple[float, int, int]:
+    """(seconds from the last save to the end of its evals, checkpoints whose evals are skipped, checkpoints due) on
+    one eval device taking the checkpoints in turn, as the scheduler holds them: a due one waits pinned, or is skipped
+    while MAX_PINNED wait (never the last)."""
     seconds = {suite: c.device_hours * 3600 for (suite, _), c in zip(cadence.suites, part.suites)}
-    last, period = cadence.last_step, cadence.checkpoint_every
-    free_at, pending = 0.0, []  # when the device is free; when each pinned checkpoint's evals end
-    for step in [*([0] if part.baseline else []), *range(period, last, period), last]:
+    last = cadence.last_step
+    grid = math.gcd(*(every for _, every in cadence.suites)) * cadence.checkpoint_every  # where any suite is due
+    free_at, pending, skipped, due_count = 0.0, [], 0, 0  # when the device is free; when each pinned one's evals end
+    for step in [*([0] if part.baseline else []), *range(grid, last, grid), last]:
         now, due = step * step_s, cadence.due(step)
         pending = [end for end in pending if end > now]
+        due_count += bool(due)
         if due and (len(pending) < MAX_PINNED or step == last):
             free_at = max(free_at, now) + sum(seconds[suite] for suite in due)
             pending.append(free_at)
-    return free_at - last * step_s
+        elif due:
+            skipped += 1
+    return free_at - last * step_s, skipped, due_count
+
+
+def _every(cadence: EvalCadence, times: int) -> EvalCadence:
+    """``cadence`` with every suite ``times`` as far apart (`_every_times`)."""
+    return dataclasses.replace(cadence, suites=tuple((suite, every * times) for suite, every in cadence.suites))
 
 
 def _every_times(config: TrainConfig, times: int) -> str:
