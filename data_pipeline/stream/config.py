@@ -81,6 +81,8 @@ class DataConfig:
             positive(self.epoch_images, "data.epoch_images")
         for name in ("num_workers", "read_retries", "cache_mb", "shuffle_buffer", "mixup_alpha", "seed"):
             at_least(getattr(self, name), 0, f"data.{name}")
+        if self.seed >= 2**32:  # numpy reads it as two 32-bit words: (seed, epoch) would be another seed's epoch
+            raise ValueError(f"data.seed={self.seed} must be below 2**32, e.g. data.seed=0")
         chunk = self.global_batch_size // self.streams
         if self.mixup_alpha > 0 and chunk < 2:
             raise ValueError(

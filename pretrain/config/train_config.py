@@ -159,8 +159,10 @@ class TrainConfig:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         typed_yaml.build(TrainConfig, self.to_dict())  # a config made in code
-        if not 0 <= self.seed < 2**53:  # numpy's SeedSequence (dropout) takes no negative; torch's seeds end at 2**64
-            raise ValueError(f"seed={self.seed} must be an integer in [0, 2**53), e.g. seed=0")
+        # numpy's SeedSequence (dropout) takes no negative, and reads a larger one as two 32-bit words: (2**32 + 5, 0)
+        # is (5, 1), another seed's entropy
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed} must be an integer in [0, 2**32), e.g. seed=0")
         d, here = self.data, self.resolved()
         ds_config.batch_plan(d, world_size)
         vit = check_model(self)

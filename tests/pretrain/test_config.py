@@ -104,7 +104,8 @@ BAD = [
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
     # passed, then every rank's first step failed after the whole start: "error: expected non-negative integer"
     # from numpy's SeedSequence (`model_randomness`), naming no field
-    (["seed=-1"], r"seed=-1 must be an integer in \[0, 2\*\*53\), e\.g\. seed=0"),
+    (["seed=-1"], r"seed=-1 must be an integer in \[0, 2\*\*32\), e\.g\. seed=0"),
+    (["seed=4294967301"], r"seed=4294967301 must be an integer in \[0, 2\*\*32\)"),
     (["checkpoint.dir="], r"checkpoint\.dir is empty; set it to the run folder"),
     (["schedule.decay=exponential"], r"schedule\.decay='exponential' is unknown; use one of linear, cosine"),
     (["schedule.total=90days"], r"schedule\.total='90days' is not a duration; write steps"),
@@ -129,6 +130,7 @@ BAD = [
     (["data.num_workers=-1"], r"data\.num_workers=-1 must be >= 0"),
     # passed, then the stream's first shard order failed in numpy ("expected non-negative integer"), naming no field
     (["data.seed=-1"], r"data\.seed=-1 must be >= 0"),
+    (["data.seed=4294967301"], r"data\.seed=4294967301 must be below 2\*\*32, e\.g\. data\.seed=0"),
     # passed, then every rank failed at its stream, after the engine's build, naming no field
     (["data.mixup_alpha=0.2", "data.streams=64"], r"data\.mixup_alpha=0\.2 mixes .* = 1; it needs >= 2: set data\.str"),
     (["data.builtin=imagenet"], r"data\.builtin='imagenet' is unknown; use one of fractal, rcdb, .* or unset it"),
