@@ -5,13 +5,14 @@ start")."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from tracking.store import (
 from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker
 
 RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch continues
+CREATION_LOCK = "mlflow_run.lock"  # beside it: held while a process creates the run (`_create_job_run`)
 # A job's start waits this long for MLflow to create its run, then trains without it (MLflow's retries last minutes).
 START_WAIT_S = 10.0
 CREATE_RETRY_MAX_S = 60.0  # the background creation's backoff cap
@@ -357,19 +359,34 @@ def _recorded(run_dir: Path, tracking_uri: str | None, plan: Mapping[str, Any]) 
 def _create_job_run(
     run_dir: Path, tracking_uri: str | None, experiment: str, config: Mapping[str, Any], tags: Mapping[str, Any]
 ) -> str:
-    """Create the run and record it at once (a retry never makes a second one); a Tracker sends the rest."""
-    recorded = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
-    if recorded is not None:  # another process of the job created it meanwhile
-        return recorded
+    """Create the run and record it at once (a retry never makes a second one); a Tracker sends the rest. Under the
+    run folder's `CREATION_LOCK`: a job's courier and a later job of the folder may both be retrying the creation when
+    MLflow answers again; one creates the run, the other waits for its record."""
     params = flatten_config(config, long_keys=True)  # a key MLflow refuses: the Tracker skips it with a warning
     params.pop(keys.RUN_ID_PARAM, None)
-    run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)
-    write_text_atomically(run_dir / RUN_RECORD, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
+    with _creation_lock(run_dir):
+        recorded = recorded_run_id(run_dir / RUN_RECORD, tracking_uri)
+        if recorded is not None:  # another process of the run folder created it meanwhile
+            return recorded
+        run_id = create_run(tracking_uri, experiment=experiment, run_name=run_dir.name, tags=tags)
+        write_text_atomically(run_dir / RUN_RECORD, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
     tracker = Tracker(tracking_uri, run_id, rank=0, record=run_dir / RUN_RECORD)  # a server failing now: the spool
     tracker.log_params({**params, keys.RUN_ID_PARAM: run_id})
     tracker.log_artifact(str(run_dir / "plan.json"))
     tracker.close()
     return run_id
+
+
+@contextlib.contextmanager
+def _creation_lock(run_dir: Path) -> Iterator[None]:
+    """An flock: across nodes on the cluster's shared storage (FSx is mounted with ``-o flock``), and released when
+    its holder dies, so a creator killed in its attempt holds no one up."""
+    with open(run_dir / CREATION_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as error:  # a file system without locks: unguarded, as a lone creator needs none
+            print(f"warning: {run_dir / CREATION_LOCK} cannot be locked ({error})", file=sys.stderr, flush=True)
+        yield
 
 
 def steps_missing(
@@ -393,12 +410,15 @@ def steps_missing(
 
 
 def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> bool:
-    """End the run with ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` or ``status.lower()``.
-    Whether MLflow took it (else a warning)."""
+    """End the run with ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` or ``status.lower()``,
+    but a run FINISHED without an ``outcome`` (a Ray job's end or courier) keeps the "stopped" its rank 0 tagged
+    (``schedule.stop_at_step``). Whether MLflow took it (else a warning)."""
     from mlflow import MlflowClient  # heavy
 
     try:
         client = MlflowClient(tracking_uri=tracking_uri)
+        if outcome is None and status == "FINISHED" and client.get_run(run_id).data.tags.get(keys.STATUS) == "stopped":
+            outcome = "stopped"
         client.set_tag(run_id, keys.STATUS, outcome or status.lower())
         client.set_terminated(run_id, status=status)
     except Exception as exc:

@@ -111,3 +111,43 @@ def test_a_job_says_which_part_of_it_the_clusters_nodes_cannot_hold(monkeypatch)
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def test_a_ray_job_that_reached_stop_at_step_stays_stopped_in_mlflow(tmp_path, mlflow_uri):
+    """The workers of a job that reached `schedule.stop_at_step` tag their run `vitscale.status=stopped`
+    (pretrain.loop); the job's end, or its courier, then marked the run FINISHED and the tag "finished", so `make
+    compare` ranked it with the runs that trained to the end of their schedules, with no note. A job that trained to
+    the end stays finished."""
+    from mlflow import MlflowClient
+
+    from cluster.driver.courier import deliver
+    from cluster.driver.record import JobEnd, finish_job
+    from tracking import keys
+    from tracking.report_collect import collect
+    from tracking.runs import RUN_RECORD, create_run, run_tags
+    from tracking.tracker import Tracker
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    ended = {}
+    for name, outcome in (("stop", "stopped"), ("courier", "stopped"), ("end", "finished")):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        run_id = create_run(mlflow_uri, "ends", name, {}, run_tags("r", "vit_s16", 2))
+        worker = Tracker(mlflow_uri, run_id, rank=0)  # rank 0, as pretrain.loop ends
+        worker.set_tags({keys.STATUS: outcome})
+        worker.close()
+        if name == "courier":  # MLflow did not answer at the job's end
+            (run_dir / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": mlflow_uri}))
+            run = {"experiment": "ends", "config": {}, "tags": {}}
+            assert deliver(run_dir, mlflow_uri, run, {}, "FINISHED", deadline_s=30) == run_id
+        else:
+            assert finish_job(run_dir, 1, mlflow_uri, run_id, JobEnd("FINISHED", 1.0, {}))
+        run = client.get_run(run_id)
+        ended[name] = (run.info.status, run.data.tags[keys.STATUS])
+    assert ended == {
+        "stop": ("FINISHED", "stopped"),
+        "courier": ("FINISHED", "stopped"),
+        "end": ("FINISHED", "finished"),
+    }
+    statuses = {r.run_name: r.status for r in collect(client, mlflow_uri, experiment="ends").runs}
+    assert statuses == {"stop": "STOPPED", "courier": "STOPPED", "end": "FINISHED"}

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import shutil
 import socket
 import sqlite3
@@ -778,3 +779,79 @@ def test_a_server_answers_with_any_status_below_500_and_not_when_it_hangs_or_is_
     down = _server_that_is_down(monkeypatch)
     assert unanswered(down).startswith(f"nothing accepts connections at 127.0.0.1:{down.rsplit(':', 1)[1]} (")
     assert unanswered("sqlite:///tmp/mlflow.db") == unanswered(None) == ""  # no server to ask
+
+
+_CREATOR = """
+import json, sys, time
+from pathlib import Path
+from mlflow import MlflowClient
+from tracking import runs
+run_dir, uri, go, role = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+MlflowClient(tracking_uri=uri).search_experiments()  # MLflow imported and its store opened before the start line
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.001)
+config, tags = {"model": {"name": "vit_tiny_debug"}}, {"vitscale.recipe": "r"}
+if role == "courier":  # job 1's courier: job 1 never had its run
+    run_id = runs.await_job_run(run_dir, uri, "race", config, tags, 60.0)
+else:  # job 2, launched again on the run folder meanwhile
+    run_id = runs.start_job_run(run_dir, uri, "race", config, tags, {"world_size": 1}, wait_s=60.0).run_id
+print(json.dumps(run_id), flush=True)
+"""
+
+
+def test_a_courier_and_a_relaunch_creating_the_run_at_once_make_one_run(mlflow_uri, tmp_path):
+    """Job 1's run was never created (MLflow down): its courier and a relaunched job 2 each retried the creation
+    until MLflow answered, then each read the run record (none yet), created a run and recorded it. Two runs for one
+    run folder: the record named the later, the other was an orphan holding the records sent to it. Real processes
+    released at once against one real store: one run, named by the record and returned to both."""
+    run_dir = tmp_path / "runs" / "race"
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text("{}")
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    creators = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CREATOR, str(run_dir), mlflow_uri, str(go), role],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for role in ("courier", "relaunch")
+    ]
+    try:
+        for creator in creators:
+            assert creator.stdout.readline().strip() == "ready"
+        go.touch()
+        outputs = [creator.communicate(timeout=90) for creator in creators]
+    finally:
+        for creator in creators:
+            creator.kill()
+    returned = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    client = _client(mlflow_uri)
+    made = client.search_runs([client.get_experiment_by_name("race").experiment_id])
+    recorded = json.loads((run_dir / RUN_RECORD).read_text())["run_id"]
+    assert [r.info.run_id for r in made] == [recorded] and returned == [recorded, recorded], outputs
+
+
+def test_a_creator_killed_holding_the_creation_lock_holds_no_one_up(mlflow_uri, tmp_path):
+    """While another process creates the run folder's run, a job's start waits for its record rather than making a
+    second run; a creator killed in its attempt (a node lost, `make stop`) leaves no claim that blocks the run."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held')"
+    holder = subprocess.Popen(
+        [sys.executable, "-u", "-c", hold + "; time.sleep(300)", str(run_dir / runs.CREATION_LOCK)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        run = runs.start_job_run(run_dir, mlflow_uri, "locked", {}, {}, {}, wait_s=2.0)
+        assert run.run_id is None and not (run_dir / RUN_RECORD).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run.wait(60) == json.loads((run_dir / RUN_RECORD).read_text())["run_id"]
+    run.stop()
