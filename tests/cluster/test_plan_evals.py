@@ -203,7 +203,7 @@ def test_the_cadence_evaluates_every_nth_checkpoint_the_baseline_and_the_last():
 
 def test_evals_settings_are_checked_and_null_suite_turns_every_suite_off():
     config = load_config("vit_h14_i21k")
-    assert config.evals.schedule() == (("i21k_fewshot", 1), ("vtab1k_probe", 20))
+    assert config.evals.schedule() == (("i21k_fewshot", 2), ("vtab1k_probe", 20))
     off = load_config("vit_h14_i21k", ["evals.suite=null"])
     assert off.evals.schedule() == ()
     with pytest.raises(ValueError, match=r"evals.every=0 must be > 0"):
