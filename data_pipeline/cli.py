@@ -5,9 +5,11 @@ owns, and the import rules").
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from data_pipeline.paths import is_remote
@@ -34,6 +36,20 @@ def ignore_interrupt() -> None:
     """Pool initializer: Ctrl-C reaches the whole process group; a worker ignores it and its parent stops the pool
     (``terminate``), so there is one line, not a traceback per worker, nor a pool waiting for a task that died."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def spawned_pool(processes: int):
+    """A "spawn" Pool whose workers ignore Ctrl-C from their first instruction: they inherit SIGINT ignored across
+    exec, where `ignore_interrupt` runs only after their interpreter started (a Ctrl-C before: "Fatal Python error:
+    init_import_site"). The parent ignores it only while it starts them."""
+    context = multiprocessing.get_context("spawn")
+    if threading.current_thread() is not threading.main_thread():  # signal.signal is the main thread's
+        return context.Pool(processes, ignore_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return context.Pool(processes, ignore_interrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def positive(value: float, name: str) -> None:

@@ -5,14 +5,13 @@ pure function of (seed, kind, split, class, instance, resolution).
 from __future__ import annotations
 
 import io
-import multiprocessing
 import time
 from collections.abc import Callable
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from data_pipeline.cli import ignore_interrupt
+from data_pipeline.cli import spawned_pool
 
 JPEG_QUALITY = 95
 MAX_CLASSES = 21843  # ImageNet-21k's class count
@@ -197,7 +196,7 @@ def generate(
     ]
     if workers <= 1:
         return [item for part in map(_generate_classes, jobs) for item in part]
-    pool = multiprocessing.get_context("spawn").Pool(workers, ignore_interrupt)
+    pool = spawned_pool(workers)
     try:
         items = [item for part in pool.imap(_generate_classes, jobs) for item in part]
     except BaseException:  # Ctrl-C: close + join would wait for the queue's remaining work
