@@ -492,7 +492,7 @@ def test_eval_tasks_run_on_the_gpu_ray_gave_them():
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
-    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri, s3_endpoint
+    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri, s3_endpoint, eval_data_root
 ):
     """Rank 0 dies between step 10's COMPLETE and its evals' submit, and keep_last=1 would delete the checkpoints
     of steps 10 and 20 while their evals still wait for the (busy) eval slot. The evals, a VTAB-style
@@ -503,7 +503,6 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.local_data import prepare_local_data
-    from data_pipeline.builtin.sets import ensure
     from evals.suites import load_suite
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -539,7 +538,8 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     ]
     bucket = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True)
     bucket.mkdir("vitscale-evals")
-    bucket.put(str(ensure("digits", tmp_path / "eval_data")), "vitscale-evals/data/digits", recursive=True)
+    # the digits at their defaults, generated once per pytest run (``eval_data_root``), as the bucket's copy
+    bucket.put(str(eval_data_root / "digits"), "vitscale-evals/data/digits", recursive=True)
     config = resolve_config(profile, "local_demo", sets, "two-node")
     prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: the training set, in tmp_path
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["rcdb"]  # the digits are read from the bucket

@@ -210,7 +210,7 @@ def _job_end(client, job_id: str, timeout_s: float = 180.0) -> str:
 def _stop_our_head(profile, temp_dir: str) -> list[int]:
     """Stop the head under `temp_dir` by PID (`local_head.stop_head`), remove the dir; the processes left over."""
     state = local_head.read_state(profile)
-    local_head.stop_head(profile)
+    local_head.stop_head(profile, grace_s=2.0)  # gcs_server, raylet and monitor outlive SIGTERM: KILLed 8 s sooner
     resolved = str(Path(temp_dir).resolve())
     leftover = [
         p

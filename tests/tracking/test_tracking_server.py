@@ -268,6 +268,9 @@ def test_a_server_that_never_answers_holds_the_start_for_the_short_wait_only(mon
     assert "did not answer within 2 s" in warning and "buffered" in warning
 
 
+OUTAGE_S = 40.0  # the server down after the job's start, before its own start (see the test)
+
+
 @pytest.mark.waits
 @pytest.mark.slow
 def test_a_run_asked_for_during_a_long_outage_exists_seconds_after_the_server_answers(
@@ -276,7 +279,14 @@ def test_a_run_asked_for_during_a_long_outage_exists_seconds_after_the_server_an
     """MLflow's own HTTP retries back off to minutes (2, 4, 8 ... 64 s): a creation left inside them was made 40 s
     after the server came back (docs/benchmarks/2026-12-03-tracking-outage.md), and a job that had finished training
     waited for it. The creation asks MLflow only once something accepts connections at the server's address, looking
-    every `DOWN_POLL_S`; here with MLflow's default retries, after 70 s of outage (without the look: ~45 s late)."""
+    every `DOWN_POLL_S`; here with MLflow's default retries, after `OUTAGE_S` plus the server's start of outage.
+
+    Without the look, MLflow's retries of the creation come 0, 0, 4, 12, 28, 60, 124 s after its first try (2 s x
+    2^n backoff, from the 2nd retry on), and the start waits its `START_WAIT_S` (10 s) on that try: the server answers
+    10 + `OUTAGE_S` + its start (~15 s quiet, 27 s loaded) after the first try. With 40 s, that is between the tries
+    at 60 and 124 s, more than the assertion's margin before the latter, for any start of 10 to 59 s (measured without
+    the look, start 26.5 s: the run came 53 s late); 70 s was so only for starts under ~29 s (at 26.5 s: ~19 s late),
+    and idled 30 s longer."""
     from cluster.driver.job import open_tracking
 
     for name in CREDENTIAL_VARS:
@@ -287,7 +297,7 @@ def test_a_run_asked_for_during_a_long_outage_exists_seconds_after_the_server_an
     server.stop()
     job_run, _ = open_tracking(_spec(tmp_path, server.uri, "late"))
     try:
-        time.sleep(70)
+        time.sleep(OUTAGE_S)
         server.start()
         answered = time.monotonic()
         run_id = job_run.wait(timeout_s=120)
