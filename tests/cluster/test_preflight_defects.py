@@ -178,8 +178,8 @@ def test_the_read_check_reads_as_many_streams_at_once_as_the_nodes_loader_worker
 @pytest.mark.timeout(120)
 def test_the_space_check_counts_the_checkpoints_the_plan_expects_pinned_for_evals():
     """H/14 on a100x64 saves checkpoints of ~13 GB; while the evals queue on the eval GPU behind its VTAB probe, pins
-    keep 5 more than checkpoint.keep_last + 1 on disk (the plan's `pinned_beyond_kept`; up to 8). The check asked for keep_last + 1 alone, so
-    a filesystem with room for 4 passed and the run stopped at a save that filled it."""
+    keep 5 more than checkpoint.keep_last + 1 on disk (the plan's `pinned_beyond_kept`; up to 8). The check asked for
+    keep_last + 1 alone, so a filesystem with room for 4 passed and the run stopped at a save that filled it."""
     profile = load_profile("a100x64")
     config = resolve_config(profile, "vit_h14_i21k", [], "preflight")
     plan = build_plan(profile, config)
