@@ -19,6 +19,7 @@ from typing import Any
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
 from tracking import keys
 from tracking.store import (
+    MAX_PARAMS_TAGS_PER_BATCH,
     PENDING_RUN,
     default_artifact_location,
     default_tracking_uri,
@@ -30,7 +31,7 @@ from tracking.store import (
     spool_dir,
     unanswered,
 )
-from tracking.tracker import MAX_PARAMS_TAGS_PER_BATCH, Tracker
+from tracking.tracker import Tracker
 
 RUN_RECORD = "mlflow_run.json"  # in the run folder: the MLflow run a relaunch continues
 CREATION_LOCK = "mlflow_run.lock"  # beside it: held while a process creates the run (`_create_job_run`)

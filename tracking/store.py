@@ -278,9 +278,15 @@ def lifecycle_stage(tracking_uri: str | None, run_id: str) -> str:
     return verify_rest_response(response, endpoint).json()["run"]["info"]["lifecycle_stage"]
 
 
-# MLflow's limits of a param (mlflow.utils.validation): one over fails the whole batch.
+# MLflow's limits (mlflow.utils.validation): one over fails the whole batch.
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_KEY_LENGTH = 250
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+# MLflow's errors no retry fixes: the batch is dropped with a warning.
+PERMANENT_ERROR_CODES = frozenset(
+    {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
+)
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "", *, long_keys: bool = False) -> dict[str, str]:

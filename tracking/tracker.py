@@ -22,7 +22,10 @@ from data_pipeline.paths import write_text_atomically
 from tracking import store
 from tracking.store import (
     DELIVER_COMMAND,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAMS_TAGS_PER_BATCH,
     PENDING_RUN,
+    PERMANENT_ERROR_CODES,
     default_tracking_uri,
     flatten_config,
     read_run_record,
@@ -36,15 +39,6 @@ from tracking.store import (
 
 logger = logging.getLogger(__name__)
 
-
-# MLflow's limits (mlflow.utils.validation; a param's: tracking.store): one over fails the whole batch.
-MAX_PARAMS_TAGS_PER_BATCH = 100
-_MAX_METRICS_PER_BATCH = 1000
-
-# Errors no retry fixes: the batch is dropped with a warning.
-_PERMANENT_ERROR_CODES = frozenset(
-    {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
-)
 
 PENDING_POLL_S = 2.0  # how often a Tracker of a pending run reads the record
 CLOSE_RETRIES = 3  # close()'s last send, when it fails, is tried again this often (1, 2, 4 s apart)
@@ -463,7 +457,7 @@ class Tracker:
                             del queued[key]
         while True:
             with self._buffer_lock:
-                metrics = list(itertools.islice(self._metrics, _MAX_METRICS_PER_BATCH))
+                metrics = list(itertools.islice(self._metrics, MAX_METRICS_PER_BATCH))
             if not metrics:
                 break
             sent = [
@@ -501,7 +495,7 @@ class Tracker:
         try:
             send()
         except MlflowException as error:
-            if error.error_code not in _PERMANENT_ERROR_CODES:
+            if error.error_code not in PERMANENT_ERROR_CODES:
                 raise
             message = f"MLflow rejected {what} for run {self.run_id} ({error.error_code}): {error.message}; dropped"
             if message not in self._rejections:  # a run deleted while training refuses every send alike

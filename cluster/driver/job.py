@@ -331,7 +331,19 @@ def run_job(
     train_s = time.monotonic() - started
     print(f"training {status.lower()} after {train_s:.0f} s; waiting for pending evals", flush=True)
     wait_s = config.evals.timeout_s if eval_timeout_s is None else eval_timeout_s
-    pending = ray.get(scheduler.pending.remote())
+    _warn_unplaceable_evals(profile, ray.get(scheduler.pending.remote()), wait_s)
+    evals = ray.get(scheduler.drain.remote(wait_s))
+    end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
+    mlflow_run.stop(STOP_WAIT_S)  # an attempt in flight ends first: the courier must not make a second run
+    if not finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end):
+        print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
+    return 0 if status == "FINISHED" else 1
+
+
+def _warn_unplaceable_evals(profile: ClusterProfile, pending: list[int], wait_s: float) -> None:
+    """Before the job's end waits for ``pending`` evals: a line where no live node can run an eval task."""
+    import ray
+
     if pending and (short := _evals_short(profile, _live(ray.nodes()))):
         print(
             f"warning: the evals of step(s) {', '.join(map(str, pending))} may never start: {short}. The job's end "
@@ -339,12 +351,6 @@ def run_job(
             "pinned and the run's next job runs them",
             flush=True,
         )
-    evals = ray.get(scheduler.drain.remote(wait_s))
-    end = JobEnd(status, train_s, evals, clock, evals_share_training_cores(profile), spec.plan)
-    mlflow_run.stop(STOP_WAIT_S)  # an attempt in flight ends first: the courier must not make a second run
-    if not finish_job(run_dir, config.checkpoint.keep_last, uri, mlflow_run.run_id or mlflow_run.ref, end):
-        print(hand_over(run_dir, uri, job_run_args(spec), end.evals, status), flush=True)
-    return 0 if status == "FINISHED" else 1
 
 
 def resource_shortfall(profile: ClusterProfile, nodes: list[dict[str, Any]], evals: bool) -> list[str]:
