@@ -64,7 +64,20 @@ def test_launcher_config_with_every_host_need_given_stops_nothing():
     assert not any("exit 1" in c for c in config["initialization_commands"])
 
 
-class _Ingress(http.server.BaseHTTPRequestHandler):
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    """A fake server's handler: answers with a body, logs nothing."""
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Ingress(_Quiet):
     """A proxy in front of a cluster's Jobs API: it passes Ray's version check and refuses the working_dir upload, as
     ingress-nginx does with its 1 MiB default body limit (413), or drops the connection (a `ray dashboard` tunnel that
     closed)."""
@@ -86,15 +99,6 @@ class _Ingress(http.server.BaseHTTPRequestHandler):
         title = b"413 Request Entity Too Large"  # nginx's page
         page = b"<html>\r\n<head><title>%s</title></head>\r\n<body><center><h1>%s</h1></center>\r\n" % (title, title)
         self._answer(413, page + b"<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n")
-
-    def _answer(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 @pytest.mark.timeout(120)
@@ -123,7 +127,7 @@ def test_a_jobs_api_that_refuses_the_upload_is_one_line_not_a_traceback(monkeypa
         assert "proxy-body-size" in line, line
 
 
-class _Imds(http.server.BaseHTTPRequestHandler):
+class _Imds(_Quiet):
     """EC2's instance metadata service (IMDSv2: a token first) of a node booted from an AMI whose root is `root`."""
 
     root = "/dev/sda1"
@@ -135,15 +139,6 @@ class _Imds(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         ok = self.path == "/latest/meta-data/block-device-mapping/root" and self.headers["X-aws-ec2-metadata-token"]
         self._answer(200 if ok == "tok" else 401, self.root.encode())
-
-    def _answer(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 @pytest.mark.timeout(120)
@@ -194,20 +189,14 @@ def _local_profile(tmp_path) -> Path:
     return path
 
 
-class _Dashboard(http.server.BaseHTTPRequestHandler):
+class _Dashboard(_Quiet):
     """A Ray head's dashboard: /api/version names its session."""
 
     session = ""
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         body = json.dumps({"version": "4", "ray_version": "2.60.0", "session_name": self.session}).encode()
-        self.send_response(200 if self.path == "/api/version" else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
+        self._answer(200 if self.path == "/api/version" else 404, body)
 
 
 @pytest.mark.timeout(120)

@@ -32,6 +32,7 @@ from pretrain.config.train_config import recipe_path
 from pretrain.model.resnet import ResNetStem
 from pretrain.model.vit import model_config
 from pretrain.telemetry.peak import cpu_peak
+from tests.support.saved_bytes import saved_bytes_per_image
 
 H14_PARAMS_1K = 632_050_000  # paper Table 1 / docs/reference.md §1, with a 1000-class head
 
@@ -937,24 +938,6 @@ def test_a_pre_ampere_gpu_is_planned_in_the_fp32_its_workers_pick():
     assert a100.compute.precision == "bf16" and a100.compute.peak_tflops == 312.0
 
 
-def _saved_bytes_per_image(module, image_size: int, dtype) -> float:
-    """What a forward keeps for backward per image (saved tensors, each storage once: batch 2 less batch 1), and
-    the backward it serves runs."""
-    held = []
-    for batch in (1, 2):
-        storages: dict[int, int] = {}
-
-        def pack(t, storages=storages):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(torch.randn(batch, 3, image_size, image_size, dtype=dtype))
-        out.float().square().mean().backward()
-        held.append(sum(storages.values()))
-    return held[1] - held[0]
-
-
 @pytest.mark.timeout(120)
 def test_a_hybrid_plan_counts_its_resnet_stems_activations():
     """R50+ViT-B/16's stem keeps ~51 MB per image for backward in bf16 (measured here with a real forward and
@@ -962,7 +945,7 @@ def test_a_hybrid_plan_counts_its_resnet_stems_activations():
     alone, so a hybrid that does not fit planned as fitting."""
     vit = model_config("r50_vit_b16")
     stem = ResNetStem(vit.hybrid_stages, vit.hybrid_width, vit.in_chans).to(torch.bfloat16)
-    measured = _saved_bytes_per_image(stem, vit.image_size, torch.bfloat16)
+    measured = saved_bytes_per_image(stem, vit.image_size, torch.bfloat16)
     assert measured / 1e6 == pytest.approx(51.0, rel=0.02)
     assert stem_activation_bytes(vit, "bf16") == pytest.approx(measured, rel=0.001)
     assert stem_activation_bytes(model_config("vit_b16"), "bf16") == 0.0

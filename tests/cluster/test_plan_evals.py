@@ -29,6 +29,7 @@ from pretrain.config.train_config import CheckpointConfig, EvalsConfig, SuiteCad
 from pretrain.model import flops
 from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 from pretrain.telemetry.peak import Peak
+from tests.support.saved_bytes import saved_bytes_per_image
 
 SMALL_SUITE = """
 name: small
@@ -297,22 +298,6 @@ def test_the_linear_probe_host_memory_counts_every_tasks_features(tmp_path):
     assert work.host_bytes == features * (4 * (1000 + 1880 + 1000 + 711) + 8 * (1000 + 1880))
 
 
-def _saved_bytes_per_image(model, image_size: int) -> float:
-    """What a training forward keeps for backward per image (saved tensors, each storage once: batch 2 less 1)."""
-    held = []
-    for batch in (1, 2):
-        storages: dict[int, int] = {}
-
-        def pack(t, storages=storages):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randn(batch, 3, image_size, image_size))
-        held.append(sum(storages.values()))
-    return held[1] - held[0]
-
-
 @pytest.mark.timeout(60)
 def test_fine_tuning_a_hybrid_counts_its_resnet_stems_activations(tmp_path):
     """R26+ViT-S/32 at 64 px keeps ~6.9 MB per image for backward in fp32, ~5.4 MB of it in its ResNet stem, which no
@@ -326,7 +311,7 @@ def test_fine_tuning_a_hybrid_counts_its_resnet_stems_activations(tmp_path):
     vit = model_config("r26_vit_s32", image_size=64, num_classes=10, representation_size=None)
     work = evals_cost._entry_work(spec, vit, str(tmp_path / "empty"), "cpu")  # fp32, explicit attention
     per_image = evals_cost.finetune_activation_bytes(spec.options, work.model, "cpu") / evals_cost.ACTIVATION_ALLOWANCE
-    measured = _saved_bytes_per_image(VisionTransformer(work.model).train(), 64)
+    measured = saved_bytes_per_image(VisionTransformer(work.model).train(), 64)
     assert per_image == pytest.approx(measured, rel=0.03)
     assert memory.stem_activation_bytes(work.model, "fp32") == pytest.approx(5.4e6, rel=0.01)
 
