@@ -6,8 +6,8 @@ import math
 import shutil
 from pathlib import Path
 
-from cluster.plan.evals.cadence import MAX_PINNED, EvalCadence
-from cluster.plan.evals.cost import EvalsPlan
+from cluster.plan.evals.cadence import EvalCadence
+from cluster.plan.evals.cost import EvalsPlan, eval_queue
 from data_pipeline.paths import is_remote, resolve_location
 from pretrain.checkpoint import run_folder
 from pretrain.config.train_config import TrainConfig
@@ -18,26 +18,19 @@ CHECKPOINT_BYTES_PER_PARAM = 20
 
 def pinned_beyond_kept(evals: EvalsPlan, cadence: EvalCadence, step_s: float, keep_last: int) -> int:
     """The most checkpoints older than the newest ``keep_last`` that pins for pending evals keep on disk at a save,
-    with the evals taking the checkpoints in turn on one eval device, at most MAX_PINNED waiting (as the plan's
-    `_queue` has them). The scheduler unpins finished evals at a save's submit, after that save's prune: a
-    checkpoint goes at the prune after the first save at or after its evals' end."""
+    the evals queued as `eval_queue` has them. The scheduler unpins finished evals at a save's submit, after that
+    save's prune: a checkpoint goes at the prune after the first save at or after its evals' end."""
     if not evals.suites or cadence.last_step is None:
         return 0
-    seconds = {suite: c.device_hours * 3600 for (suite, _), c in zip(cadence.suites, evals.suites)}
     last, period = cadence.last_step, cadence.checkpoint_every
     saves = [*([0] if evals.baseline else []), *range(period, last, period), last]
-    free_at, pending, pinned, most = 0.0, [], [], 0  # pinned: (index of its save, end of its evals)
-    for i, step in enumerate(saves):
-        now = step * step_s
+    pinned, most = [], 0  # pinned: (index of its save, end of its evals)
+    for i, (_, end) in enumerate(eval_queue(evals, cadence, step_s, saves)):
         pruned_by = saves[i - 2] * step_s if i >= 2 else -math.inf  # ended then: unpinned before the last prune
-        pinned = [(j, end) for j, end in pinned if end > pruned_by]
+        pinned = [(j, e) for j, e in pinned if e > pruned_by]
         most = max(most, sum(j < i - keep_last for j, _ in pinned))
-        pending = [end for end in pending if end > now]
-        due = cadence.due(step)
-        if due and (len(pending) < MAX_PINNED or step == last):
-            free_at = max(free_at, now) + sum(seconds[suite] for suite in due)
-            pending.append(free_at)
-            pinned.append((i, free_at))
+        if not math.isnan(end):
+            pinned.append((i, end))
     return most
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cluster.plan import memory
@@ -456,24 +457,32 @@ def _pace_warnings(part: EvalsPlan, config: TrainConfig, cadence: EvalCadence, s
     return tuple(warnings)
 
 
-def _queue(part: EvalsPlan, cadence: EvalCadence, step_s: float) -> tuple[float, int, int]:
-    """(seconds from the last save to the end of its evals, checkpoints whose evals are skipped, checkpoints due) on
-    one eval device taking the checkpoints in turn, as the scheduler holds them: a due one waits pinned, or is skipped
-    while MAX_PINNED wait (never the last)."""
+def eval_queue(part: EvalsPlan, cadence: EvalCadence, step_s: float, steps: list[int]) -> Iterator[tuple[bool, float]]:
+    """For each save of ``steps`` (ascending, the last step last): (whether a suite is due, when its evals end; NaN
+    where none run) on one eval device taking the checkpoints in turn, as the scheduler holds them: a due one waits
+    pinned, or is skipped while MAX_PINNED wait (never the last)."""
     seconds = {suite: c.device_hours * 3600 for (suite, _), c in zip(cadence.suites, part.suites)}
-    last = cadence.last_step
-    grid = math.gcd(*(every for _, every in cadence.suites)) * cadence.checkpoint_every  # where any suite is due
-    free_at, pending, skipped, due_count = 0.0, [], 0, 0  # when the device is free; when each pinned one's evals end
-    for step in [*([0] if part.baseline else []), *range(grid, last, grid), last]:
+    free_at, pending = 0.0, []  # when the device is free; when each pinned one's evals end
+    for step in steps:
         now, due = step * step_s, cadence.due(step)
         pending = [end for end in pending if end > now]
-        due_count += bool(due)
-        if due and (len(pending) < MAX_PINNED or step == last):
+        if due and (len(pending) < MAX_PINNED or step == cadence.last_step):
             free_at = max(free_at, now) + sum(seconds[suite] for suite in due)
             pending.append(free_at)
-        elif due:
-            skipped += 1
-    return free_at - last * step_s, skipped, due_count
+            yield True, free_at
+        else:
+            yield bool(due), math.nan
+
+
+def _queue(part: EvalsPlan, cadence: EvalCadence, step_s: float) -> tuple[float, int, int]:
+    """(seconds from the last save to the end of its evals, checkpoints whose evals are skipped, checkpoints due)
+    (`eval_queue`)."""
+    last = cadence.last_step
+    grid = math.gcd(*(every for _, every in cadence.suites)) * cadence.checkpoint_every  # where any suite is due
+    queue = list(eval_queue(part, cadence, step_s, [*([0] if part.baseline else []), *range(grid, last, grid), last]))
+    free_at = max((end for _, end in queue if not math.isnan(end)), default=0.0)
+    skipped = sum(due and math.isnan(end) for due, end in queue)
+    return free_at - last * step_s, skipped, sum(due for due, _ in queue)
 
 
 def _every(cadence: EvalCadence, times: int) -> EvalCadence:
