@@ -389,9 +389,9 @@ def test_a_damaged_checkpoint_at_another_world_size_stops_every_rank_with_one_li
 ):
     """A checkpoint without checksums.json (written before checkpoints recorded them) whose optimizer file is cut
     short, or missing, resumed at another world size: rank 0 finds the damage while converting it, and every rank
-    stops with the same line. The others waited in a barrier for rank 0: they died of its exit with gloo's
-    "Connection closed by peer" (a traceback), and on NCCL, or under Ray Train where a failed worker's process lives
-    on, they waited for the collective timeout (30 minutes)."""
+    stops with the same line (or is ended by torchrun once another has). The others waited in a barrier for rank 0:
+    they died of its exit with gloo's "Connection closed by peer" (a traceback), and on NCCL, or under Ray Train where
+    a failed worker's process lives on, they waited for the collective timeout (30 minutes)."""
     run, _ = uninterrupted
     old = _copy_run(run, tmp_path / "old", drop=(6, 8))
     for step in (2, 4):
@@ -406,14 +406,16 @@ def test_a_damaged_checkpoint_at_another_world_size_stops_every_rank_with_one_li
         status = warm_ranks.launch("pretrain.train", ["--config", str(work / "config.yaml")], 4, _env(), log, 240)
         printed = log.read_text()
         assert status == 1 and "Traceback" not in printed, printed[-4000:]
-        return [line for line in printed.splitlines() if line.startswith("python -m pretrain.train: error: ")]
+        lines = [line for line in printed.splitlines() if line.startswith("python -m pretrain.train: error: ")]
+        # torchrun ends the other ranks once one has exited, so a rank may be stopped before it prints its line
+        assert 1 <= len(lines) <= 4 and len(set(lines)) == 1, lines
+        return lines
 
     step4 = run_folder.checkpoint_dir(old, 4)
     cut = step4 / OPTIM_FILE.replace("08", "04")
     with open(cut, "r+b") as f:
         f.truncate(cut.stat().st_size // 2)
     lines = errors_at_world_size_4()
-    assert len(lines) == 4 and len(set(lines)) == 1, lines
     assert lines[0].startswith(f"python -m pretrain.train: error: {cut} cannot be loaded (")
     assert not (step4 / "universal").exists()
     # A partition file missing: the converter's own error, as one line naming the checkpoint and the way on.
@@ -421,7 +423,6 @@ def test_a_damaged_checkpoint_at_another_world_size_stops_every_rank_with_one_li
     step2 = run_folder.checkpoint_dir(old, 2)
     (step2 / "deepspeed/step_00000002/zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     lines = errors_at_world_size_4()
-    assert len(lines) == 4 and len(set(lines)) == 1, lines
     assert lines[0].startswith(
         f"python -m pretrain.train: error: {step2}/deepspeed/step_00000002 cannot be converted for world size 4 ("
     )
