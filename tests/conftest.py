@@ -147,6 +147,19 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def only_new_objects_scanned():
+    """``gc.get_objects()`` lists only the objects made after this point: `gc.freeze` moves the others (a long-lived
+    test worker's millions, which every scan read and every `gc.collect` walked) to the permanent generation that
+    both skip. What the test makes is made later, so each scan still sees all of it."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 def _run_root(tmp_path_factory) -> Path:
     """This pytest run's folder that all its xdist workers see: their base temps' common parent (one per run, never
     an earlier run's); without xdist, the base temp itself."""

@@ -99,7 +99,7 @@ def _attention_alive(tokens: int) -> int:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pool", ["token", "gap"])
-def test_inspection_holds_one_layer_of_attention_at_a_time(tmp_path, pool, monkeypatch):
+def test_inspection_holds_one_layer_of_attention_at_a_time(tmp_path, pool, monkeypatch, only_new_objects_scanned):
     """`forward_attention` returned every layer's attention of a batch at once (~16 GB on the device for ViT-L/16 at
     384 px, batch 32); the analyses reduce them layer by layer, so when a block starts no earlier layer's weights may
     be alive. The numbers stay those of the all-at-once analyses."""

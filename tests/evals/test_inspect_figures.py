@@ -117,6 +117,7 @@ def test_the_random_init_baselines_figures_do_not_replace_the_checkpoints(tmp_pa
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("only_new_objects_scanned")  # the scans below read what the test made, not the whole heap
 def test_run_inspection_holds_one_batch_of_attention_at_a_time(tmp_path):
     """Every image's attention of every layer was kept on the host (~65 GB for ViT-L/16 at 384px on 128 images): when
     each forward pass starts, no attention map of a batch before the last may be alive, copies included."""

@@ -20,20 +20,35 @@ from pretrain.weights.formats import save_pretrained
 
 PROJECT = Path(__file__).resolve().parents[2]
 
+# One torch thread (run_suite's num_threads=None keeps it): torch's default, a thread per core, doubled the CPU time
+# of every feature pass beside the suite's other workers on 2 cores and was 2-4x slower in wall time.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture
 def data_root(eval_data_root):
     return eval_data_root  # shared by every worker of the run: read, never written
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def _save_checkpoint(folder: Path, **overrides) -> Path:
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("run") / "checkpoints" / "step_00000120"
-    save_pretrained(build_model("vit_tiny_debug", num_classes=32), folder)
+    save_pretrained(build_model("vit_tiny_debug", num_classes=32, **overrides), folder)
     (folder / "trainer_state.json").write_text(json.dumps({"step": 120, "images_seen": 7680}))
     (folder / "COMPLETE").write_text("")
     return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _save_checkpoint(tmp_path_factory.mktemp("run") / "checkpoints" / "step_00000120")
+
+
+@pytest.fixture(scope="module")
+def shallow_checkpoint(tmp_path_factory):
+    """The checkpoint with one block instead of four, for tests whose checks do not depend on the depth (the rows a
+    suite writes, a resized model's features): the blocks were ~70% of their feature passes over thousands of
+    images."""
+    return _save_checkpoint(tmp_path_factory.mktemp("run") / "checkpoints" / "step_00000120", depth=1)
 
 
 def write_suite(tmp_path, name, body):
@@ -81,7 +96,7 @@ def test_run_suite_writes_table_and_logs_mlflow(data_root, checkpoint, tmp_path,
     uri = mlflow_uri
     run_id = create_run(uri, "evals-test", "tiny", params={"model": {"name": "vit_tiny_debug"}})
     suite = write_suite(tmp_path, "tiny_mixed", MIXED)
-    table = run_suite(checkpoint, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri, num_threads=2)
+    table = run_suite(checkpoint, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=uri, num_threads=1)
 
     rows = {r["metric"]: r for r in table.to_pylist()}
     five = rows["fewshot/digits/5shot"]
@@ -134,7 +149,7 @@ def test_an_eval_whose_tracking_server_is_down_ends_in_seconds(data_root, checkp
             data_root=data_root,
             mlflow_run_id=run_id,
             tracking_uri=uri,
-            num_threads=2,
+            num_threads=1,
             log=lines.append,
         )
         assert time.monotonic() - started < 60
@@ -299,24 +314,28 @@ def test_a_missing_split_names_the_command_that_writes_it(tmp_path):
     assert "data_pipeline.builtin" not in unknown and "--vtab" not in unknown and not local.exists()
 
 
-def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, checkpoint, tmp_path):
+def test_fewshot_l2_sweep_picks_one_l2_per_shot(data_root, shallow_checkpoint, tmp_path):
     from evals.fewshot import L2_SWEEP
 
     body = "  - type: fewshot\n    datasets: [digits, dsprites_loc]\n    shots: [2, 5]\n    seeds: [0, 1]\n"
     suite = write_suite(tmp_path, "sweep", body + "    l2_sweep: true\n")
-    rows = {r["metric"]: r for r in run_suite(checkpoint, suite, data_root=data_root, out=tmp_path).to_pylist()}
+    rows = {r["metric"]: r for r in run_suite(shallow_checkpoint, suite, data_root=data_root, out=tmp_path).to_pylist()}
     for shots in (2, 5):
         chosen = rows[f"fewshot/l2/{shots}shot"]["value"]
         assert chosen in L2_SWEEP and "mean rank over 2 dataset(s)" in rows[f"fewshot/l2/{shots}shot"]["detail"]
         assert rows[f"fewshot/digits/{shots}shot"]["detail"] == f"l2={chosen:g}"
     fixed = write_suite(tmp_path, "fixed", body)
-    fixed_rows = {r["metric"]: r for r in run_suite(checkpoint, fixed, data_root=data_root, out=tmp_path).to_pylist()}
+    fixed_rows = {
+        r["metric"]: r for r in run_suite(shallow_checkpoint, fixed, data_root=data_root, out=tmp_path).to_pylist()
+    }
     # Without the sweep: the paper's fixed l2, and no l2 metric.
     assert "fewshot/l2/5shot" not in fixed_rows and fixed_rows["fewshot/digits/5shot"]["detail"] == "l2=1024"
 
 
 @pytest.mark.timeout(300)
-def test_fewshot_and_the_linear_probe_at_another_resolution_use_the_resized_model(data_root, checkpoint, tmp_path):
+def test_fewshot_and_the_linear_probe_at_another_resolution_use_the_resized_model(
+    data_root, shallow_checkpoint, tmp_path
+):
     # image_size resizes the model for frozen features too (position embeddings interpolated, docs/contracts.md), as
     # the plan prices them; it was fed 48 px images into the 32 px model, which refused them mid-suite.
     from evals.features import extract_features
@@ -329,9 +348,9 @@ def test_fewshot_and_the_linear_probe_at_another_resolution_use_the_resized_mode
         "    train_examples: 80\n    val_examples: 20\n"
     )
     suite = write_suite(tmp_path, "resized", body)
-    rows = {r["metric"]: r for r in run_suite(checkpoint, suite, data_root=data_root, out=tmp_path).to_pylist()}
+    rows = {r["metric"]: r for r in run_suite(shallow_checkpoint, suite, data_root=data_root, out=tmp_path).to_pylist()}
     assert rows["vtab/digits"]["status"] == "ok" and 0.0 <= rows["vtab/digits"]["value"] <= 1.0
-    resized = load_model(checkpoint, image_size=48)
+    resized = load_model(shallow_checkpoint, image_size=48)
     train = extract_features(resized, data_root / "digits" / "train")
     test = extract_features(resized, data_root / "digits" / "test")
     table = fewshot_table({"digits": (*train[:2], *test[:2], 10)}, [2], [0], [1024.0])
@@ -339,7 +358,7 @@ def test_fewshot_and_the_linear_probe_at_another_resolution_use_the_resized_mode
 
 
 @pytest.mark.timeout(300)
-def test_vtab_over_present_and_missing_tasks(data_root, checkpoint, tmp_path):
+def test_vtab_over_present_and_missing_tasks(data_root, shallow_checkpoint, tmp_path):
     # A VTAB root holding two of the 19 tasks: the built-in digits stands in for SVHN (10 classes) and the
     # built-in dsprites_loc has VTAB's 16 x-position bins. Everything else must be reported missing.
     vtab_root = tmp_path / "vtab"
@@ -349,7 +368,7 @@ def test_vtab_over_present_and_missing_tasks(data_root, checkpoint, tmp_path):
     suite = write_suite(
         tmp_path, "vtab_partial", f"  - type: vtab\n    benchmark: vtab1k\n    data_root: {vtab_root}\n"
     )
-    table = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path / "out")
+    table = run_suite(shallow_checkpoint, suite, data_root=data_root, out=tmp_path / "out")
     rows = {r["metric"]: r for r in table.to_pylist()}
     assert rows["vtab/svhn"]["status"] == "ok" and 0.0 < rows["vtab/svhn"]["value"] <= 1.0
     assert rows["vtab/caltech101"]["status"] == "missing" and math.isnan(rows["vtab/caltech101"]["value"])
@@ -373,7 +392,7 @@ def test_checkpoint_without_complete_is_refused(checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
+def test_bad_dataset_and_shots_raise(data_root, shallow_checkpoint, tmp_path):
     # Labels exceeding the declared classes: a copy of digits whose dataset.json claims 5 classes.
     import shutil
 
@@ -384,11 +403,11 @@ def test_bad_dataset_and_shots_raise(data_root, checkpoint, tmp_path):
         (broken / split / "dataset.json").write_text(json.dumps({**meta, "num_classes": 5}))
     suite = write_suite(tmp_path, "s", FEWSHOT)
     with pytest.raises(ValueError, match=r"\d+ sample\(s\) have labels outside the declared classes 0..4"):
-        run_suite(checkpoint, suite, data_root=tmp_path / "root", out=tmp_path / "o")
+        run_suite(shallow_checkpoint, suite, data_root=tmp_path / "root", out=tmp_path / "o")
 
     many = write_suite(tmp_path, "many", "  - type: fewshot\n    datasets: [digits]\n    shots: [500]\n")
     with pytest.raises(ValueError, match="500-shot needs 500 training examples per class"):
-        run_suite(checkpoint, many, data_root=data_root, out=tmp_path / "o")
+        run_suite(shallow_checkpoint, many, data_root=data_root, out=tmp_path / "o")
 
 
 def test_a_gpu_index_the_machine_lacks_is_refused_before_any_work(checkpoint, tmp_path, capsys, monkeypatch):
@@ -559,9 +578,9 @@ def test_vtab_finetune_protocol_at_a_new_resolution(data_root, checkpoint, tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("suite", ["local_fewshot", "ci_vtab"])
-def test_shipped_suites_run_end_to_end(data_root, checkpoint, tmp_path, suite):
+def test_shipped_suites_run_end_to_end(data_root, shallow_checkpoint, tmp_path, suite):
     # The suites the local demo schedules after every checkpoint; missing built-ins are generated on first use.
-    table = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path, num_threads=2)
+    table = run_suite(shallow_checkpoint, suite, data_root=data_root, out=tmp_path, num_threads=1)
     rows = {r["metric"]: r for r in table.to_pylist()}
     if suite == "local_fewshot":
         for dataset in ("digits", "dsprites_loc", "dsprites_ori"):
@@ -702,7 +721,7 @@ def test_cli_random_init_prints_both_and_the_gap(checkpoint, data_root, tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_a_remote_data_root_is_read_as_a_url(data_root, checkpoint, tmp_path, monkeypatch):
+def test_a_remote_data_root_is_read_as_a_url(data_root, shallow_checkpoint, tmp_path, monkeypatch):
     # memory:// is a real fsspec filesystem and no local path: the shards copied there must score as the local ones.
     # From tmp_path, a URL mangled into a path ("memory:/...") would be a folder here.
     import fsspec
@@ -715,12 +734,12 @@ def test_a_remote_data_root_is_read_as_a_url(data_root, checkpoint, tmp_path, mo
     absent = write_suite(tmp_path, "absent", vtab.replace("[digits]", "[dsprites_loc]"))
     absent_fewshot = write_suite(tmp_path, "absent_fewshot", FEWSHOT.replace("[digits]", "[dsprites_loc]"))
     try:
-        local = run_suite(checkpoint, suite, data_root=data_root, out=tmp_path / "local", num_threads=1)
-        remote = run_suite(checkpoint, suite, data_root=url + "/", out=tmp_path / "remote", num_threads=1)
+        local = run_suite(shallow_checkpoint, suite, data_root=data_root, out=tmp_path / "local", num_threads=1)
+        remote = run_suite(shallow_checkpoint, suite, data_root=url + "/", out=tmp_path / "remote", num_threads=1)
         # A built-in set is never generated under a remote root: VTAB reports the task missing, few-shot refuses.
-        absent_rows = run_suite(checkpoint, absent, data_root=url, out=tmp_path / "remote").to_pylist()
+        absent_rows = run_suite(shallow_checkpoint, absent, data_root=url, out=tmp_path / "remote").to_pylist()
         with pytest.raises(ValueError, match=re.escape(f"no shard folder at {url}/dsprites_loc/train; ") + ".* local"):
-            run_suite(checkpoint, absent_fewshot, data_root=url, out=tmp_path / "remote")
+            run_suite(shallow_checkpoint, absent_fewshot, data_root=url, out=tmp_path / "remote")
     finally:
         memory.rm(url, recursive=True)
     local_rows, remote_rows = ({r["metric"]: r for r in t.to_pylist()} for t in (local, remote))
