@@ -205,7 +205,7 @@ def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = F
         asyncio.run(_tail())
     except Exception as exc:  # fall back to polling: never lose the status
         print(f"(log streaming stopped: {exc}; polling the job status)", file=sys.stderr)
-    silent_since = None
+    silent_since, wait_s = None, 0.25  # the status lags the log's end by a moment: asked again soon, then every 2 s
     while True:
         try:
             status = client.get_job_status(job_id)
@@ -222,7 +222,8 @@ def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = F
             if status.is_terminal():
                 return str(status.value)
             silent_since = None
-        time.sleep(min(2.0, lost_s))
+        time.sleep(min(wait_s, lost_s))
+        wait_s = min(2.0, wait_s * 2)
 
 
 def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:

@@ -43,6 +43,10 @@ _AGENT_CHECK = (  # run in a child process by `_wait_for_job_agent`
     "sys.exit(0 if ready(sys.argv[1], float(sys.argv[2])) else NOT_READY_EXIT)"
 )
 AGENT_LOG = "session_latest/logs/dashboard_agent.log"  # under the temp dir
+# Ray's own processes that outlive SIGTERM and hold no work of a job's (`stop_head`): its daemons (executables, the
+# autoscaler's monitor.py) and the actors that supervise jobs, whose entrypoint (a child of theirs) ends on SIGTERM
+SIGTERM_DEAF = ("gcs_server", "raylet", "monitor.py")
+JOB_SUPERVISOR = "ray::JobSupervisor"  # its process title, with ".method" while it runs one
 
 _log = logging.getLogger(__name__)
 
@@ -332,7 +336,7 @@ def _wait_until_ready(profile: ClusterProfile, info: HeadInfo, deadline: float, 
         while not _dashboard_alive(info.dashboard_url):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Ray head started but its dashboard {info.dashboard_url} never answered")
-            time.sleep(1.0)
+            time.sleep(0.25)  # a refused connection costs nothing; the launch waits less
         dashboard_s = time.monotonic() - start
         agent_s = _wait_for_job_agent(info, deadline)
     except RuntimeError:
@@ -389,7 +393,10 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + grace_s
     # Re-scan until nothing is left: a raylet shutting down can still spawn a worker after a scan.
     while alive := [p for p in _processes_of(temp_dir, gcs_address, link and str(link)) if not _is_zombie(p)]:
-        hard = time.monotonic() >= deadline
+        # Ray's processes left alone after a SIGTERM (all else ended, a job's driver too: nothing to flush) are KILLed
+        # now: the GCS, the monitor, job supervisors, sometimes the raylet ignore it, and the whole grace was waited
+        # out (10 s a `make stop`)
+        hard = time.monotonic() >= deadline or (bool(stopped) and all(map(_outlives_sigterm, alive)))
         for pid in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL if hard else signal.SIGTERM)
@@ -401,6 +408,15 @@ def stop_head(profile: ClusterProfile, grace_s: float = 10.0) -> list[int]:
     if link is not None and link.is_symlink() and link.resolve() == Path(temp_dir):
         link.unlink(missing_ok=True)
     return stopped
+
+
+def _outlives_sigterm(pid: int) -> bool:
+    """Whether ``pid`` is one of Ray's processes that outlive SIGTERM (`SIGTERM_DEAF`, `JOB_SUPERVISOR`)."""
+    try:
+        args = [arg.decode(errors="replace") for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:3]]
+    except OSError:
+        return True  # gone
+    return args[0].startswith(JOB_SUPERVISOR) or any(Path(arg).name in SIGTERM_DEAF for arg in args)
 
 
 def _is_zombie(pid: int) -> bool:

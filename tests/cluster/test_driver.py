@@ -376,7 +376,8 @@ def test_ctrl_c_in_the_fit_is_a_keyboard_interrupt_and_leaves_no_ray_train_handl
         done = threading.Event()
         threading.Thread(target=_interrupt_once_started, args=(started, done), daemon=True).start()
         try:
-            with pytest.raises(KeyboardInterrupt):
+            # as run_job fits on `local`: without Ray Train's preemption watcher (an actor, ~2 CPU-s it never uses)
+            with pytest.raises(KeyboardInterrupt), ray_train_env(load_profile("local")):
                 fit(trainer)
         finally:
             done.set()

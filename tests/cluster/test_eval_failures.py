@@ -150,9 +150,9 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
     assert ray_local.get(slow.submit.remote(str(s30), 30, {}))  # step 20's eval holds the one pin: skipped
     assert not is_pinned(s30)
     started = time.monotonic()
-    rows = ray_local.get(slow.drain.remote(3.0))  # what the driver passes: evals.timeout_s
+    rows = ray_local.get(slow.drain.remote(1.0))  # what the driver passes: evals.timeout_s
     waited = time.monotonic() - started
-    # The eval would sleep 600 s; the drain waits 3 s, then closes the scheduler's Tracker (up to 60 s).
+    # The eval would sleep 600 s; the drain waits 1 s, then closes the scheduler's Tracker (up to 60 s).
     assert waited < 120, waited
     assert "evals.timeout_s" in rows[20]["error"] and not is_pinned(s20)
     assert rows[30]["skipped"] and rows[30]["error"].startswith("eval skipped")
