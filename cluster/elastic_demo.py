@@ -46,7 +46,6 @@ NODE_HEALTH = {  # docs/elastic.md, "Health checks"
     "health_check_failure_threshold": 3,
 }
 DEMO_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}  # Ray Train's default: 60 s
-COORDINATOR = "AutoscalingCoordinator"  # Ray's actor (name and namespace) that Ray Train's elastic policy asks
 COORDINATOR_TICK_S = 1.0  # how often the demo has it re-read the nodes (Ray: every 20 s)
 # Without a dashboard there is no state API: Ray Train's PlacementGroupCleaner, which asks it whether the controller
 # lives, would warn every second of the run. Its cleanup matters only to a cluster that outlives the job.
@@ -104,11 +103,11 @@ def demo_spec(out: Path, settings: DemoSettings, recipe: str = "local_demo") -> 
     return JobSpec.from_json(spec.to_json())  # exactly what travels to a Ray job
 
 
-def start_cluster(temp_dir: Path):
-    """Head (1 CPU: the eval slot) + 2 worker nodes (1 CPU + 1 trainer slot each)."""
+def start_cluster(temp_dir: Path, workers: int = 2):
+    """Head (1 CPU: the eval slot) + ``workers`` worker nodes (1 CPU + 1 trainer slot each, no memory for evals)."""
     cluster = local_head.in_process_cluster(**NODE_ARGS, num_cpus=1, temp_dir=str(temp_dir), _system_config=NODE_HEALTH)
     try:
-        nodes = [add_worker_node(cluster, temp_dir) for _ in range(2)]
+        nodes = [add_worker_node(cluster, temp_dir) for _ in range(workers)]
         cluster.wait_for_nodes()
     except BaseException:
         cluster.shutdown()
@@ -117,23 +116,29 @@ def start_cluster(temp_dir: Path):
 
 
 def add_worker_node(cluster, temp_dir: Path):
-    return cluster.add_node(**NODE_ARGS, num_cpus=1, resources={TRAINER_RESOURCE: 1}, temp_dir=str(temp_dir))
+    """No `memory` to hand out (an eval task reserves some: local_elastic's evals.memory_gb), so evals run on the
+    head's CPU: an eval on a worker node held the CPU that Ray Train's next worker group needed, and the group's start
+    waited for it (2.5 s at the restart, 10 s at the regrowth), or timed out and began again."""
+    return cluster.add_node(**NODE_ARGS, num_cpus=1, memory=0, resources={TRAINER_RESOURCE: 1}, temp_dir=str(temp_dir))
 
 
 def refresh_ray_train_view(job: threading.Thread, log: Callable[[str], None] = print) -> None:
-    """While ``job`` runs, have the coordinator re-read the nodes every `COORDINATOR_TICK_S` (docs/elastic.md)."""
+    """While ``job`` runs, have the coordinator re-read the nodes every `COORDINATOR_TICK_S` (docs/elastic.md). The
+    coordinator is made here, on this driver's node as Ray Train would: made at Ray Train's first resource request, its
+    process start outlasted that request's timeout (5 s), and the first worker group started a retry later."""
     import ray
 
-    while job.is_alive():
-        try:
-            coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR)
+    try:  # Ray's internals (Ray 2.60): without them the demo waits for Ray's own ticks
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        while job.is_alive():
             ray.get(coordinator._tick.remote(), timeout=30)
-        except ValueError:  # Ray Train has not created it yet
-            pass
-        except Exception as error:  # Ray's internals: the demo then waits for Ray's own ticks
-            log(f"stopped refreshing Ray Train's view of the nodes ({type(error).__name__}: {error})")
-            return
-        time.sleep(COORDINATOR_TICK_S)
+            time.sleep(COORDINATOR_TICK_S)
+    except Exception as error:
+        log(f"stopped refreshing Ray Train's view of the nodes ({type(error).__name__}: {error})")
 
 
 def _attempts(run_dir: Path) -> list[dict[str, Any]]:

@@ -170,7 +170,7 @@ def test_a_stalled_node_is_not_declared_dead(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths must stay under 107 bytes
     with local_head.ray_auth_mode("disabled"):
-        cluster, nodes = elastic_demo.start_cluster(temp_dir)
+        cluster, nodes = elastic_demo.start_cluster(temp_dir, workers=1)  # the node stalled, then killed
         try:
             ray.init(address=cluster.address)
             node = nodes[-1]
