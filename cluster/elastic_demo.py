@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from cluster import local_head
-from cluster.driver.job import JobSpec, run_job
+from cluster.driver.job import JobSpec, autoscaling_coordinator, run_job
 from cluster.local_data import prepare_local_data
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import ClusterProfile, load_profile
@@ -123,21 +123,19 @@ def add_worker_node(cluster, temp_dir: Path):
 
 
 def refresh_ray_train_view(job: threading.Thread, log: Callable[[str], None] = print) -> None:
-    """While ``job`` runs, have the coordinator re-read the nodes every `COORDINATOR_TICK_S` (docs/elastic.md). The
-    coordinator is made here, on this driver's node as Ray Train would: made at Ray Train's first resource request, its
-    process start outlasted that request's timeout (5 s), and the first worker group started a retry later."""
+    """While ``job`` runs, have Ray Train's coordinator (`autoscaling_coordinator`) re-read the nodes every
+    `COORDINATOR_TICK_S` (docs/elastic.md)."""
     import ray
 
-    try:  # Ray's internals (Ray 2.60): without them the demo waits for Ray's own ticks
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-
-        coordinator = get_or_create_autoscaling_coordinator()
+    coordinator = autoscaling_coordinator()
+    if coordinator is None:
+        log("Ray Train's view of the nodes is not refreshed (this Ray has no AutoscalingCoordinator)")
+        return
+    try:
         while job.is_alive():
             ray.get(coordinator._tick.remote(), timeout=30)
             time.sleep(COORDINATOR_TICK_S)
-    except Exception as error:
+    except Exception as error:  # Ray's internals: the demo then waits for Ray's own ticks
         log(f"stopped refreshing Ray Train's view of the nodes ({type(error).__name__}: {error})")
 
 

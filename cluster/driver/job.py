@@ -290,6 +290,7 @@ def run_job(
     for line in resource_shortfall(profile, ray.nodes(), evals=bool(config.evals.schedule())):
         print(f"warning: {line}", flush=True)
 
+    autoscaling_coordinator()  # its process starts while the job sets up
     # a lost node must not take the eval bookkeeping
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     ev = profile.evals
@@ -400,6 +401,20 @@ def _amounts(needs: dict[str, float]) -> str:
         for name, amount in needs.items()
         if amount > 0
     )
+
+
+def autoscaling_coordinator() -> Any:
+    """Ray Train's resource coordinator (a detached actor; Ray 2.60's internals), made on this node if it is not yet;
+    None where this Ray lacks it. Made at Ray Train's first resource request, its process start outlasted that
+    request's 5 s timeout on a busy head, and the first worker group started one retry (~7 s) later."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        return get_or_create_autoscaling_coordinator()
+    except Exception:
+        return None
 
 
 def fit(trainer: Any) -> Any:
