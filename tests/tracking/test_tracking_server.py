@@ -151,8 +151,8 @@ def server(tmp_path_factory):
 @pytest.fixture
 def fast_retries(monkeypatch, server):
     """The right credentials (a token, for a server without auth); MLflow's HTTP client not retrying, so that an
-    attempt against a server that is down fails at once, and the job's retries and the Trackers' looks at the run
-    record come quickly."""
+    attempt against a server that is down fails at once, and the job's retries, its looks at a server that is down,
+    the Trackers' looks at the run record and a closing Tracker's allowance for a server that is down come quickly."""
     for name in CREDENTIAL_VARS:
         monkeypatch.delenv(name, raising=False)
     if server.auth:
@@ -163,7 +163,9 @@ def fast_retries(monkeypatch, server):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     monkeypatch.setattr(runs, "CREATE_RETRY_MAX_S", 1.0)
+    monkeypatch.setattr(runs, "DOWN_POLL_S", 0.5)  # the creation sees the server answer within 0.5 s, not 5
     monkeypatch.setattr(tracker, "PENDING_POLL_S", 0.5)
+    monkeypatch.setattr(tracker, "UNANSWERED_CLOSE_S", 2.0)  # not 10 s per Tracker closing during an outage
 
 
 def _spec(tmp_path: Path, uri: str, name: str):
@@ -330,9 +332,8 @@ def test_a_job_started_while_the_server_is_down_trains_and_every_step_arrives_on
         worker.log_metrics({keys.LOSS: 1.0 / step}, step=step)
     started = time.monotonic()
     assert not worker.sync(timeout=30) and time.monotonic() - started < 5  # a checkpoint never waits for MLflow
-    time.sleep(3)  # the creation retries meanwhile, silently
 
-    server.start()
+    server.start()  # seconds: the creation retries meanwhile, every `DOWN_POLL_S`, silently
     run_id = job_run.wait(120)
     assert run_id is not None
     for step in range(21, 31):
