@@ -119,20 +119,27 @@ def torchrun(
     timeout: int = 240,
     accelerator: str = "cpu",
     launcher: str = os.environ.get("VITSCALE_TEST_LAUNCHER", "warm"),
+    script: str | None = None,
 ) -> list[dict]:
     """Train ``config`` on ``nproc`` ranks; their summaries. ``launcher``: "warm" forks the ranks from an interpreter
     that has imported torch and DeepSpeed (`tests/support/warm_ranks.py`: as torchrun starts them, without their
-    imports), "torchrun" runs `python -m torch.distributed.run` itself (a GPU run always does). What the ranks printed
-    is ``workdir/output.log``."""
+    imports), "torchrun" runs `python -m torch.distributed.run` itself (a GPU run always does). ``script``: the
+    ranks run this Python source (which runs `pretrain.train`'s main, as `DYNAMO_LOGGED`) in place of
+    `python -m pretrain.train`. What the ranks printed is ``workdir/output.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
     config.save(path)
     args = ["--config", str(path), "--summary", str(workdir / "summary_{rank}.json")]
+    target = ["-m", "pretrain.train"]
+    if script is not None:
+        (workdir / "rank.py").write_text(script)
+        target = [str(workdir / "rank.py")]
     log = workdir / "output.log"
     if launcher == "warm" and accelerator == "cpu":
         log.write_text("")
         try:
-            status = warm_ranks.launch("pretrain.train", args, nproc, _env(accelerator), log, timeout)
+            module = script is None
+            status = warm_ranks.launch(target[-1], args, nproc, _env(accelerator), log, timeout, module=module)
         except TimeoutError:
             pytest.fail(f"training timed out after {timeout}s:\n{log.read_text()[-4000:]}")
         assert status == 0, log.read_text()[-6000:]
@@ -144,8 +151,7 @@ def torchrun(
             f"--nproc-per-node={nproc}",
             "--master-addr=127.0.0.1",
             f"--master-port={free_port()}",
-            "-m",
-            "pretrain.train",
+            *target,
             *args,
         ]
         result = _run(cmd, timeout, accelerator)
@@ -258,14 +264,15 @@ def stop_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tu
     return whole, stopped, resumed
 
 
-def kill_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int) -> tuple[list, list]:
+def kill_and_resume(shards: Path, tmp_path: Path, extra: tuple, stop: int, **launch) -> tuple[list, list]:
     """Summaries of an uninterrupted run (checkpoints every few steps, ``stop`` among those it keeps) and of a run
     launched on a copy of its folder as it stood right after the step-``stop`` checkpoint (``copy_run_until``): what
     a run killed there and launched again does. One launch fewer than a run stopped at ``stop`` and resumed, and the
-    harder case: the checkpoint was taken with the loader workers running ahead into later steps."""
-    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "w")
+    harder case: the checkpoint was taken with the loader workers running ahead into later steps. ``launch``: more
+    arguments of both launches (`torchrun`)."""
+    whole = torchrun(tiny_config(shards, tmp_path / "whole", *extra), tmp_path / "w", **launch)
     split = copy_run_until(tmp_path / "whole", tmp_path / "split", stop)
-    resumed = torchrun(tiny_config(shards, split, *extra), tmp_path / "r")
+    resumed = torchrun(tiny_config(shards, split, *extra), tmp_path / "r", **launch)
     return whole, resumed
 
 
@@ -372,20 +379,17 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(shards, tmp_pat
     assert run_folder.latest_checkpoint(tmp_path / "run") == root / "step_00000002"
     model = load_checkpoint_model(root / "step_00000002")  # the previous checkpoint loads
     assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 4)
-    # Resuming picks the previous checkpoint, ignores the partial one, and removes it at the next save.
-    resumed = _run(
-        [
-            sys.executable,
-            "-m",
-            "pretrain.train",
-            "--config",
-            str(path),
-            "--summary",
-            str(tmp_path / "summary_{rank}.json"),
-        ],
-        timeout=240,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    # Resuming picks the previous checkpoint, ignores the partial one, and removes it at the next save. The same
+    # standalone `python -m pretrain.train`, forked from the warm interpreter (`train_cli` in tests/conftest.py):
+    # only the crash above needs a process of its own, for its exit status.
+    log = tmp_path / "resumed.log"
+    log.write_text("")
+    args = ["--config", str(path), "--summary", str(tmp_path / "summary_{rank}.json")]
+    try:
+        status = warm_ranks.launch("pretrain.train", args, 1, _env(), log, 240, ranks=False)
+    except TimeoutError:
+        pytest.fail(f"the resumed run timed out after 240s:\n{log.read_text()[-4000:]}")
+    assert status == 0, log.read_text()[-4000:]
     summary = json.loads((tmp_path / "summary_0.json").read_text())
     assert summary["start"] == "run" and summary["start_step"] == 2 and summary["steps"] == 6
     assert not partial.exists()
@@ -621,15 +625,31 @@ def test_bf16_zero2_on_cpu_with_gloo_keeps_fp32_master_weights(shards, tmp_path)
     assert {t.dtype for t in module.values() if t.is_floating_point()} == {torch.bfloat16}  # the compute copy
 
 
+# `python -m pretrain.train` with Dynamo's INFO log on, what ``TORCH_LOGS=dynamo`` turns on, set in the rank: that
+# variable is read when torch is imported, so the forked ranks would need a second warm interpreter (imports, exit)
+# of their own for it (tests/support/warm_ranks.py, IMPORT_TIME). Guarded as pretrain/train.py is: the loader
+# workers (forkserver) import the main script.
+DYNAMO_LOGGED = """
+import logging, sys
+import torch._logging
+from pretrain.distributed import exit_rank
+from pretrain.train import main
+
+if __name__ == "__main__":
+    torch._logging.set_logs(dynamo=logging.INFO)
+    exit_rank(main(sys.argv[1:]))
+"""
+
+
 def dynamo_traced(log: str) -> list[tuple[str, str, tuple[str, ...]]]:
     """(rank, function, (folder, file)) of each frame the ranks' Dynamo traced, sorted, from what they printed with
-    ``TORCH_LOGS=dynamo`` (a recompile traces its frame again)."""
+    Dynamo's INFO log on (`DYNAMO_LOGGED`; a recompile traces its frame again)."""
     traced = re.findall(r"\[rank(\d)\].*torchdynamo start tracing (\S+) (\S+):\d+", log)
     return sorted((rank, name, Path(file).parts[-2:]) for rank, name, file in traced)
 
 
 @pytest.mark.timeout(900)
-def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared_folder, monkeypatch):
+def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared_folder):
     """``model.compile``: torch.compile'd blocks (2 ranks, ZeRO-2, accumulation 2) follow the eager run's losses
     within float rounding (no dropout: compiled dropout draws its masks its own way); with dropout, 2 loader workers
     and ZeRO-3 (whose parameters are gathered by hooks around each layer) a compiled run killed after its step-3
@@ -658,8 +678,8 @@ def test_compiled_blocks_track_eager_and_resume_exactly(shards, tmp_path, shared
         "checkpoint.every_steps=3",
         "checkpoint.keep_last=4",
     )
-    monkeypatch.setenv("TORCH_LOGS", "dynamo")  # the ranks log each frame Dynamo traces (`dynamo_traced`)
-    whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3)
+    # the ranks log each frame Dynamo traces (`dynamo_traced`)
+    whole, resumed = kill_and_resume(shards, tmp_path, extra, stop=3, script=DYNAMO_LOGGED)
     assert_resumed_exactly(whole, None, resumed, stop=3, tolerance=0.0)  # bit-identical
     # ZeRO-3 gathers a block's parameters in hooks on the block (marked a leaf: none on its children). Traced with
     # the blocks (nn.Module.compile), DeepSpeed's hooks recompiled per layer, 50 times in such a run.
