@@ -262,11 +262,11 @@ class JobRun:
             with self._lock:
                 self.run_id = run_id
                 late = self.ref != run_id and self._warned
-            self._created.set()
-            self._settled.set()
-            if late:
+            if late:  # said before a waiter goes on with the run: its own lines come after this one
                 waited = time.monotonic() - self._started
                 print(f"MLflow run {run_id} created after {waited:.0f} s; the buffered records go to it", flush=True)
+            self._created.set()
+            self._settled.set()
             return
 
     def _record_refusal(self, error: BaseException) -> None:
