@@ -190,7 +190,11 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
             log(f"the job raised {type(exc).__name__}: {exc}")
 
     if not ray.is_initialized():
-        ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": quiet_pg_cleaner})
+        # RAY_ADDRESS: where the job's processes look Ray up themselves. Ray Train's PlacementGroupCleaner otherwise
+        # asks the newest Ray on the machine (a `make launch` head, say) whether the controller lives, is told it
+        # does not, and removes the workers' placement group mid-training.
+        env = {"RAY_ADDRESS": cluster.address}
+        ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": quiet_pg_cleaner, "env_vars": env})
     thread = threading.Thread(target=job, name="elastic-demo-job", daemon=True)
     thread.start()
     threading.Thread(target=refresh_ray_train_view, args=(thread, log), name="coordinator-ticks", daemon=True).start()
