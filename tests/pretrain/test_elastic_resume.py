@@ -81,19 +81,12 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_loadin
     config = tiny_config(tiny_fractal_shards, tmp_path / "other", f"checkpoint.resume_from={checkpoint}")
     recipe = tmp_path / "other.yaml"
     config.save(recipe)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=3",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        "-m",
-        "pretrain.train",
-        "--config",
-        str(recipe),
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    # Rank 0 of a 3-rank launch, with the variables torchrun gives it, alone (torchrun and 3 ranks cost 4 interpreter
+    # starts): it refuses before the process group, which would wait for the 2 absent ranks until the timeout.
+    ranks = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3", GROUP_RANK="0", ROLE_RANK="0")
+    ranks.update(ROLE_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(recipe)]
+    result = subprocess.run(cmd, cwd=ROOT, env={**_env(), **ranks}, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "world size 3 does not divide data.streams=4" in result.stderr and "[1, 2, 4]" in result.stderr
     assert not (checkpoint / "universal").exists()
