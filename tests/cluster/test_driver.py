@@ -2,9 +2,9 @@
 
 One scenario covers the judged behaviours at once (to stay inside the test budget):
 - a 2-node cluster (`ray.cluster_utils.Cluster`, one training worker per node) runs the same driver a Ray job runs;
-- rank 0 exits abruptly once checkpoint step 10 is COMPLETE, before it submits that step's evals
+- rank 0 exits abruptly once checkpoint step 5 is COMPLETE, before it submits that step's evals
   (`FaultInjection`): Ray Train restarts the worker group, `train_worker` resumes from the newest COMPLETE
-  checkpoint, the restarted rank 0 submits the evals step 10 missed, the job succeeds;
+  checkpoint, the restarted rank 0 submits the evals step 5 missed, the job succeeds;
 - everything lands in ONE MLflow run (training metrics and few-shot metrics at every checkpoint step), each step's
   training metrics once, and the run's tags count the restart;
 - every training-worker line is printed once (Ray Train's print patch used to print each twice);
@@ -493,10 +493,10 @@ def test_eval_tasks_run_on_the_gpu_ray_gave_them():
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
-    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri, s3_endpoint, eval_data_root
+    tmp_path, monkeypatch, capsys, ray_auth_off, mlflow_uri, s3_endpoint
 ):
-    """Rank 0 dies between step 10's COMPLETE and its evals' submit, and keep_last=1 would delete the checkpoints
-    of steps 10 and 20 while their evals still wait for the (busy) eval slot. The evals, a VTAB-style
+    """Rank 0 dies between step 5's COMPLETE and its evals' submit, and keep_last=1 would delete the checkpoints
+    of steps 5 and 10 while their evals still wait for the (busy) eval slot. The evals, a VTAB-style
     linear probe, read their task from an S3-compatible server (`evals.data_root: s3://...`), as on a GPU profile."""
     import ray
     import s3fs
@@ -526,9 +526,10 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     described = "VTAB-style linear probe on digits (test)"
     suite.write_text(yaml.safe_dump({"name": "tiny_vtab", "description": described, "evaluators": [vtab]}))
     sets = [
-        "schedule.total=30",
+        # three saves and a restart need no more steps: 5 a save, one epoch of the training set (5 x 64 = 8 x 40)
+        "schedule.total=15",
         "schedule.warmup=3",
-        "checkpoint.every_steps=10",
+        "checkpoint.every_steps=5",
         "checkpoint.keep_last=1",
         "data.builtin_options={num_classes: 8, images_per_class: 40, val_per_class: 2}",
         f"evals.suite={suite}",
@@ -539,20 +540,20 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     ]
     bucket = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True)
     bucket.mkdir("vitscale-evals")
-    # the digits at their defaults, generated once per pytest run (``eval_data_root``), as the bucket's copy
-    bucket.put(str(eval_data_root / "digits"), "vitscale-evals/data/digits", recursive=True)
+    # the bucket's copy of the digits: the draw's 100 and a test split of 50 (see _few_digits)
+    bucket.put(str(_few_digits(tmp_path / "eval_data")), "vitscale-evals/data/digits", recursive=True)
     config = resolve_config(profile, "local_demo", sets, "two-node")
     prepare_local_data(config, load_suite(suite))  # what cluster.launch does on `local`: the training set, in tmp_path
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["rcdb"]  # the digits are read from the bucket
     plan = build_plan(profile, config)
-    # Rank 0 dies as soon as step 10's checkpoint is COMPLETE (on_checkpoint runs after it, on every rank), before it
-    # submits step 10's evals: what a group stopped by Ray Train (a regrowth, a lost node) at that moment did. A
-    # delay would race the steps: at bf16 speed, 1 s was enough to COMPLETE step 20 first.
+    # Rank 0 dies as soon as step 5's checkpoint is COMPLETE (on_checkpoint runs after it, on every rank), before it
+    # submits step 5's evals: what a group stopped by Ray Train (a regrowth, a lost node) at that moment did. A
+    # delay would race the steps: at bf16 speed, 1 s was enough to COMPLETE the next save first.
     spec = JobSpec(
         profile,
         config,
         plan.to_dict(),
-        FaultInjection(rank=0, after_step=10, delay_s=0.0),
+        FaultInjection(rank=0, after_step=5, delay_s=0.0),
         {"vitscale.profile": "test-2node", "vitscale.recipe": "local_demo"},
     )
     spec = JobSpec.from_json(spec.to_json())  # exactly what travels to the job
@@ -565,9 +566,10 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
         cluster.add_node(**{**node_args, "num_cpus": 1, "dashboard_agent_listen_port": free_port()})
         cluster.wait_for_nodes()
         run_dir = Path(config.checkpoint.dir)
-        ray.init(address=cluster.address)
-        # A slow eval: something holds the head's eval slot until training is over, so the evals of steps 10 and
-        # 20 wait past the saves at which keep_last=1 prunes them (20 and 30). Without pins they would find their
+        # the job's processes look Ray up at this cluster, never another test's (cluster.elastic_demo does the same)
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
+        # A slow eval: something holds the head's eval slot until training is over, so the evals of steps 5 and
+        # 10 wait past the saves at which keep_last=1 prunes them (10 and 15). Without pins they would find their
         # checkpoint gone.
         holding = tmp_path / "eval_slot_held"
 
@@ -598,28 +600,28 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     assert rc == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "FINISHED"
-    # The worker loss happened, and the final attempt resumed from the newest COMPLETE checkpoint (step 10).
+    # The worker loss happened, and the final attempt resumed from the newest COMPLETE checkpoint (step 5).
     assert (run_dir / ".fault_injected").exists()
-    assert summary["train_result"]["steps"] == 30
-    assert summary["train_result"]["start_step"] == 10
+    assert summary["train_result"]["steps"] == 15
+    assert summary["train_result"]["start_step"] == 5
     workers = summary["workers"]
     assert all(len({w["pid"] for w in workers if w["rank"] == r}) == 2 for r in (0, 1))  # before and after the kill
     assert {w["node_id"] for w in workers} == node_ids and len(node_ids) == 2  # workers on both nodes
     # The ranks run at the job's priority, not at the nice 15 Ray gives its workers (driver.worker_env): at 15
     # beside any other work a rank starves (docs/benchmarks/2026-12-02-first-launch.md).
     assert {w["niceness"] for w in workers} == {0}
-    assert (run_dir / "checkpoints" / "step_00000030" / "COMPLETE").exists()
-    # Pins kept steps 10 and 20 for their evals (all three ran, above and below); once those ended, keep_last=1
+    assert (run_dir / "checkpoints" / "step_00000015" / "COMPLETE").exists()
+    # Pins kept steps 5 and 10 for their evals (all three ran, above and below); once those ended, keep_last=1
     # applied, and no pin is left.
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000030"]
-    # Step 20's eval could only start once training was over (step 10's may slip into the restart's free CPUs).
-    assert "step_00000020" in summary["pruned_after_evals"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000015"]
+    # Step 10's eval could only start once training was over (step 5's may slip into the restart's free CPUs).
+    assert "step_00000010" in summary["pruned_after_evals"]
     assert summary["restarts"] == 1
     # Each line a training worker prints reaches its output once (before: once on stdout, once via the logger).
-    assert len(printed) == 2 and printed[1].count("step 30/30 loss") == 1
+    assert len(printed) == 2 and printed[1].count("step 15/15 loss") == 1
     for text in printed:
-        for step in range(1, 31):
-            assert text.count(f"step {step}/30 loss") <= 1, (step, text[-2000:])
+        for step in range(1, 16):
+            assert text.count(f"step {step}/15 loss") <= 1, (step, text[-2000:])
 
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("local_demo")
@@ -631,32 +633,47 @@ def test_two_node_driver_survives_worker_loss_in_one_mlflow_run(
     assert run.data.params["logging.mlflow_run_id"] == run.info.run_id
     assert run.data.params["model.name"] == "vit_tiny_debug"
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert sorted(m.step for m in history) == list(range(1, 31))  # every step once: no zig-zag after the restart
+    assert sorted(m.step for m in history) == list(range(1, 16))  # every step once: no zig-zag after the restart
     # (Steps a restart redoes are logged once: test_tracking.py::test_steps_redone_after_a_restart_are_logged_once.)
     eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "vtab/digits")]
     # An eval at every checkpoint step and at step 0 (the weights before the first update, evals.baseline on by
-    # default), each once. Step 10's evals were never submitted by the rank that saved it; the restarted rank 0 did
-    # (`EvalScheduler.catch_up`), with the training metrics step 10's checkpoint holds, and not step 0's again.
-    assert sorted(eval_steps) == [0, 10, 20, 30]
-    assert "evals of checkpoint step(s) 10 submitted now" in printed[1]
-    assert "train/loss" in summary["checkpoints"]["10"]["train"]
+    # default), each once. Step 5's evals were never submitted by the rank that saved it; the restarted rank 0 did
+    # (`EvalScheduler.catch_up`), with the training metrics step 5's checkpoint holds, and not step 0's again.
+    assert sorted(eval_steps) == [0, 5, 10, 15]
+    assert "evals of checkpoint step(s) 5 submitted now" in printed[1]
+    assert "train/loss" in summary["checkpoints"]["5"]["train"]
     # ...read from the bucket by the eval tasks (this process only wrote there)
     assert re.search(r"GET /vitscale-evals/data/digits/test/\S+\.tar HTTP", (tmp_path / "moto.log").read_text())
-    assert {"0", "10", "20", "30"} <= set(summary["checkpoints"])
-    assert all("metrics" in summary["checkpoints"][s] for s in ("0", "10", "20", "30"))
-    # (step 0 was pinned for its eval and pruned like the others: the listing of checkpoints above is step 30 only)
+    assert {"0", "5", "10", "15"} <= set(summary["checkpoints"])
+    assert all("metrics" in summary["checkpoints"][s] for s in ("0", "5", "10", "15"))
+    # (step 0 was pinned for its eval and pruned like the others: the listing of checkpoints above is step 15 only)
     # The printed summary shows each checkpoint's gain over step 0 in the headline metric.
     table = capsys.readouterr().out
     assert "gain vs step 0 (vtab/mean)" in table, table[-3000:]
     rows = summary["checkpoints"]
-    gain = rows["30"]["metrics"]["vtab/mean"] - rows["0"]["metrics"]["vtab/mean"]
+    gain = rows["15"]["metrics"]["vtab/mean"] - rows["0"]["metrics"]["vtab/mean"]
     assert f"{gain:+.4f}" in table.split("gain vs step 0")[1]
     _check_goodput_ledger(run_dir, job_s, client, run.info.run_id, table)
 
 
+def _few_digits(root: Path) -> Path:
+    """``root/digits``: the built-in digits (its generator, at its defaults) cut to the 100 train images the probe's
+    80/20 draw needs and 50 test images, written by the project's writer in several shards per split. The linear
+    probe featurizes its whole train split (1297 images at the defaults, and 500 test): each of the four evals of the
+    test above spent 6-12 s on that (3 at once after training, and step 0's in the restart's path), now ~1 s."""
+    from data_pipeline.builtin import sets
+    from data_pipeline.write.writer import WriteConfig, write_dataset
+
+    for split, (items, names) in sets.gen_digits(sets.config("digits")).items():
+        few = items[: {"train": 100, "test": 50}[split]]
+        write = WriteConfig(name="digits", split=split, samples_per_shard=32, processes=1, keep_exact_duplicates=True)
+        write_dataset(root / "digits" / split, write, items=few, class_names=names)
+    return root / "digits"
+
+
 def _check_goodput_ledger(run_dir: Path, job_s: float, client, run_id: str, printed: str) -> None:
     """The ledger of the job above: its buckets sum to the wall-clock the test measured around run_job (within 2%),
-    the gap before the restart counts as restart, and the run holds the final values at step 30."""
+    the gap before the restart counts as restart, and the run holds the final values at step 15."""
     from pretrain.telemetry.attempt_clock import read_attempts
     from tracking import keys
 
@@ -670,21 +687,21 @@ def _check_goodput_ledger(run_dir: Path, job_s: float, client, run_id: str, prin
     assert all(v >= 0 for row in ledger["attempts"] for k, v in row.items() if k != "row")
     rows = {row["row"]: row for row in ledger["attempts"]}
     first, last = read_attempts(run_dir)[-2:]
-    assert last["start_step"] == 10 and last["outcome"] == "finished" and first["start_step"] == 0
+    assert last["start_step"] == 5 and last["outcome"] == "finished" and first["start_step"] == 0
     killed, resumed = rows[f"attempt {first['attempt']}"], rows[f"attempt {last['attempt']}"]
-    # Rank 0 died in step 10's save, before its record reached step 10: the killed attempt trained nothing past the
+    # Rank 0 died in step 5's save, before its record reached step 5: the killed attempt trained nothing past the
     # checkpoint the next one resumed from, so it lost no work (redone steps: test_goodput.py); the gap before the
     # restart is the restart's.
-    assert first["step"] < 10 and killed["restart"] == 0 and resumed["restart"] > 0
+    assert first["step"] < 5 and killed["restart"] == 0 and resumed["restart"] > 0
     assert ledger["total"]["productive"] > 0 and ledger["total"]["startup"] > 0
     assert "goodput " in printed and "s wall" in printed
     for key in (keys.GOODPUT_WALL_S, keys.GOODPUT_FRACTION, *map(keys.goodput_bucket, keys.GOODPUT_BUCKETS)):
         history = client.get_metric_history(run_id, key)
         final = max(history, key=lambda m: (m.step, m.timestamp))
-        assert final.step == 30, key
+        assert final.step == 15, key
     fraction = max(client.get_metric_history(run_id, keys.GOODPUT_FRACTION), key=lambda m: m.step)
     assert fraction.value == pytest.approx(ledger["fraction"])
     tails = client.get_metric_history(run_id, keys.step_time_percentile(99))
-    assert sorted(m.step for m in tails) == list(range(1, 31))  # every step logged (log_every=1), once
+    assert sorted(m.step for m in tails) == list(range(1, 16))  # every step logged (log_every=1), once
     artifacts = {a.path for a in client.list_artifacts(run_id, keys.GOODPUT_ARTIFACT)}
     assert artifacts == {"goodput/ledger.json", "goodput/ledger.txt"}
