@@ -20,6 +20,7 @@ Tests of the launcher's own behaviour (a rank's teardown, torchrun's message aft
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -113,6 +114,7 @@ def serve() -> int:
     import pretrain.train  # noqa: F401
     import tests.support.warm_python  # noqa: F401  (each rank runs its module through it)
 
+    gc.freeze()  # out of each rank's collections, which would walk (and copy) the inherited heap (warm_python.main)
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write into the answers
     answers.write(json.dumps({"ready": True}) + "\n")
