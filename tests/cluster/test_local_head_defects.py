@@ -30,7 +30,7 @@ def _profile(temp_dir: str):
 
 def _leftover(profile) -> list[int]:
     """Stop every head under the profile's temp dir by PID; the processes left over."""
-    local_head.stop_head(profile, grace_s=2.0)  # gcs_server, raylet and monitor outlive SIGTERM: KILLed 8 s sooner
+    local_head.stop_head(profile, grace_s=2.0)  # KILLs what outlives SIGTERM at once; the grace caps any other wait
     resolved = str(Path(profile.ray.temp_dir).resolve())
     link = local_head._short_link(Path(resolved))
     found = local_head._processes_of(resolved, None, link and str(link))

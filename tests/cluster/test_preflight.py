@@ -37,7 +37,13 @@ from cluster.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ("nodes", "gpus", "efa", "shard read", "loader", "checkpoint space", "tracking", "clock", "collective")
-STOP_GRACE_S = 2.0  # local_head.stop_head's SIGTERM-to-SIGKILL wait at the end of a test (the default: 10 s)
+STOP_GRACE_S = 2.0  # local_head.stop_head's cap on the SIGTERM-to-SIGKILL wait at the end of a test (default: 10 s)
+
+
+# The simulated cluster's head without what no preflight check uses, each a process started for nothing on the two
+# cores: the autoscaler's monitor, the log monitor (the driver takes no worker logs: log_to_driver=False), and the
+# idle workers Ray prestarts for the first driver (the probes and ranks carry a runtime_env: they never take one).
+LEAN_HEAD = dict(no_monitor=True, include_log_monitor=False, _system_config={"prestart_worker_first_driver": False})
 
 
 def _profile_file(path: Path, replacements: dict[str, str]) -> Path:
@@ -157,6 +163,9 @@ def local_head_profile(monkeypatch, tmp_path, local_demo_data, mlflow_uri):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
+    # Ray prestarts idle workers for each driver that joins (two here) and delays its ray.init by them (measured: about
+    # 1 s each); the probes and ranks carry a runtime_env and never take one: none, on the head `ray start` begins.
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "0")
     temp_dir = tempfile.mkdtemp(prefix="vsp", dir="/tmp")
     replacements = {
         "temp_dir": f'"{temp_dir}"',
@@ -169,8 +178,8 @@ def local_head_profile(monkeypatch, tmp_path, local_demo_data, mlflow_uri):
     try:
         yield path, replacements
     finally:
-        # The head's gcs_server, raylet and autoscaler monitor outlive SIGTERM (measured: still up after the default
-        # 10 s grace, then SIGKILLed) while its other processes end at once: the same end, 8 s sooner.
+        # stop_head KILLs at once what outlives SIGTERM (the GCS, the raylet, the monitor): about 1 s; the grace only
+        # caps the wait for anything else that ignores SIGTERM.
         local_head.stop_head(load_profile(path), grace_s=STOP_GRACE_S)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -197,7 +206,11 @@ def test_local_preflight_passes_then_names_the_failing_checks(local_head_profile
     assert "Traceback" not in done.stderr
 
     down = f"http://127.0.0.1:{free_port()}"
-    failing = _profile_file(tmp_path / "down.yaml", {**replacements, "mlflow_tracking_uri": f'"{down}"'})
+    # One worker: this run is about the node checks that fail; the collective of 2 ranks was measured above on this
+    # head, and with one rank it is not measured (a PASS: nothing is reduced), two rank processes fewer to start.
+    failing = _profile_file(
+        tmp_path / "down.yaml", {**replacements, "mlflow_tracking_uri": f'"{down}"', "num_workers": "1"}
+    )
     argv = ["--cluster", str(failing), "--recipe", "local_demo", "--set", "checkpoint.keep_last=100000000"]
     assert preflight.main(argv) == 1
     out = capsys.readouterr().out
@@ -205,6 +218,7 @@ def test_local_preflight_passes_then_names_the_failing_checks(local_head_profile
     assert set(failed) == {"checkpoint space", "tracking"}, out
     assert "lower checkpoint.keep_last" in failed["checkpoint space"]
     assert down in failed["tracking"] and "start the tracking server" in failed["tracking"]
+    assert "one rank: nothing is reduced vs no collective: PASS" in out
     assert out.splitlines()[-1] == "preflight: 7 of 9 checks passed; FAILED: checkpoint space, tracking"
 
 
@@ -238,7 +252,7 @@ def test_node_checks_run_on_both_nodes_of_a_two_node_cluster(monkeypatch, tmp_pa
     plan = build_plan(profile, config)
     temp_dir = tempfile.mkdtemp(prefix="vsp2", dir="/tmp")
     with local_head.ray_auth_mode("disabled"):
-        cluster = local_head.in_process_cluster(**NODE_ARGS, num_cpus=1, temp_dir=temp_dir)
+        cluster = local_head.in_process_cluster(**NODE_ARGS, **LEAN_HEAD, num_cpus=1, temp_dir=temp_dir)
         try:
             cluster.add_node(**NODE_ARGS, num_cpus=1, temp_dir=temp_dir)
             cluster.wait_for_nodes()
