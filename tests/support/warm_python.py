@@ -131,7 +131,7 @@ def main() -> int:
     import yaml  # noqa: F401
 
     # What is imported now is never collected: kept out of the children's collections, which otherwise walked (and
-    # so copied, page by page) the whole inherited heap in every fork (80 forks: 25 -> 13 CPU-s)
+    # so copied, page by page) the whole inherited heap in every fork (docs/benchmarks/2026-11-28-test-suite.md)
     gc.freeze()
     args.results.write_text(json.dumps(run_all(requests, args.jobs)))
     return 0
