@@ -17,10 +17,17 @@ from data_pipeline.paths import is_remote
 INTERRUPTED = 130  # the shell's status for a command stopped by Ctrl-C (128 + SIGINT)
 
 
+def to_stderr(line: str) -> None:
+    """``line`` and its newline in one write: stderr is unbuffered, and print's two writes (the text, then the
+    newline) from ranks sharing one terminal or log interleave (``...move this one awaypython -m ...``)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def fail(prog: str, message: object, status: int = 2) -> int:
     """Print bad input's one line as argparse prints its own errors, ``<prog>: error: <message>`` (``prog`` is
     ``python -m <module>``, the parser's); the exit status (2, as argparse's)."""
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    to_stderr(f"{prog}: error: {message}")
     return status
 
 
@@ -28,7 +35,7 @@ def interrupted(prog: str, kept: str) -> int:
     """Print Ctrl-C's one line, ``prog`` (``python -m <module>``), what is ``kept`` and how to go on, instead of a
     traceback; the exit status."""
     start = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C and any progress bar
-    print(f"{start}{prog}: interrupted; {kept}", file=sys.stderr, flush=True)
+    to_stderr(f"{start}{prog}: interrupted; {kept}")
     return INTERRUPTED
 
 

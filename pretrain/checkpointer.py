@@ -6,7 +6,6 @@ import contextlib
 import io
 import os
 import shutil
-import sys
 import time
 import warnings
 from argparse import Namespace
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from data_pipeline.cli import to_stderr
 from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import is_remote
 from data_pipeline.stream.order import merge_stream_states
@@ -234,7 +234,7 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _warn(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    to_stderr(line)
 
 
 def save_checkpoint(

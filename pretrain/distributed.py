@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from data_pipeline.cli import to_stderr
 from pretrain.config.ds_config import resolve_backend
 from pretrain.config.train_config import TrainConfig
 
@@ -137,10 +138,9 @@ def remove_stale_build_lock(op: str) -> Path | None:
     if not (age > STALE_LOCK_S or (held is False and age > ORPHAN_LOCK_S)):
         return None
     lock.unlink(missing_ok=True)
-    print(
+    to_stderr(
         f"vitscale: removed {lock}, a build lock left {age / 60:.0f} min ago by a process that was killed while "
-        f"building or loading {op}; DeepSpeed would have waited on it forever",
-        file=sys.stderr,
+        f"building or loading {op}; DeepSpeed would have waited on it forever"
     )
     return lock
 

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
+from data_pipeline.cli import to_stderr
 from pretrain import collector
 from pretrain.checkpoint import run_folder
 from pretrain.checkpointer import CheckpointCallback, Checkpointer, PinReason
@@ -173,7 +173,7 @@ def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, boo
             run_id = create_run(lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {})
             created = True
         except Exception as error:  # tracking must never stop training
-            print(f"warning: could not create an MLflow run ({error}); training without tracking", file=sys.stderr)
+            to_stderr(f"warning: could not create an MLflow run ({error}); training without tracking")
     record = Path(config.checkpoint.dir) / RUN_RECORD  # a job's: what close() cannot send waits in its spool
     tracker = Tracker(lg.mlflow_tracking_uri, run_id, enabled=run_id is not None, rank=place.rank, record=record)
     # the comparison report reads the patch size here

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.cli import to_stderr
 from data_pipeline.paths import write_text_atomically
 
 HEARTBEAT_DIR = "heartbeats"  # under the run folder
@@ -114,4 +114,4 @@ class Heartbeat:
             except OSError as error:  # training goes on; the watchdog sees an older record
                 if not self._warned:
                     self._warned = True
-                    print(f"warning: cannot write the heartbeat {self.path}: {error}", file=sys.stderr, flush=True)
+                    to_stderr(f"warning: cannot write the heartbeat {self.path}: {error}")

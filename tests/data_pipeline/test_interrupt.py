@@ -111,3 +111,18 @@ def test_spawned_workers_ignore_a_ctrl_c_that_comes_while_their_interpreter_star
     finally:
         pool.terminate()
         pool.join()
+
+
+def test_ranks_printing_their_error_at_once_leave_whole_lines(tmp_path):
+    """Every rank prints the same error to one terminal or log (torchrun's, a job's): stderr is unbuffered, and
+    print's two writes (the text, then the newline) interleaved, `...move this one awaypython -m ...`."""
+    start = time.time() + 2  # all four print at once
+    script = (
+        f"import time\nfrom data_pipeline.cli import fail\ntime.sleep(max(0, {start} - time.time()))\n"
+        "for i in range(2000): fail('python -m x', 'bad input')"
+    )
+    with open(tmp_path / "log", "w") as log:
+        ranks = [subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT, stderr=log) for _ in range(4)]
+        assert [rank.wait(timeout=60) for rank in ranks] == [0] * 4
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert len(lines) == 8000 and set(lines) == {"python -m x: error: bad input"}

@@ -408,7 +408,7 @@ def test_a_damaged_checkpoint_at_another_world_size_stops_every_rank_with_one_li
         assert status == 1 and "Traceback" not in printed, printed[-4000:]
         lines = [line for line in printed.splitlines() if line.startswith("python -m pretrain.train: error: ")]
         # torchrun ends the other ranks once one has exited, so a rank may be stopped before it prints its line
-        assert 1 <= len(lines) <= 4 and len(set(lines)) == 1, lines
+        assert 1 <= len(lines) <= 4 and len(set(lines)) == 1, "\n".join(lines)
         return lines
 
     step4 = run_folder.checkpoint_dir(old, 4)
