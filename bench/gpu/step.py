@@ -267,9 +267,9 @@ def run(
         except Exception as error:  # recorded; the campaign goes on
             results[f"error_{variant}_{name}"] = f"{type(error).__name__}: {str(error)[:300]}"
         results[f"seconds_{variant}_{name}"] = round(time.monotonic() - began, 1)  # what the next budget is made of
-        log(f"step {name} {variant}: {time.monotonic() - began:.0f} s; " + _line(found[name], variant))
-        if save is not None:
+        if save is not None:  # before the line: a kill once it is printed keeps the task
             save(_flat(results, found, s))
+        log(f"step {name} {variant}: {time.monotonic() - began:.0f} s; " + _line(found[name], variant))
     return _flat(results, found, s)
 
 
