@@ -291,7 +291,7 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
     for spec in config.evaluators:
         t0 = time.perf_counter()
         produced = EVALUATORS[spec.type].evaluate(replace(ctx, entry=spec.name), spec.options)
-        entry_rows = [row if spec.name == spec.type else replace(row, evaluator=spec.name) for row in produced.rows]
+        entry_rows = [row if spec.name == spec.type else _named(row, spec) for row in produced.rows]
         keys = set(mlflow_metrics(entry_rows))
         clash = sorted(keys & logged)
         if clash:  # both stay in the table; MLflow keeps the later
@@ -304,6 +304,14 @@ def _run_entries(config, ctx: EvalContext, log) -> tuple[list, list]:
         artifacts += [(a, "" if spec.name == spec.type else spec.name) for a in produced.artifacts]  # files apart
         log(f"evals: {spec.name} done in {time.perf_counter() - t0:.1f}s")
     return rows, artifacts
+
+
+def _named(row, spec):
+    """A named entry's row: its evaluator and the first part of its metric key are the entry's name (`fewshot_big/mean/
+    10shot`), so that two entries of one type (of one suite, or of suites merged at a checkpoint) keep apart."""
+    prefix = f"{spec.type}/"
+    metric = spec.name + row.metric[len(spec.type) :] if row.metric.startswith(prefix) else row.metric
+    return replace(row, evaluator=spec.name, metric=metric)
 
 
 def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log, path):

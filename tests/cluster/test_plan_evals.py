@@ -31,6 +31,8 @@ from pretrain.model.vit import VisionTransformer, ViTConfig, model_config
 from pretrain.telemetry.peak import Peak
 from tests.support.saved_bytes import saved_bytes_per_image
 
+NO_PROBE = "evals.extra_suites=[]"  # vtab1k in place of the recipe's few-shot, without its vtab1k_probe beside it
+
 SMALL_SUITE = """
 name: small
 evaluators:
@@ -152,7 +154,7 @@ def test_evals_over_budget_are_refused_with_the_cadence_that_fits():
     assert build_plan(profile, resolve_config(profile, "vit_h14_i21k", fixed, "h")).evals.share <= 0.0012
     # The paper's VTAB-1k fine-tuning costs ~27% of B/16's training per evaluation: no cadence brings it in.
     with pytest.raises(PlanError, match=r"vtab1k .*evaluate it less often .*a linear probe or few-shot instead"):
-        build_plan(profile, resolve_config(profile, "vit_b16_i21k", ["evals.suite=vtab1k"], "b"))
+        build_plan(profile, resolve_config(profile, "vit_b16_i21k", ["evals.suite=vtab1k", NO_PROBE], "b"))
 
 
 @pytest.mark.timeout(120)
@@ -160,12 +162,12 @@ def test_an_eval_that_cannot_fit_its_device_is_refused_with_the_fix():
     a100x64 = load_profile("a100x64")
     # vtab1k's micro-batch 32 at 384 px suits B/16 on the A10G; L/16 needs ~26 GB there.
     with pytest.raises(PlanError, match=r"vtab1k, entry vtab: needs ~2\d\.\d GB .* over the 24 GB of GPU memory") as e:
-        build_plan(a100x64, resolve_config(a100x64, "vit_l16_i21k", ["evals.suite=vtab1k"], "l"))
+        build_plan(a100x64, resolve_config(a100x64, "vit_l16_i21k", ["evals.suite=vtab1k", NO_PROBE], "l"))
     assert "micro_batch_size: 16 (a divisor of batch_size 512)" in str(e.value)
     assert "activation_checkpointing: true" in str(e.value) and "a bigger eval device" in str(e.value)
     # A resolution the model's patches do not divide would fail at the first checkpoint.
     with pytest.raises(PlanError, match=r"image_size=384 is not a multiple of the model's patch stride 14"):
-        build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", ["evals.suite=vtab1k"], "h"))
+        build_plan(a100x64, resolve_config(a100x64, "vit_h14_i21k", ["evals.suite=vtab1k", NO_PROBE], "h"))
     # CPU evals beside training: what they need against the memory they reserve in Ray.
     a100x8 = load_profile("a100x8")
     small = dataclasses.replace(a100x8, evals=dataclasses.replace(a100x8.evals, memory_gb=4))
@@ -214,6 +216,22 @@ def test_evals_settings_are_checked_and_null_suite_turns_every_suite_off():
     twice = EvalsConfig(suite="a", extra_suites=(SuiteCadence("a", 4),))
     with pytest.raises(ValueError, match=r"suite\(s\) \['a'\] named twice"):
         twice.validate()
+
+
+def test_two_suites_of_a_run_with_an_entry_of_one_name_are_refused(tmp_path):
+    """Their metrics land on one MLflow key (two few-shot suites: one `fewshot/mean/10shot` curve that alternates
+    between two measures); naming one entry gives it keys of its own."""
+    suite = tmp_path / "big_fewshot.yaml"
+    suite.write_text("name: big_fewshot\nevaluators:\n  - {type: fewshot, datasets: [digits, dsprites_loc]}\n")
+    extra = [f"evals.extra_suites=[{{suite: {suite}, every: 2}}]"]
+    with pytest.raises(PlanError, match=r"local_fewshot and .*big_fewshot.yaml both have an entry named 'fewshot'"):
+        build_plan(load_profile("local"), resolve_config(load_profile("local"), "local_demo", extra, "r"))
+    # VTAB-1k fine-tuned beside the recipe's linear probe: one vtab/mean of two protocols
+    a100x64 = load_profile("a100x64")
+    with pytest.raises(PlanError, match=r"vtab1k and vtab1k_probe both .*'vtab'.* \(`name: vtab1k_probe`\)"):
+        build_plan(a100x64, resolve_config(a100x64, "vit_b16_i21k", ["evals.suite=vtab1k"], "b"))
+    suite.write_text(suite.read_text().replace("{type: fewshot,", "{type: fewshot, name: fewshot_big,"))
+    build_plan(load_profile("local"), resolve_config(load_profile("local"), "local_demo", extra, "r"))
 
 
 def test_a_checkpoint_due_for_several_suites_runs_them_as_one(tmp_path):

@@ -136,3 +136,19 @@ def test_inspection_holds_one_layer_of_attention_at_a_time(tmp_path, pool, monke
     np.testing.assert_allclose(np.load(tmp_path / "attention_distance.npy"), distances, rtol=1e-12)
     maps = insp.rollout_maps([w[:5] for w in everything], grid, model.num_prefix_tokens)
     np.testing.assert_allclose(drawn["maps"], maps, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.timeout(120)
+def test_a_named_fewshot_entry_logs_its_own_keys(tmp_path, eval_data_root):
+    """Every evaluator but inspect keyed its metrics by its type whatever the entry's name: two few-shot entries (a
+    suite's own, or two suites merged at one checkpoint) logged one `fewshot/mean/1shot`, MLflow keeping the later."""
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "step_00000010"
+    save_pretrained(build_model("vit_tiny_debug", num_classes=10), checkpoint)
+    suite = tmp_path / "two.yaml"
+    entry = "{type: fewshot, datasets: [digits], shots: [1], seeds: [0], batch_size: 16, resize_size: null"
+    suite.write_text(f"name: two\nevaluators:\n  - {entry}}}\n  - {entry}, name: fewshot_big}}\n")
+    rows = run_suite(checkpoint, suite, data_root=eval_data_root, log=lambda _: None).to_pylist()
+    metrics = [r["metric"] for r in rows if r["status"] == "ok"]
+    assert "fewshot/mean/1shot" in metrics and "fewshot_big/mean/1shot" in metrics
+    assert len(metrics) == len(set(metrics)), metrics

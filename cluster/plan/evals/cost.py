@@ -8,6 +8,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.plan import memory
 from cluster.plan.compute import ComputePlan
@@ -90,6 +91,7 @@ def plan_evals(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, com
     if not e.schedule():
         extra = "; evals.extra_suites off too" if e.extra_suites else ""
         return EvalsPlan("none", 0.0, 0.0, "", e.budget_fraction, 0.0, note=f"none (no evals.suite{extra})")
+    _check_entry_names(e.schedule())
     device = eval_device(profile)
     cadence = EvalCadence(e.schedule(), config.checkpoint.every_steps, compute.total_steps)
     train_flops = compute.total_exaflops * 1e18
@@ -169,6 +171,22 @@ def _cpu_eval_peak(profile: ClusterProfile, precision: str) -> Peak:
         f"profile {profile.name}: CPU evals on remote nodes without evals.peak_tflops; declare the eval CPUs' "
         "peak TFLOP/s in the profile's evals section so the plan can price the evals"
     )
+
+
+def _check_entry_names(schedule: tuple[tuple[str, int], ...]) -> None:
+    """PlanError when two suites of the run have an entry of one name: their metrics would share MLflow keys (two
+    few-shot suites: one `fewshot/mean/10shot` curve alternating between two measures)."""
+    owner: dict[str, str] = {}
+    for suite, _ in schedule:
+        for spec in load_suite(suite).evaluators:
+            if spec.name in owner:
+                raise PlanError(
+                    f"evals: suites {owner[spec.name]} and {suite} both have an entry named {spec.name!r}: their "
+                    f"metrics ({spec.name}/...) would land on the same MLflow keys, one curve of two measures; give "
+                    f"the entry a name of its own in one of the suites (`name: {Path(suite).stem}`), "
+                    "whose metrics are then logged under it"
+                )
+            owner[spec.name] = suite
 
 
 def suite_cost(suite: str, vit: ViTConfig, config: TrainConfig, device: EvalDevice) -> SuiteCost:
