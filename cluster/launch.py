@@ -15,7 +15,7 @@ import math
 import os
 import sys
 
-from cluster import jobs
+from cluster import jobs, local_head
 from cluster.driver.job import FaultInjection, JobSpec, job_runtime_env
 from cluster.local_data import check_local_data, prepare_local_data
 from cluster.plan.planner import Plan, PlanError, build_plan, resolve_run
@@ -32,9 +32,15 @@ WORKING_DIR_EXCLUDES = (
 
 
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
-    """The job's runtime env: this checkout as its code, this shell's MLflow credentials."""
+    """The job's runtime env: this checkout as its code, this shell's MLflow credentials, and on `local` the running
+    head's address for Ray's own lookups in the job's processes: without it Ray Train's placement-group cleaner asked
+    the newest Ray on the machine whether the controller lived, and one that said no had the workers' placement group
+    removed mid-training (docs/elastic.md, "Health checks")."""
     credentials = tracking_credentials(os.environ)
-    return job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES, credentials)
+    env = job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES, credentials)
+    if profile.is_local and (head := local_head.read_state(profile)):
+        env["env_vars"]["RAY_ADDRESS"] = head.gcs_address
+    return env
 
 
 def _parse_fault(text: str | None) -> FaultInjection | None:

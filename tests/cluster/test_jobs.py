@@ -3,6 +3,7 @@ its life: submit, status, logs, Ray's own CLI (`ray job list|logs|submit` with t
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -652,3 +653,47 @@ def test_logs_names_the_job_it_shows_and_another_can_be_picked(tmp_path):
         jobs.pick_job(listed, remote, "vitscale-nope")
     lab = JobDetails(type=JobType.SUBMISSION, submission_id="raysubmit_1", status=JobStatus.PENDING, entrypoint="x")
     assert jobs.pick_job([lab], remote, None)[1].startswith("job raysubmit_1: PENDING, started ")  # no spec: no folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_launched_jobs_processes_ask_their_own_head_when_a_newer_ray_runs(monkeypatch, tmp_path):
+    """Ray Train's placement-group cleaner, in the job's processes, asks Ray's state API whether the controller lives:
+    without RAY_ADDRESS that is the newest Ray on the machine (an in-process `ray.init()`, another project's head),
+    and a Ray that says no had the workers' placement group removed mid-training. `launch.runtime_env` names the
+    head; a job's task resolves the Ray that lookup finds, with another Ray started after the head."""
+    from cluster.driver.job import JobSpec
+    from cluster.plan.planner import build_plan, resolve_config
+
+    for var in RAY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    temp_dir = _ray_temp_dir()
+    profile = load_profile(_local_profile_file(tmp_path / "local_test.yaml", temp_dir))
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import ray\nfrom ray._private.services import canonicalize_bootstrap_address_or_die as found\n"
+        "@ray.remote(num_cpus=0)\ndef where():\n    try:\n        return found(None)\n"
+        "    except Exception as error:  # none found: the cleaner's thread dies of it\n"
+        "        return type(error).__name__\n"
+        "print('resolved', ray.get(where.remote()))\n"
+    )
+    try:
+        client = jobs.connect(profile, start_local=True)
+        head = local_head.read_state(profile)
+        with local_head.ray_auth_mode("disabled"):
+            cluster = local_head.in_process_cluster(num_cpus=1, include_dashboard=False)  # the newest Ray now
+            newer = cluster.address
+            try:
+                config = resolve_config(profile, "local_demo", [], "where")
+                env = launch.runtime_env(profile, JobSpec.create(profile, config, build_plan(profile, config)))
+                job_id = jobs.submit(client, f"python {script}", env, "vitscale-where")
+                assert jobs.follow(client, job_id, out=io.StringIO()) == "SUCCEEDED"
+                logs = client.get_job_logs(job_id)
+            finally:
+                cluster.shutdown()
+    finally:
+        local_head.stop_head(profile)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    resolved = re.search(r"resolved (\S+)", logs).group(1)
+    assert resolved.endswith(":" + head.gcs_address.rsplit(":", 1)[1]), (resolved, newer, logs)
