@@ -77,7 +77,7 @@ def _main(argv: list[str] | None) -> int:
         return _no_cluster(args.address, error)
     with local_head.ray_auth_mode(auth_mode) if auth_mode else contextlib.nullcontext():
         try:
-            ray.init(address=address)
+            ray.init(address=address, runtime_env=own_ray_env(address))
         except ConnectionError as error:
             return _no_cluster(args.address, error)
         import psutil  # a Ray dependency
@@ -96,6 +96,13 @@ def _no_cluster(address: str | None, error: ConnectionError) -> int:
         f"no Ray cluster{f' at {address}' if address else ''} ({error}); the driver runs as a Ray job: start it with "
         "`python -m cluster.launch` (make launch), or pass --address of a running head",
     )
+
+
+def own_ray_env(address: str) -> dict | None:
+    """The runtime env that points the job's processes' own Ray lookups (Ray Train's placement-group cleaner) at
+    ``address``, not at the newest Ray on the machine (docs/elastic.md, "Health checks"); None for "auto" (a Ray job,
+    whose launch set it)."""
+    return None if address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
 
 
 def ray_address(given: str | None, spec: JobSpec) -> tuple[str, str | None]:

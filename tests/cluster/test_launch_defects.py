@@ -237,6 +237,8 @@ def test_the_driver_run_by_hand_joins_the_profiles_local_head_not_any_ray(tmp_pa
     (tmp_path / "ray" / STATE_FILE).write_text(json.dumps(head.__dict__))
     try:
         assert driver.ray_address(None, spec) == ("127.0.0.1:40123", "token")
+        assert driver.own_ray_env("127.0.0.1:40123") == {"env_vars": {"RAY_ADDRESS": "127.0.0.1:40123"}}
+        assert driver.own_ray_env("auto") is None  # a Ray job: `launch.runtime_env` gave it the head's
         assert driver.ray_address("10.0.0.1:6379", spec) == ("10.0.0.1:6379", None)
         monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # a Ray job's: Ray resolves it
         assert driver.ray_address(None, spec) == ("auto", None)
