@@ -98,6 +98,15 @@ def in_process_cluster(**head_args):
     return Cluster(initialize_head=True, head_node_args=head_args)
 
 
+def own_ray() -> None:
+    """A ``worker_process_setup_hook`` for a Ray started in-process (``address="local"``): the worker's own Ray lookups
+    (Ray Train's placement-group cleaner) go to the cluster it belongs to, not to the newest Ray on the machine
+    (docs/elastic.md, "Health checks")."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+
 def auth_mode_from_env() -> str:
     """'disabled' only when RAY_AUTH_MODE says so; 'token' otherwise."""
     mode = os.environ.get("RAY_AUTH_MODE", "token").strip().lower()

@@ -38,7 +38,7 @@ from cluster.driver.job import (
 )
 from cluster.driver.record import JobEnd, count_restarts, finish_job
 from cluster.driver.summary import format_resizes, format_summary
-from cluster.local_head import free_port, in_process_cluster, ray_auth_mode
+from cluster.local_head import free_port, in_process_cluster, own_ray, ray_auth_mode
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import load_profile
 from pretrain.checkpoint import checksums
@@ -365,7 +365,8 @@ def test_ctrl_c_in_the_fit_is_a_keyboard_interrupt_and_leaves_no_ray_train_handl
         time.sleep(150)
 
     started, before = tmp_path / "started", signal.getsignal(signal.SIGINT)
-    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2)
+    own = {"worker_process_setup_hook": own_ray}  # Ray Train's cleaner asks this Ray, not another test's
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2, runtime_env=own)
     try:
         trainer = TorchTrainer(
             loop,

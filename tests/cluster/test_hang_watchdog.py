@@ -400,6 +400,7 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
     from mlflow import MlflowClient
 
     from cluster.driver.job import FaultInjection, JobSpec, run_job
+    from cluster.local_head import own_ray
     from cluster.plan.planner import build_plan, resolve_config
     from pretrain.checkpoint.run_folder import complete_checkpoints, world_size_history
     from tracking.keys import FAILURE
@@ -428,7 +429,8 @@ def test_driver_restarts_a_stopped_rank_and_ends_at_a_full_disk_without_a_restar
     spec = JobSpec.from_json(
         JobSpec(profile, config, plan.to_dict(), fault, {"vitscale.recipe": "local_demo"}).to_json()
     )
-    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=100 * 1024**2)
+    own = {"worker_process_setup_hook": own_ray}  # Ray Train's cleaner asks this Ray, not another test's
+    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=100 * 1024**2, runtime_env=own)
     try:
         rc = run_job(spec)
     finally:
