@@ -190,10 +190,7 @@ def run_scenario(cluster, nodes, spec: JobSpec, settings: DemoSettings, log: Cal
             log(f"the job raised {type(exc).__name__}: {exc}")
 
     if not ray.is_initialized():
-        # RAY_ADDRESS: where the job's processes look Ray up themselves. Ray Train's PlacementGroupCleaner otherwise
-        # asks the newest Ray on the machine (a `make launch` head, say) whether the controller lives, is told it
-        # does not, and removes the workers' placement group mid-training.
-        env = {"RAY_ADDRESS": cluster.address}
+        env = local_head.own_ray_vars(cluster.address)  # not the newest Ray on the machine (a `make launch` head)
         ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": quiet_pg_cleaner, "env_vars": env})
     thread = threading.Thread(target=job, name="elastic-demo-job", daemon=True)
     thread.start()

@@ -33,13 +33,11 @@ WORKING_DIR_EXCLUDES = (
 
 def runtime_env(profile: ClusterProfile, spec: JobSpec) -> dict:
     """The job's runtime env: this checkout as its code, this shell's MLflow credentials, and on `local` the running
-    head's address for Ray's own lookups in the job's processes: without it Ray Train's placement-group cleaner asked
-    the newest Ray on the machine whether the controller lived, and one that said no had the workers' placement group
-    removed mid-training (docs/elastic.md, "Health checks")."""
+    head as the Ray its processes look up (`local_head.own_ray_vars`)."""
     credentials = tracking_credentials(os.environ)
     env = job_runtime_env(profile, spec.to_json(), str(PROJECT_ROOT), WORKING_DIR_EXCLUDES, credentials)
     if profile.is_local and (head := local_head.read_state(profile)):
-        env["env_vars"]["RAY_ADDRESS"] = head.gcs_address
+        env["env_vars"].update(local_head.own_ray_vars(head.gcs_address))
     return env
 
 

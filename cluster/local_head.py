@@ -98,13 +98,18 @@ def in_process_cluster(**head_args):
     return Cluster(initialize_head=True, head_node_args=head_args)
 
 
+def own_ray_vars(address: str) -> dict[str, str]:
+    """The environment that points a job's processes' own Ray lookups at ``address``: Ray Train's placement-group
+    cleaner otherwise asks the newest Ray on the machine whether the controller lives, and one that says no has the
+    workers' placement group removed mid-training (docs/elastic.md, "Health checks")."""
+    return {"RAY_ADDRESS": address}
+
+
 def own_ray() -> None:
-    """A ``worker_process_setup_hook`` for a Ray started in-process (``address="local"``): the worker's own Ray lookups
-    (Ray Train's placement-group cleaner) go to the cluster it belongs to, not to the newest Ray on the machine
-    (docs/elastic.md, "Health checks")."""
+    """`own_ray_vars` as a ``worker_process_setup_hook``, for a Ray started in-process (``address="local"``)."""
     import ray
 
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    os.environ.update(own_ray_vars(ray.get_runtime_context().gcs_address))
 
 
 def auth_mode_from_env() -> str:

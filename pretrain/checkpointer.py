@@ -196,12 +196,12 @@ def newest_verified(run_dir: Path) -> Path | None:
         verdict = checksums.combine(folder, _gather(checksums.verify(folder, part=(rank, world))))
         if verdict.ok:
             if rank == 0 and verdict.status == "unverified":
-                _warn(
+                to_stderr(
                     f"warning: resuming {folder} unverified: it records no checksums (written before checkpoints did)"
                 )
             return folder
         if rank == 0:
-            _warn(f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one")
+            to_stderr(f"skipping damaged checkpoint {folder}: {verdict.problem}; resuming from an older one")
         damaged.append(verdict)
     if damaged:
         raise ValueError(
@@ -231,10 +231,6 @@ def _gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _warn(line: str) -> None:
-    to_stderr(line)
 
 
 def save_checkpoint(
@@ -492,7 +488,7 @@ def _warn_config_changes(checkpoint_dir: Path, config: TrainConfig) -> None:
     )
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in changed)
-        _warn(
+        to_stderr(
             f"warning: resuming {checkpoint_dir} with changed settings ({diffs}); the run is no longer an exact "
             "continuation"
         )
@@ -590,7 +586,7 @@ class Checkpointer:
                 ) from None
             if trainer.place.rank == 0:
                 later = min(trainer.step - trainer.step % self.every + self.every, self.last_step)
-                _warn(
+                to_stderr(
                     f"warning: {error}; training goes on (checkpoint.on_save_error: skip) and saves again at step "
                     f"{later}"
                 )

@@ -99,10 +99,9 @@ def _no_cluster(address: str | None, error: ConnectionError) -> int:
 
 
 def own_ray_env(address: str) -> dict | None:
-    """The runtime env that points the job's processes' own Ray lookups (Ray Train's placement-group cleaner) at
-    ``address``, not at the newest Ray on the machine (docs/elastic.md, "Health checks"); None for "auto" (a Ray job,
-    whose launch set it)."""
-    return None if address == "auto" else {"env_vars": {"RAY_ADDRESS": address}}
+    """The runtime env whose processes look up the Ray at ``address`` (`local_head.own_ray_vars`); None for "auto" (a
+    Ray job, whose launch set it)."""
+    return None if address == "auto" else {"env_vars": local_head.own_ray_vars(address)}
 
 
 def ray_address(given: str | None, spec: JobSpec) -> tuple[str, str | None]:
