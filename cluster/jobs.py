@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -138,10 +141,34 @@ def submit(
 ) -> str:
     """Submit with metadata vitscale=1; return the submission id. Only NO_AGENT is retried, for `agent_wait_s`, then
     RayUnreachableError; any other failure is JobRefusedError at once (a package too large for Ray: ValueError)."""
-    request = dict(
-        entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=dict(JOB_METADATA)
-    )
-    return _submit_counting_retries(client, request, agent_wait_s)[0]
+    with code_snapshot(runtime_env) as runtime_env:
+        request = dict(
+            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata=dict(JOB_METADATA)
+        )
+        return _submit_counting_retries(client, request, agent_wait_s)[0]
+
+
+@contextlib.contextmanager
+def code_snapshot(runtime_env: dict) -> Iterator[dict]:
+    """``runtime_env`` with its local ``working_dir`` folder packed once into a zip, the files Ray would pack (its
+    default excludes, .gitignore and .rayignore, ``excludes``). Given the folder, Ray hashes it to name the package,
+    then hashes it again to upload it: a file that changes in between (`make launch > launch.log` in the checkout, an
+    editor saving) leaves the job a package name nothing was uploaded under, and the job fails setting up its runtime
+    env. A zip is named by the hash of its bytes, the same both times. Ray's packing is Ray's own private function."""
+    folder = runtime_env.get("working_dir")
+    if not folder or not Path(folder).is_dir():
+        yield runtime_env
+        return
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import create_package
+
+    excludes = ray_constants.get_runtime_env_default_excludes() + list(runtime_env.get("excludes") or [])
+    gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"  # as Ray reads it
+    with tempfile.TemporaryDirectory(prefix="vitscale-code-") as temp:
+        package = Path(temp) / "code.zip"
+        create_package(str(folder), package, include_gitignore=gitignore, excludes=excludes)
+        packed = {key: value for key, value in runtime_env.items() if key != "excludes"}  # a zip ignores them
+        yield {**packed, "working_dir": str(package)}
 
 
 def _submit_counting_retries(client: JobSubmissionClient, request: dict, agent_wait_s: float) -> tuple[str, int]:
@@ -220,10 +247,30 @@ def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = F
                 ) from None
         else:
             if status.is_terminal():
+                if status.value == "FAILED" and (reason := _failed_before_running(client, job_id)):
+                    print(f"job {job_id}: {reason}", file=out, flush=True)
                 return str(status.value)
             silent_since = None
         time.sleep(min(wait_s, lost_s))
         wait_s = min(2.0, wait_s * 2)
+
+
+def _failed_before_running(client: JobSubmissionClient, job_id: str) -> str:
+    """`why_failed` of the job's message as the Jobs API has it; '' where it does not answer."""
+    try:
+        return why_failed(client.get_job_info(job_id).message)
+    except (OSError, RuntimeError):
+        return ""
+
+
+def why_failed(message: str | None) -> str:
+    """A FAILED job's reason in one line where its logs lack it, Ray having failed the job before its entrypoint ran
+    (its runtime env: a pip install, the code's package; its supervisor): the message's first and last lines. ''
+    where the entrypoint ran and failed: its own output says why."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    if not lines or lines[0].startswith("Job entrypoint command failed"):
+        return ""
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
 def project_jobs(client: JobSubmissionClient) -> list[JobDetails]:
@@ -301,6 +348,9 @@ def _logs(profile: ClusterProfile, follow_logs: bool, job_id: str | None = None)
         print(f"job {job_id}: {follow(client, job_id)}")
     else:
         sys.stdout.write(client.get_job_logs(job_id))
+        job = next(j for j in jobs if j.submission_id == job_id)
+        if job.status.value == "FAILED" and (reason := why_failed(job.message)):
+            print(f"job {job_id}: {reason}")
     return 0
 
 

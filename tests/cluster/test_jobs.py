@@ -655,13 +655,66 @@ def test_logs_names_the_job_it_shows_and_another_can_be_picked(tmp_path):
     assert jobs.pick_job([lab], remote, None)[1].startswith("job raysubmit_1: PENDING, started ")  # no spec: no folder
 
 
+def test_a_job_failed_before_its_entrypoint_ran_is_said_in_one_line():
+    """Ray's messages for a FAILED job: the entrypoint's own failure (its log says why) gives no line; a runtime env
+    that failed gives its first and last lines."""
+    assert jobs.why_failed(None) == jobs.why_failed("") == ""
+    ran = "Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\nboom\n"
+    assert jobs.why_failed(ran) == ""
+    setup = (
+        "runtime_env setup failed: Failed to set up runtime environment.\nCould not create the actor because its "
+        "associated runtime env failed to be created.\n[Node 10.0.0.1] Traceback (most recent call last):\n  File "
+        '"x.py", line 1, in f\n    raise\nERROR: No matching distribution found for s3fs==99\n'
+    )
+    assert jobs.why_failed(setup) == (
+        "runtime_env setup failed: Failed to set up runtime environment. ... ERROR: No matching distribution found for "
+        "s3fs==99"
+    )
+    assert jobs.why_failed("Unexpected error occurred: the actor died") == "Unexpected error occurred: the actor died"
+
+
+def test_a_jobs_code_is_packed_once_with_the_files_ray_would_pack(tmp_path):
+    """`jobs.submit` hands Ray a zip of the working dir, made once: Ray's default excludes (.git), .gitignore, the
+    runtime env's excludes left out, the files at the zip's top level as Ray unpacks them; a URI or no working dir
+    passes through unchanged."""
+    import zipfile
+
+    for name, text in [
+        (".gitignore", "/data/\n*.log\n"),
+        ("a.py", "a"),
+        ("sub/b.py", "b"),
+        ("sub/c.log", "c"),
+        ("data/x", "x"),
+        (".git/HEAD", "ref"),
+        ("runs/r", "r"),
+    ]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {"working_dir": str(tmp_path), "excludes": ["runs/"], "env_vars": {"K": "v"}}
+    with jobs.code_snapshot(env) as packed:
+        assert packed["working_dir"].endswith(".zip") and "excludes" not in packed
+        assert packed["env_vars"] == {"K": "v"}
+        with zipfile.ZipFile(packed["working_dir"]) as package:
+            files = {name for name in package.namelist() if not name.endswith("/")}
+    assert files == {".gitignore", "a.py", "sub/b.py"}
+    assert not Path(packed["working_dir"]).exists()  # removed once submitted
+    for unchanged in ({"working_dir": "gcs://_ray_pkg_0123.zip"}, {"env_vars": {}}):
+        with jobs.code_snapshot(unchanged) as packed:
+            assert packed is unchanged
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_launched_jobs_processes_ask_their_own_head_when_a_newer_ray_runs(monkeypatch, tmp_path):
+def test_a_launched_jobs_processes_ask_their_own_head_when_a_newer_ray_runs(monkeypatch, tmp_path, capsys):
     """Ray Train's placement-group cleaner, in the job's processes, asks Ray's state API whether the controller lives:
     without RAY_ADDRESS that is the newest Ray on the machine (an in-process `ray.init()`, another project's head),
     and a Ray that says no had the workers' placement group removed mid-training. `launch.runtime_env` names the
-    head; a job's task resolves the Ray that lookup finds, with another Ray started after the head."""
+    head; a job's task resolves the Ray that lookup finds, with another Ray started after the head.
+
+    On the same head, a job submitted by a process whose output goes to a file in the working dir (`make launch >
+    launch.log` in the checkout) runs: given the folder, Ray named the package by one hash of it, logged, and uploaded
+    it under another, and the job failed setting up its runtime env ("Failed to download runtime_env file package"),
+    which `make launch` and `make logs` did not say: the job had no log; they print Ray's reason now."""
     from cluster.driver.job import JobSpec
     from cluster.plan.planner import build_plan, resolve_config
 
@@ -692,6 +745,32 @@ def test_a_launched_jobs_processes_ask_their_own_head_when_a_newer_ray_runs(monk
                 logs = client.get_job_logs(job_id)
             finally:
                 cluster.shutdown()
+        code = tmp_path / "checkout"
+        (code / "pkg").mkdir(parents=True)
+        (code / "pkg" / "__init__.py").write_text("WHAT = 'the code as submitted'\n")
+        (code / ".gitignore").write_text("/runs/\n")  # Ray logs a line on reading it, into the log below
+        output = logging.FileHandler(code / "launch.log")  # this process's output lands in the working dir
+        logging.getLogger("ray").addHandler(output)
+        try:
+            job_id = jobs.submit(
+                client, "python -c 'import pkg; print(pkg.WHAT)'", {"working_dir": str(code)}, "vitscale-logging"
+            )
+        finally:
+            logging.getLogger("ray").removeHandler(output)
+            output.close()
+        assert jobs.follow(client, job_id, out=io.StringIO()) == "SUCCEEDED", client.get_job_logs(job_id)
+        assert "the code as submitted" in client.get_job_logs(job_id)
+
+        # A job Ray fails before its entrypoint runs (here its code's package is missing) has no log to say why:
+        # following it, and `make logs` after it, end with Ray's reason in one line.
+        missing = "gcs://_ray_pkg_0123456789abcdef.zip"
+        job_id = jobs.submit(client, "python -c pass", {"working_dir": missing}, "vitscale-no-code")
+        followed = io.StringIO()
+        assert jobs.follow(client, job_id, out=followed) == "FAILED"
+        reason = followed.getvalue().splitlines()[-1]
+        assert reason.startswith(f"job {job_id}: runtime_env setup failed") and missing in reason, followed.getvalue()
+        jobs._logs(profile, False, job_id)
+        assert capsys.readouterr().out.splitlines()[-1] == reason
     finally:
         local_head.stop_head(profile)
         shutil.rmtree(temp_dir, ignore_errors=True)
