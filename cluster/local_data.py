@@ -32,7 +32,7 @@ def builtin_requirements(config, suite: SuiteConfig | None) -> list[tuple[str, P
     """(name, root, options) of each local built-in folder ``root/<name>`` the run reads, eval sets at their
     defaults; none under an ``s3://``/``gs://`` root."""
     found: list[tuple[str, Path, dict]] = []
-    if config.data.builtin and not is_remote(config.data.train):
+    if config.data.generates_builtin:
         name = builtin.ALIASES.get(config.data.builtin, config.data.builtin)
         found.append((name, config.data.builtin_root, dict(config.data.builtin_options)))
     if suite is not None:

@@ -67,10 +67,19 @@ class DataConfig:
     def builtin_root(self) -> Path:
         return resolve_path(self.train).parent.parent
 
+    @property
+    def generates_builtin(self) -> bool:
+        """Whether ``train`` is the built-in set's own local folder, ``<root>/<builtin>/<split>``, where it is generated
+        when absent. Another folder is the user's own shards (a recipe's data.train set, its data.builtin left), and
+        object storage is read as it is: neither gets a set generated beside it."""
+        if self.builtin is None or is_remote(self.train):
+            return False
+        return resolve_path(self.train).parent.name == ALIASES.get(self.builtin, self.builtin)
+
     def ensure_builtin(self) -> None:
-        """Write the built-in training set at a local ``train`` unless there (object storage is read as it is); before
-        training, never by a rank."""
-        if self.builtin is not None and not is_remote(self.train) and not is_shard_folder(Path(self.train)):
+        """Write the built-in training set at ``train`` unless there (`generates_builtin`); before training, never by a
+        rank."""
+        if self.generates_builtin and not is_shard_folder(Path(self.train)):
             ensure(self.builtin, self.builtin_root, **self.builtin_options)
 
     def check(self) -> None:

@@ -208,3 +208,19 @@ def test_eval_sets_under_a_bucket_are_neither_checked_nor_generated_here():
     suite = load_suite(config.evals.suite)
     assert [name for name, _, _ in builtin_requirements(config, suite)] == ["rcdb"]  # the training set only
     assert all("s3:" not in str(folder) for folder in check_local_data(config, suite))
+
+
+def test_a_recipe_trained_on_the_users_own_shards_generates_no_built_in_set_beside_them(tmp_path):
+    """`make launch SET="data.train=<my shards>"` on a recipe with data.builtin: the launch generated the built-in set
+    at the shards' grandparent (`/tmp/rcdb` for /tmp/mine/train), and refused the launch where a folder there had other
+    settings. The set is the training set only at its own folder, <root>/<builtin>/<split>."""
+    from cluster.local_data import builtin_requirements, check_local_data
+    from pretrain.config.train_config import load_config
+
+    mine = builtin.ensure("digits", tmp_path / "shards") / "train"  # a shard folder of the user's, not rcdb's
+    config = load_config("local_demo", [f"data.train={mine}", "data.streams=2"])
+    assert config.data.builtin == "rcdb" and not config.data.generates_builtin
+    assert builtin_requirements(config, None) == [] and check_local_data(config, None) == {}
+    config.data.ensure_builtin()
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["digits"]  # no rcdb beside it
+    assert load_config("local_demo", []).data.generates_builtin  # the recipe's own data/rcdb/train
