@@ -79,7 +79,7 @@ class DataConfig:
     def ensure_builtin(self) -> None:
         """Write the built-in training set at ``train`` unless there (`generates_builtin`); before training, never by a
         rank."""
-        if self.generates_builtin and not is_shard_folder(Path(self.train)):
+        if self.builtin is not None and self.generates_builtin and not is_shard_folder(Path(self.train)):
             ensure(self.builtin, self.builtin_root, **self.builtin_options)
 
     def check(self) -> None:
