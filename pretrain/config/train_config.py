@@ -300,8 +300,9 @@ def check_paths_exist(config: TrainConfig) -> None:
                 )
             if shard_dir.parent.name != d.builtin:
                 raise ValueError(
-                    f"data.train={d.train!r} cannot hold built-in dataset {d.builtin!r}: it is generated as "
-                    f"<root>/{d.builtin}/<split>; set data.train=data/{d.builtin}/train"
+                    f"data.train={d.train!r}: no shard folder there (no {MANIFEST_FILE}), and it cannot hold built-in "
+                    f"dataset {d.builtin!r}, generated as <root>/{d.builtin}/<split>; write your shards there "
+                    f"(`python -m data_pipeline.write`) or set data.train=data/{d.builtin}/train"
                 )
     if file := file_in_the_way(Path(c.dir)):
         raise ValueError(f"checkpoint.dir={c.dir!r}: {file} is a file; set checkpoint.dir to a folder (new or a run's)")
