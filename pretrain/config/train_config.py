@@ -298,7 +298,7 @@ def check_paths_exist(config: TrainConfig) -> None:
                     "(e.g. `python -m data_pipeline.builtin fractal --out data`) or set data.builtin=<name> to "
                     "generate a built-in dataset on demand"
                 )
-            if shard_dir.parent.name != d.builtin:
+            if not d.generates_builtin:  # the one rule for where the set is generated (DataConfig)
                 raise ValueError(
                     f"data.train={d.train!r}: no shard folder there (no {MANIFEST_FILE}), and it cannot hold built-in "
                     f"dataset {d.builtin!r}, generated as <root>/{d.builtin}/<split>; write your shards there "
