@@ -33,6 +33,7 @@ __all__ = [
     "load_model",
     "load_npz",
     "load_pretrained",
+    "read_model_config",
     "resize_model",
     "resize_pos_embed",
     "save_pretrained",
@@ -444,17 +445,23 @@ def load_pretrained(directory: str | Path, image_size: int | None = None, **over
                 f"{directory} has no {name}; expected a folder written by save_pretrained or "
                 f"`python -m pretrain.weights convert` ({WEIGHTS_FILE} + {CONFIG_FILE})"
             )
+    return _finish(
+        read_model_config(directory), _read_safetensors(directory / WEIGHTS_FILE), directory, image_size, overrides
+    )
+
+
+def read_model_config(directory: Path) -> ViTConfig:
+    """The architecture `save_pretrained` wrote beside the weights (a checkpoint's too), without reading them."""
     config_path = directory / CONFIG_FILE
     try:
         fields = json.loads(config_path.read_text())
         if not isinstance(fields, dict):
             raise ValueError(f"it holds a JSON {type(fields).__name__}, not an object of ViTConfig fields")
-        config = ViTConfig.from_dict(fields)
+        return ViTConfig.from_dict(fields)
     except (ValueError, TypeError) as e:  # JSON, Unicode, ViTConfig
         raise ValueError(
             f"{config_path} is not a valid model config: {e}; it should be the {CONFIG_FILE} save_pretrained writes"
         ) from None
-    return _finish(config, _read_safetensors(directory / WEIGHTS_FILE), directory, image_size, overrides)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

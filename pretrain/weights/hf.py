@@ -39,8 +39,12 @@ _BLOCK_KEYS = {
 _LAYER_PREFIX = {"hub": "vit.encoder.layer.", "v5": "vit.layers."}
 
 
+class NotInHFViT(ValueError):
+    """The architecture has a part HF's ViT cannot hold."""
+
+
 def _check_convertible(config: ViTConfig) -> None:
-    """ValueError naming each part HF's ViT cannot hold."""
+    """NotInHFViT naming each part HF's ViT cannot hold."""
     problems = []
     if config.pool != "token":
         problems.append("pool='gap' (HF ViT classifies from the class token)")
@@ -52,7 +56,7 @@ def _check_convertible(config: ViTConfig) -> None:
     if config.hybrid_stages is not None:
         problems.append(f"a ResNet hybrid stem (hybrid_stages={config.hybrid_stages}; HF's ViT has a patch embedding)")
     if problems:
-        raise ValueError(
+        raise NotInHFViT(
             "cannot express in HF ViTForImageClassification: " + "; ".join(problems) + " — the official .npz layout "
             "holds every vitscale ViT (`python -m pretrain.weights export SOURCE OUT.npz --format npz`)"
         )
