@@ -90,12 +90,14 @@ def _port_free(port: int) -> bool:
 
 def in_process_cluster(**head_args):
     """A `ray.cluster_utils.Cluster` with its head started, once the folder Ray writes `ray_current_cluster` to
-    (whatever ``temp_dir`` says) exists."""
+    (whatever ``temp_dir`` says) exists. Its dashboard process (Ray starts one, a lean one without
+    ``include_dashboard``) takes the first free port from 8265: given 8265 itself, as Ray's default is, it logged an
+    ERROR where a head held that port (`make launch`'s, then `make elastic-demo`)."""
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
     Path(get_default_ray_temp_dir()).mkdir(parents=True, exist_ok=True)
-    return Cluster(initialize_head=True, head_node_args=head_args)
+    return Cluster(initialize_head=True, head_node_args={"dashboard_port": None, **head_args})
 
 
 def own_ray_vars(address: str) -> dict[str, str]:

@@ -3,6 +3,7 @@ its life: submit, status, logs, Ray's own CLI (`ray job list|logs|submit` with t
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -18,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -703,6 +705,29 @@ def test_a_jobs_code_is_packed_once_with_the_files_ray_would_pack(tmp_path):
             assert packed is unchanged
 
 
+@contextlib.contextmanager
+def _port_held(port: int) -> Iterator[None]:
+    """``port`` on 127.0.0.1 held for the block (by another process already, or here)."""
+    with socket.socket() as sock:
+        with contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        yield
+
+
+@contextlib.contextmanager
+def _ray_log() -> Iterator[list[str]]:
+    """The messages Ray's loggers write in the block."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ray").addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger("ray").removeHandler(handler)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_launched_jobs_processes_ask_their_own_head_when_a_newer_ray_runs(monkeypatch, tmp_path, capsys):
@@ -735,9 +760,11 @@ def test_a_launched_jobs_processes_ask_their_own_head_when_a_newer_ray_runs(monk
         client = jobs.connect(profile, start_local=True)
         head = local_head.read_state(profile)
         with local_head.ray_auth_mode("disabled"):
-            cluster = local_head.in_process_cluster(num_cpus=1, include_dashboard=False)  # the newest Ray now
+            with _port_held(8265), _ray_log() as said:  # Ray's default dashboard port, as a head there holds it
+                cluster = local_head.in_process_cluster(num_cpus=1, include_dashboard=False)  # the newest Ray now
             newer = cluster.address
             try:
+                assert not [m for m in said if "already occupied" in m], said  # an ERROR line in the elastic demo
                 config = resolve_config(profile, "local_demo", [], "where")
                 env = launch.runtime_env(profile, JobSpec.create(profile, config, build_plan(profile, config)))
                 job_id = jobs.submit(client, f"python {script}", env, "vitscale-where")
