@@ -60,7 +60,14 @@ def check_local_data(config, suite: SuiteConfig | None) -> dict[Path, bool]:
                 f"{root / name} is read at two settings ({differ}): by the training set (data.builtin_options) and "
                 "by the eval suite (the set's defaults); train on the defaults or set evals.data_root to another root"
             )
-    return {root / name: builtin.check_folder(name, root, **options) for name, root, options in needs}
+    complete = {}
+    for name, root, options in needs:
+        try:
+            complete[root / name] = builtin.check_folder(name, root, **options)
+        except builtin.OtherSettings as error:  # the training set's own fixes, when it is the training set
+            trains = config.data.generates_builtin and error.folder == config.data.builtin_root / name
+            raise config.data.other_settings(error) if trains else error from None
+    return complete
 
 
 def prepare_local_data(config, suite: SuiteConfig | None) -> None:

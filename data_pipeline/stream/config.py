@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from data_pipeline.builtin.sets import ALIASES, BUILTIN_NAMES, BuiltinConfig, check_sizes, ensure, option_minimum
+from data_pipeline.builtin.sets import (
+    ALIASES,
+    BUILTIN_NAMES,
+    BuiltinConfig,
+    OtherSettings,
+    check_sizes,
+    ensure,
+    option_minimum,
+)
 from data_pipeline.cli import at_least, positive
 from data_pipeline.manifest import is_shard_folder
 from data_pipeline.paths import is_remote, resolve_path
@@ -81,6 +89,14 @@ class DataConfig:
         rank."""
         if self.builtin is not None and self.generates_builtin and not is_shard_folder(Path(self.train)):
             ensure(self.builtin, self.builtin_root, **self.builtin_options)
+
+    def other_settings(self, error: OtherSettings) -> ValueError:
+        """`make launch`'s refusal of the training set's folder generated at other settings, with the recipe's fixes."""
+        keep = " ".join(f"data.builtin_options.{k}={v}" for k, v in error.had.items())
+        return ValueError(
+            f"{error.folder / error.split} was generated with {error.differ}; to train on it as it is, set {keep}; "
+            f"to generate it at the recipe's settings, delete it (rm -r {error.folder}) or use another data.train"
+        )
 
     def check(self) -> None:
         """ValueError naming ``data.<field>``, its value and the fix."""

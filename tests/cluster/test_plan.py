@@ -271,8 +271,10 @@ def test_a_stale_builtin_folder_stops_the_dry_run_with_one_line(tmp_path, local_
     assert len(lines) == 1 and re.fullmatch(
         r"python -m cluster\.launch: error: "
         rf"{folder}/train was generated with num_classes=4 \(wanted 64\), images_per_class=4 \(wanted 60\), "
-        rf"val_per_class=1 \(wanted 10\), samples_per_shard=4 \(wanted 128\); delete it \(rm -r {folder}\) to "
-        "generate it again, or use another data root",
+        rf"val_per_class=1 \(wanted 10\), samples_per_shard=4 \(wanted 128\); to train on it as it is, set "
+        "data.builtin_options.num_classes=4 data.builtin_options.images_per_class=4 "
+        "data.builtin_options.val_per_class=1 data.builtin_options.samples_per_shard=4; to generate it at the "
+        rf"recipe's settings, delete it \(rm -r {folder}\) or use another data.train",
         lines[0],
     ), lines
     assert "plan:" not in done.stdout  # stopped before the plan
