@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         Path(_summary_path(args.summary, summary.rank)).write_text(json.dumps(summary.to_dict()))
     if summary.rank == 0:
-        print(f"done: {summary.steps} steps, final loss {summary.final_loss}, images seen {summary.images_seen}")
+        loss = "-" if summary.final_loss is None else f"{summary.final_loss:.4f}"
+        newest = run_folder.latest_checkpoint(config.checkpoint.dir)
+        print(
+            f"done: {summary.steps} steps, final loss {loss}, images seen {summary.images_seen:,}; "
+            + (f"newest checkpoint {newest}" if newest else f"no checkpoint in {config.checkpoint.dir}")
+        )
     finish_distributed()
     return 0
 

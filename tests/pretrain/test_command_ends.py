@@ -62,6 +62,10 @@ def test_a_finished_run_launched_again_says_so_in_one_line_and_a_lower_total_is_
     run = tmp_path / "run"
     train_cli(load_config("local_demo", _tiny(tiny_fractal_shards, run, "schedule.total=3")), run, timeout=300)
     final = run_folder.checkpoint_dir(run, 3)
+    done = (run / "output.log").read_text().splitlines()[-1]  # the run's end: its loss rounded, where it is kept
+    assert re.fullmatch(rf"done: 3 steps, final loss \d+\.\d{{4}}, images seen 24; newest checkpoint {final}", done), (
+        done
+    )
     recipe, starts = run / "recipe.yaml", (run / run_folder.WORLD_SIZES).read_text()
     code, out, err = _launched(recipe, capsys)
     assert code == 0, err[-3000:]
