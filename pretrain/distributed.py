@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import types
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,8 +41,14 @@ MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime
 MUON_NAMES = ("MuonWithAuxAdam", "muon_update", "adam_update")
 
 
+# ZeRO's all-gather calls a torch function torch 2.13 deprecates: a FutureWarning from every rank of a world size > 1,
+# about DeepSpeed's code, that no user can act on.
+DEEPSPEEDS_DEPRECATED_CALL = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+
+
 def import_deepspeed() -> types.ModuleType:
     """``import deepspeed`` without MLflow or `MUON_MODULES` (docs/performance.md, "A rank's start")."""
+    warnings.filterwarnings("ignore", message=DEEPSPEEDS_DEPRECATED_CALL, category=FutureWarning)
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     for name in MUON_MODULES:
