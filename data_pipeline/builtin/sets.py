@@ -223,6 +223,19 @@ def check_sizes(name: str, cfg: BuiltinConfig) -> None:
         )
 
 
+class OtherSettings(ValueError):
+    """A split of ``folder`` generated at other settings than those asked for; ``had``: those that differ."""
+
+    def __init__(self, folder: Path, split: str, had: dict, wanted: dict) -> None:
+        self.folder, self.split = folder, split
+        self.had = {k: had[k] for k, v in wanted.items() if had[k] != v}
+        self.differ = ", ".join(f"{k}={had[k]} (wanted {wanted[k]})" for k in self.had)
+        super().__init__(
+            f"{folder / split} was generated with {self.differ}; delete it (rm -r {folder}) to generate it again, or "
+            "use another data root"
+        )
+
+
 def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
     complete = True
     wanted = _settings(name, cfg)
@@ -238,19 +251,6 @@ def _is_complete(folder: Path, name: str, cfg: BuiltinConfig) -> bool:
         if any(had[k] != v for k, v in wanted.items()):
             raise OtherSettings(folder, split, had, wanted)
     return complete
-
-
-class OtherSettings(ValueError):
-    """A split of ``folder`` generated at other settings than those asked for; ``had``: those that differ."""
-
-    def __init__(self, folder: Path, split: str, had: dict, wanted: dict) -> None:
-        self.folder, self.split = folder, split
-        self.had = {k: had[k] for k, v in wanted.items() if had[k] != v}
-        self.differ = ", ".join(f"{k}={had[k]} (wanted {wanted[k]})" for k in self.had)
-        super().__init__(
-            f"{folder / split} was generated with {self.differ}; delete it (rm -r {folder}) to generate it again, or "
-            "use another data root"
-        )
 
 
 def check_folder(name: str, root: str | Path, **options) -> bool:

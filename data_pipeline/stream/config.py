@@ -93,9 +93,12 @@ class DataConfig:
     def other_settings(self, error: OtherSettings) -> ValueError:
         """`make launch`'s refusal of the training set's folder generated at other settings, with the recipe's fixes."""
         keep = " ".join(f"data.builtin_options.{k}={v}" for k, v in error.had.items())
+        as_it_is = (
+            f"to train on it as it is, set {keep}; " if all(isinstance(v, int) for v in error.had.values()) else ""
+        )
         return ValueError(
-            f"{error.folder / error.split} was generated with {error.differ}; to train on it as it is, set {keep}; "
-            f"to generate it at the recipe's settings, delete it (rm -r {error.folder}) or use another data.train"
+            f"{error.folder / error.split} was generated with {error.differ}; {as_it_is}to generate it at the "
+            f"recipe's settings, delete it (rm -r {error.folder}) or use another data.train"
         )
 
     def check(self) -> None:
