@@ -12,6 +12,7 @@ from data_pipeline.builtin.sets import (
     BUILTIN_NAMES,
     BuiltinConfig,
     OtherSettings,
+    check_folder,
     check_sizes,
     ensure,
     option_minimum,
@@ -85,13 +86,20 @@ class DataConfig:
         return resolve_path(self.train).parent.name == ALIASES.get(self.builtin, self.builtin)
 
     def ensure_builtin(self) -> None:
-        """Write the built-in training set at ``train`` unless there (`generates_builtin`); before training, never by a
-        rank."""
-        if self.builtin is not None and self.generates_builtin and not is_shard_folder(Path(self.train)):
-            ensure(self.builtin, self.builtin_root, **self.builtin_options)
+        """Write the built-in training set at ``train`` unless there (`generates_builtin`), and refuse one there that
+        was generated at other settings, as `make launch` does; before training, never by a rank."""
+        if self.builtin is None or not self.generates_builtin:
+            return
+        try:
+            if is_shard_folder(Path(self.train)):
+                check_folder(self.builtin, self.builtin_root, **self.builtin_options)
+            else:
+                ensure(self.builtin, self.builtin_root, **self.builtin_options)
+        except OtherSettings as error:
+            raise self.other_settings(error) from None
 
     def other_settings(self, error: OtherSettings) -> ValueError:
-        """`make launch`'s refusal of the training set's folder generated at other settings, with the recipe's fixes."""
+        """The refusal of the training set's folder generated at other settings, with the recipe's fixes."""
         keep = " ".join(f"data.builtin_options.{k}={v}" for k, v in error.had.items())
         as_it_is = (
             f"to train on it as it is, set {keep}; " if all(isinstance(v, int) for v in error.had.values()) else ""

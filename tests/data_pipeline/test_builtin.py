@@ -229,7 +229,8 @@ def test_a_recipe_trained_on_the_users_own_shards_generates_no_built_in_set_besi
 def test_a_built_in_training_set_generated_at_other_settings_names_the_settings_to_train_on_it(tmp_path):
     """`python -m data_pipeline.builtin rcdb --out mine --set num_classes=...` then `make launch
     SET="data.train=mine/rcdb/train"`: the refusal offered only to delete the user's set. It names the recipe's
-    settings that train on it as it is, and they do."""
+    settings that train on it as it is, and they do. `python -m pretrain.train` trained on such a folder without a
+    word; it refuses it as the launch does."""
     from cluster.local_data import check_local_data
     from pretrain.config.train_config import load_config
 
@@ -242,8 +243,9 @@ def test_a_built_in_training_set_generated_at_other_settings_names_the_settings_
         rf"{where}/train was generated with num_classes=4 \(wanted 64\), .*; to train on it as it is, set {keep}; to "
         rf"generate it at the recipe's settings, delete it \(rm -r {where}\) or use another data.train"
     )
-    with pytest.raises(ValueError, match=said):
-        check_local_data(config, None)
+    for check in (lambda: check_local_data(config, None), config.data.ensure_builtin):  # make launch; pretrain.train
+        with pytest.raises(ValueError, match=said):
+            check()
     config = load_config("local_demo", [f"data.train={folder}/train", "data.streams=2", *keep.split()])
     assert check_local_data(config, None) == {folder: True}
     config.data.ensure_builtin()  # nothing to generate
