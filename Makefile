@@ -67,7 +67,7 @@ endef
 test: setup  ## the whole suite on CPU (real DeepSpeed, Ray, MLflow): before a change lands
 	$(call run_pytest,)
 
-test-fast: setup  ## the inner loop: the suite without the slow end-to-end tests (about 3.5 min on 2 cores)
+test-fast: setup  ## the inner loop: the suite without the slow end-to-end tests (about 5 min on 2 cores)
 	$(call run_pytest,-m "not slow")
 
 test-shuffled: setup  ## the whole suite in a random order (SEED=n repeats an order): before a change lands
