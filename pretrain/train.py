@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config: TrainConfig | None = None
     rank0 = os.environ.get("RANK", "0") == "0"  # every rank of a torchrun launch runs this
+    local0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    started = False
     try:
         world_size = _env_world_size()
         config = load_config(args.config, args.set)
@@ -85,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
             if rank0:
                 print(done)
             return 0
+        started = True
         summary = train_worker(config, validated=True)
-    except ValueError as error:
-        return fail(PROG, error)
+    except ValueError as error:  # found before training: the same on every rank, said once per machine
+        return fail(PROG, error) if local0 or started else 2
     except NonFiniteLossError as error:  # a failed run, not bad input; every rank ends so, with the same loss
-        local0 = os.environ.get("LOCAL_RANK", "0") == "0"  # one line per machine
-        return fail(PROG, error, status=1) if local0 else 1
+        return fail(PROG, error, status=1) if local0 else 1  # one line per machine
     except KeyboardInterrupt:  # train_worker closed the run's records on its way out
         return interrupted(PROG, _kept(config)) if rank0 else INTERRUPTED
     if args.summary:

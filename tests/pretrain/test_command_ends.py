@@ -109,6 +109,18 @@ def test_bad_input_is_one_error_line_that_names_the_command(capsys):
         assert err.startswith("python -m pretrain.train: error: ") and re.search(says, err), err
 
 
+def test_bad_input_under_torchrun_is_one_line_per_machine_not_one_per_rank(train_env, tmp_path):
+    """Every rank of `torchrun --nproc-per-node 8 -m pretrain.train ...` read the same bad recipe and printed the same
+    line: 8 of them a node. Found before training starts, it is printed by each machine's local rank 0; all exit 2."""
+    from tests.support import warm_ranks
+
+    log = tmp_path / "ranks.log"
+    args = ["--config", str(ROOT / "configs" / "local_demo.yaml"), "--set", "optim.lr=abc"]
+    assert warm_ranks.launch("pretrain.train", args, 2, train_env(), log, 120) == 1  # as torchrun: a rank failed
+    said = [line for line in log.read_text().splitlines() if "error" in line]  # the zygote's runpy warnings aside
+    assert said == ["python -m pretrain.train: error: --set override: optim.lr must be a number, got 'abc'"], said
+
+
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_before_anything_starts(
     tiny_fractal_shards, tmp_path, capsys
 ):
