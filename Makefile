@@ -34,7 +34,7 @@ endif
 .PHONY: help setup test test-fast test-shuffled lint launch preflight elastic-demo status logs stop env ui compare shards bench bench-train bench-data bench-scaling bench-scale bench-precision bench-gpu clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 setup: $(STAMP)  ## create .venv: torch first (CPU wheel), then DeepSpeed from source, then vitscale[dev]
 
