@@ -132,7 +132,10 @@ bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-ra
 	$(PY) -m bench.scale
 
 # bench-results/gpu*.json are committed GPU campaigns (docs/benchmarks/gpu.md): only what the CPU benchmarks wrote goes
-clean:  ## remove generated data, runs and reports (keeps .venv and the committed GPU results)
+# The local head first: its folder removed under it, Ray's GCS and raylet outlive SIGTERM and `make stop` no longer
+# finds them (head.json went with it): an orphaned head holding port 8265 and its CPUs.
+clean:  ## stop the local Ray head we started, then remove generated data, runs and reports (keeps .venv, GPU results)
+	@if [ -x $(PY) ] && [ -e .ray-local/head.json ]; then $(PY) -m cluster.jobs stop --cluster local; fi
 	rm -rf data runs reports mlflow.db mlartifacts .ray-local
 	rm -f $(addprefix bench-results/,data.json train.json scaling.json scale.json precision.json gpu-smoke.json)
 	rm -rf bench-results/device

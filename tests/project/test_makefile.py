@@ -53,6 +53,23 @@ def test_clean_keeps_the_committed_gpu_results(tmp_path):
     assert sorted(p.name for p in results.iterdir()) == ["gpu-2026-12-04-rerun.json", "gpu.json"]
 
 
+def test_clean_stops_the_local_head_before_it_removes_its_folder(tmp_path):
+    """`make clean` after `make launch` (whose head keeps running) removed .ray-local under the head: its GCS and
+    raylet then outlived SIGTERM and `make stop` found no head to stop. The interpreter is a stand-in that records
+    what it was asked and whether the head's folder was still there."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    (tmp_path / ".ray-local").mkdir()
+    (tmp_path / ".ray-local" / "head.json").write_text("{}\n")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$* $(test -e .ray-local/head.json && echo while-there)" >> asked.txt\n')
+    python.chmod(0o755)
+    done = subprocess.run(["make", "-s", "clean"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "asked.txt").read_text() == "-m cluster.jobs stop --cluster local while-there\n"
+    assert not (tmp_path / ".ray-local").exists()
+
+
 def test_the_bench_help_names_what_it_runs():
     """`make bench` runs four of the six benchmark targets; its help line says which, not "all"."""
     line = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("bench:"))
