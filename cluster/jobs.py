@@ -356,7 +356,14 @@ def _logs(profile: ClusterProfile, follow_logs: bool, job_id: str | None = None)
 
 def _stop(profile: ClusterProfile) -> int:
     if profile.is_local and not cluster_address(profile):
-        print(f"nothing to stop: no Ray head of this project is running for profile {profile.name}")
+        # A head whose folder went under it (`rm -r .ray-local`, `git clean -fdx`) runs on, named by its processes'
+        # command lines; stop_head finds them so.
+        if pids := local_head.stop_head(profile):
+            print(
+                f"stopped a local Ray head whose head.json was gone ({len(pids)} processes of {profile.ray.temp_dir})"
+            )
+        else:
+            print(f"nothing to stop: no Ray head of this project is running for profile {profile.name}")
         return 0
     try:
         client = connect(profile)

@@ -121,3 +121,27 @@ def test_two_launches_at_once_from_a_deep_checkout_share_one_head(monkeypatch):
         assert _leftover(profile) == []
         link.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_head_whose_folder_was_removed_under_it_is_still_stopped(monkeypatch, tmp_path, capsys):
+    """`rm -r .ray-local` or `git clean -fdx` while the local head runs: head.json went with the folder, `make stop`
+    said no head was running, and the head (its GCS and raylet outlive SIGTERM) held its port and CPUs until killed
+    by hand. `make stop` finds its processes by the folder their command lines name."""
+    from cluster import jobs
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    temp_dir = tmp_path / ".ray-local"
+    profile = _profile(str(temp_dir))
+    try:
+        local_head.ensure_head(profile, timeout_s=120)
+        shutil.rmtree(temp_dir)  # what `git clean -fdx` does to it
+        assert local_head.read_state(profile) is None
+        assert jobs._stop(profile) == 0
+        said = capsys.readouterr().out
+        assert said.startswith("stopped a local Ray head whose head.json was gone ("), said
+        found = local_head._processes_of(str(temp_dir.resolve()))
+        assert [p for p in found if not local_head._is_zombie(p)] == []
+    finally:
+        assert _leftover(profile) == []
