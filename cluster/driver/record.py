@@ -20,7 +20,7 @@ from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import pinned_checkpoints, prune_checkpoints
 from pretrain.weights.export import checkpoint_step, class_names, save_hf
 from pretrain.weights.formats import load_checkpoint_model, read_model_config
-from pretrain.weights.hf import NotInHFViT, hf_config_dict
+from pretrain.weights.hf import hf_refusal
 from tracking import keys
 from tracking.models import log_hf_model
 from tracking.runs import RUN_RECORD, finish_run, send_spooled, steps_missing
@@ -177,15 +177,6 @@ def _send_late_evals(uri: str, run_id: str, evals: dict, tracker: Tracker) -> No
         print(f"evals of step(s) {sorted(late)}: metrics sent by the driver (their tasks ended before the run existed)")
 
 
-def _hf_refusal(checkpoint: Path) -> str | None:
-    """Why HF's ViT cannot hold the checkpoint's architecture, or None."""
-    try:
-        hf_config_dict(read_model_config(checkpoint))
-    except NotInHFViT as why:
-        return str(why)
-    return None
-
-
 def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
     """The newest checkpoint as the run's MLflow model (HF), unless the run holds it already; its URI or None. Never
     raises."""
@@ -193,7 +184,7 @@ def log_final_model(run_dir: Path, uri: str, run_id: str) -> str | None:
     if checkpoint is None:
         return None
     try:
-        refusal = _hf_refusal(checkpoint)
+        refusal = hf_refusal(read_model_config(checkpoint))
         if refusal is not None:  # the plan said so: an outcome, not a warning, and no weights read
             print(f"final model: not logged to MLflow ({checkpoint.name}): {refusal}", flush=True)
             return None

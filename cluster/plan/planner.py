@@ -34,7 +34,7 @@ from pretrain.config.train_config import TrainConfig, config_from_recipe, model_
 from pretrain.config.typed_yaml import parse_override
 from pretrain.model import flops, tasks
 from pretrain.model.vit import ViTConfig, model_config
-from pretrain.weights.hf import hf_config_dict
+from pretrain.weights.hf import hf_refusal
 
 RECIPE_DATA_ROOT = "data"  # a profile relocates it to its storage
 # Assumed where the training manifest is not readable here: i21k's bytes per image (docs/reference.md §6), and shards
@@ -55,9 +55,7 @@ def runtime_pip(plan: dict) -> list[str]:
 
 
 def _final_model(profile: ClusterProfile, vit: ViTConfig) -> tuple[bool, str]:
-    try:
-        hf_config_dict(vit)
-    except ValueError:
+    if hf_refusal(vit) is not None:
         return False, "the final model is not logged to MLflow: HF's ViT has no pre-logits, gap pool or hybrid stem"
     if profile.is_local and importlib.util.find_spec(HF_EXTRA.module) is None:
         return False, f"the final model is not logged to MLflow: no {HF_EXTRA.module} here (pip install -e '.[hf]')"

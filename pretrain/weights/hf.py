@@ -62,6 +62,15 @@ def _check_convertible(config: ViTConfig) -> None:
         )
 
 
+def hf_refusal(config: ViTConfig) -> str | None:
+    """Why HF's ViT cannot hold ``config`` (`NotInHFViT`'s message), or None: the plan and the job's end ask it."""
+    try:
+        _check_convertible(config)
+    except NotInHFViT as why:
+        return str(why)
+    return None
+
+
 def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None = None) -> dict:
     """The HF `config.json`, without transformers. A headless model is a ViTModel whose ``last_hidden_state[:, 0]``
     is our ``forward`` (load with ``add_pooling_layer=False``)."""
