@@ -135,7 +135,7 @@ bench-scale: setup  ## ImageNet-21k-scale rehearsal: 14.2M-row manifests, 512-ra
 # The local head first: its folder removed under it, Ray's GCS and raylet outlive SIGTERM and `make stop` no longer
 # finds them (head.json went with it): an orphaned head holding port 8265 and its CPUs.
 clean:  ## stop the local Ray head we started, then remove generated data, runs and reports (keeps .venv, GPU results)
-	@if [ -x $(PY) ] && [ -e .ray-local/head.json ]; then $(PY) -m cluster.jobs stop --cluster local; fi
+	@test ! -e .ray-local/head.json || test ! -x $(PY) || $(PY) -m cluster.jobs stop --cluster local
 	rm -rf data runs reports mlflow.db mlartifacts .ray-local
 	rm -f $(addprefix bench-results/,data.json train.json scaling.json scale.json precision.json gpu-smoke.json)
 	rm -rf bench-results/device
