@@ -122,10 +122,10 @@ def _tag_run(client, run_id: str, model_uri: str, step: int) -> None:
 
 
 def eval_means(client, run_id: str, step: int) -> dict[str, float]:
-    """The run's eval metrics with ``/mean`` in their key at ``step``, each logged last."""
+    """The run's eval means (`keys.is_eval_mean`) at ``step``, each logged last."""
     means = {}
     for key in client.get_run(run_id).data.metrics:
-        if not key.startswith(keys.EVAL_PREFIXES) or "/mean" not in key:
+        if not keys.is_eval_mean(key):
             continue
         at_step = [m for m in client.get_metric_history(run_id, key) if m.step == step and math.isfinite(m.value)]
         if at_step:

@@ -169,7 +169,7 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         notes.append(f"no training metrics ({keys.LOSS}) logged")
     elif not seen:
         notes.append(f"{keys.IMAGES_SEEN} not logged: left out of the loss plot")
-    if not any(k.startswith(keys.EVAL_PREFIXES) for k in metrics):
+    if not any(keys.is_eval_metric(k) for k in metrics):
         notes.append("no eval metrics logged (no checkpoint evaluated yet)")
     else:
         if fewshot and not flops:

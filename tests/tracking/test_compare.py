@@ -203,6 +203,14 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     only0, _ = _log_run(
         uri, "mixed", "only-step0", model="vit_s16", recipe="r", steps=4, gflops=1, evals_at=(0,), status="FAILED"
     )
+    # Only a named suite entry's metrics (`name: vtab1k_probe`), beside the job's own namespaces: evaluated.
+    named, _ = _log_run(uri, "mixed", "named", model="vit_s16", recipe="r", steps=4, gflops=1, status="RUNNING")
+    _client(uri).log_metric(named, "vtab1k_probe/mean", 0.3, step=4)
+    for key in (keys.GOODPUT_WALL_S, keys.HANGS_METRIC, keys.data_count("read_retries"), keys.eval_failed("s")):
+        _client(uri).log_metric(running, key, 1.0, step=8)  # no eval in these
+    notes = {r.run_name: r.notes for r in collect(_client(uri), uri, run_ids=(named, running)).runs}
+    assert not any("no eval metrics" in n for n in notes["named"])
+    assert "no eval metrics logged (no checkpoint evaluated yet)" in notes["no-evals"]
     out = tmp_path / "reports"
     ids = ",".join([crashed, running, bare, died, only0])
     assert main(["--runs", ids, "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0

@@ -69,6 +69,8 @@ def _run(uri: str, name: str, evals: dict[int, float]) -> str:
         client.log_metric(run_id, keys.FEWSHOT_MEAN_10SHOT, value, step=step)
         client.log_metric(run_id, keys.VTAB_MEAN, value / 2, step=step)
         client.log_metric(run_id, "fewshot/digits/10shot", value + 0.1, step=step)  # not a mean: not a tag
+        client.log_metric(run_id, "vtab1k_probe/mean", value / 4, step=step)  # a named suite entry's mean
+        client.log_metric(run_id, "inspect/mean_attention_distance/layer_1", 2.0, step=step)  # not a mean
         client.log_metric(run_id, keys.LOSS, 3.0 - value, step=step)
     return run_id
 
@@ -125,7 +127,10 @@ def test_a_checkpoint_logged_on_request_loads_back_with_our_logits(uri, tmp_path
     assert logged.tags[keys.MODEL_TAG_STEP] == "40" and logged.tags[keys.MODEL_TAG_SOURCE] == str(checkpoint)
     assert float(logged.tags[keys.MODEL_TAG_EVAL_PREFIX + keys.FEWSHOT_MEAN_10SHOT]) == 0.5  # step 40's, not 0's
     assert float(logged.tags[keys.MODEL_TAG_EVAL_PREFIX + keys.VTAB_MEAN]) == 0.25
-    assert keys.MODEL_TAG_EVAL_PREFIX + "fewshot/digits/10shot" not in logged.tags
+    assert float(logged.tags[keys.MODEL_TAG_EVAL_PREFIX + "vtab1k_probe/mean"]) == 0.125
+    prefix = keys.MODEL_TAG_EVAL_PREFIX
+    evals = {k.removeprefix(prefix) for k in logged.tags if k.startswith(prefix)}
+    assert evals == {keys.FEWSHOT_MEAN_10SHOT, keys.VTAB_MEAN, "vtab1k_probe/mean"}  # not fewshot/digits, not inspect
     local = Path(mlflow.artifacts.download_artifacts(model_uri, tracking_uri=uri))
     assert json.loads((local / "input_example.json").read_text())  # an example is stored
     hf_folder = local / "artifacts" / "hf"  # a plain from_pretrained folder, for who wants transformers directly
