@@ -57,8 +57,12 @@ def ctrl_c(
             assert proc.poll() is None, f"exited {proc.returncode} before Ctrl-C: {err.read_text()[-2000:]}"
             assert time.monotonic() < deadline, f"not ready in 60 s: {err.read_text()[-2000:]}"
             time.sleep(0.02)
+        # Frozen while its processes are counted (a scan of every process, slow on a loaded machine): the count is
+        # of those the signal reaches, and no work finishes in between (a writer 1.8 s from done did, once).
+        os.killpg(proc.pid, signal.SIGSTOP)
         processes = len(_group(proc.pid))
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # pending until they go on
+        os.killpg(proc.pid, signal.SIGCONT)
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
