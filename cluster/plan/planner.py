@@ -494,7 +494,13 @@ def _data_plan(
             "data.streams, or run at a world size that spreads the streams over more nodes (docs/elastic.md)"
         )
     warnings = []
-    if shards and shards_per_stream < MIN_SHARDS_PER_STREAM:
+    if shards and shards_per_stream < MIN_SHARDS_PER_STREAM and d.generates_builtin:
+        # Few shards per stream correlate streams whose shards differ (class-sorted ones); a built-in set's shards are
+        # cut from one global permutation, alike. Its recipe's first launch then warns of nothing the user chose.
+        note += (
+            f"; under {MIN_SHARDS_PER_STREAM} per stream is fine here: a built-in set is written in one global shuffle"
+        )
+    elif shards and shards_per_stream < MIN_SHARDS_PER_STREAM:
         warnings.append(
             f"only {shards_per_stream:.1f} shards per stream ({shards} shards / data.streams={d.streams}); use >= "
             f"{MIN_SHARDS_PER_STREAM}: re-shard into more, smaller tar files (--samples-per-shard) or lower "

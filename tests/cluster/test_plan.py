@@ -980,6 +980,22 @@ def test_too_few_shards_per_stream_is_not_fixed_by_fewer_loader_workers():
     assert more_streams.data.shards_per_stream == pytest.approx(4134 / 256) and more_streams.data.warnings == ()
 
 
+def test_a_recipes_own_built_in_set_is_not_warned_of_for_its_few_shards_per_stream(local_demo_data):
+    """local_demo's built-in set is 30 shards for 8 streams. Its first launch warned to re-shard or lower data.streams,
+    settings the user did not choose, against a correlation that shards cut from one global shuffle do not have.
+    The same shards as a set of the user's own (data.builtin=null) are still warned of."""
+    profile = load_profile("local")
+    profile = dataclasses.replace(profile, storage=dataclasses.replace(profile.storage, shards=str(local_demo_data)))
+    own = build_plan(profile, resolve_config(profile, "local_demo", [], "demo"))
+    assert own.data.shards_per_stream == pytest.approx(30 / 8) and own.data.warnings == ()
+    assert "under 8 per stream is fine here: a built-in set is written in one global shuffle" in own.data.note
+    train = f"data.train={local_demo_data}/rcdb/train"
+    users = build_plan(profile, resolve_config(profile, "local_demo", [train, "data.builtin=null"], "demo"))
+    (warning,) = users.data.warnings
+    assert warning.startswith("only 3.8 shards per stream (30 shards / data.streams=8); use >= 8: re-shard")
+    assert "fine here" not in users.data.note
+
+
 @pytest.mark.timeout(120)
 def test_the_checkpointing_advice_names_a_micro_batch_every_elastic_world_size_keeps():
     """An elastic group of 7..8 A100s: the advice to drop checkpointing at a smaller micro-batch picked 112, a divisor
