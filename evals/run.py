@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"evals: the same suite on a random init of the same architecture (seed {seed})")
             baseline = run_suite(args.checkpoint, args.suite, args.data_root, random_init_seed=seed, **common)
             print(format_gap(table, baseline))
-    except (ValueError, OSError) as error:  # user errors: one line
+    except (ValueError, OSError, FloatingPointError) as error:  # user errors (an lr grid that diverges): one line
         return fail(parser.prog, error)
     except KeyboardInterrupt:
         return interrupted(parser.prog, _kept(table is not None))

@@ -105,6 +105,19 @@ def test_a_missing_checkpoint_or_suite_is_named_before_the_data_root_is_asked(ch
     assert capsys.readouterr().err.startswith("python -m evals.run: error: unknown eval suite 'nope'; known suites in ")
 
 
+def test_a_finetune_grid_that_diverges_at_every_lr_is_one_line(eval_data_root, checkpoint, tmp_path, capsys):
+    """Every lr of the grid diverging ended the command in a FloatingPointError's traceback (exit 1)."""
+    suite = tmp_path / "diverge.yaml"
+    finetune = "    datasets: [digits]\n    steps: 6\n    batch_size: 16\n    max_train_examples: 100\n"
+    finetune += "    lr_grid: [100.0]\n    warmup_steps: 0\n    grad_clip: 0\n"
+    suite.write_text(f"name: diverge\nevaluators:\n  - type: finetune\n{finetune}")
+    args = ["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(eval_data_root)]
+    assert main([*args, "--out", str(tmp_path / "out"), "--num-threads", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "python -m evals.run: error: fine-tuning diverged at every lr of the grid [100.0]; use lower lrs\n"
+    )
+
+
 def test_a_default_output_folder_that_cannot_be_made_is_refused_before_any_work(checkpoint, tmp_path, capsys):
     """Without --out the table goes to evals/ inside the weights folder. Where that cannot be made (a link to a disk
     that is gone here; a read-only share of weights alike) the whole suite ran first and then ended in a bare
