@@ -151,8 +151,12 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         fewshot_curve = tuple((_interp(step, flops), value, step) for step, value in fewshot if step > 0)
 
     finetune = {m.group(1): v for k, v in metrics.items() if (m := _FINETUNE_KEY.match(k)) and is_finite(v)}
-    vtab_count = _latest(metrics, keys.VTAB_NUM_TASKS)
-    vtab_expected = _latest(metrics, keys.VTAB_NUM_TASKS_EXPECTED)
+    # The task counts of the step whose mean is shown: a later eval that covered no task logs counts but no mean.
+    vtab = _history(client, info.run_id, keys.VTAB_MEAN)
+    counts = {k: dict(_history(client, info.run_id, k)) for k in (keys.VTAB_NUM_TASKS, keys.VTAB_NUM_TASKS_EXPECTED)}
+    vtab_step = vtab[-1][0] if vtab else max(counts[keys.VTAB_NUM_TASKS], default=None)
+    vtab_count, vtab_expected = (counts[k].get(vtab_step) for k in counts)
+    unscored = [s for s in counts[keys.VTAB_NUM_TASKS] if vtab and s > vtab_step]
 
     notes: list[str] = []
     status = _effective_status(info.status, tags.get(keys.STATUS, ""))
@@ -178,6 +182,8 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
             notes.append(f"no step-0 {keys.FEWSHOT_MEAN_10SHOT} (evals.baseline off, or a run from before it): no gain")
         if vtab_count is not None and vtab_expected is not None and vtab_count < vtab_expected:
             notes.append(f"VTAB mean covers {int(vtab_count)} of {int(vtab_expected)} tasks")
+        if unscored:
+            notes.append(f"VTAB at step {max(unscored)} scored no task: the VTAB column is step {vtab_step}'s")
     return RunSummary(
         run_id=info.run_id,
         run_name=info.run_name or info.run_id[:8],
@@ -193,7 +199,7 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         fewshot_10shot=_latest(metrics, keys.FEWSHOT_MEAN_10SHOT),
         finetune_accuracy=sum(finetune.values()) / len(finetune) if finetune else None,
         finetune_datasets=tuple(sorted(finetune)),
-        vtab_mean=_latest(metrics, keys.VTAB_MEAN),
+        vtab_mean=vtab[-1][1] if vtab else None,
         vtab_num_tasks=int(vtab_count) if vtab_count is not None else None,
         vtab_num_tasks_expected=int(vtab_expected) if vtab_expected is not None else None,
         start_time_ms=info.start_time or 0,

@@ -208,7 +208,19 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     _client(uri).log_metric(named, "vtab1k_probe/mean", 0.3, step=4)
     for key in (keys.GOODPUT_WALL_S, keys.HANGS_METRIC, keys.data_count("read_retries"), keys.eval_failed("s")):
         _client(uri).log_metric(running, key, 1.0, step=8)  # no eval in these
-    notes = {r.run_name: r.notes for r in collect(_client(uri), uri, run_ids=(named, running)).runs}
+    # VTAB scored 2 tasks at step 4, none at step 8 (its data gone: counts logged, no mean): one step's numbers.
+    vtab = {4: {keys.VTAB_MEAN: 0.6, keys.VTAB_NUM_TASKS: 2}, 8: {keys.VTAB_NUM_TASKS: 0}}
+    for step, logged in vtab.items():
+        for key, value in {**logged, keys.VTAB_NUM_TASKS_EXPECTED: 19}.items():
+            _client(uri).log_metric(named, key, value, step=step)
+    runs = {r.run_name: r for r in collect(_client(uri), uri, run_ids=(named, running)).runs}
+    assert (runs["named"].vtab_mean, runs["named"].vtab_num_tasks, runs["named"].vtab_num_tasks_expected) == (
+        0.6,
+        2,
+        19,
+    )
+    assert "VTAB at step 8 scored no task: the VTAB column is step 4's" in runs["named"].notes
+    notes = {name: run.notes for name, run in runs.items()}
     assert not any("no eval metrics" in n for n in notes["named"])
     assert "no eval metrics logged (no checkpoint evaluated yet)" in notes["no-evals"]
     out = tmp_path / "reports"
