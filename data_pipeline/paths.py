@@ -19,8 +19,9 @@ SUITES_DIR = RECIPE_DIR / "evals"  # eval suites (evals.suites)
 
 def safe_name(text: str, fill: str = "-") -> str:
     """``text`` with each run of characters other than letters, digits, '.', '_' and '-' as ``fill``, none at the
-    ends: a folder's, a run's or a profile's name (cluster.profiles.SAFE_NAME); "" when nothing is left."""
-    return re.sub(r"[^A-Za-z0-9._-]+", fill, text).strip(fill)
+    ends and no leading '.' (never '..', the folder above): a folder's, a run's or a profile's name
+    (cluster.profiles.SAFE_NAME); "" when nothing is left."""
+    return re.sub(r"[^A-Za-z0-9._-]+", fill, text).lstrip(fill + ".").rstrip(fill)
 
 
 def is_remote(url: str | Path) -> bool:

@@ -331,6 +331,23 @@ def test_the_path_of_the_sqlite_store_is_taken_as_its_uri(store, tmp_path, capsy
     assert not (db.parent / "mlfow.db").exists()
 
 
+def test_a_report_name_of_dots_stays_inside_out(mlflow_uri, tmp_path, capsys):
+    """`--name ..` wrote the report into the folder above --out and logged that whole folder to MLflow as its
+    artifacts (`--name .`: --out itself). A name is a folder of its own under --out."""
+    _log_run(mlflow_uri, "dots", "tiny", model="vit_s16", recipe="r", steps=2, gflops=1)
+    out = tmp_path / "reports"
+    (tmp_path / "secret.txt").write_text("mine")
+    for name, folder in (("..", "comparison"), (".", "comparison"), ("../up", "up")):
+        assert main(["--experiment", "dots", "--tracking-uri", mlflow_uri, "--out", str(out), "--name", name]) == 0
+        assert f"report: {out / folder / 'index.html'}\n" in capsys.readouterr().out
+    assert not (tmp_path / "index.html").exists() and not (tmp_path / "up").exists()  # nothing above --out
+    assert sorted(p.name for p in out.iterdir()) == ["comparison", "up"]
+    client = _client(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("dots").experiment_id], f"tags.{keys.KIND} = 'comparison'")
+    artifacts = {a.path for r in runs for a in client.list_artifacts(r.info.run_id, "report")}
+    assert len(runs) == 3 and "report/index.html" in artifacts and "report/secret.txt" not in artifacts
+
+
 def test_a_report_folder_that_is_a_file_is_one_line(mlflow_uri, tmp_path, capsys):
     """`<out>/<name>` a file (--out itself was checked, not the report's folder in it): a FileExistsError traceback,
     exit 1, after the whole store was read."""
