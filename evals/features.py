@@ -295,7 +295,7 @@ def resolve_split(data_root: str | Path, dataset: str, split: str, *, generate_b
     path = root / dataset / split
     if is_shard_folder(path):
         return path
-    if generate_builtin and dataset in builtin.BUILTIN_NAMES:
+    if generate_builtin and dataset in builtin.BUILTIN_NAMES and split in builtin.SPLITS[dataset]:
         builtin.ensure(dataset, root)
         if is_shard_folder(path):
             return path
@@ -307,6 +307,12 @@ def _no_split(where: str | Path, root: str | Path, dataset: str, split: str, bui
     writer (docs/vtab.md), else the writer of any images, for a name this project does not know. A remote root is
     written locally, then copied (built-ins are never generated in a bucket)."""
     out = "DIR" if is_remote(root) else str(root)
+    if dataset in builtin.BUILTIN_NAMES and split not in builtin.SPLITS[dataset]:  # its generator never writes it
+        has = builtin.SPLITS[dataset]
+        return ValueError(
+            f"no shard folder at {where}: built-in dataset {dataset!r} has no split {split!r}, only "
+            f"{' and '.join(has)}; name one in the suite entry (train_split / test_split, e.g. test_split: {has[-1]})"
+        )
     unknown = ""
     if dataset in builtin.BUILTIN_NAMES and (builtin_first or dataset not in VTAB_TFDS_TASKS):
         command = f"`python -m data_pipeline.builtin {dataset} --out {out}`"

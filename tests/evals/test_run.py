@@ -820,3 +820,18 @@ def _refused_before_any_work(checkpoint, suite, tmp_path, capsys, expected: str)
     assert main(["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(empty)]) == 2
     assert capsys.readouterr().err == f"python -m evals.run: error: {expected}\n"
     assert not empty.exists()
+
+
+def test_a_split_a_built_in_set_does_not_have_names_the_ones_it_has(tmp_path):
+    """rcdb and fractal have train and val. A suite asking rcdb's test split was told to generate rcdb, which
+    writes no test split; the generator ran first, for nothing."""
+    from evals.features import resolve_split
+
+    for generate in (True, False):
+        with pytest.raises(ValueError) as refused:
+            resolve_split(tmp_path, "rcdb", "test", generate_builtin=generate)
+        assert str(refused.value) == (
+            f"no shard folder at {tmp_path / 'rcdb' / 'test'}: built-in dataset 'rcdb' has no split 'test', only "
+            "train and val; name one in the suite entry (train_split / test_split, e.g. test_split: val)"
+        )
+    assert not (tmp_path / "rcdb").exists()  # nothing generated
