@@ -106,6 +106,12 @@ def _compare(args: argparse.Namespace, kept: list[str]) -> int:
             f"cannot read the tracking store {uri} ({type(error).__name__}: {reason}); pass --tracking-uri "
             "sqlite:///<path>/mlflow.db (the project's store) or the URL of an MLflow server",
         )
+    except ImportError as error:  # a database URI whose driver is not installed (postgresql:// without psycopg)
+        return fail(
+            PROG,
+            f"cannot read the tracking store {uri}: its database driver is not installed ({error}); install the "
+            "driver SQLAlchemy names for it into .venv, or pass the URL of an MLflow server",
+        )
     except ValueError as error:
         return fail(PROG, error)
     kept.append(f"the report in {out_dir} is not complete; the same command writes it again")

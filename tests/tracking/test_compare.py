@@ -348,6 +348,18 @@ def test_a_report_name_of_dots_stays_inside_out(mlflow_uri, tmp_path, capsys):
     assert len(runs) == 3 and "report/index.html" in artifacts and "report/secret.txt" not in artifacts
 
 
+def test_a_database_uri_without_its_driver_is_one_line(tmp_path, capsys):
+    """`--tracking-uri postgresql://...` without psycopg installed: a ModuleNotFoundError traceback, exit 1."""
+    uri = "postgresql://user@127.0.0.1:1/mlflow"
+    assert main(["--tracking-uri", uri, "--out", str(tmp_path / "r"), "--no-mlflow"]) == 2
+    assert capsys.readouterr().err == (
+        f"python -m tracking.compare: error: cannot read the tracking store {uri}: its database driver is not "
+        "installed (No module named 'psycopg'); install the driver SQLAlchemy names for it into .venv, or pass the "
+        "URL of an MLflow server\n"
+    )
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_report_folder_that_is_a_file_is_one_line(mlflow_uri, tmp_path, capsys):
     """`<out>/<name>` a file (--out itself was checked, not the report's folder in it): a FileExistsError traceback,
     exit 1, after the whole store was read."""
