@@ -47,6 +47,7 @@ class ViTConfig:
     hybrid_width: int | float = 1  # ResNet width factor: int(64 * factor) root channels
     grad_checkpointing: bool = False  # recompute each block in backward
     in_chans: int = 3
+    layer_norm_eps: float = LN_EPS  # every LayerNorm's; an HF folder's own (theirs default to 1e-12)
 
     def __post_init__(self) -> None:
         if self.hybrid_stages is not None and not isinstance(self.hybrid_stages, tuple):
@@ -62,6 +63,9 @@ class ViTConfig:
                 raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ValueError(f"ViTConfig.num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
+        eps = self.layer_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise ValueError(f"ViTConfig.layer_norm_eps must be a number in (0, 1), e.g. 1e-6, got {eps!r}")
         if self.width % self.num_heads:
             raise ValueError(
                 f"ViTConfig.width={self.width} is not divisible by num_heads={self.num_heads}; "
@@ -225,9 +229,9 @@ class Block(nn.Module):
 
     def __init__(self, config: ViTConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.width, eps=LN_EPS)
+        self.norm1 = nn.LayerNorm(config.width, eps=config.layer_norm_eps)
         self.attn = Attention(config)
-        self.norm2 = nn.LayerNorm(config.width, eps=LN_EPS)
+        self.norm2 = nn.LayerNorm(config.width, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, queries: int | None = None) -> torch.Tensor:
@@ -277,7 +281,7 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_prefix + config.num_patches, D))
         self.pos_drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
-        self.norm = nn.LayerNorm(D, eps=LN_EPS)
+        self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps)
         self.grad_checkpointing = config.grad_checkpointing
         self._build_head(config.num_classes, config.representation_size, config.head_bias_init)
         if not self.pos_embed.is_meta:  # meta `normal_` would import torch._dynamo

@@ -23,7 +23,7 @@ from data_pipeline.manifest import read_dataset_info
 from data_pipeline.paths import replace_atomically, write_text_atomically
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import CONFIG_YAML, WEIGHTS_FILE
-from pretrain.model.vit import VisionTransformer, ViTConfig
+from pretrain.model.vit import LN_EPS, VisionTransformer, ViTConfig
 from pretrain.weights.hf import config_from_hf_dict, hf_config_dict, state_dict_from_hf, to_hf_state_dict
 from pretrain.weights.source import HF_CONFIG
 
@@ -157,6 +157,11 @@ def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
             "gelu_approximate='none' (exact erf GELU) cannot be expressed in the official .npz layout: the official "
             "code computes Flax's nn.gelu, the tanh form, and the file has no field to say otherwise; export it with "
             "--format hf (HF's hidden_act='gelu' is the exact form)"
+        )
+    if config.layer_norm_eps != LN_EPS:
+        raise ValueError(
+            f"layer_norm_eps={config.layer_norm_eps:g} (an HF folder's) cannot be expressed in the official .npz "
+            f"layout, whose LayerNorms are Flax's eps {LN_EPS:g}; export it with --format hf, which keeps it"
         )
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     D, heads = config.width, config.num_heads

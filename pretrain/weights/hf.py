@@ -11,10 +11,11 @@ import re
 
 import torch
 
-from pretrain.model.vit import LN_EPS, VisionTransformer, ViTConfig
+from pretrain.model.vit import VisionTransformer, ViTConfig
 
 _GELU_TO_HF = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 _GELU_FROM_HF = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
+HF_LN_EPS = 1e-12  # transformers.ViTConfig's default layer_norm_eps, for a config.json without one
 
 # ours → HF's
 _TOP_KEYS = {
@@ -90,7 +91,7 @@ def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None
         "hidden_dropout_prob": config.dropout,
         "attention_probs_dropout_prob": config.attention_dropout,
         "initializer_range": 0.02,
-        "layer_norm_eps": LN_EPS,
+        "layer_norm_eps": config.layer_norm_eps,
         "image_size": config.image_size,
         "patch_size": config.patch_size,
         "num_channels": config.in_chans,
@@ -147,6 +148,7 @@ def config_from_hf_dict(hf: dict) -> ViTConfig:
         dropout=hf.get("hidden_dropout_prob", 0.0),
         attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
         in_chans=hf.get("num_channels", 3),
+        layer_norm_eps=hf.get("layer_norm_eps", HF_LN_EPS),
     )
 
 

@@ -410,6 +410,33 @@ def test_hf_parity_hf_to_ours_both_layouts():
         assert torch.equal(again(images), model(images))
 
 
+def test_an_hf_folder_keeps_its_layer_norm_eps(tmp_path, capsys):
+    """HF's ViT defaults to LayerNorm eps 1e-12 (so do the Hub's ViT configs); every HF folder was read at Flax's
+    1e-6, its logits off by ~1e-5 relative where activations are large, and exported again as 1e-6."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    shape = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=96, image_size=24)
+    config = transformers.ViTConfig(**shape, patch_size=6, num_labels=4, hidden_act="gelu_pytorch_tanh")
+    assert config.layer_norm_eps == 1e-12  # left at HF's default, as in a folder from the Hub
+    hf = transformers.ViTForImageClassification(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(3 if p.ndim > 1 else 1)  # activations of a trained model's size, where eps shows
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_model(tmp_path / "hf").eval()
+    assert model.config.layer_norm_eps == 1e-12
+    images = torch.rand(4, 3, 24, 24) * 2 - 1
+    with torch.no_grad():
+        theirs = hf(pixel_values=images).logits
+        assert (model(images) - theirs).abs().max() / theirs.abs().max() <= 1e-6
+    assert main(["export", str(tmp_path / "hf"), str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["layer_norm_eps"] == 1e-12
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "hf"), str(tmp_path / "flax.npz"), "--format", "npz"]) == 2
+    assert "layer_norm_eps=1e-12 (an HF folder's) cannot be expressed in the official .npz" in capsys.readouterr().err
+    assert not (tmp_path / "flax.npz").exists()
+
+
 def test_hf_export_refuses_what_hf_cannot_express():
     with pytest.raises(ValueError, match="pool='gap'"):
         to_hf_state_dict(build_model("vit_tiny_debug", pool="gap"))
