@@ -26,6 +26,11 @@ from pretrain.model.resnet import ResNetStem, check_width_factor, stem_stride
 LN_EPS = 1e-6  # Flax's default; torch's 1e-5 changes official checkpoints' logits
 
 
+def _is_real(value) -> bool:
+    """An int or float, not a bool (JSON's `true` is Python's True, an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class ViTConfig:
     """The architecture; saved as `model.json`."""
@@ -61,10 +66,10 @@ class ViTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.num_classes, int) or self.num_classes < 0:
+        if not isinstance(self.num_classes, int) or isinstance(self.num_classes, bool) or self.num_classes < 0:
             raise ValueError(f"ViTConfig.num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
         eps = self.layer_norm_eps
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        if not _is_real(eps) or not 0 < eps < 1:
             raise ValueError(f"ViTConfig.layer_norm_eps must be a number in (0, 1), e.g. 1e-6, got {eps!r}")
         if self.width % self.num_heads:
             raise ValueError(
@@ -75,13 +80,15 @@ class ViTConfig:
             raise ValueError(f"ViTConfig.pool must be 'token' or 'gap', got {self.pool!r}")
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"ViTConfig.gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
-        if self.representation_size is not None and self.representation_size < 1:
+        size = self.representation_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(
-                "ViTConfig.representation_size must be >= 1, or absent for no pre-logits layer; "
-                f"got {self.representation_size}"
+                f"ViTConfig.representation_size must be an int >= 1, or absent for no pre-logits layer; got {size!r}"
             )
+        if not _is_real(self.head_bias_init) or not math.isfinite(self.head_bias_init):
+            raise ValueError(f"ViTConfig.head_bias_init must be a finite number, got {self.head_bias_init!r}")
         for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
+            if not _is_real(getattr(self, name)) or not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ViTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.hybrid_stages is not None and any(s < 1 for s in self.hybrid_stages):
             raise ValueError(

@@ -117,7 +117,7 @@ BAD = [
     (["loss.type=softmax_xent", "loss.label_smoothing=1.0"], r"loss\.label_smoothing=1\.0 must be in \[0, 1\)"),
     # The ViT's own checks, named by the recipe key that set the field.
     (["model.dropout=1.0"], r"valid vit_tiny_debug: model\.dropout must be in \[0, 1\), got 1\.0"),
-    (["model.representation_size=0"], r"model\.representation_size must be >= 1, or absent for no pre-logits"),
+    (["model.representation_size=0"], r"model\.representation_size must be an int >= 1, or absent for no pre-logits"),
     (["model.representation_size=None"], r"model\.representation_size='None' is a string to YAML; write null"),
     (["model.num_classes=-1"], r"valid vit_tiny_debug: model\.num_classes must be an int >= 0"),
     (

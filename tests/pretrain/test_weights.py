@@ -468,8 +468,12 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     _write(tmp / "incomplete.npz", incomplete)
     tiny = build_model("vit_tiny_debug")
     save_pretrained(tiny, tmp / "saved")
-    for name in ("bad_header", "bad_json", "json_list", "bad_width", "no_config", "wrong_model"):
+    mistyped = {"float_pre_logits": {"representation_size": 24.0}, "bool_classes": {"num_classes": True}}
+    mistyped["text_bias"] = {"head_bias_init": "x"}
+    for name in ("bad_header", "bad_json", "json_list", "bad_width", "no_config", "wrong_model", *mistyped):
         save_pretrained(tiny, tmp / name)
+    for name, field in mistyped.items():  # a hand-edited model.json: tracebacks from nn.Linear / nn.init before
+        (tmp / name / "model.json").write_text(json.dumps({**tiny.config.to_dict(), **field}))
     (tmp / "bad_header" / "model.safetensors").write_bytes(b"\xff" * 8 + b"{not a header")
     (tmp / "bare.safetensors").write_bytes((tmp / "saved" / "model.safetensors").read_bytes())
     (tmp / "bad_json" / "model.json").write_text("{'width': 64,")
@@ -508,6 +512,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "config_a_list": (info("json_list"), r"json_list/model.json .* it holds a JSON list"),
         "config_bad_width": (info("bad_width"), r"bad_width/model.json .*hybrid_width=0.75 gives .* 48 channels"),
         "no_config": (info("no_config"), r"no_config has no model.json"),
+        "config_float_pre_logits": (info("float_pre_logits"), r"representation_size must be an int >= 1.* got 24.0"),
+        "config_bool_classes": (info("bool_classes"), r"num_classes must be an int >= 0 \(0 = no head\), got True"),
+        "config_text_bias": (info("text_bias"), r"head_bias_init must be a finite number, got 'x'"),
         "weights_of_another_model": (
             info("wrong_model"),
             r"wrong_model do not fit the model their config describes: missing \['blocks.4.*and \d+ more",
