@@ -123,13 +123,17 @@ def failure_message(failure: WriteFailure, staging: Path, written_bytes: int) ->
     else:
         need = f"a checkpoint needs more than {_mb(written_bytes)} (what was written before the failure)"
         kept = "no earlier checkpoint exists"
+    said = f"writing {failure.path} (rank {failure.rank}: {failure.error})"
+    if not failure.no_space:  # permissions, an I/O error, a mount gone: more space would not help
+        return (
+            f"checkpoint {final} was not saved: a write failed {said}; its partial files were removed and {kept}; "
+            f"make {staging.parent} writable again (its permissions, its mount)"
+        )
     free = _free_bytes(staging.parent)
     space = f"{staging.parent} has {_mb(free)} free" if free is not None else f"{staging.parent} is not readable"
-    what = "no space left on device" if failure.no_space else "a write failed"
     return (
-        f"checkpoint {final} was not saved: {what} writing {failure.path} (rank {failure.rank}: {failure.error}); "
-        f"{need} and {space} now; its partial files were removed and {kept}; free space (or lower "
-        "checkpoint.keep_last)"
+        f"checkpoint {final} was not saved: no space left on device {said}; {need} and {space} now; its partial "
+        f"files were removed and {kept}; free space (or lower checkpoint.keep_last)"
     )
 
 

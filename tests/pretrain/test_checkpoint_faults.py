@@ -179,6 +179,15 @@ def test_a_write_into_a_full_device_is_recorded_not_raised(tmp_path):
     assert "a checkpoint needs about 0.0 MB (the size of step_00000004)" in message
     assert f"{staging.parent} has " in message
     assert "the earlier checkpoints are intact (newest: step_00000004)" in message
+    assert message.endswith("; free space (or lower checkpoint.keep_last)")
+    # Any other failure (a permission, an I/O error) is not told to free space it has.
+    denied = dataclasses.replace(failure, no_space=False, error="PermissionError: [Errno 13] Permission denied")
+    message = failure_message(denied, staging, 1234)
+    assert message == (
+        f"checkpoint step_00000006 was not saved: a write failed writing {failure.path} (rank 1: PermissionError: "
+        "[Errno 13] Permission denied); its partial files were removed and the earlier checkpoints are intact "
+        f"(newest: step_00000004); make {staging.parent} writable again (its permissions, its mount)"
+    )
 
 
 def _trainer(config, step: int):
