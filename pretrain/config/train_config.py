@@ -245,6 +245,11 @@ def check_model(config: TrainConfig) -> ViTConfig:
     m = config.model
     if m.name not in MODEL_NAMES:
         raise ValueError(f"model.name={m.name!r} is unknown; set model.name to one of: {', '.join(MODEL_NAMES)}")
+    if m.num_classes is not None and m.num_classes < 1:  # ViTConfig's 0 (no head) trains nothing
+        raise ValueError(
+            f"model.num_classes={m.num_classes}: pre-training needs a head of at least one class; set it to the "
+            "training set's class count, or null to take it from the dataset"
+        )
     overrides = model_overrides(config, num_classes=m.num_classes or 1)
     try:
         return model_config(m.name, **overrides)

@@ -119,7 +119,9 @@ BAD = [
     (["model.dropout=1.0"], r"valid vit_tiny_debug: model\.dropout must be in \[0, 1\), got 1\.0"),
     (["model.representation_size=0"], r"model\.representation_size must be an int >= 1, or absent for no pre-logits"),
     (["model.representation_size=None"], r"model\.representation_size='None' is a string to YAML; write null"),
-    (["model.num_classes=-1"], r"valid vit_tiny_debug: model\.num_classes must be an int >= 0"),
+    (["model.num_classes=-1"], r"model\.num_classes=-1: pre-training needs a head of at least one class; set it to"),
+    # 0 passed the dry run (checked as 1) and was refused by the run, after DeepSpeed's start.
+    (["model.num_classes=0"], r"model\.num_classes=0: pre-training .* or null to take it from the dataset$"),
     (
         ["data.image_size=30"],
         r"valid vit_tiny_debug: data\.image_size=30 is not a multiple of the patch stride .*"
