@@ -59,8 +59,9 @@ def is_safe_member(name: str) -> bool:
     return bool(name) and not name.startswith(("/", "\\")) and ".." not in parts and ":" not in parts[0]
 
 
-def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
-    """Class names from a file of ``id<TAB>name`` lines, ``id name`` lines or names in label order."""
+def read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
+    """Class names from a file of ``id<TAB>name`` lines, ``id name`` lines or names in label order; ValueError for
+    ids that match no class, or a list of names of another length."""
     if path is None:
         return list(ids)
     try:
@@ -71,7 +72,7 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
         ) from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     known = set(ids)
-    numbered = not ids  # Parquet: the ids are the labels, and the file may name classes that hold no image
+    numbered = not ids  # Parquet, TFDS: the ids are the labels, and the file may name classes that hold no image
 
     def is_label(text: str) -> bool:
         return text.isascii() and text.isdigit()
@@ -80,6 +81,8 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
         pairs = [line.split("\t", 1) for line in lines]
     elif all(line.split(None, 1)[0] in known or numbered and is_label(line.split(None, 1)[0]) for line in lines):
         pairs = [line.split(None, 1) + [""] for line in lines]
+    elif not numbered and lines and all(len(line.split()) > 1 and is_label(line.split()[0]) for line in lines):
+        raise _unmatched(path, next(line.split()[0] for line in lines if line.split()[0] not in known), ids)
     else:
         pairs = None
     if pairs is not None:
@@ -88,14 +91,30 @@ def _read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
             if not all(is_label(key) for key in table):
                 raise ValueError(
                     f"class-name file {path}: ids such as {next(k for k in table if not is_label(k))!r} are not "
-                    "labels; a Parquet source's ids are its labels: give 'label name' lines or one name per line"
+                    "labels; this source's ids are its labels: give 'label name' lines or one name per line"
                 )
             table = {str(int(key)): name for key, name in table.items()}
             ids = [str(i) for i in range(max(map(int, table), default=-1) + 1)]
+        elif table and not known & table.keys():  # e.g. label-numbered lines for folders named by wnid
+            raise _unmatched(path, next(iter(table)), ids)
         return [table.get(i, i) for i in ids]
-    if ids and len(lines) < len(ids):
-        raise ValueError(f"class-name file {path} has {len(lines)} names but the source has {len(ids)} classes")
+    if ids and len(lines) != len(ids):
+        raise ValueError(
+            f"class-name file {path} has {len(lines)} names but the source has {len(ids)} classes; give one name "
+            "per class, in the order of its sorted ids, or 'id name' lines"
+        )
     return lines
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
+def _unmatched(path: str | Path, key: str, ids: list[str]) -> ValueError:
+    return ValueError(
+        f"class-name file {path}: ids such as {key!r} match no class of the source (its ids: {_listed(ids)}); key "
+        f"each line by a class's id ('{ids[0]} name' or '{ids[0]}<TAB>name') or give one name per line in that order"
+    )
 
 
 def _parquet_schema(file: Path) -> pa.Schema:
@@ -106,6 +125,26 @@ def _parquet_schema(file: Path) -> pa.Schema:
         raise ValueError(
             f"{file} is not a readable Parquet file ({error}); copy it again whole, or move it out of --source"
         ) from None
+
+
+def _holds_bytes(kind: pa.DataType) -> bool:
+    """Whether a column of ``kind`` holds encoded images: binary, or structs with a binary ``bytes`` field (HF)."""
+    if pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0:
+        kind = kind.field("bytes").type
+    binary = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view, pa.types.is_fixed_size_binary)
+    return any(is_type(kind) for is_type in binary)
+
+
+def _check_image_column(file: Path, schema: pa.Schema, column: str) -> None:
+    """ValueError unless ``column`` holds image bytes: paths or other values are not images the writer can read."""
+    kind = schema.field(column).type
+    if not _holds_bytes(kind):
+        candidates = [field.name for field in schema if _holds_bytes(field.type)]
+        raise ValueError(
+            f"{file}: image column '{column}' holds {kind} values, not encoded image bytes; name a column of image "
+            f"bytes (binary, or structs with a binary 'bytes' field) with --image-column (such columns here: "
+            f"{candidates or 'none'})"
+        )
 
 
 def _max_label(file: Path, column: str) -> int:
@@ -154,6 +193,28 @@ def _no_layout(root: Path) -> str:
     return f"--source {root} is empty: expected {layouts}"
 
 
+def _detect_kind(root: Path) -> str:
+    """The kind of collection ``root`` is; ValueError when it is none, or when class sub-folders lie beside .tar or
+    .parquet files: reading either would silently leave out the other's images."""
+    if root.is_file() and root.suffix == ".parquet":
+        return "parquet"
+    if not root.is_dir():
+        raise ValueError(_no_layout(root))
+    files = _visible(root, "*.parquet") or _visible(root, "*.tar")
+    folders = [p for p in _visible(root, "*") if p.is_dir() and p not in files]
+    if files and folders:
+        raise ValueError(
+            f"--source {root} holds both class sub-folders ({_listed([p.name for p in folders], 3)}) and "
+            f"{files[0].suffix} files ({_listed([p.name for p in files], 3)}); say which is the collection "
+            "with --kind folder, --kind imagenet21k (per-class .tar files) or --kind parquet, or move the others out"
+        )
+    if files:
+        return "parquet" if files[0].suffix == ".parquet" else "imagenet21k"
+    if folders:
+        return "folder"
+    raise ValueError(_no_layout(root))
+
+
 def open_source(
     path: str | Path,
     *,
@@ -168,20 +229,13 @@ def open_source(
     if not root.exists():
         raise ValueError(f"--source {root} does not exist")
     if kind == "auto":
-        if root.is_file() and root.suffix == ".parquet" or root.is_dir() and _visible(root, "*.parquet"):
-            kind = "parquet"
-        elif root.is_dir() and _visible(root, "*.tar"):
-            kind = "imagenet21k"
-        elif root.is_dir() and any(p.is_dir() for p in _visible(root, "*")):
-            kind = "folder"
-        else:
-            raise ValueError(_no_layout(root))
+        kind = _detect_kind(root)
     if kind in ("folder", "imagenet21k"):  # one class per sub-folder or .tar
         tar = kind == "imagenet21k"
         paths = _visible(root, "*.tar") if tar else [p for p in _visible(root, "*") if p.is_dir()]
         if not paths:
             raise ValueError(f"--source {root} has no per-class .tar files" if tar else _no_layout(root))
-        names = _read_class_names(class_names_file, [readable(p.stem if tar else p.name) for p in paths])
+        names = read_class_names(class_names_file, [readable(p.stem if tar else p.name) for p in paths])
         units = tuple(SourceUnit("tar" if tar else "folder", str(p), i) for i, p in enumerate(paths))
         return Source(kind, units, tuple(names))
     if kind == "parquet":
@@ -196,9 +250,10 @@ def open_source(
                     raise ValueError(
                         f"{f} has no column '{col}' (columns: {schema.names}); pass --image-column/--label-column"
                     )
+            _check_image_column(f, schema, image_column)
             max_label = max(max_label, _max_label(f, label_column))
         ids = [str(i) for i in range(max_label + 1)]
-        names = _read_class_names(class_names_file, [] if class_names_file else ids)
+        names = read_class_names(class_names_file, [] if class_names_file else ids)
         if len(names) <= max_label:
             raise ValueError(
                 f"label {max_label} in {root} is out of range for the {len(names)} names in {class_names_file}; "

@@ -625,3 +625,72 @@ def test_a_source_removed_whole_after_the_scan_is_one_error_line(tmp_path, monke
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "every source file was removed or changed since the scan" in err
     assert not (tmp_path / "out" / manifest.MANIFEST_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    ("images", "kind"),
+    [(["a.jpg", "b.jpg"], "string"), ([{"path": "a.jpg"}, {"path": "b.jpg"}], "struct<path: string>")],
+)
+def test_a_parquet_image_column_without_image_bytes_is_one_error_line(tmp_path, capsys, images, kind):
+    """Paths, or HF structs without their bytes, ended the scan in a TypeError or KeyError traceback."""
+    pq.write_table(pa.table({"image": images, "label": [0, 1], "jpg": [b"x", b"y"]}), tmp_path / "d.parquet")
+    argv = ["--source", str(tmp_path / "d.parquet"), "--out", str(tmp_path / "out"), "--processes", "1"]
+    assert write_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    said = f"error: {tmp_path / 'd.parquet'}: image column 'image' holds {kind} values, not encoded image bytes"
+    assert said in err and "--image-column (such columns here: ['jpg'])" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def class_folders(root: Path, names: list[str]) -> Path:
+    """``root`` with one image in each class sub-folder."""
+    for c, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        (root / name / "a.jpg").write_bytes(encoded(smooth_image(300 + c)))
+    return root
+
+
+@pytest.mark.parametrize("lines", ["0\tKatze\n1\tHund\n2\tAal\n", "0 Katze\n1 Hund\n2 Aal\n", "n01\ttench\n"])
+def test_class_names_keyed_by_ids_no_class_has_are_refused(tmp_path, lines):
+    """'id<TAB>name' lines naming no folder were ignored (the folder names kept), and 'id name' lines keyed by label
+    became the names "0 Katze", ... without a word."""
+    source = class_folders(tmp_path / "src", ["cat", "dog", "eel"])
+    (tmp_path / "names.txt").write_text(lines)
+    match = r"names.txt: ids such as '(0|n01)' match no class of the source \(its ids: cat, dog, eel\); key each"
+    with pytest.raises(ValueError, match=match):
+        open_source(source, class_names_file=tmp_path / "names.txt")
+    (tmp_path / "names.txt").write_text("eel\tAal\ncat\tKatze\nzebra\tZebra\n")  # a map of more classes: still read
+    assert open_source(source, class_names_file=tmp_path / "names.txt").class_names == ("Katze", "dog", "Aal")
+
+
+@pytest.mark.parametrize("kind", ["folder", "tars"])
+def test_a_plain_class_name_list_of_another_length_is_refused(tmp_path, kind):
+    """A list longer than the classes was taken, its first names given to the classes in order."""
+    if kind == "tars":
+        source = class_tars(tmp_path / "src", ["n01", "n02", "n03"], per_class=1)
+    else:
+        source = class_folders(tmp_path / "src", ["cat", "dog", "eel"])
+    for names in ("tench\ngoldfish\nshark\nray\n", "tench\ngoldfish\n"):
+        (tmp_path / "names.txt").write_text(names)
+        count = names.count("\n")
+        with pytest.raises(ValueError, match=f"names.txt has {count} names but the source has 3 classes; give one"):
+            open_source(source, class_names_file=tmp_path / "names.txt")
+    (tmp_path / "names.txt").write_text("tench\ngoldfish\nshark\n")
+    assert open_source(source, class_names_file=tmp_path / "names.txt").class_names == ("tench", "goldfish", "shark")
+
+
+@pytest.mark.parametrize("stray", ["backup.tar", "meta.parquet"])
+def test_class_folders_beside_a_tar_or_parquet_file_ask_for_kind(tmp_path, capsys, stray):
+    """A stray .tar or .parquet beside the class folders was read as the whole source, the folders' images dropped."""
+    source = class_folders(tmp_path / "src", ["cat", "dog"])
+    if stray.endswith(".tar"):
+        (source / stray).write_bytes((class_tars(tmp_path / "tars", ["backup"], per_class=1) / stray).read_bytes())
+    else:
+        pq.write_table(pa.table({"image": [encoded(smooth_image(0))], "label": [0]}), source / stray)
+    argv = ["--source", str(source), "--out", str(tmp_path / "out"), "--processes", "1"]
+    assert write_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--source {source} holds both class sub-folders (cat, dog) and {Path(stray).suffix} files ({stray})" in err
+    assert "--kind folder, --kind imagenet21k (per-class .tar files) or --kind parquet" in err and err.count("\n") == 1
+    assert write_cli.main([*argv, "--kind", "folder"]) == 0
+    assert "wrote 2 in" in capsys.readouterr().out
