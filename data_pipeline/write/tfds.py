@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_pipeline.write.readers import ItemRef, Source, SourceUnit
+from data_pipeline.write.readers import ItemRef, Source, SourceUnit, read_class_names
 from data_pipeline.write.tfrecord import ExampleError, FeatureValues, count_records, decode_example, scan_records
 from data_pipeline.write.vtab_tfds import (
     LABEL_FEATURES,
@@ -133,9 +133,11 @@ def _supervised(info: dict) -> tuple[str, str] | None:
 
 
 def _split_files(root: Path, name: str, split: str, lengths: list[int] | None) -> tuple[list[Path], list[int]]:
+    """A split's files and their record counts; no files (a split left out of a copy) are refused by `_units` only
+    where the split is read."""
     files = sorted(root.glob(f"{name}-{split}.tfrecord-*")) or sorted(root.glob(f"*-{split}.tfrecord-*"))
     if not files:
-        raise _not_tfds(root, f"no {name}-{split}.tfrecord-* files for split {split!r}")
+        return [], lengths or []
     if lengths is None:  # an old dataset_info.json
         lengths = [count_records(f) for f in files]
     if len(files) != len(lengths):
@@ -202,6 +204,8 @@ def resolve_split(expression: str, sizes: dict[str, int]) -> list[tuple[str, int
 def _units(folder: TfdsFolder, parts: list[tuple[str, int, int]]) -> tuple[TfdsUnit, ...]:
     units = []
     for split, start, stop in parts:
+        if not folder.files[split]:
+            raise _not_tfds(folder.path, f"no {folder.name}-{split}.tfrecord-* files for split {split!r}")
         first = 0
         for file, length in zip(folder.files[split], folder.shard_lengths[split]):
             lo, hi = max(start, first), min(stop, first + length)
@@ -236,7 +240,15 @@ def _class_names(folder: TfdsFolder, label: str, names_file: str | None) -> list
             f"with --label-column (ClassLabel features here: {labels or 'none'}) or pick a task with --vtab"
         )
     count = feature["num_classes"]
-    file = Path(names_file) if names_file else folder.path / f"{label.replace('/', '-')}.labels.txt"
+    if names_file:  # given: it must fit, as for every other source
+        names = read_class_names(names_file, [])
+        if len(names) != count:
+            raise ValueError(
+                f"--class-names {names_file} names {len(names)} classes but {label!r} in {folder.path} has {count}; "
+                f"give {count} names, one per line in label order, or 'label name' lines for labels 0..{count - 1}"
+            )
+        return names
+    file = folder.path / f"{label.replace('/', '-')}.labels.txt"  # the folder's own: used where it fits
     names = [line.strip() for line in file.read_text().splitlines() if line.strip()] if file.is_file() else []
     return names if len(names) == count else [str(i) for i in range(count)]
 

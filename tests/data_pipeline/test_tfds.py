@@ -384,3 +384,45 @@ def test_older_tfds_metadata_is_read(toy, tmp_path, capsys):
     rows = pq.read_table(out / "samples.parquet").to_pylist()
     assert sorted(r["source"] for r in rows) == ["test[1]", "test[2]", "test[3]", "test[4]"]
     assert all(r["label"] == records["test"][int(r["source"][5:-1])]["label"][0] for r in rows)
+
+
+def test_class_names_given_for_a_tfds_folder_are_read_as_for_other_sources_and_must_fit(toy, tmp_path, capsys):
+    """A --class-names file of another count was ignored (the names "0", "1", ... written), and 'label name' lines
+    became the names "0 Katze", ...; the folder's own label.labels.txt still gives way quietly where it does not fit."""
+    folder, _ = toy
+    names = tmp_path / "names.txt"
+    argv = ["--source", f"tfds:{folder}", "--split", "test", "--class-names", str(names)]
+    for lines, count in (
+        ("Katze\nHund\n", 2),
+        ("0 Katze\n1 Hund\n2 Vogel\n3 Aal\n", 4),
+        ("1 Hund\n2 Vogel\n3 Aal\n", 4),
+    ):
+        names.write_text(lines)
+        code, _, err = run([*argv, "--out", str(tmp_path / "refused")], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"--class-names {names} names {count} classes but 'label' in {folder} has 3; give 3 names" in err
+    for i, lines in enumerate(("0 Katze\n1 Hund\n2 Vogel\n", "2\tVogel\n0\tKatze\n1\tHund\n", "Katze\nHund\nVogel\n")):
+        names.write_text(lines)
+        out = tmp_path / f"out{i}"
+        code, _, err = run([*argv, "--out", str(out)], capsys)
+        assert code == 0, err
+        assert pq.read_table(out / "classes.parquet").column("name").to_pylist() == ["Katze", "Hund", "Vogel"]
+    (folder / "label.labels.txt").write_text("cat\ndog\n")
+    code, _, err = run(["--source", f"tfds:{folder}", "--split", "test", "--out", str(tmp_path / "own")], capsys)
+    assert code == 0, err
+    assert pq.read_table(tmp_path / "own" / "classes.parquet").column("name").to_pylist() == ["0", "1", "2"]
+
+
+def test_a_tfds_folder_needs_the_files_of_the_splits_it_is_read_for_only(toy, tmp_path, capsys):
+    """A copy holding only the test split's files was refused for --split test: "no toy-train.tfrecord-* files"."""
+    folder, _ = toy
+    for file in folder.glob("toy-train.tfrecord-*"):
+        file.unlink()
+    code, stdout, err = run(["--source", f"tfds:{folder}", "--split", "test", "--out", str(tmp_path / "test")], capsys)
+    assert code == 0, err
+    assert "wrote 5 in" in stdout
+    for split in (["--split", "train"], ["--tfds-split", "test+train[:2]"]):
+        code, _, err = run(["--source", f"tfds:{folder}", *split, "--out", str(tmp_path / "train")], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert "is not a TFDS dataset folder (no toy-train.tfrecord-* files for split 'train')" in err
+    assert not (tmp_path / "train").exists()
