@@ -21,6 +21,7 @@ from PIL import Image
 from data_pipeline import manifest
 from data_pipeline import validate as validate_cli
 from data_pipeline.manifest import TIMM_INFO_FILE, WIDS_INDEX_FILE, read_dataset_info
+from data_pipeline.paths import PROJECT_ROOT
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
 
@@ -125,6 +126,19 @@ def test_validate_checks_the_indexes(folder, capsys):
     assert not report.ok and len(report.problems) == 2
     assert any("shardindex.json does not parse" in p for p in report.problems)
     assert any(p.startswith("_info.json lists the shards") for p in report.problems)
+
+
+def test_write_index_takes_a_relative_folder_from_the_current_directory(folder, tmp_path, monkeypatch, capsys):
+    """--write-index took a relative folder from the project root, the check after it from the current directory:
+    the command validate recommends failed, or wrote into a same-named folder under the project root."""
+    originals = {n: (folder / n).read_bytes() for n in (WIDS_INDEX_FILE, TIMM_INFO_FILE)}
+    for name in originals:
+        (folder / name).unlink()
+    monkeypatch.chdir(tmp_path)
+    assert validate_cli.main(["set/train", "--write-index"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert {n: (folder / n).read_bytes() for n in originals} == originals
+    assert not (PROJECT_ROOT / "set" / "train").exists()
 
 
 def test_write_metadata_callers_without_names_get_folder_names(tmp_path):
