@@ -134,6 +134,26 @@ def _incomplete(root: str, missing: str) -> ShardFormatError:
     )
 
 
+def _split_folders(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The sub-folders of ``path`` that hold a ``dataset.json``: the split folders of a dataset's folder."""
+    try:
+        folders = [e["name"].rstrip("/") for e in fs.ls(path, detail=True) if e["type"] == "directory"]
+        return sorted(posixpath.basename(f) for f in folders if _exists(fs, posixpath.join(f, DATASET_FILE)))
+    except OSError:  # only to word the error better: the caller's "no dataset.json" still holds
+        return []
+
+
+def _not_split_folder(root: str, fs: fsspec.AbstractFileSystem, path: str) -> ShardFormatError:
+    """The error for a folder without ``dataset.json``: a dataset's folder of split folders, or an unfinished one."""
+    splits = _split_folders(fs, path)
+    if not splits:
+        return _incomplete(root, DATASET_FILE)
+    return ShardFormatError(
+        f"{root} holds the split folders {', '.join(splits)} of a dataset, not shards; give one of them, "
+        f"e.g. {join_url(root, splits[0])}"
+    )
+
+
 def _damaged(root: str, name: str, error: Exception) -> ShardFormatError:
     return ShardFormatError(
         f"{join_url(root, name)} is damaged ({type(error).__name__}: {error}); rewrite the folder with "
@@ -170,9 +190,10 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
             f"{root} is not a shard folder (it does not exist); write one with "
             "`python -m data_pipeline.write --source ... --out DIR` or `python -m data_pipeline.builtin NAME --out DIR`"
         )
-    for required in (DATASET_FILE, MANIFEST_FILE):
-        if not _exists(fs, posixpath.join(path, required)):
-            raise _incomplete(root, required)
+    if not _exists(fs, posixpath.join(path, DATASET_FILE)):
+        raise _not_split_folder(root, fs, path)
+    if not _exists(fs, posixpath.join(path, MANIFEST_FILE)):
+        raise _incomplete(root, MANIFEST_FILE)
     meta = read_dataset_json(root)
     if meta is None:
         raise _incomplete(root, DATASET_FILE)

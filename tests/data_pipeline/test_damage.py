@@ -213,6 +213,21 @@ def test_missing_manifest_is_a_clear_error(tmp_path, capsys):
         read_dataset_info(tmp_path / "nowhere")
 
 
+def test_validate_of_a_dataset_folder_names_its_split_folders(tmp_path, capsys):
+    """A dataset's folder (data/digits, holding train/ and test/) was called an interrupted write to run again."""
+    for split in ("train", "test"):
+        make_shards(tmp_path / "digits" / split, sizes=[2])
+    (tmp_path / "digits" / "notes").mkdir()
+    assert validate_cli.main([str(tmp_path / "digits")]) == 2
+    said = (
+        f"{tmp_path / 'digits'} holds the split folders test, train of a dataset, not shards; give one of them, "
+        f"e.g. {tmp_path / 'digits' / 'test'}"
+    )
+    assert capsys.readouterr().err == f"python -m data_pipeline.validate: error: {said}\n"
+    with pytest.raises(ShardFormatError, match="has no dataset.json: it is not a complete shard folder"):
+        read_dataset_info(tmp_path / "digits" / "notes")
+
+
 def test_validate_passes_an_intact_folder(tmp_path, capsys):
     root = make_shards(tmp_path / "ok")
     assert validate_cli.main([str(root), "--full"]) == 0
