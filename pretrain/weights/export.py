@@ -74,11 +74,27 @@ def check_npz_out(out: Path, source: Path) -> None:
         check_folder_out(out, (NPZ_NAME,), source)
     path = npz_path(out)
     _check_not_source(path, source)
+    if _mixes_with_checkpoints(path.parent, source):
+        raise ValueError(
+            f"OUT {path} would be a stray file in {path.parent} (SOURCE, a checkpoint or a run's checkpoints/, "
+            "whose retention deletes it with the checkpoint); pass a path outside it"
+        )
     if path.exists() and not _is_npz(path):
         raise ValueError(
             f"OUT {path} exists and is not an .npz archive, so it is not replaced; pass a new file path, or a folder "
             f"(it gets {NPZ_NAME})"
         )
+
+
+def _mixes_with_checkpoints(folder: Path, source: Path) -> bool:
+    """Whether a file put in ``folder`` would lie in SOURCE, in a checkpoint (deleted whole by retention) or among
+    the checkpoints of a run."""
+    if not folder.is_dir():
+        return False
+    if source.is_dir() and folder.samefile(source) or run_folder.looks_like_checkpoint(folder):
+        return True
+    steps = (run_folder.parse_step(p.name) is not None for p in folder.iterdir())
+    return folder.name == run_folder.CHECKPOINTS and any(steps)
 
 
 def _check_not_source(out: Path, source: Path | None) -> None:

@@ -298,6 +298,10 @@ def test_npz_export_never_puts_its_file_into_a_checkpoint_run_or_source_folder(t
         tmp_path / "run": r"run holds checkpoints, .*pass a new or empty folder",
         tmp_path / "run" / "checkpoints": r"checkpoints holds step_00000002, .*pass a new or empty folder",
     }
+    # A file path there too: the checkpoint (SOURCE) and the run's checkpoints/; the run's own folder is not deleted.
+    stray = r"model.npz would be a stray file in \S*{} \(SOURCE, a checkpoint or a run's checkpoints/"
+    cases[newest / "model.npz"] = stray.format("step_00000002")
+    cases[tmp_path / "run" / "checkpoints" / "w.npz"] = stray.replace("model", "w").format("checkpoints")
     for out, expected in cases.items():
         assert _export(newest, out, "--format", "npz") == 2, out
         _one_error_line(capsys, expected)
