@@ -111,6 +111,8 @@ def check_config(ds: DeepSpeedConfig) -> None:
             "fp32 master weights or fp32 gradient accumulation; use zero_stage=1 (its only cost over plain data "
             "parallelism is the partitioned optimizer state) or precision=fp32"
         )
+    if ds.precision == "fp32":  # auto decides at the start, where `reduction_dtype` asks again
+        reduction_dtype(ds, "fp32")
     positive(ds.reduce_bucket_size, "deepspeed.reduce_bucket_size")
     positive(ds.allgather_bucket_size, "deepspeed.allgather_bucket_size")
     positive(ds.timeout_minutes, "deepspeed.timeout_minutes")

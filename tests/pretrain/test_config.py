@@ -102,6 +102,11 @@ BAD = [
     (["data.builtin_options.background_ramp=257"], r"data\.builtin_options: background_ramp=257 is out of range"),
     (["data.builtin_options.class_offset=51"], r"data\.builtin_options: class_offset=51 is out of range"),
     (["checkpoint.every_steps=0"], r"checkpoint\.every_steps=0 must be > 0"),
+    # passed `pretrain.train --dry-run`, refused by the run at its engine's build
+    (
+        ["deepspeed.precision=fp32", "deepspeed.communication_data_type=bf16"],
+        r"deepspeed\.communication_data_type=bf16 with fp32 training rounds every gradient to bf16",
+    ),
     # passed, then every rank's first step failed after the whole start: "error: expected non-negative integer"
     # from numpy's SeedSequence (`model_randomness`), naming no field
     (["seed=-1"], r"seed=-1 must be an integer in \[0, 2\*\*32\), e\.g\. seed=0"),
