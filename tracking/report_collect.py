@@ -150,7 +150,11 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
     if fewshot and flops:
         fewshot_curve = tuple((_interp(step, flops), value, step) for step, value in fewshot if step > 0)
 
-    finetune = {m.group(1): v for k, v in metrics.items() if (m := _FINETUNE_KEY.match(k)) and is_finite(v)}
+    # The datasets fine-tuned at the newest step that has any: each key's latest value may be another checkpoint's.
+    tuned = {m.group(1): _history(client, info.run_id, k) for k in metrics if (m := _FINETUNE_KEY.match(k))}
+    finetune_step = max((h[-1][0] for h in tuned.values() if h), default=None)
+    finetune = {name: dict(h)[finetune_step] for name, h in tuned.items() if finetune_step in dict(h)}
+    untuned = sorted(name for name, h in tuned.items() if h and name not in finetune)
     # The task counts of the step whose mean is shown: a later eval that covered no task logs counts but no mean.
     vtab = _history(client, info.run_id, keys.VTAB_MEAN)
     counts = {k: dict(_history(client, info.run_id, k)) for k in (keys.VTAB_NUM_TASKS, keys.VTAB_NUM_TASKS_EXPECTED)}
@@ -182,6 +186,11 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
             notes.append(f"no step-0 {keys.FEWSHOT_MEAN_10SHOT} (evals.baseline off, or a run from before it): no gain")
         if vtab_count is not None and vtab_expected is not None and vtab_count < vtab_expected:
             notes.append(f"VTAB mean covers {int(vtab_count)} of {int(vtab_expected)} tasks")
+        if untuned:
+            notes.append(
+                f"fine-tune at step {finetune_step} has no {', '.join(untuned)} (scored at earlier steps): the "
+                f"column is the mean of that step's {len(finetune)}"
+            )
         if unscored:
             notes.append(f"VTAB at step {max(unscored)} scored no task: the VTAB column is step {vtab_step}'s")
     return RunSummary(

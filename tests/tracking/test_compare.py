@@ -213,7 +213,15 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     for step, logged in vtab.items():
         for key, value in {**logged, keys.VTAB_NUM_TASKS_EXPECTED: 19}.items():
             _client(uri).log_metric(named, key, value, step=step)
+    # Fine-tuned on two datasets at step 4, on one at step 8: the column is step 8's, not a mix of both steps.
+    tuned = {4: {"digits": 0.5, "dsprites_loc": 0.9}, 8: {"digits": 0.7}}
+    for step, accuracies in tuned.items():
+        for dataset, value in accuracies.items():
+            _client(uri).log_metric(named, keys.finetune_accuracy(dataset), value, step=step)
     runs = {r.run_name: r for r in collect(_client(uri), uri, run_ids=(named, running)).runs}
+    assert (runs["named"].finetune_accuracy, runs["named"].finetune_datasets) == (0.7, ("digits",))
+    said = "fine-tune at step 8 has no dsprites_loc (scored at earlier steps): the column is the mean of that step's 1"
+    assert said in runs["named"].notes
     assert (runs["named"].vtab_mean, runs["named"].vtab_num_tasks, runs["named"].vtab_num_tasks_expected) == (
         0.6,
         2,
