@@ -118,6 +118,19 @@ def test_a_finetune_grid_that_diverges_at_every_lr_is_one_line(eval_data_root, c
     )
 
 
+def test_a_database_uri_without_its_driver_is_refused_before_any_work(checkpoint, tmp_path, capsys):
+    """`--tracking-uri postgresql://...` without psycopg was taken for a server that is down: the whole suite ran,
+    then the command exited 1 saying MLflow was not reached."""
+    uri, out = "postgresql://user@127.0.0.1:1/mlflow", tmp_path / "out"
+    argv = ["--checkpoint", str(checkpoint), "--suite", "local_fewshot", "--out", str(out)]
+    assert main([*argv, "--mlflow-run-id", "abc", "--tracking-uri", uri]) == 2
+    assert capsys.readouterr().err == (
+        f"python -m evals.run: error: cannot read the MLflow store {uri}: its database driver is not installed (No "
+        "module named 'psycopg'); install the driver SQLAlchemy names for it, or pass the URL of an MLflow server\n"
+    )
+    assert not out.exists()
+
+
 def test_a_default_output_folder_that_cannot_be_made_is_refused_before_any_work(checkpoint, tmp_path, capsys):
     """Without --out the table goes to evals/ inside the weights folder. Where that cannot be made (a link to a disk
     that is gone here; a read-only share of weights alike) the whole suite ran first and then ended in a bare
