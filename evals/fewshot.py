@@ -203,6 +203,12 @@ class FewshotOptions:
             raise ValueError(f"shots must be a non-empty list of positive integers; got {list(self.shots)}")
         if not self.seeds:
             raise ValueError("'seeds' is empty; use e.g. [0, 1, 2]")
+        for name in ("datasets", "shots", "seeds"):  # a repeat is counted twice: a seed in the ± as if independent
+            values = list(getattr(self, name))
+            if len(set(values)) < len(values):
+                raise ValueError(
+                    f"{name} {values} repeats {next(v for v in values if values.count(v) > 1)!r}; list each once"
+                )
         check_sizes(self)
         if not self.l2_sweep:
             _check_l2(self.l2_reg)

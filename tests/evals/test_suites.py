@@ -44,6 +44,9 @@ FEWSHOT = "  - type: fewshot\n    datasets: [digits]\n"
         (FEWSHOT + "    shots: [1, five]\n", r"evaluators\[0\]\.shots\[1\] must be an integer, got 'five'"),
         (FEWSHOT + "    shots: [0, 5]\n", r"shots must be a non-empty list of positive integers; got \[0, 5\]"),
         (FEWSHOT + "    seeds: []\n", r"'seeds' is empty"),
+        # a repeated seed was counted as another independent subset: ± 0.0000 over n=2 for [0, 0]
+        (FEWSHOT + "    seeds: [0, 1, 0]\n", r"seeds \[0, 1, 0\] repeats 0; list each once"),
+        (FEWSHOT + "    shots: [5, 5]\n", r"shots \[5, 5\] repeats 5; list each once"),
         (FEWSHOT + "    batch_size: 0\n", r"batch_size must be >= 1"),
         ("  - type: vtab\n    tasks: [imagenet]\n", r"tasks \['imagenet'\] are not in benchmark 'vtab1k'"),
         ("  - type: vtab\n    benchmark: vtab2\n", r"unknown benchmark 'vtab2'"),
