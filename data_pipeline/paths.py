@@ -73,6 +73,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale")
 
 
+def local_path(path: str | Path) -> Path:
+    """A local path as a command line gives it: ``file://`` stripped, ``~`` expanded, relative to the current
+    directory (`resolve_path` takes a recipe's from the project root)."""
+    return Path(str(path).removeprefix("file://")).expanduser()
+
+
 def resolve_path(path: str | Path) -> Path:
     """A local path (``file://`` stripped, ``~`` expanded), relative paths taken from the project root."""
     text = str(path)

@@ -11,7 +11,6 @@ import posixpath
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -29,7 +28,7 @@ from data_pipeline.manifest import (
     read_dataset_info,
     rewrite_reader_indexes,
 )
-from data_pipeline.paths import is_remote
+from data_pipeline.paths import is_remote, local_path
 from data_pipeline.stream.shards import read_shard
 
 
@@ -136,17 +135,11 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
     return report
 
 
-def _local_folder(shard_dir: str) -> Path:
-    """A local ``shard_dir`` as `validate` (fsspec) reads it: ``file://`` stripped, ``~`` expanded, a relative path
-    from the current directory, as a command-line path is."""
-    return Path(shard_dir.removeprefix("file://")).expanduser()
-
-
 def _write_index(shard_dir: str) -> None:
     if is_remote(shard_dir):
         raise ShardFormatError(f"--write-index writes local folders only; {shard_dir} is a URL")
     try:
-        rewrite_reader_indexes(_local_folder(shard_dir))
+        rewrite_reader_indexes(local_path(shard_dir))
     except OSError as error:
         raise ShardFormatError(f"--write-index: cannot write into {shard_dir} ({error})") from None
 
@@ -166,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.spot < 0:
         p.error(f"--spot {args.spot}: give the number of samples to decode per shard (>= 0)")
     try:
-        if not is_remote(args.shard_dir) and _local_folder(args.shard_dir).is_file():
+        if not is_remote(args.shard_dir) and local_path(args.shard_dir).is_file():
             raise ShardFormatError(
                 f"{args.shard_dir} is a file, not a shard folder; give the folder that holds {DATASET_FILE} and "
                 "the shards"

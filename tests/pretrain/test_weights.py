@@ -548,6 +548,9 @@ def test_cli_bad_input_exits_2_with_one_message_and_no_traceback(tmp_path, capsy
     for run in ("run", "run/checkpoints"):  # a run folder: its newest COMPLETE checkpoint, as export and evals read it
         assert main(["info", str(tmp_path / run)]) == 0
         assert json.loads(capsys.readouterr().out)["config"]["width"] == 64
+    # A file:// URL, as data folders take it ("no file or folder at file:/..." before).
+    assert main(["info", f"file://{tmp_path / 'run'}"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["width"] == 64
 
 
 def test_the_clis_own_checks_print_one_line_without_a_usage_line(tmp_path, capsys):
