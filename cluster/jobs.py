@@ -420,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
         return _stop(profile)
     except (ValueError, RayUnreachableError) as exc:
         return fail(PROG, exc)
+    except (OSError, RuntimeError) as exc:  # the Jobs API answered its version, then failed a call (an HTTP error)
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        return fail(
+            PROG,
+            f"the Ray Jobs API of profile {args.cluster} failed a request: {reason}; check the head (its dashboard "
+            "log, `ray status` on it) and run the command again",
+        )
     except KeyboardInterrupt:
         return interrupted(PROG, f"`make status CLUSTER={args.cluster}` shows the jobs")
 

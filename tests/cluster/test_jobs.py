@@ -69,6 +69,43 @@ def test_unreachable_ray_address_says_how_to_start_the_cluster(monkeypatch, caps
 
 
 @pytest.mark.timeout(60)
+def test_a_jobs_api_that_fails_its_calls_is_one_line(monkeypatch, capsys):
+    """A head that answers its version, then fails the job list (a 500, a dropped connection): `make status`, `make
+    logs` and `make stop` ended in a RuntimeError or ConnectionError traceback, exit 1."""
+    import http.server
+
+    class Head(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/api/version"):
+                body = {"version": "4", "ray_version": "2.60.0", "ray_commit": "x", "session_name": "s"}
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(json.dumps(body).encode())
+            elif self.server.drop:
+                self.connection.close()
+            else:
+                self.send_response(500)
+                self.end_headers()
+                self.wfile.write(b"database locked")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Head)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{server.server_port}")
+    try:
+        for server.drop in (False, True):
+            for verb in ("status", "logs", "stop"):
+                assert jobs.main([verb, "--cluster", "a100x8"]) == 2
+                err = capsys.readouterr().err
+                assert err.startswith("python -m cluster.jobs: error: the Ray Jobs API of profile a100x8 failed a ")
+                assert err.count("\n") == 1 and ("500" in err or "aborted" in err.lower()), err
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_stop_names_the_run_folders_whose_courier_had_work_left(tmp_path):
     """`make stop` ends the local head and with it a job's MLflow courier (a detached actor there): each run folder
     still holding the courier's work file gets a line with the command that sends its records."""
