@@ -64,6 +64,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:
         done = nothing_left(spec.config)  # a finished run launched again: no Ray Train, no MLflow run
+        if done is None:
+            spec.config.data.ensure_builtin()  # a folder of other settings is refused before Ray and MLflow
     except ValueError as error:
         return fail(PROG, error)
     if done is not None:

@@ -277,6 +277,7 @@ def run_job(
     uri = spec.config.logging.mlflow_tracking_uri
     if not ray.is_initialized():
         ray.init(address=address or "auto")
+    spec.config.data.ensure_builtin()  # ranks never generate data; before the MLflow run, which a refusal would strand
     mlflow_run, config = open_tracking(spec)
     run_id = mlflow_run.ref
     cadence = eval_cadence(spec)
@@ -305,7 +306,6 @@ def run_job(
         run_dir=str(run_dir),
         resources=ev.node_resources,
     )
-    config.data.ensure_builtin()  # ranks never generate data
     trainer = _torch_trainer(spec, config, scheduler, cadence, clock.started)
     record = run_dir / RUN_RECORD  # the driver's Trackers spool there what MLflow did not take
     watchdog = Watchdog(run_dir, job_hang(spec), Tracker(uri, run_id, rank=0, record=record)).start()

@@ -151,3 +151,21 @@ def test_a_ray_job_that_reached_stop_at_step_stays_stopped_in_mlflow(tmp_path, m
     }
     statuses = {r.run_name: r.status for r in collect(client, mlflow_uri, experiment="ends").runs}
     assert statuses == {"stop": "STOPPED", "courier": "STOPPED", "end": "FINISHED"}
+
+
+def test_a_built_in_folder_of_other_settings_is_refused_before_ray_and_mlflow(tmp_path, capsys, monkeypatch):
+    """`python -m cluster.driver --cluster local` on a built-in set generated at other settings: the job created its
+    MLflow run and eval scheduler, then the folder's check raised a traceback, leaving the run RUNNING for good."""
+    from cluster.driver.__main__ import main
+    from data_pipeline.builtin import sets as builtin
+
+    data = tmp_path / "data"
+    builtin.ensure("rcdb", data, num_classes=4, images_per_class=8, val_per_class=1, samples_per_shard=2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sets = [f"data.train={data}/rcdb/train", f"evals.data_root={data}", f"checkpoint.dir={tmp_path / 'run'}"]
+    sets.append(f"logging.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    argv = ["--cluster", "local", "--recipe", "local_demo", "--run-name", "x"]
+    assert main([*argv, *(arg for s in sets for arg in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m cluster.driver: error: {data}/rcdb/train was generated with num_classes=4")
+    assert err.count("\n") == 1 and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "run").exists()
