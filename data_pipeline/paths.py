@@ -73,7 +73,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VITSCALE_CACHE") or Path.home() / ".cache" / "vitscale")
 
 
-def local_path(path: str | Path) -> Path:
+def command_line_path(path: str | Path) -> Path:
     """A local path as a command line gives it: ``file://`` stripped, ``~`` expanded, relative to the current
     directory (`resolve_path` takes a recipe's from the project root)."""
     return Path(str(path).removeprefix("file://")).expanduser()

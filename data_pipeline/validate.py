@@ -28,7 +28,7 @@ from data_pipeline.manifest import (
     read_dataset_info,
     rewrite_reader_indexes,
 )
-from data_pipeline.paths import is_remote, local_path
+from data_pipeline.paths import command_line_path, is_remote
 from data_pipeline.stream.shards import read_shard
 
 
@@ -139,7 +139,7 @@ def _write_index(shard_dir: str) -> None:
     if is_remote(shard_dir):
         raise ShardFormatError(f"--write-index writes local folders only; {shard_dir} is a URL")
     try:
-        rewrite_reader_indexes(local_path(shard_dir))
+        rewrite_reader_indexes(command_line_path(shard_dir))
     except OSError as error:
         raise ShardFormatError(f"--write-index: cannot write into {shard_dir} ({error})") from None
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.spot < 0:
         p.error(f"--spot {args.spot}: give the number of samples to decode per shard (>= 0)")
     try:
-        if not is_remote(args.shard_dir) and local_path(args.shard_dir).is_file():
+        if not is_remote(args.shard_dir) and command_line_path(args.shard_dir).is_file():
             raise ShardFormatError(
                 f"{args.shard_dir} is a file, not a shard folder; give the folder that holds {DATASET_FILE} and "
                 "the shards"

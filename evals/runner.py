@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from data_pipeline.paths import is_remote, local_path, replace_atomically
+from data_pipeline.paths import command_line_path, is_remote, replace_atomically
 from evals.evaluator import RESULT_COLUMNS, EvalContext, mlflow_metrics
 from evals.features import data_location
 from evals.finetune import FinetuneOptions, check_crop_padding
@@ -68,7 +68,7 @@ class NotDelivered(RuntimeError):
 def check_local_inputs(checkpoint: str | Path, suite: str | Path | None = None) -> None:
     """The checks that cost nothing, before a remote data root's or checkpoint's network: a local checkpoint that is
     not there, a suite that does not load (ValueError)."""
-    if not is_remote(checkpoint) and not local_path(checkpoint).exists():
+    if not is_remote(checkpoint) and not command_line_path(checkpoint).exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist; {ACCEPTED}")
     if suite is not None:
         load_suite(suite)
@@ -79,7 +79,7 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
     ``COMPLETE`` with verified checksums and has its own step; ``step`` is for weights without one (default 0)."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
-    if not is_remote(checkpoint) and not local_path(checkpoint).exists():
+    if not is_remote(checkpoint) and not command_line_path(checkpoint).exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist; {ACCEPTED}")
     try:
         path = weights_source.resolve(checkpoint)  # a run folder: its newest COMPLETE checkpoint, verified

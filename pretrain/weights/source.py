@@ -18,7 +18,7 @@ from pathlib import Path
 import fsspec
 
 from data_pipeline.manifest import store_info
-from data_pipeline.paths import cache_dir, is_remote, local_path, quiet_stores
+from data_pipeline.paths import cache_dir, command_line_path, is_remote, quiet_stores
 from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpoint.run_folder import CHECKPOINTS, COMPLETE, CONFIG_FILE, WEIGHTS_FILE
 
@@ -55,7 +55,7 @@ def locate_setting(source: str, setting: str) -> Path:
 def locate(source: str | Path) -> Path:
     """The file or folder ``source`` names (a remote one's local copy), unverified; FileNotFoundError for a run
     without a COMPLETE checkpoint."""
-    path = fetch(str(source)) if is_remote(source) else local_path(source)
+    path = fetch(str(source)) if is_remote(source) else command_line_path(source)
     if path.is_file() and path.name in FOLDER_FILES:
         path = path.parent
     run = path.parent if path.name == CHECKPOINTS else path
