@@ -355,9 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         problem = f"--out {out}: {blocker} is a file; give a new or empty folder"
     elif out.exists() and any(out.iterdir()):
         problem = f"--out {out} is not empty; give a new or empty folder"
+    else:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # read-only, no permission, under /proc
+            problem = f"--out {out}: cannot create it ({error.strerror or error}); give a writable folder path"
     if problem:
         return fail(parser.prog, problem)
-    out.mkdir(parents=True, exist_ok=True)
     settings = DemoSettings(steps=args.steps, every=args.every, interval_s=args.interval)
     try:
         result, report = run_demo(out.resolve(), settings)

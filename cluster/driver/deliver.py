@@ -20,6 +20,9 @@ from tracking.runs import RUN_RECORD, send_spooled
 from tracking.store import COURIER_FILE, DELIVER_COMMAND, missing_run, recorded_run_id, spool_dir
 
 
+COURIER_KEYS = ("tracking_uri", "run", "evals", "status")  # what `courier.hand_over` writes
+
+
 def _read(path: Path) -> dict[str, Any]:
     """A JSON object this project wrote; ValueError naming the file when it is not one."""
     try:
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if state.exists():
                 work = _read(state)
+                if missing := [key for key in COURIER_KEYS if key not in work]:
+                    raise ValueError(f"{state} lacks {', '.join(missing)}")
             elif spooled and (run_id := recorded_run_id(record, uri := _read(spooled[0]).get("tracking_uri"))) is None:
                 problem = (
                     f"{run_dir} holds {len(spooled)} spool file(s) but its job never reached its end (no "

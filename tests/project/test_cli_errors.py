@@ -74,11 +74,13 @@ def _bad_inputs(tmp: Path) -> dict[str, str]:
     (tmp / "src" / "cat").mkdir(parents=True)
     (tmp / "run_badcourier").mkdir()
     (tmp / "run_badcourier" / "mlflow_courier.json").write_text("{truncated")  # a job's end cut short
+    (tmp / "run_keyless").mkdir()
+    (tmp / "run_keyless" / "mlflow_courier.json").write_text('{"status": "FINISHED"}')  # a KeyError traceback before
     return {"tmp": str(tmp), "missing": str(tmp / "nothere"), "incomplete": str(incomplete)} | {
         Path(name).stem: str(tmp / name)
         for name in [*files, "profile_types.yaml", "profile_nohead.yaml", "profile_stalehead.yaml"]
         + ["profile_remote.yaml", "garbage.npz"]
-        + ["truncated.npz", "weights.pkl", "notshards", "shards_badjson", "run_badcourier"]
+        + ["truncated.npz", "weights.pkl", "notshards", "shards_badjson", "run_badcourier", "run_keyless"]
     }
 
 
@@ -168,6 +170,8 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("cluster.driver.deliver", ["{missing}"], [r"nothere is not a folder", r"checkpoint\.dir"]),
     ("cluster.driver.deliver", ["{tmp}", "--wait", "0"], [r"--wait 0: give a positive number"]),
     ("cluster.driver.deliver", ["{run_badcourier}"], [r"mlflow_courier\.json cannot be read", r"delete it only"]),
+    ("cluster.elastic_demo", ["--out", "/proc/vitscale-demo"], [r"--out /proc/vitscale-demo: cannot create it"]),
+    ("cluster.driver.deliver", ["{run_keyless}"], [r"courier\.json lacks tracking_uri, run, evals", r"delete it only"]),
     ("bench.precision", ["--trials", "0"], [r"--trials 0"]),
     ("bench.gpu", ["--budget-s", "-1"], [r"--budget-s"]),
     ("bench.gpu", ["--smoke", "--parts", "step,nope"], [r"--parts", r"'nope'\] is not one of data, step"]),
