@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -312,6 +313,17 @@ def format_report(result: DemoResult, report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def cluster_auth() -> Iterator[None]:
+    """Token authentication for the clusters started in the block, as the local head has it (RAY_AUTH_MODE=disabled
+    turns it off): their nodes listen on the machine's address, not on 127.0.0.1 alone."""
+    mode = local_head.auth_mode_from_env()
+    if mode == "token":
+        local_head.ensure_auth_token()
+    with local_head.ray_auth_mode(mode):
+        yield
+
+
 def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = print) -> tuple[DemoResult, dict]:
     """The whole demo in ``out``; the cluster and its temp folder are gone when it returns."""
     import ray
@@ -320,7 +332,7 @@ def run_demo(out: Path, settings: DemoSettings, log: Callable[[str], None] = pri
     temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))  # short: Ray's socket paths stay under 107 bytes
     cluster = None
     try:  # the Train controller inherits DEMO_ENV
-        with local_head.environ({**DEMO_ENV, "RAY_ADDRESS": None}), local_head.ray_auth_mode("disabled"):
+        with local_head.environ({**DEMO_ENV, "RAY_ADDRESS": None}), cluster_auth():
             try:
                 cluster, nodes = start_cluster(temp_dir)
                 result = run_scenario(cluster, nodes, spec, settings, log)

@@ -122,6 +122,15 @@ def auth_mode_from_env() -> str:
     return mode
 
 
+def ensure_auth_token(env: dict[str, str] | None = None) -> None:
+    """Ray's token (`read_auth_token`), generated as `ray get-auth-token --generate` writes it if there is none."""
+    if read_auth_token() is None:
+        env = dict(os.environ if env is None else env, RAY_AUTH_MODE="token")
+        subprocess.run(
+            [_ray_executable(), "get-auth-token", "--generate"], env=env, check=True, stdout=subprocess.DEVNULL
+        )
+
+
 def read_auth_token() -> str | None:
     """The token Ray would use: RAY_AUTH_TOKEN, else the RAY_AUTH_TOKEN_PATH file, else ~/.ray/auth_token."""
     if token := os.environ.get("RAY_AUTH_TOKEN", "").strip():
@@ -272,10 +281,8 @@ def _start_head(profile: ClusterProfile, timeout_s: float) -> HeadInfo:
     env = dict(os.environ, RAY_AUTH_MODE=mode, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)  # `ray start --head` must not join another cluster
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # a job's `python` is ours
-    if mode == "token" and read_auth_token() is None:
-        subprocess.run(
-            [_ray_executable(), "get-auth-token", "--generate"], env=env, check=True, stdout=subprocess.DEVNULL
-        )
+    if mode == "token":
+        ensure_auth_token(env)
     for attempt in range(1, PORT_TRIES + 1):
         gcs_port = free_port()
         dash_port = profile.ray.dashboard_port if _port_free(profile.ray.dashboard_port) else free_port()

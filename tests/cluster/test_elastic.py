@@ -8,6 +8,7 @@ shards from data_pipeline.builtin.sets.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -92,6 +93,7 @@ def test_node_lost_and_regained_job_goes_on_in_one_run(
 ):
     from mlflow import MlflowClient
 
+    _token_auth(monkeypatch, tmp_path)  # as `make elastic-demo` runs: token auth on (the suite's default is off)
     # What the demo would make under tmp_path, made once per pytest run: the MLflow store (``mlflow_uri`` copies an
     # empty one to tmp_path/mlflow.db, where `demo_spec` points) and the built-in sets `prepare_local_data` finds
     # complete there (local_demo's training set, the few-shot suite's digits at their defaults); it still checks them.
@@ -154,6 +156,43 @@ def test_node_lost_and_regained_job_goes_on_in_one_run(
     printed = capfd.readouterr()
     assert "(RayTrainWorker" in printed.out + printed.err  # the workers' output reaches this process
     assert "Failed to query Ray Train Controller" not in printed.out + printed.err
+
+
+def _token_auth(monkeypatch, tmp_path: Path) -> str:
+    """Token authentication with a token of this test's own, as a user's shell has it (RAY_AUTH_MODE unset)."""
+    token = tmp_path / "token"
+    token.write_text("vitscale-demo-test-token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    return token.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_demos_cluster_refuses_a_client_without_its_token(monkeypatch, tmp_path):
+    """The demo's nodes listen on the machine's address (Ray's gRPC servers on every interface), and the demo ran
+    them with authentication off: for its minutes, anyone who reached the machine could join and run code. It now
+    runs them as the local head does, with token authentication unless RAY_AUTH_MODE=disabled."""
+    import subprocess
+    import sys
+
+    from ray._raylet import GcsClient
+
+    _token_auth(monkeypatch, tmp_path)
+    temp_dir = Path(tempfile.mkdtemp(prefix="vsray-"))
+    ask = "from ray._raylet import GcsClient; GcsClient(address={!r}).internal_kv_get(b'x', namespace=None, timeout=5)"
+    with elastic_demo.cluster_auth():  # what `run_demo` starts its cluster in
+        cluster, _ = elastic_demo.start_cluster(temp_dir, workers=1)
+        try:
+            intruder = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")}
+            command = [sys.executable, "-c", ask.format(cluster.address)]
+            refused = subprocess.run(command, env=intruder, capture_output=True, text=True, timeout=90)
+            assert GcsClient(address=cluster.address).internal_kv_get(b"x", namespace=None, timeout=5) is None
+        finally:
+            cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    assert refused.returncode != 0 and "AuthenticationError" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.waits
