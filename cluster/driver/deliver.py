@@ -19,7 +19,6 @@ from data_pipeline.cli import fail
 from tracking.runs import RUN_RECORD, send_spooled
 from tracking.store import COURIER_FILE, DELIVER_COMMAND, missing_run, recorded_run_id, spool_dir
 
-
 COURIER_KEYS = ("tracking_uri", "run", "evals", "status")  # what `courier.hand_over` writes
 
 
