@@ -195,6 +195,16 @@ class EvalScheduler:
         except OSError as error:
             print(f"eval scheduler: could not write the reason of step {step}'s failure: {error}", flush=True)
 
+    def _by_hand(self, step: int) -> str:
+        """The command that scores ``step``'s checkpoint into the run, while retention keeps it (keep_last)."""
+        suites = self._due.get(step) or ("SUITE",)
+        run = f" --mlflow-run-id {self.run_id} --tracking-uri {self.tracking_uri}" if self.run_id else ""
+        command = (
+            f"python -m evals.run --checkpoint {self._paths[step]} --suite {suites[0]} --data-root {self.data_root}"
+        )
+        each = f" (once per suite: {', '.join(suites)})" if len(suites) > 1 else ""
+        return f"while the checkpoint is kept, `{command}{run}` scores it{each}"
+
     def drain(self, timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
         """Wait up to timeout_s, then cancel; {step: {checkpoint, train, metrics | error}}. The job's end: the
         scheduler's Tracker is closed, what MLflow did not take left in the spool; later failures reach no run."""
@@ -213,7 +223,7 @@ class EvalScheduler:
                     {
                         "error": f"eval still running when the job's end had waited {timeout_s} s for "
                         "evals (evals.timeout_s); cancelled. Raise evals.timeout_s, or give evals more "
-                        "resources (the profile's evals section)"
+                        f"resources (the profile's evals section); {self._by_hand(step)}"
                     },
                 )
             self._tracker.close(timeout=CLOSE_TIMEOUT_S)  # the actor dies with the job: no atexit close

@@ -155,6 +155,8 @@ def test_failed_evals_are_recorded_and_the_end_waits_no_longer_than_the_timeout(
     # The eval would sleep 600 s; the drain waits 1 s, then closes the scheduler's Tracker (up to 60 s).
     assert waited < 120, waited
     assert "evals.timeout_s" in rows[20]["error"] and not is_pinned(s20)
+    by_hand = f"`python -m evals.run --checkpoint {s20} --suite forever --data-root {tmp_path} --mlflow-run-id {run_id}"
+    assert f"while the checkpoint is kept, {by_hand} --tracking-uri {uri}` scores it" in rows[20]["error"]
     assert rows[30]["skipped"] and rows[30]["error"].startswith("eval skipped")
 
     client = MlflowClient(tracking_uri=uri)
