@@ -150,18 +150,8 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
     if fewshot and flops:
         fewshot_curve = tuple((_interp(step, flops), value, step) for step, value in fewshot if step > 0)
 
-    # The datasets fine-tuned at the newest step that has any: each key's latest value may be another checkpoint's.
-    tuned = {m.group(1): _history(client, info.run_id, k) for k in metrics if (m := _FINETUNE_KEY.match(k))}
-    finetune_step = max((h[-1][0] for h in tuned.values() if h), default=None)
-    finetune = {name: dict(h)[finetune_step] for name, h in tuned.items() if finetune_step in dict(h)}
-    untuned = sorted(name for name, h in tuned.items() if h and name not in finetune)
-    # The task counts of the step whose mean is shown: a later eval that covered no task logs counts but no mean.
-    vtab = _history(client, info.run_id, keys.VTAB_MEAN)
-    counts = {k: dict(_history(client, info.run_id, k)) for k in (keys.VTAB_NUM_TASKS, keys.VTAB_NUM_TASKS_EXPECTED)}
-    vtab_step = vtab[-1][0] if vtab else max(counts[keys.VTAB_NUM_TASKS], default=None)
-    vtab_count, vtab_expected = (counts[k].get(vtab_step) for k in counts)
-    unscored = [s for s in counts[keys.VTAB_NUM_TASKS] if vtab and s > vtab_step]
-
+    finetune, finetune_note = _finetune_at_one_step(client, info.run_id, metrics)
+    vtab, vtab_notes = _vtab_at_one_step(client, info.run_id)
     notes: list[str] = []
     status = _effective_status(info.status, tags.get(keys.STATUS, ""))
     if status == "FAILED":
@@ -184,15 +174,7 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
             notes.append(f"{keys.EXAFLOPS} not logged: left out of the few-shot vs compute plot")
         if fewshot and baseline is None:
             notes.append(f"no step-0 {keys.FEWSHOT_MEAN_10SHOT} (evals.baseline off, or a run from before it): no gain")
-        if vtab_count is not None and vtab_expected is not None and vtab_count < vtab_expected:
-            notes.append(f"VTAB mean covers {int(vtab_count)} of {int(vtab_expected)} tasks")
-        if untuned:
-            notes.append(
-                f"fine-tune at step {finetune_step} has no {', '.join(untuned)} (scored at earlier steps): the "
-                f"column is the mean of that step's {len(finetune)}"
-            )
-        if unscored:
-            notes.append(f"VTAB at step {max(unscored)} scored no task: the VTAB column is step {vtab_step}'s")
+        notes += [*vtab_notes, *finetune_note]
     return RunSummary(
         run_id=info.run_id,
         run_name=info.run_name or info.run_id[:8],
@@ -208,9 +190,9 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         fewshot_10shot=_latest(metrics, keys.FEWSHOT_MEAN_10SHOT),
         finetune_accuracy=sum(finetune.values()) / len(finetune) if finetune else None,
         finetune_datasets=tuple(sorted(finetune)),
-        vtab_mean=vtab[-1][1] if vtab else None,
-        vtab_num_tasks=int(vtab_count) if vtab_count is not None else None,
-        vtab_num_tasks_expected=int(vtab_expected) if vtab_expected is not None else None,
+        vtab_mean=vtab[0],
+        vtab_num_tasks=vtab[1],
+        vtab_num_tasks_expected=vtab[2],
         start_time_ms=info.start_time or 0,
         loss_curve=loss_curve,
         fewshot_curve=fewshot_curve,
@@ -223,6 +205,34 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         step_tails=read_tails(metrics, keys.step_time_percentile),
         data_wait_tails=read_tails(metrics, keys.data_wait_percentile),
     )
+
+
+def _finetune_at_one_step(client, run_id: str, metrics: dict) -> tuple[dict[str, float], list[str]]:
+    """The accuracies of the datasets fine-tuned at the newest step that has any (each key's latest value may be
+    another checkpoint's), and a note naming those scored only earlier."""
+    tuned = {m.group(1): dict(_history(client, run_id, k)) for k in metrics if (m := _FINETUNE_KEY.match(k))}
+    step = max((max(h) for h in tuned.values() if h), default=None)
+    finetune = {name: h[step] for name, h in tuned.items() if step in h}
+    untuned = sorted(name for name, h in tuned.items() if h and name not in finetune)
+    if not untuned:
+        return finetune, []
+    mean = f"the column is the mean of that step's {len(finetune)}"
+    return finetune, [f"fine-tune at step {step} has no {', '.join(untuned)} (scored at earlier steps): {mean}"]
+
+
+def _vtab_at_one_step(client, run_id: str) -> tuple[tuple[float | None, int | None, int | None], list[str]]:
+    """(mean, tasks, tasks expected) of the newest step with a mean, and notes: a later eval that scored no task
+    logs its counts but no mean."""
+    mean = _history(client, run_id, keys.VTAB_MEAN)
+    counts = [dict(_history(client, run_id, k)) for k in (keys.VTAB_NUM_TASKS, keys.VTAB_NUM_TASKS_EXPECTED)]
+    step = mean[-1][0] if mean else max(counts[0], default=None)
+    count, expected = (int(c[step]) if step in c else None for c in counts)
+    notes = []
+    if count is not None and expected is not None and count < expected:
+        notes.append(f"VTAB mean covers {count} of {expected} tasks")
+    if mean and (later := [s for s in counts[0] if s > step]):
+        notes.append(f"VTAB at step {max(later)} scored no task: the VTAB column is step {step}'s")
+    return (mean[-1][1] if mean else None, count, expected), notes
 
 
 def _int_tag(value: str | None) -> int | None:
