@@ -321,7 +321,7 @@ class ClusterProfile:
             )
 
     def _validate_gpu_count(self) -> None:
-        """Every GPU of every node runs a worker: the plan's topology is the profile's (evals have a node group)."""
+        """One worker per GPU of every node: the plan's topology is the profile's (evals have a node group)."""
         hw, wk, where = self.hardware, self.workers, f"profile {self.name}"
         per, key = wk.gpus_per_worker, "workers.max" if wk.elastic else "workers.num_workers"
         if hw.gpus_per_node == 0:
@@ -329,13 +329,9 @@ class ClusterProfile:
                 f"{where}: workers.gpus_per_worker={per} but hardware.gpus_per_node=0; set hardware.gpus_per_node to "
                 "the GPUs a node has, or run CPU workers (workers.gpus_per_worker: 0, comm_backend: gloo)"
             )
-        if hw.gpus_per_node % per:
-            raise ValueError(
-                f"{where}: workers.gpus_per_worker={per} does not divide hardware.gpus_per_node={hw.gpus_per_node} "
-                f"(a worker's GPUs are on one node, so {hw.gpus_per_node % per} per node would sit idle); "
-                f"use a divisor of {hw.gpus_per_node}"
-            )
         used, gpus = wk.max_workers * per, hw.nodes * hw.gpus_per_node
+        if per != 1:
+            raise ValueError(f"{where}: {self._one_gpu_per_worker(gpus)}")
         if used != gpus:
             fit = gpus // per
             fixes = [f"{key}: {fit}" + (f" (and workers.min <= {fit})" if wk.elastic and wk.min_workers > fit else "")]
@@ -347,6 +343,23 @@ class ClusterProfile:
                 f"{f'{gpus - used} GPU(s) would sit idle' if used < gpus else 'the workers do not fit'}; "
                 f"set {' or '.join(fixes)}"
             )
+
+    def _one_gpu_per_worker(self, gpus: int) -> str:
+        """Why a worker takes one GPU; the fix: a worker per GPU, each with its share of the CPUs the node holds."""
+        hw, wk, per = self.hardware, self.workers, self.workers.gpus_per_worker
+        if self.is_local:  # the embedded head holds every worker
+            share = self.ray.head_num_cpus // gpus
+        else:  # the node's pod, as check_fits counts it
+            shared = 0 if self.evals.instance_type else self.evals.num_cpus
+            share = int(allocatable(hw.cpus_per_node, 0)[0] - shared) // hw.gpus_per_node
+        cpus = max(1, min(wk.cpus_per_worker // per, share))
+        counts = f"workers.max: {gpus}, workers.min: {min(wk.min_workers * per, gpus)}" if wk.elastic else ""
+        return (
+            f"workers.gpus_per_worker={per}, but a worker trains on one GPU (cuda:LOCAL_RANK) and the plan prices one "
+            f"per worker: {per - 1} of each worker's {per} would sit idle; run one worker per GPU: set "
+            f"workers.gpus_per_worker: 1, {counts or f'workers.num_workers: {gpus}'} (hardware.nodes={hw.nodes} x "
+            f"gpus_per_node={hw.gpus_per_node}) and workers.cpus_per_worker: {cpus}"
+        )
 
     def _validate_worker_counts(self) -> None:
         wk, where = self.workers, f"profile {self.name}"

@@ -118,12 +118,29 @@ BAD_EDITS_AND_FIXES = [
         "workers.gpus_per_worker=1 but hardware.gpus_per_node=0; set hardware.gpus_per_node to the GPUs a node has",
         {"hardware.gpus_per_node": 8},
     ),
+    # a rank trains on one GPU (cuda:LOCAL_RANK): a second one per worker sat idle, and the plan priced one per rank
+    (
+        "h100x8",
+        {"workers.gpus_per_worker": 2, "workers.num_workers": 4, "workers.cpus_per_worker": 40},
+        "workers.gpus_per_worker=2, but a worker trains on one GPU (cuda:LOCAL_RANK) and the plan prices one per "
+        "worker: 1 of each worker's 2 would sit idle; run one worker per GPU: set workers.gpus_per_worker: 1, "
+        "workers.num_workers: 8 (hardware.nodes=1 x gpus_per_node=8) and workers.cpus_per_worker: 20",
+        {"workers.gpus_per_worker": 1, "workers.num_workers": 8, "workers.cpus_per_worker": 20},
+    ),
     (
         "a100x64",
-        {"workers.gpus_per_worker": 3, "workers.num_workers": 16},
-        "workers.gpus_per_worker=3 does not divide hardware.gpus_per_node=8 (a worker's GPUs are on one node, so 2 "
-        "per node would sit idle); use a divisor of 8",
-        {"workers.gpus_per_worker": 4},
+        {"workers.gpus_per_worker": 8, "workers.num_workers": 8, "workers.cpus_per_worker": 88},
+        "workers.gpus_per_worker=8, but a worker trains on one GPU (cuda:LOCAL_RANK) and the plan prices one per "
+        "worker: 7 of each worker's 8 would sit idle; run one worker per GPU: set workers.gpus_per_worker: 1, "
+        "workers.num_workers: 64 (hardware.nodes=8 x gpus_per_node=8) and workers.cpus_per_worker: 11",
+        {"workers.gpus_per_worker": 1, "workers.num_workers": 64, "workers.cpus_per_worker": 11},
+    ),
+    (
+        "a100x64",
+        {"workers.num_workers": None, "workers.min": 16, "workers.max": 32, "workers.gpus_per_worker": 2},
+        "run one worker per GPU: set workers.gpus_per_worker: 1, workers.max: 64, workers.min: 32 (hardware.nodes=8 "
+        "x gpus_per_node=8) and workers.cpus_per_worker: 5",
+        {"workers.gpus_per_worker": 1, "workers.max": 64, "workers.min": 32, "workers.cpus_per_worker": 5},
     ),
     # storage: no empty location, no URL with one slash
     (
