@@ -30,7 +30,7 @@ class ComputePlan:
     days: float
     total_exaflops: float
     images_per_s: float
-    assumed_mfu: float  # or the one measured for this model on this GPU kind (`cluster.plan.mfu`)
+    assumed_mfu: float  # or the one measured for this model on this GPU kind (`cluster.plan.mfu`), of peak_tflops
     peak_tflops: float  # per device; the run's MFU denominator too
     peak_source: str
     mfu_source: str = "assumed"  # or "measured on H200 <date> (...)"
@@ -52,8 +52,8 @@ def compute_plan(
     if config.schedule.stop_at_step:
         total_steps = min(total_steps, config.schedule.stop_at_step)
     precision, precision_reason = precision_of(profile, config, vit)
-    peak = device_peak(profile, precision)
-    mfu = measured.mfu if measured else profile.assumed_mfu
+    peak = run_peak(profile, config, precision)
+    mfu, mfu_source = mfu_of(profile, precision, peak, measured)
     seconds = seconds_per_step(vit, batch, peak.tflops, mfu)
     return ComputePlan(
         precision=precision,
@@ -69,7 +69,7 @@ def compute_plan(
         assumed_mfu=mfu,
         peak_tflops=peak.tflops,
         peak_source=peak.source,
-        mfu_source=measured.mfu_source if measured else "assumed",
+        mfu_source=mfu_source,
     )
 
 
@@ -83,8 +83,8 @@ def step_time(
     profile: ClusterProfile, config: TrainConfig, vit: ViTConfig, batch: BatchPlan, measured: Measured | None
 ) -> tuple[str, float]:
     precision, _ = precision_of(profile, config, vit)
-    mfu = measured.mfu if measured else profile.assumed_mfu
-    return precision, seconds_per_step(vit, batch, device_peak(profile, precision).tflops, mfu)
+    peak = run_peak(profile, config, precision)
+    return precision, seconds_per_step(vit, batch, peak.tflops, mfu_of(profile, precision, peak, measured)[0])
 
 
 def precision_of(profile: ClusterProfile, config: TrainConfig, vit: ViTConfig) -> tuple[str, str]:
@@ -128,6 +128,28 @@ def profile_peak(profile: ClusterProfile, precision: str) -> Peak | None:
             "bf16 needs ZeRO, so auto trains fp32 at ZeRO-0) or name a GPU the table lists"
         )
     return known
+
+
+def run_peak(profile: ClusterProfile, config: TrainConfig, precision: str) -> Peak:
+    """The run's MFU denominator, as `pretrain.telemetry.peak.device_peak` takes it: `logging.peak_tflops`, which
+    `cluster.plan.planner.profile_overrides` sets to `profile_peak` unless the user's `--set` declares another."""
+    declared, known = config.logging.peak_tflops, profile_peak(profile, precision)
+    if not declared or (known is not None and declared == known.tflops):
+        return device_peak(profile, precision)
+    beside = f"; {known.source}: {known.tflops:g}" if known else ""
+    return Peak(declared, f"logging.peak_tflops (declared{beside})")
+
+
+def mfu_of(profile: ClusterProfile, precision: str, peak: Peak, measured: Measured | None) -> tuple[float, str]:
+    """(MFU, its source): the profile's assumed share of ``peak``, or the measured rate: a share of the datasheet
+    peak, so of a declared ``peak`` it is that rate's share."""
+    if measured is None:
+        return profile.assumed_mfu, "assumed"
+    known = profile_peak(profile, precision)
+    if known is None or peak.tflops == known.tflops:
+        return measured.mfu, measured.mfu_source
+    rescaled = f"rescaled from {measured.mfu:.1%} of {known.tflops:g} TFLOP/s {measured.mfu_source}"
+    return measured.mfu * known.tflops / peak.tflops, rescaled
 
 
 def device_peak(profile: ClusterProfile, precision: str) -> Peak:

@@ -179,9 +179,11 @@ def plan_memory(
     num_params: int,
     correction: tuple[float, str] | None = None,
     per_rank: int | None = None,
+    max_stage: int = 3,
 ) -> tuple[MemoryPlan, str | None]:
     """(part, None) if it fits, else (part, why not, the fixes); ``correction``: the activations' (factor, source);
-    ``per_rank``: what a micro-batch must divide at every world size the run may take (default: this one's)."""
+    ``per_rank``: what a micro-batch must divide at every world size the run may take (default: this one's);
+    ``max_stage``: the highest ZeRO stage the run may take (a fix offers none above it)."""
     micro = batch.micro_batch_size
     states = model_state_bytes(num_params, zero_stage, batch.world_size, compute.precision)
     per_image = functools.partial(vit_activation_bytes, vit, compute.precision, dropout=vit.dropout)
@@ -214,10 +216,25 @@ def plan_memory(
     per_rank = per_rank or batch.global_batch_size // batch.world_size
     if not total <= capacity:
         at = f" (at world size {batch.world_size}, the elastic group's largest)" if profile.workers.elastic else ""
-        return part, _does_not_fit(part, batch, compute, act_per_image, fixed, capacity, per_rank) + at
+        stages = range(zero_stage, max(zero_stage, max_stage) + 1)
+        rooms = _rooms(profile, stages, batch.world_size, num_params, compute.precision)
+        return part, _does_not_fit(part, batch, compute, act_per_image, rooms, per_rank) + at
     return replace(
         part, checkpointing_advice=_checkpointing_advice(part, batch, compute, act_off, fixed, capacity, per_rank)
     ), None
+
+
+def _rooms(profile: ClusterProfile, stages: range, world: int, num_params: int, precision: str) -> dict[int, float]:
+    """Bytes per device left for activations at each of ``stages``: the first at this world size, each higher one at
+    the fewest ranks the run may take too (an elastic group's smallest holds the largest partitions). The precision
+    stays: above ZeRO-0 no stage changes it, and from ZeRO-0 `auto`'s bf16 only shrinks the states and activations."""
+
+    def room(stage: int, n: int) -> float:
+        capacity, overhead = _device_memory(profile, n)
+        return capacity - overhead - model_state_bytes(num_params, stage, n, precision).total
+
+    worlds = {world, profile.workers.min_workers}
+    return {s: room(s, world) if s == stages[0] else min(room(s, n) for n in worlds) for s in stages}
 
 
 def _device_memory(profile: ClusterProfile, world: int) -> tuple[float, float]:
@@ -274,33 +291,54 @@ def _checkpointing_advice(
 
 
 def _does_not_fit(
-    m: MemoryPlan,
-    batch: BatchPlan,
-    compute: StepTime,
-    act_per_image: float,
-    fixed: float,
-    capacity: float,
-    per_rank: int,
+    m: MemoryPlan, batch: BatchPlan, compute: StepTime, act_per_image: float, rooms: dict[int, float], per_rank: int
 ) -> str:
-    room = capacity - fixed
+    """The message, with each setting that alone makes the plan fit (``rooms``: `_rooms`), else one combination."""
+    micro, room, activations = batch.micro_batch_size, rooms[m.zero_stage], m.activations_gb * GB
     max_micro = int(room // act_per_image) if room > 0 else 0
     fixes = []
     if max_micro >= 1:
-        fitting = max(n for n in range(1, min(max_micro, per_rank) + 1) if per_rank % n == 0)
         fixes.append(
-            f"lower the micro-batch: --set data.micro_batch_size={fitting} (the largest divisor of {per_rank} that "
-            "fits)"
+            f"lower the micro-batch: --set data.micro_batch_size={_largest_divisor(per_rank, max_micro)} (the largest "
+            f"divisor of {per_rank} that fits)"
         )
-    if not m.activation_checkpointing:
+    if not m.activation_checkpointing and m.activations_gb_checkpointed * GB <= room:
         fixes.append(
             f"recompute activations: --set model.grad_checkpointing=true (activations "
             f"{m.activations_gb_checkpointed:.1f} GB; step time x {compute.recompute_factor:.2f})"
         )
-    if m.zero_stage < 3:
-        fixes.append(f"partition more model state: --set deepspeed.zero_stage={m.zero_stage + 1}")
+    stage = next((s for s in rooms if s > m.zero_stage and rooms[s] >= activations), None)
+    if stage is not None:
+        fixes.append(
+            f"partition more model state: --set deepspeed.zero_stage={stage} (model states and overhead then leave "
+            f"{rooms[stage] / GB:.1f} GB for the {m.activations_gb:.1f} GB of activations)"
+        )
     return (
         f"plan does not fit: {m.total_gb:.1f} GB per device needed, {m.capacity_gb:.1f} GB available "
         f"(model states {m.params_gb + m.grads_gb + m.optimizer_gb:.2f} GB, activations "
-        f"{m.activations_gb:.1f} GB = {batch.micro_batch_size} x {m.activation_mb_per_image:.0f} MB/image, "
-        f"overhead {m.overhead_gb:.1f} GB). Fix: " + "; or ".join(fixes)
+        f"{m.activations_gb:.1f} GB = {micro} x {m.activation_mb_per_image:.0f} MB/image, "
+        f"overhead {m.overhead_gb:.1f} GB). Fix: " + ("; or ".join(fixes) or _combined(m, micro, rooms, per_rank))
     )
+
+
+def _combined(m: MemoryPlan, micro: int, rooms: dict[int, float], per_rank: int) -> str:
+    """No one setting fits: the stage with the most room, activation checkpointing and the micro-batch that fits."""
+    stage = max(rooms, key=lambda s: (rooms[s], -s))  # ties: the lower stage
+    per_image = m.activations_gb_checkpointed * GB / micro
+    most = int(rooms[stage] // per_image) if rooms[stage] > 0 else 0
+    if most < 1:
+        return (
+            f"none: even at ZeRO-{stage}, model states and overhead leave {max(rooms[stage], 0) / GB:.1f} GB per "
+            f"device for activations, less than one image's {per_image / 1e6:.3g} MB with activation checkpointing; "
+            "use devices with more memory"
+        )
+    sets = [f"deepspeed.zero_stage={stage}"] if stage != m.zero_stage else []
+    sets += [] if m.activation_checkpointing else ["model.grad_checkpointing=true"]
+    n = _largest_divisor(per_rank, most)
+    sets += [f"data.micro_batch_size={n}"] if n < micro else []
+    return "no one setting fits; together: " + " ".join(f"--set {s}" for s in sets)
+
+
+def _largest_divisor(n: int, most: int) -> int:
+    """The largest divisor of ``n`` up to ``most`` (>= 1)."""
+    return max(d for d in range(1, min(most, n) + 1) if n % d == 0)

@@ -37,6 +37,7 @@ from pretrain.model.vit import ViTConfig, model_config
 from pretrain.weights.hf import hf_refusal
 
 RECIPE_DATA_ROOT = "data"  # a profile relocates it to its storage
+RELOCATED = ("data.train", "evals.data_root")  # the paths under it
 # Assumed where the training manifest is not readable here: i21k's bytes per image (docs/reference.md §6), and shards
 # as this project's writer makes them by default.
 ASSUMED_BYTES_PER_IMAGE = 92_000
@@ -77,6 +78,16 @@ def _relocate(path: str, root: str) -> str:
     if parts and parts[0] == RECIPE_DATA_ROOT:
         return "/".join([root.rstrip("/"), *parts[1:]])
     return path
+
+
+def _relocate_sets(sets: list[str], root: str) -> list[str]:
+    """The user's `data.train` and `evals.data_root` relocated as the recipe's: they come last, so they would stay."""
+    out = []
+    for text in sets:
+        keys, value = parse_override(text)
+        relocated = ".".join(keys) in RELOCATED and isinstance(value, str)
+        out.append(f"{'.'.join(keys)}={_relocate(value, root)}" if relocated else text)
+    return out
 
 
 def _given(written: dict, sets: list[str]) -> set[str]:
@@ -202,6 +213,7 @@ def resolve_with_notes(
 
 def _resolve(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> TrainConfig:
     """The recipe as read, on this profile, with the user's `--set`; validated at its world size(s)."""
+    sets = _relocate_sets(sets, profile.storage.shards)
     overrides = profile_overrides(profile, path, written, sets, run_name)
     config = config_from_recipe(path, written, [*overrides, *sets])
     if profile.uses_gpus:  # CPU runs keep their settings
@@ -375,6 +387,8 @@ def build_plan(profile: ClusterProfile, config: TrainConfig, span: int | None = 
         model.num_params,
         correction,
         config.data.global_batch_size // (span or _span(profile)),
+        # a resolution schedule needs ZeRO <= 2 (pretrain.config.progressive)
+        max_stage=2 if config.data.resolution_schedule else 3,
     )
     if does_not_fit:
         raise PlanError(does_not_fit)

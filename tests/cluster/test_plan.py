@@ -27,6 +27,7 @@ from cluster.plan.memory import (
 from cluster.plan.planner import PlanError, _model_size, build_plan, resolve_config, resolve_with_notes
 from cluster.plan.text import format_plan
 from cluster.profiles import load_profile, profile_names
+from data_pipeline.paths import PROJECT_ROOT
 from pretrain.config.precision import StepShape, cpu_bf16_units, decide
 from pretrain.config.train_config import recipe_path
 from pretrain.model.resnet import ResNetStem
@@ -143,11 +144,103 @@ def test_plan_that_does_not_fit_names_the_fixes():
         build_plan(profile, config)
     msg = str(info.value)
     assert "does not fit" in msg and "80.0 GB" in msg
-    assert "data.micro_batch_size=" in msg and "model.grad_checkpointing=true" in msg and "zero_stage=3" in msg
+    assert "data.micro_batch_size=" in msg and "model.grad_checkpointing=true" in msg
+    # ~92 GB of activations alone: no ZeRO stage makes it fit, so none is offered (it was: ZeRO-3, still over 80 GB)
+    assert "zero_stage" not in msg
+    with pytest.raises(PlanError, match="does not fit"):
+        build_plan(profile, resolve_config(profile, "vit_h14_i21k", [*sets, "deepspeed.zero_stage=3"], "too-big"))
     # ... and the launcher stops there, before contacting any cluster.
     assert (
         launch.main(["--cluster", "a100x64", "--recipe", "vit_h14_i21k", *sum((["--set", s] for s in sets), [])]) == 2
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_that_does_not_fit_offers_the_zero_stage_that_makes_it_fit():
+    """A higher ZeRO stage is offered only where its model states, the activations and the overhead fit; the stage
+    offered, or the settings offered together where no one fits, then plan."""
+    a100x8 = load_profile("a100x8")
+    sets = ["data.global_batch_size=1600", "data.streams=8", "deepspeed.zero_stage=1", "model.grad_checkpointing=false"]
+    # ZeRO-1: 6.27 GB of model states + 71.6 GB of activations + 3 GB over 80 GB; ZeRO-2's 2.81 GB fit
+    with pytest.raises(PlanError) as info:
+        build_plan(a100x8, resolve_config(a100x8, "vit_h14_i21k", [*sets, "data.micro_batch_size=200"], "r"))
+    assert "partition more model state: --set deepspeed.zero_stage=2 (model states and overhead then leave 74.2 GB" in (
+        str(info.value)
+    )
+    taken = [*sets, "data.micro_batch_size=200", "deepspeed.zero_stage=2"]
+    assert build_plan(a100x8, resolve_config(a100x8, "vit_h14_i21k", taken, "r")).memory.total_gb <= 80
+    # On 9 GB devices: the lowest stage that fits; else, no one setting fitting, the stage, recompute and micro-batch
+    small = dataclasses.replace(a100x8, hardware=dataclasses.replace(a100x8.hardware, gpu_memory_gb=9))
+    sets = ["deepspeed.zero_stage=1"]  # the recipe's 4096 images: 512 per rank
+    for micro, checkpointing, fix in (
+        (64, "true", ["deepspeed.zero_stage=2"]),
+        (128, "true", ["deepspeed.zero_stage=3"]),
+        (256, "false", ["deepspeed.zero_stage=3", "model.grad_checkpointing=true", "data.micro_batch_size=128"]),
+    ):
+        given = [*sets, f"data.micro_batch_size={micro}", f"model.grad_checkpointing={checkpointing}"]
+        with pytest.raises(PlanError) as info:
+            build_plan(small, resolve_config(small, "vit_h14_i21k", given, "r"))
+        msg = str(info.value)
+        assert " ".join(f"--set {s}" for s in fix) in msg and msg.count("--set") == len(fix), msg
+        assert build_plan(small, resolve_config(small, "vit_h14_i21k", [*given, *fix], "r")).memory.total_gb <= 9
+    # a resolution schedule needs ZeRO <= 2: ZeRO-3 is not offered
+    given = [
+        *sets,
+        "data.micro_batch_size=128",
+        "model.grad_checkpointing=true",
+        "data.resolution_schedule=[[0, 112], [10, 224]]",
+    ]
+    with pytest.raises(PlanError) as info:
+        build_plan(small, resolve_config(small, "vit_h14_i21k", given, "r"))
+    assert str(info.value).endswith("together: --set deepspeed.zero_stage=2 --set data.micro_batch_size=64")
+    # where nothing fits, nothing is offered as if it did
+    tiny = dataclasses.replace(a100x8, hardware=dataclasses.replace(a100x8.hardware, gpu_memory_gb=4))
+    with pytest.raises(PlanError) as info:
+        build_plan(tiny, resolve_config(tiny, "vit_h14_i21k", ["model.grad_checkpointing=true"], "r"))
+    assert "Fix: none: even at ZeRO-3, model states and overhead leave 0.0 GB per device" in str(info.value)
+    assert str(info.value).endswith("use devices with more memory") and "--set" not in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_users_relative_data_paths_move_to_the_profiles_storage_like_the_recipes():
+    """`--set data.train=data/...` came after the profile's relocation, so a cluster job read a path in its working
+    folder; it is relocated as the recipe's is, and on `local` it stays under the checkout's data/."""
+    for name, recipe, train, root in (
+        ("a100x64", "vit_h14_i21k", "imagenet21k/train", "s3://vitscale-datasets"),
+        ("local", "local_demo", "rcdb/train", f"{PROJECT_ROOT}/data"),
+    ):
+        profile = load_profile(name)
+        given = resolve_config(profile, recipe, [f"data.train=data/{train}", "evals.data_root=data"], "r")
+        assert (given.data.train, given.evals.data_root) == (f"{root}/{train}", root)
+        as_written = resolve_config(profile, recipe, [], "r")
+        assert (given.data.train, given.evals.data_root) == (as_written.data.train, as_written.evals.data_root)
+    config = resolve_config(load_profile("a100x64"), "vit_h14_i21k", ["data.train=/fsx/i21k/train"], "r")
+    assert config.data.train == "/fsx/i21k/train"  # absolute paths and URLs stay
+
+
+@pytest.mark.timeout(120)
+def test_a_declared_peak_is_the_plans_mfu_denominator_as_it_is_the_runs(tmp_path, monkeypatch):
+    """`--set logging.peak_tflops=500` is the run's MFU denominator; the plan printed the datasheet's 312 and its step
+    time divided by it. An assumed MFU is a share of the declared peak; a measured one a rate, rescaled to it."""
+    monkeypatch.setenv("VITSCALE_MFU_FILE", str(tmp_path / "mfu.yaml"))
+    (tmp_path / "mfu.yaml").write_text(yaml.safe_dump({"vit_b16": {"A100": {"mfu": 0.5}}}))
+    profile = load_profile("a100x64")
+    config = resolve_config(profile, "vit_h14_i21k", ["logging.peak_tflops=500"], "r")
+    plan = build_plan(profile, config)
+    assert config.logging.peak_tflops == plan.compute.peak_tflops == 500
+    step = plan.compute.train_gflops_per_image * 1e9 * 4096 / (64 * 500e12 * profile.assumed_mfu)
+    assert plan.compute.step_time_s == pytest.approx(step)
+    assert (
+        "assumed MFU 40% of 500 TFLOP/s per device: logging.peak_tflops (declared; profile a100x64: A100-SXM4-80GB "
+        "dense bf16 peak: 312)"
+    ) in format_plan(plan)
+    sets = ["data.global_batch_size=1024", "data.streams=64"]
+    datasheet = build_plan(profile, resolve_config(profile, "vit_b16_i21k", sets, "r")).compute
+    declared = build_plan(profile, resolve_config(profile, "vit_b16_i21k", [*sets, "logging.peak_tflops=500"], "r"))
+    assert (datasheet.peak_tflops, datasheet.assumed_mfu) == (312, 0.5)
+    assert declared.compute.assumed_mfu == pytest.approx(0.5 * 312 / 500)
+    assert declared.compute.step_time_s == pytest.approx(datasheet.step_time_s)
+    assert declared.compute.mfu_source.startswith("rescaled from 50.0% of 312 TFLOP/s measured on A100")
 
 
 @pytest.mark.timeout(120)
