@@ -273,7 +273,14 @@ def launcher_config(
             "run_options": ["--ulimit nofile=65536:65536", "--shm-size=64g", f"-v {SHARED_FS}:{SHARED_FS}"],
             **({"head_run_options": devices} if devices else {}),  # the head trains too
         },
-        "provider": {"type": "aws", "region": REGION, "availability_zone": ZONE, "cache_stopped_nodes": False},
+        "provider": {
+            "type": "aws",
+            "region": REGION,
+            "availability_zone": ZONE,
+            "cache_stopped_nodes": False,
+            # EC2 gives an instance of several network interfaces no public IP: Ray reaches the nodes inside the VPC
+            **({"use_internal_ips": True} if devices and efa is not None else {}),
+        },
         "auth": {"ssh_user": "ubuntu"},
         "available_node_types": node_types,
         "head_node_type": "head",
@@ -442,7 +449,9 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     if count := efa_interfaces(profile):
         lines.append(
             f"Its nodes' {count} EFA interfaces each need a subnet in {ZONE} and a security group "
-            "letting in all traffic from itself (--subnet-id, --security-group-id; docs/network.md)."
+            "letting in all traffic from itself (--subnet-id, --security-group-id; docs/network.md). EC2 gives an "
+            "instance of several interfaces no public IP: run `ray up` and `ray dashboard` from a machine in that "
+            "subnet's VPC (the file sets use_internal_ips), and give the subnet a NAT gateway for the image pull."
         )
     return _comment(lines)
 

@@ -442,6 +442,11 @@ def test_efa_reaches_the_training_containers_of_a_multi_node_efa_profile(tmp_pat
     launcher, rayjob = render.render("a100x64", "vit_h14_i21k", tmp_path, fsx=FSX, efa=render.efa_subnet(subnet, group))
     config = yaml.safe_load(launcher.read_text())
     validate_config(prepare_config(config))
+    # No public IP for an instance of several interfaces (EC2): `ray up` waited for the head's forever, and Ray's
+    # subnet check refused a private subnet.
+    assert (
+        config["provider"]["use_internal_ips"] is True and "from a machine in that subnet's VPC" in launcher.read_text()
+    )
     types = config["available_node_types"]
     for name in ("head", "gpu_worker"):
         node = types[name]["node_config"]
@@ -468,6 +473,7 @@ def test_efa_reaches_the_training_containers_of_a_multi_node_efa_profile(tmp_pat
     assert "note: no --subnet-id/--security-group-id: `ray up` of cluster.yaml stops" in capsys.readouterr().out
     bare = yaml.safe_load((tmp_path / "bare" / "a100x64" / "cluster.yaml").read_text())
     assert "NetworkInterfaces" not in bare["available_node_types"]["head"]["node_config"]
+    assert "use_internal_ips" not in bare["provider"]
     assert bare["initialization_commands"][-1].endswith("--subnet-id and --security-group-id' >&2; exit 1")
     for bad, message in (
         (["--subnet-id", subnet], "go together"),
