@@ -66,13 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     rerun.add_argument("--train-steps", type=int, help="the real path's steps (one checkpoint at the end, no resume)")
     args = parser.parse_args(argv)
-    if args.budget_s <= 0 or (args.peak_tflops is not None and args.peak_tflops <= 0):
+    if not args.budget_s > 0 or (args.peak_tflops is not None and not args.peak_tflops > 0):  # nan too
         parser.error("--budget-s and --peak-tflops must be > 0")
     warmup = 0 if args.smoke else TrainSpec.warmup_steps  # the timed steps come after these (smoke: none)
     if args.train_steps is not None and args.train_steps < warmup + 2:
         parser.error(f"--train-steps must be at least {warmup + 2}: {warmup} warm-up steps, then two timed ones")
     if bad := [s for s in args.train_set if "=" not in s]:
         parser.error(f"--train-set {bad[0]!r} is not KEY=VALUE (e.g. --train-set model.compile=true)")
+    if model := [s for s in args.train_set if s.partition("=")[0].strip() == "model.name"]:
+        parser.error(  # its keys are H/14's (train_path_mfu_vit_h14), and `cluster.calibrate` files them so
+            f"--train-set {model[0]!r}: the train part measures the vit_h14_i21k recipe, whose keys calibrate "
+            "ViT-H/14; leave model.name as it is (the step part measures other models: --models)"
+        )
     if args.work_dir is not None:
         try:
             output_folder(args.work_dir, "--work-dir")

@@ -177,6 +177,9 @@ TABLE: list[tuple[str, list[str], list[str]]] = [
     ("bench.gpu", ["--smoke", "--parts", "step,nope"], [r"--parts", r"'nope'\] is not one of data, step"]),
     ("bench.gpu", ["--smoke", "--models", ","], [r"--models", r"',' names nothing; choose from vit_h14"]),
     ("bench.gpu", ["--smoke", "--train-set", "model.compile"], [r"--train-set 'model\.compile' is not KEY=VALUE"]),
+    # the train part's keys are H/14's: another model's numbers were filed as H/14's calibration
+    ("bench.gpu", ["--smoke", "--train-set", "model.name=vit_ti16"], [r"leave model\.name as it is"]),
+    ("bench.gpu", ["--budget-s", "nan"], [r"--budget-s and --peak-tflops must be > 0"]),
     ("bench.gpu.train", ["{missing}", "{tmp}/o.json"], [r"SPEC\.json \S+nothere"]),
     # cluster: profiles (syntax, types, unknown), the recipe's eval suite, flags, absent clusters, job specs
     ("cluster.launch", ["--cluster", "{profile_syntax}", "--dry-run"], [r"profile_syntax\.yaml, line \d"]),
