@@ -128,17 +128,28 @@ def create_run(
 def send_spooled(record: Path | str, timeout_s: float = 120.0) -> tuple[int, int]:
     """Send each spool file's records, oldest first, to the run ``record`` names by now; a file sent in full is
     removed, and the spool folder once it is empty. The first file not sent in full ends the work, so that a server
-    that is down costs one close, not one per file. Returns (items sent, files left)."""
+    that is down costs one close, not one per file; a file that cannot be read is left, with a warning, and the later
+    ones are sent. Returns (items sent, files left)."""
     sent, left, folder = 0, 0, spool_dir(record)
     paths = sorted(folder.glob("*.json"))
     for index, path in enumerate(paths):
-        payload = _where_now(json.loads(path.read_text()), record, path)
-        # Not spooled again on failure: the file stays, and says what was not sent.
-        tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0, spool=False)
-        count = tracker.restore(payload)
+        try:
+            payload = _where_now(json.loads(path.read_text()), record, path)
+            # Not spooled again on failure: the file stays, and says what was not sent.
+            tracker = Tracker(payload["tracking_uri"], payload["ref"], rank=0, spool=False)
+            count = tracker.restore(payload)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:  # cut short, or edited
+            print(
+                f"warning: spool file {path} cannot be read ({type(error).__name__}: {error}); left in place, "
+                "the later ones are sent: delete it only to give up what it holds",
+                file=sys.stderr,
+                flush=True,
+            )
+            left += 1
+            continue
         tracker.close(timeout_s)
         if tracker.pending:
-            left = len(paths) - index
+            left += len(paths) - index
             break
         sent += count
         path.unlink()

@@ -363,6 +363,28 @@ def test_a_pending_runs_records_wait_in_the_spool_and_arrive_once_when_it_exists
     assert send_spooled(record) == (0, 0)
 
 
+def test_a_spool_file_that_cannot_be_read_is_left_and_the_later_ones_sent(store, tmp_path, capsys):
+    """A cut-short spool file (a copy of the run folder that stopped) ended `python -m cluster.driver.deliver` and the
+    job's end in a JSONDecodeError traceback, after the files before it were sent and with those after it never."""
+    uri, _ = store
+    record = tmp_path / "run" / RUN_RECORD
+    record.parent.mkdir()
+    run_id = create_run(uri, "spool", "damaged", {}, {})
+    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    folder = spool_dir(record)
+    folder.mkdir()
+    for n, step in ((1, 1), (3, 3)):
+        payload = {"tracking_uri": uri, "ref": run_id, "once_prefixes": [], "params": {}, "tags": {}, "artifacts": []}
+        payload["metrics"] = [[keys.LOSS, 1.0, step * 1000, step]]
+        (folder / f"{n:020d}-1-a.json").write_text(json.dumps(payload))
+    damaged = folder / f"{2:020d}-1-a.json"
+    damaged.write_text('{"tracking_uri": ')
+    assert send_spooled(record) == (2, 1)
+    assert [m.step for m in _client(uri).get_metric_history(run_id, keys.LOSS)] == [1, 3]
+    assert sorted(folder.iterdir()) == [damaged]  # kept: it may be mended; its neighbours sent and removed
+    assert f"warning: spool file {damaged} cannot be read (JSONDecodeError" in capsys.readouterr().err
+
+
 def test_a_spool_is_sent_from_wherever_its_run_folder_is_now(store, tmp_path, monkeypatch):
     """A spool file names its pending run's record and its artifacts' copies by absolute path: a run folder moved, or
     mounted elsewhere on the node that runs `deliver`, left the file unsent ("not sent", no reason why) and a spooled
