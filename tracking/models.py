@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tracking import keys
-from tracking.store import default_tracking_uri
+from tracking.store import default_tracking_uri, unanswered
 
 MODEL_NAME = "model"
 HF_ARTIFACT = "hf"  # the folder's name among the model's artifacts
@@ -75,9 +75,14 @@ def loggable_run(run_id: str, tracking_uri: str | None = None, *, step: int | No
         )
     _require_transformers()
     uri = tracking_uri or default_tracking_uri()
+    if down := unanswered(uri):  # in seconds: MLflow's own retries last minutes
+        raise ValueError(f"no MLflow server answers at {uri} ({down}); start it or fix --tracking-uri")
     try:
         return mlflow.MlflowClient(tracking_uri=uri).get_run(run_id)
-    except MlflowException:
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            reason = (str(error).strip() or "no details").splitlines()[0][:200]
+            raise ValueError(f"cannot read MLflow run {run_id!r} in {uri} ({reason}); check --tracking-uri") from None
         raise ValueError(
             f"MLflow run {run_id!r} is not in {uri}; pass a run id `make ui` lists, and --tracking-uri "
             "for a store other than the project's"

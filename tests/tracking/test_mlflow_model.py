@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from cluster.driver.record import JobEnd, finish_job
+from cluster.local_head import free_port
 from pretrain.checkpoint import checksums
 from pretrain.checkpoint.run_folder import COMPLETE, TrainerState
 from pretrain.model.vit import VisionTransformer, model_config
@@ -178,6 +180,13 @@ def test_bad_requests_are_one_line_errors(uri, tmp_path, capsys):
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if "error:" in line]
         assert len(lines) == 1 and re.search(expected, lines[0]) and "Traceback" not in err, err
+    # A server that does not answer was "no such run" after MLflow's retries (minutes): now said at once.
+    down = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    argv = ["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--mlflow-run", run_id, "--tracking-uri", down]
+    assert main(argv) == 2 and time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert f"error: no MLflow server answers at {down} (" in err and "is not in" not in err
 
 
 def _finish(uri: str, run_dir: Path, run_id: str, status: str = "FINISHED") -> None:
