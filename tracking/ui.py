@@ -6,6 +6,7 @@ The UI has no authentication and can delete runs: another ``--host`` is warned a
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import os
 import socket
@@ -33,10 +34,20 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as error:
+            if error.errno not in (errno.EADDRINUSE, errno.EACCES):  # an address this machine does not have
+                raise ValueError(
+                    f"cannot listen on {_url_host(host)}:{port} ({error.strerror}): {host} is not an address of this "
+                    "machine; leave out --host (127.0.0.1) or give one of its addresses"
+                ) from error
             raise ValueError(
-                f"cannot listen on {host}:{port} ({error.strerror}); another server uses it — "
+                f"cannot listen on {_url_host(host)}:{port} ({error.strerror}); another server uses it — "
                 f"pass a free port, e.g. `python -m tracking.ui --port {port + 1}`"
             ) from error
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def build_command(tracking_uri: str, host: str = LOOPBACK, port: int = 5000, workers: int = 1) -> list[str]:
@@ -92,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if sqlite_path(uri) is not None and not sqlite_path(uri).exists():
         print(f"tracking.ui: {sqlite_path(uri)} does not exist yet; the UI starts on an empty store")
-    print(f"MLflow UI over {uri}: http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    print(f"MLflow UI over {uri}: http://{_url_host(args.host)}:{args.port}  (Ctrl-C stops it)", flush=True)
     if args.dry_run:
         print(" ".join(command))
         return 0

@@ -15,7 +15,7 @@ import pytest
 from cluster.local_head import free_port
 from data_pipeline.paths import PROJECT_ROOT
 from tracking.runs import create_run
-from tracking.ui import build_command, check_port_free, main
+from tracking.ui import _url_host, build_command, check_port_free, main
 
 
 def test_command_binds_loopback_and_keeps_artifacts_next_to_the_store(tmp_path):
@@ -40,6 +40,13 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
             check_port_free("127.0.0.1", port)
         assert main(["--port", str(port), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]) == 2
     assert "another server uses it" in capsys.readouterr().err
+    # An address this machine does not have was "another server uses it — pass a free port".
+    elsewhere = "203.0.113.7"  # TEST-NET-3: no machine's own
+    assert main(["--host", elsewhere, "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"{elsewhere} is not an address of this machine; leave out --host (127.0.0.1)" in err
+    assert "another server" not in err
+    assert (_url_host("::1"), _url_host("127.0.0.1")) == ("[::1]", "127.0.0.1")  # http://::1:5000 was no URL
 
 
 def test_a_sqlite_uri_to_a_file_or_folder_that_is_no_database_is_one_line(tmp_path, capsys):
