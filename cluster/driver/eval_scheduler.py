@@ -198,7 +198,8 @@ class EvalScheduler:
     def _by_hand(self, step: int) -> str:
         """The command that scores ``step``'s checkpoint into the run, while retention keeps it (keep_last)."""
         suites = self._due.get(step) or ("SUITE",)
-        run = f" --mlflow-run-id {self.run_id} --tracking-uri {self.tracking_uri}" if self.run_id else ""
+        uri = f" --tracking-uri {self.tracking_uri}" if self.tracking_uri else ""  # else the project's store
+        run = f" --mlflow-run-id {self.run_id}{uri}" if self.run_id else ""
         command = (
             f"python -m evals.run --checkpoint {self._paths[step]} --suite {suites[0]} --data-root {self.data_root}"
         )
