@@ -15,14 +15,13 @@ IMAGES_SEEN = "train/images_seen"  # cumulative
 EXAFLOPS = "train/exaflops"  # cumulative
 WORLD_SIZE_METRIC = "train/world_size"  # data-parallel ranks at this step
 
+
 # Eval metrics (evals): `<entry>/<dataset>/<measure>`, the entry a suite's evaluator type (`fewshot`, `finetune`,
 # `vtab`, `inspect`) or the name it was given (`name: vtab1k_probe`). Every metric outside the run's own namespaces
 # below (and MLflow's own `system/`) is an eval's; a mean has a `mean` part (`fewshot/mean/10shot`, `vtab/mean`).
-NOT_EVAL_PREFIXES = ("train/", "cluster/", "data/", "goodput/", "eval_failed/", "eval_skipped/", "system/")
-
-
 def is_eval_metric(key: str) -> bool:
-    return not key.startswith(NOT_EVAL_PREFIXES)
+    own = (TRAIN_PREFIX, "cluster/", DATA_PREFIX, GOODPUT_PREFIX, "eval_failed/", "eval_skipped/", "system/")
+    return not key.startswith(own)
 
 
 def is_eval_mean(key: str) -> bool:
