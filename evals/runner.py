@@ -37,6 +37,7 @@ from tracking.store import (
     PENDING_RUN,
     default_tracking_uri,
     lifecycle_stage,
+    missing_driver,
     recorded_run_id,
     spool_dir,
     sqlite_path,
@@ -397,10 +398,7 @@ def check_mlflow_run(run_id: str, tracking_uri: str | None) -> str:
         if isinstance(error, MlflowException) and error.error_code == "RESOURCE_DOES_NOT_EXIST":
             raise ValueError(f"MLflow run {run_id!r} does not exist in {uri}; check --mlflow-run-id") from None
         if isinstance(error, ImportError):  # a database URI whose driver is not installed: no later try succeeds
-            raise ValueError(
-                f"cannot read the MLflow store {uri}: its database driver is not installed ({error}); install the "
-                "driver SQLAlchemy names for it, or pass the URL of an MLflow server"
-            ) from None
+            raise ValueError(missing_driver(uri, error)) from None
         reason = f"{type(error).__name__}: {(str(error).strip() or 'no details').splitlines()[0][:200]}"
         if db is not None:
             raise ValueError(f"cannot read the MLflow store {uri} ({reason}); check --tracking-uri") from None

@@ -16,7 +16,14 @@ from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
 from tracking.runs import get_or_create_experiment
-from tracking.store import command_line_uri, default_store_help, failing_calls, sqlite_path, unanswered
+from tracking.store import (
+    command_line_uri,
+    default_store_help,
+    failing_calls,
+    missing_driver,
+    sqlite_path,
+    unanswered,
+)
 
 PROG = "python -m tracking.compare"
 
@@ -107,11 +114,7 @@ def _compare(args: argparse.Namespace, kept: list[str]) -> int:
             "sqlite:///<path>/mlflow.db (the project's store) or the URL of an MLflow server",
         )
     except ImportError as error:  # a database URI whose driver is not installed (postgresql:// without psycopg)
-        return fail(
-            PROG,
-            f"cannot read the tracking store {uri}: its database driver is not installed ({error}); install the "
-            "driver SQLAlchemy names for it into .venv, or pass the URL of an MLflow server",
-        )
+        return fail(PROG, missing_driver(uri, error))
     except ValueError as error:
         return fail(PROG, error)
     kept.append(f"the report in {out_dir} is not complete; the same command writes it again")

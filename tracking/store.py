@@ -149,6 +149,14 @@ def spool_copies(spool_file: Path, artifacts: list[list[Any]]) -> list[list[Any]
     return copies
 
 
+def missing_driver(uri: str, error: ImportError) -> str:
+    """Why a database URI cannot be read here (postgresql:// without psycopg), and the fix."""
+    return (
+        f"cannot read the tracking store {uri}: its database driver is not installed ({error}); install the driver "
+        "SQLAlchemy names for it into .venv, or pass the URL of an MLflow server"
+    )
+
+
 def unanswered(tracking_uri: str | None, timeout_s: float = 5.0) -> str:
     """Why an HTTP(S) tracking server does not answer: nothing accepts connections at its address, no HTTP response
     comes within ``timeout_s``, or its ``/health`` answers 5xx (a proxy whose server is down); "" when any other status

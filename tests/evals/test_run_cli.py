@@ -125,8 +125,9 @@ def test_a_database_uri_without_its_driver_is_refused_before_any_work(checkpoint
     argv = ["--checkpoint", str(checkpoint), "--suite", "local_fewshot", "--out", str(out)]
     assert main([*argv, "--mlflow-run-id", "abc", "--tracking-uri", uri]) == 2
     assert capsys.readouterr().err == (
-        f"python -m evals.run: error: cannot read the MLflow store {uri}: its database driver is not installed (No "
-        "module named 'psycopg'); install the driver SQLAlchemy names for it, or pass the URL of an MLflow server\n"
+        f"python -m evals.run: error: cannot read the tracking store {uri}: its database driver is not installed (No "
+        "module named 'psycopg'); install the driver SQLAlchemy names for it into .venv, or pass the URL of an MLflow "
+        "server\n"
     )
     assert not out.exists()
 
