@@ -26,9 +26,14 @@ from pretrain.model.resnet import ResNetStem, check_width_factor, stem_stride
 LN_EPS = 1e-6  # Flax's default; torch's 1e-5 changes official checkpoints' logits
 
 
+def _is_int(value) -> bool:
+    """An int, not a bool (JSON's `true` is Python's True, an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_real(value) -> bool:
-    """An int or float, not a bool (JSON's `true` is Python's True, an int)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or float, not a bool."""
+    return _is_int(value) or isinstance(value, float)
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,9 @@ class ViTConfig:
         object.__setattr__(self, "hybrid_width", int(factor) if factor.is_integer() else factor)
         for name in ("image_size", "patch_size", "width", "depth", "num_heads", "mlp_dim", "in_chans"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"ViTConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.num_classes, int) or isinstance(self.num_classes, bool) or self.num_classes < 0:
+        if not _is_int(self.num_classes) or self.num_classes < 0:
             raise ValueError(f"ViTConfig.num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
         eps = self.layer_norm_eps
         if not _is_real(eps) or not 0 < eps < 1:
@@ -81,7 +86,7 @@ class ViTConfig:
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"ViTConfig.gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
         size = self.representation_size
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        if size is not None and (not _is_int(size) or size < 1):
             raise ValueError(
                 f"ViTConfig.representation_size must be an int >= 1, or absent for no pre-logits layer; got {size!r}"
             )
