@@ -66,16 +66,12 @@ class _PendingMetric:
     step: int
 
 
-class _QuietMlflowDbErrors(logging.Filter):
-    """Drops MLflow's per-retry SQL tracebacks while a Tracker sends from this thread (it warns itself)."""
-
-    active = threading.local()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not getattr(self.active, "sending", False)
+_SENDING = threading.local()  # `sending` is True while a Tracker sends from this thread (it warns itself):
 
 
-_QUIET_FILTER = _QuietMlflowDbErrors()
+def _quiet_while_sending(record: logging.LogRecord) -> bool:
+    """The filter that drops MLflow's per-retry SQL tracebacks meanwhile."""
+    return not getattr(_SENDING, "sending", False)
 
 
 def _rank_from_env() -> int:
@@ -150,7 +146,7 @@ class Tracker:
         self._thread: threading.Thread | None = None
         self._close_by = math.inf  # close()'s deadline for a pending run
         if self.enabled:  # not at import: importing has no side effects
-            logging.getLogger("mlflow.store.db.utils").addFilter(_QUIET_FILTER)
+            logging.getLogger("mlflow.store.db.utils").addFilter(_quiet_while_sending)
             _track_for_exit(self)
             # Now, not in the sender: a slow import there would time out an early checkpoint's sync().
             import mlflow  # noqa: F401
@@ -228,14 +224,14 @@ class Tracker:
 
     def _connect_quietly(self) -> None:
         with self._send_lock:
-            _QUIET_FILTER.active.sending = True
+            _SENDING.sending = True
             try:
                 if self._run_exists():
                     self._get_client()
             except Exception:  # noqa: BLE001 — the first send retries and warns
                 pass
             finally:
-                _QUIET_FILTER.active.sending = False
+                _SENDING.sending = False
 
     def sync(self, timeout: float = 5.0) -> bool:
         """Have the sender deliver now (before a checkpoint is published); True when nothing is left, False at once
@@ -328,10 +324,8 @@ class Tracker:
             self._warn(f"closing with {count} items not sent to MLflow and not spooled ({error})", force=True)
             return
         with self._buffer_lock:
-            self._metrics.clear()
-            self._params.clear()
-            self._tags.clear()
-            self._artifacts.clear()
+            for queued in (self._metrics, self._params, self._tags, self._artifacts):
+                queued.clear()
         if self.run_id != self._placeholder:
             sends = f"`{DELIVER_COMMAND} {Path(self._record).parent}`, or the run folder's next job end, sends"
             logger.warning(
@@ -413,7 +407,7 @@ class Tracker:
         if not self._run_exists():  # not a failure: no warning, no backoff
             self._next_attempt = time.monotonic() + PENDING_POLL_S
             return
-        _QUIET_FILTER.active.sending = True
+        _SENDING.sending = True
         try:
             if (look or self.tracking_uri in store.FAILING_SINCE) and (silent := unanswered(self.tracking_uri)):
                 raise ConnectionError(silent)
@@ -435,7 +429,7 @@ class Tracker:
             self._failures = 0
             self._next_attempt = 0.0
         finally:
-            _QUIET_FILTER.active.sending = False
+            _SENDING.sending = False
 
     def _send_all(self) -> None:
         from mlflow.entities import Metric, Param, RunTag  # heavy
@@ -449,8 +443,7 @@ class Tracker:
                 if not batch:
                     break
                 entities = [make(k, self._named(v)) for k, v in batch.items() if self._takes(k, what)]
-                if entities:
-                    self._send_batch(what, lambda e=entities, w=what: client.log_batch(self.run_id, **{w: e}))
+                self._log_batch(client, what, entities)
                 with self._buffer_lock:
                     for key, value in batch.items():
                         if queued.get(key) == value:  # a newer value logged meanwhile stays queued
@@ -465,8 +458,7 @@ class Tracker:
                 for m in metrics
                 if self._takes(m.key, "metrics") and not self._already_logged(m)
             ]
-            if sent:
-                self._send_batch("metrics", lambda e=sent: client.log_batch(self.run_id, metrics=e))
+            self._log_batch(client, "metrics", sent)
             with self._buffer_lock:
                 # By seq: log_metrics may have dropped the oldest meanwhile.
                 while self._metrics and self._metrics[0].seq <= metrics[-1].seq:
@@ -488,12 +480,20 @@ class Tracker:
         if dropped:
             self._warn(f"{dropped} metric values were dropped while MLflow was unreachable (buffer full)", force=True)
 
-    def _send_batch(self, what: str, send) -> None:
-        """Run ``send``; a permanent rejection warns, the rest re-raise for a retry."""
+    def _log_batch(self, client, what: str, entities: list) -> None:
+        """One changed param fails its whole batch (MLflow's params are immutable): such a batch goes again one param
+        at a time, so the others arrive and the changed one is dropped with its warning."""
+        sent = not entities or self._send_batch(what, lambda: client.log_batch(self.run_id, **{what: entities}))
+        for one in entities if not sent and what == "params" and len(entities) > 1 else []:
+            self._send_batch(what, lambda e=[one]: client.log_batch(self.run_id, params=e))
+
+    def _send_batch(self, what: str, send) -> bool:
+        """Run ``send``; a permanent rejection warns (False), the rest re-raise for a retry."""
         from mlflow.exceptions import MlflowException  # heavy
 
         try:
             send()
+            return True
         except MlflowException as error:
             if error.error_code not in PERMANENT_ERROR_CODES:
                 raise
@@ -501,6 +501,7 @@ class Tracker:
             if message not in self._rejections:  # a run deleted while training refuses every send alike
                 self._rejections.add(message)
                 self._warn(f"{message} (the same rejection again: without a warning)", force=True)
+            return False
 
     def _takes(self, name: str, what: str) -> bool:
         """Whether MLflow takes ``name``: one it refuses fails the whole batch, so it is skipped, with one warning."""

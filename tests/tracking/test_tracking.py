@@ -476,6 +476,21 @@ def test_rejected_param_is_dropped_and_the_rest_still_arrives(store, caplog):
     assert [(m.step, m.value) for m in _client(uri).get_metric_history(run_id, "train/loss")] == [(7, 1.5)]
 
 
+def test_a_changed_param_is_dropped_alone_and_its_batchs_new_params_arrive(store, caplog):
+    """MLflow refuses a whole params batch for one changed value (a relaunch with another ``schedule.total``): the
+    batch's other params, new to the run, were dropped with it. The batch is sent again one param at a time."""
+    uri, _ = store
+    run_id = create_run(uri, "changed-param", "r", {"schedule": {"total": 100}}, {})
+    tracker = Tracker(uri, run_id, rank=0)
+    with caplog.at_level(logging.WARNING, logger="tracking.tracker"):
+        tracker.log_params({"schedule": {"total": 600}, "optim": {"lr": 0.2, "warmup": 10}})
+        assert tracker.flush()
+    tracker.close()
+    params = _client(uri).get_run(run_id).data.params
+    assert (params["schedule.total"], params["optim.lr"], params["optim.warmup"]) == ("100", "0.2", "10"), params
+    assert caplog.text.count("INVALID_PARAMETER_VALUE") == 1 and "schedule.total" in caplog.text, caplog.text
+
+
 def test_a_run_deleted_while_it_trains_is_one_warning_not_one_a_second(store, caplog):
     """Deleted in the UI while training ran, the run refused each send, and each refusal was a forced warning: one
     line a second (the sender's pace) in the job's log for the rest of training. The same refusal warns once."""
