@@ -286,13 +286,15 @@ def finish_ledger(run_dir: Path, ledger: Ledger, plan: dict[str, Any], tracker: 
 
 
 class GoodputMonitor:
-    """Logs the ledger so far every ``interval_s`` when the step advanced, never at the run's last step."""
+    """Logs the ledger so far every ``interval_s`` when the step advanced, one poll late: the newest step's values wait
+    for a newer step, since a job that ends there logs its totals at that step (`finish_ledger`), and never the last."""
 
     def __init__(self, run_dir: Path, clock: JobClock, tracker: Tracker, interval_s: float = 5.0):
         self.run_dir, self.clock, self.tracker, self.interval_s = run_dir, clock, tracker, interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged_step = 0
+        self._held: dict[str, float] = {}  # the ledger at _logged_step, not sent yet
 
     def start(self) -> GoodputMonitor:
         self._thread = threading.Thread(target=self._run, name="goodput-monitor", daemon=True)
@@ -315,8 +317,9 @@ class GoodputMonitor:
         if step <= self._logged_step or step >= last:
             return False
         ledger = build_ledger(self.clock, time.time(), attempts, process_starts(read_workers(self.run_dir)))
-        self.tracker.log_metrics(ledger.metrics(), step=step)
-        self._logged_step = step
+        if self._held:
+            self.tracker.log_metrics(self._held, step=self._logged_step)
+        self._held, self._logged_step = ledger.metrics(), step
         return True
 
     def _run(self) -> None:

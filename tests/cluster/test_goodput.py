@@ -271,3 +271,28 @@ def test_final_ledger_is_written_printed_with_the_predicted_data_wait_and_monito
     clock.step = 30
     clock.write()
     assert not monitor.poll()
+
+
+def test_a_job_that_ends_early_logs_one_goodput_value_per_step(tmp_path, mlflow_uri):
+    """A job ending before its schedule's last step logged the monitor's interim ledger and then the totals at the
+    same step: two values at one step. The monitor's newest values wait for a newer step, so the totals stand alone."""
+    from mlflow import MlflowClient
+
+    from tracking.runs import create_run
+
+    run_id = create_run(mlflow_uri, "goodput", "ends-early")
+    run = tmp_path / "run"
+    clock = AttemptClock()
+    clock.open(attempt_path(run, 1), start_step=0, last_step=30)
+    job = JobClock(clock.started - 1, clock.started)
+    monitor = GoodputMonitor(run, job, Tracker(mlflow_uri, run_id, rank=0))
+    for step in (12, 20):  # the job stops at 20 of 30
+        clock.step = step
+        clock.write()
+        assert monitor.poll()
+    monitor.stop()
+    ledger = build_ledger(job, time.time(), read_attempts(run), process_starts(read_workers(run)))
+    with Tracker(mlflow_uri, run_id, rank=0) as tracker:
+        finish_ledger(run, ledger, {"data": {}}, tracker, step=20)
+    history = MlflowClient(mlflow_uri).get_metric_history(run_id, keys.GOODPUT_WALL_S)
+    assert [m.step for m in history] == [12, 20] and history[-1].value == ledger.wall_s
