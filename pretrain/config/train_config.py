@@ -327,16 +327,15 @@ def check_paths_exist(config: TrainConfig) -> None:
                 f"checkpoint.init_from={c.init_from!r} is not an .npz archive (truncated, damaged or another format); "
                 "download the official checkpoint again or point at a model.safetensors folder"
             )
-        if not npz:  # a folder says its architecture in a small file: refused here, not in every rank
-            _check_init_folder(src, config)
+        _check_init_architecture(src, npz, config)  # refused here, not in every rank
 
 
-def _check_init_folder(folder: Path, config: TrainConfig) -> None:
-    """ValueError if the ``init_from`` folder's ``model.json`` is another architecture than the recipe's model; an
-    unreadable one is left to the ranks, which load the weights."""
-    saved = formats.recorded_config(folder)
+def _check_init_architecture(src: Path, npz: bool, config: TrainConfig) -> None:
+    """ValueError if the ``init_from`` weights are of another architecture than the recipe's model, as a folder's
+    ``model.json`` or an .npz's array shapes say; unreadable ones are left to the ranks, which load the weights."""
+    saved = formats.npz_architecture(src) if npz else formats.recorded_config(src)
     if saved is not None:
-        formats.check_init_architecture(saved, check_model(config), str(folder))
+        formats.check_init_architecture(saved, check_model(config), str(src))
 
 
 def _epoch_images(d: DataConfig, check_paths: bool) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from data_pipeline.cli import fail, interrupted, local_path
@@ -21,13 +22,16 @@ from pretrain.weights import source as weights_source
 from pretrain.weights.export import (
     FORMATS,
     HF_FILES,
+    NPZ_NAME,
     check_folder_out,
     check_npz_out,
     checkpoint_step,
     class_names,
     export,
+    new_folder,
 )
 from pretrain.weights.formats import load_model, load_npz, save_pretrained
+from pretrain.weights.hf import NPZ_ALREADY, check_convertible
 from tracking.models import log_hf_model, loggable_run
 
 
@@ -52,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         "out",
         metavar="OUT",
         help="hf: the folder to write config.json, model.safetensors "
-        "and preprocessor_config.json into; npz: the file (a folder gets model.npz)",
+        "and preprocessor_config.json into; npz: the file (a folder, or a path ending in /, gets model.npz)",
     )
     out.add_argument(
         "--format",
@@ -87,6 +91,8 @@ def _export(args: argparse.Namespace) -> VisionTransformer:
     if args.mlflow_run:  # before anything is written
         loggable_run(args.mlflow_run, args.tracking_uri, step=step, source=source)
     model = load_model(source, image_size=args.image_size)
+    if args.format == "hf" and source.is_file():  # an .npz: the advice to export one does not fit
+        check_convertible(model.config, NPZ_ALREADY)
     written = export(model, args.out, args.format, labels=class_names(source, model.config.num_classes))
     print(f"wrote {written}")
     if args.mlflow_run:
@@ -107,7 +113,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
                 f"OUT_DIR {args.out_dir} is a file; pass a folder to write model.safetensors and model.json into"
             )
     elif args.command == "export":
+        as_folder = str(args.out).endswith(("/", os.sep))  # which Path drops
         args.out = local_path(args.out, "OUT")
+        if args.format == "npz" and as_folder and not args.out.is_dir():
+            if args.out.exists():
+                raise ValueError(f"OUT {args.out}/ names a folder, but {args.out} is a file; pass its path without /")
+            args.out = args.out / NPZ_NAME  # a folder gets model.npz
         if args.format == "hf" and args.out.exists() and not args.out.is_dir():
             raise ValueError(f"OUT {args.out} is a file; --format hf writes a folder (config.json + model.safetensors)")
         if args.mlflow_run and args.format != "hf":
@@ -119,7 +130,8 @@ def _run(args: argparse.Namespace) -> VisionTransformer:
     if args.command == "convert":
         check_folder_out(args.out_dir, (WEIGHTS_FILE, CONFIG_FILE))  # what save_pretrained writes
         model = load_npz(weights_source.locate(args.npz), image_size=args.image_size)
-        save_pretrained(model, args.out_dir)
+        with new_folder(args.out_dir):
+            save_pretrained(model, args.out_dir)
         print(f"wrote {args.out_dir}")
         return model
     if args.command == "export":

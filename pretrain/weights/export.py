@@ -8,9 +8,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +35,7 @@ FORMATS = ("hf", "npz")
 HF_PREPROCESSOR = "preprocessor_config.json"
 NPZ_NAME = "model.npz"  # when OUT is a folder
 HF_FILES = (HF_CONFIG, WEIGHTS_FILE, HF_PREPROCESSOR)  # what `save_hf` writes
+EVALS = "evals"  # what `python -m evals.run --weights FOLDER` adds to it (docs/contracts.md, "Checkpoints")
 # VT's block names, in call order
 _BLOCK_NAMES = ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
 
@@ -57,28 +62,29 @@ def class_names(source: Path, num_classes: int) -> list[str] | None:
 
 def check_folder_out(out: Path, names: tuple[str, ...], source: Path | None = None) -> None:
     """ValueError, before anything is written, unless the folder ``out`` may get the files ``names``: it is not
-    ``source`` and holds nothing else (new, empty, or what an earlier export wrote, its leftover temporaries too)."""
+    ``source``, lies in no checkpoint (`_check_not_in_checkpoints`) and holds nothing else (new, empty, or what an
+    earlier export wrote, its leftover temporaries and the ``evals/`` of an eval of it too)."""
     _check_not_source(out, source)
     others = sorted(p.name for p in out.iterdir() if p.name.partition(".tmp")[0] not in names) if out.is_dir() else []
+    if EVALS in others and (out / EVALS).is_dir() and any((out / name).is_file() for name in names):
+        others.remove(EVALS)  # an earlier export's eval results: kept as they are
     if others:
         raise ValueError(
             f"OUT {out} holds {others[0]}, which this command does not write (a checkpoint, run or other weights "
             "folder?), so it would mix with or replace what is there; pass a new or empty folder"
         )
+    _check_not_in_checkpoints(out, source, "folder")
 
 
 def check_npz_out(out: Path, source: Path) -> None:
-    """ValueError, before anything is written, unless the .npz `save_npz` writes for ``out`` is not ``source`` and
-    is either absent or an .npz archive (an earlier export); a folder ``out`` as in `check_folder_out`."""
+    """ValueError, before anything is written, unless the .npz `save_npz` writes for ``out`` is not ``source``, lies
+    in no checkpoint and is either absent or an .npz archive (an earlier export); a folder ``out`` as in
+    `check_folder_out`."""
     if out.is_dir():
         check_folder_out(out, (NPZ_NAME,), source)
     path = npz_path(out)
     _check_not_source(path, source)
-    if _mixes_with_checkpoints(path.parent, source):
-        raise ValueError(
-            f"OUT {path} would be a stray file in {path.parent} (SOURCE, a checkpoint or a run's checkpoints/, "
-            "whose retention deletes it with the checkpoint); pass a path outside it"
-        )
+    _check_not_in_checkpoints(path, source, "file")
     if path.exists() and not _is_npz(path):
         raise ValueError(
             f"OUT {path} exists and is not an .npz archive, so it is not replaced; pass a new file path, or a folder "
@@ -86,15 +92,28 @@ def check_npz_out(out: Path, source: Path) -> None:
         )
 
 
-def _mixes_with_checkpoints(folder: Path, source: Path) -> bool:
-    """Whether a file put in ``folder`` would lie in SOURCE, in a checkpoint (deleted whole by retention) or among
-    the checkpoints of a run."""
+def _check_not_in_checkpoints(out: Path, source: Path | None, kind: str) -> None:
+    """ValueError if the ``kind`` ("file", "folder") ``out`` would lie in SOURCE, a checkpoint or a run's
+    ``checkpoints/``, however deep."""
+    folder = next((p for p in out.absolute().parents if _mixes_with_checkpoints(p, source)), None)
+    if folder is not None:
+        raise ValueError(
+            f"OUT {out} would be a stray {kind} in {folder} "
+            "(SOURCE, a checkpoint or a run's checkpoints/, whose retention deletes it with the checkpoint); pass a "
+            "path outside it"
+        )
+
+
+def _mixes_with_checkpoints(folder: Path, source: Path | None) -> bool:
+    """Whether what is put in ``folder`` would lie in SOURCE, in a checkpoint (deleted whole by retention) or among
+    the checkpoints of a run (where retention and the next save delete folders)."""
     if not folder.is_dir():
         return False
-    if source.is_dir() and folder.samefile(source) or run_folder.looks_like_checkpoint(folder):
+    if source is not None and source.is_dir() and folder.samefile(source) or run_folder.looks_like_checkpoint(folder):
         return True
-    steps = (run_folder.parse_step(p.name) is not None for p in folder.iterdir())
-    return folder.name == run_folder.CHECKPOINTS and any(steps)
+    if folder.name != run_folder.CHECKPOINTS:
+        return False
+    return any(run_folder.parse_step(p.name) is not None for p in folder.iterdir())
 
 
 def _check_not_source(out: Path, source: Path | None) -> None:
@@ -130,7 +149,14 @@ def read_hf_folder(path: Path) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path / WEIGHTS_FILE} is not a readable safetensors file ({e}); write it again") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / HF_CONFIG} is not a ViT config this reads: {e}") from None
-    return config, state_dict_from_hf(weights, config)
+    state = state_dict_from_hf(weights, config)
+    classes = len(state["head.bias"]) if "head.bias" in state else config.num_classes
+    if classes != config.num_classes:
+        raise ValueError(
+            f"{path / HF_CONFIG} gives {config.num_classes} classes (num_labels, id2label) but the classifier in "
+            f"{WEIGHTS_FILE} has {classes}; make its id2label and label2id (and num_labels, if set) give {classes}"
+        )
+    return config, state
 
 
 def preprocessor_config(config: ViTConfig) -> dict:
@@ -149,20 +175,62 @@ def preprocessor_config(config: ViTConfig) -> dict:
 
 
 def save_hf(model: VisionTransformer, out: Path, labels: list[str] | None = None) -> Path:
-    """Write the HF folder ``out``, each file whole or not at all; ValueError, before writing, for a model HF cannot
-    hold. A headless model is a ViTModel, keys without ``vit.``."""
+    """Write the HF folder ``out``, each file whole or not at all, a new folder removed again if a write fails;
+    ValueError, before writing, for a model HF cannot hold. A headless model is a ViTModel, keys without ``vit.``."""
     config = model.config
     fields = hf_config_dict(config, labels)  # refuses first
     state = to_hf_state_dict(model, layout="hub")
     if not config.num_classes:
         state = {k.removeprefix("vit."): v for k, v in state.items()}
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
-    metadata = {"format": "pt", "producer": "vitscale"}
-    replace_atomically(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    write_text_atomically(out / HF_CONFIG, json.dumps(fields, indent=2) + "\n")
-    write_text_atomically(out / HF_PREPROCESSOR, json.dumps(preprocessor_config(config), indent=2) + "\n")
+    with new_folder(out):
+        write_safetensors(tensors, out / WEIGHTS_FILE)
+        write_text_atomically(out / HF_CONFIG, json.dumps(fields, indent=2) + "\n")
+        write_text_atomically(out / HF_PREPROCESSOR, json.dumps(preprocessor_config(config), indent=2) + "\n")
     return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``path`` whole or not at all, with the mode any new file gets here (safetensors' own is 0600, which
+    colleagues on a shared filesystem cannot read); OSError naming ``path`` and the cause when it cannot be written."""
+    metadata = {"format": "pt", "producer": "vitscale"}
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as error:  # e.g. "I/O error: No space left on device (os error 28)"
+            raise OSError(f"cannot write {path}: {error}") from error
+        os.chmod(tmp, 0o666 & ~_umask())
+
+    replace_atomically(path, write)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where /proc tells it (os.umask sets it, racing other threads'
+    file creation)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+@contextlib.contextmanager
+def new_folder(folder: Path) -> Iterator[None]:
+    """Make ``folder`` (and its missing parents) for the body's writes; if it raises, remove what this made, so a
+    failed write leaves no new folder behind, and add the fix to an OSError (a full disk, say)."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException as error:
+        if made:
+            shutil.rmtree(made[-1], ignore_errors=True)
+        if isinstance(error, OSError):
+            raise OSError(f"{error}; make room there or write elsewhere, then run the command again") from error
+        raise
 
 
 def npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
@@ -248,8 +316,11 @@ def save_npz(model: VisionTransformer, out: Path) -> Path:
     never pickled."""
     arrays = npz_arrays(model)  # refuses first
     path = npz_path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, lambda tmp: _write_npz(arrays, tmp))
+    with new_folder(path.parent):
+        try:
+            replace_atomically(path, lambda tmp: _write_npz(arrays, tmp))
+        except OSError as error:  # e.g. a full disk
+            raise OSError(f"cannot write {path}: {error.strerror or error}") from error
     return path
 
 

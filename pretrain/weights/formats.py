@@ -15,14 +15,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from data_pipeline.paths import write_text_atomically
 from pretrain.checkpoint import run_folder
 from pretrain.checkpoint.run_folder import CONFIG_FILE, WEIGHTS_FILE
 from pretrain.model.resnet import GN_GROUPS, stem_out_channels, stem_stride
 from pretrain.model.vit import VisionTransformer, ViTConfig
 from pretrain.weights import source as weights_source
-from pretrain.weights.export import is_hf_folder, read_hf_folder
+from pretrain.weights.export import is_hf_folder, read_hf_folder, write_safetensors
 from pretrain.weights.hf import config_from_hf_dict, from_hf_state_dict, hf_config, to_hf_state_dict
 from pretrain.weights.source import HF_CONFIG
 
@@ -361,6 +362,23 @@ def _finish(config: ViTConfig, state: dict, source, image_size: int | None, over
     return model
 
 
+def npz_architecture(path: Path) -> ViTConfig | None:
+    """The architecture of an official .npz, from its arrays' headers alone (no weights read); None where they do not
+    describe a ViT this reads (the load that follows says what is wrong)."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        arrays = {}
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                with archive.open(name) as member:
+                    shape, _, dtype = readers[np.lib.format.read_magic(member)](member)
+                arrays[name.removesuffix(".npy")] = np.broadcast_to(np.zeros((), dtype), shape)  # shape, no data
+        p = _strip_prefix(arrays, path)
+        return _npz_config(p, _encoder_blocks(p))[0]
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):
+        return None
+
+
 def recorded_config(folder: Path) -> ViTConfig | None:
     """The architecture a weights or checkpoint folder's ``model.json`` (an HF folder's ``config.json``) records; None
     when absent or unreadable (the load that follows says what is wrong)."""
@@ -421,12 +439,13 @@ def resize_model(model: VisionTransformer, image_size: int) -> None:
 
 
 def save_pretrained(model: VisionTransformer, directory: str | Path) -> None:
-    """Write `model.safetensors` (in the model's dtype) and `model.json`."""
+    """Write `model.safetensors` (in the model's dtype) and `model.json`, each whole or not at all (`write_safetensors`:
+    OSError naming the file when it cannot be written)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt", "producer": "vitscale"})
-    (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    write_safetensors(state, directory / WEIGHTS_FILE)
+    write_text_atomically(directory / CONFIG_FILE, json.dumps(model.config.to_dict(), indent=2) + "\n")
 
 
 def load_pretrained(directory: str | Path, image_size: int | None = None, **overrides) -> VisionTransformer:

@@ -44,8 +44,19 @@ class NotInHFViT(ValueError):
     """The architecture has a part HF's ViT cannot hold."""
 
 
-def _check_convertible(config: ViTConfig) -> None:
-    """NotInHFViT naming each part HF's ViT cannot hold."""
+# What to do instead: export the weights to the layout that holds every model, or keep the .npz they are in
+TO_NPZ = (
+    "the official .npz layout holds every vitscale ViT "
+    "(`python -m pretrain.weights export SOURCE OUT.npz --format npz`)"
+)
+NPZ_ALREADY = (
+    "SOURCE is already an official .npz, the layout that holds every vitscale ViT, and HF's cannot: use the .npz "
+    "as it is (checkpoint.init_from, `python -m evals.run --weights`)"
+)
+
+
+def check_convertible(config: ViTConfig, instead: str = TO_NPZ) -> None:
+    """NotInHFViT naming each part HF's ViT cannot hold, then what to do ``instead``."""
     problems = []
     if config.pool != "token":
         problems.append("pool='gap' (HF ViT classifies from the class token)")
@@ -57,16 +68,13 @@ def _check_convertible(config: ViTConfig) -> None:
     if config.hybrid_stages is not None:
         problems.append(f"a ResNet hybrid stem (hybrid_stages={config.hybrid_stages}; HF's ViT has a patch embedding)")
     if problems:
-        raise NotInHFViT(
-            "cannot express in HF ViTForImageClassification: " + "; ".join(problems) + " — the official .npz layout "
-            "holds every vitscale ViT (`python -m pretrain.weights export SOURCE OUT.npz --format npz`)"
-        )
+        raise NotInHFViT("cannot express in HF ViTForImageClassification: " + "; ".join(problems) + " — " + instead)
 
 
 def hf_refusal(config: ViTConfig) -> str | None:
     """Why HF's ViT cannot hold ``config`` (`NotInHFViT`'s message), or None: the plan and the job's end ask it."""
     try:
-        _check_convertible(config)
+        check_convertible(config)
     except NotInHFViT as why:
         return str(why)
     return None
@@ -75,7 +83,7 @@ def hf_refusal(config: ViTConfig) -> str | None:
 def hf_config_dict(config: ViTConfig, labels: list[str] | tuple[str, ...] | None = None) -> dict:
     """The HF `config.json`, without transformers. A headless model is a ViTModel whose ``last_hidden_state[:, 0]``
     is our ``forward`` (load with ``add_pooling_layer=False``)."""
-    _check_convertible(config)
+    check_convertible(config)
     if labels is not None and len(labels) != config.num_classes:
         raise ValueError(f"{len(labels)} class names for a head of {config.num_classes} classes")
     names = list(labels) if labels is not None else [f"LABEL_{i}" for i in range(config.num_classes)]
@@ -171,7 +179,7 @@ def installed_layout() -> str:
 def to_hf_state_dict(model: VisionTransformer, layout: str = "auto") -> dict[str, torch.Tensor]:
     """Our weights under HF ViTForImageClassification keys; `layout`: "auto" (installed) | "hub" | "v5"."""
     config = model.config
-    _check_convertible(config)
+    check_convertible(config)
     layout = installed_layout() if layout == "auto" else layout
     if layout not in _LAYER_PREFIX:
         raise ValueError(f"layout must be 'auto', 'hub' or 'v5', got {layout!r}")
@@ -204,7 +212,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config) -> VisionTra
 
 def state_dict_from_hf(state_dict: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
     """HF ViT weights (either layout) under our names; a pooler is ignored."""
-    _check_convertible(config)
+    check_convertible(config)
     hf = {re.sub(r"^(?!vit\.|classifier\.)", "vit.", k): v for k, v in state_dict.items()}
     layout = "v5" if any(k.startswith("vit.layers.") for k in hf) else "hub"
     column = 0 if layout == "hub" else 1

@@ -31,6 +31,10 @@ class DamagedCheckpointError(ValueError):
     """A COMPLETE checkpoint whose weights fail their checksums."""
 
 
+class UnreachableError(OSError):
+    """An HTTP source whose server cannot be reached."""
+
+
 def resolve(source: str | Path) -> Path:
     """`locate`, then DamagedCheckpointError if the checkpoint's weights fail their checksums."""
     path = locate(source)
@@ -74,7 +78,7 @@ def fetch(url: str) -> Path:
     try:
         with quiet_stores():
             return _fetch(url)
-    except (FileNotFoundError, ImportError):
+    except (FileNotFoundError, ImportError, UnreachableError):
         raise
     except Exception as error:  # e.g. botocore's NoCredentialsError, gcsfs's "Forbidden" on two lines
         raise OSError(f"{url}: {type(error).__name__}: {' '.join(str(error).split())}") from error
@@ -85,13 +89,11 @@ def _fetch(url: str) -> Path:
     fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     root = root.rstrip("/")
     protocol = url.split("://", 1)[0]
-    info = store_info(fs, root)
-    if info is None:
-        raise FileNotFoundError(f"{url}: nothing there; pass a checkpoint, run or weights folder, or an .npz file")
+    info = _info(fs, root, url)
     if info["type"] == "file":
         if Path(root).name not in FOLDER_FILES:
-            return _copy(fs, protocol, Path(root).parent.as_posix(), [info]) / Path(root).name
-        root = Path(root).parent.as_posix()
+            return _copy(fs, protocol, _parent(root), [info]) / Path(root).name
+        root = _parent(root)
     entries = fs.ls(root, detail=True)
     names = {Path(e["name"]).name for e in entries}
     if COMPLETE not in names and (Path(root).name == CHECKPOINTS or CHECKPOINTS in names):
@@ -101,6 +103,25 @@ def _fetch(url: str) -> Path:
     if not files:
         raise FileNotFoundError(f"{url}: no files in it; pass a checkpoint, run or weights folder, or an .npz file")
     return _copy(fs, protocol, root, files)
+
+
+def _info(fs, root: str, url: str) -> dict:
+    """``root``'s fsspec info; FileNotFoundError for nothing there, UnreachableError for an HTTP server that cannot be
+    reached (fsspec's HTTP info raises FileNotFoundError for any failure, the connection's as its cause)."""
+    try:
+        return fs.info(root)
+    except (FileNotFoundError, NotADirectoryError) as error:
+        if url.startswith(("http://", "https://")) and isinstance(error.__cause__, OSError):
+            raise UnreachableError(
+                f"{url}: the server could not be reached ({' '.join(str(error.__cause__).split())}); check the "
+                "host and port, and that the server is up"
+            ) from None
+    raise FileNotFoundError(f"{url}: nothing there; pass a checkpoint, run or weights folder, or an .npz file")
+
+
+def _parent(root: str) -> str:
+    """The folder of a store path; an HTTP path is a whole URL, which Path would make ``http:/host``."""
+    return root.rstrip("/").rpartition("/")[0]
 
 
 def _newest_complete(fs, checkpoints: str, url: str) -> str:
@@ -126,7 +147,8 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
     )
     key = hashlib.sha256(json.dumps([protocol, folder, listing]).encode()).hexdigest()[:16]
     local = cache_dir() / "weights" / key / Path(folder).name
-    marker = json.dumps({"source": f"{protocol}://{folder}", "files": listing}) + "\n"
+    url = folder if "://" in folder else f"{protocol}://{folder}"  # HTTP's paths are URLs
+    marker = json.dumps({"source": url, "files": listing}) + "\n"
     if (local / FETCHED).is_file():
         if (local / FETCHED).read_text() != marker:  # an older marker without the source
             (local / FETCHED).write_text(marker)
@@ -134,7 +156,7 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
     local.mkdir(parents=True, exist_ok=True)
     _remove_killed_parts(local)
     total, started = sum(f.get("size") or 0 for f in files), time.monotonic()
-    print(f"fetching {protocol}://{folder}: {len(files)} file(s), {total / 1e9:.3g} GB, to {local}", flush=True)
+    print(f"fetching {url}: {len(files)} file(s), {total / 1e9:.3g} GB, to {local}", flush=True)
     for f in files:
         name = Path(f["name"]).name
         partial = local / f"{name}{_part_suffix()}{os.getpid()}"
@@ -142,7 +164,7 @@ def _copy(fs, protocol: str, folder: str, files: list[dict]) -> Path:
         os.replace(partial, local / name)
     (local / FETCHED).write_text(marker)
     seconds = time.monotonic() - started
-    print(f"fetched {protocol}://{folder} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-3):.3g} MB/s)", flush=True)
+    print(f"fetched {url} in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-3):.3g} MB/s)", flush=True)
     return local
 
 

@@ -11,10 +11,16 @@ folder (its newest COMPLETE checkpoint), a damaged checkpoint (refused), an expo
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
+import os
 import re
+import resource
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +60,7 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).abs().max() / expected.abs().max())
 
 
-def _export(source: Path, out: Path, *flags: str, capsys=None) -> int:
+def _export(source: Path | str, out: Path | str, *flags: str, capsys=None) -> int:
     """The exit status of `python -m pretrain.weights export SOURCE OUT FLAGS` (argparse's own errors included)."""
     try:
         status = main(["export", str(source), str(out), *flags])
@@ -371,3 +377,132 @@ def test_python_m_export_refusal_is_one_line_without_traceback(tmp_path):
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and not proc.stdout, proc.stderr
     assert proc.stderr.count("\n") == 1 and "pool='gap'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664)], ids=["umask022", "umask002"])
+def test_written_weights_get_the_mode_of_any_new_file(umask, mode, tmp_path, capsys):
+    """safetensors writes its file 0600 whatever the umask: colleagues could read config.json but not the weights."""
+    old = os.umask(umask)
+    try:
+        save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4)), tmp_path / "ours")  # checkpoints too
+        assert _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys) == 0
+    finally:
+        os.umask(old)
+    for folder in ("ours", "hf"):
+        assert stat.S_IMODE((tmp_path / folder / "model.safetensors").stat().st_mode) == mode, folder
+
+
+def test_a_failed_write_is_one_line_and_leaves_no_new_folder(tmp_path, capsys):
+    """A full disk (here: a file size limit) during --format hf or convert gave SafetensorError's traceback and
+    left an empty OUT."""
+    save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4)), tmp_path / "ours")
+    np.savez(tmp_path / "official.npz", **official_arrays(num_classes=6))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limit[1]))
+    try:  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
+        statuses = [
+            _export(tmp_path / "ours", tmp_path / "new" / "hf"),
+            _export(tmp_path / "ours", tmp_path / "new" / "npz" / "w.npz", "--format", "npz"),
+            main(["convert", str(tmp_path / "official.npz"), str(tmp_path / "new" / "converted")]),
+        ]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    out, err = capsys.readouterr()
+    assert statuses == [2, 2, 2] and not out and err.count("\n") == 3 and "Traceback" not in err, err
+    for line, name in zip(err.splitlines(), ("hf/model.safetensors", "w.npz", "converted/model.safetensors")):
+        assert re.search(
+            rf"error: cannot write \S*{name}: .*File too large.*; make room there or write elsewhere", line
+        ), line
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_earlier_export_with_eval_results_is_written_again(tmp_path, capsys):
+    """`python -m evals.run --weights OUT` adds OUT/evals/: the next export there was refused."""
+    save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4)), tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys) == 0
+    (tmp_path / "hf" / "evals").mkdir()
+    (tmp_path / "hf" / "evals" / "local_fewshot.parquet").write_bytes(b"results")
+    assert _export(tmp_path / "ours", tmp_path / "hf", capsys=capsys) == 0
+    assert (tmp_path / "hf" / "evals" / "local_fewshot.parquet").read_bytes() == b"results"
+    (tmp_path / "other" / "evals").mkdir(parents=True)  # eval results without an export beside them
+    assert _export(tmp_path / "ours", tmp_path / "other") == 2
+    _one_error_line(capsys, r"other holds evals, ")
+
+
+def test_what_hf_cannot_hold_in_an_npz_is_not_sent_back_to_npz(tmp_path, capsys):
+    np.savez(tmp_path / "i21k.npz", **official_arrays(representation_size=24, num_classes=11))
+    assert _export(tmp_path / "i21k.npz", tmp_path / "hf") == 2
+    err = _one_error_line(capsys, r"pre-logits layer", r"SOURCE is already an official .npz")
+    assert "--format npz" not in err and not (tmp_path / "hf").exists()
+
+
+def test_npz_out_ending_in_a_slash_is_a_folder_that_gets_model_npz(tmp_path, capsys):
+    save_pretrained(_random(model_config("vit_tiny_debug", num_classes=4)), tmp_path / "ours")
+    assert _export(tmp_path / "ours", f"{tmp_path / 'new'}/", "--format", "npz", capsys=capsys) == 0
+    assert (tmp_path / "new" / "model.npz").is_file()
+    (tmp_path / "a_file").write_text("x")
+    assert _export(tmp_path / "ours", f"{tmp_path / 'a_file'}/", "--format", "npz") == 2
+    _one_error_line(capsys, r"a_file/ names a folder, but \S*a_file is a file")
+
+
+def test_hf_export_and_convert_never_write_into_a_runs_checkpoints(tmp_path, capsys):
+    """A folder there is a checkpoint's or lies among them: retention and the next save delete it."""
+    _checkpoint(tmp_path / "run", 2, _random(model_config("vit_tiny_debug", num_classes=4)))
+    np.savez(tmp_path / "official.npz", **official_arrays(num_classes=6))
+    before = _contents(tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    cases = {
+        ("export", checkpoints / "step_00000600" / "hf"): r"stray folder in \S*checkpoints \(SOURCE, a checkpoint",
+        ("export", checkpoints / "step_00000002" / "hf"): r"stray folder in \S*step_00000002 ",
+        ("convert", checkpoints / "step_00000700"): r"stray folder in \S*checkpoints ",
+    }
+    for (command, out), expected in cases.items():
+        assert main([command, str(tmp_path / "official.npz"), str(out)]) == 2, out
+        _one_error_line(capsys, expected)
+    assert _contents(tmp_path / "run") == before and [p.name for p in checkpoints.iterdir()] == ["step_00000002"]
+
+
+def test_an_npz_init_from_of_another_architecture_is_refused_by_the_dry_run(tmp_path, capsys):
+    """A folder's model.json was checked where the recipe is; an .npz only in every rank, after the start."""
+    from pretrain.config.train_config import load_config
+
+    np.savez(tmp_path / "other.npz", **official_arrays(num_classes=6))  # width 32, depth 2
+    config = load_config("local_demo", [f"checkpoint.init_from={tmp_path / 'other.npz'}"])
+    with pytest.raises(ValueError, match=r"init_from=\S*other.npz: its weights are of another architecture .*width 32"):
+        config.validate(2)
+    save_pretrained(_random(model_config("vit_tiny_debug")), tmp_path / "ours")
+    assert _export(tmp_path / "ours", tmp_path / "same.npz", "--format", "npz", capsys=capsys) == 0
+    load_config("local_demo", [f"checkpoint.init_from={tmp_path / 'same.npz'}"]).validate(2)
+
+
+# --------------------------------------------------------------------------------------------- HTTP sources
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+def test_an_http_source_is_fetched_naming_its_url_and_an_unreachable_one_is_one_line(tmp_path, monkeypatch, capsys):
+    """The fetch printed `fetching http://http:/127.0.0.1:PORT`; a server that is down read as "nothing there"."""
+    monkeypatch.setenv("VITSCALE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "served").mkdir()
+    np.savez(tmp_path / "served" / "official.npz", **official_arrays(num_classes=6))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_Files, directory=str(tmp_path / "served"))
+    )
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert _export(f"{url}/official.npz", tmp_path / "hf") == 0
+        assert f"fetching {url}: 1 file(s)" in capsys.readouterr().out
+        assert _export(f"{url}/absent.npz", tmp_path / "hf") == 2
+        _one_error_line(capsys, r"absent.npz: nothing there")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _export(f"{url}/official.npz", tmp_path / "again") == 2
+    _one_error_line(capsys, rf"{url}/official.npz: the server could not be reached \(.*\); check the host and port")

@@ -19,6 +19,7 @@ import torch
 from pretrain.checkpoint.run_folder import IncompleteCheckpointError, latest_checkpoint
 from pretrain.model.vit import VisionTransformer, ViTConfig, build_model
 from pretrain.weights.__main__ import main
+from pretrain.weights.export import save_hf
 from pretrain.weights.formats import (
     from_hf_state_dict,
     hf_config,
@@ -488,6 +489,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "run" / "checkpoints" / "step_00000002" / "COMPLETE").write_text("")
     (tmp / "empty_run" / "checkpoints" / "step_00000004").mkdir(parents=True)  # its first save never finished
     (tmp / "a_file").write_text("x")
+    hf_config = json.loads((save_hf(tiny, tmp / "hf_labels") / "config.json").read_text())  # 3 names, not 1000:
+    hf_config["id2label"] = {str(i): f"c{i}" for i in range(3)}  # "size mismatch for head.weight" on three lines
+    (tmp / "hf_labels" / "config.json").write_text(json.dumps(hf_config))
     info = lambda name: ["info", str(tmp / name)]  # noqa: E731
     return {
         "pickle": (info("pickle.npz"), r"pickle.npz is a pickle, not an .npz archive; pickled data is never loaded"),
@@ -520,6 +524,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
             r"wrong_model do not fit the model their config describes: missing \['blocks.4.*and \d+ more",
         ),
         "checkpoint_without_complete": (info("unfinished"), r"unfinished has no COMPLETE marker"),
+        "hf_labels_not_the_head": (info("hf_labels"), r"config.json gives 3 classes .* has \d+; make its id2label"),
         "run_without_checkpoint": (info("empty_run"), r"empty_run is a run folder without a COMPLETE checkpoint"),
         "image_size_off_stride": (info("good.npz") + ["--image-size", "30"], r"image_size=30: .*patch stride 4"),
         "image_size_zero": (info("good.npz") + ["--image-size", "0"], r"--image-size must be a positive"),
