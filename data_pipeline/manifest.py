@@ -222,7 +222,8 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     if meta.get("num_samples", num_samples) != num_samples:
         raise ShardFormatError(
             f"{root}: {DATASET_FILE} says {meta['num_samples']} samples but {MANIFEST_FILE} counts {num_samples}; "
-            "the folder is damaged — rewrite it or run `python -m data_pipeline.validate` for details"
+            "the folder is damaged — rewrite it with `python -m data_pipeline.write` (or `python -m "
+            "data_pipeline.builtin`)"  # not validate: it stops here too
         )
     if not shards:
         raise ShardFormatError(f"{root}: {MANIFEST_FILE} lists no shards; the dataset is empty")

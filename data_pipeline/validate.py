@@ -28,8 +28,8 @@ from data_pipeline.manifest import (
     read_dataset_info,
     rewrite_reader_indexes,
 )
-from data_pipeline.paths import command_line_path, is_remote
-from data_pipeline.stream.shards import read_shard
+from data_pipeline.paths import command_line_path, is_remote, quiet_stores
+from data_pipeline.stream.shards import CREDENTIALS, read_shard, refused
 
 
 @dataclass
@@ -120,10 +120,14 @@ def validate(shard_dir: str, spot: int = 16, full: bool = False) -> ValidationRe
         _check_shard(info, index, spot, full, report)
     fs, path = fsspec.core.url_to_fs(str(shard_dir))
     samples_path = posixpath.join(path.rstrip("/"), SAMPLES_FILE)
+    rows = None
     if fs.exists(samples_path):
-        with fs.open(samples_path, "rb") as f:
-            rows = pq.read_metadata(f).num_rows
-        if rows != info.num_samples:
+        try:
+            with fs.open(samples_path, "rb") as f:
+                rows = pq.read_metadata(f).num_rows
+        except ValueError as error:  # ArrowInvalid: cut short, or another format
+            report.problems.append(f"{SAMPLES_FILE} is damaged ({' '.join(str(error).split())})")
+        if rows is not None and rows != info.num_samples:
             report.problems.append(f"{SAMPLES_FILE}: {rows} rows, manifest counts {info.num_samples} samples")
     else:
         report.problems.append(f"{SAMPLES_FILE} is missing")
@@ -142,6 +146,16 @@ def _write_index(shard_dir: str) -> None:
         rewrite_reader_indexes(command_line_path(shard_dir))
     except OSError as error:
         raise ShardFormatError(f"--write-index: cannot write into {shard_dir} ({error})") from None
+
+
+def _unreadable(shard_dir: str, error: Exception) -> str:
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    fix = CREDENTIALS.get(shard_dir.split("://")[0]) if is_remote(shard_dir) and refused(error) else None
+    if fix is None:
+        return f"{shard_dir}: cannot read it ({reason})"
+    return (
+        f"{shard_dir}: cannot read it ({reason}): the store refused this process's credentials, or it has none; {fix}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.write_index:
             _write_index(args.shard_dir)
-        report = validate(args.shard_dir, spot=args.spot, full=args.full)
+        with quiet_stores():  # gcsfs and botocore log each failed try with a traceback; the one line says it
+            report = validate(args.shard_dir, spot=args.spot, full=args.full)
     except ShardFormatError as err:
         return fail(p.prog, err)
     except ValueError as err:
@@ -175,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.shard_dir}: a metadata file is damaged ({err}); rewrite the folder with "
             "`python -m data_pipeline.write` (or `python -m data_pipeline.builtin`)",
         )
-    except OSError as err:  # a store that refuses (credentials) or cannot be reached; its message may span lines
-        return fail(p.prog, f"{args.shard_dir}: cannot read it ({type(err).__name__}: {' '.join(str(err).split())})")
+    except Exception as err:  # a store that refuses (credentials) or cannot be reached; its message may span lines
+        if not isinstance(err, OSError) and not refused(err):
+            raise
+        return fail(p.prog, _unreadable(args.shard_dir, err))
     except KeyboardInterrupt:  # it only reads (--write-index replaces each index whole): nothing is half-written
         return interrupted(p.prog, f"nothing in {args.shard_dir} is half-written; the same command checks it again")
     print(report.render())

@@ -39,9 +39,9 @@ _TRANSIENT_NAMES = frozenset(
 _NO_CREDENTIALS = frozenset(
     ("NoCredentialsError", "PartialCredentialsError", "RefreshError", "DefaultCredentialsError")
 )
-_CREDENTIALS = {
-    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, which expires) on every node",
-    "gs": "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS on every node",
+CREDENTIALS = {  # the fix for a process that a store refuses, by scheme (data_pipeline.validate's too)
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, which expires)",
+    "gs": "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS",
 }
 
 
@@ -111,7 +111,7 @@ def _unreadable(url: str, error: BaseException) -> ShardFormatError:
     refusal = _refusal(error) or error
     reason = f"{type(refusal).__name__}: {' '.join(str(refusal).split())}"
     if is_remote(url) and refused(error):
-        fix = _CREDENTIALS.get(url.split("://")[0], "give every node credentials that can read the shard folder")
+        fix = CREDENTIALS.get(url.split("://")[0], "give credentials that can read the shard folder") + " on every node"
         return ShardFormatError(
             f"shard {url} cannot be read ({reason}): the store refused this process's credentials, or it has none; "
             f"{fix}"

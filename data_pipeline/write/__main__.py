@@ -15,6 +15,7 @@ from data_pipeline.cli import fail, interrupted, local_path, output_folder
 from data_pipeline.paths import is_remote
 from data_pipeline.write.dedup import load_exclusion
 from data_pipeline.write.readers import Source, open_source
+from data_pipeline.write.splits import label_space
 from data_pipeline.write.tfds import TFDS_PREFIX, TfdsSource, describe, is_tfds_folder, open_tfds_source, tfds_path
 from data_pipeline.write.writer import WriteConfig, write_dataset
 
@@ -68,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_not_empty(args: argparse.Namespace) -> None:
+    """ValueError for an empty path: ``Path("")`` is the current directory, read or written without a word."""
+    given = [("--source", args.source), ("--out", args.out), ("--class-names", args.class_names)]
+    for option, value in given + [("--exclude-like", path) for path in args.exclude_like]:
+        if value is not None and not value.strip():
+            raise ValueError(f"{option} is empty; give a path (`.` for the current folder)")
+
+
 def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
     if args.class_names is not None and not Path(args.class_names).is_file():
         raise ValueError(f"--class-names {args.class_names} is not a file; give a file of 'id name' lines")
@@ -98,6 +107,7 @@ def _open_source(args: argparse.Namespace) -> tuple[Source, str, dict]:
         class_names_file=args.class_names,
         image_column=args.image_column or "image",
         label_column=args.label_column or "label",
+        label_space=label_space(args.out, args.split),
     )
     return source, Path(os.path.abspath(args.source)).name, {}  # `.` and `..` name the folder they mean
 
@@ -123,7 +133,9 @@ def _kept(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    fresh = not os.path.lexists(args.out)  # a refused run removes the --out it created, if still empty
     try:
+        _check_not_empty(args)
         source, name, extra_meta = _open_source(args)
         as_is = ("samples_per_shard", "max_short_side", "min_size", "seed", "processes", "near_duplicate_distance")
         config = WriteConfig(
@@ -141,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         output_folder(args.out, "--out")  # after the inputs are checked
         report = write_dataset(args.out, config, source=source, exclude=exclude, extra_meta=extra_meta)
     except ValueError as err:
+        if fresh and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)
         return fail(parser.prog, err)
     except KeyboardInterrupt:
         return interrupted(parser.prog, _kept(Path(args.out)))
     print(report.summary())
+    if getattr(source, "class_ids", ()):  # `splits.label_space`
+        print(f"labels: the {len(source.class_ids)} classes of the split folders beside {args.out}, by class id")
     return 0
 
 

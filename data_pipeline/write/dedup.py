@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from PIL import ExifTags, Image, ImageOps
 
 from data_pipeline.manifest import SAMPLES_FILE, iter_samples
+from data_pipeline.paths import is_remote
 
 
 def sha256_hex(data: bytes) -> str:
@@ -200,6 +201,11 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 def load_exclusion(path: str | Path, max_distance: int = 3) -> ExclusionSet:
     """From a shard folder, its samples.parquet or an image folder; ValueError otherwise."""
+    if is_remote(path):  # Path() would read s3://b/x as the local path s3:/b/x
+        raise ValueError(
+            f"--exclude-like {path}: object storage is not read here; copy the evaluation shard folder to a local or "
+            "shared folder first (e.g. `gcloud storage cp -r` or `aws s3 sync`) and give that folder"
+        )
     path = Path(path)
     table_path = path / SAMPLES_FILE if path.is_dir() else path
     if table_path.suffix == ".parquet" and table_path.exists():

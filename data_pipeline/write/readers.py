@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -42,6 +43,7 @@ class Source:
     class_names: tuple[str, ...]
     image_column: str = "image"
     label_column: str = "label"
+    class_ids: tuple[str, ...] = ()  # the labels' class ids where they are not the units': other splits' (`splits`)
 
 
 def readable(name: str) -> str:
@@ -81,6 +83,8 @@ def read_class_names(path: str | Path | None, ids: list[str]) -> list[str]:
         pairs = [line.split("\t", 1) for line in lines]
     elif all(line.split(None, 1)[0] in known or numbered and is_label(line.split(None, 1)[0]) for line in lines):
         pairs = [line.split(None, 1) + [""] for line in lines]
+    elif known and all(len(line.split()) > 1 for line in lines) and known <= {line.split()[0] for line in lines}:
+        pairs = [line.split(None, 1) for line in lines]  # a map of more classes than the source holds
     elif not numbered and lines and all(len(line.split()) > 1 and is_label(line.split()[0]) for line in lines):
         raise _unmatched(path, next(line.split()[0] for line in lines if line.split()[0] not in known), ids)
     else:
@@ -176,6 +180,9 @@ def _visible(root: Path, pattern: str) -> list[Path]:
     return sorted(p for p in root.glob(pattern) if not is_hidden(p.name))
 
 
+_SNAPSHOT_FOLDERS = 16  # a Hugging Face snapshot holds data/ or one folder per config
+
+
 def _no_layout(root: Path) -> str:
     """Why ``root`` is no collection the writer reads, and what to give instead."""
     layouts = (
@@ -193,6 +200,22 @@ def _no_layout(root: Path) -> str:
     return f"--source {root} is empty: expected {layouts}"
 
 
+def _check_not_snapshot(root: Path, folders: list[Path]) -> None:
+    """ValueError for a Hugging Face dataset snapshot (``data/train-00000-of-00002.parquet``, a README.md): its
+    Parquet folder would be read as one image class. Only a few folders are looked into: ImageNet's thousands of
+    class folders would each be listed once more."""
+    if len(folders) > _SNAPSHOT_FOLDERS:
+        return
+    for inner in folders:
+        suffixes = {entry.suffix.lower() for entry in _visible(inner, "*")}
+        if ".parquet" not in suffixes or suffixes.intersection(IMAGE_SUFFIXES):  # a class with a stray table
+            continue
+        raise ValueError(
+            f"--source {root} holds .parquet files one level down, in {inner.name}/ (a Hugging Face dataset "
+            f"snapshot?), not class folders of images; pass --source {inner}"
+        )
+
+
 def _detect_kind(root: Path) -> str:
     """The kind of collection ``root`` is; ValueError when it is none, or when class sub-folders lie beside .tar or
     .parquet files: reading either would silently leave out the other's images."""
@@ -200,8 +223,17 @@ def _detect_kind(root: Path) -> str:
         return "parquet"
     if not root.is_dir():
         raise ValueError(_no_layout(root))
-    files = _visible(root, "*.parquet") or _visible(root, "*.tar")
+    tables, tars = _visible(root, "*.parquet"), _visible(root, "*.tar")
+    if tables and tars:
+        raise ValueError(
+            f"--source {root} holds both per-class .tar files ({_listed([p.name for p in tars], 3)}) and .parquet "
+            f"files ({_listed([p.name for p in tables], 3)}); say which is the collection with --kind imagenet21k "
+            "or --kind parquet, or move the others out"
+        )
+    files = tables or tars
     folders = [p for p in _visible(root, "*") if p.is_dir() and p not in files]
+    if folders and not files:
+        _check_not_snapshot(root, folders)
     if files and folders:
         raise ValueError(
             f"--source {root} holds both class sub-folders ({_listed([p.name for p in folders], 3)}) and "
@@ -222,9 +254,11 @@ def open_source(
     class_names_file: str | Path | None = None,
     image_column: str = "image",
     label_column: str = "label",
+    label_space: Callable[[list[str]], list[str]] | None = None,
 ) -> Source:
     """A raw collection of ``kind`` "folder", "imagenet21k", "parquet" or "auto"; ValueError naming what was
-    expected."""
+    expected. ``label_space``: the class ids that label class folders or tars, given theirs (`splits.label_space`;
+    default: theirs, sorted)."""
     root = Path(path)
     if not root.exists():
         raise ValueError(f"--source {root} does not exist")
@@ -235,9 +269,12 @@ def open_source(
         paths = _visible(root, "*.tar") if tar else [p for p in _visible(root, "*") if p.is_dir()]
         if not paths:
             raise ValueError(f"--source {root} has no per-class .tar files" if tar else _no_layout(root))
-        names = read_class_names(class_names_file, [readable(p.stem if tar else p.name) for p in paths])
-        units = tuple(SourceUnit("tar" if tar else "folder", str(p), i) for i, p in enumerate(paths))
-        return Source(kind, units, tuple(names))
+        ids = [readable(p.stem if tar else p.name) for p in paths]
+        space = label_space(ids) if label_space else ids
+        labels = {i: label for label, i in enumerate(space)}
+        names = read_class_names(class_names_file, space)
+        units = tuple(SourceUnit("tar" if tar else "folder", str(p), labels[i]) for i, p in zip(ids, paths))
+        return Source(kind, units, tuple(names), class_ids=tuple(space) if space != ids else ())
     if kind == "parquet":
         files = [root] if root.is_file() else _visible(root, "*.parquet")
         if not files:
@@ -264,26 +301,64 @@ def open_source(
     raise ValueError(f"unknown source kind {kind!r}; use auto, folder, imagenet21k or parquet")
 
 
+def _count(stats: dict, key: str) -> None:
+    stats[key] = stats.get(key, 0) + 1
+
+
+def _entries(root: Path, stats: dict) -> list[Path]:
+    """Every file and folder under ``root``, sorted, as ``Path.rglob("*")`` lists them (symlinked folders listed, not
+    followed), but a folder that cannot be listed is counted: rglob passes over it and its images without a word.
+    ``root`` itself unlistable: ``unreadable_classes``."""
+    found, folders = [], [root]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as listing:
+                entries = list(listing)
+        except OSError:  # no permission, or a store that failed
+            _count(stats, "unreadable_classes" if folder == root else "unreadable_folders")
+            continue
+        for entry in entries:
+            found.append(folder / entry.name)
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(found[-1])
+            except OSError:
+                _count(stats, "unreadable_folders")
+    return sorted(found)
+
+
+def _iter_folder(unit: SourceUnit, stats: dict) -> Iterator[tuple[ItemRef, bytes, int]]:
+    for file in _entries(Path(unit.path), stats):
+        if file.is_file() and any(is_hidden(part) for part in file.relative_to(unit.path).parts):
+            _count(stats, "hidden")  # .DS_Store, ._x.jpg, .ipynb_checkpoints/…
+        elif file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
+            try:
+                data = file.read_bytes()
+            except OSError:  # no read permission (another user's file), or removed since the listing
+                _count(stats, "unreadable")
+                continue
+            where = readable(f"{Path(unit.path).name}/{file.relative_to(unit.path)}")
+            yield ItemRef("file", str(file), source=where), data, unit.label
+        elif file.is_file():
+            _count(stats, "not_image")
+        elif file.is_symlink() and not file.exists():  # into a store not mounted here, or moved
+            _count(stats, "broken_links")
+        elif file.is_symlink() and file.is_dir():  # not followed (a loop would never end)
+            _count(stats, "linked_folders")
+
+
 def iter_unit(unit: SourceUnit, source: Source, stats: dict) -> Iterator[tuple[ItemRef, bytes, int]]:
     """(ref, raw bytes, label) of every candidate image of one unit; skips counted in ``stats``."""
     if unit.kind == "folder":
-        for file in sorted(Path(unit.path).rglob("*")):
-            if file.is_file() and any(is_hidden(part) for part in file.relative_to(unit.path).parts):
-                stats["hidden"] = stats.get("hidden", 0) + 1  # .DS_Store, ._x.jpg, .ipynb_checkpoints/…
-            elif file.is_file() and file.suffix.lower() in IMAGE_SUFFIXES:
-                where = readable(f"{Path(unit.path).name}/{file.relative_to(unit.path)}")
-                yield ItemRef("file", str(file), source=where), file.read_bytes(), unit.label
-            elif file.is_file():
-                stats["not_image"] = stats.get("not_image", 0) + 1
-            elif file.is_symlink() and not file.exists():  # into a store not mounted here, or moved
-                stats["broken_links"] = stats.get("broken_links", 0) + 1
-            elif file.is_symlink() and file.is_dir():  # rglob does not follow it (a loop would never end)
-                stats["linked_folders"] = stats.get("linked_folders", 0) + 1
+        yield from _iter_folder(unit, stats)
     elif unit.kind == "tar":
         try:
             yield from _iter_tar(unit, stats)
+        except PermissionError:  # another user's file
+            _count(stats, "unreadable")
         except (tarfile.TarError, OSError):  # truncated, corrupt or empty: the members read before it are kept
-            stats["broken_files"] = stats.get("broken_files", 0) + 1
+            _count(stats, "broken_files")
     elif unit.kind == "parquet":
         table = pq.read_table(unit.path, columns=[source.image_column, source.label_column])
         images = table.column(source.image_column).to_pylist()
@@ -300,7 +375,12 @@ def _iter_tar(unit: SourceUnit, stats: dict) -> Iterator[tuple[ItemRef, bytes, i
     # "r|": a plain tar only, as read_ref reads members at their byte offsets in the file
     with open(unit.path, "rb") as fileobj, tarfile.open(fileobj=fileobj, mode="r|") as tar:
         for member in tar:
-            if not member.isreg():
+            if member.issym() or member.islnk():  # never followed: nothing is read outside the archive
+                _count(stats, "tar_links")
+                continue
+            if not member.isreg():  # a folder entry, or a device or pipe: no image
+                if not member.isdir():
+                    _count(stats, "not_image")
                 continue
             if not is_safe_member(member.name):
                 stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1

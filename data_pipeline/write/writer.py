@@ -275,10 +275,12 @@ class WriteReport:
     excluded: int = 0
     seconds: float = 0.0
     empty_classes: list = field(default_factory=list)  # class names with no image written (kept: labels stay)
+    unreadable_classes: list = field(default_factory=list)  # class folders that could not be listed
 
     def summary(self) -> str:
         rate = self.scanned / self.seconds if self.seconds else 0.0
-        empty = self.empty_classes
+        empty = [name for name in self.empty_classes if name not in set(self.unreadable_classes)]
+        unreadable = self.unreadable_classes
         return (
             f"scanned {self.scanned} images, wrote {self.written} in {self.shards} shards "
             f"({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f}s ({rate:.0f} images/s); skipped "
@@ -286,6 +288,12 @@ class WriteReport:
             f"({'kept, flagged' if self.exact_duplicates_kept else 'dropped'}), near duplicates "
             f"{self.near_duplicates} (flagged), excluded {self.excluded}"
             + (f"; no image in {len(empty)} of the classes (kept, so labels stay): {_few(empty)}" if empty else "")
+            + (
+                f"; {len(unreadable)} class folders cannot be read, their images skipped (kept, so labels stay; give "
+                f"this user read access, e.g. chmod -R a+rX, and run again): {_few(unreadable)}"
+                if unreadable
+                else ""
+            )
         )
 
 
@@ -340,6 +348,7 @@ def write_dataset(
     _check_folder(out, settings, given)  # before the scan: other settings are refused at once
     report = WriteReport()
     candidates = _scan(_scan_jobs(config, source, items or [], names), config.processes, report)
+    report.unreadable_classes = [names[label] for label in report.unreadable_classes]
     survivors = dedup_candidates(candidates, config, exclude, report)
     if not survivors:
         raise ValueError(f"no valid images to write (report: {report.summary()})")
@@ -372,6 +381,8 @@ def _settings(config: WriteConfig, source: Source | None, names: list[str]) -> d
     recorded = {k: v for k, v in asdict(config).items() if k != "processes"}
     units = _units(source, named=True)
     class_names = hashlib.sha256(json.dumps(names).encode()).hexdigest()
+    if source is not None and source.class_ids:  # labelled as the splits beside it (`splits.label_space`)
+        recorded["classes"] = list(source.class_ids)
     return json.loads(json.dumps(dict(recorded, format=SETTINGS_FORMAT, source=units, class_names=class_names)))
 
 
@@ -427,9 +438,9 @@ def _differences(recorded: dict, settings: dict, given: list[str] | None) -> lis
         old, new = recorded.get(key), settings.get(key)
         if old == new or legacy and key not in recorded:
             continue
-        if key == "class_names":
-            if found[0]:  # other class folders or files: other names follow
-                continue
+        if key in ("class_names", "classes"):
+            if found[0] or key == "classes" and "class_names" in recorded.keys() | settings.keys():
+                continue  # other class folders or files: other names follow; one phrase for both keys
             found.append("the class names (--class-names, a labels file or the class folders' names)")
         else:
             found.append(f"--{key.replace('_', '-')} {json.dumps(old)} then, {json.dumps(new)} now")
@@ -440,8 +451,8 @@ def _check_folder(out: Path, settings: dict, given: list[str] | None) -> None:
     """ValueError when ``out`` holds shards written with other settings or (once known) from other input: a re-run
     keeps the finished shards, so they must be the ones this run would write. ``given``: the units as the paths
     given, which a folder of format 1 recorded."""
-    if not any(out.glob(manifest.SHARD_GLOB)) and not any(out.glob(manifest.SHARD_GLOB + ".tmp")):
-        return  # no shard to keep (a failed run may have left its settings)
+    if not any(out.glob(manifest.SHARD_GLOB)):
+        return  # no shard to keep (a failed run may have left its settings, an interrupted one a .tmp it rewrites)
     fix = "choose a new --out or delete it"
     try:
         recorded = json.loads((out / manifest.WRITE_SETTINGS_FILE).read_text())
@@ -475,9 +486,11 @@ def _scan_jobs(
 def _scan(jobs: list[_ScanJob], processes: int, report: WriteReport) -> list[Candidate]:
     candidates: list[Candidate] = []
     skipped: Counter = Counter()
-    for kept, stats in _imap(_scan_unit, jobs, processes, "scan"):
+    for job, (kept, stats) in zip(jobs, _imap(_scan_unit, jobs, processes, "scan")):
         candidates.extend(kept)
         skipped.update(stats)
+        if stats["unreadable_classes"] and job.unit is not None:  # its label, named by write_dataset
+            report.unreadable_classes.append(job.unit.label)
     report.scanned = skipped.pop("scanned", 0)
     report.skipped = dict(skipped)
     return candidates
