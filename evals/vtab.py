@@ -250,6 +250,12 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
         scores[name] = acc
         out.rows.append(ResultRow("vtab", name, f"vtab/{name}", acc, detail=f"{task.group}; {detail}"))
         ctx.log(f"vtab: {name} top-1 {acc:.4f} ({detail})")
+    if not any(scores.get(name) is not None for name in wanted):  # a mistyped root is no evaluation at 0/19 tasks
+        first = next((row.detail for row in out.rows if row.dataset in wanted), "")
+        raise ValueError(
+            f"none of the {len(wanted)} {opts.benchmark} tasks of the suite has data under {root} ({first}); "
+            "give the --data-root (or the entry's data_root) holding <task>/{train,test} (docs/vtab.md)"
+        )
     bench = opts.benchmark
     for agg in aggregate(scores, tasks):
         metric, covered, status = agg["metric"], agg["count"], "ok" if agg["count"] else "missing"

@@ -149,3 +149,15 @@ def test_a_default_output_folder_that_cannot_be_made_is_refused_before_any_work(
         "writable folder (it is created if absent)\n"
     )
     assert "fewshot" not in out and not empty.exists()  # nothing evaluated, no built-in set generated
+
+
+def test_a_vtab_suite_with_no_task_under_its_data_root_is_refused(checkpoint, tmp_path, capsys):
+    """A mistyped --data-root made a VTAB suite report 19 missing tasks, log `vtab/num_tasks` 0 and exit 0: an
+    evaluation that evaluated nothing."""
+    args = ["--checkpoint", str(checkpoint), "--suite", "vtab1k_probe", "--data-root", str(tmp_path / "vtba")]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"python -m evals.run: error: none of the 19 vtab1k tasks of the suite has data under {tmp_path / 'vtba'} ("
+    )
+    assert err.count("\n") == 1 and not (tmp_path / "out" / "vtab1k_probe.parquet").exists()
