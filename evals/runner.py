@@ -325,6 +325,14 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
     pending = run_id.startswith(PENDING_RUN)
     spool = spool_dir(run_id[len(PENDING_RUN) :] if pending else record)
     before = set(spool.glob("*.json"))
+    if held := _held_at(uri, run_id, metrics, step):
+        few = ", ".join(sorted(held)[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        log(
+            f"evals: warning: MLflow run {run_id} already holds {few} at step {step} (an earlier evaluation of this "
+            "step, or another suite's entry of the same type): not logged again; the table holds them, and a suite "
+            "entry's `name:` logs it under its own keys"
+        )
+        metrics = {k: v for k, v in metrics.items() if k not in held}
     tracker = Tracker(uri, run_id, rank=0, record=record if named else None)
     try:
         tracker.log_metrics(metrics, step=step)
@@ -353,6 +361,22 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
         f"{waiting} of the {total} at step {step} did not reach MLflow run {run_id} yet ({why}); they wait in "
         f"{spooled[0]}: `{DELIVER_COMMAND} {record.parent}` sends them"
     )
+
+
+def _held_at(uri: str, run_id: str, metrics: dict, step: int) -> set[str]:
+    """The keys of ``metrics`` the run already holds at ``step`` (two values at one step would mix two evaluations);
+    empty when the run cannot be asked (pending, or its server failing: the send says so)."""
+    if run_id.startswith(PENDING_RUN) or unanswered(uri):
+        return set()
+    from mlflow import MlflowClient  # heavy
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        latest = {m.key: m.step for m in client.get_run(run_id).data.to_proto().metrics}  # each key's newest step
+        later = [key for key in metrics if latest.get(key, -1) >= step]  # only these may hold a value at step
+        return {key for key in later if any(m.step == step for m in client.get_metric_history(run_id, key))}
+    except Exception:  # noqa: BLE001 — the send that follows retries and says what failed
+        return set()
 
 
 def format_table(table) -> str:

@@ -161,3 +161,25 @@ def test_a_vtab_suite_with_no_task_under_its_data_root_is_refused(checkpoint, tm
         f"python -m evals.run: error: none of the 19 vtab1k tasks of the suite has data under {tmp_path / 'vtba'} ("
     )
     assert err.count("\n") == 1 and not (tmp_path / "out" / "vtab1k_probe.parquet").exists()
+
+
+def test_an_evaluation_of_a_step_the_run_holds_is_not_logged_twice(eval_data_root, checkpoint, tmp_path, mlflow_uri):
+    """Evaluating a checkpoint again into its run (or a VTAB fine-tune after the scheduled linear probe, both
+    `vtab/...`) logged a second value at the step: `vtab/mean` then mixed two protocols without a word. What the run
+    holds at the step is left as it is, with one warning; the rest is logged."""
+    from mlflow import MlflowClient
+
+    from tracking.runs import create_run
+
+    run_id = create_run(mlflow_uri, "evals-again", "tiny", params={})
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    client.log_metric(run_id, "fewshot/digits/1shot", 0.5, step=120)  # an earlier evaluation of this step
+    suite = tmp_path / "again.yaml"
+    suite.write_text(f"name: again\nevaluators:\n{FEWSHOT}")
+    args = ["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(eval_data_root)]
+    args += ["--mlflow-run-id", run_id, "--tracking-uri", mlflow_uri, "--out", str(tmp_path / "out")]
+    for _ in range(2):
+        assert main(args) == 0
+    histories = {key: client.get_metric_history(run_id, key) for key in client.get_run(run_id).data.metrics}
+    assert len(histories) > 1 and all([m.step for m in h] == [120] for h in histories.values()), histories
+    assert histories["fewshot/digits/1shot"][0].value == 0.5
