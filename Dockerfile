@@ -29,7 +29,7 @@ RUN cd /tmp && sudo apt-get update \
 ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH}
 
 WORKDIR /home/ray/vitscale
-COPY --chown=ray:users pyproject.toml README.md .gitignore ./
+COPY --chown=ray:users pyproject.toml README.md .gitignore constraints-dev.txt ./
 COPY --chown=ray:users pretrain pretrain
 COPY --chown=ray:users data_pipeline data_pipeline
 COPY --chown=ray:users evals evals
@@ -37,8 +37,9 @@ COPY --chown=ray:users cluster cluster
 COPY --chown=ray:users tracking tracking
 COPY --chown=ray:users bench bench
 COPY --chown=ray:users configs configs
-# The dependencies, with the extra the GPU profiles' shards need (s3://); a job's runtime env adds any other. Then
-# vitscale itself goes again, so the job's working_dir is the only vitscale a process imports.
-RUN pip install --no-cache-dir ".[s3]" \
+# The dependencies, with the extra the GPU profiles' shards need (s3://); a job's runtime env adds any other. With
+# `make setup`'s constraints (README.md, "Install"): without them pip backtracks through the object-storage stack.
+# Then vitscale itself goes again, so the job's working_dir is the only vitscale a process imports.
+RUN pip install --no-cache-dir ".[s3]" -c constraints-dev.txt \
     && pip uninstall -y vitscale \
     && rm -rf build ./*.egg-info

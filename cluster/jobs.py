@@ -90,6 +90,12 @@ def connect(profile: ClusterProfile, *, start_local: bool = False) -> JobSubmiss
 
     try:
         return JobSubmissionClient(address, headers=local_head.auth_headers())
+    except ValueError as exc:  # an address Ray cannot parse (RAY_ADDRESS=garbage): name the form it takes
+        named = next((v for v in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS") if os.environ.get(v)), "ray.address")
+        raise ValueError(
+            f"{named}={address!r} is no address Ray takes ({exc}); give the head's Jobs API, http://HEAD:8265 (its "
+            "dashboard port), or ray://HEAD:10001"
+        ) from None
     except (ConnectionError, RuntimeError, OSError, RayError) as exc:
         reason = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
         raise RayUnreachableError(

@@ -7,6 +7,7 @@ validates one, expanding `{project}` to the project root.
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +34,9 @@ EVAL_INSTANCES = {
 # training nodes (a worker group restarting, an elastic group at its minimum), an eval must not take one there.
 EVAL_NODE_RESOURCE = "vitscale_eval"
 EVAL_NODE_UNITS = 1000  # on each eval node: a label more than a count (CPUs and GPUs bound the tasks there)
+# Its Ray node label (cluster.render): the training workers' label selector keeps their ranks off an eval node
+# big enough to hold one, and matches a node without the label (a lab's own cluster).
+EVAL_NODE_LABELS = {"vitscale-node": "eval"}
 
 
 @dataclass(frozen=True)
@@ -60,12 +64,19 @@ class RaySpec:
     preemption_watcher: bool = True
 
 
+def path_under(path: str, root: str) -> bool:
+    """``path`` is ``root`` or inside it (both absolute, normalized first)."""
+    path, root = posixpath.normpath(path), posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 @dataclass(frozen=True)
 class StorageSpec:
     shards: str  # root of the recipes' shard folders (path or fsspec URL)
     checkpoints: str  # run folders, on a filesystem every node mounts
     mlflow_tracking_uri: str
     read_mb_per_s: float = 100.0  # one rank's read rate from `shards` (the start allowance); assumed
+    shared: str = ""  # a filesystem every node mounts, e.g. cluster.render's /fsx: paths under it are shared too
 
     def validate(self, where: str) -> None:
         """ValueError naming the key and the fix for an empty location or a URL with one slash (`s3:/bucket`)."""
@@ -82,6 +93,11 @@ class StorageSpec:
             if url and url.group(1).lower() not in ("file", "sqlite"):  # a path or `scheme:/x` read as one
                 fixed = f"{url.group(1)}://{url.group(2)}"
                 raise ValueError(f"{where}: storage.{key}={value!r} is no URL (a URL is SCHEME://...); write {fixed!r}")
+        if self.shared and not self.shared.startswith("/"):
+            raise ValueError(
+                f"{where}: storage.shared={self.shared!r} must be the absolute path of the filesystem every node "
+                "mounts, e.g. /fsx, or left out"
+            )
 
 
 @dataclass(frozen=True)
@@ -241,6 +257,11 @@ class ClusterProfile:
                 "(configs/<name>.yaml or a YAML path), or add `recipe: NAME` to the profile"
             )
         return recipe
+
+    @property
+    def training_label_selector(self) -> dict[str, str] | None:
+        """Ray's label selector for a training worker: any node but an eval node; None without an eval node group."""
+        return {key: f"!{value}" for key, value in EVAL_NODE_LABELS.items()} if self.evals.instance_type else None
 
     @property
     def is_local(self) -> bool:

@@ -27,6 +27,7 @@ from cluster.network import EFA_DEVICES, efa_interfaces
 from cluster.plan.planner import build_plan, resolve_config
 from cluster.profiles import (
     EVAL_INSTANCES,
+    EVAL_NODE_LABELS,
     EVAL_NODE_RESOURCE,
     EVAL_NODE_UNITS,
     ClusterProfile,
@@ -232,6 +233,14 @@ def _training_node(profile: ClusterProfile, efa: EfaSubnet | None) -> dict:
     return node
 
 
+def _join_subnet(node_config: dict, efa: EfaSubnet | None) -> None:
+    """The given subnet and group for a node without EFA interfaces (which carry them): Ray's AWS setup would give it
+    a subnet of its own choosing and a new group the others' group does not let in, and it would never join."""
+    if efa is not None and "NetworkInterfaces" not in node_config:
+        node_config["SubnetIds"] = [efa.subnet_id]
+        node_config["SecurityGroupIds"] = [efa.security_group_id]
+
+
 def _node_type(workers: int | None, cpus: int, gpus: int, node_config: dict, **custom: int) -> dict:
     counts = {} if workers is None else {"min_workers": workers, "max_workers": workers}
     return {**counts, "resources": {"CPU": cpus, "GPU": gpus, **custom}, "node_config": node_config}
@@ -258,6 +267,9 @@ def launcher_config(
         vcpus, _, gpus = EVAL_INSTANCES[profile.evals.instance_type]
         eval_node = {"InstanceType": profile.evals.instance_type}
         node_types["eval_worker"] = _node_type(1, vcpus, gpus, eval_node, **{EVAL_NODE_RESOURCE: EVAL_NODE_UNITS})
+        node_types["eval_worker"]["labels"] = dict(EVAL_NODE_LABELS)  # the ranks' label selector skips it
+    for node_type in node_types.values():
+        _join_subnet(node_type["node_config"], efa)
     if ami:  # every node type: Ray gives one without ImageId its own default AMI (`_no_ami`)
         for node_type in node_types.values():
             node_type["node_config"]["ImageId"] = ami
@@ -387,6 +399,7 @@ def rayjob_manifest(profile: ClusterProfile, job_spec_json: str, job_name: str, 
         eval_type = profile.evals.instance_type
         eval_pod = _pod(image, eval_type, EVAL_INSTANCES[eval_type])
         worker_groups.append(_worker_group("eval", 1, eval_pod, **{EVAL_NODE_RESOURCE: EVAL_NODE_UNITS}))
+        worker_groups[-1]["labels"] = dict(EVAL_NODE_LABELS)  # KubeRay 1.5+: the group's Ray node labels
     rayjob = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -449,7 +462,8 @@ def _launcher_header(profile: ClusterProfile, path: Path, image: str) -> str:
     if count := efa_interfaces(profile):
         lines.append(
             f"Its nodes' {count} EFA interfaces each need a subnet in {ZONE} and a security group "
-            "letting in all traffic from itself (--subnet-id, --security-group-id; docs/network.md). EC2 gives an "
+            "letting in all traffic from itself (--subnet-id, --security-group-id; docs/network.md), which every "
+            "node, the eval node too, joins. EC2 gives an "
             "instance of several interfaces no public IP: run `ray up` and `ray dashboard` from a machine in that "
             "subnet's VPC (the file sets use_internal_ips), and give the subnet a NAT gateway for the image pull."
         )

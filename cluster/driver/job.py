@@ -25,7 +25,7 @@ from cluster.local_head import environ
 from cluster.network import EFA_DEVICES, EFA_FIX, EfaMissingError, efa_missing, needs_efa, network_env
 from cluster.plan.evals.cadence import EvalCadence
 from cluster.plan.planner import Plan, runtime_pip
-from cluster.profiles import ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
+from cluster.profiles import EVAL_NODE_RESOURCE, ClusterProfile, HangSpec, profile_from_dict, profile_to_dict
 from data_pipeline.paths import write_text_atomically
 from pretrain import collector
 from pretrain.checkpoint import run_folder
@@ -369,7 +369,7 @@ def _live(nodes: list[dict[str, Any]]) -> list[dict[str, float]]:
 def _workers_short(profile: ClusterProfile, live: list[dict[str, float]]) -> str | None:
     w = profile.workers
     worker = {"CPU": w.cpus_per_worker, "GPU": w.gpus_per_worker, **w.resources}
-    held = sum(_holds(node, worker) for node in live)
+    held = sum(_holds(node, worker) for node in live if not node.get(EVAL_NODE_RESOURCE))  # no rank goes there
     if held >= w.min_workers:
         return None
     return (
@@ -504,6 +504,7 @@ def _torch_trainer(spec: JobSpec, config: TrainConfig, scheduler: Any, cadence: 
             use_gpu=profile.uses_gpus,
             resources_per_worker=resources,
             placement_strategy=w.placement_strategy,
+            label_selector=profile.training_label_selector,  # never on an eval node
         ),
         run_config=RunConfig(
             name=run_dir.name,

@@ -38,6 +38,8 @@ from pretrain.weights.hf import hf_refusal
 
 RECIPE_DATA_ROOT = "data"  # a profile relocates it to its storage
 RELOCATED = ("data.train", "evals.data_root")  # the paths under it
+RECIPE_RUNS_ROOT = "runs"  # the recipes' run folders' root: storage.checkpoints on several nodes
+RELOCATED_RUNS = ("checkpoint.dir", "checkpoint.resume_from", "checkpoint.init_from")  # the paths under it
 # Assumed where the training manifest is not readable here: i21k's bytes per image (docs/reference.md §6), and shards
 # as this project's writer makes them by default.
 ASSUMED_BYTES_PER_IMAGE = 92_000
@@ -70,23 +72,27 @@ def _runtime_extras(profile: ClusterProfile, data: DataPlan, logs_model: bool) -
     return (*data.storage_extras, *((HF_EXTRA.name,) if logs_model else ()))
 
 
-def _relocate(path: str, root: str) -> str:
-    """`data/x/y` → `<root>/x/y`; absolute paths and URLs stay."""
+def _relocate(path: str, root: str, under: str = RECIPE_DATA_ROOT) -> str:
+    """`data/x/y` (``under``/x/y) → `<root>/x/y`; absolute paths and URLs stay."""
     if is_remote(path) or Path(path).is_absolute():
         return path
     parts = Path(path).parts
-    if parts and parts[0] == RECIPE_DATA_ROOT:
+    if parts and parts[0] == under:
         return "/".join([root.rstrip("/"), *parts[1:]])
     return path
 
 
-def _relocate_sets(sets: list[str], root: str) -> list[str]:
-    """The user's `data.train` and `evals.data_root` relocated as the recipe's: they come last, so they would stay."""
+def _relocate_sets(sets: list[str], profile: ClusterProfile) -> list[str]:
+    """The user's `data.train` and `evals.data_root` relocated as the recipe's: they come last, so they would stay;
+    on several nodes `runs/...` checkpoint paths too, under storage.checkpoints as the recipe's run folder goes."""
+    roots = {key: (profile.storage.shards, RECIPE_DATA_ROOT) for key in RELOCATED}
+    if storage.spans_nodes(profile):
+        roots |= {key: (profile.storage.checkpoints, RECIPE_RUNS_ROOT) for key in RELOCATED_RUNS}
     out = []
     for text in sets:
         keys, value = parse_override(text)
-        relocated = ".".join(keys) in RELOCATED and isinstance(value, str)
-        out.append(f"{'.'.join(keys)}={_relocate(value, root)}" if relocated else text)
+        key = ".".join(keys)
+        out.append(f"{key}={_relocate(value, *roots[key])}" if key in roots and isinstance(value, str) else text)
     return out
 
 
@@ -213,12 +219,13 @@ def resolve_with_notes(
 
 def _resolve(profile: ClusterProfile, path: Path, written: dict, sets: list[str], run_name: str) -> TrainConfig:
     """The recipe as read, on this profile, with the user's `--set`; validated at its world size(s)."""
-    sets = _relocate_sets(sets, profile.storage.shards)
+    sets = _relocate_sets(sets, profile)
     overrides = profile_overrides(profile, path, written, sets, run_name)
     config = config_from_recipe(path, written, [*overrides, *sets])
     if profile.uses_gpus:  # CPU runs keep their settings
         chosen = reduction_overrides(profile, config, _given(written, sets))
         config = config_from_recipe(path, written, [*overrides, *chosen, *sets])
+    storage.node_local_setting(profile, config)
     if profile.workers.elastic:
         elastic_world_sizes(profile, config)
     config.validate(profile.workers.num_workers, check_paths=profile.is_local)

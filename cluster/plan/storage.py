@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import posixpath
 import threading
 import time
 from dataclasses import dataclass
 
+from cluster.plan.errors import PlanError
+from cluster.profiles import ClusterProfile, path_under
 from data_pipeline.manifest import DatasetInfo, read_dataset_info
 from data_pipeline.paths import QUIET_STORES, is_remote
 from pretrain.config.train_config import TrainConfig
@@ -99,3 +102,49 @@ def _start_read(location: str) -> tuple[threading.Thread, float, list]:
     reader = threading.Thread(target=read, name="plan-manifest-read", daemon=True)
     reader.start()
     return reader, time.monotonic() + MANIFEST_WAIT_S, outcome
+
+
+# What every rank and the eval node write and read back: on several nodes it must be shared. Inputs (data, init
+# weights) may be copied to every node's own disk, and are left as given.
+SHARED_KEYS = ("checkpoint.dir", "logging.mlflow_tracking_uri")
+
+
+def spans_nodes(profile: ClusterProfile) -> bool:
+    """A remote job on several nodes (training or an eval node): a node-local path is another folder on each."""
+    return not profile.is_local and (profile.hardware.nodes > 1 or bool(profile.evals.instance_type))
+
+
+def _path_of(value: str) -> str | None:
+    """The filesystem path ``value`` names (a SQLite or file store's too), None for object storage or a server."""
+    for scheme in ("sqlite:///", "file://"):
+        if value.startswith(scheme):
+            return value.removeprefix(scheme)
+    return None if "://" in value else value
+
+
+def node_local_setting(profile: ClusterProfile, config: TrainConfig) -> None:
+    """PlanError for a run folder or MLflow file store off the profile's shared storage, on several nodes: each node
+    would write and read its own copy (resume breaks, the eval node finds no checkpoint, MLflow forks)."""
+    if not spans_nodes(profile):
+        return
+    s = profile.storage
+    given = {"shared": s.shared, "checkpoints": s.checkpoints, "shards": s.shards}
+    named = {k: v for k, v in given.items() if v and not (k == "checkpoints" and s.shared and path_under(v, s.shared))}
+    roots = [v for v in named.values() if not is_remote(v)]
+    for key in SHARED_KEYS:
+        section, field = key.split(".")
+        value = getattr(getattr(config, section), field)
+        path = None if value is None else _path_of(str(value))
+        if path is None or (posixpath.isabs(path) and any(path_under(path, r) for r in roots)):
+            continue
+        home = roots[0] if roots else s.checkpoints
+        server = "http://HOST:5000" if _path_of(s.mlflow_tracking_uri) else s.mlflow_tracking_uri
+        fix = (
+            f"--run-name NAME (the run folder {s.checkpoints}/NAME) or a path under {home}"
+            if key == "checkpoint.dir"
+            else f"an MLflow server's URL, e.g. {server}"
+        )
+        raise PlanError(
+            f"{key}={value!r} would be each node's own copy: profile {profile.name}'s nodes share only "
+            f"{' and '.join(f'{v} (storage.{k})' for k, v in named.items())}; give {fix}"
+        )

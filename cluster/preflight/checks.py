@@ -29,7 +29,7 @@ from cluster.preflight.collective import (
 )
 from cluster.preflight.node import Figure, GpuInventory, NodeFigures, NodeProbe, ProbeRequest
 from cluster.preflight.replan import wait_at
-from cluster.profiles import ClusterProfile
+from cluster.profiles import EVAL_NODE_RESOURCE, ClusterProfile
 from data_pipeline.manifest import dataset_info
 from data_pipeline.paths import resolve_location
 from pretrain.config.ds_config import reduction_dtype
@@ -96,8 +96,11 @@ def alive_nodes() -> tuple[Node, ...]:
 
 
 def holds_a_worker(node: Node, profile: ClusterProfile) -> bool:
-    """Whether Ray could place a training worker on ``node`` (an eval or head-only node cannot)."""
-    return all(node.resources.get(name, 0) >= amount for name, amount in worker_bundle(profile).items())
+    """Whether Ray could place a training worker on ``node``: an eval node (the workers' label selector skips it) or
+    a head-only node cannot."""
+    return not node.resources.get(EVAL_NODE_RESOURCE) and all(
+        node.resources.get(name, 0) >= amount for name, amount in worker_bundle(profile).items()
+    )
 
 
 def probe_env(profile: ClusterProfile) -> dict[str, str]:

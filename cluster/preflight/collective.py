@@ -119,7 +119,12 @@ def start_ranks(profile: ClusterProfile, env: dict[str, str]) -> Ranks | None:
     if world == 1:
         return None
     bundle = worker_bundle(profile)
-    group = placement_group([bundle] * world, strategy=profile.workers.placement_strategy)
+    selector = profile.training_label_selector  # as Ray Train's: never on an eval node
+    group = placement_group(
+        [bundle] * world,
+        strategy=profile.workers.placement_strategy,
+        **({"bundle_label_selector": [selector] * world} if selector else {}),
+    )
     return Ranks(group, tuple(_start_actors(group, bundle, world, env)), world, bundle)
 
 

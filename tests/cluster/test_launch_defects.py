@@ -245,3 +245,78 @@ def test_the_driver_run_by_hand_joins_the_profiles_local_head_not_any_ray(tmp_pa
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.timeout(120)
+def test_every_node_type_joins_the_given_subnet_and_security_group():
+    """The eval node too: without them Ray's AWS setup picked it a subnet and made it a group the head's does not
+    let in, so it never joined and no eval ran. Ray's own setup, as far as it runs without AWS, keeps them."""
+    from ray.autoscaler._private.aws import config as aws
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    subnet, group = "subnet-0123abcd", "sg-0123abcd"
+    efa = render.efa_subnet(subnet, group)
+    config = prepare_config(render.launcher_config(render.load_profile("a100x64"), fsx=FSX, efa=efa, ami=AMI))
+    validate_config(config)
+    config = aws._configure_from_network_interfaces(copy.deepcopy(config))
+    types = config["available_node_types"]
+    assert set(types) == {"head", "gpu_worker", "eval_worker"}
+    for name, node_type in types.items():
+        node = node_type["node_config"]
+        assert set(node.get("SubnetIds", [])) == {subnet} and set(node.get("SecurityGroupIds", [])) == {group}, name
+    assert aws._configure_security_group(copy.deepcopy(config)) == config  # makes no group: every node type has one
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "checkpoint.dir=/tmp/runs/x",
+        "checkpoint.dir=x/y",
+        "logging.mlflow_tracking_uri=sqlite:///mlflow.db",
+    ],
+)
+def test_a_multi_node_run_refuses_a_path_each_node_would_have_its_own_copy_of(capsys, setting):
+    """Each node wrote and read its own folder: a resume found nothing, the eval node no checkpoint, MLflow forked.
+    Inputs (data, weights) may be copied to every node's disk, and are left as given."""
+    assert launch.main(["--cluster", "a100x64", "--dry-run", "--set", setting]) == 2
+    err = capsys.readouterr().err
+    key, value = setting.split("=", 1)
+    assert err.startswith(f"python -m cluster.launch: error: {key}={value!r} would be each node's own copy"), err
+    assert "share only /fsx (storage.shared) and s3://vitscale-datasets (storage.shards); give " in err
+    assert err.count("\n") == 1
+    assert launch.main(["--cluster", "a100x64", "--dry-run", "--set", "evals.data_root=/data/vtab"]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_run_folder_paths_under_runs_move_to_the_shared_checkpoints_as_the_recipes_do():
+    """`runs/...` is where the recipes' run folders live; on several nodes it goes under storage.checkpoints, as
+    `data/...` goes under storage.shards. Shared paths stay; one node (`local`, a100x8) keeps them as given."""
+    from cluster.plan.planner import resolve_config
+    from cluster.profiles import load_profile
+
+    sets = ["checkpoint.dir=runs/x", "data.train=/fsx/i21k/train", "logging.mlflow_tracking_uri=sqlite:////fsx/m.db"]
+    config = resolve_config(load_profile("a100x64"), "vit_h14_i21k", sets, "r")
+    assert config.checkpoint.dir == "/fsx/vitscale/runs/x" and config.data.train == "/fsx/i21k/train"
+    assert config.logging.mlflow_tracking_uri == "sqlite:////fsx/m.db"
+    for name, recipe in (("local", "local_demo"), ("a100x8", "vit_b16_i21k")):
+        assert resolve_config(load_profile(name), recipe, ["checkpoint.dir=runs/x"], "r").checkpoint.dir == "runs/x"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entry", ["launch", "preflight", "jobs"])
+def test_a_ray_address_ray_cannot_parse_names_the_form_it_takes(monkeypatch, capsys, entry):
+    """`RAY_ADDRESS=garbage` said only Ray's "Invalid address format: garbage", with no fix (`make launch`,
+    `make preflight`, `make status/logs/stop`)."""
+    from cluster import jobs
+    from cluster.preflight import __main__ as preflight
+
+    monkeypatch.setenv("RAY_ADDRESS", "garbage")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    main = {"launch": launch.main, "preflight": preflight.main, "jobs": jobs.main}[entry]
+    assert main(["status", "--cluster", "h100x8"] if entry == "jobs" else ["--cluster", "h100x8"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"python -m cluster.{entry}: error: RAY_ADDRESS='garbage' is no address Ray takes (Invalid address format: "
+        "garbage); give the head's Jobs API, http://HEAD:8265 (its dashboard port), or ray://HEAD:10001\n"
+    )

@@ -197,3 +197,24 @@ def test_the_space_check_counts_the_checkpoints_the_plan_expects_pinned_for_eval
     assert not short.passed and f"+ {pinned} pinned for pending evals" in short.line()
     assert f"{(keep + 1 + pinned) * size:,.3g} GB" in short.line()
     assert space((keep + 1 + pinned) * size + 1).passed
+
+
+def test_an_eval_node_big_enough_for_a_worker_is_no_training_node():
+    """A g5.4xlarge eval node (16 vCPUs, 1 GPU) holds an a100x64 worker's bundle (10 CPUs, 1 GPU), but the ranks'
+    label selector keeps them off it: the `nodes` check and the driver's shortfall counted it as a training node."""
+    from cluster.driver.job import resource_shortfall
+    from cluster.preflight.checks import _nodes_check, holds_a_worker
+    from cluster.profiles import EVAL_NODE_RESOURCE, EVAL_NODE_UNITS
+
+    profile = load_profile("a100x64")
+    training = [Node(f"{i}" * 32, f"10.0.0.{i}", {"CPU": 96, "GPU": 8}) for i in range(1, 8)]  # one short of 8
+    eval_node = Node("e" * 32, "10.0.1.1", {"CPU": 16, "GPU": 1, "memory": 40e9, EVAL_NODE_RESOURCE: EVAL_NODE_UNITS})
+    assert holds_a_worker(training[0], profile) and not holds_a_worker(eval_node, profile)
+    check = _nodes_check((*training, eval_node), profile)
+    assert not check.passed and check.measured.startswith("7 node(s) that can hold a worker"), check.line()
+    alive = [{"Alive": True, "Resources": n.resources} for n in (*training, eval_node)]
+    one_short = dataclasses.replace(profile, workers=dataclasses.replace(profile.workers, num_workers=57))
+    assert resource_shortfall(one_short, alive, evals=True) == [
+        "the cluster's 8 live nodes hold 56 of the 57 training workers (CPU 10, GPU 1 each): Ray Train waits for "
+        "nodes with these resources to join, saying that its worker group's start timed out every minute meanwhile"
+    ]

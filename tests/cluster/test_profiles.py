@@ -161,6 +161,12 @@ BAD_EDITS_AND_FIXES = [
         "storage.shards='s3:/vitscale-datasets' is no URL (a URL is SCHEME://...); write 's3://vitscale-datasets'",
         {"storage.shards": "s3://vitscale-datasets"},
     ),
+    (  # paths a multi-node run's nodes share go under it
+        "a100x64",
+        {"storage.shared": "fsx"},
+        "storage.shared='fsx' must be the absolute path of the filesystem every node mounts, e.g. /fsx, or left out",
+        {"storage.shared": "/fsx"},
+    ),
     (
         "local",
         {"storage.mlflow_tracking_uri": ""},

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import shutil
 
 import pytest
 import yaml
@@ -140,6 +141,10 @@ def test_dockerfile_installs_as_make_setup_does():
         storage = render.load_profile(name).storage
         assert {e.name for e in storage_extras([storage.shards])} <= extras, name
     assert "pip uninstall -y vitscale" in project_line  # dependencies only: the job brings the code
+    # make setup's constraints: without them pip backtracks through the object-storage stack (README.md, "Install")
+    constraints = re.search(r'pip install -e "\.\[dev\]" (-c \S+)', makefile).group(1)
+    assert constraints in project_line, project_line
+    assert re.search(rf"^COPY .* {constraints.split()[1]} .*\./$", _dockerfile(), re.M)
 
     # Every package pip installs, and the recipes and eval suites, are in the image's copy of the code.
     find = re.search(r"^\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*)\]$", PYPROJECT.read_text(), re.M)
@@ -514,3 +519,62 @@ def test_the_rayjob_says_its_courier_dies_with_the_cluster_and_what_sends_its_re
             assert env[CLUSTER_TTL_ENV] == str(ttl), role
     run_dir = re.search(r"run folder (\S+) ", rayjob_header).group(1)
     assert f"#   python -m cluster.driver.deliver {run_dir}\n" in rayjob_header
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_eval_node_is_labelled_and_the_ranks_selector_keeps_off_it_only(monkeypatch, tmp_path):
+    """A g5.4xlarge eval node holds an A100 worker's bundle: Ray Train could put a rank on its 24 GB A10G. Both files
+    label the eval node (as Ray reads them); the driver's selector, on a real 2-node cluster, places bundles on the
+    unlabelled node (a lab's own nodes have no label) and never on the labelled one, though it has room."""
+    import logging
+    import tempfile
+
+    import ray
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_labels_from_group_spec
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from cluster import local_head
+    from cluster.driver.job import _torch_trainer, eval_cadence
+    from cluster.elastic_demo import NODE_ARGS
+    from cluster.profiles import EVAL_NODE_LABELS
+
+    profile = render.load_profile("a100x64")
+    launcher, rayjob = render.render("a100x64", "vit_h14_i21k", tmp_path, fsx=FSX)
+    config = yaml.safe_load(launcher.read_text())
+    validate_config(prepare_config(config))
+    labels = {name: t.get("labels") for name, t in config["available_node_types"].items()}
+    assert labels == {"head": None, "gpu_worker": None, "eval_worker": EVAL_NODE_LABELS}
+    groups = next(yaml.safe_load_all(rayjob.read_text()))["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert {g["groupName"]: _get_labels_from_group_spec(g, g["groupName"]) for g in groups} == {
+        "gpu": {},
+        "eval": EVAL_NODE_LABELS,
+    }
+
+    config = render.resolve_config(profile, "vit_h14_i21k", [], "r")
+    spec = render.JobSpec.create(profile, config, render.build_plan(profile, config))
+    scaling = _torch_trainer(spec, config, None, eval_cadence(spec), 0.0).scaling_config  # the driver's
+    selector = scaling.label_selector
+    assert selector and scaling._label_selector_per_worker(2) == [selector] * 2  # what Ray Train's placement group gets
+    assert render.load_profile("local").training_label_selector is None  # no eval node group: no selector
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    temp_dir = tempfile.mkdtemp(prefix="vsl", dir="/tmp")
+    lean = dict(no_monitor=True, include_log_monitor=False, _system_config={"prestart_worker_first_driver": False})
+    with local_head.ray_auth_mode("disabled"):
+        cluster = local_head.in_process_cluster(**NODE_ARGS, **lean, num_cpus=2, temp_dir=temp_dir)
+        try:
+            node = cluster.add_node(**NODE_ARGS, num_cpus=2, labels=EVAL_NODE_LABELS, temp_dir=temp_dir)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+            two = placement_group([{"CPU": 1}] * 2, strategy="PACK", bundle_label_selector=[selector] * 2)
+            assert two.wait(30)
+            placed = set(placement_group_table(two)["bundles_to_node_id"].values())
+            assert len(placed) == 1 and node.node_id not in placed  # the unlabelled head's
+            remove_placement_group(two)
+            three = placement_group([{"CPU": 1}] * 3, strategy="PACK", bundle_label_selector=[selector] * 3)
+            assert not three.wait(3)  # the eval node's 2 free CPUs are not for ranks
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
