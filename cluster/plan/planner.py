@@ -84,9 +84,9 @@ def _relocate(path: str, root: str, under: str = RECIPE_DATA_ROOT) -> str:
 
 def _relocate_sets(sets: list[str], profile: ClusterProfile) -> list[str]:
     """The user's `data.train` and `evals.data_root` relocated as the recipe's: they come last, so they would stay;
-    on several nodes `runs/...` checkpoint paths too, under storage.checkpoints as the recipe's run folder goes."""
+    on a remote profile `runs/...` checkpoint paths too, under storage.checkpoints as the recipe's run folder goes."""
     roots = {key: (profile.storage.shards, RECIPE_DATA_ROOT) for key in RELOCATED}
-    if storage.spans_nodes(profile):
+    if not profile.is_local:
         roots |= {key: (profile.storage.checkpoints, RECIPE_RUNS_ROOT) for key in RELOCATED_RUNS}
     out = []
     for text in sets:

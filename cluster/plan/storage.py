@@ -123,9 +123,10 @@ def _path_of(value: str) -> str | None:
 
 
 def node_local_setting(profile: ClusterProfile, config: TrainConfig) -> None:
-    """PlanError for a run folder or MLflow file store off the profile's shared storage, on several nodes: each node
-    would write and read its own copy (resume breaks, the eval node finds no checkpoint, MLflow forks)."""
-    if not spans_nodes(profile):
+    """PlanError, on a remote profile, for a relative run folder or MLflow file store (the job would write it in its
+    working folder, which Ray deletes) and, on several nodes, for one off the shared storage: each node would write
+    and read its own copy (resume breaks, the eval node finds no checkpoint, MLflow forks)."""
+    if profile.is_local:
         return
     s = profile.storage
     given = {"shared": s.shared, "checkpoints": s.checkpoints, "shards": s.shards}
@@ -135,7 +136,11 @@ def node_local_setting(profile: ClusterProfile, config: TrainConfig) -> None:
         section, field = key.split(".")
         value = getattr(getattr(config, section), field)
         path = None if value is None else _path_of(str(value))
-        if path is None or (posixpath.isabs(path) and any(path_under(path, r) for r in roots)):
+        if (
+            path is None
+            or posixpath.isabs(path)
+            and (not spans_nodes(profile) or any(path_under(path, r) for r in roots))
+        ):
             continue
         home = roots[0] if roots else s.checkpoints
         server = "http://HOST:5000" if _path_of(s.mlflow_tracking_uri) else s.mlflow_tracking_uri
@@ -144,6 +149,11 @@ def node_local_setting(profile: ClusterProfile, config: TrainConfig) -> None:
             if key == "checkpoint.dir"
             else f"an MLflow server's URL, e.g. {server}"
         )
+        if not posixpath.isabs(path):
+            raise PlanError(
+                f"{key}={value!r} is relative: the job would write it in its working folder, a copy of the project "
+                f"that Ray deletes; give {fix}"
+            )
         raise PlanError(
             f"{key}={value!r} would be each node's own copy: profile {profile.name}'s nodes share only "
             f"{' and '.join(f'{v} (storage.{k})' for k, v in named.items())}; give {fix}"

@@ -272,8 +272,7 @@ def test_every_node_type_joins_the_given_subnet_and_security_group():
     "setting",
     [
         "checkpoint.dir=/tmp/runs/x",
-        "checkpoint.dir=x/y",
-        "logging.mlflow_tracking_uri=sqlite:///mlflow.db",
+        "logging.mlflow_tracking_uri=sqlite:////tmp/mlflow.db",
     ],
 )
 def test_a_multi_node_run_refuses_a_path_each_node_would_have_its_own_copy_of(capsys, setting):
@@ -291,7 +290,7 @@ def test_a_multi_node_run_refuses_a_path_each_node_would_have_its_own_copy_of(ca
 @pytest.mark.timeout(120)
 def test_run_folder_paths_under_runs_move_to_the_shared_checkpoints_as_the_recipes_do():
     """`runs/...` is where the recipes' run folders live; on several nodes it goes under storage.checkpoints, as
-    `data/...` goes under storage.shards. Shared paths stay; one node (`local`, a100x8) keeps them as given."""
+    `data/...` goes under storage.shards, on one remote node too. Shared paths stay; `local` keeps them as given."""
     from cluster.plan.planner import resolve_config
     from cluster.profiles import load_profile
 
@@ -299,8 +298,23 @@ def test_run_folder_paths_under_runs_move_to_the_shared_checkpoints_as_the_recip
     config = resolve_config(load_profile("a100x64"), "vit_h14_i21k", sets, "r")
     assert config.checkpoint.dir == "/fsx/vitscale/runs/x" and config.data.train == "/fsx/i21k/train"
     assert config.logging.mlflow_tracking_uri == "sqlite:////fsx/m.db"
-    for name, recipe in (("local", "local_demo"), ("a100x8", "vit_b16_i21k")):
-        assert resolve_config(load_profile(name), recipe, ["checkpoint.dir=runs/x"], "r").checkpoint.dir == "runs/x"
+    assert (
+        resolve_config(load_profile("local"), "local_demo", ["checkpoint.dir=runs/x"], "r").checkpoint.dir == "runs/x"
+    )
+    one_node = resolve_config(load_profile("a100x8"), "vit_b16_i21k", ["checkpoint.dir=runs/x"], "r")
+    assert one_node.checkpoint.dir == "/fsx/vitscale/runs/x"  # not the job's working folder, which Ray deletes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting", ["checkpoint.dir=x/y", "logging.mlflow_tracking_uri=sqlite:///mlflow.db"])
+def test_a_one_node_remote_run_refuses_a_relative_run_folder_or_store(capsys, setting):
+    """On a100x8 a relative run folder or SQLite store was written in the Ray job's working folder, a copy of the
+    project that Ray deletes; an absolute path on its one node is kept."""
+    assert launch.main(["--cluster", "a100x8", "--dry-run", "--set", setting]) == 2
+    key, value = setting.split("=", 1)
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m cluster.launch: error: {key}={value!r} is relative: the job would write it in ")
+    assert launch.main(["--cluster", "a100x8", "--dry-run", "--set", "checkpoint.dir=/nvme/runs/x"]) == 0
 
 
 @pytest.mark.timeout(120)
