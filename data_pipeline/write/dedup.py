@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -235,10 +236,24 @@ def _exclusion_from_table(table_path: Path, max_distance: int) -> ExclusionSet:
     return ExclusionSet(sha, phashes, max_distance)
 
 
+def _image_files(folder: Path) -> list[Path]:
+    """The image files under ``folder``, sorted; ValueError for a folder that cannot be listed (rglob passes over it,
+    and its images would pass into the training set unchecked)."""
+
+    def refuse(error: OSError) -> None:
+        raise ValueError(
+            f"--exclude-like {folder}: cannot list {error.filename} ({error.strerror or error}); make it readable by "
+            "this process, or move it out of the folder"
+        )
+
+    files = (Path(root) / name for root, _, names in os.walk(folder, onerror=refuse) for name in names)
+    return sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
 def _exclusion_from_images(folder: Path, max_distance: int) -> ExclusionSet:
     sha: set[str] = set()
     phashes: list[int] = []
-    for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
+    for file in _image_files(folder):
         try:
             data = file.read_bytes()
         except OSError as error:  # skipped, the image would pass into the training set unchecked

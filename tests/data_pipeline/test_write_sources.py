@@ -249,6 +249,18 @@ def test_exclude_like_a_bucket_url_is_named_as_given(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_exclusion_folder_with_a_folder_that_cannot_be_listed_is_refused(tmp_path, monkeypatch, capsys):
+    """`--exclude-like` of an evaluation image folder passed over a sub-folder it could not list (rglob): its images
+    would pass into the training set unchecked, without a word. Refused, as an unreadable image there already is."""
+    source = class_folders(tmp_path / "src", {"cat": 1, "dog": 1})
+    evals = class_folders(tmp_path / "evals", {"cat": 1, "dog": 1})
+    refuse_listing(monkeypatch, {evals / "dog"})
+    assert write(source, tmp_path / "out", "--exclude-like", str(evals)) == 2
+    err = capsys.readouterr().err
+    assert f"error: --exclude-like {evals}: cannot list {evals / 'dog'} (Permission denied); make it" in err
+    assert err.count("\n") == 1
+
+
 def test_validate_does_not_advise_running_validate(tmp_path, capsys):
     """A count that disagrees with the manifest (here negative) said "run `python -m data_pipeline.validate` for
     details" from validate itself, which stops at the same check."""
