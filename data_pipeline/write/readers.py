@@ -383,7 +383,7 @@ def _iter_tar(unit: SourceUnit, stats: dict) -> Iterator[tuple[ItemRef, bytes, i
                     _count(stats, "not_image")
                 continue
             if not is_safe_member(member.name):
-                stats["unsafe_member"] = stats.get("unsafe_member", 0) + 1
+                _count(stats, "unsafe_member")
                 continue
             member_file = tar.extractfile(member)
             assert member_file is not None
