@@ -33,6 +33,7 @@ from cluster.profiles import (
     ClusterProfile,
     allocatable,
     load_profile,
+    path_under,
 )
 from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.paths import PROJECT_ROOT, write_text_atomically
@@ -122,7 +123,12 @@ def _check_renderable(profile: ClusterProfile) -> None:
         )
     if not profile.hardware.instance_type:
         raise ValueError(f"profile {profile.name}: hardware.instance_type is empty; set e.g. p4de.24xlarge")
-    if not profile.storage.checkpoints.startswith(SHARED_FS):
+    if profile.storage.shared not in ("", SHARED_FS):  # the plan would take a path under it as shared
+        raise ValueError(
+            f"profile {profile.name}: storage.shared={profile.storage.shared!r}: the files mount FSx at {SHARED_FS}; "
+            f"set storage.shared={SHARED_FS} or leave it out"
+        )
+    if not path_under(profile.storage.checkpoints, SHARED_FS):
         raise ValueError(
             f"profile {profile.name}: storage.checkpoints={profile.storage.checkpoints!r} must live on "
             f"the shared filesystem mounted at {SHARED_FS} so every node resumes from the same folder"

@@ -326,9 +326,11 @@ def test_render_refuses_an_eval_that_cannot_fit_its_pod(tmp_path, capsys):
     [
         ("hardware", "instance_type", None, r"hardware\.instance_type is empty; set e\.g\. p4de\.24xlarge"),
         ("storage", "checkpoints", "s3://bucket/runs", r"storage\.checkpoints='s3://bucket/runs' must live on .* /fsx"),
+        ("storage", "checkpoints", "/fsxdata/runs", r"storage\.checkpoints='/fsxdata/runs' must live on .* /fsx"),
+        ("storage", "shared", "/lustre", r"storage\.shared='/lustre': the files mount FSx at /fsx"),
         ("workers", "cpus_per_worker", 20, r"need 160 CPUs, its pod has 94 of hardware\.cpus_per_node=96; lower"),
     ],
-    ids=["no-instance-type", "checkpoints-off-fsx", "workers-over-the-pod"],
+    ids=["no-instance-type", "checkpoints-off-fsx", "beside-fsx", "shared-elsewhere", "workers-over-the-pod"],
 )
 def test_render_refuses_a_profile_its_nodes_cannot_run(tmp_path, capsys, section, key, value, message):
     """A lab's own profile: what `ray up` or KubeRay would fail on later is refused here, in one line."""
