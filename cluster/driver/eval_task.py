@@ -29,10 +29,12 @@ def task_device(assigned: dict[str, float], cuda_available: bool) -> str:
 def run_suite_task(
     checkpoint_dir: str, suite: str, data_root: str, run_id: str | None, tracking_uri: str | None
 ) -> dict[str, Any]:
-    """{metrics | error (+ traceback), seconds, started}; never raises. Unpins the checkpoint however it ends."""
+    """{metrics | error (+ traceback), seconds, started}; never raises. Unpins the checkpoint once it has an outcome,
+    not when its process is stopped (Ray's SIGTERM is a SystemExit: the job was stopped, and its next job runs it)."""
     started, began = time.monotonic(), time.time()
     try:
         if not is_complete(checkpoint_dir):
+            unpin_checkpoint(checkpoint_dir)
             return {
                 "error": f"{checkpoint_dir} is gone or incomplete although pinned for this eval: deleted by hand, "
                 "or by another job writing the same run folder",
@@ -45,13 +47,8 @@ def run_suite_task(
         table = run_suite(
             checkpoint_dir, suite, data_root=data_root, mlflow_run_id=run_id, tracking_uri=tracking_uri, device=device
         )
-        return {"metrics": mlflow_metrics(table.to_pylist()), "seconds": time.monotonic() - started, "started": began}
+        outcome = {"metrics": mlflow_metrics(table.to_pylist())}
     except Exception as exc:
-        return {
-            "error": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(),
-            "seconds": time.monotonic() - started,
-            "started": began,
-        }
-    finally:
-        unpin_checkpoint(checkpoint_dir)
+        outcome = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    unpin_checkpoint(checkpoint_dir)
+    return outcome | {"seconds": time.monotonic() - started, "started": began}

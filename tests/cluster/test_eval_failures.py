@@ -286,3 +286,53 @@ def test_the_last_checkpoints_eval_is_not_skipped_when_the_pins_are_taken(tmp_pa
     assert ray_local.get(scheduler.pending.remote()) == [10, 40]
     rows = ray_local.get(scheduler.drain.remote(1.0))
     assert rows[20]["skipped"] and not rows[40].get("skipped") and "evals.timeout_s" in rows[40]["error"]
+
+
+# A driver process that submits the real eval task and waits; stopped, Ray stops its task as `make stop` does a job's.
+_DRIVER = """
+import sys, time, ray
+from cluster.driver.eval_task import run_suite_task
+ray.init(address=sys.argv[1])
+ray.remote(num_cpus=1)(run_suite_task).remote(*sys.argv[2:5], None, None)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_eval_stopped_with_its_job_keeps_its_pin_for_the_next_job(tmp_path, ray_local, eval_data_root):
+    """Ray stops a stopped job's tasks with SIGTERM, a SystemExit in the task: its checkpoint stays pinned, so the run's
+    next job runs the eval (`EvalScheduler.catch_up`). Before, the task unpinned it on the way out and the eval, the
+    step-0 baseline among them, was lost for good."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from pretrain.model.vit import build_model
+    from pretrain.weights.formats import save_pretrained
+
+    (folder,) = _checkpoints(tmp_path / "run", (0,))
+    save_pretrained(build_model("vit_tiny_debug", num_classes=32), folder)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 0, "images_seen": 0}))
+    suite = tmp_path / "long.yaml"  # far longer than the test waits: the stop lands while it trains
+    suite.write_text(
+        "name: long\nevaluators:\n  - type: finetune\n    datasets: [digits]\n    steps: 5000\n    batch_size: 16\n"
+        "    lr_grid: [0.01]\n    warmup_steps: 1\n    max_train_examples: 400\n"
+    )
+    address = ray_local.get_runtime_context().gcs_address
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, address, str(folder), str(suite), str(eval_data_root)])
+    deadline = time.monotonic() + 120
+    while not (
+        tasks := [
+            p for p in psutil.process_iter(["cmdline"]) if "ray::run_suite_task" in " ".join(p.info["cmdline"] or ())
+        ]
+    ):
+        assert driver.poll() is None and time.monotonic() < deadline, "the eval task did not start"
+        time.sleep(0.2)
+    time.sleep(2)  # into the suite
+    driver.terminate()  # as `ray job stop` stops a job's driver
+    driver.wait()
+    psutil.wait_procs(tasks, timeout=60)
+    assert not any(task.is_running() for task in tasks), "Ray did not stop the stopped driver's task"
+    assert is_pinned(folder) and not (folder / "evals").exists()
