@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline.cli import fail, interrupted, output_folder
-from data_pipeline.paths import safe_name
+from data_pipeline.paths import PROJECT_ROOT, safe_name
 from tracking import keys
 from tracking.report_collect import COMPARISON_KIND, COMPARISONS_EXPERIMENT, Comparison, collect
 from tracking.report_render import format_table, write_report
@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiment", help="compare the runs of this MLflow experiment (default: all experiments)")
     parser.add_argument("--runs", help="comma-separated run ids to compare (overrides --experiment)")
     parser.add_argument("--tracking-uri", help=f"MLflow store ({default_store_help()})")
-    parser.add_argument("--out", default="reports", help="parent folder of the report (default: reports)")
+    parser.add_argument(
+        "--out", default=str(PROJECT_ROOT / "reports"), help="parent folder of the report (default: <project>/reports)"
+    )
     parser.add_argument("--name", help="report folder name (default: the experiment name, or 'all')")
     parser.add_argument("--no-mlflow", action="store_true", help="write the report only; do not log it to MLflow")
     args = parser.parse_args(argv)

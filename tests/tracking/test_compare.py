@@ -2,6 +2,7 @@
 
 import csv
 import math
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from data_pipeline.paths import PROJECT_ROOT
 from tracking import keys
 from tracking.compare import main
 from tracking.report_collect import collect
@@ -567,3 +569,19 @@ def test_a_server_whose_calls_fail_is_one_line_in_seconds(tmp_path, capsys, monk
     assert err.startswith(f"python -m tracking.compare: error: the MLflow server at {uri} answers /health but ")
     assert "HTTP 500" in err and "unable to open database" in err and err.count("\n") == 1
     assert not (tmp_path / "reports").exists()
+
+
+def test_the_report_goes_under_the_project_from_any_folder(store, tmp_path, monkeypatch):
+    """As the store is found: `python -m tracking.compare` from a sub-folder wrote `<sub-folder>/reports/`."""
+    uri, _, _ = store
+    name = f"from-elsewhere-{os.getpid()}"
+    monkeypatch.chdir(tmp_path)
+    reports = PROJECT_ROOT / "reports"
+    made = not reports.exists()
+    try:
+        assert main(["--experiment", "scaling", "--tracking-uri", uri, "--name", name, "--no-mlflow"]) == 0
+        assert (reports / name / "index.html").is_file() and not (tmp_path / "reports").exists()
+    finally:
+        shutil.rmtree(reports / name, ignore_errors=True)
+        if made and not any(reports.iterdir()):
+            reports.rmdir()
