@@ -248,13 +248,13 @@ def _print_summary(result: dict, rate: dict[str, float], decode_us: dict[int, fl
         f"{result['loader_main_cpu_us_per_image_workers2']:.0f} us CPU per image at 2 workers"
     )
     print(f"TrainStream end to end: {loader.stream_img_s:7.1f} images/s (num_workers=0)")
-    print(f"shard reading          : {loader.read_mb_s:7.1f} MB/s")
+    print(f"shard reading          : {loader.read_mb_s:7.1f} MiB/s")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="decode+augment vs bare PIL images/s per core; workers; shard read MB/s",
+        description="decode+augment vs bare PIL images/s per core; workers; shard read MiB/s",
     )
     add = p.add_argument
     add("--images", type=int, default=320)

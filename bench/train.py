@@ -4,7 +4,7 @@ machine's GEMM rate, at fp32 and at bf16.
 A rate is the median over rounds (alternating the order) of the best of ``repeats`` steps. Keys per precision p
 (suffix ``_b16`` for B/16): ``speedup_vs_hf_<p>`` against HF with SDPA, at bf16 ``speedup_vs_hf_best_<p>`` against
 HF's faster kernel (docs/performance.md); ``gemm_fraction_<p>``: images/s x ``train_flops(as_run=True)`` / a square
-GEMM's rate. Emulated bf16 runs a small setting. ``--compile`` adds ``*_compiled_*`` keys.
+GEMM's rate. Emulated bf16 runs a small setting. ``*_compiled_*`` keys: blocks compiled (``--no-compile``: none).
 """
 
 from __future__ import annotations

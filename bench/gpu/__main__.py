@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--train-set {model[0]!r}: the train part measures the vit_h14_i21k recipe, whose keys calibrate "
             "ViT-H/14; leave model.name as it is (the step part measures other models: --models)"
         )
+    try:  # a key or value the recipe refuses: now, not after the other parts' minutes of device time
+        TrainSpec(data="shards", run_root="runs", smoke=args.smoke, more=tuple(args.train_set)).config(Path("run"))
+    except ValueError as error:
+        parser.error(f"--train-set: {error}")
     if args.work_dir is not None:
         try:
             output_folder(args.work_dir, "--work-dir")

@@ -127,7 +127,9 @@ def test_plan_and_loader_parts_relate_their_numbers(smoke):
     assert smoke["loader_formula_img_s_per_core"] > 0
 
 
-@pytest.mark.parametrize("args", [["--smoke", "--budget-s", "0"], ["--budget-s", "60"]])
+@pytest.mark.parametrize(
+    "args", [["--smoke", "--budget-s", "0"], ["--budget-s", "60"], ["--smoke", "--train-set", "bogus=1"]]
+)
 def test_bad_arguments_and_no_gpu_exit_2_before_any_work(args, capsys, tmp_path):
     import torch
 
