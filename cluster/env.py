@@ -1,8 +1,9 @@
 """Shell exports that point Ray's own CLI (`ray job list|logs|submit|stop`) at a profile's cluster.
 
-`python -m cluster.env [--cluster P]` backs `make env`: `eval "$(make -s env)"`. The Jobs API's address (on `local`
-the running head's; no head: exit 2) and RAY_AUTH_MODE (else Ray's CLI sends no token; a remote cluster's head runs
-with token auth, `cluster.render`), with RAY_AUTH_TOKEN_PATH where the token is in another file; never the token.
+`python -m cluster.env [--cluster P]` backs `make env`: `vars=$(make -s env) && eval "$vars"` (a bare
+`eval "$(make -s env)"` goes on after its error). The Jobs API's address (on `local` the running head's; no head:
+exit 2) and RAY_AUTH_MODE (else Ray's CLI sends no token; a remote cluster's head runs with token auth,
+`cluster.render`), with RAY_AUTH_TOKEN_PATH where the token is in another file; never the token.
 """
 
 from __future__ import annotations
