@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import json
 import os
 import shutil
 import time
@@ -31,7 +33,7 @@ from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.optim import build_schedule
 from pretrain.config.train_config import TrainConfig, check_model
-from pretrain.model.vit import VisionTransformer
+from pretrain.model.vit import VisionTransformer, ViTConfig
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import (
     architecture_differences,
@@ -62,10 +64,12 @@ def find_start(config: TrainConfig) -> StartPoint:
     or scratch."""
     latest = newest_verified(Path(config.checkpoint.dir))
     if latest is not None:
+        _check_resumable(config, latest, f"the run folder's newest checkpoint {latest}", _NEW_RUN)
         return StartPoint("run", latest)
     c = config.checkpoint
     if c.resume_from is not None:
         folder = run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
+        _check_resumable(config, folder, f"checkpoint.resume_from={c.resume_from}", _DROP_RESUME_FROM)
         return StartPoint("resume_from", _intact(folder, "checkpoint.resume_from"))
     if c.init_from is not None:
         if is_remote(c.init_from):
@@ -86,7 +90,7 @@ def nothing_to_train(config: TrainConfig) -> str | None:
     if found is None:
         return None
     folder, named, fix = found
-    _check_same_model(config, folder, named, fix)
+    _check_resumable(config, folder, named, fix)
     try:
         step = run_folder.open_checkpoint(folder).step
     except ValueError:  # a damaged trainer state: the start skips this checkpoint, or says why it cannot
@@ -123,10 +127,14 @@ def _resume_candidate(config: TrainConfig) -> tuple[Path, str, str] | None:
     c = config.checkpoint
     newest = run_folder.latest_checkpoint(c.dir)
     if newest is not None:
-        return newest, f"the run folder's newest checkpoint {newest}", "set another checkpoint.dir to train a new run"
+        return newest, f"the run folder's newest checkpoint {newest}", _NEW_RUN
     if c.resume_from is not None and run_folder.is_complete(c.resume_from):
-        return Path(c.resume_from), f"checkpoint.resume_from={c.resume_from}", "drop checkpoint.resume_from"
+        return Path(c.resume_from), f"checkpoint.resume_from={c.resume_from}", _DROP_RESUME_FROM
     return None
+
+
+_NEW_RUN = "set another checkpoint.dir to train a new run"
+_DROP_RESUME_FROM = "drop checkpoint.resume_from"
 
 
 def _saved_total(folder: Path) -> Any:
@@ -142,6 +150,14 @@ def _saved_setting(folder: Path, section: str, key: str) -> Any:
         return None
 
 
+def _check_resumable(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
+    """ValueError if the engine the recipe builds cannot load the checkpoint a resume would load: another model, a
+    ZeRO stage whose files another stage cannot read, another precision. DeepSpeed would fail mid-load."""
+    _check_same_model(config, folder, named, fix)
+    _check_zero_stage(config, folder, named, fix)
+    _check_precision(config, folder, named, fix)
+
+
 def _check_same_model(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
     """ValueError if the checkpoint a resume would load holds another architecture than the recipe's model: its
     engine state cannot load (DeepSpeed's size mismatches). An unreadable ``model.json`` is left to the start."""
@@ -150,12 +166,69 @@ def _check_same_model(config: TrainConfig, folder: Path, named: str, fix: str) -
         return
     differ = architecture_differences(saved, check_model(config))
     if differ:
-        name = _saved_setting(folder, "model", "name")
-        back = f"model.name={name}" if isinstance(name, str) else "its architecture"
         raise ValueError(
             f"{named} holds another model than model.name={config.model.name} builds ({'; '.join(differ)}): a "
-            f"resume cannot load it; set the model back to the checkpoint's ({back}), or {fix}"
+            f"resume cannot load it; set the model back to the checkpoint's ({_model_settings(config, folder, saved)}"
+            f"), or {fix}"
         )
+
+
+def _model_settings(config: TrainConfig, folder: Path, saved: ViTConfig) -> str:
+    """The recipe settings that build the checkpoint's ``saved`` architecture again (``model.pool=token``), else
+    "its architecture"."""
+    sets: dict[str, Any] = {}
+    name = _saved_setting(folder, "model", "name")
+    if isinstance(name, str) and name != config.model.name:
+        sets["model.name"] = name
+    model = dataclasses.replace(config.model, name=sets.get("model.name", config.model.name))
+    try:
+        want = check_model(dataclasses.replace(config, model=model))
+    except ValueError:  # a saved model.name this version lacks
+        return f"model.name={sets['model.name']}" if sets else "its architecture"
+    if want.pool != saved.pool:
+        sets["model.pool"] = saved.pool
+        want = dataclasses.replace(want, pool=saved.pool)
+    if not sets or architecture_differences(saved, want):
+        return "its architecture"
+    return ", ".join(f"{key}={value}" for key, value in sets.items())
+
+
+# ZeRO stages whose engine files each other's engine loads: 1 and 2 write the same partitioned optimizer state
+_STAGES_THAT_LOAD_EACH_OTHER = ({1, 2},)
+
+
+def _check_zero_stage(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
+    """ValueError if the checkpoint was saved at a ZeRO stage whose engine files the recipe's stage cannot read
+    (0 or 3 on either side: DeepSpeed fails mid-load); 1 <-> 2 loads."""
+    saved, now = _saved_setting(folder, "deepspeed", "zero_stage"), config.deepspeed.zero_stage
+    if not isinstance(saved, int) or saved == now or any({saved, now} <= s for s in _STAGES_THAT_LOAD_EACH_OTHER):
+        return
+    raise ValueError(
+        f"{named} was saved at deepspeed.zero_stage={saved}, whose engine state ZeRO-{now} cannot load; set "
+        f"deepspeed.zero_stage={saved} to resume it, or {fix}"
+    )
+
+
+def _check_precision(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
+    """ValueError if the recipe asks for another precision than the checkpoint trained in: DeepSpeed's fp32 and bf16
+    engines write different files (``auto`` and ``probe`` keep the checkpoint's)."""
+    requested, kept = config.deepspeed.precision, _saved_precision(folder)
+    if requested not in ("fp32", "bf16") or kept not in ("fp32", "bf16") or requested == kept:
+        return
+    raise ValueError(
+        f"{named} was trained in {kept}, and a {requested} engine cannot load its state; set "
+        f"deepspeed.precision={kept} (or auto) to resume it, or {fix}"
+    )
+
+
+def _saved_precision(folder: Path) -> Any:
+    """The precision the checkpoint trained in: its trainer state's, else its recipe's fp32 or bf16 (a checkpoint
+    written before trainer states recorded it); None if unknown."""
+    try:
+        kept = json.loads((folder / run_folder.TRAINER_STATE).read_text()).get("precision")
+    except (OSError, ValueError, AttributeError):
+        kept = None
+    return kept if kept is not None else _saved_setting(folder, "deepspeed", "precision")
 
 
 def _fetched(url: str) -> Path:
