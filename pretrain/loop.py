@@ -51,7 +51,7 @@ def train_worker(
     checkpointer = Checkpointer(config, trainer.last_step, on_checkpoint, tracker, pin)
     beat = (heartbeat or Heartbeat(None)).for_run(trainer.last_step, config.checkpoint.every_steps)
     trainer.restore_randomness()  # last before the loop: nothing after it draws from the global generators
-    recorder, outcome = open_recorder(config, place, starts), "failed"
+    recorder, outcome, status = open_recorder(config, place, starts), "failed", "FAILED"
     open_clock(clock, config, trainer, starts)
     try:
         checkpointer.save_baseline(trainer)
@@ -83,6 +83,10 @@ def train_worker(
             checkpointer.after_step(trainer, {**logged, keys.LOSS: result.loss})
             clock.after_step(checkpointer.save_seconds, logged=bool(new))
         outcome = "finished" if trainer.step >= trainer.total_steps else "stopped"
+        status = "FINISHED"  # a stopped run ended well too: vitscale.status "stopped"
+    except KeyboardInterrupt:  # the user's stop (Ctrl-C): KILLED, as the job's driver marks it
+        outcome, status = "stopped", "KILLED"
+        raise
     finally:
         clock.close(outcome)
         beat.end()
@@ -90,9 +94,8 @@ def train_worker(
         recorder.close()
         metrics.close()
         tracker.close()
-        # a stopped run ended well too: FINISHED, with vitscale.status "stopped"
         if created_run and tracker.run_id is not None:
-            finish_run(tracker.tracking_uri, tracker.run_id, "FAILED" if outcome == "failed" else "FINISHED", outcome)
+            finish_run(tracker.tracking_uri, tracker.run_id, status, outcome)
     trainer.close()
     return recorder.summary(**trainer.describe(), checkpoints=checkpointer.saved)
 

@@ -14,10 +14,11 @@ if __name__ == "__main__":  # before the imports below
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from data_pipeline.cli import INTERRUPTED, fail, interrupted, output_file
-from pretrain.checkpoint import run_folder
+from pretrain.checkpoint import checksums, run_folder
 from pretrain.checkpointer import nothing_to_train
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.train_config import TrainConfig, load_config
@@ -45,13 +46,25 @@ def _summary_path(template: str, rank: int) -> str:
 
 
 def _kept(config: TrainConfig | None) -> str:
-    """What a Ctrl-C leaves: the newest COMPLETE checkpoint (a save cut short never is one) and how to go on."""
+    """What a Ctrl-C leaves: the newest COMPLETE checkpoint (a save cut short never is one) and how to go on. Not
+    verified here: a Ctrl-C must not wait for a read of the whole checkpoint (the next start verifies it)."""
     if config is None:
         return "nothing was started"
     newest = run_folder.latest_checkpoint(config.checkpoint.dir)
     if newest is None:
         return f"{config.checkpoint.dir} holds no complete checkpoint yet: the same command starts the run over"
     return f"kept {newest}, the newest complete checkpoint: the same command resumes from it"
+
+
+def _resumes_from(run_dir: str, saved: Sequence[str] = ()) -> Path | None:
+    """The checkpoint a run launched again resumes from: the last of ``saved`` (this run's), else the newest COMPLETE
+    one that is not damaged, checked by this process alone (`checkpointer.newest_verified` is collective)."""
+    if saved:
+        return Path(saved[-1])
+    for folder in reversed(run_folder.complete_checkpoints(run_dir)):
+        if checksums.verify(folder).ok:
+            return folder
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(_summary_path(args.summary, summary.rank)).write_text(json.dumps(summary.to_dict()))
     if summary.rank == 0:
         loss = "-" if summary.final_loss is None else f"{summary.final_loss:.4f}"
-        newest = run_folder.latest_checkpoint(config.checkpoint.dir)
+        newest = _resumes_from(config.checkpoint.dir, summary.checkpoints)
         print(
             f"done: {summary.steps} steps, final loss {loss}, images seen {summary.images_seen:,}; "
             + (f"newest checkpoint {newest}" if newest else f"no checkpoint in {config.checkpoint.dir}")

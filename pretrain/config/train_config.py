@@ -168,7 +168,7 @@ class TrainConfig:
         vit = check_model(self)
         progressive.check_config(d.resolution_schedule, d.image_size, vit.stride, self.deepspeed.zero_stage)
         optim.check_config(self.optim, self.schedule, d.global_batch_size, _epoch_images(here.data, check_paths))
-        tasks.check_config(self.loss, self.task)
+        tasks.check_config(self.loss, self.task, vit, d.resolution_schedule, self.model.name)
         ds_config.check_config(self.deepspeed)
         check_run_config(self.checkpoint, self.logging)
         self.evals.validate()

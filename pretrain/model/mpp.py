@@ -8,6 +8,7 @@ Counts are exact per image. Training draws from torch's global generator, seeded
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "MaskedPatchPrediction",
     "added_parameters",
     "build_mpp_task",
+    "check_patches",
     "corruption_plan",
     "mean_color_targets",
     "planned_model",
@@ -125,6 +127,18 @@ def corruption_plan(batch: int, num_patches: int, config: MPPConfig, generator: 
     return CorruptionPlan(corrupted=role < 3, masked=role == 0, source=source)
 
 
+def check_patches(vit: ViTConfig, sizes: Iterable[tuple[str, int]] = (), model: str | None = None) -> None:
+    """ValueError unless ``vit`` cuts >= 2 patches per image at its image size and each (setting, size) of ``sizes``."""
+    for setting, size in [("data.image_size", vit.image_size), *sizes]:
+        patches = (size // vit.stride) ** 2  # as the model cuts them: a stride x stride square each
+        if patches < 2:
+            raise ValueError(
+                f"{f'model {model}' if model else 'the model'} at {setting} {size} leaves {patches} "
+                f"patch{'es' * (patches != 1)} per image (one per {vit.stride}x{vit.stride} px); masked "
+                f"patch prediction needs >= 2: raise {setting} to {2 * vit.stride} or set task.name=classification"
+            )
+
+
 class MaskedPatchPrediction(nn.Module):
     """The ``mpp`` task: encoder, [mask] and colour head. Labels are ignored; metric ``accuracy``."""
 
@@ -134,6 +148,7 @@ class MaskedPatchPrediction(nn.Module):
         super().__init__()
         if model.config.in_chans != 3:
             raise ValueError("masked patch prediction predicts RGB colours; the model must take 3-channel images")
+        check_patches(model.config)  # before DeepSpeed starts; `tasks.check_config` with the model: at validation
         self.model = model
         self.config = config
         self.seed = int(seed)  # for the evaluation corruption

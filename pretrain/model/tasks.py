@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -160,6 +160,7 @@ def _plan_classification_mpp(options: dict[str, Any], vit: ViTConfig) -> tuple[V
 TaskBuilder = Callable[[TaskSettings, VisionTransformer], nn.Module]
 OptionsCheck = Callable[[dict[str, Any]], object]
 ModelPlan = Callable[[dict[str, Any], ViTConfig], tuple[ViTConfig, int]]
+ModelCheck = Callable[[ViTConfig, Sequence[tuple[str, int]], str | None], None]  # (vit, (setting, size)s, name)
 
 
 @dataclass(frozen=True)
@@ -167,21 +168,22 @@ class Task:
     build: TaskBuilder
     options: OptionsCheck | None  # run by `check_config`; None: the builder checks
     plan: ModelPlan  # see `planned_model`
+    model: ModelCheck | None = None  # run by `check_config` on the model the recipe trains
 
 
 TASKS: dict[str, Task] = {}
 
 
 def register_task(
-    name: str, options: OptionsCheck | None = None, plan: ModelPlan | None = None
+    name: str, options: OptionsCheck | None = None, plan: ModelPlan | None = None, model: ModelCheck | None = None
 ) -> Callable[[TaskBuilder], TaskBuilder]:
-    """Decorator adding ``builder(config, model)`` to `TASKS`; ``options`` runs before workers start; ``plan``: see
-    `planned_model` (default: ``vit``, nothing added)."""
+    """Decorator adding ``builder(config, model)`` to `TASKS`; ``options`` and ``model`` (does the task fit that
+    model?) run before workers start; ``plan``: see `planned_model` (default: ``vit``, nothing added)."""
 
     def add(builder: TaskBuilder) -> TaskBuilder:
         if name in TASKS and TASKS[name].build is not builder:
             raise ValueError(f"task {name!r} is registered twice")
-        TASKS[name] = Task(builder, options, plan or (lambda _, vit: (vit, 0)))
+        TASKS[name] = Task(builder, options, plan or (lambda _, vit: (vit, 0)), model)
         return builder
 
     return add
@@ -201,12 +203,14 @@ def _build_classification(config: TaskSettings, model: VisionTransformer) -> nn.
     return ClassificationTask(model, config.loss.type, config.loss.label_smoothing)
 
 
-@register_task("mpp", options=mpp.MPPConfig.from_options, plan=mpp.planned_model)
+@register_task("mpp", options=mpp.MPPConfig.from_options, plan=mpp.planned_model, model=mpp.check_patches)
 def _build_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
     return mpp.build_mpp_task(model, config.task.options, config.seed)
 
 
-@register_task("classification_mpp", options=classification_mpp_options, plan=_plan_classification_mpp)
+@register_task(
+    "classification_mpp", options=classification_mpp_options, plan=_plan_classification_mpp, model=mpp.check_patches
+)
 def _build_classification_mpp(config: TaskSettings, model: VisionTransformer) -> nn.Module:
     patches, weight = classification_mpp_options(dict(config.task.options))
     return ClassificationWithMPP(model, patches, weight, config.loss.type, config.loss.label_smoothing, config.seed)
@@ -218,8 +222,15 @@ def _registered(name: str) -> Task:
     return TASKS[name]
 
 
-def check_config(loss: LossConfig, task: TaskConfig) -> None:
-    """ValueError naming a bad field and the fix."""
+def check_config(
+    loss: LossConfig,
+    task: TaskConfig,
+    vit: ViTConfig | None = None,
+    resolution_schedule: Sequence[Sequence[int]] = (),
+    model: str | None = None,
+) -> None:
+    """ValueError naming a bad field and the fix. ``vit``: the model ``model`` (its name) the recipe trains, at
+    ``data.image_size`` and at each size of ``data.resolution_schedule``."""
     if not 0.0 <= loss.label_smoothing < 1.0:
         raise ValueError(f"loss.label_smoothing={loss.label_smoothing} must be in [0, 1)")
     if loss.label_smoothing and loss.type != "softmax_xent":
@@ -227,6 +238,9 @@ def check_config(loss: LossConfig, task: TaskConfig) -> None:
     registered = _registered(task.name)
     if registered.options is not None:
         registered.options(dict(task.options))
+    if registered.model is not None and vit is not None:
+        sizes = [(f"data.resolution_schedule[{i}][1]", int(size)) for i, (_, size) in enumerate(resolution_schedule)]
+        registered.model(vit, sizes, model)
 
 
 def build_task(config: TaskSettings, model: VisionTransformer) -> nn.Module:

@@ -2,10 +2,12 @@
 ``classification_mpp``, labels and MPP from one pass (the demo's task)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from pretrain.config.train_config import load_config
 from pretrain.model.mpp import MaskedPatchPrediction, MPPConfig, corruption_plan, mean_color_targets
 from pretrain.model.tasks import (
     LOSSES,
@@ -15,7 +17,7 @@ from pretrain.model.tasks import (
     check_config,
     classification_mpp_options,
 )
-from pretrain.model.vit import build_model
+from pretrain.model.vit import build_model, model_config
 
 
 def test_corruption_proportions_are_exact_per_image():
@@ -182,6 +184,27 @@ def test_classification_mpp_options_and_model():
         check_config(LossConfig(), TaskConfig("classification_mpp", {"weight": 1.0}))
     with pytest.raises(ValueError, match="needs a head"):
         ClassificationWithMPP(build_model("vit_tiny_debug", num_classes=0), MPPConfig())
+
+
+def test_a_model_that_leaves_one_patch_per_image_is_refused_in_validation_naming_the_numbers_and_the_fix():
+    """The hybrid r26_vit_s32 cuts a 32 px image into one patch (ResNet stem 16 x patch 2); MPP corrupts >= 1 patch
+    of >= 2. `check_config` (run by validation and --dry-run) says so; so does the task's build, before DeepSpeed."""
+    vit = model_config("r26_vit_s32", image_size=32, num_classes=10)
+    said = (
+        r"^model r26_vit_s32 at data\.image_size 32 leaves 1 patch per image \(one per 32x32 px\); masked patch "
+        r"prediction needs >= 2: raise data\.image_size to 64 or set task\.name=classification$"
+    )
+    for task in ("mpp", "classification_mpp"):
+        with pytest.raises(ValueError, match=said):
+            check_config(LossConfig(), TaskConfig(task), vit, model="r26_vit_s32")
+        check_config(LossConfig(), TaskConfig(task), replace(vit, image_size=64), model="r26_vit_s32")  # 4 patches
+    check_config(LossConfig(), TaskConfig("classification"), vit, model="r26_vit_s32")  # one patch classifies
+    with pytest.raises(ValueError, match=r"at data\.resolution_schedule\[1\]\[1\] 32 leaves 1 patch .* raise data\."):
+        check_config(LossConfig(), TaskConfig("mpp"), replace(vit, image_size=64), [[0, 64], [5, 32]], "r26_vit_s32")
+    with pytest.raises(ValueError, match=r"^the model at data\.image_size 32 leaves 1 patch per image"):
+        ClassificationWithMPP(build_model("r26_vit_s32", image_size=32, num_classes=10), MPPConfig())
+    with pytest.raises(ValueError, match=said):  # the recipe's validation (and so --dry-run)
+        load_config("local_demo", ["model.name=r26_vit_s32"]).validate(2, check_paths=False)
 
 
 @pytest.mark.parametrize(
