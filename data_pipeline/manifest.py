@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import posixpath
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST_FILE = "manifest.parquet"
 SAMPLES_FILE = "samples.parquet"
@@ -134,6 +136,23 @@ def _incomplete(root: str, missing: str) -> ShardFormatError:
     )
 
 
+def _not_shard_folder(root: str, why: str) -> ShardFormatError:
+    return ShardFormatError(
+        f"{root} is not a shard folder ({why}); write one with "
+        "`python -m data_pipeline.write --source ... --out DIR` or `python -m data_pipeline.builtin NAME --out DIR`"
+    )
+
+
+def _holds_writer_files(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` holds a file the writer writes (shards, metadata, a ``.tmp``): a write begun there."""
+    written = {MANIFEST_FILE, SAMPLES_FILE, CLASSES_FILE, WRITE_SETTINGS_FILE, WIDS_INDEX_FILE, TIMM_INFO_FILE}
+    try:
+        names = _names_in(fs, path)
+    except OSError:  # only to word the error: call it an interrupted write, as before
+        return True
+    return any(n in written or n.endswith(".tmp") or fnmatch.fnmatch(n, SHARD_GLOB) for n in names)
+
+
 def _split_folders(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
     """The sub-folders of ``path`` that hold a ``dataset.json``: the split folders of a dataset's folder."""
     try:
@@ -146,6 +165,9 @@ def _split_folders(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
 def _not_split_folder(root: str, fs: fsspec.AbstractFileSystem, path: str) -> ShardFormatError:
     """The error for a folder without ``dataset.json``: a dataset's folder of split folders, or an unfinished one."""
     splits = _split_folders(fs, path)
+    if not splits and not _holds_writer_files(fs, path):
+        why = f"it holds none of the files `python -m data_pipeline.write` writes: no {DATASET_FILE}, manifest or shard"
+        return _not_shard_folder(root, why)
     if not splits:
         return _incomplete(root, DATASET_FILE)
     return ShardFormatError(
@@ -186,10 +208,7 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
     root = str(shard_dir)
     fs, path = _fs_and_path(root)
     if not _exists(fs, path, "directory"):
-        raise ShardFormatError(
-            f"{root} is not a shard folder (it does not exist); write one with "
-            "`python -m data_pipeline.write --source ... --out DIR` or `python -m data_pipeline.builtin NAME --out DIR`"
-        )
+        raise _not_shard_folder(root, "it does not exist")
     if not _exists(fs, posixpath.join(path, DATASET_FILE)):
         raise _not_split_folder(root, fs, path)
     if not _exists(fs, posixpath.join(path, MANIFEST_FILE)):
@@ -236,6 +255,49 @@ def read_dataset_info(shard_dir: str | Path) -> DatasetInfo:
         shards=shards,
         class_names=class_names,
     )
+
+
+def check_class_count(info: DatasetInfo) -> None:
+    """ShardFormatError when ``classes.parquet`` and ``dataset.json`` disagree on the number of classes."""
+    if info.class_names and len(info.class_names) != info.num_classes:
+        raise ShardFormatError(
+            f"{info.root}: {CLASSES_FILE} names {len(info.class_names)} classes but {DATASET_FILE} says num_classes "
+            f"{info.num_classes}; set it to {len(info.class_names)} if the names are right, or write the folder again "
+            f"(`python -m data_pipeline.validate {info.root}` checks it)"
+        )
+
+
+def _names_in(fs: fsspec.AbstractFileSystem, folder: str) -> set[str]:
+    """The names ``folder`` holds; none where it is not there."""
+    if not _exists(fs, folder, "directory"):
+        return set()
+    return {posixpath.basename(p.rstrip("/")) for p in fs.ls(folder, detail=False)}
+
+
+def missing_shards(info: DatasetInfo) -> list[str]:
+    """The shards of a local folder's manifest that are not there (one listing per folder); [] for a store's URL."""
+    fs, _ = _fs_and_path(info.root)
+    if not isinstance(fs, LocalFileSystem):
+        return []
+    listed: dict[str, set[str]] = {}
+    missing = []
+    for shard in info.shards:
+        folder, name = posixpath.split(fs._strip_protocol(shard.url))
+        if folder not in listed:
+            listed[folder] = _names_in(fs, folder)
+        if name not in listed[folder]:
+            missing.append(shard.url)
+    return missing
+
+
+def check_shards_exist(info: DatasetInfo) -> None:
+    """ShardFormatError naming the local folder's missing shards and the fix."""
+    missing = missing_shards(info)
+    if missing:
+        raise ShardFormatError(
+            f"{info.root}: {MANIFEST_FILE} lists {len(missing)} shard(s) that do not exist, e.g. {missing[0]}; "
+            f"check the folder with `python -m data_pipeline.validate {info.root}` and write it again"
+        )
 
 
 def dataset_info(source: str | Path | DatasetInfo) -> DatasetInfo:

@@ -20,6 +20,8 @@ from data_pipeline.builtin.sets import (
     config,
     ensure,
     option_minimum,
+    set_fields,
+    unread_options,
 )
 from data_pipeline.cli import fail, interrupted, output_folder
 from data_pipeline.manifest import read_dataset_info
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
             overrides[key] = int(value)
         names = BUILTIN_NAMES if args.name == "all" else (_canonical(args.name),)
+        unread = unread_options(names, overrides)
+        if unread:
+            key = unread[0]
+            raise ValueError(f"--set {key}={overrides[key]}: {args.name} does not read {key}; {_reads(names)}")
         for name in names:
             check_sizes(name, config(name, **overrides))
         output_folder(args.out, "--out")
@@ -80,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         kept = f"the sets and shards finished under {args.out} are kept; the same command goes on from them"
         return interrupted(p.prog, kept)
     return 0
+
+
+def _reads(names: tuple[str, ...]) -> str:
+    if len(names) > 1:
+        return "no built-in set reads it"
+    return f"the fields it reads: {', '.join(set_fields(names[0]))}"
 
 
 if __name__ == "__main__":

@@ -194,6 +194,16 @@ _FIELDS = {
 }
 
 
+def set_fields(name: str) -> tuple[str, ...]:
+    """The options built-in set ``name`` reads: the settings its bytes depend on, and ``processes``."""
+    return (*_FIELDS[_canonical(name)], "processes")
+
+
+def unread_options(names: tuple[str, ...], options: dict) -> list[str]:
+    """The ``options`` that none of the sets ``names`` reads (they would be ignored)."""
+    return [k for k in options if not any(k in set_fields(n) for n in names)]
+
+
 def _settings(name: str, cfg: BuiltinConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k in _FIELDS[name]}
 

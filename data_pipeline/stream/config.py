@@ -16,6 +16,8 @@ from data_pipeline.builtin.sets import (
     check_sizes,
     ensure,
     option_minimum,
+    set_fields,
+    unread_options,
 )
 from data_pipeline.cli import at_least, positive
 from data_pipeline.manifest import is_shard_folder
@@ -152,6 +154,12 @@ def _check_builtin(builtin: str, options: dict[str, Any]) -> None:
             raise ValueError(f"data.builtin_options.{key} is unknown; valid options: {known}")
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"data.builtin_options.{key}={value!r} must be an integer >= {low}")
+    unread = unread_options((name,), options)
+    if unread:
+        raise ValueError(
+            f"data.builtin_options.{unread[0]}: {name} does not read it; the options it reads: "
+            f"{', '.join(set_fields(name))}"
+        )
     try:
         check_sizes(name, BuiltinConfig(**options))
     except ValueError as error:

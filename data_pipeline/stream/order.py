@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ import numpy as np
 from data_pipeline.manifest import DatasetInfo, ShardFormatError
 from data_pipeline.stream.augment import AugmentConfig
 from data_pipeline.stream.shards import read_shard
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 # 6-word seed keys ending in a tag: unlike each other and the 5-word augmentation keys (a trailing 0 counts as none)
@@ -155,23 +158,50 @@ def _shuffled(items: Iterator[Draw], size: int, rng: np.random.Generator) -> Ite
 def stream_draws(
     plan: TrainPlan, epoch: int, stream: int, shards: list[int], stats: Counter, read: Callable = read_shard
 ) -> Iterator[Draw]:
-    """Endless buffer draws of ``stream`` in ``epoch``; each pass (``repeat``) drains the buffer first."""
+    """Endless buffer draws of ``stream`` in ``epoch``; each pass (``repeat``) drains the buffer first. A pass of
+    shards that yields nothing (all missing or unreadable) is followed by passes of the epoch's other shards."""
     size = min(plan.shuffle_buffer, sum(plan.info.shards[s].samples for s in shards))
     rng = plan.buffer_rng(epoch, stream)
 
-    def one_pass(repeat: int) -> Iterator[Draw]:
-        for s in shards:
+    def one_pass(repeat: int, reading: list[int]) -> Iterator[Draw]:
+        for s in reading:
             shard = plan.info.shards[s]
             for member, sample in enumerate(read(shard.url, shard.samples, stats)):
                 yield s, member, repeat, sample
 
+    reading = shards
     for repeat in itertools.count():
         seen = 0
-        for item in _shuffled(one_pass(repeat), size, rng):
+        for item in _shuffled(one_pass(repeat, reading), size, rng):
             seen += 1
             yield item
-        if seen == 0:
-            raise ShardFormatError(f"shards {[plan.info.shards[s].url for s in shards]} hold no readable sample")
+        if seen:
+            continue
+        if reading is not shards or plan.streams == 1:
+            raise _no_readable_shard(plan.info)
+        reading = borrowed_shards(plan, epoch, stream)
+        stats["borrowing_streams"] += 1
+        log.warning(
+            "stream %d of epoch %d: its shards hold no readable sample; it reads the epoch's other shards instead "
+            "(those samples repeat in the epoch); check the folder with `python -m data_pipeline.validate %s`",
+            stream,
+            epoch,
+            plan.info.root,
+        )
+
+
+def borrowed_shards(plan: TrainPlan, epoch: int, stream: int) -> list[int]:
+    """What ``stream`` reads in ``epoch`` when its own shards hold no readable sample: the other streams' shards, in
+    stream order from the next one; a wrap (``repeat`` >= 1, counted in ``wrapped_samples``) over them."""
+    dealt = plan.stream_shards(epoch)
+    return [s for k in range(1, plan.streams) for s in dealt[(stream + k) % plan.streams]]
+
+
+def _no_readable_shard(info: DatasetInfo) -> ShardFormatError:
+    return ShardFormatError(
+        f"no shard of {info.root} holds a readable sample ({len(info.shards)} shards, e.g. {info.shards[0].url}); "
+        f"check it with `python -m data_pipeline.validate {info.root}` and write the folder again"
+    )
 
 
 def stream_state(plan: TrainPlan, epoch: int, step: int, draws: dict[int, int], stats: Counter) -> dict[str, Any]:

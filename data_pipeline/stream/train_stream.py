@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_pipeline.manifest import DatasetInfo, ShardFormatError, dataset_info
+from data_pipeline.manifest import DatasetInfo, ShardFormatError, check_class_count, dataset_info
 from data_pipeline.stream.augment import (
     DECODE_ERRORS,
     TrainImage,
@@ -53,6 +53,7 @@ def _plan(
     config: DataConfig, rank: int, world_size: int, num_classes: int | None, label_format: str, record_keys: bool
 ) -> TrainPlan:
     info = dataset_info(config.train)
+    check_class_count(info)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     num_classes = info.num_classes if num_classes is None else num_classes
@@ -104,6 +105,7 @@ class _StreamReader:
     ):
         self.plan, self.epoch, self.stream, self.shards = plan, epoch, stream, shards
         self.stats: Counter = Counter()
+        self.out_of_range: Counter = Counter()  # samples dropped for a label >= the folder's num_classes, by shard
         self.capacity = sum(plan.info.shards[s].samples for s in shards)
         read = read_shard if cache is None else cache.read
         self.draws_iter = stream_draws(plan, epoch, stream, shards, self.stats, read)
@@ -128,8 +130,10 @@ class _StreamReader:
             s, member, repeat, sample = next(self.draws_iter)
             self.draws += 1
             failures_in_row += 1
+            dropped = stats["label_out_of_range"]
             label = sample_label(sample, plan.info.num_classes, stats)
             if label is None:
+                self.out_of_range[plan.info.shards[s].url] += stats["label_out_of_range"] - dropped
                 continue
             decoded = sample.get(DECODED_KEY)
             args = (sample["jpg"], plan.image_size, plan.augment, plan.augment_rng(self.epoch, s, member, repeat))
@@ -176,6 +180,7 @@ class _TrainEpoch(IterableDataset):
             labels: list[int] = []
             keys: list[str] = []
             stats: Counter = Counter()
+            out_of_range: Counter = Counter()
             for reader in readers:
                 more = reader.chunk()
                 images += more[0]
@@ -183,6 +188,8 @@ class _TrainEpoch(IterableDataset):
                 keys += more[2]
                 stats.update(reader.stats)
                 reader.stats.clear()
+                out_of_range.update(+reader.out_of_range)
+                reader.out_of_range.clear()
             slot = self.pool.slot(step)
             pixels: int | torch.Tensor = slot
             if slot >= 0:
@@ -191,6 +198,7 @@ class _TrainEpoch(IterableDataset):
                 pixels = torch.from_numpy(channels_first(images, out=planes(len(images), plan.image_size)))
             draws = {r.stream: r.draws for r in readers}
             meta = dict(epoch=epoch, step=step, draws=draws, stats=dict(stats), keys=keys if plan.record_keys else None)
+            meta["out_of_range"] = dict(out_of_range)
             yield pixels, labels, meta
 
 
@@ -276,6 +284,7 @@ class TrainStream:
         self.stats: Counter = Counter()
         self.last_keys: list[str] | None = None
         self.unpooled_steps = 0
+        self._warned_labels = False
         self._processes = self.plan.workers if config.num_workers > 0 else 0
         self._epoch, self._step, self._micro = 0, 0, 0
         self._draws = {s: 0 for s in self.plan.rank_streams}
@@ -362,6 +371,7 @@ class TrainStream:
                     for p in parts:
                         self._draws.update(p[2]["draws"])
                         self.stats.update(p[2]["stats"])
+                        self._warn_out_of_range(p[2]["out_of_range"])
                 self._micro = (i + 1) % A
                 if keys is not None:
                     self.last_keys = keys[i * m : (i + 1) * m]
@@ -369,6 +379,23 @@ class TrainStream:
                     yield x, y, (_mix_rows(images, lams, plan.chunk, range(i * m, (i + 1) * m)) if lams else None)
                 else:
                     yield x, y
+
+    def _warn_out_of_range(self, dropped: dict[str, int]) -> None:
+        """Say once that samples were dropped for labels the folder's num_classes does not hold."""
+        if not dropped or self._warned_labels:
+            return
+        self._warned_labels = True
+        url, count = next(iter(dropped.items()))
+        info = self.plan.info
+        log.warning(
+            "%d sample(s) of shard %s have a label outside [0, %d) and are dropped (label_out_of_range counts them); "
+            "the shards' labels and %s's num_classes disagree: check it with `python -m data_pipeline.validate %s`",
+            count,
+            url,
+            info.num_classes,
+            info.root,
+            info.root,
+        )
 
     def _step_pool(self, steps: int, lookahead: int) -> StepPool:
         plan, processes, prefetch = self.plan, self._processes, self.prefetch_factor

@@ -166,4 +166,5 @@ def test_a_set_a_loader_worker_finds_unreadable_is_one_line_as_without_workers(t
     with pytest.raises(ShardFormatError) as raised:
         next(iter(TrainStream(config)))
     message = str(raised.value)
-    assert "\n" not in message and message.startswith("shards [") and message.endswith("hold no readable sample")
+    assert "\n" not in message and message.startswith(f"no shard of {root} holds a readable sample")
+    assert message.endswith(f"check it with `python -m data_pipeline.validate {root}` and write the folder again")

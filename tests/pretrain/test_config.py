@@ -175,7 +175,7 @@ def test_missing_shards_fail_before_work(tmp_path):
     ):
         config.validate(2)
     # A built-in name only helps when the path is where that dataset would be generated.
-    config = load_config("local_demo", [f"data.train={missing}", "data.builtin=fractal"])
+    config = load_config("local_demo", [f"data.train={missing}", "data.builtin=fractal", "data.builtin_options={}"])
     with pytest.raises(ValueError, match=r"no shard folder there .* cannot hold built-in dataset 'fractal'"):
         config.validate(2)
     load_config("local_demo", [f"data.train={tmp_path}/rcdb/train"]).validate(2)  # generated on demand: fine
