@@ -14,7 +14,14 @@ from typing import Any, Literal
 import yaml
 
 from data_pipeline.cli import file_in_the_way, positive
-from data_pipeline.manifest import MANIFEST_FILE, is_shard_folder, read_dataset_json
+from data_pipeline.manifest import (
+    MANIFEST_FILE,
+    check_class_count,
+    check_shards_exist,
+    is_shard_folder,
+    read_dataset_info,
+    read_dataset_json,
+)
 from data_pipeline.paths import RECIPE_DIR, is_remote, resolve_location
 from data_pipeline.stream.config import DataConfig
 from pretrain.checkpoint import run_folder
@@ -309,6 +316,10 @@ def check_paths_exist(config: TrainConfig) -> None:
                     f"dataset {d.builtin!r}, generated as <root>/{d.builtin}/<split>; write your shards there "
                     f"(`python -m data_pipeline.write`) or set data.train=data/{d.builtin}/train"
                 )
+        else:  # a folder that contradicts itself, found now (--dry-run, the plan) rather than at the ranks' start
+            info = read_dataset_info(shard_dir)
+            check_class_count(info)
+            check_shards_exist(info)
     if file := file_in_the_way(Path(c.dir)):
         raise ValueError(f"checkpoint.dir={c.dir!r}: {file} is a file; set checkpoint.dir to a folder (new or a run's)")
     if c.resume_from is not None:

@@ -23,6 +23,7 @@ from data_pipeline.manifest import CLASSES_FILE, DATASET_FILE, ShardFormatError
 from data_pipeline.stream.config import DataConfig
 from data_pipeline.stream.shards import read_shard
 from data_pipeline.stream.train_stream import TrainStream
+from pretrain.config.train_config import load_config
 from tests.data_pipeline.test_stream import jpeg_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +82,8 @@ def test_a_stream_dealt_only_a_missing_shard_reads_the_epochs_other_shards_and_t
     assert _keys(resumed, STEPS - 5) == got[20:]
 
 
-def _train(root: Path, run: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    sets = [
+def _sets(root: Path, run: Path) -> list[str]:
+    return [
         f"data.train={root}",
         "data.builtin=null",
         "data.global_batch_size=8",
@@ -97,8 +98,11 @@ def _train(root: Path, run: Path, env: dict[str, str]) -> subprocess.CompletedPr
         "deepspeed.precision=fp32",
         "evals.suite=null",
     ]
+
+
+def _train(root: Path, run: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "pretrain.train", "--config", "configs/local_demo.yaml"]
-    args += [a for s in sets for a in ("--set", s)]
+    args += [a for s in _sets(root, run) for a in ("--set", s)]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -123,6 +127,9 @@ def test_a_folder_that_contradicts_itself_is_refused_in_one_line_before_a_step(s
     if damage == "num_classes":  # the stream's own start check, for a stream made outside pretrain.train
         with pytest.raises(ShardFormatError, match=f"^{said[:40]}"):
             _stream(shards)
+    with pytest.raises(ShardFormatError) as refused:  # the recipe's validation: --dry-run and the plan say it too
+        load_config("local_demo", _sets(shards, tmp_path / "run")).validate(1)
+    assert str(refused.value) == said
     done = _train(shards, tmp_path / "run", train_env())
     assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [f"python -m pretrain.train: error: {said}"])
     assert "Traceback" not in done.stderr and "step 1/" not in done.stdout
