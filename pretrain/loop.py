@@ -21,7 +21,7 @@ from pretrain.telemetry.peak import Peak, device_peak
 from pretrain.telemetry.recorder import Recorder, TrainSummary
 from pretrain.trainer import Trainer
 from tracking import keys
-from tracking.runs import RUN_RECORD, create_run, finish_run, run_tags
+from tracking.runs import RUN_RECORD, finish_run, run_tags, standalone_run
 from tracking.tracker import Tracker
 
 
@@ -168,12 +168,13 @@ def start_tracking(config: TrainConfig, trainer: Trainer, peak: Peak) -> tuple[T
 
 
 def _tracker(config: TrainConfig, place: Placement, model) -> tuple[Tracker, bool]:
-    """The MLflow tracker, and whether this process created (and must end) the run."""
+    """The MLflow tracker, and whether this process owns (created or continued, and must end) the run."""
     lg = config.logging
     run_id, created = lg.mlflow_run_id, False
     if run_id is None and lg.mlflow_experiment and place.rank == 0:
         try:
-            run_id = create_run(lg.mlflow_tracking_uri, lg.mlflow_experiment, config.recipe, config.to_dict(), {})
+            run_dir, uri = Path(config.checkpoint.dir), lg.mlflow_tracking_uri
+            run_id = standalone_run(run_dir, uri, lg.mlflow_experiment, config.recipe, config.to_dict())
             created = True
         except Exception as error:  # tracking must never stop training
             to_stderr(f"warning: could not create an MLflow run ({error}); training without tracking")

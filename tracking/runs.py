@@ -421,6 +421,29 @@ def steps_missing(
     return missing
 
 
+def standalone_run(
+    run_dir: Path, tracking_uri: str | None, experiment: str, run_name: str, params: Mapping[str, Any]
+) -> str:
+    """The MLflow run of a `python -m pretrain.train` run folder: the one its record names (RUNNING again), else a
+    new one, recorded, so that the same command started again continues it, as a relaunched job does."""
+    record = run_dir / RUN_RECORD
+    run_id = recorded_run_id(record, tracking_uri)
+    why = None if run_id is None else missing_run(tracking_uri, run_id)
+    if run_id is not None and not why:  # "" it is there; None no answer: the Tracker holds on to what it logs
+        if why == "":
+            from mlflow import MlflowClient  # heavy
+
+            MlflowClient(tracking_uri=tracking_uri).update_run(run_id, status="RUNNING")
+        print(f"continuing MLflow run {run_id} recorded in {record}", flush=True)
+        return run_id
+    if why:
+        print(f"warning: {why}; this run logs to a new MLflow run, which {record} now names", file=sys.stderr)
+    run_id = create_run(tracking_uri, experiment, run_name, params, {})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(record, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
+    return run_id
+
+
 def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str | None = None) -> bool:
     """End the run with ``status`` (FINISHED, FAILED); ``vitscale.status`` gets ``outcome`` or ``status.lower()``,
     but a run FINISHED without an ``outcome`` (a Ray job's end or courier) keeps the "stopped" its rank 0 tagged

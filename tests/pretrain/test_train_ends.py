@@ -85,3 +85,17 @@ def test_ctrl_c_records_a_users_stop_as_stopped_and_the_mlflow_run_killed(
     assert [line for line in done.stderr.splitlines() if "interrupted" in line] == [
         f"{PROG}: interrupted; kept {newest}, the newest complete checkpoint: the same command resumes from it"
     ]
+    # The same command again continues that MLflow run (one run per run folder, as a relaunched job's), each step once
+    step = run_folder.parse_step(newest.name)
+    again = subprocess.run(
+        _command([*sets, *tracking, f"schedule.stop_at_step={step + 2}"]),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert again.returncode == 0 and f"continuing MLflow run {mlflow_run.info.run_id}" in again.stdout, again.stderr
+    (continued,) = client.search_runs([client.get_experiment_by_name("stop").experiment_id])
+    assert (continued.info.run_id, continued.info.status) == (mlflow_run.info.run_id, "FINISHED")
+    steps = [m.step for m in client.get_metric_history(continued.info.run_id, keys.LOSS)]
+    assert sorted(steps) == sorted(set(steps)) and max(steps) == step + 2, steps
