@@ -420,7 +420,7 @@ class Tracker:
             summary = " ".join(str(error).split())[:240]
             self._warn(
                 f"MLflow tracking to {self.tracking_uri} failed ({type(error).__name__}: {summary}); "
-                f"{self.pending} items buffered, retrying in {backoff:.0f}s. Training continues."
+                f"{self.pending} items buffered, retrying in {backoff:.0f}s; the work goes on meanwhile."
             )
         else:
             store.FAILING_SINCE.pop(self.tracking_uri, None)
