@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step",
         metavar="N",
-        help="MLflow step for weights that carry none (.npz, exported folder; default 0); a training checkpoint "
-        "logs at its trainer_state.json step and refuses a different one",
+        help="MLflow step for weights that carry none (.npz, exported folder): required with --mlflow-run-id (step 0 "
+        "is a run's before-training baseline); a training checkpoint logs at its trainer_state.json step and refuses "
+        "a different one",
     )
     parser.add_argument(
         "--out",

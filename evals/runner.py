@@ -75,9 +75,10 @@ def check_local_inputs(checkpoint: str | Path, suite: str | Path | None = None) 
         load_suite(suite)
 
 
-def open_checkpoint(checkpoint: str | Path, step: int | None = None):
+def open_checkpoint(checkpoint: str | Path, step: int | None = None, *, require_step: bool = False):
     """``(load_model(image_size=None), step, default_out_dir, path)`` without loading. A checkpoint must be
-    ``COMPLETE`` with verified checksums and has its own step; ``step`` is for weights without one (default 0)."""
+    ``COMPLETE`` with verified checksums and has its own step; ``step`` is for weights without one (default 0, refused
+    with ``require_step``: a run's step 0 is its baseline before the first update)."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: the MLflow step must be an integer >= 0")
     if not is_remote(checkpoint) and not command_line_path(checkpoint).exists():
@@ -103,6 +104,11 @@ def open_checkpoint(checkpoint: str | Path, step: int | None = None):
                 "drop --step (a training checkpoint logs at its own step)"
             )
         step = own if own is not None else step
+    elif step is None and require_step:
+        raise CheckpointError(
+            f"{path} records no training step (exported weights); pass --step N, the step of the checkpoint they "
+            "were exported from, to log them into an MLflow run (--step 0 is the run's before-training baseline)"
+        )
     default_out = path / "evals" if path.is_dir() else path.parent / f"{path.stem}_evals"
     return functools.partial(load, path), 0 if step is None else step, default_out, path
 
@@ -214,7 +220,7 @@ def run_suite(
     with ``require_delivery`` `NotDelivered` (raised after the table is written)."""
     config = load_suite(suite)
     _check_options(random_init_seed, mlflow_run_id, num_threads, device)
-    load_model, step, default_out, path = open_checkpoint(checkpoint, step)
+    load_model, step, default_out, path = open_checkpoint(checkpoint, step, require_step=bool(mlflow_run_id))
     out_dir = Path(out) if out is not None else default_out
     check_out_dir(out_dir, default=out is None)  # before any work: the table is written only at the end
     previous_threads = torch.get_num_threads()
@@ -250,20 +256,33 @@ def run_suite(
         source = f"random init (seed {random_init_seed}) shaped as {source}"
     columns["checkpoint"] = [source] * len(records)
     table = pa.table(columns, schema=SCHEMA)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{config.name}{'' if random_init_seed is None else '_random_init'}.parquet"
-    replace_atomically(target, lambda tmp: pq.write_table(table, tmp))
+    uri = tracking_uri or default_tracking_uri()
+    held = _held_at(uri, mlflow_run_id, mlflow_metrics(rows), step) if mlflow_run_id else set()
+    name = f"{config.name}{'' if random_init_seed is None else '_random_init'}"
+    target = _write_table(table, out_dir, name, keep_earlier=bool(held))
     log(format_table(table))
     log(f"evals: suite {config.name} at step {step} in {time.perf_counter() - start:.1f}s → {target}")
     if mlflow_run_id:
-        shortfall = _log_to_mlflow(
-            mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, tracking_uri, log, path
-        )
+        shortfall = _log_to_mlflow(mlflow_metrics(rows), artifacts, step, target, mlflow_run_id, uri, log, path, held)
         if shortfall and require_delivery:
             raise NotDelivered(shortfall, table)
         if shortfall:
             log(f"evals: warning: {shortfall}")
     return table
+
+
+UNLOGGED = ".unlogged.parquet"  # a table whose suite the MLflow run already holds at its step: kept locally only
+
+
+def _write_table(table, out_dir: Path, name: str, keep_earlier: bool) -> Path:
+    """``<out_dir>/<name>.parquet``; with ``keep_earlier`` (the run keeps the earlier evaluation's table) an existing
+    one stays and the new table is ``<name>.unlogged.parquet`` beside it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{name}.parquet"
+    if keep_earlier and target.exists():
+        target = out_dir / f"{name}{UNLOGGED}"
+    replace_atomically(target, lambda tmp: pq.write_table(table, tmp))
+    return target
 
 
 def _check_options(random_init_seed: int | None, mlflow_run_id: str | None, num_threads, device) -> None:
@@ -315,28 +334,32 @@ def _named(row, spec):
     return replace(row, evaluator=spec.name, metric=metric)
 
 
-def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, tracking_uri, log, path):
+def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, run_id: str, uri, log, path, held):
     """What MLflow does not take waits in the spool of the checkpoint's run folder, where its record names the run (a
-    pending run's: the job's spool). Returns "" when MLflow took everything, or the job's spool holds a pending run's
-    items, else what was not sent and where it is."""
-    uri = tracking_uri or default_tracking_uri()
+    pending run's: the job's spool). ``held``: the keys the run holds at ``step`` (`_held_at`), not logged, nor a
+    table `_write_table` kept apart and its figures. Returns "" when MLflow took everything, or the job's spool holds
+    a pending run's items, else what was not sent and where it is."""
     record = Path(path).parent.parent / RUN_RECORD
     named = recorded_run_id(record, uri) == run_id
     pending = run_id.startswith(PENDING_RUN)
     spool = spool_dir(run_id[len(PENDING_RUN) :] if pending else record)
     before = set(spool.glob("*.json"))
-    if held := _held_at(uri, run_id, metrics, step):
+    uploads = [(table_path, ""), *artifacts]
+    if held:
         few = ", ".join(sorted(held)[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        unlogged = table_path.name.endswith(UNLOGGED)  # the same suite again: the run keeps its table and figures
+        kept = f"nor this table or its figures (the run keeps the earlier ones; this table is only in {table_path})"
         log(
             f"evals: warning: MLflow run {run_id} already holds {few} at step {step} (an earlier evaluation of this "
-            "step, or another suite's entry of the same type): not logged again; the table holds them, and a suite "
-            "entry's `name:` logs it under its own keys"
+            "step, or another suite's entry of the same type): not logged again, "
+            f"{kept if unlogged else 'the table holds them'}; a suite entry's `name:` logs it under its own keys"
         )
         metrics = {k: v for k, v in metrics.items() if k not in held}
+        uploads = [] if unlogged else uploads
     tracker = Tracker(uri, run_id, rank=0, record=record if named else None)
     try:
         tracker.log_metrics(metrics, step=step)
-        for artifact, folder in [(table_path, ""), *artifacts]:
+        for artifact, folder in uploads:
             tracker.log_artifact(artifact, f"evals/step_{step:08d}/{folder}".rstrip("/"))
         tracker.flush()
     finally:
@@ -349,8 +372,8 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
     if pending and not tracker.pending:  # the job's driver creates the run, then sends its spool
         log(f"evals: {waiting} items ({len(metrics)} metrics at step {step}) wait in {spooled[0]} until the run exists")
         return ""
-    files = 1 + len(artifacts)
-    total = f"{len(metrics) + files} items ({len(metrics)} metrics, {files} file{'s' * (files > 1)})"
+    files = len(uploads)
+    total = f"{len(metrics) + files} items ({len(metrics)} metrics, {files} file{'s' * (files != 1)})"
     why = unanswered(uri) or "MLflow failed the calls (the warnings above say how)"
     if tracker.pending:
         return (

@@ -11,6 +11,7 @@ from typing import Literal
 
 import numpy as np
 
+from data_pipeline.manifest import read_dataset_json
 from evals.evaluator import EvalOutput, ResultRow
 from evals.features import (
     StreamedSplit,
@@ -210,6 +211,18 @@ def _finetune(ctx, opts: VtabOptions, train_dir, test_dir, num_classes: int) -> 
     return result.accuracy, f"finetune lr={lr:g} (val200 {val:.3f}), {ft.steps} steps at {size}px on {need}"
 
 
+def _stand_in(name: str, *splits) -> str:
+    """Why a split is no VTAB-1k task, naming the fix, when it is a built-in stand-in (dataset.json ``builtin``)."""
+    for split in splits:
+        if "builtin" in (read_dataset_json(split) or {}):
+            return (
+                f"{split} is the built-in stand-in (data_pipeline.builtin), not the VTAB-1k task: write the real one "
+                f"with `python -m data_pipeline.write --source tfds:TFDS_DIR --vtab {name}` (docs/vtab.md), or run "
+                "the stand-ins with suite ci_vtab"
+            )
+    return ""
+
+
 def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
     """Suite entry: ``vtab/<task>`` per task with data, ``vtab/mean`` and group means, each with its task count."""
     tasks = BENCHMARKS[opts.benchmark]
@@ -233,6 +246,10 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
             missing(name, str(error))
             ctx.log(f"vtab: {name} missing: {error}")
             continue
+        if not generate and (why := _stand_in(name, train_dir, test_dir)):  # a damaged dataset.json raises
+            missing(name, why)
+            ctx.log(f"vtab: {name} missing: {why}")
+            continue
         declared = split_info(train_dir).num_classes
         if task.num_classes is not None and declared != task.num_classes:
             raise ValueError(
@@ -251,7 +268,8 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
         out.rows.append(ResultRow("vtab", name, f"vtab/{name}", acc, detail=f"{task.group}; {detail}"))
         ctx.log(f"vtab: {name} top-1 {acc:.4f} ({detail})")
     if not any(scores.get(name) is not None for name in wanted):  # a mistyped root is no evaluation at 0/19 tasks
-        first = next((row.detail for row in out.rows if row.dataset in wanted), "")
+        details = [row.detail for row in out.rows if row.dataset in wanted]
+        first = min(details, key=lambda detail: "stand-in" not in detail, default="")  # a stand-in's says so first
         raise ValueError(
             f"none of the {len(wanted)} {opts.benchmark} tasks of the suite has data under {root} ({first}); "
             "give the --data-root (or the entry's data_root) holding <task>/{train,test} (docs/vtab.md)"
@@ -263,7 +281,7 @@ def evaluate(ctx, opts: VtabOptions) -> EvalOutput:
             ResultRow("vtab", bench, metric, agg["value"], count=covered, status=status, detail=agg["detail"])
         )
         # Coverage is its own row, logged even when 0: no mean without its task count.
-        coverage = f"tasks covered by {metric} (of {agg['expected']})"
+        coverage = f"tasks covered by {(ctx.entry or 'vtab') + metric[len('vtab') :]} (of {agg['expected']})"
         out.rows.append(ResultRow("vtab", bench, agg["count_metric"], float(covered), detail=coverage))
     out.rows.append(ResultRow("vtab", bench, "vtab/num_tasks_expected", float(len(tasks)), detail=f"tasks in {bench}"))
     return out

@@ -87,7 +87,7 @@ def _compare(args: argparse.Namespace, kept: list[str]) -> int:
         uri = command_line_uri(args.tracking_uri)
     except ValueError as error:
         return fail(PROG, error)
-    run_ids = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
+    run_ids = tuple(dict.fromkeys(r.strip() for r in (args.runs or "").split(",") if r.strip()))  # repeats once
     name = args.name or ("runs-" + "-".join(r[:8] for r in run_ids[:4]) if run_ids else args.experiment or "all")
     name = safe_name(name) or "comparison"
     db = sqlite_path(uri)

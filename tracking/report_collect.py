@@ -14,6 +14,7 @@ from tracking.report_goodput import _finite as _latest
 COMPARISON_KIND = "comparison"  # keys.KIND of the runs reports are logged to
 COMPARISONS_EXPERIMENT = "comparisons"
 MAX_RUNS = 100  # newest runs kept without a selection (noted)
+_UNNAMED_ENTRIES = ("fewshot", "finetune", "vtab", "inspect")  # evals.suites' types: the columns' keys
 _FINETUNE_KEY = re.compile(r"^finetune/([^/]+)/accuracy$")  # keys.finetune_accuracy(dataset)
 
 
@@ -174,7 +175,7 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
             notes.append(f"{keys.EXAFLOPS} not logged: left out of the few-shot vs compute plot")
         if fewshot and baseline is None:
             notes.append(f"no step-0 {keys.FEWSHOT_MEAN_10SHOT} (evals.baseline off, or a run from before it): no gain")
-        notes += [*vtab_notes, *finetune_note]
+        notes += [*vtab_notes, *finetune_note, *_named_means(metrics)]
     return RunSummary(
         run_id=info.run_id,
         run_name=info.run_name or info.run_id[:8],
@@ -235,6 +236,15 @@ def _vtab_at_one_step(client, run_id: str) -> tuple[tuple[float | None, int | No
     return (mean[-1][1] if mean else None, count, expected), notes
 
 
+def _named_means(metrics: dict) -> list[str]:
+    """A note naming the means of named suite entries (`vtab1k_probe/mean`), which no column shows."""
+    named = sorted(k for k in metrics if keys.is_eval_mean(k) and k.split("/")[0] not in _UNNAMED_ENTRIES)
+    if not named:
+        return []
+    shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in named[:6]) + (f" and {len(named) - 6} more" if named[6:] else "")
+    return [f"named suite entries' means: {shown}; the columns show the unnamed entries' (fewshot/, finetune/, vtab/)"]
+
+
 def _int_tag(value: str | None) -> int | None:
     return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
@@ -261,11 +271,18 @@ def collect(client, tracking_uri: str, experiment: str | None = None, run_ids: t
     notes: list[str] = []
     if run_ids:
         runs = []
-        for run_id in run_ids:
+        for run_id in dict.fromkeys(run_ids):  # a repeated id once, in the order given
             try:
                 runs.append(client.get_run(run_id))
             except MlflowException as error:
                 raise ValueError(f"run {run_id!r} not found in {tracking_uri}: check the id in `make ui`") from error
+            if runs[-1].data.tags.get(keys.KIND) == COMPARISON_KIND:
+                ids = (runs[-1].data.tags.get(keys.COMPARED_RUNS) or "").split(",")
+                compared = ",".join(ids[:4]) + (",..." if len(ids) > 4 else "") or f"its tag {keys.COMPARED_RUNS}"
+                raise ValueError(
+                    f"run {run_id} is a comparison report (tag {keys.KIND}={COMPARISON_KIND}), not a pre-training run; "
+                    f"pass the runs it compares ({compared})"
+                )
         title = f"{len(runs)} selected runs"
     else:
         ids, title = list(names), "all experiments"

@@ -359,11 +359,17 @@ def test_fewshot_and_the_linear_probe_at_another_resolution_use_the_resized_mode
 
 @pytest.mark.timeout(300)
 def test_vtab_over_present_and_missing_tasks(data_root, shallow_checkpoint, tmp_path):
-    # A VTAB root holding two of the 19 tasks: the built-in digits stands in for SVHN (10 classes) and the
-    # built-in dsprites_loc has VTAB's 16 x-position bins. Everything else must be reported missing.
+    # A VTAB root holding two of the 19 tasks: svhn, a copy of the built-in digits (10 classes) without its `builtin`
+    # marker, as a written VTAB task is, and the built-in dsprites_loc itself: a stand-in, reported missing (it
+    # was scored as VTAB's dsprites_loc). Everything else must be reported missing.
+    import shutil
+
     vtab_root = tmp_path / "vtab"
-    vtab_root.mkdir()
-    (vtab_root / "svhn").symlink_to(data_root / "digits")
+    shutil.copytree(data_root / "digits", vtab_root / "svhn")
+    for split in ("train", "test"):
+        meta = json.loads((vtab_root / "svhn" / split / "dataset.json").read_text())
+        meta.pop("builtin")
+        (vtab_root / "svhn" / split / "dataset.json").write_text(json.dumps(meta))
     (vtab_root / "dsprites_loc").symlink_to(data_root / "dsprites_loc")
     suite = write_suite(
         tmp_path, "vtab_partial", f"  - type: vtab\n    benchmark: vtab1k\n    data_root: {vtab_root}\n"
@@ -373,9 +379,11 @@ def test_vtab_over_present_and_missing_tasks(data_root, shallow_checkpoint, tmp_
     assert rows["vtab/svhn"]["status"] == "ok" and 0.0 < rows["vtab/svhn"]["value"] <= 1.0
     assert rows["vtab/caltech101"]["status"] == "missing" and math.isnan(rows["vtab/caltech101"]["value"])
     assert "no shard folder" in rows["vtab/caltech101"]["detail"]
+    stand_in = rows["vtab/dsprites_loc"]
+    assert stand_in["status"] == "missing" and "is the built-in stand-in" in stand_in["detail"]
     mean = rows["vtab/mean"]
-    assert mean["count"] == 2 and mean["detail"].startswith("VTAB mean over 2/19 tasks")
-    assert mean["value"] == pytest.approx((rows["vtab/svhn"]["value"] + rows["vtab/dsprites_loc"]["value"]) / 2)
+    assert mean["count"] == 1 and mean["detail"].startswith("VTAB mean over 1/19 tasks")
+    assert mean["value"] == pytest.approx(rows["vtab/svhn"]["value"])
     assert rows["vtab/specialized"]["status"] == "missing" and rows["vtab/specialized"]["count"] == 0
     assert (tmp_path / "out" / "vtab_partial.parquet").is_file()
 

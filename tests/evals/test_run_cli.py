@@ -183,3 +183,82 @@ def test_an_evaluation_of_a_step_the_run_holds_is_not_logged_twice(eval_data_roo
     histories = {key: client.get_metric_history(run_id, key) for key in client.get_run(run_id).data.metrics}
     assert len(histories) > 1 and all([m.step for m in h] == [120] for h in histories.values()), histories
     assert histories["fewshot/digits/1shot"][0].value == 0.5
+
+
+def _suite(tmp_path: Path, file: str, text: str) -> Path:
+    (tmp_path / file).write_text(text)
+    return tmp_path / file
+
+
+def test_a_suite_of_the_same_name_run_again_leaves_the_runs_table_and_the_earlier_local_one(
+    eval_data_root, checkpoint, tmp_path, mlflow_uri
+):
+    """A second suite of the same name at an evaluated step: MLflow kept the first values (held keys are not logged
+    again) but its table artifact, and the local table, were replaced by the second table, which the run's metrics
+    do not hold."""
+    import pyarrow.parquet as pq
+    from mlflow import MlflowClient
+
+    from tracking.runs import create_run
+
+    run_id = create_run(mlflow_uri, "evals-rerun", "tiny", params={})
+    first = _suite(tmp_path, "first.yaml", f"name: again\nevaluators:\n{FEWSHOT}")
+    second = _suite(tmp_path, "second.yaml", f"name: again\nevaluators:\n{FEWSHOT.replace('[1]', '[1, 2]', 1)}")
+    out = tmp_path / "out"
+    common = ["--checkpoint", str(checkpoint), "--data-root", str(eval_data_root), "--mlflow-run-id", run_id]
+    common += ["--tracking-uri", mlflow_uri, "--out", str(out)]
+    assert main([*common, "--suite", str(first)]) == 0
+    earlier = pq.read_table(out / "again.parquet").select(["metric", "value"]).to_pylist()
+    assert main([*common, "--suite", str(second)]) == 0
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    artifact = client.download_artifacts(run_id, "evals/step_00000120/again.parquet", str(tmp_path))
+    assert pq.read_table(artifact).select(["metric", "value"]).to_pylist() == earlier  # what its metrics hold
+    assert pq.read_table(out / "again.parquet").select(["metric", "value"]).to_pylist() == earlier
+    newer = {r["metric"] for r in pq.read_table(out / "again.unlogged.parquet").to_pylist()}
+    assert {"fewshot/digits/2shot", "fewshot/digits/1shot"} <= newer
+    assert "fewshot/digits/2shot" in client.get_run(run_id).data.metrics
+
+
+def test_exported_weights_without_a_step_are_not_logged_over_the_runs_step_0(
+    eval_data_root, checkpoint, tmp_path, mlflow_uri, capsys
+):
+    """An exported folder carries no step: logged into a training run without --step, it landed at step 0 and
+    replaced the run's before-training baseline without a word."""
+    from tracking.runs import create_run
+
+    exported = tmp_path / "exported"
+    torch.manual_seed(0)
+    save_pretrained(build_model("vit_tiny_debug", num_classes=32), exported)
+    run_id = create_run(mlflow_uri, "evals-exported", "tiny", params={})
+    suite = _suite(tmp_path, "one.yaml", f"name: one\nevaluators:\n{FEWSHOT}")
+    args = ["--weights", str(exported), "--suite", str(suite), "--data-root", str(eval_data_root)]
+    args += ["--mlflow-run-id", run_id, "--tracking-uri", mlflow_uri, "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m evals.run: error: {exported} records no training step") and err.count("\n") == 1
+    assert "pass --step N" in err and not _metrics(mlflow_uri, run_id)
+    assert main([*args, "--step", "0"]) == 0  # given explicitly: the baseline it is
+    assert _metrics(mlflow_uri, run_id)
+
+
+def test_vtab1k_does_not_score_a_built_in_stand_in_as_the_vtab_task(eval_data_root, checkpoint, tmp_path, capsys):
+    """The built-in dsprites_loc (64 px, data_pipeline.builtin) under --data-root was scored as VTAB-1k's
+    dsprites_loc: `vtab/mean` over 1/19 tasks of a synthetic stand-in."""
+    args = ["--checkpoint", str(checkpoint), "--suite", "vtab1k_probe", "--data-root", str(eval_data_root)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dsprites_loc/train is the built-in stand-in" in err
+    assert "--vtab dsprites_loc" in err and not (tmp_path / "out" / "vtab1k_probe.parquet").exists()
+
+
+def test_a_named_vtab_entrys_coverage_names_its_own_mean(eval_data_root, checkpoint, tmp_path):
+    """`ci_probe/num_tasks` said "tasks covered by vtab/mean": a key the named entry does not log."""
+    import pyarrow.parquet as pq
+
+    text = "name: named\nevaluators:\n  - type: vtab\n    name: ci_probe\n    benchmark: ci\n    tasks: [digits]\n"
+    suite = _suite(tmp_path, "named.yaml", text)
+    args = ["--checkpoint", str(checkpoint), "--suite", str(suite), "--data-root", str(eval_data_root)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    rows = {r["metric"]: r["detail"] for r in pq.read_table(tmp_path / "out" / "named.parquet").to_pylist()}
+    assert rows["ci_probe/num_tasks"] == "tasks covered by ci_probe/mean (of 4)"
+    assert rows["ci_probe/natural_num_tasks"] == "tasks covered by ci_probe/natural (of 1)"

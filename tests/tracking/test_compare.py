@@ -585,3 +585,40 @@ def test_the_report_goes_under_the_project_from_any_folder(store, tmp_path, monk
         shutil.rmtree(reports / name, ignore_errors=True)
         if made and not any(reports.iterdir()):
             reports.rmdir()
+
+
+def test_a_run_repeated_in_runs_is_compared_once(store, tmp_path, capsys):
+    """`--runs R,R` reported the run twice ("Comparison report of 2 runs", two rows)."""
+    uri, _, runs = store
+    run_id = runs["ti"][0]
+    out = tmp_path / "reports"
+    assert main(["--runs", f"{run_id},{run_id}", "--tracking-uri", uri, "--out", str(out), "--no-mlflow"]) == 0
+    with open(next(out.glob(f"*/{CSV_NAME}")), newline="") as f:
+        assert [row["run_id"] for row in csv.DictReader(f)] == [run_id]
+    assert [r.run_id for r in collect(_client(uri), uri, run_ids=(run_id, run_id)).runs] == [run_id]
+
+
+def test_a_comparison_run_passed_as_a_run_to_compare_is_one_line(store, tmp_path, capsys):
+    """A comparison report's run id in --runs said "no pre-training runs to compare: launch one" and exited 0."""
+    uri, _, runs = store
+    tags = {keys.KIND: "comparison", keys.COMPARED_RUNS: runs["ti"][0]}
+    report = create_run(uri, "comparisons", "compare-x", {}, tags)
+    assert main(["--runs", report, "--tracking-uri", uri, "--out", str(tmp_path / "reports")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m tracking.compare: error: run {report} is a comparison report")
+    assert err.count("\n") == 1 and not (tmp_path / "reports").exists()
+    assert f"not a pre-training run; pass the runs it compares ({runs['ti'][0]})" in err
+
+
+def test_the_means_of_named_suite_entries_are_noted(mlflow_uri):
+    """Evals logged under an entry `name:` (`ci_probe/mean`, the documented way to run vtab1k_probe beside vtab1k)
+    showed as "—" in the columns, without a word."""
+    run_id, _ = _log_run(mlflow_uri, "named", "named-run", model="vit_s16", recipe="r", steps=4, gflops=1)
+    with Tracker(mlflow_uri, run_id, rank=0) as tracker:
+        tracker.log_metrics({"ci_probe/mean": 0.25, "ci_probe/natural": 0.5, "fewshot_small/mean/10shot": 0.125}, 4)
+    [run] = collect(_client(mlflow_uri), mlflow_uri, experiment="named").runs
+    assert run.vtab_mean is None and run.fewshot_10shot is None  # the columns keep the unnamed entries' keys
+    assert (
+        "named suite entries' means: ci_probe/mean 0.2500, fewshot_small/mean/10shot 0.1250; the columns show the "
+        "unnamed entries' (fewshot/, finetune/, vtab/)"
+    ) in run.notes
