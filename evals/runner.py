@@ -364,7 +364,8 @@ def _log_to_mlflow(metrics: dict, artifacts: list, step: int, table_path: Path, 
         tracker.flush()
     finally:
         tracker.close()  # a run not created yet, or one its record names: what is left waits in the spool
-    spooled = sorted(set(spool.glob("*.json")) - before) if pending or named else []
+    mine = f"-{os.getpid()}-{id(tracker):x}.json"  # the Tracker's spool file name: not the job's other processes'
+    spooled = sorted(f for f in set(spool.glob("*.json")) - before if f.name.endswith(mine)) if pending or named else []
     waiting = sum(len(p["metrics"]) + len(p["artifacts"]) for p in (json.loads(f.read_text()) for f in spooled))
     if not waiting and not tracker.pending:
         log(f"evals: logged {len(metrics)} metrics to MLflow run {tracker.run_id} at step {step}")

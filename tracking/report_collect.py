@@ -168,8 +168,14 @@ def summarize_run(client, run, experiment_name: str) -> RunSummary:
         notes.append(f"no training metrics ({keys.LOSS}) logged")
     elif not seen:
         notes.append(f"{keys.IMAGES_SEEN} not logged: left out of the loss plot")
+    failed = sorted(k for k in metrics if k.startswith(keys.eval_failed("")))
     if not any(keys.is_eval_metric(k) for k in metrics):
-        notes.append("no eval metrics logged (no checkpoint evaluated yet)")
+        why = (
+            f"every eval failed: {', '.join(failed)}; see the run's eval_failures/"
+            if failed
+            else "no checkpoint evaluated yet"
+        )
+        notes.append(f"no eval metrics logged ({why})")
     else:
         if fewshot and not flops:
             notes.append(f"{keys.EXAFLOPS} not logged: left out of the few-shot vs compute plot")

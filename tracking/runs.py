@@ -452,8 +452,11 @@ def finish_run(tracking_uri: str | None, run_id: str, status: str, outcome: str 
 
     try:
         client = MlflowClient(tracking_uri=tracking_uri)
-        if outcome is None and status == "FINISHED" and client.get_run(run_id).data.tags.get(keys.STATUS) == "stopped":
+        tags = client.get_run(run_id).data.tags if status == "FINISHED" else {}
+        if outcome is None and status == "FINISHED" and tags.get(keys.STATUS) == "stopped":
             outcome = "stopped"
+        if keys.FAILURE in tags:  # an earlier job's: a relaunch finished the run
+            client.delete_tag(run_id, keys.FAILURE)
         client.set_tag(run_id, keys.STATUS, outcome or status.lower())
         client.set_terminated(run_id, status=status)
     except Exception as exc:

@@ -622,3 +622,15 @@ def test_the_means_of_named_suite_entries_are_noted(mlflow_uri):
         "named suite entries' means: ci_probe/mean 0.2500, fewshot_small/mean/10shot 0.1250; the columns show the "
         "unnamed entries' (fewshot/, finetune/, vtab/)"
     ) in run.notes
+
+
+def test_a_run_whose_every_eval_failed_is_not_called_unevaluated(mlflow_uri):
+    """Its checkpoints were evaluated, and every eval failed: the note said "no checkpoint evaluated yet"."""
+    run_id = create_run(mlflow_uri, "failing-evals", "r", {}, run_tags("local_demo", "vit_tiny_debug", 2))
+    client = _client(mlflow_uri)
+    client.log_metric(run_id, keys.LOSS, 2.0, step=30)
+    for step in (0, 30):
+        client.log_metric(run_id, keys.eval_failed("local_fewshot"), 1.0, step=step)
+    (run,) = collect(client, mlflow_uri, run_ids=(run_id,)).runs
+    said = "no eval metrics logged (every eval failed: eval_failed/local_fewshot; see the run's eval_failures/)"
+    assert said in run.notes, run.notes

@@ -233,8 +233,11 @@ def test_job_run_is_created_once_continued_on_relaunch_and_finished(store, tmp_p
     run_id = open_job_run(run_dir, uri, "jobs", config, tags, {"world_size": 2})
     assert open_job_run(run_dir, uri, "jobs", config, tags, {"world_size": 2}) == run_id
     assert f"continuing MLflow run {run_id}" in capsys.readouterr().out
-    finish_run(uri, run_id, "FINISHED")
+    finish_run(uri, run_id, "FAILED")
+    _client(uri).set_tag(run_id, keys.FAILURE, "checkpoint step_00000080 was not saved")  # as the failed job's end
+    finish_run(uri, run_id, "FINISHED")  # the relaunch finished the run: the earlier job's failure is no longer why
     run = _client(uri).get_run(run_id)
+    assert keys.FAILURE not in run.data.tags
     assert run.info.run_name == "demo-1" and run.info.status == "FINISHED"
     assert run.data.params == {"model.name": "vit_tiny_debug", "logging.log_every": "1", keys.RUN_ID_PARAM: run_id}
     assert run.data.tags[keys.STATUS] == "finished" and run.data.tags[keys.RUN_DIR] == str(run_dir)
