@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
-import json
 import os
 import shutil
 import time
@@ -32,15 +30,14 @@ from pretrain.checkpoint.safe_load import check_weights_only, load_weights_only
 from pretrain.checkpoint.writes import CheckpointSaveError, SaveAttempt, failure_message
 from pretrain.config.ds_config import batch_plan
 from pretrain.config.optim import build_schedule
-from pretrain.config.train_config import TrainConfig, check_model
-from pretrain.model.vit import VisionTransformer, ViTConfig
+from pretrain.config.train_config import TrainConfig
+from pretrain.model.vit import VisionTransformer
+from pretrain.resumable import DROP_RESUME_FROM, NEW_RUN, check_resumable, saved_setting
 from pretrain.weights import source as weights_source
 from pretrain.weights.formats import (
-    architecture_differences,
     check_init_architecture,
     load_npz,
     load_pretrained,
-    recorded_config,
     save_pretrained,
 )
 from tracking.store import flatten_config
@@ -64,12 +61,12 @@ def find_start(config: TrainConfig) -> StartPoint:
     or scratch."""
     latest = newest_verified(Path(config.checkpoint.dir))
     if latest is not None:
-        _check_resumable(config, latest, f"the run folder's newest checkpoint {latest}", _NEW_RUN)
+        check_resumable(config, latest, f"the run folder's newest checkpoint {latest}", NEW_RUN)
         return StartPoint("run", latest)
     c = config.checkpoint
     if c.resume_from is not None:
         folder = run_folder.require_complete(Path(c.resume_from), "checkpoint.resume_from")
-        _check_resumable(config, folder, f"checkpoint.resume_from={c.resume_from}", _DROP_RESUME_FROM)
+        check_resumable(config, folder, f"checkpoint.resume_from={c.resume_from}", DROP_RESUME_FROM)
         return StartPoint("resume_from", _intact(folder, "checkpoint.resume_from"))
     if c.init_from is not None:
         if is_remote(c.init_from):
@@ -90,7 +87,7 @@ def nothing_to_train(config: TrainConfig) -> str | None:
     if found is None:
         return None
     folder, named, fix = found
-    _check_resumable(config, folder, named, fix)
+    check_resumable(config, folder, named, fix)
     try:
         step = run_folder.open_checkpoint(folder).step
     except ValueError:  # a damaged trainer state: the start skips this checkpoint, or says why it cannot
@@ -127,108 +124,15 @@ def _resume_candidate(config: TrainConfig) -> tuple[Path, str, str] | None:
     c = config.checkpoint
     newest = run_folder.latest_checkpoint(c.dir)
     if newest is not None:
-        return newest, f"the run folder's newest checkpoint {newest}", _NEW_RUN
+        return newest, f"the run folder's newest checkpoint {newest}", NEW_RUN
     if c.resume_from is not None and run_folder.is_complete(c.resume_from):
-        return Path(c.resume_from), f"checkpoint.resume_from={c.resume_from}", _DROP_RESUME_FROM
+        return Path(c.resume_from), f"checkpoint.resume_from={c.resume_from}", DROP_RESUME_FROM
     return None
-
-
-_NEW_RUN = "set another checkpoint.dir to train a new run"
-_DROP_RESUME_FROM = "drop checkpoint.resume_from"
 
 
 def _saved_total(folder: Path) -> Any:
     """The ``schedule.total`` the checkpoint was saved under, or None if unreadable."""
-    return _saved_setting(folder, "schedule", "total")
-
-
-def _saved_setting(folder: Path, section: str, key: str) -> Any:
-    """The checkpoint's recipe setting ``section.key``, or None if unreadable."""
-    try:
-        return yaml.safe_load((folder / CONFIG_YAML).read_text())[section][key]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return None
-
-
-def _check_resumable(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
-    """ValueError if the engine the recipe builds cannot load the checkpoint a resume would load: another model, a
-    ZeRO stage whose files another stage cannot read, another precision. DeepSpeed would fail mid-load."""
-    _check_same_model(config, folder, named, fix)
-    _check_zero_stage(config, folder, named, fix)
-    _check_precision(config, folder, named, fix)
-
-
-def _check_same_model(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
-    """ValueError if the checkpoint a resume would load holds another architecture than the recipe's model: its
-    engine state cannot load (DeepSpeed's size mismatches). An unreadable ``model.json`` is left to the start."""
-    saved = recorded_config(folder)
-    if saved is None:
-        return
-    differ = architecture_differences(saved, check_model(config))
-    if differ:
-        raise ValueError(
-            f"{named} holds another model than model.name={config.model.name} builds ({'; '.join(differ)}): a "
-            f"resume cannot load it; set the model back to the checkpoint's ({_model_settings(config, folder, saved)}"
-            f"), or {fix}"
-        )
-
-
-def _model_settings(config: TrainConfig, folder: Path, saved: ViTConfig) -> str:
-    """The recipe settings that build the checkpoint's ``saved`` architecture again (``model.pool=token``), else
-    "its architecture"."""
-    sets: dict[str, Any] = {}
-    name = _saved_setting(folder, "model", "name")
-    if isinstance(name, str) and name != config.model.name:
-        sets["model.name"] = name
-    model = dataclasses.replace(config.model, name=sets.get("model.name", config.model.name))
-    try:
-        want = check_model(dataclasses.replace(config, model=model))
-    except ValueError:  # a saved model.name this version lacks
-        return f"model.name={sets['model.name']}" if sets else "its architecture"
-    if want.pool != saved.pool:
-        sets["model.pool"] = saved.pool
-        want = dataclasses.replace(want, pool=saved.pool)
-    if not sets or architecture_differences(saved, want):
-        return "its architecture"
-    return ", ".join(f"{key}={value}" for key, value in sets.items())
-
-
-# ZeRO stages whose engine files each other's engine loads: 1 and 2 write the same partitioned optimizer state
-_STAGES_THAT_LOAD_EACH_OTHER = ({1, 2},)
-
-
-def _check_zero_stage(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
-    """ValueError if the checkpoint was saved at a ZeRO stage whose engine files the recipe's stage cannot read
-    (0 or 3 on either side: DeepSpeed fails mid-load); 1 <-> 2 loads."""
-    saved, now = _saved_setting(folder, "deepspeed", "zero_stage"), config.deepspeed.zero_stage
-    if not isinstance(saved, int) or saved == now or any({saved, now} <= s for s in _STAGES_THAT_LOAD_EACH_OTHER):
-        return
-    raise ValueError(
-        f"{named} was saved at deepspeed.zero_stage={saved}, whose engine state ZeRO-{now} cannot load; set "
-        f"deepspeed.zero_stage={saved} to resume it, or {fix}"
-    )
-
-
-def _check_precision(config: TrainConfig, folder: Path, named: str, fix: str) -> None:
-    """ValueError if the recipe asks for another precision than the checkpoint trained in: DeepSpeed's fp32 and bf16
-    engines write different files (``auto`` and ``probe`` keep the checkpoint's)."""
-    requested, kept = config.deepspeed.precision, _saved_precision(folder)
-    if requested not in ("fp32", "bf16") or kept not in ("fp32", "bf16") or requested == kept:
-        return
-    raise ValueError(
-        f"{named} was trained in {kept}, and a {requested} engine cannot load its state; set "
-        f"deepspeed.precision={kept} (or auto) to resume it, or {fix}"
-    )
-
-
-def _saved_precision(folder: Path) -> Any:
-    """The precision the checkpoint trained in: its trainer state's, else its recipe's fp32 or bf16 (a checkpoint
-    written before trainer states recorded it); None if unknown."""
-    try:
-        kept = json.loads((folder / run_folder.TRAINER_STATE).read_text()).get("precision")
-    except (OSError, ValueError, AttributeError):
-        kept = None
-    return kept if kept is not None else _saved_setting(folder, "deepspeed", "precision")
+    return saved_setting(folder, "schedule", "total")
 
 
 def _fetched(url: str) -> Path:
@@ -579,7 +483,7 @@ def resume(
         print(f"resumed from {start.folder} at step {state.step} ({start.kind})", flush=True)
         if state.world_size != world_size:
             # the saved run's micro-batch: the one in force now may not split the batch at the old world size
-            saved = _saved_setting(start.folder, "data", "micro_batch_size")
+            saved = saved_setting(start.folder, "data", "micro_batch_size")
             per_step, G = state.world_size * saved if isinstance(saved, int) else 0, config.data.global_batch_size
             before = f"{G // per_step} -> " if per_step > 0 and G % per_step == 0 else ""
             after = batch_plan(config.data, world_size).grad_accum_steps

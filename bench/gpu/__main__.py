@@ -34,6 +34,21 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _check_train_set(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--train-set: KEY=VALUE overrides the recipe takes, model.name left as it is; parser.error otherwise."""
+    if bad := [s for s in args.train_set if "=" not in s]:
+        parser.error(f"--train-set {bad[0]!r} is not KEY=VALUE (e.g. --train-set model.compile=true)")
+    if model := [s for s in args.train_set if s.partition("=")[0].strip() == "model.name"]:
+        parser.error(  # its keys are H/14's (train_path_mfu_vit_h14), and `cluster.calibrate` files them so
+            f"--train-set {model[0]!r}: the train part measures the vit_h14_i21k recipe, whose keys calibrate "
+            "ViT-H/14; leave model.name as it is (the step part measures other models: --models)"
+        )
+    try:  # a key or value the recipe refuses: now, not after the other parts' minutes of device time
+        TrainSpec(data="shards", run_root="runs", smoke=args.smoke, more=tuple(args.train_set)).config(Path("run"))
+    except ValueError as error:
+        parser.error(f"--train-set: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -71,17 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = 0 if args.smoke else TrainSpec.warmup_steps  # the timed steps come after these (smoke: none)
     if args.train_steps is not None and args.train_steps < warmup + 2:
         parser.error(f"--train-steps must be at least {warmup + 2}: {warmup} warm-up steps, then two timed ones")
-    if bad := [s for s in args.train_set if "=" not in s]:
-        parser.error(f"--train-set {bad[0]!r} is not KEY=VALUE (e.g. --train-set model.compile=true)")
-    if model := [s for s in args.train_set if s.partition("=")[0].strip() == "model.name"]:
-        parser.error(  # its keys are H/14's (train_path_mfu_vit_h14), and `cluster.calibrate` files them so
-            f"--train-set {model[0]!r}: the train part measures the vit_h14_i21k recipe, whose keys calibrate "
-            "ViT-H/14; leave model.name as it is (the step part measures other models: --models)"
-        )
-    try:  # a key or value the recipe refuses: now, not after the other parts' minutes of device time
-        TrainSpec(data="shards", run_root="runs", smoke=args.smoke, more=tuple(args.train_set)).config(Path("run"))
-    except ValueError as error:
-        parser.error(f"--train-set: {error}")
+    _check_train_set(parser, args)
     if args.work_dir is not None:
         try:
             output_folder(args.work_dir, "--work-dir")
