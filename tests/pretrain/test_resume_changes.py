@@ -24,6 +24,7 @@ from pretrain.checkpoint import run_folder
 from pretrain.checkpointer import find_start, nothing_to_train
 from pretrain.config.train_config import load_config
 from pretrain.train import main as train_main
+from tests.pretrain.test_command_ends import _tiny
 
 pytestmark = [pytest.mark.slow]
 
@@ -32,20 +33,7 @@ PROG = "python -m pretrain.train: error: "
 
 
 def _sets(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        f"data.train={shards}",
-        "data.builtin=null",
-        "data.global_batch_size=8",
-        "data.micro_batch_size=8",
-        "data.streams=4",
-        "schedule.total=4",
-        "schedule.warmup=1",
-        "checkpoint.every_steps=2",
-        f"checkpoint.dir={run_dir}",
-        "logging.progress_bar=false",
-        "evals.suite=null",
-        *overrides,
-    ]
+    return _tiny(shards, run_dir, "schedule.total=4", "checkpoint.every_steps=2", *overrides)
 
 
 def _trained(root: Path, shards: Path, precision: str) -> Path:
