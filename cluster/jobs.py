@@ -36,10 +36,19 @@ PLAN_ENV = "VITSCALE_PLAN"  # = cluster.driver.job.PLAN_ENV (a slow import): the
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 60.0
 FOLLOW_LOST_S = 60.0  # `follow` gives up on a Jobs API silent this long
+# `stop` waits this long for each stopped job to end before it stops the local head: the job's driver marks its MLflow
+# run KILLED on the way out, and the head's end in between left the run RUNNING, tagged killed. Said after SAY_WAIT_S.
+STOP_WAIT_S = 30.0
+SAY_WAIT_S = 3.0
 
 
 class RayUnreachableError(RuntimeError):
     """The profile's Ray cluster does not answer; the message says how to start it."""
+
+
+class JobStoppedError(RayUnreachableError):
+    """The Jobs API went away because `make stop` stopped the local head (its head.json gone): the job was stopped on
+    purpose, not lost."""
 
 
 class JobRefusedError(RuntimeError):
@@ -226,8 +235,10 @@ def _refused(client: JobSubmissionClient, request: dict, exc: Exception) -> JobR
 
 def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = FOLLOW_LOST_S) -> str:
     """Stream a job's logs to `out` (stdout) until it ends; return its final status. RayUnreachableError once the
-    Jobs API has not answered for ``lost_s``."""
+    Jobs API has not answered for ``lost_s``; JobStoppedError as soon as it does not answer because its local head
+    was stopped (`make stop`: its head.json gone)."""
     out = out or sys.stdout
+    local = local_profile_at(client.get_address())
 
     async def _tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
@@ -245,6 +256,11 @@ def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = F
         except (OSError, RuntimeError) as exc:  # requests' ConnectionError is an OSError
             if silent_since is None:
                 silent_since = time.monotonic()
+            if local is not None and local_head.read_state(local) is None:  # stop_head removes it last
+                raise JobStoppedError(
+                    f"job {job_id} was stopped, and the local Ray head at {client.get_address()} with it (`make "
+                    "stop`); launching the same run name again resumes the run"
+                ) from None
             if time.monotonic() - silent_since >= lost_s:
                 raise RayUnreachableError(
                     f"lost the Ray Jobs API at {client.get_address()} while following job {job_id}: no answer for "
@@ -259,6 +275,19 @@ def follow(client: JobSubmissionClient, job_id: str, out=None, lost_s: float = F
             silent_since = None
         time.sleep(min(wait_s, lost_s))
         wait_s = min(2.0, wait_s * 2)
+
+
+def local_profile_at(address: str) -> ClusterProfile | None:
+    """The `local` profile (cluster/profiles/) whose running head, as its head.json has it, serves the Jobs API at
+    ``address``; None for any other address."""
+    for name in profile_names():
+        try:
+            profile = load_profile(name)
+        except ValueError:
+            continue
+        if profile.is_local and (head := local_head.read_state(profile)) and head.dashboard_url == address.rstrip("/"):
+            return profile
+    return None
 
 
 def _failed_before_running(client: JobSubmissionClient, job_id: str) -> str:
@@ -371,6 +400,7 @@ def _stop(profile: ClusterProfile) -> int:
         else:
             print(f"nothing to stop: no Ray head of this project is running for profile {profile.name}")
         return 0
+    client, running = None, []
     try:
         client = connect(profile)
     except RayUnreachableError as exc:
@@ -391,11 +421,40 @@ def _stop(profile: ClusterProfile) -> int:
     if profile.is_local:
         state = local_head.read_state(profile)
         if state is not None and state.started_by_us:
+            if client is not None:
+                await_ends(client, running)
             pids = local_head.stop_head(profile)
             print(f"stopped the local Ray head ({len(pids)} processes under {profile.ray.temp_dir})")
             for line in undelivered_runs(profile):
                 print(line)
     return 0
+
+
+def await_ends(
+    client: JobSubmissionClient, job_ids: list[str], wait_s: float = STOP_WAIT_S, say_after_s: float = SAY_WAIT_S
+) -> None:
+    """Wait up to ``wait_s`` in all until each job of ``job_ids`` is terminal (STOPPED, FAILED, SUCCEEDED): its
+    driver's own shutdown done before the head it needs goes. One line where the wait outlasts ``say_after_s``, one
+    where a job outlasts ``wait_s`` (the head is stopped anyway)."""
+    deadline = time.monotonic() + wait_s
+    say_at = time.monotonic() + say_after_s
+    for job_id in job_ids:
+        said, status = False, None
+        while True:
+            try:
+                status = client.get_job_status(job_id)
+            except (OSError, RuntimeError):  # no answer this time: asked again until the deadline
+                status = None
+            if status is not None and status.is_terminal():
+                break
+            if time.monotonic() >= deadline:
+                state = status.value if status is not None else "not answering"
+                print(f"job {job_id} still {state} after {wait_s:g} s; stopping the local Ray head anyway", flush=True)
+                break
+            if not said and time.monotonic() >= say_at:
+                print(f"waiting up to {wait_s:g} s for job {job_id} to end its shutdown", flush=True)
+                said = True
+            time.sleep(0.25)
 
 
 def undelivered_runs(profile: ClusterProfile) -> list[str]:

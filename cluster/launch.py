@@ -132,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         return interrupted(
             parser.prog, f"stopped following; job {job_id} keeps running (`make stop CLUSTER={profile.name}` stops it)"
         )
+    except jobs.JobStoppedError as exc:  # `make stop`: no error, the same end as a job that says STOPPED
+        print(f"job {job_id}: STOPPED ({exc})")
+        return 1
     except jobs.RayUnreachableError as exc:
         return fail(parser.prog, f"{exc}" + ("" if profile.is_local else f" (CLUSTER={profile.name})"), status=1)
     print(f"job {job_id}: {status}")
-    if profile.is_local:
+    if profile.is_local and status != "STOPPED":  # a stop is `make stop`'s, which stops the head too
         print(
             f"the local Ray head keeps running for the next launch; `make stop` stops it "
             f"(MLflow: `make ui`, store {config.logging.mlflow_tracking_uri})"
