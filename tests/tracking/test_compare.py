@@ -232,7 +232,8 @@ def test_crashed_run_and_run_without_evals_are_noted(store, tmp_path):
     assert "VTAB at step 8 scored no task: the VTAB column is step 4's" in runs["named"].notes
     notes = {name: run.notes for name, run in runs.items()}
     assert not any("no eval metrics" in n for n in notes["named"])
-    assert "no eval metrics logged (no checkpoint evaluated yet)" in notes["no-evals"]
+    failed = "no eval metrics logged (every eval failed: eval_failed/s; see the run's eval_failures/)"
+    assert failed in notes["no-evals"]  # its checkpoints were evaluated: "no checkpoint evaluated yet" before
     out = tmp_path / "reports"
     ids = ",".join([crashed, running, bare, died, only0])
     assert main(["--runs", ids, "--tracking-uri", uri, "--out", str(out), "--name", "m"]) == 0
@@ -631,6 +632,9 @@ def test_a_run_whose_every_eval_failed_is_not_called_unevaluated(mlflow_uri):
     client.log_metric(run_id, keys.LOSS, 2.0, step=30)
     for step in (0, 30):
         client.log_metric(run_id, keys.eval_failed("local_fewshot"), 1.0, step=step)
-    (run,) = collect(client, mlflow_uri, run_ids=(run_id,)).runs
+    unevaluated = create_run(mlflow_uri, "failing-evals", "u", {}, run_tags("local_demo", "vit_tiny_debug", 2))
+    client.log_metric(unevaluated, keys.LOSS, 2.0, step=30)
+    run, later = collect(client, mlflow_uri, run_ids=(run_id, unevaluated)).runs
     said = "no eval metrics logged (every eval failed: eval_failed/local_fewshot; see the run's eval_failures/)"
     assert said in run.notes, run.notes
+    assert "no eval metrics logged (no checkpoint evaluated yet)" in later.notes, later.notes
