@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from data_pipeline.manifest import check_class_count, check_shards_exist, is_shard_folder, read_dataset_info
+from data_pipeline.manifest import is_shard_folder, read_dataset_info
 from data_pipeline.stream.train_stream import TrainStream
 from pretrain import checkpointer as ckpt
 from pretrain.checkpoint.run_folder import TrainerState
@@ -27,8 +27,9 @@ from pretrain.telemetry.recorder import Recorder
 
 
 def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
-    """(num_classes, epoch size) of the training set, refused where its own files disagree. Ranks never generate it:
-    `pretrain.train` and `cluster.launch` write a built-in set before training starts."""
+    """(num_classes, epoch size) of the training set (a folder that contradicts itself: `TrainConfig.validate` and
+    the stream refuse it). Ranks never generate it: `pretrain.train` and `cluster.launch` write a built-in set before
+    training starts."""
     d = config.data
     if d.builtin is not None and not is_shard_folder(Path(d.train)):
         raise ValueError(
@@ -37,8 +38,6 @@ def prepare_data(config: TrainConfig, place: Placement) -> tuple[int, int]:
             f"--out {Path(d.train).parent.parent}`"
         )
     info = read_dataset_info(d.train)
-    check_class_count(info)
-    check_shards_exist(info)  # before any rank trains: a stream dealt only missing shards reads others' instead
     if config.model.num_classes is not None and info.num_classes > config.model.num_classes:
         raise ValueError(
             f"model.num_classes={config.model.num_classes} but {d.train} has {info.num_classes} classes; set "
